@@ -1,0 +1,33 @@
+/* Shared by the command files: the command entry points and the helpers every
+ * command uses to report errors the same way. */
+#ifndef QT_CLI_H
+#define QT_CLI_H
+
+#include <stdio.h>
+
+int cmd_init(int argc, char **argv);
+int cmd_train(int argc, char **argv);
+int cmd_eval(int argc, char **argv);
+int cmd_generate(int argc, char **argv);
+int cmd_tokenize(int argc, char **argv);
+int cmd_merge(int argc, char **argv);
+int cmd_plan(int argc, char **argv);
+int cmd_doctor(int argc, char **argv);
+
+/* Exit statuses (documented in docs/cli.md). */
+enum {
+    QT_EXIT_OK = 0,
+    QT_EXIT_FAIL = 1,        /* the command failed; the message says why */
+    QT_EXIT_USAGE = 2,       /* bad command line */
+    QT_EXIT_INTERRUPTED = 130, /* SIGINT/SIGTERM: state saved, stopped cleanly */
+};
+
+/* Prints "qtune: error: <last error message>" (plus file:line with
+ * QTUNE_LOG=debug) and returns QT_EXIT_FAIL (or QT_EXIT_INTERRUPTED). */
+int cli_fail(void);
+/* Prints "qtune CMD: <msg>; see `qtune CMD --help`" and returns QT_EXIT_USAGE. */
+int cli_usage_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* True if argv has --help or -h; commands print their help and return 0. */
+int cli_wants_help(int argc, char **argv);
+
+#endif

@@ -1,0 +1,9 @@
+/* qtune generate: placeholder until its issue lands; replaced by the real command. */
+#include "cli/cli.h"
+
+int cmd_generate(int argc, char **argv) {
+    (void)argc;
+    (void)argv;
+    fprintf(stderr, "qtune generate: this command is still under construction in this build\n");
+    return QT_EXIT_FAIL;
+}

@@ -1,0 +1,9 @@
+/* qtune train: placeholder until its issue lands; replaced by the real command. */
+#include "cli/cli.h"
+
+int cmd_train(int argc, char **argv) {
+    (void)argc;
+    (void)argv;
+    fprintf(stderr, "qtune train: this command is still under construction in this build\n");
+    return QT_EXIT_FAIL;
+}

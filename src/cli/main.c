@@ -1,0 +1,54 @@
+/* qtune: the command-line front end. Each command lives in its own file
+ * (cmd_NAME.c) as `int cmd_NAME(int argc, char **argv)` returning the process
+ * exit status; this file only dispatches. The CLI is the one place that
+ * prints errors and exits. */
+#include "cli/cli.h"
+#include "core/log.h"
+#include "qtune_config.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+static const struct {
+    const char *name;
+    int (*run)(int, char **);
+    const char *summary;
+} commands[] = {
+    {"init", cmd_init, "write a randomly initialised model folder from a preset or config"},
+    {"train", cmd_train, "fine-tune a model as a job file says (LoRA or full)"},
+    {"eval", cmd_eval, "mean loss and perplexity of a model on a dataset"},
+    {"generate", cmd_generate, "generate text from a model, optionally with an adapter"},
+    {"tokenize", cmd_tokenize, "encode text to token ids or decode ids to text"},
+    {"merge", cmd_merge, "merge a PEFT LoRA adapter into a model folder"},
+    {"plan", cmd_plan, "memory and hardware plan for a model, strategy and device count"},
+    {"doctor", cmd_doctor, "check this machine and a job file; list known failures and fixes"},
+};
+#define NCOMMANDS (sizeof commands / sizeof commands[0])
+
+static void usage(FILE *out) {
+    fprintf(out, "qtune %s: fine-tune Qwen-family language models\n\n"
+                 "usage: qtune COMMAND [options]   (qtune COMMAND --help for details)\n\ncommands:\n",
+            QTUNE_VERSION);
+    for (size_t i = 0; i < NCOMMANDS; i++) fprintf(out, "  %-9s %s\n", commands[i].name, commands[i].summary);
+    fprintf(out, "\nenvironment: QTUNE_LOG=debug adds file:line to messages; OMP_NUM_THREADS sets threads.\n");
+}
+
+int main(int argc, char **argv) {
+    const char *lvl = getenv("QTUNE_LOG");
+    if (lvl && !strcasecmp(lvl, "debug")) qt_log_set_level(QT_LOG_DEBUG);
+    else if (lvl && !strcasecmp(lvl, "quiet")) qt_log_set_level(QT_LOG_WARN);
+    if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
+        usage(stdout);
+        return argc < 2 ? 2 : 0;
+    }
+    if (!strcmp(argv[1], "--version")) {
+        printf("qtune %s\n", QTUNE_VERSION);
+        return 0;
+    }
+    for (size_t i = 0; i < NCOMMANDS; i++)
+        if (!strcmp(argv[1], commands[i].name)) return commands[i].run(argc - 1, argv + 1);
+    fprintf(stderr, "qtune: error: unknown command '%s'; run `qtune --help` for the list\n", argv[1]);
+    return 2;
+}

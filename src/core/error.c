@@ -1,0 +1,66 @@
+#include "core/error.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+static _Thread_local char err_msg[2048];
+static _Thread_local char err_where[256];
+static _Thread_local int err_code;
+
+int qt_error_at(int code, const char *file, int line, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err_msg, sizeof err_msg, fmt, ap);
+    va_end(ap);
+    const char *base = strrchr(file, '/');
+    snprintf(err_where, sizeof err_where, "%s:%d", base ? base + 1 : file, line);
+    err_code = code;
+    return code;
+}
+
+int qt_error_context(int code, const char *fmt, ...) {
+    char prefix[1024], old[sizeof err_msg];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(prefix, sizeof prefix, fmt, ap);
+    va_end(ap);
+    memcpy(old, err_msg, sizeof old);
+    /* truncation is fine: a long context is still the same sentence, cut */
+    size_t n = strlen(prefix);
+    if (n > sizeof err_msg - 3) n = sizeof err_msg - 3;
+    memcpy(err_msg, prefix, n);
+    memcpy(err_msg + n, ": ", 2);
+    size_t rest = sizeof err_msg - n - 3;
+    size_t m = strlen(old);
+    if (m > rest) m = rest;
+    memcpy(err_msg + n + 2, old, m);
+    err_msg[n + 2 + m] = 0;
+    if (err_code == QT_OK) err_code = code;
+    return code;
+}
+
+const char *qt_error_message(void) { return err_msg; }
+const char *qt_error_where(void) { return err_where; }
+int qt_error_code(void) { return err_code; }
+
+void qt_error_clear(void) {
+    err_msg[0] = 0;
+    err_where[0] = 0;
+    err_code = QT_OK;
+}
+
+const char *qt_error_name(int code) {
+    switch (code) {
+    case QT_OK: return "ok";
+    case QT_EINVAL: return "invalid input";
+    case QT_EIO: return "I/O error";
+    case QT_ENOMEM: return "out of memory";
+    case QT_EFORMAT: return "malformed file";
+    case QT_EUNSUPPORTED: return "unsupported";
+    case QT_EINTERRUPTED: return "interrupted";
+    case QT_ENUMERIC: return "numerical fault";
+    case QT_EDIST: return "distributed failure";
+    default: return "error";
+    }
+}

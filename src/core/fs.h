@@ -1,0 +1,44 @@
+/* Files and folders. Everything qtune writes that a user keeps (models,
+ * adapters, checkpoints, caches) goes through qt_atomic_*: written under a
+ * temporary name in the same folder, fsync'd, then renamed, so an interrupted
+ * or failed write never replaces a good file. */
+#ifndef QT_CORE_FS_H
+#define QT_CORE_FS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+/* Reads a whole file into a NUL-terminated buffer (qt_free it). Refuses files
+ * larger than max_bytes with an error that names the file. */
+int qt_read_file(const char *path, size_t max_bytes, char **out, size_t *len);
+
+/* Atomic single-file write: `path.tmp.PID` then rename. */
+typedef struct {
+    FILE *f;
+    char *path;
+    char *tmp;
+} qt_atomic_file;
+int qt_atomic_open(qt_atomic_file *af, const char *path);
+int qt_atomic_write(qt_atomic_file *af, const void *buf, size_t n);
+int qt_atomic_commit(qt_atomic_file *af); /* flush, fsync, rename; always releases */
+void qt_atomic_abort(qt_atomic_file *af); /* remove the temporary; always releases */
+int qt_write_file_atomic(const char *path, const void *buf, size_t n);
+
+int qt_mkdir_p(const char *path);
+int qt_rm_rf(const char *path);
+int qt_path_exists(const char *path);
+int qt_is_dir(const char *path);
+int qt_fsync_dir(const char *dir);
+/* Joins dir and name into out (size cap); QT_EINVAL if it does not fit. */
+int qt_path_join(char *out, size_t cap, const char *dir, const char *name);
+/* Folder part of a path ("." when none). */
+void qt_path_dirname(char *out, size_t cap, const char *path);
+int qt_copy_file(const char *src, const char *dst);
+/* Free bytes on the filesystem holding path, or -1. */
+int64_t qt_free_disk_bytes(const char *path);
+
+/* FNV-1a 64-bit, for cache keys and quick content hashes (not cryptographic). */
+uint64_t qt_hash64(const void *data, size_t n, uint64_t seed);
+
+#endif

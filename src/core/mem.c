@@ -1,0 +1,51 @@
+#include "core/mem.h"
+#include "core/error.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void *oom(size_t n, const char *what, const char *file, int line) {
+    qt_error_at(QT_ENOMEM, file, line,
+                "could not allocate %.1f MiB for %s; free memory, lower the micro-batch or seq_len, "
+                "or turn on gradient_checkpointing (see `qtune plan`)",
+                (double)n / (1 << 20), what);
+    return NULL;
+}
+
+void *qt_malloc_at(size_t n, const char *what, const char *file, int line) {
+    void *p = malloc(n ? n : 1);
+    return p ? p : oom(n, what, file, line);
+}
+
+void *qt_calloc_at(size_t count, size_t size, const char *what, const char *file, int line) {
+    size_t n;
+    if (!qt_mul_ok(count, size, &n)) return oom(SIZE_MAX, what, file, line);
+    void *p = calloc(count ? count : 1, size ? size : 1);
+    return p ? p : oom(n, what, file, line);
+}
+
+void *qt_realloc_at(void *p, size_t n, const char *what, const char *file, int line) {
+    void *q = realloc(p, n ? n : 1);
+    return q ? q : oom(n, what, file, line);
+}
+
+void *qt_alloc_aligned_at(size_t n, const char *what, const char *file, int line) {
+    size_t rounded = (n + 63) & ~(size_t)63;
+    if (rounded < n) return oom(n, what, file, line);
+    void *p = aligned_alloc(64, rounded ? rounded : 64);
+    return p ? p : oom(n, what, file, line);
+}
+
+void qt_free(void *p) { free(p); }
+
+char *qt_strdup(const char *s) {
+    size_t n = strlen(s) + 1;
+    char *d = qt_malloc(n, "a string");
+    if (d) memcpy(d, s, n);
+    return d;
+}
+
+int qt_mul_ok(size_t a, size_t b, size_t *out) {
+    return !__builtin_mul_overflow(a, b, out);
+}

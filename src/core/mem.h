@@ -1,0 +1,25 @@
+/* Checked allocation. Every allocation names what it is for, so running out
+ * of memory tells the user which buffer and how big, and what to try. */
+#ifndef QT_CORE_MEM_H
+#define QT_CORE_MEM_H
+
+#include <stddef.h>
+
+void *qt_malloc_at(size_t n, const char *what, const char *file, int line);
+void *qt_calloc_at(size_t count, size_t size, const char *what, const char *file, int line);
+void *qt_realloc_at(void *p, size_t n, const char *what, const char *file, int line);
+/* 64-byte aligned (cache line, AVX-512); release with qt_free. */
+void *qt_alloc_aligned_at(size_t n, const char *what, const char *file, int line);
+void qt_free(void *p);
+char *qt_strdup(const char *s); /* NULL (with error set) on failure */
+
+#define qt_malloc(n, what) qt_malloc_at((n), (what), __FILE__, __LINE__)
+#define qt_calloc(c, s, what) qt_calloc_at((c), (s), (what), __FILE__, __LINE__)
+#define qt_realloc(p, n, what) qt_realloc_at((p), (n), (what), __FILE__, __LINE__)
+#define qt_alloc_aligned(n, what) qt_alloc_aligned_at((n), (what), __FILE__, __LINE__)
+
+/* Multiplies sizes, failing on overflow: lengths from files must pass here
+ * before they size an allocation. Returns 0 on overflow. */
+int qt_mul_ok(size_t a, size_t b, size_t *out);
+
+#endif

@@ -1,0 +1,55 @@
+/* safetensors: read over mmap (one file, or the shards a
+ * model.safetensors.index.json lists) and write atomically.
+ *
+ * File layout: u64 little-endian header length N, N bytes of JSON
+ * {"name": {"dtype": "F32"|"F16"|"BF16", "shape": [...], "data_offsets": [a, b]},
+ *  "__metadata__": {str: str}}, then the data; offsets are relative to the end
+ * of the header. Every field is validated before use (see st_open). */
+#ifndef QT_IO_SAFETENSORS_H
+#define QT_IO_SAFETENSORS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/dtype.h"
+
+#define ST_MAX_DIMS 8
+
+typedef struct {
+    char *name;
+    qt_dtype dtype;
+    int ndim;
+    int64_t shape[ST_MAX_DIMS];
+    size_t numel;
+    size_t nbytes;
+    const void *data; /* points into the mapping: read-only, valid until st_close */
+    int shard;        /* which file it came from */
+} st_tensor;
+
+typedef struct st_file st_file; /* one model's tensors, over one or more mapped files */
+
+/* Opens path: a .safetensors file, or a folder holding model.safetensors or
+ * model.safetensors.index.json (shard paths must stay inside the folder). */
+int st_open(const char *path, st_file **out);
+void st_close(st_file *f);
+int st_count(const st_file *f);
+const st_tensor *st_at(const st_file *f, int i);
+const st_tensor *st_find(const st_file *f, const char *name); /* NULL if absent */
+/* Finds name and checks its shape; a clear error names the tensor, the file
+ * and both shapes when it differs. */
+int st_expect(const st_file *f, const char *name, int ndim, const int64_t *shape, const st_tensor **out);
+/* Copies a tensor into dst as f32 (any stored dtype). */
+int st_read_f32(const st_tensor *t, float *dst);
+
+/* Writing: collect tensors (data is copied at st_writer_write time from the
+ * pointers given, which must stay valid until then), then write atomically. */
+typedef struct st_writer st_writer;
+int st_writer_new(st_writer **out);
+/* data is in src_dtype; it is stored as dtype (converted when they differ). */
+int st_writer_add(st_writer *w, const char *name, qt_dtype dtype, int ndim, const int64_t *shape,
+                  const void *data, qt_dtype src_dtype);
+int st_writer_set_metadata(st_writer *w, const char *key, const char *value);
+int st_writer_write(st_writer *w, const char *path); /* tensors sorted by name, atomic */
+void st_writer_free(st_writer *w);
+
+#endif

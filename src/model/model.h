@@ -1,0 +1,79 @@
+/* The Qwen2-family model as the trainer sees it.
+ *
+ * Trainable parameters live in ONE flat fp32 block (the master weights), with
+ * a same-sized fp32 gradient block; a table of qt_param names each tensor's
+ * place in it, with its Hugging Face (or PEFT) name. For full fine-tuning that
+ * is every weight; for LoRA it is only the A/B matrices, and the frozen base
+ * stays in its own block (memory-mapped or in the compute dtype) with no
+ * gradient buffer. The optimizer, clipping, ZeRO sharding and checkpoints all
+ * work on the flat block by element ranges, so none of them knows the graph.
+ *
+ * Dimension letters: B batch, T sequence, C hidden, H heads, KV kv heads,
+ * D head dim, I intermediate, V vocab, L layers, R lora rank. */
+#ifndef QT_MODEL_MODEL_H
+#define QT_MODEL_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/dtype.h"
+#include "data/batch.h"
+#include "io/hf_config.h"
+
+typedef struct {
+    char name[160];     /* e.g. model.layers.0.self_attn.q_proj.weight, or
+                           base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight */
+    int ndim;
+    int64_t shape[2];
+    size_t offset;      /* element offset into the flat trainable block */
+    size_t numel;
+    int decay;          /* weight decay applies: 2-D weight matrices only (HF Trainer grouping) */
+} qt_param;
+
+/* LoRA target modules, PEFT names. */
+enum {
+    QT_LORA_Q = 1 << 0, QT_LORA_K = 1 << 1, QT_LORA_V = 1 << 2, QT_LORA_O = 1 << 3,
+    QT_LORA_GATE = 1 << 4, QT_LORA_UP = 1 << 5, QT_LORA_DOWN = 1 << 6,
+};
+
+typedef struct {
+    qt_dtype compute;     /* f32, f16 (stored half, computed f32) or bf16 */
+    int lora;             /* 0: full fine-tuning; 1: LoRA */
+    int lora_r;
+    float lora_alpha;
+    float lora_dropout;
+    unsigned lora_targets; /* QT_LORA_* mask */
+    int use_rslora;        /* scaling alpha/sqrt(r) instead of alpha/r */
+    int grad_checkpointing; /* keep only each layer's input; recompute in backward */
+    int max_B, max_T;      /* largest micro-batch: activations are sized for it once */
+    uint64_t seed;         /* LoRA A init, dropout masks */
+} qt_model_opts;
+
+typedef struct qt_model qt_model;
+
+/* Loads a model folder (config.json + safetensors). For inference only
+ * (eval/generate), pass opts with lora = 0 and train = 0 via qt_model_load_infer. */
+int qt_model_load(const char *dir, const qt_model_opts *opts, qt_model **out);
+void qt_model_free(qt_model *m);
+const qt_config *qt_model_config(const qt_model *m);
+
+/* The trainable block and its table. */
+size_t qt_model_numel(const qt_model *m);
+float *qt_model_master(qt_model *m);   /* fp32 master weights (trainable) */
+float *qt_model_grads(qt_model *m);    /* fp32 gradients; callers zero them */
+const qt_param *qt_model_params(const qt_model *m, int *n);
+/* After the optimizer changed the master block: refresh any compute-dtype copy. */
+void qt_model_weights_updated(qt_model *m);
+
+/* Forward only: sum of the cross-entropy over labelled targets (nats) and
+ * their count. Per-position log-probabilities of the targets go to logp
+ * (B*T floats, 0 where unlabelled) when it is not NULL. */
+int qt_model_forward(qt_model *m, const qt_batch *b, double *loss_sum, int64_t *n_tokens, float *logp);
+/* Forward and backward: gradients of (sum of token losses) * grad_scale are
+ * ADDED into the gradient block (accumulation across micro-batches). For the
+ * token-weighted mean over a global batch of N labelled tokens with loss
+ * scale S, pass grad_scale = S / N. */
+int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, double *loss_sum,
+                              int64_t *n_tokens);
+
+#endif

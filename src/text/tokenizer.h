@@ -1,0 +1,30 @@
+/* Byte-level BPE as Hugging Face tokenizers runs it from tokenizer.json:
+ * added/special tokens matched first, NFC normalisation (utf8proc), the Split
+ * pre-tokenizer regex (PCRE2, UTF + UCP, the pattern exactly as the file has
+ * it), the ByteLevel byte->unicode mapping, merges by rank, and the ByteLevel
+ * decoder. */
+#ifndef QT_TEXT_TOKENIZER_H
+#define QT_TEXT_TOKENIZER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct bpe_tokenizer bpe_tokenizer;
+
+/* path: a tokenizer.json, or a model folder that holds one. */
+int bpe_load(const char *path, bpe_tokenizer **out);
+void bpe_free(bpe_tokenizer *t);
+
+/* Appends the ids of text[0..len) to *ids (growing *cap with qt_realloc).
+ * Special tokens written inside the text are matched, as HF does by default. */
+int bpe_encode(const bpe_tokenizer *t, const char *text, size_t len, int32_t **ids, size_t *n, size_t *cap);
+/* Decodes ids into a NUL-terminated string (qt_free it). Invalid UTF-8 that the
+ * bytes form is replaced with U+FFFD, as HF's decoder does. */
+int bpe_decode(const bpe_tokenizer *t, const int32_t *ids, size_t n, char **out, size_t *len);
+/* id of a token string (e.g. "<|im_end|>"), or -1. */
+int32_t bpe_token_id(const bpe_tokenizer *t, const char *token);
+const char *bpe_id_token(const bpe_tokenizer *t, int32_t id); /* NULL if out of range */
+int32_t bpe_vocab_size(const bpe_tokenizer *t);  /* highest id + 1, added tokens included */
+uint64_t bpe_hash(const bpe_tokenizer *t);       /* of the tokenizer.json bytes: cache key */
+
+#endif

@@ -1,0 +1,87 @@
+/* core: dtype conversions, checked sizes, atomic files, rng streams. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/mem.h"
+#include "core/rng.h"
+
+static void test_bf16_round_trip(void **state) {
+    (void)state;
+    /* 1 + 2^-8 is exactly between two bf16 values: ties go to even (1.0). */
+    assert_true(qt_bf16_to_f32(qt_f32_to_bf16(1.00390625f)) == 1.0f);
+    assert_true(qt_bf16_to_f32(qt_f32_to_bf16(1.01171875f)) == 1.015625f);
+    assert_true(isnan(qt_bf16_to_f32(qt_f32_to_bf16(NAN))));
+    float src[19], back[19];
+    uint16_t h[19];
+    for (int i = 0; i < 19; i++) src[i] = (float)i * 0.37f - 3.0f;
+    qt_convert_from_f32(h, QT_F16, src, 19);
+    qt_convert_to_f32(back, h, QT_F16, 19);
+    for (int i = 0; i < 19; i++) assert_true(fabsf(back[i] - src[i]) <= 2e-3f);
+    qt_convert_from_f32(h, QT_BF16, src, 19);
+    qt_convert_to_f32(back, h, QT_BF16, 19);
+    for (int i = 0; i < 19; i++) assert_true(fabsf(back[i] - src[i]) <= 2e-2f);
+}
+
+static void test_mul_overflow(void **state) {
+    (void)state;
+    size_t out;
+    assert_true(qt_mul_ok(1000, 1000, &out) && out == 1000000);
+    assert_false(qt_mul_ok(SIZE_MAX / 2, 3, &out));
+}
+
+static void test_atomic_abort_keeps_old(void **state) {
+    (void)state;
+    char dir[] = "/tmp/qtune_core_XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char path[256];
+    assert_int_equal(qt_path_join(path, sizeof path, dir, "f.txt"), QT_OK);
+    assert_int_equal(qt_write_file_atomic(path, "good", 4), QT_OK);
+    qt_atomic_file af;
+    assert_int_equal(qt_atomic_open(&af, path), QT_OK);
+    assert_int_equal(qt_atomic_write(&af, "bad!", 4), QT_OK);
+    qt_atomic_abort(&af);
+    char *buf;
+    size_t n;
+    assert_int_equal(qt_read_file(path, 100, &buf, &n), QT_OK);
+    assert_int_equal(n, 4);
+    assert_memory_equal(buf, "good", 4);
+    qt_free(buf);
+    assert_int_equal(qt_read_file(path, 2, &buf, &n), QT_EFORMAT); /* over the cap */
+    assert_non_null(strstr(qt_error_message(), "f.txt"));
+    assert_int_equal(qt_rm_rf(dir), QT_OK);
+    assert_false(qt_path_exists(dir));
+}
+
+static void test_rng_streams(void **state) {
+    (void)state;
+    qt_rng a, b, c;
+    qt_rng_derive(&a, 42, 1, 7);
+    qt_rng_derive(&b, 42, 1, 7);
+    qt_rng_derive(&c, 42, 2, 7);
+    uint64_t x = qt_rng_u64(&a);
+    assert_true(x == qt_rng_u64(&b));
+    assert_true(x != qt_rng_u64(&c));
+    double sum = 0;
+    for (int i = 0; i < 10000; i++) sum += qt_rng_uniform(&a);
+    assert_true(fabs(sum / 10000 - 0.5) < 0.02);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_bf16_round_trip),
+        cmocka_unit_test(test_mul_overflow),
+        cmocka_unit_test(test_atomic_abort_keeps_old),
+        cmocka_unit_test(test_rng_streams),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
