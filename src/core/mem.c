@@ -1,15 +1,13 @@
 #include "core/mem.h"
 #include "core/error.h"
+#include "core/messages.h"
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 static void *oom(size_t n, const char *what, const char *file, int line) {
-    qt_error_at(QT_ENOMEM, file, line,
-                "could not allocate %.1f MiB for %s; free memory, lower the micro-batch or seq_len, "
-                "or turn on gradient_checkpointing (see `qtune plan`)",
-                (double)n / (1 << 20), what);
+    qt_error_at(QT_ENOMEM, file, line, QT_MSG_OOM_FMT, (double)n / (1 << 20), what);
     return NULL;
 }
 
