@@ -22,7 +22,9 @@ typedef struct {
     int64_t shape[ST_MAX_DIMS];
     size_t numel;
     size_t nbytes;
-    const void *data; /* points into the mapping: read-only, valid until st_close */
+    const void *data; /* points into the mapping: read-only, valid until st_close; aligned to
+                       * the element size only when the file keeps it so (writers pad
+                       * the header to 8 bytes); st_read_f32 copes either way */
     int shard;        /* which file it came from */
 } st_tensor;
 
@@ -40,6 +42,8 @@ const st_tensor *st_find(const st_file *f, const char *name); /* NULL if absent 
 int st_expect(const st_file *f, const char *name, int ndim, const int64_t *shape, const st_tensor **out);
 /* Copies a tensor into dst as f32 (any stored dtype). */
 int st_read_f32(const st_tensor *t, float *dst);
+/* Path of shard i (st_tensor.shard), for messages; "" when out of range. */
+const char *st_shard_path(const st_file *f, int shard);
 
 /* Writing: collect tensors (data is copied at st_writer_write time from the
  * pointers given, which must stay valid until then), then write atomically. */
@@ -48,6 +52,13 @@ int st_writer_new(st_writer **out);
 /* data is in src_dtype; it is stored as dtype (converted when they differ). */
 int st_writer_add(st_writer *w, const char *name, qt_dtype dtype, int ndim, const int64_t *shape,
                   const void *data, qt_dtype src_dtype);
+/* Streaming add: instead of a pointer, a producer that fills dst with the f32
+ * values of elements [offset, offset + n) (called in increasing offset order
+ * during st_writer_write, chunk by chunk), so a tensor larger than memory can
+ * be written. Returns QT_OK or an error code (which aborts the write). */
+typedef int (*st_fill_fn)(void *ctx, float *dst, size_t offset, size_t n);
+int st_writer_add_fn(st_writer *w, const char *name, qt_dtype dtype, int ndim, const int64_t *shape,
+                     st_fill_fn fill, void *ctx);
 int st_writer_set_metadata(st_writer *w, const char *key, const char *value);
 int st_writer_write(st_writer *w, const char *path); /* tensors sorted by name, atomic */
 void st_writer_free(st_writer *w);

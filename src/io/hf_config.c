@@ -1,0 +1,331 @@
+/* Hugging Face config.json: read for Qwen2ForCausalLM and LlamaForCausalLM,
+ * written so transformers loads it unchanged.
+ *
+ * Defaults follow transformers' Qwen2Config and LlamaConfig where a field is
+ * optional in practice (num_key_value_heads = heads, rope_theta 10000,
+ * rms_norm_eps 1e-6, tie_word_embeddings false for both, attention_bias false
+ * for Llama). The shape fields (vocab, hidden, intermediate, layers, heads)
+ * are required: a config.json without them is the wrong file, and
+ * transformers' silent defaults would build a 7B-sized model. Anything the
+ * forward pass would get wrong silently (rope_scaling, sliding-window layers,
+ * another activation, Llama's o_proj/MLP biases) is refused with the field
+ * named. */
+#include "io/hf_config.h"
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/log.h"
+#include "core/mem.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CONFIG_MAX_BYTES ((size_t)4 << 20)
+/* A dimension beyond this is not a real model (and would overflow int math). */
+#define CONFIG_MAX_DIM (1 << 24)
+
+/* Reads an optional positive integer field; *present says whether it was there. */
+static int get_int(const cJSON *root, const char *where, const char *key, int required, int lo, int hi,
+                   int *out, int *present) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, key);
+    if (present) *present = 0;
+    if (!v || cJSON_IsNull(v)) {
+        if (required)
+            return QT_ERR(QT_EFORMAT, "%s: field '%s' is missing; a Qwen2/Llama config.json must give it", where, key);
+        return QT_OK;
+    }
+    double d = cJSON_IsNumber(v) ? v->valuedouble : NAN;
+    if (!(d == floor(d)) || d < lo || d > hi)
+        return QT_ERR(QT_EFORMAT, "%s: field '%s' must be an integer from %d to %d", where, key, lo, hi);
+    *out = (int)d;
+    if (present) *present = 1;
+    return QT_OK;
+}
+
+static int get_float(const cJSON *root, const char *where, const char *key, float *out) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, key);
+    if (!v || cJSON_IsNull(v)) return QT_OK;
+    if (!cJSON_IsNumber(v) || !(v->valuedouble > 0.0) || !isfinite(v->valuedouble))
+        return QT_ERR(QT_EFORMAT, "%s: field '%s' must be a positive number", where, key);
+    *out = (float)v->valuedouble;
+    return QT_OK;
+}
+
+static int get_bool(const cJSON *root, const char *where, const char *key, int *out) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, key);
+    if (!v || cJSON_IsNull(v)) return QT_OK;
+    if (!cJSON_IsBool(v)) return QT_ERR(QT_EFORMAT, "%s: field '%s' must be true or false", where, key);
+    *out = cJSON_IsTrue(v);
+    return QT_OK;
+}
+
+/* bos/eos ids: an integer, or a list whose first entry is taken (Llama 3). */
+static int get_token_id(const cJSON *root, const char *where, const char *key, int *out) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, key);
+    *out = -1;
+    if (!v || cJSON_IsNull(v)) return QT_OK;
+    if (cJSON_IsArray(v)) {
+        if (cJSON_GetArraySize(v) == 0) return QT_OK;
+        v = cJSON_GetArrayItem(v, 0);
+    }
+    double d = cJSON_IsNumber(v) ? v->valuedouble : NAN;
+    if (!(d == floor(d)) || d < 0 || d > CONFIG_MAX_DIM)
+        return QT_ERR(QT_EFORMAT, "%s: field '%s' must be a non-negative token id", where, key);
+    *out = (int)d;
+    return QT_OK;
+}
+
+static int parse_arch(const cJSON *root, const char *where, qt_arch *arch) {
+    const cJSON *a = cJSON_GetObjectItemCaseSensitive(root, "architectures");
+    const cJSON *mt = cJSON_GetObjectItemCaseSensitive(root, "model_type");
+    if (cJSON_IsArray(a) && cJSON_GetArraySize(a) > 0) {
+        const cJSON *a0 = cJSON_GetArrayItem(a, 0);
+        if (!cJSON_IsString(a0))
+            return QT_ERR(QT_EFORMAT, "%s: field 'architectures' must be a list of class names", where);
+        const char *s = a0->valuestring;
+        if (!strcmp(s, "Qwen2ForCausalLM")) { *arch = QT_ARCH_QWEN2; return QT_OK; }
+        if (!strcmp(s, "LlamaForCausalLM")) { *arch = QT_ARCH_LLAMA; return QT_OK; }
+        if (!strcmp(s, "QWenLMHeadModel"))
+            return QT_ERR(QT_EUNSUPPORTED, "%s: architecture QWenLMHeadModel (the original Qwen) is not supported; convert it to the Qwen2 layout first, or use a Qwen1.5/Qwen2/Qwen2.5 model", where);
+        return QT_ERR(QT_EUNSUPPORTED, "%s: architecture '%.64s' is not supported; qtune runs Qwen2ForCausalLM (Qwen1.5, Qwen2, Qwen2.5) and LlamaForCausalLM", where, s);
+    }
+    if (cJSON_IsString(mt)) {
+        if (!strcmp(mt->valuestring, "qwen2")) { *arch = QT_ARCH_QWEN2; return QT_OK; }
+        if (!strcmp(mt->valuestring, "llama")) { *arch = QT_ARCH_LLAMA; return QT_OK; }
+        return QT_ERR(QT_EUNSUPPORTED, "%s: model_type '%.64s' is not supported; qtune runs model_type qwen2 and llama", where, mt->valuestring);
+    }
+    return QT_ERR(QT_EFORMAT, "%s: neither 'architectures' nor 'model_type' is given; is this a Hugging Face config.json?", where);
+}
+
+/* Everything a Qwen2/Llama forward pass here does not do must be absent. */
+static int check_unsupported(const cJSON *root, const char *where, const qt_config *c) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, "rope_scaling");
+    if (v && !cJSON_IsNull(v))
+        return QT_ERR(QT_EUNSUPPORTED, "%s: field 'rope_scaling' is set; qtune implements plain RoPE only, so set it to null (or use a model without RoPE scaling)", where);
+    v = cJSON_GetObjectItemCaseSensitive(root, "hidden_act");
+    if (v && !cJSON_IsNull(v) && (!cJSON_IsString(v) || strcmp(v->valuestring, "silu")))
+        return QT_ERR(QT_EUNSUPPORTED, "%s: field 'hidden_act' is '%.32s'; qtune implements only \"silu\"", where,
+                      cJSON_IsString(v) ? v->valuestring : "(not a string)");
+    if (c->arch == QT_ARCH_QWEN2) {
+        /* Qwen2 uses sliding-window attention on layers >= max_window_layers
+         * when use_sliding_window is true. */
+        int sw = 0;
+        QT_TRY(get_bool(root, where, "use_sliding_window", &sw));
+        int mwl = 28, mwl_present;
+        QT_TRY(get_int(root, where, "max_window_layers", 0, 0, CONFIG_MAX_DIM, &mwl, &mwl_present));
+        if (sw && mwl < c->num_hidden_layers)
+            return QT_ERR(QT_EUNSUPPORTED, "%s: field 'use_sliding_window' is true and layers %d..%d use sliding-window attention, which qtune does not implement; set use_sliding_window to false",
+                          where, mwl, c->num_hidden_layers - 1);
+    }
+    const cJSON *lt = cJSON_GetObjectItemCaseSensitive(root, "layer_types");
+    if (cJSON_IsArray(lt)) {
+        const cJSON *x;
+        cJSON_ArrayForEach(x, lt)
+            if (cJSON_IsString(x) && strcmp(x->valuestring, "full_attention"))
+                return QT_ERR(QT_EUNSUPPORTED, "%s: field 'layer_types' lists '%.32s'; qtune implements only full_attention layers", where, x->valuestring);
+    }
+    if (c->arch == QT_ARCH_LLAMA) {
+        int mlp_bias = 0;
+        QT_TRY(get_bool(root, where, "mlp_bias", &mlp_bias));
+        if (mlp_bias)
+            return QT_ERR(QT_EUNSUPPORTED, "%s: field 'mlp_bias' is true; qtune's MLP has no biases", where);
+        if (c->attention_bias)
+            return QT_ERR(QT_EUNSUPPORTED, "%s: field 'attention_bias' is true, which in Llama also puts a bias on o_proj; qtune supports q/k/v biases only (the Qwen2 layout)", where);
+    }
+    return QT_OK;
+}
+
+static int parse_dtype(const cJSON *root, const char *where, qt_dtype *out) {
+    *out = QT_F32;
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, "torch_dtype");
+    if (!v || cJSON_IsNull(v)) v = cJSON_GetObjectItemCaseSensitive(root, "dtype"); /* newer transformers */
+    if (!v || cJSON_IsNull(v)) return QT_OK;
+    if (!cJSON_IsString(v)) return QT_ERR(QT_EFORMAT, "%s: field 'torch_dtype' must be a string", where);
+    const char *s = v->valuestring;
+    if (!strcmp(s, "float32")) *out = QT_F32;
+    else if (!strcmp(s, "float16")) *out = QT_F16;
+    else if (!strcmp(s, "bfloat16")) *out = QT_BF16;
+    else qt_warn("%s: torch_dtype '%.32s' is not float32/float16/bfloat16; treating the stored dtype as unknown (f32)", where, s);
+    return QT_OK;
+}
+
+int qt_config_parse(const char *json, const char *where, qt_config *cfg) {
+    memset(cfg, 0, sizeof *cfg);
+    cJSON *root = cJSON_Parse(json);
+    if (!root || !cJSON_IsObject(root)) {
+        cJSON_Delete(root);
+        return QT_ERR(QT_EFORMAT, "%s is not valid JSON (or not a JSON object); fix or re-download it", where);
+    }
+    qt_config c;
+    memset(&c, 0, sizeof c);
+    int rc = parse_arch(root, where, &c.arch);
+    int kv_present = 0, hd_present = 0;
+    c.rms_norm_eps = 1e-6f;
+    c.rope_theta = 10000.0f;
+    c.max_position_embeddings = c.arch == QT_ARCH_QWEN2 ? 32768 : 2048;
+    c.tie_word_embeddings = 0;
+    c.attention_bias = c.arch == QT_ARCH_QWEN2;
+    if (rc == QT_OK) rc = get_int(root, where, "vocab_size", 1, 1, CONFIG_MAX_DIM, &c.vocab_size, NULL);
+    if (rc == QT_OK) rc = get_int(root, where, "hidden_size", 1, 1, CONFIG_MAX_DIM, &c.hidden_size, NULL);
+    if (rc == QT_OK) rc = get_int(root, where, "intermediate_size", 1, 1, CONFIG_MAX_DIM, &c.intermediate_size, NULL);
+    if (rc == QT_OK) rc = get_int(root, where, "num_hidden_layers", 1, 1, 100000, &c.num_hidden_layers, NULL);
+    if (rc == QT_OK) rc = get_int(root, where, "num_attention_heads", 1, 1, 1 << 16, &c.num_attention_heads, NULL);
+    if (rc == QT_OK) rc = get_int(root, where, "num_key_value_heads", 0, 1, 1 << 16, &c.num_key_value_heads, &kv_present);
+    if (rc == QT_OK) rc = get_int(root, where, "head_dim", 0, 1, 1 << 16, &c.head_dim, &hd_present);
+    if (rc == QT_OK) rc = get_int(root, where, "max_position_embeddings", 0, 1, 1 << 30, &c.max_position_embeddings, NULL);
+    if (rc == QT_OK) rc = get_float(root, where, "rms_norm_eps", &c.rms_norm_eps);
+    if (rc == QT_OK) rc = get_float(root, where, "rope_theta", &c.rope_theta);
+    if (rc == QT_OK) rc = get_bool(root, where, "tie_word_embeddings", &c.tie_word_embeddings);
+    if (rc == QT_OK && c.arch == QT_ARCH_LLAMA) rc = get_bool(root, where, "attention_bias", &c.attention_bias);
+    if (rc == QT_OK) rc = get_token_id(root, where, "bos_token_id", &c.bos_token_id);
+    if (rc == QT_OK) rc = get_token_id(root, where, "eos_token_id", &c.eos_token_id);
+    if (rc == QT_OK) rc = parse_dtype(root, where, &c.torch_dtype);
+    if (rc == QT_OK) rc = check_unsupported(root, where, &c);
+    if (rc == QT_OK) {
+        if (!kv_present) c.num_key_value_heads = c.num_attention_heads;
+        if (!hd_present) {
+            if (c.hidden_size % c.num_attention_heads)
+                rc = QT_ERR(QT_EFORMAT, "%s: hidden_size %d is not divisible by num_attention_heads %d (and no head_dim is given)", where,
+                            c.hidden_size, c.num_attention_heads);
+            c.head_dim = c.hidden_size / c.num_attention_heads;
+        }
+    }
+    if (rc == QT_OK && c.num_attention_heads % c.num_key_value_heads)
+        rc = QT_ERR(QT_EFORMAT, "%s: num_attention_heads %d is not divisible by num_key_value_heads %d", where,
+                    c.num_attention_heads, c.num_key_value_heads);
+    if (rc == QT_OK && c.head_dim % 2)
+        rc = QT_ERR(QT_EFORMAT, "%s: head_dim %d is odd; rotary embeddings need an even head dimension", where, c.head_dim);
+    cJSON_Delete(root);
+    if (rc == QT_OK) *cfg = c;
+    return rc;
+}
+
+int qt_config_load(const char *path, qt_config *cfg) {
+    char buf[4096];
+    const char *file = path;
+    if (qt_is_dir(path)) {
+        QT_TRY(qt_path_join(buf, sizeof buf, path, "config.json"));
+        file = buf;
+    }
+    char *text;
+    QT_TRY(qt_read_file(file, CONFIG_MAX_BYTES, &text, NULL));
+    int rc = qt_config_parse(text, file, cfg);
+    qt_free(text);
+    return rc;
+}
+
+/* ---------------------------------------------------------------------------
+ * Writing */
+
+/* Shortest decimal that reads back as the same float, always with a '.' or an
+ * exponent so Python reads a float (1e-06, 1000000.0). */
+static void float_str(char *out, size_t cap, float v) {
+    for (int p = 1; p <= 9; p++) {
+        snprintf(out, cap, "%.*g", p, (double)v);
+        if ((float)strtod(out, NULL) == v) break;
+    }
+    if (!strpbrk(out, ".eEn")) {
+        size_t n = strlen(out);
+        if (n + 3 <= cap) memcpy(out + n, ".0", 3);
+    }
+}
+
+static const char *dtype_torch_name(qt_dtype t) {
+    switch (t) {
+    case QT_F16: return "float16";
+    case QT_BF16: return "bfloat16";
+    default: return "float32";
+    }
+}
+
+/* The version whose config classes these fields follow (Qwen2.5's release). */
+#define CONFIG_TRANSFORMERS_VERSION "4.43.1"
+
+int qt_config_write(const qt_config *c, const char *path) {
+    char eps[32], theta[32], bos[16], eos[16];
+    float_str(eps, sizeof eps, c->rms_norm_eps);
+    float_str(theta, sizeof theta, c->rope_theta);
+    if (c->bos_token_id >= 0) snprintf(bos, sizeof bos, "%d", c->bos_token_id);
+    else snprintf(bos, sizeof bos, "null");
+    if (c->eos_token_id >= 0) snprintf(eos, sizeof eos, "%d", c->eos_token_id);
+    else snprintf(eos, sizeof eos, "null");
+    int qwen = c->arch == QT_ARCH_QWEN2;
+    /* Qwen2Config has no head_dim before transformers 4.48 (it is hidden/heads):
+     * write it only when it differs, which older versions cannot load anyway. */
+    char hd_line[48] = "";
+    if (c->num_attention_heads > 0 && c->head_dim * c->num_attention_heads != c->hidden_size)
+        snprintf(hd_line, sizeof hd_line, "  \"head_dim\": %d,\n", c->head_dim);
+    char buf[4096];
+    int n;
+    /* Keys sorted, two-space indent: the way transformers' save_pretrained writes it. */
+    if (qwen) {
+        n = snprintf(buf, sizeof buf,
+                     "{\n"
+                     "  \"architectures\": [\n    \"Qwen2ForCausalLM\"\n  ],\n"
+                     "  \"attention_dropout\": 0.0,\n"
+                     "  \"bos_token_id\": %s,\n"
+                     "  \"eos_token_id\": %s,\n"
+                     "%s"
+                     "  \"hidden_act\": \"silu\",\n"
+                     "  \"hidden_size\": %d,\n"
+                     "  \"initializer_range\": 0.02,\n"
+                     "  \"intermediate_size\": %d,\n"
+                     "  \"max_position_embeddings\": %d,\n"
+                     "  \"max_window_layers\": %d,\n"
+                     "  \"model_type\": \"qwen2\",\n"
+                     "  \"num_attention_heads\": %d,\n"
+                     "  \"num_hidden_layers\": %d,\n"
+                     "  \"num_key_value_heads\": %d,\n"
+                     "  \"rms_norm_eps\": %s,\n"
+                     "  \"rope_scaling\": null,\n"
+                     "  \"rope_theta\": %s,\n"
+                     "  \"sliding_window\": %d,\n"
+                     "  \"tie_word_embeddings\": %s,\n"
+                     "  \"torch_dtype\": \"%s\",\n"
+                     "  \"transformers_version\": \"" CONFIG_TRANSFORMERS_VERSION "\",\n"
+                     "  \"use_cache\": true,\n"
+                     "  \"use_sliding_window\": false,\n"
+                     "  \"vocab_size\": %d\n"
+                     "}\n",
+                     bos, eos, hd_line, c->hidden_size, c->intermediate_size, c->max_position_embeddings,
+                     c->num_hidden_layers, c->num_attention_heads, c->num_hidden_layers, c->num_key_value_heads, eps,
+                     theta, c->max_position_embeddings, c->tie_word_embeddings ? "true" : "false",
+                     dtype_torch_name(c->torch_dtype), c->vocab_size);
+    } else {
+        n = snprintf(buf, sizeof buf,
+                     "{\n"
+                     "  \"architectures\": [\n    \"LlamaForCausalLM\"\n  ],\n"
+                     "  \"attention_bias\": %s,\n"
+                     "  \"attention_dropout\": 0.0,\n"
+                     "  \"bos_token_id\": %s,\n"
+                     "  \"eos_token_id\": %s,\n"
+                     "  \"head_dim\": %d,\n"
+                     "  \"hidden_act\": \"silu\",\n"
+                     "  \"hidden_size\": %d,\n"
+                     "  \"initializer_range\": 0.02,\n"
+                     "  \"intermediate_size\": %d,\n"
+                     "  \"max_position_embeddings\": %d,\n"
+                     "  \"mlp_bias\": false,\n"
+                     "  \"model_type\": \"llama\",\n"
+                     "  \"num_attention_heads\": %d,\n"
+                     "  \"num_hidden_layers\": %d,\n"
+                     "  \"num_key_value_heads\": %d,\n"
+                     "  \"pretraining_tp\": 1,\n"
+                     "  \"rms_norm_eps\": %s,\n"
+                     "  \"rope_scaling\": null,\n"
+                     "  \"rope_theta\": %s,\n"
+                     "  \"tie_word_embeddings\": %s,\n"
+                     "  \"torch_dtype\": \"%s\",\n"
+                     "  \"transformers_version\": \"" CONFIG_TRANSFORMERS_VERSION "\",\n"
+                     "  \"use_cache\": true,\n"
+                     "  \"vocab_size\": %d\n"
+                     "}\n",
+                     c->attention_bias ? "true" : "false", bos, eos, c->head_dim, c->hidden_size,
+                     c->intermediate_size, c->max_position_embeddings, c->num_attention_heads, c->num_hidden_layers,
+                     c->num_key_value_heads, eps, theta, c->tie_word_embeddings ? "true" : "false",
+                     dtype_torch_name(c->torch_dtype), c->vocab_size);
+    }
+    if (n < 0 || (size_t)n >= sizeof buf) return QT_ERR(QT_EINVAL, "config for %s does not fit the write buffer", path);
+    return qt_write_file_atomic(path, buf, (size_t)n);
+}
