@@ -1,0 +1,187 @@
+/* checkpoint-STEP folders: write under .tmp, fsync, rename; find; prune. */
+#include "io/checkpoint.h"
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/mem.h"
+#include "io/safetensors.h"
+
+#include <ctype.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+long ckpt_step_of(const char *name) {
+    static const char pre[] = "checkpoint-";
+    if (strncmp(name, pre, sizeof pre - 1)) return -1;
+    const char *p = name + sizeof pre - 1;
+    if (!*p || strlen(p) > 15) return -1;
+    long v = 0;
+    for (; *p; p++) {
+        if (!isdigit((unsigned char)*p)) return -1;
+        v = v * 10 + (*p - '0');
+    }
+    return v;
+}
+
+int ckpt_begin(ckpt_writer *w, const char *output_dir, long step) {
+    memset(w, 0, sizeof *w);
+    w->step = step;
+    char name[64];
+    snprintf(name, sizeof name, "checkpoint-%ld", step);
+    if (snprintf(w->output_dir, sizeof w->output_dir, "%s", output_dir) >= (int)sizeof w->output_dir)
+        return QT_ERR(QT_EINVAL, "output folder path too long: %s", output_dir);
+    QT_TRY(qt_path_join(w->final, sizeof w->final, output_dir, name));
+    if (snprintf(w->dir, sizeof w->dir, "%s.tmp", w->final) >= (int)sizeof w->dir)
+        return QT_ERR(QT_EINVAL, "output folder path too long: %s", output_dir);
+    QT_TRY(qt_rm_rf(w->dir));
+    QT_TRY(qt_mkdir_p(w->dir));
+    return QT_OK;
+}
+
+/* fsync every regular file in dir (the atomic writers already did, but a
+ * caller may have used plain stdio). */
+static int sync_files(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return QT_ERR(QT_EIO, "cannot open folder %s: %s", dir, strerror(errno));
+    struct dirent *e;
+    int rc = QT_OK;
+    char path[CKPT_PATH_MAX];
+    while (rc == QT_OK && (e = readdir(d))) {
+        if (e->d_name[0] == '.') continue;
+        rc = qt_path_join(path, sizeof path, dir, e->d_name);
+        if (rc != QT_OK) break;
+        int fd = open(path, O_RDONLY);
+        if (fd < 0) { rc = QT_ERR(QT_EIO, "cannot open %s: %s", path, strerror(errno)); break; }
+        if (fsync(fd) != 0) rc = QT_ERR(QT_EIO, "cannot sync %s: %s; check free disk space", path, strerror(errno));
+        close(fd);
+    }
+    closedir(d);
+    return rc;
+}
+
+int ckpt_commit(ckpt_writer *w) {
+    int rc = sync_files(w->dir);
+    if (rc == QT_OK) rc = qt_fsync_dir(w->dir);
+    /* a checkpoint of the same step (a re-save) is replaced: move it aside first
+     * so that at every instant one complete copy exists */
+    char old[CKPT_PATH_MAX + 8];
+    snprintf(old, sizeof old, "%s.old", w->final);
+    if (rc == QT_OK && qt_path_exists(w->final)) {
+        qt_rm_rf(old);
+        if (rename(w->final, old) != 0)
+            rc = QT_ERR(QT_EIO, "cannot move the old %s aside: %s", w->final, strerror(errno));
+    }
+    if (rc == QT_OK && rename(w->dir, w->final) != 0)
+        rc = QT_ERR(QT_EIO, "cannot rename %s to %s: %s", w->dir, w->final, strerror(errno));
+    if (rc == QT_OK) rc = qt_fsync_dir(w->output_dir);
+    if (rc == QT_OK) qt_rm_rf(old);
+    if (rc != QT_OK) qt_rm_rf(w->dir);
+    return rc;
+}
+
+void ckpt_abort(ckpt_writer *w) {
+    if (w->dir[0]) qt_rm_rf(w->dir);
+}
+
+static int is_complete(const char *output_dir, const char *name) {
+    char path[CKPT_PATH_MAX], state[CKPT_PATH_MAX];
+    if (qt_path_join(path, sizeof path, output_dir, name) != QT_OK) return 0;
+    if (qt_path_join(state, sizeof state, path, CKPT_STATE_FILE) != QT_OK) return 0;
+    return qt_is_dir(path) && qt_path_exists(state);
+}
+
+int ckpt_latest(const char *output_dir, char *path, size_t cap, long *step) {
+    *step = -1;
+    if (cap) path[0] = 0;
+    DIR *d = opendir(output_dir);
+    if (!d) return errno == ENOENT ? QT_OK : QT_ERR(QT_EIO, "cannot open folder %s: %s", output_dir, strerror(errno));
+    struct dirent *e;
+    long best = -1;
+    char name[128] = "";
+    while ((e = readdir(d))) {
+        long s = ckpt_step_of(e->d_name);
+        if (s > best && is_complete(output_dir, e->d_name)) {
+            best = s;
+            snprintf(name, sizeof name, "%s", e->d_name);
+        }
+    }
+    closedir(d);
+    if (best < 0) return QT_OK;
+    QT_TRY(qt_path_join(path, cap, output_dir, name));
+    *step = best;
+    return QT_OK;
+}
+
+static int cmp_long(const void *a, const void *b) {
+    long x = *(const long *)a, y = *(const long *)b;
+    return (x > y) - (x < y);
+}
+
+int ckpt_prune(const char *output_dir, int keep, long protect) {
+    DIR *d = opendir(output_dir);
+    if (!d) return errno == ENOENT ? QT_OK : QT_ERR(QT_EIO, "cannot open folder %s: %s", output_dir, strerror(errno));
+    long *steps = NULL;
+    size_t n = 0, cap = 0;
+    int rc = QT_OK;
+    struct dirent *e;
+    char path[CKPT_PATH_MAX];
+    while (rc == QT_OK && (e = readdir(d))) {
+        size_t len = strlen(e->d_name);
+        if (!strncmp(e->d_name, "checkpoint-", 11) && len > 4 && !strcmp(e->d_name + len - 4, ".tmp")) {
+            /* a write that never finished (crash or kill) */
+            if (qt_path_join(path, sizeof path, output_dir, e->d_name) == QT_OK) qt_rm_rf(path);
+            continue;
+        }
+        long s = ckpt_step_of(e->d_name);
+        if (s < 0 || !is_complete(output_dir, e->d_name)) continue;
+        if (n == cap) {
+            cap = cap ? cap * 2 : 16;
+            long *ns = qt_realloc(steps, cap * sizeof *steps, "checkpoint list");
+            if (!ns) { rc = QT_ENOMEM; break; }
+            steps = ns;
+        }
+        steps[n++] = s;
+    }
+    closedir(d);
+    if (rc == QT_OK && keep > 0 && n > (size_t)keep) {
+        qsort(steps, n, sizeof *steps, cmp_long);
+        for (size_t i = 0; i + (size_t)keep < n && rc == QT_OK; i++) {
+            if (steps[i] == protect) continue;
+            char name[64];
+            snprintf(name, sizeof name, "checkpoint-%ld", steps[i]);
+            rc = qt_path_join(path, sizeof path, output_dir, name);
+            if (rc == QT_OK) rc = qt_rm_rf(path);
+        }
+    }
+    qt_free(steps);
+    return rc;
+}
+
+int ckpt_write_f32(const char *path, const char *name, const float *data, size_t n) {
+    st_writer *w;
+    QT_TRY(st_writer_new(&w));
+    int64_t shape[1] = {(int64_t)n};
+    int rc = st_writer_add(w, name, QT_F32, 1, shape, data, QT_F32);
+    if (rc == QT_OK) rc = st_writer_write(w, path);
+    st_writer_free(w);
+    return rc;
+}
+
+int ckpt_read_f32(const char *path, const char *name, float *data, size_t n) {
+    st_file *f;
+    QT_TRY(st_open(path, &f));
+    int64_t shape[1] = {(int64_t)n};
+    const st_tensor *t;
+    int rc = st_expect(f, name, 1, shape, &t);
+    if (rc == QT_OK && t->dtype != QT_F32)
+        rc = QT_ERR(QT_EFORMAT, "%s: tensor %s must be F32 in a checkpoint", path, name);
+    if (rc == QT_OK) rc = st_read_f32(t, data);
+    st_close(f);
+    return rc;
+}

@@ -1,0 +1,46 @@
+/* checkpoint-STEP folders inside an output folder.
+ *
+ * A checkpoint is written into checkpoint-STEP.tmp/, every file fsync'd, the
+ * folder fsync'd, then renamed to checkpoint-STEP/ and the parent fsync'd: a
+ * folder named checkpoint-STEP is complete by construction, and a write cut
+ * short (crash, SIGKILL, full disk) leaves only a .tmp folder that the next
+ * run removes. What goes inside is the caller's business (the trainer writes
+ * trainer_state.json last; see docs/training.md). */
+#ifndef QT_IO_CHECKPOINT_H
+#define QT_IO_CHECKPOINT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define CKPT_PATH_MAX 4096
+#define CKPT_STATE_FILE "trainer_state.json"
+
+typedef struct {
+    char output_dir[CKPT_PATH_MAX];
+    char dir[CKPT_PATH_MAX];   /* checkpoint-STEP.tmp: write the files here */
+    char final[CKPT_PATH_MAX]; /* checkpoint-STEP */
+    long step;
+} ckpt_writer;
+
+/* Creates output_dir/checkpoint-STEP.tmp (removing a stale one). */
+int ckpt_begin(ckpt_writer *w, const char *output_dir, long step);
+/* fsyncs every file and the folder, replaces any old checkpoint-STEP, renames. */
+int ckpt_commit(ckpt_writer *w);
+/* Removes the .tmp folder. */
+void ckpt_abort(ckpt_writer *w);
+
+/* The newest complete checkpoint (holds CKPT_STATE_FILE) in output_dir: its
+ * path and step; *step = -1 (and QT_OK) when there is none. */
+int ckpt_latest(const char *output_dir, char *path, size_t cap, long *step);
+/* Keeps the newest `keep` complete checkpoints (keep 0: all) and removes
+ * leftover checkpoint-*.tmp folders. `protect` (a step, or -1) is never removed. */
+int ckpt_prune(const char *output_dir, int keep, long protect);
+/* Parses "checkpoint-123" (a folder name, no path); -1 when it is not one. */
+long ckpt_step_of(const char *name);
+
+/* A flat fp32 array as a one-tensor safetensors file, and back. Reading checks
+ * the name, dtype and length and names the file when they differ. */
+int ckpt_write_f32(const char *path, const char *name, const float *data, size_t n);
+int ckpt_read_f32(const char *path, const char *name, float *data, size_t n);
+
+#endif

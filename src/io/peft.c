@@ -1,0 +1,178 @@
+/* PEFT LoRA adapter folders: adapter_config.json + adapter_model.safetensors. */
+#include "io/peft.h"
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/mem.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PEFT_CONFIG_MAX_BYTES (1u << 20)
+
+float peft_scaling(const peft_config *c) {
+    return c->use_rslora ? c->lora_alpha / sqrtf((float)c->r) : c->lora_alpha / (float)c->r;
+}
+
+/* A pattern dict (rank_pattern, alpha_pattern) is fine only when empty. */
+static int empty_or_null(const cJSON *j) { return !j || cJSON_IsNull(j) || (cJSON_IsObject(j) && !j->child); }
+
+int peft_config_load(const char *dir, peft_config *c) {
+    memset(c, 0, sizeof *c);
+    char path[4096];
+    QT_TRY(qt_path_join(path, sizeof path, dir, "adapter_config.json"));
+    char *text;
+    QT_TRY(qt_read_file(path, PEFT_CONFIG_MAX_BYTES, &text, NULL));
+    cJSON *j = cJSON_Parse(text);
+    qt_free(text);
+    int rc = QT_OK;
+    if (!cJSON_IsObject(j)) {
+        cJSON_Delete(j);
+        return QT_ERR(QT_EFORMAT, "%s is not a JSON object; is it a PEFT adapter folder?", path);
+    }
+    const cJSON *pt = cJSON_GetObjectItemCaseSensitive(j, "peft_type");
+    const cJSON *r = cJSON_GetObjectItemCaseSensitive(j, "r");
+    const cJSON *a = cJSON_GetObjectItemCaseSensitive(j, "lora_alpha");
+    const cJSON *d = cJSON_GetObjectItemCaseSensitive(j, "lora_dropout");
+    const cJSON *tm = cJSON_GetObjectItemCaseSensitive(j, "target_modules");
+    const cJSON *rs = cJSON_GetObjectItemCaseSensitive(j, "use_rslora");
+    const cJSON *bias = cJSON_GetObjectItemCaseSensitive(j, "bias");
+    const cJSON *dora = cJSON_GetObjectItemCaseSensitive(j, "use_dora");
+    const cJSON *ffo = cJSON_GetObjectItemCaseSensitive(j, "fan_in_fan_out");
+    const cJSON *base = cJSON_GetObjectItemCaseSensitive(j, "base_model_name_or_path");
+    if (pt && !(cJSON_IsString(pt) && !strcmp(pt->valuestring, "LORA")))
+        rc = QT_ERR(QT_EUNSUPPORTED, "%s: peft_type must be \"LORA\"; qtune reads LoRA adapters only", path);
+    else if (!cJSON_IsNumber(r) || r->valuedouble < 1 || r->valuedouble > 65536 || r->valuedouble != floor(r->valuedouble))
+        rc = QT_ERR(QT_EFORMAT, "%s: \"r\" must be a whole number >= 1", path);
+    else if (a && !cJSON_IsNull(a) && !cJSON_IsNumber(a))
+        rc = QT_ERR(QT_EFORMAT, "%s: \"lora_alpha\" must be a number", path);
+    else if (bias && !cJSON_IsNull(bias) && !(cJSON_IsString(bias) && !strcmp(bias->valuestring, "none")))
+        rc = QT_ERR(QT_EUNSUPPORTED, "%s: bias is \"%s\"; qtune handles adapters with bias \"none\" only", path,
+                    cJSON_IsString(bias) ? bias->valuestring : "?");
+    else if (cJSON_IsTrue(dora))
+        rc = QT_ERR(QT_EUNSUPPORTED, "%s: use_dora is true; qtune handles plain LoRA adapters only", path);
+    else if (cJSON_IsTrue(ffo))
+        rc = QT_ERR(QT_EUNSUPPORTED, "%s: fan_in_fan_out is true, which Qwen's Linear layers never need", path);
+    else if (!empty_or_null(cJSON_GetObjectItemCaseSensitive(j, "rank_pattern")) ||
+             !empty_or_null(cJSON_GetObjectItemCaseSensitive(j, "alpha_pattern")))
+        rc = QT_ERR(QT_EUNSUPPORTED, "%s: rank_pattern/alpha_pattern are set; qtune handles one r and alpha for all layers",
+                    path);
+    if (rc == QT_OK) {
+        c->r = (int)r->valuedouble;
+        c->lora_alpha = cJSON_IsNumber(a) ? (float)a->valuedouble : 8.0f;
+        c->lora_dropout = cJSON_IsNumber(d) ? (float)d->valuedouble : 0.0f;
+        c->use_rslora = cJSON_IsTrue(rs);
+        if (cJSON_IsString(base)) snprintf(c->base_model, sizeof c->base_model, "%s", base->valuestring);
+        if (cJSON_IsArray(tm)) {
+            const cJSON *it;
+            cJSON_ArrayForEach(it, tm) {
+                if (!cJSON_IsString(it) || strlen(it->valuestring) >= sizeof c->target_modules[0] ||
+                    c->n_targets >= PEFT_MAX_TARGETS) {
+                    rc = QT_ERR(QT_EFORMAT, "%s: target_modules must be a short list of module names", path);
+                    break;
+                }
+                snprintf(c->target_modules[c->n_targets++], sizeof c->target_modules[0], "%s", it->valuestring);
+            }
+        } else if (cJSON_IsString(tm) && strlen(tm->valuestring) < sizeof c->target_modules[0]) {
+            snprintf(c->target_modules[c->n_targets++], sizeof c->target_modules[0], "%s", tm->valuestring);
+        }
+    }
+    cJSON_Delete(j);
+    return rc;
+}
+
+int peft_config_write(const peft_config *c, const char *dir) {
+    cJSON *j = cJSON_CreateObject();
+    if (!j) return QT_ERR(QT_ENOMEM, "out of memory writing adapter_config.json");
+    /* LoraConfig's fields, as peft's save_pretrained writes them */
+    cJSON_AddItemToObject(j, "alpha_pattern", cJSON_CreateObject());
+    cJSON_AddNullToObject(j, "auto_mapping");
+    cJSON_AddStringToObject(j, "base_model_name_or_path", c->base_model);
+    cJSON_AddStringToObject(j, "bias", "none");
+    cJSON_AddFalseToObject(j, "fan_in_fan_out");
+    cJSON_AddTrueToObject(j, "inference_mode");
+    cJSON_AddTrueToObject(j, "init_lora_weights");
+    cJSON_AddNullToObject(j, "layer_replication");
+    cJSON_AddNullToObject(j, "layers_pattern");
+    cJSON_AddNullToObject(j, "layers_to_transform");
+    cJSON_AddItemToObject(j, "loftq_config", cJSON_CreateObject());
+    cJSON_AddNumberToObject(j, "lora_alpha", c->lora_alpha);
+    /* dropout as the decimal the user wrote (0.1, not 0.10000000149) */
+    char buf[32];
+    snprintf(buf, sizeof buf, "%.6g", (double)c->lora_dropout);
+    cJSON_AddNumberToObject(j, "lora_dropout", strtod(buf, NULL));
+    cJSON_AddNullToObject(j, "megatron_config");
+    cJSON_AddStringToObject(j, "megatron_core", "megatron.core");
+    cJSON_AddNullToObject(j, "modules_to_save");
+    cJSON_AddStringToObject(j, "peft_type", "LORA");
+    cJSON_AddNumberToObject(j, "r", c->r);
+    cJSON_AddItemToObject(j, "rank_pattern", cJSON_CreateObject());
+    cJSON_AddNullToObject(j, "revision");
+    cJSON *tm = cJSON_AddArrayToObject(j, "target_modules");
+    for (int i = 0; tm && i < c->n_targets; i++) cJSON_AddItemToArray(tm, cJSON_CreateString(c->target_modules[i]));
+    cJSON_AddStringToObject(j, "task_type", "CAUSAL_LM");
+    cJSON_AddFalseToObject(j, "use_dora");
+    cJSON_AddBoolToObject(j, "use_rslora", c->use_rslora ? 1 : 0);
+    char *s = cJSON_Print(j);
+    cJSON_Delete(j);
+    if (!s) return QT_ERR(QT_ENOMEM, "out of memory writing adapter_config.json");
+    char path[4096];
+    int rc = qt_path_join(path, sizeof path, dir, "adapter_config.json");
+    if (rc == QT_OK) rc = qt_write_file_atomic(path, s, strlen(s));
+    free(s);
+    return rc;
+}
+
+int peft_open_weights(const char *dir, st_file **out) {
+    char path[4096];
+    QT_TRY(qt_path_join(path, sizeof path, dir, "adapter_model.safetensors"));
+    if (!qt_path_exists(path)) {
+        char bin[4096];
+        QT_TRY(qt_path_join(bin, sizeof bin, dir, "adapter_model.bin"));
+        if (qt_path_exists(bin))
+            return QT_ERR(QT_EUNSUPPORTED,
+                          "%s holds adapter_model.bin (a pickle); save the adapter with safe_serialization=True "
+                          "to get adapter_model.safetensors",
+                          dir);
+        return QT_ERR(QT_EIO, "%s has no adapter_model.safetensors; is it a PEFT adapter folder?", dir);
+    }
+    return st_open(path, out);
+}
+
+int peft_base_name(const char *key, char *base, size_t cap, int *is_b) {
+    static const char prefix[] = "base_model.model.";
+    static const char *const sufs[] = {".lora_A.weight", ".lora_B.weight", ".lora_A.default.weight",
+                                       ".lora_B.default.weight"};
+    size_t pl = sizeof prefix - 1, kl = strlen(key);
+    if (kl <= pl || strncmp(key, prefix, pl)) return 0;
+    for (int i = 0; i < 4; i++) {
+        size_t sl = strlen(sufs[i]);
+        if (kl > pl + sl && !strcmp(key + kl - sl, sufs[i])) {
+            size_t n = kl - pl - sl;
+            if (n + sizeof ".weight" > cap) return 0;
+            memcpy(base, key + pl, n);
+            memcpy(base + n, ".weight", sizeof ".weight");
+            *is_b = (i & 1);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+int peft_save(const char *dir, const peft_config *c, const peft_tensor *t, int n) {
+    QT_TRY(qt_mkdir_p(dir));
+    st_writer *w;
+    QT_TRY(st_writer_new(&w));
+    int rc = QT_OK;
+    for (int i = 0; i < n && rc == QT_OK; i++)
+        rc = st_writer_add(w, t[i].name, QT_F32, 2, t[i].shape, t[i].data, QT_F32);
+    if (rc == QT_OK) rc = st_writer_set_metadata(w, "format", "pt");
+    char path[4096];
+    if (rc == QT_OK) rc = qt_path_join(path, sizeof path, dir, "adapter_model.safetensors");
+    if (rc == QT_OK) rc = st_writer_write(w, path);
+    st_writer_free(w);
+    if (rc == QT_OK) rc = peft_config_write(c, dir);
+    return rc;
+}

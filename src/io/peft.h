@@ -1,0 +1,61 @@
+/* PEFT LoRA adapters as Hugging Face `peft` writes and reads them:
+ *
+ *   DIR/adapter_config.json        LoraConfig fields (peft_type "LORA", r,
+ *                                  lora_alpha, lora_dropout, target_modules,
+ *                                  use_rslora, bias "none", task_type
+ *                                  "CAUSAL_LM", base_model_name_or_path, ...)
+ *   DIR/adapter_model.safetensors  for each adapted Linear W (out, in):
+ *     base_model.model.<W's module>.lora_A.weight   (r, in)
+ *     base_model.model.<W's module>.lora_B.weight   (out, r)
+ *
+ * e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight adapts
+ * model.layers.0.self_attn.q_proj.weight. The adapted forward is
+ * y = W x + scaling * B (A x), scaling = lora_alpha / r (alpha / sqrt(r) with
+ * use_rslora). */
+#ifndef QT_IO_PEFT_H
+#define QT_IO_PEFT_H
+
+#include <stddef.h>
+
+#include "io/safetensors.h"
+
+#define PEFT_MAX_TARGETS 16
+
+typedef struct {
+    int r;
+    float lora_alpha;
+    float lora_dropout;
+    int use_rslora;
+    int n_targets;
+    char target_modules[PEFT_MAX_TARGETS][32]; /* "q_proj", ... */
+    char base_model[1024];                     /* base_model_name_or_path ("" when unknown) */
+} peft_config;
+
+/* scaling = lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora. */
+float peft_scaling(const peft_config *c);
+
+/* Reads DIR/adapter_config.json; refuses anything but a plain LoRA adapter
+ * (peft_type LORA, bias none, no rank/alpha patterns, no DoRA) by name. */
+int peft_config_load(const char *dir, peft_config *c);
+/* Writes DIR/adapter_config.json (atomic). */
+int peft_config_write(const peft_config *c, const char *dir);
+
+/* Opens DIR/adapter_model.safetensors. */
+int peft_open_weights(const char *dir, st_file **out);
+
+/* For an adapter key "base_model.model.X.lora_A.weight" (or lora_B) writes the
+ * base weight name "X.weight" into base (cap bytes) and sets *is_b. Returns 0
+ * when the key is not a LoRA A/B weight. Accepts the adapter-named form
+ * "X.lora_A.default.weight" too. */
+int peft_base_name(const char *key, char *base, size_t cap, int *is_b);
+
+/* Writes a whole adapter folder: config plus the named fp32 tensors
+ * (names are the PEFT keys; shapes (r, in) for A and (out, r) for B). */
+typedef struct {
+    const char *name;
+    int64_t shape[2];
+    const float *data;
+} peft_tensor;
+int peft_save(const char *dir, const peft_config *c, const peft_tensor *t, int n);
+
+#endif

@@ -1,0 +1,511 @@
+/* The job file: parse, override, validate, resolve paths. Every error names
+ * the job file and the field ("job.json: train.max_steps must be ..."). */
+#include "train/job.h"
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/log.h"
+#include "core/mem.h"
+#include "model/model.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define JOB_MAX_BYTES (16u << 20) /* a job or DeepSpeed file is a few KiB; refuse anything huge */
+
+/* ---------------------------------------------------------------------------
+ * --set key.path=value */
+
+/* Finds (creating objects along the way when create) the parent object of the
+ * last path component; *leaf gets that component. */
+static cJSON *set_walk(cJSON *root, char *path, char **leaf, const char *set) {
+    cJSON *obj = root;
+    char *p = path;
+    for (;;) {
+        char *dot = strchr(p, '.');
+        if (!dot) break;
+        *dot = 0;
+        if (!*p) { QT_ERR(QT_EINVAL, "--set %s: empty key component", set); return NULL; }
+        cJSON *child = cJSON_GetObjectItemCaseSensitive(obj, p);
+        if (!child) {
+            child = cJSON_AddObjectToObject(obj, p);
+            if (!child) { QT_ERR(QT_ENOMEM, "--set %s: out of memory", set); return NULL; }
+        } else if (!cJSON_IsObject(child)) {
+            QT_ERR(QT_EINVAL, "--set %s: '%s' is not an object in the job, so it has no field '%s'", set, p, dot + 1);
+            return NULL;
+        }
+        obj = child;
+        p = dot + 1;
+    }
+    if (!*p) { QT_ERR(QT_EINVAL, "--set %s: empty key component", set); return NULL; }
+    *leaf = p;
+    return obj;
+}
+
+static cJSON *set_value(const cJSON *old, const char *v, const char *set) {
+    if (!strcmp(v, "null")) return cJSON_CreateNull();
+    if (old && cJSON_IsNumber(old)) {
+        char *end;
+        errno = 0;
+        double d = strtod(v, &end);
+        if (end == v || *end || errno) {
+            QT_ERR(QT_EINVAL, "--set %s: this field is a number and '%s' is not one", set, v);
+            return NULL;
+        }
+        return cJSON_CreateNumber(d);
+    }
+    if (old && cJSON_IsBool(old)) {
+        if (!strcmp(v, "true") || !strcmp(v, "1")) return cJSON_CreateTrue();
+        if (!strcmp(v, "false") || !strcmp(v, "0")) return cJSON_CreateFalse();
+        QT_ERR(QT_EINVAL, "--set %s: this field is true/false and '%s' is neither", set, v);
+        return NULL;
+    }
+    if (old && cJSON_IsString(old)) return cJSON_CreateString(v);
+    if (old && cJSON_IsArray(old) && v[0] != '[') {
+        /* "q_proj,v_proj" -> ["q_proj", "v_proj"] */
+        cJSON *arr = cJSON_CreateArray();
+        const char *p = v;
+        while (arr && *p) {
+            const char *c = strchr(p, ',');
+            size_t n = c ? (size_t)(c - p) : strlen(p);
+            char item[256];
+            if (n >= sizeof item) n = sizeof item - 1;
+            memcpy(item, p, n);
+            item[n] = 0;
+            if (n) cJSON_AddItemToArray(arr, cJSON_CreateString(item));
+            p += c ? n + 1 : n;
+        }
+        return arr;
+    }
+    /* null, array, object or a new key: JSON if it parses, otherwise a string */
+    cJSON *j = cJSON_Parse(v);
+    if (j) return j;
+    return cJSON_CreateString(v);
+}
+
+int qt_job_apply_set(cJSON *root, const char *set) {
+    const char *eq = strchr(set, '=');
+    if (!eq || eq == set)
+        return QT_ERR(QT_EINVAL, "--set %s: write it as key.path=value (for example train.max_steps=100)", set);
+    size_t klen = (size_t)(eq - set);
+    char *key = qt_malloc(klen + 1, "a --set key");
+    if (!key) return QT_ENOMEM;
+    memcpy(key, set, klen);
+    key[klen] = 0;
+    char *leaf;
+    cJSON *parent = set_walk(root, key, &leaf, set);
+    int rc = QT_OK;
+    if (!parent) {
+        rc = qt_error_code();
+    } else {
+        cJSON *old = cJSON_GetObjectItemCaseSensitive(parent, leaf);
+        cJSON *nv = set_value(old, eq + 1, set);
+        if (!nv) rc = qt_error_code() ? qt_error_code() : QT_ERR(QT_ENOMEM, "--set %s: out of memory", set);
+        else if (old) cJSON_ReplaceItemInObjectCaseSensitive(parent, leaf, nv);
+        else cJSON_AddItemToObject(parent, leaf, nv);
+    }
+    qt_free(key);
+    return rc;
+}
+
+/* ---------------------------------------------------------------------------
+ * typed getters: each names the field in its error */
+
+typedef struct {
+    const char *where; /* job file name */
+    const char *dir;
+} job_ctx;
+
+static int get_num(const job_ctx *c, const cJSON *obj, const char *sect, const char *key, double def, double *out,
+                   int *present) {
+    const cJSON *it = obj ? cJSON_GetObjectItemCaseSensitive(obj, key) : NULL;
+    if (present) *present = it && !cJSON_IsNull(it);
+    if (!it || cJSON_IsNull(it)) { *out = def; return QT_OK; }
+    if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble))
+        return QT_ERR(QT_EINVAL, "%s: %s%s%s must be a number", c->where, sect, sect[0] ? "." : "", key);
+    *out = it->valuedouble;
+    return QT_OK;
+}
+
+static int get_long(const job_ctx *c, const cJSON *obj, const char *sect, const char *key, long def, long lo,
+                    long *out) {
+    double d;
+    QT_TRY(get_num(c, obj, sect, key, (double)def, &d, NULL));
+    if (d != floor(d) || d < (double)lo || d > 1e15)
+        return QT_ERR(QT_EINVAL, "%s: %s.%s must be a whole number >= %ld (got %g)", c->where, sect, key, lo, d);
+    *out = (long)d;
+    return QT_OK;
+}
+
+static int get_int(const job_ctx *c, const cJSON *obj, const char *sect, const char *key, int def, int lo, int *out) {
+    long v;
+    QT_TRY(get_long(c, obj, sect, key, def, lo, &v));
+    if (v > INT_MAX) return QT_ERR(QT_EINVAL, "%s: %s.%s is too large (%ld)", c->where, sect, key, v);
+    *out = (int)v;
+    return QT_OK;
+}
+
+static int get_bool(const job_ctx *c, const cJSON *obj, const char *sect, const char *key, int def, int *out) {
+    const cJSON *it = obj ? cJSON_GetObjectItemCaseSensitive(obj, key) : NULL;
+    if (!it || cJSON_IsNull(it)) { *out = def; return QT_OK; }
+    if (!cJSON_IsBool(it)) return QT_ERR(QT_EINVAL, "%s: %s.%s must be true or false", c->where, sect, key);
+    *out = cJSON_IsTrue(it);
+    return QT_OK;
+}
+
+/* A string field; NULL stays NULL unless def is given. */
+static int get_str(const job_ctx *c, const cJSON *obj, const char *sect, const char *key, const char *def, char **out) {
+    const cJSON *it = obj ? cJSON_GetObjectItemCaseSensitive(obj, key) : NULL;
+    *out = NULL;
+    const char *v = def;
+    if (it && !cJSON_IsNull(it)) {
+        if (!cJSON_IsString(it) || !it->valuestring[0])
+            return QT_ERR(QT_EINVAL, "%s: %s%s%s must be a non-empty string", c->where, sect, sect[0] ? "." : "", key);
+        v = it->valuestring;
+    }
+    if (!v) return QT_OK;
+    *out = qt_strdup(v);
+    return *out ? QT_OK : QT_ENOMEM;
+}
+
+/* A path relative to the job file's folder. */
+static int resolve(const job_ctx *c, char **p) {
+    if (!*p || (*p)[0] == '/') return QT_OK;
+    size_t n = strlen(c->dir) + strlen(*p) + 2;
+    char *full = qt_malloc(n, "a path");
+    if (!full) return QT_ENOMEM;
+    if (!strcmp(c->dir, ".")) snprintf(full, n, "%s", *p);
+    else snprintf(full, n, "%s/%s", c->dir, *p);
+    qt_free(*p);
+    *p = full;
+    return QT_OK;
+}
+
+static void warn_unknown(const job_ctx *c, const cJSON *obj, const char *sect, const char *const *known) {
+    if (!cJSON_IsObject(obj)) return;
+    for (const cJSON *it = obj->child; it; it = it->next) {
+        int ok = 0;
+        for (int i = 0; known[i] && !ok; i++) ok = !strcmp(it->string, known[i]);
+        if (!ok)
+            qt_warn("%s: unknown key '%s%s%s' is ignored; check its spelling (docs/job-file.md lists the keys)",
+                    c->where, sect, sect[0] ? "." : "", it->string);
+    }
+}
+
+static int section(const job_ctx *c, const cJSON *root, const char *name, const cJSON **out) {
+    const cJSON *s = cJSON_GetObjectItemCaseSensitive(root, name);
+    *out = NULL;
+    if (!s || cJSON_IsNull(s)) return QT_OK;
+    if (!cJSON_IsObject(s)) return QT_ERR(QT_EINVAL, "%s: '%s' must be an object {...}", c->where, name);
+    *out = s;
+    return QT_OK;
+}
+
+/* ---------------------------------------------------------------------------
+ * sections */
+
+int qt_lora_targets_parse(const cJSON *arr, unsigned *mask, const char *where) {
+    static const struct { const char *name; unsigned bit; } names[] = {
+        {"q_proj", QT_LORA_Q}, {"k_proj", QT_LORA_K}, {"v_proj", QT_LORA_V}, {"o_proj", QT_LORA_O},
+        {"gate_proj", QT_LORA_GATE}, {"up_proj", QT_LORA_UP}, {"down_proj", QT_LORA_DOWN},
+    };
+    *mask = 0;
+    if (cJSON_IsString(arr) && !strcmp(arr->valuestring, "all-linear")) {
+        for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) *mask |= names[i].bit;
+        return QT_OK;
+    }
+    if (!cJSON_IsArray(arr) || cJSON_GetArraySize(arr) == 0)
+        return QT_ERR(QT_EINVAL, "%s: lora.target_modules must be a non-empty list such as [\"q_proj\", \"v_proj\"]",
+                      where);
+    const cJSON *it;
+    cJSON_ArrayForEach(it, arr) {
+        if (!cJSON_IsString(it)) return QT_ERR(QT_EINVAL, "%s: lora.target_modules must hold strings", where);
+        unsigned bit = 0;
+        for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+            if (!strcmp(it->valuestring, names[i].name)) bit = names[i].bit;
+        if (!bit)
+            return QT_ERR(QT_EUNSUPPORTED,
+                          "%s: lora.target_modules names '%s'; qtune adapts q_proj, k_proj, v_proj, o_proj, gate_proj, "
+                          "up_proj and down_proj",
+                          where, it->valuestring);
+        *mask |= bit;
+    }
+    return QT_OK;
+}
+
+static int parse_data(const job_ctx *c, const cJSON *root, qt_job_data *d) {
+    static const char *const known[] = {"train", "eval", "format", "seq_len", "packing", "shuffle", "mask_prompt",
+                                        "cache_dir", "num_workers", "prefetch", NULL};
+    const cJSON *s;
+    QT_TRY(section(c, root, "data", &s));
+    if (!s) return QT_ERR(QT_EINVAL, "%s: the 'data' section is missing; it needs at least \"train\": \"file.jsonl\"",
+                          c->where);
+    warn_unknown(c, s, "data", known);
+    QT_TRY(get_str(c, s, "data", "train", NULL, &d->train));
+    if (!d->train) return QT_ERR(QT_EINVAL, "%s: data.train is missing; name the training JSONL file", c->where);
+    QT_TRY(resolve(c, &d->train));
+    QT_TRY(get_str(c, s, "data", "eval", NULL, &d->eval));
+    QT_TRY(resolve(c, &d->eval));
+    QT_TRY(get_str(c, s, "data", "format", "auto", &d->format));
+    static const char *const formats[] = {"auto", "text", "messages", "alpaca", "tokens", "input_ids", NULL};
+    int okf = 0;
+    for (int i = 0; formats[i]; i++) okf |= !strcmp(d->format, formats[i]);
+    if (!okf)
+        return QT_ERR(QT_EINVAL, "%s: data.format is '%s'; use auto, text, messages, alpaca or tokens", c->where,
+                      d->format);
+    QT_TRY(get_int(c, s, "data", "seq_len", 512, 2, &d->seq_len));
+    QT_TRY(get_bool(c, s, "data", "packing", 1, &d->packing));
+    QT_TRY(get_bool(c, s, "data", "shuffle", 1, &d->shuffle));
+    QT_TRY(get_bool(c, s, "data", "mask_prompt", 1, &d->mask_prompt));
+    QT_TRY(get_str(c, s, "data", "cache_dir", NULL, &d->cache_dir));
+    QT_TRY(resolve(c, &d->cache_dir));
+    const cJSON *nw = cJSON_GetObjectItemCaseSensitive(s, "num_workers");
+    if (nw && cJSON_IsString(nw) && !strcmp(nw->valuestring, "auto")) d->num_workers = 0;
+    else QT_TRY(get_int(c, s, "data", "num_workers", 0, 0, &d->num_workers));
+    QT_TRY(get_int(c, s, "data", "prefetch", 4, 0, &d->prefetch));
+    return QT_OK;
+}
+
+static int parse_lora(const job_ctx *c, const cJSON *root, qt_job_lora *l) {
+    static const char *const known[] = {"r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora",
+                                        "init_from", "bias", "task_type", "peft_type", NULL};
+    const cJSON *s;
+    QT_TRY(section(c, root, "lora", &s));
+    if (!s) return QT_OK;
+    l->enabled = 1;
+    warn_unknown(c, s, "lora", known);
+    QT_TRY(get_int(c, s, "lora", "r", 8, 1, &l->r));
+    double a, dr;
+    QT_TRY(get_num(c, s, "lora", "lora_alpha", 8, &a, NULL));
+    QT_TRY(get_num(c, s, "lora", "lora_dropout", 0, &dr, NULL));
+    if (dr < 0 || dr >= 1) return QT_ERR(QT_EINVAL, "%s: lora.lora_dropout must be in [0, 1) (got %g)", c->where, dr);
+    l->lora_alpha = (float)a;
+    l->lora_dropout = (float)dr;
+    const cJSON *tm = cJSON_GetObjectItemCaseSensitive(s, "target_modules");
+    if (!tm || cJSON_IsNull(tm)) {
+        l->targets = QT_LORA_Q | QT_LORA_V; /* PEFT's default for Qwen2 */
+        l->target_names = qt_calloc(2, sizeof(char *), "lora target names");
+        if (!l->target_names) return QT_ENOMEM;
+        l->n_target_names = 2;
+        l->target_names[0] = qt_strdup("q_proj");
+        l->target_names[1] = qt_strdup("v_proj");
+    } else {
+        QT_TRY(qt_lora_targets_parse(tm, &l->targets, c->where));
+        if (cJSON_IsString(tm)) {
+            static const char *const all[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                              "down_proj"};
+            l->target_names = qt_calloc(7, sizeof(char *), "lora target names");
+            if (!l->target_names) return QT_ENOMEM;
+            l->n_target_names = 7;
+            for (int i = 0; i < 7; i++) l->target_names[i] = qt_strdup(all[i]);
+        } else {
+            int n = cJSON_GetArraySize(tm), i = 0;
+            l->target_names = qt_calloc((size_t)n, sizeof(char *), "lora target names");
+            if (!l->target_names) return QT_ENOMEM;
+            l->n_target_names = n;
+            const cJSON *it;
+            cJSON_ArrayForEach(it, tm) l->target_names[i++] = qt_strdup(it->valuestring);
+        }
+    }
+    for (int i = 0; i < l->n_target_names; i++)
+        if (!l->target_names[i]) return QT_ENOMEM;
+    QT_TRY(get_bool(c, s, "lora", "use_rslora", 0, &l->use_rslora));
+    QT_TRY(get_str(c, s, "lora", "init_from", NULL, &l->init_from));
+    QT_TRY(resolve(c, &l->init_from));
+    const cJSON *bias = cJSON_GetObjectItemCaseSensitive(s, "bias");
+    if (bias && !(cJSON_IsString(bias) && !strcmp(bias->valuestring, "none")))
+        return QT_ERR(QT_EUNSUPPORTED, "%s: lora.bias must be \"none\"; qtune does not train biases with LoRA", c->where);
+    return QT_OK;
+}
+
+static int parse_train(const job_ctx *c, const cJSON *root, qt_job_train *t) {
+    static const char *const known[] = {"max_steps", "epochs", "save_steps", "save_total_limit", "eval_steps",
+                                        "log_steps", "seed", "gradient_checkpointing", "resume",
+                                        "overwrite_output_dir", "eval_batches", NULL};
+    const cJSON *s;
+    QT_TRY(section(c, root, "train", &s));
+    warn_unknown(c, s, "train", known);
+    int has_steps = 0, has_epochs = 0;
+    double ms, ep;
+    QT_TRY(get_num(c, s, "train", "max_steps", -1, &ms, &has_steps));
+    QT_TRY(get_num(c, s, "train", "epochs", -1, &ep, &has_epochs));
+    if (has_steps && (ms != floor(ms) || ms < 1 || ms > 1e12))
+        return QT_ERR(QT_EINVAL, "%s: train.max_steps must be a whole number >= 1 (got %g)", c->where, ms);
+    if (has_epochs && !(ep > 0 && ep < 1e6))
+        return QT_ERR(QT_EINVAL, "%s: train.epochs must be a positive number (got %g)", c->where, ep);
+    t->max_steps = has_steps ? (long)ms : -1;
+    t->epochs = has_epochs ? ep : (has_steps ? -1 : 1);
+    QT_TRY(get_long(c, s, "train", "save_steps", 0, 0, &t->save_steps));
+    QT_TRY(get_int(c, s, "train", "save_total_limit", 0, 0, &t->save_total_limit));
+    QT_TRY(get_long(c, s, "train", "eval_steps", 0, 0, &t->eval_steps));
+    QT_TRY(get_long(c, s, "train", "log_steps", 1, 1, &t->log_steps));
+    QT_TRY(get_long(c, s, "train", "eval_batches", 0, 0, &t->eval_batches));
+    double seed;
+    QT_TRY(get_num(c, s, "train", "seed", 42, &seed, NULL));
+    if (seed < 0 || seed != floor(seed) || seed > 9007199254740992.0)
+        return QT_ERR(QT_EINVAL, "%s: train.seed must be a whole number >= 0", c->where);
+    t->seed = (uint64_t)seed;
+    QT_TRY(get_bool(c, s, "train", "gradient_checkpointing", 0, &t->gradient_checkpointing));
+    QT_TRY(get_bool(c, s, "train", "overwrite_output_dir", 0, &t->overwrite_output_dir));
+    const cJSON *r = s ? cJSON_GetObjectItemCaseSensitive(s, "resume") : NULL;
+    if (r && cJSON_IsBool(r)) {
+        t->resume = qt_strdup(cJSON_IsTrue(r) ? "auto" : "never");
+        return t->resume ? QT_OK : QT_ENOMEM;
+    }
+    QT_TRY(get_str(c, s, "train", "resume", "auto", &t->resume));
+    if (strcmp(t->resume, "auto") && strcmp(t->resume, "never")) QT_TRY(resolve(c, &t->resume));
+    return QT_OK;
+}
+
+/* deepspeed: a path (relative to the job) is read into an object. */
+static int load_deepspeed(const job_ctx *c, cJSON *root, char **ds_path) {
+    cJSON *ds = cJSON_GetObjectItemCaseSensitive(root, "deepspeed");
+    if (!ds || !cJSON_IsString(ds)) return QT_OK;
+    char *p = qt_strdup(ds->valuestring);
+    if (!p) return QT_ENOMEM;
+    int rc = resolve(c, &p);
+    if (rc != QT_OK) { qt_free(p); return rc; }
+    char *text;
+    rc = qt_read_file(p, JOB_MAX_BYTES, &text, NULL);
+    if (rc != QT_OK) {
+        qt_free(p);
+        return qt_error_context(rc, "%s: deepspeed", c->where);
+    }
+    const char *errp = NULL;
+    cJSON *obj = cJSON_ParseWithOpts(text, &errp, 1);
+    if (!obj || !cJSON_IsObject(obj)) {
+        long off = errp ? (long)(errp - text) : 0;
+        int line = 1;
+        for (long i = 0; i < off && text[i]; i++) line += text[i] == '\n';
+        cJSON_Delete(obj);
+        qt_free(text);
+        rc = QT_ERR(QT_EFORMAT, "%s: line %d is not valid JSON (the DeepSpeed config named by %s's \"deepspeed\")", p,
+                    line, c->where);
+        qt_free(p);
+        return rc;
+    }
+    qt_free(text);
+    cJSON_ReplaceItemInObjectCaseSensitive(root, "deepspeed", obj);
+    qt_free(*ds_path);
+    *ds_path = p;
+    return QT_OK;
+}
+
+/* What changes the trained result: everything but where outputs go, how often
+ * they are written and how the run is resumed. */
+static uint64_t job_fingerprint(const cJSON *root) {
+    cJSON *cp = cJSON_Duplicate(root, 1);
+    if (!cp) return 0;
+    cJSON_DeleteItemFromObjectCaseSensitive(cp, "output_dir");
+    cJSON *t = cJSON_GetObjectItemCaseSensitive(cp, "train");
+    static const char *const volatile_train[] = {"max_steps", "save_steps", "save_total_limit", "eval_steps",
+                                                 "log_steps", "resume", "overwrite_output_dir", "eval_batches"};
+    if (cJSON_IsObject(t))
+        for (size_t i = 0; i < sizeof volatile_train / sizeof volatile_train[0]; i++)
+            cJSON_DeleteItemFromObjectCaseSensitive(t, volatile_train[i]);
+    cJSON *d = cJSON_GetObjectItemCaseSensitive(cp, "data");
+    if (cJSON_IsObject(d)) {
+        cJSON_DeleteItemFromObjectCaseSensitive(d, "num_workers");
+        cJSON_DeleteItemFromObjectCaseSensitive(d, "prefetch");
+        cJSON_DeleteItemFromObjectCaseSensitive(d, "cache_dir");
+    }
+    cJSON *ds = cJSON_GetObjectItemCaseSensitive(cp, "deepspeed");
+    if (cJSON_IsObject(ds)) {
+        cJSON_DeleteItemFromObjectCaseSensitive(ds, "steps_per_print");
+        cJSON_DeleteItemFromObjectCaseSensitive(ds, "wall_clock_breakdown");
+    }
+    char *s = cJSON_PrintUnformatted(cp);
+    cJSON_Delete(cp);
+    if (!s) return 0;
+    uint64_t h = qt_hash64(s, strlen(s), 0x716a6f62u);
+    free(s);
+    return h;
+}
+
+int qt_job_parse(const char *json, const char *dir, const char *where, const char *const *sets, int n_sets,
+                 qt_job *job) {
+    memset(job, 0, sizeof *job);
+    job_ctx c = {where, dir};
+    const char *errp = NULL;
+    cJSON *root = cJSON_ParseWithOpts(json, &errp, 1);
+    if (!root || !cJSON_IsObject(root)) {
+        long off = errp ? (long)(errp - json) : 0;
+        int line = 1;
+        for (long i = 0; i < off && json[i]; i++) line += json[i] == '\n';
+        cJSON_Delete(root);
+        return QT_ERR(QT_EFORMAT, "%s: line %d is not valid JSON; the job file must be one JSON object", where, line);
+    }
+    job->root = root;
+    int rc = QT_OK;
+    for (int i = 0; i < n_sets && rc == QT_OK; i++) {
+        /* an override inside the DeepSpeed config needs its file read first */
+        if (!strncmp(sets[i], "deepspeed.", 10)) rc = load_deepspeed(&c, root, &job->deepspeed_path);
+        if (rc == QT_OK) rc = qt_job_apply_set(root, sets[i]);
+    }
+    if (rc == QT_OK) rc = load_deepspeed(&c, root, &job->deepspeed_path);
+    if (rc != QT_OK) { qt_job_free(job); return rc; }
+
+    static const char *const known[] = {"model", "output_dir", "data", "lora", "train", "deepspeed", NULL};
+    warn_unknown(&c, root, "", known);
+    job->dir = qt_strdup(dir);
+    job->path = qt_strdup(where);
+    if (!job->dir || !job->path) rc = QT_ENOMEM;
+    if (rc == QT_OK) rc = get_str(&c, root, "", "model", NULL, &job->model);
+    if (rc == QT_OK && !job->model)
+        rc = QT_ERR(QT_EINVAL, "%s: \"model\" is missing; name a Hugging Face model folder", where);
+    if (rc == QT_OK) rc = resolve(&c, &job->model);
+    if (rc == QT_OK) rc = get_str(&c, root, "", "output_dir", NULL, &job->output_dir);
+    if (rc == QT_OK && !job->output_dir)
+        rc = QT_ERR(QT_EINVAL, "%s: \"output_dir\" is missing; name the folder for checkpoints and results", where);
+    if (rc == QT_OK) rc = resolve(&c, &job->output_dir);
+    if (rc == QT_OK) rc = parse_data(&c, root, &job->data);
+    if (rc == QT_OK) rc = parse_lora(&c, root, &job->lora);
+    if (rc == QT_OK) rc = parse_train(&c, root, &job->train);
+    if (rc == QT_OK) {
+        cJSON *ds = cJSON_GetObjectItemCaseSensitive(root, "deepspeed");
+        if (ds && !cJSON_IsNull(ds) && !cJSON_IsObject(ds))
+            rc = QT_ERR(QT_EINVAL, "%s: \"deepspeed\" must be a path to a DeepSpeed JSON file or an object", where);
+        else if (ds && cJSON_IsObject(ds)) {
+            job->deepspeed = cJSON_Duplicate(ds, 1);
+            if (!job->deepspeed) rc = QT_ERR(QT_ENOMEM, "out of memory copying the DeepSpeed config");
+        }
+    }
+    if (rc != QT_OK) { qt_job_free(job); return rc; }
+    job->fingerprint = job_fingerprint(root);
+    return QT_OK;
+}
+
+int qt_job_load(const char *path, const char *const *sets, int n_sets, qt_job *job) {
+    memset(job, 0, sizeof *job);
+    char *text;
+    QT_TRY(qt_read_file(path, JOB_MAX_BYTES, &text, NULL));
+    char dir[4096];
+    qt_path_dirname(dir, sizeof dir, path);
+    int rc = qt_job_parse(text, dir, path, sets, n_sets, job);
+    qt_free(text);
+    return rc;
+}
+
+void qt_job_free(qt_job *job) {
+    if (!job) return;
+    qt_free(job->path);
+    qt_free(job->dir);
+    qt_free(job->model);
+    qt_free(job->output_dir);
+    qt_free(job->data.train);
+    qt_free(job->data.eval);
+    qt_free(job->data.format);
+    qt_free(job->data.cache_dir);
+    for (int i = 0; i < job->lora.n_target_names; i++) qt_free(job->lora.target_names[i]);
+    qt_free(job->lora.target_names);
+    qt_free(job->lora.init_from);
+    qt_free(job->train.resume);
+    qt_free(job->deepspeed_path);
+    cJSON_Delete(job->deepspeed);
+    cJSON_Delete(job->root);
+    memset(job, 0, sizeof *job);
+}

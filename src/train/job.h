@@ -1,0 +1,85 @@
+/* The job file (`qtune train JOB.json`): what to train, on what, and where
+ * the outputs go. See docs/job-file.md for every key and its meaning.
+ *
+ * Loading goes: read JSON -> resolve a `deepspeed` path into its object when
+ * an override reaches inside it -> apply `--set key.path=value` overrides
+ * (typed by the value already there) -> warn about unknown keys by name ->
+ * check and resolve paths relative to the job file's folder. */
+#ifndef QT_TRAIN_JOB_H
+#define QT_TRAIN_JOB_H
+
+#include <stdint.h>
+
+#include <cjson/cJSON.h>
+
+typedef struct {
+    char *train;        /* resolved path of the training JSONL */
+    char *eval;         /* resolved path of the eval JSONL, NULL when none */
+    char *format;       /* "auto", "text", "messages", "alpaca", "tokens" */
+    int seq_len;        /* T */
+    int packing;
+    int shuffle;
+    int mask_prompt;
+    char *cache_dir;    /* NULL: next to the data */
+    int num_workers;    /* 0 = auto */
+    int prefetch;
+} qt_job_data;
+
+typedef struct {
+    int enabled;          /* 0: no lora section, full fine-tuning */
+    int r;
+    float lora_alpha;
+    float lora_dropout;
+    unsigned targets;     /* QT_LORA_* mask (model/model.h) */
+    int n_target_names;
+    char **target_names;  /* as written, e.g. {"q_proj", "v_proj"} */
+    int use_rslora;
+    char *init_from;      /* resolved path of a PEFT adapter folder, or NULL */
+} qt_job_lora;
+
+typedef struct {
+    long max_steps;       /* -1: derive from epochs */
+    double epochs;        /* -1: null */
+    long save_steps;      /* 0: only at the end */
+    int save_total_limit; /* 0: keep all */
+    long eval_steps;      /* 0: only before and after */
+    long log_steps;
+    uint64_t seed;
+    int gradient_checkpointing;
+    char *resume;         /* "auto", "never", or a checkpoint folder path (resolved) */
+    int overwrite_output_dir;
+    long eval_batches;    /* micro-batches per evaluation; 0 = the whole eval set */
+} qt_job_train;
+
+typedef struct {
+    char *path;           /* the job file as given */
+    char *dir;            /* its folder: relative paths start here */
+    char *model;          /* resolved model folder */
+    char *output_dir;     /* resolved output folder */
+    qt_job_data data;
+    qt_job_lora lora;
+    qt_job_train train;
+    cJSON *deepspeed;     /* the DeepSpeed object (read from its file when a path); owned */
+    char *deepspeed_path; /* the file it came from, or NULL when inline */
+    cJSON *root;          /* the whole job after overrides; owned */
+    uint64_t fingerprint; /* of everything that changes what is trained (see job.c) */
+} qt_job;
+
+/* Reads path, applies n_sets overrides "key.path=value", fills job.
+ * On error job is left empty (nothing to free). */
+int qt_job_load(const char *path, const char *const *sets, int n_sets, qt_job *job);
+/* Same from JSON text; dir is where relative paths start, where names the job
+ * in messages. */
+int qt_job_parse(const char *json, const char *dir, const char *where, const char *const *sets, int n_sets,
+                 qt_job *job);
+void qt_job_free(qt_job *job);
+
+/* Applies one "key.path=value" override to a JSON tree. The value is typed by
+ * the existing one (number, bool, string, null, array); a new key takes JSON
+ * if the value parses as JSON, otherwise a string. */
+int qt_job_apply_set(cJSON *root, const char *set);
+
+/* LoRA target names (PEFT's) to a QT_LORA_* mask; "all-linear" is every one. */
+int qt_lora_targets_parse(const cJSON *arr, unsigned *mask, const char *where);
+
+#endif
