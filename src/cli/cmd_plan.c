@@ -1,9 +1,178 @@
-/* qtune plan: placeholder until its issue lands; replaced by the real command. */
+/* qtune plan: the memory and hardware plan for a model, a strategy and a
+ * device count (src/train/plan_report.h does the sums; docs/plan.md). */
 #include "cli/cli.h"
+#include "core/error.h"
+#include "core/mem.h"
+#include "io/hf_config.h"
+#include "model/model.h"
+#include "train/plan_report.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+static void plan_help(void) {
+    printf("usage: qtune plan (--model DIR | --preset NAME) [options]\n\n"
+           "Per-device memory by category, host memory, checkpoint size, the smallest device\n"
+           "count that fits, and a power/host recommendation with a 20%% margin.\n\n"
+           "  --model DIR           a Hugging Face model folder (config.json)\n"
+           "  --preset NAME         a preset shape (see `qtune init --help`)\n"
+           "  --mode lora|full      default full\n"
+           "  --zero 0|1|2          ZeRO stage (default 0)\n"
+           "  --devices N           data-parallel ranks (default 1)\n"
+           "  --offload cpu|none    optimizer state + master weights in host memory (needs --zero 1|2)\n"
+           "  --precision fp32|fp16|bf16  compute dtype (default fp32)\n"
+           "  --micro-batch B       default 1\n"
+           "  --seq-len T           default 512\n"
+           "  --checkpointing       activation recomputation\n"
+           "  --device-memory GiB   memory of one card (default 32)\n"
+           "  --lora-r R            default 8\n"
+           "  --lora-targets LIST   comma-separated: q,k,v,o,gate,up,down or PEFT names; all-linear (default q,v)\n"
+           "  --card-watts W        TDP of one card (default 300, a 32 GB card)\n"
+           "  --host-watts W        one host without its cards (default 500)\n"
+           "  --cards-per-host K    default min(devices, 8)\n"
+           "  --dataset-gib G       dataset/token cache held in host memory (default 1)\n"
+           "  --strategies          also print the field report's three strategies for this shape\n"
+           "  --json                print one JSON object instead of the table\n");
+}
+
+static int parse_targets(const char *s, unsigned *mask) {
+    static const struct { const char *a, *b; unsigned bit; } t[] = {
+        {"q", "q_proj", QT_LORA_Q},          {"k", "k_proj", QT_LORA_K},   {"v", "v_proj", QT_LORA_V},
+        {"o", "o_proj", QT_LORA_O},          {"gate", "gate_proj", QT_LORA_GATE},
+        {"up", "up_proj", QT_LORA_UP},       {"down", "down_proj", QT_LORA_DOWN},
+    };
+    *mask = 0;
+    char buf[256];
+    if (strlen(s) >= sizeof buf) return -1;
+    strcpy(buf, s);
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        if (!strcasecmp(tok, "all-linear")) {
+            *mask |= 0x7f;
+            continue;
+        }
+        int found = 0;
+        for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
+            if (!strcasecmp(tok, t[i].a) || !strcasecmp(tok, t[i].b)) *mask |= t[i].bit, found = 1;
+        if (!found) return -1;
+    }
+    return *mask ? 0 : -1;
+}
+
+static int parse_int(const char *s, int lo, int hi, int *out) {
+    char *end;
+    long v = strtol(s, &end, 10);
+    if (end == s || *end || v < lo || v > hi) return -1;
+    *out = (int)v;
+    return 0;
+}
+
+static int parse_num(const char *s, double *out) {
+    char *end;
+    double v = strtod(s, &end);
+    if (end == s || *end || !(v > 0) || v > 1e9) return -1;
+    *out = v;
+    return 0;
+}
 
 int cmd_plan(int argc, char **argv) {
-    (void)argc;
-    (void)argv;
-    fprintf(stderr, "qtune plan: this command is still under construction in this build\n");
-    return QT_EXIT_FAIL;
+    if (cli_wants_help(argc, argv)) {
+        plan_help();
+        return QT_EXIT_OK;
+    }
+    qt_plan_opts o;
+    qt_plan_opts_default(&o);
+    const char *model = NULL, *preset = NULL;
+    int json = 0, strategies = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+#define NEED_VALUE() \
+    do { if (!v) return cli_usage_error("plan", "%s needs a value", a); i++; } while (0)
+        if (!strcmp(a, "--model")) { NEED_VALUE(); model = v; }
+        else if (!strcmp(a, "--preset")) { NEED_VALUE(); preset = v; }
+        else if (!strcmp(a, "--mode")) {
+            NEED_VALUE();
+            if (!strcmp(v, "lora")) o.lora = 1;
+            else if (!strcmp(v, "full")) o.lora = 0;
+            else return cli_usage_error("plan", "--mode must be lora or full, not '%s'", v);
+        } else if (!strcmp(a, "--zero")) {
+            NEED_VALUE();
+            if (parse_int(v, 0, 2, &o.zero)) return cli_usage_error("plan", "--zero must be 0, 1 or 2, not '%s'", v);
+        } else if (!strcmp(a, "--devices")) {
+            NEED_VALUE();
+            if (parse_int(v, 1, 4096, &o.devices))
+                return cli_usage_error("plan", "--devices must be a whole number from 1 to 4096, not '%s'", v);
+        } else if (!strcmp(a, "--offload")) {
+            NEED_VALUE();
+            if (!strcmp(v, "cpu")) o.offload = 1;
+            else if (!strcmp(v, "none")) o.offload = 0;
+            else return cli_usage_error("plan", "--offload must be cpu or none, not '%s'", v);
+        } else if (!strcmp(a, "--precision")) {
+            NEED_VALUE();
+            if (qt_dtype_parse(v, &o.precision) != QT_OK)
+                return cli_usage_error("plan", "--precision must be fp32, fp16 or bf16, not '%s'", v);
+        } else if (!strcmp(a, "--micro-batch")) {
+            NEED_VALUE();
+            if (parse_int(v, 1, 1 << 20, &o.micro_batch))
+                return cli_usage_error("plan", "--micro-batch must be a positive whole number, not '%s'", v);
+        } else if (!strcmp(a, "--seq-len")) {
+            NEED_VALUE();
+            if (parse_int(v, 1, 1 << 22, &o.seq_len))
+                return cli_usage_error("plan", "--seq-len must be a positive whole number, not '%s'", v);
+        } else if (!strcmp(a, "--checkpointing")) o.checkpointing = 1;
+        else if (!strcmp(a, "--device-memory")) {
+            NEED_VALUE();
+            if (parse_num(v, &o.device_gib))
+                return cli_usage_error("plan", "--device-memory must be a positive number of GiB, not '%s'", v);
+        } else if (!strcmp(a, "--lora-r")) {
+            NEED_VALUE();
+            if (parse_int(v, 1, 65536, &o.lora_r))
+                return cli_usage_error("plan", "--lora-r must be a positive whole number, not '%s'", v);
+        } else if (!strcmp(a, "--lora-targets")) {
+            NEED_VALUE();
+            if (parse_targets(v, &o.lora_targets))
+                return cli_usage_error("plan", "--lora-targets '%s' is not a comma-separated list of q,k,v,o,gate,up,down", v);
+        } else if (!strcmp(a, "--card-watts")) {
+            NEED_VALUE();
+            if (parse_num(v, &o.card_watts)) return cli_usage_error("plan", "--card-watts must be positive, not '%s'", v);
+        } else if (!strcmp(a, "--host-watts")) {
+            NEED_VALUE();
+            if (parse_num(v, &o.host_watts)) return cli_usage_error("plan", "--host-watts must be positive, not '%s'", v);
+        } else if (!strcmp(a, "--cards-per-host")) {
+            NEED_VALUE();
+            if (parse_int(v, 1, 4096, &o.cards_per_host))
+                return cli_usage_error("plan", "--cards-per-host must be a positive whole number, not '%s'", v);
+        } else if (!strcmp(a, "--dataset-gib")) {
+            NEED_VALUE();
+            double g;
+            if (parse_num(v, &g)) return cli_usage_error("plan", "--dataset-gib must be positive, not '%s'", v);
+            o.dataset_bytes = (uint64_t)(g * 1024.0 * 1024.0 * 1024.0);
+        } else if (!strcmp(a, "--strategies")) strategies = 1;
+        else if (!strcmp(a, "--json")) json = 1;
+        else return cli_usage_error("plan", "unknown option '%s'", a);
+#undef NEED_VALUE
+    }
+    if (!model == !preset) return cli_usage_error("plan", "give exactly one of --model DIR or --preset NAME");
+    if (o.offload && o.zero == 0)
+        return cli_usage_error("plan", "--offload cpu needs --zero 1 or 2 (the offloaded state is the sharded optimizer)");
+
+    qt_config cfg;
+    if ((model ? qt_config_load(model, &cfg) : qt_preset(preset, &cfg)) != QT_OK) return cli_fail();
+    qt_plan p;
+    if (qt_plan_compute(&cfg, &o, &p) != QT_OK) return cli_fail();
+    const char *name = model ? model : preset;
+    if (json) {
+        char *s = qt_plan_json(name, &cfg, &o, &p);
+        if (!s) return cli_fail();
+        printf("%s\n", s);
+        qt_free(s);
+    } else {
+        qt_plan_print(stdout, name, &cfg, &o, &p);
+        if (strategies) {
+            printf("\n");
+            qt_plan_print_strategies(stdout, name, &cfg, &o);
+        }
+    }
+    return QT_EXIT_OK;
 }

@@ -1,0 +1,370 @@
+/* The memory and hardware plan: model bytes (from the model's own sizing),
+ * then the strategy on top: ZeRO sharding, host offload, communication
+ * buffers, host memory, disk, device count and power. See plan_report.h for
+ * the accounting rules and docs/plan.md for the assumptions. */
+#include "train/plan_report.h"
+
+#include "core/error.h"
+#include "core/mem.h"
+#include "model/model.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <string.h>
+
+#define GIB (1024.0 * 1024.0 * 1024.0)
+#define MAX_DEVICES 4096
+/* Gradient bucket of the collectives: at most 2^26 elements (256 MiB fp32). */
+#define COMM_BUCKET_ELEMS ((int64_t)1 << 26)
+/* Process runtime per rank: code, BLAS/OpenMP buffers, allocator slack. */
+#define HOST_RUNTIME_PER_RANK ((uint64_t)1 << 30)
+
+void qt_plan_opts_default(qt_plan_opts *o) {
+    memset(o, 0, sizeof *o);
+    o->lora = 0;
+    o->lora_r = 8;
+    o->lora_targets = QT_LORA_Q | QT_LORA_V;
+    o->zero = 0;
+    o->devices = 1;
+    o->offload = 0;
+    o->precision = QT_F32;
+    o->micro_batch = 1;
+    o->seq_len = 512;
+    o->checkpointing = 0;
+    o->device_gib = 32.0;
+    o->card_watts = 300.0;
+    o->host_watts = 500.0;
+    o->cards_per_host = 0;
+    o->dataset_bytes = (uint64_t)1 << 30;
+}
+
+/* ---- model side: what the model allocates for (config, opts) ---------------- */
+
+typedef struct {
+    int64_t n_params, n_trainable;
+    uint64_t weights;     /* frozen base + compute copy of the trainable block (f16/bf16) or the f32 block itself */
+    uint64_t activations; /* saved for backward */
+    uint64_t workspace;   /* backward scratch */
+} plan_model;
+
+/* Elements of one LoRA pair on a (out, in) projection. */
+static int64_t lora_numel(int64_t out, int64_t in, int r) { return (int64_t)r * (in + out); }
+
+static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, plan_model *pm) {
+    const int64_t V = c->vocab_size, C = c->hidden_size, I = c->intermediate_size, L = c->num_hidden_layers;
+    const int64_t H = c->num_attention_heads, KV = c->num_key_value_heads, D = c->head_dim;
+    const int64_t B = o->micro_batch, T = o->seq_len, R = o->lora_r;
+    const int64_t bias = c->attention_bias ? (H * D + 2 * KV * D) : 0;
+    const int64_t per_layer = C * H * D + 2 * C * KV * D + H * D * C + 3 * C * I + 2 * C + bias;
+    const int64_t n_params = V * C + L * per_layer + C + (c->tie_word_embeddings ? 0 : V * C);
+    int64_t n_lora = 0;
+    if (o->lora) {
+        const unsigned t = o->lora_targets;
+        int64_t per = 0;
+        if (t & QT_LORA_Q) per += lora_numel(H * D, C, (int)R);
+        if (t & QT_LORA_K) per += lora_numel(KV * D, C, (int)R);
+        if (t & QT_LORA_V) per += lora_numel(KV * D, C, (int)R);
+        if (t & QT_LORA_O) per += lora_numel(C, H * D, (int)R);
+        if (t & QT_LORA_GATE) per += lora_numel(I, C, (int)R);
+        if (t & QT_LORA_UP) per += lora_numel(I, C, (int)R);
+        if (t & QT_LORA_DOWN) per += lora_numel(C, I, (int)R);
+        n_lora = L * per;
+    }
+    const uint64_t ws = qt_dtype_size(o->precision);
+    pm->n_params = n_params + n_lora;
+    pm->n_trainable = o->lora ? n_lora : n_params;
+    /* f32: the trainable block is the weights; f16/bf16: a compute copy of it */
+    pm->weights = o->lora ? (uint64_t)n_params * ws + (uint64_t)n_lora * ws : (uint64_t)n_params * ws;
+
+    /* Saved activations of one layer, in elements: the residual input, both
+     * norm outputs and their rstd, q/k/v, the attention probabilities, the
+     * attention output, the mid residual, gate/up/silu(gate)*up, and the
+     * LoRA down-projections x A^T. Activations are kept in fp32 (the CPU
+     * backend computes in fp32 for every storage dtype). */
+    const int64_t BT = B * T;
+    int64_t layer = BT * (4 * C + 2 + 2 * H * D + 2 * KV * D + 3 * I) + B * H * T * T;
+    if (o->lora) layer += BT * R * __builtin_popcount(o->lora_targets);
+    const int64_t head = BT * (C + 1); /* final norm output and rstd */
+    const int64_t saved = o->checkpointing ? L * BT * C + layer + head : L * layer + head;
+    pm->activations = (uint64_t)saved * 4;
+    /* Backward scratch: logits and their gradient (B*T*V fp32 each), the
+     * gradients of one layer's activations, and two residual-stream grads. */
+    pm->workspace = (uint64_t)(2 * BT * V + layer + 2 * BT * C) * 4;
+}
+
+/* ---- strategy side -------------------------------------------------------- */
+
+static uint64_t shard(uint64_t bytes, int n) { return (bytes + (uint64_t)n - 1) / (uint64_t)n; }
+
+static void plan_device(const plan_model *pm, const qt_plan_opts *o, int N, qt_plan_device *d) {
+    const uint64_t Pt = (uint64_t)pm->n_trainable;
+    memset(d, 0, sizeof *d);
+    d->weights = pm->weights;
+    const uint64_t grads = Pt * 4; /* the model's gradient block is fp32 */
+    const uint64_t master = o->precision == QT_F32 ? 0 : Pt * 4;
+    const uint64_t optim = Pt * 8; /* Adam m and v, fp32 */
+    d->grads = o->zero >= 2 ? shard(grads, N) : grads;
+    d->master = o->zero >= 1 ? shard(master, N) : master;
+    d->optim = o->zero >= 1 ? shard(optim, N) : optim;
+    if (o->offload) d->master = d->optim = 0;
+    d->activations = pm->activations;
+    d->workspace = pm->workspace;
+    if (N > 1) {
+        const uint64_t bucket = (uint64_t)(Pt < (uint64_t)COMM_BUCKET_ELEMS ? Pt : (uint64_t)COMM_BUCKET_ELEMS) * 4;
+        /* all-reduce / reduce-scatter double buffer; ZeRO 1/2 add an
+         * all-gather buffer for the updated parameters */
+        d->comm = 2 * bucket + (o->zero >= 1 ? bucket : 0);
+    }
+    d->total = d->weights + d->grads + d->master + d->optim + d->activations + d->workspace + d->comm;
+}
+
+static int plan_check(const qt_config *c, const qt_plan_opts *o) {
+    if (c->vocab_size <= 0 || c->hidden_size <= 0 || c->num_hidden_layers <= 0 || c->num_attention_heads <= 0 ||
+        c->num_key_value_heads <= 0 || c->head_dim <= 0 || c->intermediate_size <= 0)
+        return QT_ERR(QT_EINVAL, "the model config has a zero or negative size; check config.json");
+    if (o->zero < 0 || o->zero > 2) return QT_ERR(QT_EINVAL, "--zero must be 0, 1 or 2, not %d", o->zero);
+    if (o->devices < 1 || o->devices > MAX_DEVICES)
+        return QT_ERR(QT_EINVAL, "--devices must be between 1 and %d, not %d", MAX_DEVICES, o->devices);
+    if (o->offload && o->zero < 1)
+        return QT_ERR(QT_EINVAL, "--offload cpu moves the sharded optimizer state to the host, so it needs "
+                                 "--zero 1 or 2 (as DeepSpeed's offload_optimizer does)");
+    if (o->micro_batch < 1 || o->seq_len < 1 || o->micro_batch > (1 << 20) || o->seq_len > (1 << 22))
+        return QT_ERR(QT_EINVAL, "--micro-batch and --seq-len must be positive (got %d and %d)", o->micro_batch,
+                      o->seq_len);
+    if (o->lora && (o->lora_r < 1 || o->lora_r > 65536 || !o->lora_targets))
+        return QT_ERR(QT_EINVAL, "LoRA needs --lora-r >= 1 and at least one target module");
+    if (!(o->device_gib > 0)) return QT_ERR(QT_EINVAL, "--device-memory must be a positive number of GiB");
+    return QT_OK;
+}
+
+int qt_plan_compute(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
+    QT_TRY(plan_check(c, o));
+    memset(p, 0, sizeof *p);
+    plan_model pm;
+    plan_model_bytes(c, o, &pm);
+    const int N = o->devices;
+    p->n_params = pm.n_params;
+    p->n_trainable = pm.n_trainable;
+    plan_device(&pm, o, N, &p->dev);
+
+    const uint64_t cap = (uint64_t)(o->device_gib * GIB);
+    p->fits = p->dev.total <= cap;
+    p->min_devices = -1;
+    for (int n = 1; n <= MAX_DEVICES; n++) {
+        qt_plan_device d;
+        plan_device(&pm, o, n, &d);
+        if (d.total <= cap) {
+            p->min_devices = n;
+            break;
+        }
+        if (o->zero == 0 && n > 1) break; /* nothing is sharded: more cards never help */
+    }
+
+    const int K = o->cards_per_host > 0 ? (o->cards_per_host < N ? o->cards_per_host : N) : (N < 8 ? N : 8);
+    const uint64_t Pt = (uint64_t)pm.n_trainable;
+    p->cards_per_host = K;
+    p->hosts = (N + K - 1) / K;
+    if (o->offload) {
+        const uint64_t master = o->precision == QT_F32 ? Pt * 4 : Pt * 4; /* the host keeps an fp32 master either way */
+        p->host_offload = (uint64_t)K * (shard(master, N) + shard(Pt * 8, N));
+        /* fp32 gradient partition the host Adam reads, plus a bucket to stage
+         * parameters back to the card */
+        const uint64_t bucket = (uint64_t)(Pt < (uint64_t)COMM_BUCKET_ELEMS ? Pt : (uint64_t)COMM_BUCKET_ELEMS) * 4;
+        p->host_pinned = (uint64_t)K * (shard(Pt * 4, N) + bucket);
+    }
+    p->host_dataset = o->dataset_bytes;
+    p->host_runtime = (uint64_t)K * HOST_RUNTIME_PER_RANK;
+    p->host_total = p->host_offload + p->host_pinned + p->host_dataset + p->host_runtime;
+    p->host_recommend = (uint64_t)ceil((double)p->host_total * 1.2 / GIB) * (uint64_t)GIB;
+
+    /* A checkpoint holds the fp32 trainable block and Adam m, v (all shards
+     * together); final/ is the adapter in fp32 or the model in the compute dtype. */
+    p->ckpt_bytes = Pt * 12;
+    p->final_bytes = o->lora ? Pt * 4 : (uint64_t)pm.n_params * qt_dtype_size(o->precision);
+
+    p->power_w = N * o->card_watts + p->hosts * o->host_watts;
+    p->power_recommend_w = p->power_w * 1.2;
+    return QT_OK;
+}
+
+/* ---- output ---------------------------------------------------------------- */
+
+static double gib(uint64_t b) { return (double)b / GIB; }
+
+static const char *targets_str(unsigned t, char *buf, size_t cap) {
+    static const char *names[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+    buf[0] = 0;
+    for (int i = 0; i < 7; i++)
+        if (t & (1u << i)) {
+            size_t n = strlen(buf);
+            snprintf(buf + n, cap - n, "%s%s", n ? "," : "", names[i]);
+        }
+    return buf;
+}
+
+static void strategy_line(const qt_plan_opts *o, char *buf, size_t cap) {
+    char t[128];
+    if (o->lora)
+        snprintf(buf, cap, "LoRA r=%d on %s, %s, ZeRO %d, %d device%s%s, B=%d T=%d%s", o->lora_r,
+                 targets_str(o->lora_targets, t, sizeof t), qt_dtype_name(o->precision), o->zero, o->devices,
+                 o->devices > 1 ? "s" : "", o->offload ? ", optimizer offloaded to host" : "", o->micro_batch,
+                 o->seq_len, o->checkpointing ? ", recomputation" : "");
+    else
+        snprintf(buf, cap, "full fine-tuning, %s, ZeRO %d, %d device%s%s, B=%d T=%d%s", qt_dtype_name(o->precision),
+                 o->zero, o->devices, o->devices > 1 ? "s" : "", o->offload ? ", optimizer offloaded to host" : "",
+                 o->micro_batch, o->seq_len, o->checkpointing ? ", recomputation" : "");
+}
+
+void qt_plan_print(FILE *f, const char *name, const qt_config *c, const qt_plan_opts *o, const qt_plan *p) {
+    char s[400];
+    strategy_line(o, s, sizeof s);
+    fprintf(f, "model      %s: %.3f B parameters (L=%d C=%d I=%d H=%d KV=%d D=%d V=%d)\n", name,
+            (double)p->n_params / 1e9, c->num_hidden_layers, c->hidden_size, c->intermediate_size,
+            c->num_attention_heads, c->num_key_value_heads, c->head_dim, c->vocab_size);
+    fprintf(f, "strategy   %s\n", s);
+    fprintf(f, "trainable  %.3f M parameters\n\n", (double)p->n_trainable / 1e6);
+    fprintf(f, "per device                 GiB\n");
+    fprintf(f, "  weights            %9.3f\n", gib(p->dev.weights));
+    fprintf(f, "  gradients          %9.3f\n", gib(p->dev.grads));
+    fprintf(f, "  master weights     %9.3f\n", gib(p->dev.master));
+    fprintf(f, "  optimizer state    %9.3f\n", gib(p->dev.optim));
+    fprintf(f, "  activations        %9.3f\n", gib(p->dev.activations));
+    fprintf(f, "  workspace          %9.3f\n", gib(p->dev.workspace));
+    fprintf(f, "  communication      %9.3f\n", gib(p->dev.comm));
+    fprintf(f, "  total              %9.3f  of %.1f GiB: %s\n\n", gib(p->dev.total), o->device_gib,
+            p->fits ? "fits" : "does NOT fit");
+    if (p->min_devices > 0)
+        fprintf(f, "smallest device count that fits with this strategy: %d\n", p->min_devices);
+    else
+        fprintf(f, "no device count fits with this strategy%s\n",
+                o->zero < 2 || !o->offload ? "; try --zero 2 --offload cpu, --mode lora, or --checkpointing" : "");
+    fprintf(f, "\nhost memory (one host, %d card%s)   GiB\n", p->cards_per_host, p->cards_per_host > 1 ? "s" : "");
+    fprintf(f, "  offloaded optimizer + master %9.3f\n", gib(p->host_offload));
+    fprintf(f, "  pinned staging buffers       %9.3f\n", gib(p->host_pinned));
+    fprintf(f, "  dataset                      %9.3f\n", gib(p->host_dataset));
+    fprintf(f, "  runtime (1 GiB per rank)     %9.3f\n", gib(p->host_runtime));
+    fprintf(f, "  total                        %9.3f  -> recommend %.0f GiB (+20%%)\n\n", gib(p->host_total),
+            gib(p->host_recommend));
+    fprintf(f, "disk       checkpoint %.3f GiB each (fp32 trainable + Adam m, v); final %.3f GiB\n",
+            gib(p->ckpt_bytes), gib(p->final_bytes));
+    fprintf(f, "power      %d card%s x %.0f W + %d host%s x %.0f W = %.0f W -> provision %.0f W (+20%%)\n",
+            o->devices, o->devices > 1 ? "s" : "", o->card_watts, p->hosts, p->hosts > 1 ? "s" : "", o->host_watts,
+            p->power_w, p->power_recommend_w);
+    fprintf(f, "\nassumptions: gradients and optimizer state fp32 (Adam m, v = 8 B/param); f16/bf16 keep a 2 B\n"
+               "compute copy plus a 4 B fp32 master; activations fp32 and sized for one micro-batch B x T with\n"
+               "the attention matrix materialised; collectives use buckets of up to 2^26 fp32 elements;\n"
+               "card TDP %.0f W (--card-watts), host %.0f W (--host-watts), dataset %.2f GiB (--dataset-gib).\n",
+            o->card_watts, o->host_watts, gib(o->dataset_bytes));
+}
+
+static void add_u64(cJSON *o, const char *k, uint64_t v) { cJSON_AddNumberToObject(o, k, (double)v); }
+
+char *qt_plan_json(const char *name, const qt_config *c, const qt_plan_opts *o, const qt_plan *p) {
+    cJSON *r = cJSON_CreateObject();
+    if (!r) {
+        QT_ERR(QT_ENOMEM, "could not build the plan's JSON");
+        return NULL;
+    }
+    char t[128];
+    cJSON_AddStringToObject(r, "model", name);
+    cJSON_AddStringToObject(r, "mode", o->lora ? "lora" : "full");
+    if (o->lora) {
+        cJSON_AddNumberToObject(r, "lora_r", o->lora_r);
+        cJSON_AddStringToObject(r, "lora_targets", targets_str(o->lora_targets, t, sizeof t));
+    }
+    cJSON_AddNumberToObject(r, "zero", o->zero);
+    cJSON_AddNumberToObject(r, "devices", o->devices);
+    cJSON_AddStringToObject(r, "offload", o->offload ? "cpu" : "none");
+    cJSON_AddStringToObject(r, "precision", qt_dtype_name(o->precision));
+    cJSON_AddNumberToObject(r, "micro_batch", o->micro_batch);
+    cJSON_AddNumberToObject(r, "seq_len", o->seq_len);
+    cJSON_AddBoolToObject(r, "checkpointing", o->checkpointing);
+    add_u64(r, "n_params", (uint64_t)p->n_params);
+    add_u64(r, "n_trainable", (uint64_t)p->n_trainable);
+    cJSON *d = cJSON_AddObjectToObject(r, "per_device_bytes");
+    if (d) {
+        add_u64(d, "weights", p->dev.weights);
+        add_u64(d, "gradients", p->dev.grads);
+        add_u64(d, "master_weights", p->dev.master);
+        add_u64(d, "optimizer_state", p->dev.optim);
+        add_u64(d, "activations", p->dev.activations);
+        add_u64(d, "workspace", p->dev.workspace);
+        add_u64(d, "communication", p->dev.comm);
+        add_u64(d, "total", p->dev.total);
+    }
+    add_u64(r, "device_memory_bytes", (uint64_t)(o->device_gib * GIB));
+    cJSON_AddBoolToObject(r, "fits", p->fits);
+    cJSON_AddNumberToObject(r, "min_devices", p->min_devices);
+    cJSON *h = cJSON_AddObjectToObject(r, "host_bytes");
+    if (h) {
+        cJSON_AddNumberToObject(h, "cards_per_host", p->cards_per_host);
+        add_u64(h, "offload", p->host_offload);
+        add_u64(h, "pinned", p->host_pinned);
+        add_u64(h, "dataset", p->host_dataset);
+        add_u64(h, "runtime", p->host_runtime);
+        add_u64(h, "total", p->host_total);
+        add_u64(h, "recommend", p->host_recommend);
+    }
+    add_u64(r, "checkpoint_bytes", p->ckpt_bytes);
+    add_u64(r, "final_bytes", p->final_bytes);
+    cJSON *w = cJSON_AddObjectToObject(r, "power");
+    if (w) {
+        cJSON_AddNumberToObject(w, "hosts", p->hosts);
+        cJSON_AddNumberToObject(w, "card_watts", o->card_watts);
+        cJSON_AddNumberToObject(w, "host_watts", o->host_watts);
+        cJSON_AddNumberToObject(w, "total_watts", p->power_w);
+        cJSON_AddNumberToObject(w, "recommend_watts", p->power_recommend_w);
+    }
+    char *s = cJSON_PrintUnformatted(r);
+    cJSON_Delete(r);
+    if (!s) {
+        QT_ERR(QT_ENOMEM, "could not print the plan's JSON");
+        return NULL;
+    }
+    char *out = qt_strdup(s);
+    cJSON_free(s);
+    return out;
+}
+
+void qt_plan_print_strategies(FILE *f, const char *name, const qt_config *c, const qt_plan_opts *base) {
+    qt_plan_opts s[3];
+    const char *title[3] = {"full fp16, 4 cards, ZeRO 0", "full fp16, 4 cards, ZeRO 2 + offload",
+                            "LoRA r=8 q,v fp16, 1 card"};
+    for (int i = 0; i < 3; i++) {
+        s[i] = *base;
+        s[i].precision = QT_F16;
+        s[i].lora = 0;
+        s[i].offload = 0;
+    }
+    s[0].zero = 0, s[0].devices = 4;
+    s[1].zero = 2, s[1].devices = 4, s[1].offload = 1;
+    s[2].zero = 0, s[2].devices = 1, s[2].lora = 1, s[2].lora_r = 8, s[2].lora_targets = QT_LORA_Q | QT_LORA_V;
+    qt_plan p[3];
+    for (int i = 0; i < 3; i++)
+        if (qt_plan_compute(c, &s[i], &p[i]) != QT_OK) {
+            fprintf(f, "could not plan '%s': %s\n", title[i], qt_error_message());
+            return;
+        }
+    fprintf(f, "the field report's three strategies for %s (%.2f B parameters), B=%d T=%d%s, %.0f GiB cards\n\n",
+            name, (double)p[0].n_params / 1e9, base->micro_batch, base->seq_len,
+            base->checkpointing ? ", recomputation" : "", base->device_gib);
+    fprintf(f, "%-22s %14s %14s %14s\n", "GiB per card", "full/ZeRO0", "ZeRO2+offload", "LoRA 1 card");
+#define ROW(label, field) \
+    fprintf(f, "%-22s %14.2f %14.2f %14.2f\n", label, gib(p[0].dev.field), gib(p[1].dev.field), gib(p[2].dev.field))
+    ROW("weights (fp16)", weights);
+    ROW("gradients (fp32)", grads);
+    ROW("master weights (fp32)", master);
+    ROW("Adam m, v (fp32)", optim);
+    ROW("activations", activations);
+    ROW("workspace", workspace);
+    ROW("communication", comm);
+    ROW("total", total);
+#undef ROW
+    fprintf(f, "%-22s %14s %14s %14s\n", "fits", p[0].fits ? "yes" : "no", p[1].fits ? "yes" : "no",
+            p[2].fits ? "yes" : "no");
+    fprintf(f, "%-22s %14.2f %14.2f %14.2f\n", "host RAM (GiB, +20%)", gib(p[0].host_recommend),
+            gib(p[1].host_recommend), gib(p[2].host_recommend));
+    fprintf(f, "\nthe report said: ~56 GB (full fp16), ~35 GB (ZeRO-2 offload), under 20 GB (LoRA) per card;\n"
+               "see docs/plan.md for why these numbers differ (what each counts).\n");
+    (void)title;
+}

@@ -1,0 +1,94 @@
+/* The memory and hardware plan behind `qtune plan`: per-device bytes by
+ * category for a model shape, a training strategy (LoRA or full, ZeRO stage,
+ * host offload, precision) and a device count; host memory; checkpoint size;
+ * the smallest device count that fits; and a power/host recommendation.
+ *
+ * The model-side numbers (weights, trainable block, activations, workspace)
+ * are what the model allocates for (config, opts) — see plan_model_bytes in
+ * plan_report.c; this file adds the strategy on top of them:
+ *   ZeRO 0  every rank holds full gradients, master weights and Adam m, v
+ *   ZeRO 1  master weights and Adam m, v are sharded 1/N across ranks
+ *   ZeRO 2  gradients are sharded 1/N as well
+ *   offload master weights and Adam m, v live in host memory, not on the card
+ * Precision f16/bf16: compute weights 2 bytes/param, fp32 master 4, Adam 8.
+ * Precision f32: the master block is the compute copy (no second copy).
+ * LoRA: the frozen base is in the compute dtype; only A/B are trainable. */
+#ifndef QT_TRAIN_PLAN_REPORT_H
+#define QT_TRAIN_PLAN_REPORT_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "core/dtype.h"
+#include "io/hf_config.h"
+
+typedef struct {
+    int lora;              /* 0: full fine-tuning, 1: LoRA */
+    int lora_r;            /* R */
+    unsigned lora_targets; /* QT_LORA_* mask (model/model.h) */
+    int zero;              /* ZeRO stage 0, 1 or 2 */
+    int devices;           /* data-parallel ranks N */
+    int offload;           /* 1: optimizer state + master weights in host memory */
+    qt_dtype precision;    /* compute dtype */
+    int micro_batch;       /* B */
+    int seq_len;           /* T */
+    int checkpointing;     /* activation recomputation */
+    double device_gib;     /* memory of one card, GiB */
+    double card_watts;     /* TDP of one card, W */
+    double host_watts;     /* CPUs, RAM, disks, fans of one host, W */
+    int cards_per_host;    /* 0: min(devices, 8) */
+    uint64_t dataset_bytes; /* token cache / dataset held in host memory */
+} qt_plan_opts;
+
+/* Defaults: LoRA off, r 8 on q,v, ZeRO 0, 1 device, no offload, f32, B 1,
+ * T 512, no checkpointing, 32 GiB cards at 300 W, 500 W per host, 1 GiB data. */
+void qt_plan_opts_default(qt_plan_opts *o);
+
+/* One line per category, bytes on each card. */
+typedef struct {
+    uint64_t weights;     /* compute-dtype weights (frozen base + trainable copy) */
+    uint64_t grads;       /* gradients of the trainable block (sharded in ZeRO 2) */
+    uint64_t master;      /* fp32 master weights beyond the compute copy (sharded in ZeRO 1/2) */
+    uint64_t optim;       /* Adam m and v, fp32 (sharded in ZeRO 1/2) */
+    uint64_t activations; /* saved for backward, sized for B x T */
+    uint64_t workspace;   /* backward scratch, logits, attention scores */
+    uint64_t comm;        /* collective buffers (0 on one device) */
+    uint64_t total;
+} qt_plan_device;
+
+typedef struct {
+    int64_t n_params;      /* all parameters of the model */
+    int64_t n_trainable;   /* full: n_params; LoRA: A and B only */
+    qt_plan_device dev;    /* per card */
+    /* host memory, bytes for one host (cards_per_host ranks) */
+    uint64_t host_offload; /* master + Adam shards of this host's ranks (offload only) */
+    uint64_t host_pinned;  /* staging buffers for offloaded gradients/parameters */
+    uint64_t host_dataset;
+    uint64_t host_runtime; /* per-process runtime, model loading */
+    uint64_t host_total;   /* sum of the above */
+    uint64_t host_recommend; /* host_total + 20%, rounded up to a whole GiB */
+    uint64_t ckpt_bytes;   /* one checkpoint-STEP folder on disk */
+    uint64_t final_bytes;  /* final/ (adapter or model folder) */
+    int cards_per_host;
+    int fits;              /* dev.total <= device memory */
+    int min_devices;       /* smallest N that fits with this strategy, -1 if none up to 4096 */
+    double power_w;        /* cards * card_watts + hosts * host_watts */
+    double power_recommend_w; /* power_w + 20% */
+    int hosts;
+} qt_plan;
+
+/* Computes the plan. QT_EINVAL names the bad option. */
+int qt_plan_compute(const qt_config *cfg, const qt_plan_opts *o, qt_plan *out);
+
+/* Human-readable report (assumptions stated) and the same as one JSON object. */
+void qt_plan_print(FILE *f, const char *model_name, const qt_config *cfg, const qt_plan_opts *o, const qt_plan *p);
+/* JSON text (qt_free it), or NULL with the error set. */
+char *qt_plan_json(const char *model_name, const qt_config *cfg, const qt_plan_opts *o, const qt_plan *p);
+
+/* The field report's three strategies for a shape (its figures were for
+ * Qwen-14B on 32 GB cards): full fp16 on 4 cards (ZeRO 0), ZeRO-2 with
+ * offload on 4 cards, LoRA r=8 q,v on one card. B, T and checkpointing come
+ * from base. */
+void qt_plan_print_strategies(FILE *f, const char *model_name, const qt_config *cfg, const qt_plan_opts *base);
+
+#endif
