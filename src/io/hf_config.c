@@ -329,3 +329,11 @@ int qt_config_write(const qt_config *c, const char *path) {
     if (n < 0 || (size_t)n >= sizeof buf) return QT_ERR(QT_EINVAL, "config for %s does not fit the write buffer", path);
     return qt_write_file_atomic(path, buf, (size_t)n);
 }
+
+int64_t qt_config_param_count(const qt_config *c) {
+    int64_t C = c->hidden_size, I = c->intermediate_size, V = c->vocab_size;
+    int64_t q = (int64_t)c->num_attention_heads * c->head_dim, kv = (int64_t)c->num_key_value_heads * c->head_dim;
+    int64_t layer = C * q + 2 * C * kv + q * C /* q, k, v, o */ + 3 * C * I /* gate, up, down */ + 2 * C /* norms */;
+    if (c->attention_bias) layer += q + 2 * kv;
+    return V * C * (c->tie_word_embeddings ? 1 : 2) + c->num_hidden_layers * layer + C;
+}

@@ -34,6 +34,10 @@ int qt_config_parse(const char *json, const char *where, qt_config *cfg); /* whe
 /* Writes a config.json that transformers loads unchanged (atomic). */
 int qt_config_write(const qt_config *cfg, const char *path);
 
+/* Number of parameters the config implies (embeddings, lm_head when untied,
+ * every layer's weights and biases, the final norm). */
+int64_t qt_config_param_count(const qt_config *cfg);
+
 /* Presets: real published shapes plus tiny ones for tests and demos; names
  * matched without regard to case. */
 int qt_preset(const char *name, qt_config *cfg);
