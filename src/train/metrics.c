@@ -1,0 +1,252 @@
+/* metrics.jsonl and loss.svg. */
+#include "train/metrics.h"
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/mem.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <string.h>
+#include <sys/resource.h>
+
+#define METRICS_MAX_BYTES ((size_t)1 << 30)
+
+int64_t qt_peak_rss_bytes(void) {
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru) != 0) return 0;
+    return (int64_t)ru.ru_maxrss * 1024; /* Linux reports KiB */
+}
+
+static int push(qt_metrics_point **a, size_t *n, size_t *cap, long step, double x) {
+    if (*n == *cap) {
+        size_t nc = *cap ? *cap * 2 : 256;
+        qt_metrics_point *na = qt_realloc(*a, nc * sizeof **a, "loss curve points");
+        if (!na) return QT_ENOMEM;
+        *a = na;
+        *cap = nc;
+    }
+    (*a)[(*n)++] = (qt_metrics_point){step, x};
+    return QT_OK;
+}
+
+/* Keeps lines with step <= keep_until; reloads the curve from them. */
+static int metrics_trim(qt_metrics *m, long keep_until) {
+    if (!qt_path_exists(m->path)) return QT_OK;
+    char *text;
+    size_t len;
+    QT_TRY(qt_read_file(m->path, METRICS_MAX_BYTES, &text, &len));
+    char *out = qt_malloc(len + 1, "metrics.jsonl");
+    if (!out) { qt_free(text); return QT_ENOMEM; }
+    size_t on = 0;
+    int rc = QT_OK;
+    for (char *line = text; rc == QT_OK && *line;) {
+        char *nl = strchr(line, '\n');
+        size_t ll = nl ? (size_t)(nl - line) : strlen(line);
+        char save = line[ll];
+        line[ll] = 0;
+        cJSON *j = cJSON_Parse(line);
+        const cJSON *st = cJSON_GetObjectItemCaseSensitive(j, "step");
+        if (cJSON_IsNumber(st) && st->valuedouble <= (double)keep_until) {
+            memcpy(out + on, line, ll);
+            on += ll;
+            out[on++] = '\n';
+            const cJSON *el = cJSON_GetObjectItemCaseSensitive(j, "eval_loss");
+            const cJSON *lo = cJSON_GetObjectItemCaseSensitive(j, "loss");
+            if (cJSON_IsNumber(el)) rc = push(&m->eval, &m->n_eval, &m->cap_eval, (long)st->valuedouble, el->valuedouble);
+            else if (cJSON_IsNumber(lo))
+                rc = push(&m->train, &m->n_train, &m->cap_train, (long)st->valuedouble, lo->valuedouble);
+        }
+        cJSON_Delete(j);
+        line[ll] = save;
+        line += nl ? ll + 1 : ll;
+    }
+    if (rc == QT_OK) rc = qt_write_file_atomic(m->path, out, on);
+    qt_free(out);
+    qt_free(text);
+    return rc;
+}
+
+int qt_metrics_open(qt_metrics *m, const char *output_dir, long keep_until, const char *title) {
+    memset(m, 0, sizeof *m);
+    QT_TRY(qt_path_join(m->path, sizeof m->path, output_dir, "metrics.jsonl"));
+    QT_TRY(qt_path_join(m->svg_path, sizeof m->svg_path, output_dir, "loss.svg"));
+    snprintf(m->title, sizeof m->title, "%s", title ? title : "loss");
+    int rc = keep_until >= 0 ? metrics_trim(m, keep_until) : QT_OK;
+    if (rc == QT_OK) {
+        m->f = fopen(m->path, keep_until >= 0 ? "ab" : "wb");
+        if (!m->f) rc = QT_ERR(QT_EIO, "cannot open %s: %s", m->path, strerror(errno));
+    }
+    if (rc != QT_OK) qt_metrics_close(m);
+    return rc;
+}
+
+/* JSON number, or null for NaN/inf (JSON has no spelling for them) */
+static void jnum(char *buf, size_t cap, double x) {
+    if (isfinite(x)) snprintf(buf, cap, "%.9g", x);
+    else snprintf(buf, cap, "null");
+}
+
+static int metrics_line(qt_metrics *m, const char *line) {
+    if (fputs(line, m->f) < 0 || fputc('\n', m->f) < 0 || fflush(m->f) != 0)
+        return QT_ERR(QT_EIO, "cannot write %s: %s; check free disk space", m->path, strerror(errno));
+    return QT_OK;
+}
+
+int qt_metrics_log_step(qt_metrics *m, const qt_step_metrics *s) {
+    char loss[40], lr[40], gn[40], ls[40], tps[40], el[40], ep[40], line[1024];
+    jnum(loss, sizeof loss, s->loss);
+    jnum(lr, sizeof lr, s->lr);
+    jnum(gn, sizeof gn, s->grad_norm);
+    jnum(ls, sizeof ls, s->loss_scale);
+    jnum(tps, sizeof tps, s->tokens_per_s);
+    jnum(el, sizeof el, s->elapsed_s);
+    jnum(ep, sizeof ep, s->epoch);
+    snprintf(line, sizeof line,
+             "{\"step\": %ld, \"loss\": %s, \"lr\": %s, \"grad_norm\": %s, \"loss_scale\": %s, \"skipped\": %s, "
+             "\"tokens\": %lld, \"target_tokens\": %lld, \"tokens_per_s\": %s, \"elapsed_s\": %s, "
+             "\"mem_peak_bytes\": %lld, \"epoch\": %s}",
+             s->step, loss, lr, gn, ls, s->skipped ? "true" : "false", (long long)s->tokens,
+             (long long)s->target_tokens, tps, el, (long long)s->mem_peak_bytes, ep);
+    QT_TRY(metrics_line(m, line));
+    if (isfinite(s->loss)) QT_TRY(push(&m->train, &m->n_train, &m->cap_train, s->step, s->loss));
+    return QT_OK;
+}
+
+int qt_metrics_log_eval(qt_metrics *m, long step, double eval_loss, int64_t tokens, double elapsed_s) {
+    char l[40], p[40], el[40], line[512];
+    jnum(l, sizeof l, eval_loss);
+    jnum(p, sizeof p, exp(eval_loss));
+    jnum(el, sizeof el, elapsed_s);
+    snprintf(line, sizeof line, "{\"step\": %ld, \"eval_loss\": %s, \"eval_ppl\": %s, \"eval_tokens\": %lld, \"elapsed_s\": %s}",
+             step, l, p, (long long)tokens, el);
+    QT_TRY(metrics_line(m, line));
+    if (isfinite(eval_loss)) QT_TRY(push(&m->eval, &m->n_eval, &m->cap_eval, step, eval_loss));
+    return QT_OK;
+}
+
+int qt_metrics_write_svg(const qt_metrics *m) {
+    return qt_loss_svg_write(m->svg_path, m->title, m->train, m->n_train, m->eval, m->n_eval);
+}
+
+void qt_metrics_close(qt_metrics *m) {
+    if (m->f) fclose(m->f);
+    qt_free(m->train);
+    qt_free(m->eval);
+    memset(m, 0, sizeof *m);
+}
+
+/* ---------------------------------------------------------------------------
+ * loss.svg: a plain line chart, no scripts, no external references */
+
+typedef struct {
+    char *buf;
+    size_t n, cap;
+    int oom;
+} sbuf;
+
+static void sb_printf(sbuf *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sb_printf(sbuf *s, const char *fmt, ...) {
+    if (s->oom) return;
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int k = vsnprintf(s->buf + s->n, s->cap - s->n, fmt, ap);
+        va_end(ap);
+        if (k < 0) { s->oom = 1; return; }
+        if ((size_t)k < s->cap - s->n) { s->n += (size_t)k; return; }
+        size_t nc = (s->cap + (size_t)k + 1) * 2;
+        char *nb = qt_realloc(s->buf, nc, "loss.svg");
+        if (!nb) { s->oom = 1; return; }
+        s->buf = nb;
+        s->cap = nc;
+    }
+}
+
+/* A "nice" tick step (1, 2 or 5 times a power of ten) for about n ticks. */
+static double nice_step(double range, int n) {
+    if (!(range > 0)) return 1;
+    double raw = range / n, p = pow(10, floor(log10(raw))), f = raw / p;
+    return (f < 1.5 ? 1 : f < 3.5 ? 2 : f < 7.5 ? 5 : 10) * p;
+}
+
+static void xml_escape(sbuf *s, const char *t) {
+    for (; *t; t++) {
+        if (*t == '<') sb_printf(s, "&lt;");
+        else if (*t == '>') sb_printf(s, "&gt;");
+        else if (*t == '&') sb_printf(s, "&amp;");
+        else if (*t == '"') sb_printf(s, "&quot;");
+        else sb_printf(s, "%c", *t);
+    }
+}
+
+int qt_loss_svg_write(const char *path, const char *title, const qt_metrics_point *train, size_t n_train,
+                      const qt_metrics_point *eval, size_t n_eval) {
+    const double W = 800, H = 450, L = 70, R = 20, T = 40, B = 50; /* canvas and margins */
+    double x0 = 1e300, x1 = -1e300, y0 = 1e300, y1 = -1e300;
+    for (size_t i = 0; i < n_train; i++) {
+        x0 = fmin(x0, (double)train[i].step); x1 = fmax(x1, (double)train[i].step);
+        y0 = fmin(y0, train[i].x); y1 = fmax(y1, train[i].x);
+    }
+    for (size_t i = 0; i < n_eval; i++) {
+        x0 = fmin(x0, (double)eval[i].step); x1 = fmax(x1, (double)eval[i].step);
+        y0 = fmin(y0, eval[i].x); y1 = fmax(y1, eval[i].x);
+    }
+    if (x0 > x1) { x0 = 0; x1 = 1; y0 = 0; y1 = 1; }
+    if (x1 - x0 < 1) x1 = x0 + 1;
+    if (y1 - y0 < 1e-6) { y0 -= 0.5; y1 += 0.5; }
+    double ys = nice_step(y1 - y0, 6), xs = nice_step(x1 - x0, 8);
+    y0 = floor(y0 / ys) * ys;
+    y1 = ceil(y1 / ys) * ys;
+#define PX(v) (L + ((v) - x0) / (x1 - x0) * (W - L - R))
+#define PY(v) (H - B - ((v) - y0) / (y1 - y0) * (H - T - B))
+    sbuf s = {0};
+    sb_printf(&s, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+                  "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%g\" height=\"%g\" viewBox=\"0 0 %g %g\" "
+                  "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
+              W, H, W, H);
+    sb_printf(&s, "<text x=\"%g\" y=\"24\" font-size=\"15\">", L);
+    xml_escape(&s, title ? title : "loss");
+    sb_printf(&s, "</text>\n");
+    for (double y = y0; y <= y1 + ys * 1e-6; y += ys)
+        sb_printf(&s, "<line x1=\"%g\" y1=\"%.1f\" x2=\"%g\" y2=\"%.1f\" stroke=\"#ddd\"/>"
+                      "<text x=\"%g\" y=\"%.1f\" text-anchor=\"end\">%.4g</text>\n",
+                  L, PY(y), W - R, PY(y), L - 6, PY(y) + 4, y);
+    for (double x = ceil(x0 / xs) * xs; x <= x1 + xs * 1e-6; x += xs)
+        sb_printf(&s, "<line x1=\"%.1f\" y1=\"%g\" x2=\"%.1f\" y2=\"%g\" stroke=\"#eee\"/>"
+                      "<text x=\"%.1f\" y=\"%g\" text-anchor=\"middle\">%.0f</text>\n",
+                  PX(x), T, PX(x), H - B, PX(x), H - B + 16, x);
+    sb_printf(&s, "<rect x=\"%g\" y=\"%g\" width=\"%g\" height=\"%g\" fill=\"none\" stroke=\"#444\"/>\n", L, T,
+              W - L - R, H - T - B);
+    sb_printf(&s, "<text x=\"%g\" y=\"%g\" text-anchor=\"middle\">optimizer step</text>\n", (L + W - R) / 2, H - 12);
+    sb_printf(&s, "<text x=\"16\" y=\"%g\" text-anchor=\"middle\" transform=\"rotate(-90 16 %g)\">loss (nats/token)</text>\n",
+              (T + H - B) / 2, (T + H - B) / 2);
+    if (n_train) {
+        sb_printf(&s, "<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"1.5\" points=\"");
+        for (size_t i = 0; i < n_train; i++) sb_printf(&s, "%.1f,%.1f ", PX((double)train[i].step), PY(train[i].x));
+        sb_printf(&s, "\"/>\n");
+    }
+    if (n_eval) {
+        sb_printf(&s, "<polyline fill=\"none\" stroke=\"#ff7f0e\" stroke-width=\"2\" points=\"");
+        for (size_t i = 0; i < n_eval; i++) sb_printf(&s, "%.1f,%.1f ", PX((double)eval[i].step), PY(eval[i].x));
+        sb_printf(&s, "\"/>\n");
+        for (size_t i = 0; i < n_eval; i++)
+            sb_printf(&s, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"#ff7f0e\"/>\n", PX((double)eval[i].step),
+                      PY(eval[i].x));
+    }
+    sb_printf(&s, "<line x1=\"%g\" y1=\"%g\" x2=\"%g\" y2=\"%g\" stroke=\"#1f77b4\" stroke-width=\"2\"/>"
+                  "<text x=\"%g\" y=\"%g\">train loss</text>\n",
+              W - R - 190, T + 14, W - R - 170, T + 14, W - R - 165, T + 18);
+    sb_printf(&s, "<line x1=\"%g\" y1=\"%g\" x2=\"%g\" y2=\"%g\" stroke=\"#ff7f0e\" stroke-width=\"2\"/>"
+                  "<text x=\"%g\" y=\"%g\">eval loss</text>\n",
+              W - R - 90, T + 14, W - R - 70, T + 14, W - R - 65, T + 18);
+    sb_printf(&s, "</svg>\n");
+#undef PX
+#undef PY
+    if (s.oom) { qt_free(s.buf); return QT_ERR(QT_ENOMEM, "out of memory drawing %s", path); }
+    int rc = qt_write_file_atomic(path, s.buf, s.n);
+    qt_free(s.buf);
+    return rc;
+}

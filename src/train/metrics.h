@@ -1,0 +1,57 @@
+/* The output folder's running record: metrics.jsonl (one JSON object per
+ * optimizer step, eval lines carrying "eval_loss") and loss.svg (the train and
+ * eval loss curves, a self-contained SVG rewritten atomically at each log). */
+#ifndef QT_TRAIN_METRICS_H
+#define QT_TRAIN_METRICS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+typedef struct {
+    long step;            /* 1-based optimizer step just finished */
+    double loss;          /* token-weighted mean loss over the global batch, before the update */
+    double lr;            /* learning rate the update used */
+    double grad_norm;     /* global L2 norm of the unscaled gradient, before clipping */
+    double loss_scale;    /* fp16 loss scale used by this step (1 without fp16) */
+    int skipped;          /* 1: overflow, no update */
+    int64_t tokens;       /* input positions processed in this step, all ranks */
+    int64_t target_tokens;/* labelled positions (the loss's N) in this step, all ranks */
+    double tokens_per_s;  /* tokens / this step's wall time */
+    double elapsed_s;     /* since the run (or the resumed run) started, plus time before resume */
+    int64_t mem_peak_bytes; /* peak resident set size of this process (getrusage) */
+    double epoch;         /* fractional epoch */
+} qt_step_metrics;
+
+typedef struct {
+    long step;
+    double x;
+} qt_metrics_point;
+
+typedef struct {
+    FILE *f;
+    char path[4096];
+    char svg_path[4096];
+    char title[256];
+    qt_metrics_point *train, *eval;
+    size_t n_train, cap_train, n_eval, cap_eval;
+} qt_metrics;
+
+/* Opens output_dir/metrics.jsonl for appending. keep_until >= 0 (a resume)
+ * first drops lines whose step is > keep_until, so the file lists each step
+ * once, and reloads the curve; keep_until < 0 starts a new file. */
+int qt_metrics_open(qt_metrics *m, const char *output_dir, long keep_until, const char *title);
+int qt_metrics_log_step(qt_metrics *m, const qt_step_metrics *s);
+int qt_metrics_log_eval(qt_metrics *m, long step, double eval_loss, int64_t tokens, double elapsed_s);
+/* Rewrites loss.svg from the points logged so far (atomic). */
+int qt_metrics_write_svg(const qt_metrics *m);
+void qt_metrics_close(qt_metrics *m);
+
+/* Writes the SVG for the given series to path (atomic). */
+int qt_loss_svg_write(const char *path, const char *title, const qt_metrics_point *train, size_t n_train,
+                      const qt_metrics_point *eval, size_t n_eval);
+
+/* Peak resident set size of this process in bytes (getrusage), 0 if unknown. */
+int64_t qt_peak_rss_bytes(void);
+
+#endif
