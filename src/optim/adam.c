@@ -1,0 +1,146 @@
+/* Adam / AdamW over a run of the flat fp32 block. The arithmetic follows
+ * torch.optim's single-tensor path operation by operation (scalars worked out
+ * in double, then applied in fp32), so results agree with torch to fp32
+ * rounding. */
+#include "optim/adam.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+#include "core/error.h"
+#include "core/mem.h"
+
+void qt_adam_cfg_default(qt_adam_cfg *c) {
+    c->lr = 1e-3;
+    c->beta1 = 0.9;
+    c->beta2 = 0.999;
+    c->eps = 1e-8;
+    c->weight_decay = 0.0;
+    c->decoupled = 1;
+    c->bias_correction = 1;
+}
+
+int qt_adam_cfg_check(const qt_adam_cfg *c, const char *where) {
+    if (!(c->lr >= 0.0) || !isfinite(c->lr))
+        return QT_ERR(QT_EINVAL, "%s: lr %g must be a finite number >= 0", where, c->lr);
+    if (!(c->beta1 >= 0.0 && c->beta1 < 1.0) || !(c->beta2 >= 0.0 && c->beta2 < 1.0))
+        return QT_ERR(QT_EINVAL, "%s: betas [%g, %g] must each be in [0, 1), e.g. [0.9, 0.999]", where,
+                      c->beta1, c->beta2);
+    if (!(c->eps >= 0.0) || !isfinite(c->eps))
+        return QT_ERR(QT_EINVAL, "%s: eps %g must be a finite number >= 0, e.g. 1e-8", where, c->eps);
+    if (!(c->weight_decay >= 0.0) || !isfinite(c->weight_decay))
+        return QT_ERR(QT_EINVAL, "%s: weight_decay %g must be a finite number >= 0", where, c->weight_decay);
+    return QT_OK;
+}
+
+/* Scalars of one step, worked out once in double as torch does in Python. */
+typedef struct {
+    float omb1, b2, omb2;  /* 1-beta1, beta2, 1-beta2 */
+    float step_size;       /* lr / (1 - beta1^t) */
+    float bc2_sqrt;        /* sqrt(1 - beta2^t) */
+    float eps;
+    float gs;              /* grad multiplier */
+} adam_scalars;
+
+/* The hot loop: one pass over n elements, everything in registers. wd_mul is
+ * AdamW's (1 - lr*wd) (1 when off); wd_l2 is Adam's L2 coefficient (0 when off). */
+static void adam_kernel(const adam_scalars *k, float wd_mul, float wd_l2, float *restrict p,
+                        const float *restrict g, float *restrict m, float *restrict v, size_t n) {
+    const float omb1 = k->omb1, b2 = k->b2, omb2 = k->omb2, step_size = k->step_size;
+    const float bc2_sqrt = k->bc2_sqrt, eps = k->eps, gs = k->gs;
+#pragma omp parallel for simd schedule(static) if (n >= 65536)
+    for (size_t i = 0; i < n; i++) {
+        float pi = p[i];
+        float gi = g[i] * gs;
+        pi = pi * wd_mul;        /* AdamW: param.mul_(1 - lr*wd) */
+        gi = gi + wd_l2 * pi;    /* Adam: grad.add(param, alpha=wd) */
+        float mi = m[i] + omb1 * (gi - m[i]);   /* exp_avg.lerp_(grad, 1-beta1) */
+        float vi = v[i] * b2 + omb2 * gi * gi;  /* exp_avg_sq.mul_(beta2).addcmul_(g, g, 1-beta2) */
+        float denom = sqrtf(vi) / bc2_sqrt + eps;
+        p[i] = pi - step_size * (mi / denom);   /* param.addcdiv_(exp_avg, denom, -step_size) */
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+
+int qt_adam_step(const qt_adam_cfg *c, int64_t step, double lr, float grad_scale, float *params,
+                 const float *grads, float *m, float *v, size_t n, size_t base, const qt_range *decay,
+                 int n_decay) {
+    if (step < 1) return QT_ERR(QT_EINVAL, "adam: step %lld must be >= 1 (the 1-based update count)", (long long)step);
+    if (n == 0) return QT_OK;
+    if (!params || !grads || !m || !v) return QT_ERR(QT_EINVAL, "adam: a NULL buffer was passed for %zu elements", n);
+    double bc1 = 1.0, bc2 = 1.0;
+    if (c->bias_correction) {
+        bc1 = 1.0 - pow(c->beta1, (double)step);
+        bc2 = 1.0 - pow(c->beta2, (double)step);
+    }
+    adam_scalars k = {
+        .omb1 = (float)(1.0 - c->beta1),
+        .b2 = (float)c->beta2,
+        .omb2 = (float)(1.0 - c->beta2),
+        .step_size = (float)(lr / bc1),
+        .bc2_sqrt = (float)sqrt(bc2),
+        .eps = (float)c->eps,
+        .gs = grad_scale,
+    };
+    const double wd = c->weight_decay;
+    const float wd_mul = (wd != 0.0 && c->decoupled) ? (float)(1.0 - lr * wd) : 1.0f;
+    const float wd_l2 = (wd != 0.0 && !c->decoupled) ? (float)wd : 0.0f;
+
+    /* Walk the run [base, base+n) as alternating pieces outside/inside the
+     * decay ranges, calling the kernel once per piece. */
+    size_t pos = base, end = base + n;
+    int r = 0;
+    while (r < n_decay && decay[r].hi <= pos) r++;
+    while (pos < end) {
+        size_t piece_end;
+        int in_decay;
+        if (r < n_decay && decay[r].lo <= pos) {
+            in_decay = 1;
+            piece_end = decay[r].hi < end ? decay[r].hi : end;
+            r++;
+        } else {
+            in_decay = 0;
+            piece_end = (r < n_decay && decay[r].lo < end) ? decay[r].lo : end;
+        }
+        size_t off = pos - base, len = piece_end - pos;
+        adam_kernel(&k, in_decay ? wd_mul : 1.0f, in_decay ? wd_l2 : 0.0f, params + off, grads + off, m + off,
+                    v + off, len);
+        pos = piece_end;
+    }
+    return QT_OK;
+}
+
+static int cmp_param_offset(const void *a, const void *b) {
+    const qt_range *x = a, *y = b;
+    return (x->lo > y->lo) - (x->lo < y->lo);
+}
+
+int qt_decay_ranges_from_params(const qt_param *params, int n_params, qt_range **out, int *n_out) {
+    *out = NULL;
+    *n_out = 0;
+    int n = 0;
+    for (int i = 0; i < n_params; i++)
+        if (params[i].decay && params[i].numel > 0) n++;
+    if (n == 0) return QT_OK;
+    qt_range *r = qt_malloc((size_t)n * sizeof *r, "weight-decay ranges");
+    if (!r) return QT_ENOMEM;
+    n = 0;
+    for (int i = 0; i < n_params; i++)
+        if (params[i].decay && params[i].numel > 0)
+            r[n++] = (qt_range){params[i].offset, params[i].offset + params[i].numel};
+    qsort(r, (size_t)n, sizeof *r, cmp_param_offset);
+    int k = 0;
+    for (int i = 1; i < n; i++) {
+        if (r[i].lo < r[k].hi) {
+            qt_free(r);
+            return QT_ERR(QT_EINVAL, "parameter table: two parameters overlap at element %zu of the trainable block",
+                          r[i].lo);
+        }
+        if (r[i].lo == r[k].hi) r[k].hi = r[i].hi;
+        else r[++k] = r[i];
+    }
+    *out = r;
+    *n_out = k + 1;
+    return QT_OK;
+}
