@@ -1,0 +1,41 @@
+/* RMSNorm as HF's Qwen2RMSNorm computes it in fp32:
+ *   out = w * x * rstd,  rstd = 1 / sqrt(mean(x^2) + eps).
+ * Backward (per row, g = w * dout):
+ *   dx = rstd * g - rstd^3 / C * x * sum(g * x),   dw += dout * x * rstd. */
+#include "backend/cpu/ops.h"
+
+#include <math.h>
+
+void op_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight, int N, int C, float eps) {
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float *x = inp + (size_t)n * C;
+        float *o = out + (size_t)n * C;
+        float ss = 0.0f;
+        for (int c = 0; c < C; c++) ss += x[c] * x[c];
+        float r = 1.0f / sqrtf(ss / (float)C + eps);
+        for (int c = 0; c < C; c++) o[c] = weight[c] * (x[c] * r);
+        rstd[n] = r;
+    }
+}
+
+void op_rmsnorm_backward(float *dinp, float *dweight, const float *dout, const float *inp, const float *weight,
+                         const float *rstd, int N, int C) {
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float *x = inp + (size_t)n * C, *g = dout + (size_t)n * C;
+        float *dx = dinp + (size_t)n * C;
+        float r = rstd[n], dot = 0.0f;
+        for (int c = 0; c < C; c++) dot += weight[c] * g[c] * x[c];
+        float k = r * r * r * dot / (float)C;
+        for (int c = 0; c < C; c++) dx[c] += r * weight[c] * g[c] - k * x[c];
+    }
+    if (!dweight) return;
+    /* the weight gradient reduces over rows: parallel over columns instead */
+#pragma omp parallel for schedule(static)
+    for (int c = 0; c < C; c++) {
+        float acc = 0.0f;
+        for (int n = 0; n < N; n++) acc += dout[(size_t)n * C + c] * inp[(size_t)n * C + c] * rstd[n];
+        dweight[c] += acc;
+    }
+}

@@ -1,0 +1,99 @@
+/* CPU ops: forward/backward pairs over flat fp32 activations, on OpenBLAS
+ * (cblas_sgemm) and OpenMP. The Qwen2 graph (src/model/) is written once over
+ * these op_* calls; a CUDA backend implements the same names.
+ *
+ * Dimension letters: B batch, T sequence, N = B*T rows, C hidden, H heads,
+ * KV kv heads, D head dim, I intermediate, V vocab, IN/OUT a matmul's sides.
+ *
+ * Conventions, stated once here:
+ *  - every backward ADDS into its gradient outputs (dinp, dweight, dbias ...)
+ *    with `+=`; callers zero them. So the residual stream's gradient and
+ *    accumulation across micro-batches come for free.
+ *  - weights that may be frozen (matmul matrices, the embedding table, the
+ *    lm_head) are passed as (pointer, qt_dtype): f32, f16 or bf16 as stored in
+ *    the file. Matmuls convert panels of rows to f32 in a workspace for sgemm,
+ *    so a frozen base never needs an fp32 copy. Weight gradients exist only
+ *    for f32 master weights (pass NULL otherwise).
+ *  - small vectors (norm weights, biases) are always f32.
+ *  - ws arguments are caller-owned scratch of at least the size the matching
+ *    op_*_ws_floats() returns. */
+#ifndef QT_BACKEND_CPU_OPS_H
+#define QT_BACKEND_CPU_OPS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/dtype.h"
+
+/* ---- embedding ---------------------------------------------------------- */
+/* out (N, C) = wte[ids[n]]; wte (V, C) in wdt. ids must be in [0, V). */
+void op_embedding_forward(float *out, const int32_t *ids, const void *wte, qt_dtype wdt, int N, int C);
+/* dwte (V, C) += dout rows scattered by ids (f32 master only). */
+void op_embedding_backward(float *dwte, const float *dout, const int32_t *ids, int N, int C);
+
+/* ---- rmsnorm (HF Qwen2RMSNorm: w * x / sqrt(mean(x^2) + eps)) ------------- */
+/* out (N, C), rstd (N) saved for backward; weight (C). out may not alias inp. */
+void op_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight, int N, int C, float eps);
+/* dinp (N, C) +=, dweight (C) += (NULL when frozen). */
+void op_rmsnorm_backward(float *dinp, float *dweight, const float *dout, const float *inp, const float *weight,
+                         const float *rstd, int N, int C);
+
+/* ---- matmul with bias: out (N, OUT) = inp (N, IN) @ W^T + bias ------------ */
+/* W (OUT, IN) in wdt; bias (OUT) f32 or NULL. out = alpha*(inp@W^T) + bias,
+ * or with accumulate != 0, out += alpha*(inp@W^T) + bias. */
+size_t op_matmul_ws_floats(int IN, int OUT);
+void op_matmul_forward(float *out, const float *inp, const void *w, qt_dtype wdt, const float *bias, int N, int IN,
+                       int OUT, float alpha, int accumulate, float *ws);
+/* dinp (N, IN) += alpha * dout @ W (NULL to skip); dweight (OUT, IN) += alpha * dout^T @ inp
+ * (NULL when frozen; W must then be f32 master); dbias (OUT) += alpha * column sums of dout. */
+void op_matmul_backward(float *dinp, float *dweight, float *dbias, const float *dout, const float *inp, const void *w,
+                        qt_dtype wdt, int N, int IN, int OUT, float alpha, float *ws);
+
+/* ---- rotary embedding (HF rotate-half convention) ------------------------ */
+/* x (N, NH, D) rotated in place by angle pos[n] * theta^(-2i/D), i < D/2:
+ * x[i] <- x[i] cos - x[i+D/2] sin, x[i+D/2] <- x[i+D/2] cos + x[i] sin. */
+void op_rope_forward(float *x, const int32_t *pos, int N, int NH, int D, float theta);
+/* The transpose rotation, in place on the gradient (dx = R^T dout). */
+void op_rope_backward(float *dx, const int32_t *pos, int N, int NH, int D, float theta);
+
+/* ---- causal grouped-query attention, blockwise with online softmax -------- */
+/* q (B, T, H, D), k, v (B, T, KV, D), out (B, T, H, D), lse (B, H, T) saved
+ * log-sum-exp of the scaled scores. Query t of row b attends to keys
+ * [doc_start[b*T+t], t] (doc_start NULL: [0, t]). No T x T matrix is formed:
+ * keys are visited in blocks with a running max and sum (flash-style). */
+void op_attention_forward(float *out, float *lse, const float *q, const float *k, const float *v,
+                          const int32_t *doc_start, int B, int T, int H, int KV, int D);
+/* dq (B,T,H,D) +=, dk, dv (B,T,KV,D) +=; recomputes probabilities from lse. */
+void op_attention_backward(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
+                           const float *q, const float *k, const float *v, const int32_t *doc_start, int B, int T,
+                           int H, int KV, int D);
+/* Decoding against a cache: n queries q (n, H, D) at positions pos0 .. pos0+n-1
+ * attend to kc, vc (S, KV, D) rows [0, pos0+i] (the cache already holds them). */
+void op_attention_forward_cached(float *out, const float *q, const float *kc, const float *vc, int n, int pos0,
+                                 int H, int KV, int D);
+
+/* ---- SwiGLU: out = silu(gate) * up ------------------------------------------ */
+void op_swiglu_forward(float *out, const float *gate, const float *up, int N, int I);
+void op_swiglu_backward(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N, int I);
+
+/* ---- fused lm_head + cross-entropy over vocabulary chunks ------------------ */
+/* Logits (N, V) = x (N, C) @ W^T are never held whole: the vocabulary is
+ * walked in chunks of OP_CE_CHUNK with an online log-sum-exp. For rows with
+ * targets[n] != -100: loss[n] = lse[n] - logit[n][target]; else loss[n] = 0.
+ * lse (N) is saved for the backward. */
+#define OP_CE_CHUNK 2048
+size_t op_lmhead_ce_ws_floats(int N, int C);
+void op_lmhead_ce_forward(float *loss, float *lse, const float *x, const void *w, qt_dtype wdt,
+                          const int32_t *targets, int N, int C, int V, float *ws);
+/* Gradients of sum_n dscale * loss[n] (labelled rows): dx (N, C) +=,
+ * dw (V, C) += (NULL when frozen). Logits are recomputed chunk by chunk. */
+void op_lmhead_ce_backward(float *dx, float *dw, const float *x, const void *w, qt_dtype wdt, const int32_t *targets,
+                           const float *lse, float dscale, int N, int C, int V, float *ws);
+
+/* ---- small helpers --------------------------------------------------------- */
+void op_add(float *out, const float *a, const float *b, size_t n); /* out = a + b (out may alias) */
+void op_acc(float *out, const float *a, size_t n);                  /* out += a */
+/* Converts rows [r0, r1) of a (rows, cols) matrix in dtype to f32 dst. */
+void op_convert_rows(float *dst, const void *src, qt_dtype dt, size_t r0, size_t r1, size_t cols);
+
+#endif

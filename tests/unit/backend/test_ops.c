@@ -1,0 +1,340 @@
+/* backend/cpu ops: each forward against a naive double-precision loop, each
+ * backward against central finite differences of the op's own forward
+ * (loss = sum(out * r) for a fixed random r). */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include <float.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cpu/ops.h"
+#include "core/mem.h"
+#include "core/rng.h"
+#include "data/batch.h"
+
+static qt_rng rng;
+
+static float *randv(size_t n, float s) {
+    float *x = qt_malloc(n * sizeof(float), "test");
+    for (size_t i = 0; i < n; i++) x[i] = s * qt_rng_normal(&rng);
+    return x;
+}
+static float *zeros(size_t n) { return qt_calloc(n, sizeof(float), "test"); }
+static double dotd(const float *a, const float *b, size_t n) {
+    double s = 0;
+    for (size_t i = 0; i < n; i++) s += (double)a[i] * b[i];
+    return s;
+}
+static void expect_close(const char *what, const float *got, const double *want, size_t n, double tol) {
+    double mx = 0;
+    for (size_t i = 0; i < n; i++) mx = fmax(mx, fabs(want[i]));
+    for (size_t i = 0; i < n; i++) {
+        double e = fabs(got[i] - want[i]) / fmax(mx, 1e-30);
+        if (e > tol) fail_msg("%s[%zu]: got %.8g want %.8g (rel err %.3g)", what, i, got[i], want[i], e);
+    }
+}
+
+/* Central differences of loss_fn over up to 48 entries of p, against g. */
+typedef double (*loss_fn)(void);
+static void check_grad(const char *what, float *p, const float *g, size_t n, loss_fn f, float eps, double tol) {
+    double gmax = 0;
+    for (size_t i = 0; i < n; i++) gmax = fmax(gmax, fabs(g[i]));
+    assert_true(gmax > 0);
+    size_t step = n > 48 ? n / 48 : 1;
+    for (size_t i = 0; i < n; i += step) {
+        float o = p[i];
+        p[i] = o + eps;
+        double lp = f();
+        p[i] = o - eps;
+        double lm = f();
+        p[i] = o;
+        double num = (lp - lm) / (2.0 * eps);
+        if (fabs(num - g[i]) > tol * gmax)
+            fail_msg("%s grad[%zu]: analytic %.6g numeric %.6g (max |g| %.3g)", what, i, g[i], num, gmax);
+    }
+}
+
+/* ---- rmsnorm ---- */
+enum { RN = 5, RC = 16 };
+static float *rn_x, *rn_w, *rn_r, rn_out[RN * RC], rn_rstd[RN];
+static double rn_loss(void) {
+    op_rmsnorm_forward(rn_out, rn_rstd, rn_x, rn_w, RN, RC, 1e-6f);
+    return dotd(rn_out, rn_r, RN * RC);
+}
+static void test_rmsnorm(void **state) {
+    (void)state;
+    rn_x = randv(RN * RC, 1.0f), rn_w = randv(RC, 1.0f), rn_r = randv(RN * RC, 1.0f);
+    rn_loss();
+    double want[RN * RC];
+    for (int n = 0; n < RN; n++) {
+        double ss = 0;
+        for (int c = 0; c < RC; c++) ss += (double)rn_x[n * RC + c] * rn_x[n * RC + c];
+        double r = 1.0 / sqrt(ss / RC + 1e-6);
+        for (int c = 0; c < RC; c++) want[n * RC + c] = rn_w[c] * rn_x[n * RC + c] * r;
+    }
+    expect_close("rmsnorm out", rn_out, want, RN * RC, 1e-6);
+    float *dx = zeros(RN * RC), *dw = zeros(RC);
+    op_rmsnorm_backward(dx, dw, rn_r, rn_x, rn_w, rn_rstd, RN, RC);
+    check_grad("rmsnorm dinp", rn_x, dx, RN * RC, rn_loss, 1e-3f, 1e-2);
+    check_grad("rmsnorm dweight", rn_w, dw, RC, rn_loss, 1e-3f, 1e-2);
+    /* gradients accumulate */
+    float dw0 = dw[3];
+    op_rmsnorm_backward(dx, dw, rn_r, rn_x, rn_w, rn_rstd, RN, RC);
+    assert_true(fabsf(dw[3] - 2 * dw0) <= 1e-5f * fabsf(dw0) + 1e-7f);
+    qt_free(rn_x), qt_free(rn_w), qt_free(rn_r), qt_free(dx), qt_free(dw);
+}
+
+/* ---- matmul ---- */
+enum { MN = 4, MI = 24, MO = 40 };
+static float *mm_x, *mm_w, *mm_b, *mm_r, mm_out[MN * MO];
+static double mm_loss(void) {
+    op_matmul_forward(mm_out, mm_x, mm_w, QT_F32, mm_b, MN, MI, MO, 1.0f, 0, NULL);
+    return dotd(mm_out, mm_r, MN * MO);
+}
+static void test_matmul(void **state) {
+    (void)state;
+    mm_x = randv(MN * MI, 1.0f), mm_w = randv(MO * MI, 0.2f), mm_b = randv(MO, 1.0f), mm_r = randv(MN * MO, 1.0f);
+    mm_loss();
+    double want[MN * MO];
+    for (int n = 0; n < MN; n++)
+        for (int o = 0; o < MO; o++) {
+            double s = mm_b[o];
+            for (int i = 0; i < MI; i++) s += (double)mm_x[n * MI + i] * mm_w[o * MI + i];
+            want[n * MO + o] = s;
+        }
+    expect_close("matmul out", mm_out, want, MN * MO, 1e-6);
+    float *dx = zeros(MN * MI), *dw = zeros(MO * MI), *db = zeros(MO);
+    op_matmul_backward(dx, dw, db, mm_r, mm_x, mm_w, QT_F32, MN, MI, MO, 1.0f, NULL);
+    check_grad("matmul dinp", mm_x, dx, MN * MI, mm_loss, 1e-2f, 1e-2);
+    check_grad("matmul dweight", mm_w, dw, MO * MI, mm_loss, 1e-2f, 1e-2);
+    check_grad("matmul dbias", mm_b, db, MO, mm_loss, 1e-2f, 1e-2);
+    /* alpha and accumulate */
+    mm_loss();
+    float out2[MN * MO];
+    memcpy(out2, mm_out, sizeof out2);
+    op_matmul_forward(out2, mm_x, mm_w, QT_F32, NULL, MN, MI, MO, 0.5f, 1, NULL);
+    for (int i = 0; i < MN * MO; i++)
+        assert_true(fabsf(out2[i] - (mm_out[i] + 0.5f * (mm_out[i] - mm_b[i % MO]))) <= 1e-4f);
+    qt_free(mm_x), qt_free(mm_w), qt_free(mm_b), qt_free(mm_r), qt_free(dx), qt_free(dw), qt_free(db);
+}
+
+/* f16/bf16 weights, several conversion panels: same result as f32 sgemm on
+ * the rounded weights. */
+static void test_matmul_half_panels(void **state) {
+    (void)state;
+    const int N = 3, IN = 4096, OUT = 300;
+    float *x = randv((size_t)N * IN, 1.0f), *w = randv((size_t)OUT * IN, 0.05f), *dy = randv((size_t)N * OUT, 1.0f);
+    uint16_t *wh = qt_malloc((size_t)OUT * IN * 2, "test");
+    float *wr = zeros((size_t)OUT * IN), *ws = zeros(op_matmul_ws_floats(IN, OUT));
+    float *y1 = zeros((size_t)N * OUT), *y2 = zeros((size_t)N * OUT);
+    float *dx1 = zeros((size_t)N * IN), *dx2 = zeros((size_t)N * IN);
+    assert_true(op_matmul_ws_floats(IN, OUT) < (size_t)OUT * IN); /* really uses panels */
+    qt_dtype dts[2] = {QT_BF16, QT_F16};
+    for (int k = 0; k < 2; k++) {
+        qt_convert_from_f32(wh, dts[k], w, (size_t)OUT * IN);
+        qt_convert_to_f32(wr, wh, dts[k], (size_t)OUT * IN);
+        op_matmul_forward(y1, x, wh, dts[k], NULL, N, IN, OUT, 1.0f, 0, ws);
+        op_matmul_forward(y2, x, wr, QT_F32, NULL, N, IN, OUT, 1.0f, 0, NULL);
+        for (int i = 0; i < N * OUT; i++) assert_true(fabsf(y1[i] - y2[i]) <= 1e-5f * (1 + fabsf(y2[i])));
+        memset(dx1, 0, (size_t)N * IN * 4), memset(dx2, 0, (size_t)N * IN * 4);
+        op_matmul_backward(dx1, NULL, NULL, dy, x, wh, dts[k], N, IN, OUT, 1.0f, ws);
+        op_matmul_backward(dx2, NULL, NULL, dy, x, wr, QT_F32, N, IN, OUT, 1.0f, NULL);
+        for (int i = 0; i < N * IN; i++) assert_true(fabsf(dx1[i] - dx2[i]) <= 1e-5f * (1 + fabsf(dx2[i])));
+    }
+    qt_free(x), qt_free(w), qt_free(dy), qt_free(wh), qt_free(wr), qt_free(ws);
+    qt_free(y1), qt_free(y2), qt_free(dx1), qt_free(dx2);
+}
+
+/* ---- rope ---- */
+enum { PN = 3, PH = 2, PD = 8 };
+static float *rp_x, *rp_r, rp_out[PN * PH * PD];
+static int32_t rp_pos[PN] = {0, 5, 1234};
+static double rp_loss(void) {
+    memcpy(rp_out, rp_x, sizeof rp_out);
+    op_rope_forward(rp_out, rp_pos, PN, PH, PD, 10000.0f);
+    return dotd(rp_out, rp_r, PN * PH * PD);
+}
+static void test_rope(void **state) {
+    (void)state;
+    rp_x = randv(PN * PH * PD, 1.0f), rp_r = randv(PN * PH * PD, 1.0f);
+    rp_loss();
+    double want[PN * PH * PD];
+    for (int n = 0; n < PN; n++)
+        for (int h = 0; h < PH; h++)
+            for (int i = 0; i < PD / 2; i++) {
+                double a = rp_pos[n] * pow(10000.0, -2.0 * i / PD);
+                const float *v = rp_x + (n * PH + h) * PD;
+                want[(n * PH + h) * PD + i] = v[i] * cos(a) - v[i + PD / 2] * sin(a);
+                want[(n * PH + h) * PD + i + PD / 2] = v[i + PD / 2] * cos(a) + v[i] * sin(a);
+            }
+    expect_close("rope out", rp_out, want, PN * PH * PD, 1e-4); /* angle 1234 rad rounds in fp32, as in HF */
+    float dx[PN * PH * PD];
+    memcpy(dx, rp_r, sizeof dx);
+    op_rope_backward(dx, rp_pos, PN, PH, PD, 10000.0f);
+    check_grad("rope dinp", rp_x, dx, PN * PH * PD, rp_loss, 1e-2f, 1e-3);
+    qt_free(rp_x), qt_free(rp_r);
+}
+
+/* ---- attention ---- */
+enum { AB = 2, AT = 7, AH = 4, AKV = 2, AD = 8 };
+static float *at_q, *at_k, *at_v, *at_r, at_out[AB * AT * AH * AD], at_lse[AB * AH * AT];
+static int32_t at_doc[AB * AT] = {0, 0, 0, 3, 3, 3, 6, 0, 0, 0, 0, 0, 0, 0};
+static double at_loss(void) {
+    op_attention_forward(at_out, at_lse, at_q, at_k, at_v, at_doc, AB, AT, AH, AKV, AD);
+    return dotd(at_out, at_r, AB * AT * AH * AD);
+}
+static void naive_attention(double *out, const float *q, const float *k, const float *v, const int32_t *doc, int B,
+                            int T, int H, int KV, int D) {
+    double *s = malloc(sizeof(double) * T);
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+            for (int t = 0; t < T; t++) {
+                int kh = h / (H / KV), j0 = doc ? doc[b * T + t] : 0;
+                double m = -1e300, l = 0;
+                for (int j = j0; j <= t; j++) {
+                    double d = 0;
+                    for (int e = 0; e < D; e++)
+                        d += (double)q[((b * T + t) * H + h) * D + e] * k[((b * T + j) * KV + kh) * D + e];
+                    s[j] = d / sqrt((double)D);
+                    m = fmax(m, s[j]);
+                }
+                for (int j = j0; j <= t; j++) l += exp(s[j] - m);
+                for (int e = 0; e < D; e++) {
+                    double acc = 0;
+                    for (int j = j0; j <= t; j++) acc += exp(s[j] - m) / l * v[((b * T + j) * KV + kh) * D + e];
+                    out[((b * T + t) * H + h) * D + e] = acc;
+                }
+            }
+    free(s);
+}
+static void test_attention(void **state) {
+    (void)state;
+    size_t nq = AB * AT * AH * AD, nk = AB * AT * AKV * AD;
+    at_q = randv(nq, 1.0f), at_k = randv(nk, 1.0f), at_v = randv(nk, 1.0f), at_r = randv(nq, 1.0f);
+    at_loss();
+    double want[AB * AT * AH * AD];
+    naive_attention(want, at_q, at_k, at_v, at_doc, AB, AT, AH, AKV, AD);
+    expect_close("attention out", at_out, want, nq, 1e-5);
+    float *dq = zeros(nq), *dk = zeros(nk), *dv = zeros(nk);
+    op_attention_backward(dq, dk, dv, at_r, at_out, at_lse, at_q, at_k, at_v, at_doc, AB, AT, AH, AKV, AD);
+    check_grad("attention dq", at_q, dq, nq, at_loss, 1e-2f, 1e-2);
+    check_grad("attention dk", at_k, dk, nk, at_loss, 1e-2f, 1e-2);
+    check_grad("attention dv", at_v, dv, nk, at_loss, 1e-2f, 1e-2);
+    qt_free(at_q), qt_free(at_k), qt_free(at_v), qt_free(at_r), qt_free(dq), qt_free(dk), qt_free(dv);
+}
+
+/* More keys than one block (online rescaling across blocks), GQA ratio 7,
+ * and the cached decode path agreeing with the batched one. */
+static void test_attention_blocks_and_cache(void **state) {
+    (void)state;
+    const int T = 150, H = 7, KV = 1, D = 16;
+    size_t nq = (size_t)T * H * D, nk = (size_t)T * KV * D;
+    float *q = randv(nq, 2.0f), *k = randv(nk, 1.0f), *v = randv(nk, 1.0f);
+    float *out = zeros(nq), *lse = zeros((size_t)H * T), *out2 = zeros(nq);
+    double *want = malloc(sizeof(double) * nq);
+    op_attention_forward(out, lse, q, k, v, NULL, 1, T, H, KV, D);
+    naive_attention(want, q, k, v, NULL, 1, T, H, KV, D);
+    expect_close("attention(T=150) out", out, want, nq, 1e-5);
+    /* decode: first 100 positions at once, then the rest one at a time */
+    op_attention_forward_cached(out2, q, k, v, 100, 0, H, KV, D);
+    for (int t = 100; t < T; t++)
+        op_attention_forward_cached(out2 + (size_t)t * H * D, q + (size_t)t * H * D, k, v, 1, t, H, KV, D);
+    expect_close("cached attention out", out2, want, nq, 1e-5);
+    qt_free(q), qt_free(k), qt_free(v), qt_free(out), qt_free(lse), qt_free(out2), free(want);
+}
+
+/* ---- swiglu ---- */
+enum { SN = 3, SI = 10 };
+static float *sw_g, *sw_u, *sw_r, sw_out[SN * SI];
+static double sw_loss(void) {
+    op_swiglu_forward(sw_out, sw_g, sw_u, SN, SI);
+    return dotd(sw_out, sw_r, SN * SI);
+}
+static void test_swiglu(void **state) {
+    (void)state;
+    sw_g = randv(SN * SI, 2.0f), sw_u = randv(SN * SI, 1.0f), sw_r = randv(SN * SI, 1.0f);
+    sw_loss();
+    double want[SN * SI];
+    for (int i = 0; i < SN * SI; i++) want[i] = sw_g[i] / (1 + exp(-(double)sw_g[i])) * sw_u[i];
+    expect_close("swiglu out", sw_out, want, SN * SI, 1e-6);
+    float *dg = zeros(SN * SI), *du = zeros(SN * SI);
+    op_swiglu_backward(dg, du, sw_r, sw_g, sw_u, SN, SI);
+    check_grad("swiglu dgate", sw_g, dg, SN * SI, sw_loss, 1e-3f, 1e-2);
+    check_grad("swiglu dup", sw_u, du, SN * SI, sw_loss, 1e-3f, 1e-2);
+    qt_free(sw_g), qt_free(sw_u), qt_free(sw_r), qt_free(dg), qt_free(du);
+}
+
+/* ---- lm_head + cross-entropy ---- */
+enum { CN = 5, CC = 8, CV = 2 * OP_CE_CHUNK + 37 };
+static float *ce_x, *ce_w, *ce_ws, ce_loss_v[CN], ce_lse[CN];
+static int32_t ce_t[CN] = {3, QT_IGNORE_INDEX, CV - 1, OP_CE_CHUNK, 17};
+static double ce_loss(void) {
+    op_lmhead_ce_forward(ce_loss_v, ce_lse, ce_x, ce_w, QT_F32, ce_t, CN, CC, CV, ce_ws);
+    double s = 0;
+    for (int n = 0; n < CN; n++) s += ce_loss_v[n];
+    return s;
+}
+static void test_lmhead_ce(void **state) {
+    (void)state;
+    ce_x = randv(CN * CC, 1.0f), ce_w = randv((size_t)CV * CC, 1.0f);
+    ce_ws = zeros(op_lmhead_ce_ws_floats(CN, CC));
+    ce_loss();
+    double want[CN];
+    for (int n = 0; n < CN; n++) {
+        double m = -1e300, l = 0, tl = 0;
+        double *lg = malloc(sizeof(double) * CV);
+        for (int v = 0; v < CV; v++) {
+            lg[v] = dotd(ce_x + n * CC, ce_w + (size_t)v * CC, CC);
+            m = fmax(m, lg[v]);
+        }
+        for (int v = 0; v < CV; v++) l += exp(lg[v] - m);
+        if (ce_t[n] >= 0) tl = lg[ce_t[n]];
+        want[n] = ce_t[n] >= 0 ? m + log(l) - tl : 0.0;
+        free(lg);
+    }
+    expect_close("ce loss", ce_loss_v, want, CN, 1e-6);
+    float *dx = zeros(CN * CC), *dw = zeros((size_t)CV * CC);
+    op_lmhead_ce_backward(dx, dw, ce_x, ce_w, QT_F32, ce_t, ce_lse, 1.0f, CN, CC, CV, ce_ws);
+    for (int c = 0; c < CC; c++) assert_true(dx[1 * CC + c] == 0.0f); /* ignored row */
+    check_grad("ce dx", ce_x, dx, CN * CC, ce_loss, 1e-2f, 1e-2);
+    check_grad("ce dw(target row)", ce_w + 3 * CC, dw + 3 * CC, CC, ce_loss, 1e-2f, 1e-2);
+    check_grad("ce dw", ce_w, dw, (size_t)CV * CC, ce_loss, 1e-2f, 1e-2);
+    qt_free(ce_x), qt_free(ce_w), qt_free(ce_ws), qt_free(dx), qt_free(dw);
+}
+
+/* ---- embedding ---- */
+static void test_embedding(void **state) {
+    (void)state;
+    const int V = 11, C = 6, N = 4;
+    int32_t ids[4] = {3, 10, 3, 0};
+    float *w = randv((size_t)V * C, 1.0f), *out = zeros((size_t)N * C), *dw = zeros((size_t)V * C);
+    uint16_t wh[11 * 6];
+    qt_convert_from_f32(wh, QT_BF16, w, (size_t)V * C);
+    op_embedding_forward(out, ids, wh, QT_BF16, N, C);
+    for (int n = 0; n < N; n++)
+        for (int c = 0; c < C; c++) assert_true(out[n * C + c] == qt_bf16_to_f32(wh[ids[n] * C + c]));
+    float *dout = randv((size_t)N * C, 1.0f);
+    op_embedding_backward(dw, dout, ids, N, C);
+    for (int c = 0; c < C; c++) {
+        assert_true(fabsf(dw[3 * C + c] - (dout[c] + dout[2 * C + c])) < 1e-6f);
+        assert_true(dw[1 * C + c] == 0.0f);
+    }
+    qt_free(w), qt_free(out), qt_free(dw), qt_free(dout);
+}
+
+int main(void) {
+    qt_rng_seed(&rng, 1234);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_rmsnorm),   cmocka_unit_test(test_matmul),
+        cmocka_unit_test(test_matmul_half_panels), cmocka_unit_test(test_rope),
+        cmocka_unit_test(test_attention), cmocka_unit_test(test_attention_blocks_and_cache),
+        cmocka_unit_test(test_swiglu),    cmocka_unit_test(test_lmhead_ce),
+        cmocka_unit_test(test_embedding),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
