@@ -30,7 +30,21 @@
  * --chat`. args: const char *token ("<|im_end|>"), const char *reason. */
 #define QT_MSG_CHAT_UNTRAINED_FMT                                                                  \
     "%s looks untrained in this model (%s), so chat replies may never stop; "                     \
-    "use an instruct model as the base, train with lora.modules_to_save embed_tokens/lm_head, "    \
-    "or cap the reply with --max-new"
+    "use the instruct model as the base (or fine-tune fully so embed_tokens and lm_head learn it), " \
+    "and cap the reply with --max-new"
+
+/* Collective timeout (src/dist/): a rank died or stalled. Printed by every
+ * surviving rank after "qtune: error: ". args: int this rank, const char
+ * *collective, double timeout seconds, const char *which ranks stopped. */
+#define QT_MSG_DIST_TIMEOUT_FMT                                                                    \
+    "rank %d: collective %s did not complete within %g s; %s. Check that every rank is alive, "   \
+    "the network between hosts, and raise QTUNE_DIST_TIMEOUT if steps are just slow"
+
+/* Loss-scale collapse (src/optim/ loss scaler, fp16): the dynamic scale hit
+ * its floor and steps keep overflowing. args: double scale, long skipped
+ * steps in a row. */
+#define QT_MSG_LOSS_SCALE_FLOOR_FMT                                                                \
+    "fp16 loss scale reached its floor (min_loss_scale %g) and %ld steps in a row overflowed; "    \
+    "lower the learning rate or lengthen warmup, check the data, or train in bf16 or fp32"
 
 #endif
