@@ -2,7 +2,10 @@
  * added/special tokens matched first, NFC normalisation (utf8proc), the Split
  * pre-tokenizer regex (PCRE2, UTF + UCP, the pattern exactly as the file has
  * it), the ByteLevel byte->unicode mapping, merges by rank, and the ByteLevel
- * decoder. */
+ * decoder. docs/tokenizer.md has the exact rules (invalid UTF-8, flags).
+ *
+ * A loaded tokenizer is read-only and safe to share between threads: every
+ * function here may be called concurrently on the same bpe_tokenizer. */
 #ifndef QT_TEXT_TOKENIZER_H
 #define QT_TEXT_TOKENIZER_H
 
@@ -16,7 +19,9 @@ int bpe_load(const char *path, bpe_tokenizer **out);
 void bpe_free(bpe_tokenizer *t);
 
 /* Appends the ids of text[0..len) to *ids (growing *cap with qt_realloc).
- * Special tokens written inside the text are matched, as HF does by default. */
+ * Special tokens written inside the text are matched, as HF does by default.
+ * Invalid UTF-8 in text is first replaced with U+FFFD (maximal subparts, as
+ * Python's bytes.decode(errors="replace") does before HF sees the str). */
 int bpe_encode(const bpe_tokenizer *t, const char *text, size_t len, int32_t **ids, size_t *n, size_t *cap);
 /* Decodes ids into a NUL-terminated string (qt_free it). Invalid UTF-8 that the
  * bytes form is replaced with U+FFFD, as HF's decoder does. */
@@ -26,5 +31,26 @@ int32_t bpe_token_id(const bpe_tokenizer *t, const char *token);
 const char *bpe_id_token(const bpe_tokenizer *t, int32_t id); /* NULL if out of range */
 int32_t bpe_vocab_size(const bpe_tokenizer *t);  /* highest id + 1, added tokens included */
 uint64_t bpe_hash(const bpe_tokenizer *t);       /* of the tokenizer.json bytes: cache key */
+
+/* --- additions (text owner) --- */
+
+/* Byte range of one token in the text it was encoded from. */
+typedef struct {
+    size_t start, end;
+} bpe_span;
+
+/* bpe_encode that also appends, for each id, the byte range [start, end) of
+ * text it came from. Exact when text is valid UTF-8 already in NFC (the
+ * normaliser then changes nothing); where invalid bytes were replaced or NFC
+ * changed a stretch, the tokens of that stretch all get the stretch's range. */
+int bpe_encode_spans(const bpe_tokenizer *t, const char *text, size_t len, int32_t **ids, bpe_span **spans,
+                     size_t *n, size_t *cap);
+
+/* Text as the encoder sees it before splitting: invalid UTF-8 replaced with
+ * U+FFFD, then NFC when the tokenizer's normaliser is NFC (qt_free *out). */
+int bpe_normalize(const bpe_tokenizer *t, const char *text, size_t len, char **out, size_t *out_len);
+
+/* 1 if id is an added token (<|im_end|>, <think>, ...), else 0. */
+int bpe_is_added(const bpe_tokenizer *t, int32_t id);
 
 #endif

@@ -1,0 +1,268 @@
+/* Text -> ids, in HF's order:
+ *   1. invalid UTF-8 -> U+FFFD (what Python's str hands HF),
+ *   2. split on added tokens (leftmost, longest first), which become their ids,
+ *   3. each stretch between them: NFC, then the Split regex (Isolated: every
+ *      match and every gap is a piece),
+ *   4. each piece: ByteLevel (we work on the raw bytes the alphabet stands
+ *      for) and BPE merges (bpe_merge.c). */
+#include "text/bpe_impl.h"
+#include "text/utf8.h"
+
+#include "core/error.h"
+#include "core/mem.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <utf8proc.h>
+
+/* True when NFC leaves s unchanged for certain: every code point is one that
+ * NFC never alters and that never combines with its neighbour (ccc 0, no
+ * canonical decomposition, no composition partner). ASCII, Latin-1, CJK
+ * ideographs, fullwidth forms and the emoji blocks are; anything else goes to
+ * utf8proc. Most text never reaches it. */
+static int nfc_stable(const uint8_t *s, size_t n) {
+    size_t i = 0;
+    while (i < n) {
+        if (s[i] < 0x80) { i++; continue; }
+        int l;
+        uint32_t cp = utf8_decode(s + i, &l);
+        i += (size_t)l;
+        if (cp < 0x300) continue;
+        if (cp >= 0x4E00 && cp <= 0x9FFF) continue;    /* CJK unified ideographs */
+        if (cp >= 0x3400 && cp <= 0x4DBF) continue;    /* extension A */
+        if (cp >= 0x3000 && cp <= 0x3029) continue;    /* CJK punctuation before the tone marks */
+        if (cp >= 0xFF00 && cp <= 0xFFEF) continue;    /* half/fullwidth forms */
+        if (cp >= 0x1F300 && cp <= 0x1FAFF) continue;  /* emoji and pictographs */
+        return 0;
+    }
+    return 1;
+}
+
+static int nfc(const char *s, size_t n, char **out, size_t *out_len) {
+    utf8proc_uint8_t *dst = NULL;
+    utf8proc_ssize_t r = utf8proc_map((const utf8proc_uint8_t *)s, (utf8proc_ssize_t)n, &dst, UTF8PROC_STABLE | UTF8PROC_COMPOSE);
+    if (r < 0) return QT_ERR(QT_EINVAL, "NFC normalisation failed: %s", utf8proc_errmsg(r));
+    *out = (char *)dst; /* malloc'd by utf8proc: release with free() */
+    *out_len = (size_t)r;
+    return QT_OK;
+}
+
+static int is_space_cp(uint32_t cp) {
+    if (cp == ' ' || (cp >= 9 && cp <= 13) || cp == 0x85) return 1;
+    if (cp < 0x80) return 0;
+    utf8proc_category_t c = utf8proc_category((utf8proc_int32_t)cp);
+    return c == UTF8PROC_CATEGORY_ZS || c == UTF8PROC_CATEGORY_ZL || c == UTF8PROC_CATEGORY_ZP;
+}
+
+static int is_word_cp(uint32_t cp) {
+    if (cp < 0x80) return (cp >= '0' && cp <= '9') || (cp >= 'a' && cp <= 'z') || (cp >= 'A' && cp <= 'Z') || cp == '_';
+    utf8proc_category_t c = utf8proc_category((utf8proc_int32_t)cp);
+    return (c >= UTF8PROC_CATEGORY_LU && c <= UTF8PROC_CATEGORY_LO) || (c >= UTF8PROC_CATEGORY_ND && c <= UTF8PROC_CATEGORY_NO);
+}
+
+/* Code point that ends at s[end) (valid UTF-8, end > 0); *l its length. */
+static uint32_t cp_before(const uint8_t *s, size_t end, int *l) {
+    size_t i = end - 1;
+    while (i > 0 && (s[i] & 0xC0) == 0x80 && end - i < 4) i--;
+    return utf8_decode(s + i, l);
+}
+
+typedef struct {
+    size_t start, end; /* what the match swallows, lstrip/rstrip spaces included */
+    int32_t id;
+} added_match;
+
+/* The first added token in s[from..n), leftmost then longest. */
+static int find_added(const bpe_tokenizer *t, const uint8_t *s, size_t n, size_t from, size_t floor, added_match *m) {
+    for (size_t i = from; i < n; i++) {
+        if (!t->added_first[s[i]]) continue;
+        for (size_t k = 0; k < t->n_added; k++) {
+            const bpe_added *a = &t->added[k];
+            if (a->len > n - i || (uint8_t)a->content[0] != s[i] || memcmp(a->content, s + i, a->len)) continue;
+            size_t st = i, en = i + a->len;
+            int l;
+            if (a->single_word && ((st > 0 && is_word_cp(cp_before(s, st, &l))) || (en < n && is_word_cp(utf8_decode(s + en, &l)))))
+                continue;
+            if (a->lstrip)
+                while (st > floor) {
+                    uint32_t cp = cp_before(s, st, &l);
+                    if (!is_space_cp(cp)) break;
+                    st -= (size_t)l;
+                }
+            if (a->rstrip)
+                while (en < n) {
+                    uint32_t cp = utf8_decode(s + en, &l);
+                    if (!is_space_cp(cp)) break;
+                    en += (size_t)l;
+                }
+            *m = (added_match){st, en, a->id};
+            return 1;
+        }
+    }
+    return 0;
+}
+
+typedef struct {
+    const bpe_tokenizer *t;
+    int32_t **ids;
+    bpe_span **spans; /* NULL: not wanted */
+    size_t *n, *cap;
+    int exact;        /* offsets in the work text equal offsets in the caller's */
+    size_t text_len;  /* of the caller's text */
+    pcre2_match_data *md;
+} enc_ctx;
+
+/* Ids of one piece. Spans: each token's bytes in turn from base when exact,
+ * else the whole range [rs, re). */
+static int encode_piece(enc_ctx *c, const uint8_t *p, size_t n, size_t base, int exact, size_t rs, size_t re) {
+    size_t k0 = *c->n;
+    QT_TRY(bpe_reserve(c->ids, c->spans, *c->n, c->cap, n)); /* a piece never has more ids than bytes */
+    QT_TRY(bpe_word(c->t, p, n, c->ids, c->n, c->cap));
+    if (!c->spans) return QT_OK;
+    size_t off = base;
+    for (size_t k = k0; k < *c->n; k++) {
+        int32_t id = (*c->ids)[k];
+        size_t len = c->t->tok_off[id + 1] - c->t->tok_off[id];
+        (*c->spans)[k] = exact ? (bpe_span){off, off + len} : (bpe_span){rs, re};
+        off += len;
+    }
+    return QT_OK;
+}
+
+/* A stretch of text between added tokens: NFC, then the regex, then BPE. */
+static int encode_stretch(enc_ctx *c, const char *s, size_t n, size_t base) {
+    if (!n) return QT_OK;
+    const bpe_tokenizer *t = c->t;
+    char *norm = NULL;
+    int exact = c->exact;
+    size_t orig_n = n;
+    if (t->nfc && !nfc_stable((const uint8_t *)s, n)) {
+        size_t nn = 0;
+        QT_TRY(nfc(s, n, &norm, &nn));
+        if (nn != n || memcmp(norm, s, n)) {
+            s = norm;
+            exact = 0;
+        }
+        n = nn;
+    }
+    /* the range every token gets when offsets are not exact */
+    size_t rs = c->exact ? base : 0, re = c->exact ? base + orig_n : c->text_len;
+    int rc = QT_OK;
+    if (!t->re) {
+        rc = encode_piece(c, (const uint8_t *)s, n, base, exact, rs, re);
+    } else {
+        size_t off = 0;
+        while (off < n && rc == QT_OK) {
+            int m = t->re_jit ? pcre2_jit_match(t->re, (PCRE2_SPTR)s, n, off, 0, c->md, NULL) : PCRE2_ERROR_JIT_STACKLIMIT;
+            if (m == PCRE2_ERROR_JIT_STACKLIMIT)
+                m = pcre2_match(t->re, (PCRE2_SPTR)s, n, off, PCRE2_NO_UTF_CHECK, c->md, NULL);
+            if (m == PCRE2_ERROR_NOMATCH) {
+                rc = encode_piece(c, (const uint8_t *)s + off, n - off, base + off, exact, rs, re);
+                break;
+            }
+            if (m < 0) {
+                PCRE2_UCHAR msg[256];
+                pcre2_get_error_message(m, msg, sizeof msg);
+                rc = QT_ERR(QT_EINVAL, "the tokenizer's split regex failed on the text (%s)", (char *)msg);
+                break;
+            }
+            PCRE2_SIZE *ov = pcre2_get_ovector_pointer(c->md);
+            size_t ms = ov[0], me = ov[1];
+            if (ms > off) rc = encode_piece(c, (const uint8_t *)s + off, ms - off, base + off, exact, rs, re);
+            if (me == ms) { /* an empty match: step one character so the loop moves */
+                int l;
+                if (me >= n) break;
+                utf8_decode((const uint8_t *)s + me, &l);
+                me += (size_t)l;
+            }
+            if (rc == QT_OK) rc = encode_piece(c, (const uint8_t *)s + ms, me - ms, base + ms, exact, rs, re);
+            off = me;
+        }
+    }
+    free(norm);
+    return rc;
+}
+
+int bpe_encode_spans(const bpe_tokenizer *t, const char *text, size_t len, int32_t **ids, bpe_span **spans, size_t *n,
+                     size_t *cap) {
+    if (!text && len) return QT_ERR(QT_EINVAL, "bpe_encode: text is NULL");
+    char *clean = NULL;
+    const char *s = text;
+    size_t sl = len;
+    if (utf8_valid_prefix(text, len) != len) {
+        QT_TRY(utf8_sanitize(text, len, &clean, &sl));
+        s = clean;
+    }
+    enc_ctx c = {t, ids, spans, n, cap, clean == NULL, len, NULL};
+    if (spans) {
+        int rc = bpe_reserve(ids, spans, *n, cap, 16);
+        if (rc != QT_OK) {
+            qt_free(clean);
+            return rc;
+        }
+    }
+    if (t->re) {
+        c.md = pcre2_match_data_create(1, NULL);
+        if (!c.md) {
+            qt_free(clean);
+            return QT_ERR(QT_ENOMEM, "out of memory for the tokenizer's regex match data");
+        }
+    }
+    int rc = QT_OK;
+    size_t pos = 0;
+    while (rc == QT_OK && pos <= sl) {
+        added_match m;
+        if (!t->n_added || !find_added(t, (const uint8_t *)s, sl, pos, pos, &m)) {
+            rc = encode_stretch(&c, s + pos, sl - pos, pos);
+            break;
+        }
+        rc = encode_stretch(&c, s + pos, m.start - pos, pos);
+        if (rc == QT_OK) rc = bpe_reserve(ids, spans, *n, cap, 1);
+        if (rc == QT_OK) {
+            (*ids)[*n] = m.id;
+            if (spans) (*spans)[*n] = c.exact ? (bpe_span){m.start, m.end} : (bpe_span){0, len};
+            (*n)++;
+        }
+        pos = m.end;
+    }
+    if (c.md) pcre2_match_data_free(c.md);
+    qt_free(clean);
+    return rc;
+}
+
+int bpe_encode(const bpe_tokenizer *t, const char *text, size_t len, int32_t **ids, size_t *n, size_t *cap) {
+    return bpe_encode_spans(t, text, len, ids, NULL, n, cap);
+}
+
+int bpe_normalize(const bpe_tokenizer *t, const char *text, size_t len, char **out, size_t *out_len) {
+    char *clean = NULL;
+    size_t cl = len;
+    if (utf8_valid_prefix(text, len) != len) QT_TRY(utf8_sanitize(text, len, &clean, &cl));
+    const char *s = clean ? clean : text;
+    if (t->nfc && !nfc_stable((const uint8_t *)s, cl)) {
+        char *norm = NULL;
+        size_t nn = 0;
+        int rc = nfc(s, cl, &norm, &nn);
+        qt_free(clean);
+        if (rc != QT_OK) return rc;
+        char *o = qt_malloc(nn + 1, "normalised text");
+        if (o) {
+            memcpy(o, norm, nn);
+            o[nn] = 0;
+        }
+        free(norm);
+        if (!o) return QT_ENOMEM;
+        *out = o;
+        *out_len = nn;
+        return QT_OK;
+    }
+    if (!clean) {
+        clean = qt_malloc(len + 1, "normalised text");
+        if (!clean) return QT_ENOMEM;
+        memcpy(clean, text, len);
+        clean[len] = 0;
+    }
+    *out = clean;
+    *out_len = cl;
+    return QT_OK;
+}
