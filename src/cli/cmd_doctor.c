@@ -1,9 +1,67 @@
-/* qtune doctor: placeholder until its issue lands; replaced by the real command. */
+/* qtune doctor: this machine and build, a job file checked for every
+ * problem, and the table of known failures (src/train/doctor.h). */
 #include "cli/cli.h"
+#include "train/doctor.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static void doctor_help(void) {
+    printf("usage: qtune doctor [JOB.json] [--ranks N] [--no-table]\n\n"
+           "Reports CPU features (AVX2, AVX-512F, AVX512_BF16, F16C), the BLAS library and its threads,\n"
+           "OpenMP threads against cores, MPI and CUDA of this build, memory and disk. With a job file it\n"
+           "names every problem found in it (paths, DeepSpeed batch identity, ZeRO/offload/precision\n"
+           "settings, memory and disk against `qtune plan` for the job) and exits 1 if there is any.\n"
+           "Ends with the table of known failures: symptom, cause, fix and the exact message.\n\n"
+           "  --ranks N     data-parallel ranks that will run on this host (default: the mpirun\n"
+           "                world size when started under mpirun, else 1)\n"
+           "  --no-table    leave out the table of known failures\n");
+}
 
 int cmd_doctor(int argc, char **argv) {
-    (void)argc;
-    (void)argv;
-    fprintf(stderr, "qtune doctor: this command is still under construction in this build\n");
-    return QT_EXIT_FAIL;
+    if (cli_wants_help(argc, argv)) {
+        doctor_help();
+        return QT_EXIT_OK;
+    }
+    const char *job = NULL;
+    int ranks = 0, table = 1;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--ranks")) {
+            char *end;
+            long v = i + 1 < argc ? strtol(argv[i + 1], &end, 10) : 0;
+            if (i + 1 >= argc || *end || v < 1 || v > 4096)
+                return cli_usage_error("doctor", "--ranks needs a whole number from 1 to 4096");
+            ranks = (int)v;
+            i++;
+        } else if (!strcmp(argv[i], "--no-table")) {
+            table = 0;
+        } else if (argv[i][0] == '-') {
+            return cli_usage_error("doctor", "unknown option '%s'", argv[i]);
+        } else if (!job) {
+            job = argv[i];
+        } else {
+            return cli_usage_error("doctor", "give at most one job file (got '%s' and '%s')", job, argv[i]);
+        }
+    }
+    if (!ranks) {
+        const char *w = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+        ranks = w && atoi(w) > 0 ? atoi(w) : 1;
+    }
+    qt_doctor_environment(stdout, ranks);
+    int problems = 0;
+    if (job) {
+        printf("\n");
+        problems = qt_doctor_check_job(stdout, job, ranks);
+    }
+    if (table) {
+        printf("\n");
+        qt_doctor_print_failures(stdout);
+    }
+    fflush(stdout);
+    if (problems) {
+        fprintf(stderr, "qtune: error: %s has %d problem%s (listed above); fix them before `qtune train`\n", job,
+                problems, problems == 1 ? "" : "s");
+        return QT_EXIT_FAIL;
+    }
+    return QT_EXIT_OK;
 }

@@ -1,0 +1,561 @@
+/* qtune doctor: the environment report, the job check, and the table of
+ * known failures (see doctor.h and docs/doctor.md). Nothing here changes the
+ * machine or the job; every check only reads. */
+#include "train/doctor.h"
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/mem.h"
+#include "core/messages.h"
+#include "io/hf_config.h"
+#include "model/model.h"
+#include "train/job.h"
+#include "train/plan_report.h"
+#include "qtune_config.h"
+
+#include <cblas.h>
+#include <cjson/cJSON.h>
+#include <ctype.h>
+#include <dirent.h>
+#include <dlfcn.h>
+#include <omp.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#if QTUNE_HAVE_MPI
+#include <mpi.h>
+#endif
+
+#define GIB (1024.0 * 1024.0 * 1024.0)
+
+/* ---- the table of known failures ------------------------------------------ */
+
+static const qt_known_failure failures[] = {
+    {"the run stops while loading or at the first step with 'could not allocate ...'",
+     "weights + gradients + optimizer state + activations exceed the memory of a card or the host",
+     "run `qtune plan` with the job's settings; turn on train.gradient_checkpointing, use ZeRO stage 2 "
+     "(with offload_optimizer.device cpu), a smaller train_micro_batch_size_per_gpu or data.seq_len, or LoRA",
+     QT_MSG_OOM_FMT, "QT_MSG_OOM_FMT"},
+    {"every rank stops after a long pause with 'collective ... did not complete within ...'",
+     "one rank died (often the kernel's OOM killer) or stalls (slow disk, swap, a hung network link)",
+     "read the named rank's log and `dmesg` for the OOM killer; check the network between hosts; raise "
+     "QTUNE_DIST_TIMEOUT (seconds) when steps are simply slower than the deadline",
+     QT_MSG_DIST_TIMEOUT_FMT, "QT_MSG_DIST_TIMEOUT_FMT"},
+    {"tokens_per_s in metrics.jsonl falls far below the first steps, with 'the training step waited for data'",
+     "the data loader cannot keep up (too few workers, a slow or network disk), or OpenMP threads x ranks "
+     "oversubscribe the cores and the loader starves",
+     "raise data.num_workers or data.prefetch, put data.cache_dir on a local disk, and keep "
+     "OMP_NUM_THREADS x ranks per host <= cores (see the environment report above)",
+     QT_MSG_LOADER_STARVED_FMT, "QT_MSG_LOADER_STARVED_FMT"},
+    {"fp16 training: loss_scale in metrics.jsonl keeps halving, every step is skipped, then the run stops",
+     "gradients overflow fp16 at every scale: a learning rate too high for fp16, bad data (very long or "
+     "repeated tokens), or weights outside fp16's range",
+     "lower the learning rate or lengthen warmup, keep gradient_clipping at 1.0, check the data; use bf16 on "
+     "hardware that has it, or fp32",
+     QT_MSG_LOSS_SCALE_FLOOR_FMT, "QT_MSG_LOSS_SCALE_FLOOR_FMT"},
+    {"`qtune generate --chat` with a LoRA model never stops, or repeats the prompt",
+     "the base model never learned ChatML's <|im_end|> (a base, not an instruct model), and a LoRA adapter on "
+     "attention projections cannot teach it a new token's embedding",
+     "use the instruct model as the base, or train the embedding and lm_head too (full fine-tuning); "
+     "meanwhile cap replies with --max-new",
+     QT_MSG_CHAT_UNTRAINED_FMT, "QT_MSG_CHAT_UNTRAINED_FMT"},
+};
+
+const qt_known_failure *qt_doctor_known_failures(int *n) {
+    *n = (int)(sizeof failures / sizeof failures[0]);
+    return failures;
+}
+
+void qt_doctor_render_format(const char *fmt, char *out, size_t cap) {
+    size_t o = 0;
+    if (!cap) return;
+    for (const char *p = fmt; *p && o + 1 < cap;) {
+        if (*p != '%') {
+            out[o++] = *p++;
+            continue;
+        }
+        p++;
+        if (*p == '%') {
+            out[o++] = '%';
+            p++;
+            continue;
+        }
+        while (*p && strchr("-+ #0123456789.*lhzjtL", *p)) p++; /* flags, width, precision, length */
+        const char *ph = (*p == 's' || *p == 'c') ? "<text>" : "<number>";
+        if (*p) p++;
+        for (const char *q = ph; *q && o + 1 < cap; q++) out[o++] = *q;
+    }
+    out[o] = 0;
+}
+
+void qt_doctor_print_failures(FILE *f) {
+    int n;
+    const qt_known_failure *t = qt_doctor_known_failures(&n);
+    fprintf(f, "known failures (symptom, cause, fix, and the exact message qtune prints)\n");
+    for (int i = 0; i < n; i++) {
+        char msg[1024];
+        qt_doctor_render_format(t[i].message, msg, sizeof msg);
+        fprintf(f, "\n%d. %s\n   cause:   %s\n   fix:     %s\n   message: %s\n", i + 1, t[i].symptom, t[i].cause,
+                t[i].fix, msg);
+    }
+}
+
+/* ---- environment ---------------------------------------------------------- */
+
+static int64_t meminfo_kib(const char *key) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f) return -1;
+    char line[256];
+    int64_t v = -1;
+    size_t kl = strlen(key);
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, key, kl) && line[kl] == ':') {
+            v = strtoll(line + kl + 1, NULL, 10);
+            break;
+        }
+    fclose(f);
+    return v;
+}
+
+static void cpu_model(char *out, size_t cap) {
+    snprintf(out, cap, "unknown");
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (!f) return;
+    char line[512];
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, "model name", 10)) {
+            char *c = strchr(line, ':');
+            if (c) {
+                c++;
+                while (*c == ' ') c++;
+                c[strcspn(c, "\n")] = 0;
+                snprintf(out, cap, "%s", c);
+            }
+            break;
+        }
+    fclose(f);
+}
+
+static void print_cuda(FILE *f) {
+#if QTUNE_HAVE_CUDA
+    /* The driver is looked up at run time, so a CUDA build still runs (on the
+     * CPU) on a machine without one. */
+    void *drv = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!drv) {
+        fprintf(f, "cuda       built with CUDA; no NVIDIA driver on this machine (libcuda.so.1 not found): CPU only\n");
+        return;
+    }
+    typedef int (*init_fn)(unsigned);
+    typedef int (*count_fn)(int *);
+    typedef int (*ver_fn)(int *);
+    typedef int (*get_fn)(int *, int);
+    typedef int (*name_fn)(char *, int, int);
+    typedef int (*mem_fn)(size_t *, int);
+    init_fn cu_init = (init_fn)dlsym(drv, "cuInit");
+    count_fn cu_count = (count_fn)dlsym(drv, "cuDeviceGetCount");
+    ver_fn cu_ver = (ver_fn)dlsym(drv, "cuDriverGetVersion");
+    get_fn cu_get = (get_fn)dlsym(drv, "cuDeviceGet");
+    name_fn cu_name = (name_fn)dlsym(drv, "cuDeviceGetName");
+    mem_fn cu_mem = (mem_fn)dlsym(drv, "cuDeviceTotalMem_v2");
+    int n = 0, ver = 0;
+    if (!cu_init || !cu_count || cu_init(0) != 0 || cu_count(&n) != 0) {
+        fprintf(f, "cuda       built with CUDA; the driver did not initialise (no GPU visible?): CPU only\n");
+        dlclose(drv);
+        return;
+    }
+    if (cu_ver) cu_ver(&ver);
+    fprintf(f, "cuda       driver supports CUDA %d.%d; %d GPU%s\n", ver / 1000, (ver % 1000) / 10, n, n == 1 ? "" : "s");
+    void *rt = dlopen("libcudart.so", RTLD_NOW | RTLD_LOCAL);
+    if (rt) {
+        ver_fn rt_ver = (ver_fn)dlsym(rt, "cudaRuntimeGetVersion");
+        int rv = 0;
+        if (rt_ver && rt_ver(&rv) == 0) fprintf(f, "           runtime CUDA %d.%d\n", rv / 1000, (rv % 1000) / 10);
+        dlclose(rt);
+    }
+    for (int i = 0; i < n && cu_get && cu_name && cu_mem; i++) {
+        int dev;
+        char name[256] = "?";
+        size_t bytes = 0;
+        if (cu_get(&dev, i) != 0) continue;
+        cu_name(name, sizeof name, dev);
+        cu_mem(&bytes, dev);
+        fprintf(f, "           GPU %d: %s, %.1f GiB\n", i, name, (double)bytes / GIB);
+    }
+    dlclose(drv);
+#else
+    fprintf(f, "cuda       this build has no CUDA backend (configured without nvcc): CPU only\n");
+#endif
+}
+
+static void print_mpi(FILE *f) {
+#if QTUNE_HAVE_MPI
+    char v[MPI_MAX_LIBRARY_VERSION_STRING];
+    int len = 0;
+    MPI_Get_library_version(v, &len); /* callable before MPI_Init */
+    v[strcspn(v, "\n,")] = 0;
+    fprintf(f, "mpi        %s (launch with `mpirun -np N qtune train JOB.json`)\n", v);
+#else
+    fprintf(f, "mpi        this build has no MPI: one process only (install libopenmpi-dev and rebuild)\n");
+#endif
+}
+
+int qt_doctor_environment(FILE *f, int ranks) {
+    int warnings = 0;
+    char model[256];
+    cpu_model(model, sizeof model);
+    const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    fprintf(f, "qtune      %s (MPI %s, CUDA %s, oneDNN %s)\n", QTUNE_VERSION, QTUNE_HAVE_MPI ? "on" : "off",
+            QTUNE_HAVE_CUDA ? "on" : "off", QTUNE_HAVE_DNNL ? "on" : "off");
+    fprintf(f, "cpu        %s, %ld logical cores\n", model, cores);
+    __builtin_cpu_init();
+    const int avx2 = __builtin_cpu_supports("avx2"), f16c = __builtin_cpu_supports("f16c");
+    const int avx512 = __builtin_cpu_supports("avx512f"), bf16 = __builtin_cpu_supports("avx512bf16");
+    fprintf(f, "           AVX2 %s, F16C %s, AVX-512F %s, AVX512_BF16 %s\n", avx2 ? "yes" : "no", f16c ? "yes" : "no",
+            avx512 ? "yes" : "no", bf16 ? "yes" : "no");
+    if (!avx2 || !f16c) {
+        fprintf(f, "  warning: this CPU lacks AVX2/F16C, which qtune's kernels are compiled for; expect a crash "
+                   "(illegal instruction) and rebuild on this machine with -DQTUNE_NATIVE=ON\n");
+        warnings++;
+    }
+    if (!bf16)
+        fprintf(f, "           bf16 compute is not available on this CPU: use fp16 or fp32 (a bf16 job stops with "
+                   "an error that says so)\n");
+
+    const char *cfg = openblas_get_config();
+    const int par = openblas_get_parallel();
+    fprintf(f, "blas       %s; %s threading, %d thread%s\n", cfg ? cfg : "?",
+            par == 0 ? "single" : par == 1 ? "pthreads" : "OpenMP", openblas_get_num_threads(),
+            openblas_get_num_threads() == 1 ? "" : "s");
+    const int omp = omp_get_max_threads();
+    const char *omp_env = getenv("OMP_NUM_THREADS");
+    fprintf(f, "openmp     %d thread%s per process (OMP_NUM_THREADS %s), %d rank%s on this host\n", omp,
+            omp == 1 ? "" : "s", omp_env ? omp_env : "unset", ranks, ranks == 1 ? "" : "s");
+    if ((long)omp * ranks > cores && cores > 0) {
+        fprintf(f, "  warning: %d threads x %d ranks = %ld > %ld cores: threads will fight for cores and steps "
+                   "slow down many times; set OMP_NUM_THREADS=%ld\n",
+                omp, ranks, (long)omp * ranks, cores, cores / ranks > 0 ? cores / ranks : 1);
+        warnings++;
+    }
+    if (par == 1 && openblas_get_num_threads() > 1 && omp > 1)
+        fprintf(f, "           OpenBLAS runs its own pthreads next to OpenMP; if cores look oversubscribed, set "
+                   "OPENBLAS_NUM_THREADS=1\n");
+    print_mpi(f);
+    print_cuda(f);
+
+    const int64_t total = meminfo_kib("MemTotal"), avail = meminfo_kib("MemAvailable");
+    if (total > 0 && avail >= 0)
+        fprintf(f, "memory     %.1f GiB available of %.1f GiB\n", (double)avail * 1024 / GIB, (double)total * 1024 / GIB);
+    char cwd[4096];
+    if (getcwd(cwd, sizeof cwd)) {
+        int64_t fr = qt_free_disk_bytes(cwd);
+        if (fr >= 0) fprintf(f, "disk       %.1f GiB free in %s\n", (double)fr / GIB, cwd);
+    }
+    return warnings;
+}
+
+/* ---- the job check -------------------------------------------------------- */
+
+typedef struct {
+    FILE *f;
+    const char *where;
+    int n;
+} doc_ctx;
+
+static void problem(doc_ctx *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void problem(doc_ctx *c, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(c->f, "  problem: ");
+    vfprintf(c->f, fmt, ap);
+    fprintf(c->f, "\n");
+    va_end(ap);
+    c->n++;
+}
+
+/* A path in the job, relative to the job file's folder. */
+static void job_path(const char *dir, const char *p, char *out, size_t cap) {
+    if (p[0] == '/' || !strcmp(dir, ".") || qt_path_join(out, cap, dir, p) != QT_OK) snprintf(out, cap, "%s", p);
+}
+
+static int has_safetensors(const char *dir) {
+    char p[4096];
+    qt_path_join(p, sizeof p, dir, "model.safetensors");
+    if (qt_path_exists(p)) return 1;
+    qt_path_join(p, sizeof p, dir, "model.safetensors.index.json");
+    if (qt_path_exists(p)) return 1;
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    struct dirent *e;
+    int found = 0;
+    while ((e = readdir(d)) && !found) {
+        size_t n = strlen(e->d_name);
+        found = n > 12 && !strcmp(e->d_name + n - 12, ".safetensors");
+    }
+    closedir(d);
+    return found;
+}
+
+static int64_t file_size(const char *p) {
+    struct stat st;
+    return stat(p, &st) == 0 ? (int64_t)st.st_size : -1;
+}
+
+/* A DeepSpeed number that may be "auto" or absent: 1 and *v when a number. */
+static int ds_num(const cJSON *o, const char *k, double *v) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, k);
+    if (cJSON_IsNumber(it)) {
+        *v = it->valuedouble;
+        return 1;
+    }
+    return 0;
+}
+
+static int ds_enabled(const cJSON *ds, const char *section) {
+    const cJSON *s = cJSON_GetObjectItemCaseSensitive(ds, section);
+    const cJSON *e = cJSON_GetObjectItemCaseSensitive(s, "enabled");
+    return cJSON_IsTrue(e); /* "auto" (HF Trainer's) decides nothing here: treated as off */
+}
+
+static void check_model(doc_ctx *c, const char *dir, const char *model, qt_config *cfg, int *have_cfg) {
+    char p[4096];
+    job_path(dir, model, p, sizeof p);
+    *have_cfg = 0;
+    if (!qt_is_dir(p)) {
+        problem(c, "%s: \"model\" names %s, which is not a folder; point it at a Hugging Face model folder "
+                   "(config.json, *.safetensors, tokenizer.json)", c->where, p);
+        return;
+    }
+    if (qt_config_load(p, cfg) != QT_OK) problem(c, "%s: \"model\": %s", c->where, qt_error_message());
+    else *have_cfg = 1;
+    if (!has_safetensors(p))
+        problem(c, "%s: \"model\" folder %s holds no *.safetensors weights; convert or download them there",
+                c->where, p);
+    char t[4096];
+    qt_path_join(t, sizeof t, p, "tokenizer.json");
+    if (!qt_path_exists(t))
+        problem(c, "%s: \"model\" folder %s has no tokenizer.json; copy the tokenizer files of the base model "
+                   "there", c->where, p);
+}
+
+static void check_data(doc_ctx *c, const char *dir, const cJSON *data, int64_t *train_bytes) {
+    *train_bytes = 0;
+    if (!cJSON_IsObject(data)) return; /* the parser names it */
+    static const char *keys[] = {"train", "eval"};
+    for (int i = 0; i < 2; i++) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(data, keys[i]);
+        if (!cJSON_IsString(v)) continue;
+        char p[4096];
+        job_path(dir, v->valuestring, p, sizeof p);
+        int64_t sz = file_size(p);
+        if (sz < 0 || access(p, R_OK) != 0)
+            problem(c, "%s: data.%s names %s, which cannot be read; check the path (it is relative to the job "
+                       "file's folder)", c->where, keys[i], p);
+        else if (sz == 0)
+            problem(c, "%s: data.%s file %s is empty; it needs one JSON example per line", c->where, keys[i], p);
+        else if (i == 0)
+            *train_bytes = sz;
+    }
+    double T;
+    if (ds_num(data, "seq_len", &T) && (T < 2 || T != (double)(long)T))
+        problem(c, "%s: data.seq_len must be a whole number >= 2 (got %g)", c->where, T);
+}
+
+/* Nearest existing folder at or above p (p itself when it exists). */
+static void existing_parent(const char *p, char *out, size_t cap) {
+    snprintf(out, cap, "%s", p);
+    char up[4096];
+    while (!qt_is_dir(out)) {
+        qt_path_dirname(up, sizeof up, out);
+        if (!strcmp(up, out) || strlen(up) >= cap) break;
+        memcpy(out, up, strlen(up) + 1);
+    }
+}
+
+static void check_deepspeed(doc_ctx *c, const cJSON *ds, int ranks, int *zero, int *offload, qt_dtype *prec,
+                            int *micro) {
+    *zero = 0, *offload = 0, *prec = QT_F32, *micro = 1;
+    if (!cJSON_IsObject(ds)) return;
+    double tbs = 0, mbs = 0, gas = 0;
+    const int h_t = ds_num(ds, "train_batch_size", &tbs), h_m = ds_num(ds, "train_micro_batch_size_per_gpu", &mbs);
+    const int h_g = ds_num(ds, "gradient_accumulation_steps", &gas);
+    if ((h_t && tbs < 1) || (h_m && mbs < 1) || (h_g && gas < 1))
+        problem(c, "%s: deepspeed batch sizes must be >= 1 (train_batch_size %g, micro %g, accumulation %g)",
+                c->where, tbs, mbs, gas);
+    else if (h_t && h_m && h_g && (long)tbs != (long)mbs * (long)gas * ranks)
+        problem(c, "%s: deepspeed train_batch_size %g != train_micro_batch_size_per_gpu %g x "
+                   "gradient_accumulation_steps %g x %d rank%s; fix one of them or set it to \"auto\"",
+                c->where, tbs, mbs, gas, ranks, ranks == 1 ? "" : "s");
+    else if (h_t && (h_m || h_g) && ((long)tbs % (ranks * (long)(h_m ? mbs : gas))) != 0)
+        problem(c, "%s: deepspeed train_batch_size %g is not divisible by %s %g x %d rank%s", c->where, tbs,
+                h_m ? "train_micro_batch_size_per_gpu" : "gradient_accumulation_steps", h_m ? mbs : gas, ranks,
+                ranks == 1 ? "" : "s");
+    if (h_m) *micro = (int)mbs;
+    else if (h_t && h_g && gas >= 1) *micro = (int)(tbs / (gas * ranks)) > 0 ? (int)(tbs / (gas * ranks)) : 1;
+
+    const int fp16 = ds_enabled(ds, "fp16"), bf16 = ds_enabled(ds, "bf16");
+    if (fp16 && bf16)
+        problem(c, "%s: deepspeed enables both fp16 and bf16; keep one (bf16 where the hardware has it)", c->where);
+    if (fp16) *prec = QT_F16;
+    if (bf16) {
+        *prec = QT_BF16;
+        if (!__builtin_cpu_supports("avx512bf16") && !QTUNE_HAVE_CUDA)
+            problem(c, "%s: deepspeed bf16.enabled is true but this CPU has no AVX512_BF16 and this build has no "
+                       "GPU backend; use fp16 or fp32", c->where);
+    }
+    const cJSON *z = cJSON_GetObjectItemCaseSensitive(ds, "zero_optimization");
+    if (cJSON_IsObject(z)) {
+        double st = 0;
+        if (ds_num(z, "stage", &st)) {
+            if (st != 0 && st != 1 && st != 2)
+                problem(c, "%s: deepspeed zero_optimization.stage is %g; qtune runs stages 0, 1 and 2", c->where, st);
+            else
+                *zero = (int)st;
+        }
+        const cJSON *off = cJSON_GetObjectItemCaseSensitive(z, "offload_optimizer");
+        const cJSON *dev = cJSON_GetObjectItemCaseSensitive(off, "device");
+        if (cJSON_IsString(dev)) {
+            if (!strcmp(dev->valuestring, "cpu")) *offload = 1;
+            else if (strcmp(dev->valuestring, "none"))
+                problem(c, "%s: deepspeed zero_optimization.offload_optimizer.device is \"%s\"; use \"cpu\" or "
+                           "\"none\" (qtune has no NVMe offload)", c->where, dev->valuestring);
+        }
+        if (*offload && *zero == 0)
+            problem(c, "%s: deepspeed offload_optimizer.device is \"cpu\" at ZeRO stage 0; offload needs stage 1 "
+                       "or 2", c->where);
+    }
+}
+
+static const cJSON *load_deepspeed(doc_ctx *c, const char *dir, const cJSON *root, cJSON **owned) {
+    *owned = NULL;
+    const cJSON *ds = cJSON_GetObjectItemCaseSensitive(root, "deepspeed");
+    if (!ds || cJSON_IsNull(ds)) return NULL;
+    if (cJSON_IsObject(ds)) return ds;
+    if (!cJSON_IsString(ds)) return NULL; /* the parser names it */
+    char p[4096];
+    job_path(dir, ds->valuestring, p, sizeof p);
+    char *text = NULL;
+    size_t len;
+    if (qt_read_file(p, 64 << 20, &text, &len) != QT_OK) {
+        problem(c, "%s: \"deepspeed\" names %s, which cannot be read; check the path", c->where, p);
+        return NULL;
+    }
+    *owned = cJSON_ParseWithLength(text, len);
+    qt_free(text);
+    if (!cJSON_IsObject(*owned)) {
+        problem(c, "%s: the DeepSpeed config %s is not a JSON object; fix its syntax", c->where, p);
+        cJSON_Delete(*owned);
+        *owned = NULL;
+    }
+    return *owned;
+}
+
+static void check_resources(doc_ctx *c, const char *dir, const cJSON *root, const qt_config *cfg,
+                            const qt_plan_opts *o, int ranks) {
+    qt_plan p;
+    if (qt_plan_compute(cfg, o, &p) != QT_OK) {
+        problem(c, "%s: %s", c->where, qt_error_message());
+        return;
+    }
+    /* On the CPU backend every rank's "device" memory is this host's. */
+    const uint64_t need = (QTUNE_HAVE_CUDA ? 0 : p.dev.total * (uint64_t)ranks) + p.host_total;
+    const int64_t avail = meminfo_kib("MemAvailable");
+    fprintf(c->f, "plan       %.2f GiB per rank (weights %.2f, grads %.2f, optimizer %.2f, activations %.2f); host "
+                  "%.2f GiB\n",
+            (double)p.dev.total / GIB, (double)p.dev.weights / GIB, (double)p.dev.grads / GIB,
+            (double)(p.dev.optim + p.dev.master) / GIB, (double)p.dev.activations / GIB, (double)p.host_total / GIB);
+    if (avail > 0 && (double)need > (double)avail * 1024)
+        problem(c, "%s: the job needs about %.2f GiB of host memory (`qtune plan` with its settings) but %.2f GiB "
+                   "is available; turn on train.gradient_checkpointing, lower the micro-batch or seq_len, or use LoRA",
+                c->where, (double)need / GIB, (double)avail * 1024 / GIB);
+    const cJSON *od = cJSON_GetObjectItemCaseSensitive(root, "output_dir");
+    if (cJSON_IsString(od)) {
+        char out[4096], base[4096];
+        job_path(dir, od->valuestring, out, sizeof out);
+        existing_parent(out, base, sizeof base);
+        if (access(base, W_OK) != 0)
+            problem(c, "%s: output_dir %s cannot be created or written (no write permission in %s)", c->where, out,
+                    base);
+        const int64_t fr = qt_free_disk_bytes(base);
+        const uint64_t disk = 2 * p.ckpt_bytes + p.final_bytes; /* a checkpoint being written next to the last */
+        fprintf(c->f, "disk       output needs about %.2f GiB (two checkpoints of %.2f GiB + final %.2f GiB); %.1f "
+                      "GiB free in %s\n",
+                (double)disk / GIB, (double)p.ckpt_bytes / GIB, (double)p.final_bytes / GIB, (double)fr / GIB, base);
+        if (fr >= 0 && (uint64_t)fr < disk)
+            problem(c, "%s: output_dir %s: %.2f GiB free but checkpoints need about %.2f GiB; free space or set "
+                       "train.save_total_limit", c->where, out, (double)fr / GIB, (double)disk / GIB);
+    }
+}
+
+int qt_doctor_check_job(FILE *f, const char *path, int ranks) {
+    doc_ctx c = {f, path, 0};
+    fprintf(f, "job        %s\n", path);
+    char *text = NULL;
+    size_t len = 0;
+    if (qt_read_file(path, 64 << 20, &text, &len) != QT_OK) {
+        problem(&c, "%s", qt_error_message());
+        return c.n;
+    }
+    cJSON *root = cJSON_ParseWithLength(text, len);
+    qt_free(text);
+    if (!cJSON_IsObject(root)) {
+        /* the parser's message names the line */
+        qt_job job;
+        if (qt_job_load(path, NULL, 0, &job) == QT_OK) qt_job_free(&job);
+        problem(&c, "%s", qt_error_code() ? qt_error_message() : "the job file is not one JSON object");
+        cJSON_Delete(root);
+        return c.n;
+    }
+    /* the job parser: structure and types (it stops at the first problem) */
+    qt_job job;
+    qt_error_clear();
+    if (qt_job_load(path, NULL, 0, &job) == QT_OK) qt_job_free(&job);
+    else problem(&c, "%s", qt_error_message());
+
+    char dir[4096];
+    qt_path_dirname(dir, sizeof dir, path);
+    qt_config cfg;
+    int have_cfg = 0;
+    const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
+    if (cJSON_IsString(model)) check_model(&c, dir, model->valuestring, &cfg, &have_cfg);
+    const cJSON *data = cJSON_GetObjectItemCaseSensitive(root, "data");
+    int64_t train_bytes = 0;
+    check_data(&c, dir, data, &train_bytes);
+
+    cJSON *ds_owned;
+    const cJSON *ds = load_deepspeed(&c, dir, root, &ds_owned);
+    qt_plan_opts o;
+    qt_plan_opts_default(&o);
+    check_deepspeed(&c, ds, ranks, &o.zero, &o.offload, &o.precision, &o.micro_batch);
+    o.devices = ranks;
+    o.dataset_bytes = (uint64_t)train_bytes;
+    double T;
+    if (cJSON_IsObject(data) && ds_num(data, "seq_len", &T) && T >= 2 && T < (1 << 22)) o.seq_len = (int)T;
+    const cJSON *tr = cJSON_GetObjectItemCaseSensitive(root, "train");
+    o.checkpointing = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(tr, "gradient_checkpointing"));
+    const cJSON *lora = cJSON_GetObjectItemCaseSensitive(root, "lora");
+    if (cJSON_IsObject(lora)) {
+        o.lora = 1;
+        double r;
+        if (ds_num(lora, "r", &r)) o.lora_r = r >= 1 && r < 65536 ? (int)r : 8;
+        const cJSON *tm = cJSON_GetObjectItemCaseSensitive(lora, "target_modules");
+        unsigned mask;
+        qt_error_clear();
+        if (tm && qt_lora_targets_parse(tm, &mask, path) == QT_OK && mask) o.lora_targets = mask;
+    }
+    if (have_cfg) {
+        if (o.seq_len > cfg.max_position_embeddings && cfg.max_position_embeddings > 0)
+            problem(&c, "%s: data.seq_len %d is longer than the model's max_position_embeddings %d; lower it",
+                    path, o.seq_len, cfg.max_position_embeddings);
+        if (o.offload && o.zero == 0) o.offload = 0; /* named above */
+        check_resources(&c, dir, root, &cfg, &o, ranks);
+    }
+    cJSON_Delete(ds_owned);
+    cJSON_Delete(root);
+    if (c.n == 0) fprintf(f, "  ok: no problems found\n");
+    else fprintf(f, "  %d problem%s found\n", c.n, c.n == 1 ? "" : "s");
+    return c.n;
+}
