@@ -1,0 +1,180 @@
+/* Data parallelism: one process per rank under MPI (OpenMPI), or a single
+ * process when qtune was built without MPI or was started without mpirun.
+ *
+ * Two layers:
+ *  - dist_*: the process group. Rank and world, small scalar all-reduces (loss
+ *    sums, token counts, grad-norm partial sums, overflow flags), broadcast and
+ *    barrier. Every collective is non-blocking underneath and is waited on with
+ *    a deadline (QTUNE_DIST_TIMEOUT seconds, default 300): a rank that dies or
+ *    hangs makes every surviving rank print which rank stopped responding in
+ *    which collective, and abort the job.
+ *  - zero_*: the ZeRO plan over the model's ONE flat fp32 trainable block of n
+ *    elements. Each rank owns a contiguous element range [lo, hi) (its shard);
+ *    gradients are all-reduced (stage 0, 1) or reduce-scattered (stage 2) in
+ *    buckets, the optimizer state (m, v, ...) is allocated for the rank's
+ *    range only (stage 1, 2) in host memory when offloaded, and the updated
+ *    parameters are all-gathered (stage 1, 2).
+ *
+ * Per optimizer step the trainer calls, in this order (docs/distributed.md):
+ *   dist_allreduce_i64(&tokens)        global labelled-token count, BEFORE backward
+ *   ... forward/backward of every micro-batch, grads += ...
+ *   zero_reduce_grads(plan, grads)     grads[opt_lo, opt_hi) now hold the global sum
+ *   zero_reduce_partial(plan, ...)     grad-norm^2 partial sums, overflow flags
+ *   optimizer on [opt_lo, opt_hi) with the zero_state slots
+ *   zero_allgather_params(plan, params) every rank has the whole updated block
+ *
+ * Dimension letters: n elements in the flat block, N ranks (world). */
+#ifndef QT_DIST_DIST_H
+#define QT_DIST_DIST_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* ------------------------------------------------------------------------- */
+/* Process group                                                               */
+
+typedef struct dist_ctx dist_ctx;
+
+typedef enum { DIST_SUM = 0, DIST_MAX = 1, DIST_MIN = 2 } dist_op;
+
+/* Default collective deadline in seconds; QTUNE_DIST_TIMEOUT overrides it. */
+#define DIST_DEFAULT_TIMEOUT_S 300.0
+
+/* Starts MPI when the process was launched by mpirun/srun (OMPI_COMM_WORLD_SIZE,
+ * PMIX_RANK or PMI_SIZE in the environment) and this build has MPI; otherwise
+ * a single process (rank 0 of 1). A build without MPI launched as one of
+ * several ranks fails with QT_EDIST and a sentence saying so. Reads
+ * QTUNE_DIST_TIMEOUT (seconds, > 0). Call once, early (before threads). */
+int dist_init(int *argc, char ***argv, dist_ctx **out);
+/* Finalizes MPI (when it was started) and frees the context. NULL is fine. */
+void dist_finalize(dist_ctx *d);
+
+int dist_rank(const dist_ctx *d);
+int dist_world(const dist_ctx *d);
+int dist_is_main(const dist_ctx *d); /* rank 0: the one that logs and writes files */
+int dist_uses_mpi(const dist_ctx *d); /* 1 when MPI was started for this run */
+int dist_built_with_mpi(void);        /* QTUNE_HAVE_MPI of this build */
+
+double dist_timeout(const dist_ctx *d);
+void dist_set_timeout(dist_ctx *d, double seconds);
+
+/* In-place all-reduce of a few scalars over all ranks. `what` names the
+ * collective in the timeout message ("token count", "loss sum"). */
+int dist_allreduce_f64(dist_ctx *d, double *vals, int n, dist_op op, const char *what);
+int dist_allreduce_i64(dist_ctx *d, int64_t *vals, int n, dist_op op, const char *what);
+/* Bytes from root to every rank (any size; sent in chunks below INT_MAX). */
+int dist_bcast(dist_ctx *d, void *buf, size_t bytes, int root, const char *what);
+int dist_barrier(dist_ctx *d, const char *what);
+
+/* Seconds this rank spent inside collectives since dist_init (waiting
+ * included): the communication share of a step is its difference over the step. */
+double dist_comm_seconds(const dist_ctx *d);
+
+/* Ends every rank of the job now (MPI_Abort) after printing nothing more; a
+ * single process just exits with `code`. For a fatal error on one rank that
+ * the others would otherwise wait on until the timeout. */
+_Noreturn void dist_abort(dist_ctx *d, int code);
+
+/* ------------------------------------------------------------------------- */
+/* ZeRO over the flat fp32 trainable block                                     */
+
+typedef struct zero_plan zero_plan;
+
+typedef struct {
+    int stage;            /* 0: replicate everything; 1: shard optimizer state;
+                             2: also reduce-scatter gradients (keep only own shard) */
+    int offload;          /* offload_optimizer.device = cpu: optimizer state in host memory */
+    size_t bucket_elems;  /* elements per communication bucket; 0 = default (2^24) */
+} zero_opts;
+
+/* Every rank must pass the same n and opts. */
+int zero_plan_create(dist_ctx *d, size_t n, const zero_opts *opts, zero_plan **out);
+/* Frees the plan (waits for nothing: call zero_reduce_grads first). */
+void zero_plan_free(zero_plan *p);
+
+int zero_stage(const zero_plan *p);
+size_t zero_numel(const zero_plan *p);
+/* Shard of rank r: [lo, hi). Shards are contiguous, in rank order, of equal
+ * length rounded up to 16 elements (64 bytes); the last ones may be shorter
+ * or empty when n is small. Defined for every stage. */
+void zero_shard_of(const zero_plan *p, int r, size_t *lo, size_t *hi);
+/* The element range this rank's optimizer updates: its shard at stage 1/2,
+ * the whole block [0, n) at stage 0. After zero_reduce_grads the gradients
+ * of this range are final (summed over ranks). */
+void zero_opt_range(const zero_plan *p, size_t *lo, size_t *hi);
+int zero_n_buckets(const zero_plan *p);
+void zero_bucket_range(const zero_plan *p, int b, size_t *lo, size_t *hi);
+
+/* Gradient reduction (sum over ranks). Simple path: call zero_reduce_grads
+ * after the last backward of the step. Overlapped path: during the last
+ * backward, call zero_reduce_ready(p, grads, from) whenever every gradient in
+ * [from, n) is final (a backward pass runs last layer first); it starts the
+ * non-blocking reduction of the buckets that lie wholly in [from, n) and lets
+ * MPI progress the ones in flight; zero_reduce_grads then starts the rest and
+ * waits for all. Afterwards:
+ *   stage 0, 1: grads[0, n) hold the global sum on every rank;
+ *   stage 2:    grads[lo, hi) (own shard) hold the global sum; the rest of the
+ *               gradient block holds partial data and may be reused.
+ * `grads` must stay the same pointer between these calls. */
+int zero_reduce_ready(zero_plan *p, float *grads, size_t from);
+int zero_reduce_grads(zero_plan *p, float *grads);
+
+/* Turns per-rank partial values over the optimizer range into global ones:
+ * at stage 1/2 (disjoint shards) an all-reduce with op; at stage 0 every rank
+ * already computed the global value over [0, n), so nothing moves. Use it for
+ * the sum of squared gradients (clipping) and the overflow flag (DIST_MAX). */
+int zero_reduce_partial(zero_plan *p, double *vals, int n, dist_op op, const char *what);
+
+/* After the optimizer updated params[opt_lo, opt_hi): every rank receives the
+ * other shards (stage 1/2, in-place all-gather in buckets). No-op at stage 0. */
+int zero_allgather_params(zero_plan *p, float *params);
+
+/* Convenience for the trainer: one call per optimizer step between the last
+ * backward and the optimizer. Reduces the gradients (see zero_reduce_grads)
+ * and returns the global sum of squared gradients and whether any gradient is
+ * inf/NaN on any rank (both computed over the own range, then combined). */
+int dist_step_gradients(dist_ctx *d, zero_plan *p, float *grads, double *grad_sq_sum, int *overflow);
+/* Same as zero_allgather_params (named to pair with dist_step_gradients). */
+int dist_allgather_params(dist_ctx *d, zero_plan *p, float *params);
+
+/* ------------------------------------------------------------------------- */
+/* Optimizer state over the rank's range                                       */
+
+#define ZERO_MAX_SLOTS 4
+
+/* nslots fp32 arrays of zero_opt_range length (e.g. AdamW m and v; a third for
+ * an fp32 master copy when the compute weights live elsewhere), zeroed.
+ * With opts.offload they come from host memory (counted as host bytes), else
+ * from the device allocator (counted as device bytes; on the CPU backend that
+ * is aligned host memory too, but the path and the count stay separate). */
+typedef struct {
+    float *slot[ZERO_MAX_SLOTS]; /* (hi - lo) each */
+    int nslots;
+    size_t lo, hi;               /* the element range they cover */
+    int on_host;                 /* 1 when offloaded */
+    size_t bytes;                /* nslots * (hi - lo) * 4 */
+} zero_state;
+
+/* Allocator for device-resident optimizer state (a GPU backend installs one;
+ * the default is qt_alloc_aligned/qt_free). */
+typedef void *(*zero_alloc_fn)(size_t bytes, const char *what, void *user);
+typedef void (*zero_free_fn)(void *ptr, void *user);
+void zero_set_device_allocator(zero_plan *p, zero_alloc_fn alloc, zero_free_fn release, void *user);
+
+int zero_state_alloc(zero_plan *p, int nslots, zero_state *st);
+void zero_state_free(zero_plan *p, zero_state *st);
+
+/* Optimizer-state bytes this rank holds now, by placement (metrics.jsonl:
+ * opt_state_bytes). Counted by the allocator above. */
+size_t zero_state_bytes_device(const zero_plan *p);
+size_t zero_state_bytes_host(const zero_plan *p);
+
+/* Checkpoints. Gather one slot to rank 0: full (n floats) must be valid on
+ * rank 0 and is ignored elsewhere. Scatter is the reverse: rank 0 holds the
+ * whole slot (n floats, as saved) and every rank receives its range. Because
+ * shards are element ranges of the same flat block, a checkpoint written with
+ * N ranks resumes with any other number of ranks or stage. */
+int zero_state_gather(zero_plan *p, const zero_state *st, int slot, float *full);
+int zero_state_scatter(zero_plan *p, zero_state *st, int slot, const float *full);
+
+#endif

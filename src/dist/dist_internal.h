@@ -1,0 +1,59 @@
+/* Shared by dist.c and zero.c only: the process-group struct and the
+ * deadline-checked wait every collective goes through. */
+#ifndef QT_DIST_INTERNAL_H
+#define QT_DIST_INTERNAL_H
+
+#include "dist/dist.h"
+#include "qtune_config.h"
+
+/* A build can be forced to the single-process path (tests of that path). */
+#if QTUNE_HAVE_MPI && !defined(QT_DIST_FORCE_NO_MPI)
+#define QT_DIST_MPI 1
+#include <mpi.h>
+#else
+#define QT_DIST_MPI 0
+#endif
+
+struct dist_ctx {
+    int rank, world;
+    int mpi_on;            /* MPI_Init was called by dist_init */
+    double timeout_s;      /* collective deadline */
+    double comm_s;         /* seconds spent waiting in collectives */
+    int64_t seq;           /* collectives this rank has entered (for the timeout report) */
+    const char *volatile cur_what; /* the collective being waited on, or NULL */
+#if QT_DIST_MPI
+    MPI_Comm comm;         /* collectives */
+    MPI_Comm ctl;          /* liveness queries when a deadline passes */
+#endif
+};
+
+double dist_now(void);
+
+#if QT_DIST_MPI
+/* One wait with a deadline: start, tick in the polling loop, end. A tick
+ * answers other ranks' liveness queries and, past the deadline, reports which
+ * ranks stopped responding and aborts the job (it does not return then). */
+typedef struct {
+    double t0, deadline;
+    long ticks;
+    const char *what;
+} dist_waiter;
+void dist_waiter_start(dist_ctx *d, dist_waiter *w, const char *what);
+void dist_waiter_tick(dist_ctx *d, dist_waiter *w);
+void dist_waiter_end(dist_ctx *d, dist_waiter *w);
+/* Waits for all n requests with the deadline. */
+int dist_wait_all(dist_ctx *d, MPI_Request *reqs, int n, const char *what);
+/* Turns an MPI error code into QT_EDIST with a sentence naming the call. */
+int dist_mpi_fail(dist_ctx *d, int mpi_rc, const char *call, const char *what);
+#define DIST_MPI_CHECK(d, call, what)                                  \
+    do {                                                               \
+        int dist_rc_ = (call);                                         \
+        if (dist_rc_ != MPI_SUCCESS) return dist_mpi_fail((d), dist_rc_, #call, (what)); \
+    } while (0)
+#endif
+
+/* All-reduce of a few doubles with a per-value op, bitwise identical on every
+ * rank (values are all-gathered and combined in rank order). */
+int dist_allreduce_ops(dist_ctx *d, double *vals, const dist_op *ops, int n, const char *what);
+
+#endif
