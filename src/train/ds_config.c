@@ -1,0 +1,506 @@
+/* DeepSpeed JSON config -> qt_ds_config. Each section has a list of the keys
+ * qtune honours; every other key is named in a warning and recorded. */
+#include "train/ds_config.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#include <strings.h>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/log.h"
+#include "core/mem.h"
+
+/* Hugging Face Trainer's TrainingArguments defaults: what "auto" means for
+ * the optimizer (HF fills "auto" from these when it launches DeepSpeed). */
+#define HF_LR 5e-5
+#define HF_BETA1 0.9
+#define HF_BETA2 0.999
+#define HF_EPS 1e-8
+#define HF_WEIGHT_DECAY 0.0
+#define HF_MAX_GRAD_NORM 1.0
+
+/* Parsing context: the config's name in messages and the output (for the
+ * ignored-key list). */
+typedef struct {
+    const char *where;
+    qt_ds_config *out;
+} ds_ctx;
+
+static void ignore_key(ds_ctx *x, const char *section, const char *key) {
+    char path[96];
+    if (section) snprintf(path, sizeof path, "%s.%s", section, key);
+    else snprintf(path, sizeof path, "%s", key);
+    qt_warn("%s: DeepSpeed key \"%s\" is not implemented by qtune and is ignored", x->where, path);
+    qt_ds_config *c = x->out;
+    if (c->n_ignored < QT_DS_MAX_IGNORED) {
+        snprintf(c->ignored[c->n_ignored], sizeof c->ignored[0], "%s", path);
+        c->n_ignored++;
+    }
+}
+
+static int in_list(const char *key, const char *const *list) {
+    for (; *list; list++)
+        if (strcmp(key, *list) == 0) return 1;
+    return 0;
+}
+
+/* Warns about every key of obj not in honoured. */
+static void warn_unknown(ds_ctx *x, const cJSON *obj, const char *section, const char *const *honoured) {
+    for (const cJSON *it = obj ? obj->child : NULL; it; it = it->next)
+        if (!it->string || !in_list(it->string, honoured)) ignore_key(x, section, it->string ? it->string : "?");
+}
+
+static int is_auto(const cJSON *v) { return cJSON_IsString(v) && strcmp(v->valuestring, "auto") == 0; }
+
+static void key_path(char *buf, size_t cap, const char *section, const char *key) {
+    if (section) snprintf(buf, cap, "%s.%s", section, key);
+    else snprintf(buf, cap, "%s", key);
+}
+
+/* Value getters. Each returns QT_OK and leaves *out alone when the key is
+ * missing; *was_auto (when not NULL) reports "auto", which also leaves *out
+ * alone; anything but the right type is an error naming the key. */
+static int get_number(ds_ctx *x, const cJSON *obj, const char *section, const char *key, double *out, int *was_auto) {
+    if (was_auto) *was_auto = 0;
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (!v || cJSON_IsNull(v)) return QT_OK;
+    char p[96];
+    key_path(p, sizeof p, section, key);
+    if (is_auto(v)) {
+        if (!was_auto) return QT_ERR(QT_EINVAL, "%s: \"%s\" cannot be \"auto\"; give a number", x->where, p);
+        *was_auto = 1;
+        return QT_OK;
+    }
+    if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble))
+        return QT_ERR(QT_EINVAL, "%s: \"%s\" must be a number%s", x->where, p, was_auto ? " or \"auto\"" : "");
+    *out = v->valuedouble;
+    return QT_OK;
+}
+
+static int get_int(ds_ctx *x, const cJSON *obj, const char *section, const char *key, int64_t lo, int64_t hi,
+                   int64_t *out, int *was_auto, int *present) {
+    if (present) *present = 0;
+    double d = NAN;
+    QT_TRY(get_number(x, obj, section, key, &d, was_auto));
+    if (isnan(d)) return QT_OK;
+    char p[96];
+    key_path(p, sizeof p, section, key);
+    if (d != floor(d) || d < (double)lo || d > (double)hi)
+        return QT_ERR(QT_EINVAL, "%s: \"%s\" is %g; it must be a whole number in [%lld, %lld]", x->where, p, d,
+                      (long long)lo, (long long)hi);
+    *out = (int64_t)d;
+    if (present) *present = 1;
+    return QT_OK;
+}
+
+static int get_bool(ds_ctx *x, const cJSON *obj, const char *section, const char *key, int *out, int allow_auto) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (!v || cJSON_IsNull(v)) return QT_OK;
+    if (allow_auto && is_auto(v)) return QT_OK;
+    char p[96];
+    key_path(p, sizeof p, section, key);
+    if (!cJSON_IsBool(v))
+        return QT_ERR(QT_EINVAL, "%s: \"%s\" must be true or false%s", x->where, p, allow_auto ? " (or \"auto\")" : "");
+    *out = cJSON_IsTrue(v);
+    return QT_OK;
+}
+
+/* A section that must be an object when present. */
+static int get_section(ds_ctx *x, const cJSON *obj, const char *section, const char *key, const cJSON **out) {
+    *out = NULL;
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (!v || cJSON_IsNull(v)) return QT_OK;
+    char p[96];
+    key_path(p, sizeof p, section, key);
+    if (!cJSON_IsObject(v)) return QT_ERR(QT_EINVAL, "%s: \"%s\" must be a JSON object", x->where, p);
+    *out = v;
+    return QT_OK;
+}
+
+void qt_ds_config_default(qt_ds_config *c, int world) {
+    memset(c, 0, sizeof *c);
+    c->world = world;
+    c->micro_batch = 1;
+    c->grad_accum = 1;
+    c->train_batch_size = world;
+    c->gradient_clipping = 0.0;
+    c->steps_per_print = 10;
+    snprintf(c->optimizer_type, sizeof c->optimizer_type, "AdamW");
+    qt_adam_cfg_default(&c->adam);
+    c->adam.lr = HF_LR;
+    c->adam.weight_decay = HF_WEIGHT_DECAY;
+    qt_sched_default(&c->sched, QT_SCHED_CONSTANT, c->adam.lr);
+    qt_loss_scaler_cfg_default(&c->scaler);
+    c->zero.reduce_bucket_size = 5e8;
+    c->zero.allgather_bucket_size = 5e8;
+    c->zero.contiguous_gradients = 1;
+    c->zero.reduce_scatter = 1;
+    c->zero.allgather_partitions = 1;
+}
+
+/* ---- batch sizes ------------------------------------------------------- */
+
+static int parse_batch(ds_ctx *x, const cJSON *j) {
+    qt_ds_config *c = x->out;
+    const int64_t big = (int64_t)1 << 40;
+    int64_t tb = 0, mb = 0, ga = 0;
+    int has_tb, has_mb, has_ga, auto_tb, auto_mb, auto_ga;
+    QT_TRY(get_int(x, j, NULL, "train_batch_size", 1, big, &tb, &auto_tb, &has_tb));
+    QT_TRY(get_int(x, j, NULL, "train_micro_batch_size_per_gpu", 1, big, &mb, &auto_mb, &has_mb));
+    QT_TRY(get_int(x, j, NULL, "gradient_accumulation_steps", 1, big, &ga, &auto_ga, &has_ga));
+    const int64_t w = c->world;
+    /* DeepSpeed's _set_batch_related_parameters, case by case. */
+    if (has_tb && has_mb && has_ga) {
+    } else if (has_tb && has_mb) {
+        ga = tb / mb / w;
+    } else if (has_tb && has_ga) {
+        mb = tb / w / ga;
+    } else if (has_mb && has_ga) {
+        tb = mb * ga * w;
+    } else if (has_tb) {
+        ga = 1;
+        mb = tb / w;
+    } else if (has_mb) {
+        ga = 1;
+        tb = mb * w;
+    } else if (auto_tb || auto_mb) {
+        /* "auto" everywhere: HF would fill per_device_train_batch_size; qtune
+         * starts from a micro-batch of 1. */
+        mb = 1;
+        if (!has_ga) ga = 1;
+        tb = mb * ga * w;
+    } else {
+        return QT_ERR(QT_EINVAL,
+                      "%s: neither train_batch_size nor train_micro_batch_size_per_gpu is set; set one of them "
+                      "(batch = micro-batch x gradient_accumulation_steps x %lld ranks)",
+                      x->where, (long long)w);
+    }
+    if (mb < 1 || ga < 1 || tb != mb * ga * w)
+        return QT_ERR(QT_EINVAL,
+                      "%s: train_batch_size %lld is not train_micro_batch_size_per_gpu %lld x "
+                      "gradient_accumulation_steps %lld x world size %lld (= %lld); change them so that "
+                      "batch = micro-batch x accumulation x ranks",
+                      x->where, (long long)(has_tb ? tb : mb * ga * w), (long long)mb, (long long)ga, (long long)w,
+                      (long long)(mb * ga * w));
+    c->train_batch_size = tb;
+    c->micro_batch = mb;
+    c->grad_accum = ga;
+    return QT_OK;
+}
+
+/* ---- optimizer ---------------------------------------------------------- */
+
+static int parse_optimizer(ds_ctx *x, const cJSON *opt) {
+    qt_ds_config *c = x->out;
+    static const char *const keys[] = {"type", "params", NULL};
+    static const char *const pkeys[] = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction",
+                                        "torch_adam", "amsgrad", NULL};
+    warn_unknown(x, opt, "optimizer", keys);
+    const cJSON *type = cJSON_GetObjectItemCaseSensitive(opt, "type");
+    if (!cJSON_IsString(type))
+        return QT_ERR(QT_EINVAL, "%s: optimizer.type must be a string, \"Adam\" or \"AdamW\"", x->where);
+    int adamw;
+    if (strcasecmp(type->valuestring, "adamw") == 0) adamw = 1;
+    else if (strcasecmp(type->valuestring, "adam") == 0) adamw = 0;
+    else
+        return QT_ERR(QT_EUNSUPPORTED,
+                      "%s: optimizer.type \"%s\" is not supported; qtune implements \"Adam\" and \"AdamW\"", x->where,
+                      type->valuestring);
+    snprintf(c->optimizer_type, sizeof c->optimizer_type, "%s", adamw ? "AdamW" : "Adam");
+    /* With an optimizer section DeepSpeed's FusedAdam defaults apply (lr 1e-3);
+     * "auto" takes the HF Trainer's values. */
+    qt_adam_cfg_default(&c->adam);
+    const cJSON *p;
+    QT_TRY(get_section(x, opt, "optimizer", "params", &p));
+    if (!p) return QT_OK;
+    warn_unknown(x, p, "optimizer.params", pkeys);
+    int a;
+    QT_TRY(get_number(x, p, "optimizer.params", "lr", &c->adam.lr, &a));
+    if (a) c->adam.lr = HF_LR;
+    QT_TRY(get_number(x, p, "optimizer.params", "eps", &c->adam.eps, &a));
+    if (a) c->adam.eps = HF_EPS;
+    QT_TRY(get_number(x, p, "optimizer.params", "weight_decay", &c->adam.weight_decay, &a));
+    if (a) c->adam.weight_decay = HF_WEIGHT_DECAY;
+    const cJSON *betas = cJSON_GetObjectItemCaseSensitive(p, "betas");
+    if (is_auto(betas)) {
+        c->adam.beta1 = HF_BETA1;
+        c->adam.beta2 = HF_BETA2;
+    } else if (betas && !cJSON_IsNull(betas)) {
+        if (!cJSON_IsArray(betas) || cJSON_GetArraySize(betas) != 2 || !cJSON_IsNumber(cJSON_GetArrayItem(betas, 0)) ||
+            !cJSON_IsNumber(cJSON_GetArrayItem(betas, 1)))
+            return QT_ERR(QT_EINVAL, "%s: optimizer.params.betas must be two numbers, e.g. [0.9, 0.999], or \"auto\"",
+                          x->where);
+        c->adam.beta1 = cJSON_GetArrayItem(betas, 0)->valuedouble;
+        c->adam.beta2 = cJSON_GetArrayItem(betas, 1)->valuedouble;
+    }
+    /* DeepSpeed: effective adam_w_mode = (type is AdamW) or adam_w_mode,
+     * which defaults to true. */
+    int w_mode = 1;
+    QT_TRY(get_bool(x, p, "optimizer.params", "adam_w_mode", &w_mode, 0));
+    c->adam.decoupled = adamw || w_mode;
+    QT_TRY(get_bool(x, p, "optimizer.params", "bias_correction", &c->adam.bias_correction, 0));
+    int flag = 0;
+    QT_TRY(get_bool(x, p, "optimizer.params", "torch_adam", &flag, 0)); /* same arithmetic either way */
+    flag = 0;
+    QT_TRY(get_bool(x, p, "optimizer.params", "amsgrad", &flag, 0));
+    if (flag)
+        return QT_ERR(QT_EUNSUPPORTED, "%s: optimizer.params.amsgrad true is not supported; remove it or set false",
+                      x->where);
+    return qt_adam_cfg_check(&c->adam, x->where);
+}
+
+/* ---- scheduler ---------------------------------------------------------- */
+
+static int parse_scheduler(ds_ctx *x, const cJSON *sch) {
+    qt_ds_config *c = x->out;
+    static const char *const keys[] = {"type", "params", NULL};
+    static const char *const warmup_keys[] = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+                                              "last_batch_iteration", NULL};
+    static const char *const decay_keys[] = {"warmup_min_lr",        "warmup_max_lr", "warmup_num_steps",
+                                             "warmup_type",          "total_num_steps",
+                                             "last_batch_iteration", NULL};
+    static const char *const cosine_keys[] = {"total_num_steps", "warmup_min_ratio",     "warmup_num_steps",
+                                              "cos_min_ratio",   "warmup_type",          "last_batch_iteration",
+                                              NULL};
+    warn_unknown(x, sch, "scheduler", keys);
+    const cJSON *type = cJSON_GetObjectItemCaseSensitive(sch, "type");
+    if (!cJSON_IsString(type))
+        return QT_ERR(QT_EINVAL, "%s: scheduler.type must be a string: WarmupLR, WarmupDecayLR or WarmupCosineLR",
+                      x->where);
+    qt_sched_type t;
+    const char *const *pk;
+    if (strcasecmp(type->valuestring, "WarmupLR") == 0) t = QT_SCHED_WARMUP_LR, pk = warmup_keys;
+    else if (strcasecmp(type->valuestring, "WarmupDecayLR") == 0) t = QT_SCHED_WARMUP_DECAY_LR, pk = decay_keys;
+    else if (strcasecmp(type->valuestring, "WarmupCosineLR") == 0) t = QT_SCHED_WARMUP_COSINE_LR, pk = cosine_keys;
+    else
+        return QT_ERR(QT_EUNSUPPORTED,
+                      "%s: scheduler.type \"%s\" is not supported; use WarmupLR, WarmupDecayLR or WarmupCosineLR",
+                      x->where, type->valuestring);
+    qt_sched *s = &c->sched;
+    qt_sched_default(s, t, c->adam.lr);
+    const cJSON *p;
+    QT_TRY(get_section(x, sch, "scheduler", "params", &p));
+    if (p) warn_unknown(x, p, "scheduler.params", pk);
+    const char *sec = "scheduler.params";
+    int a, present;
+    if (t != QT_SCHED_WARMUP_COSINE_LR) {
+        QT_TRY(get_number(x, p, sec, "warmup_min_lr", &s->warmup_min_lr, &a));
+        if (a) s->warmup_min_lr = 0.0;
+        QT_TRY(get_number(x, p, sec, "warmup_max_lr", &s->warmup_max_lr, &a));
+        if (a) s->warmup_max_lr = c->adam.lr;
+    } else {
+        QT_TRY(get_number(x, p, sec, "warmup_min_ratio", &s->warmup_min_ratio, NULL));
+        QT_TRY(get_number(x, p, sec, "cos_min_ratio", &s->cos_min_ratio, NULL));
+    }
+    QT_TRY(get_int(x, p, sec, "warmup_num_steps", 0, (int64_t)1 << 50, &s->warmup_num_steps, &a, NULL));
+    if (a) s->warmup_num_steps = 0; /* HF warmup_steps default; DeepSpeed then uses 2 */
+    int64_t lbi = -1;
+    QT_TRY(get_int(x, p, sec, "last_batch_iteration", -1, (int64_t)1 << 50, &lbi, NULL, NULL));
+    if (lbi != -1)
+        qt_warn("%s: scheduler.params.last_batch_iteration %lld is ignored; qtune resumes the schedule from its "
+                "checkpoints",
+                x->where, (long long)lbi);
+    const cJSON *wt = p ? cJSON_GetObjectItemCaseSensitive(p, "warmup_type") : NULL;
+    if (wt && !cJSON_IsNull(wt)) {
+        if (cJSON_IsString(wt) && strcmp(wt->valuestring, "linear") == 0) s->warmup_type = QT_WARMUP_LINEAR;
+        else if (cJSON_IsString(wt) && strcmp(wt->valuestring, "log") == 0) s->warmup_type = QT_WARMUP_LOG;
+        else {
+            /* DeepSpeed warns and falls back to log. */
+            qt_warn("%s: scheduler.params.warmup_type is not \"log\" or \"linear\"; using \"log\" as DeepSpeed does",
+                    x->where);
+            s->warmup_type = QT_WARMUP_LOG;
+        }
+    }
+    if (t != QT_SCHED_WARMUP_LR) {
+        QT_TRY(get_int(x, p, sec, "total_num_steps", 0, (int64_t)1 << 50, &s->total_num_steps, &a, &present));
+        if (a) c->total_num_steps_auto = 1;
+        else if (!present)
+            return QT_ERR(QT_EINVAL,
+                          "%s: scheduler %s needs params.total_num_steps (a number, or \"auto\" for train.max_steps)",
+                          x->where, qt_sched_name(t));
+        else QT_TRY(qt_sched_check(s, x->where));
+    }
+    return QT_OK;
+}
+
+/* ---- fp16 / bf16 -------------------------------------------------------- */
+
+static int parse_fp16(ds_ctx *x, const cJSON *f) {
+    qt_ds_config *c = x->out;
+    static const char *const keys[] = {"enabled",   "loss_scale",             "initial_scale_power",
+                                       "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+                                       "min_loss_scale", NULL};
+    warn_unknown(x, f, "fp16", keys);
+    const char *sec = "fp16";
+    QT_TRY(get_bool(x, f, sec, "enabled", &c->fp16, 1));
+    qt_loss_scaler_cfg *s = &c->scaler;
+    int a;
+    QT_TRY(get_number(x, f, sec, "loss_scale", &s->loss_scale, &a));
+    if (a) s->loss_scale = 0.0;
+    int64_t v = s->initial_scale_power;
+    QT_TRY(get_int(x, f, sec, "initial_scale_power", 0, 64, &v, &a, NULL));
+    s->initial_scale_power = a ? 16 : (int)v;
+    QT_TRY(get_int(x, f, sec, "loss_scale_window", 1, (int64_t)1 << 50, &s->loss_scale_window, &a, NULL));
+    if (a) s->loss_scale_window = 1000;
+    v = s->hysteresis;
+    QT_TRY(get_int(x, f, sec, "hysteresis", 1, 1 << 30, &v, &a, NULL));
+    s->hysteresis = a ? 2 : (int)v;
+    QT_TRY(get_bool(x, f, sec, "consecutive_hysteresis", &s->consecutive_hysteresis, 1));
+    QT_TRY(get_number(x, f, sec, "min_loss_scale", &s->min_loss_scale, &a));
+    if (a) s->min_loss_scale = 1.0;
+    return qt_loss_scaler_cfg_check(s, x->where);
+}
+
+static int parse_bf16(ds_ctx *x, const cJSON *b, const char *name) {
+    static const char *const keys[] = {"enabled", NULL};
+    warn_unknown(x, b, name, keys);
+    return get_bool(x, b, name, "enabled", &x->out->bf16, 1);
+}
+
+/* ---- ZeRO --------------------------------------------------------------- */
+
+static int parse_zero(ds_ctx *x, const cJSON *z) {
+    qt_ds_zero *zc = &x->out->zero;
+    static const char *const keys[] = {"stage",          "offload_optimizer",    "reduce_bucket_size",
+                                       "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
+                                       "reduce_scatter", "allgather_partitions", NULL};
+    static const char *const okeys[] = {"device", "pin_memory", NULL};
+    const char *sec = "zero_optimization";
+    warn_unknown(x, z, sec, keys);
+    int64_t stage = 0;
+    const cJSON *sv = cJSON_GetObjectItemCaseSensitive(z, "stage");
+    if (cJSON_IsNumber(sv) && sv->valuedouble == 3)
+        return QT_ERR(QT_EUNSUPPORTED,
+                      "%s: zero_optimization.stage 3 is not supported; use stage 2 (with "
+                      "offload_optimizer.device \"cpu\" to move the optimizer state to host memory)",
+                      x->where);
+    QT_TRY(get_int(x, z, sec, "stage", 0, 2, &stage, NULL, NULL));
+    zc->stage = (int)stage;
+    const cJSON *off;
+    QT_TRY(get_section(x, z, sec, "offload_optimizer", &off));
+    if (off) {
+        warn_unknown(x, off, "zero_optimization.offload_optimizer", okeys);
+        const cJSON *dev = cJSON_GetObjectItemCaseSensitive(off, "device");
+        if (dev && !cJSON_IsNull(dev)) {
+            if (!cJSON_IsString(dev))
+                return QT_ERR(QT_EINVAL, "%s: zero_optimization.offload_optimizer.device must be \"cpu\" or \"none\"",
+                              x->where);
+            if (strcmp(dev->valuestring, "cpu") == 0) zc->offload_optimizer = 1;
+            else if (strcmp(dev->valuestring, "none") == 0) zc->offload_optimizer = 0;
+            else
+                return QT_ERR(QT_EUNSUPPORTED,
+                              "%s: zero_optimization.offload_optimizer.device \"%s\" is not supported; use \"cpu\" or "
+                              "\"none\"",
+                              x->where, dev->valuestring);
+        }
+        QT_TRY(get_bool(x, off, "zero_optimization.offload_optimizer", "pin_memory", &zc->pin_memory, 0));
+    }
+    if (zc->offload_optimizer && zc->stage == 0) {
+        qt_warn("%s: zero_optimization.offload_optimizer needs ZeRO stage 1 or 2 and is ignored at stage 0", x->where);
+        zc->offload_optimizer = 0;
+    }
+    int a;
+    QT_TRY(get_number(x, z, sec, "reduce_bucket_size", &zc->reduce_bucket_size, &a));
+    if (a) zc->reduce_bucket_size = 5e8;
+    QT_TRY(get_number(x, z, sec, "allgather_bucket_size", &zc->allgather_bucket_size, &a));
+    if (a) zc->allgather_bucket_size = 5e8;
+    if (zc->reduce_bucket_size < 1 || zc->allgather_bucket_size < 1)
+        return QT_ERR(QT_EINVAL, "%s: zero_optimization bucket sizes must be >= 1 element", x->where);
+    QT_TRY(get_bool(x, z, sec, "overlap_comm", &zc->overlap_comm, 1));
+    QT_TRY(get_bool(x, z, sec, "contiguous_gradients", &zc->contiguous_gradients, 1));
+    QT_TRY(get_bool(x, z, sec, "reduce_scatter", &zc->reduce_scatter, 1));
+    QT_TRY(get_bool(x, z, sec, "allgather_partitions", &zc->allgather_partitions, 1));
+    return QT_OK;
+}
+
+/* ---- the whole object --------------------------------------------------- */
+
+static int parse(ds_ctx *x, const cJSON *j) {
+    qt_ds_config *c = x->out;
+    static const char *const keys[] = {"train_batch_size", "train_micro_batch_size_per_gpu",
+                                       "gradient_accumulation_steps", "gradient_clipping",
+                                       "optimizer", "scheduler", "fp16", "bf16", "bfloat16",
+                                       "zero_optimization", "steps_per_print", "wall_clock_breakdown", NULL};
+    if (!cJSON_IsObject(j)) return QT_ERR(QT_EINVAL, "%s: a DeepSpeed config must be a JSON object", x->where);
+    warn_unknown(x, j, NULL, keys);
+    QT_TRY(parse_batch(x, j));
+    int a;
+    QT_TRY(get_number(x, j, NULL, "gradient_clipping", &c->gradient_clipping, &a));
+    if (a) c->gradient_clipping = HF_MAX_GRAD_NORM;
+    if (c->gradient_clipping < 0)
+        return QT_ERR(QT_EINVAL, "%s: gradient_clipping %g must be >= 0 (0 turns clipping off)", x->where,
+                      c->gradient_clipping);
+    int64_t spp = c->steps_per_print;
+    QT_TRY(get_int(x, j, NULL, "steps_per_print", 1, 1 << 30, &spp, NULL, NULL));
+    c->steps_per_print = (int)spp;
+    QT_TRY(get_bool(x, j, NULL, "wall_clock_breakdown", &c->wall_clock_breakdown, 0));
+
+    const cJSON *sec;
+    QT_TRY(get_section(x, j, NULL, "optimizer", &sec));
+    if (sec) QT_TRY(parse_optimizer(x, sec));
+    QT_TRY(get_section(x, j, NULL, "scheduler", &sec));
+    if (sec) QT_TRY(parse_scheduler(x, sec));
+    else qt_sched_default(&c->sched, QT_SCHED_CONSTANT, c->adam.lr);
+    QT_TRY(get_section(x, j, NULL, "fp16", &sec));
+    if (sec) QT_TRY(parse_fp16(x, sec));
+    QT_TRY(get_section(x, j, NULL, "bfloat16", &sec));
+    if (sec) QT_TRY(parse_bf16(x, sec, "bfloat16"));
+    QT_TRY(get_section(x, j, NULL, "bf16", &sec));
+    if (sec) QT_TRY(parse_bf16(x, sec, "bf16"));
+    if (c->fp16 && c->bf16)
+        return QT_ERR(QT_EINVAL, "%s: fp16.enabled and bf16.enabled are both true; enable one of them", x->where);
+    QT_TRY(get_section(x, j, NULL, "zero_optimization", &sec));
+    if (sec) QT_TRY(parse_zero(x, sec));
+    return QT_OK;
+}
+
+int qt_ds_config_parse(const cJSON *json, const char *where, int world, qt_ds_config *out) {
+    if (world < 1) return QT_ERR(QT_EINVAL, "%s: world size %d must be >= 1", where, world);
+    qt_ds_config_default(out, world);
+    ds_ctx x = {where, out};
+    int rc = parse(&x, json);
+    if (rc != QT_OK) {
+        int n = out->n_ignored;
+        char keep[QT_DS_MAX_IGNORED][96];
+        memcpy(keep, out->ignored, sizeof keep);
+        qt_ds_config_default(out, world);
+        out->n_ignored = n;
+        memcpy(out->ignored, keep, sizeof keep);
+    }
+    return rc;
+}
+
+int qt_ds_config_load(const char *path, int world, qt_ds_config *out) {
+    char *text;
+    size_t len;
+    QT_TRY(qt_read_file(path, (size_t)16 << 20, &text, &len));
+    cJSON *j = cJSON_ParseWithLength(text, len);
+    if (!j) {
+        /* Name the line of the first syntax error. */
+        const char *at = cJSON_GetErrorPtr();
+        int line = 1;
+        if (at && at >= text && at <= text + len)
+            for (const char *p = text; p < at; p++) line += *p == '\n';
+        qt_free(text);
+        return QT_ERR(QT_EFORMAT, "%s: line %d: not valid JSON; fix the syntax there", path, line);
+    }
+    qt_free(text);
+    int rc = qt_ds_config_parse(j, path, world, out);
+    cJSON_Delete(j);
+    return rc;
+}
+
+int qt_ds_config_finalize(qt_ds_config *c, int64_t max_steps) {
+    if (c->total_num_steps_auto) {
+        if (max_steps < 0)
+            return QT_ERR(QT_EINVAL,
+                          "deepspeed: scheduler.params.total_num_steps is \"auto\" but train.max_steps is not known; "
+                          "set train.max_steps or give total_num_steps a number");
+        c->sched.total_num_steps = max_steps;
+        c->total_num_steps_auto = 0;
+    }
+    c->sched.base_lr = c->adam.lr;
+    return qt_sched_check(&c->sched, "deepspeed");
+}

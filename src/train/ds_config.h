@@ -1,0 +1,81 @@
+/* The DeepSpeed JSON config (the job's `deepspeed` key: a file or the same
+ * object inline), read with DeepSpeed's meanings and defaults. docs/deepspeed.md
+ * lists every key: which are honoured, what "auto" resolves to, what warns.
+ *
+ * Rules that matter most:
+ *  - batch identity: train_batch_size = train_micro_batch_size_per_gpu x
+ *    gradient_accumulation_steps x world; given any two the third is derived
+ *    (integer division, as DeepSpeed), all three must agree, and a mismatch is
+ *    an error naming the three values and the world size. "auto" counts as not
+ *    given; with neither batch size given but one "auto", the micro-batch is 1.
+ *  - a key qtune does not implement is named in a warning (qt_warn) and listed
+ *    in `ignored`, never silently dropped;
+ *  - ZeRO stage 3, NVMe offload, or an optimizer/scheduler type other than
+ *    Adam/AdamW and WarmupLR/WarmupDecayLR/WarmupCosineLR is an error. */
+#ifndef QT_TRAIN_DS_CONFIG_H
+#define QT_TRAIN_DS_CONFIG_H
+
+#include <stdint.h>
+
+#include <cjson/cJSON.h>
+
+#include "optim/adam.h"
+#include "optim/loss_scaler.h"
+#include "optim/schedule.h"
+
+#define QT_DS_MAX_IGNORED 64
+
+typedef struct {
+    int stage;                  /* 0, 1 or 2 */
+    int offload_optimizer;      /* offload_optimizer.device == "cpu" */
+    int pin_memory;             /* offload_optimizer.pin_memory */
+    double reduce_bucket_size;  /* elements; 5e8 */
+    double allgather_bucket_size; /* elements; 5e8 */
+    int overlap_comm;           /* false */
+    int contiguous_gradients;   /* true */
+    int reduce_scatter;         /* true */
+    int allgather_partitions;   /* true */
+} qt_ds_zero;
+
+typedef struct {
+    int world;                  /* data-parallel ranks it was resolved for */
+    int64_t train_batch_size;
+    int64_t micro_batch;        /* train_micro_batch_size_per_gpu */
+    int64_t grad_accum;         /* gradient_accumulation_steps */
+    double gradient_clipping;   /* max global norm; 0 = off */
+    int steps_per_print;        /* 10 */
+    int wall_clock_breakdown;   /* false */
+
+    char optimizer_type[16];    /* "Adam" or "AdamW" */
+    qt_adam_cfg adam;           /* decoupled = AdamW or Adam with adam_w_mode (default true) */
+    qt_sched sched;             /* QT_SCHED_CONSTANT when there is no scheduler; base_lr = adam.lr */
+    int total_num_steps_auto;   /* scheduler total_num_steps was "auto": qt_ds_config_finalize sets it */
+
+    int fp16;                   /* fp16.enabled */
+    qt_loss_scaler_cfg scaler;  /* the fp16 section (defaults when fp16 is off) */
+    int bf16;                   /* bf16.enabled (or the old "bfloat16") */
+    qt_ds_zero zero;
+
+    int n_ignored;              /* keys named in a warning, as "section.key" */
+    char ignored[QT_DS_MAX_IGNORED][96];
+} qt_ds_config;
+
+/* What a job without a `deepspeed` key gets: micro-batch 1, accumulation 1,
+ * batch = world, no clipping, AdamW with the Hugging Face Trainer's defaults
+ * (lr 5e-5, betas (0.9, 0.999), eps 1e-8, weight_decay 0), constant lr, fp32,
+ * ZeRO stage 0. */
+void qt_ds_config_default(qt_ds_config *c, int world);
+
+/* Reads a DeepSpeed config object. where names it in messages (the file path,
+ * or "JOB.json: deepspeed"). world: the number of data-parallel ranks. */
+int qt_ds_config_parse(const cJSON *json, const char *where, int world, qt_ds_config *out);
+
+/* Reads a DeepSpeed JSON file (at most 16 MiB). */
+int qt_ds_config_load(const char *path, int world, qt_ds_config *out);
+
+/* Resolves what needs the run's length: a scheduler total_num_steps given as
+ * "auto" becomes max_steps (HF Trainer's meaning); then the schedule is
+ * checked. Call once max_steps is known; max_steps < 0 when unknown. */
+int qt_ds_config_finalize(qt_ds_config *c, int64_t max_steps);
+
+#endif

@@ -1,0 +1,312 @@
+/* train/ds_config: DeepSpeed's batch identity (derive the third of three,
+ * agree when all are given, "auto"), defaults, the optimizer's AdamW mode,
+ * schedules, fp16, ZeRO, and that every unimplemented key is named. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/log.h"
+#include "train/ds_config.h"
+
+/* Parses JSON text for `world` ranks; returns the status. */
+static int parse_text(const char *text, int world, qt_ds_config *c) {
+    cJSON *j = cJSON_Parse(text);
+    assert_non_null(j);
+    int rc = qt_ds_config_parse(j, "ds.json", world, c);
+    cJSON_Delete(j);
+    return rc;
+}
+
+static int has_ignored(const qt_ds_config *c, const char *key) {
+    for (int i = 0; i < c->n_ignored; i++)
+        if (strcmp(c->ignored[i], key) == 0) return 1;
+    return 0;
+}
+
+static void expect_batch(const char *text, int world, long long tb, long long mb, long long ga) {
+    qt_ds_config c;
+    int rc = parse_text(text, world, &c);
+    if (rc != QT_OK) fail_msg("%s (world %d): %s", text, world, qt_error_message());
+    if (c.train_batch_size != tb || c.micro_batch != mb || c.grad_accum != ga)
+        fail_msg("%s (world %d): got %lld/%lld/%lld, want %lld/%lld/%lld", text, world, (long long)c.train_batch_size,
+                 (long long)c.micro_batch, (long long)c.grad_accum, tb, mb, ga);
+}
+
+static void test_batch_identity(void **state) {
+    (void)state;
+    /* the four-rank ZeRO-2 example from DESIGN.md */
+    expect_batch("{\"train_batch_size\":32,\"gradient_accumulation_steps\":4}", 4, 32, 2, 4);
+    expect_batch("{\"train_batch_size\":32,\"train_micro_batch_size_per_gpu\":2}", 4, 32, 2, 4);
+    expect_batch("{\"train_micro_batch_size_per_gpu\":2,\"gradient_accumulation_steps\":4}", 4, 32, 2, 4);
+    expect_batch("{\"train_batch_size\":32,\"train_micro_batch_size_per_gpu\":2,\"gradient_accumulation_steps\":4}", 4,
+                 32, 2, 4);
+    /* one given: accumulation 1 */
+    expect_batch("{\"train_batch_size\":8}", 2, 8, 4, 1);
+    expect_batch("{\"train_micro_batch_size_per_gpu\":3}", 2, 6, 3, 1);
+    /* "auto" counts as not given */
+    expect_batch("{\"train_batch_size\":\"auto\",\"train_micro_batch_size_per_gpu\":2,"
+                 "\"gradient_accumulation_steps\":\"auto\"}",
+                 1, 2, 2, 1);
+    expect_batch("{\"train_batch_size\":\"auto\",\"train_micro_batch_size_per_gpu\":\"auto\","
+                 "\"gradient_accumulation_steps\":\"auto\"}",
+                 3, 3, 1, 1);
+    expect_batch("{\"train_batch_size\":\"auto\",\"train_micro_batch_size_per_gpu\":\"auto\","
+                 "\"gradient_accumulation_steps\":8}",
+                 2, 16, 1, 8);
+}
+
+static void test_batch_errors(void **state) {
+    (void)state;
+    qt_ds_config c;
+    /* all three given and disagreeing: names the three and the world size */
+    assert_int_equal(parse_text("{\"train_batch_size\":32,\"train_micro_batch_size_per_gpu\":2,"
+                                "\"gradient_accumulation_steps\":4}",
+                                2, &c),
+                     QT_EINVAL);
+    const char *m = qt_error_message();
+    assert_non_null(strstr(m, "ds.json"));
+    assert_non_null(strstr(m, "train_batch_size 32"));
+    assert_non_null(strstr(m, "train_micro_batch_size_per_gpu 2"));
+    assert_non_null(strstr(m, "gradient_accumulation_steps 4"));
+    assert_non_null(strstr(m, "world size 2"));
+    /* not divisible: 30 / 4 ranks / micro 2 = 3 (floored), 2*3*4 = 24 != 30 */
+    assert_int_equal(parse_text("{\"train_batch_size\":30,\"train_micro_batch_size_per_gpu\":2}", 4, &c), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "train_batch_size 30"));
+    /* micro-batch larger than the batch per rank: accumulation would be 0 */
+    assert_int_equal(parse_text("{\"train_batch_size\":4,\"train_micro_batch_size_per_gpu\":8}", 1, &c), QT_EINVAL);
+    /* neither batch size */
+    assert_int_equal(parse_text("{\"gradient_accumulation_steps\":4}", 1, &c), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "train_micro_batch_size_per_gpu"));
+    /* wrong types and values */
+    assert_int_equal(parse_text("{\"train_batch_size\":2.5}", 1, &c), QT_EINVAL);
+    assert_int_equal(parse_text("{\"train_batch_size\":0}", 1, &c), QT_EINVAL);
+    assert_int_equal(parse_text("{\"train_batch_size\":\"32\"}", 1, &c), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "\"train_batch_size\" must be a number"));
+    assert_int_equal(parse_text("[1,2]", 1, &c), QT_EINVAL);
+    assert_int_equal(parse_text("{\"train_batch_size\":8}", 0, &c), QT_EINVAL);
+}
+
+static void test_defaults_and_sections(void **state) {
+    (void)state;
+    qt_ds_config c;
+    assert_int_equal(parse_text("{\"train_micro_batch_size_per_gpu\":1}", 1, &c), QT_OK);
+    assert_true(c.gradient_clipping == 0.0);
+    assert_int_equal(c.steps_per_print, 10);
+    assert_false(c.fp16);
+    assert_false(c.bf16);
+    assert_int_equal(c.zero.stage, 0);
+    assert_string_equal(c.optimizer_type, "AdamW");
+    assert_true(c.adam.lr == 5e-5 && c.adam.decoupled && c.adam.weight_decay == 0.0);
+    assert_int_equal(c.sched.type, QT_SCHED_CONSTANT);
+    assert_int_equal(c.n_ignored, 0);
+
+    const char *full =
+        "{\"train_batch_size\":32,\"gradient_accumulation_steps\":4,\"gradient_clipping\":1.0,"
+        "\"steps_per_print\":5,\"wall_clock_breakdown\":true,"
+        "\"optimizer\":{\"type\":\"AdamW\",\"params\":{\"lr\":6e-5,\"betas\":[0.9,0.95],\"eps\":1e-6,"
+        "\"weight_decay\":0.1}},"
+        "\"scheduler\":{\"type\":\"WarmupDecayLR\",\"params\":{\"warmup_min_lr\":0,\"warmup_max_lr\":6e-5,"
+        "\"warmup_num_steps\":10,\"total_num_steps\":100,\"warmup_type\":\"linear\"}},"
+        "\"fp16\":{\"enabled\":true,\"loss_scale\":0,\"initial_scale_power\":12,\"loss_scale_window\":500,"
+        "\"hysteresis\":3,\"consecutive_hysteresis\":true,\"min_loss_scale\":2},"
+        "\"zero_optimization\":{\"stage\":2,\"offload_optimizer\":{\"device\":\"cpu\",\"pin_memory\":true},"
+        "\"reduce_bucket_size\":2e8,\"allgather_bucket_size\":3e8,\"overlap_comm\":true,"
+        "\"contiguous_gradients\":false,\"reduce_scatter\":true,\"allgather_partitions\":true}}";
+    assert_int_equal(parse_text(full, 4, &c), QT_OK);
+    assert_int_equal(c.n_ignored, 0);
+    assert_int_equal(c.micro_batch, 2);
+    assert_true(c.gradient_clipping == 1.0);
+    assert_int_equal(c.steps_per_print, 5);
+    assert_true(c.wall_clock_breakdown);
+    assert_true(c.adam.lr == 6e-5 && c.adam.beta1 == 0.9 && c.adam.beta2 == 0.95 && c.adam.eps == 1e-6 &&
+                c.adam.weight_decay == 0.1 && c.adam.decoupled);
+    assert_int_equal(c.sched.type, QT_SCHED_WARMUP_DECAY_LR);
+    assert_int_equal(c.sched.warmup_type, QT_WARMUP_LINEAR);
+    assert_int_equal(c.sched.total_num_steps, 100);
+    assert_true(c.sched.warmup_max_lr == 6e-5);
+    assert_true(c.fp16);
+    assert_true(c.scaler.loss_scale == 0 && c.scaler.initial_scale_power == 12 && c.scaler.loss_scale_window == 500 &&
+                c.scaler.hysteresis == 3 && c.scaler.consecutive_hysteresis && c.scaler.min_loss_scale == 2);
+    assert_int_equal(c.zero.stage, 2);
+    assert_true(c.zero.offload_optimizer && c.zero.pin_memory && c.zero.overlap_comm);
+    assert_false(c.zero.contiguous_gradients);
+    assert_true(c.zero.reduce_bucket_size == 2e8 && c.zero.allgather_bucket_size == 3e8);
+    assert_int_equal(qt_ds_config_finalize(&c, 1000), QT_OK);
+    assert_int_equal(c.sched.total_num_steps, 100); /* a number is kept */
+}
+
+static void test_optimizer_modes(void **state) {
+    (void)state;
+    qt_ds_config c;
+    /* DeepSpeed "Adam": adam_w_mode defaults to true -> decoupled; FusedAdam defaults */
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"optimizer\":{\"type\":\"Adam\",\"params\":{}}}", 1, &c),
+                     QT_OK);
+    assert_string_equal(c.optimizer_type, "Adam");
+    assert_true(c.adam.decoupled);
+    assert_true(c.adam.lr == 1e-3 && c.adam.beta1 == 0.9 && c.adam.beta2 == 0.999 && c.adam.eps == 1e-8);
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"optimizer\":{\"type\":\"Adam\",\"params\":"
+                                "{\"adam_w_mode\":false,\"weight_decay\":0.01}}}",
+                                1, &c),
+                     QT_OK);
+    assert_false(c.adam.decoupled); /* L2 Adam */
+    /* "AdamW" is decoupled whatever adam_w_mode says */
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"optimizer\":{\"type\":\"adamw\",\"params\":"
+                                "{\"adam_w_mode\":false}}}",
+                                1, &c),
+                     QT_OK);
+    assert_true(c.adam.decoupled);
+    /* "auto" -> the HF Trainer's defaults */
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"gradient_clipping\":\"auto\",\"optimizer\":{\"type\":"
+                                "\"AdamW\",\"params\":{\"lr\":\"auto\",\"betas\":\"auto\",\"eps\":\"auto\","
+                                "\"weight_decay\":\"auto\"}}}",
+                                1, &c),
+                     QT_OK);
+    assert_true(c.adam.lr == 5e-5 && c.adam.beta2 == 0.999 && c.adam.eps == 1e-8 && c.adam.weight_decay == 0.0);
+    assert_true(c.gradient_clipping == 1.0);
+    /* unknown type, amsgrad, bad betas */
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"optimizer\":{\"type\":\"Lamb\"}}", 1, &c), QT_EUNSUPPORTED);
+    assert_non_null(strstr(qt_error_message(), "\"Lamb\""));
+    assert_int_equal(
+        parse_text("{\"train_batch_size\":1,\"optimizer\":{\"type\":\"Adam\",\"params\":{\"amsgrad\":true}}}", 1, &c),
+        QT_EUNSUPPORTED);
+    assert_int_equal(
+        parse_text("{\"train_batch_size\":1,\"optimizer\":{\"type\":\"Adam\",\"params\":{\"betas\":[0.9]}}}", 1, &c),
+        QT_EINVAL);
+    assert_int_equal(
+        parse_text("{\"train_batch_size\":1,\"optimizer\":{\"type\":\"Adam\",\"params\":{\"betas\":[0.9,1.5]}}}", 1,
+                   &c),
+        QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "betas"));
+}
+
+static void test_schedulers(void **state) {
+    (void)state;
+    qt_ds_config c;
+    /* WarmupLR: warmup_max_lr defaults to the optimizer's lr */
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"optimizer\":{\"type\":\"AdamW\",\"params\":{\"lr\":0.02}},"
+                                "\"scheduler\":{\"type\":\"WarmupLR\",\"params\":{\"warmup_num_steps\":5}}}",
+                                1, &c),
+                     QT_OK);
+    assert_true(c.sched.warmup_max_lr == 0.02 && c.sched.warmup_min_lr == 0.0);
+    assert_int_equal(c.sched.warmup_num_steps, 5);
+    assert_int_equal(c.sched.warmup_type, QT_WARMUP_LOG);
+    assert_true(qt_sched_lr(&c.sched, 100) == 0.02);
+    /* WarmupCosineLR with total_num_steps "auto": resolved from max_steps */
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"scheduler\":{\"type\":\"WarmupCosineLR\",\"params\":"
+                                "{\"total_num_steps\":\"auto\",\"warmup_num_steps\":\"auto\"}}}",
+                                1, &c),
+                     QT_OK);
+    assert_true(c.total_num_steps_auto);
+    assert_true(c.sched.cos_min_ratio == 0.0001 && c.sched.warmup_min_ratio == 0.0);
+    assert_int_equal(qt_ds_config_finalize(&c, -1), QT_EINVAL);
+    assert_int_equal(qt_ds_config_finalize(&c, 50), QT_OK);
+    assert_int_equal(c.sched.total_num_steps, 50);
+    assert_true(c.sched.base_lr == 5e-5);
+    /* decaying schedules need total_num_steps */
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"scheduler\":{\"type\":\"WarmupDecayLR\",\"params\":{}}}",
+                                1, &c),
+                     QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "total_num_steps"));
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"scheduler\":{\"type\":\"OneCycle\"}}", 1, &c),
+                     QT_EUNSUPPORTED);
+    assert_non_null(strstr(qt_error_message(), "OneCycle"));
+    /* a key of another schedule is named, not dropped */
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"scheduler\":{\"type\":\"WarmupLR\",\"params\":"
+                                "{\"cos_min_ratio\":0.1}}}",
+                                1, &c),
+                     QT_OK);
+    assert_true(has_ignored(&c, "scheduler.params.cos_min_ratio"));
+}
+
+static void test_precision_and_zero(void **state) {
+    (void)state;
+    qt_ds_config c;
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"fp16\":{\"enabled\":true},\"bf16\":{\"enabled\":true}}", 1,
+                                &c),
+                     QT_EINVAL);
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"bf16\":{\"enabled\":\"auto\"},\"fp16\":{\"enabled\":"
+                                "\"auto\"}}",
+                                1, &c),
+                     QT_OK);
+    assert_false(c.fp16 || c.bf16);
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"bfloat16\":{\"enabled\":true}}", 1, &c), QT_OK);
+    assert_true(c.bf16);
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"fp16\":{\"enabled\":true,\"loss_scale\":128}}", 1, &c),
+                     QT_OK);
+    assert_true(c.scaler.loss_scale == 128 && c.scaler.initial_scale_power == 16 && c.scaler.hysteresis == 2);
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"fp16\":{\"enabled\":true,\"hysteresis\":0}}", 1, &c),
+                     QT_EINVAL);
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"zero_optimization\":{\"stage\":3}}", 1, &c),
+                     QT_EUNSUPPORTED);
+    assert_non_null(strstr(qt_error_message(), "stage 3"));
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"zero_optimization\":{\"stage\":2,\"offload_optimizer\":"
+                                "{\"device\":\"nvme\"}}}",
+                                1, &c),
+                     QT_EUNSUPPORTED);
+    assert_non_null(strstr(qt_error_message(), "nvme"));
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"zero_optimization\":{\"stage\":1,\"reduce_bucket_size\":"
+                                "\"auto\"}}",
+                                1, &c),
+                     QT_OK);
+    assert_true(c.zero.reduce_bucket_size == 5e8 && c.zero.contiguous_gradients && !c.zero.offload_optimizer);
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"zero_optimization\":{\"stage\":\"2\"}}", 1, &c), QT_EINVAL);
+}
+
+static void test_unknown_keys_warn(void **state) {
+    (void)state;
+    qt_ds_config c;
+    const char *text =
+        "{\"train_batch_size\":1,\"prescale_gradients\":false,\"tensorboard\":{\"enabled\":true},"
+        "\"fp16\":{\"enabled\":true,\"auto_cast\":false},"
+        "\"optimizer\":{\"type\":\"AdamW\",\"params\":{\"lr\":1e-4,\"foo\":1}},"
+        "\"zero_optimization\":{\"stage\":2,\"round_robin_gradients\":true,\"offload_param\":{\"device\":\"cpu\"},"
+        "\"offload_optimizer\":{\"device\":\"cpu\",\"buffer_count\":4}}}";
+    assert_int_equal(parse_text(text, 1, &c), QT_OK);
+    assert_true(has_ignored(&c, "prescale_gradients"));
+    assert_true(has_ignored(&c, "tensorboard"));
+    assert_true(has_ignored(&c, "fp16.auto_cast"));
+    assert_true(has_ignored(&c, "optimizer.params.foo"));
+    assert_true(has_ignored(&c, "zero_optimization.round_robin_gradients"));
+    assert_true(has_ignored(&c, "zero_optimization.offload_param"));
+    assert_true(has_ignored(&c, "zero_optimization.offload_optimizer.buffer_count"));
+    assert_int_equal(c.n_ignored, 7);
+    assert_true(c.adam.lr == 1e-4); /* the rest is still read */
+}
+
+static void test_load_file(void **state) {
+    (void)state;
+    char dir[] = "/tmp/qtune_ds_XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char path[256];
+    assert_int_equal(qt_path_join(path, sizeof path, dir, "ds_config.json"), QT_OK);
+    const char *good = "{\n  \"train_micro_batch_size_per_gpu\": 2,\n  \"gradient_accumulation_steps\": 4\n}\n";
+    assert_int_equal(qt_write_file_atomic(path, good, strlen(good)), QT_OK);
+    qt_ds_config c;
+    assert_int_equal(qt_ds_config_load(path, 4, &c), QT_OK);
+    assert_int_equal(c.train_batch_size, 32);
+    const char *bad = "{\n  \"train_batch_size\": 2,\n  \"fp16\": {enabled: true}\n}\n";
+    assert_int_equal(qt_write_file_atomic(path, bad, strlen(bad)), QT_OK);
+    assert_int_equal(qt_ds_config_load(path, 1, &c), QT_EFORMAT);
+    assert_non_null(strstr(qt_error_message(), "ds_config.json: line 3"));
+    assert_int_equal(qt_rm_rf(dir), QT_OK);
+    assert_int_equal(qt_ds_config_load("/nonexistent/ds.json", 1, &c), QT_EIO);
+}
+
+int main(void) {
+    qt_log_set_level(QT_LOG_ERROR); /* the warnings are checked through `ignored` */
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_batch_identity),   cmocka_unit_test(test_batch_errors),
+        cmocka_unit_test(test_defaults_and_sections), cmocka_unit_test(test_optimizer_modes),
+        cmocka_unit_test(test_schedulers),       cmocka_unit_test(test_precision_and_zero),
+        cmocka_unit_test(test_unknown_keys_warn), cmocka_unit_test(test_load_file),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

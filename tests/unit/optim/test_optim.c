@@ -1,0 +1,339 @@
+/* optim: Adam/AdamW (hand values, decay ranges, shards), clipping and the
+ * overflow check, DeepSpeed schedules at their boundaries, and the loss
+ * scaler's state machine step by step against a table worked out by hand from
+ * DeepSpeed's DynamicLossScaler rules. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "core/mem.h"
+#include "core/rng.h"
+#include "optim/adam.h"
+#include "optim/clip.h"
+#include "optim/loss_scaler.h"
+#include "optim/schedule.h"
+
+static void fill_normal(float *x, size_t n, uint64_t seed) {
+    qt_rng r;
+    qt_rng_seed(&r, seed);
+    for (size_t i = 0; i < n; i++) x[i] = qt_rng_normal(&r);
+}
+
+/* Step 1 from zero state: m = (1-b1) g, v = (1-b2) g^2, the bias corrections
+ * cancel them, so p moves by lr * g / (|g| + eps) -- about lr * sign(g). */
+static void test_adam_first_step(void **state) {
+    (void)state;
+    qt_adam_cfg c;
+    qt_adam_cfg_default(&c);
+    float p[3] = {1.0f, -2.0f, 0.5f}, g[3] = {0.25f, -4.0f, 0.0f}, m[3] = {0}, v[3] = {0};
+    assert_int_equal(qt_adam_step(&c, 1, 0.01, 1.0f, p, g, m, v, 3, 0, NULL, 0), QT_OK);
+    assert_float_equal(p[0], 1.0f - 0.01f, 1e-6);
+    assert_float_equal(p[1], -2.0f + 0.01f, 1e-6);
+    assert_float_equal(p[2], 0.5f, 0.0f); /* zero grad: m = 0, no move */
+    assert_float_equal(m[1], -0.4f, 1e-6);
+    assert_float_equal(v[1], 0.016f, 1e-6);
+    assert_int_equal(qt_adam_step(&c, 0, 0.01, 1.0f, p, g, m, v, 3, 0, NULL, 0), QT_EINVAL);
+}
+
+/* AdamW decays only elements in the decay ranges, by p *= (1 - lr*wd) before
+ * the update; Adam adds wd*p to the gradient instead. */
+static void test_adam_decay_ranges(void **state) {
+    (void)state;
+    qt_adam_cfg c;
+    qt_adam_cfg_default(&c);
+    c.weight_decay = 0.5;
+    const double lr = 0.1;
+    float p[6] = {1, 1, 1, 1, 1, 1}, g[6] = {0}, m[6] = {0}, v[6] = {0};
+    qt_range decay[2] = {{1, 3}, {5, 6}};
+    assert_int_equal(qt_adam_step(&c, 1, lr, 1.0f, p, g, m, v, 6, 0, decay, 2), QT_OK);
+    const float expect_w[6] = {1, 0.95f, 0.95f, 1, 1, 0.95f}; /* zero grads: only decay moves p */
+    for (int i = 0; i < 6; i++) assert_float_equal(p[i], expect_w[i], 1e-7);
+
+    /* Adam (L2): with g = 0 the gradient becomes wd*p = 0.5, and the first
+     * step moves p by about lr (sign of the L2 gradient). */
+    c.decoupled = 0;
+    float q[6] = {1, 1, 1, 1, 1, 1}, m2[6] = {0}, v2[6] = {0};
+    assert_int_equal(qt_adam_step(&c, 1, lr, 1.0f, q, g, m2, v2, 6, 0, decay, 2), QT_OK);
+    for (int i = 0; i < 6; i++) {
+        int d = (i >= 1 && i < 3) || i == 5;
+        assert_float_equal(q[i], d ? 0.9f : 1.0f, 1e-6);
+    }
+}
+
+/* A ZeRO shard runs the same arithmetic: two shards with their base offsets
+ * give the bits of one whole-block call, decay ranges crossing the cut. */
+static void test_adam_shards_match_whole(void **state) {
+    (void)state;
+    enum { N = 1000, CUT = 377 };
+    qt_adam_cfg c;
+    qt_adam_cfg_default(&c);
+    c.weight_decay = 0.1;
+    float *p1 = qt_calloc(N, 4, "p1"), *p2 = qt_calloc(N, 4, "p2"), *g = qt_calloc(N, 4, "g");
+    float *m1 = qt_calloc(N, 4, "m1"), *v1 = qt_calloc(N, 4, "v1");
+    float *m2 = qt_calloc(N, 4, "m2"), *v2 = qt_calloc(N, 4, "v2");
+    fill_normal(p1, N, 1);
+    memcpy(p2, p1, N * 4);
+    qt_range decay[3] = {{0, 100}, {300, 500}, {900, 1000}};
+    for (int step = 1; step <= 3; step++) {
+        fill_normal(g, N, 100 + step);
+        assert_int_equal(qt_adam_step(&c, step, 1e-3, 0.5f, p1, g, m1, v1, N, 0, decay, 3), QT_OK);
+        assert_int_equal(qt_adam_step(&c, step, 1e-3, 0.5f, p2, g, m2, v2, CUT, 0, decay, 3), QT_OK);
+        assert_int_equal(qt_adam_step(&c, step, 1e-3, 0.5f, p2 + CUT, g + CUT, m2 + CUT, v2 + CUT, N - CUT, CUT,
+                                      decay, 3),
+                         QT_OK);
+    }
+    assert_memory_equal(p1, p2, N * 4);
+    assert_memory_equal(m1, m2, N * 4);
+    assert_memory_equal(v1, v2, N * 4);
+    qt_free(p1), qt_free(p2), qt_free(g), qt_free(m1), qt_free(v1), qt_free(m2), qt_free(v2);
+}
+
+static void test_decay_ranges_from_params(void **state) {
+    (void)state;
+    qt_param ps[4];
+    memset(ps, 0, sizeof ps);
+    ps[0] = (qt_param){.name = "b", .ndim = 1, .offset = 30, .numel = 5, .decay = 0};
+    ps[1] = (qt_param){.name = "w2", .ndim = 2, .offset = 10, .numel = 20, .decay = 1};
+    ps[2] = (qt_param){.name = "w1", .ndim = 2, .offset = 0, .numel = 10, .decay = 1};
+    ps[3] = (qt_param){.name = "w3", .ndim = 2, .offset = 35, .numel = 7, .decay = 1};
+    qt_range *r;
+    int n;
+    assert_int_equal(qt_decay_ranges_from_params(ps, 4, &r, &n), QT_OK);
+    assert_int_equal(n, 2);
+    assert_int_equal(r[0].lo, 0);
+    assert_int_equal(r[0].hi, 30);
+    assert_int_equal(r[1].lo, 35);
+    assert_int_equal(r[1].hi, 42);
+    qt_free(r);
+    ps[3].offset = 25; /* overlaps w2 */
+    assert_int_equal(qt_decay_ranges_from_params(ps, 4, &r, &n), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "overlap"));
+}
+
+static void test_clip(void **state) {
+    (void)state;
+    float g[4] = {3, 0, 4, 0};
+    assert_true(qt_grad_sumsq(g, 4) == 25.0);
+    /* norm 5 > max 1: coef = 1 / (5 + 1e-6) */
+    double norm = qt_clip_grad_norm(g, 4, 1.0, 1.0);
+    assert_true(norm == 5.0);
+    assert_float_equal(g[0], 3.0f / 5.000001f, 1e-7);
+    assert_float_equal(g[2], 4.0f / 5.000001f, 1e-7);
+    /* below max: unchanged; clipping off: unchanged */
+    float h[2] = {0.3f, 0.4f};
+    assert_float_equal(qt_clip_grad_norm(h, 2, 1.0, 1.0), 0.5, 1e-7);
+    assert_float_equal(h[1], 0.4f, 0.0f);
+    assert_true(qt_clip_coef(100.0, 0.0) == 1.0f);
+    /* scaled grads: the norm is reported unscaled and g comes back unscaled */
+    float s[2] = {300.0f, 400.0f};
+    assert_float_equal(qt_clip_grad_norm(s, 2, 0.0, 1.0 / 100.0), 5.0, 1e-9);
+    assert_float_equal(s[0], 3.0f, 1e-6);
+    /* non-finite: reported, coefficient 1, g untouched */
+    float bad[3] = {1.0f, INFINITY, 2.0f};
+    assert_false(isfinite(qt_clip_grad_norm(bad, 3, 1.0, 1.0)));
+    assert_float_equal(bad[0], 1.0f, 0.0f);
+    assert_true(qt_clip_coef(NAN, 1.0) == 1.0f);
+}
+
+static void test_nonfinite_and_determinism(void **state) {
+    (void)state;
+    const size_t n = 200000; /* several sum blocks, and above the OpenMP threshold */
+    float *g = qt_malloc(n * 4, "grads");
+    fill_normal(g, n, 7);
+    assert_int_equal(qt_grad_has_nonfinite(g, n), 0);
+    assert_true(isfinite(qt_grad_sumsq(g, n)));
+    g[n - 1] = INFINITY;
+    assert_int_equal(qt_grad_has_nonfinite(g, n), 1);
+    assert_false(isfinite(qt_grad_sumsq(g, n)));
+    g[n - 1] = NAN;
+    assert_int_equal(qt_grad_has_nonfinite(g, n), 1);
+    assert_false(isfinite(qt_grad_sumsq(g, n)));
+    g[n - 1] = -INFINITY;
+    assert_int_equal(qt_grad_has_nonfinite(g, n), 1);
+    g[n - 1] = 3.4e38f; /* largest floats are finite, and so is their square in double */
+    assert_int_equal(qt_grad_has_nonfinite(g, n), 0);
+    assert_true(isfinite(qt_grad_sumsq(g, n)));
+    /* The same bits whatever the thread count. */
+    int saved = omp_get_max_threads();
+    omp_set_num_threads(1);
+    double a = qt_grad_sumsq(g, n);
+    omp_set_num_threads(3);
+    double b = qt_grad_sumsq(g, n);
+    omp_set_num_threads(saved);
+    assert_memory_equal(&a, &b, sizeof a);
+    /* sharded partial sums add up to the whole (to rounding) */
+    double parts = qt_grad_sumsq(g, 12345) + qt_grad_sumsq(g + 12345, n - 12345);
+    assert_true(fabs(parts - a) <= 1e-12 * a);
+    qt_free(g);
+}
+
+static void test_schedules(void **state) {
+    (void)state;
+    qt_sched s;
+    qt_sched_default(&s, QT_SCHED_WARMUP_LR, 0.01);
+    assert_true(s.warmup_max_lr == 0.01 && s.warmup_num_steps == 1000 && s.warmup_type == QT_WARMUP_LOG);
+    s.warmup_min_lr = 0.001;
+    s.warmup_num_steps = 10;
+    s.warmup_type = QT_WARMUP_LINEAR;
+    assert_float_equal(qt_sched_lr(&s, -1), 0.001, 1e-15);
+    assert_float_equal(qt_sched_lr(&s, 0), 0.001, 1e-15);
+    assert_float_equal(qt_sched_lr(&s, 5), 0.001 + 0.009 * 0.5, 1e-15);
+    assert_float_equal(qt_sched_lr(&s, 9), 0.001 + 0.009 * 0.9, 1e-15);
+    assert_float_equal(qt_sched_lr(&s, 10), 0.01, 1e-15);
+    assert_float_equal(qt_sched_lr(&s, 100000), 0.01, 1e-15);
+    assert_float_equal(qt_sched_lr_for_update(&s, 0), 0.001, 1e-15);
+    assert_float_equal(qt_sched_lr_for_update(&s, 6), qt_sched_lr(&s, 5), 0);
+    s.warmup_type = QT_WARMUP_LOG;
+    assert_float_equal(qt_sched_lr(&s, 4), 0.001 + 0.009 * log(5.0) / log(10.0), 1e-15);
+    s.warmup_num_steps = 0; /* DeepSpeed clamps to 2 */
+    assert_float_equal(qt_sched_lr(&s, 1), 0.001 + 0.009 * log(2.0) / log(2.0), 1e-15);
+
+    qt_sched_default(&s, QT_SCHED_WARMUP_DECAY_LR, 0.5);
+    assert_true(s.warmup_max_lr == 0.001); /* WarmupDecayLR's own default */
+    assert_int_equal(qt_sched_check(&s, "t"), QT_EINVAL); /* total_num_steps required */
+    s.warmup_num_steps = 10;
+    s.total_num_steps = 30;
+    s.warmup_type = QT_WARMUP_LINEAR;
+    assert_int_equal(qt_sched_check(&s, "t"), QT_OK);
+    assert_float_equal(qt_sched_lr(&s, 10), 0.001, 1e-15);
+    assert_float_equal(qt_sched_lr(&s, 20), 0.0005, 1e-15);
+    assert_float_equal(qt_sched_lr(&s, 30), 0.0, 1e-15);
+    assert_float_equal(qt_sched_lr(&s, 40), 0.0, 1e-15);
+
+    qt_sched_default(&s, QT_SCHED_WARMUP_COSINE_LR, 0.1);
+    s.warmup_num_steps = 10;
+    s.total_num_steps = 10;
+    assert_int_equal(qt_sched_check(&s, "t"), QT_EINVAL); /* divides by total - warmup */
+    s.total_num_steps = 110;
+    s.warmup_min_ratio = 0.2;
+    assert_float_equal(qt_sched_lr(&s, -1), 0.0, 0);
+    assert_float_equal(qt_sched_lr(&s, 0), 0.1 * 0.2, 1e-15);
+    /* first decay step: (it - W + 1) = 1 of 100 */
+    assert_float_equal(qt_sched_lr(&s, 10), 0.1 * (1e-4 + (1 - 1e-4) * (1 + cos(M_PI / 100)) / 2), 1e-15);
+    assert_float_equal(qt_sched_lr(&s, 59), 0.1 * (1e-4 + (1 - 1e-4) * 0.5), 1e-15);
+    assert_float_equal(qt_sched_lr(&s, 109), 0.1 * 1e-4, 1e-15);
+}
+
+/* One row: the overflow flag fed in, then the expected scale and cur_hysteresis. */
+typedef struct {
+    int overflow;
+    double scale;
+    int hyst;
+} scaler_row;
+
+/* initial 2^4 = 16, window 3, hysteresis 2, min 2 -- worked out by hand from
+ * the rules in loss_scaler.h. */
+static const scaler_row scaler_table[] = {
+    {0, 16, 2}, /* iter 0: (0 - -1) % 3 = 1 */
+    {0, 16, 2}, /* iter 1: 2 % 3 */
+    {0, 32, 2}, /* iter 2: 3 clean in a row: grow */
+    {1, 32, 1}, /* iter 3: overflow spends one hysteresis, scale kept */
+    {1, 16, 1}, /* iter 4: hysteresis spent: halve */
+    {0, 16, 1}, /* iter 5: halving does not restore hysteresis */
+    {1, 8, 1},  /* iter 6: so the next overflow halves at once */
+    {0, 8, 1},  /* iter 7 */
+    {0, 8, 1},  /* iter 8 */
+    {0, 16, 2}, /* iter 9: 3 clean since iter 6: grow, hysteresis restored */
+    {1, 16, 1}, /* iter 10 */
+    {1, 8, 1},  /* iter 11 */
+    {1, 4, 1},  /* iter 12 */
+    {1, 2, 1},  /* iter 13: reaches the floor */
+};
+
+static void test_loss_scaler_table(void **state) {
+    (void)state;
+    qt_loss_scaler_cfg c;
+    qt_loss_scaler_cfg_default(&c);
+    assert_true(c.loss_scale == 0 && c.initial_scale_power == 16 && c.loss_scale_window == 1000 &&
+                c.hysteresis == 2 && c.min_loss_scale == 1 && !c.consecutive_hysteresis);
+    c.initial_scale_power = 4;
+    c.loss_scale_window = 3;
+    c.min_loss_scale = 2;
+    qt_loss_scaler s;
+    assert_int_equal(qt_loss_scaler_init(&s, &c), QT_OK);
+    assert_true(qt_loss_scaler_scale(&s) == 16.0);
+    for (size_t i = 0; i < sizeof scaler_table / sizeof scaler_table[0]; i++) {
+        assert_int_equal(qt_loss_scaler_update(&s, scaler_table[i].overflow), QT_OK);
+        assert_true(s.scale == scaler_table[i].scale);
+        assert_int_equal(s.cur_hysteresis, scaler_table[i].hyst);
+    }
+    /* iter 14: at the floor and overflowing again: the error doctor lists */
+    assert_int_equal(qt_loss_scaler_update(&s, 1), QT_ENUMERIC);
+    assert_non_null(strstr(qt_error_message(), "lower the learning rate"));
+    assert_non_null(strstr(qt_error_message(), "bf16"));
+    assert_non_null(strstr(qt_error_message(), "check the data"));
+    assert_true(s.scale == 2.0);
+    assert_int_equal(s.n_overflows, 7); /* the failing update leaves the state as it was */
+}
+
+static void test_loss_scaler_variants(void **state) {
+    (void)state;
+    qt_loss_scaler_cfg c;
+    qt_loss_scaler s;
+    /* consecutive_hysteresis: any clean step restores it, so overflows that
+     * alternate with clean steps never halve the scale. */
+    qt_loss_scaler_cfg_default(&c);
+    c.consecutive_hysteresis = 1;
+    assert_int_equal(qt_loss_scaler_init(&s, &c), QT_OK);
+    for (int i = 0; i < 20; i++) assert_int_equal(qt_loss_scaler_update(&s, i % 2 == 0), QT_OK);
+    assert_true(s.scale == 65536.0);
+    assert_int_equal(qt_loss_scaler_update(&s, 1), QT_OK);
+    assert_int_equal(qt_loss_scaler_update(&s, 1), QT_OK);
+    assert_true(s.scale == 32768.0);
+
+    /* hysteresis 1: every overflow halves; the floor never goes below min */
+    qt_loss_scaler_cfg_default(&c);
+    c.hysteresis = 1;
+    c.initial_scale_power = 2;
+    c.min_loss_scale = 3; /* 4 / 2 = 2 < 3: clamped to 3 */
+    assert_int_equal(qt_loss_scaler_init(&s, &c), QT_OK);
+    assert_int_equal(qt_loss_scaler_update(&s, 1), QT_OK);
+    assert_true(s.scale == 3.0);
+    assert_int_equal(qt_loss_scaler_update(&s, 1), QT_ENUMERIC);
+
+    /* default window: exactly 1000 clean steps double it */
+    qt_loss_scaler_cfg_default(&c);
+    assert_int_equal(qt_loss_scaler_init(&s, &c), QT_OK);
+    for (int i = 0; i < 999; i++) qt_loss_scaler_update(&s, 0);
+    assert_true(s.scale == 65536.0);
+    qt_loss_scaler_update(&s, 0);
+    assert_true(s.scale == 131072.0);
+
+    /* static: fixed, overflow counted (the step is skipped) but never an error */
+    qt_loss_scaler_cfg_default(&c);
+    c.loss_scale = 128;
+    c.hysteresis = 0; /* ignored for a static scale */
+    assert_int_equal(qt_loss_scaler_init(&s, &c), QT_OK);
+    for (int i = 0; i < 2000; i++) assert_int_equal(qt_loss_scaler_update(&s, i % 7 == 0), QT_OK);
+    assert_true(s.scale == 128.0);
+    assert_false(s.dynamic);
+
+    qt_loss_scaler_cfg_default(&c);
+    c.hysteresis = 0;
+    assert_int_equal(qt_loss_scaler_init(&s, &c), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "hysteresis"));
+}
+
+int main(void) {
+    qt_log_set_level(QT_LOG_WARN);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_adam_first_step),
+        cmocka_unit_test(test_adam_decay_ranges),
+        cmocka_unit_test(test_adam_shards_match_whole),
+        cmocka_unit_test(test_decay_ranges_from_params),
+        cmocka_unit_test(test_clip),
+        cmocka_unit_test(test_nonfinite_and_determinism),
+        cmocka_unit_test(test_schedules),
+        cmocka_unit_test(test_loss_scaler_table),
+        cmocka_unit_test(test_loss_scaler_variants),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
