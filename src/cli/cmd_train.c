@@ -1,9 +1,110 @@
-/* qtune train: placeholder until its issue lands; replaced by the real command. */
+/* qtune train JOB.json [--set key.path=value ...]: fine-tune as the job file
+ * says (docs/job-file.md, docs/training.md). SIGINT/SIGTERM finish the current
+ * step, write a checkpoint and exit with status 130. */
 #include "cli/cli.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "core/mem.h"
+#include "dist/dist.h"
+#include "train/job.h"
+#include "train/trainer.h"
+
+#include <math.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static volatile sig_atomic_t train_stop = 0;
+
+static void on_signal(int sig) {
+    (void)sig;
+    train_stop = 1;
+}
+
+static void help(void) {
+    printf("usage: qtune train JOB.json [--set key.path=value ...]\n\n"
+           "Fine-tunes the model the job file names (LoRA when it has a \"lora\" section, else full\n"
+           "fine-tuning) with the DeepSpeed settings it names, and writes to its output_dir:\n"
+           "  metrics.jsonl     one line per optimizer step (loss, lr, grad_norm, tokens/s, ...)\n"
+           "  loss.svg          the train and eval loss curves\n"
+           "  checkpoint-STEP/  everything needed to resume exactly (train.resume \"auto\" does)\n"
+           "  final/            a PEFT adapter (LoRA) or a model folder (full fine-tuning)\n\n"
+           "options:\n"
+           "  --set key.path=value   override a job field, e.g. --set train.max_steps=100,\n"
+           "                         --set deepspeed.optimizer.params.lr=1e-4,\n"
+           "                         --set train.overwrite_output_dir=true (replace another run's outputs)\n\n"
+           "Paths in the job file are relative to its folder. Ctrl-C (or SIGTERM) finishes the step,\n"
+           "saves a checkpoint and exits with status 130; run the same command to continue.\n"
+           "Under mpirun every rank runs this command: mpirun -np 4 qtune train JOB.json.\n"
+           "See docs/job-file.md for every key.\n");
+}
 
 int cmd_train(int argc, char **argv) {
-    (void)argc;
-    (void)argv;
-    fprintf(stderr, "qtune train: this command is still under construction in this build\n");
-    return QT_EXIT_FAIL;
+    if (cli_wants_help(argc, argv)) { help(); return QT_EXIT_OK; }
+    const char *job_path = NULL;
+    const char **sets = calloc((size_t)argc + 1, sizeof *sets);
+    int n_sets = 0;
+    if (!sets) return cli_fail();
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--set")) {
+            if (i + 1 >= argc) { free(sets); return cli_usage_error("train", "--set needs key.path=value"); }
+            sets[n_sets++] = argv[++i];
+        } else if (!strncmp(argv[i], "--set=", 6)) {
+            sets[n_sets++] = argv[i] + 6;
+        } else if (argv[i][0] == '-' && argv[i][1]) {
+            free(sets);
+            return cli_usage_error("train", "unknown option '%s'", argv[i]);
+        } else if (!job_path) {
+            job_path = argv[i];
+        } else {
+            free(sets);
+            return cli_usage_error("train", "one job file only (got '%s' and '%s')", job_path, argv[i]);
+        }
+    }
+    if (!job_path) { free(sets); return cli_usage_error("train", "name the job file: qtune train JOB.json"); }
+
+    dist_ctx *d = NULL;
+    if (dist_init(&argc, &argv, &d) != QT_OK) { free(sets); return cli_fail(); }
+    if (!dist_is_main(d) && qt_log_level() == QT_LOG_INFO) qt_log_set_level(QT_LOG_WARN); /* rank 0 speaks */
+
+    qt_job job;
+    int rc = qt_job_load(job_path, sets, n_sets, &job);
+    free(sets);
+    if (rc != QT_OK) {
+        int st = cli_fail();
+        if (dist_world(d) > 1) dist_abort(d, st);
+        dist_finalize(d);
+        return st;
+    }
+
+    /* the library only polls the flag; the CLI owns the signal handlers */
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+
+    qt_train_hooks hooks = {.stop = &train_stop, .progress = stderr, .tty = isatty(fileno(stderr))};
+    qt_train_result res;
+    rc = qt_train_run(&job, d, &hooks, &res);
+    int status = QT_EXIT_OK;
+    if (rc != QT_OK) {
+        if (rc == QT_EINTERRUPTED) {
+            if (dist_is_main(d)) fprintf(stderr, "qtune: %s\n", qt_error_message());
+            status = QT_EXIT_INTERRUPTED;
+        } else {
+            status = cli_fail();
+            if (dist_world(d) > 1) { qt_job_free(&job); dist_abort(d, status); }
+        }
+    } else if (dist_is_main(d)) {
+        printf("trained %ld steps; last train loss %.4f", res.step, res.last_loss);
+        if (!isnan(res.eval_loss_first)) printf("; eval loss %.4f -> %.4f", res.eval_loss_first, res.eval_loss_last);
+        else if (!isnan(res.eval_loss_last)) printf("; eval loss %.4f", res.eval_loss_last);
+        printf("\n%s: %s\n", job.lora.enabled ? "adapter" : "model", res.final_dir);
+    }
+    qt_job_free(&job);
+    dist_finalize(d);
+    return status;
 }

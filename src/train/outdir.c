@@ -1,0 +1,102 @@
+/* The output-folder guard: one folder holds one run's outputs. */
+#include "train/trainer.h"
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/log.h"
+#include "core/mem.h"
+#include "io/checkpoint.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define RUN_FILE "qtune_run.json"
+
+/* Names qtune writes into an output folder (and removes on overwrite). */
+static int is_ours(const char *name) {
+    static const char *const names[] = {RUN_FILE, "metrics.jsonl", "loss.svg", "final", "final.tmp", NULL};
+    for (int i = 0; names[i]; i++)
+        if (!strcmp(name, names[i])) return 1;
+    return !strncmp(name, "checkpoint-", 11) || !strncmp(name, "final.tmp", 9) || !strncmp(name, "metrics.jsonl.tmp", 17) ||
+           !strncmp(name, "loss.svg.tmp", 12) || !strncmp(name, RUN_FILE ".tmp", sizeof RUN_FILE + 3);
+}
+
+/* 1 when the folder has anything in it. */
+static int dir_nonempty(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    struct dirent *e;
+    int any = 0;
+    while (!any && (e = readdir(d))) any = strcmp(e->d_name, ".") && strcmp(e->d_name, "..");
+    closedir(d);
+    return any;
+}
+
+static int remove_ours(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return QT_ERR(QT_EIO, "cannot open folder %s: %s", dir, strerror(errno));
+    int rc = QT_OK;
+    struct dirent *e;
+    char path[4096];
+    while (rc == QT_OK && (e = readdir(d))) {
+        if (!is_ours(e->d_name)) continue;
+        rc = qt_path_join(path, sizeof path, dir, e->d_name);
+        if (rc == QT_OK) rc = qt_rm_rf(path);
+    }
+    closedir(d);
+    return rc;
+}
+
+static int read_fingerprint(const char *path, uint64_t *fp) {
+    char *text;
+    QT_TRY(qt_read_file(path, 1 << 24, &text, NULL));
+    cJSON *j = cJSON_Parse(text);
+    qt_free(text);
+    const cJSON *f = cJSON_GetObjectItemCaseSensitive(j, "fingerprint");
+    int rc = QT_OK;
+    if (!cJSON_IsString(f)) rc = QT_ERR(QT_EFORMAT, "%s has no \"fingerprint\"", path);
+    else *fp = strtoull(f->valuestring, NULL, 16);
+    cJSON_Delete(j);
+    return rc;
+}
+
+int qt_output_dir_claim(const char *output_dir, const qt_job *job, int overwrite) {
+    char run[4096];
+    QT_TRY(qt_path_join(run, sizeof run, output_dir, RUN_FILE));
+    if (qt_path_exists(output_dir) && !qt_is_dir(output_dir))
+        return QT_ERR(QT_EINVAL, "%s: output_dir %s exists and is not a folder; name another output_dir", job->path,
+                      output_dir);
+    if (qt_is_dir(output_dir) && dir_nonempty(output_dir)) {
+        uint64_t fp = 0;
+        int same = qt_path_exists(run) && read_fingerprint(run, &fp) == QT_OK && fp == job->fingerprint;
+        if (!same && !overwrite)
+            return QT_ERR(QT_EINVAL,
+                          "%s: output_dir %s already holds %s; qtune will not mix two runs in one folder: name "
+                          "another output_dir, or pass --set train.overwrite_output_dir=true to replace its "
+                          "qtune outputs",
+                          job->path, output_dir,
+                          qt_path_exists(run) ? "the outputs of a run with a different job (model, data, LoRA or "
+                                                "DeepSpeed settings changed)"
+                                              : "files that no qtune run wrote");
+        if (!same || overwrite) {
+            qt_info("overwrite_output_dir: removing the previous run's checkpoints and outputs in %s", output_dir);
+            QT_TRY(remove_ours(output_dir));
+        }
+    }
+    QT_TRY(qt_mkdir_p(output_dir));
+    cJSON *j = cJSON_CreateObject();
+    char hex[32];
+    snprintf(hex, sizeof hex, "%016" PRIx64, job->fingerprint);
+    cJSON_AddStringToObject(j, "fingerprint", hex);
+    cJSON_AddStringToObject(j, "job_file", job->path);
+    cJSON_AddItemToObject(j, "job", cJSON_Duplicate(job->root, 1));
+    char *s = cJSON_Print(j);
+    cJSON_Delete(j);
+    if (!s) return QT_ERR(QT_ENOMEM, "out of memory writing %s", run);
+    int rc = qt_write_file_atomic(run, s, strlen(s));
+    free(s);
+    return rc;
+}

@@ -1,0 +1,426 @@
+/* The training loop (see trainer.h for the step, docs/training.md for the
+ * outputs). Reads top to bottom: set up -> resume -> loop of steps (with eval,
+ * logging, checkpoints, the stop flag) -> final outputs. */
+#include "train/trainer.h"
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/log.h"
+#include "core/mem.h"
+#include "io/checkpoint.h"
+#include "optim/clip.h"
+#include "train/trainer_internal.h"
+
+#include <math.h>
+#include <string.h>
+#include <time.h>
+
+double trainer_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+double trainer_elapsed(const qt_trainer *t) { return t->elapsed_before + (trainer_now() - t->t_start); }
+
+/* ---------------------------------------------------------------------------
+ * set up */
+
+static int open_loaders(qt_trainer *t) {
+    const qt_job *job = t->job;
+    char tokpath[4096];
+    QT_TRY(qt_path_join(tokpath, sizeof tokpath, job->model, "tokenizer.json"));
+    if (qt_path_exists(tokpath)) QT_TRY(bpe_load(tokpath, &t->tok));
+    else qt_info("%s has no tokenizer.json: only pre-tokenized data ({\"input_ids\": ...}) can be read", job->model);
+
+    dl_config c;
+    dl_config_default(&c);
+    c.path = job->data.train;
+    QT_TRY(dl_format_parse(job->data.format, &c.format));
+    c.seq_len = job->data.seq_len;
+    c.micro_batch = t->cfg.micro_batch;
+    c.packing = job->data.packing;
+    c.shuffle = job->data.shuffle;
+    c.mask_prompt = job->data.mask_prompt;
+    c.cache_dir = job->data.cache_dir;
+    c.num_workers = job->data.num_workers;
+    c.prefetch = job->data.prefetch;
+    c.seed = job->train.seed;
+    c.rank = t->rank;
+    c.world = t->world;
+    c.vocab_size = qt_model_config(t->model)->vocab_size;
+    int rc = dl_open(&c, t->tok, &t->train_dl);
+    if (rc != QT_OK) return qt_error_context(rc, "%s: data.train", job->path);
+    if (job->data.eval) {
+        c.path = job->data.eval;
+        c.eval = 1;
+        c.shuffle = 0;
+        c.num_workers = 1;
+        rc = dl_open(&c, t->tok, &t->eval_dl);
+        if (rc != QT_OK) return qt_error_context(rc, "%s: data.eval", job->path);
+        QT_TRY(dl_batch_alloc(t->eval_dl, &t->eval_b));
+    }
+    t->mb = qt_calloc((size_t)t->cfg.grad_accum, sizeof *t->mb, "micro-batch buffers");
+    if (!t->mb) return QT_ENOMEM;
+    for (int a = 0; a < t->cfg.grad_accum; a++) QT_TRY(dl_batch_alloc(t->train_dl, &t->mb[a]));
+    return QT_OK;
+}
+
+static int load_model(qt_trainer *t) {
+    const qt_job *job = t->job;
+    qt_model_opts o;
+    memset(&o, 0, sizeof o);
+    o.compute = t->cfg.compute;
+    o.lora = job->lora.enabled;
+    o.lora_r = job->lora.r;
+    o.lora_alpha = job->lora.lora_alpha;
+    o.lora_dropout = job->lora.lora_dropout;
+    o.lora_targets = job->lora.targets;
+    o.use_rslora = job->lora.use_rslora;
+    o.grad_checkpointing = job->train.gradient_checkpointing;
+    o.max_B = t->cfg.micro_batch;
+    o.max_T = job->data.seq_len;
+    o.seed = job->train.seed;
+    int rc = qt_model_load(job->model, &o, &t->model);
+    if (rc != QT_OK) return qt_error_context(rc, "%s: model", job->path);
+    t->n = qt_model_numel(t->model);
+    t->master = qt_model_master(t->model);
+    t->grads = qt_model_grads(t->model);
+    t->params = qt_model_params(t->model, &t->n_params);
+    return QT_OK;
+}
+
+static int setup_optimizer(qt_trainer *t) {
+    QT_TRY(zero_plan_create(t->d, t->n, &t->cfg.zero, &t->zp));
+    QT_TRY(zero_state_alloc(t->zp, 2, &t->zs));
+    zero_opt_range(t->zp, &t->lo, &t->hi);
+    QT_TRY(qt_decay_ranges_from_params(t->params, t->n_params, &t->decay, &t->n_decay));
+    qt_loss_scaler_cfg sc = t->cfg.scaler;
+    if (!t->cfg.fp16) {
+        qt_loss_scaler_cfg_default(&sc);
+        sc.loss_scale = 1; /* static 1: fp32/bf16 need no scaling */
+    }
+    return qt_loss_scaler_init(&t->scaler, &sc);
+}
+
+/* max_steps from epochs when the job gives none: optimizer steps that cover
+ * `epochs` passes over this rank's share (packed rows are estimated from the
+ * token count). */
+static long steps_from_epochs(const qt_trainer *t) {
+    double B = t->cfg.micro_batch, A = t->cfg.grad_accum, T = t->job->data.seq_len;
+    double rows;
+    if (t->job->data.packing) rows = (double)dl_tokens_per_epoch(t->train_dl) / t->world / T;
+    else rows = (double)dl_num_examples(t->train_dl) / t->world;
+    double steps = ceil(t->job->train.epochs * ceil(rows / B) / A);
+    return steps < 1 ? 1 : (long)steps;
+}
+
+/* ---------------------------------------------------------------------------
+ * evaluation: token-weighted mean loss over the eval set (all ranks) */
+
+static int evaluate(qt_trainer *t, double *loss, int64_t *ntok) {
+    *loss = NAN;
+    *ntok = 0;
+    if (!t->eval_dl) return QT_OK;
+    QT_TRY(dl_state_set(t->eval_dl, (dl_state){0, 0}));
+    double sum = 0;
+    int64_t n = 0;
+    for (long i = 0; !t->job->train.eval_batches || i < t->job->train.eval_batches; i++) {
+        int rc = dl_next(t->eval_dl, &t->eval_b);
+        if (rc == DL_END) break;
+        QT_TRY(rc);
+        double s;
+        int64_t k;
+        QT_TRY(qt_model_forward(t->model, &t->eval_b, &s, &k, NULL));
+        sum += s;
+        n += k;
+    }
+    QT_TRY(dist_allreduce_f64(t->d, &sum, 1, DIST_SUM, "eval loss sum"));
+    QT_TRY(dist_allreduce_i64(t->d, &n, 1, DIST_SUM, "eval token count"));
+    *loss = n ? sum / (double)n : NAN;
+    *ntok = n;
+    return QT_OK;
+}
+
+static int eval_and_log(qt_trainer *t, double *out) {
+    double l;
+    int64_t n;
+    QT_TRY(evaluate(t, &l, &n));
+    *out = l;
+    if (!t->eval_dl) return QT_OK;
+    if (t->main) {
+        QT_TRY(qt_metrics_log_eval(&t->metrics, t->step, l, n, trainer_elapsed(t)));
+        QT_TRY(qt_metrics_write_svg(&t->metrics));
+        if (t->hooks->progress) {
+            if (t->hooks->tty) fputs("\r\033[K", t->hooks->progress);
+            fprintf(t->hooks->progress, "qtune: step %ld/%ld: eval_loss %.4f (ppl %.2f) over %lld tokens\n", t->step,
+                    t->max_steps, l, exp(l), (long long)n);
+            fflush(t->hooks->progress);
+        }
+    }
+    return QT_OK;
+}
+
+/* ---------------------------------------------------------------------------
+ * one optimizer step */
+
+typedef struct {
+    double loss;       /* mean over the global batch's labelled tokens */
+    double grad_norm;  /* unscaled, before clipping */
+    double lr;
+    double loss_scale;
+    int skipped;
+    int64_t tokens, target_tokens;
+} step_out;
+
+static int train_step(qt_trainer *t, step_out *o) {
+    const int A = t->cfg.grad_accum;
+    memset(o, 0, sizeof *o);
+    /* 1. the window's micro-batches and the global labelled-token count */
+    int64_t cnt[2] = {0, 0}; /* labelled, positions */
+    for (int a = 0; a < A; a++) {
+        QT_TRY(dl_next(t->train_dl, &t->mb[a]));
+        cnt[0] += t->mb[a].n_target;
+        cnt[1] += (int64_t)t->mb[a].B * t->mb[a].T;
+    }
+    QT_TRY(dist_allreduce_i64(t->d, cnt, 2, DIST_SUM, "token count"));
+    o->target_tokens = cnt[0];
+    o->tokens = cnt[1];
+    const double S = qt_loss_scaler_scale(&t->scaler);
+    o->loss_scale = S;
+
+    /* 2. forward/backward: grads = S * d(sum of token losses)/Ntok */
+    memset(t->grads, 0, t->n * sizeof(float));
+    double loss_sum = 0;
+    const float gs = cnt[0] > 0 ? (float)(S / (double)cnt[0]) : 0.0f;
+    for (int a = 0; a < A; a++) {
+        double ls;
+        int64_t k;
+        QT_TRY(qt_model_forward_backward(t->model, &t->mb[a], gs, &ls, &k));
+        loss_sum += ls;
+    }
+    QT_TRY(dist_allreduce_f64(t->d, &loss_sum, 1, DIST_SUM, "loss sum"));
+    o->loss = cnt[0] > 0 ? loss_sum / (double)cnt[0] : NAN;
+
+    /* 3. reduce gradients; global sum of squares and overflow flag */
+    double sumsq = 0;
+    int overflow = 0;
+    QT_TRY(dist_step_gradients(t->d, t->zp, t->grads, &sumsq, &overflow));
+    o->grad_norm = sqrt(sumsq) / S;
+
+    if (cnt[0] == 0) {
+        qt_warn("step %ld: no token in this batch carries a label (all -100); the update is skipped", t->step + 1);
+        o->skipped = 1;
+        o->lr = qt_sched_lr_for_update(&t->cfg.sched, t->applied);
+        return QT_OK;
+    }
+    /* 4. overflow: fp16 skips the step and backs the scale off; elsewhere it is fatal */
+    if (!t->cfg.fp16 && (overflow || !isfinite(o->loss))) {
+        return QT_ERR(QT_ENUMERIC,
+                      "step %ld: the %s is not finite (loss %g, grad_norm %g); training stopped. Lower the learning "
+                      "rate or check the data; the last good checkpoint is %s",
+                      t->step + 1, overflow ? "gradient" : "loss", o->loss, o->grad_norm,
+                      t->last_ckpt[0] ? t->last_ckpt : "none (no checkpoint was written yet)");
+    }
+    QT_TRY(qt_loss_scaler_update(&t->scaler, overflow));
+    o->lr = qt_sched_lr_for_update(&t->cfg.sched, t->applied);
+    if (overflow) {
+        o->skipped = 1;
+        return QT_OK;
+    }
+    /* 5-6. unscale and clip fused into the update; then every rank gets the result */
+    float coef = qt_clip_coef(o->grad_norm, t->cfg.clip);
+    QT_TRY(qt_adam_step(&t->cfg.adam, t->applied + 1, o->lr, (float)((double)coef / S), t->master + t->lo,
+                        t->grads + t->lo, t->zs.slot[0], t->zs.slot[1], t->hi - t->lo, t->lo, t->decay, t->n_decay));
+    t->applied++;
+    QT_TRY(dist_allgather_params(t->d, t->zp, t->master));
+    qt_model_weights_updated(t->model);
+    return QT_OK;
+}
+
+/* ---------------------------------------------------------------------------
+ * progress */
+
+static void fmt_dur(char *buf, size_t cap, double s) {
+    if (!(s >= 0) || s > 1e8) { snprintf(buf, cap, "?"); return; }
+    long x = (long)(s + 0.5);
+    if (x >= 3600) snprintf(buf, cap, "%ldh%02ldm", x / 3600, (x / 60) % 60);
+    else if (x >= 60) snprintf(buf, cap, "%ldm%02lds", x / 60, x % 60);
+    else snprintf(buf, cap, "%lds", x);
+}
+
+static void progress(qt_trainer *t, const step_out *o, double tok_s, long first_step, double t_loop) {
+    FILE *f = t->hooks->progress;
+    if (!f || !t->main) return;
+    double done = (double)(t->step - first_step), per = done > 0 ? (trainer_now() - t_loop) / done : NAN;
+    char eta[32];
+    fmt_dur(eta, sizeof eta, per * (double)(t->max_steps - t->step));
+    if (t->hooks->tty) {
+        fprintf(f, "\r\033[Kstep %ld/%ld  loss %.4f  lr %.3g  %.0f tok/s  ETA %s%s", t->step, t->max_steps, o->loss,
+                o->lr, tok_s, eta, o->skipped ? "  (overflow: skipped)" : "");
+        fflush(f);
+    } else if (t->step % t->cfg.steps_per_print == 0 || t->step == t->max_steps) {
+        fprintf(f, "qtune: step %ld/%ld: loss %.4f, lr %.4g, grad_norm %.4g, loss_scale %g, %.0f tokens/s, ETA %s%s\n",
+                t->step, t->max_steps, o->loss, o->lr, o->grad_norm, o->loss_scale, tok_s, eta,
+                o->skipped ? " (overflow: step skipped)" : "");
+        fflush(f);
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * the run */
+
+static void trainer_free(qt_trainer *t) {
+    if (t->main) qt_metrics_close(&t->metrics);
+    if (t->zp) {
+        zero_state_free(t->zp, &t->zs);
+        zero_plan_free(t->zp);
+    }
+    qt_free(t->decay);
+    if (t->mb)
+        for (int a = 0; a < t->cfg.grad_accum; a++) dl_batch_free(&t->mb[a]);
+    qt_free(t->mb);
+    if (t->eval_dl) dl_batch_free(&t->eval_b);
+    dl_close(t->train_dl);
+    dl_close(t->eval_dl);
+    qt_model_free(t->model);
+    bpe_free(t->tok);
+}
+
+/* Agrees across ranks whether to stop (a signal may reach only some). */
+static int stop_requested(qt_trainer *t, int *stop) {
+    int64_t s = t->hooks->stop && *t->hooks->stop ? 1 : 0;
+    if (t->world > 1) QT_TRY(dist_allreduce_i64(t->d, &s, 1, DIST_MAX, "stop flag"));
+    *stop = s != 0;
+    return QT_OK;
+}
+
+static int find_resume(qt_trainer *t, char *dir, size_t cap) {
+    const char *r = t->job->train.resume;
+    dir[0] = 0;
+    if (!strcmp(r, "never")) return QT_OK;
+    if (!strcmp(r, "auto")) {
+        long s;
+        return ckpt_latest(t->job->output_dir, dir, cap, &s);
+    }
+    char state[4096];
+    QT_TRY(qt_path_join(state, sizeof state, r, CKPT_STATE_FILE));
+    if (!qt_path_exists(state))
+        return QT_ERR(QT_EINVAL, "%s: train.resume names %s, which is not a complete qtune checkpoint (no %s)",
+                      t->job->path, r, CKPT_STATE_FILE);
+    snprintf(dir, cap, "%s", r);
+    return QT_OK;
+}
+
+static int run(qt_trainer *t, qt_train_result *res) {
+    const qt_job *job = t->job;
+    if (t->main) QT_TRY(qt_output_dir_claim(job->output_dir, job, job->train.overwrite_output_dir));
+    QT_TRY(dist_barrier(t->d, "output folder check"));
+    QT_TRY(load_model(t));
+    QT_TRY(open_loaders(t));
+    t->max_steps = job->train.max_steps > 0 ? job->train.max_steps : steps_from_epochs(t);
+    QT_TRY(qt_ds_config_finalize(&t->ds, t->max_steps));
+    qt_train_cfg_from_ds(&t->ds, &t->cfg);
+    QT_TRY(setup_optimizer(t));
+
+    char resume[4096];
+    QT_TRY(find_resume(t, resume, sizeof resume));
+    t->resumed_from = -1;
+    if (resume[0]) {
+        QT_TRY(trainer_load_checkpoint(t, resume));
+        t->resumed_from = t->step;
+        snprintf(t->last_ckpt, sizeof t->last_ckpt, "%s", resume);
+        if (t->main) qt_info("resuming from %s (step %ld of %ld)", resume, t->step, t->max_steps);
+    } else if (job->lora.enabled && job->lora.init_from) {
+        QT_TRY(trainer_init_from_adapter(t, job->lora.init_from));
+    }
+    if (t->main) {
+        char title[512];
+        snprintf(title, sizeof title, "qtune: %s", job->output_dir);
+        QT_TRY(qt_metrics_open(&t->metrics, job->output_dir, resume[0] ? t->step : -1, title));
+        qt_info("training %s: %zu trainable parameters (%s), %ld steps of %d x %d x %d rank(s) rows of %d tokens",
+                job->model, t->n, job->lora.enabled ? "LoRA" : "full", t->max_steps, t->cfg.micro_batch,
+                t->cfg.grad_accum, t->world, job->data.seq_len);
+    }
+    t->t_start = trainer_now();
+    res->resumed_from = t->resumed_from;
+    res->max_steps = t->max_steps;
+    res->eval_loss_first = res->eval_loss_last = NAN;
+    res->last_loss = NAN;
+
+    if (t->step < t->max_steps && t->eval_dl && !resume[0]) {
+        QT_TRY(eval_and_log(t, &res->eval_loss_first));
+        res->eval_loss_last = res->eval_loss_first;
+    }
+    const long first_step = t->step;
+    const double t_loop = trainer_now();
+    int stop = 0;
+    while (t->step < t->max_steps && !stop) {
+        double ts = trainer_now();
+        step_out o;
+        QT_TRY(train_step(t, &o));
+        t->step++;
+        t->tokens_seen += o.tokens;
+        res->last_loss = o.loss;
+        double dt = trainer_now() - ts, tok_s = dt > 0 ? (double)o.tokens / dt : 0;
+        if (t->main && (t->step % job->train.log_steps == 0 || t->step == t->max_steps)) {
+            dl_state ds = dl_state_get(t->train_dl);
+            dl_stats st;
+            dl_get_stats(t->train_dl, &st);
+            qt_step_metrics m = {
+                .step = t->step, .loss = o.loss, .lr = o.lr, .grad_norm = o.grad_norm, .loss_scale = o.loss_scale,
+                .skipped = o.skipped, .tokens = o.tokens, .target_tokens = o.target_tokens, .tokens_per_s = tok_s,
+                .elapsed_s = trainer_elapsed(t), .mem_peak_bytes = qt_peak_rss_bytes(),
+                .epoch = (double)ds.epoch + (st.n_examples_rank ? (double)ds.index / (double)st.n_examples_rank : 0),
+            };
+            QT_TRY(qt_metrics_log_step(&t->metrics, &m));
+            QT_TRY(qt_metrics_write_svg(&t->metrics));
+        }
+        progress(t, &o, tok_s, first_step, t_loop);
+        QT_TRY(stop_requested(t, &stop));
+        if (job->train.eval_steps && t->step % job->train.eval_steps == 0 && t->step < t->max_steps && !stop)
+            QT_TRY(eval_and_log(t, &res->eval_loss_last));
+        if (stop || (job->train.save_steps && t->step % job->train.save_steps == 0) || t->step == t->max_steps)
+            QT_TRY(trainer_save_checkpoint(t));
+    }
+    if (t->main && t->hooks->progress && t->hooks->tty) fputc('\n', t->hooks->progress);
+    res->step = t->step;
+    snprintf(res->last_checkpoint, sizeof res->last_checkpoint, "%s", t->last_ckpt);
+    if (stop && t->step < t->max_steps) {
+        res->interrupted = 1;
+        return QT_ERR(QT_EINTERRUPTED, "stopped at step %ld of %ld; the state is saved in %s; run the same command "
+                                       "again to continue",
+                      t->step, t->max_steps, t->last_ckpt);
+    }
+    if (t->eval_dl) QT_TRY(eval_and_log(t, &res->eval_loss_last));
+    QT_TRY(trainer_write_final(t, res->final_dir, sizeof res->final_dir));
+    QT_TRY(dist_barrier(t->d, "final outputs"));
+    return QT_OK;
+}
+
+int qt_train_run(const qt_job *job, dist_ctx *d, const qt_train_hooks *hooks, qt_train_result *res) {
+    static const qt_train_hooks no_hooks = {0};
+    qt_trainer t;
+    memset(&t, 0, sizeof t);
+    memset(res, 0, sizeof *res);
+    t.job = job;
+    t.d = d;
+    t.hooks = hooks ? hooks : &no_hooks;
+    t.rank = dist_rank(d);
+    t.world = dist_world(d);
+    t.main = dist_is_main(d);
+    int rc = QT_OK;
+    if (job->deepspeed) {
+        char where[4200];
+        if (job->deepspeed_path) snprintf(where, sizeof where, "%s", job->deepspeed_path);
+        else snprintf(where, sizeof where, "%s: deepspeed", job->path);
+        rc = qt_ds_config_parse(job->deepspeed, where, t.world, &t.ds);
+    } else {
+        qt_ds_config_default(&t.ds, t.world);
+    }
+    /* provisional (B, A, dtype for the model and loaders); final once max_steps is known */
+    if (rc == QT_OK) qt_train_cfg_from_ds(&t.ds, &t.cfg);
+    if (rc == QT_OK) rc = run(&t, res);
+    trainer_free(&t);
+    return rc;
+}

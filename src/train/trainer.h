@@ -1,0 +1,81 @@
+/* The training loop: one job file in, an output folder out (docs/training.md).
+ *
+ * One optimizer step, on every rank (N ranks, A micro-batches each):
+ *   1. take A micro-batches; all-reduce the labelled-token count -> Ntok (global)
+ *   2. for each micro-batch: forward_backward(grad_scale = S / Ntok) into grads
+ *      (S: the fp16 loss scale, 1 otherwise), so grads = S * d(sum of token
+ *      losses / Ntok): the token-weighted mean over the whole global batch,
+ *      the Hugging Face Trainer's gradient-accumulation fix
+ *   3. reduce gradients (ZeRO reduce-scatter or all-reduce), global sum of
+ *      squares and inf/NaN flag over the optimizer range
+ *   4. fp16: the loss scaler decides (an overflow skips 5-6 and the scheduler)
+ *   5. norm = sqrt(sumsq) / S (reported as grad_norm); coef = clip(norm)
+ *   6. AdamW on the rank's range with grads * coef / S; all-gather; refresh
+ *      the model's compute copy
+ * Every rank runs the same loop; rank 0 alone writes files and prints. */
+#ifndef QT_TRAIN_TRAINER_H
+#define QT_TRAIN_TRAINER_H
+
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "core/dtype.h"
+#include "dist/dist.h"
+#include "optim/adam.h"
+#include "optim/loss_scaler.h"
+#include "optim/schedule.h"
+#include "train/ds_config.h"
+#include "train/job.h"
+
+/* What the DeepSpeed section resolves to, for this world size. */
+typedef struct {
+    int micro_batch;         /* B: train_micro_batch_size_per_gpu */
+    int grad_accum;          /* A: gradient_accumulation_steps */
+    int world;               /* N ranks */
+    double clip;             /* gradient_clipping; 0: off */
+    qt_adam_cfg adam;
+    qt_sched sched;
+    qt_dtype compute;        /* f32, f16 (fp16.enabled) or bf16 (bf16.enabled) */
+    int fp16;                /* the loss scaler is active */
+    qt_loss_scaler_cfg scaler;
+    zero_opts zero;
+    long steps_per_print;    /* plain log lines when stderr is not a terminal */
+} qt_train_cfg;
+
+/* Fills cfg from the job's DeepSpeed section (none: qt_ds_config_default),
+ * resolved for `world` ranks; max_steps resolves "auto" schedule lengths. */
+int qt_train_cfg_from_job(const qt_job *job, int world, long max_steps, qt_train_cfg *cfg);
+/* The same from an already parsed (and finalized) DeepSpeed config. */
+void qt_train_cfg_from_ds(const qt_ds_config *ds, qt_train_cfg *cfg);
+
+typedef struct {
+    volatile sig_atomic_t *stop; /* set by the CLI's SIGINT/SIGTERM handler; NULL: never */
+    FILE *progress;              /* where progress goes (rank 0), NULL: nowhere */
+    int tty;                     /* progress is a live line (\r) rather than log lines */
+} qt_train_hooks;
+
+typedef struct {
+    long step;                   /* optimizer steps done (including before a resume) */
+    long max_steps;
+    long resumed_from;           /* step of the checkpoint resumed from, -1 if none */
+    double last_loss;            /* mean train loss of the last step */
+    double eval_loss_first;      /* first evaluation of this run (NaN if none) */
+    double eval_loss_last;       /* last evaluation (NaN if none) */
+    int interrupted;             /* stopped by the stop flag; a checkpoint was written */
+    char last_checkpoint[4096];  /* "" if none */
+    char final_dir[4096];        /* "" if not reached */
+} qt_train_result;
+
+/* Runs the job to max_steps (or until *hooks->stop): resumes, trains,
+ * evaluates, checkpoints, writes final/. Returns QT_OK, QT_EINTERRUPTED after
+ * a clean stop (checkpoint written), or an error. */
+int qt_train_run(const qt_job *job, dist_ctx *d, const qt_train_hooks *hooks, qt_train_result *res);
+
+/* The output-folder guard: output_dir/qtune_run.json records the job's
+ * fingerprint. A folder holding another run's outputs (or anything without
+ * that file) is refused unless overwrite (then qtune's own outputs in it are
+ * removed). Creates the folder and the file. */
+int qt_output_dir_claim(const char *output_dir, const qt_job *job, int overwrite);
+
+#endif

@@ -1,0 +1,64 @@
+/* The trainer's state, shared by trainer.c (the loop) and trainer_ckpt.c
+ * (checkpoints, resume, final outputs). Not a public interface. */
+#ifndef QT_TRAIN_TRAINER_INTERNAL_H
+#define QT_TRAIN_TRAINER_INTERNAL_H
+
+#include "data/loader.h"
+#include "dist/dist.h"
+#include "model/model.h"
+#include "text/tokenizer.h"
+#include "train/metrics.h"
+#include "train/trainer.h"
+
+typedef struct {
+    const qt_job *job;
+    dist_ctx *d;
+    const qt_train_hooks *hooks;
+    qt_ds_config ds;           /* parsed once; finalized when max_steps is known */
+    qt_train_cfg cfg;
+    int rank, world, main;     /* main: rank 0 writes files and prints */
+
+    bpe_tokenizer *tok;        /* NULL for pre-tokenized data without tokenizer.json */
+    dl_loader *train_dl, *eval_dl;
+    qt_batch *mb;              /* (A) micro-batches of one accumulation window */
+    qt_batch eval_b;
+
+    qt_model *model;
+    size_t n;                  /* elements in the trainable block */
+    float *master;             /* (n) fp32 master weights */
+    float *grads;              /* (n) fp32 gradients */
+    const qt_param *params;
+    int n_params;
+
+    zero_plan *zp;
+    zero_state zs;             /* slot 0: Adam m, slot 1: Adam v, over [lo, hi) */
+    size_t lo, hi;             /* this rank's optimizer range */
+    qt_range *decay;
+    int n_decay;
+    qt_loss_scaler scaler;
+
+    long step;                 /* optimizer steps done (skipped ones count) */
+    long max_steps;
+    int64_t applied;           /* updates applied: the scheduler's k */
+    int64_t tokens_seen;       /* input positions, all ranks */
+    double elapsed_before;     /* seconds spent before the resumed checkpoint */
+    double t_start;            /* monotonic clock at this process's start of training */
+    long resumed_from;
+
+    qt_metrics metrics;
+    char last_ckpt[4096];
+} qt_trainer;
+
+double trainer_now(void);
+double trainer_elapsed(const qt_trainer *t);
+
+/* trainer_ckpt.c */
+int trainer_save_checkpoint(qt_trainer *t);
+/* Loads weights, optimizer state, scheduler/scaler/data position from dir. */
+int trainer_load_checkpoint(qt_trainer *t, const char *dir);
+/* Loads a PEFT adapter's A/B into the master block (lora.init_from). */
+int trainer_init_from_adapter(qt_trainer *t, const char *dir);
+/* final/: PEFT adapter (LoRA) or model folder (full fine-tuning). */
+int trainer_write_final(qt_trainer *t, char *final_dir, size_t cap);
+
+#endif
