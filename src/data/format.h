@@ -1,0 +1,54 @@
+/* Dataset formats: one JSON object per line, turned into token ids plus a
+ * label mask (1 where the token carries a label, HF's unshifted sense: the
+ * label OF token t is ids[t]). See docs/data.md for each format's rules. */
+#ifndef QT_DATA_FORMAT_H
+#define QT_DATA_FORMAT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cjson/cJSON.h>
+
+#include "text/tokenizer.h"
+
+typedef enum {
+    DL_FORMAT_AUTO = 0,     /* per file, from the first valid line's keys */
+    DL_FORMAT_TEXT = 1,     /* {"text": ...} + <|endoftext|>, all labelled */
+    DL_FORMAT_MESSAGES = 2, /* {"messages": [{"role", "content"}, ...]} in ChatML */
+    DL_FORMAT_ALPACA = 3,   /* {"instruction", "input"?, "output"} as one user/assistant exchange */
+    DL_FORMAT_TOKENS = 4,   /* {"input_ids": [...], "labels": [...]?} pre-tokenized */
+} dl_format;
+
+const char *dl_format_name(dl_format f); /* "auto" "text" "messages" "alpaca" "tokens" */
+/* Accepts the names above, plus "chat"/"chatml" for messages and
+ * "input_ids"/"pretokenized" for tokens. QT_EINVAL names the choices. */
+int dl_format_parse(const char *s, dl_format *out);
+/* The format a JSON object's keys say, or DL_FORMAT_AUTO when none fits.
+ * Checked in this order: input_ids, messages, instruction+output, text. */
+dl_format dl_format_detect(const cJSON *obj);
+
+/* Growing token buffer: ids and mask of every example appended so far. */
+typedef struct {
+    int32_t *ids;  /* (n) */
+    uint8_t *mask; /* (n) 1: the token carries a label */
+    size_t n, cap;
+} dl_tokbuf;
+
+int dl_tokbuf_reserve(dl_tokbuf *b, size_t extra);
+void dl_tokbuf_free(dl_tokbuf *b);
+
+typedef struct {
+    const bpe_tokenizer *tok; /* NULL: only DL_FORMAT_TOKENS can be read */
+    int mask_prompt;          /* chat/alpaca: label only the assistant's tokens */
+    int32_t vocab_limit;      /* pre-tokenized ids must be < this; 0 = unchecked */
+} dl_encode_ctx;
+
+/* Appends one example (the JSON object of one line) to out. On failure out is
+ * unchanged and the error says what is wrong without the file:line, which the
+ * caller prefixes. */
+int dl_encode_example(const dl_encode_ctx *ctx, dl_format fmt, const cJSON *obj, dl_tokbuf *out);
+
+/* What the cache key must include so a template/masking change rebuilds it. */
+uint64_t dl_template_hash(void);
+
+#endif

@@ -1,0 +1,503 @@
+/* The loader: a planner decides, in order, which examples make up each batch
+ * (cheap: it looks only at lengths), and worker threads fill the batches'
+ * arrays ahead of the consumer into a ring of `prefetch` slots. Batch k is
+ * always planned k-th, whatever thread fills it, so the stream is the same for
+ * any number of workers. Dimension letters: B rows, T tokens per row. */
+#include "data/loader.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "core/mem.h"
+#include "core/rng.h"
+#include "data/source.h"
+
+#include <pthread.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef struct {
+    uint64_t start;   /* first token, in its file's ids */
+    uint32_t len;     /* tokens, <= T */
+    uint32_t file;
+} dl_seg;
+
+typedef struct {
+    int64_t seg;      /* index into segs */
+    int32_t row, col; /* where the example starts in the batch */
+} dl_item;
+
+enum { SLOT_FREE = 0, SLOT_FILLING, SLOT_READY };
+
+typedef struct {
+    int64_t seq;      /* which batch of the stream this slot holds */
+    int state;
+    qt_batch b;       /* own (B, T) buffers */
+    dl_item *items;   /* (n_items) in row order, then column order */
+    int n_items;
+    dl_state end;     /* position after this batch */
+} dl_slot;
+
+struct dl_loader {
+    dl_config cfg;
+    int B, T, P;              /* micro-batch rows, row length, prefetch depth */
+    int32_t pad_id;
+    int n_files;
+    dl_source *files;         /* (n_files) */
+    dl_seg *segs;             /* (n_segs) every example after overlong handling, file order */
+    int64_t n_segs, n_rank;   /* all ranks; this rank's share of an epoch */
+    dl_stats stats;
+
+    /* planner (under mu) */
+    int64_t *order;           /* (n_segs) this epoch's permutation; NULL when not shuffling */
+    int64_t order_epoch;      /* epoch `order` was drawn for, -1 none */
+    dl_state plan;            /* next example to plan */
+    int plan_eof;             /* eval: the pass has been planned */
+
+    /* prefetch ring */
+    dl_slot *slots;           /* (P) */
+    pthread_t *threads;       /* (n_threads) */
+    int n_threads, threads_running;
+    pthread_mutex_t mu;
+    pthread_cond_t cv_space, cv_ready;
+    int64_t next_plan, next_consume, end_seq; /* end_seq: first seq with no batch, -1 unknown */
+    int stop;
+    dl_state consumed;        /* position after the last batch handed out */
+};
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+void dl_config_default(dl_config *c) {
+    memset(c, 0, sizeof *c);
+    c->format = DL_FORMAT_AUTO;
+    c->seq_len = 512;
+    c->micro_batch = 1;
+    c->packing = 1;
+    c->shuffle = 1;
+    c->mask_prompt = 1;
+    c->prefetch = 4;
+    c->world = 1;
+    c->overlong = DL_OVERLONG_TRUNCATE;
+    c->pad_id = -1;
+}
+
+/* ---- epoch order and sharding ---- */
+
+/* Fisher-Yates over all examples with a stream of (seed, epoch): every rank
+ * draws the same permutation and takes its own positions of it. */
+static void draw_order(dl_loader *l, int64_t epoch) {
+    for (int64_t i = 0; i < l->n_segs; i++) l->order[i] = i;
+    qt_rng rng;
+    qt_rng_derive(&rng, l->cfg.seed, 0x6461746100ull /* "data" */, (uint64_t)epoch);
+    for (int64_t i = l->n_segs - 1; i > 0; i--) {
+        int64_t j = (int64_t)qt_rng_below(&rng, (uint64_t)i + 1);
+        int64_t t = l->order[i]; l->order[i] = l->order[j]; l->order[j] = t;
+    }
+    l->order_epoch = epoch;
+}
+
+/* The example at position `index` of this rank's share of `epoch`. */
+static int64_t example_at(dl_loader *l, int64_t epoch, int64_t index) {
+    int64_t pos = (int64_t)l->cfg.rank + index * (int64_t)l->cfg.world;
+    if (!l->order) return pos;
+    if (l->order_epoch != epoch) draw_order(l, epoch);
+    return l->order[pos];
+}
+
+/* Decides the examples of the next batch into slot; 0 when the eval pass is over. */
+static int plan_batch(dl_loader *l, dl_slot *s) {
+    s->n_items = 0;
+    for (int row = 0; row < l->B && !l->plan_eof; row++) {
+        int col = 0;
+        for (;;) {
+            if (l->plan.index == l->n_rank) {
+                if (l->cfg.eval) { l->plan_eof = 1; break; }
+                l->plan.epoch++;
+                l->plan.index = 0;
+            }
+            int64_t seg = example_at(l, l->plan.epoch, l->plan.index);
+            int len = (int)l->segs[seg].len;
+            if (col > 0 && (!l->cfg.packing || col + len > l->T)) break; /* row full */
+            s->items[s->n_items++] = (dl_item){.seg = seg, .row = row, .col = col};
+            col += len;
+            l->plan.index++;
+            if (!l->cfg.packing) break;
+        }
+    }
+    if (!l->cfg.eval && l->plan.index == l->n_rank) {
+        l->plan.epoch++;
+        l->plan.index = 0;
+    }
+    s->end = l->plan;
+    return s->n_items > 0;
+}
+
+/* ---- filling a batch ---- */
+
+/* Pads [from, T) of a row: pad ids, no targets; the padding is its own
+ * "example" (positions from 0, doc_start at its start) so it never attends
+ * into real tokens. */
+static void fill_pad(const dl_loader *l, qt_batch *b, int row, int from) {
+    size_t base = (size_t)row * (size_t)l->T;
+    for (int t = from; t < l->T; t++) {
+        b->inputs[base + t] = l->pad_id;
+        b->targets[base + t] = QT_IGNORE_INDEX;
+        b->positions[base + t] = t - from;
+        b->doc_start[base + t] = from;
+    }
+}
+
+static void fill_batch(const dl_loader *l, dl_slot *s) {
+    qt_batch *b = &s->b;
+    int64_t n_target = 0;
+    int item = 0;
+    for (int row = 0; row < l->B; row++) {
+        size_t base = (size_t)row * (size_t)l->T;
+        int col = 0;
+        for (; item < s->n_items && s->items[item].row == row; item++) {
+            const dl_seg *g = &l->segs[s->items[item].seg];
+            const dl_source *src = &l->files[g->file];
+            const int32_t *ids = src->ids + g->start;
+            const uint8_t *mask = src->mask + g->start;
+            int c0 = s->items[item].col, L = (int)g->len;
+            /* targets are shifted here: position j predicts token j+1 of the
+             * same example, if that token carries a label */
+            for (int j = 0; j < L; j++) {
+                size_t t = base + (size_t)(c0 + j);
+                b->inputs[t] = ids[j];
+                b->positions[t] = j;
+                b->doc_start[t] = c0;
+                int lab = j + 1 < L && mask[j + 1];
+                b->targets[t] = lab ? ids[j + 1] : QT_IGNORE_INDEX;
+                n_target += lab;
+            }
+            col = c0 + L;
+        }
+        if (col < l->T) fill_pad(l, b, row, col);
+    }
+    b->n_target = n_target;
+}
+
+/* ---- prefetch threads ---- */
+
+static void *worker_main(void *arg) {
+    dl_loader *l = arg;
+    pthread_mutex_lock(&l->mu);
+    for (;;) {
+        while (!l->stop && (l->end_seq >= 0 || l->next_plan >= l->next_consume + l->P))
+            pthread_cond_wait(&l->cv_space, &l->mu);
+        if (l->stop) break;
+        int64_t seq = l->next_plan;
+        dl_slot *s = &l->slots[seq % l->P];
+        if (!plan_batch(l, s)) {
+            l->end_seq = seq;
+            pthread_cond_broadcast(&l->cv_ready);
+            continue;
+        }
+        l->next_plan++;
+        s->seq = seq;
+        s->state = SLOT_FILLING;
+        pthread_mutex_unlock(&l->mu);
+        fill_batch(l, s);
+        pthread_mutex_lock(&l->mu);
+        s->state = SLOT_READY;
+        pthread_cond_broadcast(&l->cv_ready);
+    }
+    pthread_mutex_unlock(&l->mu);
+    return NULL;
+}
+
+static void threads_stop(dl_loader *l) {
+    if (!l->threads_running) return;
+    pthread_mutex_lock(&l->mu);
+    l->stop = 1;
+    pthread_cond_broadcast(&l->cv_space);
+    pthread_mutex_unlock(&l->mu);
+    for (int i = 0; i < l->n_threads; i++) pthread_join(l->threads[i], NULL);
+    l->threads_running = 0;
+}
+
+/* Starts the workers with an empty ring at position s. */
+static int threads_start(dl_loader *l, dl_state s) {
+    l->stop = 0;
+    l->next_plan = l->next_consume = 0;
+    l->end_seq = -1;
+    l->plan = s;
+    l->plan_eof = 0;
+    l->consumed = s;
+    for (int i = 0; i < l->P; i++) l->slots[i].state = SLOT_FREE;
+    for (int i = 0; i < l->n_threads; i++) {
+        int e = pthread_create(&l->threads[i], NULL, worker_main, l);
+        if (e != 0) {
+            l->n_threads = i;
+            l->threads_running = 1;
+            threads_stop(l);
+            return QT_ERR(QT_EIO, "cannot start the data loader's threads (error %d); lower data.num_workers", e);
+        }
+    }
+    l->threads_running = 1;
+    return QT_OK;
+}
+
+/* ---- opening ---- */
+
+static int check_config(const dl_config *c) {
+    if (c->seq_len < 2) return QT_ERR(QT_EINVAL, "data.seq_len is %d; it must be at least 2", c->seq_len);
+    if (c->micro_batch < 1) return QT_ERR(QT_EINVAL, "the micro-batch is %d; it must be at least 1", c->micro_batch);
+    int world = c->world ? c->world : 1;
+    if (world < 1 || c->rank < 0 || c->rank >= world)
+        return QT_ERR(QT_EINVAL, "data-parallel rank %d of %d is out of range", c->rank, world);
+    if (c->prefetch < 0 || c->num_workers < 0)
+        return QT_ERR(QT_EINVAL, "data.prefetch and data.num_workers must not be negative");
+    if (c->n_paths <= 0 && !c->path) return QT_ERR(QT_EINVAL, "no data file given; set data.train");
+    return QT_OK;
+}
+
+static int add_seg(dl_loader *l, int64_t *cap, uint64_t start, uint32_t len, uint32_t file) {
+    if (l->n_segs == *cap) {
+        int64_t c = *cap ? *cap * 2 : 1024;
+        dl_seg *p = qt_realloc(l->segs, (size_t)c * sizeof *p, "the loader's example table");
+        if (!p) return QT_ENOMEM;
+        l->segs = p;
+        *cap = c;
+    }
+    l->segs[l->n_segs++] = (dl_seg){.start = start, .len = len, .file = file};
+    l->stats.n_tokens += len;
+    return QT_OK;
+}
+
+/* Every example of every file as segments of at most T tokens. */
+static int build_segs(dl_loader *l) {
+    int64_t cap = 0;
+    uint64_t T = (uint64_t)l->T;
+    for (int f = 0; f < l->n_files; f++) {
+        const dl_source *s = &l->files[f];
+        for (uint64_t i = 0; i < s->n_examples; i++) {
+            uint64_t start = s->offsets[i], len = s->offsets[i + 1] - start;
+            if (len <= T) {
+                QT_TRY(add_seg(l, &cap, start, (uint32_t)len, (uint32_t)f));
+            } else if (l->cfg.overlong == DL_OVERLONG_TRUNCATE) {
+                QT_TRY(add_seg(l, &cap, start, (uint32_t)T, (uint32_t)f));
+                l->stats.n_truncated++;
+                l->stats.n_tokens_dropped += (int64_t)(len - T);
+            } else {
+                /* pieces overlap by one token: the last token of a piece is
+                 * the first input of the next, so every label is predicted once */
+                for (uint64_t p = 0;; p += T - 1) {
+                    uint64_t n = len - p < T ? len - p : T;
+                    QT_TRY(add_seg(l, &cap, start + p, (uint32_t)n, (uint32_t)f));
+                    if (p + n >= len) break;
+                }
+                l->stats.n_split++;
+            }
+        }
+        for (uint64_t t = 0; t < s->n_tokens; t++) l->stats.n_labels += s->mask[t];
+    }
+    return QT_OK;
+}
+
+static int open_files(dl_loader *l, const bpe_tokenizer *tok) {
+    const dl_config *c = &l->cfg;
+    const char *const *paths = c->n_paths > 0 ? c->paths : &c->path;
+    l->n_files = c->n_paths > 0 ? c->n_paths : 1;
+    l->files = qt_calloc((size_t)l->n_files, sizeof *l->files, "the data files");
+    if (!l->files) return QT_ENOMEM;
+    dl_source_opts o = {
+        .cache_dir = c->cache_dir,
+        .no_cache = c->no_cache,
+        .format = c->format,
+        .enc = {.tok = tok, .mask_prompt = c->mask_prompt,
+                .vocab_limit = c->vocab_size > 0 ? c->vocab_size : (tok ? bpe_vocab_size(tok) : 0)},
+        .tokenizer_hash = tok ? bpe_hash(tok) : 0,
+        .skip_bad_lines = c->skip_bad_lines,
+        .max_line_bytes = c->max_line_bytes,
+    };
+    for (int f = 0; f < l->n_files; f++) {
+        o.path = paths[f];
+        if (!o.path) return QT_ERR(QT_EINVAL, "data file %d of %d has no path", f + 1, l->n_files);
+        QT_TRY(dl_source_open(&o, &l->files[f]));
+        l->stats.n_cache_hits += l->files[f].cache_hit;
+        l->stats.n_cache_written += l->files[f].cache_written;
+        l->stats.n_lines_skipped += (int64_t)l->files[f].n_bad_lines;
+        qt_debug("%s: %s format, %llu examples, %llu tokens, cache %s", o.path, dl_format_name(l->files[f].format),
+                 (unsigned long long)l->files[f].n_examples, (unsigned long long)l->files[f].n_tokens,
+                 l->files[f].cache_hit ? "hit" : (l->files[f].cache_written ? "built" : "none"));
+    }
+    return QT_OK;
+}
+
+static int loader_init(dl_loader *l, const bpe_tokenizer *tok) {
+    const dl_config *c = &l->cfg;
+    QT_TRY(open_files(l, tok));
+    QT_TRY(build_segs(l));
+    int world = c->world;
+    if (l->n_segs < world)
+        return QT_ERR(QT_EINVAL, "the data has %lld examples, fewer than the %d data-parallel ranks; add data or use fewer ranks",
+                      (long long)l->n_segs, world);
+    l->n_rank = (l->n_segs - c->rank + world - 1) / world;
+    l->pad_id = c->pad_id >= 0 ? c->pad_id : 0;
+    if (c->pad_id < 0 && tok) {
+        int32_t eot = bpe_token_id(tok, "<|endoftext|>");
+        if (eot >= 0) l->pad_id = eot;
+    }
+    if (c->shuffle && !c->eval) {
+        l->order = qt_malloc((size_t)l->n_segs * sizeof *l->order, "the shuffled example order");
+        if (!l->order) return QT_ENOMEM;
+    }
+    l->order_epoch = -1;
+    l->slots = qt_calloc((size_t)l->P, sizeof *l->slots, "the prefetch queue");
+    if (!l->slots) return QT_ENOMEM;
+    for (int i = 0; i < l->P; i++) {
+        QT_TRY(dl_batch_alloc(l, &l->slots[i].b));
+        l->slots[i].items = qt_malloc((size_t)l->B * (size_t)l->T * sizeof(dl_item), "a batch plan");
+        if (!l->slots[i].items) return QT_ENOMEM;
+    }
+    l->threads = qt_calloc((size_t)l->n_threads, sizeof *l->threads, "the loader threads");
+    if (!l->threads) return QT_ENOMEM;
+    pthread_mutex_init(&l->mu, NULL);
+    pthread_cond_init(&l->cv_space, NULL);
+    pthread_cond_init(&l->cv_ready, NULL);
+    return threads_start(l, (dl_state){0, 0});
+}
+
+int dl_open(const dl_config *cfg, const bpe_tokenizer *tok, dl_loader **out) {
+    *out = NULL;
+    QT_TRY(check_config(cfg));
+    double t0 = now_s();
+    dl_loader *l = qt_calloc(1, sizeof *l, "the data loader");
+    if (!l) return QT_ENOMEM;
+    l->cfg = *cfg;
+    if (l->cfg.world == 0) l->cfg.world = 1;
+    l->B = cfg->micro_batch;
+    l->T = cfg->seq_len;
+    l->P = cfg->prefetch > 0 ? cfg->prefetch : 4;
+    int n = cfg->num_workers;
+    if (n == 0) {
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        n = (int)((double)(cores > 0 ? cores : 1) * 0.8);
+        if (n < 1) n = 1;
+    }
+    l->n_threads = n < l->P ? n : l->P; /* more workers than slots would only wait */
+    l->stats.num_workers = l->n_threads;
+    l->stats.prefetch = l->P;
+    l->stats.n_files = cfg->n_paths > 0 ? cfg->n_paths : 1;
+    int rc = loader_init(l, tok);
+    if (rc != QT_OK) { dl_close(l); return rc; }
+    l->stats.n_examples = l->n_segs;
+    l->stats.n_examples_rank = l->n_rank;
+    l->stats.open_s = now_s() - t0;
+    if (l->stats.n_truncated)
+        qt_info("%lld examples were longer than seq_len %d and were truncated (%lld tokens dropped)",
+                (long long)l->stats.n_truncated, l->T, (long long)l->stats.n_tokens_dropped);
+    if (l->stats.n_split)
+        qt_info("%lld examples were longer than seq_len %d and were split into pieces", (long long)l->stats.n_split, l->T);
+    *out = l;
+    return QT_OK;
+}
+
+void dl_close(dl_loader *l) {
+    if (!l) return;
+    if (l->threads) {
+        threads_stop(l);
+        pthread_mutex_destroy(&l->mu);
+        pthread_cond_destroy(&l->cv_space);
+        pthread_cond_destroy(&l->cv_ready);
+    }
+    qt_free(l->threads);
+    for (int i = 0; l->slots && i < l->P; i++) {
+        dl_batch_free(&l->slots[i].b);
+        qt_free(l->slots[i].items);
+    }
+    qt_free(l->slots);
+    qt_free(l->order);
+    qt_free(l->segs);
+    for (int f = 0; l->files && f < l->n_files; f++) dl_source_close(&l->files[f]);
+    qt_free(l->files);
+    qt_free(l);
+}
+
+/* ---- consuming ---- */
+
+int dl_batch_alloc(const dl_loader *l, qt_batch *b) {
+    memset(b, 0, sizeof *b);
+    size_t n;
+    if (!qt_mul_ok((size_t)l->B * (size_t)l->T, 4 * sizeof(int32_t), &n))
+        return QT_ERR(QT_ENOMEM, "a batch of %d x %d tokens is too large", l->B, l->T);
+    int32_t *p = qt_alloc_aligned(n, "a data batch");
+    if (!p) return QT_ENOMEM;
+    size_t BT = (size_t)l->B * (size_t)l->T;
+    b->B = l->B;
+    b->T = l->T;
+    b->inputs = p;
+    b->targets = p + BT;
+    b->positions = p + 2 * BT;
+    b->doc_start = p + 3 * BT;
+    return QT_OK;
+}
+
+void dl_batch_free(qt_batch *b) {
+    qt_free(b->inputs); /* one block holds all four arrays */
+    memset(b, 0, sizeof *b);
+}
+
+int dl_next(dl_loader *l, qt_batch *out) {
+    if (out->B != l->B || out->T != l->T || !out->inputs)
+        return QT_ERR(QT_EINVAL, "dl_next needs a batch from dl_batch_alloc for this loader (%d x %d)", l->B, l->T);
+    double t0 = now_s();
+    pthread_mutex_lock(&l->mu);
+    int64_t seq = l->next_consume;
+    dl_slot *s = &l->slots[seq % l->P];
+    while (!(s->state == SLOT_READY && s->seq == seq) && !(l->end_seq >= 0 && seq >= l->end_seq))
+        pthread_cond_wait(&l->cv_ready, &l->mu);
+    l->stats.wait_s += now_s() - t0;
+    if (l->end_seq >= 0 && seq >= l->end_seq) {
+        pthread_mutex_unlock(&l->mu);
+        return DL_END;
+    }
+    pthread_mutex_unlock(&l->mu);
+    /* No worker writes this slot until next_consume moves past it. */
+    size_t BT = (size_t)l->B * (size_t)l->T;
+    memcpy(out->inputs, s->b.inputs, BT * sizeof(int32_t));
+    memcpy(out->targets, s->b.targets, BT * sizeof(int32_t));
+    memcpy(out->positions, s->b.positions, BT * sizeof(int32_t));
+    memcpy(out->doc_start, s->b.doc_start, BT * sizeof(int32_t));
+    out->n_target = s->b.n_target;
+    pthread_mutex_lock(&l->mu);
+    l->consumed = s->end;
+    s->state = SLOT_FREE;
+    l->next_consume++;
+    l->stats.n_batches++;
+    pthread_cond_broadcast(&l->cv_space);
+    pthread_mutex_unlock(&l->mu);
+    return QT_OK;
+}
+
+dl_state dl_state_get(const dl_loader *l) {
+    dl_loader *m = (dl_loader *)l; /* the lock, not the state, changes */
+    pthread_mutex_lock(&m->mu);
+    dl_state s = l->consumed;
+    pthread_mutex_unlock(&m->mu);
+    return s;
+}
+
+int dl_state_set(dl_loader *l, dl_state s) {
+    if (s.epoch < 0 || s.index < 0 || s.index > l->n_rank || (l->cfg.eval && s.epoch != 0))
+        return QT_ERR(QT_EINVAL, "the saved data position (epoch %lld, example %lld) does not fit this data "
+                      "(%lld examples for this rank per epoch); was the data or the number of ranks changed?",
+                      (long long)s.epoch, (long long)s.index, (long long)l->n_rank);
+    threads_stop(l);
+    return threads_start(l, s);
+}
+
+int64_t dl_num_examples(const dl_loader *l) { return l->n_segs; }
+int64_t dl_tokens_per_epoch(const dl_loader *l) { return l->stats.n_tokens; }
+
+void dl_get_stats(const dl_loader *l, dl_stats *out) {
+    dl_loader *m = (dl_loader *)l;
+    pthread_mutex_lock(&m->mu);
+    *out = l->stats;
+    pthread_mutex_unlock(&m->mu);
+}

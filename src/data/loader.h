@@ -1,0 +1,104 @@
+/* The data loader: JSONL files -> token caches -> shuffled, sharded, packed
+ * micro-batches (data/batch.h), filled ahead of the training step by
+ * background threads.
+ *
+ * Order of an epoch: the examples of all files (after overlong handling, see
+ * dl_overlong), permuted by a generator seeded from (seed, epoch) when
+ * shuffling; rank r of `world` takes positions r, r+world, r+2*world, ... of
+ * that order, so across ranks every example is seen exactly once per epoch and
+ * ranks differ by at most one example (no example is repeated or dropped).
+ * A rank's stream of examples runs on into the next epoch without a gap, except
+ * in eval mode, which makes one pass and then reports DL_END.
+ *
+ * The position (epoch, index of the next example in this rank's share of the
+ * epoch) after the last batch handed out is dl_state_get(); a trainer saves it
+ * in checkpoints and dl_state_set() restores it, so a resumed run sees exactly
+ * the batches it would have seen. */
+#ifndef QT_DATA_LOADER_H
+#define QT_DATA_LOADER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "data/batch.h"
+#include "data/format.h"
+#include "text/tokenizer.h"
+
+#define DL_END 1 /* dl_next: the eval pass is over (no batch) */
+
+typedef enum {
+    DL_OVERLONG_TRUNCATE = 0, /* keep the first seq_len tokens */
+    DL_OVERLONG_SPLIT = 1,    /* cut into pieces of seq_len tokens overlapping by one, so no label is lost */
+} dl_overlong;
+
+typedef struct {
+    const char *path;          /* one JSONL file, or: */
+    const char *const *paths;  /* several, read in this order (n_paths > 0 wins over path) */
+    int n_paths;
+    dl_format format;          /* DL_FORMAT_AUTO: per file, from its first valid line */
+    int seq_len;               /* T, >= 2 */
+    int micro_batch;           /* B, rows per batch */
+    int packing;               /* several examples per row; else one example per row, padded */
+    int shuffle;
+    int mask_prompt;           /* chat/alpaca: only the assistant's tokens carry labels */
+    const char *cache_dir;     /* NULL: <folder of each data file>/.qtune-cache */
+    int no_cache;              /* 1: tokenize in memory, write no cache */
+    int num_workers;           /* prefetch threads; 0 = auto: 80% of the cores, at least 1 */
+    int prefetch;              /* batches filled ahead (queue depth); 0 = 4 */
+    uint64_t seed;
+    int rank, world;           /* data-parallel shard; world 0 = 1 */
+    int skip_bad_lines;        /* skip and count malformed lines instead of stopping */
+    dl_overlong overlong;
+    size_t max_line_bytes;     /* 0: 64 MiB; a longer line is a malformed line */
+    int32_t vocab_size;        /* ids must be below; 0: the tokenizer's, or unchecked without one */
+    int32_t pad_id;            /* -1: the tokenizer's <|endoftext|>, or 0 without one */
+    int eval;                  /* one pass in file order, no shuffle, then DL_END */
+} dl_config;
+
+typedef struct {
+    int64_t epoch;             /* 0-based */
+    int64_t index;             /* next example within this rank's share of the epoch */
+} dl_state;
+
+typedef struct {
+    int64_t n_examples;        /* after overlong handling, all ranks */
+    int64_t n_examples_rank;   /* this rank's share of an epoch */
+    int64_t n_tokens;          /* tokens of all examples (after overlong handling) */
+    int64_t n_labels;          /* tokens carrying a label, before shifting */
+    int64_t n_lines_skipped;   /* malformed lines skipped (skip_bad_lines) */
+    int64_t n_truncated;       /* examples cut to seq_len (DL_OVERLONG_TRUNCATE) */
+    int64_t n_split;           /* examples cut into pieces (DL_OVERLONG_SPLIT) */
+    int64_t n_tokens_dropped;  /* tokens lost to truncation */
+    int n_files, n_cache_hits, n_cache_written;
+    int num_workers, prefetch;
+    double open_s;             /* seconds dl_open took (cache build or load) */
+    double wait_s;             /* seconds dl_next waited for a batch so far */
+    int64_t n_batches;         /* batches handed out so far */
+} dl_stats;
+
+typedef struct dl_loader dl_loader;
+
+void dl_config_default(dl_config *c);
+/* Reads (or builds the caches of) the data files and starts the prefetch
+ * threads. tok may be NULL for pre-tokenized data. */
+int dl_open(const dl_config *cfg, const bpe_tokenizer *tok, dl_loader **out);
+void dl_close(dl_loader *l);
+
+/* Batch buffers for dl_next: (B, T) each, for this loader's B and T. Several
+ * may be held at once, e.g. the K micro-batches of an accumulation window. */
+int dl_batch_alloc(const dl_loader *l, qt_batch *b);
+void dl_batch_free(qt_batch *b);
+
+/* Copies the next micro-batch into out (from dl_batch_alloc). QT_OK, DL_END
+ * (eval mode, pass over; out untouched), or an error. */
+int dl_next(dl_loader *l, qt_batch *out);
+
+dl_state dl_state_get(const dl_loader *l);
+/* Positions the loader so the next batch starts at s; drops batches filled ahead. */
+int dl_state_set(dl_loader *l, dl_state s);
+
+int64_t dl_num_examples(const dl_loader *l);     /* all ranks, after overlong handling */
+int64_t dl_tokens_per_epoch(const dl_loader *l); /* all ranks */
+void dl_get_stats(const dl_loader *l, dl_stats *out);
+
+#endif

@@ -1,0 +1,292 @@
+#include "data/source.h"
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/log.h"
+#include "core/mem.h"
+#include "data/lines.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+_Static_assert(sizeof(dl_cache_header) == 120, "the cache header layout is part of the file format");
+
+#define DL_WARN_BAD_LINES 5 /* skipped lines named one by one before we only count */
+
+int dl_cache_path(const char *data_path, const char *cache_dir, char *out, size_t cap) {
+    char dir[4096];
+    if (cache_dir && cache_dir[0]) {
+        snprintf(dir, sizeof dir, "%s", cache_dir);
+    } else {
+        char parent[4096];
+        qt_path_dirname(parent, sizeof parent, data_path);
+        QT_TRY(qt_path_join(dir, sizeof dir, parent, ".qtune-cache"));
+    }
+    /* Keyed by the file's absolute path, so two data files with one name do not collide. */
+    char abs[PATH_MAX];
+    const char *key = realpath(data_path, abs) ? abs : data_path;
+    const char *base = strrchr(data_path, '/');
+    base = base ? base + 1 : data_path;
+    char name[512];
+    snprintf(name, sizeof name, "%.200s.%016llx.qtc", base,
+             (unsigned long long)dl_hash_bytes(key, strlen(key), 0x6361636865ull));
+    return qt_path_join(out, cap, dir, name);
+}
+
+static size_t align8(size_t n) { return (n + 7) & ~(size_t)7; }
+
+/* Byte layout of the sections after the header; 0 on overflow. */
+static int cache_layout(uint64_t n_examples, uint64_t n_tokens, size_t *off_ids, size_t *off_mask, size_t *total) {
+    size_t off_bytes, ids_bytes;
+    if (n_examples >= SIZE_MAX / 8 - 1 || !qt_mul_ok((size_t)n_examples + 1, 8, &off_bytes)) return 0;
+    if (n_tokens >= SIZE_MAX / 8 || !qt_mul_ok((size_t)n_tokens, 4, &ids_bytes)) return 0;
+    *off_ids = align8(sizeof(dl_cache_header)) + off_bytes;
+    *off_mask = *off_ids + ids_bytes;
+    *total = *off_mask + (size_t)n_tokens;
+    return *total >= *off_mask;
+}
+
+static uint64_t header_hash(const dl_cache_header *h) {
+    return dl_hash_bytes(h, offsetof(dl_cache_header, header_hash), 0x686561646572ull);
+}
+
+static uint64_t data_hash(const uint64_t *offsets, const int32_t *ids, const uint8_t *mask, uint64_t n_ex, uint64_t n_tok) {
+    uint64_t h = dl_hash_bytes(offsets, (size_t)(n_ex + 1) * 8, 0x64617461ull);
+    h = dl_hash_bytes(ids, (size_t)n_tok * 4, h);
+    return dl_hash_bytes(mask, (size_t)n_tok, h);
+}
+
+/* The fields a cache must match to be reused. */
+static void header_key(const dl_source_opts *o, uint64_t src_size, uint64_t src_hash, dl_cache_header *h) {
+    memset(h, 0, sizeof *h);
+    memcpy(h->magic, DL_CACHE_MAGIC, 8);
+    h->version = DL_CACHE_VERSION;
+    h->header_bytes = sizeof *h;
+    h->tokenizer_hash = o->tokenizer_hash;
+    h->template_hash = dl_template_hash();
+    h->source_size = src_size;
+    h->source_hash = src_hash;
+    h->format_requested = (uint32_t)o->format;
+    h->mask_prompt = (uint32_t)(o->enc.mask_prompt != 0);
+    h->skip_bad_lines = (uint32_t)(o->skip_bad_lines != 0);
+    h->max_line_bytes = o->max_line_bytes ? o->max_line_bytes : DL_DEFAULT_MAX_LINE_BYTES;
+    h->vocab_limit = o->enc.vocab_limit;
+}
+
+/* Why a cache header does not fit the current settings, or NULL when it does. */
+static const char *header_mismatch(const dl_cache_header *got, const dl_cache_header *want) {
+    if (memcmp(got->magic, DL_CACHE_MAGIC, 8)) return "it is not a qtune token cache";
+    if (got->version != DL_CACHE_VERSION || got->header_bytes != sizeof *got) return "it was written by another qtune version";
+    if (got->header_hash != header_hash(got)) return "its header is corrupt";
+    if (got->source_size != want->source_size || got->source_hash != want->source_hash) return "the data file changed";
+    if (got->tokenizer_hash != want->tokenizer_hash) return "the tokenizer changed";
+    if (got->template_hash != want->template_hash) return "the chat template rules changed";
+    if (got->format_requested != want->format_requested) return "data.format changed";
+    if (got->mask_prompt != want->mask_prompt) return "mask_prompt changed";
+    if (got->skip_bad_lines != want->skip_bad_lines || got->max_line_bytes != want->max_line_bytes)
+        return "the bad-line settings changed";
+    if (got->vocab_limit != want->vocab_limit) return "the vocabulary size changed";
+    if (got->format_resolved < DL_FORMAT_TEXT || got->format_resolved > DL_FORMAT_TOKENS) return "its header is corrupt";
+    return NULL;
+}
+
+/* 1: out holds the mapped cache; 0: no usable cache (reason logged). Never fails hard. */
+static int cache_load(const dl_source_opts *o, const dl_cache_header *want, dl_source *out) {
+    int fd = open(out->cache_path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0; /* first run: nothing to say */
+    const char *why = NULL;
+    struct stat st;
+    dl_cache_header h;
+    void *map = MAP_FAILED;
+    size_t total = 0, off_ids, off_mask;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || (size_t)st.st_size < sizeof h ||
+        pread(fd, &h, sizeof h, 0) != (ssize_t)sizeof h) {
+        why = "it is truncated";
+    } else if ((why = header_mismatch(&h, want))) {
+    } else if (!cache_layout(h.n_examples, h.n_tokens, &off_ids, &off_mask, &total) || total != (size_t)st.st_size) {
+        why = "it is truncated or has the wrong size";
+    } else if ((map = mmap(NULL, total, PROT_READ, MAP_PRIVATE, fd, 0)) == MAP_FAILED) {
+        why = "it cannot be mapped";
+    }
+    close(fd);
+    if (!why) {
+        const char *base = map;
+        const uint64_t *offsets = (const uint64_t *)(base + align8(sizeof h));
+        const int32_t *ids = (const int32_t *)(base + off_ids);
+        const uint8_t *mask = (const uint8_t *)(base + off_mask);
+        if (data_hash(offsets, ids, mask, h.n_examples, h.n_tokens) != h.data_hash) why = "its data is corrupt";
+        for (uint64_t i = 0; !why && i < h.n_examples; i++)
+            if (offsets[i] >= offsets[i + 1]) why = "its example table is corrupt";
+        if (!why && (offsets[0] != 0 || offsets[h.n_examples] != h.n_tokens)) why = "its example table is corrupt";
+        if (!why) {
+            out->n_examples = h.n_examples;
+            out->n_tokens = h.n_tokens;
+            out->offsets = offsets;
+            out->ids = ids;
+            out->mask = mask;
+            out->format = (dl_format)h.format_resolved;
+            out->n_bad_lines = h.n_bad_lines;
+            out->map = map;
+            out->map_len = total;
+            return 1;
+        }
+    }
+    if (map != MAP_FAILED) munmap(map, total);
+    if (!strcmp(why, "the data file changed") || strstr(why, "changed"))
+        qt_info("rebuilding the token cache %s: %s", out->cache_path, why);
+    else
+        qt_warn("rebuilding the token cache %s: %s", out->cache_path, why);
+    return 0;
+}
+
+static int cache_write(const dl_cache_header *h, const dl_source *s) {
+    char dir[4096];
+    qt_path_dirname(dir, sizeof dir, s->cache_path);
+    QT_TRY(qt_mkdir_p(dir));
+    qt_atomic_file af;
+    QT_TRY(qt_atomic_open(&af, s->cache_path));
+    size_t pad = align8(sizeof *h) - sizeof *h;
+    static const char zeros[8];
+    int rc = qt_atomic_write(&af, h, sizeof *h);
+    if (!rc) rc = qt_atomic_write(&af, zeros, pad);
+    if (!rc) rc = qt_atomic_write(&af, s->offsets, (size_t)(s->n_examples + 1) * 8);
+    if (!rc) rc = qt_atomic_write(&af, s->ids, (size_t)s->n_tokens * 4);
+    if (!rc) rc = qt_atomic_write(&af, s->mask, (size_t)s->n_tokens);
+    if (rc) { qt_atomic_abort(&af); return rc; }
+    return qt_atomic_commit(&af);
+}
+
+static int is_blank(const char *s, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (!isspace((unsigned char)s[i])) return 0;
+    return 1;
+}
+
+/* Parses one line into out; errors carry "path:line: ". */
+static int build_line(const dl_source_opts *o, dl_lines *r, const char *line, size_t len, dl_format *fmt,
+                      dl_tokbuf *out) {
+    const char *end = NULL;
+    cJSON *obj = cJSON_ParseWithLengthOpts(line, len, &end, 0);
+    if (!obj) {
+        size_t at = end && end >= line ? (size_t)(end - line) : 0;
+        return QT_ERR(QT_EFORMAT, "%s:%lld: not valid JSON (near byte %zu); each line must be one JSON object",
+                      o->path, (long long)r->line_no, at);
+    }
+    while (end && end < line + len && isspace((unsigned char)*end)) end++;
+    int rc = QT_OK;
+    if (end && end < line + len) {
+        rc = QT_ERR(QT_EFORMAT, "%s:%lld: text after the JSON object (byte %zu); put one object per line",
+                    o->path, (long long)r->line_no, (size_t)(end - line));
+    } else if (!cJSON_IsObject(obj)) {
+        rc = QT_ERR(QT_EFORMAT, "%s:%lld: the line is not a JSON object", o->path, (long long)r->line_no);
+    } else if (*fmt == DL_FORMAT_AUTO && (*fmt = dl_format_detect(obj)) == DL_FORMAT_AUTO) {
+        rc = QT_ERR(QT_EFORMAT, "%s:%lld: cannot tell the data format: expected a \"text\", \"messages\", "
+                    "\"instruction\"+\"output\" or \"input_ids\" key; or set data.format",
+                    o->path, (long long)r->line_no);
+    } else if ((rc = dl_encode_example(&o->enc, *fmt, obj, out)) != QT_OK) {
+        rc = qt_error_context(rc, "%s:%lld", o->path, (long long)r->line_no);
+    }
+    cJSON_Delete(obj);
+    return rc;
+}
+
+static int push_offset(uint64_t **offsets, size_t *n, size_t *cap, uint64_t v) {
+    if (*n == *cap) {
+        size_t c = *cap ? *cap * 2 : 1024;
+        uint64_t *p = qt_realloc(*offsets, c * sizeof **offsets, "the dataset's example table");
+        if (!p) return QT_ENOMEM;
+        *offsets = p;
+        *cap = c;
+    }
+    (*offsets)[(*n)++] = v;
+    return QT_OK;
+}
+
+static int source_build(const dl_source_opts *o, dl_source *s) {
+    dl_lines r;
+    QT_TRY(dl_lines_open(&r, o->path, o->max_line_bytes));
+    dl_format fmt = o->format;
+    size_t n_off = 0, cap_off = 0;
+    int rc = push_offset(&s->own_offsets, &n_off, &cap_off, 0);
+    const char *line;
+    size_t len;
+    while (rc == QT_OK) {
+        int got = dl_lines_next(&r, &line, &len);
+        if (got == 0) break;
+        if (got == 1 && is_blank(line, len)) continue;
+        if (got == 1) got = build_line(o, &r, line, len, &fmt, &s->own);
+        if (got == QT_EFORMAT && o->skip_bad_lines) {
+            if (s->n_bad_lines++ < DL_WARN_BAD_LINES) qt_warn("skipping a bad line: %s", qt_error_message());
+            qt_error_clear();
+            continue;
+        }
+        if (got < 0) { rc = got; break; }
+        rc = push_offset(&s->own_offsets, &n_off, &cap_off, s->own.n);
+    }
+    int64_t lines = r.line_no;
+    dl_lines_close(&r);
+    if (rc != QT_OK) return rc;
+    s->n_examples = n_off - 1;
+    s->n_tokens = s->own.n;
+    s->offsets = s->own_offsets;
+    s->ids = s->own.ids;
+    s->mask = s->own.mask;
+    s->format = fmt;
+    if (s->n_bad_lines > DL_WARN_BAD_LINES) qt_warn("skipped %llu bad lines of %lld in %s", (unsigned long long)s->n_bad_lines, (long long)lines, o->path);
+    if (s->n_examples == 0)
+        return QT_ERR(QT_EFORMAT, "%s holds no examples (%lld lines, %llu skipped as bad); "
+                      "give a JSONL file with one example per line", o->path, (long long)lines,
+                      (unsigned long long)s->n_bad_lines);
+    return QT_OK;
+}
+
+int dl_source_open(const dl_source_opts *o, dl_source *out) {
+    memset(out, 0, sizeof *out);
+    uint64_t size, hash;
+    QT_TRY(dl_hash_file(o->path, &hash, &size));
+    dl_cache_header want;
+    header_key(o, size, hash, &want);
+    int use_cache = !o->no_cache && !(o->cache_dir && !o->cache_dir[0]);
+    if (use_cache && dl_cache_path(o->path, o->cache_dir, out->cache_path, sizeof out->cache_path) != QT_OK) {
+        qt_warn("no token cache for %s: %s", o->path, qt_error_message());
+        use_cache = 0;
+        out->cache_path[0] = 0;
+    }
+    if (use_cache && cache_load(o, &want, out)) {
+        out->cache_hit = 1;
+        if (out->n_bad_lines) qt_warn("%s: %llu bad lines were skipped when its cache was built", o->path, (unsigned long long)out->n_bad_lines);
+        return QT_OK;
+    }
+    int rc = source_build(o, out);
+    if (rc != QT_OK) { dl_source_close(out); return rc; }
+    if (!use_cache) return QT_OK;
+    dl_cache_header h = want;
+    h.format_resolved = (uint32_t)out->format;
+    h.n_examples = out->n_examples;
+    h.n_tokens = out->n_tokens;
+    h.n_bad_lines = out->n_bad_lines;
+    h.data_hash = data_hash(out->offsets, out->ids, out->mask, out->n_examples, out->n_tokens);
+    h.header_hash = header_hash(&h);
+    if (cache_write(&h, out) == QT_OK) {
+        out->cache_written = 1;
+    } else {
+        /* A cache is an optimisation: training goes on without it. */
+        qt_warn("cannot write the token cache for %s (%s); continuing without it; set data.cache_dir to a writable folder",
+                o->path, qt_error_message());
+        qt_error_clear();
+    }
+    return QT_OK;
+}
+
+void dl_source_close(dl_source *s) {
+    if (s->map) munmap(s->map, s->map_len);
+    dl_tokbuf_free(&s->own);
+    qt_free(s->own_offsets);
+    memset(s, 0, sizeof *s);
+}

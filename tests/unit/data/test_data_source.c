@@ -1,0 +1,325 @@
+/* data: pre-tokenized parsing, format detection, malformed lines (each named
+ * file:line), the bounded line reader, and the token cache (reuse,
+ * invalidation, corruption). */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include <sys/stat.h>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "core/mem.h"
+#include "data/format.h"
+#include "data/lines.h"
+#include "data/source.h"
+#include "test_data_common.h"
+
+static int setup(void **state) { (void)state; make_tmpdir(); qt_log_set_level(QT_LOG_ERROR); return 0; }
+static int teardown(void **state) { (void)state; remove_tmpdir(); return 0; }
+
+static dl_source_opts opts_for(const char *path) {
+    dl_source_opts o = {.path = path, .format = DL_FORMAT_AUTO, .no_cache = 1};
+    return o;
+}
+
+static void test_format_names_and_detect(void **state) {
+    (void)state;
+    dl_format f;
+    assert_int_equal(dl_format_parse("auto", &f), QT_OK); assert_int_equal(f, DL_FORMAT_AUTO);
+    assert_int_equal(dl_format_parse("input_ids", &f), QT_OK); assert_int_equal(f, DL_FORMAT_TOKENS);
+    assert_int_equal(dl_format_parse("chat", &f), QT_OK); assert_int_equal(f, DL_FORMAT_MESSAGES);
+    assert_int_equal(dl_format_parse("sharegpt", &f), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "sharegpt"));
+    static const struct { const char *json; dl_format want; } cases[] = {
+        {"{\"text\": \"hi\"}", DL_FORMAT_TEXT},
+        {"{\"messages\": []}", DL_FORMAT_MESSAGES},
+        {"{\"instruction\": \"a\", \"input\": \"\", \"output\": \"b\"}", DL_FORMAT_ALPACA},
+        {"{\"instruction\": \"a\", \"text\": \"b\"}", DL_FORMAT_TEXT},
+        {"{\"input_ids\": [1], \"text\": \"b\"}", DL_FORMAT_TOKENS},
+        {"{\"prompt\": \"a\"}", DL_FORMAT_AUTO},
+        {"[1, 2]", DL_FORMAT_AUTO},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        cJSON *o = cJSON_Parse(cases[i].json);
+        assert_non_null(o);
+        assert_int_equal(dl_format_detect(o), cases[i].want);
+        cJSON_Delete(o);
+    }
+}
+
+static void test_tokens_and_labels(void **state) {
+    (void)state;
+    const char *p = write_tmp("tok.jsonl",
+                              "{\"input_ids\": [1, 2, 3], \"labels\": [-100, 2, 3]}\n"
+                              "\n"
+                              "{\"input_ids\": [4, 5], \"labels\": null}\r\n"
+                              "{\"input_ids\": [6]}"); /* no final newline */
+    dl_source_opts o = opts_for(p);
+    dl_source s;
+    assert_int_equal(dl_source_open(&o, &s), QT_OK);
+    assert_int_equal(s.format, DL_FORMAT_TOKENS);
+    assert_int_equal(s.n_examples, 3);
+    assert_int_equal(s.n_tokens, 6);
+    static const int32_t ids[] = {1, 2, 3, 4, 5, 6};
+    static const uint8_t mask[] = {0, 1, 1, 1, 1, 1};
+    static const uint64_t off[] = {0, 3, 5, 6};
+    assert_memory_equal(s.ids, ids, sizeof ids);
+    assert_memory_equal(s.mask, mask, sizeof mask);
+    assert_memory_equal(s.offsets, off, sizeof off);
+    assert_int_equal(s.cache_hit, 0);
+    dl_source_close(&s);
+}
+
+/* Opens path (format f, vocab limit v) and expects a failure whose message holds each needle. */
+static void expect_error(const char *path, dl_format f, int32_t vocab, const char *n1, const char *n2) {
+    dl_source_opts o = opts_for(path);
+    o.format = f;
+    o.enc.vocab_limit = vocab;
+    dl_source s;
+    int rc = dl_source_open(&o, &s);
+    assert_true(rc < 0);
+    const char *msg = qt_error_message();
+    if (!strstr(msg, n1) || (n2 && !strstr(msg, n2))) fail_msg("message '%s' lacks '%s' / '%s'", msg, n1, n2 ? n2 : "");
+}
+
+static void test_malformed_lines_name_file_and_line(void **state) {
+    (void)state;
+    const char *p;
+    p = write_tmp("bad_json.jsonl", "{\"input_ids\": [1]}\n{\"input_ids\": [1,\n");
+    expect_error(p, DL_FORMAT_AUTO, 0, "bad_json.jsonl:2:", "not valid JSON");
+    p = write_tmp("trailing.jsonl", "{\"input_ids\": [1]} {\"input_ids\": [2]}\n");
+    expect_error(p, DL_FORMAT_AUTO, 0, "trailing.jsonl:1:", "after the JSON object");
+    p = write_tmp("type.jsonl", "{\"input_ids\": [1]}\n\n{\"input_ids\": \"1 2 3\"}\n");
+    expect_error(p, DL_FORMAT_AUTO, 0, "type.jsonl:3:", "must be an array");
+    p = write_tmp("elem.jsonl", "{\"input_ids\": [1, \"2\"]}\n");
+    expect_error(p, DL_FORMAT_AUTO, 0, "elem.jsonl:1:", "input_ids[1] is not a number");
+    p = write_tmp("frac.jsonl", "{\"input_ids\": [1, 2.5]}\n");
+    expect_error(p, DL_FORMAT_AUTO, 0, "frac.jsonl:1:", "not an integer");
+    p = write_tmp("keys.jsonl", "{\"prompt\": \"a\", \"completion\": \"b\"}\n");
+    expect_error(p, DL_FORMAT_AUTO, 0, "keys.jsonl:1:", "cannot tell the data format");
+    p = write_tmp("missing.jsonl", "{\"input_ids\": [1]}\n{\"labels\": [1]}\n");
+    expect_error(p, DL_FORMAT_TOKENS, 0, "missing.jsonl:2:", "input_ids");
+    p = write_tmp("range.jsonl", "{\"input_ids\": [1, 2]}\n{\"input_ids\": [3, 12]}\n");
+    expect_error(p, DL_FORMAT_AUTO, 10, "range.jsonl:2:", "input_ids[1] = 12 is out of range [0, 10)");
+    p = write_tmp("neg.jsonl", "{\"input_ids\": [-1]}\n");
+    expect_error(p, DL_FORMAT_AUTO, 0, "neg.jsonl:1:", "out of range");
+    p = write_tmp("lablen.jsonl", "{\"input_ids\": [1, 2], \"labels\": [1]}\n");
+    expect_error(p, DL_FORMAT_AUTO, 0, "lablen.jsonl:1:", "must match");
+    p = write_tmp("labval.jsonl", "{\"input_ids\": [1, 2], \"labels\": [1, 7]}\n");
+    expect_error(p, DL_FORMAT_AUTO, 0, "labval.jsonl:1:", "labels[1] = 7");
+    p = write_tmp("emptyids.jsonl", "{\"input_ids\": []}\n");
+    expect_error(p, DL_FORMAT_AUTO, 0, "emptyids.jsonl:1:", "empty");
+    p = write_tmp("array.jsonl", "[1, 2, 3]\n");
+    expect_error(p, DL_FORMAT_AUTO, 0, "array.jsonl:1:", "not a JSON object");
+    p = write_tmp("empty.jsonl", "");
+    expect_error(p, DL_FORMAT_AUTO, 0, "empty.jsonl", "no examples");
+    p = write_tmp("blank.jsonl", "\n  \n\n");
+    expect_error(p, DL_FORMAT_AUTO, 0, "blank.jsonl", "no examples");
+    p = write_tmp("notext.jsonl", "{\"text\": \"hello\"}\n");
+    expect_error(p, DL_FORMAT_AUTO, 0, "notext.jsonl:1:", "needs a tokenizer");
+    expect_error("/nonexistent/qtune/x.jsonl", DL_FORMAT_AUTO, 0, "/nonexistent/qtune/x.jsonl", NULL);
+}
+
+/* A line far over the cap is refused by the reader without being stored. */
+static void test_huge_line_refused(void **state) {
+    (void)state;
+    char path[512];
+    snprintf(path, sizeof path, "%s/huge.jsonl", tdir);
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    fputs("{\"input_ids\": [1, 2]}\n{\"input_ids\": [", f);
+    for (int i = 0; i < 1 << 20; i++) fputs("7,", f); /* a 2 MiB line */
+    fputs("7]}\n{\"input_ids\": [3]}\n", f);
+    fclose(f);
+    dl_source_opts o = opts_for(path);
+    o.max_line_bytes = 1 << 20;
+    dl_source s;
+    assert_int_equal(dl_source_open(&o, &s), QT_EFORMAT);
+    assert_non_null(strstr(qt_error_message(), "huge.jsonl:2:"));
+    assert_non_null(strstr(qt_error_message(), "max_line_bytes"));
+
+    /* the reader itself: over-cap line reported, then reading goes on */
+    dl_lines r;
+    assert_int_equal(dl_lines_open(&r, path, 1 << 20), QT_OK);
+    const char *line;
+    size_t len;
+    assert_int_equal(dl_lines_next(&r, &line, &len), 1);
+    assert_int_equal(dl_lines_next(&r, &line, &len), QT_EFORMAT);
+    assert_true(r.line_cap <= (1u << 20) + 1); /* never grew past the cap */
+    assert_int_equal(dl_lines_next(&r, &line, &len), 1);
+    assert_string_equal(line, "{\"input_ids\": [3]}");
+    assert_int_equal(r.line_no, 3);
+    assert_int_equal(dl_lines_next(&r, &line, &len), 0);
+    dl_lines_close(&r);
+
+    /* skip_bad_lines: the huge line and a bad one are skipped and counted */
+    o.skip_bad_lines = 1;
+    assert_int_equal(dl_source_open(&o, &s), QT_OK);
+    assert_int_equal(s.n_examples, 2);
+    assert_int_equal(s.n_bad_lines, 1);
+    dl_source_close(&s);
+}
+
+static void test_skip_bad_lines_counts(void **state) {
+    (void)state;
+    const char *p = write_tmp("mixed.jsonl",
+                              "not json\n{\"input_ids\": [1, 2]}\n{\"input_ids\": [99]}\n{\"x\": 1}\n{\"input_ids\": [3]}\n");
+    dl_source_opts o = opts_for(p);
+    o.enc.vocab_limit = 50;
+    dl_source s;
+    assert_int_equal(dl_source_open(&o, &s), QT_EFORMAT); /* stops at line 1 by default */
+    assert_non_null(strstr(qt_error_message(), "mixed.jsonl:1:"));
+    o.skip_bad_lines = 1;
+    assert_int_equal(dl_source_open(&o, &s), QT_OK);
+    assert_int_equal(s.format, DL_FORMAT_TOKENS); /* detected from the first valid line, line 2 */
+    assert_int_equal(s.n_examples, 2);
+    assert_int_equal(s.n_bad_lines, 3);
+    dl_source_close(&s);
+    p = write_tmp("allbad.jsonl", "nope\n[1]\n");
+    o.path = p;
+    assert_int_equal(dl_source_open(&o, &s), QT_EFORMAT);
+    assert_non_null(strstr(qt_error_message(), "no examples"));
+}
+
+static void append(const char *path, const char *text) {
+    FILE *f = fopen(path, "ab");
+    assert_non_null(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+/* Opens with the cache in tdir/cache and returns whether it was a hit. */
+static int open_cached(dl_source_opts *o, dl_source *s) {
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s/cache", tdir);
+    o->cache_dir = dir;
+    o->no_cache = 0;
+    assert_int_equal(dl_source_open(o, s), QT_OK);
+    return s->cache_hit;
+}
+
+static void test_cache_reuse_and_invalidation(void **state) {
+    (void)state;
+    const char *p = write_tmp("c.jsonl", "{\"input_ids\": [1, 2, 3]}\n{\"input_ids\": [4, 5], \"labels\": [-100, 5]}\n");
+    dl_source_opts o = opts_for(p);
+    dl_source s, t;
+    assert_int_equal(open_cached(&o, &s), 0);
+    assert_int_equal(s.cache_written, 1);
+    assert_true(qt_path_exists(s.cache_path));
+    assert_int_equal(open_cached(&o, &t), 1); /* second open: a hit, same content */
+    assert_int_equal(t.cache_written, 0);
+    assert_int_equal(t.n_examples, s.n_examples);
+    assert_int_equal(t.n_tokens, s.n_tokens);
+    assert_memory_equal(t.ids, s.ids, s.n_tokens * 4);
+    assert_memory_equal(t.mask, s.mask, s.n_tokens);
+    assert_memory_equal(t.offsets, s.offsets, (s.n_examples + 1) * 8);
+    assert_int_equal(t.format, DL_FORMAT_TOKENS);
+    dl_source_close(&t);
+    dl_source_close(&s);
+
+    /* each thing the cache depends on forces a rebuild, then it is reused again */
+    o.tokenizer_hash = 1234;
+    assert_int_equal(open_cached(&o, &s), 0); dl_source_close(&s);
+    assert_int_equal(open_cached(&o, &s), 1); dl_source_close(&s);
+    o.enc.mask_prompt = 1;
+    assert_int_equal(open_cached(&o, &s), 0); dl_source_close(&s);
+    o.format = DL_FORMAT_TOKENS;
+    assert_int_equal(open_cached(&o, &s), 0); dl_source_close(&s);
+    o.enc.vocab_limit = 100;
+    assert_int_equal(open_cached(&o, &s), 0); dl_source_close(&s);
+    o.skip_bad_lines = 1;
+    assert_int_equal(open_cached(&o, &s), 0); dl_source_close(&s);
+    assert_int_equal(open_cached(&o, &s), 1); dl_source_close(&s);
+    append(p, "{\"input_ids\": [9]}\n"); /* the source changed */
+    assert_int_equal(open_cached(&o, &s), 0);
+    assert_int_equal(s.n_examples, 3);
+    dl_source_close(&s);
+    assert_int_equal(open_cached(&o, &s), 1);
+    assert_int_equal(s.n_examples, 3);
+    dl_source_close(&s);
+    /* same size, different bytes */
+    p = write_tmp("c.jsonl", "{\"input_ids\": [1, 2, 4]}\n{\"input_ids\": [4, 5], \"labels\": [-100, 5]}\n{\"input_ids\": [9]}\n");
+    assert_int_equal(open_cached(&o, &s), 0);
+    assert_int_equal(s.ids[2], 4);
+    dl_source_close(&s);
+}
+
+static void corrupt_at(const char *path, long off, int truncate_to) {
+    if (truncate_to >= 0) { assert_int_equal(truncate(path, truncate_to), 0); return; }
+    FILE *f = fopen(path, "r+b");
+    assert_non_null(f);
+    fseek(f, off, off < 0 ? SEEK_END : SEEK_SET);
+    int c = fgetc(f);
+    fseek(f, -1, SEEK_CUR);
+    fputc(c ^ 0x5a, f);
+    fclose(f);
+}
+
+static void test_corrupt_cache_rebuilds(void **state) {
+    (void)state;
+    const char *p = write_tmp("k.jsonl", "{\"input_ids\": [1, 2, 3]}\n{\"input_ids\": [4, 5]}\n");
+    dl_source_opts o = opts_for(p);
+    dl_source s;
+    assert_int_equal(open_cached(&o, &s), 0);
+    char cache[4096];
+    strcpy(cache, s.cache_path);
+    dl_source_close(&s);
+    struct { long off; int trunc; } cases[] = {
+        {-1, -1},  /* last mask byte */
+        {-9, -1},  /* an id */
+        {130, -1}, /* the example table */
+        {40, -1},  /* a header field */
+        {0, -1},   /* the magic */
+        {0, 100},  /* truncated inside the header */
+        {0, 140},  /* truncated inside the data */
+        {0, 0},    /* empty */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        corrupt_at(cache, cases[i].off, cases[i].trunc);
+        assert_int_equal(open_cached(&o, &s), 0);
+        assert_int_equal(s.cache_written, 1);
+        assert_int_equal(s.n_tokens, 5);
+        assert_int_equal(s.ids[4], 5);
+        dl_source_close(&s);
+        assert_int_equal(open_cached(&o, &s), 1);
+        dl_source_close(&s);
+    }
+    /* a cache folder that cannot be written: still works, in memory */
+    char ro[512];
+    snprintf(ro, sizeof ro, "%s/notadir", tdir);
+    write_tmp("notadir", "x");
+    o.cache_dir = ro;
+    o.no_cache = 0;
+    assert_int_equal(dl_source_open(&o, &s), QT_OK);
+    assert_int_equal(s.cache_written, 0);
+    assert_int_equal(s.n_examples, 2);
+    dl_source_close(&s);
+}
+
+static void test_default_cache_dir(void **state) {
+    (void)state;
+    char out[4096];
+    assert_int_equal(dl_cache_path("/data/sets/train.jsonl", NULL, out, sizeof out), QT_OK);
+    assert_true(!strncmp(out, "/data/sets/.qtune-cache/train.jsonl.", 36));
+    assert_int_equal(dl_cache_path("/data/sets/train.jsonl", "/scratch/c", out, sizeof out), QT_OK);
+    assert_true(!strncmp(out, "/scratch/c/train.jsonl.", 23));
+    char other[4096];
+    assert_int_equal(dl_cache_path("/data/other/train.jsonl", "/scratch/c", other, sizeof other), QT_OK);
+    assert_string_not_equal(out, other);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_format_names_and_detect),
+        cmocka_unit_test(test_tokens_and_labels),
+        cmocka_unit_test(test_malformed_lines_name_file_and_line),
+        cmocka_unit_test(test_huge_line_refused),
+        cmocka_unit_test(test_skip_bad_lines_counts),
+        cmocka_unit_test(test_cache_reuse_and_invalidation),
+        cmocka_unit_test(test_corrupt_cache_rebuilds),
+        cmocka_unit_test(test_default_cache_dir),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
