@@ -221,6 +221,10 @@ int qt_config_load(const char *path, qt_config *cfg) {
 /* Shortest decimal that reads back as the same float, always with a '.' or an
  * exponent so Python reads a float (1e-06, 1000000.0). */
 static void float_str(char *out, size_t cap, float v) {
+    if (v == (float)(int64_t)v && fabsf(v) < 1e15f) { /* 1000000.0, as Python writes it */
+        snprintf(out, cap, "%.1f", (double)v);
+        return;
+    }
     for (int p = 1; p <= 9; p++) {
         snprintf(out, cap, "%.*g", p, (double)v);
         if ((float)strtod(out, NULL) == v) break;

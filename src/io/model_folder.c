@@ -1,0 +1,304 @@
+/* Writing a Hugging Face model folder: initial weights, generation_config.json,
+ * tokenizer files. See model_folder.h. */
+#include "io/model_folder.h"
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/log.h"
+#include "core/mem.h"
+#include "core/rng.h"
+#include "io/safetensors.h"
+
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <string.h>
+
+/* transformers' PretrainedConfig.initializer_range for Qwen2 and Llama. */
+#define INIT_STD 0.02f
+#define TOKENIZER_MAX_BYTES ((size_t)64 << 20)
+#define GEN_TRANSFORMERS_VERSION "4.43.1"
+
+const char qt_qwen25_chat_template[] =
+    "{%- if tools %}\n"
+    "    {{- '<|im_start|>system\\n' }}\n"
+    "    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- messages[0]['content'] }}\n"
+    "    {%- else %}\n"
+    "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n"
+    "    {%- endif %}\n"
+    "    {{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}\n"
+    "    {%- for tool in tools %}\n"
+    "        {{- \"\\n\" }}\n"
+    "        {{- tool | tojson }}\n"
+    "    {%- endfor %}\n"
+    "    {{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}\n"
+    "{%- else %}\n"
+    "    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
+    "    {%- else %}\n"
+    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}\n"
+    "    {%- endif %}\n"
+    "{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or (message.role == \"assistant\" and not message.tool_calls) %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
+    "    {%- elif message.role == \"assistant\" %}\n"
+    "        {{- '<|im_start|>' + message.role }}\n"
+    "        {%- if message.content %}\n"
+    "            {{- '\\n' + message.content }}\n"
+    "        {%- endif %}\n"
+    "        {%- for tool_call in message.tool_calls %}\n"
+    "            {%- if tool_call.function is defined %}\n"
+    "                {%- set tool_call = tool_call.function %}\n"
+    "            {%- endif %}\n"
+    "            {{- '\\n<tool_call>\\n{\"name\": \"' }}\n"
+    "            {{- tool_call.name }}\n"
+    "            {{- '\", \"arguments\": ' }}\n"
+    "            {{- tool_call.arguments | tojson }}\n"
+    "            {{- '}\\n</tool_call>' }}\n"
+    "        {%- endfor %}\n"
+    "        {{- '<|im_end|>\\n' }}\n"
+    "    {%- elif message.role == \"tool\" %}\n"
+    "        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != \"tool\") %}\n"
+    "            {{- '<|im_start|>user' }}\n"
+    "        {%- endif %}\n"
+    "        {{- '\\n<tool_response>\\n' }}\n"
+    "        {{- message.content }}\n"
+    "        {{- '\\n</tool_response>' }}\n"
+    "        {%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n"
+    "            {{- '<|im_end|>\\n' }}\n"
+    "        {%- endif %}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n";
+
+/* ---------------------------------------------------------------------------
+ * Weight names and shapes */
+
+/* Tensors per layer, in write order; the bias rows exist only with attention_bias. */
+enum { W_IN_NORM, W_Q, W_QB, W_K, W_KB, W_V, W_VB, W_O, W_POST_NORM, W_GATE, W_UP, W_DOWN, W_PER_LAYER };
+
+static int layer_slot_used(const qt_config *c, int slot) {
+    return c->attention_bias || (slot != W_QB && slot != W_KB && slot != W_VB);
+}
+
+static int per_layer(const qt_config *c) { return c->attention_bias ? W_PER_LAYER : W_PER_LAYER - 3; }
+
+int qt_weight_count(const qt_config *c) {
+    return 1 + c->num_hidden_layers * per_layer(c) + 1 + (c->tie_word_embeddings ? 0 : 1);
+}
+
+static void spec(qt_weight_spec *w, const char *name, int ndim, int64_t d0, int64_t d1, qt_init_kind k) {
+    snprintf(w->name, sizeof w->name, "%s", name);
+    w->ndim = ndim;
+    w->shape[0] = d0;
+    w->shape[1] = ndim > 1 ? d1 : 0;
+    w->init = k;
+}
+
+int qt_weight_spec_at(const qt_config *c, int i, qt_weight_spec *w) {
+    int64_t C = c->hidden_size, I = c->intermediate_size, V = c->vocab_size;
+    int64_t q = (int64_t)c->num_attention_heads * c->head_dim, kv = (int64_t)c->num_key_value_heads * c->head_dim;
+    int n = qt_weight_count(c), pl = per_layer(c);
+    if (i < 0 || i >= n) return QT_ERR(QT_EINVAL, "weight index %d is outside the model's %d tensors", i, n);
+    if (i == 0) { spec(w, "model.embed_tokens.weight", 2, V, C, QT_INIT_NORMAL); return QT_OK; }
+    int li = i - 1;
+    if (li >= c->num_hidden_layers * pl) {
+        if (li == c->num_hidden_layers * pl) spec(w, "model.norm.weight", 1, C, 0, QT_INIT_ONES);
+        else spec(w, "lm_head.weight", 2, V, C, QT_INIT_NORMAL);
+        return QT_OK;
+    }
+    int layer = li / pl, k = li % pl, slot = -1;
+    for (int s = 0, seen = 0; s < W_PER_LAYER; s++) {
+        if (!layer_slot_used(c, s)) continue;
+        if (seen++ == k) { slot = s; break; }
+    }
+    char name[96];
+    const char *what = "";
+    int ndim = 2;
+    int64_t d0 = 0, d1 = 0;
+    qt_init_kind kind = QT_INIT_NORMAL;
+    switch (slot) {
+    case W_IN_NORM: what = "input_layernorm.weight"; ndim = 1; d0 = C; kind = QT_INIT_ONES; break;
+    case W_Q: what = "self_attn.q_proj.weight"; d0 = q; d1 = C; break;
+    case W_QB: what = "self_attn.q_proj.bias"; ndim = 1; d0 = q; kind = QT_INIT_ZEROS; break;
+    case W_K: what = "self_attn.k_proj.weight"; d0 = kv; d1 = C; break;
+    case W_KB: what = "self_attn.k_proj.bias"; ndim = 1; d0 = kv; kind = QT_INIT_ZEROS; break;
+    case W_V: what = "self_attn.v_proj.weight"; d0 = kv; d1 = C; break;
+    case W_VB: what = "self_attn.v_proj.bias"; ndim = 1; d0 = kv; kind = QT_INIT_ZEROS; break;
+    case W_O: what = "self_attn.o_proj.weight"; d0 = C; d1 = q; break;
+    case W_POST_NORM: what = "post_attention_layernorm.weight"; ndim = 1; d0 = C; kind = QT_INIT_ONES; break;
+    case W_GATE: what = "mlp.gate_proj.weight"; d0 = I; d1 = C; break;
+    case W_UP: what = "mlp.up_proj.weight"; d0 = I; d1 = C; break;
+    case W_DOWN: what = "mlp.down_proj.weight"; d0 = C; d1 = I; break;
+    default: return QT_ERR(QT_EINVAL, "weight index %d has no layer slot", i);
+    }
+    snprintf(name, sizeof name, "model.layers.%d.%s", layer, what);
+    spec(w, name, ndim, d0, d1, kind);
+    return QT_OK;
+}
+
+/* ---------------------------------------------------------------------------
+ * Initial weights, produced while the writer streams them out */
+
+typedef struct {
+    qt_init_kind kind;
+    qt_rng rng;
+} init_stream;
+
+static int fill_init(void *ctx, float *dst, size_t offset, size_t n) {
+    init_stream *s = ctx;
+    (void)offset; /* the writer asks in order, so the stream just continues */
+    switch (s->kind) {
+    case QT_INIT_ZEROS: memset(dst, 0, n * sizeof *dst); break;
+    case QT_INIT_ONES: for (size_t i = 0; i < n; i++) dst[i] = 1.0f; break;
+    default: for (size_t i = 0; i < n; i++) dst[i] = INIT_STD * qt_rng_normal(&s->rng); break;
+    }
+    return QT_OK;
+}
+
+int qt_init_weights_write(const qt_config *c, qt_dtype dtype, uint64_t seed, const char *path) {
+    int n = qt_weight_count(c);
+    init_stream *streams = qt_calloc((size_t)n, sizeof *streams, "the init streams");
+    if (!streams) return QT_ENOMEM;
+    st_writer *w = NULL;
+    int rc = st_writer_new(&w);
+    for (int i = 0; i < n && rc == QT_OK; i++) {
+        qt_weight_spec ws;
+        rc = qt_weight_spec_at(c, i, &ws);
+        if (rc != QT_OK) break;
+        streams[i].kind = ws.init;
+        qt_rng_derive(&streams[i].rng, seed, qt_hash64(ws.name, strlen(ws.name), 0), 0);
+        rc = st_writer_add_fn(w, ws.name, dtype, ws.ndim, ws.shape, fill_init, &streams[i]);
+    }
+    if (rc == QT_OK) rc = st_writer_write(w, path);
+    st_writer_free(w);
+    qt_free(streams);
+    return rc;
+}
+
+/* ---------------------------------------------------------------------------
+ * generation_config.json */
+
+int qt_generation_config_write(const qt_config *c, const char *dir) {
+    char path[4096], buf[512];
+    QT_TRY(qt_path_join(path, sizeof path, dir, "generation_config.json"));
+    size_t k = 0;
+    k += (size_t)snprintf(buf + k, sizeof buf - k, "{\n");
+    if (c->bos_token_id >= 0) k += (size_t)snprintf(buf + k, sizeof buf - k, "  \"bos_token_id\": %d,\n", c->bos_token_id);
+    k += (size_t)snprintf(buf + k, sizeof buf - k, "  \"do_sample\": false,\n");
+    if (c->eos_token_id >= 0) k += (size_t)snprintf(buf + k, sizeof buf - k, "  \"eos_token_id\": %d,\n", c->eos_token_id);
+    if (c->bos_token_id >= 0) k += (size_t)snprintf(buf + k, sizeof buf - k, "  \"pad_token_id\": %d,\n", c->bos_token_id);
+    k += (size_t)snprintf(buf + k, sizeof buf - k, "  \"transformers_version\": \"" GEN_TRANSFORMERS_VERSION "\"\n}\n");
+    return qt_write_file_atomic(path, buf, k);
+}
+
+/* ---------------------------------------------------------------------------
+ * Tokenizer files */
+
+static int json_id(const cJSON *v, int *out) {
+    if (!cJSON_IsNumber(v) || v->valuedouble < 0 || v->valuedouble > 1e9 || v->valuedouble != (double)(int)v->valuedouble)
+        return 0;
+    *out = (int)v->valuedouble;
+    return 1;
+}
+
+static int read_tokenizer(const char *path, cJSON **root_out, qt_tokenizer_ids *ids) {
+    ids->endoftext = ids->im_start = ids->im_end = ids->max_id = -1;
+    char *text;
+    QT_TRY(qt_read_file(path, TOKENIZER_MAX_BYTES, &text, NULL));
+    cJSON *root = cJSON_Parse(text);
+    qt_free(text);
+    if (!cJSON_IsObject(root)) {
+        cJSON_Delete(root);
+        return QT_ERR(QT_EFORMAT, "%s is not a JSON object; pass a Hugging Face tokenizer.json", path);
+    }
+    const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
+    const cJSON *vocab = cJSON_GetObjectItemCaseSensitive(model, "vocab");
+    if (!cJSON_IsObject(vocab)) {
+        cJSON_Delete(root);
+        return QT_ERR(QT_EFORMAT, "%s has no object 'model.vocab'; pass a Hugging Face BPE tokenizer.json", path);
+    }
+    const cJSON *e;
+    cJSON_ArrayForEach(e, vocab) {
+        int id;
+        if (!json_id(e, &id)) {
+            cJSON_Delete(root);
+            return QT_ERR(QT_EFORMAT, "%s: model.vocab entry '%.40s' is not a token id", path, e->string);
+        }
+        if (id > ids->max_id) ids->max_id = id;
+    }
+    const cJSON *added = cJSON_GetObjectItemCaseSensitive(root, "added_tokens");
+    cJSON_ArrayForEach(e, added) {
+        const cJSON *content = cJSON_GetObjectItemCaseSensitive(e, "content");
+        int id;
+        if (!cJSON_IsString(content) || !json_id(cJSON_GetObjectItemCaseSensitive(e, "id"), &id)) {
+            cJSON_Delete(root);
+            return QT_ERR(QT_EFORMAT, "%s: an added_tokens entry lacks 'content' or 'id'", path);
+        }
+        if (id > ids->max_id) ids->max_id = id;
+        if (!strcmp(content->valuestring, "<|endoftext|>")) ids->endoftext = id;
+        else if (!strcmp(content->valuestring, "<|im_start|>")) ids->im_start = id;
+        else if (!strcmp(content->valuestring, "<|im_end|>")) ids->im_end = id;
+    }
+    *root_out = root;
+    return QT_OK;
+}
+
+int qt_tokenizer_ids_read(const char *path, qt_tokenizer_ids *ids) {
+    cJSON *root = NULL;
+    QT_TRY(read_tokenizer(path, &root, ids));
+    cJSON_Delete(root);
+    return QT_OK;
+}
+
+int qt_tokenizer_files_write(const qt_config *c, const char *tokenizer_json, const char *dir) {
+    qt_tokenizer_ids ids;
+    cJSON *tok = NULL;
+    QT_TRY(read_tokenizer(tokenizer_json, &tok, &ids));
+    int rc = QT_OK;
+    if (ids.max_id >= c->vocab_size)
+        rc = QT_ERR(QT_EINVAL, "%s has token ids up to %d but the model's vocab_size is %d; use a preset sized for this tokenizer (e.g. demo) or a config with a larger vocab_size",
+                    tokenizer_json, ids.max_id, c->vocab_size);
+    else if (ids.endoftext < 0 || ids.im_start < 0 || ids.im_end < 0)
+        rc = QT_ERR(QT_EINVAL, "%s lacks <|endoftext|>, <|im_start|> or <|im_end|>; qtune init writes a ChatML tokenizer_config.json and needs a Qwen tokenizer",
+                    tokenizer_json);
+    cJSON *cfg = NULL;
+    if (rc == QT_OK) {
+        /* The special tokens the tokenizer itself marks special, for
+         * skip_special_tokens; <|endoftext|> is already pad/eos. */
+        cfg = cJSON_CreateObject();
+        cJSON *extra = cJSON_CreateArray();
+        const cJSON *e;
+        cJSON_ArrayForEach(e, cJSON_GetObjectItemCaseSensitive(tok, "added_tokens")) {
+            const cJSON *content = cJSON_GetObjectItemCaseSensitive(e, "content");
+            if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(e, "special")) && strcmp(content->valuestring, "<|endoftext|>"))
+                cJSON_AddItemToArray(extra, cJSON_CreateString(content->valuestring));
+        }
+        cJSON_AddFalseToObject(cfg, "add_bos_token");
+        cJSON_AddFalseToObject(cfg, "add_prefix_space");
+        cJSON_AddItemToObject(cfg, "additional_special_tokens", extra);
+        cJSON_AddNullToObject(cfg, "bos_token");
+        cJSON_AddStringToObject(cfg, "chat_template", qt_qwen25_chat_template);
+        cJSON_AddFalseToObject(cfg, "clean_up_tokenization_spaces");
+        cJSON_AddStringToObject(cfg, "eos_token", "<|im_end|>");
+        cJSON_AddStringToObject(cfg, "errors", "replace");
+        cJSON_AddNumberToObject(cfg, "model_max_length", c->max_position_embeddings);
+        cJSON_AddStringToObject(cfg, "pad_token", "<|endoftext|>");
+        cJSON_AddFalseToObject(cfg, "split_special_tokens");
+        cJSON_AddStringToObject(cfg, "tokenizer_class", "Qwen2Tokenizer");
+        cJSON_AddNullToObject(cfg, "unk_token");
+    }
+    cJSON_Delete(tok);
+    char *text = cfg ? cJSON_Print(cfg) : NULL;
+    cJSON_Delete(cfg);
+    if (rc == QT_OK && !text) rc = QT_ERR(QT_ENOMEM, "cannot render tokenizer_config.json");
+    char path[4096];
+    if (rc == QT_OK) rc = qt_path_join(path, sizeof path, dir, "tokenizer.json");
+    if (rc == QT_OK) rc = qt_copy_file(tokenizer_json, path);
+    if (rc == QT_OK) rc = qt_path_join(path, sizeof path, dir, "tokenizer_config.json");
+    if (rc == QT_OK) rc = qt_write_file_atomic(path, text, strlen(text));
+    cJSON_free(text);
+    return rc;
+}
