@@ -1,9 +1,45 @@
-/* qtune merge: placeholder until its issue lands; replaced by the real command. */
+/* qtune merge --model DIR --adapter DIR --out DIR [--dtype f32|bf16|f16]:
+ * fold a PEFT LoRA adapter into its base model (W += B @ A * scaling). */
 #include "cli/cli.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "train/merge.h"
+
+#include <string.h>
+
+static void help(void) {
+    printf("usage: qtune merge --model DIR --adapter DIR --out DIR [--dtype f32|bf16|f16]\n\n"
+           "Merges a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) into\n"
+           "its base model as peft's merge_and_unload does: W' = W + (B @ A) * scaling, with\n"
+           "scaling = lora_alpha / r (lora_alpha / sqrt(r) with use_rslora), computed in fp32\n"
+           "and cast once. Writes DIR/model.safetensors, config.json and the tokenizer files.\n\n"
+           "  --model DIR    the base model folder the adapter was trained on\n"
+           "  --adapter DIR  the adapter folder (e.g. a run's output_dir/final)\n"
+           "  --out DIR      the merged model folder to write (not the model folder)\n"
+           "  --dtype T      store every tensor as T (default: as the base model stores it)\n");
+}
 
 int cmd_merge(int argc, char **argv) {
-    (void)argc;
-    (void)argv;
-    fprintf(stderr, "qtune merge: this command is still under construction in this build\n");
-    return QT_EXIT_FAIL;
+    if (cli_wants_help(argc, argv)) { help(); return QT_EXIT_OK; }
+    const char *model = NULL, *adapter = NULL, *out = NULL, *dtype = NULL;
+    for (int i = 1; i < argc; i++) {
+        const char **dst = !strcmp(argv[i], "--model")     ? &model
+                           : !strcmp(argv[i], "--adapter") ? &adapter
+                           : !strcmp(argv[i], "--out")     ? &out
+                           : !strcmp(argv[i], "--dtype")   ? &dtype
+                                                           : NULL;
+        if (!dst) return cli_usage_error("merge", "unknown argument '%s'", argv[i]);
+        if (i + 1 >= argc) return cli_usage_error("merge", "%s needs a value", argv[i]);
+        *dst = argv[++i];
+    }
+    if (!model || !adapter || !out) return cli_usage_error("merge", "--model, --adapter and --out are all required");
+    int dt = -1;
+    if (dtype) {
+        qt_dtype d;
+        if (qt_dtype_parse(dtype, &d) != QT_OK) return cli_usage_error("merge", "--dtype must be f32, bf16 or f16");
+        dt = (int)d;
+    }
+    if (qt_merge_adapter(model, adapter, out, dt) != QT_OK) return cli_fail();
+    printf("merged %s into %s -> %s\n", adapter, model, out);
+    return QT_EXIT_OK;
 }

@@ -1,0 +1,16 @@
+/* Merging a PEFT LoRA adapter into its base model, as peft's merge_and_unload
+ * does: for each adapted Linear, W' = W + (B @ A) * scaling, computed in fp32
+ * and cast once to the output dtype. The result is a model folder that
+ * transformers (and llama.cpp's converters) load unchanged. */
+#ifndef QT_TRAIN_MERGE_H
+#define QT_TRAIN_MERGE_H
+
+#include "core/dtype.h"
+
+/* model_dir: a model folder; adapter_dir: a PEFT adapter folder; out_dir: the
+ * merged model folder (created; must differ from model_dir). out_dtype < 0
+ * keeps each tensor's stored dtype; otherwise every tensor is cast to it and
+ * config.json's torch_dtype says so. Tokenizer and generation files are copied. */
+int qt_merge_adapter(const char *model_dir, const char *adapter_dir, const char *out_dir, int out_dtype);
+
+#endif
