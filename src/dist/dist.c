@@ -90,17 +90,17 @@ static void on_sigterm(int sig) {
     char msg[512];
     size_t n = 0;
     dist_ctx *d = sig_ctx;
-    if (d) {
+    if (d && !d->aborting) {
         const char *what = d->cur_what;
-        put_str(msg, sizeof msg, &n, "qtune: error: rank ");
+        put_str(msg, sizeof msg, &n, "qtune: rank ");
         put_int(msg, sizeof msg, &n, d->rank);
         put_str(msg, sizeof msg, &n, ": stopped by the MPI launcher (SIGTERM)");
         if (what) {
             put_str(msg, sizeof msg, &n, " while waiting in collective ");
             put_str(msg, sizeof msg, &n, what);
         }
-        put_str(msg, sizeof msg, &n, "; another rank most likely died: mpirun's message names it "
-                                     "(\"process rank R ... exited on signal\")\n");
+        put_str(msg, sizeof msg, &n, ", because another rank died or ended the job; mpirun's message "
+                                     "(\"process rank R ... exited on signal\") or that rank's error names it\n");
         ssize_t w = write(STDERR_FILENO, msg, n);
         (void)w;
     }
@@ -150,6 +150,7 @@ static void append_rank(char *buf, size_t cap, int r, int *count) {
 static _Noreturn void deadline_passed(dist_ctx *d, dist_waiter *w) {
     int N = d->world;
     int64_t mine = d->seq;
+    d->aborting = 1; /* our SIGTERM handler stays quiet: this rank says why below */
     int64_t *theirs = calloc((size_t)N, sizeof *theirs);
     int64_t *query = calloc((size_t)N, sizeof *query);
     MPI_Request *rq = calloc((size_t)N * 2, sizeof *rq);
@@ -335,6 +336,7 @@ void dist_set_timeout(dist_ctx *d, double seconds) {
 double dist_comm_seconds(const dist_ctx *d) { return d ? d->comm_s : 0; }
 
 _Noreturn void dist_abort(dist_ctx *d, int code) {
+    if (d) d->aborting = 1;
     fflush(stdout);
     fflush(stderr);
 #if QT_DIST_MPI

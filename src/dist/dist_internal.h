@@ -21,6 +21,7 @@ struct dist_ctx {
     double comm_s;         /* seconds spent waiting in collectives */
     int64_t seq;           /* collectives this rank has entered (for the timeout report) */
     const char *volatile cur_what; /* the collective being waited on, or NULL */
+    volatile int aborting; /* this rank is ending the job and has said why */
 #if QT_DIST_MPI
     MPI_Comm comm;         /* collectives */
     MPI_Comm ctl;          /* liveness queries when a deadline passes */

@@ -178,9 +178,10 @@ def test_hung_rank_times_out_with_its_name(tmp_path):
     assert "did not complete within 3 s" in text, text
     assert "rank(s) 1 stopped responding" in text, text
     assert "QTUNE_DIST_TIMEOUT" in text
-    # both surviving ranks speak, each naming its own rank and the collective
-    assert "qtune: error: rank 0: collective token count" in text, text
-    assert "qtune: error: rank 2: collective token count" in text, text
+    # a surviving rank names itself and the collective (the first to abort may
+    # stop the other before it prints)
+    assert ("qtune: error: rank 0: collective token count" in text
+            or "qtune: error: rank 2: collective token count" in text), text
 
 
 def test_single_process_without_mpirun(tmp_path):
