@@ -103,7 +103,7 @@ int ckpt_latest(const char *output_dir, char *path, size_t cap, long *step) {
     if (!d) return errno == ENOENT ? QT_OK : QT_ERR(QT_EIO, "cannot open folder %s: %s", output_dir, strerror(errno));
     struct dirent *e;
     long best = -1;
-    char name[128] = "";
+    char name[300] = "";
     while ((e = readdir(d))) {
         long s = ckpt_step_of(e->d_name);
         if (s > best && is_complete(output_dir, e->d_name)) {

@@ -133,7 +133,7 @@ static int get_num(const job_ctx *c, const cJSON *obj, const char *sect, const c
 
 static int get_long(const job_ctx *c, const cJSON *obj, const char *sect, const char *key, long def, long lo,
                     long *out) {
-    double d;
+    double d = 0;
     QT_TRY(get_num(c, obj, sect, key, (double)def, &d, NULL));
     if (d != floor(d) || d < (double)lo || d > 1e15)
         return QT_ERR(QT_EINVAL, "%s: %s.%s must be a whole number >= %ld (got %g)", c->where, sect, key, lo, d);
@@ -142,7 +142,7 @@ static int get_long(const job_ctx *c, const cJSON *obj, const char *sect, const 
 }
 
 static int get_int(const job_ctx *c, const cJSON *obj, const char *sect, const char *key, int def, int lo, int *out) {
-    long v;
+    long v = 0;
     QT_TRY(get_long(c, obj, sect, key, def, lo, &v));
     if (v > INT_MAX) return QT_ERR(QT_EINVAL, "%s: %s.%s is too large (%ld)", c->where, sect, key, v);
     *out = (int)v;
@@ -208,7 +208,7 @@ static int section(const job_ctx *c, const cJSON *root, const char *name, const 
 /* ---------------------------------------------------------------------------
  * sections */
 
-int qt_lora_targets_parse(const cJSON *arr, unsigned *mask, const char *where) {
+int qt_job_lora_targets(const cJSON *arr, unsigned *mask, const char *where) {
     static const struct { const char *name; unsigned bit; } names[] = {
         {"q_proj", QT_LORA_Q}, {"k_proj", QT_LORA_K}, {"v_proj", QT_LORA_V}, {"o_proj", QT_LORA_O},
         {"gate_proj", QT_LORA_GATE}, {"up_proj", QT_LORA_UP}, {"down_proj", QT_LORA_DOWN},
@@ -279,7 +279,7 @@ static int parse_lora(const job_ctx *c, const cJSON *root, qt_job_lora *l) {
     l->enabled = 1;
     warn_unknown(c, s, "lora", known);
     QT_TRY(get_int(c, s, "lora", "r", 8, 1, &l->r));
-    double a, dr;
+    double a = 0, dr = 0;
     QT_TRY(get_num(c, s, "lora", "lora_alpha", 8, &a, NULL));
     QT_TRY(get_num(c, s, "lora", "lora_dropout", 0, &dr, NULL));
     if (dr < 0 || dr >= 1) return QT_ERR(QT_EINVAL, "%s: lora.lora_dropout must be in [0, 1) (got %g)", c->where, dr);
@@ -294,7 +294,7 @@ static int parse_lora(const job_ctx *c, const cJSON *root, qt_job_lora *l) {
         l->target_names[0] = qt_strdup("q_proj");
         l->target_names[1] = qt_strdup("v_proj");
     } else {
-        QT_TRY(qt_lora_targets_parse(tm, &l->targets, c->where));
+        QT_TRY(qt_job_lora_targets(tm, &l->targets, c->where));
         if (cJSON_IsString(tm)) {
             static const char *const all[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                               "down_proj"};
@@ -330,7 +330,7 @@ static int parse_train(const job_ctx *c, const cJSON *root, qt_job_train *t) {
     QT_TRY(section(c, root, "train", &s));
     warn_unknown(c, s, "train", known);
     int has_steps = 0, has_epochs = 0;
-    double ms, ep;
+    double ms = 0, ep = 0;
     QT_TRY(get_num(c, s, "train", "max_steps", -1, &ms, &has_steps));
     QT_TRY(get_num(c, s, "train", "epochs", -1, &ep, &has_epochs));
     if (has_steps && (ms != floor(ms) || ms < 1 || ms > 1e12))
@@ -344,7 +344,7 @@ static int parse_train(const job_ctx *c, const cJSON *root, qt_job_train *t) {
     QT_TRY(get_long(c, s, "train", "eval_steps", 0, 0, &t->eval_steps));
     QT_TRY(get_long(c, s, "train", "log_steps", 1, 1, &t->log_steps));
     QT_TRY(get_long(c, s, "train", "eval_batches", 0, 0, &t->eval_batches));
-    double seed;
+    double seed = 0;
     QT_TRY(get_num(c, s, "train", "seed", 42, &seed, NULL));
     if (seed < 0 || seed != floor(seed) || seed > 9007199254740992.0)
         return QT_ERR(QT_EINVAL, "%s: train.seed must be a whole number >= 0", c->where);

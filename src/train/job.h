@@ -80,6 +80,6 @@ void qt_job_free(qt_job *job);
 int qt_job_apply_set(cJSON *root, const char *set);
 
 /* LoRA target names (PEFT's) to a QT_LORA_* mask; "all-linear" is every one. */
-int qt_lora_targets_parse(const cJSON *arr, unsigned *mask, const char *where);
+int qt_job_lora_targets(const cJSON *arr, unsigned *mask, const char *where);
 
 #endif

@@ -125,6 +125,8 @@ static char *state_json(const qt_trainer *t, const int64_t *data_pos) {
     cJSON_AddBoolToObject(j, "lora", t->job->lora.enabled);
     cJSON_AddStringToObject(j, "fingerprint", hex);
     cJSON_AddNumberToObject(j, "seed", (double)t->job->train.seed);
+    /* the dropout-mask stream: masks are seeded from (seed, micro-step) */
+    cJSON_AddNumberToObject(j, "rng_micro_step", (double)qt_model_micro_step(t->model));
     cJSON_AddNumberToObject(j, "elapsed_s", trainer_elapsed(t));
     cJSON_AddNumberToObject(j, "tokens_seen", (double)t->tokens_seen);
     cJSON_AddNumberToObject(j, "world", t->world);
@@ -250,13 +252,14 @@ static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos) {
     cJSON *j = cJSON_Parse(text);
     qt_free(text);
     int rc = QT_OK;
-    int64_t step, applied, numel, tokens, world;
+    int64_t step = 0, applied = 0, numel = 0, tokens = 0, world = 1, micro = 0;
     if (!cJSON_IsObject(j)) rc = QT_ERR(QT_EFORMAT, "%s is not a JSON object; the checkpoint is damaged", path);
     if (rc == QT_OK) rc = state_i64(j, "step", 0, &step, path);
     if (rc == QT_OK) rc = state_i64(j, "applied_updates", 0, &applied, path);
     if (rc == QT_OK) rc = state_i64(j, "numel", 0, &numel, path);
     if (rc == QT_OK) rc = state_i64(j, "tokens_seen", 0, &tokens, path);
     if (rc == QT_OK) rc = state_i64(j, "world", 1, &world, path);
+    if (rc == QT_OK) rc = state_i64(j, "rng_micro_step", 0, &micro, path);
     if (rc == QT_OK && (size_t)numel != t->n)
         rc = QT_ERR(QT_EINVAL, "%s holds %lld trainable values but this job's model has %zu; it is another run's checkpoint",
                     path, (long long)numel, t->n);
@@ -269,7 +272,7 @@ static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos) {
                     "with the job that wrote it, or set train.resume to \"never\"",
                     dir);
     const cJSON *sc = cJSON_GetObjectItemCaseSensitive(j, "loss_scaler");
-    int64_t cur_iter, last_ovf, hyst, novf;
+    int64_t cur_iter = 0, last_ovf = -1, hyst = 0, novf = 0;
     if (rc == QT_OK) rc = state_i64(sc, "cur_iter", 0, &cur_iter, path);
     if (rc == QT_OK) rc = state_i64(sc, "last_overflow_iter", -1, &last_ovf, path);
     if (rc == QT_OK) rc = state_i64(sc, "cur_hysteresis", 0, &hyst, path);
@@ -301,6 +304,7 @@ static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos) {
         t->applied = applied;
         t->tokens_seen = tokens;
         t->elapsed_before = cJSON_IsNumber(el) ? el->valuedouble : 0;
+        qt_model_set_micro_step(t->model, (uint64_t)micro);
         if (t->cfg.fp16) {
             t->scaler.scale = scale->valuedouble;
             t->scaler.cur_iter = cur_iter;
