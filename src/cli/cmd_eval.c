@@ -1,9 +1,224 @@
-/* qtune eval: placeholder until its issue lands; replaced by the real command. */
+/* qtune eval: mean next-token cross-entropy of a model (optionally with a
+ * PEFT adapter) over a JSONL dataset. One example per row, cut to --seq-len,
+ * rows padded; labels in HF's unshifted sense (the label of token t is
+ * predicted from tokens < t). The last stdout line is
+ *   {"loss": L, "ppl": P, "tokens": N}
+ * --per-token writes one JSON line per example: {"index": i, "logprobs": [...]}
+ * aligned with its tokens, entry t = log p(token t | tokens < t) for labelled
+ * t >= 1, null elsewhere. */
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
 #include "cli/cli.h"
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/log.h"
+#include "core/mem.h"
+#include "data/batch.h"
+#include "data/format.h"
+#include "model/lora_io.h"
+#include "model/model.h"
+#include "text/tokenizer.h"
+
+static void eval_help(void) {
+    printf("usage: qtune eval --model DIR [--adapter DIR] --data FILE [--format F] [--seq-len T] [--batch B]\n"
+           "                  [--per-token OUT.jsonl]\n\n"
+           "Mean next-token cross-entropy (nats) and perplexity over the tokens that carry labels.\n"
+           "  --model DIR        Hugging Face model folder (config.json, *.safetensors[, tokenizer.json])\n"
+           "  --adapter DIR      PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors)\n"
+           "  --data FILE        JSONL, one example a line\n"
+           "  --format F         auto (default), text, messages, alpaca, tokens ({\"input_ids\", \"labels\"?})\n"
+           "  --seq-len T        tokens per example; longer examples are cut (default 1024)\n"
+           "  --batch B          examples per forward pass (default 1)\n"
+           "  --per-token OUT    write each example's per-token log-probabilities as JSONL\n"
+           "The last line of standard output is {\"loss\": L, \"ppl\": P, \"tokens\": N}.\n");
+}
+
+typedef struct {
+    dl_tokbuf tb;
+    size_t *start; /* (n + 1) offsets of each example in tb */
+    size_t n, cap;
+} eval_data;
+
+static int read_data(const char *path, dl_format fmt, const bpe_tokenizer *tok, int32_t V, eval_data *d) {
+    char *text;
+    size_t len;
+    QT_TRY(qt_read_file(path, (size_t)16 << 30, &text, &len));
+    dl_encode_ctx ctx = {.tok = tok, .mask_prompt = 1, .vocab_limit = V};
+    int rc = QT_OK, line = 0;
+    char *p = text;
+    while (rc == QT_OK && p < text + len) {
+        char *nl = memchr(p, '\n', (size_t)(text + len - p));
+        if (nl) *nl = 0;
+        line++;
+        char *s = p;
+        p = nl ? nl + 1 : text + len;
+        while (*s == ' ' || *s == '\t' || *s == '\r') s++;
+        if (!*s) continue;
+        cJSON *obj = cJSON_Parse(s);
+        if (!obj) {
+            rc = QT_ERR(QT_EFORMAT, "%s line %d is not valid JSON; fix or remove that line", path, line);
+            break;
+        }
+        dl_format f = fmt == DL_FORMAT_AUTO ? dl_format_detect(obj) : fmt;
+        if (f == DL_FORMAT_AUTO)
+            rc = QT_ERR(QT_EFORMAT, "%s line %d: no known format (input_ids, messages, instruction/output, text)",
+                        path, line);
+        else if ((rc = dl_encode_example(&ctx, f, obj, &d->tb)) != QT_OK)
+            qt_error_context(rc, "%s line %d", path, line);
+        cJSON_Delete(obj);
+        if (rc != QT_OK) break;
+        if (d->n + 2 > d->cap) {
+            size_t cap = d->cap ? 2 * d->cap : 256;
+            size_t *ns = qt_realloc(d->start, cap * sizeof(size_t), "eval: example offsets");
+            if (!ns) {
+                rc = QT_ENOMEM;
+                break;
+            }
+            d->start = ns, d->cap = cap;
+        }
+        if (d->n == 0) d->start[0] = 0;
+        d->start[++d->n] = d->tb.n;
+    }
+    qt_free(text);
+    if (rc == QT_OK && d->n == 0) rc = QT_ERR(QT_EINVAL, "%s holds no examples", path);
+    return rc;
+}
+
+static void write_per_token(FILE *f, size_t index, const eval_data *d, size_t ex, const float *logp, int T) {
+    size_t n = d->start[ex + 1] - d->start[ex];
+    if (n > (size_t)T) n = (size_t)T;
+    fprintf(f, "{\"index\": %zu, \"logprobs\": [", index);
+    for (size_t t = 0; t < n; t++) {
+        if (t) fputs(", ", f);
+        if (t >= 1 && d->tb.mask[d->start[ex] + t]) fprintf(f, "%.9g", logp[t - 1]);
+        else fputs("null", f);
+    }
+    fputs("]}\n", f);
+}
+
+static int run_eval(const char *model_dir, const char *adapter, const char *data, dl_format fmt, int T, int B,
+                    const char *per_token) {
+    int rc;
+    qt_model_opts o;
+    qt_model_opts_default(&o);
+    o.infer = 1;
+    o.max_B = B;
+    o.max_T = T;
+    if (adapter) QT_TRY(qt_lora_opts_from_adapter(adapter, &o));
+    qt_config cfg;
+    QT_TRY(qt_config_load(model_dir, &cfg));
+
+    bpe_tokenizer *tok = NULL;
+    char tpath[4096];
+    if (qt_path_join(tpath, sizeof tpath, model_dir, "tokenizer.json") == QT_OK && qt_path_exists(tpath) &&
+        fmt != DL_FORMAT_TOKENS)
+        QT_TRY(bpe_load(tpath, &tok));
+    eval_data d;
+    memset(&d, 0, sizeof d);
+    rc = read_data(data, fmt, tok, cfg.vocab_size, &d);
+    bpe_free(tok);
+
+    qt_model *m = NULL;
+    if (rc == QT_OK) rc = qt_model_load(model_dir, &o, &m);
+    if (rc == QT_OK && adapter) rc = qt_lora_load(m, adapter);
+
+    qt_batch b;
+    memset(&b, 0, sizeof b);
+    size_t NT = (size_t)B * T;
+    b.inputs = qt_malloc(NT * 4, "eval batch");
+    b.targets = qt_malloc(NT * 4, "eval batch");
+    b.positions = qt_malloc(NT * 4, "eval batch");
+    b.doc_start = qt_calloc(NT, 4, "eval batch");
+    float *logp = qt_malloc(NT * 4, "eval log-probabilities");
+    if (!b.inputs || !b.targets || !b.positions || !b.doc_start || !logp) rc = rc ? rc : QT_ENOMEM;
+
+    FILE *pt = NULL;
+    qt_atomic_file af = {0};
+    if (rc == QT_OK && per_token) {
+        rc = qt_atomic_open(&af, per_token);
+        pt = af.f;
+    }
+    double total = 0;
+    int64_t ntok = 0, ncut = 0;
+    for (size_t e0 = 0; rc == QT_OK && e0 < d.n; e0 += (size_t)B) {
+        int rows = d.n - e0 < (size_t)B ? (int)(d.n - e0) : B;
+        /* rows of the longest example in this batch (at least 1) */
+        int Tb = 1;
+        for (int r = 0; r < rows; r++) {
+            size_t n = d.start[e0 + r + 1] - d.start[e0 + r];
+            if (n > (size_t)T) n = (size_t)T, ncut++;
+            if ((int)n > Tb) Tb = (int)n;
+        }
+        b.B = rows, b.T = Tb;
+        for (int r = 0; r < rows; r++) {
+            size_t s = d.start[e0 + r], n = d.start[e0 + r + 1] - s;
+            if (n > (size_t)Tb) n = (size_t)Tb;
+            for (int t = 0; t < Tb; t++) {
+                size_t i = (size_t)r * Tb + t;
+                b.inputs[i] = (size_t)t < n ? d.tb.ids[s + t] : 0;
+                b.targets[i] = ((size_t)t + 1 < n && d.tb.mask[s + t + 1]) ? d.tb.ids[s + t + 1] : QT_IGNORE_INDEX;
+                b.positions[i] = t;
+                b.doc_start[i] = 0;
+            }
+        }
+        double ls;
+        int64_t nt;
+        rc = qt_model_forward(m, &b, &ls, &nt, logp);
+        if (rc != QT_OK) break;
+        total += ls, ntok += nt;
+        if (pt)
+            for (int r = 0; r < rows; r++) write_per_token(pt, e0 + r, &d, e0 + r, logp + (size_t)r * Tb, Tb);
+    }
+    if (pt) rc = rc == QT_OK ? qt_atomic_commit(&af) : (qt_atomic_abort(&af), rc);
+    if (rc == QT_OK) {
+        if (ncut) qt_warn("eval: %lld examples were longer than --seq-len %d and were cut", (long long)ncut, T);
+        if (ntok == 0) {
+            rc = QT_ERR(QT_EINVAL, "%s: no token carries a label, so there is no loss to report", data);
+        } else {
+            double loss = total / (double)ntok;
+            printf("{\"loss\": %.9g, \"ppl\": %.9g, \"tokens\": %lld}\n", loss, exp(loss), (long long)ntok);
+        }
+    }
+    qt_free(b.inputs), qt_free(b.targets), qt_free(b.positions), qt_free(b.doc_start), qt_free(logp);
+    qt_model_free(m);
+    dl_tokbuf_free(&d.tb);
+    qt_free(d.start);
+    return rc;
+}
 
 int cmd_eval(int argc, char **argv) {
-    (void)argc;
-    (void)argv;
-    fprintf(stderr, "qtune eval: this command is still under construction in this build\n");
-    return QT_EXIT_FAIL;
+    if (cli_wants_help(argc, argv)) {
+        eval_help();
+        return QT_EXIT_OK;
+    }
+    const char *model = NULL, *adapter = NULL, *data = NULL, *per_token = NULL, *format = "auto";
+    int T = 1024, B = 1;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (i + 1 >= argc) return cli_usage_error("eval", "%s needs a value", a);
+        const char *v = argv[++i];
+        char *end;
+        if (!strcmp(a, "--model")) model = v;
+        else if (!strcmp(a, "--adapter")) adapter = v;
+        else if (!strcmp(a, "--data")) data = v;
+        else if (!strcmp(a, "--format")) format = v;
+        else if (!strcmp(a, "--per-token")) per_token = v;
+        else if (!strcmp(a, "--seq-len") || !strcmp(a, "--batch")) {
+            long x = strtol(v, &end, 10);
+            if (*end || x < 1 || x > (1 << 20)) return cli_usage_error("eval", "%s must be a positive integer, not '%s'", a, v);
+            if (a[2] == 's') T = (int)x;
+            else B = (int)x;
+        } else {
+            return cli_usage_error("eval", "unknown option '%s'", a);
+        }
+    }
+    if (!model || !data) return cli_usage_error("eval", "--model and --data are required");
+    dl_format fmt;
+    if (dl_format_parse(format, &fmt) != QT_OK) return cli_fail();
+    if (run_eval(model, adapter, data, fmt, T, B, per_token) != QT_OK) return cli_fail();
+    return QT_EXIT_OK;
 }

@@ -47,12 +47,18 @@ typedef struct {
     int grad_checkpointing; /* keep only each layer's input; recompute in backward */
     int max_B, max_T;      /* largest micro-batch: activations are sized for it once */
     uint64_t seed;         /* LoRA A init, dropout masks */
+    int infer;             /* eval/generate: base frozen in its file dtype, no gradient
+                              block, activations for one layer, a KV cache of max_T */
 } qt_model_opts;
+
+/* Defaults: f32 compute, full fine-tuning, max_B 1, max_T 512, seed 42. */
+void qt_model_opts_default(qt_model_opts *o);
 
 typedef struct qt_model qt_model;
 
 /* Loads a model folder (config.json + safetensors). For inference only
- * (eval/generate), pass opts with lora = 0 and train = 0 via qt_model_load_infer. */
+ * (eval/generate), set opts->infer = 1 (with lora = 1 to then load an adapter
+ * into the LoRA block, see model/lora_io.h). */
 int qt_model_load(const char *dir, const qt_model_opts *opts, qt_model **out);
 void qt_model_free(qt_model *m);
 const qt_config *qt_model_config(const qt_model *m);
@@ -75,5 +81,19 @@ int qt_model_forward(qt_model *m, const qt_batch *b, double *loss_sum, int64_t *
  * scale S, pass grad_scale = S / N. */
 int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, double *loss_sum,
                               int64_t *n_tokens);
+
+/* Sets the counter that seeds dropout masks (incremented by every
+ * qt_model_forward_backward call); a resumed run restores it. */
+void qt_model_set_micro_step(qt_model *m, uint64_t step);
+uint64_t qt_model_micro_step(const qt_model *m);
+
+/* Incremental decoding with a KV cache (inference models, opts->infer = 1):
+ * runs the n tokens ids at positions pos0 .. pos0+n-1 (B = 1), attending to
+ * the cached positions [0, pos0) plus themselves, stores their K/V, and writes
+ * the V logits of the last one to logits_out. pos0 may not exceed the number
+ * of cached positions (pass 0 to start over), and pos0 + n <= opts->max_T,
+ * n <= max_B * max_T. */
+int qt_model_decode(qt_model *m, const int32_t *ids, int n, int pos0, float *logits_out);
+void qt_model_decode_reset(qt_model *m);
 
 #endif

@@ -1,0 +1,119 @@
+/* PEFT adapter folders <-> the model's LoRA block. */
+#include "model/lora_io.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "core/error.h"
+#include "core/mem.h"
+#include "io/peft.h"
+#include "model/model_internal.h"
+
+int qt_lora_targets_parse(const char *const *names, int n, unsigned *mask) {
+    *mask = 0;
+    for (int i = 0; i < n; i++) {
+        int found = 0;
+        for (int j = 0; j < LIN_COUNT; j++)
+            if (!strcmp(names[i], qt_lin_short[j])) *mask |= qt_lin_flag[j], found = 1;
+        if (!found)
+            return QT_ERR(QT_EUNSUPPORTED,
+                          "LoRA target module '%s' is not one of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                          "down_proj",
+                          names[i]);
+    }
+    return QT_OK;
+}
+
+int qt_lora_opts_from_adapter(const char *dir, qt_model_opts *o) {
+    peft_config pc;
+    QT_TRY(peft_config_load(dir, &pc));
+    const char *names[PEFT_MAX_TARGETS];
+    for (int i = 0; i < pc.n_targets; i++) names[i] = pc.target_modules[i];
+    unsigned mask;
+    if (qt_lora_targets_parse(names, pc.n_targets, &mask) != QT_OK)
+        return qt_error_context(qt_error_code(), "%s/adapter_config.json", dir);
+    o->lora = 1;
+    o->lora_r = pc.r;
+    o->lora_alpha = pc.lora_alpha;
+    o->lora_dropout = pc.lora_dropout;
+    o->use_rslora = pc.use_rslora;
+    o->lora_targets = mask;
+    return QT_OK;
+}
+
+int qt_lora_load(qt_model *m, const char *dir) {
+    if (!m->opts.lora) return QT_ERR(QT_EINVAL, "loading adapter %s: the model was loaded without LoRA", dir);
+    st_file *st;
+    QT_TRY(peft_open_weights(dir, &st));
+    int rc = QT_OK;
+    for (int i = 0; i < m->n_params && rc == QT_OK; i++) {
+        const qt_param *p = &m->params[i];
+        const st_tensor *t = st_find(st, p->name);
+        if (!t) {
+            /* PEFT also accepts the adapter-named form X.lora_A.default.weight */
+            char alt[200];
+            size_t n = strlen(p->name);
+            snprintf(alt, sizeof alt, "%.*s.default.weight", (int)(n - 7), p->name);
+            t = st_find(st, alt);
+        }
+        if (!t) {
+            rc = QT_ERR(QT_EFORMAT, "%s/adapter_model.safetensors has no tensor %s; the adapter does not match "
+                                    "adapter_config.json or this model",
+                        dir, p->name);
+            break;
+        }
+        if (t->ndim != 2 || t->shape[0] != p->shape[0] || t->shape[1] != p->shape[1]) {
+            rc = QT_ERR(QT_EFORMAT, "%s/adapter_model.safetensors: %s has shape [%lld, %lld], this model needs "
+                                    "[%lld, %lld]; was the adapter trained on another model?",
+                        dir, t->name, (long long)t->shape[0], (long long)(t->ndim > 1 ? t->shape[1] : 0),
+                        (long long)p->shape[0], (long long)p->shape[1]);
+            break;
+        }
+        rc = st_read_f32(t, m->master + p->offset);
+    }
+    if (rc == QT_OK && st_count(st) > m->n_params) {
+        /* a tensor for a module or layer this model does not adapt would be silently lost */
+        for (int i = 0; i < st_count(st); i++) {
+            const char *name = st_at(st, i)->name;
+            char base[200];
+            int is_b;
+            if (!peft_base_name(name, base, sizeof base, &is_b)) {
+                rc = QT_ERR(QT_EUNSUPPORTED, "%s/adapter_model.safetensors holds %s, which is not a LoRA A/B weight "
+                                             "(modules_to_save and biases are not supported)",
+                            dir, name);
+                break;
+            }
+        }
+        if (rc == QT_OK)
+            rc = QT_ERR(QT_EFORMAT, "%s/adapter_model.safetensors holds %d tensors but the model expects %d; check "
+                                    "target_modules in adapter_config.json",
+                        dir, st_count(st), m->n_params);
+    }
+    st_close(st);
+    return rc;
+}
+
+int qt_lora_save(const qt_model *m, const char *dir, const char *base_model) {
+    if (!m->opts.lora) return QT_ERR(QT_EINVAL, "saving an adapter to %s: the model has no LoRA block", dir);
+    peft_config pc;
+    memset(&pc, 0, sizeof pc);
+    pc.r = m->opts.lora_r;
+    pc.lora_alpha = m->opts.lora_alpha;
+    pc.lora_dropout = m->opts.lora_dropout;
+    pc.use_rslora = m->opts.use_rslora;
+    for (int j = 0; j < LIN_COUNT; j++)
+        if (m->opts.lora_targets & qt_lin_flag[j])
+            snprintf(pc.target_modules[pc.n_targets++], sizeof pc.target_modules[0], "%s", qt_lin_short[j]);
+    snprintf(pc.base_model, sizeof pc.base_model, "%s", base_model ? base_model : "");
+    peft_tensor *t = qt_calloc((size_t)m->n_params, sizeof *t, "adapter tensor list");
+    if (!t) return QT_ENOMEM;
+    for (int i = 0; i < m->n_params; i++) {
+        t[i].name = m->params[i].name;
+        t[i].shape[0] = m->params[i].shape[0];
+        t[i].shape[1] = m->params[i].shape[1];
+        t[i].data = m->master + m->params[i].offset;
+    }
+    int rc = peft_save(dir, &pc, t, m->n_params);
+    qt_free(t);
+    return rc;
+}

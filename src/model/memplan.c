@@ -1,0 +1,226 @@
+/* The memory plan: the one table that sizes every block the model allocates.
+ * qt_model_load carves its buffers with the same functions it sizes them
+ * with (base == NULL: size only), so the plan cannot drift from the truth. */
+#include "model/memplan.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "backend/cpu/ops.h"
+#include "model/model_internal.h"
+
+const char *const qt_lin_path[LIN_COUNT] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                            "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
+                                            "mlp.down_proj"};
+const char *const qt_lin_short[LIN_COUNT] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"};
+const unsigned qt_lin_flag[LIN_COUNT] = {QT_LORA_Q,    QT_LORA_K,  QT_LORA_V,   QT_LORA_O,
+                                         QT_LORA_GATE, QT_LORA_UP, QT_LORA_DOWN};
+
+void qt_lin_shape(const qt_config *c, int which, int *in, int *out) {
+    int C = c->hidden_size, I = c->intermediate_size;
+    int HD = c->num_attention_heads * c->head_dim, KVD = c->num_key_value_heads * c->head_dim;
+    switch (which) {
+    case LIN_Q: *in = C, *out = HD; break;
+    case LIN_K:
+    case LIN_V: *in = C, *out = KVD; break;
+    case LIN_O: *in = HD, *out = C; break;
+    case LIN_GATE:
+    case LIN_UP: *in = C, *out = I; break;
+    default: *in = I, *out = C; break;
+    }
+}
+
+int qt_lin_has_bias(const qt_config *c, int which) {
+    return c->attention_bias && (which == LIN_Q || which == LIN_K || which == LIN_V);
+}
+
+static int lora_on(const qt_model_opts *o, int which) {
+    return o->lora && (o->lora_targets & qt_lin_flag[which]);
+}
+
+static void add_param(qt_param *out, int *n, size_t *off, const char *name, int ndim, int64_t d0, int64_t d1) {
+    if (out) {
+        qt_param *p = &out[*n];
+        memset(p, 0, sizeof *p);
+        snprintf(p->name, sizeof p->name, "%s", name);
+        p->ndim = ndim;
+        p->shape[0] = d0;
+        p->shape[1] = ndim == 2 ? d1 : 0;
+        p->offset = *off;
+        p->numel = (size_t)d0 * (size_t)(ndim == 2 ? d1 : 1);
+        p->decay = ndim == 2;
+    }
+    *off += (size_t)d0 * (size_t)(ndim == 2 ? d1 : 1);
+    (*n)++;
+}
+
+int qt_model_param_table(const qt_config *c, const qt_model_opts *o, qt_param *out, size_t *numel) {
+    int n = 0;
+    size_t off = 0;
+    char name[160];
+    int C = c->hidden_size, V = c->vocab_size, R = o->lora_r;
+    if (!o->lora) add_param(out, &n, &off, "model.embed_tokens.weight", 2, V, C);
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        if (!o->lora) {
+            snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
+            add_param(out, &n, &off, name, 1, C, 0);
+        }
+        for (int j = 0; j < LIN_COUNT; j++) {
+            int in, ou;
+            qt_lin_shape(c, j, &in, &ou);
+            if (!o->lora) {
+                snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, qt_lin_path[j]);
+                add_param(out, &n, &off, name, 2, ou, in);
+                if (qt_lin_has_bias(c, j)) {
+                    snprintf(name, sizeof name, "model.layers.%d.%s.bias", l, qt_lin_path[j]);
+                    add_param(out, &n, &off, name, 1, ou, 0);
+                }
+                if (j == LIN_O) {
+                    snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
+                    add_param(out, &n, &off, name, 1, C, 0);
+                }
+            } else if (lora_on(o, j)) {
+                snprintf(name, sizeof name, "base_model.model.model.layers.%d.%s.lora_A.weight", l, qt_lin_path[j]);
+                add_param(out, &n, &off, name, 2, R, in);
+                snprintf(name, sizeof name, "base_model.model.model.layers.%d.%s.lora_B.weight", l, qt_lin_path[j]);
+                add_param(out, &n, &off, name, 2, ou, R);
+            }
+        }
+    }
+    if (!o->lora) {
+        add_param(out, &n, &off, "model.norm.weight", 1, C, 0);
+        if (!c->tie_word_embeddings) add_param(out, &n, &off, "lm_head.weight", 2, V, C);
+    }
+    if (numel) *numel = off;
+    return n;
+}
+
+size_t qt_model_trainable_numel(const qt_config *cfg, const qt_model_opts *opts) {
+    size_t n;
+    qt_model_param_table(cfg, opts, NULL, &n);
+    return n;
+}
+
+/* Hands out n floats from the block at *off (64-byte aligned slices). */
+static float *carve(float *base, size_t *off, size_t n) {
+    float *p = base ? base + *off : NULL;
+    *off += (n + 15) & ~(size_t)15;
+    return p;
+}
+
+static size_t max_n(const qt_model_opts *o) { return (size_t)o->max_B * (size_t)o->max_T; }
+
+static void carve_layer(const qt_config *c, const qt_model_opts *o, float *base, size_t *off, qt_acts *a) {
+    size_t N = max_n(o), C = c->hidden_size, I = c->intermediate_size;
+    size_t HD = (size_t)c->num_attention_heads * c->head_dim, KVD = (size_t)c->num_key_value_heads * c->head_dim;
+    a->ln1 = carve(base, off, N * C);
+    a->rstd1 = carve(base, off, N);
+    a->q = carve(base, off, N * HD);
+    a->k = carve(base, off, N * KVD);
+    a->v = carve(base, off, N * KVD);
+    a->att = carve(base, off, N * HD);
+    a->lse = carve(base, off, N * c->num_attention_heads);
+    a->xmid = carve(base, off, N * C);
+    a->ln2 = carve(base, off, N * C);
+    a->rstd2 = carve(base, off, N);
+    a->gate = carve(base, off, N * I);
+    a->up = carve(base, off, N * I);
+    a->h = carve(base, off, N * I);
+    for (int j = 0; j < LIN_COUNT; j++)
+        a->lora_h[j] = lora_on(o, j) ? carve(base, off, N * (size_t)o->lora_r) : NULL;
+}
+
+size_t qt_model_carve_acts(const qt_config *c, const qt_model_opts *o, float *base, qt_act_ptrs *p) {
+    size_t off = 0, N = max_n(o), C = c->hidden_size;
+    int L = c->num_hidden_layers;
+    int one_set = o->grad_checkpointing || o->infer;
+    for (int l = 0; l <= L; l++) {
+        /* inference needs only the current input and output */
+        float *x = (o->infer && l > 1) ? (p ? p->x[l & 1] : NULL) : carve(base, &off, N * C);
+        if (p) p->x[l] = x;
+    }
+    for (int l = 0; l < L; l++) {
+        qt_acts a;
+        if (one_set && l > 0) {
+            if (p) p->layer[l] = p->layer[0];
+            continue;
+        }
+        carve_layer(c, o, base, &off, &a);
+        if (p) p->layer[l] = a;
+    }
+    float *lnf = carve(base, &off, N * C), *rstdf = carve(base, &off, N);
+    float *loss = carve(base, &off, N), *lse = carve(base, &off, N);
+    if (p) p->lnf = lnf, p->rstdf = rstdf, p->loss = loss, p->lse = lse;
+    return off;
+}
+
+size_t qt_model_carve_grads(const qt_config *c, const qt_model_opts *o, float *base, qt_grad_scratch *g) {
+    if (o->infer) return 0;
+    size_t off = 0, N = max_n(o), C = c->hidden_size, I = c->intermediate_size;
+    size_t HD = (size_t)c->num_attention_heads * c->head_dim, KVD = (size_t)c->num_key_value_heads * c->head_dim;
+    qt_grad_scratch s;
+    s.dres = carve(base, &off, N * C);
+    s.dln = carve(base, &off, N * C);
+    s.datt = carve(base, &off, N * HD);
+    s.dq = carve(base, &off, N * HD);
+    s.dk = carve(base, &off, N * KVD);
+    s.dv = carve(base, &off, N * KVD);
+    s.dg = carve(base, &off, N * I);
+    s.du = carve(base, &off, N * I);
+    s.dh = carve(base, &off, N * I);
+    s.dlora = o->lora ? carve(base, &off, N * (size_t)o->lora_r) : NULL;
+    size_t maxin = C > I ? C : I;
+    if (HD > maxin) maxin = HD;
+    s.lx = (o->lora && o->lora_dropout > 0) ? carve(base, &off, N * maxin) : NULL;
+    if (g) *g = s;
+    return off;
+}
+
+size_t qt_model_workspace_floats(const qt_config *c, const qt_model_opts *o) {
+    size_t ws = op_lmhead_ce_ws_floats((int)max_n(o), c->hidden_size);
+    for (int j = 0; j < LIN_COUNT; j++) {
+        int in, ou;
+        qt_lin_shape(c, j, &in, &ou);
+        size_t w = op_matmul_ws_floats(in, ou);
+        if (w > ws) ws = w;
+    }
+    size_t w = op_matmul_ws_floats(c->hidden_size, c->vocab_size); /* decode logits */
+    return w > ws ? w : ws;
+}
+
+size_t qt_model_kv_floats(const qt_config *c, const qt_model_opts *o) {
+    if (!o->infer) return 0;
+    return 2 * (size_t)c->num_hidden_layers * (size_t)o->max_T * (size_t)c->num_key_value_heads * c->head_dim;
+}
+
+size_t qt_model_memory(const qt_config *c, const qt_model_opts *o, qt_mem_breakdown *out) {
+    qt_mem_breakdown b;
+    memset(&b, 0, sizeof b);
+    size_t numel;
+    qt_model_param_table(c, o, NULL, &numel);
+    b.master = numel * 4;
+    b.grads = o->infer ? 0 : numel * 4;
+    int frozen = o->lora || o->infer;
+    if (frozen) {
+        qt_model_opts full = *o;
+        full.lora = 0;
+        size_t all;
+        qt_model_param_table(c, &full, NULL, &all);
+        /* norm weights and biases: 2 per layer + the final norm, plus q/k/v biases */
+        size_t small = (size_t)c->hidden_size * (2 * (size_t)c->num_hidden_layers + 1);
+        if (c->attention_bias)
+            small += (size_t)c->num_hidden_layers * (size_t)(c->num_attention_heads + 2 * c->num_key_value_heads) *
+                     c->head_dim;
+        b.base = (all - small) * qt_dtype_size(c->torch_dtype);
+        b.base_f32 = small * 4;
+        if (!o->lora) b.master = 0;
+    }
+    b.activations = qt_model_carve_acts(c, o, NULL, NULL) * 4;
+    b.act_grads = qt_model_carve_grads(c, o, NULL, NULL) * 4;
+    b.workspace = qt_model_workspace_floats(c, o) * 4;
+    b.kv_cache = qt_model_kv_floats(c, o) * 4;
+    b.total = b.master + b.grads + b.base_f32 + b.activations + b.act_grads + b.workspace + b.kv_cache;
+    if (out) *out = b;
+    return b.total;
+}

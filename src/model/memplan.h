@@ -1,0 +1,32 @@
+/* The model's memory plan: a pure function of (config, opts) that sizes every
+ * buffer the model allocates. qt_model_load allocates exactly these blocks,
+ * and `qtune plan` prints the same numbers, so predicted and measured memory
+ * agree. */
+#ifndef QT_MODEL_MEMPLAN_H
+#define QT_MODEL_MEMPLAN_H
+
+#include <stddef.h>
+
+#include "io/hf_config.h"
+#include "model/model.h"
+
+typedef struct {
+    size_t master;      /* fp32 trainable block: every weight (full) or the LoRA A/B (lora) */
+    size_t grads;       /* its fp32 gradient block (0 for inference) */
+    size_t base;        /* frozen base weights as stored in the file (memory-mapped, not allocated) */
+    size_t base_f32;    /* frozen base's norm weights and biases converted to f32 */
+    size_t activations; /* saved for backward: every layer, or each layer's input plus one
+                           layer's worth with gradient checkpointing / inference */
+    size_t act_grads;   /* backward scratch (activation gradients), 0 for inference */
+    size_t workspace;   /* weight panels converted to f32, lm_head vocabulary chunks */
+    size_t kv_cache;    /* inference only: K and V for max_T positions of every layer */
+    size_t total;       /* bytes allocated: everything above except base */
+} qt_mem_breakdown;
+
+/* Fills *out (may be NULL) and returns out->total. Base dtype is cfg->torch_dtype. */
+size_t qt_model_memory(const qt_config *cfg, const qt_model_opts *opts, qt_mem_breakdown *out);
+
+/* Number of trainable parameters (elements of the master block). */
+size_t qt_model_trainable_numel(const qt_config *cfg, const qt_model_opts *opts);
+
+#endif

@@ -1,0 +1,118 @@
+/* The model's insides, shared by the files of src/model/ (graph, memory plan,
+ * LoRA I/O). Nothing outside src/model/ includes this. */
+#ifndef QT_MODEL_INTERNAL_H
+#define QT_MODEL_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "io/safetensors.h"
+#include "model/memplan.h"
+#include "model/model.h"
+
+/* The seven Linear layers of a decoder layer, in PEFT's names. */
+enum { LIN_Q, LIN_K, LIN_V, LIN_O, LIN_GATE, LIN_UP, LIN_DOWN, LIN_COUNT };
+extern const char *const qt_lin_path[LIN_COUNT];   /* "self_attn.q_proj", ... */
+extern const char *const qt_lin_short[LIN_COUNT];  /* "q_proj", ... */
+extern const unsigned qt_lin_flag[LIN_COUNT];      /* QT_LORA_Q, ... */
+void qt_lin_shape(const qt_config *c, int which, int *in, int *out);
+int qt_lin_has_bias(const qt_config *c, int which); /* q/k/v with attention_bias */
+
+/* A weight as stored: f32 master, or a frozen base tensor in its file dtype. */
+typedef struct {
+    const void *p;
+    qt_dtype dt;
+} qt_wref;
+
+typedef struct {
+    int in, out;
+    qt_wref w;          /* (out, in) */
+    const float *b;     /* (out) or NULL */
+    float *dw, *db;     /* full fine-tuning: into the gradient block; else NULL */
+    float *la, *lb;     /* LoRA A (R, in), B (out, R) in the master block; NULL when not a target */
+    float *dla, *dlb;
+} qt_linear;
+
+typedef struct {
+    const float *ln1, *ln2; /* (C) */
+    float *dln1, *dln2;     /* NULL when frozen */
+    qt_linear lin[LIN_COUNT];
+} qt_layer;
+
+/* What one layer's forward leaves for its backward. */
+typedef struct {
+    float *ln1;   /* (N, C) */
+    float *rstd1; /* (N) */
+    float *q;     /* (N, H*D) after RoPE */
+    float *k, *v; /* (N, KV*D), k after RoPE */
+    float *att;   /* (N, H*D) attention output before o_proj */
+    float *lse;   /* (B, H, T) */
+    float *xmid;  /* (N, C) x + o_proj(att) */
+    float *ln2;   /* (N, C) */
+    float *rstd2; /* (N) */
+    float *gate, *up, *h; /* (N, I) */
+    float *lora_h[LIN_COUNT]; /* (N, R) scaling * A dropout(x), NULL when not a target */
+} qt_acts;
+
+/* Activation-gradient scratch for the backward, shared by all layers. */
+typedef struct {
+    float *dres;  /* (N, C) gradient of the residual stream */
+    float *dln;   /* (N, C) */
+    float *datt;  /* (N, H*D) */
+    float *dq;    /* (N, H*D) */
+    float *dk, *dv; /* (N, KV*D) */
+    float *dg, *du, *dh; /* (N, I) */
+    float *dlora; /* (N, R) */
+    float *lx;    /* (N, max in) dropout(x) and its gradient (LoRA with dropout) */
+} qt_grad_scratch;
+
+/* Sizes (in floats) and carving of the activation blocks. base NULL: size only. */
+typedef struct {
+    float **x;          /* L+1 pointers, each (N, C): layer inputs, x[L] the last output */
+    qt_acts *layer;     /* L entries; with checkpointing/inference all alias one set */
+    float *lnf, *rstdf; /* (N, C), (N) */
+    float *loss, *lse;  /* (N), (N) */
+} qt_act_ptrs;
+size_t qt_model_carve_acts(const qt_config *c, const qt_model_opts *o, float *base, qt_act_ptrs *p);
+size_t qt_model_carve_grads(const qt_config *c, const qt_model_opts *o, float *base, qt_grad_scratch *g);
+size_t qt_model_workspace_floats(const qt_config *c, const qt_model_opts *o);
+size_t qt_model_kv_floats(const qt_config *c, const qt_model_opts *o);
+/* Fills the parameter table (NULL to count); returns the number of entries. */
+int qt_model_param_table(const qt_config *c, const qt_model_opts *o, qt_param *out, size_t *numel);
+
+struct qt_model {
+    qt_config cfg;
+    qt_model_opts opts;
+    int infer;            /* no gradients, KV cache */
+    st_file *st;          /* the base's safetensors, mapped for the model's lifetime */
+    qt_mem_breakdown mem;
+
+    float *master, *grads; /* trainable block and gradients (grads NULL for inference) */
+    size_t numel;
+    qt_param *params;
+    int n_params;
+
+    float *base_f32;       /* frozen base: norm weights and biases in f32 */
+    void **owned;          /* frozen f32 tensors copied because the mapping was misaligned */
+    int n_owned;
+
+    qt_wref wte;           /* (V, C) */
+    qt_wref lm_head;       /* (V, C), the embedding when tied */
+    float *dwte, *dlm_head;
+    const float *lnf_w;    /* (C) */
+    float *dlnf_w;
+    qt_layer *layers;      /* L */
+    float lora_scaling;
+
+    float *act_block, *grad_block, *ws;
+    qt_act_ptrs acts;
+    qt_grad_scratch gs;
+    int32_t *pos_buf;      /* (max N) positions for decoding */
+
+    float *kcache, *vcache; /* (L, max_T, KV, D) each, inference only */
+    int kv_len;
+
+    uint64_t micro_step;   /* forward_backward calls so far: the dropout stream */
+};
+
+#endif

@@ -1,0 +1,264 @@
+/* The Qwen2 / Llama decoder, written once over the op_* calls of
+ * backend/cpu/ops.h. One decoder layer (HF Qwen2DecoderLayer):
+ *
+ *   ln1  = rmsnorm(x)                     q, k, v = q_proj(ln1), k_proj(ln1), v_proj(ln1)
+ *   q, k = rope(q), rope(k)               att = causal GQA attention(q, k, v)
+ *   xmid = x + o_proj(att)                ln2 = rmsnorm(xmid)
+ *   h    = silu(gate_proj(ln2)) * up_proj(ln2)
+ *   xout = xmid + down_proj(h)
+ *
+ * then the final norm and the fused lm_head + cross-entropy. A Linear with a
+ * LoRA adapter adds scaling * B A dropout(x) (PEFT). The backward walks the
+ * same steps in reverse; with gradient checkpointing each layer's forward is
+ * recomputed from its saved input just before its backward. */
+#include <stdio.h>
+#include <string.h>
+
+#include "backend/cpu/ops.h"
+#include "core/error.h"
+#include "core/rng.h"
+#include "model/model_internal.h"
+
+#define DROPOUT_SALT 0x44726f70ull /* "Drop" */
+
+/* ---- LoRA dropout: masks regenerated from (seed, micro step, layer, module),
+ * so the forward, the recompute and the backward all see the same mask
+ * without storing it. */
+static void apply_dropout(const qt_model *m, int l, int j, float *x, size_t n) {
+    qt_rng r;
+    qt_rng_derive(&r, m->opts.seed ^ DROPOUT_SALT, m->micro_step, (uint64_t)l * LIN_COUNT + (uint64_t)j);
+    float p = m->opts.lora_dropout, keep = 1.0f / (1.0f - p);
+    for (size_t i = 0; i < n; i++) x[i] = qt_rng_uniform(&r) < p ? 0.0f : x[i] * keep;
+}
+
+/* ---- Linear (+ LoRA) forward/backward ------------------------------------ */
+static void linear_forward(qt_model *m, int l, int j, float *out, const float *inp, int N, float *lora_h,
+                           int dropout) {
+    const qt_linear *q = &m->layers[l].lin[j];
+    op_matmul_forward(out, inp, q->w.p, q->w.dt, q->b, N, q->in, q->out, 1.0f, 0, m->ws);
+    if (!q->la) return;
+    const float *xd = inp;
+    if (dropout) {
+        memcpy(m->gs.lx, inp, sizeof(float) * (size_t)N * q->in);
+        apply_dropout(m, l, j, m->gs.lx, (size_t)N * q->in);
+        xd = m->gs.lx;
+    }
+    int R = m->opts.lora_r;
+    op_matmul_forward(lora_h, xd, q->la, QT_F32, NULL, N, q->in, R, m->lora_scaling, 0, NULL); /* hs = s A xd */
+    op_matmul_forward(out, lora_h, q->lb, QT_F32, NULL, N, R, q->out, 1.0f, 1, NULL);         /* y += B hs */
+}
+
+/* dinp may be NULL when nothing below needs it (LoRA, layer 0). */
+static void linear_backward(qt_model *m, int l, int j, float *dinp, const float *dout, const float *inp,
+                            const float *lora_h, int N, int dropout) {
+    const qt_linear *q = &m->layers[l].lin[j];
+    op_matmul_backward(dinp, q->dw, q->db, dout, inp, q->w.p, q->w.dt, N, q->in, q->out, 1.0f, m->ws);
+    if (!q->la) return;
+    int R = m->opts.lora_r;
+    float s = m->lora_scaling, *dhs = m->gs.dlora;
+    op_matmul_backward(NULL, q->dlb, NULL, dout, lora_h, q->lb, QT_F32, N, R, q->out, 1.0f, NULL); /* dB += dy^T hs */
+    memset(dhs, 0, sizeof(float) * (size_t)N * R);
+    op_matmul_backward(dhs, NULL, NULL, dout, NULL, q->lb, QT_F32, N, R, q->out, 1.0f, NULL); /* dhs = dy B */
+    if (!dropout) {
+        /* dA += s dhs^T x,  dx += s dhs A */
+        op_matmul_backward(dinp, q->dla, NULL, dhs, inp, q->la, QT_F32, N, q->in, R, s, NULL);
+        return;
+    }
+    size_t n = (size_t)N * q->in;
+    float *lx = m->gs.lx;
+    memcpy(lx, inp, sizeof(float) * n);
+    apply_dropout(m, l, j, lx, n);
+    op_matmul_backward(NULL, q->dla, NULL, dhs, lx, q->la, QT_F32, N, q->in, R, s, NULL);
+    if (!dinp) return;
+    memset(lx, 0, sizeof(float) * n);
+    op_matmul_backward(lx, NULL, NULL, dhs, NULL, q->la, QT_F32, N, q->in, R, s, NULL);
+    apply_dropout(m, l, j, lx, n); /* the same mask: d dropout(x) / dx */
+    op_acc(dinp, lx, n);
+}
+
+/* ---- one decoder layer ---------------------------------------------------- */
+/* b == NULL: decoding N tokens at positions pos0.. against the KV cache. */
+static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const float *x, float *xout, qt_acts *a,
+                          int dropout, const int32_t *pos, int pos0) {
+    const qt_config *c = &m->cfg;
+    const qt_layer *L = &m->layers[l];
+    int C = c->hidden_size, I = c->intermediate_size, H = c->num_attention_heads, KV = c->num_key_value_heads,
+        D = c->head_dim;
+    op_rmsnorm_forward(a->ln1, a->rstd1, x, L->ln1, N, C, c->rms_norm_eps);
+    linear_forward(m, l, LIN_Q, a->q, a->ln1, N, a->lora_h[LIN_Q], dropout);
+    linear_forward(m, l, LIN_K, a->k, a->ln1, N, a->lora_h[LIN_K], dropout);
+    linear_forward(m, l, LIN_V, a->v, a->ln1, N, a->lora_h[LIN_V], dropout);
+    op_rope_forward(a->q, pos, N, H, D, c->rope_theta);
+    op_rope_forward(a->k, pos, N, KV, D, c->rope_theta);
+    if (b) {
+        op_attention_forward(a->att, a->lse, a->q, a->k, a->v, b->doc_start, b->B, b->T, H, KV, D);
+    } else {
+        size_t row = (size_t)KV * D, layer = (size_t)m->opts.max_T * row;
+        float *kc = m->kcache + (size_t)l * layer, *vc = m->vcache + (size_t)l * layer;
+        memcpy(kc + (size_t)pos0 * row, a->k, sizeof(float) * (size_t)N * row);
+        memcpy(vc + (size_t)pos0 * row, a->v, sizeof(float) * (size_t)N * row);
+        op_attention_forward_cached(a->att, a->q, kc, vc, N, pos0, H, KV, D);
+    }
+    linear_forward(m, l, LIN_O, a->xmid, a->att, N, a->lora_h[LIN_O], dropout);
+    op_acc(a->xmid, x, (size_t)N * C);
+    op_rmsnorm_forward(a->ln2, a->rstd2, a->xmid, L->ln2, N, C, c->rms_norm_eps);
+    linear_forward(m, l, LIN_GATE, a->gate, a->ln2, N, a->lora_h[LIN_GATE], dropout);
+    linear_forward(m, l, LIN_UP, a->up, a->ln2, N, a->lora_h[LIN_UP], dropout);
+    op_swiglu_forward(a->h, a->gate, a->up, N, I);
+    linear_forward(m, l, LIN_DOWN, xout, a->h, N, a->lora_h[LIN_DOWN], dropout);
+    op_acc(xout, a->xmid, (size_t)N * C);
+}
+
+/* dres holds d loss / d xout on entry and d loss / d x on return. need_dx = 0
+ * (LoRA, layer 0: nothing below is trainable) skips the work for dx. */
+static void layer_backward(qt_model *m, int l, const qt_batch *b, int N, const float *x, const qt_acts *a,
+                           int dropout, int need_dx) {
+    const qt_config *c = &m->cfg;
+    const qt_layer *L = &m->layers[l];
+    const qt_grad_scratch *g = &m->gs;
+    int C = c->hidden_size, I = c->intermediate_size, H = c->num_attention_heads, KV = c->num_key_value_heads,
+        D = c->head_dim;
+    size_t NC = (size_t)N * C, NI = (size_t)N * I, NQ = (size_t)N * H * D, NK = (size_t)N * KV * D;
+
+    memset(g->dh, 0, sizeof(float) * NI);
+    linear_backward(m, l, LIN_DOWN, g->dh, g->dres, a->h, a->lora_h[LIN_DOWN], N, dropout);
+    memset(g->dg, 0, sizeof(float) * NI);
+    memset(g->du, 0, sizeof(float) * NI);
+    op_swiglu_backward(g->dg, g->du, g->dh, a->gate, a->up, N, I);
+    memset(g->dln, 0, sizeof(float) * NC);
+    linear_backward(m, l, LIN_GATE, g->dln, g->dg, a->ln2, a->lora_h[LIN_GATE], N, dropout);
+    linear_backward(m, l, LIN_UP, g->dln, g->du, a->ln2, a->lora_h[LIN_UP], N, dropout);
+    op_rmsnorm_backward(g->dres, L->dln2, g->dln, a->xmid, L->ln2, a->rstd2, N, C); /* dres: d xmid */
+
+    memset(g->datt, 0, sizeof(float) * NQ);
+    linear_backward(m, l, LIN_O, g->datt, g->dres, a->att, a->lora_h[LIN_O], N, dropout);
+    memset(g->dq, 0, sizeof(float) * NQ);
+    memset(g->dk, 0, sizeof(float) * NK);
+    memset(g->dv, 0, sizeof(float) * NK);
+    op_attention_backward(g->dq, g->dk, g->dv, g->datt, a->att, a->lse, a->q, a->k, a->v, b->doc_start, b->B, b->T,
+                          H, KV, D);
+    op_rope_backward(g->dq, b->positions, N, H, D, c->rope_theta);
+    op_rope_backward(g->dk, b->positions, N, KV, D, c->rope_theta);
+    float *dln = need_dx ? g->dln : NULL;
+    if (dln) memset(dln, 0, sizeof(float) * NC);
+    linear_backward(m, l, LIN_Q, dln, g->dq, a->ln1, a->lora_h[LIN_Q], N, dropout);
+    linear_backward(m, l, LIN_K, dln, g->dk, a->ln1, a->lora_h[LIN_K], N, dropout);
+    linear_backward(m, l, LIN_V, dln, g->dv, a->ln1, a->lora_h[LIN_V], N, dropout);
+    if (need_dx) op_rmsnorm_backward(g->dres, L->dln1, g->dln, x, L->ln1, a->rstd1, N, C);
+}
+
+/* ---- batches ---------------------------------------------------------------- */
+static int check_batch(const qt_model *m, const qt_batch *b) {
+    size_t maxn = (size_t)m->opts.max_B * (size_t)m->opts.max_T;
+    if (b->B < 1 || b->T < 1 || (size_t)b->B * (size_t)b->T > maxn)
+        return QT_ERR(QT_EINVAL, "batch of %d x %d tokens exceeds the model's activation plan (%d x %d); raise "
+                                 "micro-batch/seq_len in the model options",
+                      b->B, b->T, m->opts.max_B, m->opts.max_T);
+    int V = m->cfg.vocab_size;
+    for (int r = 0; r < b->B; r++)
+        for (int t = 0; t < b->T; t++) {
+            size_t i = (size_t)r * b->T + t;
+            if (b->inputs[i] < 0 || b->inputs[i] >= V)
+                return QT_ERR(QT_EINVAL, "batch row %d position %d: token id %d is outside the vocabulary [0, %d)", r,
+                              t, b->inputs[i], V);
+            if (b->targets[i] != QT_IGNORE_INDEX && (b->targets[i] < 0 || b->targets[i] >= V))
+                return QT_ERR(QT_EINVAL, "batch row %d position %d: label %d is outside the vocabulary [0, %d)", r, t,
+                              b->targets[i], V);
+            if (b->positions[i] < 0)
+                return QT_ERR(QT_EINVAL, "batch row %d position %d: negative RoPE position %d", r, t, b->positions[i]);
+            if (b->doc_start && (b->doc_start[i] < 0 || b->doc_start[i] > t))
+                return QT_ERR(QT_EINVAL, "batch row %d position %d: doc_start %d is not in [0, %d]", r, t,
+                              b->doc_start[i], t);
+        }
+    return QT_OK;
+}
+
+static void run_forward(qt_model *m, const qt_batch *b, int dropout) {
+    const qt_config *c = &m->cfg;
+    int N = b->B * b->T, C = c->hidden_size, L = c->num_hidden_layers;
+    qt_act_ptrs *A = &m->acts;
+    op_embedding_forward(A->x[0], b->inputs, m->wte.p, m->wte.dt, N, C);
+    for (int l = 0; l < L; l++) layer_forward(m, l, b, N, A->x[l], A->x[l + 1], &A->layer[l], dropout, b->positions, 0);
+    op_rmsnorm_forward(A->lnf, A->rstdf, A->x[L], m->lnf_w, N, C, c->rms_norm_eps);
+    op_lmhead_ce_forward(A->loss, A->lse, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, N, C, c->vocab_size, m->ws);
+}
+
+static void sum_loss(const qt_model *m, const qt_batch *b, double *loss_sum, int64_t *n_tokens, float *logp) {
+    size_t N = (size_t)b->B * b->T;
+    double s = 0;
+    int64_t n = 0;
+    for (size_t i = 0; i < N; i++) {
+        int lab = b->targets[i] != QT_IGNORE_INDEX;
+        if (lab) s += m->acts.loss[i], n++;
+        if (logp) logp[i] = lab ? -m->acts.loss[i] : 0.0f;
+    }
+    if (loss_sum) *loss_sum = s;
+    if (n_tokens) *n_tokens = n;
+}
+
+int qt_model_forward(qt_model *m, const qt_batch *b, double *loss_sum, int64_t *n_tokens, float *logp) {
+    QT_TRY(check_batch(m, b));
+    run_forward(m, b, 0);
+    sum_loss(m, b, loss_sum, n_tokens, logp);
+    return QT_OK;
+}
+
+int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, double *loss_sum,
+                              int64_t *n_tokens) {
+    if (m->infer)
+        return QT_ERR(QT_EINVAL, "this model was loaded for inference (no gradient buffers); load it with infer = 0 "
+                                 "to train");
+    QT_TRY(check_batch(m, b));
+    const qt_config *c = &m->cfg;
+    int N = b->B * b->T, C = c->hidden_size, L = c->num_hidden_layers;
+    int dropout = m->opts.lora && m->opts.lora_dropout > 0.0f;
+    qt_act_ptrs *A = &m->acts;
+    run_forward(m, b, dropout);
+    sum_loss(m, b, loss_sum, n_tokens, NULL);
+
+    float *dres = m->gs.dres, *dln = m->gs.dln;
+    memset(dres, 0, sizeof(float) * (size_t)N * C);
+    memset(dln, 0, sizeof(float) * (size_t)N * C);
+    op_lmhead_ce_backward(dln, m->dlm_head, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, A->lse, grad_scale, N, C,
+                          c->vocab_size, m->ws);
+    op_rmsnorm_backward(dres, m->dlnf_w, dln, A->x[L], m->lnf_w, A->rstdf, N, C);
+    for (int l = L - 1; l >= 0; l--) {
+        /* recompute: x[l+1] was consumed by layer l+1's backward, so it may be overwritten */
+        if (m->opts.grad_checkpointing)
+            layer_forward(m, l, b, N, A->x[l], A->x[l + 1], &A->layer[l], dropout, b->positions, 0);
+        layer_backward(m, l, b, N, A->x[l], &A->layer[l], dropout, l > 0 || m->dwte != NULL);
+    }
+    if (m->dwte) op_embedding_backward(m->dwte, dres, b->inputs, N, C);
+    m->micro_step++;
+    return QT_OK;
+}
+
+/* ---- decoding with the KV cache ------------------------------------------------ */
+void qt_model_decode_reset(qt_model *m) { m->kv_len = 0; }
+
+int qt_model_decode(qt_model *m, const int32_t *ids, int n, int pos0, float *logits_out) {
+    const qt_config *c = &m->cfg;
+    int C = c->hidden_size, L = c->num_hidden_layers, V = c->vocab_size;
+    if (!m->infer || !m->kcache)
+        return QT_ERR(QT_EINVAL, "decoding needs a model loaded for inference (opts.infer = 1) with a KV cache");
+    if (n < 1 || (size_t)n > (size_t)m->opts.max_B * m->opts.max_T)
+        return QT_ERR(QT_EINVAL, "decode: %d tokens at once is outside [1, %d]", n, m->opts.max_B * m->opts.max_T);
+    if (pos0 < 0 || pos0 > m->kv_len)
+        return QT_ERR(QT_EINVAL, "decode: position %d is past the %d cached positions; decode in order or start at 0",
+                      pos0, m->kv_len);
+    if (pos0 + n > m->opts.max_T)
+        return QT_ERR(QT_EINVAL, "decode: positions up to %d exceed the KV cache of %d; load with a larger max_T",
+                      pos0 + n, m->opts.max_T);
+    for (int i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= V)
+            return QT_ERR(QT_EINVAL, "decode: token id %d is outside the vocabulary [0, %d)", ids[i], V);
+        m->pos_buf[i] = pos0 + i;
+    }
+    qt_act_ptrs *A = &m->acts;
+    op_embedding_forward(A->x[0], ids, m->wte.p, m->wte.dt, n, C);
+    for (int l = 0; l < L; l++) layer_forward(m, l, NULL, n, A->x[l], A->x[l + 1], &A->layer[l], 0, m->pos_buf, pos0);
+    op_rmsnorm_forward(A->lnf, A->rstdf, A->x[L] + (size_t)(n - 1) * C, m->lnf_w, 1, C, c->rms_norm_eps);
+    op_matmul_forward(logits_out, A->lnf, m->lm_head.p, m->lm_head.dt, NULL, 1, C, V, 1.0f, 0, m->ws);
+    m->kv_len = pos0 + n;
+    return QT_OK;
+}

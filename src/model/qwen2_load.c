@@ -1,0 +1,311 @@
+/* Loading a Qwen2/Llama model folder into the blocks the memory plan sizes:
+ *  - full fine-tuning: every weight is read (any file dtype) into the flat
+ *    fp32 master block, in the order of the parameter table (HF names);
+ *  - LoRA / inference: the base stays in the safetensors mapping in its file
+ *    dtype (matrices and the embedding); only norm weights and biases are
+ *    converted to a small f32 block. The LoRA A/B matrices are the master
+ *    block: A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's kaiming_uniform(a=sqrt(5))),
+ *    B = 0. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "core/mem.h"
+#include "core/rng.h"
+#include "model/model_internal.h"
+
+#define LORA_INIT_SALT 0x4c6f5241ull /* "LoRA": the A-init stream, apart from dropout's */
+
+void qt_model_opts_default(qt_model_opts *o) {
+    memset(o, 0, sizeof *o);
+    o->compute = QT_F32;
+    o->lora_r = 8;
+    o->lora_alpha = 8.0f;
+    o->lora_targets = QT_LORA_Q | QT_LORA_V;
+    o->max_B = 1;
+    o->max_T = 512;
+    o->seed = 42;
+}
+
+static int check_config(const qt_config *c, const char *dir) {
+    if (c->vocab_size < 1 || c->hidden_size < 1 || c->intermediate_size < 1 || c->num_hidden_layers < 1 ||
+        c->num_attention_heads < 1 || c->num_key_value_heads < 1 || c->head_dim < 2)
+        return QT_ERR(QT_EFORMAT, "%s/config.json: a model size field is zero or negative; fix config.json", dir);
+    if (c->num_attention_heads % c->num_key_value_heads)
+        return QT_ERR(QT_EFORMAT,
+                      "%s/config.json: num_attention_heads (%d) is not a multiple of num_key_value_heads (%d)", dir,
+                      c->num_attention_heads, c->num_key_value_heads);
+    if (c->head_dim % 2 || c->head_dim > 1024)
+        return QT_ERR(QT_EUNSUPPORTED, "%s/config.json: head_dim %d must be even and at most 1024", dir, c->head_dim);
+    return QT_OK;
+}
+
+static int check_opts(const qt_model_opts *o) {
+    if (o->max_B < 1 || o->max_T < 1)
+        return QT_ERR(QT_EINVAL, "model options: max_B and max_T must be at least 1 (got %d, %d)", o->max_B, o->max_T);
+    if (o->lora) {
+        if (o->lora_r < 1) return QT_ERR(QT_EINVAL, "lora.r must be at least 1 (got %d)", o->lora_r);
+        if (!(o->lora_targets & 0x7f))
+            return QT_ERR(QT_EINVAL, "lora.target_modules names none of q_proj, k_proj, v_proj, o_proj, gate_proj, "
+                                     "up_proj, down_proj");
+        if (!(o->lora_dropout >= 0.0f && o->lora_dropout < 1.0f))
+            return QT_ERR(QT_EINVAL, "lora.lora_dropout must be in [0, 1) (got %g)", o->lora_dropout);
+    }
+    return QT_OK;
+}
+
+static float *find_param(qt_model *m, float *block, const char *name) {
+    if (!block) return NULL;
+    for (int i = 0; i < m->n_params; i++)
+        if (!strcmp(m->params[i].name, name)) return block + m->params[i].offset;
+    return NULL;
+}
+
+/* A frozen base matrix, left in the mapping in its file dtype. */
+static int base_matrix(qt_model *m, const char *name, int64_t d0, int64_t d1, qt_wref *w) {
+    const st_tensor *t;
+    int64_t shape[2] = {d0, d1};
+    QT_TRY(st_expect(m->st, name, 2, shape, &t));
+    w->p = t->data;
+    w->dt = t->dtype;
+    if (t->dtype == QT_F32 && ((uintptr_t)t->data & 3)) {
+        /* sgemm wants aligned floats; a hand-written file may not give them */
+        void **owned = qt_realloc(m->owned, sizeof(void *) * (size_t)(m->n_owned + 1), "model: copied tensor list");
+        if (!owned) return QT_ENOMEM;
+        m->owned = owned;
+        float *copy = qt_alloc_aligned(t->nbytes, name);
+        if (!copy) return QT_ENOMEM;
+        memcpy(copy, t->data, t->nbytes);
+        m->owned[m->n_owned++] = copy;
+        w->p = copy;
+    }
+    return QT_OK;
+}
+
+static int base_vector(qt_model *m, const char *name, int64_t n, float *dst) {
+    const st_tensor *t;
+    QT_TRY(st_expect(m->st, name, 1, &n, &t));
+    return st_read_f32(t, dst);
+}
+
+static int load_full(qt_model *m) {
+    for (int i = 0; i < m->n_params; i++) {
+        const qt_param *p = &m->params[i];
+        const st_tensor *t;
+        QT_TRY(st_expect(m->st, p->name, p->ndim, p->shape, &t));
+        QT_TRY(st_read_f32(t, m->master + p->offset));
+    }
+    const qt_config *c = &m->cfg;
+    char name[160];
+    m->wte = (qt_wref){find_param(m, m->master, "model.embed_tokens.weight"), QT_F32};
+    m->dwte = find_param(m, m->grads, "model.embed_tokens.weight");
+    m->lnf_w = find_param(m, m->master, "model.norm.weight");
+    m->dlnf_w = find_param(m, m->grads, "model.norm.weight");
+    if (c->tie_word_embeddings) {
+        m->lm_head = m->wte;
+        m->dlm_head = m->dwte;
+    } else {
+        m->lm_head = (qt_wref){find_param(m, m->master, "lm_head.weight"), QT_F32};
+        m->dlm_head = find_param(m, m->grads, "lm_head.weight");
+    }
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        qt_layer *L = &m->layers[l];
+        snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
+        L->ln1 = find_param(m, m->master, name);
+        L->dln1 = find_param(m, m->grads, name);
+        snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
+        L->ln2 = find_param(m, m->master, name);
+        L->dln2 = find_param(m, m->grads, name);
+        for (int j = 0; j < LIN_COUNT; j++) {
+            qt_linear *q = &L->lin[j];
+            snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, qt_lin_path[j]);
+            q->w = (qt_wref){find_param(m, m->master, name), QT_F32};
+            q->dw = find_param(m, m->grads, name);
+            snprintf(name, sizeof name, "model.layers.%d.%s.bias", l, qt_lin_path[j]);
+            q->b = find_param(m, m->master, name);
+            q->db = find_param(m, m->grads, name);
+        }
+    }
+    return QT_OK;
+}
+
+static int load_frozen(qt_model *m) {
+    const qt_config *c = &m->cfg;
+    int C = c->hidden_size, V = c->vocab_size;
+    char name[160];
+    float *small = m->base_f32;
+    QT_TRY(base_matrix(m, "model.embed_tokens.weight", V, C, &m->wte));
+    if (c->tie_word_embeddings) m->lm_head = m->wte;
+    else QT_TRY(base_matrix(m, "lm_head.weight", V, C, &m->lm_head));
+    QT_TRY(base_vector(m, "model.norm.weight", C, small));
+    m->lnf_w = small;
+    small += C;
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        qt_layer *L = &m->layers[l];
+        snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
+        QT_TRY(base_vector(m, name, C, small));
+        L->ln1 = small, small += C;
+        snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
+        QT_TRY(base_vector(m, name, C, small));
+        L->ln2 = small, small += C;
+        for (int j = 0; j < LIN_COUNT; j++) {
+            qt_linear *q = &L->lin[j];
+            snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, qt_lin_path[j]);
+            QT_TRY(base_matrix(m, name, q->out, q->in, &q->w));
+            if (qt_lin_has_bias(c, j)) {
+                snprintf(name, sizeof name, "model.layers.%d.%s.bias", l, qt_lin_path[j]);
+                QT_TRY(base_vector(m, name, q->out, small));
+                q->b = small, small += q->out;
+            }
+        }
+    }
+    return QT_OK;
+}
+
+static void wire_lora(qt_model *m) {
+    char name[200];
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++)
+        for (int j = 0; j < LIN_COUNT; j++) {
+            qt_linear *q = &m->layers[l].lin[j];
+            snprintf(name, sizeof name, "base_model.model.model.layers.%d.%s.lora_A.weight", l, qt_lin_path[j]);
+            q->la = find_param(m, m->master, name);
+            q->dla = find_param(m, m->grads, name);
+            snprintf(name, sizeof name, "base_model.model.model.layers.%d.%s.lora_B.weight", l, qt_lin_path[j]);
+            q->lb = find_param(m, m->master, name);
+            q->dlb = find_param(m, m->grads, name);
+            if (!q->la) continue;
+            /* A ~ U(-1/sqrt(in), 1/sqrt(in)), one stream per (layer, module); B stays 0 */
+            qt_rng r;
+            qt_rng_derive(&r, m->opts.seed ^ LORA_INIT_SALT, (uint64_t)l, (uint64_t)j);
+            float bound = 1.0f / sqrtf((float)q->in);
+            size_t n = (size_t)m->opts.lora_r * q->in;
+            for (size_t i = 0; i < n; i++) q->la[i] = (2.0f * qt_rng_uniform(&r) - 1.0f) * bound;
+        }
+}
+
+static void *alloc_floats(size_t bytes, const char *what) {
+    if (!bytes) return NULL;
+    return qt_alloc_aligned(bytes, what);
+}
+
+static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
+    QT_TRY(check_opts(opts));
+    QT_TRY(qt_config_load(dir, &m->cfg));
+    QT_TRY(check_config(&m->cfg, dir));
+    m->opts = *opts;
+    if (!m->opts.lora) m->opts.lora_targets = 0;
+    m->infer = opts->infer;
+    const qt_config *c = &m->cfg;
+    QT_TRY(st_open(dir, &m->st));
+    qt_model_memory(c, &m->opts, &m->mem);
+
+    m->n_params = qt_model_param_table(c, &m->opts, NULL, &m->numel);
+    if (m->infer && !m->opts.lora) m->n_params = 0, m->numel = 0; /* inference: nothing trainable */
+    if (m->n_params) {
+        m->params = qt_calloc((size_t)m->n_params, sizeof(qt_param), "model: parameter table");
+        if (!m->params) return QT_ENOMEM;
+        qt_model_param_table(c, &m->opts, m->params, NULL);
+    }
+    if (m->numel) {
+        m->master = alloc_floats(m->numel * 4, "model: fp32 master weights");
+        if (!m->master) return QT_ENOMEM;
+        memset(m->master, 0, m->numel * 4);
+        if (!m->infer) {
+            m->grads = alloc_floats(m->numel * 4, "model: fp32 gradients");
+            if (!m->grads) return QT_ENOMEM;
+            memset(m->grads, 0, m->numel * 4);
+        }
+    }
+    m->layers = qt_calloc((size_t)c->num_hidden_layers, sizeof(qt_layer), "model: layer table");
+    if (!m->layers) return QT_ENOMEM;
+    for (int l = 0; l < c->num_hidden_layers; l++)
+        for (int j = 0; j < LIN_COUNT; j++) qt_lin_shape(c, j, &m->layers[l].lin[j].in, &m->layers[l].lin[j].out);
+
+    if (m->opts.lora || m->infer) {
+        if (m->mem.base_f32) {
+            m->base_f32 = alloc_floats(m->mem.base_f32, "model: frozen norm weights and biases");
+            if (!m->base_f32) return QT_ENOMEM;
+        }
+        QT_TRY(load_frozen(m));
+    } else {
+        QT_TRY(load_full(m));
+    }
+    if (m->opts.lora) {
+        m->lora_scaling = m->opts.use_rslora ? m->opts.lora_alpha / sqrtf((float)m->opts.lora_r)
+                                             : m->opts.lora_alpha / (float)m->opts.lora_r;
+        wire_lora(m);
+    }
+
+    m->acts.x = qt_calloc((size_t)c->num_hidden_layers + 1, sizeof(float *), "model: activation table");
+    m->acts.layer = qt_calloc((size_t)c->num_hidden_layers, sizeof(qt_acts), "model: activation table");
+    if (!m->acts.x || !m->acts.layer) return QT_ENOMEM;
+    m->act_block = alloc_floats(m->mem.activations, "model: activations");
+    if (!m->act_block) return QT_ENOMEM;
+    qt_model_carve_acts(c, &m->opts, m->act_block, &m->acts);
+    if (m->mem.act_grads) {
+        m->grad_block = alloc_floats(m->mem.act_grads, "model: activation gradients");
+        if (!m->grad_block) return QT_ENOMEM;
+        qt_model_carve_grads(c, &m->opts, m->grad_block, &m->gs);
+    }
+    m->ws = alloc_floats(m->mem.workspace, "model: matmul workspace");
+    if (!m->ws) return QT_ENOMEM;
+    if (m->mem.kv_cache) {
+        m->kcache = alloc_floats(m->mem.kv_cache, "model: KV cache");
+        if (!m->kcache) return QT_ENOMEM;
+        m->vcache = m->kcache + m->mem.kv_cache / 8;
+    }
+    m->pos_buf = qt_malloc(sizeof(int32_t) * (size_t)opts->max_B * (size_t)opts->max_T, "model: positions");
+    if (!m->pos_buf) return QT_ENOMEM;
+    qt_debug("model %s: %zu trainable, %.1f MiB allocated", dir, m->numel, (double)m->mem.total / (1 << 20));
+    return QT_OK;
+}
+
+int qt_model_load(const char *dir, const qt_model_opts *opts, qt_model **out) {
+    *out = NULL;
+    qt_model *m = qt_calloc(1, sizeof *m, "model");
+    if (!m) return QT_ENOMEM;
+    int rc = model_load(m, dir, opts);
+    if (rc != QT_OK) {
+        qt_model_free(m);
+        return rc;
+    }
+    *out = m;
+    return QT_OK;
+}
+
+void qt_model_free(qt_model *m) {
+    if (!m) return;
+    for (int i = 0; i < m->n_owned; i++) qt_free(m->owned[i]);
+    qt_free(m->owned);
+    qt_free(m->master);
+    qt_free(m->grads);
+    qt_free(m->params);
+    qt_free(m->base_f32);
+    qt_free(m->layers);
+    qt_free(m->acts.x);
+    qt_free(m->acts.layer);
+    qt_free(m->act_block);
+    qt_free(m->grad_block);
+    qt_free(m->ws);
+    qt_free(m->kcache);
+    qt_free(m->pos_buf);
+    st_close(m->st);
+    qt_free(m);
+}
+
+const qt_config *qt_model_config(const qt_model *m) { return &m->cfg; }
+size_t qt_model_numel(const qt_model *m) { return m->numel; }
+float *qt_model_master(qt_model *m) { return m->master; }
+float *qt_model_grads(qt_model *m) { return m->grads; }
+const qt_param *qt_model_params(const qt_model *m, int *n) {
+    *n = m->n_params;
+    return m->params;
+}
+/* The CPU graph computes straight from the fp32 master block (and reads a
+ * frozen base in its file dtype), so there is no compute copy to refresh. */
+void qt_model_weights_updated(qt_model *m) { (void)m; }
+void qt_model_set_micro_step(qt_model *m, uint64_t step) { m->micro_step = step; }
+uint64_t qt_model_micro_step(const qt_model *m) { return m->micro_step; }
