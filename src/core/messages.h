@@ -5,9 +5,9 @@
  * change the wording here and both follow. Whoever raises one of these must
  * use the constant, never a copy of the text.
  *
- * Owner: tools (plan/doctor/generate). Other modules' failure texts that the
- * table lists live with their owners (loss scaler: src/optim/, collective
- * timeout: src/dist/); the doctor includes those headers. */
+ * Owner: tools (plan/doctor/generate). A failure text that lives with its
+ * owner instead is listed by the doctor from the owner's header: the fp16
+ * loss-scale floor is QT_MSG_LOSS_SCALE_FLOOR_FMT in src/optim/loss_scaler.h. */
 #ifndef QT_CORE_MESSAGES_H
 #define QT_CORE_MESSAGES_H
 
@@ -39,12 +39,5 @@
 #define QT_MSG_DIST_TIMEOUT_FMT                                                                    \
     "rank %d: collective %s did not complete within %g s; %s. Check that every rank is alive, "   \
     "the network between hosts, and raise QTUNE_DIST_TIMEOUT if steps are just slow"
-
-/* Loss-scale collapse (src/optim/ loss scaler, fp16): the dynamic scale hit
- * its floor and steps keep overflowing. args: double scale, long skipped
- * steps in a row. */
-#define QT_MSG_LOSS_SCALE_FLOOR_FMT                                                                \
-    "fp16 loss scale reached its floor (min_loss_scale %g) and %ld steps in a row overflowed; "    \
-    "lower the learning rate or lengthen warmup, check the data, or train in bf16 or fp32"
 
 #endif

@@ -9,6 +9,7 @@
 #include "core/messages.h"
 #include "io/hf_config.h"
 #include "model/model.h"
+#include "optim/loss_scaler.h"
 #include "train/job.h"
 #include "train/plan_report.h"
 #include "qtune_config.h"
@@ -544,7 +545,7 @@ int qt_doctor_check_job(FILE *f, const char *path, int ranks) {
         const cJSON *tm = cJSON_GetObjectItemCaseSensitive(lora, "target_modules");
         unsigned mask;
         qt_error_clear();
-        if (tm && qt_lora_targets_parse(tm, &mask, path) == QT_OK && mask) o.lora_targets = mask;
+        if (tm && qt_job_lora_targets(tm, &mask, path) == QT_OK && mask) o.lora_targets = mask;
     }
     if (have_cfg) {
         if (o.seq_len > cfg.max_position_embeddings && cfg.max_position_embeddings > 0)

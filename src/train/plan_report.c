@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/mem.h"
+#include "model/memplan.h"
 #include "model/model.h"
 
 #include <cjson/cJSON.h>
@@ -14,8 +15,8 @@
 
 #define GIB (1024.0 * 1024.0 * 1024.0)
 #define MAX_DEVICES 4096
-/* Gradient bucket of the collectives: at most 2^26 elements (256 MiB fp32). */
-#define COMM_BUCKET_ELEMS ((int64_t)1 << 26)
+/* Staging bucket for offloaded parameters: the dist layer's default 2^24 elements. */
+#define COMM_BUCKET_ELEMS ((int64_t)1 << 24)
 /* Process runtime per rank: code, BLAS/OpenMP buffers, allocator slack. */
 #define HOST_RUNTIME_PER_RANK ((uint64_t)1 << 30)
 
@@ -47,49 +48,41 @@ typedef struct {
     uint64_t workspace;   /* backward scratch */
 } plan_model;
 
-/* Elements of one LoRA pair on a (out, in) projection. */
-static int64_t lora_numel(int64_t out, int64_t in, int r) { return (int64_t)r * (in + out); }
-
+/* The model's own memory plan (model/memplan.h) sizes everything the model
+ * allocates; here it is sorted into the plan's categories. Two rules of the
+ * strategy layer apply on top: a frozen LoRA base is held in the compute
+ * dtype (the memplan counts it in the file's dtype, as it maps it), and in
+ * f16/bf16 full fine-tuning a 2-byte compute copy of the trainable block sits
+ * on the card while the fp32 master (counted under "master") can be sharded
+ * or offloaded. In f32 the master block is the compute copy. */
 static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, plan_model *pm) {
-    const int64_t V = c->vocab_size, C = c->hidden_size, I = c->intermediate_size, L = c->num_hidden_layers;
-    const int64_t H = c->num_attention_heads, KV = c->num_key_value_heads, D = c->head_dim;
-    const int64_t B = o->micro_batch, T = o->seq_len, R = o->lora_r;
-    const int64_t bias = c->attention_bias ? (H * D + 2 * KV * D) : 0;
-    const int64_t per_layer = C * H * D + 2 * C * KV * D + H * D * C + 3 * C * I + 2 * C + bias;
-    const int64_t n_params = V * C + L * per_layer + C + (c->tie_word_embeddings ? 0 : V * C);
-    int64_t n_lora = 0;
-    if (o->lora) {
-        const unsigned t = o->lora_targets;
-        int64_t per = 0;
-        if (t & QT_LORA_Q) per += lora_numel(H * D, C, (int)R);
-        if (t & QT_LORA_K) per += lora_numel(KV * D, C, (int)R);
-        if (t & QT_LORA_V) per += lora_numel(KV * D, C, (int)R);
-        if (t & QT_LORA_O) per += lora_numel(C, H * D, (int)R);
-        if (t & QT_LORA_GATE) per += lora_numel(I, C, (int)R);
-        if (t & QT_LORA_UP) per += lora_numel(I, C, (int)R);
-        if (t & QT_LORA_DOWN) per += lora_numel(C, I, (int)R);
-        n_lora = L * per;
-    }
+    qt_model_opts mo;
+    qt_model_opts_default(&mo);
+    mo.compute = o->precision;
+    mo.lora = o->lora;
+    mo.lora_r = o->lora_r;
+    mo.lora_targets = o->lora_targets;
+    mo.lora_dropout = 0.1f; /* PEFT's usual setting; the dropout input buffer is counted */
+    mo.grad_checkpointing = o->checkpointing;
+    mo.max_B = o->micro_batch;
+    mo.max_T = o->seq_len;
+    qt_mem_breakdown b;
+    qt_model_memory(c, &mo, &b);
+    qt_model_opts full = mo;
+    full.lora = 0;
+    const int64_t n_base = (int64_t)qt_model_trainable_numel(c, &full);
+    const int64_t n_train = (int64_t)qt_model_trainable_numel(c, &mo);
     const uint64_t ws = qt_dtype_size(o->precision);
-    pm->n_params = n_params + n_lora;
-    pm->n_trainable = o->lora ? n_lora : n_params;
-    /* f32: the trainable block is the weights; f16/bf16: a compute copy of it */
-    pm->weights = o->lora ? (uint64_t)n_params * ws + (uint64_t)n_lora * ws : (uint64_t)n_params * ws;
-
-    /* Saved activations of one layer, in elements: the residual input, both
-     * norm outputs and their rstd, q/k/v, the attention probabilities, the
-     * attention output, the mid residual, gate/up/silu(gate)*up, and the
-     * LoRA down-projections x A^T. Activations are kept in fp32 (the CPU
-     * backend computes in fp32 for every storage dtype). */
-    const int64_t BT = B * T;
-    int64_t layer = BT * (4 * C + 2 + 2 * H * D + 2 * KV * D + 3 * I) + B * H * T * T;
-    if (o->lora) layer += BT * R * __builtin_popcount(o->lora_targets);
-    const int64_t head = BT * (C + 1); /* final norm output and rstd */
-    const int64_t saved = o->checkpointing ? L * BT * C + layer + head : L * layer + head;
-    pm->activations = (uint64_t)saved * 4;
-    /* Backward scratch: logits and their gradient (B*T*V fp32 each), the
-     * gradients of one layer's activations, and two residual-stream grads. */
-    pm->workspace = (uint64_t)(2 * BT * V + layer + 2 * BT * C) * 4;
+    pm->n_params = o->lora ? n_base + n_train : n_base;
+    pm->n_trainable = n_train;
+    if (o->lora) {
+        const uint64_t file_bytes = qt_dtype_size(c->torch_dtype);
+        pm->weights = b.base / file_bytes * ws + b.base_f32 + (o->precision == QT_F32 ? b.master : (uint64_t)n_train * ws);
+    } else {
+        pm->weights = o->precision == QT_F32 ? b.master : (uint64_t)n_train * ws;
+    }
+    pm->activations = b.activations;
+    pm->workspace = b.act_grads + b.workspace;
 }
 
 /* ---- strategy side -------------------------------------------------------- */
@@ -109,12 +102,9 @@ static void plan_device(const plan_model *pm, const qt_plan_opts *o, int N, qt_p
     if (o->offload) d->master = d->optim = 0;
     d->activations = pm->activations;
     d->workspace = pm->workspace;
-    if (N > 1) {
-        const uint64_t bucket = (uint64_t)(Pt < (uint64_t)COMM_BUCKET_ELEMS ? Pt : (uint64_t)COMM_BUCKET_ELEMS) * 4;
-        /* all-reduce / reduce-scatter double buffer; ZeRO 1/2 add an
-         * all-gather buffer for the updated parameters */
-        d->comm = 2 * bucket + (o->zero >= 1 ? bucket : 0);
-    }
+    /* the dist layer's reduce-scatter target: one fp32 gradient shard
+     * (allocated on one rank too, but never touched there) */
+    if (N > 1) d->comm = shard(Pt * 4, N);
     d->total = d->weights + d->grads + d->master + d->optim + d->activations + d->workspace + d->comm;
 }
 
@@ -251,8 +241,8 @@ void qt_plan_print(FILE *f, const char *name, const qt_config *c, const qt_plan_
             o->devices, o->devices > 1 ? "s" : "", o->card_watts, p->hosts, p->hosts > 1 ? "s" : "", o->host_watts,
             p->power_w, p->power_recommend_w);
     fprintf(f, "\nassumptions: gradients and optimizer state fp32 (Adam m, v = 8 B/param); f16/bf16 keep a 2 B\n"
-               "compute copy plus a 4 B fp32 master; activations fp32 and sized for one micro-batch B x T with\n"
-               "the attention matrix materialised; collectives use buckets of up to 2^26 fp32 elements;\n"
+               "compute copy plus a 4 B fp32 master; activations fp32, sized for one micro-batch B x T, attention\n"
+               "not materialised (log-sum-exp kept); collectives reduce into one fp32 gradient shard per rank;\n"
                "card TDP %.0f W (--card-watts), host %.0f W (--host-watts), dataset %.2f GiB (--dataset-gib).\n",
             o->card_watts, o->host_watts, gib(o->dataset_bytes));
 }

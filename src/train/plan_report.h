@@ -52,7 +52,7 @@ typedef struct {
     uint64_t optim;       /* Adam m and v, fp32 (sharded in ZeRO 1/2) */
     uint64_t activations; /* saved for backward, sized for B x T */
     uint64_t workspace;   /* backward scratch, logits, attention scores */
-    uint64_t comm;        /* collective buffers (0 on one device) */
+    uint64_t comm;        /* the reduced fp32 gradient shard of the collectives (0 on one device) */
     uint64_t total;
 } qt_plan_device;
 

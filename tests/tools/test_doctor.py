@@ -1,0 +1,120 @@
+"""qtune doctor: the environment report, a good and a bad job, and the known-failure table whose
+messages are the program's own strings (each constant of src/core/messages.h is used in src/)."""
+import json
+import os
+import re
+
+from conftest import SRC, qtune, write_fake_model
+
+
+def good_job(tmp_path):
+    write_fake_model(tmp_path / "model")
+    (tmp_path / "train.jsonl").write_text('{"text": "hello world"}\n')
+    job = {
+        "model": "model", "output_dir": "runs/a",
+        "data": {"train": "train.jsonl", "seq_len": 64},
+        "lora": {"r": 8, "lora_alpha": 32, "lora_dropout": 0.1, "target_modules": ["q_proj", "v_proj"]},
+        "train": {"max_steps": 2, "seed": 1},
+        "deepspeed": {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                      "fp16": {"enabled": True}, "zero_optimization": {"stage": 0}},
+    }
+    p = tmp_path / "job.json"
+    p.write_text(json.dumps(job))
+    return p, job
+
+
+def test_environment_report():
+    p = qtune("doctor", "--no-table", check=0)
+    for key in ("AVX2", "AVX-512F", "AVX512_BF16", "F16C", "OpenBLAS", "openmp", "mpi", "cuda", "memory"):
+        assert key in p.stdout, f"{key} missing from:\n{p.stdout}"
+
+
+def test_good_job_exits_zero(tmp_path):
+    job, _ = good_job(tmp_path)
+    p = qtune("doctor", job, "--ranks", "1", check=0)
+    assert "no problems found" in p.stdout
+    assert "plan " in p.stdout and "GiB per rank" in p.stdout
+
+
+def test_bad_job_names_every_problem(tmp_path):
+    job, j = good_job(tmp_path)
+    j["model"] = "no-such-model"
+    j["data"]["train"] = "missing.jsonl"
+    j["deepspeed"]["train_batch_size"] = 6          # != 2 x 2 x 1
+    j["deepspeed"]["bf16"] = {"enabled": True}      # with fp16 too
+    j["deepspeed"]["zero_optimization"] = {"stage": 0, "offload_optimizer": {"device": "nvme"}}
+    job.write_text(json.dumps(j))
+    p = qtune("doctor", job, "--ranks", "1", "--no-table")
+    assert p.returncode != 0
+    out = p.stdout
+    assert "no-such-model" in out and "not a folder" in out
+    assert "missing.jsonl" in out and "cannot be read" in out
+    assert "train_batch_size 6" in out
+    assert "both fp16 and bf16" in out
+    assert '"nvme"' in out
+    n = len(re.findall(r"^  problem: ", out, re.M))
+    assert n >= 5, out
+    assert "problem" in p.stderr and str(job) in p.stderr
+
+
+def test_unreadable_job(tmp_path):
+    p = qtune("doctor", tmp_path / "nope.json", "--no-table")
+    assert p.returncode != 0 and "nope.json" in p.stdout
+
+
+def test_ranks_change_batch_identity(tmp_path):
+    job, _ = good_job(tmp_path)
+    p = qtune("doctor", job, "--ranks", "2", "--no-table")
+    assert p.returncode != 0 and "x 2 ranks" in p.stdout
+
+
+def _joined_literals(c_text):
+    """The source with comments dropped and adjacent C string literals joined, so a message split
+    over several lines reads as one string."""
+    c_text = re.sub(r"/\*.*?\*/", " ", c_text, flags=re.S)
+    return re.sub(r'"\s*(?:\\\s*\n\s*)?"', "", c_text)
+
+
+MESSAGE_HEADERS = ["src/core/messages.h", "src/optim/loss_scaler.h"]
+
+
+def _constants():
+    """Every QT_MSG_* constant the doctor's table draws from, with its text."""
+    out = {}
+    for h in MESSAGE_HEADERS:
+        text = open(os.path.join(SRC, h)).read()
+        for m in re.finditer(r"#define\s+(QT_MSG_\w+)((?:[^\n]*\\\n)*[^\n]*)", text):
+            out[m.group(1)] = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', m.group(2)))
+    return out
+
+
+def test_table_shows_every_message():
+    consts = _constants()
+    assert len(consts) >= 5 and "QT_MSG_LOSS_SCALE_FLOOR_FMT" in consts
+    doctor = open(os.path.join(SRC, "src/train/doctor.c")).read()
+    table = qtune("doctor").stdout
+    for name, text in consts.items():
+        assert re.search(r"\b%s\b" % name, doctor), f"{name} is not in the doctor's table"
+        # the fixed text before the first conversion (or after it) is shown verbatim
+        pieces = [x for x in re.split(r"%[-+ #0-9.*lhzjt]*[a-zA-Z]", text) if len(x.strip()) > 10]
+        for piece in pieces:
+            assert piece.replace('\\"', '"').strip() in table, f"{name}: '{piece}' missing from the table"
+
+
+def test_each_message_is_printed_by_the_code():
+    """Each constant is used by name in src/ (outside the doctor), or its exact text is there."""
+    consts = _constants()
+    sources = {}
+    for root, _, files in os.walk(os.path.join(SRC, "src")):
+        for fn in files:
+            if fn.endswith(".c") and fn != "doctor.c":
+                text = open(os.path.join(root, fn), errors="replace").read()
+                sources[os.path.join(root, fn)] = (text, _joined_literals(text))
+    missing = []
+    for name, text in consts.items():
+        by_name = any(re.search(r"\b%s\b" % name, raw) for raw, _ in sources.values())
+        by_text = any(text in joined for _, joined in sources.values())
+        if not (by_name or by_text):
+            missing.append(name)
+    assert not missing, ("defined in src/core/messages.h and listed by the doctor, but no code in src/ prints "
+                         "them yet: " + ", ".join(missing))
