@@ -69,7 +69,7 @@ static int open_loaders(qt_trainer *t) {
 static int load_model(qt_trainer *t) {
     const qt_job *job = t->job;
     qt_model_opts o;
-    memset(&o, 0, sizeof o);
+    qt_model_opts_default(&o);
     o.compute = t->cfg.compute;
     o.lora = job->lora.enabled;
     o.lora_r = job->lora.r;
