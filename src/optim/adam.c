@@ -133,9 +133,10 @@ int qt_decay_ranges_from_params(const qt_param *params, int n_params, qt_range *
     int k = 0;
     for (int i = 1; i < n; i++) {
         if (r[i].lo < r[k].hi) {
+            size_t at = r[i].lo;
             qt_free(r);
             return QT_ERR(QT_EINVAL, "parameter table: two parameters overlap at element %zu of the trainable block",
-                          r[i].lo);
+                          at);
         }
         if (r[i].lo == r[k].hi) r[k].hi = r[i].hi;
         else r[++k] = r[i];
