@@ -19,6 +19,7 @@
 #include "optim/adam.h"
 #include "optim/clip.h"
 #include "optim/loss_scaler.h"
+#include "optim/optimizer.h"
 #include "optim/schedule.h"
 
 static void fill_normal(float *x, size_t n, uint64_t seed) {
@@ -322,6 +323,95 @@ static void test_loss_scaler_variants(void **state) {
     assert_non_null(strstr(qt_error_message(), "hysteresis"));
 }
 
+
+/* The whole step: an overflow skips the update and does not advance the
+ * schedule or Adam's step count; the loss scale is taken off the gradients;
+ * clipping uses the unscaled norm; two shards with a shared global sum give
+ * the bits of one whole-block step; the scalar state survives a JSON round trip. */
+static void test_optimizer_step_sequence(void **state) {
+    (void)state;
+    enum { N = 300, CUT = 123 };
+    qt_adam_cfg a;
+    qt_adam_cfg_default(&a);
+    a.weight_decay = 0.01;
+    qt_sched s;
+    qt_sched_default(&s, QT_SCHED_WARMUP_LR, 1e-3);
+    s.warmup_num_steps = 4;
+    s.warmup_type = QT_WARMUP_LINEAR;
+    qt_loss_scaler_cfg lc;
+    qt_loss_scaler_cfg_default(&lc);
+    lc.initial_scale_power = 10;
+    lc.hysteresis = 1;
+    qt_optimizer o1, o2, ref;
+    assert_int_equal(qt_optimizer_init(&o1, &a, &s, 1.0, &lc), QT_OK);
+    assert_int_equal(qt_optimizer_init(&o2, &a, &s, 1.0, &lc), QT_OK);
+    assert_int_equal(qt_optimizer_init(&ref, &a, &s, 1.0, NULL), QT_OK); /* fp32: scale 1 */
+    assert_true(qt_optimizer_loss_scale(&ref) == 1.0);
+    float *p1 = qt_calloc(N, 4, "p1"), *p2 = qt_calloc(N, 4, "p2"), *p3 = qt_calloc(N, 4, "p3");
+    float *m[3], *v[3];
+    for (int i = 0; i < 3; i++) m[i] = qt_calloc(N, 4, "m"), v[i] = qt_calloc(N, 4, "v");
+    float *g = qt_calloc(N, 4, "g"), *gs = qt_calloc(N, 4, "g scaled");
+    fill_normal(p1, N, 5);
+    memcpy(p2, p1, N * 4);
+    memcpy(p3, p1, N * 4);
+    qt_range decay[1] = {{50, 250}};
+    const int overflow_at = 2;
+    for (int step = 0; step < 5; step++) {
+        fill_normal(g, N, 50 + step);
+        double scale = qt_optimizer_loss_scale(&o1);
+        for (int i = 0; i < N; i++) gs[i] = g[i] * (float)scale;
+        if (step == overflow_at) gs[7] = INFINITY;
+        float before[N];
+        memcpy(before, p1, sizeof before);
+        double sum = qt_grad_sumsq(gs, N);
+        qt_step_info info;
+        assert_int_equal(qt_optimizer_apply(&o1, sum, p1, gs, m[0], v[0], N, 0, decay, 1, &info), QT_OK);
+        double sum_parts = qt_grad_sumsq(gs, CUT) + qt_grad_sumsq(gs + CUT, N - CUT);
+        qt_optimizer o2b = o2; /* both shards see the state before the step */
+        assert_int_equal(qt_optimizer_apply(&o2, sum_parts, p2, gs, m[1], v[1], CUT, 0, decay, 1, NULL), QT_OK);
+        assert_int_equal(qt_optimizer_apply(&o2b, sum_parts, p2 + CUT, gs + CUT, m[1] + CUT, v[1] + CUT, N - CUT, CUT,
+                                            decay, 1, NULL),
+                         QT_OK);
+        assert_true(info.loss_scale == scale);
+        if (step == overflow_at) {
+            assert_true(info.skipped);
+            assert_false(isfinite(info.grad_norm));
+            assert_memory_equal(before, p1, sizeof before);
+            assert_true(qt_optimizer_loss_scale(&o1) == scale / 2);
+            continue; /* the fp32 reference never saw this step */
+        }
+        assert_false(info.skipped);
+        qt_step_info rinfo;
+        assert_int_equal(qt_optimizer_apply(&ref, qt_grad_sumsq(g, N), p3, g, m[2], v[2], N, 0, decay, 1, &rinfo),
+                         QT_OK);
+        /* the same lr (the schedule did not advance on the skip), the same
+         * unscaled norm, and clipping active (norm ~ 17 > 1) */
+        assert_true(info.lr == rinfo.lr);
+        assert_float_equal(info.grad_norm, rinfo.grad_norm, 1e-9 * rinfo.grad_norm);
+        assert_true(info.clip_coef < 1.0f);
+        for (int i = 0; i < N; i++) assert_float_equal(p1[i], p3[i], 1e-6);
+    }
+    assert_int_equal(o1.n_updates, 4);
+    assert_int_equal(o1.n_skipped, 1);
+    assert_memory_equal(p1, p2, N * 4); /* shards == whole, bit for bit */
+    assert_true(qt_sched_lr_for_update(&s, 3) == 1e-3 * 2 / 4);
+
+    cJSON *js = qt_optimizer_state_json(&o1);
+    assert_non_null(js);
+    qt_optimizer back;
+    assert_int_equal(qt_optimizer_init(&back, &a, &s, 1.0, &lc), QT_OK);
+    assert_int_equal(qt_optimizer_state_load(&back, js, "ckpt"), QT_OK);
+    assert_int_equal(back.n_updates, 4);
+    assert_true(back.scaler.scale == o1.scaler.scale && back.scaler.cur_iter == o1.scaler.cur_iter &&
+                back.scaler.last_overflow_iter == o1.scaler.last_overflow_iter);
+    cJSON_ReplaceItemInObject(js, "n_updates", cJSON_CreateString("x"));
+    assert_int_equal(qt_optimizer_state_load(&back, js, "ckpt"), QT_EFORMAT);
+    assert_non_null(strstr(qt_error_message(), "n_updates"));
+    cJSON_Delete(js);
+    qt_free(p1), qt_free(p2), qt_free(p3), qt_free(g), qt_free(gs);
+    for (int i = 0; i < 3; i++) qt_free(m[i]), qt_free(v[i]);
+}
+
 int main(void) {
     qt_log_set_level(QT_LOG_WARN);
     const struct CMUnitTest tests[] = {
@@ -334,6 +424,7 @@ int main(void) {
         cmocka_unit_test(test_schedules),
         cmocka_unit_test(test_loss_scaler_table),
         cmocka_unit_test(test_loss_scaler_variants),
+        cmocka_unit_test(test_optimizer_step_sequence),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,109 @@
+/* The step sequence of optimizer.h. */
+#include "optim/optimizer.h"
+
+#include <math.h>
+
+#include "core/error.h"
+#include "optim/clip.h"
+
+int qt_optimizer_init(qt_optimizer *o, const qt_adam_cfg *adam, const qt_sched *sched, double max_grad_norm,
+                      const qt_loss_scaler_cfg *scaler) {
+    QT_TRY(qt_adam_cfg_check(adam, "optimizer"));
+    QT_TRY(qt_sched_check(sched, "scheduler"));
+    if (!(max_grad_norm >= 0.0))
+        return QT_ERR(QT_EINVAL, "gradient_clipping %g must be >= 0 (0 turns clipping off)", max_grad_norm);
+    o->adam = *adam;
+    o->sched = *sched;
+    o->max_grad_norm = max_grad_norm;
+    qt_loss_scaler_cfg off;
+    if (!scaler) {
+        qt_loss_scaler_cfg_default(&off);
+        off.loss_scale = 1.0;
+        scaler = &off;
+    }
+    QT_TRY(qt_loss_scaler_init(&o->scaler, scaler));
+    o->n_updates = 0;
+    o->n_skipped = 0;
+    return QT_OK;
+}
+
+int qt_optimizer_apply(qt_optimizer *o, double global_sumsq, float *params, const float *grads, float *m, float *v,
+                       size_t n, size_t base, const qt_range *decay, int n_decay, qt_step_info *info) {
+    const double scale = o->scaler.scale;
+    const int overflow = !isfinite(global_sumsq);
+    qt_step_info si = {
+        .grad_norm = overflow ? global_sumsq : sqrt(global_sumsq) / scale,
+        .lr = qt_sched_lr_for_update(&o->sched, o->n_updates),
+        .loss_scale = scale,
+        .clip_coef = 1.0f,
+        .skipped = overflow,
+    };
+    if (info) *info = si;
+    QT_TRY(qt_loss_scaler_update(&o->scaler, overflow));
+    if (overflow) {
+        o->n_skipped++;
+        return QT_OK;
+    }
+    si.clip_coef = qt_clip_coef(si.grad_norm, o->max_grad_norm);
+    if (info) info->clip_coef = si.clip_coef;
+    /* unscale and clip fused into the update's read of the gradient */
+    float gs = (float)(1.0 / scale) * si.clip_coef;
+    QT_TRY(qt_adam_step(&o->adam, o->n_updates + 1, si.lr, gs, params, grads, m, v, n, base, decay, n_decay));
+    o->n_updates++;
+    return QT_OK;
+}
+
+cJSON *qt_optimizer_state_json(const qt_optimizer *o) {
+    cJSON *j = cJSON_CreateObject();
+    if (!j) return NULL;
+    const qt_loss_scaler *s = &o->scaler;
+    int ok = cJSON_AddNumberToObject(j, "n_updates", (double)o->n_updates) &&
+             cJSON_AddNumberToObject(j, "n_skipped", (double)o->n_skipped) &&
+             cJSON_AddNumberToObject(j, "loss_scale", s->scale) &&
+             cJSON_AddNumberToObject(j, "scaler_cur_iter", (double)s->cur_iter) &&
+             cJSON_AddNumberToObject(j, "scaler_last_overflow_iter", (double)s->last_overflow_iter) &&
+             cJSON_AddNumberToObject(j, "scaler_cur_hysteresis", s->cur_hysteresis) &&
+             cJSON_AddNumberToObject(j, "scaler_n_overflows", (double)s->n_overflows);
+    if (!ok) {
+        cJSON_Delete(j);
+        return NULL;
+    }
+    return j;
+}
+
+static int get_whole(const cJSON *j, const char *key, const char *where, double lo, double *out) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(j, key);
+    if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble) || v->valuedouble < lo || v->valuedouble > 9.0e15 ||
+        v->valuedouble != floor(v->valuedouble))
+        return QT_ERR(QT_EFORMAT, "%s: optimizer state \"%s\" is missing or not a whole number >= %g; the checkpoint "
+                      "is damaged, resume from another one",
+                      where, key, lo);
+    *out = v->valuedouble;
+    return QT_OK;
+}
+
+int qt_optimizer_state_load(qt_optimizer *o, const cJSON *state, const char *where) {
+    double nu = 0, ns = 0, it = 0, lo = 0, h = 0, no = 0;
+    QT_TRY(get_whole(state, "n_updates", where, 0, &nu));
+    QT_TRY(get_whole(state, "n_skipped", where, 0, &ns));
+    QT_TRY(get_whole(state, "scaler_cur_iter", where, 0, &it));
+    QT_TRY(get_whole(state, "scaler_last_overflow_iter", where, -1, &lo));
+    QT_TRY(get_whole(state, "scaler_cur_hysteresis", where, 0, &h));
+    QT_TRY(get_whole(state, "scaler_n_overflows", where, 0, &no));
+    const cJSON *sc = cJSON_GetObjectItemCaseSensitive(state, "loss_scale");
+    if (!cJSON_IsNumber(sc) || !(sc->valuedouble > 0) || !isfinite(sc->valuedouble))
+        return QT_ERR(QT_EFORMAT, "%s: optimizer state \"loss_scale\" is missing or not a positive number; the "
+                      "checkpoint is damaged, resume from another one",
+                      where);
+    if (h > 1e9) return QT_ERR(QT_EFORMAT, "%s: optimizer state \"scaler_cur_hysteresis\" is out of range", where);
+    o->n_updates = (int64_t)nu;
+    o->n_skipped = (int64_t)ns;
+    qt_loss_scaler *s = &o->scaler;
+    /* A static scale stays what the config says; a dynamic one resumes. */
+    if (s->dynamic) s->scale = sc->valuedouble;
+    s->cur_iter = (int64_t)it;
+    s->last_overflow_iter = (int64_t)lo;
+    s->cur_hysteresis = (int)h;
+    s->n_overflows = (int64_t)no;
+    return QT_OK;
+}
