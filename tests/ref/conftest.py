@@ -1,0 +1,106 @@
+"""Shared helpers for the reference-parity tests: random model folders written
+with st.py, batches with packed rows, and a runner for qtune_ref_driver."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import st  # noqa: E402
+
+BUILD = os.environ.get("QTUNE_BUILD_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
+DRIVER = os.path.join(BUILD, "tests", "unit", "model", "qtune_ref_driver")
+QTUNE = os.environ.get("QTUNE_BIN", os.path.join(BUILD, "src", "cli", "qtune"))
+
+# name: (arch, H, KV, D, C, I, L, V, tied, file dtype)
+SHAPES = {
+    "qwen2-gqa1-d64-tied-f32": ("qwen2", 2, 2, 64, 128, 160, 2, 320, True, "F32"),
+    "qwen2-gqa2-d64-untied-bf16": ("qwen2", 4, 2, 64, 256, 192, 2, 288, False, "BF16"),
+    "qwen2-gqa7-d128-tied-f32": ("qwen2", 7, 1, 128, 896, 256, 1, 200, True, "F32"),
+    "llama-gqa2-d64-untied-bf16": ("llama", 4, 2, 64, 256, 192, 2, 288, False, "BF16"),
+}
+
+
+def make_model(path, shape, seed=0):
+    arch, H, KV, D, C, I, L, V, tied, dtype = SHAPES[shape] if isinstance(shape, str) else shape
+    os.makedirs(path, exist_ok=True)
+    cfg = {
+        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        "model_type": arch, "hidden_size": C, "intermediate_size": I, "num_attention_heads": H,
+        "num_key_value_heads": KV, "num_hidden_layers": L, "vocab_size": V, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0 if arch == "qwen2" else 10000.0, "max_position_embeddings": 4096,
+        "tie_word_embeddings": tied, "hidden_act": "silu",
+        "torch_dtype": "bfloat16" if dtype == "BF16" else "float32",
+    }
+    if arch == "qwen2":
+        cfg["use_sliding_window"] = False
+    else:
+        cfg["attention_bias"] = False
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    rng = np.random.default_rng(seed)
+    w = {"model.embed_tokens.weight": rng.normal(0, 2.0 / np.sqrt(C), (V, C)), "model.norm.weight": 1 + 0.1 * rng.normal(size=C)}
+    if not tied:
+        w["lm_head.weight"] = rng.normal(0, 1.0 / np.sqrt(C), (V, C))
+    shapes = {"self_attn.q_proj": (H * D, C), "self_attn.k_proj": (KV * D, C), "self_attn.v_proj": (KV * D, C),
+              "self_attn.o_proj": (C, H * D), "mlp.gate_proj": (I, C), "mlp.up_proj": (I, C),
+              "mlp.down_proj": (C, I)}
+    for l in range(L):
+        pre = "model.layers.%d." % l
+        w[pre + "input_layernorm.weight"] = 1 + 0.1 * rng.normal(size=C)
+        w[pre + "post_attention_layernorm.weight"] = 1 + 0.1 * rng.normal(size=C)
+        for name, (o, i) in shapes.items():
+            w[pre + name + ".weight"] = rng.normal(0, 1.0 / np.sqrt(i), (o, i))
+            if arch == "qwen2" and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                w[pre + name + ".bias"] = 0.1 * rng.normal(size=o)
+    st.write(os.path.join(path, "model.safetensors"), {k: v.astype(np.float32) for k, v in w.items()}, dtype)
+    return cfg
+
+
+def make_batch(V, B=2, T=24, seed=1, packed=True):
+    """Row 0: one example; the other rows packed with several examples
+    (positions restart, doc_start marks each example's first index)."""
+    rng = np.random.default_rng(seed)
+    inputs = rng.integers(0, V, (B, T))
+    targets = np.full((B, T), -100)
+    pos = np.tile(np.arange(T), (B, 1))
+    doc = np.zeros((B, T), dtype=np.int64)
+    for b in range(B):
+        starts = [0] if (b == 0 or not packed) else [0, T // 3, T // 3 + T // 4]
+        for k, s in enumerate(starts):
+            e = starts[k + 1] if k + 1 < len(starts) else T
+            pos[b, s:e] = np.arange(e - s)
+            doc[b, s:e] = s
+            targets[b, s:e - 1] = inputs[b, s + 1:e]  # next token inside the example
+        targets[b, rng.integers(0, T, 2)] = -100      # a few unlabelled positions
+    return {"B": B, "T": T, "inputs": inputs.ravel().tolist(), "targets": targets.ravel().tolist(),
+            "positions": pos.ravel().tolist(), "doc_start": doc.ravel().tolist()}
+
+
+def as_arrays(batch):
+    B, T = batch["B"], batch["T"]
+    return {k: np.array(batch[k]).reshape(B, T) for k in ("inputs", "targets", "positions", "doc_start")}
+
+
+def run_driver(tmp, model_dir, batch, *opts, tag="out"):
+    bp = os.path.join(tmp, tag + "-batch.json")
+    with open(bp, "w") as f:
+        json.dump(batch, f)
+    out = os.path.join(tmp, tag + ".safetensors")
+    r = subprocess.run([DRIVER, model_dir, bp, out, *opts], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return st.read(out)
+
+
+def rel_err(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _need_driver():
+    if not os.path.exists(DRIVER):
+        pytest.fail("qtune_ref_driver is not built at %s; build the project (cmake --build) first" % DRIVER)

@@ -1,0 +1,146 @@
+/* Test driver for the reference-parity tests (tests/ref/test_*.py): loads a
+ * model folder, runs one batch, and dumps what the Python side compares
+ * against its PyTorch reference, as a safetensors file:
+ *   loss_sum [1], n_tokens [1], logp [B, T]            (every mode)
+ *   grad/<param name> for every trainable tensor        (--mode train)
+ *   logits [steps, V]: KV-cache decode of row 0         (--mode decode)
+ *
+ * usage: qtune_ref_driver MODEL_DIR BATCH.json OUT.safetensors
+ *          [--mode eval|train|decode] [--lora R ALPHA TARGETS(a,b,..)] [--rslora]
+ *          [--adapter DIR] [--dropout P] [--recompute] [--grad-scale S]
+ *          [--save-adapter DIR] [--steps K]
+ * BATCH.json: {"B": B, "T": T, "inputs": [...], "targets": [...],
+ *              "positions": [...], "doc_start": [...]} (B*T each).
+ * --steps K runs train K times (gradients accumulate, dropout stream advances). */
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/mem.h"
+#include "io/safetensors.h"
+#include "model/lora_io.h"
+#include "model/model.h"
+
+static int die(void) {
+    fprintf(stderr, "qtune_ref_driver: %s [%s]\n", qt_error_message(), qt_error_where());
+    return 1;
+}
+
+static int read_ints(cJSON *root, const char *key, int32_t *dst, size_t n) {
+    cJSON *a = cJSON_GetObjectItem(root, key);
+    if (!cJSON_IsArray(a) || (size_t)cJSON_GetArraySize(a) != n)
+        return QT_ERR(QT_EFORMAT, "batch: '%s' must be an array of B*T = %zu ints", key, n);
+    size_t i = 0;
+    cJSON *e;
+    cJSON_ArrayForEach(e, a) dst[i++] = (int32_t)e->valuedouble;
+    return QT_OK;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 4) {
+        fprintf(stderr, "usage: qtune_ref_driver MODEL_DIR BATCH.json OUT.safetensors [options]\n");
+        return 2;
+    }
+    const char *model_dir = argv[1], *batch_path = argv[2], *out_path = argv[3];
+    const char *mode = "eval", *adapter = NULL, *save_adapter = NULL;
+    float grad_scale = 1.0f;
+    int steps = 1;
+    qt_model_opts o;
+    qt_model_opts_default(&o);
+    for (int i = 4; i < argc; i++) {
+        if (!strcmp(argv[i], "--mode")) mode = argv[++i];
+        else if (!strcmp(argv[i], "--lora")) {
+            o.lora = 1;
+            o.lora_r = atoi(argv[++i]);
+            o.lora_alpha = (float)atof(argv[++i]);
+            char names[256], *save;
+            snprintf(names, sizeof names, "%s", argv[++i]);
+            const char *list[16];
+            int n = 0;
+            for (char *t = strtok_r(names, ",", &save); t && n < 16; t = strtok_r(NULL, ",", &save)) list[n++] = t;
+            if (qt_lora_targets_parse(list, n, &o.lora_targets) != QT_OK) return die();
+        } else if (!strcmp(argv[i], "--rslora")) o.use_rslora = 1;
+        else if (!strcmp(argv[i], "--adapter")) adapter = argv[++i];
+        else if (!strcmp(argv[i], "--dropout")) o.lora_dropout = (float)atof(argv[++i]);
+        else if (!strcmp(argv[i], "--recompute")) o.grad_checkpointing = 1;
+        else if (!strcmp(argv[i], "--grad-scale")) grad_scale = (float)atof(argv[++i]);
+        else if (!strcmp(argv[i], "--save-adapter")) save_adapter = argv[++i];
+        else if (!strcmp(argv[i], "--steps")) steps = atoi(argv[++i]);
+        else {
+            fprintf(stderr, "qtune_ref_driver: unknown option %s\n", argv[i]);
+            return 2;
+        }
+    }
+    if (adapter && !o.lora && qt_lora_opts_from_adapter(adapter, &o) != QT_OK) return die();
+
+    char *text;
+    size_t len;
+    if (qt_read_file(batch_path, 1 << 28, &text, &len) != QT_OK) return die();
+    cJSON *root = cJSON_Parse(text);
+    qt_free(text);
+    if (!root) return fprintf(stderr, "bad batch json\n"), 1;
+    qt_batch b;
+    b.B = cJSON_GetObjectItem(root, "B")->valueint;
+    b.T = cJSON_GetObjectItem(root, "T")->valueint;
+    size_t N = (size_t)b.B * b.T;
+    b.inputs = malloc(N * 4), b.targets = malloc(N * 4), b.positions = malloc(N * 4), b.doc_start = malloc(N * 4);
+    if (read_ints(root, "inputs", b.inputs, N) || read_ints(root, "targets", b.targets, N) ||
+        read_ints(root, "positions", b.positions, N) || read_ints(root, "doc_start", b.doc_start, N))
+        return die();
+    cJSON_Delete(root);
+
+    int decode = !strcmp(mode, "decode"), train = !strcmp(mode, "train");
+    o.max_B = b.B;
+    o.max_T = b.T;
+    o.infer = !train;
+    qt_model *m;
+    if (qt_model_load(model_dir, &o, &m) != QT_OK) return die();
+    if (adapter && qt_lora_load(m, adapter) != QT_OK) return die();
+    if (save_adapter && qt_lora_save(m, save_adapter, model_dir) != QT_OK) return die();
+
+    st_writer *w;
+    if (st_writer_new(&w) != QT_OK) return die();
+    double loss_sum = 0;
+    int64_t ntok = 0;
+    float *logp = calloc(N, 4), scal[2];
+    float *logits = NULL;
+    int V = qt_model_config(m)->vocab_size;
+    if (train) {
+        for (int s = 0; s < steps; s++)
+            if (qt_model_forward_backward(m, &b, grad_scale, &loss_sum, &ntok) != QT_OK) return die();
+        int np;
+        const qt_param *p = qt_model_params(m, &np);
+        char name[200];
+        for (int i = 0; i < np; i++) {
+            snprintf(name, sizeof name, "grad/%s", p[i].name);
+            if (st_writer_add(w, name, QT_F32, p[i].ndim, p[i].shape, qt_model_grads(m) + p[i].offset, QT_F32) !=
+                QT_OK)
+                return die();
+        }
+    } else if (decode) {
+        /* row 0: prefill the first half at once, then one token at a time */
+        int T = b.T, P = T / 2 > 0 ? T / 2 : 1, nsteps = T - P + 1;
+        logits = malloc(sizeof(float) * (size_t)nsteps * V);
+        if (qt_model_decode(m, b.inputs, P, 0, logits) != QT_OK) return die();
+        for (int t = P; t < T; t++)
+            if (qt_model_decode(m, b.inputs + t, 1, t, logits + (size_t)(t - P + 1) * V) != QT_OK) return die();
+        int64_t shape[2] = {nsteps, V};
+        if (st_writer_add(w, "logits", QT_F32, 2, shape, logits, QT_F32) != QT_OK) return die();
+    } else {
+        if (qt_model_forward(m, &b, &loss_sum, &ntok, logp) != QT_OK) return die();
+    }
+    scal[0] = (float)loss_sum;
+    scal[1] = (float)ntok;
+    int64_t one = 1, bt[2] = {b.B, b.T};
+    if (st_writer_add(w, "loss_sum", QT_F32, 1, &one, &scal[0], QT_F32) != QT_OK ||
+        st_writer_add(w, "n_tokens", QT_F32, 1, &one, &scal[1], QT_F32) != QT_OK ||
+        st_writer_add(w, "logp", QT_F32, 2, bt, logp, QT_F32) != QT_OK || st_writer_write(w, out_path) != QT_OK)
+        return die();
+    st_writer_free(w);
+    qt_model_free(m);
+    free(b.inputs), free(b.targets), free(b.positions), free(b.doc_start), free(logp), free(logits);
+    return 0;
+}

@@ -1,0 +1,131 @@
+"""A small, readable PyTorch Qwen2ForCausalLM (and Llama) with Hugging Face
+semantics, plus LoRA as PEFT computes it. Reads the same model folders as
+qtune (config.json + model.safetensors via st.py). Used only by the tests.
+
+Semantics followed (transformers' modeling_qwen2):
+  - RMSNorm in fp32: w * x * rsqrt(mean(x^2) + eps)
+  - RoPE rotate-half; inv_freq = 1 / theta^(arange(0, D, 2) / D) and the angles
+    pos * inv_freq computed in fp32
+  - attention softmax(q k^T / sqrt(D)) with a causal mask, GQA by repeating kv
+    heads; packed rows: query t sees keys [doc_start[t], t]
+  - MLP down(silu(gate(x)) * up(x)); q/k/v bias for Qwen2
+  - lm_head tied to embed_tokens when tie_word_embeddings
+  - LoRA: y = W x + b + scaling * B(A(dropout(x))), scaling = alpha / r
+    (alpha / sqrt(r) with use_rslora)."""
+import json
+import math
+import os
+
+import numpy as np
+import torch
+
+import st
+
+LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+
+
+class Qwen2Ref:
+    def __init__(self, model_dir, dtype=torch.float64, lora=None):
+        """lora: None, or {"r", "alpha", "targets": ["q_proj", ...], "rslora", "weights": {peft key: array}}"""
+        with open(os.path.join(model_dir, "config.json")) as f:
+            self.cfg = cfg = json.load(f)
+        self.dtype = dtype
+        self.C = cfg["hidden_size"]
+        self.H = cfg["num_attention_heads"]
+        self.KV = cfg.get("num_key_value_heads", self.H)
+        self.D = cfg.get("head_dim") or self.C // self.H
+        self.L = cfg["num_hidden_layers"]
+        self.eps = cfg.get("rms_norm_eps", 1e-6)
+        self.theta = cfg.get("rope_theta", 10000.0)
+        self.tied = cfg.get("tie_word_embeddings", False)
+        w = st.read(os.path.join(model_dir, "model.safetensors"))
+        self.p = {k: torch.tensor(v, dtype=dtype, requires_grad=True) for k, v in w.items()}
+        if self.tied:
+            self.p.pop("lm_head.weight", None)
+        self.lora = None
+        if lora is not None:
+            self.lora = dict(lora)
+            r = lora["r"]
+            self.scaling = lora["alpha"] / (math.sqrt(r) if lora.get("rslora") else r)
+            self.lp = {k: torch.tensor(v, dtype=dtype, requires_grad=True) for k, v in lora["weights"].items()}
+
+    # ---- pieces --------------------------------------------------------------
+    def rmsnorm(self, x, w):
+        x32 = x.to(torch.float32) if self.dtype == torch.float32 else x
+        var = x32.pow(2).mean(-1, keepdim=True)
+        return w * (x32 * torch.rsqrt(var + self.eps)).to(x.dtype)
+
+    def linear(self, x, l, name):
+        pre = "model.layers.%d.%s" % (l, name)
+        y = x @ self.p[pre + ".weight"].T
+        if pre + ".bias" in self.p:
+            y = y + self.p[pre + ".bias"]
+        key = "base_model.model." + pre
+        if self.lora is not None and key + ".lora_A.weight" in self.lp:
+            a, b = self.lp[key + ".lora_A.weight"], self.lp[key + ".lora_B.weight"]
+            y = y + (x @ a.T) @ b.T * self.scaling
+        return y
+
+    def rope(self, x, pos):
+        # x (B, T, heads, D); HF computes inv_freq and the angles in fp32
+        D = self.D
+        inv = 1.0 / (self.theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+        ang = pos.float()[..., None] * inv  # (B, T, D/2) fp32
+        ang = torch.cat([ang, ang], -1)
+        cos = torch.cos(ang.double()).to(self.dtype)[:, :, None, :]
+        sin = torch.sin(ang.double()).to(self.dtype)[:, :, None, :]
+        x1, x2 = x[..., :D // 2], x[..., D // 2:]
+        rot = torch.cat([-x2, x1], -1)
+        return x * cos + rot * sin
+
+    def attention(self, q, k, v, doc_start):
+        B, T = q.shape[:2]
+        G = self.H // self.KV
+        k = k.repeat_interleave(G, dim=2)
+        v = v.repeat_interleave(G, dim=2)
+        s = torch.einsum("bthd,bjhd->bhtj", q, k) / math.sqrt(self.D)
+        t = torch.arange(T)
+        j = torch.arange(T)
+        allowed = (j[None, None, :] <= t[None, :, None]) & (j[None, None, :] >= doc_start[:, :, None])
+        s = s.masked_fill(~allowed[:, None, :, :], float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        return torch.einsum("bhtj,bjhd->bthd", p, v)
+
+    # ---- the model -----------------------------------------------------------
+    def logits(self, ids, pos=None, doc_start=None):
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        B, T = ids.shape
+        pos = torch.arange(T)[None, :].expand(B, T) if pos is None else torch.as_tensor(pos, dtype=torch.long)
+        doc_start = torch.zeros(B, T, dtype=torch.long) if doc_start is None else torch.as_tensor(doc_start,
+                                                                                                 dtype=torch.long)
+        p = self.p
+        x = p["model.embed_tokens.weight"][ids]
+        for l in range(self.L):
+            pre = "model.layers.%d." % l
+            h = self.rmsnorm(x, p[pre + "input_layernorm.weight"])
+            q = self.linear(h, l, LINEARS[0]).view(B, T, self.H, self.D)
+            k = self.linear(h, l, LINEARS[1]).view(B, T, self.KV, self.D)
+            v = self.linear(h, l, LINEARS[2]).view(B, T, self.KV, self.D)
+            q, k = self.rope(q, pos), self.rope(k, pos)
+            a = self.attention(q, k, v, doc_start).reshape(B, T, self.H * self.D)
+            x = x + self.linear(a, l, LINEARS[3])
+            h = self.rmsnorm(x, p[pre + "post_attention_layernorm.weight"])
+            g, u = self.linear(h, l, LINEARS[4]), self.linear(h, l, LINEARS[5])
+            x = x + self.linear(torch.nn.functional.silu(g) * u, l, LINEARS[6])
+        x = self.rmsnorm(x, p["model.norm.weight"])
+        w = p["model.embed_tokens.weight"] if self.tied else p["lm_head.weight"]
+        return x @ w.T
+
+    def loss(self, ids, targets, pos=None, doc_start=None):
+        """Sum of cross-entropy over targets != -100, their count, per-position
+        log-prob of the target (0 where unlabelled)."""
+        lg = self.logits(ids, pos, doc_start)
+        t = torch.as_tensor(targets, dtype=torch.long)
+        lp = torch.log_softmax(lg, -1)
+        mask = t != -100
+        tl = lp.gather(-1, t.clamp(min=0)[..., None])[..., 0] * mask
+        return -tl.sum(), int(mask.sum()), tl.detach()
+
+    def trainables(self):
+        return self.lp if self.lora is not None else self.p
