@@ -1,9 +1,409 @@
-/* qtune generate: placeholder until its issue lands; replaced by the real command. */
+/* qtune generate: KV-cached decoding of a model (optionally with a PEFT
+ * adapter) from a prompt, or an interactive ChatML chat on stdin. Tokens are
+ * printed as they come; a character split over several byte-level tokens is
+ * held back until it is whole. See docs/generate.md. */
+#define _GNU_SOURCE /* strcasestr, getline */
 #include "cli/cli.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "core/mem.h"
+#include "core/messages.h"
+#include "core/rng.h"
+#include "io/safetensors.h"
+#include "model/lora_io.h"
+#include "model/model.h"
+#include "model/sample.h"
+#include "text/tokenizer.h"
+
+#include <cjson/cJSON.h>
+#include <ctype.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+#include <unistd.h>
+
+static void generate_help(void) {
+    printf("usage: qtune generate --model DIR [--adapter DIR] (--prompt TEXT | --chat) [options]\n\n"
+           "Generates text with a KV cache, printing tokens as they come. Stops at <|im_end|>,\n"
+           "<|endoftext|> (or the config's eos_token_id) or after --max-new tokens.\n\n"
+           "  --model DIR        Hugging Face model folder (config.json, safetensors, tokenizer.json)\n"
+           "  --adapter DIR      PEFT LoRA adapter folder to apply\n"
+           "  --prompt TEXT      continue this text (no template)\n"
+           "  --chat             chat in ChatML: each stdin line is a user turn; the history is kept\n"
+           "  --system TEXT      system message for --chat (default \"You are a helpful assistant.\")\n"
+           "  --max-new N        new tokens per reply (default 256)\n"
+           "  --temperature t    0 is greedy (default 0.7)\n"
+           "  --top-k k          keep the k most probable tokens (default 0: off)\n"
+           "  --top-p p          keep the most probable tokens up to mass p (default 1: off)\n"
+           "  --seed s           sampling seed (default 42)\n"
+           "  --ctx N            context (KV cache) length (default min(max_position_embeddings, 4096))\n"
+           "  --prompt-ids LIST  comma-separated token ids instead of --prompt (no tokenizer needed)\n"
+           "  --json             print one JSON object per reply instead of streaming: prompt_ids, ids,\n"
+           "                     text, stop, prefill_s, decode_s, decode_tokens_per_s\n");
+}
+
+typedef struct {
+    qt_model *m;
+    bpe_tokenizer *tok; /* NULL with --prompt-ids and no tokenizer.json */
+    qt_sampler sampler;
+    qt_sample_opts so;
+    qt_rng rng;
+    float *logits;      /* (V) */
+    int V, ctx, max_new, json;
+    int32_t stop[3];
+    int n_stop;
+    int pos;            /* positions in the KV cache */
+} gen_state;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int is_stop(const gen_state *g, int32_t id) {
+    for (int i = 0; i < g->n_stop; i++)
+        if (g->stop[i] == id) return 1;
+    return 0;
+}
+
+/* Streams the text of byte-level tokens: pending ids are decoded together,
+ * and held back while they end in an incomplete UTF-8 character (the
+ * decoder's U+FFFD) — at most 4 tokens, the longest a character can span. */
+typedef struct {
+    int32_t ids[8];
+    int n;
+} utf8_stream;
+
+static int stream_push(utf8_stream *s, const bpe_tokenizer *tok, int32_t id, int flush) {
+    if (id >= 0) s->ids[s->n++] = id;
+    if (!s->n) return QT_OK;
+    char *text;
+    size_t len;
+    QT_TRY(bpe_decode(tok, s->ids, (size_t)s->n, &text, &len));
+    const int partial = len >= 3 && !memcmp(text + len - 3, "\xEF\xBF\xBD", 3);
+    if (!partial || flush || s->n >= 4) {
+        fwrite(text, 1, len, stdout);
+        fflush(stdout);
+        s->n = 0;
+    }
+    qt_free(text);
+    return QT_OK;
+}
+
+static void json_ids(cJSON *o, const char *k, const int32_t *ids, int n) {
+    cJSON *a = cJSON_AddArrayToObject(o, k);
+    for (int i = 0; a && i < n; i++) cJSON_AddItemToArray(a, cJSON_CreateNumber(ids[i]));
+}
+
+/* Feeds n prompt ids after the cached positions, then samples up to max_new
+ * tokens, streaming them (or printing one JSON object). */
+static int generate_reply(gen_state *g, const int32_t *ids, int n) {
+    if (n < 1) return QT_ERR(QT_EINVAL, "the prompt is empty; give some text (or ids) to continue");
+    if (g->pos + n >= g->ctx)
+        return QT_ERR(QT_EINVAL, "the prompt (%d tokens) does not fit the context of %d (%d already used); raise --ctx",
+                      n, g->ctx, g->pos);
+    int32_t *out = qt_malloc((size_t)g->max_new * sizeof *out + 1, "generated ids");
+    if (!out) return QT_ENOMEM;
+    const double t0 = now_s();
+    int rc = qt_model_decode(g->m, ids, n, g->pos, g->logits);
+    g->pos += n;
+    const double t1 = now_s();
+    int n_out = 0;
+    const char *stop = "max_new";
+    utf8_stream us = {{0}, 0};
+    while (rc == QT_OK && n_out < g->max_new) {
+        int32_t next = qt_sample(&g->sampler, g->logits, &g->so, &g->rng);
+        if (is_stop(g, next)) {
+            stop = "eos";
+            break;
+        }
+        out[n_out++] = next;
+        if (!g->json && g->tok) rc = stream_push(&us, g->tok, next, 0);
+        else if (!g->json) printf("%d ", next), fflush(stdout);
+        if (rc != QT_OK) break;
+        if (n_out == g->max_new) break;
+        if (g->pos + 1 >= g->ctx) {
+            stop = "context";
+            break;
+        }
+        rc = qt_model_decode(g->m, &next, 1, g->pos, g->logits);
+        g->pos++;
+    }
+    const double t2 = now_s();
+    if (rc == QT_OK && !g->json && g->tok) rc = stream_push(&us, g->tok, -1, 1);
+    if (rc == QT_OK && !g->json) printf("\n");
+    if (rc == QT_OK && g->json) {
+        cJSON *o = cJSON_CreateObject();
+        json_ids(o, "prompt_ids", ids, n);
+        json_ids(o, "ids", out, n_out);
+        if (g->tok) {
+            char *text;
+            size_t len;
+            rc = bpe_decode(g->tok, out, (size_t)n_out, &text, &len);
+            if (rc == QT_OK) {
+                cJSON_AddStringToObject(o, "text", text);
+                qt_free(text);
+            }
+        }
+        cJSON_AddStringToObject(o, "stop", stop);
+        cJSON_AddNumberToObject(o, "prefill_s", t1 - t0);
+        cJSON_AddNumberToObject(o, "decode_s", t2 - t1);
+        /* decode steps: every generated token after the first came from one decode call */
+        cJSON_AddNumberToObject(o, "decode_tokens_per_s", n_out > 1 && t2 > t1 ? (n_out - 1) / (t2 - t1) : 0);
+        char *s = cJSON_PrintUnformatted(o);
+        if (s) printf("%s\n", s);
+        cJSON_free(s);
+        cJSON_Delete(o);
+    }
+    fflush(stdout);
+    qt_free(out);
+    return rc;
+}
+
+static int encode(const bpe_tokenizer *t, const char *text, int32_t **ids, size_t *n) {
+    size_t cap = 0;
+    *ids = NULL;
+    *n = 0;
+    return bpe_encode(t, text, strlen(text), ids, n, &cap);
+}
+
+/* The documented rule for the "never stops" warning (docs/generate.md): the
+ * embedding row of <|im_end|> is (near) zero against the typical row, or an
+ * adapter is applied to a base whose folder is not an instruct/chat model (a
+ * LoRA on projections cannot teach a token the base never saw). */
+static void warn_untrained_chat(const char *model_dir, const char *adapter, int32_t im_end) {
+    char reason[512] = "";
+    st_file *st = NULL;
+    if (im_end < 0) {
+        snprintf(reason, sizeof reason, "the tokenizer has no <|im_end|> token");
+    } else if (st_open(model_dir, &st) == QT_OK) {
+        const st_tensor *e = st_find(st, "model.embed_tokens.weight");
+        if (e && e->ndim == 2 && e->shape[0] > 0 && e->shape[1] > 0 && e->shape[1] <= 65536) {
+            const int64_t V = e->shape[0], C = e->shape[1];
+            const size_t es = qt_dtype_size(e->dtype);
+            float *row = qt_malloc((size_t)C * sizeof *row, "an embedding row");
+            if (row && im_end >= V) {
+                snprintf(reason, sizeof reason, "its id %d is outside the %lld-row embedding", im_end, (long long)V);
+            } else if (row) {
+                double norms[256];
+                int k = 0;
+                for (int64_t i = 0; i < V && k < 256; i += V / 256 > 0 ? V / 256 : 1) {
+                    qt_convert_to_f32(row, (const char *)e->data + (size_t)i * (size_t)C * es, e->dtype, (size_t)C);
+                    double s = 0;
+                    for (int64_t j = 0; j < C; j++) s += (double)row[j] * row[j];
+                    norms[k++] = sqrt(s);
+                }
+                qt_convert_to_f32(row, (const char *)e->data + (size_t)im_end * (size_t)C * es, e->dtype, (size_t)C);
+                double s = 0;
+                for (int64_t j = 0; j < C; j++) s += (double)row[j] * row[j];
+                /* median of the sampled norms (insertion sort: 256 values) */
+                for (int i = 1; i < k; i++)
+                    for (int j = i; j > 0 && norms[j - 1] > norms[j]; j--) {
+                        double t = norms[j];
+                        norms[j] = norms[j - 1];
+                        norms[j - 1] = t;
+                    }
+                const double med = k ? norms[k / 2] : 0;
+                if (sqrt(s) < 0.1 * med)
+                    snprintf(reason, sizeof reason, "its embedding row has norm %.3g against a typical %.3g", sqrt(s),
+                             med);
+            }
+            qt_free(row);
+        }
+        st_close(st);
+    }
+    qt_error_clear();
+    if (!reason[0] && adapter) {
+        const char *base = strrchr(model_dir, '/');
+        char name[512];
+        snprintf(name, sizeof name, "%s", base && base[1] ? base + 1 : model_dir);
+        if (!strcasestr(name, "instruct") && !strcasestr(name, "chat"))
+            snprintf(reason, sizeof reason,
+                     "the adapter trains only projections and the base folder '%.120s' is not an Instruct/Chat model",
+                     name);
+    }
+    if (reason[0]) qt_warn(QT_MSG_CHAT_UNTRAINED_FMT, "<|im_end|>", reason);
+}
+
+static int chat_loop(gen_state *g, const char *system) {
+    const int tty = isatty(0);
+    char *line = NULL;
+    size_t cap = 0;
+    int first = 1, rc = QT_OK;
+    while (rc == QT_OK) {
+        if (tty) fprintf(stderr, "user> "), fflush(stderr);
+        ssize_t r = getline(&line, &cap, stdin);
+        if (r < 0) break;
+        while (r > 0 && (line[r - 1] == '\n' || line[r - 1] == '\r')) line[--r] = 0;
+        if (!r) continue;
+        /* the stop token a reply ended on was sampled, never fed: close the
+         * assistant turn in the text of the next one */
+        size_t need = strlen(system) + (size_t)r + 128;
+        char *turn = qt_malloc(need, "a chat turn");
+        if (!turn) {
+            rc = QT_ENOMEM;
+            break;
+        }
+        if (first)
+            snprintf(turn, need, "<|im_start|>system\n%s<|im_end|>\n<|im_start|>user\n%s<|im_end|>\n<|im_start|>assistant\n",
+                     system, line);
+        else
+            snprintf(turn, need, "<|im_end|>\n<|im_start|>user\n%s<|im_end|>\n<|im_start|>assistant\n", line);
+        first = 0;
+        int32_t *ids;
+        size_t n;
+        rc = encode(g->tok, turn, &ids, &n);
+        qt_free(turn);
+        if (rc == QT_OK) {
+            if (tty && !g->json) fprintf(stderr, "assistant> "), fflush(stderr);
+            rc = generate_reply(g, ids, (int)n);
+        }
+        qt_free(ids);
+    }
+    free(line);
+    return rc;
+}
+
+static int parse_ids(const char *s, int32_t **ids, size_t *n) {
+    size_t cap = 16;
+    *n = 0;
+    *ids = qt_malloc(cap * sizeof **ids, "prompt ids");
+    if (!*ids) return QT_ENOMEM;
+    for (const char *p = s; *p;) {
+        char *end;
+        long v = strtol(p, &end, 10);
+        if (end == p || v < 0 || v > INT32_MAX)
+            return QT_ERR(QT_EINVAL, "--prompt-ids: '%.32s' is not a comma-separated list of token ids", p);
+        if (*n == cap) {
+            int32_t *q = qt_realloc(*ids, cap * 2 * sizeof **ids, "prompt ids");
+            if (!q) return QT_ENOMEM;
+            *ids = q;
+            cap *= 2;
+        }
+        (*ids)[(*n)++] = (int32_t)v;
+        p = end;
+        while (*p == ',' || *p == ' ') p++;
+    }
+    return QT_OK;
+}
 
 int cmd_generate(int argc, char **argv) {
-    (void)argc;
-    (void)argv;
-    fprintf(stderr, "qtune generate: this command is still under construction in this build\n");
-    return QT_EXIT_FAIL;
+    if (cli_wants_help(argc, argv)) {
+        generate_help();
+        return QT_EXIT_OK;
+    }
+    const char *model = NULL, *adapter = NULL, *prompt = NULL, *prompt_ids = NULL;
+    const char *system = "You are a helpful assistant.";
+    int chat = 0, json = 0, max_new = 256, ctx = 0;
+    long long seed = 42;
+    qt_sample_opts so = {0.7f, 0, 1.0f};
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        char *end = NULL;
+#define NEED_VALUE() \
+    do { if (!v) return cli_usage_error("generate", "%s needs a value", a); i++; } while (0)
+        if (!strcmp(a, "--model")) { NEED_VALUE(); model = v; }
+        else if (!strcmp(a, "--adapter")) { NEED_VALUE(); adapter = v; }
+        else if (!strcmp(a, "--prompt")) { NEED_VALUE(); prompt = v; }
+        else if (!strcmp(a, "--prompt-ids")) { NEED_VALUE(); prompt_ids = v; }
+        else if (!strcmp(a, "--system")) { NEED_VALUE(); system = v; }
+        else if (!strcmp(a, "--chat")) chat = 1;
+        else if (!strcmp(a, "--json")) json = 1;
+        else if (!strcmp(a, "--max-new")) {
+            NEED_VALUE();
+            long x = strtol(v, &end, 10);
+            if (*end || end == v || x < 1 || x > 1000000)
+                return cli_usage_error("generate", "--max-new must be a whole number from 1 to 1000000, not '%s'", v);
+            max_new = (int)x;
+        } else if (!strcmp(a, "--ctx")) {
+            NEED_VALUE();
+            long x = strtol(v, &end, 10);
+            if (*end || end == v || x < 2 || x > (1 << 22))
+                return cli_usage_error("generate", "--ctx must be a whole number >= 2, not '%s'", v);
+            ctx = (int)x;
+        } else if (!strcmp(a, "--temperature") || !strcmp(a, "--top-p")) {
+            NEED_VALUE();
+            double x = strtod(v, &end);
+            if (*end || end == v) return cli_usage_error("generate", "%s must be a number, not '%s'", a, v);
+            if (!strcmp(a, "--temperature")) so.temperature = (float)x;
+            else so.top_p = (float)x;
+        } else if (!strcmp(a, "--top-k")) {
+            NEED_VALUE();
+            long x = strtol(v, &end, 10);
+            if (*end || end == v || x < 0 || x > INT32_MAX)
+                return cli_usage_error("generate", "--top-k must be a whole number >= 0, not '%s'", v);
+            so.top_k = (int)x;
+        } else if (!strcmp(a, "--seed")) {
+            NEED_VALUE();
+            seed = strtoll(v, &end, 10);
+            if (*end || end == v || seed < 0) return cli_usage_error("generate", "--seed must be a whole number >= 0, not '%s'", v);
+        } else return cli_usage_error("generate", "unknown option '%s'", a);
+#undef NEED_VALUE
+    }
+    if (!model) return cli_usage_error("generate", "--model DIR is required");
+    if ((prompt != NULL) + (prompt_ids != NULL) + chat != 1)
+        return cli_usage_error("generate", "give exactly one of --prompt TEXT, --prompt-ids LIST or --chat");
+    if (qt_sample_opts_check(&so) != QT_OK) return cli_usage_error("generate", "%s", qt_error_message());
+
+    gen_state g;
+    memset(&g, 0, sizeof g);
+    g.max_new = max_new;
+    g.json = json;
+    g.so = so;
+    qt_rng_seed(&g.rng, (uint64_t)seed);
+    int rc = QT_OK;
+    if (bpe_load(model, &g.tok) != QT_OK) {
+        if (!prompt_ids) return cli_fail();
+        g.tok = NULL; /* ids in, ids out */
+        qt_error_clear();
+    }
+    qt_config cfg;
+    if (qt_config_load(model, &cfg) != QT_OK) {
+        bpe_free(g.tok);
+        return cli_fail();
+    }
+    g.ctx = ctx ? ctx : (cfg.max_position_embeddings > 0 && cfg.max_position_embeddings < 4096 ? cfg.max_position_embeddings : 4096);
+    qt_model_opts mo;
+    qt_model_opts_default(&mo);
+    mo.infer = 1;
+    mo.max_B = 1;
+    mo.max_T = g.ctx;
+    if (adapter && qt_lora_opts_from_adapter(adapter, &mo) != QT_OK) rc = QT_EINVAL;
+    if (rc == QT_OK) mo.lora_dropout = 0; /* inference: dropout is off */
+    if (rc == QT_OK) rc = qt_model_load(model, &mo, &g.m);
+    if (rc == QT_OK && adapter) rc = qt_lora_load(g.m, adapter);
+    if (rc == QT_OK) {
+        g.V = qt_model_config(g.m)->vocab_size;
+        g.logits = qt_malloc((size_t)g.V * sizeof *g.logits, "the logits of one position");
+        rc = g.logits ? qt_sampler_init(&g.sampler, g.V) : QT_ENOMEM;
+    }
+    if (rc == QT_OK) {
+        int32_t im_end = g.tok ? bpe_token_id(g.tok, "<|im_end|>") : -1;
+        int32_t eot = g.tok ? bpe_token_id(g.tok, "<|endoftext|>") : -1;
+        if (im_end >= 0) g.stop[g.n_stop++] = im_end;
+        if (eot >= 0 && eot != im_end) g.stop[g.n_stop++] = eot;
+        if (cfg.eos_token_id >= 0 && cfg.eos_token_id != im_end && cfg.eos_token_id != eot)
+            g.stop[g.n_stop++] = cfg.eos_token_id;
+        if (chat) {
+            if (!g.tok) rc = QT_ERR(QT_EINVAL, "--chat needs the model's tokenizer.json in %s", model);
+            else {
+                warn_untrained_chat(model, adapter, im_end);
+                rc = chat_loop(&g, system);
+            }
+        } else {
+            int32_t *ids = NULL;
+            size_t n = 0;
+            rc = prompt_ids ? parse_ids(prompt_ids, &ids, &n) : encode(g.tok, prompt, &ids, &n);
+            if (rc == QT_OK) rc = generate_reply(&g, ids, (int)n);
+            qt_free(ids);
+        }
+    }
+    qt_sampler_free(&g.sampler);
+    qt_free(g.logits);
+    qt_model_free(g.m);
+    bpe_free(g.tok);
+    return rc == QT_OK ? QT_EXIT_OK : cli_fail();
 }
