@@ -48,6 +48,7 @@ int main(int argc, char **argv) {
     const char *mode = "eval", *adapter = NULL, *save_adapter = NULL;
     float grad_scale = 1.0f;
     int steps = 1;
+    float dropout = -1.0f;
     qt_model_opts o;
     qt_model_opts_default(&o);
     for (int i = 4; i < argc; i++) {
@@ -64,7 +65,7 @@ int main(int argc, char **argv) {
             if (qt_lora_targets_parse(list, n, &o.lora_targets) != QT_OK) return die();
         } else if (!strcmp(argv[i], "--rslora")) o.use_rslora = 1;
         else if (!strcmp(argv[i], "--adapter")) adapter = argv[++i];
-        else if (!strcmp(argv[i], "--dropout")) o.lora_dropout = (float)atof(argv[++i]);
+        else if (!strcmp(argv[i], "--dropout")) dropout = (float)atof(argv[++i]);
         else if (!strcmp(argv[i], "--recompute")) o.grad_checkpointing = 1;
         else if (!strcmp(argv[i], "--grad-scale")) grad_scale = (float)atof(argv[++i]);
         else if (!strcmp(argv[i], "--save-adapter")) save_adapter = argv[++i];
@@ -75,6 +76,7 @@ int main(int argc, char **argv) {
         }
     }
     if (adapter && !o.lora && qt_lora_opts_from_adapter(adapter, &o) != QT_OK) return die();
+    if (dropout >= 0) o.lora_dropout = dropout; /* after the adapter's config, which sets its own */
 
     char *text;
     size_t len;
