@@ -500,7 +500,10 @@ int qt_ds_config_finalize(qt_ds_config *c, int64_t max_steps) {
                           "set train.max_steps or give total_num_steps a number");
         c->sched.total_num_steps = max_steps;
         c->total_num_steps_auto = 0;
+        c->sched.base_lr = c->adam.lr;
+        /* a number given in the file was checked when it was parsed */
+        return qt_sched_check(&c->sched, "deepspeed: scheduler.params.total_num_steps \"auto\" (train.max_steps)");
     }
     c->sched.base_lr = c->adam.lr;
-    return qt_sched_check(&c->sched, "deepspeed");
+    return QT_OK;
 }

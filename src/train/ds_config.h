@@ -74,8 +74,9 @@ int qt_ds_config_parse(const cJSON *json, const char *where, int world, qt_ds_co
 int qt_ds_config_load(const char *path, int world, qt_ds_config *out);
 
 /* Resolves what needs the run's length: a scheduler total_num_steps given as
- * "auto" becomes max_steps (HF Trainer's meaning); then the schedule is
- * checked. Call once max_steps is known; max_steps < 0 when unknown. */
+ * "auto" becomes max_steps (HF Trainer's meaning), and the resolved schedule
+ * is checked (a number given in the file was checked by the parser). Call once
+ * max_steps is known; max_steps < 0 when unknown (an error only if needed). */
 int qt_ds_config_finalize(qt_ds_config *c, int64_t max_steps);
 
 #endif
