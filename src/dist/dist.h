@@ -84,7 +84,7 @@ typedef struct {
     int stage;            /* 0: replicate everything; 1: shard optimizer state;
                              2: also reduce-scatter gradients (keep only own shard) */
     int offload;          /* offload_optimizer.device = cpu: optimizer state in host memory */
-    size_t bucket_elems;  /* elements per communication bucket; 0 = default (2^24) */
+    size_t bucket_elems;  /* elements per communication bucket; 0 = default (2^23) */
 } zero_opts;
 
 /* Every rank must pass the same n and opts. */

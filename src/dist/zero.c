@@ -25,7 +25,8 @@
 #include <sys/mman.h>
 
 #define ZERO_ALIGN 16                     /* elements: 64 bytes of fp32 */
-#define ZERO_DEFAULT_BUCKET ((size_t)1 << 24)
+#define ZERO_DEFAULT_BUCKET ((size_t)1 << 23)  /* 32 MiB of fp32 */
+#define ZERO_IN_FLIGHT 4                       /* buckets communicating at once */
 
 /* Per-bucket progress of a gradient reduction. */
 enum { B_IDLE = 0, B_SCATTER, B_SCATTERED, B_GATHER, B_DONE };
@@ -43,7 +44,9 @@ struct zero_plan {
     float *gshard;       /* (hi - lo) reduce-scatter target */
     unsigned char *bstate; /* (nb) B_* */
     int started;         /* a reduction is in flight for `grads_in_flight` */
-    int next_gather;     /* stage 0/1: the next bucket whose all-gather may start */
+    int next_op;         /* the next operation of the reduction sequence to start */
+    int ready_ops;       /* operations zero_reduce_ready has allowed so far */
+    int in_flight;       /* operations started and not yet complete */
     float *grads_in_flight;
 #if QT_DIST_MPI
     MPI_Request *req;    /* (nb) */
@@ -190,15 +193,22 @@ static int bucket_start_gather(zero_plan *p, float *grads, int b) {
     return QT_OK;
 }
 
-/* Tests the buckets in flight once. A finished scatter becomes B_SCATTERED;
- * at stage 0/1, when gathers may start (all scatters started), the gathers
- * start strictly in the scatters' order (descending bucket): non-blocking
- * collectives must be started in the same order on every rank, and the order
- * in which requests complete differs between ranks. Returns the number of
- * buckets not yet done. */
-static int progress(zero_plan *p, float *grads, int may_gather, int *rc) {
-    int left = 0;
+/* The reduction is a fixed sequence of operations, the same on every rank
+ * (non-blocking collectives must start in the same order everywhere, while
+ * the order in which they complete differs between ranks):
+ *   op k < nb:        reduce-scatter of bucket nb-1-k (last layers first)
+ *   op k >= nb:       all-gather of bucket nb-1-(k-nb)  (stage 0/1 only)
+ * At most ZERO_IN_FLIGHT operations run at once: OpenMPI's reduce-scatter
+ * keeps a temporary copy of each bucket in flight (measured: with every
+ * bucket in flight rank 0 held one extra copy of the whole block), so the
+ * window bounds that to ZERO_IN_FLIGHT buckets. */
+static int n_ops(const zero_plan *p) { return p->stage == 2 ? p->nb : 2 * p->nb; }
+
+/* Tests the operations in flight, then starts the next ones in sequence up to
+ * op `limit` while the window has room. Returns the buckets not yet done. */
+static int progress(zero_plan *p, float *grads, int limit, int *rc) {
     *rc = QT_OK;
+    int left = 0;
     for (int b = p->nb - 1; b >= 0; b--) {
         unsigned char s = p->bstate[b];
         if (s == B_SCATTER || s == B_GATHER) {
@@ -207,24 +217,31 @@ static int progress(zero_plan *p, float *grads, int may_gather, int *rc) {
             if (mrc != MPI_SUCCESS) {
                 *rc = dist_mpi_fail(p->d, mrc, "MPI_Test",
                                     s == B_SCATTER ? "gradient reduce-scatter" : "gradient all-gather");
-                return left + 1;
+                return 1;
             }
-            if (flag) p->bstate[b] = s = (s == B_GATHER || p->stage == 2) ? B_DONE : B_SCATTERED;
+            if (flag) {
+                p->bstate[b] = s = (s == B_GATHER || p->stage == 2) ? B_DONE : B_SCATTERED;
+                p->in_flight--;
+            }
         }
         if (s != B_DONE) left++;
     }
-    if (may_gather && p->stage < 2) {
-        while (p->next_gather >= 0 && p->bstate[p->next_gather] == B_SCATTERED) {
-            *rc = bucket_start_gather(p, grads, p->next_gather);
-            if (*rc) return left;
-            p->next_gather--;
+    while (p->next_op < limit && p->in_flight < ZERO_IN_FLIGHT) {
+        int k = p->next_op;
+        if (k < p->nb) {
+            *rc = bucket_start_scatter(p, grads, p->nb - 1 - k);
+        } else {
+            int b = p->nb - 1 - (k - p->nb);
+            if (p->bstate[b] != B_SCATTERED) break; /* its sums are not in yet */
+            *rc = bucket_start_gather(p, grads, b);
         }
+        if (*rc) return left ? left : 1;
+        p->in_flight++;
+        p->next_op++;
     }
     return left;
 }
-#endif
 
-#if QT_DIST_MPI
 static int begin_reduction(zero_plan *p, float *grads) {
     if (p->started && p->grads_in_flight != grads)
         return QT_ERR(QT_EINVAL, "dist: the gradient block changed address during a reduction; pass the same "
@@ -232,7 +249,9 @@ static int begin_reduction(zero_plan *p, float *grads) {
     if (!p->started) {
         memset(p->bstate, B_IDLE, (size_t)p->nb);
         p->started = 1;
-        p->next_gather = p->nb - 1;
+        p->next_op = 0;
+        p->ready_ops = 0;
+        p->in_flight = 0;
         p->grads_in_flight = grads;
     }
     return QT_OK;
@@ -243,16 +262,14 @@ int zero_reduce_ready(zero_plan *p, float *grads, size_t from) {
     if (p->d->world == 1) return QT_OK;
 #if QT_DIST_MPI
     QT_TRY(begin_reduction(p, grads));
-    for (int b = p->nb - 1; b >= 0; b--) {
-        size_t b0, b1;
-        zero_bucket_range(p, b, &b0, &b1);
-        if (b0 < from) break;
-        if (p->bstate[b] == B_IDLE) QT_TRY(bucket_start_scatter(p, grads, b));
-    }
+    /* buckets wholly inside [from, n): nb - ceil(from / bucket) of them */
+    size_t first = (from + p->bucket - 1) / p->bucket;
+    int ready = first >= (size_t)p->nb ? 0 : p->nb - (int)first;
+    if (ready > p->ready_ops) p->ready_ops = ready;
     /* libnbc progresses only inside MPI calls: testing here is what lets the
      * buckets in flight advance while the backward computes */
     int rc;
-    progress(p, grads, 0, &rc);
+    progress(p, grads, p->ready_ops, &rc);
     return rc;
 #else
     (void)grads;
@@ -266,15 +283,10 @@ int zero_reduce_grads(zero_plan *p, float *grads) {
 #if QT_DIST_MPI
     QT_TRY(begin_reduction(p, grads));
     const char *what = p->stage == 2 ? "gradient reduce-scatter" : "gradient all-reduce";
-    for (int b = p->nb - 1; b >= 0; b--)
-        if (p->bstate[b] == B_IDLE) {
-            int rc = bucket_start_scatter(p, grads, b);
-            if (rc) { p->started = 0; return rc; }
-        }
     dist_waiter w;
     dist_waiter_start(p->d, &w, what);
     int rc = QT_OK;
-    while (progress(p, grads, 1, &rc) > 0 && rc == QT_OK) dist_waiter_tick(p->d, &w);
+    while (progress(p, grads, n_ops(p), &rc) > 0 && rc == QT_OK) dist_waiter_tick(p->d, &w);
     dist_waiter_end(p->d, &w);
     p->started = 0;
     p->grads_in_flight = NULL;
@@ -288,6 +300,50 @@ int zero_reduce_grads(zero_plan *p, float *grads) {
 #endif
 }
 
+#if QT_DIST_MPI
+/* Bucket-by-bucket collectives outside the gradient reduction (parameter
+ * all-gather, checkpoint gather/scatter): started in bucket order, at most
+ * ZERO_IN_FLIGHT at once, all waited on with the deadline. */
+typedef int (*bucket_op)(zero_plan *p, int b, void *ctx);
+
+static int run_buckets(zero_plan *p, bucket_op start, void *ctx, const char *what) {
+    dist_waiter w;
+    dist_waiter_start(p->d, &w, what);
+    int next = 0, done = 0, rc = QT_OK;
+    int lo = 0; /* buckets below lo are complete: the window is [lo, next) */
+    while (done < p->nb) {
+        while (next < p->nb && next - lo < ZERO_IN_FLIGHT) {
+            rc = start(p, next, ctx);
+            if (rc) goto out;
+            next++;
+        }
+        int progressed = 0;
+        for (int b = lo; b < next; b++) {
+            if (p->req[b] == MPI_REQUEST_NULL) continue;
+            int flag = 0, mrc = MPI_Test(&p->req[b], &flag, MPI_STATUS_IGNORE);
+            if (mrc != MPI_SUCCESS) { rc = dist_mpi_fail(p->d, mrc, "MPI_Test", what); goto out; }
+            if (flag) { done++; progressed = 1; }
+        }
+        while (lo < next && p->req[lo] == MPI_REQUEST_NULL) lo++;
+        if (!progressed) dist_waiter_tick(p->d, &w);
+    }
+out:
+    dist_waiter_end(p->d, &w);
+    return rc;
+}
+
+static int start_param_gather(zero_plan *p, int b, void *ctx) {
+    float *params = ctx;
+    int N = p->d->world;
+    size_t b0, b1;
+    zero_bucket_range(p, b, &b0, &b1);
+    DIST_MPI_CHECK(p->d, MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_FLOAT, params + b0, p->counts + (size_t)b * N,
+                                         p->displs + (size_t)b * N, MPI_FLOAT, p->d->comm, &p->req[b]),
+                   "parameter all-gather");
+    return QT_OK;
+}
+#endif
+
 int zero_reduce_partial(zero_plan *p, double *vals, int n, dist_op op, const char *what) {
     if (p->stage == 0) return QT_OK;
     return dist_allreduce_f64(p->d, vals, n, op, what);
@@ -296,15 +352,7 @@ int zero_reduce_partial(zero_plan *p, double *vals, int n, dist_op op, const cha
 int zero_allgather_params(zero_plan *p, float *params) {
     if (p->stage == 0 || p->d->world == 1) return QT_OK;
 #if QT_DIST_MPI
-    int N = p->d->world;
-    for (int b = 0; b < p->nb; b++) {
-        size_t b0, b1;
-        zero_bucket_range(p, b, &b0, &b1);
-        DIST_MPI_CHECK(p->d, MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_FLOAT, params + b0, p->counts + (size_t)b * N,
-                                             p->displs + (size_t)b * N, MPI_FLOAT, p->d->comm, &p->req[b]),
-                       "parameter all-gather");
-    }
-    return dist_wait_all(p->d, p->req, p->nb, "parameter all-gather");
+    return run_buckets(p, start_param_gather, params, "parameter all-gather");
 #else
     (void)params;
     return QT_OK;
@@ -419,25 +467,55 @@ static int check_slot(const zero_plan *p, const zero_state *st, int slot) {
     return QT_OK;
 }
 
+#if QT_DIST_MPI
+typedef struct {
+    float *mine;
+    float *full;
+} slot_io;
+
+static int start_state_gather(zero_plan *p, int b, void *ctx) {
+    slot_io *io = ctx;
+    int N = p->d->world, me = p->d->rank;
+    size_t b0, b1;
+    zero_bucket_range(p, b, &b0, &b1);
+    const int *cnt = p->counts + (size_t)b * N, *dsp = p->displs + (size_t)b * N;
+    const float *send = io->mine + (cnt[me] ? b0 + (size_t)dsp[me] - p->lo : 0);
+    DIST_MPI_CHECK(p->d, MPI_Igatherv(send, cnt[me], MPI_FLOAT, me == 0 ? io->full + b0 : NULL, cnt, dsp,
+                                      MPI_FLOAT, 0, p->d->comm, &p->req[b]), "optimizer state gather");
+    return QT_OK;
+}
+
+static int start_state_scatter(zero_plan *p, int b, void *ctx) {
+    slot_io *io = ctx;
+    int N = p->d->world, me = p->d->rank;
+    size_t b0, b1;
+    zero_bucket_range(p, b, &b0, &b1);
+    const int *cnt = p->counts + (size_t)b * N, *dsp = p->displs + (size_t)b * N;
+    if (p->stage == 0) {
+        /* every rank holds the whole block */
+        if (me == 0) memcpy(io->mine + b0, io->full + b0, (b1 - b0) * sizeof(float));
+        DIST_MPI_CHECK(p->d, MPI_Ibcast(io->mine + b0, (int)(b1 - b0), MPI_FLOAT, 0, p->d->comm, &p->req[b]),
+                       "optimizer state scatter");
+    } else {
+        float *recv = io->mine + (cnt[me] ? b0 + (size_t)dsp[me] - p->lo : 0);
+        DIST_MPI_CHECK(p->d, MPI_Iscatterv(me == 0 ? io->full + b0 : NULL, cnt, dsp, MPI_FLOAT, recv, cnt[me],
+                                           MPI_FLOAT, 0, p->d->comm, &p->req[b]), "optimizer state scatter");
+    }
+    return QT_OK;
+}
+#endif
+
 int zero_state_gather(zero_plan *p, const zero_state *st, int slot, float *full) {
     QT_TRY(check_slot(p, st, slot));
-    const float *mine = st->slot[slot];
+    float *mine = st->slot[slot];
     if (p->stage == 0 || p->d->world == 1) {
         /* replicated: rank 0 already holds everything */
         if (p->d->rank == 0 && p->n) memcpy(full, mine, p->n * sizeof(float));
         return QT_OK;
     }
 #if QT_DIST_MPI
-    int N = p->d->world, me = p->d->rank;
-    for (int b = 0; b < p->nb; b++) {
-        size_t b0, b1;
-        zero_bucket_range(p, b, &b0, &b1);
-        const int *cnt = p->counts + (size_t)b * N, *dsp = p->displs + (size_t)b * N;
-        const float *send = mine + (cnt[me] ? b0 + (size_t)dsp[me] - p->lo : 0);
-        DIST_MPI_CHECK(p->d, MPI_Igatherv(send, cnt[me], MPI_FLOAT, me == 0 ? full + b0 : NULL, cnt, dsp,
-                                          MPI_FLOAT, 0, p->d->comm, &p->req[b]), "optimizer state gather");
-    }
-    return dist_wait_all(p->d, p->req, p->nb, "optimizer state gather");
+    slot_io io = {mine, full};
+    return run_buckets(p, start_state_gather, &io, "optimizer state gather");
 #else
     return QT_OK;
 #endif
@@ -451,23 +529,8 @@ int zero_state_scatter(zero_plan *p, zero_state *st, int slot, const float *full
         return QT_OK;
     }
 #if QT_DIST_MPI
-    int N = p->d->world, me = p->d->rank;
-    for (int b = 0; b < p->nb; b++) {
-        size_t b0, b1;
-        zero_bucket_range(p, b, &b0, &b1);
-        const int *cnt = p->counts + (size_t)b * N, *dsp = p->displs + (size_t)b * N;
-        if (p->stage == 0) {
-            /* every rank holds the whole block */
-            if (me == 0) memcpy(mine + b0, full + b0, (b1 - b0) * sizeof(float));
-            DIST_MPI_CHECK(p->d, MPI_Ibcast(mine + b0, (int)(b1 - b0), MPI_FLOAT, 0, p->d->comm, &p->req[b]),
-                           "optimizer state scatter");
-        } else {
-            float *recv = mine + (cnt[me] ? b0 + (size_t)dsp[me] - p->lo : 0);
-            DIST_MPI_CHECK(p->d, MPI_Iscatterv(me == 0 ? full + b0 : NULL, cnt, dsp, MPI_FLOAT, recv, cnt[me],
-                                               MPI_FLOAT, 0, p->d->comm, &p->req[b]), "optimizer state scatter");
-        }
-    }
-    return dist_wait_all(p->d, p->req, p->nb, "optimizer state scatter");
+    slot_io io = {mine, (float *)full};
+    return run_buckets(p, start_state_scatter, &io, "optimizer state scatter");
 #else
     return QT_OK;
 #endif
