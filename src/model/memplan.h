@@ -26,6 +26,12 @@ typedef struct {
 /* Fills *out (may be NULL) and returns out->total. Base dtype is cfg->torch_dtype. */
 size_t qt_model_memory(const qt_config *cfg, const qt_model_opts *opts, qt_mem_breakdown *out);
 
+/* The trainable parameter table for (config, opts): HF names for full
+ * fine-tuning, PEFT names for LoRA, offsets into the flat block in order.
+ * out NULL: count only. Returns the number of entries; *numel (may be NULL)
+ * gets the block's size in elements. */
+int qt_model_param_table(const qt_config *c, const qt_model_opts *o, qt_param *out, size_t *numel);
+
 /* Number of trainable parameters (elements of the master block). */
 size_t qt_model_trainable_numel(const qt_config *cfg, const qt_model_opts *opts);
 

@@ -77,8 +77,6 @@ size_t qt_model_carve_acts(const qt_config *c, const qt_model_opts *o, float *ba
 size_t qt_model_carve_grads(const qt_config *c, const qt_model_opts *o, float *base, qt_grad_scratch *g);
 size_t qt_model_workspace_floats(const qt_config *c, const qt_model_opts *o);
 size_t qt_model_kv_floats(const qt_config *c, const qt_model_opts *o);
-/* Fills the parameter table (NULL to count); returns the number of entries. */
-int qt_model_param_table(const qt_config *c, const qt_model_opts *o, qt_param *out, size_t *numel);
 
 struct qt_model {
     qt_config cfg;
