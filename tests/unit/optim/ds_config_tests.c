@@ -300,13 +300,95 @@ static void test_load_file(void **state) {
     assert_int_equal(qt_ds_config_load("/nonexistent/ds.json", 1, &c), QT_EIO);
 }
 
+
+/* Random configs built from the real key names with values of every JSON
+ * type: parsing never crashes (ASan/UBSan in CI), fails only with an input
+ * error, and whatever it accepts satisfies the batch identity. */
+static cJSON *random_value(unsigned *seed, int depth) {
+    switch (rand_r(seed) % 9) {
+    case 0: return cJSON_CreateNumber((double)(rand_r(seed) % 70) - 3);
+    case 1: return cJSON_CreateNumber((double)rand_r(seed) / RAND_MAX * 4.0);
+    case 2: return cJSON_CreateNumber(1e300);
+    case 3: return cJSON_CreateString("auto");
+    case 4: return cJSON_CreateString(rand_r(seed) % 2 ? "cpu" : "linear");
+    case 5: return cJSON_CreateBool(rand_r(seed) % 2);
+    case 6: return cJSON_CreateNull();
+    case 7: {
+        cJSON *a = cJSON_CreateArray();
+        int n = rand_r(seed) % 4;
+        for (int i = 0; i < n; i++) cJSON_AddItemToArray(a, cJSON_CreateNumber((double)rand_r(seed) / RAND_MAX));
+        return a;
+    }
+    default: return depth > 0 ? cJSON_CreateObject() : cJSON_CreateNumber(2);
+    }
+}
+
+static void test_random_configs(void **state) {
+    (void)state;
+    static const char *const top[] = {"train_batch_size", "train_micro_batch_size_per_gpu",
+                                      "gradient_accumulation_steps", "gradient_clipping", "steps_per_print",
+                                      "wall_clock_breakdown", "optimizer", "scheduler", "fp16", "bf16",
+                                      "zero_optimization", "unknown_key"};
+    static const char *const inner[] = {"type", "params", "enabled", "loss_scale", "initial_scale_power",
+                                        "loss_scale_window", "hysteresis", "min_loss_scale", "stage",
+                                        "offload_optimizer", "device", "lr", "betas", "eps", "weight_decay",
+                                        "adam_w_mode", "warmup_num_steps", "total_num_steps", "warmup_type",
+                                        "cos_min_ratio", "reduce_bucket_size", "pin_memory"};
+    static const char *const types[] = {"Adam", "AdamW", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "Lamb"};
+    unsigned seed = 12345;
+    int ok = 0;
+    for (int iter = 0; iter < 3000; iter++) {
+        cJSON *root = cJSON_CreateObject();
+        for (size_t k = 0; k < sizeof top / sizeof top[0]; k++) {
+            if (rand_r(&seed) % 3 != 0) continue; /* mostly absent: more configs get through */
+            cJSON *v = random_value(&seed, 1);
+            if (cJSON_IsObject(v) || k >= 6) {
+                if (!cJSON_IsObject(v)) {
+                    cJSON_Delete(v);
+                    v = cJSON_CreateObject();
+                }
+                for (size_t i = 0; i < sizeof inner / sizeof inner[0]; i++) {
+                    if (rand_r(&seed) % 4) continue;
+                    cJSON *iv;
+                    if (strcmp(inner[i], "type") == 0) iv = cJSON_CreateString(types[rand_r(&seed) % 6]);
+                    else if (strcmp(inner[i], "params") == 0 || strcmp(inner[i], "offload_optimizer") == 0) {
+                        iv = cJSON_CreateObject();
+                        for (size_t j = 0; j < sizeof inner / sizeof inner[0]; j++)
+                            if (rand_r(&seed) % 5 == 0) cJSON_AddItemToObject(iv, inner[j], random_value(&seed, 0));
+                    } else iv = random_value(&seed, 0);
+                    cJSON_AddItemToObject(v, inner[i], iv);
+                }
+            }
+            cJSON_AddItemToObject(root, top[k], v);
+        }
+        if (rand_r(&seed) % 2 && !cJSON_HasObjectItem(root, "train_micro_batch_size_per_gpu"))
+            cJSON_AddNumberToObject(root, "train_micro_batch_size_per_gpu", 2);
+        qt_ds_config c;
+        int world = 1 + rand_r(&seed) % 4;
+        int rc = qt_ds_config_parse(root, "fuzz.json", world, &c);
+        if (rc != QT_OK && rc != QT_EINVAL && rc != QT_EUNSUPPORTED) {
+            char *txt = cJSON_PrintUnformatted(root);
+            fail_msg("rc %d for %s: %s", rc, txt, qt_error_message());
+        }
+        if (rc == QT_OK) {
+            ok++;
+            assert_true(c.micro_batch >= 1 && c.grad_accum >= 1);
+            assert_true(c.train_batch_size == c.micro_batch * c.grad_accum * world);
+            qt_ds_config_finalize(&c, rand_r(&seed) % 50);
+        }
+        cJSON_Delete(root);
+    }
+    print_message("%d of 3000 random configs accepted\n", ok);
+    assert_true(ok > 10); /* some configs must get through, or the accepted path was never exercised */
+}
+
 int main(void) {
     qt_log_set_level(QT_LOG_ERROR); /* the warnings are checked through `ignored` */
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_batch_identity),   cmocka_unit_test(test_batch_errors),
         cmocka_unit_test(test_defaults_and_sections), cmocka_unit_test(test_optimizer_modes),
         cmocka_unit_test(test_schedulers),       cmocka_unit_test(test_precision_and_zero),
-        cmocka_unit_test(test_unknown_keys_warn), cmocka_unit_test(test_load_file),
+        cmocka_unit_test(test_unknown_keys_warn), cmocka_unit_test(test_load_file), cmocka_unit_test(test_random_configs),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
