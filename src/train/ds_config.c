@@ -215,6 +215,11 @@ static int parse_optimizer(ds_ctx *x, const cJSON *opt) {
     const cJSON *p;
     QT_TRY(get_section(x, opt, "optimizer", "params", &p));
     if (!p) return QT_OK;
+    if (cJSON_GetObjectItemCaseSensitive(p, "max_grad_norm"))
+        return QT_ERR(QT_EINVAL,
+                      "%s: optimizer.params.max_grad_norm is not an optimizer parameter (DeepSpeed refuses it too); "
+                      "move the value to the top-level \"gradient_clipping\"",
+                      x->where);
     warn_unknown(x, p, "optimizer.params", pkeys);
     int a;
     QT_TRY(get_number(x, p, "optimizer.params", "lr", &c->adam.lr, &a));

@@ -171,6 +171,12 @@ static void test_optimizer_modes(void **state) {
                      QT_OK);
     assert_true(c.adam.lr == 5e-5 && c.adam.beta2 == 0.999 && c.adam.eps == 1e-8 && c.adam.weight_decay == 0.0);
     assert_true(c.gradient_clipping == 1.0);
+    /* max_grad_norm inside the optimizer: DeepSpeed raises; so does qtune, pointing at gradient_clipping */
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"optimizer\":{\"type\":\"AdamW\",\"params\":"
+                                "{\"max_grad_norm\":1.0}}}",
+                                1, &c),
+                     QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "gradient_clipping"));
     /* unknown type, amsgrad, bad betas */
     assert_int_equal(parse_text("{\"train_batch_size\":1,\"optimizer\":{\"type\":\"Lamb\"}}", 1, &c), QT_EUNSUPPORTED);
     assert_non_null(strstr(qt_error_message(), "\"Lamb\""));
