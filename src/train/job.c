@@ -418,6 +418,12 @@ static uint64_t job_fingerprint(const cJSON *root) {
         cJSON_DeleteItemFromObjectCaseSensitive(ds, "steps_per_print");
         cJSON_DeleteItemFromObjectCaseSensitive(ds, "wall_clock_breakdown");
     }
+    /* a section that only held volatile keys (or that --set created) is no difference */
+    static const char *const sections[] = {"train", "data", "deepspeed"}; /* not lora: {} means LoRA */
+    for (size_t i = 0; i < sizeof sections / sizeof sections[0]; i++) {
+        cJSON *sct = cJSON_GetObjectItemCaseSensitive(cp, sections[i]);
+        if (cJSON_IsObject(sct) && !sct->child) cJSON_DeleteItemFromObjectCaseSensitive(cp, sections[i]);
+    }
     char *s = cJSON_PrintUnformatted(cp);
     cJSON_Delete(cp);
     if (!s) return 0;

@@ -1,0 +1,300 @@
+/* train: the job file (defaults, paths, --set typing, errors by field), the
+ * checkpoint folder mechanics, PEFT key names, loss.svg, and the public API
+ * (train two steps, eval, merge) on a tiny model. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/mem.h"
+#include "io/checkpoint.h"
+#include "io/hf_config.h"
+#include "io/model_folder.h"
+#include "io/peft.h"
+#include "model/model.h"
+#include "qtune.h"
+#include "train/job.h"
+#include "train/metrics.h"
+
+static char *tmpdir(void) {
+    char *d = strdup("/tmp/qtune_train_XXXXXX");
+    assert_non_null(mkdtemp(d));
+    return d;
+}
+
+static void write_text(const char *dir, const char *name, const char *text) {
+    char p[4096];
+    assert_int_equal(qt_path_join(p, sizeof p, dir, name), QT_OK);
+    assert_int_equal(qt_write_file_atomic(p, text, strlen(text)), QT_OK);
+}
+
+static void test_job_defaults_and_paths(void **state) {
+    (void)state;
+    qt_job j;
+    const char *json = "{\"model\": \"m\", \"output_dir\": \"/abs/out\", \"data\": {\"train\": \"t.jsonl\"},"
+                       " \"lora\": {\"r\": 16, \"target_modules\": [\"q_proj\", \"down_proj\"]}}";
+    assert_int_equal(qt_job_parse(json, "/jobs", "/jobs/j.json", NULL, 0, &j), QT_OK);
+    assert_string_equal(j.model, "/jobs/m");
+    assert_string_equal(j.output_dir, "/abs/out");
+    assert_string_equal(j.data.train, "/jobs/t.jsonl");
+    assert_null(j.data.eval);
+    assert_int_equal(j.data.seq_len, 512);
+    assert_true(j.data.packing && j.data.shuffle && j.data.mask_prompt);
+    assert_true(j.lora.enabled);
+    assert_int_equal(j.lora.r, 16);
+    assert_int_equal(j.lora.targets, QT_LORA_Q | QT_LORA_DOWN);
+    assert_int_equal(j.train.max_steps, -1);
+    assert_true(j.train.epochs == 1);
+    assert_int_equal(j.train.seed, 42);
+    assert_string_equal(j.train.resume, "auto");
+    assert_null(j.deepspeed);
+    uint64_t fp = j.fingerprint;
+    qt_job_free(&j);
+    /* changing only how often we log/save keeps the fingerprint; the data does not */
+    const char *sets1[] = {"train.save_steps=5", "train.max_steps=7"};
+    assert_int_equal(qt_job_parse(json, "/jobs", "/jobs/j.json", sets1, 2, &j), QT_OK);
+    assert_int_equal(j.train.max_steps, 7);
+    assert_true(j.fingerprint == fp);
+    qt_job_free(&j);
+    const char *sets2[] = {"data.seq_len=64"};
+    assert_int_equal(qt_job_parse(json, "/jobs", "/jobs/j.json", sets2, 1, &j), QT_OK);
+    assert_int_equal(j.data.seq_len, 64);
+    assert_true(j.fingerprint != fp);
+    qt_job_free(&j);
+}
+
+static void test_job_sets_are_typed(void **state) {
+    (void)state;
+    qt_job j;
+    const char *json = "{\"model\": \"m\", \"output_dir\": \"o\", \"data\": {\"train\": \"t\"},"
+                       " \"lora\": {\"r\": 8, \"target_modules\": [\"q_proj\"]},"
+                       " \"deepspeed\": {\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}}}";
+    const char *sets[] = {"lora.target_modules=q_proj,v_proj", "deepspeed.optimizer.params.lr=3e-5",
+                          "train.gradient_checkpointing=true", "lora.init_from=ad", "data.eval=e.jsonl"};
+    assert_int_equal(qt_job_parse(json, ".", "j.json", sets, 5, &j), QT_OK);
+    assert_int_equal(j.lora.targets, QT_LORA_Q | QT_LORA_V);
+    assert_int_equal(j.lora.n_target_names, 2);
+    assert_true(j.train.gradient_checkpointing);
+    assert_string_equal(j.lora.init_from, "ad");
+    assert_string_equal(j.data.eval, "e.jsonl");
+    cJSON *lr = cJSON_GetObjectItem(cJSON_GetObjectItem(cJSON_GetObjectItem(j.deepspeed, "optimizer"), "params"), "lr");
+    assert_true(fabs(lr->valuedouble - 3e-5) < 1e-12);
+    qt_job_free(&j);
+    /* a number field refuses a word, a bool field refuses a number word */
+    const char *bad1[] = {"lora.r=eight"};
+    assert_int_equal(qt_job_parse(json, ".", "j.json", bad1, 1, &j), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "lora.r=eight"));
+    const char *bad2[] = {"lora.r.x=1"};
+    assert_int_equal(qt_job_parse(json, ".", "j.json", bad2, 1, &j), QT_EINVAL);
+    const char *bad3[] = {"noequals"};
+    assert_int_equal(qt_job_parse(json, ".", "j.json", bad3, 1, &j), QT_EINVAL);
+}
+
+static void test_job_errors_name_the_field(void **state) {
+    (void)state;
+    qt_job j;
+    assert_int_equal(qt_job_parse("{\"model\": 1}", ".", "x.json", NULL, 0, &j), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "x.json"));
+    assert_non_null(strstr(qt_error_message(), "model"));
+    assert_int_equal(qt_job_parse("{\n\"model\": \"m\",\n oops}", ".", "x.json", NULL, 0, &j), QT_EFORMAT);
+    assert_non_null(strstr(qt_error_message(), "line 3"));
+    assert_int_equal(qt_job_parse("{\"model\": \"m\", \"output_dir\": \"o\"}", ".", "x.json", NULL, 0, &j), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "data"));
+    assert_int_equal(qt_job_parse("{\"model\": \"m\", \"output_dir\": \"o\", \"data\": {\"train\": \"t\"},"
+                                  " \"train\": {\"max_steps\": 2.5}}", ".", "x.json", NULL, 0, &j), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "train.max_steps"));
+    assert_int_equal(qt_job_parse("{\"model\": \"m\", \"output_dir\": \"o\", \"data\": {\"train\": \"t\"},"
+                                  " \"lora\": {\"lora_dropout\": 1.5}}", ".", "x.json", NULL, 0, &j), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "lora.lora_dropout"));
+    assert_int_equal(qt_job_parse("{\"model\": \"m\", \"output_dir\": \"o\", \"data\": {\"train\": \"t\"},"
+                                  " \"deepspeed\": \"missing_ds.json\"}", "/nonexistent", "x.json", NULL, 0, &j), QT_EIO);
+    assert_non_null(strstr(qt_error_message(), "missing_ds.json"));
+}
+
+static void test_job_reads_deepspeed_file(void **state) {
+    (void)state;
+    char *d = tmpdir();
+    write_text(d, "ds.json", "{\"train_micro_batch_size_per_gpu\": 4}");
+    write_text(d, "job.json", "{\"model\": \"m\", \"output_dir\": \"o\", \"data\": {\"train\": \"t\"}, \"deepspeed\": \"ds.json\"}");
+    char p[4096];
+    qt_path_join(p, sizeof p, d, "job.json");
+    qt_job j;
+    const char *sets[] = {"deepspeed.gradient_accumulation_steps=2"};
+    assert_int_equal(qt_job_load(p, sets, 1, &j), QT_OK);
+    assert_non_null(j.deepspeed);
+    assert_int_equal(cJSON_GetObjectItem(j.deepspeed, "train_micro_batch_size_per_gpu")->valueint, 4);
+    assert_int_equal(cJSON_GetObjectItem(j.deepspeed, "gradient_accumulation_steps")->valueint, 2);
+    assert_non_null(strstr(j.deepspeed_path, "ds.json"));
+    qt_job_free(&j);
+    qt_rm_rf(d);
+    free(d);
+}
+
+static void test_checkpoint_folders(void **state) {
+    (void)state;
+    char *d = tmpdir();
+    for (long s = 1; s <= 4; s++) {
+        ckpt_writer w;
+        assert_int_equal(ckpt_begin(&w, d, s * 10), QT_OK);
+        char p[4200];
+        snprintf(p, sizeof p, "%s/%s", w.dir, CKPT_STATE_FILE);
+        assert_int_equal(qt_write_file_atomic(p, "{}", 2), QT_OK);
+        float x[3] = {1, 2, (float)s};
+        snprintf(p, sizeof p, "%s/x.safetensors", w.dir);
+        assert_int_equal(ckpt_write_f32(p, "x", x, 3), QT_OK);
+        assert_int_equal(ckpt_commit(&w), QT_OK);
+    }
+    /* an unfinished write is not a checkpoint */
+    ckpt_writer w;
+    assert_int_equal(ckpt_begin(&w, d, 50), QT_OK);
+    char path[4096];
+    long step;
+    assert_int_equal(ckpt_latest(d, path, sizeof path, &step), QT_OK);
+    assert_int_equal(step, 40);
+    assert_non_null(strstr(path, "checkpoint-40"));
+    float y[3];
+    char p[4200];
+    snprintf(p, sizeof p, "%s/x.safetensors", path);
+    assert_int_equal(ckpt_read_f32(p, "x", y, 3), QT_OK);
+    assert_true(y[2] == 4.0f);
+    assert_int_equal(ckpt_read_f32(p, "x", y, 2), QT_EFORMAT); /* wrong length named */
+    assert_int_equal(ckpt_prune(d, 2, -1), QT_OK);
+    snprintf(p, sizeof p, "%s/checkpoint-20", d);
+    assert_false(qt_path_exists(p));
+    snprintf(p, sizeof p, "%s/checkpoint-30", d);
+    assert_true(qt_path_exists(p));
+    assert_false(qt_path_exists(w.dir)); /* the stale .tmp is gone */
+    assert_int_equal(ckpt_step_of("checkpoint-123"), 123);
+    assert_int_equal(ckpt_step_of("checkpoint-12a"), -1);
+    assert_int_equal(ckpt_step_of("checkpoint-"), -1);
+    qt_rm_rf(d);
+    free(d);
+}
+
+static void test_peft_names_and_config(void **state) {
+    (void)state;
+    char base[256];
+    int is_b = -1;
+    assert_true(peft_base_name("base_model.model.model.layers.3.mlp.up_proj.lora_B.weight", base, sizeof base, &is_b));
+    assert_string_equal(base, "model.layers.3.mlp.up_proj.weight");
+    assert_int_equal(is_b, 1);
+    assert_true(peft_base_name("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight", base,
+                               sizeof base, &is_b));
+    assert_string_equal(base, "model.layers.0.self_attn.q_proj.weight");
+    assert_int_equal(is_b, 0);
+    assert_false(peft_base_name("model.layers.0.self_attn.q_proj.weight", base, sizeof base, &is_b));
+    assert_false(peft_base_name("base_model.model.lm_head.weight", base, sizeof base, &is_b));
+
+    char *d = tmpdir();
+    peft_config c = {.r = 8, .lora_alpha = 32, .lora_dropout = 0.1f, .use_rslora = 1, .n_targets = 2};
+    strcpy(c.target_modules[0], "q_proj");
+    strcpy(c.target_modules[1], "v_proj");
+    strcpy(c.base_model, "Qwen/Qwen2.5-0.5B");
+    assert_int_equal(peft_config_write(&c, d), QT_OK);
+    peft_config r;
+    assert_int_equal(peft_config_load(d, &r), QT_OK);
+    assert_int_equal(r.r, 8);
+    assert_true(r.lora_alpha == 32 && r.use_rslora && r.n_targets == 2);
+    assert_string_equal(r.target_modules[1], "v_proj");
+    assert_true(fabsf(peft_scaling(&r) - 32.0f / sqrtf(8)) < 1e-6f);
+    write_text(d, "adapter_config.json", "{\"peft_type\": \"LORA\", \"r\": 4, \"use_dora\": true}");
+    assert_int_equal(peft_config_load(d, &r), QT_EUNSUPPORTED);
+    assert_non_null(strstr(qt_error_message(), "use_dora"));
+    write_text(d, "adapter_config.json", "{\"peft_type\": \"LORA\", \"r\": -4}");
+    assert_int_equal(peft_config_load(d, &r), QT_EFORMAT);
+    qt_rm_rf(d);
+    free(d);
+}
+
+static void test_loss_svg(void **state) {
+    (void)state;
+    char *d = tmpdir();
+    char p[4096];
+    qt_path_join(p, sizeof p, d, "loss.svg");
+    qt_metrics_point tr[3] = {{1, 2.5}, {2, 2.0}, {3, 1.5}}, ev[1] = {{3, 1.7}};
+    assert_int_equal(qt_loss_svg_write(p, "a <title> & more", tr, 3, ev, 1), QT_OK);
+    char *s;
+    size_t n;
+    assert_int_equal(qt_read_file(p, 1 << 20, &s, &n), QT_OK);
+    assert_non_null(strstr(s, "<svg"));
+    assert_non_null(strstr(s, "</svg>"));
+    assert_non_null(strstr(s, "&lt;title&gt; &amp;"));
+    assert_non_null(strstr(s, "polyline"));
+    qt_free(s);
+    assert_int_equal(qt_loss_svg_write(p, NULL, NULL, 0, NULL, 0), QT_OK); /* empty curve is fine */
+    qt_rm_rf(d);
+    free(d);
+}
+
+/* The public API end to end: a tiny random model, two LoRA steps, eval with
+ * the adapter equals eval of the merged model. */
+static void test_public_api(void **state) {
+    (void)state;
+    char *d = tmpdir();
+    char p[4096], model[4096];
+    qt_path_join(model, sizeof model, d, "model");
+    assert_int_equal(qt_mkdir_p(model), QT_OK);
+    qt_config cfg;
+    assert_int_equal(qt_preset("tiny", &cfg), QT_OK);
+    qt_path_join(p, sizeof p, model, "config.json");
+    assert_int_equal(qt_config_write(&cfg, p), QT_OK);
+    qt_path_join(p, sizeof p, model, "model.safetensors");
+    assert_int_equal(qt_init_weights_write(&cfg, QT_F32, 1, p), QT_OK);
+    char data[4096] = "";
+    for (int i = 0; i < 8; i++) {
+        char line[256];
+        snprintf(line, sizeof line, "{\"input_ids\": [%d, %d, %d, %d, %d, %d, %d, %d]}\n", i + 1, i + 3, i + 5, i + 7,
+                 i + 9, i + 11, i + 13, i + 15);
+        strcat(data, line);
+    }
+    write_text(d, "train.jsonl", data);
+    write_text(d, "job.json",
+               "{\"model\": \"model\", \"output_dir\": \"out\", \"data\": {\"train\": \"train.jsonl\", \"seq_len\": 8},"
+               " \"lora\": {\"r\": 2, \"lora_alpha\": 4, \"target_modules\": [\"q_proj\", \"v_proj\"]},"
+               " \"train\": {\"max_steps\": 2}, \"deepspeed\": {\"train_micro_batch_size_per_gpu\": 2,"
+               " \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 0.05}}}}");
+    qt_path_join(p, sizeof p, d, "job.json");
+    char fin[4096];
+    int rc = qtune_train(p, NULL, 0, NULL, fin, sizeof fin);
+    if (rc) fprintf(stderr, "%s\n", qtune_last_error());
+    assert_int_equal(rc, 0);
+    assert_non_null(strstr(fin, "final"));
+    char merged[4096], tr[4096];
+    qt_path_join(merged, sizeof merged, d, "merged");
+    qt_path_join(tr, sizeof tr, d, "train.jsonl");
+    assert_int_equal(qtune_merge(model, fin, merged, NULL), 0);
+    qtune_model *a, *b;
+    assert_int_equal(qtune_model_load(model, fin, 8, 2, &a), 0);
+    assert_int_equal(qtune_model_load(merged, NULL, 8, 2, &b), 0);
+    double la, lb;
+    int64_t na, nb;
+    assert_int_equal(qtune_eval(a, tr, NULL, &la, &na), 0);
+    assert_int_equal(qtune_eval(b, tr, NULL, &lb, &nb), 0);
+    assert_int_equal(na, 8 * 7);
+    assert_int_equal(na, nb);
+    assert_true(fabs(la - lb) < 1e-5 * la);
+    qtune_model_free(a);
+    qtune_model_free(b);
+    assert_int_equal(qtune_merge(model, fin, merged, "f64"), QT_EINVAL);
+    qt_rm_rf(d);
+    free(d);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_job_defaults_and_paths), cmocka_unit_test(test_job_sets_are_typed),
+        cmocka_unit_test(test_job_errors_name_the_field), cmocka_unit_test(test_job_reads_deepspeed_file),
+        cmocka_unit_test(test_checkpoint_folders), cmocka_unit_test(test_peft_names_and_config),
+        cmocka_unit_test(test_loss_svg), cmocka_unit_test(test_public_api),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
