@@ -32,7 +32,7 @@ static void ignore_key(ds_ctx *x, const char *section, const char *key) {
     char path[96];
     if (section) snprintf(path, sizeof path, "%s.%s", section, key);
     else snprintf(path, sizeof path, "%s", key);
-    qt_warn("%s: DeepSpeed key \"%s\" is not implemented by qtune and is ignored", x->where, path);
+    qt_warn("%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored", x->where, path);
     qt_ds_config *c = x->out;
     if (c->n_ignored < QT_DS_MAX_IGNORED) {
         snprintf(c->ignored[c->n_ignored], sizeof c->ignored[0], "%s", path);
