@@ -2,12 +2,15 @@
  * device count (src/train/plan_report.h does the sums; docs/plan.md). */
 #include "cli/cli.h"
 #include "core/error.h"
+#include "core/fs.h"
 #include "core/mem.h"
 #include "io/hf_config.h"
 #include "model/model.h"
 #include "train/plan_report.h"
 
+#include <dirent.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <string.h>
 #include <strings.h>
 
@@ -57,6 +60,24 @@ static int parse_targets(const char *s, unsigned *mask) {
         if (!found) return -1;
     }
     return *mask ? 0 : -1;
+}
+
+/* Sum of the *.safetensors sizes in a model folder (0 when none). */
+static uint64_t weights_file_bytes(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    uint64_t sum = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        size_t n = strlen(e->d_name);
+        char p[4096];
+        struct stat st;
+        if (n > 12 && !strcmp(e->d_name + n - 12, ".safetensors") &&
+            qt_path_join(p, sizeof p, dir, e->d_name) == QT_OK && stat(p, &st) == 0)
+            sum += (uint64_t)st.st_size;
+    }
+    closedir(d);
+    return sum;
 }
 
 static int parse_int(const char *s, int lo, int hi, int *out) {
@@ -159,6 +180,7 @@ int cmd_plan(int argc, char **argv) {
 
     qt_config cfg;
     if ((model ? qt_config_load(model, &cfg) : qt_preset(preset, &cfg)) != QT_OK) return cli_fail();
+    if (model) o.weights_file_bytes = weights_file_bytes(model);
     qt_plan p;
     if (qt_plan_compute(&cfg, &o, &p) != QT_OK) return cli_fail();
     const char *name = model ? model : preset;

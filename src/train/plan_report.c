@@ -164,7 +164,11 @@ int qt_plan_compute(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
     }
     p->host_dataset = o->dataset_bytes;
     p->host_runtime = (uint64_t)K * HOST_RUNTIME_PER_RANK;
-    p->host_total = p->host_offload + p->host_pinned + p->host_dataset + p->host_runtime;
+    if (!o->lora) /* LoRA's mapped base is its frozen weights, already counted on the device */
+        p->host_mapped = o->weights_file_bytes ? o->weights_file_bytes
+                                               : (uint64_t)pm.n_params * qt_dtype_size(c->torch_dtype);
+    p->host_total = p->host_offload + p->host_pinned + p->host_dataset + p->host_runtime + p->host_mapped;
+    p->cpu_rank_bytes = p->dev.total + (K ? (p->host_offload + p->host_pinned) / (uint64_t)K : 0) + p->host_mapped;
     p->host_recommend = (uint64_t)ceil((double)p->host_total * 1.2 / GIB) * (uint64_t)GIB;
 
     /* A checkpoint holds the fp32 trainable block and Adam m, v (all shards
@@ -232,9 +236,12 @@ void qt_plan_print(FILE *f, const char *name, const qt_config *c, const qt_plan_
     fprintf(f, "  offloaded optimizer + master %9.3f\n", gib(p->host_offload));
     fprintf(f, "  pinned staging buffers       %9.3f\n", gib(p->host_pinned));
     fprintf(f, "  dataset                      %9.3f\n", gib(p->host_dataset));
+    fprintf(f, "  mapped weights file          %9.3f\n", gib(p->host_mapped));
     fprintf(f, "  runtime (1 GiB per rank)     %9.3f\n", gib(p->host_runtime));
     fprintf(f, "  total                        %9.3f  -> recommend %.0f GiB (+20%%)\n\n", gib(p->host_total),
             gib(p->host_recommend));
+    fprintf(f, "cpu run    one rank's process on the CPU backend: %.3f GiB (device total + its offloaded\n"
+               "           shards + mapped weights file)\n", gib(p->cpu_rank_bytes));
     fprintf(f, "disk       checkpoint %.3f GiB each (fp32 trainable + Adam m, v); final %.3f GiB\n",
             gib(p->ckpt_bytes), gib(p->final_bytes));
     fprintf(f, "power      %d card%s x %.0f W + %d host%s x %.0f W = %.0f W -> provision %.0f W (+20%%)\n",
@@ -292,9 +299,11 @@ char *qt_plan_json(const char *name, const qt_config *c, const qt_plan_opts *o, 
         add_u64(h, "pinned", p->host_pinned);
         add_u64(h, "dataset", p->host_dataset);
         add_u64(h, "runtime", p->host_runtime);
+        add_u64(h, "mapped_weights", p->host_mapped);
         add_u64(h, "total", p->host_total);
         add_u64(h, "recommend", p->host_recommend);
     }
+    add_u64(r, "cpu_rank_bytes", p->cpu_rank_bytes);
     add_u64(r, "checkpoint_bytes", p->ckpt_bytes);
     add_u64(r, "final_bytes", p->final_bytes);
     cJSON *w = cJSON_AddObjectToObject(r, "power");

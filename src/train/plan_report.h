@@ -38,6 +38,7 @@ typedef struct {
     double host_watts;     /* CPUs, RAM, disks, fans of one host, W */
     int cards_per_host;    /* 0: min(devices, 8) */
     uint64_t dataset_bytes; /* token cache / dataset held in host memory */
+    uint64_t weights_file_bytes; /* the model's *.safetensors; 0: parameters x config torch_dtype */
 } qt_plan_opts;
 
 /* Defaults: LoRA off, r 8 on q,v, ZeRO 0, 1 device, no offload, f32, B 1,
@@ -65,8 +66,13 @@ typedef struct {
     uint64_t host_pinned;  /* staging buffers for offloaded gradients/parameters */
     uint64_t host_dataset;
     uint64_t host_runtime; /* per-process runtime, model loading */
+    uint64_t host_mapped;  /* full fine-tuning: the weights file stays memory-mapped after its
+                              values are copied into the master block (page cache, in the RSS) */
     uint64_t host_total;   /* sum of the above */
     uint64_t host_recommend; /* host_total + 20%, rounded up to a whole GiB */
+    uint64_t cpu_rank_bytes; /* one rank's process on the CPU backend, where the "device" is host
+                                memory: dev.total + its offloaded shards + host_mapped (what
+                                metrics.jsonl's mem_peak_bytes measures, less the ~10 MB runtime) */
     uint64_t ckpt_bytes;   /* one checkpoint-STEP folder on disk */
     uint64_t final_bytes;  /* final/ (adapter or model folder) */
     int cards_per_host;

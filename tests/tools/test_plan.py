@@ -1,0 +1,117 @@
+"""qtune plan: the CLI's sums and options, the field report's strategies, and the plan against the
+memory `qtune train` really uses: on three small shapes (full, LoRA, full with recomputation) the
+plan's cpu_rank_bytes (one rank on the CPU backend) is within 10% of metrics.jsonl's mem_peak_bytes."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import qtune
+
+GIB = 1024 ** 3
+
+
+def cfg(V, C, I, L, H, KV):
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": V, "hidden_size": C,
+            "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": H, "num_key_value_heads": KV,
+            "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "tie_word_embeddings": True, "hidden_act": "silu", "torch_dtype": "float32",
+            "use_sliding_window": False}
+
+
+# name: (config, lora, micro-batch, seq_len, checkpointing)
+SHAPES = {
+    "full": (cfg(8192, 256, 688, 4, 4, 2), None, 2, 64, False),
+    "lora": (cfg(16384, 384, 1024, 4, 6, 2), {"r": 8, "lora_alpha": 16, "lora_dropout": 0.1,
+                                              "target_modules": ["q_proj", "v_proj"]}, 2, 128, False),
+    "full-recompute": (cfg(8192, 256, 688, 6, 4, 2), None, 4, 128, True),
+}
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_plan_matches_measured_peak(tmp_path, name):
+    c, lora, B, T, ckpt = SHAPES[name]
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    qtune("init", "--out", tmp_path / "m", "--config", tmp_path / "config.json", "--seed", 1, check=0)
+    rng = np.random.default_rng(0)
+    with open(tmp_path / "train.jsonl", "w") as f:
+        for _ in range(4 * B):
+            f.write(json.dumps({"input_ids": [int(x) for x in rng.integers(1, c["vocab_size"] - 1, T + 1)]}) + "\n")
+    job = {"model": "m", "output_dir": "out",
+           "data": {"train": "train.jsonl", "seq_len": T, "packing": False, "shuffle": False},
+           "train": {"max_steps": 2, "log_steps": 1, "seed": 1, "save_steps": 0, "gradient_checkpointing": ckpt},
+           "deepspeed": {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1}}
+    if lora:
+        job["lora"] = lora
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    qtune("train", tmp_path / "job.json", check=0, env={"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
+    with open(tmp_path / "out" / "metrics.jsonl") as f:
+        measured = max(json.loads(l).get("mem_peak_bytes", 0) for l in f if l.strip())
+    args = ["plan", "--model", tmp_path / "m", "--micro-batch", B, "--seq-len", T, "--json"]
+    if lora:
+        args += ["--mode", "lora", "--lora-r", lora["r"], "--lora-targets", ",".join(lora["target_modules"])]
+    if ckpt:
+        args += ["--checkpointing"]
+    plan = json.loads(qtune(*args, check=0).stdout)
+    predicted = plan["cpu_rank_bytes"]
+    err = (predicted - measured) / measured
+    print(f"{name}: predicted {predicted / 2**20:.1f} MiB, measured peak {measured / 2**20:.1f} MiB ({err:+.1%})")
+    assert abs(err) <= 0.10, f"{name}: plan {predicted} vs measured {measured} ({err:+.1%})\n{plan}"
+
+
+def plan_json(*args):
+    return json.loads(qtune("plan", *args, "--json", check=0).stdout)
+
+
+def test_categories_add_up_and_zero_shards():
+    z = {s: plan_json("--preset", "qwen2.5-7b", "--precision", "bf16", "--zero", s, "--devices", 4)
+         for s in ("0", "1", "2")}
+    for p in z.values():
+        d = p["per_device_bytes"]
+        assert d["total"] == sum(v for k, v in d.items() if k != "total")
+    P = z["0"]["n_trainable"]
+    assert z["0"]["per_device_bytes"]["optimizer_state"] == 8 * P
+    assert abs(z["1"]["per_device_bytes"]["optimizer_state"] - 2 * P) <= 4
+    assert z["1"]["per_device_bytes"]["gradients"] == 4 * P
+    assert abs(z["2"]["per_device_bytes"]["gradients"] - P) <= 4
+    off = plan_json("--preset", "qwen2.5-7b", "--precision", "bf16", "--zero", "2", "--devices", 4, "--offload", "cpu")
+    assert off["per_device_bytes"]["optimizer_state"] == 0 and off["per_device_bytes"]["master_weights"] == 0
+    assert off["host_bytes"]["offload"] >= 12 * P
+
+
+def test_min_devices_and_power():
+    p = plan_json("--preset", "qwen2.5-14b", "--precision", "fp16", "--zero", "2", "--offload", "cpu",
+                  "--devices", 1, "--checkpointing")
+    n = p["min_devices"]
+    assert n > 1
+    fits = plan_json("--preset", "qwen2.5-14b", "--precision", "fp16", "--zero", "2", "--offload", "cpu",
+                     "--devices", n, "--checkpointing")
+    assert fits["fits"] and fits["per_device_bytes"]["total"] <= 32 * GIB
+    short = plan_json("--preset", "qwen2.5-14b", "--precision", "fp16", "--zero", "2", "--offload", "cpu",
+                      "--devices", n - 1, "--checkpointing")
+    assert not short["fits"]
+    w = fits["power"]
+    assert w["total_watts"] == n * 300 + w["hosts"] * 500
+    assert abs(w["recommend_watts"] - 1.2 * w["total_watts"]) < 1e-6
+    h = fits["host_bytes"]
+    assert h["recommend"] >= 1.2 * h["total"] and h["recommend"] % GIB == 0
+
+
+def test_lora_one_card_and_strategies_table():
+    p = plan_json("--preset", "qwen2.5-0.5b", "--mode", "lora", "--lora-r", "8", "--lora-targets", "q,v")
+    assert p["n_trainable"] == 540672  # PEFT's count for r=8 on q_proj, v_proj of Qwen2.5-0.5B
+    out = qtune("plan", "--preset", "qwen-14b", "--precision", "fp16", "--strategies", check=0).stdout
+    for s in ("full/ZeRO0", "ZeRO2+offload", "LoRA 1 card", "56 GB", "35 GB", "20 GB"):
+        assert s in out
+
+
+def test_errors():
+    p = qtune("plan", "--preset", "qwen2.5-0.5b", "--offload", "cpu")
+    assert p.returncode == 2 and "--zero" in p.stderr
+    p = qtune("plan", "--preset", "no-such-model")
+    assert p.returncode == 1 and "no-such-model" in p.stderr
+    p = qtune("plan")
+    assert p.returncode == 2
+    p = qtune("plan", "--preset", "tiny", "--zero", "3")
+    assert p.returncode == 2 and "--zero" in p.stderr
