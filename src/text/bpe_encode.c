@@ -15,11 +15,16 @@
 #include <string.h>
 #include <utf8proc.h>
 
-/* True when NFC leaves s unchanged for certain: every code point is one that
- * NFC never alters and that never combines with its neighbour (ccc 0, no
- * canonical decomposition, no composition partner). ASCII, Latin-1, CJK
- * ideographs, fullwidth forms and the emoji blocks are; anything else goes to
- * utf8proc. Most text never reaches it. */
+/* Code points NFC never alters and that never combine with what precedes
+ * them (ccc 0, no canonical decomposition, not the second half of any
+ * composition): ASCII and Latin-1 (< U+0300), CJK ideographs, CJK punctuation
+ * before the tone marks, half/fullwidth forms, the emoji blocks. A text is
+ * NFC-split at any of them: NFC(a + x + b) == NFC(a) + NFC(x + b). */
+static inline int nfc_inert(uint32_t cp) {
+    return cp < 0x300 || (cp >= 0x4E00 && cp <= 0x9FFF) || (cp >= 0x3400 && cp <= 0x4DBF) ||
+           (cp >= 0x3000 && cp <= 0x3029) || (cp >= 0xFF00 && cp <= 0xFFEF) || (cp >= 0x1F300 && cp <= 0x1FAFF);
+}
+
 static int nfc_stable(const uint8_t *s, size_t n) {
     size_t i = 0;
     while (i < n) {
@@ -27,23 +32,81 @@ static int nfc_stable(const uint8_t *s, size_t n) {
         int l;
         uint32_t cp = utf8_decode(s + i, &l);
         i += (size_t)l;
-        if (cp < 0x300) continue;
-        if (cp >= 0x4E00 && cp <= 0x9FFF) continue;    /* CJK unified ideographs */
-        if (cp >= 0x3400 && cp <= 0x4DBF) continue;    /* extension A */
-        if (cp >= 0x3000 && cp <= 0x3029) continue;    /* CJK punctuation before the tone marks */
-        if (cp >= 0xFF00 && cp <= 0xFFEF) continue;    /* half/fullwidth forms */
-        if (cp >= 0x1F300 && cp <= 0x1FAFF) continue;  /* emoji and pictographs */
-        return 0;
+        if (!nfc_inert(cp)) return 0;
     }
     return 1;
 }
 
-static int nfc(const char *s, size_t n, char **out, size_t *out_len) {
+static int nfc_region(const char *s, size_t n, char **out, size_t *out_len) {
     utf8proc_uint8_t *dst = NULL;
     utf8proc_ssize_t r = utf8proc_map((const utf8proc_uint8_t *)s, (utf8proc_ssize_t)n, &dst, UTF8PROC_STABLE | UTF8PROC_COMPOSE);
     if (r < 0) return QT_ERR(QT_EINVAL, "NFC normalisation failed: %s", utf8proc_errmsg(r));
     *out = (char *)dst; /* malloc'd by utf8proc: release with free() */
     *out_len = (size_t)r;
+    return QT_OK;
+}
+
+typedef struct {
+    char *p;
+    size_t n, cap;
+} nfc_buf;
+
+static int nfc_put(nfc_buf *b, const char *s, size_t n) {
+    if (b->n + n + 1 > b->cap) {
+        size_t c = b->cap ? b->cap : 64;
+        while (c < b->n + n + 1) c *= 2;
+        char *g = qt_realloc(b->p, c, "NFC text");
+        if (!g) return QT_ENOMEM;
+        b->p = g;
+        b->cap = c;
+    }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = 0;
+    return QT_OK;
+}
+
+/* NFC of s[0..n) into a qt_malloc'd buffer. Only the runs of code points
+ * that are not inert go through utf8proc, each with the inert character just
+ * before it (which may compose with them); everything else is copied. */
+static int nfc(const char *s, size_t n, char **out, size_t *out_len) {
+    nfc_buf o = {0};
+    int rc = nfc_put(&o, "", 0);
+    const uint8_t *u = (const uint8_t *)s;
+    size_t copied = 0, i = 0, last_inert = SIZE_MAX;
+    while (i < n && rc == QT_OK) {
+        int l = 1;
+        uint32_t cp = u[i] < 0x80 ? u[i] : utf8_decode(u + i, &l);
+        if (nfc_inert(cp)) {
+            last_inert = i;
+            i += (size_t)l;
+            continue;
+        }
+        size_t a = last_inert != SIZE_MAX && last_inert >= copied ? last_inert : i, b = i + (size_t)l;
+        while (b < n) {
+            int l2 = 1;
+            uint32_t c2 = u[b] < 0x80 ? u[b] : utf8_decode(u + b, &l2);
+            if (nfc_inert(c2)) break;
+            b += (size_t)l2;
+        }
+        char *norm = NULL;
+        size_t nn = 0;
+        rc = nfc_put(&o, s + copied, a - copied);
+        if (rc == QT_OK) rc = nfc_region(s + a, b - a, &norm, &nn);
+        if (rc == QT_OK) {
+            rc = nfc_put(&o, norm, nn);
+            free(norm);
+        }
+        copied = i = b;
+        last_inert = SIZE_MAX;
+    }
+    if (rc == QT_OK) rc = nfc_put(&o, s + copied, n - copied);
+    if (rc != QT_OK) {
+        qt_free(o.p);
+        return rc;
+    }
+    *out = o.p;
+    *out_len = o.n;
     return QT_OK;
 }
 
@@ -179,7 +242,7 @@ static int encode_stretch(enc_ctx *c, const char *s, size_t n, size_t base) {
             off = me;
         }
     }
-    free(norm);
+    qt_free(norm);
     return rc;
 }
 
@@ -245,14 +308,7 @@ int bpe_normalize(const bpe_tokenizer *t, const char *text, size_t len, char **o
         int rc = nfc(s, cl, &norm, &nn);
         qt_free(clean);
         if (rc != QT_OK) return rc;
-        char *o = qt_malloc(nn + 1, "normalised text");
-        if (o) {
-            memcpy(o, norm, nn);
-            o[nn] = 0;
-        }
-        free(norm);
-        if (!o) return QT_ENOMEM;
-        *out = o;
+        *out = norm;
         *out_len = nn;
         return QT_OK;
     }

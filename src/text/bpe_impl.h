@@ -13,13 +13,16 @@
 
 #include "text/tokenizer.h"
 
-/* One merge: the pair (left id, right id) -> (rank, merged id). Open
- * addressing on key = left << 32 | right; key UINT64_MAX marks an empty slot. */
-typedef struct {
-    uint64_t key;
-    uint32_t rank;
-    int32_t id;
-} bpe_merge_slot;
+/* One merge: the pair (left id, right id) -> rank, packed in 64 bits as
+ * rank << 40 | left << 20 | right (ids < 2^20, ranks < 2^24 - 1: every real
+ * vocabulary fits), so the table is 8 bytes a slot and stays in cache; the
+ * merged id is merge_id[rank]. Open addressing; UINT64_MAX marks an empty slot.
+ * Pairs of two single bytes, the most frequent lookups by far (every word
+ * starts as bytes), go to a dense 256x256 table instead. */
+#define BPE_ID_BITS 20
+#define BPE_KEY_MASK ((1ull << (2 * BPE_ID_BITS)) - 1)
+#define BPE_MAX_RANK ((1u << 24) - 2)
+#define BPE_NO_MERGE UINT32_MAX
 
 /* Token string -> id (vocab and added tokens), open addressing; id -1 empty. */
 typedef struct {
@@ -65,10 +68,15 @@ struct bpe_tokenizer {
     bpe_str_slot *str_tab;     /* (str_cap) token string -> id */
     size_t str_cap;
 
-    bpe_merge_slot *merges;    /* (merge_cap) pair -> rank, merged id */
+    uint64_t *merges;          /* (merge_cap) packed pair and rank, see above */
     size_t merge_cap;
     int merge_shift;           /* 64 - log2(merge_cap) */
-    size_t n_merges;
+    size_t n_merges;           /* merges in the file (ranks 0 .. n_merges-1) */
+    int32_t *merge_id;         /* (n_merges) rank -> merged id */
+    uint32_t *byte_pair;       /* (256*256) rank of (byte_id[a], byte_id[b]), BPE_NO_MERGE if none */
+    uint8_t *id_byte;          /* (n_ids) the byte a one-byte token stands for, else 0 */
+    uint8_t *id_is_byte;       /* (n_ids) 1 for the 256 byte tokens */
+    uint32_t *str_len;         /* (n_ids) strlen of tok_str */
 
     int32_t byte_id[256];      /* id of the one-byte token for each byte */
 
@@ -88,16 +96,14 @@ struct bpe_tokenizer {
 /* A small, fast hash of a byte string (8 bytes a step). */
 uint64_t bpe_hash_bytes(const void *p, size_t n);
 
-/* Merged id of (left, right), or -1; rank in *rank. */
-static inline int32_t bpe_merge_find(const bpe_tokenizer *t, int32_t left, int32_t right, uint32_t *rank) {
-    uint64_t key = ((uint64_t)(uint32_t)left << 32) | (uint32_t)right;
+/* Rank of the merge of (left, right), or BPE_NO_MERGE. */
+static inline uint32_t bpe_merge_rank(const bpe_tokenizer *t, int32_t left, int32_t right) {
+    uint64_t key = ((uint64_t)(uint32_t)left << BPE_ID_BITS) | (uint32_t)right;
     size_t mask = t->merge_cap - 1;
-    size_t i = (size_t)((key * 0x9E3779B97F4A7C15ull) >> t->merge_shift);
-    for (;;) {
-        const bpe_merge_slot *s = &t->merges[i];
-        if (s->key == key) { *rank = s->rank; return s->id; }
-        if (s->key == UINT64_MAX) return -1;
-        i = (i + 1) & mask;
+    for (size_t i = (size_t)((key * 0x9E3779B97F4A7C15ull) >> t->merge_shift);; i = (i + 1) & mask) {
+        uint64_t s = t->merges[i];
+        if ((s & BPE_KEY_MASK) == key && s != UINT64_MAX) return (uint32_t)(s >> (2 * BPE_ID_BITS));
+        if (s == UINT64_MAX) return BPE_NO_MERGE;
     }
 }
 

@@ -17,7 +17,7 @@
 typedef struct {
     uint32_t rank;
     uint32_t pos;   /* symbol index of the left half */
-    int32_t left, right, id;
+    int32_t left, right;
 } merge_cand;
 
 static inline int cand_less(const merge_cand *a, const merge_cand *b) {
@@ -77,26 +77,26 @@ static size_t bpe_merge_word(const bpe_tokenizer *t, const uint8_t *w, size_t n,
         prev[i] = (int32_t)i - 1;
     }
     for (size_t i = 0; i + 1 < n; i++) {
-        uint32_t rank;
-        int32_t id = bpe_merge_find(t, sym[i], sym[i + 1], &rank);
-        if (id >= 0) heap_push(heap, &hn, (merge_cand){rank, (uint32_t)i, sym[i], sym[i + 1], id});
+        uint32_t rank = t->byte_pair[w[i] * 256 + w[i + 1]];
+        if (rank != BPE_NO_MERGE) heap_push(heap, &hn, (merge_cand){rank, (uint32_t)i, sym[i], sym[i + 1]});
     }
     while (hn) {
         merge_cand c = heap_pop(heap, &hn);
         int32_t p = (int32_t)c.pos, q = next[p];
         if (sym[p] != c.left || q < 0 || sym[q] != c.right) continue; /* stale */
-        sym[p] = c.id;
+        sym[p] = t->merge_id[c.rank];
         sym[q] = -1;
         next[p] = next[q];
         if (next[q] >= 0) prev[next[q]] = p;
-        uint32_t rank;
         if (prev[p] >= 0) {
-            int32_t l = prev[p], id = bpe_merge_find(t, sym[l], sym[p], &rank);
-            if (id >= 0) heap_push(heap, &hn, (merge_cand){rank, (uint32_t)l, sym[l], sym[p], id});
+            int32_t l = prev[p];
+            uint32_t rank = bpe_merge_rank(t, sym[l], sym[p]);
+            if (rank != BPE_NO_MERGE) heap_push(heap, &hn, (merge_cand){rank, (uint32_t)l, sym[l], sym[p]});
         }
         if (next[p] >= 0) {
-            int32_t r = next[p], id = bpe_merge_find(t, sym[p], sym[r], &rank);
-            if (id >= 0) heap_push(heap, &hn, (merge_cand){rank, (uint32_t)p, sym[p], sym[r], id});
+            int32_t r = next[p];
+            uint32_t rank = bpe_merge_rank(t, sym[p], sym[r]);
+            if (rank != BPE_NO_MERGE) heap_push(heap, &hn, (merge_cand){rank, (uint32_t)p, sym[p], sym[r]});
         }
     }
     size_t k = 0;

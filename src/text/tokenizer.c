@@ -63,10 +63,7 @@ static int32_t str_find(const bpe_tokenizer *t, const char *s, size_t n) {
     for (size_t i = h & mask;; i = (i + 1) & mask) {
         const bpe_str_slot *e = &t->str_tab[i];
         if (e->id < 0) return -1;
-        if (e->hash == h) {
-            const char *k = t->tok_str[e->id];
-            if (strlen(k) == n && !memcmp(k, s, n)) return e->id;
-        }
+        if (e->hash == h && t->str_len[e->id] == n && !memcmp(t->tok_str[e->id], s, n)) return e->id;
     }
 }
 
@@ -145,7 +142,10 @@ static int build_strings(bpe_tokenizer *t, load_ctx *c) {
     t->str_arena = qt_malloc(total ? total : 1, "token strings");
     t->bytes = qt_malloc(total ? total : 1, "token bytes"); /* decoded never longer than the string */
     t->tok_off = qt_malloc(((size_t)t->n_ids + 1) * sizeof *t->tok_off, "token offsets");
-    if (!t->str_arena || !t->bytes || !t->tok_off) return QT_ENOMEM;
+    t->str_len = qt_calloc((size_t)t->n_ids, sizeof *t->str_len, "token string lengths");
+    t->id_byte = qt_calloc((size_t)t->n_ids, 1, "byte tokens");
+    t->id_is_byte = qt_calloc((size_t)t->n_ids, 1, "byte tokens");
+    if (!t->str_arena || !t->bytes || !t->tok_off || !t->str_len || !t->id_byte || !t->id_is_byte) return QT_ENOMEM;
     if (total > UINT32_MAX) return QT_ERR(QT_EFORMAT, "%s: the vocabulary's strings exceed 4 GiB", c->path);
     size_t so = 0, bo = 0;
     for (int32_t i = 0; i < t->n_ids; i++) {
@@ -155,6 +155,7 @@ static int build_strings(bpe_tokenizer *t, load_ctx *c) {
         size_t n = strlen(s);
         memcpy(t->str_arena + so, s, n + 1);
         t->tok_str[i] = t->str_arena + so;
+        t->str_len[i] = (uint32_t)n;
         so += n + 1;
         /* HF's ByteLevel decoder: every char mapped back to its byte, or, if
          * any char is outside the byte alphabet, the token's own UTF-8. */
@@ -189,6 +190,8 @@ static int build_strings(bpe_tokenizer *t, load_ctx *c) {
         if (t->byte_id[b] < 0)
             return QT_ERR(QT_EUNSUPPORTED, "%s: model.vocab has no token for byte 0x%02X; qtune reads byte-level BPE vocabularies (GPT-2/Qwen style) only",
                           c->path, b);
+        t->id_byte[t->byte_id[b]] = (uint8_t)b;
+        t->id_is_byte[t->byte_id[b]] = 1;
     }
     return QT_OK;
 }
@@ -205,29 +208,37 @@ static int add_merge(bpe_tokenizer *t, load_ctx *c, size_t rank, const char *a, 
     if (id < 0)
         return QT_ERR(QT_EFORMAT, "%s: model.merges[%zu] (\"%.*s %.*s\") makes \"%.*s\", which model.vocab lacks", c->path, rank,
                       (int)na, a, (int)nb, b, (int)(na + nb), buf);
-    uint64_t key = ((uint64_t)(uint32_t)ia << 32) | (uint32_t)ib;
+    t->merge_id[rank] = id;
+    uint64_t key = ((uint64_t)(uint32_t)ia << BPE_ID_BITS) | (uint32_t)ib;
     size_t mask = t->merge_cap - 1;
     for (size_t i = (size_t)((key * 0x9E3779B97F4A7C15ull) >> t->merge_shift);; i = (i + 1) & mask) {
-        bpe_merge_slot *s = &t->merges[i];
-        if (s->key == UINT64_MAX || s->key == key) { /* a repeated pair: the later rank wins, as in HF */
-            if (s->key == UINT64_MAX) t->n_merges++;
-            s->key = key;
-            s->rank = (uint32_t)rank;
-            s->id = id;
-            return QT_OK;
+        uint64_t s = t->merges[i];
+        if (s == UINT64_MAX || (s & BPE_KEY_MASK) == key) { /* a repeated pair: the later rank wins, as in HF */
+            t->merges[i] = ((uint64_t)rank << (2 * BPE_ID_BITS)) | key;
+            break;
         }
     }
+    if (t->id_is_byte[ia] && t->id_is_byte[ib]) t->byte_pair[t->id_byte[ia] * 256 + t->id_byte[ib]] = (uint32_t)rank;
+    return QT_OK;
 }
 
 static int parse_merges(bpe_tokenizer *t, load_ctx *c, const cJSON *merges) {
     size_t n = (size_t)cJSON_GetArraySize(merges);
-    t->merge_cap = pow2_at_least(n * 2 + 2);
+    if (n > BPE_MAX_RANK || t->n_ids >= (1 << BPE_ID_BITS))
+        return QT_ERR(QT_EUNSUPPORTED, "%s: %zu merges over %d ids; qtune supports up to %u merges and %d ids", c->path, n, t->n_ids,
+                      BPE_MAX_RANK, 1 << BPE_ID_BITS);
+    t->n_merges = n;
+    /* load factor about 0.6: short probes, 2 MiB for Qwen's 151k merges */
+    t->merge_cap = pow2_at_least(n + n / 2 + 2);
     int lg = 0;
     while (((size_t)1 << lg) < t->merge_cap) lg++;
     t->merge_shift = 64 - lg;
     t->merges = qt_malloc(t->merge_cap * sizeof *t->merges, "BPE merge table");
-    if (!t->merges) return QT_ENOMEM;
-    for (size_t i = 0; i < t->merge_cap; i++) t->merges[i].key = UINT64_MAX;
+    t->merge_id = qt_malloc((n ? n : 1) * sizeof *t->merge_id, "BPE merge ids");
+    t->byte_pair = qt_malloc(256 * 256 * sizeof *t->byte_pair, "BPE byte-pair table");
+    if (!t->merges || !t->merge_id || !t->byte_pair) return QT_ENOMEM;
+    memset(t->merges, 0xFF, t->merge_cap * sizeof *t->merges);
+    memset(t->byte_pair, 0xFF, 256 * 256 * sizeof *t->byte_pair);
     size_t rank = 0;
     for (const cJSON *m = merges->child; m; m = m->next, rank++) {
         if (cJSON_IsString(m)) { /* older files: "a b" */
@@ -480,6 +491,11 @@ void bpe_free(bpe_tokenizer *t) {
     qt_free(t->str_arena);
     qt_free(t->str_tab);
     qt_free(t->merges);
+    qt_free(t->merge_id);
+    qt_free(t->byte_pair);
+    qt_free(t->id_byte);
+    qt_free(t->id_is_byte);
+    qt_free(t->str_len);
     qt_free(t->added);
     qt_free(t->is_added);
     qt_free(t);

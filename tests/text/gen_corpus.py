@@ -1,12 +1,13 @@
 """Deterministic tokenizer parity corpus (bytes, not str: it holds invalid UTF-8).
 
-    /usr/bin/python3 tests/text/gen_corpus.py OUT [--mb 2.2] [--seed 1] [--parity-safe]
+    /usr/bin/python3 tests/text/gen_corpus.py OUT [--mb 2.2] [--seed 1] [--parity-safe] [--zh-en]
 
 Mixes English prose (from /usr/share/doc and the Python standard library's
 docstrings), Python source, Chinese (fixed sentences plus runs of common
 ideographs), numbers, whitespace runs, emoji, special tokens written inline,
 random code points from many scripts (with combining marks, so NFC has work)
-and invalid UTF-8. The same seed on the same machine gives the same bytes.
+and invalid UTF-8. --zh-en makes the benchmark text instead: English prose
+and Chinese only, about half the bytes each. The same seed on the same machine gives the same bytes.
 
 --parity-safe leaves out the three characters where the JS reference
 (@lenml/tokenizers) differs from HF tokenizers by design of the JS regex
@@ -172,6 +173,22 @@ def generate(size, seed, safe):
     return b"".join(parts)
 
 
+def generate_zh_en(size, seed):
+    r = random.Random(seed)
+    prose = english_sources() or ENGLISH
+    parts, total = [], 0
+    while total < size:
+        if r.random() < 0.5:
+            s = excerpt(r, prose, 200, 2000)
+        else:
+            s = "".join(r.choice(CHINESE) if r.random() < 0.6 else chinese_run(r, r.randint(2, 30))
+                        for _ in range(r.randint(3, 30)))
+        b = (s + r.choice(["\n", "\n\n", " "])).encode()
+        parts.append(b)
+        total += len(b)
+    return b"".join(parts)
+
+
 def main():
     args = sys.argv[1:]
     if not args:
@@ -180,7 +197,10 @@ def main():
     out = args[0]
     mb = float(args[args.index("--mb") + 1]) if "--mb" in args else 2.2
     seed = int(args[args.index("--seed") + 1]) if "--seed" in args else 1
-    data = generate(int(mb * 1024 * 1024), seed, "--parity-safe" in args)
+    if "--zh-en" in args:
+        data = generate_zh_en(int(mb * 1024 * 1024), seed)
+    else:
+        data = generate(int(mb * 1024 * 1024), seed, "--parity-safe" in args)
     with open(out + ".tmp", "wb") as f:
         f.write(data)
     os.replace(out + ".tmp", out)
