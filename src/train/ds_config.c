@@ -355,7 +355,8 @@ static int parse_fp16(ds_ctx *x, const cJSON *f) {
     QT_TRY(get_bool(x, f, sec, "consecutive_hysteresis", &s->consecutive_hysteresis, 1));
     QT_TRY(get_number(x, f, sec, "min_loss_scale", &s->min_loss_scale, &a));
     if (a) s->min_loss_scale = 1.0;
-    return qt_loss_scaler_cfg_check(s, x->where);
+    /* values of a disabled section are read but cannot stop the run */
+    return c->fp16 ? qt_loss_scaler_cfg_check(s, x->where) : QT_OK;
 }
 
 static int parse_bf16(ds_ctx *x, const cJSON *b, const char *name) {

@@ -248,6 +248,11 @@ static void test_precision_and_zero(void **state) {
     assert_int_equal(parse_text("{\"train_batch_size\":1,\"fp16\":{\"enabled\":true,\"loss_scale\":128}}", 1, &c),
                      QT_OK);
     assert_true(c.scaler.loss_scale == 128 && c.scaler.initial_scale_power == 16 && c.scaler.hysteresis == 2);
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"fp16\":{\"enabled\":true,\"min_loss_scale\":0}}", 1, &c),
+                     QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "min_loss_scale"));
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"fp16\":{\"enabled\":false,\"min_loss_scale\":0}}", 1, &c),
+                     QT_OK);
     assert_int_equal(parse_text("{\"train_batch_size\":1,\"fp16\":{\"enabled\":true,\"hysteresis\":0}}", 1, &c),
                      QT_EINVAL);
     assert_int_equal(parse_text("{\"train_batch_size\":1,\"zero_optimization\":{\"stage\":3}}", 1, &c),
