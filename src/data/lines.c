@@ -17,6 +17,29 @@ int dl_lines_open(dl_lines *r, const char *path, size_t max_line) {
     r->line_cap = 4096;
     r->line = qt_malloc(r->line_cap, "a data line");
     if (!r->in || !r->line) { dl_lines_close(r); return QT_ENOMEM; }
+    r->limit = UINT64_MAX;
+    return QT_OK;
+}
+
+int dl_lines_open_range(dl_lines *r, const char *path, size_t max_line, uint64_t start, uint64_t limit) {
+    QT_TRY(dl_lines_open(r, path, max_line));
+    if (start > 0) {
+        /* from the byte before start: the rest of the line it ends (just its
+         * newline when a line starts exactly at start) belongs to the range before */
+        if (fseeko(r->f, (off_t)(start - 1), SEEK_SET) != 0) {
+            int e = errno;
+            dl_lines_close(r);
+            return QT_ERR(QT_EIO, "cannot seek in the data file %s: %s", path, strerror(e));
+        }
+        r->pos = start - 1;
+        const char *line;
+        size_t len;
+        int rc = dl_lines_next(r, &line, &len);
+        if (rc < 0 && rc != QT_EFORMAT) { dl_lines_close(r); return rc; }
+        qt_error_clear();
+        r->line_no = 0;
+    }
+    r->limit = limit;
     return QT_OK;
 }
 
@@ -57,6 +80,7 @@ static int lines_append(dl_lines *r, size_t *len, const char *p, size_t n, int *
 int dl_lines_next(dl_lines *r, const char **line, size_t *len) {
     size_t n = 0;
     int over = 0, any = 0;
+    if (r->pos >= r->limit) return 0;
     for (;;) {
         if (r->in_pos == r->in_len) {
             if (r->eof) break;
@@ -70,6 +94,7 @@ int dl_lines_next(dl_lines *r, const char **line, size_t *len) {
         any = 1;
         QT_TRY(lines_append(r, &n, p, take, &over));
         r->in_pos += take + (nl ? 1 : 0);
+        r->pos += take + (nl ? 1 : 0);
         if (nl) break;
     }
     if (!any) return 0;

@@ -18,11 +18,16 @@ typedef struct {
     size_t line_cap;
     char *in;          /* (DL_LINES_CHUNK) read buffer */
     size_t in_pos, in_len;
-    int64_t line_no;   /* 1-based number of the line last returned */
+    int64_t line_no;   /* 1-based number of the line last returned, counted from the range start */
+    uint64_t pos;      /* file offset of the next unread byte */
+    uint64_t limit;    /* no line starting at or after this offset is returned */
     int eof;
 } dl_lines;
 
 int dl_lines_open(dl_lines *r, const char *path, size_t max_line);
+/* Only the lines that start in [start, limit): a line that straddles `start`
+ * belongs to the range before. Ranges cut anywhere partition a file's lines. */
+int dl_lines_open_range(dl_lines *r, const char *path, size_t max_line, uint64_t start, uint64_t limit);
 /* 1: *line and *len hold the next line (without "\n" or "\r\n"), valid until the
  * next call; 0: end of file; QT_EFORMAT: the line is over the cap (it has been
  * skipped, so the caller may continue); other negative codes: I/O errors. */

@@ -299,6 +299,13 @@ static int build_segs(dl_loader *l) {
     return QT_OK;
 }
 
+/* 80% of the online cores, at least 1. */
+static int auto_workers(void) {
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    int n = (int)((double)(cores > 0 ? cores : 1) * 0.8);
+    return n < 1 ? 1 : n;
+}
+
 static int open_files(dl_loader *l, const bpe_tokenizer *tok) {
     const dl_config *c = &l->cfg;
     const char *const *paths = c->n_paths > 0 ? c->paths : &c->path;
@@ -314,6 +321,7 @@ static int open_files(dl_loader *l, const bpe_tokenizer *tok) {
         .tokenizer_hash = tok ? bpe_hash(tok) : 0,
         .skip_bad_lines = c->skip_bad_lines,
         .max_line_bytes = c->max_line_bytes,
+        .n_threads = c->num_workers > 0 ? c->num_workers : auto_workers(),
     };
     for (int f = 0; f < l->n_files; f++) {
         o.path = paths[f];
@@ -374,12 +382,7 @@ int dl_open(const dl_config *cfg, const bpe_tokenizer *tok, dl_loader **out) {
     l->B = cfg->micro_batch;
     l->T = cfg->seq_len;
     l->P = cfg->prefetch > 0 ? cfg->prefetch : 4;
-    int n = cfg->num_workers;
-    if (n == 0) {
-        long cores = sysconf(_SC_NPROCESSORS_ONLN);
-        n = (int)((double)(cores > 0 ? cores : 1) * 0.8);
-        if (n < 1) n = 1;
-    }
+    int n = cfg->num_workers > 0 ? cfg->num_workers : auto_workers();
     l->n_threads = n < l->P ? n : l->P; /* more workers than slots would only wait */
     l->stats.num_workers = l->n_threads;
     l->stats.prefetch = l->P;

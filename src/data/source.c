@@ -9,6 +9,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -18,6 +19,8 @@
 _Static_assert(sizeof(dl_cache_header) == 120, "the cache header layout is part of the file format");
 
 #define DL_WARN_BAD_LINES 5 /* skipped lines named one by one before we only count */
+#define DL_BUILD_CHUNK_BYTES ((size_t)8 << 20) /* a build thread gets at least this much of the file */
+#define DL_MAX_BUILD_THREADS 64
 
 int dl_cache_path(const char *data_path, const char *cache_dir, char *out, size_t cap) {
     char dir[4096];
@@ -162,13 +165,8 @@ static int cache_write(const dl_cache_header *h, const dl_source *s) {
     return qt_atomic_commit(&af);
 }
 
-static int is_blank(const char *s, size_t n) {
-    for (size_t i = 0; i < n; i++)
-        if (!isspace((unsigned char)s[i])) return 0;
-    return 1;
-}
-
-/* Parses one line into out; errors carry "path:line: ". */
+/* Parses one line into out; errors carry "path:line: " (line counted from
+ * the start of the reader's range). */
 static int build_line(const dl_source_opts *o, dl_lines *r, const char *line, size_t len, dl_format *fmt,
                       dl_tokbuf *out) {
     const char *end = NULL;
@@ -208,42 +206,197 @@ static int push_offset(uint64_t **offsets, size_t *n, size_t *cap, uint64_t v) {
     return QT_OK;
 }
 
-static int source_build(const dl_source_opts *o, dl_source *s) {
+static int is_blank(const char *s, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (!isspace((unsigned char)s[i])) return 0;
+    return 1;
+}
+
+/* A byte range of the data file, tokenized by one thread. Line numbers in its
+ * messages count from the range start until merge_chunks relabels them. */
+typedef struct {
+    const dl_source_opts *o;
+    dl_format fmt;
+    uint64_t start, end;
+    dl_tokbuf tb;
+    uint64_t *off;            /* (n_off) example starts in tb, then tb.n */
+    size_t n_off, cap_off;
+    int64_t lines;            /* lines in the range */
+    uint64_t n_bad;
+    int rc;                   /* first error that stops loading */
+    int64_t err_line;
+    char err[1024];
+    int n_warn;               /* skipped lines kept for the warning */
+    int64_t warn_line[DL_WARN_BAD_LINES];
+    char warn[DL_WARN_BAD_LINES][512];
+} build_chunk;
+
+/* Copies this thread's error message: the chunk outlives the thread. */
+static void keep_message(char *dst, size_t cap) { snprintf(dst, cap, "%s", qt_error_message()); }
+
+static void *chunk_main(void *arg) {
+    build_chunk *c = arg;
+    const dl_source_opts *o = c->o;
     dl_lines r;
-    QT_TRY(dl_lines_open(&r, o->path, o->max_line_bytes));
-    dl_format fmt = o->format;
-    size_t n_off = 0, cap_off = 0;
-    int rc = push_offset(&s->own_offsets, &n_off, &cap_off, 0);
+    c->rc = dl_lines_open_range(&r, o->path, o->max_line_bytes, c->start, c->end);
+    if (c->rc != QT_OK) { keep_message(c->err, sizeof c->err); return NULL; }
+    c->rc = push_offset(&c->off, &c->n_off, &c->cap_off, 0);
     const char *line;
     size_t len;
-    while (rc == QT_OK) {
+    while (c->rc == QT_OK) {
         int got = dl_lines_next(&r, &line, &len);
         if (got == 0) break;
         if (got == 1 && is_blank(line, len)) continue;
-        if (got == 1) got = build_line(o, &r, line, len, &fmt, &s->own);
+        if (got == 1) got = build_line(o, &r, line, len, &c->fmt, &c->tb);
         if (got == QT_EFORMAT && o->skip_bad_lines) {
-            if (s->n_bad_lines++ < DL_WARN_BAD_LINES) qt_warn("skipping a bad line: %s", qt_error_message());
+            if (c->n_warn < DL_WARN_BAD_LINES) {
+                c->warn_line[c->n_warn] = r.line_no;
+                keep_message(c->warn[c->n_warn], sizeof c->warn[0]);
+                c->n_warn++;
+            }
+            c->n_bad++;
             qt_error_clear();
             continue;
         }
-        if (got < 0) { rc = got; break; }
-        rc = push_offset(&s->own_offsets, &n_off, &cap_off, s->own.n);
+        if (got < 0) {
+            c->rc = got;
+            c->err_line = r.line_no;
+            keep_message(c->err, sizeof c->err);
+            break;
+        }
+        c->rc = push_offset(&c->off, &c->n_off, &c->cap_off, c->tb.n);
+        if (c->rc != QT_OK) keep_message(c->err, sizeof c->err);
     }
-    int64_t lines = r.line_no;
+    c->lines = r.line_no;
     dl_lines_close(&r);
-    if (rc != QT_OK) return rc;
-    s->n_examples = n_off - 1;
-    s->n_tokens = s->own.n;
+    return NULL;
+}
+
+/* "path:LOCAL: rest" -> "path:GLOBAL: rest", in place into out. */
+static void relabel(const char *path, const char *msg, int64_t local, int64_t global, char *out, size_t cap) {
+    char prefix[4200];
+    snprintf(prefix, sizeof prefix, "%s:%lld:", path, (long long)local);
+    size_t n = strlen(prefix);
+    if (local > 0 && !strncmp(msg, prefix, n)) snprintf(out, cap, "%s:%lld:%s", path, (long long)global, msg + n);
+    else snprintf(out, cap, "%s", msg);
+}
+
+/* The format of the first line that says one, or AUTO when the first
+ * non-blank line is bad and bad lines are not skipped (the serial path then
+ * reports it) or none is found in the first lines. */
+static dl_format detect_first(const dl_source_opts *o) {
+    dl_lines r;
+    if (dl_lines_open(&r, o->path, o->max_line_bytes) != QT_OK) { qt_error_clear(); return DL_FORMAT_AUTO; }
+    dl_format fmt = DL_FORMAT_AUTO;
+    const char *line;
+    size_t len;
+    int got;
+    while (fmt == DL_FORMAT_AUTO && r.line_no < 1000 && (got = dl_lines_next(&r, &line, &len)) != 0) {
+        if (got == 1 && is_blank(line, len)) continue;
+        cJSON *obj = got == 1 ? cJSON_ParseWithLength(line, len) : NULL;
+        fmt = dl_format_detect(obj);
+        cJSON_Delete(obj);
+        if (fmt == DL_FORMAT_AUTO && !o->skip_bad_lines) break;
+    }
+    qt_error_clear();
+    dl_lines_close(&r);
+    return fmt;
+}
+
+/* Joins the chunks' tokens into s, in file order; reports the first error
+ * and the skipped lines with file-wide line numbers. */
+static int merge_chunks(const dl_source_opts *o, build_chunk *ch, int K, dl_source *s) {
+    int64_t lines_before = 0, lines = 0;
+    int warned = 0;
+    for (int k = 0; k < K; k++) {
+        for (int w = 0; w < ch[k].n_warn && warned < DL_WARN_BAD_LINES; w++, warned++) {
+            char msg[1024];
+            relabel(o->path, ch[k].warn[w], ch[k].warn_line[w], lines_before + ch[k].warn_line[w], msg, sizeof msg);
+            qt_warn("skipping a bad line: %s", msg);
+        }
+        if (ch[k].rc != QT_OK) {
+            if (K == 1) return ch[k].rc; /* the message is still this thread's */
+            char msg[1024];
+            relabel(o->path, ch[k].err, ch[k].err_line, lines_before + ch[k].err_line, msg, sizeof msg);
+            return QT_ERR(ch[k].rc, "%s", msg);
+        }
+        lines_before += ch[k].lines;
+        s->n_bad_lines += ch[k].n_bad;
+    }
+    lines = lines_before;
+    size_t n_tok = 0, n_ex = 0;
+    for (int k = 0; k < K; k++) { n_tok += ch[k].tb.n; n_ex += ch[k].n_off - 1; }
+    /* chunk 0's buffers grow to hold everything */
+    dl_tokbuf *all = &ch[0].tb;
+    QT_TRY(dl_tokbuf_reserve(all, n_tok - all->n + 1));
+    uint64_t *off = qt_realloc(ch[0].off, (n_ex + 1) * sizeof *off, "the dataset's example table");
+    if (!off) return QT_ENOMEM;
+    ch[0].off = off;
+    size_t e = ch[0].n_off - 1;
+    for (int k = 1; k < K; k++) {
+        uint64_t base = all->n;
+        memcpy(all->ids + all->n, ch[k].tb.ids, ch[k].tb.n * sizeof(int32_t));
+        memcpy(all->mask + all->n, ch[k].tb.mask, ch[k].tb.n);
+        all->n += ch[k].tb.n;
+        for (size_t i = 1; i < ch[k].n_off; i++) off[++e] = base + ch[k].off[i];
+    }
+    s->own = *all;
+    memset(all, 0, sizeof *all);
+    s->own_offsets = off;
+    ch[0].off = NULL;
+    s->n_examples = n_ex;
+    s->n_tokens = n_tok;
     s->offsets = s->own_offsets;
     s->ids = s->own.ids;
     s->mask = s->own.mask;
-    s->format = fmt;
-    if (s->n_bad_lines > DL_WARN_BAD_LINES) qt_warn("skipped %llu bad lines of %lld in %s", (unsigned long long)s->n_bad_lines, (long long)lines, o->path);
+    for (int k = 0; k < K; k++)
+        if (ch[k].fmt != DL_FORMAT_AUTO) { s->format = ch[k].fmt; break; }
+    if (s->n_bad_lines > DL_WARN_BAD_LINES)
+        qt_warn("skipped %llu bad lines of %lld in %s", (unsigned long long)s->n_bad_lines, (long long)lines, o->path);
     if (s->n_examples == 0)
         return QT_ERR(QT_EFORMAT, "%s holds no examples (%lld lines, %llu skipped as bad); "
                       "give a JSONL file with one example per line", o->path, (long long)lines,
                       (unsigned long long)s->n_bad_lines);
     return QT_OK;
+}
+
+/* Tokenizes the file: in K byte ranges on K threads when it is large and
+ * threads are allowed (the format is settled first, from the first line),
+ * else in one pass on this thread. Same result either way. */
+static int source_build(const dl_source_opts *o, uint64_t size, dl_source *s) {
+    size_t chunk_bytes = o->chunk_bytes ? o->chunk_bytes : DL_BUILD_CHUNK_BYTES;
+    int K = o->n_threads > 1 ? o->n_threads : 1;
+    if ((uint64_t)K > size / chunk_bytes) K = (int)(size / chunk_bytes);
+    if (K < 1) K = 1;
+    if (K > DL_MAX_BUILD_THREADS) K = DL_MAX_BUILD_THREADS;
+    dl_format fmt = o->format;
+    if (K > 1 && fmt == DL_FORMAT_AUTO && (fmt = detect_first(o)) == DL_FORMAT_AUTO) K = 1;
+    build_chunk *ch = qt_calloc((size_t)K, sizeof *ch, "the cache build ranges");
+    if (!ch) return QT_ENOMEM;
+    for (int k = 0; k < K; k++) {
+        ch[k].o = o;
+        ch[k].fmt = fmt;
+        ch[k].start = K == 1 ? 0 : size * (uint64_t)k / (uint64_t)K;
+        ch[k].end = K == 1 ? UINT64_MAX : size * (uint64_t)(k + 1) / (uint64_t)K;
+    }
+    int rc = QT_OK, started = 0;
+    pthread_t th[DL_MAX_BUILD_THREADS];
+    if (K == 1) {
+        chunk_main(&ch[0]);
+    } else {
+        for (; started < K; started++)
+            if (pthread_create(&th[started], NULL, chunk_main, &ch[started]) != 0) break;
+        for (int k = started; k < K; k++) chunk_main(&ch[k]); /* threads ran out: do the rest here */
+        for (int k = 0; k < started; k++) pthread_join(th[k], NULL);
+    }
+    rc = merge_chunks(o, ch, K, s);
+    s->build_threads = K;
+    for (int k = 0; k < K; k++) {
+        dl_tokbuf_free(&ch[k].tb);
+        qt_free(ch[k].off);
+    }
+    qt_free(ch);
+    return rc;
 }
 
 int dl_source_open(const dl_source_opts *o, dl_source *out) {
@@ -263,7 +416,7 @@ int dl_source_open(const dl_source_opts *o, dl_source *out) {
         if (out->n_bad_lines) qt_warn("%s: %llu bad lines were skipped when its cache was built", o->path, (unsigned long long)out->n_bad_lines);
         return QT_OK;
     }
-    int rc = source_build(o, out);
+    int rc = source_build(o, size, out);
     if (rc != QT_OK) { dl_source_close(out); return rc; }
     if (!use_cache) return QT_OK;
     dl_cache_header h = want;

@@ -44,6 +44,8 @@ typedef struct {
     uint64_t tokenizer_hash;
     int skip_bad_lines;
     size_t max_line_bytes;    /* 0: DL_DEFAULT_MAX_LINE_BYTES */
+    int n_threads;            /* threads for building the cache; <= 1: this thread only */
+    size_t chunk_bytes;       /* 0: 8 MiB; a build thread gets at least this much of the file */
 } dl_source_opts;
 
 typedef struct {
@@ -55,6 +57,7 @@ typedef struct {
     uint64_t n_bad_lines;
     int cache_hit;            /* 1: read from a valid cache file */
     int cache_written;        /* 1: a cache file was (re)built */
+    int build_threads;        /* byte ranges tokenized in parallel (0 on a cache hit) */
     char cache_path[4096];    /* "" when no cache */
     /* storage: a read-only map of the cache, or owned buffers */
     void *map;

@@ -310,6 +310,87 @@ static void test_default_cache_dir(void **state) {
     assert_string_not_equal(out, other);
 }
 
+/* Ranges cut at any byte partition the lines: each line read exactly once. */
+static void test_line_ranges_partition(void **state) {
+    (void)state;
+    const char *text = "a\n\nbcd\r\nefgh\nij\n\n\nklmno\np";
+    const char *p = write_tmp("ranges.txt", text);
+    const char *want[] = {"a", "", "bcd", "efgh", "ij", "", "", "klmno", "p"};
+    size_t size = strlen(text);
+    for (size_t cut = 0; cut <= size; cut++) {
+        int k = 0;
+        for (int part = 0; part < 2; part++) {
+            dl_lines r;
+            assert_int_equal(dl_lines_open_range(&r, p, 64, part ? cut : 0, part ? UINT64_MAX : cut), QT_OK);
+            const char *line;
+            size_t len;
+            int got;
+            while ((got = dl_lines_next(&r, &line, &len)) == 1) {
+                assert_true(k < 9);
+                assert_string_equal(line, want[k]);
+                k++;
+            }
+            assert_int_equal(got, 0);
+            dl_lines_close(&r);
+        }
+        assert_int_equal(k, 9);
+    }
+}
+
+/* n lines of varied length; line `bad` (1-based, 0 = none) is not JSON. */
+static const char *write_many(const char *name, int n, int bad) {
+    size_t cap = (size_t)n * 200 + 1;
+    char *buf = malloc(cap), *w = buf;
+    for (int i = 1; i <= n; i++) {
+        if (i == bad) { w += sprintf(w, "{\"input_ids\": [1, 2\n"); continue; }
+        if (i % 17 == 0) { w += sprintf(w, "\n"); continue; } /* blank */
+        w += sprintf(w, "{\"input_ids\": [");
+        for (int j = 0; j < 1 + (i * 13) % 29; j++) w += sprintf(w, "%s%d", j ? ", " : "", (i * 31 + j) % 1000);
+        w += sprintf(w, "]%s}\n", i % 3 ? "" : ", \"labels\": null");
+    }
+    const char *p = write_tmp(name, buf);
+    free(buf);
+    return p;
+}
+
+static void test_parallel_build_matches_serial(void **state) {
+    (void)state;
+    const char *p = write_many("many.jsonl", 400, 0);
+    dl_source_opts o = opts_for(p);
+    dl_source a, b;
+    assert_int_equal(dl_source_open(&o, &a), QT_OK);
+    o.n_threads = 5;
+    o.chunk_bytes = 1000; /* about 30 ranges' worth: capped at 5 threads */
+    assert_int_equal(dl_source_open(&o, &b), QT_OK);
+    assert_int_equal(a.build_threads, 1);
+    assert_int_equal(b.build_threads, 5);
+    assert_int_equal(a.n_examples, b.n_examples);
+    assert_int_equal(a.n_tokens, b.n_tokens);
+    assert_int_equal(b.format, DL_FORMAT_TOKENS);
+    assert_memory_equal(a.ids, b.ids, a.n_tokens * 4);
+    assert_memory_equal(a.mask, b.mask, a.n_tokens);
+    assert_memory_equal(a.offsets, b.offsets, (a.n_examples + 1) * 8);
+    dl_source_close(&a);
+    dl_source_close(&b);
+
+    /* a bad line late in the file is named with its file-wide line number */
+    p = write_many("many_bad.jsonl", 400, 333);
+    for (int threads = 1; threads <= 4; threads += 3) {
+        o = opts_for(p);
+        o.n_threads = threads;
+        o.chunk_bytes = 1000;
+        assert_int_equal(dl_source_open(&o, &a), QT_EFORMAT);
+        if (!strstr(qt_error_message(), "many_bad.jsonl:333: not valid JSON"))
+            fail_msg("%d threads: %s", threads, qt_error_message());
+        o.skip_bad_lines = 1;
+        assert_int_equal(dl_source_open(&o, &a), QT_OK);
+        assert_int_equal(a.n_bad_lines, 1);
+        assert_int_equal(a.build_threads, threads);
+        assert_int_equal(a.n_examples, 400 - 400 / 17 - 1);
+        dl_source_close(&a);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_format_names_and_detect),
@@ -320,6 +401,8 @@ int main(void) {
         cmocka_unit_test(test_cache_reuse_and_invalidation),
         cmocka_unit_test(test_corrupt_cache_rebuilds),
         cmocka_unit_test(test_default_cache_dir),
+        cmocka_unit_test(test_line_ranges_partition),
+        cmocka_unit_test(test_parallel_build_matches_serial),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -218,6 +218,33 @@ static void test_loader_chat_targets(void **state) {
     dl_close(l);
 }
 
+/* Chat lines tokenized by 4 threads (the tokenizer shared) give the serial result. */
+static void test_parallel_build_text(void **state) {
+    (void)state;
+    NEED_TOKENIZER();
+    char *buf = malloc(300 * 200), *w = buf;
+    for (int i = 0; i < 300; i++)
+        w += sprintf(w, "{\"messages\": [{\"role\": \"user\", \"content\": \"Question %d: what is %d*%d?\"}, "
+                        "{\"role\": \"assistant\", \"content\": \"It is %d, caf\u00e9 \u6570\u636e.\"}]}\n",
+                     i, i, i + 1, i * (i + 1));
+    const char *p = write_tmp("many_chat.jsonl", buf);
+    free(buf);
+    dl_source_opts o = opts_for(p, 1);
+    dl_source a, b;
+    assert_int_equal(dl_source_open(&o, &a), QT_OK);
+    o.n_threads = 4;
+    o.chunk_bytes = 2000;
+    assert_int_equal(dl_source_open(&o, &b), QT_OK);
+    assert_int_equal(b.build_threads, 4);
+    assert_int_equal(a.n_examples, 300);
+    assert_int_equal(b.n_tokens, a.n_tokens);
+    assert_memory_equal(a.ids, b.ids, a.n_tokens * 4);
+    assert_memory_equal(a.mask, b.mask, a.n_tokens);
+    assert_memory_equal(a.offsets, b.offsets, 301 * 8);
+    dl_source_close(&a);
+    dl_source_close(&b);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_text_format),
@@ -225,6 +252,7 @@ int main(void) {
         cmocka_unit_test(test_alpaca_is_a_chatml_exchange),
         cmocka_unit_test(test_text_formats_malformed),
         cmocka_unit_test(test_loader_chat_targets),
+        cmocka_unit_test(test_parallel_build_text),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
