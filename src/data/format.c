@@ -2,6 +2,7 @@
 #include "core/error.h"
 #include "core/mem.h"
 #include "data/batch.h"
+#include "text/chat.h"
 
 #include <math.h>
 #include <string.h>
@@ -92,24 +93,6 @@ static int put_special(const dl_encode_ctx *ctx, dl_tokbuf *out, const char *tok
     return QT_OK;
 }
 
-/* One ChatML turn: <|im_start|>ROLE\nCONTENT<|im_end|>\n. Role, "\n" and
- * content are encoded separately, as Qwen's own fine-tuning script does, so
- * the content's tokens are exactly what generation produces after the
- * "<|im_start|>assistant\n" prompt. A labelled turn labels its content and
- * <|im_end|> (the model must learn to stop), not the role header nor the
- * trailing newline. */
-static int put_turn(const dl_encode_ctx *ctx, dl_tokbuf *out, const char *role, const char *content, int labelled) {
-    uint8_t all = ctx->mask_prompt ? 0 : 1;
-    uint8_t lab = (labelled || !ctx->mask_prompt) ? 1 : 0;
-    QT_TRY(put_special(ctx, out, "<|im_start|>", all));
-    QT_TRY(put_text(ctx, out, role, strlen(role), all));
-    QT_TRY(put_text(ctx, out, "\n", 1, all));
-    QT_TRY(put_text(ctx, out, content, strlen(content), lab));
-    QT_TRY(put_special(ctx, out, "<|im_end|>", lab));
-    QT_TRY(put_text(ctx, out, "\n", 1, all));
-    return QT_OK;
-}
-
 static const char *get_string(const cJSON *obj, const char *key, int required, int *rc) {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
     if (!v || cJSON_IsNull(v)) {
@@ -137,28 +120,52 @@ static int encode_text(const dl_encode_ctx *ctx, const cJSON *obj, dl_tokbuf *ou
     return put_special(ctx, out, "<|endoftext|>", 1);
 }
 
+/* A conversation through the chat module (text/chat.h: Qwen2.5's ChatML
+ * template, one encode of the rendered text, labels on each assistant
+ * content and its <|im_end|>), appended to out as ids + label mask. */
+static int put_chat(const dl_encode_ctx *ctx, dl_tokbuf *out, const chat_message *msgs, size_t n) {
+    int32_t *ids = NULL, *labels = NULL;
+    size_t n_ids = 0, cap = 0;
+    int rc = chat_encode(ctx->tok, msgs, n, 0, &ids, &labels, &n_ids, &cap);
+    if (rc == QT_OK) rc = dl_tokbuf_reserve(out, n_ids);
+    if (rc == QT_OK) {
+        for (size_t i = 0; i < n_ids; i++) {
+            out->ids[out->n + i] = ids[i];
+            out->mask[out->n + i] = !ctx->mask_prompt || labels[i] != CHAT_IGNORE_INDEX;
+        }
+        out->n += n_ids;
+    }
+    qt_free(ids);
+    qt_free(labels);
+    return rc;
+}
+
 static int encode_messages(const dl_encode_ctx *ctx, const cJSON *obj, dl_tokbuf *out) {
-    const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(obj, "messages");
-    if (!cJSON_IsArray(msgs)) return QT_ERR(QT_EFORMAT, "\"messages\" must be an array of {\"role\", \"content\"} objects");
-    int n = cJSON_GetArraySize(msgs), i = 0, n_assistant = 0;
+    const cJSON *arr = cJSON_GetObjectItemCaseSensitive(obj, "messages");
+    if (!cJSON_IsArray(arr)) return QT_ERR(QT_EFORMAT, "\"messages\" must be an array of {\"role\", \"content\"} objects");
+    int n = cJSON_GetArraySize(arr), i = 0, n_assistant = 0;
     if (n == 0) return QT_ERR(QT_EFORMAT, "\"messages\" is empty");
+    chat_message *msgs = qt_calloc((size_t)n, sizeof *msgs, "a conversation");
+    if (!msgs) return QT_ENOMEM;
+    int rc = QT_OK;
     const cJSON *m;
-    cJSON_ArrayForEach(m, msgs) {
-        if (!cJSON_IsObject(m)) return QT_ERR(QT_EFORMAT, "messages[%d] must be an object with \"role\" and \"content\"", i);
-        int rc = QT_OK;
+    cJSON_ArrayForEach(m, arr) {
+        if (!cJSON_IsObject(m)) { rc = QT_ERR(QT_EFORMAT, "messages[%d] must be an object with \"role\" and \"content\"", i); break; }
         const char *role = get_string(m, "role", 1, &rc);
         const char *content = role ? get_string(m, "content", 1, &rc) : NULL;
-        if (!role || !content) return qt_error_context(rc, "messages[%d]", i);
-        if (strcmp(role, "system") && strcmp(role, "user") && strcmp(role, "assistant") && strcmp(role, "tool"))
-            return QT_ERR(QT_EFORMAT, "messages[%d].role is \"%s\"; use system, user, assistant or tool", i, role);
-        int is_assistant = !strcmp(role, "assistant");
-        n_assistant += is_assistant;
-        QT_TRY(put_turn(ctx, out, role, content, is_assistant));
-        i++;
+        if (!role || !content) { rc = qt_error_context(rc, "messages[%d]", i); break; }
+        if (strcmp(role, "system") && strcmp(role, "user") && strcmp(role, "assistant") && strcmp(role, "tool")) {
+            rc = QT_ERR(QT_EFORMAT, "messages[%d].role is \"%s\"; use system, user, assistant or tool", i, role);
+            break;
+        }
+        n_assistant += !strcmp(role, "assistant");
+        msgs[i++] = (chat_message){.role = role, .content = content};
     }
-    if (ctx->mask_prompt && n_assistant == 0)
-        return QT_ERR(QT_EFORMAT, "\"messages\" has no assistant turn, so with mask_prompt nothing would be learned");
-    return QT_OK;
+    if (rc == QT_OK && ctx->mask_prompt && n_assistant == 0)
+        rc = QT_ERR(QT_EFORMAT, "\"messages\" has no assistant turn, so with mask_prompt nothing would be learned");
+    if (rc == QT_OK) rc = put_chat(ctx, out, msgs, (size_t)n);
+    qt_free(msgs);
+    return rc;
 }
 
 static int encode_alpaca(const dl_encode_ctx *ctx, const cJSON *obj, dl_tokbuf *out) {
@@ -181,10 +188,10 @@ static int encode_alpaca(const dl_encode_ctx *ctx, const cJSON *obj, dl_tokbuf *
         n += 2 + nin;
     }
     prompt[n] = 0;
-    rc = put_turn(ctx, out, "user", prompt, 0);
+    chat_message msgs[2] = {{.role = "user", .content = prompt}, {.role = "assistant", .content = output}};
+    rc = put_chat(ctx, out, msgs, 2);
     qt_free(prompt);
-    QT_TRY(rc);
-    return put_turn(ctx, out, "assistant", output, 1);
+    return rc;
 }
 
 /* An integer-valued JSON number in [lo, hi), or an error naming key[i]. */
@@ -249,9 +256,11 @@ int dl_encode_example(const dl_encode_ctx *ctx, dl_format fmt, const cJSON *obj,
 }
 
 uint64_t dl_template_hash(void) {
-    /* Bump the string when the rendering or masking rules above change. */
-    static const char rules[] = "chatml-v1: <|im_start|>role \\n content <|im_end|> \\n; labels: content+<|im_end|>; "
-                                "text+<|endoftext|>; alpaca: instruction\\n\\ninput as user";
+    /* Bump the string when the rendering or masking rules here or in
+     * text/chat.c change; the default system prompt is hashed with it. */
+    static const char rules[] = "v2: chat_encode (Qwen2.5 ChatML, whole-text encode, span labels: assistant "
+                                "content + <|im_end|>); text + <|endoftext|>; alpaca: instruction\\n\\ninput as user; "
+                                "default system: " CHAT_DEFAULT_SYSTEM;
     uint64_t h = 1469598103934665603ull;
     for (const char *p = rules; *p; p++) h = (h ^ (unsigned char)*p) * 1099511628211ull;
     return h;

@@ -13,6 +13,7 @@
 #include "data/loader.h"
 #include "data/source.h"
 #include "test_data_common.h"
+#include "text/chat.h"
 #include "text/tokenizer.h"
 
 static bpe_tokenizer *tok;
@@ -74,19 +75,14 @@ static void test_text_format(void **state) {
     dl_source_close(&s);
 }
 
-/* Checks one ChatML turn at ids[at]: header unlabelled (with mask_prompt),
- * content and <|im_end|> labelled iff `lab`, the newline after unlabelled. */
-static size_t check_turn(const dl_source *s, size_t at, const char *role, const char *content, int lab, int mask_prompt) {
-    int32_t r[16], c[256];
-    size_t nr = encode(role, r, 16), nc = encode(content, c, 256);
-    uint8_t head = mask_prompt ? 0 : 1, body = (lab || !mask_prompt) ? 1 : 0;
-    assert_int_equal(s->ids[at], IM_START); assert_int_equal(s->mask[at], head); at++;
-    for (size_t i = 0; i < nr; i++, at++) { assert_int_equal(s->ids[at], r[i]); assert_int_equal(s->mask[at], head); }
-    assert_int_equal(s->ids[at], NL); assert_int_equal(s->mask[at], head); at++;
-    for (size_t i = 0; i < nc; i++, at++) { assert_int_equal(s->ids[at], c[i]); assert_int_equal(s->mask[at], body); }
-    assert_int_equal(s->ids[at], IM_END); assert_int_equal(s->mask[at], body); at++;
-    assert_int_equal(s->ids[at], NL); assert_int_equal(s->mask[at], head); at++;
-    return at;
+/* ids of bpe_encode(chat_render(msgs)): what HF's apply_chat_template + encode give. */
+static size_t render_encode(const chat_message *msgs, size_t n, int32_t *out, size_t cap) {
+    char *text;
+    size_t len;
+    assert_int_equal(chat_render(msgs, n, 0, &text, &len), QT_OK);
+    size_t k = encode(text, out, cap);
+    qt_free(text);
+    return k;
 }
 
 static void test_messages_chatml_and_masking(void **state) {
@@ -95,20 +91,43 @@ static void test_messages_chatml_and_masking(void **state) {
     const char *p = write_tmp("chat.jsonl",
         "{\"messages\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, "
         "{\"role\": \"user\", \"content\": \"What is 2+2?\"}, {\"role\": \"assistant\", \"content\": \"4\"}, "
-        "{\"role\": \"user\", \"content\": \"And 3+3?\"}, {\"role\": \"assistant\", \"content\": \"6, of course.\"}]}\n");
+        "{\"role\": \"user\", \"content\": \"And 3+3?\"}, {\"role\": \"assistant\", \"content\": \"6, of course.\"}]}\n"
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}, {\"role\": \"assistant\", \"content\": \"Hello!\"}]}\n");
+    const chat_message conv1[] = {{"system", "Be brief."}, {"user", "What is 2+2?"}, {"assistant", "4"},
+                                  {"user", "And 3+3?"}, {"assistant", "6, of course."}};
+    const chat_message conv2[] = {{"user", "Hi"}, {"assistant", "Hello!"}};
+    int32_t want[256], lab[64], tmp[64];
+    size_t n1 = render_encode(conv1, 5, want, 256);
+    size_t n2 = render_encode(conv2, 2, want + n1, 256 - n1);
+    /* the labelled tokens: each assistant content, then its <|im_end|> */
+    size_t nl = 0;
+    nl += encode("4", lab + nl, 64 - nl); lab[nl++] = IM_END;
+    nl += encode("6, of course.", lab + nl, 64 - nl); lab[nl++] = IM_END;
+    nl += encode("Hello!", lab + nl, 64 - nl); lab[nl++] = IM_END;
     for (int mp = 0; mp <= 1; mp++) {
         dl_source_opts o = opts_for(p, mp);
         dl_source s;
         assert_int_equal(dl_source_open(&o, &s), QT_OK);
         assert_int_equal(s.format, DL_FORMAT_MESSAGES);
-        size_t at = 0;
-        at = check_turn(&s, at, "system", "Be brief.", 0, mp);
-        at = check_turn(&s, at, "user", "What is 2+2?", 0, mp);
-        at = check_turn(&s, at, "assistant", "4", 1, mp);
-        at = check_turn(&s, at, "user", "And 3+3?", 0, mp);
-        at = check_turn(&s, at, "assistant", "6, of course.", 1, mp);
-        assert_int_equal(at, s.n_tokens);
-        assert_int_equal(s.ids[1], 8948);    /* "system" */
+        assert_int_equal(s.n_examples, 2);
+        assert_int_equal(s.offsets[1], n1);
+        assert_int_equal(s.n_tokens, n1 + n2);
+        assert_memory_equal(s.ids, want, (n1 + n2) * 4);
+        assert_int_equal(s.ids[0], IM_START);
+        assert_int_equal(s.ids[1], 8948); /* "system" */
+        assert_int_equal(s.ids[2], NL);
+        /* the second conversation has no system message: the default one is rendered */
+        size_t nd = encode("You are Qwen, created by Alibaba Cloud.", tmp, 64);
+        assert_memory_equal(s.ids + n1 + 3, tmp, nd * 4);
+        size_t k = 0;
+        for (uint64_t t = 0; t < s.n_tokens; t++) {
+            if (!mp) { assert_int_equal(s.mask[t], 1); continue; }
+            if (!s.mask[t]) continue;
+            assert_true(k < nl);
+            assert_int_equal(s.ids[t], lab[k]);
+            k++;
+        }
+        if (mp) assert_int_equal(k, nl);
         dl_source_close(&s);
     }
 }
@@ -182,7 +201,7 @@ static void test_loader_chat_targets(void **state) {
     dl_config c;
     dl_config_default(&c);
     c.path = p;
-    c.seq_len = 32;
+    c.seq_len = 64;
     c.eval = 1;
     c.shuffle = 0;
     char cache[512];
@@ -201,7 +220,7 @@ static void test_loader_chat_targets(void **state) {
     /* the labelled targets are exactly the assistant's tokens then <|im_end|>,
      * predicted from the position before each */
     int k = 0;
-    for (int t = 0; t < 32; t++) {
+    for (int t = 0; t < 64; t++) {
         if (b.targets[t] == QT_IGNORE_INDEX) continue;
         assert_int_equal(b.targets[t], (size_t)k < nh ? hello[k] : IM_END);
         assert_int_equal(b.inputs[t + 1], b.targets[t]);
@@ -209,7 +228,7 @@ static void test_loader_chat_targets(void **state) {
     }
     assert_int_equal(k, nh + 1);
     assert_int_equal(b.n_target, nh + 1);
-    assert_int_equal(b.inputs[31], ENDOFTEXT); /* padding uses <|endoftext|> by default */
+    assert_int_equal(b.inputs[63], ENDOFTEXT); /* padding uses <|endoftext|> by default */
     dl_batch_free(&b);
     dl_close(l);
     assert_int_equal(dl_open(&c, tok, &l), QT_OK);
