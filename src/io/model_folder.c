@@ -9,6 +9,7 @@
 #include "io/safetensors.h"
 
 #include <cjson/cJSON.h>
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -145,7 +146,22 @@ int qt_weight_spec_at(const qt_config *c, int i, qt_weight_spec *w) {
 typedef struct {
     qt_init_kind kind;
     qt_rng rng;
+    int have_spare; /* Box-Muller makes normals in pairs; the second waits here */
+    float spare;
 } init_stream;
+
+static float init_normal(init_stream *s) {
+    if (s->have_spare) {
+        s->have_spare = 0;
+        return s->spare;
+    }
+    float u1 = qt_rng_uniform(&s->rng), u2 = qt_rng_uniform(&s->rng);
+    if (u1 < 1e-12f) u1 = 1e-12f;
+    float r = sqrtf(-2.0f * logf(u1)), a = 6.2831853071795864f * u2;
+    s->spare = r * sinf(a);
+    s->have_spare = 1;
+    return r * cosf(a);
+}
 
 static int fill_init(void *ctx, float *dst, size_t offset, size_t n) {
     init_stream *s = ctx;
@@ -153,7 +169,7 @@ static int fill_init(void *ctx, float *dst, size_t offset, size_t n) {
     switch (s->kind) {
     case QT_INIT_ZEROS: memset(dst, 0, n * sizeof *dst); break;
     case QT_INIT_ONES: for (size_t i = 0; i < n; i++) dst[i] = 1.0f; break;
-    default: for (size_t i = 0; i < n; i++) dst[i] = INIT_STD * qt_rng_normal(&s->rng); break;
+    default: for (size_t i = 0; i < n; i++) dst[i] = INIT_STD * init_normal(s); break;
     }
     return QT_OK;
 }
