@@ -299,26 +299,39 @@ int bpe_encode(const bpe_tokenizer *t, const char *text, size_t len, int32_t **i
 
 int bpe_normalize(const bpe_tokenizer *t, const char *text, size_t len, char **out, size_t *out_len) {
     char *clean = NULL;
-    size_t cl = len;
-    if (utf8_valid_prefix(text, len) != len) QT_TRY(utf8_sanitize(text, len, &clean, &cl));
-    const char *s = clean ? clean : text;
-    if (t->nfc && !nfc_stable((const uint8_t *)s, cl)) {
-        char *norm = NULL;
-        size_t nn = 0;
-        int rc = nfc(s, cl, &norm, &nn);
-        qt_free(clean);
-        if (rc != QT_OK) return rc;
-        *out = norm;
-        *out_len = nn;
-        return QT_OK;
+    const char *s = text;
+    size_t sl = len;
+    if (utf8_valid_prefix(text, len) != len) {
+        QT_TRY(utf8_sanitize(text, len, &clean, &sl));
+        s = clean;
     }
-    if (!clean) {
-        clean = qt_malloc(len + 1, "normalised text");
-        if (!clean) return QT_ENOMEM;
-        memcpy(clean, text, len);
-        clean[len] = 0;
+    nfc_buf o = {0};
+    int rc = nfc_put(&o, "", 0);
+    size_t pos = 0;
+    /* as the encoder does: added tokens are split off first and kept as they are */
+    while (rc == QT_OK && pos <= sl) {
+        added_match m;
+        int found = t->n_added && find_added(t, (const uint8_t *)s, sl, pos, pos, &m);
+        size_t end = found ? m.start : sl;
+        if (t->nfc && !nfc_stable((const uint8_t *)s + pos, end - pos)) {
+            char *norm = NULL;
+            size_t nn = 0;
+            rc = nfc(s + pos, end - pos, &norm, &nn);
+            if (rc == QT_OK) rc = nfc_put(&o, norm, nn);
+            qt_free(norm);
+        } else {
+            rc = nfc_put(&o, s + pos, end - pos);
+        }
+        if (!found) break;
+        if (rc == QT_OK) rc = nfc_put(&o, s + m.start, m.end - m.start);
+        pos = m.end;
     }
-    *out = clean;
-    *out_len = cl;
+    qt_free(clean);
+    if (rc != QT_OK) {
+        qt_free(o.p);
+        return rc;
+    }
+    *out = o.p;
+    *out_len = o.n;
     return QT_OK;
 }

