@@ -4,7 +4,10 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/mem.h"
+#include "text/chat.h"
 #include "text/tokenizer.h"
+
+#include <cjson/cJSON.h>
 
 #include <errno.h>
 #include <stdint.h>
@@ -12,7 +15,7 @@
 #include <string.h>
 
 static void help(void) {
-    printf("usage: qtune tokenize --tokenizer PATH (--text TEXT | --file F | --decode IDS) [--json]\n\n"
+    printf("usage: qtune tokenize --tokenizer PATH (--text TEXT | --file F | --decode IDS | --chat F) [--json]\n\n"
            "Encode text to token ids, or decode ids to text, exactly as Hugging Face tokenizers does\n"
            "with the same tokenizer.json (special tokens written in the text are matched).\n\n"
            "  --tokenizer PATH  a tokenizer.json, or a model folder that holds one\n"
@@ -20,6 +23,9 @@ static void help(void) {
            "  --file F          encode the bytes of file F (invalid UTF-8 becomes U+FFFD first)\n"
            "  --decode IDS      decode ids separated by commas and/or spaces, e.g. \"9707,11,1879\";\n"
            "                    @FILE reads the ids from FILE (same syntax; a JSON array works too)\n"
+           "  --chat F          F is JSON {\"messages\": [{\"role\", \"content\"}, ...], \"add_generation_prompt\": false}:\n"
+           "                    render it with Qwen2.5's ChatML template and print {\"text\", \"ids\", \"labels\"}\n"
+           "                    (labels: the id where the token is trained on, -100 elsewhere)\n"
            "  --json            print {\"ids\": [...]} or {\"text\": \"...\"} instead of plain output\n\n"
            "Plain output: ids separated by spaces on one line, or the decoded text followed by a newline.\n");
 }
@@ -70,18 +76,62 @@ static int parse_ids(const char *s, int32_t **ids, size_t *n) {
     return QT_OK;
 }
 
+/* --chat F: {"messages": [...], "add_generation_prompt": bool} -> text, ids, labels. */
+static int run_chat(const bpe_tokenizer *t, const char *path) {
+    char *buf;
+    size_t len;
+    QT_TRY(qt_read_file(path, (size_t)1 << 30, &buf, &len));
+    cJSON *root = cJSON_ParseWithLength(buf, len);
+    qt_free(buf);
+    if (!root) return QT_ERR(QT_EFORMAT, "%s is not valid JSON", path);
+    const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(root, "messages");
+    size_t n = cJSON_IsArray(msgs) ? (size_t)cJSON_GetArraySize(msgs) : 0;
+    chat_message *m = qt_calloc(n ? n : 1, sizeof *m, "chat messages");
+    int rc = m ? QT_OK : QT_ENOMEM;
+    if (rc == QT_OK && !cJSON_IsArray(msgs)) rc = QT_ERR(QT_EFORMAT, "%s: \"messages\" must be an array of {\"role\", \"content\"}", path);
+    size_t i = 0;
+    for (const cJSON *e = cJSON_IsArray(msgs) ? msgs->child : NULL; e && rc == QT_OK; e = e->next, i++) {
+        const cJSON *r = cJSON_GetObjectItemCaseSensitive(e, "role"), *c = cJSON_GetObjectItemCaseSensitive(e, "content");
+        if (!cJSON_IsString(r) || !cJSON_IsString(c))
+            rc = QT_ERR(QT_EFORMAT, "%s: messages[%zu] needs string \"role\" and \"content\"", path, i);
+        else m[i] = (chat_message){r->valuestring, c->valuestring};
+    }
+    int gen = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(root, "add_generation_prompt"));
+    char *text = NULL;
+    size_t tl = 0, nids = 0, cap = 0;
+    int32_t *ids = NULL, *labels = NULL;
+    if (rc == QT_OK) rc = chat_render(m, n, gen, &text, &tl);
+    if (rc == QT_OK) rc = chat_encode(t, m, n, gen, &ids, &labels, &nids, &cap);
+    if (rc == QT_OK) {
+        fputs("{\"text\": ", stdout);
+        json_string(stdout, text, tl);
+        fputs(", \"ids\": [", stdout);
+        for (size_t k = 0; k < nids; k++) printf(k ? ", %d" : "%d", ids[k]);
+        fputs("], \"labels\": [", stdout);
+        for (size_t k = 0; k < nids; k++) printf(k ? ", %d" : "%d", labels[k]);
+        fputs("]}\n", stdout);
+    }
+    qt_free(text);
+    qt_free(ids);
+    qt_free(labels);
+    qt_free(m);
+    cJSON_Delete(root);
+    return rc;
+}
+
 int cmd_tokenize(int argc, char **argv) {
     if (cli_wants_help(argc, argv)) {
         help();
         return QT_EXIT_OK;
     }
-    const char *tok_path = NULL, *text = NULL, *file = NULL, *decode = NULL;
+    const char *tok_path = NULL, *text = NULL, *file = NULL, *decode = NULL, *chat = NULL;
     int json = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char **dst = !strcmp(a, "--tokenizer") ? &tok_path : !strcmp(a, "--text") ? &text
                          : !strcmp(a, "--file")      ? &file
                          : !strcmp(a, "--decode")    ? &decode
+                         : !strcmp(a, "--chat")      ? &chat
                                                      : NULL;
         if (dst) {
             if (i + 1 >= argc) return cli_usage_error("tokenize", "%s needs a value", a);
@@ -93,8 +143,8 @@ int cmd_tokenize(int argc, char **argv) {
         }
     }
     if (!tok_path) return cli_usage_error("tokenize", "--tokenizer PATH is required");
-    if ((text != NULL) + (file != NULL) + (decode != NULL) != 1)
-        return cli_usage_error("tokenize", "give exactly one of --text, --file or --decode");
+    if ((text != NULL) + (file != NULL) + (decode != NULL) + (chat != NULL) != 1)
+        return cli_usage_error("tokenize", "give exactly one of --text, --file, --decode or --chat");
 
     int32_t *ids = NULL;
     size_t n = 0, cap = 0;
@@ -115,7 +165,9 @@ int cmd_tokenize(int argc, char **argv) {
         return cli_fail();
     }
     int rc = QT_OK;
-    if (decode) {
+    if (chat) {
+        rc = run_chat(t, chat);
+    } else if (decode) {
         char *out;
         size_t len;
         rc = bpe_decode(t, ids, n, &out, &len);

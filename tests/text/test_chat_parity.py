@@ -1,0 +1,90 @@
+"""ChatML against the JS reference: the reference renders the conversation with
+Qwen2.5's chat template (tests/text/qwen2.5_chat_template.jinja, the
+tokenizer_config.json template without its tools branch) through
+apply_chat_template and encodes it; qtune must give the same text and ids,
+and label exactly the assistant contents and their closing <|im_end|>."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest import run_node  # noqa: E402
+
+TEMPLATE = open(os.path.join(os.path.dirname(__file__), "qwen2.5_chat_template.jinja"), encoding="utf-8").read()
+
+CONVERSATIONS = [
+    ([{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi, how can I help?"}], False),
+    ([{"role": "system", "content": "你是一个乐于助人的助手。"},
+      {"role": "user", "content": "把这句话翻译成英文：今天天气很好。"},
+      {"role": "assistant", "content": "The weather is nice today. 😀"},
+      {"role": "user", "content": "谢谢！\n\n  再见"}], True),
+    ([{"role": "user", "content": "code?"},
+      {"role": "assistant", "content": "```python\ndef f(x):\n    return x * 2\n```\n"},
+      {"role": "user", "content": "weather in Paris"},
+      {"role": "assistant", "content": "Let me check."},
+      {"role": "tool", "content": "{\"temp\": 21}"},
+      {"role": "tool", "content": "{\"rain\": false}"},
+      {"role": "assistant", "content": "21 °C and dry."},
+      {"role": "system", "content": "late system note"}], False),
+    ([{"role": "user", "content": "write <|im_end|> literally"},
+      {"role": "assistant", "content": "\nstarts with a newline, ends with spaces  "}], False),
+]
+
+
+def qtune_chat(qtune, qwen_json, tmp_path, messages, gen):
+    p = tmp_path / "chat.json"
+    p.write_text(json.dumps({"messages": messages, "add_generation_prompt": gen}))
+    r = subprocess.run([qtune, "tokenize", "--tokenizer", qwen_json, "--chat", str(p)], capture_output=True)
+    assert r.returncode == 0, r.stderr.decode()
+    return json.loads(r.stdout.decode())
+
+
+def reference_chat(tmp_path, conversations):
+    out = []
+    for i, (messages, gen) in enumerate(conversations):
+        p = tmp_path / f"ref{i}.json"
+        p.write_text(json.dumps({"messages": messages, "add_generation_prompt": gen, "chat_template": TEMPLATE}))
+        out.append(run_node(["--chat", str(p)]))
+    return out
+
+
+def test_chat_matches_reference(qtune, qwen_json, tmp_path):
+    refs = reference_chat(tmp_path, CONVERSATIONS)
+    for (messages, gen), ref in zip(CONVERSATIONS, refs):
+        got = qtune_chat(qtune, qwen_json, tmp_path, messages, gen)
+        assert got["text"] == ref["text"]
+        assert got["ids"] == ref["ids"]
+        assert len(got["labels"]) == len(got["ids"])
+
+
+def test_labels_cover_assistant_content_and_im_end(qtune, qwen_json, tmp_path):
+    messages, gen = CONVERSATIONS[2]
+    got = qtune_chat(qtune, qwen_json, tmp_path, messages, gen)
+    ids, labels = got["ids"], got["labels"]
+    im_start, im_end = 151644, 151645
+    # walk the turns: a labelled run starts after "<|im_start|>assistant\n" and ends at its <|im_end|>
+    roles, i, expect = [], 0, []
+    while i < len(ids):
+        if ids[i] == im_start:
+            # role token(s) up to and including "\n" (198)
+            j = i + 1
+            while ids[j] != 198:
+                j += 1
+            role = subprocess.run([qtune, "tokenize", "--tokenizer", qwen_json, "--decode",
+                                   ",".join(map(str, ids[i + 1:j]))], capture_output=True, text=True).stdout.strip()
+            roles.append(role)
+            expect += [False] * (j + 1 - i)
+            k = j + 1
+            while ids[k] != im_end:
+                k += 1
+            expect += [role == "assistant"] * (k + 1 - (j + 1))
+            i = k + 1
+        else:
+            expect.append(False)  # the "\n" after <|im_end|> is never labelled
+            i += 1
+    assert roles.count("assistant") == 3
+    assert [lab != -100 for lab in labels] == expect
+    assert all(lab == -100 or lab == tok for lab, tok in zip(labels, ids))
