@@ -68,11 +68,14 @@ int dist_built_with_mpi(void) { return QT_DIST_MPI; }
 /* The surviving side of a dead rank. When a process of the job dies, mpirun
  * prints which one and sends SIGTERM to the others; without a word from them
  * a user sees only "Terminated". This handler says where this rank was. It
- * is the one piece of process-wide state here (a signal handler has no other
- * way to find the context); a trainer that installs its own SIGTERM handler
- * later replaces it. */
+ * is installed at dist_init and again around every wait in a collective (a
+ * CLI that installs its own SIGTERM handler, e.g. to checkpoint on Ctrl-C,
+ * would otherwise silence it); it then passes the signal on to the handler
+ * it displaced, or to the default action. The one piece of process-wide
+ * state here: a signal handler has no other way to find the context. */
 static dist_ctx *sig_ctx;
-static struct sigaction sig_prev;
+static struct sigaction sig_init_prev, sig_wait_prev;
+static volatile sig_atomic_t sig_in_wait, sig_noted;
 
 static void put_str(char *buf, size_t cap, size_t *len, const char *s) {
     while (*s && *len + 1 < cap) buf[(*len)++] = *s++;
@@ -90,26 +93,38 @@ static void on_sigterm(int sig) {
     char msg[512];
     size_t n = 0;
     dist_ctx *d = sig_ctx;
-    if (d && !d->aborting) {
+    if (d && !d->aborting && !sig_noted) {
+        sig_noted = 1;
         const char *what = d->cur_what;
         put_str(msg, sizeof msg, &n, "qtune: rank ");
         put_int(msg, sizeof msg, &n, d->rank);
-        put_str(msg, sizeof msg, &n, ": stopped by the MPI launcher (SIGTERM)");
+        put_str(msg, sizeof msg, &n, ": SIGTERM from the MPI launcher");
         if (what) {
             put_str(msg, sizeof msg, &n, " while waiting in collective ");
             put_str(msg, sizeof msg, &n, what);
         }
-        put_str(msg, sizeof msg, &n, ", because another rank died or ended the job; mpirun's message "
-                                     "(\"process rank R ... exited on signal\") or that rank's error names it\n");
+        put_str(msg, sizeof msg, &n, "; mpirun sends it to every rank when one rank dies or fails, and its "
+                                     "message (\"process rank R ... exited\") or that rank's error names it\n");
         ssize_t w = write(STDERR_FILENO, msg, n);
         (void)w;
     }
-    if (sig_prev.sa_handler != SIG_DFL && sig_prev.sa_handler != SIG_IGN && !(sig_prev.sa_flags & SA_SIGINFO)) {
-        sig_prev.sa_handler(sig);
+    const struct sigaction *prev = sig_in_wait ? &sig_wait_prev : &sig_init_prev;
+    if (prev->sa_handler == on_sigterm) prev = &sig_init_prev;
+    if (prev->sa_handler == SIG_IGN) return;
+    if (prev->sa_handler != SIG_DFL && !(prev->sa_flags & SA_SIGINFO) && prev->sa_handler != on_sigterm) {
+        prev->sa_handler(sig);
         return;
     }
     signal(sig, SIG_DFL);
     raise(sig);
+}
+
+static void sigterm_hook(struct sigaction *save) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_sigterm;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, save);
 }
 
 int dist_mpi_fail(dist_ctx *d, int mpi_rc, const char *call, const char *what) {
@@ -211,6 +226,10 @@ void dist_waiter_start(dist_ctx *d, dist_waiter *w, const char *what) {
     w->what = what;
     d->seq++;
     d->cur_what = what;
+    if (sig_ctx == d) {
+        sigterm_hook(&sig_wait_prev);
+        sig_in_wait = 1;
+    }
 }
 
 /* Back-off: spin briefly (a collective on shared memory finishes in
@@ -229,6 +248,10 @@ void dist_waiter_tick(dist_ctx *d, dist_waiter *w) {
 
 void dist_waiter_end(dist_ctx *d, dist_waiter *w) {
     d->comm_s += dist_now() - w->t0;
+    if (sig_ctx == d) {
+        sig_in_wait = 0;
+        sigaction(SIGTERM, &sig_wait_prev, NULL);
+    }
     d->cur_what = NULL;
 }
 
@@ -292,11 +315,7 @@ int dist_init(int *argc, char ***argv, dist_ctx **out) {
                                     "mpirun of the MPI qtune was built with (`mpirun --version`)", want, world);
         }
         sig_ctx = d;
-        struct sigaction sa;
-        memset(&sa, 0, sizeof sa);
-        sa.sa_handler = on_sigterm;
-        sigemptyset(&sa.sa_mask);
-        sigaction(SIGTERM, &sa, &sig_prev);
+        sigterm_hook(&sig_init_prev);
     }
 #endif
     qt_debug("dist: rank %d of %d (MPI %s), collective timeout %g s", d->rank, d->world,
@@ -312,7 +331,7 @@ void dist_finalize(dist_ctx *d) {
         if (sig_ctx == d) {
             struct sigaction cur;
             sigaction(SIGTERM, NULL, &cur);
-            if (cur.sa_handler == on_sigterm) sigaction(SIGTERM, &sig_prev, NULL);
+            if (cur.sa_handler == on_sigterm) sigaction(SIGTERM, &sig_init_prev, NULL);
             sig_ctx = NULL;
         }
         MPI_Comm_free(&d->ctl);
