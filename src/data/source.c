@@ -141,10 +141,9 @@ static int cache_load(const dl_source_opts *o, const dl_cache_header *want, dl_s
         }
     }
     if (map != MAP_FAILED) munmap(map, total);
-    if (!strcmp(why, "the data file changed") || strstr(why, "changed"))
-        qt_info("rebuilding the token cache %s: %s", out->cache_path, why);
-    else
-        qt_warn("rebuilding the token cache %s: %s", out->cache_path, why);
+    /* a settings change is routine; a damaged file deserves a warning */
+    if (strstr(why, "changed")) qt_info("rebuilding the token cache %s: %s", out->cache_path, why);
+    else qt_warn("rebuilding the token cache %s: %s", out->cache_path, why);
     return 0;
 }
 

@@ -206,3 +206,22 @@ def test_malformed_line_message_names_file_and_line(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.splitlines()[-1])["stats"]["n_lines_skipped"] == 1
+
+
+def test_line_over_default_cap_is_refused_without_holding_it(tmp_path):
+    """A 160 MB line (over the 64 MiB default cap) is reported as file:line and
+    never held whole: the process stays far below the line's size."""
+    import resource
+    p = tmp_path / "huge.jsonl"
+    with open(p, "wb") as f:
+        f.write(b'{"input_ids": [1, 2]}\n{"input_ids": [')
+        chunk = b"7," * (1 << 20)
+        for _ in range(80):  # 80 x 2 MiB
+            f.write(chunk)
+        f.write(b'7]}\n')
+    out = subprocess.run([DUMP, "--data", str(p), "--no-cache"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"{p}:2:" in out.stderr and "more than the limit of 67108864" in out.stderr
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    assert peak_kib < 110 * 1024, peak_kib
+    p.unlink()
