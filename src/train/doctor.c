@@ -16,6 +16,7 @@
 
 #include <cblas.h>
 #include <cjson/cJSON.h>
+#include <cpuid.h>
 #include <ctype.h>
 #include <dirent.h>
 #include <dlfcn.h>
@@ -213,7 +214,10 @@ int qt_doctor_environment(FILE *f, int ranks) {
             QTUNE_HAVE_CUDA ? "on" : "off", QTUNE_HAVE_DNNL ? "on" : "off");
     fprintf(f, "cpu        %s, %ld logical cores\n", model, cores);
     __builtin_cpu_init();
-    const int avx2 = __builtin_cpu_supports("avx2"), f16c = __builtin_cpu_supports("f16c");
+    /* F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports has no "f16c" */
+    unsigned ca = 0, cb = 0, cc = 0, cd = 0;
+    const int f16c = __get_cpuid(1, &ca, &cb, &cc, &cd) && (cc >> 29 & 1u);
+    const int avx2 = __builtin_cpu_supports("avx2");
     const int avx512 = __builtin_cpu_supports("avx512f"), bf16 = __builtin_cpu_supports("avx512bf16");
     fprintf(f, "           AVX2 %s, F16C %s, AVX-512F %s, AVX512_BF16 %s\n", avx2 ? "yes" : "no", f16c ? "yes" : "no",
             avx512 ? "yes" : "no", bf16 ? "yes" : "no");
