@@ -78,6 +78,11 @@ size_t qt_model_carve_grads(const qt_config *c, const qt_model_opts *o, float *b
 size_t qt_model_workspace_floats(const qt_config *c, const qt_model_opts *o);
 size_t qt_model_kv_floats(const qt_config *c, const qt_model_opts *o);
 
+/* x[0..n) *= the LoRA dropout mask of (layer l, module j) at the model's
+ * current micro step, scaled by 1/(1-p): the mask the next
+ * qt_model_forward_backward uses (tests dump it to check PEFT parity). */
+void qt_lora_dropout_apply(const qt_model *m, int l, int j, float *x, size_t n);
+
 struct qt_model {
     qt_config cfg;
     qt_model_opts opts;

@@ -24,7 +24,7 @@
 /* ---- LoRA dropout: masks regenerated from (seed, micro step, layer, module),
  * so the forward, the recompute and the backward all see the same mask
  * without storing it. */
-static void apply_dropout(const qt_model *m, int l, int j, float *x, size_t n) {
+void qt_lora_dropout_apply(const qt_model *m, int l, int j, float *x, size_t n) {
     qt_rng r;
     qt_rng_derive(&r, m->opts.seed ^ DROPOUT_SALT, m->micro_step, (uint64_t)l * LIN_COUNT + (uint64_t)j);
     float p = m->opts.lora_dropout, keep = 1.0f / (1.0f - p);
@@ -40,7 +40,7 @@ static void linear_forward(qt_model *m, int l, int j, float *out, const float *i
     const float *xd = inp;
     if (dropout) {
         memcpy(m->gs.lx, inp, sizeof(float) * (size_t)N * q->in);
-        apply_dropout(m, l, j, m->gs.lx, (size_t)N * q->in);
+        qt_lora_dropout_apply(m, l, j, m->gs.lx, (size_t)N * q->in);
         xd = m->gs.lx;
     }
     int R = m->opts.lora_r;
@@ -67,12 +67,12 @@ static void linear_backward(qt_model *m, int l, int j, float *dinp, const float 
     size_t n = (size_t)N * q->in;
     float *lx = m->gs.lx;
     memcpy(lx, inp, sizeof(float) * n);
-    apply_dropout(m, l, j, lx, n);
+    qt_lora_dropout_apply(m, l, j, lx, n);
     op_matmul_backward(NULL, q->dla, NULL, dhs, lx, q->la, QT_F32, N, q->in, R, s, NULL);
     if (!dinp) return;
     memset(lx, 0, sizeof(float) * n);
     op_matmul_backward(lx, NULL, NULL, dhs, NULL, q->la, QT_F32, N, q->in, R, s, NULL);
-    apply_dropout(m, l, j, lx, n); /* the same mask: d dropout(x) / dx */
+    qt_lora_dropout_apply(m, l, j, lx, n); /* the same mask: d dropout(x) / dx */
     op_acc(dinp, lx, n);
 }
 

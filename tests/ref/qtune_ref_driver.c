@@ -8,14 +8,16 @@
  * usage: qtune_ref_driver MODEL_DIR BATCH.json OUT.safetensors
  *          [--mode eval|train|decode] [--lora R ALPHA TARGETS(a,b,..)] [--rslora]
  *          [--adapter DIR] [--dropout P] [--recompute] [--grad-scale S]
- *          [--save-adapter DIR] [--steps K]
+ *          [--save-adapter DIR] [--steps K] [--dump-masks]
  * BATCH.json: {"B": B, "T": T, "inputs": [...], "targets": [...],
  *              "positions": [...], "doc_start": [...]} (B*T each).
- * --steps K runs train K times (gradients accumulate, dropout stream advances). */
+ * --steps K runs train (or eval) K times (gradients accumulate, dropout stream
+ * advances); step_ms [K] holds each call's wall time in milliseconds. */
 #include <cjson/cJSON.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "core/error.h"
 #include "core/fs.h"
@@ -23,6 +25,13 @@
 #include "io/safetensors.h"
 #include "model/lora_io.h"
 #include "model/model.h"
+#include "model/model_internal.h" /* qt_lora_dropout_apply for --dump-masks */
+
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
 
 static int die(void) {
     fprintf(stderr, "qtune_ref_driver: %s [%s]\n", qt_error_message(), qt_error_where());
@@ -46,6 +55,7 @@ int main(int argc, char **argv) {
     }
     const char *model_dir = argv[1], *batch_path = argv[2], *out_path = argv[3];
     const char *mode = "eval", *adapter = NULL, *save_adapter = NULL;
+    int dump_masks = 0;
     float grad_scale = 1.0f;
     int steps = 1;
     float dropout = -1.0f;
@@ -70,6 +80,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--grad-scale")) grad_scale = (float)atof(argv[++i]);
         else if (!strcmp(argv[i], "--save-adapter")) save_adapter = argv[++i];
         else if (!strcmp(argv[i], "--steps")) steps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--dump-masks")) dump_masks = 1;
         else {
             fprintf(stderr, "qtune_ref_driver: unknown option %s\n", argv[i]);
             return 2;
@@ -110,9 +121,39 @@ int main(int argc, char **argv) {
     float *logp = calloc(N, 4), scal[2];
     float *logits = NULL;
     int V = qt_model_config(m)->vocab_size;
+    float *ms = calloc((size_t)steps, sizeof(float)); /* wall time of each call: the benchmark reads it */
+    float *masks = NULL;
+    if (dump_masks) {
+        /* mask/(1-p) of every adapted Linear for the first forward_backward: mask/L.M [B*T, in] */
+        const qt_config *c = qt_model_config(m);
+        size_t per = 0;
+        for (int j = 0; j < LIN_COUNT; j++) {
+            int in, ou;
+            qt_lin_shape(c, j, &in, &ou);
+            per += N * (size_t)in;
+        }
+        masks = malloc(sizeof(float) * per * (size_t)c->num_hidden_layers);
+        float *p = masks;
+        for (int l = 0; l < c->num_hidden_layers; l++)
+            for (int j = 0; j < LIN_COUNT; j++) {
+                if (!(o.lora_targets & qt_lin_flag[j])) continue;
+                int in, ou;
+                qt_lin_shape(c, j, &in, &ou);
+                for (size_t i = 0; i < N * (size_t)in; i++) p[i] = 1.0f;
+                qt_lora_dropout_apply(m, l, j, p, N * (size_t)in);
+                char name[64];
+                snprintf(name, sizeof name, "mask/%d.%s", l, qt_lin_short[j]);
+                int64_t shape[2] = {(int64_t)N, in};
+                if (st_writer_add(w, name, QT_F32, 2, shape, p, QT_F32) != QT_OK) return die();
+                p += N * (size_t)in;
+            }
+    }
     if (train) {
-        for (int s = 0; s < steps; s++)
+        for (int s = 0; s < steps; s++) {
+            double t0 = now_ms();
             if (qt_model_forward_backward(m, &b, grad_scale, &loss_sum, &ntok) != QT_OK) return die();
+            ms[s] = (float)(now_ms() - t0);
+        }
         int np;
         const qt_param *p = qt_model_params(m, &np);
         char name[200];
@@ -132,8 +173,14 @@ int main(int argc, char **argv) {
         int64_t shape[2] = {nsteps, V};
         if (st_writer_add(w, "logits", QT_F32, 2, shape, logits, QT_F32) != QT_OK) return die();
     } else {
-        if (qt_model_forward(m, &b, &loss_sum, &ntok, logp) != QT_OK) return die();
+        for (int s = 0; s < steps; s++) {
+            double t0 = now_ms();
+            if (qt_model_forward(m, &b, &loss_sum, &ntok, logp) != QT_OK) return die();
+            ms[s] = (float)(now_ms() - t0);
+        }
     }
+    int64_t nsteps = steps;
+    if (st_writer_add(w, "step_ms", QT_F32, 1, &nsteps, ms, QT_F32) != QT_OK) return die();
     scal[0] = (float)loss_sum;
     scal[1] = (float)ntok;
     int64_t one = 1, bt[2] = {b.B, b.T};
@@ -143,6 +190,6 @@ int main(int argc, char **argv) {
         return die();
     st_writer_free(w);
     qt_model_free(m);
-    free(b.inputs), free(b.targets), free(b.positions), free(b.doc_start), free(logp), free(logits);
+    free(b.inputs), free(b.targets), free(b.positions), free(b.doc_start), free(logp), free(logits), free(ms), free(masks);
     return 0;
 }

@@ -27,7 +27,8 @@ LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 
 class Qwen2Ref:
     def __init__(self, model_dir, dtype=torch.float64, lora=None):
-        """lora: None, or {"r", "alpha", "targets": ["q_proj", ...], "rslora", "weights": {peft key: array}}"""
+        """lora: None, or {"r", "alpha", "rslora", "weights": {peft key: array},
+        "masks": {(layer, "q_proj"): dropout mask / (1 - p), (B*T, in)} (optional)}"""
         with open(os.path.join(model_dir, "config.json")) as f:
             self.cfg = cfg = json.load(f)
         self.dtype = dtype
@@ -64,7 +65,9 @@ class Qwen2Ref:
         key = "base_model.model." + pre
         if self.lora is not None and key + ".lora_A.weight" in self.lp:
             a, b = self.lp[key + ".lora_A.weight"], self.lp[key + ".lora_B.weight"]
-            y = y + (x @ a.T) @ b.T * self.scaling
+            masks = self.lora.get("masks")  # dropout(x) = x * mask / (1 - p), masks given as mask / (1 - p)
+            xd = x * torch.as_tensor(masks[(l, name.split(".")[1])], dtype=x.dtype).view(x.shape) if masks else x
+            y = y + (xd @ a.T) @ b.T * self.scaling
         return y
 
     def rope(self, x, pos):

@@ -155,3 +155,25 @@ def test_adapter_eval_matches_reference(tmp_path):
     with torch.no_grad():
         loss, n, lp = ref.loss(a["inputs"], a["targets"], a["positions"], a["doc_start"])
     assert abs(out["loss_sum"][0] - loss.item()) <= 1e-5 * abs(loss.item())
+
+
+def test_lora_dropout_gradients(tmp_path):
+    """With lora_dropout, the gradients equal the reference's with the same
+    masks (dumped by the driver): dropout acts on the LoRA branch's input only."""
+    md, ad = str(tmp_path / "model"), str(tmp_path / "adapter")
+    cfg = make_model(md, "qwen2-gqa2-d64-untied-bf16")
+    targets = ["q_proj", "v_proj", "gate_proj", "down_proj"]
+    w = write_adapter(ad, cfg, 4, 8.0, targets)
+    batch = make_batch(cfg["vocab_size"])
+    out = run_driver(str(tmp_path), md, batch, "--mode", "train", "--adapter", ad, "--dropout", "0.25",
+                     "--dump-masks")
+    masks = {(int(k[5:].split(".")[0]), k.split(".")[1]): v for k, v in out.items() if k.startswith("mask/")}
+    assert len(masks) == len(targets) * cfg["num_hidden_layers"]
+    for m in masks.values():
+        assert set(np.unique(m)) <= {0.0, np.float32(1 / 0.75)}
+        assert 0.15 < np.mean(m == 0) < 0.35
+    ref = Qwen2Ref(md, lora={"r": 4, "alpha": 8.0, "weights": w, "masks": masks})
+    loss = ref_backward(ref, batch)
+    assert abs(out["loss_sum"][0] - loss) <= 1e-5 * abs(loss)
+    worst = max((rel_err(out["grad/" + k], ref.lp[k].grad.numpy()), k) for k in w)
+    assert worst[0] <= 1e-4, "gradient %s rel err %.3g" % (worst[1], worst[0])
