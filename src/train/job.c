@@ -6,6 +6,7 @@
 #include "core/fs.h"
 #include "core/log.h"
 #include "core/mem.h"
+#include "data/format.h"
 #include "model/model.h"
 
 #include <ctype.h>
@@ -251,10 +252,8 @@ static int parse_data(const job_ctx *c, const cJSON *root, qt_job_data *d) {
     QT_TRY(get_str(c, s, "data", "eval", NULL, &d->eval));
     QT_TRY(resolve(c, &d->eval));
     QT_TRY(get_str(c, s, "data", "format", "auto", &d->format));
-    static const char *const formats[] = {"auto", "text", "messages", "alpaca", "tokens", "input_ids", NULL};
-    int okf = 0;
-    for (int i = 0; formats[i]; i++) okf |= !strcmp(d->format, formats[i]);
-    if (!okf)
+    dl_format fmt;
+    if (dl_format_parse(d->format, &fmt) != QT_OK)
         return QT_ERR(QT_EINVAL, "%s: data.format is '%s'; use auto, text, messages, alpaca or tokens", c->where,
                       d->format);
     QT_TRY(get_int(c, s, "data", "seq_len", 512, 2, &d->seq_len));

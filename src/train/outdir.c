@@ -63,7 +63,7 @@ static int read_fingerprint(const char *path, uint64_t *fp) {
     return rc;
 }
 
-int qt_output_dir_claim(const char *output_dir, const qt_job *job, int overwrite) {
+int qt_output_dir_claim(const char *output_dir, const qt_job *job, int overwrite, int restart) {
     char run[4096];
     QT_TRY(qt_path_join(run, sizeof run, output_dir, RUN_FILE));
     if (qt_path_exists(output_dir) && !qt_is_dir(output_dir))
@@ -81,8 +81,9 @@ int qt_output_dir_claim(const char *output_dir, const qt_job *job, int overwrite
                           qt_path_exists(run) ? "the outputs of a run with a different job (model, data, LoRA or "
                                                 "DeepSpeed settings changed)"
                                               : "files that no qtune run wrote");
-        if (!same || overwrite) {
-            qt_info("overwrite_output_dir: removing the previous run's checkpoints and outputs in %s", output_dir);
+        if (!same || overwrite || restart) {
+            qt_info("%s: removing the previous run's checkpoints and outputs in %s",
+                    overwrite ? "overwrite_output_dir" : "resume \"never\"", output_dir);
             QT_TRY(remove_ours(output_dir));
         }
     }

@@ -314,7 +314,10 @@ static int find_resume(qt_trainer *t, char *dir, size_t cap) {
 
 static int run(qt_trainer *t, qt_train_result *res) {
     const qt_job *job = t->job;
-    if (t->main) QT_TRY(qt_output_dir_claim(job->output_dir, job, job->train.overwrite_output_dir));
+    /* resume "never" on a folder of the same run starts over: its old outputs go */
+    if (t->main)
+        QT_TRY(qt_output_dir_claim(job->output_dir, job, job->train.overwrite_output_dir,
+                                   !strcmp(job->train.resume, "never")));
     QT_TRY(dist_barrier(t->d, "output folder check"));
     QT_TRY(load_model(t));
     QT_TRY(open_loaders(t));
@@ -392,7 +395,8 @@ static int run(qt_trainer *t, qt_train_result *res) {
                                        "again to continue",
                       t->step, t->max_steps, t->last_ckpt);
     }
-    if (t->eval_dl) QT_TRY(eval_and_log(t, &res->eval_loss_last));
+    /* a finished run started again only rewrites final/ */
+    if (t->eval_dl && t->step > first_step) QT_TRY(eval_and_log(t, &res->eval_loss_last));
     QT_TRY(trainer_write_final(t, res->final_dir, sizeof res->final_dir));
     QT_TRY(dist_barrier(t->d, "final outputs"));
     return QT_OK;

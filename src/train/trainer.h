@@ -75,7 +75,8 @@ int qt_train_run(const qt_job *job, dist_ctx *d, const qt_train_hooks *hooks, qt
 /* The output-folder guard: output_dir/qtune_run.json records the job's
  * fingerprint. A folder holding another run's outputs (or anything without
  * that file) is refused unless overwrite (then qtune's own outputs in it are
- * removed). Creates the folder and the file. */
-int qt_output_dir_claim(const char *output_dir, const qt_job *job, int overwrite);
+ * removed). restart (resume "never") removes the outputs of the same run.
+ * Creates the folder and the file. */
+int qt_output_dir_claim(const char *output_dir, const qt_job *job, int overwrite, int restart);
 
 #endif
