@@ -19,6 +19,7 @@
 #include "core/mem.h"
 #include "data/batch.h"
 #include "data/format.h"
+#include "data/lines.h"
 #include "model/lora_io.h"
 #include "model/model.h"
 #include "text/tokenizer.h"
@@ -43,32 +44,40 @@ typedef struct {
     size_t n, cap;
 } eval_data;
 
+/* Reads the file line by line through the data module's bounded reader: a
+ * line longer than DL_DEFAULT_MAX_LINE_BYTES is refused without being stored,
+ * so a huge or hostile file costs no more memory than its examples. */
 static int read_data(const char *path, dl_format fmt, const bpe_tokenizer *tok, int32_t V, eval_data *d) {
-    char *text;
-    size_t len;
-    QT_TRY(qt_read_file(path, (size_t)16 << 30, &text, &len));
+    dl_lines r;
+    QT_TRY(dl_lines_open(&r, path, 0));
     dl_encode_ctx ctx = {.tok = tok, .mask_prompt = 1, .vocab_limit = V};
-    int rc = QT_OK, line = 0;
-    char *p = text;
-    while (rc == QT_OK && p < text + len) {
-        char *nl = memchr(p, '\n', (size_t)(text + len - p));
-        if (nl) *nl = 0;
-        line++;
-        char *s = p;
-        p = nl ? nl + 1 : text + len;
-        while (*s == ' ' || *s == '\t' || *s == '\r') s++;
-        if (!*s) continue;
+    int rc = QT_OK;
+    for (;;) {
+        const char *s;
+        size_t len;
+        int got = dl_lines_next(&r, &s, &len);
+        if (got == 0) break;
+        if (got < 0) { rc = got; break; }
+        const long long line = (long long)r.line_no;
+        size_t i = 0;
+        while (i < len && (s[i] == ' ' || s[i] == '\t' || s[i] == '\r')) i++;
+        if (i == len) continue;
+        if (memchr(s, 0, len)) {
+            rc = QT_ERR(QT_EFORMAT, "%s line %lld holds a NUL byte; a JSONL file is text: fix or remove that line", path,
+                        line);
+            break;
+        }
         cJSON *obj = cJSON_Parse(s);
         if (!obj) {
-            rc = QT_ERR(QT_EFORMAT, "%s line %d is not valid JSON; fix or remove that line", path, line);
+            rc = QT_ERR(QT_EFORMAT, "%s line %lld is not valid JSON; fix or remove that line", path, line);
             break;
         }
         dl_format f = fmt == DL_FORMAT_AUTO ? dl_format_detect(obj) : fmt;
         if (f == DL_FORMAT_AUTO)
-            rc = QT_ERR(QT_EFORMAT, "%s line %d: no known format (input_ids, messages, instruction/output, text)",
+            rc = QT_ERR(QT_EFORMAT, "%s line %lld: no known format (input_ids, messages, instruction/output, text)",
                         path, line);
         else if ((rc = dl_encode_example(&ctx, f, obj, &d->tb)) != QT_OK)
-            qt_error_context(rc, "%s line %d", path, line);
+            qt_error_context(rc, "%s line %lld", path, line);
         cJSON_Delete(obj);
         if (rc != QT_OK) break;
         if (d->n + 2 > d->cap) {
@@ -83,7 +92,7 @@ static int read_data(const char *path, dl_format fmt, const bpe_tokenizer *tok, 
         if (d->n == 0) d->start[0] = 0;
         d->start[++d->n] = d->tb.n;
     }
-    qt_free(text);
+    dl_lines_close(&r);
     if (rc == QT_OK && d->n == 0) rc = QT_ERR(QT_EINVAL, "%s holds no examples", path);
     return rc;
 }
