@@ -195,6 +195,11 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
     QT_TRY(check_opts(opts));
     QT_TRY(qt_config_load(dir, &m->cfg));
     QT_TRY(check_config(&m->cfg, dir));
+    if (m->cfg.max_position_embeddings > 0 && opts->max_T > m->cfg.max_position_embeddings)
+        return QT_ERR(QT_EINVAL,
+                      "sequences of %d tokens are longer than max_position_embeddings (%d) in %s/config.json; use a "
+                      "sequence length (data.seq_len, --seq-len) of at most %d",
+                      opts->max_T, m->cfg.max_position_embeddings, dir, m->cfg.max_position_embeddings);
     m->opts = *opts;
     if (!m->opts.lora) m->opts.lora_targets = 0;
     m->infer = opts->infer;
