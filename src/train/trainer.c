@@ -222,7 +222,10 @@ static int train_step(qt_trainer *t, step_out *o) {
                       t->step + 1, overflow ? "gradient" : "loss", o->loss, o->grad_norm,
                       t->last_ckpt[0] ? t->last_ckpt : "none (no checkpoint was written yet)");
     }
-    QT_TRY(qt_loss_scaler_update(&t->scaler, overflow));
+    int rc = qt_loss_scaler_update(&t->scaler, overflow);
+    if (rc != QT_OK)
+        return qt_error_context(rc, "step %ld (the last good checkpoint is %s)", t->step + 1,
+                                t->last_ckpt[0] ? t->last_ckpt : "none: no checkpoint was written yet");
     o->lr = qt_sched_lr_for_update(&t->cfg.sched, t->applied);
     if (overflow) {
         o->skipped = 1;

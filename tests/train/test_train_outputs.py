@@ -210,3 +210,28 @@ def test_bad_job_fields_are_named(base):
     assert "max_step'" in p.stderr  # unknown keys are named in a warning
     p = run("train", j, "--set", "train.max_steps=abc", check=False)
     assert p.returncode == 1 and "--set train.max_steps=abc" in p.stderr
+
+
+def test_fp16_overflow_skips_then_stops_at_the_floor(base):
+    """fp16: an overflowing step is skipped (no update), the scale backs off by
+    DeepSpeed's rules (hysteresis 2), and at min_loss_scale the run stops
+    naming the step and the last good checkpoint."""
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e30}},
+          "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 3, "hysteresis": 2}}
+    j = job(base, "fp16.json", "run_fp16", train_opts={"max_steps": 30, "save_steps": 1}, ds=ds)
+    p = run("train", j, check=False)
+    assert p.returncode == 1
+    assert "min_loss_scale" in p.stderr and "last good checkpoint is" in p.stderr and "checkpoint-" in p.stderr
+    lines = step_lines(os.path.join(base, "run_fp16"))
+    assert not lines[0]["skipped"] and lines[0]["loss_scale"] == 8
+    skipped = [m for m in lines if m["skipped"]]
+    assert [m["loss_scale"] for m in skipped] == [8, 8, 4, 2, 1][:len(skipped)] and len(skipped) >= 4
+    assert all(m["loss"] is None for m in skipped)
+    # skipped steps changed nothing: the newest checkpoint holds step 1's weights
+    w1 = st.read(os.path.join(base, "run_fp16", "checkpoint-1", "model.safetensors"))
+    last = sorted(int(n.split("-")[1]) for n in os.listdir(os.path.join(base, "run_fp16"))
+                  if n.startswith("checkpoint-") and not n.endswith(".tmp"))[-1]
+    wl = st.read(os.path.join(base, "run_fp16", "checkpoint-%d" % last, "model.safetensors"))
+    for k in w1:
+        assert np.array_equal(w1[k], wl[k]), k
