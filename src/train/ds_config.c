@@ -148,8 +148,11 @@ static int parse_batch(ds_ctx *x, const cJSON *j) {
     int64_t tb = 0, mb = 0, ga = 0;
     int has_tb, has_mb, has_ga, auto_tb, auto_mb, auto_ga;
     QT_TRY(get_int(x, j, NULL, "train_batch_size", 1, big, &tb, &auto_tb, &has_tb));
-    QT_TRY(get_int(x, j, NULL, "train_micro_batch_size_per_gpu", 1, big, &mb, &auto_mb, &has_mb));
-    QT_TRY(get_int(x, j, NULL, "gradient_accumulation_steps", 1, big, &ga, &auto_ga, &has_ga));
+    /* the loop holds micro-batch and accumulation in ints; these bounds also
+     * keep mb * ga * world below int64's range */
+    const int64_t small = (int64_t)1 << 20;
+    QT_TRY(get_int(x, j, NULL, "train_micro_batch_size_per_gpu", 1, small, &mb, &auto_mb, &has_mb));
+    QT_TRY(get_int(x, j, NULL, "gradient_accumulation_steps", 1, small, &ga, &auto_ga, &has_ga));
     const int64_t w = c->world;
     /* DeepSpeed's _set_batch_related_parameters, case by case. */
     if (has_tb && has_mb && has_ga) {
@@ -177,6 +180,11 @@ static int parse_batch(ds_ctx *x, const cJSON *j) {
                       "(batch = micro-batch x gradient_accumulation_steps x %lld ranks)",
                       x->where, (long long)w);
     }
+    if (mb > small || ga > small)
+        return QT_ERR(QT_EINVAL,
+                      "%s: train_batch_size %lld gives train_micro_batch_size_per_gpu %lld and "
+                      "gradient_accumulation_steps %lld; each must be at most %lld, so lower train_batch_size",
+                      x->where, (long long)tb, (long long)mb, (long long)ga, (long long)small);
     if (mb < 1 || ga < 1 || tb != mb * ga * w)
         return QT_ERR(QT_EINVAL,
                       "%s: train_batch_size %lld is not train_micro_batch_size_per_gpu %lld x "
