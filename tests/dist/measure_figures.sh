@@ -14,7 +14,7 @@ for stage in 0 2; do
   for n in 1 2 4; do
     accum=$((4 / n))
     "${mpi[@]}" -np $n "$drv" --hidden "$hidden" --micro 2 --accum $accum --steps 6 --stage $stage \
-      --bucket 4194304 | grep '^{' | /usr/bin/python3 -c '
+      --bucket 1048576 | grep '^{' | /usr/bin/python3 -c '
 import json, sys
 rows = sorted((json.loads(l) for l in sys.stdin), key=lambda r: r["rank"])
 for r in rows:
