@@ -30,19 +30,19 @@ static cJSON *set_walk(cJSON *root, char *path, char **leaf, const char *set) {
         char *dot = strchr(p, '.');
         if (!dot) break;
         *dot = 0;
-        if (!*p) { QT_ERR(QT_EINVAL, "--set %s: empty key component", set); return NULL; }
+        if (!*p) { QT_ERR(QT_EINVAL, "--set %.200s: empty key component", set); return NULL; }
         cJSON *child = cJSON_GetObjectItemCaseSensitive(obj, p);
         if (!child) {
             child = cJSON_AddObjectToObject(obj, p);
-            if (!child) { QT_ERR(QT_ENOMEM, "--set %s: out of memory", set); return NULL; }
+            if (!child) { QT_ERR(QT_ENOMEM, "--set %.200s: out of memory", set); return NULL; }
         } else if (!cJSON_IsObject(child)) {
-            QT_ERR(QT_EINVAL, "--set %s: '%s' is not an object in the job, so it has no field '%s'", set, p, dot + 1);
+            QT_ERR(QT_EINVAL, "--set %.200s: '%s' is not an object in the job, so it has no field '%s'", set, p, dot + 1);
             return NULL;
         }
         obj = child;
         p = dot + 1;
     }
-    if (!*p) { QT_ERR(QT_EINVAL, "--set %s: empty key component", set); return NULL; }
+    if (!*p) { QT_ERR(QT_EINVAL, "--set %.200s: empty key component", set); return NULL; }
     *leaf = p;
     return obj;
 }
@@ -54,7 +54,7 @@ static cJSON *set_value(const cJSON *old, const char *v, const char *set) {
         errno = 0;
         double d = strtod(v, &end);
         if (end == v || *end || errno) {
-            QT_ERR(QT_EINVAL, "--set %s: this field is a number and '%s' is not one", set, v);
+            QT_ERR(QT_EINVAL, "--set %.200s: this field is a number and '%.200s' is not one", set, v);
             return NULL;
         }
         return cJSON_CreateNumber(d);
@@ -62,7 +62,7 @@ static cJSON *set_value(const cJSON *old, const char *v, const char *set) {
     if (old && cJSON_IsBool(old)) {
         if (!strcmp(v, "true") || !strcmp(v, "1")) return cJSON_CreateTrue();
         if (!strcmp(v, "false") || !strcmp(v, "0")) return cJSON_CreateFalse();
-        QT_ERR(QT_EINVAL, "--set %s: this field is true/false and '%s' is neither", set, v);
+        QT_ERR(QT_EINVAL, "--set %.200s: this field is true/false and '%.200s' is neither", set, v);
         return NULL;
     }
     if (old && cJSON_IsString(old)) return cJSON_CreateString(v);
@@ -91,7 +91,7 @@ static cJSON *set_value(const cJSON *old, const char *v, const char *set) {
 int qt_job_apply_set(cJSON *root, const char *set) {
     const char *eq = strchr(set, '=');
     if (!eq || eq == set)
-        return QT_ERR(QT_EINVAL, "--set %s: write it as key.path=value (for example train.max_steps=100)", set);
+        return QT_ERR(QT_EINVAL, "--set %.200s: write it as key.path=value (for example train.max_steps=100)", set);
     size_t klen = (size_t)(eq - set);
     char *key = qt_malloc(klen + 1, "a --set key");
     if (!key) return QT_ENOMEM;
@@ -105,7 +105,7 @@ int qt_job_apply_set(cJSON *root, const char *set) {
     } else {
         cJSON *old = cJSON_GetObjectItemCaseSensitive(parent, leaf);
         cJSON *nv = set_value(old, eq + 1, set);
-        if (!nv) rc = qt_error_code() ? qt_error_code() : QT_ERR(QT_ENOMEM, "--set %s: out of memory", set);
+        if (!nv) rc = qt_error_code() ? qt_error_code() : QT_ERR(QT_ENOMEM, "--set %.200s: out of memory", set);
         else if (old) cJSON_ReplaceItemInObjectCaseSensitive(parent, leaf, nv);
         else cJSON_AddItemToObject(parent, leaf, nv);
     }
