@@ -298,6 +298,44 @@ static void test_corrupt_cache_rebuilds(void **state) {
     dl_source_close(&s);
 }
 
+/* Every single-byte change and every truncation of a cache is detected. */
+static void test_every_cache_byte_checked(void **state) {
+    (void)state;
+    const char *p = write_tmp("every.jsonl", "{\"input_ids\": [1, 2, 3], \"labels\": [-100, 2, 3]}\n{\"input_ids\": [4, 5]}\n");
+    dl_source_opts o = opts_for(p);
+    dl_source s;
+    assert_int_equal(open_cached(&o, &s), 0);
+    char cache[4096];
+    strcpy(cache, s.cache_path);
+    dl_source_close(&s);
+    char *good;
+    size_t n;
+    assert_int_equal(qt_read_file(cache, 1 << 20, &good, &n), QT_OK);
+    assert_int_equal(n, 120 + 8 * 3 + 4 * 5 + 5);
+    for (size_t i = 0; i <= n; i++) {
+        for (int trunc = 0; trunc <= 1; trunc++) {
+            if (!trunc && i == n) continue;
+            char *bad = qt_malloc(n, "a damaged cache");
+            memcpy(bad, good, n);
+            if (!trunc) bad[i] ^= 0x01;
+            FILE *f = fopen(cache, "wb"); /* no fsync: thrown away at the end */
+            assert_non_null(f);
+            assert_int_equal(fwrite(bad, 1, trunc ? i : n, f), trunc ? i : n);
+            fclose(f);
+            qt_free(bad);
+            if (trunc && i == n) {
+                assert_int_equal(open_cached(&o, &s), 1); /* intact */
+            } else {
+                if (open_cached(&o, &s) != 0) fail_msg("a change at byte %zu (truncated: %d) went unnoticed", i, trunc);
+                assert_int_equal(s.n_tokens, 5);
+                assert_int_equal(s.mask[0], 0);
+            }
+            dl_source_close(&s);
+        }
+    }
+    qt_free(good);
+}
+
 static void test_default_cache_dir(void **state) {
     (void)state;
     char out[4096];
@@ -400,6 +438,7 @@ int main(void) {
         cmocka_unit_test(test_skip_bad_lines_counts),
         cmocka_unit_test(test_cache_reuse_and_invalidation),
         cmocka_unit_test(test_corrupt_cache_rebuilds),
+        cmocka_unit_test(test_every_cache_byte_checked),
         cmocka_unit_test(test_default_cache_dir),
         cmocka_unit_test(test_line_ranges_partition),
         cmocka_unit_test(test_parallel_build_matches_serial),
