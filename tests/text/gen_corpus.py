@@ -6,8 +6,10 @@ Mixes English prose (from /usr/share/doc and the Python standard library's
 docstrings), Python source, Chinese (fixed sentences plus runs of common
 ideographs), numbers, whitespace runs, emoji, special tokens written inline,
 random code points from many scripts (with combining marks, so NFC has work)
-and invalid UTF-8. --zh-en makes the benchmark text instead: English prose
-and Chinese only, about half the bytes each. The same seed on the same machine gives the same bytes.
+and invalid UTF-8. --zh-en makes the benchmark text instead: the English
+messages of the machine's zh_CN gettext catalogs each followed by its Chinese
+translation (real mixed text), or, without catalogs, English prose and
+generated Chinese. The same seed on the same machine gives the same bytes.
 
 --parity-safe leaves out the three characters where the JS reference
 (@lenml/tokenizers) differs from HF tokenizers by design of the JS regex
@@ -15,6 +17,7 @@ engine: U+0085 and U+FEFF (JS's \\s differs from Oniguruma's) and "'" + U+017F
 (JS's case-insensitive group is rewritten to ASCII classes). qtune follows
 HF on those; tests/unit/text checks them separately.
 """
+import gettext
 import glob
 import os
 import random
@@ -81,6 +84,24 @@ def code_sources():
         except OSError:
             pass
     return out
+
+
+def translation_pairs():
+    """(English, Chinese) message pairs from the machine's zh_CN gettext catalogs:
+    real Chinese, mixed with English the way software text is."""
+    pairs = []
+    for f in sorted(glob.glob("/usr/share/locale/zh_CN/LC_MESSAGES/*.mo")):
+        try:
+            with open(f, "rb") as fh:
+                cat = gettext.GNUTranslations(fh)._catalog
+        except Exception:  # a catalog Python cannot read is simply left out
+            continue
+        for k in sorted(cat, key=str):
+            en = k[0] if isinstance(k, tuple) else k
+            zh = cat[k]
+            if en and zh and en != zh:
+                pairs.append((en, zh))
+    return pairs
 
 
 def chinese_run(r, n):
@@ -174,6 +195,16 @@ def generate(size, seed, safe):
 
 
 def generate_zh_en(size, seed):
+    pairs = translation_pairs()
+    if pairs:  # real text: each English message and its Chinese translation, in catalog order
+        parts, total, i = [], 0, 0
+        while total < size:
+            en, zh = pairs[i % len(pairs)]
+            b = (en + "\n" + zh + "\n\n").encode("utf-8", "surrogatepass")
+            parts.append(b)
+            total += len(b)
+            i += 1
+        return b"".join(parts)
     r = random.Random(seed)
     prose = english_sources() or ENGLISH
     parts, total = [], 0
