@@ -176,5 +176,11 @@ size_t zero_state_bytes_host(const zero_plan *p);
  * N ranks resumes with any other number of ranks or stage. */
 int zero_state_gather(zero_plan *p, const zero_state *st, int slot, float *full);
 int zero_state_scatter(zero_plan *p, zero_state *st, int slot, const float *full);
+/* The same for the element range [lo, hi) of the block only (out/in hold
+ * hi - lo floats on rank 0; at most INT_MAX/2 elements per call), so a
+ * checkpoint of a large model can stream through a small buffer on rank 0.
+ * Every rank calls with the same range. */
+int zero_state_gather_range(zero_plan *p, const zero_state *st, int slot, size_t lo, size_t hi, float *out);
+int zero_state_scatter_range(zero_plan *p, zero_state *st, int slot, size_t lo, size_t hi, const float *in);
 
 #endif

@@ -44,6 +44,7 @@ typedef struct {
     double lr, wd, clip;
     uint64_t seed;
     int die_rank, die_step, hang_rank, hang_step;
+    size_t ckpt_chunk; /* > 0: checkpoint m, v through the range calls, this many elements at a time */
     const char *out, *save, *load;
 } opts_t;
 
@@ -120,7 +121,7 @@ static double micro_step(const opts_t *o, float *params, float *grads, uint64_t 
 static void usage(void) {
     fprintf(stderr, "dist_driver [--hidden H] [--micro M] [--accum A] [--steps K] [--start-step S] [--stage 0|1|2]\n"
                     "  [--offload 0|1] [--overlap 0|1] [--bucket E] [--lr x] [--wd x] [--clip x] [--seed s]\n"
-                    "  [--out FILE] [--save FILE] [--load FILE] [--die-rank R --die-step K] [--hang-rank R --hang-step K]\n");
+                    "  [--out FILE] [--save FILE] [--load FILE] [--ckpt-chunk E] [--die-rank R --die-step K] [--hang-rank R --hang-step K]\n");
 }
 
 static int parse(int argc, char **argv, opts_t *o) {
@@ -146,6 +147,7 @@ static int parse(int argc, char **argv, opts_t *o) {
         else if (!strcmp(k, "--out")) o->out = v;
         else if (!strcmp(k, "--save")) o->save = v;
         else if (!strcmp(k, "--load")) o->load = v;
+        else if (!strcmp(k, "--ckpt-chunk")) o->ckpt_chunk = strtoull(v, NULL, 10);
         else if (!strcmp(k, "--die-rank")) o->die_rank = atoi(v);
         else if (!strcmp(k, "--die-step")) o->die_step = atoi(v);
         else if (!strcmp(k, "--hang-rank")) o->hang_rank = atoi(v);
@@ -164,14 +166,35 @@ static int fail(dist_ctx *d) {
 
 #define CHECK(call) do { if ((call) != QT_OK) return fail(d); } while (0)
 
+/* A slot through the range calls, `chunk` elements at a time (the way a
+ * large model's checkpoint streams); full is rank 0's n floats. */
+static int gather_chunked(zero_plan *plan, zero_state *st, int slot, float *full, size_t n, size_t chunk) {
+    if (!chunk) return zero_state_gather(plan, st, slot, full);
+    for (size_t lo = 0; lo < n; lo += chunk) {
+        size_t hi = lo + chunk < n ? lo + chunk : n;
+        QT_TRY(zero_state_gather_range(plan, st, slot, lo, hi, full ? full + lo : NULL));
+    }
+    return QT_OK;
+}
+
+static int scatter_chunked(zero_plan *plan, zero_state *st, int slot, const float *full, size_t n, size_t chunk) {
+    if (!chunk) return zero_state_scatter(plan, st, slot, full);
+    for (size_t lo = 0; lo < n; lo += chunk) {
+        size_t hi = lo + chunk < n ? lo + chunk : n;
+        QT_TRY(zero_state_scatter_range(plan, st, slot, lo, hi, full ? full + lo : NULL));
+    }
+    return QT_OK;
+}
+
 /* Checkpoint file: n params, then n of m, then n of v (whole block, so any
  * rank count resumes it). Written by rank 0 only. */
-static int save_state(dist_ctx *d, zero_plan *plan, zero_state *st, const float *params, size_t n, const char *path) {
+static int save_state(dist_ctx *d, zero_plan *plan, zero_state *st, const float *params, size_t n, const char *path,
+                      size_t chunk) {
     float *full = dist_is_main(d) ? qt_malloc(3 * n * sizeof(float) + 4, "checkpoint buffer") : NULL;
     if (dist_is_main(d) && !full) return QT_ENOMEM;
     if (full) memcpy(full, params, n * sizeof(float));
-    int rc = zero_state_gather(plan, st, 0, full ? full + n : NULL);
-    if (!rc) rc = zero_state_gather(plan, st, 1, full ? full + 2 * n : NULL);
+    int rc = gather_chunked(plan, st, 0, full ? full + n : NULL, n, chunk);
+    if (!rc) rc = gather_chunked(plan, st, 1, full ? full + 2 * n : NULL, n, chunk);
     if (!rc && full) {
         FILE *f = fopen(path, "wb");
         if (!f || fwrite(full, sizeof(float), 3 * n, f) != 3 * n) rc = QT_ERR(QT_EIO, "cannot write %s", path);
@@ -181,7 +204,8 @@ static int save_state(dist_ctx *d, zero_plan *plan, zero_state *st, const float 
     return rc;
 }
 
-static int load_state(dist_ctx *d, zero_plan *plan, zero_state *st, float *params, size_t n, const char *path) {
+static int load_state(dist_ctx *d, zero_plan *plan, zero_state *st, float *params, size_t n, const char *path,
+                      size_t chunk) {
     float *full = dist_is_main(d) ? qt_malloc(3 * n * sizeof(float) + 4, "checkpoint buffer") : NULL;
     int rc = QT_OK;
     if (dist_is_main(d)) {
@@ -192,8 +216,8 @@ static int load_state(dist_ctx *d, zero_plan *plan, zero_state *st, float *param
         if (!rc) memcpy(params, full, n * sizeof(float));
     }
     if (!rc) rc = dist_bcast(d, params, n * sizeof(float), 0, "checkpoint parameters");
-    if (!rc) rc = zero_state_scatter(plan, st, 0, full ? full + n : NULL);
-    if (!rc) rc = zero_state_scatter(plan, st, 1, full ? full + 2 * n : NULL);
+    if (!rc) rc = scatter_chunked(plan, st, 0, full ? full + n : NULL, n, chunk);
+    if (!rc) rc = scatter_chunked(plan, st, 1, full ? full + 2 * n : NULL, n, chunk);
     qt_free(full);
     return rc;
 }
@@ -221,7 +245,7 @@ int main(int argc, char **argv) {
     CHECK(zero_plan_create(d, n, &zo, &plan));
     zero_state st;
     CHECK(zero_state_alloc(plan, 2, &st)); /* AdamW m, v over the own range */
-    if (o.load) CHECK(load_state(d, plan, &st, params, n, o.load));
+    if (o.load) CHECK(load_state(d, plan, &st, params, n, o.load, o.ckpt_chunk));
 
     qt_adam_cfg ac;
     qt_adam_cfg_default(&ac);
@@ -277,7 +301,7 @@ int main(int argc, char **argv) {
     double step_s = timed > 0 ? (t_end - t_start) / timed : 0;
     double comm_s = timed > 0 ? (dist_comm_seconds(d) - comm_start) / timed : 0;
 
-    if (o.save) CHECK(save_state(d, plan, &st, params, n, o.save));
+    if (o.save) CHECK(save_state(d, plan, &st, params, n, o.save, o.ckpt_chunk));
     if (o.out && dist_is_main(d)) {
         FILE *f = fopen(o.out, "wb");
         if (!f || fwrite(params, sizeof(float), n, f) != n) {

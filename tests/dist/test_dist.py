@@ -197,3 +197,18 @@ def test_single_process_without_mpirun(tmp_path):
     assert ranks[0]["world"] == 1
     ref = train(tmp_path, 1, 4, stage=2, tag="solo_ref")[2]
     assert rel_err(np.fromfile(out, dtype=np.float32), ref) == 0
+
+
+def test_checkpoint_streams_in_chunks(tmp_path):
+    """The range calls: saved in chunks of 50 elements on 3 ranks (stage 2),
+    resumed in chunks of 37 on 2 ranks (stage 2) and on 2 ranks at stage 0."""
+    ref_w = train(tmp_path, 1, 6, stage=0, tag="chunk_ref")[2]
+    ck = tmp_path / "ck_chunks.bin"
+    p = mpirun(3, ["--accum", 2, "--stage", 2, "--steps", 3, "--save", ck, "--ckpt-chunk", 50])
+    assert p.returncode == 0, p.stderr
+    for stage in (2, 0):
+        out = tmp_path / f"chunk_resumed_{stage}.bin"
+        p = mpirun(2, ["--accum", 3, "--stage", stage, "--start-step", 3, "--steps", 2, "--load", ck,
+                       "--ckpt-chunk", 37, "--out", out])
+        assert p.returncode == 0, p.stderr
+        assert rel_err(np.fromfile(out, dtype=np.float32), ref_w) <= 1e-5

@@ -64,6 +64,15 @@ static void test_plan_ranges(void **state) {
     for (int s = 0; s < 3; s++)
         for (int i = 0; i < 100; i++) assert_true(st.slot[s][i] == 0.0f);
     assert_int_equal(zero_state_gather(p, &st, 3, NULL), QT_EINVAL);
+    /* ranges: scatter 10 values into [40, 50) of slot 1, read them back */
+    float in[10], out[10];
+    for (int i = 0; i < 10; i++) in[i] = (float)i + 0.5f;
+    assert_int_equal(zero_state_scatter_range(p, &st, 1, 40, 50, in), QT_OK);
+    assert_true(st.slot[1][40] == 0.5f && st.slot[1][49] == 9.5f && st.slot[1][39] == 0.0f);
+    assert_int_equal(zero_state_gather_range(p, &st, 1, 40, 50, out), QT_OK);
+    assert_memory_equal(in, out, sizeof in);
+    assert_int_equal(zero_state_gather_range(p, &st, 1, 95, 101, out), QT_EINVAL);
+    assert_int_equal(zero_state_gather_range(p, &st, 1, 60, 50, out), QT_EINVAL);
     zero_state_free(p, &st);
     assert_int_equal(zero_state_bytes_device(p), 0);
     double v = 2;
