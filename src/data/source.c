@@ -12,6 +12,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -100,7 +101,7 @@ static const char *header_mismatch(const dl_cache_header *got, const dl_cache_he
 }
 
 /* 1: out holds the mapped cache; 0: no usable cache (reason logged). Never fails hard. */
-static int cache_load(const dl_source_opts *o, const dl_cache_header *want, dl_source *out) {
+static int cache_load(const dl_source_opts *o, const dl_cache_header *want, dl_source *out, int quiet) {
     int fd = open(out->cache_path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return 0; /* first run: nothing to say */
     const char *why = NULL;
@@ -142,9 +143,32 @@ static int cache_load(const dl_source_opts *o, const dl_cache_header *want, dl_s
     }
     if (map != MAP_FAILED) munmap(map, total);
     /* a settings change is routine; a damaged file deserves a warning */
+    if (quiet) return 0;
     if (strstr(why, "changed")) qt_info("rebuilding the token cache %s: %s", out->cache_path, why);
     else qt_warn("rebuilding the token cache %s: %s", out->cache_path, why);
     return 0;
+}
+
+/* Serialises the builders of one cache file across processes (the ranks of
+ * a job on one host): the first builds, the others wait and then map its
+ * result. -1 when no lock can be had (the build then just goes ahead). */
+static int cache_lock(const char *cache_path) {
+    char dir[4096], lock[4200];
+    qt_path_dirname(dir, sizeof dir, cache_path);
+    if (qt_mkdir_p(dir) != QT_OK) { qt_error_clear(); return -1; }
+    snprintf(lock, sizeof lock, "%s.lock", cache_path);
+    int fd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) return -1;
+    while (flock(fd, LOCK_EX) != 0) {
+        if (errno != EINTR) { close(fd); return -1; }
+    }
+    return fd;
+}
+
+static void cache_unlock(int fd) {
+    if (fd < 0) return;
+    flock(fd, LOCK_UN);
+    close(fd);
 }
 
 static int cache_write(const dl_cache_header *h, const dl_source *s) {
@@ -410,30 +434,42 @@ int dl_source_open(const dl_source_opts *o, dl_source *out) {
         use_cache = 0;
         out->cache_path[0] = 0;
     }
-    if (use_cache && cache_load(o, &want, out)) {
+    int lock = -1, hit = 0;
+    if (use_cache) {
+        hit = cache_load(o, &want, out, 0);
+        if (!hit) {
+            /* another process (a rank on this host) may be building it: wait, then look again */
+            lock = cache_lock(out->cache_path);
+            if (lock >= 0) hit = cache_load(o, &want, out, 1);
+        }
+    }
+    if (hit) {
         out->cache_hit = 1;
+        cache_unlock(lock);
         if (out->n_bad_lines) qt_warn("%s: %llu bad lines were skipped when its cache was built", o->path, (unsigned long long)out->n_bad_lines);
         return QT_OK;
     }
     int rc = source_build(o, size, out);
-    if (rc != QT_OK) { dl_source_close(out); return rc; }
-    if (!use_cache) return QT_OK;
-    dl_cache_header h = want;
-    h.format_resolved = (uint32_t)out->format;
-    h.n_examples = out->n_examples;
-    h.n_tokens = out->n_tokens;
-    h.n_bad_lines = out->n_bad_lines;
-    h.data_hash = data_hash(out->offsets, out->ids, out->mask, out->n_examples, out->n_tokens);
-    h.header_hash = header_hash(&h);
-    if (cache_write(&h, out) == QT_OK) {
-        out->cache_written = 1;
-    } else {
-        /* A cache is an optimisation: training goes on without it. */
-        qt_warn("cannot write the token cache for %s (%s); continuing without it; set data.cache_dir to a writable folder",
-                o->path, qt_error_message());
-        qt_error_clear();
+    if (rc == QT_OK && use_cache) {
+        dl_cache_header h = want;
+        h.format_resolved = (uint32_t)out->format;
+        h.n_examples = out->n_examples;
+        h.n_tokens = out->n_tokens;
+        h.n_bad_lines = out->n_bad_lines;
+        h.data_hash = data_hash(out->offsets, out->ids, out->mask, out->n_examples, out->n_tokens);
+        h.header_hash = header_hash(&h);
+        if (cache_write(&h, out) == QT_OK) {
+            out->cache_written = 1;
+        } else {
+            /* A cache is an optimisation: training goes on without it. */
+            qt_warn("cannot write the token cache for %s (%s); continuing without it; set data.cache_dir to a writable folder",
+                    o->path, qt_error_message());
+            qt_error_clear();
+        }
     }
-    return QT_OK;
+    cache_unlock(lock);
+    if (rc != QT_OK) dl_source_close(out);
+    return rc;
 }
 
 void dl_source_close(dl_source *s) {

@@ -7,6 +7,7 @@
 #include <cmocka.h>
 
 #include <sys/stat.h>
+#include <sys/wait.h>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -429,6 +430,50 @@ static void test_parallel_build_matches_serial(void **state) {
     }
 }
 
+/* Processes that open one file at once (the ranks of a job on one host):
+ * one builds the cache, the others wait for it and map it. */
+static void test_concurrent_builders_build_once(void **state) {
+    (void)state;
+    const char *p = write_many("shared.jsonl", 20000, 0);
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s/shared-cache", tdir);
+    int go[2];
+    assert_int_equal(pipe(go), 0);
+    enum { N = 3 };
+    pid_t pid[N];
+    for (int k = 0; k < N; k++) {
+        pid[k] = fork();
+        assert_true(pid[k] >= 0);
+        if (pid[k] == 0) {
+            char c;
+            close(go[1]);
+            if (read(go[0], &c, 1) != 0) _exit(100); /* wait until the parent closes the pipe */
+            dl_source_opts o = opts_for(p);
+            o.cache_dir = dir;
+            o.no_cache = 0;
+            dl_source s;
+            if (dl_source_open(&o, &s) != QT_OK || s.n_examples != 20000 - 20000 / 17) _exit(101);
+            int code = s.cache_written + 2 * s.cache_hit;
+            dl_source_close(&s);
+            _exit(code);
+        }
+    }
+    close(go[0]);
+    close(go[1]); /* all children start together */
+    int written = 0, hits = 0;
+    for (int k = 0; k < N; k++) {
+        int st;
+        assert_int_equal(waitpid(pid[k], &st, 0), pid[k]);
+        assert_true(WIFEXITED(st));
+        int code = WEXITSTATUS(st);
+        assert_true(code == 1 || code == 2);
+        written += code == 1;
+        hits += code == 2;
+    }
+    assert_int_equal(written, 1);
+    assert_int_equal(hits, N - 1);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_format_names_and_detect),
@@ -439,6 +484,7 @@ int main(void) {
         cmocka_unit_test(test_cache_reuse_and_invalidation),
         cmocka_unit_test(test_corrupt_cache_rebuilds),
         cmocka_unit_test(test_every_cache_byte_checked),
+        cmocka_unit_test(test_concurrent_builders_build_once),
         cmocka_unit_test(test_default_cache_dir),
         cmocka_unit_test(test_line_ranges_partition),
         cmocka_unit_test(test_parallel_build_matches_serial),
