@@ -18,6 +18,7 @@
 #include <cjson/cJSON.h>
 #include <cpuid.h>
 #include <ctype.h>
+#include <math.h>
 #include <dirent.h>
 #include <dlfcn.h>
 #include <omp.h>
@@ -365,7 +366,7 @@ static void check_data(doc_ctx *c, const char *dir, const cJSON *data, int64_t *
             *train_bytes = sz;
     }
     double T;
-    if (ds_num(data, "seq_len", &T) && (T < 2 || T != (double)(long)T))
+    if (ds_num(data, "seq_len", &T) && (!(T >= 2 && T <= 1e7) || T != floor(T)))
         problem(c, "%s: data.seq_len must be a whole number >= 2 (got %g)", c->where, T);
 }
 
@@ -387,9 +388,12 @@ static void check_deepspeed(doc_ctx *c, const cJSON *ds, int ranks, int *zero, i
     double tbs = 0, mbs = 0, gas = 0;
     const int h_t = ds_num(ds, "train_batch_size", &tbs), h_m = ds_num(ds, "train_micro_batch_size_per_gpu", &mbs);
     const int h_g = ds_num(ds, "gradient_accumulation_steps", &gas);
-    if ((h_t && tbs < 1) || (h_m && mbs < 1) || (h_g && gas < 1))
-        problem(c, "%s: deepspeed batch sizes must be >= 1 (train_batch_size %g, micro %g, accumulation %g)",
-                c->where, tbs, mbs, gas);
+#define BAD_COUNT(h, v) ((h) && (!((v) >= 1 && (v) <= 1e9) || (v) != floor(v)))
+    const int bad = BAD_COUNT(h_t, tbs) || BAD_COUNT(h_m, mbs) || BAD_COUNT(h_g, gas);
+#undef BAD_COUNT
+    if (bad)
+        problem(c, "%s: deepspeed batch sizes must be whole numbers >= 1 (train_batch_size %g, micro %g, "
+                   "accumulation %g)", c->where, tbs, mbs, gas);
     else if (h_t && h_m && h_g && (long)tbs != (long)mbs * (long)gas * ranks)
         problem(c, "%s: deepspeed train_batch_size %g != train_micro_batch_size_per_gpu %g x "
                    "gradient_accumulation_steps %g x %d rank%s; fix one of them or set it to \"auto\"",
@@ -398,8 +402,8 @@ static void check_deepspeed(doc_ctx *c, const cJSON *ds, int ranks, int *zero, i
         problem(c, "%s: deepspeed train_batch_size %g is not divisible by %s %g x %d rank%s", c->where, tbs,
                 h_m ? "train_micro_batch_size_per_gpu" : "gradient_accumulation_steps", h_m ? mbs : gas, ranks,
                 ranks == 1 ? "" : "s");
-    if (h_m) *micro = (int)mbs;
-    else if (h_t && h_g && gas >= 1) *micro = (int)(tbs / (gas * ranks)) > 0 ? (int)(tbs / (gas * ranks)) : 1;
+    if (!bad && h_m) *micro = (int)mbs;
+    else if (!bad && h_t && h_g) *micro = (int)(tbs / (gas * ranks)) > 0 ? (int)(tbs / (gas * ranks)) : 1;
 
     const int fp16 = ds_enabled(ds, "fp16"), bf16 = ds_enabled(ds, "bf16");
     if (fp16 && bf16)
