@@ -306,6 +306,7 @@ int dist_init(int *argc, char ***argv, dist_ctx **out) {
         MPI_Comm_rank(d->comm, &d->rank);
         MPI_Comm_size(d->comm, &d->world);
         d->mpi_on = 1;
+        d->owns_mpi = !inited;
         int want = launcher_world();
         if (want > 1 && d->world != want) {
             int world = d->world;
@@ -338,7 +339,7 @@ void dist_finalize(dist_ctx *d) {
         MPI_Comm_free(&d->comm);
         int fin = 0;
         MPI_Finalized(&fin);
-        if (!fin) MPI_Finalize();
+        if (!fin && d->owns_mpi) MPI_Finalize(); /* an embedding program that started MPI ends it */
     }
 #endif
     qt_free(d);

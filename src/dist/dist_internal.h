@@ -16,7 +16,8 @@
 
 struct dist_ctx {
     int rank, world;
-    int mpi_on;            /* MPI_Init was called by dist_init */
+    int mpi_on;            /* MPI is in use for this run */
+    int owns_mpi;          /* dist_init called MPI_Init (so dist_finalize ends it) */
     double timeout_s;      /* collective deadline */
     double comm_s;         /* seconds spent waiting in collectives */
     int64_t seq;           /* collectives this rank has entered (for the timeout report) */
