@@ -326,7 +326,30 @@ static int ds_enabled(const cJSON *ds, const char *section) {
     return cJSON_IsTrue(e); /* "auto" (HF Trainer's) decides nothing here: treated as off */
 }
 
-static void check_model(doc_ctx *c, const char *dir, const char *model, qt_config *cfg, int *have_cfg) {
+/* Pre-tokenized data ({"input_ids": ...}, format "tokens", or "auto" with such a
+ * first line) trains without a tokenizer. */
+static int needs_tokenizer(const char *dir, const cJSON *data) {
+    const cJSON *fmt = cJSON_GetObjectItemCaseSensitive(data, "format");
+    const cJSON *tr = cJSON_GetObjectItemCaseSensitive(data, "train");
+    if (cJSON_IsString(fmt) && !strcmp(fmt->valuestring, "tokens")) return 0;
+    if (cJSON_IsString(fmt) && strcmp(fmt->valuestring, "auto")) return 1;
+    if (!cJSON_IsString(tr)) return 1;
+    char p[4096], line[65536];
+    job_path(dir, tr->valuestring, p, sizeof p);
+    FILE *f = fopen(p, "r");
+    if (!f) return 1;
+    int need = 1;
+    if (fgets(line, sizeof line, f)) {
+        cJSON *j = cJSON_Parse(line);
+        need = !cJSON_GetObjectItemCaseSensitive(j, "input_ids");
+        cJSON_Delete(j);
+    }
+    fclose(f);
+    return need;
+}
+
+static void check_model(doc_ctx *c, const char *dir, const char *model, int need_tok, qt_config *cfg,
+                        int *have_cfg) {
     char p[4096];
     job_path(dir, model, p, sizeof p);
     *have_cfg = 0;
@@ -342,8 +365,8 @@ static void check_model(doc_ctx *c, const char *dir, const char *model, qt_confi
                 c->where, p);
     char t[4096];
     qt_path_join(t, sizeof t, p, "tokenizer.json");
-    if (!qt_path_exists(t))
-        problem(c, "%s: \"model\" folder %s has no tokenizer.json; copy the tokenizer files of the base model "
+    if (need_tok && !qt_path_exists(t))
+        problem(c, "%s: \"model\" folder %s has no tokenizer.json, which text data needs; copy the base model's tokenizer files "
                    "there", c->where, p);
 }
 
@@ -480,6 +503,29 @@ static void check_resources(doc_ctx *c, const char *dir, const cJSON *root, cons
         problem(c, "%s: the job needs about %.2f GiB of host memory (`qtune plan` with its settings) but %.2f GiB "
                    "is available; turn on train.gradient_checkpointing, lower the micro-batch or seq_len, or use LoRA",
                 c->where, (double)need / GIB, (double)avail * 1024 / GIB);
+    /* the token cache: 4 bytes a token, about 4/3 of the text's bytes at
+     * ~3 bytes a token; by default it sits next to the data */
+    const cJSON *data = cJSON_GetObjectItemCaseSensitive(root, "data");
+    const cJSON *cd = cJSON_GetObjectItemCaseSensitive(data, "cache_dir");
+    const cJSON *tr = cJSON_GetObjectItemCaseSensitive(data, "train");
+    if (o->dataset_bytes && (cJSON_IsString(cd) || cJSON_IsString(tr))) {
+        char where[4096], base[4096];
+        if (cJSON_IsString(cd)) job_path(dir, cd->valuestring, where, sizeof where);
+        else {
+            char t[4096];
+            job_path(dir, tr->valuestring, t, sizeof t);
+            qt_path_dirname(where, sizeof where, t);
+        }
+        existing_parent(where, base, sizeof base);
+        const int64_t fr = qt_free_disk_bytes(base);
+        const double need = (double)o->dataset_bytes * 4.0 / 3.0;
+        fprintf(c->f, "cache      token cache needs about %.3f GiB; %.1f GiB free in %s\n", need / GIB,
+                (double)fr / GIB, base);
+        if (fr >= 0 && (double)fr < need)
+            problem(c, "%s: data.cache_dir %s: %.3f GiB free but the token cache needs about %.3f GiB; free space "
+                       "or point data.cache_dir at a larger local disk", c->where, where, (double)fr / GIB,
+                    need / GIB);
+    }
     const cJSON *od = cJSON_GetObjectItemCaseSensitive(root, "output_dir");
     if (cJSON_IsString(od)) {
         char out[4096], base[4096];
@@ -529,8 +575,9 @@ int qt_doctor_check_job(FILE *f, const char *path, int ranks) {
     qt_config cfg;
     int have_cfg = 0;
     const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
-    if (cJSON_IsString(model)) check_model(&c, dir, model->valuestring, &cfg, &have_cfg);
     const cJSON *data = cJSON_GetObjectItemCaseSensitive(root, "data");
+    if (cJSON_IsString(model))
+        check_model(&c, dir, model->valuestring, needs_tokenizer(dir, data), &cfg, &have_cfg);
     int64_t train_bytes = 0;
     check_data(&c, dir, data, &train_bytes);
 

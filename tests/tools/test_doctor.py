@@ -118,3 +118,12 @@ def test_each_message_is_printed_by_the_code():
             missing.append(name)
     assert not missing, ("defined in src/core/messages.h and listed by the doctor, but no code in src/ prints "
                          "them yet: " + ", ".join(missing))
+
+
+def test_tokenizer_needed_only_for_text_data(tmp_path):
+    job, j = good_job(tmp_path)
+    os.remove(tmp_path / "model" / "tokenizer.json")
+    p = qtune("doctor", job, "--no-table")  # text data: the tokenizer is missing
+    assert p.returncode == 1 and "tokenizer.json" in p.stdout
+    (tmp_path / "train.jsonl").write_text('{"input_ids": [1, 2, 3, 4]}\n')
+    qtune("doctor", job, "--no-table", check=0)  # pre-tokenized: no tokenizer needed
