@@ -65,7 +65,9 @@ static cJSON *set_value(const cJSON *old, const char *v, const char *set) {
         QT_ERR(QT_EINVAL, "--set %.200s: this field is true/false and '%.200s' is neither", set, v);
         return NULL;
     }
-    if (old && cJSON_IsString(old)) return cJSON_CreateString(v);
+    /* a string field takes the text as is, except DeepSpeed's "auto", which
+     * stands for a number: it takes JSON when the text parses as JSON */
+    if (old && cJSON_IsString(old) && strcmp(old->valuestring, "auto")) return cJSON_CreateString(v);
     if (old && cJSON_IsArray(old) && v[0] != '[') {
         /* "q_proj,v_proj" -> ["q_proj", "v_proj"] */
         cJSON *arr = cJSON_CreateArray();
@@ -396,9 +398,9 @@ static int load_deepspeed(const job_ctx *c, cJSON *root, char **ds_path) {
 
 /* What changes the trained result: everything but where outputs go, how often
  * they are written and how the run is resumed. */
-static uint64_t job_fingerprint(const cJSON *root) {
+static cJSON *fingerprint_view(const cJSON *root) {
     cJSON *cp = cJSON_Duplicate(root, 1);
-    if (!cp) return 0;
+    if (!cp) return NULL;
     cJSON_DeleteItemFromObjectCaseSensitive(cp, "output_dir");
     cJSON *t = cJSON_GetObjectItemCaseSensitive(cp, "train");
     static const char *const volatile_train[] = {"max_steps", "save_steps", "save_total_limit", "eval_steps",
@@ -423,12 +425,76 @@ static uint64_t job_fingerprint(const cJSON *root) {
         cJSON *sct = cJSON_GetObjectItemCaseSensitive(cp, sections[i]);
         if (cJSON_IsObject(sct) && !sct->child) cJSON_DeleteItemFromObjectCaseSensitive(cp, sections[i]);
     }
+    return cp;
+}
+
+static uint64_t job_fingerprint(const cJSON *root) {
+    cJSON *cp = fingerprint_view(root);
+    if (!cp) return 0;
     char *s = cJSON_PrintUnformatted(cp);
     cJSON_Delete(cp);
     if (!s) return 0;
     uint64_t h = qt_hash64(s, strlen(s), 0x716a6f62u);
     free(s);
     return h;
+}
+
+/* ---- what differs between two jobs (for the resume and output-folder errors) ---- */
+
+#define JOB_DIFF_MAX 4
+
+typedef struct {
+    char *out;
+    size_t cap, len;
+    int n;
+} diff_acc;
+
+static void diff_value(char *buf, size_t cap, const cJSON *v) {
+    if (!v) { snprintf(buf, cap, "absent"); return; }
+    char *s = cJSON_PrintUnformatted(v);
+    if (!s) { snprintf(buf, cap, "?"); return; }
+    if (strlen(s) > 40) snprintf(buf, cap, "%.37s...", s);
+    else snprintf(buf, cap, "%s", s);
+    free(s);
+}
+
+static void diff_add(diff_acc *a, const char *path, const cJSON *was, const cJSON *now) {
+    if (a->n++ >= JOB_DIFF_MAX) return;
+    char vw[48], vn[48];
+    diff_value(vw, sizeof vw, was);
+    diff_value(vn, sizeof vn, now);
+    int k = snprintf(a->out + a->len, a->cap - a->len, "%s%s (%s there, %s here)", a->len ? ", " : "", path, vw, vn);
+    if (k > 0) a->len = a->len + (size_t)k < a->cap ? a->len + (size_t)k : a->cap - 1;
+}
+
+static void diff_walk(diff_acc *a, const char *path, const cJSON *was, const cJSON *now, int depth) {
+    if (was && now && cJSON_Compare(was, now, 1)) return;
+    if (depth < 8 && cJSON_IsObject(was) && cJSON_IsObject(now)) {
+        char sub[256];
+        for (const cJSON *e = was->child; e; e = e->next) {
+            snprintf(sub, sizeof sub, "%s%s%s", path, path[0] ? "." : "", e->string ? e->string : "?");
+            diff_walk(a, sub, e, cJSON_GetObjectItemCaseSensitive(now, e->string), depth + 1);
+        }
+        for (const cJSON *e = now->child; e; e = e->next) {
+            if (cJSON_GetObjectItemCaseSensitive(was, e->string)) continue;
+            snprintf(sub, sizeof sub, "%s%s%s", path, path[0] ? "." : "", e->string ? e->string : "?");
+            diff_walk(a, sub, NULL, e, depth + 1);
+        }
+        return;
+    }
+    diff_add(a, path, was, now);
+}
+
+int qt_job_describe_difference(const cJSON *was, const cJSON *now, char *out, size_t cap) {
+    if (!cap) return 0;
+    out[0] = 0;
+    cJSON *a = fingerprint_view(was), *b = fingerprint_view(now);
+    diff_acc acc = {out, cap, 0, 0};
+    if (a && b) diff_walk(&acc, "", a, b, 0);
+    if (acc.n > JOB_DIFF_MAX && acc.len + 16 < cap) snprintf(out + acc.len, cap - acc.len, " and %d more", acc.n - JOB_DIFF_MAX);
+    cJSON_Delete(a);
+    cJSON_Delete(b);
+    return acc.n;
 }
 
 int qt_job_parse(const char *json, const char *dir, const char *where, const char *const *sets, int n_sets,
