@@ -82,4 +82,11 @@ int qt_job_apply_set(cJSON *root, const char *set);
 /* LoRA target names (PEFT's) to a QT_LORA_* mask; "all-linear" is every one. */
 int qt_job_lora_targets(const cJSON *arr, unsigned *mask, const char *where);
 
+/* Names the fields (as key paths) where two job trees differ in what the
+ * fingerprint covers, with both values: "lora.r (4 there, 8 here), ..." (at
+ * most four, then "and N more"). `was` is typically the "job" recorded in an
+ * output folder's qtune_run.json. Returns how many fields differ; "" and 0
+ * when none is found. */
+int qt_job_describe_difference(const cJSON *was, const cJSON *now, char *out, size_t cap);
+
 #endif

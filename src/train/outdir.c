@@ -63,6 +63,26 @@ static int read_fingerprint(const char *path, uint64_t *fp) {
     return rc;
 }
 
+int qt_output_dir_job_difference(const char *output_dir, const qt_job *job, char *out, size_t cap) {
+    char run[4096];
+    if (cap) out[0] = 0;
+    if (qt_path_join(run, sizeof run, output_dir, RUN_FILE) != QT_OK || !qt_path_exists(run)) {
+        qt_error_clear();
+        return 0;
+    }
+    char *text;
+    if (qt_read_file(run, 1 << 24, &text, NULL) != QT_OK) {
+        qt_error_clear();
+        return 0;
+    }
+    cJSON *j = cJSON_Parse(text);
+    qt_free(text);
+    const cJSON *was = cJSON_GetObjectItemCaseSensitive(j, "job");
+    int n = cJSON_IsObject(was) ? qt_job_describe_difference(was, job->root, out, cap) : 0;
+    cJSON_Delete(j);
+    return n;
+}
+
 int qt_output_dir_claim(const char *output_dir, const qt_job *job, int overwrite, int restart) {
     char run[4096];
     QT_TRY(qt_path_join(run, sizeof run, output_dir, RUN_FILE));
@@ -72,6 +92,13 @@ int qt_output_dir_claim(const char *output_dir, const qt_job *job, int overwrite
     if (qt_is_dir(output_dir) && dir_nonempty(output_dir)) {
         uint64_t fp = 0;
         int same = qt_path_exists(run) && read_fingerprint(run, &fp) == QT_OK && fp == job->fingerprint;
+        char diff[1024] = "";
+        if (!same && !overwrite && qt_path_exists(run) && qt_output_dir_job_difference(output_dir, job, diff, sizeof diff))
+            return QT_ERR(QT_EINVAL,
+                          "%s: output_dir %s already holds the outputs of a run with a different job (it differs in "
+                          "%s); qtune will not mix two runs in one folder: name another output_dir, or pass --set "
+                          "train.overwrite_output_dir=true to replace its qtune outputs",
+                          job->path, output_dir, diff);
         if (!same && !overwrite)
             return QT_ERR(QT_EINVAL,
                           "%s: output_dir %s already holds %s; qtune will not mix two runs in one folder: name "

@@ -78,5 +78,8 @@ int qt_train_run(const qt_job *job, dist_ctx *d, const qt_train_hooks *hooks, qt
  * removed). restart (resume "never") removes the outputs of the same run.
  * Creates the folder and the file. */
 int qt_output_dir_claim(const char *output_dir, const qt_job *job, int overwrite, int restart);
+/* What differs between the job recorded in output_dir/qtune_run.json and this
+ * one (see qt_job_describe_difference); 0 and "" when there is no record. */
+int qt_output_dir_job_difference(const char *output_dir, const qt_job *job, char *out, size_t cap);
 
 #endif

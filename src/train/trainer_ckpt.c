@@ -260,17 +260,21 @@ static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos) {
     if (rc == QT_OK) rc = state_i64(j, "tokens_seen", 0, &tokens, path);
     if (rc == QT_OK) rc = state_i64(j, "world", 1, &world, path);
     if (rc == QT_OK) rc = state_i64(j, "rng_micro_step", 0, &micro, path);
+    /* the run that wrote the checkpoint recorded its job beside it: name what differs */
+    char diff[1024] = "", parent[4096];
+    qt_path_dirname(parent, sizeof parent, dir);
+    if (rc == QT_OK) qt_output_dir_job_difference(parent, t->job, diff, sizeof diff);
     if (rc == QT_OK && (size_t)numel != t->n)
-        rc = QT_ERR(QT_EINVAL, "%s holds %lld trainable values but this job's model has %zu; it is another run's checkpoint",
-                    path, (long long)numel, t->n);
+        rc = QT_ERR(QT_EINVAL, "%s holds %lld trainable values but this job's model has %zu; it is another run's checkpoint%s%s%s",
+                    path, (long long)numel, t->n, diff[0] ? " (its job differs in " : "", diff, diff[0] ? ")" : "");
     const cJSON *fp = cJSON_GetObjectItemCaseSensitive(j, "fingerprint");
     char hex[32];
     snprintf(hex, sizeof hex, "%016" PRIx64, t->job->fingerprint);
     if (rc == QT_OK && !(cJSON_IsString(fp) && !strcmp(fp->valuestring, hex)))
         rc = QT_ERR(QT_EINVAL,
-                    "%s was written by a different job (model, data, LoRA or DeepSpeed settings differ); resume it "
-                    "with the job that wrote it, or set train.resume to \"never\"",
-                    dir);
+                    "%s was written by a different job (%s%s); resume it with the job that wrote it, or set "
+                    "train.resume to \"never\"",
+                    dir, diff[0] ? "it differs in " : "model, data, LoRA or DeepSpeed settings differ", diff);
     const cJSON *sc = cJSON_GetObjectItemCaseSensitive(j, "loss_scaler");
     int64_t cur_iter = 0, last_ovf = -1, hyst = 0, novf = 0;
     if (rc == QT_OK) rc = state_i64(sc, "cur_iter", 0, &cur_iter, path);
