@@ -1,8 +1,9 @@
-/* The loader: a planner decides, in order, which examples make up each batch
+/* The loader: a planner decides, in order, which rows make up each batch
  * (cheap: it looks only at lengths), and worker threads fill the batches'
  * arrays ahead of the consumer into a ring of `prefetch` slots. Batch k is
  * always planned k-th, whatever thread fills it, so the stream is the same for
  * any number of workers. Dimension letters: B rows, T tokens per row. */
+#define _GNU_SOURCE /* qsort_r */
 #include "data/loader.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -11,6 +12,7 @@
 #include "data/source.h"
 
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -34,6 +36,7 @@ typedef struct {
     qt_batch b;       /* own (B, T) buffers */
     dl_item *items;   /* (n_items) in row order, then column order */
     int n_items;
+    int64_t n_pad;    /* padding positions */
     dl_state end;     /* position after this batch */
 } dl_slot;
 
@@ -50,7 +53,15 @@ struct dl_loader {
     /* planner (under mu) */
     int64_t *order;           /* (n_segs) this epoch's permutation; NULL when not shuffling */
     int64_t order_epoch;      /* epoch `order` was drawn for, -1 none */
-    dl_state plan;            /* next example to plan */
+    int64_t *row_ex;          /* (n_rank) this rank's examples of rows_epoch, row by row */
+    int64_t *row_off;         /* (n_rank+1) row r holds row_ex[row_off[r] .. row_off[r+1]) */
+    int64_t n_rows, rows_epoch; /* rows in that epoch; the epoch they are for, -1 none */
+    int W;                    /* packing window (examples); <= 1: greedy in order */
+    int64_t *win_ex;          /* (W) scratch for best-fit decreasing: a window's examples, */
+    int64_t *win_bin;         /* (W) the bin each is put in, */
+    int32_t *bin_rem;         /* (W) each bin's room left, */
+    int64_t *bin_off;         /* (W+1) where each bin's examples start in row_ex */
+    dl_state plan;            /* next row to plan */
     int plan_eof;             /* eval: the pass has been planned */
 
     /* prefetch ring */
@@ -82,6 +93,7 @@ void dl_config_default(dl_config *c) {
     c->world = 1;
     c->overlong = DL_OVERLONG_TRUNCATE;
     c->pad_id = -1;
+    c->pack_window = 1024;
 }
 
 /* ---- epoch order and sharding ---- */
@@ -107,27 +119,112 @@ static int64_t example_at(dl_loader *l, int64_t epoch, int64_t index) {
     return l->order[pos];
 }
 
-/* Decides the examples of the next batch into slot; 0 when the eval pass is over. */
+/* ---- rows of an epoch ----
+ * An epoch's plan splits this rank's examples (in epoch order) into rows of
+ * at most T tokens: one example a row in padding mode; with packing, best-fit
+ * decreasing inside consecutive windows of W examples (rows then in a random
+ * order within the window when shuffling), or greedy in order when W <= 1. */
+
+static int32_t seg_len(const dl_loader *l, int64_t seg) { return (int32_t)l->segs[seg].len; }
+
+static void greedy_rows(dl_loader *l) {
+    int64_t r = 0, col = 0;
+    l->row_off[0] = 0;
+    for (int64_t k = 0; k < l->n_rank; k++) {
+        int32_t len = seg_len(l, l->row_ex[k]);
+        if (k > 0 && (!l->cfg.packing || col + len > l->T)) { l->row_off[++r] = k; col = 0; }
+        col += len;
+    }
+    l->row_off[++r] = l->n_rank;
+    l->n_rows = r;
+}
+
+static int by_len_desc(const void *a, const void *b, void *loader) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    int32_t lx = seg_len(loader, x), ly = seg_len(loader, y);
+    if (lx != ly) return lx > ly ? -1 : 1;
+    return x < y ? -1 : x > y; /* ties: a fixed order */
+}
+
+/* Best-fit decreasing over row_ex[a, a+m): longest first, each into the
+ * open row with the least room that still fits it. Rewrites the window in
+ * place as its rows, appending their starts to row_off. */
+static void bfd_window(dl_loader *l, int64_t a, int64_t m, qt_rng *rng) {
+    int64_t *ex = l->win_ex;
+    memcpy(ex, l->row_ex + a, (size_t)m * sizeof *ex);
+    qsort_r(ex, (size_t)m, sizeof *ex, by_len_desc, l);
+    int64_t nb = 0;
+    for (int64_t j = 0; j < m; j++) {
+        int32_t len = seg_len(l, ex[j]);
+        int64_t best = -1;
+        for (int64_t b = 0; b < nb; b++)
+            if (l->bin_rem[b] >= len && (best < 0 || l->bin_rem[b] < l->bin_rem[best])) best = b;
+        if (best < 0) { best = nb++; l->bin_rem[best] = l->T; }
+        l->bin_rem[best] -= len;
+        l->win_bin[j] = best;
+    }
+    /* bins in creation order, or shuffled; examples in each bin longest first */
+    int64_t *perm = l->bin_off; /* reused: bin b is written perm[b]-th */
+    for (int64_t b = 0; b < nb; b++) perm[b] = b;
+    for (int64_t b = nb - 1; rng && b > 0; b--) {
+        int64_t c = (int64_t)qt_rng_below(rng, (uint64_t)b + 1), t = perm[b];
+        perm[b] = perm[c];
+        perm[c] = t;
+    }
+    /* counting sort of the window by (position of its bin) */
+    int32_t *count = l->bin_rem; /* room no longer needed: count examples per written slot */
+    for (int64_t b = 0; b < nb; b++) count[b] = 0;
+    for (int64_t j = 0; j < m; j++) count[perm[l->win_bin[j]]]++;
+    int64_t at = a;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t n = count[b];
+        count[b] = (int32_t)(at - a); /* becomes the slot's next write offset */
+        l->row_off[++l->n_rows] = at + n;
+        at += n;
+    }
+    for (int64_t j = 0; j < m; j++) l->row_ex[a + count[perm[l->win_bin[j]]]++] = ex[j];
+}
+
+static void build_rows(dl_loader *l, int64_t epoch) {
+    for (int64_t k = 0; k < l->n_rank; k++) l->row_ex[k] = example_at(l, epoch, k);
+    if (!l->cfg.packing || l->W <= 1) {
+        greedy_rows(l);
+    } else {
+        l->n_rows = 0;
+        l->row_off[0] = 0;
+        qt_rng rng;
+        qt_rng_derive(&rng, l->cfg.seed, 0x7061636bull /* "pack" */, (uint64_t)epoch);
+        for (int64_t a = 0; a < l->n_rank; a += l->W) {
+            int64_t m = l->n_rank - a < l->W ? l->n_rank - a : l->W;
+            bfd_window(l, a, m, l->order ? &rng : NULL);
+        }
+    }
+    l->rows_epoch = epoch;
+}
+
+static int64_t rows_in(dl_loader *l, int64_t epoch) {
+    if (l->rows_epoch != epoch) build_rows(l, epoch);
+    return l->n_rows;
+}
+
+/* Decides the rows of the next batch into slot; 0 when the eval pass is over. */
 static int plan_batch(dl_loader *l, dl_slot *s) {
     s->n_items = 0;
     for (int row = 0; row < l->B && !l->plan_eof; row++) {
-        int col = 0;
-        for (;;) {
-            if (l->plan.index == l->n_rank) {
-                if (l->cfg.eval) { l->plan_eof = 1; break; }
-                l->plan.epoch++;
-                l->plan.index = 0;
-            }
-            int64_t seg = example_at(l, l->plan.epoch, l->plan.index);
-            int len = (int)l->segs[seg].len;
-            if (col > 0 && (!l->cfg.packing || col + len > l->T)) break; /* row full */
-            s->items[s->n_items++] = (dl_item){.seg = seg, .row = row, .col = col};
-            col += len;
-            l->plan.index++;
-            if (!l->cfg.packing) break;
+        if (l->plan.index == rows_in(l, l->plan.epoch)) {
+            if (l->cfg.eval) { l->plan_eof = 1; break; }
+            l->plan.epoch++;
+            l->plan.index = 0;
+            rows_in(l, l->plan.epoch);
         }
+        int col = 0;
+        for (int64_t k = l->row_off[l->plan.index]; k < l->row_off[l->plan.index + 1]; k++) {
+            s->items[s->n_items++] = (dl_item){.seg = l->row_ex[k], .row = row, .col = col};
+            col += seg_len(l, l->row_ex[k]);
+        }
+        l->plan.index++;
     }
-    if (!l->cfg.eval && l->plan.index == l->n_rank) {
+    if (!l->cfg.eval && l->plan.index == rows_in(l, l->plan.epoch)) {
         l->plan.epoch++;
         l->plan.index = 0;
     }
@@ -152,7 +249,7 @@ static void fill_pad(const dl_loader *l, qt_batch *b, int row, int from) {
 
 static void fill_batch(const dl_loader *l, dl_slot *s) {
     qt_batch *b = &s->b;
-    int64_t n_target = 0;
+    int64_t n_target = 0, n_pad = 0;
     int item = 0;
     for (int row = 0; row < l->B; row++) {
         size_t base = (size_t)row * (size_t)l->T;
@@ -177,8 +274,10 @@ static void fill_batch(const dl_loader *l, dl_slot *s) {
             col = c0 + L;
         }
         if (col < l->T) fill_pad(l, b, row, col);
+        n_pad += l->T - col;
     }
     b->n_target = n_target;
+    s->n_pad = n_pad;
 }
 
 /* ---- prefetch threads ---- */
@@ -356,6 +455,20 @@ static int loader_init(dl_loader *l, const bpe_tokenizer *tok) {
         if (!l->order) return QT_ENOMEM;
     }
     l->order_epoch = -1;
+    l->rows_epoch = -1;
+    l->W = c->pack_window;
+    if (l->W > l->n_rank) l->W = (int)l->n_rank;
+    l->row_ex = qt_malloc((size_t)l->n_rank * sizeof *l->row_ex, "the epoch's rows");
+    l->row_off = qt_malloc(((size_t)l->n_rank + 1) * sizeof *l->row_off, "the epoch's rows");
+    if (!l->row_ex || !l->row_off) return QT_ENOMEM;
+    if (c->packing && l->W > 1) {
+        size_t W = (size_t)l->W;
+        l->win_ex = qt_malloc(W * sizeof *l->win_ex, "the packing window");
+        l->win_bin = qt_malloc(W * sizeof *l->win_bin, "the packing window");
+        l->bin_rem = qt_malloc(W * sizeof *l->bin_rem, "the packing window");
+        l->bin_off = qt_malloc((W + 1) * sizeof *l->bin_off, "the packing window");
+        if (!l->win_ex || !l->win_bin || !l->bin_rem || !l->bin_off) return QT_ENOMEM;
+    }
     l->slots = qt_calloc((size_t)l->P, sizeof *l->slots, "the prefetch queue");
     if (!l->slots) return QT_ENOMEM;
     for (int i = 0; i < l->P; i++) {
@@ -416,6 +529,12 @@ void dl_close(dl_loader *l) {
     }
     qt_free(l->slots);
     qt_free(l->order);
+    qt_free(l->row_ex);
+    qt_free(l->row_off);
+    qt_free(l->win_ex);
+    qt_free(l->win_bin);
+    qt_free(l->bin_rem);
+    qt_free(l->bin_off);
     qt_free(l->segs);
     for (int f = 0; l->files && f < l->n_files; f++) dl_source_close(&l->files[f]);
     qt_free(l->files);
@@ -473,6 +592,7 @@ int dl_next(dl_loader *l, qt_batch *out) {
     s->state = SLOT_FREE;
     l->next_consume++;
     l->stats.n_batches++;
+    l->stats.n_pad += s->n_pad;
     pthread_cond_broadcast(&l->cv_space);
     pthread_mutex_unlock(&l->mu);
     return QT_OK;
@@ -487,11 +607,14 @@ dl_state dl_state_get(const dl_loader *l) {
 }
 
 int dl_state_set(dl_loader *l, dl_state s) {
-    if (s.epoch < 0 || s.index < 0 || s.index > l->n_rank || (l->cfg.eval && s.epoch != 0))
-        return QT_ERR(QT_EINVAL, "the saved data position (epoch %lld, example %lld) does not fit this data "
-                      "(%lld examples for this rank per epoch); was the data or the number of ranks changed?",
-                      (long long)s.epoch, (long long)s.index, (long long)l->n_rank);
     threads_stop(l);
+    if (s.epoch < 0 || s.index < 0 || (l->cfg.eval && s.epoch != 0) || s.index > rows_in(l, s.epoch)) {
+        int64_t rows = s.epoch >= 0 ? rows_in(l, s.epoch) : 0;
+        threads_start(l, l->consumed);
+        return QT_ERR(QT_EINVAL, "the saved data position (epoch %lld, row %lld) does not fit this data "
+                      "(%lld rows for this rank in that epoch); was the data, seq_len or the number of ranks changed?",
+                      (long long)s.epoch, (long long)s.index, (long long)rows);
+    }
     return threads_start(l, s);
 }
 

@@ -10,7 +10,13 @@
  * A rank's stream of examples runs on into the next epoch without a gap, except
  * in eval mode, which makes one pass and then reports DL_END.
  *
- * The position (epoch, index of the next example in this rank's share of the
+ * Rows: padding mode puts one example in a row. Packing plans each epoch's
+ * rows from this rank's examples in epoch order: best-fit decreasing within
+ * consecutive windows of pack_window examples (fuller rows; with shuffling
+ * the rows of a window come in a random order), or greedy in order when
+ * pack_window <= 1. Each row holds whole examples, at most T tokens.
+ *
+ * The position (epoch, index of the next row of this rank's plan for that
  * epoch) after the last batch handed out is dl_state_get(); a trainer saves it
  * in checkpoints and dl_state_set() restores it, so a resumed run sees exactly
  * the batches it would have seen. */
@@ -39,6 +45,8 @@ typedef struct {
     int seq_len;               /* T, >= 2 */
     int micro_batch;           /* B, rows per batch */
     int packing;               /* several examples per row; else one example per row, padded */
+    int pack_window;           /* packing: best-fit decreasing over windows of this many examples
+                                  (dl_config_default: 1024); <= 1: greedy, in order */
     int shuffle;
     int mask_prompt;           /* chat/alpaca: only the assistant's tokens carry labels */
     const char *cache_dir;     /* NULL: <folder of each data file>/.qtune-cache */
@@ -57,7 +65,8 @@ typedef struct {
 
 typedef struct {
     int64_t epoch;             /* 0-based */
-    int64_t index;             /* next example within this rank's share of the epoch */
+    int64_t index;             /* next row of this rank's plan for the epoch (a row is one
+                                  example in padding mode) */
 } dl_state;
 
 typedef struct {
@@ -74,6 +83,7 @@ typedef struct {
     double open_s;             /* seconds dl_open took (cache build or load) */
     double wait_s;             /* seconds dl_next waited for a batch so far */
     int64_t n_batches;         /* batches handed out so far */
+    int64_t n_pad;             /* padding positions in those batches (packing efficiency: 1 - n_pad / (n_batches*B*T)) */
 } dl_stats;
 
 typedef struct dl_loader dl_loader;

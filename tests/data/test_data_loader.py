@@ -75,8 +75,8 @@ def test_padding_mode_matches_hf_label_shift(tmp_path):
     assert sum(b["n_target"] for b in batches) == sum(sum(t != IGNORE for t in hf_targets(r)) for r in rows)
 
 
-def pack_reference(rows, T, B):
-    """Greedy packing: fill a row while the next example fits."""
+def greedy_rows(rows, T):
+    """Greedy packing in order: fill a row while the next example fits."""
     out, row = [], []
     for r in rows:
         n = len(r["input_ids"])
@@ -86,19 +86,35 @@ def pack_reference(rows, T, B):
         row.append(r)
     if row:
         out.append(row)
-    while len(out) % B:
-        out.append([])
     return out
 
 
-def test_packing_matches_reference(tmp_path):
-    rows = random_examples(60, seed=2)
-    write_jsonl(tmp_path / "d.jsonl", rows)
-    T, B = 16, 2
-    batches, _ = run_dump("--data", tmp_path / "d.jsonl", "--seq-len", T, "--batch", B, "--eval", "--no-cache",
-                          "--workers", 3, "--prefetch", 4)
+def best_fit_rows(rows, T, W):
+    """Best-fit decreasing in windows of W examples: longest first (ties in
+    order), each into the open row with the least room that fits it (ties:
+    the oldest row); rows in the order they were opened."""
+    out = []
+    for a in range(0, len(rows), W):
+        window = sorted(range(a, min(a + W, len(rows))), key=lambda i: (-len(rows[i]["input_ids"]), i))
+        bins, room = [], []
+        for i in window:
+            n = len(rows[i]["input_ids"])
+            fits = [b for b in range(len(bins)) if room[b] >= n]
+            if fits:
+                b = min(fits, key=lambda b: (room[b], b))
+            else:
+                bins.append([])
+                room.append(T)
+                b = len(bins) - 1
+            bins[b].append(rows[i])
+            room[b] -= n
+        out += bins
+    return out
+
+
+def check_packed(batches, ref_rows, T, B):
     got = [r for b in batches for r in rows_of(b, T)]
-    ref = pack_reference(rows, T, B)
+    ref = ref_rows + [[]] * (-len(ref_rows) % B)
     assert len(got) == len(ref)
     for packed, g in zip(ref, got):
         inputs, targets, positions, doc_start = [], [], [], []
@@ -109,14 +125,36 @@ def test_packing_matches_reference(tmp_path):
             positions += list(range(n))
             doc_start += [c] * n
         c = len(inputs)
+        assert c <= T
         assert g["inputs"][:c] == inputs
         assert g["targets"] == targets + [IGNORE] * (T - c)
         assert g["positions"] == positions + list(range(T - c))
         assert g["doc_start"] == doc_start + [c] * (T - c)
-        # attention stays inside each example: doc_start <= t, and same example => same doc_start
+        # attention stays inside each example: doc_start <= t, positions count from it
         for t in range(T):
             assert g["doc_start"][t] <= t
             assert g["positions"][t] == t - g["doc_start"][t]
+    return sum(len(r) for r in got) * T, sum(T - len(sum((x["input_ids"] for x in p), [])) for p in ref)
+
+
+def test_packing_greedy_matches_reference(tmp_path):
+    rows = random_examples(60, seed=2)
+    write_jsonl(tmp_path / "d.jsonl", rows)
+    T, B = 16, 2
+    batches, _ = run_dump("--data", tmp_path / "d.jsonl", "--seq-len", T, "--batch", B, "--eval", "--no-cache",
+                          "--workers", 3, "--prefetch", 4, "--pack-window", 1)
+    check_packed(batches, greedy_rows(rows, T), T, B)
+
+
+def test_packing_best_fit_matches_reference(tmp_path):
+    rows = random_examples(150, seed=6, max_len=15)
+    write_jsonl(tmp_path / "d.jsonl", rows)
+    T, B, W = 16, 2, 40
+    batches, _ = run_dump("--data", tmp_path / "d.jsonl", "--seq-len", T, "--batch", B, "--eval", "--no-cache",
+                          "--pack-window", W)
+    ref = best_fit_rows(rows, T, W)
+    check_packed(batches, ref, T, B)
+    assert len(ref) < len(greedy_rows(rows, T))  # fuller rows than greedy
 
 
 def test_three_ranks_cover_each_example_once_per_epoch(tmp_path):
@@ -172,7 +210,7 @@ def test_cache_layout_as_documented(tmp_path):
     assert stats["n_cache_written"] == 1 and stats["n_cache_hits"] == 0
     _, stats = run_dump("--data", tmp_path / "d.jsonl", "--seq-len", 32, "--eval", "--cache-dir", cache)
     assert stats["n_cache_hits"] == 1  # seq_len is not part of the key
-    (f,) = list(cache.iterdir())
+    (f,) = list(cache.glob("*.qtc"))  # beside it: the builders' lock file
     assert f.name.startswith("d.jsonl.") and f.name.endswith(".qtc")
     data = f.read_bytes()
     assert data[:8] == b"QTDCACHE"

@@ -55,12 +55,14 @@ int main(int argc, char **argv) {
     for (int i = 0; i < n_batches; i++)
         if (dl_next(l, &b) != QT_OK) return fail("dl_next");
     double next_s = now_s() - t0;
+    dl_get_stats(l, &st2);
+    double fill = 1.0 - (double)st2.n_pad / ((double)n_batches * c.micro_batch * c.seq_len);
     printf("{\"examples\": %lld, \"tokens\": %lld, \"cache_written\": %d, \"build_s\": %.3f, "
            "\"cache_hit\": %d, \"load_s\": %.3f, \"batches\": %d, \"B\": %d, \"T\": %d, \"workers\": %d, "
-           "\"batches_per_s\": %.0f, \"tokens_per_s_loader\": %.3g}\n",
+           "\"batches_per_s\": %.0f, \"tokens_per_s_loader\": %.3g, \"non_pad_fraction\": %.4f}\n",
            (long long)st.n_examples, (long long)st.n_tokens, st.n_cache_written, build_s, st2.n_cache_hits, load_s,
            n_batches, c.micro_batch, c.seq_len, st2.num_workers, n_batches / next_s,
-           (double)n_batches * c.micro_batch * c.seq_len / next_s);
+           (double)n_batches * c.micro_batch * c.seq_len / next_s, fill);
     dl_batch_free(&b);
     dl_close(l);
     bpe_free(tok);

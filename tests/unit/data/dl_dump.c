@@ -3,7 +3,7 @@
  *   dl_dump --data F [--data F2] [--seq-len T] [--batch B] [--packing 0|1] [--shuffle 0|1]
  *           [--seed S] [--rank r] [--world w] [--eval] [--batches n] [--tokenizer J]
  *           [--format F] [--mask-prompt 0|1] [--split] [--cache-dir D] [--no-cache]
- *           [--workers n] [--prefetch n] [--vocab V] [--skip-bad-lines] [--state E,I]
+ *           [--workers n] [--prefetch n] [--vocab V] [--skip-bad-lines] [--state E,I] [--pack-window W]
  * The last line is {"stats": {...}}. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -46,6 +46,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--workers") && v) c.num_workers = atoi(v);
         else if (!strcmp(a, "--prefetch") && v) c.prefetch = atoi(v);
         else if (!strcmp(a, "--vocab") && v) c.vocab_size = atoi(v);
+        else if (!strcmp(a, "--pack-window") && v) c.pack_window = atoi(v);
         else if (!strcmp(a, "--state") && v) {
             long long e, x;
             if (sscanf(v, "%lld,%lld", &e, &x) == 2) start = (dl_state){e, x};

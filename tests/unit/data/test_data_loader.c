@@ -55,6 +55,7 @@ static void test_packing_boundaries(void **state) {
                               "{\"input_ids\": [10, 11, 12, 13, 14]}\n");
     dl_config c = cfg_for(p, 8, 2);
     c.eval = 1;
+    c.pack_window = 1; /* greedy, in order */
     dl_loader *l;
     assert_int_equal(dl_open(&c, NULL, &l), QT_OK);
     qt_batch b;
@@ -73,7 +74,7 @@ static void test_packing_boundaries(void **state) {
     assert_int_equal(b.n_target, 9);
     dl_state s = dl_state_get(l);
     assert_int_equal(s.epoch, 0);
-    assert_int_equal(s.index, 4);
+    assert_int_equal(s.index, 2); /* rows */
     assert_int_equal(dl_next(l, &b), DL_END);
     assert_int_equal(dl_next(l, &b), DL_END);
     dl_stats st;
@@ -81,7 +82,58 @@ static void test_packing_boundaries(void **state) {
     assert_int_equal(st.n_examples, 4);
     assert_int_equal(st.n_tokens, 14);
     assert_int_equal(st.n_labels, 12);
+    assert_int_equal(st.n_batches, 1);
+    assert_int_equal(st.n_pad, 2);
     assert_int_equal(dl_tokens_per_epoch(l), 14);
+    dl_batch_free(&b);
+    dl_close(l);
+}
+
+/* Best-fit decreasing: lengths 3 4 2 5 in rows of 8 -> [5 3] [4 2]; the
+ * greedy order would need 2 rows too, but lengths 5 4 3 2 2 need 3 greedy
+ * rows ([5] [4 3] [2 2]) and 2 best-fit ones ([5 3] [4 2 2]). */
+static void test_packing_best_fit(void **state) {
+    (void)state;
+    const char *p = write_tmp("bfd.jsonl",
+                              "{\"input_ids\": [1, 1, 1, 1, 1]}\n"
+                              "{\"input_ids\": [2, 2, 2, 2]}\n"
+                              "{\"input_ids\": [3, 3, 3]}\n"
+                              "{\"input_ids\": [4, 4]}\n"
+                              "{\"input_ids\": [5, 5]}\n");
+    dl_config c = cfg_for(p, 8, 1);
+    c.eval = 1;
+    dl_loader *l;
+    qt_batch b;
+    int rows[2];
+    for (int w = 0; w < 2; w++) {
+        c.pack_window = w ? 1024 : 1;
+        assert_int_equal(dl_open(&c, NULL, &l), QT_OK);
+        assert_int_equal(dl_batch_alloc(l, &b), QT_OK);
+        rows[w] = 0;
+        int seen[6] = {0};
+        while (dl_next(l, &b) == QT_OK) {
+            rows[w]++;
+            for (int t = 0; t < 8; t++)
+                if (b.positions[t] == 0 && b.targets[t] != QT_IGNORE_INDEX) seen[b.inputs[t]]++;
+        }
+        for (int e = 1; e <= 5; e++) assert_int_equal(seen[e], 1); /* every example once, whole */
+        dl_batch_free(&b);
+        dl_close(l);
+    }
+    assert_int_equal(rows[0], 3);
+    assert_int_equal(rows[1], 2);
+    /* the best-fit rows exactly: [5x1 3x3] [4x2 2x4 2x5] */
+    c.pack_window = 1024;
+    assert_int_equal(dl_open(&c, NULL, &l), QT_OK);
+    assert_int_equal(dl_batch_alloc(l, &b), QT_OK);
+    static const int32_t r0[8] = {1, 1, 1, 1, 1, 3, 3, 3}, r1[8] = {2, 2, 2, 2, 4, 4, 5, 5};
+    static const int32_t d1[8] = {0, 0, 0, 0, 4, 4, 6, 6};
+    assert_int_equal(dl_next(l, &b), QT_OK);
+    assert_memory_equal(b.inputs, r0, sizeof r0);
+    assert_int_equal(dl_next(l, &b), QT_OK);
+    assert_memory_equal(b.inputs, r1, sizeof r1);
+    assert_memory_equal(b.doc_start, d1, sizeof d1);
+    assert_int_equal(dl_next(l, &b), DL_END);
     dl_batch_free(&b);
     dl_close(l);
 }
@@ -344,6 +396,7 @@ static void test_config_errors(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_packing_boundaries),
+        cmocka_unit_test(test_packing_best_fit),
         cmocka_unit_test(test_padding_mode),
         cmocka_unit_test(test_overlong_truncate_and_split),
         cmocka_unit_test(test_shuffle_deterministic),
