@@ -19,8 +19,19 @@ import trainutil as u  # noqa: E402
 import st  # noqa: E402  (tests/ref/st.py, put on the path by trainutil)
 
 MPIRUN = shutil.which("mpirun")
+
+
+def built_with_mpi():
+    """QTUNE_HAVE_MPI of the build under test (generated/qtune_config.h)."""
+    cfg = os.path.join(os.environ.get("QTUNE_BUILD_DIR", ""), "generated", "qtune_config.h")
+    try:
+        with open(cfg) as f:
+            return "#define QTUNE_HAVE_MPI 1" in f.read()
+    except OSError:
+        return True  # unknown: let the run say so
 pytestmark = [
     pytest.mark.skipif(MPIRUN is None, reason="mpirun is not installed (apt-get install openmpi-bin)"),
+    pytest.mark.skipif(not built_with_mpi(), reason="this build has no MPI (QTUNE_HAVE_MPI 0)"),
     pytest.mark.skipif(not os.path.exists(u.QTUNE), reason=f"{u.QTUNE} not built"),
 ]
 LR, STEPS = 1e-3, 4
