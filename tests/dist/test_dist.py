@@ -223,3 +223,12 @@ def test_checkpoint_streams_in_chunks(tmp_path):
                        "--ckpt-chunk", 37, "--out", out])
         assert p.returncode == 0, p.stderr
         assert rel_err(np.fromfile(out, dtype=np.float32), ref_w) <= 1e-5
+
+
+def test_ranks_with_empty_shards(tmp_path):
+    """n = 25 on 4 ranks: shards of 16 elements, so ranks 2 and 3 own nothing
+    (a small LoRA block on many ranks) and must still take part correctly."""
+    ref = train(tmp_path, 1, 4, stage=0, extra=["--hidden", 1], tag="e_ref")
+    got = train(tmp_path, 4, 1, stage=2, offload=1, extra=["--hidden", 1, "--bucket", 5], tag="e")
+    assert [(r["opt_lo"], r["opt_hi"]) for r in got[1]] == [(0, 16), (16, 25), (25, 25), (25, 25)]
+    assert rel_err(got[2], ref[2]) <= 1e-5
