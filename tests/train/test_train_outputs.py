@@ -96,9 +96,11 @@ def test_resume_is_exact(base, mode):
     assert la == lb  # metrics.jsonl lists every step once, with the same values
 
 
-def test_sigint_saves_and_exits_130(base):
-    j = job(base, "sigint.json", "run_sigint", lora=LORA, train_opts={"max_steps": 100000})
-    out = os.path.join(base, "run_sigint")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_saves_and_exits_130(base, sig):
+    name = "run_sig%d" % int(sig)
+    j = job(base, name + ".json", name, lora=LORA, train_opts={"max_steps": 100000})
+    out = os.path.join(base, name)
     p = subprocess.Popen([QTUNE, "train", j], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
     mpath = os.path.join(out, "metrics.jsonl")
     t0 = time.time()
@@ -106,7 +108,7 @@ def test_sigint_saves_and_exits_130(base):
         if os.path.exists(mpath) and len(open(mpath).readlines()) >= 3:
             break
         time.sleep(0.05)
-    p.send_signal(signal.SIGINT)
+    p.send_signal(sig)
     so, se = p.communicate(timeout=120)
     assert p.returncode == 130, se
     last = step_lines(out)[-1]["step"]

@@ -89,6 +89,16 @@ static void test_job_sets_are_typed(void **state) {
     cJSON *lr = cJSON_GetObjectItem(cJSON_GetObjectItem(cJSON_GetObjectItem(j.deepspeed, "optimizer"), "params"), "lr");
     assert_true(fabs(lr->valuedouble - 3e-5) < 1e-12);
     qt_job_free(&j);
+    /* DeepSpeed's "auto" stands for a number: an override gives it one */
+    const char *json2 = "{\"model\": \"m\", \"output_dir\": \"o\", \"data\": {\"train\": \"t\"},"
+                        " \"deepspeed\": {\"scheduler\": {\"params\": {\"total_num_steps\": \"auto\"}}}}";
+    const char *sets2[] = {"deepspeed.scheduler.params.total_num_steps=40", "data.format=text"};
+    assert_int_equal(qt_job_parse(json2, ".", "j.json", sets2, 2, &j), QT_OK);
+    cJSON *tn = cJSON_GetObjectItem(cJSON_GetObjectItem(cJSON_GetObjectItem(j.deepspeed, "scheduler"), "params"),
+                                    "total_num_steps");
+    assert_true(cJSON_IsNumber(tn) && tn->valuedouble == 40);
+    assert_string_equal(j.data.format, "text");
+    qt_job_free(&j);
     /* a number field refuses a word, a bool field refuses a number word */
     const char *bad1[] = {"lora.r=eight"};
     assert_int_equal(qt_job_parse(json, ".", "j.json", bad1, 1, &j), QT_EINVAL);
