@@ -13,6 +13,7 @@
 #include "model/lora_io.h"
 #include "model/model.h"
 #include "model/sample.h"
+#include "text/chat.h"
 #include "text/tokenizer.h"
 
 #include <cjson/cJSON.h>
@@ -32,7 +33,7 @@ static void generate_help(void) {
            "  --adapter DIR      PEFT LoRA adapter folder to apply\n"
            "  --prompt TEXT      continue this text (no template)\n"
            "  --chat             chat in ChatML: each stdin line is a user turn; the history is kept\n"
-           "  --system TEXT      system message for --chat (default \"You are a helpful assistant.\")\n"
+           "  --system TEXT      system message for --chat (default: the Qwen2.5 template's)\n"
            "  --max-new N        new tokens per reply (default 256)\n"
            "  --temperature t    0 is greedy (default 0.7)\n"
            "  --top-k k          keep the k most probable tokens (default 0: off)\n"
@@ -55,6 +56,8 @@ typedef struct {
     int32_t stop[3];
     int n_stop;
     int pos;            /* positions in the KV cache */
+    int32_t *hist;      /* (ctx) the ids in the KV cache, in order */
+    char *reply;        /* text of the last reply (qt_free), for the chat history */
 } gen_state;
 
 static double now_s(void) {
@@ -109,6 +112,7 @@ static int generate_reply(gen_state *g, const int32_t *ids, int n) {
     if (!out) return QT_ENOMEM;
     const double t0 = now_s();
     int rc = qt_model_decode(g->m, ids, n, g->pos, g->logits);
+    memcpy(g->hist + g->pos, ids, (size_t)n * sizeof *ids);
     g->pos += n;
     const double t1 = now_s();
     int n_out = 0;
@@ -130,24 +134,22 @@ static int generate_reply(gen_state *g, const int32_t *ids, int n) {
             break;
         }
         rc = qt_model_decode(g->m, &next, 1, g->pos, g->logits);
-        g->pos++;
+        g->hist[g->pos++] = next;
     }
     const double t2 = now_s();
+    qt_free(g->reply);
+    g->reply = NULL;
+    if (rc == QT_OK && g->tok) {
+        size_t len;
+        rc = bpe_decode(g->tok, out, (size_t)n_out, &g->reply, &len);
+    }
     if (rc == QT_OK && !g->json && g->tok) rc = stream_push(&us, g->tok, -1, 1);
     if (rc == QT_OK && !g->json) printf("\n");
     if (rc == QT_OK && g->json) {
         cJSON *o = cJSON_CreateObject();
         json_ids(o, "prompt_ids", ids, n);
         json_ids(o, "ids", out, n_out);
-        if (g->tok) {
-            char *text;
-            size_t len;
-            rc = bpe_decode(g->tok, out, (size_t)n_out, &text, &len);
-            if (rc == QT_OK) {
-                cJSON_AddStringToObject(o, "text", text);
-                qt_free(text);
-            }
-        }
+        if (g->reply) cJSON_AddStringToObject(o, "text", g->reply);
         cJSON_AddStringToObject(o, "stop", stop);
         cJSON_AddNumberToObject(o, "prefill_s", t1 - t0);
         cJSON_AddNumberToObject(o, "decode_s", t2 - t1);
@@ -228,41 +230,76 @@ static void warn_untrained_chat(const char *model_dir, const char *adapter, int3
     if (reason[0]) qt_warn(QT_MSG_CHAT_UNTRAINED_FMT, "<|im_end|>", reason);
 }
 
+/* A chat: the messages so far are rendered with the model's ChatML template
+ * (text/chat.h, the one training uses) and tokenized; only the ids after the
+ * longest prefix already in the KV cache are fed, so the cache carries the
+ * history and a reply that re-tokenizes differently is corrected from where it
+ * differs. */
 static int chat_loop(gen_state *g, const char *system) {
     const int tty = isatty(0);
     char *line = NULL;
     size_t cap = 0;
-    int first = 1, rc = QT_OK;
+    int rc = QT_OK, n_msg = 0, cap_msg = 0;
+    chat_message *msgs = NULL;
+    char **owned = NULL; /* contents this loop allocated, one per message */
+    if (system) {
+        cap_msg = 8;
+        msgs = qt_malloc((size_t)cap_msg * sizeof *msgs, "chat messages");
+        owned = qt_calloc((size_t)cap_msg, sizeof *owned, "chat messages");
+        if (!msgs || !owned) rc = QT_ENOMEM;
+        else msgs[n_msg++] = (chat_message){"system", system};
+    }
     while (rc == QT_OK) {
         if (tty) fprintf(stderr, "user> "), fflush(stderr);
         ssize_t r = getline(&line, &cap, stdin);
         if (r < 0) break;
         while (r > 0 && (line[r - 1] == '\n' || line[r - 1] == '\r')) line[--r] = 0;
         if (!r) continue;
-        /* the stop token a reply ended on was sampled, never fed: close the
-         * assistant turn in the text of the next one */
-        size_t need = strlen(system) + (size_t)r + 128;
-        char *turn = qt_malloc(need, "a chat turn");
-        if (!turn) {
+        if (n_msg + 2 > cap_msg) {
+            int nc = cap_msg ? 2 * cap_msg : 8;
+            chat_message *m2 = qt_realloc(msgs, (size_t)nc * sizeof *msgs, "chat messages");
+            if (m2) msgs = m2;
+            char **o2 = m2 ? qt_realloc(owned, (size_t)nc * sizeof *owned, "chat messages") : NULL;
+            if (!o2) {
+                rc = QT_ENOMEM;
+                break;
+            }
+            owned = o2;
+            for (int i = cap_msg; i < nc; i++) owned[i] = NULL;
+            cap_msg = nc;
+        }
+        owned[n_msg] = qt_strdup(line);
+        if (!owned[n_msg]) {
             rc = QT_ENOMEM;
             break;
         }
-        if (first)
-            snprintf(turn, need, "<|im_start|>system\n%s<|im_end|>\n<|im_start|>user\n%s<|im_end|>\n<|im_start|>assistant\n",
-                     system, line);
-        else
-            snprintf(turn, need, "<|im_end|>\n<|im_start|>user\n%s<|im_end|>\n<|im_start|>assistant\n", line);
-        first = 0;
-        int32_t *ids;
-        size_t n;
-        rc = encode(g->tok, turn, &ids, &n);
-        qt_free(turn);
+        msgs[n_msg] = (chat_message){"user", owned[n_msg]};
+        n_msg++;
+        char *text = NULL;
+        size_t len;
+        int32_t *ids = NULL;
+        size_t n = 0;
+        rc = chat_render(msgs, (size_t)n_msg, 1, &text, &len);
+        if (rc == QT_OK) rc = encode(g->tok, text, &ids, &n);
+        qt_free(text);
+        int k = 0; /* ids already in the KV cache */
+        while (rc == QT_OK && k < g->pos && (size_t)k < n - 1 && g->hist[k] == ids[k]) k++;
         if (rc == QT_OK) {
+            g->pos = k;
             if (tty && !g->json) fprintf(stderr, "assistant> "), fflush(stderr);
-            rc = generate_reply(g, ids, (int)n);
+            rc = generate_reply(g, ids + k, (int)(n - (size_t)k));
         }
         qt_free(ids);
+        if (rc == QT_OK) {
+            owned[n_msg] = g->reply; /* the history keeps the reply's text */
+            g->reply = NULL;
+            msgs[n_msg] = (chat_message){"assistant", owned[n_msg] ? owned[n_msg] : ""};
+            n_msg++;
+        }
     }
+    for (int i = 0; owned && i < n_msg; i++) qt_free(owned[i]);
+    qt_free(owned);
+    qt_free(msgs);
     free(line);
     return rc;
 }
@@ -296,7 +333,7 @@ int cmd_generate(int argc, char **argv) {
         return QT_EXIT_OK;
     }
     const char *model = NULL, *adapter = NULL, *prompt = NULL, *prompt_ids = NULL;
-    const char *system = "You are a helpful assistant.";
+    const char *system = NULL; /* the template's default system message */
     int chat = 0, json = 0, max_new = 256, ctx = 0;
     long long seed = 42;
     qt_sample_opts so = {0.7f, 0, 1.0f};
@@ -378,7 +415,9 @@ int cmd_generate(int argc, char **argv) {
     if (rc == QT_OK) {
         g.V = qt_model_config(g.m)->vocab_size;
         g.logits = qt_malloc((size_t)g.V * sizeof *g.logits, "the logits of one position");
-        rc = g.logits ? qt_sampler_init(&g.sampler, g.V) : QT_ENOMEM;
+        g.hist = qt_malloc((size_t)g.ctx * sizeof *g.hist, "the ids in the KV cache");
+        if (!g.hist) rc = QT_ENOMEM;
+        if (rc == QT_OK) rc = g.logits ? qt_sampler_init(&g.sampler, g.V) : QT_ENOMEM;
     }
     if (rc == QT_OK) {
         int32_t im_end = g.tok ? bpe_token_id(g.tok, "<|im_end|>") : -1;
@@ -403,6 +442,8 @@ int cmd_generate(int argc, char **argv) {
     }
     qt_sampler_free(&g.sampler);
     qt_free(g.logits);
+    qt_free(g.hist);
+    qt_free(g.reply);
     qt_model_free(g.m);
     bpe_free(g.tok);
     return rc == QT_OK ? QT_EXIT_OK : cli_fail();
