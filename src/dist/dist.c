@@ -103,8 +103,9 @@ static void on_sigterm(int sig) {
             put_str(msg, sizeof msg, &n, " while waiting in collective ");
             put_str(msg, sizeof msg, &n, what);
         }
-        put_str(msg, sizeof msg, &n, "; mpirun sends it to every rank when one rank dies or fails, and its "
-                                     "message (\"process rank R ... exited\") or that rank's error names it\n");
+        put_str(msg, sizeof msg, &n, "; mpirun sends it to every rank when it is interrupted or when one rank "
+                                     "dies or fails, and then its message (\"process rank R ... exited\") or "
+                                     "that rank's error names the rank\n");
         ssize_t w = write(STDERR_FILENO, msg, n);
         (void)w;
     }
