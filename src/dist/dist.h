@@ -115,7 +115,10 @@ void zero_bucket_range(const zero_plan *p, int b, size_t *lo, size_t *hi);
  *   stage 0, 1: grads[0, n) hold the global sum on every rank;
  *   stage 2:    grads[lo, hi) (own shard) hold the global sum; the rest of the
  *               gradient block holds partial data and may be reused.
- * `grads` must stay the same pointer between these calls. */
+ * `grads` must stay the same pointer between these calls, and every rank
+ * must make the same sequence of calls with the same `from` values
+ * (non-blocking collectives start in call order). At most 4 buckets are in
+ * flight at once; the others start as those finish. */
 int zero_reduce_ready(zero_plan *p, float *grads, size_t from);
 int zero_reduce_grads(zero_plan *p, float *grads);
 
