@@ -40,12 +40,12 @@ pytestmark = [
 MPI_ARGS = ["--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader"]
 
 
-def mpirun(n, args, env=None, timeout=120):
+def mpirun(n, args, env=None, timeout=120, mpi_args=MPI_ARGS):
     e = dict(os.environ)
     e.update({"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
     if env:
         e.update(env)
-    cmd = [MPIRUN, *MPI_ARGS, "-np", str(n), DRIVER, *map(str, args)]
+    cmd = [MPIRUN, *mpi_args, "-np", str(n), DRIVER, *map(str, args)]
     t0 = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, env=e, timeout=timeout)
     p.elapsed = time.monotonic() - t0
@@ -232,3 +232,13 @@ def test_ranks_with_empty_shards(tmp_path):
     got = train(tmp_path, 4, 1, stage=2, offload=1, extra=["--hidden", 1, "--bucket", 5], tag="e")
     assert [(r["opt_lo"], r["opt_hi"]) for r in got[1]] == [(0, 16), (16, 25), (25, 25), (25, 25)]
     assert rel_err(got[2], ref[2]) <= 1e-5
+
+
+def test_tcp_transport(tmp_path, reference):
+    """The transport between hosts (TCP), here over loopback: same model."""
+    _, _, ref_w = reference[2]
+    out = tmp_path / "tcp.bin"
+    tcp = ["--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo"]
+    p = mpirun(2, ["--accum", 2, "--stage", 2, "--out", out], mpi_args=tcp)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert rel_err(np.fromfile(out, dtype=np.float32), ref_w) <= 1e-5
