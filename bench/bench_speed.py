@@ -1,0 +1,491 @@
+"""bench/run's driver: qtune training speed against the PyTorch reference and
+against the machine's measured GEMM peak, a precision table, and (--profile)
+where qtune's step time goes. docs/benchmarks.md states every formula.
+
+In one run, sequentially (never two heavy processes at once):
+  1. bench_gemm: best OpenBLAS sgemm GFLOP/s on square 1024/2048 matrices at
+     each thread count; oneDNN bf16 where the CPU has AVX512_BF16/AMX.
+  2. per case (shape x mode x threads): `qtune train` on a generated job, then
+     bench/torch_train.py on the same model folder and rows. tokens/s are
+     medians over the steps after the warm-up ones.
+  3. precision table: the same qtune job with deepspeed fp16 / bf16 sections.
+  4. --profile: sgemm time by shape (LD_PRELOAD tracer) and `perf record`
+     self time by symbol, one thread.
+
+usage: /usr/bin/python3 bench/bench_speed.py [--build DIR] [--quick] [--steps N] [--warmup W]
+       [--shapes bench-tiny,qwen2.5-0.5b] [--modes lora,full] [--threads 1,2] [--no-torch]
+       [--no-precision] [--profile] [--work DIR] [--json OUT.json]"""
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# shape name -> (micro-batch B, seq_len T), from issue 7
+SHAPES = {"bench-tiny": (4, 256), "qwen2.5-0.5b": (1, 256)}
+LORA_R, LORA_ALPHA = 8, 16
+CE_CHUNK = 2048  # OP_CE_CHUNK of src/backend/cpu/ops.h, only used to label traced sgemm shapes
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def sh(cmd):
+    try:
+        return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=60).stdout.strip()
+    except Exception:  # noqa: BLE001 - machine facts are best effort
+        return ""
+
+
+def loadavg():
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def thread_env(n):
+    return dict(os.environ, OMP_NUM_THREADS=str(n), OPENBLAS_NUM_THREADS=str(n), MKL_NUM_THREADS=str(n))
+
+
+# ---- FLOPs ---------------------------------------------------------------------
+def dims(cfg):
+    C = cfg["hidden_size"]
+    H = cfg["num_attention_heads"]
+    KV = cfg.get("num_key_value_heads", H)
+    D = cfg.get("head_dim") or C // H
+    return C, cfg["intermediate_size"], cfg["num_hidden_layers"], H, KV, D, cfg["vocab_size"]
+
+
+def flops_per_step(cfg, B, T, mode, r=LORA_R):
+    """Model FLOPs of one training step (multiply-add = 2), recomputation not
+    counted. N_mm = weights that multiply activations (7 linears per layer +
+    lm_head; the embedding lookup is not a matmul). Attention (causal, keys
+    0..t for query t): forward 2*H*D*T*(T+1) per layer and row (QK^T and PV),
+    backward twice that.
+      full: 6 * N_mm * B*T + 3 * attn_fwd
+      lora: 2 * N_mm * B*T (forward) + 2 * (N_mm - C*(H*D + 2*KV*D)) * B*T
+            (input gradients; layer 0's q/k/v input gradient is not needed
+            because nothing below it trains) + 3 * attn_fwd
+            + 6 * r * (in + out) * L * B*T per adapted module (q_proj, v_proj)."""
+    C, I, L, H, KV, D, V = dims(cfg)
+    tok = B * T
+    n_mm = L * (C * H * D + 2 * C * KV * D + H * D * C + 3 * C * I) + V * C
+    attn_fwd = L * B * 2 * H * D * T * (T + 1)
+    if mode == "full":
+        return 6 * n_mm * tok + 3 * attn_fwd, n_mm
+    adapters = 6 * r * ((C + H * D) + (C + KV * D)) * L * tok
+    return 2 * n_mm * tok + 2 * (n_mm - C * (H * D + 2 * KV * D)) * tok + 3 * attn_fwd + adapters, n_mm
+
+
+# ---- pieces --------------------------------------------------------------------
+def gemm_peak(build, threads, reps):
+    exe = os.path.join(build, "bench", "bench_gemm")
+    out = {}
+    for t in threads:
+        r = subprocess.run([exe, "--threads", str(t), "--reps", str(reps)], capture_output=True, text=True,
+                           env=thread_env(t))
+        if r.returncode:
+            sys.exit("bench_gemm failed: " + r.stderr)
+        rows = [json.loads(x) for x in r.stdout.splitlines() if x.strip()]
+        best = max(rows, key=lambda x: x["gflops"])
+        rb = subprocess.run([exe, "--bf16", "--threads", str(t), "--reps", str(reps)], capture_output=True, text=True,
+                            env=thread_env(t))
+        bf = json.loads(rb.stdout) if rb.returncode == 0 else {"gflops": None, "note": rb.stderr.strip()}
+        out[t] = {"sgemm": rows, "peak_gflops": best["gflops"], "peak_shape": best["M"], "bf16": bf,
+                  "peak_cpu_gflops": max(x["cpu_gflops"] for x in rows),
+                  "load": loadavg()}
+        log("  peak %d thread(s): sgemm %s; bf16 %s" % (t, ", ".join("%d: %.1f GFLOP/s" % (x["M"], x["gflops"])
+                                                                     for x in rows),
+                                                     bf.get("note") or "%.1f GFLOP/s" % bf["gflops"]))
+    return out
+
+
+def ensure_model(qtune, work, preset):
+    d = os.path.join(work, "models", preset + "-f32")
+    if not os.path.exists(os.path.join(d, "model.safetensors")):
+        log("  qtune init --preset %s --dtype f32" % preset)
+        subprocess.run([qtune, "init", "--preset", preset, "--dtype", "f32", "--out", d, "--force"], check=True,
+                       capture_output=True, env=thread_env(2))
+    with open(os.path.join(d, "config.json")) as f:
+        return d, json.load(f)
+
+
+def ensure_data(work, V, T, rows):
+    """rows pre-tokenized examples of exactly T random ids (fixed seed)."""
+    import numpy as np
+    p = os.path.join(work, "data-V%d-T%d-n%d.jsonl" % (V, T, rows))
+    if not os.path.exists(p):
+        rng = np.random.default_rng(1234)
+        with open(p + ".tmp", "w") as f:
+            for _ in range(rows):
+                f.write(json.dumps({"input_ids": rng.integers(0, V, T).tolist()}) + "\n")
+        os.replace(p + ".tmp", p)
+    return p
+
+
+def write_job(path, model, out, data, B, T, steps, mode, precision="fp32"):
+    ds = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+          "steps_per_print": 1000,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                    "weight_decay": 0.0}},
+          "zero_optimization": {"stage": 0}}
+    if precision == "fp16":
+        ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                      "hysteresis": 2, "min_loss_scale": 1}
+    elif precision == "bf16":
+        ds["bf16"] = {"enabled": True}
+    job = {"model": model, "output_dir": out,
+           "data": {"train": data, "format": "tokens", "seq_len": T, "packing": False, "shuffle": False,
+                    "mask_prompt": False},
+           "train": {"max_steps": steps, "save_steps": 0, "log_steps": 1, "seed": 42, "resume": "never",
+                     "overwrite_output_dir": True},
+           "deepspeed": ds}
+    if mode == "lora":
+        job["lora"] = {"r": LORA_R, "lora_alpha": LORA_ALPHA, "lora_dropout": 0.0,
+                       "target_modules": ["q_proj", "v_proj"]}
+    with open(path, "w") as f:
+        json.dump(job, f, indent=1)
+
+
+def median(x):
+    return statistics.median(x) if x else None
+
+
+def run_qtune(qtune, work, model, data, B, T, mode, threads, warmup, steps, precision="fp32", prefix=None):
+    """Returns {tok_s: median over steps > warmup, steps: [...], mem_peak_bytes, wall_s} or {error}."""
+    tag = "%s-%s-t%d-%s" % (os.path.basename(model), mode, threads, precision)
+    job, out = os.path.join(work, tag + ".json"), os.path.join(work, "run-" + tag)
+    write_job(job, model, out, data, B, T, warmup + steps, mode, precision)
+    cmd = (prefix or []) + [qtune, "train", job]
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=thread_env(threads))
+    # CPU seconds per step: sample the process's utime+stime whenever a new
+    # metrics line appears (the line is written right after its step)
+    metrics, cpu_marks, seen = os.path.join(out, "metrics.jsonl"), [], 0
+    while proc.poll() is None:
+        time.sleep(0.05)
+        try:
+            with open(metrics) as f:
+                n = sum(1 for x in f if '"tokens_per_s"' in x)
+        except OSError:
+            n = 0
+        if n > seen or not cpu_marks:
+            c = proc_cpu_s(proc.pid)
+            if c is not None:
+                if not cpu_marks:
+                    cpu_marks.append((0, c))  # before the first line: start of training (plus load time)
+                if n > seen:
+                    cpu_marks.append((n, c))
+            seen = n
+    stdout, stderr = proc.communicate()
+    wall = time.time() - t0
+    if proc.returncode:
+        shutil.rmtree(out, ignore_errors=True)
+        return {"error": (stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1], "rc": proc.returncode}
+    lines = [json.loads(x) for x in open(metrics) if x.strip()]
+    st = [x for x in lines if "tokens_per_s" in x]
+    shutil.rmtree(out, ignore_errors=True)  # 0.5B checkpoints are GBs
+    meas = st[warmup:]
+    # CPU seconds of the steps after warm-up that were seen one line at a time
+    cpu_steps = [(c1 - c0) / (n1 - n0) for (n0, c0), (n1, c1) in zip(cpu_marks, cpu_marks[1:])
+                 if n0 >= max(warmup, 1) and n1 - n0 == 1] if len(cpu_marks) > 1 else []
+    return {"tok_s": median([x["tokens_per_s"] for x in meas]), "tok_s_all": [x["tokens_per_s"] for x in st],
+            "cpu_s_step": median(cpu_steps), "mem_peak_bytes": max(x.get("mem_peak_bytes", 0) for x in st),
+            "wall_s": wall, "loss": [x.get("loss") for x in st], "skipped": sum(1 for x in meas if x.get("skipped")),
+            "tokens": st[0]["tokens"], "load": loadavg()}
+
+
+def proc_cpu_s(pid):
+    """utime + stime of a live process, seconds (all its threads)."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def run_torch(work, model, data, B, T, mode, threads, warmup, steps):
+    cmd = ["/usr/bin/python3", os.path.join(HERE, "torch_train.py"), "--model", model, "--data", data, "--B", str(B),
+           "--T", str(T), "--steps", str(warmup + steps), "--threads", str(threads)]
+    if mode == "lora":
+        cmd += ["--lora", str(LORA_R), str(LORA_ALPHA)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=thread_env(threads))
+    if r.returncode:
+        return {"error": (r.stderr.strip().splitlines() or ["exit %d" % r.returncode])[-1]}
+    o = json.loads(r.stdout.strip().splitlines()[-1])
+    tok = [B * T / s for s in o["step_s"]]
+    return {"tok_s": median(tok[warmup:]), "tok_s_all": tok, "cpu_s_step": median(o["step_cpu_s"][warmup:]), "maxrss_bytes": o["maxrss_bytes"], "loss": o["loss"],
+            "load": loadavg()}
+
+
+# ---- profile -------------------------------------------------------------------
+def label_shapes(cfg, B, T, mode):
+    """(M, N, K, ta, tb) -> call site, from the calls op_matmul / op_lmhead_ce make."""
+    C, I, L, H, KV, D, V = dims(cfg)
+    N, R = B * T, LORA_R
+    lab = {}
+    lin = {"q_proj": (C, H * D), "k_proj": (C, KV * D), "v_proj": (C, KV * D), "o_proj": (H * D, C),
+           "gate/up_proj": (C, I), "down_proj": (I, C)}
+    for name, (i, o) in lin.items():
+        lab.setdefault((N, o, i, "n", "t"), []).append(name + " fwd")
+        lab.setdefault((N, i, o, "n", "n"), []).append(name + " bwd dX")
+        lab.setdefault((o, i, N, "t", "n"), []).append(name + " bwd dW")
+        if mode == "lora" and name in ("q_proj", "v_proj"):
+            lab.setdefault((N, R, i, "n", "t"), []).append("lora_A fwd")
+            lab.setdefault((N, o, R, "n", "t"), []).append("lora_B fwd")
+            lab.setdefault((o, R, N, "t", "n"), []).append("lora_B dW")
+            lab.setdefault((N, R, o, "n", "n"), []).append("lora dh")
+            lab.setdefault((R, i, N, "t", "n"), []).append("lora_A dW")
+            lab.setdefault((N, i, R, "n", "n"), []).append("lora dX")
+    for cv in {CE_CHUNK, V % CE_CHUNK or CE_CHUNK}:
+        lab.setdefault((N, cv, C, "n", "t"), []).append("lm_head chunk logits (fwd + bwd recompute)")
+        lab.setdefault((N, C, cv, "n", "n"), []).append("lm_head chunk bwd dX")
+        lab.setdefault((cv, C, N, "t", "n"), []).append("lm_head chunk bwd dW")
+    return {k: " / ".join(dict.fromkeys(v)) for k, v in lab.items()}
+
+
+def profile_case(build, qtune, work, model, cfg, data, B, T, mode, warmup, steps):
+    tr = os.path.join(work, "sgemm-%s-%s.tsv" % (os.path.basename(model), mode))
+    lib = os.path.join(build, "bench", "libqt_sgemm_trace.so")
+    env_prefix = ["env", "QTUNE_SGEMM_TRACE=" + tr, "LD_PRELOAD=" + lib]
+    res = run_qtune(qtune, work, model, data, B, T, mode, 1, warmup, steps, prefix=env_prefix)
+    if "error" in res:
+        return {"error": res["error"]}
+    nsteps = warmup + steps
+    step_s = B * T / res["tok_s"]
+    labels = label_shapes(cfg, B, T, mode)
+    rows = []
+    for line in open(tr):
+        if line.startswith(("order", "#")):
+            continue
+        _, M, N, K, ta, tb, calls, sec, gf = line.split("\t")
+        M, N, K, calls, sec, gf = int(M), int(N), int(K), int(calls), float(sec), float(gf)
+        rows.append({"M": M, "N": N, "K": K, "ta": ta, "tb": tb, "calls_per_step": calls / nsteps,
+                     "s_per_step": sec / nsteps, "gflops": gf, "site": labels.get((M, N, K, ta, tb), "?")})
+    rows.sort(key=lambda x: -x["s_per_step"])
+    # perf: self time by symbol (software clock; this VM has no hardware counters)
+    perf_rows, perf_note = [], ""
+    pdata = os.path.join(work, "perf-%s.data" % mode)
+    if shutil.which("perf"):
+        pr = run_qtune(qtune, work, model, data, B, T, mode, 1, warmup, steps,
+                       prefix=["perf", "record", "-q", "-e", "cpu-clock", "-F", "499", "-o", pdata, "--"])
+        if "error" not in pr:
+            rep = subprocess.run(["perf", "report", "-i", pdata, "--stdio", "--no-children", "--sort",
+                                  "dso,symbol", "--percent-limit", "0.5"], capture_output=True, text=True)
+            for line in rep.stdout.splitlines():
+                m = re.match(r"\s*([\d.]+)%\s+(\S+)\s+\[[.k]\]\s+(.*)$", line)
+                if m:
+                    perf_rows.append({"pct": float(m.group(1)), "dso": m.group(2), "symbol": m.group(3).strip()})
+        else:
+            perf_note = pr["error"]
+        if os.path.exists(pdata):
+            os.remove(pdata)
+    else:
+        perf_note = "perf not found"
+    return {"step_s": step_s, "tok_s": res["tok_s"], "sgemm": rows, "perf": perf_rows, "perf_note": perf_note,
+            "note": "sgemm seconds are per step averaged over all %d steps (warm-up included); step_s is the "
+                    "median step" % nsteps}
+
+
+# ---- report --------------------------------------------------------------------
+def fmt(x, f="%.0f"):
+    return "-" if x is None else f % x
+
+
+def report(res):
+    p = print
+    p("\n## Machine\n")
+    for k, v in res["machine"].items():
+        p("- %s: %s" % (k, v))
+    p("\n## Measured GEMM peak (best of %d, square n x t sgemm)\n" % res["reps"])
+    p("| threads | sgemm 1024 GFLOP/s | sgemm 2048 GFLOP/s | peak used | GFLOP per CPU-second | bf16 (oneDNN) | "
+      "load avg |")
+    p("|---|---|---|---|---|---|---|")
+    for t, g in res["peak"].items():
+        by = {x["M"]: x["gflops"] for x in g["sgemm"]}
+        bf = g["bf16"]
+        p("| %s | %s | %s | %.1f | %.1f | %s | %s |" % (
+            t, fmt(by.get(1024), "%.1f"), fmt(by.get(2048), "%.1f"), g["peak_gflops"], g["peak_cpu_gflops"],
+            bf.get("note") or "%.1f GFLOP/s" % bf["gflops"], g["load"]))
+    p("\n## Training speed: qtune vs PyTorch %s (fp32, medians of %d steps after %d warm-up)\n"
+      % (res["torch_version"], res["steps"], res["warmup"]))
+    p("Wall clock (tokens / step wall time; the machine is shared, see load avg):\n")
+    p("| shape | B x T | mode | threads | qtune tok/s | PyTorch tok/s | qtune / PyTorch | GFLOP/step | "
+      "qtune GFLOP/s | % of sgemm peak | qtune peak RSS | PyTorch peak RSS | load avg |")
+    p("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for c in res["cases"]:
+        q, t = c["qtune"], c.get("torch") or {}
+        qt = q.get("tok_s")
+        tt = t.get("tok_s")
+        ratio = "%.2f" % (qt / tt) if qt and tt else (q.get("error") or t.get("error") or "-")
+        gfs = c["flops"] * qt / c["tokens"] / 1e9 if qt else None
+        pk = res["peak"].get(str(c["threads"]), {})
+        peak = pk.get("peak_gflops")
+        p("| %s | %dx%d | %s | %d | %s | %s | %s | %.1f | %s | %s | %s | %s | %s |" % (
+            c["shape"], c["B"], c["T"], c["mode"], c["threads"], fmt(qt, "%.1f"), fmt(tt, "%.1f"), ratio,
+            c["flops"] / 1e9, fmt(gfs, "%.1f"), fmt(100 * gfs / peak if gfs and peak else None, "%.0f%%"),
+            fmt(q.get("mem_peak_bytes") and q["mem_peak_bytes"] / 2**20, "%.0f MiB"),
+            fmt(t.get("maxrss_bytes") and t["maxrss_bytes"] / 2**20, "%.0f MiB"), q.get("load", "")))
+    p("\nCPU time (CPU seconds of all the process's threads per step: insensitive to other processes "
+      "holding the cores; idle-spinning threads count):\n")
+    p("| shape | mode | threads | qtune CPU s/step | PyTorch CPU s/step | qtune / PyTorch (speed) | "
+      "qtune GFLOP per CPU-s | % of sgemm GFLOP per CPU-s |")
+    p("|---|---|---|---|---|---|---|---|")
+    for c in res["cases"]:
+        q, t = c["qtune"], c.get("torch") or {}
+        qc, tc = q.get("cpu_s_step"), t.get("cpu_s_step")
+        g = c["flops"] / qc / 1e9 if qc else None
+        pk = res["peak"].get(str(c["threads"]), {}).get("peak_cpu_gflops")
+        p("| %s | %s | %d | %s | %s | %s | %s | %s |" % (
+            c["shape"], c["mode"], c["threads"], fmt(qc, "%.2f"), fmt(tc, "%.2f"),
+            "%.2f" % (tc / qc) if qc and tc else "-", fmt(g, "%.1f"),
+            fmt(100 * g / pk if g and pk else None, "%.0f%%")))
+    if res.get("precision"):
+        p("\n## Precision (qtune, deepspeed fp16 / bf16 sections)\n")
+        p("| shape | mode | threads | precision | tok/s | vs fp32 | mem_peak_bytes | skipped steps | result |")
+        p("|---|---|---|---|---|---|---|---|---|")
+        for c in res["precision"]:
+            base = next((x["tok_s"] for x in res["precision"] if x["shape"] == c["shape"] and x["mode"] == c["mode"]
+                         and x["precision"] == "fp32" and x.get("tok_s")), None)
+            p("| %s | %s | %d | %s | %s | %s | %s | %s | %s |" % (
+                c["shape"], c["mode"], c["threads"], c["precision"], fmt(c.get("tok_s"), "%.1f"),
+                fmt(c["tok_s"] / base if c.get("tok_s") and base else None, "%.2f"),
+                fmt(c.get("mem_peak_bytes") and c["mem_peak_bytes"] / 2**20, "%.0f MiB"),
+                fmt(c.get("skipped"), "%d"), "ok" if "error" not in c else "refused: " + c["error"]))
+    for name, pr in (res.get("profile") or {}).items():
+        p("\n## Profile: %s (1 thread)\n" % name)
+        if "error" in pr:
+            p("error: " + pr["error"])
+            continue
+        p("median step %.2f s (%.1f tok/s). %s.\n" % (pr["step_s"], pr["tok_s"], pr["note"]))
+        tot = sum(r["s_per_step"] for r in pr["sgemm"])
+        p("sgemm total: %.2f s per step = %.0f%% of the step\n" % (tot, 100 * tot / pr["step_s"]))
+        p("| call site | M | N | K | op | calls/step | s/step | % of step | GFLOP/s |")
+        p("|---|---|---|---|---|---|---|---|---|")
+        for r in pr["sgemm"][:16]:
+            p("| %s | %d | %d | %d | %s%s | %.0f | %.3f | %.1f%% | %.1f |" % (
+                r["site"], r["M"], r["N"], r["K"], r["ta"], r["tb"], r["calls_per_step"], r["s_per_step"],
+                100 * r["s_per_step"] / pr["step_s"], r["gflops"]))
+        if pr["perf"]:
+            p("\nperf record -e cpu-clock, self time (whole process, top symbols):\n")
+            p("| % | dso | symbol |")
+            p("|---|---|---|")
+            for r in pr["perf"][:20]:
+                p("| %.1f | %s | %s |" % (r["pct"], r["dso"], r["symbol"]))
+        elif pr["perf_note"]:
+            p("perf: " + pr["perf_note"])
+
+
+def machine_facts(build):
+    import torch
+    mem = sh("free -g | awk '/Mem:/{print $2}'")
+    blas = sh("%s --size 64 --reps 1 | head -1" % os.path.join(build, "bench", "bench_gemm"))
+    blas = json.loads(blas).get("openblas", "?") if blas.startswith("{") else "?"
+    return {"cpu": sh("lscpu | sed -n 's/^Model name: *//p'") or platform.processor(),
+            "cores": sh("nproc"), "memory": mem + " GiB",
+            "cpu flags (SIMD)": " ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16")
+                                          if re.search(r"\b%s\b" % f, open("/proc/cpuinfo").read())),
+            "kernel": platform.release(), "OpenBLAS": blas,
+            "oneDNN": sh("dpkg-query -W -f '${Version}' libdnnl-dev") or "?",
+            "torch": torch.__version__ + " (BLAS: the system libblas.so.3 -> OpenBLAS, ATen OpenMP)",
+            "compiler": sh("cc --version | head -1"), "load average at start": loadavg()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default=os.path.join(ROOT, "build-bench"))
+    ap.add_argument("--quick", action="store_true", help="1 warm-up + 2 measured steps, 3 GEMM repetitions")
+    ap.add_argument("--steps", type=int, help="measured steps per case (default 4; --quick 2)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--shapes", default="bench-tiny,qwen2.5-0.5b")
+    ap.add_argument("--modes", default="lora,full")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--no-speed", action="store_true", help="skip the qtune/PyTorch cases")
+    ap.add_argument("--no-precision", action="store_true")
+    ap.add_argument("--precision-shapes", default="bench-tiny")
+    ap.add_argument("--profile", action="store_true", help="sgemm trace + perf, 1 thread")
+    ap.add_argument("--profile-shapes", default="bench-tiny,qwen2.5-0.5b")
+    ap.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "qtune-bench"))
+    ap.add_argument("--json", help="also write all results to this JSON file")
+    a = ap.parse_args()
+    steps = a.steps or (2 if a.quick else 4)
+    reps = 3 if a.quick else 5
+    threads = [int(x) for x in a.threads.split(",")]
+    qtune = os.path.join(a.build, "src", "cli", "qtune")
+    for exe in (qtune, os.path.join(a.build, "bench", "bench_gemm")):
+        if not os.path.exists(exe):
+            sys.exit("%s is not built; run bench/run (it builds) or cmake --build %s" % (exe, a.build))
+    os.makedirs(a.work, exist_ok=True)
+    import torch
+    res = {"machine": machine_facts(a.build), "steps": steps, "warmup": a.warmup, "reps": reps,
+           "torch_version": torch.__version__, "command": " ".join(sys.argv)}
+    log("GEMM peak")
+    res["peak"] = {str(k): v for k, v in gemm_peak(a.build, threads, reps).items()}
+    res["cases"] = []
+    models = {}
+    for shape in a.shapes.split(","):
+        models[shape] = ensure_model(qtune, a.work, shape)
+    need = max(SHAPES[s][0] for s in models) * (a.warmup + steps)
+    for shape in ([] if a.no_speed else a.shapes.split(",")):
+        B, T = SHAPES[shape]
+        mdir, cfg = models[shape]
+        data = ensure_data(a.work, cfg["vocab_size"], T, max(need, 64))
+        for mode in a.modes.split(","):
+            fl, n_mm = flops_per_step(cfg, B, T, mode)
+            for t in threads:
+                log("%s %s threads=%d (load %s)" % (shape, mode, t, loadavg()))
+                q = run_qtune(qtune, a.work, mdir, data, B, T, mode, t, a.warmup, steps)
+                log("  qtune: %s" % (q.get("error") or "%.1f tok/s %s" % (q["tok_s"], q["tok_s_all"])))
+                tr = None
+                if not a.no_torch:
+                    tr = run_torch(a.work, mdir, data, B, T, mode, t, a.warmup, steps)
+                    log("  torch: %s" % (tr.get("error") or "%.1f tok/s %s" % (tr["tok_s"], tr["tok_s_all"])))
+                res["cases"].append({"shape": shape, "mode": mode, "threads": t, "B": B, "T": T, "tokens": B * T,
+                                     "flops": fl, "n_mm": n_mm, "qtune": q, "torch": tr})
+    if not a.no_precision:
+        res["precision"] = []
+        t = max(threads)
+        for shape in a.precision_shapes.split(","):
+            if shape not in models:
+                models[shape] = ensure_model(qtune, a.work, shape)
+            B, T = SHAPES[shape]
+            mdir, cfg = models[shape]
+            data = ensure_data(a.work, cfg["vocab_size"], T, max(need, 64))
+            for mode in a.modes.split(","):
+                for prec in ("fp32", "fp16", "bf16"):
+                    log("precision %s %s %s threads=%d" % (shape, mode, prec, t))
+                    q = run_qtune(qtune, a.work, mdir, data, B, T, mode, t, a.warmup, steps, precision=prec)
+                    log("  %s" % (q.get("error") or "%.1f tok/s" % q["tok_s"]))
+                    res["precision"].append(dict(q, shape=shape, mode=mode, threads=t, precision=prec))
+    if a.profile:
+        res["profile"] = {}
+        for shape in a.profile_shapes.split(","):
+            if shape not in models:
+                models[shape] = ensure_model(qtune, a.work, shape)
+            B, T = SHAPES[shape]
+            mdir, cfg = models[shape]
+            data = ensure_data(a.work, cfg["vocab_size"], T, max(need, 64))
+            for mode in a.modes.split(","):
+                log("profile %s %s (load %s)" % (shape, mode, loadavg()))
+                res["profile"]["%s %s" % (shape, mode)] = profile_case(a.build, qtune, a.work, mdir, cfg, data, B, T,
+                                                                       mode, a.warmup, steps)
+    res["machine"]["load average at end"] = loadavg()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    report(res)
+
+
+if __name__ == "__main__":
+    main()
