@@ -73,10 +73,15 @@ def test_lora_outputs(base):
     assert np.abs(w["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"]).max() > 0
 
 
-@pytest.mark.parametrize("mode", ["lora", "full"])
+@pytest.mark.parametrize("mode", ["lora", "full", "lora_fp16"])
 def test_resume_is_exact(base, mode):
-    """10 steps + resume + 10 == 20 straight, bit for bit (dropout and shuffling on for LoRA)."""
-    kw = dict(lora=LORA) if mode == "lora" else {}
+    """10 steps + resume + 10 == 20 straight, bit for bit (dropout and shuffling
+    on for LoRA; with fp16 the loss scale grows every 3 steps across the resume)."""
+    kw = dict(lora=LORA) if mode.startswith("lora") else {}
+    if mode == "lora_fp16":
+        kw["ds"] = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+                    "fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 3}}
     kw["data_opts"] = {"shuffle": True}
     a = job(base, "straight_%s.json" % mode, "straight_%s" % mode, train_opts={"max_steps": 20}, **kw)
     b = job(base, "resumed_%s.json" % mode, "resumed_%s" % mode, train_opts={"max_steps": 20, "save_steps": 4},
@@ -86,13 +91,17 @@ def test_resume_is_exact(base, mode):
     p = run("train", b)
     assert "resuming from" in p.stderr and "checkpoint-10" in p.stderr
     fa, fb = (os.path.join(base, x, "final") for x in ("straight_%s" % mode, "resumed_%s" % mode))
-    name = "adapter_model.safetensors" if mode == "lora" else "model.safetensors"
+    name = "adapter_model.safetensors" if mode.startswith("lora") else "model.safetensors"
     wa, wb = st.read(os.path.join(fa, name)), st.read(os.path.join(fb, name))
     assert set(wa) == set(wb)
     for k in wa:
         assert np.array_equal(wa[k], wb[k]), k
-    la = [(m["step"], m["loss"], m["grad_norm"]) for m in step_lines(os.path.join(base, "straight_%s" % mode))]
-    lb = [(m["step"], m["loss"], m["grad_norm"]) for m in step_lines(os.path.join(base, "resumed_%s" % mode))]
+    la = [(m["step"], m["loss"], m["grad_norm"], m["loss_scale"])
+          for m in step_lines(os.path.join(base, "straight_%s" % mode))]
+    lb = [(m["step"], m["loss"], m["grad_norm"], m["loss_scale"])
+          for m in step_lines(os.path.join(base, "resumed_%s" % mode))]
+    if mode == "lora_fp16":
+        assert la[-1][3] > la[0][3]  # the scale grew during the run
     assert la == lb  # metrics.jsonl lists every step once, with the same values
 
 
