@@ -212,38 +212,43 @@ static void strategy_line(const qt_plan_opts *o, char *buf, size_t cap) {
 void qt_plan_print(FILE *f, const char *name, const qt_config *c, const qt_plan_opts *o, const qt_plan *p) {
     char s[400];
     strategy_line(o, s, sizeof s);
-    fprintf(f, "model      %s: %.3f B parameters (L=%d C=%d I=%d H=%d KV=%d D=%d V=%d)\n", name,
-            (double)p->n_params / 1e9, c->num_hidden_layers, c->hidden_size, c->intermediate_size,
+    /* one unit for the whole report: GiB, or MiB for small shapes */
+    const double unit = p->dev.total >= GIB ? GIB : 1024.0 * 1024.0;
+    const char *un = unit == GIB ? "GiB" : "MiB";
+#define U(b) ((double)(b) / unit)
+    fprintf(f, "model      %s: %.3f %s parameters (L=%d C=%d I=%d H=%d KV=%d D=%d V=%d)\n", name,
+            p->n_params >= 1000000000 ? (double)p->n_params / 1e9 : (double)p->n_params / 1e6,
+            p->n_params >= 1000000000 ? "B" : "M", c->num_hidden_layers, c->hidden_size, c->intermediate_size,
             c->num_attention_heads, c->num_key_value_heads, c->head_dim, c->vocab_size);
     fprintf(f, "strategy   %s\n", s);
     fprintf(f, "trainable  %.3f M parameters\n\n", (double)p->n_trainable / 1e6);
-    fprintf(f, "per device                 GiB\n");
-    fprintf(f, "  weights            %9.3f\n", gib(p->dev.weights));
-    fprintf(f, "  gradients          %9.3f\n", gib(p->dev.grads));
-    fprintf(f, "  master weights     %9.3f\n", gib(p->dev.master));
-    fprintf(f, "  optimizer state    %9.3f\n", gib(p->dev.optim));
-    fprintf(f, "  activations        %9.3f\n", gib(p->dev.activations));
-    fprintf(f, "  workspace          %9.3f\n", gib(p->dev.workspace));
-    fprintf(f, "  communication      %9.3f\n", gib(p->dev.comm));
-    fprintf(f, "  total              %9.3f  of %.1f GiB: %s\n\n", gib(p->dev.total), o->device_gib,
+    fprintf(f, "per device                 %s\n", un);
+    fprintf(f, "  weights            %9.3f\n", U(p->dev.weights));
+    fprintf(f, "  gradients          %9.3f\n", U(p->dev.grads));
+    fprintf(f, "  master weights     %9.3f\n", U(p->dev.master));
+    fprintf(f, "  optimizer state    %9.3f\n", U(p->dev.optim));
+    fprintf(f, "  activations        %9.3f\n", U(p->dev.activations));
+    fprintf(f, "  workspace          %9.3f\n", U(p->dev.workspace));
+    fprintf(f, "  communication      %9.3f\n", U(p->dev.comm));
+    fprintf(f, "  total              %9.3f %s of %.1f GiB: %s\n\n", U(p->dev.total), un, o->device_gib,
             p->fits ? "fits" : "does NOT fit");
     if (p->min_devices > 0)
         fprintf(f, "smallest device count that fits with this strategy: %d\n", p->min_devices);
     else
         fprintf(f, "no device count fits with this strategy%s\n",
                 o->zero < 2 || !o->offload ? "; try --zero 2 --offload cpu, --mode lora, or --checkpointing" : "");
-    fprintf(f, "\nhost memory (one host, %d card%s)   GiB\n", p->cards_per_host, p->cards_per_host > 1 ? "s" : "");
-    fprintf(f, "  offloaded optimizer + master %9.3f\n", gib(p->host_offload));
-    fprintf(f, "  pinned staging buffers       %9.3f\n", gib(p->host_pinned));
-    fprintf(f, "  dataset                      %9.3f\n", gib(p->host_dataset));
-    fprintf(f, "  mapped weights file          %9.3f\n", gib(p->host_mapped));
-    fprintf(f, "  runtime (1 GiB per rank)     %9.3f\n", gib(p->host_runtime));
-    fprintf(f, "  total                        %9.3f  -> recommend %.0f GiB (+20%%)\n\n", gib(p->host_total),
+    fprintf(f, "\nhost memory (one host, %d card%s)   %s\n", p->cards_per_host, p->cards_per_host > 1 ? "s" : "", un);
+    fprintf(f, "  offloaded optimizer + master %9.3f\n", U(p->host_offload));
+    fprintf(f, "  pinned staging buffers       %9.3f\n", U(p->host_pinned));
+    fprintf(f, "  dataset                      %9.3f\n", U(p->host_dataset));
+    fprintf(f, "  mapped weights file          %9.3f\n", U(p->host_mapped));
+    fprintf(f, "  runtime (1 GiB per rank)     %9.3f\n", U(p->host_runtime));
+    fprintf(f, "  total                        %9.3f %s -> recommend %.0f GiB (+20%%)\n\n", U(p->host_total), un,
             gib(p->host_recommend));
-    fprintf(f, "cpu run    one rank's process on the CPU backend: %.3f GiB (device total + its offloaded\n"
-               "           shards + mapped weights file)\n", gib(p->cpu_rank_bytes));
-    fprintf(f, "disk       checkpoint %.3f GiB each (fp32 trainable + Adam m, v); final %.3f GiB\n",
-            gib(p->ckpt_bytes), gib(p->final_bytes));
+    fprintf(f, "cpu run    one rank's process on the CPU backend: %.3f %s (device total + its offloaded\n"
+               "           shards + mapped weights file)\n", U(p->cpu_rank_bytes), un);
+    fprintf(f, "disk       checkpoint %.3f %s each (fp32 trainable + Adam m, v); final %.3f %s\n",
+            U(p->ckpt_bytes), un, U(p->final_bytes), un);
     fprintf(f, "power      %d card%s x %.0f W + %d host%s x %.0f W = %.0f W -> provision %.0f W (+20%%)\n",
             o->devices, o->devices > 1 ? "s" : "", o->card_watts, p->hosts, p->hosts > 1 ? "s" : "", o->host_watts,
             p->power_w, p->power_recommend_w);
@@ -252,6 +257,7 @@ void qt_plan_print(FILE *f, const char *name, const qt_config *c, const qt_plan_
                "not materialised (log-sum-exp kept); collectives reduce into one fp32 gradient shard per rank;\n"
                "card TDP %.0f W (--card-watts), host %.0f W (--host-watts), dataset %.2f GiB (--dataset-gib).\n",
             o->card_watts, o->host_watts, gib(o->dataset_bytes));
+#undef U
 }
 
 static void add_u64(cJSON *o, const char *k, uint64_t v) { cJSON_AddNumberToObject(o, k, (double)v); }
