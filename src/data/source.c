@@ -127,7 +127,12 @@ static int cache_load(const dl_source_opts *o, const dl_cache_header *want, dl_s
         if (data_hash(offsets, ids, mask, h.n_examples, h.n_tokens) != h.data_hash) why = "its data is corrupt";
         for (uint64_t i = 0; !why && i < h.n_examples; i++)
             if (offsets[i] >= offsets[i + 1]) why = "its example table is corrupt";
-        if (!why && (offsets[0] != 0 || offsets[h.n_examples] != h.n_tokens)) why = "its example table is corrupt";
+        if (!why && (h.n_examples == 0 || offsets[0] != 0 || offsets[h.n_examples] != h.n_tokens))
+            why = "its example table is corrupt";
+        /* ids index the embedding table: never trust them, even with a matching hash */
+        uint32_t limit = o->enc.vocab_limit > 0 ? (uint32_t)o->enc.vocab_limit : 0x80000000u;
+        for (uint64_t t = 0; !why && t < h.n_tokens; t++)
+            if ((uint32_t)ids[t] >= limit || mask[t] > 1) why = "it holds token ids out of range";
         if (!why) {
             out->n_examples = h.n_examples;
             out->n_tokens = h.n_tokens;

@@ -337,6 +337,51 @@ static void test_every_cache_byte_checked(void **state) {
     qt_free(good);
 }
 
+/* The hashes of a one-example, three-token cache in buf, as source.c computes
+ * them (docs/data.md: data hash over offsets, ids, mask; header hash over
+ * bytes 0..111), into *h (a copy of buf's header). */
+static void rehash(const char *buf, dl_cache_header *h) {
+    memcpy(h, buf, sizeof *h);
+    uint64_t dh = dl_hash_bytes(buf + 120, 16, 0x64617461ull);
+    dh = dl_hash_bytes(buf + 136, 12, dh);
+    h->data_hash = dl_hash_bytes(buf + 148, 3, dh);
+    h->header_hash = dl_hash_bytes(h, 112, 0x686561646572ull);
+}
+
+/* A cache whose hashes match but whose ids are out of range (a crafted file)
+ * is still refused: ids index the embedding table. */
+static void test_cache_ids_checked_even_with_matching_hashes(void **state) {
+    (void)state;
+    const char *p = write_tmp("crafted.jsonl", "{\"input_ids\": [1, 2, 3]}\n");
+    dl_source_opts o = opts_for(p);
+    o.enc.vocab_limit = 100;
+    dl_source s;
+    assert_int_equal(open_cached(&o, &s), 0);
+    char cache[4096];
+    strcpy(cache, s.cache_path);
+    dl_source_close(&s);
+    char *buf;
+    size_t n;
+    assert_int_equal(qt_read_file(cache, 1 << 20, &buf, &n), QT_OK);
+    dl_cache_header h, again;
+    memcpy(&h, buf, sizeof h);
+    assert_int_equal(n, 120 + 16 + 12 + 3);
+    rehash(buf, &again);
+    assert_true(again.data_hash == h.data_hash && again.header_hash == h.header_hash); /* the test hashes as source.c does */
+    int32_t bad = 1000000;
+    memcpy(buf + 120 + 16 + 4, &bad, 4); /* ids[1] */
+    rehash(buf, &h);
+    memcpy(buf, &h, sizeof h);
+    FILE *f = fopen(cache, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(buf, 1, n, f), n);
+    fclose(f);
+    assert_int_equal(open_cached(&o, &s), 0); /* refused, rebuilt */
+    assert_int_equal(s.ids[1], 2);
+    dl_source_close(&s);
+    qt_free(buf);
+}
+
 static void test_default_cache_dir(void **state) {
     (void)state;
     char out[4096];
@@ -485,6 +530,7 @@ int main(void) {
         cmocka_unit_test(test_corrupt_cache_rebuilds),
         cmocka_unit_test(test_every_cache_byte_checked),
         cmocka_unit_test(test_concurrent_builders_build_once),
+        cmocka_unit_test(test_cache_ids_checked_even_with_matching_hashes),
         cmocka_unit_test(test_default_cache_dir),
         cmocka_unit_test(test_line_ranges_partition),
         cmocka_unit_test(test_parallel_build_matches_serial),
