@@ -19,6 +19,12 @@ static volatile sig_atomic_t train_stop = 0;
 
 static void on_signal(int sig) {
     (void)sig;
+    if (!train_stop) {
+        /* write(2) is async-signal-safe; stdio is not */
+        static const char msg[] = "\nqtune: stop requested: finishing this step and saving a checkpoint\n";
+        ssize_t w = write(2, msg, sizeof msg - 1);
+        (void)w;
+    }
     train_stop = 1;
 }
 
