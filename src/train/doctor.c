@@ -143,6 +143,22 @@ static void cpu_model(char *out, size_t cap) {
     fclose(f);
 }
 
+/* GPUs the driver reports (0 in a build without CUDA or without a driver). */
+static int gpu_count(void) {
+#if QTUNE_HAVE_CUDA
+    void *drv = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!drv) return 0;
+    int (*cu_init)(unsigned) = (int (*)(unsigned))dlsym(drv, "cuInit");
+    int (*cu_count)(int *) = (int (*)(int *))dlsym(drv, "cuDeviceGetCount");
+    int n = 0;
+    if (!cu_init || !cu_count || cu_init(0) != 0 || cu_count(&n) != 0) n = 0;
+    dlclose(drv);
+    return n;
+#else
+    return 0;
+#endif
+}
+
 static void print_cuda(FILE *f) {
 #if QTUNE_HAVE_CUDA
     /* The driver is looked up at run time, so a CUDA build still runs (on the
@@ -228,8 +244,7 @@ int qt_doctor_environment(FILE *f, int ranks) {
         warnings++;
     }
     if (!bf16)
-        fprintf(f, "           bf16 compute is not available on this CPU: use fp16 or fp32 (a bf16 job stops with "
-                   "an error that says so)\n");
+        fprintf(f, "           no native bf16 on this CPU: bf16 jobs store bf16 and compute in fp32\n");
 
     const char *cfg = openblas_get_config();
     const int par = openblas_get_parallel();
@@ -434,9 +449,10 @@ static void check_deepspeed(doc_ctx *c, const cJSON *ds, int ranks, int *zero, i
     if (fp16) *prec = QT_F16;
     if (bf16) {
         *prec = QT_BF16;
-        if (!__builtin_cpu_supports("avx512bf16") && !QTUNE_HAVE_CUDA)
-            problem(c, "%s: deepspeed bf16.enabled is true but this CPU has no AVX512_BF16 and this build has no "
-                       "GPU backend; use fp16 or fp32", c->where);
+        /* not a problem: the CPU backend stores bf16 and computes in fp32 */
+        if (!__builtin_cpu_supports("avx512bf16") && gpu_count() == 0)
+            fprintf(c->f, "  note: bf16 is on but this CPU has no AVX512_BF16 and no GPU is visible: values are "
+                          "stored in bf16 and converted to fp32 for every product (slower than fp32)\n");
     }
     const cJSON *z = cJSON_GetObjectItemCaseSensitive(ds, "zero_optimization");
     if (cJSON_IsObject(z)) {
@@ -492,8 +508,8 @@ static void check_resources(doc_ctx *c, const char *dir, const cJSON *root, cons
         problem(c, "%s: %s", c->where, qt_error_message());
         return;
     }
-    /* On the CPU backend every rank's "device" memory is this host's. */
-    const uint64_t need = (QTUNE_HAVE_CUDA ? 0 : p.dev.total * (uint64_t)ranks) + p.host_total;
+    /* Without a GPU every rank's "device" memory is this host's. */
+    const uint64_t need = (gpu_count() > 0 ? 0 : p.dev.total * (uint64_t)ranks) + p.host_total;
     const int64_t avail = meminfo_kib("MemAvailable");
     fprintf(c->f, "plan       %.2f GiB per rank (weights %.2f, grads %.2f, optimizer %.2f, activations %.2f); host "
                   "%.2f GiB\n",
