@@ -355,7 +355,7 @@ static int check_config(const dl_config *c) {
     return QT_OK;
 }
 
-static int add_seg(dl_loader *l, int64_t *cap, uint64_t start, uint32_t len, uint32_t file) {
+static int add_seg(dl_loader *l, int64_t *cap, const dl_source *src, uint64_t start, uint32_t len, uint32_t file) {
     if (l->n_segs == *cap) {
         int64_t c = *cap ? *cap * 2 : 1024;
         dl_seg *p = qt_realloc(l->segs, (size_t)c * sizeof *p, "the loader's example table");
@@ -365,6 +365,13 @@ static int add_seg(dl_loader *l, int64_t *cap, uint64_t start, uint32_t len, uin
     }
     l->segs[l->n_segs++] = (dl_seg){.start = start, .len = len, .file = file};
     l->stats.n_tokens += len;
+    /* labels this example contributes, and targets (labels of tokens 1..len-1) */
+    const uint8_t *m = src->mask + start;
+    int64_t targets = 0;
+    for (uint32_t j = 1; j < len; j++) targets += m[j];
+    l->stats.n_labels += targets + m[0];
+    l->stats.n_targets += targets;
+    l->stats.n_unlabelled += targets == 0;
     return QT_OK;
 }
 
@@ -377,9 +384,9 @@ static int build_segs(dl_loader *l) {
         for (uint64_t i = 0; i < s->n_examples; i++) {
             uint64_t start = s->offsets[i], len = s->offsets[i + 1] - start;
             if (len <= T) {
-                QT_TRY(add_seg(l, &cap, start, (uint32_t)len, (uint32_t)f));
+                QT_TRY(add_seg(l, &cap, s, start, (uint32_t)len, (uint32_t)f));
             } else if (l->cfg.overlong == DL_OVERLONG_TRUNCATE) {
-                QT_TRY(add_seg(l, &cap, start, (uint32_t)T, (uint32_t)f));
+                QT_TRY(add_seg(l, &cap, s, start, (uint32_t)T, (uint32_t)f));
                 l->stats.n_truncated++;
                 l->stats.n_tokens_dropped += (int64_t)(len - T);
             } else {
@@ -387,13 +394,12 @@ static int build_segs(dl_loader *l) {
                  * the first input of the next, so every label is predicted once */
                 for (uint64_t p = 0;; p += T - 1) {
                     uint64_t n = len - p < T ? len - p : T;
-                    QT_TRY(add_seg(l, &cap, start + p, (uint32_t)n, (uint32_t)f));
+                    QT_TRY(add_seg(l, &cap, s, start + p, (uint32_t)n, (uint32_t)f));
                     if (p + n >= len) break;
                 }
                 l->stats.n_split++;
             }
         }
-        for (uint64_t t = 0; t < s->n_tokens; t++) l->stats.n_labels += s->mask[t];
     }
     return QT_OK;
 }
@@ -510,6 +516,10 @@ int dl_open(const dl_config *cfg, const bpe_tokenizer *tok, dl_loader **out) {
                 (long long)l->stats.n_truncated, l->T, (long long)l->stats.n_tokens_dropped);
     if (l->stats.n_split)
         qt_info("%lld examples were longer than seq_len %d and were split into pieces", (long long)l->stats.n_split, l->T);
+    if (l->stats.n_unlabelled)
+        qt_warn("%lld of %lld examples carry no labels%s, so they cost compute and teach nothing; "
+                "check mask_prompt and the data, or raise seq_len", (long long)l->stats.n_unlabelled,
+                (long long)l->n_segs, l->stats.n_truncated ? " (some after truncation)" : "");
     *out = l;
     return QT_OK;
 }

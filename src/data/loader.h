@@ -73,7 +73,9 @@ typedef struct {
     int64_t n_examples;        /* after overlong handling, all ranks */
     int64_t n_examples_rank;   /* this rank's share of an epoch */
     int64_t n_tokens;          /* tokens of all examples (after overlong handling) */
-    int64_t n_labels;          /* tokens carrying a label, before shifting */
+    int64_t n_labels;          /* tokens carrying a label (after overlong handling) */
+    int64_t n_targets;         /* targets an epoch yields: labels of every example's tokens 1..len-1 */
+    int64_t n_unlabelled;      /* examples with no target at all (warned about at open) */
     int64_t n_lines_skipped;   /* malformed lines skipped (skip_bad_lines) */
     int64_t n_truncated;       /* examples cut to seq_len (DL_OVERLONG_TRUNCATE) */
     int64_t n_split;           /* examples cut into pieces (DL_OVERLONG_SPLIT) */

@@ -82,6 +82,8 @@ static void test_packing_boundaries(void **state) {
     assert_int_equal(st.n_examples, 4);
     assert_int_equal(st.n_tokens, 14);
     assert_int_equal(st.n_labels, 12);
+    assert_int_equal(st.n_targets, 9);
+    assert_int_equal(st.n_unlabelled, 0);
     assert_int_equal(st.n_batches, 1);
     assert_int_equal(st.n_pad, 2);
     assert_int_equal(dl_tokens_per_epoch(l), 14);
@@ -165,6 +167,10 @@ static void test_padding_mode(void **state) {
     for (int t = 0; t < 8; t++) assert_int_equal(b.targets[t], I);
     assert_int_equal(b.n_target, 0);
     assert_int_equal(dl_next(l, &b), DL_END);
+    dl_stats st;
+    dl_get_stats(l, &st);
+    assert_int_equal(st.n_unlabelled, 1); /* the one-token example has nothing to predict */
+    assert_int_equal(st.n_targets, 3);
     dl_batch_free(&b);
     dl_close(l);
 }
@@ -182,6 +188,8 @@ static void test_overlong_truncate_and_split(void **state) {
     dl_get_stats(l, &st);
     assert_int_equal(st.n_truncated, 1);
     assert_int_equal(st.n_tokens_dropped, 6);
+    assert_int_equal(st.n_labels, 4 + 2);
+    assert_int_equal(st.n_targets, 3 + 1);
     assert_int_equal(dl_num_examples(l), 2);
     assert_int_equal(dl_batch_alloc(l, &b), QT_OK);
     assert_int_equal(dl_next(l, &b), QT_OK);
