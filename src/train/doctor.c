@@ -10,6 +10,7 @@
 #include "io/hf_config.h"
 #include "model/model.h"
 #include "optim/loss_scaler.h"
+#include "train/ds_config.h"
 #include "train/job.h"
 #include "train/plan_report.h"
 #include "qtune_config.h"
@@ -601,7 +602,18 @@ int qt_doctor_check_job(FILE *f, const char *path, int ranks) {
     const cJSON *ds = load_deepspeed(&c, dir, root, &ds_owned);
     qt_plan_opts o;
     qt_plan_opts_default(&o);
+    const int before_ds = c.n;
     check_deepspeed(&c, ds, ranks, &o.zero, &o.offload, &o.precision, &o.micro_batch);
+    if (ds && c.n == before_ds) {
+        /* the trainer's own DeepSpeed parser: optimizer, scheduler, fp16 and
+         * "auto" resolution, with the values it will train with */
+        qt_ds_config dc;
+        char where[4200];
+        snprintf(where, sizeof where, "%s: deepspeed", path);
+        qt_error_clear();
+        if (qt_ds_config_parse(ds, where, ranks, &dc) != QT_OK) problem(&c, "%s", qt_error_message());
+        else if (dc.micro_batch >= 1 && dc.micro_batch <= (1 << 20)) o.micro_batch = (int)dc.micro_batch;
+    }
     o.devices = ranks;
     o.dataset_bytes = (uint64_t)train_bytes;
     double T;

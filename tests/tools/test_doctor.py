@@ -139,3 +139,11 @@ def test_tokenizer_needed_only_for_text_data(tmp_path):
     assert p.returncode == 1 and "tokenizer.json" in p.stdout
     (tmp_path / "train.jsonl").write_text('{"input_ids": [1, 2, 3, 4]}\n')
     qtune("doctor", job, "--no-table", check=0)  # pre-tokenized: no tokenizer needed
+
+
+def test_trainers_deepspeed_parser_is_consulted(tmp_path):
+    job, j = good_job(tmp_path)
+    j["deepspeed"]["optimizer"] = {"type": "Lamb", "params": {"lr": 1e-3}}
+    job.write_text(json.dumps(j))
+    p = qtune("doctor", job, "--no-table")
+    assert p.returncode == 1 and "Lamb" in p.stdout
