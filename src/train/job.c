@@ -428,9 +428,33 @@ static cJSON *fingerprint_view(const cJSON *root) {
     return cp;
 }
 
+static int cmp_key(const void *a, const void *b) {
+    return strcmp((*(cJSON *const *)a)->string, (*(cJSON *const *)b)->string);
+}
+
+/* Objects' keys in sorted order, recursively: reordering a job file's keys is
+ * no difference. */
+static void sort_keys(cJSON *j, int depth) {
+    if (depth > 64 || !j) return;
+    for (cJSON *c = j->child; c; c = c->next) sort_keys(c, depth + 1);
+    if (!cJSON_IsObject(j) || !j->child) return;
+    int n = cJSON_GetArraySize(j), k = 0;
+    cJSON **items = qt_malloc((size_t)n * sizeof *items, "job keys");
+    if (!items) return; /* unsorted: the fingerprint is still a fingerprint */
+    while (j->child) {
+        cJSON *c = cJSON_DetachItemViaPointer(j, j->child);
+        if (!c->string) { cJSON_Delete(c); continue; }
+        items[k++] = c;
+    }
+    qsort(items, (size_t)k, sizeof *items, cmp_key);
+    for (int i = 0; i < k; i++) cJSON_AddItemToObject(j, items[i]->string, items[i]);
+    qt_free(items);
+}
+
 static uint64_t job_fingerprint(const cJSON *root) {
     cJSON *cp = fingerprint_view(root);
     if (!cp) return 0;
+    sort_keys(cp, 0);
     char *s = cJSON_PrintUnformatted(cp);
     cJSON_Delete(cp);
     if (!s) return 0;

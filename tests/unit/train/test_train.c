@@ -65,6 +65,12 @@ static void test_job_defaults_and_paths(void **state) {
     assert_int_equal(j.train.max_steps, 7);
     assert_true(j.fingerprint == fp);
     qt_job_free(&j);
+    /* the same job with its keys in another order */
+    const char *json_r = "{\"lora\": {\"target_modules\": [\"q_proj\", \"down_proj\"], \"r\": 16},"
+                         " \"data\": {\"train\": \"t.jsonl\"}, \"output_dir\": \"/abs/out\", \"model\": \"m\"}";
+    assert_int_equal(qt_job_parse(json_r, "/jobs", "/jobs/j.json", NULL, 0, &j), QT_OK);
+    assert_true(j.fingerprint == fp);
+    qt_job_free(&j);
     const char *sets2[] = {"data.seq_len=64"};
     assert_int_equal(qt_job_parse(json, "/jobs", "/jobs/j.json", sets2, 1, &j), QT_OK);
     assert_int_equal(j.data.seq_len, 64);
