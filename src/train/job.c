@@ -451,7 +451,7 @@ static void sort_keys(cJSON *j, int depth) {
     qt_free(items);
 }
 
-static uint64_t job_fingerprint(const cJSON *root) {
+uint64_t qt_job_fingerprint_of(const cJSON *root) {
     cJSON *cp = fingerprint_view(root);
     if (!cp) return 0;
     sort_keys(cp, 0);
@@ -570,7 +570,7 @@ int qt_job_parse(const char *json, const char *dir, const char *where, const cha
         }
     }
     if (rc != QT_OK) { qt_job_free(job); return rc; }
-    job->fingerprint = job_fingerprint(root);
+    job->fingerprint = qt_job_fingerprint_of(root);
     return QT_OK;
 }
 

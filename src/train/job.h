@@ -82,6 +82,10 @@ int qt_job_apply_set(cJSON *root, const char *set);
 /* LoRA target names (PEFT's) to a QT_LORA_* mask; "all-linear" is every one. */
 int qt_job_lora_targets(const cJSON *arr, unsigned *mask, const char *where);
 
+/* The fingerprint of a job tree (after overrides, DeepSpeed inlined), as
+ * qt_job_parse computes it. */
+uint64_t qt_job_fingerprint_of(const cJSON *root);
+
 /* Names the fields (as key paths) where two job trees differ in what the
  * fingerprint covers, with both values: "lora.r (4 there, 8 here), ..." (at
  * most four, then "and N more"). `was` is typically the "job" recorded in an

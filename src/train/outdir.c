@@ -50,15 +50,20 @@ static int remove_ours(const char *dir) {
     return rc;
 }
 
+/* The recorded run's fingerprint: recomputed from the job it recorded (so a
+ * change in how fingerprints are computed does not orphan a folder), else
+ * the recorded value. */
 static int read_fingerprint(const char *path, uint64_t *fp) {
     char *text;
     QT_TRY(qt_read_file(path, 1 << 24, &text, NULL));
     cJSON *j = cJSON_Parse(text);
     qt_free(text);
     const cJSON *f = cJSON_GetObjectItemCaseSensitive(j, "fingerprint");
+    const cJSON *job = cJSON_GetObjectItemCaseSensitive(j, "job");
     int rc = QT_OK;
-    if (!cJSON_IsString(f)) rc = QT_ERR(QT_EFORMAT, "%s has no \"fingerprint\"", path);
-    else *fp = strtoull(f->valuestring, NULL, 16);
+    if (cJSON_IsObject(job)) *fp = qt_job_fingerprint_of(job);
+    else if (cJSON_IsString(f)) *fp = strtoull(f->valuestring, NULL, 16);
+    else rc = QT_ERR(QT_EFORMAT, "%s has no \"fingerprint\"", path);
     cJSON_Delete(j);
     return rc;
 }

@@ -124,6 +124,8 @@ static char *state_json(const qt_trainer *t, const int64_t *data_pos) {
     cJSON_AddNumberToObject(j, "numel", (double)t->n);
     cJSON_AddBoolToObject(j, "lora", t->job->lora.enabled);
     cJSON_AddStringToObject(j, "fingerprint", hex);
+    /* the job itself, so a later qtune recomputes the fingerprint its own way */
+    cJSON_AddItemToObject(j, "job", cJSON_Duplicate(t->job->root, 1));
     cJSON_AddNumberToObject(j, "seed", (double)t->job->train.seed);
     /* the dropout-mask stream: masks are seeded from (seed, micro-step) */
     cJSON_AddNumberToObject(j, "rng_micro_step", (double)qt_model_micro_step(t->model));
@@ -270,7 +272,10 @@ static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos) {
     const cJSON *fp = cJSON_GetObjectItemCaseSensitive(j, "fingerprint");
     char hex[32];
     snprintf(hex, sizeof hex, "%016" PRIx64, t->job->fingerprint);
-    if (rc == QT_OK && !(cJSON_IsString(fp) && !strcmp(fp->valuestring, hex)))
+    const cJSON *sjob = cJSON_GetObjectItemCaseSensitive(j, "job");
+    int same = cJSON_IsObject(sjob) ? qt_job_fingerprint_of(sjob) == t->job->fingerprint
+                                    : cJSON_IsString(fp) && !strcmp(fp->valuestring, hex);
+    if (rc == QT_OK && !same)
         rc = QT_ERR(QT_EINVAL,
                     "%s was written by a different job (%s%s); resume it with the job that wrote it, or set "
                     "train.resume to \"never\"",
