@@ -106,7 +106,7 @@ def test_resume_is_exact(base, mode):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_saves_and_exits_130(base, sig):
+def test_sigint_saves_and_exits_130(base, sig):
     name = "run_sig%d" % int(sig)
     j = job(base, name + ".json", name, lora=LORA, train_opts={"max_steps": 100000})
     out = os.path.join(base, name)
