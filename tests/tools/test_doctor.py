@@ -147,3 +147,18 @@ def test_trainers_deepspeed_parser_is_consulted(tmp_path):
     job.write_text(json.dumps(j))
     p = qtune("doctor", job, "--no-table")
     assert p.returncode == 1 and "Lamb" in p.stdout
+
+
+@pytest.mark.parametrize("text", [
+    '{"model": 3, "output_dir": [], "data": [], "deepspeed": 5, "lora": {"r": "x", "target_modules": 7}}',
+    '{"model": "m", "data": {"train": "", "seq_len": 1e300}, "deepspeed": {"train_batch_size": 1e300, '
+    '"train_micro_batch_size_per_gpu": 0.5, "gradient_accumulation_steps": -3, '
+    '"zero_optimization": {"stage": "2", "offload_optimizer": {"device": 5}}}}',
+    "[]", "", "{\"model\": ", '{"deepspeed": "/dev/null"}',
+])
+def test_malformed_jobs_are_problems_not_crashes(tmp_path, text):
+    job = tmp_path / "job.json"
+    job.write_text(text)
+    p = qtune("doctor", job, "--no-table", "--ranks", "3")
+    assert p.returncode == 1, p.stderr
+    assert "problem:" in p.stdout
