@@ -17,7 +17,7 @@
 
 /* Names qtune writes into an output folder (and removes on overwrite). */
 static int is_ours(const char *name) {
-    static const char *const names[] = {RUN_FILE, "metrics.jsonl", "loss.svg", "final", "final.tmp", NULL};
+    static const char *const names[] = {RUN_FILE, "metrics.jsonl", "loss.svg", "final", "final.tmp", "final.old", NULL};
     for (int i = 0; names[i]; i++)
         if (!strcmp(name, names[i])) return 1;
     return !strncmp(name, "checkpoint-", 11) || !strncmp(name, "final.tmp", 9) || !strncmp(name, "metrics.jsonl.tmp", 17) ||
