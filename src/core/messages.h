@@ -15,7 +15,7 @@
  * args: double MiB, const char *what. */
 #define QT_MSG_OOM_FMT                                                                             \
     "could not allocate %.1f MiB for %s; free memory, lower the micro-batch or seq_len, "          \
-    "or turn on gradient_checkpointing (see `qtune plan`)"
+    "turn on gradient_checkpointing, or shard with ZeRO stage 2 (see `qtune plan`)"
 
 /* Speed collapse: the training step waited on the data loader. Printed as a
  * warning by the trainer/loader. args: double percent of wall time the step
