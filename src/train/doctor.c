@@ -190,21 +190,31 @@ static void print_cuda(FILE *f) {
     if (cu_ver) cu_ver(&ver);
     fprintf(f, "cuda       driver supports CUDA %d.%d; %d GPU%s\n", ver / 1000, (ver % 1000) / 10, n, n == 1 ? "" : "s");
     void *rt = dlopen("libcudart.so", RTLD_NOW | RTLD_LOCAL);
+    typedef int (*set_fn)(int);
+    typedef int (*info_fn)(size_t *, size_t *);
+    set_fn rt_set = NULL;
+    info_fn rt_info = NULL;
     if (rt) {
         ver_fn rt_ver = (ver_fn)dlsym(rt, "cudaRuntimeGetVersion");
+        rt_set = (set_fn)dlsym(rt, "cudaSetDevice");
+        rt_info = (info_fn)dlsym(rt, "cudaMemGetInfo");
         int rv = 0;
         if (rt_ver && rt_ver(&rv) == 0) fprintf(f, "           runtime CUDA %d.%d\n", rv / 1000, (rv % 1000) / 10);
-        dlclose(rt);
     }
     for (int i = 0; i < n && cu_get && cu_name && cu_mem; i++) {
         int dev;
         char name[256] = "?";
-        size_t bytes = 0;
+        size_t bytes = 0, fr = 0, tot = 0;
         if (cu_get(&dev, i) != 0) continue;
         cu_name(name, sizeof name, dev);
         cu_mem(&bytes, dev);
-        fprintf(f, "           GPU %d: %s, %.1f GiB\n", i, name, (double)bytes / GIB);
+        /* free memory needs a context: the runtime makes one on the device */
+        if (rt_set && rt_info && rt_set(i) == 0 && rt_info(&fr, &tot) == 0)
+            fprintf(f, "           GPU %d: %s, %.1f GiB, %.1f GiB free\n", i, name, (double)bytes / GIB, (double)fr / GIB);
+        else
+            fprintf(f, "           GPU %d: %s, %.1f GiB\n", i, name, (double)bytes / GIB);
     }
+    if (rt) dlclose(rt);
     dlclose(drv);
 #else
     fprintf(f, "cuda       this build has no CUDA backend (configured without nvcc): CPU only\n");
