@@ -17,11 +17,12 @@
 
 /* Code points NFC never alters and that never combine with what precedes
  * them (ccc 0, no canonical decomposition, not the second half of any
- * composition): ASCII and Latin-1 (< U+0300), CJK ideographs, CJK punctuation
- * before the tone marks, half/fullwidth forms, the emoji blocks. A text is
+ * composition): ASCII and Latin-1 (< U+0300), general punctuation after the
+ * two quad spaces (which decompose), CJK ideographs, CJK punctuation before
+ * the tone marks, half/fullwidth forms, the emoji blocks. A text is
  * NFC-split at any of them: NFC(a + x + b) == NFC(a) + NFC(x + b). */
 static inline int nfc_inert(uint32_t cp) {
-    return cp < 0x300 || (cp >= 0x4E00 && cp <= 0x9FFF) || (cp >= 0x3400 && cp <= 0x4DBF) ||
+    return cp < 0x300 || (cp >= 0x4E00 && cp <= 0x9FFF) || (cp >= 0x3400 && cp <= 0x4DBF) || (cp >= 0x2002 && cp <= 0x206F) ||
            (cp >= 0x3000 && cp <= 0x3029) || (cp >= 0xFF00 && cp <= 0xFFEF) || (cp >= 0x1F300 && cp <= 0x1FAFF);
 }
 
@@ -138,7 +139,13 @@ typedef struct {
 /* The first added token in s[from..n), leftmost then longest. */
 static int find_added(const bpe_tokenizer *t, const uint8_t *s, size_t n, size_t from, size_t floor, added_match *m) {
     for (size_t i = from; i < n; i++) {
-        if (!t->added_first[s[i]]) continue;
+        if (t->added_one_first >= 0) { /* Qwen's all start with '<': let memchr skip ahead */
+            const uint8_t *q = memchr(s + i, t->added_one_first, n - i);
+            if (!q) return 0;
+            i = (size_t)(q - s);
+        } else if (!t->added_first[s[i]]) {
+            continue;
+        }
         for (size_t k = 0; k < t->n_added; k++) {
             const bpe_added *a = &t->added[k];
             if (a->len > n - i || (uint8_t)a->content[0] != s[i] || memcmp(a->content, s + i, a->len)) continue;
@@ -216,9 +223,15 @@ static int encode_stretch(enc_ctx *c, const char *s, size_t n, size_t base) {
     } else {
         size_t off = 0;
         while (off < n && rc == QT_OK) {
-            int m = t->re_jit ? pcre2_jit_match(t->re, (PCRE2_SPTR)s, n, off, 0, c->md, NULL) : PCRE2_ERROR_JIT_STACKLIMIT;
-            if (m == PCRE2_ERROR_JIT_STACKLIMIT)
-                m = pcre2_match(t->re, (PCRE2_SPTR)s, n, off, PCRE2_NO_UTF_CHECK, c->md, NULL);
+            /* Try a match right at off first (the anchored copy skips the
+             * search for a start); only when there is none, search on. The
+             * leftmost match is the same either way. */
+            int m = t->re_jit ? pcre2_jit_match(t->re_anchored, (PCRE2_SPTR)s, n, off, 0, c->md, NULL) : PCRE2_ERROR_JIT_STACKLIMIT;
+            if (m == PCRE2_ERROR_JIT_STACKLIMIT || m == PCRE2_ERROR_NOMATCH) {
+                m = t->re_jit ? pcre2_jit_match(t->re, (PCRE2_SPTR)s, n, off, 0, c->md, NULL) : PCRE2_ERROR_JIT_STACKLIMIT;
+                if (m == PCRE2_ERROR_JIT_STACKLIMIT)
+                    m = pcre2_match(t->re, (PCRE2_SPTR)s, n, off, PCRE2_NO_UTF_CHECK, c->md, NULL);
+            }
             if (m == PCRE2_ERROR_NOMATCH) {
                 rc = encode_piece(c, (const uint8_t *)s + off, n - off, base + off, exact, rs, re);
                 break;

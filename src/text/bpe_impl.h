@@ -8,6 +8,7 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -23,6 +24,13 @@
 #define BPE_KEY_MASK ((1ull << (2 * BPE_ID_BITS)) - 1)
 #define BPE_MAX_RANK ((1u << 24) - 2)
 #define BPE_NO_MERGE UINT32_MAX
+/* A direct-mapped cache of recent lookups, hits and misses alike, in front of
+ * the merge table: key << 24 | rank (0xFFFFFF: no merge). Eight entries per
+ * cache line instead of one, so the pairs a text keeps using stay in L2.
+ * Shared by all threads: each 64-bit entry is written and read whole
+ * (relaxed atomics) and carries its own key, so a race only costs a miss. */
+#define BPE_PAIR_CACHE (1 << 15)
+#define BPE_PAIR_NONE 0xFFFFFFu
 
 /* Token string -> id (vocab and added tokens), open addressing; id -1 empty. */
 typedef struct {
@@ -42,20 +50,21 @@ typedef struct {
  * rather than wait, so encoding from many threads never serialises. A full
  * shard is emptied and refilled: memory stays bounded whatever the input. */
 #define BPE_CACHE_SHARDS 16
-#define BPE_CACHE_SLOTS 8192          /* per shard, power of two */
-#define BPE_CACHE_ARENA (512u << 10)  /* bytes per shard for words and ids */
-#define BPE_CACHE_MAX_WORD 64         /* longer words are not cached */
+#define BPE_CACHE_SLOTS 4096          /* per shard, power of two; half fill before a reset */
+#define BPE_CACHE_MAX_WORD 26         /* longer words, or words of more than 8 ids, are not cached */
+#define BPE_CACHE_MAX_IDS 8
+/* One cache line a word: a hit reads nothing else. */
 typedef struct {
-    uint64_t hash;
-    uint32_t off;   /* into arena: nids int32 ids, then the word's bytes */
-    uint16_t wlen;
-    uint16_t nids;  /* 0: empty slot */
+    uint32_t hash;
+    uint8_t wlen;
+    uint8_t nids;                     /* 0: empty slot */
+    uint8_t word[BPE_CACHE_MAX_WORD];
+    int32_t ids[BPE_CACHE_MAX_IDS];
 } bpe_cache_slot;
 typedef struct {
-    pthread_mutex_t mu;
+    atomic_flag busy;                 /* taken with test-and-set, never waited on */
     bpe_cache_slot *slots;
-    uint8_t *arena;
-    uint32_t used, count;
+    uint32_t count;
 } bpe_cache_shard;
 
 struct bpe_tokenizer {
@@ -77,17 +86,21 @@ struct bpe_tokenizer {
     uint8_t *id_byte;          /* (n_ids) the byte a one-byte token stands for, else 0 */
     uint8_t *id_is_byte;       /* (n_ids) 1 for the 256 byte tokens */
     uint32_t *str_len;         /* (n_ids) strlen of tok_str */
+    _Atomic uint64_t *pair_cache; /* (BPE_PAIR_CACHE) recent lookups, see bpe_merge_rank */
+    uint64_t *span_bloom;      /* (BPE_SPAN_BLOOM / 64) see bpe_word's cuts */
 
     int32_t byte_id[256];      /* id of the one-byte token for each byte */
 
     bpe_added *added;          /* (n_added) sorted longest first */
     size_t n_added;
     uint8_t added_first[256];  /* 1 where some added token starts with this byte */
+    int added_one_first;       /* the first byte when all added tokens share it, else -1 */
     uint8_t *is_added;         /* (n_ids) 1 for added tokens */
 
     int nfc;                   /* the normalizer is NFC */
     pcre2_code *re;            /* the Split pre-tokenizer, NULL: none */
-    int re_jit;                /* JIT compiled */
+    pcre2_code *re_anchored;   /* the same, PCRE2_ANCHORED: matches only at the start offset */
+    int re_jit;                /* both JIT compiled */
 
     bpe_cache_shard cache[BPE_CACHE_SHARDS];
     uint64_t hash;             /* of the tokenizer.json bytes */
@@ -96,16 +109,62 @@ struct bpe_tokenizer {
 /* A small, fast hash of a byte string (8 bytes a step). */
 uint64_t bpe_hash_bytes(const void *p, size_t n);
 
-/* Rank of the merge of (left, right), or BPE_NO_MERGE. */
-static inline uint32_t bpe_merge_rank(const bpe_tokenizer *t, int32_t left, int32_t right) {
-    uint64_t key = ((uint64_t)(uint32_t)left << BPE_ID_BITS) | (uint32_t)right;
+static inline uint64_t bpe_merge_key(int32_t left, int32_t right) {
+    return ((uint64_t)(uint32_t)left << BPE_ID_BITS) | (uint32_t)right;
+}
+static inline size_t bpe_merge_slot(const bpe_tokenizer *t, uint64_t key) {
+    return (size_t)((key * 0x9E3779B97F4A7C15ull) >> t->merge_shift);
+}
+
+/* Rank of the merge with this key, probing from slot i, or BPE_NO_MERGE.
+ * The table is too big for L2, so callers that know two lookups ahead
+ * prefetch both slots first and let the misses overlap. */
+static inline uint32_t bpe_merge_probe(const bpe_tokenizer *t, uint64_t key, size_t i) {
     size_t mask = t->merge_cap - 1;
-    for (size_t i = (size_t)((key * 0x9E3779B97F4A7C15ull) >> t->merge_shift);; i = (i + 1) & mask) {
+    for (;; i = (i + 1) & mask) {
         uint64_t s = t->merges[i];
         if ((s & BPE_KEY_MASK) == key && s != UINT64_MAX) return (uint32_t)(s >> (2 * BPE_ID_BITS));
         if (s == UINT64_MAX) return BPE_NO_MERGE;
     }
 }
+
+/* Rank of the merge of (left, right), or BPE_NO_MERGE. */
+static inline uint32_t bpe_merge_rank(const bpe_tokenizer *t, int32_t left, int32_t right) {
+    uint64_t key = bpe_merge_key(left, right);
+    size_t c = (size_t)((key * 0xD6E8FEB86659FD93ull) >> (64 - 15));
+    uint64_t e = atomic_load_explicit(&t->pair_cache[c], memory_order_relaxed);
+    if ((e >> 24) == key) {
+        uint32_t r = (uint32_t)(e & 0xFFFFFF);
+        return r == BPE_PAIR_NONE ? BPE_NO_MERGE : r;
+    }
+    uint32_t r = bpe_merge_probe(t, key, bpe_merge_slot(t, key));
+    atomic_store_explicit(&t->pair_cache[c], key << 24 | (r == BPE_NO_MERGE ? BPE_PAIR_NONE : r), memory_order_relaxed);
+    return r;
+}
+
+/* Cutting long words. BPE never merges across a position p that no vocab
+ * token spans (every merge makes a vocab token), so the word's ids are the
+ * ids of the two sides, each merged on its own - and the sides are short and
+ * hit the word cache. A Chinese run of 20 characters is one pre-tokenizer
+ * piece; cut where no token spans, it is a handful of cached words.
+ * Only boundaries between two non-ASCII characters are tried. For every
+ * token and every such boundary inside it, the up-to-3 bytes either side go
+ * into a Bloom filter; a boundary of the text whose every (1..3, 1..3)-byte
+ * neighbourhood misses the filter is spanned by no token, certainly. */
+#define BPE_SPAN_BLOOM (1u << 21) /* bits: 256 KiB */
+uint64_t bpe_span_key(const uint8_t *left, int ls, const uint8_t *right, int rs);
+static inline int bpe_span_bloom_has(const uint64_t *bloom, uint64_t key) {
+    uint64_t h = key * 0x9E3779B97F4A7C15ull;
+    uint32_t a = (uint32_t)(h >> 43), b = (uint32_t)(h >> 22) & (BPE_SPAN_BLOOM - 1);
+    return (bloom[a >> 6] >> (a & 63) & 1) && (bloom[b >> 6] >> (b & 63) & 1);
+}
+static inline void bpe_span_bloom_add(uint64_t *bloom, uint64_t key) {
+    uint64_t h = key * 0x9E3779B97F4A7C15ull;
+    uint32_t a = (uint32_t)(h >> 43), b = (uint32_t)(h >> 22) & (BPE_SPAN_BLOOM - 1);
+    bloom[a >> 6] |= 1ull << (a & 63);
+    bloom[b >> 6] |= 1ull << (b & 63);
+}
+int bpe_span_init(bpe_tokenizer *t);
 
 /* Appends the ids of one pre-tokenized word (raw bytes) to *ids. */
 int bpe_word(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, size_t *nids, size_t *cap);
@@ -113,6 +172,10 @@ int bpe_cache_init(bpe_tokenizer *t);
 void bpe_cache_free(bpe_tokenizer *t);
 
 /* Grows *ids (and *spans when not NULL) so that `more` entries fit. */
-int bpe_reserve(int32_t **ids, bpe_span **spans, size_t n, size_t *cap, size_t more);
+int bpe_grow(int32_t **ids, bpe_span **spans, size_t n, size_t *cap, size_t more);
+static inline int bpe_reserve(int32_t **ids, bpe_span **spans, size_t n, size_t *cap, size_t more) {
+    if (n + more <= *cap && *ids && (!spans || *spans)) return 0;
+    return bpe_grow(ids, spans, n, cap, more);
+}
 
 #endif

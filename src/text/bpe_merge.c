@@ -51,8 +51,7 @@ static merge_cand heap_pop(merge_cand *h, size_t *n) {
     return top;
 }
 
-int bpe_reserve(int32_t **ids, bpe_span **spans, size_t n, size_t *cap, size_t more) {
-    if (n + more <= *cap && *ids && (!spans || *spans)) return QT_OK;
+int bpe_grow(int32_t **ids, bpe_span **spans, size_t n, size_t *cap, size_t more) {
     size_t c = *cap < 64 ? 64 : *cap;
     while (c < n + more) c *= 2;
     int32_t *ni = qt_realloc(*ids, c * sizeof *ni, "token ids");
@@ -78,7 +77,10 @@ static size_t bpe_merge_word(const bpe_tokenizer *t, const uint8_t *w, size_t n,
     }
     for (size_t i = 0; i + 1 < n; i++) {
         uint32_t rank = t->byte_pair[w[i] * 256 + w[i + 1]];
-        if (rank != BPE_NO_MERGE) heap_push(heap, &hn, (merge_cand){rank, (uint32_t)i, sym[i], sym[i + 1]});
+        if (rank != BPE_NO_MERGE) {
+            __builtin_prefetch(&t->merge_id[rank]);
+            heap_push(heap, &hn, (merge_cand){rank, (uint32_t)i, sym[i], sym[i + 1]});
+        }
     }
     while (hn) {
         merge_cand c = heap_pop(heap, &hn);
@@ -88,15 +90,20 @@ static size_t bpe_merge_word(const bpe_tokenizer *t, const uint8_t *w, size_t n,
         sym[q] = -1;
         next[p] = next[q];
         if (next[q] >= 0) prev[next[q]] = p;
-        if (prev[p] >= 0) {
-            int32_t l = prev[p];
+        int32_t l = prev[p], r = next[p];
+        if (l >= 0) {
             uint32_t rank = bpe_merge_rank(t, sym[l], sym[p]);
-            if (rank != BPE_NO_MERGE) heap_push(heap, &hn, (merge_cand){rank, (uint32_t)l, sym[l], sym[p]});
+            if (rank != BPE_NO_MERGE) {
+                __builtin_prefetch(&t->merge_id[rank]);
+                heap_push(heap, &hn, (merge_cand){rank, (uint32_t)l, sym[l], sym[p]});
+            }
         }
-        if (next[p] >= 0) {
-            int32_t r = next[p];
+        if (r >= 0) {
             uint32_t rank = bpe_merge_rank(t, sym[p], sym[r]);
-            if (rank != BPE_NO_MERGE) heap_push(heap, &hn, (merge_cand){rank, (uint32_t)p, sym[p], sym[r]});
+            if (rank != BPE_NO_MERGE) {
+                __builtin_prefetch(&t->merge_id[rank]);
+                heap_push(heap, &hn, (merge_cand){rank, (uint32_t)p, sym[p], sym[r]});
+            }
         }
     }
     size_t k = 0;
@@ -107,73 +114,129 @@ static size_t bpe_merge_word(const bpe_tokenizer *t, const uint8_t *w, size_t n,
 /* ---- the cache ---- */
 
 int bpe_cache_init(bpe_tokenizer *t) {
+    _Static_assert(sizeof(bpe_cache_slot) == 64, "a cache slot is one cache line");
+    t->pair_cache = qt_alloc_aligned(BPE_PAIR_CACHE * sizeof *t->pair_cache, "BPE pair cache");
+    if (!t->pair_cache) return QT_ENOMEM;
+    for (size_t i = 0; i < BPE_PAIR_CACHE; i++) atomic_init(&t->pair_cache[i], UINT64_MAX);
     for (int s = 0; s < BPE_CACHE_SHARDS; s++) {
         bpe_cache_shard *sh = &t->cache[s];
-        if (pthread_mutex_init(&sh->mu, NULL)) return QT_ERR(QT_ENOMEM, "could not create the tokenizer cache's lock");
-        sh->slots = qt_calloc(BPE_CACHE_SLOTS, sizeof *sh->slots, "tokenizer word cache");
-        sh->arena = qt_malloc(BPE_CACHE_ARENA, "tokenizer word cache");
-        if (!sh->slots || !sh->arena) return QT_ENOMEM;
+        sh->slots = qt_alloc_aligned(BPE_CACHE_SLOTS * sizeof *sh->slots, "tokenizer word cache");
+        if (!sh->slots) return QT_ENOMEM;
+        memset(sh->slots, 0, BPE_CACHE_SLOTS * sizeof *sh->slots);
+        atomic_flag_clear(&sh->busy);
     }
     return QT_OK;
 }
 
 void bpe_cache_free(bpe_tokenizer *t) {
+    qt_free((void *)t->pair_cache);
+    qt_free(t->span_bloom);
     for (int s = 0; s < BPE_CACHE_SHARDS; s++) {
         bpe_cache_shard *sh = &t->cache[s];
-        if (!sh->slots && !sh->arena) continue;
-        pthread_mutex_destroy(&sh->mu);
         qt_free(sh->slots);
-        qt_free(sh->arena);
     }
 }
 
-/* Looks w up; on a hit appends its ids and returns 1. */
+/* Looks w up; on a hit writes its ids to out and returns 1. */
 static int cache_get(bpe_cache_shard *sh, uint64_t h, const uint8_t *w, size_t n, int32_t *out, size_t *k) {
     int hit = 0;
-    if (pthread_mutex_trylock(&sh->mu)) return 0;
-    for (size_t i = (h >> 20) & (BPE_CACHE_SLOTS - 1);; i = (i + 1) & (BPE_CACHE_SLOTS - 1)) {
+    uint32_t h32 = (uint32_t)h;
+    if (atomic_flag_test_and_set_explicit(&sh->busy, memory_order_acquire)) return 0;
+    for (size_t i = (h >> 32) & (BPE_CACHE_SLOTS - 1);; i = (i + 1) & (BPE_CACHE_SLOTS - 1)) {
         const bpe_cache_slot *s = &sh->slots[i];
         if (!s->nids) break;
-        if (s->hash == h && s->wlen == n) {
-            const uint8_t *e = sh->arena + s->off;
-            if (!memcmp(e + s->nids * sizeof(int32_t), w, n)) {
-                memcpy(out, e, s->nids * sizeof(int32_t));
-                *k = s->nids;
-                hit = 1;
-                break;
-            }
+        if (s->hash == h32 && s->wlen == n && !memcmp(s->word, w, n)) {
+            memcpy(out, s->ids, s->nids * sizeof(int32_t));
+            *k = s->nids;
+            hit = 1;
+            break;
         }
     }
-    pthread_mutex_unlock(&sh->mu);
+    atomic_flag_clear_explicit(&sh->busy, memory_order_release);
     return hit;
 }
 
 static void cache_put(bpe_cache_shard *sh, uint64_t h, const uint8_t *w, size_t n, const int32_t *ids, size_t k) {
-    size_t need = k * sizeof(int32_t) + n;
-    if (pthread_mutex_trylock(&sh->mu)) return;
-    if (sh->used + need > BPE_CACHE_ARENA || sh->count >= BPE_CACHE_SLOTS / 2) { /* full: start over */
+    if (k > BPE_CACHE_MAX_IDS || atomic_flag_test_and_set_explicit(&sh->busy, memory_order_acquire)) return;
+    if (sh->count >= BPE_CACHE_SLOTS / 2) { /* full: start over */
         memset(sh->slots, 0, BPE_CACHE_SLOTS * sizeof *sh->slots);
-        sh->used = sh->count = 0;
+        sh->count = 0;
     }
-    size_t i = (h >> 20) & (BPE_CACHE_SLOTS - 1);
-    while (sh->slots[i].nids) {
-        if (sh->slots[i].hash == h && sh->slots[i].wlen == n &&
-            !memcmp(sh->arena + sh->slots[i].off + sh->slots[i].nids * sizeof(int32_t), w, n)) {
-            pthread_mutex_unlock(&sh->mu); /* another thread got here first */
+    uint32_t h32 = (uint32_t)h;
+    size_t i = (h >> 32) & (BPE_CACHE_SLOTS - 1);
+    for (; sh->slots[i].nids; i = (i + 1) & (BPE_CACHE_SLOTS - 1)) {
+        const bpe_cache_slot *s = &sh->slots[i];
+        if (s->hash == h32 && s->wlen == n && !memcmp(s->word, w, n)) { /* another thread got here first */
+            atomic_flag_clear_explicit(&sh->busy, memory_order_release);
             return;
         }
-        i = (i + 1) & (BPE_CACHE_SLOTS - 1);
     }
-    uint8_t *e = sh->arena + sh->used;
-    memcpy(e, ids, k * sizeof(int32_t));
-    memcpy(e + k * sizeof(int32_t), w, n);
-    sh->slots[i] = (bpe_cache_slot){h, sh->used, (uint16_t)n, (uint16_t)k};
-    sh->used += (uint32_t)need;
+    bpe_cache_slot *s = &sh->slots[i];
+    s->hash = h32;
+    s->wlen = (uint8_t)n;
+    s->nids = (uint8_t)k;
+    memcpy(s->word, w, n);
+    memcpy(s->ids, ids, k * sizeof *ids);
     sh->count++;
-    pthread_mutex_unlock(&sh->mu);
+    atomic_flag_clear_explicit(&sh->busy, memory_order_release);
 }
 
+/* ---- cutting long words (see bpe_impl.h) ---- */
+
+/* key of (the ls bytes before a boundary, the rs bytes after it), ls, rs in 1..3 */
+uint64_t bpe_span_key(const uint8_t *left, int ls, const uint8_t *right, int rs) {
+    uint64_t l = 0, r = 0;
+    for (int i = 0; i < ls; i++) l |= (uint64_t)left[ls - 1 - i] << (8 * i); /* nearest byte lowest */
+    for (int i = 0; i < rs; i++) r |= (uint64_t)right[i] << (8 * i);
+    return (uint64_t)ls << 60 | (uint64_t)rs << 56 | l << 24 | r;
+}
+
+static inline int is_cut_point(const uint8_t *w, size_t p) { return w[p] >= 0xC0 && w[p - 1] >= 0x80; }
+
+int bpe_span_init(bpe_tokenizer *t) {
+    t->span_bloom = qt_calloc(BPE_SPAN_BLOOM / 64, sizeof *t->span_bloom, "BPE span filter");
+    if (!t->span_bloom) return QT_ENOMEM;
+    for (int32_t id = 0; id < t->n_ids; id++) {
+        const uint8_t *b = t->bytes + t->tok_off[id];
+        size_t len = t->tok_off[id + 1] - t->tok_off[id];
+        for (size_t i = 1; i < len; i++) {
+            if (!is_cut_point(b, i)) continue;
+            int ls = i < 3 ? (int)i : 3, rs = len - i < 3 ? (int)(len - i) : 3;
+            bpe_span_bloom_add(t->span_bloom, bpe_span_key(b + i - ls, ls, b + i, rs));
+        }
+    }
+    return QT_OK;
+}
+
+/* 1 when some token may span position p of w[0..n) (a cut point). The
+ * bytes around p are gathered once; each (ls, rs) key is a masked copy. */
+static int spanned(const bpe_tokenizer *t, const uint8_t *w, size_t n, size_t p) {
+    int lmax = p < 3 ? (int)p : 3, rmax = n - p < 3 ? (int)(n - p) : 3;
+    uint64_t l = 0, r = 0;
+    for (int i = 0; i < lmax; i++) l |= (uint64_t)w[p - 1 - i] << (8 * i);
+    for (int i = 0; i < rmax; i++) r |= (uint64_t)w[p + i] << (8 * i);
+    for (int ls = lmax; ls >= 1; ls--) {
+        uint64_t lk = (uint64_t)ls << 60 | (l & ((1ull << (8 * ls)) - 1)) << 24;
+        for (int rs = rmax; rs >= 1; rs--)
+            if (bpe_span_bloom_has(t->span_bloom, lk | (uint64_t)rs << 56 | (r & ((1ull << (8 * rs)) - 1)))) return 1;
+    }
+    return 0;
+}
+
+static int bpe_word_one(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, size_t *nids, size_t *cap);
+
 int bpe_word(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, size_t *nids, size_t *cap) {
+    if (n <= 8 || w[n - 1] < 0x80) return bpe_word_one(t, w, n, ids, nids, cap); /* ASCII words end in ASCII */
+    size_t start = 0;
+    for (size_t p = 1; p < n; p++) {
+        if (!is_cut_point(w, p) || spanned(t, w, n, p)) continue;
+        QT_TRY(bpe_word_one(t, w + start, p - start, ids, nids, cap));
+        start = p;
+    }
+    return bpe_word_one(t, w + start, n - start, ids, nids, cap);
+}
+
+static int bpe_word_one(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, size_t *nids, size_t *cap) {
     if (!n) return QT_OK;
     QT_TRY(bpe_reserve(ids, NULL, *nids, cap, n));
     int32_t *out = *ids + *nids;
@@ -187,7 +250,7 @@ int bpe_word(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, 
     size_t k;
     if (n <= BPE_CACHE_MAX_WORD) {
         h = bpe_hash_bytes(w, n);
-        sh = (bpe_cache_shard *)&t->cache[h % BPE_CACHE_SHARDS];
+        sh = (bpe_cache_shard *)&t->cache[(h >> 16) % BPE_CACHE_SHARDS];
         if (cache_get(sh, h, w, n, out, &k)) {
             *nids += k;
             return QT_OK;

@@ -268,6 +268,7 @@ static int flag(const cJSON *o, const char *k, int dflt) {
 }
 
 static int parse_added(bpe_tokenizer *t, load_ctx *c, const cJSON *added) {
+    t->added_one_first = -1;
     t->n_added = added ? (size_t)cJSON_GetArraySize(added) : 0;
     if (!t->n_added) return QT_OK;
     t->added = qt_calloc(t->n_added, sizeof *t->added, "added tokens");
@@ -286,6 +287,9 @@ static int parse_added(bpe_tokenizer *t, load_ctx *c, const cJSON *added) {
         t->added_first[(uint8_t)d->content[0]] = 1;
     }
     qsort(t->added, t->n_added, sizeof *t->added, cmp_added);
+    t->added_one_first = (uint8_t)t->added[0].content[0];
+    for (size_t k = 1; k < t->n_added; k++)
+        if ((uint8_t)t->added[k].content[0] != t->added_one_first) t->added_one_first = -1;
     return QT_OK;
 }
 
@@ -362,14 +366,15 @@ static int compile_regex(bpe_tokenizer *t, load_ctx *c, const char *pattern) {
     int err;
     PCRE2_SIZE erroff;
     t->re = pcre2_compile((PCRE2_SPTR)pat, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP, &err, &erroff, NULL);
+    if (t->re) t->re_anchored = pcre2_compile((PCRE2_SPTR)pat, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP | PCRE2_ANCHORED, &err, &erroff, NULL);
     qt_free(pat);
-    if (!t->re) {
+    if (!t->re || !t->re_anchored) {
         PCRE2_UCHAR msg[256];
         pcre2_get_error_message(err, msg, sizeof msg);
         return QT_ERR(QT_EFORMAT, "%s: the pre_tokenizer's Split regex does not compile (%s, near offset %zu)", c->path,
                       (char *)msg, (size_t)erroff);
     }
-    t->re_jit = pcre2_jit_compile(t->re, PCRE2_JIT_COMPLETE) == 0;
+    t->re_jit = pcre2_jit_compile(t->re, PCRE2_JIT_COMPLETE) == 0 && pcre2_jit_compile(t->re_anchored, PCRE2_JIT_COMPLETE) == 0;
     if (!t->re_jit) qt_debug("PCRE2 JIT unavailable; the split regex runs interpreted (slower)");
     return QT_OK;
 }
@@ -471,6 +476,7 @@ int bpe_load(const char *path, bpe_tokenizer **out) {
                         cJSON_IsString(dt) ? dt->valuestring : "?");
     }
     if (rc == QT_OK) rc = bpe_cache_init(t);
+    if (rc == QT_OK) rc = bpe_span_init(t);
     cJSON_Delete(c.root);
     qt_free(buf);
     if (rc != QT_OK) {
@@ -485,6 +491,7 @@ void bpe_free(bpe_tokenizer *t) {
     if (!t) return;
     bpe_cache_free(t);
     if (t->re) pcre2_code_free(t->re);
+    if (t->re_anchored) pcre2_code_free(t->re_anchored);
     qt_free(t->tok_str);
     qt_free(t->tok_off);
     qt_free(t->bytes);

@@ -9,6 +9,7 @@
 #include <cmocka.h>
 
 #include <cjson/cJSON.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -304,6 +305,62 @@ static void test_malformed_files(void **state) {
     bpe_free(t);
 }
 
+/* many threads on one tokenizer (the word cache is shared) give the ids one thread gives */
+typedef struct {
+    const bpe_tokenizer *t;
+    const char *text;
+    size_t len;
+    int32_t *ids;
+    size_t n;
+} enc_job;
+
+static void *enc_thread(void *arg) {
+    enc_job *j = arg;
+    size_t cap = 0;
+    for (int r = 0; r < 5; r++) {
+        qt_free(j->ids);
+        j->ids = NULL;
+        j->n = cap = 0;
+        if (bpe_encode(j->t, j->text, j->len, &j->ids, &j->n, &cap) != QT_OK) return NULL;
+    }
+    return NULL;
+}
+
+static void test_threads_share_a_tokenizer(void **state) {
+    (void)state;
+    const char *m[] = {"t h", "th e", "Ġ th", "Ġth e", "e r", "i n", "Ġ a", "\xc3\xa4 \xc2\xb8"};
+    char *p = write_tokenizer("threads.json", m, 8, NULL, QWEN_SPLIT);
+    bpe_tokenizer *t;
+    assert_int_equal(bpe_load(p, &t), QT_OK);
+    size_t len = 0, cap = 1 << 16;
+    char *text = qt_malloc(cap, "test");
+    const char *words[] = {"the ", "other ", "中国", "in ", "a ", "12 ", "\n\n", "thin ", "中中中 ", "there "};
+    for (int i = 0; len + 16 < cap; i = (i * 7 + 3) % 10) {
+        size_t l = strlen(words[i]);
+        memcpy(text + len, words[i], l);
+        len += l;
+    }
+    int32_t *ref = NULL;
+    size_t nref = 0, rcap = 0;
+    assert_int_equal(bpe_encode(t, text, len, &ref, &nref, &rcap), QT_OK);
+    enum { NT = 4 };
+    pthread_t th[NT];
+    enc_job jobs[NT];
+    for (int i = 0; i < NT; i++) {
+        jobs[i] = (enc_job){t, text, len, NULL, 0};
+        assert_int_equal(pthread_create(&th[i], NULL, enc_thread, &jobs[i]), 0);
+    }
+    for (int i = 0; i < NT; i++) {
+        pthread_join(th[i], NULL);
+        assert_int_equal(jobs[i].n, nref);
+        assert_memory_equal(jobs[i].ids, ref, nref * sizeof *ref);
+        qt_free(jobs[i].ids);
+    }
+    qt_free(ref);
+    qt_free(text);
+    bpe_free(t);
+}
+
 /* ---- the real Qwen tokenizer, when tests/node has it ---- */
 
 static bpe_tokenizer *qwen(void) {
@@ -447,6 +504,7 @@ int main(void) {
         cmocka_unit_test(test_added_tokens_and_flags),
         cmocka_unit_test(test_invalid_utf8_becomes_fffd),
         cmocka_unit_test(test_malformed_files),
+        cmocka_unit_test(test_threads_share_a_tokenizer),
         cmocka_unit_test(test_qwen_where_hf_and_js_differ),
         cmocka_unit_test(test_chat_render),
         cmocka_unit_test(test_chat_labels),
