@@ -13,6 +13,7 @@
 #include <sys/resource.h>
 
 #define METRICS_MAX_BYTES ((size_t)1 << 30)
+#define SVG_MAX_POINTS 2000
 
 int64_t qt_peak_rss_bytes(void) {
     struct rusage ru;
@@ -224,8 +225,16 @@ int qt_loss_svg_write(const char *path, const char *title, const qt_metrics_poin
     sb_printf(&s, "<text x=\"16\" y=\"%g\" text-anchor=\"middle\" transform=\"rotate(-90 16 %g)\">loss (nats/token)</text>\n",
               (T + H - B) / 2, (T + H - B) / 2);
     if (n_train) {
+        /* at most SVG_MAX_POINTS points: a long run's curve is drawn from bucket
+         * means, so the file (rewritten at every log line) stays small */
+        size_t per = (n_train + SVG_MAX_POINTS - 1) / SVG_MAX_POINTS;
         sb_printf(&s, "<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"1.5\" points=\"");
-        for (size_t i = 0; i < n_train; i++) sb_printf(&s, "%.1f,%.1f ", PX((double)train[i].step), PY(train[i].x));
+        for (size_t i = 0; i < n_train; i += per) {
+            size_t e = i + per < n_train ? i + per : n_train;
+            double sx = 0, sy = 0;
+            for (size_t k = i; k < e; k++) { sx += (double)train[k].step; sy += train[k].x; }
+            sb_printf(&s, "%.1f,%.1f ", PX(sx / (double)(e - i)), PY(sy / (double)(e - i)));
+        }
         sb_printf(&s, "\"/>\n");
     }
     if (n_eval) {

@@ -247,6 +247,15 @@ static void test_loss_svg(void **state) {
     assert_non_null(strstr(s, "polyline"));
     qt_free(s);
     assert_int_equal(qt_loss_svg_write(p, NULL, NULL, 0, NULL, 0), QT_OK); /* empty curve is fine */
+    /* a long run's curve stays a small file */
+    enum { N = 100000 };
+    qt_metrics_point *many = malloc(N * sizeof *many);
+    for (int i = 0; i < N; i++) many[i] = (qt_metrics_point){i + 1, 3.0 - i * 1e-5};
+    assert_int_equal(qt_loss_svg_write(p, "long", many, N, ev, 1), QT_OK);
+    struct stat sb;
+    assert_int_equal(stat(p, &sb), 0);
+    assert_true(sb.st_size < 100000);
+    free(many);
     qt_rm_rf(d);
     free(d);
 }
