@@ -2,7 +2,8 @@
 scaling, clipping, LoRA r8/alpha32/dropout 0.1 on q/v) and
 examples/zero2-4rank.json (ZeRO-2 with optimizer offload, 4 MPI ranks, batch
 32 = 2 x 4 x 4), each for two steps on the tiny preset with the pre-tokenized
-example data (the chat data needs the real tokenizer; scripts/demo runs it)."""
+example data (the chat data needs the real tokenizer; scripts/demo runs it).
+The token cache goes to the test's temporary folder, never into examples/."""
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ def test_lora_1card(tmp_path):
     model = init_model(str(tmp_path / "model"))
     out = str(tmp_path / "run")
     run("train", os.path.join(EX, "lora-1card.json"), "--set", "model=" + model, "--set", "output_dir=" + out,
-        *TOKENS)
+        "--set", "data.cache_dir=" + str(tmp_path / "cache"), *TOKENS)
     lines = step_lines(out)
     assert [m["step"] for m in lines] == [1, 2]
     assert lines[0]["loss_scale"] == 65536  # fp16, dynamic, initial_scale_power 16
@@ -40,6 +41,7 @@ def test_zero2_4rank(tmp_path):
     out = str(tmp_path / "run")
     p = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "4", QTUNE, "train",
                         os.path.join(EX, "zero2-4rank.json"), "--set", "model=" + model, "--set", "output_dir=" + out,
+                        "--set", "data.cache_dir=" + str(tmp_path / "cache"),
                         *TOKENS],
                        capture_output=True, text=True, env=env(), timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
