@@ -7,7 +7,6 @@
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -46,7 +45,7 @@ typedef struct {
 } bpe_added;
 
 /* The word cache: words (pre-tokenizer pieces) -> ids, split into shards each
- * behind its own mutex. A thread that finds a shard busy skips the cache
+ * behind its own test-and-set flag. A thread that finds a shard busy skips the cache
  * rather than wait, so encoding from many threads never serialises. A full
  * shard is emptied and refilled: memory stays bounded whatever the input. */
 #define BPE_CACHE_SHARDS 16
