@@ -97,7 +97,7 @@ static int metrics_line(qt_metrics *m, const char *line) {
 }
 
 int qt_metrics_log_step(qt_metrics *m, const qt_step_metrics *s) {
-    char loss[40], lr[40], gn[40], ls[40], tps[40], el[40], ep[40], line[1024];
+    char loss[40], lr[40], gn[40], ls[40], tps[40], el[40], ep[40], cs[40], line[1024];
     jnum(loss, sizeof loss, s->loss);
     jnum(lr, sizeof lr, s->lr);
     jnum(gn, sizeof gn, s->grad_norm);
@@ -105,12 +105,13 @@ int qt_metrics_log_step(qt_metrics *m, const qt_step_metrics *s) {
     jnum(tps, sizeof tps, s->tokens_per_s);
     jnum(el, sizeof el, s->elapsed_s);
     jnum(ep, sizeof ep, s->epoch);
+    jnum(cs, sizeof cs, s->comm_s);
     snprintf(line, sizeof line,
              "{\"step\": %ld, \"loss\": %s, \"lr\": %s, \"grad_norm\": %s, \"loss_scale\": %s, \"skipped\": %s, "
              "\"tokens\": %lld, \"target_tokens\": %lld, \"tokens_per_s\": %s, \"elapsed_s\": %s, "
-             "\"mem_peak_bytes\": %lld, \"epoch\": %s}",
+             "\"mem_peak_bytes\": %lld, \"epoch\": %s, \"opt_state_bytes\": %lld, \"comm_s\": %s}",
              s->step, loss, lr, gn, ls, s->skipped ? "true" : "false", (long long)s->tokens,
-             (long long)s->target_tokens, tps, el, (long long)s->mem_peak_bytes, ep);
+             (long long)s->target_tokens, tps, el, (long long)s->mem_peak_bytes, ep, (long long)s->opt_state_bytes, cs);
     QT_TRY(metrics_line(m, line));
     if (isfinite(s->loss)) QT_TRY(push(&m->train, &m->n_train, &m->cap_train, s->step, s->loss));
     return QT_OK;

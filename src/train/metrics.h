@@ -21,6 +21,8 @@ typedef struct {
     double elapsed_s;     /* since the run (or the resumed run) started, plus time before resume */
     int64_t mem_peak_bytes; /* peak resident set size of this process (getrusage) */
     double epoch;         /* fractional epoch */
+    int64_t opt_state_bytes; /* optimizer state rank 0 holds (its ZeRO shard), device + host */
+    double comm_s;        /* seconds rank 0 spent inside collectives during this step */
 } qt_step_metrics;
 
 typedef struct {

@@ -362,7 +362,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
     const double t_loop = trainer_now();
     int stop = 0;
     while (t->step < t->max_steps && !stop) {
-        double ts = trainer_now();
+        double ts = trainer_now(), cs = dist_comm_seconds(t->d);
         step_out o;
         QT_TRY(train_step(t, &o));
         t->step++;
@@ -378,6 +378,8 @@ static int run(qt_trainer *t, qt_train_result *res) {
                 .skipped = o.skipped, .tokens = o.tokens, .target_tokens = o.target_tokens, .tokens_per_s = tok_s,
                 .elapsed_s = trainer_elapsed(t), .mem_peak_bytes = qt_peak_rss_bytes(),
                 .epoch = (double)ds.epoch + (st.n_examples_rank ? (double)ds.index / (double)st.n_examples_rank : 0),
+                .opt_state_bytes = (int64_t)(zero_state_bytes_device(t->zp) + zero_state_bytes_host(t->zp)),
+                .comm_s = dist_comm_seconds(t->d) - cs,
             };
             QT_TRY(qt_metrics_log_step(&t->metrics, &m));
             QT_TRY(qt_metrics_write_svg(&t->metrics));

@@ -14,7 +14,7 @@ import pytest
 from trainutil import QTUNE, env, init_model, metrics, run, st, step_lines, write_job, write_tokens
 
 FIELDS = ["step", "loss", "lr", "grad_norm", "loss_scale", "skipped", "tokens", "tokens_per_s", "elapsed_s",
-          "mem_peak_bytes"]
+          "mem_peak_bytes", "target_tokens", "epoch", "opt_state_bytes", "comm_s"]
 LORA = {"r": 4, "lora_alpha": 16, "lora_dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}
 
 
