@@ -86,7 +86,10 @@ int peft_config_load(const char *dir, peft_config *c) {
 int peft_config_write(const peft_config *c, const char *dir) {
     cJSON *j = cJSON_CreateObject();
     if (!j) return QT_ERR(QT_ENOMEM, "out of memory writing adapter_config.json");
-    /* LoraConfig's fields, as peft's save_pretrained writes them */
+    /* LoraConfig's fields as peft's save_pretrained writes them, limited to the
+     * ones peft 0.7 already had (use_rslora, loftq_config): older peft builds
+     * the config with LoraConfig(**json) and fails on a key it does not know,
+     * newer ones fill in the keys that are missing */
     cJSON_AddItemToObject(j, "alpha_pattern", cJSON_CreateObject());
     cJSON_AddNullToObject(j, "auto_mapping");
     cJSON_AddStringToObject(j, "base_model_name_or_path", c->base_model);
@@ -94,7 +97,6 @@ int peft_config_write(const peft_config *c, const char *dir) {
     cJSON_AddFalseToObject(j, "fan_in_fan_out");
     cJSON_AddTrueToObject(j, "inference_mode");
     cJSON_AddTrueToObject(j, "init_lora_weights");
-    cJSON_AddNullToObject(j, "layer_replication");
     cJSON_AddNullToObject(j, "layers_pattern");
     cJSON_AddNullToObject(j, "layers_to_transform");
     cJSON_AddItemToObject(j, "loftq_config", cJSON_CreateObject());
@@ -113,7 +115,6 @@ int peft_config_write(const peft_config *c, const char *dir) {
     cJSON *tm = cJSON_AddArrayToObject(j, "target_modules");
     for (int i = 0; tm && i < c->n_targets; i++) cJSON_AddItemToArray(tm, cJSON_CreateString(c->target_modules[i]));
     cJSON_AddStringToObject(j, "task_type", "CAUSAL_LM");
-    cJSON_AddFalseToObject(j, "use_dora");
     cJSON_AddBoolToObject(j, "use_rslora", c->use_rslora ? 1 : 0);
     char *s = cJSON_Print(j);
     cJSON_Delete(j);
