@@ -336,7 +336,12 @@ static int run(qt_trainer *t, qt_train_result *res) {
         QT_TRY(trainer_load_checkpoint(t, resume));
         t->resumed_from = t->step;
         snprintf(t->last_ckpt, sizeof t->last_ckpt, "%s", resume);
-        if (t->main) qt_info("resuming from %s (step %ld of %ld)", resume, t->step, t->max_steps);
+        if (t->main && t->step >= t->max_steps)
+            qt_warn("%s is at step %ld, not before train.max_steps %ld: nothing to train; final/ is rewritten "
+                    "from it (raise train.max_steps to train on)",
+                    resume, t->step, t->max_steps);
+        else if (t->main)
+            qt_info("resuming from %s (step %ld of %ld)", resume, t->step, t->max_steps);
     } else if (job->lora.enabled && job->lora.init_from) {
         QT_TRY(trainer_init_from_adapter(t, job->lora.init_from));
     }
