@@ -105,7 +105,8 @@ int cmd_train(int argc, char **argv) {
             if (dist_world(d) > 1) { qt_job_free(&job); dist_abort(d, status); }
         }
     } else if (dist_is_main(d)) {
-        printf("trained %ld steps; last train loss %.4f", res.step, res.last_loss);
+        printf("trained %ld steps", res.step);
+        if (!isnan(res.last_loss)) printf("; last train loss %.4f", res.last_loss);
         if (!isnan(res.eval_loss_first)) printf("; eval loss %.4f -> %.4f", res.eval_loss_first, res.eval_loss_last);
         else if (!isnan(res.eval_loss_last)) printf("; eval loss %.4f", res.eval_loss_last);
         printf("\n%s: %s\n", job.lora.enabled ? "adapter" : "model", res.final_dir);
