@@ -36,3 +36,9 @@ void op_convert_rows(float *dst, const void *src, qt_dtype dt, size_t r0, size_t
     for (long r = 0; r < nr; r++)
         qt_convert_to_f32(dst + (size_t)r * cols, (const char *)src + (r0 + (size_t)r) * cols * es, dt, cols);
 }
+
+void op_convert_rows_serial(float *dst, const void *src, qt_dtype dt, size_t r0, size_t r1, size_t cols) {
+    size_t es = qt_dtype_size(dt);
+    for (size_t r = r0; r < r1; r++)
+        qt_convert_to_f32(dst + (r - r0) * cols, (const char *)src + r * cols * es, dt, cols);
+}

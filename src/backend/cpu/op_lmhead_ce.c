@@ -5,12 +5,17 @@
  * backward recomputes each chunk's logits, turns them into
  *   dlogits = dscale * (softmax - onehot(target))
  * in place, and accumulates dx += dlogits @ Wc and dW[chunk] += dlogits^T @ x.
- * Rows whose target is -100 carry no loss and no gradient. */
+ * Rows whose target is -100 carry no loss and no gradient.
+ *
+ * Threading as in op_matmul.c: one OpenMP region per chunk; each thread
+ * converts and multiplies its own slice of the chunk with a single-threaded
+ * sgemm, then the rows are shared out for the softmax. */
 #include "backend/cpu/ops.h"
 
 #include <cblas.h>
 #include <float.h>
 #include <math.h>
+#include <omp.h>
 
 #include "data/batch.h"
 
@@ -18,22 +23,25 @@ size_t op_lmhead_ce_ws_floats(int N, int C) {
     return (size_t)N * OP_CE_CHUNK + (size_t)OP_CE_CHUNK * C + 4 * (size_t)N;
 }
 
-/* logits (N, cv) = x @ W[v0:v0+cv]^T; returns the f32 weight rows used. */
+/* Inside a parallel region: this thread's slice [a, b) of the chunk's logits
+ * (N, cv) = x @ W[v0:v0+cv]^T. Returns the chunk's f32 weight rows. */
 static const float *chunk_logits(float *logits, float *wbuf, const float *x, const void *w, qt_dtype wdt, int v0,
                                  int cv, int N, int C) {
-    const float *wc;
-    if (wdt == QT_F32) {
-        wc = (const float *)w + (size_t)v0 * C;
-    } else {
-        op_convert_rows(wbuf, w, wdt, (size_t)v0, (size_t)v0 + cv, (size_t)C);
-        wc = wbuf;
+    int a, b;
+    op_split(cv, omp_get_num_threads(), omp_get_thread_num(), 16, &a, &b);
+    const float *wc = wdt == QT_F32 ? (const float *)w + (size_t)v0 * C : wbuf;
+    if (b > a) {
+        if (wdt != QT_F32) op_convert_rows_serial(wbuf + (size_t)a * C, w, wdt, (size_t)(v0 + a), (size_t)(v0 + b), (size_t)C);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, b - a, C, 1.0f, x, C, wc + (size_t)a * C, C, 0.0f,
+                    logits + a, cv);
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, cv, C, 1.0f, x, C, wc, C, 0.0f, logits, cv);
+#pragma omp barrier
     return wc;
 }
 
 void op_lmhead_ce_forward(float *loss, float *lse, const float *x, const void *w, qt_dtype wdt,
                           const int32_t *targets, int N, int C, int V, float *ws) {
+    op_blas_init();
     float *logits = ws, *wbuf = ws + (size_t)N * OP_CE_CHUNK;
     /* the doubles first: N * CHUNK + CHUNK * C is even, so they stay 8-byte aligned */
     double *sum = (double *)(wbuf + (size_t)OP_CE_CHUNK * C);
@@ -43,10 +51,11 @@ void op_lmhead_ce_forward(float *loss, float *lse, const float *x, const void *w
         sum[n] = 0.0;
         tl[n] = 0.0f;
     }
+#pragma omp parallel
     for (int v0 = 0; v0 < V; v0 += OP_CE_CHUNK) {
         int cv = V - v0 < OP_CE_CHUNK ? V - v0 : OP_CE_CHUNK;
         chunk_logits(logits, wbuf, x, w, wdt, v0, cv, N, C);
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
         for (int n = 0; n < N; n++) {
             const float *l = logits + (size_t)n * cv;
             float m = mx[n];
@@ -57,7 +66,7 @@ void op_lmhead_ce_forward(float *loss, float *lse, const float *x, const void *w
             sum[n] = s;
             int t = targets[n];
             if (t >= v0 && t < v0 + cv) tl[n] = l[t - v0];
-        }
+        } /* implicit barrier: the next chunk may overwrite logits */
     }
     for (int n = 0; n < N; n++) {
         lse[n] = mx[n] + (float)log(sum[n]);
@@ -67,11 +76,13 @@ void op_lmhead_ce_forward(float *loss, float *lse, const float *x, const void *w
 
 void op_lmhead_ce_backward(float *dx, float *dw, const float *x, const void *w, qt_dtype wdt, const int32_t *targets,
                            const float *lse, float dscale, int N, int C, int V, float *ws) {
+    op_blas_init();
     float *logits = ws, *wbuf = ws + (size_t)N * OP_CE_CHUNK;
+#pragma omp parallel
     for (int v0 = 0; v0 < V; v0 += OP_CE_CHUNK) {
         int cv = V - v0 < OP_CE_CHUNK ? V - v0 : OP_CE_CHUNK;
         const float *wc = chunk_logits(logits, wbuf, x, w, wdt, v0, cv, N, C);
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
         for (int n = 0; n < N; n++) {
             float *l = logits + (size_t)n * cv;
             int t = targets[n];
@@ -81,11 +92,20 @@ void op_lmhead_ce_backward(float *dx, float *dw, const float *x, const void *w, 
             }
             for (int j = 0; j < cv; j++) l[j] = dscale * expf(l[j] - lse[n]);
             if (t >= v0 && t < v0 + cv) l[t - v0] -= dscale;
+        } /* implicit barrier: dlogits complete */
+        int nt = omp_get_num_threads(), id = omp_get_thread_num(), a, b;
+        if (dx) {
+            op_split(C, nt, id, 16, &a, &b);
+            if (b > a)
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, b - a, cv, 1.0f, logits, cv, wc + a, C,
+                            1.0f, dx + a, C);
         }
-        if (dx)
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, cv, 1.0f, logits, cv, wc, C, 1.0f, dx, C);
-        if (dw)
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cv, C, N, 1.0f, logits, cv, x, C, 1.0f,
-                        dw + (size_t)v0 * C, C);
+        if (dw) {
+            op_split(cv, nt, id, 16, &a, &b);
+            if (b > a)
+                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, b - a, C, N, 1.0f, logits + a, cv, x, C, 1.0f,
+                            dw + (size_t)(v0 + a) * C, C);
+        }
+#pragma omp barrier /* the next chunk overwrites logits and wbuf */
     }
 }

@@ -93,7 +93,15 @@ void op_lmhead_ce_backward(float *dx, float *dw, const float *x, const void *w, 
 /* ---- small helpers --------------------------------------------------------- */
 void op_add(float *out, const float *a, const float *b, size_t n); /* out = a + b (out may alias) */
 void op_acc(float *out, const float *a, size_t n);                  /* out += a */
-/* Converts rows [r0, r1) of a (rows, cols) matrix in dtype to f32 dst. */
+/* Converts rows [r0, r1) of a (rows, cols) matrix in dtype to f32 dst
+ * (OpenMP-parallel; the _serial form for use inside a parallel region). */
 void op_convert_rows(float *dst, const void *src, qt_dtype dt, size_t r0, size_t r1, size_t cols);
+void op_convert_rows_serial(float *dst, const void *src, qt_dtype dt, size_t r0, size_t r1, size_t cols);
+/* OpenBLAS single-threaded: every op parallelises with OpenMP and calls one
+ * sgemm per thread (see op_matmul.c). Idempotent; the matmul and lm_head ops
+ * call it themselves. */
+void op_blas_init(void);
+/* [a, b): part id of n items split into `parts` blocks, aligned to `align`. */
+void op_split(int n, int parts, int id, int align, int *a, int *b);
 
 #endif

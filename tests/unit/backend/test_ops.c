@@ -127,7 +127,7 @@ static void test_matmul(void **state) {
  * the rounded weights. */
 static void test_matmul_half_panels(void **state) {
     (void)state;
-    const int N = 3, IN = 4096, OUT = 300;
+    const int N = 3, IN = 4096, OUT = 700;
     float *x = randv((size_t)N * IN, 1.0f), *w = randv((size_t)OUT * IN, 0.05f), *dy = randv((size_t)N * OUT, 1.0f);
     uint16_t *wh = qt_malloc((size_t)OUT * IN * 2, "test");
     float *wr = zeros((size_t)OUT * IN), *ws = zeros(op_matmul_ws_floats(IN, OUT));
