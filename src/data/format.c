@@ -79,7 +79,7 @@ static int put_text(const dl_encode_ctx *ctx, dl_tokbuf *out, const char *s, siz
         out->mask = mask;
         out->cap = cap;
     }
-    memset(out->mask + n0, label, out->n - n0);
+    if (out->n > n0) memset(out->mask + n0, label, out->n - n0); /* mask may still be NULL when nothing was added */
     return QT_OK;
 }
 
