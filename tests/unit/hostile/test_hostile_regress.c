@@ -17,9 +17,11 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/mem.h"
+#include "data/format.h"
 #include "io/hf_config.h"
 #include "io/model_folder.h"
 #include "model/model.h"
+#include "text/tokenizer.h"
 #include "train/ds_config.h"
 #include "train/job.h"
 
@@ -132,12 +134,43 @@ static void test_job_difference_names_fields(void **state) {
     cJSON_Delete(b);
 }
 
+/* Found by fuzz_jsonl (UBSan): an example whose text encodes to no token, as
+ * the first one into an empty buffer, did memset(NULL + 0, ..., 0) on the
+ * label mask. */
+static void test_empty_text_into_empty_buffer(void **state) {
+    (void)state;
+    const char *src = getenv("QTUNE_SOURCE_DIR");
+    char path[4096];
+    snprintf(path, sizeof path, "%s/fuzz/corpus/tokenizer/tiny.json", src ? src : ".");
+    bpe_tokenizer *tok = NULL;
+    assert_int_equal(bpe_load(path, &tok), QT_OK);
+    dl_encode_ctx ctx = {.tok = tok, .mask_prompt = 1, .vocab_limit = bpe_vocab_size(tok)};
+    static const char *const lines[] = {
+        "{\"text\": \"\"}",
+        "{\"instruction\": \"\", \"input\": \"\", \"output\": \"\"}",
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"\"}, {\"role\": \"assistant\", \"content\": \"\"}]}",
+    };
+    static const dl_format fmts[] = {DL_FORMAT_TEXT, DL_FORMAT_ALPACA, DL_FORMAT_MESSAGES};
+    for (int i = 0; i < 3; i++) {
+        dl_tokbuf b = {0};
+        cJSON *j = cJSON_Parse(lines[i]);
+        assert_non_null(j);
+        int rc = dl_encode_example(&ctx, fmts[i], j, &b);
+        assert_true(rc == QT_OK || rc == QT_EFORMAT);
+        for (size_t k = 0; k < b.n; k++) assert_true(b.mask[k] <= 1);
+        dl_tokbuf_free(&b);
+        cJSON_Delete(j);
+    }
+    bpe_free(tok);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_ds_batch_sizes_past_int),
         cmocka_unit_test(test_set_error_is_short),
         cmocka_unit_test(test_seq_len_past_max_positions),
         cmocka_unit_test(test_job_difference_names_fields),
+        cmocka_unit_test(test_empty_text_into_empty_buffer),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
