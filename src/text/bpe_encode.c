@@ -26,16 +26,19 @@ static inline int nfc_inert(uint32_t cp) {
            (cp >= 0x3000 && cp <= 0x3029) || (cp >= 0xFF00 && cp <= 0xFFEF) || (cp >= 0x1F300 && cp <= 0x1FAFF);
 }
 
-static int nfc_stable(const uint8_t *s, size_t n) {
-    size_t i = 0;
+/* n when every code point of s[0..n) is inert (NFC changes nothing), else
+ * where NFC work starts: the character before the first non-inert one. */
+static size_t nfc_scan(const uint8_t *s, size_t n) {
+    size_t i = 0, prev = 0;
     while (i < n) {
-        if (s[i] < 0x80) { i++; continue; }
+        if (s[i] < 0x80) { prev = i++; continue; }
         int l;
         uint32_t cp = utf8_decode(s + i, &l);
+        if (!nfc_inert(cp)) return prev < i ? prev : i;
+        prev = i;
         i += (size_t)l;
-        if (!nfc_inert(cp)) return 0;
     }
-    return 1;
+    return n;
 }
 
 static int nfc_region(const char *s, size_t n, char **out, size_t *out_len) {
@@ -70,11 +73,11 @@ static int nfc_put(nfc_buf *b, const char *s, size_t n) {
 /* NFC of s[0..n) into a qt_malloc'd buffer. Only the runs of code points
  * that are not inert go through utf8proc, each with the inert character just
  * before it (which may compose with them); everything else is copied. */
-static int nfc(const char *s, size_t n, char **out, size_t *out_len) {
+static int nfc(const char *s, size_t n, size_t from, char **out, size_t *out_len) {
     nfc_buf o = {0};
     int rc = nfc_put(&o, "", 0);
     const uint8_t *u = (const uint8_t *)s;
-    size_t copied = 0, i = 0, last_inert = SIZE_MAX;
+    size_t copied = 0, i = from, last_inert = SIZE_MAX; /* s[0..from) is inert: nfc_scan */
     while (i < n && rc == QT_OK) {
         int l = 1;
         uint32_t cp = u[i] < 0x80 ? u[i] : utf8_decode(u + i, &l);
@@ -206,9 +209,10 @@ static int encode_stretch(enc_ctx *c, const char *s, size_t n, size_t base) {
     char *norm = NULL;
     int exact = c->exact;
     size_t orig_n = n;
-    if (t->nfc && !nfc_stable((const uint8_t *)s, n)) {
+    size_t from = t->nfc ? nfc_scan((const uint8_t *)s, n) : n;
+    if (from < n) {
         size_t nn = 0;
-        QT_TRY(nfc(s, n, &norm, &nn));
+        QT_TRY(nfc(s, n, from, &norm, &nn));
         if (nn != n || memcmp(norm, s, n)) {
             s = norm;
             exact = 0;
@@ -326,10 +330,11 @@ int bpe_normalize(const bpe_tokenizer *t, const char *text, size_t len, char **o
         added_match m;
         int found = t->n_added && find_added(t, (const uint8_t *)s, sl, pos, pos, &m);
         size_t end = found ? m.start : sl;
-        if (t->nfc && !nfc_stable((const uint8_t *)s + pos, end - pos)) {
+        size_t from = t->nfc ? nfc_scan((const uint8_t *)s + pos, end - pos) : end - pos;
+        if (from < end - pos) {
             char *norm = NULL;
             size_t nn = 0;
-            rc = nfc(s + pos, end - pos, &norm, &nn);
+            rc = nfc(s + pos, end - pos, from, &norm, &nn);
             if (rc == QT_OK) rc = nfc_put(&o, norm, nn);
             qt_free(norm);
         } else {

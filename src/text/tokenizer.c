@@ -17,7 +17,7 @@
 #include <string.h>
 
 #define BPE_MAX_FILE (1024ull << 20) /* a tokenizer.json past 1 GiB is not one */
-#define BPE_MAX_ID (1 << 24)         /* ids beyond 16M would size tables from a typo */
+#define BPE_MAX_ID (1 << BPE_ID_BITS) /* ids are packed in 20 bits; this also bounds every table sized by ids */
 
 /* GPT-2's bytes_to_unicode: printable bytes stand for themselves, the other
  * 68 (controls, space, 0x7F..0xA0, 0xAD) map to U+0100.. in byte order. */

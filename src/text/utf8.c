@@ -5,33 +5,6 @@
 
 #include <string.h>
 
-/* Well-formed sequences, Unicode Table 3-7. The second byte's range depends
- * on the lead (E0, ED, F0, F4 are narrower), later bytes are 80..BF. */
-int utf8_seq(const uint8_t *s, size_t n) {
-    uint8_t c = s[0];
-    if (c < 0x80) return 1;
-    int need;
-    uint8_t lo = 0x80, hi = 0xBF;
-    if (c >= 0xC2 && c <= 0xDF) need = 2;
-    else if (c >= 0xE0 && c <= 0xEF) {
-        need = 3;
-        if (c == 0xE0) lo = 0xA0;
-        if (c == 0xED) hi = 0x9F;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-        need = 4;
-        if (c == 0xF0) lo = 0x90;
-        if (c == 0xF4) hi = 0x8F;
-    } else {
-        return -1; /* 80..C1, F5..FF never start a sequence */
-    }
-    for (int k = 1; k < need; k++) {
-        if ((size_t)k >= n) return -k;
-        uint8_t b = s[k];
-        if (k == 1 ? (b < lo || b > hi) : (b < 0x80 || b > 0xBF)) return -k;
-    }
-    return need;
-}
-
 size_t utf8_valid_prefix(const char *text, size_t n) {
     const uint8_t *s = (const uint8_t *)text;
     size_t i = 0;
