@@ -155,7 +155,7 @@ static void sb_printf(sbuf *s, const char *fmt, ...) {
     for (;;) {
         va_list ap;
         va_start(ap, fmt);
-        int k = vsnprintf(s->buf + s->n, s->cap - s->n, fmt, ap);
+        int k = vsnprintf(s->buf ? s->buf + s->n : NULL, s->cap - s->n, fmt, ap); /* NULL + 0 is UB */
         va_end(ap);
         if (k < 0) { s->oom = 1; return; }
         if ((size_t)k < s->cap - s->n) { s->n += (size_t)k; return; }
