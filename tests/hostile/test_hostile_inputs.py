@@ -597,3 +597,50 @@ BAD_ARGV = [
 @pytest.mark.parametrize("i", range(len(BAD_ARGV)))
 def test_bad_command_lines(base, i):
     expect_error(BAD_ARGV[i], cwd=base)
+
+
+# ---------------------------------------------------------------------------
+# the token cache: a damaged cache is rebuilt, never trusted
+
+CACHE_DAMAGE = {
+    "truncated": lambda b: b[:len(b) // 2],
+    "empty": lambda b: b"",
+    "garbage": lambda b: bytes((i * 37) & 255 for i in range(len(b))),
+    "flipped_ids": lambda b: b[:len(b) - 40] + bytes(x ^ 0xFF for x in b[len(b) - 40:len(b) - 20]) + b[len(b) - 20:],
+    "header_only": lambda b: b[:120],
+    "grown": lambda b: b + b"\0" * 4096,
+}
+
+
+@pytest.mark.parametrize("case", sorted(CACHE_DAMAGE))
+def test_damaged_token_cache_is_rebuilt(base, case):
+    d = base / ("cache_" + case)
+    d.mkdir(exist_ok=True)
+    write_tokens(d / "train.jsonl", n=6, seed=3)
+    j = write_job(d / "job.json", str(base / "model"), "out", "train.jsonl", train_opts={"max_steps": 1})
+    ok(["train", j])
+    caches = [p for p in (d / ".qtune-cache").iterdir() if p.name.endswith(".qtc")]
+    assert len(caches) == 1
+    first = json.loads((d / "out" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    caches[0].write_bytes(CACHE_DAMAGE[case](caches[0].read_bytes()))
+    r = ok(["train", j, "--set", "train.overwrite_output_dir=true"])
+    assert "Sanitizer" not in r.stderr
+    again = json.loads((d / "out" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    assert again == first  # the rebuilt tokens are the same tokens
+
+
+# ---------------------------------------------------------------------------
+# generate: hostile prompts and chat input
+
+def test_generate_with_hostile_text(base):
+    m = model_copy(base, "gen_model")
+    shutil.copy(base / "tiny-tokenizer.json", m / "tokenizer.json")
+    for raw in [b"x\xff\xc3", b"<|im_end|><|im_start|>" * 50, b"a" * 20000, b"\xed\xa0\x80\xf4\x90\x80\x80"]:
+        args = ["generate", "--model", m, "--prompt", os.fsdecode(raw), "--max-new", "3", "--temperature", "0"]
+        r = run(args)
+        assert r.returncode in (0, 1) and "Sanitizer" not in r.stderr and "runtime error" not in r.stderr, r
+        if r.returncode:
+            expect_error(args)
+    stdin = b"hello \xff\xfe\x00 there\n\n" + b"a" * 100000 + b"\n\xc3\n"
+    r = run(["generate", "--model", m, "--chat", "--max-new", "2", "--temperature", "0"], stdin=stdin)
+    assert r.returncode in (0, 1) and "Sanitizer" not in r.stderr and "runtime error" not in r.stderr, r
