@@ -366,6 +366,14 @@ static int run(qt_trainer *t, qt_train_result *res) {
     const long first_step = t->step;
     const double t_loop = trainer_now();
     int stop = 0;
+    /* a stop during loading or the first evaluation: nothing new to save */
+    QT_TRY(stop_requested(t, &stop));
+    if (stop) {
+        res->interrupted = 1;
+        res->step = t->step;
+        return QT_ERR(QT_EINTERRUPTED, "stopped before step %ld; nothing new to save%s%s", t->step + 1,
+                      t->last_ckpt[0] ? "; the newest checkpoint is " : "", t->last_ckpt);
+    }
     while (t->step < t->max_steps && !stop) {
         double ts = trainer_now(), cs = dist_comm_seconds(t->d);
         step_out o;
