@@ -416,7 +416,6 @@ static int run(qt_trainer *t, qt_train_result *res) {
     /* a finished run started again only rewrites final/ */
     if (t->eval_dl && t->step > first_step) QT_TRY(eval_and_log(t, &res->eval_loss_last));
     QT_TRY(trainer_write_final(t, res->final_dir, sizeof res->final_dir));
-    QT_TRY(dist_barrier(t->d, "final outputs"));
     return QT_OK;
 }
 

@@ -164,7 +164,22 @@ static int state_i64(const cJSON *o, const char *key, int64_t lo, int64_t *out, 
 /* ---------------------------------------------------------------------------
  * save */
 
+/* While rank 0 writes (minutes for a large model), the other ranks wait in a
+ * collective: its deadline is raised for the save so that a slow disk is not
+ * taken for a dead rank. */
+#define SAVE_TIMEOUT_S (4.0 * 3600.0)
+
+static int save_checkpoint(qt_trainer *t);
+
 int trainer_save_checkpoint(qt_trainer *t) {
+    double to = dist_timeout(t->d);
+    if (to < SAVE_TIMEOUT_S) dist_set_timeout(t->d, SAVE_TIMEOUT_S);
+    int rc = save_checkpoint(t);
+    dist_set_timeout(t->d, to);
+    return rc;
+}
+
+static int save_checkpoint(qt_trainer *t) {
     /* collective parts first: every rank takes part */
     int64_t *pos = qt_calloc((size_t)t->world * 2, sizeof(int64_t), "data positions");
     if (!pos) return QT_ENOMEM;
@@ -385,7 +400,24 @@ static int copy_model_files(const char *src_dir, const char *dst_dir) {
     return QT_OK;
 }
 
+static int write_final(qt_trainer *t, char *final_dir, size_t cap);
+
 int trainer_write_final(qt_trainer *t, char *final_dir, size_t cap) {
+    double to = dist_timeout(t->d);
+    if (to < SAVE_TIMEOUT_S) dist_set_timeout(t->d, SAVE_TIMEOUT_S);
+    int rc = write_final(t, final_dir, cap);
+    /* the other ranks wait here while rank 0 writes */
+    int64_t ok = rc == QT_OK;
+    if (t->world > 1) {
+        int r2 = dist_allreduce_i64(t->d, &ok, 1, DIST_MIN, "final outputs");
+        if (rc == QT_OK && r2 != QT_OK) rc = r2;
+        if (rc == QT_OK && !ok) rc = QT_ERR(QT_EIO, "rank 0 could not write final/");
+    }
+    dist_set_timeout(t->d, to);
+    return rc;
+}
+
+static int write_final(qt_trainer *t, char *final_dir, size_t cap) {
     final_dir[0] = 0;
     if (!t->main) return QT_OK;
     char fin[4096], tmp[4200], old[4200];
