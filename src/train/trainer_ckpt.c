@@ -341,7 +341,17 @@ static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos) {
     return rc;
 }
 
+static int load_checkpoint(qt_trainer *t, const char *dir);
+
 int trainer_load_checkpoint(qt_trainer *t, const char *dir) {
+    double to = dist_timeout(t->d);
+    if (to < SAVE_TIMEOUT_S) dist_set_timeout(t->d, SAVE_TIMEOUT_S); /* rank 0 reads while the others wait */
+    int rc = load_checkpoint(t, dir);
+    dist_set_timeout(t->d, to);
+    return rc;
+}
+
+static int load_checkpoint(qt_trainer *t, const char *dir) {
     int64_t pos[2] = {0, 0};
     int rc = load_state(t, dir, pos);
     char path[4096];
