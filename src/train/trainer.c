@@ -324,6 +324,14 @@ static int run(qt_trainer *t, qt_train_result *res) {
     QT_TRY(dist_barrier(t->d, "output folder check"));
     QT_TRY(load_model(t));
     QT_TRY(open_loaders(t));
+    /* ranks finish loading (a token cache may be built first) at different
+     * times: this wait gets a long deadline, the training collectives the
+     * usual one */
+    double to = dist_timeout(t->d);
+    if (to < 4.0 * 3600.0) dist_set_timeout(t->d, 4.0 * 3600.0);
+    int rc = dist_barrier(t->d, "model and data loading");
+    dist_set_timeout(t->d, to);
+    QT_TRY(rc);
     t->max_steps = job->train.max_steps > 0 ? job->train.max_steps : steps_from_epochs(t);
     QT_TRY(qt_ds_config_finalize(&t->ds, t->max_steps));
     qt_train_cfg_from_ds(&t->ds, &t->cfg);
