@@ -214,7 +214,9 @@ static int train_step(qt_trainer *t, step_out *o) {
         o->lr = qt_sched_lr_for_update(&t->cfg.sched, t->applied);
         return QT_OK;
     }
-    /* 4. overflow: fp16 skips the step and backs the scale off; elsewhere it is fatal */
+    /* 4. overflow: fp16 skips the step and backs the scale off; elsewhere it is fatal.
+     * A non-finite loss counts as an overflow too (every rank sees the same sum). */
+    if (!isfinite(o->loss)) overflow = 1;
     if (!t->cfg.fp16 && (overflow || !isfinite(o->loss))) {
         return QT_ERR(QT_ENUMERIC,
                       "step %ld, rank %d of %d: the %s is not finite (loss %g, grad_norm %g); training stopped. "
