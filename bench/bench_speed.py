@@ -74,14 +74,16 @@ def flops_per_step(cfg, B, T, mode, r=LORA_R):
       lora: 2 * N_mm * B*T (forward) + 2 * (N_mm - C*(H*D + 2*KV*D)) * B*T
             (input gradients; layer 0's q/k/v input gradient is not needed
             because nothing below it trains) + 3 * attn_fwd
-            + 6 * r * (in + out) * L * B*T per adapted module (q_proj, v_proj)."""
+            + (6 * r * (in + out) * L - 2 * r * in) * B*T per adapted module
+            (q_proj, v_proj; forward 2r(in+out), backward dB, dh, dA, dx, with
+            no dx in layer 0)."""
     C, I, L, H, KV, D, V = dims(cfg)
     tok = B * T
     n_mm = L * (C * H * D + 2 * C * KV * D + H * D * C + 3 * C * I) + V * C
     attn_fwd = L * B * 2 * H * D * T * (T + 1)
     if mode == "full":
         return 6 * n_mm * tok + 3 * attn_fwd, n_mm
-    adapters = 6 * r * ((C + H * D) + (C + KV * D)) * L * tok
+    adapters = sum(6 * r * (i + o) * L - 2 * r * i for i, o in ((C, H * D), (C, KV * D))) * tok
     return 2 * n_mm * tok + 2 * (n_mm - C * (H * D + 2 * KV * D)) * tok + 3 * attn_fwd + adapters, n_mm
 
 
