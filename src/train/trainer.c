@@ -221,7 +221,7 @@ static int train_step(qt_trainer *t, step_out *o) {
         return QT_ERR(QT_ENUMERIC,
                       "step %ld, rank %d of %d: the %s is not finite (loss %g, grad_norm %g); training stopped. "
                       "Lower the learning rate or check the data; the last good checkpoint is %s",
-                      t->step + 1, t->rank, t->world, overflow ? "gradient" : "loss", o->loss, o->grad_norm,
+                      t->step + 1, t->rank, t->world, isfinite(o->loss) ? "gradient" : "loss", o->loss, o->grad_norm,
                       t->last_ckpt[0] ? t->last_ckpt : "none (no checkpoint was written yet)");
     }
     int rc = qt_loss_scaler_update(&t->scaler, overflow);
