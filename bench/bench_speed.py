@@ -388,6 +388,32 @@ def report(res):
             p("perf: " + pr["perf_note"])
 
 
+def merge_results(paths, work):
+    res = None
+    for p in paths:
+        with open(p) as f:
+            r = json.load(f)
+        if res is None:
+            res = r
+            res.setdefault("cases", [])
+            continue
+        for t, g in r.get("peak", {}).items():
+            if t not in res["peak"] or g["peak_gflops"] > res["peak"][t]["peak_gflops"]:
+                res["peak"][t] = g
+        res["cases"] += r.get("cases", [])
+        if r.get("precision"):
+            res["precision"] = (res.get("precision") or []) + r["precision"]
+        if r.get("profile"):
+            res["profile"] = dict(res.get("profile") or {}, **r["profile"])
+        res["machine"]["load average at end"] = r["machine"].get("load average at end")
+    for c in res["cases"]:
+        cfgp = os.path.join(work, "models", c["shape"] + "-f32", "config.json")
+        if os.path.exists(cfgp):
+            with open(cfgp) as f:
+                c["flops"], c["n_mm"] = flops_per_step(json.load(f), c["B"], c["T"], c["mode"])
+    return res
+
+
 def machine_facts(build):
     import torch
     mem = sh("free -g | awk '/Mem:/{print $2}'")
@@ -420,7 +446,12 @@ def main():
     ap.add_argument("--profile-shapes", default="bench-tiny,qwen2.5-0.5b")
     ap.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "qtune-bench"))
     ap.add_argument("--json", help="also write all results to this JSON file")
+    ap.add_argument("--report", nargs="+", metavar="JSON", help="only print the tables of earlier --json files, "
+                    "merged (peak: the best of the files at each thread count; FLOPs recomputed)")
     a = ap.parse_args()
+    if a.report:
+        report(merge_results(a.report, a.work))
+        return
     steps = a.steps or (2 if a.quick else 4)
     reps = 3 if a.quick else 5
     threads = [int(x) for x in a.threads.split(",")]
