@@ -14,6 +14,9 @@
 
 #include <cjson/cJSON.h>
 #include <stdlib.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 #include <string.h>
 
 #define BPE_MAX_FILE (1024ull << 20) /* a tokenizer.json past 1 GiB is not one */
@@ -479,6 +482,13 @@ int bpe_load(const char *path, bpe_tokenizer **out) {
     if (rc == QT_OK) rc = bpe_span_init(t);
     cJSON_Delete(c.root);
     qt_free(buf);
+#ifdef __GLIBC__
+    /* The JSON tree leaves some million small chunks in glibc's fast bins;
+     * the next large malloc (the first encode's buffers) would merge them
+     * all (malloc_consolidate: 80 million instructions for Qwen3's file).
+     * Pay that here, as part of loading, and hand the pages back. */
+    malloc_trim(0);
+#endif
     if (rc != QT_OK) {
         bpe_free(t);
         return rc;
