@@ -287,7 +287,8 @@ def profile_case(build, qtune, work, model, cfg, data, B, T, mode, warmup, steps
             for line in rep.stdout.splitlines():
                 m = re.match(r"\s*([\d.]+)%\s+(\S+)\s+\[[.k]\]\s+(.*)$", line)
                 if m:
-                    perf_rows.append({"pct": float(m.group(1)), "dso": m.group(2), "symbol": m.group(3).strip()})
+                    sym = re.sub(r"(\s+-)+\s*$", "", m.group(3)).strip()  # empty srcline columns
+                    perf_rows.append({"pct": float(m.group(1)), "dso": m.group(2), "symbol": sym})
         else:
             perf_note = pr["error"]
         if os.path.exists(pdata):
@@ -383,7 +384,7 @@ def report(res):
             p("| % | dso | symbol |")
             p("|---|---|---|")
             for r in pr["perf"][:20]:
-                p("| %.1f | %s | %s |" % (r["pct"], r["dso"], r["symbol"]))
+                p("| %.1f | %s | %s |" % (r["pct"], r["dso"], re.sub(r"(\s+-)+\s*$", "", r["symbol"]).strip()))
         elif pr["perf_note"]:
             p("perf: " + pr["perf_note"])
 
