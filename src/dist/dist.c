@@ -11,6 +11,7 @@
 #include "dist/dist_internal.h"
 
 #include "core/error.h"
+#include "core/messages.h"
 #include "core/log.h"
 #include "core/mem.h"
 
@@ -211,10 +212,7 @@ static _Noreturn void deadline_passed(dist_ctx *d, dist_waiter *w) {
         snprintf(who, sizeof who, "rank(s) %s stopped responding (they answer but are stuck in an earlier collective)", behind);
     else
         snprintf(who, sizeof who, "every rank still answers, so the network or MPI itself stalled");
-    fprintf(stderr,
-            "qtune: error: rank %d: collective %s did not complete within %g s; %s. Check that every rank is "
-            "alive, the network between hosts, and raise QTUNE_DIST_TIMEOUT if steps are just slow\n",
-            d->rank, w->what, d->timeout_s, who);
+    fprintf(stderr, "qtune: error: " QT_MSG_DIST_TIMEOUT_FMT "\n", d->rank, w->what, d->timeout_s, who);
     fflush(stderr);
     MPI_Abort(MPI_COMM_WORLD, 1);
     _exit(1); /* MPI_Abort does not return; this keeps the compiler sure of it */

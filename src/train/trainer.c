@@ -4,6 +4,7 @@
 #include "train/trainer.h"
 
 #include "core/error.h"
+#include "core/messages.h"
 #include "core/fs.h"
 #include "core/log.h"
 #include "core/mem.h"
@@ -384,6 +385,17 @@ static int run(qt_trainer *t, qt_train_result *res) {
         return QT_ERR(QT_EINTERRUPTED, "stopped before step %ld; nothing new to save%s%s", t->step + 1,
                       t->last_ckpt[0] ? "; the newest checkpoint is " : "", t->last_ckpt);
     }
+    /* Loader starvation: over each window of steps, the share of wall time the
+     * step spent waiting in dl_next. Prefetch threads should keep it near 0. */
+    enum { STARVE_WINDOW = 20 };
+    const double starve_share = 0.2;
+    double win_t0 = trainer_now(), win_wait0;
+    long win_steps = 0;
+    {
+        dl_stats st0;
+        dl_get_stats(t->train_dl, &st0);
+        win_wait0 = st0.wait_s;
+    }
     while (t->step < t->max_steps && !stop) {
         double ts = trainer_now(), cs = dist_comm_seconds(t->d);
         step_out o;
@@ -406,6 +418,16 @@ static int run(qt_trainer *t, qt_train_result *res) {
             };
             QT_TRY(qt_metrics_log_step(&t->metrics, &m));
             QT_TRY(qt_metrics_write_svg(&t->metrics));
+        }
+        if (++win_steps == STARVE_WINDOW) {
+            dl_stats st;
+            dl_get_stats(t->train_dl, &st);
+            double wall = trainer_now() - win_t0, waited = st.wait_s - win_wait0;
+            if (t->main && wall > 0 && waited / wall > starve_share)
+                qt_warn(QT_MSG_LOADER_STARVED_FMT, 100.0 * waited / wall, (int)win_steps);
+            win_t0 = trainer_now();
+            win_wait0 = st.wait_s;
+            win_steps = 0;
         }
         progress(t, &o, tok_s, first_step, t_loop);
         QT_TRY(stop_requested(t, &stop));

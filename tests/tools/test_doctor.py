@@ -115,10 +115,7 @@ def _sources():
 
 # Constants whose owner has not wired them in yet. strict: once the code prints one, this test
 # XPASSes and fails, so the entry must then be removed here.
-PENDING = {
-    "QT_MSG_LOADER_STARVED_FMT": "the trainer does not warn yet when the step waits on the data loader "
-                                 "(dl stats wait_s); it should print qt_warn(QT_MSG_LOADER_STARVED_FMT, ...)",
-}
+PENDING = {}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=PENDING[n]))
