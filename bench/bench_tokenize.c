@@ -9,14 +9,23 @@
  * encodes the whole file once, in one bpe_encode call. Prints one JSON line:
  * the best and median load seconds and encode MB/s over RUNS (default 3),
  * the bytes and the id count. bench/tokenize_bench.sh runs it beside the JS
- * reference on the same text. */
+ * reference on the same text.
+ *
+ *   bench_tokenize --check-split TOKENIZER FILE
+ *
+ * compares the hand-written split matcher (src/text/bpe_split.c) with PCRE2
+ * at every character of FILE (invalid UTF-8 replaced first) and exits 1 at
+ * the first difference. */
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/mem.h"
+#include "text/bpe_impl.h"
 #include "text/tokenizer.h"
+#include "text/utf8.h"
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 static double clock_s(clockid_t c) {
@@ -34,7 +43,28 @@ static int cmp_double(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
+static int check_split(const char *tok, const char *file) {
+    char *text, *clean = NULL;
+    size_t len, clen;
+    bpe_tokenizer *t;
+    if (qt_read_file(file, (size_t)1 << 32, &text, &len) != QT_OK || bpe_load(tok, &t) != QT_OK ||
+        utf8_sanitize(text, len, &clean, &clen) != QT_OK) {
+        fprintf(stderr, "bench_tokenize: %s\n", qt_error_message());
+        return 1;
+    }
+    size_t checked = 0;
+    int rc = bpe_split_check(t, clean, clen, &checked);
+    if (rc != QT_OK) fprintf(stderr, "bench_tokenize: %s\n", qt_error_message());
+    printf("{\"bytes\": %zu, \"fast_path\": %d, \"offsets_checked\": %zu, \"agree\": %s}\n", clen, t->cp_class != NULL,
+           checked, rc == QT_OK ? "true" : "false");
+    qt_free(clean);
+    qt_free(text);
+    bpe_free(t);
+    return rc == QT_OK ? 0 : 1;
+}
+
 int main(int argc, char **argv) {
+    if (argc == 4 && !strcmp(argv[1], "--check-split")) return check_split(argv[2], argv[3]);
     if (argc < 3) {
         fprintf(stderr, "usage: bench_tokenize TOKENIZER FILE [RUNS]\n");
         return 2;

@@ -251,6 +251,14 @@ static int encode_stretch(enc_ctx *c, const char *s, size_t n, size_t base) {
     } else {
         size_t off = 0;
         while (off < n && rc == QT_OK) {
+            if (t->cp_class) { /* Qwen's regex: bpe_split.c answers for most offsets */
+                size_t e = bpe_split_match(t, (const uint8_t *)s, n, off);
+                if (e) {
+                    rc = encode_piece(c, (const uint8_t *)s + off, e - off, base + off, exact, rs, re);
+                    off = e;
+                    continue;
+                }
+            }
             /* Try a match right at off first (the anchored copy skips the
              * search for a start); only when there is none, search on. The
              * leftmost match is the same either way. */

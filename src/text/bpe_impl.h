@@ -100,6 +100,7 @@ struct bpe_tokenizer {
     pcre2_code *re;            /* the Split pre-tokenizer, NULL: none */
     pcre2_code *re_anchored;   /* the same, PCRE2_ANCHORED: matches only at the start offset */
     int re_jit;                /* both JIT compiled */
+    uint8_t *cp_class;         /* (BPE_CLASS_N) BPE_C_* of each code point when the regex is Qwen's, else NULL: bpe_split.c */
 
     bpe_cache_shard cache[BPE_CACHE_SHARDS];
     uint64_t hash;             /* of the tokenizer.json bytes */
@@ -164,6 +165,25 @@ static inline void bpe_span_bloom_add(uint64_t *bloom, uint64_t key) {
     bloom[b >> 6] |= 1ull << (b & 63);
 }
 int bpe_span_init(bpe_tokenizer *t);
+
+/* Qwen's split regex without PCRE2 (bpe_split.c). Character classes of the
+ * code points below BPE_CLASS_N, as PCRE2 sees them: */
+#define BPE_CLASS_N 0x20000u
+#define BPE_C_OTHER 0    /* none of the three */
+#define BPE_C_L 1        /* \p{L} */
+#define BPE_C_N 2        /* \p{N} */
+#define BPE_C_S 3        /* [\s\x{85}] */
+#define BPE_C_UNKNOWN 0xFF
+extern const char bpe_qwen_pattern[]; /* the regex bpe_split_match stands for, as tokenizer.json spells it */
+/* Fills t->cp_class (PCRE2 asked once per code point). */
+int bpe_split_init(bpe_tokenizer *t);
+/* End of the regex's match at offset i of s[0..n) (valid UTF-8, i < n, i at
+ * a character), or 0 when only PCRE2 can tell. */
+size_t bpe_split_match(const bpe_tokenizer *t, const uint8_t *s, size_t n, size_t i);
+/* Compares bpe_split_match with PCRE2 (anchored) at every character of s:
+ * QT_OK when they agree wherever the fast path answers; *checked counts
+ * those offsets. For tests. */
+int bpe_split_check(const bpe_tokenizer *t, const char *s, size_t n, size_t *checked);
 
 /* Appends the ids of one pre-tokenized word (raw bytes) to *ids. */
 int bpe_word(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, size_t *nids, size_t *cap);

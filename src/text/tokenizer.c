@@ -379,6 +379,7 @@ static int compile_regex(bpe_tokenizer *t, load_ctx *c, const char *pattern) {
     }
     t->re_jit = pcre2_jit_compile(t->re, PCRE2_JIT_COMPLETE) == 0 && pcre2_jit_compile(t->re_anchored, PCRE2_JIT_COMPLETE) == 0;
     if (!t->re_jit) qt_debug("PCRE2 JIT unavailable; the split regex runs interpreted (slower)");
+    if (!strcmp(pattern, bpe_qwen_pattern)) return bpe_split_init(t); /* Qwen's regex: the hand-written matcher in front */
     return QT_OK;
 }
 
@@ -502,6 +503,7 @@ void bpe_free(bpe_tokenizer *t) {
     bpe_cache_free(t);
     if (t->re) pcre2_code_free(t->re);
     if (t->re_anchored) pcre2_code_free(t->re_anchored);
+    qt_free(t->cp_class);
     qt_free(t->tok_str);
     qt_free(t->tok_off);
     qt_free(t->bytes);

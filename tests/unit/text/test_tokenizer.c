@@ -18,6 +18,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/mem.h"
+#include "text/bpe_impl.h"
 #include "text/chat.h"
 #include "text/tokenizer.h"
 #include "text/utf8.h"
@@ -497,6 +498,60 @@ static void test_chat_content_crossing_the_header(void **state) {
     bpe_free(t);
 }
 
+/* bpe_split.c's matcher for Qwen's regex against PCRE2 at every offset of
+ * random texts over the characters where the alternatives meet: ASCII
+ * letters, digits, the contraction letters, spaces of every kind (NEL, NBSP,
+ * U+3000, U+2028), \r \n \t, punctuation, CJK, fullwidth digits and
+ * letters, combining marks, U+017F (folds to s), a letter and a space past
+ * the class table (PCRE2's alone). The ids must also equal a PCRE2-only
+ * encode (the fast path switched off). */
+static void test_split_fast_path_equals_pcre2(void **state) {
+    (void)state;
+    static const char *alpha[] = {"a", "Z", "s", "S", "t", "T", "r", "e", "E", "v", "m", "l", "L", "d", "D", "'", "'", "'",
+                                  "0", "7", " ", " ", " ", "\t", "\r", "\n", "\n", "\v", "\f", "\xC2\x85", "\xC2\xA0",
+                                  "\xE3\x80\x80", "\xE2\x80\xA8", ".", ",", "!", "\"", "_", "-", "\xE4\xB8\xAD", "\xE6\x96\x87",
+                                  "\xEF\xBC\x91", "\xEF\xBC\xA1", "\xEF\xBC\x8C", "\xCC\x81", "\xC5\xBF", "\xC3\xA9", "\xE2\x85\xA0",
+                                  "\xF0\x9F\x98\x80", "\xF0\xA0\x80\x80", "\xF3\xA0\x80\xA0", "\xE2\x80\x8B", "\xEF\xBB\xBF"};
+    const size_t na = sizeof alpha / sizeof *alpha;
+    char *p = write_tokenizer("fast.json", NULL, 0, NULL, QWEN_SPLIT);
+    bpe_tokenizer *t, *slow;
+    assert_int_equal(bpe_load(p, &t), QT_OK);
+    assert_int_equal(bpe_load(p, &slow), QT_OK);
+    assert_non_null(t->cp_class);
+    qt_free(slow->cp_class);
+    slow->cp_class = NULL;
+    uint64_t x = 0x9E3779B97F4A7C15ull;
+    size_t checked = 0;
+    char buf[512];
+    int32_t *a = NULL, *b = NULL;
+    size_t acap = 0, bcap = 0;
+    for (int it = 0; it < 3000; it++) {
+        size_t n = 0;
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        int len = 1 + (int)(x % 40);
+        for (int k = 0; k < len; k++) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            const char *c = alpha[x % na];
+            size_t cl = strlen(c);
+            memcpy(buf + n, c, cl);
+            n += cl;
+        }
+        size_t c1;
+        if (bpe_split_check(t, buf, n, &c1) != QT_OK) fail_msg("%s", qt_error_message());
+        checked += c1;
+        size_t an = 0, bn = 0;
+        assert_int_equal(bpe_encode(t, buf, n, &a, &an, &acap), QT_OK);
+        assert_int_equal(bpe_encode(slow, buf, n, &b, &bn, &bcap), QT_OK);
+        assert_int_equal(an, bn);
+        assert_memory_equal(a, b, an * sizeof *a);
+    }
+    assert_true(checked > 30000); /* the fast path answered at most offsets */
+    qt_free(a);
+    qt_free(b);
+    bpe_free(t);
+    bpe_free(slow);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_utf8_maximal_subparts),
@@ -506,6 +561,7 @@ int main(void) {
         cmocka_unit_test(test_malformed_files),
         cmocka_unit_test(test_threads_share_a_tokenizer),
         cmocka_unit_test(test_qwen_where_hf_and_js_differ),
+        cmocka_unit_test(test_split_fast_path_equals_pcre2),
         cmocka_unit_test(test_chat_render),
         cmocka_unit_test(test_chat_labels),
         cmocka_unit_test(test_chat_content_crossing_the_header),
