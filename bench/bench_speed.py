@@ -256,6 +256,20 @@ def label_shapes(cfg, B, T, mode):
     return {k: " / ".join(dict.fromkeys(v)) for k, v in lab.items()}
 
 
+def standalone_rates(build, rows):
+    """The same sgemm shapes timed alone by bench_gemm (1 thread, best of 3):
+    tells a shape that OpenBLAS runs slowly anyway from one that is slow only
+    inside the step (cold caches, beta handling, interference)."""
+    exe = os.path.join(build, "bench", "bench_gemm")
+    for r in rows:
+        try:
+            o = subprocess.run([exe, "--shape", str(r["M"]), str(r["N"]), str(r["K"]), r["ta"], r["tb"], "--reps",
+                                "3"], capture_output=True, text=True, env=thread_env(1), timeout=120)
+            r["alone_gflops"] = json.loads(o.stdout)["gflops"] if o.returncode == 0 else None
+        except (subprocess.TimeoutExpired, ValueError, KeyError):
+            r["alone_gflops"] = None
+
+
 def profile_case(build, qtune, work, model, cfg, data, B, T, mode, warmup, steps):
     tr = os.path.join(work, "sgemm-%s-%s.tsv" % (os.path.basename(model), mode))
     lib = os.path.join(build, "bench", "libqt_sgemm_trace.so")
@@ -275,6 +289,7 @@ def profile_case(build, qtune, work, model, cfg, data, B, T, mode, warmup, steps
         rows.append({"M": M, "N": N, "K": K, "ta": ta, "tb": tb, "calls_per_step": calls / nsteps,
                      "s_per_step": sec / nsteps, "gflops": gf, "site": labels.get((M, N, K, ta, tb), "?")})
     rows.sort(key=lambda x: -x["s_per_step"])
+    standalone_rates(build, rows[:6])
     # perf: self time by symbol (software clock; this VM has no hardware counters)
     perf_rows, perf_note = [], ""
     pdata = os.path.join(work, "perf-%s.data" % mode)
@@ -373,12 +388,13 @@ def report(res):
         p("median step %.2f s (%.1f tok/s). %s.\n" % (pr["step_s"], pr["tok_s"], pr["note"]))
         tot = sum(r["s_per_step"] for r in pr["sgemm"])
         p("sgemm total: %.2f s per step = %.0f%% of the step\n" % (tot, 100 * tot / pr["step_s"]))
-        p("| call site | M | N | K | op | calls/step | s/step | % of step | GFLOP/s |")
-        p("|---|---|---|---|---|---|---|---|---|")
+        p("| call site | M | N | K | op | calls/step | s/step | % of step | GFLOP/s in the step | "
+          "GFLOP/s alone (bench_gemm) |")
+        p("|---|---|---|---|---|---|---|---|---|---|")
         for r in pr["sgemm"][:16]:
-            p("| %s | %d | %d | %d | %s%s | %.0f | %.3f | %.1f%% | %.1f |" % (
+            p("| %s | %d | %d | %d | %s%s | %.0f | %.3f | %.1f%% | %.1f | %s |" % (
                 r["site"], r["M"], r["N"], r["K"], r["ta"], r["tb"], r["calls_per_step"], r["s_per_step"],
-                100 * r["s_per_step"] / pr["step_s"], r["gflops"]))
+                100 * r["s_per_step"] / pr["step_s"], r["gflops"], fmt(r.get("alone_gflops"), "%.1f")))
         if pr["perf"]:
             p("\nperf record -e cpu-clock, self time (whole process, top symbols):\n")
             p("| % | dso | symbol |")
