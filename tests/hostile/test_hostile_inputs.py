@@ -644,3 +644,22 @@ def test_generate_with_hostile_text(base):
     stdin = b"hello \xff\xfe\x00 there\n\n" + b"a" * 100000 + b"\n\xc3\n"
     r = run(["generate", "--model", m, "--chat", "--max-new", "2", "--temperature", "0"], stdin=stdin)
     assert r.returncode in (0, 1) and "Sanitizer" not in r.stderr and "runtime error" not in r.stderr, r
+
+
+def test_merge_with_a_bad_adapter_writes_nothing(base, trained):
+    """merge refuses a damaged adapter, and an existing --out folder is left as it was."""
+    job, ck = trained
+    good = ck  # a checkpoint of a LoRA run is a PEFT adapter folder
+    out = base / "merged"
+    ok(["merge", "--model", base / "model", "--adapter", good, "--out", out])
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    bad = base / "merge_bad_adapter"
+    if bad.exists():
+        shutil.rmtree(bad)
+    shutil.copytree(good, bad)
+    full = (bad / "adapter_model.safetensors").read_bytes()
+    for damage in (full[:len(full) // 2], struct.pack("<Q", 1 << 63) + full[8:], b""):
+        write(bad / "adapter_model.safetensors", damage)
+        expect_error(["merge", "--model", base / "model", "--adapter", bad, "--out", out], "adapter_model.safetensors")
+        after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+        assert after == before
