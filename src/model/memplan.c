@@ -213,14 +213,19 @@ size_t qt_model_memory(const qt_config *c, const qt_model_opts *o, qt_mem_breakd
             small += (size_t)c->num_hidden_layers * (size_t)(c->num_attention_heads + 2 * c->num_key_value_heads) *
                      c->head_dim;
         b.base = (all - small) * qt_dtype_size(c->torch_dtype);
+        /* training in f16/bf16 holds the base in the compute dtype: a copy when the file's differs */
+        if (o->lora && !o->infer && o->compute != QT_F32 && c->torch_dtype != o->compute)
+            b.compute_copy = (all - small) * qt_dtype_size(o->compute);
         b.base_f32 = small * 4;
         if (!o->lora) b.master = 0;
     }
+    if (!frozen && o->compute != QT_F32) b.compute_copy = numel * qt_dtype_size(o->compute);
     b.activations = qt_model_carve_acts(c, o, NULL, NULL) * 4;
     b.act_grads = qt_model_carve_grads(c, o, NULL, NULL) * 4;
     b.workspace = qt_model_workspace_floats(c, o) * 4;
     b.kv_cache = qt_model_kv_floats(c, o) * 4;
-    b.total = b.master + b.grads + b.base_f32 + b.activations + b.act_grads + b.workspace + b.kv_cache;
+    b.total = b.master + b.grads + b.base_f32 + b.activations + b.act_grads + b.workspace + b.kv_cache +
+              b.compute_copy;
     if (out) *out = b;
     return b.total;
 }

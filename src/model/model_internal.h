@@ -96,6 +96,8 @@ struct qt_model {
     int n_params;
 
     float *base_f32;       /* frozen base: norm weights and biases in f32 */
+    uint16_t *wcopy;       /* full fine-tuning in f16/bf16: (numel) compute copy of master,
+                              read by the matmuls, refreshed by qt_model_weights_updated */
     void **owned;          /* frozen f32 tensors copied because the mapping was misaligned */
     int n_owned;
 

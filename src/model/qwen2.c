@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "backend/cpu/op_precision.h"
 #include "backend/cpu/ops.h"
 #include "core/error.h"
 #include "core/rng.h"
@@ -31,6 +32,13 @@ void qt_lora_dropout_apply(const qt_model *m, int l, int j, float *x, size_t n) 
     for (size_t i = 0; i < n; i++) x[i] = qt_rng_uniform(&r) < p ? 0.0f : x[i] * keep;
 }
 
+/* ---- mixed precision: what the graph stores (activations saved for the
+ * backward, activation gradients) takes the compute dtype's precision, as a
+ * store to fp16/bf16 would; arithmetic stays fp32. In fp16 a value beyond
+ * 65504 becomes inf, so a too-large loss scale overflows as on a GPU and the
+ * loss scaler skips the step. No-op in f32. */
+static inline void keep(const qt_model *m, float *x, size_t n) { op_round_to_dtype(x, n, m->opts.compute); }
+
 /* ---- Linear (+ LoRA) forward/backward ------------------------------------ */
 static void linear_forward(qt_model *m, int l, int j, float *out, const float *inp, int N, float *lora_h,
                            int dropout) {
@@ -45,6 +53,7 @@ static void linear_forward(qt_model *m, int l, int j, float *out, const float *i
     }
     int R = m->opts.lora_r;
     op_matmul_forward(lora_h, xd, q->la, QT_F32, NULL, N, q->in, R, m->lora_scaling, 0, NULL); /* hs = s A xd */
+    keep(m, lora_h, (size_t)N * R);
     op_matmul_forward(out, lora_h, q->lb, QT_F32, NULL, N, R, q->out, 1.0f, 1, NULL);         /* y += B hs */
 }
 
@@ -84,12 +93,17 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
     const qt_layer *L = &m->layers[l];
     int C = c->hidden_size, I = c->intermediate_size, H = c->num_attention_heads, KV = c->num_key_value_heads,
         D = c->head_dim;
+    size_t NC = (size_t)N * C, NI = (size_t)N * I, NQ = (size_t)N * H * D, NK = (size_t)N * KV * D;
     op_rmsnorm_forward(a->ln1, a->rstd1, x, L->ln1, N, C, c->rms_norm_eps);
+    keep(m, a->ln1, NC);
     linear_forward(m, l, LIN_Q, a->q, a->ln1, N, a->lora_h[LIN_Q], dropout);
     linear_forward(m, l, LIN_K, a->k, a->ln1, N, a->lora_h[LIN_K], dropout);
     linear_forward(m, l, LIN_V, a->v, a->ln1, N, a->lora_h[LIN_V], dropout);
     op_rope_forward(a->q, pos, N, H, D, c->rope_theta);
     op_rope_forward(a->k, pos, N, KV, D, c->rope_theta);
+    keep(m, a->q, NQ);
+    keep(m, a->k, NK);
+    keep(m, a->v, NK);
     if (b) {
         op_attention_forward(a->att, a->lse, a->q, a->k, a->v, b->doc_start, b->B, b->T, H, KV, D);
     } else {
@@ -99,14 +113,21 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
         memcpy(vc + (size_t)pos0 * row, a->v, sizeof(float) * (size_t)N * row);
         op_attention_forward_cached(a->att, a->q, kc, vc, N, pos0, H, KV, D);
     }
+    keep(m, a->att, NQ);
     linear_forward(m, l, LIN_O, a->xmid, a->att, N, a->lora_h[LIN_O], dropout);
-    op_acc(a->xmid, x, (size_t)N * C);
+    op_acc(a->xmid, x, NC);
+    keep(m, a->xmid, NC);
     op_rmsnorm_forward(a->ln2, a->rstd2, a->xmid, L->ln2, N, C, c->rms_norm_eps);
+    keep(m, a->ln2, NC);
     linear_forward(m, l, LIN_GATE, a->gate, a->ln2, N, a->lora_h[LIN_GATE], dropout);
     linear_forward(m, l, LIN_UP, a->up, a->ln2, N, a->lora_h[LIN_UP], dropout);
+    keep(m, a->gate, NI);
+    keep(m, a->up, NI);
     op_swiglu_forward(a->h, a->gate, a->up, N, I);
+    keep(m, a->h, NI);
     linear_forward(m, l, LIN_DOWN, xout, a->h, N, a->lora_h[LIN_DOWN], dropout);
-    op_acc(xout, a->xmid, (size_t)N * C);
+    op_acc(xout, a->xmid, NC);
+    keep(m, xout, NC);
 }
 
 /* dres holds d loss / d xout on entry and d loss / d x on return. need_dx = 0
@@ -122,16 +143,22 @@ static void layer_backward(qt_model *m, int l, const qt_batch *b, int N, const f
 
     memset(g->dh, 0, sizeof(float) * NI);
     linear_backward(m, l, LIN_DOWN, g->dh, g->dres, a->h, a->lora_h[LIN_DOWN], N, dropout);
+    keep(m, g->dh, NI);
     memset(g->dg, 0, sizeof(float) * NI);
     memset(g->du, 0, sizeof(float) * NI);
     op_swiglu_backward(g->dg, g->du, g->dh, a->gate, a->up, N, I);
+    keep(m, g->dg, NI);
+    keep(m, g->du, NI);
     memset(g->dln, 0, sizeof(float) * NC);
     linear_backward(m, l, LIN_GATE, g->dln, g->dg, a->ln2, a->lora_h[LIN_GATE], N, dropout);
     linear_backward(m, l, LIN_UP, g->dln, g->du, a->ln2, a->lora_h[LIN_UP], N, dropout);
+    keep(m, g->dln, NC);
     op_rmsnorm_backward(g->dres, L->dln2, g->dln, a->xmid, L->ln2, a->rstd2, N, C); /* dres: d xmid */
+    keep(m, g->dres, NC);
 
     memset(g->datt, 0, sizeof(float) * NQ);
     linear_backward(m, l, LIN_O, g->datt, g->dres, a->att, a->lora_h[LIN_O], N, dropout);
+    keep(m, g->datt, NQ);
     memset(g->dq, 0, sizeof(float) * NQ);
     memset(g->dk, 0, sizeof(float) * NK);
     memset(g->dv, 0, sizeof(float) * NK);
@@ -139,12 +166,18 @@ static void layer_backward(qt_model *m, int l, const qt_batch *b, int N, const f
                           H, KV, D);
     op_rope_backward(g->dq, b->positions, N, H, D, c->rope_theta);
     op_rope_backward(g->dk, b->positions, N, KV, D, c->rope_theta);
+    keep(m, g->dq, NQ);
+    keep(m, g->dk, NK);
+    keep(m, g->dv, NK);
     float *dln = need_dx ? g->dln : NULL;
     if (dln) memset(dln, 0, sizeof(float) * NC);
     linear_backward(m, l, LIN_Q, dln, g->dq, a->ln1, a->lora_h[LIN_Q], N, dropout);
     linear_backward(m, l, LIN_K, dln, g->dk, a->ln1, a->lora_h[LIN_K], N, dropout);
     linear_backward(m, l, LIN_V, dln, g->dv, a->ln1, a->lora_h[LIN_V], N, dropout);
-    if (need_dx) op_rmsnorm_backward(g->dres, L->dln1, g->dln, x, L->ln1, a->rstd1, N, C);
+    if (!need_dx) return;
+    keep(m, g->dln, NC);
+    op_rmsnorm_backward(g->dres, L->dln1, g->dln, x, L->ln1, a->rstd1, N, C);
+    keep(m, g->dres, NC);
 }
 
 /* ---- batches ---------------------------------------------------------------- */
@@ -178,8 +211,10 @@ static void run_forward(qt_model *m, const qt_batch *b, int dropout) {
     int N = b->B * b->T, C = c->hidden_size, L = c->num_hidden_layers;
     qt_act_ptrs *A = &m->acts;
     op_embedding_forward(A->x[0], b->inputs, m->wte.p, m->wte.dt, N, C);
+    keep(m, A->x[0], (size_t)N * C);
     for (int l = 0; l < L; l++) layer_forward(m, l, b, N, A->x[l], A->x[l + 1], &A->layer[l], dropout, b->positions, 0);
     op_rmsnorm_forward(A->lnf, A->rstdf, A->x[L], m->lnf_w, N, C, c->rms_norm_eps);
+    keep(m, A->lnf, (size_t)N * C);
     op_lmhead_ce_forward(A->loss, A->lse, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, N, C, c->vocab_size, m->ws);
 }
 
@@ -221,7 +256,9 @@ int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, 
     memset(dln, 0, sizeof(float) * (size_t)N * C);
     op_lmhead_ce_backward(dln, m->dlm_head, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, A->lse, grad_scale, N, C,
                           c->vocab_size, m->ws);
+    keep(m, dln, (size_t)N * C); /* in fp16 the first place a too-large loss scale overflows */
     op_rmsnorm_backward(dres, m->dlnf_w, dln, A->x[L], m->lnf_w, A->rstdf, N, C);
+    keep(m, dres, (size_t)N * C);
     for (int l = L - 1; l >= 0; l--) {
         /* recompute: x[l+1] was consumed by layer l+1's backward, so it may be overwritten */
         if (m->opts.grad_checkpointing)

@@ -1,8 +1,10 @@
 /* Loading a Qwen2/Llama model folder into the blocks the memory plan sizes:
  *  - full fine-tuning: every weight is read (any file dtype) into the flat
- *    fp32 master block, in the order of the parameter table (HF names);
+ *    fp32 master block, in the order of the parameter table (HF names); in
+ *    f16/bf16 a 2-byte compute copy of it is what the matmuls read;
  *  - LoRA / inference: the base stays in the safetensors mapping in its file
- *    dtype (matrices and the embedding); only norm weights and biases are
+ *    dtype (matrices and the embedding), except that LoRA training in
+ *    f16/bf16 converts it once to the compute dtype; only norm weights and biases are
  *    converted to a small f32 block. The LoRA A/B matrices are the master
  *    block: A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's kaiming_uniform(a=sqrt(5))),
  *    B = 0. */
@@ -16,6 +18,7 @@
 #include "core/mem.h"
 #include "core/rng.h"
 #include "model/model_internal.h"
+#include "model/precision.h"
 
 #define LORA_INIT_SALT 0x4c6f5241ull /* "LoRA": the A-init stream, apart from dropout's */
 
@@ -44,6 +47,7 @@ static int check_config(const qt_config *c, const char *dir) {
 }
 
 static int check_opts(const qt_model_opts *o) {
+    if (!o->infer) QT_TRY(qt_precision_check(o->compute));
     if (o->max_B < 1 || o->max_T < 1)
         return QT_ERR(QT_EINVAL, "model options: max_B and max_T must be at least 1 (got %d, %d)", o->max_B, o->max_T);
     if (o->lora) {
@@ -71,6 +75,21 @@ static int base_matrix(qt_model *m, const char *name, int64_t d0, int64_t d1, qt
     QT_TRY(st_expect(m->st, name, 2, shape, &t));
     w->p = t->data;
     w->dt = t->dtype;
+    qt_dtype cd = m->opts.compute;
+    if (!m->infer && cd != QT_F32 && t->dtype != cd) {
+        /* training in f16/bf16 holds the frozen base in the compute dtype (the memory plan's compute_copy) */
+        void **owned = qt_realloc(m->owned, sizeof(void *) * (size_t)(m->n_owned + 1), "model: copied tensor list");
+        if (!owned) return QT_ENOMEM;
+        m->owned = owned;
+        size_t n = (size_t)d0 * (size_t)d1;
+        void *copy = qt_alloc_aligned(n * qt_dtype_size(cd), name);
+        if (!copy) return QT_ENOMEM;
+        m->owned[m->n_owned++] = copy;
+        qt_precision_convert(copy, cd, t->data, t->dtype, n);
+        w->p = copy;
+        w->dt = cd;
+        return QT_OK;
+    }
     if (t->dtype == QT_F32 && ((uintptr_t)t->data & 3)) {
         /* sgemm wants aligned floats; a hand-written file may not give them */
         void **owned = qt_realloc(m->owned, sizeof(void *) * (size_t)(m->n_owned + 1), "model: copied tensor list");
@@ -91,6 +110,13 @@ static int base_vector(qt_model *m, const char *name, int64_t n, float *dst) {
     return st_read_f32(t, dst);
 }
 
+/* A trainable matrix as the matmuls read it: the master (f32) or its compute copy. */
+static qt_wref compute_ref(qt_model *m, const char *name) {
+    float *p = find_param(m, m->master, name);
+    if (!p || !m->wcopy) return (qt_wref){p, QT_F32};
+    return (qt_wref){m->wcopy + (p - m->master), m->opts.compute};
+}
+
 static int load_full(qt_model *m) {
     for (int i = 0; i < m->n_params; i++) {
         const qt_param *p = &m->params[i];
@@ -100,7 +126,15 @@ static int load_full(qt_model *m) {
     }
     const qt_config *c = &m->cfg;
     char name[160];
-    m->wte = (qt_wref){find_param(m, m->master, "model.embed_tokens.weight"), QT_F32};
+    /* f16/bf16: matmuls, the embedding and the lm_head read a 2-byte compute
+     * copy of the master block; norm weights and biases stay f32 (master) */
+    const qt_dtype cd = m->opts.compute;
+    if (cd != QT_F32) {
+        m->wcopy = qt_alloc_aligned(m->numel * qt_dtype_size(cd), "model: compute copy of the weights");
+        if (!m->wcopy) return QT_ENOMEM;
+        qt_model_weights_updated(m);
+    }
+    m->wte = compute_ref(m, "model.embed_tokens.weight");
     m->dwte = find_param(m, m->grads, "model.embed_tokens.weight");
     m->lnf_w = find_param(m, m->master, "model.norm.weight");
     m->dlnf_w = find_param(m, m->grads, "model.norm.weight");
@@ -108,7 +142,7 @@ static int load_full(qt_model *m) {
         m->lm_head = m->wte;
         m->dlm_head = m->dwte;
     } else {
-        m->lm_head = (qt_wref){find_param(m, m->master, "lm_head.weight"), QT_F32};
+        m->lm_head = compute_ref(m, "lm_head.weight");
         m->dlm_head = find_param(m, m->grads, "lm_head.weight");
     }
     for (int l = 0; l < c->num_hidden_layers; l++) {
@@ -122,7 +156,7 @@ static int load_full(qt_model *m) {
         for (int j = 0; j < LIN_COUNT; j++) {
             qt_linear *q = &L->lin[j];
             snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, qt_lin_path[j]);
-            q->w = (qt_wref){find_param(m, m->master, name), QT_F32};
+            q->w = compute_ref(m, name);
             q->dw = find_param(m, m->grads, name);
             snprintf(name, sizeof name, "model.layers.%d.%s.bias", l, qt_lin_path[j]);
             q->b = find_param(m, m->master, name);
@@ -289,6 +323,7 @@ void qt_model_free(qt_model *m) {
     qt_free(m->grads);
     qt_free(m->params);
     qt_free(m->base_f32);
+    qt_free(m->wcopy);
     qt_free(m->layers);
     qt_free(m->acts.x);
     qt_free(m->acts.layer);
@@ -309,8 +344,11 @@ const qt_param *qt_model_params(const qt_model *m, int *n) {
     *n = m->n_params;
     return m->params;
 }
-/* The CPU graph computes straight from the fp32 master block (and reads a
- * frozen base in its file dtype), so there is no compute copy to refresh. */
-void qt_model_weights_updated(qt_model *m) { (void)m; }
+/* In f32 the graph reads the master block itself; in f16/bf16 full
+ * fine-tuning it reads the 2-byte compute copy, rounded here from the master
+ * (round to nearest even; fp16 saturates to inf beyond 65504). */
+void qt_model_weights_updated(qt_model *m) {
+    if (m->wcopy) qt_precision_convert(m->wcopy, m->opts.compute, m->master, QT_F32, m->numel);
+}
 void qt_model_set_micro_step(qt_model *m, uint64_t step) { m->micro_step = step; }
 uint64_t qt_model_micro_step(const qt_model *m) { return m->micro_step; }

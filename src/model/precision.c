@@ -1,0 +1,48 @@
+/* Mixed precision: the bf16 hardware rule, the compute copy of the trainable
+ * block, and where the graph's stored values are rounded (see precision.h). */
+#include "model/precision.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cpu/op_precision.h"
+#include "core/error.h"
+#include "core/log.h"
+
+static int env_emulate(void) {
+    const char *e = getenv("QTUNE_BF16_EMULATE");
+    return e && !strcmp(e, "1");
+}
+
+int qt_precision_bf16_emulated(void) { return !op_cpu_has_bf16(); }
+
+int qt_precision_check(qt_dtype compute) {
+    if (compute != QT_BF16 || op_cpu_has_bf16()) return QT_OK;
+    if (env_emulate()) {
+        qt_warn("bf16 is emulated (QTUNE_BF16_EMULATE=1): values are stored in bf16 and computed in fp32, slower "
+                "than fp32; this CPU has no AVX512_BF16");
+        return QT_OK;
+    }
+    return QT_ERR(QT_EUNSUPPORTED,
+                  "bf16 is enabled in the deepspeed config but this CPU has no AVX512_BF16 (bf16 arithmetic); "
+                  "use fp16 (\"fp16\": {\"enabled\": true}) or fp32 instead, or run on a machine with AVX512_BF16");
+}
+
+void qt_precision_convert(void *dst, qt_dtype ddt, const void *src, qt_dtype sdt, size_t n) {
+    const size_t blk = 4096, nb = (n + blk - 1) / blk, ds = qt_dtype_size(ddt), ss = qt_dtype_size(sdt);
+#pragma omp parallel for schedule(static)
+    for (size_t b = 0; b < nb; b++) {
+        float tmp[4096];
+        size_t a = b * blk, k = a + blk < n ? blk : n - a;
+        const char *s = (const char *)src + a * ss;
+        char *d = (char *)dst + a * ds;
+        if (sdt == QT_F32) {
+            qt_convert_from_f32(d, ddt, (const float *)s, k);
+        } else if (ddt == QT_F32) {
+            qt_convert_to_f32((float *)d, s, sdt, k);
+        } else {
+            qt_convert_to_f32(tmp, s, sdt, k);
+            qt_convert_from_f32(d, ddt, tmp, k);
+        }
+    }
+}

@@ -1,0 +1,30 @@
+/* Mixed precision for the model (docs/precision.md). The compute dtype
+ * (qt_model_opts.compute) decides three things:
+ *  - frozen LoRA base matrices are held in it (converted once at load when the
+ *    file's dtype differs);
+ *  - full fine-tuning keeps a 2-byte compute copy of the trainable block,
+ *    refreshed by qt_model_weights_updated(), that every matmul reads;
+ *  - activations saved for backward and activation gradients are rounded to
+ *    it where they are stored (fp16 saturates to inf beyond 65504).
+ * Master weights, gradients and optimizer state stay fp32. */
+#ifndef QT_MODEL_PRECISION_H
+#define QT_MODEL_PRECISION_H
+
+#include <stddef.h>
+
+#include "core/dtype.h"
+
+/* QT_OK when the CPU can train in `compute`. bf16 needs AVX512_BF16; without
+ * it this returns QT_EUNSUPPORTED with a sentence saying so, unless the
+ * environment sets QTUNE_BF16_EMULATE=1 (bf16 storage, fp32 arithmetic: for
+ * tests on machines without it). */
+int qt_precision_check(qt_dtype compute);
+
+/* 1 when bf16 runs emulated (storage bf16, arithmetic fp32) on this CPU. */
+int qt_precision_bf16_emulated(void);
+
+/* dst (n, ddt) = src (n, sdt), through f32 in chunks (f16 <-> bf16 included;
+ * values beyond fp16's range become inf). OpenMP-parallel. */
+void qt_precision_convert(void *dst, qt_dtype ddt, const void *src, qt_dtype sdt, size_t n);
+
+#endif
