@@ -8,7 +8,7 @@
  * usage: qtune_ref_driver MODEL_DIR BATCH.json OUT.safetensors
  *          [--mode eval|train|decode] [--lora R ALPHA TARGETS(a,b,..)] [--rslora]
  *          [--adapter DIR] [--dropout P] [--recompute] [--grad-scale S]
- *          [--save-adapter DIR] [--steps K] [--dump-masks]
+ *          [--save-adapter DIR] [--steps K] [--dump-masks] [--compute f32|f16|bf16]
  * BATCH.json: {"B": B, "T": T, "inputs": [...], "targets": [...],
  *              "positions": [...], "doc_start": [...]} (B*T each).
  * --steps K runs train (or eval) K times (gradients accumulate, dropout stream
@@ -81,6 +81,9 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--save-adapter")) save_adapter = argv[++i];
         else if (!strcmp(argv[i], "--steps")) steps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--dump-masks")) dump_masks = 1;
+        else if (!strcmp(argv[i], "--compute")) { /* f32|f16|bf16 (bf16 needs QTUNE_BF16_EMULATE=1 without AVX512_BF16) */
+            if (qt_dtype_parse(argv[++i], &o.compute) != QT_OK) return fprintf(stderr, "bad --compute\n"), 2;
+        }
         else {
             fprintf(stderr, "qtune_ref_driver: unknown option %s\n", argv[i]);
             return 2;
