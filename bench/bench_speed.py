@@ -335,12 +335,12 @@ def report(res):
         p("| %s | %s | %s | %.1f | %.1f | %s | %s |" % (
             t, fmt(by.get(1024), "%.1f"), fmt(by.get(2048), "%.1f"), g["peak_gflops"], g["peak_cpu_gflops"],
             bf.get("note") or "%.1f GFLOP/s" % bf["gflops"], g["load"]))
-    p("\n## Training speed: qtune vs PyTorch %s (fp32, medians of %d steps after %d warm-up)\n"
-      % (res["torch_version"], res["steps"], res["warmup"]))
+    p("\n## Training speed: qtune vs PyTorch %s (fp32, medians of the steps after %d warm-up; "
+      "\"n\" = measured steps)\n" % (res["torch_version"], res["warmup"]))
     p("Wall clock (tokens / step wall time; the machine is shared, see load avg):\n")
-    p("| shape | B x T | mode | threads | qtune tok/s | PyTorch tok/s | qtune / PyTorch | GFLOP/step | "
+    p("| shape | B x T | mode | threads | n | qtune tok/s | PyTorch tok/s | qtune / PyTorch | GFLOP/step | "
       "qtune GFLOP/s | % of sgemm peak | qtune peak RSS | PyTorch peak RSS | load avg |")
-    p("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    p("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in res["cases"]:
         q, t = c["qtune"], c.get("torch") or {}
         qt = q.get("tok_s")
@@ -349,8 +349,9 @@ def report(res):
         gfs = c["flops"] * qt / c["tokens"] / 1e9 if qt else None
         pk = res["peak"].get(str(c["threads"]), {})
         peak = pk.get("peak_gflops")
-        p("| %s | %dx%d | %s | %d | %s | %s | %s | %.1f | %s | %s | %s | %s | %s |" % (
-            c["shape"], c["B"], c["T"], c["mode"], c["threads"], fmt(qt, "%.1f"), fmt(tt, "%.1f"), ratio,
+        p("| %s | %dx%d | %s | %d | %d | %s | %s | %s | %.1f | %s | %s | %s | %s | %s |" % (
+            c["shape"], c["B"], c["T"], c["mode"], c["threads"], len(q.get("tok_s_all", [])) - res["warmup"],
+            fmt(qt, "%.1f"), fmt(tt, "%.1f"), ratio,
             c["flops"] / 1e9, fmt(gfs, "%.1f"), fmt(100 * gfs / peak if gfs and peak else None, "%.0f%%"),
             fmt(q.get("mem_peak_bytes") and q["mem_peak_bytes"] / 2**20, "%.0f MiB"),
             fmt(t.get("maxrss_bytes") and t["maxrss_bytes"] / 2**20, "%.0f MiB"), q.get("load", "")))
