@@ -213,7 +213,9 @@ typedef struct {
  * else the whole range [rs, re). */
 static int encode_piece(enc_ctx *c, const uint8_t *p, size_t n, size_t base, int exact, size_t rs, size_t re) {
     size_t k0 = *c->n;
-    QT_TRY(bpe_reserve(c->ids, c->spans, *c->n, c->cap, n)); /* a piece never has more ids than bytes */
+    /* a piece never has more ids than bytes; + the ids a word-cache hit
+     * copies whole (bpe_word then never grows ids without spans) */
+    QT_TRY(bpe_reserve(c->ids, c->spans, *c->n, c->cap, n + BPE_CACHE_MAX_IDS));
     QT_TRY(bpe_word(c->t, p, n, c->ids, c->n, c->cap));
     if (!c->spans) return QT_OK;
     size_t off = base;

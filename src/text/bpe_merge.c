@@ -137,7 +137,53 @@ void bpe_cache_free(bpe_tokenizer *t) {
     }
 }
 
-/* Looks w up; on a hit writes its ids to out and returns 1. */
+/* Short words, inline: the cache's keys are at most BPE_CACHE_MAX_WORD
+ * bytes, where a libc memcmp/memcpy call and a byte-count loop cost more
+ * than the work. Reads stay inside [0, n): 8-byte chunks with the last one
+ * overlapping, 4-byte halves for 4..7 bytes, single bytes below. */
+static inline uint64_t load64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+static inline uint32_t load32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static inline uint64_t word_hash(const uint8_t *w, size_t n) {
+    uint64_t h = 0x243F6A8885A308D3ull ^ (n * 0x9E3779B97F4A7C15ull), tail;
+    if (n >= 8) {
+        for (size_t i = 0; i + 8 < n; i += 8) {
+            h = (h ^ load64(w + i)) * 0xBF58476D1CE4E5B9ull;
+            h ^= h >> 31;
+        }
+        tail = load64(w + n - 8);
+    } else if (n >= 4) {
+        tail = (uint64_t)load32(w) << 32 | load32(w + n - 4);
+    } else {
+        tail = (uint64_t)w[0] << 16 | (uint64_t)w[n / 2] << 8 | w[n - 1];
+    }
+    h = (h ^ tail) * 0x94D049BB133111EBull;
+    h ^= h >> 29;
+    return h;
+}
+
+static inline int word_eq(const uint8_t *a, const uint8_t *b, size_t n) {
+    if (n >= 8) {
+        for (size_t i = 0; i + 8 < n; i += 8)
+            if (load64(a + i) != load64(b + i)) return 0;
+        return load64(a + n - 8) == load64(b + n - 8);
+    }
+    if (n >= 4) return load32(a) == load32(b) && load32(a + n - 4) == load32(b + n - 4);
+    for (size_t i = 0; i < n; i++)
+        if (a[i] != b[i]) return 0;
+    return 1;
+}
+
+/* Looks w up; on a hit writes its ids to out and returns 1. out has room
+ * for BPE_CACHE_MAX_IDS ids whatever the word's count (one fixed-size copy). */
 static int cache_get(bpe_cache_shard *sh, uint64_t h, const uint8_t *w, size_t n, int32_t *out, size_t *k) {
     int hit = 0;
     uint32_t h32 = (uint32_t)h;
@@ -145,8 +191,8 @@ static int cache_get(bpe_cache_shard *sh, uint64_t h, const uint8_t *w, size_t n
     for (size_t i = (h >> 32) & (BPE_CACHE_SLOTS - 1);; i = (i + 1) & (BPE_CACHE_SLOTS - 1)) {
         const bpe_cache_slot *s = &sh->slots[i];
         if (!s->nids) break;
-        if (s->hash == h32 && s->wlen == n && !memcmp(s->word, w, n)) {
-            memcpy(out, s->ids, s->nids * sizeof(int32_t));
+        if (s->hash == h32 && s->wlen == n && word_eq(s->word, w, n)) {
+            memcpy(out, s->ids, sizeof s->ids);
             *k = s->nids;
             hit = 1;
             break;
@@ -238,7 +284,7 @@ int bpe_word(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, 
 
 static int bpe_word_one(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, size_t *nids, size_t *cap) {
     if (!n) return QT_OK;
-    QT_TRY(bpe_reserve(ids, NULL, *nids, cap, n));
+    QT_TRY(bpe_reserve(ids, NULL, *nids, cap, n + BPE_CACHE_MAX_IDS)); /* + what a cache hit copies */
     int32_t *out = *ids + *nids;
     if (n == 1) {
         out[0] = t->byte_id[w[0]];
@@ -249,7 +295,7 @@ static int bpe_word_one(const bpe_tokenizer *t, const uint8_t *w, size_t n, int3
     bpe_cache_shard *sh = NULL;
     size_t k;
     if (n <= BPE_CACHE_MAX_WORD) {
-        h = bpe_hash_bytes(w, n);
+        h = word_hash(w, n);
         sh = (bpe_cache_shard *)&t->cache[(h >> 16) % BPE_CACHE_SHARDS];
         if (cache_get(sh, h, w, n, out, &k)) {
             *nids += k;

@@ -18,6 +18,11 @@ size_t utf8_valid_prefix(const char *text, size_t n) {
         }
         if (i >= n) break;
         if (s[i] < 0x80) { i++; continue; }
+        /* three-byte sequences without the E0/ED range limits (CJK) */
+        if (s[i] >= 0xE1 && s[i] != 0xED && s[i] <= 0xEF && i + 3 <= n && (s[i + 1] & 0xC0) == 0x80 && (s[i + 2] & 0xC0) == 0x80) {
+            i += 3;
+            continue;
+        }
         int k = utf8_seq(s + i, n - i);
         if (k < 0) return i;
         i += (size_t)k;
