@@ -255,7 +255,7 @@ int qt_doctor_environment(FILE *f, int ranks) {
         warnings++;
     }
     if (!bf16)
-        fprintf(f, "           no native bf16 on this CPU: bf16 jobs store bf16 and compute in fp32\n");
+        fprintf(f, "           no native bf16 on this CPU: bf16 training stops (use fp16 or fp32)\n");
 
     const char *cfg = openblas_get_config();
     const int par = openblas_get_parallel();
@@ -460,10 +460,11 @@ static void check_deepspeed(doc_ctx *c, const cJSON *ds, int ranks, int *zero, i
     if (fp16) *prec = QT_F16;
     if (bf16) {
         *prec = QT_BF16;
-        /* not a problem: the CPU backend stores bf16 and computes in fp32 */
-        if (!__builtin_cpu_supports("avx512bf16") && gpu_count() == 0)
-            fprintf(c->f, "  note: bf16 is on but this CPU has no AVX512_BF16 and no GPU is visible: values are "
-                          "stored in bf16 and converted to fp32 for every product (slower than fp32)\n");
+        /* qtune train refuses bf16 without AVX512_BF16 (model/precision.c) unless QTUNE_BF16_EMULATE=1 */
+        const char *emu = getenv("QTUNE_BF16_EMULATE");
+        if (!__builtin_cpu_supports("avx512bf16") && !(emu && !strcmp(emu, "1")))
+            problem(c, "%s: deepspeed enables bf16 but this CPU has no AVX512_BF16, so qtune train stops; use fp16 "
+                       "or fp32, or a machine with AVX512_BF16", c->where);
     }
     const cJSON *z = cJSON_GetObjectItemCaseSensitive(ds, "zero_optimization");
     if (cJSON_IsObject(z)) {

@@ -65,6 +65,20 @@ def test_bf16_stops_without_avx512_bf16(work):
     assert not glob.glob(os.path.join(out, "checkpoint-*"))
 
 
+def test_doctor_says_bf16_will_stop(work):
+    if "avx512_bf16" in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has AVX512_BF16: bf16 runs")
+    out = os.path.join(work, "doctor_bf16")
+    job = tu.write_job(os.path.join(work, "doctor_bf16.json"), os.path.join(work, "m"), out,
+                       os.path.join(work, "train.jsonl"), T=32, lora=LORA, ds=ds_for("bf16", 1))
+    r = tu.run("doctor", job, "--ranks", "1", "--no-table", check=False)
+    assert r.returncode != 0
+    assert "AVX512_BF16" in r.stdout and "qtune train stops" in r.stdout, r.stdout
+    out, r = train(work, "fp16_doctor_ok", "fp16", 1, steps=1)
+    r = tu.run("doctor", os.path.join(work, "fp16_doctor_ok.json"), "--ranks", "1", "--no-table", check=False)
+    assert "AVX512_BF16 (" not in r.stdout and "qtune train stops" not in r.stdout
+
+
 class DeepSpeedScaler:
     """DeepSpeed's DynamicLossScaler.update_scale (scale factor 2, delayed_shift = hysteresis)."""
 
