@@ -176,6 +176,7 @@ int qt_config_parse(const char *json, const char *where, qt_config *cfg) {
     if (rc == QT_OK) rc = get_int(root, where, "max_position_embeddings", 0, 1, 1 << 30, &c.max_position_embeddings, NULL);
     if (rc == QT_OK) rc = get_float(root, where, "rms_norm_eps", &c.rms_norm_eps);
     if (rc == QT_OK) rc = get_float(root, where, "rope_theta", &c.rope_theta);
+    if (rc == QT_OK) rc = get_float(root, where, "initializer_range", &c.initializer_range);
     if (rc == QT_OK) rc = get_bool(root, where, "tie_word_embeddings", &c.tie_word_embeddings);
     if (rc == QT_OK && c.arch == QT_ARCH_LLAMA) rc = get_bool(root, where, "attention_bias", &c.attention_bias);
     if (rc == QT_OK) rc = get_token_id(root, where, "bos_token_id", &c.bos_token_id);
@@ -247,8 +248,9 @@ static const char *dtype_torch_name(qt_dtype t) {
 #define CONFIG_TRANSFORMERS_VERSION "4.43.1"
 
 int qt_config_write(const qt_config *c, const char *path) {
-    char eps[32], theta[32], bos[16], eos[16];
+    char eps[32], theta[32], bos[16], eos[16], init[32];
     float_str(eps, sizeof eps, c->rms_norm_eps);
+    float_str(init, sizeof init, c->initializer_range > 0.0f ? c->initializer_range : 0.02f);
     float_str(theta, sizeof theta, c->rope_theta);
     if (c->bos_token_id >= 0) snprintf(bos, sizeof bos, "%d", c->bos_token_id);
     else snprintf(bos, sizeof bos, "null");
@@ -273,7 +275,7 @@ int qt_config_write(const qt_config *c, const char *path) {
                      "%s"
                      "  \"hidden_act\": \"silu\",\n"
                      "  \"hidden_size\": %d,\n"
-                     "  \"initializer_range\": 0.02,\n"
+                     "  \"initializer_range\": %s,\n"
                      "  \"intermediate_size\": %d,\n"
                      "  \"max_position_embeddings\": %d,\n"
                      "  \"max_window_layers\": %d,\n"
@@ -292,7 +294,7 @@ int qt_config_write(const qt_config *c, const char *path) {
                      "  \"use_sliding_window\": false,\n"
                      "  \"vocab_size\": %d\n"
                      "}\n",
-                     bos, eos, hd_line, c->hidden_size, c->intermediate_size, c->max_position_embeddings,
+                     bos, eos, hd_line, c->hidden_size, init, c->intermediate_size, c->max_position_embeddings,
                      c->num_hidden_layers, c->num_attention_heads, c->num_hidden_layers, c->num_key_value_heads, eps,
                      theta, c->max_position_embeddings, c->tie_word_embeddings ? "true" : "false",
                      dtype_torch_name(c->torch_dtype), c->vocab_size);
@@ -307,7 +309,7 @@ int qt_config_write(const qt_config *c, const char *path) {
                      "  \"head_dim\": %d,\n"
                      "  \"hidden_act\": \"silu\",\n"
                      "  \"hidden_size\": %d,\n"
-                     "  \"initializer_range\": 0.02,\n"
+                     "  \"initializer_range\": %s,\n"
                      "  \"intermediate_size\": %d,\n"
                      "  \"max_position_embeddings\": %d,\n"
                      "  \"mlp_bias\": false,\n"
@@ -325,7 +327,7 @@ int qt_config_write(const qt_config *c, const char *path) {
                      "  \"use_cache\": true,\n"
                      "  \"vocab_size\": %d\n"
                      "}\n",
-                     c->attention_bias ? "true" : "false", bos, eos, c->head_dim, c->hidden_size,
+                     c->attention_bias ? "true" : "false", bos, eos, c->head_dim, c->hidden_size, init,
                      c->intermediate_size, c->max_position_embeddings, c->num_attention_heads, c->num_hidden_layers,
                      c->num_key_value_heads, eps, theta, c->tie_word_embeddings ? "true" : "false",
                      dtype_torch_name(c->torch_dtype), c->vocab_size);

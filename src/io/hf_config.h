@@ -27,6 +27,7 @@ typedef struct {
     int attention_bias;          /* q/k/v carry a bias (Qwen2: yes, Llama: attention_bias) */
     qt_dtype torch_dtype;        /* as the file says; f32 when absent */
     int bos_token_id, eos_token_id; /* -1 when absent */
+    float initializer_range;     /* std of `qtune init`'s normal weights; 0 (absent) means 0.02 */
 } qt_config;
 
 int qt_config_load(const char *path, qt_config *cfg);           /* path: config.json or its folder */

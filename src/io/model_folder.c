@@ -13,7 +13,8 @@
 #include <stdio.h>
 #include <string.h>
 
-/* transformers' PretrainedConfig.initializer_range for Qwen2 and Llama. */
+/* transformers' PretrainedConfig.initializer_range for Qwen2 and Llama, used
+ * when the config gives none. */
 #define INIT_STD 0.02f
 #define TOKENIZER_MAX_BYTES ((size_t)64 << 20)
 #define GEN_TRANSFORMERS_VERSION "4.43.1"
@@ -145,6 +146,7 @@ int qt_weight_spec_at(const qt_config *c, int i, qt_weight_spec *w) {
 
 typedef struct {
     qt_init_kind kind;
+    float std;
     qt_rng rng;
     int have_spare; /* Box-Muller makes normals in pairs; the second waits here */
     float spare;
@@ -169,7 +171,7 @@ static int fill_init(void *ctx, float *dst, size_t offset, size_t n) {
     switch (s->kind) {
     case QT_INIT_ZEROS: memset(dst, 0, n * sizeof *dst); break;
     case QT_INIT_ONES: for (size_t i = 0; i < n; i++) dst[i] = 1.0f; break;
-    default: for (size_t i = 0; i < n; i++) dst[i] = INIT_STD * init_normal(s); break;
+    default: for (size_t i = 0; i < n; i++) dst[i] = s->std * init_normal(s); break;
     }
     return QT_OK;
 }
@@ -185,6 +187,7 @@ int qt_init_weights_write(const qt_config *c, qt_dtype dtype, uint64_t seed, con
         rc = qt_weight_spec_at(c, i, &ws);
         if (rc != QT_OK) break;
         streams[i].kind = ws.init;
+        streams[i].std = c->initializer_range > 0.0f ? c->initializer_range : INIT_STD;
         qt_rng_derive(&streams[i].rng, seed, qt_hash64(ws.name, strlen(ws.name), 0), 0);
         rc = st_writer_add_fn(w, ws.name, dtype, ws.ndim, ws.shape, fill_init, &streams[i]);
     }

@@ -84,6 +84,7 @@ int qt_preset(const char *name, qt_config *cfg) {
         cfg->tie_word_embeddings = p->tie;
         cfg->attention_bias = p->arch == QT_ARCH_QWEN2;
         cfg->torch_dtype = p->dtype;
+        cfg->initializer_range = 0.02f; /* transformers' default */
         cfg->bos_token_id = p->bos;
         cfg->eos_token_id = p->eos;
         return QT_OK;
