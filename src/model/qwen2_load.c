@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -68,7 +70,17 @@ static float *find_param(qt_model *m, float *block, const char *name) {
     return NULL;
 }
 
-/* A frozen base matrix, left in the mapping in its file dtype. */
+/* The mapping's pages of a tensor that was copied are not read again: hand
+ * them back so the resident size holds only the copy (the mapping is a
+ * read-only file mapping, so a later read would fault them back in). */
+static void drop_mapped_pages(const void *p, size_t n) {
+    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE), a = ((uintptr_t)p + pg - 1) & ~(pg - 1),
+                    e = ((uintptr_t)p + n) & ~(pg - 1);
+    if (e > a) madvise((void *)a, e - a, MADV_DONTNEED);
+}
+
+/* A frozen base matrix, left in the mapping in its file dtype (or, training
+ * in f16/bf16, converted to the compute dtype). */
 static int base_matrix(qt_model *m, const char *name, int64_t d0, int64_t d1, qt_wref *w) {
     const st_tensor *t;
     int64_t shape[2] = {d0, d1};
@@ -86,6 +98,7 @@ static int base_matrix(qt_model *m, const char *name, int64_t d0, int64_t d1, qt
         if (!copy) return QT_ENOMEM;
         m->owned[m->n_owned++] = copy;
         qt_precision_convert(copy, cd, t->data, t->dtype, n);
+        drop_mapped_pages(t->data, t->nbytes);
         w->p = copy;
         w->dt = cd;
         return QT_OK;
