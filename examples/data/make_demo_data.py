@@ -5,8 +5,10 @@ phrasings. The eval set holds out one phrasing of some facts, so every eval
 answer is a fact the training set teaches in other words.
 
 Standard library only, deterministic (fixed seed); run from anywhere:
-    python3 examples/data/make_demo_data.py
-writes examples/data/demo-train.jsonl and examples/data/demo-eval.jsonl."""
+    python3 examples/data/make_demo_data.py [--out DIR]
+writes demo-train.jsonl and demo-eval.jsonl into DIR (default: this folder,
+examples/data/)."""
+import argparse
 import json
 import os
 import random
@@ -72,6 +74,9 @@ def example(question, answer):
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)), help="output folder")
+    out = ap.parse_args().out
     rng = random.Random(20240611)
     train, held = [], []
     for phrasings, answer in facts():
@@ -82,12 +87,11 @@ def main():
             (held if i == hold else train).append(example(q, answer))
     rng.shuffle(train)
     rng.shuffle(held)
-    here = os.path.dirname(os.path.abspath(__file__))
     for name, rows in (("demo-train.jsonl", train), ("demo-eval.jsonl", held)):
-        with open(os.path.join(here, name), "w", encoding="utf-8") as f:
+        with open(os.path.join(out, name), "w", encoding="utf-8") as f:
             for r in rows:
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    print(f"wrote {len(train)} training and {len(held)} eval examples to {here}")
+    print(f"wrote {len(train)} training and {len(held)} eval examples to {out}")
 
 
 if __name__ == "__main__":
