@@ -87,6 +87,7 @@ struct bpe_tokenizer {
     uint32_t *str_len;         /* (n_ids) strlen of tok_str */
     _Atomic uint64_t *pair_cache; /* (BPE_PAIR_CACHE) recent lookups, see bpe_merge_rank */
     uint64_t *span_bloom;      /* (BPE_SPAN_BLOOM / 64) see bpe_word's cuts */
+    _Atomic uint64_t *span_memo; /* (1 << BPE_SPAN_MEMO_BITS) recent cut answers, see BPE_SPAN_MEMO_BITS */
 
     int32_t byte_id[256];      /* id of the one-byte token for each byte */
 
@@ -152,6 +153,13 @@ static inline uint32_t bpe_merge_rank(const bpe_tokenizer *t, int32_t left, int3
  * into a Bloom filter; a boundary of the text whose every (1..3, 1..3)-byte
  * neighbourhood misses the filter is spanned by no token, certainly. */
 #define BPE_SPAN_BLOOM (1u << 21) /* bits: 256 KiB */
+/* The Bloom answer for a boundary is a function of the (up to) 3 bytes
+ * either side; a direct-mapped memo of recent answers, entry key << 1 |
+ * answer (key: lmax << 50 | rmax << 48 | left << 24 | right; UINT64_MAX
+ * empty, never a key since 0xFF is no UTF-8 byte), shared by all threads
+ * through relaxed atomics like the pair cache, spares the up-to-9 probes
+ * for the character pairs a text keeps repeating. */
+#define BPE_SPAN_MEMO_BITS 13
 uint64_t bpe_span_key(const uint8_t *left, int ls, const uint8_t *right, int rs);
 static inline int bpe_span_bloom_has(const uint64_t *bloom, uint64_t key) {
     uint64_t h = key * 0x9E3779B97F4A7C15ull;

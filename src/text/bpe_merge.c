@@ -111,6 +111,64 @@ static size_t bpe_merge_word(const bpe_tokenizer *t, const uint8_t *w, size_t n,
     return k;
 }
 
+/* The same merges for short words, without the heap: the pair ranks sit in
+ * an array, each step merges the lowest (the leftmost of equals, by the
+ * strict <), drops one slot and asks for the two new neighbour pairs. Same
+ * order as the heap's (rank, position) pops; O(n^2) compares, fewer
+ * instructions than the heap up to BPE_SMALL_WORD bytes. */
+#define BPE_SMALL_WORD 24
+static size_t bpe_merge_small(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *out) {
+    int32_t sym[BPE_SMALL_WORD];
+    uint32_t rk[BPE_SMALL_WORD];
+    for (size_t i = 0; i < n; i++) sym[i] = t->byte_id[w[i]];
+    for (size_t i = 0; i + 1 < n; i++) rk[i] = t->byte_pair[w[i] * 256 + w[i + 1]];
+    size_t m = n; /* symbols left; rk[0 .. m-1) ranks of adjacent pairs */
+    while (m > 1) {
+        uint32_t best = BPE_NO_MERGE;
+        size_t b = 0;
+        for (size_t i = 0; i + 1 < m; i++)
+            if (rk[i] < best) {
+                best = rk[i];
+                b = i;
+            }
+        if (best == BPE_NO_MERGE) break;
+        sym[b] = t->merge_id[best];
+        for (size_t j = b + 1; j + 1 < m; j++) sym[j] = sym[j + 1];
+        for (size_t j = b; j + 2 < m; j++) rk[j] = rk[j + 1];
+        m--;
+        if (b > 0) rk[b - 1] = bpe_merge_rank(t, sym[b - 1], sym[b]);
+        if (b + 1 < m) rk[b] = bpe_merge_rank(t, sym[b], sym[b + 1]);
+    }
+    for (size_t i = 0; i < m; i++) out[i] = sym[i];
+    return m;
+}
+
+/* Long words: the heap, with scratch on the stack or, past STACK_N bytes,
+ * on the heap. Kept out of bpe_word_one so a cache hit has a small frame. */
+__attribute__((noinline)) static int bpe_merge_long(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *out, size_t *k) {
+    enum { STACK_N = 256 };
+    int32_t sbuf[3 * STACK_N];
+    merge_cand hbuf[STACK_N * 3];
+    int32_t *scratch = sbuf;
+    merge_cand *heap = hbuf;
+    if (n > STACK_N) {
+        /* each merge pushes at most two candidates: n - 1 + 2(n - 1) < 3n */
+        scratch = qt_malloc(3 * n * sizeof *scratch, "BPE scratch");
+        heap = qt_malloc(3 * n * sizeof *heap, "BPE scratch");
+        if (!scratch || !heap) {
+            qt_free(scratch);
+            qt_free(heap);
+            return QT_ENOMEM;
+        }
+    }
+    *k = bpe_merge_word(t, w, n, out, scratch, scratch + n, scratch + 2 * n, heap);
+    if (n > STACK_N) {
+        qt_free(scratch);
+        qt_free(heap);
+    }
+    return QT_OK;
+}
+
 /* ---- the cache ---- */
 
 int bpe_cache_init(bpe_tokenizer *t) {
@@ -131,6 +189,7 @@ int bpe_cache_init(bpe_tokenizer *t) {
 void bpe_cache_free(bpe_tokenizer *t) {
     qt_free((void *)t->pair_cache);
     qt_free(t->span_bloom);
+    qt_free((void *)t->span_memo);
     for (int s = 0; s < BPE_CACHE_SHARDS; s++) {
         bpe_cache_shard *sh = &t->cache[s];
         qt_free(sh->slots);
@@ -242,6 +301,9 @@ static inline int is_cut_point(const uint8_t *w, size_t p) { return w[p] >= 0xC0
 int bpe_span_init(bpe_tokenizer *t) {
     t->span_bloom = qt_calloc(BPE_SPAN_BLOOM / 64, sizeof *t->span_bloom, "BPE span filter");
     if (!t->span_bloom) return QT_ENOMEM;
+    t->span_memo = qt_alloc_aligned(((size_t)1 << BPE_SPAN_MEMO_BITS) * sizeof *t->span_memo, "BPE span memo");
+    if (!t->span_memo) return QT_ENOMEM;
+    for (size_t i = 0; i < (size_t)1 << BPE_SPAN_MEMO_BITS; i++) atomic_init(&t->span_memo[i], UINT64_MAX);
     for (int32_t id = 0; id < t->n_ids; id++) {
         const uint8_t *b = t->bytes + t->tok_off[id];
         size_t len = t->tok_off[id + 1] - t->tok_off[id];
@@ -254,6 +316,8 @@ int bpe_span_init(bpe_tokenizer *t) {
     return QT_OK;
 }
 
+static int spanned_bloom(const bpe_tokenizer *t, uint64_t l, uint64_t r, int lmax, int rmax);
+
 /* 1 when some token may span position p of w[0..n) (a cut point). The
  * bytes around p are gathered once; each (ls, rs) key is a masked copy. */
 static int spanned(const bpe_tokenizer *t, const uint8_t *w, size_t n, size_t p) {
@@ -261,6 +325,18 @@ static int spanned(const bpe_tokenizer *t, const uint8_t *w, size_t n, size_t p)
     uint64_t l = 0, r = 0;
     for (int i = 0; i < lmax; i++) l |= (uint64_t)w[p - 1 - i] << (8 * i);
     for (int i = 0; i < rmax; i++) r |= (uint64_t)w[p + i] << (8 * i);
+    /* The answer depends on (l, r, lmax, rmax) alone, and the same pairs of
+     * characters keep meeting: remember recent answers (see BPE_SPAN_MEMO). */
+    uint64_t key = (uint64_t)lmax << 50 | (uint64_t)rmax << 48 | l << 24 | r;
+    size_t slot = (size_t)((key * 0x9E3779B97F4A7C15ull) >> (64 - BPE_SPAN_MEMO_BITS));
+    uint64_t e = atomic_load_explicit(&t->span_memo[slot], memory_order_relaxed);
+    if (e >> 1 == key) return (int)(e & 1);
+    int res = spanned_bloom(t, l, r, lmax, rmax);
+    atomic_store_explicit(&t->span_memo[slot], key << 1 | (uint64_t)res, memory_order_relaxed);
+    return res;
+}
+
+static int spanned_bloom(const bpe_tokenizer *t, uint64_t l, uint64_t r, int lmax, int rmax) {
     for (int ls = lmax; ls >= 1; ls--) {
         uint64_t lk = (uint64_t)ls << 60 | (l & ((1ull << (8 * ls)) - 1)) << 24;
         for (int rs = rmax; rs >= 1; rs--)
@@ -302,27 +378,8 @@ static int bpe_word_one(const bpe_tokenizer *t, const uint8_t *w, size_t n, int3
             return QT_OK;
         }
     }
-    /* Scratch for the merge loop: on the stack for ordinary words. */
-    enum { STACK_N = 256 };
-    int32_t sbuf[3 * STACK_N];
-    merge_cand hbuf[STACK_N * 3];
-    int32_t *scratch = sbuf;
-    merge_cand *heap = hbuf;
-    if (n > STACK_N) {
-        /* each merge pushes at most two candidates: n - 1 + 2(n - 1) < 3n */
-        scratch = qt_malloc(3 * n * sizeof *scratch, "BPE scratch");
-        heap = qt_malloc(3 * n * sizeof *heap, "BPE scratch");
-        if (!scratch || !heap) {
-            qt_free(scratch);
-            qt_free(heap);
-            return QT_ENOMEM;
-        }
-    }
-    k = bpe_merge_word(t, w, n, out, scratch, scratch + n, scratch + 2 * n, heap);
-    if (n > STACK_N) {
-        qt_free(scratch);
-        qt_free(heap);
-    }
+    if (n <= BPE_SMALL_WORD) k = bpe_merge_small(t, w, n, out);
+    else QT_TRY(bpe_merge_long(t, w, n, out, &k));
     if (sh) cache_put(sh, h, w, n, out, k);
     *nids += k;
     return QT_OK;
