@@ -156,7 +156,18 @@ int ckpt_prune(const char *output_dir, int keep, long protect) {
             char name[64];
             snprintf(name, sizeof name, "checkpoint-%ld", steps[i]);
             rc = qt_path_join(path, sizeof path, output_dir, name);
-            if (rc == QT_OK) rc = qt_rm_rf(path);
+            /* renamed to .tmp first: a kill during the removal must not leave a
+             * checkpoint-N folder that holds trainer_state.json but lacks
+             * weights (found by scripts/soak); a leftover .tmp is removed above
+             * on the next prune */
+            char doomed[CKPT_PATH_MAX + 8];
+            snprintf(doomed, sizeof doomed, "%s.tmp", path);
+            if (rc == QT_OK) {
+                qt_rm_rf(doomed);
+                if (rename(path, doomed) != 0)
+                    rc = QT_ERR(QT_EIO, "cannot remove the old checkpoint %s: %s", path, strerror(errno));
+            }
+            if (rc == QT_OK) rc = qt_rm_rf(doomed);
         }
     }
     qt_free(steps);
