@@ -206,7 +206,9 @@ static int check_batch(const qt_model *m, const qt_batch *b) {
     return QT_OK;
 }
 
-static void run_forward(qt_model *m, const qt_batch *b, int dropout) {
+/* dx_lm != NULL (training with a frozen lm_head): the lm_head's dx, scaled by
+ * grad_scale, is added into dx_lm in the same walk as the loss. */
+static void run_forward(qt_model *m, const qt_batch *b, int dropout, float *dx_lm, float grad_scale) {
     const qt_config *c = &m->cfg;
     int N = b->B * b->T, C = c->hidden_size, L = c->num_hidden_layers;
     qt_act_ptrs *A = &m->acts;
@@ -215,7 +217,12 @@ static void run_forward(qt_model *m, const qt_batch *b, int dropout) {
     for (int l = 0; l < L; l++) layer_forward(m, l, b, N, A->x[l], A->x[l + 1], &A->layer[l], dropout, b->positions, 0);
     op_rmsnorm_forward(A->lnf, A->rstdf, A->x[L], m->lnf_w, N, C, c->rms_norm_eps);
     keep(m, A->lnf, (size_t)N * C);
-    op_lmhead_ce_forward(A->loss, A->lse, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, N, C, c->vocab_size, m->ws);
+    if (dx_lm)
+        op_lmhead_ce_forward_dx(A->loss, A->lse, dx_lm, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, grad_scale, N,
+                                C, c->vocab_size, m->ws);
+    else
+        op_lmhead_ce_forward(A->loss, A->lse, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, N, C, c->vocab_size,
+                             m->ws);
 }
 
 static void sum_loss(const qt_model *m, const qt_batch *b, double *loss_sum, int64_t *n_tokens, float *logp) {
@@ -233,7 +240,7 @@ static void sum_loss(const qt_model *m, const qt_batch *b, double *loss_sum, int
 
 int qt_model_forward(qt_model *m, const qt_batch *b, double *loss_sum, int64_t *n_tokens, float *logp) {
     QT_TRY(check_batch(m, b));
-    run_forward(m, b, 0);
+    run_forward(m, b, 0, NULL, 0.0f);
     sum_loss(m, b, loss_sum, n_tokens, logp);
     return QT_OK;
 }
@@ -248,14 +255,17 @@ int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, 
     int N = b->B * b->T, C = c->hidden_size, L = c->num_hidden_layers;
     int dropout = m->opts.lora && m->opts.lora_dropout > 0.0f;
     qt_act_ptrs *A = &m->acts;
-    run_forward(m, b, dropout);
+    float *dres = m->gs.dres, *dln = m->gs.dln;
+    memset(dln, 0, sizeof(float) * (size_t)N * C); /* the forward does not use dln */
+    /* frozen lm_head: dx comes out of the forward's walk (two (N, V) products, not three) */
+    int fused = m->dlm_head == NULL;
+    run_forward(m, b, dropout, fused ? dln : NULL, grad_scale);
     sum_loss(m, b, loss_sum, n_tokens, NULL);
 
-    float *dres = m->gs.dres, *dln = m->gs.dln;
     memset(dres, 0, sizeof(float) * (size_t)N * C);
-    memset(dln, 0, sizeof(float) * (size_t)N * C);
-    op_lmhead_ce_backward(dln, m->dlm_head, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, A->lse, grad_scale, N, C,
-                          c->vocab_size, m->ws);
+    if (!fused)
+        op_lmhead_ce_backward(dln, m->dlm_head, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, A->lse, grad_scale, N,
+                              C, c->vocab_size, m->ws);
     keep(m, dln, (size_t)N * C); /* in fp16 the first place a too-large loss scale overflows */
     op_rmsnorm_backward(dres, m->dlnf_w, dln, A->x[L], m->lnf_w, A->rstdf, N, C);
     keep(m, dres, (size_t)N * C);

@@ -16,11 +16,14 @@
 #include <float.h>
 #include <math.h>
 #include <omp.h>
+#include <string.h>
 
 #include "data/batch.h"
 
 size_t op_lmhead_ce_ws_floats(int N, int C) {
-    return (size_t)N * OP_CE_CHUNK + (size_t)OP_CE_CHUNK * C + 4 * (size_t)N;
+    /* logits chunk, weight chunk, sum (double) / max / target logit, and for
+     * the fused forward + dx: the dx accumulator (N, C) and the rescale (N) */
+    return (size_t)N * OP_CE_CHUNK + (size_t)OP_CE_CHUNK * C + 4 * (size_t)N + (size_t)N * C + (size_t)N;
 }
 
 /* Inside a parallel region: this thread's slice [a, b) of the chunk's logits
@@ -107,5 +110,77 @@ void op_lmhead_ce_backward(float *dx, float *dw, const float *x, const void *w, 
                             dw + (size_t)(v0 + a) * C, C);
         }
 #pragma omp barrier /* the next chunk overwrites logits and wbuf */
+    }
+}
+
+/* Forward and dx in one walk over the vocabulary (frozen lm_head: LoRA, eval
+ * of gradients w.r.t. x only). With a running max m and sum s per row,
+ *   acc = sum_j exp(l_j - m) W_j
+ * is rescaled by exp(m_old - m_new) whenever the max grows, like the output
+ * of blockwise attention; at the end
+ *   dx += dscale * (acc / s - W_target).
+ * Per chunk: one sgemm for the logits and one for acc += p @ Wc, so a LoRA
+ * step runs the (N, V) product twice instead of three times. */
+void op_lmhead_ce_forward_dx(float *loss, float *lse, float *dx, const float *x, const void *w, qt_dtype wdt,
+                             const int32_t *targets, float dscale, int N, int C, int V, float *ws) {
+    op_blas_init();
+    float *logits = ws, *wbuf = ws + (size_t)N * OP_CE_CHUNK;
+    double *sum = (double *)(wbuf + (size_t)OP_CE_CHUNK * C);
+    float *mx = (float *)(sum + N), *tl = mx + N, *acc = tl + N, *corr = acc + (size_t)N * C;
+    for (int n = 0; n < N; n++) {
+        mx[n] = -FLT_MAX;
+        sum[n] = 0.0;
+        tl[n] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)N * C);
+#pragma omp parallel
+    {
+        int nt = omp_get_num_threads(), id = omp_get_thread_num(), a, b;
+        op_split(C, nt, id, 16, &a, &b);
+        for (int v0 = 0; v0 < V; v0 += OP_CE_CHUNK) {
+            int cv = V - v0 < OP_CE_CHUNK ? V - v0 : OP_CE_CHUNK;
+            const float *wc = chunk_logits(logits, wbuf, x, w, wdt, v0, cv, N, C);
+#pragma omp for schedule(static)
+            for (int n = 0; n < N; n++) {
+                float *l = logits + (size_t)n * cv;
+                float m = mx[n];
+                for (int j = 0; j < cv; j++) m = l[j] > m ? l[j] : m;
+                float c = expf(mx[n] - m); /* 0 on the first chunk */
+                double s = 0.0;
+                int t = targets[n];
+                if (t >= v0 && t < v0 + cv) tl[n] = l[t - v0];
+                for (int j = 0; j < cv; j++) {
+                    l[j] = expf(l[j] - m);
+                    s += l[j];
+                }
+                sum[n] = sum[n] * (double)c + s;
+                mx[n] = m;
+                corr[n] = c;
+                if (t == QT_IGNORE_INDEX) memset(l, 0, sizeof(float) * (size_t)cv);
+            } /* implicit barrier: p and corr complete */
+            if (b > a) {
+                for (int n = 0; n < N; n++) {
+                    float c = corr[n], *r = acc + (size_t)n * C;
+                    if (c != 1.0f)
+                        for (int i = a; i < b; i++) r[i] *= c;
+                }
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, b - a, cv, 1.0f, logits, cv, wc + a, C, 1.0f,
+                            acc + a, C);
+            }
+#pragma omp barrier /* the next chunk overwrites logits and wbuf */
+        }
+#pragma omp for schedule(static)
+        for (int n = 0; n < N; n++) {
+            lse[n] = mx[n] + (float)log(sum[n]);
+            int t = targets[n];
+            loss[n] = t == QT_IGNORE_INDEX ? 0.0f : lse[n] - tl[n];
+            if (t == QT_IGNORE_INDEX) continue;
+            float *row = wbuf + (size_t)id * C; /* the weight chunk is free now (team <= OP_CE_CHUNK) */
+            qt_convert_to_f32(row, (const char *)w + (size_t)t * C * qt_dtype_size(wdt), wdt, (size_t)C);
+            float inv = (float)(1.0 / sum[n]);
+            const float *r = acc + (size_t)n * C;
+            float *d = dx + (size_t)n * C;
+            for (int i = 0; i < C; i++) d[i] += dscale * (r[i] * inv - row[i]);
+        }
     }
 }

@@ -90,6 +90,13 @@ void op_lmhead_ce_forward(float *loss, float *lse, const float *x, const void *w
 void op_lmhead_ce_backward(float *dx, float *dw, const float *x, const void *w, qt_dtype wdt, const int32_t *targets,
                            const float *lse, float dscale, int N, int C, int V, float *ws);
 
+/* Forward and dx together for a frozen lm_head (one walk over the vocabulary,
+ * two sgemm per chunk instead of three over a forward + backward): loss, lse
+ * as op_lmhead_ce_forward, and dx (N, C) += the gradient of sum_n dscale *
+ * loss[n], as op_lmhead_ce_backward with dw = NULL would add. */
+void op_lmhead_ce_forward_dx(float *loss, float *lse, float *dx, const float *x, const void *w, qt_dtype wdt,
+                             const int32_t *targets, float dscale, int N, int C, int V, float *ws);
+
 /* ---- small helpers --------------------------------------------------------- */
 void op_add(float *out, const float *a, const float *b, size_t n); /* out = a + b (out may alias) */
 void op_acc(float *out, const float *a, size_t n);                  /* out += a */

@@ -307,6 +307,31 @@ static void test_lmhead_ce(void **state) {
     qt_free(ce_x), qt_free(ce_w), qt_free(ce_ws), qt_free(dx), qt_free(dw);
 }
 
+/* The fused forward + dx (frozen lm_head) against forward then backward, in
+ * f32 and with a bf16 table, with a loss scale and an ignored row. */
+static void test_lmhead_ce_forward_dx(void **state) {
+    (void)state;
+    float *x = randv(CN * CC, 2.0f), *w = randv((size_t)CV * CC, 2.0f), *ws = zeros(op_lmhead_ce_ws_floats(CN, CC));
+    uint16_t *wh = qt_malloc(sizeof(uint16_t) * (size_t)CV * CC, "bf16 table");
+    qt_convert_from_f32(wh, QT_BF16, w, (size_t)CV * CC);
+    for (int k = 0; k < 2; k++) {
+        const void *wp = k ? (const void *)wh : (const void *)w;
+        qt_dtype dt = k ? QT_BF16 : QT_F32;
+        float l1[CN], s1[CN], l2[CN], s2[CN], *dx1 = randv(CN * CC, 1.0f), *dx2 = zeros(CN * CC);
+        memcpy(dx2, dx1, sizeof(float) * CN * CC); /* both add into the same start */
+        op_lmhead_ce_forward(l1, s1, x, wp, dt, ce_t, CN, CC, CV, ws);
+        op_lmhead_ce_backward(dx1, NULL, x, wp, dt, ce_t, s1, 256.0f, CN, CC, CV, ws);
+        op_lmhead_ce_forward_dx(l2, s2, dx2, x, wp, dt, ce_t, 256.0f, CN, CC, CV, ws);
+        for (int n = 0; n < CN; n++) {
+            assert_true(fabsf(l1[n] - l2[n]) <= 1e-5f * (1.0f + fabsf(l1[n])));
+            assert_true(fabsf(s1[n] - s2[n]) <= 1e-5f * (1.0f + fabsf(s1[n])));
+        }
+        for (int i = 0; i < CN * CC; i++) assert_true(fabsf(dx1[i] - dx2[i]) <= 1e-3f * (1.0f + fabsf(dx1[i])));
+        qt_free(dx1), qt_free(dx2);
+    }
+    qt_free(x), qt_free(w), qt_free(ws), qt_free(wh);
+}
+
 /* ---- embedding ---- */
 static void test_embedding(void **state) {
     (void)state;
@@ -334,6 +359,7 @@ int main(void) {
         cmocka_unit_test(test_matmul_half_panels), cmocka_unit_test(test_rope),
         cmocka_unit_test(test_attention), cmocka_unit_test(test_attention_blocks_and_cache),
         cmocka_unit_test(test_swiglu),    cmocka_unit_test(test_lmhead_ce),
+        cmocka_unit_test(test_lmhead_ce_forward_dx),
         cmocka_unit_test(test_embedding),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
