@@ -444,7 +444,12 @@ def machine_facts(build):
             "kernel": platform.release(), "OpenBLAS": blas,
             "oneDNN": sh("dpkg-query -W -f '${Version}' libdnnl-dev") or "?",
             "torch": torch.__version__ + " (BLAS: the system libblas.so.3 -> OpenBLAS, ATen OpenMP)",
-            "compiler": sh("cc --version | head -1"), "load average at start": loadavg()}
+            "compiler": sh("cc --version | head -1"),
+            # the tree is shared and edited while benchmarks run: record what was built
+            "qtune source": "%s %s, uncommitted changes in: %s" % (
+                sh("git -C %s rev-parse --short HEAD" % ROOT), sh("git -C %s log -1 --format=%%cd --date=iso" % ROOT),
+                sh("git -C %s status --porcelain -- src | awk '{print $2}' | tr '\n' ' '" % ROOT) or "none"),
+            "load average at start": loadavg()}
 
 
 def main():
