@@ -250,7 +250,7 @@ def label_shapes(cfg, B, T, mode):
             lab.setdefault((R, i, N, "t", "n"), []).append("lora_A dW")
             lab.setdefault((N, i, R, "n", "n"), []).append("lora dX")
     for cv in {CE_CHUNK, V % CE_CHUNK or CE_CHUNK}:
-        lab.setdefault((N, cv, C, "n", "t"), []).append("lm_head chunk logits (fwd + bwd recompute)")
+        lab.setdefault((N, cv, C, "n", "t"), []).append("lm_head chunk logits (calls/step = 2x chunks when the backward recomputes them)")
         lab.setdefault((N, C, cv, "n", "n"), []).append("lm_head chunk bwd dX")
         lab.setdefault((cv, C, N, "t", "n"), []).append("lm_head chunk bwd dW")
     return {k: " / ".join(dict.fromkeys(v)) for k, v in lab.items()}
