@@ -416,8 +416,10 @@ def merge_results(paths, work):
             res.setdefault("cases", [])
             continue
         for t, g in r.get("peak", {}).items():
+            best_cpu = max(g["peak_cpu_gflops"], res["peak"].get(t, g)["peak_cpu_gflops"])
             if t not in res["peak"] or g["peak_gflops"] > res["peak"][t]["peak_gflops"]:
                 res["peak"][t] = g
+            res["peak"][t]["peak_cpu_gflops"] = best_cpu
         res["cases"] += r.get("cases", [])
         if r.get("precision"):
             res["precision"] = (res.get("precision") or []) + r["precision"]
