@@ -7,6 +7,7 @@
  * Query head h reads kv head h / (H / KV) (GQA). Query t of row b attends to
  * keys [doc_start[b*T+t], t]: packed examples never see each other. */
 #include "backend/cpu/ops.h"
+#include "backend/cpu/op_simd.h"
 
 #include <float.h>
 #include <math.h>
@@ -28,6 +29,7 @@ static float attn_row(float *o, const float *qv, const float *k, const float *v,
         for (int j = b0; j <= b1; j++) {
             const float *kj = k + (size_t)j * ks;
             float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
             for (int d = 0; d < D; d++) dot += qv[d] * kj[d];
             s[j - b0] = dot * scale;
             if (s[j - b0] > bm) bm = s[j - b0];
@@ -36,10 +38,10 @@ static float attn_row(float *o, const float *qv, const float *k, const float *v,
         float corr = expf(m - mn);
         l *= corr;
         for (int d = 0; d < D; d++) acc[d] *= corr;
+        l += (float)op_row_exp(s, b1 - b0 + 1, mn, 1.0f);
         for (int j = b0; j <= b1; j++) {
-            float p = expf(s[j - b0] - mn);
+            float p = s[j - b0];
             const float *vj = v + (size_t)j * ks;
-            l += p;
             for (int d = 0; d < D; d++) acc[d] += p * vj[d];
         }
         m = mn;
@@ -104,22 +106,36 @@ void op_attention_backward(float *dq, float *dk, float *dv, const float *dout, c
                     float *dqt = dq + row * qs + (size_t)h * D;
                     float L = lse[((size_t)b * H + h) * T + t];
                     float delta = 0.0f;
+#pragma omp simd reduction(+ : delta)
                     for (int d = 0; d < D; d++) delta += dot_[d] * ot[d];
                     int j0 = doc_start ? doc_start[row] : 0;
-                    for (int j = j0; j <= t; j++) {
-                        const float *kj = k + koff + (size_t)j * ks, *vj = v + koff + (size_t)j * ks;
-                        float *dkj = dk + koff + (size_t)j * ks, *dvj = dv + koff + (size_t)j * ks;
-                        float s = 0.0f, dp = 0.0f;
-                        for (int d = 0; d < D; d++) {
-                            s += qt[d] * kj[d];
-                            dp += dot_[d] * vj[d];
+                    /* keys in blocks: scores and dO.v first, then one vector exp per block */
+                    float sb[ATT_BLOCK], dpb[ATT_BLOCK];
+                    for (int b0 = j0; b0 <= t; b0 += ATT_BLOCK) {
+                        int nb = t - b0 + 1 < ATT_BLOCK ? t - b0 + 1 : ATT_BLOCK;
+                        for (int i = 0; i < nb; i++) {
+                            const float *kj = k + koff + (size_t)(b0 + i) * ks, *vj = v + koff + (size_t)(b0 + i) * ks;
+                            float s = 0.0f, dp = 0.0f;
+#pragma omp simd reduction(+ : s, dp)
+                            for (int d = 0; d < D; d++) {
+                                s += qt[d] * kj[d];
+                                dp += dot_[d] * vj[d];
+                            }
+                            sb[i] = s * scale;
+                            dpb[i] = dp;
                         }
-                        float p = expf(s * scale - L);
-                        float ds = p * (dp - delta) * scale;
-                        for (int d = 0; d < D; d++) {
-                            dqt[d] += ds * kj[d];
-                            dkj[d] += ds * qt[d];
-                            dvj[d] += p * dot_[d];
+                        op_row_exp(sb, nb, L, 1.0f); /* sb = p */
+                        for (int i = 0; i < nb; i++) {
+                            size_t jo = koff + (size_t)(b0 + i) * ks;
+                            const float *kj = k + jo;
+                            float *dkj = dk + jo, *dvj = dv + jo;
+                            float p = sb[i], ds = p * (dpb[i] - delta) * scale;
+#pragma omp simd
+                            for (int d = 0; d < D; d++) {
+                                dqt[d] += ds * kj[d];
+                                dkj[d] += ds * qt[d];
+                                dvj[d] += p * dot_[d];
+                            }
                         }
                     }
                 }

@@ -11,6 +11,7 @@
  * converts and multiplies its own slice of the chunk with a single-threaded
  * sgemm, then the rows are shared out for the softmax. */
 #include "backend/cpu/ops.h"
+#include "backend/cpu/op_simd.h"
 
 #include <cblas.h>
 #include <float.h>
@@ -60,15 +61,12 @@ void op_lmhead_ce_forward(float *loss, float *lse, const float *x, const void *w
         chunk_logits(logits, wbuf, x, w, wdt, v0, cv, N, C);
 #pragma omp for schedule(static)
         for (int n = 0; n < N; n++) {
-            const float *l = logits + (size_t)n * cv;
-            float m = mx[n];
-            for (int j = 0; j < cv; j++) m = l[j] > m ? l[j] : m;
-            double s = sum[n] * exp((double)mx[n] - (double)m);
-            for (int j = 0; j < cv; j++) s += expf(l[j] - m);
-            mx[n] = m;
-            sum[n] = s;
+            float *l = logits + (size_t)n * cv;
+            float m = op_row_max(l, cv, mx[n]);
             int t = targets[n];
             if (t >= v0 && t < v0 + cv) tl[n] = l[t - v0];
+            sum[n] = sum[n] * exp((double)mx[n] - (double)m) + op_row_exp(l, cv, m, 1.0f); /* l is scratch */
+            mx[n] = m;
         } /* implicit barrier: the next chunk may overwrite logits */
     }
     for (int n = 0; n < N; n++) {
@@ -93,7 +91,7 @@ void op_lmhead_ce_backward(float *dx, float *dw, const float *x, const void *w, 
                 for (int j = 0; j < cv; j++) l[j] = 0.0f;
                 continue;
             }
-            for (int j = 0; j < cv; j++) l[j] = dscale * expf(l[j] - lse[n]);
+            op_row_exp(l, cv, lse[n], dscale);
             if (t >= v0 && t < v0 + cv) l[t - v0] -= dscale;
         } /* implicit barrier: dlogits complete */
         int nt = omp_get_num_threads(), id = omp_get_thread_num(), a, b;
@@ -143,17 +141,11 @@ void op_lmhead_ce_forward_dx(float *loss, float *lse, float *dx, const float *x,
 #pragma omp for schedule(static)
             for (int n = 0; n < N; n++) {
                 float *l = logits + (size_t)n * cv;
-                float m = mx[n];
-                for (int j = 0; j < cv; j++) m = l[j] > m ? l[j] : m;
+                float m = op_row_max(l, cv, mx[n]);
                 float c = expf(mx[n] - m); /* 0 on the first chunk */
-                double s = 0.0;
                 int t = targets[n];
                 if (t >= v0 && t < v0 + cv) tl[n] = l[t - v0];
-                for (int j = 0; j < cv; j++) {
-                    l[j] = expf(l[j] - m);
-                    s += l[j];
-                }
-                sum[n] = sum[n] * (double)c + s;
+                sum[n] = sum[n] * (double)c + op_row_exp(l, cv, m, 1.0f);
                 mx[n] = m;
                 corr[n] = c;
                 if (t == QT_IGNORE_INDEX) memset(l, 0, sizeof(float) * (size_t)cv);

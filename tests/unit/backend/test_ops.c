@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "backend/cpu/ops.h"
+#include "backend/cpu/op_simd.h"
 #include "core/mem.h"
 #include "core/rng.h"
 #include "data/batch.h"
@@ -332,6 +333,34 @@ static void test_lmhead_ce_forward_dx(void **state) {
     qt_free(x), qt_free(w), qt_free(ws), qt_free(wh);
 }
 
+/* op_exp8 against expf over the range the softmax uses, plus underflow to 0 */
+static void test_exp8(void **state) {
+    (void)state;
+    float x[8], y[8];
+    double worst = 0;
+    for (int i = 0; i < 200000; i++) {
+        for (int k = 0; k < 8; k++) x[k] = -87.0f + 175.0f * (float)(i * 8 + k) / (200000.0f * 8.0f);
+        _mm256_storeu_ps(y, op_exp8(_mm256_loadu_ps(x)));
+        for (int k = 0; k < 8; k++) {
+            double e = exp((double)x[k]), r = fabs(y[k] - e) / e;
+            worst = r > worst ? r : worst;
+        }
+    }
+    assert_true(worst < 4e-7); /* a few ulp */
+    for (int k = 0; k < 8; k++) x[k] = -100.0f - (float)k * 1e30f;
+    _mm256_storeu_ps(y, op_exp8(_mm256_loadu_ps(x)));
+    for (int k = 0; k < 8; k++) assert_true(y[k] == 0.0f);
+    float row[13];
+    for (int k = 0; k < 13; k++) row[k] = (float)k - 6.0f;
+    double sum = op_row_exp(row, 13, 1.0f, 2.0f), want = 0;
+    for (int k = 0; k < 13; k++) {
+        want += exp((double)k - 7.0);
+        assert_true(fabs(row[k] - 2.0 * exp((double)k - 7.0)) < 1e-6 * (1 + row[k]));
+    }
+    assert_true(fabs(sum - want) < 1e-6 * want);
+    assert_true(op_row_max(row, 13, -FLT_MAX) == row[12]);
+}
+
 /* ---- embedding ---- */
 static void test_embedding(void **state) {
     (void)state;
@@ -360,6 +389,7 @@ int main(void) {
         cmocka_unit_test(test_attention), cmocka_unit_test(test_attention_blocks_and_cache),
         cmocka_unit_test(test_swiglu),    cmocka_unit_test(test_lmhead_ce),
         cmocka_unit_test(test_lmhead_ce_forward_dx),
+        cmocka_unit_test(test_exp8),
         cmocka_unit_test(test_embedding),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
