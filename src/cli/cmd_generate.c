@@ -418,7 +418,12 @@ int cmd_generate(int argc, char **argv) {
         g.logits = qt_malloc((size_t)g.V * sizeof *g.logits, "the logits of one position");
         g.hist = qt_malloc((size_t)g.ctx * sizeof *g.hist, "the ids in the KV cache");
         if (!g.hist) rc = QT_ENOMEM;
-        if (rc == QT_OK) rc = g.logits ? qt_sampler_init(&g.sampler, g.V) : QT_ENOMEM;
+        /* Real Qwen models pad the embedding past the tokenizer (151936 rows,
+         * 151665 tokens): ids with no token are never sampled, as HF would
+         * never emit text for them. */
+        int v_sample = g.V;
+        if (g.tok && bpe_vocab_size(g.tok) < v_sample) v_sample = bpe_vocab_size(g.tok);
+        if (rc == QT_OK) rc = g.logits ? qt_sampler_init(&g.sampler, v_sample) : QT_ENOMEM;
     }
     if (rc == QT_OK) {
         int32_t im_end = g.tok ? bpe_token_id(g.tok, "<|im_end|>") : -1;
