@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Writes the demo's chat data: short, consistent question/answer pairs
 (capitals, animal sounds, opposites, colours), each fact asked in several
-phrasings. The eval set holds out one phrasing of some facts, so every eval
+phrasings that all end with the key word ("Name the capital of France." ->
+"Paris."): the answer is one recalled word, which a 2-layer random model
+with a LoRA adapter learns in about a minute of CPU. The eval set holds out one phrasing of some facts, so every eval
 answer is a fact the training set teaches in other words.
 
 Standard library only, deterministic (fixed seed); run from anywhere:
@@ -33,7 +35,7 @@ SOUNDS = [
     ("pig", "oink"), ("lion", "roar"), ("owl", "hoot"), ("horse", "neigh"), ("frog", "ribbit"),
     ("mouse", "squeak"), ("snake", "hiss"), ("bee", "buzz"), ("crow", "caw"),
 ]
-SOUND_Q = ["What sound does a {} make?", "What does a {} say?", "How does a {} sound?"]
+SOUND_Q = ["What is the sound of a {}?", "Which sound is made by a {}?", "Name the sound of a {}."]
 
 OPPOSITES = [
     ("hot", "cold"), ("big", "small"), ("up", "down"), ("fast", "slow"), ("day", "night"),
@@ -41,8 +43,7 @@ OPPOSITES = [
     ("hard", "soft"), ("old", "new"), ("rich", "poor"), ("wet", "dry"), ("loud", "quiet"),
     ("left", "right"), ("strong", "weak"), ("thick", "thin"), ("high", "low"), ("win", "lose"),
 ]
-OPPOSITE_Q = ["What is the opposite of {}?", "Give the opposite of {}.",
-              "Which word means the opposite of {}?"]
+OPPOSITE_Q = ["What is the opposite of {}?", "Give the opposite of {}.", "Name the opposite of {}."]
 
 COLOURS = [
     ("banana", "yellow"), ("lemon", "yellow"), ("strawberry", "red"), ("tomato", "red"),
@@ -50,20 +51,20 @@ COLOURS = [
     ("blueberry", "blue"), ("plum", "purple"), ("coconut", "brown"), ("snowball", "white"),
     ("crow", "black"), ("flamingo", "pink"), ("frog", "green"), ("pumpkin", "orange"),
 ]
-COLOUR_Q = ["What color is a {}?", "What colour is a {}?", "Which color is a {}?"]
+COLOUR_Q = ["What is the color of a {}?", "Which colour has a {}?", "Name the color of a {}."]
 
 
 def facts():
     """(phrasings, answer) per fact."""
     out = []
     for c, cap in CAPITALS:
-        out.append(([q.format(c) for q in CAPITAL_Q], f"The capital of {c} is {cap}."))
+        out.append(([q.format(c) for q in CAPITAL_Q], f"{cap}."))
     for a, s in SOUNDS:
-        out.append(([q.format(a) for q in SOUND_Q], f"A {a} says {s}."))
+        out.append(([q.format(a) for q in SOUND_Q], f"{s.capitalize()}."))
     for w, o in OPPOSITES:
-        out.append(([q.format(w) for q in OPPOSITE_Q], f"The opposite of {w} is {o}."))
+        out.append(([q.format(w) for q in OPPOSITE_Q], f"{o.capitalize()}."))
     for t, col in COLOURS:
-        out.append(([q.format(t) for q in COLOUR_Q], f"A {t} is {col}."))
+        out.append(([q.format(t) for q in COLOUR_Q], f"{col.capitalize()}."))
     return out
 
 
