@@ -259,7 +259,11 @@ int dist_wait_all(dist_ctx *d, MPI_Request *reqs, int n, const char *what) {
     dist_waiter_start(d, &w, what);
     for (;;) {
         int flag = 0;
-        DIST_MPI_CHECK(d, MPI_Testall(n, reqs, &flag, MPI_STATUSES_IGNORE), what);
+        int mrc = MPI_Testall(n, reqs, &flag, MPI_STATUSES_IGNORE);
+        if (mrc != MPI_SUCCESS) {
+            dist_waiter_end(d, &w); /* restore the signal handlers before reporting */
+            return dist_mpi_fail(d, mrc, "MPI_Testall", what);
+        }
         if (flag) break;
         dist_waiter_tick(d, &w);
     }
@@ -380,7 +384,6 @@ static double combine(double a, double b, dist_op op) {
 }
 #endif
 
-#define DIST_MAX_SCALARS 64
 
 int dist_allreduce_ops(dist_ctx *d, double *vals, const dist_op *ops, int n, const char *what) {
     if (n < 0 || n > DIST_MAX_SCALARS)

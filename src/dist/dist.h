@@ -60,6 +60,8 @@ void dist_set_timeout(dist_ctx *d, double seconds);
 
 /* In-place all-reduce of a few scalars over all ranks. `what` names the
  * collective in the timeout message ("token count", "loss sum"). */
+/* The most scalars one dist_allreduce_* call takes; callers with more split them. */
+#define DIST_MAX_SCALARS 64
 int dist_allreduce_f64(dist_ctx *d, double *vals, int n, dist_op op, const char *what);
 int dist_allreduce_i64(dist_ctx *d, int64_t *vals, int n, dist_op op, const char *what);
 /* Bytes from root to every rank (any size; sent in chunks below INT_MAX). */

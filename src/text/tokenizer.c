@@ -113,7 +113,8 @@ static int parse_ids(bpe_tokenizer *t, load_ctx *c, const cJSON *vocab, const cJ
     for (const cJSON *a = added ? added->child : NULL; a; a = a->next) {
         const cJSON *id = cJSON_GetObjectItemCaseSensitive(a, "id");
         const cJSON *content = cJSON_GetObjectItemCaseSensitive(a, "content");
-        if (!cJSON_IsNumber(id) || id->valuedouble < 0 || id->valuedouble >= BPE_MAX_ID || !cJSON_IsString(content) ||
+        if (!cJSON_IsNumber(id) || id->valuedouble < 0 || id->valuedouble >= BPE_MAX_ID ||
+            id->valuedouble != (int32_t)id->valuedouble || !cJSON_IsString(content) ||
             !content->valuestring[0])
             return QT_ERR(QT_EFORMAT, "%s: an added_tokens entry lacks a valid \"id\" or a non-empty \"content\"", c->path);
         if (id->valueint > max_id) max_id = id->valueint;

@@ -22,6 +22,7 @@
 #include <cjson/cJSON.h>
 #include <inttypes.h>
 #include <math.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -186,7 +187,12 @@ static int save_checkpoint(qt_trainer *t) {
     dl_state ds = dl_state_get(t->train_dl);
     pos[2 * t->rank] = ds.epoch;
     pos[2 * t->rank + 1] = ds.index;
-    int rc = dist_allreduce_i64(t->d, pos, 2 * t->world, DIST_SUM, "data positions");
+    /* a sum of one-hot rows is a gather; split past the all-reduce's scalar cap */
+    int rc = QT_OK;
+    for (int off = 0, k; rc == QT_OK && off < 2 * t->world; off += k) {
+        k = 2 * t->world - off < DIST_MAX_SCALARS ? 2 * t->world - off : DIST_MAX_SCALARS;
+        rc = dist_allreduce_i64(t->d, pos + off, k, DIST_SUM, "data positions");
+    }
     float *m = NULL, *v = NULL;
     if (rc == QT_OK && t->main) {
         m = qt_alloc_aligned((t->n ? t->n : 1) * sizeof(float), "Adam m for the checkpoint");
@@ -194,7 +200,10 @@ static int save_checkpoint(qt_trainer *t) {
         if (!m || !v) rc = QT_ENOMEM;
     }
     int64_t ok = rc == QT_OK;
-    if (t->world > 1) dist_allreduce_i64(t->d, &ok, 1, DIST_MIN, "checkpoint allocation");
+    if (t->world > 1) {
+        int r2 = dist_allreduce_i64(t->d, &ok, 1, DIST_MIN, "checkpoint allocation");
+        if (rc == QT_OK) rc = r2;
+    }
     if (rc == QT_OK && !ok) rc = QT_ERR(QT_ENOMEM, "rank 0 could not allocate the checkpoint buffers");
     if (rc == QT_OK) rc = zero_state_gather(t->zp, &t->zs, 0, m);
     if (rc == QT_OK) rc = zero_state_gather(t->zp, &t->zs, 1, v);
@@ -313,10 +322,12 @@ static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos) {
             qt_warn("%s was written by %lld rank(s) and this run has %d: weights and optimizer state resume exactly, "
                     "the data order restarts from the same epoch position of rank 0",
                     dir, (long long)world, t->world);
-        int r = t->rank < world ? t->rank : 0;
+        int r = world == t->world ? t->rank : 0;
         const cJSON *p = cJSON_GetArrayItem(dp, r);
         const cJSON *e = cJSON_GetArrayItem(p, 0), *ix = cJSON_GetArrayItem(p, 1);
-        if (!cJSON_IsNumber(e) || !cJSON_IsNumber(ix) || e->valuedouble < 0 || ix->valuedouble < 0)
+        if (!cJSON_IsNumber(e) || !cJSON_IsNumber(ix) || !(e->valuedouble >= 0 && e->valuedouble < 9e15) ||
+            !(ix->valuedouble >= 0 && ix->valuedouble < 9e15) || e->valuedouble != floor(e->valuedouble) ||
+            ix->valuedouble != floor(ix->valuedouble))
             rc = QT_ERR(QT_EFORMAT, "%s: data_position[%d] must be [epoch, index]", path, r);
         else {
             data_pos[0] = (int64_t)e->valuedouble;
