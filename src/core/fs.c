@@ -158,6 +158,30 @@ int qt_fsync_dir(const char *dir) {
     return rc == 0 ? QT_OK : QT_ERR(QT_EIO, "cannot sync folder %s: %s", dir, strerror(errno));
 }
 
+int qt_dir_replace(const char *tmp, const char *final) {
+    char old[4096], parent[4096];
+    int n = snprintf(old, sizeof old, "%s.old", final);
+    if (n < 0 || (size_t)n >= sizeof old) return QT_ERR(QT_EINVAL, "path too long: %s", final);
+    qt_path_dirname(parent, sizeof parent, final);
+    int moved = 0;
+    if (qt_path_exists(final)) {
+        qt_rm_rf(old);
+        if (rename(final, old) != 0)
+            return QT_ERR(QT_EIO, "cannot move the old %s aside: %s", final, strerror(errno));
+        moved = 1;
+    }
+    if (rename(tmp, final) != 0) {
+        int e = errno;
+        if (moved && rename(old, final) != 0)
+            return QT_ERR(QT_EIO, "cannot rename %s to %s: %s; the previous copy is kept as %s", tmp, final,
+                          strerror(e), old);
+        return QT_ERR(QT_EIO, "cannot rename %s to %s: %s", tmp, final, strerror(e));
+    }
+    int rc = qt_fsync_dir(parent);
+    if (rc == QT_OK && moved) qt_rm_rf(old);
+    return rc;
+}
+
 int qt_path_join(char *out, size_t cap, const char *dir, const char *name) {
     int n;
     if (name[0] == '/' || !dir || !dir[0]) n = snprintf(out, cap, "%s", name);

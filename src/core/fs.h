@@ -30,6 +30,12 @@ int qt_rm_rf(const char *path);
 int qt_path_exists(const char *path);
 int qt_is_dir(const char *path);
 int qt_fsync_dir(const char *dir);
+/* Replaces the folder `final` by the complete folder `tmp`, keeping one
+ * complete copy at every instant: an existing `final` is moved to final.old,
+ * tmp is renamed to final, and .old is removed; if the second rename fails,
+ * .old is renamed back. The parent folder is fsync'd. tmp is left to the
+ * caller on failure. */
+int qt_dir_replace(const char *tmp, const char *final);
 /* Joins dir and name into out (size cap); QT_EINVAL if it does not fit. */
 int qt_path_join(char *out, size_t cap, const char *dir, const char *name);
 /* Folder part of a path ("." when none). */

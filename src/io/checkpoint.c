@@ -68,19 +68,9 @@ static int sync_files(const char *dir) {
 int ckpt_commit(ckpt_writer *w) {
     int rc = sync_files(w->dir);
     if (rc == QT_OK) rc = qt_fsync_dir(w->dir);
-    /* a checkpoint of the same step (a re-save) is replaced: move it aside first
-     * so that at every instant one complete copy exists */
-    char old[CKPT_PATH_MAX + 8];
-    snprintf(old, sizeof old, "%s.old", w->final);
-    if (rc == QT_OK && qt_path_exists(w->final)) {
-        qt_rm_rf(old);
-        if (rename(w->final, old) != 0)
-            rc = QT_ERR(QT_EIO, "cannot move the old %s aside: %s", w->final, strerror(errno));
-    }
-    if (rc == QT_OK && rename(w->dir, w->final) != 0)
-        rc = QT_ERR(QT_EIO, "cannot rename %s to %s: %s", w->dir, w->final, strerror(errno));
-    if (rc == QT_OK) rc = qt_fsync_dir(w->output_dir);
-    if (rc == QT_OK) qt_rm_rf(old);
+    /* a checkpoint of the same step (a re-save) is replaced so that at every
+     * instant one complete copy exists */
+    if (rc == QT_OK) rc = qt_dir_replace(w->dir, w->final);
     if (rc != QT_OK) qt_rm_rf(w->dir);
     return rc;
 }

@@ -441,10 +441,9 @@ int trainer_write_final(qt_trainer *t, char *final_dir, size_t cap) {
 static int write_final(qt_trainer *t, char *final_dir, size_t cap) {
     final_dir[0] = 0;
     if (!t->main) return QT_OK;
-    char fin[4096], tmp[4200], old[4200];
+    char fin[4096], tmp[4200];
     QT_TRY(qt_path_join(fin, sizeof fin, t->job->output_dir, "final"));
     snprintf(tmp, sizeof tmp, "%s.tmp", fin);
-    snprintf(old, sizeof old, "%s.old", fin);
     QT_TRY(qt_rm_rf(tmp));
     QT_TRY(qt_mkdir_p(tmp));
     int rc;
@@ -456,16 +455,10 @@ static int write_final(qt_trainer *t, char *final_dir, size_t cap) {
         snprintf(path, sizeof path, "%s/model.safetensors", tmp);
         if (rc == QT_OK) rc = save_model_weights(t, path, qt_model_config(t->model)->torch_dtype);
     }
-    /* same dance as checkpoints: a complete final/ at every instant */
+    /* same as checkpoints: a complete final/ at every instant */
     if (rc == QT_OK) rc = qt_fsync_dir(tmp);
-    if (rc == QT_OK && qt_path_exists(fin)) {
-        qt_rm_rf(old);
-        if (rename(fin, old) != 0) rc = QT_ERR(QT_EIO, "cannot move the old %s aside", fin);
-    }
-    if (rc == QT_OK && rename(tmp, fin) != 0) rc = QT_ERR(QT_EIO, "cannot rename %s to %s", tmp, fin);
-    if (rc == QT_OK) rc = qt_fsync_dir(t->job->output_dir);
-    if (rc == QT_OK) qt_rm_rf(old);
-    else qt_rm_rf(tmp);
+    if (rc == QT_OK) rc = qt_dir_replace(tmp, fin);
+    if (rc != QT_OK) qt_rm_rf(tmp);
     if (rc == QT_OK) {
         snprintf(final_dir, cap, "%s", fin);
         qt_info("wrote %s (%s)", fin, t->job->lora.enabled ? "PEFT adapter" : "model folder");
