@@ -4,6 +4,7 @@
  * held back until it is whole. See docs/generate.md. */
 #define _GNU_SOURCE /* strcasestr, getline */
 #include "cli/cli.h"
+#include "core/clock.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/mem.h"
@@ -60,12 +61,6 @@ typedef struct {
     char *reply;        /* text of the last reply (qt_free), for the chat history */
 } gen_state;
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 static int is_stop(const gen_state *g, int32_t id) {
     for (int i = 0; i < g->n_stop; i++)
         if (g->stop[i] == id) return 1;
@@ -110,11 +105,11 @@ static int generate_reply(gen_state *g, const int32_t *ids, int n) {
                       n, g->ctx, g->pos);
     int32_t *out = qt_malloc((size_t)g->max_new * sizeof *out + 1, "generated ids");
     if (!out) return QT_ENOMEM;
-    const double t0 = now_s();
+    const double t0 = qt_now_s();
     int rc = qt_model_decode(g->m, ids, n, g->pos, g->logits);
     memcpy(g->hist + g->pos, ids, (size_t)n * sizeof *ids);
     g->pos += n;
-    const double t1 = now_s();
+    const double t1 = qt_now_s();
     int n_out = 0, n_dec = 0; /* generated ids; one-position decode calls */
     const char *stop = "max_new";
     utf8_stream us = {{0}, 0};
@@ -137,7 +132,7 @@ static int generate_reply(gen_state *g, const int32_t *ids, int n) {
         g->hist[g->pos++] = next;
         n_dec++;
     }
-    const double t2 = now_s();
+    const double t2 = qt_now_s();
     qt_free(g->reply);
     g->reply = NULL;
     if (rc == QT_OK && g->tok) {

@@ -5,6 +5,7 @@
  * any number of workers. Dimension letters: B rows, T tokens per row. */
 #define _GNU_SOURCE /* qsort_r */
 #include "data/loader.h"
+#include "core/clock.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/mem.h"
@@ -74,12 +75,6 @@ struct dl_loader {
     int stop;
     dl_state consumed;        /* position after the last batch handed out */
 };
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 void dl_config_default(dl_config *c) {
     memset(c, 0, sizeof *c);
@@ -493,7 +488,7 @@ static int loader_init(dl_loader *l, const bpe_tokenizer *tok) {
 int dl_open(const dl_config *cfg, const bpe_tokenizer *tok, dl_loader **out) {
     *out = NULL;
     QT_TRY(check_config(cfg));
-    double t0 = now_s();
+    double t0 = qt_now_s();
     dl_loader *l = qt_calloc(1, sizeof *l, "the data loader");
     if (!l) return QT_ENOMEM;
     l->cfg = *cfg;
@@ -510,7 +505,7 @@ int dl_open(const dl_config *cfg, const bpe_tokenizer *tok, dl_loader **out) {
     if (rc != QT_OK) { dl_close(l); return rc; }
     l->stats.n_examples = l->n_segs;
     l->stats.n_examples_rank = l->n_rank;
-    l->stats.open_s = now_s() - t0;
+    l->stats.open_s = qt_now_s() - t0;
     if (l->stats.n_truncated)
         qt_info("%lld examples were longer than seq_len %d and were truncated (%lld tokens dropped)",
                 (long long)l->stats.n_truncated, l->T, (long long)l->stats.n_tokens_dropped);
@@ -578,13 +573,13 @@ void dl_batch_free(qt_batch *b) {
 int dl_next(dl_loader *l, qt_batch *out) {
     if (out->B != l->B || out->T != l->T || !out->inputs)
         return QT_ERR(QT_EINVAL, "dl_next needs a batch from dl_batch_alloc for this loader (%d x %d)", l->B, l->T);
-    double t0 = now_s();
+    double t0 = qt_now_s();
     pthread_mutex_lock(&l->mu);
     int64_t seq = l->next_consume;
     dl_slot *s = &l->slots[seq % l->P];
     while (!(s->state == SLOT_READY && s->seq == seq) && !(l->end_seq >= 0 && seq >= l->end_seq))
         pthread_cond_wait(&l->cv_ready, &l->mu);
-    l->stats.wait_s += now_s() - t0;
+    l->stats.wait_s += qt_now_s() - t0;
     if (l->end_seq >= 0 && seq >= l->end_seq) {
         pthread_mutex_unlock(&l->mu);
         return DL_END;

@@ -9,6 +9,7 @@
  * they poll), name the silent ones, and MPI_Abort the whole job. */
 #define _GNU_SOURCE
 #include "dist/dist_internal.h"
+#include "core/clock.h"
 
 #include "core/error.h"
 #include "core/messages.h"
@@ -24,12 +25,6 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
-
-double dist_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* Reads an integer rank count from the launcher's environment, 0 if absent. */
 static int launcher_world(void) {
@@ -185,9 +180,9 @@ static _Noreturn void deadline_passed(dist_ctx *d, dist_waiter *w) {
         /* ranks polling a collective answer within milliseconds; give them a
          * few seconds in case they are just as slow as this one */
         double grace = fmin(10.0, fmax(2.0, d->timeout_s / 10));
-        double end = dist_now() + grace;
+        double end = qt_now_s() + grace;
         int pending = N - 1;
-        while (pending > 0 && dist_now() < end) {
+        while (pending > 0 && qt_now_s() < end) {
             for (int r = 0; r < N; r++) {
                 if (r == d->rank || answered[r]) continue;
                 int flag = 0;
@@ -219,7 +214,7 @@ static _Noreturn void deadline_passed(dist_ctx *d, dist_waiter *w) {
 }
 
 void dist_waiter_start(dist_ctx *d, dist_waiter *w, const char *what) {
-    w->t0 = dist_now();
+    w->t0 = qt_now_s();
     w->deadline = w->t0 + d->timeout_s;
     w->ticks = 0;
     w->what = what;
@@ -239,14 +234,14 @@ void dist_waiter_tick(dist_ctx *d, dist_waiter *w) {
     if (w->ticks < 64) return;
     if ((w->ticks & 15) == 0) {
         answer_queries(d);
-        if (dist_now() > w->deadline) deadline_passed(d, w);
+        if (qt_now_s() > w->deadline) deadline_passed(d, w);
     }
     if (w->ticks < 1024) sched_yield();
     else usleep(w->ticks < 4096 ? 50 : 500);
 }
 
 void dist_waiter_end(dist_ctx *d, dist_waiter *w) {
-    d->comm_s += dist_now() - w->t0;
+    d->comm_s += qt_now_s() - w->t0;
     if (sig_ctx == d) {
         sig_in_wait = 0;
         sigaction(SIGTERM, &sig_wait_prev, NULL);

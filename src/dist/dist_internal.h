@@ -29,8 +29,6 @@ struct dist_ctx {
 #endif
 };
 
-double dist_now(void);
-
 #if QT_DIST_MPI
 /* One wait with a deadline: start, tick in the polling loop, end. A tick
  * answers other ranks' liveness queries and, past the deadline, reports which

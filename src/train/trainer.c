@@ -2,6 +2,7 @@
  * outputs). Reads top to bottom: set up -> resume -> loop of steps (with eval,
  * logging, checkpoints, the stop flag) -> final outputs. */
 #include "train/trainer.h"
+#include "core/clock.h"
 
 #include "core/error.h"
 #include "core/messages.h"
@@ -16,13 +17,7 @@
 #include <string.h>
 #include <time.h>
 
-double trainer_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-double trainer_elapsed(const qt_trainer *t) { return t->elapsed_before + (trainer_now() - t->t_start); }
+double trainer_elapsed(const qt_trainer *t) { return t->elapsed_before + (qt_now_s() - t->t_start); }
 
 /* ---------------------------------------------------------------------------
  * set up */
@@ -258,7 +253,7 @@ static void fmt_dur(char *buf, size_t cap, double s) {
 static void progress(qt_trainer *t, const step_out *o, double tok_s, long first_step, double t_loop) {
     FILE *f = t->hooks->progress;
     if (!f || !t->main) return;
-    double done = (double)(t->step - first_step), per = done > 0 ? (trainer_now() - t_loop) / done : NAN;
+    double done = (double)(t->step - first_step), per = done > 0 ? (qt_now_s() - t_loop) / done : NAN;
     char eta[32];
     fmt_dur(eta, sizeof eta, per * (double)(t->max_steps - t->step));
     if (t->hooks->tty) {
@@ -364,7 +359,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
                 job->model, t->n, job->lora.enabled ? "LoRA" : "full", t->max_steps, t->cfg.micro_batch,
                 t->cfg.grad_accum, t->world, job->data.seq_len);
     }
-    t->t_start = trainer_now();
+    t->t_start = qt_now_s();
     res->resumed_from = t->resumed_from;
     res->max_steps = t->max_steps;
     res->eval_loss_first = res->eval_loss_last = NAN;
@@ -375,7 +370,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
         res->eval_loss_last = res->eval_loss_first;
     }
     const long first_step = t->step;
-    const double t_loop = trainer_now();
+    const double t_loop = qt_now_s();
     int stop = 0;
     /* a stop during loading or the first evaluation: nothing new to save */
     QT_TRY(stop_requested(t, &stop));
@@ -389,7 +384,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
      * step spent waiting in dl_next. Prefetch threads should keep it near 0. */
     enum { STARVE_WINDOW = 20 };
     const double starve_share = 0.2;
-    double win_t0 = trainer_now(), win_wait0;
+    double win_t0 = qt_now_s(), win_wait0;
     long win_steps = 0;
     {
         dl_stats st0;
@@ -397,13 +392,13 @@ static int run(qt_trainer *t, qt_train_result *res) {
         win_wait0 = st0.wait_s;
     }
     while (t->step < t->max_steps && !stop) {
-        double ts = trainer_now(), cs = dist_comm_seconds(t->d);
+        double ts = qt_now_s(), cs = dist_comm_seconds(t->d);
         step_out o;
         QT_TRY(train_step(t, &o));
         t->step++;
         t->tokens_seen += o.tokens;
         res->last_loss = o.loss;
-        double dt = trainer_now() - ts, tok_s = dt > 0 ? (double)o.tokens / dt : 0;
+        double dt = qt_now_s() - ts, tok_s = dt > 0 ? (double)o.tokens / dt : 0;
         if (t->main && (t->step % job->train.log_steps == 0 || t->step == t->max_steps)) {
             dl_state ds = dl_state_get(t->train_dl);
             dl_stats st;
@@ -422,10 +417,10 @@ static int run(qt_trainer *t, qt_train_result *res) {
         if (++win_steps == STARVE_WINDOW) {
             dl_stats st;
             dl_get_stats(t->train_dl, &st);
-            double wall = trainer_now() - win_t0, waited = st.wait_s - win_wait0;
+            double wall = qt_now_s() - win_t0, waited = st.wait_s - win_wait0;
             if (t->main && wall > 0 && waited / wall > starve_share)
                 qt_warn(QT_MSG_LOADER_STARVED_FMT, 100.0 * waited / wall, (int)win_steps);
-            win_t0 = trainer_now();
+            win_t0 = qt_now_s();
             win_wait0 = st.wait_s;
             win_steps = 0;
         }

@@ -49,7 +49,6 @@ typedef struct {
     char last_ckpt[4096];
 } qt_trainer;
 
-double trainer_now(void);
 double trainer_elapsed(const qt_trainer *t);
 
 /* trainer_ckpt.c */
