@@ -321,3 +321,16 @@ int qt_tokenizer_files_write(const qt_config *c, const char *tokenizer_json, con
     cJSON_free(text);
     return rc;
 }
+
+int qt_model_copy_side_files(const char *src_dir, const char *dst_dir) {
+    static const char *const files[] = {"tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                                        "special_tokens_map.json", "added_tokens.json", "generation_config.json",
+                                        NULL};
+    char s[4096], d[4096];
+    for (int i = 0; files[i]; i++) {
+        QT_TRY(qt_path_join(s, sizeof s, src_dir, files[i]));
+        QT_TRY(qt_path_join(d, sizeof d, dst_dir, files[i]));
+        if (qt_path_exists(s)) QT_TRY(qt_copy_file(s, d));
+    }
+    return QT_OK;
+}

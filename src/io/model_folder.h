@@ -53,6 +53,13 @@ int qt_tokenizer_ids_read(const char *tokenizer_json, qt_tokenizer_ids *ids);
  * template). Refuses a tokenizer whose ids do not fit cfg->vocab_size. */
 int qt_tokenizer_files_write(const qt_config *cfg, const char *tokenizer_json, const char *dir);
 
+/* Copies the tokenizer and generation files a model folder may carry
+ * (tokenizer.json, tokenizer_config.json, vocab.json, merges.txt,
+ * special_tokens_map.json, added_tokens.json, generation_config.json) from
+ * src_dir to dst_dir; those src_dir lacks are skipped. Not config.json: the
+ * callers copy or rewrite it themselves. */
+int qt_model_copy_side_files(const char *src_dir, const char *dst_dir);
+
 /* Qwen2.5-Instruct's chat template (Jinja), as its tokenizer_config.json has it. */
 extern const char qt_qwen25_chat_template[];
 

@@ -5,6 +5,7 @@
 #include "core/fs.h"
 #include "core/log.h"
 #include "core/mem.h"
+#include "io/model_folder.h"
 #include "io/peft.h"
 #include "io/safetensors.h"
 
@@ -47,15 +48,8 @@ static int merge_fill(void *ctx, float *dst, size_t off, size_t n) {
 }
 
 static int copy_side_files(const char *src, const char *dst, int out_dtype) {
-    static const char *const files[] = {"tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                                        "special_tokens_map.json", "added_tokens.json", "generation_config.json",
-                                        NULL};
+    QT_TRY(qt_model_copy_side_files(src, dst));
     char s[4096], d[4096];
-    for (int i = 0; files[i]; i++) {
-        QT_TRY(qt_path_join(s, sizeof s, src, files[i]));
-        QT_TRY(qt_path_join(d, sizeof d, dst, files[i]));
-        if (qt_path_exists(s)) QT_TRY(qt_copy_file(s, d));
-    }
     /* config.json: as it was, with torch_dtype set when the dtype changes */
     QT_TRY(qt_path_join(s, sizeof s, src, "config.json"));
     QT_TRY(qt_path_join(d, sizeof d, dst, "config.json"));

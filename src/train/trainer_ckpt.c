@@ -15,6 +15,7 @@
 #include "core/log.h"
 #include "core/mem.h"
 #include "io/checkpoint.h"
+#include "io/model_folder.h"
 #include "io/peft.h"
 #include "io/safetensors.h"
 #include "train/trainer_internal.h"
@@ -408,17 +409,13 @@ static int load_checkpoint(qt_trainer *t, const char *dir) {
 /* ---------------------------------------------------------------------------
  * final/ */
 
+/* the source model's config.json as it is, then its tokenizer files */
 static int copy_model_files(const char *src_dir, const char *dst_dir) {
-    static const char *const files[] = {"config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json",
-                                        "merges.txt", "special_tokens_map.json", "added_tokens.json",
-                                        "generation_config.json", NULL};
-    for (int i = 0; files[i]; i++) {
-        char s[4096], d[4096];
-        QT_TRY(qt_path_join(s, sizeof s, src_dir, files[i]));
-        QT_TRY(qt_path_join(d, sizeof d, dst_dir, files[i]));
-        if (qt_path_exists(s)) QT_TRY(qt_copy_file(s, d));
-    }
-    return QT_OK;
+    char s[4096], d[4096];
+    QT_TRY(qt_path_join(s, sizeof s, src_dir, "config.json"));
+    QT_TRY(qt_path_join(d, sizeof d, dst_dir, "config.json"));
+    if (qt_path_exists(s)) QT_TRY(qt_copy_file(s, d));
+    return qt_model_copy_side_files(src_dir, dst_dir);
 }
 
 static int write_final(qt_trainer *t, char *final_dir, size_t cap);
