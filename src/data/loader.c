@@ -573,6 +573,10 @@ void dl_batch_free(qt_batch *b) {
 int dl_next(dl_loader *l, qt_batch *out) {
     if (out->B != l->B || out->T != l->T || !out->inputs)
         return QT_ERR(QT_EINVAL, "dl_next needs a batch from dl_batch_alloc for this loader (%d x %d)", l->B, l->T);
+    /* without workers no batch would ever arrive (a failed restart in dl_state_set) */
+    if (!l->threads_running || l->n_threads <= 0)
+        return QT_ERR(QT_EINVAL, "the data loader has no worker threads running; it could not restart them after "
+                      "an earlier error, so reopen it");
     double t0 = qt_now_s();
     pthread_mutex_lock(&l->mu);
     int64_t seq = l->next_consume;
@@ -615,7 +619,9 @@ int dl_state_set(dl_loader *l, dl_state s) {
     threads_stop(l);
     if (s.epoch < 0 || s.index < 0 || (l->cfg.eval && s.epoch != 0) || s.index > rows_in(l, s.epoch)) {
         int64_t rows = s.epoch >= 0 ? rows_in(l, s.epoch) : 0;
-        threads_start(l, l->consumed);
+        /* keep the loader usable at its old position; if its workers cannot be
+         * restarted that is the error to report, since dl_next would need them */
+        QT_TRY(threads_start(l, l->consumed));
         return QT_ERR(QT_EINVAL, "the saved data position (epoch %lld, row %lld) does not fit this data "
                       "(%lld rows for this rank in that epoch); was the data, seq_len or the number of ranks changed?",
                       (long long)s.epoch, (long long)s.index, (long long)rows);
