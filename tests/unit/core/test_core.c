@@ -1,4 +1,4 @@
-/* core: dtype conversions, checked sizes, atomic files, rng streams. */
+/* core: dtype conversions, checked sizes, atomic files, folder replace, rng streams. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -62,6 +62,41 @@ static void test_atomic_abort_keeps_old(void **state) {
     assert_false(qt_path_exists(dir));
 }
 
+static int file_is(const char *dir, const char *name, const char *want) {
+    char path[256], *buf;
+    size_t n;
+    if (qt_path_join(path, sizeof path, dir, name) != QT_OK || qt_read_file(path, 100, &buf, &n) != QT_OK) return 0;
+    int same = n == strlen(want) && memcmp(buf, want, n) == 0;
+    qt_free(buf);
+    return same;
+}
+
+/* a failed second rename puts the old folder back; a good one drops .old */
+static void test_dir_replace(void **state) {
+    (void)state;
+    char dir[] = "/tmp/qtune_core_XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char fin[256], tmp[256], old[256], f[256];
+    assert_int_equal(qt_path_join(fin, sizeof fin, dir, "final"), QT_OK);
+    assert_int_equal(qt_path_join(tmp, sizeof tmp, dir, "final.tmp"), QT_OK);
+    assert_int_equal(qt_path_join(old, sizeof old, dir, "final.old"), QT_OK);
+    assert_int_equal(qt_mkdir_p(fin), QT_OK);
+    assert_int_equal(qt_path_join(f, sizeof f, fin, "a"), QT_OK);
+    assert_int_equal(qt_write_file_atomic(f, "old", 3), QT_OK);
+    /* tmp does not exist: rename(tmp, final) fails */
+    assert_int_equal(qt_dir_replace(tmp, fin), QT_EIO);
+    assert_true(file_is(fin, "a", "old"));
+    assert_false(qt_path_exists(old));
+    assert_int_equal(qt_mkdir_p(tmp), QT_OK);
+    assert_int_equal(qt_path_join(f, sizeof f, tmp, "a"), QT_OK);
+    assert_int_equal(qt_write_file_atomic(f, "new", 3), QT_OK);
+    assert_int_equal(qt_dir_replace(tmp, fin), QT_OK);
+    assert_true(file_is(fin, "a", "new"));
+    assert_false(qt_path_exists(old));
+    assert_false(qt_path_exists(tmp));
+    assert_int_equal(qt_rm_rf(dir), QT_OK);
+}
+
 static void test_rng_streams(void **state) {
     (void)state;
     qt_rng a, b, c;
@@ -81,6 +116,7 @@ int main(void) {
         cmocka_unit_test(test_bf16_round_trip),
         cmocka_unit_test(test_mul_overflow),
         cmocka_unit_test(test_atomic_abort_keeps_old),
+        cmocka_unit_test(test_dir_replace),
         cmocka_unit_test(test_rng_streams),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
