@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/mem.h"
+#include "core/strbuf.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -60,25 +61,6 @@ static int nfc_region(const char *s, size_t n, char **out, size_t *out_len) {
     return QT_OK;
 }
 
-typedef struct {
-    char *p;
-    size_t n, cap;
-} nfc_buf;
-
-static int nfc_put(nfc_buf *b, const char *s, size_t n) {
-    if (b->n + n + 1 > b->cap) {
-        size_t c = b->cap ? b->cap : 64;
-        while (c < b->n + n + 1) c *= 2;
-        char *g = qt_realloc(b->p, c, "NFC text");
-        if (!g) return QT_ENOMEM;
-        b->p = g;
-        b->cap = c;
-    }
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
-    return QT_OK;
-}
 
 /* NFC of s[0..n) into a qt_malloc'd buffer. Only the runs of code points
  * that are not inert go through utf8proc, each with the inert character just
@@ -87,9 +69,9 @@ static int nfc(const char *s, size_t n, size_t from, char **out, size_t *out_len
     /* sized once for the usual case (NFC rarely lengthens a text much): a
      * buffer doubled from 64 bytes for a megabyte stretch costs more in
      * realloc than the normalisation itself */
-    nfc_buf o = {qt_malloc(n + n / 8 + 64, "NFC text"), 0, n + n / 8 + 64};
+    qt_strbuf o = {qt_malloc(n + n / 8 + 64, "NFC text"), 0, n + n / 8 + 64};
     if (!o.p) return QT_ENOMEM;
-    int rc = nfc_put(&o, "", 0);
+    int rc = qt_strbuf_put(&o, "", 0);
     const uint8_t *u = (const uint8_t *)s;
     size_t copied = 0, i = from, last_inert = SIZE_MAX; /* s[0..from) is inert: nfc_scan */
     while (i < n && rc == QT_OK) {
@@ -119,16 +101,16 @@ static int nfc(const char *s, size_t n, size_t from, char **out, size_t *out_len
         }
         char *norm = NULL;
         size_t nn = 0;
-        rc = nfc_put(&o, s + copied, a - copied);
+        rc = qt_strbuf_put(&o, s + copied, a - copied);
         if (rc == QT_OK) rc = nfc_region(s + a, b - a, &norm, &nn);
         if (rc == QT_OK) {
-            rc = nfc_put(&o, norm, nn);
+            rc = qt_strbuf_put(&o, norm, nn);
             free(norm);
         }
         copied = i = b;
         last_inert = SIZE_MAX;
     }
-    if (rc == QT_OK) rc = nfc_put(&o, s + copied, n - copied);
+    if (rc == QT_OK) rc = qt_strbuf_put(&o, s + copied, n - copied);
     if (rc != QT_OK) {
         qt_free(o.p);
         return rc;
@@ -356,8 +338,8 @@ int bpe_normalize(const bpe_tokenizer *t, const char *text, size_t len, char **o
         QT_TRY(utf8_sanitize(text, len, &clean, &sl));
         s = clean;
     }
-    nfc_buf o = {0};
-    int rc = nfc_put(&o, "", 0);
+    qt_strbuf o = {0};
+    int rc = qt_strbuf_put(&o, "", 0);
     size_t pos = 0;
     /* as the encoder does: added tokens are split off first and kept as they are */
     while (rc == QT_OK && pos <= sl) {
@@ -369,13 +351,13 @@ int bpe_normalize(const bpe_tokenizer *t, const char *text, size_t len, char **o
             char *norm = NULL;
             size_t nn = 0;
             rc = nfc(s + pos, end - pos, from, &norm, &nn);
-            if (rc == QT_OK) rc = nfc_put(&o, norm, nn);
+            if (rc == QT_OK) rc = qt_strbuf_put(&o, norm, nn);
             qt_free(norm);
         } else {
-            rc = nfc_put(&o, s + pos, end - pos);
+            rc = qt_strbuf_put(&o, s + pos, end - pos);
         }
         if (!found) break;
-        if (rc == QT_OK) rc = nfc_put(&o, s + m.start, m.end - m.start);
+        if (rc == QT_OK) rc = qt_strbuf_put(&o, s + m.start, m.end - m.start);
         pos = m.end;
     }
     qt_free(clean);

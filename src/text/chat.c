@@ -10,29 +10,11 @@
 
 #include "core/error.h"
 #include "core/mem.h"
+#include "core/strbuf.h"
 
 #include <string.h>
 
-typedef struct {
-    char *p;
-    size_t n, cap;
-} sbuf;
-
-static int put(sbuf *b, const char *s, size_t n) {
-    if (b->n + n + 1 > b->cap) {
-        size_t c = b->cap ? b->cap : 256;
-        while (c < b->n + n + 1) c *= 2;
-        char *g = qt_realloc(b->p, c, "chat text");
-        if (!g) return QT_ENOMEM;
-        b->p = g;
-        b->cap = c;
-    }
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
-    return QT_OK;
-}
-static int puts_(sbuf *b, const char *s) { return put(b, s, strlen(s)); }
+static int puts_(qt_strbuf *b, const char *s) { return qt_strbuf_put(b, s, strlen(s)); }
 
 typedef struct {
     size_t start, end;
@@ -40,7 +22,7 @@ typedef struct {
 
 /* Renders; contents[i] overrides msgs[i].content when given (the cleaned
  * text). Assistant regions (content + <|im_end|>) go to *regs. */
-static int render(const chat_message *msgs, size_t n, char *const *contents, int gen, sbuf *b, region **regs, size_t *nregs) {
+static int render(const chat_message *msgs, size_t n, char *const *contents, int gen, qt_strbuf *b, region **regs, size_t *nregs) {
     for (size_t i = 0; i < n; i++) {
         const char *r = msgs[i].role;
         if (!r || (strcmp(r, "system") && strcmp(r, "user") && strcmp(r, "assistant") && strcmp(r, "tool")))
@@ -88,8 +70,8 @@ static int render(const chat_message *msgs, size_t n, char *const *contents, int
 }
 
 int chat_render(const chat_message *msgs, size_t n, int add_generation_prompt, char **out, size_t *len) {
-    sbuf b = {0};
-    int rc = put(&b, "", 0);
+    qt_strbuf b = {0};
+    int rc = qt_strbuf_put(&b, "", 0);
     if (rc == QT_OK) rc = render(msgs, n, NULL, add_generation_prompt, &b, NULL, NULL);
     if (rc != QT_OK) {
         qt_free(b.p);
@@ -104,11 +86,11 @@ int chat_encode(const bpe_tokenizer *t, const chat_message *msgs, size_t n, int 
                 int32_t **labels, size_t *n_ids, size_t *cap) {
     char **clean = n ? qt_calloc(n, sizeof *clean, "chat contents") : NULL;
     if (n && !clean) return QT_ENOMEM;
-    sbuf b = {0};
+    qt_strbuf b = {0};
     region *regs = NULL;
     size_t nregs = 0, base = *n_ids, ncap = *cap, k = 0;
     bpe_span *spans = NULL;
-    int rc = put(&b, "", 0);
+    int rc = qt_strbuf_put(&b, "", 0);
     for (size_t i = 0; i < n && rc == QT_OK; i++) {
         size_t l;
         if (!msgs[i].content) break; /* render() names it */
