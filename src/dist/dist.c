@@ -380,20 +380,30 @@ static double combine(double a, double b, dist_op op) {
 #endif
 
 
-int dist_allreduce_ops(dist_ctx *d, double *vals, const dist_op *ops, int n, const char *what) {
+#if QT_DIST_MPI
+/* Every rank's n values of elem bytes, rank-major into all (world * n): the
+ * one collective behind the scalar all-reduces and dist_allgather_i64. */
+static int gather_values(dist_ctx *d, const void *vals, int n, MPI_Datatype type, void *all, const char *what) {
+    MPI_Request rq;
+    int rc = MPI_Iallgather(vals, n, type, all, n, type, d->comm, &rq);
+    if (rc != MPI_SUCCESS) return dist_mpi_fail(d, rc, "MPI_Iallgather", what);
+    return dist_wait_all(d, &rq, 1, what);
+}
+#endif
+
+static int check_scalar_count(int n, const char *what) {
     if (n < 0 || n > DIST_MAX_SCALARS)
         return QT_ERR(QT_EINVAL, "dist: %d scalars in one all-reduce (%s); at most %d", n, what, DIST_MAX_SCALARS);
+    return QT_OK;
+}
+
+int dist_allreduce_ops(dist_ctx *d, double *vals, const dist_op *ops, int n, const char *what) {
+    QT_TRY(check_scalar_count(n, what));
     if (d->world == 1 || n == 0) return QT_OK;
 #if QT_DIST_MPI
     double *all = qt_malloc((size_t)d->world * (size_t)n * sizeof *all, "an all-reduce of scalars");
     if (!all) return QT_ENOMEM;
-    MPI_Request rq;
-    int rc = MPI_Iallgather(vals, n, MPI_DOUBLE, all, n, MPI_DOUBLE, d->comm, &rq);
-    if (rc != MPI_SUCCESS) {
-        qt_free(all);
-        return dist_mpi_fail(d, rc, "MPI_Iallgather", what);
-    }
-    rc = dist_wait_all(d, &rq, 1, what);
+    int rc = gather_values(d, vals, n, MPI_DOUBLE, all, what);
     if (rc == QT_OK) {
         for (int i = 0; i < n; i++) {
             double acc = all[i];
@@ -410,28 +420,32 @@ int dist_allreduce_ops(dist_ctx *d, double *vals, const dist_op *ops, int n, con
 
 int dist_allreduce_f64(dist_ctx *d, double *vals, int n, dist_op op, const char *what) {
     dist_op ops[DIST_MAX_SCALARS];
-    if (n < 0 || n > DIST_MAX_SCALARS)
-        return QT_ERR(QT_EINVAL, "dist: %d scalars in one all-reduce (%s); at most %d", n, what, DIST_MAX_SCALARS);
+    QT_TRY(check_scalar_count(n, what));
     for (int i = 0; i < n; i++) ops[i] = op;
     return dist_allreduce_ops(d, vals, ops, n, what);
+}
+
+int dist_allgather_i64(dist_ctx *d, const int64_t *mine, int n, int64_t *all, const char *what) {
+    if (n < 0) return QT_ERR(QT_EINVAL, "dist: %d values in an all-gather (%s)", n, what);
+    if (d->world == 1 || n == 0) {
+        memcpy(all, mine, (size_t)n * sizeof *all);
+        return QT_OK;
+    }
+#if QT_DIST_MPI
+    return gather_values(d, mine, n, MPI_INT64_T, all, what);
+#else
+    return QT_OK;
+#endif
 }
 
 /* Integers go as int64 exactly (token counts above 2^53 are not a concern,
  * but exactness is free here). */
 int dist_allreduce_i64(dist_ctx *d, int64_t *vals, int n, dist_op op, const char *what) {
-    if (n < 0 || n > DIST_MAX_SCALARS)
-        return QT_ERR(QT_EINVAL, "dist: %d scalars in one all-reduce (%s); at most %d", n, what, DIST_MAX_SCALARS);
+    QT_TRY(check_scalar_count(n, what));
     if (d->world == 1 || n == 0) return QT_OK;
-#if QT_DIST_MPI
     int64_t *all = qt_malloc((size_t)d->world * (size_t)n * sizeof *all, "an all-reduce of integers");
     if (!all) return QT_ENOMEM;
-    MPI_Request rq;
-    int rc = MPI_Iallgather(vals, n, MPI_INT64_T, all, n, MPI_INT64_T, d->comm, &rq);
-    if (rc != MPI_SUCCESS) {
-        qt_free(all);
-        return dist_mpi_fail(d, rc, "MPI_Iallgather", what);
-    }
-    rc = dist_wait_all(d, &rq, 1, what);
+    int rc = dist_allgather_i64(d, vals, n, all, what);
     if (rc == QT_OK) {
         for (int i = 0; i < n; i++) {
             int64_t acc = all[i];
@@ -446,10 +460,6 @@ int dist_allreduce_i64(dist_ctx *d, int64_t *vals, int n, dist_op op, const char
     }
     qt_free(all);
     return rc;
-#else
-    (void)op;
-    return QT_OK;
-#endif
 }
 
 int dist_bcast(dist_ctx *d, void *buf, size_t bytes, int root, const char *what) {

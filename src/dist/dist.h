@@ -64,6 +64,8 @@ void dist_set_timeout(dist_ctx *d, double seconds);
 #define DIST_MAX_SCALARS 64
 int dist_allreduce_f64(dist_ctx *d, double *vals, int n, dist_op op, const char *what);
 int dist_allreduce_i64(dist_ctx *d, int64_t *vals, int n, dist_op op, const char *what);
+/* Every rank's n values, rank-major into all (world * n); no count cap. */
+int dist_allgather_i64(dist_ctx *d, const int64_t *mine, int n, int64_t *all, const char *what);
 /* Bytes from root to every rank (any size; sent in chunks below INT_MAX). */
 int dist_bcast(dist_ctx *d, void *buf, size_t bytes, int root, const char *what);
 int dist_barrier(dist_ctx *d, const char *what);

@@ -186,14 +186,8 @@ static int save_checkpoint(qt_trainer *t) {
     int64_t *pos = qt_calloc((size_t)t->world * 2, sizeof(int64_t), "data positions");
     if (!pos) return QT_ENOMEM;
     dl_state ds = dl_state_get(t->train_dl);
-    pos[2 * t->rank] = ds.epoch;
-    pos[2 * t->rank + 1] = ds.index;
-    /* a sum of one-hot rows is a gather; split past the all-reduce's scalar cap */
-    int rc = QT_OK;
-    for (int off = 0, k; rc == QT_OK && off < 2 * t->world; off += k) {
-        k = 2 * t->world - off < DIST_MAX_SCALARS ? 2 * t->world - off : DIST_MAX_SCALARS;
-        rc = dist_allreduce_i64(t->d, pos + off, k, DIST_SUM, "data positions");
-    }
+    const int64_t mine[2] = {ds.epoch, ds.index};
+    int rc = dist_allgather_i64(t->d, mine, 2, pos, "data positions");
     float *m = NULL, *v = NULL;
     if (rc == QT_OK && t->main) {
         m = qt_alloc_aligned((t->n ? t->n : 1) * sizeof(float), "Adam m for the checkpoint");
