@@ -294,6 +294,14 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
     m->acts.x = qt_calloc((size_t)c->num_hidden_layers + 1, sizeof(float *), "model: activation table");
     m->acts.layer = qt_calloc((size_t)c->num_hidden_layers, sizeof(qt_acts), "model: activation table");
     if (!m->acts.x || !m->acts.layer) return QT_ENOMEM;
+    if (qt_model_acts_2byte(&m->opts)) {
+        m->acts.x16 = qt_calloc((size_t)c->num_hidden_layers, sizeof(uint16_t *), "model: activation table");
+        if (!m->acts.x16) return QT_ENOMEM;
+        if (!m->opts.grad_checkpointing) {
+            m->acts.layer16 = qt_calloc((size_t)c->num_hidden_layers, sizeof(qt_acts16), "model: activation table");
+            if (!m->acts.layer16) return QT_ENOMEM;
+        }
+    }
     m->act_block = alloc_floats(m->mem.activations, "model: activations");
     if (!m->act_block) return QT_ENOMEM;
     qt_model_carve_acts(c, &m->opts, m->act_block, &m->acts);
@@ -340,6 +348,8 @@ void qt_model_free(qt_model *m) {
     qt_free(m->layers);
     qt_free(m->acts.x);
     qt_free(m->acts.layer);
+    qt_free(m->acts.x16);
+    qt_free(m->acts.layer16);
     qt_free(m->act_block);
     qt_free(m->grad_block);
     qt_free(m->ws);
