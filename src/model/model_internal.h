@@ -136,6 +136,8 @@ struct qt_model {
     int kv_len;
 
     uint64_t micro_step;   /* forward_backward calls so far: the dropout stream */
+    int native_bf16;       /* bf16 training on a CPU with bf16 arithmetic and a oneDNN bf16 GEMM: the
+                              forward's base matmuls run on it (backend/cpu/op_dnnl_bf16.h) */
 };
 
 #endif

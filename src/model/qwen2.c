@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "backend/cpu/op_dnnl_bf16.h"
 #include "backend/cpu/op_precision.h"
 #include "backend/cpu/ops.h"
 #include "core/error.h"
@@ -77,10 +78,15 @@ static void acts_load(qt_model *m, int l, int N) {
 }
 
 /* ---- Linear (+ LoRA) forward/backward ------------------------------------ */
-static void linear_forward(qt_model *m, int l, int j, float *out, const float *inp, int N, float *lora_h,
-                           int dropout) {
+/* inp16: the same input as 2-byte values (its saved slot) or NULL. With
+ * native bf16 (m->native_bf16) a bf16 weight times that bf16 input runs on
+ * oneDNN's bf16 GEMM, else (and whenever oneDNN refuses) on fp32 sgemm. */
+static void linear_forward(qt_model *m, int l, int j, float *out, const float *inp, const uint16_t *inp16, int N,
+                           float *lora_h, int dropout) {
     const qt_linear *q = &m->layers[l].lin[j];
-    op_matmul_forward(out, inp, q->w.p, q->w.dt, q->b, N, q->in, q->out, 1.0f, 0, m->ws);
+    if (!(m->native_bf16 && inp16 && q->w.dt == QT_BF16 &&
+          op_dnnl_bf16_matmul(out, inp16, q->w.p, q->b, N, q->in, q->out, 1.0f) == QT_OK))
+        op_matmul_forward(out, inp, q->w.p, q->w.dt, q->b, N, q->in, q->out, 1.0f, 0, m->ws);
     if (!q->la) return;
     const float *xd = inp;
     if (dropout) {
@@ -139,9 +145,9 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
     if (x16 && l == 0) qt_convert_from_f32(x16[0], m->opts.compute, x, NC); /* x: rounded already (keep) */
     op_rmsnorm_forward(a->ln1, a->rstd1, x, L->ln1, N, C, c->rms_norm_eps);
     keep_save(m, a->ln1, NC, s->ln1);
-    linear_forward(m, l, LIN_Q, a->q, a->ln1, N, a->lora_h[LIN_Q], dropout);
-    linear_forward(m, l, LIN_K, a->k, a->ln1, N, a->lora_h[LIN_K], dropout);
-    linear_forward(m, l, LIN_V, a->v, a->ln1, N, a->lora_h[LIN_V], dropout);
+    linear_forward(m, l, LIN_Q, a->q, a->ln1, s->ln1, N, a->lora_h[LIN_Q], dropout);
+    linear_forward(m, l, LIN_K, a->k, a->ln1, s->ln1, N, a->lora_h[LIN_K], dropout);
+    linear_forward(m, l, LIN_V, a->v, a->ln1, s->ln1, N, a->lora_h[LIN_V], dropout);
     op_rope_forward(a->q, pos, N, H, D, c->rope_theta);
     op_rope_forward(a->k, pos, N, KV, D, c->rope_theta);
     keep_save(m, a->q, NQ, s->q);
@@ -157,18 +163,18 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
         op_attention_forward_cached(a->att, a->q, kc, vc, N, pos0, H, KV, D);
     }
     keep_save(m, a->att, NQ, s->att);
-    linear_forward(m, l, LIN_O, a->xmid, a->att, N, a->lora_h[LIN_O], dropout);
+    linear_forward(m, l, LIN_O, a->xmid, a->att, s->att, N, a->lora_h[LIN_O], dropout);
     op_acc(a->xmid, x, NC);
     keep_save(m, a->xmid, NC, s->xmid);
     op_rmsnorm_forward(a->ln2, a->rstd2, a->xmid, L->ln2, N, C, c->rms_norm_eps);
     keep_save(m, a->ln2, NC, s->ln2);
-    linear_forward(m, l, LIN_GATE, a->gate, a->ln2, N, a->lora_h[LIN_GATE], dropout);
-    linear_forward(m, l, LIN_UP, a->up, a->ln2, N, a->lora_h[LIN_UP], dropout);
+    linear_forward(m, l, LIN_GATE, a->gate, a->ln2, s->ln2, N, a->lora_h[LIN_GATE], dropout);
+    linear_forward(m, l, LIN_UP, a->up, a->ln2, s->ln2, N, a->lora_h[LIN_UP], dropout);
     keep_save(m, a->gate, NI, s->gate);
     keep_save(m, a->up, NI, s->up);
     op_swiglu_forward(a->h, a->gate, a->up, N, I);
     keep_save(m, a->h, NI, s->h);
-    linear_forward(m, l, LIN_DOWN, xout, a->h, N, a->lora_h[LIN_DOWN], dropout);
+    linear_forward(m, l, LIN_DOWN, xout, a->h, s->h, N, a->lora_h[LIN_DOWN], dropout);
     op_acc(xout, a->xmid, NC);
     keep_save(m, xout, NC, x16 && l + 1 < c->num_hidden_layers ? x16[l + 1] : NULL);
 }

@@ -14,6 +14,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "backend/cpu/op_dnnl_bf16.h"
 #include "backend/cpu/op_precision.h"
 #include "core/error.h"
 #include "core/fs.h"
@@ -331,13 +332,59 @@ static void test_f16_acts_checkpointing_agree(void **state) {
     }
 }
 
+/* oneDNN bf16 GEMM (op_dnnl_bf16.h): where it cannot run (no oneDNN, no
+ * AVX512_BF16: this development machine) it refuses with QT_EUNSUPPORTED,
+ * leaves out untouched, and a bf16 model does not select it; where it runs,
+ * it matches an fp64 product of the same bf16 values. */
+static void test_dnnl_bf16_dispatch(void **state) {
+    (void)state;
+    enum { N = 6, IN = 40, OUT = 24 };
+    uint16_t a[N * IN], w[OUT * IN];
+    float bias[OUT], out[N * OUT], sentinel[N * OUT];
+    for (int i = 0; i < N * IN; i++) a[i] = qt_f32_to_bf16(sinf((float)i));
+    for (int i = 0; i < OUT * IN; i++) w[i] = qt_f32_to_bf16(cosf(3.0f * (float)i));
+    for (int i = 0; i < OUT; i++) bias[i] = 0.25f * (float)i;
+    for (int i = 0; i < N * OUT; i++) out[i] = sentinel[i] = -7.0f;
+    /* oneDNN scales the bias with alpha: refused, whatever the CPU */
+    assert_int_equal(op_dnnl_bf16_matmul(out, a, w, bias, N, IN, OUT, 0.5f), QT_EUNSUPPORTED);
+    assert_memory_equal(out, sentinel, sizeof out);
+    int avail = op_dnnl_bf16_available();
+    printf("oneDNN native bf16 matmul available: %d (AVX512_BF16: %d)\n", avail, op_cpu_has_bf16());
+    if (!avail) {
+        assert_int_equal(op_dnnl_bf16_matmul(out, a, w, bias, N, IN, OUT, 1.0f), QT_EUNSUPPORTED);
+        assert_memory_equal(out, sentinel, sizeof out);
+    } else {
+        assert_int_equal(op_dnnl_bf16_matmul(out, a, w, bias, N, IN, OUT, 1.0f), QT_OK);
+        for (int n = 0; n < N; n++)
+            for (int o = 0; o < OUT; o++) {
+                double ref = bias[o], mag = 0;
+                for (int i = 0; i < IN; i++) {
+                    double p = (double)qt_bf16_to_f32(a[n * IN + i]) * qt_bf16_to_f32(w[o * IN + i]);
+                    ref += p, mag += fabs(p);
+                }
+                assert_true(fabs(out[n * OUT + o] - ref) <= 1e-5 * (mag + fabs(bias[o])) + 1e-6);
+            }
+    }
+    if (op_cpu_has_bf16()) return;
+    /* the model only selects it on bf16 hardware: emulated bf16 keeps fp32 sgemm */
+    setenv("QTUNE_BF16_EMULATE", "1", 1);
+    qt_model_opts o;
+    qt_model_opts_default(&o);
+    o.max_B = 1, o.max_T = 8, o.compute = QT_BF16;
+    qt_model *m;
+    assert_int_equal(qt_model_load(dir, &o, &m), QT_OK);
+    assert_int_equal(m->native_bf16, 0);
+    qt_model_free(m);
+    unsetenv("QTUNE_BF16_EMULATE");
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_round_f16_saturates),    cmocka_unit_test(test_round_bf16_and_f32),
         cmocka_unit_test(test_bf16_rule),              cmocka_unit_test(test_memplan_compute_copy),
         cmocka_unit_test(test_lora_base_held_in_f16),  cmocka_unit_test(test_full_compute_copy_refreshed),
         cmocka_unit_test(test_round_store_and_load),   cmocka_unit_test(test_memplan_activations_2byte),
-        cmocka_unit_test(test_f16_acts_checkpointing_agree),
+        cmocka_unit_test(test_f16_acts_checkpointing_agree), cmocka_unit_test(test_dnnl_bf16_dispatch),
     };
     return cmocka_run_group_tests(tests, write_model, remove_model);
 }
