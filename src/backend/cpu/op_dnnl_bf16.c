@@ -19,8 +19,13 @@
 #include "qtune_config.h"
 
 #if QTUNE_HAVE_DNNL
-#include <dlfcn.h>
 #include <oneapi/dnnl/dnnl.h>
+#endif
+
+/* The oneDNN 2.x C API (dnnl_matmul_desc_init, output scales); 3.x replaced
+ * both, and with it this file refuses like a build without oneDNN. */
+#if QTUNE_HAVE_DNNL && DNNL_VERSION_MAJOR == 2
+#include <dlfcn.h>
 #include <pthread.h>
 
 #define DNNL_FUNCS(X)                                                                                                 \
@@ -141,7 +146,7 @@ int op_dnnl_bf16_matmul(float *out, const uint16_t *inp, const uint16_t *w, cons
     return rc;
 }
 
-#else /* no oneDNN in this build: the fp32 sgemm path is the only one */
+#else /* no oneDNN 2.x in this build: the fp32 sgemm path is the only one */
 
 int op_dnnl_bf16_available(void) { return 0; }
 
