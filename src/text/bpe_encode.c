@@ -194,11 +194,10 @@ typedef struct {
 /* Ids of one piece. Spans: each token's bytes in turn from base when exact,
  * else the whole range [rs, re). */
 static int encode_piece(enc_ctx *c, const uint8_t *p, size_t n, size_t base, int exact, size_t rs, size_t re) {
-    size_t k0 = *c->n;
-    /* a piece never has more ids than bytes; + the ids a word-cache hit
-     * copies whole (bpe_word then never grows ids without spans) */
-    QT_TRY(bpe_reserve(c->ids, c->spans, *c->n, c->cap, n + BPE_CACHE_MAX_IDS));
-    QT_TRY(bpe_word(c->t, p, n, c->ids, c->n, c->cap));
+    size_t k0 = *c->n, nk;
+    /* room: encode_stretch reserved for the whole stretch */
+    QT_TRY(bpe_word_ids(c->t, p, n, *c->ids + k0, &nk));
+    *c->n += nk;
     if (!c->spans) return QT_OK;
     size_t off = base;
     for (size_t k = k0; k < *c->n; k++) {
@@ -229,7 +228,13 @@ static int encode_stretch(enc_ctx *c, const char *s, size_t n, size_t base) {
     }
     /* the range every token gets when offsets are not exact */
     size_t rs = c->exact ? base : 0, re = c->exact ? base + orig_n : c->text_len;
-    int rc = QT_OK;
+    /* Room for the whole stretch at once: no piece has more ids than bytes,
+     * so n ids do, + the ids a word-cache hit copies whole past the end. */
+    int rc = bpe_reserve(c->ids, c->spans, *c->n, c->cap, n + BPE_CACHE_MAX_IDS);
+    if (rc != QT_OK) {
+        qt_free(norm);
+        return rc;
+    }
     if (!t->re) {
         rc = encode_piece(c, (const uint8_t *)s, n, base, exact, rs, re);
     } else {

@@ -144,7 +144,7 @@ static size_t bpe_merge_small(const bpe_tokenizer *t, const uint8_t *w, size_t n
 }
 
 /* Long words: the heap, with scratch on the stack or, past STACK_N bytes,
- * on the heap. Kept out of bpe_word_one so a cache hit has a small frame. */
+ * on the heap. Kept out of word_one so a cache hit has a small frame. */
 __attribute__((noinline)) static int bpe_merge_long(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *out, size_t *k) {
     enum { STACK_N = 256 };
     int32_t sbuf[3 * STACK_N];
@@ -323,8 +323,16 @@ static int spanned_bloom(const bpe_tokenizer *t, uint64_t l, uint64_t r, int lma
 static int spanned(const bpe_tokenizer *t, const uint8_t *w, size_t n, size_t p) {
     int lmax = p < 3 ? (int)p : 3, rmax = n - p < 3 ? (int)(n - p) : 3;
     uint64_t l = 0, r = 0;
-    for (int i = 0; i < lmax; i++) l |= (uint64_t)w[p - 1 - i] << (8 * i);
-    for (int i = 0; i < rmax; i++) r |= (uint64_t)w[p + i] << (8 * i);
+    if (p >= 4) { /* nearest byte lowest: w[p-4..p) big-endian, less w[p-4] */
+        l = __builtin_bswap32(load32(w + p - 4)) & 0xFFFFFF;
+    } else {
+        for (int i = 0; i < lmax; i++) l |= (uint64_t)w[p - 1 - i] << (8 * i);
+    }
+    if (n - p >= 4) { /* w[p] lowest: a little-endian load */
+        r = load32(w + p) & 0xFFFFFF;
+    } else {
+        for (int i = 0; i < rmax; i++) r |= (uint64_t)w[p + i] << (8 * i);
+    }
     /* The answer depends on (l, r, lmax, rmax) alone, and the same pairs of
      * characters keep meeting: remember recent answers (see BPE_SPAN_MEMO). */
     uint64_t key = (uint64_t)lmax << 50 | (uint64_t)rmax << 48 | l << 24 | r;
@@ -345,42 +353,58 @@ static int spanned_bloom(const bpe_tokenizer *t, uint64_t l, uint64_t r, int lma
     return 0;
 }
 
-static int bpe_word_one(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, size_t *nids, size_t *cap);
-
-int bpe_word(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, size_t *nids, size_t *cap) {
-    if (n <= 8 || w[n - 1] < 0x80) return bpe_word_one(t, w, n, ids, nids, cap); /* ASCII words end in ASCII */
-    size_t start = 0;
-    for (size_t p = 1; p < n; p++) {
-        if (!is_cut_point(w, p) || spanned(t, w, n, p)) continue;
-        QT_TRY(bpe_word_one(t, w + start, p - start, ids, nids, cap));
-        start = p;
-    }
-    return bpe_word_one(t, w + start, n - start, ids, nids, cap);
-}
-
-static int bpe_word_one(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, size_t *nids, size_t *cap) {
-    if (!n) return QT_OK;
-    QT_TRY(bpe_reserve(ids, NULL, *nids, cap, n + BPE_CACHE_MAX_IDS)); /* + what a cache hit copies */
-    int32_t *out = *ids + *nids;
-    if (n == 1) {
-        out[0] = t->byte_id[w[0]];
-        *nids += 1;
-        return QT_OK;
-    }
-    uint64_t h = 0;
-    bpe_cache_shard *sh = NULL;
+/* A word of at most BPE_CACHE_MAX_WORD bytes that missed the cache: merged,
+ * then remembered. Out of line so that a hit has a small frame. */
+__attribute__((noinline)) static int word_miss(const bpe_tokenizer *t, bpe_cache_shard *sh, uint64_t h, const uint8_t *w,
+                                               size_t n, int32_t *out, size_t *kout) {
     size_t k;
-    if (n <= BPE_CACHE_MAX_WORD) {
-        h = word_hash(w, n);
-        sh = (bpe_cache_shard *)&t->cache[(h >> 16) % BPE_CACHE_SHARDS];
-        if (cache_get(sh, h, w, n, out, &k)) {
-            *nids += k;
-            return QT_OK;
-        }
-    }
     if (n <= BPE_SMALL_WORD) k = bpe_merge_small(t, w, n, out);
     else QT_TRY(bpe_merge_long(t, w, n, out, &k));
-    if (sh) cache_put(sh, h, w, n, out, k);
+    cache_put(sh, h, w, n, out, k);
+    *kout = k;
+    return QT_OK;
+}
+
+/* Ids of a word that is not cut further, into out (room for n +
+ * BPE_CACHE_MAX_IDS ids: a hit copies its slot's ids whole). */
+static inline int word_one(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *out, size_t *k) {
+    if (n == 1) {
+        out[0] = t->byte_id[w[0]];
+        *k = 1;
+        return QT_OK;
+    }
+    if (n > BPE_CACHE_MAX_WORD) return bpe_merge_long(t, w, n, out, k);
+    uint64_t h = word_hash(w, n);
+    bpe_cache_shard *sh = (bpe_cache_shard *)&t->cache[(h >> 16) % BPE_CACHE_SHARDS];
+    if (cache_get(sh, h, w, n, out, k)) return QT_OK;
+    return word_miss(t, sh, h, w, n, out, k);
+}
+
+int bpe_word_ids(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *out, size_t *k) {
+    if (n <= 8 || w[n - 1] < 0x80) return word_one(t, w, n, out, k); /* ASCII words end in ASCII */
+    /* a cut point is the start of a non-ASCII character after another one:
+     * step from character to character (valid UTF-8: the lead byte gives
+     * the length) */
+    size_t start = 0, total = 0, m;
+    for (size_t p = 1 + (w[0] >= 0xC0) + (w[0] >= 0xE0) + (w[0] >= 0xF0); p < n;) {
+        uint8_t b = w[p];
+        size_t l = 1 + (b >= 0xC0) + (b >= 0xE0) + (b >= 0xF0);
+        if (b >= 0xC0 && w[p - 1] >= 0x80 && !spanned(t, w, n, p)) {
+            QT_TRY(word_one(t, w + start, p - start, out + total, &m));
+            total += m;
+            start = p;
+        }
+        p += l;
+    }
+    QT_TRY(word_one(t, w + start, n - start, out + total, &m));
+    *k = total + m;
+    return QT_OK;
+}
+
+int bpe_word(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, size_t *nids, size_t *cap) {
+    QT_TRY(bpe_reserve(ids, NULL, *nids, cap, n + BPE_CACHE_MAX_IDS)); /* + what a cache hit copies */
+    size_t k;
+    QT_TRY(bpe_word_ids(t, w, n, *ids + *nids, &k));
     *nids += k;
     return QT_OK;
 }
