@@ -66,6 +66,26 @@ typedef struct {
     uint32_t count;
 } bpe_cache_shard;
 
+/* Words longer than a word-cache slot holds (in the zh-en text: runs of
+ * 27-40 spaces of indented messages, and Chinese pieces no cut applies to)
+ * go to a second cache of one shard with two-line slots; without it each
+ * such word ran the heap merge again, about 15,000 instructions. */
+#define BPE_LCACHE_SLOTS 2048         /* power of two; half fill before a reset */
+#define BPE_LCACHE_MAX_WORD 58
+#define BPE_LCACHE_MAX_IDS 16
+typedef struct {
+    uint32_t hash;
+    uint8_t wlen;
+    uint8_t nids;                     /* 0: empty slot */
+    uint8_t word[BPE_LCACHE_MAX_WORD];
+    int32_t ids[BPE_LCACHE_MAX_IDS];
+} bpe_lcache_slot;
+typedef struct {
+    atomic_flag busy;                 /* as a shard's */
+    bpe_lcache_slot *slots;
+    uint32_t count;
+} bpe_lcache;
+
 struct bpe_tokenizer {
     int32_t n_ids;             /* highest id + 1 */
     char **tok_str;            /* (n_ids) token string as tokenizer.json spells it, NULL for a gap */
@@ -104,6 +124,7 @@ struct bpe_tokenizer {
     uint8_t *cp_class;         /* (BPE_CLASS_N) BPE_C_* of each code point when the regex is Qwen's, else NULL: bpe_split.c */
 
     bpe_cache_shard cache[BPE_CACHE_SHARDS];
+    bpe_lcache lcache;         /* words of BPE_CACHE_MAX_WORD+1 .. BPE_LCACHE_MAX_WORD bytes */
     uint64_t hash;             /* of the tokenizer.json bytes */
 };
 

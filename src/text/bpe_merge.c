@@ -176,6 +176,11 @@ int bpe_cache_init(bpe_tokenizer *t) {
     t->pair_cache = qt_alloc_aligned(BPE_PAIR_CACHE * sizeof *t->pair_cache, "BPE pair cache");
     if (!t->pair_cache) return QT_ENOMEM;
     for (size_t i = 0; i < BPE_PAIR_CACHE; i++) atomic_init(&t->pair_cache[i], UINT64_MAX);
+    _Static_assert(sizeof(bpe_lcache_slot) == 128, "a long-word slot is two cache lines");
+    t->lcache.slots = qt_alloc_aligned(BPE_LCACHE_SLOTS * sizeof *t->lcache.slots, "tokenizer long-word cache");
+    if (!t->lcache.slots) return QT_ENOMEM;
+    memset(t->lcache.slots, 0, BPE_LCACHE_SLOTS * sizeof *t->lcache.slots);
+    atomic_flag_clear(&t->lcache.busy);
     for (int s = 0; s < BPE_CACHE_SHARDS; s++) {
         bpe_cache_shard *sh = &t->cache[s];
         sh->slots = qt_alloc_aligned(BPE_CACHE_SLOTS * sizeof *sh->slots, "tokenizer word cache");
@@ -190,6 +195,7 @@ void bpe_cache_free(bpe_tokenizer *t) {
     qt_free((void *)t->pair_cache);
     qt_free(t->span_bloom);
     qt_free((void *)t->span_memo);
+    qt_free(t->lcache.slots);
     for (int s = 0; s < BPE_CACHE_SHARDS; s++) {
         bpe_cache_shard *sh = &t->cache[s];
         qt_free(sh->slots);
@@ -286,6 +292,61 @@ static void cache_put(bpe_cache_shard *sh, uint64_t h, const uint8_t *w, size_t 
     atomic_flag_clear_explicit(&sh->busy, memory_order_release);
 }
 
+/* The long-word cache: the same scheme, one shard. Rare enough (hundreds of
+ * words a megabyte) that libc's memcmp and memcpy do. */
+static int lcache_get(bpe_lcache *lc, uint64_t h, const uint8_t *w, size_t n, int32_t *out, size_t *k) {
+    int hit = 0;
+    uint32_t h32 = (uint32_t)h;
+    if (atomic_flag_test_and_set_explicit(&lc->busy, memory_order_acquire)) return 0;
+    for (size_t i = (h >> 32) & (BPE_LCACHE_SLOTS - 1); lc->slots[i].nids; i = (i + 1) & (BPE_LCACHE_SLOTS - 1)) {
+        const bpe_lcache_slot *s = &lc->slots[i];
+        if (s->hash == h32 && s->wlen == n && !memcmp(s->word, w, n)) {
+            memcpy(out, s->ids, s->nids * sizeof *out);
+            *k = s->nids;
+            hit = 1;
+            break;
+        }
+    }
+    atomic_flag_clear_explicit(&lc->busy, memory_order_release);
+    return hit;
+}
+
+static void lcache_put(bpe_lcache *lc, uint64_t h, const uint8_t *w, size_t n, const int32_t *ids, size_t k) {
+    if (k > BPE_LCACHE_MAX_IDS || atomic_flag_test_and_set_explicit(&lc->busy, memory_order_acquire)) return;
+    if (lc->count >= BPE_LCACHE_SLOTS / 2) { /* full: start over */
+        memset(lc->slots, 0, BPE_LCACHE_SLOTS * sizeof *lc->slots);
+        lc->count = 0;
+    }
+    uint32_t h32 = (uint32_t)h;
+    size_t i = (h >> 32) & (BPE_LCACHE_SLOTS - 1);
+    for (; lc->slots[i].nids; i = (i + 1) & (BPE_LCACHE_SLOTS - 1)) {
+        const bpe_lcache_slot *s = &lc->slots[i];
+        if (s->hash == h32 && s->wlen == n && !memcmp(s->word, w, n)) { /* another thread got here first */
+            atomic_flag_clear_explicit(&lc->busy, memory_order_release);
+            return;
+        }
+    }
+    bpe_lcache_slot *s = &lc->slots[i];
+    s->hash = h32;
+    s->wlen = (uint8_t)n;
+    s->nids = (uint8_t)k;
+    memcpy(s->word, w, n);
+    memcpy(s->ids, ids, k * sizeof *ids);
+    lc->count++;
+    atomic_flag_clear_explicit(&lc->busy, memory_order_release);
+}
+
+/* Words past the word cache's slots: the long-word cache, then the heap. */
+__attribute__((noinline)) static int word_long(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *out, size_t *k) {
+    if (n > BPE_LCACHE_MAX_WORD) return bpe_merge_long(t, w, n, out, k);
+    uint64_t h = word_hash(w, n);
+    bpe_lcache *lc = (bpe_lcache *)&t->lcache;
+    if (lcache_get(lc, h, w, n, out, k)) return QT_OK;
+    QT_TRY(bpe_merge_long(t, w, n, out, k));
+    lcache_put(lc, h, w, n, out, *k);
+    return QT_OK;
+}
+
 /* ---- cutting long words (see bpe_impl.h) ---- */
 
 /* key of (the ls bytes before a boundary, the rs bytes after it), ls, rs in 1..3 */
@@ -373,7 +434,7 @@ static inline int word_one(const bpe_tokenizer *t, const uint8_t *w, size_t n, i
         *k = 1;
         return QT_OK;
     }
-    if (n > BPE_CACHE_MAX_WORD) return bpe_merge_long(t, w, n, out, k);
+    if (n > BPE_CACHE_MAX_WORD) return word_long(t, w, n, out, k);
     uint64_t h = word_hash(w, n);
     bpe_cache_shard *sh = (bpe_cache_shard *)&t->cache[(h >> 16) % BPE_CACHE_SHARDS];
     if (cache_get(sh, h, w, n, out, k)) return QT_OK;
