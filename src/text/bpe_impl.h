@@ -122,6 +122,7 @@ struct bpe_tokenizer {
     pcre2_code *re_anchored;   /* the same, PCRE2_ANCHORED: matches only at the start offset */
     int re_jit;                /* both JIT compiled */
     uint8_t *cp_class;         /* (BPE_CLASS_N) BPE_C_* of each code point when the regex is Qwen's, else NULL: bpe_split.c */
+    uint8_t lead_l[256];       /* 1 for a lead byte whose every code point is BPE_C_L in cp_class (E5..E9: CJK) */
 
     bpe_cache_shard cache[BPE_CACHE_SHARDS];
     bpe_lcache lcache;         /* words of BPE_CACHE_MAX_WORD+1 .. BPE_LCACHE_MAX_WORD bytes */
