@@ -86,6 +86,20 @@ typedef struct {
     uint32_t count;
 } bpe_lcache;
 
+/* Whole-token words, filled at load and read-only after: every token of 2 to
+ * BPE_VOCAB_MAX_WORD bytes whose own bytes merge back into it alone (nearly
+ * all do; a few merge into other tokens first). A word that misses the word
+ * cache is looked up here before it is merged: most English words and many
+ * Chinese words are one token, and a word's first sighting then costs a
+ * lookup instead of the merge loop. Open addressing, id -1 empty. */
+#define BPE_VOCAB_MAX_WORD 23
+typedef struct {
+    uint32_t hash;
+    int32_t id;
+    uint8_t wlen;
+    uint8_t word[BPE_VOCAB_MAX_WORD];
+} bpe_vocab_slot;
+
 struct bpe_tokenizer {
     int32_t n_ids;             /* highest id + 1 */
     char **tok_str;            /* (n_ids) token string as tokenizer.json spells it, NULL for a gap */
@@ -126,6 +140,9 @@ struct bpe_tokenizer {
 
     bpe_cache_shard cache[BPE_CACHE_SHARDS];
     bpe_lcache lcache;         /* words of BPE_CACHE_MAX_WORD+1 .. BPE_LCACHE_MAX_WORD bytes */
+    bpe_vocab_slot *vocab_words; /* (vocab_words_cap) see bpe_vocab_slot */
+    size_t vocab_words_cap;    /* power of two */
+    size_t n_vocab_words;      /* tokens in it */
     uint64_t hash;             /* of the tokenizer.json bytes */
 };
 

@@ -171,6 +171,8 @@ __attribute__((noinline)) static int bpe_merge_long(const bpe_tokenizer *t, cons
 
 /* ---- the cache ---- */
 
+static int vocab_words_init(bpe_tokenizer *t);
+
 int bpe_cache_init(bpe_tokenizer *t) {
     _Static_assert(sizeof(bpe_cache_slot) == 64, "a cache slot is one cache line");
     t->pair_cache = qt_alloc_aligned(BPE_PAIR_CACHE * sizeof *t->pair_cache, "BPE pair cache");
@@ -188,7 +190,7 @@ int bpe_cache_init(bpe_tokenizer *t) {
         memset(sh->slots, 0, BPE_CACHE_SLOTS * sizeof *sh->slots);
         atomic_flag_clear(&sh->busy);
     }
-    return QT_OK;
+    return vocab_words_init(t);
 }
 
 void bpe_cache_free(bpe_tokenizer *t) {
@@ -196,6 +198,7 @@ void bpe_cache_free(bpe_tokenizer *t) {
     qt_free(t->span_bloom);
     qt_free((void *)t->span_memo);
     qt_free(t->lcache.slots);
+    qt_free(t->vocab_words);
     for (int s = 0; s < BPE_CACHE_SHARDS; s++) {
         bpe_cache_shard *sh = &t->cache[s];
         qt_free(sh->slots);
@@ -290,6 +293,57 @@ static void cache_put(bpe_cache_shard *sh, uint64_t h, const uint8_t *w, size_t 
     memcpy(s->ids, ids, k * sizeof *ids);
     sh->count++;
     atomic_flag_clear_explicit(&sh->busy, memory_order_release);
+}
+
+/* ---- whole-token words (see bpe_vocab_slot) ---- */
+
+static inline size_t vocab_slot(const bpe_tokenizer *t, uint64_t h) { return (size_t)(h >> 40) & (t->vocab_words_cap - 1); }
+
+/* The id of the token whose bytes are w[0..n) when those bytes merge into
+ * it alone, else -1. n in 2..BPE_VOCAB_MAX_WORD; h = word_hash(w, n). */
+static inline int32_t vocab_word(const bpe_tokenizer *t, uint64_t h, const uint8_t *w, size_t n) {
+    uint32_t h32 = (uint32_t)h;
+    for (size_t i = vocab_slot(t, h);; i = (i + 1) & (t->vocab_words_cap - 1)) {
+        const bpe_vocab_slot *s = &t->vocab_words[i];
+        if (s->id < 0) return -1;
+        if (s->hash == h32 && s->wlen == n && word_eq(s->word, w, n)) return s->id;
+    }
+}
+
+/* Every token of 2..BPE_VOCAB_MAX_WORD bytes is merged once, here, and
+ * kept when the merges give it back alone: then a word with its bytes has
+ * that one id, as the merge loop would find. Added tokens never reach the
+ * merges and are left out. */
+static int vocab_words_init(bpe_tokenizer *t) {
+    size_t cap = 1024;
+    while (cap < (size_t)t->n_ids + (size_t)t->n_ids / 2) cap *= 2; /* load under 2/3 */
+    t->vocab_words = qt_alloc_aligned(cap * sizeof *t->vocab_words, "tokenizer vocabulary words");
+    if (!t->vocab_words) return QT_ENOMEM;
+    memset(t->vocab_words, 0, cap * sizeof *t->vocab_words);
+    for (size_t i = 0; i < cap; i++) t->vocab_words[i].id = -1;
+    t->vocab_words_cap = cap;
+    t->n_vocab_words = 0;
+    for (int32_t id = 0; id < t->n_ids; id++) {
+        const uint8_t *b = t->bytes + t->tok_off[id];
+        size_t n = t->tok_off[id + 1] - t->tok_off[id];
+        if (n < 2 || n > BPE_VOCAB_MAX_WORD || t->is_added[id]) continue;
+        int32_t out[BPE_VOCAB_MAX_WORD];
+        if (bpe_merge_small(t, b, n, out) != 1 || out[0] != id) continue;
+        uint64_t h = word_hash(b, n);
+        size_t i = vocab_slot(t, h);
+        while (t->vocab_words[i].id >= 0) {
+            if (t->vocab_words[i].wlen == n && !memcmp(t->vocab_words[i].word, b, n)) break; /* same bytes twice */
+            i = (i + 1) & (cap - 1);
+        }
+        if (t->vocab_words[i].id >= 0) continue;
+        bpe_vocab_slot *s = &t->vocab_words[i];
+        s->hash = (uint32_t)h;
+        s->id = id;
+        s->wlen = (uint8_t)n;
+        memcpy(s->word, b, n);
+        t->n_vocab_words++;
+    }
+    return QT_OK;
 }
 
 /* The long-word cache: the same scheme, one shard. Rare enough (hundreds of
@@ -419,8 +473,15 @@ static int spanned_bloom(const bpe_tokenizer *t, uint64_t l, uint64_t r, int lma
 __attribute__((noinline)) static int word_miss(const bpe_tokenizer *t, bpe_cache_shard *sh, uint64_t h, const uint8_t *w,
                                                size_t n, int32_t *out, size_t *kout) {
     size_t k;
-    if (n <= BPE_SMALL_WORD) k = bpe_merge_small(t, w, n, out);
-    else QT_TRY(bpe_merge_long(t, w, n, out, &k));
+    int32_t id = n <= BPE_VOCAB_MAX_WORD ? vocab_word(t, h, w, n) : -1;
+    if (id >= 0) {
+        out[0] = id;
+        k = 1;
+    } else if (n <= BPE_SMALL_WORD) {
+        k = bpe_merge_small(t, w, n, out);
+    } else {
+        QT_TRY(bpe_merge_long(t, w, n, out, &k));
+    }
     cache_put(sh, h, w, n, out, k);
     *kout = k;
     return QT_OK;
