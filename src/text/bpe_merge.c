@@ -473,11 +473,7 @@ static int spanned_bloom(const bpe_tokenizer *t, uint64_t l, uint64_t r, int lma
 __attribute__((noinline)) static int word_miss(const bpe_tokenizer *t, bpe_cache_shard *sh, uint64_t h, const uint8_t *w,
                                                size_t n, int32_t *out, size_t *kout) {
     size_t k;
-    int32_t id = n <= BPE_VOCAB_MAX_WORD ? vocab_word(t, h, w, n) : -1;
-    if (id >= 0) {
-        out[0] = id;
-        k = 1;
-    } else if (n <= BPE_SMALL_WORD) {
+    if (n <= BPE_SMALL_WORD) {
         k = bpe_merge_small(t, w, n, out);
     } else {
         QT_TRY(bpe_merge_long(t, w, n, out, &k));
@@ -497,6 +493,14 @@ static inline int word_one(const bpe_tokenizer *t, const uint8_t *w, size_t n, i
     }
     if (n > BPE_CACHE_MAX_WORD) return word_long(t, w, n, out, k);
     uint64_t h = word_hash(w, n);
+    if (n <= BPE_VOCAB_MAX_WORD) {
+        int32_t id = vocab_word(t, h, w, n);
+        if (id >= 0) {
+            out[0] = id;
+            *k = 1;
+            return QT_OK;
+        }
+    }
     bpe_cache_shard *sh = (bpe_cache_shard *)&t->cache[(h >> 16) % BPE_CACHE_SHARDS];
     if (cache_get(sh, h, w, n, out, k)) return QT_OK;
     return word_miss(t, sh, h, w, n, out, k);
