@@ -191,14 +191,9 @@ typedef struct {
     pcre2_match_data *md;
 } enc_ctx;
 
-/* Ids of one piece. Spans: each token's bytes in turn from base when exact,
- * else the whole range [rs, re). */
-static int encode_piece(enc_ctx *c, const uint8_t *p, size_t n, size_t base, int exact, size_t rs, size_t re) {
-    size_t k0 = *c->n, nk;
-    /* room: encode_stretch reserved for the whole stretch */
-    QT_TRY(bpe_word_ids(c->t, p, n, *c->ids + k0, &nk));
-    *c->n += nk;
-    if (!c->spans) return QT_OK;
+/* Spans of ids k0 .. *c->n: each token's bytes in turn from base when
+ * exact, else the whole range [rs, re). */
+static void piece_spans(enc_ctx *c, size_t k0, size_t base, int exact, size_t rs, size_t re) {
     size_t off = base;
     for (size_t k = k0; k < *c->n; k++) {
         int32_t id = (*c->ids)[k];
@@ -206,6 +201,17 @@ static int encode_piece(enc_ctx *c, const uint8_t *p, size_t n, size_t base, int
         (*c->spans)[k] = exact ? (bpe_span){off, off + len} : (bpe_span){rs, re};
         off += len;
     }
+}
+
+/* Ids of one piece (and their spans when wanted). Inline: it runs once a
+ * piece, some 180,000 times a megabyte. */
+static inline __attribute__((always_inline)) int encode_piece(enc_ctx *c, const uint8_t *p, size_t n, size_t base, int exact,
+                                                              size_t rs, size_t re) {
+    size_t k0 = *c->n, nk;
+    /* room: encode_stretch reserved for the whole stretch */
+    QT_TRY(bpe_word_ids(c->t, p, n, *c->ids + k0, &nk));
+    *c->n += nk;
+    if (c->spans) piece_spans(c, k0, base, exact, rs, re);
     return QT_OK;
 }
 

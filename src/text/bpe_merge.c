@@ -245,9 +245,7 @@ static inline int word_eq(const uint8_t *a, const uint8_t *b, size_t n) {
         return load64(a + n - 8) == load64(b + n - 8);
     }
     if (n >= 4) return load32(a) == load32(b) && load32(a + n - 4) == load32(b + n - 4);
-    for (size_t i = 0; i < n; i++)
-        if (a[i] != b[i]) return 0;
-    return 1;
+    return a[0] == b[0] && a[n / 2] == b[n / 2] && a[n - 1] == b[n - 1]; /* n <= 3: every byte */
 }
 
 /* Looks w up; on a hit writes its ids to out and returns 1. out has room
@@ -506,8 +504,9 @@ static inline int word_one(const bpe_tokenizer *t, const uint8_t *w, size_t n, i
     return word_miss(t, sh, h, w, n, out, k);
 }
 
-int bpe_word_ids(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *out, size_t *k) {
-    if (n <= 8 || w[n - 1] < 0x80) return word_one(t, w, n, out, k); /* ASCII words end in ASCII */
+/* A word that may be cut (see bpe_impl.h): out of line, so that the common
+ * uncut word does not pay for this loop's registers. */
+__attribute__((noinline)) static int word_cut(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *out, size_t *k) {
     /* a cut point is the start of a non-ASCII character after another one:
      * step from character to character (valid UTF-8: the lead byte gives
      * the length) */
@@ -525,6 +524,11 @@ int bpe_word_ids(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *ou
     QT_TRY(word_one(t, w + start, n - start, out + total, &m));
     *k = total + m;
     return QT_OK;
+}
+
+int bpe_word_ids(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *out, size_t *k) {
+    if (n <= 8 || w[n - 1] < 0x80) return word_one(t, w, n, out, k); /* ASCII words end in ASCII */
+    return word_cut(t, w, n, out, k);
 }
 
 int bpe_word(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, size_t *nids, size_t *cap) {
