@@ -27,20 +27,38 @@ static inline int nfc_inert(uint32_t cp) {
            (cp >= 0x3000 && cp <= 0x3029) || (cp >= 0xFF00 && cp <= 0xFFEF) || (cp >= 0x1F300 && cp <= 0x1FAFF);
 }
 
+/* Lead bytes all of whose characters are inert, by nfc_inert's ranges:
+ * C2..CB start U+0080..U+02FF (below U+0300), E5..E9 start U+5000..U+9FFF
+ * (CJK ideographs). Such a character is stepped over without decoding. */
+static inline int nfc_lead_inert(uint8_t b) { return (b >= 0xC2 && b <= 0xCB) || (b >= 0xE5 && b <= 0xE9); }
+
 /* n when every code point of s[0..n) is inert (NFC changes nothing), else
  * where NFC work starts: the character before the first non-inert one. */
 static size_t nfc_scan(const uint8_t *s, size_t n) {
     size_t i = 0, prev = 0;
     while (i < n) {
         if (s[i] < 0x80) {
-            /* ASCII: 8 bytes a step */
-            while (i + 9 <= n) {
+            /* ASCII: 8 bytes a step, then to the last ASCII byte of the run */
+            size_t j = i + 1;
+            while (j + 8 <= n) {
                 uint64_t w;
-                memcpy(&w, s + i + 1, 8);
-                if (w & 0x8080808080808080ull) break;
-                i += 8;
+                memcpy(&w, s + j, 8);
+                w &= 0x8080808080808080ull;
+                if (w) {
+                    j += (size_t)__builtin_ctzll(w) / 8;
+                    goto ascii_end;
+                }
+                j += 8;
             }
-            prev = i++;
+            while (j < n && s[j] < 0x80) j++;
+        ascii_end:
+            prev = j - 1;
+            i = j;
+            continue;
+        }
+        if (nfc_lead_inert(s[i])) {
+            prev = i;
+            i += s[i] >= 0xE0 ? 3 : 2;
             continue;
         }
         int l;
