@@ -47,16 +47,16 @@ int utf8_sanitize(const char *text, size_t n, char **out, size_t *out_len) {
     const uint8_t *s = (const uint8_t *)text;
     size_t i = 0, j = 0;
     while (i < n) {
-        int k = utf8_seq(s + i, n - i);
-        if (k > 0) {
-            memcpy(o + j, s + i, (size_t)k);
-            j += (size_t)k;
-            i += (size_t)k;
-        } else {
-            memcpy(o + j, "\xEF\xBF\xBD", 3);
-            j += 3;
-            i += (size_t)(-k);
-        }
+        /* the valid run up to the next ill-formed byte in one copy */
+        size_t v = utf8_valid_prefix(text + i, n - i);
+        memcpy(o + j, s + i, v);
+        i += v;
+        j += v;
+        if (i >= n) break;
+        int k = utf8_seq(s + i, n - i); /* < 0: the maximal subpart's length */
+        memcpy(o + j, "\xEF\xBF\xBD", 3);
+        j += 3;
+        i += (size_t)(k < 0 ? -k : k);
     }
     o[j] = 0;
     *out = o;
