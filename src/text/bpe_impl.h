@@ -50,7 +50,7 @@ typedef struct {
  * shard is emptied and refilled: memory stays bounded whatever the input. */
 #define BPE_CACHE_SHARDS 16
 #define BPE_CACHE_SLOTS 4096          /* per shard, power of two; half fill before a reset */
-#define BPE_CACHE_MAX_WORD 26         /* longer words, or words of more than 8 ids, are not cached */
+#define BPE_CACHE_MAX_WORD 26         /* longer words go to the long-word cache; words of more than 8 ids are not cached */
 #define BPE_CACHE_MAX_IDS 8
 /* One cache line a word: a hit reads nothing else. */
 typedef struct {
