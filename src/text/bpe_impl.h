@@ -234,7 +234,7 @@ int bpe_split_check(const bpe_tokenizer *t, const char *s, size_t n, size_t *che
 
 /* Appends the ids of one pre-tokenized word (raw bytes) to *ids. */
 int bpe_word(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, size_t *nids, size_t *cap);
-/* The same into out, which the caller has sized for n + BPE_CACHE_MAX_IDS
+/* The same for n >= 1 into out, which the caller has sized for n + BPE_CACHE_MAX_IDS
  * ids (a word never has more ids than bytes; a cache hit copies a slot's
  * ids whole); *k the count. The encoder reserves once per stretch of text
  * and calls this for each piece. */

@@ -532,6 +532,7 @@ int bpe_word_ids(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *ou
 }
 
 int bpe_word(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, size_t *nids, size_t *cap) {
+    if (!n) return QT_OK; /* bpe_word_ids wants a byte at least */
     QT_TRY(bpe_reserve(ids, NULL, *nids, cap, n + BPE_CACHE_MAX_IDS)); /* + what a cache hit copies */
     size_t k;
     QT_TRY(bpe_word_ids(t, w, n, *ids + *nids, &k));
