@@ -226,10 +226,25 @@ static void piece_spans(enc_ctx *c, size_t k0, size_t base, int exact, size_t rs
 static inline __attribute__((always_inline)) int encode_piece(enc_ctx *c, const uint8_t *p, size_t n, size_t base, int exact,
                                                               size_t rs, size_t re) {
     size_t k0 = *c->n, nk;
-    /* room: encode_stretch reserved for the whole stretch */
+    /* room: the caller's stretch_room */
     QT_TRY(bpe_word_ids(c->t, p, n, *c->ids + k0, &nk));
     *c->n += nk;
     if (c->spans) piece_spans(c, k0, base, exact, rs, re);
+    return QT_OK;
+}
+
+/* Makes room for the ids of the stretch's bytes [off, e) and on, unless
+ * already made (*room_to >= e). No piece has more ids than bytes, so room
+ * for (to - off) ids + the ids a word-cache hit copies whole past the end
+ * covers every piece that ends by `to`. Made in chunks of ROOM_CHUNK bytes:
+ * one compare a piece, and arrays the size of the output, not the text
+ * (spans are 16 bytes an id). */
+#define ROOM_CHUNK ((size_t)1 << 16)
+static inline int stretch_room(enc_ctx *c, size_t off, size_t e, size_t n, size_t *room_to) {
+    if (e <= *room_to) return QT_OK;
+    size_t to = n - e > ROOM_CHUNK ? e + ROOM_CHUNK : n;
+    QT_TRY(bpe_reserve(c->ids, c->spans, *c->n, c->cap, to - off + BPE_CACHE_MAX_IDS));
+    *room_to = to;
     return QT_OK;
 }
 
@@ -252,22 +267,19 @@ static int encode_stretch(enc_ctx *c, const char *s, size_t n, size_t base) {
     }
     /* the range every token gets when offsets are not exact */
     size_t rs = c->exact ? base : 0, re = c->exact ? base + orig_n : c->text_len;
-    /* Room for the whole stretch at once: no piece has more ids than bytes,
-     * so n ids do, + the ids a word-cache hit copies whole past the end. */
-    int rc = bpe_reserve(c->ids, c->spans, *c->n, c->cap, n + BPE_CACHE_MAX_IDS);
-    if (rc != QT_OK) {
-        qt_free(norm);
-        return rc;
-    }
+    int rc = QT_OK;
+    size_t room_to = 0; /* see stretch_room */
     if (!t->re) {
-        rc = encode_piece(c, (const uint8_t *)s, n, base, exact, rs, re);
+        rc = stretch_room(c, 0, n, n, &room_to);
+        if (rc == QT_OK) rc = encode_piece(c, (const uint8_t *)s, n, base, exact, rs, re);
     } else {
         size_t off = 0;
         while (off < n && rc == QT_OK) {
             if (t->cp_class) { /* Qwen's regex: bpe_split.c answers for most offsets */
                 size_t e = bpe_split_match(t, (const uint8_t *)s, n, off);
                 if (e) {
-                    rc = encode_piece(c, (const uint8_t *)s + off, e - off, base + off, exact, rs, re);
+                    rc = stretch_room(c, off, e, n, &room_to);
+                    if (rc == QT_OK) rc = encode_piece(c, (const uint8_t *)s + off, e - off, base + off, exact, rs, re);
                     off = e;
                     continue;
                 }
@@ -282,7 +294,8 @@ static int encode_stretch(enc_ctx *c, const char *s, size_t n, size_t base) {
                     m = pcre2_match(t->re, (PCRE2_SPTR)s, n, off, PCRE2_NO_UTF_CHECK, c->md, NULL);
             }
             if (m == PCRE2_ERROR_NOMATCH) {
-                rc = encode_piece(c, (const uint8_t *)s + off, n - off, base + off, exact, rs, re);
+                rc = stretch_room(c, off, n, n, &room_to);
+                if (rc == QT_OK) rc = encode_piece(c, (const uint8_t *)s + off, n - off, base + off, exact, rs, re);
                 break;
             }
             if (m < 0) {
@@ -293,13 +306,17 @@ static int encode_stretch(enc_ctx *c, const char *s, size_t n, size_t base) {
             }
             PCRE2_SIZE *ov = pcre2_get_ovector_pointer(c->md);
             size_t ms = ov[0], me = ov[1];
-            if (ms > off) rc = encode_piece(c, (const uint8_t *)s + off, ms - off, base + off, exact, rs, re);
+            if (ms > off) {
+                rc = stretch_room(c, off, ms, n, &room_to);
+                if (rc == QT_OK) rc = encode_piece(c, (const uint8_t *)s + off, ms - off, base + off, exact, rs, re);
+            }
             if (me == ms) { /* an empty match: step one character so the loop moves */
                 int l;
                 if (me >= n) break;
                 utf8_decode((const uint8_t *)s + me, &l);
                 me += (size_t)l;
             }
+            if (rc == QT_OK) rc = stretch_room(c, ms, me, n, &room_to);
             if (rc == QT_OK) rc = encode_piece(c, (const uint8_t *)s + ms, me - ms, base + ms, exact, rs, re);
             off = me;
         }
@@ -319,8 +336,11 @@ int bpe_encode_spans(const bpe_tokenizer *t, const char *text, size_t len, int32
         s = clean;
     }
     enc_ctx c = {t, ids, spans, n, cap, clean == NULL, len, NULL};
-    if (spans) {
-        int rc = bpe_reserve(ids, spans, *n, cap, 16);
+    {   /* Both arrays exist from here on (stretch_room then only compares
+         * with *cap), sized for a token per 3 bytes, which most text does
+         * not exceed (3.4-3.9 bytes a token in the benchmark texts): growing
+         * by doubling copied the ids over and over. */
+        int rc = bpe_reserve(ids, spans, *n, cap, 16 + sl / 3);
         if (rc != QT_OK) {
             qt_free(clean);
             return rc;

@@ -236,8 +236,8 @@ int bpe_split_check(const bpe_tokenizer *t, const char *s, size_t n, size_t *che
 int bpe_word(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, size_t *nids, size_t *cap);
 /* The same for n >= 1 into out, which the caller has sized for n + BPE_CACHE_MAX_IDS
  * ids (a word never has more ids than bytes; a cache hit copies a slot's
- * ids whole); *k the count. The encoder reserves once per stretch of text
- * and calls this for each piece. */
+ * ids whole); *k the count. The encoder grows its arrays before each piece
+ * (an inline compare) and calls this. */
 int bpe_word_ids(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *out, size_t *k);
 int bpe_cache_init(bpe_tokenizer *t);
 void bpe_cache_free(bpe_tokenizer *t);

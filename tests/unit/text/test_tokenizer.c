@@ -678,6 +678,53 @@ static void test_caches_equal_plain_merges(void **state) {
     bpe_free(t);
 }
 
+/* The id and span arrays grow with the output while a stretch is encoded
+ * (bpe_encode reserves a token per 3 bytes, then room chunk by chunk): a
+ * text of one id a byte (digits) far past the first reservation, with and
+ * without spans, through the fast split path and through PCRE2, twice into
+ * the same buffers (the second call appends). */
+static void check_room(const bpe_tokenizer *t) {
+    size_t len = 300000;
+    char *text = qt_malloc(len, "test");
+    assert_non_null(text);
+    for (size_t i = 0; i < len; i++) text[i] = i % 1000 < 700 ? (char)('0' + i % 10) : "ab \n"[i % 4];
+    int32_t *ids = NULL, *ids2 = NULL;
+    bpe_span *spans = NULL;
+    size_t n = 0, cap = 0, n2 = 0, cap2 = 0;
+    assert_int_equal(bpe_encode(t, text, len, &ids, &n, &cap), QT_OK);
+    assert_true(n > len / 2); /* well past len / 3 */
+    assert_int_equal(bpe_encode(t, text, len, &ids, &n, &cap), QT_OK);
+    assert_int_equal(n % 2, 0);
+    assert_memory_equal(ids, ids + n / 2, n / 2 * sizeof *ids);
+    assert_int_equal(bpe_encode_spans(t, text, len, &ids2, &spans, &n2, &cap2), QT_OK);
+    assert_int_equal(n2, n / 2);
+    assert_memory_equal(ids2, ids, n2 * sizeof *ids);
+    size_t at = 0;
+    for (size_t k = 0; k < n2; k++) { /* each token's bytes in turn */
+        assert_int_equal(spans[k].start, at);
+        at = spans[k].end;
+    }
+    assert_int_equal(at, len);
+    qt_free(ids);
+    qt_free(ids2);
+    qt_free(spans);
+    qt_free(text);
+}
+
+static void test_ids_room_grows(void **state) {
+    (void)state;
+    const char *m[] = {"a b", "Ġ a"};
+    bpe_tokenizer *t;
+    assert_int_equal(bpe_load(write_tokenizer("room_gpt2.json", m, 2, NULL, NULL), &t), QT_OK);
+    assert_null(t->cp_class); /* PCRE2 splits */
+    check_room(t);
+    bpe_free(t);
+    assert_int_equal(bpe_load(write_tokenizer("room_qwen.json", m, 2, NULL, QWEN_SPLIT), &t), QT_OK);
+    assert_non_null(t->cp_class); /* the hand-written matcher splits */
+    check_room(t);
+    bpe_free(t);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_utf8_maximal_subparts),
@@ -689,6 +736,7 @@ int main(void) {
         cmocka_unit_test(test_qwen_where_hf_and_js_differ),
         cmocka_unit_test(test_split_fast_path_equals_pcre2),
         cmocka_unit_test(test_caches_equal_plain_merges),
+        cmocka_unit_test(test_ids_room_grows),
         cmocka_unit_test(test_chat_render),
         cmocka_unit_test(test_chat_labels),
         cmocka_unit_test(test_chat_content_crossing_the_header),
