@@ -87,11 +87,12 @@ typedef struct {
 } bpe_lcache;
 
 /* Whole-token words, filled at load and read-only after: every token of 2 to
- * BPE_VOCAB_MAX_WORD bytes whose own bytes merge back into it alone (nearly
- * all do; a few merge into other tokens first). A word that misses the word
- * cache is looked up here before it is merged: most English words and many
- * Chinese words are one token, and a word's first sighting then costs a
- * lookup instead of the merge loop. Open addressing, id -1 empty. */
+ * BPE_VOCAB_MAX_WORD bytes whose own bytes merge back into it alone (all of
+ * Qwen3's do; a vocabulary may hold tokens whose bytes merge into others
+ * first). A word is looked up here before the word cache: most English
+ * words and many Chinese words are one token, and a word's first sighting
+ * then costs a lookup instead of the merge loop. Open addressing, id -1
+ * empty. */
 #define BPE_VOCAB_MAX_WORD 23
 typedef struct {
     uint32_t hash;
