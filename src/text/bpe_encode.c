@@ -27,20 +27,38 @@ static inline int nfc_inert(uint32_t cp) {
            (cp >= 0x3000 && cp <= 0x3029) || (cp >= 0xFF00 && cp <= 0xFFEF) || (cp >= 0x1F300 && cp <= 0x1FAFF);
 }
 
+/* Lead bytes all of whose characters are inert, by nfc_inert's ranges:
+ * C2..CB start U+0080..U+02FF (below U+0300), E5..E9 start U+5000..U+9FFF
+ * (CJK ideographs). Such a character is stepped over without decoding. */
+static inline int nfc_lead_inert(uint8_t b) { return (b >= 0xC2 && b <= 0xCB) || (b >= 0xE5 && b <= 0xE9); }
+
 /* n when every code point of s[0..n) is inert (NFC changes nothing), else
  * where NFC work starts: the character before the first non-inert one. */
 static size_t nfc_scan(const uint8_t *s, size_t n) {
     size_t i = 0, prev = 0;
     while (i < n) {
         if (s[i] < 0x80) {
-            /* ASCII: 8 bytes a step */
-            while (i + 9 <= n) {
+            /* ASCII: 8 bytes a step, then to the last ASCII byte of the run */
+            size_t j = i + 1;
+            while (j + 8 <= n) {
                 uint64_t w;
-                memcpy(&w, s + i + 1, 8);
-                if (w & 0x8080808080808080ull) break;
-                i += 8;
+                memcpy(&w, s + j, 8);
+                w &= 0x8080808080808080ull;
+                if (w) {
+                    j += (size_t)__builtin_ctzll(w) / 8;
+                    goto ascii_end;
+                }
+                j += 8;
             }
-            prev = i++;
+            while (j < n && s[j] < 0x80) j++;
+        ascii_end:
+            prev = j - 1;
+            i = j;
+            continue;
+        }
+        if (nfc_lead_inert(s[i])) {
+            prev = i;
+            i += s[i] >= 0xE0 ? 3 : 2;
             continue;
         }
         int l;
@@ -191,15 +209,9 @@ typedef struct {
     pcre2_match_data *md;
 } enc_ctx;
 
-/* Ids of one piece. Spans: each token's bytes in turn from base when exact,
- * else the whole range [rs, re). */
-static int encode_piece(enc_ctx *c, const uint8_t *p, size_t n, size_t base, int exact, size_t rs, size_t re) {
-    size_t k0 = *c->n;
-    /* a piece never has more ids than bytes; + the ids a word-cache hit
-     * copies whole (bpe_word then never grows ids without spans) */
-    QT_TRY(bpe_reserve(c->ids, c->spans, *c->n, c->cap, n + BPE_CACHE_MAX_IDS));
-    QT_TRY(bpe_word(c->t, p, n, c->ids, c->n, c->cap));
-    if (!c->spans) return QT_OK;
+/* Spans of ids k0 .. *c->n: each token's bytes in turn from base when
+ * exact, else the whole range [rs, re). */
+static void piece_spans(enc_ctx *c, size_t k0, size_t base, int exact, size_t rs, size_t re) {
     size_t off = base;
     for (size_t k = k0; k < *c->n; k++) {
         int32_t id = (*c->ids)[k];
@@ -207,6 +219,32 @@ static int encode_piece(enc_ctx *c, const uint8_t *p, size_t n, size_t base, int
         (*c->spans)[k] = exact ? (bpe_span){off, off + len} : (bpe_span){rs, re};
         off += len;
     }
+}
+
+/* Ids of one piece (and their spans when wanted). Inline: it runs once a
+ * piece, some 180,000 times a megabyte. */
+static inline __attribute__((always_inline)) int encode_piece(enc_ctx *c, const uint8_t *p, size_t n, size_t base, int exact,
+                                                              size_t rs, size_t re) {
+    size_t k0 = *c->n, nk;
+    /* room: the caller's stretch_room */
+    QT_TRY(bpe_word_ids(c->t, p, n, *c->ids + k0, &nk));
+    *c->n += nk;
+    if (c->spans) piece_spans(c, k0, base, exact, rs, re);
+    return QT_OK;
+}
+
+/* Makes room for the ids of the stretch's bytes [off, e) and on, unless
+ * already made (*room_to >= e). No piece has more ids than bytes, so room
+ * for (to - off) ids + the ids a word-cache hit copies whole past the end
+ * covers every piece that ends by `to`. Made in chunks of ROOM_CHUNK bytes:
+ * one compare a piece, and arrays the size of the output, not the text
+ * (spans are 16 bytes an id). */
+#define ROOM_CHUNK ((size_t)1 << 16)
+static inline int stretch_room(enc_ctx *c, size_t off, size_t e, size_t n, size_t *room_to) {
+    if (e <= *room_to) return QT_OK;
+    size_t to = n - e > ROOM_CHUNK ? e + ROOM_CHUNK : n;
+    QT_TRY(bpe_reserve(c->ids, c->spans, *c->n, c->cap, to - off + BPE_CACHE_MAX_IDS));
+    *room_to = to;
     return QT_OK;
 }
 
@@ -230,15 +268,18 @@ static int encode_stretch(enc_ctx *c, const char *s, size_t n, size_t base) {
     /* the range every token gets when offsets are not exact */
     size_t rs = c->exact ? base : 0, re = c->exact ? base + orig_n : c->text_len;
     int rc = QT_OK;
+    size_t room_to = 0; /* see stretch_room */
     if (!t->re) {
-        rc = encode_piece(c, (const uint8_t *)s, n, base, exact, rs, re);
+        rc = stretch_room(c, 0, n, n, &room_to);
+        if (rc == QT_OK) rc = encode_piece(c, (const uint8_t *)s, n, base, exact, rs, re);
     } else {
         size_t off = 0;
         while (off < n && rc == QT_OK) {
             if (t->cp_class) { /* Qwen's regex: bpe_split.c answers for most offsets */
                 size_t e = bpe_split_match(t, (const uint8_t *)s, n, off);
                 if (e) {
-                    rc = encode_piece(c, (const uint8_t *)s + off, e - off, base + off, exact, rs, re);
+                    rc = stretch_room(c, off, e, n, &room_to);
+                    if (rc == QT_OK) rc = encode_piece(c, (const uint8_t *)s + off, e - off, base + off, exact, rs, re);
                     off = e;
                     continue;
                 }
@@ -253,7 +294,8 @@ static int encode_stretch(enc_ctx *c, const char *s, size_t n, size_t base) {
                     m = pcre2_match(t->re, (PCRE2_SPTR)s, n, off, PCRE2_NO_UTF_CHECK, c->md, NULL);
             }
             if (m == PCRE2_ERROR_NOMATCH) {
-                rc = encode_piece(c, (const uint8_t *)s + off, n - off, base + off, exact, rs, re);
+                rc = stretch_room(c, off, n, n, &room_to);
+                if (rc == QT_OK) rc = encode_piece(c, (const uint8_t *)s + off, n - off, base + off, exact, rs, re);
                 break;
             }
             if (m < 0) {
@@ -264,13 +306,17 @@ static int encode_stretch(enc_ctx *c, const char *s, size_t n, size_t base) {
             }
             PCRE2_SIZE *ov = pcre2_get_ovector_pointer(c->md);
             size_t ms = ov[0], me = ov[1];
-            if (ms > off) rc = encode_piece(c, (const uint8_t *)s + off, ms - off, base + off, exact, rs, re);
+            if (ms > off) {
+                rc = stretch_room(c, off, ms, n, &room_to);
+                if (rc == QT_OK) rc = encode_piece(c, (const uint8_t *)s + off, ms - off, base + off, exact, rs, re);
+            }
             if (me == ms) { /* an empty match: step one character so the loop moves */
                 int l;
                 if (me >= n) break;
                 utf8_decode((const uint8_t *)s + me, &l);
                 me += (size_t)l;
             }
+            if (rc == QT_OK) rc = stretch_room(c, ms, me, n, &room_to);
             if (rc == QT_OK) rc = encode_piece(c, (const uint8_t *)s + ms, me - ms, base + ms, exact, rs, re);
             off = me;
         }
@@ -290,8 +336,11 @@ int bpe_encode_spans(const bpe_tokenizer *t, const char *text, size_t len, int32
         s = clean;
     }
     enc_ctx c = {t, ids, spans, n, cap, clean == NULL, len, NULL};
-    if (spans) {
-        int rc = bpe_reserve(ids, spans, *n, cap, 16);
+    {   /* Both arrays exist from here on (stretch_room then only compares
+         * with *cap), sized for a token per 3 bytes, which most text does
+         * not exceed (3.4-3.9 bytes a token in the benchmark texts): growing
+         * by doubling copied the ids over and over. */
+        int rc = bpe_reserve(ids, spans, *n, cap, 16 + sl / 3);
         if (rc != QT_OK) {
             qt_free(clean);
             return rc;

@@ -50,7 +50,7 @@ typedef struct {
  * shard is emptied and refilled: memory stays bounded whatever the input. */
 #define BPE_CACHE_SHARDS 16
 #define BPE_CACHE_SLOTS 4096          /* per shard, power of two; half fill before a reset */
-#define BPE_CACHE_MAX_WORD 26         /* longer words, or words of more than 8 ids, are not cached */
+#define BPE_CACHE_MAX_WORD 26         /* longer words go to the long-word cache; words of more than 8 ids are not cached */
 #define BPE_CACHE_MAX_IDS 8
 /* One cache line a word: a hit reads nothing else. */
 typedef struct {
@@ -65,6 +65,41 @@ typedef struct {
     bpe_cache_slot *slots;
     uint32_t count;
 } bpe_cache_shard;
+
+/* Words longer than a word-cache slot holds (in the zh-en text: runs of
+ * 27-40 spaces of indented messages, and Chinese pieces no cut applies to)
+ * go to a second cache of one shard with two-line slots; without it each
+ * such word ran the heap merge again, about 15,000 instructions. */
+#define BPE_LCACHE_SLOTS 2048         /* power of two; half fill before a reset */
+#define BPE_LCACHE_MAX_WORD 58
+#define BPE_LCACHE_MAX_IDS 16
+typedef struct {
+    uint32_t hash;
+    uint8_t wlen;
+    uint8_t nids;                     /* 0: empty slot */
+    uint8_t word[BPE_LCACHE_MAX_WORD];
+    int32_t ids[BPE_LCACHE_MAX_IDS];
+} bpe_lcache_slot;
+typedef struct {
+    atomic_flag busy;                 /* as a shard's */
+    bpe_lcache_slot *slots;
+    uint32_t count;
+} bpe_lcache;
+
+/* Whole-token words, filled at load and read-only after: every token of 2 to
+ * BPE_VOCAB_MAX_WORD bytes whose own bytes merge back into it alone (all of
+ * Qwen3's do; a vocabulary may hold tokens whose bytes merge into others
+ * first). A word is looked up here before the word cache: most English
+ * words and many Chinese words are one token, and a word's first sighting
+ * then costs a lookup instead of the merge loop. Open addressing, id -1
+ * empty. */
+#define BPE_VOCAB_MAX_WORD 23
+typedef struct {
+    uint32_t hash;
+    int32_t id;
+    uint8_t wlen;
+    uint8_t word[BPE_VOCAB_MAX_WORD];
+} bpe_vocab_slot;
 
 struct bpe_tokenizer {
     int32_t n_ids;             /* highest id + 1 */
@@ -102,8 +137,13 @@ struct bpe_tokenizer {
     pcre2_code *re_anchored;   /* the same, PCRE2_ANCHORED: matches only at the start offset */
     int re_jit;                /* both JIT compiled */
     uint8_t *cp_class;         /* (BPE_CLASS_N) BPE_C_* of each code point when the regex is Qwen's, else NULL: bpe_split.c */
+    uint8_t lead_l[256];       /* 1 for a lead byte whose every code point is BPE_C_L in cp_class (E5..E9: CJK) */
 
     bpe_cache_shard cache[BPE_CACHE_SHARDS];
+    bpe_lcache lcache;         /* words of BPE_CACHE_MAX_WORD+1 .. BPE_LCACHE_MAX_WORD bytes */
+    bpe_vocab_slot *vocab_words; /* (vocab_words_cap) see bpe_vocab_slot */
+    size_t vocab_words_cap;    /* power of two */
+    size_t n_vocab_words;      /* tokens in it */
     uint64_t hash;             /* of the tokenizer.json bytes */
 };
 
@@ -195,6 +235,11 @@ int bpe_split_check(const bpe_tokenizer *t, const char *s, size_t n, size_t *che
 
 /* Appends the ids of one pre-tokenized word (raw bytes) to *ids. */
 int bpe_word(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, size_t *nids, size_t *cap);
+/* The same for n >= 1 into out, which the caller has sized for n + BPE_CACHE_MAX_IDS
+ * ids (a word never has more ids than bytes; a cache hit copies a slot's
+ * ids whole); *k the count. The encoder grows its arrays before each piece
+ * (an inline compare) and calls this. */
+int bpe_word_ids(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *out, size_t *k);
 int bpe_cache_init(bpe_tokenizer *t);
 void bpe_cache_free(bpe_tokenizer *t);
 

@@ -144,7 +144,7 @@ static size_t bpe_merge_small(const bpe_tokenizer *t, const uint8_t *w, size_t n
 }
 
 /* Long words: the heap, with scratch on the stack or, past STACK_N bytes,
- * on the heap. Kept out of bpe_word_one so a cache hit has a small frame. */
+ * on the heap. Kept out of word_one so a cache hit has a small frame. */
 __attribute__((noinline)) static int bpe_merge_long(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *out, size_t *k) {
     enum { STACK_N = 256 };
     int32_t sbuf[3 * STACK_N];
@@ -171,11 +171,18 @@ __attribute__((noinline)) static int bpe_merge_long(const bpe_tokenizer *t, cons
 
 /* ---- the cache ---- */
 
+static int vocab_words_init(bpe_tokenizer *t);
+
 int bpe_cache_init(bpe_tokenizer *t) {
     _Static_assert(sizeof(bpe_cache_slot) == 64, "a cache slot is one cache line");
     t->pair_cache = qt_alloc_aligned(BPE_PAIR_CACHE * sizeof *t->pair_cache, "BPE pair cache");
     if (!t->pair_cache) return QT_ENOMEM;
     for (size_t i = 0; i < BPE_PAIR_CACHE; i++) atomic_init(&t->pair_cache[i], UINT64_MAX);
+    _Static_assert(sizeof(bpe_lcache_slot) == 128, "a long-word slot is two cache lines");
+    t->lcache.slots = qt_alloc_aligned(BPE_LCACHE_SLOTS * sizeof *t->lcache.slots, "tokenizer long-word cache");
+    if (!t->lcache.slots) return QT_ENOMEM;
+    memset(t->lcache.slots, 0, BPE_LCACHE_SLOTS * sizeof *t->lcache.slots);
+    atomic_flag_clear(&t->lcache.busy);
     for (int s = 0; s < BPE_CACHE_SHARDS; s++) {
         bpe_cache_shard *sh = &t->cache[s];
         sh->slots = qt_alloc_aligned(BPE_CACHE_SLOTS * sizeof *sh->slots, "tokenizer word cache");
@@ -183,13 +190,15 @@ int bpe_cache_init(bpe_tokenizer *t) {
         memset(sh->slots, 0, BPE_CACHE_SLOTS * sizeof *sh->slots);
         atomic_flag_clear(&sh->busy);
     }
-    return QT_OK;
+    return vocab_words_init(t);
 }
 
 void bpe_cache_free(bpe_tokenizer *t) {
     qt_free((void *)t->pair_cache);
     qt_free(t->span_bloom);
     qt_free((void *)t->span_memo);
+    qt_free(t->lcache.slots);
+    qt_free(t->vocab_words);
     for (int s = 0; s < BPE_CACHE_SHARDS; s++) {
         bpe_cache_shard *sh = &t->cache[s];
         qt_free(sh->slots);
@@ -236,9 +245,7 @@ static inline int word_eq(const uint8_t *a, const uint8_t *b, size_t n) {
         return load64(a + n - 8) == load64(b + n - 8);
     }
     if (n >= 4) return load32(a) == load32(b) && load32(a + n - 4) == load32(b + n - 4);
-    for (size_t i = 0; i < n; i++)
-        if (a[i] != b[i]) return 0;
-    return 1;
+    return a[0] == b[0] && a[n / 2] == b[n / 2] && a[n - 1] == b[n - 1]; /* n <= 3: every byte */
 }
 
 /* Looks w up; on a hit writes its ids to out and returns 1. out has room
@@ -286,6 +293,112 @@ static void cache_put(bpe_cache_shard *sh, uint64_t h, const uint8_t *w, size_t 
     atomic_flag_clear_explicit(&sh->busy, memory_order_release);
 }
 
+/* ---- whole-token words (see bpe_vocab_slot) ---- */
+
+static inline size_t vocab_slot(const bpe_tokenizer *t, uint64_t h) { return (size_t)(h >> 40) & (t->vocab_words_cap - 1); }
+
+/* The id of the token whose bytes are w[0..n) when those bytes merge into
+ * it alone, else -1. n in 2..BPE_VOCAB_MAX_WORD; h = word_hash(w, n). */
+static inline int32_t vocab_word(const bpe_tokenizer *t, uint64_t h, const uint8_t *w, size_t n) {
+    uint32_t h32 = (uint32_t)h;
+    for (size_t i = vocab_slot(t, h);; i = (i + 1) & (t->vocab_words_cap - 1)) {
+        const bpe_vocab_slot *s = &t->vocab_words[i];
+        if (s->id < 0) return -1;
+        if (s->hash == h32 && s->wlen == n && word_eq(s->word, w, n)) return s->id;
+    }
+}
+
+/* Every token of 2..BPE_VOCAB_MAX_WORD bytes is merged once, here, and
+ * kept when the merges give it back alone: then a word with its bytes has
+ * that one id, as the merge loop would find. Added tokens never reach the
+ * merges and are left out. */
+static int vocab_words_init(bpe_tokenizer *t) {
+    size_t cap = 1024;
+    while (cap < (size_t)t->n_ids + (size_t)t->n_ids / 2) cap *= 2; /* load under 2/3 */
+    t->vocab_words = qt_alloc_aligned(cap * sizeof *t->vocab_words, "tokenizer vocabulary words");
+    if (!t->vocab_words) return QT_ENOMEM;
+    memset(t->vocab_words, 0, cap * sizeof *t->vocab_words);
+    for (size_t i = 0; i < cap; i++) t->vocab_words[i].id = -1;
+    t->vocab_words_cap = cap;
+    t->n_vocab_words = 0;
+    for (int32_t id = 0; id < t->n_ids; id++) {
+        const uint8_t *b = t->bytes + t->tok_off[id];
+        size_t n = t->tok_off[id + 1] - t->tok_off[id];
+        if (n < 2 || n > BPE_VOCAB_MAX_WORD || t->is_added[id]) continue;
+        int32_t out[BPE_VOCAB_MAX_WORD];
+        if (bpe_merge_small(t, b, n, out) != 1 || out[0] != id) continue;
+        uint64_t h = word_hash(b, n);
+        size_t i = vocab_slot(t, h);
+        while (t->vocab_words[i].id >= 0) {
+            if (t->vocab_words[i].wlen == n && !memcmp(t->vocab_words[i].word, b, n)) break; /* same bytes twice */
+            i = (i + 1) & (cap - 1);
+        }
+        if (t->vocab_words[i].id >= 0) continue;
+        bpe_vocab_slot *s = &t->vocab_words[i];
+        s->hash = (uint32_t)h;
+        s->id = id;
+        s->wlen = (uint8_t)n;
+        memcpy(s->word, b, n);
+        t->n_vocab_words++;
+    }
+    return QT_OK;
+}
+
+/* The long-word cache: the same scheme, one shard. Rare enough (hundreds of
+ * words a megabyte) that libc's memcmp and memcpy do. */
+static int lcache_get(bpe_lcache *lc, uint64_t h, const uint8_t *w, size_t n, int32_t *out, size_t *k) {
+    int hit = 0;
+    uint32_t h32 = (uint32_t)h;
+    if (atomic_flag_test_and_set_explicit(&lc->busy, memory_order_acquire)) return 0;
+    for (size_t i = (h >> 32) & (BPE_LCACHE_SLOTS - 1); lc->slots[i].nids; i = (i + 1) & (BPE_LCACHE_SLOTS - 1)) {
+        const bpe_lcache_slot *s = &lc->slots[i];
+        if (s->hash == h32 && s->wlen == n && !memcmp(s->word, w, n)) {
+            memcpy(out, s->ids, s->nids * sizeof *out);
+            *k = s->nids;
+            hit = 1;
+            break;
+        }
+    }
+    atomic_flag_clear_explicit(&lc->busy, memory_order_release);
+    return hit;
+}
+
+static void lcache_put(bpe_lcache *lc, uint64_t h, const uint8_t *w, size_t n, const int32_t *ids, size_t k) {
+    if (k > BPE_LCACHE_MAX_IDS || atomic_flag_test_and_set_explicit(&lc->busy, memory_order_acquire)) return;
+    if (lc->count >= BPE_LCACHE_SLOTS / 2) { /* full: start over */
+        memset(lc->slots, 0, BPE_LCACHE_SLOTS * sizeof *lc->slots);
+        lc->count = 0;
+    }
+    uint32_t h32 = (uint32_t)h;
+    size_t i = (h >> 32) & (BPE_LCACHE_SLOTS - 1);
+    for (; lc->slots[i].nids; i = (i + 1) & (BPE_LCACHE_SLOTS - 1)) {
+        const bpe_lcache_slot *s = &lc->slots[i];
+        if (s->hash == h32 && s->wlen == n && !memcmp(s->word, w, n)) { /* another thread got here first */
+            atomic_flag_clear_explicit(&lc->busy, memory_order_release);
+            return;
+        }
+    }
+    bpe_lcache_slot *s = &lc->slots[i];
+    s->hash = h32;
+    s->wlen = (uint8_t)n;
+    s->nids = (uint8_t)k;
+    memcpy(s->word, w, n);
+    memcpy(s->ids, ids, k * sizeof *ids);
+    lc->count++;
+    atomic_flag_clear_explicit(&lc->busy, memory_order_release);
+}
+
+/* Words past the word cache's slots: the long-word cache, then the heap. */
+__attribute__((noinline)) static int word_long(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *out, size_t *k) {
+    if (n > BPE_LCACHE_MAX_WORD) return bpe_merge_long(t, w, n, out, k);
+    uint64_t h = word_hash(w, n);
+    bpe_lcache *lc = (bpe_lcache *)&t->lcache;
+    if (lcache_get(lc, h, w, n, out, k)) return QT_OK;
+    QT_TRY(bpe_merge_long(t, w, n, out, k));
+    lcache_put(lc, h, w, n, out, *k);
+    return QT_OK;
+}
+
 /* ---- cutting long words (see bpe_impl.h) ---- */
 
 /* key of (the ls bytes before a boundary, the rs bytes after it), ls, rs in 1..3 */
@@ -323,8 +436,16 @@ static int spanned_bloom(const bpe_tokenizer *t, uint64_t l, uint64_t r, int lma
 static int spanned(const bpe_tokenizer *t, const uint8_t *w, size_t n, size_t p) {
     int lmax = p < 3 ? (int)p : 3, rmax = n - p < 3 ? (int)(n - p) : 3;
     uint64_t l = 0, r = 0;
-    for (int i = 0; i < lmax; i++) l |= (uint64_t)w[p - 1 - i] << (8 * i);
-    for (int i = 0; i < rmax; i++) r |= (uint64_t)w[p + i] << (8 * i);
+    if (p >= 4) { /* nearest byte lowest: w[p-4..p) big-endian, less w[p-4] */
+        l = __builtin_bswap32(load32(w + p - 4)) & 0xFFFFFF;
+    } else {
+        for (int i = 0; i < lmax; i++) l |= (uint64_t)w[p - 1 - i] << (8 * i);
+    }
+    if (n - p >= 4) { /* w[p] lowest: a little-endian load */
+        r = load32(w + p) & 0xFFFFFF;
+    } else {
+        for (int i = 0; i < rmax; i++) r |= (uint64_t)w[p + i] << (8 * i);
+    }
     /* The answer depends on (l, r, lmax, rmax) alone, and the same pairs of
      * characters keep meeting: remember recent answers (see BPE_SPAN_MEMO). */
     uint64_t key = (uint64_t)lmax << 50 | (uint64_t)rmax << 48 | l << 24 | r;
@@ -345,42 +466,76 @@ static int spanned_bloom(const bpe_tokenizer *t, uint64_t l, uint64_t r, int lma
     return 0;
 }
 
-static int bpe_word_one(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, size_t *nids, size_t *cap);
-
-int bpe_word(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, size_t *nids, size_t *cap) {
-    if (n <= 8 || w[n - 1] < 0x80) return bpe_word_one(t, w, n, ids, nids, cap); /* ASCII words end in ASCII */
-    size_t start = 0;
-    for (size_t p = 1; p < n; p++) {
-        if (!is_cut_point(w, p) || spanned(t, w, n, p)) continue;
-        QT_TRY(bpe_word_one(t, w + start, p - start, ids, nids, cap));
-        start = p;
+/* A word of at most BPE_CACHE_MAX_WORD bytes that missed the cache: merged,
+ * then remembered. Out of line so that a hit has a small frame. */
+__attribute__((noinline)) static int word_miss(const bpe_tokenizer *t, bpe_cache_shard *sh, uint64_t h, const uint8_t *w,
+                                               size_t n, int32_t *out, size_t *kout) {
+    size_t k;
+    if (n <= BPE_SMALL_WORD) {
+        k = bpe_merge_small(t, w, n, out);
+    } else {
+        QT_TRY(bpe_merge_long(t, w, n, out, &k));
     }
-    return bpe_word_one(t, w + start, n - start, ids, nids, cap);
+    cache_put(sh, h, w, n, out, k);
+    *kout = k;
+    return QT_OK;
 }
 
-static int bpe_word_one(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, size_t *nids, size_t *cap) {
-    if (!n) return QT_OK;
-    QT_TRY(bpe_reserve(ids, NULL, *nids, cap, n + BPE_CACHE_MAX_IDS)); /* + what a cache hit copies */
-    int32_t *out = *ids + *nids;
+/* Ids of a word that is not cut further, into out (room for n +
+ * BPE_CACHE_MAX_IDS ids: a hit copies its slot's ids whole). */
+static inline int word_one(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *out, size_t *k) {
     if (n == 1) {
         out[0] = t->byte_id[w[0]];
-        *nids += 1;
+        *k = 1;
         return QT_OK;
     }
-    uint64_t h = 0;
-    bpe_cache_shard *sh = NULL;
-    size_t k;
-    if (n <= BPE_CACHE_MAX_WORD) {
-        h = word_hash(w, n);
-        sh = (bpe_cache_shard *)&t->cache[(h >> 16) % BPE_CACHE_SHARDS];
-        if (cache_get(sh, h, w, n, out, &k)) {
-            *nids += k;
+    if (n > BPE_CACHE_MAX_WORD) return word_long(t, w, n, out, k);
+    uint64_t h = word_hash(w, n);
+    if (n <= BPE_VOCAB_MAX_WORD) {
+        int32_t id = vocab_word(t, h, w, n);
+        if (id >= 0) {
+            out[0] = id;
+            *k = 1;
             return QT_OK;
         }
     }
-    if (n <= BPE_SMALL_WORD) k = bpe_merge_small(t, w, n, out);
-    else QT_TRY(bpe_merge_long(t, w, n, out, &k));
-    if (sh) cache_put(sh, h, w, n, out, k);
+    bpe_cache_shard *sh = (bpe_cache_shard *)&t->cache[(h >> 16) % BPE_CACHE_SHARDS];
+    if (cache_get(sh, h, w, n, out, k)) return QT_OK;
+    return word_miss(t, sh, h, w, n, out, k);
+}
+
+/* A word that may be cut (see bpe_impl.h): out of line, so that the common
+ * uncut word does not pay for this loop's registers. */
+__attribute__((noinline)) static int word_cut(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *out, size_t *k) {
+    /* a cut point is the start of a non-ASCII character after another one:
+     * step from character to character (valid UTF-8: the lead byte gives
+     * the length) */
+    size_t start = 0, total = 0, m;
+    for (size_t p = 1 + (w[0] >= 0xC0) + (w[0] >= 0xE0) + (w[0] >= 0xF0); p < n;) {
+        uint8_t b = w[p];
+        size_t l = 1 + (b >= 0xC0) + (b >= 0xE0) + (b >= 0xF0);
+        if (b >= 0xC0 && w[p - 1] >= 0x80 && !spanned(t, w, n, p)) {
+            QT_TRY(word_one(t, w + start, p - start, out + total, &m));
+            total += m;
+            start = p;
+        }
+        p += l;
+    }
+    QT_TRY(word_one(t, w + start, n - start, out + total, &m));
+    *k = total + m;
+    return QT_OK;
+}
+
+int bpe_word_ids(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *out, size_t *k) {
+    if (n <= 8 || w[n - 1] < 0x80) return word_one(t, w, n, out, k); /* ASCII words end in ASCII */
+    return word_cut(t, w, n, out, k);
+}
+
+int bpe_word(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, size_t *nids, size_t *cap) {
+    if (!n) return QT_OK; /* bpe_word_ids wants a byte at least */
+    QT_TRY(bpe_reserve(ids, NULL, *nids, cap, n + BPE_CACHE_MAX_IDS)); /* + what a cache hit copies */
+    size_t k;
+    QT_TRY(bpe_word_ids(t, w, n, *ids + *nids, &k));
     *nids += k;
     return QT_OK;
 }

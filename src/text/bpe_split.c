@@ -78,6 +78,21 @@ int bpe_split_init(bpe_tokenizer *t) {
     }
     pcre2_match_data_free(md);
     pcre2_code_free(re);
+    /* Lead bytes all of whose code points are letters: a run of letters
+     * steps over such a character by its length without decoding it (Han
+     * text is E4..E9 leads). Read off the table just filled, so it says
+     * what PCRE2 says. Ranges that reach past the table stay 0. */
+    memset(t->lead_l, 0, sizeof t->lead_l);
+    for (uint32_t b = 0xC2; b <= 0xF4 && rc == QT_OK; b++) {
+        uint32_t lo = b < 0xE0 ? (b & 0x1F) << 6 : b < 0xF0 ? (b & 0x0F) << 12 : (b & 0x07) << 18;
+        uint32_t hi = lo + (b < 0xE0 ? 0x40u : b < 0xF0 ? 0x1000u : 0x40000u);
+        if (b == 0xE0) lo = 0x800;     /* E0 80..9F would be overlong: never in valid UTF-8 */
+        if (b == 0xF0) lo = 0x10000;
+        if (hi > BPE_CLASS_N) continue;
+        uint8_t all = 1;
+        for (uint32_t cp = lo; cp < hi && all; cp++) all = t->cp_class[cp] == BPE_C_L;
+        t->lead_l[b] = all;
+    }
     return rc;
 }
 
@@ -104,11 +119,17 @@ static inline uint8_t cls_at(const uint8_t *cc, const uint8_t *s, size_t i, size
 
 /* End of the run of characters of class `want` from i (0: "other", neither
  * letter, number nor space); 0 when an unknown character is met. */
-static inline size_t run_end(const uint8_t *cc, const uint8_t *s, size_t n, size_t i, uint8_t want) {
+static inline size_t run_end(const bpe_tokenizer *t, const uint8_t *s, size_t n, size_t i, uint8_t want) {
+    const uint8_t *cc = t->cp_class;
     while (i < n) {
-        if (s[i] < 0x80) {
-            if (cc[s[i]] != want) return i;
+        uint8_t b = s[i];
+        if (b < 0x80) {
+            if (cc[b] != want) return i;
             i++;
+            continue;
+        }
+        if (want == BPE_C_L && t->lead_l[b]) { /* a letter whatever follows the lead */
+            i += 2 + (b >= 0xE0) + (b >= 0xF0);
             continue;
         }
         size_t l;
@@ -141,12 +162,12 @@ not_contraction:;
     uint8_t c0 = cls_at(cc, s, i, &l0);
     if (c0 == BPE_C_UNKNOWN) return 0;
     /* 2. x? L+ */
-    if (c0 == BPE_C_L) return run_end(cc, s, n, i, BPE_C_L);
+    if (c0 == BPE_C_L) return run_end(t, s, n, i, BPE_C_L);
     if (c0 != BPE_C_N && b != '\r' && b != '\n' && i + l0 < n) {
         size_t l1;
         uint8_t c1 = cls_at(cc, s, i + l0, &l1);
         if (c1 == BPE_C_UNKNOWN) return 0;
-        if (c1 == BPE_C_L) return run_end(cc, s, n, i + l0, BPE_C_L);
+        if (c1 == BPE_C_L) return run_end(t, s, n, i + l0, BPE_C_L);
     }
     /* 3. \p{N} */
     if (c0 == BPE_C_N) return i + l0;
@@ -159,7 +180,7 @@ not_contraction:;
         if (c1 == 0) o = i + 1;
     }
     if (o > i || c0 == 0) {
-        size_t e = run_end(cc, s, n, o, 0);
+        size_t e = run_end(t, s, n, o, 0);
         if (!e) return 0;
         while (e < n && (s[e] == '\r' || s[e] == '\n')) e++;
         return e;

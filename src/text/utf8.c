@@ -13,15 +13,23 @@ size_t utf8_valid_prefix(const char *text, size_t n) {
         while (i + 8 <= n) {
             uint64_t w;
             memcpy(&w, s + i, 8);
-            if (w & 0x8080808080808080ull) break;
+            w &= 0x8080808080808080ull;
+            if (w) { /* to the first non-ASCII byte (little-endian: the lowest set bit) */
+                i += (size_t)__builtin_ctzll(w) / 8;
+                break;
+            }
             i += 8;
         }
         if (i >= n) break;
         if (s[i] < 0x80) { i++; continue; }
         /* three-byte sequences without the E0/ED range limits (CJK) */
-        if (s[i] >= 0xE1 && s[i] != 0xED && s[i] <= 0xEF && i + 3 <= n && (s[i + 1] & 0xC0) == 0x80 && (s[i + 2] & 0xC0) == 0x80) {
-            i += 3;
-            continue;
+        if (s[i] >= 0xE1 && s[i] != 0xED && s[i] <= 0xEF && i + 3 <= n) {
+            uint16_t v; /* both continuation bytes at once */
+            memcpy(&v, s + i + 1, 2);
+            if ((v & 0xC0C0) == 0x8080) {
+                i += 3;
+                continue;
+            }
         }
         int k = utf8_seq(s + i, n - i);
         if (k < 0) return i;
@@ -39,16 +47,16 @@ int utf8_sanitize(const char *text, size_t n, char **out, size_t *out_len) {
     const uint8_t *s = (const uint8_t *)text;
     size_t i = 0, j = 0;
     while (i < n) {
-        int k = utf8_seq(s + i, n - i);
-        if (k > 0) {
-            memcpy(o + j, s + i, (size_t)k);
-            j += (size_t)k;
-            i += (size_t)k;
-        } else {
-            memcpy(o + j, "\xEF\xBF\xBD", 3);
-            j += 3;
-            i += (size_t)(-k);
-        }
+        /* the valid run up to the next ill-formed byte in one copy */
+        size_t v = utf8_valid_prefix(text + i, n - i);
+        memcpy(o + j, s + i, v);
+        i += v;
+        j += v;
+        if (i >= n) break;
+        int k = utf8_seq(s + i, n - i); /* < 0: the maximal subpart's length */
+        memcpy(o + j, "\xEF\xBF\xBD", 3);
+        j += 3;
+        i += (size_t)(k < 0 ? -k : k);
     }
     o[j] = 0;
     *out = o;

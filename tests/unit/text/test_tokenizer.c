@@ -552,6 +552,179 @@ static void test_split_fast_path_equals_pcre2(void **state) {
     bpe_free(slow);
 }
 
+/* ---- the word caches against the plain merge loop ---- */
+
+/* HF's loop as written: lowest rank, leftmost of equals, rescanning the whole
+ * word each step; ranks straight from the merge table (no pair cache). */
+static size_t plain_bpe(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *out) {
+    for (size_t i = 0; i < n; i++) out[i] = t->byte_id[w[i]];
+    size_t m = n;
+    for (;;) {
+        uint32_t best = BPE_NO_MERGE;
+        size_t b = 0;
+        for (size_t i = 0; i + 1 < m; i++) {
+            uint64_t key = bpe_merge_key(out[i], out[i + 1]);
+            uint32_t r = bpe_merge_probe(t, key, bpe_merge_slot(t, key));
+            if (r < best) {
+                best = r;
+                b = i;
+            }
+        }
+        if (best == BPE_NO_MERGE) return m;
+        out[b] = t->merge_id[best];
+        memmove(out + b + 1, out + b + 2, (m - b - 2) * sizeof *out);
+        m--;
+    }
+}
+
+/* Each word through bpe_word_ids twice (a miss that fills the caches, then a
+ * hit) and through plain_bpe: the same ids. */
+static void assert_words_plain(const bpe_tokenizer *t, const uint8_t *w, size_t n) {
+    int32_t want[512], got[512 + BPE_CACHE_MAX_IDS];
+    assert_true(n <= 512);
+    size_t nw = plain_bpe(t, w, n, want);
+    for (int pass = 0; pass < 2; pass++) {
+        size_t k = 0;
+        assert_int_equal(bpe_word_ids(t, w, n, got, &k), QT_OK);
+        if (k != nw || memcmp(got, want, nw * sizeof *want))
+            fail_msg("word of %zu bytes (pass %d): %zu ids, the plain merge loop gives %zu", n, pass, k, nw);
+    }
+}
+
+/* Random words of 1..maxlen bytes over alpha, each checked twice over: the
+ * second round finds them in the caches (and some shards reset). */
+static void check_random_words(const bpe_tokenizer *t, const char *const *alpha, size_t na, int words, size_t maxlen) {
+    uint8_t buf[600];
+    uint64_t x = 0x243F6A8885A308D3ull;
+    for (int round = 0; round < 2; round++) {
+        x = 0x243F6A8885A308D3ull; /* the same words again */
+        for (int it = 0; it < words; it++) {
+            size_t n = 0;
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            size_t len = 1 + (size_t)(x % maxlen);
+            while (n < len) {
+                x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+                const char *c = alpha[x % na];
+                size_t cl = strlen(c);
+                if (n + cl > sizeof buf) break;
+                memcpy(buf + n, c, cl);
+                n += cl;
+            }
+            assert_words_plain(t, buf, n);
+        }
+    }
+}
+
+/* Every whole-token word filled at load is a token whose bytes the plain
+ * loop merges back into it alone. */
+static void check_vocab_words(const bpe_tokenizer *t) {
+    size_t n = 0;
+    for (size_t i = 0; i < t->vocab_words_cap; i++) {
+        const bpe_vocab_slot *s = &t->vocab_words[i];
+        if (s->id < 0) continue;
+        int32_t out[BPE_VOCAB_MAX_WORD];
+        size_t len = t->tok_off[s->id + 1] - t->tok_off[s->id];
+        assert_int_equal(len, s->wlen);
+        assert_memory_equal(t->bytes + t->tok_off[s->id], s->word, len);
+        assert_int_equal(plain_bpe(t, s->word, s->wlen, out), 1);
+        assert_int_equal(out[0], s->id);
+        n++;
+    }
+    assert_int_equal(n, t->n_vocab_words);
+}
+
+static void test_caches_equal_plain_merges(void **state) {
+    (void)state;
+    /* "abc" is a token (ab + c) that its own bytes do not merge back into:
+     * "b c" goes first, and (a, bc) has no merge. Runs of spaces and x merge
+     * into tokens of 2, 4, 8 and 16 bytes. */
+    const char *m[] = {"b c", "a b", "ab c", "Ġ Ġ", "ĠĠ ĠĠ", "ĠĠĠĠ ĠĠĠĠ", "ĠĠĠĠĠĠĠĠ ĠĠĠĠĠĠĠĠ", "x x", "xx xx", "xxxx xxxx",
+                       "xxxxxxxx xxxxxxxx", "Ġ x", "a a", "aa a", "\xc3\xa4 \xc2\xb8"};
+    char *p = write_tokenizer("caches.json", m, 15, NULL, QWEN_SPLIT);
+    bpe_tokenizer *t;
+    assert_int_equal(bpe_load(p, &t), QT_OK);
+    int32_t abc = bpe_token_id(t, "abc");
+    assert_true(abc >= 0);
+    for (size_t i = 0; i < t->vocab_words_cap; i++) assert_true(t->vocab_words[i].id != abc);
+    assert_tokens(t, "abc", (const char *[]){"a", "bc"}, 2);
+    assert_tokens(t, "abc", (const char *[]){"a", "bc"}, 2); /* from the cache now */
+    check_vocab_words(t);
+    /* lengths around every limit: 24/25 (array merge or heap), 26/27 (word
+     * cache or long-word cache), 58/59 (long-word cache or none) */
+    uint8_t w[80];
+    for (size_t n = 1; n <= sizeof w; n++) {
+        memset(w, ' ', n);
+        assert_words_plain(t, w, n);
+        memset(w, 'x', n);
+        assert_words_plain(t, w, n);
+        for (size_t i = 0; i < n; i++) w[i] = "abcx "[i % 5];
+        assert_words_plain(t, w, n);
+    }
+    static const char *alpha[] = {"a", "b", "c", "x", " ", "\xE4\xB8\xAD", "\xE6\x96\x87"};
+    check_random_words(t, alpha, sizeof alpha / sizeof *alpha, 4000, 70);
+    bpe_free(t);
+
+    /* Qwen3's vocabulary, when installed: every whole-token word, then random
+     * words of letters, spaces and Chinese (which are cut where no token
+     * spans: the plain loop never cuts) */
+    t = qwen();
+    if (!t) skip();
+    check_vocab_words(t);
+    assert_true(t->n_vocab_words > 100000);
+    static const char *qalpha[] = {"e", "t", "a", "n", " ", " ", "\xE7\x9A\x84", "\xE4\xB8\x80", "\xE6\x98\xAF",
+                                   "\xE4\xB8\x8D", "\xE4\xBA\x86", "\xE5\x9C\xA8", "\xE4\xBA\xBA", "\xE6\x9C\x89",
+                                   "\xE6\x88\x91", "\xE4\xBB\x96", "\xEF\xBC\x8C", "\xE3\x80\x82", "\xC3\xA9"};
+    check_random_words(t, qalpha, sizeof qalpha / sizeof *qalpha, 20000, 90);
+    bpe_free(t);
+}
+
+/* The id and span arrays grow with the output while a stretch is encoded
+ * (bpe_encode reserves a token per 3 bytes, then room chunk by chunk): a
+ * text of one id a byte (digits) far past the first reservation, with and
+ * without spans, through the fast split path and through PCRE2, twice into
+ * the same buffers (the second call appends). */
+static void check_room(const bpe_tokenizer *t) {
+    size_t len = 300000;
+    char *text = qt_malloc(len, "test");
+    assert_non_null(text);
+    for (size_t i = 0; i < len; i++) text[i] = i % 1000 < 700 ? (char)('0' + i % 10) : "ab \n"[i % 4];
+    int32_t *ids = NULL, *ids2 = NULL;
+    bpe_span *spans = NULL;
+    size_t n = 0, cap = 0, n2 = 0, cap2 = 0;
+    assert_int_equal(bpe_encode(t, text, len, &ids, &n, &cap), QT_OK);
+    assert_true(n > len / 2); /* well past len / 3 */
+    assert_int_equal(bpe_encode(t, text, len, &ids, &n, &cap), QT_OK);
+    assert_int_equal(n % 2, 0);
+    assert_memory_equal(ids, ids + n / 2, n / 2 * sizeof *ids);
+    assert_int_equal(bpe_encode_spans(t, text, len, &ids2, &spans, &n2, &cap2), QT_OK);
+    assert_int_equal(n2, n / 2);
+    assert_memory_equal(ids2, ids, n2 * sizeof *ids);
+    size_t at = 0;
+    for (size_t k = 0; k < n2; k++) { /* each token's bytes in turn */
+        assert_int_equal(spans[k].start, at);
+        at = spans[k].end;
+    }
+    assert_int_equal(at, len);
+    qt_free(ids);
+    qt_free(ids2);
+    qt_free(spans);
+    qt_free(text);
+}
+
+static void test_ids_room_grows(void **state) {
+    (void)state;
+    const char *m[] = {"a b", "Ġ a"};
+    bpe_tokenizer *t;
+    assert_int_equal(bpe_load(write_tokenizer("room_gpt2.json", m, 2, NULL, NULL), &t), QT_OK);
+    assert_null(t->cp_class); /* PCRE2 splits */
+    check_room(t);
+    bpe_free(t);
+    assert_int_equal(bpe_load(write_tokenizer("room_qwen.json", m, 2, NULL, QWEN_SPLIT), &t), QT_OK);
+    assert_non_null(t->cp_class); /* the hand-written matcher splits */
+    check_room(t);
+    bpe_free(t);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_utf8_maximal_subparts),
@@ -562,6 +735,8 @@ int main(void) {
         cmocka_unit_test(test_threads_share_a_tokenizer),
         cmocka_unit_test(test_qwen_where_hf_and_js_differ),
         cmocka_unit_test(test_split_fast_path_equals_pcre2),
+        cmocka_unit_test(test_caches_equal_plain_merges),
+        cmocka_unit_test(test_ids_room_grows),
         cmocka_unit_test(test_chat_render),
         cmocka_unit_test(test_chat_labels),
         cmocka_unit_test(test_chat_content_crossing_the_header),
