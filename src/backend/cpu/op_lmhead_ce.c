@@ -7,6 +7,11 @@
  * in place, and accumulates dx += dlogits @ Wc and dW[chunk] += dlogits^T @ x.
  * Rows whose target is -100 carry no loss and no gradient.
  *
+ * A trainable lm_head whose logits fit the plan (full fine-tuning, see
+ * qt_model_keeps_logits) keeps them instead: forward_keep writes each chunk's
+ * exp(l - m) to a (N, V) buffer, backward_kept scales it to dlogits in place
+ * and runs only the dx and dW products (3 (N, V, C) products a step, not 4).
+ *
  * Threading as in op_matmul.c: one OpenMP region per chunk; each thread
  * converts and multiplies its own slice of the chunk with a single-threaded
  * sgemm, then the rows are shared out for the softmax. */
@@ -128,7 +133,8 @@ void op_lmhead_ce_backward_kept(float *dx, float *dw, float *kept, const float *
         if (wdt != QT_F32) {
             int a, b;
             op_split(cv, omp_get_num_threads(), omp_get_thread_num(), 16, &a, &b);
-            if (b > a) op_convert_rows_serial(wbuf + (size_t)a * C, w, wdt, (size_t)(v0 + a), (size_t)(v0 + b), (size_t)C);
+            if (b > a)
+                op_convert_rows_serial(wbuf + (size_t)a * C, w, wdt, (size_t)(v0 + a), (size_t)(v0 + b), (size_t)C);
             wc = wbuf; /* the barrier below completes it */
         }
 #pragma omp for schedule(static)
