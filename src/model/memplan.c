@@ -181,7 +181,7 @@ size_t qt_model_carve_grads(const qt_config *c, const qt_model_opts *o, float *b
  * backward (one (N, V, C) product and one exp pass fewer per step) when they
  * take no more bytes than the trainable state: master, gradients and Adam's
  * m and v, 16 bytes a parameter. Qwen2.5-0.5B at B*T = 256: 156 MB against
- * 7.9 GB; beyond about 52K tokens a micro-batch recomputes instead. */
+ * 7.9 GB; beyond about 13K tokens a micro-batch recomputes instead. */
 int qt_model_keeps_logits(const qt_config *c, const qt_model_opts *o) {
     if (o->infer || o->lora) return 0;
     size_t numel;
