@@ -131,22 +131,67 @@ static void carve_layer(const qt_config *c, const qt_model_opts *o, float *base,
         a->lora_h[j] = lora_on(o, j) ? carve(base, off, N * (size_t)o->lora_r) : NULL;
 }
 
+int qt_model_acts_2byte(const qt_model_opts *o) { return !o->infer && o->compute != QT_F32; }
+
+/* Hands out n 2-byte values from the float block (64-byte aligned slices). */
+static uint16_t *carve16(float *base, size_t *off, size_t n) { return (uint16_t *)carve(base, off, (n + 1) / 2); }
+
+static void carve_layer16(const qt_config *c, const qt_model_opts *o, float *base, size_t *off, qt_acts16 *s) {
+    size_t N = max_n(o), C = c->hidden_size, I = c->intermediate_size;
+    size_t HD = (size_t)c->num_attention_heads * c->head_dim, KVD = (size_t)c->num_key_value_heads * c->head_dim;
+    s->ln1 = carve16(base, off, N * C);
+    s->q = carve16(base, off, N * HD);
+    s->k = carve16(base, off, N * KVD);
+    s->v = carve16(base, off, N * KVD);
+    s->att = carve16(base, off, N * HD);
+    s->xmid = carve16(base, off, N * C);
+    s->ln2 = carve16(base, off, N * C);
+    s->gate = carve16(base, off, N * I);
+    s->up = carve16(base, off, N * I);
+    s->h = carve16(base, off, N * I);
+    for (int j = 0; j < LIN_COUNT; j++)
+        s->lora_h[j] = lora_on(o, j) ? carve16(base, off, N * (size_t)o->lora_r) : NULL;
+}
+
+/* fp32: x[0..L] and every layer's qt_acts (one set with checkpointing or
+ * inference). f16/bf16 training: two fp32 x buffers and one fp32 layer set
+ * (the working set), each layer's rstd1/lse/rstd2 in fp32, and in 2 bytes
+ * the layer inputs x16[0..L) and, without checkpointing, every layer's
+ * qt_acts16. x[L] needs no 2-byte copy: it is still in its fp32 buffer when
+ * the final norm's backward reads it. */
 size_t qt_model_carve_acts(const qt_config *c, const qt_model_opts *o, float *base, qt_act_ptrs *p) {
     size_t off = 0, N = max_n(o), C = c->hidden_size;
     int L = c->num_hidden_layers;
-    int one_set = o->grad_checkpointing || o->infer;
+    int one_set = o->grad_checkpointing || o->infer, two = qt_model_acts_2byte(o);
     for (int l = 0; l <= L; l++) {
-        /* inference needs only the current input and output */
-        float *x = (o->infer && l > 1) ? (p ? p->x[l & 1] : NULL) : carve(base, &off, N * C);
+        /* inference and 2-byte storage need only the current input and output in fp32 */
+        float *x = ((o->infer || two) && l > 1) ? (p ? p->x[l & 1] : NULL) : carve(base, &off, N * C);
         if (p) p->x[l] = x;
     }
+    for (int l = 0; two && l < L; l++) {
+        uint16_t *x16 = carve16(base, &off, N * C);
+        if (p) p->x16[l] = x16;
+    }
+    qt_acts work;
+    memset(&work, 0, sizeof work);
     for (int l = 0; l < L; l++) {
         qt_acts a;
-        if (one_set && l > 0) {
-            if (p) p->layer[l] = p->layer[0];
-            continue;
+        if (l == 0 || !(one_set || two)) {
+            carve_layer(c, o, base, &off, &a);
+            work = a;
+        } else {
+            a = work;
         }
-        carve_layer(c, o, base, &off, &a);
+        if (two && !one_set) {
+            if (l > 0) {
+                a.rstd1 = carve(base, &off, N);
+                a.lse = carve(base, &off, N * c->num_attention_heads);
+                a.rstd2 = carve(base, &off, N);
+            }
+            qt_acts16 s;
+            carve_layer16(c, o, base, &off, &s);
+            if (p) p->layer16[l] = s;
+        }
         if (p) p->layer[l] = a;
     }
     float *lnf = carve(base, &off, N * C), *rstdf = carve(base, &off, N);

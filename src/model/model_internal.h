@@ -54,6 +54,17 @@ typedef struct {
     float *lora_h[LIN_COUNT]; /* (N, R) scaling * A dropout(x), NULL when not a target */
 } qt_acts;
 
+/* f16/bf16 training without checkpointing: the 2-byte slots (fp16 / bf16 bit
+ * patterns) that hold what a layer's forward saves, one set per layer. The
+ * layer itself computes in an fp32 working set shared by all layers (the
+ * float pointers of qt_acts, except the small fp32 rstd1/lse/rstd2 which stay
+ * per layer): the forward rounds each value and stores it here in the same
+ * pass, the backward converts a layer's slots back just before using them. */
+typedef struct {
+    uint16_t *ln1, *q, *k, *v, *att, *xmid, *ln2, *gate, *up, *h; /* shapes as in qt_acts */
+    uint16_t *lora_h[LIN_COUNT];                                  /* NULL when not a target */
+} qt_acts16;
+
 /* Activation-gradient scratch for the backward, shared by all layers. */
 typedef struct {
     float *dres;  /* (N, C) gradient of the residual stream */
@@ -68,11 +79,18 @@ typedef struct {
 
 /* Sizes (in floats) and carving of the activation blocks. base NULL: size only. */
 typedef struct {
-    float **x;          /* L+1 pointers, each (N, C): layer inputs, x[L] the last output */
+    float **x;          /* L+1 pointers, each (N, C): layer inputs, x[L] the last output; with 2-byte
+                           storage two fp32 buffers alternate (x[l] = x[l & 1] ...) */
     qt_acts *layer;     /* L entries; with checkpointing/inference all alias one set */
     float *lnf, *rstdf; /* (N, C), (N) */
     float *loss, *lse;  /* (N), (N) */
+    /* f16/bf16 training only (qt_model_acts_2byte), else NULL: */
+    uint16_t **x16;     /* L pointers, each (N, C): layer inputs in the compute dtype */
+    qt_acts16 *layer16; /* L entries, NULL with checkpointing (the one fp32 set is recomputed) */
 } qt_act_ptrs;
+/* 1 when saved activations are stored in 2 bytes: training in f16/bf16. */
+int qt_model_acts_2byte(const qt_model_opts *o);
+/* base NULL: size only; with 2-byte storage p->x16 and p->layer16 must point at tables of L entries */
 size_t qt_model_carve_acts(const qt_config *c, const qt_model_opts *o, float *base, qt_act_ptrs *p);
 size_t qt_model_carve_grads(const qt_config *c, const qt_model_opts *o, float *base, qt_grad_scratch *g);
 size_t qt_model_workspace_floats(const qt_config *c, const qt_model_opts *o);
@@ -122,6 +140,8 @@ struct qt_model {
     int kv_len;
 
     uint64_t micro_step;   /* forward_backward calls so far: the dropout stream */
+    int native_bf16;       /* bf16 training on a CPU with bf16 arithmetic and a oneDNN bf16 GEMM: the
+                              forward's base matmuls run on it (backend/cpu/op_dnnl_bf16.h) */
 };
 
 #endif

@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "backend/cpu/op_dnnl_bf16.h"
 #include "backend/cpu/op_precision.h"
 #include "backend/cpu/ops.h"
 #include "core/error.h"
@@ -39,11 +40,53 @@ void qt_lora_dropout_apply(const qt_model *m, int l, int j, float *x, size_t n) 
  * loss scaler skips the step. No-op in f32. */
 static inline void keep(const qt_model *m, float *x, size_t n) { op_round_to_dtype(x, n, m->opts.compute); }
 
+/* keep() for a value the backward reads again: with 2-byte storage (f16/bf16
+ * training, model_internal.h qt_acts16) the rounded values are also written
+ * to the layer's 2-byte slot in the same pass; x itself is the fp32 working
+ * set that the rest of this layer's forward reads. slot NULL: plain keep(). */
+static inline void keep_save(const qt_model *m, float *x, size_t n, uint16_t *slot) {
+    if (slot) op_round_store(x, slot, n, m->opts.compute);
+    else keep(m, x, n);
+}
+
+/* 2-byte storage: layer l's saved values back into the fp32 working set (an
+ * exact conversion, so the backward reads what keep() left), just before its
+ * backward; with checkpointing only its input, from which it is recomputed. */
+static void acts_load(qt_model *m, int l, int N) {
+    const qt_act_ptrs *A = &m->acts;
+    if (!A->x16) return;
+    const qt_config *c = &m->cfg;
+    const qt_dtype dt = m->opts.compute;
+    size_t NC = (size_t)N * c->hidden_size, NI = (size_t)N * c->intermediate_size,
+           NQ = (size_t)N * c->num_attention_heads * c->head_dim, NK = (size_t)N * c->num_key_value_heads * c->head_dim;
+    op_load_2byte(A->x[l], A->x16[l], NC, dt);
+    if (!A->layer16) return;
+    const qt_acts16 *s = &A->layer16[l];
+    const qt_acts *a = &A->layer[l];
+    op_load_2byte(a->ln1, s->ln1, NC, dt);
+    op_load_2byte(a->q, s->q, NQ, dt);
+    op_load_2byte(a->k, s->k, NK, dt);
+    op_load_2byte(a->v, s->v, NK, dt);
+    op_load_2byte(a->att, s->att, NQ, dt);
+    op_load_2byte(a->xmid, s->xmid, NC, dt);
+    op_load_2byte(a->ln2, s->ln2, NC, dt);
+    op_load_2byte(a->gate, s->gate, NI, dt);
+    op_load_2byte(a->up, s->up, NI, dt);
+    op_load_2byte(a->h, s->h, NI, dt);
+    for (int j = 0; j < LIN_COUNT; j++)
+        if (s->lora_h[j]) op_load_2byte(a->lora_h[j], s->lora_h[j], (size_t)N * m->opts.lora_r, dt);
+}
+
 /* ---- Linear (+ LoRA) forward/backward ------------------------------------ */
-static void linear_forward(qt_model *m, int l, int j, float *out, const float *inp, int N, float *lora_h,
-                           int dropout) {
+/* inp16: the same input as 2-byte values (its saved slot) or NULL. With
+ * native bf16 (m->native_bf16) a bf16 weight times that bf16 input runs on
+ * oneDNN's bf16 GEMM, else (and whenever oneDNN refuses) on fp32 sgemm. */
+static void linear_forward(qt_model *m, int l, int j, float *out, const float *inp, const uint16_t *inp16, int N,
+                           float *lora_h, int dropout) {
     const qt_linear *q = &m->layers[l].lin[j];
-    op_matmul_forward(out, inp, q->w.p, q->w.dt, q->b, N, q->in, q->out, 1.0f, 0, m->ws);
+    if (!(m->native_bf16 && inp16 && q->w.dt == QT_BF16 &&
+          op_dnnl_bf16_matmul(out, inp16, q->w.p, q->b, N, q->in, q->out, 1.0f) == QT_OK))
+        op_matmul_forward(out, inp, q->w.p, q->w.dt, q->b, N, q->in, q->out, 1.0f, 0, m->ws);
     if (!q->la) return;
     const float *xd = inp;
     if (dropout) {
@@ -53,7 +96,7 @@ static void linear_forward(qt_model *m, int l, int j, float *out, const float *i
     }
     int R = m->opts.lora_r;
     op_matmul_forward(lora_h, xd, q->la, QT_F32, NULL, N, q->in, R, m->lora_scaling, 0, NULL); /* hs = s A xd */
-    keep(m, lora_h, (size_t)N * R);
+    keep_save(m, lora_h, (size_t)N * R, m->acts.layer16 ? m->acts.layer16[l].lora_h[j] : NULL);
     op_matmul_forward(out, lora_h, q->lb, QT_F32, NULL, N, R, q->out, 1.0f, 1, NULL);         /* y += B hs */
 }
 
@@ -94,16 +137,22 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
     int C = c->hidden_size, I = c->intermediate_size, H = c->num_attention_heads, KV = c->num_key_value_heads,
         D = c->head_dim;
     size_t NC = (size_t)N * C, NI = (size_t)N * I, NQ = (size_t)N * H * D, NK = (size_t)N * KV * D;
+    /* 2-byte storage (else all NULL): this layer's slots, and where its output goes (the next layer's
+     * input; the last output stays in fp32). With checkpointing the recompute stores x16 again, the
+     * same values into a slot already read. */
+    const qt_acts16 no_slots = {0}, *s = m->acts.layer16 ? &m->acts.layer16[l] : &no_slots;
+    uint16_t *const *x16 = m->acts.x16;
+    if (x16 && l == 0) qt_convert_from_f32(x16[0], m->opts.compute, x, NC); /* x: rounded already (keep) */
     op_rmsnorm_forward(a->ln1, a->rstd1, x, L->ln1, N, C, c->rms_norm_eps);
-    keep(m, a->ln1, NC);
-    linear_forward(m, l, LIN_Q, a->q, a->ln1, N, a->lora_h[LIN_Q], dropout);
-    linear_forward(m, l, LIN_K, a->k, a->ln1, N, a->lora_h[LIN_K], dropout);
-    linear_forward(m, l, LIN_V, a->v, a->ln1, N, a->lora_h[LIN_V], dropout);
+    keep_save(m, a->ln1, NC, s->ln1);
+    linear_forward(m, l, LIN_Q, a->q, a->ln1, s->ln1, N, a->lora_h[LIN_Q], dropout);
+    linear_forward(m, l, LIN_K, a->k, a->ln1, s->ln1, N, a->lora_h[LIN_K], dropout);
+    linear_forward(m, l, LIN_V, a->v, a->ln1, s->ln1, N, a->lora_h[LIN_V], dropout);
     op_rope_forward(a->q, pos, N, H, D, c->rope_theta);
     op_rope_forward(a->k, pos, N, KV, D, c->rope_theta);
-    keep(m, a->q, NQ);
-    keep(m, a->k, NK);
-    keep(m, a->v, NK);
+    keep_save(m, a->q, NQ, s->q);
+    keep_save(m, a->k, NK, s->k);
+    keep_save(m, a->v, NK, s->v);
     if (b) {
         op_attention_forward(a->att, a->lse, a->q, a->k, a->v, b->doc_start, b->B, b->T, H, KV, D);
     } else {
@@ -113,21 +162,21 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
         memcpy(vc + (size_t)pos0 * row, a->v, sizeof(float) * (size_t)N * row);
         op_attention_forward_cached(a->att, a->q, kc, vc, N, pos0, H, KV, D);
     }
-    keep(m, a->att, NQ);
-    linear_forward(m, l, LIN_O, a->xmid, a->att, N, a->lora_h[LIN_O], dropout);
+    keep_save(m, a->att, NQ, s->att);
+    linear_forward(m, l, LIN_O, a->xmid, a->att, s->att, N, a->lora_h[LIN_O], dropout);
     op_acc(a->xmid, x, NC);
-    keep(m, a->xmid, NC);
+    keep_save(m, a->xmid, NC, s->xmid);
     op_rmsnorm_forward(a->ln2, a->rstd2, a->xmid, L->ln2, N, C, c->rms_norm_eps);
-    keep(m, a->ln2, NC);
-    linear_forward(m, l, LIN_GATE, a->gate, a->ln2, N, a->lora_h[LIN_GATE], dropout);
-    linear_forward(m, l, LIN_UP, a->up, a->ln2, N, a->lora_h[LIN_UP], dropout);
-    keep(m, a->gate, NI);
-    keep(m, a->up, NI);
+    keep_save(m, a->ln2, NC, s->ln2);
+    linear_forward(m, l, LIN_GATE, a->gate, a->ln2, s->ln2, N, a->lora_h[LIN_GATE], dropout);
+    linear_forward(m, l, LIN_UP, a->up, a->ln2, s->ln2, N, a->lora_h[LIN_UP], dropout);
+    keep_save(m, a->gate, NI, s->gate);
+    keep_save(m, a->up, NI, s->up);
     op_swiglu_forward(a->h, a->gate, a->up, N, I);
-    keep(m, a->h, NI);
-    linear_forward(m, l, LIN_DOWN, xout, a->h, N, a->lora_h[LIN_DOWN], dropout);
+    keep_save(m, a->h, NI, s->h);
+    linear_forward(m, l, LIN_DOWN, xout, a->h, s->h, N, a->lora_h[LIN_DOWN], dropout);
     op_acc(xout, a->xmid, NC);
-    keep(m, xout, NC);
+    keep_save(m, xout, NC, x16 && l + 1 < c->num_hidden_layers ? x16[l + 1] : NULL);
 }
 
 /* dres holds d loss / d xout on entry and d loss / d x on return. need_dx = 0
@@ -280,6 +329,7 @@ int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, 
     op_rmsnorm_backward(dres, m->dlnf_w, dln, A->x[L], m->lnf_w, A->rstdf, N, C);
     keep(m, dres, (size_t)N * C);
     for (int l = L - 1; l >= 0; l--) {
+        acts_load(m, l, N); /* 2-byte storage: layer l's saved values back to fp32 */
         /* recompute: x[l+1] was consumed by layer l+1's backward, so it may be overwritten */
         if (m->opts.grad_checkpointing)
             layer_forward(m, l, b, N, A->x[l], A->x[l + 1], &A->layer[l], dropout, b->positions, 0);

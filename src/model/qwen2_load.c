@@ -15,6 +15,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "backend/cpu/op_dnnl_bf16.h"
+#include "backend/cpu/op_precision.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/mem.h"
@@ -294,6 +296,14 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
     m->acts.x = qt_calloc((size_t)c->num_hidden_layers + 1, sizeof(float *), "model: activation table");
     m->acts.layer = qt_calloc((size_t)c->num_hidden_layers, sizeof(qt_acts), "model: activation table");
     if (!m->acts.x || !m->acts.layer) return QT_ENOMEM;
+    if (qt_model_acts_2byte(&m->opts)) {
+        m->acts.x16 = qt_calloc((size_t)c->num_hidden_layers, sizeof(uint16_t *), "model: activation table");
+        if (!m->acts.x16) return QT_ENOMEM;
+        if (!m->opts.grad_checkpointing) {
+            m->acts.layer16 = qt_calloc((size_t)c->num_hidden_layers, sizeof(qt_acts16), "model: activation table");
+            if (!m->acts.layer16) return QT_ENOMEM;
+        }
+    }
     m->act_block = alloc_floats(m->mem.activations, "model: activations");
     if (!m->act_block) return QT_ENOMEM;
     qt_model_carve_acts(c, &m->opts, m->act_block, &m->acts);
@@ -309,6 +319,10 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
         if (!m->kcache) return QT_ENOMEM;
         m->vcache = m->kcache + m->mem.kv_cache / 8;
     }
+    /* bf16 with native hardware: the forward's matmuls on oneDNN's bf16 GEMM, reading the saved 2-byte
+     * inputs (unverified on real AVX512_BF16 hardware, docs/precision.md); probed only where it can run */
+    m->native_bf16 = m->acts.layer16 && m->opts.compute == QT_BF16 && op_cpu_has_bf16() && op_dnnl_bf16_available();
+    if (m->native_bf16) qt_debug("model %s: bf16 forward matmuls on oneDNN", dir);
     m->pos_buf = qt_malloc(sizeof(int32_t) * (size_t)opts->max_B * (size_t)opts->max_T, "model: positions");
     if (!m->pos_buf) return QT_ENOMEM;
     qt_debug("model %s: %zu trainable, %.1f MiB allocated", dir, m->numel, (double)m->mem.total / (1 << 20));
@@ -340,6 +354,8 @@ void qt_model_free(qt_model *m) {
     qt_free(m->layers);
     qt_free(m->acts.x);
     qt_free(m->acts.layer);
+    qt_free(m->acts.x16);
+    qt_free(m->acts.layer16);
     qt_free(m->act_block);
     qt_free(m->grad_block);
     qt_free(m->ws);

@@ -253,9 +253,10 @@ void qt_plan_print(FILE *f, const char *name, const qt_config *c, const qt_plan_
             o->devices, o->devices > 1 ? "s" : "", o->card_watts, p->hosts, p->hosts > 1 ? "s" : "", o->host_watts,
             p->power_w, p->power_recommend_w);
     fprintf(f, "\nassumptions: gradients and optimizer state fp32 (Adam m, v = 8 B/param); f16/bf16 keep a 2 B\n"
-               "compute copy plus a 4 B fp32 master; activations fp32, sized for one micro-batch B x T, attention\n"
-               "not materialised (log-sum-exp kept); collectives reduce into one fp32 gradient shard per rank;\n"
-               "card TDP %.0f W (--card-watts), host %.0f W (--host-watts), dataset %.2f GiB (--dataset-gib).\n",
+               "compute copy plus a 4 B fp32 master; activations in the compute dtype (one fp32 working layer),\n"
+               "sized for one micro-batch B x T, attention not materialised (log-sum-exp kept); collectives\n"
+               "reduce into one fp32 gradient shard per rank; card TDP %.0f W (--card-watts), host %.0f W\n"
+               "(--host-watts), dataset %.2f GiB (--dataset-gib).\n",
             o->card_watts, o->host_watts, gib(o->dataset_bytes));
 #undef U
 }

@@ -13,11 +13,22 @@
 #define QT_BACKEND_CPU_OP_PRECISION_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "core/dtype.h"
 
 /* x (n) in place; OpenMP-parallel for large n. */
 void op_round_to_dtype(float *x, size_t n, qt_dtype dt);
+
+/* Storing what the graph keeps in 2 bytes (f16/bf16 training): x (n) is
+ * rounded in place exactly as op_round_to_dtype does, and the same values'
+ * 2-byte bit patterns are written to dst (n) in that pass. dt is QT_F16 or
+ * QT_BF16. */
+void op_round_store(float *x, uint16_t *dst, size_t n, qt_dtype dt);
+
+/* dst (n) = the 2-byte values src (n) of dtype dt (QT_F16 / QT_BF16) as fp32:
+ * exact, the inverse of the store above. */
+void op_load_2byte(float *dst, const uint16_t *src, size_t n, qt_dtype dt);
 
 /* 1 when the CPU executes bf16 dot products natively (AVX512_BF16). */
 int op_cpu_has_bf16(void);

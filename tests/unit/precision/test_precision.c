@@ -1,7 +1,8 @@
 /* Mixed precision (docs/precision.md): rounding to the compute dtype, the
  * bf16 hardware rule, the memory plan's compute copy, and what the loaded
  * model really holds (LoRA base in the compute dtype, full fine-tuning's
- * compute copy refreshed by qt_model_weights_updated). */
+ * compute copy refreshed by qt_model_weights_updated, activations stored in
+ * 2 bytes). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -13,10 +14,12 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "backend/cpu/op_dnnl_bf16.h"
 #include "backend/cpu/op_precision.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/rng.h"
+#include "data/batch.h"
 #include "io/hf_config.h"
 #include "io/safetensors.h"
 #include "model/memplan.h"
@@ -217,11 +220,171 @@ static void test_full_compute_copy_refreshed(void **state) {
     qt_model_free(m);
 }
 
+/* op_round_store leaves x exactly as op_round_to_dtype does and writes the
+ * same values' 2-byte patterns; op_load_2byte gives them back exactly. Both
+ * the serial path and the OpenMP one (n >= 2^15), 8 lanes and the tail. */
+static void test_round_store_and_load(void **state) {
+    (void)state;
+    const size_t ns[2] = {4099, 40003};
+    const qt_dtype dts[2] = {QT_F16, QT_BF16};
+    const float special[12] = {65504.0f, 65520.0f, -70000.0f, INFINITY, -INFINITY, NAN, 3.4e38f, 1e-40f,
+                               1.0f + 1.0f / 512, 1.0f + 3.0f / 512, -0.0f, 5.9604645e-8f};
+    for (int d = 0; d < 2; d++)
+        for (int k = 0; k < 2; k++) {
+            size_t n = ns[k];
+            float *x = malloc(n * 4), *y = malloc(n * 4), *z = malloc(n * 4);
+            uint16_t *h = malloc(n * 2);
+            qt_rng r;
+            qt_rng_seed(&r, 5 + (uint64_t)k);
+            for (size_t i = 0; i < n; i++) x[i] = (i % 97 < 12) ? special[i % 97] : 300.0f * qt_rng_normal(&r);
+            memcpy(y, x, n * 4);
+            op_round_to_dtype(y, n, dts[d]);
+            op_round_store(x, h, n, dts[d]);
+            assert_memory_equal(x, y, n * 4);
+            for (size_t i = 0; i < n; i++)
+                assert_int_equal(h[i], dts[d] == QT_F16 ? qt_f32_to_f16(y[i]) : qt_f32_to_bf16(y[i]));
+            op_load_2byte(z, h, n, dts[d]);
+            assert_memory_equal(z, y, n * 4);
+            free(x), free(y), free(z), free(h);
+        }
+}
+
+/* The plan: in f16/bf16 training the saved activations take about half the
+ * bytes of f32 (each layer's values in 2 bytes, plus one fp32 working layer
+ * and the small fp32 rstd/lse); inference and the gradient scratch do not
+ * change. */
+static void test_memplan_activations_2byte(void **state) {
+    (void)state;
+    qt_config c = cfg;
+    c.num_hidden_layers = 24;
+    qt_model_opts o;
+    qt_model_opts_default(&o);
+    o.max_B = 2, o.max_T = 64;
+    qt_mem_breakdown f32, f16, bf16;
+    for (int lora = 0; lora < 2; lora++)
+        for (int ckpt = 0; ckpt < 2; ckpt++) {
+            o.lora = lora, o.lora_dropout = 0.1f, o.grad_checkpointing = ckpt;
+            o.compute = QT_F32;
+            qt_model_memory(&c, &o, &f32);
+            o.compute = QT_F16;
+            qt_model_memory(&c, &o, &f16);
+            o.compute = QT_BF16;
+            qt_model_memory(&c, &o, &bf16);
+            double ratio = (double)f16.activations / (double)f32.activations;
+            printf("activations, 24 layers, lora %d, checkpointing %d: f32 %zu B, f16 %zu B (%.3f)\n", lora, ckpt,
+                   f32.activations, f16.activations, ratio);
+            assert_int_equal(f16.activations, bf16.activations);
+            assert_int_equal(f16.act_grads, f32.act_grads);
+            /* checkpointing keeps only the layer inputs (halved) plus one fp32 layer: a smaller gain */
+            if (!ckpt) assert_true(ratio > 0.5 && ratio < 0.56);
+            else assert_true(ratio < 0.9);
+        }
+    o.infer = 1, o.lora = 0, o.grad_checkpointing = 0;
+    o.compute = QT_F32;
+    qt_model_memory(&c, &o, &f32);
+    o.compute = QT_F16;
+    qt_model_memory(&c, &o, &f16);
+    assert_int_equal(f16.activations, f32.activations);
+}
+
+/* One forward/backward in f16 with 2-byte activations (every layer's slots)
+ * and with checkpointing (only the layer inputs in 2 bytes, the layer
+ * recomputed from them) gives bit-identical gradients and loss: the backward
+ * reads exactly what the forward stored. LoRA with dropout and full. */
+static void test_f16_acts_checkpointing_agree(void **state) {
+    (void)state;
+    const int B = 2, T = 16, N = B * T;
+    int32_t in[32], tg[32], pos[32], ds[32];
+    qt_rng r;
+    qt_rng_seed(&r, 3);
+    for (int i = 0; i < N; i++) {
+        in[i] = (int32_t)(qt_rng_uniform(&r) * (float)cfg.vocab_size) % cfg.vocab_size;
+        tg[i] = i % 5 == 0 ? QT_IGNORE_INDEX : (int32_t)(qt_rng_uniform(&r) * (float)cfg.vocab_size) % cfg.vocab_size;
+        pos[i] = i % T, ds[i] = 0;
+    }
+    qt_batch b = {.B = B, .T = T, .inputs = in, .targets = tg, .positions = pos, .doc_start = ds};
+    for (int lora = 0; lora < 2; lora++) {
+        qt_model_opts o;
+        qt_model_opts_default(&o);
+        o.max_B = B, o.max_T = T, o.compute = QT_F16, o.lora = lora;
+        o.lora_dropout = 0.1f, o.lora_targets = QT_LORA_Q | QT_LORA_V | QT_LORA_DOWN;
+        qt_model *m[2];
+        double loss[2];
+        for (int ck = 0; ck < 2; ck++) {
+            o.grad_checkpointing = ck;
+            assert_int_equal(qt_model_load(dir, &o, &m[ck]), QT_OK);
+            assert_non_null(m[ck]->acts.x16);
+            if (ck) assert_null(m[ck]->acts.layer16);
+            else assert_non_null(m[ck]->acts.layer16);
+            if (lora) { /* B starts at 0: give it values so every gradient path carries signal */
+                float *w = qt_model_master(m[ck]);
+                for (size_t i = 0; i < qt_model_numel(m[ck]); i++) w[i] += 0.01f * (float)((i * 7) % 13) - 0.06f;
+            }
+            assert_int_equal(qt_model_forward_backward(m[ck], &b, 64.0f, &loss[ck], NULL), QT_OK);
+        }
+        assert_true(isfinite(loss[0]) && loss[0] == loss[1]);
+        size_t n = qt_model_numel(m[0]);
+        float nrm = 0.0f;
+        for (size_t i = 0; i < n; i++) nrm += fabsf(qt_model_grads(m[0])[i]);
+        assert_true(nrm > 0.0f && isfinite(nrm));
+        assert_memory_equal(qt_model_grads(m[0]), qt_model_grads(m[1]), n * 4);
+        qt_model_free(m[0]), qt_model_free(m[1]);
+    }
+}
+
+/* oneDNN bf16 GEMM (op_dnnl_bf16.h): where it cannot run (no oneDNN, no
+ * AVX512_BF16: this development machine) it refuses with QT_EUNSUPPORTED,
+ * leaves out untouched, and a bf16 model does not select it; where it runs,
+ * it matches an fp64 product of the same bf16 values. */
+static void test_dnnl_bf16_dispatch(void **state) {
+    (void)state;
+    enum { N = 6, IN = 40, OUT = 24 };
+    uint16_t a[N * IN], w[OUT * IN];
+    float bias[OUT], out[N * OUT], sentinel[N * OUT];
+    for (int i = 0; i < N * IN; i++) a[i] = qt_f32_to_bf16(sinf((float)i));
+    for (int i = 0; i < OUT * IN; i++) w[i] = qt_f32_to_bf16(cosf(3.0f * (float)i));
+    for (int i = 0; i < OUT; i++) bias[i] = 0.25f * (float)i;
+    for (int i = 0; i < N * OUT; i++) out[i] = sentinel[i] = -7.0f;
+    /* oneDNN scales the bias with alpha: refused, whatever the CPU */
+    assert_int_equal(op_dnnl_bf16_matmul(out, a, w, bias, N, IN, OUT, 0.5f), QT_EUNSUPPORTED);
+    assert_memory_equal(out, sentinel, sizeof out);
+    int avail = op_dnnl_bf16_available();
+    printf("oneDNN native bf16 matmul available: %d (AVX512_BF16: %d)\n", avail, op_cpu_has_bf16());
+    if (!avail) {
+        assert_int_equal(op_dnnl_bf16_matmul(out, a, w, bias, N, IN, OUT, 1.0f), QT_EUNSUPPORTED);
+        assert_memory_equal(out, sentinel, sizeof out);
+    } else {
+        assert_int_equal(op_dnnl_bf16_matmul(out, a, w, bias, N, IN, OUT, 1.0f), QT_OK);
+        for (int n = 0; n < N; n++)
+            for (int o = 0; o < OUT; o++) {
+                double ref = bias[o], mag = 0;
+                for (int i = 0; i < IN; i++) {
+                    double p = (double)qt_bf16_to_f32(a[n * IN + i]) * qt_bf16_to_f32(w[o * IN + i]);
+                    ref += p, mag += fabs(p);
+                }
+                assert_true(fabs(out[n * OUT + o] - ref) <= 1e-5 * (mag + fabs(bias[o])) + 1e-6);
+            }
+    }
+    if (op_cpu_has_bf16()) return;
+    /* the model only selects it on bf16 hardware: emulated bf16 keeps fp32 sgemm */
+    setenv("QTUNE_BF16_EMULATE", "1", 1);
+    qt_model_opts o;
+    qt_model_opts_default(&o);
+    o.max_B = 1, o.max_T = 8, o.compute = QT_BF16;
+    qt_model *m;
+    assert_int_equal(qt_model_load(dir, &o, &m), QT_OK);
+    assert_int_equal(m->native_bf16, 0);
+    qt_model_free(m);
+    unsetenv("QTUNE_BF16_EMULATE");
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_round_f16_saturates),    cmocka_unit_test(test_round_bf16_and_f32),
         cmocka_unit_test(test_bf16_rule),              cmocka_unit_test(test_memplan_compute_copy),
         cmocka_unit_test(test_lora_base_held_in_f16),  cmocka_unit_test(test_full_compute_copy_refreshed),
+        cmocka_unit_test(test_round_store_and_load),   cmocka_unit_test(test_memplan_activations_2byte),
+        cmocka_unit_test(test_f16_acts_checkpointing_agree), cmocka_unit_test(test_dnnl_bf16_dispatch),
     };
     return cmocka_run_group_tests(tests, write_model, remove_model);
 }
