@@ -18,7 +18,8 @@ typedef struct {
     size_t activations; /* saved for backward: every layer, or each layer's input plus one
                            layer's worth with gradient checkpointing / inference */
     size_t act_grads;   /* backward scratch (activation gradients), 0 for inference */
-    size_t workspace;   /* weight panels converted to f32, lm_head vocabulary chunks */
+    size_t workspace;   /* weight panels converted to f32, lm_head vocabulary chunks; full
+                           fine-tuning: the kept (N, V) logits (qt_model_keeps_logits) */
     size_t kv_cache;    /* inference only: K and V for max_T positions of every layer */
     size_t compute_copy; /* training in f16/bf16: 2-byte copy of the trainable block (full), or the
                             frozen base converted to the compute dtype when the file's differs (LoRA) */

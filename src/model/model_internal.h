@@ -94,6 +94,10 @@ int qt_model_acts_2byte(const qt_model_opts *o);
 size_t qt_model_carve_acts(const qt_config *c, const qt_model_opts *o, float *base, qt_act_ptrs *p);
 size_t qt_model_carve_grads(const qt_config *c, const qt_model_opts *o, float *base, qt_grad_scratch *g);
 size_t qt_model_workspace_floats(const qt_config *c, const qt_model_opts *o);
+/* Full fine-tuning: the forward keeps the lm_head's logits in the workspace,
+ * at qt_model_kept_logits_offset floats, for the backward (rule in memplan.c). */
+int qt_model_keeps_logits(const qt_config *c, const qt_model_opts *o);
+size_t qt_model_kept_logits_offset(const qt_config *c, const qt_model_opts *o);
 size_t qt_model_kv_floats(const qt_config *c, const qt_model_opts *o);
 
 /* x[0..n) *= the LoRA dropout mask of (layer l, module j) at the model's

@@ -256,8 +256,9 @@ static int check_batch(const qt_model *m, const qt_batch *b) {
 }
 
 /* dx_lm != NULL (training with a frozen lm_head): the lm_head's dx, scaled by
- * grad_scale, is added into dx_lm in the same walk as the loss. */
-static void run_forward(qt_model *m, const qt_batch *b, int dropout, float *dx_lm, float grad_scale) {
+ * grad_scale, is added into dx_lm in the same walk as the loss. kept != NULL
+ * (training a kept-logits model): the logits stay there for the backward. */
+static void run_forward(qt_model *m, const qt_batch *b, int dropout, float *dx_lm, float grad_scale, float *kept) {
     const qt_config *c = &m->cfg;
     int N = b->B * b->T, C = c->hidden_size, L = c->num_hidden_layers;
     qt_act_ptrs *A = &m->acts;
@@ -269,6 +270,9 @@ static void run_forward(qt_model *m, const qt_batch *b, int dropout, float *dx_l
     if (dx_lm)
         op_lmhead_ce_forward_dx(A->loss, A->lse, dx_lm, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, grad_scale, N,
                                 C, c->vocab_size, m->ws);
+    else if (kept)
+        op_lmhead_ce_forward_keep(A->loss, A->lse, kept, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, N, C,
+                                  c->vocab_size, m->ws);
     else
         op_lmhead_ce_forward(A->loss, A->lse, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, N, C, c->vocab_size,
                              m->ws);
@@ -289,7 +293,7 @@ static void sum_loss(const qt_model *m, const qt_batch *b, double *loss_sum, int
 
 int qt_model_forward(qt_model *m, const qt_batch *b, double *loss_sum, int64_t *n_tokens, float *logp) {
     QT_TRY(check_batch(m, b));
-    run_forward(m, b, 0, NULL, 0.0f);
+    run_forward(m, b, 0, NULL, 0.0f, NULL);
     sum_loss(m, b, loss_sum, n_tokens, logp);
     return QT_OK;
 }
@@ -308,11 +312,17 @@ int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, 
     memset(dln, 0, sizeof(float) * (size_t)N * C); /* the forward does not use dln */
     /* frozen lm_head: dx comes out of the forward's walk (two (N, V) products, not three) */
     int fused = m->dlm_head == NULL;
-    run_forward(m, b, dropout, fused ? dln : NULL, grad_scale);
+    /* trainable lm_head: the logits kept from the forward when the plan has room */
+    float *kept = !fused && qt_model_keeps_logits(c, &m->opts) ? m->ws + qt_model_kept_logits_offset(c, &m->opts)
+                                                                : NULL;
+    run_forward(m, b, dropout, fused ? dln : NULL, grad_scale, kept);
     sum_loss(m, b, loss_sum, n_tokens, NULL);
 
     memset(dres, 0, sizeof(float) * (size_t)N * C);
-    if (!fused)
+    if (kept)
+        op_lmhead_ce_backward_kept(dln, m->dlm_head, kept, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, A->lse,
+                                   grad_scale, N, C, c->vocab_size, m->ws);
+    else if (!fused)
         op_lmhead_ce_backward(dln, m->dlm_head, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, A->lse, grad_scale, N,
                               C, c->vocab_size, m->ws);
     keep(m, dln, (size_t)N * C); /* in fp16 the first place a too-large loss scale overflows */

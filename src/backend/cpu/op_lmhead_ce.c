@@ -7,6 +7,11 @@
  * in place, and accumulates dx += dlogits @ Wc and dW[chunk] += dlogits^T @ x.
  * Rows whose target is -100 carry no loss and no gradient.
  *
+ * A trainable lm_head whose logits fit the plan (full fine-tuning, see
+ * qt_model_keeps_logits) keeps them instead: forward_keep writes each chunk's
+ * exp(l - m) to a (N, V) buffer, backward_kept scales it to dlogits in place
+ * and runs only the dx and dW products (3 (N, V, C) products a step, not 4).
+ *
  * Threading as in op_matmul.c: one OpenMP region per chunk; each thread
  * converts and multiplies its own slice of the chunk with a single-threaded
  * sgemm, then the rows are shared out for the softmax. */
@@ -43,8 +48,15 @@ static const float *chunk_logits(float *logits, float *wbuf, const float *x, con
     return wc;
 }
 
-void op_lmhead_ce_forward(float *loss, float *lse, const float *x, const void *w, qt_dtype wdt,
-                          const int32_t *targets, int N, int C, int V, float *ws) {
+size_t op_lmhead_ce_kept_floats(int N, int V) {
+    size_t chunks = ((size_t)V + OP_CE_CHUNK - 1) / OP_CE_CHUNK;
+    return (size_t)N * (size_t)V + (size_t)N * chunks;
+}
+
+/* kept == NULL: the chunk's logits go to the workspace and are dropped;
+ * else to kept's block for the chunk, as exp(l - m), with m in kept's maxima. */
+static void ce_forward(float *loss, float *lse, float *kept, const float *x, const void *w, qt_dtype wdt,
+                       const int32_t *targets, int N, int C, int V, float *ws) {
     op_blas_init();
     float *logits = ws, *wbuf = ws + (size_t)N * OP_CE_CHUNK;
     /* the doubles first: N * CHUNK + CHUNK * C is even, so they stay 8-byte aligned */
@@ -58,20 +70,88 @@ void op_lmhead_ce_forward(float *loss, float *lse, const float *x, const void *w
 #pragma omp parallel
     for (int v0 = 0; v0 < V; v0 += OP_CE_CHUNK) {
         int cv = V - v0 < OP_CE_CHUNK ? V - v0 : OP_CE_CHUNK;
-        chunk_logits(logits, wbuf, x, w, wdt, v0, cv, N, C);
+        float *lc = kept ? kept + (size_t)N * v0 : logits;
+        float *mc = kept ? kept + (size_t)N * V + (size_t)N * (size_t)(v0 / OP_CE_CHUNK) : NULL;
+        chunk_logits(lc, wbuf, x, w, wdt, v0, cv, N, C);
 #pragma omp for schedule(static)
         for (int n = 0; n < N; n++) {
-            float *l = logits + (size_t)n * cv;
+            float *l = lc + (size_t)n * cv;
             float m = op_row_max(l, cv, mx[n]);
             int t = targets[n];
             if (t >= v0 && t < v0 + cv) tl[n] = l[t - v0];
-            sum[n] = sum[n] * exp((double)mx[n] - (double)m) + op_row_exp(l, cv, m, 1.0f); /* l is scratch */
+            sum[n] = sum[n] * exp((double)mx[n] - (double)m) + op_row_exp(l, cv, m, 1.0f); /* l = exp(l - m) */
             mx[n] = m;
+            if (mc) mc[n] = m;
         } /* implicit barrier: the next chunk may overwrite logits */
     }
     for (int n = 0; n < N; n++) {
         lse[n] = mx[n] + (float)log(sum[n]);
         loss[n] = targets[n] == QT_IGNORE_INDEX ? 0.0f : lse[n] - tl[n];
+    }
+}
+
+void op_lmhead_ce_forward(float *loss, float *lse, const float *x, const void *w, qt_dtype wdt,
+                          const int32_t *targets, int N, int C, int V, float *ws) {
+    ce_forward(loss, lse, NULL, x, w, wdt, targets, N, C, V, ws);
+}
+
+void op_lmhead_ce_forward_keep(float *loss, float *lse, float *kept, const float *x, const void *w, qt_dtype wdt,
+                               const int32_t *targets, int N, int C, int V, float *ws) {
+    ce_forward(loss, lse, kept, x, w, wdt, targets, N, C, V, ws);
+}
+
+/* Inside a parallel region: dx += dl @ Wc on this thread's columns of dx,
+ * dw[chunk] += dl^T @ x on its rows of the chunk. */
+static void chunk_grads(float *dx, float *dw, const float *dl, const float *wc, const float *x, int v0, int cv, int N,
+                        int C) {
+    int nt = omp_get_num_threads(), id = omp_get_thread_num(), a, b;
+    if (dx) {
+        op_split(C, nt, id, 16, &a, &b);
+        if (b > a)
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, b - a, cv, 1.0f, dl, cv, wc + a, C, 1.0f,
+                        dx + a, C);
+    }
+    if (dw) {
+        op_split(cv, nt, id, 16, &a, &b);
+        if (b > a)
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, b - a, C, N, 1.0f, dl + a, cv, x, C, 1.0f,
+                        dw + (size_t)(v0 + a) * C, C);
+    }
+}
+
+void op_lmhead_ce_backward_kept(float *dx, float *dw, float *kept, const float *x, const void *w, qt_dtype wdt,
+                                const int32_t *targets, const float *lse, float dscale, int N, int C, int V,
+                                float *ws) {
+    op_blas_init();
+    float *wbuf = ws + (size_t)N * OP_CE_CHUNK;
+#pragma omp parallel
+    for (int v0 = 0; v0 < V; v0 += OP_CE_CHUNK) {
+        int cv = V - v0 < OP_CE_CHUNK ? V - v0 : OP_CE_CHUNK;
+        float *lc = kept + (size_t)N * v0;
+        const float *mc = kept + (size_t)N * V + (size_t)N * (size_t)(v0 / OP_CE_CHUNK);
+        const float *wc = (const float *)w + (size_t)v0 * C;
+        if (wdt != QT_F32) {
+            int a, b;
+            op_split(cv, omp_get_num_threads(), omp_get_thread_num(), 16, &a, &b);
+            if (b > a)
+                op_convert_rows_serial(wbuf + (size_t)a * C, w, wdt, (size_t)(v0 + a), (size_t)(v0 + b), (size_t)C);
+            wc = wbuf; /* the barrier below completes it */
+        }
+#pragma omp for schedule(static)
+        for (int n = 0; n < N; n++) {
+            float *l = lc + (size_t)n * cv;
+            int t = targets[n];
+            if (t == QT_IGNORE_INDEX) {
+                memset(l, 0, sizeof(float) * (size_t)cv);
+                continue;
+            }
+            /* exp(l - m) * dscale * exp(m - lse) = dscale * softmax */
+            float s = dscale * (float)exp((double)mc[n] - (double)lse[n]);
+            for (int j = 0; j < cv; j++) l[j] *= s;
+            if (t >= v0 && t < v0 + cv) l[t - v0] -= dscale;
+        } /* implicit barrier: dlogits (and the converted chunk) complete */
+        chunk_grads(dx, dw, lc, wc, x, v0, cv, N, C);
+#pragma omp barrier /* the next chunk overwrites wbuf */
     }
 }
 
@@ -94,19 +174,7 @@ void op_lmhead_ce_backward(float *dx, float *dw, const float *x, const void *w, 
             op_row_exp(l, cv, lse[n], dscale);
             if (t >= v0 && t < v0 + cv) l[t - v0] -= dscale;
         } /* implicit barrier: dlogits complete */
-        int nt = omp_get_num_threads(), id = omp_get_thread_num(), a, b;
-        if (dx) {
-            op_split(C, nt, id, 16, &a, &b);
-            if (b > a)
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, b - a, cv, 1.0f, logits, cv, wc + a, C,
-                            1.0f, dx + a, C);
-        }
-        if (dw) {
-            op_split(cv, nt, id, 16, &a, &b);
-            if (b > a)
-                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, b - a, C, N, 1.0f, logits + a, cv, x, C, 1.0f,
-                            dw + (size_t)(v0 + a) * C, C);
-        }
+        chunk_grads(dx, dw, logits, wc, x, v0, cv, N, C);
 #pragma omp barrier /* the next chunk overwrites logits and wbuf */
     }
 }

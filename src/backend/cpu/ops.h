@@ -90,6 +90,22 @@ void op_lmhead_ce_forward(float *loss, float *lse, const float *x, const void *w
 void op_lmhead_ce_backward(float *dx, float *dw, const float *x, const void *w, qt_dtype wdt, const int32_t *targets,
                            const float *lse, float dscale, int N, int C, int V, float *ws);
 
+/* Kept logits (a trainable lm_head when the buffer fits, see memplan.c): the
+ * forward stores each chunk's exp(logit - m) with m that chunk's running row
+ * max, so the backward needs no logits GEMM and no exp pass: it scales each
+ * (row, chunk) by dscale * exp(m - lse), subtracts the one-hot and runs the dx
+ * and dw products. kept holds op_lmhead_ce_kept_floats(N, V) floats: chunk k's
+ * (N, cv) block at N * k * OP_CE_CHUNK, then the (nchunks, N) maxima. The
+ * backward consumes kept (it becomes dlogits). Same loss and lse as
+ * op_lmhead_ce_forward; gradients equal op_lmhead_ce_backward's to fp32
+ * rounding (exp(l - m) * exp(m - lse) for exp(l - lse)). */
+size_t op_lmhead_ce_kept_floats(int N, int V);
+void op_lmhead_ce_forward_keep(float *loss, float *lse, float *kept, const float *x, const void *w, qt_dtype wdt,
+                               const int32_t *targets, int N, int C, int V, float *ws);
+void op_lmhead_ce_backward_kept(float *dx, float *dw, float *kept, const float *x, const void *w, qt_dtype wdt,
+                                const int32_t *targets, const float *lse, float dscale, int N, int C, int V,
+                                float *ws);
+
 /* Forward and dx together for a frozen lm_head (one walk over the vocabulary,
  * two sgemm per chunk instead of three over a forward + backward): loss, lse
  * as op_lmhead_ce_forward, and dx (N, C) += the gradient of sum_n dscale *

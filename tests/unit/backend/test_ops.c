@@ -333,6 +333,38 @@ static void test_lmhead_ce_forward_dx(void **state) {
     qt_free(x), qt_free(w), qt_free(ws), qt_free(wh);
 }
 
+/* Kept logits (trainable lm_head): forward_keep then backward_kept against
+ * forward then backward (recomputing), f32 and bf16 tables, a loss scale, an
+ * ignored row and a last chunk shorter than OP_CE_CHUNK. */
+static void test_lmhead_ce_kept(void **state) {
+    (void)state;
+    float *x = randv(CN * CC, 2.0f), *w = randv((size_t)CV * CC, 2.0f), *ws = zeros(op_lmhead_ce_ws_floats(CN, CC));
+    float *kept = zeros(op_lmhead_ce_kept_floats(CN, CV));
+    uint16_t *wh = qt_malloc(sizeof(uint16_t) * (size_t)CV * CC, "bf16 table");
+    qt_convert_from_f32(wh, QT_BF16, w, (size_t)CV * CC);
+    for (int k = 0; k < 2; k++) {
+        const void *wp = k ? (const void *)wh : (const void *)w;
+        qt_dtype dt = k ? QT_BF16 : QT_F32;
+        float l1[CN], s1[CN], l2[CN], s2[CN], *dx1 = randv(CN * CC, 1.0f), *dx2 = zeros(CN * CC);
+        float *dw1 = randv((size_t)CV * CC, 1.0f), *dw2 = zeros((size_t)CV * CC);
+        memcpy(dx2, dx1, sizeof(float) * CN * CC); /* both add into the same start */
+        memcpy(dw2, dw1, sizeof(float) * (size_t)CV * CC);
+        op_lmhead_ce_forward(l1, s1, x, wp, dt, ce_t, CN, CC, CV, ws);
+        op_lmhead_ce_backward(dx1, dw1, x, wp, dt, ce_t, s1, 256.0f, CN, CC, CV, ws);
+        op_lmhead_ce_forward_keep(l2, s2, kept, x, wp, dt, ce_t, CN, CC, CV, ws);
+        for (int n = 0; n < CN; n++) { /* the same walk: bit-identical */
+            assert_true(l1[n] == l2[n]);
+            assert_true(s1[n] == s2[n]);
+        }
+        op_lmhead_ce_backward_kept(dx2, dw2, kept, x, wp, dt, ce_t, s2, 256.0f, CN, CC, CV, ws);
+        for (int i = 0; i < CN * CC; i++) assert_true(fabsf(dx1[i] - dx2[i]) <= 1e-4f * (1.0f + fabsf(dx1[i])));
+        for (size_t i = 0; i < (size_t)CV * CC; i++)
+            assert_true(fabsf(dw1[i] - dw2[i]) <= 1e-4f * (1.0f + fabsf(dw1[i])));
+        qt_free(dx1), qt_free(dx2), qt_free(dw1), qt_free(dw2);
+    }
+    qt_free(x), qt_free(w), qt_free(ws), qt_free(kept), qt_free(wh);
+}
+
 /* op_exp8 against expf over the range the softmax uses, plus underflow to 0 */
 static void test_exp8(void **state) {
     (void)state;
@@ -388,7 +420,7 @@ int main(void) {
         cmocka_unit_test(test_matmul_half_panels), cmocka_unit_test(test_rope),
         cmocka_unit_test(test_attention), cmocka_unit_test(test_attention_blocks_and_cache),
         cmocka_unit_test(test_swiglu),    cmocka_unit_test(test_lmhead_ce),
-        cmocka_unit_test(test_lmhead_ce_forward_dx),
+        cmocka_unit_test(test_lmhead_ce_forward_dx), cmocka_unit_test(test_lmhead_ce_kept),
         cmocka_unit_test(test_exp8),
         cmocka_unit_test(test_embedding),
     };

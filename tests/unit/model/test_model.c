@@ -19,7 +19,9 @@
 #include "io/hf_config.h"
 #include "io/safetensors.h"
 #include "model/lora_io.h"
+#include "backend/cpu/ops.h"
 #include "model/memplan.h"
+#include "model/model_internal.h"
 #include "model/model.h"
 
 static char dir[256];
@@ -87,6 +89,35 @@ static void test_memplan(void **state) {
     assert_int_equal(inf.master + inf.grads + inf.act_grads, 0);
     assert_int_equal(inf.kv_cache, (size_t)2 * cfg.num_hidden_layers * 32 * KVD * 4);
     assert_true(inf.total == inf.base_f32 + inf.activations + inf.workspace + inf.kv_cache);
+}
+
+/* Full fine-tuning keeps the lm_head logits while they take no more than the
+ * trainable state (16 B a parameter), in the workspace after the chunk
+ * scratch; LoRA and inference never do. */
+static void test_kept_logits_rule(void **state) {
+    (void)state;
+    qt_model_opts o;
+    qt_model_opts_default(&o);
+    o.max_B = 2, o.max_T = 32;
+    size_t numel = qt_model_trainable_numel(&cfg, &o), V = (size_t)cfg.vocab_size;
+    assert_true(qt_model_keeps_logits(&cfg, &o));
+    qt_mem_breakdown b;
+    qt_model_memory(&cfg, &o, &b);
+    assert_int_equal(b.workspace, (qt_model_kept_logits_offset(&cfg, &o) + op_lmhead_ce_kept_floats(64, (int)V)) * 4);
+    /* the largest max_T that still fits, and one more */
+    size_t chunks = (V + OP_CE_CHUNK - 1) / OP_CE_CHUNK, per_tok = (V + chunks) * 4;
+    o.max_B = 1, o.max_T = (int)(numel * 16 / per_tok);
+    assert_true(qt_model_keeps_logits(&cfg, &o));
+    o.max_T++;
+    assert_false(qt_model_keeps_logits(&cfg, &o));
+    qt_model_memory(&cfg, &o, &b);
+    /* recomputing: the workspace has no room for the kept buffer */
+    assert_true(b.workspace < (qt_model_kept_logits_offset(&cfg, &o) + op_lmhead_ce_kept_floats(o.max_T, (int)V)) * 4);
+    o.max_T = 32;
+    o.lora = 1, o.lora_r = 4, o.lora_targets = QT_LORA_Q;
+    assert_false(qt_model_keeps_logits(&cfg, &o));
+    o.lora = 0, o.infer = 1;
+    assert_false(qt_model_keeps_logits(&cfg, &o));
 }
 
 static void test_param_table_and_load(void **state) {
@@ -200,6 +231,7 @@ static void test_lora_identity_at_init(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_memplan),
+        cmocka_unit_test(test_kept_logits_rule),
         cmocka_unit_test(test_param_table_and_load),
         cmocka_unit_test(test_bad_batches),
         cmocka_unit_test(test_lora_identity_at_init),

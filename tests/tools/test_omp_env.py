@@ -1,0 +1,28 @@
+"""qtune makes OpenMP's idle threads sleep (OMP_WAIT_POLICY=passive, libgomp spin count 0) unless the
+environment chooses: src/cli/main.c sets the variable and executes itself again before any work.
+OMP_DISPLAY_ENV=verbose makes libgomp print the spin count it uses (the last print is the process
+that runs the command)."""
+import os
+import subprocess
+
+from conftest import QTUNE, qtune
+
+
+def spin_count(extra):
+    qtune("--version", check=0)  # fails with a clear message when QTUNE_BIN is not set
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(extra, OMP_DISPLAY_ENV="verbose")
+    p = subprocess.run([QTUNE, "--version"], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0 and "qtune" in p.stdout, p.stderr
+    lines = [l for l in p.stderr.splitlines() if "GOMP_SPINCOUNT" in l]
+    assert lines, f"libgomp printed no GOMP_SPINCOUNT line:\n{p.stderr}"
+    return lines[-1].split("=")[1].strip().strip("'")
+
+
+def test_default_is_passive():
+    assert spin_count({}) == "0"
+
+
+def test_environment_wins():
+    assert spin_count({"OMP_WAIT_POLICY": "active"}) != "0"
+    assert spin_count({"GOMP_SPINCOUNT": "1000"}) == "1000"
