@@ -289,8 +289,10 @@ void op_attention_backward(float *dq, float *dk, float *dv, const float *dout, c
     }
 #pragma omp parallel
     {
-        /* pass 1: dK, dV by key block; the first key blocks see the most queries */
-#pragma omp for collapse(3) schedule(dynamic, 1)
+        /* pass 1: dK, dV by key block; the first key blocks see the most
+         * queries. Pass 2 writes only dQ and both only read the inputs, so a
+         * thread done with pass 1 moves on without waiting (nowait). */
+#pragma omp for collapse(3) schedule(dynamic, 1) nowait
         for (int b = 0; b < B; b++)
             for (int kh = 0; kh < KV; kh++)
                 for (int jb = 0; jb < NB; jb++) {
