@@ -13,7 +13,9 @@
  * The same nominal count for every implementation and mask, so GFLOP/s
  * compare implementations; documents skip work the count still includes.
  *
- * Each op runs once to warm up, then R timed calls; reported: CPU ms per call
+ * Each op runs once to warm up, then at least R timed calls and at least
+ * 0.5 CPU-seconds' worth (short shapes are otherwise lost in the noise of a
+ * shared machine); reported: CPU ms per call
  * (process CPU time, all threads: steadier than the wall clock on a shared
  * machine), wall ms per call, and nominal GFLOP per CPU-second. */
 #define _GNU_SOURCE
@@ -26,6 +28,8 @@
 
 #include "backend/cpu/ops.h"
 #include "core/mem.h"
+
+#define MIN_CPU_S 0.5
 
 static double now_s(clockid_t c) {
     struct timespec ts;
@@ -57,14 +61,17 @@ static void run_shape(const char *name, int B, int T, int H, int KV, int D, int 
     }
     double fwd_flop = 2.0 * B * H * (double)T * T * D, bwd_flop = 2.5 * fwd_flop;
     double c0, w0, fc, fw, bc, bw;
+    int n;
     op_attention_forward(out, lse, q, k, v, doc, B, T, H, KV, D);
     c0 = now_s(CLOCK_PROCESS_CPUTIME_ID), w0 = now_s(CLOCK_MONOTONIC);
-    for (int r = 0; r < reps; r++) op_attention_forward(out, lse, q, k, v, doc, B, T, H, KV, D);
-    fc = (now_s(CLOCK_PROCESS_CPUTIME_ID) - c0) / reps, fw = (now_s(CLOCK_MONOTONIC) - w0) / reps;
+    for (n = 0; n < reps || now_s(CLOCK_PROCESS_CPUTIME_ID) - c0 < MIN_CPU_S; n++)
+        op_attention_forward(out, lse, q, k, v, doc, B, T, H, KV, D);
+    fc = (now_s(CLOCK_PROCESS_CPUTIME_ID) - c0) / n, fw = (now_s(CLOCK_MONOTONIC) - w0) / n;
     op_attention_backward(dq, dk, dv, dout, out, lse, q, k, v, doc, B, T, H, KV, D);
     c0 = now_s(CLOCK_PROCESS_CPUTIME_ID), w0 = now_s(CLOCK_MONOTONIC);
-    for (int r = 0; r < reps; r++) op_attention_backward(dq, dk, dv, dout, out, lse, q, k, v, doc, B, T, H, KV, D);
-    bc = (now_s(CLOCK_PROCESS_CPUTIME_ID) - c0) / reps, bw = (now_s(CLOCK_MONOTONIC) - w0) / reps;
+    for (n = 0; n < reps || now_s(CLOCK_PROCESS_CPUTIME_ID) - c0 < MIN_CPU_S; n++)
+        op_attention_backward(dq, dk, dv, dout, out, lse, q, k, v, doc, B, T, H, KV, D);
+    bc = (now_s(CLOCK_PROCESS_CPUTIME_ID) - c0) / n, bw = (now_s(CLOCK_MONOTONIC) - w0) / n;
     printf("%-14s B=%d T=%-4d H=%-2d KV=%d D=%-3d docs=%-4d threads=%d | fwd %8.2f CPU ms %8.2f wall ms %6.1f GFLOP/CPU-s "
            "| bwd %8.2f CPU ms %8.2f wall ms %6.1f GFLOP/CPU-s\n",
            name, B, T, H, KV, D, docs, omp_get_max_threads(), 1e3 * fc, 1e3 * fw, fwd_flop / fc * 1e-9, 1e3 * bc,
