@@ -1,7 +1,7 @@
 /* bench_attention: CPU time of op_attention_forward / op_attention_backward
  * alone, on the shapes of the models qtune trains.
  *
- *   bench_attention [--threads N] [--reps R] [--shape B T H KV D] [--docs L]
+ *   bench_attention [--threads N] [--reps R] [--min-cpu S] [--shape B T H KV D] [--docs L]
  *
  * Without --shape it runs qwen2.5-0.5b (B=1, H=14, KV=2, D=64) at T=256 and
  * T=1024 and bench-tiny (B=4, T=256, H=4, KV=2, D=64). --docs L packs each
@@ -14,7 +14,7 @@
  * compare implementations; documents skip work the count still includes.
  *
  * Each op runs once to warm up, then at least R timed calls and at least
- * 0.5 CPU-seconds' worth (short shapes are otherwise lost in the noise of a
+ * S CPU-seconds' worth (0.5 by default; short shapes are otherwise lost in the noise of a
  * shared machine); reported: CPU ms per call
  * (process CPU time, all threads: steadier than the wall clock on a shared
  * machine), wall ms per call, and nominal GFLOP per CPU-second. */
@@ -29,7 +29,7 @@
 #include "backend/cpu/ops.h"
 #include "core/mem.h"
 
-#define MIN_CPU_S 0.5
+static double min_cpu_s = 0.5; /* --min-cpu */
 
 static double now_s(clockid_t c) {
     struct timespec ts;
@@ -64,12 +64,12 @@ static void run_shape(const char *name, int B, int T, int H, int KV, int D, int 
     int n;
     op_attention_forward(out, lse, q, k, v, doc, B, T, H, KV, D);
     c0 = now_s(CLOCK_PROCESS_CPUTIME_ID), w0 = now_s(CLOCK_MONOTONIC);
-    for (n = 0; n < reps || now_s(CLOCK_PROCESS_CPUTIME_ID) - c0 < MIN_CPU_S; n++)
+    for (n = 0; n < reps || now_s(CLOCK_PROCESS_CPUTIME_ID) - c0 < min_cpu_s; n++)
         op_attention_forward(out, lse, q, k, v, doc, B, T, H, KV, D);
     fc = (now_s(CLOCK_PROCESS_CPUTIME_ID) - c0) / n, fw = (now_s(CLOCK_MONOTONIC) - w0) / n;
     op_attention_backward(dq, dk, dv, dout, out, lse, q, k, v, doc, B, T, H, KV, D);
     c0 = now_s(CLOCK_PROCESS_CPUTIME_ID), w0 = now_s(CLOCK_MONOTONIC);
-    for (n = 0; n < reps || now_s(CLOCK_PROCESS_CPUTIME_ID) - c0 < MIN_CPU_S; n++)
+    for (n = 0; n < reps || now_s(CLOCK_PROCESS_CPUTIME_ID) - c0 < min_cpu_s; n++)
         op_attention_backward(dq, dk, dv, dout, out, lse, q, k, v, doc, B, T, H, KV, D);
     bc = (now_s(CLOCK_PROCESS_CPUTIME_ID) - c0) / n, bw = (now_s(CLOCK_MONOTONIC) - w0) / n;
     printf("%-14s B=%d T=%-4d H=%-2d KV=%d D=%-3d docs=%-4d threads=%d | fwd %8.2f CPU ms %8.2f wall ms %6.1f GFLOP/CPU-s "
@@ -88,12 +88,14 @@ int main(int argc, char **argv) {
             omp_set_num_threads(atoi(argv[++i]));
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
             reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--min-cpu") && i + 1 < argc)
+            min_cpu_s = atof(argv[++i]);
         else if (!strcmp(argv[i], "--docs") && i + 1 < argc)
             docs = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--shape") && i + 5 < argc)
             for (int j = 0; j < 5; j++) shape[j] = atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: %s [--threads N] [--reps R] [--shape B T H KV D] [--docs L]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--threads N] [--reps R] [--min-cpu S] [--shape B T H KV D] [--docs L]\n", argv[0]);
             return 2;
         }
     }
