@@ -13,6 +13,9 @@
  * The same nominal count for every implementation and mask, so GFLOP/s
  * compare implementations; documents skip work the count still includes.
  *
+ * With B = 1 it also times op_attention_forward_cached (decoding): the T
+ * tokens as one prompt, and one token at position T-1 against T keys.
+ *
  * Each op runs once to warm up, then at least R timed calls and at least
  * S CPU-seconds' worth (0.5 by default; short shapes are otherwise lost in the noise of a
  * shared machine); reported: CPU ms per call
@@ -76,6 +79,21 @@ static void run_shape(const char *name, int B, int T, int H, int KV, int D, int 
            "| bwd %8.2f CPU ms %8.2f wall ms %6.1f GFLOP/CPU-s\n",
            name, B, T, H, KV, D, docs, omp_get_max_threads(), 1e3 * fc, 1e3 * fw, fwd_flop / fc * 1e-9, 1e3 * bc,
            1e3 * bw, bwd_flop / bc * 1e-9);
+    if (B == 1) {
+        /* decoding (qtune generate): the T-token prompt at once, then one token at position T-1 */
+        double pc, dc;
+        op_attention_forward_cached(out, q, k, v, T, 0, H, KV, D);
+        c0 = now_s(CLOCK_PROCESS_CPUTIME_ID);
+        for (n = 0; n < reps || now_s(CLOCK_PROCESS_CPUTIME_ID) - c0 < min_cpu_s; n++)
+            op_attention_forward_cached(out, q, k, v, T, 0, H, KV, D);
+        pc = (now_s(CLOCK_PROCESS_CPUTIME_ID) - c0) / n;
+        c0 = now_s(CLOCK_PROCESS_CPUTIME_ID);
+        for (n = 0; n < reps || now_s(CLOCK_PROCESS_CPUTIME_ID) - c0 < min_cpu_s; n++)
+            op_attention_forward_cached(out, q + (size_t)(T - 1) * H * D, k, v, 1, T - 1, H, KV, D);
+        dc = (now_s(CLOCK_PROCESS_CPUTIME_ID) - c0) / n;
+        printf("%-14s cached: prompt of %d %8.2f CPU ms %6.1f GFLOP/CPU-s | one token at %d %8.3f CPU ms\n", name, T,
+               1e3 * pc, fwd_flop / pc * 1e-9, T - 1, 1e3 * dc);
+    }
     fflush(stdout);
     qt_free(q), qt_free(k), qt_free(v), qt_free(dout), qt_free(out), qt_free(lse);
     qt_free(dq), qt_free(dk), qt_free(dv), qt_free(doc);

@@ -30,18 +30,18 @@
 
 #define ATT_BR 64 /* query rows per block */
 #define ATT_BC 64 /* keys per block */
-#define ATT_MAX_D 1024
 
-/* Shape of one (b, kv head) slice: strides of q/out/dout rows (H*D) and k/v
- * rows (KV*D), and where the doc_start row of batch row b begins (or NULL). */
+/* Sizes and strides: q/out/dout rows are H*D apart, k/v rows KV*D. Query
+ * row t sits at key position t + pos0 (pos0 > 0 only when decoding against
+ * a cache that already holds pos0 earlier keys). */
 typedef struct {
-    int T, H, KV, D, G;
+    int T, H, KV, D, G, pos0;
     size_t qs, ks;
     float scale;
 } att_dims;
 
-static att_dims att_dims_of(int T, int H, int KV, int D) {
-    att_dims a = {T, H, KV, D, H / KV, (size_t)H * D, (size_t)KV * D, 1.0f / sqrtf((float)D)};
+static att_dims att_dims_of(int T, int H, int KV, int D, int pos0) {
+    att_dims a = {T, H, KV, D, H / KV, pos0, (size_t)H * D, (size_t)KV * D, 1.0f / sqrtf((float)D)};
     return a;
 }
 
@@ -57,16 +57,16 @@ static void doc_range(const int32_t *doc, int i0, int i1, int *lo, int *hi) {
 }
 
 /* s (mi, nj) = scale * Q[i0 .. i0+mi) K[j0 .. j0+nj)^T, then -inf where key
- * j0+c is outside [doc[i0+r], i0+r]. q, k point at row 0 of the head. */
+ * j0+c is outside [doc[i0+r], i0+r+pos0]. q, k point at row 0 of the head. */
 static void att_scores(float *s, const float *q, const float *k, const int32_t *doc, int i0, int mi, int j0, int nj,
                        const att_dims *a) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, mi, nj, a->D, a->scale, q + (size_t)i0 * a->qs, (int)a->qs,
                 k + (size_t)j0 * a->ks, (int)a->ks, 0.0f, s, ATT_BC);
     int dlo, dhi;
     doc_range(doc, i0, i0 + mi, &dlo, &dhi);
-    if (j0 + nj - 1 <= i0 && j0 >= dhi) return; /* every (row, key) pair visible */
+    if (j0 + nj - 1 <= i0 + a->pos0 && j0 >= dhi) return; /* every (row, key) pair visible */
     for (int r = 0; r < mi; r++) {
-        int t = i0 + r, lo = (doc ? doc[t] : 0) - j0, hi = t - j0; /* visible columns [lo, hi] */
+        int t = i0 + r, lo = (doc ? doc[t] : 0) - j0, hi = t + a->pos0 - j0; /* visible columns [lo, hi] */
         float *sr = s + (size_t)r * ATT_BC;
         for (int c = 0; c < nj; c++)
             if (c < lo || c > hi) sr[c] = -INFINITY;
@@ -74,8 +74,8 @@ static void att_scores(float *s, const float *q, const float *k, const int32_t *
 }
 
 /* One query block [i0, i0+mi) of head h of batch row b against all the keys
- * it sees: out rows and lse written. q, k, v, out, doc at batch row b (k, v
- * at the kv head's column). */
+ * it sees: out rows and lse (when not NULL) written. q, k, v, out, doc at
+ * batch row b (k, v at the kv head's column). */
 static void att_fwd_block(float *out, float *lse, const float *q, const float *k, const float *v,
                           const int32_t *doc, int i0, int mi, const att_dims *a) {
     float s[ATT_BR * ATT_BC];
@@ -86,8 +86,9 @@ static void att_fwd_block(float *out, float *lse, const float *q, const float *k
         memset(out + (size_t)(i0 + r) * a->qs, 0, sizeof(float) * (size_t)D);
     }
     doc_range(doc, i0, i0 + mi, &dlo, &dhi);
-    for (int j0 = dlo / ATT_BC * ATT_BC; j0 < i0 + mi; j0 += ATT_BC) {
-        int nj = i0 + mi - j0 < ATT_BC ? i0 + mi - j0 : ATT_BC;
+    int jend = i0 + mi + a->pos0; /* one past the last key a row of the block sees */
+    for (int j0 = dlo / ATT_BC * ATT_BC; j0 < jend; j0 += ATT_BC) {
+        int nj = jend - j0 < ATT_BC ? jend - j0 : ATT_BC;
         att_scores(s, q, k, doc, i0, mi, j0, nj, a);
         for (int r = 0; r < mi; r++) {
             float *sr = s + (size_t)r * ATT_BC, *orow = out + (size_t)(i0 + r) * a->qs;
@@ -105,14 +106,14 @@ static void att_fwd_block(float *out, float *lse, const float *q, const float *k
     for (int r = 0; r < mi; r++) {
         float inv = 1.0f / l[r], *orow = out + (size_t)(i0 + r) * a->qs;
         for (int d = 0; d < D; d++) orow[d] *= inv;
-        lse[i0 + r] = m[r] + logf(l[r]);
+        if (lse) lse[i0 + r] = m[r] + logf(l[r]);
     }
 }
 
 void op_attention_forward(float *out, float *lse, const float *q, const float *k, const float *v,
                           const int32_t *doc_start, int B, int T, int H, int KV, int D) {
     op_blas_init();
-    att_dims a = att_dims_of(T, H, KV, D);
+    att_dims a = att_dims_of(T, H, KV, D, 0);
     int NB = (T + ATT_BR - 1) / ATT_BR;
     /* the last query blocks see the most keys: hand them out first */
 #pragma omp parallel for collapse(3) schedule(dynamic, 1)
@@ -126,27 +127,32 @@ void op_attention_forward(float *out, float *lse, const float *q, const float *k
             }
 }
 
-/* ---- cached decode: one query row at a time (n is small when decoding) ---- */
+/* ---- decoding against a cache --------------------------------------------
+ * A few new queries (one per generated token) go one row at a time with
+ * vector dot products: an sgemm per 64 keys for a single row costs more in
+ * call and packing overhead than it computes. A prompt (n >= ATT_ROWS_MAX)
+ * goes through the same blocks as training, as one batch row of T = n
+ * whose row i sits at key position pos0 + i. */
+#define ATT_ROWS_MAX 16
+#define ATT_MAX_D 1024
 
-/* One query row against keys [j0, j1] (inclusive) of k/v with row stride ks. */
-static float attn_row(float *o, const float *qv, const float *k, const float *v, size_t ks, int j0, int j1, int D,
-                      float scale) {
+/* One query row against keys [0, j1] of k/v with row stride ks (online softmax). */
+static void attn_row(float *o, const float *qv, const float *k, const float *v, size_t ks, int j1, int D,
+                     float scale) {
     float acc[ATT_MAX_D];
     float s[ATT_BC];
     float m = -FLT_MAX, l = 0.0f;
     for (int d = 0; d < D; d++) acc[d] = 0.0f;
-    for (int b0 = j0; b0 <= j1; b0 += ATT_BC) {
+    for (int b0 = 0; b0 <= j1; b0 += ATT_BC) {
         int b1 = b0 + ATT_BC - 1 < j1 ? b0 + ATT_BC - 1 : j1;
-        float bm = -FLT_MAX;
         for (int j = b0; j <= b1; j++) {
             const float *kj = k + (size_t)j * ks;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int d = 0; d < D; d++) dot += qv[d] * kj[d];
             s[j - b0] = dot * scale;
-            if (s[j - b0] > bm) bm = s[j - b0];
         }
-        float mn = bm > m ? bm : m;
+        float mn = op_row_max(s, b1 - b0 + 1, m);
         float corr = expf(m - mn);
         l *= corr;
         for (int d = 0; d < D; d++) acc[d] *= corr;
@@ -160,19 +166,28 @@ static float attn_row(float *o, const float *qv, const float *k, const float *v,
     }
     float inv = 1.0f / l;
     for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
-    return m + logf(l);
 }
 
 void op_attention_forward_cached(float *out, const float *q, const float *kc, const float *vc, int n, int pos0,
                                  int H, int KV, int D) {
-    int G = H / KV;
-    float scale = 1.0f / sqrtf((float)D);
-    size_t ks = (size_t)KV * D;
+    att_dims a = att_dims_of(n, H, KV, D, pos0);
+    if (n < ATT_ROWS_MAX) {
 #pragma omp parallel for collapse(2) schedule(static)
-    for (int i = 0; i < n; i++)
-        for (int h = 0; h < H; h++) {
-            const float *kb = kc + (size_t)(h / G) * D, *vb = vc + (size_t)(h / G) * D;
-            attn_row(out + ((size_t)i * H + h) * D, q + ((size_t)i * H + h) * D, kb, vb, ks, 0, pos0 + i, D, scale);
+        for (int i = 0; i < n; i++)
+            for (int h = 0; h < H; h++) {
+                size_t ko = (size_t)(h / a.G) * D, qo = (size_t)i * a.qs + (size_t)h * D;
+                attn_row(out + qo, q + qo, kc + ko, vc + ko, a.ks, pos0 + i, D, a.scale);
+            }
+        return;
+    }
+    op_blas_init();
+    int NB = (n + ATT_BR - 1) / ATT_BR;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    for (int h = 0; h < H; h++)
+        for (int ib = NB - 1; ib >= 0; ib--) {
+            size_t ko = (size_t)(h / a.G) * D;
+            int i0 = ib * ATT_BR, mi = n - i0 < ATT_BR ? n - i0 : ATT_BR;
+            att_fwd_block(out + (size_t)h * D, NULL, q + (size_t)h * D, kc + ko, vc + ko, NULL, i0, mi, &a);
         }
 }
 
@@ -273,7 +288,7 @@ void op_attention_backward(float *dq, float *dk, float *dv, const float *dout, c
                            const float *q, const float *k, const float *v, const int32_t *doc_start, int B, int T,
                            int H, int KV, int D) {
     op_blas_init();
-    att_dims a = att_dims_of(T, H, KV, D);
+    att_dims a = att_dims_of(T, H, KV, D, 0);
     int G = a.G, NB = (T + ATT_BC - 1) / ATT_BC;
     if (B * KV >= omp_get_max_threads()) {
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)

@@ -231,7 +231,8 @@ static void test_attention(void **state) {
 }
 
 /* More keys than one block (online rescaling across blocks), GQA ratio 7,
- * and the cached decode path agreeing with the batched one. */
+ * and the cached decode path agreeing with the batched one: one prompt of
+ * 100 rows, single rows, and 80 rows after 70 cached ones. */
 static void test_attention_blocks_and_cache(void **state) {
     (void)state;
     const int T = 150, H = 7, KV = 1, D = 16;
@@ -247,6 +248,11 @@ static void test_attention_blocks_and_cache(void **state) {
     for (int t = 100; t < T; t++)
         op_attention_forward_cached(out2 + (size_t)t * H * D, q + (size_t)t * H * D, k, v, 1, t, H, KV, D);
     expect_close("cached attention out", out2, want, nq, 1e-5);
+    /* a prompt after a cached prefix: rows 70..149 at once (the block path, offset 70) */
+    memset(out2, 0, nq * sizeof(float));
+    op_attention_forward_cached(out2 + (size_t)70 * H * D, q + (size_t)70 * H * D, k, v, T - 70, 70, H, KV, D);
+    expect_close("cached attention out (pos0 70)", out2 + (size_t)70 * H * D, want + (size_t)70 * H * D,
+                 (size_t)(T - 70) * H * D, 1e-5);
     qt_free(q), qt_free(k), qt_free(v), qt_free(out), qt_free(lse), qt_free(out2), free(want);
 }
 
