@@ -56,6 +56,21 @@ static void doc_range(const int32_t *doc, int i0, int i1, int *lo, int *hi) {
     *lo = a, *hi = b;
 }
 
+/* The rows [i0 + *r0, i0 + *r1) of query block [i0, i0+mi) that see at
+ * least one key of [j0, j0+nj) (row t sees [doc[t], t + pos0]); returns 0
+ * when none does. Only those rows enter the block pair's products: with
+ * packed documents a query block that straddles a document start has rows
+ * that see none of the earlier document's key blocks. */
+static int att_rows_seeing(const int32_t *doc, int i0, int mi, int j0, int nj, int pos0, int *r0, int *r1) {
+    int first = mi, last = -1;
+    for (int r = 0; r < mi; r++) {
+        int t = i0 + r, lo = doc && doc[t] > j0 ? doc[t] : j0, hi = t + pos0 < j0 + nj - 1 ? t + pos0 : j0 + nj - 1;
+        if (lo <= hi) first = r < first ? r : first, last = r;
+    }
+    *r0 = first, *r1 = last + 1;
+    return last >= first;
+}
+
 /* s (mi, nj) = scale * Q[i0 .. i0+mi) K[j0 .. j0+nj)^T, then -inf where key
  * j0+c is outside [doc[i0+r], i0+r+pos0]. q, k point at row 0 of the head. */
 static void att_scores(float *s, const float *q, const float *k, const int32_t *doc, int i0, int mi, int j0, int nj,
@@ -88,20 +103,22 @@ static void att_fwd_block(float *out, float *lse, const float *q, const float *k
     doc_range(doc, i0, i0 + mi, &dlo, &dhi);
     int jend = i0 + mi + a->pos0; /* one past the last key a row of the block sees */
     for (int j0 = dlo / ATT_BC * ATT_BC; j0 < jend; j0 += ATT_BC) {
-        int nj = jend - j0 < ATT_BC ? jend - j0 : ATT_BC;
-        att_scores(s, q, k, doc, i0, mi, j0, nj, a);
-        for (int r = 0; r < mi; r++) {
-            float *sr = s + (size_t)r * ATT_BC, *orow = out + (size_t)(i0 + r) * a->qs;
-            float mn = op_row_max(sr, nj, m[r]);
-            float corr = expf(m[r] - mn);
-            l[r] = l[r] * corr + (float)op_row_exp(sr, nj, mn, 1.0f); /* sr = p */
+        int nj = jend - j0 < ATT_BC ? jend - j0 : ATT_BC, r0, r1;
+        if (!att_rows_seeing(doc, i0, mi, j0, nj, a->pos0, &r0, &r1)) continue;
+        int ri = i0 + r0, rm = r1 - r0; /* rows [ri, ri+rm) take part */
+        att_scores(s, q, k, doc, ri, rm, j0, nj, a);
+        for (int r = 0; r < rm; r++) {
+            float *sr = s + (size_t)r * ATT_BC, *orow = out + (size_t)(ri + r) * a->qs, *mr = m + r0 + r;
+            float mn = op_row_max(sr, nj, *mr);
+            float corr = expf(*mr - mn);
+            l[r0 + r] = l[r0 + r] * corr + (float)op_row_exp(sr, nj, mn, 1.0f); /* sr = p */
             if (corr != 1.0f)
                 for (int d = 0; d < D; d++) orow[d] *= corr;
-            m[r] = mn;
+            *mr = mn;
         }
-        /* out (mi, D) += P (mi, nj) V (nj, D) */
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, mi, D, nj, 1.0f, s, ATT_BC, v + (size_t)j0 * a->ks,
-                    (int)a->ks, 1.0f, out + (size_t)i0 * a->qs, (int)a->qs);
+        /* out (rm, D) += P (rm, nj) V (nj, D) */
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rm, D, nj, 1.0f, s, ATT_BC, v + (size_t)j0 * a->ks,
+                    (int)a->ks, 1.0f, out + (size_t)ri * a->qs, (int)a->qs);
     }
     for (int r = 0; r < mi; r++) {
         float inv = 1.0f / l[r], *orow = out + (size_t)(i0 + r) * a->qs;
@@ -230,14 +247,6 @@ static void att_delta(float *delta, const float *dout, const float *out, int i0,
     }
 }
 
-/* Does any query row of [i0, i0+mi) see a key of [j0, j0+nj)? */
-static int att_pair_visible(const int32_t *doc, int i0, int mi, int j0, int nj) {
-    if (j0 > i0 + mi - 1) return 0;
-    int dlo, dhi;
-    doc_range(doc, i0, i0 + mi, &dlo, &dhi);
-    return dlo <= j0 + nj - 1;
-}
-
 /* Key block [j0, j0+nj) of kv head slice (k, v, dk, dv) against every query
  * block of the G heads reading it: dK_j, dV_j += (and dQ += when dq is not
  * NULL: only when this thread owns all of the (b, kv head) slice). q, dq,
@@ -250,9 +259,10 @@ static void att_bwd_keys(float *dq, float *dk, float *dv, const float *dout, con
     for (int g = 0; g < a->G; g++) {
         size_t ho = (size_t)g * D;
         const float *lg = lse + (size_t)g * a->T;
-        for (int i0 = j0 / ATT_BR * ATT_BR; i0 < a->T; i0 += ATT_BR) {
-            int mi = a->T - i0 < ATT_BR ? a->T - i0 : ATT_BR;
-            if (!att_pair_visible(doc, i0, mi, j0, nj)) continue;
+        for (int b0 = j0 / ATT_BR * ATT_BR; b0 < a->T; b0 += ATT_BR) {
+            int r0, r1;
+            if (!att_rows_seeing(doc, b0, a->T - b0 < ATT_BR ? a->T - b0 : ATT_BR, j0, nj, 0, &r0, &r1)) continue;
+            int i0 = b0 + r0, mi = r1 - r0; /* the query rows that see this key block */
             att_delta(delta, dout + ho, out + ho, i0, mi, a);
             att_bwd_pair(s, dp, q + ho, k, v, dout + ho, lg, delta, doc, i0, mi, j0, nj, a);
             /* dV_j (nj, D) += P^T (nj, mi) dO_i (mi, D) */
@@ -277,10 +287,11 @@ static void att_bwd_queries(float *dq, const float *dout, const float *out, cons
     doc_range(doc, i0, i0 + mi, &dlo, &dhi);
     att_delta(delta, dout, out, i0, mi, a);
     for (int j0 = dlo / ATT_BC * ATT_BC; j0 < i0 + mi; j0 += ATT_BC) {
-        int nj = a->T - j0 < ATT_BC ? a->T - j0 : ATT_BC;
-        att_bwd_pair(s, dp, q, k, v, dout, lse, delta, doc, i0, mi, j0, nj, a);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, mi, a->D, nj, 1.0f, dp, ATT_BC,
-                    k + (size_t)j0 * a->ks, (int)a->ks, 1.0f, dq + (size_t)i0 * a->qs, (int)a->qs);
+        int nj = a->T - j0 < ATT_BC ? a->T - j0 : ATT_BC, r0, r1;
+        if (!att_rows_seeing(doc, i0, mi, j0, nj, 0, &r0, &r1)) continue;
+        att_bwd_pair(s, dp, q, k, v, dout, lse, delta + r0, doc, i0 + r0, r1 - r0, j0, nj, a);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r1 - r0, a->D, nj, 1.0f, dp, ATT_BC,
+                    k + (size_t)j0 * a->ks, (int)a->ks, 1.0f, dq + (size_t)(i0 + r0) * a->qs, (int)a->qs);
     }
 }
 
