@@ -253,6 +253,12 @@ def label_shapes(cfg, B, T, mode):
         lab.setdefault((N, cv, C, "n", "t"), []).append("lm_head chunk logits (calls/step = 2x chunks when the backward recomputes them)")
         lab.setdefault((N, C, cv, "n", "n"), []).append("lm_head chunk bwd dX")
         lab.setdefault((cv, C, N, "t", "n"), []).append("lm_head chunk bwd dW")
+    # attention on 64x64 blocks (op_attention.c): the full blocks' shapes; the
+    # last, partial block of a row and blocks trimmed to fewer rows show as "?"
+    b = min(T, 64)
+    lab.setdefault((b, b, D, "n", "t"), []).append("attention S = QK^T / dP = dO V^T")
+    lab.setdefault((b, D, b, "n", "n"), []).append("attention O += PV / dQ += dS K")
+    lab.setdefault((b, D, b, "t", "n"), []).append("attention dV += P^T dO / dK += dS^T Q")
     return {k: " / ".join(dict.fromkeys(v)) for k, v in lab.items()}
 
 

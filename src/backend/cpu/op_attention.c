@@ -1,40 +1,178 @@
-/* Causal grouped-query attention, computed blockwise as FlashAttention does:
- * for each query row the keys are visited in blocks of ATT_BLOCK, keeping a
- * running max m, a running sum l and an unnormalised output accumulator, so
- * no T x T score matrix is ever held. The forward saves lse = m + log(l) per
- * (b, h, t); the backward recomputes p = exp(s - lse) from it.
+/* Causal grouped-query attention on 64 x 64 GEMM blocks, as FlashAttention-2
+ * does it: queries in blocks of ATT_BR rows, keys in blocks of ATT_BC; per
+ * (query block, key block) pair the scores S = Q K^T * scale and the update
+ * O += P V are cblas_sgemm calls, the softmax keeps a running row max m and
+ * sum l (online softmax), so no T x T score matrix is ever held. The forward
+ * saves lse = m + log(l) per (b, h, t); the backward recomputes P = exp(S -
+ * lse) block by block from it.
  *
  * Query head h reads kv head h / (H / KV) (GQA). Query t of row b attends to
- * keys [doc_start[b*T+t], t]: packed examples never see each other. */
+ * keys [doc_start[b*T+t], t]: packed examples never see each other. Key
+ * blocks wholly above the diagonal or before the block's earliest doc_start
+ * are skipped; blocks that cut the diagonal or a document boundary are
+ * masked entry by entry (-inf before the exp), and a block pair's products
+ * take only the query rows that see at least one of its keys.
+ *
+ * Threading: OpenBLAS runs single-threaded (op_blas_init) and OpenMP splits
+ * the work, one sgemm per thread at a time (see op_matmul.c). Scratch is two
+ * ATT_BR x ATT_BC blocks on each thread's stack: nothing is allocated.
+ *
+ * Most of the time is spent in the sgemm calls (64 x 64 x 64 products run
+ * at ~50 GFLOP per CPU-second alone on the team's machine): 26-40 GFLOP per
+ * CPU-second at the 0.5B and bench-tiny shapes, against 9-15 when this file
+ * went one query row at a time with vector dot products (bench/RESULTS.md,
+ * "Attention on GEMM blocks"). */
 #include "backend/cpu/ops.h"
 #include "backend/cpu/op_simd.h"
 
+#include <cblas.h>
 #include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <string.h>
 
-#define ATT_BLOCK 64
+#define ATT_BR 64 /* query rows per block */
+#define ATT_BC 64 /* keys per block */
+
+/* Sizes and strides: q/out/dout rows are H*D apart, k/v rows KV*D. Query
+ * row t sits at key position t + pos0 (pos0 > 0 only when decoding against
+ * a cache that already holds pos0 earlier keys). */
+typedef struct {
+    int T, H, KV, D, G, pos0;
+    size_t qs, ks;
+    float scale;
+} att_dims;
+
+static att_dims att_dims_of(int T, int H, int KV, int D, int pos0) {
+    att_dims a = {T, H, KV, D, H / KV, pos0, (size_t)H * D, (size_t)KV * D, 1.0f / sqrtf((float)D)};
+    return a;
+}
+
+/* Range of doc_start over query rows [i0, i1) (doc NULL: 0). */
+static void doc_range(const int32_t *doc, int i0, int i1, int *lo, int *hi) {
+    if (!doc) {
+        *lo = *hi = 0;
+        return;
+    }
+    int a = doc[i0], b = doc[i0];
+    for (int t = i0 + 1; t < i1; t++) a = doc[t] < a ? doc[t] : a, b = doc[t] > b ? doc[t] : b;
+    *lo = a, *hi = b;
+}
+
+/* The rows [i0 + *r0, i0 + *r1) of query block [i0, i0+mi) that see at
+ * least one key of [j0, j0+nj) (row t sees [doc[t], t + pos0]); returns 0
+ * when none does. Only those rows enter the block pair's products: with
+ * packed documents a query block that straddles a document start has rows
+ * that see none of the earlier document's key blocks. */
+static int att_rows_seeing(const int32_t *doc, int i0, int mi, int j0, int nj, int pos0, int *r0, int *r1) {
+    int first = mi, last = -1;
+    for (int r = 0; r < mi; r++) {
+        int t = i0 + r, lo = doc && doc[t] > j0 ? doc[t] : j0, hi = t + pos0 < j0 + nj - 1 ? t + pos0 : j0 + nj - 1;
+        if (lo <= hi) first = r < first ? r : first, last = r;
+    }
+    *r0 = first, *r1 = last + 1;
+    return last >= first;
+}
+
+/* s (mi, nj) = scale * Q[i0 .. i0+mi) K[j0 .. j0+nj)^T, then -inf where key
+ * j0+c is outside [doc[i0+r], i0+r+pos0]. q, k point at row 0 of the head. */
+static void att_scores(float *s, const float *q, const float *k, const int32_t *doc, int i0, int mi, int j0, int nj,
+                       const att_dims *a) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, mi, nj, a->D, a->scale, q + (size_t)i0 * a->qs, (int)a->qs,
+                k + (size_t)j0 * a->ks, (int)a->ks, 0.0f, s, ATT_BC);
+    int dlo, dhi;
+    doc_range(doc, i0, i0 + mi, &dlo, &dhi);
+    if (j0 + nj - 1 <= i0 + a->pos0 && j0 >= dhi) return; /* every (row, key) pair visible */
+    for (int r = 0; r < mi; r++) {
+        int t = i0 + r, lo = (doc ? doc[t] : 0) - j0, hi = t + a->pos0 - j0; /* visible columns [lo, hi] */
+        float *sr = s + (size_t)r * ATT_BC;
+        for (int c = 0; c < nj; c++)
+            if (c < lo || c > hi) sr[c] = -INFINITY;
+    }
+}
+
+/* One query block [i0, i0+mi) of head h of batch row b against all the keys
+ * it sees: out rows and lse (when not NULL) written. q, k, v, out, doc at
+ * batch row b (k, v at the kv head's column). */
+static void att_fwd_block(float *out, float *lse, const float *q, const float *k, const float *v,
+                          const int32_t *doc, int i0, int mi, const att_dims *a) {
+    float s[ATT_BR * ATT_BC];
+    float m[ATT_BR], l[ATT_BR];
+    int D = a->D, dlo, dhi;
+    for (int r = 0; r < mi; r++) {
+        m[r] = -FLT_MAX, l[r] = 0.0f;
+        memset(out + (size_t)(i0 + r) * a->qs, 0, sizeof(float) * (size_t)D);
+    }
+    doc_range(doc, i0, i0 + mi, &dlo, &dhi);
+    int jend = i0 + mi + a->pos0; /* one past the last key a row of the block sees */
+    for (int j0 = dlo / ATT_BC * ATT_BC; j0 < jend; j0 += ATT_BC) {
+        int nj = jend - j0 < ATT_BC ? jend - j0 : ATT_BC, r0, r1;
+        if (!att_rows_seeing(doc, i0, mi, j0, nj, a->pos0, &r0, &r1)) continue;
+        int ri = i0 + r0, rm = r1 - r0; /* rows [ri, ri+rm) take part */
+        att_scores(s, q, k, doc, ri, rm, j0, nj, a);
+        for (int r = 0; r < rm; r++) {
+            float *sr = s + (size_t)r * ATT_BC, *orow = out + (size_t)(ri + r) * a->qs, *mr = m + r0 + r;
+            float mn = op_row_max(sr, nj, *mr);
+            float corr = expf(*mr - mn);
+            l[r0 + r] = l[r0 + r] * corr + (float)op_row_exp(sr, nj, mn, 1.0f); /* sr = p */
+            if (corr != 1.0f)
+                for (int d = 0; d < D; d++) orow[d] *= corr;
+            *mr = mn;
+        }
+        /* out (rm, D) += P (rm, nj) V (nj, D) */
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rm, D, nj, 1.0f, s, ATT_BC, v + (size_t)j0 * a->ks,
+                    (int)a->ks, 1.0f, out + (size_t)ri * a->qs, (int)a->qs);
+    }
+    for (int r = 0; r < mi; r++) {
+        float inv = 1.0f / l[r], *orow = out + (size_t)(i0 + r) * a->qs;
+        for (int d = 0; d < D; d++) orow[d] *= inv;
+        if (lse) lse[i0 + r] = m[r] + logf(l[r]);
+    }
+}
+
+void op_attention_forward(float *out, float *lse, const float *q, const float *k, const float *v,
+                          const int32_t *doc_start, int B, int T, int H, int KV, int D) {
+    op_blas_init();
+    att_dims a = att_dims_of(T, H, KV, D, 0);
+    int NB = (T + ATT_BR - 1) / ATT_BR;
+    /* the last query blocks see the most keys: hand them out first */
+#pragma omp parallel for collapse(3) schedule(dynamic, 1)
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+            for (int ib = NB - 1; ib >= 0; ib--) {
+                size_t qo = (size_t)b * T * a.qs + (size_t)h * D, ko = (size_t)b * T * a.ks + (size_t)(h / a.G) * D;
+                int i0 = ib * ATT_BR, mi = T - i0 < ATT_BR ? T - i0 : ATT_BR;
+                att_fwd_block(out + qo, lse + ((size_t)b * H + h) * T, q + qo, k + ko, v + ko,
+                              doc_start ? doc_start + (size_t)b * T : NULL, i0, mi, &a);
+            }
+}
+
+/* ---- decoding against a cache --------------------------------------------
+ * A few new queries (one per generated token) go one row at a time with
+ * vector dot products: an sgemm per 64 keys for a single row costs more in
+ * call and packing overhead than it computes. A prompt (n >= ATT_ROWS_MAX)
+ * goes through the same blocks as training, as one batch row of T = n
+ * whose row i sits at key position pos0 + i. */
+#define ATT_ROWS_MAX 16
 #define ATT_MAX_D 1024
 
-/* One query row against keys [j0, j1] (inclusive) of k/v with row stride ks. */
-static float attn_row(float *o, const float *qv, const float *k, const float *v, size_t ks, int j0, int j1, int D,
-                      float scale) {
+/* One query row against keys [0, j1] of k/v with row stride ks (online softmax). */
+static void attn_row(float *o, const float *qv, const float *k, const float *v, size_t ks, int j1, int D,
+                     float scale) {
     float acc[ATT_MAX_D];
-    float s[ATT_BLOCK];
+    float s[ATT_BC];
     float m = -FLT_MAX, l = 0.0f;
     for (int d = 0; d < D; d++) acc[d] = 0.0f;
-    for (int b0 = j0; b0 <= j1; b0 += ATT_BLOCK) {
-        int b1 = b0 + ATT_BLOCK - 1 < j1 ? b0 + ATT_BLOCK - 1 : j1;
-        float bm = -FLT_MAX;
+    for (int b0 = 0; b0 <= j1; b0 += ATT_BC) {
+        int b1 = b0 + ATT_BC - 1 < j1 ? b0 + ATT_BC - 1 : j1;
         for (int j = b0; j <= b1; j++) {
             const float *kj = k + (size_t)j * ks;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int d = 0; d < D; d++) dot += qv[d] * kj[d];
             s[j - b0] = dot * scale;
-            if (s[j - b0] > bm) bm = s[j - b0];
         }
-        float mn = bm > m ? bm : m;
+        float mn = op_row_max(s, b1 - b0 + 1, m);
         float corr = expf(m - mn);
         l *= corr;
         for (int d = 0; d < D; d++) acc[d] *= corr;
@@ -48,96 +186,161 @@ static float attn_row(float *o, const float *qv, const float *k, const float *v,
     }
     float inv = 1.0f / l;
     for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
-    return m + logf(l);
-}
-
-void op_attention_forward(float *out, float *lse, const float *q, const float *k, const float *v,
-                          const int32_t *doc_start, int B, int T, int H, int KV, int D) {
-    int G = H / KV;
-    float scale = 1.0f / sqrtf((float)D);
-    size_t ks = (size_t)KV * D;
-#pragma omp parallel for collapse(3) schedule(dynamic, 16)
-    for (int b = 0; b < B; b++)
-        for (int h = 0; h < H; h++)
-            for (int t = 0; t < T; t++) {
-                size_t row = (size_t)b * T + t;
-                int j0 = doc_start ? doc_start[row] : 0;
-                const float *kb = k + (size_t)b * T * ks + (size_t)(h / G) * D;
-                const float *vb = v + (size_t)b * T * ks + (size_t)(h / G) * D;
-                lse[((size_t)b * H + h) * T + t] =
-                    attn_row(out + (row * H + h) * D, q + (row * H + h) * D, kb, vb, ks, j0, t, D, scale);
-            }
 }
 
 void op_attention_forward_cached(float *out, const float *q, const float *kc, const float *vc, int n, int pos0,
                                  int H, int KV, int D) {
-    int G = H / KV;
-    float scale = 1.0f / sqrtf((float)D);
-    size_t ks = (size_t)KV * D;
+    att_dims a = att_dims_of(n, H, KV, D, pos0);
+    if (n < ATT_ROWS_MAX) {
 #pragma omp parallel for collapse(2) schedule(static)
-    for (int i = 0; i < n; i++)
-        for (int h = 0; h < H; h++) {
-            const float *kb = kc + (size_t)(h / G) * D, *vb = vc + (size_t)(h / G) * D;
-            attn_row(out + ((size_t)i * H + h) * D, q + ((size_t)i * H + h) * D, kb, vb, ks, 0, pos0 + i, D, scale);
+        for (int i = 0; i < n; i++)
+            for (int h = 0; h < H; h++) {
+                size_t ko = (size_t)(h / a.G) * D, qo = (size_t)i * a.qs + (size_t)h * D;
+                attn_row(out + qo, q + qo, kc + ko, vc + ko, a.ks, pos0 + i, D, a.scale);
+            }
+        return;
+    }
+    op_blas_init();
+    int NB = (n + ATT_BR - 1) / ATT_BR;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    for (int h = 0; h < H; h++)
+        for (int ib = NB - 1; ib >= 0; ib--) {
+            size_t ko = (size_t)(h / a.G) * D;
+            int i0 = ib * ATT_BR, mi = n - i0 < ATT_BR ? n - i0 : ATT_BR;
+            att_fwd_block(out + (size_t)h * D, NULL, q + (size_t)h * D, kc + ko, vc + ko, NULL, i0, mi, &a);
         }
 }
 
-/* Backward, per row t of head h:
- *   p_j = exp(s_j - lse_t),  dp_j = dO_t . v_j,  delta_t = dO_t . O_t,
- *   ds_j = p_j (dp_j - delta_t),
- *   dq_t += scale * sum_j ds_j k_j,  dk_j += scale * ds_j q_t,  dv_j += p_j dO_t.
- * Work is split by (b, kv head), so the dk/dv rows a thread adds into belong
- * to it alone: no atomics. */
+/* ---- backward (FlashAttention-2) -------------------------------------------
+ * Per (query block i, key block j) of one head, with delta_t = dO_t . O_t:
+ *   S = Q_i K_j^T * scale,  P = exp(S - lse_i)           (recomputed)
+ *   dV_j += P^T dO_i,  dP = dO_i V_j^T,  dS = P o (dP - delta_i) * scale,
+ *   dQ_i += dS K_j,    dK_j += dS^T Q_i                  (five sgemm)
+ * Threads own what they write, so there are no atomics. With at least as many
+ * (b, kv head) pairs as threads, each thread takes whole pairs and does all
+ * five products in one pass. Otherwise (B*KV small, many threads) pass 1
+ * splits by (b, kv head, key block) and writes dK/dV only, pass 2 by (b, head,
+ * query block) and writes dQ only, recomputing S and dP (seven sgemm instead
+ * of five, but every thread busy). */
+
+/* dS = scale * P o (dP - delta) for one block pair, P left in s, dS in dp. */
+static void att_bwd_pair(float *s, float *dp, const float *q, const float *k, const float *v, const float *dout,
+                        const float *lse, const float *delta, const int32_t *doc, int i0, int mi, int j0, int nj,
+                        const att_dims *a) {
+    att_scores(s, q, k, doc, i0, mi, j0, nj, a);
+    /* dP (mi, nj) = dO_i (mi, D) V_j^T */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, mi, nj, a->D, 1.0f, dout + (size_t)i0 * a->qs, (int)a->qs,
+                v + (size_t)j0 * a->ks, (int)a->ks, 0.0f, dp, ATT_BC);
+    for (int r = 0; r < mi; r++) {
+        float *sr = s + (size_t)r * ATT_BC, *dr = dp + (size_t)r * ATT_BC;
+        float dl = delta[r], sc = a->scale;
+        op_row_exp(sr, nj, lse[i0 + r], 1.0f);
+        for (int c = 0; c < nj; c++) dr[c] = sr[c] * (dr[c] - dl) * sc;
+    }
+}
+
+/* delta[r] = dO_t . O_t for rows t in [i0, i0+mi) of one head. */
+static void att_delta(float *delta, const float *dout, const float *out, int i0, int mi, const att_dims *a) {
+    for (int r = 0; r < mi; r++) {
+        const float *x = dout + (size_t)(i0 + r) * a->qs, *y = out + (size_t)(i0 + r) * a->qs;
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int d = 0; d < a->D; d++) acc += x[d] * y[d];
+        delta[r] = acc;
+    }
+}
+
+/* Key block [j0, j0+nj) of kv head slice (k, v, dk, dv) against every query
+ * block of the G heads reading it: dK_j, dV_j += (and dQ += when dq is not
+ * NULL: only when this thread owns all of the (b, kv head) slice). q, dq,
+ * dout, out at head kh*G of batch row b; lse at (b, kh*G). */
+static void att_bwd_keys(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
+                         const float *q, const float *k, const float *v, const int32_t *doc, int j0, int nj,
+                         const att_dims *a) {
+    float s[ATT_BR * ATT_BC], dp[ATT_BR * ATT_BC], delta[ATT_BR];
+    int D = a->D;
+    for (int g = 0; g < a->G; g++) {
+        size_t ho = (size_t)g * D;
+        const float *lg = lse + (size_t)g * a->T;
+        for (int b0 = j0 / ATT_BR * ATT_BR; b0 < a->T; b0 += ATT_BR) {
+            int r0, r1;
+            if (!att_rows_seeing(doc, b0, a->T - b0 < ATT_BR ? a->T - b0 : ATT_BR, j0, nj, 0, &r0, &r1)) continue;
+            int i0 = b0 + r0, mi = r1 - r0; /* the query rows that see this key block */
+            att_delta(delta, dout + ho, out + ho, i0, mi, a);
+            att_bwd_pair(s, dp, q + ho, k, v, dout + ho, lg, delta, doc, i0, mi, j0, nj, a);
+            /* dV_j (nj, D) += P^T (nj, mi) dO_i (mi, D) */
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nj, D, mi, 1.0f, s, ATT_BC,
+                        dout + ho + (size_t)i0 * a->qs, (int)a->qs, 1.0f, dv + (size_t)j0 * a->ks, (int)a->ks);
+            /* dK_j (nj, D) += dS^T (nj, mi) Q_i (mi, D) */
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nj, D, mi, 1.0f, dp, ATT_BC,
+                        q + ho + (size_t)i0 * a->qs, (int)a->qs, 1.0f, dk + (size_t)j0 * a->ks, (int)a->ks);
+            /* dQ_i (mi, D) += dS (mi, nj) K_j (nj, D) */
+            if (dq)
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, mi, D, nj, 1.0f, dp, ATT_BC,
+                            k + (size_t)j0 * a->ks, (int)a->ks, 1.0f, dq + ho + (size_t)i0 * a->qs, (int)a->qs);
+        }
+    }
+}
+
+/* Query block [i0, i0+mi) of one head against the keys it sees: dQ_i +=. */
+static void att_bwd_queries(float *dq, const float *dout, const float *out, const float *lse, const float *q,
+                            const float *k, const float *v, const int32_t *doc, int i0, int mi, const att_dims *a) {
+    float s[ATT_BR * ATT_BC], dp[ATT_BR * ATT_BC], delta[ATT_BR];
+    int dlo, dhi;
+    doc_range(doc, i0, i0 + mi, &dlo, &dhi);
+    att_delta(delta, dout, out, i0, mi, a);
+    for (int j0 = dlo / ATT_BC * ATT_BC; j0 < i0 + mi; j0 += ATT_BC) {
+        int nj = a->T - j0 < ATT_BC ? a->T - j0 : ATT_BC, r0, r1;
+        if (!att_rows_seeing(doc, i0, mi, j0, nj, 0, &r0, &r1)) continue;
+        att_bwd_pair(s, dp, q, k, v, dout, lse, delta + r0, doc, i0 + r0, r1 - r0, j0, nj, a);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r1 - r0, a->D, nj, 1.0f, dp, ATT_BC,
+                    k + (size_t)j0 * a->ks, (int)a->ks, 1.0f, dq + (size_t)(i0 + r0) * a->qs, (int)a->qs);
+    }
+}
+
 void op_attention_backward(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
                            const float *q, const float *k, const float *v, const int32_t *doc_start, int B, int T,
                            int H, int KV, int D) {
-    int G = H / KV;
-    float scale = 1.0f / sqrtf((float)D);
-    size_t ks = (size_t)KV * D, qs = (size_t)H * D;
+    op_blas_init();
+    att_dims a = att_dims_of(T, H, KV, D, 0);
+    int G = a.G, NB = (T + ATT_BC - 1) / ATT_BC;
+    if (B * KV >= omp_get_max_threads()) {
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
-    for (int b = 0; b < B; b++)
-        for (int kh = 0; kh < KV; kh++) {
-            size_t koff = (size_t)b * T * ks + (size_t)kh * D;
-            for (int h = kh * G; h < (kh + 1) * G; h++)
-                for (int t = 0; t < T; t++) {
-                    size_t row = (size_t)b * T + t;
-                    const float *qt = q + row * qs + (size_t)h * D, *dot_ = dout + row * qs + (size_t)h * D;
-                    const float *ot = out + row * qs + (size_t)h * D;
-                    float *dqt = dq + row * qs + (size_t)h * D;
-                    float L = lse[((size_t)b * H + h) * T + t];
-                    float delta = 0.0f;
-#pragma omp simd reduction(+ : delta)
-                    for (int d = 0; d < D; d++) delta += dot_[d] * ot[d];
-                    int j0 = doc_start ? doc_start[row] : 0;
-                    /* keys in blocks: scores and dO.v first, then one vector exp per block */
-                    float sb[ATT_BLOCK], dpb[ATT_BLOCK];
-                    for (int b0 = j0; b0 <= t; b0 += ATT_BLOCK) {
-                        int nb = t - b0 + 1 < ATT_BLOCK ? t - b0 + 1 : ATT_BLOCK;
-                        for (int i = 0; i < nb; i++) {
-                            const float *kj = k + koff + (size_t)(b0 + i) * ks, *vj = v + koff + (size_t)(b0 + i) * ks;
-                            float s = 0.0f, dp = 0.0f;
-#pragma omp simd reduction(+ : s, dp)
-                            for (int d = 0; d < D; d++) {
-                                s += qt[d] * kj[d];
-                                dp += dot_[d] * vj[d];
-                            }
-                            sb[i] = s * scale;
-                            dpb[i] = dp;
-                        }
-                        op_row_exp(sb, nb, L, 1.0f); /* sb = p */
-                        for (int i = 0; i < nb; i++) {
-                            size_t jo = koff + (size_t)(b0 + i) * ks;
-                            const float *kj = k + jo;
-                            float *dkj = dk + jo, *dvj = dv + jo;
-                            float p = sb[i], ds = p * (dpb[i] - delta) * scale;
-#pragma omp simd
-                            for (int d = 0; d < D; d++) {
-                                dqt[d] += ds * kj[d];
-                                dkj[d] += ds * qt[d];
-                                dvj[d] += p * dot_[d];
-                            }
-                        }
-                    }
+        for (int b = 0; b < B; b++)
+            for (int kh = 0; kh < KV; kh++) {
+                size_t qo = (size_t)b * T * a.qs + (size_t)kh * G * D, ko = (size_t)b * T * a.ks + (size_t)kh * D;
+                for (int j0 = 0; j0 < T; j0 += ATT_BC)
+                    att_bwd_keys(dq + qo, dk + ko, dv + ko, dout + qo, out + qo, lse + ((size_t)b * H + kh * G) * T,
+                                 q + qo, k + ko, v + ko, doc_start ? doc_start + (size_t)b * T : NULL, j0,
+                                 T - j0 < ATT_BC ? T - j0 : ATT_BC, &a);
+            }
+        return;
+    }
+#pragma omp parallel
+    {
+        /* pass 1: dK, dV by key block; the first key blocks see the most
+         * queries. Pass 2 writes only dQ and both only read the inputs, so a
+         * thread done with pass 1 moves on without waiting (nowait). */
+#pragma omp for collapse(3) schedule(dynamic, 1) nowait
+        for (int b = 0; b < B; b++)
+            for (int kh = 0; kh < KV; kh++)
+                for (int jb = 0; jb < NB; jb++) {
+                    size_t qo = (size_t)b * T * a.qs + (size_t)kh * G * D, ko = (size_t)b * T * a.ks + (size_t)kh * D;
+                    int j0 = jb * ATT_BC;
+                    att_bwd_keys(NULL, dk + ko, dv + ko, dout + qo, out + qo, lse + ((size_t)b * H + kh * G) * T,
+                                 q + qo, k + ko, v + ko, doc_start ? doc_start + (size_t)b * T : NULL, j0,
+                                 T - j0 < ATT_BC ? T - j0 : ATT_BC, &a);
                 }
-        }
+        /* pass 2: dQ by query block; the last query blocks see the most keys */
+#pragma omp for collapse(3) schedule(dynamic, 1)
+        for (int b = 0; b < B; b++)
+            for (int h = 0; h < H; h++)
+                for (int ib = NB - 1; ib >= 0; ib--) {
+                    size_t qo = (size_t)b * T * a.qs + (size_t)h * D, ko = (size_t)b * T * a.ks + (size_t)(h / G) * D;
+                    int i0 = ib * ATT_BR;
+                    att_bwd_queries(dq + qo, dout + qo, out + qo, lse + ((size_t)b * H + h) * T, q + qo, k + ko,
+                                    v + ko, doc_start ? doc_start + (size_t)b * T : NULL, i0,
+                                    T - i0 < ATT_BR ? T - i0 : ATT_BR, &a);
+                }
+    }
 }

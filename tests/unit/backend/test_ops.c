@@ -8,6 +8,7 @@
 
 #include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -230,7 +231,8 @@ static void test_attention(void **state) {
 }
 
 /* More keys than one block (online rescaling across blocks), GQA ratio 7,
- * and the cached decode path agreeing with the batched one. */
+ * and the cached decode path agreeing with the batched one: one prompt of
+ * 100 rows, single rows, and 80 rows after 70 cached ones. */
 static void test_attention_blocks_and_cache(void **state) {
     (void)state;
     const int T = 150, H = 7, KV = 1, D = 16;
@@ -246,7 +248,110 @@ static void test_attention_blocks_and_cache(void **state) {
     for (int t = 100; t < T; t++)
         op_attention_forward_cached(out2 + (size_t)t * H * D, q + (size_t)t * H * D, k, v, 1, t, H, KV, D);
     expect_close("cached attention out", out2, want, nq, 1e-5);
+    /* a prompt after a cached prefix: rows 70..149 at once (the block path, offset 70) */
+    memset(out2, 0, nq * sizeof(float));
+    op_attention_forward_cached(out2 + (size_t)70 * H * D, q + (size_t)70 * H * D, k, v, T - 70, 70, H, KV, D);
+    expect_close("cached attention out (pos0 70)", out2 + (size_t)70 * H * D, want + (size_t)70 * H * D,
+                 (size_t)(T - 70) * H * D, 1e-5);
     qt_free(q), qt_free(k), qt_free(v), qt_free(out), qt_free(lse), qt_free(out2), free(want);
+}
+
+/* Naive double-precision backward of the same attention: dq, dk, dv (set,
+ * not added) of sum(out * dout). */
+static void naive_attention_backward(double *dq, double *dk, double *dv, double *lse, const float *dout,
+                                     const float *q, const float *k, const float *v, const int32_t *doc, int B, int T,
+                                     int H, int KV, int D) {
+    size_t nq = (size_t)B * T * H * D, nk = (size_t)B * T * KV * D;
+    memset(dq, 0, sizeof(double) * nq), memset(dk, 0, sizeof(double) * nk), memset(dv, 0, sizeof(double) * nk);
+    double *p = malloc(sizeof(double) * T), *dp = malloc(sizeof(double) * T), sc = 1.0 / sqrt((double)D);
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+            for (int t = 0; t < T; t++) {
+                int kh = h / (H / KV), j0 = doc ? doc[b * T + t] : 0;
+                const float *qt = q + (((size_t)b * T + t) * H + h) * D, *gt = dout + (((size_t)b * T + t) * H + h) * D;
+                double m = -1e300, l = 0, delta = 0;
+                for (int j = j0; j <= t; j++) {
+                    const float *kj = k + (((size_t)b * T + j) * KV + kh) * D, *vj = v + (((size_t)b * T + j) * KV + kh) * D;
+                    double s = 0, g = 0;
+                    for (int e = 0; e < D; e++) s += (double)qt[e] * kj[e], g += (double)gt[e] * vj[e];
+                    p[j] = s * sc, dp[j] = g;
+                    m = fmax(m, p[j]);
+                }
+                for (int j = j0; j <= t; j++) l += exp(p[j] - m);
+                for (int j = j0; j <= t; j++) p[j] = exp(p[j] - m) / l, delta += p[j] * dp[j];
+                lse[((size_t)b * H + h) * T + t] = m + log(l);
+                for (int j = j0; j <= t; j++) {
+                    size_t ko = (((size_t)b * T + j) * KV + kh) * D, qo = (((size_t)b * T + t) * H + h) * D;
+                    double ds = p[j] * (dp[j] - delta) * sc;
+                    for (int e = 0; e < D; e++) {
+                        dq[qo + e] += ds * k[ko + e];
+                        dk[ko + e] += ds * q[qo + e];
+                        dv[ko + e] += p[j] * dout[qo + e];
+                    }
+                }
+            }
+    free(p), free(dp);
+}
+
+/* Forward, lse and all three gradients against the double-precision loops on
+ * shapes that stress the 64 x 64 blocking: T not a multiple of 64, T below
+ * one block, documents restarting mid-block, GQA groups 1/2/7, D 8..128. Each
+ * runs with one thread (one pass over (b, kv head)) and with more threads than
+ * (b, kv head) pairs (the two-pass backward: dK/dV by key block, dQ by query
+ * block). dq/dk/dv start non-zero to check the backward adds. */
+typedef struct {
+    int B, T, H, KV, D, doc_len; /* doc_len > 0: row 0 packs documents of doc_len tokens, row 1 starts one at 3 */
+} att_case;
+static void check_attention_case(const att_case *c, int threads) {
+    int B = c->B, T = c->T, H = c->H, KV = c->KV, D = c->D;
+    size_t nq = (size_t)B * T * H * D, nk = (size_t)B * T * KV * D, nl = (size_t)B * H * T;
+    float *q = randv(nq, 2.0f), *k = randv(nk, 1.0f), *v = randv(nk, 1.0f), *r = randv(nq, 1.0f);
+    float *out = zeros(nq), *lse = zeros(nl), *dq = randv(nq, 1.0f), *dk = randv(nk, 1.0f), *dv = randv(nk, 1.0f);
+    float *dq0 = qt_malloc(nq * sizeof(float), "test"), *dk0 = qt_malloc(nk * sizeof(float), "test");
+    float *dv0 = qt_malloc(nk * sizeof(float), "test");
+    memcpy(dq0, dq, nq * sizeof(float)), memcpy(dk0, dk, nk * sizeof(float)), memcpy(dv0, dv, nk * sizeof(float));
+    int32_t *doc = NULL;
+    if (c->doc_len > 0) {
+        doc = malloc(sizeof(int32_t) * (size_t)B * T);
+        for (int b = 0; b < B; b++)
+            for (int t = 0; t < T; t++) doc[b * T + t] = b == 0 ? t / c->doc_len * c->doc_len : (t < 3 ? 0 : 3);
+    }
+    double *want = malloc(sizeof(double) * nq), *wq = malloc(sizeof(double) * nq), *wk = malloc(sizeof(double) * nk);
+    double *wv = malloc(sizeof(double) * nk), *wl = malloc(sizeof(double) * nl);
+    naive_attention(want, q, k, v, doc, B, T, H, KV, D);
+    naive_attention_backward(wq, wk, wv, wl, r, q, k, v, doc, B, T, H, KV, D);
+    int saved = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    op_attention_forward(out, lse, q, k, v, doc, B, T, H, KV, D);
+    op_attention_backward(dq, dk, dv, r, out, lse, q, k, v, doc, B, T, H, KV, D);
+    omp_set_num_threads(saved);
+    for (size_t i = 0; i < nq; i++) dq[i] -= dq0[i];
+    for (size_t i = 0; i < nk; i++) dk[i] -= dk0[i], dv[i] -= dv0[i];
+    char what[128];
+    snprintf(what, sizeof what, "attention B%d T%d H%d KV%d D%d doc%d threads%d", B, T, H, KV, D, c->doc_len, threads);
+    print_message("%s\n", what);
+    expect_close(what, out, want, nq, 1e-5);
+    expect_close(what, lse, wl, nl, 1e-5);
+    expect_close(what, dq, wq, nq, 1e-5); /* measured at most 1.2e-6 (D 128) */
+    expect_close(what, dk, wk, nk, 1e-5);
+    expect_close(what, dv, wv, nk, 1e-5);
+    qt_free(q), qt_free(k), qt_free(v), qt_free(r), qt_free(out), qt_free(lse), qt_free(dq), qt_free(dk), qt_free(dv);
+    qt_free(dq0), qt_free(dk0), qt_free(dv0);
+    free(doc), free(want), free(wq), free(wk), free(wv), free(wl);
+}
+static void test_attention_gemm_blocks(void **state) {
+    (void)state;
+    static const att_case cases[] = {
+        {2, 100, 4, 2, 8, 37},  /* T % 64 != 0; documents restart mid-block and across blocks */
+        {1, 5, 2, 2, 16, 0},    /* T below one block, GQA group 1 */
+        {1, 200, 7, 1, 64, 70}, /* GQA 7 (Qwen2.5-7B's ratio), D 64, four key blocks */
+        {2, 130, 4, 2, 128, 0}, /* D 128, one query row in the last block */
+        {1, 65, 2, 1, 32, 64},  /* a document starting at the last row's block */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        check_attention_case(&cases[i], 1);
+        check_attention_case(&cases[i], cases[i].B * cases[i].KV + 1);
+    }
 }
 
 /* ---- swiglu ---- */
@@ -419,6 +524,7 @@ int main(void) {
         cmocka_unit_test(test_rmsnorm),   cmocka_unit_test(test_matmul),
         cmocka_unit_test(test_matmul_half_panels), cmocka_unit_test(test_rope),
         cmocka_unit_test(test_attention), cmocka_unit_test(test_attention_blocks_and_cache),
+        cmocka_unit_test(test_attention_gemm_blocks),
         cmocka_unit_test(test_swiglu),    cmocka_unit_test(test_lmhead_ce),
         cmocka_unit_test(test_lmhead_ce_forward_dx), cmocka_unit_test(test_lmhead_ce_kept),
         cmocka_unit_test(test_exp8),
