@@ -32,20 +32,42 @@ size_t op_lmhead_ce_ws_floats(int N, int C) {
     return (size_t)N * OP_CE_CHUNK + (size_t)OP_CE_CHUNK * C + 4 * (size_t)N + (size_t)N * C + (size_t)N;
 }
 
-/* Inside a parallel region: this thread's slice [a, b) of the chunk's logits
+/* Inside a parallel region: the chunk's f32 weight rows W[v0:v0+cv], the
+ * table itself in f32, else converted into wbuf, each thread its slice
+ * [*a, *b) of the rows (complete for all threads after the next barrier). */
+static const float *chunk_weights(float *wbuf, const void *w, qt_dtype wdt, int v0, int cv, int C, int *a, int *b) {
+    op_split(cv, omp_get_num_threads(), omp_get_thread_num(), 16, a, b);
+    if (wdt == QT_F32) return (const float *)w + (size_t)v0 * C;
+    if (*b > *a) op_convert_rows_serial(wbuf + (size_t)*a * C, w, wdt, (size_t)(v0 + *a), (size_t)(v0 + *b), (size_t)C);
+    return wbuf;
+}
+
+/* Inside a parallel region: this thread's slice of the chunk's logits
  * (N, cv) = x @ W[v0:v0+cv]^T. Returns the chunk's f32 weight rows. */
 static const float *chunk_logits(float *logits, float *wbuf, const float *x, const void *w, qt_dtype wdt, int v0,
                                  int cv, int N, int C) {
     int a, b;
-    op_split(cv, omp_get_num_threads(), omp_get_thread_num(), 16, &a, &b);
-    const float *wc = wdt == QT_F32 ? (const float *)w + (size_t)v0 * C : wbuf;
-    if (b > a) {
-        if (wdt != QT_F32) op_convert_rows_serial(wbuf + (size_t)a * C, w, wdt, (size_t)(v0 + a), (size_t)(v0 + b), (size_t)C);
+    const float *wc = chunk_weights(wbuf, w, wdt, v0, cv, C, &a, &b);
+    if (b > a)
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, b - a, C, 1.0f, x, C, wc + (size_t)a * C, C, 0.0f,
                     logits + a, cv);
-    }
 #pragma omp barrier
     return wc;
+}
+
+/* The per-row running statistics of a forward walk, after the logits and
+ * weight chunks in ws (the doubles first: N * CHUNK + CHUNK * C is even, so
+ * they stay 8-byte aligned), reset: sum 0, max -FLT_MAX, target logit 0.
+ * Returns the float after them. */
+static float *ce_stats(float *ws, int N, int C, double **sum, float **mx, float **tl) {
+    *sum = (double *)(ws + (size_t)N * OP_CE_CHUNK + (size_t)OP_CE_CHUNK * C);
+    *mx = (float *)(*sum + N), *tl = *mx + N;
+    for (int n = 0; n < N; n++) {
+        (*mx)[n] = -FLT_MAX;
+        (*sum)[n] = 0.0;
+        (*tl)[n] = 0.0f;
+    }
+    return *tl + N;
 }
 
 size_t op_lmhead_ce_kept_floats(int N, int V) {
@@ -58,15 +80,9 @@ size_t op_lmhead_ce_kept_floats(int N, int V) {
 static void ce_forward(float *loss, float *lse, float *kept, const float *x, const void *w, qt_dtype wdt,
                        const int32_t *targets, int N, int C, int V, float *ws) {
     op_blas_init();
-    float *logits = ws, *wbuf = ws + (size_t)N * OP_CE_CHUNK;
-    /* the doubles first: N * CHUNK + CHUNK * C is even, so they stay 8-byte aligned */
-    double *sum = (double *)(wbuf + (size_t)OP_CE_CHUNK * C);
-    float *mx = (float *)(sum + N), *tl = mx + N;
-    for (int n = 0; n < N; n++) {
-        mx[n] = -FLT_MAX;
-        sum[n] = 0.0;
-        tl[n] = 0.0f;
-    }
+    float *logits = ws, *wbuf = ws + (size_t)N * OP_CE_CHUNK, *mx, *tl;
+    double *sum;
+    ce_stats(ws, N, C, &sum, &mx, &tl);
 #pragma omp parallel
     for (int v0 = 0; v0 < V; v0 += OP_CE_CHUNK) {
         int cv = V - v0 < OP_CE_CHUNK ? V - v0 : OP_CE_CHUNK;
@@ -129,14 +145,8 @@ void op_lmhead_ce_backward_kept(float *dx, float *dw, float *kept, const float *
         int cv = V - v0 < OP_CE_CHUNK ? V - v0 : OP_CE_CHUNK;
         float *lc = kept + (size_t)N * v0;
         const float *mc = kept + (size_t)N * V + (size_t)N * (size_t)(v0 / OP_CE_CHUNK);
-        const float *wc = (const float *)w + (size_t)v0 * C;
-        if (wdt != QT_F32) {
-            int a, b;
-            op_split(cv, omp_get_num_threads(), omp_get_thread_num(), 16, &a, &b);
-            if (b > a)
-                op_convert_rows_serial(wbuf + (size_t)a * C, w, wdt, (size_t)(v0 + a), (size_t)(v0 + b), (size_t)C);
-            wc = wbuf; /* the barrier below completes it */
-        }
+        int a, b;
+        const float *wc = chunk_weights(wbuf, w, wdt, v0, cv, C, &a, &b); /* the barrier below completes it */
 #pragma omp for schedule(static)
         for (int n = 0; n < N; n++) {
             float *l = lc + (size_t)n * cv;
@@ -190,14 +200,9 @@ void op_lmhead_ce_backward(float *dx, float *dw, const float *x, const void *w, 
 void op_lmhead_ce_forward_dx(float *loss, float *lse, float *dx, const float *x, const void *w, qt_dtype wdt,
                              const int32_t *targets, float dscale, int N, int C, int V, float *ws) {
     op_blas_init();
-    float *logits = ws, *wbuf = ws + (size_t)N * OP_CE_CHUNK;
-    double *sum = (double *)(wbuf + (size_t)OP_CE_CHUNK * C);
-    float *mx = (float *)(sum + N), *tl = mx + N, *acc = tl + N, *corr = acc + (size_t)N * C;
-    for (int n = 0; n < N; n++) {
-        mx[n] = -FLT_MAX;
-        sum[n] = 0.0;
-        tl[n] = 0.0f;
-    }
+    float *logits = ws, *wbuf = ws + (size_t)N * OP_CE_CHUNK, *mx, *tl;
+    double *sum;
+    float *acc = ce_stats(ws, N, C, &sum, &mx, &tl), *corr = acc + (size_t)N * C;
     memset(acc, 0, sizeof(float) * (size_t)N * C);
 #pragma omp parallel
     {
