@@ -26,6 +26,7 @@
 #include "model/model.h"
 #include "model/model_internal.h" /* what the loaded model holds */
 #include "model/precision.h"
+#include "../model/tiny_model.h"
 
 static char dir[256];
 static qt_config cfg;
@@ -33,31 +34,7 @@ static qt_config cfg;
 /* A tiny f32 model folder (the "tiny" preset) with random weights. */
 static int write_model(void **state) {
     (void)state;
-    snprintf(dir, sizeof dir, "/tmp/qtune-test-precision-%d", (int)getpid());
-    assert_int_equal(qt_mkdir_p(dir), QT_OK);
-    assert_int_equal(qt_preset("tiny", &cfg), QT_OK);
-    cfg.torch_dtype = QT_F32;
-    char path[512];
-    snprintf(path, sizeof path, "%s/config.json", dir);
-    assert_int_equal(qt_config_write(&cfg, path), QT_OK);
-    qt_model_opts o;
-    qt_model_opts_default(&o);
-    int n = qt_model_param_table(&cfg, &o, NULL, NULL);
-    qt_param *p = calloc((size_t)n, sizeof *p);
-    size_t numel;
-    qt_model_param_table(&cfg, &o, p, &numel);
-    float *w = malloc(numel * 4);
-    qt_rng r;
-    qt_rng_seed(&r, 11);
-    for (size_t i = 0; i < numel; i++) w[i] = 0.1f * qt_rng_normal(&r);
-    st_writer *sw;
-    assert_int_equal(st_writer_new(&sw), QT_OK);
-    for (int i = 0; i < n; i++)
-        assert_int_equal(st_writer_add(sw, p[i].name, QT_F32, p[i].ndim, p[i].shape, w + p[i].offset, QT_F32), QT_OK);
-    snprintf(path, sizeof path, "%s/model.safetensors", dir);
-    assert_int_equal(st_writer_write(sw, path), QT_OK);
-    st_writer_free(sw);
-    free(p), free(w);
+    tiny_model_write(dir, sizeof dir, "precision", 11, &cfg);
     return 0;
 }
 

@@ -1,0 +1,46 @@
+/* Test fixture shared by the model and precision unit tests: a model folder
+ * of the "tiny" preset in f32 with N(0, 0.1) weights drawn from seed, written
+ * to /tmp/qtune-test-TAG-PID. Include after cmocka.h. */
+#ifndef QT_TEST_TINY_MODEL_H
+#define QT_TEST_TINY_MODEL_H
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/rng.h"
+#include "io/hf_config.h"
+#include "io/safetensors.h"
+#include "model/model.h"
+
+static void tiny_model_write(char *dir, size_t dirsz, const char *tag, uint64_t seed, qt_config *cfg) {
+    snprintf(dir, dirsz, "/tmp/qtune-test-%s-%d", tag, (int)getpid());
+    assert_int_equal(qt_mkdir_p(dir), QT_OK);
+    assert_int_equal(qt_preset("tiny", cfg), QT_OK);
+    cfg->torch_dtype = QT_F32;
+    char path[512];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    assert_int_equal(qt_config_write(cfg, path), QT_OK);
+    qt_model_opts o;
+    qt_model_opts_default(&o);
+    int n = qt_model_param_table(cfg, &o, NULL, NULL);
+    qt_param *p = calloc((size_t)n, sizeof *p);
+    size_t numel;
+    qt_model_param_table(cfg, &o, p, &numel);
+    float *w = malloc(numel * 4);
+    qt_rng r;
+    qt_rng_seed(&r, seed);
+    for (size_t i = 0; i < numel; i++) w[i] = 0.1f * qt_rng_normal(&r);
+    st_writer *sw;
+    assert_int_equal(st_writer_new(&sw), QT_OK);
+    for (int i = 0; i < n; i++)
+        assert_int_equal(st_writer_add(sw, p[i].name, QT_F32, p[i].ndim, p[i].shape, w + p[i].offset, QT_F32), QT_OK);
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    assert_int_equal(st_writer_write(sw, path), QT_OK);
+    st_writer_free(sw);
+    free(p), free(w);
+}
+
+#endif
