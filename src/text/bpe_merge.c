@@ -248,51 +248,6 @@ static inline int word_eq(const uint8_t *a, const uint8_t *b, size_t n) {
     return a[0] == b[0] && a[n / 2] == b[n / 2] && a[n - 1] == b[n - 1]; /* n <= 3: every byte */
 }
 
-/* Looks w up; on a hit writes its ids to out and returns 1. out has room
- * for BPE_CACHE_MAX_IDS ids whatever the word's count (one fixed-size copy). */
-static int cache_get(bpe_cache_shard *sh, uint64_t h, const uint8_t *w, size_t n, int32_t *out, size_t *k) {
-    int hit = 0;
-    uint32_t h32 = (uint32_t)h;
-    if (atomic_flag_test_and_set_explicit(&sh->busy, memory_order_acquire)) return 0;
-    for (size_t i = (h >> 32) & (BPE_CACHE_SLOTS - 1);; i = (i + 1) & (BPE_CACHE_SLOTS - 1)) {
-        const bpe_cache_slot *s = &sh->slots[i];
-        if (!s->nids) break;
-        if (s->hash == h32 && s->wlen == n && word_eq(s->word, w, n)) {
-            memcpy(out, s->ids, sizeof s->ids);
-            *k = s->nids;
-            hit = 1;
-            break;
-        }
-    }
-    atomic_flag_clear_explicit(&sh->busy, memory_order_release);
-    return hit;
-}
-
-static void cache_put(bpe_cache_shard *sh, uint64_t h, const uint8_t *w, size_t n, const int32_t *ids, size_t k) {
-    if (k > BPE_CACHE_MAX_IDS || atomic_flag_test_and_set_explicit(&sh->busy, memory_order_acquire)) return;
-    if (sh->count >= BPE_CACHE_SLOTS / 2) { /* full: start over */
-        memset(sh->slots, 0, BPE_CACHE_SLOTS * sizeof *sh->slots);
-        sh->count = 0;
-    }
-    uint32_t h32 = (uint32_t)h;
-    size_t i = (h >> 32) & (BPE_CACHE_SLOTS - 1);
-    for (; sh->slots[i].nids; i = (i + 1) & (BPE_CACHE_SLOTS - 1)) {
-        const bpe_cache_slot *s = &sh->slots[i];
-        if (s->hash == h32 && s->wlen == n && !memcmp(s->word, w, n)) { /* another thread got here first */
-            atomic_flag_clear_explicit(&sh->busy, memory_order_release);
-            return;
-        }
-    }
-    bpe_cache_slot *s = &sh->slots[i];
-    s->hash = h32;
-    s->wlen = (uint8_t)n;
-    s->nids = (uint8_t)k;
-    memcpy(s->word, w, n);
-    memcpy(s->ids, ids, k * sizeof *ids);
-    sh->count++;
-    atomic_flag_clear_explicit(&sh->busy, memory_order_release);
-}
-
 /* ---- whole-token words (see bpe_vocab_slot) ---- */
 
 static inline size_t vocab_slot(const bpe_tokenizer *t, uint64_t h) { return (size_t)(h >> 40) & (t->vocab_words_cap - 1); }
@@ -344,49 +299,60 @@ static int vocab_words_init(bpe_tokenizer *t) {
     return QT_OK;
 }
 
-/* The long-word cache: the same scheme, one shard. Rare enough (hundreds of
- * words a megabyte) that libc's memcmp and memcpy do. */
-static int lcache_get(bpe_lcache *lc, uint64_t h, const uint8_t *w, size_t n, int32_t *out, size_t *k) {
-    int hit = 0;
-    uint32_t h32 = (uint32_t)h;
-    if (atomic_flag_test_and_set_explicit(&lc->busy, memory_order_acquire)) return 0;
-    for (size_t i = (h >> 32) & (BPE_LCACHE_SLOTS - 1); lc->slots[i].nids; i = (i + 1) & (BPE_LCACHE_SLOTS - 1)) {
-        const bpe_lcache_slot *s = &lc->slots[i];
-        if (s->hash == h32 && s->wlen == n && !memcmp(s->word, w, n)) {
-            memcpy(out, s->ids, s->nids * sizeof *out);
-            *k = s->nids;
-            hit = 1;
-            break;
-        }
+/* The word cache and the long-word cache are one scheme over two slot
+ * sizes: open addressing in a table of SLOTS slots behind a test-and-set
+ * flag (a busy table is skipped, never waited on), emptied when half full.
+ * NAME_get looks w up (h = word_hash(w, n)); on a hit it copies the slot's
+ * whole ids array to out (one fixed-size copy: out has room for that many
+ * ids whatever the word's count) and returns 1. NAME_put stores a word of
+ * at most MAXIDS ids. */
+#define BPE_CACHE_OPS(NAME, TABLE, SLOT, SLOTS, MAXIDS)                                                             \
+    static int NAME##_get(TABLE *sh, uint64_t h, const uint8_t *w, size_t n, int32_t *out, size_t *k) {             \
+        int hit = 0;                                                                                                \
+        uint32_t h32 = (uint32_t)h;                                                                                 \
+        if (atomic_flag_test_and_set_explicit(&sh->busy, memory_order_acquire)) return 0;                          \
+        for (size_t i = (h >> 32) & (SLOTS - 1); sh->slots[i].nids; i = (i + 1) & (SLOTS - 1)) {                    \
+            const SLOT *s = &sh->slots[i];                                                                          \
+            if (s->hash == h32 && s->wlen == n && word_eq(s->word, w, n)) {                                         \
+                memcpy(out, s->ids, sizeof s->ids);                                                                 \
+                *k = s->nids;                                                                                       \
+                hit = 1;                                                                                            \
+                break;                                                                                              \
+            }                                                                                                       \
+        }                                                                                                           \
+        atomic_flag_clear_explicit(&sh->busy, memory_order_release);                                                \
+        return hit;                                                                                                 \
+    }                                                                                                               \
+    static void NAME##_put(TABLE *sh, uint64_t h, const uint8_t *w, size_t n, const int32_t *ids, size_t k) {       \
+        if (k > MAXIDS || atomic_flag_test_and_set_explicit(&sh->busy, memory_order_acquire)) return;               \
+        if (sh->count >= SLOTS / 2) { /* full: start over */                                                        \
+            memset(sh->slots, 0, SLOTS * sizeof *sh->slots);                                                        \
+            sh->count = 0;                                                                                          \
+        }                                                                                                           \
+        uint32_t h32 = (uint32_t)h;                                                                                 \
+        size_t i = (h >> 32) & (SLOTS - 1);                                                                         \
+        for (; sh->slots[i].nids; i = (i + 1) & (SLOTS - 1)) {                                                      \
+            const SLOT *s = &sh->slots[i];                                                                          \
+            if (s->hash == h32 && s->wlen == n && !memcmp(s->word, w, n)) { /* another thread got here first */     \
+                atomic_flag_clear_explicit(&sh->busy, memory_order_release);                                        \
+                return;                                                                                             \
+            }                                                                                                       \
+        }                                                                                                           \
+        SLOT *s = &sh->slots[i];                                                                                    \
+        s->hash = h32;                                                                                              \
+        s->wlen = (uint8_t)n;                                                                                       \
+        s->nids = (uint8_t)k;                                                                                       \
+        memcpy(s->word, w, n);                                                                                      \
+        memcpy(s->ids, ids, k * sizeof *ids);                                                                       \
+        sh->count++;                                                                                                \
+        atomic_flag_clear_explicit(&sh->busy, memory_order_release);                                                \
     }
-    atomic_flag_clear_explicit(&lc->busy, memory_order_release);
-    return hit;
-}
 
-static void lcache_put(bpe_lcache *lc, uint64_t h, const uint8_t *w, size_t n, const int32_t *ids, size_t k) {
-    if (k > BPE_LCACHE_MAX_IDS || atomic_flag_test_and_set_explicit(&lc->busy, memory_order_acquire)) return;
-    if (lc->count >= BPE_LCACHE_SLOTS / 2) { /* full: start over */
-        memset(lc->slots, 0, BPE_LCACHE_SLOTS * sizeof *lc->slots);
-        lc->count = 0;
-    }
-    uint32_t h32 = (uint32_t)h;
-    size_t i = (h >> 32) & (BPE_LCACHE_SLOTS - 1);
-    for (; lc->slots[i].nids; i = (i + 1) & (BPE_LCACHE_SLOTS - 1)) {
-        const bpe_lcache_slot *s = &lc->slots[i];
-        if (s->hash == h32 && s->wlen == n && !memcmp(s->word, w, n)) { /* another thread got here first */
-            atomic_flag_clear_explicit(&lc->busy, memory_order_release);
-            return;
-        }
-    }
-    bpe_lcache_slot *s = &lc->slots[i];
-    s->hash = h32;
-    s->wlen = (uint8_t)n;
-    s->nids = (uint8_t)k;
-    memcpy(s->word, w, n);
-    memcpy(s->ids, ids, k * sizeof *ids);
-    lc->count++;
-    atomic_flag_clear_explicit(&lc->busy, memory_order_release);
-}
+BPE_CACHE_OPS(cache, bpe_cache_shard, bpe_cache_slot, BPE_CACHE_SLOTS, BPE_CACHE_MAX_IDS)
+/* A long word has more than BPE_CACHE_MAX_WORD bytes, so out (sized for n +
+ * BPE_CACHE_MAX_IDS ids) holds a whole long slot's ids. */
+_Static_assert(BPE_LCACHE_MAX_IDS <= BPE_CACHE_MAX_WORD + 1 + BPE_CACHE_MAX_IDS, "long-word cache ids fit out");
+BPE_CACHE_OPS(lcache, bpe_lcache, bpe_lcache_slot, BPE_LCACHE_SLOTS, BPE_LCACHE_MAX_IDS)
 
 /* Words past the word cache's slots: the long-word cache, then the heap. */
 __attribute__((noinline)) static int word_long(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *out, size_t *k) {
