@@ -138,11 +138,10 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
         D = c->head_dim;
     size_t NC = (size_t)N * C, NI = (size_t)N * I, NQ = (size_t)N * H * D, NK = (size_t)N * KV * D;
     /* 2-byte storage (else all NULL): this layer's slots, and where its output goes (the next layer's
-     * input; the last output stays in fp32). With checkpointing the recompute stores x16 again, the
-     * same values into a slot already read. */
+     * input, as run_forward saves the embedding into x16[0]; the last output stays in fp32). With
+     * checkpointing the recompute stores x16 again, the same values into a slot already read. */
     const qt_acts16 no_slots = {0}, *s = m->acts.layer16 ? &m->acts.layer16[l] : &no_slots;
     uint16_t *const *x16 = m->acts.x16;
-    if (x16 && l == 0) qt_convert_from_f32(x16[0], m->opts.compute, x, NC); /* x: rounded already (keep) */
     op_rmsnorm_forward(a->ln1, a->rstd1, x, L->ln1, N, C, c->rms_norm_eps);
     keep_save(m, a->ln1, NC, s->ln1);
     linear_forward(m, l, LIN_Q, a->q, a->ln1, s->ln1, N, a->lora_h[LIN_Q], dropout);
@@ -263,7 +262,7 @@ static void run_forward(qt_model *m, const qt_batch *b, int dropout, float *dx_l
     int N = b->B * b->T, C = c->hidden_size, L = c->num_hidden_layers;
     qt_act_ptrs *A = &m->acts;
     op_embedding_forward(A->x[0], b->inputs, m->wte.p, m->wte.dt, N, C);
-    keep(m, A->x[0], (size_t)N * C);
+    keep_save(m, A->x[0], (size_t)N * C, A->x16 ? A->x16[0] : NULL);
     for (int l = 0; l < L; l++) layer_forward(m, l, b, N, A->x[l], A->x[l + 1], &A->layer[l], dropout, b->positions, 0);
     op_rmsnorm_forward(A->lnf, A->rstdf, A->x[L], m->lnf_w, N, C, c->rms_norm_eps);
     keep(m, A->lnf, (size_t)N * C);
