@@ -27,22 +27,3 @@ int qt_precision_check(qt_dtype compute) {
                   "bf16 is enabled in the deepspeed config but this CPU has no AVX512_BF16 (bf16 arithmetic); "
                   "use fp16 (\"fp16\": {\"enabled\": true}) or fp32 instead, or run on a machine with AVX512_BF16");
 }
-
-void qt_precision_convert(void *dst, qt_dtype ddt, const void *src, qt_dtype sdt, size_t n) {
-    const size_t blk = 4096, nb = (n + blk - 1) / blk, ds = qt_dtype_size(ddt), ss = qt_dtype_size(sdt);
-#pragma omp parallel for schedule(static)
-    for (size_t b = 0; b < nb; b++) {
-        float tmp[4096];
-        size_t a = b * blk, k = a + blk < n ? blk : n - a;
-        const char *s = (const char *)src + a * ss;
-        char *d = (char *)dst + a * ds;
-        if (sdt == QT_F32) {
-            qt_convert_from_f32(d, ddt, (const float *)s, k);
-        } else if (ddt == QT_F32) {
-            qt_convert_to_f32((float *)d, s, sdt, k);
-        } else {
-            qt_convert_to_f32(tmp, s, sdt, k);
-            qt_convert_from_f32(d, ddt, tmp, k);
-        }
-    }
-}

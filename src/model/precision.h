@@ -23,8 +23,4 @@ int qt_precision_check(qt_dtype compute);
 /* 1 when bf16 runs emulated (storage bf16, arithmetic fp32) on this CPU. */
 int qt_precision_bf16_emulated(void);
 
-/* dst (n, ddt) = src (n, sdt), through f32 in chunks (f16 <-> bf16 included;
- * values beyond fp16's range become inf). OpenMP-parallel. */
-void qt_precision_convert(void *dst, qt_dtype ddt, const void *src, qt_dtype sdt, size_t n);
-
 #endif

@@ -59,22 +59,22 @@ static void acts_load(qt_model *m, int l, int N) {
     const qt_dtype dt = m->opts.compute;
     size_t NC = (size_t)N * c->hidden_size, NI = (size_t)N * c->intermediate_size,
            NQ = (size_t)N * c->num_attention_heads * c->head_dim, NK = (size_t)N * c->num_key_value_heads * c->head_dim;
-    op_load_2byte(A->x[l], A->x16[l], NC, dt);
+    op_convert(A->x[l], QT_F32, A->x16[l], dt, NC);
     if (!A->layer16) return;
     const qt_acts16 *s = &A->layer16[l];
     const qt_acts *a = &A->layer[l];
-    op_load_2byte(a->ln1, s->ln1, NC, dt);
-    op_load_2byte(a->q, s->q, NQ, dt);
-    op_load_2byte(a->k, s->k, NK, dt);
-    op_load_2byte(a->v, s->v, NK, dt);
-    op_load_2byte(a->att, s->att, NQ, dt);
-    op_load_2byte(a->xmid, s->xmid, NC, dt);
-    op_load_2byte(a->ln2, s->ln2, NC, dt);
-    op_load_2byte(a->gate, s->gate, NI, dt);
-    op_load_2byte(a->up, s->up, NI, dt);
-    op_load_2byte(a->h, s->h, NI, dt);
+    op_convert(a->ln1, QT_F32, s->ln1, dt, NC);
+    op_convert(a->q, QT_F32, s->q, dt, NQ);
+    op_convert(a->k, QT_F32, s->k, dt, NK);
+    op_convert(a->v, QT_F32, s->v, dt, NK);
+    op_convert(a->att, QT_F32, s->att, dt, NQ);
+    op_convert(a->xmid, QT_F32, s->xmid, dt, NC);
+    op_convert(a->ln2, QT_F32, s->ln2, dt, NC);
+    op_convert(a->gate, QT_F32, s->gate, dt, NI);
+    op_convert(a->up, QT_F32, s->up, dt, NI);
+    op_convert(a->h, QT_F32, s->h, dt, NI);
     for (int j = 0; j < LIN_COUNT; j++)
-        if (s->lora_h[j]) op_load_2byte(a->lora_h[j], s->lora_h[j], (size_t)N * m->opts.lora_r, dt);
+        if (s->lora_h[j]) op_convert(a->lora_h[j], QT_F32, s->lora_h[j], dt, (size_t)N * m->opts.lora_r);
 }
 
 /* ---- Linear (+ LoRA) forward/backward ------------------------------------ */

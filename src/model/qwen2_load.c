@@ -99,7 +99,7 @@ static int base_matrix(qt_model *m, const char *name, int64_t d0, int64_t d1, qt
         void *copy = qt_alloc_aligned(n * qt_dtype_size(cd), name);
         if (!copy) return QT_ENOMEM;
         m->owned[m->n_owned++] = copy;
-        qt_precision_convert(copy, cd, t->data, t->dtype, n);
+        op_convert(copy, cd, t->data, t->dtype, n);
         drop_mapped_pages(t->data, t->nbytes);
         w->p = copy;
         w->dt = cd;
@@ -377,7 +377,7 @@ const qt_param *qt_model_params(const qt_model *m, int *n) {
  * fine-tuning it reads the 2-byte compute copy, rounded here from the master
  * (round to nearest even; fp16 saturates to inf beyond 65504). */
 void qt_model_weights_updated(qt_model *m) {
-    if (m->wcopy) qt_precision_convert(m->wcopy, m->opts.compute, m->master, QT_F32, m->numel);
+    if (m->wcopy) op_convert(m->wcopy, m->opts.compute, m->master, QT_F32, m->numel);
 }
 void qt_model_set_micro_step(qt_model *m, uint64_t step) { m->micro_step = step; }
 uint64_t qt_model_micro_step(const qt_model *m) { return m->micro_step; }

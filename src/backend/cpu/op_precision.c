@@ -96,16 +96,22 @@ void op_round_store(float *x, uint16_t *dst, size_t n, qt_dtype dt) {
     }
 }
 
-void op_load_2byte(float *dst, const uint16_t *src, size_t n, qt_dtype dt) {
-    if (n < ROUND_PAR_MIN) {
-        qt_convert_to_f32(dst, src, dt, n);
-        return;
-    }
-    const size_t nb = (n + ROUND_BLK - 1) / ROUND_BLK;
-#pragma omp parallel for schedule(static)
+void op_convert(void *dst, qt_dtype ddt, const void *src, qt_dtype sdt, size_t n) {
+    const size_t ds = qt_dtype_size(ddt), ss = qt_dtype_size(sdt), nb = (n + ROUND_BLK - 1) / ROUND_BLK;
+#pragma omp parallel for schedule(static) if (n >= ROUND_PAR_MIN)
     for (size_t b = 0; b < nb; b++) {
-        size_t a = b * ROUND_BLK, e = a + ROUND_BLK < n ? a + ROUND_BLK : n;
-        qt_convert_to_f32(dst + a, src + a, dt, e - a);
+        float tmp[ROUND_BLK];
+        size_t a = b * ROUND_BLK, k = a + ROUND_BLK < n ? ROUND_BLK : n - a;
+        const char *s = (const char *)src + a * ss;
+        char *d = (char *)dst + a * ds;
+        if (sdt == QT_F32) {
+            qt_convert_from_f32(d, ddt, (const float *)s, k);
+        } else if (ddt == QT_F32) {
+            qt_convert_to_f32((float *)d, s, sdt, k);
+        } else {
+            qt_convert_to_f32(tmp, s, sdt, k);
+            qt_convert_from_f32(d, ddt, tmp, k);
+        }
     }
 }
 

@@ -26,9 +26,10 @@ void op_round_to_dtype(float *x, size_t n, qt_dtype dt);
  * QT_BF16. */
 void op_round_store(float *x, uint16_t *dst, size_t n, qt_dtype dt);
 
-/* dst (n) = the 2-byte values src (n) of dtype dt (QT_F16 / QT_BF16) as fp32:
- * exact, the inverse of the store above. */
-void op_load_2byte(float *dst, const uint16_t *src, size_t n, qt_dtype dt);
+/* dst (n, ddt) = src (n, sdt), through f32 in blocks (f16 <-> bf16 included;
+ * values beyond fp16's range become inf); OpenMP-parallel for large n. From
+ * f16/bf16 to f32 it is exact: the inverse of op_round_store. */
+void op_convert(void *dst, qt_dtype ddt, const void *src, qt_dtype sdt, size_t n);
 
 /* 1 when the CPU executes bf16 dot products natively (AVX512_BF16). */
 int op_cpu_has_bf16(void);

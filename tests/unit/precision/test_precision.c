@@ -198,7 +198,7 @@ static void test_full_compute_copy_refreshed(void **state) {
 }
 
 /* op_round_store leaves x exactly as op_round_to_dtype does and writes the
- * same values' 2-byte patterns; op_load_2byte gives them back exactly. Both
+ * same values' 2-byte patterns; op_convert gives them back exactly. Both
  * the serial path and the OpenMP one (n >= 2^15), 8 lanes and the tail. */
 static void test_round_store_and_load(void **state) {
     (void)state;
@@ -220,7 +220,7 @@ static void test_round_store_and_load(void **state) {
             assert_memory_equal(x, y, n * 4);
             for (size_t i = 0; i < n; i++)
                 assert_int_equal(h[i], dts[d] == QT_F16 ? qt_f32_to_f16(y[i]) : qt_f32_to_bf16(y[i]));
-            op_load_2byte(z, h, n, dts[d]);
+            op_convert(z, QT_F32, h, dts[d], n);
             assert_memory_equal(z, y, n * 4);
             free(x), free(y), free(z), free(h);
         }
