@@ -5,6 +5,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 static void *oom(size_t n, const char *what, const char *file, int line) {
     qt_error_at(QT_ENOMEM, file, line, QT_MSG_OOM_FMT, (double)n / (1 << 20), what);
@@ -29,10 +30,18 @@ void *qt_realloc_at(void *p, size_t n, const char *what, const char *file, int l
 }
 
 void *qt_alloc_aligned_at(size_t n, const char *what, const char *file, int line) {
-    size_t rounded = (n + 63) & ~(size_t)63;
+    size_t align = n >= QT_HUGE_MIN ? QT_HUGE_PAGE : 64, rounded = (n + align - 1) & ~(align - 1);
     if (rounded < n) return oom(n, what, file, line);
-    void *p = aligned_alloc(64, rounded ? rounded : 64);
-    return p ? p : oom(n, what, file, line);
+    void *p = aligned_alloc(align, rounded ? rounded : 64);
+    if (!p) return oom(n, what, file, line);
+    if (align == QT_HUGE_PAGE) qt_advise_huge(p, rounded);
+    return p;
+}
+
+void qt_advise_huge(void *p, size_t n) {
+    /* Advice only: where transparent huge pages are off, or the kernel has
+     * none free, the buffer keeps 4 KiB pages and nothing else changes. */
+    if (n >= QT_HUGE_MIN) (void)madvise(p, n, MADV_HUGEPAGE);
 }
 
 void qt_free(void *p) { free(p); }

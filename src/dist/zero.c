@@ -413,6 +413,7 @@ static void *host_alloc(size_t bytes) {
                (double)bytes / (1 << 20));
         return NULL;
     }
+    qt_advise_huge(q, bytes);
     return q;
 }
 

@@ -1,10 +1,12 @@
-/* core: dtype conversions, checked sizes, atomic files, folder replace, rng streams. */
+/* core: dtype conversions, checked sizes, aligned buffers, atomic files, folder replace, rng streams. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <cmocka.h>
 
 #include <math.h>
+#include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -97,6 +99,58 @@ static void test_dir_replace(void **state) {
     assert_int_equal(qt_rm_rf(dir), QT_OK);
 }
 
+/* The THPeligible flag of the mapping that holds p (/proc/self/smaps), or -1
+ * where the kernel does not report it. */
+static int thp_eligible(const void *p) {
+    FILE *f = fopen("/proc/self/smaps", "r");
+    if (!f) return -1;
+    char line[512];
+    int in = 0, flag = -1;
+    while (fgets(line, sizeof line, f)) {
+        unsigned long lo, hi;
+        if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && strchr(line, '-') < strchr(line, ' '))
+            in = (uintptr_t)p >= lo && (uintptr_t)p < hi;
+        else if (in && sscanf(line, "THPeligible: %d", &flag) == 1)
+            break;
+    }
+    fclose(f);
+    return flag;
+}
+
+/* Whether transparent huge pages are on (always or madvise) on this kernel. */
+static int thp_enabled(void) {
+    char buf[128] = {0};
+    FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+    if (!f) return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    return strstr(buf, "[always]") || strstr(buf, "[madvise]");
+}
+
+static void test_alloc_aligned(void **state) {
+    (void)state;
+    unsigned char *small = qt_alloc_aligned(1000, "a small buffer");
+    assert_non_null(small);
+    assert_int_equal((uintptr_t)small % 64, 0);
+    memset(small, 7, 1000);
+    qt_free(small);
+
+    /* a weight-sized buffer: 2 MiB aligned, whole, and advised to use huge pages */
+    size_t n = QT_HUGE_MIN + 12345;
+    unsigned char *big = qt_alloc_aligned(n, "a large buffer");
+    assert_non_null(big);
+    assert_int_equal((uintptr_t)big % QT_HUGE_PAGE, 0);
+    memset(big, 0xab, n);
+    assert_int_equal(big[0], 0xab);
+    assert_int_equal(big[n - 1], 0xab);
+    if (thp_enabled()) {
+        int e = thp_eligible(big);
+        if (e >= 0) assert_int_equal(e, 1);
+    }
+    qt_free(big);
+}
+
 static void test_rng_streams(void **state) {
     (void)state;
     qt_rng a, b, c;
@@ -115,6 +169,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_bf16_round_trip),
         cmocka_unit_test(test_mul_overflow),
+        cmocka_unit_test(test_alloc_aligned),
         cmocka_unit_test(test_atomic_abort_keeps_old),
         cmocka_unit_test(test_dir_replace),
         cmocka_unit_test(test_rng_streams),
