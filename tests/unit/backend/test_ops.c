@@ -375,6 +375,35 @@ static void test_swiglu(void **state) {
     qt_free(sw_g), qt_free(sw_u), qt_free(sw_r), qt_free(dg), qt_free(du);
 }
 
+/* The 8-lane path and the tail against double formulas, element by element,
+ * over the whole range of the gate (saturating and underflowing exps). */
+static void test_swiglu_lanes(void **state) {
+    (void)state;
+    enum { N = 43 };
+    static const float ends[] = {-100.0f, -88.5f, -87.0f, -30.0f, -5.5f, -1.0f, -1e-3f, 0.0f,
+                                 1e-3f,   1.0f,   5.5f,   30.0f,  87.0f, 88.5f, 100.0f};
+    float g[N], u[N], d[N], out[N], dg[N], du[N];
+    float *r = randv(3 * N, 1.0f);
+    for (int i = 0; i < N; i++) {
+        g[i] = i < 15 ? ends[i] : 8.0f * r[i];
+        u[i] = r[N + i], d[i] = r[2 * N + i];
+        dg[i] = 0.25f, du[i] = -0.5f; /* the backward accumulates */
+    }
+    op_swiglu_forward(out, g, u, 1, N);
+    op_swiglu_backward(dg, du, d, g, u, 1, N);
+    for (int i = 0; i < N; i++) {
+        double s = 1.0 / (1.0 + exp(-(double)g[i]));
+        double want[3] = {g[i] * s * u[i], 0.25 + d[i] * u[i] * s * (1.0 + g[i] * (1.0 - s)), -0.5 + d[i] * g[i] * s};
+        const float got[3] = {out[i], dg[i], du[i]};
+        const double init[3] = {0.0, 0.25, 0.5}; /* adding to it rounds at its ulp, whatever the term */
+        for (int k = 0; k < 3; k++)
+            if (fabs(got[k] - want[k]) > 2e-6 * fmax(fabs(want[k]), 1e-6) + 1.2e-7 * init[k])
+                fail_msg("swiglu %s[%d] (g = %g): got %.9g want %.9g", k == 0 ? "out" : k == 1 ? "dgate" : "dup", i,
+                         g[i], got[k], want[k]);
+    }
+    qt_free(r);
+}
+
 /* ---- lm_head + cross-entropy ---- */
 enum { CN = 5, CC = 8, CV = 2 * OP_CE_CHUNK + 37 };
 static float *ce_x, *ce_w, *ce_ws, ce_loss_v[CN], ce_lse[CN];
@@ -525,7 +554,7 @@ int main(void) {
         cmocka_unit_test(test_matmul_half_panels), cmocka_unit_test(test_rope),
         cmocka_unit_test(test_attention), cmocka_unit_test(test_attention_blocks_and_cache),
         cmocka_unit_test(test_attention_gemm_blocks),
-        cmocka_unit_test(test_swiglu),    cmocka_unit_test(test_lmhead_ce),
+        cmocka_unit_test(test_swiglu),    cmocka_unit_test(test_swiglu_lanes), cmocka_unit_test(test_lmhead_ce),
         cmocka_unit_test(test_lmhead_ce_forward_dx), cmocka_unit_test(test_lmhead_ce_kept),
         cmocka_unit_test(test_exp8),
         cmocka_unit_test(test_embedding),
