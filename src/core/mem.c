@@ -46,6 +46,20 @@ void qt_advise_huge(void *p, size_t n) {
 
 void qt_free(void *p) { free(p); }
 
+void qt_zero_floats(float *x, size_t n) {
+    const size_t chunk = (size_t)1 << 18; /* 1 MiB pieces */
+    if (n < 4 * chunk) {
+        memset(x, 0, n * sizeof *x);
+        return;
+    }
+    const size_t pieces = (n + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static)
+    for (size_t k = 0; k < pieces; k++) {
+        size_t a = k * chunk, len = n - a < chunk ? n - a : chunk;
+        memset(x + a, 0, len * sizeof *x);
+    }
+}
+
 char *qt_strdup(const char *s) {
     size_t n = strlen(s) + 1;
     char *d = qt_malloc(n, "a string");

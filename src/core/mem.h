@@ -19,6 +19,8 @@ void qt_advise_huge(void *p, size_t n);
 #define QT_HUGE_PAGE ((size_t)2 << 20)
 #define QT_HUGE_MIN ((size_t)8 << 20)
 void qt_free(void *p);
+/* x[0..n) = 0, by all OpenMP threads for large n (a step's gradient block). */
+void qt_zero_floats(float *x, size_t n);
 char *qt_strdup(const char *s); /* NULL (with error set) on failure */
 
 #define qt_malloc(n, what) qt_malloc_at((n), (what), __FILE__, __LINE__)

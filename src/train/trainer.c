@@ -186,7 +186,7 @@ static int train_step(qt_trainer *t, step_out *o) {
     o->loss_scale = S;
 
     /* 2. forward/backward: grads = S * d(sum of token losses)/Ntok */
-    memset(t->grads, 0, t->n * sizeof(float));
+    qt_zero_floats(t->grads, t->n);
     double loss_sum = 0;
     const float gs = cnt[0] > 0 ? (float)(S / (double)cnt[0]) : 0.0f;
     for (int a = 0; a < A; a++) {

@@ -6,10 +6,13 @@
 #include <stddef.h>
 #include <cmocka.h>
 
+#include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/error.h"
+#include "core/mem.h"
 #include "dist/dist.h"
 
 static dist_ctx *solo(void) {
@@ -104,11 +107,46 @@ static void test_overflow_flag(void **state) {
     dist_finalize(d);
 }
 
+/* A gradient block large enough for the parallel sum of squares: the same
+ * bits at 1, 2 and 3 threads, equal to a long-double sum to rounding, and
+ * an inf deep inside one piece still flags the overflow. */
+static void test_grad_norm_threads(void **state) {
+    (void)state;
+    dist_ctx *d = solo();
+    const size_t n = ((size_t)3 << 20) + 77;
+    zero_plan *p;
+    zero_opts o = {.stage = 0};
+    assert_int_equal(zero_plan_create(d, n, &o, &p), QT_OK);
+    float *g = qt_alloc_aligned(n * sizeof *g, "test gradients");
+    assert_non_null(g);
+    long double want = 0;
+    for (size_t i = 0; i < n; i++) {
+        g[i] = (float)((i * 2654435761u) % 2001) * 1e-3f - 1.0f;
+        want += (long double)g[i] * g[i];
+    }
+    double sq[3];
+    int of;
+    for (int t = 1; t <= 3; t++) {
+        omp_set_num_threads(t);
+        assert_int_equal(dist_step_gradients(d, p, g, &sq[t - 1], &of), QT_OK);
+        assert_int_equal(of, 0);
+    }
+    assert_true(sq[0] == sq[1] && sq[1] == sq[2]);
+    assert_true(fabs(sq[0] - (double)want) <= 1e-12 * (double)want);
+    g[n / 2 + 3] = 1.0f / 0.0f;
+    assert_int_equal(dist_step_gradients(d, p, g, &sq[0], &of), QT_OK);
+    assert_int_equal(of, 1);
+    qt_free(g);
+    zero_plan_free(p);
+    dist_finalize(d);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_solo_rank),
         cmocka_unit_test(test_plan_ranges),
         cmocka_unit_test(test_overflow_flag),
+        cmocka_unit_test(test_grad_norm_threads),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
