@@ -231,28 +231,43 @@ def run_torch(work, model, data, B, T, mode, threads, warmup, steps):
 
 
 # ---- profile -------------------------------------------------------------------
-def label_shapes(cfg, B, T, mode):
-    """(M, N, K, ta, tb) -> call site, from the calls op_matmul / op_lmhead_ce make."""
+def slices(n, threads):
+    """The widths op_split gives each of `threads` threads (16-aligned blocks)."""
+    per = -(-n // threads)
+    per = -(-per // 16) * 16
+    return {min(per, n - k * per) for k in range(threads) if k * per < n}
+
+
+def label_shapes(cfg, B, T, mode, threads=1):
+    """(M, N, K, ta, tb) -> call site, from the calls op_matmul / op_lmhead_ce
+    make. With threads > 1 each thread multiplies its slice: the output
+    features of a forward or a dW, the input features of a dX."""
     C, I, L, H, KV, D, V = dims(cfg)
     N, R = B * T, LORA_R
     lab = {}
+
+    def add(M, Nn, K, ta, tb, name):
+        split_m = (ta, tb) == ("t", "n")  # dW: rows of W; otherwise columns of the output
+        for w in slices(M if split_m else Nn, threads):
+            lab.setdefault((w, Nn, K, ta, tb) if split_m else (M, w, K, ta, tb), []).append(name)
+
     lin = {"q_proj": (C, H * D), "k_proj": (C, KV * D), "v_proj": (C, KV * D), "o_proj": (H * D, C),
            "gate/up_proj": (C, I), "down_proj": (I, C)}
     for name, (i, o) in lin.items():
-        lab.setdefault((N, o, i, "n", "t"), []).append(name + " fwd")
-        lab.setdefault((N, i, o, "n", "n"), []).append(name + " bwd dX")
-        lab.setdefault((o, i, N, "t", "n"), []).append(name + " bwd dW")
+        add(N, o, i, "n", "t", name + " fwd")
+        add(N, i, o, "n", "n", name + " bwd dX")
+        add(o, i, N, "t", "n", name + " bwd dW")
         if mode == "lora" and name in ("q_proj", "v_proj"):
-            lab.setdefault((N, R, i, "n", "t"), []).append("lora_A fwd")
-            lab.setdefault((N, o, R, "n", "t"), []).append("lora_B fwd")
-            lab.setdefault((o, R, N, "t", "n"), []).append("lora_B dW")
-            lab.setdefault((N, R, o, "n", "n"), []).append("lora dh")
-            lab.setdefault((R, i, N, "t", "n"), []).append("lora_A dW")
-            lab.setdefault((N, i, R, "n", "n"), []).append("lora dX")
+            add(N, R, i, "n", "t", "lora_A fwd")
+            add(N, o, R, "n", "t", "lora_B fwd")
+            add(o, R, N, "t", "n", "lora_B dW")
+            add(N, R, o, "n", "n", "lora dh")
+            add(R, i, N, "t", "n", "lora_A dW")
+            add(N, i, R, "n", "n", "lora dX")
     for cv in {CE_CHUNK, V % CE_CHUNK or CE_CHUNK}:
-        lab.setdefault((N, cv, C, "n", "t"), []).append("lm_head chunk logits (calls/step = 2x chunks when the backward recomputes them)")
-        lab.setdefault((N, C, cv, "n", "n"), []).append("lm_head chunk bwd dX")
-        lab.setdefault((cv, C, N, "t", "n"), []).append("lm_head chunk bwd dW")
+        add(N, cv, C, "n", "t", "lm_head chunk logits (calls/step = 2x chunks when the backward recomputes them)")
+        add(N, C, cv, "n", "n", "lm_head chunk bwd dX")
+        add(cv, C, N, "t", "n", "lm_head chunk bwd dW")
     # attention on 64x64 blocks (op_attention.c): the full blocks' shapes; the
     # last, partial block of a row and blocks trimmed to fewer rows show as "?"
     b = min(T, 64)
@@ -276,16 +291,19 @@ def standalone_rates(build, rows):
             r["alone_gflops"] = None
 
 
-def profile_case(build, qtune, work, model, cfg, data, B, T, mode, warmup, steps):
-    tr = os.path.join(work, "sgemm-%s-%s.tsv" % (os.path.basename(model), mode))
+def profile_case(build, qtune, work, model, cfg, data, B, T, mode, warmup, steps, threads=1):
+    """With threads > 1 the tracer's seconds are summed over the threads that
+    call sgemm at once (each on its slice), so s_per_step is thread-seconds
+    and the rates are per thread."""
+    tr = os.path.join(work, "sgemm-%s-%s-t%d.tsv" % (os.path.basename(model), mode, threads))
     lib = os.path.join(build, "bench", "libqt_sgemm_trace.so")
     env_prefix = ["env", "QTUNE_SGEMM_TRACE=" + tr, "LD_PRELOAD=" + lib]
-    res = run_qtune(qtune, work, model, data, B, T, mode, 1, warmup, steps, prefix=env_prefix)
+    res = run_qtune(qtune, work, model, data, B, T, mode, threads, warmup, steps, prefix=env_prefix)
     if "error" in res:
         return {"error": res["error"]}
     nsteps = warmup + steps
     step_s = B * T / res["tok_s"]
-    labels = label_shapes(cfg, B, T, mode)
+    labels = label_shapes(cfg, B, T, mode, threads)
     rows = []
     for line in open(tr):
         if line.startswith(("order", "#")):
@@ -300,7 +318,7 @@ def profile_case(build, qtune, work, model, cfg, data, B, T, mode, warmup, steps
     perf_rows, perf_note = [], ""
     pdata = os.path.join(work, "perf-%s.data" % mode)
     if shutil.which("perf"):
-        pr = run_qtune(qtune, work, model, data, B, T, mode, 1, warmup, steps,
+        pr = run_qtune(qtune, work, model, data, B, T, mode, threads, warmup, steps,
                        prefix=["perf", "record", "-q", "-e", "cpu-clock", "-F", "499", "-o", pdata, "--"])
         if "error" not in pr:
             rep = subprocess.run(["perf", "report", "-i", pdata, "--stdio", "--no-children", "--sort",
@@ -316,7 +334,10 @@ def profile_case(build, qtune, work, model, cfg, data, B, T, mode, warmup, steps
             os.remove(pdata)
     else:
         perf_note = "perf not found"
-    return {"step_s": step_s, "tok_s": res["tok_s"], "sgemm": rows, "perf": perf_rows, "perf_note": perf_note,
+    # the whole of OpenBLAS's sgemm (kernel, packing, beta) as a share of the samples
+    gemm_pct = sum(r["pct"] for r in perf_rows if re.match(r"sgemm_", r["symbol"])) if perf_rows else None
+    return {"step_s": step_s, "tok_s": res["tok_s"], "threads": threads, "flops": flops_per_step(cfg, B, T, mode)[0],
+            "gemm_pct": gemm_pct, "sgemm": rows, "perf": perf_rows, "perf_note": perf_note,
             "note": "sgemm seconds are per step averaged over all %d steps (warm-up included); step_s is the "
                     "median step" % nsteps}
 
@@ -388,20 +409,31 @@ def report(res):
                 fmt(c.get("mem_peak_bytes") and c["mem_peak_bytes"] / 2**20, "%.0f MiB"),
                 fmt(c.get("skipped"), "%d"), "ok" if "error" not in c else "refused: " + c["error"]))
     for name, pr in (res.get("profile") or {}).items():
-        p("\n## Profile: %s (1 thread)\n" % name)
+        nt = pr.get("threads", 1)
+        p("\n## Profile: %s (%d thread%s)\n" % (name, nt, "s" if nt > 1 else ""))
         if "error" in pr:
             p("error: " + pr["error"])
             continue
         p("median step %.2f s (%.1f tok/s). %s.\n" % (pr["step_s"], pr["tok_s"], pr["note"]))
-        tot = sum(r["s_per_step"] for r in pr["sgemm"])
-        p("sgemm total: %.2f s per step = %.0f%% of the step\n" % (tot, 100 * tot / pr["step_s"]))
-        p("| call site | M | N | K | op | calls/step | s/step | % of step | GFLOP/s in the step | "
-          "GFLOP/s alone (bench_gemm) |")
+        tot = sum(r["s_per_step"] for r in pr["sgemm"]) / nt
+        p("sgemm total: %.2f s per step = %.0f%% of the step%s\n" % (
+            tot, 100 * tot / pr["step_s"], " (thread-seconds / %d)" % nt if nt > 1 else ""))
+        if pr.get("gemm_pct"):
+            # model FLOPs over the wall time the samples put in sgemm: the rate
+            # the GEMMs themselves run at inside the step, against the peak
+            in_gemm = pr["flops"] / (pr["step_s"] * pr["gemm_pct"] / 100) / 1e9
+            pk = res.get("peak", {}).get(str(nt), {}).get("peak_gflops")
+            p("sgemm (kernel, packing, beta) holds %.1f%% of the perf samples; the model's FLOPs over that share "
+              "of the step: %.1f GFLOP/s%s\n" % (pr["gemm_pct"], in_gemm,
+                                                 ", %.0f%% of the %d-thread sgemm peak" % (100 * in_gemm / pk, nt)
+                                                 if pk else ""))
+        p("| call site | M | N | K | op | calls/step | s/step | %% of step | GFLOP/s in the step%s | "
+          "GFLOP/s alone (bench_gemm, 1 thread) |" % (" (per thread)" if nt > 1 else ""))
         p("|---|---|---|---|---|---|---|---|---|---|")
         for r in pr["sgemm"][:16]:
             p("| %s | %d | %d | %d | %s%s | %.0f | %.3f | %.1f%% | %.1f | %s |" % (
                 r["site"], r["M"], r["N"], r["K"], r["ta"], r["tb"], r["calls_per_step"], r["s_per_step"],
-                100 * r["s_per_step"] / pr["step_s"], r["gflops"], fmt(r.get("alone_gflops"), "%.1f")))
+                100 * r["s_per_step"] / nt / pr["step_s"], r["gflops"], fmt(r.get("alone_gflops"), "%.1f")))
         if pr["perf"]:
             p("\nperf record -e cpu-clock, self time (whole process, top symbols):\n")
             p("| % | dso | symbol |")
@@ -473,7 +505,8 @@ def main():
     ap.add_argument("--no-speed", action="store_true", help="skip the qtune/PyTorch cases")
     ap.add_argument("--no-precision", action="store_true")
     ap.add_argument("--precision-shapes", default="bench-tiny")
-    ap.add_argument("--profile", action="store_true", help="sgemm trace + perf, 1 thread")
+    ap.add_argument("--profile", action="store_true", help="sgemm trace + perf (--profile-threads, default 1)")
+    ap.add_argument("--profile-threads", type=int, default=1)
     ap.add_argument("--profile-shapes", default="bench-tiny,qwen2.5-0.5b")
     ap.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "qtune-bench"))
     ap.add_argument("--json", help="also write all results to this JSON file")
@@ -542,8 +575,9 @@ def main():
             data = ensure_data(a.work, cfg["vocab_size"], T, max(need, 64))
             for mode in a.modes.split(","):
                 log("profile %s %s (load %s)" % (shape, mode, loadavg()))
-                res["profile"]["%s %s" % (shape, mode)] = profile_case(a.build, qtune, a.work, mdir, cfg, data, B, T,
-                                                                       mode, a.warmup, steps)
+                key = "%s %s" % (shape, mode) + (" t%d" % a.profile_threads if a.profile_threads > 1 else "")
+                res["profile"][key] = profile_case(a.build, qtune, a.work, mdir, cfg, data, B, T, mode, a.warmup,
+                                                   steps, a.profile_threads)
     res["machine"]["load average at end"] = loadavg()
     if a.json:
         with open(a.json, "w") as f:
