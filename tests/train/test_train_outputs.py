@@ -11,7 +11,7 @@ import xml.etree.ElementTree as ET
 import numpy as np
 import pytest
 
-from trainutil import QTUNE, env, init_model, metrics, run, st, step_lines, write_job, write_tokens
+from trainutil import QTUNE, env, init_model, metrics, optimizer_state, run, st, step_lines, write_job, write_tokens
 
 FIELDS = ["step", "loss", "lr", "grad_norm", "loss_scale", "skipped", "tokens", "tokens_per_s", "elapsed_s",
           "mem_peak_bytes", "target_tokens", "epoch", "opt_state_bytes", "comm_s"]
@@ -139,7 +139,7 @@ def complete_checkpoints(out):
         state = json.load(open(os.path.join(ck, "trainer_state.json")))
         assert state["step"] == int(name.split("-")[1])
         st.read(os.path.join(ck, "model.safetensors"))
-        opt = st.read(os.path.join(ck, "optimizer.safetensors"))
+        opt = optimizer_state(ck)
         assert opt["exp_avg"].shape == (state["numel"],)
         found.append(state["step"])
     return sorted(found)
