@@ -386,3 +386,35 @@ def test_rank0_save_holds_no_full_optimizer_state(tmp_path):
     full_mv = 2 * 4 * state["numel"]
     print("peak RSS per rank: %s MB; full m+v %.1f MB" % ([round(r / 2**20, 1) for r in rss], full_mv / 2**20))
     assert rss[0] - rss[1] < full_mv / 2, (rss, full_mv)
+
+
+def test_sigterm_to_one_rank_saves_every_part(setup):
+    """SIGTERM to rank 1 alone: the ranks agree to stop, each writes its part
+    of the checkpoint of the step they reached, the job exits 130, and the same
+    command continues from there on 3 ranks."""
+    j = sharded_job(setup, "sh_sigterm", steps=100000)
+    out = setup / "sh_sigterm"
+    shutil.rmtree(out, ignore_errors=True)
+    p = mpirun_popen(2, ["train", j])
+    try:
+        pids = rank_pids(p.pid, 2)
+        mpath = out / "metrics.jsonl"
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 120 and not (mpath.exists() and len(mpath.read_text().splitlines()) >= 2):
+            time.sleep(0.05)
+        os.kill(pids[1], signal.SIGTERM)
+        log, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 130, log
+    last = u.step_lines(str(out))[-1]["step"]
+    ck = out / f"checkpoint-{last}"
+    state = json.load(open(ck / "trainer_state.json"))
+    assert state["step"] == last and len(state["optimizer"]["parts"]) == 2
+    assert u.optimizer_state(str(ck))["exp_avg"].shape == (state["numel"],)
+    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+    rc, log = mpirun(3, ["train", j, "--set", f"train.max_steps={last + 1}"])
+    assert rc == 0, log
+    assert [m["step"] for m in u.step_lines(str(out))] == list(range(1, last + 2))
