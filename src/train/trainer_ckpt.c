@@ -313,6 +313,9 @@ static int save_checkpoint(qt_trainer *t) {
     int wrc = rc;
     if (wrc == QT_OK && index >= 0) wrc = save_opt_part(t, w.dir, index, count, lo, hi);
     if (wrc == QT_OK && t->main) wrc = save_weights(t, w.dir);
+    /* said now: once rank 0 learns of the failure it aborts every rank, which
+     * may come before this rank's CLI prints its error */
+    if (wrc != QT_OK && !t->main && t->world > 1) qt_warn("rank %d: %s", t->rank, qt_error_message());
     if (rc == QT_OK) {
         r2 = agree(t, wrc, "checkpoint parts written", &bad);
         rc = wrc != QT_OK ? wrc : r2;

@@ -418,3 +418,23 @@ def test_sigterm_to_one_rank_saves_every_part(setup):
     rc, log = mpirun(3, ["train", j, "--set", f"train.max_steps={last + 1}"])
     assert rc == 0, log
     assert [m["step"] for m in u.step_lines(str(out))] == list(range(1, last + 2))
+
+
+def test_rank_that_cannot_write_its_part_stops_the_save(setup):
+    """Rank 1 runs under a 64 KiB file-size limit (SIGXFSZ ignored, so write()
+    fails with EFBIG), too small for its optimizer part: the save of step 1
+    fails on every rank, rank 1 names the file and the reason, rank 0 names
+    rank 1, the .tmp folder is removed and no checkpoint-1 appears."""
+    j = sharded_job(setup, "sh_efbig", steps=2, train_opts={"save_steps": 1})
+    out = setup / "sh_efbig"
+    shutil.rmtree(out, ignore_errors=True)
+    script = ('trap "" XFSZ; if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then ulimit -f 64; fi; exec "$@"')
+    # TCP between the ranks: the shared-memory transport's segment files would hit the limit first
+    p = subprocess.run([MPIRUN, "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,tcp", "-np", "2",
+                        "bash", "-c", script, "bash", u.QTUNE, "train", j],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=u.env(), timeout=300)
+    assert p.returncode != 0, p.stdout
+    assert "warning: rank 1: cannot write" in p.stdout, p.stdout
+    assert "optimizer-00001-of-00002.safetensors: File too large" in p.stdout, p.stdout
+    assert "rank 1 could not write its part of the checkpoint of step 1" in p.stdout, p.stdout
+    assert not [n for n in os.listdir(out) if n.startswith("checkpoint-")], os.listdir(out)
