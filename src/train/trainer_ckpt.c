@@ -286,7 +286,7 @@ static int agree(qt_trainer *t, int rc, const char *what, int *bad_rank) {
  * on it without a message); rank 0 also writes the weights, and only when
  * every rank reported success writes trainer_state.json and renames the
  * folder. No rank holds more than its own part at any time: a gathered m and
- * v would cost rank 0 2 x n x 4 bytes (112 GB for Qwen-14B). */
+ * v would cost rank 0 2 x n x 4 bytes (113 GB for Qwen-14B). */
 static int save_checkpoint(qt_trainer *t) {
     /* collective parts first: every rank takes part */
     int64_t *pos = qt_calloc((size_t)t->world * 2, sizeof(int64_t), "data positions");
