@@ -6,7 +6,9 @@
  *
  * Input layout: the trainer_state.json text, then optional sections that
  * replace the other files, each introduced by a line of its own:
- *   "\n@@optimizer\n" optimizer.safetensors bytes
+ *   "\n@@optimizer\n" optimizer-00000-of-00001.safetensors bytes (the one
+ *                     part of a single rank; written as optimizer.safetensors
+ *                     too, which states of format 1 name)
  *   "\n@@adapter\n"   adapter_model.safetensors bytes
  *   "\n@@config\n"    adapter_config.json text
  * Missing sections keep the genuine files. "@FP@" in the state text stands
@@ -31,8 +33,8 @@ static qt_job job;
 static char ckpt[512], fp_hex[32];
 static char *genuine[4];
 static size_t genuine_len[4];
-static const char *const files[4] = {"trainer_state.json", "optimizer.safetensors", "adapter_model.safetensors",
-                                     "adapter_config.json"};
+static const char *const files[4] = {"trainer_state.json", "optimizer-00000-of-00001.safetensors",
+                                     "adapter_model.safetensors", "adapter_config.json"};
 static const char *const marks[4] = {NULL, "\n@@optimizer\n", "\n@@adapter\n", "\n@@config\n"};
 
 static void die(const char *what) {
@@ -74,13 +76,18 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     return 0;
 }
 
-static void put(int i, const void *data, size_t n) {
+static void put_name(const char *name, const void *data, size_t n) {
     char path[600];
-    snprintf(path, sizeof path, "%s/%s", ckpt, files[i]);
+    snprintf(path, sizeof path, "%s/%s", ckpt, name);
     FILE *f = fopen(path, "wb");
     if (!f) abort();
     if (n && fwrite(data, 1, n, f) != n) abort();
     fclose(f);
+}
+
+static void put(int i, const void *data, size_t n) {
+    put_name(files[i], data, n);
+    if (i == 1) put_name("optimizer.safetensors", data, n); /* the format-1 name */
 }
 
 /* memmem for a marker */

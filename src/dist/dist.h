@@ -176,7 +176,20 @@ void zero_state_free(zero_plan *p, zero_state *st);
 size_t zero_state_bytes_device(const zero_plan *p);
 size_t zero_state_bytes_host(const zero_plan *p);
 
-/* Checkpoints. Gather one slot to rank 0: full (n floats) must be valid on
+/* Checkpoints, sharded (what the trainer writes): each rank saves its own
+ * range of the state, nothing moves between ranks. zero_ckpt_part says which
+ * part of the checkpoint this rank writes: part *index of *count, elements
+ * [lo, hi). At stage 1/2 that is its shard (count = world; a shard may be
+ * empty when n is small); at stage 0 every rank holds the whole state, so
+ * rank 0 writes it as the one part and the others write nothing (*index = -1).
+ * zero_state_view gives the rank's slot (hi - lo floats over zero_opt_range,
+ * host-addressable as the gather below assumes), checked against the plan.
+ * A reader takes any element range from the parts, so a checkpoint written by
+ * N ranks resumes with any other number of ranks or stage. */
+void zero_ckpt_part(const zero_plan *p, int *index, int *count, size_t *lo, size_t *hi);
+int zero_state_view(const zero_plan *p, const zero_state *st, int slot, float **data);
+
+/* Checkpoints, gathered (the format before sharded files). Gather one slot to rank 0: full (n floats) must be valid on
  * rank 0 and is ignored elsewhere. Scatter is the reverse: rank 0 holds the
  * whole slot (n floats, as saved) and every rank receives its range. Because
  * shards are element ranges of the same flat block, a checkpoint written with

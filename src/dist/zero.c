@@ -497,6 +497,26 @@ static int check_slot(const zero_plan *p, const zero_state *st, int slot) {
     return QT_OK;
 }
 
+void zero_ckpt_part(const zero_plan *p, int *index, int *count, size_t *lo, size_t *hi) {
+    if (p->stage == 0 || p->d->world == 1) {
+        *count = 1;
+        *index = p->d->rank == 0 ? 0 : -1;
+        *lo = 0;
+        *hi = p->d->rank == 0 ? p->n : 0;
+        return;
+    }
+    *count = p->d->world;
+    *index = p->d->rank;
+    zero_shard_of(p, p->d->rank, lo, hi);
+}
+
+int zero_state_view(const zero_plan *p, const zero_state *st, int slot, float **data) {
+    *data = NULL;
+    QT_TRY(check_slot(p, st, slot));
+    *data = st->slot[slot];
+    return QT_OK;
+}
+
 #if QT_DIST_MPI
 typedef struct {
     float *mine;

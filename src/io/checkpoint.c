@@ -29,7 +29,7 @@ long ckpt_step_of(const char *name) {
     return v;
 }
 
-int ckpt_begin(ckpt_writer *w, const char *output_dir, long step) {
+int ckpt_names(ckpt_writer *w, const char *output_dir, long step) {
     memset(w, 0, sizeof *w);
     w->step = step;
     char name[64];
@@ -39,6 +39,11 @@ int ckpt_begin(ckpt_writer *w, const char *output_dir, long step) {
     QT_TRY(qt_path_join(w->final, sizeof w->final, output_dir, name));
     if (snprintf(w->dir, sizeof w->dir, "%s.tmp", w->final) >= (int)sizeof w->dir)
         return QT_ERR(QT_EINVAL, "output folder path too long: %s", output_dir);
+    return QT_OK;
+}
+
+int ckpt_begin(ckpt_writer *w, const char *output_dir, long step) {
+    QT_TRY(ckpt_names(w, output_dir, step));
     QT_TRY(qt_rm_rf(w->dir));
     QT_TRY(qt_mkdir_p(w->dir));
     return QT_OK;

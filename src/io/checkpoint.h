@@ -22,7 +22,10 @@ typedef struct {
     long step;
 } ckpt_writer;
 
-/* Creates output_dir/checkpoint-STEP.tmp (removing a stale one). */
+/* Fills w's names for output_dir and step without touching the disk: every
+ * rank of a run derives the same .tmp folder from the same job and step. */
+int ckpt_names(ckpt_writer *w, const char *output_dir, long step);
+/* ckpt_names, then creates output_dir/checkpoint-STEP.tmp (removing a stale one). */
 int ckpt_begin(ckpt_writer *w, const char *output_dir, long step);
 /* fsyncs every file and the folder, replaces any old checkpoint-STEP, renames. */
 int ckpt_commit(ckpt_writer *w);

@@ -37,6 +37,7 @@ typedef struct {
     char *path;
     void *map;   /* whole file, read-only */
     size_t size; /* file size */
+    cJSON *meta; /* a copy of the header's __metadata__ object, or NULL */
 } st_shard;
 
 struct st_file {
@@ -188,6 +189,11 @@ static int parse_header(st_shard *sh, int shard_index, st_tensor **tensors, int 
             if (!cJSON_IsObject(e)) {
                 cJSON_Delete(root);
                 return QT_ERR(QT_EFORMAT, "%s: '__metadata__' is not a JSON object; the file is corrupt", sh->path);
+            }
+            if (!sh->meta) sh->meta = cJSON_Duplicate(e, 1);
+            if (!sh->meta) {
+                cJSON_Delete(root);
+                return QT_ERR(QT_ENOMEM, "out of memory reading the header of %s", sh->path);
             }
             continue;
         }
@@ -426,6 +432,7 @@ void st_close(st_file *f) {
     free_tensors(f->tensors, f->n);
     for (int i = 0; i < f->nshards; i++) {
         if (f->shards[i].map) munmap(f->shards[i].map, f->shards[i].size);
+        cJSON_Delete(f->shards[i].meta);
         qt_free(f->shards[i].path);
     }
     qt_free(f->shards);
@@ -491,6 +498,27 @@ int st_read_f32(const st_tensor *t, float *dst) {
         qt_convert_to_f32(dst + i, tmp, t->dtype, n);
     }
     return QT_OK;
+}
+
+int st_read_f32_range(const st_tensor *t, size_t offset, size_t n, float *dst) {
+    if (offset > t->numel || n > t->numel - offset)
+        return QT_ERR(QT_EINVAL, "safetensors: elements [%zu, %zu) of tensor '%s' are outside its %zu elements",
+                      offset, offset + n, t->name, t->numel);
+    st_tensor part = *t;
+    size_t es = qt_dtype_size(t->dtype);
+    part.data = (const uint8_t *)t->data + offset * es;
+    part.numel = n;
+    part.nbytes = n * es;
+    /* only the pages of the slice are touched: the file stays mapped, not read */
+    return st_read_f32(&part, dst);
+}
+
+const char *st_metadata(const st_file *f, const char *key) {
+    for (int i = 0; i < f->nshards; i++) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(f->shards[i].meta, key);
+        if (cJSON_IsString(v)) return v->valuestring;
+    }
+    return NULL;
 }
 
 /* ---------------------------------------------------------------------------

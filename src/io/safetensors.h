@@ -42,6 +42,13 @@ const st_tensor *st_find(const st_file *f, const char *name); /* NULL if absent 
 int st_expect(const st_file *f, const char *name, int ndim, const int64_t *shape, const st_tensor **out);
 /* Copies a tensor into dst as f32 (any stored dtype). */
 int st_read_f32(const st_tensor *t, float *dst);
+/* Copies elements [offset, offset + n) of a tensor (its flat row-major order)
+ * into dst as f32; reads only those bytes of the mapping, so each rank of a
+ * resumed run takes its slice of a large file without a full-size buffer. */
+int st_read_f32_range(const st_tensor *t, size_t offset, size_t n, float *dst);
+/* A string value of the header's "__metadata__" (the first shard that has the
+ * key); NULL when absent or not a string. Valid until st_close. */
+const char *st_metadata(const st_file *f, const char *key);
 /* Path of shard i (st_tensor.shard), for messages; "" when out of range. */
 const char *st_shard_path(const st_file *f, int shard);
 

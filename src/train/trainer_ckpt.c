@@ -3,13 +3,21 @@
  * checkpoint-STEP/ holds:
  *   adapter_model.safetensors + adapter_config.json   (LoRA: a PEFT adapter)
  *   model.safetensors + config.json                   (full: fp32 master weights)
- *   optimizer.safetensors   exp_avg, exp_avg_sq: (n) fp32 each, the whole block
- *                           (gathered from the ZeRO shards, so any world size
- *                           or stage can resume it)
+ *   optimizer-IIIII-of-CCCCC.safetensors
+ *                           exp_avg, exp_avg_sq: (hi - lo) fp32 each, elements
+ *                           [lo, hi) of the flat block; written by rank I
+ *                           itself (its ZeRO shard; at stage 0 rank 0 writes
+ *                           the one part), so no rank ever holds the whole
+ *                           state. Any world size or stage resumes it: each
+ *                           rank reads the slices of its own range. Before
+ *                           format 2 one optimizer.safetensors held the whole
+ *                           block; such checkpoints still resume.
  *   trainer_state.json      step, applied updates (the scheduler's position),
  *                           loss-scaler state, each rank's data position, the
- *                           seed, elapsed time, the job fingerprint; written
- *                           last. */
+ *                           seed, elapsed time, the job fingerprint, the world
+ *                           size and the optimizer parts with their ranges;
+ *                           written last, by rank 0, once every rank wrote
+ *                           its part. */
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/log.h"
@@ -21,13 +29,21 @@
 #include "train/trainer_internal.h"
 
 #include <cjson/cJSON.h>
+#include <errno.h>
 #include <inttypes.h>
-#include <math.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define STATE_MAX_BYTES (1u << 24)
+
+/* optimizer state: one file per writing rank (see save_opt_part), or the
+ * gathered single file of checkpoints written before that (format_version 1) */
+#define OPT_PART_FMT "optimizer-%05d-of-%05d.safetensors"
+#define OPT_LEGACY_FILE "optimizer.safetensors"
+#define OPT_MAX_PARTS 65536
+static const char *const opt_meta_keys[5] = {"part", "parts", "range_lo", "range_hi", "numel"};
 
 /* ---------------------------------------------------------------------------
  * trainable weights by parameter name */
@@ -114,12 +130,22 @@ int trainer_init_from_adapter(qt_trainer *t, const char *dir) {
 /* ---------------------------------------------------------------------------
  * trainer_state.json */
 
-static char *state_json(const qt_trainer *t, const int64_t *data_pos) {
+/* Element range of part i of count (zero_ckpt_part's layout). */
+static void opt_part_range(const qt_trainer *t, int i, int count, size_t *lo, size_t *hi) {
+    if (count == 1) {
+        *lo = 0;
+        *hi = t->n;
+    } else {
+        zero_shard_of(t->zp, i, lo, hi);
+    }
+}
+
+static char *state_json(const qt_trainer *t, const int64_t *data_pos, int opt_parts) {
     cJSON *j = cJSON_CreateObject();
     if (!j) return NULL;
     char hex[32];
     snprintf(hex, sizeof hex, "%016" PRIx64, t->job->fingerprint);
-    cJSON_AddNumberToObject(j, "format_version", 1);
+    cJSON_AddNumberToObject(j, "format_version", 2);
     cJSON_AddNumberToObject(j, "step", (double)t->step);
     cJSON_AddNumberToObject(j, "max_steps", (double)t->max_steps);
     cJSON_AddNumberToObject(j, "applied_updates", (double)t->applied);
@@ -146,6 +172,21 @@ static char *state_json(const qt_trainer *t, const int64_t *data_pos) {
         cJSON_AddItemToArray(p, cJSON_CreateNumber((double)data_pos[2 * r]));
         cJSON_AddItemToArray(p, cJSON_CreateNumber((double)data_pos[2 * r + 1]));
         cJSON_AddItemToArray(data, p);
+    }
+    /* the optimizer state's files: part i holds elements [lo, hi) of the block */
+    cJSON *opt = cJSON_AddObjectToObject(j, "optimizer");
+    cJSON_AddNumberToObject(opt, "numel", (double)t->n);
+    cJSON *files = cJSON_AddArrayToObject(opt, "parts");
+    for (int i = 0; i < opt_parts; i++) {
+        size_t lo, hi;
+        opt_part_range(t, i, opt_parts, &lo, &hi);
+        char name[64];
+        snprintf(name, sizeof name, OPT_PART_FMT, i, opt_parts);
+        cJSON *f = cJSON_CreateObject();
+        cJSON_AddStringToObject(f, "file", name);
+        cJSON_AddNumberToObject(f, "lo", (double)lo);
+        cJSON_AddNumberToObject(f, "hi", (double)hi);
+        cJSON_AddItemToArray(files, f);
     }
     char *s = cJSON_Print(j);
     cJSON_Delete(j);
@@ -181,6 +222,71 @@ int trainer_save_checkpoint(qt_trainer *t) {
     return rc;
 }
 
+/* This rank's part of Adam's m and v as optimizer-IIIII-of-CCCCC.safetensors
+ * in dir: exp_avg and exp_avg_sq of shape (hi - lo), written straight from the
+ * rank's own state (no copy, no collective). The metadata records the part and
+ * its range so that a reader can check the file on its own. */
+static int save_opt_part(qt_trainer *t, const char *dir, int index, int count, size_t lo, size_t hi) {
+    float *m, *v;
+    QT_TRY(zero_state_view(t->zp, &t->zs, 0, &m));
+    QT_TRY(zero_state_view(t->zp, &t->zs, 1, &v));
+    /* the rank's state covers zero_opt_range; the part may be a sub-range of
+     * it (stage 0: [0, n) on every rank, only rank 0 writes) */
+    m += lo - t->zs.lo;
+    v += lo - t->zs.lo;
+    char name[64], path[4096];
+    snprintf(name, sizeof name, OPT_PART_FMT, index, count);
+    QT_TRY(qt_path_join(path, sizeof path, dir, name));
+    st_writer *sw;
+    QT_TRY(st_writer_new(&sw));
+    int64_t shape[1] = {(int64_t)(hi - lo)};
+    char num[5][32];
+    snprintf(num[0], sizeof num[0], "%d", index);
+    snprintf(num[1], sizeof num[1], "%d", count);
+    snprintf(num[2], sizeof num[2], "%zu", lo);
+    snprintf(num[3], sizeof num[3], "%zu", hi);
+    snprintf(num[4], sizeof num[4], "%zu", t->n);
+    int rc = st_writer_add(sw, "exp_avg", QT_F32, 1, shape, m, QT_F32);
+    if (rc == QT_OK) rc = st_writer_add(sw, "exp_avg_sq", QT_F32, 1, shape, v, QT_F32);
+    for (int i = 0; i < 5 && rc == QT_OK; i++) rc = st_writer_set_metadata(sw, opt_meta_keys[i], num[i]);
+    if (rc == QT_OK) rc = st_writer_write(sw, path);
+    st_writer_free(sw);
+    return rc;
+}
+
+/* Rank 0's share: the weights (adapter or model + config.json). */
+static int save_weights(qt_trainer *t, const char *dir) {
+    if (t->job->lora.enabled) return save_adapter(t, dir);
+    char path[4096], src[4096], dst[4096];
+    QT_TRY(qt_path_join(path, sizeof path, dir, "model.safetensors"));
+    QT_TRY(save_model_weights(t, path, QT_F32));
+    QT_TRY(qt_path_join(src, sizeof src, t->job->model, "config.json"));
+    QT_TRY(qt_path_join(dst, sizeof dst, dir, "config.json"));
+    if (qt_path_exists(src)) QT_TRY(qt_copy_file(src, dst));
+    return QT_OK;
+}
+
+/* Every rank says whether its part went well; all learn the first rank that
+ * failed (-1: none). One collective, so a failure on any rank stops all. */
+static int agree(qt_trainer *t, int rc, const char *what, int *bad_rank) {
+    *bad_rank = rc == QT_OK ? -1 : t->rank;
+    if (t->world == 1) return QT_OK;
+    int64_t *all = qt_calloc((size_t)t->world, sizeof(int64_t), "checkpoint flags");
+    if (!all) return QT_ENOMEM;
+    const int64_t mine = rc == QT_OK;
+    int r2 = dist_allgather_i64(t->d, &mine, 1, all, what);
+    for (int r = 0; r < t->world && r2 == QT_OK && *bad_rank < 0; r++)
+        if (!all[r]) *bad_rank = r;
+    qt_free(all);
+    return r2;
+}
+
+/* Every rank writes its own part of the optimizer state into the checkpoint's
+ * .tmp folder (its name follows from output_dir and step, so all ranks agree
+ * on it without a message); rank 0 also writes the weights, and only when
+ * every rank reported success writes trainer_state.json and renames the
+ * folder. No rank holds more than its own part at any time: a gathered m and
+ * v would cost rank 0 2 x n x 4 bytes (113 GB for Qwen-14B). */
 static int save_checkpoint(qt_trainer *t) {
     /* collective parts first: every rank takes part */
     int64_t *pos = qt_calloc((size_t)t->world * 2, sizeof(int64_t), "data positions");
@@ -188,76 +294,58 @@ static int save_checkpoint(qt_trainer *t) {
     dl_state ds = dl_state_get(t->train_dl);
     const int64_t mine[2] = {ds.epoch, ds.index};
     int rc = dist_allgather_i64(t->d, mine, 2, pos, "data positions");
-    float *m = NULL, *v = NULL;
-    if (rc == QT_OK && t->main) {
-        m = qt_alloc_aligned((t->n ? t->n : 1) * sizeof(float), "Adam m for the checkpoint");
-        v = qt_alloc_aligned((t->n ? t->n : 1) * sizeof(float), "Adam v for the checkpoint");
-        if (!m || !v) rc = QT_ENOMEM;
+    if (rc != QT_OK) {
+        qt_free(pos);
+        return rc;
     }
-    int64_t ok = rc == QT_OK;
-    if (t->world > 1) {
-        int r2 = dist_allreduce_i64(t->d, &ok, 1, DIST_MIN, "checkpoint allocation");
-        if (rc == QT_OK) rc = r2;
-    }
-    if (rc == QT_OK && !ok) rc = QT_ERR(QT_ENOMEM, "rank 0 could not allocate the checkpoint buffers");
-    if (rc == QT_OK) rc = zero_state_gather(t->zp, &t->zs, 0, m);
-    if (rc == QT_OK) rc = zero_state_gather(t->zp, &t->zs, 1, v);
+    ckpt_writer w;
+    int bad = -1;
+    /* rank 0 makes the .tmp folder (removing a stale one) before anyone writes into it */
+    rc = t->main ? ckpt_begin(&w, t->job->output_dir, t->step) : ckpt_names(&w, t->job->output_dir, t->step);
+    int r2 = agree(t, rc, "checkpoint folder", &bad);
+    if (rc == QT_OK && r2 != QT_OK) rc = r2;
+    if (rc == QT_OK && bad >= 0)
+        rc = QT_ERR(QT_EIO, "rank %d could not prepare the checkpoint folder %s", bad, w.dir);
 
-    if (rc == QT_OK && t->main) {
-        ckpt_writer w;
-        rc = ckpt_begin(&w, t->job->output_dir, t->step);
-        char path[4096];
+    int index, count;
+    size_t lo, hi;
+    zero_ckpt_part(t->zp, &index, &count, &lo, &hi);
+    int wrc = rc;
+    if (wrc == QT_OK && index >= 0) wrc = save_opt_part(t, w.dir, index, count, lo, hi);
+    if (wrc == QT_OK && t->main) wrc = save_weights(t, w.dir);
+    /* said now: once rank 0 learns of the failure it aborts every rank, which
+     * may come before this rank's CLI prints its error */
+    if (wrc != QT_OK && !t->main && t->world > 1) qt_warn("rank %d: %s", t->rank, qt_error_message());
+    if (rc == QT_OK) {
+        r2 = agree(t, wrc, "checkpoint parts written", &bad);
+        rc = wrc != QT_OK ? wrc : r2;
+        if (rc == QT_OK && bad >= 0)
+            rc = QT_ERR(QT_EIO, "rank %d could not write its part of the checkpoint of step %ld (its own message "
+                                "says why)", bad, t->step);
+    }
+
+    if (t->main) {
         if (rc == QT_OK) {
-            if (t->job->lora.enabled) {
-                rc = save_adapter(t, w.dir);
-            } else {
-                rc = qt_path_join(path, sizeof path, w.dir, "model.safetensors");
-                if (rc == QT_OK) rc = save_model_weights(t, path, QT_F32);
-                char src[4096], dst[4096];
-                if (rc == QT_OK) rc = qt_path_join(src, sizeof src, t->job->model, "config.json");
-                if (rc == QT_OK) rc = qt_path_join(dst, sizeof dst, w.dir, "config.json");
-                if (rc == QT_OK && qt_path_exists(src)) rc = qt_copy_file(src, dst);
-            }
-        }
-        if (rc == QT_OK) rc = qt_path_join(path, sizeof path, w.dir, "optimizer.safetensors");
-        if (rc == QT_OK) {
-            st_writer *sw;
-            rc = st_writer_new(&sw);
-            int64_t shape[1] = {(int64_t)t->n};
-            if (rc == QT_OK) rc = st_writer_add(sw, "exp_avg", QT_F32, 1, shape, m, QT_F32);
-            if (rc == QT_OK) rc = st_writer_add(sw, "exp_avg_sq", QT_F32, 1, shape, v, QT_F32);
-            if (rc == QT_OK) rc = st_writer_write(sw, path);
-            st_writer_free(sw);
-        }
-        if (rc == QT_OK) {
-            char *s = state_json(t, pos);
+            char path[4096];
+            char *s = state_json(t, pos, count);
             if (!s) rc = QT_ERR(QT_ENOMEM, "out of memory writing %s", CKPT_STATE_FILE);
             if (rc == QT_OK) rc = qt_path_join(path, sizeof path, w.dir, CKPT_STATE_FILE);
             if (rc == QT_OK) rc = qt_write_file_atomic(path, s, strlen(s));
             free(s);
         }
         if (rc == QT_OK) rc = ckpt_commit(&w);
-        else ckpt_abort(&w);
-        if (rc == QT_OK) {
-            snprintf(t->last_ckpt, sizeof t->last_ckpt, "%s", w.final);
-            rc = ckpt_prune(t->job->output_dir, t->job->train.save_total_limit, t->step);
-        }
+        else if (w.dir[0]) ckpt_abort(&w);
+        if (rc == QT_OK) rc = ckpt_prune(t->job->output_dir, t->job->train.save_total_limit, t->step);
     }
-    qt_free(m);
-    qt_free(v);
     qt_free(pos);
-    /* every rank learns whether rank 0 succeeded */
+    /* every rank learns whether rank 0 committed */
     int64_t good = rc == QT_OK;
     if (t->world > 1) {
-        int r2 = dist_allreduce_i64(t->d, &good, 1, DIST_MIN, "checkpoint written");
+        r2 = dist_allreduce_i64(t->d, &good, 1, DIST_MIN, "checkpoint written");
         if (rc == QT_OK && r2 != QT_OK) rc = r2;
         if (rc == QT_OK && !good) rc = QT_ERR(QT_EIO, "rank 0 could not write the checkpoint of step %ld", t->step);
-        if (rc == QT_OK) {
-            char name[64];
-            snprintf(name, sizeof name, "checkpoint-%ld", t->step);
-            qt_path_join(t->last_ckpt, sizeof t->last_ckpt, t->job->output_dir, name);
-        }
     }
+    if (rc == QT_OK) snprintf(t->last_ckpt, sizeof t->last_ckpt, "%s", w.final);
     if (rc == QT_OK && t->main) qt_debug("saved %s", t->last_ckpt);
     return rc;
 }
@@ -265,7 +353,92 @@ static int save_checkpoint(qt_trainer *t) {
 /* ---------------------------------------------------------------------------
  * resume */
 
-static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos) {
+typedef struct {
+    char file[64]; /* a name inside the checkpoint folder */
+    size_t lo, hi; /* its element range */
+    int checked;   /* 1: the file's metadata names its part and range (sharded format) */
+} opt_part;
+
+/* The optimizer files a checkpoint lists: parts that tile [0, n) in order,
+ * each named as save_opt_part names it. A checkpoint without the list (format
+ * 1) holds the whole state in one optimizer.safetensors. */
+static int state_opt_parts(const cJSON *j, const char *path, size_t n, opt_part **out, int *count) {
+    *out = NULL;
+    *count = 0;
+    const cJSON *opt = cJSON_GetObjectItemCaseSensitive(j, "optimizer");
+    if (!opt) {
+        opt_part *p = qt_calloc(1, sizeof *p, "the optimizer file list");
+        if (!p) return QT_ENOMEM;
+        snprintf(p->file, sizeof p->file, "%s", OPT_LEGACY_FILE);
+        p->hi = n;
+        *out = p;
+        *count = 1;
+        return QT_OK;
+    }
+    const cJSON *parts = cJSON_GetObjectItemCaseSensitive(opt, "parts");
+    int k = cJSON_IsArray(parts) ? cJSON_GetArraySize(parts) : 0;
+    if (k < 1 || k > OPT_MAX_PARTS)
+        return QT_ERR(QT_EFORMAT, "%s: \"optimizer\".\"parts\" must list 1 to %d files; the checkpoint is damaged", path,
+                      OPT_MAX_PARTS);
+    opt_part *p = qt_calloc((size_t)k, sizeof *p, "the optimizer file list");
+    if (!p) return QT_ENOMEM;
+    int rc = QT_OK;
+    size_t next = 0;
+    for (int i = 0; i < k && rc == QT_OK; i++) {
+        const cJSON *e = cJSON_GetArrayItem(parts, i);
+        const cJSON *f = cJSON_GetObjectItemCaseSensitive(e, "file");
+        int64_t lo = 0, hi = 0;
+        char want[64];
+        snprintf(want, sizeof want, OPT_PART_FMT, i, k);
+        rc = state_i64(e, "lo", 0, &lo, path);
+        if (rc == QT_OK) rc = state_i64(e, "hi", 0, &hi, path);
+        if (rc == QT_OK && !(cJSON_IsString(f) && !strcmp(f->valuestring, want)))
+            rc = QT_ERR(QT_EFORMAT, "%s: optimizer part %d must be the file %s; the checkpoint is damaged", path, i, want);
+        /* the parts must tile the block in order, so every element has exactly one source */
+        if (rc == QT_OK && ((size_t)lo != next || hi < lo || (size_t)hi > n))
+            rc = QT_ERR(QT_EFORMAT, "%s: optimizer part %d covers [%lld, %lld) but must start at %zu and end by %zu; "
+                        "the checkpoint is damaged", path, i, (long long)lo, (long long)hi, next, n);
+        if (rc == QT_OK) {
+            snprintf(p[i].file, sizeof p[i].file, "%s", want);
+            p[i].lo = (size_t)lo;
+            p[i].hi = (size_t)hi;
+            p[i].checked = 1;
+            next = (size_t)hi;
+        }
+    }
+    if (rc == QT_OK && next != n)
+        rc = QT_ERR(QT_EFORMAT, "%s: the optimizer parts cover %zu of %zu values; the checkpoint is damaged", path, next, n);
+    if (rc != QT_OK) {
+        qt_free(p);
+        return rc;
+    }
+    *out = p;
+    *count = k;
+    return QT_OK;
+}
+
+/* Data position of this rank when the checkpoint was written by another
+ * number of ranks. Without packing a row is one example and rank r of N takes
+ * epoch positions r, r + N, ...; when the writing ranks had taken exactly the
+ * first G positions of the same epoch, this rank's next row is the number of
+ * those G positions that fall to it now, and training continues as if
+ * uninterrupted. Otherwise (packing, or ranks in different epochs) the epoch
+ * of rank 0 restarts. Returns 1 when exact. */
+static int remap_data_position(const qt_trainer *t, const int64_t *pos, int64_t world, int64_t *out) {
+    int64_t g = 0;
+    int exact = !t->job->data.packing;
+    for (int64_t r = 0; r < world && exact; r++) {
+        if (pos[2 * r] != pos[0]) exact = 0;
+        g += pos[2 * r + 1];
+    }
+    for (int64_t r = 0; r < world && exact; r++)
+        if (pos[2 * r + 1] != (g > r ? (g - r + world - 1) / world : 0)) exact = 0;
+    out[0] = pos[0];
+    out[1] = exact && g > t->rank ? (g - t->rank + t->world - 1) / t->world : 0;
+    return exact;
+}
+
+static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos, opt_part **parts, int *nparts) {
     char path[4096];
     QT_TRY(qt_path_join(path, sizeof path, dir, CKPT_STATE_FILE));
     char *text;
@@ -312,12 +485,12 @@ static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos) {
     const cJSON *dp = cJSON_GetObjectItemCaseSensitive(j, "data_position");
     if (rc == QT_OK && !(cJSON_IsArray(dp) && cJSON_GetArraySize(dp) == (int)world))
         rc = QT_ERR(QT_EFORMAT, "%s: data_position must list one [epoch, index] per rank", path);
+    int64_t *all = NULL;
     if (rc == QT_OK) {
-        if (world != t->world)
-            qt_warn("%s was written by %lld rank(s) and this run has %d: weights and optimizer state resume exactly, "
-                    "the data order restarts from the same epoch position of rank 0",
-                    dir, (long long)world, t->world);
-        int r = world == t->world ? t->rank : 0;
+        all = qt_calloc((size_t)world * 2, sizeof(int64_t), "data positions");
+        if (!all) rc = QT_ENOMEM;
+    }
+    for (int r = 0; r < world && rc == QT_OK; r++) {
         const cJSON *p = cJSON_GetArrayItem(dp, r);
         const cJSON *e = cJSON_GetArrayItem(p, 0), *ix = cJSON_GetArrayItem(p, 1);
         if (!cJSON_IsNumber(e) || !cJSON_IsNumber(ix) || !(e->valuedouble >= 0 && e->valuedouble < 9e15) ||
@@ -325,10 +498,26 @@ static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos) {
             ix->valuedouble != floor(ix->valuedouble))
             rc = QT_ERR(QT_EFORMAT, "%s: data_position[%d] must be [epoch, index]", path, r);
         else {
-            data_pos[0] = (int64_t)e->valuedouble;
-            data_pos[1] = world == t->world ? (int64_t)ix->valuedouble : 0;
+            all[2 * r] = (int64_t)e->valuedouble;
+            all[2 * r + 1] = (int64_t)ix->valuedouble;
         }
     }
+    if (rc == QT_OK && world == t->world) {
+        data_pos[0] = all[2 * t->rank];
+        data_pos[1] = all[2 * t->rank + 1];
+    } else if (rc == QT_OK) {
+        if (remap_data_position(t, all, world, data_pos)) {
+            if (t->main)
+                qt_info("%s was written by %lld rank(s) and this run has %d: the data continues where those ranks "
+                        "stopped", dir, (long long)world, t->world);
+        } else {
+            qt_warn("%s was written by %lld rank(s) and this run has %d: weights and optimizer state resume exactly, "
+                    "the data order restarts from the same epoch position of rank 0",
+                    dir, (long long)world, t->world);
+        }
+    }
+    qt_free(all);
+    if (rc == QT_OK) rc = state_opt_parts(j, path, t->n, parts, nparts);
     if (rc == QT_OK) {
         t->step = (long)step;
         t->applied = applied;
@@ -357,44 +546,83 @@ int trainer_load_checkpoint(qt_trainer *t, const char *dir) {
     return rc;
 }
 
+/* Checks one optimizer file against the part the state lists: its metadata
+ * (part, range, block size; the format-1 file has none) and both tensors
+ * (F32, shape (hi - lo)). The file's size was checked by st_open. */
+static int check_opt_file(const qt_trainer *t, const st_file *f, const char *path, const opt_part *p, int index,
+                          int count, const st_tensor **a, const st_tensor **b) {
+    if (p->checked) {
+        size_t want[5] = {(size_t)index, (size_t)count, p->lo, p->hi, t->n};
+        for (int i = 0; i < 5; i++) {
+            const char *v = st_metadata(f, opt_meta_keys[i]);
+            char *end = NULL;
+            unsigned long long x = v ? strtoull(v, &end, 10) : 0;
+            if (!v || !*v || *end || x != want[i])
+                return QT_ERR(QT_EFORMAT, "%s: metadata \"%s\" is %s%s%s but the checkpoint's %s expects %zu; the file "
+                              "belongs to another checkpoint or is damaged", path, opt_meta_keys[i], v ? "\"" : "missing",
+                              v ? v : "", v ? "\"" : "", CKPT_STATE_FILE, want[i]);
+        }
+    }
+    int64_t shape[1] = {(int64_t)(p->hi - p->lo)};
+    const st_tensor *ts[2];
+    const char *names[2] = {"exp_avg", "exp_avg_sq"};
+    for (int i = 0; i < 2; i++) {
+        QT_TRY(st_expect(f, names[i], 1, shape, &ts[i]));
+        if (ts[i]->dtype != QT_F32)
+            return QT_ERR(QT_EFORMAT, "%s: tensor %s must be F32 in a checkpoint; the file is damaged", path, names[i]);
+    }
+    *a = ts[0];
+    *b = ts[1];
+    return QT_OK;
+}
+
+/* Adam m and v over this rank's range, from the parts that overlap it: each
+ * file is mapped and only the slice this rank needs is read (no full-size
+ * buffer on any rank). Every rank checks every file's header (cheap: the
+ * data stays unread), so a bad file gets the same one-sentence error on all
+ * ranks, whichever rank would have read it. */
+static int load_opt_state(qt_trainer *t, const char *dir, const opt_part *parts, int count) {
+    float *m, *v;
+    QT_TRY(zero_state_view(t->zp, &t->zs, 0, &m));
+    QT_TRY(zero_state_view(t->zp, &t->zs, 1, &v));
+    const size_t mlo = t->zs.lo, mhi = t->zs.hi;
+    int rc = QT_OK;
+    for (int i = 0; i < count && rc == QT_OK; i++) {
+        char path[4096];
+        rc = qt_path_join(path, sizeof path, dir, parts[i].file);
+        if (rc == QT_OK && !qt_path_exists(path))
+            rc = QT_ERR(QT_EIO, "%s is missing: the checkpoint lists it in %s; it is incomplete, resume from an "
+                        "earlier one", path, CKPT_STATE_FILE);
+        st_file *f = NULL;
+        if (rc == QT_OK) rc = st_open(path, &f);
+        const st_tensor *a = NULL, *b = NULL;
+        if (rc == QT_OK) rc = check_opt_file(t, f, path, &parts[i], i, count, &a, &b);
+        size_t lo = parts[i].lo > mlo ? parts[i].lo : mlo, hi = parts[i].hi < mhi ? parts[i].hi : mhi;
+        if (rc == QT_OK && hi > lo) rc = st_read_f32_range(a, lo - parts[i].lo, hi - lo, m + (lo - mlo));
+        if (rc == QT_OK && hi > lo) rc = st_read_f32_range(b, lo - parts[i].lo, hi - lo, v + (lo - mlo));
+        st_close(f);
+    }
+    return rc;
+}
+
 static int load_checkpoint(qt_trainer *t, const char *dir) {
     int64_t pos[2] = {0, 0};
-    int rc = load_state(t, dir, pos);
+    opt_part *parts = NULL;
+    int nparts = 0;
+    int rc = load_state(t, dir, pos, &parts, &nparts);
     char path[4096];
     if (rc == QT_OK)
         rc = qt_path_join(path, sizeof path, dir, t->job->lora.enabled ? "adapter_model.safetensors" : "model.safetensors");
     if (rc == QT_OK) rc = load_params(t, path);
-    float *m = NULL, *v = NULL;
-    if (rc == QT_OK && t->main) {
-        m = qt_alloc_aligned((t->n ? t->n : 1) * sizeof(float), "Adam m from the checkpoint");
-        v = qt_alloc_aligned((t->n ? t->n : 1) * sizeof(float), "Adam v from the checkpoint");
-        if (!m || !v) rc = QT_ENOMEM;
-        if (rc == QT_OK) rc = qt_path_join(path, sizeof path, dir, "optimizer.safetensors");
-        if (rc == QT_OK) {
-            st_file *f;
-            rc = st_open(path, &f);
-            int64_t shape[1] = {(int64_t)t->n};
-            const st_tensor *a = NULL, *b = NULL;
-            if (rc == QT_OK) {
-                rc = st_expect(f, "exp_avg", 1, shape, &a);
-                if (rc == QT_OK) rc = st_expect(f, "exp_avg_sq", 1, shape, &b);
-                if (rc == QT_OK) rc = st_read_f32(a, m);
-                if (rc == QT_OK) rc = st_read_f32(b, v);
-                st_close(f);
-            }
-        }
-    }
-    /* every rank must agree before the collective scatter */
+    if (rc == QT_OK) rc = load_opt_state(t, dir, parts, nparts);
+    qt_free(parts);
+    /* all ranks go on, or none */
     int64_t ok = rc == QT_OK;
     if (t->world > 1) {
         int r2 = dist_allreduce_i64(t->d, &ok, 1, DIST_MIN, "checkpoint load");
         if (r2 != QT_OK && rc == QT_OK) rc = r2;
         if (rc == QT_OK && !ok) rc = QT_ERR(QT_EIO, "another rank could not read the checkpoint %s", dir);
     }
-    if (rc == QT_OK) rc = zero_state_scatter(t->zp, &t->zs, 0, m);
-    if (rc == QT_OK) rc = zero_state_scatter(t->zp, &t->zs, 1, v);
-    qt_free(m);
-    qt_free(v);
     if (rc == QT_OK) rc = dl_state_set(t->train_dl, (dl_state){pos[0], pos[1]});
     if (rc != QT_OK) return qt_error_context(rc, "resuming from %s", dir);
     return QT_OK;
@@ -413,6 +641,31 @@ static int copy_model_files(const char *src_dir, const char *dst_dir) {
 }
 
 static int write_final(qt_trainer *t, char *final_dir, size_t cap);
+
+/* Full fine-tuning ends with a checkpoint of the last step, whose
+ * model.safetensors (fp32) holds exactly the bytes final/ would get when the
+ * model's dtype is fp32 too (same writer, same tensors, same metadata). Then
+ * final/model.safetensors becomes a hard link to it instead of a second copy
+ * (2 GB for Qwen2.5-0.5B, 56 GB for 14B). The link stays right because no
+ * file is ever rewritten in place: st_writer_write and qt_write_file_atomic
+ * write a new inode and rename it over the name, qt_dir_replace and
+ * ckpt_prune rename and unlink names, so deleting or replacing the checkpoint
+ * leaves final/'s inode as it was. Returns 1 when linked; 0 (write instead)
+ * when there is no such checkpoint or link(2) fails (EXDEV, EPERM, EMLINK...). */
+static int link_checkpoint_model(const qt_trainer *t, qt_dtype dtype, const char *dst) {
+    ckpt_writer w; /* for the name of this step's checkpoint */
+    if (dtype != QT_F32 || ckpt_names(&w, t->job->output_dir, t->step) != QT_OK) return 0;
+    /* only this run's checkpoint of this very step: the weights have not moved since */
+    if (strcmp(t->last_ckpt, w.final)) return 0;
+    char src[4300];
+    if (snprintf(src, sizeof src, "%s/model.safetensors", t->last_ckpt) >= (int)sizeof src) return 0;
+    if (link(src, dst) != 0) {
+        qt_debug("final/: could not link %s (%s); writing the model instead", src, strerror(errno));
+        return 0;
+    }
+    qt_debug("final/model.safetensors is a hard link to %s", src);
+    return 1;
+}
 
 int trainer_write_final(qt_trainer *t, char *final_dir, size_t cap) {
     double to = dist_timeout(t->d);
@@ -444,7 +697,9 @@ static int write_final(qt_trainer *t, char *final_dir, size_t cap) {
         rc = copy_model_files(t->job->model, tmp);
         char path[4300];
         snprintf(path, sizeof path, "%s/model.safetensors", tmp);
-        if (rc == QT_OK) rc = save_model_weights(t, path, qt_model_config(t->model)->torch_dtype);
+        qt_dtype dtype = qt_model_config(t->model)->torch_dtype;
+        if (rc == QT_OK && !link_checkpoint_model(t, dtype, path))
+            rc = save_model_weights(t, path, dtype);
     }
     /* same as checkpoints: a complete final/ at every instant */
     if (rc == QT_OK) rc = qt_fsync_dir(tmp);

@@ -34,7 +34,8 @@ def complete_checkpoints(out):
         ck = os.path.join(out, name)
         state = json.load(open(os.path.join(ck, "trainer_state.json")))
         assert state["step"] == int(name.split("-")[1])
-        st.read(os.path.join(ck, "optimizer.safetensors"))
+        for p in state["optimizer"]["parts"]:
+            st.read(os.path.join(ck, p["file"]))
         w = "adapter_model.safetensors" if state["lora"] else "model.safetensors"
         st.read(os.path.join(ck, w))
         found.append(state["step"])

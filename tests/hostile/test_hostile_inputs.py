@@ -522,6 +522,7 @@ def trained(base):
     return j, base / "out_ck" / "checkpoint-1"
 
 
+OPT = "optimizer-00000-of-00001.safetensors"  # the one part a single rank writes
 CKPT_CASES = {
     "state_truncated": ("trainer_state.json", lambda b: b[:len(b) // 2]),
     "state_deep": ("trainer_state.json", lambda b: b"[" * NEST + b"]" * NEST),
@@ -530,9 +531,15 @@ CKPT_CASES = {
     "state_numel_wrong": ("trainer_state.json", lambda b: re.sub(rb'"numel":\t\d+', b'"numel":\t7', b)),
     "state_world_huge": ("trainer_state.json", lambda b: b.replace(b'"world":\t1', b'"world":\t1000000000')),
     "state_scale_zero": ("trainer_state.json", lambda b: re.sub(rb'"scale":\t[0-9.e+]+', b'"scale":\t0', b)),
-    "optimizer_truncated": ("optimizer.safetensors", lambda b: b[:len(b) - 100]),
-    "optimizer_header_2^63": ("optimizer.safetensors", lambda b: struct.pack("<Q", 1 << 63) + b[8:]),
-    "optimizer_empty": ("optimizer.safetensors", lambda b: b""),
+    "optimizer_truncated": (OPT, lambda b: b[:len(b) - 100]),
+    "optimizer_header_2^63": (OPT, lambda b: struct.pack("<Q", 1 << 63) + b[8:]),
+    "optimizer_empty": (OPT, lambda b: b""),
+    "optimizer_missing": (OPT, None),
+    # a part of another checkpoint: same size, other range or block in the metadata
+    "optimizer_range_wrong": (OPT, lambda b: b.replace(b'"range_lo":"0"', b'"range_lo":"9"')),
+    "optimizer_numel_wrong": (OPT, lambda b: re.sub(rb'"numel":"(\d)', lambda m: b'"numel":"' + bytes([48 + (int(m.group(1)) + 1) % 10]), b, count=1)),
+    "optimizer_part_wrong": (OPT, lambda b: b.replace(b'"part":"0"', b'"part":"1"')),
+    "optimizer_f16": (OPT, lambda b: b.replace(b'"exp_avg":{"dtype":"F32"', b'"exp_avg":{"dtype":"F16"')),
     "adapter_truncated": ("adapter_model.safetensors", lambda b: b[:len(b) // 3]),
     "adapter_missing": ("adapter_model.safetensors", None),
 }
@@ -555,7 +562,8 @@ def test_damaged_checkpoint_on_resume(base, trained, case):
     j["output_dir"] = "out_ck_" + case
     j["train"]["max_steps"] = 3
     write(base / ("ck_%s.json" % case), json.dumps(j))
-    expect_error(["train", base / ("ck_%s.json" % case)], "checkpoint-1")
+    # an optimizer file's error names that file
+    expect_error(["train", base / ("ck_%s.json" % case)], "checkpoint-1", *([OPT] if fname == OPT else []))
     # the damaged checkpoint is left for the user to inspect, nothing else was written
     assert not (out / "checkpoint-2").exists()
 

@@ -9,7 +9,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from trainutil import QTUNE, env, init_model, run, st, step_lines, write_job, write_tokens
+from trainutil import QTUNE, env, init_model, optimizer_state, run, st, step_lines, write_job, write_tokens
 
 
 def mpi_ok():
@@ -56,8 +56,12 @@ def test_two_ranks_equal_one_rank_with_double_accumulation(tmp_path, stage):
         # into full-size steps of either sign, so it is compared loosely
         tol = 6 * 2e-3 if k.endswith("k_proj.bias") else 1e-5
         assert np.allclose(w2[k], w1[k], rtol=1e-4, atol=tol), k
-    # the ZeRO shards were gathered into one optimizer state in the checkpoint
-    o2 = st.read(os.path.join(d, "out2", "checkpoint-6", "optimizer.safetensors"))
-    o1 = st.read(os.path.join(d, "out1", "checkpoint-6", "optimizer.safetensors"))
+    # each rank wrote its ZeRO shard (stage 2: two parts; stage 0: rank 0 writes the one part)
+    ck2 = os.path.join(d, "out2", "checkpoint-6")
+    parts = sorted(f for f in os.listdir(ck2) if f.startswith("optimizer"))
+    assert parts == (["optimizer-00000-of-00002.safetensors", "optimizer-00001-of-00002.safetensors"] if stage == 2
+                     else ["optimizer-00000-of-00001.safetensors"]), parts
+    o2 = optimizer_state(ck2)
+    o1 = optimizer_state(os.path.join(d, "out1", "checkpoint-6"))
     assert np.allclose(o2["exp_avg"], o1["exp_avg"], rtol=1e-3, atol=1e-7)
     assert json.load(open(os.path.join(d, "out2", "checkpoint-6", "trainer_state.json")))["world"] == 2

@@ -3,6 +3,7 @@ PEFT adapter's format, exact resume, SIGINT, SIGKILL during a checkpoint
 write, the output-folder guard, NaN stops."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -11,7 +12,7 @@ import xml.etree.ElementTree as ET
 import numpy as np
 import pytest
 
-from trainutil import QTUNE, env, init_model, metrics, run, st, step_lines, write_job, write_tokens
+from trainutil import QTUNE, env, init_model, metrics, optimizer_state, run, st, step_lines, write_job, write_tokens
 
 FIELDS = ["step", "loss", "lr", "grad_norm", "loss_scale", "skipped", "tokens", "tokens_per_s", "elapsed_s",
           "mem_peak_bytes", "target_tokens", "epoch", "opt_state_bytes", "comm_s"]
@@ -139,7 +140,7 @@ def complete_checkpoints(out):
         state = json.load(open(os.path.join(ck, "trainer_state.json")))
         assert state["step"] == int(name.split("-")[1])
         st.read(os.path.join(ck, "model.safetensors"))
-        opt = st.read(os.path.join(ck, "optimizer.safetensors"))
+        opt = optimizer_state(ck)
         assert opt["exp_avg"].shape == (state["numel"],)
         found.append(state["step"])
     return sorted(found)
@@ -246,3 +247,50 @@ def test_fp16_overflow_skips_then_stops_at_the_floor(base):
     wl = st.read(os.path.join(base, "run_fp16", "checkpoint-%d" % last, "model.safetensors"))
     for k in w1:
         assert np.array_equal(w1[k], wl[k]), k
+
+
+def test_final_model_is_a_hard_link_to_the_last_checkpoint(base):
+    """Full fine-tuning of an fp32 model: final/model.safetensors is the last
+    checkpoint's file (same inode), not a second copy; deleting the checkpoint
+    (by hand, or by save_total_limit's rotation on a later run) leaves final/
+    whole, since qtune never rewrites a file in place."""
+    j = job(base, "hardlink.json", "run_hardlink", train_opts={"max_steps": 2, "save_steps": 1,
+                                                               "save_total_limit": 1})
+    run("train", j)
+    out = os.path.join(base, "run_hardlink")
+    fin, ck = os.path.join(out, "final", "model.safetensors"), os.path.join(out, "checkpoint-2", "model.safetensors")
+    a, b = os.stat(fin), os.stat(ck)
+    assert (a.st_ino, a.st_dev) == (b.st_ino, b.st_dev) and a.st_nlink == 2
+    # the same bytes as a written final/ would hold: fp32 tensors by HF names, loadable
+    w = st.read(fin)
+    assert all(v.dtype == np.float32 for v in w.values())
+    data = open(fin, "rb").read()
+    # a resumed, longer run: rotation removes checkpoint-2 (save_total_limit 1)
+    # while a copy of the old final/ is kept under another name to watch
+    keep = os.path.join(base, "hardlink_old_final.safetensors")
+    if os.path.exists(keep):
+        os.remove(keep)
+    os.link(fin, keep)
+    run("train", j, "--set", "train.max_steps=3")
+    assert not os.path.exists(ck) and os.path.exists(os.path.join(out, "checkpoint-3"))
+    assert open(keep, "rb").read() == data
+    a, b = os.stat(fin), os.stat(os.path.join(out, "checkpoint-3", "model.safetensors"))
+    assert a.st_ino == b.st_ino
+    # deleting the checkpoint by hand leaves final/ as it was
+    data3 = open(fin, "rb").read()
+    shutil.rmtree(os.path.join(out, "checkpoint-3"))
+    assert os.stat(fin).st_nlink == 1 and open(fin, "rb").read() == data3
+    st.read(fin)
+
+
+def test_final_model_in_another_dtype_is_written(tmp_path):
+    """A bf16 model's final/model.safetensors is bf16, so it cannot be the
+    checkpoint's fp32 file: it is written, not linked."""
+    d = str(tmp_path)
+    init_model(os.path.join(d, "model"), dtype="bf16")
+    write_tokens(os.path.join(d, "train.jsonl"), 16, 16, seed=1)
+    j = write_job(os.path.join(d, "job.json"), "model", "out", "train.jsonl", train_opts={"max_steps": 1})
+    run("train", j)
+    fin = os.path.join(d, "out", "final", "model.safetensors")
+    assert os.stat(fin).st_nlink == 1
+    assert set(st.read_dtypes(fin).values()) == {"BF16"}

@@ -76,3 +76,15 @@ def metrics(out):
 
 def step_lines(out):
     return [m for m in metrics(out) if "loss" in m]
+
+
+def optimizer_state(ck):
+    """Adam m and v of a checkpoint folder as whole (n) arrays: the parts its
+    trainer_state.json lists, one file per writing rank, put back in order
+    (or the single optimizer.safetensors of format-1 checkpoints)."""
+    with open(os.path.join(ck, "trainer_state.json")) as f:
+        state = json.load(f)
+    if "optimizer" not in state:
+        return st.read(os.path.join(ck, "optimizer.safetensors"))
+    parts = [st.read(os.path.join(ck, p["file"])) for p in state["optimizer"]["parts"]]
+    return {k: np.concatenate([p[k] for p in parts]) for k in ("exp_avg", "exp_avg_sq")}

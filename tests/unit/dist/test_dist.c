@@ -67,6 +67,15 @@ static void test_plan_ranges(void **state) {
     for (int s = 0; s < 3; s++)
         for (int i = 0; i < 100; i++) assert_true(st.slot[s][i] == 0.0f);
     assert_int_equal(zero_state_gather(p, &st, 3, NULL), QT_EINVAL);
+    /* checkpoint parts: one rank writes the one part, its whole state */
+    int index, count;
+    zero_ckpt_part(p, &index, &count, &lo, &hi);
+    assert_true(index == 0 && count == 1 && lo == 0 && hi == 100);
+    float *view = NULL;
+    assert_int_equal(zero_state_view(p, &st, 2, &view), QT_OK);
+    assert_ptr_equal(view, st.slot[2]);
+    assert_int_equal(zero_state_view(p, &st, 3, &view), QT_EINVAL);
+    assert_null(view);
     /* ranges: scatter 10 values into [40, 50) of slot 1, read them back */
     float in[10], out[10];
     for (int i = 0; i < 10; i++) in[i] = (float)i + 0.5f;

@@ -180,6 +180,58 @@ static void test_unaligned_half(void **state) {
     st_close(f);
 }
 
+/* Slices of a tensor (what each rank of a resumed run reads from an optimizer
+ * part) and the header's metadata. */
+static void test_slices_and_metadata(void **state) {
+    (void)state;
+    enum { N = 1000 };
+    float src[N];
+    uint16_t half[N];
+    for (int i = 0; i < N; i++) src[i] = 0.5f * (float)i - 7.0f;
+    int64_t shape[1] = {N};
+    st_writer *w;
+    assert_int_equal(st_writer_new(&w), QT_OK);
+    assert_int_equal(st_writer_add(w, "v", QT_F32, 1, shape, src, QT_F32), QT_OK);
+    assert_int_equal(st_writer_add(w, "h", QT_BF16, 1, shape, src, QT_F32), QT_OK);
+    assert_int_equal(st_writer_set_metadata(w, "range_lo", "250"), QT_OK);
+    char path[512];
+    path_in(path, "slices.safetensors");
+    assert_int_equal(st_writer_write(w, path), QT_OK);
+    st_writer_free(w);
+    qt_convert_from_f32(half, QT_BF16, src, N);
+
+    st_file *f;
+    assert_int_equal(st_open(path, &f), QT_OK);
+    assert_string_equal(st_metadata(f, "range_lo"), "250");
+    assert_string_equal(st_metadata(f, "format"), "pt");
+    assert_null(st_metadata(f, "range_hi"));
+    const st_tensor *v = st_find(f, "v"), *h = st_find(f, "h");
+    float out[N + 1];
+    const size_t cuts[][2] = {{0, N}, {0, 1}, {999, 1}, {250, 500}, {13, 0}, {N, 0}};
+    for (size_t c = 0; c < sizeof cuts / sizeof cuts[0]; c++) {
+        size_t off = cuts[c][0], n = cuts[c][1];
+        out[n] = 12345.0f; /* nothing past the slice is written */
+        assert_int_equal(st_read_f32_range(v, off, n, out), QT_OK);
+        assert_memory_equal(out, src + off, n * sizeof(float));
+        assert_true(out[n] == 12345.0f);
+        assert_int_equal(st_read_f32_range(h, off, n, out), QT_OK);
+        for (size_t i = 0; i < n; i++) assert_true(out[i] == qt_bf16_to_f32(half[off + i]));
+    }
+    qt_error_clear();
+    assert_int_equal(st_read_f32_range(v, 999, 2, out), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "'v'"));
+    assert_int_equal(st_read_f32_range(v, N + 1, 0, out), QT_EINVAL);
+    assert_int_equal(st_read_f32_range(v, 1, SIZE_MAX, out), QT_EINVAL);
+    st_close(f);
+
+    /* a header without __metadata__ (other writers) */
+    path_in(path, "nometa.safetensors");
+    write_hdr(path, "{\"x\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 4);
+    assert_int_equal(st_open(path, &f), QT_OK);
+    assert_null(st_metadata(f, "format"));
+    st_close(f);
+}
+
 static void write_shard(const char *name, const char *tensor, float value) {
     char path[512];
     path_in(path, name);
@@ -382,6 +434,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_round_trip_dtypes, setup, teardown),
         cmocka_unit_test_setup_teardown(test_unaligned_half, setup, teardown),
         cmocka_unit_test_setup_teardown(test_sharded, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_slices_and_metadata, setup, teardown),
         cmocka_unit_test_setup_teardown(test_malformed, setup, teardown),
         cmocka_unit_test_setup_teardown(test_every_truncation, setup, teardown),
     };
