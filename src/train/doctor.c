@@ -563,10 +563,12 @@ static void check_resources(doc_ctx *c, const char *dir, const cJSON *root, cons
             problem(c, "%s: output_dir %s cannot be created or written (no write permission in %s)", c->where, out,
                     base);
         const int64_t fr = qt_free_disk_bytes(base);
-        const uint64_t disk = 2 * p.ckpt_bytes + p.final_bytes; /* a checkpoint being written next to the last */
-        fprintf(c->f, "disk       output needs about %.2f GiB (two checkpoints of %.2f GiB + final %.2f GiB); %.1f "
+        /* a checkpoint being written next to the last, and final/ unless it links the last one's model */
+        const uint64_t fin = p.final_linked ? 0 : p.final_bytes, disk = 2 * p.ckpt_bytes + fin;
+        fprintf(c->f, "disk       output needs about %.2f GiB (two checkpoints of %.2f GiB + final %.2f GiB%s); %.1f "
                       "GiB free in %s\n",
-                (double)disk / GIB, (double)p.ckpt_bytes / GIB, (double)p.final_bytes / GIB, (double)fr / GIB, base);
+                (double)disk / GIB, (double)p.ckpt_bytes / GIB, (double)p.final_bytes / GIB,
+                p.final_linked ? ", a hard link to the last checkpoint's model" : "", (double)fr / GIB, base);
         if (fr >= 0 && (uint64_t)fr < disk)
             problem(c, "%s: output_dir %s: %.2f GiB free but checkpoints need about %.2f GiB; free space or set "
                        "train.save_total_limit", c->where, out, (double)fr / GIB, (double)disk / GIB);

@@ -175,6 +175,9 @@ int qt_plan_compute(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
      * together); final/ is the adapter in fp32 or the model in the compute dtype. */
     p->ckpt_bytes = Pt * 12;
     p->final_bytes = o->lora ? Pt * 4 : (uint64_t)pm.n_params * qt_dtype_size(o->precision);
+    /* full fine-tuning in fp32 links final/model.safetensors to the last
+     * checkpoint's file (trainer_ckpt.c): no second copy on disk */
+    p->final_linked = !o->lora && o->precision == QT_F32;
 
     p->power_w = N * o->card_watts + p->hosts * o->host_watts;
     p->power_recommend_w = p->power_w * 1.2;
@@ -247,8 +250,9 @@ void qt_plan_print(FILE *f, const char *name, const qt_config *c, const qt_plan_
             gib(p->host_recommend));
     fprintf(f, "cpu run    one rank's process on the CPU backend: %.3f %s (device total + its offloaded\n"
                "           shards + mapped weights file)\n", U(p->cpu_rank_bytes), un);
-    fprintf(f, "disk       checkpoint %.3f %s each (fp32 trainable + Adam m, v); final %.3f %s\n",
-            U(p->ckpt_bytes), un, U(p->final_bytes), un);
+    fprintf(f, "disk       checkpoint %.3f %s each (fp32 trainable + Adam m, v); final %.3f %s%s\n",
+            U(p->ckpt_bytes), un, U(p->final_bytes), un,
+            p->final_linked ? " (a hard link to the last checkpoint's model: no extra space)" : "");
     fprintf(f, "power      %d card%s x %.0f W + %d host%s x %.0f W = %.0f W -> provision %.0f W (+20%%)\n",
             o->devices, o->devices > 1 ? "s" : "", o->card_watts, p->hosts, p->hosts > 1 ? "s" : "", o->host_watts,
             p->power_w, p->power_recommend_w);
@@ -313,6 +317,7 @@ char *qt_plan_json(const char *name, const qt_config *c, const qt_plan_opts *o, 
     add_u64(r, "cpu_rank_bytes", p->cpu_rank_bytes);
     add_u64(r, "checkpoint_bytes", p->ckpt_bytes);
     add_u64(r, "final_bytes", p->final_bytes);
+    cJSON_AddBoolToObject(r, "final_linked", p->final_linked);
     cJSON *w = cJSON_AddObjectToObject(r, "power");
     if (w) {
         cJSON_AddNumberToObject(w, "hosts", p->hosts);

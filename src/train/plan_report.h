@@ -75,6 +75,7 @@ typedef struct {
                                 metrics.jsonl's mem_peak_bytes measures, less the ~10 MB runtime) */
     uint64_t ckpt_bytes;   /* one checkpoint-STEP folder on disk */
     uint64_t final_bytes;  /* final/ (adapter or model folder) */
+    int final_linked;      /* final/model.safetensors is a hard link to the last checkpoint's (full, fp32) */
     int cards_per_host;
     int fits;              /* dev.total <= device memory */
     int min_devices;       /* smallest N that fits with this strategy, -1 if none up to 4096 */

@@ -106,6 +106,14 @@ def test_lora_one_card_and_strategies_table():
         assert s in out
 
 
+def test_final_link_counts_no_extra_disk():
+    """fp32 full fine-tuning links final/model.safetensors to the last
+    checkpoint's (trainer_ckpt.c); LoRA and f16/bf16 finals are written."""
+    assert plan_json("--preset", "qwen2.5-0.5b", "--mode", "full")["final_linked"] is True
+    assert plan_json("--preset", "qwen2.5-0.5b", "--mode", "full", "--precision", "bf16")["final_linked"] is False
+    assert plan_json("--preset", "qwen2.5-0.5b", "--mode", "lora")["final_linked"] is False
+
+
 def test_errors():
     p = qtune("plan", "--preset", "qwen2.5-0.5b", "--offload", "cpu")
     assert p.returncode == 2 and "--zero" in p.stderr
