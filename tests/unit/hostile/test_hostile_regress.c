@@ -29,8 +29,8 @@ static char tmpdir[256];
 
 static int setup(void **state) {
     (void)state;
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/qtune-hostile-unit-%d", (int)getpid());
-    return qt_mkdir_p(tmpdir) == QT_OK ? 0 : -1;
+    snprintf(tmpdir, sizeof tmpdir, "/tmp/qtune-hostile-unit-XXXXXX"); /* a new folder, not one named by a reused PID */
+    return mkdtemp(tmpdir) ? 0 : -1;
 }
 
 static int teardown(void **state) {

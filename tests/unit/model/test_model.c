@@ -121,6 +121,7 @@ static void test_param_table_and_load(void **state) {
 static void fill_batch(qt_batch *b, int32_t *buf, int B, int T) {
     b->B = B, b->T = T;
     b->inputs = buf, b->targets = buf + B * T, b->positions = buf + 2 * B * T, b->doc_start = buf + 3 * B * T;
+    b->n_target = (int64_t)B * T; /* every field set: no stack garbage reaches the model */
     for (int i = 0; i < B * T; i++) {
         b->inputs[i] = (i * 7) % 100;
         b->targets[i] = (i * 11) % 100;

@@ -1,6 +1,14 @@
 /* Test fixture shared by the model and precision unit tests: a model folder
  * of the "tiny" preset in f32 with N(0, 0.1) weights drawn from seed, written
- * to /tmp/qtune-test-TAG-PID. Include after cmocka.h. */
+ * to a new folder /tmp/qtune-test-TAG-XXXXXX (mkdtemp). Include after cmocka.h.
+ *
+ * Not a name made from the PID: PIDs are reused (pid_max is 32768 here), a run
+ * that is killed before its teardown leaves its folder behind, and a later
+ * process with the same PID then loads from and writes into that old folder
+ * instead of an empty one of its own; two runs in different PID namespaces
+ * that share /tmp (CI containers) can even hold the same name at the same
+ * time, one's teardown deleting the folder the other still loads from. mkdtemp
+ * creates a folder that did not exist, atomically. */
 #ifndef QT_TEST_TINY_MODEL_H
 #define QT_TEST_TINY_MODEL_H
 
@@ -16,8 +24,8 @@
 #include "model/model.h"
 
 static void tiny_model_write(char *dir, size_t dirsz, const char *tag, uint64_t seed, qt_config *cfg) {
-    snprintf(dir, dirsz, "/tmp/qtune-test-%s-%d", tag, (int)getpid());
-    assert_int_equal(qt_mkdir_p(dir), QT_OK);
+    snprintf(dir, dirsz, "/tmp/qtune-test-%s-XXXXXX", tag);
+    assert_non_null(mkdtemp(dir));
     assert_int_equal(qt_preset("tiny", cfg), QT_OK);
     cfg->torch_dtype = QT_F32;
     char path[512];

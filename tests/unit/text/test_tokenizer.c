@@ -101,8 +101,8 @@ static void assert_tokens(const bpe_tokenizer *t, const char *text, const char *
 
 static int setup(void **state) {
     (void)state;
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/qt_text_test.%d", (int)getpid());
-    return qt_mkdir_p(tmpdir);
+    snprintf(tmpdir, sizeof tmpdir, "/tmp/qt_text_test.XXXXXX"); /* a new folder, not one named by a reused PID */
+    return mkdtemp(tmpdir) ? 0 : -1;
 }
 
 static int teardown(void **state) {
