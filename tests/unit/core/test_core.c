@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include "core/dtype.h"
@@ -117,8 +118,11 @@ static int thp_eligible(const void *p) {
     return flag;
 }
 
-/* Whether transparent huge pages are on (always or madvise) on this kernel. */
+/* Whether transparent huge pages are on (always or madvise) on this kernel
+ * and not switched off for this process (a container runtime may set
+ * PR_SET_THP_DISABLE, which makes no mapping eligible). */
 static int thp_enabled(void) {
+    if (prctl(PR_GET_THP_DISABLE, 0, 0, 0, 0) > 0) return 0;
     char buf[128] = {0};
     FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
     if (!f) return 0;

@@ -135,11 +135,13 @@ static void test_grad_norm_threads(void **state) {
     }
     double sq[3];
     int of;
+    const int threads = omp_get_max_threads();
     for (int t = 1; t <= 3; t++) {
         omp_set_num_threads(t);
         assert_int_equal(dist_step_gradients(d, p, g, &sq[t - 1], &of), QT_OK);
         assert_int_equal(of, 0);
     }
+    omp_set_num_threads(threads);
     assert_true(sq[0] == sq[1] && sq[1] == sq[2]);
     assert_true(fabs(sq[0] - (double)want) <= 1e-12 * (double)want);
     g[n / 2 + 3] = 1.0f / 0.0f;
