@@ -427,14 +427,17 @@ static int state_opt_parts(const cJSON *j, const char *path, size_t n, opt_part 
 static int remap_data_position(const qt_trainer *t, const int64_t *pos, int64_t world, int64_t *out) {
     int64_t g = 0;
     int exact = !t->job->data.packing;
+    /* the positions come from a file: a sum past INT64_MAX cannot be G rows
+     * of one epoch, and ceil((G - r) / N) is (G - r - 1) / N + 1 so that no
+     * step overflows */
     for (int64_t r = 0; r < world && exact; r++) {
-        if (pos[2 * r] != pos[0]) exact = 0;
-        g += pos[2 * r + 1];
+        if (pos[2 * r] != pos[0] || pos[2 * r + 1] > INT64_MAX - g) exact = 0;
+        else g += pos[2 * r + 1];
     }
     for (int64_t r = 0; r < world && exact; r++)
-        if (pos[2 * r + 1] != (g > r ? (g - r + world - 1) / world : 0)) exact = 0;
+        if (pos[2 * r + 1] != (g > r ? (g - r - 1) / world + 1 : 0)) exact = 0;
     out[0] = pos[0];
-    out[1] = exact && g > t->rank ? (g - t->rank + t->world - 1) / t->world : 0;
+    out[1] = exact && g > t->rank ? (g - t->rank - 1) / t->world + 1 : 0;
     return exact;
 }
 
