@@ -325,6 +325,18 @@ static int save_checkpoint(qt_trainer *t) {
     }
 
     if (t->main) {
+        /* a rank that wrote into another folder of the same name (an output_dir
+         * that is not shared across hosts) reports success too: commit only
+         * the parts rank 0 itself sees, else the checkpoint is unresumable and
+         * the prune below deletes the older good ones */
+        for (int i = 0; i < count && rc == QT_OK; i++) {
+            char name[64], path[4096];
+            snprintf(name, sizeof name, OPT_PART_FMT, i, count);
+            rc = qt_path_join(path, sizeof path, w.dir, name);
+            if (rc == QT_OK && !qt_path_exists(path))
+                rc = QT_ERR(QT_EIO, "%s is missing although rank %d wrote its part: every rank must see the same "
+                            "output_dir (across hosts, a shared filesystem)", path, i);
+        }
         if (rc == QT_OK) {
             char path[4096];
             char *s = state_json(t, pos, count);
