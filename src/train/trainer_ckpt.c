@@ -498,7 +498,7 @@ static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos, opt_par
         rc = QT_ERR(QT_EFORMAT, "%s: loss_scaler.scale must be a positive number; the checkpoint is damaged", path);
     const cJSON *el = cJSON_GetObjectItemCaseSensitive(j, "elapsed_s");
     const cJSON *dp = cJSON_GetObjectItemCaseSensitive(j, "data_position");
-    if (rc == QT_OK && !(cJSON_IsArray(dp) && cJSON_GetArraySize(dp) == (int)world))
+    if (rc == QT_OK && !(cJSON_IsArray(dp) && (int64_t)cJSON_GetArraySize(dp) == world))
         rc = QT_ERR(QT_EFORMAT, "%s: data_position must list one [epoch, index] per rank", path);
     int64_t *all = NULL;
     if (rc == QT_OK) {

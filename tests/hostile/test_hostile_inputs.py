@@ -530,6 +530,8 @@ CKPT_CASES = {
     "state_step_string": ("trainer_state.json", lambda b: b.replace(b'"step":\t1', b'"step":\t"1"')),
     "state_numel_wrong": ("trainer_state.json", lambda b: re.sub(rb'"numel":\t\d+', b'"numel":\t7', b)),
     "state_world_huge": ("trainer_state.json", lambda b: b.replace(b'"world":\t1', b'"world":\t1000000000')),
+    # 2^32 + 1 ranks: an int cast made it 1, matching the one data_position entry
+    "state_world_2^32+1": ("trainer_state.json", lambda b: b.replace(b'"world":\t1', b'"world":\t4294967297')),
     "state_scale_zero": ("trainer_state.json", lambda b: re.sub(rb'"scale":\t[0-9.e+]+', b'"scale":\t0', b)),
     "optimizer_truncated": (OPT, lambda b: b[:len(b) - 100]),
     "optimizer_header_2^63": (OPT, lambda b: struct.pack("<Q", 1 << 63) + b[8:]),
