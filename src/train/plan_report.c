@@ -172,12 +172,13 @@ int qt_plan_compute(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
     p->host_recommend = (uint64_t)ceil((double)p->host_total * 1.2 / GIB) * (uint64_t)GIB;
 
     /* A checkpoint holds the fp32 trainable block and Adam m, v (all shards
-     * together); final/ is the adapter in fp32 or the model in the compute dtype. */
+     * together); final/ is the adapter in fp32 or the model in its own
+     * torch_dtype (write_final in trainer_ckpt.c), whatever the compute dtype. */
     p->ckpt_bytes = Pt * 12;
-    p->final_bytes = o->lora ? Pt * 4 : (uint64_t)pm.n_params * qt_dtype_size(o->precision);
-    /* full fine-tuning in fp32 links final/model.safetensors to the last
-     * checkpoint's file (trainer_ckpt.c): no second copy on disk */
-    p->final_linked = !o->lora && o->precision == QT_F32;
+    p->final_bytes = o->lora ? Pt * 4 : (uint64_t)pm.n_params * qt_dtype_size(c->torch_dtype);
+    /* full fine-tuning of an fp32 model links final/model.safetensors to the
+     * last checkpoint's file (trainer_ckpt.c): no second copy on disk */
+    p->final_linked = !o->lora && c->torch_dtype == QT_F32;
 
     p->power_w = N * o->card_watts + p->hosts * o->host_watts;
     p->power_recommend_w = p->power_w * 1.2;

@@ -325,6 +325,18 @@ static int save_checkpoint(qt_trainer *t) {
     }
 
     if (t->main) {
+        /* a rank that wrote into another folder of the same name (an output_dir
+         * that is not shared across hosts) reports success too: commit only
+         * the parts rank 0 itself sees, else the checkpoint is unresumable and
+         * the prune below deletes the older good ones */
+        for (int i = 0; i < count && rc == QT_OK; i++) {
+            char name[64], path[4096];
+            snprintf(name, sizeof name, OPT_PART_FMT, i, count);
+            rc = qt_path_join(path, sizeof path, w.dir, name);
+            if (rc == QT_OK && !qt_path_exists(path))
+                rc = QT_ERR(QT_EIO, "%s is missing although rank %d wrote its part: every rank must see the same "
+                            "output_dir (across hosts, a shared filesystem)", path, i);
+        }
         if (rc == QT_OK) {
             char path[4096];
             char *s = state_json(t, pos, count);
@@ -427,14 +439,17 @@ static int state_opt_parts(const cJSON *j, const char *path, size_t n, opt_part 
 static int remap_data_position(const qt_trainer *t, const int64_t *pos, int64_t world, int64_t *out) {
     int64_t g = 0;
     int exact = !t->job->data.packing;
+    /* the positions come from a file: a sum past INT64_MAX cannot be G rows
+     * of one epoch, and ceil((G - r) / N) is (G - r - 1) / N + 1 so that no
+     * step overflows */
     for (int64_t r = 0; r < world && exact; r++) {
-        if (pos[2 * r] != pos[0]) exact = 0;
-        g += pos[2 * r + 1];
+        if (pos[2 * r] != pos[0] || pos[2 * r + 1] > INT64_MAX - g) exact = 0;
+        else g += pos[2 * r + 1];
     }
     for (int64_t r = 0; r < world && exact; r++)
-        if (pos[2 * r + 1] != (g > r ? (g - r + world - 1) / world : 0)) exact = 0;
+        if (pos[2 * r + 1] != (g > r ? (g - r - 1) / world + 1 : 0)) exact = 0;
     out[0] = pos[0];
-    out[1] = exact && g > t->rank ? (g - t->rank + t->world - 1) / t->world : 0;
+    out[1] = exact && g > t->rank ? (g - t->rank - 1) / t->world + 1 : 0;
     return exact;
 }
 
@@ -483,7 +498,7 @@ static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos, opt_par
         rc = QT_ERR(QT_EFORMAT, "%s: loss_scaler.scale must be a positive number; the checkpoint is damaged", path);
     const cJSON *el = cJSON_GetObjectItemCaseSensitive(j, "elapsed_s");
     const cJSON *dp = cJSON_GetObjectItemCaseSensitive(j, "data_position");
-    if (rc == QT_OK && !(cJSON_IsArray(dp) && cJSON_GetArraySize(dp) == (int)world))
+    if (rc == QT_OK && !(cJSON_IsArray(dp) && (int64_t)cJSON_GetArraySize(dp) == world))
         rc = QT_ERR(QT_EFORMAT, "%s: data_position must list one [epoch, index] per rank", path);
     int64_t *all = NULL;
     if (rc == QT_OK) {

@@ -442,3 +442,25 @@ def test_rank_that_cannot_write_its_part_stops_the_save(setup):
     assert "optimizer-00001-of-00002.safetensors: File too large" in p.stdout, p.stdout
     assert "rank 1 could not write its part of the checkpoint of step 1" in p.stdout, p.stdout
     assert not [n for n in os.listdir(out) if n.startswith("checkpoint-")], os.listdir(out)
+
+
+def test_part_written_outside_rank0s_folder_stops_the_save(setup):
+    """Rank 1 sees another folder under the same name (a node-local output_dir
+    across hosts: simulated with its own output_dir, in which a stale
+    checkpoint-1.tmp of a crashed run exists). Its part lands there and it
+    reports success; rank 0 must not commit a checkpoint-1 without that part
+    (and then prune the older, good checkpoints): the save fails naming the
+    missing file, and nothing is committed."""
+    j = sharded_job(setup, "sh_split", steps=2, train_opts={"save_steps": 1})
+    out, other = setup / "sh_split", setup / "sh_split_rank1"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(other, ignore_errors=True)
+    os.makedirs(other / "checkpoint-1.tmp")
+    script = ('if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then exec "$@" --set output_dir="$QT_OTHER"; fi; exec "$@"')
+    p = subprocess.run([MPIRUN, *MPI_ARGS, "-np", "2", "-x", "QT_OTHER", "bash", "-c", script, "bash", u.QTUNE,
+                        "train", j], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       env=dict(u.env(), QT_OTHER=str(other)), timeout=300)
+    assert p.returncode != 0, p.stdout
+    assert "optimizer-00001-of-00002.safetensors" in p.stdout, p.stdout
+    assert "every rank" in p.stdout, p.stdout
+    assert not [n for n in os.listdir(out) if n.startswith("checkpoint-")], os.listdir(out)

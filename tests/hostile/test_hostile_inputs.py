@@ -530,6 +530,8 @@ CKPT_CASES = {
     "state_step_string": ("trainer_state.json", lambda b: b.replace(b'"step":\t1', b'"step":\t"1"')),
     "state_numel_wrong": ("trainer_state.json", lambda b: re.sub(rb'"numel":\t\d+', b'"numel":\t7', b)),
     "state_world_huge": ("trainer_state.json", lambda b: b.replace(b'"world":\t1', b'"world":\t1000000000')),
+    # 2^32 + 1 ranks: an int cast made it 1, matching the one data_position entry
+    "state_world_2^32+1": ("trainer_state.json", lambda b: b.replace(b'"world":\t1', b'"world":\t4294967297')),
     "state_scale_zero": ("trainer_state.json", lambda b: re.sub(rb'"scale":\t[0-9.e+]+', b'"scale":\t0', b)),
     "optimizer_truncated": (OPT, lambda b: b[:len(b) - 100]),
     "optimizer_header_2^63": (OPT, lambda b: struct.pack("<Q", 1 << 63) + b[8:]),
@@ -575,6 +577,31 @@ def test_resume_from_a_path_that_is_not_a_checkpoint(base, trained):
     j["train"]["resume"] = str(base / "model")
     write(base / "ck_badpath.json", json.dumps(j))
     expect_error(["train", base / "ck_badpath.json"], "train.resume")
+
+
+def test_huge_data_positions_of_another_world_size(base, trained):
+    """A state written by 1100 ranks, each at row 9e15 - 1 of epoch 0: the resume on
+    one rank remaps the data position from their sum (1100 x 9e15 > 2^63), which
+    overflowed int64 (UB; fatal under QTUNE_ASAN_BIN). Such positions cannot be
+    the first G rows of an epoch, so the data restarts at rank 0's epoch."""
+    job, ck = trained
+    out = base / "out_ck_huge_pos"
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(ck.parent, out)
+    sp = out / "checkpoint-1" / "trainer_state.json"
+    st = json.loads(sp.read_text())
+    st["world"] = 1100
+    st["data_position"] = [[0, 8999999999999999]] * 1100
+    write(sp, json.dumps(st))
+    j = json.loads(open(job).read())
+    j["output_dir"] = "out_ck_huge_pos"
+    j["train"]["max_steps"] = 2
+    write(base / "ck_huge_pos.json", json.dumps(j))
+    r = ok(["train", base / "ck_huge_pos.json"])
+    assert "Sanitizer" not in r.stderr and "runtime error" not in r.stderr, r
+    assert "restarts from the same epoch position of rank 0" in r.stderr, r
+    assert (out / "checkpoint-2").is_dir()
 
 
 # ---------------------------------------------------------------------------

@@ -106,12 +106,25 @@ def test_lora_one_card_and_strategies_table():
         assert s in out
 
 
-def test_final_link_counts_no_extra_disk():
-    """fp32 full fine-tuning links final/model.safetensors to the last
-    checkpoint's (trainer_ckpt.c); LoRA and f16/bf16 finals are written."""
-    assert plan_json("--preset", "qwen2.5-0.5b", "--mode", "full")["final_linked"] is True
-    assert plan_json("--preset", "qwen2.5-0.5b", "--mode", "full", "--precision", "bf16")["final_linked"] is False
+def test_final_link_counts_no_extra_disk(tmp_path):
+    """qtune train writes final/model.safetensors in the model's torch_dtype
+    (config.json), whatever the compute precision, and links it to the last
+    checkpoint's fp32 file only when that dtype is float32 (trainer_ckpt.c,
+    test_final_model_in_another_dtype_is_written). Qwen2.5-0.5B is bfloat16:
+    its full fine-tuning in fp32 writes a 2-byte-per-parameter final/ (the plan
+    said linked, 0 bytes, so doctor's disk check left it out). A float32
+    model's final/ is linked, even when computing in bf16; LoRA writes its adapter."""
+    n = plan_json("--preset", "qwen2.5-0.5b", "--mode", "full")["n_params"]
+    for prec in ("fp32", "bf16"):
+        p = plan_json("--preset", "qwen2.5-0.5b", "--mode", "full", "--precision", prec)
+        assert p["final_linked"] is False and p["final_bytes"] == 2 * n, (prec, p)
     assert plan_json("--preset", "qwen2.5-0.5b", "--mode", "lora")["final_linked"] is False
+    m = tmp_path / "m"
+    m.mkdir()
+    (m / "config.json").write_text(json.dumps(cfg(8192, 256, 688, 4, 4, 2)))  # torch_dtype float32
+    for prec in ("fp32", "bf16"):
+        p = plan_json("--model", m, "--mode", "full", "--precision", prec)
+        assert p["final_linked"] is True and p["final_bytes"] == 4 * p["n_params"], (prec, p)
 
 
 def test_errors():

@@ -9,10 +9,14 @@
 
 #include <math.h>
 
-/* sigmoid(g) of eight lanes */
+/* sigmoid(g) of eight lanes. op_exp8 saturates at exp(88.72) where expf
+ * overflows to inf, so below g = -88.72283 (where the scalar sigmoid is
+ * exactly 0) the lane is set to 0: else g * s grows with |g| (silu(-1e30)
+ * was -2.9e-9, silu(-FLT_MAX) -1.0) and silu(-inf) was -inf, not NaN. */
 static inline __m256 sigmoid8(__m256 g) {
     const __m256 one = _mm256_set1_ps(1.0f);
-    return _mm256_div_ps(one, _mm256_add_ps(one, op_exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, op_exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    return _mm256_andnot_ps(_mm256_cmp_ps(g, _mm256_set1_ps(-88.72283172607421875f), _CMP_LT_OQ), s);
 }
 
 void op_swiglu_forward(float *out, const float *gate, const float *up, int N, int I) {

@@ -404,6 +404,39 @@ static void test_swiglu_lanes(void **state) {
     qt_free(r);
 }
 
+/* The eight-lane path against the scalar tail at gates where expf(-g)
+ * overflows (g < -88.7228...: the scalar sigmoid is exactly 0, silu(g) = -0)
+ * and at the infinities and NaN: op_exp8 saturates at exp(88.72) instead of
+ * returning inf, which must not leak into the result (silu(-1e30) came out
+ * -2.9e-9 and silu(-FLT_MAX) -1.0, below silu's minimum of -0.2785). */
+static void test_swiglu_lanes_extreme(void **state) {
+    (void)state;
+    static const float ends[] = {-INFINITY, -FLT_MAX, -3e38f, -1e30f, -1e10f, -200.0f, -88.72284f, -88.72283f,
+                                 -88.5f,    -87.0f,   0.0f,   88.8f,  1e30f,  FLT_MAX, INFINITY,  NAN};
+    enum { M = sizeof ends / sizeof ends[0] };
+    for (int i = 0; i < M; i++) {
+        float g[8], u[8], d[8], out[8], dg[8], du[8];
+        for (int k = 0; k < 8; k++) g[k] = ends[i], u[k] = 0.75f, d[k] = -0.5f, dg[k] = 0.25f, du[k] = -0.5f;
+        op_swiglu_forward(out, g, u, 1, 8); /* eight lanes */
+        op_swiglu_backward(dg, du, d, g, u, 1, 8);
+        float o1, dg1 = 0.25f, du1 = -0.5f; /* one element: the scalar tail */
+        op_swiglu_forward(&o1, g, u, 1, 1);
+        op_swiglu_backward(&dg1, &du1, d, g, u, 1, 1);
+        const float want[3] = {o1, dg1, du1};
+        for (int k = 0; k < 8; k++) {
+            const float got[3] = {out[k], dg[k], du[k]};
+            for (int j = 0; j < 3; j++) {
+                int same = isnan(want[j]) ? isnan(got[j])
+                                          : !isnan(got[j]) && (got[j] == want[j] || fabsf(got[j] - want[j]) <=
+                                                                                        2e-6f * fabsf(want[j]) + 1e-30f);
+                if (!same)
+                    fail_msg("swiglu %s lane %d (g = %g): eight lanes give %.9g, the scalar formula %.9g",
+                             j == 0 ? "out" : j == 1 ? "dgate" : "dup", k, (double)ends[i], got[j], want[j]);
+            }
+        }
+    }
+}
+
 /* ---- lm_head + cross-entropy ---- */
 enum { CN = 5, CC = 8, CV = 2 * OP_CE_CHUNK + 37 };
 static float *ce_x, *ce_w, *ce_ws, ce_loss_v[CN], ce_lse[CN];
@@ -554,7 +587,8 @@ int main(void) {
         cmocka_unit_test(test_matmul_half_panels), cmocka_unit_test(test_rope),
         cmocka_unit_test(test_attention), cmocka_unit_test(test_attention_blocks_and_cache),
         cmocka_unit_test(test_attention_gemm_blocks),
-        cmocka_unit_test(test_swiglu),    cmocka_unit_test(test_swiglu_lanes), cmocka_unit_test(test_lmhead_ce),
+        cmocka_unit_test(test_swiglu),    cmocka_unit_test(test_swiglu_lanes), cmocka_unit_test(test_swiglu_lanes_extreme),
+        cmocka_unit_test(test_lmhead_ce),
         cmocka_unit_test(test_lmhead_ce_forward_dx), cmocka_unit_test(test_lmhead_ce_kept),
         cmocka_unit_test(test_exp8),
         cmocka_unit_test(test_embedding),
