@@ -334,10 +334,8 @@ def profile_case(build, qtune, work, model, cfg, data, B, T, mode, warmup, steps
             os.remove(pdata)
     else:
         perf_note = "perf not found"
-    # the whole of OpenBLAS's sgemm (kernel, packing, beta) as a share of the samples
-    gemm_pct = sum(r["pct"] for r in perf_rows if re.match(r"sgemm_", r["symbol"])) if perf_rows else None
-    return {"step_s": step_s, "tok_s": res["tok_s"], "threads": threads, "flops": flops_per_step(cfg, B, T, mode)[0],
-            "gemm_pct": gemm_pct, "sgemm": rows, "perf": perf_rows, "perf_note": perf_note,
+    return {"step_s": step_s, "tok_s": res["tok_s"], "threads": threads, "sgemm": rows, "perf": perf_rows,
+            "perf_note": perf_note,
             "note": "sgemm seconds are per step averaged over all %d steps (warm-up included); step_s is the "
                     "median step" % nsteps}
 
@@ -418,15 +416,14 @@ def report(res):
         tot = sum(r["s_per_step"] for r in pr["sgemm"]) / nt
         p("sgemm total: %.2f s per step = %.0f%% of the step%s\n" % (
             tot, 100 * tot / pr["step_s"], " (thread-seconds / %d)" % nt if nt > 1 else ""))
-        if pr.get("gemm_pct"):
-            # model FLOPs over the wall time the samples put in sgemm: the rate
-            # the GEMMs themselves run at inside the step, against the peak
-            in_gemm = pr["flops"] / (pr["step_s"] * pr["gemm_pct"] / 100) / 1e9
-            pk = res.get("peak", {}).get(str(nt), {}).get("peak_gflops")
-            p("sgemm (kernel, packing, beta) holds %.1f%% of the perf samples; the model's FLOPs over that share "
-              "of the step: %.1f GFLOP/s%s\n" % (pr["gemm_pct"], in_gemm,
-                                                 ", %.0f%% of the %d-thread sgemm peak" % (100 * in_gemm / pk, nt)
-                                                 if pk else ""))
+        # the traced calls' own FLOPs over their wall time: the rate the GEMMs
+        # themselves reach inside the step, against the peak of as many threads
+        # (perf's sample shares cannot give it: they cover load and save too)
+        gf = sum(2.0 * r["M"] * r["N"] * r["K"] * r["calls_per_step"] for r in pr["sgemm"]) / 1e9
+        pk = res.get("peak", {}).get(str(nt), {}).get("peak_gflops")
+        if tot > 0:
+            p("the traced sgemm calls: %.1f GFLOP per step in %.2f s: %.1f GFLOP/s%s\n" % (
+                gf, tot, gf / tot, ", %.0f%% of the %d-thread sgemm peak" % (100 * gf / tot / pk, nt) if pk else ""))
         p("| call site | M | N | K | op | calls/step | s/step | %% of step | GFLOP/s in the step%s | "
           "GFLOP/s alone (bench_gemm, 1 thread) |" % (" (per thread)" if nt > 1 else ""))
         p("|---|---|---|---|---|---|---|---|---|---|")
