@@ -477,14 +477,35 @@ static void test_lmhead_ce(void **state) {
 
 /* The fused forward + dx (frozen lm_head) against forward then backward, in
  * f32 and with a bf16 table, with a loss scale and an ignored row. */
+/* Inputs of the two lm_head comparisons: x, the table in f32 and in bf16,
+ * and a workspace. */
+typedef struct {
+    float *x, *w, *ws;
+    uint16_t *wh;
+} ce_case;
+
+static ce_case ce_case_new(void) {
+    ce_case c = {randv(CN * CC, 2.0f), randv((size_t)CV * CC, 2.0f), zeros(op_lmhead_ce_ws_floats(CN, CC)), NULL};
+    c.wh = qt_malloc(sizeof(uint16_t) * (size_t)CV * CC, "bf16 table");
+    qt_convert_from_f32(c.wh, QT_BF16, c.w, (size_t)CV * CC);
+    return c;
+}
+
+/* table k: 0 the f32 one, 1 the bf16 one */
+static const void *ce_case_table(const ce_case *c, int k, qt_dtype *dt) {
+    *dt = k ? QT_BF16 : QT_F32;
+    return k ? (const void *)c->wh : (const void *)c->w;
+}
+
+static void ce_case_free(ce_case *c) { qt_free(c->x), qt_free(c->w), qt_free(c->ws), qt_free(c->wh); }
+
 static void test_lmhead_ce_forward_dx(void **state) {
     (void)state;
-    float *x = randv(CN * CC, 2.0f), *w = randv((size_t)CV * CC, 2.0f), *ws = zeros(op_lmhead_ce_ws_floats(CN, CC));
-    uint16_t *wh = qt_malloc(sizeof(uint16_t) * (size_t)CV * CC, "bf16 table");
-    qt_convert_from_f32(wh, QT_BF16, w, (size_t)CV * CC);
+    ce_case c = ce_case_new();
+    float *x = c.x, *ws = c.ws;
     for (int k = 0; k < 2; k++) {
-        const void *wp = k ? (const void *)wh : (const void *)w;
-        qt_dtype dt = k ? QT_BF16 : QT_F32;
+        qt_dtype dt;
+        const void *wp = ce_case_table(&c, k, &dt);
         float l1[CN], s1[CN], l2[CN], s2[CN], *dx1 = randv(CN * CC, 1.0f), *dx2 = zeros(CN * CC);
         memcpy(dx2, dx1, sizeof(float) * CN * CC); /* both add into the same start */
         op_lmhead_ce_forward(l1, s1, x, wp, dt, ce_t, CN, CC, CV, ws);
@@ -497,7 +518,7 @@ static void test_lmhead_ce_forward_dx(void **state) {
         for (int i = 0; i < CN * CC; i++) assert_true(fabsf(dx1[i] - dx2[i]) <= 1e-3f * (1.0f + fabsf(dx1[i])));
         qt_free(dx1), qt_free(dx2);
     }
-    qt_free(x), qt_free(w), qt_free(ws), qt_free(wh);
+    ce_case_free(&c);
 }
 
 /* Kept logits (trainable lm_head): forward_keep then backward_kept against
@@ -505,13 +526,11 @@ static void test_lmhead_ce_forward_dx(void **state) {
  * ignored row and a last chunk shorter than OP_CE_CHUNK. */
 static void test_lmhead_ce_kept(void **state) {
     (void)state;
-    float *x = randv(CN * CC, 2.0f), *w = randv((size_t)CV * CC, 2.0f), *ws = zeros(op_lmhead_ce_ws_floats(CN, CC));
-    float *kept = zeros(op_lmhead_ce_kept_floats(CN, CV));
-    uint16_t *wh = qt_malloc(sizeof(uint16_t) * (size_t)CV * CC, "bf16 table");
-    qt_convert_from_f32(wh, QT_BF16, w, (size_t)CV * CC);
+    ce_case c = ce_case_new();
+    float *x = c.x, *ws = c.ws, *kept = zeros(op_lmhead_ce_kept_floats(CN, CV));
     for (int k = 0; k < 2; k++) {
-        const void *wp = k ? (const void *)wh : (const void *)w;
-        qt_dtype dt = k ? QT_BF16 : QT_F32;
+        qt_dtype dt;
+        const void *wp = ce_case_table(&c, k, &dt);
         float l1[CN], s1[CN], l2[CN], s2[CN], *dx1 = randv(CN * CC, 1.0f), *dx2 = zeros(CN * CC);
         float *dw1 = randv((size_t)CV * CC, 1.0f), *dw2 = zeros((size_t)CV * CC);
         memcpy(dx2, dx1, sizeof(float) * CN * CC); /* both add into the same start */
@@ -529,7 +548,8 @@ static void test_lmhead_ce_kept(void **state) {
             assert_true(fabsf(dw1[i] - dw2[i]) <= 1e-4f * (1.0f + fabsf(dw1[i])));
         qt_free(dx1), qt_free(dx2), qt_free(dw1), qt_free(dw2);
     }
-    qt_free(x), qt_free(w), qt_free(ws), qt_free(kept), qt_free(wh);
+    qt_free(kept);
+    ce_case_free(&c);
 }
 
 /* op_exp8 against expf over the range the softmax uses, plus underflow to 0 */
