@@ -110,6 +110,19 @@ def gemm_peak(build, threads, reps):
     return out
 
 
+def peak_near(build, t, reps=3):
+    """Best square-2048 sgemm GFLOP/s at t threads right now. Measured before
+    and after every qtune case: the host's speed drifts by +-10% over minutes
+    (other tenants of the physical machine), so the run-start peak alone can
+    make a case look slower or faster than it is against what the cores gave
+    at the time."""
+    exe = os.path.join(build, "bench", "bench_gemm")
+    r = subprocess.run([exe, "--threads", str(t), "--reps", str(reps), "--size", "2048"], capture_output=True,
+                       text=True, env=thread_env(t))
+    rows = [json.loads(x) for x in r.stdout.splitlines() if x.strip()] if r.returncode == 0 else []
+    return max((x["gflops"] for x in rows), default=None)
+
+
 def ensure_model(qtune, work, preset):
     d = os.path.join(work, "models", preset + "-f32")
     if not os.path.exists(os.path.join(d, "model.safetensors")):
@@ -364,8 +377,8 @@ def report(res):
       "\"n\" = measured steps)\n" % (res["torch_version"], res["warmup"]))
     p("Wall clock (tokens / step wall time; the machine is shared, see load avg):\n")
     p("| shape | B x T | mode | threads | n | qtune tok/s | PyTorch tok/s | qtune / PyTorch | GFLOP/step | "
-      "qtune GFLOP/s | % of sgemm peak | qtune peak RSS | PyTorch peak RSS | load avg |")
-    p("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+      "qtune GFLOP/s | % of sgemm peak | % of peak around the case | qtune peak RSS | PyTorch peak RSS | load avg |")
+    p("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in res["cases"]:
         q, t = c["qtune"], c.get("torch") or {}
         qt = q.get("tok_s")
@@ -374,10 +387,12 @@ def report(res):
         gfs = c["flops"] * qt / c["tokens"] / 1e9 if qt else None
         pk = res["peak"].get(str(c["threads"]), {})
         peak = pk.get("peak_gflops")
-        p("| %s | %dx%d | %s | %d | %d | %s | %s | %s | %.1f | %s | %s | %s | %s | %s |" % (
+        near = max([x for x in q.get("peak_near") or [] if x], default=None)
+        p("| %s | %dx%d | %s | %d | %d | %s | %s | %s | %.1f | %s | %s | %s | %s | %s | %s |" % (
             c["shape"], c["B"], c["T"], c["mode"], c["threads"], len(q.get("tok_s_all", [])) - res["warmup"],
             fmt(qt, "%.1f"), fmt(tt, "%.1f"), ratio,
             c["flops"] / 1e9, fmt(gfs, "%.1f"), fmt(100 * gfs / peak if gfs and peak else None, "%.0f%%"),
+            "%.0f%% of %.1f" % (100 * gfs / near, near) if gfs and near else "-",
             fmt(q.get("mem_peak_bytes") and q["mem_peak_bytes"] / 2**20, "%.0f MiB"),
             fmt(t.get("maxrss_bytes") and t["maxrss_bytes"] / 2**20, "%.0f MiB"), q.get("load", "")))
     p("\nCPU time (CPU seconds of all the process's threads per step: insensitive to other processes "
@@ -539,8 +554,11 @@ def main():
             fl, n_mm = flops_per_step(cfg, B, T, mode)
             for t in threads:
                 log("%s %s threads=%d (load %s)" % (shape, mode, t, loadavg()))
+                before = peak_near(a.build, t)
                 q = run_qtune(qtune, a.work, mdir, data, B, T, mode, t, a.warmup, steps)
-                log("  qtune: %s" % (q.get("error") or "%.1f tok/s %s" % (q["tok_s"], q["tok_s_all"])))
+                q["peak_near"] = [before, peak_near(a.build, t)]
+                log("  qtune: %s; sgemm peak before/after %s" % (
+                    q.get("error") or "%.1f tok/s %s" % (q["tok_s"], q["tok_s_all"]), q["peak_near"]))
                 tr = None
                 if not a.no_torch:
                     tr = run_torch(a.work, mdir, data, B, T, mode, t, a.warmup, steps)
