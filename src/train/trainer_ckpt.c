@@ -713,10 +713,16 @@ static int write_final(qt_trainer *t, char *final_dir, size_t cap);
  * write a new inode and rename it over the name, qt_dir_replace and
  * ckpt_prune rename and unlink names, so deleting or replacing the checkpoint
  * leaves final/'s inode as it was. Returns 1 when linked; 0 (write instead)
- * when there is no such checkpoint or link(2) fails (EXDEV, EPERM, EMLINK...). */
+ * when the rule (qt_train_final_links_checkpoint, which the plan's disk
+ * estimate uses too) says no, there is no such checkpoint or link(2) fails
+ * (EXDEV, EPERM, EMLINK...). */
+int qt_train_final_links_checkpoint(int lora, qt_dtype model_dtype) { return !lora && model_dtype == QT_F32; }
+
 static int link_checkpoint_model(const qt_trainer *t, qt_dtype dtype, const char *dst) {
     ckpt_writer w; /* for the name of this step's checkpoint */
-    if (dtype != QT_F32 || ckpt_names(&w, t->job->output_dir, t->step) != QT_OK) return 0;
+    if (!qt_train_final_links_checkpoint(t->job->lora.enabled, dtype) ||
+        ckpt_names(&w, t->job->output_dir, t->step) != QT_OK)
+        return 0;
     /* only this run's checkpoint of this very step: the weights have not moved since */
     if (strcmp(t->last_ckpt, w.final)) return 0;
     char src[4300];
