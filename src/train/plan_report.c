@@ -8,6 +8,7 @@
 #include "core/mem.h"
 #include "model/memplan.h"
 #include "model/model.h"
+#include "train/trainer.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -176,9 +177,9 @@ int qt_plan_compute(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
      * torch_dtype (write_final in trainer_ckpt.c), whatever the compute dtype. */
     p->ckpt_bytes = Pt * 12;
     p->final_bytes = o->lora ? Pt * 4 : (uint64_t)pm.n_params * qt_dtype_size(c->torch_dtype);
-    /* full fine-tuning of an fp32 model links final/model.safetensors to the
-     * last checkpoint's file (trainer_ckpt.c): no second copy on disk */
-    p->final_linked = !o->lora && c->torch_dtype == QT_F32;
+    /* final/model.safetensors as a hard link to the last checkpoint's file:
+     * no second copy on disk (the trainer's own rule) */
+    p->final_linked = qt_train_final_links_checkpoint(o->lora, c->torch_dtype);
 
     p->power_w = N * o->card_watts + p->hosts * o->host_watts;
     p->power_recommend_w = p->power_w * 1.2;

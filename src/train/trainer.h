@@ -72,6 +72,15 @@ typedef struct {
  * a clean stop (checkpoint written), or an error. */
 int qt_train_run(const qt_job *job, dist_ctx *d, const qt_train_hooks *hooks, qt_train_result *res);
 
+/* Whether final/model.safetensors may be a hard link to the last checkpoint's
+ * model.safetensors rather than a second copy: full fine-tuning (whose
+ * checkpoints hold the fp32 master weights as model.safetensors) of a model
+ * whose torch_dtype, the dtype final/ is written in, is float32, so both files
+ * would hold the same bytes. The one rule for the trainer, which links when
+ * in addition this run wrote the last step's checkpoint and link(2) succeeds,
+ * and for the plan, which then counts final/ as no extra disk. */
+int qt_train_final_links_checkpoint(int lora, qt_dtype model_dtype);
+
 /* The output-folder guard: output_dir/qtune_run.json records the job's
  * fingerprint. A folder holding another run's outputs (or anything without
  * that file) is refused unless overwrite (then qtune's own outputs in it are

@@ -31,6 +31,7 @@
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,6 +44,10 @@
 #define OPT_PART_FMT "optimizer-%05d-of-%05d.safetensors"
 #define OPT_LEGACY_FILE "optimizer.safetensors"
 #define OPT_MAX_PARTS 65536
+/* trainer_state.json's format_version: the one written, and the oldest read
+ * (1: the gathered optimizer.safetensors, before the sharded parts of 2) */
+#define CKPT_FORMAT_VERSION 2
+#define CKPT_FORMAT_OLDEST 1
 static const char *const opt_meta_keys[5] = {"part", "parts", "range_lo", "range_hi", "numel"};
 
 /* ---------------------------------------------------------------------------
@@ -145,7 +150,7 @@ static char *state_json(const qt_trainer *t, const int64_t *data_pos, int opt_pa
     if (!j) return NULL;
     char hex[32];
     snprintf(hex, sizeof hex, "%016" PRIx64, t->job->fingerprint);
-    cJSON_AddNumberToObject(j, "format_version", 2);
+    cJSON_AddNumberToObject(j, "format_version", CKPT_FORMAT_VERSION);
     cJSON_AddNumberToObject(j, "step", (double)t->step);
     cJSON_AddNumberToObject(j, "max_steps", (double)t->max_steps);
     cJSON_AddNumberToObject(j, "applied_updates", (double)t->applied);
@@ -201,6 +206,43 @@ static int state_i64(const cJSON *o, const char *key, int64_t lo, int64_t *out, 
         return QT_ERR(QT_EFORMAT, "%s: \"%s\" is missing or not a whole number >= %lld; the checkpoint is damaged",
                       path, key, (long long)lo);
     *out = (int64_t)it->valuedouble;
+    return QT_OK;
+}
+
+/* The checkpoint's format_version, before anything else is read: another
+ * format's fields may mean other things. A version newer than this qtune's
+ * (written by a later qtune), or a missing, non-integer or out-of-range one,
+ * is refused with the value found, so nothing is read from the folder and
+ * nothing is written to it. */
+static int state_format(const cJSON *j, const char *path, int *version) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(j, "format_version");
+    char found[64];
+    if (!it) snprintf(found, sizeof found, "missing");
+    else if (cJSON_IsNumber(it)) {
+        snprintf(found, sizeof found, "%.15g", it->valuedouble); /* 1e+300, not 1.0000000000000001e+300 */
+        if (strtod(found, NULL) != it->valuedouble) snprintf(found, sizeof found, "%.17g", it->valuedouble);
+    } else if (cJSON_IsString(it)) {
+        /* a short, printable prefix of a string: it comes from the file */
+        size_t k = 0;
+        found[k++] = '"';
+        for (const char *c = it->valuestring; *c && k < 34; c++)
+            found[k++] = (unsigned char)*c >= 0x20 && (unsigned char)*c < 0x7f ? *c : '?';
+        snprintf(found + k, sizeof found - k, "%s\" (a string)", strlen(it->valuestring) > 33 ? "..." : "");
+    } else snprintf(found, sizeof found, "not a number");
+    const int whole = cJSON_IsNumber(it) && it->valuedouble == floor(it->valuedouble);
+    if (whole && it->valuedouble > CKPT_FORMAT_VERSION && it->valuedouble <= INT_MAX)
+        return QT_ERR(QT_EUNSUPPORTED,
+                      "%s has checkpoint format_version %s, written by a newer qtune, but this qtune reads formats %d "
+                      "to %d; resume it with the qtune that wrote it, or set train.resume to \"never\" to start over "
+                      "(the checkpoint is left as it is)",
+                      path, found, CKPT_FORMAT_OLDEST, CKPT_FORMAT_VERSION);
+    if (!whole || it->valuedouble < CKPT_FORMAT_OLDEST || it->valuedouble > CKPT_FORMAT_VERSION)
+        return QT_ERR(QT_EFORMAT,
+                      "%s: \"format_version\" is %s, but this qtune reads checkpoint formats %d to %d (whole numbers); "
+                      "the checkpoint is damaged or not qtune's: resume from another checkpoint, or set train.resume "
+                      "to \"never\" to start over (the checkpoint is left as it is)",
+                      path, found, CKPT_FORMAT_OLDEST, CKPT_FORMAT_VERSION);
+    *version = (int)it->valuedouble;
     return QT_OK;
 }
 
@@ -372,13 +414,16 @@ typedef struct {
 } opt_part;
 
 /* The optimizer files a checkpoint lists: parts that tile [0, n) in order,
- * each named as save_opt_part names it. A checkpoint without the list (format
- * 1) holds the whole state in one optimizer.safetensors. */
-static int state_opt_parts(const cJSON *j, const char *path, size_t n, opt_part **out, int *count) {
+ * each named as save_opt_part names it. A format-1 checkpoint has no list and
+ * holds the whole state in one optimizer.safetensors. */
+static int state_opt_parts(const cJSON *j, const char *path, int version, size_t n, opt_part **out, int *count) {
     *out = NULL;
     *count = 0;
     const cJSON *opt = cJSON_GetObjectItemCaseSensitive(j, "optimizer");
-    if (!opt) {
+    if (version >= 2 && !cJSON_IsObject(opt))
+        return QT_ERR(QT_EFORMAT, "%s: format_version %d lists its optimizer files in \"optimizer\", which is "
+                      "missing or not an object; the checkpoint is damaged", path, version);
+    if (version < 2) {
         opt_part *p = qt_calloc(1, sizeof *p, "the optimizer file list");
         if (!p) return QT_ENOMEM;
         snprintf(p->file, sizeof p->file, "%s", OPT_LEGACY_FILE);
@@ -462,7 +507,9 @@ static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos, opt_par
     qt_free(text);
     int rc = QT_OK;
     int64_t step = 0, applied = 0, numel = 0, tokens = 0, world = 1, micro = 0;
+    int version = 0;
     if (!cJSON_IsObject(j)) rc = QT_ERR(QT_EFORMAT, "%s is not a JSON object; the checkpoint is damaged", path);
+    if (rc == QT_OK) rc = state_format(j, path, &version);
     if (rc == QT_OK) rc = state_i64(j, "step", 0, &step, path);
     if (rc == QT_OK) rc = state_i64(j, "applied_updates", 0, &applied, path);
     if (rc == QT_OK) rc = state_i64(j, "numel", 0, &numel, path);
@@ -532,7 +579,7 @@ static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos, opt_par
         }
     }
     qt_free(all);
-    if (rc == QT_OK) rc = state_opt_parts(j, path, t->n, parts, nparts);
+    if (rc == QT_OK) rc = state_opt_parts(j, path, version, t->n, parts, nparts);
     if (rc == QT_OK) {
         t->step = (long)step;
         t->applied = applied;
@@ -666,10 +713,16 @@ static int write_final(qt_trainer *t, char *final_dir, size_t cap);
  * write a new inode and rename it over the name, qt_dir_replace and
  * ckpt_prune rename and unlink names, so deleting or replacing the checkpoint
  * leaves final/'s inode as it was. Returns 1 when linked; 0 (write instead)
- * when there is no such checkpoint or link(2) fails (EXDEV, EPERM, EMLINK...). */
+ * when the rule (qt_train_final_links_checkpoint, which the plan's disk
+ * estimate uses too) says no, there is no such checkpoint or link(2) fails
+ * (EXDEV, EPERM, EMLINK...). */
+int qt_train_final_links_checkpoint(int lora, qt_dtype model_dtype) { return !lora && model_dtype == QT_F32; }
+
 static int link_checkpoint_model(const qt_trainer *t, qt_dtype dtype, const char *dst) {
     ckpt_writer w; /* for the name of this step's checkpoint */
-    if (dtype != QT_F32 || ckpt_names(&w, t->job->output_dir, t->step) != QT_OK) return 0;
+    if (!qt_train_final_links_checkpoint(t->job->lora.enabled, dtype) ||
+        ckpt_names(&w, t->job->output_dir, t->step) != QT_OK)
+        return 0;
     /* only this run's checkpoint of this very step: the weights have not moved since */
     if (strcmp(t->last_ckpt, w.final)) return 0;
     char src[4300];

@@ -346,6 +346,27 @@ def test_bad_shard_refused_on_resume(setup, sharded, case):
     assert sorted(os.listdir(out)) == sorted(os.listdir(saved))
 
 
+def test_newer_format_refused_on_every_rank(setup, sharded):
+    """A checkpoint of a newer format (format_version 3): every rank stops
+    with the one sentence (no rank waits on the others until its deadline),
+    and the checkpoint is left byte for byte as it was."""
+    j, saved = sharded
+    out = resume_copy(setup, saved, "sh_newer_format")
+    sp = out / "checkpoint-2" / "trainer_state.json"
+    state = json.load(open(sp))
+    state["format_version"] = 3
+    with open(sp, "w") as f:
+        json.dump(state, f, indent="\t")
+    before = {f.name: f.read_bytes() for f in sorted((out / "checkpoint-2").iterdir())}
+    rc, log = mpirun(2, ["train", j, "--set", f"output_dir={out.name}"])
+    assert rc != 0, log
+    lines = [l for l in log.splitlines() if l.startswith("qtune: error")]
+    assert lines and all("format_version 3, written by a newer qtune" in l for l in lines), log
+    after = {f.name: f.read_bytes() for f in sorted((out / "checkpoint-2").iterdir())}
+    assert after == before
+    assert sorted(os.listdir(out)) == sorted(os.listdir(saved))
+
+
 def peak_rss_per_rank(n, args, tmp):
     """Runs `qtune args` under mpirun, each rank inside a small wrapper that
     reports the peak RSS (ru_maxrss of its qtune child) in tmp/rss.RANK."""

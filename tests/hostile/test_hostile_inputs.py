@@ -570,6 +570,103 @@ def test_damaged_checkpoint_on_resume(base, trained, case):
     assert not (out / "checkpoint-2").exists()
 
 
+def ckpt_resume_copy(base, trained, name, max_steps=3):
+    """A copy of the trained run's output folder and a job resuming it to max_steps."""
+    job, ck = trained
+    out = base / name
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(ck.parent, out)
+    j = json.loads(open(job).read())
+    j["output_dir"] = name
+    j["train"]["max_steps"] = max_steps
+    return write(base / (name + ".json"), json.dumps(j)), out
+
+
+def ckpt_snapshot(out):
+    """The names under the output folder, and every file of checkpoint-1 with
+    its bytes and mtime (a rewrite with the same bytes shows too)."""
+    ck = out / "checkpoint-1"
+    return (sorted(str(p.relative_to(out)) for p in out.rglob("*")),
+            {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(ck.iterdir())})
+
+
+# format_version cases: (new value, or DELETE to drop the key; what the sentence must say)
+DELETE = object()
+VERSION_CASES = {
+    "newer": (3, ["format_version 3", "newer qtune", "reads formats 1 to 2", "the qtune that wrote it", '"never"']),
+    "much_newer": (2147483647, ["format_version 2147483647", "newer qtune", "reads formats 1 to 2"]),
+    "missing": (DELETE, ['"format_version" is missing', "reads checkpoint formats 1 to 2", '"never"']),
+    "string": ("2", ['"format_version" is "2" (a string)', "reads checkpoint formats 1 to 2"]),
+    "fraction": (1.5, ['"format_version" is 1.5', "reads checkpoint formats 1 to 2"]),
+    "zero": (0, ['"format_version" is 0', "reads checkpoint formats 1 to 2"]),
+    "negative": (-2, ['"format_version" is -2', "reads checkpoint formats 1 to 2"]),
+    "past_int": (2 ** 31, ['"format_version" is 2147483648', "reads checkpoint formats 1 to 2"]),
+    "huge": (1e300, ['"format_version" is 1e+300', "reads checkpoint formats 1 to 2"]),
+    "null": (None, ['"format_version" is not a number', "reads checkpoint formats 1 to 2"]),
+    "object": ({"major": 3}, ['"format_version" is not a number']),
+    # 1 MB with newlines and escapes: the sentence quotes a short printable prefix only
+    "long_string": ("\n\x1b[2J" + "9" * (1 << 20), ['"format_version" is "??[2J999', '..." (a string)']),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VERSION_CASES))
+def test_checkpoint_format_version_on_resume(base, trained, case):
+    """A checkpoint of a newer format, or a missing/mistyped/hostile
+    format_version: one sentence naming trainer_state.json, the value found,
+    the formats this qtune reads and what to do; exit 1; the checkpoint is
+    left exactly as it was and nothing is added to the output folder."""
+    job, out = ckpt_resume_copy(base, trained, "out_ckver_" + case)
+    sp = out / "checkpoint-1" / "trainer_state.json"
+    state = json.loads(sp.read_text())
+    value, must = VERSION_CASES[case]
+    if value is DELETE:
+        del state["format_version"]
+    else:
+        state["format_version"] = value
+    write(sp, json.dumps(state, indent="\t"))
+    before = ckpt_snapshot(out)
+    r = expect_error(["train", job], str(sp), *must, code=(1,))
+    assert r.stderr.count("error") == 1, r
+    assert ckpt_snapshot(out) == before
+
+
+def test_format_2_without_optimizer_list_is_damaged(base, trained):
+    """format_version 2 lists its optimizer parts; a state without the list is
+    not read as format 1 (whose one optimizer.safetensors it does not have)."""
+    job, out = ckpt_resume_copy(base, trained, "out_ckver_nolist")
+    sp = out / "checkpoint-1" / "trainer_state.json"
+    state = json.loads(sp.read_text())
+    del state["optimizer"]
+    write(sp, json.dumps(state, indent="\t"))
+    before = ckpt_snapshot(out)
+    expect_error(["train", job], str(sp), 'format_version 2', '"optimizer"', "damaged", code=(1,))
+    assert ckpt_snapshot(out) == before
+
+
+def test_format_1_checkpoint_still_resumes(base, trained):
+    """The format before sharded optimizer parts (format_version 1: one
+    optimizer.safetensors with the whole state, no "optimizer" list) still
+    resumes, and continues exactly as the same checkpoint in format 2 does."""
+    job2, out2 = ckpt_resume_copy(base, trained, "out_ckver_2", max_steps=2)
+    job1, out1 = ckpt_resume_copy(base, trained, "out_ckver_1", max_steps=2)
+    ck = out1 / "checkpoint-1"
+    state = json.loads((ck / "trainer_state.json").read_text())
+    assert state["format_version"] == 2 and [p["file"] for p in state["optimizer"]["parts"]] == [OPT]
+    del state["optimizer"]
+    state["format_version"] = 1
+    # a single rank's one part holds exactly the format-1 file's two tensors (its metadata is not read)
+    os.rename(ck / OPT, ck / "optimizer.safetensors")
+    write(ck / "trainer_state.json", json.dumps(state, indent="\t"))
+    for j in (job1, job2):
+        r = ok(["train", j])
+        assert "resuming from" in r.stderr and "step 1 of 2" in r.stderr, r
+    a1 = (out1 / "final" / "adapter_model.safetensors").read_bytes()
+    assert a1 == (out2 / "final" / "adapter_model.safetensors").read_bytes()
+    s1 = json.loads((out1 / "checkpoint-2" / "trainer_state.json").read_text())
+    assert s1["format_version"] == 2 and s1["step"] == 2
+
+
 def test_resume_from_a_path_that_is_not_a_checkpoint(base, trained):
     job, ck = trained
     j = json.loads(open(job).read())
