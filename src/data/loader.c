@@ -346,6 +346,8 @@ static int check_config(const dl_config *c) {
         return QT_ERR(QT_EINVAL, "data-parallel rank %d of %d is out of range", c->rank, world);
     if (c->prefetch < 0 || c->num_workers < 0)
         return QT_ERR(QT_EINVAL, "data.prefetch and data.num_workers must not be negative");
+    if (c->prefetch > DL_PREFETCH_MAX)
+        return QT_ERR(QT_EINVAL, "data.prefetch is %d; it must be from 0 to %d", c->prefetch, DL_PREFETCH_MAX);
     if (c->n_paths <= 0 && !c->path) return QT_ERR(QT_EINVAL, "no data file given; set data.train");
     return QT_OK;
 }

@@ -37,6 +37,10 @@ typedef enum {
     DL_OVERLONG_SPLIT = 1,    /* cut into pieces of seq_len tokens overlapping by one, so no label is lost */
 } dl_overlong;
 
+/* Each slot holds a whole micro-batch (B x T ids, labels and masks); a deeper
+ * queue only costs memory, and a job-file value like 1e9 would size it. */
+#define DL_PREFETCH_MAX 1024
+
 typedef struct {
     const char *path;          /* one JSONL file, or: */
     const char *const *paths;  /* several, read in this order (n_paths > 0 wins over path) */
@@ -52,7 +56,7 @@ typedef struct {
     const char *cache_dir;     /* NULL: <folder of each data file>/.qtune-cache */
     int no_cache;              /* 1: tokenize in memory, write no cache */
     int num_workers;           /* prefetch threads; 0 = auto: 80% of the cores, at least 1 */
-    int prefetch;              /* batches filled ahead (queue depth); 0 = 4 */
+    int prefetch;              /* batches filled ahead (queue depth), 0..DL_PREFETCH_MAX; 0 = 4 */
     uint64_t seed;
     int rank, world;           /* data-parallel shard; world 0 = 1 */
     int skip_bad_lines;        /* skip and count malformed lines instead of stopping */

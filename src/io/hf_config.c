@@ -13,6 +13,7 @@
 #include "io/hf_config.h"
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/json_range.h"
 #include "core/log.h"
 #include "core/mem.h"
 
@@ -152,10 +153,16 @@ static int parse_dtype(const cJSON *root, const char *where, qt_dtype *out) {
 
 int qt_config_parse(const char *json, const char *where, qt_config *cfg) {
     memset(cfg, 0, sizeof *cfg);
-    cJSON *root = cJSON_Parse(json);
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithOpts(json, &end, 0);
     if (!root || !cJSON_IsObject(root)) {
         cJSON_Delete(root);
         return QT_ERR(QT_EFORMAT, "%s is not valid JSON (or not a JSON object); fix or re-download it", where);
+    }
+    int range_rc = qt_json_check_range(json, end ? (size_t)(end - json) : strlen(json), where);
+    if (range_rc != QT_OK) {
+        cJSON_Delete(root);
+        return range_rc;
     }
     qt_config c;
     memset(&c, 0, sizeof c);

@@ -3,6 +3,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/json_range.h"
 #include "core/mem.h"
 
 #include <cjson/cJSON.h>
@@ -11,6 +12,8 @@
 #include <string.h>
 
 #define PEFT_CONFIG_MAX_BYTES (1u << 20)
+
+int peft_alpha_ok(double alpha) { return alpha >= PEFT_ALPHA_MIN && alpha <= PEFT_ALPHA_MAX; }
 
 float peft_scaling(const peft_config *c) {
     return c->use_rslora ? c->lora_alpha / sqrtf((float)c->r) : c->lora_alpha / (float)c->r;
@@ -25,12 +28,19 @@ int peft_config_load(const char *dir, peft_config *c) {
     QT_TRY(qt_path_join(path, sizeof path, dir, "adapter_config.json"));
     char *text;
     QT_TRY(qt_read_file(path, PEFT_CONFIG_MAX_BYTES, &text, NULL));
-    cJSON *j = cJSON_Parse(text);
-    qt_free(text);
+    const char *end = NULL;
+    cJSON *j = cJSON_ParseWithOpts(text, &end, 0);
     int rc = QT_OK;
     if (!cJSON_IsObject(j)) {
         cJSON_Delete(j);
+        qt_free(text);
         return QT_ERR(QT_EFORMAT, "%s is not a JSON object; is it a PEFT adapter folder?", path);
+    }
+    rc = qt_json_check_range(text, end ? (size_t)(end - text) : strlen(text), path);
+    qt_free(text);
+    if (rc != QT_OK) {
+        cJSON_Delete(j);
+        return rc;
     }
     const cJSON *pt = cJSON_GetObjectItemCaseSensitive(j, "peft_type");
     const cJSON *r = cJSON_GetObjectItemCaseSensitive(j, "r");
@@ -48,6 +58,11 @@ int peft_config_load(const char *dir, peft_config *c) {
         rc = QT_ERR(QT_EFORMAT, "%s: \"r\" must be a whole number >= 1", path);
     else if (a && !cJSON_IsNull(a) && !cJSON_IsNumber(a))
         rc = QT_ERR(QT_EFORMAT, "%s: \"lora_alpha\" must be a number", path);
+    else if (cJSON_IsNumber(a) && !peft_alpha_ok(a->valuedouble))
+        rc = QT_ERR(QT_EFORMAT, "%s: \"lora_alpha\" is %g; it must be a number from %g to %g", path, a->valuedouble,
+                    PEFT_ALPHA_MIN, PEFT_ALPHA_MAX);
+    else if (d && !cJSON_IsNull(d) && !(cJSON_IsNumber(d) && d->valuedouble >= 0 && d->valuedouble < 1))
+        rc = QT_ERR(QT_EFORMAT, "%s: \"lora_dropout\" must be a number in [0, 1)", path);
     else if (bias && !cJSON_IsNull(bias) && !(cJSON_IsString(bias) && !strcmp(bias->valuestring, "none")))
         rc = QT_ERR(QT_EUNSUPPORTED, "%s: bias is \"%s\"; qtune handles adapters with bias \"none\" only", path,
                     cJSON_IsString(bias) ? bias->valuestring : "?");

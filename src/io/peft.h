@@ -31,6 +31,14 @@ typedef struct {
     char base_model[1024];                     /* base_model_name_or_path ("" when unknown) */
 } peft_config;
 
+/* The lora_alpha qtune accepts, in the job file and in adapter_config.json.
+ * PEFT checks nothing; here alpha / r must stay a finite, normal float in
+ * fp16 arithmetic too: NaN, infinity, 0, negatives and 1e300 (infinity once
+ * cast to float) are refused by name. */
+#define PEFT_ALPHA_MIN 1e-6
+#define PEFT_ALPHA_MAX 1e6
+int peft_alpha_ok(double alpha);
+
 /* scaling = lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora. */
 float peft_scaling(const peft_config *c);
 

@@ -4,9 +4,12 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/json_range.h"
 #include "core/log.h"
 #include "core/mem.h"
 #include "data/format.h"
+#include "data/loader.h"
+#include "io/peft.h"
 #include "model/model.h"
 
 #include <ctype.h>
@@ -86,6 +89,12 @@ static cJSON *set_value(const cJSON *old, const char *v, const char *set) {
     }
     /* null, array, object or a new key: JSON if it parses, otherwise a string */
     cJSON *j = cJSON_Parse(v);
+    char where[256];
+    snprintf(where, sizeof where, "--set %.200s", set);
+    if (j && qt_json_check_range(v, strlen(v), where) != QT_OK) {
+        cJSON_Delete(j);
+        return NULL;
+    }
     if (j) return j;
     return cJSON_CreateString(v);
 }
@@ -268,6 +277,9 @@ static int parse_data(const job_ctx *c, const cJSON *root, qt_job_data *d) {
     if (nw && cJSON_IsString(nw) && !strcmp(nw->valuestring, "auto")) d->num_workers = 0;
     else QT_TRY(get_int(c, s, "data", "num_workers", 0, 0, &d->num_workers));
     QT_TRY(get_int(c, s, "data", "prefetch", 4, 0, &d->prefetch));
+    if (d->prefetch > DL_PREFETCH_MAX)
+        return QT_ERR(QT_EINVAL, "%s: data.prefetch is %d; it must be a whole number from 0 to %d (0 = the default, 4)",
+                      c->where, d->prefetch, DL_PREFETCH_MAX);
     return QT_OK;
 }
 
@@ -282,6 +294,9 @@ static int parse_lora(const job_ctx *c, const cJSON *root, qt_job_lora *l) {
     QT_TRY(get_int(c, s, "lora", "r", 8, 1, &l->r));
     double a = 0, dr = 0;
     QT_TRY(get_num(c, s, "lora", "lora_alpha", 8, &a, NULL));
+    if (!peft_alpha_ok(a))
+        return QT_ERR(QT_EINVAL, "%s: lora.lora_alpha is %g; it must be a number from %g to %g", c->where, a,
+                      PEFT_ALPHA_MIN, PEFT_ALPHA_MAX);
     QT_TRY(get_num(c, s, "lora", "lora_dropout", 0, &dr, NULL));
     if (dr < 0 || dr >= 1) return QT_ERR(QT_EINVAL, "%s: lora.lora_dropout must be in [0, 1) (got %g)", c->where, dr);
     l->lora_alpha = (float)a;
@@ -389,7 +404,13 @@ static int load_deepspeed(const job_ctx *c, cJSON *root, char **ds_path) {
         qt_free(p);
         return rc;
     }
+    rc = qt_json_check_range(text, strlen(text), p);
     qt_free(text);
+    if (rc != QT_OK) {
+        cJSON_Delete(obj);
+        qt_free(p);
+        return rc;
+    }
     cJSON_ReplaceItemInObjectCaseSensitive(root, "deepspeed", obj);
     qt_free(*ds_path);
     *ds_path = p;
@@ -535,7 +556,8 @@ int qt_job_parse(const char *json, const char *dir, const char *where, const cha
         return QT_ERR(QT_EFORMAT, "%s: line %d is not valid JSON; the job file must be one JSON object", where, line);
     }
     job->root = root;
-    int rc = QT_OK;
+    int rc = qt_json_check_range(json, strlen(json), where);
+    if (rc != QT_OK) { qt_job_free(job); return rc; }
     for (int i = 0; i < n_sets && rc == QT_OK; i++) {
         /* an override inside the DeepSpeed config needs its file read first */
         if (!strncmp(sets[i], "deepspeed.", 10)) rc = load_deepspeed(&c, root, &job->deepspeed_path);

@@ -428,6 +428,13 @@ JOB_TYPE_CASES = [
     ("deepspeed.fp16", {"enabled": True, "initial_scale_power": 4000}, "initial_scale_power"),
     ("deepspeed.zero_optimization", {"stage": 3}, "stage"),
     ("deepspeed.zero_optimization", {"stage": "two"}, "stage"),
+    # lora_alpha must keep alpha / r a finite float (1e300 trained to NaN)
+    ("lora.lora_alpha", 1e300, "lora.lora_alpha"),
+    ("lora.lora_alpha", 0, "lora.lora_alpha"),
+    ("lora.lora_alpha", -8, "lora.lora_alpha"),
+    # the prefetch queue depth sizes an allocation: 0..1024
+    ("data.prefetch", 1025, "data.prefetch"),
+    ("data.prefetch", 1000000000, "0 to 1024"),
 ]
 
 
@@ -449,6 +456,37 @@ def test_job_file_wrong_types_and_values(base, i):
     write(base / name, json.dumps(job))
     expect_error(["train", base / name], name if not path.startswith("deepspeed.") else "deepspeed", must)
     assert not (base / ("out_bad_%d" % i) / "final").exists()
+
+
+# numbers a double cannot hold: cJSON read them as 0 or infinity without a
+# word (lr 1e-400 trained with lr 0). Written as raw text, since Python's json
+# cannot write them.
+RANGE_CASES = {
+    "lr_underflow": ('"deepspeed": {"optimizer": {"type": "AdamW", "params": {"lr": 1e-400}}}',
+                     "deepspeed.optimizer.params.lr is 1e-400"),
+    "lr_overflow": ('"deepspeed": {"optimizer": {"type": "AdamW", "params": {"lr": 1e400}}}',
+                    "deepspeed.optimizer.params.lr is 1e400"),
+    "clipping_underflow": ('"deepspeed": {"gradient_clipping": 1e-999}', "deepspeed.gradient_clipping"),
+    "beta_subnormal": ('"deepspeed": {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1e-310]}}}',
+                       "deepspeed.optimizer.params.betas[1]"),
+    "alpha_underflow": ('"lora": {"r": 2, "lora_alpha": 1e-400}', "lora.lora_alpha"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RANGE_CASES))
+def test_job_numbers_out_of_double_range(base, case):
+    text, must = RANGE_CASES[case]
+    name = "job_range_%s.json" % case
+    write(base / name, '{"model": "model", "output_dir": "out_range_%s", "data": {"train": "tokens.jsonl", '
+                       '"seq_len": 8}, "train": {"max_steps": 1}, %s}' % (case, text))
+    expect_error(["train", base / name], name, must)
+    assert not (base / ("out_range_" + case)).exists()
+    # the same in a DeepSpeed file names that file
+    if text.startswith('"deepspeed": '):
+        write(base / ("ds_range_%s.json" % case), text[len('"deepspeed": '):])
+        j = write_job(base / ("job_dsrange_%s.json" % case), "model", "out_dsrange", "tokens.jsonl",
+                      ds="ds_range_%s.json" % case)
+        expect_error(["train", j], "ds_range_%s.json" % case, must[len("deepspeed."):])
 
 
 RAW_JOB_CASES = {
@@ -511,6 +549,28 @@ def test_bad_adapter_folder(base):
     st.write(str(ad / "adapter_model.safetensors"),
              {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((2, 7), np.float32)})
     expect_error(eval_args(base / "model", base, "--adapter", ad), "lora_A")
+
+
+@pytest.mark.parametrize("alpha", ["1e400", "1e-400", "1e300", "0", "-4"])
+def test_adapter_lora_alpha_out_of_range(base, alpha):
+    """eval --adapter and merge refuse an adapter_config.json lora_alpha that is
+    not finite, rounds to 0 or infinity, or is not positive, by name."""
+    import numpy as np
+    import st
+    ad = base / ("adapter_alpha_%s" % alpha)
+    ad.mkdir(exist_ok=True)
+    write(ad / "adapter_config.json", '{"peft_type": "LORA", "r": 2, "lora_alpha": %s, "target_modules": ["q_proj"]}'
+          % alpha)
+    st.write(str(ad / "adapter_model.safetensors"),
+             {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((2, 64), np.float32),
+              "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": np.zeros((64, 2), np.float32),
+              "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight": np.zeros((2, 64), np.float32),
+              "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight": np.zeros((64, 2), np.float32)})
+    expect_error(eval_args(base / "model", base, "--adapter", ad), "adapter_config.json", "lora_alpha")
+    out = base / ("merged_alpha_%s" % alpha)
+    expect_error(["merge", "--model", base / "model", "--adapter", ad, "--out", out], "adapter_config.json",
+                 "lora_alpha")
+    assert not out.exists()
 
 
 @pytest.fixture(scope="module")

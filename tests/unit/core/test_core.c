@@ -15,6 +15,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/json_range.h"
 #include "core/mem.h"
 #include "core/rng.h"
 
@@ -169,6 +170,37 @@ static void test_rng_streams(void **state) {
     assert_true(fabs(sum / 10000 - 0.5) < 0.02);
 }
 
+/* cJSON reads 1e-400 as 0 and 1e400 as infinity without a word; the range
+ * check refuses both by key path, and leaves exact zeros and ordinary
+ * numbers (also inside strings and keys) alone. */
+static void check_range(const char *json, int want_ok, const char *must) {
+    int rc = qt_json_check_range(json, strlen(json), "cfg.json");
+    if (want_ok) {
+        assert_int_equal(rc, QT_OK);
+        return;
+    }
+    assert_int_equal(rc, QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "cfg.json"));
+    if (!strstr(qt_error_message(), must)) fail_msg("'%s' not in: %s", must, qt_error_message());
+}
+
+static void test_json_range(void **state) {
+    (void)state;
+    check_range("{\"a\": 0, \"b\": 0.0, \"c\": 0e-400, \"d\": -1.5e-300, \"e\": 1.7e308, \"f\": \"1e-400\"}", 1, NULL);
+    check_range("{\"1e999\": [1, 2, {\"x\": \"\\\"1e-999\"}]}", 1, NULL);
+    check_range("{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-400}}}", 0,
+                "optimizer.params.lr is 1e-400");
+    check_range("{\"optimizer\": {\"params\": {\"lr\": 1e-4, \"betas\": [0.9, 1e400]}}}", 0,
+                "optimizer.params.betas[1] is 1e400");
+    check_range("{\"a\": {\"b\": 1}, \"c\": -1e-320}", 0, "c is -1e-320");
+    check_range("{\"eps\": 1e-310}", 0, "eps is 1e-310");
+    check_range("[1, 2, 3e999]", 0, "[2] is 3e999");
+    check_range("-1e-400", 0, "top-level value");
+    assert_non_null(strstr(qt_error_message(), "read as -0"));
+    /* a key with an escaped quote does not derail the path */
+    check_range("{\"k\\\"x\": {\"lr\": 2e-999}}", 0, "lr is 2e-999");
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_bf16_round_trip),
@@ -177,6 +209,7 @@ int main(void) {
         cmocka_unit_test(test_atomic_abort_keeps_old),
         cmocka_unit_test(test_dir_replace),
         cmocka_unit_test(test_rng_streams),
+        cmocka_unit_test(test_json_range),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

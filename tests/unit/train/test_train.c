@@ -136,6 +136,79 @@ static void test_job_errors_name_the_field(void **state) {
     assert_non_null(strstr(qt_error_message(), "missing_ds.json"));
 }
 
+/* Numbers out of a double's range, lora_alpha out of its range and a huge
+ * data.prefetch are refused by name (file and key), wherever they are written. */
+#define JOB_HEAD "{\"model\": \"m\", \"output_dir\": \"o\", \"data\": {\"train\": \"t\"}, "
+static void expect_job_error(const char *json, const char *const *sets, int n_sets, const char *must1,
+                             const char *must2) {
+    qt_job j;
+    int rc = qt_job_parse(json, ".", "x.json", sets, n_sets, &j);
+    if (rc == QT_OK) {
+        qt_job_free(&j);
+        fail_msg("accepted: %s", json);
+    }
+    assert_int_equal(rc, QT_EINVAL);
+    if (!strstr(qt_error_message(), must1) || !strstr(qt_error_message(), must2))
+        fail_msg("'%s' and '%s' not both in: %s", must1, must2, qt_error_message());
+}
+
+static void test_job_numbers_in_range(void **state) {
+    (void)state;
+    expect_job_error(JOB_HEAD "\"deepspeed\": {\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-400}}}}",
+                     NULL, 0, "x.json", "deepspeed.optimizer.params.lr is 1e-400");
+    expect_job_error(JOB_HEAD "\"deepspeed\": {\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 1e400}}}}",
+                     NULL, 0, "x.json", "deepspeed.optimizer.params.lr is 1e400");
+    expect_job_error(JOB_HEAD "\"deepspeed\": {\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"eps\": 1e-320}}}}",
+                     NULL, 0, "x.json", "deepspeed.optimizer.params.eps");
+    expect_job_error(JOB_HEAD "\"lora\": {\"lora_alpha\": 1e-400}}", NULL, 0, "x.json", "lora.lora_alpha");
+    /* a key --set adds is read as JSON: its numbers are checked too */
+    const char *set[] = {"data.extra={\"v\": 1e-999}"};
+    expect_job_error(JOB_HEAD "\"train\": {}}", set, 1, "--set", "v is 1e-999");
+    /* in a DeepSpeed file, the error names that file */
+    char *d = tmpdir();
+    write_text(d, "ds.json", "{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-500}}}");
+    write_text(d, "job.json", JOB_HEAD "\"deepspeed\": \"ds.json\"}");
+    char p[4096];
+    qt_path_join(p, sizeof p, d, "job.json");
+    qt_job j;
+    assert_int_equal(qt_job_load(p, NULL, 0, &j), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "ds.json: optimizer.params.lr is 3e-500"));
+    qt_rm_rf(d);
+    free(d);
+    /* the smallest normal double and exact zeros are fine */
+    assert_int_equal(qt_job_parse(JOB_HEAD "\"deepspeed\": {\"optimizer\": {\"type\": \"AdamW\", \"params\": "
+                                  "{\"lr\": 2.3e-308, \"weight_decay\": 0e-400}}}}",
+                                  ".", "x.json", NULL, 0, &j),
+                     QT_OK);
+    qt_job_free(&j);
+}
+
+static void test_job_lora_alpha_and_prefetch_ranges(void **state) {
+    (void)state;
+    static const char *const bad_alpha[] = {"1e300", "1e7", "0", "-4", "1e-9"};
+    for (size_t i = 0; i < sizeof bad_alpha / sizeof bad_alpha[0]; i++) {
+        char json[512];
+        snprintf(json, sizeof json, JOB_HEAD "\"lora\": {\"r\": 4, \"lora_alpha\": %s}}", bad_alpha[i]);
+        expect_job_error(json, NULL, 0, "x.json", "lora.lora_alpha");
+    }
+    const char *set_alpha[] = {"lora.lora_alpha=1e300"};
+    expect_job_error(JOB_HEAD "\"lora\": {\"lora_alpha\": 8}}", set_alpha, 1, "x.json", "lora.lora_alpha");
+    qt_job j;
+    assert_int_equal(qt_job_parse(JOB_HEAD "\"lora\": {\"lora_alpha\": 1e6}}", ".", "x.json", NULL, 0, &j), QT_OK);
+    assert_true(j.lora.lora_alpha == 1e6f);
+    qt_job_free(&j);
+
+    expect_job_error(JOB_HEAD "\"train\": {}}", (const char *[]){"data.prefetch=1025"}, 1, "data.prefetch",
+                     "0 to 1024");
+    expect_job_error("{\"model\": \"m\", \"output_dir\": \"o\", \"data\": {\"train\": \"t\", \"prefetch\": 1000000000}}",
+                     NULL, 0, "x.json", "data.prefetch");
+    assert_int_equal(qt_job_parse("{\"model\": \"m\", \"output_dir\": \"o\", \"data\": {\"train\": \"t\", "
+                                  "\"prefetch\": 1024}}", ".", "x.json", NULL, 0, &j),
+                     QT_OK);
+    assert_int_equal(j.data.prefetch, 1024);
+    qt_job_free(&j);
+}
+
 static void test_job_reads_deepspeed_file(void **state) {
     (void)state;
     char *d = tmpdir();
@@ -227,6 +300,26 @@ static void test_peft_names_and_config(void **state) {
     assert_non_null(strstr(qt_error_message(), "use_dora"));
     write_text(d, "adapter_config.json", "{\"peft_type\": \"LORA\", \"r\": -4}");
     assert_int_equal(peft_config_load(d, &r), QT_EFORMAT);
+    /* lora_alpha must be finite and in range: inf (1e400), 0 (1e-400), 1e300
+     * (inf as a float), 0 and negatives are refused by name */
+    static const char *const bad_alpha[] = {"1e400", "1e-400", "1e300", "0", "-8", "1e-7"};
+    for (size_t i = 0; i < sizeof bad_alpha / sizeof bad_alpha[0]; i++) {
+        char text[256];
+        snprintf(text, sizeof text, "{\"peft_type\": \"LORA\", \"r\": 4, \"lora_alpha\": %s}", bad_alpha[i]);
+        write_text(d, "adapter_config.json", text);
+        assert_int_not_equal(peft_config_load(d, &r), QT_OK);
+        if (!strstr(qt_error_message(), "adapter_config.json") || !strstr(qt_error_message(), "lora_alpha"))
+            fail_msg("lora_alpha %s: %s", bad_alpha[i], qt_error_message());
+    }
+    write_text(d, "adapter_config.json", "{\"peft_type\": \"LORA\", \"r\": 4, \"lora_dropout\": 1e400}");
+    assert_int_not_equal(peft_config_load(d, &r), QT_OK);
+    assert_non_null(strstr(qt_error_message(), "lora_dropout"));
+    write_text(d, "adapter_config.json", "{\"peft_type\": \"LORA\", \"r\": 4, \"lora_dropout\": 2}");
+    assert_int_equal(peft_config_load(d, &r), QT_EFORMAT);
+    assert_non_null(strstr(qt_error_message(), "lora_dropout"));
+    write_text(d, "adapter_config.json", "{\"peft_type\": \"LORA\", \"r\": 4, \"lora_alpha\": 0.5}");
+    assert_int_equal(peft_config_load(d, &r), QT_OK);
+    assert_true(r.lora_alpha == 0.5f);
     qt_rm_rf(d);
     free(d);
 }
@@ -318,6 +411,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_job_defaults_and_paths), cmocka_unit_test(test_job_sets_are_typed),
         cmocka_unit_test(test_job_errors_name_the_field), cmocka_unit_test(test_job_reads_deepspeed_file),
+        cmocka_unit_test(test_job_numbers_in_range), cmocka_unit_test(test_job_lora_alpha_and_prefetch_ranges),
         cmocka_unit_test(test_checkpoint_folders), cmocka_unit_test(test_peft_names_and_config),
         cmocka_unit_test(test_loss_svg), cmocka_unit_test(test_public_api),
     };

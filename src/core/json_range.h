@@ -1,0 +1,20 @@
+/* Numbers in a JSON text that a double cannot hold. cJSON reads them with
+ * strtod and drops its ERANGE: 1e-400 becomes 0 and 1e400 becomes infinity
+ * without a word, so a config saying lr 1e-400 would train with lr 0. Every
+ * reader of a user's JSON config (job file, DeepSpeed file, --set values,
+ * adapter_config.json, config.json) runs this on the text cJSON accepted,
+ * before reading any field. */
+#ifndef QT_CORE_JSON_RANGE_H
+#define QT_CORE_JSON_RANGE_H
+
+#include <stddef.h>
+
+/* Checks every number in text[0, len) (JSON that cJSON parsed; text must be
+ * NUL-terminated at or after len). Returns QT_OK, or QT_EINVAL with one
+ * sentence naming `where` (the file), the key path ("optimizer.params.lr",
+ * "betas[1]"), the number as written and what it would have read as.
+ * Magnitudes below DBL_MIN (2.2e-308, subnormal or flushed to 0) and above
+ * DBL_MAX are refused; an exact zero (0, 0.0, 0e-400) is fine. */
+int qt_json_check_range(const char *text, size_t len, const char *where);
+
+#endif
