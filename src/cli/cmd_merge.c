@@ -1,11 +1,28 @@
 /* qtune merge --model DIR --adapter DIR --out DIR [--dtype f32|bf16|f16]:
- * fold a PEFT LoRA adapter into its base model (W += B @ A * scaling). */
+ * fold a PEFT LoRA adapter into its base model (W += B @ A * scaling).
+ * SIGINT/SIGTERM stop the write: the partial output is removed, --out is left
+ * as it was, and the exit status is 130, as for train. */
 #include "cli/cli.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "train/merge.h"
 
+#include <signal.h>
 #include <string.h>
+#include <unistd.h>
+
+static volatile sig_atomic_t merge_stop = 0;
+
+static void on_signal(int sig) {
+    (void)sig;
+    if (!merge_stop) {
+        /* write(2) is async-signal-safe; stdio is not */
+        static const char msg[] = "\nqtune: stop requested: removing the partial merge\n";
+        ssize_t w = write(2, msg, sizeof msg - 1);
+        (void)w;
+    }
+    merge_stop = 1;
+}
 
 static void help(void) {
     printf("usage: qtune merge --model DIR --adapter DIR --out DIR [--dtype f32|bf16|f16]\n\n"
@@ -16,7 +33,9 @@ static void help(void) {
            "  --model DIR    the base model folder the adapter was trained on\n"
            "  --adapter DIR  the adapter folder (e.g. a run's output_dir/final)\n"
            "  --out DIR      the merged model folder to write (not the model folder)\n"
-           "  --dtype T      store every tensor as T (default: as the base model stores it)\n");
+           "  --dtype T      store every tensor as T (default: as the base model stores it)\n\n"
+           "The files are staged first and moved into DIR when all are complete: an error\n"
+           "or Ctrl-C (exit status 130) leaves DIR as it was.\n");
 }
 
 int cmd_merge(int argc, char **argv) {
@@ -39,7 +58,19 @@ int cmd_merge(int argc, char **argv) {
         if (qt_dtype_parse(dtype, &d) != QT_OK) return cli_usage_error("merge", "--dtype must be f32, bf16 or f16");
         dt = (int)d;
     }
-    if (qt_merge_adapter(model, adapter, out, dt) != QT_OK) return cli_fail();
+    /* the library only polls the flag; the CLI owns the signal handlers */
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    int rc = qt_merge_adapter(model, adapter, out, dt, &merge_stop);
+    if (rc == QT_EINTERRUPTED) {
+        fprintf(stderr, "qtune: %s\n", qt_error_message());
+        return QT_EXIT_INTERRUPTED;
+    }
+    if (rc != QT_OK) return cli_fail();
     printf("merged %s into %s -> %s\n", adapter, model, out);
     return QT_EXIT_OK;
 }

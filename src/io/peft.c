@@ -141,6 +141,30 @@ int peft_config_write(const peft_config *c, const char *dir) {
     return rc;
 }
 
+static int ends_with_part(const char *name, const char *part) {
+    size_t n = strlen(name), k = strlen(part);
+    return n == k ? !strcmp(name, part) : n > k && name[n - k - 1] == '.' && !strcmp(name + n - k, part);
+}
+
+int peft_targets_module(const peft_config *c, const char *module) {
+    for (int i = 0; i < c->n_targets; i++) {
+        const char *t = c->target_modules[i];
+        if (!strcmp(t, "all-linear") ? !ends_with_part(module, "lm_head") : ends_with_part(module, t)) return 1;
+    }
+    return 0;
+}
+
+void peft_targets_str(const peft_config *c, char *out, size_t cap) {
+    size_t n = 0;
+    out[0] = 0;
+    for (int i = 0; i < c->n_targets && n < cap; i++) {
+        int w = snprintf(out + n, cap - n, "%s%s", i ? ", " : "", c->target_modules[i]);
+        if (w < 0) break;
+        n += (size_t)w;
+    }
+    if (!c->n_targets) snprintf(out, cap, "none");
+}
+
 int peft_open_weights(const char *dir, st_file **out) {
     char path[4096];
     QT_TRY(qt_path_join(path, sizeof path, dir, "adapter_model.safetensors"));

@@ -48,6 +48,13 @@ int peft_config_load(const char *dir, peft_config *c);
 /* Writes DIR/adapter_config.json (atomic). */
 int peft_config_write(const peft_config *c, const char *dir);
 
+/* Whether PEFT adapts the module named module ("model.layers.0.self_attn.q_proj"):
+ * its name is a target_modules entry or ends in "." + an entry, as PEFT
+ * matches a list; "all-linear" takes every module but lm_head. */
+int peft_targets_module(const peft_config *c, const char *module);
+/* target_modules as "q_proj, v_proj" ("none" when empty), for messages. */
+void peft_targets_str(const peft_config *c, char *out, size_t cap);
+
 /* Opens DIR/adapter_model.safetensors. */
 int peft_open_weights(const char *dir, st_file **out);
 

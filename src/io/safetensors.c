@@ -541,7 +541,10 @@ struct st_writer {
     int n, cap;
     char **meta; /* key, value pairs */
     int nmeta;
+    volatile sig_atomic_t *stop;
 };
+
+void st_writer_set_stop(st_writer *w, volatile sig_atomic_t *stop) { w->stop = stop; }
 
 int st_writer_new(st_writer **out) {
     *out = qt_calloc(1, sizeof **out, "a safetensors writer");
@@ -674,14 +677,22 @@ static int cmp_wentry(const void *a, const void *b) {
 
 /* Writes one tensor's bytes: converted (or produced) in chunks so neither a
  * converted copy nor a produced tensor is ever whole in memory. */
-static int write_tensor(qt_atomic_file *af, const st_wentry *e, float *f32, void *out, size_t chunk) {
+static int write_tensor(qt_atomic_file *af, const st_wentry *e, float *f32, void *out, size_t chunk,
+                        volatile sig_atomic_t *stop) {
     size_t es = qt_dtype_size(e->dtype);
     if (!e->fill && e->src_dtype == e->dtype) {
         if (e->numel && !e->data)
             return QT_ERR(QT_EINVAL, "safetensors writer: tensor '%s' has no data", e->name);
-        return qt_atomic_write(af, e->data, e->numel * es);
+        /* in slices, so a stop request is seen within a few MiB */
+        const size_t slice = (size_t)16 << 20, bytes = e->numel * es;
+        for (size_t off = 0; off < bytes; off += slice) {
+            if (stop && *stop) return QT_ERR(QT_EINTERRUPTED, "interrupted while writing tensor %s", e->name);
+            QT_TRY(qt_atomic_write(af, (const char *)e->data + off, bytes - off < slice ? bytes - off : slice));
+        }
+        return QT_OK;
     }
     for (size_t i = 0; i < e->numel; i += chunk) {
+        if (stop && *stop) return QT_ERR(QT_EINTERRUPTED, "interrupted while writing tensor %s", e->name);
         size_t n = e->numel - i < chunk ? e->numel - i : chunk;
         if (e->fill) {
             QT_TRY(e->fill(e->ctx, f32, i, n));
@@ -752,7 +763,7 @@ int st_writer_write(st_writer *w, const char *path) {
     if (rc == QT_OK) {
         rc = qt_atomic_write(&af, len8, 8);
         if (rc == QT_OK) rc = qt_atomic_write(&af, h.s, h.n);
-        for (int i = 0; i < w->n && rc == QT_OK; i++) rc = write_tensor(&af, &w->e[i], f32, half, chunk);
+        for (int i = 0; i < w->n && rc == QT_OK; i++) rc = write_tensor(&af, &w->e[i], f32, half, chunk, w->stop);
         if (rc == QT_OK) rc = qt_atomic_commit(&af);
         else qt_atomic_abort(&af);
     }

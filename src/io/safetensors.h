@@ -8,6 +8,7 @@
 #ifndef QT_IO_SAFETENSORS_H
 #define QT_IO_SAFETENSORS_H
 
+#include <signal.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -67,6 +68,10 @@ typedef int (*st_fill_fn)(void *ctx, float *dst, size_t offset, size_t n);
 int st_writer_add_fn(st_writer *w, const char *name, qt_dtype dtype, int ndim, const int64_t *shape,
                      st_fill_fn fill, void *ctx);
 int st_writer_set_metadata(st_writer *w, const char *key, const char *value);
+/* A flag (set by the CLI's SIGINT handler) st_writer_write polls between
+ * chunks of at most a few MiB: once set, the write stops, its temporary file
+ * is removed and it returns QT_EINTERRUPTED. NULL (the default): never. */
+void st_writer_set_stop(st_writer *w, volatile sig_atomic_t *stop);
 int st_writer_write(st_writer *w, const char *path); /* tensors sorted by name, atomic */
 void st_writer_free(st_writer *w);
 

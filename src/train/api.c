@@ -122,5 +122,5 @@ int qtune_merge(const char *model_dir, const char *adapter_dir, const char *out_
             return QT_ERR(QT_EINVAL, "qtune_merge: dtype '%s' is not f32, bf16 or f16", dtype);
         dt = (int)t;
     }
-    return qt_merge_adapter(model_dir, adapter_dir, out_dir, dt);
+    return qt_merge_adapter(model_dir, adapter_dir, out_dir, dt, NULL);
 }

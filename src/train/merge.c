@@ -1,4 +1,8 @@
-/* qt_merge_adapter: W' = W + (B @ A) * scaling, streamed tensor by tensor. */
+/* qt_merge_adapter: W' = W + (B @ A) * scaling, streamed tensor by tensor.
+ * The merged folder is written into a staging folder (OUT.tmp.PID beside a
+ * new OUT, OUT/.qtune-merge.tmp.PID inside an existing one) and its files are
+ * renamed into OUT only once all of them are complete, so an error or Ctrl-C
+ * leaves OUT exactly as it was. */
 #include "train/merge.h"
 
 #include "core/error.h"
@@ -10,8 +14,12 @@
 #include "io/safetensors.h"
 
 #include <cjson/cJSON.h>
+#include <dirent.h>
+#include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* One adapted weight: W (out, in), A (r, in), B (out, r). */
 typedef struct {
@@ -47,10 +55,13 @@ static int merge_fill(void *ctx, float *dst, size_t off, size_t n) {
     return QT_OK;
 }
 
+/* config.json: as it was, with its dtype keys set when the dtype changes.
+ * transformers up to 4.55 writes "torch_dtype", later ones "dtype" (and read
+ * either): each one present is set, and torch_dtype is added when neither is,
+ * so no loader finds the input model's dtype in the merged folder. */
 static int copy_side_files(const char *src, const char *dst, int out_dtype) {
     QT_TRY(qt_model_copy_side_files(src, dst));
     char s[4096], d[4096];
-    /* config.json: as it was, with torch_dtype set when the dtype changes */
     QT_TRY(qt_path_join(s, sizeof s, src, "config.json"));
     QT_TRY(qt_path_join(d, sizeof d, dst, "config.json"));
     if (out_dtype < 0) return qt_copy_file(s, d);
@@ -63,9 +74,14 @@ static int copy_side_files(const char *src, const char *dst, int out_dtype) {
         return QT_ERR(QT_EFORMAT, "%s is not a JSON object", s);
     }
     static const char *const names[] = {"float32", "float16", "bfloat16"};
-    cJSON *dt = cJSON_CreateString(names[out_dtype]);
-    if (cJSON_GetObjectItemCaseSensitive(j, "torch_dtype")) cJSON_ReplaceItemInObjectCaseSensitive(j, "torch_dtype", dt);
-    else cJSON_AddItemToObject(j, "torch_dtype", dt);
+    static const char *const keys[] = {"torch_dtype", "dtype"};
+    int set = 0;
+    for (int k = 0; k < 2; k++) {
+        if (!cJSON_GetObjectItemCaseSensitive(j, keys[k])) continue;
+        cJSON_ReplaceItemInObjectCaseSensitive(j, keys[k], cJSON_CreateString(names[out_dtype]));
+        set = 1;
+    }
+    if (!set) cJSON_AddItemToObject(j, "torch_dtype", cJSON_CreateString(names[out_dtype]));
     char *out = cJSON_Print(j);
     cJSON_Delete(j);
     if (!out) return QT_ERR(QT_ENOMEM, "out of memory writing %s", d);
@@ -74,74 +90,92 @@ static int copy_side_files(const char *src, const char *dst, int out_dtype) {
     return rc;
 }
 
-int qt_merge_adapter(const char *model_dir, const char *adapter_dir, const char *out_dir, int out_dtype) {
-    char rm[4096], ro[4096];
-    if (realpath(model_dir, rm) && realpath(out_dir, ro) && !strcmp(rm, ro))
-        return QT_ERR(QT_EINVAL, "--out %s is the model folder itself; name a new folder for the merged model", out_dir);
-    peft_config pc;
-    QT_TRY(peft_config_load(adapter_dir, &pc));
-    const float scaling = peft_scaling(&pc);
-    st_file *base = NULL, *ad = NULL;
-    QT_TRY(st_open(model_dir, &base));
-    int rc = peft_open_weights(adapter_dir, &ad);
-    if (rc != QT_OK) { st_close(base); return rc; }
+/* The model folder is checked before the adapter is read, so a wrong --model
+ * is reported as such and not as whatever the adapter check meets first. */
+static int open_model(const char *model_dir, st_file **base) {
+    char cfg[4096];
+    if (!qt_path_exists(model_dir))
+        return QT_ERR(QT_EIO, "--model %s does not exist; name the base model folder (config.json and "
+                              "model.safetensors) the adapter was trained on", model_dir);
+    if (!qt_is_dir(model_dir))
+        return QT_ERR(QT_EINVAL, "--model %s is not a folder; name the base model folder (config.json and "
+                                 "model.safetensors) the adapter was trained on", model_dir);
+    QT_TRY(qt_path_join(cfg, sizeof cfg, model_dir, "config.json"));
+    if (!qt_path_exists(cfg))
+        return QT_ERR(QT_EIO, "--model %s has no config.json; name the Hugging Face model folder the adapter was "
+                              "trained on", model_dir);
+    return st_open(model_dir, base);
+}
 
-    int na = st_count(ad), n_items = 0;
-    merge_item *items = qt_calloc((size_t)(na > 0 ? na : 1), sizeof *items, "merge list");
-    if (!items) rc = QT_ENOMEM;
-    /* pair each adapter A/B with its base weight, checking every shape */
-    for (int i = 0; i < na && rc == QT_OK; i++) {
+/* Pairs each adapter A/B with its base weight, checking every name against
+ * target_modules and every shape; reads A and B as f32. */
+static int pair_items(const char *model_dir, const char *adapter_dir, const peft_config *pc, st_file *base,
+                      st_file *ad, merge_item *items, int *n_items) {
+    const int na = st_count(ad);
+    for (int i = 0; i < na; i++) {
         const st_tensor *t = st_at(ad, i);
         char wname[512];
         int is_b;
-        if (!peft_base_name(t->name, wname, sizeof wname, &is_b)) {
-            rc = QT_ERR(QT_EUNSUPPORTED, "%s: tensor %s is not a LoRA A/B weight; qtune merges plain LoRA adapters",
-                        adapter_dir, t->name);
-            break;
+        if (!peft_base_name(t->name, wname, sizeof wname, &is_b))
+            return QT_ERR(QT_EUNSUPPORTED, "%s: tensor %s is not a LoRA A/B weight; qtune merges plain LoRA adapters",
+                          adapter_dir, t->name);
+        /* PEFT never loads a LoRA weight for a module outside target_modules:
+         * merging it would change the model where the adapter says it does not */
+        char module[512];
+        snprintf(module, sizeof module, "%.*s", (int)(strlen(wname) - strlen(".weight")), wname);
+        if (!peft_targets_module(pc, module)) {
+            char tm[PEFT_MAX_TARGETS * 34];
+            peft_targets_str(pc, tm, sizeof tm);
+            return QT_ERR(QT_EFORMAT,
+                          "%s/adapter_model.safetensors holds %s, but adapter_config.json's target_modules (%s) do "
+                          "not include %s; fix target_modules or remove that tensor",
+                          adapter_dir, t->name, tm, module);
         }
         const st_tensor *w = st_find(base, wname);
-        if (!w) {
-            rc = QT_ERR(QT_EINVAL, "%s: %s adapts %s, which %s does not have; is this the adapter's base model?",
-                        adapter_dir, t->name, wname, model_dir);
-            break;
-        }
+        if (!w)
+            return QT_ERR(QT_EINVAL, "%s: %s adapts %s, which %s does not have; is this the adapter's base model?",
+                          adapter_dir, t->name, wname, model_dir);
         int k = 0;
-        while (k < n_items && items[k].w != w) k++;
-        if (k == n_items) { items[k].w = w; n_items++; }
+        while (k < *n_items && items[k].w != w) k++;
+        if (k == *n_items) { items[k].w = w; (*n_items)++; }
         if (is_b) items[k].b = t;
         else items[k].a = t;
     }
-    for (int k = 0; k < n_items && rc == QT_OK; k++) {
+    for (int k = 0; k < *n_items; k++) {
         merge_item *m = &items[k];
         const st_tensor *w = m->w;
-        if (!m->a || !m->b) {
-            rc = QT_ERR(QT_EFORMAT, "%s: %s has a lora_%s but no lora_%s", adapter_dir, w->name, m->a ? "A" : "B",
-                        m->a ? "B" : "A");
-            break;
-        }
-        if (w->ndim != 2 || m->a->ndim != 2 || m->b->ndim != 2 || m->a->shape[0] != pc.r || m->b->shape[1] != pc.r ||
-            m->a->shape[1] != w->shape[1] || m->b->shape[0] != w->shape[0]) {
-            rc = QT_ERR(QT_EFORMAT,
-                        "%s: the LoRA of %s has A [%lld, %lld] and B [%lld, %lld], which do not fit the weight "
-                        "[%lld, %lld] with r = %d",
-                        adapter_dir, w->name, (long long)m->a->shape[0], (long long)m->a->shape[1],
-                        (long long)m->b->shape[0], (long long)m->b->shape[1], (long long)w->shape[0],
-                        (long long)(w->ndim > 1 ? w->shape[1] : 0), pc.r);
-            break;
-        }
-        m->r = pc.r;
-        m->scaling = scaling;
+        if (!m->a || !m->b)
+            return QT_ERR(QT_EFORMAT, "%s: %s has a lora_%s but no lora_%s", adapter_dir, w->name, m->a ? "A" : "B",
+                          m->a ? "B" : "A");
+        if (w->ndim != 2 || m->a->ndim != 2 || m->b->ndim != 2 || m->a->shape[0] != pc->r || m->b->shape[1] != pc->r ||
+            m->a->shape[1] != w->shape[1] || m->b->shape[0] != w->shape[0])
+            return QT_ERR(QT_EFORMAT,
+                          "%s: the LoRA of %s has A [%lld, %lld] and B [%lld, %lld], which do not fit the weight "
+                          "[%lld, %lld] with r = %d",
+                          adapter_dir, w->name, (long long)m->a->shape[0], (long long)m->a->shape[1],
+                          (long long)m->b->shape[0], (long long)m->b->shape[1], (long long)w->shape[0],
+                          (long long)(w->ndim > 1 ? w->shape[1] : 0), pc->r);
+        m->r = pc->r;
+        m->scaling = peft_scaling(pc);
         m->af = qt_malloc(m->a->numel * sizeof(float), "LoRA A");
         m->bf = qt_malloc(m->b->numel * sizeof(float), "LoRA B");
         m->tmp = qt_malloc((size_t)w->shape[1] * sizeof(float), "merge row");
-        if (!m->af || !m->bf || !m->tmp) { rc = QT_ENOMEM; break; }
-        rc = st_read_f32(m->a, m->af);
-        if (rc == QT_OK) rc = st_read_f32(m->b, m->bf);
+        if (!m->af || !m->bf || !m->tmp) return QT_ENOMEM;
+        QT_TRY(st_read_f32(m->a, m->af));
+        QT_TRY(st_read_f32(m->b, m->bf));
     }
+    return QT_OK;
+}
 
+/* Writes the whole merged folder into stage. */
+static int write_stage(const char *model_dir, const char *stage, st_file *base, merge_item *items, int n_items,
+                       int out_dtype, volatile sig_atomic_t *stop) {
     st_writer *wr = NULL;
-    if (rc == QT_OK) rc = qt_mkdir_p(out_dir);
-    if (rc == QT_OK) rc = st_writer_new(&wr);
+    qt_rm_rf(stage); /* a left-over of a killed merge that had this pid */
+    QT_TRY(qt_mkdir_p(stage));
+    QT_TRY(st_writer_new(&wr));
+    st_writer_set_stop(wr, stop);
+    int rc = QT_OK;
     for (int i = 0; rc == QT_OK && i < st_count(base); i++) {
         const st_tensor *t = st_at(base, i);
         qt_dtype dt = out_dtype < 0 ? t->dtype : (qt_dtype)out_dtype;
@@ -152,12 +186,86 @@ int qt_merge_adapter(const char *model_dir, const char *adapter_dir, const char 
     }
     char path[4096];
     if (rc == QT_OK) rc = st_writer_set_metadata(wr, "format", "pt");
-    if (rc == QT_OK) rc = qt_path_join(path, sizeof path, out_dir, "model.safetensors");
+    if (rc == QT_OK) rc = qt_path_join(path, sizeof path, stage, "model.safetensors");
     if (rc == QT_OK) rc = st_writer_write(wr, path);
-    if (rc == QT_OK) rc = copy_side_files(model_dir, out_dir, out_dtype);
-    if (rc == QT_OK) qt_info("merged %d LoRA weights (scaling %g) into %s", n_items, (double)scaling, out_dir);
     st_writer_free(wr);
-    for (int k = 0; k < n_items; k++) {
+    if (rc == QT_OK) rc = copy_side_files(model_dir, stage, out_dtype);
+    return rc;
+}
+
+/* Moves the complete staged folder into place: renamed as a whole when out
+ * does not exist yet, else file by file (each rename atomic), so files of out
+ * that merge does not write are kept; the emptied stage is removed. */
+static int commit_stage(const char *stage, const char *out) {
+    char parent[4096];
+    qt_path_dirname(parent, sizeof parent, out);
+    if (!qt_path_exists(out)) {
+        if (rename(stage, out) != 0) return QT_ERR(QT_EIO, "cannot rename %s to %s: %s", stage, out, strerror(errno));
+        return qt_fsync_dir(parent);
+    }
+    DIR *d = opendir(stage);
+    if (!d) return QT_ERR(QT_EIO, "cannot read %s: %s", stage, strerror(errno));
+    int rc = QT_OK;
+    for (struct dirent *e; rc == QT_OK && (e = readdir(d));) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        char from[4096], to[4096];
+        rc = qt_path_join(from, sizeof from, stage, e->d_name);
+        if (rc == QT_OK) rc = qt_path_join(to, sizeof to, out, e->d_name);
+        if (rc == QT_OK && rename(from, to) != 0)
+            rc = QT_ERR(QT_EIO, "cannot move %s into %s: %s", from, out, strerror(errno));
+    }
+    closedir(d);
+    if (rc == QT_OK) rc = qt_fsync_dir(out);
+    if (rc == QT_OK) rmdir(stage);
+    return rc;
+}
+
+int qt_merge_adapter(const char *model_dir, const char *adapter_dir, const char *out_dir, int out_dtype,
+                     volatile sig_atomic_t *stop) {
+    st_file *base = NULL, *ad = NULL;
+    QT_TRY(open_model(model_dir, &base));
+    char rm[4096], ro[4096], out[4096], stage[4200];
+    int rc = QT_OK;
+    if (realpath(model_dir, rm) && realpath(out_dir, ro) && !strcmp(rm, ro))
+        rc = QT_ERR(QT_EINVAL, "--out %s is the model folder itself; name a new folder for the merged model", out_dir);
+    else if (qt_path_exists(out_dir) && !qt_is_dir(out_dir))
+        rc = QT_ERR(QT_EINVAL, "--out %s exists and is not a folder; name a folder for the merged model", out_dir);
+    /* the staging folder is on out's filesystem, so the renames are atomic:
+     * inside an existing out (whose parent may not be writable), else beside
+     * it, to be renamed as a whole */
+    size_t n = strlen(out_dir);
+    while (n > 1 && out_dir[n - 1] == '/') n--;
+    if (rc == QT_OK && (n >= sizeof out || !n)) rc = QT_ERR(QT_EINVAL, "--out %.200s: path too long", out_dir);
+    if (rc == QT_OK) {
+        snprintf(out, sizeof out, "%.*s", (int)n, out_dir);
+        if (qt_is_dir(out)) snprintf(stage, sizeof stage, "%s/.qtune-merge.tmp.%ld", out, (long)getpid());
+        else snprintf(stage, sizeof stage, "%s.tmp.%ld", out, (long)getpid());
+    }
+    peft_config pc;
+    if (rc == QT_OK) rc = peft_config_load(adapter_dir, &pc);
+    if (rc == QT_OK) rc = peft_open_weights(adapter_dir, &ad);
+
+    int n_items = 0;
+    merge_item *items = NULL;
+    if (rc == QT_OK) {
+        items = qt_calloc((size_t)(st_count(ad) > 0 ? st_count(ad) : 1), sizeof *items, "merge list");
+        if (!items) rc = QT_ENOMEM;
+    }
+    if (rc == QT_OK) rc = pair_items(model_dir, adapter_dir, &pc, base, ad, items, &n_items);
+    int staged = 0;
+    if (rc == QT_OK) {
+        staged = 1;
+        rc = write_stage(model_dir, stage, base, items, n_items, out_dtype, stop);
+    }
+    /* a last look at the flag: once the renames start, a signal no longer undoes the merge */
+    if (rc == QT_OK && stop && *stop) rc = QT_EINTERRUPTED;
+    if (rc == QT_OK) rc = commit_stage(stage, out);
+    if (rc == QT_EINTERRUPTED)
+        QT_ERR(QT_EINTERRUPTED, "merge interrupted; the partial output was removed and %s was left as it was", out);
+    if (rc != QT_OK && staged) qt_rm_rf(stage);
+    if (rc == QT_OK)
+        qt_info("merged %d LoRA weights (scaling %g) into %s", n_items, (double)peft_scaling(&pc), out_dir);
+    for (int k = 0; items && k < n_items; k++) {
         qt_free(items[k].af);
         qt_free(items[k].bf);
         qt_free(items[k].tmp);

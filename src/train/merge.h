@@ -5,12 +5,19 @@
 #ifndef QT_TRAIN_MERGE_H
 #define QT_TRAIN_MERGE_H
 
+#include <signal.h>
+
 #include "core/dtype.h"
 
-/* model_dir: a model folder; adapter_dir: a PEFT adapter folder; out_dir: the
- * merged model folder (created; must differ from model_dir). out_dtype < 0
- * keeps each tensor's stored dtype; otherwise every tensor is cast to it and
- * config.json's torch_dtype says so. Tokenizer and generation files are copied. */
-int qt_merge_adapter(const char *model_dir, const char *adapter_dir, const char *out_dir, int out_dtype);
+/* model_dir: a model folder (checked first); adapter_dir: a PEFT adapter
+ * folder whose tensors must all lie in its target_modules; out_dir: the merged
+ * model folder (created; must differ from model_dir). out_dtype < 0 keeps each
+ * tensor's stored dtype; otherwise every tensor is cast to it and config.json's
+ * torch_dtype / dtype say so. Tokenizer and generation files are copied.
+ * Everything is written to a staging folder and moved into out_dir at the
+ * end: on an error, or QT_EINTERRUPTED once *stop is set (NULL: never), out_dir
+ * is left as it was and nothing else remains. */
+int qt_merge_adapter(const char *model_dir, const char *adapter_dir, const char *out_dir, int out_dtype,
+                     volatile sig_atomic_t *stop);
 
 #endif

@@ -2,11 +2,12 @@
 merge_and_unload; the merged model evaluates like base + adapter."""
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
 
-from trainutil import init_model, run, st, write_job, write_tokens
+from trainutil import QTUNE, init_model, run, st, write_job, write_tokens
 
 
 def eval_loss(*args):
@@ -85,3 +86,146 @@ def test_merge_errors(tmp_path):
     p = run("merge", "--model", model, "--adapter", ad, "--out", os.path.join(d, "m2"), check=False)
     assert p.returncode == 1 and "q_proj" in p.stderr
     assert not os.path.exists(os.path.join(d, "m2", "model.safetensors"))
+
+
+def tiny_adapter(d, tensors, target_modules, name="ad", alpha=8):
+    """An adapter folder holding the given {module: (A, B)} for the tiny model (hidden 64, r 4)."""
+    ad = os.path.join(d, name)
+    os.makedirs(ad, exist_ok=True)
+    rng = np.random.default_rng(0)
+    arrays = {}
+    for module, (n_out, n_in) in tensors.items():
+        arrays["base_model.model.%s.lora_A.weight" % module] = rng.standard_normal((4, n_in)).astype(np.float32)
+        arrays["base_model.model.%s.lora_B.weight" % module] = rng.standard_normal((n_out, 4)).astype(np.float32)
+    st.write(os.path.join(ad, "adapter_model.safetensors"), arrays)
+    json.dump({"peft_type": "LORA", "r": 4, "lora_alpha": alpha, "target_modules": target_modules},
+              open(os.path.join(ad, "adapter_config.json"), "w"))
+    return ad
+
+
+Q0 = "model.layers.0.self_attn.q_proj"
+V1 = "model.layers.1.self_attn.v_proj"
+
+
+def test_merge_refuses_tensors_outside_target_modules(tmp_path):
+    """A LoRA weight for a module target_modules does not name is refused by
+    name (PEFT would never load it), not merged or dropped; nothing is written."""
+    d = str(tmp_path)
+    model = init_model(os.path.join(d, "model"))
+    ad = tiny_adapter(d, {Q0: (64, 64), V1: (32, 64)}, ["q_proj"])
+    out = os.path.join(d, "m")
+    p = run("merge", "--model", model, "--adapter", ad, "--out", out, check=False)
+    assert p.returncode == 1, p.stderr
+    assert V1 + ".lora_A.weight" in p.stderr and "target_modules" in p.stderr and "q_proj" in p.stderr, p.stderr
+    assert not os.path.exists(out)
+    assert not [f for f in os.listdir(d) if ".tmp." in f]
+    # the same tensors with both modules named merge, and so does a suffix
+    # match on the full module path, as PEFT matches target_modules
+    for targets in (["q_proj", "v_proj"], [Q0, "v_proj"], "all-linear"):
+        ad2 = tiny_adapter(d, {Q0: (64, 64), V1: (32, 64)}, targets, name="ad2")
+        run("merge", "--model", model, "--adapter", ad2, "--out", out)
+        shutil.rmtree(out)
+    ad3 = tiny_adapter(d, {Q0: (64, 64)}, ["self_attn.q"], name="ad3")  # a partial name is no match
+    p = run("merge", "--model", model, "--adapter", ad3, "--out", out, check=False)
+    assert p.returncode == 1 and "target_modules (self_attn.q)" in p.stderr, p.stderr
+
+
+def test_merge_checks_the_model_folder_first(tmp_path):
+    """A wrong --model gets the model-folder sentence even when the adapter is
+    wrong too (it was reported as a missing adapter_config.json)."""
+    d = str(tmp_path)
+    model = init_model(os.path.join(d, "model"))
+    out = os.path.join(d, "m")
+    nope = os.path.join(d, "nope")
+    p = run("merge", "--model", os.path.join(d, "no-model"), "--adapter", nope, "--out", out, check=False)
+    assert p.returncode == 1 and "--model" in p.stderr and "no-model" in p.stderr and "does not exist" in p.stderr, \
+        p.stderr
+    assert "adapter_config" not in p.stderr
+    os.makedirs(os.path.join(d, "empty"))
+    p = run("merge", "--model", os.path.join(d, "empty"), "--adapter", nope, "--out", out, check=False)
+    assert p.returncode == 1 and "empty has no config.json" in p.stderr, p.stderr
+    os.makedirs(os.path.join(d, "cfg_only"))
+    shutil.copy(os.path.join(model, "config.json"), os.path.join(d, "cfg_only"))
+    p = run("merge", "--model", os.path.join(d, "cfg_only"), "--adapter", nope, "--out", out, check=False)
+    assert p.returncode == 1 and "model.safetensors" in p.stderr and "adapter_config" not in p.stderr, p.stderr
+    p = run("merge", "--model", os.path.join(model, "config.json"), "--adapter", nope, "--out", out, check=False)
+    assert p.returncode == 1 and "is not a folder" in p.stderr, p.stderr
+    assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize("keys", [("torch_dtype",), ("dtype",), ("torch_dtype", "dtype")])
+def test_merge_dtype_sets_every_dtype_key(tmp_path, keys):
+    """--dtype rewrites each dtype key config.json has: torch_dtype (transformers
+    <= 4.55) and dtype (later ones); the input model's value never survives."""
+    d = str(tmp_path)
+    model = init_model(os.path.join(d, "model"))
+    cfg_path = os.path.join(model, "config.json")
+    cfg = json.load(open(cfg_path))
+    del cfg["torch_dtype"]
+    for k in keys:
+        cfg[k] = "float32"
+    json.dump(cfg, open(cfg_path, "w"))
+    ad = tiny_adapter(d, {Q0: (64, 64)}, ["q_proj"])
+    for dt, name in (("bf16", "bfloat16"), ("f16", "float16")):
+        out = os.path.join(d, "m_" + dt)
+        run("merge", "--model", model, "--adapter", ad, "--out", out, "--dtype", dt)
+        got = json.load(open(os.path.join(out, "config.json")))
+        assert {k: got[k] for k in keys} == {k: name for k in keys}, got
+        assert "torch_dtype" in got or "dtype" in got
+        assert set(st.read_dtypes(os.path.join(out, "model.safetensors")).values()) == {dt.upper()}
+
+
+def big_model(d):
+    """A model large enough (310 MB) that merging it takes a good fraction of a second."""
+    cfg = json.load(open(os.path.join(init_model(os.path.join(d, "tiny")), "config.json")))
+    cfg.update(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+               num_key_value_heads=2, vocab_size=32768)
+    json.dump(cfg, open(os.path.join(d, "big.json"), "w"))
+    run("init", "--out", os.path.join(d, "big"), "--config", os.path.join(d, "big.json"), "--seed", 1)
+    return os.path.join(d, "big")
+
+
+@pytest.mark.parametrize("previous", [True, False])
+def test_merge_sigint_leaves_no_partial_output(tmp_path, previous):
+    """Ctrl-C during the write: exit 130 with a sentence, the partial output is
+    removed, and a previous merge in --out is byte for byte as it was (or no
+    --out appears at all)."""
+    import signal
+    import subprocess
+    import time
+    d = str(tmp_path)
+    model = big_model(d)
+    ad = tiny_adapter(d, {Q0: (1024, 1024)}, ["q_proj"])
+    out = os.path.join(d, "merged")
+    before = {}
+    if previous:
+        os.makedirs(out)
+        for name, data in (("model.safetensors", b"previous weights"), ("config.json", b"{}"), ("notes.txt", b"x")):
+            with open(os.path.join(out, name), "wb") as f:
+                f.write(data)
+        before = {n: open(os.path.join(out, n), "rb").read() for n in os.listdir(out)}
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    p = subprocess.Popen([QTUNE, "merge", "--model", model, "--adapter", ad, "--out", out, "--dtype", "bf16"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+    def writing():
+        # the merge has started writing: a staging folder beside --out, or
+        # (as qtune did before) a temporary file inside it
+        staged = [f for f in os.listdir(d) if f.startswith("merged.tmp.")]
+        inside = [f for f in os.listdir(out) if ".tmp." in f] if os.path.isdir(out) else []
+        return staged or inside
+
+    t0 = time.monotonic()
+    while not writing() and p.poll() is None and time.monotonic() - t0 < 60:
+        time.sleep(0.001)
+    assert p.poll() is None, "the merge finished before it could be interrupted"
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, (p.returncode, err)
+    assert "interrupted" in err and out in err, err
+    if previous:
+        assert {n: open(os.path.join(out, n), "rb").read() for n in os.listdir(out)} == before
+    else:
+        assert not os.path.exists(out)
+    assert sorted(os.listdir(d)) == sorted(["tiny", "big.json", "big", "ad"] + (["merged"] if previous else [])), \
+        os.listdir(d)
