@@ -331,8 +331,9 @@ static int parse_ids(const char *s, int32_t **ids, size_t *n) {
         while (isdigit((unsigned char)*p) && v <= INT32_MAX) v = v * 10 + (*p++ - '0');
         while (*p == ' ') p++;
         if (p == item || v > INT32_MAX || (*p && *p != ',')) {
+            const char *at = v > INT32_MAX ? item : p;
             rc = QT_ERR(QT_EINVAL, "--prompt-ids must be token ids (whole numbers from 0 to %d) separated by commas, "
-                        "not '%.64s' (wrong at character %zu)", INT32_MAX, s, (size_t)((v > INT32_MAX ? item : p) - s) + 1);
+                        "not '%.64s' (wrong at character %zu)", INT32_MAX, s, (size_t)(at - s) + 1);
             break;
         }
         if (*n == cap) {
@@ -356,14 +357,15 @@ static int parse_ids(const char *s, int32_t **ids, size_t *n) {
     return rc;
 }
 
-/* --seed: a whole number 0..UINT64_MAX, the type qt_rng_seed takes. strtoull
- * alone would accept "-1" (as UINT64_MAX) and clamp past the range. */
+/* --seed: a whole number 0..UINT64_MAX, the type qt_rng_seed takes (unsigned
+ * long long is 64 bits wherever qtune builds). strtoull alone would accept
+ * "-1" (as UINT64_MAX), leading spaces and "+", and clamp past the range. */
 static int parse_seed(const char *v, uint64_t *seed) {
     if (!isdigit((unsigned char)v[0])) return QT_EINVAL;
     errno = 0;
     char *end;
     unsigned long long x = strtoull(v, &end, 10);
-    if (*end || errno == ERANGE || x > UINT64_MAX) return QT_EINVAL;
+    if (*end || errno == ERANGE) return QT_EINVAL;
     *seed = (uint64_t)x;
     return QT_OK;
 }
@@ -455,10 +457,9 @@ int cmd_generate(int argc, char **argv) {
     /* The prompt: ids are checked here, before anything is read */
     int32_t *ids = NULL;
     size_t n_ids = 0;
-    if (prompt_ids && parse_ids(prompt_ids, &ids, &n_ids) != QT_OK) {
-        if (qt_error_code() == QT_ENOMEM) return cli_fail();
-        return cli_usage_error("generate", "%s", qt_error_message());
-    }
+    const int parsed = prompt_ids ? parse_ids(prompt_ids, &ids, &n_ids) : QT_OK;
+    if (parsed == QT_ENOMEM) return cli_fail();
+    if (parsed != QT_OK) return cli_usage_error("generate", "%s", qt_error_message());
     gen_state g;
     memset(&g, 0, sizeof g);
     qt_config cfg;
