@@ -25,9 +25,11 @@ int peft_config_load(const char *dir, peft_config *c) {
     QT_TRY(qt_path_join(path, sizeof path, dir, "adapter_config.json"));
     char *text;
     QT_TRY(qt_read_file(path, PEFT_CONFIG_MAX_BYTES, &text, NULL));
-    cJSON *j = cJSON_Parse(text);
+    cJSON *j = cJSON_ParseWithOpts(text, NULL, 1); /* 1: nothing but whitespace after the object */
     qt_free(text);
     int rc = QT_OK;
+    if (!j) return QT_ERR(QT_EFORMAT, "%s is not valid JSON (or has text after its object); fix it or save the adapter "
+                          "again", path);
     if (!cJSON_IsObject(j)) {
         cJSON_Delete(j);
         return QT_ERR(QT_EFORMAT, "%s is not a JSON object; is it a PEFT adapter folder?", path);

@@ -117,3 +117,53 @@ def test_nonfinite_loss_is_an_error(tmp_path, bad):
         assert "d.jsonl line 2" in err[0] and ("NaN" if bad == "nan" else "infinite") in err[0], err
         assert d in err[0] and "not a finite number" in err[0], err
         assert "loss" not in p.stdout and not pt.exists()
+
+
+def copy_model(model, dst):
+    import shutil
+    shutil.copytree(model, dst)
+    return str(dst)
+
+
+def append(path, tail):
+    with open(path, "ab") as f:
+        f.write(tail)
+
+
+def shard(d):
+    """The model folder as one shard listed by model.safetensors.index.json (no model.safetensors)."""
+    names = list(st.read(os.path.join(d, "model.safetensors")))
+    os.rename(os.path.join(d, "model.safetensors"), os.path.join(d, "model-00001-of-00001.safetensors"))
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": {n: "model-00001-of-00001.safetensors" for n in names}}, f)
+
+
+@pytest.mark.parametrize("which", ["config.json", "adapter_config.json", "tokenizer.json",
+                                   "model.safetensors.index.json"])
+def test_text_after_the_json_object_of_a_model_file_is_refused(model, tmp_path, which):
+    """The JSON files eval reads besides the data (the model's config.json, index and tokenizer.json,
+    the adapter's adapter_config.json) are refused, naming the file, when text follows the object:
+    Hugging Face's readers (json.load, serde_json) refuse them too. Whitespace after it is fine."""
+    d = copy_model(model, tmp_path / "m")
+    adapter = None
+    if which == "tokenizer.json":
+        import shutil
+        shutil.copy(os.path.join(SRC, "fuzz", "corpus", "tokenizer", "tiny.json"), os.path.join(d, which))
+    if which == "model.safetensors.index.json":
+        shard(d)
+    if which == "adapter_config.json":
+        sys.path.insert(0, os.path.dirname(__file__))
+        from test_generate import write_adapter
+        adapter = str(tmp_path / "adapter")
+        with open(os.path.join(d, "config.json")) as f:
+            write_adapter(adapter, json.load(f))
+    path = os.path.join(adapter or d, which)
+    data = write_lines(tmp_path / "ok.jsonl", b'{"input_ids": [1, 2, 3]}')
+    args = ["eval", "--model", d, "--data", data] + (["--adapter", adapter] if adapter else [])
+    append(path, b"\n \t\n")
+    want = result(qtune(*args, check=0))
+    append(path, b'{"x": 1}\n')
+    p = qtune(*args, check=1)
+    err = p.stderr.strip().splitlines()[-1]
+    assert which in err and "loss" not in p.stdout, err
+    assert want["tokens"] == 2
