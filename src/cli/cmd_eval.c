@@ -225,8 +225,12 @@ static int run_eval(const char *model_dir, const char *adapter, const char *data
         if (ntok == 0) {
             rc = QT_ERR(QT_EINVAL, "%s: no token carries a label, so there is no loss to report", data);
         } else {
-            double loss = total / (double)ntok;
-            printf("{\"loss\": %.9g, \"ppl\": %.9g, \"tokens\": %lld}\n", loss, exp(loss), (long long)ntok);
+            /* exp overflows a double past a loss of ~709.78 nats; JSON has no
+             * infinity (printf's "inf" would break the line), so ppl is null */
+            const double loss = total / (double)ntok, ppl = exp(loss);
+            char p[32] = "null";
+            if (isfinite(ppl)) snprintf(p, sizeof p, "%.9g", ppl);
+            printf("{\"loss\": %.9g, \"ppl\": %s, \"tokens\": %lld}\n", loss, p, (long long)ntok);
         }
     }
     qt_free(b.inputs), qt_free(b.targets), qt_free(b.positions), qt_free(b.doc_start), qt_free(logp);

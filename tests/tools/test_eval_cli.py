@@ -1,6 +1,8 @@
 """qtune eval's command line and input checks: a line with text after its JSON value is refused with
 the file and line; the default --seq-len is min(1024, max_position_embeddings); an unknown --format
-is a usage error (exit 2); a NaN or infinite loss is an error, never printed as a result.
+is a usage error (exit 2); a NaN or infinite loss is an error, never printed as a result; a
+perplexity past a double is null; the model's and adapter's JSON files are read as strictly as the
+data (nothing after the object).
 (Reference parity of the loss itself: tests/ref/test_ref_forward.py.)"""
 import importlib.util
 import json
@@ -117,6 +119,21 @@ def test_nonfinite_loss_is_an_error(tmp_path, bad):
         assert "d.jsonl line 2" in err[0] and ("NaN" if bad == "nan" else "infinite") in err[0], err
         assert d in err[0] and "not a finite number" in err[0], err
         assert "loss" not in p.stdout and not pt.exists()
+
+
+def test_perplexity_past_a_double_is_null(tmp_path):
+    """A finite loss above ~709.78 nats (here: the final norm scaled by 3000) is a result, but its
+    exp overflows: the result line stays JSON, with "ppl": null (printf wrote "inf")."""
+    d = make_model(tmp_path / "loud")
+    path = os.path.join(d, "model.safetensors")
+    w = {k: np.asarray(v, dtype=np.float32) for k, v in st.read(path).items()}
+    w["model.norm.weight"] *= 3000
+    st.write(path, w, "F32")
+    data = write_lines(tmp_path / "d.jsonl", b'{"input_ids": [1, 2, 3, 4]}')
+    p = qtune("eval", "--model", d, "--data", data, check=0)
+    last = p.stdout.strip().splitlines()[-1]
+    got = json.loads(last, parse_constant=lambda c: pytest.fail("not JSON: %s in %s" % (c, last)))
+    assert got["loss"] > 710 and np.isfinite(got["loss"]) and got["ppl"] is None and got["tokens"] == 3, got
 
 
 def copy_model(model, dst):
