@@ -62,6 +62,7 @@ typedef struct {
     int pos;            /* positions in the KV cache */
     int32_t *hist;      /* (ctx) the ids in the KV cache, in order */
     char *reply;        /* text of the last reply (qt_free), for the chat history */
+    const char *model_dir, *adapter; /* for messages */
 } gen_state;
 
 static int is_stop(const gen_state *g, int32_t id) {
@@ -112,6 +113,18 @@ static int check_prompt_fits(int used, int n, int ctx) {
                   "context of %d; raise --ctx or start a new chat", used, n, ctx);
 }
 
+/* NaN or inf weights make every logit NaN or inf, and sampling from them
+ * would print ids as if nothing were wrong (argmax of NaN is id 0). */
+static int check_logits(const gen_state *g) {
+    for (int i = 0; i < g->V; i++)
+        if (!isfinite(g->logits[i]))
+            return QT_ERR(QT_EINVAL, "the model in %s%s%s gives a non-finite logit (%s for id %d) at position %d; "
+                          "check its weights for NaN or inf values", g->model_dir,
+                          g->adapter ? " with the adapter in " : "", g->adapter ? g->adapter : "",
+                          isnan(g->logits[i]) ? "NaN" : "inf", i, g->pos - 1);
+    return QT_OK;
+}
+
 /* Feeds n prompt ids after the cached positions, then samples up to max_new
  * tokens, streaming them (or printing one JSON object). The sampled token is
  * fed back only while the sequence is shorter than ctx: the last token of a
@@ -129,6 +142,7 @@ static int generate_reply(gen_state *g, const int32_t *ids, int n) {
     const char *stop = "max_new";
     utf8_stream us = {{0}, 0};
     while (rc == QT_OK && n_out < g->max_new) {
+        if ((rc = check_logits(g)) != QT_OK) break;
         int32_t next = qt_sample(&g->sampler, g->logits, &g->so, &g->rng);
         if (is_stop(g, next)) {
             stop = "eos";
@@ -470,6 +484,8 @@ int cmd_generate(int argc, char **argv) {
         return status;
     }
     int rc = QT_OK;
+    g.model_dir = model;
+    g.adapter = adapter;
     g.max_new = max_new;
     g.json = json;
     g.so = so;

@@ -204,3 +204,20 @@ def test_ctx_boundary(tmp_path):
     # --ctx may not pass max_position_embeddings: a usage error naming both
     p = greedy(d, prompt, "--ctx", 17, check=2)
     assert "--ctx 17" in p.stderr and "max_position_embeddings" in p.stderr and "16" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_nonfinite_logits_are_an_error(tmp_path, bad):
+    """Weights holding NaN or inf make the logits non-finite; generate stops with one sentence naming
+    the model folder instead of printing ids sampled from them (argmax of NaN was id 0)."""
+    d = str(tmp_path / "m")
+    ref_helpers.make_model(d, "qwen2-gqa1-d64-tied-f32", seed=3)
+    path = os.path.join(d, "model.safetensors")
+    w = {k: np.asarray(v, dtype=np.float32) for k, v in st.read(path).items()}
+    w["model.norm.weight"][3] = float(bad)
+    st.write(path, w, "F32")
+    for extra in (["--temperature", "0", "--json"], ["--temperature", "1", "--top-p", "0.9"]):
+        p = qtune("generate", "--model", d, "--prompt-ids", "1,2,3", "--max-new", 4, *extra, check=1)
+        err = p.stderr.strip().splitlines()
+        assert len(err) == 1 and d in err[0] and "non-finite logit" in err[0], p.stderr
+        assert ("NaN" if bad == "nan" else "inf") in err[0] and p.stdout == "", p.stdout
