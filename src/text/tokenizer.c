@@ -466,6 +466,7 @@ int bpe_load(const char *path, bpe_tokenizer **out) {
         qt_free(buf);
         return QT_ERR(QT_EFORMAT, "%s is not valid JSON (near byte %zu); re-download the tokenizer", file, at);
     }
+    if (!end) end = buf + len; /* cJSON sets it on success; never compare a NULL */
     while (end < buf + len && isspace((unsigned char)*end)) end++;
     if (end < buf + len) {
         size_t at = (size_t)(end - buf);
