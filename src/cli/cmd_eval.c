@@ -32,7 +32,8 @@ static void eval_help(void) {
            "  --adapter DIR      PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors)\n"
            "  --data FILE        JSONL, one example a line\n"
            "  --format F         auto (default), text, messages, alpaca, tokens ({\"input_ids\", \"labels\"?})\n"
-           "  --seq-len T        tokens per example; longer examples are cut (default 1024)\n"
+           "  --seq-len T        tokens per example; longer examples are cut\n"
+           "                     (default min(1024, the model's max_position_embeddings))\n"
            "  --batch B          examples per forward pass (default 1)\n"
            "  --per-token OUT    write each example's per-token log-probabilities as JSONL\n"
            "The last line of standard output is {\"loss\": L, \"ppl\": P, \"tokens\": N}.\n");
@@ -40,7 +41,8 @@ static void eval_help(void) {
 
 typedef struct {
     dl_tokbuf tb;
-    size_t *start; /* (n + 1) offsets of each example in tb */
+    size_t *start;  /* (n + 1) offsets of each example in tb */
+    int64_t *line;  /* (n) the file line of each example, for messages */
     size_t n, cap;
 } eval_data;
 
@@ -67,9 +69,21 @@ static int read_data(const char *path, dl_format fmt, const bpe_tokenizer *tok, 
                         line);
             break;
         }
-        cJSON *obj = cJSON_Parse(s);
+        /* The whole line must be the one JSON value: cJSON_Parse alone would
+         * stop after the value and silently drop what follows it. */
+        const char *end = NULL;
+        cJSON *obj = cJSON_ParseWithLengthOpts(s, len, &end, 0);
         if (!obj) {
-            rc = QT_ERR(QT_EFORMAT, "%s line %lld is not valid JSON; fix or remove that line", path, line);
+            rc = QT_ERR(QT_EFORMAT, "%s line %lld is not valid JSON (near byte %zu); fix or remove that line", path,
+                        line, end && end >= s ? (size_t)(end - s) : (size_t)0);
+            break;
+        }
+        if (!end) end = s + len;
+        while (end < s + len && (*end == ' ' || *end == '\t' || *end == '\r')) end++;
+        if (end < s + len) {
+            rc = QT_ERR(QT_EFORMAT, "%s line %lld has text after its JSON value (at byte %zu); put exactly one JSON "
+                        "object on each line", path, line, (size_t)(end - s));
+            cJSON_Delete(obj);
             break;
         }
         dl_format f = fmt == DL_FORMAT_AUTO ? dl_format_detect(obj) : fmt;
@@ -83,13 +97,16 @@ static int read_data(const char *path, dl_format fmt, const bpe_tokenizer *tok, 
         if (d->n + 2 > d->cap) {
             size_t cap = d->cap ? 2 * d->cap : 256;
             size_t *ns = qt_realloc(d->start, cap * sizeof(size_t), "eval: example offsets");
-            if (!ns) {
+            if (ns) d->start = ns;
+            int64_t *nl = ns ? qt_realloc(d->line, cap * sizeof(int64_t), "eval: example lines") : NULL;
+            if (!nl) {
                 rc = QT_ENOMEM;
                 break;
             }
-            d->start = ns, d->cap = cap;
+            d->line = nl, d->cap = cap;
         }
         if (d->n == 0) d->start[0] = 0;
+        d->line[d->n] = line;
         d->start[++d->n] = d->tb.n;
     }
     dl_lines_close(&r);
@@ -109,17 +126,36 @@ static void write_per_token(FILE *f, size_t index, const eval_data *d, size_t ex
     fputs("]}\n", f);
 }
 
+/* The error for a batch whose loss is not a finite number, naming the line of
+ * the first example with a non-finite log-probability (logp: rows x Tb). */
+static int nonfinite_loss(const char *data, const char *model_dir, const char *adapter, const eval_data *d,
+                          size_t e0, int rows, int Tb, const float *logp, double loss_sum) {
+    int bad = -1;
+    for (int r = 0; r < rows && bad < 0; r++)
+        for (int t = 0; t < Tb && bad < 0; t++)
+            if (!isfinite(logp[(size_t)r * Tb + t])) bad = r;
+    if (bad < 0) bad = 0; /* none found in logp: name the batch's first example */
+    return QT_ERR(QT_EINVAL,
+                  "%s line %lld: the loss is %s, not a finite number: the model in %s%s%s gives non-finite "
+                  "log-probabilities there; check its weights for NaN or inf values",
+                  data, (long long)d->line[e0 + (size_t)bad], isnan(loss_sum) ? "NaN" : "infinite", model_dir,
+                  adapter ? " with the adapter in " : "", adapter ? adapter : "");
+}
+
+/* T == 0: min(1024, the model's max_position_embeddings), so a small model
+ * evaluates without a --seq-len. */
 static int run_eval(const char *model_dir, const char *adapter, const char *data, dl_format fmt, int T, int B,
                     const char *per_token) {
     int rc;
+    qt_config cfg;
+    QT_TRY(qt_config_load(model_dir, &cfg));
+    if (T == 0) T = cfg.max_position_embeddings < 1024 ? cfg.max_position_embeddings : 1024; /* config: >= 1 */
     qt_model_opts o;
     qt_model_opts_default(&o);
     o.infer = 1;
     o.max_B = B;
     o.max_T = T;
     if (adapter) QT_TRY(qt_lora_opts_from_adapter(adapter, &o));
-    qt_config cfg;
-    QT_TRY(qt_config_load(model_dir, &cfg));
 
     bpe_tokenizer *tok = NULL;
     char tpath[4096];
@@ -177,6 +213,7 @@ static int run_eval(const char *model_dir, const char *adapter, const char *data
         double ls;
         int64_t nt;
         rc = qt_model_forward(m, &b, &ls, &nt, logp);
+        if (rc == QT_OK && !isfinite(ls)) rc = nonfinite_loss(data, model_dir, adapter, &d, e0, rows, Tb, logp, ls);
         if (rc != QT_OK) break;
         total += ls, ntok += nt;
         if (pt)
@@ -188,14 +225,19 @@ static int run_eval(const char *model_dir, const char *adapter, const char *data
         if (ntok == 0) {
             rc = QT_ERR(QT_EINVAL, "%s: no token carries a label, so there is no loss to report", data);
         } else {
-            double loss = total / (double)ntok;
-            printf("{\"loss\": %.9g, \"ppl\": %.9g, \"tokens\": %lld}\n", loss, exp(loss), (long long)ntok);
+            /* exp overflows a double past a loss of ~709.78 nats; JSON has no
+             * infinity (printf's "inf" would break the line), so ppl is null */
+            const double loss = total / (double)ntok, ppl = exp(loss);
+            char p[32] = "null";
+            if (isfinite(ppl)) snprintf(p, sizeof p, "%.9g", ppl);
+            printf("{\"loss\": %.9g, \"ppl\": %s, \"tokens\": %lld}\n", loss, p, (long long)ntok);
         }
     }
     qt_free(b.inputs), qt_free(b.targets), qt_free(b.positions), qt_free(b.doc_start), qt_free(logp);
     qt_model_free(m);
     dl_tokbuf_free(&d.tb);
     qt_free(d.start);
+    qt_free(d.line);
     return rc;
 }
 
@@ -204,8 +246,9 @@ int cmd_eval(int argc, char **argv) {
         eval_help();
         return QT_EXIT_OK;
     }
-    const char *model = NULL, *adapter = NULL, *data = NULL, *per_token = NULL, *format = "auto";
-    int T = 1024, B = 1;
+    const char *model = NULL, *adapter = NULL, *data = NULL, *per_token = NULL;
+    dl_format fmt = DL_FORMAT_AUTO;
+    int T = 0, B = 1; /* T 0: the default, decided once the model's config is read */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (i + 1 >= argc) return cli_usage_error("eval", "%s needs a value", a);
@@ -214,7 +257,12 @@ int cmd_eval(int argc, char **argv) {
         if (!strcmp(a, "--model")) model = v;
         else if (!strcmp(a, "--adapter")) adapter = v;
         else if (!strcmp(a, "--data")) data = v;
-        else if (!strcmp(a, "--format")) format = v;
+        else if (!strcmp(a, "--format")) {
+            if (dl_format_parse(v, &fmt) != QT_OK) {
+                qt_error_clear();
+                return cli_usage_error("eval", "--format must be auto, text, messages, alpaca or tokens, not '%s'", v);
+            }
+        }
         else if (!strcmp(a, "--per-token")) per_token = v;
         else if (!strcmp(a, "--seq-len") || !strcmp(a, "--batch")) {
             long x = strtol(v, &end, 10);
@@ -226,8 +274,6 @@ int cmd_eval(int argc, char **argv) {
         }
     }
     if (!model || !data) return cli_usage_error("eval", "--model and --data are required");
-    dl_format fmt;
-    if (dl_format_parse(format, &fmt) != QT_OK) return cli_fail();
     if (run_eval(model, adapter, data, fmt, T, B, per_token) != QT_OK) return cli_fail();
     return QT_EXIT_OK;
 }

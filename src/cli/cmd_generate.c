@@ -19,7 +19,9 @@
 
 #include <cjson/cJSON.h>
 #include <ctype.h>
+#include <errno.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
@@ -39,8 +41,9 @@ static void generate_help(void) {
            "  --temperature t    0 is greedy (default 0.7)\n"
            "  --top-k k          keep the k most probable tokens (default 0: off)\n"
            "  --top-p p          keep the most probable tokens up to mass p (default 1: off)\n"
-           "  --seed s           sampling seed (default 42)\n"
-           "  --ctx N            context (KV cache) length (default min(max_position_embeddings, 4096))\n"
+           "  --seed s           sampling seed, 0 to 18446744073709551615 (default 42)\n"
+           "  --ctx N            context length: at most N tokens in all, prompt (and chat history) plus\n"
+           "                     reply; at most max_position_embeddings (default min(that, 4096))\n"
            "  --prompt-ids LIST  comma-separated token ids instead of --prompt (no tokenizer needed)\n"
            "  --json             print one JSON object per reply instead of streaming: prompt_ids, ids,\n"
            "                     text, stop, prefill_s, decode_s, decode_tokens_per_s\n");
@@ -59,6 +62,7 @@ typedef struct {
     int pos;            /* positions in the KV cache */
     int32_t *hist;      /* (ctx) the ids in the KV cache, in order */
     char *reply;        /* text of the last reply (qt_free), for the chat history */
+    const char *model_dir, *adapter; /* for messages */
 } gen_state;
 
 static int is_stop(const gen_state *g, int32_t id) {
@@ -96,13 +100,37 @@ static void json_ids(cJSON *o, const char *k, const int32_t *ids, int n) {
     for (int i = 0; a && i < n; i++) cJSON_AddItemToArray(a, cJSON_CreateNumber(ids[i]));
 }
 
-/* Feeds n prompt ids after the cached positions, then samples up to max_new
- * tokens, streaming them (or printing one JSON object). */
-static int generate_reply(gen_state *g, const int32_t *ids, int n) {
+/* The context rule: the sequence (what is in the KV cache, the prompt, the
+ * reply) holds at most ctx tokens, so the last one has position ctx - 1. A
+ * reply needs room for at least one new token after `used` + n. */
+static int check_prompt_fits(int used, int n, int ctx) {
     if (n < 1) return QT_ERR(QT_EINVAL, "the prompt is empty; give some text (or ids) to continue");
-    if (g->pos + n >= g->ctx)
-        return QT_ERR(QT_EINVAL, "the prompt (%d tokens) does not fit the context of %d (%d already used); raise --ctx",
-                      n, g->ctx, g->pos);
+    if (used + n < ctx) return QT_OK;
+    if (!used)
+        return QT_ERR(QT_EINVAL, "the prompt (%d tokens) leaves no room for a new token in the context of %d; "
+                      "raise --ctx above %d or shorten the prompt", n, ctx, n);
+    return QT_ERR(QT_EINVAL, "the chat so far (%d tokens) and this turn (%d) leave no room for a reply in the "
+                  "context of %d; raise --ctx or start a new chat", used, n, ctx);
+}
+
+/* NaN or inf weights make every logit NaN or inf, and sampling from them
+ * would print ids as if nothing were wrong (argmax of NaN is id 0). */
+static int check_logits(const gen_state *g) {
+    for (int i = 0; i < g->V; i++)
+        if (!isfinite(g->logits[i]))
+            return QT_ERR(QT_EINVAL, "the model in %s%s%s gives a non-finite logit (%s for id %d) at position %d; "
+                          "check its weights for NaN or inf values", g->model_dir,
+                          g->adapter ? " with the adapter in " : "", g->adapter ? g->adapter : "",
+                          isnan(g->logits[i]) ? "NaN" : "inf", i, g->pos - 1);
+    return QT_OK;
+}
+
+/* Feeds n prompt ids after the cached positions, then samples up to max_new
+ * tokens, streaming them (or printing one JSON object). The sampled token is
+ * fed back only while the sequence is shorter than ctx: the last token of a
+ * full context is printed but never needs a KV slot. */
+static int generate_reply(gen_state *g, const int32_t *ids, int n) {
+    QT_TRY(check_prompt_fits(g->pos, n, g->ctx));
     int32_t *out = qt_malloc((size_t)g->max_new * sizeof *out + 1, "generated ids");
     if (!out) return QT_ENOMEM;
     const double t0 = qt_now_s();
@@ -114,6 +142,7 @@ static int generate_reply(gen_state *g, const int32_t *ids, int n) {
     const char *stop = "max_new";
     utf8_stream us = {{0}, 0};
     while (rc == QT_OK && n_out < g->max_new) {
+        if ((rc = check_logits(g)) != QT_OK) break;
         int32_t next = qt_sample(&g->sampler, g->logits, &g->so, &g->rng);
         if (is_stop(g, next)) {
             stop = "eos";
@@ -124,7 +153,7 @@ static int generate_reply(gen_state *g, const int32_t *ids, int n) {
         else if (!g->json) printf("%d ", next), fflush(stdout);
         if (rc != QT_OK) break;
         if (n_out == g->max_new) break;
-        if (g->pos + 1 >= g->ctx) {
+        if (g->pos + 1 >= g->ctx) { /* the cached ids and `next` fill the context */
             stop = "context";
             break;
         }
@@ -300,27 +329,85 @@ static int chat_loop(gen_state *g, const char *system) {
     return rc;
 }
 
+/* --prompt-ids: whole numbers 0..INT32_MAX separated by commas (spaces
+ * around them allowed); an empty item, a sign or any other text is refused
+ * with the sentence the usage error prints. On failure *ids is NULL. */
 static int parse_ids(const char *s, int32_t **ids, size_t *n) {
     size_t cap = 16;
     *n = 0;
     *ids = qt_malloc(cap * sizeof **ids, "prompt ids");
     if (!*ids) return QT_ENOMEM;
-    for (const char *p = s; *p;) {
-        char *end;
-        long v = strtol(p, &end, 10);
-        if (end == p || v < 0 || v > INT32_MAX)
-            return QT_ERR(QT_EINVAL, "--prompt-ids: '%.32s' is not a comma-separated list of token ids", p);
+    int rc = QT_OK;
+    for (const char *p = s;;) {
+        while (*p == ' ') p++;
+        const char *item = p;
+        long long v = 0;
+        while (isdigit((unsigned char)*p) && v <= INT32_MAX) v = v * 10 + (*p++ - '0');
+        while (*p == ' ') p++;
+        if (p == item || v > INT32_MAX || (*p && *p != ',')) {
+            const char *at = v > INT32_MAX ? item : p;
+            rc = QT_ERR(QT_EINVAL, "--prompt-ids must be token ids (whole numbers from 0 to %d) separated by commas, "
+                        "not '%.64s' (wrong at character %zu)", INT32_MAX, s, (size_t)(at - s) + 1);
+            break;
+        }
         if (*n == cap) {
             int32_t *q = qt_realloc(*ids, cap * 2 * sizeof **ids, "prompt ids");
-            if (!q) return QT_ENOMEM;
+            if (!q) {
+                rc = QT_ENOMEM;
+                break;
+            }
             *ids = q;
             cap *= 2;
         }
         (*ids)[(*n)++] = (int32_t)v;
-        p = end;
-        while (*p == ',' || *p == ' ') p++;
+        if (!*p) break;
+        p++; /* the comma: an item must follow */
     }
+    if (rc != QT_OK) {
+        qt_free(*ids);
+        *ids = NULL;
+        *n = 0;
+    }
+    return rc;
+}
+
+/* --seed: a whole number 0..UINT64_MAX, the type qt_rng_seed takes (unsigned
+ * long long is 64 bits wherever qtune builds). strtoull alone would accept
+ * "-1" (as UINT64_MAX), leading spaces and "+", and clamp past the range. */
+static int parse_seed(const char *v, uint64_t *seed) {
+    if (!isdigit((unsigned char)v[0])) return QT_EINVAL;
+    errno = 0;
+    char *end;
+    unsigned long long x = strtoull(v, &end, 10);
+    if (*end || errno == ERANGE) return QT_EINVAL;
+    *seed = (uint64_t)x;
     return QT_OK;
+}
+
+/* What the small files decide, before the model is loaded: the tokenizer, the
+ * config, the context length and the prompt's ids (*ids already holds
+ * --prompt-ids, else `prompt` is encoded; chat: neither). Returns an exit
+ * status, the error printed, or QT_EXIT_OK. */
+static int prepare(gen_state *g, qt_config *cfg, const char *model, int ctx, const char *prompt, int32_t **ids,
+                   size_t *n) {
+    if (bpe_load(model, &g->tok) != QT_OK) {
+        if (!*ids) return cli_fail();
+        g->tok = NULL; /* ids in, ids out */
+        qt_error_clear();
+    }
+    if (qt_config_load(model, cfg) != QT_OK) return cli_fail();
+    const int max_pos = cfg->max_position_embeddings; /* >= 1 (hf_config.c) */
+    if (ctx > max_pos)
+        return cli_usage_error("generate", "--ctx %d is more than the model's max_position_embeddings (%d in "
+                               "%s/config.json); give --ctx %d or less", ctx, max_pos, model, max_pos);
+    g->ctx = ctx ? ctx : max_pos < 4096 ? max_pos : 4096;
+    for (size_t i = 0; *ids && i < *n; i++)
+        if ((*ids)[i] >= cfg->vocab_size)
+            return cli_usage_error("generate", "--prompt-ids holds %d, outside the model's vocabulary of %d "
+                                   "(vocab_size in %s/config.json)", (*ids)[i], cfg->vocab_size, model);
+    if (prompt && encode(g->tok, prompt, ids, n) != QT_OK) return cli_fail();
+    if ((prompt || *ids) && check_prompt_fits(0, (int)*n, g->ctx) != QT_OK) return cli_fail();
+    return QT_EXIT_OK;
 }
 
 int cmd_generate(int argc, char **argv) {
@@ -331,7 +418,7 @@ int cmd_generate(int argc, char **argv) {
     const char *model = NULL, *adapter = NULL, *prompt = NULL, *prompt_ids = NULL;
     const char *system = NULL; /* the template's default system message */
     int chat = 0, json = 0, max_new = 256, ctx = 0;
-    long long seed = 42;
+    uint64_t seed = 42;
     qt_sample_opts so = {0.7f, 0, 1.0f};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -371,8 +458,9 @@ int cmd_generate(int argc, char **argv) {
             so.top_k = (int)x;
         } else if (!strcmp(a, "--seed")) {
             NEED_VALUE();
-            seed = strtoll(v, &end, 10);
-            if (*end || end == v || seed < 0) return cli_usage_error("generate", "--seed must be a whole number >= 0, not '%s'", v);
+            if (parse_seed(v, &seed) != QT_OK)
+                return cli_usage_error("generate", "--seed must be a whole number from 0 to %llu, not '%s'",
+                                       (unsigned long long)UINT64_MAX, v);
         } else return cli_usage_error("generate", "unknown option '%s'", a);
 #undef NEED_VALUE
     }
@@ -380,25 +468,28 @@ int cmd_generate(int argc, char **argv) {
     if ((prompt != NULL) + (prompt_ids != NULL) + chat != 1)
         return cli_usage_error("generate", "give exactly one of --prompt TEXT, --prompt-ids LIST or --chat");
     if (qt_sample_opts_check(&so) != QT_OK) return cli_usage_error("generate", "%s", qt_error_message());
-
+    /* The prompt: ids are checked here, before anything is read */
+    int32_t *ids = NULL;
+    size_t n_ids = 0;
+    const int parsed = prompt_ids ? parse_ids(prompt_ids, &ids, &n_ids) : QT_OK;
+    if (parsed == QT_ENOMEM) return cli_fail();
+    if (parsed != QT_OK) return cli_usage_error("generate", "%s", qt_error_message());
     gen_state g;
     memset(&g, 0, sizeof g);
+    qt_config cfg;
+    const int status = prepare(&g, &cfg, model, ctx, prompt, &ids, &n_ids);
+    if (status != QT_EXIT_OK) {
+        qt_free(ids);
+        bpe_free(g.tok);
+        return status;
+    }
+    int rc = QT_OK;
+    g.model_dir = model;
+    g.adapter = adapter;
     g.max_new = max_new;
     g.json = json;
     g.so = so;
-    qt_rng_seed(&g.rng, (uint64_t)seed);
-    int rc = QT_OK;
-    if (bpe_load(model, &g.tok) != QT_OK) {
-        if (!prompt_ids) return cli_fail();
-        g.tok = NULL; /* ids in, ids out */
-        qt_error_clear();
-    }
-    qt_config cfg;
-    if (qt_config_load(model, &cfg) != QT_OK) {
-        bpe_free(g.tok);
-        return cli_fail();
-    }
-    g.ctx = ctx ? ctx : (cfg.max_position_embeddings > 0 && cfg.max_position_embeddings < 4096 ? cfg.max_position_embeddings : 4096);
+    qt_rng_seed(&g.rng, seed);
     qt_model_opts mo;
     qt_model_opts_default(&mo);
     mo.infer = 1;
@@ -434,13 +525,10 @@ int cmd_generate(int argc, char **argv) {
                 rc = chat_loop(&g, system);
             }
         } else {
-            int32_t *ids = NULL;
-            size_t n = 0;
-            rc = prompt_ids ? parse_ids(prompt_ids, &ids, &n) : encode(g.tok, prompt, &ids, &n);
-            if (rc == QT_OK) rc = generate_reply(&g, ids, (int)n);
-            qt_free(ids);
+            rc = generate_reply(&g, ids, (int)n_ids);
         }
     }
+    qt_free(ids);
     qt_sampler_free(&g.sampler);
     qt_free(g.logits);
     qt_free(g.hist);

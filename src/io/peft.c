@@ -29,8 +29,13 @@ int peft_config_load(const char *dir, peft_config *c) {
     char *text;
     QT_TRY(qt_read_file(path, PEFT_CONFIG_MAX_BYTES, &text, NULL));
     const char *end = NULL;
-    cJSON *j = cJSON_ParseWithOpts(text, &end, 0);
+    cJSON *j = cJSON_ParseWithOpts(text, &end, 1); /* 1: nothing but whitespace after the object */
     int rc = QT_OK;
+    if (!j) {
+        qt_free(text);
+        return QT_ERR(QT_EFORMAT, "%s is not valid JSON (or has text after its object); fix it or save the adapter "
+                      "again", path);
+    }
     if (!cJSON_IsObject(j)) {
         cJSON_Delete(j);
         qt_free(text);

@@ -343,7 +343,7 @@ static int open_index(st_file *f, const char *index_path) {
     qt_path_dirname(dir, sizeof dir, index_path);
     char *text;
     QT_TRY(qt_read_file(index_path, ST_MAX_INDEX_BYTES, &text, NULL));
-    cJSON *root = cJSON_Parse(text);
+    cJSON *root = cJSON_ParseWithOpts(text, NULL, 1); /* 1: nothing but whitespace after the object */
     qt_free(text);
     if (!root || !cJSON_IsObject(root)) {
         cJSON_Delete(root);

@@ -13,6 +13,7 @@
 #include "core/mem.h"
 
 #include <cjson/cJSON.h>
+#include <ctype.h>
 #include <stdlib.h>
 #ifdef __GLIBC__
 #include <malloc.h>
@@ -464,6 +465,15 @@ int bpe_load(const char *path, bpe_tokenizer **out) {
         size_t at = end && end >= buf ? (size_t)(end - buf) : 0;
         qt_free(buf);
         return QT_ERR(QT_EFORMAT, "%s is not valid JSON (near byte %zu); re-download the tokenizer", file, at);
+    }
+    if (!end) end = buf + len; /* cJSON sets it on success; never compare a NULL */
+    while (end < buf + len && isspace((unsigned char)*end)) end++;
+    if (end < buf + len) {
+        size_t at = (size_t)(end - buf);
+        cJSON_Delete(c.root);
+        qt_free(buf);
+        return QT_ERR(QT_EFORMAT, "%s has text after its JSON object (at byte %zu); re-download the tokenizer", file,
+                      at);
     }
     bpe_tokenizer *t = qt_calloc(1, sizeof *t, "tokenizer");
     int rc = t ? QT_OK : QT_ENOMEM;

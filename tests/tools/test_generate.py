@@ -124,3 +124,100 @@ def test_bad_options(tmp_path):
     assert p.returncode == 2 and "--prompt" in p.stderr
     p = qtune("generate", "--model", d, "--prompt", "hi")  # no tokenizer.json in a reference folder
     assert p.returncode == 1 and "tokenizer" in p.stderr
+
+
+def greedy(model, prompt, *extra, check=0):
+    p = qtune("generate", "--model", model, "--prompt-ids", ",".join(map(str, prompt)), "--temperature", "0",
+              "--json", *extra, check=check)
+    return json.loads(p.stdout.strip().splitlines()[-1]) if check == 0 else p
+
+
+def test_seed_range(tmp_path):
+    """--seed takes every uint64 (qt_rng_seed's type) and nothing else: a negative, a value past
+    2^64 - 1, a non-number or trailing text is a usage error, never a clamped or wrapped seed."""
+    d = str(tmp_path / "m")
+    ref_helpers.make_model(d, "qwen2-gqa1-d64-tied-f32", seed=3)
+    base = ["generate", "--model", d, "--prompt-ids", "1,2,3", "--max-new", 16, "--json", "--temperature", "1.5"]
+    for bad in ("-1", "-0", "18446744073709551616", "99999999999999999999", "abc", "5x", "", " 5", "+5", "1e3"):
+        p = qtune(*base, "--seed", bad, check=2)
+        assert "--seed" in p.stderr and "18446744073709551615" in p.stderr and p.stdout == "", (bad, p.stderr)
+    # the top of the range: distinct seeds, distinct samples (strtoll clamped all three to 2^63 - 1)
+    ids = {s: json.loads(qtune(*base, "--seed", s, check=0).stdout)["ids"]
+           for s in ("9223372036854775807", "9223372036854775808", "18446744073709551615", "0")}
+    assert len({tuple(v) for v in ids.values()}) == 4, ids
+
+
+@pytest.mark.parametrize("ids", ["1,x", "", ",", "1,,2", "1,2,", ",1", "-1", "+1", "1 2", "1;2", "0x10",
+                                 "2147483648", "99999999999999999999"])
+def test_prompt_ids_checked_before_the_model_is_read(tmp_path, ids):
+    """A malformed --prompt-ids is a usage error found before anything is read: the model folder
+    given does not even exist, and the message is about the list, not the folder."""
+    p = qtune("generate", "--model", str(tmp_path / "no-such-model"), "--prompt-ids", ids, check=2)
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and "--prompt-ids" in err[0] and "no-such-model" not in err[0], p.stderr
+
+
+def test_prompt_ids_against_the_vocabulary(tmp_path):
+    d = str(tmp_path / "m")
+    cfg = ref_helpers.make_model(d, "qwen2-gqa1-d64-tied-f32", seed=3)
+    V = cfg["vocab_size"]
+    p = greedy(d, [1, V, 2], check=2)
+    assert "--prompt-ids" in p.stderr and str(V) in p.stderr and "vocab_size" in p.stderr
+    # spaces around the commas are fine, and the last id of the vocabulary is one
+    out = greedy(d, [" 1 ", " %d" % (V - 1)], "--max-new", 2)
+    assert out["prompt_ids"] == [1, V - 1] and len(out["ids"]) == 2
+
+
+def test_ctx_boundary(tmp_path):
+    """--ctx N: the prompt and the reply together hold at most N tokens, and exactly N when neither
+    an end token nor --max-new stops it first; the last one is the true greedy token at position
+    N - 1 (the reference's), and --ctx past max_position_embeddings is refused."""
+    d = str(tmp_path / "m")
+    cfg = ref_helpers.make_model(d, "qwen2-gqa1-d64-tied-f32", seed=3)
+    cfg["max_position_embeddings"] = 16
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    prompt = [5, 17, 42]
+    # default --ctx = max_position_embeddings here: 16 - 3 new tokens, the last at position 15
+    out = greedy(d, prompt, "--max-new", 100)
+    assert out["stop"] == "context" and len(prompt) + len(out["ids"]) == 16, out
+    want, gaps = ref_greedy(Qwen2Ref(d), prompt, 13)
+    assert_same_greedy(out["ids"], want, gaps)
+    assert greedy(d, prompt, "--ctx", 16, "--max-new", 100)["ids"] == out["ids"]
+    # a smaller --ctx cuts the same sequence at exactly N tokens
+    for ctx in (2, 4, 8, 15):
+        o = greedy(d, prompt[:min(3, ctx - 1)], "--ctx", ctx, "--max-new", 100)
+        assert o["stop"] == "context" and len(o["prompt_ids"]) + len(o["ids"]) == ctx, (ctx, o)
+    o = greedy(d, prompt, "--ctx", 8, "--max-new", 100)
+    assert o["ids"] == out["ids"][:5]
+    # --max-new reaching the same length stops first; one more and the context does
+    assert greedy(d, prompt, "--ctx", 8, "--max-new", 5)["stop"] == "max_new"
+    o = greedy(d, prompt, "--ctx", 8, "--max-new", 6)
+    assert o["stop"] == "context" and len(o["ids"]) == 5
+    # a prompt of N - 1 tokens gets exactly one; a prompt of N leaves no room
+    o = greedy(d, list(range(1, 8)), "--ctx", 8, "--max-new", 100)
+    assert o["stop"] == "context" and len(o["ids"]) == 1
+    p = greedy(d, list(range(1, 9)), "--ctx", 8, check=1)
+    assert "no room" in p.stderr and "--ctx" in p.stderr and "8 tokens" in p.stderr, p.stderr
+    p = greedy(d, list(range(1, 17)), check=1)  # the default context, max_position_embeddings 16
+    assert "no room" in p.stderr, p.stderr
+    # --ctx may not pass max_position_embeddings: a usage error naming both
+    p = greedy(d, prompt, "--ctx", 17, check=2)
+    assert "--ctx 17" in p.stderr and "max_position_embeddings" in p.stderr and "16" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_nonfinite_logits_are_an_error(tmp_path, bad):
+    """Weights holding NaN or inf make the logits non-finite; generate stops with one sentence naming
+    the model folder instead of printing ids sampled from them (argmax of NaN was id 0)."""
+    d = str(tmp_path / "m")
+    ref_helpers.make_model(d, "qwen2-gqa1-d64-tied-f32", seed=3)
+    path = os.path.join(d, "model.safetensors")
+    w = {k: np.asarray(v, dtype=np.float32) for k, v in st.read(path).items()}
+    w["model.norm.weight"][3] = float(bad)
+    st.write(path, w, "F32")
+    for extra in (["--temperature", "0", "--json"], ["--temperature", "1", "--top-p", "0.9"]):
+        p = qtune("generate", "--model", d, "--prompt-ids", "1,2,3", "--max-new", 4, *extra, check=1)
+        err = p.stderr.strip().splitlines()
+        assert len(err) == 1 and d in err[0] and "non-finite logit" in err[0], p.stderr
+        assert ("NaN" if bad == "nan" else "inf") in err[0] and p.stdout == "", p.stdout
