@@ -218,6 +218,9 @@ size_t qt_model_carve_grads(const qt_config *c, const qt_model_opts *o, float *b
     size_t maxin = C > I ? C : I;
     if (HD > maxin) maxin = HD;
     s.lx = (o->lora && o->lora_dropout > 0) ? carve(base, &off, N * maxin) : NULL;
+    /* bf16 with every layer's inputs saved in 2 bytes: a linear's output gradient as bf16, the A operand
+     * of the backward's bf16 GEMMs where the CPU has them (qwen2.c linear_backward); the widest is I */
+    s.dout16 = o->compute == QT_BF16 && !o->grad_checkpointing ? carve16(base, &off, N * maxin) : NULL;
     if (g) *g = s;
     return off;
 }

@@ -75,6 +75,7 @@ typedef struct {
     float *dg, *du, *dh; /* (N, I) */
     float *dlora; /* (N, R) */
     float *lx;    /* (N, max in) dropout(x) and its gradient (LoRA with dropout) */
+    uint16_t *dout16; /* (N, max out) bf16 training without checkpointing: a linear's dout as bf16 */
 } qt_grad_scratch;
 
 /* Sizes (in floats) and carving of the activation blocks. base NULL: size only. */

@@ -14,7 +14,7 @@ static int env_emulate(void) {
     return e && !strcmp(e, "1");
 }
 
-int qt_precision_bf16_emulated(void) { return !op_cpu_has_bf16(); }
+int qt_precision_bf16_emulated(void) { return !op_cpu_has_bf16() || env_emulate(); }
 
 int qt_precision_check(qt_dtype compute) {
     if (compute != QT_BF16 || op_cpu_has_bf16()) return QT_OK;

@@ -20,7 +20,9 @@
  * tests on machines without it). */
 int qt_precision_check(qt_dtype compute);
 
-/* 1 when bf16 runs emulated (storage bf16, arithmetic fp32) on this CPU. */
+/* 1 when bf16 runs emulated (storage bf16, arithmetic fp32): the CPU has no
+ * AVX512_BF16, or QTUNE_BF16_EMULATE=1 asks for it on one that has (the
+ * tests compare the two paths there). */
 int qt_precision_bf16_emulated(void);
 
 #endif

@@ -100,11 +100,34 @@ static void linear_forward(qt_model *m, int l, int j, float *out, const float *i
     op_matmul_forward(out, lora_h, q->lb, QT_F32, NULL, N, R, q->out, 1.0f, 1, NULL);         /* y += B hs */
 }
 
-/* dinp may be NULL when nothing below needs it (LoRA, layer 0). */
+/* The base weight's backward. With native bf16 the products run on oneDNN's
+ * bf16 GEMM: dout as bf16 (keep() left it bf16, so exact), dinp += dout W
+ * against the bf16 weight, and in full fine-tuning dW += dout^T inp16
+ * against the saved bf16 input, both accumulated in fp32; each product that
+ * oneDNN refuses runs on fp32 sgemm instead, and the bias gradient always
+ * does. Else all of it on fp32 sgemm (op_matmul_backward). */
+static void base_backward(qt_model *m, const qt_linear *q, float *dinp, const float *dout, const float *inp,
+                          const uint16_t *inp16, int N) {
+    uint16_t *d16 = m->gs.dout16;
+    if (!(m->native_bf16 && q->w.dt == QT_BF16 && d16 && (inp16 || !q->dw))) {
+        op_matmul_backward(dinp, q->dw, q->db, dout, inp, q->w.p, q->w.dt, N, q->in, q->out, 1.0f, m->ws);
+        return;
+    }
+    op_convert(d16, QT_BF16, dout, QT_F32, (size_t)N * q->out);
+    if (dinp && op_dnnl_bf16_gemm(dinp, d16, 0, q->w.p, 0, NULL, N, q->in, q->out, 1.0f, 1) != QT_OK)
+        op_matmul_backward(dinp, NULL, NULL, dout, inp, q->w.p, q->w.dt, N, q->in, q->out, 1.0f, m->ws);
+    int dw_native = q->dw && op_dnnl_bf16_gemm(q->dw, d16, 1, inp16, 0, NULL, q->out, q->in, N, 1.0f, 1) == QT_OK;
+    if ((q->dw && !dw_native) || q->db)
+        op_matmul_backward(NULL, dw_native ? NULL : q->dw, q->db, dout, inp, q->w.p, q->w.dt, N, q->in, q->out, 1.0f,
+                           m->ws);
+}
+
+/* dinp may be NULL when nothing below needs it (LoRA, layer 0); inp16: inp's
+ * saved 2-byte slot or NULL. */
 static void linear_backward(qt_model *m, int l, int j, float *dinp, const float *dout, const float *inp,
-                            const float *lora_h, int N, int dropout) {
+                            const uint16_t *inp16, const float *lora_h, int N, int dropout) {
     const qt_linear *q = &m->layers[l].lin[j];
-    op_matmul_backward(dinp, q->dw, q->db, dout, inp, q->w.p, q->w.dt, N, q->in, q->out, 1.0f, m->ws);
+    base_backward(m, q, dinp, dout, inp, inp16, N);
     if (!q->la) return;
     int R = m->opts.lora_r;
     float s = m->lora_scaling, *dhs = m->gs.dlora;
@@ -188,9 +211,11 @@ static void layer_backward(qt_model *m, int l, const qt_batch *b, int N, const f
     int C = c->hidden_size, I = c->intermediate_size, H = c->num_attention_heads, KV = c->num_key_value_heads,
         D = c->head_dim;
     size_t NC = (size_t)N * C, NI = (size_t)N * I, NQ = (size_t)N * H * D, NK = (size_t)N * KV * D;
+    /* 2-byte storage without checkpointing: the saved inputs, for the weight gradients' bf16 GEMMs */
+    const qt_acts16 no_slots = {0}, *s = m->acts.layer16 ? &m->acts.layer16[l] : &no_slots;
 
     memset(g->dh, 0, sizeof(float) * NI);
-    linear_backward(m, l, LIN_DOWN, g->dh, g->dres, a->h, a->lora_h[LIN_DOWN], N, dropout);
+    linear_backward(m, l, LIN_DOWN, g->dh, g->dres, a->h, s->h, a->lora_h[LIN_DOWN], N, dropout);
     keep(m, g->dh, NI);
     memset(g->dg, 0, sizeof(float) * NI);
     memset(g->du, 0, sizeof(float) * NI);
@@ -198,14 +223,14 @@ static void layer_backward(qt_model *m, int l, const qt_batch *b, int N, const f
     keep(m, g->dg, NI);
     keep(m, g->du, NI);
     memset(g->dln, 0, sizeof(float) * NC);
-    linear_backward(m, l, LIN_GATE, g->dln, g->dg, a->ln2, a->lora_h[LIN_GATE], N, dropout);
-    linear_backward(m, l, LIN_UP, g->dln, g->du, a->ln2, a->lora_h[LIN_UP], N, dropout);
+    linear_backward(m, l, LIN_GATE, g->dln, g->dg, a->ln2, s->ln2, a->lora_h[LIN_GATE], N, dropout);
+    linear_backward(m, l, LIN_UP, g->dln, g->du, a->ln2, s->ln2, a->lora_h[LIN_UP], N, dropout);
     keep(m, g->dln, NC);
     op_rmsnorm_backward(g->dres, L->dln2, g->dln, a->xmid, L->ln2, a->rstd2, N, C); /* dres: d xmid */
     keep(m, g->dres, NC);
 
     memset(g->datt, 0, sizeof(float) * NQ);
-    linear_backward(m, l, LIN_O, g->datt, g->dres, a->att, a->lora_h[LIN_O], N, dropout);
+    linear_backward(m, l, LIN_O, g->datt, g->dres, a->att, s->att, a->lora_h[LIN_O], N, dropout);
     keep(m, g->datt, NQ);
     memset(g->dq, 0, sizeof(float) * NQ);
     memset(g->dk, 0, sizeof(float) * NK);
@@ -219,9 +244,9 @@ static void layer_backward(qt_model *m, int l, const qt_batch *b, int N, const f
     keep(m, g->dv, NK);
     float *dln = need_dx ? g->dln : NULL;
     if (dln) memset(dln, 0, sizeof(float) * NC);
-    linear_backward(m, l, LIN_Q, dln, g->dq, a->ln1, a->lora_h[LIN_Q], N, dropout);
-    linear_backward(m, l, LIN_K, dln, g->dk, a->ln1, a->lora_h[LIN_K], N, dropout);
-    linear_backward(m, l, LIN_V, dln, g->dv, a->ln1, a->lora_h[LIN_V], N, dropout);
+    linear_backward(m, l, LIN_Q, dln, g->dq, a->ln1, s->ln1, a->lora_h[LIN_Q], N, dropout);
+    linear_backward(m, l, LIN_K, dln, g->dk, a->ln1, s->ln1, a->lora_h[LIN_K], N, dropout);
+    linear_backward(m, l, LIN_V, dln, g->dv, a->ln1, s->ln1, a->lora_h[LIN_V], N, dropout);
     if (!need_dx) return;
     keep(m, g->dln, NC);
     op_rmsnorm_backward(g->dres, L->dln1, g->dln, x, L->ln1, a->rstd1, N, C);

@@ -319,9 +319,10 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
         if (!m->kcache) return QT_ENOMEM;
         m->vcache = m->kcache + m->mem.kv_cache / 8;
     }
-    /* bf16 with native hardware: the forward's matmuls on oneDNN's bf16 GEMM, reading the saved 2-byte
-     * inputs (unverified on real AVX512_BF16 hardware, docs/precision.md); probed only where it can run */
-    m->native_bf16 = m->acts.layer16 && m->opts.compute == QT_BF16 && op_cpu_has_bf16() && op_dnnl_bf16_available();
+    /* bf16 with native hardware (and no QTUNE_BF16_EMULATE=1): the layers' matmuls on oneDNN's bf16 GEMM,
+     * reading the saved 2-byte inputs (docs/precision.md); probed only where it can run */
+    m->native_bf16 = m->acts.layer16 && m->opts.compute == QT_BF16 && !qt_precision_bf16_emulated() &&
+                     op_dnnl_bf16_available();
     if (m->native_bf16) qt_debug("model %s: bf16 forward matmuls on oneDNN", dir);
     m->pos_buf = qt_malloc(sizeof(int32_t) * (size_t)opts->max_B * (size_t)opts->max_T, "model: positions");
     if (!m->pos_buf) return QT_ENOMEM;

@@ -1,10 +1,12 @@
 /* bf16 GEMM through oneDNN (see op_dnnl_bf16.h). oneDNN 2.x's C API has no
  * bf16 gemm call (only dnnl_sgemm and int8), so this is the matmul
- * primitive: src (M, K) = inp (N, IN) row-major, weights (K, N) = W^T, which
- * is W (OUT, IN) row-major read with the "ba" tag (no transpose copy), dst
- * (M, N) fp32. The engine, stream and primitive are made per call and freed
- * after it, and oneDNN's own primitive cache makes the repeated creation of
- * the same shape cheap.
+ * primitive: src (M, K), weights (K, N), dst (M, N) fp32. A transposed
+ * operand is the caller's row-major buffer read with the "ba" tag (no
+ * transpose copy): the forward's W^T is W (OUT, IN) read that way, the
+ * weight gradient's dout^T is dout (N, OUT). Accumulation into dst (beta 1)
+ * is a "sum" post-op. The engine, stream and primitive are made per call and
+ * freed after it, and oneDNN's own primitive cache makes the repeated
+ * creation of the same shape cheap.
  *
  * The library is opened with dlopen on first use, not linked: a run that
  * never asks for a bf16 GEMM (every run on a CPU without AVX512_BF16) does
@@ -33,7 +35,8 @@
     X(memory_desc_init_by_tag) X(matmul_desc_init) X(primitive_attr_create) X(primitive_attr_destroy)                 \
     X(primitive_attr_set_output_scales) X(primitive_desc_create) X(primitive_desc_destroy) X(primitive_desc_query)    \
     X(primitive_desc_query_md) X(primitive_create) X(primitive_destroy) X(memory_create) X(memory_destroy)            \
-    X(primitive_execute)
+    X(primitive_execute) X(post_ops_create) X(post_ops_append_sum) X(post_ops_destroy)                    \
+    X(primitive_attr_set_post_ops)
 
 static struct {
 #define DECL(f) __typeof__(dnnl_##f) *f;
@@ -42,6 +45,7 @@ static struct {
     int ok;
 } dn;
 static pthread_once_t dn_once = PTHREAD_ONCE_INIT;
+static long dn_runs; /* GEMMs run, for op_dnnl_bf16_runs (atomic adds) */
 
 static void dn_open(void) {
     void *h = dlopen("libdnnl.so.2", RTLD_NOW | RTLD_LOCAL);
@@ -63,6 +67,7 @@ typedef struct {
     dnnl_engine_t eng;
     dnnl_stream_t stream;
     dnnl_primitive_attr_t attr;
+    dnnl_post_ops_t post;
     dnnl_primitive_desc_t pd;
     dnnl_primitive_t prim;
     dnnl_memory_t src, wei, bias, dst;
@@ -76,19 +81,21 @@ static void call_free(dnnl_call *c) {
     if (c->prim) dn.primitive_destroy(c->prim);
     if (c->pd) dn.primitive_desc_destroy(c->pd);
     if (c->attr) dn.primitive_attr_destroy(c->attr);
+    if (c->post) dn.post_ops_destroy(c->post);
     if (c->stream) dn.stream_destroy(c->stream);
     if (c->eng) dn.engine_destroy(c->eng);
 }
 
-/* The primitive descriptor for (N, IN, OUT); dnnl_unimplemented (and so a
- * refusal) where the CPU has no bf16 kernel, and a refusal too when oneDNN
- * would fall back to its reference kernel ("ref:..."), far slower than sgemm. */
-static int call_init(dnnl_call *c, int N, int IN, int OUT, int has_bias, float alpha) {
+/* The primitive descriptor for dst (M, N) = alpha * op(A) (M, K) @ op(B) (K, N)
+ * [+ bias (N)] [+ dst]; dnnl_unimplemented (and so a refusal) where the CPU has
+ * no bf16 kernel, and a refusal too when oneDNN would fall back to its
+ * reference kernel ("ref:..."), far slower than sgemm. */
+static int call_init(dnnl_call *c, int M, int N, int K, int ta, int tb, int has_bias, float alpha, int acc) {
     dnnl_memory_desc_t src_md, wei_md, bias_md, dst_md;
-    dnnl_dims_t sd = {N, IN}, wd = {IN, OUT}, bd = {1, OUT}, dd = {N, OUT};
+    dnnl_dims_t sd = {M, K}, wd = {K, N}, bd = {1, N}, dd = {M, N};
     if (dn.engine_create(&c->eng, dnnl_cpu, 0) != dnnl_success) return QT_EUNSUPPORTED;
-    if (dn.memory_desc_init_by_tag(&src_md, 2, sd, dnnl_bf16, dnnl_ab) != dnnl_success ||
-        dn.memory_desc_init_by_tag(&wei_md, 2, wd, dnnl_bf16, dnnl_ba) != dnnl_success ||
+    if (dn.memory_desc_init_by_tag(&src_md, 2, sd, dnnl_bf16, ta ? dnnl_ba : dnnl_ab) != dnnl_success ||
+        dn.memory_desc_init_by_tag(&wei_md, 2, wd, dnnl_bf16, tb ? dnnl_ba : dnnl_ab) != dnnl_success ||
         dn.memory_desc_init_by_tag(&bias_md, 2, bd, dnnl_f32, dnnl_ab) != dnnl_success ||
         dn.memory_desc_init_by_tag(&dst_md, 2, dd, dnnl_f32, dnnl_ab) != dnnl_success)
         return QT_EUNSUPPORTED;
@@ -97,6 +104,9 @@ static int call_init(dnnl_call *c, int N, int IN, int OUT, int has_bias, float a
         return QT_EUNSUPPORTED;
     if (dn.primitive_attr_create(&c->attr) != dnnl_success) return QT_EUNSUPPORTED;
     if (alpha != 1.0f && dn.primitive_attr_set_output_scales(c->attr, 1, 0, &alpha) != dnnl_success)
+        return QT_EUNSUPPORTED;
+    if (acc && (dn.post_ops_create(&c->post) != dnnl_success || dn.post_ops_append_sum(c->post, 1.0f) != dnnl_success ||
+                dn.primitive_attr_set_post_ops(c->attr, c->post) != dnnl_success))
         return QT_EUNSUPPORTED;
     if (dn.primitive_desc_create(&c->pd, &desc, c->attr, c->eng, NULL) != dnnl_success) return QT_EUNSUPPORTED;
     const char *impl = NULL;
@@ -110,17 +120,17 @@ int op_dnnl_bf16_available(void) {
     if (!dn_ready()) return 0;
     dnnl_call c;
     memset(&c, 0, sizeof c);
-    int ok = call_init(&c, 16, 64, 32, 1, 1.0f) == QT_OK;
+    int ok = call_init(&c, 16, 32, 64, 0, 1, 1, 1.0f, 0) == QT_OK;
     call_free(&c);
     return ok;
 }
 
-int op_dnnl_bf16_matmul(float *out, const uint16_t *inp, const uint16_t *w, const float *bias, int N, int IN,
-                        int OUT, float alpha) {
-    if ((bias && alpha != 1.0f) || !dn_ready()) return QT_EUNSUPPORTED;
+int op_dnnl_bf16_gemm(float *C, const uint16_t *A, int ta, const uint16_t *B, int tb, const float *bias, int M,
+                      int N, int K, float alpha, int acc) {
+    if ((bias && (alpha != 1.0f || acc)) || !dn_ready()) return QT_EUNSUPPORTED;
     dnnl_call c;
     memset(&c, 0, sizeof c);
-    int rc = call_init(&c, N, IN, OUT, bias != NULL, alpha);
+    int rc = call_init(&c, M, N, K, ta, tb, bias != NULL, alpha, acc);
     if (rc == QT_OK) {
         const dnnl_memory_desc_t *src_md = dn.primitive_desc_query_md(c.pd, dnnl_query_src_md, 0),
                                  *wei_md = dn.primitive_desc_query_md(c.pd, dnnl_query_weights_md, 0),
@@ -129,31 +139,47 @@ int op_dnnl_bf16_matmul(float *out, const uint16_t *inp, const uint16_t *w, cons
         /* the descriptors were given plain tags, so the primitive reads the caller's buffers in place */
         if (dn.primitive_create(&c.prim, c.pd) != dnnl_success ||
             dn.stream_create(&c.stream, c.eng, dnnl_stream_default_flags) != dnnl_success ||
-            dn.memory_create(&c.src, src_md, c.eng, (void *)inp) != dnnl_success ||
-            dn.memory_create(&c.wei, wei_md, c.eng, (void *)w) != dnnl_success ||
+            dn.memory_create(&c.src, src_md, c.eng, (void *)A) != dnnl_success ||
+            dn.memory_create(&c.wei, wei_md, c.eng, (void *)B) != dnnl_success ||
             (bias && dn.memory_create(&c.bias, bias_md, c.eng, (void *)bias) != dnnl_success) ||
-            dn.memory_create(&c.dst, dst_md, c.eng, out) != dnnl_success) {
+            dn.memory_create(&c.dst, dst_md, c.eng, C) != dnnl_success) {
             rc = QT_EUNSUPPORTED;
         } else {
             dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, c.src}, {DNNL_ARG_WEIGHTS, c.wei}, {DNNL_ARG_DST, c.dst},
                                        {DNNL_ARG_BIAS, c.bias}};
             if (dn.primitive_execute(c.prim, c.stream, bias ? 4 : 3, args) != dnnl_success ||
                 dn.stream_wait(c.stream) != dnnl_success)
-                rc = QT_ERR(QT_EINVAL, "oneDNN bf16 matmul (%d x %d x %d) failed while running", N, IN, OUT);
+                rc = QT_ERR(QT_EINVAL, "oneDNN bf16 matmul (%d x %d x %d) failed while running", M, K, N);
+            else
+                __atomic_add_fetch(&dn_runs, 1, __ATOMIC_RELAXED);
         }
     }
     call_free(&c);
     return rc;
 }
 
+int op_dnnl_bf16_matmul(float *out, const uint16_t *inp, const uint16_t *w, const float *bias, int N, int IN,
+                        int OUT, float alpha) {
+    return op_dnnl_bf16_gemm(out, inp, 0, w, 1, bias, N, OUT, IN, alpha, 0);
+}
+
+long op_dnnl_bf16_runs(void) { return __atomic_load_n(&dn_runs, __ATOMIC_RELAXED); }
+
 #else /* no oneDNN 2.x in this build: the fp32 sgemm path is the only one */
 
 int op_dnnl_bf16_available(void) { return 0; }
 
-int op_dnnl_bf16_matmul(float *out, const uint16_t *inp, const uint16_t *w, const float *bias, int N, int IN,
-                        int OUT, float alpha) {
-    (void)out, (void)inp, (void)w, (void)bias, (void)N, (void)IN, (void)OUT, (void)alpha;
+int op_dnnl_bf16_gemm(float *C, const uint16_t *A, int ta, const uint16_t *B, int tb, const float *bias, int M,
+                      int N, int K, float alpha, int acc) {
+    (void)C, (void)A, (void)ta, (void)B, (void)tb, (void)bias, (void)M, (void)N, (void)K, (void)alpha, (void)acc;
     return QT_EUNSUPPORTED;
 }
+
+int op_dnnl_bf16_matmul(float *out, const uint16_t *inp, const uint16_t *w, const float *bias, int N, int IN,
+                        int OUT, float alpha) {
+    return op_dnnl_bf16_gemm(out, inp, 0, w, 1, bias, N, OUT, IN, alpha, 0);
+}
+
+long op_dnnl_bf16_runs(void) { return 0; }
 
 #endif

@@ -355,6 +355,113 @@ static void test_dnnl_bf16_dispatch(void **state) {
     unsetenv("QTUNE_BF16_EMULATE");
 }
 
+/* The general bf16 GEMM (op_dnnl_bf16_gemm): each of the four layouts the
+ * model uses or could use (A and B stored plain or transposed), with and
+ * without accumulation into C and with a scale, against an fp64 product of
+ * the same bf16 values plus C's previous value. Where it cannot run it
+ * refuses and leaves C untouched. */
+static void test_dnnl_bf16_gemm_layouts(void **state) {
+    (void)state;
+    enum { M = 7, N = 33, K = 45 };
+    uint16_t a[M * K], b[K * N];
+    float c[M * N], c0[M * N];
+    for (int i = 0; i < M * K; i++) a[i] = qt_f32_to_bf16(sinf(0.7f * (float)i));
+    for (int i = 0; i < K * N; i++) b[i] = qt_f32_to_bf16(cosf(1.3f * (float)i));
+    int avail = op_dnnl_bf16_available();
+    for (int ta = 0; ta < 2; ta++)
+        for (int tb = 0; tb < 2; tb++)
+            for (int acc = 0; acc < 2; acc++) {
+                float alpha = acc ? 0.5f : 1.0f;
+                for (int i = 0; i < M * N; i++) c[i] = c0[i] = 0.125f * (float)(i % 11) - 0.5f;
+                int rc = op_dnnl_bf16_gemm(c, a, ta, b, tb, NULL, M, N, K, alpha, acc);
+                if (!avail) {
+                    assert_int_equal(rc, QT_EUNSUPPORTED);
+                    assert_memory_equal(c, c0, sizeof c);
+                    continue;
+                }
+                assert_int_equal(rc, QT_OK);
+                for (int m = 0; m < M; m++)
+                    for (int n = 0; n < N; n++) {
+                        double ref = 0, mag = 0;
+                        for (int k = 0; k < K; k++) {
+                            float x = qt_bf16_to_f32(ta ? a[k * M + m] : a[m * K + k]);
+                            float y = qt_bf16_to_f32(tb ? b[n * K + k] : b[k * N + n]);
+                            ref += (double)x * y, mag += fabs((double)x * y);
+                        }
+                        ref = alpha * ref + (acc ? c0[m * N + n] : 0.0);
+                        assert_true(fabs(c[m * N + n] - ref) <= 1e-5 * (mag + 1.0));
+                    }
+            }
+    /* a bias with accumulation is refused on every CPU, C untouched */
+    float bias[N] = {0};
+    for (int i = 0; i < M * N; i++) c[i] = c0[i];
+    assert_int_equal(op_dnnl_bf16_gemm(c, a, 0, b, 0, bias, M, N, K, 1.0f, 1), QT_EUNSUPPORTED);
+    assert_memory_equal(c, c0, sizeof c);
+}
+
+/* Native bf16 (AVX512_BF16 and oneDNN): the layers' forward, input-gradient
+ * and (full fine-tuning) weight-gradient products run on oneDNN's bf16 GEMM,
+ * exactly as many as the graph has (counted), and the loss and gradients
+ * agree with emulated bf16 (QTUNE_BF16_EMULATE=1: the same bf16 values
+ * through fp32 sgemm), which runs none. Only the summation order differs,
+ * so the agreement is to fp32 rounding where a bf16 rounding does not flip;
+ * the bound leaves room for a few such flips. Skipped without the hardware
+ * (there the emulated path is all there is). */
+static void test_bf16_native_matches_emulated(void **state) {
+    (void)state;
+    if (!op_cpu_has_bf16() || !op_dnnl_bf16_available()) {
+        printf("no native bf16 GEMM on this CPU: nothing to compare\n");
+        return;
+    }
+    const int B = 2, T = 16, N = B * T, L = cfg.num_hidden_layers;
+    int32_t in[32], tg[32], pos[32], ds[32];
+    qt_rng r;
+    qt_rng_seed(&r, 5);
+    for (int i = 0; i < N; i++) {
+        in[i] = (int32_t)(qt_rng_uniform(&r) * (float)cfg.vocab_size) % cfg.vocab_size;
+        tg[i] = i % 7 == 0 ? QT_IGNORE_INDEX : (int32_t)(qt_rng_uniform(&r) * (float)cfg.vocab_size) % cfg.vocab_size;
+        pos[i] = i % T, ds[i] = 0;
+    }
+    qt_batch b = {.B = B, .T = T, .inputs = in, .targets = tg, .positions = pos, .doc_start = ds};
+    for (int lora = 0; lora < 2; lora++) {
+        qt_model_opts o;
+        qt_model_opts_default(&o);
+        o.max_B = B, o.max_T = T, o.compute = QT_BF16, o.lora = lora;
+        o.lora_targets = QT_LORA_Q | QT_LORA_V | QT_LORA_DOWN;
+        qt_model *m[2];
+        double loss[2];
+        long runs[2];
+        for (int emu = 0; emu < 2; emu++) {
+            if (emu) setenv("QTUNE_BF16_EMULATE", "1", 1);
+            else unsetenv("QTUNE_BF16_EMULATE");
+            assert_int_equal(qt_model_load(dir, &o, &m[emu]), QT_OK);
+            if (lora) {
+                float *w = qt_model_master(m[emu]);
+                for (size_t i = 0; i < qt_model_numel(m[emu]); i++) w[i] += 0.01f * (float)((i * 7) % 13) - 0.06f;
+                qt_model_weights_updated(m[emu]);
+            }
+            long before = op_dnnl_bf16_runs();
+            assert_int_equal(qt_model_forward_backward(m[emu], &b, 64.0f, &loss[emu], NULL), QT_OK);
+            runs[emu] = op_dnnl_bf16_runs() - before;
+        }
+        unsetenv("QTUNE_BF16_EMULATE");
+        /* full: forward, dx and dW of 7 linears a layer; LoRA: forward and dx, but layer 0's q/k/v need no dx */
+        assert_int_equal(runs[0], lora ? (long)L * 14 - 3 : (long)L * 21);
+        assert_int_equal(runs[1], 0);
+        assert_true(isfinite(loss[0]) && fabs(loss[0] - loss[1]) <= 1e-5 * fabs(loss[1]));
+        size_t n = qt_model_numel(m[0]);
+        double d2 = 0, g2 = 0;
+        for (size_t i = 0; i < n; i++) {
+            double d = (double)qt_model_grads(m[0])[i] - qt_model_grads(m[1])[i];
+            d2 += d * d, g2 += (double)qt_model_grads(m[1])[i] * qt_model_grads(m[1])[i];
+        }
+        printf("bf16 native vs emulated (%s): loss %.9g / %.9g, gradient rel diff %.3g\n", lora ? "lora" : "full",
+               loss[0], loss[1], sqrt(d2 / g2));
+        assert_true(g2 > 0 && sqrt(d2 / g2) <= 1e-3);
+        qt_model_free(m[0]), qt_model_free(m[1]);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_round_f16_saturates),    cmocka_unit_test(test_round_bf16_and_f32),
@@ -362,6 +469,8 @@ int main(void) {
         cmocka_unit_test(test_lora_base_held_in_f16),  cmocka_unit_test(test_full_compute_copy_refreshed),
         cmocka_unit_test(test_round_store_and_load),   cmocka_unit_test(test_memplan_activations_2byte),
         cmocka_unit_test(test_f16_acts_checkpointing_agree), cmocka_unit_test(test_dnnl_bf16_dispatch),
+        cmocka_unit_test(test_dnnl_bf16_gemm_layouts),
+        cmocka_unit_test(test_bf16_native_matches_emulated),
     };
     return cmocka_run_group_tests(tests, write_model, remove_model);
 }
