@@ -5,16 +5,18 @@ where qtune's step time goes. docs/benchmarks.md states every formula.
 In one run, sequentially (never two heavy processes at once):
   1. bench_gemm: best OpenBLAS sgemm GFLOP/s on square 1024/2048 matrices at
      each thread count; oneDNN bf16 where the CPU has AVX512_BF16/AMX.
-  2. per case (shape x mode x threads): `qtune train` on a generated job, then
-     bench/torch_train.py on the same model folder and rows. tokens/s are
-     medians over the steps after the warm-up ones.
+  2. per case (shape x mode x threads): `qtune train` on a generated job (fp32),
+     the same job in bf16 (--bf16: auto = where the CPU has AVX512_BF16), then
+     bench/torch_train.py (fp32) on the same model folder and rows. tokens/s
+     are medians over the steps after the warm-up ones.
   3. precision table: the same qtune job with deepspeed fp16 / bf16 sections.
   4. --profile: sgemm time by shape (LD_PRELOAD tracer) and `perf record`
      self time by symbol, one thread.
 
 usage: /usr/bin/python3 bench/bench_speed.py [--build DIR] [--quick] [--steps N] [--warmup W]
-       [--shapes bench-tiny,qwen2.5-0.5b] [--modes lora,full] [--threads 1,2] [--no-torch]
-       [--no-precision] [--profile] [--work DIR] [--json OUT.json]"""
+       [--shapes bench-tiny,qwen2.5-0.5b] [--modes lora,full] [--threads 1,2] [--bf16 auto|on|off]
+       [--no-torch] [--no-precision] [--profile] [--work DIR] [--json OUT.json]
+       /usr/bin/python3 bench/bench_speed.py --report A.json [B.json ...]"""
 import argparse
 import json
 import os
@@ -121,6 +123,28 @@ def peak_near(build, t, reps=3):
                        text=True, env=thread_env(t))
     rows = [json.loads(x) for x in r.stdout.splitlines() if x.strip()] if r.returncode == 0 else []
     return max((x["gflops"] for x in rows), default=None)
+
+
+def bf16_plan(setting, cpuinfo=None):
+    """(run, why): whether each speed case also runs qtune in bf16 and, when
+    not, the reason printed under the tables. auto runs it only where the CPU
+    has AVX512_BF16, the flag qtune's native bf16 path needs (oneDNN bf16
+    GEMM): elsewhere qtune refuses bf16, or with QTUNE_BF16_EMULATE=1 stores
+    bf16 and computes in fp32, which is not a speed figure. on runs it
+    whatever the CPU (a refusal is reported as the case's bf16 error)."""
+    if setting == "off":
+        return False, "not run (--bf16 off)"
+    if setting == "on":
+        return True, None
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    if re.search(r"\bavx512_bf16\b", cpuinfo):
+        return True, None
+    return False, "not run: this CPU has no AVX512_BF16 (--bf16 auto; emulated bf16 is not a speed figure)"
 
 
 def ensure_model(qtune, work, preset):
@@ -358,12 +382,45 @@ def fmt(x, f="%.0f"):
     return "-" if x is None else f % x
 
 
+def ratio(a, b):
+    return "%.2f" % (a / b) if a and b else "-"
+
+
+def bf16_notes(res, cpu=False):
+    """Lines under a speed table: why bf16 columns show "-" (grouped by
+    reason, cases named), and issue 7's bf16 target (bf16 >= 1.5x PyTorch's
+    fp32) over the cases that have both figures: by tok/s, or with cpu by
+    CPU seconds per step."""
+    why, met, n = {}, 0, 0
+    for c in res["cases"]:
+        qb, t = c.get("qtune_bf16"), c.get("torch") or {}
+        name = "%s %s t%d" % (c["shape"], c["mode"], c["threads"])
+        if qb is None:
+            why.setdefault("not measured: this JSON file predates the bf16 runs", []).append(name)
+        elif "not_run" in qb:
+            why.setdefault(qb["not_run"], []).append(name)
+        elif "error" in qb:
+            why.setdefault("failed: " + qb["error"], []).append(name)
+        elif cpu and qb.get("cpu_s_step") and t.get("cpu_s_step"):
+            n += 1
+            met += t["cpu_s_step"] >= 1.5 * qb["cpu_s_step"]
+        elif not cpu and qb.get("tok_s") and t.get("tok_s"):
+            n += 1
+            met += qb["tok_s"] >= 1.5 * t["tok_s"]
+    lines = ["bf16 columns \"-\" in %s: %s" % ("every case" if len(v) == len(res["cases"]) else ", ".join(v), k)
+             for k, v in why.items()]
+    if n:
+        lines.append("issue 7's target, qtune bf16 >= 1.5x PyTorch fp32 (%s): met in %d of %d cases" % (
+            "CPU s/step" if cpu else "tok/s", met, n))
+    return lines
+
+
 def report(res):
     p = print
     p("\n## Machine\n")
     for k, v in res["machine"].items():
         p("- %s: %s" % (k, v))
-    p("\n## Measured GEMM peak (best of %d, square n x t sgemm)\n" % res["reps"])
+    p("\n## Measured GEMM peak (best of %d, square n x t sgemm; bf16: square 2048 bf16 x bf16 -> f32)\n" % res["reps"])
     p("| threads | sgemm 1024 GFLOP/s | sgemm 2048 GFLOP/s | peak used | GFLOP per CPU-second | bf16 (oneDNN) | "
       "load avg |")
     p("|---|---|---|---|---|---|---|")
@@ -373,42 +430,59 @@ def report(res):
         p("| %s | %s | %s | %.1f | %.1f | %s | %s |" % (
             t, fmt(by.get(1024), "%.1f"), fmt(by.get(2048), "%.1f"), g["peak_gflops"], g["peak_cpu_gflops"],
             bf.get("note") or "%.1f GFLOP/s" % bf["gflops"], g["load"]))
-    p("\n## Training speed: qtune vs PyTorch %s (fp32, medians of the steps after %d warm-up; "
-      "\"n\" = measured steps)\n" % (res["torch_version"], res["warmup"]))
+    p("\n## Training speed: qtune vs PyTorch %s (fp32 unless a column says bf16; PyTorch always fp32; medians "
+      "of the steps after %d warm-up; \"n\" = measured steps)\n" % (res["torch_version"], res["warmup"]))
     p("Wall clock (tokens / step wall time; the machine is shared, see load avg):\n")
-    p("| shape | B x T | mode | threads | n | qtune tok/s | PyTorch tok/s | qtune / PyTorch | GFLOP/step | "
-      "qtune GFLOP/s | % of sgemm peak | % of peak around the case | qtune peak RSS | PyTorch peak RSS | load avg |")
-    p("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    p("| shape | B x T | mode | threads | n | qtune tok/s | PyTorch tok/s | qtune / PyTorch | qtune bf16 tok/s | "
+      "bf16 / PyTorch fp32 | bf16 / qtune fp32 | GFLOP/step | qtune GFLOP/s | % of sgemm peak | "
+      "% of peak around the case | bf16 % of bf16 (oneDNN) peak | qtune peak RSS | PyTorch peak RSS | load avg |")
+    p("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in res["cases"]:
-        q, t = c["qtune"], c.get("torch") or {}
-        qt = q.get("tok_s")
-        tt = t.get("tok_s")
-        ratio = "%.2f" % (qt / tt) if qt and tt else (q.get("error") or t.get("error") or "-")
+        q, t, qb = c["qtune"], c.get("torch") or {}, c.get("qtune_bf16") or {}
+        qt, tt, bt = q.get("tok_s"), t.get("tok_s"), qb.get("tok_s")
         gfs = c["flops"] * qt / c["tokens"] / 1e9 if qt else None
         pk = res["peak"].get(str(c["threads"]), {})
         peak = pk.get("peak_gflops")
+        # the bf16 run's model FLOPs per second over the run-start oneDNN bf16 peak (square 2048) of as many threads
+        bpeak = (pk.get("bf16") or {}).get("gflops")
+        bgfs = c["flops"] * bt / c["tokens"] / 1e9 if bt else None
         near = max([x for x in q.get("peak_near") or [] if x], default=None)
-        p("| %s | %dx%d | %s | %d | %d | %s | %s | %s | %.1f | %s | %s | %s | %s | %s | %s |" % (
+        p("| %s | %dx%d | %s | %d | %d | %s | %s | %s | %s | %s | %s | %.1f | %s | %s | %s | %s | %s | %s | %s |" % (
             c["shape"], c["B"], c["T"], c["mode"], c["threads"], len(q.get("tok_s_all", [])) - res["warmup"],
-            fmt(qt, "%.1f"), fmt(tt, "%.1f"), ratio,
+            fmt(qt, "%.1f"), fmt(tt, "%.1f"),
+            ratio(qt, tt) if qt and tt else (q.get("error") or t.get("error") or "-"),
+            fmt(bt, "%.1f"), ratio(bt, tt), ratio(bt, qt),
             c["flops"] / 1e9, fmt(gfs, "%.1f"), fmt(100 * gfs / peak if gfs and peak else None, "%.0f%%"),
             "%.0f%% of %.1f" % (100 * gfs / near, near) if gfs and near else "-",
+            "%.0f%% of %.1f" % (100 * bgfs / bpeak, bpeak) if bgfs and bpeak else "-",
             fmt(q.get("mem_peak_bytes") and q["mem_peak_bytes"] / 2**20, "%.0f MiB"),
             fmt(t.get("maxrss_bytes") and t["maxrss_bytes"] / 2**20, "%.0f MiB"), q.get("load", "")))
+    notes = bf16_notes(res)
+    if notes:
+        p("")
+        for line in notes:
+            p(line)
     p("\nCPU time (CPU seconds of all the process's threads per step: insensitive to other processes "
       "holding the cores; idle-spinning threads count):\n")
     p("| shape | mode | threads | qtune CPU s/step | PyTorch CPU s/step | qtune / PyTorch (speed) | "
+      "qtune bf16 CPU s/step | bf16 / PyTorch fp32 (speed) | bf16 / qtune fp32 (speed) | "
       "qtune GFLOP per CPU-s | % of sgemm GFLOP per CPU-s |")
-    p("|---|---|---|---|---|---|---|---|")
+    p("|---|---|---|---|---|---|---|---|---|---|---|")
     for c in res["cases"]:
-        q, t = c["qtune"], c.get("torch") or {}
-        qc, tc = q.get("cpu_s_step"), t.get("cpu_s_step")
+        q, t, qb = c["qtune"], c.get("torch") or {}, c.get("qtune_bf16") or {}
+        qc, tc, bc = q.get("cpu_s_step"), t.get("cpu_s_step"), qb.get("cpu_s_step")
         g = c["flops"] / qc / 1e9 if qc else None
         pk = res["peak"].get(str(c["threads"]), {}).get("peak_cpu_gflops")
-        p("| %s | %s | %d | %s | %s | %s | %s | %s |" % (
-            c["shape"], c["mode"], c["threads"], fmt(qc, "%.2f"), fmt(tc, "%.2f"),
-            "%.2f" % (tc / qc) if qc and tc else "-", fmt(g, "%.1f"),
+        # speed ratios: the other side's CPU seconds per step over this side's
+        p("| %s | %s | %d | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+            c["shape"], c["mode"], c["threads"], fmt(qc, "%.2f"), fmt(tc, "%.2f"), ratio(tc, qc),
+            fmt(bc, "%.2f"), ratio(tc, bc), ratio(qc, bc), fmt(g, "%.1f"),
             fmt(100 * g / pk if g and pk else None, "%.0f%%")))
+    notes = bf16_notes(res, cpu=True)
+    if notes:
+        p("")
+        for line in notes:
+            p(line)
     if res.get("precision"):
         p("\n## Precision (qtune, deepspeed fp16 / bf16 sections)\n")
         p("| shape | mode | threads | precision | tok/s | vs fp32 | mem_peak_bytes | skipped steps | result |")
@@ -467,9 +541,12 @@ def merge_results(paths, work):
             continue
         for t, g in r.get("peak", {}).items():
             best_cpu = max(g["peak_cpu_gflops"], res["peak"].get(t, g)["peak_cpu_gflops"])
+            bf16 = max((x for x in (g.get("bf16"), res["peak"].get(t, {}).get("bf16")) if x),
+                       key=lambda x: x.get("gflops") or 0, default={"gflops": None, "note": "-"})
             if t not in res["peak"] or g["peak_gflops"] > res["peak"][t]["peak_gflops"]:
                 res["peak"][t] = g
             res["peak"][t]["peak_cpu_gflops"] = best_cpu
+            res["peak"][t]["bf16"] = bf16
         res["cases"] += r.get("cases", [])
         if r.get("precision"):
             res["precision"] = (res.get("precision") or []) + r["precision"]
@@ -513,6 +590,9 @@ def main():
     ap.add_argument("--shapes", default="bench-tiny,qwen2.5-0.5b")
     ap.add_argument("--modes", default="lora,full")
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
+                    help="also run each speed case's qtune job in bf16, right after its fp32 run (auto: only where "
+                         "/proc/cpuinfo has avx512_bf16)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-speed", action="store_true", help="skip the qtune/PyTorch cases")
     ap.add_argument("--no-precision", action="store_true")
@@ -538,7 +618,8 @@ def main():
     os.makedirs(a.work, exist_ok=True)
     import torch
     res = {"machine": machine_facts(a.build), "steps": steps, "warmup": a.warmup, "reps": reps,
-           "torch_version": torch.__version__, "command": " ".join(sys.argv)}
+           "torch_version": torch.__version__, "command": " ".join(sys.argv), "bf16": a.bf16}
+    bf16_run, bf16_why = bf16_plan(a.bf16)
     log("GEMM peak")
     res["peak"] = {str(k): v for k, v in gemm_peak(a.build, threads, reps).items()}
     res["cases"] = []
@@ -559,12 +640,17 @@ def main():
                 q["peak_near"] = [before, peak_near(a.build, t)]
                 log("  qtune: %s; sgemm peak before/after %s" % (
                     q.get("error") or "%.1f tok/s %s" % (q["tok_s"], q["tok_s_all"]), q["peak_near"]))
+                # same job, threads, warm-up and steps, deepspeed "bf16": {"enabled": true}
+                qb = {"not_run": bf16_why}
+                if bf16_run:
+                    qb = run_qtune(qtune, a.work, mdir, data, B, T, mode, t, a.warmup, steps, precision="bf16")
+                    log("  qtune bf16: %s" % (qb.get("error") or "%.1f tok/s %s" % (qb["tok_s"], qb["tok_s_all"])))
                 tr = None
                 if not a.no_torch:
                     tr = run_torch(a.work, mdir, data, B, T, mode, t, a.warmup, steps)
                     log("  torch: %s" % (tr.get("error") or "%.1f tok/s %s" % (tr["tok_s"], tr["tok_s_all"])))
                 res["cases"].append({"shape": shape, "mode": mode, "threads": t, "B": B, "T": T, "tokens": B * T,
-                                     "flops": fl, "n_mm": n_mm, "qtune": q, "torch": tr})
+                                     "flops": fl, "n_mm": n_mm, "qtune": q, "qtune_bf16": qb, "torch": tr})
     if not a.no_precision:
         res["precision"] = []
         t = max(threads)

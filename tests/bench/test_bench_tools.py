@@ -1,6 +1,7 @@
 """The benchmark's own tools (bench/): bench_gemm's JSON output, the sgemm
-tracer, and bench_speed.flops_per_step held against the sgemm calls qtune
-really makes in a training step (counted by the tracer)."""
+tracer, bench_speed.flops_per_step held against the sgemm calls qtune
+really makes in a training step (counted by the tracer), and bench_speed's
+report of the bf16 speed columns (synthetic results, old JSON files)."""
 import json
 import os
 import subprocess
@@ -113,3 +114,115 @@ def test_flops_formula_matches_traced_sgemm(tmp_path, mode):
     recompute = 2 * V * C * B * T
     attn_gemm = L * B * H * 7 * 2 * T * T * D
     assert traced in (steps * (total - attn + attn_gemm), steps * (total - attn + attn_gemm + recompute))
+
+
+# ---- bench_speed's report: bf16 columns (synthetic results, nothing run) --------
+def table(out, first_header):
+    """{(shape, mode, threads): {column: cell}} of the markdown table whose
+    header row starts with first_header, and the text lines right after it."""
+    lines = out.splitlines()
+    i = next(k for k, x in enumerate(lines) if x.startswith(first_header))
+    head = [x.strip() for x in lines[i].strip("|").split("|")]
+    rows, k = {}, i + 2
+    while k < len(lines) and lines[k].startswith("|"):
+        d = dict(zip(head, [x.strip() for x in lines[k].strip("|").split("|")]))
+        rows[(d["shape"], d["mode"], int(d["threads"]))] = d
+        k += 1
+    after = []
+    for x in lines[k + 1:]:
+        if not x.strip():
+            break
+        after.append(x)
+    return rows, after
+
+
+def synthetic_results(bf16_of=None):
+    """Two-case results as bench_speed.main() stores them; bf16_of(case index)
+    gives the case's "qtune_bf16"; without it the cases have none (JSON files
+    written before the bf16 runs)."""
+    peak = {"2": {"sgemm": [{"M": 2048, "gflops": 150.0}], "peak_gflops": 150.0, "peak_shape": 2048,
+                  "peak_cpu_gflops": 75.0, "load": "1 1 1",
+                  "bf16": {"kind": "bf16", "threads": 2, "gflops": 400.0}}}
+    cases = []
+    for i, mode in enumerate(("lora", "full")):
+        c = {"shape": "bench-tiny", "mode": mode, "threads": 2, "B": 4, "T": 256, "tokens": 1024,
+             "flops": 200e9, "n_mm": 1,
+             "qtune": {"tok_s": 500.0, "tok_s_all": [450.0, 500.0, 500.0], "cpu_s_step": 4.0, "peak_near": [140.0],
+                       "mem_peak_bytes": 2**28, "load": "1 1 1"},
+             "torch": {"tok_s": 250.0, "tok_s_all": [250.0] * 3, "cpu_s_step": 9.0, "maxrss_bytes": 2**30}}
+        if bf16_of:
+            c["qtune_bf16"] = bf16_of(i)
+        cases.append(c)
+    return {"machine": {"cpu": "test"}, "reps": 3, "warmup": 1, "steps": 2, "torch_version": "1.13", "peak": peak,
+            "cases": cases}
+
+
+def test_report_bf16_columns(capsys):
+    """A measured bf16 case: its tok/s, bf16 / PyTorch fp32, bf16 / qtune fp32,
+    its model FLOP/s over the oneDNN bf16 peak, and the same from CPU
+    seconds; a case whose bf16 run was not made (no AVX512_BF16) shows "-"
+    and the reason under both tables."""
+    why = bench_speed.bf16_plan("auto", "flags : fpu avx2 avx512f")[1]
+    # as run_qtune returns it ("skipped" counts overflow-skipped steps)
+    measured = {"tok_s": 800.0, "tok_s_all": [700.0, 800.0, 800.0], "cpu_s_step": 2.5, "skipped": 0}
+    bench_speed.report(synthetic_results(lambda i: measured if i == 0 else {"not_run": why}))
+    out = capsys.readouterr().out
+    wall, notes = table(out, "| shape | B x T |")
+    lora, full = wall[("bench-tiny", "lora", 2)], wall[("bench-tiny", "full", 2)]
+    assert lora["qtune bf16 tok/s"] == "800.0"
+    assert lora["bf16 / PyTorch fp32"] == "3.20" and lora["bf16 / qtune fp32"] == "1.60"
+    # 200 GFLOP/step x 800 tok/s / 1024 tok = 156.25 GFLOP/s of the 400 GFLOP/s bf16 peak
+    assert lora["bf16 % of bf16 (oneDNN) peak"] == "39% of 400.0"
+    assert lora["qtune tok/s"] == "500.0" and lora["qtune / PyTorch"] == "2.00"  # fp32 columns unchanged
+    for col in ("qtune bf16 tok/s", "bf16 / PyTorch fp32", "bf16 / qtune fp32", "bf16 % of bf16 (oneDNN) peak"):
+        assert full[col] == "-", col
+    assert notes == ['bf16 columns "-" in bench-tiny full t2: ' + why,
+                     "issue 7's target, qtune bf16 >= 1.5x PyTorch fp32 (tok/s): met in 1 of 1 cases"]
+    assert "no AVX512_BF16" in why
+    cpu, notes = table(out, "| shape | mode | threads | qtune CPU s/step")
+    lora, full = cpu[("bench-tiny", "lora", 2)], cpu[("bench-tiny", "full", 2)]
+    assert lora["qtune bf16 CPU s/step"] == "2.50"
+    assert lora["bf16 / PyTorch fp32 (speed)"] == "3.60" and lora["bf16 / qtune fp32 (speed)"] == "1.60"
+    assert full["qtune bf16 CPU s/step"] == "-" and full["bf16 / PyTorch fp32 (speed)"] == "-"
+    assert notes[0] == 'bf16 columns "-" in bench-tiny full t2: ' + why
+    assert notes[1].endswith("(CPU s/step): met in 1 of 1 cases")
+
+
+def test_report_bf16_failure_names_the_error(capsys):
+    err = "qtune: error: job.json: model: bf16 is enabled in the deepspeed config but this CPU has no AVX512_BF16"
+    bench_speed.report(synthetic_results(lambda i: {"error": err, "rc": 1}))
+    wall, notes = table(capsys.readouterr().out, "| shape | B x T |")
+    assert wall[("bench-tiny", "lora", 2)]["qtune bf16 tok/s"] == "-"
+    assert notes == ['bf16 columns "-" in every case: failed: ' + err]
+
+
+@pytest.mark.parametrize("path", ["synthetic", "bench/runs/2026-12-02-H.json"])
+def test_report_of_json_without_bf16(tmp_path, path):
+    """--report of a JSON file written before the bf16 runs: the tables print
+    with "-" in the bf16 columns and say why."""
+    if path == "synthetic":
+        f = tmp_path / "old.json"
+        f.write_text(json.dumps(synthetic_results()))
+    else:
+        f = os.path.join(SRC, path)
+    r = subprocess.run([sys.executable, os.path.join(SRC, "bench", "bench_speed.py"), "--report", str(f), "--work",
+                        str(tmp_path / "work")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    for first in ("| shape | B x T |", "| shape | mode | threads | qtune CPU s/step"):
+        rows, notes = table(r.stdout, first)
+        assert rows
+        for row in rows.values():
+            assert [v for k, v in row.items() if k.startswith(("qtune bf16", "bf16"))] == ["-"] * (
+                4 if first.startswith("| shape | B") else 3)
+        assert notes == ['bf16 columns "-" in every case: not measured: this JSON file predates the bf16 runs']
+
+
+def test_bf16_plan():
+    cpu_bf16 = "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n"
+    cpu_none = "flags\t\t: fpu avx2 avx512f avx512bw\n"
+    assert bench_speed.bf16_plan("auto", cpu_bf16) == (True, None)
+    run, why = bench_speed.bf16_plan("auto", cpu_none)
+    assert not run and "no AVX512_BF16" in why
+    assert bench_speed.bf16_plan("on", cpu_none) == (True, None)
+    run, why = bench_speed.bf16_plan("off", cpu_bf16)
+    assert not run and "--bf16 off" in why
