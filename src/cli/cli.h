@@ -3,6 +3,7 @@
 #ifndef QT_CLI_H
 #define QT_CLI_H
 
+#include <signal.h>
 #include <stdio.h>
 
 int cmd_init(int argc, char **argv);
@@ -29,5 +30,10 @@ int cli_fail(void);
 int cli_usage_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* True if argv has --help or -h; commands print their help and return 0. */
 int cli_wants_help(int argc, char **argv);
+/* Installs the SIGINT/SIGTERM handlers of a long command (train, merge): the
+ * first signal writes "\nqtune: stop requested: MSG\n" to stderr, every
+ * signal sets the returned flag, which the library polls. MSG must outlive
+ * the command (a string literal). */
+volatile sig_atomic_t *cli_stop_on_signals(const char *msg);
 
 #endif

@@ -4,6 +4,7 @@
 
 #include <stdarg.h>
 #include <string.h>
+#include <unistd.h>
 
 int cli_fail(void) {
     if (qt_log_level() >= QT_LOG_DEBUG)
@@ -27,4 +28,32 @@ int cli_wants_help(int argc, char **argv) {
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return 1;
     return 0;
+}
+
+static volatile sig_atomic_t stop_flag = 0;
+static const char *stop_msg = "";
+
+static void on_stop_signal(int sig) {
+    (void)sig;
+    if (!stop_flag) {
+        /* write(2) is async-signal-safe; stdio is not */
+        static const char head[] = "\nqtune: stop requested: ";
+        ssize_t w = write(2, head, sizeof head - 1);
+        w = write(2, stop_msg, strlen(stop_msg));
+        w = write(2, "\n", 1);
+        (void)w;
+    }
+    stop_flag = 1;
+}
+
+volatile sig_atomic_t *cli_stop_on_signals(const char *msg) {
+    stop_msg = msg;
+    /* the library only polls the flag; the CLI owns the signal handlers */
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    return &stop_flag;
 }

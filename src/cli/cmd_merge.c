@@ -11,19 +11,6 @@
 #include <string.h>
 #include <unistd.h>
 
-static volatile sig_atomic_t merge_stop = 0;
-
-static void on_signal(int sig) {
-    (void)sig;
-    if (!merge_stop) {
-        /* write(2) is async-signal-safe; stdio is not */
-        static const char msg[] = "\nqtune: stop requested: removing the partial merge\n";
-        ssize_t w = write(2, msg, sizeof msg - 1);
-        (void)w;
-    }
-    merge_stop = 1;
-}
-
 static void help(void) {
     printf("usage: qtune merge --model DIR --adapter DIR --out DIR [--dtype f32|bf16|f16]\n\n"
            "Merges a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) into\n"
@@ -58,14 +45,8 @@ int cmd_merge(int argc, char **argv) {
         if (qt_dtype_parse(dtype, &d) != QT_OK) return cli_usage_error("merge", "--dtype must be f32, bf16 or f16");
         dt = (int)d;
     }
-    /* the library only polls the flag; the CLI owns the signal handlers */
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_signal;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
-    int rc = qt_merge_adapter(model, adapter, out, dt, &merge_stop);
+    volatile sig_atomic_t *stop = cli_stop_on_signals("removing the partial merge");
+    int rc = qt_merge_adapter(model, adapter, out, dt, stop);
     if (rc == QT_EINTERRUPTED) {
         fprintf(stderr, "qtune: %s\n", qt_error_message());
         return QT_EXIT_INTERRUPTED;

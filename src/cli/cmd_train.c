@@ -15,19 +15,6 @@
 #include <string.h>
 #include <unistd.h>
 
-static volatile sig_atomic_t train_stop = 0;
-
-static void on_signal(int sig) {
-    (void)sig;
-    if (!train_stop) {
-        /* write(2) is async-signal-safe; stdio is not */
-        static const char msg[] = "\nqtune: stop requested: finishing this step and saving a checkpoint\n";
-        ssize_t w = write(2, msg, sizeof msg - 1);
-        (void)w;
-    }
-    train_stop = 1;
-}
-
 static void help(void) {
     printf("usage: qtune train JOB.json [--set key.path=value ...]\n\n"
            "Fine-tunes the model the job file names (LoRA when it has a \"lora\" section, else full\n"
@@ -84,15 +71,9 @@ int cmd_train(int argc, char **argv) {
         return st;
     }
 
-    /* the library only polls the flag; the CLI owns the signal handlers */
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_signal;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
+    volatile sig_atomic_t *stop = cli_stop_on_signals("finishing this step and saving a checkpoint");
 
-    qt_train_hooks hooks = {.stop = &train_stop, .progress = stderr, .tty = isatty(fileno(stderr))};
+    qt_train_hooks hooks = {.stop = stop, .progress = stderr, .tty = isatty(fileno(stderr))};
     qt_train_result res;
     rc = qt_train_run(&job, d, &hooks, &res);
     int status = QT_EXIT_OK;
