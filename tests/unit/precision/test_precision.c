@@ -264,22 +264,34 @@ static void test_memplan_activations_2byte(void **state) {
     assert_int_equal(f16.activations, f32.activations);
 }
 
+/* A 2 x 16 batch of random tokens, one document per row; every `skip`-th
+ * target ignored. The arrays live in the caller's struct. */
+typedef struct {
+    int32_t in[32], tg[32], pos[32], ds[32];
+} batch_2x16;
+
+static qt_batch random_batch(batch_2x16 *a, uint64_t seed, int skip) {
+    const int B = 2, T = 16;
+    qt_rng r;
+    qt_rng_seed(&r, seed);
+    for (int i = 0; i < B * T; i++) {
+        a->in[i] = (int32_t)(qt_rng_uniform(&r) * (float)cfg.vocab_size) % cfg.vocab_size;
+        a->tg[i] = i % skip == 0 ? QT_IGNORE_INDEX
+                                 : (int32_t)(qt_rng_uniform(&r) * (float)cfg.vocab_size) % cfg.vocab_size;
+        a->pos[i] = i % T, a->ds[i] = 0;
+    }
+    return (qt_batch){.B = B, .T = T, .inputs = a->in, .targets = a->tg, .positions = a->pos, .doc_start = a->ds};
+}
+
 /* One forward/backward in f16 with 2-byte activations (every layer's slots)
  * and with checkpointing (only the layer inputs in 2 bytes, the layer
  * recomputed from them) gives bit-identical gradients and loss: the backward
  * reads exactly what the forward stored. LoRA with dropout and full. */
 static void test_f16_acts_checkpointing_agree(void **state) {
     (void)state;
-    const int B = 2, T = 16, N = B * T;
-    int32_t in[32], tg[32], pos[32], ds[32];
-    qt_rng r;
-    qt_rng_seed(&r, 3);
-    for (int i = 0; i < N; i++) {
-        in[i] = (int32_t)(qt_rng_uniform(&r) * (float)cfg.vocab_size) % cfg.vocab_size;
-        tg[i] = i % 5 == 0 ? QT_IGNORE_INDEX : (int32_t)(qt_rng_uniform(&r) * (float)cfg.vocab_size) % cfg.vocab_size;
-        pos[i] = i % T, ds[i] = 0;
-    }
-    qt_batch b = {.B = B, .T = T, .inputs = in, .targets = tg, .positions = pos, .doc_start = ds};
+    const int B = 2, T = 16;
+    batch_2x16 arrays;
+    qt_batch b = random_batch(&arrays, 3, 5);
     for (int lora = 0; lora < 2; lora++) {
         qt_model_opts o;
         qt_model_opts_default(&o);
@@ -413,16 +425,9 @@ static void test_bf16_native_matches_emulated(void **state) {
         printf("no native bf16 GEMM on this CPU: nothing to compare\n");
         return;
     }
-    const int B = 2, T = 16, N = B * T, L = cfg.num_hidden_layers;
-    int32_t in[32], tg[32], pos[32], ds[32];
-    qt_rng r;
-    qt_rng_seed(&r, 5);
-    for (int i = 0; i < N; i++) {
-        in[i] = (int32_t)(qt_rng_uniform(&r) * (float)cfg.vocab_size) % cfg.vocab_size;
-        tg[i] = i % 7 == 0 ? QT_IGNORE_INDEX : (int32_t)(qt_rng_uniform(&r) * (float)cfg.vocab_size) % cfg.vocab_size;
-        pos[i] = i % T, ds[i] = 0;
-    }
-    qt_batch b = {.B = B, .T = T, .inputs = in, .targets = tg, .positions = pos, .doc_start = ds};
+    const int B = 2, T = 16, L = cfg.num_hidden_layers;
+    batch_2x16 arrays;
+    qt_batch b = random_batch(&arrays, 5, 7);
     for (int lora = 0; lora < 2; lora++) {
         qt_model_opts o;
         qt_model_opts_default(&o);
