@@ -108,8 +108,9 @@ static void linear_forward(qt_model *m, int l, int j, float *out, const float *i
  * does. Else all of it on fp32 sgemm (op_matmul_backward). */
 static void base_backward(qt_model *m, const qt_linear *q, float *dinp, const float *dout, const float *inp,
                           const uint16_t *inp16, int N) {
+    /* native_bf16 implies every layer's 2-byte slots (so inp16) and the dout16 scratch (memplan.c) */
     uint16_t *d16 = m->gs.dout16;
-    if (!(m->native_bf16 && q->w.dt == QT_BF16 && d16 && (inp16 || !q->dw))) {
+    if (!(m->native_bf16 && q->w.dt == QT_BF16)) {
         op_matmul_backward(dinp, q->dw, q->db, dout, inp, q->w.p, q->w.dt, N, q->in, q->out, 1.0f, m->ws);
         return;
     }

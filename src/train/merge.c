@@ -197,12 +197,7 @@ static int write_stage(const char *model_dir, const char *stage, st_file *base, 
  * does not exist yet, else file by file (each rename atomic), so files of out
  * that merge does not write are kept; the emptied stage is removed. */
 static int commit_stage(const char *stage, const char *out) {
-    char parent[4096];
-    qt_path_dirname(parent, sizeof parent, out);
-    if (!qt_path_exists(out)) {
-        if (rename(stage, out) != 0) return QT_ERR(QT_EIO, "cannot rename %s to %s: %s", stage, out, strerror(errno));
-        return qt_fsync_dir(parent);
-    }
+    if (!qt_path_exists(out)) return qt_dir_replace(stage, out);
     DIR *d = opendir(stage);
     if (!d) return QT_ERR(QT_EIO, "cannot read %s: %s", stage, strerror(errno));
     int rc = QT_OK;
