@@ -4,6 +4,8 @@
  *   bench_gemm [--threads N] [--reps R] [--size S]        square fp32 sgemm, S = 1024 and 2048 by default
  *   bench_gemm --shape M N K [tA tB] [--threads N]         one fp32 sgemm shape (as qtune calls it; tA/tB: n|t)
  *   bench_gemm --bf16 [--force] [--threads N]              bf16 x bf16 -> f32 matmul through oneDNN
+ *   bench_gemm --onednn [...]                              the sgemm modes above on oneDNN's dnnl_sgemm
+ *                                                          (qtune's input-gradient products run on it)
  *
  * FLOPs of one C(M,N) = A(M,K) B(K,N) are 2*M*N*K. Each configuration runs
  * once to warm caches and threads, then R timed repetitions; the BEST rate is
@@ -61,10 +63,25 @@ static void fill(float *x, size_t n, uint32_t seed) {
     }
 }
 
+/* One sgemm, row-major, on OpenBLAS or (onednn) oneDNN's dnnl_sgemm. */
+static void sgemm(int onednn, char ta, char tb, int M, int N, int K, const float *a, int lda, const float *b, int ldb,
+                  float *c) {
+#if QTUNE_HAVE_DNNL
+    if (onednn) {
+        dnnl_sgemm(ta == 't' ? 'T' : 'N', tb == 't' ? 'T' : 'N', M, N, K, 1.0f, a, lda, b, ldb, 0.0f, c, N);
+        return;
+    }
+#else
+    (void)onednn;
+#endif
+    cblas_sgemm(CblasRowMajor, ta == 't' ? CblasTrans : CblasNoTrans, tb == 't' ? CblasTrans : CblasNoTrans, M, N, K,
+                1.0f, a, lda, b, ldb, 0.0f, c, N);
+}
+
 /* Best GFLOP/s of R timed sgemm calls, C = A op(B) with the row-major layout
  * qtune uses (op_matmul: A (M,K); B (N,K) when tB = 't', (K,N) when 'n'). */
-static int time_sgemm(int M, int N, int K, char ta, char tb, int reps, double *best_gflops, double *median_gflops,
-                      double *best_cpu_gflops) {
+static int time_sgemm(int onednn, int M, int N, int K, char ta, char tb, int reps, double *best_gflops,
+                      double *median_gflops, double *best_cpu_gflops) {
     float *a = qt_alloc_aligned(sizeof(float) * (size_t)M * K, "bench_gemm A");
     float *b = qt_alloc_aligned(sizeof(float) * (size_t)K * N, "bench_gemm B");
     float *c = qt_alloc_aligned(sizeof(float) * (size_t)M * N, "bench_gemm C");
@@ -76,22 +93,20 @@ static int time_sgemm(int M, int N, int K, char ta, char tb, int reps, double *b
     fill(a, (size_t)M * K, 1);
     fill(b, (size_t)K * N, 2);
     memset(c, 0, sizeof(float) * (size_t)M * N);
-    enum CBLAS_TRANSPOSE TA = ta == 't' ? CblasTrans : CblasNoTrans, TB = tb == 't' ? CblasTrans : CblasNoTrans;
     int lda = ta == 't' ? M : K, ldb = tb == 't' ? K : N;
     double flops = 2.0 * M * N * K;
     /* Small shapes finish in microseconds: repeat each timed sample until it
      * lasts >= 20 ms so the clock's resolution does not matter. */
     int inner = 1;
     double t0 = now_s();
-    cblas_sgemm(CblasRowMajor, TA, TB, M, N, K, 1.0f, a, lda, b, ldb, 0.0f, c, N); /* warm-up */
+    sgemm(onednn, ta, tb, M, N, K, a, lda, b, ldb, c); /* warm-up */
     double t1 = now_s() - t0;
     if (t1 < 0.02) inner = (int)(0.02 / (t1 > 1e-7 ? t1 : 1e-7)) + 1;
     double best_cpu = 0;
     for (int r = 0; r < reps; r++) {
         t0 = now_s();
         double c0 = cpu_s();
-        for (int i = 0; i < inner; i++)
-            cblas_sgemm(CblasRowMajor, TA, TB, M, N, K, 1.0f, a, lda, b, ldb, 0.0f, c, N);
+        for (int i = 0; i < inner; i++) sgemm(onednn, ta, tb, M, N, K, a, lda, b, ldb, c);
         rates[r] = flops * inner / (now_s() - t0) / 1e9;
         double g = flops * inner / (cpu_s() - c0) / 1e9;
         best_cpu = g > best_cpu ? g : best_cpu;
@@ -225,11 +240,12 @@ done:
 static void usage(void) {
     fprintf(stderr, "usage: bench_gemm [--threads N] [--reps R] [--size S]\n"
                     "       bench_gemm --shape M N K [n|t n|t] [--threads N] [--reps R]\n"
-                    "       bench_gemm --bf16 [--force] [--size S] [--threads N] [--reps R]\n");
+                    "       bench_gemm --bf16 [--force] [--size S] [--threads N] [--reps R]\n"
+                    "       --onednn: the sgemm forms on oneDNN's dnnl_sgemm instead of OpenBLAS\n");
 }
 
 int main(int argc, char **argv) {
-    int threads = 1, reps = 5, bf16 = 0, force = 0, nsizes = 0, shape[3] = {0, 0, 0};
+    int threads = 1, reps = 5, bf16 = 0, force = 0, onednn = 0, nsizes = 0, shape[3] = {0, 0, 0};
     int sizes[8];
     char ta = 'n', tb = 't';
     for (int i = 1; i < argc; i++) {
@@ -238,6 +254,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--size") && i + 1 < argc && nsizes < 8) sizes[nsizes++] = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--bf16")) bf16 = 1;
         else if (!strcmp(argv[i], "--force")) force = 1;
+        else if (!strcmp(argv[i], "--onednn")) onednn = 1;
         else if (!strcmp(argv[i], "--shape") && i + 3 < argc) {
             for (int k = 0; k < 3; k++) shape[k] = atoi(argv[++i]);
             if (i + 2 < argc && (argv[i + 1][0] == 'n' || argv[i + 1][0] == 't') && argv[i + 1][1] == '\0') {
@@ -265,6 +282,15 @@ int main(int argc, char **argv) {
         }
     openblas_set_num_threads(threads);
     omp_set_num_threads(threads);
+#if !QTUNE_HAVE_DNNL
+    if (onednn) {
+        printf("{\"kind\": \"sgemm\", \"lib\": \"onednn\", \"threads\": %d, \"gflops\": null, "
+               "\"note\": \"n/a: built without oneDNN\"}\n",
+               threads);
+        return 0;
+    }
+#endif
+    const char *lib = onednn ? "onednn" : "openblas";
 
     if (bf16) {
         int have = cpu_has_flag("avx512_bf16") || cpu_has_flag("amx_bf16");
@@ -294,13 +320,13 @@ int main(int argc, char **argv) {
 
     if (shape[0]) {
         double best, med, cpu;
-        if (time_sgemm(shape[0], shape[1], shape[2], ta, tb, reps, &best, &med, &cpu) != QT_OK) {
+        if (time_sgemm(onednn, shape[0], shape[1], shape[2], ta, tb, reps, &best, &med, &cpu) != QT_OK) {
             fprintf(stderr, "bench_gemm: %s\n", qt_error_message());
             return 1;
         }
-        printf("{\"kind\": \"sgemm\", \"threads\": %d, \"M\": %d, \"N\": %d, \"K\": %d, \"ta\": \"%c\", \"tb\": "
-               "\"%c\", \"gflops\": %.2f, \"median_gflops\": %.2f, \"cpu_gflops\": %.2f}\n",
-               threads, shape[0], shape[1], shape[2], ta, tb, best, med, cpu);
+        printf("{\"kind\": \"sgemm\", \"lib\": \"%s\", \"threads\": %d, \"M\": %d, \"N\": %d, \"K\": %d, \"ta\": "
+               "\"%c\", \"tb\": \"%c\", \"gflops\": %.2f, \"median_gflops\": %.2f, \"cpu_gflops\": %.2f}\n",
+               lib, threads, shape[0], shape[1], shape[2], ta, tb, best, med, cpu);
         return 0;
     }
 
@@ -311,13 +337,14 @@ int main(int argc, char **argv) {
     for (int k = 0; k < nsizes; k++) {
         int S = sizes[k];
         double best, med, cpu;
-        if (time_sgemm(S, S, S, 'n', 't', reps, &best, &med, &cpu) != QT_OK) {
+        if (time_sgemm(onednn, S, S, S, 'n', 't', reps, &best, &med, &cpu) != QT_OK) {
             fprintf(stderr, "bench_gemm: %s\n", qt_error_message());
             return 1;
         }
-        printf("{\"kind\": \"sgemm\", \"threads\": %d, \"M\": %d, \"N\": %d, \"K\": %d, \"ta\": \"n\", \"tb\": \"t\", "
-               "\"gflops\": %.2f, \"median_gflops\": %.2f, \"cpu_gflops\": %.2f, \"openblas\": \"%s\"}\n",
-               threads, S, S, S, best, med, cpu, openblas_get_config());
+        printf("{\"kind\": \"sgemm\", \"lib\": \"%s\", \"threads\": %d, \"M\": %d, \"N\": %d, \"K\": %d, \"ta\": "
+               "\"n\", \"tb\": \"t\", \"gflops\": %.2f, \"median_gflops\": %.2f, \"cpu_gflops\": %.2f, \"openblas\": "
+               "\"%s\"}\n",
+               lib, threads, S, S, S, best, med, cpu, openblas_get_config());
     }
     return 0;
 }

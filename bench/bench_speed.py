@@ -91,38 +91,48 @@ def flops_per_step(cfg, B, T, mode, r=LORA_R):
 
 # ---- pieces --------------------------------------------------------------------
 def gemm_peak(build, threads, reps):
+    """The square-sgemm peak of each thread count, on OpenBLAS and on oneDNN's
+    dnnl_sgemm (qtune runs its input-gradient products on the latter where it
+    loads): "peak used" is the better of the two, so qtune is held against the
+    fastest fp32 GEMM the machine's libraries reach."""
     exe = os.path.join(build, "bench", "bench_gemm")
     out = {}
     for t in threads:
-        r = subprocess.run([exe, "--threads", str(t), "--reps", str(reps)], capture_output=True, text=True,
-                           env=thread_env(t))
-        if r.returncode:
-            sys.exit("bench_gemm failed: " + r.stderr)
-        rows = [json.loads(x) for x in r.stdout.splitlines() if x.strip()]
+        rows = []
+        for extra in ([], ["--onednn"]):
+            r = subprocess.run([exe, "--threads", str(t), "--reps", str(reps)] + extra, capture_output=True,
+                               text=True, env=thread_env(t))
+            if r.returncode:
+                sys.exit("bench_gemm failed: " + r.stderr)
+            rows += [x for x in (json.loads(y) for y in r.stdout.splitlines() if y.strip()) if x.get("gflops")]
         best = max(rows, key=lambda x: x["gflops"])
         rb = subprocess.run([exe, "--bf16", "--threads", str(t), "--reps", str(reps)], capture_output=True, text=True,
                             env=thread_env(t))
         bf = json.loads(rb.stdout) if rb.returncode == 0 else {"gflops": None, "note": rb.stderr.strip()}
-        out[t] = {"sgemm": rows, "peak_gflops": best["gflops"], "peak_shape": best["M"], "bf16": bf,
+        out[t] = {"sgemm": rows, "peak_gflops": best["gflops"], "peak_shape": best["M"],
+                  "peak_lib": best.get("lib", "openblas"), "bf16": bf,
                   "peak_cpu_gflops": max(x["cpu_gflops"] for x in rows),
                   "load": loadavg()}
-        log("  peak %d thread(s): sgemm %s; bf16 %s" % (t, ", ".join("%d: %.1f GFLOP/s" % (x["M"], x["gflops"])
-                                                                     for x in rows),
-                                                     bf.get("note") or "%.1f GFLOP/s" % bf["gflops"]))
+        log("  peak %d thread(s): sgemm %s; bf16 %s" % (t, ", ".join("%s %d: %.1f GFLOP/s" % (
+            x.get("lib", "openblas"), x["M"], x["gflops"]) for x in rows),
+            bf.get("note") or "%.1f GFLOP/s" % bf["gflops"]))
     return out
 
 
 def peak_near(build, t, reps=3):
-    """Best square-2048 sgemm GFLOP/s at t threads right now. Measured before
-    and after every qtune case: the host's speed drifts by +-10% over minutes
-    (other tenants of the physical machine), so the run-start peak alone can
-    make a case look slower or faster than it is against what the cores gave
-    at the time."""
+    """Best square-2048 sgemm GFLOP/s at t threads right now (the better of
+    OpenBLAS and oneDNN). Measured before and after every qtune case: the
+    host's speed drifts by +-10% over minutes (other tenants of the physical
+    machine), so the run-start peak alone can make a case look slower or
+    faster than it is against what the cores gave at the time."""
     exe = os.path.join(build, "bench", "bench_gemm")
-    r = subprocess.run([exe, "--threads", str(t), "--reps", str(reps), "--size", "2048"], capture_output=True,
-                       text=True, env=thread_env(t))
-    rows = [json.loads(x) for x in r.stdout.splitlines() if x.strip()] if r.returncode == 0 else []
-    return max((x["gflops"] for x in rows), default=None)
+    best = None
+    for extra in ([], ["--onednn"]):
+        r = subprocess.run([exe, "--threads", str(t), "--reps", str(reps), "--size", "2048"] + extra,
+                           capture_output=True, text=True, env=thread_env(t))
+        rows = [json.loads(x) for x in r.stdout.splitlines() if x.strip()] if r.returncode == 0 else []
+        best = max([x["gflops"] for x in rows if x.get("gflops")] + ([best] if best else []), default=None)
+    return best
 
 
 def bf16_plan(setting, cpuinfo=None):
@@ -334,7 +344,10 @@ def profile_case(build, qtune, work, model, cfg, data, B, T, mode, warmup, steps
     and the rates are per thread."""
     tr = os.path.join(work, "sgemm-%s-%s-t%d.tsv" % (os.path.basename(model), mode, threads))
     lib = os.path.join(build, "bench", "libqt_sgemm_trace.so")
-    env_prefix = ["env", "QTUNE_SGEMM_TRACE=" + tr, "LD_PRELOAD=" + lib]
+    # the tracer wraps OpenBLAS's cblas_sgemm; the input-gradient products qtune
+    # runs on oneDNN (opened with dlopen) would escape it, so the traced run
+    # keeps them on OpenBLAS. The perf run below uses qtune's default.
+    env_prefix = ["env", "QTUNE_SGEMM_TRACE=" + tr, "LD_PRELOAD=" + lib, "QTUNE_SGEMM=openblas"]
     res = run_qtune(qtune, work, model, data, B, T, mode, threads, warmup, steps, prefix=env_prefix)
     if "error" in res:
         return {"error": res["error"]}
@@ -374,7 +387,9 @@ def profile_case(build, qtune, work, model, cfg, data, B, T, mode, warmup, steps
     return {"step_s": step_s, "tok_s": res["tok_s"], "threads": threads, "sgemm": rows, "perf": perf_rows,
             "perf_note": perf_note,
             "note": "sgemm seconds are per step averaged over all %d steps (warm-up included); step_s is the "
-                    "median step" % nsteps}
+                    "median step of the traced run, which keeps every product on OpenBLAS (QTUNE_SGEMM=openblas) "
+                    "so that the tracer sees it; the perf table is of a run with qtune's default (input-gradient "
+                    "products on oneDNN)" % nsteps}
 
 
 # ---- report --------------------------------------------------------------------
@@ -420,16 +435,19 @@ def report(res):
     p("\n## Machine\n")
     for k, v in res["machine"].items():
         p("- %s: %s" % (k, v))
-    p("\n## Measured GEMM peak (best of %d, square n x t sgemm; bf16: square 2048 bf16 x bf16 -> f32)\n" % res["reps"])
-    p("| threads | sgemm 1024 GFLOP/s | sgemm 2048 GFLOP/s | peak used | GFLOP per CPU-second | bf16 (oneDNN) | "
-      "load avg |")
-    p("|---|---|---|---|---|---|---|")
+    p("\n## Measured GEMM peak (best of %d, square n x t sgemm on OpenBLAS and on oneDNN; peak used: the better; "
+      "bf16: square 2048 bf16 x bf16 -> f32)\n" % res["reps"])
+    p("| threads | sgemm 1024 GFLOP/s | sgemm 2048 GFLOP/s | oneDNN sgemm 1024 | oneDNN sgemm 2048 | peak used | "
+      "GFLOP per CPU-second | bf16 (oneDNN) | load avg |")
+    p("|---|---|---|---|---|---|---|---|---|")
     for t, g in res["peak"].items():
-        by = {x["M"]: x["gflops"] for x in g["sgemm"]}
+        by = {(x.get("lib", "openblas"), x["M"]): x["gflops"] for x in g["sgemm"]}
         bf = g["bf16"]
-        p("| %s | %s | %s | %.1f | %.1f | %s | %s |" % (
-            t, fmt(by.get(1024), "%.1f"), fmt(by.get(2048), "%.1f"), g["peak_gflops"], g["peak_cpu_gflops"],
-            bf.get("note") or "%.1f GFLOP/s" % bf["gflops"], g["load"]))
+        p("| %s | %s | %s | %s | %s | %.1f (%s) | %.1f | %s | %s |" % (
+            t, fmt(by.get(("openblas", 1024)), "%.1f"), fmt(by.get(("openblas", 2048)), "%.1f"),
+            fmt(by.get(("onednn", 1024)), "%.1f"), fmt(by.get(("onednn", 2048)), "%.1f"), g["peak_gflops"],
+            g.get("peak_lib", "openblas"), g["peak_cpu_gflops"], bf.get("note") or "%.1f GFLOP/s" % bf["gflops"],
+            g["load"]))
     p("\n## Training speed: qtune vs PyTorch %s (fp32 unless a column says bf16; PyTorch always fp32; medians "
       "of the steps after %d warm-up; \"n\" = measured steps)\n" % (res["torch_version"], res["warmup"]))
     p("Wall clock (tokens / step wall time; the machine is shared, see load avg):\n")

@@ -9,6 +9,18 @@
 #include "backend/cpu/ops.h"
 #include "model/model_internal.h"
 
+/* Measured peak RSS of qtune train less its planned blocks, on the three
+ * shapes of tests/tools/test_plan.py (1 and 2 threads, 2026-12-03): 6-7 MB
+ * with every product on OpenBLAS, 10.5-11 MB more with op_sgemm_nn on
+ * oneDNN (its pages and JIT kernels, measured with QTUNE_SGEMM=openblas and
+ * without). */
+#define CPU_RUNTIME_BYTES ((size_t)6 << 20)
+#define CPU_RUNTIME_ONEDNN_BYTES ((size_t)10 << 20)
+
+size_t qt_model_cpu_runtime_bytes(void) {
+    return CPU_RUNTIME_BYTES + (op_sgemm_nn_onednn() ? CPU_RUNTIME_ONEDNN_BYTES : 0);
+}
+
 const char *const qt_lin_path[LIN_COUNT] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                             "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
                                             "mlp.down_proj"};

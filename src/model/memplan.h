@@ -26,6 +26,12 @@ typedef struct {
     size_t total;       /* bytes allocated: everything above except base */
 } qt_mem_breakdown;
 
+/* A CPU training process beyond the blocks above, measured (docs/plan.md):
+ * code, OpenBLAS's buffers, tokenizer and loader, and where the input-
+ * gradient products run on oneDNN (op_sgemm_nn) its library and sgemm
+ * buffers. Asks the backend which sgemm it uses, so it may open oneDNN. */
+size_t qt_model_cpu_runtime_bytes(void);
+
 /* Fills *out (may be NULL) and returns out->total. Base dtype is cfg->torch_dtype. */
 size_t qt_model_memory(const qt_config *cfg, const qt_model_opts *opts, qt_mem_breakdown *out);
 

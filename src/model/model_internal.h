@@ -142,7 +142,7 @@ struct qt_model {
 
     uint64_t micro_step;   /* forward_backward calls so far: the dropout stream */
     int native_bf16;       /* bf16 training on a CPU with bf16 arithmetic and a oneDNN bf16 GEMM: the
-                              forward's base matmuls run on it (backend/cpu/op_dnnl_bf16.h) */
+                              forward's base matmuls run on it (backend/cpu/op_dnnl.h) */
 };
 
 #endif

@@ -14,7 +14,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "backend/cpu/op_dnnl_bf16.h"
+#include "backend/cpu/op_dnnl.h"
 #include "backend/cpu/op_precision.h"
 #include "backend/cpu/ops.h"
 #include "core/error.h"

@@ -15,7 +15,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "backend/cpu/op_dnnl_bf16.h"
+#include "backend/cpu/op_dnnl.h"
 #include "backend/cpu/op_precision.h"
 #include "core/error.h"
 #include "core/log.h"

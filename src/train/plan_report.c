@@ -169,7 +169,9 @@ int qt_plan_compute(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
         p->host_mapped = o->weights_file_bytes ? o->weights_file_bytes
                                                : (uint64_t)pm.n_params * qt_dtype_size(c->torch_dtype);
     p->host_total = p->host_offload + p->host_pinned + p->host_dataset + p->host_runtime + p->host_mapped;
-    p->cpu_rank_bytes = p->dev.total + (K ? (p->host_offload + p->host_pinned) / (uint64_t)K : 0) + p->host_mapped;
+    p->cpu_runtime = qt_model_cpu_runtime_bytes();
+    p->cpu_rank_bytes = p->dev.total + (K ? (p->host_offload + p->host_pinned) / (uint64_t)K : 0) + p->host_mapped +
+                        p->cpu_runtime;
     p->host_recommend = (uint64_t)ceil((double)p->host_total * 1.2 / GIB) * (uint64_t)GIB;
 
     /* A checkpoint holds the fp32 trainable block and Adam m, v (all shards
@@ -251,7 +253,8 @@ void qt_plan_print(FILE *f, const char *name, const qt_config *c, const qt_plan_
     fprintf(f, "  total                        %9.3f %s -> recommend %.0f GiB (+20%%)\n\n", U(p->host_total), un,
             gib(p->host_recommend));
     fprintf(f, "cpu run    one rank's process on the CPU backend: %.3f %s (device total + its offloaded\n"
-               "           shards + mapped weights file)\n", U(p->cpu_rank_bytes), un);
+               "           shards + mapped weights file + %.0f MiB process runtime)\n", U(p->cpu_rank_bytes), un,
+            (double)p->cpu_runtime / (1 << 20));
     fprintf(f, "disk       checkpoint %.3f %s each (fp32 trainable + Adam m, v); final %.3f %s%s\n",
             U(p->ckpt_bytes), un, U(p->final_bytes), un,
             p->final_linked ? " (a hard link to the last checkpoint's model: no extra space)" : "");
@@ -317,6 +320,7 @@ char *qt_plan_json(const char *name, const qt_config *c, const qt_plan_opts *o, 
         add_u64(h, "recommend", p->host_recommend);
     }
     add_u64(r, "cpu_rank_bytes", p->cpu_rank_bytes);
+    add_u64(r, "cpu_runtime_bytes", p->cpu_runtime);
     add_u64(r, "checkpoint_bytes", p->ckpt_bytes);
     add_u64(r, "final_bytes", p->final_bytes);
     cJSON_AddBoolToObject(r, "final_linked", p->final_linked);

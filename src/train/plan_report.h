@@ -71,8 +71,9 @@ typedef struct {
     uint64_t host_total;   /* sum of the above */
     uint64_t host_recommend; /* host_total + 20%, rounded up to a whole GiB */
     uint64_t cpu_rank_bytes; /* one rank's process on the CPU backend, where the "device" is host
-                                memory: dev.total + its offloaded shards + host_mapped (what
-                                metrics.jsonl's mem_peak_bytes measures, less the ~10 MB runtime) */
+                                memory: dev.total + its offloaded shards + host_mapped +
+                                cpu_runtime (what metrics.jsonl's mem_peak_bytes measures) */
+    uint64_t cpu_runtime;    /* that process's code and library buffers (qt_model_cpu_runtime_bytes) */
     uint64_t ckpt_bytes;   /* one checkpoint-STEP folder on disk */
     uint64_t final_bytes;  /* final/ (adapter or model folder) */
     int final_linked;      /* final/model.safetensors is a hard link to the last checkpoint's (full, fp32) */

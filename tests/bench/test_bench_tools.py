@@ -37,6 +37,26 @@ def test_bench_gemm_shape_json():
     assert o["gflops"] > 0 and o["cpu_gflops"] > 0 and o["median_gflops"] <= o["gflops"]
 
 
+def test_bench_gemm_onednn_sgemm():
+    """--onednn times oneDNN's dnnl_sgemm (square sizes and --shape), labelled
+    "lib": "onednn"; the default is OpenBLAS, labelled "openblas"."""
+    need(GEMM)
+    for extra, lib in (([], "openblas"), (["--onednn"], "onednn")):
+        r = subprocess.run([GEMM, "--size", "64", "--reps", "2"] + extra, capture_output=True, text=True, env=ENV1)
+        assert r.returncode == 0, r.stderr
+        o = json.loads(r.stdout)
+        assert o["lib"] == lib and o["M"] == 64
+        if lib == "onednn" and o["gflops"] is None:
+            assert o["note"] == "n/a: built without oneDNN"
+        else:
+            assert o["gflops"] > 0
+    r = subprocess.run([GEMM, "--onednn", "--shape", "40", "30", "20", "n", "n", "--reps", "2"], capture_output=True,
+                       text=True, env=ENV1)
+    assert r.returncode == 0, r.stderr
+    o = json.loads(r.stdout)
+    assert o["lib"] == "onednn" and (o["ta"], o["tb"]) == ("n", "n")
+
+
 def test_bench_gemm_bf16_reports_cpu_support():
     need(GEMM)
     r = subprocess.run([GEMM, "--bf16", "--size", "32", "--reps", "1"], capture_output=True, text=True, env=ENV1)
@@ -102,7 +122,8 @@ def test_flops_formula_matches_traced_sgemm(tmp_path, mode):
     job = tmp_path / "job.json"
     bench_speed.write_job(str(job), model, str(tmp_path / "run"), str(data), B, T, steps, mode)
     out = tmp_path / "trace.tsv"
-    env = dict(ENV1, LD_PRELOAD=TRACE, QTUNE_SGEMM_TRACE=str(out))
+    # the tracer wraps cblas_sgemm: keep the input-gradient products on OpenBLAS (not oneDNN) so it sees them all
+    env = dict(ENV1, LD_PRELOAD=TRACE, QTUNE_SGEMM_TRACE=str(out), QTUNE_SGEMM="openblas")
     r = subprocess.run([QTUNE, "train", str(job)], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     traced = 0
@@ -186,6 +207,28 @@ def test_report_bf16_columns(capsys):
     assert full["qtune bf16 CPU s/step"] == "-" and full["bf16 / PyTorch fp32 (speed)"] == "-"
     assert notes[0] == 'bf16 columns "-" in bench-tiny full t2: ' + why
     assert notes[1].endswith("(CPU s/step): met in 1 of 1 cases")
+
+
+def test_report_peak_is_the_better_library(capsys):
+    """The peak table shows OpenBLAS's and oneDNN's square sgemm and uses the
+    better one (gemm_peak's "peak_lib"); "% of sgemm peak" divides by it."""
+    res = synthetic_results()
+    res["peak"]["2"]["sgemm"] = [{"M": 1024, "gflops": 140.0, "lib": "openblas"},
+                                 {"M": 2048, "gflops": 150.0, "lib": "openblas"},
+                                 {"M": 1024, "gflops": 145.0, "lib": "onednn"},
+                                 {"M": 2048, "gflops": 160.0, "lib": "onednn"}]
+    res["peak"]["2"].update(peak_gflops=160.0, peak_lib="onednn")
+    bench_speed.report(res)
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    i = next(k for k, x in enumerate(lines) if x.startswith("| threads | sgemm 1024"))
+    head = [x.strip() for x in lines[i].strip("|").split("|")]
+    row = dict(zip(head, [x.strip() for x in lines[i + 2].strip("|").split("|")]))
+    assert (row["sgemm 2048 GFLOP/s"], row["oneDNN sgemm 2048"], row["peak used"]) == ("150.0", "160.0",
+                                                                                       "160.0 (onednn)")
+    wall, _ = table(out, "| shape | B x T |")
+    # 200 GFLOP/step x 500 tok/s / 1024 tok = 97.7 GFLOP/s = 61% of 160
+    assert wall[("bench-tiny", "lora", 2)]["% of sgemm peak"] == "61%"
 
 
 def test_report_bf16_failure_names_the_error(capsys):

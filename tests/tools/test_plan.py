@@ -64,6 +64,18 @@ def plan_json(*args):
     return json.loads(qtune("plan", *args, "--json", check=0).stdout)
 
 
+def test_cpu_rank_counts_the_process_runtime():
+    """cpu_rank_bytes = device total + mapped weights + cpu_runtime_bytes (1 rank, no offload); the runtime is
+    6 MiB with every product on OpenBLAS and 16 MiB where the input gradients run on oneDNN's sgemm."""
+    args = ("--preset", "qwen2.5-0.5b", "--precision", "fp32", "--mode", "lora")
+    ob = json.loads(qtune("plan", *args, "--json", check=0, env={"QTUNE_SGEMM": "openblas"}).stdout)
+    assert ob["cpu_runtime_bytes"] == 6 << 20
+    assert ob["cpu_rank_bytes"] == ob["per_device_bytes"]["total"] + ob["cpu_runtime_bytes"]
+    auto = json.loads(qtune("plan", *args, "--json", check=0, env={"QTUNE_SGEMM": "auto"}).stdout)
+    assert auto["cpu_runtime_bytes"] in (6 << 20, 16 << 20)  # 16 where oneDNN loads
+    assert auto["cpu_rank_bytes"] - ob["cpu_rank_bytes"] == auto["cpu_runtime_bytes"] - (6 << 20)
+
+
 def test_categories_add_up_and_zero_shards():
     z = {s: plan_json("--preset", "qwen2.5-7b", "--precision", "bf16", "--zero", s, "--devices", 4)
          for s in ("0", "1", "2")}

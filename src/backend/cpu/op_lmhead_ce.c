@@ -124,8 +124,7 @@ static void chunk_grads(float *dx, float *dw, const float *dl, const float *wc, 
     if (dx) {
         op_split(C, nt, id, 16, &a, &b);
         if (b > a)
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, b - a, cv, 1.0f, dl, cv, wc + a, C, 1.0f,
-                        dx + a, C);
+            op_sgemm_nn(N, b - a, cv, 1.0f, dl, cv, wc + a, C, 1.0f, dx + a, C);
     }
     if (dw) {
         op_split(cv, nt, id, 16, &a, &b);
@@ -229,8 +228,7 @@ void op_lmhead_ce_forward_dx(float *loss, float *lse, float *dx, const float *x,
                     if (c != 1.0f)
                         for (int i = a; i < b; i++) r[i] *= c;
                 }
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, b - a, cv, 1.0f, logits, cv, wc + a, C, 1.0f,
-                            acc + a, C);
+                op_sgemm_nn(N, b - a, cv, 1.0f, logits, cv, wc + a, C, 1.0f, acc + a, C);
             }
 #pragma omp barrier /* the next chunk overwrites logits and wbuf */
         }

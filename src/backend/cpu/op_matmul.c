@@ -10,20 +10,66 @@
  * f16/bf16 weights (a frozen base kept in its file dtype) are converted to f32
  * a panel of rows at a time into the workspace, each thread converting only
  * the rows (or, in the backward, the columns) it multiplies, so no fp32 copy
- * of the base is ever made. */
+ * of the base is ever made.
+ *
+ * The input-gradient products (dout @ W, no operand transposed) go through
+ * op_sgemm_nn: oneDNN's sgemm where it loads, which on the AVX-512 Zen 4
+ * machine ran them 8-25% faster than OpenBLAS (bench/RESULTS.md, run K); the
+ * forward's and the weight gradient's stay on OpenBLAS, which was as fast or
+ * faster there. */
 #include "backend/cpu/ops.h"
 
 #include <cblas.h>
 #include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cpu/op_dnnl.h"
+#include "core/error.h"
+#include "core/log.h"
 
 /* The workspace holds up to 2M floats (8 MiB) of converted weights; each
  * thread gets at least 16 rows' worth, which caps the team for wide inputs. */
 #define MATMUL_WS_FLOATS ((size_t)1 << 21)
 #define MATMUL_MIN_ROWS 16
 
+/* Which library op_sgemm_nn uses: -1 not chosen yet, 0 OpenBLAS, 1 oneDNN. */
+static int nn_onednn = -1;
+
 void op_blas_init(void) {
     static int done;
     if (!done) openblas_set_num_threads(1), done = 1;
+    if (nn_onednn < 0) {
+        const char *e = getenv("QTUNE_SGEMM");
+        int want = 1;
+        if (e && !strcmp(e, "openblas"))
+            want = 0;
+        else if (e && *e && strcmp(e, "auto") && strcmp(e, "onednn"))
+            qt_warn("QTUNE_SGEMM=%s is not one of auto, onednn, openblas; using auto", e);
+        nn_onednn = want && op_dnnl_sgemm_available();
+    }
+}
+
+void op_sgemm_nn_use_onednn(int on) {
+    op_blas_init();
+    nn_onednn = on && op_dnnl_sgemm_available();
+}
+
+int op_sgemm_nn_onednn(void) {
+    op_blas_init();
+    return nn_onednn;
+}
+
+/* Below these sizes (LoRA's rank-8 products, attention's 64-wide blocks)
+ * OpenBLAS's small-matrix kernels are used either way. */
+#define NN_ONEDNN_MIN 128
+
+void op_sgemm_nn(int M, int N, int K, float alpha, const float *A, int lda, const float *B, int ldb, float beta,
+                 float *C, int ldc) {
+    if (nn_onednn > 0 && N >= NN_ONEDNN_MIN && K >= NN_ONEDNN_MIN &&
+        op_dnnl_sgemm('N', 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc) == QT_OK)
+        return;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
 size_t op_matmul_ws_floats(int IN, int OUT) {
@@ -87,8 +133,7 @@ void op_matmul_backward(float *dinp, float *dweight, float *dbias, const float *
             op_split(IN, nt, id, MATMUL_MIN_ROWS, &i0, &i1);
             int ib = i1 - i0;
             if (ib > 0 && wdt == QT_F32) {
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, ib, OUT, alpha, dout, OUT,
-                            (const float *)w + i0, IN, 1.0f, dinp + i0, IN);
+                op_sgemm_nn(N, ib, OUT, alpha, dout, OUT, (const float *)w + i0, IN, 1.0f, dinp + i0, IN);
             } else if (ib > 0) {
                 float *my = ws + (size_t)id * share;
                 int P = (int)(share / (size_t)ib);
@@ -98,8 +143,7 @@ void op_matmul_backward(float *dinp, float *dweight, float *dbias, const float *
                     for (int r = 0; r < p; r++)
                         qt_convert_to_f32(my + (size_t)r * ib, (const char *)w + ((size_t)(o + r) * IN + i0) * es, wdt,
                                           (size_t)ib);
-                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, ib, p, alpha, dout + o, OUT, my, ib,
-                                1.0f, dinp + i0, IN);
+                    op_sgemm_nn(N, ib, p, alpha, dout + o, OUT, my, ib, 1.0f, dinp + i0, IN);
                 }
             }
         }

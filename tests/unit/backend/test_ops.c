@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "backend/cpu/ops.h"
+#include "backend/cpu/op_dnnl.h"
 #include "backend/cpu/op_simd.h"
 #include "core/mem.h"
 #include "core/rng.h"
@@ -150,6 +151,60 @@ static void test_matmul_half_panels(void **state) {
     }
     qt_free(x), qt_free(w), qt_free(dy), qt_free(wh), qt_free(wr), qt_free(ws);
     qt_free(y1), qt_free(y2), qt_free(dx1), qt_free(dx2);
+}
+
+/* op_sgemm_nn on each engine (oneDNN where it loads, OpenBLAS) against an
+ * fp64 product, with leading dimensions wider than the operands, alpha and
+ * beta; then a layer's input gradient on each engine inside OpenMP threads,
+ * the two agreeing to fp32 rounding. Shapes above the size under which
+ * OpenBLAS is used either way. */
+static void test_sgemm_nn_engines(void **state) {
+    (void)state;
+    const int M = 37, N = 300, K = 260, lda = K + 3, ldb = N + 5, ldc = N + 7;
+    float *A = randv((size_t)M * lda, 1.0f), *B = randv((size_t)K * ldb, 1.0f), *C0 = randv((size_t)M * ldc, 1.0f);
+    float *C = zeros((size_t)M * ldc);
+    double *want = qt_malloc(sizeof(double) * (size_t)M * N, "test"), mx = 0;
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            double s = 0;
+            for (int k = 0; k < K; k++) s += (double)A[m * lda + k] * B[k * ldb + n];
+            want[m * N + n] = 0.5 * s + C0[m * ldc + n];
+            mx = fmax(mx, fabs(want[m * N + n]));
+        }
+    int have = op_dnnl_sgemm_available();
+    for (int e = 0; e < 2; e++) {
+        op_sgemm_nn_use_onednn(e);
+        assert_int_equal(op_sgemm_nn_onednn(), e && have);
+        long runs = op_dnnl_sgemm_runs();
+        memcpy(C, C0, sizeof(float) * (size_t)M * ldc);
+        op_sgemm_nn(M, N, K, 0.5f, A, lda, B, ldb, 1.0f, C, ldc);
+        assert_int_equal(op_dnnl_sgemm_runs() - runs, e && have ? 1 : 0);
+        for (int m = 0; m < M; m++) {
+            for (int n = 0; n < N; n++)
+                if (fabs(C[m * ldc + n] - want[m * N + n]) > 1e-5 * mx)
+                    fail_msg("engine %d C[%d,%d] = %.8g, want %.8g", e, m, n, C[m * ldc + n], want[m * N + n]);
+            for (int n = N; n < ldc; n++) assert_true(C[m * ldc + n] == C0[m * ldc + n]); /* padding untouched */
+        }
+    }
+    if (!have) print_message("oneDNN not loadable here: only the OpenBLAS engine was checked\n");
+    /* a layer's dinp (f32 and bf16 weights) inside the OpenMP split */
+    const int LN = 64, IN = 384, OUT = 1000;
+    float *dy = randv((size_t)LN * OUT, 1.0f), *w = randv((size_t)OUT * IN, 0.05f), *x = randv((size_t)LN * IN, 1.0f);
+    float *dx[2] = {zeros((size_t)LN * IN), zeros((size_t)LN * IN)}, *ws = zeros(op_matmul_ws_floats(IN, OUT));
+    uint16_t *wh = qt_malloc(sizeof(uint16_t) * (size_t)OUT * IN, "test");
+    qt_convert_from_f32(wh, QT_BF16, w, (size_t)OUT * IN);
+    for (int k = 0; k < 2; k++) {
+        for (int e = 0; e < 2; e++) {
+            op_sgemm_nn_use_onednn(e);
+            memset(dx[e], 0, sizeof(float) * (size_t)LN * IN);
+            op_matmul_backward(dx[e], NULL, NULL, dy, x, k ? (const void *)wh : w, k ? QT_BF16 : QT_F32, LN, IN, OUT,
+                               1.0f, ws);
+        }
+        for (int i = 0; i < LN * IN; i++) assert_true(fabsf(dx[0][i] - dx[1][i]) <= 1e-5f * (1.0f + fabsf(dx[0][i])));
+    }
+    op_sgemm_nn_use_onednn(1);
+    qt_free(A), qt_free(B), qt_free(C0), qt_free(C), qt_free(want);
+    qt_free(dy), qt_free(w), qt_free(x), qt_free(dx[0]), qt_free(dx[1]), qt_free(ws), qt_free(wh);
 }
 
 /* ---- rope ---- */
@@ -604,7 +659,7 @@ int main(void) {
     qt_rng_seed(&rng, 1234);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rmsnorm),   cmocka_unit_test(test_matmul),
-        cmocka_unit_test(test_matmul_half_panels), cmocka_unit_test(test_rope),
+        cmocka_unit_test(test_matmul_half_panels), cmocka_unit_test(test_sgemm_nn_engines), cmocka_unit_test(test_rope),
         cmocka_unit_test(test_attention), cmocka_unit_test(test_attention_blocks_and_cache),
         cmocka_unit_test(test_attention_gemm_blocks),
         cmocka_unit_test(test_swiglu),    cmocka_unit_test(test_swiglu_lanes), cmocka_unit_test(test_swiglu_lanes_extreme),

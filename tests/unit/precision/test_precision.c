@@ -14,7 +14,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "backend/cpu/op_dnnl_bf16.h"
+#include "backend/cpu/op_dnnl.h"
 #include "backend/cpu/op_precision.h"
 #include "core/error.h"
 #include "core/fs.h"
@@ -321,7 +321,7 @@ static void test_f16_acts_checkpointing_agree(void **state) {
     }
 }
 
-/* oneDNN bf16 GEMM (op_dnnl_bf16.h): where it cannot run (no oneDNN, no
+/* oneDNN bf16 GEMM (op_dnnl.h): where it cannot run (no oneDNN, no
  * AVX512_BF16: this development machine) it refuses with QT_EUNSUPPORTED,
  * leaves out untouched, and a bf16 model does not select it; where it runs,
  * it matches an fp64 product of the same bf16 values. */

@@ -1,4 +1,6 @@
-/* bf16 x bf16 -> fp32 GEMM through oneDNN's matmul primitive (C API), for
+/* oneDNN's GEMMs: its fp32 sgemm (op_sgemm_nn in ops.h uses it where it
+ * beats OpenBLAS), and bf16 x bf16 -> fp32 GEMM through its matmul primitive
+ * (C API), for
  * CPUs with native bf16 arithmetic (AVX512_BF16 / AMX). Built only with
  * QTUNE_HAVE_DNNL; without it, or where oneDNN has no native bf16 kernel
  * (it answers dnnl_unimplemented, or only its slow reference kernel), both
@@ -6,8 +8,8 @@
  *
  * Checked on AVX512_BF16 hardware (AMD Zen 4, 2026-12-03) against an fp64
  * product; without it only the refusal is tested (docs/precision.md). */
-#ifndef QT_BACKEND_CPU_OP_DNNL_BF16_H
-#define QT_BACKEND_CPU_OP_DNNL_BF16_H
+#ifndef QT_BACKEND_CPU_OP_DNNL_H
+#define QT_BACKEND_CPU_OP_DNNL_H
 
 #include <stdint.h>
 
@@ -35,5 +37,17 @@ int op_dnnl_bf16_gemm(float *C, const uint16_t *A, int ta, const uint16_t *B, in
 /* How many bf16 GEMMs have run (returned QT_OK) in this process: lets the
  * tests see which path a model took. */
 long op_dnnl_bf16_runs(void);
+
+/* oneDNN's fp32 sgemm, row-major (dnnl_sgemm): C (M, N) = alpha * op(A) @
+ * op(B) + beta * C, ta/tb 'N' or 'T'. Inside an OpenMP parallel region it
+ * runs single-threaded on the calling thread. _available: 1 when the library
+ * loads (cheap after the first call). op_dnnl_sgemm returns QT_OK, or
+ * QT_EUNSUPPORTED (oneDNN not there) or QT_EINVAL (arguments refused) with
+ * C untouched and no error recorded, so it may run on worker threads. _runs: calls
+ * that ran, for the tests. */
+int op_dnnl_sgemm_available(void);
+int op_dnnl_sgemm(char ta, char tb, int M, int N, int K, float alpha, const float *A, int lda, const float *B,
+                  int ldb, float beta, float *C, int ldc);
+long op_dnnl_sgemm_runs(void);
 
 #endif

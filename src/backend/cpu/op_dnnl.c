@@ -1,4 +1,6 @@
-/* bf16 GEMM through oneDNN (see op_dnnl_bf16.h). oneDNN 2.x's C API has no
+/* oneDNN's GEMMs (see op_dnnl.h): the fp32 sgemm, and bf16 GEMM.
+ *
+ * bf16: oneDNN 2.x's C API has no
  * bf16 gemm call (only dnnl_sgemm and int8), so this is the matmul
  * primitive: src (M, K), weights (K, N), dst (M, N) fp32. A transposed
  * operand is the caller's row-major buffer read with the "ba" tag (no
@@ -13,7 +15,7 @@
  * not load it and pays neither its start-up nor its resident pages (linked,
  * it added ~4 MB to every qtune process's peak RSS). The opened library and
  * its function table are the one process-wide state here, set once. */
-#include "backend/cpu/op_dnnl_bf16.h"
+#include "backend/cpu/op_dnnl.h"
 
 #include <string.h>
 
@@ -36,7 +38,7 @@
     X(primitive_attr_set_output_scales) X(primitive_desc_create) X(primitive_desc_destroy) X(primitive_desc_query)    \
     X(primitive_desc_query_md) X(primitive_create) X(primitive_destroy) X(memory_create) X(memory_destroy)            \
     X(primitive_execute) X(post_ops_create) X(post_ops_append_sum) X(post_ops_destroy)                    \
-    X(primitive_attr_set_post_ops)
+    X(primitive_attr_set_post_ops) X(sgemm)
 
 static struct {
 #define DECL(f) __typeof__(dnnl_##f) *f;
@@ -45,7 +47,8 @@ static struct {
     int ok;
 } dn;
 static pthread_once_t dn_once = PTHREAD_ONCE_INIT;
-static long dn_runs; /* GEMMs run, for op_dnnl_bf16_runs (atomic adds) */
+static long dn_runs;       /* bf16 GEMMs run, for op_dnnl_bf16_runs (atomic adds) */
+static long dn_sgemm_runs; /* fp32 sgemm calls, for op_dnnl_sgemm_runs */
 
 static void dn_open(void) {
     void *h = dlopen("libdnnl.so.2", RTLD_NOW | RTLD_LOCAL);
@@ -165,6 +168,19 @@ int op_dnnl_bf16_matmul(float *out, const uint16_t *inp, const uint16_t *w, cons
 
 long op_dnnl_bf16_runs(void) { return __atomic_load_n(&dn_runs, __ATOMIC_RELAXED); }
 
+int op_dnnl_sgemm_available(void) { return dn_ready(); }
+
+int op_dnnl_sgemm(char ta, char tb, int M, int N, int K, float alpha, const float *A, int lda, const float *B,
+                  int ldb, float beta, float *C, int ldc) {
+    if (!dn_ready()) return QT_EUNSUPPORTED;
+    /* no QT_ERR: this runs on OpenMP worker threads; the caller falls back */
+    if (dn.sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc) != dnnl_success) return QT_EINVAL;
+    __atomic_add_fetch(&dn_sgemm_runs, 1, __ATOMIC_RELAXED);
+    return QT_OK;
+}
+
+long op_dnnl_sgemm_runs(void) { return __atomic_load_n(&dn_sgemm_runs, __ATOMIC_RELAXED); }
+
 #else /* no oneDNN 2.x in this build: the fp32 sgemm path is the only one */
 
 int op_dnnl_bf16_available(void) { return 0; }
@@ -181,5 +197,16 @@ int op_dnnl_bf16_matmul(float *out, const uint16_t *inp, const uint16_t *w, cons
 }
 
 long op_dnnl_bf16_runs(void) { return 0; }
+
+int op_dnnl_sgemm_available(void) { return 0; }
+
+int op_dnnl_sgemm(char ta, char tb, int M, int N, int K, float alpha, const float *A, int lda, const float *B,
+                  int ldb, float beta, float *C, int ldc) {
+    (void)ta, (void)tb, (void)M, (void)N, (void)K, (void)alpha, (void)A, (void)lda, (void)B, (void)ldb, (void)beta;
+    (void)C, (void)ldc;
+    return QT_EUNSUPPORTED;
+}
+
+long op_dnnl_sgemm_runs(void) { return 0; }
 
 #endif
