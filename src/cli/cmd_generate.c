@@ -495,7 +495,7 @@ int cmd_generate(int argc, char **argv) {
     mo.infer = 1;
     mo.max_B = 1;
     mo.max_T = g.ctx;
-    if (adapter && qt_lora_opts_from_adapter(adapter, &mo) != QT_OK) rc = QT_EINVAL;
+    if (adapter && qt_lora_opts_from_adapter(adapter, cfg.num_hidden_layers, &mo) != QT_OK) rc = QT_EINVAL;
     if (rc == QT_OK) mo.lora_dropout = 0; /* inference: dropout is off */
     if (rc == QT_OK) rc = qt_model_load(model, &mo, &g.m);
     if (rc == QT_OK && adapter) rc = qt_lora_load(g.m, adapter);

@@ -6,8 +6,10 @@
 #include "core/json_range.h"
 #include "core/mem.h"
 
+#define PCRE2_CODE_UNIT_WIDTH 8
 #include <cjson/cJSON.h>
 #include <math.h>
+#include <pcre2.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -17,6 +19,33 @@ int peft_alpha_ok(double alpha) { return alpha >= PEFT_ALPHA_MIN && alpha <= PEF
 
 float peft_scaling(const peft_config *c) {
     return c->use_rslora ? c->lora_alpha / sqrtf((float)c->r) : c->lora_alpha / (float)c->r;
+}
+
+/* target_modules given as a regex: compiled for a full match of a module
+ * name (PEFT: re.fullmatch). NULL with an error naming path when PCRE2
+ * refuses it. */
+static pcre2_code *regex_compile(const char *re, const char *path) {
+    int err;
+    PCRE2_SIZE off;
+    pcre2_code *code = pcre2_compile((PCRE2_SPTR)re, PCRE2_ZERO_TERMINATED, PCRE2_ANCHORED | PCRE2_ENDANCHORED | PCRE2_UTF,
+                                     &err, &off, NULL);
+    if (!code) {
+        PCRE2_UCHAR msg[256];
+        pcre2_get_error_message(err, msg, sizeof msg);
+        QT_ERR(QT_EFORMAT, "%s: target_modules is the regex '%s', which does not compile at offset %zu (%s); fix it",
+               path, re, (size_t)off, (const char *)msg);
+    }
+    return code;
+}
+
+static int regex_full_match(const char *re, const char *name) {
+    pcre2_code *code = regex_compile(re, "target_modules");
+    if (!code) return 0;
+    pcre2_match_data *md = pcre2_match_data_create_from_pattern(code, NULL);
+    int rc = md ? pcre2_match(code, (PCRE2_SPTR)name, PCRE2_ZERO_TERMINATED, 0, 0, md, NULL) : -1;
+    pcre2_match_data_free(md);
+    pcre2_code_free(code);
+    return rc >= 0;
 }
 
 /* A pattern dict (rank_pattern, alpha_pattern) is fine only when empty. */
@@ -90,15 +119,28 @@ int peft_config_load(const char *dir, peft_config *c) {
             cJSON_ArrayForEach(it, tm) {
                 if (!cJSON_IsString(it) || strlen(it->valuestring) >= sizeof c->target_modules[0] ||
                     c->n_targets >= PEFT_MAX_TARGETS) {
-                    rc = QT_ERR(QT_EFORMAT, "%s: target_modules must be a short list of module names", path);
+                    rc = QT_ERR(QT_EFORMAT, "%s: target_modules must be a list of at most %d module names of under %zu "
+                                            "characters each, or one regex string", path, PEFT_MAX_TARGETS,
+                                sizeof c->target_modules[0]);
                     break;
                 }
                 snprintf(c->target_modules[c->n_targets++], sizeof c->target_modules[0], "%s", it->valuestring);
             }
-        } else if (cJSON_IsString(tm) && strlen(tm->valuestring) < sizeof c->target_modules[0]) {
-            snprintf(c->target_modules[c->n_targets++], sizeof c->target_modules[0], "%s", tm->valuestring);
-        }
-    }
+        } else if (cJSON_IsString(tm) && !strcmp(tm->valuestring, "all-linear")) {
+            snprintf(c->target_modules[c->n_targets++], sizeof c->target_modules[0], "all-linear");
+        } else if (cJSON_IsString(tm)) {
+            pcre2_code *code = NULL;
+            if (strlen(tm->valuestring) >= sizeof c->target_regex)
+                rc = QT_ERR(QT_EFORMAT, "%s: target_modules is a regex of %zu characters; qtune reads up to %d", path,
+                            strlen(tm->valuestring), PEFT_MAX_REGEX - 1);
+            else if (!(code = regex_compile(tm->valuestring, path)))
+                rc = qt_error_code();
+            else
+                snprintf(c->target_regex, sizeof c->target_regex, "%s", tm->valuestring);
+            pcre2_code_free(code);
+        } else if (tm && !cJSON_IsNull(tm)) {
+            rc = QT_ERR(QT_EFORMAT, "%s: target_modules must be a list of module names or a regex string", path);
+        }    }
     cJSON_Delete(j);
     return rc;
 }
@@ -132,8 +174,13 @@ int peft_config_write(const peft_config *c, const char *dir) {
     cJSON_AddNumberToObject(j, "r", c->r);
     cJSON_AddItemToObject(j, "rank_pattern", cJSON_CreateObject());
     cJSON_AddNullToObject(j, "revision");
-    cJSON *tm = cJSON_AddArrayToObject(j, "target_modules");
-    for (int i = 0; tm && i < c->n_targets; i++) cJSON_AddItemToArray(tm, cJSON_CreateString(c->target_modules[i]));
+    if (c->target_regex[0]) {
+        cJSON_AddStringToObject(j, "target_modules", c->target_regex);
+    } else {
+        cJSON *tm = cJSON_AddArrayToObject(j, "target_modules");
+        for (int i = 0; tm && i < c->n_targets; i++)
+            cJSON_AddItemToArray(tm, cJSON_CreateString(c->target_modules[i]));
+    }
     cJSON_AddStringToObject(j, "task_type", "CAUSAL_LM");
     cJSON_AddBoolToObject(j, "use_rslora", c->use_rslora ? 1 : 0);
     char *s = cJSON_Print(j);
@@ -152,6 +199,7 @@ static int ends_with_part(const char *name, const char *part) {
 }
 
 int peft_targets_module(const peft_config *c, const char *module) {
+    if (c->target_regex[0]) return regex_full_match(c->target_regex, module);
     for (int i = 0; i < c->n_targets; i++) {
         const char *t = c->target_modules[i];
         if (!strcmp(t, "all-linear") ? !ends_with_part(module, "lm_head") : ends_with_part(module, t)) return 1;
@@ -162,6 +210,10 @@ int peft_targets_module(const peft_config *c, const char *module) {
 void peft_targets_str(const peft_config *c, char *out, size_t cap) {
     size_t n = 0;
     out[0] = 0;
+    if (c->target_regex[0]) {
+        snprintf(out, cap, "regex '%s'", c->target_regex);
+        return;
+    }
     for (int i = 0; i < c->n_targets && n < cap; i++) {
         int w = snprintf(out + n, cap - n, "%s%s", i ? ", " : "", c->target_modules[i]);
         if (w < 0) break;

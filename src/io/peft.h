@@ -20,6 +20,7 @@
 #include "io/safetensors.h"
 
 #define PEFT_MAX_TARGETS 16
+#define PEFT_MAX_REGEX 1024
 
 typedef struct {
     int r;
@@ -27,7 +28,10 @@ typedef struct {
     float lora_dropout;
     int use_rslora;
     int n_targets;
-    char target_modules[PEFT_MAX_TARGETS][32]; /* "q_proj", ... */
+    char target_modules[PEFT_MAX_TARGETS][64]; /* "q_proj", "self_attn.q_proj", ...: a list */
+    char target_regex[PEFT_MAX_REGEX];        /* target_modules as one string other than "all-linear":
+                                                 a regex PEFT full-matches against each module name;
+                                                 "" for a list */
     char base_model[1024];                     /* base_model_name_or_path ("" when unknown) */
 } peft_config;
 
@@ -49,10 +53,11 @@ int peft_config_load(const char *dir, peft_config *c);
 int peft_config_write(const peft_config *c, const char *dir);
 
 /* Whether PEFT adapts the module named module ("model.layers.0.self_attn.q_proj"):
- * its name is a target_modules entry or ends in "." + an entry, as PEFT
- * matches a list; "all-linear" takes every module but lm_head. */
+ * with a list, its name is an entry or ends in "." + an entry; with a string,
+ * the string as a regex matches the whole name (PEFT's re.fullmatch, here
+ * PCRE2); "all-linear" takes every module but lm_head. */
 int peft_targets_module(const peft_config *c, const char *module);
-/* target_modules as "q_proj, v_proj" ("none" when empty), for messages. */
+/* target_modules as "q_proj, v_proj" or "regex '...'" ("none" when empty), for messages. */
 void peft_targets_str(const peft_config *c, char *out, size_t cap);
 
 /* Opens DIR/adapter_model.safetensors. */

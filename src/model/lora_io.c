@@ -24,14 +24,64 @@ int qt_lora_targets_parse(const char *const *names, int n, unsigned *mask) {
     return QT_OK;
 }
 
-int qt_lora_opts_from_adapter(const char *dir, qt_model_opts *o) {
+/* "model.layers.{i}.self_attn.q_proj" ... "model.layers.{i}.mlp.down_proj" */
+static void lin_module(char *out, size_t cap, int layer, int j) {
+    snprintf(out, cap, "model.layers.%d.%s.%s", layer, j <= LIN_O ? "self_attn" : "mlp", qt_lin_short[j]);
+}
+
+int qt_lora_targets_from_peft(const peft_config *pc, int n_layers, unsigned *mask, const char *where) {
+    char tm[PEFT_MAX_REGEX + 64], name[128];
+    peft_targets_str(pc, tm, sizeof tm);
+    *mask = 0;
+    for (int j = 0; j < LIN_COUNT; j++) {
+        int hit = 0;
+        for (int i = 0; i < n_layers; i++) {
+            lin_module(name, sizeof name, i, j);
+            hit += peft_targets_module(pc, name);
+        }
+        if (hit == n_layers && n_layers > 0)
+            *mask |= qt_lin_flag[j];
+        else if (hit)
+            return QT_ERR(QT_EUNSUPPORTED,
+                          "%s: target_modules (%s) selects %s in %d of the model's %d layers; qtune adapts the same "
+                          "modules in every layer",
+                          where, tm, qt_lin_short[j], hit, n_layers);
+    }
+    /* PEFT would adapt these too; qtune has no LoRA for them, so refuse rather than drop them */
+    static const char *const other[] = {"lm_head", "model.embed_tokens"};
+    int all_linear = !pc->target_regex[0] && pc->n_targets == 1 && !strcmp(pc->target_modules[0], "all-linear");
+    for (size_t k = 0; k < sizeof other / sizeof other[0] && !all_linear; k++)
+        if (peft_targets_module(pc, other[k]))
+            return QT_ERR(QT_EUNSUPPORTED, "%s: target_modules (%s) selects %s, which qtune does not adapt", where, tm,
+                          other[k]);
+    /* a list entry that names no module: PEFT refuses such a config ("not found in the base model") */
+    for (int e = 0; e < pc->n_targets; e++) {
+        peft_config one = *pc;
+        one.n_targets = 1;
+        memcpy(one.target_modules[0], pc->target_modules[e], sizeof one.target_modules[0]);
+        int found = 0;
+        for (int j = 0; j < LIN_COUNT && !found; j++) {
+            lin_module(name, sizeof name, 0, j);
+            found = peft_targets_module(&one, name);
+        }
+        if (!found)
+            return QT_ERR(QT_EUNSUPPORTED,
+                          "%s: target_modules entry '%s' names none of q_proj, k_proj, v_proj, o_proj, gate_proj, "
+                          "up_proj, down_proj",
+                          where, pc->target_modules[e]);
+    }
+    if (!*mask)
+        return QT_ERR(QT_EFORMAT, "%s: target_modules (%s) selects none of the model's linear layers", where, tm);
+    return QT_OK;
+}
+
+int qt_lora_opts_from_adapter(const char *dir, int n_layers, qt_model_opts *o) {
     peft_config pc;
     QT_TRY(peft_config_load(dir, &pc));
-    const char *names[PEFT_MAX_TARGETS];
-    for (int i = 0; i < pc.n_targets; i++) names[i] = pc.target_modules[i];
+    char where[4200];
+    snprintf(where, sizeof where, "%s/adapter_config.json", dir);
     unsigned mask;
-    if (qt_lora_targets_parse(names, pc.n_targets, &mask) != QT_OK)
-        return qt_error_context(qt_error_code(), "%s/adapter_config.json", dir);
+    QT_TRY(qt_lora_targets_from_peft(&pc, n_layers, &mask, where));
     o->lora = 1;
     o->lora_r = pc.r;
     o->lora_alpha = pc.lora_alpha;

@@ -89,7 +89,10 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
-    if (adapter && !o.lora && qt_lora_opts_from_adapter(adapter, &o) != QT_OK) return die();
+    qt_config acfg;
+    if (adapter && !o.lora &&
+        (qt_config_load(model_dir, &acfg) != QT_OK || qt_lora_opts_from_adapter(adapter, acfg.num_hidden_layers, &o) != QT_OK))
+        return die();
     if (dropout >= 0) o.lora_dropout = dropout; /* after the adapter's config, which sets its own */
 
     char *text;

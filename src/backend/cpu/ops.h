@@ -125,13 +125,18 @@ void op_convert_rows_serial(float *dst, const void *src, qt_dtype dt, size_t r0,
  * call it themselves. */
 void op_blas_init(void);
 /* C (M, N) = alpha * A (M, K) @ B (K, N) + beta * C, row-major, neither
- * operand transposed: the input-gradient products of the linear layers and
- * the lm_head. oneDNN's sgemm where the library loads and the product is not
- * small, OpenBLAS's otherwise; single-threaded inside an OpenMP region, like
- * every sgemm here. QTUNE_SGEMM=openblas in the environment (read at the
- * first op) keeps it on OpenBLAS; op_sgemm_nn_use_onednn switches it (tests,
- * benchmarks), op_sgemm_nn_onednn says which is in use. */
+ * operand transposed (_nn: the input-gradient products of the linear layers
+ * and the lm_head), or with A stored (K, M) and read transposed (_tn: the
+ * linear layers' weight gradients). oneDNN's sgemm where the library loads
+ * and the product is not small, OpenBLAS's otherwise; single-threaded inside
+ * an OpenMP region, like every sgemm here. The lm_head's weight gradient
+ * calls OpenBLAS itself: oneDNN ran its shape at 60% of OpenBLAS's rate.
+ * QTUNE_SGEMM=openblas in the environment (read at the first op) keeps both
+ * on OpenBLAS; op_sgemm_nn_use_onednn switches them (tests, benchmarks),
+ * op_sgemm_nn_onednn says which is in use. */
 void op_sgemm_nn(int M, int N, int K, float alpha, const float *A, int lda, const float *B, int ldb, float beta,
+                 float *C, int ldc);
+void op_sgemm_tn(int M, int N, int K, float alpha, const float *A, int lda, const float *B, int ldb, float beta,
                  float *C, int ldc);
 void op_sgemm_nn_use_onednn(int on);
 int op_sgemm_nn_onednn(void);

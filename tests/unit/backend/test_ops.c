@@ -186,6 +186,26 @@ static void test_sgemm_nn_engines(void **state) {
             for (int n = N; n < ldc; n++) assert_true(C[m * ldc + n] == C0[m * ldc + n]); /* padding untouched */
         }
     }
+    /* op_sgemm_tn: C (M, N) = 0.5 * At^T @ B + C with At stored (K, M) */
+    float *At = randv((size_t)K * (M + 2), 1.0f);
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            double acc = 0;
+            for (int k = 0; k < K; k++) acc += (double)At[k * (M + 2) + m] * B[k * ldb + n];
+            want[m * N + n] = 0.5 * acc + C0[m * ldc + n];
+        }
+    for (int e = 0; e < 2; e++) {
+        op_sgemm_nn_use_onednn(e);
+        long runs = op_dnnl_sgemm_runs();
+        memcpy(C, C0, sizeof(float) * (size_t)M * ldc);
+        op_sgemm_tn(M, N, K, 0.5f, At, M + 2, B, ldb, 1.0f, C, ldc);
+        assert_int_equal(op_dnnl_sgemm_runs() - runs, 0); /* M = 37: small, OpenBLAS either way */
+        for (int m = 0; m < M; m++)
+            for (int n = 0; n < N; n++)
+                if (fabs(C[m * ldc + n] - want[m * N + n]) > 1e-5 * mx * 4)
+                    fail_msg("tn engine %d C[%d,%d] = %.8g, want %.8g", e, m, n, C[m * ldc + n], want[m * N + n]);
+    }
+    qt_free(At);
     if (!have) print_message("oneDNN not loadable here: only the OpenBLAS engine was checked\n");
     /* a layer's dinp (f32 and bf16 weights) inside the OpenMP split */
     const int LN = 64, IN = 384, OUT = 1000;
@@ -202,6 +222,17 @@ static void test_sgemm_nn_engines(void **state) {
         }
         for (int i = 0; i < LN * IN; i++) assert_true(fabsf(dx[0][i] - dx[1][i]) <= 1e-5f * (1.0f + fabsf(dx[0][i])));
     }
+    /* the weight gradient (op_sgemm_tn inside the OpenMP split), accumulated onto a start value */
+    float *dw[2] = {randv((size_t)OUT * IN, 1.0f), zeros((size_t)OUT * IN)};
+    memcpy(dw[1], dw[0], sizeof(float) * (size_t)OUT * IN);
+    for (int e = 0; e < 2; e++) {
+        op_sgemm_nn_use_onednn(e);
+        long runs = op_dnnl_sgemm_runs();
+        op_matmul_backward(NULL, dw[e], NULL, dy, x, w, QT_F32, LN, IN, OUT, 1.0f, NULL);
+        if (e && have) assert_true(op_dnnl_sgemm_runs() > runs);
+    }
+    for (size_t i = 0; i < (size_t)OUT * IN; i++) assert_true(fabsf(dw[0][i] - dw[1][i]) <= 1e-5f * (1.0f + fabsf(dw[0][i])));
+    qt_free(dw[0]), qt_free(dw[1]);
     op_sgemm_nn_use_onednn(1);
     qt_free(A), qt_free(B), qt_free(C0), qt_free(C), qt_free(want);
     qt_free(dy), qt_free(w), qt_free(x), qt_free(dx[0]), qt_free(dx[1]), qt_free(ws), qt_free(wh);

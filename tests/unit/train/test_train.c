@@ -20,6 +20,7 @@
 #include "io/hf_config.h"
 #include "io/model_folder.h"
 #include "io/peft.h"
+#include "model/lora_io.h"
 #include "model/model.h"
 #include "qtune.h"
 #include "train/job.h"
@@ -324,6 +325,66 @@ static void test_peft_names_and_config(void **state) {
     free(d);
 }
 
+/* target_modules as PEFT matches it: a list (names or dotted suffixes), a
+ * regex string (full match against every module name, PCRE2), "all-linear";
+ * refused by name: a module in some layers only, lm_head or the embedding, an
+ * entry naming no linear layer, nothing selected, a regex PCRE2 cannot
+ * compile or longer than qtune keeps. */
+static unsigned targets_of(const char *config_json, int n_layers, int want_rc, const char *want_msg) {
+    char *d = tmpdir();
+    write_text(d, "adapter_config.json", config_json);
+    peft_config pc;
+    unsigned mask = 0;
+    int rc = peft_config_load(d, &pc);
+    if (rc == QT_OK) rc = qt_lora_targets_from_peft(&pc, n_layers, &mask, "adapter_config.json");
+    if (rc != want_rc || (want_msg && !strstr(qt_error_message(), want_msg)))
+        fail_msg("%s: rc %d (want %d), message: %s", config_json, rc, want_rc, rc ? qt_error_message() : "-");
+    qt_rm_rf(d);
+    free(d);
+    return mask;
+}
+
+static void test_peft_target_modules(void **state) {
+    (void)state;
+#define CFG(tm) "{\"peft_type\": \"LORA\", \"r\": 4, \"target_modules\": " tm "}"
+    assert_int_equal(targets_of(CFG("[\"q_proj\", \"v_proj\"]"), 3, QT_OK, NULL), QT_LORA_Q | QT_LORA_V);
+    assert_int_equal(targets_of(CFG("[\"self_attn.q_proj\", \"mlp.down_proj\"]"), 3, QT_OK, NULL),
+                     QT_LORA_Q | QT_LORA_DOWN);
+    assert_int_equal(targets_of(CFG("\".*\\\\.(q_proj|v_proj)\""), 3, QT_OK, NULL), QT_LORA_Q | QT_LORA_V);
+    assert_int_equal(targets_of(CFG("\"model\\\\.layers\\\\.\\\\d+\\\\.mlp\\\\..*\""), 3, QT_OK, NULL),
+                     QT_LORA_GATE | QT_LORA_UP | QT_LORA_DOWN);
+    assert_int_equal(targets_of(CFG("\"all-linear\""), 3, QT_OK, NULL), 0x7f);
+    /* a regex matches whole names: "q_proj" alone matches no module name */
+    targets_of(CFG("\"q_proj\""), 3, QT_EFORMAT, "selects none");
+    targets_of(CFG("\".*layers\\\\.[01]\\\\..*q_proj\""), 3, QT_EUNSUPPORTED, "q_proj in 2 of the model's 3 layers");
+    targets_of(CFG("\".*\""), 3, QT_EUNSUPPORTED, "lm_head");
+    targets_of(CFG("[\"q_proj\", \"embed_tokens\"]"), 3, QT_EUNSUPPORTED, "model.embed_tokens");
+    targets_of(CFG("[\"q_proj\", \"qproj\"]"), 3, QT_EUNSUPPORTED, "'qproj' names none");
+    targets_of(CFG("\"(q_proj\""), 3, QT_EFORMAT, "does not compile");
+    targets_of(CFG("7"), 3, QT_EFORMAT, "list of module names or a regex");
+    char big[1200] = CFG("\"");
+    size_t n = strlen(big);
+    memset(big + n, 'a', 1100);
+    strcpy(big + n + 1100, "\"}");
+    targets_of(big, 3, QT_EFORMAT, "qtune reads up to 1023");
+#undef CFG
+    /* written back as a string */
+    char *d = tmpdir();
+    peft_config c = {.r = 2, .lora_alpha = 4};
+    strcpy(c.target_regex, ".*(q|v)_proj");
+    assert_int_equal(peft_config_write(&c, d), QT_OK);
+    peft_config r;
+    assert_int_equal(peft_config_load(d, &r), QT_OK);
+    assert_string_equal(r.target_regex, ".*(q|v)_proj");
+    assert_true(peft_targets_module(&r, "model.layers.7.self_attn.v_proj"));
+    assert_false(peft_targets_module(&r, "model.layers.7.self_attn.v_proj_extra"));
+    char tm[64];
+    peft_targets_str(&r, tm, sizeof tm);
+    assert_string_equal(tm, "regex '.*(q|v)_proj'");
+    qt_rm_rf(d);
+    free(d);
+}
+
 static void test_loss_svg(void **state) {
     (void)state;
     char *d = tmpdir();
@@ -413,6 +474,7 @@ int main(void) {
         cmocka_unit_test(test_job_errors_name_the_field), cmocka_unit_test(test_job_reads_deepspeed_file),
         cmocka_unit_test(test_job_numbers_in_range), cmocka_unit_test(test_job_lora_alpha_and_prefetch_ranges),
         cmocka_unit_test(test_checkpoint_folders), cmocka_unit_test(test_peft_names_and_config),
+        cmocka_unit_test(test_peft_target_modules),
         cmocka_unit_test(test_loss_svg), cmocka_unit_test(test_public_api),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
