@@ -453,24 +453,29 @@ def report(res):
     p("Wall clock (tokens / step wall time; the machine is shared, see load avg):\n")
     p("| shape | B x T | mode | threads | n | qtune tok/s | PyTorch tok/s | qtune / PyTorch | qtune bf16 tok/s | "
       "bf16 / PyTorch fp32 | bf16 / qtune fp32 | GFLOP/step | qtune GFLOP/s | % of sgemm peak | "
-      "% of peak around the case | bf16 % of bf16 (oneDNN) peak | qtune peak RSS | PyTorch peak RSS | load avg |")
-    p("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+      "% of OpenBLAS sgemm peak | % of peak around the case | bf16 % of bf16 (oneDNN) peak | qtune peak RSS | "
+      "PyTorch peak RSS | load avg |")
+    p("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in res["cases"]:
         q, t, qb = c["qtune"], c.get("torch") or {}, c.get("qtune_bf16") or {}
         qt, tt, bt = q.get("tok_s"), t.get("tok_s"), qb.get("tok_s")
         gfs = c["flops"] * qt / c["tokens"] / 1e9 if qt else None
         pk = res["peak"].get(str(c["threads"]), {})
         peak = pk.get("peak_gflops")
+        # issue 7's literal yardstick: OpenBLAS's square sgemm alone (rows without "lib" predate oneDNN's)
+        ob_peak = max([x["gflops"] for x in pk.get("sgemm", []) if x.get("lib", "openblas") == "openblas"
+                       and x.get("gflops")], default=None)
         # the bf16 run's model FLOPs per second over the run-start oneDNN bf16 peak (square 2048) of as many threads
         bpeak = (pk.get("bf16") or {}).get("gflops")
         bgfs = c["flops"] * bt / c["tokens"] / 1e9 if bt else None
         near = max([x for x in q.get("peak_near") or [] if x], default=None)
-        p("| %s | %dx%d | %s | %d | %d | %s | %s | %s | %s | %s | %s | %.1f | %s | %s | %s | %s | %s | %s | %s |" % (
+        p("| %s | %dx%d | %s | %d | %d | %s | %s | %s | %s | %s | %s | %.1f | %s | %s | %s | %s | %s | %s | %s | %s |" % (
             c["shape"], c["B"], c["T"], c["mode"], c["threads"], len(q.get("tok_s_all", [])) - res["warmup"],
             fmt(qt, "%.1f"), fmt(tt, "%.1f"),
             ratio(qt, tt) if qt and tt else (q.get("error") or t.get("error") or "-"),
             fmt(bt, "%.1f"), ratio(bt, tt), ratio(bt, qt),
             c["flops"] / 1e9, fmt(gfs, "%.1f"), fmt(100 * gfs / peak if gfs and peak else None, "%.0f%%"),
+            fmt(100 * gfs / ob_peak if gfs and ob_peak else None, "%.0f%%"),
             "%.0f%% of %.1f" % (100 * gfs / near, near) if gfs and near else "-",
             "%.0f%% of %.1f" % (100 * bgfs / bpeak, bpeak) if bgfs and bpeak else "-",
             fmt(q.get("mem_peak_bytes") and q["mem_peak_bytes"] / 2**20, "%.0f MiB"),

@@ -64,35 +64,8 @@ static int read_data(const char *path, dl_format fmt, const bpe_tokenizer *tok, 
         size_t i = 0;
         while (i < len && (s[i] == ' ' || s[i] == '\t' || s[i] == '\r')) i++;
         if (i == len) continue;
-        if (memchr(s, 0, len)) {
-            rc = QT_ERR(QT_EFORMAT, "%s line %lld holds a NUL byte; a JSONL file is text: fix or remove that line", path,
-                        line);
-            break;
-        }
-        /* The whole line must be the one JSON value: cJSON_Parse alone would
-         * stop after the value and silently drop what follows it. */
-        const char *end = NULL;
-        cJSON *obj = cJSON_ParseWithLengthOpts(s, len, &end, 0);
-        if (!obj) {
-            rc = QT_ERR(QT_EFORMAT, "%s line %lld is not valid JSON (near byte %zu); fix or remove that line", path,
-                        line, end && end >= s ? (size_t)(end - s) : (size_t)0);
-            break;
-        }
-        if (!end) end = s + len;
-        while (end < s + len && (*end == ' ' || *end == '\t' || *end == '\r')) end++;
-        if (end < s + len) {
-            rc = QT_ERR(QT_EFORMAT, "%s line %lld has text after its JSON value (at byte %zu); put exactly one JSON "
-                        "object on each line", path, line, (size_t)(end - s));
-            cJSON_Delete(obj);
-            break;
-        }
-        dl_format f = fmt == DL_FORMAT_AUTO ? dl_format_detect(obj) : fmt;
-        if (f == DL_FORMAT_AUTO)
-            rc = QT_ERR(QT_EFORMAT, "%s line %lld: no known format (input_ids, messages, instruction/output, text)",
-                        path, line);
-        else if ((rc = dl_encode_example(&ctx, f, obj, &d->tb)) != QT_OK)
-            qt_error_context(rc, "%s line %lld", path, line);
-        cJSON_Delete(obj);
+        dl_format f = fmt; /* AUTO: detected line by line, so a file may mix formats */
+        rc = dl_encode_line(&ctx, path, line, s, len, &f, &d->tb);
         if (rc != QT_OK) break;
         if (d->n + 2 > d->cap) {
             size_t cap = d->cap ? 2 * d->cap : 256;

@@ -4,6 +4,7 @@
 #include "data/batch.h"
 #include "text/chat.h"
 
+#include <ctype.h>
 #include <math.h>
 #include <string.h>
 
@@ -252,6 +253,37 @@ int dl_encode_example(const dl_encode_ctx *ctx, dl_format fmt, const cJSON *obj,
     default: rc = QT_ERR(QT_EINVAL, "no data format chosen"); break;
     }
     if (rc != QT_OK) out->n = n0; /* drop a half-written example */
+    return rc;
+}
+
+int dl_encode_line(const dl_encode_ctx *ctx, const char *path, long long line_no, const char *s, size_t len,
+                   dl_format *fmt, dl_tokbuf *out) {
+    if (memchr(s, 0, len))
+        return QT_ERR(QT_EFORMAT, "%s:%lld: the line holds a NUL byte; a JSONL file is text: fix or remove that line",
+                      path, line_no);
+    const char *end = NULL;
+    cJSON *obj = cJSON_ParseWithLengthOpts(s, len, &end, 0);
+    if (!obj) {
+        size_t at = end && end >= s ? (size_t)(end - s) : 0;
+        return QT_ERR(QT_EFORMAT, "%s:%lld: not valid JSON (near byte %zu); each line must be one JSON object", path,
+                      line_no, at);
+    }
+    /* cJSON stops after the value: what follows it would be dropped unseen */
+    while (end && end < s + len && isspace((unsigned char)*end)) end++;
+    int rc = QT_OK;
+    if (end && end < s + len) {
+        rc = QT_ERR(QT_EFORMAT, "%s:%lld: text after the JSON object (byte %zu); put one object per line", path,
+                    line_no, (size_t)(end - s));
+    } else if (!cJSON_IsObject(obj)) {
+        rc = QT_ERR(QT_EFORMAT, "%s:%lld: the line is not a JSON object", path, line_no);
+    } else if (*fmt == DL_FORMAT_AUTO && (*fmt = dl_format_detect(obj)) == DL_FORMAT_AUTO) {
+        rc = QT_ERR(QT_EFORMAT, "%s:%lld: cannot tell the data format: expected a \"text\", \"messages\", "
+                    "\"instruction\"+\"output\" or \"input_ids\" key; or set the format",
+                    path, line_no);
+    } else if ((rc = dl_encode_example(ctx, *fmt, obj, out)) != QT_OK) {
+        rc = qt_error_context(rc, "%s:%lld", path, line_no);
+    }
+    cJSON_Delete(obj);
     return rc;
 }
 

@@ -48,6 +48,15 @@ typedef struct {
  * caller prefixes. */
 int dl_encode_example(const dl_encode_ctx *ctx, dl_format fmt, const cJSON *obj, dl_tokbuf *out);
 
+/* One line of a JSONL file, line_no of path, to one example appended to out:
+ * the line must be exactly one JSON object (whitespace around it allowed, no
+ * NUL byte), in *fmt's format (DL_FORMAT_AUTO: detected from this line and
+ * stored in *fmt). Used by the training loader and by qtune eval alike.
+ * QT_EFORMAT (a bad line) or another code, with a message that starts
+ * "path:line: "; out unchanged then. */
+int dl_encode_line(const dl_encode_ctx *ctx, const char *path, long long line_no, const char *s, size_t len,
+                   dl_format *fmt, dl_tokbuf *out);
+
 /* What the cache key must include so a template/masking change rebuilds it. */
 uint64_t dl_template_hash(void);
 

@@ -197,29 +197,7 @@ static int cache_write(const dl_cache_header *h, const dl_source *s) {
  * the start of the reader's range). */
 static int build_line(const dl_source_opts *o, dl_lines *r, const char *line, size_t len, dl_format *fmt,
                       dl_tokbuf *out) {
-    const char *end = NULL;
-    cJSON *obj = cJSON_ParseWithLengthOpts(line, len, &end, 0);
-    if (!obj) {
-        size_t at = end && end >= line ? (size_t)(end - line) : 0;
-        return QT_ERR(QT_EFORMAT, "%s:%lld: not valid JSON (near byte %zu); each line must be one JSON object",
-                      o->path, (long long)r->line_no, at);
-    }
-    while (end && end < line + len && isspace((unsigned char)*end)) end++;
-    int rc = QT_OK;
-    if (end && end < line + len) {
-        rc = QT_ERR(QT_EFORMAT, "%s:%lld: text after the JSON object (byte %zu); put one object per line",
-                    o->path, (long long)r->line_no, (size_t)(end - line));
-    } else if (!cJSON_IsObject(obj)) {
-        rc = QT_ERR(QT_EFORMAT, "%s:%lld: the line is not a JSON object", o->path, (long long)r->line_no);
-    } else if (*fmt == DL_FORMAT_AUTO && (*fmt = dl_format_detect(obj)) == DL_FORMAT_AUTO) {
-        rc = QT_ERR(QT_EFORMAT, "%s:%lld: cannot tell the data format: expected a \"text\", \"messages\", "
-                    "\"instruction\"+\"output\" or \"input_ids\" key; or set data.format",
-                    o->path, (long long)r->line_no);
-    } else if ((rc = dl_encode_example(&o->enc, *fmt, obj, out)) != QT_OK) {
-        rc = qt_error_context(rc, "%s:%lld", o->path, (long long)r->line_no);
-    }
-    cJSON_Delete(obj);
-    return rc;
+    return dl_encode_line(&o->enc, o->path, (long long)r->line_no, line, len, fmt, out);
 }
 
 static int push_offset(uint64_t **offsets, size_t *n, size_t *cap, uint64_t v) {

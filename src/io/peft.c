@@ -42,7 +42,12 @@ static int regex_full_match(const char *re, const char *name) {
     pcre2_code *code = regex_compile(re, "target_modules");
     if (!code) return 0;
     pcre2_match_data *md = pcre2_match_data_create_from_pattern(code, NULL);
-    int rc = md ? pcre2_match(code, (PCRE2_SPTR)name, PCRE2_ZERO_TERMINATED, 0, 0, md, NULL) : -1;
+    /* a module name is under 100 characters: a legitimate pattern needs far
+     * fewer steps, a hostile one ("(a+)+b") stops here as "no match" */
+    pcre2_match_context *mc = pcre2_match_context_create(NULL);
+    if (mc) pcre2_set_match_limit(mc, 100000);
+    int rc = md && mc ? pcre2_match(code, (PCRE2_SPTR)name, PCRE2_ZERO_TERMINATED, 0, 0, md, mc) : -1;
+    pcre2_match_context_free(mc);
     pcre2_match_data_free(md);
     pcre2_code_free(code);
     return rc >= 0;

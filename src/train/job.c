@@ -230,6 +230,11 @@ int qt_job_lora_targets(const cJSON *arr, unsigned *mask, const char *where) {
         for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) *mask |= names[i].bit;
         return QT_OK;
     }
+    if (cJSON_IsString(arr))
+        return QT_ERR(QT_EINVAL,
+                      "%s: lora.target_modules is the string '%s'; the job file takes a list such as [\"q_proj\", "
+                      "\"v_proj\"] or \"all-linear\" (PEFT's regex form is read from adapter_config.json only)",
+                      where, arr->valuestring);
     if (!cJSON_IsArray(arr) || cJSON_GetArraySize(arr) == 0)
         return QT_ERR(QT_EINVAL, "%s: lora.target_modules must be a non-empty list such as [\"q_proj\", \"v_proj\"]",
                       where);

@@ -102,6 +102,6 @@ def test_eval_cli_errors(tmp_path):
     data.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 99999]}\n')
     r = subprocess.run([QTUNE, "eval", "--model", md, "--data", str(data)], capture_output=True, text=True)
     assert r.returncode != 0
-    assert "line 2" in r.stderr
+    assert "bad.jsonl:2:" in r.stderr
     r = subprocess.run([QTUNE, "eval", "--model", md], capture_output=True, text=True)
     assert r.returncode == 2

@@ -56,7 +56,7 @@ def test_text_after_the_json_value_is_refused(model, tmp_path, tail):
     data = write_lines(tmp_path / "trail.jsonl", b'{"input_ids": [1, 2, 3]}', b'{"input_ids": [1, 2, 3]}' + tail)
     p = qtune("eval", "--model", model, "--data", data, check=1)
     err = p.stderr.strip().splitlines()[-1]
-    assert "trail.jsonl" in err and "line 2" in err and "after" in err, err
+    assert "trail.jsonl:2:" in err and "text after the JSON object" in err, err
     assert "loss" not in p.stdout
 
 

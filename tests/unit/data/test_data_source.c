@@ -92,6 +92,13 @@ static void test_malformed_lines_name_file_and_line(void **state) {
     expect_error(p, DL_FORMAT_AUTO, 0, "bad_json.jsonl:2:", "not valid JSON");
     p = write_tmp("trailing.jsonl", "{\"input_ids\": [1]} {\"input_ids\": [2]}\n");
     expect_error(p, DL_FORMAT_AUTO, 0, "trailing.jsonl:1:", "after the JSON object");
+    p = write_tmp("nul.jsonl", "{\"input_ids\": [1]}\n{\"input_ids\": [2]}  \n");
+    FILE *nf = fopen(p, "r+b"); /* a NUL among the trailing spaces of line 2 */
+    assert_non_null(nf);
+    assert_int_equal(fseek(nf, 38, SEEK_SET), 0);
+    assert_int_equal(fputc(0, nf), 0);
+    fclose(nf);
+    expect_error(p, DL_FORMAT_AUTO, 0, "nul.jsonl:2:", "NUL byte");
     p = write_tmp("type.jsonl", "{\"input_ids\": [1]}\n\n{\"input_ids\": \"1 2 3\"}\n");
     expect_error(p, DL_FORMAT_AUTO, 0, "type.jsonl:3:", "must be an array");
     p = write_tmp("elem.jsonl", "{\"input_ids\": [1, \"2\"]}\n");

@@ -6,6 +6,7 @@
 #include <stddef.h>
 #include <cmocka.h>
 
+#include <cjson/cJSON.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -368,6 +369,12 @@ static void test_peft_target_modules(void **state) {
     strcpy(big + n + 1100, "\"}");
     targets_of(big, 3, QT_EFORMAT, "qtune reads up to 1023");
 #undef CFG
+    /* the job file keeps lists and "all-linear"; a regex string is refused with a pointer to the list form */
+    cJSON *js = cJSON_CreateString(".*q_proj");
+    unsigned jm = 0;
+    assert_int_equal(qt_job_lora_targets(js, &jm, "job.json"), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "adapter_config.json only"));
+    cJSON_Delete(js);
     /* written back as a string */
     char *d = tmpdir();
     peft_config c = {.r = 2, .lora_alpha = 4};
