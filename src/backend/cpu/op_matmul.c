@@ -65,20 +65,25 @@ int op_sgemm_nn_onednn(void) {
  * OpenBLAS's small-matrix kernels are used either way. */
 #define NN_ONEDNN_MIN 128
 
+/* op(A) @ B with op(A) = A (ta 0) or A^T (ta 1): on oneDNN when it is in use
+ * and the product is wide enough (big), else, or if oneDNN refuses, OpenBLAS. */
+static void sgemm_xn(int ta, int big, int M, int N, int K, float alpha, const float *A, int lda, const float *B,
+                     int ldb, float beta, float *C, int ldc) {
+    if (nn_onednn > 0 && big &&
+        op_dnnl_sgemm(ta ? 'T' : 'N', 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc) == QT_OK)
+        return;
+    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, CblasNoTrans, M, N, K, alpha, A, lda, B, ldb, beta, C,
+                ldc);
+}
+
 void op_sgemm_nn(int M, int N, int K, float alpha, const float *A, int lda, const float *B, int ldb, float beta,
                  float *C, int ldc) {
-    if (nn_onednn > 0 && N >= NN_ONEDNN_MIN && K >= NN_ONEDNN_MIN &&
-        op_dnnl_sgemm('N', 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc) == QT_OK)
-        return;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    sgemm_xn(0, N >= NN_ONEDNN_MIN && K >= NN_ONEDNN_MIN, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
 void op_sgemm_tn(int M, int N, int K, float alpha, const float *A, int lda, const float *B, int ldb, float beta,
                  float *C, int ldc) {
-    if (nn_onednn > 0 && M >= NN_ONEDNN_MIN && N >= NN_ONEDNN_MIN &&
-        op_dnnl_sgemm('T', 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc) == QT_OK)
-        return;
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    sgemm_xn(1, M >= NN_ONEDNN_MIN && N >= NN_ONEDNN_MIN, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
 size_t op_matmul_ws_floats(int IN, int OUT) {
