@@ -124,7 +124,7 @@ static int pair_items(const char *model_dir, const char *adapter_dir, const peft
         char module[512];
         snprintf(module, sizeof module, "%.*s", (int)(strlen(wname) - strlen(".weight")), wname);
         if (!peft_targets_module(pc, module)) {
-            char tm[PEFT_MAX_TARGETS * 34];
+            char tm[PEFT_MAX_TARGETS * 66 + PEFT_MAX_REGEX]; /* a list of names, or a regex */
             peft_targets_str(pc, tm, sizeof tm);
             return QT_ERR(QT_EFORMAT,
                           "%s/adapter_model.safetensors holds %s, but adapter_config.json's target_modules (%s) do "
