@@ -61,9 +61,7 @@ static int read_data(const char *path, dl_format fmt, const bpe_tokenizer *tok, 
         if (got == 0) break;
         if (got < 0) { rc = got; break; }
         const long long line = (long long)r.line_no;
-        size_t i = 0;
-        while (i < len && (s[i] == ' ' || s[i] == '\t' || s[i] == '\r')) i++;
-        if (i == len) continue;
+        if (dl_line_blank(s, len)) continue;
         dl_format f = fmt; /* AUTO: detected line by line, so a file may mix formats */
         rc = dl_encode_line(&ctx, path, line, s, len, &f, &d->tb);
         if (rc != QT_OK) break;

@@ -2,6 +2,7 @@
 #include "core/error.h"
 #include "core/mem.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <string.h>
 
@@ -75,6 +76,12 @@ static int lines_append(dl_lines *r, size_t *len, const char *p, size_t n, int *
     memcpy(r->line + *len, p, n);
     *len += n;
     return QT_OK;
+}
+
+int dl_line_blank(const char *s, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (!isspace((unsigned char)s[i])) return 0;
+    return 1;
 }
 
 int dl_lines_next(dl_lines *r, const char **line, size_t *len) {

@@ -32,6 +32,8 @@ int dl_lines_open_range(dl_lines *r, const char *path, size_t max_line, uint64_t
  * next call; 0: end of file; QT_EFORMAT: the line is over the cap (it has been
  * skipped, so the caller may continue); other negative codes: I/O errors. */
 int dl_lines_next(dl_lines *r, const char **line, size_t *len);
+/* 1 when the line holds only whitespace (isspace): readers skip it. */
+int dl_line_blank(const char *s, size_t n);
 void dl_lines_close(dl_lines *r);
 
 /* A fast 64-bit content hash (8 bytes per step), for cache keys and the

@@ -5,7 +5,6 @@
 #include "core/mem.h"
 #include "data/lines.h"
 
-#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -212,11 +211,6 @@ static int push_offset(uint64_t **offsets, size_t *n, size_t *cap, uint64_t v) {
     return QT_OK;
 }
 
-static int is_blank(const char *s, size_t n) {
-    for (size_t i = 0; i < n; i++)
-        if (!isspace((unsigned char)s[i])) return 0;
-    return 1;
-}
 
 /* A byte range of the data file, tokenized by one thread. Line numbers in its
  * messages count from the range start until merge_chunks relabels them. */
@@ -252,7 +246,7 @@ static void *chunk_main(void *arg) {
     while (c->rc == QT_OK) {
         int got = dl_lines_next(&r, &line, &len);
         if (got == 0) break;
-        if (got == 1 && is_blank(line, len)) continue;
+        if (got == 1 && dl_line_blank(line, len)) continue;
         if (got == 1) got = build_line(o, &r, line, len, &c->fmt, &c->tb);
         if (got == QT_EFORMAT && o->skip_bad_lines) {
             if (c->n_warn < DL_WARN_BAD_LINES) {
@@ -298,7 +292,7 @@ static dl_format detect_first(const dl_source_opts *o) {
     size_t len;
     int got;
     while (fmt == DL_FORMAT_AUTO && r.line_no < 1000 && (got = dl_lines_next(&r, &line, &len)) != 0) {
-        if (got == 1 && is_blank(line, len)) continue;
+        if (got == 1 && dl_line_blank(line, len)) continue;
         cJSON *obj = got == 1 ? cJSON_ParseWithLength(line, len) : NULL;
         fmt = dl_format_detect(obj);
         cJSON_Delete(obj);

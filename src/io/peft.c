@@ -145,7 +145,8 @@ int peft_config_load(const char *dir, peft_config *c) {
             pcre2_code_free(code);
         } else if (tm && !cJSON_IsNull(tm)) {
             rc = QT_ERR(QT_EFORMAT, "%s: target_modules must be a list of module names or a regex string", path);
-        }    }
+        }
+    }
     cJSON_Delete(j);
     return rc;
 }
@@ -203,12 +204,14 @@ static int ends_with_part(const char *name, const char *part) {
     return n == k ? !strcmp(name, part) : n > k && name[n - k - 1] == '.' && !strcmp(name + n - k, part);
 }
 
+int peft_target_entry_matches(const char *entry, const char *module) {
+    return !strcmp(entry, "all-linear") ? !ends_with_part(module, "lm_head") : ends_with_part(module, entry);
+}
+
 int peft_targets_module(const peft_config *c, const char *module) {
     if (c->target_regex[0]) return regex_full_match(c->target_regex, module);
-    for (int i = 0; i < c->n_targets; i++) {
-        const char *t = c->target_modules[i];
-        if (!strcmp(t, "all-linear") ? !ends_with_part(module, "lm_head") : ends_with_part(module, t)) return 1;
-    }
+    for (int i = 0; i < c->n_targets; i++)
+        if (peft_target_entry_matches(c->target_modules[i], module)) return 1;
     return 0;
 }
 

@@ -57,6 +57,8 @@ int peft_config_write(const peft_config *c, const char *dir);
  * the string as a regex matches the whole name (PEFT's re.fullmatch, here
  * PCRE2); "all-linear" takes every module but lm_head. */
 int peft_targets_module(const peft_config *c, const char *module);
+/* The same for one list entry (a name, a dotted suffix or "all-linear"). */
+int peft_target_entry_matches(const char *entry, const char *module);
 /* target_modules as "q_proj, v_proj" or "regex '...'" ("none" when empty), for messages. */
 void peft_targets_str(const peft_config *c, char *out, size_t cap);
 

@@ -26,7 +26,7 @@ int qt_lora_targets_parse(const char *const *names, int n, unsigned *mask) {
 
 /* "model.layers.{i}.self_attn.q_proj" ... "model.layers.{i}.mlp.down_proj" */
 static void lin_module(char *out, size_t cap, int layer, int j) {
-    snprintf(out, cap, "model.layers.%d.%s.%s", layer, j <= LIN_O ? "self_attn" : "mlp", qt_lin_short[j]);
+    snprintf(out, cap, "model.layers.%d.%s", layer, qt_lin_path[j]);
 }
 
 int qt_lora_targets_from_peft(const peft_config *pc, int n_layers, unsigned *mask, const char *where) {
@@ -56,13 +56,10 @@ int qt_lora_targets_from_peft(const peft_config *pc, int n_layers, unsigned *mas
                           other[k]);
     /* a list entry that names no module: PEFT refuses such a config ("not found in the base model") */
     for (int e = 0; e < pc->n_targets; e++) {
-        peft_config one = *pc;
-        one.n_targets = 1;
-        memcpy(one.target_modules[0], pc->target_modules[e], sizeof one.target_modules[0]);
         int found = 0;
         for (int j = 0; j < LIN_COUNT && !found; j++) {
             lin_module(name, sizeof name, 0, j);
-            found = peft_targets_module(&one, name);
+            found = peft_target_entry_matches(pc->target_modules[e], name);
         }
         if (!found)
             return QT_ERR(QT_EUNSUPPORTED,

@@ -18,7 +18,7 @@
 #define CPU_RUNTIME_ONEDNN_BYTES ((size_t)10 << 20)
 
 size_t qt_model_cpu_runtime_bytes(void) {
-    return CPU_RUNTIME_BYTES + (op_sgemm_nn_onednn() ? CPU_RUNTIME_ONEDNN_BYTES : 0);
+    return CPU_RUNTIME_BYTES + (op_sgemm_onednn() ? CPU_RUNTIME_ONEDNN_BYTES : 0);
 }
 
 const char *const qt_lin_path[LIN_COUNT] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",

@@ -34,42 +34,42 @@
 #define MATMUL_WS_FLOATS ((size_t)1 << 21)
 #define MATMUL_MIN_ROWS 16
 
-/* Which library op_sgemm_nn uses: -1 not chosen yet, 0 OpenBLAS, 1 oneDNN. */
-static int nn_onednn = -1;
+/* Which library op_sgemm_nn / op_sgemm_tn use: -1 not chosen yet, 0 OpenBLAS, 1 oneDNN. */
+static int use_onednn = -1;
 
 void op_blas_init(void) {
     static int done;
     if (!done) openblas_set_num_threads(1), done = 1;
-    if (nn_onednn < 0) {
+    if (use_onednn < 0) {
         const char *e = getenv("QTUNE_SGEMM");
         int want = 1;
         if (e && !strcmp(e, "openblas"))
             want = 0;
         else if (e && *e && strcmp(e, "auto") && strcmp(e, "onednn"))
             qt_warn("QTUNE_SGEMM=%s is not one of auto, onednn, openblas; using auto", e);
-        nn_onednn = want && op_dnnl_sgemm_available();
+        use_onednn = want && op_dnnl_sgemm_available();
     }
 }
 
-void op_sgemm_nn_use_onednn(int on) {
+void op_sgemm_use_onednn(int on) {
     op_blas_init();
-    nn_onednn = on && op_dnnl_sgemm_available();
+    use_onednn = on && op_dnnl_sgemm_available();
 }
 
-int op_sgemm_nn_onednn(void) {
+int op_sgemm_onednn(void) {
     op_blas_init();
-    return nn_onednn;
+    return use_onednn;
 }
 
 /* Below these sizes (LoRA's rank-8 products, attention's 64-wide blocks)
  * OpenBLAS's small-matrix kernels are used either way. */
-#define NN_ONEDNN_MIN 128
+#define ONEDNN_MIN_DIM 128
 
 /* op(A) @ B with op(A) = A (ta 0) or A^T (ta 1): on oneDNN when it is in use
  * and the product is wide enough (big), else, or if oneDNN refuses, OpenBLAS. */
 static void sgemm_xn(int ta, int big, int M, int N, int K, float alpha, const float *A, int lda, const float *B,
                      int ldb, float beta, float *C, int ldc) {
-    if (nn_onednn > 0 && big &&
+    if (use_onednn > 0 && big &&
         op_dnnl_sgemm(ta ? 'T' : 'N', 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc) == QT_OK)
         return;
     cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, CblasNoTrans, M, N, K, alpha, A, lda, B, ldb, beta, C,
@@ -78,12 +78,12 @@ static void sgemm_xn(int ta, int big, int M, int N, int K, float alpha, const fl
 
 void op_sgemm_nn(int M, int N, int K, float alpha, const float *A, int lda, const float *B, int ldb, float beta,
                  float *C, int ldc) {
-    sgemm_xn(0, N >= NN_ONEDNN_MIN && K >= NN_ONEDNN_MIN, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    sgemm_xn(0, N >= ONEDNN_MIN_DIM && K >= ONEDNN_MIN_DIM, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
 void op_sgemm_tn(int M, int N, int K, float alpha, const float *A, int lda, const float *B, int ldb, float beta,
                  float *C, int ldc) {
-    sgemm_xn(1, M >= NN_ONEDNN_MIN && N >= NN_ONEDNN_MIN, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    sgemm_xn(1, M >= ONEDNN_MIN_DIM && N >= ONEDNN_MIN_DIM, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
 size_t op_matmul_ws_floats(int IN, int OUT) {

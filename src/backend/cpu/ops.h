@@ -132,14 +132,14 @@ void op_blas_init(void);
  * an OpenMP region, like every sgemm here. The lm_head's weight gradient
  * calls OpenBLAS itself: oneDNN ran its shape at 60% of OpenBLAS's rate.
  * QTUNE_SGEMM=openblas in the environment (read at the first op) keeps both
- * on OpenBLAS; op_sgemm_nn_use_onednn switches them (tests, benchmarks),
- * op_sgemm_nn_onednn says which is in use. */
+ * on OpenBLAS; op_sgemm_use_onednn switches them (tests, benchmarks),
+ * op_sgemm_onednn says which is in use. */
 void op_sgemm_nn(int M, int N, int K, float alpha, const float *A, int lda, const float *B, int ldb, float beta,
                  float *C, int ldc);
 void op_sgemm_tn(int M, int N, int K, float alpha, const float *A, int lda, const float *B, int ldb, float beta,
                  float *C, int ldc);
-void op_sgemm_nn_use_onednn(int on);
-int op_sgemm_nn_onednn(void);
+void op_sgemm_use_onednn(int on);
+int op_sgemm_onednn(void);
 /* [a, b): part id of n items split into `parts` blocks, aligned to `align`. */
 void op_split(int n, int parts, int id, int align, int *a, int *b);
 
