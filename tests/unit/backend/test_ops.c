@@ -173,8 +173,8 @@ static void test_sgemm_nn_engines(void **state) {
         }
     int have = op_dnnl_sgemm_available();
     for (int e = 0; e < 2; e++) {
-        op_sgemm_nn_use_onednn(e);
-        assert_int_equal(op_sgemm_nn_onednn(), e && have);
+        op_sgemm_use_onednn(e);
+        assert_int_equal(op_sgemm_onednn(), e && have);
         long runs = op_dnnl_sgemm_runs();
         memcpy(C, C0, sizeof(float) * (size_t)M * ldc);
         op_sgemm_nn(M, N, K, 0.5f, A, lda, B, ldb, 1.0f, C, ldc);
@@ -195,7 +195,7 @@ static void test_sgemm_nn_engines(void **state) {
             want[m * N + n] = 0.5 * acc + C0[m * ldc + n];
         }
     for (int e = 0; e < 2; e++) {
-        op_sgemm_nn_use_onednn(e);
+        op_sgemm_use_onednn(e);
         long runs = op_dnnl_sgemm_runs();
         memcpy(C, C0, sizeof(float) * (size_t)M * ldc);
         op_sgemm_tn(M, N, K, 0.5f, At, M + 2, B, ldb, 1.0f, C, ldc);
@@ -215,7 +215,7 @@ static void test_sgemm_nn_engines(void **state) {
     qt_convert_from_f32(wh, QT_BF16, w, (size_t)OUT * IN);
     for (int k = 0; k < 2; k++) {
         for (int e = 0; e < 2; e++) {
-            op_sgemm_nn_use_onednn(e);
+            op_sgemm_use_onednn(e);
             memset(dx[e], 0, sizeof(float) * (size_t)LN * IN);
             op_matmul_backward(dx[e], NULL, NULL, dy, x, k ? (const void *)wh : w, k ? QT_BF16 : QT_F32, LN, IN, OUT,
                                1.0f, ws);
@@ -226,14 +226,14 @@ static void test_sgemm_nn_engines(void **state) {
     float *dw[2] = {randv((size_t)OUT * IN, 1.0f), zeros((size_t)OUT * IN)};
     memcpy(dw[1], dw[0], sizeof(float) * (size_t)OUT * IN);
     for (int e = 0; e < 2; e++) {
-        op_sgemm_nn_use_onednn(e);
+        op_sgemm_use_onednn(e);
         long runs = op_dnnl_sgemm_runs();
         op_matmul_backward(NULL, dw[e], NULL, dy, x, w, QT_F32, LN, IN, OUT, 1.0f, NULL);
         if (e && have) assert_true(op_dnnl_sgemm_runs() > runs);
     }
     for (size_t i = 0; i < (size_t)OUT * IN; i++) assert_true(fabsf(dw[0][i] - dw[1][i]) <= 1e-5f * (1.0f + fabsf(dw[0][i])));
     qt_free(dw[0]), qt_free(dw[1]);
-    op_sgemm_nn_use_onednn(1);
+    op_sgemm_use_onednn(1);
     qt_free(A), qt_free(B), qt_free(C0), qt_free(C), qt_free(want);
     qt_free(dy), qt_free(w), qt_free(x), qt_free(dx[0]), qt_free(dx[1]), qt_free(ws), qt_free(wh);
 }
