@@ -31,19 +31,30 @@ static const struct {
 };
 #define NCOMMANDS (sizeof commands / sizeof commands[0])
 
-/* OpenMP threads sleep as soon as they wait (OMP_WAIT_POLICY=passive) unless
- * the environment says otherwise. libgomp's default spins for a while after
- * each parallel region; a step has thousands of regions with serial code
- * between them, so the idle thread burns its core, and on a shared machine it
- * takes the core from the thread doing the work. bench-tiny full fine-tuning,
- * 2 threads, load ~5 (docs/performance.md): 7.09 -> 5.07 CPU s per step, and
- * faster wall clock too. libgomp reads the variable once, before main runs
- * (and glibc resets the environment after an executable's .preinit_array),
- * so the process sets it and executes itself again, once: the second time the
- * variable is set. If the exec fails, qtune runs on with libgomp's default. */
+/* OpenMP's idle threads spin briefly, then sleep: GOMP_SPINCOUNT=3000 (about
+ * 150 microseconds here) unless the environment sets OMP_WAIT_POLICY or
+ * GOMP_SPINCOUNT. A 0.5B step opens about a thousand parallel regions.
+ * - libgomp's default spins 300000 times (about 15 ms) after each region, so
+ *   on a shared machine the idle thread holds a core another process needs:
+ *   bench-tiny full fine-tuning, 2 threads, load ~5: 7.09 CPU s per step,
+ *   against 5.07 with no spin at all.
+ * - No spin at all (OMP_WAIT_POLICY=passive, qtune's default until
+ *   2026-12-03) puts the other thread to sleep at every region's end, and it
+ *   mostly enters the next region 20-50 microseconds late. 0.5B LoRA at 2
+ *   threads on an idle machine: 3000 spins faster in 4 of 6 pairs (by 5-14%),
+ *   slower in 2 (by 3%).
+ * - A short spin costs little when another process wants the cores: with a
+ *   busy loop beside it, 0.5B LoRA at 2 threads ran 0-5% below passive,
+ *   where 10000 spins lost 6-13% and 30000 lost 23%.
+ * Figures: docs/performance.md, item 6. libgomp reads the variable once,
+ * before main runs (and glibc resets the environment after an executable's
+ * .preinit_array), so the process sets it and executes itself again, once:
+ * the second time the variable is set. If the exec fails, qtune runs on with
+ * libgomp's default. */
+#define QT_GOMP_SPINCOUNT "3000"
 static void omp_wait_default(char **argv) {
     if (getenv("OMP_WAIT_POLICY") || getenv("GOMP_SPINCOUNT")) return;
-    if (setenv("OMP_WAIT_POLICY", "passive", 0) != 0) return;
+    if (setenv("GOMP_SPINCOUNT", QT_GOMP_SPINCOUNT, 0) != 0) return;
     /* With OMP_PROC_BIND set, libgomp has already pinned this thread to its
      * first place, and exec keeps that mask: the second process would see
      * one CPU and put every thread on it (measured: 0.5B LoRA at 2 threads,
@@ -69,7 +80,9 @@ static void usage(FILE *out) {
             QTUNE_VERSION);
     for (size_t i = 0; i < NCOMMANDS; i++) fprintf(out, "  %-9s %s\n", commands[i].name, commands[i].summary);
     fprintf(out, "\nenvironment: QTUNE_LOG=debug adds file:line to messages; OMP_NUM_THREADS sets threads;\n"
-                 "OMP_WAIT_POLICY defaults to passive (set active to let idle threads spin);\n"
+                 "idle OpenMP threads spin briefly (GOMP_SPINCOUNT=" QT_GOMP_SPINCOUNT
+                 "; OMP_WAIT_POLICY=passive: no spin, kinder to\n"
+                 "other busy processes; active: a long spin);\n"
                  "QTUNE_SGEMM=openblas keeps every fp32 product on OpenBLAS (default: oneDNN for the gradients).\n");
 }
 
