@@ -9,9 +9,12 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
+#include <unistd.h>
 
 #define RUN_FILE "qtune_run.json"
 
@@ -88,12 +91,49 @@ int qt_output_dir_job_difference(const char *output_dir, const qt_job *job, char
     return n;
 }
 
-int qt_output_dir_claim(const char *output_dir, const qt_job *job, int overwrite, int restart) {
-    char run[4096];
-    QT_TRY(qt_path_join(run, sizeof run, output_dir, RUN_FILE));
-    if (qt_path_exists(output_dir) && !qt_is_dir(output_dir))
-        return QT_ERR(QT_EINVAL, "%s: output_dir %s exists and is not a folder; name another output_dir", job->path,
-                      output_dir);
+/* Who the folder's qtune_run.json says started the run there ("process N on
+ * HOST"), or "" when it does not say. */
+static void recorded_owner(const char *run, char *out, size_t cap) {
+    char *text;
+    out[0] = 0;
+    if (qt_read_file(run, 1 << 24, &text, NULL) != QT_OK) {
+        qt_error_clear();
+        return;
+    }
+    cJSON *j = cJSON_Parse(text);
+    qt_free(text);
+    const cJSON *pid = cJSON_GetObjectItemCaseSensitive(j, "pid");
+    const cJSON *host = cJSON_GetObjectItemCaseSensitive(j, "host");
+    if (cJSON_IsNumber(pid) && cJSON_IsString(host))
+        snprintf(out, cap, " (its qtune_run.json names process %.0f on %s)", pid->valuedouble, host->valuestring);
+    cJSON_Delete(j);
+}
+
+/* An exclusive flock on the folder itself, held until *fd is closed: a
+ * second qtune started on the same output_dir would otherwise remove or
+ * rename the first one's checkpoints under it. A filesystem without flock
+ * support (some network mounts) gets a warning and no lock. */
+static int lock_folder(const char *dir, const char *run, const qt_job *job, int *fd) {
+    *fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (*fd < 0) return QT_ERR(QT_EIO, "cannot open output_dir %s: %s", dir, strerror(errno));
+    if (flock(*fd, LOCK_EX | LOCK_NB) == 0) return QT_OK;
+    int e = errno;
+    if (e == EWOULDBLOCK) {
+        char who[512];
+        recorded_owner(run, who, sizeof who);
+        close(*fd), *fd = -1;
+        return QT_ERR(QT_EINVAL,
+                      "%s: output_dir %s is in use by another qtune process%s; wait for it to finish or stop it, "
+                      "or name another output_dir",
+                      job->path, dir, who);
+    }
+    qt_warn("output_dir %s cannot be locked (%s); nothing stops a second qtune from using it at the same time", dir,
+            strerror(e));
+    close(*fd), *fd = -1;
+    return QT_OK;
+}
+
+static int claim_locked(const char *output_dir, const char *run, const qt_job *job, int overwrite, int restart) {
     if (qt_is_dir(output_dir) && dir_nonempty(output_dir)) {
         uint64_t fp = 0;
         int same = qt_path_exists(run) && read_fingerprint(run, &fp) == QT_OK && fp == job->fingerprint;
@@ -119,17 +159,35 @@ int qt_output_dir_claim(const char *output_dir, const qt_job *job, int overwrite
             QT_TRY(remove_ours(output_dir));
         }
     }
-    QT_TRY(qt_mkdir_p(output_dir));
     cJSON *j = cJSON_CreateObject();
     char hex[32];
     snprintf(hex, sizeof hex, "%016" PRIx64, job->fingerprint);
     cJSON_AddStringToObject(j, "fingerprint", hex);
     cJSON_AddStringToObject(j, "job_file", job->path);
+    char host[256] = "";
+    if (gethostname(host, sizeof host - 1) != 0) snprintf(host, sizeof host, "?");
+    cJSON_AddNumberToObject(j, "pid", (double)getpid());
+    cJSON_AddStringToObject(j, "host", host);
     cJSON_AddItemToObject(j, "job", cJSON_Duplicate(job->root, 1));
     char *s = cJSON_Print(j);
     cJSON_Delete(j);
     if (!s) return QT_ERR(QT_ENOMEM, "out of memory writing %s", run);
     int rc = qt_write_file_atomic(run, s, strlen(s));
     free(s);
+    return rc;
+}
+
+int qt_output_dir_claim(const char *output_dir, const qt_job *job, int overwrite, int restart, int *lock_fd) {
+    char run[4096];
+    *lock_fd = -1;
+    QT_TRY(qt_path_join(run, sizeof run, output_dir, RUN_FILE));
+    if (qt_path_exists(output_dir) && !qt_is_dir(output_dir))
+        return QT_ERR(QT_EINVAL, "%s: output_dir %s exists and is not a folder; name another output_dir", job->path,
+                      output_dir);
+    /* the lock comes first: nothing in the folder is read or removed without it */
+    QT_TRY(qt_mkdir_p(output_dir));
+    QT_TRY(lock_folder(output_dir, run, job, lock_fd));
+    int rc = claim_locked(output_dir, run, job, overwrite, restart);
+    if (rc != QT_OK && *lock_fd >= 0) close(*lock_fd), *lock_fd = -1;
     return rc;
 }

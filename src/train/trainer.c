@@ -16,6 +16,7 @@
 #include <math.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 double trainer_elapsed(const qt_trainer *t) { return t->elapsed_before + (qt_now_s() - t->t_start); }
 
@@ -286,6 +287,7 @@ static void trainer_free(qt_trainer *t) {
     dl_close(t->eval_dl);
     qt_model_free(t->model);
     bpe_free(t->tok);
+    if (t->outdir_lock >= 0) close(t->outdir_lock); /* last: after every write of this run */
 }
 
 /* Agrees across ranks whether to stop (a signal may reach only some). */
@@ -318,7 +320,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
     /* resume "never" on a folder of the same run starts over: its old outputs go */
     if (t->main)
         QT_TRY(qt_output_dir_claim(job->output_dir, job, job->train.overwrite_output_dir,
-                                   !strcmp(job->train.resume, "never")));
+                                   !strcmp(job->train.resume, "never"), &t->outdir_lock));
     QT_TRY(dist_barrier(t->d, "output folder check"));
     QT_TRY(load_model(t));
     QT_TRY(open_loaders(t));
@@ -452,6 +454,7 @@ int qt_train_run(const qt_job *job, dist_ctx *d, const qt_train_hooks *hooks, qt
     memset(&t, 0, sizeof t);
     memset(res, 0, sizeof *res);
     t.job = job;
+    t.outdir_lock = -1;
     t.d = d;
     t.hooks = hooks ? hooks : &no_hooks;
     t.rank = dist_rank(d);

@@ -85,8 +85,11 @@ int qt_train_final_links_checkpoint(int lora, qt_dtype model_dtype);
  * fingerprint. A folder holding another run's outputs (or anything without
  * that file) is refused unless overwrite (then qtune's own outputs in it are
  * removed). restart (resume "never") removes the outputs of the same run.
- * Creates the folder and the file. */
-int qt_output_dir_claim(const char *output_dir, const qt_job *job, int overwrite, int restart);
+ * Creates the folder and the file. First takes an exclusive flock on the
+ * folder (*lock_fd, -1 where the filesystem has no locks): a folder another
+ * qtune process holds is refused, naming that process. The caller closes
+ * *lock_fd when the run ends; on an error it is -1. */
+int qt_output_dir_claim(const char *output_dir, const qt_job *job, int overwrite, int restart, int *lock_fd);
 /* What differs between the job recorded in output_dir/qtune_run.json and this
  * one (see qt_job_describe_difference); 0 and "" when there is no record. */
 int qt_output_dir_job_difference(const char *output_dir, const qt_job *job, char *out, size_t cap);

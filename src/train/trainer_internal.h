@@ -47,6 +47,7 @@ typedef struct {
 
     qt_metrics metrics;
     char last_ckpt[4096];
+    int outdir_lock;           /* the output folder's flock (main rank), -1 when none */
 } qt_trainer;
 
 double trainer_elapsed(const qt_trainer *t);

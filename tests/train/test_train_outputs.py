@@ -201,6 +201,34 @@ def test_output_dir_refuses_another_run(base):
     assert open(os.path.join(base, "foreign", "notes.txt")).read() == "mine"  # only qtune's outputs are replaced
 
 
+def test_output_dir_in_use_is_refused(base):
+    """A second qtune on a folder a running one holds is refused at once, naming the first process, and
+    removes nothing: not even with overwrite_output_dir, which would otherwise delete the first run's
+    checkpoints under it (before the lock, two runs of the same job renamed each other's checkpoint files
+    away mid-write). The first run then finishes intact, and the folder is free again."""
+    j = job(base, "busy.json", "run_busy", train_opts={"max_steps": 100000, "save_steps": 2})
+    out = os.path.join(base, "run_busy")
+    p = subprocess.Popen([QTUNE, "train", j], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    mpath = os.path.join(out, "metrics.jsonl")
+    t0 = time.time()
+    while time.time() - t0 < 120 and not (os.path.exists(mpath) and len(open(mpath).readlines()) >= 3):
+        time.sleep(0.05)
+    assert p.poll() is None
+    for extra in ([], ["--set", "train.overwrite_output_dir=true"], ["--set", "train.resume=never"]):
+        second = run("train", j, *extra, check=False)
+        assert second.returncode == 1, second.stderr
+        assert "in use by another qtune process" in second.stderr and "process %d on " % p.pid in second.stderr, \
+            second.stderr
+        assert p.poll() is None
+    p.send_signal(signal.SIGINT)
+    so, se = p.communicate(timeout=120)
+    assert p.returncode == 130, se
+    assert complete_checkpoints(out)
+    steps = [m["step"] for m in step_lines(out)]
+    assert steps == list(range(1, len(steps) + 1))  # one run's lines, none lost or doubled
+    run("train", j, "--set", "train.max_steps=%d" % (steps[-1] + 1))  # released: the same job resumes
+
+
 def test_nan_stops_naming_step_and_checkpoint(base):
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e30}}}
