@@ -6,6 +6,8 @@
  *   bench_gemm --bf16 [--force] [--threads N]              bf16 x bf16 -> f32 matmul through oneDNN
  *   bench_gemm --onednn [...]                              the sgemm modes above on oneDNN's dnnl_sgemm
  *                                                          (qtune's input-gradient products run on it)
+ *   bench_gemm --triad [--threads N] [--reps R]            memory bandwidth: STREAM's triad a = b + s c
+ *                                                          over three 256 MiB arrays, GB/s
  *
  * FLOPs of one C(M,N) = A(M,K) B(K,N) are 2*M*N*K. Each configuration runs
  * once to warm caches and threads, then R timed repetitions; the BEST rate is
@@ -127,6 +129,46 @@ static int time_sgemm(int onednn, int M, int N, int K, char ta, char tb, int rep
     return QT_OK;
 }
 
+/* STREAM's triad over three arrays of n floats, each thread on its static
+ * share (first touched by the same thread, so its pages are local): best and
+ * median GB/s of R passes, counting 3 * n * 4 bytes a pass as STREAM does
+ * (the write-allocate read of a is not counted). bench/run times it beside
+ * each case: the training step streams its weights and activations through
+ * memory, which a square sgemm living in cache does not. */
+static int time_triad(size_t n, int reps, double *best_gbs, double *median_gbs) {
+    float *a = qt_alloc_aligned(sizeof(float) * n, "bench_gemm triad a");
+    float *b = qt_alloc_aligned(sizeof(float) * n, "bench_gemm triad b");
+    float *c = qt_alloc_aligned(sizeof(float) * n, "bench_gemm triad c");
+    double *rates = qt_malloc(sizeof(double) * (size_t)reps, "bench_gemm rates");
+    if (!a || !b || !c || !rates) {
+        qt_free(a), qt_free(b), qt_free(c), free(rates);
+        return QT_ENOMEM;
+    }
+    const float k = 3.0f;
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) a[i] = 0.0f, b[i] = 1.0f, c[i] = 2.0f;
+    for (int r = -1; r < reps; r++) { /* r = -1: warm-up */
+        double t0 = now_s();
+#pragma omp parallel for simd schedule(static)
+        for (size_t i = 0; i < n; i++) a[i] = b[i] + k * c[i];
+        double dt = now_s() - t0;
+        if (r >= 0) rates[r] = 3.0 * sizeof(float) * (double)n / dt / 1e9;
+    }
+    double best = 0;
+    for (int r = 0; r < reps; r++) best = rates[r] > best ? rates[r] : best;
+    for (int i = 1; i < reps; i++)
+        for (int j = i; j > 0 && rates[j - 1] > rates[j]; j--) {
+            double t = rates[j];
+            rates[j] = rates[j - 1];
+            rates[j - 1] = t;
+        }
+    *best_gbs = best;
+    *median_gbs = reps % 2 ? rates[reps / 2] : 0.5 * (rates[reps / 2 - 1] + rates[reps / 2]);
+    int ok = a[n - 1] == 7.0f; /* 1 + 3 * 2: the loop ran */
+    qt_free(a), qt_free(b), qt_free(c), free(rates);
+    return ok ? QT_OK : QT_EINVAL;
+}
+
 static int cpu_has_flag(const char *flag) {
     FILE *f = fopen("/proc/cpuinfo", "r");
     if (!f) return 0;
@@ -241,11 +283,12 @@ static void usage(void) {
     fprintf(stderr, "usage: bench_gemm [--threads N] [--reps R] [--size S]\n"
                     "       bench_gemm --shape M N K [n|t n|t] [--threads N] [--reps R]\n"
                     "       bench_gemm --bf16 [--force] [--size S] [--threads N] [--reps R]\n"
+                    "       bench_gemm --triad [--threads N] [--reps R]\n"
                     "       --onednn: the sgemm forms on oneDNN's dnnl_sgemm instead of OpenBLAS\n");
 }
 
 int main(int argc, char **argv) {
-    int threads = 1, reps = 5, bf16 = 0, force = 0, onednn = 0, nsizes = 0, shape[3] = {0, 0, 0};
+    int threads = 1, reps = 5, bf16 = 0, force = 0, onednn = 0, triad = 0, nsizes = 0, shape[3] = {0, 0, 0};
     int sizes[8];
     char ta = 'n', tb = 't';
     for (int i = 1; i < argc; i++) {
@@ -255,6 +298,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--bf16")) bf16 = 1;
         else if (!strcmp(argv[i], "--force")) force = 1;
         else if (!strcmp(argv[i], "--onednn")) onednn = 1;
+        else if (!strcmp(argv[i], "--triad")) triad = 1;
         else if (!strcmp(argv[i], "--shape") && i + 3 < argc) {
             for (int k = 0; k < 3; k++) shape[k] = atoi(argv[++i]);
             if (i + 2 < argc && (argv[i + 1][0] == 'n' || argv[i + 1][0] == 't') && argv[i + 1][1] == '\0') {
@@ -282,6 +326,17 @@ int main(int argc, char **argv) {
         }
     openblas_set_num_threads(threads);
     omp_set_num_threads(threads);
+    if (triad) {
+        double best, med;
+        if (time_triad((size_t)64 << 20, reps, &best, &med) != QT_OK) {
+            fprintf(stderr, "bench_gemm: the triad failed (out of memory, or a wrong result)\n");
+            return 1;
+        }
+        printf("{\"kind\": \"triad\", \"threads\": %d, \"bytes_per_pass\": %zu, \"gbs\": %.2f, "
+               "\"median_gbs\": %.2f}\n",
+               threads, (size_t)3 * sizeof(float) * ((size_t)64 << 20), best, med);
+        return 0;
+    }
 #if !QTUNE_HAVE_DNNL
     if (onednn) {
         printf("{\"kind\": \"sgemm\", \"lib\": \"onednn\", \"threads\": %d, \"gflops\": null, "

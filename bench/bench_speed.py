@@ -430,6 +430,19 @@ def bf16_notes(res, cpu=False):
     return lines
 
 
+def triad_near(build, t, reps=3):
+    """Memory bandwidth right now (bench_gemm --triad: STREAM's triad, best
+    GB/s, t threads). Measured beside the sgemm peak before and after every
+    qtune case: the step streams 2 GB of weights and its activations through
+    memory each step, and a square sgemm that lives in cache does not feel
+    another tenant's memory traffic; the triad does."""
+    exe = os.path.join(build, "bench", "bench_gemm")
+    r = subprocess.run([exe, "--triad", "--threads", str(t), "--reps", str(reps)], capture_output=True, text=True,
+                       env=thread_env(t))
+    rows = [json.loads(x) for x in r.stdout.splitlines() if x.strip()] if r.returncode == 0 else []
+    return rows[0]["gbs"] if rows and rows[0].get("gbs") else None
+
+
 def report(res):
     p = print
     p("\n## Machine\n")
@@ -453,9 +466,9 @@ def report(res):
     p("Wall clock (tokens / step wall time; the machine is shared, see load avg):\n")
     p("| shape | B x T | mode | threads | n | qtune tok/s | PyTorch tok/s | qtune / PyTorch | qtune bf16 tok/s | "
       "bf16 / PyTorch fp32 | bf16 / qtune fp32 | GFLOP/step | qtune GFLOP/s | % of sgemm peak | "
-      "% of OpenBLAS sgemm peak | % of peak around the case | bf16 % of bf16 (oneDNN) peak | qtune peak RSS | "
-      "PyTorch peak RSS | load avg |")
-    p("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+      "% of OpenBLAS sgemm peak | % of peak around the case | triad GB/s before / after | "
+      "bf16 % of bf16 (oneDNN) peak | qtune peak RSS | PyTorch peak RSS | load avg |")
+    p("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in res["cases"]:
         q, t, qb = c["qtune"], c.get("torch") or {}, c.get("qtune_bf16") or {}
         qt, tt, bt = q.get("tok_s"), t.get("tok_s"), qb.get("tok_s")
@@ -469,7 +482,8 @@ def report(res):
         bpeak = (pk.get("bf16") or {}).get("gflops")
         bgfs = c["flops"] * bt / c["tokens"] / 1e9 if bt else None
         near = max([x for x in q.get("peak_near") or [] if x], default=None)
-        p("| %s | %dx%d | %s | %d | %d | %s | %s | %s | %s | %s | %s | %.1f | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+        bw = q.get("triad_near") or []
+        p("| %s | %dx%d | %s | %d | %d | %s | %s | %s | %s | %s | %s | %.1f | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
             c["shape"], c["B"], c["T"], c["mode"], c["threads"], len(q.get("tok_s_all", [])) - res["warmup"],
             fmt(qt, "%.1f"), fmt(tt, "%.1f"),
             ratio(qt, tt) if qt and tt else (q.get("error") or t.get("error") or "-"),
@@ -477,6 +491,7 @@ def report(res):
             c["flops"] / 1e9, fmt(gfs, "%.1f"), fmt(100 * gfs / peak if gfs and peak else None, "%.0f%%"),
             fmt(100 * gfs / ob_peak if gfs and ob_peak else None, "%.0f%%"),
             "%.0f%% of %.1f" % (100 * gfs / near, near) if gfs and near else "-",
+            " / ".join(fmt(x, "%.1f") for x in bw) if bw else "-",
             "%.0f%% of %.1f" % (100 * bgfs / bpeak, bpeak) if bgfs and bpeak else "-",
             fmt(q.get("mem_peak_bytes") and q["mem_peak_bytes"] / 2**20, "%.0f MiB"),
             fmt(t.get("maxrss_bytes") and t["maxrss_bytes"] / 2**20, "%.0f MiB"), q.get("load", "")))
@@ -658,11 +673,13 @@ def main():
             fl, n_mm = flops_per_step(cfg, B, T, mode)
             for t in threads:
                 log("%s %s threads=%d (load %s)" % (shape, mode, t, loadavg()))
-                before = peak_near(a.build, t)
+                before, bw_before = peak_near(a.build, t), triad_near(a.build, t)
                 q = run_qtune(qtune, a.work, mdir, data, B, T, mode, t, a.warmup, steps)
                 q["peak_near"] = [before, peak_near(a.build, t)]
-                log("  qtune: %s; sgemm peak before/after %s" % (
-                    q.get("error") or "%.1f tok/s %s" % (q["tok_s"], q["tok_s_all"]), q["peak_near"]))
+                q["triad_near"] = [bw_before, triad_near(a.build, t)]
+                log("  qtune: %s; sgemm peak before/after %s; triad GB/s before/after %s" % (
+                    q.get("error") or "%.1f tok/s %s" % (q["tok_s"], q["tok_s_all"]), q["peak_near"],
+                    q["triad_near"]))
                 # same job, threads, warm-up and steps, deepspeed "bf16": {"enabled": true}
                 qb = {"not_run": bf16_why}
                 if bf16_run:

@@ -68,6 +68,17 @@ def test_bench_gemm_bf16_reports_cpu_support():
         assert r.returncode == 0 and json.loads(r.stdout)["note"] == "n/a: no AVX512_BF16"
 
 
+def test_bench_gemm_triad():
+    """--triad: STREAM's triad bandwidth in GB/s (the result is checked inside: the program exits 1 if the
+    last element is not b + 3 c), bytes counted as 3 arrays of 64 Mi floats."""
+    need(GEMM)
+    r = subprocess.run([GEMM, "--triad", "--reps", "2"], capture_output=True, text=True, env=ENV1)
+    assert r.returncode == 0, r.stderr
+    o = json.loads(r.stdout)
+    assert o["kind"] == "triad" and o["threads"] == 1 and o["bytes_per_pass"] == 3 * 4 * (64 << 20)
+    assert 0 < o["median_gbs"] <= o["gbs"] < 10000
+
+
 def test_bench_gemm_rejects_bad_arguments():
     need(GEMM)
     for args in (["--threads", "0"], ["--size", "-5"], ["--bogus"]):
