@@ -80,6 +80,19 @@ static void sgemm(int onednn, char ta, char tb, int M, int N, int K, const float
                 1.0f, a, lda, b, ldb, 0.0f, c, N);
 }
 
+/* The largest of reps rates and their median (sorts rates; reps is small,
+ * so by insertion). */
+static void best_and_median(double *rates, int reps, double *best, double *median) {
+    for (int i = 1; i < reps; i++)
+        for (int j = i; j > 0 && rates[j - 1] > rates[j]; j--) {
+            double t = rates[j];
+            rates[j] = rates[j - 1];
+            rates[j - 1] = t;
+        }
+    *best = rates[reps - 1];
+    *median = reps % 2 ? rates[reps / 2] : 0.5 * (rates[reps / 2 - 1] + rates[reps / 2]);
+}
+
 /* Best GFLOP/s of R timed sgemm calls, C = A op(B) with the row-major layout
  * qtune uses (op_matmul: A (M,K); B (N,K) when tB = 't', (K,N) when 'n'). */
 static int time_sgemm(int onednn, int M, int N, int K, char ta, char tb, int reps, double *best_gflops,
@@ -114,17 +127,7 @@ static int time_sgemm(int onednn, int M, int N, int K, char ta, char tb, int rep
         best_cpu = g > best_cpu ? g : best_cpu;
     }
     *best_cpu_gflops = best_cpu;
-    double best = 0;
-    for (int r = 0; r < reps; r++) best = rates[r] > best ? rates[r] : best;
-    /* median by insertion sort: reps is small */
-    for (int i = 1; i < reps; i++)
-        for (int j = i; j > 0 && rates[j - 1] > rates[j]; j--) {
-            double t = rates[j];
-            rates[j] = rates[j - 1];
-            rates[j - 1] = t;
-        }
-    *best_gflops = best;
-    *median_gflops = reps % 2 ? rates[reps / 2] : 0.5 * (rates[reps / 2 - 1] + rates[reps / 2]);
+    best_and_median(rates, reps, best_gflops, median_gflops);
     qt_free(a), qt_free(b), qt_free(c), free(rates);
     return QT_OK;
 }
@@ -154,16 +157,7 @@ static int time_triad(size_t n, int reps, double *best_gbs, double *median_gbs) 
         double dt = now_s() - t0;
         if (r >= 0) rates[r] = 3.0 * sizeof(float) * (double)n / dt / 1e9;
     }
-    double best = 0;
-    for (int r = 0; r < reps; r++) best = rates[r] > best ? rates[r] : best;
-    for (int i = 1; i < reps; i++)
-        for (int j = i; j > 0 && rates[j - 1] > rates[j]; j--) {
-            double t = rates[j];
-            rates[j] = rates[j - 1];
-            rates[j - 1] = t;
-        }
-    *best_gbs = best;
-    *median_gbs = reps % 2 ? rates[reps / 2] : 0.5 * (rates[reps / 2 - 1] + rates[reps / 2]);
+    best_and_median(rates, reps, best_gbs, median_gbs);
     int ok = a[n - 1] == 7.0f; /* 1 + 3 * 2: the loop ran */
     qt_free(a), qt_free(b), qt_free(c), free(rates);
     return ok ? QT_OK : QT_EINVAL;
