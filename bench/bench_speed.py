@@ -90,6 +90,18 @@ def flops_per_step(cfg, B, T, mode, r=LORA_R):
 
 
 # ---- pieces --------------------------------------------------------------------
+def bench_gemm_rows(build, t, args, must=False):
+    """bench_gemm's JSON lines for one call at t threads: [] when it fails,
+    or with must, the benchmark stops with its error."""
+    r = subprocess.run([os.path.join(build, "bench", "bench_gemm"), "--threads", str(t)] + args,
+                       capture_output=True, text=True, env=thread_env(t))
+    if r.returncode:
+        if must:
+            sys.exit("bench_gemm failed: " + r.stderr)
+        return []
+    return [json.loads(x) for x in r.stdout.splitlines() if x.strip()]
+
+
 def gemm_peak(build, threads, reps):
     """The square-sgemm peak of each thread count, on OpenBLAS and on oneDNN's
     dnnl_sgemm (qtune runs its input-gradient products on the latter where it
@@ -98,13 +110,8 @@ def gemm_peak(build, threads, reps):
     exe = os.path.join(build, "bench", "bench_gemm")
     out = {}
     for t in threads:
-        rows = []
-        for extra in ([], ["--onednn"]):
-            r = subprocess.run([exe, "--threads", str(t), "--reps", str(reps)] + extra, capture_output=True,
-                               text=True, env=thread_env(t))
-            if r.returncode:
-                sys.exit("bench_gemm failed: " + r.stderr)
-            rows += [x for x in (json.loads(y) for y in r.stdout.splitlines() if y.strip()) if x.get("gflops")]
+        rows = [x for extra in ([], ["--onednn"]) for x in bench_gemm_rows(build, t, ["--reps", str(reps)] + extra,
+                                                                          must=True) if x.get("gflops")]
         best = max(rows, key=lambda x: x["gflops"])
         rb = subprocess.run([exe, "--bf16", "--threads", str(t), "--reps", str(reps)], capture_output=True, text=True,
                             env=thread_env(t))
@@ -125,14 +132,9 @@ def peak_near(build, t, reps=3):
     host's speed drifts by +-10% over minutes (other tenants of the physical
     machine), so the run-start peak alone can make a case look slower or
     faster than it is against what the cores gave at the time."""
-    exe = os.path.join(build, "bench", "bench_gemm")
-    best = None
-    for extra in ([], ["--onednn"]):
-        r = subprocess.run([exe, "--threads", str(t), "--reps", str(reps), "--size", "2048"] + extra,
-                           capture_output=True, text=True, env=thread_env(t))
-        rows = [json.loads(x) for x in r.stdout.splitlines() if x.strip()] if r.returncode == 0 else []
-        best = max([x["gflops"] for x in rows if x.get("gflops")] + ([best] if best else []), default=None)
-    return best
+    rates = [x["gflops"] for extra in ([], ["--onednn"])
+             for x in bench_gemm_rows(build, t, ["--reps", str(reps), "--size", "2048"] + extra) if x.get("gflops")]
+    return max(rates, default=None)
 
 
 def bf16_plan(setting, cpuinfo=None):
@@ -436,10 +438,7 @@ def triad_near(build, t, reps=3):
     qtune case: the step streams 2 GB of weights and its activations through
     memory each step, and a square sgemm that lives in cache does not feel
     another tenant's memory traffic; the triad does."""
-    exe = os.path.join(build, "bench", "bench_gemm")
-    r = subprocess.run([exe, "--triad", "--threads", str(t), "--reps", str(reps)], capture_output=True, text=True,
-                       env=thread_env(t))
-    rows = [json.loads(x) for x in r.stdout.splitlines() if x.strip()] if r.returncode == 0 else []
+    rows = bench_gemm_rows(build, t, ["--triad", "--reps", str(reps)])
     return rows[0]["gbs"] if rows and rows[0].get("gbs") else None
 
 

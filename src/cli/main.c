@@ -44,7 +44,7 @@ static const struct {
  *   threads on an idle machine: 3000 spins faster in 4 of 6 pairs (by 5-14%),
  *   slower in 2 (by 3%).
  * - A short spin costs little when another process wants the cores: with a
- *   busy loop beside it, 0.5B LoRA at 2 threads ran 0-5% below passive,
+ *   busy loop beside it, 0.5B LoRA at 2 threads ran within 5% of passive,
  *   where 10000 spins lost 6-13% and 30000 lost 23%.
  * Figures: docs/performance.md, item 6. libgomp reads the variable once,
  * before main runs (and glibc resets the environment after an executable's

@@ -53,22 +53,32 @@ static int remove_ours(const char *dir) {
     return rc;
 }
 
-/* The recorded run's fingerprint: recomputed from the job it recorded (so a
- * change in how fingerprints are computed does not orphan a folder), else
- * the recorded value. */
-static int read_fingerprint(const char *path, uint64_t *fp) {
+/* qtune_run.json at path, parsed; NULL (and no error left set) when it
+ * cannot be read or is not JSON. The caller cJSON_Deletes it. */
+static cJSON *read_record(const char *path) {
     char *text;
-    QT_TRY(qt_read_file(path, 1 << 24, &text, NULL));
+    if (qt_read_file(path, 1 << 24, &text, NULL) != QT_OK) {
+        qt_error_clear();
+        return NULL;
+    }
     cJSON *j = cJSON_Parse(text);
     qt_free(text);
+    return j;
+}
+
+/* 1 and the recorded run's fingerprint: recomputed from the job it recorded
+ * (so a change in how fingerprints are computed does not orphan a folder),
+ * else the recorded value; 0 when the record gives none. */
+static int recorded_fingerprint(const char *path, uint64_t *fp) {
+    cJSON *j = read_record(path);
     const cJSON *f = cJSON_GetObjectItemCaseSensitive(j, "fingerprint");
     const cJSON *job = cJSON_GetObjectItemCaseSensitive(j, "job");
-    int rc = QT_OK;
+    int found = 1;
     if (cJSON_IsObject(job)) *fp = qt_job_fingerprint_of(job);
     else if (cJSON_IsString(f)) *fp = strtoull(f->valuestring, NULL, 16);
-    else rc = QT_ERR(QT_EFORMAT, "%s has no \"fingerprint\"", path);
+    else found = 0;
     cJSON_Delete(j);
-    return rc;
+    return found;
 }
 
 int qt_output_dir_job_difference(const char *output_dir, const qt_job *job, char *out, size_t cap) {
@@ -78,13 +88,7 @@ int qt_output_dir_job_difference(const char *output_dir, const qt_job *job, char
         qt_error_clear();
         return 0;
     }
-    char *text;
-    if (qt_read_file(run, 1 << 24, &text, NULL) != QT_OK) {
-        qt_error_clear();
-        return 0;
-    }
-    cJSON *j = cJSON_Parse(text);
-    qt_free(text);
+    cJSON *j = read_record(run);
     const cJSON *was = cJSON_GetObjectItemCaseSensitive(j, "job");
     int n = cJSON_IsObject(was) ? qt_job_describe_difference(was, job->root, out, cap) : 0;
     cJSON_Delete(j);
@@ -94,14 +98,8 @@ int qt_output_dir_job_difference(const char *output_dir, const qt_job *job, char
 /* Who the folder's qtune_run.json says started the run there ("process N on
  * HOST"), or "" when it does not say. */
 static void recorded_owner(const char *run, char *out, size_t cap) {
-    char *text;
     out[0] = 0;
-    if (qt_read_file(run, 1 << 24, &text, NULL) != QT_OK) {
-        qt_error_clear();
-        return;
-    }
-    cJSON *j = cJSON_Parse(text);
-    qt_free(text);
+    cJSON *j = read_record(run);
     const cJSON *pid = cJSON_GetObjectItemCaseSensitive(j, "pid");
     const cJSON *host = cJSON_GetObjectItemCaseSensitive(j, "host");
     if (cJSON_IsNumber(pid) && cJSON_IsString(host))
@@ -134,9 +132,9 @@ static int lock_folder(const char *dir, const char *run, const qt_job *job, int 
 }
 
 static int claim_locked(const char *output_dir, const char *run, const qt_job *job, int overwrite, int restart) {
-    if (qt_is_dir(output_dir) && dir_nonempty(output_dir)) {
+    if (dir_nonempty(output_dir)) { /* the caller made the folder */
         uint64_t fp = 0;
-        int same = qt_path_exists(run) && read_fingerprint(run, &fp) == QT_OK && fp == job->fingerprint;
+        int same = qt_path_exists(run) && recorded_fingerprint(run, &fp) && fp == job->fingerprint;
         char diff[1024] = "";
         if (!same && !overwrite && qt_path_exists(run) && qt_output_dir_job_difference(output_dir, job, diff, sizeof diff))
             return QT_ERR(QT_EINVAL,
