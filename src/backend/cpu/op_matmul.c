@@ -31,7 +31,7 @@
 
 /* The workspace holds up to 2M floats (8 MiB) of converted weights; each
  * thread gets at least 16 rows' worth, which caps the team for wide inputs. */
-#define MATMUL_WS_FLOATS ((size_t)1 << 21)
+#define MATMUL_WS_FLOATS OP_MATMUL_WS_CAP
 #define MATMUL_MIN_ROWS 16
 
 /* Which library op_sgemm_nn / op_sgemm_tn use: -1 not chosen yet, 0 OpenBLAS, 1 oneDNN. */

@@ -23,6 +23,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "backend/backend.h"
 #include "core/dtype.h"
 
 /* ---- embedding ---------------------------------------------------------- */
@@ -41,6 +42,7 @@ void op_rmsnorm_backward(float *dinp, float *dweight, const float *dout, const f
 /* ---- matmul with bias: out (N, OUT) = inp (N, IN) @ W^T + bias ------------ */
 /* W (OUT, IN) in wdt; bias (OUT) f32 or NULL. out = alpha*(inp@W^T) + bias,
  * or with accumulate != 0, out += alpha*(inp@W^T) + bias. */
+#define OP_MATMUL_WS_CAP ((size_t)1 << 21) /* floats of converted weight panels a matmul uses at most */
 size_t op_matmul_ws_floats(int IN, int OUT);
 void op_matmul_forward(float *out, const float *inp, const void *w, qt_dtype wdt, const float *bias, int N, int IN,
                        int OUT, float alpha, int accumulate, float *ws);
@@ -140,6 +142,14 @@ void op_sgemm_tn(int M, int N, int K, float alpha, const float *A, int lda, cons
                  float *C, int ldc);
 void op_sgemm_use_onednn(int on);
 int op_sgemm_onednn(void);
+/* ---- whole-block passes (op_optim.c), behind backend.h's adam / sum_squares
+ * / scale / dropout ------------------------------------------------------ */
+void op_adam(const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n);
+double op_sum_squares(const float *x, size_t n); /* same bits for any thread count */
+void op_scale(float *x, size_t n, float s);
+void op_dropout(float *dst, const float *src, size_t n, const qt_dropout_key *key, uint32_t threshold,
+                float keep_scale);
+
 /* [a, b): part id of n items split into `parts` blocks, aligned to `align`. */
 void op_split(int n, int parts, int id, int align, int *a, int *b);
 

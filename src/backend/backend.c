@@ -1,0 +1,58 @@
+/* The registry of compiled-in backends (backend.h). Adding one: a folder
+ * src/backend/<name>/ with its open function and descriptor, and a row here. */
+#include "backend/backend.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cpu/backend_cpu.h"
+#include "backend/guard/backend_guard.h"
+#include "core/error.h"
+#include "core/mem.h"
+
+static void cpu_close(qt_backend *be) { qt_free(be); }
+
+static int cpu_open(qt_backend **out) {
+    qt_backend *be = qt_calloc(1, sizeof *be, "cpu backend");
+    if (!be) return QT_ENOMEM;
+    qt_backend_cpu_fill(be);
+    be->close = cpu_close;
+    *out = be;
+    return QT_OK;
+}
+
+static const qt_backend_desc *cpu_desc(void) { return &qt_cpu_desc; }
+
+static const struct {
+    const char *name;
+    int (*open)(qt_backend **out);
+    const qt_backend_desc *(*desc)(void);
+} backends[] = {
+    {"cpu", cpu_open, cpu_desc},
+    {"guard", qt_backend_guard_open, qt_backend_guard_desc},
+};
+enum { N_BACKENDS = sizeof backends / sizeof backends[0] };
+
+const char *qt_backend_default_name(void) {
+    const char *e = getenv("QTUNE_BACKEND");
+    return e && *e ? e : "cpu";
+}
+
+const qt_backend_desc *qt_backend_desc_of(const char *name) {
+    if (!name) name = qt_backend_default_name();
+    for (int i = 0; i < N_BACKENDS; i++)
+        if (!strcmp(backends[i].name, name)) return backends[i].desc();
+    return NULL;
+}
+
+int qt_backend_open(const char *name, qt_backend **out) {
+    *out = NULL;
+    if (!name) name = qt_backend_default_name();
+    for (int i = 0; i < N_BACKENDS; i++)
+        if (!strcmp(backends[i].name, name)) return backends[i].open(out);
+    return QT_ERR(QT_EINVAL, "backend \"%s\" is not compiled in (QTUNE_BACKEND); use cpu or guard", name);
+}
+
+void qt_backend_close(qt_backend *be) {
+    if (be && be->close) be->close(be);
+}

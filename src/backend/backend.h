@@ -1,0 +1,221 @@
+/* The backend interface: everything the model, the optimizer, clipping, the
+ * loss scaler, ZeRO and the trainer do to tensor memory goes through one of
+ * these calls. A backend is a table of function pointers chosen at run time
+ * (qt_backend_open: "cpu", "guard", later "cuda"), so a GPU backend is one
+ * more folder under src/backend/ and one more entry in backend.c.
+ *
+ * Ownership (docs/architecture.md draws it):
+ *  - memory of placement QT_MEM_DEVICE belongs to the backend: the host never
+ *    reads or writes it except through upload / download (the guard backend
+ *    makes any other touch fault at its line);
+ *  - QT_MEM_PINNED / QT_MEM_HOST are host memory the backend can copy from and
+ *    to quickly (staging buffers for checkpoints, the batch, logits);
+ *  - import_mapped hands the backend a read-only host mapping (the frozen base
+ *    in its safetensors file) and returns what the kernels read: the mapping
+ *    itself where the device can read host memory (cpu), a device copy
+ *    otherwise.
+ * Every op follows backend/cpu/ops.h's conventions (stated once there):
+ * backward ops ADD into their gradient outputs, weights are (pointer, dtype),
+ * small vectors are f32, ws is scratch of the size the descriptor's formulas
+ * give. All pointers an op receives are device pointers, including the int32
+ * token ids, targets, positions and doc_start of a batch (the model uploads
+ * them). Calls are ordered (one stream); sync waits for all of them. */
+#ifndef QT_BACKEND_BACKEND_H
+#define QT_BACKEND_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/dtype.h"
+
+typedef enum {
+    QT_MEM_DEVICE = 0, /* the backend's own memory (kernels read/write it; the host does not) */
+    QT_MEM_PINNED,     /* host memory registered for fast transfers (staging buffers) */
+    QT_MEM_HOST,       /* plain host memory */
+} qt_mem_place;
+
+/* Plain facts about a backend, readable without the device (qt_backend_desc_of
+ * "cuda" on a machine with no GPU): the memory plan (src/model/memplan.c) sizes
+ * workspaces from them, so `qtune plan` can answer for it. */
+typedef struct {
+    const char *name;
+    size_t alignment;        /* bytes every allocation is aligned to */
+    unsigned native_dtypes;  /* QT_BE_DT(QT_F32) | ...: dtypes the GEMMs take natively */
+    int ce_chunk;            /* vocabulary chunk of the fused lm_head + cross-entropy */
+    size_t matmul_ws_cap;    /* floats of converted weight panel a matmul may use */
+    size_t runtime_bytes;    /* process runtime outside the planned blocks (code, library buffers) */
+    size_t runtime_extra;    /* ... more when the optional GEMM library (oneDNN) is in use */
+    int host_reads_device;   /* 1: device pointers are host-readable (cpu); 0: never touch them */
+} qt_backend_desc;
+#define QT_BE_DT(dt) (1u << (unsigned)(dt))
+
+/* Workspace formulas over the descriptor (floats). */
+static inline size_t qt_be_matmul_ws_floats(const qt_backend_desc *d, int IN, int OUT) {
+    size_t full = (size_t)IN * (size_t)OUT, ws = full < d->matmul_ws_cap ? full : d->matmul_ws_cap;
+    return ws > (size_t)IN ? ws : (size_t)IN;
+}
+static inline size_t qt_be_lmhead_ce_ws_floats(const qt_backend_desc *d, int N, int C) {
+    /* logits chunk, weight chunk, per-row sum/max/target, dx accumulator (N, C), rescale (N) */
+    return (size_t)N * d->ce_chunk + (size_t)d->ce_chunk * C + 4 * (size_t)N + (size_t)N * C + (size_t)N;
+}
+static inline size_t qt_be_lmhead_ce_kept_floats(const qt_backend_desc *d, int N, int V) {
+    size_t chunks = ((size_t)V + d->ce_chunk - 1) / d->ce_chunk;
+    return (size_t)N * (size_t)V + (size_t)N * chunks;
+}
+
+/* AdamW / Adam over a range of the flat block; the per-element rule is
+ * optim/adam.h's. The caller works out the step's scalars (in double, as
+ * torch does) and splits the range at weight-decay boundaries. */
+typedef struct {
+    float omb1, b2, omb2; /* 1-beta1, beta2, 1-beta2 */
+    float step_size;      /* lr / (1 - beta1^t) */
+    float bc2_sqrt;       /* sqrt(1 - beta2^t) */
+    float eps;
+    float gs;             /* gradient multiplier (unscale * clip) */
+    float wd_mul;         /* AdamW: 1 - lr*wd on decayed elements, else 1 */
+    float wd_l2;          /* Adam: wd on decayed elements, else 0 */
+} qt_adam_scalars;
+
+/* The LoRA dropout mask of one (layer, module) at one micro step: element i
+ * is kept iff qt_dropout_u24(key, i) >= threshold, a pure function of (seed,
+ * micro step, layer, module, i), so every backend draws it in parallel. */
+typedef struct {
+    uint64_t seed, micro_step;
+    uint32_t layer, module;
+} qt_dropout_key;
+
+/* splitmix64's finaliser: a bijection of 64 bits with full avalanche. */
+static inline uint64_t qt_mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+/* 24 uniform bits of element i of a mask: a counter-based generator (the
+ * key's fields and the index hashed together), no state between elements. */
+static inline uint32_t qt_dropout_u24(const qt_dropout_key *k, uint64_t i) {
+    uint64_t s = qt_mix64(k->seed ^ 0x44726f706f757421ull);
+    s = qt_mix64(s ^ k->micro_step);
+    s = qt_mix64(s ^ (((uint64_t)k->layer << 32) | k->module));
+    return (uint32_t)(qt_mix64(s + i * 0x9e3779b97f4a7c15ull) >> 40);
+}
+/* The integer threshold for drop probability p: element dropped iff u24 < it,
+ * i.e. iff u24 / 2^24 < p, as a uniform draw of 24 bits compared with p. */
+static inline uint32_t qt_dropout_threshold(float p) {
+    double t = (double)p * 16777216.0; /* exact: p has 24 significant bits */
+    uint32_t u = (uint32_t)t;
+    if ((double)u < t) u++; /* ceil */
+    return u > 16777216u ? 16777216u : u;
+}
+
+typedef struct qt_backend qt_backend;
+typedef struct qt_event qt_event;
+
+struct qt_backend {
+    const qt_backend_desc *desc;
+    void *impl; /* the backend's own state */
+
+    /* ---- memory ----------------------------------------------------------- */
+    /* bytes of uninitialised memory in a placement (zero it with zero),
+     * aligned to desc->alignment; NULL (with QT_ERR raised, naming what) when
+     * out of memory. Pages are committed as they are first written, as with
+     * malloc, so a block the plan sizes for the worst case costs what is used. */
+    void *(*alloc)(qt_backend *be, qt_mem_place place, size_t bytes, const char *what);
+    void (*free)(qt_backend *be, void *p); /* NULL is a no-op */
+    /* A read-only host mapping (a tensor of the base's safetensors file) as the
+     * kernels read it; release with free (a no-op where it is the mapping). */
+    int (*import_mapped)(qt_backend *be, const void *host, size_t bytes, const void **dev, const char *what);
+    void (*upload)(qt_backend *be, void *dev, const void *host, size_t bytes);
+    void (*download)(qt_backend *be, void *host, const void *dev, size_t bytes);
+    void (*copy)(qt_backend *be, void *dst, const void *src, size_t bytes); /* device to device */
+    void (*zero)(qt_backend *be, void *dev, size_t bytes);
+    void (*sync)(qt_backend *be);
+    /* Events for overlap (e.g. a gradient bucket's reduction waits on the
+     * backward that wrote it): record marks the point in the stream, wait
+     * blocks the host until the stream passed it. */
+    qt_event *(*event_record)(qt_backend *be);
+    void (*event_wait)(qt_backend *be, qt_event *e);
+    void (*event_free)(qt_backend *be, qt_event *e);
+
+    /* ---- the model's ops (backend/cpu/ops.h documents each) ---------------- */
+    void (*embedding_forward)(qt_backend *be, float *out, const int32_t *ids, const void *wte, qt_dtype wdt, int N,
+                              int C);
+    void (*embedding_backward)(qt_backend *be, float *dwte, const float *dout, const int32_t *ids, int N, int C);
+    void (*rmsnorm_forward)(qt_backend *be, float *out, float *rstd, const float *inp, const float *weight, int N,
+                            int C, float eps);
+    void (*rmsnorm_backward)(qt_backend *be, float *dinp, float *dweight, const float *dout, const float *inp,
+                             const float *weight, const float *rstd, int N, int C);
+    void (*matmul_forward)(qt_backend *be, float *out, const float *inp, const void *w, qt_dtype wdt,
+                           const float *bias, int N, int IN, int OUT, float alpha, int accumulate, float *ws);
+    void (*matmul_backward)(qt_backend *be, float *dinp, float *dweight, float *dbias, const float *dout,
+                            const float *inp, const void *w, qt_dtype wdt, int N, int IN, int OUT, float alpha,
+                            float *ws);
+    void (*rope_forward)(qt_backend *be, float *x, const int32_t *pos, int N, int NH, int D, float theta);
+    void (*rope_backward)(qt_backend *be, float *dx, const int32_t *pos, int N, int NH, int D, float theta);
+    void (*attention_forward)(qt_backend *be, float *out, float *lse, const float *q, const float *k, const float *v,
+                              const int32_t *doc_start, int B, int T, int H, int KV, int D);
+    void (*attention_backward)(qt_backend *be, float *dq, float *dk, float *dv, const float *dout, const float *out,
+                               const float *lse, const float *q, const float *k, const float *v,
+                               const int32_t *doc_start, int B, int T, int H, int KV, int D);
+    void (*attention_forward_cached)(qt_backend *be, float *out, const float *q, const float *kc, const float *vc,
+                                     int n, int pos0, int H, int KV, int D);
+    void (*swiglu_forward)(qt_backend *be, float *out, const float *gate, const float *up, int N, int I);
+    void (*swiglu_backward)(qt_backend *be, float *dgate, float *dup, const float *dout, const float *gate,
+                            const float *up, int N, int I);
+    void (*lmhead_ce_forward)(qt_backend *be, float *loss, float *lse, const float *x, const void *w, qt_dtype wdt,
+                              const int32_t *targets, int N, int C, int V, float *ws);
+    void (*lmhead_ce_backward)(qt_backend *be, float *dx, float *dw, const float *x, const void *w, qt_dtype wdt,
+                               const int32_t *targets, const float *lse, float dscale, int N, int C, int V,
+                               float *ws);
+    void (*lmhead_ce_forward_keep)(qt_backend *be, float *loss, float *lse, float *kept, const float *x,
+                                   const void *w, qt_dtype wdt, const int32_t *targets, int N, int C, int V,
+                                   float *ws);
+    void (*lmhead_ce_backward_kept)(qt_backend *be, float *dx, float *dw, float *kept, const float *x, const void *w,
+                                    qt_dtype wdt, const int32_t *targets, const float *lse, float dscale, int N,
+                                    int C, int V, float *ws);
+    void (*lmhead_ce_forward_dx)(qt_backend *be, float *loss, float *lse, float *dx, const float *x, const void *w,
+                                 qt_dtype wdt, const int32_t *targets, float dscale, int N, int C, int V, float *ws);
+    void (*acc)(qt_backend *be, float *out, const float *a, size_t n); /* out += a */
+
+    /* ---- precision (backend/cpu/op_precision.h) ----------------------------- */
+    void (*round_to_dtype)(qt_backend *be, float *x, size_t n, qt_dtype dt);
+    void (*round_store)(qt_backend *be, float *x, uint16_t *dst, size_t n, qt_dtype dt);
+    void (*convert)(qt_backend *be, void *dst, qt_dtype ddt, const void *src, qt_dtype sdt, size_t n);
+    /* Native bf16 GEMMs (bf16 inputs, fp32 accumulation): bf16_available says
+     * whether they run here (probe once, at load); each call returns QT_OK or
+     * QT_EUNSUPPORTED with its output untouched (the model then takes the
+     * fp32 op). Forms as backend/cpu/op_dnnl.h's. */
+    int (*bf16_available)(qt_backend *be);
+    int (*bf16_matmul)(qt_backend *be, float *out, const uint16_t *inp, const uint16_t *w, const float *bias, int N,
+                       int IN, int OUT, float alpha);
+    int (*bf16_gemm)(qt_backend *be, float *C, const uint16_t *A, int ta, const uint16_t *B, int tb,
+                     const float *bias, int M, int N, int K, float alpha, int acc);
+
+    /* ---- LoRA dropout ------------------------------------------------------ */
+    /* dst[i] = src[i] kept by key's mask (qt_dropout_u24 >= threshold) ?
+     * src[i] * keep_scale : 0, for i < n; dst may alias src. */
+    void (*dropout)(qt_backend *be, float *dst, const float *src, size_t n, const qt_dropout_key *key,
+                    uint32_t threshold, float keep_scale);
+
+    /* ---- optimizer, clipping, loss scaler ---------------------------------- */
+    void (*adam)(qt_backend *be, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n);
+    /* Sum of squares in double, the same bits for any thread count (the
+     * gradient norm; it is finite iff every element is: the overflow check). */
+    double (*sum_squares)(qt_backend *be, const float *x, size_t n);
+    void (*scale)(qt_backend *be, float *x, size_t n, float s); /* x *= s */
+
+    /* ---- facts only the running backend knows ------------------------------- */
+    size_t (*runtime_bytes)(qt_backend *be); /* desc->runtime_bytes (+ runtime_extra where in use) */
+    void (*close)(qt_backend *be);
+};
+
+/* The backends compiled in, by name ("cpu", "guard"); NULL name: the
+ * environment's QTUNE_BACKEND, else "cpu". QT_EINVAL naming the known ones
+ * for an unknown name. Close with qt_backend_close. */
+int qt_backend_open(const char *name, qt_backend **out);
+void qt_backend_close(qt_backend *be);
+/* The descriptor of a backend by name without opening it (NULL: unknown). */
+const qt_backend_desc *qt_backend_desc_of(const char *name);
+/* The name qt_backend_open(NULL, ...) picks. */
+const char *qt_backend_default_name(void);
+
+#endif

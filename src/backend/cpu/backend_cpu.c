@@ -1,0 +1,199 @@
+/* The CPU backend: backend.h's table over the op_* kernels of this folder.
+ * Device memory is host memory (64-byte aligned), so upload, download and
+ * copy are memcpy and a mapped file is read where it lies. */
+#include "backend/cpu/backend_cpu.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cpu/op_dnnl.h"
+#include "backend/cpu/op_precision.h"
+#include "backend/cpu/ops.h"
+#include "core/error.h"
+#include "core/mem.h"
+
+/* Measured peak RSS of qtune train less its planned blocks, on the three
+ * shapes of tests/tools/test_plan.py (1 and 2 threads, 2026-12-03): 6-7 MB
+ * with every product on OpenBLAS, 10.5-11 MB more with op_sgemm_nn on
+ * oneDNN (its pages and JIT kernels, measured with QTUNE_SGEMM=openblas and
+ * without). */
+const qt_backend_desc qt_cpu_desc = {
+    .name = "cpu",
+    .alignment = 64,
+    .native_dtypes = QT_BE_DT(QT_F32),
+    .ce_chunk = OP_CE_CHUNK,
+    .matmul_ws_cap = OP_MATMUL_WS_CAP,
+    .runtime_bytes = (size_t)6 << 20,
+    .runtime_extra = (size_t)10 << 20,
+    .host_reads_device = 1,
+};
+
+static void *c_alloc(qt_backend *be, qt_mem_place place, size_t bytes, const char *what) {
+    (void)be, (void)place;
+    return qt_alloc_aligned(bytes ? bytes : 64, what);
+}
+static void c_free(qt_backend *be, void *p) { (void)be, qt_free(p); }
+static int c_import_mapped(qt_backend *be, const void *host, size_t bytes, const void **dev, const char *what) {
+    (void)be, (void)bytes, (void)what;
+    *dev = host;
+    return QT_OK;
+}
+static void c_copy(qt_backend *be, void *dst, const void *src, size_t bytes) {
+    (void)be;
+    if (bytes) memmove(dst, src, bytes);
+}
+static void c_zero(qt_backend *be, void *dst, size_t bytes) {
+    (void)be;
+    if (bytes % sizeof(float) == 0) qt_zero_floats(dst, bytes / sizeof(float)); /* in parallel when large */
+    else memset(dst, 0, bytes);
+}
+static void c_sync(qt_backend *be) { (void)be; }
+/* every call has finished when it returns: an event is a token */
+static qt_event *c_event_record(qt_backend *be) { return (qt_event *)be; }
+static void c_event_wait(qt_backend *be, qt_event *e) { (void)be, (void)e; }
+static void c_event_free(qt_backend *be, qt_event *e) { (void)be, (void)e; }
+
+#define BE qt_backend *be
+static void c_embedding_forward(BE, float *out, const int32_t *ids, const void *wte, qt_dtype wdt, int N, int C) {
+    op_embedding_forward(out, ids, wte, wdt, N, C);
+}
+static void c_embedding_backward(BE, float *dwte, const float *dout, const int32_t *ids, int N, int C) {
+    op_embedding_backward(dwte, dout, ids, N, C);
+}
+static void c_rmsnorm_forward(BE, float *out, float *rstd, const float *inp, const float *w, int N, int C, float eps) {
+    op_rmsnorm_forward(out, rstd, inp, w, N, C, eps);
+}
+static void c_rmsnorm_backward(BE, float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                               const float *rstd, int N, int C) {
+    op_rmsnorm_backward(dinp, dw, dout, inp, w, rstd, N, C);
+}
+static void c_matmul_forward(BE, float *out, const float *inp, const void *w, qt_dtype wdt, const float *bias, int N,
+                             int IN, int OUT, float alpha, int accumulate, float *ws) {
+    op_matmul_forward(out, inp, w, wdt, bias, N, IN, OUT, alpha, accumulate, ws);
+}
+static void c_matmul_backward(BE, float *dinp, float *dw, float *db, const float *dout, const float *inp,
+                              const void *w, qt_dtype wdt, int N, int IN, int OUT, float alpha, float *ws) {
+    op_matmul_backward(dinp, dw, db, dout, inp, w, wdt, N, IN, OUT, alpha, ws);
+}
+static void c_rope_forward(BE, float *x, const int32_t *pos, int N, int NH, int D, float theta) {
+    op_rope_forward(x, pos, N, NH, D, theta);
+}
+static void c_rope_backward(BE, float *dx, const int32_t *pos, int N, int NH, int D, float theta) {
+    op_rope_backward(dx, pos, N, NH, D, theta);
+}
+static void c_attention_forward(BE, float *out, float *lse, const float *q, const float *k, const float *v,
+                                const int32_t *doc_start, int B, int T, int H, int KV, int D) {
+    op_attention_forward(out, lse, q, k, v, doc_start, B, T, H, KV, D);
+}
+static void c_attention_backward(BE, float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                 const float *lse, const float *q, const float *k, const float *v,
+                                 const int32_t *doc_start, int B, int T, int H, int KV, int D) {
+    op_attention_backward(dq, dk, dv, dout, out, lse, q, k, v, doc_start, B, T, H, KV, D);
+}
+static void c_attention_forward_cached(BE, float *out, const float *q, const float *kc, const float *vc, int n,
+                                       int pos0, int H, int KV, int D) {
+    op_attention_forward_cached(out, q, kc, vc, n, pos0, H, KV, D);
+}
+static void c_swiglu_forward(BE, float *out, const float *gate, const float *up, int N, int I) {
+    op_swiglu_forward(out, gate, up, N, I);
+}
+static void c_swiglu_backward(BE, float *dgate, float *dup, const float *dout, const float *gate, const float *up,
+                              int N, int I) {
+    op_swiglu_backward(dgate, dup, dout, gate, up, N, I);
+}
+static void c_lmhead_ce_forward(BE, float *loss, float *lse, const float *x, const void *w, qt_dtype wdt,
+                                const int32_t *targets, int N, int C, int V, float *ws) {
+    op_lmhead_ce_forward(loss, lse, x, w, wdt, targets, N, C, V, ws);
+}
+static void c_lmhead_ce_backward(BE, float *dx, float *dw, const float *x, const void *w, qt_dtype wdt,
+                                 const int32_t *targets, const float *lse, float dscale, int N, int C, int V,
+                                 float *ws) {
+    op_lmhead_ce_backward(dx, dw, x, w, wdt, targets, lse, dscale, N, C, V, ws);
+}
+static void c_lmhead_ce_forward_keep(BE, float *loss, float *lse, float *kept, const float *x, const void *w,
+                                     qt_dtype wdt, const int32_t *targets, int N, int C, int V, float *ws) {
+    op_lmhead_ce_forward_keep(loss, lse, kept, x, w, wdt, targets, N, C, V, ws);
+}
+static void c_lmhead_ce_backward_kept(BE, float *dx, float *dw, float *kept, const float *x, const void *w,
+                                      qt_dtype wdt, const int32_t *targets, const float *lse, float dscale, int N,
+                                      int C, int V, float *ws) {
+    op_lmhead_ce_backward_kept(dx, dw, kept, x, w, wdt, targets, lse, dscale, N, C, V, ws);
+}
+static void c_lmhead_ce_forward_dx(BE, float *loss, float *lse, float *dx, const float *x, const void *w,
+                                   qt_dtype wdt, const int32_t *targets, float dscale, int N, int C, int V,
+                                   float *ws) {
+    op_lmhead_ce_forward_dx(loss, lse, dx, x, w, wdt, targets, dscale, N, C, V, ws);
+}
+static void c_acc(BE, float *out, const float *a, size_t n) { op_acc(out, a, n); }
+static void c_round_to_dtype(BE, float *x, size_t n, qt_dtype dt) { op_round_to_dtype(x, n, dt); }
+static void c_round_store(BE, float *x, uint16_t *dst, size_t n, qt_dtype dt) { op_round_store(x, dst, n, dt); }
+static void c_convert(BE, void *dst, qt_dtype ddt, const void *src, qt_dtype sdt, size_t n) {
+    op_convert(dst, ddt, src, sdt, n);
+}
+static int c_bf16_available(BE) { return op_dnnl_bf16_available(); }
+static int c_bf16_matmul(BE, float *out, const uint16_t *inp, const uint16_t *w, const float *bias, int N, int IN,
+                         int OUT, float alpha) {
+    return op_dnnl_bf16_matmul(out, inp, w, bias, N, IN, OUT, alpha);
+}
+static int c_bf16_gemm(BE, float *C, const uint16_t *A, int ta, const uint16_t *B, int tb, const float *bias, int M,
+                       int N, int K, float alpha, int acc) {
+    return op_dnnl_bf16_gemm(C, A, ta, B, tb, bias, M, N, K, alpha, acc);
+}
+static void c_dropout(BE, float *dst, const float *src, size_t n, const qt_dropout_key *key, uint32_t threshold,
+                      float keep_scale) {
+    op_dropout(dst, src, n, key, threshold, keep_scale);
+}
+static void c_adam(BE, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n) {
+    op_adam(k, p, g, m, v, n);
+}
+static double c_sum_squares(BE, const float *x, size_t n) { return op_sum_squares(x, n); }
+static void c_scale(BE, float *x, size_t n, float s) { op_scale(x, n, s); }
+static size_t c_runtime_bytes(BE) {
+    return be->desc->runtime_bytes + (op_sgemm_onednn() ? be->desc->runtime_extra : 0);
+}
+#undef BE
+
+void qt_backend_cpu_fill(qt_backend *be) {
+    be->desc = &qt_cpu_desc;
+    be->alloc = c_alloc;
+    be->free = c_free;
+    be->import_mapped = c_import_mapped;
+    be->upload = c_copy;
+    be->download = c_copy;
+    be->copy = c_copy;
+    be->zero = c_zero;
+    be->sync = c_sync;
+    be->event_record = c_event_record;
+    be->event_wait = c_event_wait;
+    be->event_free = c_event_free;
+    be->embedding_forward = c_embedding_forward;
+    be->embedding_backward = c_embedding_backward;
+    be->rmsnorm_forward = c_rmsnorm_forward;
+    be->rmsnorm_backward = c_rmsnorm_backward;
+    be->matmul_forward = c_matmul_forward;
+    be->matmul_backward = c_matmul_backward;
+    be->rope_forward = c_rope_forward;
+    be->rope_backward = c_rope_backward;
+    be->attention_forward = c_attention_forward;
+    be->attention_backward = c_attention_backward;
+    be->attention_forward_cached = c_attention_forward_cached;
+    be->swiglu_forward = c_swiglu_forward;
+    be->swiglu_backward = c_swiglu_backward;
+    be->lmhead_ce_forward = c_lmhead_ce_forward;
+    be->lmhead_ce_backward = c_lmhead_ce_backward;
+    be->lmhead_ce_forward_keep = c_lmhead_ce_forward_keep;
+    be->lmhead_ce_backward_kept = c_lmhead_ce_backward_kept;
+    be->lmhead_ce_forward_dx = c_lmhead_ce_forward_dx;
+    be->acc = c_acc;
+    be->round_to_dtype = c_round_to_dtype;
+    be->round_store = c_round_store;
+    be->convert = c_convert;
+    be->bf16_available = c_bf16_available;
+    be->bf16_matmul = c_bf16_matmul;
+    be->bf16_gemm = c_bf16_gemm;
+    be->dropout = c_dropout;
+    be->adam = c_adam;
+    be->sum_squares = c_sum_squares;
+    be->scale = c_scale;
+    be->runtime_bytes = c_runtime_bytes;
+}
