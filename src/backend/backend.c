@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "backend/cpu/backend_cpu.h"
+#include "backend/cpu/op_precision.h"
 #include "backend/guard/backend_guard.h"
 #include "core/error.h"
 #include "core/mem.h"
@@ -55,4 +56,9 @@ int qt_backend_open(const char *name, qt_backend **out) {
 
 void qt_backend_close(qt_backend *be) {
     if (be && be->close) be->close(be);
+}
+
+int qt_backend_bf16_arith(const char *name) {
+    (void)name; /* cpu and guard both run the CPU's kernels */
+    return op_cpu_has_bf16();
 }

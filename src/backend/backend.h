@@ -124,6 +124,7 @@ struct qt_backend {
     /* A read-only host mapping (a tensor of the base's safetensors file) as the
      * kernels read it; release with free (a no-op where it is the mapping). */
     int (*import_mapped)(qt_backend *be, const void *host, size_t bytes, const void **dev, const char *what);
+    void (*release_mapped)(qt_backend *be, const void *dev); /* what import_mapped returned */
     void (*upload)(qt_backend *be, void *dev, const void *host, size_t bytes);
     void (*download)(qt_backend *be, void *host, const void *dev, size_t bytes);
     void (*copy)(qt_backend *be, void *dst, const void *src, size_t bytes); /* device to device */
@@ -217,5 +218,8 @@ void qt_backend_close(qt_backend *be);
 const qt_backend_desc *qt_backend_desc_of(const char *name);
 /* The name qt_backend_open(NULL, ...) picks. */
 const char *qt_backend_default_name(void);
+/* 1 when the named backend's device (NULL: the default's) does bf16
+ * arithmetic natively (cpu, guard: the CPU has AVX512_BF16). */
+int qt_backend_bf16_arith(const char *name);
 
 #endif

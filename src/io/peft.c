@@ -272,7 +272,8 @@ int peft_save(const char *dir, const peft_config *c, const peft_tensor *t, int n
     QT_TRY(st_writer_new(&w));
     int rc = QT_OK;
     for (int i = 0; i < n && rc == QT_OK; i++)
-        rc = st_writer_add(w, t[i].name, QT_F32, 2, t[i].shape, t[i].data, QT_F32);
+        rc = t[i].fill ? st_writer_add_fn(w, t[i].name, QT_F32, 2, t[i].shape, t[i].fill, t[i].ctx)
+                       : st_writer_add(w, t[i].name, QT_F32, 2, t[i].shape, t[i].data, QT_F32);
     if (rc == QT_OK) rc = st_writer_set_metadata(w, "format", "pt");
     char path[4096];
     if (rc == QT_OK) rc = qt_path_join(path, sizeof path, dir, "adapter_model.safetensors");

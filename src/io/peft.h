@@ -76,7 +76,9 @@ int peft_base_name(const char *key, char *base, size_t cap, int *is_b);
 typedef struct {
     const char *name;
     int64_t shape[2];
-    const float *data;
+    const float *data;  /* host fp32, or NULL with fill: */
+    st_fill_fn fill;    /* a producer (safetensors.h), e.g. a download from device memory */
+    void *ctx;
 } peft_tensor;
 int peft_save(const char *dir, const peft_config *c, const peft_tensor *t, int n);
 

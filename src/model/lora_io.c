@@ -8,6 +8,7 @@
 #include "core/mem.h"
 #include "io/peft.h"
 #include "model/model_internal.h"
+#include "model/params_io.h"
 
 int qt_lora_targets_parse(const char *const *names, int n, unsigned *mask) {
     *mask = 0;
@@ -116,7 +117,7 @@ int qt_lora_load(qt_model *m, const char *dir) {
                         (long long)p->shape[0], (long long)p->shape[1]);
             break;
         }
-        rc = st_read_f32(t, m->master + p->offset);
+        rc = qt_model_read_param(m, i, t);
     }
     if (rc == QT_OK && st_count(st) > m->n_params) {
         /* a tensor for a module or layer this model does not adapt would be silently lost */
@@ -154,12 +155,7 @@ int qt_lora_save(const qt_model *m, const char *dir, const char *base_model) {
     snprintf(pc.base_model, sizeof pc.base_model, "%s", base_model ? base_model : "");
     peft_tensor *t = qt_calloc((size_t)m->n_params, sizeof *t, "adapter tensor list");
     if (!t) return QT_ENOMEM;
-    for (int i = 0; i < m->n_params; i++) {
-        t[i].name = m->params[i].name;
-        t[i].shape[0] = m->params[i].shape[0];
-        t[i].shape[1] = m->params[i].shape[1];
-        t[i].data = m->master + m->params[i].offset;
-    }
+    qt_model_peft_tensors(m, t);
     int rc = peft_save(dir, &pc, t, m->n_params);
     qt_free(t);
     return rc;

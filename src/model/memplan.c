@@ -6,19 +6,27 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "backend/cpu/ops.h"
+#include "backend/backend.h"
+#include "core/error.h"
 #include "model/model_internal.h"
 
-/* Measured peak RSS of qtune train less its planned blocks, on the three
- * shapes of tests/tools/test_plan.py (1 and 2 threads, 2026-12-03): 6-7 MB
- * with every product on OpenBLAS, 10.5-11 MB more with op_sgemm_nn on
- * oneDNN (its pages and JIT kernels, measured with QTUNE_SGEMM=openblas and
- * without). */
-#define CPU_RUNTIME_BYTES ((size_t)6 << 20)
-#define CPU_RUNTIME_ONEDNN_BYTES ((size_t)10 << 20)
+/* The plan reads only the backend's descriptor (plain facts: chunk sizes,
+ * workspace caps), so it answers for a backend whose device is not here. An
+ * unknown name plans as the cpu. */
+static const qt_backend_desc *desc_of(const qt_model_opts *o) {
+    const qt_backend_desc *d = qt_backend_desc_of(o->backend);
+    return d ? d : qt_backend_desc_of("cpu");
+}
 
+/* The process runtime outside the planned blocks: the backend's figure
+ * (backend_cpu.c: measured peak RSS less the planned blocks, more with
+ * oneDNN's sgemm in use, which only the running backend knows). */
 size_t qt_model_cpu_runtime_bytes(void) {
-    return CPU_RUNTIME_BYTES + (op_sgemm_onednn() ? CPU_RUNTIME_ONEDNN_BYTES : 0);
+    qt_backend *be;
+    if (qt_backend_open(NULL, &be) != QT_OK) return qt_backend_desc_of("cpu")->runtime_bytes;
+    size_t n = be->runtime_bytes(be);
+    qt_backend_close(be);
+    return n;
 }
 
 const char *const qt_lin_path[LIN_COUNT] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
@@ -246,24 +254,25 @@ int qt_model_keeps_logits(const qt_config *c, const qt_model_opts *o) {
     if (o->infer || o->lora) return 0;
     size_t numel;
     qt_model_param_table(c, o, NULL, &numel);
-    return op_lmhead_ce_kept_floats((int)max_n(o), c->vocab_size) * 4 <= numel * 16;
+    return qt_be_lmhead_ce_kept_floats(desc_of(o), (int)max_n(o), c->vocab_size) * 4 <= numel * 16;
 }
 
 size_t qt_model_kept_logits_offset(const qt_config *c, const qt_model_opts *o) {
-    return (op_lmhead_ce_ws_floats((int)max_n(o), c->hidden_size) + 15) / 16 * 16;
+    return (qt_be_lmhead_ce_ws_floats(desc_of(o), (int)max_n(o), c->hidden_size) + 15) / 16 * 16;
 }
 
 size_t qt_model_workspace_floats(const qt_config *c, const qt_model_opts *o) {
-    size_t ws = op_lmhead_ce_ws_floats((int)max_n(o), c->hidden_size);
+    const qt_backend_desc *d = desc_of(o);
+    size_t ws = qt_be_lmhead_ce_ws_floats(d, (int)max_n(o), c->hidden_size);
     if (qt_model_keeps_logits(c, o))
-        ws = qt_model_kept_logits_offset(c, o) + op_lmhead_ce_kept_floats((int)max_n(o), c->vocab_size);
+        ws = qt_model_kept_logits_offset(c, o) + qt_be_lmhead_ce_kept_floats(d, (int)max_n(o), c->vocab_size);
     for (int j = 0; j < LIN_COUNT; j++) {
         int in, ou;
         qt_lin_shape(c, j, &in, &ou);
-        size_t w = op_matmul_ws_floats(in, ou);
+        size_t w = qt_be_matmul_ws_floats(d, in, ou);
         if (w > ws) ws = w;
     }
-    size_t w = op_matmul_ws_floats(c->hidden_size, c->vocab_size); /* decode logits */
+    size_t w = qt_be_matmul_ws_floats(d, c->hidden_size, c->vocab_size); /* decode logits */
     return w > ws ? w : ws;
 }
 

@@ -49,6 +49,7 @@ typedef struct {
     uint64_t seed;         /* LoRA A init, dropout masks */
     int infer;             /* eval/generate: base frozen in its file dtype, no gradient
                               block, activations for one layer, a KV cache of max_T */
+    const char *backend;   /* backend/backend.h name ("cpu", "guard"); NULL: QTUNE_BACKEND, else cpu */
 } qt_model_opts;
 
 /* Defaults: f32 compute, full fine-tuning, max_B 1, max_T 512, seed 42. */
@@ -63,7 +64,14 @@ int qt_model_load(const char *dir, const qt_model_opts *opts, qt_model **out);
 void qt_model_free(qt_model *m);
 const qt_config *qt_model_config(const qt_model *m);
 
-/* The trainable block and its table. */
+/* The backend the model's buffers and ops belong to (backend/backend.h):
+ * the optimizer, ZeRO and the trainer use the same one. */
+struct qt_backend;
+struct qt_backend *qt_model_backend(const qt_model *m);
+
+/* The trainable block and its table. Both blocks are the backend's device
+ * memory: reach them through its calls (upload / download, adam,
+ * sum_squares), or by name with model/params_io.h. */
 size_t qt_model_numel(const qt_model *m);
 float *qt_model_master(qt_model *m);   /* fp32 master weights (trainable) */
 float *qt_model_grads(qt_model *m);    /* fp32 gradients; callers zero them */

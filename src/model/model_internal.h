@@ -6,6 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "backend/backend.h"
 #include "io/safetensors.h"
 #include "model/memplan.h"
 #include "model/model.h"
@@ -101,12 +102,26 @@ int qt_model_keeps_logits(const qt_config *c, const qt_model_opts *o);
 size_t qt_model_kept_logits_offset(const qt_config *c, const qt_model_opts *o);
 size_t qt_model_kv_floats(const qt_config *c, const qt_model_opts *o);
 
-/* x[0..n) *= the LoRA dropout mask of (layer l, module j) at the model's
- * current micro step, scaled by 1/(1-p): the mask the next
+/* dst[0..n) = src * the LoRA dropout mask of (layer l, module j) at the
+ * model's current micro step, scaled by 1/(1-p), on the model's backend
+ * (device pointers; dst may be src): the mask the next
  * qt_model_forward_backward uses (tests dump it to check PEFT parity). */
-void qt_lora_dropout_apply(const qt_model *m, int l, int j, float *x, size_t n);
+void qt_lora_dropout(const qt_model *m, int l, int j, float *dst, const float *src, size_t n);
+
+/* Every float / uint16_t buffer below is device memory of m->be (the
+ * backend's own; the host reaches it only through upload / download), except
+ * where a comment says host. */
+/* params_io.c's producer context of one parameter */
+typedef struct {
+    const struct qt_model *m;
+    size_t offset;
+} qt_param_src;
+/* A file tensor into device memory as f32, through host staging (params_io.c). */
+int qt_model_read_to_device(struct qt_model *m, const st_tensor *t, float *dev);
 
 struct qt_model {
+    qt_backend *be;       /* the backend every op and buffer belongs to */
+    int own_be;           /* opened by qt_model_load (closed by qt_model_free) */
     qt_config cfg;
     qt_model_opts opts;
     int infer;            /* no gradients, KV cache */
@@ -116,13 +131,16 @@ struct qt_model {
     float *master, *grads; /* trainable block and gradients (grads NULL for inference) */
     size_t numel;
     qt_param *params;
+    qt_param_src *param_src; /* (n_params) */
     int n_params;
 
     float *base_f32;       /* frozen base: norm weights and biases in f32 */
     uint16_t *wcopy;       /* full fine-tuning in f16/bf16: (numel) compute copy of master,
                               read by the matmuls, refreshed by qt_model_weights_updated */
-    void **owned;          /* frozen f32 tensors copied because the mapping was misaligned */
+    void **owned;          /* frozen tensors allocated here (compute-dtype copies, misaligned f32) */
     int n_owned;
+    const void **imported; /* frozen tensors imported from the mapping (be->import_mapped) */
+    int n_imported;
 
     qt_wref wte;           /* (V, C) */
     qt_wref lm_head;       /* (V, C), the embedding when tied */
@@ -135,7 +153,10 @@ struct qt_model {
     float *act_block, *grad_block, *ws;
     qt_act_ptrs acts;
     qt_grad_scratch gs;
-    int32_t *pos_buf;      /* (max N) positions for decoding */
+    int32_t *pos_buf;      /* host (max N) positions for decoding */
+    int32_t *ids;          /* (4, max N) a batch's inputs, targets, positions, doc_start (upload_batch) */
+    float *loss_host;      /* host (max N) per-token losses, downloaded */
+    float *logits;         /* (V) decode logits, inference only */
 
     float *kcache, *vcache; /* (L, max_T, KV, D) each, inference only */
     int kv_len;

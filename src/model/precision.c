@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend/cpu/op_precision.h"
+#include "backend/backend.h"
 #include "core/error.h"
 #include "core/log.h"
 
@@ -14,10 +14,10 @@ static int env_emulate(void) {
     return e && !strcmp(e, "1");
 }
 
-int qt_precision_bf16_emulated(void) { return !op_cpu_has_bf16() || env_emulate(); }
+int qt_precision_bf16_emulated(void) { return !qt_backend_bf16_arith(NULL) || env_emulate(); }
 
 int qt_precision_check(qt_dtype compute) {
-    if (compute != QT_BF16 || op_cpu_has_bf16()) return QT_OK;
+    if (compute != QT_BF16 || qt_backend_bf16_arith(NULL)) return QT_OK;
     if (env_emulate()) {
         qt_warn("bf16 is emulated (QTUNE_BF16_EMULATE=1): values are stored in bf16 and computed in fp32, slower "
                 "than fp32; this CPU has no AVX512_BF16");

@@ -1,5 +1,5 @@
-/* The Qwen2 / Llama decoder, written once over the op_* calls of
- * backend/cpu/ops.h. One decoder layer (HF Qwen2DecoderLayer):
+/* The Qwen2 / Llama decoder, written once over the ops of the backend
+ * interface (backend/backend.h; m->be, chosen at load). One decoder layer (HF Qwen2DecoderLayer):
  *
  *   ln1  = rmsnorm(x)                     q, k, v = q_proj(ln1), k_proj(ln1), v_proj(ln1)
  *   q, k = rope(q), rope(k)               att = causal GQA attention(q, k, v)
@@ -10,27 +10,27 @@
  * then the final norm and the fused lm_head + cross-entropy. A Linear with a
  * LoRA adapter adds scaling * B A dropout(x) (PEFT). The backward walks the
  * same steps in reverse; with gradient checkpointing each layer's forward is
- * recomputed from its saved input just before its backward. */
+ * recomputed from its saved input just before its backward.
+ *
+ * Every buffer here is device memory: this file never reads or writes one
+ * itself. What crosses is explicit: the batch's ids, targets, positions and
+ * doc_start go up (upload_batch), the per-token losses and decode logits come
+ * down. */
 #include <stdio.h>
 #include <string.h>
 
-#include "backend/cpu/op_dnnl.h"
-#include "backend/cpu/op_precision.h"
-#include "backend/cpu/ops.h"
+#include "backend/backend.h"
 #include "core/error.h"
-#include "core/rng.h"
 #include "model/model_internal.h"
 
-#define DROPOUT_SALT 0x44726f70ull /* "Drop" */
-
-/* ---- LoRA dropout: masks regenerated from (seed, micro step, layer, module),
- * so the forward, the recompute and the backward all see the same mask
- * without storing it. */
-void qt_lora_dropout_apply(const qt_model *m, int l, int j, float *x, size_t n) {
-    qt_rng r;
-    qt_rng_derive(&r, m->opts.seed ^ DROPOUT_SALT, m->micro_step, (uint64_t)l * LIN_COUNT + (uint64_t)j);
-    float p = m->opts.lora_dropout, keep = 1.0f / (1.0f - p);
-    for (size_t i = 0; i < n; i++) x[i] = qt_rng_uniform(&r) < p ? 0.0f : x[i] * keep;
+/* ---- LoRA dropout: masks regenerated from (seed, micro step, layer, module)
+ * by the backend's counter-based generator (backend.h qt_dropout_u24), so the
+ * forward, the recompute and the backward all see the same mask without
+ * storing it. dst = dropout(src); dst may be src. */
+void qt_lora_dropout(const qt_model *m, int l, int j, float *dst, const float *src, size_t n) {
+    qt_dropout_key key = {m->opts.seed, m->micro_step, (uint32_t)l, (uint32_t)j};
+    float p = m->opts.lora_dropout;
+    m->be->dropout(m->be, dst, src, n, &key, qt_dropout_threshold(p), 1.0f / (1.0f - p));
 }
 
 /* ---- mixed precision: what the graph stores (activations saved for the
@@ -38,14 +38,16 @@ void qt_lora_dropout_apply(const qt_model *m, int l, int j, float *x, size_t n) 
  * store to fp16/bf16 would; arithmetic stays fp32. In fp16 a value beyond
  * 65504 becomes inf, so a too-large loss scale overflows as on a GPU and the
  * loss scaler skips the step. No-op in f32. */
-static inline void keep(const qt_model *m, float *x, size_t n) { op_round_to_dtype(x, n, m->opts.compute); }
+static inline void keep(const qt_model *m, float *x, size_t n) {
+    if (m->opts.compute != QT_F32) m->be->round_to_dtype(m->be, x, n, m->opts.compute);
+}
 
 /* keep() for a value the backward reads again: with 2-byte storage (f16/bf16
  * training, model_internal.h qt_acts16) the rounded values are also written
  * to the layer's 2-byte slot in the same pass; x itself is the fp32 working
  * set that the rest of this layer's forward reads. slot NULL: plain keep(). */
 static inline void keep_save(const qt_model *m, float *x, size_t n, uint16_t *slot) {
-    if (slot) op_round_store(x, slot, n, m->opts.compute);
+    if (slot) m->be->round_store(m->be, x, slot, n, m->opts.compute);
     else keep(m, x, n);
 }
 
@@ -57,24 +59,25 @@ static void acts_load(qt_model *m, int l, int N) {
     if (!A->x16) return;
     const qt_config *c = &m->cfg;
     const qt_dtype dt = m->opts.compute;
+    qt_backend *be = m->be;
     size_t NC = (size_t)N * c->hidden_size, NI = (size_t)N * c->intermediate_size,
            NQ = (size_t)N * c->num_attention_heads * c->head_dim, NK = (size_t)N * c->num_key_value_heads * c->head_dim;
-    op_convert(A->x[l], QT_F32, A->x16[l], dt, NC);
+    be->convert(be, A->x[l], QT_F32, A->x16[l], dt, NC);
     if (!A->layer16) return;
     const qt_acts16 *s = &A->layer16[l];
     const qt_acts *a = &A->layer[l];
-    op_convert(a->ln1, QT_F32, s->ln1, dt, NC);
-    op_convert(a->q, QT_F32, s->q, dt, NQ);
-    op_convert(a->k, QT_F32, s->k, dt, NK);
-    op_convert(a->v, QT_F32, s->v, dt, NK);
-    op_convert(a->att, QT_F32, s->att, dt, NQ);
-    op_convert(a->xmid, QT_F32, s->xmid, dt, NC);
-    op_convert(a->ln2, QT_F32, s->ln2, dt, NC);
-    op_convert(a->gate, QT_F32, s->gate, dt, NI);
-    op_convert(a->up, QT_F32, s->up, dt, NI);
-    op_convert(a->h, QT_F32, s->h, dt, NI);
+    be->convert(be, a->ln1, QT_F32, s->ln1, dt, NC);
+    be->convert(be, a->q, QT_F32, s->q, dt, NQ);
+    be->convert(be, a->k, QT_F32, s->k, dt, NK);
+    be->convert(be, a->v, QT_F32, s->v, dt, NK);
+    be->convert(be, a->att, QT_F32, s->att, dt, NQ);
+    be->convert(be, a->xmid, QT_F32, s->xmid, dt, NC);
+    be->convert(be, a->ln2, QT_F32, s->ln2, dt, NC);
+    be->convert(be, a->gate, QT_F32, s->gate, dt, NI);
+    be->convert(be, a->up, QT_F32, s->up, dt, NI);
+    be->convert(be, a->h, QT_F32, s->h, dt, NI);
     for (int j = 0; j < LIN_COUNT; j++)
-        if (s->lora_h[j]) op_convert(a->lora_h[j], QT_F32, s->lora_h[j], dt, (size_t)N * m->opts.lora_r);
+        if (s->lora_h[j]) be->convert(be, a->lora_h[j], QT_F32, s->lora_h[j], dt, (size_t)N * m->opts.lora_r);
 }
 
 /* ---- Linear (+ LoRA) forward/backward ------------------------------------ */
@@ -84,20 +87,20 @@ static void acts_load(qt_model *m, int l, int N) {
 static void linear_forward(qt_model *m, int l, int j, float *out, const float *inp, const uint16_t *inp16, int N,
                            float *lora_h, int dropout) {
     const qt_linear *q = &m->layers[l].lin[j];
+    qt_backend *be = m->be;
     if (!(m->native_bf16 && inp16 && q->w.dt == QT_BF16 &&
-          op_dnnl_bf16_matmul(out, inp16, q->w.p, q->b, N, q->in, q->out, 1.0f) == QT_OK))
-        op_matmul_forward(out, inp, q->w.p, q->w.dt, q->b, N, q->in, q->out, 1.0f, 0, m->ws);
+          be->bf16_matmul(be, out, inp16, q->w.p, q->b, N, q->in, q->out, 1.0f) == QT_OK))
+        be->matmul_forward(be, out, inp, q->w.p, q->w.dt, q->b, N, q->in, q->out, 1.0f, 0, m->ws);
     if (!q->la) return;
     const float *xd = inp;
     if (dropout) {
-        memcpy(m->gs.lx, inp, sizeof(float) * (size_t)N * q->in);
-        qt_lora_dropout_apply(m, l, j, m->gs.lx, (size_t)N * q->in);
+        qt_lora_dropout(m, l, j, m->gs.lx, inp, (size_t)N * q->in);
         xd = m->gs.lx;
     }
     int R = m->opts.lora_r;
-    op_matmul_forward(lora_h, xd, q->la, QT_F32, NULL, N, q->in, R, m->lora_scaling, 0, NULL); /* hs = s A xd */
+    be->matmul_forward(be, lora_h, xd, q->la, QT_F32, NULL, N, q->in, R, m->lora_scaling, 0, NULL); /* hs = s A xd */
     keep_save(m, lora_h, (size_t)N * R, m->acts.layer16 ? m->acts.layer16[l].lora_h[j] : NULL);
-    op_matmul_forward(out, lora_h, q->lb, QT_F32, NULL, N, R, q->out, 1.0f, 1, NULL);         /* y += B hs */
+    be->matmul_forward(be, out, lora_h, q->lb, QT_F32, NULL, N, R, q->out, 1.0f, 1, NULL);         /* y += B hs */
 }
 
 /* The base weight's backward. With native bf16 the products run on oneDNN's
@@ -110,17 +113,18 @@ static void base_backward(qt_model *m, const qt_linear *q, float *dinp, const fl
                           const uint16_t *inp16, int N) {
     /* native_bf16 implies every layer's 2-byte slots (so inp16) and the dout16 scratch (memplan.c) */
     uint16_t *d16 = m->gs.dout16;
+    qt_backend *be = m->be;
     if (!(m->native_bf16 && q->w.dt == QT_BF16)) {
-        op_matmul_backward(dinp, q->dw, q->db, dout, inp, q->w.p, q->w.dt, N, q->in, q->out, 1.0f, m->ws);
+        be->matmul_backward(be, dinp, q->dw, q->db, dout, inp, q->w.p, q->w.dt, N, q->in, q->out, 1.0f, m->ws);
         return;
     }
-    op_convert(d16, QT_BF16, dout, QT_F32, (size_t)N * q->out);
-    if (dinp && op_dnnl_bf16_gemm(dinp, d16, 0, q->w.p, 0, NULL, N, q->in, q->out, 1.0f, 1) != QT_OK)
-        op_matmul_backward(dinp, NULL, NULL, dout, inp, q->w.p, q->w.dt, N, q->in, q->out, 1.0f, m->ws);
-    int dw_native = q->dw && op_dnnl_bf16_gemm(q->dw, d16, 1, inp16, 0, NULL, q->out, q->in, N, 1.0f, 1) == QT_OK;
+    be->convert(be, d16, QT_BF16, dout, QT_F32, (size_t)N * q->out);
+    if (dinp && be->bf16_gemm(be, dinp, d16, 0, q->w.p, 0, NULL, N, q->in, q->out, 1.0f, 1) != QT_OK)
+        be->matmul_backward(be, dinp, NULL, NULL, dout, inp, q->w.p, q->w.dt, N, q->in, q->out, 1.0f, m->ws);
+    int dw_native = q->dw && be->bf16_gemm(be, q->dw, d16, 1, inp16, 0, NULL, q->out, q->in, N, 1.0f, 1) == QT_OK;
     if ((q->dw && !dw_native) || q->db)
-        op_matmul_backward(NULL, dw_native ? NULL : q->dw, q->db, dout, inp, q->w.p, q->w.dt, N, q->in, q->out, 1.0f,
-                           m->ws);
+        be->matmul_backward(be, NULL, dw_native ? NULL : q->dw, q->db, dout, inp, q->w.p, q->w.dt, N, q->in, q->out,
+                            1.0f, m->ws);
 }
 
 /* dinp may be NULL when nothing below needs it (LoRA, layer 0); inp16: inp's
@@ -132,24 +136,24 @@ static void linear_backward(qt_model *m, int l, int j, float *dinp, const float 
     if (!q->la) return;
     int R = m->opts.lora_r;
     float s = m->lora_scaling, *dhs = m->gs.dlora;
-    op_matmul_backward(NULL, q->dlb, NULL, dout, lora_h, q->lb, QT_F32, N, R, q->out, 1.0f, NULL); /* dB += dy^T hs */
-    memset(dhs, 0, sizeof(float) * (size_t)N * R);
-    op_matmul_backward(dhs, NULL, NULL, dout, NULL, q->lb, QT_F32, N, R, q->out, 1.0f, NULL); /* dhs = dy B */
+    qt_backend *be = m->be;
+    be->matmul_backward(be, NULL, q->dlb, NULL, dout, lora_h, q->lb, QT_F32, N, R, q->out, 1.0f, NULL); /* dB += dy^T hs */
+    be->zero(be, dhs, sizeof(float) * (size_t)N * R);
+    be->matmul_backward(be, dhs, NULL, NULL, dout, NULL, q->lb, QT_F32, N, R, q->out, 1.0f, NULL); /* dhs = dy B */
     if (!dropout) {
         /* dA += s dhs^T x,  dx += s dhs A */
-        op_matmul_backward(dinp, q->dla, NULL, dhs, inp, q->la, QT_F32, N, q->in, R, s, NULL);
+        be->matmul_backward(be, dinp, q->dla, NULL, dhs, inp, q->la, QT_F32, N, q->in, R, s, NULL);
         return;
     }
     size_t n = (size_t)N * q->in;
     float *lx = m->gs.lx;
-    memcpy(lx, inp, sizeof(float) * n);
-    qt_lora_dropout_apply(m, l, j, lx, n);
-    op_matmul_backward(NULL, q->dla, NULL, dhs, lx, q->la, QT_F32, N, q->in, R, s, NULL);
+    qt_lora_dropout(m, l, j, lx, inp, n);
+    be->matmul_backward(be, NULL, q->dla, NULL, dhs, lx, q->la, QT_F32, N, q->in, R, s, NULL);
     if (!dinp) return;
-    memset(lx, 0, sizeof(float) * n);
-    op_matmul_backward(lx, NULL, NULL, dhs, NULL, q->la, QT_F32, N, q->in, R, s, NULL);
-    qt_lora_dropout_apply(m, l, j, lx, n); /* the same mask: d dropout(x) / dx */
-    op_acc(dinp, lx, n);
+    be->zero(be, lx, sizeof(float) * n);
+    be->matmul_backward(be, lx, NULL, NULL, dhs, NULL, q->la, QT_F32, N, q->in, R, s, NULL);
+    qt_lora_dropout(m, l, j, lx, lx, n); /* the same mask: d dropout(x) / dx */
+    be->acc(be, dinp, lx, n);
 }
 
 /* ---- one decoder layer ---------------------------------------------------- */
@@ -158,6 +162,7 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
                           int dropout, const int32_t *pos, int pos0) {
     const qt_config *c = &m->cfg;
     const qt_layer *L = &m->layers[l];
+    qt_backend *be = m->be;
     int C = c->hidden_size, I = c->intermediate_size, H = c->num_attention_heads, KV = c->num_key_value_heads,
         D = c->head_dim;
     size_t NC = (size_t)N * C, NI = (size_t)N * I, NQ = (size_t)N * H * D, NK = (size_t)N * KV * D;
@@ -166,39 +171,39 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
      * checkpointing the recompute stores x16 again, the same values into a slot already read. */
     const qt_acts16 no_slots = {0}, *s = m->acts.layer16 ? &m->acts.layer16[l] : &no_slots;
     uint16_t *const *x16 = m->acts.x16;
-    op_rmsnorm_forward(a->ln1, a->rstd1, x, L->ln1, N, C, c->rms_norm_eps);
+    be->rmsnorm_forward(be, a->ln1, a->rstd1, x, L->ln1, N, C, c->rms_norm_eps);
     keep_save(m, a->ln1, NC, s->ln1);
     linear_forward(m, l, LIN_Q, a->q, a->ln1, s->ln1, N, a->lora_h[LIN_Q], dropout);
     linear_forward(m, l, LIN_K, a->k, a->ln1, s->ln1, N, a->lora_h[LIN_K], dropout);
     linear_forward(m, l, LIN_V, a->v, a->ln1, s->ln1, N, a->lora_h[LIN_V], dropout);
-    op_rope_forward(a->q, pos, N, H, D, c->rope_theta);
-    op_rope_forward(a->k, pos, N, KV, D, c->rope_theta);
+    be->rope_forward(be, a->q, pos, N, H, D, c->rope_theta);
+    be->rope_forward(be, a->k, pos, N, KV, D, c->rope_theta);
     keep_save(m, a->q, NQ, s->q);
     keep_save(m, a->k, NK, s->k);
     keep_save(m, a->v, NK, s->v);
     if (b) {
-        op_attention_forward(a->att, a->lse, a->q, a->k, a->v, b->doc_start, b->B, b->T, H, KV, D);
+        be->attention_forward(be, a->att, a->lse, a->q, a->k, a->v, b->doc_start, b->B, b->T, H, KV, D);
     } else {
         size_t row = (size_t)KV * D, layer = (size_t)m->opts.max_T * row;
         float *kc = m->kcache + (size_t)l * layer, *vc = m->vcache + (size_t)l * layer;
-        memcpy(kc + (size_t)pos0 * row, a->k, sizeof(float) * (size_t)N * row);
-        memcpy(vc + (size_t)pos0 * row, a->v, sizeof(float) * (size_t)N * row);
-        op_attention_forward_cached(a->att, a->q, kc, vc, N, pos0, H, KV, D);
+        be->copy(be, kc + (size_t)pos0 * row, a->k, sizeof(float) * (size_t)N * row);
+        be->copy(be, vc + (size_t)pos0 * row, a->v, sizeof(float) * (size_t)N * row);
+        be->attention_forward_cached(be, a->att, a->q, kc, vc, N, pos0, H, KV, D);
     }
     keep_save(m, a->att, NQ, s->att);
     linear_forward(m, l, LIN_O, a->xmid, a->att, s->att, N, a->lora_h[LIN_O], dropout);
-    op_acc(a->xmid, x, NC);
+    be->acc(be, a->xmid, x, NC);
     keep_save(m, a->xmid, NC, s->xmid);
-    op_rmsnorm_forward(a->ln2, a->rstd2, a->xmid, L->ln2, N, C, c->rms_norm_eps);
+    be->rmsnorm_forward(be, a->ln2, a->rstd2, a->xmid, L->ln2, N, C, c->rms_norm_eps);
     keep_save(m, a->ln2, NC, s->ln2);
     linear_forward(m, l, LIN_GATE, a->gate, a->ln2, s->ln2, N, a->lora_h[LIN_GATE], dropout);
     linear_forward(m, l, LIN_UP, a->up, a->ln2, s->ln2, N, a->lora_h[LIN_UP], dropout);
     keep_save(m, a->gate, NI, s->gate);
     keep_save(m, a->up, NI, s->up);
-    op_swiglu_forward(a->h, a->gate, a->up, N, I);
+    be->swiglu_forward(be, a->h, a->gate, a->up, N, I);
     keep_save(m, a->h, NI, s->h);
     linear_forward(m, l, LIN_DOWN, xout, a->h, s->h, N, a->lora_h[LIN_DOWN], dropout);
-    op_acc(xout, a->xmid, NC);
+    be->acc(be, xout, a->xmid, NC);
     keep_save(m, xout, NC, x16 && l + 1 < c->num_hidden_layers ? x16[l + 1] : NULL);
 }
 
@@ -209,48 +214,49 @@ static void layer_backward(qt_model *m, int l, const qt_batch *b, int N, const f
     const qt_config *c = &m->cfg;
     const qt_layer *L = &m->layers[l];
     const qt_grad_scratch *g = &m->gs;
+    qt_backend *be = m->be;
     int C = c->hidden_size, I = c->intermediate_size, H = c->num_attention_heads, KV = c->num_key_value_heads,
         D = c->head_dim;
     size_t NC = (size_t)N * C, NI = (size_t)N * I, NQ = (size_t)N * H * D, NK = (size_t)N * KV * D;
     /* 2-byte storage without checkpointing: the saved inputs, for the weight gradients' bf16 GEMMs */
     const qt_acts16 no_slots = {0}, *s = m->acts.layer16 ? &m->acts.layer16[l] : &no_slots;
 
-    memset(g->dh, 0, sizeof(float) * NI);
+    be->zero(be, g->dh, sizeof(float) * NI);
     linear_backward(m, l, LIN_DOWN, g->dh, g->dres, a->h, s->h, a->lora_h[LIN_DOWN], N, dropout);
     keep(m, g->dh, NI);
-    memset(g->dg, 0, sizeof(float) * NI);
-    memset(g->du, 0, sizeof(float) * NI);
-    op_swiglu_backward(g->dg, g->du, g->dh, a->gate, a->up, N, I);
+    be->zero(be, g->dg, sizeof(float) * NI);
+    be->zero(be, g->du, sizeof(float) * NI);
+    be->swiglu_backward(be, g->dg, g->du, g->dh, a->gate, a->up, N, I);
     keep(m, g->dg, NI);
     keep(m, g->du, NI);
-    memset(g->dln, 0, sizeof(float) * NC);
+    be->zero(be, g->dln, sizeof(float) * NC);
     linear_backward(m, l, LIN_GATE, g->dln, g->dg, a->ln2, s->ln2, a->lora_h[LIN_GATE], N, dropout);
     linear_backward(m, l, LIN_UP, g->dln, g->du, a->ln2, s->ln2, a->lora_h[LIN_UP], N, dropout);
     keep(m, g->dln, NC);
-    op_rmsnorm_backward(g->dres, L->dln2, g->dln, a->xmid, L->ln2, a->rstd2, N, C); /* dres: d xmid */
+    be->rmsnorm_backward(be, g->dres, L->dln2, g->dln, a->xmid, L->ln2, a->rstd2, N, C); /* dres: d xmid */
     keep(m, g->dres, NC);
 
-    memset(g->datt, 0, sizeof(float) * NQ);
+    be->zero(be, g->datt, sizeof(float) * NQ);
     linear_backward(m, l, LIN_O, g->datt, g->dres, a->att, s->att, a->lora_h[LIN_O], N, dropout);
     keep(m, g->datt, NQ);
-    memset(g->dq, 0, sizeof(float) * NQ);
-    memset(g->dk, 0, sizeof(float) * NK);
-    memset(g->dv, 0, sizeof(float) * NK);
-    op_attention_backward(g->dq, g->dk, g->dv, g->datt, a->att, a->lse, a->q, a->k, a->v, b->doc_start, b->B, b->T,
+    be->zero(be, g->dq, sizeof(float) * NQ);
+    be->zero(be, g->dk, sizeof(float) * NK);
+    be->zero(be, g->dv, sizeof(float) * NK);
+    be->attention_backward(be, g->dq, g->dk, g->dv, g->datt, a->att, a->lse, a->q, a->k, a->v, b->doc_start, b->B, b->T,
                           H, KV, D);
-    op_rope_backward(g->dq, b->positions, N, H, D, c->rope_theta);
-    op_rope_backward(g->dk, b->positions, N, KV, D, c->rope_theta);
+    be->rope_backward(be, g->dq, b->positions, N, H, D, c->rope_theta);
+    be->rope_backward(be, g->dk, b->positions, N, KV, D, c->rope_theta);
     keep(m, g->dq, NQ);
     keep(m, g->dk, NK);
     keep(m, g->dv, NK);
     float *dln = need_dx ? g->dln : NULL;
-    if (dln) memset(dln, 0, sizeof(float) * NC);
+    if (dln) be->zero(be, dln, sizeof(float) * NC);
     linear_backward(m, l, LIN_Q, dln, g->dq, a->ln1, s->ln1, a->lora_h[LIN_Q], N, dropout);
     linear_backward(m, l, LIN_K, dln, g->dk, a->ln1, s->ln1, a->lora_h[LIN_K], N, dropout);
     linear_backward(m, l, LIN_V, dln, g->dv, a->ln1, s->ln1, a->lora_h[LIN_V], N, dropout);
     if (!need_dx) return;
     keep(m, g->dln, NC);
-    op_rmsnorm_backward(g->dres, L->dln1, g->dln, x, L->ln1, a->rstd1, N, C);
+    be->rmsnorm_backward(be, g->dres, L->dln1, g->dln, x, L->ln1, a->rstd1, N, C);
     keep(m, g->dres, NC);
 }
 
@@ -280,37 +286,56 @@ static int check_batch(const qt_model *m, const qt_batch *b) {
     return QT_OK;
 }
 
+/* The batch's int32 arrays in device memory (m->ids: 4 x max_B*max_T), as
+ * the ops read them; the host batch stays the caller's. */
+static qt_batch upload_batch(qt_model *m, const qt_batch *b) {
+    size_t N = (size_t)b->B * b->T, cap = (size_t)m->opts.max_B * m->opts.max_T, bytes = N * sizeof(int32_t);
+    qt_batch d = *b;
+    d.inputs = m->ids, d.targets = m->ids + cap, d.positions = m->ids + 2 * cap;
+    d.doc_start = b->doc_start ? m->ids + 3 * cap : NULL;
+    m->be->upload(m->be, d.inputs, b->inputs, bytes);
+    m->be->upload(m->be, d.targets, b->targets, bytes);
+    m->be->upload(m->be, d.positions, b->positions, bytes);
+    if (b->doc_start) m->be->upload(m->be, d.doc_start, b->doc_start, bytes);
+    return d;
+}
+
 /* dx_lm != NULL (training with a frozen lm_head): the lm_head's dx, scaled by
  * grad_scale, is added into dx_lm in the same walk as the loss. kept != NULL
  * (training a kept-logits model): the logits stay there for the backward. */
 static void run_forward(qt_model *m, const qt_batch *b, int dropout, float *dx_lm, float grad_scale, float *kept) {
     const qt_config *c = &m->cfg;
+    qt_backend *be = m->be;
     int N = b->B * b->T, C = c->hidden_size, L = c->num_hidden_layers;
     qt_act_ptrs *A = &m->acts;
-    op_embedding_forward(A->x[0], b->inputs, m->wte.p, m->wte.dt, N, C);
+    be->embedding_forward(be, A->x[0], b->inputs, m->wte.p, m->wte.dt, N, C);
     keep_save(m, A->x[0], (size_t)N * C, A->x16 ? A->x16[0] : NULL);
     for (int l = 0; l < L; l++) layer_forward(m, l, b, N, A->x[l], A->x[l + 1], &A->layer[l], dropout, b->positions, 0);
-    op_rmsnorm_forward(A->lnf, A->rstdf, A->x[L], m->lnf_w, N, C, c->rms_norm_eps);
+    be->rmsnorm_forward(be, A->lnf, A->rstdf, A->x[L], m->lnf_w, N, C, c->rms_norm_eps);
     keep(m, A->lnf, (size_t)N * C);
     if (dx_lm)
-        op_lmhead_ce_forward_dx(A->loss, A->lse, dx_lm, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, grad_scale, N,
+        be->lmhead_ce_forward_dx(be, A->loss, A->lse, dx_lm, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, grad_scale, N,
                                 C, c->vocab_size, m->ws);
     else if (kept)
-        op_lmhead_ce_forward_keep(A->loss, A->lse, kept, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, N, C,
+        be->lmhead_ce_forward_keep(be, A->loss, A->lse, kept, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, N, C,
                                   c->vocab_size, m->ws);
     else
-        op_lmhead_ce_forward(A->loss, A->lse, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, N, C, c->vocab_size,
+        be->lmhead_ce_forward(be, A->loss, A->lse, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, N, C, c->vocab_size,
                              m->ws);
 }
 
+/* The per-token losses come down (N floats) and are summed on the host in
+ * token order, against the host batch's targets. */
 static void sum_loss(const qt_model *m, const qt_batch *b, double *loss_sum, int64_t *n_tokens, float *logp) {
     size_t N = (size_t)b->B * b->T;
+    float *loss = m->loss_host;
+    m->be->download(m->be, loss, m->acts.loss, N * sizeof(float));
     double s = 0;
     int64_t n = 0;
     for (size_t i = 0; i < N; i++) {
         int lab = b->targets[i] != QT_IGNORE_INDEX;
-        if (lab) s += m->acts.loss[i], n++;
-        if (logp) logp[i] = lab ? -m->acts.loss[i] : 0.0f;
+        if (lab) s += loss[i], n++;
+        if (logp) logp[i] = lab ? -loss[i] : 0.0f;
     }
     if (loss_sum) *loss_sum = s;
     if (n_tokens) *n_tokens = n;
@@ -318,7 +343,8 @@ static void sum_loss(const qt_model *m, const qt_batch *b, double *loss_sum, int
 
 int qt_model_forward(qt_model *m, const qt_batch *b, double *loss_sum, int64_t *n_tokens, float *logp) {
     QT_TRY(check_batch(m, b));
-    run_forward(m, b, 0, NULL, 0.0f, NULL);
+    qt_batch db = upload_batch(m, b);
+    run_forward(m, &db, 0, NULL, 0.0f, NULL);
     sum_loss(m, b, loss_sum, n_tokens, logp);
     return QT_OK;
 }
@@ -329,29 +355,32 @@ int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, 
         return QT_ERR(QT_EINVAL, "this model was loaded for inference (no gradient buffers); load it with infer = 0 "
                                  "to train");
     QT_TRY(check_batch(m, b));
+    const qt_batch *hb = b, db = upload_batch(m, hb);
+    b = &db; /* the ops read the device copy; sum_loss the host's targets */
+    qt_backend *be = m->be;
     const qt_config *c = &m->cfg;
     int N = b->B * b->T, C = c->hidden_size, L = c->num_hidden_layers;
     int dropout = m->opts.lora && m->opts.lora_dropout > 0.0f;
     qt_act_ptrs *A = &m->acts;
     float *dres = m->gs.dres, *dln = m->gs.dln;
-    memset(dln, 0, sizeof(float) * (size_t)N * C); /* the forward does not use dln */
+    be->zero(be, dln, sizeof(float) * (size_t)N * C); /* the forward does not use dln */
     /* frozen lm_head: dx comes out of the forward's walk (two (N, V) products, not three) */
     int fused = m->dlm_head == NULL;
     /* trainable lm_head: the logits kept from the forward when the plan has room */
     float *kept = !fused && qt_model_keeps_logits(c, &m->opts) ? m->ws + qt_model_kept_logits_offset(c, &m->opts)
                                                                 : NULL;
     run_forward(m, b, dropout, fused ? dln : NULL, grad_scale, kept);
-    sum_loss(m, b, loss_sum, n_tokens, NULL);
+    sum_loss(m, hb, loss_sum, n_tokens, NULL);
 
-    memset(dres, 0, sizeof(float) * (size_t)N * C);
+    be->zero(be, dres, sizeof(float) * (size_t)N * C);
     if (kept)
-        op_lmhead_ce_backward_kept(dln, m->dlm_head, kept, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, A->lse,
+        be->lmhead_ce_backward_kept(be, dln, m->dlm_head, kept, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, A->lse,
                                    grad_scale, N, C, c->vocab_size, m->ws);
     else if (!fused)
-        op_lmhead_ce_backward(dln, m->dlm_head, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, A->lse, grad_scale, N,
+        be->lmhead_ce_backward(be, dln, m->dlm_head, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, A->lse, grad_scale, N,
                               C, c->vocab_size, m->ws);
     keep(m, dln, (size_t)N * C); /* in fp16 the first place a too-large loss scale overflows */
-    op_rmsnorm_backward(dres, m->dlnf_w, dln, A->x[L], m->lnf_w, A->rstdf, N, C);
+    be->rmsnorm_backward(be, dres, m->dlnf_w, dln, A->x[L], m->lnf_w, A->rstdf, N, C);
     keep(m, dres, (size_t)N * C);
     for (int l = L - 1; l >= 0; l--) {
         acts_load(m, l, N); /* 2-byte storage: layer l's saved values back to fp32 */
@@ -360,7 +389,7 @@ int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, 
             layer_forward(m, l, b, N, A->x[l], A->x[l + 1], &A->layer[l], dropout, b->positions, 0);
         layer_backward(m, l, b, N, A->x[l], &A->layer[l], dropout, l > 0 || m->dwte != NULL);
     }
-    if (m->dwte) op_embedding_backward(m->dwte, dres, b->inputs, N, C);
+    if (m->dwte) be->embedding_backward(be, m->dwte, dres, b->inputs, N, C);
     m->micro_step++;
     return QT_OK;
 }
@@ -386,11 +415,17 @@ int qt_model_decode(qt_model *m, const int32_t *ids, int n, int pos0, float *log
             return QT_ERR(QT_EINVAL, "decode: token id %d is outside the vocabulary [0, %d)", ids[i], V);
         m->pos_buf[i] = pos0 + i;
     }
+    qt_backend *be = m->be;
+    size_t cap = (size_t)m->opts.max_B * m->opts.max_T;
+    int32_t *dids = m->ids, *dpos = m->ids + 2 * cap;
+    be->upload(be, dids, ids, sizeof(int32_t) * (size_t)n);
+    be->upload(be, dpos, m->pos_buf, sizeof(int32_t) * (size_t)n);
     qt_act_ptrs *A = &m->acts;
-    op_embedding_forward(A->x[0], ids, m->wte.p, m->wte.dt, n, C);
-    for (int l = 0; l < L; l++) layer_forward(m, l, NULL, n, A->x[l], A->x[l + 1], &A->layer[l], 0, m->pos_buf, pos0);
-    op_rmsnorm_forward(A->lnf, A->rstdf, A->x[L] + (size_t)(n - 1) * C, m->lnf_w, 1, C, c->rms_norm_eps);
-    op_matmul_forward(logits_out, A->lnf, m->lm_head.p, m->lm_head.dt, NULL, 1, C, V, 1.0f, 0, m->ws);
+    be->embedding_forward(be, A->x[0], dids, m->wte.p, m->wte.dt, n, C);
+    for (int l = 0; l < L; l++) layer_forward(m, l, NULL, n, A->x[l], A->x[l + 1], &A->layer[l], 0, dpos, pos0);
+    be->rmsnorm_forward(be, A->lnf, A->rstdf, A->x[L] + (size_t)(n - 1) * C, m->lnf_w, 1, C, c->rms_norm_eps);
+    be->matmul_forward(be, m->logits, A->lnf, m->lm_head.p, m->lm_head.dt, NULL, 1, C, V, 1.0f, 0, m->ws);
+    be->download(be, logits_out, m->logits, sizeof(float) * (size_t)V);
     m->kv_len = pos0 + n;
     return QT_OK;
 }

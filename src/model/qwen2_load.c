@@ -7,7 +7,10 @@
  *    f16/bf16 converts it once to the compute dtype; only norm weights and biases are
  *    converted to a small f32 block. The LoRA A/B matrices are the master
  *    block: A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's kaiming_uniform(a=sqrt(5))),
- *    B = 0. */
+ *    B = 0.
+ * Every block is the backend's device memory (m->be): file contents reach it
+ * through a small host staging buffer and upload, or import_mapped for the
+ * frozen base; this file never writes a device buffer itself. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -15,13 +18,13 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "backend/cpu/op_dnnl.h"
-#include "backend/cpu/op_precision.h"
+#include "backend/backend.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/mem.h"
 #include "core/rng.h"
 #include "model/model_internal.h"
+#include "model/params_io.h"
 #include "model/precision.h"
 
 #define LORA_INIT_SALT 0x4c6f5241ull /* "LoRA": the A-init stream, apart from dropout's */
@@ -81,25 +84,43 @@ static void drop_mapped_pages(const void *p, size_t n) {
     if (e > a) madvise((void *)a, e - a, MADV_DONTNEED);
 }
 
-/* A frozen base matrix, left in the mapping in its file dtype (or, training
- * in f16/bf16, converted to the compute dtype). */
+static int own(qt_model *m, void *p) {
+    void **owned = qt_realloc(m->owned, sizeof(void *) * (size_t)(m->n_owned + 1), "model: copied tensor list");
+    if (!owned) return QT_ENOMEM;
+    m->owned = owned;
+    m->owned[m->n_owned++] = p;
+    return QT_OK;
+}
+
+static int import(qt_model *m, const st_tensor *t, const void **dev, const char *name) {
+    const void **imp = qt_realloc(m->imported, sizeof(void *) * (size_t)(m->n_imported + 1), "model: tensor list");
+    if (!imp) return QT_ENOMEM;
+    m->imported = imp;
+    QT_TRY(m->be->import_mapped(m->be, t->data, t->nbytes, dev, name));
+    m->imported[m->n_imported++] = *dev;
+    return QT_OK;
+}
+
+/* A frozen base matrix, left in the mapping in its file dtype (imported: the
+ * mapping itself on the cpu backend), or, training in f16/bf16, converted to
+ * the compute dtype. */
 static int base_matrix(qt_model *m, const char *name, int64_t d0, int64_t d1, qt_wref *w) {
     const st_tensor *t;
     int64_t shape[2] = {d0, d1};
     QT_TRY(st_expect(m->st, name, 2, shape, &t));
-    w->p = t->data;
+    qt_backend *be = m->be;
     w->dt = t->dtype;
     qt_dtype cd = m->opts.compute;
     if (!m->infer && cd != QT_F32 && t->dtype != cd) {
         /* training in f16/bf16 holds the frozen base in the compute dtype (the memory plan's compute_copy) */
-        void **owned = qt_realloc(m->owned, sizeof(void *) * (size_t)(m->n_owned + 1), "model: copied tensor list");
-        if (!owned) return QT_ENOMEM;
-        m->owned = owned;
         size_t n = (size_t)d0 * (size_t)d1;
-        void *copy = qt_alloc_aligned(n * qt_dtype_size(cd), name);
+        void *copy = be->alloc(be, QT_MEM_DEVICE, n * qt_dtype_size(cd), name);
         if (!copy) return QT_ENOMEM;
-        m->owned[m->n_owned++] = copy;
-        op_convert(copy, cd, t->data, t->dtype, n);
+        QT_TRY(own(m, copy));
+        const void *src;
+        QT_TRY(m->be->import_mapped(be, t->data, t->nbytes, &src, name));
+        be->convert(be, copy, cd, src, t->dtype, n);
+        be->release_mapped(be, src);
         drop_mapped_pages(t->data, t->nbytes);
         w->p = copy;
         w->dt = cd;
@@ -107,22 +128,20 @@ static int base_matrix(qt_model *m, const char *name, int64_t d0, int64_t d1, qt
     }
     if (t->dtype == QT_F32 && ((uintptr_t)t->data & 3)) {
         /* sgemm wants aligned floats; a hand-written file may not give them */
-        void **owned = qt_realloc(m->owned, sizeof(void *) * (size_t)(m->n_owned + 1), "model: copied tensor list");
-        if (!owned) return QT_ENOMEM;
-        m->owned = owned;
-        float *copy = qt_alloc_aligned(t->nbytes, name);
+        void *copy = be->alloc(be, QT_MEM_DEVICE, t->nbytes, name);
         if (!copy) return QT_ENOMEM;
-        memcpy(copy, t->data, t->nbytes);
-        m->owned[m->n_owned++] = copy;
+        QT_TRY(own(m, copy));
+        be->upload(be, copy, t->data, t->nbytes);
         w->p = copy;
+        return QT_OK;
     }
-    return QT_OK;
+    return import(m, t, &w->p, name);
 }
 
 static int base_vector(qt_model *m, const char *name, int64_t n, float *dst) {
     const st_tensor *t;
     QT_TRY(st_expect(m->st, name, 1, &n, &t));
-    return st_read_f32(t, dst);
+    return qt_model_read_to_device(m, t, dst);
 }
 
 /* A trainable matrix as the matmuls read it: the master (f32) or its compute copy. */
@@ -137,7 +156,7 @@ static int load_full(qt_model *m) {
         const qt_param *p = &m->params[i];
         const st_tensor *t;
         QT_TRY(st_expect(m->st, p->name, p->ndim, p->shape, &t));
-        QT_TRY(st_read_f32(t, m->master + p->offset));
+        QT_TRY(qt_model_read_param(m, i, t));
     }
     const qt_config *c = &m->cfg;
     char name[160];
@@ -145,7 +164,7 @@ static int load_full(qt_model *m) {
      * copy of the master block; norm weights and biases stay f32 (master) */
     const qt_dtype cd = m->opts.compute;
     if (cd != QT_F32) {
-        m->wcopy = qt_alloc_aligned(m->numel * qt_dtype_size(cd), "model: compute copy of the weights");
+        m->wcopy = m->be->alloc(m->be, QT_MEM_DEVICE, m->numel * qt_dtype_size(cd), "model: compute copy of the weights");
         if (!m->wcopy) return QT_ENOMEM;
         qt_model_weights_updated(m);
     }
@@ -214,8 +233,15 @@ static int load_frozen(qt_model *m) {
     return QT_OK;
 }
 
-static void wire_lora(qt_model *m) {
+static int wire_lora(qt_model *m) {
     char name[200];
+    size_t most = 0;
+    for (int j = 0; j < LIN_COUNT; j++) {
+        size_t n = (size_t)m->opts.lora_r * m->layers[0].lin[j].in;
+        if (n > most) most = n;
+    }
+    float *stage = qt_malloc(sizeof(float) * (most ? most : 1), "model: staging buffer");
+    if (!stage) return QT_ENOMEM;
     for (int l = 0; l < m->cfg.num_hidden_layers; l++)
         for (int j = 0; j < LIN_COUNT; j++) {
             qt_linear *q = &m->layers[l].lin[j];
@@ -231,17 +257,22 @@ static void wire_lora(qt_model *m) {
             qt_rng_derive(&r, m->opts.seed ^ LORA_INIT_SALT, (uint64_t)l, (uint64_t)j);
             float bound = 1.0f / sqrtf((float)q->in);
             size_t n = (size_t)m->opts.lora_r * q->in;
-            for (size_t i = 0; i < n; i++) q->la[i] = (2.0f * qt_rng_uniform(&r) - 1.0f) * bound;
+            for (size_t i = 0; i < n; i++) stage[i] = (2.0f * qt_rng_uniform(&r) - 1.0f) * bound;
+            m->be->upload(m->be, q->la, stage, sizeof(float) * n);
         }
+    qt_free(stage);
+    return QT_OK;
 }
 
-static void *alloc_floats(size_t bytes, const char *what) {
+static void *alloc_floats(qt_model *m, size_t bytes, const char *what) {
     if (!bytes) return NULL;
-    return qt_alloc_aligned(bytes, what);
+    return m->be->alloc(m->be, QT_MEM_DEVICE, bytes, what);
 }
 
 static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
     QT_TRY(check_opts(opts));
+    QT_TRY(qt_backend_open(opts->backend, &m->be));
+    m->own_be = 1;
     QT_TRY(qt_config_load(dir, &m->cfg));
     QT_TRY(check_config(&m->cfg, dir));
     if (m->cfg.max_position_embeddings > 0 && opts->max_T > m->cfg.max_position_embeddings)
@@ -262,15 +293,18 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
         m->params = qt_calloc((size_t)m->n_params, sizeof(qt_param), "model: parameter table");
         if (!m->params) return QT_ENOMEM;
         qt_model_param_table(c, &m->opts, m->params, NULL);
+        m->param_src = qt_calloc((size_t)m->n_params, sizeof(qt_param_src), "model: parameter table");
+        if (!m->param_src) return QT_ENOMEM;
+        for (int i = 0; i < m->n_params; i++) m->param_src[i] = (qt_param_src){m, m->params[i].offset};
     }
     if (m->numel) {
-        m->master = alloc_floats(m->numel * 4, "model: fp32 master weights");
+        m->master = alloc_floats(m, m->numel * 4, "model: fp32 master weights");
         if (!m->master) return QT_ENOMEM;
-        memset(m->master, 0, m->numel * 4);
+        m->be->zero(m->be, m->master, m->numel * 4);
         if (!m->infer) {
-            m->grads = alloc_floats(m->numel * 4, "model: fp32 gradients");
+            m->grads = alloc_floats(m, m->numel * 4, "model: fp32 gradients");
             if (!m->grads) return QT_ENOMEM;
-            memset(m->grads, 0, m->numel * 4);
+            m->be->zero(m->be, m->grads, m->numel * 4);
         }
     }
     m->layers = qt_calloc((size_t)c->num_hidden_layers, sizeof(qt_layer), "model: layer table");
@@ -280,7 +314,7 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
 
     if (m->opts.lora || m->infer) {
         if (m->mem.base_f32) {
-            m->base_f32 = alloc_floats(m->mem.base_f32, "model: frozen norm weights and biases");
+            m->base_f32 = alloc_floats(m, m->mem.base_f32, "model: frozen norm weights and biases");
             if (!m->base_f32) return QT_ENOMEM;
         }
         QT_TRY(load_frozen(m));
@@ -290,7 +324,7 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
     if (m->opts.lora) {
         m->lora_scaling = m->opts.use_rslora ? m->opts.lora_alpha / sqrtf((float)m->opts.lora_r)
                                              : m->opts.lora_alpha / (float)m->opts.lora_r;
-        wire_lora(m);
+        QT_TRY(wire_lora(m));
     }
 
     m->acts.x = qt_calloc((size_t)c->num_hidden_layers + 1, sizeof(float *), "model: activation table");
@@ -304,28 +338,35 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
             if (!m->acts.layer16) return QT_ENOMEM;
         }
     }
-    m->act_block = alloc_floats(m->mem.activations, "model: activations");
+    m->act_block = alloc_floats(m, m->mem.activations, "model: activations");
     if (!m->act_block) return QT_ENOMEM;
     qt_model_carve_acts(c, &m->opts, m->act_block, &m->acts);
     if (m->mem.act_grads) {
-        m->grad_block = alloc_floats(m->mem.act_grads, "model: activation gradients");
+        m->grad_block = alloc_floats(m, m->mem.act_grads, "model: activation gradients");
         if (!m->grad_block) return QT_ENOMEM;
         qt_model_carve_grads(c, &m->opts, m->grad_block, &m->gs);
     }
-    m->ws = alloc_floats(m->mem.workspace, "model: matmul workspace");
+    m->ws = alloc_floats(m, m->mem.workspace, "model: matmul workspace");
     if (!m->ws) return QT_ENOMEM;
     if (m->mem.kv_cache) {
-        m->kcache = alloc_floats(m->mem.kv_cache, "model: KV cache");
+        m->kcache = alloc_floats(m, m->mem.kv_cache, "model: KV cache");
         if (!m->kcache) return QT_ENOMEM;
         m->vcache = m->kcache + m->mem.kv_cache / 8;
     }
     /* bf16 with native hardware (and no QTUNE_BF16_EMULATE=1): the layers' matmuls on oneDNN's bf16 GEMM,
      * reading the saved 2-byte inputs (docs/precision.md); probed only where it can run */
     m->native_bf16 = m->acts.layer16 && m->opts.compute == QT_BF16 && !qt_precision_bf16_emulated() &&
-                     op_dnnl_bf16_available();
+                     m->be->bf16_available(m->be);
     if (m->native_bf16) qt_debug("model %s: bf16 forward matmuls on oneDNN", dir);
-    m->pos_buf = qt_malloc(sizeof(int32_t) * (size_t)opts->max_B * (size_t)opts->max_T, "model: positions");
-    if (!m->pos_buf) return QT_ENOMEM;
+    const size_t maxn = (size_t)opts->max_B * (size_t)opts->max_T;
+    m->pos_buf = qt_malloc(sizeof(int32_t) * maxn, "model: positions");
+    m->loss_host = qt_malloc(sizeof(float) * maxn, "model: token losses");
+    m->ids = m->be->alloc(m->be, QT_MEM_DEVICE, sizeof(int32_t) * 4 * maxn, "model: batch ids");
+    if (!m->pos_buf || !m->loss_host || !m->ids) return QT_ENOMEM;
+    if (m->infer) {
+        m->logits = alloc_floats(m, sizeof(float) * (size_t)c->vocab_size, "model: decode logits");
+        if (!m->logits) return QT_ENOMEM;
+    }
     qt_debug("model %s: %zu trainable, %.1f MiB allocated", dir, m->numel, (double)m->mem.total / (1 << 20));
     return QT_OK;
 }
@@ -345,24 +386,34 @@ int qt_model_load(const char *dir, const qt_model_opts *opts, qt_model **out) {
 
 void qt_model_free(qt_model *m) {
     if (!m) return;
-    for (int i = 0; i < m->n_owned; i++) qt_free(m->owned[i]);
+    qt_backend *be = m->be;
+    if (be) {
+        for (int i = 0; i < m->n_owned; i++) be->free(be, m->owned[i]);
+        for (int i = 0; i < m->n_imported; i++) be->release_mapped(be, m->imported[i]);
+        be->free(be, m->master);
+        be->free(be, m->grads);
+        be->free(be, m->base_f32);
+        be->free(be, m->wcopy);
+        be->free(be, m->act_block);
+        be->free(be, m->grad_block);
+        be->free(be, m->ws);
+        be->free(be, m->kcache);
+        be->free(be, m->ids);
+        be->free(be, m->logits);
+    }
     qt_free(m->owned);
-    qt_free(m->master);
-    qt_free(m->grads);
+    qt_free(m->imported);
     qt_free(m->params);
-    qt_free(m->base_f32);
-    qt_free(m->wcopy);
+    qt_free(m->param_src);
     qt_free(m->layers);
     qt_free(m->acts.x);
     qt_free(m->acts.layer);
     qt_free(m->acts.x16);
     qt_free(m->acts.layer16);
-    qt_free(m->act_block);
-    qt_free(m->grad_block);
-    qt_free(m->ws);
-    qt_free(m->kcache);
     qt_free(m->pos_buf);
+    qt_free(m->loss_host);
     st_close(m->st);
+    if (m->own_be) qt_backend_close(be);
     qt_free(m);
 }
 
@@ -378,7 +429,8 @@ const qt_param *qt_model_params(const qt_model *m, int *n) {
  * fine-tuning it reads the 2-byte compute copy, rounded here from the master
  * (round to nearest even; fp16 saturates to inf beyond 65504). */
 void qt_model_weights_updated(qt_model *m) {
-    if (m->wcopy) op_convert(m->wcopy, m->opts.compute, m->master, QT_F32, m->numel);
+    if (m->wcopy) m->be->convert(m->be, m->wcopy, m->opts.compute, m->master, QT_F32, m->numel);
 }
 void qt_model_set_micro_step(qt_model *m, uint64_t step) { m->micro_step = step; }
 uint64_t qt_model_micro_step(const qt_model *m) { return m->micro_step; }
+qt_backend *qt_model_backend(const qt_model *m) { return m->be; }

@@ -26,6 +26,7 @@
 #include "io/model_folder.h"
 #include "io/peft.h"
 #include "io/safetensors.h"
+#include "model/params_io.h"
 #include "train/trainer_internal.h"
 
 #include <cjson/cJSON.h>
@@ -68,13 +69,7 @@ static void fill_peft_config(const qt_trainer *t, peft_config *c) {
 static int save_adapter(const qt_trainer *t, const char *dir) {
     peft_tensor *pt = qt_calloc((size_t)t->n_params, sizeof *pt, "adapter tensor list");
     if (!pt) return QT_ENOMEM;
-    for (int i = 0; i < t->n_params; i++) {
-        const qt_param *p = &t->params[i];
-        pt[i].name = p->name;
-        pt[i].shape[0] = p->shape[0];
-        pt[i].shape[1] = p->ndim == 2 ? p->shape[1] : 1;
-        pt[i].data = t->master + p->offset;
-    }
+    qt_model_peft_tensors(t->model, pt);
     peft_config c;
     fill_peft_config(t, &c);
     int rc = peft_save(dir, &c, pt, t->n_params);
@@ -86,11 +81,7 @@ static int save_adapter(const qt_trainer *t, const char *dir) {
 static int save_model_weights(const qt_trainer *t, const char *path, qt_dtype dtype) {
     st_writer *w;
     QT_TRY(st_writer_new(&w));
-    int rc = QT_OK;
-    for (int i = 0; i < t->n_params && rc == QT_OK; i++) {
-        const qt_param *p = &t->params[i];
-        rc = st_writer_add(w, p->name, dtype, p->ndim, p->shape, t->master + p->offset, QT_F32);
-    }
+    int rc = qt_model_write_params(t->model, w, dtype);
     if (rc == QT_OK) rc = st_writer_set_metadata(w, "format", "pt");
     if (rc == QT_OK) rc = st_writer_write(w, path);
     st_writer_free(w);
@@ -101,13 +92,7 @@ static int save_model_weights(const qt_trainer *t, const char *path, qt_dtype dt
 static int load_params(qt_trainer *t, const char *path) {
     st_file *f;
     QT_TRY(st_open(path, &f));
-    int rc = QT_OK;
-    for (int i = 0; i < t->n_params && rc == QT_OK; i++) {
-        const qt_param *p = &t->params[i];
-        const st_tensor *st;
-        rc = st_expect(f, p->name, p->ndim, p->shape, &st);
-        if (rc == QT_OK) rc = st_read_f32(st, t->master + p->offset);
-    }
+    int rc = qt_model_read_params(t->model, f);
     st_close(f);
     if (rc == QT_OK) qt_model_weights_updated(t->model);
     return rc;

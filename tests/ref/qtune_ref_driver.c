@@ -25,7 +25,7 @@
 #include "io/safetensors.h"
 #include "model/lora_io.h"
 #include "model/model.h"
-#include "model/model_internal.h" /* qt_lora_dropout_apply for --dump-masks */
+#include "model/model_internal.h" /* qt_lora_dropout for --dump-masks */
 
 static double now_ms(void) {
     struct timespec ts;
@@ -146,7 +146,7 @@ int main(int argc, char **argv) {
                 int in, ou;
                 qt_lin_shape(c, j, &in, &ou);
                 for (size_t i = 0; i < N * (size_t)in; i++) p[i] = 1.0f;
-                qt_lora_dropout_apply(m, l, j, p, N * (size_t)in);
+                qt_lora_dropout(m, l, j, p, p, N * (size_t)in); /* the cpu backend: host memory is device memory */
                 char name[64];
                 snprintf(name, sizeof name, "mask/%d.%s", l, qt_lin_short[j]);
                 int64_t shape[2] = {(int64_t)N, in};

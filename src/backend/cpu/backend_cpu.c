@@ -38,6 +38,7 @@ static int c_import_mapped(qt_backend *be, const void *host, size_t bytes, const
     *dev = host;
     return QT_OK;
 }
+static void c_release_mapped(qt_backend *be, const void *dev) { (void)be, (void)dev; }
 static void c_copy(qt_backend *be, void *dst, const void *src, size_t bytes) {
     (void)be;
     if (bytes) memmove(dst, src, bytes);
@@ -158,6 +159,7 @@ void qt_backend_cpu_fill(qt_backend *be) {
     be->alloc = c_alloc;
     be->free = c_free;
     be->import_mapped = c_import_mapped;
+    be->release_mapped = c_release_mapped;
     be->upload = c_copy;
     be->download = c_copy;
     be->copy = c_copy;

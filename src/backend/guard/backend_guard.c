@@ -104,6 +104,8 @@ static int g_import_mapped(qt_backend *be, const void *host, size_t bytes, const
     return QT_OK;
 }
 
+static void g_release_mapped(qt_backend *be, const void *dev) { g_free(be, (void *)dev); }
+
 #define BE qt_backend *be
 #define CALL(expr)    \
     do {              \
@@ -262,6 +264,7 @@ int qt_backend_guard_open(qt_backend **out) {
     be->alloc = g_alloc;
     be->free = g_free;
     be->import_mapped = g_import_mapped;
+    be->release_mapped = g_release_mapped;
     be->upload = g_upload;
     be->download = g_download;
     be->copy = g_copy;

@@ -1,0 +1,65 @@
+/* Parameters by name (params_io.h). */
+#include "model/params_io.h"
+
+#include "backend/backend.h"
+#include "core/error.h"
+#include "core/mem.h"
+#include "model/model_internal.h"
+
+/* Host staging for reads: at most STAGE_FLOATS at a time. */
+#define STAGE_FLOATS ((size_t)1 << 20)
+
+int qt_model_read_to_device(qt_model *m, const st_tensor *t, float *dev) {
+    size_t n = (size_t)t->numel, chunk = n < STAGE_FLOATS ? n : STAGE_FLOATS;
+    float *stage = qt_malloc(sizeof(float) * (chunk ? chunk : 1), "model: staging buffer");
+    if (!stage) return QT_ENOMEM;
+    int rc = QT_OK;
+    for (size_t off = 0; off < n && rc == QT_OK; off += chunk) {
+        size_t k = n - off < chunk ? n - off : chunk;
+        rc = st_read_f32_range(t, off, k, stage);
+        if (rc == QT_OK) m->be->upload(m->be, dev + off, stage, sizeof(float) * k);
+    }
+    qt_free(stage);
+    return rc;
+}
+
+int qt_model_read_param(qt_model *m, int i, const st_tensor *t) {
+    return qt_model_read_to_device(m, t, m->master + m->params[i].offset);
+}
+
+int qt_model_read_params(qt_model *m, st_file *f) {
+    for (int i = 0; i < m->n_params; i++) {
+        const qt_param *p = &m->params[i];
+        const st_tensor *t;
+        QT_TRY(st_expect(f, p->name, p->ndim, p->shape, &t));
+        QT_TRY(qt_model_read_param(m, i, t));
+    }
+    return QT_OK;
+}
+
+static int fill_param(void *ctx, float *dst, size_t offset, size_t n) {
+    const qt_param_src *s = ctx;
+    s->m->be->download(s->m->be, dst, s->m->master + s->offset + offset, sizeof(float) * n);
+    return QT_OK;
+}
+
+void qt_model_param_source(const qt_model *m, int i, st_fill_fn *fill, void **ctx) {
+    *fill = fill_param;
+    *ctx = &m->param_src[i];
+}
+
+int qt_model_write_params(const qt_model *m, st_writer *w, qt_dtype dtype) {
+    for (int i = 0; i < m->n_params; i++) {
+        const qt_param *p = &m->params[i];
+        QT_TRY(st_writer_add_fn(w, p->name, dtype, p->ndim, p->shape, fill_param, &m->param_src[i]));
+    }
+    return QT_OK;
+}
+
+void qt_model_peft_tensors(const qt_model *m, peft_tensor *out) {
+    for (int i = 0; i < m->n_params; i++) {
+        const qt_param *p = &m->params[i];
+        out[i] = (peft_tensor){.name = p->name, .shape = {p->shape[0], p->ndim == 2 ? p->shape[1] : 1}};
+        qt_model_param_source(m, i, &out[i].fill, &out[i].ctx);
+    }
+}
