@@ -33,37 +33,7 @@ int qt_adam_cfg_check(const qt_adam_cfg *c, const char *where) {
     return QT_OK;
 }
 
-/* Scalars of one step, worked out once in double as torch does in Python. */
-typedef struct {
-    float omb1, b2, omb2;  /* 1-beta1, beta2, 1-beta2 */
-    float step_size;       /* lr / (1 - beta1^t) */
-    float bc2_sqrt;        /* sqrt(1 - beta2^t) */
-    float eps;
-    float gs;              /* grad multiplier */
-} adam_scalars;
-
-/* The hot loop: one pass over n elements, everything in registers. wd_mul is
- * AdamW's (1 - lr*wd) (1 when off); wd_l2 is Adam's L2 coefficient (0 when off). */
-static void adam_kernel(const adam_scalars *k, float wd_mul, float wd_l2, float *restrict p,
-                        const float *restrict g, float *restrict m, float *restrict v, size_t n) {
-    const float omb1 = k->omb1, b2 = k->b2, omb2 = k->omb2, step_size = k->step_size;
-    const float bc2_sqrt = k->bc2_sqrt, eps = k->eps, gs = k->gs;
-#pragma omp parallel for simd schedule(static) if (n >= 65536)
-    for (size_t i = 0; i < n; i++) {
-        float pi = p[i];
-        float gi = g[i] * gs;
-        pi = pi * wd_mul;        /* AdamW: param.mul_(1 - lr*wd) */
-        gi = gi + wd_l2 * pi;    /* Adam: grad.add(param, alpha=wd) */
-        float mi = m[i] + omb1 * (gi - m[i]);   /* exp_avg.lerp_(grad, 1-beta1) */
-        float vi = v[i] * b2 + omb2 * gi * gi;  /* exp_avg_sq.mul_(beta2).addcmul_(g, g, 1-beta2) */
-        float denom = sqrtf(vi) / bc2_sqrt + eps;
-        p[i] = pi - step_size * (mi / denom);   /* param.addcdiv_(exp_avg, denom, -step_size) */
-        m[i] = mi;
-        v[i] = vi;
-    }
-}
-
-int qt_adam_step(const qt_adam_cfg *c, int64_t step, double lr, float grad_scale, float *params,
+int qt_adam_step(qt_backend *be, const qt_adam_cfg *c, int64_t step, double lr, float grad_scale, float *params,
                  const float *grads, float *m, float *v, size_t n, size_t base, const qt_range *decay,
                  int n_decay) {
     if (step < 1) return QT_ERR(QT_EINVAL, "adam: step %lld must be >= 1 (the 1-based update count)", (long long)step);
@@ -74,7 +44,8 @@ int qt_adam_step(const qt_adam_cfg *c, int64_t step, double lr, float grad_scale
         bc1 = 1.0 - pow(c->beta1, (double)step);
         bc2 = 1.0 - pow(c->beta2, (double)step);
     }
-    adam_scalars k = {
+    /* the step's scalars, worked out once in double as torch does in Python */
+    qt_adam_scalars k = {
         .omb1 = (float)(1.0 - c->beta1),
         .b2 = (float)c->beta2,
         .omb2 = (float)(1.0 - c->beta2),
@@ -86,6 +57,9 @@ int qt_adam_step(const qt_adam_cfg *c, int64_t step, double lr, float grad_scale
     const double wd = c->weight_decay;
     const float wd_mul = (wd != 0.0 && c->decoupled) ? (float)(1.0 - lr * wd) : 1.0f;
     const float wd_l2 = (wd != 0.0 && !c->decoupled) ? (float)wd : 0.0f;
+    qt_adam_scalars kd = k; /* on decayed elements */
+    k.wd_mul = 1.0f, k.wd_l2 = 0.0f;
+    kd.wd_mul = wd_mul, kd.wd_l2 = wd_l2;
 
     /* Walk the run [base, base+n) as alternating pieces outside/inside the
      * decay ranges, calling the kernel once per piece. */
@@ -104,8 +78,7 @@ int qt_adam_step(const qt_adam_cfg *c, int64_t step, double lr, float grad_scale
             piece_end = (r < n_decay && decay[r].lo < end) ? decay[r].lo : end;
         }
         size_t off = pos - base, len = piece_end - pos;
-        adam_kernel(&k, in_decay ? wd_mul : 1.0f, in_decay ? wd_l2 : 0.0f, params + off, grads + off, m + off,
-                    v + off, len);
+        be->adam(be, in_decay ? &kd : &k, params + off, grads + off, m + off, v + off, len);
         pos = piece_end;
     }
     return QT_OK;

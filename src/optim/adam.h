@@ -24,6 +24,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "backend/backend.h"
 #include "model/model.h"
 
 typedef struct {
@@ -54,8 +55,9 @@ int qt_adam_cfg_check(const qt_adam_cfg *c, const char *where);
  * and the clipping into this pass). step is the 1-based number of this update
  * (torch's state["step"] after its increment); lr is this step's learning rate.
  * decay: n_decay sorted, non-overlapping absolute ranges that get weight decay.
- * m and v start at zero. OpenMP over elements. */
-int qt_adam_step(const qt_adam_cfg *c, int64_t step, double lr, float grad_scale, float *params,
+ * m and v start at zero. The element loop is the backend's adam (params,
+ * grads, m, v are its device memory), once per piece between decay bounds. */
+int qt_adam_step(qt_backend *be, const qt_adam_cfg *c, int64_t step, double lr, float grad_scale, float *params,
                  const float *grads, float *m, float *v, size_t n, size_t base, const qt_range *decay,
                  int n_decay);
 

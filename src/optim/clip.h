@@ -16,12 +16,15 @@
 
 #include <stddef.h>
 
-/* Sum of squares of g[0..n) in double. Deterministic: fixed blocks summed in
- * a fixed order, whatever the thread count. */
-double qt_grad_sumsq(const float *g, size_t n);
+#include "backend/backend.h"
 
-/* 1 if any of g[0..n) is inf or NaN, else 0. A bit test, OpenMP over elements. */
-int qt_grad_has_nonfinite(const float *g, size_t n);
+/* Every buffer is device memory of be (backend/backend.h).
+ * Sum of squares of g[0..n) in double: the backend's sum_squares, the same
+ * bits whatever the thread count. */
+double qt_grad_sumsq(qt_backend *be, const float *g, size_t n);
+
+/* 1 if any of g[0..n) is inf or NaN, else 0 (the sum of squares is not finite). */
+int qt_grad_has_nonfinite(qt_backend *be, const float *g, size_t n);
 
 /* The factor to multiply gradients by: max_norm / (norm + 1e-6) when that is
  * < 1, else 1. Returns 1 when max_norm <= 0 (off) or norm is not finite (the
@@ -29,13 +32,13 @@ int qt_grad_has_nonfinite(const float *g, size_t n);
 float qt_clip_coef(double norm, double max_norm);
 
 /* g[i] *= s for i in [0, n). */
-void qt_grad_scale(float *g, size_t n, float s);
+void qt_grad_scale(qt_backend *be, float *g, size_t n, float s);
 
 /* Single-process convenience: norm = sqrt(sum g^2) * inv_scale (the unscaled
  * norm; pass inv_scale = 1/loss_scale, or 1). When the norm is finite, g is
  * multiplied by inv_scale * qt_clip_coef(norm, max_norm) (unscaled and clipped
  * in one pass); when it is not, g is left as it is. Returns the norm before
  * clipping. */
-double qt_clip_grad_norm(float *g, size_t n, double max_norm, double inv_scale);
+double qt_clip_grad_norm(qt_backend *be, float *g, size_t n, double max_norm, double inv_scale);
 
 #endif

@@ -27,12 +27,13 @@ int qt_optimizer_init(qt_optimizer *o, const qt_adam_cfg *adam, const qt_sched *
     return QT_OK;
 }
 
-int qt_optimizer_apply(qt_optimizer *o, double global_sumsq, float *params, const float *grads, float *m, float *v,
-                       size_t n, size_t base, const qt_range *decay, int n_decay, qt_step_info *info) {
+int qt_optimizer_apply(qt_optimizer *o, qt_backend *be, double global_sumsq, int overflow, float *params,
+                       const float *grads, float *m, float *v, size_t n, size_t base, const qt_range *decay, int n_decay,
+                       qt_step_info *info) {
     const double scale = o->scaler.scale;
-    const int overflow = !isfinite(global_sumsq);
+    overflow = overflow || !isfinite(global_sumsq);
     qt_step_info si = {
-        .grad_norm = overflow ? global_sumsq : sqrt(global_sumsq) / scale,
+        .grad_norm = sqrt(global_sumsq) / scale, /* inf or NaN when the gradients overflowed */
         .lr = qt_sched_lr_for_update(&o->sched, o->n_updates),
         .loss_scale = scale,
         .clip_coef = 1.0f,
@@ -46,9 +47,9 @@ int qt_optimizer_apply(qt_optimizer *o, double global_sumsq, float *params, cons
     }
     si.clip_coef = qt_clip_coef(si.grad_norm, o->max_grad_norm);
     if (info) info->clip_coef = si.clip_coef;
-    /* unscale and clip fused into the update's read of the gradient */
-    float gs = (float)(1.0 / scale) * si.clip_coef;
-    QT_TRY(qt_adam_step(&o->adam, o->n_updates + 1, si.lr, gs, params, grads, m, v, n, base, decay, n_decay));
+    /* unscale and clip fused into the update's read of the gradient (coef / scale in double, rounded once) */
+    float gs = (float)((double)si.clip_coef / scale);
+    QT_TRY(qt_adam_step(be, &o->adam, o->n_updates + 1, si.lr, gs, params, grads, m, v, n, base, decay, n_decay));
     o->n_updates++;
     return QT_OK;
 }

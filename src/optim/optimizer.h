@@ -49,13 +49,16 @@ int qt_optimizer_init(qt_optimizer *o, const qt_adam_cfg *adam, const qt_sched *
 static inline double qt_optimizer_loss_scale(const qt_optimizer *o) { return o->scaler.scale; }
 
 /* One step over a shard of n elements starting at element `base` of the
- * block (params/grads/m/v point at the shard's first element). global_sumsq:
- * the sum over ALL ranks of qt_grad_sumsq of the (scaled) gradients. On an
+ * block (params/grads/m/v point at the shard's first element, device memory
+ * of be). global_sumsq: the sum over ALL ranks of qt_grad_sumsq of the
+ * (scaled) gradients; overflow: another reason to skip the step that every
+ * rank agrees on (a non-finite loss), on top of a non-finite sum. On an
  * overflow nothing is updated and info->skipped = 1; QT_ENUMERIC when the
  * loss scale is already at its floor (QT_MSG_LOSS_SCALE_FLOOR_FMT). grads
  * are read, not modified. */
-int qt_optimizer_apply(qt_optimizer *o, double global_sumsq, float *params, const float *grads, float *m, float *v,
-                       size_t n, size_t base, const qt_range *decay, int n_decay, qt_step_info *info);
+int qt_optimizer_apply(qt_optimizer *o, qt_backend *be, double global_sumsq, int overflow, float *params,
+                       const float *grads, float *m, float *v, size_t n, size_t base, const qt_range *decay, int n_decay,
+                       qt_step_info *info);
 
 /* The scalar state a checkpoint needs besides m and v (update count, skips,
  * loss-scaler state), as a JSON object; NULL when out of memory. */

@@ -84,20 +84,28 @@ static int load_model(qt_trainer *t) {
     t->master = qt_model_master(t->model);
     t->grads = qt_model_grads(t->model);
     t->params = qt_model_params(t->model, &t->n_params);
+    t->be = qt_model_backend(t->model);
     return QT_OK;
+}
+
+/* ZeRO's optimizer state is the backend's device memory too */
+static void *state_alloc(size_t bytes, const char *what, void *user) {
+    qt_backend *be = user;
+    return be->alloc(be, QT_MEM_DEVICE, bytes, what);
+}
+static void state_free(void *p, void *user) {
+    qt_backend *be = user;
+    be->free(be, p);
 }
 
 static int setup_optimizer(qt_trainer *t) {
     QT_TRY(zero_plan_create(t->d, t->n, &t->cfg.zero, &t->zp));
+    zero_set_device_allocator(t->zp, state_alloc, state_free, t->be);
     QT_TRY(zero_state_alloc(t->zp, 2, &t->zs));
     zero_opt_range(t->zp, &t->lo, &t->hi);
     QT_TRY(qt_decay_ranges_from_params(t->params, t->n_params, &t->decay, &t->n_decay));
-    qt_loss_scaler_cfg sc = t->cfg.scaler;
-    if (!t->cfg.fp16) {
-        qt_loss_scaler_cfg_default(&sc);
-        sc.loss_scale = 1; /* static 1: fp32/bf16 need no scaling */
-    }
-    return qt_loss_scaler_init(&t->scaler, &sc);
+    /* fp32/bf16: a static scale of 1 */
+    return qt_optimizer_init(&t->opt, &t->cfg.adam, &t->cfg.sched, t->cfg.clip, t->cfg.fp16 ? &t->cfg.scaler : NULL);
 }
 
 /* max_steps from epochs when the job gives none: optimizer steps that cover
@@ -183,11 +191,11 @@ static int train_step(qt_trainer *t, step_out *o) {
     QT_TRY(dist_allreduce_i64(t->d, cnt, 2, DIST_SUM, "token count"));
     o->target_tokens = cnt[0];
     o->tokens = cnt[1];
-    const double S = qt_loss_scaler_scale(&t->scaler);
+    const double S = qt_optimizer_loss_scale(&t->opt);
     o->loss_scale = S;
 
     /* 2. forward/backward: grads = S * d(sum of token losses)/Ntok */
-    qt_zero_floats(t->grads, t->n);
+    t->be->zero(t->be, t->grads, t->n * sizeof(float));
     double loss_sum = 0;
     const float gs = cnt[0] > 0 ? (float)(S / (double)cnt[0]) : 0.0f;
     for (int a = 0; a < A; a++) {
@@ -208,7 +216,7 @@ static int train_step(qt_trainer *t, step_out *o) {
     if (cnt[0] == 0) {
         qt_warn("step %ld: no token in this batch carries a label (all -100); the update is skipped", t->step + 1);
         o->skipped = 1;
-        o->lr = qt_sched_lr_for_update(&t->cfg.sched, t->applied);
+        o->lr = qt_sched_lr_for_update(&t->opt.sched, t->opt.n_updates);
         return QT_OK;
     }
     /* 4. overflow: fp16 skips the step and backs the scale off; elsewhere it is fatal.
@@ -221,20 +229,18 @@ static int train_step(qt_trainer *t, step_out *o) {
                       t->step + 1, t->rank, t->world, isfinite(o->loss) ? "gradient" : "loss", o->loss, o->grad_norm,
                       t->last_ckpt[0] ? t->last_ckpt : "none (no checkpoint was written yet)");
     }
-    int rc = qt_loss_scaler_update(&t->scaler, overflow);
+    /* 5-6. src/optim's step: the loss scaler, the schedule, unscale and clip fused into Adam */
+    qt_step_info si;
+    int rc = qt_optimizer_apply(&t->opt, t->be, sumsq, overflow, t->master + t->lo, t->grads + t->lo, t->zs.slot[0],
+                                t->zs.slot[1], t->hi - t->lo, t->lo, t->decay, t->n_decay, &si);
     if (rc != QT_OK)
         return qt_error_context(rc, "step %ld (the last good checkpoint is %s)", t->step + 1,
                                 t->last_ckpt[0] ? t->last_ckpt : "none: no checkpoint was written yet");
-    o->lr = qt_sched_lr_for_update(&t->cfg.sched, t->applied);
-    if (overflow) {
+    o->lr = si.lr;
+    if (si.skipped) {
         o->skipped = 1;
         return QT_OK;
     }
-    /* 5-6. unscale and clip fused into the update; then every rank gets the result */
-    float coef = qt_clip_coef(o->grad_norm, t->cfg.clip);
-    QT_TRY(qt_adam_step(&t->cfg.adam, t->applied + 1, o->lr, (float)((double)coef / S), t->master + t->lo,
-                        t->grads + t->lo, t->zs.slot[0], t->zs.slot[1], t->hi - t->lo, t->lo, t->decay, t->n_decay));
-    t->applied++;
     QT_TRY(dist_allgather_params(t->d, t->zp, t->master));
     qt_model_weights_updated(t->model);
     return QT_OK;

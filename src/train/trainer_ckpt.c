@@ -138,7 +138,7 @@ static char *state_json(const qt_trainer *t, const int64_t *data_pos, int opt_pa
     cJSON_AddNumberToObject(j, "format_version", CKPT_FORMAT_VERSION);
     cJSON_AddNumberToObject(j, "step", (double)t->step);
     cJSON_AddNumberToObject(j, "max_steps", (double)t->max_steps);
-    cJSON_AddNumberToObject(j, "applied_updates", (double)t->applied);
+    cJSON_AddNumberToObject(j, "applied_updates", (double)t->opt.n_updates);
     cJSON_AddNumberToObject(j, "numel", (double)t->n);
     cJSON_AddBoolToObject(j, "lora", t->job->lora.enabled);
     cJSON_AddStringToObject(j, "fingerprint", hex);
@@ -151,11 +151,11 @@ static char *state_json(const qt_trainer *t, const int64_t *data_pos, int opt_pa
     cJSON_AddNumberToObject(j, "tokens_seen", (double)t->tokens_seen);
     cJSON_AddNumberToObject(j, "world", t->world);
     cJSON *sc = cJSON_AddObjectToObject(j, "loss_scaler");
-    cJSON_AddNumberToObject(sc, "scale", t->scaler.scale);
-    cJSON_AddNumberToObject(sc, "cur_iter", (double)t->scaler.cur_iter);
-    cJSON_AddNumberToObject(sc, "last_overflow_iter", (double)t->scaler.last_overflow_iter);
-    cJSON_AddNumberToObject(sc, "cur_hysteresis", t->scaler.cur_hysteresis);
-    cJSON_AddNumberToObject(sc, "n_overflows", (double)t->scaler.n_overflows);
+    cJSON_AddNumberToObject(sc, "scale", t->opt.scaler.scale);
+    cJSON_AddNumberToObject(sc, "cur_iter", (double)t->opt.scaler.cur_iter);
+    cJSON_AddNumberToObject(sc, "last_overflow_iter", (double)t->opt.scaler.last_overflow_iter);
+    cJSON_AddNumberToObject(sc, "cur_hysteresis", t->opt.scaler.cur_hysteresis);
+    cJSON_AddNumberToObject(sc, "n_overflows", (double)t->opt.scaler.n_overflows);
     cJSON *data = cJSON_AddArrayToObject(j, "data_position"); /* per rank: [epoch, index] */
     for (int r = 0; r < t->world; r++) {
         cJSON *p = cJSON_CreateArray();
@@ -249,6 +249,35 @@ int trainer_save_checkpoint(qt_trainer *t) {
     return rc;
 }
 
+/* Adam's m and v are the backend's device memory: written through producers
+ * that download a chunk at a time as the writer streams, read through a host
+ * staging buffer and upload. */
+typedef struct {
+    qt_backend *be;
+    const float *dev;
+} dev_source;
+
+static int fill_from_device(void *ctx, float *dst, size_t offset, size_t n) {
+    const dev_source *s = ctx;
+    s->be->download(s->be, dst, s->dev + offset, sizeof(float) * n);
+    return QT_OK;
+}
+
+#define STAGE_FLOATS ((size_t)1 << 20)
+static int read_range_to_device(qt_backend *be, const st_tensor *t, size_t off, size_t n, float *dev) {
+    size_t chunk = n < STAGE_FLOATS ? n : STAGE_FLOATS;
+    float *stage = qt_malloc(sizeof(float) * (chunk ? chunk : 1), "checkpoint staging buffer");
+    if (!stage) return QT_ENOMEM;
+    int rc = QT_OK;
+    for (size_t k = 0; k < n && rc == QT_OK; k += chunk) {
+        size_t c = n - k < chunk ? n - k : chunk;
+        rc = st_read_f32_range(t, off + k, c, stage);
+        if (rc == QT_OK) be->upload(be, dev + k, stage, sizeof(float) * c);
+    }
+    qt_free(stage);
+    return rc;
+}
+
 /* This rank's part of Adam's m and v as optimizer-IIIII-of-CCCCC.safetensors
  * in dir: exp_avg and exp_avg_sq of shape (hi - lo), written straight from the
  * rank's own state (no copy, no collective). The metadata records the part and
@@ -273,8 +302,9 @@ static int save_opt_part(qt_trainer *t, const char *dir, int index, int count, s
     snprintf(num[2], sizeof num[2], "%zu", lo);
     snprintf(num[3], sizeof num[3], "%zu", hi);
     snprintf(num[4], sizeof num[4], "%zu", t->n);
-    int rc = st_writer_add(sw, "exp_avg", QT_F32, 1, shape, m, QT_F32);
-    if (rc == QT_OK) rc = st_writer_add(sw, "exp_avg_sq", QT_F32, 1, shape, v, QT_F32);
+    dev_source src[2] = {{t->be, m}, {t->be, v}};
+    int rc = st_writer_add_fn(sw, "exp_avg", QT_F32, 1, shape, fill_from_device, &src[0]);
+    if (rc == QT_OK) rc = st_writer_add_fn(sw, "exp_avg_sq", QT_F32, 1, shape, fill_from_device, &src[1]);
     for (int i = 0; i < 5 && rc == QT_OK; i++) rc = st_writer_set_metadata(sw, opt_meta_keys[i], num[i]);
     if (rc == QT_OK) rc = st_writer_write(sw, path);
     st_writer_free(sw);
@@ -567,16 +597,16 @@ static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos, opt_par
     if (rc == QT_OK) rc = state_opt_parts(j, path, version, t->n, parts, nparts);
     if (rc == QT_OK) {
         t->step = (long)step;
-        t->applied = applied;
+        t->opt.n_updates = applied;
         t->tokens_seen = tokens;
         t->elapsed_before = cJSON_IsNumber(el) ? el->valuedouble : 0;
         qt_model_set_micro_step(t->model, (uint64_t)micro);
         if (t->cfg.fp16) {
-            t->scaler.scale = scale->valuedouble;
-            t->scaler.cur_iter = cur_iter;
-            t->scaler.last_overflow_iter = last_ovf;
-            t->scaler.cur_hysteresis = (int)hyst;
-            t->scaler.n_overflows = novf;
+            t->opt.scaler.scale = scale->valuedouble;
+            t->opt.scaler.cur_iter = cur_iter;
+            t->opt.scaler.last_overflow_iter = last_ovf;
+            t->opt.scaler.cur_hysteresis = (int)hyst;
+            t->opt.scaler.n_overflows = novf;
         }
     }
     cJSON_Delete(j);
@@ -645,8 +675,8 @@ static int load_opt_state(qt_trainer *t, const char *dir, const opt_part *parts,
         const st_tensor *a = NULL, *b = NULL;
         if (rc == QT_OK) rc = check_opt_file(t, f, path, &parts[i], i, count, &a, &b);
         size_t lo = parts[i].lo > mlo ? parts[i].lo : mlo, hi = parts[i].hi < mhi ? parts[i].hi : mhi;
-        if (rc == QT_OK && hi > lo) rc = st_read_f32_range(a, lo - parts[i].lo, hi - lo, m + (lo - mlo));
-        if (rc == QT_OK && hi > lo) rc = st_read_f32_range(b, lo - parts[i].lo, hi - lo, v + (lo - mlo));
+        if (rc == QT_OK && hi > lo) rc = read_range_to_device(t->be, a, lo - parts[i].lo, hi - lo, m + (lo - mlo));
+        if (rc == QT_OK && hi > lo) rc = read_range_to_device(t->be, b, lo - parts[i].lo, hi - lo, v + (lo - mlo));
         st_close(f);
     }
     return rc;

@@ -6,6 +6,7 @@
 #include "data/loader.h"
 #include "dist/dist.h"
 #include "model/model.h"
+#include "optim/optimizer.h"
 #include "text/tokenizer.h"
 #include "train/metrics.h"
 #include "train/trainer.h"
@@ -35,11 +36,12 @@ typedef struct {
     size_t lo, hi;             /* this rank's optimizer range */
     qt_range *decay;
     int n_decay;
-    qt_loss_scaler scaler;
+    qt_optimizer opt;          /* Adam, schedule, clipping, loss scaler; opt.n_updates: updates applied (the
+                                  scheduler's k) */
+    qt_backend *be;            /* the model's backend: every buffer above is its device memory */
 
     long step;                 /* optimizer steps done (skipped ones count) */
     long max_steps;
-    int64_t applied;           /* updates applied: the scheduler's k */
     int64_t tokens_seen;       /* input positions, all ranks */
     double elapsed_before;     /* seconds spent before the resumed checkpoint */
     double t_start;            /* monotonic clock at this process's start of training */

@@ -34,6 +34,9 @@
 #include "core/rng.h"
 #include "dist/dist.h"
 #include "optim/adam.h"
+
+/* the cpu backend: these buffers are host memory, which is its device memory */
+static qt_backend *be;
 #include "optim/clip.h"
 
 enum { D = 16, O = 4 };
@@ -223,6 +226,7 @@ static int load_state(dist_ctx *d, zero_plan *plan, zero_state *st, float *param
 }
 
 int main(int argc, char **argv) {
+    if (qt_backend_open("cpu", &be) != QT_OK) return 1;
     dist_ctx *d = NULL;
     if (dist_init(&argc, &argv, &d) != QT_OK) {
         fprintf(stderr, "dist_driver: error: %s\n", qt_error_message());
@@ -287,7 +291,7 @@ int main(int argc, char **argv) {
         double gnorm = sqrt(sq);
         float coef = qt_clip_coef(gnorm, o.clip);
         if (!overflow)
-            CHECK(qt_adam_step(&ac, s + 1, o.lr, coef, params + lo, grads + lo, st.slot[0], st.slot[1], hi - lo,
+            CHECK(qt_adam_step(be, &ac, s + 1, o.lr, coef, params + lo, grads + lo, st.slot[0], st.slot[1], hi - lo,
                                lo, decay, 2));
         CHECK(dist_allgather_params(d, plan, params));
         if (dist_is_main(d))

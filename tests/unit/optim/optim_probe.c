@@ -20,6 +20,9 @@
 #include "core/log.h"
 #include "core/mem.h"
 #include "optim/adam.h"
+
+/* the cpu backend: these buffers are host memory, which is its device memory */
+static qt_backend *be;
 #include "optim/clip.h"
 #include "optim/loss_scaler.h"
 #include "optim/schedule.h"
@@ -117,7 +120,7 @@ static int probe_adam(int argc, char **argv) {
         size_t per = (n + (size_t)shards - 1) / (size_t)shards;
         for (size_t lo = 0; lo < n; lo += per) {
             size_t len = n - lo < per ? n - lo : per;
-            if (qt_adam_step(&c, t, lr, 1.0f, p + lo, g + lo, m + lo, v + lo, len, lo, decay, nd) != QT_OK) {
+            if (qt_adam_step(be, &c, t, lr, 1.0f, p + lo, g + lo, m + lo, v + lo, len, lo, decay, nd) != QT_OK) {
                 printf("error %s\n", qt_error_message());
                 rc = 1;
                 goto done;
@@ -141,13 +144,14 @@ static int probe_clip(int argc, char **argv) {
         qt_free(g);
         return 2;
     }
-    printf("%.17g %d\n", qt_clip_grad_norm(g, n, max_norm, inv_scale), qt_grad_has_nonfinite(g, n));
+    printf("%.17g %d\n", qt_clip_grad_norm(be, g, n, max_norm, inv_scale), qt_grad_has_nonfinite(be, g, n));
     for (size_t i = 0; i < n; i++) printf("%.9g%c", g[i], i + 1 == n ? '\n' : ' ');
     qt_free(g);
     return 0;
 }
 
 int main(int argc, char **argv) {
+    if (qt_backend_open("cpu", &be) != QT_OK) return 1;
     qt_log_set_level(QT_LOG_WARN);
     if (argc < 2) return usage();
     if (strcmp(argv[1], "sched") == 0) return probe_sched(argc, argv);

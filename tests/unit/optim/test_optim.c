@@ -17,6 +17,9 @@
 #include "core/mem.h"
 #include "core/rng.h"
 #include "optim/adam.h"
+
+/* the cpu backend: these buffers are host memory, which is its device memory */
+static qt_backend *be;
 #include "optim/clip.h"
 #include "optim/loss_scaler.h"
 #include "optim/optimizer.h"
@@ -35,13 +38,13 @@ static void test_adam_first_step(void **state) {
     qt_adam_cfg c;
     qt_adam_cfg_default(&c);
     float p[3] = {1.0f, -2.0f, 0.5f}, g[3] = {0.25f, -4.0f, 0.0f}, m[3] = {0}, v[3] = {0};
-    assert_int_equal(qt_adam_step(&c, 1, 0.01, 1.0f, p, g, m, v, 3, 0, NULL, 0), QT_OK);
+    assert_int_equal(qt_adam_step(be, &c, 1, 0.01, 1.0f, p, g, m, v, 3, 0, NULL, 0), QT_OK);
     assert_float_equal(p[0], 1.0f - 0.01f, 1e-6);
     assert_float_equal(p[1], -2.0f + 0.01f, 1e-6);
     assert_float_equal(p[2], 0.5f, 0.0f); /* zero grad: m = 0, no move */
     assert_float_equal(m[1], -0.4f, 1e-6);
     assert_float_equal(v[1], 0.016f, 1e-6);
-    assert_int_equal(qt_adam_step(&c, 0, 0.01, 1.0f, p, g, m, v, 3, 0, NULL, 0), QT_EINVAL);
+    assert_int_equal(qt_adam_step(be, &c, 0, 0.01, 1.0f, p, g, m, v, 3, 0, NULL, 0), QT_EINVAL);
 }
 
 /* AdamW decays only elements in the decay ranges, by p *= (1 - lr*wd) before
@@ -54,7 +57,7 @@ static void test_adam_decay_ranges(void **state) {
     const double lr = 0.1;
     float p[6] = {1, 1, 1, 1, 1, 1}, g[6] = {0}, m[6] = {0}, v[6] = {0};
     qt_range decay[2] = {{1, 3}, {5, 6}};
-    assert_int_equal(qt_adam_step(&c, 1, lr, 1.0f, p, g, m, v, 6, 0, decay, 2), QT_OK);
+    assert_int_equal(qt_adam_step(be, &c, 1, lr, 1.0f, p, g, m, v, 6, 0, decay, 2), QT_OK);
     const float expect_w[6] = {1, 0.95f, 0.95f, 1, 1, 0.95f}; /* zero grads: only decay moves p */
     for (int i = 0; i < 6; i++) assert_float_equal(p[i], expect_w[i], 1e-7);
 
@@ -62,7 +65,7 @@ static void test_adam_decay_ranges(void **state) {
      * step moves p by about lr (sign of the L2 gradient). */
     c.decoupled = 0;
     float q[6] = {1, 1, 1, 1, 1, 1}, m2[6] = {0}, v2[6] = {0};
-    assert_int_equal(qt_adam_step(&c, 1, lr, 1.0f, q, g, m2, v2, 6, 0, decay, 2), QT_OK);
+    assert_int_equal(qt_adam_step(be, &c, 1, lr, 1.0f, q, g, m2, v2, 6, 0, decay, 2), QT_OK);
     for (int i = 0; i < 6; i++) {
         int d = (i >= 1 && i < 3) || i == 5;
         assert_float_equal(q[i], d ? 0.9f : 1.0f, 1e-6);
@@ -85,9 +88,9 @@ static void test_adam_shards_match_whole(void **state) {
     qt_range decay[3] = {{0, 100}, {300, 500}, {900, 1000}};
     for (int step = 1; step <= 3; step++) {
         fill_normal(g, N, 100 + step);
-        assert_int_equal(qt_adam_step(&c, step, 1e-3, 0.5f, p1, g, m1, v1, N, 0, decay, 3), QT_OK);
-        assert_int_equal(qt_adam_step(&c, step, 1e-3, 0.5f, p2, g, m2, v2, CUT, 0, decay, 3), QT_OK);
-        assert_int_equal(qt_adam_step(&c, step, 1e-3, 0.5f, p2 + CUT, g + CUT, m2 + CUT, v2 + CUT, N - CUT, CUT,
+        assert_int_equal(qt_adam_step(be, &c, step, 1e-3, 0.5f, p1, g, m1, v1, N, 0, decay, 3), QT_OK);
+        assert_int_equal(qt_adam_step(be, &c, step, 1e-3, 0.5f, p2, g, m2, v2, CUT, 0, decay, 3), QT_OK);
+        assert_int_equal(qt_adam_step(be, &c, step, 1e-3, 0.5f, p2 + CUT, g + CUT, m2 + CUT, v2 + CUT, N - CUT, CUT,
                                       decay, 3),
                          QT_OK);
     }
@@ -122,24 +125,24 @@ static void test_decay_ranges_from_params(void **state) {
 static void test_clip(void **state) {
     (void)state;
     float g[4] = {3, 0, 4, 0};
-    assert_true(qt_grad_sumsq(g, 4) == 25.0);
+    assert_true(qt_grad_sumsq(be, g, 4) == 25.0);
     /* norm 5 > max 1: coef = 1 / (5 + 1e-6) */
-    double norm = qt_clip_grad_norm(g, 4, 1.0, 1.0);
+    double norm = qt_clip_grad_norm(be, g, 4, 1.0, 1.0);
     assert_true(norm == 5.0);
     assert_float_equal(g[0], 3.0f / 5.000001f, 1e-7);
     assert_float_equal(g[2], 4.0f / 5.000001f, 1e-7);
     /* below max: unchanged; clipping off: unchanged */
     float h[2] = {0.3f, 0.4f};
-    assert_float_equal(qt_clip_grad_norm(h, 2, 1.0, 1.0), 0.5, 1e-7);
+    assert_float_equal(qt_clip_grad_norm(be, h, 2, 1.0, 1.0), 0.5, 1e-7);
     assert_float_equal(h[1], 0.4f, 0.0f);
     assert_true(qt_clip_coef(100.0, 0.0) == 1.0f);
     /* scaled grads: the norm is reported unscaled and g comes back unscaled */
     float s[2] = {300.0f, 400.0f};
-    assert_float_equal(qt_clip_grad_norm(s, 2, 0.0, 1.0 / 100.0), 5.0, 1e-9);
+    assert_float_equal(qt_clip_grad_norm(be, s, 2, 0.0, 1.0 / 100.0), 5.0, 1e-9);
     assert_float_equal(s[0], 3.0f, 1e-6);
     /* non-finite: reported, coefficient 1, g untouched */
     float bad[3] = {1.0f, INFINITY, 2.0f};
-    assert_false(isfinite(qt_clip_grad_norm(bad, 3, 1.0, 1.0)));
+    assert_false(isfinite(qt_clip_grad_norm(be, bad, 3, 1.0, 1.0)));
     assert_float_equal(bad[0], 1.0f, 0.0f);
     assert_true(qt_clip_coef(NAN, 1.0) == 1.0f);
 }
@@ -149,29 +152,29 @@ static void test_nonfinite_and_determinism(void **state) {
     const size_t n = 200000; /* several sum blocks, and above the OpenMP threshold */
     float *g = qt_malloc(n * 4, "grads");
     fill_normal(g, n, 7);
-    assert_int_equal(qt_grad_has_nonfinite(g, n), 0);
-    assert_true(isfinite(qt_grad_sumsq(g, n)));
+    assert_int_equal(qt_grad_has_nonfinite(be, g, n), 0);
+    assert_true(isfinite(qt_grad_sumsq(be, g, n)));
     g[n - 1] = INFINITY;
-    assert_int_equal(qt_grad_has_nonfinite(g, n), 1);
-    assert_false(isfinite(qt_grad_sumsq(g, n)));
+    assert_int_equal(qt_grad_has_nonfinite(be, g, n), 1);
+    assert_false(isfinite(qt_grad_sumsq(be, g, n)));
     g[n - 1] = NAN;
-    assert_int_equal(qt_grad_has_nonfinite(g, n), 1);
-    assert_false(isfinite(qt_grad_sumsq(g, n)));
+    assert_int_equal(qt_grad_has_nonfinite(be, g, n), 1);
+    assert_false(isfinite(qt_grad_sumsq(be, g, n)));
     g[n - 1] = -INFINITY;
-    assert_int_equal(qt_grad_has_nonfinite(g, n), 1);
+    assert_int_equal(qt_grad_has_nonfinite(be, g, n), 1);
     g[n - 1] = 3.4e38f; /* largest floats are finite, and so is their square in double */
-    assert_int_equal(qt_grad_has_nonfinite(g, n), 0);
-    assert_true(isfinite(qt_grad_sumsq(g, n)));
+    assert_int_equal(qt_grad_has_nonfinite(be, g, n), 0);
+    assert_true(isfinite(qt_grad_sumsq(be, g, n)));
     /* The same bits whatever the thread count. */
     int saved = omp_get_max_threads();
     omp_set_num_threads(1);
-    double a = qt_grad_sumsq(g, n);
+    double a = qt_grad_sumsq(be, g, n);
     omp_set_num_threads(3);
-    double b = qt_grad_sumsq(g, n);
+    double b = qt_grad_sumsq(be, g, n);
     omp_set_num_threads(saved);
     assert_memory_equal(&a, &b, sizeof a);
     /* sharded partial sums add up to the whole (to rounding) */
-    double parts = qt_grad_sumsq(g, 12345) + qt_grad_sumsq(g + 12345, n - 12345);
+    double parts = qt_grad_sumsq(be, g, 12345) + qt_grad_sumsq(be, g + 12345, n - 12345);
     assert_true(fabs(parts - a) <= 1e-12 * a);
     qt_free(g);
 }
@@ -363,13 +366,13 @@ static void test_optimizer_step_sequence(void **state) {
         if (step == overflow_at) gs[7] = INFINITY;
         float before[N];
         memcpy(before, p1, sizeof before);
-        double sum = qt_grad_sumsq(gs, N);
+        double sum = qt_grad_sumsq(be, gs, N);
         qt_step_info info;
-        assert_int_equal(qt_optimizer_apply(&o1, sum, p1, gs, m[0], v[0], N, 0, decay, 1, &info), QT_OK);
-        double sum_parts = qt_grad_sumsq(gs, CUT) + qt_grad_sumsq(gs + CUT, N - CUT);
+        assert_int_equal(qt_optimizer_apply(&o1, be, sum, 0, p1, gs, m[0], v[0], N, 0, decay, 1, &info), QT_OK);
+        double sum_parts = qt_grad_sumsq(be, gs, CUT) + qt_grad_sumsq(be, gs + CUT, N - CUT);
         qt_optimizer o2b = o2; /* both shards see the state before the step */
-        assert_int_equal(qt_optimizer_apply(&o2, sum_parts, p2, gs, m[1], v[1], CUT, 0, decay, 1, NULL), QT_OK);
-        assert_int_equal(qt_optimizer_apply(&o2b, sum_parts, p2 + CUT, gs + CUT, m[1] + CUT, v[1] + CUT, N - CUT, CUT,
+        assert_int_equal(qt_optimizer_apply(&o2, be, sum_parts, 0, p2, gs, m[1], v[1], CUT, 0, decay, 1, NULL), QT_OK);
+        assert_int_equal(qt_optimizer_apply(&o2b, be, sum_parts, 0, p2 + CUT, gs + CUT, m[1] + CUT, v[1] + CUT, N - CUT, CUT,
                                             decay, 1, NULL),
                          QT_OK);
         assert_true(info.loss_scale == scale);
@@ -382,7 +385,7 @@ static void test_optimizer_step_sequence(void **state) {
         }
         assert_false(info.skipped);
         qt_step_info rinfo;
-        assert_int_equal(qt_optimizer_apply(&ref, qt_grad_sumsq(g, N), p3, g, m[2], v[2], N, 0, decay, 1, &rinfo),
+        assert_int_equal(qt_optimizer_apply(&ref, be, qt_grad_sumsq(be, g, N), 0, p3, g, m[2], v[2], N, 0, decay, 1, &rinfo),
                          QT_OK);
         /* the same lr (the schedule did not advance on the skip), the same
          * unscaled norm, and clipping active (norm ~ 17 > 1) */
@@ -413,6 +416,7 @@ static void test_optimizer_step_sequence(void **state) {
 }
 
 int main(void) {
+    if (qt_backend_open("cpu", &be) != QT_OK) return 1;
     qt_log_set_level(QT_LOG_WARN);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_adam_first_step),
