@@ -167,6 +167,11 @@ typedef struct {
 typedef void *(*zero_alloc_fn)(size_t bytes, const char *what, void *user);
 typedef void (*zero_free_fn)(void *ptr, void *user);
 void zero_set_device_allocator(zero_plan *p, zero_alloc_fn alloc, zero_free_fn release, void *user);
+/* The backend whose device memory the gradients, parameters and state are
+ * (backend/backend.h): ZeRO's copies, zeroing and sum of squares go through
+ * it. Default: the cpu backend. The caller keeps it open. */
+struct qt_backend;
+void zero_set_backend(zero_plan *p, struct qt_backend *be);
 
 int zero_state_alloc(zero_plan *p, int nslots, zero_state *st);
 void zero_state_free(zero_plan *p, zero_state *st);

@@ -15,6 +15,7 @@
  * rank receives the same bits, so replicated weights never drift apart. */
 #include "dist/dist_internal.h"
 
+#include "backend/backend.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/mem.h"
@@ -55,6 +56,8 @@ struct zero_plan {
     zero_alloc_fn dev_alloc;
     zero_free_fn dev_free;
     void *dev_user;
+    qt_backend *be;      /* copies, zeroing and the sum of squares of device memory */
+    int own_be;
 };
 
 static void *default_dev_alloc(size_t bytes, const char *what, void *user) {
@@ -103,7 +106,9 @@ int zero_plan_create(dist_ctx *d, size_t n, const zero_opts *opts, zero_plan **o
 #else
     int ok_req = 1;
 #endif
-    if (!p->counts || !p->displs || !p->bstate || !p->gshard || !ok_req) {
+    int ok_be = qt_backend_open("cpu", &p->be) == QT_OK; /* zero_set_backend replaces it */
+    p->own_be = ok_be;
+    if (!p->counts || !p->displs || !p->bstate || !p->gshard || !ok_req || !ok_be) {
         zero_plan_free(p);
         return QT_ENOMEM;
     }
@@ -124,8 +129,15 @@ int zero_plan_create(dist_ctx *d, size_t n, const zero_opts *opts, zero_plan **o
     return QT_OK;
 }
 
+void zero_set_backend(zero_plan *p, qt_backend *be) {
+    if (p->own_be) qt_backend_close(p->be);
+    p->be = be;
+    p->own_be = 0;
+}
+
 void zero_plan_free(zero_plan *p) {
     if (!p) return;
+    if (p->own_be) qt_backend_close(p->be);
     qt_free(p->counts);
     qt_free(p->displs);
     qt_free(p->bstate);
@@ -186,7 +198,7 @@ static int bucket_start_gather(zero_plan *p, float *grads, int b) {
     size_t b0, b1;
     zero_bucket_range(p, b, &b0, &b1);
     const int *cnt = p->counts + (size_t)b * N, *dsp = p->displs + (size_t)b * N;
-    if (cnt[me]) memcpy(grads + b0 + dsp[me], p->gshard + (b0 + dsp[me] - p->lo), (size_t)cnt[me] * sizeof(float));
+    if (cnt[me]) p->be->copy(p->be, grads + b0 + dsp[me], p->gshard + (b0 + dsp[me] - p->lo), (size_t)cnt[me] * sizeof(float));
     DIST_MPI_CHECK(p->d, MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_FLOAT, grads + b0, cnt, dsp, MPI_FLOAT, p->d->comm,
                                          &p->req[b]), "gradient all-gather");
     p->bstate[b] = B_GATHER;
@@ -292,7 +304,7 @@ int zero_reduce_grads(zero_plan *p, float *grads) {
     p->grads_in_flight = NULL;
     if (rc) return rc;
     /* stage 2: the own shard is final; copy it to its place in the block */
-    if (p->stage == 2 && p->hi > p->lo) memcpy(grads + p->lo, p->gshard, (p->hi - p->lo) * sizeof(float));
+    if (p->stage == 2 && p->hi > p->lo) p->be->copy(p->be, grads + p->lo, p->gshard, (p->hi - p->lo) * sizeof(float));
     return QT_OK;
 #else
     (void)grads;
@@ -359,46 +371,12 @@ int zero_allgather_params(zero_plan *p, float *params) {
 #endif
 }
 
-/* Sum of squares in double over 8 independent lanes (a fixed order, so the
- * same on every run, and vectorised: the one-accumulator loop was bound by the
- * add latency, 0.55 s for Qwen2.5-0.5B's 494M gradients, now 0.23 s). A float
- * squared cannot overflow a double, so the sum is finite iff every element is. */
-static double sum_squares_lanes(const float *g, size_t n) {
-    double a[8] = {0};
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int k = 0; k < 8; k++) a[k] += (double)g[i + k] * (double)g[i + k];
-    double s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-    for (; i < n; i++) s += (double)g[i] * (double)g[i];
-    return s;
-}
-
-/* Large blocks are cut into SQ_PARTS pieces by their length alone, summed by
- * the OpenMP threads and added in piece order: the bits do not depend on the
- * thread count, and the pass no longer leaves the other cores idle. */
-#define SQ_PARTS 64
-#define SQ_PARALLEL_MIN ((size_t)1 << 20)
-
-static double sum_squares(const float *g, size_t n) {
-    if (n < SQ_PARALLEL_MIN) return sum_squares_lanes(g, n);
-    double part[SQ_PARTS];
-    const size_t per = (n + SQ_PARTS - 1) / SQ_PARTS;
-#pragma omp parallel for schedule(static)
-    for (int k = 0; k < SQ_PARTS; k++) {
-        size_t a = (size_t)k * per < n ? (size_t)k * per : n, b = a + per < n ? a + per : n;
-        part[k] = sum_squares_lanes(g + a, b - a);
-    }
-    double s = 0.0;
-    for (int k = 0; k < SQ_PARTS; k++) s += part[k];
-    return s;
-}
-
 int dist_step_gradients(dist_ctx *d, zero_plan *p, float *grads, double *grad_sq_sum, int *overflow) {
     (void)d;
     QT_TRY(zero_reduce_grads(p, grads));
     size_t lo, hi;
     zero_opt_range(p, &lo, &hi);
-    double sq = sum_squares(grads + lo, hi - lo);
+    double sq = p->be->sum_squares(p->be, grads + lo, hi - lo); /* finite iff every element is */
     int bad = !isfinite(sq);
     double vals[2] = {sq, bad};
     dist_op ops[2] = {DIST_SUM, DIST_MAX};
@@ -451,7 +429,7 @@ int zero_state_alloc(zero_plan *p, int nslots, zero_state *st) {
             q = host_alloc(bytes);
         } else {
             q = p->dev_alloc(bytes, "the optimizer state", p->dev_user);
-            if (q) memset(q, 0, bytes);
+            if (q) p->be->zero(p->be, q, bytes);
         }
         if (!q) {
             zero_state_free(p, st);
@@ -543,7 +521,7 @@ static int start_state_scatter(zero_plan *p, int b, void *ctx) {
     const int *cnt = p->counts + (size_t)b * N, *dsp = p->displs + (size_t)b * N;
     if (p->stage == 0) {
         /* every rank holds the whole block */
-        if (me == 0) memcpy(io->mine + b0, io->full + b0, (b1 - b0) * sizeof(float));
+        if (me == 0) p->be->upload(p->be, io->mine + b0, io->full + b0, (b1 - b0) * sizeof(float));
         DIST_MPI_CHECK(p->d, MPI_Ibcast(io->mine + b0, (int)(b1 - b0), MPI_FLOAT, 0, p->d->comm, &p->req[b]),
                        "optimizer state scatter");
     } else {
@@ -560,7 +538,7 @@ int zero_state_gather(zero_plan *p, const zero_state *st, int slot, float *full)
     float *mine = st->slot[slot];
     if (p->stage == 0 || p->d->world == 1) {
         /* replicated: rank 0 already holds everything */
-        if (p->d->rank == 0 && p->n) memcpy(full, mine, p->n * sizeof(float));
+        if (p->d->rank == 0 && p->n) p->be->download(p->be, full, mine, p->n * sizeof(float));
         return QT_OK;
     }
 #if QT_DIST_MPI
@@ -575,7 +553,7 @@ int zero_state_scatter(zero_plan *p, zero_state *st, int slot, const float *full
     QT_TRY(check_slot(p, st, slot));
     float *mine = st->slot[slot];
     if (p->d->world == 1) {
-        if (p->n) memcpy(mine, full, p->n * sizeof(float));
+        if (p->n) p->be->upload(p->be, mine, full, p->n * sizeof(float));
         return QT_OK;
     }
 #if QT_DIST_MPI
@@ -617,7 +595,7 @@ int zero_state_gather_range(zero_plan *p, const zero_state *st, int slot, size_t
     QT_TRY(check_range(p, lo, hi));
     const float *mine = st->slot[slot];
     if (p->stage == 0 || p->d->world == 1) {
-        if (p->d->rank == 0 && hi > lo) memcpy(out, mine + lo, (hi - lo) * sizeof(float));
+        if (p->d->rank == 0 && hi > lo) p->be->download(p->be, out, mine + lo, (hi - lo) * sizeof(float));
         return QT_OK;
     }
 #if QT_DIST_MPI
@@ -643,7 +621,7 @@ int zero_state_scatter_range(zero_plan *p, zero_state *st, int slot, size_t lo, 
     QT_TRY(check_range(p, lo, hi));
     float *mine = st->slot[slot];
     if (p->d->world == 1) {
-        if (hi > lo) memcpy(mine + lo, in, (hi - lo) * sizeof(float));
+        if (hi > lo) p->be->upload(p->be, mine + lo, in, (hi - lo) * sizeof(float));
         return QT_OK;
     }
 #if QT_DIST_MPI
@@ -651,7 +629,7 @@ int zero_state_scatter_range(zero_plan *p, zero_state *st, int slot, size_t lo, 
     MPI_Request rq;
     int rc;
     if (p->stage == 0) {
-        if (me == 0 && hi > lo) memcpy(mine + lo, in, (hi - lo) * sizeof(float));
+        if (me == 0 && hi > lo) p->be->upload(p->be, mine + lo, in, (hi - lo) * sizeof(float));
         rc = MPI_Ibcast(mine + lo, (int)(hi - lo), MPI_FLOAT, 0, p->d->comm, &rq);
         return rc == MPI_SUCCESS ? dist_wait_all(p->d, &rq, 1, "optimizer state scatter")
                                  : dist_mpi_fail(p->d, rc, "MPI_Ibcast", "optimizer state scatter");

@@ -101,6 +101,7 @@ static void state_free(void *p, void *user) {
 static int setup_optimizer(qt_trainer *t) {
     QT_TRY(zero_plan_create(t->d, t->n, &t->cfg.zero, &t->zp));
     zero_set_device_allocator(t->zp, state_alloc, state_free, t->be);
+    zero_set_backend(t->zp, t->be);
     QT_TRY(zero_state_alloc(t->zp, 2, &t->zs));
     zero_opt_range(t->zp, &t->lo, &t->hi);
     QT_TRY(qt_decay_ranges_from_params(t->params, t->n_params, &t->decay, &t->n_decay));
