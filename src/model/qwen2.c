@@ -328,14 +328,14 @@ static void run_forward(qt_model *m, const qt_batch *b, int dropout, float *dx_l
  * token order, against the host batch's targets. */
 static void sum_loss(const qt_model *m, const qt_batch *b, double *loss_sum, int64_t *n_tokens, float *logp) {
     size_t N = (size_t)b->B * b->T;
-    float *loss = m->loss_host;
-    m->be->download(m->be, loss, m->acts.loss, N * sizeof(float));
+    float *loss_host = m->loss_host;
+    m->be->download(m->be, loss_host, m->acts.loss, N * sizeof(float));
     double s = 0;
     int64_t n = 0;
     for (size_t i = 0; i < N; i++) {
         int lab = b->targets[i] != QT_IGNORE_INDEX;
-        if (lab) s += loss[i], n++;
-        if (logp) logp[i] = lab ? -loss[i] : 0.0f;
+        if (lab) s += loss_host[i], n++;
+        if (logp) logp[i] = lab ? -loss_host[i] : 0.0f;
     }
     if (loss_sum) *loss_sum = s;
     if (n_tokens) *n_tokens = n;

@@ -13,6 +13,9 @@
  * addresses are not reused: a use after free faults too. */
 #include "backend/guard/backend_guard.h"
 
+#include <execinfo.h>
+#include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -44,6 +47,47 @@ static const qt_backend_desc guard_desc = {
 };
 
 static guard *G(qt_backend *be) { return be->impl; }
+
+/* A fault inside a guard reservation is a host touch of device memory: say
+ * so, with the call stack (symbolise with addr2line -f -e qtune ADDR, or run
+ * under gdb), then die of the same signal. Reservations are few (one per open
+ * backend); a fault elsewhere is passed on untouched. */
+enum { MAX_GUARDS = 8 };
+static struct { char *base; size_t len; } guards[MAX_GUARDS];
+
+static void on_fault(int sig, siginfo_t *si, void *uc) {
+    (void)uc;
+    char *a = si->si_addr;
+    for (int i = 0; i < MAX_GUARDS; i++)
+        if (guards[i].base && a >= guards[i].base && a < guards[i].base + guards[i].len) {
+            static const char msg[] = "qtune guard backend: the host touched device memory outside the backend's "
+                                      "calls (a host read/write left outside src/backend/); call stack:\n";
+            if (write(2, msg, sizeof msg - 1) < 0) break;
+            void *bt[64];
+            backtrace_symbols_fd(bt, backtrace(bt, 64), 2);
+            break;
+        }
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+static void watch(char *base, size_t len) {
+    for (int i = 0; i < MAX_GUARDS; i++)
+        if (!guards[i].base) {
+            guards[i].base = base, guards[i].len = len;
+            break;
+        }
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_fault;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigaction(SIGSEGV, &sa, NULL);
+}
+
+static void unwatch(char *base) {
+    for (int i = 0; i < MAX_GUARDS; i++)
+        if (guards[i].base == base) guards[i].base = NULL;
+}
 
 static void g_open(qt_backend *be) {
     guard *g = G(be);
@@ -232,7 +276,10 @@ static size_t g_runtime_bytes(BE) { return CPU->runtime_bytes(CPU); }
 
 static void g_close_backend(BE) {
     guard *g = G(be);
-    if (g->base) munmap(g->base, g->reserved);
+    if (g->base) {
+        unwatch(g->base);
+        munmap(g->base, g->reserved);
+    }
     free(g->blk);
     qt_free(g);
     qt_free(be);
@@ -258,6 +305,7 @@ int qt_backend_guard_open(qt_backend **out) {
                                  "lower", want);
     }
     g->base = p;
+    watch(g->base, g->reserved);
     *be = g->cpu; /* the same table shape; every entry below is replaced */
     be->desc = &guard_desc;
     be->impl = g;
