@@ -3,6 +3,8 @@
 
 #include <math.h>
 
+#include <cjson/cJSON.h>
+
 #include "core/error.h"
 #include "core/log.h"
 
@@ -76,4 +78,49 @@ int qt_loss_scaler_update(qt_loss_scaler *s, int overflow) {
     }
     s->cur_iter++;
     return QT_OK;
+}
+
+cJSON *qt_loss_scaler_state_json(const qt_loss_scaler *s) {
+    cJSON *j = cJSON_CreateObject();
+    if (!j) return NULL;
+    int ok = cJSON_AddNumberToObject(j, "scale", s->scale) &&
+             cJSON_AddNumberToObject(j, "cur_iter", (double)s->cur_iter) &&
+             cJSON_AddNumberToObject(j, "last_overflow_iter", (double)s->last_overflow_iter) &&
+             cJSON_AddNumberToObject(j, "cur_hysteresis", s->cur_hysteresis) &&
+             cJSON_AddNumberToObject(j, "n_overflows", (double)s->n_overflows);
+    if (!ok) {
+        cJSON_Delete(j);
+        return NULL;
+    }
+    return j;
+}
+
+static int whole(const cJSON *o, const char *key, int64_t lo, int64_t hi, int64_t *out, const char *where) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
+    if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble) || it->valuedouble < (double)lo ||
+        it->valuedouble > (double)hi)
+        return QT_ERR(QT_EFORMAT, "%s: \"%s\" is missing or not a whole number >= %lld; the checkpoint is damaged",
+                      where, key, (long long)lo);
+    *out = (int64_t)it->valuedouble;
+    return QT_OK;
+}
+
+int qt_loss_scaler_state_parse(const cJSON *o, const char *where, qt_loss_scaler_state *out) {
+    QT_TRY(whole(o, "cur_iter", 0, (int64_t)9e15, &out->cur_iter, where));
+    QT_TRY(whole(o, "last_overflow_iter", -1, (int64_t)9e15, &out->last_overflow_iter, where));
+    QT_TRY(whole(o, "cur_hysteresis", 0, (int64_t)1e9, &out->cur_hysteresis, where));
+    QT_TRY(whole(o, "n_overflows", 0, (int64_t)9e15, &out->n_overflows, where));
+    const cJSON *scale = cJSON_GetObjectItemCaseSensitive(o, "scale");
+    if (!(cJSON_IsNumber(scale) && scale->valuedouble > 0 && isfinite(scale->valuedouble)))
+        return QT_ERR(QT_EFORMAT, "%s: loss_scaler.scale must be a positive number; the checkpoint is damaged", where);
+    out->scale = scale->valuedouble;
+    return QT_OK;
+}
+
+void qt_loss_scaler_state_apply(qt_loss_scaler *s, const qt_loss_scaler_state *st) {
+    if (s->dynamic) s->scale = st->scale;
+    s->cur_iter = st->cur_iter;
+    s->last_overflow_iter = st->last_overflow_iter;
+    s->cur_hysteresis = (int)st->cur_hysteresis;
+    s->n_overflows = st->n_overflows;
 }

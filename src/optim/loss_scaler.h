@@ -72,4 +72,19 @@ static inline double qt_loss_scaler_scale(const qt_loss_scaler *s) { return s->s
  * as it was). The caller skips the update whenever overflow is set. */
 int qt_loss_scaler_update(qt_loss_scaler *s, int overflow);
 
+/* The one checkpoint format of the scaler's state, the "loss_scaler" object
+ * of trainer_state.json: {"scale", "cur_iter", "last_overflow_iter",
+ * "cur_hysteresis", "n_overflows"}. _json: NULL when out of memory. _parse
+ * checks every field (QT_EFORMAT naming `where` and the field) into *out
+ * without touching a scaler; _apply then restores it: the counters always, the
+ * scale only when dynamic (a static scale stays what the config says). */
+typedef struct {
+    double scale;
+    int64_t cur_iter, last_overflow_iter, cur_hysteresis, n_overflows;
+} qt_loss_scaler_state;
+struct cJSON;
+struct cJSON *qt_loss_scaler_state_json(const qt_loss_scaler *s);
+int qt_loss_scaler_state_parse(const struct cJSON *o, const char *where, qt_loss_scaler_state *out);
+void qt_loss_scaler_state_apply(qt_loss_scaler *s, const qt_loss_scaler_state *st);
+
 #endif

@@ -55,18 +55,11 @@ int qt_optimizer_apply(qt_optimizer *o, qt_backend *be, double global_sumsq, int
 }
 
 cJSON *qt_optimizer_state_json(const qt_optimizer *o) {
-    cJSON *j = cJSON_CreateObject();
-    if (!j) return NULL;
-    const qt_loss_scaler *s = &o->scaler;
-    int ok = cJSON_AddNumberToObject(j, "n_updates", (double)o->n_updates) &&
-             cJSON_AddNumberToObject(j, "n_skipped", (double)o->n_skipped) &&
-             cJSON_AddNumberToObject(j, "loss_scale", s->scale) &&
-             cJSON_AddNumberToObject(j, "scaler_cur_iter", (double)s->cur_iter) &&
-             cJSON_AddNumberToObject(j, "scaler_last_overflow_iter", (double)s->last_overflow_iter) &&
-             cJSON_AddNumberToObject(j, "scaler_cur_hysteresis", s->cur_hysteresis) &&
-             cJSON_AddNumberToObject(j, "scaler_n_overflows", (double)s->n_overflows);
-    if (!ok) {
+    cJSON *j = cJSON_CreateObject(), *sc = qt_loss_scaler_state_json(&o->scaler);
+    if (!j || !sc || !cJSON_AddNumberToObject(j, "n_updates", (double)o->n_updates) ||
+        !cJSON_AddNumberToObject(j, "n_skipped", (double)o->n_skipped) || !cJSON_AddItemToObject(j, "loss_scaler", sc)) {
         cJSON_Delete(j);
+        cJSON_Delete(sc);
         return NULL;
     }
     return j;
@@ -84,27 +77,13 @@ static int get_whole(const cJSON *j, const char *key, const char *where, double 
 }
 
 int qt_optimizer_state_load(qt_optimizer *o, const cJSON *state, const char *where) {
-    double nu = 0, ns = 0, it = 0, lo = 0, h = 0, no = 0;
+    double nu = 0, ns = 0;
     QT_TRY(get_whole(state, "n_updates", where, 0, &nu));
     QT_TRY(get_whole(state, "n_skipped", where, 0, &ns));
-    QT_TRY(get_whole(state, "scaler_cur_iter", where, 0, &it));
-    QT_TRY(get_whole(state, "scaler_last_overflow_iter", where, -1, &lo));
-    QT_TRY(get_whole(state, "scaler_cur_hysteresis", where, 0, &h));
-    QT_TRY(get_whole(state, "scaler_n_overflows", where, 0, &no));
-    const cJSON *sc = cJSON_GetObjectItemCaseSensitive(state, "loss_scale");
-    if (!cJSON_IsNumber(sc) || !(sc->valuedouble > 0) || !isfinite(sc->valuedouble))
-        return QT_ERR(QT_EFORMAT, "%s: optimizer state \"loss_scale\" is missing or not a positive number; the "
-                      "checkpoint is damaged, resume from another one",
-                      where);
-    if (h > 1e9) return QT_ERR(QT_EFORMAT, "%s: optimizer state \"scaler_cur_hysteresis\" is out of range", where);
+    qt_loss_scaler_state st;
+    QT_TRY(qt_loss_scaler_state_parse(cJSON_GetObjectItemCaseSensitive(state, "loss_scaler"), where, &st));
     o->n_updates = (int64_t)nu;
     o->n_skipped = (int64_t)ns;
-    qt_loss_scaler *s = &o->scaler;
-    /* A static scale stays what the config says; a dynamic one resumes. */
-    if (s->dynamic) s->scale = sc->valuedouble;
-    s->cur_iter = (int64_t)it;
-    s->last_overflow_iter = (int64_t)lo;
-    s->cur_hysteresis = (int)h;
-    s->n_overflows = (int64_t)no;
+    qt_loss_scaler_state_apply(&o->scaler, &st);
     return QT_OK;
 }

@@ -150,12 +150,7 @@ static char *state_json(const qt_trainer *t, const int64_t *data_pos, int opt_pa
     cJSON_AddNumberToObject(j, "elapsed_s", trainer_elapsed(t));
     cJSON_AddNumberToObject(j, "tokens_seen", (double)t->tokens_seen);
     cJSON_AddNumberToObject(j, "world", t->world);
-    cJSON *sc = cJSON_AddObjectToObject(j, "loss_scaler");
-    cJSON_AddNumberToObject(sc, "scale", t->opt.scaler.scale);
-    cJSON_AddNumberToObject(sc, "cur_iter", (double)t->opt.scaler.cur_iter);
-    cJSON_AddNumberToObject(sc, "last_overflow_iter", (double)t->opt.scaler.last_overflow_iter);
-    cJSON_AddNumberToObject(sc, "cur_hysteresis", t->opt.scaler.cur_hysteresis);
-    cJSON_AddNumberToObject(sc, "n_overflows", (double)t->opt.scaler.n_overflows);
+    cJSON_AddItemToObject(j, "loss_scaler", qt_loss_scaler_state_json(&t->opt.scaler)); /* optim's one format */
     cJSON *data = cJSON_AddArrayToObject(j, "data_position"); /* per rank: [epoch, index] */
     for (int r = 0; r < t->world; r++) {
         cJSON *p = cJSON_CreateArray();
@@ -549,15 +544,8 @@ static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos, opt_par
                     "%s was written by a different job (%s%s); resume it with the job that wrote it, or set "
                     "train.resume to \"never\"",
                     dir, diff[0] ? "it differs in " : "model, data, LoRA or DeepSpeed settings differ", diff);
-    const cJSON *sc = cJSON_GetObjectItemCaseSensitive(j, "loss_scaler");
-    int64_t cur_iter = 0, last_ovf = -1, hyst = 0, novf = 0;
-    if (rc == QT_OK) rc = state_i64(sc, "cur_iter", 0, &cur_iter, path);
-    if (rc == QT_OK) rc = state_i64(sc, "last_overflow_iter", -1, &last_ovf, path);
-    if (rc == QT_OK) rc = state_i64(sc, "cur_hysteresis", 0, &hyst, path);
-    if (rc == QT_OK) rc = state_i64(sc, "n_overflows", 0, &novf, path);
-    const cJSON *scale = cJSON_GetObjectItemCaseSensitive(sc, "scale");
-    if (rc == QT_OK && !(cJSON_IsNumber(scale) && scale->valuedouble > 0 && isfinite(scale->valuedouble)))
-        rc = QT_ERR(QT_EFORMAT, "%s: loss_scaler.scale must be a positive number; the checkpoint is damaged", path);
+    qt_loss_scaler_state sc;
+    if (rc == QT_OK) rc = qt_loss_scaler_state_parse(cJSON_GetObjectItemCaseSensitive(j, "loss_scaler"), path, &sc);
     const cJSON *el = cJSON_GetObjectItemCaseSensitive(j, "elapsed_s");
     const cJSON *dp = cJSON_GetObjectItemCaseSensitive(j, "data_position");
     if (rc == QT_OK && !(cJSON_IsArray(dp) && (int64_t)cJSON_GetArraySize(dp) == world))
@@ -601,13 +589,7 @@ static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos, opt_par
         t->tokens_seen = tokens;
         t->elapsed_before = cJSON_IsNumber(el) ? el->valuedouble : 0;
         qt_model_set_micro_step(t->model, (uint64_t)micro);
-        if (t->cfg.fp16) {
-            t->opt.scaler.scale = scale->valuedouble;
-            t->opt.scaler.cur_iter = cur_iter;
-            t->opt.scaler.last_overflow_iter = last_ovf;
-            t->opt.scaler.cur_hysteresis = (int)hyst;
-            t->opt.scaler.n_overflows = novf;
-        }
+        if (t->cfg.fp16) qt_loss_scaler_state_apply(&t->opt.scaler, &sc);
     }
     cJSON_Delete(j);
     return rc;

@@ -407,6 +407,17 @@ static void test_optimizer_step_sequence(void **state) {
     assert_int_equal(back.n_updates, 4);
     assert_true(back.scaler.scale == o1.scaler.scale && back.scaler.cur_iter == o1.scaler.cur_iter &&
                 back.scaler.last_overflow_iter == o1.scaler.last_overflow_iter);
+    /* the one scaler format: trainer_state.json's "loss_scaler" object */
+    const cJSON *ls = cJSON_GetObjectItemCaseSensitive(js, "loss_scaler");
+    const char *keys[5] = {"scale", "cur_iter", "last_overflow_iter", "cur_hysteresis", "n_overflows"};
+    for (int k = 0; k < 5; k++) assert_true(cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(ls, keys[k])));
+    assert_int_equal(cJSON_GetArraySize(ls), 5);
+    qt_loss_scaler_state sst;
+    assert_int_equal(qt_loss_scaler_state_parse(ls, "trainer_state.json", &sst), QT_OK);
+    assert_true(sst.scale == o1.scaler.scale && sst.n_overflows == 1);
+    cJSON_ReplaceItemInObject((cJSON *)ls, "cur_iter", cJSON_CreateNumber(-2));
+    assert_int_equal(qt_optimizer_state_load(&back, js, "ckpt"), QT_EFORMAT);
+    assert_non_null(strstr(qt_error_message(), "\"cur_iter\""));
     cJSON_ReplaceItemInObject(js, "n_updates", cJSON_CreateString("x"));
     assert_int_equal(qt_optimizer_state_load(&back, js, "ckpt"), QT_EFORMAT);
     assert_non_null(strstr(qt_error_message(), "n_updates"));
