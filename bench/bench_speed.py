@@ -442,7 +442,26 @@ def triad_near(build, t, reps=3):
     return rows[0]["gbs"] if rows and rows[0].get("gbs") else None
 
 
+def report_ab(res):
+    cases = [c for c in res.get("cases", []) if c.get("ab")]
+    if not cases:
+        return
+    print("\n## Against the baseline binary (alternating runs, medians of each run's post-warm-up steps)\n")
+    print("| shape | mode | threads | new tok/s (runs) | baseline tok/s (runs) | new / baseline | >= 0.97 |")
+    print("|---|---|---|---|---|---|---|")
+    for c in cases:
+        ab = c["ab"]
+        if ab.get("error"):
+            print("| %s | %s | %d | %s | | | |" % (c["shape"], c["mode"], c["threads"], ab["error"]))
+            continue
+        print("| %s | %s | %d | %.1f (%s) | %.1f (%s) | %.3f | %s |" % (
+            c["shape"], c["mode"], c["threads"], median(ab["new"]), ", ".join("%.1f" % x for x in ab["new"]),
+            median(ab["base"]), ", ".join("%.1f" % x for x in ab["base"]), ab["ratio"],
+            "yes" if ab["ratio"] >= 0.97 else "**no**"))
+
+
 def report(res):
+    report_ab(res)
     p = print
     p("\n## Machine\n")
     for k, v in res["machine"].items():
@@ -618,6 +637,20 @@ def machine_facts(build):
             "load average at start": loadavg()}
 
 
+def run_ab(qtune, base, work, model, data, B, T, mode, threads, warmup, steps, rounds):
+    """This build and a baseline binary on the same job, alternating (new, base, new, base, ...) so that both
+    see the same minutes of a shared machine: {new: [tok/s medians], base: [...], ratio: median/median}."""
+    new, old = [], []
+    for r in range(rounds):
+        for exe, into in ((qtune, new), (base, old)):
+            q = run_qtune(exe, work, model, data, B, T, mode, threads, warmup, steps)
+            if q.get("error"):
+                return {"error": "%s: %s" % (exe, q["error"])}
+            into.append(q["tok_s"])
+        log("  A/B round %d: new %.1f, baseline %.1f tok/s" % (r + 1, new[-1], old[-1]))
+    return {"new": new, "base": old, "ratio": median(new) / median(old)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", default=os.path.join(ROOT, "build-bench"))
@@ -639,6 +672,11 @@ def main():
     ap.add_argument("--profile-shapes", default="bench-tiny,qwen2.5-0.5b")
     ap.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "qtune-bench"))
     ap.add_argument("--json", help="also write all results to this JSON file")
+    ap.add_argument("--baseline", metavar="QTUNE",
+                    help="another qtune binary (e.g. the previous main's) run on every speed case, alternating "
+                         "with this build's --rounds times; the report gets a 'vs baseline' table with the ratio "
+                         "of medians per case (the issue-18 gate: every case >= 0.97)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating new/baseline runs per case (--baseline)")
     ap.add_argument("--report", nargs="+", metavar="JSON", help="only print the tables of earlier --json files, "
                     "merged (peak: the best of the files at each thread count; FLOPs recomputed)")
     a = ap.parse_args()
@@ -688,8 +726,12 @@ def main():
                 if not a.no_torch:
                     tr = run_torch(a.work, mdir, data, B, T, mode, t, a.warmup, steps)
                     log("  torch: %s" % (tr.get("error") or "%.1f tok/s %s" % (tr["tok_s"], tr["tok_s_all"])))
-                res["cases"].append({"shape": shape, "mode": mode, "threads": t, "B": B, "T": T, "tokens": B * T,
-                                     "flops": fl, "n_mm": n_mm, "qtune": q, "qtune_bf16": qb, "torch": tr})
+                case = {"shape": shape, "mode": mode, "threads": t, "B": B, "T": T, "tokens": B * T,
+                        "flops": fl, "n_mm": n_mm, "qtune": q, "qtune_bf16": qb, "torch": tr}
+                if a.baseline:
+                    case["ab"] = run_ab(qtune, os.path.abspath(a.baseline), a.work, mdir, data, B, T, mode, t,
+                                        a.warmup, steps, a.rounds)
+                res["cases"].append(case)
     if not a.no_precision:
         res["precision"] = []
         t = max(threads)
