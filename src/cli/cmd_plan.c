@@ -1,5 +1,6 @@
 /* qtune plan: the memory and hardware plan for a model, a strategy and a
  * device count (src/train/plan_report.h does the sums; docs/plan.md). */
+#include "backend/backend.h"
 #include "cli/cli.h"
 #include "core/error.h"
 #include "core/fs.h"
@@ -36,6 +37,8 @@ static void plan_help(void) {
            "  --cards-per-host K    default min(devices, 8)\n"
            "  --dataset-gib G       dataset/token cache held in host memory (default 1)\n"
            "  --strategies          also print the field report's three strategies for this shape\n"
+           "  --backend NAME        size workspaces with this backend's descriptor (cpu, guard; default\n"
+           "                        QTUNE_BACKEND, else cpu); its device need not be on this machine\n"
            "  --json                print one JSON object instead of the table\n");
 }
 
@@ -117,6 +120,11 @@ int cmd_plan(int argc, char **argv) {
             if (!strcmp(v, "lora")) o.lora = 1;
             else if (!strcmp(v, "full")) o.lora = 0;
             else return cli_usage_error("plan", "--mode must be lora or full, not '%s'", v);
+        } else if (!strcmp(a, "--backend")) {
+            NEED_VALUE();
+            if (!qt_backend_desc_of(v))
+                return cli_usage_error("plan", "--backend must name a compiled-in backend (cpu, guard), not '%s'", v);
+            o.backend = v;
         } else if (!strcmp(a, "--zero")) {
             NEED_VALUE();
             if (parse_int(v, 0, 2, &o.zero)) return cli_usage_error("plan", "--zero must be 0, 1 or 2, not '%s'", v);

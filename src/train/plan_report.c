@@ -67,6 +67,7 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, plan_mod
     mo.grad_checkpointing = o->checkpointing;
     mo.max_B = o->micro_batch;
     mo.max_T = o->seq_len;
+    mo.backend = o->backend;
     qt_mem_breakdown b;
     qt_model_memory(c, &mo, &b);
     qt_model_opts full = mo;

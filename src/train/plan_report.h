@@ -39,6 +39,7 @@ typedef struct {
     int cards_per_host;    /* 0: min(devices, 8) */
     uint64_t dataset_bytes; /* token cache / dataset held in host memory */
     uint64_t weights_file_bytes; /* the model's *.safetensors; 0: parameters x config torch_dtype */
+    const char *backend;   /* whose descriptor sizes the workspaces (backend/backend.h); NULL: QTUNE_BACKEND, else cpu */
 } qt_plan_opts;
 
 /* Defaults: LoRA off, r 8 on q,v, ZeRO 0, 1 device, no offload, f32, B 1,

@@ -124,3 +124,14 @@ def test_unknown_backend_is_refused(base):
                         os.path.join(base, "eval.jsonl"), "--seq-len", "16"], capture_output=True, text=True, env=e)
     assert p.returncode != 0
     assert 'backend "tpu" is not compiled in' in p.stderr
+
+
+def test_plan_reads_a_backends_descriptor(base):
+    """qtune plan sizes workspaces from a backend's descriptor without opening it."""
+    args = ["plan", "--preset", "tiny", "--mode", "full", "--micro-batch", "2", "--seq-len", "64", "--json"]
+    cpu = json.loads(qtune("cpu", *args, "--backend", "cpu").stdout)
+    guard = json.loads(qtune("cpu", *args, "--backend", "guard").stdout)
+    assert cpu == guard  # the guard runs the cpu's kernels: the same facts
+    e = dict(os.environ)
+    p = subprocess.run([QTUNE] + args + ["--backend", "tpu"], capture_output=True, text=True, env=e)
+    assert p.returncode == 2 and "--backend must name a compiled-in backend" in p.stderr, p.stderr
