@@ -9,33 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-extern "C" {
-#include "core/error.h"
-#include "core/mem.h"
-}
 
-/* Facts the memory plan reads (they hold without a GPU present):
- *  - 256-byte alignment, what cudaMalloc gives and cuBLAS likes;
- *  - bf16 and f16 GEMM operands run natively on the tensor cores;
- *  - an lm_head chunk of 8192 vocabulary rows: logits (N, 8192) in fp32 per
- *    chunk, few enough launches for a 152k vocabulary;
- *  - a matmul may convert its whole weight to fp32 in the workspace (a frozen
- *    bf16 base read by the fp32 reference path); no cap;
- *  - the CUDA context, cuBLAS's workspace and handles: about 600 MiB of
- *    device memory on current drivers, a lead to be measured on the first
- *    GPU run (docs/backends.md). */
-static const qt_backend_desc cuda_desc = {
-    "cuda",
-    256,
-    QT_BE_DT(QT_F32) | QT_BE_DT(QT_BF16) | QT_BE_DT(QT_F16),
-    8192,
-    (size_t)-1 / 8,
-    (size_t)600 << 20,
-    0,
-    0,
-};
 
-extern "C" const qt_backend_desc *qt_backend_cuda_desc(void) { return &cuda_desc; }
 
 extern "C" void qt_cuda_fail(const char *what, const char *detail, const char *file, int line) {
     fprintf(stderr,
@@ -46,7 +21,7 @@ extern "C" void qt_cuda_fail(const char *what, const char *detail, const char *f
     exit(1);
 }
 
-extern "C" int qt_cuda_device_count(void) {
+static int device_count(void) {
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess) {
         cudaGetLastError(); /* clear it: no driver is an answer, not an error */
@@ -77,14 +52,14 @@ static void cuda_close(qt_backend *be) {
         if (c->sq_host) cudaFreeHost(c->sq_host);
         if (c->blas) cublasDestroy(c->blas);
         if (c->stream) cudaStreamDestroy(c->stream);
-        qt_free(c);
+        free(c);
     }
-    qt_free(be);
+    free(be);
 }
 
-extern "C" int qt_backend_cuda_open(qt_backend **out) {
+static int cuda_open(qt_backend **out) {
     *out = NULL;
-    int count = qt_cuda_device_count();
+    int count = device_count();
     if (count <= 0)
         return QT_ERR(QT_EUNSUPPORTED,
                       "no CUDA GPU is visible (no driver, or CUDA_VISIBLE_DEVICES hides them); use \"device\": "
@@ -97,15 +72,15 @@ extern "C" int qt_backend_cuda_open(qt_backend **out) {
     if (e != cudaSuccess)
         return QT_ERR(QT_EUNSUPPORTED, "cannot use GPU %d: %s; run `qtune doctor` (a driver older than the CUDA "
                       "runtime qtune was built with is the usual cause)", dev, cudaGetErrorString(e));
-    qt_backend *be = (qt_backend *)qt_calloc(1, sizeof *be, "cuda backend");
-    qt_cuda *c = (qt_cuda *)qt_calloc(1, sizeof *c, "cuda backend state");
+    qt_backend *be = (qt_backend *)calloc(1, sizeof *be);
+    qt_cuda *c = (qt_cuda *)calloc(1, sizeof *c);
     if (!be || !c) {
-        qt_free(be), qt_free(c);
-        return QT_ENOMEM;
+        free(be), free(c);
+        return QT_ERR(QT_ENOMEM, "out of host memory opening the CUDA backend");
     }
     c->device = dev;
     be->impl = c;
-    be->desc = &cuda_desc;
+    be->desc = qt_cuda_host_api.desc;
     size_t free0 = 0, total = 0;
     cudaMemGetInfo(&free0, &total);
     if (cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking) != cudaSuccess ||
@@ -134,7 +109,7 @@ extern "C" int qt_backend_cuda_open(qt_backend **out) {
     return QT_OK;
 }
 
-extern "C" void qt_cuda_describe(char *buf, size_t cap) {
+static void describe(char *buf, size_t cap) {
     size_t at = 0;
 #define PUT(...)                                                              \
     do {                                                                      \
@@ -150,7 +125,7 @@ extern "C" void qt_cuda_describe(char *buf, size_t cap) {
     if (drv == 0) PUT("no NVIDIA driver is loaded\n");
     else if (drv < rt) PUT("the driver (CUDA %d.%d) is older than the runtime qtune was built with (%d.%d): update it\n",
                            drv / 1000, drv % 1000 / 10, rt / 1000, rt % 1000 / 10);
-    int n = qt_cuda_device_count();
+    int n = device_count();
     for (int i = 0; i < n; i++) {
         cudaDeviceProp p;
         if (cudaGetDeviceProperties(&p, i) != cudaSuccess) continue;
@@ -158,4 +133,17 @@ extern "C" void qt_cuda_describe(char *buf, size_t cap) {
             (double)p.totalGlobalMem / (1 << 30));
     }
 #undef PUT
+}
+
+/* ---- the module's entry points (loader.c finds them with dlsym) ---------- */
+qt_cuda_host qt_cuda_host_api;
+
+extern "C" __attribute__((visibility("default"))) int qt_cuda_module_open(const qt_cuda_host *host,
+                                                                          qt_backend **out) {
+    qt_cuda_host_api = *host;
+    return cuda_open(out);
+}
+extern "C" __attribute__((visibility("default"))) int qt_cuda_module_device_count(void) { return device_count(); }
+extern "C" __attribute__((visibility("default"))) void qt_cuda_module_describe(char *buf, size_t cap) {
+    describe(buf, cap);
 }

@@ -18,6 +18,22 @@
 extern "C" {
 #endif
 #include "backend/backend.h"
+#include "core/error.h" /* the QT_E* codes only: errors are raised through the host's table below */
+
+/* This folder is built as a module (libqtune_cuda.so) that qtune loads with
+ * dlopen only when a run asks for the GPU: the CUDA runtime and cuBLAS take
+ * seconds and hundreds of MB to load, which no CPU run should pay. The module
+ * raises errors through the host's own error function, so the sentence lands
+ * where the CLI reads it. */
+typedef struct {
+    int (*error_at)(int code, const char *file, int line, const char *fmt, ...);
+    const qt_backend_desc *desc; /* desc.c's, which qtune plan reads without the module */
+} qt_cuda_host;
+extern qt_cuda_host qt_cuda_host_api;
+#undef QT_ERR
+#define QT_ERR(code, ...) qt_cuda_host_api.error_at((code), __FILE__, __LINE__, __VA_ARGS__)
+
+static inline size_t qt_cuda_dtype_size(qt_dtype dt) { return dt == QT_F32 ? 4 : 2; }
 
 typedef struct {
     int device;

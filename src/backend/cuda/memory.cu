@@ -7,10 +7,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-extern "C" {
-#include "core/error.h"
-#include "core/mem.h"
-}
 
 /* Which allocator gave a pointer, so free can return it: a small open-hashed
  * table would do, but placement is known to the caller at free time only
@@ -23,7 +19,10 @@ static void *g_alloc(qt_backend *be, qt_mem_place place, size_t bytes, const cha
     switch (place) {
     case QT_MEM_DEVICE: e = cudaMalloc(&p, bytes); break;
     case QT_MEM_PINNED: e = cudaMallocHost(&p, bytes); break;
-    default: return qt_alloc_aligned(bytes, what);
+    default:
+        p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (!p) QT_ERR(QT_ENOMEM, "out of host memory (%.1f MiB for %s)", (double)bytes / (1 << 20), what);
+        return p;
     }
     if (e != cudaSuccess) {
         cudaGetLastError();
@@ -45,12 +44,12 @@ static void g_free(qt_backend *be, void *p) {
     cudaPointerAttributes a;
     if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
         cudaGetLastError();
-        qt_free(p);
+        free(p);
         return;
     }
     if (a.type == cudaMemoryTypeDevice) QT_CUDA(cudaFree(p));
     else if (a.type == cudaMemoryTypeHost) QT_CUDA(cudaFreeHost(p));
-    else qt_free(p);
+    else free(p);
 }
 
 static int g_import_mapped(qt_backend *be, const void *host, size_t bytes, const void **dev, const char *what) {

@@ -39,7 +39,7 @@ static ce_ws ce_ws_of(qt_backend *be, float *ws, int N, int C) {
 /* logits of chunk [c0, c0+cv) into w->logits (N, cv) */
 static void chunk_logits(qt_backend *be, const ce_ws *w, const float *x, const void *wt, qt_dtype wdt, int c0,
                          int cv, int N, int C, const float **wc_out) {
-    const char *src = (const char *)wt + (size_t)c0 * C * qt_dtype_size(wdt);
+    const char *src = (const char *)wt + (size_t)c0 * C * qt_cuda_dtype_size(wdt);
     const float *Wc = qt_cuda_weight_f32(be, src, wdt, (size_t)cv, (size_t)C, w->wf);
     const float one = 1.0f, zero = 0.0f;
     QT_CUBLAS(cublasSgemm(BLAS, CUBLAS_OP_T, CUBLAS_OP_N, cv, N, C, &one, Wc, C, x, C, &zero, w->logits, cv));

@@ -10,9 +10,6 @@
  * accumulation (cublasGemmEx, CUBLAS_COMPUTE_32F). */
 #include "backend/cuda/cuda_internal.h"
 
-extern "C" {
-#include "core/error.h"
-}
 
 #define BE qt_backend *be
 #define STREAM (qt_cuda_of(be)->stream)
