@@ -8,6 +8,7 @@
 #include "backend/cpu/backend_cpu.h"
 #include "backend/cpu/op_precision.h"
 #include "backend/guard/backend_guard.h"
+#include "backend/cuda/backend_cuda.h"
 #include "core/error.h"
 #include "core/mem.h"
 
@@ -31,6 +32,7 @@ static const struct {
 } backends[] = {
     {"cpu", cpu_open, cpu_desc},
     {"guard", qt_backend_guard_open, qt_backend_guard_desc},
+    {"cuda", qt_backend_cuda_open, qt_backend_cuda_desc}, /* loads its module on open (cuda/loader.c) */
 };
 enum { N_BACKENDS = sizeof backends / sizeof backends[0] };
 
@@ -51,7 +53,7 @@ int qt_backend_open(const char *name, qt_backend **out) {
     if (!name) name = qt_backend_default_name();
     for (int i = 0; i < N_BACKENDS; i++)
         if (!strcmp(backends[i].name, name)) return backends[i].open(out);
-    return QT_ERR(QT_EINVAL, "backend \"%s\" is not compiled in (QTUNE_BACKEND); use cpu or guard", name);
+    return QT_ERR(QT_EINVAL, "backend \"%s\" is not compiled in (QTUNE_BACKEND); use cpu, guard or cuda", name);
 }
 
 void qt_backend_close(qt_backend *be) {

@@ -84,15 +84,23 @@ typedef struct {
     uint32_t layer, module;
 } qt_dropout_key;
 
+/* The generator's arithmetic is written once, here, for the host and for
+ * GPU kernels alike (the CUDA backend includes this header in its kernels). */
+#if defined(__CUDACC__)
+#define QT_HD __host__ __device__
+#else
+#define QT_HD
+#endif
+
 /* splitmix64's finaliser: a bijection of 64 bits with full avalanche. */
-static inline uint64_t qt_mix64(uint64_t z) {
+QT_HD static inline uint64_t qt_mix64(uint64_t z) {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
 }
 /* 24 uniform bits of element i of a mask: a counter-based generator (the
  * key's fields and the index hashed together), no state between elements. */
-static inline uint32_t qt_dropout_u24(const qt_dropout_key *k, uint64_t i) {
+QT_HD static inline uint32_t qt_dropout_u24(const qt_dropout_key *k, uint64_t i) {
     uint64_t s = qt_mix64(k->seed ^ 0x44726f706f757421ull);
     s = qt_mix64(s ^ k->micro_step);
     s = qt_mix64(s ^ (((uint64_t)k->layer << 32) | k->module));

@@ -1,0 +1,118 @@
+/* Memory by placement, copies, events (backend.h's first rows) on one stream.
+ * Device memory is cudaMalloc'd (never managed memory), pinned memory
+ * cudaMallocHost'd, host memory the C heap. A mapped base tensor is copied to
+ * the device once (the host mapping cannot be read by the kernels at speed). */
+#include "backend/cuda/cuda_internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+
+/* Which allocator gave a pointer, so free can return it: a small open-hashed
+ * table would do, but placement is known to the caller at free time only
+ * through the pointer, and cudaPointerGetAttributes answers it exactly. */
+static void *g_alloc(qt_backend *be, qt_mem_place place, size_t bytes, const char *what) {
+    (void)be;
+    void *p = NULL;
+    if (bytes == 0) bytes = 256;
+    cudaError_t e;
+    switch (place) {
+    case QT_MEM_DEVICE: e = cudaMalloc(&p, bytes); break;
+    case QT_MEM_PINNED: e = cudaMallocHost(&p, bytes); break;
+    default:
+        p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (!p) QT_ERR(QT_ENOMEM, "out of host memory (%.1f MiB for %s)", (double)bytes / (1 << 20), what);
+        return p;
+    }
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        size_t fr = 0, tot = 0;
+        cudaMemGetInfo(&fr, &tot);
+        QT_ERR(QT_ENOMEM, "cannot allocate %.1f MiB of %s memory for %s (%.1f of %.1f GiB free on the GPU): "
+               "use gradient checkpointing, a smaller micro-batch or sequence length, ZeRO-2 with the optimizer "
+               "offloaded, or LoRA; `qtune plan` shows what fits", (double)bytes / (1 << 20),
+               place == QT_MEM_DEVICE ? "GPU" : "pinned host", what, (double)fr / (1 << 30),
+               (double)tot / (1 << 30));
+        return NULL;
+    }
+    return p;
+}
+
+static void g_free(qt_backend *be, void *p) {
+    (void)be;
+    if (!p) return;
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        cudaGetLastError();
+        free(p);
+        return;
+    }
+    if (a.type == cudaMemoryTypeDevice) QT_CUDA(cudaFree(p));
+    else if (a.type == cudaMemoryTypeHost) QT_CUDA(cudaFreeHost(p));
+    else free(p);
+}
+
+static int g_import_mapped(qt_backend *be, const void *host, size_t bytes, const void **dev, const char *what) {
+    void *d = g_alloc(be, QT_MEM_DEVICE, bytes, what);
+    if (!d) return QT_ENOMEM;
+    QT_CUDA(cudaMemcpyAsync(d, host, bytes, cudaMemcpyHostToDevice, qt_cuda_of(be)->stream));
+    QT_CUDA(cudaStreamSynchronize(qt_cuda_of(be)->stream)); /* the mapping may go once this returns */
+    *dev = d;
+    return QT_OK;
+}
+static void g_release_mapped(qt_backend *be, const void *dev) { g_free(be, (void *)dev); }
+
+/* upload/download are synchronous with the host's buffer: the caller may
+ * reuse it at once (a pageable buffer makes the copy synchronous anyway) */
+static void g_upload(qt_backend *be, void *dev, const void *host, size_t bytes) {
+    if (!bytes) return;
+    qt_cuda *c = qt_cuda_of(be);
+    QT_CUDA(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, c->stream));
+    QT_CUDA(cudaStreamSynchronize(c->stream));
+}
+static void g_download(qt_backend *be, void *host, const void *dev, size_t bytes) {
+    if (!bytes) return;
+    qt_cuda *c = qt_cuda_of(be);
+    QT_CUDA(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, c->stream));
+    QT_CUDA(cudaStreamSynchronize(c->stream));
+}
+static void g_copy(qt_backend *be, void *dst, const void *src, size_t bytes) {
+    if (bytes) QT_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, qt_cuda_of(be)->stream));
+}
+static void g_zero(qt_backend *be, void *dev, size_t bytes) {
+    if (bytes) QT_CUDA(cudaMemsetAsync(dev, 0, bytes, qt_cuda_of(be)->stream));
+}
+static void g_sync(qt_backend *be) { QT_CUDA(cudaStreamSynchronize(qt_cuda_of(be)->stream)); }
+
+static qt_event *g_event_record(qt_backend *be) {
+    cudaEvent_t ev;
+    QT_CUDA(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    QT_CUDA(cudaEventRecord(ev, qt_cuda_of(be)->stream));
+    return (qt_event *)ev;
+}
+static void g_event_wait(qt_backend *be, qt_event *e) {
+    (void)be;
+    QT_CUDA(cudaEventSynchronize((cudaEvent_t)e));
+}
+static void g_event_free(qt_backend *be, qt_event *e) {
+    (void)be;
+    if (e) QT_CUDA(cudaEventDestroy((cudaEvent_t)e));
+}
+
+static size_t g_runtime_bytes(qt_backend *be) { return qt_cuda_of(be)->runtime_bytes; }
+
+extern "C" void qt_cuda_fill_memory(qt_backend *be) {
+    be->alloc = g_alloc;
+    be->free = g_free;
+    be->import_mapped = g_import_mapped;
+    be->release_mapped = g_release_mapped;
+    be->upload = g_upload;
+    be->download = g_download;
+    be->copy = g_copy;
+    be->zero = g_zero;
+    be->sync = g_sync;
+    be->event_record = g_event_record;
+    be->event_wait = g_event_wait;
+    be->event_free = g_event_free;
+    be->runtime_bytes = g_runtime_bytes;
+}

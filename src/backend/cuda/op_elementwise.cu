@@ -1,0 +1,258 @@
+/* Embedding, RMSNorm, RoPE, SwiGLU, accumulation, dtype conversion and LoRA
+ * dropout on the GPU: the arithmetic of backend/cpu's op files, one thread an
+ * element (or a row, a column), on the backend's stream.
+ *
+ * Reductions into parameter gradients (the embedding table, the RMSNorm
+ * weight) give each output column to one thread that walks the rows in
+ * order: no atomics, so the bits are the same on every run. */
+#include "backend/cuda/cuda_internal.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#define BE qt_backend *be
+#define STREAM (qt_cuda_of(be)->stream)
+#define GRID_STRIDE(i, n) for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (n); i += (size_t)gridDim.x * blockDim.x)
+
+/* ---- dtype conversion (round to nearest even, as the CPU's F16C and bf16 code) */
+__device__ __forceinline__ float load_as_f32(const void *p, qt_dtype dt, size_t i) {
+    switch (dt) {
+    case QT_BF16: return __bfloat162float(__ushort_as_bfloat16(((const unsigned short *)p)[i]));
+    case QT_F16: return __half2float(__ushort_as_half(((const unsigned short *)p)[i]));
+    default: return ((const float *)p)[i];
+    }
+}
+__device__ __forceinline__ unsigned short f32_to_bits(float x, qt_dtype dt) {
+    return dt == QT_BF16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
+}
+__device__ __forceinline__ float round_f32(float x, qt_dtype dt) {
+    if (dt == QT_F32) return x;
+    return dt == QT_BF16 ? __bfloat162float(__float2bfloat16_rn(x)) : __half2float(__float2half_rn(x));
+}
+
+__global__ void k_convert(void *dst, qt_dtype ddt, const void *src, qt_dtype sdt, size_t n) {
+    GRID_STRIDE(i, n) {
+        float x = load_as_f32(src, sdt, i);
+        if (ddt == QT_F32) ((float *)dst)[i] = x;
+        else ((unsigned short *)dst)[i] = f32_to_bits(x, ddt);
+    }
+}
+static void g_convert(BE, void *dst, qt_dtype ddt, const void *src, qt_dtype sdt, size_t n) {
+    if (!n) return;
+    k_convert<<<qt_cuda_blocks(n), 256, 0, STREAM>>>(dst, ddt, src, sdt, n);
+    QT_CUDA_LAUNCHED();
+}
+
+extern "C" const float *qt_cuda_weight_f32(qt_backend *be, const void *src, qt_dtype dt, size_t rows, size_t cols,
+                                           float *ws) {
+    if (dt == QT_F32) return (const float *)src;
+    g_convert(be, ws, QT_F32, src, dt, rows * cols);
+    return ws;
+}
+
+__global__ void k_round(float *x, unsigned short *dst, size_t n, qt_dtype dt) {
+    GRID_STRIDE(i, n) {
+        float r = round_f32(x[i], dt);
+        x[i] = r;
+        if (dst) dst[i] = f32_to_bits(r, dt);
+    }
+}
+static void g_round_to_dtype(BE, float *x, size_t n, qt_dtype dt) {
+    if (!n || dt == QT_F32) return;
+    k_round<<<qt_cuda_blocks(n), 256, 0, STREAM>>>(x, NULL, n, dt);
+    QT_CUDA_LAUNCHED();
+}
+static void g_round_store(BE, float *x, uint16_t *dst, size_t n, qt_dtype dt) {
+    if (!n) return;
+    k_round<<<qt_cuda_blocks(n), 256, 0, STREAM>>>(x, (unsigned short *)dst, n, dt);
+    QT_CUDA_LAUNCHED();
+}
+
+/* ---- embedding ------------------------------------------------------------ */
+__global__ void k_embedding_fwd(float *out, const int32_t *ids, const void *wte, qt_dtype wdt, int N, int C) {
+    size_t n_all = (size_t)N * C;
+    GRID_STRIDE(i, n_all) {
+        size_t n = i / C, c = i % C;
+        out[i] = load_as_f32(wte, wdt, (size_t)ids[n] * C + c);
+    }
+}
+static void g_embedding_forward(BE, float *out, const int32_t *ids, const void *wte, qt_dtype wdt, int N, int C) {
+    k_embedding_fwd<<<qt_cuda_blocks((size_t)N * C), 256, 0, STREAM>>>(out, ids, wte, wdt, N, C);
+    QT_CUDA_LAUNCHED();
+}
+/* a thread per column, rows in order: two rows may share a token id */
+__global__ void k_embedding_bwd(float *dwte, const float *dout, const int32_t *ids, int N, int C) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    for (int n = 0; n < N; n++) dwte[(size_t)ids[n] * C + c] += dout[(size_t)n * C + c];
+}
+static void g_embedding_backward(BE, float *dwte, const float *dout, const int32_t *ids, int N, int C) {
+    k_embedding_bwd<<<(C + 255) / 256, 256, 0, STREAM>>>(dwte, dout, ids, N, C);
+    QT_CUDA_LAUNCHED();
+}
+
+/* ---- RMSNorm: a block per row, a fixed-shape tree for the row's sums ------- */
+__device__ float block_sum(float v, float *sh) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    int w = threadIdx.x / 32, l = threadIdx.x % 32;
+    __syncthreads(); /* sh may still be read by a previous call */
+    if (l == 0) sh[w] = v;
+    __syncthreads();
+    int nw = blockDim.x / 32;
+    v = threadIdx.x < nw ? sh[threadIdx.x] : 0.0f;
+    if (w == 0)
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (threadIdx.x == 0) sh[0] = v;
+    __syncthreads();
+    return sh[0];
+}
+
+__global__ void k_rmsnorm_fwd(float *out, float *rstd, const float *inp, const float *w, int C, float eps) {
+    __shared__ float sh[32];
+    const float *x = inp + (size_t)blockIdx.x * C;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) ss += x[c] * x[c];
+    ss = block_sum(ss, sh);
+    float r = 1.0f / sqrtf(ss / (float)C + eps);
+    if (threadIdx.x == 0) rstd[blockIdx.x] = r;
+    float *o = out + (size_t)blockIdx.x * C;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) o[c] = w[c] * (x[c] * r);
+}
+static void g_rmsnorm_forward(BE, float *out, float *rstd, const float *inp, const float *w, int N, int C, float eps) {
+    if (N <= 0) return;
+    k_rmsnorm_fwd<<<N, 256, 0, STREAM>>>(out, rstd, inp, w, C, eps);
+    QT_CUDA_LAUNCHED();
+}
+__global__ void k_rmsnorm_bwd_dx(float *dinp, const float *dout, const float *inp, const float *w, const float *rstd,
+                                 int C) {
+    __shared__ float sh[32];
+    size_t o = (size_t)blockIdx.x * C;
+    const float *x = inp + o, *g = dout + o;
+    float r = rstd[blockIdx.x], dot = 0.0f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) dot += w[c] * g[c] * x[c];
+    dot = block_sum(dot, sh);
+    float k = r * r * r * dot / (float)C;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) dinp[o + c] += r * w[c] * g[c] - k * x[c];
+}
+__global__ void k_rmsnorm_bwd_dw(float *dw, const float *dout, const float *inp, const float *rstd, int N, int C) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float acc = 0.0f;
+    for (int n = 0; n < N; n++) acc += dout[(size_t)n * C + c] * inp[(size_t)n * C + c] * rstd[n];
+    dw[c] += acc;
+}
+static void g_rmsnorm_backward(BE, float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                               const float *rstd, int N, int C) {
+    if (N <= 0) return;
+    if (dinp) {
+        k_rmsnorm_bwd_dx<<<N, 256, 0, STREAM>>>(dinp, dout, inp, w, rstd, C);
+        QT_CUDA_LAUNCHED();
+    }
+    if (dw) {
+        k_rmsnorm_bwd_dw<<<(C + 255) / 256, 256, 0, STREAM>>>(dw, dout, inp, rstd, N, C);
+        QT_CUDA_LAUNCHED();
+    }
+}
+
+/* ---- RoPE: the CPU's formula to the bit where the libm allows (inv_freq in
+ * fp32 as HF computes it, the angle an fp32 product, cos/sin in double) ---- */
+__global__ void k_rope(float *x, const int32_t *pos, int N, int NH, int D, float theta, float sign) {
+    int half = D / 2;
+    size_t n_all = (size_t)N * NH * half;
+    GRID_STRIDE(idx, n_all) {
+        int i = (int)(idx % half);
+        size_t nh = idx / half;
+        int n = (int)(nh / NH);
+        float inv = 1.0f / powf(theta, (float)(2 * i) / (float)D);
+        float a = (float)pos[n] * inv;
+        float cs = (float)cos((double)a), sn = sign * (float)sin((double)a);
+        float *v = x + nh * D;
+        float p = v[i], q = v[i + half];
+        v[i] = p * cs - q * sn;
+        v[i + half] = q * cs + p * sn;
+    }
+}
+static void g_rope_forward(BE, float *x, const int32_t *pos, int N, int NH, int D, float theta) {
+    k_rope<<<qt_cuda_blocks((size_t)N * NH * (D / 2)), 256, 0, STREAM>>>(x, pos, N, NH, D, theta, 1.0f);
+    QT_CUDA_LAUNCHED();
+}
+static void g_rope_backward(BE, float *dx, const int32_t *pos, int N, int NH, int D, float theta) {
+    k_rope<<<qt_cuda_blocks((size_t)N * NH * (D / 2)), 256, 0, STREAM>>>(dx, pos, N, NH, D, theta, -1.0f);
+    QT_CUDA_LAUNCHED();
+}
+
+/* ---- SwiGLU (sigmoid 0 below -88.72, where the CPU's saturating exp stops) */
+__device__ __forceinline__ float sigmoid_f(float g) {
+    return g < -88.72283172607421875f ? 0.0f : 1.0f / (1.0f + expf(-g));
+}
+__global__ void k_swiglu_fwd(float *out, const float *gate, const float *up, size_t n) {
+    GRID_STRIDE(i, n) {
+        float g = gate[i];
+        out[i] = g * sigmoid_f(g) * up[i];
+    }
+}
+__global__ void k_swiglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up,
+                             size_t n) {
+    GRID_STRIDE(i, n) {
+        float g = gate[i], d = dout[i], s = sigmoid_f(g);
+        dgate[i] += d * up[i] * s * (1.0f + g * (1.0f - s));
+        dup[i] += d * g * s;
+    }
+}
+static void g_swiglu_forward(BE, float *out, const float *gate, const float *up, int N, int I) {
+    size_t n = (size_t)N * I;
+    k_swiglu_fwd<<<qt_cuda_blocks(n), 256, 0, STREAM>>>(out, gate, up, n);
+    QT_CUDA_LAUNCHED();
+}
+static void g_swiglu_backward(BE, float *dgate, float *dup, const float *dout, const float *gate, const float *up,
+                              int N, int I) {
+    size_t n = (size_t)N * I;
+    k_swiglu_bwd<<<qt_cuda_blocks(n), 256, 0, STREAM>>>(dgate, dup, dout, gate, up, n);
+    QT_CUDA_LAUNCHED();
+}
+
+/* ---- small passes ---------------------------------------------------------- */
+__global__ void k_acc(float *out, const float *a, size_t n) {
+    GRID_STRIDE(i, n) out[i] += a[i];
+}
+static void g_acc(BE, float *out, const float *a, size_t n) {
+    if (!n) return;
+    k_acc<<<qt_cuda_blocks(n), 256, 0, STREAM>>>(out, a, n);
+    QT_CUDA_LAUNCHED();
+}
+__global__ void k_scale(float *x, size_t n, float s) {
+    GRID_STRIDE(i, n) x[i] *= s;
+}
+static void g_scale(BE, float *x, size_t n, float s) {
+    if (!n || s == 1.0f) return;
+    k_scale<<<qt_cuda_blocks(n), 256, 0, STREAM>>>(x, n, s);
+    QT_CUDA_LAUNCHED();
+}
+/* the mask is backend.h's qt_dropout_u24, the same function the CPU calls */
+__global__ void k_dropout(float *dst, const float *src, size_t n, qt_dropout_key key, uint32_t threshold,
+                          float keep_scale) {
+    GRID_STRIDE(i, n) dst[i] = qt_dropout_u24(&key, i) < threshold ? 0.0f : src[i] * keep_scale;
+}
+static void g_dropout(BE, float *dst, const float *src, size_t n, const qt_dropout_key *key, uint32_t threshold,
+                      float keep_scale) {
+    if (!n) return;
+    k_dropout<<<qt_cuda_blocks(n), 256, 0, STREAM>>>(dst, src, n, *key, threshold, keep_scale);
+    QT_CUDA_LAUNCHED();
+}
+
+extern "C" void qt_cuda_fill_elementwise(qt_backend *be) {
+    be->embedding_forward = g_embedding_forward;
+    be->embedding_backward = g_embedding_backward;
+    be->rmsnorm_forward = g_rmsnorm_forward;
+    be->rmsnorm_backward = g_rmsnorm_backward;
+    be->rope_forward = g_rope_forward;
+    be->rope_backward = g_rope_backward;
+    be->swiglu_forward = g_swiglu_forward;
+    be->swiglu_backward = g_swiglu_backward;
+    be->acc = g_acc;
+    be->scale = g_scale;
+    be->dropout = g_dropout;
+    be->round_to_dtype = g_round_to_dtype;
+    be->round_store = g_round_store;
+    be->convert = g_convert;
+}

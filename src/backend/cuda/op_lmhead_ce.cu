@@ -1,0 +1,166 @@
+/* The lm_head fused with cross-entropy, over vocabulary chunks of
+ * desc->ce_chunk rows: logits (N, cv) of one chunk exist at a time (cuBLAS
+ * SGEMM into the workspace), an online log-sum-exp runs over the chunks, and
+ * the backward recomputes each chunk's logits, turns them into dlogits in
+ * place and runs the dx and dW products. Rows whose target is -100 carry no
+ * loss and no gradient.
+ *
+ * Workspace (floats, within the descriptor's formula): logits (N, chunk),
+ * the chunk's weight widened to fp32 (chunk, C) when it is stored in 2 bytes,
+ * then per row the running max, sum and target logit.
+ *
+ * The "kept" forms are the plain ones here: recomputing a chunk's logits is
+ * one more GEMM, which the GPU does faster than it would stream (N, V) kept
+ * values back; the results are the same. */
+#include "backend/cuda/cuda_internal.h"
+
+#include <math.h>
+
+#define BE qt_backend *be
+#define STREAM (qt_cuda_of(be)->stream)
+#define BLAS (qt_cuda_of(be)->blas)
+
+typedef struct {
+    float *logits, *wf, *m, *l, *tl;
+    int chunk;
+} ce_ws;
+
+static ce_ws ce_ws_of(qt_backend *be, float *ws, int N, int C) {
+    ce_ws w;
+    w.chunk = be->desc->ce_chunk;
+    w.logits = ws;
+    w.wf = ws + (size_t)N * w.chunk;
+    w.m = w.wf + (size_t)w.chunk * C;
+    w.l = w.m + N;
+    w.tl = w.l + N;
+    return w;
+}
+
+/* logits of chunk [c0, c0+cv) into w->logits (N, cv) */
+static void chunk_logits(qt_backend *be, const ce_ws *w, const float *x, const void *wt, qt_dtype wdt, int c0,
+                         int cv, int N, int C, const float **wc_out) {
+    const char *src = (const char *)wt + (size_t)c0 * C * qt_cuda_dtype_size(wdt);
+    const float *Wc = qt_cuda_weight_f32(be, src, wdt, (size_t)cv, (size_t)C, w->wf);
+    const float one = 1.0f, zero = 0.0f;
+    QT_CUBLAS(cublasSgemm(BLAS, CUBLAS_OP_T, CUBLAS_OP_N, cv, N, C, &one, Wc, C, x, C, &zero, w->logits, cv));
+    *wc_out = Wc;
+}
+
+__global__ void k_ce_init(float *m, float *l, float *tl, int N) {
+    int n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n < N) m[n] = -INFINITY, l[n] = 0.0f, tl[n] = 0.0f;
+}
+
+/* a block per row: fold one chunk into the row's running max and sum */
+__global__ void k_ce_chunk(const float *logits, int cv, int c0, const int32_t *targets, float *m, float *l,
+                           float *tl) {
+    __shared__ float red[32];
+    __shared__ float bc;
+    int n = blockIdx.x;
+    const float *r = logits + (size_t)n * cv;
+    float mx = -INFINITY;
+    for (int j = threadIdx.x; j < cv; j += blockDim.x) mx = fmaxf(mx, r[j]);
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = mx;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float v = red[0];
+        for (int i = 1; i < (int)blockDim.x / 32; i++) v = fmaxf(v, red[i]);
+        bc = fmaxf(m[n], v);
+    }
+    __syncthreads();
+    float mn = bc, s = 0.0f;
+    for (int j = threadIdx.x; j < cv; j += blockDim.x) s += expf(r[j] - mn);
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float v = red[0];
+        for (int i = 1; i < (int)blockDim.x / 32; i++) v += red[i];
+        l[n] = l[n] * expf(m[n] - mn) + v;
+        m[n] = mn;
+        int t = targets[n];
+        if (t >= c0 && t < c0 + cv) tl[n] = r[t - c0];
+    }
+}
+
+__global__ void k_ce_finish(float *loss, float *lse, const float *m, const float *l, const float *tl,
+                            const int32_t *targets, int N) {
+    int n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= N) return;
+    float L = m[n] + logf(l[n]);
+    lse[n] = L;
+    loss[n] = targets[n] != -100 ? L - tl[n] : 0.0f;
+}
+
+/* dlogits in place: dscale * (softmax - onehot) on labelled rows, else 0 */
+__global__ void k_ce_grad(float *logits, int N, int cv, int c0, const int32_t *targets, const float *lse,
+                          float dscale) {
+    size_t n_all = (size_t)N * cv;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_all; i += (size_t)gridDim.x * blockDim.x) {
+        int n = (int)(i / cv), j = (int)(i % cv), t = targets[n];
+        logits[i] = t == -100 ? 0.0f : dscale * (expf(logits[i] - lse[n]) - (c0 + j == t ? 1.0f : 0.0f));
+    }
+}
+
+static void g_ce_forward(BE, float *loss, float *lse, const float *x, const void *w, qt_dtype wdt,
+                         const int32_t *targets, int N, int C, int V, float *ws) {
+    if (N <= 0) return;
+    ce_ws s = ce_ws_of(be, ws, N, C);
+    k_ce_init<<<(N + 255) / 256, 256, 0, STREAM>>>(s.m, s.l, s.tl, N);
+    QT_CUDA_LAUNCHED();
+    for (int c0 = 0; c0 < V; c0 += s.chunk) {
+        int cv = V - c0 < s.chunk ? V - c0 : s.chunk;
+        const float *Wc;
+        chunk_logits(be, &s, x, w, wdt, c0, cv, N, C, &Wc);
+        k_ce_chunk<<<N, 256, 0, STREAM>>>(s.logits, cv, c0, targets, s.m, s.l, s.tl);
+        QT_CUDA_LAUNCHED();
+    }
+    k_ce_finish<<<(N + 255) / 256, 256, 0, STREAM>>>(loss, lse, s.m, s.l, s.tl, targets, N);
+    QT_CUDA_LAUNCHED();
+}
+
+static void g_ce_backward(BE, float *dx, float *dw, const float *x, const void *w, qt_dtype wdt,
+                          const int32_t *targets, const float *lse, float dscale, int N, int C, int V, float *ws) {
+    if (N <= 0) return;
+    ce_ws s = ce_ws_of(be, ws, N, C);
+    const float one = 1.0f;
+    for (int c0 = 0; c0 < V; c0 += s.chunk) {
+        int cv = V - c0 < s.chunk ? V - c0 : s.chunk;
+        const float *Wc;
+        chunk_logits(be, &s, x, w, wdt, c0, cv, N, C, &Wc);
+        k_ce_grad<<<qt_cuda_blocks((size_t)N * cv), 256, 0, STREAM>>>(s.logits, N, cv, c0, targets, lse, dscale);
+        QT_CUDA_LAUNCHED();
+        if (dx)
+            QT_CUBLAS(cublasSgemm(BLAS, CUBLAS_OP_N, CUBLAS_OP_N, C, N, cv, &one, Wc, C, s.logits, cv, &one, dx, C));
+        if (dw)
+            QT_CUBLAS(cublasSgemm(BLAS, CUBLAS_OP_N, CUBLAS_OP_T, C, cv, N, &one, x, C, s.logits, cv, &one,
+                                  dw + (size_t)c0 * C, C));
+    }
+}
+
+static void g_ce_forward_keep(BE, float *loss, float *lse, float *kept, const float *x, const void *w, qt_dtype wdt,
+                              const int32_t *targets, int N, int C, int V, float *ws) {
+    (void)kept;
+    g_ce_forward(be, loss, lse, x, w, wdt, targets, N, C, V, ws);
+}
+static void g_ce_backward_kept(BE, float *dx, float *dw, float *kept, const float *x, const void *w, qt_dtype wdt,
+                               const int32_t *targets, const float *lse, float dscale, int N, int C, int V,
+                               float *ws) {
+    (void)kept;
+    g_ce_backward(be, dx, dw, x, w, wdt, targets, lse, dscale, N, C, V, ws);
+}
+static void g_ce_forward_dx(BE, float *loss, float *lse, float *dx, const float *x, const void *w, qt_dtype wdt,
+                            const int32_t *targets, float dscale, int N, int C, int V, float *ws) {
+    g_ce_forward(be, loss, lse, x, w, wdt, targets, N, C, V, ws);
+    g_ce_backward(be, dx, NULL, x, w, wdt, targets, lse, dscale, N, C, V, ws);
+}
+
+extern "C" void qt_cuda_fill_lmhead_ce(qt_backend *be) {
+    be->lmhead_ce_forward = g_ce_forward;
+    be->lmhead_ce_backward = g_ce_backward;
+    be->lmhead_ce_forward_keep = g_ce_forward_keep;
+    be->lmhead_ce_backward_kept = g_ce_backward_kept;
+    be->lmhead_ce_forward_dx = g_ce_forward_dx;
+}

@@ -1,0 +1,94 @@
+/* The linear layers on cuBLAS. Row-major (N, IN) activations and (OUT, IN)
+ * weights are read by cuBLAS as the column-major transposes they are, so
+ * every product below is the CPU's (op_matmul.c) with the operands swapped:
+ *   out (N, OUT)   = inp @ W^T    ->  out^T  = W'^T(IN, OUT) ... cublas(T, N)
+ *   dinp (N, IN)  += dout @ W     ->  dinp^T = W' dout^T     ... cublas(N, N)
+ *   dW (OUT, IN)  += dout^T @ inp ->  dW^T   = inp^T dout    ... cublas(N, T)
+ * fp32 weights and activations run as fp32 SGEMM (no TF32: the reference
+ * path); a bf16/f16 frozen weight is widened to fp32 in the workspace first.
+ * The bf16 forms (bf16_matmul, bf16_gemm) run on the tensor cores with fp32
+ * accumulation (cublasGemmEx, CUBLAS_COMPUTE_32F). */
+#include "backend/cuda/cuda_internal.h"
+
+
+#define BE qt_backend *be
+#define STREAM (qt_cuda_of(be)->stream)
+#define BLAS (qt_cuda_of(be)->blas)
+
+/* out (N, OUT) += bias, each row */
+__global__ void k_add_bias(float *out, const float *bias, int N, int OUT) {
+    size_t n_all = (size_t)N * OUT;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_all; i += (size_t)gridDim.x * blockDim.x)
+        out[i] += bias[i % OUT];
+}
+static void add_bias(BE, float *out, const float *bias, int N, int OUT) {
+    k_add_bias<<<qt_cuda_blocks((size_t)N * OUT), 256, 0, STREAM>>>(out, bias, N, OUT);
+    QT_CUDA_LAUNCHED();
+}
+/* dbias (OUT) += alpha * column sums of dout (N, OUT): a thread per column,
+ * rows in order (no atomics: the same bits every run) */
+__global__ void k_colsum(float *db, const float *dout, int N, int OUT, float alpha) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= OUT) return;
+    float acc = 0.0f;
+    for (int n = 0; n < N; n++) acc += dout[(size_t)n * OUT + c];
+    db[c] += alpha * acc;
+}
+
+static void g_matmul_forward(BE, float *out, const float *inp, const void *w, qt_dtype wdt, const float *bias, int N,
+                             int IN, int OUT, float alpha, int accumulate, float *ws) {
+    if (N <= 0) return;
+    const float *W = qt_cuda_weight_f32(be, w, wdt, (size_t)OUT, (size_t)IN, ws);
+    float beta = accumulate ? 1.0f : 0.0f;
+    QT_CUBLAS(cublasSgemm(BLAS, CUBLAS_OP_T, CUBLAS_OP_N, OUT, N, IN, &alpha, W, IN, inp, IN, &beta, out, OUT));
+    if (bias) add_bias(be, out, bias, N, OUT);
+}
+
+static void g_matmul_backward(BE, float *dinp, float *dw, float *db, const float *dout, const float *inp,
+                              const void *w, qt_dtype wdt, int N, int IN, int OUT, float alpha, float *ws) {
+    if (N <= 0) return;
+    const float one = 1.0f;
+    if (dinp) {
+        const float *W = qt_cuda_weight_f32(be, w, wdt, (size_t)OUT, (size_t)IN, ws);
+        QT_CUBLAS(cublasSgemm(BLAS, CUBLAS_OP_N, CUBLAS_OP_N, IN, N, OUT, &alpha, W, IN, dout, OUT, &one, dinp, IN));
+    }
+    if (dw)
+        QT_CUBLAS(cublasSgemm(BLAS, CUBLAS_OP_N, CUBLAS_OP_T, IN, OUT, N, &alpha, inp, IN, dout, OUT, &one, dw, IN));
+    if (db) {
+        k_colsum<<<(OUT + 255) / 256, 256, 0, STREAM>>>(db, dout, N, OUT, alpha);
+        QT_CUDA_LAUNCHED();
+    }
+}
+
+/* bf16 GEMMs need compute capability 8.0 (Ampere) or newer */
+static int g_bf16_available(BE) {
+    cudaDeviceProp p;
+    if (cudaGetDeviceProperties(&p, qt_cuda_of(be)->device) != cudaSuccess) return 0;
+    return p.major >= 8;
+}
+
+/* C (M, N) = alpha * op(A) (M, K) @ op(B) (K, N) [+ C] [+ bias], row-major C.
+ * Column-major: C^T (N, M) = op(B)^T @ op(A)^T, B first. */
+static int g_bf16_gemm(BE, float *C, const uint16_t *A, int ta, const uint16_t *B, int tb, const float *bias, int M,
+                       int N, int K, float alpha, int acc) {
+    if (M <= 0 || N <= 0) return QT_OK;
+    float beta = acc ? 1.0f : 0.0f;
+    cublasOperation_t opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N, opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+    int ldb = tb ? K : N, lda = ta ? M : K;
+    QT_CUBLAS(cublasGemmEx(BLAS, opb, opa, N, M, K, &alpha, B, CUDA_R_16BF, ldb, A, CUDA_R_16BF, lda, &beta, C,
+                           CUDA_R_32F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    if (bias) add_bias(be, C, bias, M, N);
+    return QT_OK;
+}
+static int g_bf16_matmul(BE, float *out, const uint16_t *inp, const uint16_t *w, const float *bias, int N, int IN,
+                         int OUT, float alpha) {
+    return g_bf16_gemm(be, out, inp, 0, w, 1, bias, N, OUT, IN, alpha, 0);
+}
+
+extern "C" void qt_cuda_fill_matmul(qt_backend *be) {
+    be->matmul_forward = g_matmul_forward;
+    be->matmul_backward = g_matmul_backward;
+    be->bf16_available = g_bf16_available;
+    be->bf16_matmul = g_bf16_matmul;
+    be->bf16_gemm = g_bf16_gemm;
+}

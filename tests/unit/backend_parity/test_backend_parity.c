@@ -1,0 +1,377 @@
+/* A backend against the CPU backend, op by op: the same random inputs go up
+ * to both, each op runs on both, the results come down and are compared by
+ * relative error (the largest absolute difference over the largest magnitude
+ * of the CPU's result). Forward and backward, fp32, bf16 and f16 weights,
+ * odd shapes (C, T, V not multiples of any block), packing masks and GQA.
+ *
+ * Tolerances: 2e-5 where only the summation order may differ (GEMMs,
+ * attention, norms), 0 (exact) where both backends must compute the same
+ * bits: dropout masks (one counter-based generator), dtype rounding, scale.
+ *
+ * Usage: test_backend_parity NAME (guard, cuda). Exit 77 (ctest: skipped)
+ * when the backend cannot open here, e.g. no GPU. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "core/error.h"
+#include "core/mem.h"
+#include "core/rng.h"
+
+static qt_backend *cpu, *dev;
+static const char *dev_name;
+static qt_rng rng;
+
+#define TOL 2e-5
+
+static float *host_randn(size_t n, float s) {
+    float *x = qt_malloc((n ? n : 1) * sizeof(float), "test");
+    for (size_t i = 0; i < n; i++) x[i] = s * qt_rng_normal(&rng);
+    return x;
+}
+/* a pair of device buffers, one per backend, holding the same bytes */
+typedef struct {
+    void *c, *d;
+    size_t bytes;
+} pair;
+static pair up(const void *host, size_t bytes) {
+    pair p = {cpu->alloc(cpu, QT_MEM_DEVICE, bytes, "test"), dev->alloc(dev, QT_MEM_DEVICE, bytes, "test"), bytes};
+    assert_non_null(p.c);
+    assert_non_null(p.d);
+    if (host) {
+        cpu->upload(cpu, p.c, host, bytes);
+        dev->upload(dev, p.d, host, bytes);
+    } else {
+        cpu->zero(cpu, p.c, bytes);
+        dev->zero(dev, p.d, bytes);
+    }
+    return p;
+}
+static pair up_randn(size_t n, float s) {
+    float *h = host_randn(n, s);
+    pair p = up(h, n * sizeof(float));
+    qt_free(h);
+    return p;
+}
+static pair up_zero(size_t n) { return up(NULL, n * sizeof(float)); }
+static void drop(pair p) {
+    cpu->free(cpu, p.c);
+    dev->free(dev, p.d);
+}
+/* bf16 / f16 copies of a float array, as the files store them */
+static pair up_weight(size_t n, float s, qt_dtype dt) {
+    float *h = host_randn(n, s);
+    pair f = up(h, n * sizeof(float));
+    qt_free(h);
+    if (dt == QT_F32) return f;
+    pair p = up(NULL, n * 2);
+    cpu->convert(cpu, p.c, dt, f.c, QT_F32, n);
+    cpu->download(cpu, h = qt_malloc(n * 2, "test"), p.c, n * 2);
+    dev->upload(dev, p.d, h, n * 2); /* the same bits on both sides */
+    qt_free(h);
+    drop(f);
+    return p;
+}
+
+/* max |a - b| / max |a| over the downloaded results; exact: bits equal */
+static void check(const char *what, pair p, size_t n, double tol) {
+    float *a = qt_malloc(n * sizeof(float), "test"), *b = qt_malloc(n * sizeof(float), "test");
+    cpu->download(cpu, a, p.c, n * sizeof(float));
+    dev->download(dev, b, p.d, n * sizeof(float));
+    double mx = 0, err = 0;
+    for (size_t i = 0; i < n; i++) mx = fmax(mx, fabs(a[i]));
+    for (size_t i = 0; i < n; i++) {
+        double e = fabs((double)a[i] - b[i]);
+        if (isnan(a[i]) != isnan(b[i])) e = INFINITY;
+        if (e > err) err = e;
+    }
+    double rel = err / fmax(mx, 1e-30);
+    printf("  %-40s rel err %.3g (tol %.0g)\n", what, rel, tol);
+    if (tol == 0.0 && memcmp(a, b, n * sizeof(float)) != 0) fail_msg("%s: %s differs from cpu bit for bit", what, dev_name);
+    if (!(rel <= tol)) fail_msg("%s: %s differs from cpu by %.3g relative (tolerance %.0g)", what, dev_name, rel, tol);
+    qt_free(a), qt_free(b);
+}
+static float *ws_of(qt_backend *be, size_t floats) {
+    float *w = be->alloc(be, QT_MEM_DEVICE, floats * sizeof(float), "ws");
+    assert_non_null(w);
+    return w;
+}
+
+static const qt_dtype dts[] = {QT_F32, QT_BF16, QT_F16};
+static const char *dtn[] = {"f32", "bf16", "f16"};
+
+static void test_embedding(void **state) {
+    (void)state;
+    const int V = 61, C = 37, N = 23;
+    int32_t ids[23];
+    for (int i = 0; i < N; i++) ids[i] = (i * 7) % V;
+    ids[5] = ids[6] = ids[7]; /* repeated ids: the backward must add them all */
+    pair pid = up(ids, sizeof ids);
+    for (int k = 0; k < 3; k++) {
+        pair w = up_weight((size_t)V * C, 1.0f, dts[k]), out = up_zero((size_t)N * C);
+        cpu->embedding_forward(cpu, out.c, pid.c, w.c, dts[k], N, C);
+        dev->embedding_forward(dev, out.d, pid.d, w.d, dts[k], N, C);
+        char what[64];
+        snprintf(what, sizeof what, "embedding_forward %s", dtn[k]);
+        check(what, out, (size_t)N * C, 0.0);
+        drop(w), drop(out);
+    }
+    pair dout = up_randn((size_t)N * C, 1.0f), dw = up_randn((size_t)V * C, 1.0f);
+    cpu->embedding_backward(cpu, dw.c, dout.c, pid.c, N, C);
+    dev->embedding_backward(dev, dw.d, dout.d, pid.d, N, C);
+    check("embedding_backward (+=, repeated ids)", dw, (size_t)V * C, TOL);
+    drop(dout), drop(dw), drop(pid);
+}
+
+static void test_rmsnorm(void **state) {
+    (void)state;
+    const int N = 9, C = 133;
+    pair x = up_randn((size_t)N * C, 2.0f), w = up_randn(C, 1.0f), out = up_zero((size_t)N * C), rstd = up_zero(N);
+    cpu->rmsnorm_forward(cpu, out.c, rstd.c, x.c, w.c, N, C, 1e-6f);
+    dev->rmsnorm_forward(dev, out.d, rstd.d, x.d, w.d, N, C, 1e-6f);
+    check("rmsnorm_forward out", out, (size_t)N * C, TOL);
+    check("rmsnorm_forward rstd", rstd, N, TOL);
+    pair dout = up_randn((size_t)N * C, 1.0f), dx = up_randn((size_t)N * C, 1.0f), dw = up_randn(C, 1.0f);
+    cpu->rmsnorm_backward(cpu, dx.c, dw.c, dout.c, x.c, w.c, rstd.c, N, C);
+    dev->rmsnorm_backward(dev, dx.d, dw.d, dout.d, x.d, w.d, rstd.d, N, C);
+    check("rmsnorm_backward dinp (+=)", dx, (size_t)N * C, TOL);
+    check("rmsnorm_backward dweight (+=)", dw, C, TOL);
+    drop(x), drop(w), drop(out), drop(rstd), drop(dout), drop(dx), drop(dw);
+}
+
+static void test_matmul(void **state) {
+    (void)state;
+    const int N = 19, IN = 75, OUT = 43;
+    for (int k = 0; k < 3; k++)
+        for (int acc = 0; acc < 2; acc++) {
+            pair x = up_randn((size_t)N * IN, 1.0f), w = up_weight((size_t)OUT * IN, 0.2f, dts[k]);
+            pair b = up_randn(OUT, 1.0f), out = up_randn((size_t)N * OUT, 1.0f);
+            float *wc = ws_of(cpu, qt_be_matmul_ws_floats(cpu->desc, IN, OUT));
+            float *wd = ws_of(dev, qt_be_matmul_ws_floats(dev->desc, IN, OUT));
+            cpu->matmul_forward(cpu, out.c, x.c, w.c, dts[k], b.c, N, IN, OUT, 0.5f, acc, wc);
+            dev->matmul_forward(dev, out.d, x.d, w.d, dts[k], b.d, N, IN, OUT, 0.5f, acc, wd);
+            char what[64];
+            snprintf(what, sizeof what, "matmul_forward %s%s", dtn[k], acc ? " accumulate" : "");
+            check(what, out, (size_t)N * OUT, TOL);
+            pair dout = up_randn((size_t)N * OUT, 1.0f), dx = up_randn((size_t)N * IN, 1.0f);
+            pair dw = up_randn((size_t)OUT * IN, 1.0f), db = up_randn(OUT, 1.0f);
+            int f32 = dts[k] == QT_F32; /* weight gradients exist for f32 masters only */
+            cpu->matmul_backward(cpu, dx.c, f32 ? dw.c : NULL, db.c, dout.c, x.c, w.c, dts[k], N, IN, OUT, 0.5f, wc);
+            dev->matmul_backward(dev, dx.d, f32 ? dw.d : NULL, db.d, dout.d, x.d, w.d, dts[k], N, IN, OUT, 0.5f, wd);
+            snprintf(what, sizeof what, "matmul_backward %s dinp", dtn[k]);
+            check(what, dx, (size_t)N * IN, TOL);
+            if (f32) check("matmul_backward f32 dweight", dw, (size_t)OUT * IN, TOL);
+            check("matmul_backward dbias", db, OUT, TOL);
+            cpu->free(cpu, wc), dev->free(dev, wd);
+            drop(x), drop(w), drop(b), drop(out), drop(dout), drop(dx), drop(dw), drop(db);
+        }
+}
+
+static void test_rope_swiglu(void **state) {
+    (void)state;
+    const int N = 13, NH = 3, D = 64, I = 101;
+    int32_t pos[13];
+    for (int i = 0; i < N; i++) pos[i] = i * 37 + 5;
+    pair pp = up(pos, sizeof pos), x = up_randn((size_t)N * NH * D, 1.0f);
+    cpu->rope_forward(cpu, x.c, pp.c, N, NH, D, 1e6f);
+    dev->rope_forward(dev, x.d, pp.d, N, NH, D, 1e6f);
+    check("rope_forward", x, (size_t)N * NH * D, TOL);
+    cpu->rope_backward(cpu, x.c, pp.c, N, NH, D, 1e6f);
+    dev->rope_backward(dev, x.d, pp.d, N, NH, D, 1e6f);
+    check("rope_backward", x, (size_t)N * NH * D, TOL);
+    pair g = up_randn((size_t)N * I, 3.0f), u = up_randn((size_t)N * I, 1.0f), o = up_zero((size_t)N * I);
+    cpu->swiglu_forward(cpu, o.c, g.c, u.c, N, I);
+    dev->swiglu_forward(dev, o.d, g.d, u.d, N, I);
+    check("swiglu_forward", o, (size_t)N * I, TOL);
+    pair dg = up_randn((size_t)N * I, 1.0f), du = up_randn((size_t)N * I, 1.0f);
+    cpu->swiglu_backward(cpu, dg.c, du.c, o.c, g.c, u.c, N, I);
+    dev->swiglu_backward(dev, dg.d, du.d, o.d, g.d, u.d, N, I);
+    check("swiglu_backward dgate", dg, (size_t)N * I, TOL);
+    check("swiglu_backward dup", du, (size_t)N * I, TOL);
+    drop(pp), drop(x), drop(g), drop(u), drop(o), drop(dg), drop(du);
+}
+
+static void attention_case(int B, int T, int H, int KV, int D, int packed) {
+    size_t nq = (size_t)B * T * H * D, nk = (size_t)B * T * KV * D;
+    int32_t *ds = qt_malloc((size_t)B * T * sizeof(int32_t), "test");
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) ds[b * T + t] = packed ? (t < T / 3 ? 0 : t < T / 2 ? T / 3 : T / 2) : 0;
+    pair pds = up(ds, (size_t)B * T * sizeof(int32_t));
+    pair q = up_randn(nq, 1.0f), k = up_randn(nk, 1.0f), v = up_randn(nk, 1.0f);
+    pair out = up_zero(nq), lse = up_zero((size_t)B * H * T);
+    const int32_t *dc = packed ? pds.c : NULL, *dd = packed ? pds.d : NULL;
+    cpu->attention_forward(cpu, out.c, lse.c, q.c, k.c, v.c, dc, B, T, H, KV, D);
+    dev->attention_forward(dev, out.d, lse.d, q.d, k.d, v.d, dd, B, T, H, KV, D);
+    char what[96];
+    snprintf(what, sizeof what, "attention_forward B%d T%d H%d KV%d D%d%s", B, T, H, KV, D, packed ? " packed" : "");
+    check(what, out, nq, TOL);
+    check("attention_forward lse", lse, (size_t)B * H * T, TOL);
+    pair dout = up_randn(nq, 1.0f), dq = up_randn(nq, 1.0f), dk = up_randn(nk, 1.0f), dv = up_randn(nk, 1.0f);
+    cpu->attention_backward(cpu, dq.c, dk.c, dv.c, dout.c, out.c, lse.c, q.c, k.c, v.c, dc, B, T, H, KV, D);
+    dev->attention_backward(dev, dq.d, dk.d, dv.d, dout.d, out.d, lse.d, q.d, k.d, v.d, dd, B, T, H, KV, D);
+    check("attention_backward dq (+=)", dq, nq, TOL);
+    check("attention_backward dk (+=)", dk, nk, TOL);
+    check("attention_backward dv (+=)", dv, nk, TOL);
+    drop(pds), drop(q), drop(k), drop(v), drop(out), drop(lse), drop(dout), drop(dq), drop(dk), drop(dv);
+    qt_free(ds);
+}
+
+static void test_attention(void **state) {
+    (void)state;
+    attention_case(2, 37, 4, 2, 16, 0);
+    attention_case(2, 37, 4, 2, 16, 1);
+    attention_case(1, 150, 2, 1, 64, 1);  /* more keys than one tile */
+    attention_case(1, 33, 2, 2, 128, 0);  /* Qwen2.5's head dim */
+    /* decoding against a cache: 3 new queries at positions 20..22 */
+    const int S = 23, n = 3, H = 4, KV = 2, D = 32, pos0 = 20;
+    pair q = up_randn((size_t)n * H * D, 1.0f), kc = up_randn((size_t)S * KV * D, 1.0f);
+    pair vc = up_randn((size_t)S * KV * D, 1.0f), out = up_zero((size_t)n * H * D);
+    cpu->attention_forward_cached(cpu, out.c, q.c, kc.c, vc.c, n, pos0, H, KV, D);
+    dev->attention_forward_cached(dev, out.d, q.d, kc.d, vc.d, n, pos0, H, KV, D);
+    check("attention_forward_cached", out, (size_t)n * H * D, TOL);
+    drop(q), drop(kc), drop(vc), drop(out);
+}
+
+static void test_lmhead_ce(void **state) {
+    (void)state;
+    const int N = 11, C = 40, V = 9001; /* spans several chunks on every backend */
+    int32_t tg[11];
+    for (int i = 0; i < N; i++) tg[i] = (i * 977) % V;
+    tg[3] = -100, tg[8] = V - 1;
+    pair ptg = up(tg, sizeof tg);
+    for (int k = 0; k < 2; k++) {
+        pair x = up_randn((size_t)N * C, 1.0f), w = up_weight((size_t)V * C, 0.3f, dts[k]);
+        pair loss = up_zero(N), lse = up_zero(N), dx = up_randn((size_t)N * C, 0.1f);
+        pair dw = up_randn((size_t)V * C, 0.1f);
+        float *wc = ws_of(cpu, qt_be_lmhead_ce_ws_floats(cpu->desc, N, C));
+        float *wd = ws_of(dev, qt_be_lmhead_ce_ws_floats(dev->desc, N, C));
+        cpu->lmhead_ce_forward(cpu, loss.c, lse.c, x.c, w.c, dts[k], ptg.c, N, C, V, wc);
+        dev->lmhead_ce_forward(dev, loss.d, lse.d, x.d, w.d, dts[k], ptg.d, N, C, V, wd);
+        char what[64];
+        snprintf(what, sizeof what, "lmhead_ce_forward %s loss", dtn[k]);
+        check(what, loss, N, TOL);
+        check("lmhead_ce_forward lse", lse, N, TOL);
+        int f32 = dts[k] == QT_F32;
+        cpu->lmhead_ce_backward(cpu, dx.c, f32 ? dw.c : NULL, x.c, w.c, dts[k], ptg.c, lse.c, 0.25f, N, C, V, wc);
+        dev->lmhead_ce_backward(dev, dx.d, f32 ? dw.d : NULL, x.d, w.d, dts[k], ptg.d, lse.d, 0.25f, N, C, V, wd);
+        check("lmhead_ce_backward dx (+=)", dx, (size_t)N * C, TOL);
+        if (f32) check("lmhead_ce_backward dw (+=)", dw, (size_t)V * C, TOL);
+        /* the kept-logits pair and the forward-with-dx form */
+        pair kept = up(NULL, qt_be_lmhead_ce_kept_floats(cpu->desc, N, V) * sizeof(float));
+        float *kd = ws_of(dev, qt_be_lmhead_ce_kept_floats(dev->desc, N, V));
+        cpu->lmhead_ce_forward_keep(cpu, loss.c, lse.c, kept.c, x.c, w.c, dts[k], ptg.c, N, C, V, wc);
+        dev->lmhead_ce_forward_keep(dev, loss.d, lse.d, kd, x.d, w.d, dts[k], ptg.d, N, C, V, wd);
+        check("lmhead_ce_forward_keep loss", loss, N, TOL);
+        cpu->lmhead_ce_backward_kept(cpu, dx.c, f32 ? dw.c : NULL, kept.c, x.c, w.c, dts[k], ptg.c, lse.c, 0.25f, N,
+                                     C, V, wc);
+        dev->lmhead_ce_backward_kept(dev, dx.d, f32 ? dw.d : NULL, kd, x.d, w.d, dts[k], ptg.d, lse.d, 0.25f, N, C,
+                                     V, wd);
+        check("lmhead_ce_backward_kept dx", dx, (size_t)N * C, TOL);
+        cpu->lmhead_ce_forward_dx(cpu, loss.c, lse.c, dx.c, x.c, w.c, dts[k], ptg.c, 0.5f, N, C, V, wc);
+        dev->lmhead_ce_forward_dx(dev, loss.d, lse.d, dx.d, x.d, w.d, dts[k], ptg.d, 0.5f, N, C, V, wd);
+        check("lmhead_ce_forward_dx dx", dx, (size_t)N * C, TOL);
+        cpu->free(cpu, wc), dev->free(dev, wd), dev->free(dev, kd);
+        drop(kept), drop(x), drop(w), drop(loss), drop(lse), drop(dx), drop(dw);
+    }
+    drop(ptg);
+}
+
+static void test_precision_and_passes(void **state) {
+    (void)state;
+    const size_t n = 100003;
+    pair x = up_randn(n, 300.0f); /* some beyond fp16's range: they must become inf on both */
+    pair h = up(NULL, n * 2);
+    cpu->round_store(cpu, x.c, h.c, n, QT_F16);
+    dev->round_store(dev, x.d, h.d, n, QT_F16);
+    check("round_store f16 (values)", x, n, 0.0);
+    pair y = up_randn(n, 1.0f);
+    cpu->round_to_dtype(cpu, y.c, n, QT_BF16);
+    dev->round_to_dtype(dev, y.d, n, QT_BF16);
+    check("round_to_dtype bf16", y, n, 0.0);
+    pair back = up_zero(n);
+    cpu->convert(cpu, back.c, QT_F32, h.c, QT_F16, n);
+    dev->convert(dev, back.d, QT_F32, h.d, QT_F16, n);
+    check("convert f16 -> f32", back, n, 0.0);
+    cpu->scale(cpu, y.c, n, 0.125f);
+    dev->scale(dev, y.d, n, 0.125f);
+    check("scale", y, n, 0.0);
+    pair z = up_randn(n, 1.0f);
+    cpu->acc(cpu, z.c, y.c, n);
+    dev->acc(dev, z.d, y.d, n);
+    check("acc", z, n, 0.0);
+    /* dropout: the same mask element for element */
+    qt_dropout_key key = {1234, 7, 3, 2};
+    uint32_t th = qt_dropout_threshold(0.1f);
+    cpu->dropout(cpu, z.c, z.c, n, &key, th, 1.0f / 0.9f);
+    dev->dropout(dev, z.d, z.d, n, &key, th, 1.0f / 0.9f);
+    check("dropout (same mask)", z, n, 0.0);
+    /* sum of squares in double */
+    double sc = cpu->sum_squares(cpu, z.c, n), sd = dev->sum_squares(dev, z.d, n);
+    printf("  %-40s rel err %.3g (tol 1e-12)\n", "sum_squares", fabs(sc - sd) / sc);
+    assert_true(fabs(sc - sd) <= 1e-12 * sc);
+    /* Adam over a range */
+    pair p = up_randn(n, 1.0f), g = up_randn(n, 1.0f), m = up_randn(n, 0.1f), v = up_randn(n, 0.1f);
+    cpu->scale(cpu, v.c, n, 0.0f), dev->scale(dev, v.d, n, 0.0f); /* v >= 0 */
+    qt_adam_scalars k = {0.1f, 0.999f, 0.001f, 6e-5f / 0.1f, sqrtf(0.001f), 1e-8f, 0.5f, 1.0f - 6e-5f * 0.01f, 0.0f};
+    for (int s = 0; s < 3; s++) {
+        cpu->adam(cpu, &k, p.c, g.c, m.c, v.c, n);
+        dev->adam(dev, &k, p.d, g.d, m.d, v.d, n);
+    }
+    check("adam (3 steps) params", p, n, 1e-6);
+    check("adam exp_avg", m, n, 1e-6);
+    check("adam exp_avg_sq", v, n, 1e-6);
+    drop(x), drop(h), drop(y), drop(back), drop(z), drop(p), drop(g), drop(m), drop(v);
+}
+
+/* bf16 GEMMs where both backends run them natively */
+static void test_bf16_gemm(void **state) {
+    (void)state;
+    if (!cpu->bf16_available(cpu) || !dev->bf16_available(dev)) {
+        printf("  bf16_gemm: not compared (native bf16 GEMMs: cpu %d, %s %d)\n", cpu->bf16_available(cpu), dev_name,
+               dev->bf16_available(dev));
+        return;
+    }
+    const int M = 21, N = 34, K = 57;
+    for (int ta = 0; ta < 2; ta++)
+        for (int tb = 0; tb < 2; tb++) {
+            pair a = up_weight((size_t)M * K, 1.0f, QT_BF16), b = up_weight((size_t)K * N, 1.0f, QT_BF16);
+            pair c = up_randn((size_t)M * N, 1.0f);
+            assert_int_equal(cpu->bf16_gemm(cpu, c.c, a.c, ta, b.c, tb, NULL, M, N, K, 0.5f, 1), QT_OK);
+            assert_int_equal(dev->bf16_gemm(dev, c.d, a.d, ta, b.d, tb, NULL, M, N, K, 0.5f, 1), QT_OK);
+            char what[64];
+            snprintf(what, sizeof what, "bf16_gemm ta%d tb%d acc", ta, tb);
+            check(what, c, (size_t)M * N, TOL);
+            drop(a), drop(b), drop(c);
+        }
+}
+
+int main(int argc, char **argv) {
+    dev_name = argc > 1 ? argv[1] : "guard";
+    qt_rng_seed(&rng, 42);
+    if (qt_backend_open("cpu", &cpu) != QT_OK) {
+        fprintf(stderr, "cannot open the cpu backend: %s\n", qt_error_message());
+        return 1;
+    }
+    if (qt_backend_open(dev_name, &dev) != QT_OK) {
+        printf("SKIP: backend %s cannot open here: %s\n", dev_name, qt_error_message());
+        qt_backend_close(cpu);
+        return 77;
+    }
+    printf("backend %s against cpu\n", dev_name);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_embedding),  cmocka_unit_test(test_rmsnorm),   cmocka_unit_test(test_matmul),
+        cmocka_unit_test(test_rope_swiglu), cmocka_unit_test(test_attention), cmocka_unit_test(test_lmhead_ce),
+        cmocka_unit_test(test_precision_and_passes), cmocka_unit_test(test_bf16_gemm),
+    };
+    int rc = cmocka_run_group_tests_name(dev_name, tests, NULL, NULL);
+    qt_backend_close(dev);
+    qt_backend_close(cpu);
+    return rc;
+}
