@@ -298,11 +298,27 @@ static int stop_requested(qt_trainer *t, int *stop) {
     return QT_OK;
 }
 
+/* *need 1 when metrics.jsonl holds no eval of this step (rank 0 reads it;
+ * every rank learns the answer), else 0 and *loss the recorded value. */
+static int final_eval_missing(qt_trainer *t, int *need, double *loss) {
+    int64_t missing = 0;
+    if (t->main) {
+        missing = 1;
+        for (size_t i = 0; i < t->metrics.n_eval; i++)
+            if (t->metrics.eval[i].step == t->step) missing = 0, *loss = t->metrics.eval[i].x;
+    }
+    if (t->world > 1) QT_TRY(dist_allreduce_i64(t->d, &missing, 1, DIST_MAX, "final eval on record"));
+    *need = missing != 0;
+    return QT_OK;
+}
+
 static int find_resume(qt_trainer *t, char *dir, size_t cap) {
     const char *r = t->job->train.resume;
     dir[0] = 0;
     if (!strcmp(r, "never")) return QT_OK;
     if (!strcmp(r, "auto")) {
+        /* overwrite_output_dir: the folder's checkpoints are about to go */
+        if (t->job->train.overwrite_output_dir) return QT_OK;
         long s;
         return ckpt_latest(t->job->output_dir, dir, cap, &s);
     }
@@ -317,10 +333,10 @@ static int find_resume(qt_trainer *t, char *dir, size_t cap) {
 
 static int run(qt_trainer *t, qt_train_result *res) {
     const qt_job *job = t->job;
-    /* resume "never" on a folder of the same run starts over: its old outputs go */
-    if (t->main)
-        QT_TRY(qt_output_dir_claim(job->output_dir, job, job->train.overwrite_output_dir,
-                                   !strcmp(job->train.resume, "never"), &t->outdir_lock));
+    /* A folder of another run (or in use) is refused before minutes of
+     * loading; nothing is written to it until everything the job names has
+     * been read and checked (the claim below). */
+    if (t->main) QT_TRY(qt_output_dir_check(job->output_dir, job, job->train.overwrite_output_dir, &t->outdir_lock));
     QT_TRY(dist_barrier(t->d, "output folder check"));
     QT_TRY(load_model(t));
     QT_TRY(open_loaders(t));
@@ -353,6 +369,14 @@ static int run(qt_trainer *t, qt_train_result *res) {
     } else if (job->lora.enabled && job->lora.init_from) {
         QT_TRY(trainer_init_from_adapter(t, job->lora.init_from));
     }
+    /* The job, its DeepSpeed settings, the hardware, the model, the data and
+     * the checkpoint are checked: now the folder is claimed (the previous
+     * run's outputs go when overwrite_output_dir or resume "never" says so,
+     * an interrupted run's temporaries always) and the job recorded. */
+    if (t->main)
+        QT_TRY(qt_output_dir_claim(job->output_dir, job, job->train.overwrite_output_dir,
+                                   !strcmp(job->train.resume, "never"), &t->outdir_lock));
+    QT_TRY(dist_barrier(t->d, "output folder claim"));
     if (t->main) {
         char title[512];
         snprintf(title, sizeof title, "qtune: %s", job->output_dir);
@@ -442,8 +466,15 @@ static int run(qt_trainer *t, qt_train_result *res) {
                                        "again to continue",
                       t->step, t->max_steps, t->last_ckpt);
     }
-    /* a finished run started again only rewrites final/ */
-    if (t->eval_dl && t->step > first_step) QT_TRY(eval_and_log(t, &res->eval_loss_last));
+    /* What a run stopped right after its last checkpoint had left undone is
+     * done now: the final eval (unless this step's is on record, as when a
+     * finished run is started again), the pruning, final/. */
+    if (t->eval_dl) {
+        int need = t->step > first_step;
+        if (!need) QT_TRY(final_eval_missing(t, &need, &res->eval_loss_last));
+        if (need) QT_TRY(eval_and_log(t, &res->eval_loss_last));
+    }
+    if (t->main) QT_TRY(ckpt_prune(job->output_dir, job->train.save_total_limit, t->step));
     QT_TRY(trainer_write_final(t, res->final_dir, sizeof res->final_dir));
     return QT_OK;
 }
