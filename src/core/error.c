@@ -64,3 +64,8 @@ const char *qt_error_name(int code) {
     default: return "error";
     }
 }
+
+static volatile sig_atomic_t *cancel_flag;
+
+void qt_cancel_watch(volatile sig_atomic_t *flag) { cancel_flag = flag; }
+int qt_cancel_requested(void) { return cancel_flag && *cancel_flag; }

@@ -244,6 +244,12 @@ static void *chunk_main(void *arg) {
     const char *line;
     size_t len;
     while (c->rc == QT_OK) {
+        if (qt_cancel_requested()) {
+            c->rc = QT_ERR(QT_EINTERRUPTED, "stopped while tokenizing the data file %s; no token cache was written",
+                           o->path);
+            keep_message(c->err, sizeof c->err);
+            break;
+        }
         int got = dl_lines_next(&r, &line, &len);
         if (got == 0) break;
         if (got == 1 && dl_line_blank(line, len)) continue;

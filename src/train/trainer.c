@@ -347,6 +347,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
     if (to < 4.0 * 3600.0) dist_set_timeout(t->d, 4.0 * 3600.0);
     int rc = dist_barrier(t->d, "model and data loading");
     dist_set_timeout(t->d, to);
+    qt_cancel_watch(NULL); /* from here the loop polls the stop flag itself */
     QT_TRY(rc);
     t->max_steps = job->train.max_steps > 0 ? job->train.max_steps : steps_from_epochs(t);
     QT_TRY(qt_ds_config_finalize(&t->ds, t->max_steps));
@@ -502,7 +503,11 @@ int qt_train_run(const qt_job *job, dist_ctx *d, const qt_train_hooks *hooks, qt
     }
     /* provisional (B, A, dtype for the model and loaders); final once max_steps is known */
     if (rc == QT_OK) qt_train_cfg_from_ds(&t.ds, &t.cfg);
+    /* one process: a stop while the data is tokenized ends the load at once
+     * (under MPI loading finishes, then every rank agrees to stop) */
+    if (t.world == 1) qt_cancel_watch(t.hooks->stop);
     if (rc == QT_OK) rc = run(&t, res);
+    qt_cancel_watch(NULL);
     trainer_free(&t);
     return rc;
 }
