@@ -38,6 +38,15 @@ int qt_error_code(void);
 void qt_error_clear(void);
 const char *qt_error_name(int code); /* "invalid input", "I/O error", ... */
 
+/* An out-of-memory error's advice (after "could not allocate N MiB for X; ")
+ * replaced with one that fits where it happened, e.g. while a tokenizer loads,
+ * where batch or ZeRO settings change nothing. Other errors pass unchanged.
+ * Returns code. */
+int qt_error_oom_advice(int code, const char *advice);
+#define QT_TOKENIZER_OOM_ADVICE                                                                    \
+    "loading a tokenizer needs memory for its vocabulary and merges only: free memory, or raise "    \
+    "the process's memory limit (ulimit -v); the batch, seq_len and ZeRO settings do not change it"
+
 /* Cancelling long loads: the CLI's signal handler sets a flag, the trainer
  * lends it here while it loads (NULL: none), and loops that may run for
  * minutes (hashing and tokenizing the data) poll qt_cancel_requested() and

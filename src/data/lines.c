@@ -36,7 +36,13 @@ int dl_lines_open_range(dl_lines *r, const char *path, size_t max_line, uint64_t
         r->pos = start - 1;
         const char *line;
         size_t len;
+        /* the straddling line is read past, never stored: with a cap of 0
+         * nothing is kept (a range cut inside a 60 MB line would otherwise
+         * hold a second copy of it, one per build thread) */
+        size_t cap = r->max_line;
+        r->max_line = 0;
         int rc = dl_lines_next(r, &line, &len);
+        r->max_line = cap;
         if (rc < 0 && rc != QT_EFORMAT) { dl_lines_close(r); return rc; }
         qt_error_clear();
         r->line_no = 0;
@@ -109,7 +115,7 @@ int dl_lines_next(dl_lines *r, const char **line, size_t *len) {
     r->line_no++;
     if (over)
         return QT_ERR(QT_EFORMAT, "%s:%lld: the line is %zu bytes, more than the limit of %zu; "
-                      "split the example or raise data.max_line_bytes",
+                      "split the example (or, for qtune train, raise data.max_line_bytes in the job file)",
                       r->path, (long long)r->line_no, n, r->max_line);
     if (n > 0 && r->line[n - 1] == '\r') n--;
     r->line[n] = 0;

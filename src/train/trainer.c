@@ -27,7 +27,7 @@ static int open_loaders(qt_trainer *t) {
     const qt_job *job = t->job;
     char tokpath[4096];
     QT_TRY(qt_path_join(tokpath, sizeof tokpath, job->model, "tokenizer.json"));
-    if (qt_path_exists(tokpath)) QT_TRY(bpe_load(tokpath, &t->tok));
+    if (qt_path_exists(tokpath)) QT_TRY(qt_error_oom_advice(bpe_load(tokpath, &t->tok), QT_TOKENIZER_OOM_ADVICE));
     else qt_info("%s has no tokenizer.json: only pre-tokenized data ({\"input_ids\": ...}) can be read", job->model);
 
     dl_config c;
@@ -42,6 +42,7 @@ static int open_loaders(qt_trainer *t) {
     c.cache_dir = job->data.cache_dir;
     c.num_workers = job->data.num_workers;
     c.prefetch = job->data.prefetch;
+    c.max_line_bytes = job->data.max_line_bytes;
     c.seed = job->train.seed;
     c.rank = t->rank;
     c.world = t->world;
