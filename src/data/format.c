@@ -308,13 +308,21 @@ static const char *fast_int(const char *p, const char *e, double *v) {
     return q;
 }
 
-/* "[" ints "]" at p into out (input_ids: ids and mask 1) or into *labs. */
-static int fast_array(const dl_encode_ctx *ctx, const char **pp, const char *e, dl_tokbuf *out, int32_t **labs,
-                      size_t *nlabs) {
+/* The first value of an array that check_id refuses: it is reported only
+ * once the whole line is known to be valid JSON, in encode_tokens' order. */
+typedef struct {
+    size_t at; /* SIZE_MAX: none */
+    double v;
+} fast_bad;
+
+/* "[" ints "]" at p into out (input_ids: ids and mask 1) or into *labs; values
+ * are not checked here (a refused one is kept in *bad, stored as 0). */
+static int fast_array(const char **pp, const char *e, double lo, double hi, dl_tokbuf *out, int32_t **labs,
+                      size_t *nlabs, fast_bad *bad) {
     const char *p = *pp;
+    bad->at = SIZE_MAX;
     if (p >= e || *p != '[') return FAST_NO;
     p = fast_ws(p + 1, e);
-    const double hi = ctx->vocab_limit > 0 ? (double)ctx->vocab_limit : 2147483648.0;
     size_t n = 0, cap = 0;
     int32_t *l = NULL;
     int rc = QT_OK;
@@ -324,18 +332,17 @@ static int fast_array(const dl_encode_ctx *ctx, const char **pp, const char *e, 
             double v;
             const char *q = fast_int(p, e, &v);
             if (!q || n >= (size_t)INT32_MAX) { rc = FAST_NO; break; }
-            int32_t x;
+            int32_t x = 0;
+            if (v >= lo && v < hi) x = (int32_t)v; /* plain integers: whole and finite */
+            else if (bad->at == SIZE_MAX) bad->at = n, bad->v = v;
             if (!labs) {
                 rc = dl_tokbuf_reserve(out, 1);
-                if (rc == QT_OK) rc = check_id(v, "input_ids", (int)n, 0, hi, &x);
                 if (rc != QT_OK) break;
                 out->ids[out->n] = x; /* counted in out->n at once: reserve grows from it */
                 out->mask[out->n] = 1;
                 out->n++;
                 n++;
             } else {
-                rc = check_id(v, "labels", (int)n, -2147483648.0, 2147483648.0, &x);
-                if (rc != QT_OK) break;
                 if (n == cap) {
                     size_t c = cap ? cap * 2 : 1024;
                     int32_t *g = qt_realloc(l, c * sizeof *g, "a line's labels");
@@ -363,8 +370,10 @@ static int fast_tokens(const dl_encode_ctx *ctx, const char *s, size_t len, dl_t
     if (p >= e || *p != '{') return FAST_NO;
     p = fast_ws(p + 1, e);
     const size_t n0 = out->n;
+    const double hi = ctx->vocab_limit > 0 ? (double)ctx->vocab_limit : 2147483648.0;
     int32_t *labs = NULL;
     size_t nlabs = 0, nids = 0;
+    fast_bad bad_id = {SIZE_MAX, 0}, bad_lab = {SIZE_MAX, 0};
     int have_ids = 0, have_labels = 0, rc = QT_OK;
     while (rc == QT_OK) {
         if (p < e && *p == '}' && !have_ids && !have_labels) { rc = FAST_NO; break; }
@@ -381,14 +390,14 @@ static int fast_tokens(const dl_encode_ctx *ctx, const char *s, size_t len, dl_t
         if (is_ids) {
             have_ids = 1;
             size_t before = out->n;
-            rc = fast_array(ctx, &p, e, out, NULL, NULL);
+            rc = fast_array(&p, e, 0, hi, out, NULL, NULL, &bad_id);
             nids = out->n - before;
         } else if (is_labels && e - p >= 4 && !memcmp(p, "null", 4)) {
             have_labels = 1;
             p += 4;
         } else if (is_labels) {
             have_labels = 1;
-            rc = fast_array(ctx, &p, e, out, &labs, &nlabs);
+            rc = fast_array(&p, e, -2147483648.0, 2147483648.0, out, &labs, &nlabs, &bad_lab);
             if (rc == QT_OK) have_labels = 2;
         } else {
             const char *end = NULL;
@@ -403,13 +412,21 @@ static int fast_tokens(const dl_encode_ctx *ctx, const char *s, size_t len, dl_t
         if (p < e && *p == '}') { p = fast_ws(p + 1, e); break; }
         rc = FAST_NO;
     }
+    /* valid JSON of the plain shape: now encode_tokens' checks, in its order */
     if (rc == QT_OK && (p != e || !have_ids)) rc = FAST_NO;
     if (rc == QT_OK && nids == 0) rc = QT_ERR(QT_EFORMAT, "\"input_ids\" is empty");
     if (rc == QT_OK && have_labels == 2 && nlabs != nids)
         rc = QT_ERR(QT_EFORMAT, "\"labels\" has %d entries but \"input_ids\" has %d; they must match", (int)nlabs,
                     (int)nids);
-    for (size_t i = 0; rc == QT_OK && have_labels == 2 && i < nids; i++)
+    size_t first_bad = bad_id.at;
+    if (have_labels == 2 && bad_lab.at < first_bad) first_bad = bad_lab.at;
+    for (size_t i = 0; rc == QT_OK && have_labels == 2 && i < nids && i < first_bad; i++)
         rc = check_label(labs[i], out->ids[n0 + i], (int)i, &out->mask[n0 + i]);
+    int32_t x;
+    if (rc == QT_OK && first_bad != SIZE_MAX && first_bad == bad_id.at)
+        rc = check_id(bad_id.v, "input_ids", (int)first_bad, 0, hi, &x);
+    else if (rc == QT_OK && first_bad != SIZE_MAX)
+        rc = check_id(bad_lab.v, "labels", (int)first_bad, -2147483648.0, 2147483648.0, &x);
     qt_free(labs);
     if (rc != QT_OK) out->n = n0;
     if (rc == FAST_NO) qt_error_clear();

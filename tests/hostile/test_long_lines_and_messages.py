@@ -175,3 +175,36 @@ def test_set_without_key_value_is_a_usage_error(base, bad):
     j = write_job(base / "job_set.json", "model", "out_set", "tokens.jsonl")
     expect_error(["train", j, "--set", bad], "--set", "key.path=value", code=(2,))
     assert not os.path.exists(base / "out_set")
+
+
+MUTATIONS = ["", " ", ",", "]", "[", "-", "1.5", "600", "\"", "}", "{", "null", "e", "\\", "99999999999999999999",
+             "-100", "\t"]
+
+
+def test_both_parse_paths_agree_on_damaged_lines(base, tmp_path):
+    """60 random damages (insert, delete, replace) of a long line with
+    input_ids, labels and another key: the bounded path (plain ids) and the
+    cJSON path (first id spelled 5e0) end the same way, with the same message
+    (byte offsets aside, the spellings differ by 2 bytes). A syntax error must
+    win over a value error, as in cJSON, whichever comes first in the line."""
+    import re
+    r = random.Random(5)
+    ids = [r.randint(1, 511) for _ in range(14000)]
+    labs = ["-100" if k % 5 == 0 else str(i) for k, i in enumerate(ids)]
+
+    def line(first):
+        return ('{"input_ids": [' + ", ".join([first] + [str(i) for i in ids[1:]]) + '], "labels": [' +
+                ", ".join(labs) + '], "x": {"a": [1, "s"]}}')
+
+    a, b = line("5"), line("5e0")
+    for it in range(60):
+        pos, m, op, k = r.randint(40, len(a) - 10), r.choice(MUTATIONS), r.choice("idr"), r.randint(1, 3)
+        outs = []
+        for s, shift in ((a, 0), (b, 2)):
+            p = pos + shift
+            t = s[:p] + m + s[p:] if op == "i" else s[:p] + s[p + k:] if op == "d" else s[:p] + m + s[p + 1:]
+            f = write(tmp_path / "d.jsonl", t + "\n")
+            res = run(["eval", "--model", base / "model", "--data", f, "--seq-len", "16"])
+            last = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else ""
+            outs.append((res.returncode, res.stdout, re.sub(r"near byte \d+", "near byte N", last)))
+        assert outs[0] == outs[1], (it, op, m, pos, outs)
