@@ -86,7 +86,8 @@ def test_ctrl_c_stops_loading(base, tmp_path):
 
 def test_second_ctrl_c_exits_at_once(base, tmp_path):
     """A step slow enough (tiny model, 8 rows of 1024 tokens, 4 micro-batches:
-    a few hundred ms) that both signals, 5 ms apart, land inside it. The first
+    a few hundred ms) that both signals land inside it (the first right after
+    a step's metrics line, the second as soon as the first's message is out). The first
     asks for the save; the second ends the process at once: exit 130, the
     sentence 'nothing was saved', no checkpoint written, no step logged after
     the signals."""
@@ -103,10 +104,24 @@ def test_second_ctrl_c_exits_at_once(base, tmp_path):
     while time.time() - t0 < 120 and p.poll() is None and not (mpath.exists() and len(open(mpath).readlines()) >= 1):
         time.sleep(0.01)
     n_before = len(open(mpath).readlines())
+    # the second SIGINT goes once the first has been handled (its message is
+    # out): two sent while neither is handled yet would merge into one
+    import threading
+    lines, seen = [], threading.Event()
+
+    def reader():
+        for l in p.stderr:
+            lines.append(l)
+            if "stop requested" in l:
+                seen.set()
+    th = threading.Thread(target=reader)
+    th.start()
     p.send_signal(signal.SIGINT)
-    time.sleep(0.005)
+    assert seen.wait(60), "".join(lines)
     p.send_signal(signal.SIGINT)
-    _, se = p.communicate(timeout=60)
+    p.wait(timeout=60)
+    th.join(timeout=60)
+    se = "".join(lines)
     assert p.returncode == 130, se
     assert "second Ctrl-C" in se and "nothing was saved" in se, se
     assert "Ctrl-C again to exit at once" in se, se
