@@ -31,17 +31,31 @@ int cli_wants_help(int argc, char **argv) {
 }
 
 static volatile sig_atomic_t stop_flag = 0;
+static volatile sig_atomic_t sigints = 0;
 static const char *stop_msg = "";
 
+static void say(const char *s) {
+    ssize_t w = write(2, s, strlen(s));
+    (void)w;
+}
+
+/* The first SIGINT or SIGTERM only sets the flag that the library polls
+ * (between steps, and while the data loads). A second Ctrl-C (SIGINT) ends
+ * the process at once, for a step that never returns (seen inside OpenBLAS
+ * under `ulimit -v`): nothing more is saved, and the checkpoints already on
+ * disk are whole (a checkpoint being written stays a .tmp folder the next
+ * start removes). A repeated SIGTERM, as mpirun and job schedulers send,
+ * changes nothing. Only async-signal-safe calls (write, _exit) here. */
 static void on_stop_signal(int sig) {
-    (void)sig;
+    if (sig == SIGINT && sigints++ > 0) {
+        say("\nqtune: second Ctrl-C: exiting now; nothing was saved (files finished before, such as earlier "
+            "checkpoints, are whole)\n");
+        _exit(QT_EXIT_INTERRUPTED);
+    }
     if (!stop_flag) {
-        /* write(2) is async-signal-safe; stdio is not */
-        static const char head[] = "\nqtune: stop requested: ";
-        ssize_t w = write(2, head, sizeof head - 1);
-        w = write(2, stop_msg, strlen(stop_msg));
-        w = write(2, "\n", 1);
-        (void)w;
+        say("\nqtune: stop requested: ");
+        say(stop_msg);
+        say(sig == SIGINT ? " (Ctrl-C again to exit at once without saving)\n" : "\n");
     }
     stop_flag = 1;
 }

@@ -132,7 +132,7 @@ static int run_eval(const char *model_dir, const char *adapter, const char *data
     char tpath[4096];
     if (qt_path_join(tpath, sizeof tpath, model_dir, "tokenizer.json") == QT_OK && qt_path_exists(tpath) &&
         fmt != DL_FORMAT_TOKENS)
-        QT_TRY(bpe_load(tpath, &tok));
+        QT_TRY(qt_error_oom_advice(bpe_load(tpath, &tok), QT_TOKENIZER_OOM_ADVICE));
     eval_data d;
     memset(&d, 0, sizeof d);
     rc = read_data(data, fmt, tok, cfg.vocab_size, &d);

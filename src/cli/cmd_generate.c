@@ -391,7 +391,7 @@ static int parse_seed(const char *v, uint64_t *seed) {
 static int prepare(gen_state *g, qt_config *cfg, const char *model, int ctx, const char *prompt, int32_t **ids,
                    size_t *n) {
     if (bpe_load(model, &g->tok) != QT_OK) {
-        if (!*ids) return cli_fail();
+        if (!*ids) return qt_error_oom_advice(qt_error_code(), QT_TOKENIZER_OOM_ADVICE), cli_fail();
         g->tok = NULL; /* ids in, ids out */
         qt_error_clear();
     }

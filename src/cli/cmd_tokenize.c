@@ -162,6 +162,7 @@ int cmd_tokenize(int argc, char **argv) {
     bpe_tokenizer *t;
     if (bpe_load(tok_path, &t) != QT_OK) {
         qt_free(ids);
+        qt_error_oom_advice(qt_error_code(), QT_TOKENIZER_OOM_ADVICE);
         return cli_fail();
     }
     int rc = QT_OK;

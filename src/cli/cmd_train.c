@@ -56,6 +56,16 @@ int cmd_train(int argc, char **argv) {
         }
     }
     if (!job_path) { free(sets); return cli_usage_error("train", "name the job file: qtune train JOB.json"); }
+    /* the shape of an override is the command line's: exit 2, as the README says */
+    for (int i = 0; i < n_sets; i++) {
+        const char *eq = strchr(sets[i], '=');
+        if (!eq || eq == sets[i]) {
+            int st = cli_usage_error("train", "--set %.200s: write it as key.path=value (for example "
+                                     "train.max_steps=100)", sets[i]);
+            free(sets);
+            return st;
+        }
+    }
 
     dist_ctx *d = NULL;
     if (dist_init(&argc, &argv, &d) != QT_OK) { free(sets); return cli_fail(); }

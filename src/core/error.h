@@ -8,6 +8,7 @@
 #ifndef QT_CORE_ERROR_H
 #define QT_CORE_ERROR_H
 
+#include <signal.h>
 #include <stddef.h>
 
 enum {
@@ -36,6 +37,22 @@ const char *qt_error_where(void);   /* "file.c:123" */
 int qt_error_code(void);
 void qt_error_clear(void);
 const char *qt_error_name(int code); /* "invalid input", "I/O error", ... */
+
+/* An out-of-memory error's advice (after "could not allocate N MiB for X; ")
+ * replaced with one that fits where it happened, e.g. while a tokenizer loads,
+ * where batch or ZeRO settings change nothing. Other errors pass unchanged.
+ * Returns code. */
+int qt_error_oom_advice(int code, const char *advice);
+#define QT_TOKENIZER_OOM_ADVICE                                                                    \
+    "loading a tokenizer needs memory for its vocabulary and merges only: free memory, or raise "    \
+    "the process's memory limit (ulimit -v); the batch, seq_len and ZeRO settings do not change it"
+
+/* Cancelling long loads: the CLI's signal handler sets a flag, the trainer
+ * lends it here while it loads (NULL: none), and loops that may run for
+ * minutes (hashing and tokenizing the data) poll qt_cancel_requested() and
+ * return QT_EINTERRUPTED. Process-wide; reads only. */
+void qt_cancel_watch(volatile sig_atomic_t *flag);
+int qt_cancel_requested(void);
 
 /* Propagate a non-OK status. */
 #define QT_TRY(expr) do { int qt_try_rc_ = (expr); if (qt_try_rc_ != QT_OK) return qt_try_rc_; } while (0)

@@ -11,14 +11,54 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+int qt_open_regular(const char *path, const char *what, int *fd) {
+    *fd = -1;
+    /* O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer */
+    int f = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (f < 0) return QT_ERR(QT_EIO, "cannot open %s %s: %s", what, path, strerror(errno));
+    struct stat st;
+    if (fstat(f, &st) != 0) {
+        int e = errno;
+        close(f);
+        return QT_ERR(QT_EIO, "cannot open %s %s: %s", what, path, strerror(e));
+    }
+    if (!S_ISREG(st.st_mode)) {
+        close(f);
+        const char *kind = S_ISDIR(st.st_mode)    ? "a folder"
+                           : S_ISFIFO(st.st_mode) ? "a FIFO (named pipe)"
+                           : S_ISCHR(st.st_mode)  ? "a character device (like /dev/zero)"
+                           : S_ISBLK(st.st_mode)  ? "a block device"
+                           : S_ISSOCK(st.st_mode) ? "a socket"
+                                                  : "not a regular file";
+        return QT_ERR(QT_EINVAL, "%s %s is %s, not a regular file; qtune reads only regular files: save it to a file "
+                      "and name that", what, path, kind);
+    }
+    int fl = fcntl(f, F_GETFL);
+    if (fl >= 0) fcntl(f, F_SETFL, fl & ~O_NONBLOCK);
+    *fd = f;
+    return QT_OK;
+}
+
+FILE *qt_fopen_regular(const char *path, const char *what) {
+    int fd;
+    if (qt_open_regular(path, what, &fd) != QT_OK) return NULL;
+    FILE *f = fdopen(fd, "rb");
+    if (!f) {
+        int e = errno;
+        close(fd);
+        QT_ERR(QT_EIO, "cannot open %s %s: %s", what, path, strerror(e));
+    }
+    return f;
+}
+
 int qt_read_file(const char *path, size_t max_bytes, char **out, size_t *len) {
     *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f) return QT_ERR(QT_EIO, "cannot open %s: %s", path, strerror(errno));
+    FILE *f = qt_fopen_regular(path, "the file");
+    if (!f) return qt_error_code();
     struct stat st;
-    if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
+    if (fstat(fileno(f), &st) != 0) {
         fclose(f);
-        return QT_ERR(QT_EIO, "%s is not a regular file", path);
+        return QT_ERR(QT_EIO, "cannot read %s: %s", path, strerror(errno));
     }
     if ((uint64_t)st.st_size > max_bytes) {
         fclose(f);

@@ -9,8 +9,18 @@
 #include <stdint.h>
 #include <stdio.h>
 
+/* Opens path for reading when it is a regular file; a FIFO, a device
+ * (/dev/zero, /dev/urandom), a socket or a folder is refused at once with one
+ * sentence ("WHAT PATH is a FIFO (named pipe), not a regular file; ..."),
+ * without blocking on a FIFO or reading forever from a device. `what` names
+ * the file's role, e.g. "the data file". */
+int qt_open_regular(const char *path, const char *what, int *fd);
+/* The same as a stdio stream; NULL with the error set. */
+FILE *qt_fopen_regular(const char *path, const char *what);
+
 /* Reads a whole file into a NUL-terminated buffer (qt_free it). Refuses files
- * larger than max_bytes with an error that names the file. */
+ * larger than max_bytes, and files that are not regular files, with an error
+ * that names the file. */
 int qt_read_file(const char *path, size_t max_bytes, char **out, size_t *len);
 
 /* Atomic single-file write: `path.tmp.PID` then rename. */

@@ -48,6 +48,11 @@ typedef struct {
  * caller prefixes. */
 int dl_encode_example(const dl_encode_ctx *ctx, dl_format fmt, const cJSON *obj, dl_tokbuf *out);
 
+/* 1 when s is a long line (64 KiB or more) of the tokens format that
+ * dl_encode_line reads without a cJSON node per id: format detection uses it
+ * so as not to parse such a line with cJSON (80 bytes per id). */
+int dl_line_is_long_tokens(const dl_encode_ctx *ctx, const char *s, size_t len);
+
 /* One line of a JSONL file, line_no of path, to one example appended to out:
  * the line must be exactly one JSON object (whitespace around it allowed, no
  * NUL byte), in *fmt's format (DL_FORMAT_AUTO: detected from this line and

@@ -1,5 +1,6 @@
 #include "data/lines.h"
 #include "core/error.h"
+#include "core/fs.h"
 #include "core/mem.h"
 
 #include <ctype.h>
@@ -12,8 +13,8 @@ int dl_lines_open(dl_lines *r, const char *path, size_t max_line) {
     memset(r, 0, sizeof *r);
     r->path = path;
     r->max_line = max_line ? max_line : DL_DEFAULT_MAX_LINE_BYTES;
-    r->f = fopen(path, "rb");
-    if (!r->f) return QT_ERR(QT_EIO, "cannot open the data file %s: %s", path, strerror(errno));
+    r->f = qt_fopen_regular(path, "the data file");
+    if (!r->f) return qt_error_code();
     r->in = qt_malloc(DL_LINES_CHUNK, "the data file read buffer");
     r->line_cap = 4096;
     r->line = qt_malloc(r->line_cap, "a data line");
@@ -35,7 +36,13 @@ int dl_lines_open_range(dl_lines *r, const char *path, size_t max_line, uint64_t
         r->pos = start - 1;
         const char *line;
         size_t len;
+        /* the straddling line is read past, never stored: with a cap of 0
+         * nothing is kept (a range cut inside a 60 MB line would otherwise
+         * hold a second copy of it, one per build thread) */
+        size_t cap = r->max_line;
+        r->max_line = 0;
         int rc = dl_lines_next(r, &line, &len);
+        r->max_line = cap;
         if (rc < 0 && rc != QT_EFORMAT) { dl_lines_close(r); return rc; }
         qt_error_clear();
         r->line_no = 0;
@@ -108,7 +115,7 @@ int dl_lines_next(dl_lines *r, const char **line, size_t *len) {
     r->line_no++;
     if (over)
         return QT_ERR(QT_EFORMAT, "%s:%lld: the line is %zu bytes, more than the limit of %zu; "
-                      "split the example or raise data.max_line_bytes",
+                      "split the example (or, for qtune train, raise data.max_line_bytes in the job file)",
                       r->path, (long long)r->line_no, n, r->max_line);
     if (n > 0 && r->line[n - 1] == '\r') n--;
     r->line[n] = 0;
@@ -138,19 +145,21 @@ uint64_t dl_hash_bytes(const void *data, size_t n, uint64_t h) {
 }
 
 int dl_hash_file(const char *path, uint64_t *hash, uint64_t *size) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return QT_ERR(QT_EIO, "cannot open the data file %s: %s", path, strerror(errno));
+    FILE *f = qt_fopen_regular(path, "the data file");
+    if (!f) return qt_error_code();
     char *buf = qt_malloc(DL_LINES_CHUNK, "the data file hash buffer");
     if (!buf) { fclose(f); return QT_ENOMEM; }
     uint64_t h = 0x51ed270b27a1f00dull, total = 0;
     size_t got;
-    while ((got = fread(buf, 1, DL_LINES_CHUNK, f)) > 0) {
+    int stop = 0;
+    while (!(stop = qt_cancel_requested()) && (got = fread(buf, 1, DL_LINES_CHUNK, f)) > 0) {
         h = dl_hash_bytes(buf, got, h);
         total += got;
     }
     int err = ferror(f);
     fclose(f);
     qt_free(buf);
+    if (stop) return QT_ERR(QT_EINTERRUPTED, "stopped while reading the data file %s; nothing was written", path);
     if (err) return QT_ERR(QT_EIO, "cannot read the data file %s", path);
     *hash = hash_mix(h, total);
     *size = total;

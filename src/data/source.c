@@ -244,6 +244,12 @@ static void *chunk_main(void *arg) {
     const char *line;
     size_t len;
     while (c->rc == QT_OK) {
+        if (qt_cancel_requested()) {
+            c->rc = QT_ERR(QT_EINTERRUPTED, "stopped while tokenizing the data file %s; no token cache was written",
+                           o->path);
+            keep_message(c->err, sizeof c->err);
+            break;
+        }
         int got = dl_lines_next(&r, &line, &len);
         if (got == 0) break;
         if (got == 1 && dl_line_blank(line, len)) continue;
@@ -293,6 +299,7 @@ static dl_format detect_first(const dl_source_opts *o) {
     int got;
     while (fmt == DL_FORMAT_AUTO && r.line_no < 1000 && (got = dl_lines_next(&r, &line, &len)) != 0) {
         if (got == 1 && dl_line_blank(line, len)) continue;
+        if (got == 1 && dl_line_is_long_tokens(&o->enc, line, len)) { fmt = DL_FORMAT_TOKENS; break; }
         cJSON *obj = got == 1 ? cJSON_ParseWithLength(line, len) : NULL;
         fmt = dl_format_detect(obj);
         cJSON_Delete(obj);

@@ -148,7 +148,8 @@ static int get_long(const job_ctx *c, const cJSON *obj, const char *sect, const 
     double d = 0;
     QT_TRY(get_num(c, obj, sect, key, (double)def, &d, NULL));
     if (d != floor(d) || d < (double)lo || d > 1e15)
-        return QT_ERR(QT_EINVAL, "%s: %s.%s must be a whole number >= %ld (got %g)", c->where, sect, key, lo, d);
+        return QT_ERR(QT_EINVAL, "%s: %s.%s must be a whole number from %ld to 10^15 (got %.17g)", c->where, sect, key,
+                      lo, d);
     *out = (long)d;
     return QT_OK;
 }
@@ -256,7 +257,7 @@ int qt_job_lora_targets(const cJSON *arr, unsigned *mask, const char *where) {
 
 static int parse_data(const job_ctx *c, const cJSON *root, qt_job_data *d) {
     static const char *const known[] = {"train", "eval", "format", "seq_len", "packing", "shuffle", "mask_prompt",
-                                        "cache_dir", "num_workers", "prefetch", NULL};
+                                        "cache_dir", "num_workers", "prefetch", "max_line_bytes", NULL};
     const cJSON *s;
     QT_TRY(section(c, root, "data", &s));
     if (!s) return QT_ERR(QT_EINVAL, "%s: the 'data' section is missing; it needs at least \"train\": \"file.jsonl\"",
@@ -282,6 +283,12 @@ static int parse_data(const job_ctx *c, const cJSON *root, qt_job_data *d) {
     if (nw && cJSON_IsString(nw) && !strcmp(nw->valuestring, "auto")) d->num_workers = 0;
     else QT_TRY(get_int(c, s, "data", "num_workers", 0, 0, &d->num_workers));
     QT_TRY(get_int(c, s, "data", "prefetch", 4, 0, &d->prefetch));
+    long mlb = 0;
+    QT_TRY(get_long(c, s, "data", "max_line_bytes", 64l << 20, 1, &mlb));
+    if (mlb > (4l << 30))
+        return QT_ERR(QT_EINVAL, "%s: data.max_line_bytes is %ld; it must be from 1 to 4294967296 (4 GiB; the default "
+                      "is 67108864, 64 MiB)", c->where, mlb);
+    d->max_line_bytes = (size_t)mlb;
     if (d->prefetch > DL_PREFETCH_MAX)
         return QT_ERR(QT_EINVAL, "%s: data.prefetch is %d; it must be a whole number from 0 to %d (0 = the default, 4)",
                       c->where, d->prefetch, DL_PREFETCH_MAX);
@@ -355,7 +362,8 @@ static int parse_train(const job_ctx *c, const cJSON *root, qt_job_train *t) {
     QT_TRY(get_num(c, s, "train", "max_steps", -1, &ms, &has_steps));
     QT_TRY(get_num(c, s, "train", "epochs", -1, &ep, &has_epochs));
     if (has_steps && (ms != floor(ms) || ms < 1 || ms > 1e12))
-        return QT_ERR(QT_EINVAL, "%s: train.max_steps must be a whole number >= 1 (got %g)", c->where, ms);
+        return QT_ERR(QT_EINVAL, "%s: train.max_steps must be a whole number from 1 to 10^12 (got %.17g)", c->where,
+                      ms);
     if (has_epochs && !(ep > 0 && ep < 1e6))
         return QT_ERR(QT_EINVAL, "%s: train.epochs must be a positive number (got %g)", c->where, ep);
     t->max_steps = has_steps ? (long)ms : -1;
@@ -368,7 +376,7 @@ static int parse_train(const job_ctx *c, const cJSON *root, qt_job_train *t) {
     double seed = 0;
     QT_TRY(get_num(c, s, "train", "seed", 42, &seed, NULL));
     if (seed < 0 || seed != floor(seed) || seed > 9007199254740992.0)
-        return QT_ERR(QT_EINVAL, "%s: train.seed must be a whole number >= 0", c->where);
+        return QT_ERR(QT_EINVAL, "%s: train.seed must be a whole number from 0 to 2^53 (got %.17g)", c->where, seed);
     t->seed = (uint64_t)seed;
     QT_TRY(get_bool(c, s, "train", "gradient_checkpointing", 0, &t->gradient_checkpointing));
     QT_TRY(get_bool(c, s, "train", "overwrite_output_dir", 0, &t->overwrite_output_dir));
@@ -439,6 +447,7 @@ static cJSON *fingerprint_view(const cJSON *root) {
         cJSON_DeleteItemFromObjectCaseSensitive(d, "num_workers");
         cJSON_DeleteItemFromObjectCaseSensitive(d, "prefetch");
         cJSON_DeleteItemFromObjectCaseSensitive(d, "cache_dir");
+        cJSON_DeleteItemFromObjectCaseSensitive(d, "max_line_bytes"); /* only says which lines are refused */
     }
     cJSON *ds = cJSON_GetObjectItemCaseSensitive(cp, "deepspeed");
     if (cJSON_IsObject(ds)) {

@@ -23,6 +23,7 @@ typedef struct {
     char *cache_dir;    /* NULL: next to the data */
     int num_workers;    /* 0 = auto */
     int prefetch;
+    size_t max_line_bytes; /* longest JSONL line accepted (default 64 MiB) */
 } qt_job_data;
 
 typedef struct {

@@ -27,15 +27,69 @@ static int is_ours(const char *name) {
            !strncmp(name, "loss.svg.tmp", 12) || !strncmp(name, RUN_FILE ".tmp", sizeof RUN_FILE + 3);
 }
 
-/* 1 when the folder has anything in it. */
+/* A temporary a write left behind when a crash or a kill cut it short:
+ * checkpoint-N.tmp and final.tmp (folders written before their rename),
+ * NAME.tmp.PID of qtune_run.json, metrics.jsonl and loss.svg (qt_atomic_open),
+ * and the X.old of a qt_dir_replace stopped between its two renames. Nothing
+ * a user keeps has such a name; a folder holding only these is empty. */
+static int is_leftover(const char *name) {
+    size_t n = strlen(name);
+    if (!strncmp(name, "checkpoint-", 11) && n > 15 && (!strcmp(name + n - 4, ".tmp") || !strcmp(name + n - 4, ".old")))
+        return 1;
+    return !strncmp(name, "final.tmp", 9) || !strcmp(name, "final.old") || !strncmp(name, RUN_FILE ".tmp", sizeof RUN_FILE + 3) ||
+           !strncmp(name, "metrics.jsonl.tmp", 17) || !strncmp(name, "loss.svg.tmp", 12);
+}
+
+/* 1 when the folder has anything in it but such leftovers. */
 static int dir_nonempty(const char *dir) {
     DIR *d = opendir(dir);
     if (!d) return 0;
     struct dirent *e;
     int any = 0;
-    while (!any && (e = readdir(d))) any = strcmp(e->d_name, ".") && strcmp(e->d_name, "..");
+    while (!any && (e = readdir(d))) any = strcmp(e->d_name, ".") && strcmp(e->d_name, "..") && !is_leftover(e->d_name);
     closedir(d);
     return any;
+}
+
+/* An X.old whose X is missing is the only whole copy of X: a kill came
+ * between qt_dir_replace's two renames. It is put back as X (a rename that
+ * loses nothing), so that resume finds that checkpoint. */
+static void restore_replaced(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return;
+    struct dirent *e;
+    char path[4096], back[4096], name[1024];
+    while ((e = readdir(d))) {
+        size_t n = strlen(e->d_name);
+        if (!is_leftover(e->d_name) || n < 5 || strcmp(e->d_name + n - 4, ".old") || n - 4 >= sizeof name) continue;
+        snprintf(name, sizeof name, "%.*s", (int)(n - 4), e->d_name);
+        if (qt_path_join(path, sizeof path, dir, e->d_name) != QT_OK || qt_path_join(back, sizeof back, dir, name) != QT_OK)
+            continue;
+        if (!qt_path_exists(back) && rename(path, back) == 0)
+            qt_info("put back %s: a previous run was stopped while replacing it", back);
+    }
+    closedir(d);
+    qt_error_clear();
+}
+
+/* Removes the temporaries an interrupted run left (see is_leftover), under
+ * the folder's lock, once restore_replaced put back what it could. */
+static int clean_leftovers(const char *dir) {
+    restore_replaced(dir);
+    DIR *d = opendir(dir);
+    if (!d) return QT_ERR(QT_EIO, "cannot open folder %s: %s", dir, strerror(errno));
+    int rc = QT_OK, removed = 0;
+    char path[4096];
+    struct dirent *e;
+    while (rc == QT_OK && (e = readdir(d))) {
+        if (!is_leftover(e->d_name)) continue;
+        rc = qt_path_join(path, sizeof path, dir, e->d_name);
+        if (rc == QT_OK) rc = qt_rm_rf(path);
+        removed++;
+    }
+    closedir(d);
+    if (rc == QT_OK && removed) qt_info("removed %d temporary file(s) an interrupted run left in %s", removed, dir);
+    return rc;
 }
 
 static int remove_ours(const char *dir) {
@@ -110,7 +164,7 @@ static void recorded_owner(const char *run, char *out, size_t cap) {
 /* An exclusive flock on the folder itself, held until *fd is closed: a
  * second qtune started on the same output_dir would otherwise remove or
  * rename the first one's checkpoints under it. A filesystem without flock
- * support (some network mounts) gets a warning and no lock. */
+ * support (some network mounts) gets a warning and no lock (*fd -2). */
 static int lock_folder(const char *dir, const char *run, const qt_job *job, int *fd) {
     *fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (*fd < 0) return QT_ERR(QT_EIO, "cannot open output_dir %s: %s", dir, strerror(errno));
@@ -127,36 +181,45 @@ static int lock_folder(const char *dir, const char *run, const qt_job *job, int 
     }
     qt_warn("output_dir %s cannot be locked (%s); nothing stops a second qtune from using it at the same time", dir,
             strerror(e));
-    close(*fd), *fd = -1;
+    close(*fd), *fd = -2; /* no lock, said once: the claim does not try again */
+    return QT_OK;
+}
+
+/* The guard's verdict on a locked folder, read only: QT_OK and *same (the
+ * folder holds this job's run) when this job may use it, else the refusal. */
+static int check_locked(const char *output_dir, const char *run, const qt_job *job, int overwrite, int *same) {
+    *same = 0;
+    if (!dir_nonempty(output_dir)) return QT_OK;
+    uint64_t fp = 0;
+    *same = qt_path_exists(run) && recorded_fingerprint(run, &fp) && fp == job->fingerprint;
+    char diff[1024] = "";
+    if (!*same && !overwrite && qt_path_exists(run) && qt_output_dir_job_difference(output_dir, job, diff, sizeof diff))
+        return QT_ERR(QT_EINVAL,
+                      "%s: output_dir %s already holds the outputs of a run with a different job (it differs in "
+                      "%s); qtune will not mix two runs in one folder: name another output_dir, or pass --set "
+                      "train.overwrite_output_dir=true to replace its qtune outputs",
+                      job->path, output_dir, diff);
+    if (!*same && !overwrite)
+        return QT_ERR(QT_EINVAL,
+                      "%s: output_dir %s already holds %s; qtune will not mix two runs in one folder: name "
+                      "another output_dir, or pass --set train.overwrite_output_dir=true to replace its "
+                      "qtune outputs",
+                      job->path, output_dir,
+                      qt_path_exists(run) ? "the outputs of a run with a different job (model, data, LoRA or "
+                                            "DeepSpeed settings changed)"
+                                          : "files that no qtune run wrote");
     return QT_OK;
 }
 
 static int claim_locked(const char *output_dir, const char *run, const qt_job *job, int overwrite, int restart) {
-    if (dir_nonempty(output_dir)) { /* the caller made the folder */
-        uint64_t fp = 0;
-        int same = qt_path_exists(run) && recorded_fingerprint(run, &fp) && fp == job->fingerprint;
-        char diff[1024] = "";
-        if (!same && !overwrite && qt_path_exists(run) && qt_output_dir_job_difference(output_dir, job, diff, sizeof diff))
-            return QT_ERR(QT_EINVAL,
-                          "%s: output_dir %s already holds the outputs of a run with a different job (it differs in "
-                          "%s); qtune will not mix two runs in one folder: name another output_dir, or pass --set "
-                          "train.overwrite_output_dir=true to replace its qtune outputs",
-                          job->path, output_dir, diff);
-        if (!same && !overwrite)
-            return QT_ERR(QT_EINVAL,
-                          "%s: output_dir %s already holds %s; qtune will not mix two runs in one folder: name "
-                          "another output_dir, or pass --set train.overwrite_output_dir=true to replace its "
-                          "qtune outputs",
-                          job->path, output_dir,
-                          qt_path_exists(run) ? "the outputs of a run with a different job (model, data, LoRA or "
-                                                "DeepSpeed settings changed)"
-                                              : "files that no qtune run wrote");
-        if (!same || overwrite || restart) {
-            qt_info("%s: removing the previous run's checkpoints and outputs in %s",
-                    overwrite ? "overwrite_output_dir" : "resume \"never\"", output_dir);
-            QT_TRY(remove_ours(output_dir));
-        }
+    int same = 0;
+    QT_TRY(check_locked(output_dir, run, job, overwrite, &same));
+    if (dir_nonempty(output_dir) && (!same || overwrite || restart)) {
+        qt_info("%s: removing the previous run's checkpoints and outputs in %s",
+                overwrite ? "overwrite_output_dir" : "resume \"never\"", output_dir);
+        QT_TRY(remove_ours(output_dir));
     }
+    QT_TRY(clean_leftovers(output_dir));
     cJSON *j = cJSON_CreateObject();
     char hex[32];
     snprintf(hex, sizeof hex, "%016" PRIx64, job->fingerprint);
@@ -175,16 +238,35 @@ static int claim_locked(const char *output_dir, const char *run, const qt_job *j
     return rc;
 }
 
-int qt_output_dir_claim(const char *output_dir, const qt_job *job, int overwrite, int restart, int *lock_fd) {
-    char run[4096];
-    *lock_fd = -1;
-    QT_TRY(qt_path_join(run, sizeof run, output_dir, RUN_FILE));
+static int not_a_folder(const char *output_dir, const qt_job *job) {
     if (qt_path_exists(output_dir) && !qt_is_dir(output_dir))
         return QT_ERR(QT_EINVAL, "%s: output_dir %s exists and is not a folder; name another output_dir", job->path,
                       output_dir);
-    /* the lock comes first: nothing in the folder is read or removed without it */
-    QT_TRY(qt_mkdir_p(output_dir));
+    return QT_OK;
+}
+
+int qt_output_dir_check(const char *output_dir, const qt_job *job, int overwrite, int *lock_fd) {
+    char run[4096];
+    *lock_fd = -1;
+    QT_TRY(qt_path_join(run, sizeof run, output_dir, RUN_FILE));
+    QT_TRY(not_a_folder(output_dir, job));
+    if (!qt_is_dir(output_dir)) return QT_OK; /* made by the claim, once the job has been checked */
+    /* the lock comes first: nothing in the folder is read without it */
     QT_TRY(lock_folder(output_dir, run, job, lock_fd));
+    int same;
+    int rc = check_locked(output_dir, run, job, overwrite, &same);
+    if (rc == QT_OK && same) restore_replaced(output_dir); /* before resume looks for checkpoints */
+    if (rc != QT_OK && *lock_fd >= 0) close(*lock_fd), *lock_fd = -1;
+    return rc;
+}
+
+int qt_output_dir_claim(const char *output_dir, const qt_job *job, int overwrite, int restart, int *lock_fd) {
+    char run[4096];
+    QT_TRY(qt_path_join(run, sizeof run, output_dir, RUN_FILE));
+    QT_TRY(not_a_folder(output_dir, job));
+    QT_TRY(qt_mkdir_p(output_dir));
+    /* the lock comes first: nothing in the folder is removed or written without it */
+    if (*lock_fd == -1) QT_TRY(lock_folder(output_dir, run, job, lock_fd));
     int rc = claim_locked(output_dir, run, job, overwrite, restart);
     if (rc != QT_OK && *lock_fd >= 0) close(*lock_fd), *lock_fd = -1;
     return rc;

@@ -27,7 +27,7 @@ static int open_loaders(qt_trainer *t) {
     const qt_job *job = t->job;
     char tokpath[4096];
     QT_TRY(qt_path_join(tokpath, sizeof tokpath, job->model, "tokenizer.json"));
-    if (qt_path_exists(tokpath)) QT_TRY(bpe_load(tokpath, &t->tok));
+    if (qt_path_exists(tokpath)) QT_TRY(qt_error_oom_advice(bpe_load(tokpath, &t->tok), QT_TOKENIZER_OOM_ADVICE));
     else qt_info("%s has no tokenizer.json: only pre-tokenized data ({\"input_ids\": ...}) can be read", job->model);
 
     dl_config c;
@@ -42,6 +42,7 @@ static int open_loaders(qt_trainer *t) {
     c.cache_dir = job->data.cache_dir;
     c.num_workers = job->data.num_workers;
     c.prefetch = job->data.prefetch;
+    c.max_line_bytes = job->data.max_line_bytes;
     c.seed = job->train.seed;
     c.rank = t->rank;
     c.world = t->world;
@@ -305,11 +306,27 @@ static int stop_requested(qt_trainer *t, int *stop) {
     return QT_OK;
 }
 
+/* *need 1 when metrics.jsonl holds no eval of this step (rank 0 reads it;
+ * every rank learns the answer), else 0 and *loss the recorded value. */
+static int final_eval_missing(qt_trainer *t, int *need, double *loss) {
+    int64_t missing = 0;
+    if (t->main) {
+        missing = 1;
+        for (size_t i = 0; i < t->metrics.n_eval; i++)
+            if (t->metrics.eval[i].step == t->step) missing = 0, *loss = t->metrics.eval[i].x;
+    }
+    if (t->world > 1) QT_TRY(dist_allreduce_i64(t->d, &missing, 1, DIST_MAX, "final eval on record"));
+    *need = missing != 0;
+    return QT_OK;
+}
+
 static int find_resume(qt_trainer *t, char *dir, size_t cap) {
     const char *r = t->job->train.resume;
     dir[0] = 0;
     if (!strcmp(r, "never")) return QT_OK;
     if (!strcmp(r, "auto")) {
+        /* overwrite_output_dir: the folder's checkpoints are about to go */
+        if (t->job->train.overwrite_output_dir) return QT_OK;
         long s;
         return ckpt_latest(t->job->output_dir, dir, cap, &s);
     }
@@ -324,10 +341,10 @@ static int find_resume(qt_trainer *t, char *dir, size_t cap) {
 
 static int run(qt_trainer *t, qt_train_result *res) {
     const qt_job *job = t->job;
-    /* resume "never" on a folder of the same run starts over: its old outputs go */
-    if (t->main)
-        QT_TRY(qt_output_dir_claim(job->output_dir, job, job->train.overwrite_output_dir,
-                                   !strcmp(job->train.resume, "never"), &t->outdir_lock));
+    /* A folder of another run (or in use) is refused before minutes of
+     * loading; nothing is written to it until everything the job names has
+     * been read and checked (the claim below). */
+    if (t->main) QT_TRY(qt_output_dir_check(job->output_dir, job, job->train.overwrite_output_dir, &t->outdir_lock));
     QT_TRY(dist_barrier(t->d, "output folder check"));
     QT_TRY(load_model(t));
     QT_TRY(open_loaders(t));
@@ -338,6 +355,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
     if (to < 4.0 * 3600.0) dist_set_timeout(t->d, 4.0 * 3600.0);
     int rc = dist_barrier(t->d, "model and data loading");
     dist_set_timeout(t->d, to);
+    qt_cancel_watch(NULL); /* from here the loop polls the stop flag itself */
     QT_TRY(rc);
     t->max_steps = job->train.max_steps > 0 ? job->train.max_steps : steps_from_epochs(t);
     QT_TRY(qt_ds_config_finalize(&t->ds, t->max_steps));
@@ -360,6 +378,14 @@ static int run(qt_trainer *t, qt_train_result *res) {
     } else if (job->lora.enabled && job->lora.init_from) {
         QT_TRY(trainer_init_from_adapter(t, job->lora.init_from));
     }
+    /* The job, its DeepSpeed settings, the hardware, the model, the data and
+     * the checkpoint are checked: now the folder is claimed (the previous
+     * run's outputs go when overwrite_output_dir or resume "never" says so,
+     * an interrupted run's temporaries always) and the job recorded. */
+    if (t->main)
+        QT_TRY(qt_output_dir_claim(job->output_dir, job, job->train.overwrite_output_dir,
+                                   !strcmp(job->train.resume, "never"), &t->outdir_lock));
+    QT_TRY(dist_barrier(t->d, "output folder claim"));
     if (t->main) {
         char title[512];
         snprintf(title, sizeof title, "qtune: %s", job->output_dir);
@@ -449,8 +475,15 @@ static int run(qt_trainer *t, qt_train_result *res) {
                                        "again to continue",
                       t->step, t->max_steps, t->last_ckpt);
     }
-    /* a finished run started again only rewrites final/ */
-    if (t->eval_dl && t->step > first_step) QT_TRY(eval_and_log(t, &res->eval_loss_last));
+    /* What a run stopped right after its last checkpoint had left undone is
+     * done now: the final eval (unless this step's is on record, as when a
+     * finished run is started again), the pruning, final/. */
+    if (t->eval_dl) {
+        int need = t->step > first_step;
+        if (!need) QT_TRY(final_eval_missing(t, &need, &res->eval_loss_last));
+        if (need) QT_TRY(eval_and_log(t, &res->eval_loss_last));
+    }
+    if (t->main) QT_TRY(ckpt_prune(job->output_dir, job->train.save_total_limit, t->step));
     QT_TRY(trainer_write_final(t, res->final_dir, sizeof res->final_dir));
     return QT_OK;
 }
@@ -478,7 +511,11 @@ int qt_train_run(const qt_job *job, dist_ctx *d, const qt_train_hooks *hooks, qt
     }
     /* provisional (B, A, dtype for the model and loaders); final once max_steps is known */
     if (rc == QT_OK) qt_train_cfg_from_ds(&t.ds, &t.cfg);
+    /* one process: a stop while the data is tokenized ends the load at once
+     * (under MPI loading finishes, then every rank agrees to stop) */
+    if (t.world == 1) qt_cancel_watch(t.hooks->stop);
     if (rc == QT_OK) rc = run(&t, res);
+    qt_cancel_watch(NULL);
     trainer_free(&t);
     return rc;
 }

@@ -83,12 +83,26 @@ int qt_train_final_links_checkpoint(int lora, qt_dtype model_dtype);
 
 /* The output-folder guard: output_dir/qtune_run.json records the job's
  * fingerprint. A folder holding another run's outputs (or anything without
- * that file) is refused unless overwrite (then qtune's own outputs in it are
- * removed). restart (resume "never") removes the outputs of the same run.
- * Creates the folder and the file. First takes an exclusive flock on the
- * folder (*lock_fd, -1 where the filesystem has no locks): a folder another
- * qtune process holds is refused, naming that process. The caller closes
- * *lock_fd when the run ends; on an error it is -1. */
+ * that file; temporaries an interrupted write left count as nothing) is
+ * refused unless overwrite (then qtune's own outputs in it are removed).
+ * Two calls, so that nothing is written before the job has been checked:
+ *
+ * qt_output_dir_check, before the model and data are loaded, only reads: when
+ * the folder exists it takes an exclusive flock on it (*lock_fd; -2 where the
+ * filesystem has no locks) and refuses a folder another qtune process holds,
+ * naming that process, or that holds another run. A missing folder stays
+ * missing (*lock_fd -1).
+ *
+ * qt_output_dir_claim, when the first step is about to start, creates the
+ * folder, locks it when *lock_fd is -1, checks again, removes the previous
+ * run's outputs when overwrite (any run) or restart (resume "never", the same
+ * run) says so, removes the temporaries an interrupted run left
+ * (checkpoint-N.tmp, loss.svg.tmp.PID, ...; an X.old whose X is missing is
+ * put back) and writes qtune_run.json.
+ *
+ * The caller closes *lock_fd (when >= 0) when the run ends; on an error it is
+ * closed and -1. */
+int qt_output_dir_check(const char *output_dir, const qt_job *job, int overwrite, int *lock_fd);
 int qt_output_dir_claim(const char *output_dir, const qt_job *job, int overwrite, int restart, int *lock_fd);
 /* What differs between the job recorded in output_dir/qtune_run.json and this
  * one (see qt_job_describe_difference); 0 and "" when there is no record. */
