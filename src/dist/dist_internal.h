@@ -4,6 +4,8 @@
 #define QT_DIST_INTERNAL_H
 
 #include "dist/dist.h"
+
+#include <signal.h>
 #include "qtune_config.h"
 
 /* A build can be forced to the single-process path (tests of that path). */
@@ -19,10 +21,15 @@ struct dist_ctx {
     int mpi_on;            /* MPI is in use for this run */
     int owns_mpi;          /* dist_init called MPI_Init (so dist_finalize ends it) */
     double timeout_s;      /* collective deadline */
+    double user_timeout_s; /* QTUNE_DIST_TIMEOUT or the default: phases add to it */
     double comm_s;         /* seconds spent waiting in collectives */
     int64_t seq;           /* collectives this rank has entered (for the timeout report) */
     const char *volatile cur_what; /* the collective being waited on, or NULL */
     volatile int aborting; /* this rank is ending the job and has said why */
+    int own_sigterm;       /* dist_init installed its SIGTERM handler (none was there) */
+    volatile sig_atomic_t *stop_flag; /* the program's stop flag (dist_set_stop_flag) or NULL */
+    double stop_seen_s;    /* when a wait first saw it set; 0 before */
+    int stop_noted;        /* the wait after a stop request was reported */
 #if QT_DIST_MPI
     MPI_Comm comm;         /* collectives */
     MPI_Comm ctl;          /* liveness queries when a deadline passes */

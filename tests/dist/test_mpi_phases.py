@@ -85,3 +85,112 @@ def test_changed_batch_is_still_another_job(setup):
                          "--set", "deepspeed.gradient_accumulation_steps=8"])
     assert rc != 0, log
     assert "train_batch_size" in log, log
+
+
+# ---------------------------------------------------------------------------
+# item 12: a rank stopped during loading, a save or a load is named after a
+# deadline derived from QTUNE_DIST_TIMEOUT (not a fixed four hours)
+
+TIMEOUT = 3
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """The demo shape (Qwen's vocabulary: about 20M parameters, 80 MB of fp32
+    weights), so that reading and writing them takes long enough to stop a
+    rank in the middle; one saved step to resume from."""
+    d = tmp_path_factory.mktemp("mpi_phase_deadlines")
+    u.init_model(str(d / "model"), preset="demo", seed=3)
+    u.write_tokens(str(d / "train.jsonl"), 16, 16, 1)
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+          "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    j = u.write_job(str(d / "job.json"), "model", "saved", "train.jsonl", T=16, ds=ds,
+                    train_opts={"max_steps": 1, "save_steps": 1})
+    rc, log = mpirun(2, ["train", j])
+    assert rc == 0, log
+    return d, j
+
+
+def maps_name(pid, needle):
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return needle in f.read()
+    except OSError:
+        return False
+
+
+def stop_when(n, args, rank, cond, what):
+    """Starts `qtune args` on n ranks with QTUNE_DIST_TIMEOUT=3, SIGSTOPs
+    `rank` the moment cond(pid) holds, and returns (seconds from the stop to
+    the end of the job, its output). The stopped rank is killed at the end."""
+    p = mpirun_popen(n, args, env={"QTUNE_DIST_TIMEOUT": str(TIMEOUT)})
+    pid = None
+    try:
+        pids = rank_pids(p.pid, n)
+        pid = pids[rank]
+        t_end = time.monotonic() + 120
+        while not cond(pid):
+            assert p.poll() is None and time.monotonic() < t_end, "the run ended before %s" % what
+            time.sleep(0.0005)
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        out, _ = p.communicate(timeout=120)
+        return time.monotonic() - t0, out
+    finally:
+        if pid:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGCONT)
+            except OSError:
+                pass
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def check_named(elapsed, out, rank, collective, deadline_max):
+    assert f"did not complete within" in out and f"rank(s) {rank} stopped responding" in out, out
+    assert f"collective {collective}" in out, out
+    assert f"QTUNE_DIST_TIMEOUT {TIMEOUT} s plus" in out, out
+    # the deadline plus the liveness queries' grace (2 s) and mpirun's clean-up
+    assert elapsed < deadline_max + 2 + 15, (elapsed, out)
+
+
+def test_rank_stopped_while_loading_is_named(big):
+    """Rank 1 stops while it reads the model folder: rank 0 waits in the
+    loading barrier, whose deadline is 3 s + 80 MB at 20 MB/s (about 7 s)."""
+    d, j = big
+    elapsed, out = stop_when(2, ["train", j, "--set", "output_dir=load_stop", "--set", "train.max_steps=2"], 1,
+                             lambda pid: maps_name(pid, str(d / "model" / "model.safetensors")), "loading")
+    check_named(elapsed, out, 1, "model and data loading", 8)
+
+
+def test_rank_stopped_while_saving_is_named(big):
+    """Rank 0 stops while it writes the weights of checkpoint-1: rank 1 waits
+    for it in the save's collectives, whose deadline is 3 s + about 180 MB at
+    20 MB/s (about 12 s)."""
+    d, j = big
+    out_dir = d / "save_stop"
+
+    def writing(pid):
+        tmp = out_dir / "checkpoint-1.tmp"
+        try:
+            return any(n.startswith("model.safetensors.tmp") for n in os.listdir(tmp))
+        except OSError:
+            return False
+    elapsed, out = stop_when(2, ["train", j, "--set", f"output_dir={out_dir.name}", "--set", "train.max_steps=2"], 0,
+                             writing, "the save")
+    check_named(elapsed, out, 0, "checkpoint parts written", 13)
+
+
+def test_rank_stopped_while_resuming_is_named(big):
+    """Rank 0 stops while it reads checkpoint-1: rank 1 waits for it in the
+    load's agreement (deadline about 12 s, as for the save)."""
+    d, j = big
+    out_dir = d / "resume_stop"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    shutil.copytree(d / "saved", out_dir)
+    elapsed, out = stop_when(2, ["train", j, "--set", f"output_dir={out_dir.name}", "--set", "train.max_steps=2"], 0,
+                             lambda pid: maps_name(pid, "checkpoint-1/model.safetensors"), "the resume")
+    check_named(elapsed, out, 0, "checkpoint load", 13)
