@@ -231,7 +231,9 @@ static _Noreturn void deadline_passed(dist_ctx *d, dist_waiter *w) {
         snprintf(who + k, sizeof who - k, " (this phase's deadline: QTUNE_DIST_TIMEOUT %g s plus %.0f s for the "
                  "bytes it reads or writes at a slow disk's rate)", d->user_timeout_s, d->timeout_s - d->user_timeout_s);
     }
-    fprintf(stderr, "qtune: error: " QT_MSG_DIST_TIMEOUT_FMT "\n", d->rank, w->what, d->timeout_s, who);
+    /* a phase's deadline is a sum of seconds and bytes/rate: said to 0.1 s */
+    fprintf(stderr, "qtune: error: " QT_MSG_DIST_TIMEOUT_FMT "\n", d->rank, w->what, floor(d->timeout_s * 10 + 0.5) / 10,
+            who);
     fflush(stderr);
     MPI_Abort(MPI_COMM_WORLD, 1);
     _exit(1); /* MPI_Abort does not return; this keeps the compiler sure of it */

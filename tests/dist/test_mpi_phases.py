@@ -150,6 +150,7 @@ def stop_when(n, args, rank, cond, what):
 
 
 def check_named(elapsed, out, rank, collective, deadline_max):
+    print("\n%.1f s after the stop:" % elapsed, [l for l in out.splitlines() if "did not complete" in l])
     assert f"did not complete within" in out and f"rank(s) {rank} stopped responding" in out, out
     assert f"collective {collective}" in out, out
     assert f"QTUNE_DIST_TIMEOUT {TIMEOUT} s plus" in out, out

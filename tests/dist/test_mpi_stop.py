@@ -154,7 +154,7 @@ def handler_installed(pid):
     return False
 
 
-def test_signals_at_random_moments(setup):
+def test_signal_stress_at_random_moments(setup):
     n_signals = int(os.environ.get("QTUNE_SIGNAL_STRESS", "3"))
     n_ranks = int(os.environ.get("QTUNE_SIGNAL_STRESS_RANKS", "2"))
     seed = int(os.environ.get("QTUNE_SIGNAL_STRESS_SEED", str(int(time.time()))))
