@@ -31,6 +31,8 @@ def setup(tmp_path_factory):
     u.init_model(str(d / "model"), preset="tiny", seed=3)
     u.write_tokens(str(d / "train.jsonl"), 64, 16, 1)
     u.write_tokens(str(d / "eval.jsonl"), 8, 16, 2)
+    # longer than seq_len 16 (split into pieces) and shorter, for packing
+    u.write_tokens(str(d / "mixed.jsonl"), 64, 40, 5, min_len=3)
     return d
 
 
@@ -48,8 +50,19 @@ def stress_job(d, name, **train):
                        train_opts=opts)
 
 
+def packed_job(d, name, **train):
+    """stress_job on packed, shuffled rows of examples from 3 to 40 tokens
+    (the longer ones truncated to seq_len 16): the loader's packing, its epoch
+    turns and its data position after each resume are exercised too."""
+    path = stress_job(d, name, **train)
+    job = json.load(open(path))
+    job["data"].update({"train": "mixed.jsonl", "packing": True, "shuffle": True})
+    with open(path, "w") as f:
+        json.dump(job, f, indent=1)
+    return path
+
+
 def wait_steps(out, n, p, timeout=120):
-    path = os.path.join(out, "metrics.jsonl")
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout and p.poll() is None:
         try:
@@ -57,7 +70,7 @@ def wait_steps(out, n, p, timeout=120):
                 return True
         except (OSError, ValueError):
             pass
-        time.sleep(0.05)
+        time.sleep(0.01)
     return False
 
 
@@ -159,11 +172,12 @@ def test_signal_stress_at_random_moments(setup):
     n_ranks = int(os.environ.get("QTUNE_SIGNAL_STRESS_RANKS", "2"))
     seed = int(os.environ.get("QTUNE_SIGNAL_STRESS_SEED", str(int(time.time()))))
     rng = random.Random(seed)
-    j = stress_job(setup, "stress", save_steps=3, save_total_limit=2, eval_steps=4)
+    j = packed_job(setup, "stress", save_steps=3, save_total_limit=2, eval_steps=4)
     out = str(setup / "stress")
     shutil.rmtree(out, ignore_errors=True)
     env = {"ASAN_OPTIONS": os.environ.get("ASAN_OPTIONS", "detect_leaks=0:abort_on_error=1")}
     saves = early = 0
+    steps = []
     for i in range(n_signals):
         p = mpirun_popen(n_ranks, ["train", j], env=env)
         try:
@@ -172,8 +186,14 @@ def test_signal_stress_at_random_moments(setup):
             while not all(handler_installed(q) for q in pids.values()):
                 assert time.monotonic() - t0 < 60 and p.poll() is None, "qtune never installed its handler"
                 time.sleep(0.001)
-            # a moment anywhere from loading to a few dozen steps in
-            time.sleep(rng.choice([0, rng.uniform(0, 0.3), rng.uniform(0, 3)]))
+            # a moment while loading (a quarter of the signals), or within the
+            # 1st to 8th step of this run (its steps, evaluations and saves)
+            mode = "loading" if rng.random() < 0.25 else "training"
+            if mode == "loading":
+                time.sleep(rng.uniform(0, 1.0))
+            else:
+                assert wait_steps(out, len(steps) + rng.randint(1, 8), p), "the run did not train"
+                time.sleep(rng.uniform(0, 0.2))
             sig = rng.choice([signal.SIGTERM, signal.SIGINT])
             victims = list(pids.values()) if rng.random() < 0.3 else [pids[rng.randrange(n_ranks)]]
             for v in victims:
@@ -183,7 +203,8 @@ def test_signal_stress_at_random_moments(setup):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        what = f"signal {i + 1} of {n_signals} (seed {seed}): {signal.Signals(sig).name} to {len(victims)} rank(s)"
+        what = (f"signal {i + 1} of {n_signals} (seed {seed}): {signal.Signals(sig).name} to {len(victims)} rank(s) "
+                f"while {mode}")
         bad = [b for b in BAD if b in log]
         assert not bad, f"{what}: {bad}\n{log}"
         assert p.returncode == 130, f"{what}: exit {p.returncode}\n{log}"
@@ -196,9 +217,11 @@ def test_signal_stress_at_random_moments(setup):
             state = json.load(open(os.path.join(out, f"checkpoint-{last}", "trainer_state.json")))
             assert state["step"] == last and len(state["optimizer"]["parts"]) == n_ranks, what
             saves += 1
+            print(f"{what}: saved checkpoint-{last}")
         else:
             assert "nothing new to save" in log, f"{what}\n{log}"
             early += 1
+            print(f"{what}: stopped before its first step")
     print(f"\nsignal stress: {n_signals} signals to {n_ranks} ranks (seed {seed}): {saves} clean saves, "
           f"{early} stops before the first step, {len(steps)} steps in all")
     assert saves + early == n_signals
