@@ -127,19 +127,21 @@ static int sigterm_hook(void) {
     return sigaction(SIGTERM, &sa, &sig_init_prev) == 0;
 }
 
-/* The program's stop flag was set (a signal it handles itself) and this wait
- * goes on: said once, 2 s after, since the ranks normally agree to stop
- * after the step within that time. */
+/* The program's stop flag was set (a signal it handles itself) and this
+ * wait goes on: said once, 2 s after the wait saw the flag, since the ranks
+ * normally agree to stop after the step within that time. Not during a phase
+ * with its own deadline (dist_phase_timeout: a save or a load), where the
+ * others wait for rank 0's disk. */
 static void note_stop_while_waiting(dist_ctx *d, dist_waiter *w) {
-    if (!d->stop_flag || !*d->stop_flag || d->stop_noted || d->aborting) return;
+    if (!d->stop_flag || !*d->stop_flag || d->stop_noted || d->aborting || d->timeout_s > d->user_timeout_s) return;
     double now = qt_now_s();
-    if (d->stop_seen_s == 0) d->stop_seen_s = now;
-    if (now - d->stop_seen_s < 2.0) return;
+    if (w->stop_seen_s == 0) w->stop_seen_s = now;
+    if (now - w->stop_seen_s < 2.0) return;
     d->stop_noted = 1;
     fprintf(stderr, "qtune: rank %d: asked to stop, and still waiting in collective %s %.0f s later; the ranks stop "
                     "together after the current step, so another rank has not reached it: if one died, mpirun "
                     "names it; one that hangs is named after QTUNE_DIST_TIMEOUT (%g s)\n",
-            d->rank, w->what, now - d->stop_seen_s, d->timeout_s);
+            d->rank, w->what, now - w->stop_seen_s, d->timeout_s);
     fflush(stderr);
 }
 
@@ -244,6 +246,7 @@ void dist_waiter_start(dist_ctx *d, dist_waiter *w, const char *what) {
     w->deadline = w->t0 + d->timeout_s;
     w->ticks = 0;
     w->what = what;
+    w->stop_seen_s = 0;
     d->seq++;
     d->cur_what = what;
 }

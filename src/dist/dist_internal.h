@@ -28,8 +28,7 @@ struct dist_ctx {
     volatile int aborting; /* this rank is ending the job and has said why */
     int own_sigterm;       /* dist_init installed its SIGTERM handler (none was there) */
     volatile sig_atomic_t *stop_flag; /* the program's stop flag (dist_set_stop_flag) or NULL */
-    double stop_seen_s;    /* when a wait first saw it set; 0 before */
-    int stop_noted;        /* the wait after a stop request was reported */
+    int stop_noted;        /* a wait after a stop request was reported (once) */
 #if QT_DIST_MPI
     MPI_Comm comm;         /* collectives */
     MPI_Comm ctl;          /* liveness queries when a deadline passes */
@@ -44,6 +43,7 @@ typedef struct {
     double t0, deadline;
     long ticks;
     const char *what;
+    double stop_seen_s; /* when this wait first saw the stop flag set; 0 before */
 } dist_waiter;
 void dist_waiter_start(dist_ctx *d, dist_waiter *w, const char *what);
 void dist_waiter_tick(dist_ctx *d, dist_waiter *w);

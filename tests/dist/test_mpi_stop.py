@@ -225,3 +225,33 @@ def test_signal_stress_at_random_moments(setup):
     print(f"\nsignal stress: {n_signals} signals to {n_ranks} ranks (seed {seed}): {saves} clean saves, "
           f"{early} stops before the first step, {len(steps)} steps in all")
     assert saves + early == n_signals
+
+
+def test_stop_while_another_rank_hangs_says_where_it_waits(setup):
+    """Rank 1 is stopped (SIGSTOP), rank 0 gets SIGTERM: rank 0 cannot finish
+    the step, says after 2 s in which collective it waits, and the deadline
+    (QTUNE_DIST_TIMEOUT=6) names rank 1."""
+    j = stress_job(setup, "stop_hang", gradient_checkpointing=False)
+    out = str(setup / "stop_hang")
+    p = mpirun_popen(2, ["train", j], env={"QTUNE_DIST_TIMEOUT": "6"})
+    pids = {}
+    try:
+        pids = rank_pids(p.pid, 2)
+        assert wait_steps(out, 2, p)
+        os.kill(pids[1], signal.SIGSTOP)
+        time.sleep(0.2)
+        os.kill(pids[0], signal.SIGTERM)
+        log, _ = p.communicate(timeout=120)
+    finally:
+        for q in pids.values():
+            try:
+                os.kill(q, signal.SIGKILL)
+                os.kill(q, signal.SIGCONT)
+            except OSError:
+                pass
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode != 0, log
+    assert "qtune: rank 0: asked to stop, and still waiting in collective" in log, log
+    assert "rank(s) 1 stopped responding" in log, log
