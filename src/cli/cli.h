@@ -14,6 +14,7 @@ int cmd_tokenize(int argc, char **argv);
 int cmd_merge(int argc, char **argv);
 int cmd_plan(int argc, char **argv);
 int cmd_doctor(int argc, char **argv);
+int cmd_stop(int argc, char **argv);
 
 /* Exit statuses (documented in docs/cli.md). */
 enum {

@@ -66,6 +66,7 @@ volatile sig_atomic_t *cli_stop_on_signals(const char *msg) {
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_stop_signal;
+    sa.sa_flags = SA_RESTART; /* a stop request must not fail a read or a wait with EINTR */
     sigemptyset(&sa.sa_mask);
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);

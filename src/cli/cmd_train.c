@@ -29,7 +29,8 @@ static void help(void) {
            "                         --set train.overwrite_output_dir=true (replace another run's outputs)\n\n"
            "Paths in the job file are relative to its folder. Ctrl-C (or SIGTERM) finishes the step,\n"
            "saves a checkpoint and exits with status 130; run the same command to continue.\n"
-           "Under mpirun every rank runs this command: mpirun -np 4 qtune train JOB.json.\n"
+           "Under mpirun every rank runs this command: mpirun -np 4 qtune train JOB.json; stop such\n"
+           "a job with `qtune stop OUTPUT_DIR` (Ctrl-C on mpirun kills the ranks before they save).\n"
            "See docs/job-file.md for every key.\n");
 }
 
@@ -67,8 +68,12 @@ int cmd_train(int argc, char **argv) {
         }
     }
 
+    /* before dist_init, so that SIGTERM never finds the default action once
+     * MPI runs (dist then leaves this handler alone and polls the flag) */
+    volatile sig_atomic_t *stop = cli_stop_on_signals("finishing this step and saving a checkpoint");
     dist_ctx *d = NULL;
     if (dist_init(&argc, &argv, &d) != QT_OK) { free(sets); return cli_fail(); }
+    dist_set_stop_flag(d, stop);
     if (!dist_is_main(d) && qt_log_level() == QT_LOG_INFO) qt_log_set_level(QT_LOG_WARN); /* rank 0 speaks */
 
     qt_job job;
@@ -81,7 +86,11 @@ int cmd_train(int argc, char **argv) {
         return st;
     }
 
-    volatile sig_atomic_t *stop = cli_stop_on_signals("finishing this step and saving a checkpoint");
+    if (dist_uses_mpi(d) && dist_is_main(d))
+        fprintf(stderr, "qtune: to stop this MPI job and keep its progress run `qtune stop %s` (it saves a "
+                        "checkpoint after the current step); Ctrl-C on mpirun kills the ranks one second after "
+                        "passing SIGTERM on, often before a checkpoint is written (docs/robustness.md: the mpirun "
+                        "setting that waits longer)\n", job.output_dir);
 
     qt_train_hooks hooks = {.stop = stop, .progress = stderr, .tty = isatty(fileno(stderr))};
     qt_train_result res;

@@ -62,16 +62,22 @@ int dist_built_with_mpi(void) { return QT_DIST_MPI; }
 #if QT_DIST_MPI
 /* ------------------------------------------------------------------------- */
 /* The surviving side of a dead rank. When a process of the job dies, mpirun
- * prints which one and sends SIGTERM to the others; without a word from them
- * a user sees only "Terminated". This handler says where this rank was. It
- * is installed at dist_init and again around every wait in a collective (a
- * CLI that installs its own SIGTERM handler, e.g. to checkpoint on Ctrl-C,
- * would otherwise silence it); it then passes the signal on to the handler
- * it displaced, or to the default action. The one piece of process-wide
- * state here: a signal handler has no other way to find the context. */
+ * prints which one and sends SIGTERM to the others (SIGKILL a second later);
+ * without a word from them a user sees only "Terminated". A program with no
+ * SIGTERM handler of its own gets one here at dist_init that says where this
+ * rank was (async-signal-safe writes only) and then takes the default action.
+ * A program with its own handler (qtune train: stop after the step and save)
+ * keeps it: dist never swaps handlers. (It used to install this one around
+ * every wait and put the program's back after; a SIGTERM between the swap
+ * and the flag that chose the handler to pass it on to found the default
+ * action instead and killed a rank that had been asked to save.) Such a
+ * program hands dist its stop flag (dist_set_stop_flag), and a wait that
+ * goes on after the flag was set says where the rank waits, from ordinary
+ * code. The one piece of process-wide state here: a signal handler has no
+ * other way to find the context. */
 static dist_ctx *sig_ctx;
-static struct sigaction sig_init_prev, sig_wait_prev;
-static volatile sig_atomic_t sig_in_wait, sig_noted;
+static struct sigaction sig_init_prev;
+static volatile sig_atomic_t sig_noted;
 
 static void put_str(char *buf, size_t cap, size_t *len, const char *s) {
     while (*s && *len + 1 < cap) buf[(*len)++] = *s++;
@@ -105,23 +111,38 @@ static void on_sigterm(int sig) {
         ssize_t w = write(STDERR_FILENO, msg, n);
         (void)w;
     }
-    const struct sigaction *prev = sig_in_wait ? &sig_wait_prev : &sig_init_prev;
-    if (prev->sa_handler == on_sigterm) prev = &sig_init_prev;
-    if (prev->sa_handler == SIG_IGN) return;
-    if (prev->sa_handler != SIG_DFL && !(prev->sa_flags & SA_SIGINFO) && prev->sa_handler != on_sigterm) {
-        prev->sa_handler(sig);
-        return;
-    }
     signal(sig, SIG_DFL);
     raise(sig);
 }
 
-static void sigterm_hook(struct sigaction *save) {
+/* Installs on_sigterm when SIGTERM has the default action; 1 when it did. */
+static int sigterm_hook(void) {
+    struct sigaction cur;
+    if (sigaction(SIGTERM, NULL, &cur) != 0 || (cur.sa_flags & SA_SIGINFO) || cur.sa_handler != SIG_DFL) return 0;
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_sigterm;
+    sa.sa_flags = SA_RESTART;
     sigemptyset(&sa.sa_mask);
-    sigaction(SIGTERM, &sa, save);
+    return sigaction(SIGTERM, &sa, &sig_init_prev) == 0;
+}
+
+/* The program's stop flag was set (a signal it handles itself) and this
+ * wait goes on: said once, 2 s after the wait saw the flag, since the ranks
+ * normally agree to stop after the step within that time. Not during a phase
+ * with its own deadline (dist_phase_timeout: a save or a load), where the
+ * others wait for rank 0's disk. */
+static void note_stop_while_waiting(dist_ctx *d, dist_waiter *w) {
+    if (!d->stop_flag || !*d->stop_flag || d->stop_noted || d->aborting || d->timeout_s > d->user_timeout_s) return;
+    double now = qt_now_s();
+    if (w->stop_seen_s == 0) w->stop_seen_s = now;
+    if (now - w->stop_seen_s < 2.0) return;
+    d->stop_noted = 1;
+    fprintf(stderr, "qtune: rank %d: asked to stop, and still waiting in collective %s %.0f s later; the ranks stop "
+                    "together after the current step, so another rank has not reached it: if one died, mpirun "
+                    "names it; one that hangs is named after QTUNE_DIST_TIMEOUT (%g s)\n",
+            d->rank, w->what, now - w->stop_seen_s, d->timeout_s);
+    fflush(stderr);
 }
 
 int dist_mpi_fail(dist_ctx *d, int mpi_rc, const char *call, const char *what) {
@@ -207,7 +228,14 @@ static _Noreturn void deadline_passed(dist_ctx *d, dist_waiter *w) {
         snprintf(who, sizeof who, "rank(s) %s stopped responding (they answer but are stuck in an earlier collective)", behind);
     else
         snprintf(who, sizeof who, "every rank still answers, so the network or MPI itself stalled");
-    fprintf(stderr, "qtune: error: " QT_MSG_DIST_TIMEOUT_FMT "\n", d->rank, w->what, d->timeout_s, who);
+    if (d->timeout_s > d->user_timeout_s) {
+        size_t k = strlen(who);
+        snprintf(who + k, sizeof who - k, " (this phase's deadline: QTUNE_DIST_TIMEOUT %g s plus %.0f s for the "
+                 "bytes it reads or writes at a slow disk's rate)", d->user_timeout_s, d->timeout_s - d->user_timeout_s);
+    }
+    /* a phase's deadline is a sum of seconds and bytes/rate: said to 0.1 s */
+    fprintf(stderr, "qtune: error: " QT_MSG_DIST_TIMEOUT_FMT "\n", d->rank, w->what, floor(d->timeout_s * 10 + 0.5) / 10,
+            who);
     fflush(stderr);
     MPI_Abort(MPI_COMM_WORLD, 1);
     _exit(1); /* MPI_Abort does not return; this keeps the compiler sure of it */
@@ -218,12 +246,9 @@ void dist_waiter_start(dist_ctx *d, dist_waiter *w, const char *what) {
     w->deadline = w->t0 + d->timeout_s;
     w->ticks = 0;
     w->what = what;
+    w->stop_seen_s = 0;
     d->seq++;
     d->cur_what = what;
-    if (sig_ctx == d) {
-        sigterm_hook(&sig_wait_prev);
-        sig_in_wait = 1;
-    }
 }
 
 /* Back-off: spin briefly (a collective on shared memory finishes in
@@ -234,6 +259,7 @@ void dist_waiter_tick(dist_ctx *d, dist_waiter *w) {
     if (w->ticks < 64) return;
     if ((w->ticks & 15) == 0) {
         answer_queries(d);
+        note_stop_while_waiting(d, w);
         if (qt_now_s() > w->deadline) deadline_passed(d, w);
     }
     if (w->ticks < 1024) sched_yield();
@@ -242,10 +268,6 @@ void dist_waiter_tick(dist_ctx *d, dist_waiter *w) {
 
 void dist_waiter_end(dist_ctx *d, dist_waiter *w) {
     d->comm_s += qt_now_s() - w->t0;
-    if (sig_ctx == d) {
-        sig_in_wait = 0;
-        sigaction(SIGTERM, &sig_wait_prev, NULL);
-    }
     d->cur_what = NULL;
 }
 
@@ -256,7 +278,7 @@ int dist_wait_all(dist_ctx *d, MPI_Request *reqs, int n, const char *what) {
         int flag = 0;
         int mrc = MPI_Testall(n, reqs, &flag, MPI_STATUSES_IGNORE);
         if (mrc != MPI_SUCCESS) {
-            dist_waiter_end(d, &w); /* restore the signal handlers before reporting */
+            dist_waiter_end(d, &w);
             return dist_mpi_fail(d, mrc, "MPI_Testall", what);
         }
         if (flag) break;
@@ -286,7 +308,7 @@ int dist_init(int *argc, char ***argv, dist_ctx **out) {
     dist_ctx *d = qt_calloc(1, sizeof *d, "the distributed context");
     if (!d) return QT_ENOMEM;
     d->world = 1;
-    d->timeout_s = timeout;
+    d->timeout_s = d->user_timeout_s = timeout;
 #if QT_DIST_MPI
     if (launched) {
         int inited = 0;
@@ -314,7 +336,7 @@ int dist_init(int *argc, char ***argv, dist_ctx **out) {
                                     "mpirun of the MPI qtune was built with (`mpirun --version`)", want, world);
         }
         sig_ctx = d;
-        sigterm_hook(&sig_init_prev);
+        d->own_sigterm = sigterm_hook();
     }
 #endif
     qt_debug("dist: rank %d of %d (MPI %s), collective timeout %g s", d->rank, d->world,
@@ -330,7 +352,7 @@ void dist_finalize(dist_ctx *d) {
         if (sig_ctx == d) {
             struct sigaction cur;
             sigaction(SIGTERM, NULL, &cur);
-            if (cur.sa_handler == on_sigterm) sigaction(SIGTERM, &sig_init_prev, NULL);
+            if (d->own_sigterm && cur.sa_handler == on_sigterm) sigaction(SIGTERM, &sig_init_prev, NULL);
             sig_ctx = NULL;
         }
         MPI_Comm_free(&d->ctl);
@@ -352,6 +374,14 @@ void dist_set_timeout(dist_ctx *d, double seconds) {
     if (seconds > 0) d->timeout_s = seconds;
 }
 double dist_comm_seconds(const dist_ctx *d) { return d ? d->comm_s : 0; }
+void dist_set_stop_flag(dist_ctx *d, volatile sig_atomic_t *flag) {
+    if (d) d->stop_flag = flag;
+}
+
+double dist_phase_timeout(const dist_ctx *d, double bytes, double bytes_per_s) {
+    double extra = bytes > 0 && bytes_per_s > 0 ? bytes / bytes_per_s : 0;
+    return d->user_timeout_s + (isfinite(extra) ? extra : 0);
+}
 
 _Noreturn void dist_abort(dist_ctx *d, int code) {
     if (d) d->aborting = 1;

@@ -27,6 +27,7 @@
 #ifndef QT_DIST_DIST_H
 #define QT_DIST_DIST_H
 
+#include <signal.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -55,8 +56,25 @@ int dist_is_main(const dist_ctx *d); /* rank 0: the one that logs and writes fil
 int dist_uses_mpi(const dist_ctx *d); /* 1 when MPI was started for this run */
 int dist_built_with_mpi(void);        /* QTUNE_HAVE_MPI of this build */
 
+/* A program that handles SIGTERM itself (to stop after a step and save)
+ * passes the flag its handler sets: a collective still waiting 2 s after it
+ * was set says so, naming the collective (dist_init installs its own
+ * SIGTERM note only where SIGTERM has the default action). */
+void dist_set_stop_flag(dist_ctx *d, volatile sig_atomic_t *flag);
+
 double dist_timeout(const dist_ctx *d);
 void dist_set_timeout(dist_ctx *d, double seconds);
+
+/* Phases outside the training step (model and data loading, checkpoint save
+ * and load, final outputs) move bytes through disks and tokenizers while the
+ * other ranks wait in a collective. Each gets its own deadline: the user's
+ * timeout (QTUNE_DIST_TIMEOUT, not any override in force) plus the time
+ * `bytes` take at a deliberately slow rate, so a stalled rank is still named
+ * (by the same message as in a step) and a slow disk is not taken for one.
+ * Set it with dist_set_timeout for the phase and restore dist_timeout after. */
+#define DIST_DISK_FLOOR_BPS 20e6    /* bytes/s: a slow disk or network filesystem */
+#define DIST_TOKENIZE_FLOOR_BPS 1e6 /* bytes/s of text: building a token cache */
+double dist_phase_timeout(const dist_ctx *d, double bytes, double bytes_per_s);
 
 /* In-place all-reduce of a few scalars over all ranks. `what` names the
  * collective in the timeout message ("token count", "loss sum"). */

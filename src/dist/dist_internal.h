@@ -4,6 +4,8 @@
 #define QT_DIST_INTERNAL_H
 
 #include "dist/dist.h"
+
+#include <signal.h>
 #include "qtune_config.h"
 
 /* A build can be forced to the single-process path (tests of that path). */
@@ -19,10 +21,14 @@ struct dist_ctx {
     int mpi_on;            /* MPI is in use for this run */
     int owns_mpi;          /* dist_init called MPI_Init (so dist_finalize ends it) */
     double timeout_s;      /* collective deadline */
+    double user_timeout_s; /* QTUNE_DIST_TIMEOUT or the default: phases add to it */
     double comm_s;         /* seconds spent waiting in collectives */
     int64_t seq;           /* collectives this rank has entered (for the timeout report) */
     const char *volatile cur_what; /* the collective being waited on, or NULL */
     volatile int aborting; /* this rank is ending the job and has said why */
+    int own_sigterm;       /* dist_init installed its SIGTERM handler (none was there) */
+    volatile sig_atomic_t *stop_flag; /* the program's stop flag (dist_set_stop_flag) or NULL */
+    int stop_noted;        /* a wait after a stop request was reported (once) */
 #if QT_DIST_MPI
     MPI_Comm comm;         /* collectives */
     MPI_Comm ctl;          /* liveness queries when a deadline passes */
@@ -37,6 +43,7 @@ typedef struct {
     double t0, deadline;
     long ticks;
     const char *what;
+    double stop_seen_s; /* when this wait first saw the stop flag set; 0 before */
 } dist_waiter;
 void dist_waiter_start(dist_ctx *d, dist_waiter *w, const char *what);
 void dist_waiter_tick(dist_ctx *d, dist_waiter *w);

@@ -453,6 +453,14 @@ static cJSON *fingerprint_view(const cJSON *root) {
     if (cJSON_IsObject(ds)) {
         cJSON_DeleteItemFromObjectCaseSensitive(ds, "steps_per_print");
         cJSON_DeleteItemFromObjectCaseSensitive(ds, "wall_clock_breakdown");
+        /* A fixed train_batch_size is what defines the training; its split
+         * into micro-batch x accumulation x ranks follows the rank count, so
+         * a checkpoint resumes on other ranks with the accumulation that
+         * keeps the batch (the batch itself still counts). */
+        if (cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(ds, "train_batch_size"))) {
+            cJSON_DeleteItemFromObjectCaseSensitive(ds, "train_micro_batch_size_per_gpu");
+            cJSON_DeleteItemFromObjectCaseSensitive(ds, "gradient_accumulation_steps");
+        }
     }
     /* a section that only held volatile keys (or that --set created) is no difference */
     static const char *const sections[] = {"train", "data", "deepspeed"}; /* not lora: {} means LoRA */

@@ -13,12 +13,30 @@
 #include "optim/clip.h"
 #include "train/trainer_internal.h"
 
+#include <dirent.h>
 #include <math.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 double trainer_elapsed(const qt_trainer *t) { return t->elapsed_before + (qt_now_s() - t->t_start); }
+
+double trainer_path_bytes(const char *path) {
+    struct stat st;
+    if (!path || stat(path, &st) != 0) return 0;
+    if (S_ISREG(st.st_mode)) return (double)st.st_size;
+    if (!S_ISDIR(st.st_mode)) return 0;
+    DIR *dir = opendir(path);
+    if (!dir) return 0;
+    double sum = 0;
+    char p[4096];
+    for (struct dirent *e; (e = readdir(dir));)
+        if (snprintf(p, sizeof p, "%s/%s", path, e->d_name) < (int)sizeof p && stat(p, &st) == 0 && S_ISREG(st.st_mode))
+            sum += (double)st.st_size;
+    closedir(dir);
+    return sum;
+}
 
 /* ---------------------------------------------------------------------------
  * set up */
@@ -298,9 +316,18 @@ static void trainer_free(qt_trainer *t) {
     if (t->outdir_lock >= 0) close(t->outdir_lock); /* last: after every write of this run */
 }
 
-/* Agrees across ranks whether to stop (a signal may reach only some). */
+/* Agrees across ranks whether to stop: a signal may reach only some, and
+ * the stop file of `qtune stop` is looked for by the main rank alone (one
+ * stat per step), so every rank stops after the same step. */
 static int stop_requested(qt_trainer *t, int *stop) {
     int64_t s = t->hooks->stop && *t->hooks->stop ? 1 : 0;
+    if (t->main && !s && qt_stop_requested_file(t->job->output_dir)) {
+        s = 1;
+        if (!t->stop_file_seen)
+            qt_info("stop requested by `qtune stop` (%s/%s): finishing this step and saving a checkpoint",
+                    t->job->output_dir, QT_STOP_FILE);
+        t->stop_file_seen = 1;
+    }
     if (t->world > 1) QT_TRY(dist_allreduce_i64(t->d, &s, 1, DIST_MAX, "stop flag"));
     *stop = s != 0;
     return QT_OK;
@@ -349,10 +376,13 @@ static int run(qt_trainer *t, qt_train_result *res) {
     QT_TRY(load_model(t));
     QT_TRY(open_loaders(t));
     /* ranks finish loading (a token cache may be built first) at different
-     * times: this wait gets a long deadline, the training collectives the
-     * usual one */
+     * times: this wait's deadline adds the time of reading the model folder
+     * and tokenizing the data at slow rates to the user's timeout */
     double to = dist_timeout(t->d);
-    if (to < 4.0 * 3600.0) dist_set_timeout(t->d, 4.0 * 3600.0);
+    double text = trainer_path_bytes(job->data.train) + (job->data.eval ? trainer_path_bytes(job->data.eval) : 0);
+    dist_set_timeout(t->d, dist_phase_timeout(t->d, trainer_path_bytes(job->model) +
+                                                        text * (DIST_DISK_FLOOR_BPS / DIST_TOKENIZE_FLOOR_BPS),
+                                              DIST_DISK_FLOOR_BPS));
     int rc = dist_barrier(t->d, "model and data loading");
     dist_set_timeout(t->d, to);
     qt_cancel_watch(NULL); /* from here the loop polls the stop flag itself */
@@ -385,6 +415,8 @@ static int run(qt_trainer *t, qt_train_result *res) {
     if (t->main)
         QT_TRY(qt_output_dir_claim(job->output_dir, job, job->train.overwrite_output_dir,
                                    !strcmp(job->train.resume, "never"), &t->outdir_lock));
+    /* a stop file left by a run that ended before it saw it asks nothing of this one */
+    if (t->main) qt_stop_file_clear(job->output_dir);
     QT_TRY(dist_barrier(t->d, "output folder claim"));
     if (t->main) {
         char title[512];
@@ -412,6 +444,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
     if (stop) {
         res->interrupted = 1;
         res->step = t->step;
+        if (t->main) qt_stop_file_clear(job->output_dir);
         return QT_ERR(QT_EINTERRUPTED, "stopped before step %ld; nothing new to save%s%s", t->step + 1,
                       t->last_ckpt[0] ? "; the newest checkpoint is " : "", t->last_ckpt);
     }
@@ -469,6 +502,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
     if (t->main && t->hooks->progress && t->hooks->tty) fputc('\n', t->hooks->progress);
     res->step = t->step;
     snprintf(res->last_checkpoint, sizeof res->last_checkpoint, "%s", t->last_ckpt);
+    if (stop && t->main) qt_stop_file_clear(job->output_dir); /* honoured: the next run starts clean */
     if (stop && t->step < t->max_steps) {
         res->interrupted = 1;
         return QT_ERR(QT_EINTERRUPTED, "stopped at step %ld of %ld; the state is saved in %s; run the same command "

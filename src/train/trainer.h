@@ -108,4 +108,22 @@ int qt_output_dir_claim(const char *output_dir, const qt_job *job, int overwrite
  * one (see qt_job_describe_difference); 0 and "" when there is no record. */
 int qt_output_dir_job_difference(const char *output_dir, const qt_job *job, char *out, size_t cap);
 
+/* `qtune stop OUTPUT_DIR`: a stop file in the output folder. The main rank of
+ * the run that holds the folder checks for it between steps (every rank then
+ * agrees, as for a signal), saves a checkpoint and returns QT_EINTERRUPTED;
+ * the file is removed when the run takes the folder and when it stops. */
+#define QT_STOP_FILE "qtune_stop"
+/* Writes the stop file when a qtune run holds output_dir (its flock, see
+ * qt_output_dir_claim); fails with a sentence naming the folder when none
+ * does (nothing is written then). *holder gets "process N on HOST" from the
+ * run's qtune_run.json when it says. */
+int qt_stop_request(const char *output_dir, char *holder, size_t cap);
+/* 1 while a qtune run holds output_dir's lock, 0 when none does, -1 when
+ * the filesystem has no locks or the folder cannot be opened. */
+int qt_output_dir_held(const char *output_dir);
+/* 1 when output_dir has a stop file. */
+int qt_stop_requested_file(const char *output_dir);
+/* Removes the stop file (no error when there is none). */
+void qt_stop_file_clear(const char *output_dir);
+
 #endif

@@ -230,15 +230,25 @@ static int state_format(const cJSON *j, const char *path, int *version) {
  * save */
 
 /* While rank 0 writes (minutes for a large model), the other ranks wait in a
- * collective: its deadline is raised for the save so that a slow disk is not
- * taken for a dead rank. */
-#define SAVE_TIMEOUT_S (4.0 * 3600.0)
+ * collective: the deadline of a save, a load or final/ is the user's timeout
+ * plus the bytes the busiest rank moves at a slow disk's rate (rank 0: the
+ * fp32 weights and its part of m and v; 16 MiB for trainer_state.json and
+ * the model's side files), so a slow disk is not taken for a dead rank and a
+ * stalled one is still named. */
+static double io_timeout(const qt_trainer *t) {
+    int index, count;
+    size_t lo, hi, s0 = 0, s1 = t->n;
+    zero_ckpt_part(t->zp, &index, &count, &lo, &hi);
+    if (count > 1) zero_shard_of(t->zp, 0, &s0, &s1);
+    double bytes = 4.0 * (double)t->n + 8.0 * (double)(s1 - s0) + 16.0 * (1 << 20);
+    return dist_phase_timeout(t->d, bytes, DIST_DISK_FLOOR_BPS);
+}
 
 static int save_checkpoint(qt_trainer *t);
 
 int trainer_save_checkpoint(qt_trainer *t) {
     double to = dist_timeout(t->d);
-    if (to < SAVE_TIMEOUT_S) dist_set_timeout(t->d, SAVE_TIMEOUT_S);
+    dist_set_timeout(t->d, io_timeout(t));
     int rc = save_checkpoint(t);
     dist_set_timeout(t->d, to);
     return rc;
@@ -599,7 +609,7 @@ static int load_checkpoint(qt_trainer *t, const char *dir);
 
 int trainer_load_checkpoint(qt_trainer *t, const char *dir) {
     double to = dist_timeout(t->d);
-    if (to < SAVE_TIMEOUT_S) dist_set_timeout(t->d, SAVE_TIMEOUT_S); /* rank 0 reads while the others wait */
+    dist_set_timeout(t->d, io_timeout(t)); /* rank 0 reads while the others wait */
     int rc = load_checkpoint(t, dir);
     dist_set_timeout(t->d, to);
     return rc;
@@ -734,7 +744,7 @@ static int link_checkpoint_model(const qt_trainer *t, qt_dtype dtype, const char
 
 int trainer_write_final(qt_trainer *t, char *final_dir, size_t cap) {
     double to = dist_timeout(t->d);
-    if (to < SAVE_TIMEOUT_S) dist_set_timeout(t->d, SAVE_TIMEOUT_S);
+    dist_set_timeout(t->d, io_timeout(t));
     int rc = write_final(t, final_dir, cap);
     /* the other ranks wait here while rank 0 writes */
     int64_t ok = rc == QT_OK;

@@ -50,9 +50,13 @@ typedef struct {
     qt_metrics metrics;
     char last_ckpt[4096];
     int outdir_lock;           /* the output folder's flock (main rank), -1 when none */
+    int stop_file_seen;        /* the main rank saw `qtune stop`'s file (said once) */
 } qt_trainer;
 
 double trainer_elapsed(const qt_trainer *t);
+/* Bytes of a file, or of the regular files directly in a folder (0 when
+ * unreadable): what a phase moves, for its deadline (dist_phase_timeout). */
+double trainer_path_bytes(const char *path);
 
 /* trainer_ckpt.c */
 int trainer_save_checkpoint(qt_trainer *t);

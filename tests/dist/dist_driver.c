@@ -18,9 +18,15 @@
  * with --out the final weights (n floats, raw). Every rank prints one JSON
  * line "{"rank":...}" with its optimizer bytes, peak RSS and timings.
  * Failure injection: --die-rank R --die-step K (SIGKILL itself), --hang-rank
- * R --hang-step K (sleeps, never enters the collective). */
+ * R --hang-step K (sleeps, never enters the collective).
+ * --signal-storm K: installs a SIGTERM flag handler after dist_init (as a CLI
+ * that checkpoints on SIGTERM does), then runs K scalar all-reduces while a
+ * thread of this process sends it SIGTERM every 20 microseconds; prints
+ * "storm: K collectives, S signals caught" and exits 0. Every signal must
+ * reach the program's handler, none the default action. */
 #define _GNU_SOURCE
 #include <math.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -47,6 +53,7 @@ typedef struct {
     double lr, wd, clip;
     uint64_t seed;
     int die_rank, die_step, hang_rank, hang_step;
+    int storm;
     size_t ckpt_chunk; /* > 0: checkpoint m, v through the range calls, this many elements at a time */
     const char *out, *save, *load;
 } opts_t;
@@ -155,6 +162,7 @@ static int parse(int argc, char **argv, opts_t *o) {
         else if (!strcmp(k, "--die-step")) o->die_step = atoi(v);
         else if (!strcmp(k, "--hang-rank")) o->hang_rank = atoi(v);
         else if (!strcmp(k, "--hang-step")) o->hang_step = atoi(v);
+        else if (!strcmp(k, "--signal-storm")) o->storm = atoi(v);
         else { usage(); return 1; }
     }
     if (o->H < 1 || o->M < 1 || o->A < 1 || o->steps < 0) { usage(); return 1; }
@@ -225,6 +233,45 @@ static int load_state(dist_ctx *d, zero_plan *plan, zero_state *st, float *param
     return rc;
 }
 
+static volatile sig_atomic_t storm_caught, storm_done;
+static void storm_handler(int sig) {
+    (void)sig;
+    storm_caught++;
+}
+static void *storm_sender(void *arg) {
+    (void)arg;
+    sigset_t m;
+    sigemptyset(&m);
+    sigaddset(&m, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &m, NULL); /* the signals land on the other threads */
+    while (!storm_done) {
+        kill(getpid(), SIGTERM);
+        usleep(20);
+    }
+    return NULL;
+}
+
+static int signal_storm(dist_ctx *d, int k) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = storm_handler;
+    sa.sa_flags = SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL);
+    pthread_t th;
+    if (pthread_create(&th, NULL, storm_sender, NULL) != 0) return 1;
+    int rc = QT_OK;
+    for (int i = 0; i < k && rc == QT_OK; i++) {
+        int64_t v = i;
+        rc = dist_allreduce_i64(d, &v, 1, DIST_SUM, "storm");
+    }
+    storm_done = 1;
+    pthread_join(th, NULL);
+    if (rc != QT_OK) return 1;
+    printf("storm: %d collectives, %d signals caught\n", k, (int)storm_caught);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (qt_backend_open("cpu", &be) != QT_OK) return 1;
     dist_ctx *d = NULL;
@@ -234,6 +281,11 @@ int main(int argc, char **argv) {
     }
     opts_t o;
     if (parse(argc, argv, &o)) { dist_finalize(d); return 2; }
+    if (o.storm > 0) {
+        int src = signal_storm(d, o.storm);
+        dist_finalize(d);
+        return src;
+    }
     int N = dist_world(d), rank = dist_rank(d);
     size_t n = numel(o.H);
 
