@@ -161,6 +161,35 @@ static int eval_and_log(qt_trainer *t, double *out) {
 /* ---------------------------------------------------------------------------
  * one optimizer step */
 
+const char *trainer_param_at(const qt_trainer *t, size_t i) {
+    for (int k = 0; k < t->n_params; k++)
+        if (i >= t->params[k].offset && i < t->params[k].offset + t->params[k].numel) return t->params[k].name;
+    return "?";
+}
+
+static const char *last_good(const qt_trainer *t) {
+    return t->last_ckpt[0] ? t->last_ckpt : "none (no checkpoint was written yet)";
+}
+
+/* After the update: this rank's updated range [lo, hi) must be finite, and
+ * every rank learns whether all are. A non-finite weight (eps 0 dividing 0 by
+ * 0, a learning rate whose step overflows fp32) is a failed step: the run
+ * stops before anything is saved, so every checkpoint keeps finite weights. */
+static int check_update(qt_trainer *t, double lr) {
+    int64_t bad = qt_grad_has_nonfinite(t->master + t->lo, t->hi - t->lo);
+    size_t at = 0;
+    if (bad)
+        for (at = t->lo; at < t->hi && isfinite(t->master[at]); at++) {}
+    if (t->world > 1) QT_TRY(dist_allreduce_i64(t->d, &bad, 1, DIST_MAX, "update check"));
+    if (!bad) return QT_OK;
+    return QT_ERR(QT_ENUMERIC,
+                  "step %ld: the update made weights non-finite (%s%s, learning rate %g); training stopped and "
+                  "nothing of this step was saved. Lower the learning rate or check optimizer.params (eps > 0); "
+                  "the last good checkpoint is %s",
+                  t->step + 1, at < t->hi ? "first: " : "on another rank", at < t->hi ? trainer_param_at(t, at) : "",
+                  lr, last_good(t));
+}
+
 typedef struct {
     double loss;       /* mean over the global batch's labelled tokens */
     double grad_norm;  /* unscaled, before clipping */
@@ -219,13 +248,16 @@ static int train_step(qt_trainer *t, step_out *o) {
                       "step %ld, rank %d of %d: the %s is not finite (loss %g, grad_norm %g); training stopped. "
                       "Lower the learning rate or check the data; the last good checkpoint is %s",
                       t->step + 1, t->rank, t->world, isfinite(o->loss) ? "gradient" : "loss", o->loss, o->grad_norm,
-                      t->last_ckpt[0] ? t->last_ckpt : "none (no checkpoint was written yet)");
+                      last_good(t));
     }
     int rc = qt_loss_scaler_update(&t->scaler, overflow);
     if (rc != QT_OK)
         return qt_error_context(rc, "step %ld (the last good checkpoint is %s)", t->step + 1,
                                 t->last_ckpt[0] ? t->last_ckpt : "none: no checkpoint was written yet");
     o->lr = qt_sched_lr_for_update(&t->cfg.sched, t->applied);
+    if (!(o->lr >= 0) || !isfinite(o->lr)) /* the config checks make this unreachable; a guard for what they miss */
+        return QT_ERR(QT_EINVAL, "step %ld: the learning rate is %g; it must be a finite number >= 0 (check "
+                      "optimizer.params.lr and the scheduler's params)", t->step + 1, o->lr);
     if (overflow) {
         o->skipped = 1;
         return QT_OK;
@@ -234,6 +266,7 @@ static int train_step(qt_trainer *t, step_out *o) {
     float coef = qt_clip_coef(o->grad_norm, t->cfg.clip);
     QT_TRY(qt_adam_step(&t->cfg.adam, t->applied + 1, o->lr, (float)((double)coef / S), t->master + t->lo,
                         t->grads + t->lo, t->zs.slot[0], t->zs.slot[1], t->hi - t->lo, t->lo, t->decay, t->n_decay));
+    QT_TRY(check_update(t, o->lr));
     t->applied++;
     QT_TRY(dist_allgather_params(t->d, t->zp, t->master));
     qt_model_weights_updated(t->model);
@@ -312,6 +345,26 @@ static int find_resume(qt_trainer *t, char *dir, size_t cap) {
         return QT_ERR(QT_EINVAL, "%s: train.resume names %s, which is not a complete qtune checkpoint (no %s)",
                       t->job->path, r, CKPT_STATE_FILE);
     snprintf(dir, cap, "%s", r);
+    return QT_OK;
+}
+
+/* Steps that applied no update (fp16 overflows, batches without a label),
+ * over the whole run: reported at the end; a run in which every step was
+ * skipped learned nothing and fails instead of writing final/. */
+static int check_skipped(qt_trainer *t, qt_train_result *res) {
+    res->skipped = t->step - (long)t->applied;
+    if (res->skipped <= 0) return QT_OK;
+    const long ovf = t->cfg.fp16 ? (long)t->scaler.n_overflows : 0;
+    const long nolabel = res->skipped - ovf > 0 ? res->skipped - ovf : 0;
+    char why[160];
+    snprintf(why, sizeof why, "%ld fp16 overflow%s, %ld without a labelled token", ovf, ovf == 1 ? "" : "s", nolabel);
+    if (t->applied == 0)
+        return QT_ERR(QT_ENUMERIC,
+                      "every one of the %ld steps was skipped (%s): nothing was learned, so final/ is not written. %s",
+                      t->step, why,
+                      ovf ? "With fp16, set fp16.loss_scale to 0 (dynamic) or to a smaller static scale"
+                          : "Check that the data has tokens with labels (mask_prompt hides prompts)");
+    if (t->main) qt_warn("%ld of %ld steps were skipped (%s) and applied no update", res->skipped, t->step, why);
     return QT_OK;
 }
 
@@ -442,6 +495,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
                                        "again to continue",
                       t->step, t->max_steps, t->last_ckpt);
     }
+    QT_TRY(check_skipped(t, res));
     /* a finished run started again only rewrites final/ */
     if (t->eval_dl && t->step > first_step) QT_TRY(eval_and_log(t, &res->eval_loss_last));
     QT_TRY(trainer_write_final(t, res->final_dir, sizeof res->final_dir));

@@ -26,6 +26,7 @@
 #include "io/model_folder.h"
 #include "io/peft.h"
 #include "io/safetensors.h"
+#include "optim/clip.h"
 #include "train/trainer_internal.h"
 
 #include <cjson/cJSON.h>
@@ -107,7 +108,15 @@ static int load_params(qt_trainer *t, const char *path) {
         const st_tensor *st;
         rc = st_expect(f, p->name, p->ndim, p->shape, &st);
         if (rc == QT_OK) rc = st_read_f32(st, t->master + p->offset);
+        /* NaN or inf weights would train on in silence until the loss turns NaN */
+        if (rc == QT_OK && qt_grad_has_nonfinite(t->master + p->offset, p->numel))
+            rc = QT_ERR(QT_EFORMAT, "%s: tensor %s holds NaN or infinite values; the file is damaged", path, p->name);
     }
+    /* a tensor this model has no parameter for would be dropped in silence */
+    const st_tensor *extra = rc == QT_OK ? st_first_unused(f) : NULL;
+    if (extra)
+        rc = QT_ERR(QT_EFORMAT, "%s holds the tensor %s, which this job's model does not have; the file belongs to "
+                    "another model or LoRA setting", path, extra->name);
     st_close(f);
     if (rc == QT_OK) qt_model_weights_updated(t->model);
     return rc;
@@ -387,6 +396,8 @@ static int save_checkpoint(qt_trainer *t) {
             if (rc == QT_OK) rc = qt_write_file_atomic(path, s, strlen(s));
             free(s);
         }
+        /* last: the SHA-256 of every file, checked when the run resumes from it */
+        if (rc == QT_OK) rc = ckpt_write_checksums(w.dir);
         if (rc == QT_OK) rc = ckpt_commit(&w);
         else if (w.dir[0]) ckpt_abort(&w);
         if (rc == QT_OK) rc = ckpt_prune(t->job->output_dir, t->job->train.save_total_limit, t->step);
@@ -498,6 +509,15 @@ static int remap_data_position(const qt_trainer *t, const int64_t *pos, int64_t 
     return exact;
 }
 
+/* The step a folder's name says (checkpoint-STEP, a trailing '/' allowed), -1 if none. */
+static long dir_step(const char *dir) {
+    char b[4096];
+    snprintf(b, sizeof b, "%s", dir);
+    for (size_t n = strlen(b); n > 1 && b[n - 1] == '/'; n--) b[n - 1] = 0;
+    const char *slash = strrchr(b, '/');
+    return ckpt_step_of(slash ? slash + 1 : b);
+}
+
 static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos, opt_part **parts, int *nparts) {
     char path[4096];
     QT_TRY(qt_path_join(path, sizeof path, dir, CKPT_STATE_FILE));
@@ -516,6 +536,14 @@ static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos, opt_par
     if (rc == QT_OK) rc = state_i64(j, "tokens_seen", 0, &tokens, path);
     if (rc == QT_OK) rc = state_i64(j, "world", 1, &world, path);
     if (rc == QT_OK) rc = state_i64(j, "rng_micro_step", 0, &micro, path);
+    /* fields that must agree with each other and with the folder's name */
+    const long named = dir_step(dir);
+    if (rc == QT_OK && named >= 0 && named != step)
+        rc = QT_ERR(QT_EFORMAT, "%s says step %lld but its folder is checkpoint-%ld; the checkpoint is damaged or was "
+                    "renamed", path, (long long)step, named);
+    if (rc == QT_OK && applied > step)
+        rc = QT_ERR(QT_EFORMAT, "%s: applied_updates %lld is more than its step %lld (every update is a step); the "
+                    "checkpoint is damaged", path, (long long)applied, (long long)step);
     /* the run that wrote the checkpoint recorded its job beside it: name what differs */
     char diff[1024] = "", parent[4096];
     qt_path_dirname(parent, sizeof parent, dir);
@@ -638,6 +666,24 @@ static int check_opt_file(const qt_trainer *t, const st_file *f, const char *pat
     return QT_OK;
 }
 
+/* Adam's m must be finite and v finite and >= 0 (its square root divides the
+ * step): a NaN resumed from a damaged file would reach every later checkpoint.
+ * Elements [lo, lo + n) of the block. */
+static int check_opt_values(const qt_trainer *t, const char *path, const float *m, const float *v, size_t lo,
+                            size_t n) {
+    int bad_m = qt_grad_has_nonfinite(m, n), bad_v = qt_grad_has_nonfinite(v, n);
+    if (!bad_v)
+        for (size_t i = 0; i < n && !bad_v; i++) bad_v = v[i] < 0;
+    if (!bad_m && !bad_v) return QT_OK;
+    const float *x = bad_m ? m : v;
+    size_t i = 0;
+    while (i < n && isfinite(x[i]) && !(!bad_m && x[i] < 0)) i++;
+    return QT_ERR(QT_EFORMAT, "%s: %s holds %s (element %zu of the block, in %s); the file is damaged: resume from an "
+                  "earlier checkpoint, or set train.resume to \"never\"", path, bad_m ? "exp_avg" : "exp_avg_sq",
+                  bad_m ? "NaN or infinite values" : "NaN, infinite or negative values", lo + i,
+                  trainer_param_at(t, lo + i));
+}
+
 /* Adam m and v over this rank's range, from the parts that overlap it: each
  * file is mapped and only the slice this rank needs is read (no full-size
  * buffer on any rank). Every rank checks every file's header (cheap: the
@@ -662,16 +708,46 @@ static int load_opt_state(qt_trainer *t, const char *dir, const opt_part *parts,
         size_t lo = parts[i].lo > mlo ? parts[i].lo : mlo, hi = parts[i].hi < mhi ? parts[i].hi : mhi;
         if (rc == QT_OK && hi > lo) rc = st_read_f32_range(a, lo - parts[i].lo, hi - lo, m + (lo - mlo));
         if (rc == QT_OK && hi > lo) rc = st_read_f32_range(b, lo - parts[i].lo, hi - lo, v + (lo - mlo));
+        if (rc == QT_OK && hi > lo) rc = check_opt_values(t, path, m + (lo - mlo), v + (lo - mlo), lo, hi - lo);
         st_close(f);
     }
     return rc;
+}
+
+/* A damaged checkpoint's error ends with what to resume from instead: the
+ * newest complete checkpoint before it, named, or a fresh start. */
+static int damaged(const char *dir, int rc) {
+    char msg[2048], prev[4096] = "", parent[4096];
+    snprintf(msg, sizeof msg, "%s", qt_error_message());
+    long ps = -1, step = dir_step(dir);
+    qt_path_dirname(parent, sizeof parent, dir);
+    if (step >= 0 && ckpt_previous(parent, step, prev, sizeof prev, &ps) != QT_OK) ps = -1;
+    if (ps >= 0)
+        return QT_ERR(rc, "%s; resume from the previous checkpoint %s instead (set train.resume to that path), or set "
+                      "train.resume to \"never\" to start over", msg, prev);
+    return QT_ERR(rc, "%s; there is no earlier checkpoint to resume from: set train.resume to \"never\" to start over",
+                  msg);
+}
+
+/* Rank 0 checks every file against the checksums written with it (the other
+ * ranks wait in the collective after loading). A checkpoint written before
+ * qtune recorded checksums resumes with a warning. */
+static int verify_checkpoint(const qt_trainer *t, const char *dir) {
+    if (!t->main) return QT_OK;
+    int present = 0;
+    QT_TRY(ckpt_verify_checksums(dir, &present));
+    if (!present)
+        qt_warn("%s has no %s (written by an older qtune): its files are resumed without being checked", dir,
+                CKPT_SUMS_FILE);
+    return QT_OK;
 }
 
 static int load_checkpoint(qt_trainer *t, const char *dir) {
     int64_t pos[2] = {0, 0};
     opt_part *parts = NULL;
     int nparts = 0;
-    int rc = load_state(t, dir, pos, &parts, &nparts);
+    int rc = verify_checkpoint(t, dir);
+    if (rc == QT_OK) rc = load_state(t, dir, pos, &parts, &nparts);
     char path[4096];
     if (rc == QT_OK)
         rc = qt_path_join(path, sizeof path, dir, t->job->lora.enabled ? "adapter_model.safetensors" : "model.safetensors");
@@ -686,6 +762,7 @@ static int load_checkpoint(qt_trainer *t, const char *dir) {
         if (rc == QT_OK && !ok) rc = QT_ERR(QT_EIO, "another rank could not read the checkpoint %s", dir);
     }
     if (rc == QT_OK) rc = dl_state_set(t->train_dl, (dl_state){pos[0], pos[1]});
+    if (rc == QT_EFORMAT) rc = damaged(dir, rc);
     if (rc != QT_OK) return qt_error_context(rc, "resuming from %s", dir);
     return QT_OK;
 }
@@ -769,7 +846,8 @@ static int write_final(qt_trainer *t, char *final_dir, size_t cap) {
         if (rc == QT_OK && !link_checkpoint_model(t, dtype, path))
             rc = save_model_weights(t, path, dtype);
     }
-    /* same as checkpoints: a complete final/ at every instant */
+    /* same as checkpoints: checksums, and a complete final/ at every instant */
+    if (rc == QT_OK) rc = ckpt_write_checksums(tmp);
     if (rc == QT_OK) rc = qt_fsync_dir(tmp);
     if (rc == QT_OK) rc = qt_dir_replace(tmp, fin);
     if (rc != QT_OK) qt_rm_rf(tmp);

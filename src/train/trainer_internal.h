@@ -51,6 +51,8 @@ typedef struct {
 } qt_trainer;
 
 double trainer_elapsed(const qt_trainer *t);
+/* The name of the trainable parameter that holds element i of the block. */
+const char *trainer_param_at(const qt_trainer *t, size_t i);
 
 /* trainer_ckpt.c */
 int trainer_save_checkpoint(qt_trainer *t);
