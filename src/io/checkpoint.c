@@ -315,8 +315,8 @@ int ckpt_verify_checksums(const char *dir, int *present) {
         if (rc == QT_OK) rc = sha256_file(path, hex);
         if (rc == QT_OK && memcmp(hex, p, SUM_HEX))
             rc = QT_ERR(QT_EFORMAT,
-                        "%s does not match the SHA-256 recorded in %s when it was written: the file changed since (a "
-                        "disk error, or a file copied from elsewhere)",
+                        "%s does not match its SHA-256 in %s: it changed after it was written (a disk error, or a "
+                        "file copied in)",
                         path, CKPT_SUMS_FILE);
         p = *nl ? nl + 1 : nl;
     }

@@ -360,10 +360,12 @@ static int check_skipped(qt_trainer *t, qt_train_result *res) {
     snprintf(why, sizeof why, "%ld fp16 overflow%s, %ld without a labelled token", ovf, ovf == 1 ? "" : "s", nolabel);
     if (t->applied == 0)
         return QT_ERR(QT_ENUMERIC,
-                      "every one of the %ld steps was skipped (%s): nothing was learned, so final/ is not written. %s",
+                      "every one of the %ld steps was skipped (%s): nothing was learned, so final/ is not written. "
+                      "%s%s%s%s",
                       t->step, why,
                       ovf ? "With fp16, set fp16.loss_scale to 0 (dynamic) or to a smaller static scale"
-                          : "Check that the data has tokens with labels (mask_prompt hides prompts)");
+                          : "Check that data.train has tokens with labels",
+                      ovf ? "" : " (", ovf ? "" : t->job->data.train, ovf ? "" : ")");
     if (t->main) qt_warn("%ld of %ld steps were skipped (%s) and applied no update", res->skipped, t->step, why);
     return QT_OK;
 }

@@ -723,10 +723,9 @@ static int damaged(const char *dir, int rc) {
     qt_path_dirname(parent, sizeof parent, dir);
     if (step >= 0 && ckpt_previous(parent, step, prev, sizeof prev, &ps) != QT_OK) ps = -1;
     if (ps >= 0)
-        return QT_ERR(rc, "%s; resume from the previous checkpoint %s instead (set train.resume to that path), or set "
-                      "train.resume to \"never\" to start over", msg, prev);
-    return QT_ERR(rc, "%s; there is no earlier checkpoint to resume from: set train.resume to \"never\" to start over",
-                  msg);
+        return QT_ERR(rc, "%s; resume from the previous checkpoint %s (set train.resume to it), or set train.resume to "
+                      "\"never\"", msg, prev);
+    return QT_ERR(rc, "%s; no earlier checkpoint: set train.resume to \"never\" to start over", msg);
 }
 
 /* Rank 0 checks every file against the checksums written with it (the other
@@ -746,13 +745,14 @@ static int load_checkpoint(qt_trainer *t, const char *dir) {
     int64_t pos[2] = {0, 0};
     opt_part *parts = NULL;
     int nparts = 0;
-    int rc = verify_checkpoint(t, dir);
-    if (rc == QT_OK) rc = load_state(t, dir, pos, &parts, &nparts);
+    int rc = load_state(t, dir, pos, &parts, &nparts);
     char path[4096];
     if (rc == QT_OK)
         rc = qt_path_join(path, sizeof path, dir, t->job->lora.enabled ? "adapter_model.safetensors" : "model.safetensors");
     if (rc == QT_OK) rc = load_params(t, path);
     if (rc == QT_OK) rc = load_opt_state(t, dir, parts, nparts);
+    /* after the structural checks above, whose messages say more when they fail */
+    if (rc == QT_OK) rc = verify_checkpoint(t, dir);
     qt_free(parts);
     /* all ranks go on, or none */
     int64_t ok = rc == QT_OK;
