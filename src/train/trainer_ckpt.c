@@ -725,7 +725,7 @@ static int damaged(const char *dir, int rc) {
     if (ps >= 0)
         return QT_ERR(rc, "%s; resume from the previous checkpoint %s (set train.resume to it), or set train.resume to "
                       "\"never\"", msg, prev);
-    return QT_ERR(rc, "%s; no earlier checkpoint: set train.resume to \"never\" to start over", msg);
+    return QT_ERR(rc, "%s; no earlier checkpoint (train.resume \"never\" starts over)", msg);
 }
 
 /* Rank 0 checks every file against the checksums written with it (the other
@@ -762,7 +762,8 @@ static int load_checkpoint(qt_trainer *t, const char *dir) {
         if (rc == QT_OK && !ok) rc = QT_ERR(QT_EIO, "another rank could not read the checkpoint %s", dir);
     }
     if (rc == QT_OK) rc = dl_state_set(t->train_dl, (dl_state){pos[0], pos[1]});
-    if (rc == QT_EFORMAT) rc = damaged(dir, rc);
+    /* a damaged file: its message names it (and so the checkpoint), the hint what to resume from instead */
+    if (rc == QT_EFORMAT) return damaged(dir, rc);
     if (rc != QT_OK) return qt_error_context(rc, "resuming from %s", dir);
     return QT_OK;
 }

@@ -182,7 +182,7 @@ def test_the_oldest_checkpoint_damaged_says_there_is_none_to_go_back_to(base):
     j, out = trained(base, "first", steps=1)
     write(out / "checkpoint-1" / "config.json", "{}")
     expect_error(["train", j, "--set", "train.max_steps=3"], "checkpoint-1/config.json", "no earlier checkpoint",
-                 '"never"')
+                 'train.resume "never" starts over')
 
 
 @pytest.mark.parametrize("field,value,must", [
