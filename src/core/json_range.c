@@ -148,7 +148,8 @@ static int dup_walk(const cJSON *v, const char *where, char *path, size_t len, s
     }
     long k = 0;
     for (const cJSON *c = v->child; c; c = c->next, k++) {
-        int w = cJSON_IsObject(v) ? snprintf(path + len, cap - len, "%s%.64s", len ? "." : "", c->string ? c->string : "")
+        const char *key = c->string ? c->string : "";
+        int w = cJSON_IsObject(v) ? snprintf(path + len, cap - len, "%s%.64s", len ? "." : "", key)
                                   : snprintf(path + len, cap - len, "[%ld]", k);
         size_t nl = w < 0 || (size_t)w >= cap - len ? len : len + (size_t)w;
         int rc = dup_walk(c, where, path, nl, cap, depth + 1);
