@@ -106,6 +106,7 @@ int cmd_train(int argc, char **argv) {
         }
     } else if (dist_is_main(d)) {
         printf("trained %ld steps", res.step);
+        if (res.skipped > 0) printf(" (%ld skipped: no update)", res.skipped);
         if (!isnan(res.last_loss)) printf("; last train loss %.4f", res.last_loss);
         if (!isnan(res.eval_loss_first)) printf("; eval loss %.4f -> %.4f", res.eval_loss_first, res.eval_loss_last);
         else if (!isnan(res.eval_loss_last)) printf("; eval loss %.4f", res.eval_loss_last);

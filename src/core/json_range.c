@@ -110,3 +110,56 @@ int qt_json_check_range(const char *text, size_t len, const char *where) {
     }
     return QT_OK;
 }
+
+/* ---------------------------------------------------------------------------
+ * duplicate keys: cJSON keeps the first of two equal keys, Python's json (and
+ * so DeepSpeed and the Hugging Face tools) the last, so the same file would
+ * train differently here and there. */
+
+#include <cjson/cJSON.h>
+
+static int cmp_item_name(const void *a, const void *b) {
+    const cJSON *x = *(const cJSON *const *)a, *y = *(const cJSON *const *)b;
+    return strcmp(x->string ? x->string : "", y->string ? y->string : "");
+}
+
+static int dup_walk(const cJSON *v, const char *where, char *path, size_t len, size_t cap, int depth) {
+    if (depth > 1000 || !(cJSON_IsObject(v) || cJSON_IsArray(v))) return QT_OK;
+    size_t n = 0;
+    for (const cJSON *c = v->child; c; c = c->next) n++;
+    if (cJSON_IsObject(v) && n > 1) {
+        /* sorted pointers: O(n log n), so a hostile object of a million keys stays cheap */
+        const cJSON **items = qt_malloc(n * sizeof *items, "JSON key check");
+        if (!items) return QT_ENOMEM;
+        size_t i = 0;
+        for (const cJSON *c = v->child; c; c = c->next) items[i++] = c;
+        qsort(items, n, sizeof *items, cmp_item_name);
+        const char *dup = NULL;
+        for (i = 1; i < n && !dup; i++)
+            if (!cmp_item_name(&items[i - 1], &items[i])) dup = items[i]->string ? items[i]->string : "";
+        int rc = QT_OK;
+        if (dup)
+            rc = QT_ERR(QT_EINVAL,
+                        "%s: the key \"%s%s%.64s\" appears more than once; keep one (this reader would take the first, "
+                        "Python's json takes the last)",
+                        where, path, len ? "." : "", dup);
+        qt_free(items);
+        if (rc != QT_OK) return rc;
+    }
+    long k = 0;
+    for (const cJSON *c = v->child; c; c = c->next, k++) {
+        const char *key = c->string ? c->string : "";
+        int w = cJSON_IsObject(v) ? snprintf(path + len, cap - len, "%s%.64s", len ? "." : "", key)
+                                  : snprintf(path + len, cap - len, "[%ld]", k);
+        size_t nl = w < 0 || (size_t)w >= cap - len ? len : len + (size_t)w;
+        int rc = dup_walk(c, where, path, nl, cap, depth + 1);
+        path[len] = 0;
+        if (rc != QT_OK) return rc;
+    }
+    return QT_OK;
+}
+
+int qt_json_check_duplicate_keys(const cJSON *root, const char *where) {
+    char path[512] = "";
+    return dup_walk(root, where, path, 0, sizeof path, 0);
+}

@@ -17,4 +17,10 @@
  * DBL_MAX are refused; an exact zero (0, 0.0, 0e-400) is fine. */
 int qt_json_check_range(const char *text, size_t len, const char *where);
 
+/* A key that appears twice in one object, anywhere in the tree, is refused
+ * with one sentence naming `where` and the key path ("train.lr"): cJSON keeps
+ * the first, Python's json the last. The job file and the DeepSpeed file run it. */
+struct cJSON;
+int qt_json_check_duplicate_keys(const struct cJSON *root, const char *where);
+
 #endif

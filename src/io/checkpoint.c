@@ -7,6 +7,7 @@
 #include "io/safetensors.h"
 
 #include <ctype.h>
+#include <openssl/evp.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -92,6 +93,10 @@ static int is_complete(const char *output_dir, const char *name) {
 }
 
 int ckpt_latest(const char *output_dir, char *path, size_t cap, long *step) {
+    return ckpt_previous(output_dir, -1, path, cap, step);
+}
+
+int ckpt_previous(const char *output_dir, long before, char *path, size_t cap, long *step) {
     *step = -1;
     if (cap) path[0] = 0;
     DIR *d = opendir(output_dir);
@@ -101,6 +106,7 @@ int ckpt_latest(const char *output_dir, char *path, size_t cap, long *step) {
     char name[300] = "";
     while ((e = readdir(d))) {
         long s = ckpt_step_of(e->d_name);
+        if (before >= 0 && s >= before) continue;
         if (s > best && is_complete(output_dir, e->d_name)) {
             best = s;
             snprintf(name, sizeof name, "%s", e->d_name);
@@ -189,5 +195,131 @@ int ckpt_read_f32(const char *path, const char *name, float *data, size_t n) {
         rc = QT_ERR(QT_EFORMAT, "%s: tensor %s must be F32 in a checkpoint", path, name);
     if (rc == QT_OK) rc = st_read_f32(t, data);
     st_close(f);
+    return rc;
+}
+
+/* ---------------------------------------------------------------------------
+ * checksums */
+
+#define SUM_HEX 64 /* SHA-256: 32 bytes as hex */
+#define SUM_MAX_FILES 4096
+
+/* SHA-256 of a file as 64 lowercase hex digits, read in 4 MiB blocks. */
+static int sha256_file(const char *path, char hex[SUM_HEX + 1]) {
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return QT_ERR(QT_EIO, "cannot open %s: %s", path, strerror(errno));
+    const size_t cap = (size_t)4 << 20;
+    unsigned char *buf = qt_malloc(cap, "checksum buffer");
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    int rc = buf && ctx ? QT_OK : QT_ERR(QT_ENOMEM, "out of memory hashing %s", path);
+    if (rc == QT_OK && EVP_DigestInit_ex(ctx, EVP_sha256(), NULL) != 1)
+        rc = QT_ERR(QT_EIO, "cannot start a SHA-256 digest (OpenSSL) for %s", path);
+    for (;;) {
+        if (rc != QT_OK) break;
+        ssize_t got = read(fd, buf, cap);
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) { rc = QT_ERR(QT_EIO, "cannot read %s: %s", path, strerror(errno)); break; }
+        if (got == 0) break;
+        if (EVP_DigestUpdate(ctx, buf, (size_t)got) != 1) rc = QT_ERR(QT_EIO, "SHA-256 of %s failed", path);
+    }
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int mdlen = 0;
+    if (rc == QT_OK && (EVP_DigestFinal_ex(ctx, md, &mdlen) != 1 || mdlen != SUM_HEX / 2))
+        rc = QT_ERR(QT_EIO, "SHA-256 of %s failed", path);
+    for (unsigned i = 0; rc == QT_OK && i < mdlen; i++) snprintf(hex + 2 * i, 3, "%02x", md[i]);
+    EVP_MD_CTX_free(ctx);
+    qt_free(buf);
+    close(fd);
+    return rc;
+}
+
+static int cmp_name(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+int ckpt_write_checksums(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return QT_ERR(QT_EIO, "cannot open folder %s: %s", dir, strerror(errno));
+    char **names = NULL;
+    size_t n = 0, cap = 0;
+    int rc = QT_OK;
+    struct dirent *e;
+    char path[CKPT_PATH_MAX];
+    while (rc == QT_OK && (e = readdir(d))) {
+        if (e->d_name[0] == '.' || !strcmp(e->d_name, CKPT_SUMS_FILE)) continue;
+        rc = qt_path_join(path, sizeof path, dir, e->d_name);
+        struct stat sb;
+        if (rc != QT_OK || stat(path, &sb) != 0 || !S_ISREG(sb.st_mode)) continue;
+        if (n == cap) {
+            cap = cap ? 2 * cap : 16;
+            char **nn = qt_realloc(names, cap * sizeof *names, "checksum list");
+            if (!nn) { rc = QT_ENOMEM; break; }
+            names = nn;
+        }
+        names[n] = qt_strdup(e->d_name);
+        if (!names[n]) rc = QT_ENOMEM;
+        else n++;
+    }
+    closedir(d);
+    /* sorted, so the file reads the same whichever order the folder lists */
+    if (rc == QT_OK) qsort(names, n, sizeof *names, cmp_name);
+    size_t tcap = n * (SUM_HEX + 3 + 256) + 1, len = 0;
+    char *text = rc == QT_OK ? qt_malloc(tcap, "checksum list") : NULL;
+    if (rc == QT_OK && !text) rc = QT_ENOMEM;
+    for (size_t i = 0; i < n && rc == QT_OK; i++) {
+        char hex[SUM_HEX + 1];
+        rc = qt_path_join(path, sizeof path, dir, names[i]);
+        if (rc == QT_OK) rc = sha256_file(path, hex);
+        if (rc == QT_OK) len += (size_t)snprintf(text + len, tcap - len, "%s  %s\n", hex, names[i]);
+    }
+    if (rc == QT_OK) rc = qt_path_join(path, sizeof path, dir, CKPT_SUMS_FILE);
+    if (rc == QT_OK) rc = qt_write_file_atomic(path, text ? text : "", len);
+    for (size_t i = 0; i < n; i++) qt_free(names[i]);
+    qt_free(names);
+    qt_free(text);
+    return rc;
+}
+
+int ckpt_verify_checksums(const char *dir, int *present) {
+    char sums[CKPT_PATH_MAX], path[CKPT_PATH_MAX];
+    *present = 0;
+    QT_TRY(qt_path_join(sums, sizeof sums, dir, CKPT_SUMS_FILE));
+    if (!qt_path_exists(sums)) return QT_OK;
+    *present = 1;
+    char *text;
+    size_t len;
+    QT_TRY(qt_read_file(sums, (size_t)SUM_MAX_FILES * (SUM_HEX + 3 + 256), &text, &len));
+    int rc = QT_OK;
+    long line = 0;
+    for (char *p = text; rc == QT_OK && *p;) {
+        char *nl = strchr(p, '\n');
+        if (!nl) nl = p + strlen(p);
+        line++;
+        /* "HEX  NAME": 64 hex digits, two spaces, a plain file name */
+        size_t ll = (size_t)(nl - p);
+        char name[256];
+        int good = ll > SUM_HEX + 2 && ll - SUM_HEX - 2 < sizeof name && p[SUM_HEX] == ' ' && p[SUM_HEX + 1] == ' ';
+        for (int i = 0; good && i < SUM_HEX; i++) good = isxdigit((unsigned char)p[i]) && !isupper((unsigned char)p[i]);
+        if (good) {
+            memcpy(name, p + SUM_HEX + 2, ll - SUM_HEX - 2);
+            name[ll - SUM_HEX - 2] = 0;
+            good = name[0] && name[0] != '.' && !strchr(name, '/');
+        }
+        if (!good) {
+            rc = QT_ERR(QT_EFORMAT, "%s line %ld is not \"SHA-256  file name\"; the checkpoint is damaged", sums, line);
+            break;
+        }
+        char hex[SUM_HEX + 1];
+        rc = qt_path_join(path, sizeof path, dir, name);
+        if (rc == QT_OK && !qt_path_exists(path))
+            rc = QT_ERR(QT_EFORMAT, "%s is missing, although %s lists it; the checkpoint is incomplete", path,
+                        CKPT_SUMS_FILE);
+        if (rc == QT_OK) rc = sha256_file(path, hex);
+        if (rc == QT_OK && memcmp(hex, p, SUM_HEX))
+            rc = QT_ERR(QT_EFORMAT,
+                        "%s does not match its SHA-256 in %s: it changed after it was written (a disk error, or a "
+                        "file copied in)",
+                        path, CKPT_SUMS_FILE);
+        p = *nl ? nl + 1 : nl;
+    }
+    qt_free(text);
     return rc;
 }

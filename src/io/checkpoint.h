@@ -41,6 +41,23 @@ int ckpt_prune(const char *output_dir, int keep, long protect);
 /* Parses "checkpoint-123" (a folder name, no path); -1 when it is not one. */
 long ckpt_step_of(const char *name);
 
+/* Checksums: CKPT_SUMS_FILE lists the SHA-256 of every other file of a
+ * checkpoint (and of final/), one "HEX  NAME" line each in sha256sum's
+ * format, so `sha256sum -c checksums.sha256` inside the folder checks it too. */
+#define CKPT_SUMS_FILE "checksums.sha256"
+
+/* Hashes every regular file of dir (not dot files, not CKPT_SUMS_FILE itself)
+ * and writes dir/CKPT_SUMS_FILE atomically. */
+int ckpt_write_checksums(const char *dir);
+/* Checks every file dir/CKPT_SUMS_FILE lists. *present = 0 (and QT_OK) when
+ * the folder has no such file (written before qtune recorded checksums).
+ * A missing file or a different hash is QT_EFORMAT naming the file. */
+int ckpt_verify_checksums(const char *dir, int *present);
+/* The newest complete checkpoint of output_dir older than `step` (path and
+ * its step), *prev = -1 when there is none: what to resume from instead of
+ * a damaged one. */
+int ckpt_previous(const char *output_dir, long step, char *path, size_t cap, long *prev);
+
 /* A flat fp32 array as a one-tensor safetensors file, and back. Reading checks
  * the name, dtype and length and names the file when they differ. */
 int ckpt_write_f32(const char *path, const char *name, const float *data, size_t n);

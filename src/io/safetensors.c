@@ -447,7 +447,15 @@ const st_tensor *st_at(const st_file *f, int i) {
 
 const st_tensor *st_find(const st_file *f, const char *name) {
     int i = find_sorted(f, name);
-    return i < 0 ? NULL : &f->tensors[i];
+    if (i < 0) return NULL;
+    f->tensors[i].used = 1; /* the table, not the handle: a reader's mark */
+    return &f->tensors[i];
+}
+
+const st_tensor *st_first_unused(const st_file *f) {
+    for (int i = 0; i < f->n; i++)
+        if (!f->tensors[i].used) return &f->tensors[i];
+    return NULL;
 }
 
 const char *st_shard_path(const st_file *f, int shard) {

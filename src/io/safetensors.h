@@ -27,6 +27,7 @@ typedef struct {
                        * the element size only when the file keeps it so (writers pad
                        * the header to 8 bytes); st_read_f32 copes either way */
     int shard;        /* which file it came from */
+    int used;         /* set by st_find / st_expect: a reader consumed it (see st_first_unused) */
 } st_tensor;
 
 typedef struct st_file st_file; /* one model's tensors, over one or more mapped files */
@@ -38,6 +39,10 @@ void st_close(st_file *f);
 int st_count(const st_file *f);
 const st_tensor *st_at(const st_file *f, int i);
 const st_tensor *st_find(const st_file *f, const char *name); /* NULL if absent */
+/* The first tensor (by name) that no st_find / st_expect asked for, NULL when
+ * the reader consumed them all: a loader calls it last to refuse tensors its
+ * architecture does not use instead of ignoring them. */
+const st_tensor *st_first_unused(const st_file *f);
 /* Finds name and checks its shape; a clear error names the tensor, the file
  * and both shapes when it differs. */
 int st_expect(const st_file *f, const char *name, int ndim, const int64_t *shape, const st_tensor **out);

@@ -269,6 +269,26 @@ static void *alloc_floats(qt_model *m, size_t bytes, const char *what) {
     return m->be->alloc(m->be, QT_MEM_DEVICE, bytes, what);
 }
 
+/* Every tensor of the folder must be one the loaded architecture consumed
+ * (looked up while loading): a tensor of another architecture (Qwen3's
+ * q_norm in a folder labelled Llama) would be ignored in silence. HF itself
+ * drops rotary_emb.inv_freq (a buffer it recomputes) and, with tied
+ * embeddings, lm_head.weight. */
+static int check_all_consumed(const qt_model *m, const char *dir) {
+    for (const st_tensor *t; (t = st_first_unused(m->st));) {
+        size_t n = strlen(t->name), k = strlen(".rotary_emb.inv_freq");
+        int hf_ignores = (n > k && !strcmp(t->name + n - k, ".rotary_emb.inv_freq")) ||
+                         (m->cfg.tie_word_embeddings && !strcmp(t->name, "lm_head.weight"));
+        if (!hf_ignores)
+            return QT_ERR(QT_EFORMAT,
+                          "%s holds the tensor %s, which the architecture in its config.json does not use; the "
+                          "weights and config.json disagree (check \"architectures\" and \"model_type\")",
+                          dir, t->name);
+        st_find(m->st, t->name); /* marked: look past it */
+    }
+    return QT_OK;
+}
+
 static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
     QT_TRY(check_opts(opts));
     QT_TRY(qt_backend_open(opts->backend, &m->be));
@@ -321,6 +341,7 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
     } else {
         QT_TRY(load_full(m));
     }
+    QT_TRY(check_all_consumed(m, dir));
     if (m->opts.lora) {
         m->lora_scaling = m->opts.use_rslora ? m->opts.lora_alpha / sqrtf((float)m->opts.lora_r)
                                              : m->opts.lora_alpha / (float)m->opts.lora_r;

@@ -26,8 +26,12 @@ int qt_adam_cfg_check(const qt_adam_cfg *c, const char *where) {
     if (!(c->beta1 >= 0.0 && c->beta1 < 1.0) || !(c->beta2 >= 0.0 && c->beta2 < 1.0))
         return QT_ERR(QT_EINVAL, "%s: betas [%g, %g] must each be in [0, 1), e.g. [0.9, 0.999]", where,
                       c->beta1, c->beta2);
-    if (!(c->eps >= 0.0) || !isfinite(c->eps))
-        return QT_ERR(QT_EINVAL, "%s: eps %g must be a finite number >= 0, e.g. 1e-8", where, c->eps);
+    /* eps 0 divides 0 by 0 wherever a gradient has been 0 so far (v = 0): NaN weights */
+    if (!(c->eps > 0.0) || !isfinite(c->eps))
+        return QT_ERR(QT_EINVAL,
+                      "%s: eps %g must be a finite number > 0, e.g. 1e-8 (with 0, an element whose gradient has been "
+                      "0 so far divides 0 by 0 and becomes NaN)",
+                      where, c->eps);
     if (!(c->weight_decay >= 0.0) || !isfinite(c->weight_decay))
         return QT_ERR(QT_EINVAL, "%s: weight_decay %g must be a finite number >= 0", where, c->weight_decay);
     return QT_OK;

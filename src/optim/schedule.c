@@ -36,6 +36,26 @@ static int64_t warmup_steps(const qt_sched *s) { return s->warmup_num_steps < 2 
 int qt_sched_check(const qt_sched *s, const char *where) {
     if (s->type == QT_SCHED_CONSTANT) return QT_OK;
     const char *name = qt_sched_name(s->type);
+    /* a negative lr climbs the loss: refused wherever it would come from */
+    if (s->type != QT_SCHED_WARMUP_COSINE_LR) {
+        if (!(s->warmup_min_lr >= 0.0) || !isfinite(s->warmup_min_lr))
+            return QT_ERR(QT_EINVAL,
+                          "%s: %s scheduler.params.warmup_min_lr %g must be a finite number >= 0 (a negative "
+                          "learning rate climbs the loss)",
+                          where, name, s->warmup_min_lr);
+        if (!(s->warmup_max_lr >= 0.0) || !isfinite(s->warmup_max_lr))
+            return QT_ERR(QT_EINVAL,
+                          "%s: %s scheduler.params.warmup_max_lr %g must be a finite number >= 0 (a negative "
+                          "learning rate climbs the loss)",
+                          where, name, s->warmup_max_lr);
+    } else {
+        if (!(s->warmup_min_ratio >= 0.0 && s->warmup_min_ratio <= 1.0))
+            return QT_ERR(QT_EINVAL, "%s: WarmupCosineLR scheduler.params.warmup_min_ratio %g must be in [0, 1]", where,
+                          s->warmup_min_ratio);
+        if (!(s->cos_min_ratio >= 0.0 && s->cos_min_ratio <= 1.0))
+            return QT_ERR(QT_EINVAL, "%s: WarmupCosineLR scheduler.params.cos_min_ratio %g must be in [0, 1]", where,
+                          s->cos_min_ratio);
+    }
     if (s->warmup_num_steps < 0)
         return QT_ERR(QT_EINVAL, "%s: %s warmup_num_steps %lld must be >= 0", where, name,
                       (long long)s->warmup_num_steps);

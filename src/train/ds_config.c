@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/json_range.h"
 #include "core/log.h"
 #include "core/mem.h"
 
@@ -261,7 +262,9 @@ static int parse_optimizer(ds_ctx *x, const cJSON *opt) {
     if (flag)
         return QT_ERR(QT_EUNSUPPORTED, "%s: optimizer.params.amsgrad true is not supported; remove it or set false",
                       x->where);
-    return qt_adam_cfg_check(&c->adam, x->where);
+    char where[600];
+    snprintf(where, sizeof where, "%.500s: optimizer.params", x->where); /* the errors name the key */
+    return qt_adam_cfg_check(&c->adam, where);
 }
 
 /* ---- scheduler ---------------------------------------------------------- */
@@ -334,6 +337,8 @@ static int parse_scheduler(ds_ctx *x, const cJSON *sch) {
                           "%s: scheduler %s needs params.total_num_steps (a number, or \"auto\" for train.max_steps)",
                           x->where, qt_sched_name(t));
         else QT_TRY(qt_sched_check(s, x->where));
+    } else {
+        QT_TRY(qt_sched_check(s, x->where));
     }
     return QT_OK;
 }
@@ -501,7 +506,8 @@ int qt_ds_config_load(const char *path, int world, qt_ds_config *out) {
         return QT_ERR(QT_EFORMAT, "%s: line %d: not valid JSON; fix the syntax there", path, line);
     }
     qt_free(text);
-    int rc = qt_ds_config_parse(j, path, world, out);
+    int rc = qt_json_check_duplicate_keys(j, path);
+    if (rc == QT_OK) rc = qt_ds_config_parse(j, path, world, out);
     cJSON_Delete(j);
     return rc;
 }

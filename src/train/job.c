@@ -91,7 +91,7 @@ static cJSON *set_value(const cJSON *old, const char *v, const char *set) {
     cJSON *j = cJSON_Parse(v);
     char where[256];
     snprintf(where, sizeof where, "--set %.200s", set);
-    if (j && qt_json_check_range(v, strlen(v), where) != QT_OK) {
+    if (j && (qt_json_check_range(v, strlen(v), where) != QT_OK || qt_json_check_duplicate_keys(j, where) != QT_OK)) {
         cJSON_Delete(j);
         return NULL;
     }
@@ -418,6 +418,7 @@ static int load_deepspeed(const job_ctx *c, cJSON *root, char **ds_path) {
         return rc;
     }
     rc = qt_json_check_range(text, strlen(text), p);
+    if (rc == QT_OK) rc = qt_json_check_duplicate_keys(obj, p);
     qt_free(text);
     if (rc != QT_OK) {
         cJSON_Delete(obj);
@@ -579,6 +580,7 @@ int qt_job_parse(const char *json, const char *dir, const char *where, const cha
     }
     job->root = root;
     int rc = qt_json_check_range(json, strlen(json), where);
+    if (rc == QT_OK) rc = qt_json_check_duplicate_keys(root, where);
     if (rc != QT_OK) { qt_job_free(job); return rc; }
     for (int i = 0; i < n_sets && rc == QT_OK; i++) {
         /* an override inside the DeepSpeed config needs its file read first */

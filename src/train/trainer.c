@@ -189,6 +189,57 @@ static int eval_and_log(qt_trainer *t, double *out) {
 /* ---------------------------------------------------------------------------
  * one optimizer step */
 
+const char *trainer_param_at(const qt_trainer *t, size_t i) {
+    for (int k = 0; k < t->n_params; k++)
+        if (i >= t->params[k].offset && i < t->params[k].offset + t->params[k].numel) return t->params[k].name;
+    return "?";
+}
+
+/* 1 when dev (n floats of device memory) holds a NaN or inf, with *at its
+ * first such element: the backend's sum of squares is finite iff every
+ * element is (one pass on the device); only a bad block is scanned on the
+ * host, through a staging buffer, to name the element. */
+int trainer_first_nonfinite(qt_trainer *t, const float *dev, size_t n, size_t *at) {
+    if (n == 0 || isfinite(t->be->sum_squares(t->be, dev, n))) return 0;
+    enum { CHUNK = 1 << 18 };
+    float *stage = qt_malloc(sizeof(float) * (n < CHUNK ? n : CHUNK), "finiteness check staging");
+    *at = 0;
+    for (size_t k = 0; stage && k < n; k += CHUNK) {
+        size_t c = n - k < CHUNK ? n - k : CHUNK;
+        t->be->download(t->be, stage, dev + k, sizeof(float) * c);
+        for (size_t i = 0; i < c; i++)
+            if (!isfinite(stage[i])) {
+                *at = k + i;
+                qt_free(stage);
+                return 1;
+            }
+    }
+    qt_free(stage);
+    return 1;
+}
+
+static const char *last_good(const qt_trainer *t) {
+    return t->last_ckpt[0] ? t->last_ckpt : "none (no checkpoint was written yet)";
+}
+
+/* After the update: this rank's updated range [lo, hi) must be finite, and
+ * every rank learns whether all are. A non-finite weight (eps 0 dividing 0 by
+ * 0, a learning rate whose step overflows fp32) is a failed step: the run
+ * stops before anything is saved, so every checkpoint keeps finite weights. */
+static int check_update(qt_trainer *t, double lr) {
+    size_t at = t->hi;
+    int64_t bad = trainer_first_nonfinite(t, t->master + t->lo, t->hi - t->lo, &at);
+    if (bad) at += t->lo;
+    if (t->world > 1) QT_TRY(dist_allreduce_i64(t->d, &bad, 1, DIST_MAX, "update check"));
+    if (!bad) return QT_OK;
+    return QT_ERR(QT_ENUMERIC,
+                  "step %ld: the update made weights non-finite (%s%s, learning rate %g); training stopped and "
+                  "nothing of this step was saved. Lower the learning rate or check optimizer.params (eps > 0); "
+                  "the last good checkpoint is %s",
+                  t->step + 1, at < t->hi ? "first: " : "on another rank", at < t->hi ? trainer_param_at(t, at) : "",
+                  lr, last_good(t));
+}
+
 typedef struct {
     double loss;       /* mean over the global batch's labelled tokens */
     double grad_norm;  /* unscaled, before clipping */
@@ -247,7 +298,7 @@ static int train_step(qt_trainer *t, step_out *o) {
                       "step %ld, rank %d of %d: the %s is not finite (loss %g, grad_norm %g); training stopped. "
                       "Lower the learning rate or check the data; the last good checkpoint is %s",
                       t->step + 1, t->rank, t->world, isfinite(o->loss) ? "gradient" : "loss", o->loss, o->grad_norm,
-                      t->last_ckpt[0] ? t->last_ckpt : "none (no checkpoint was written yet)");
+                      last_good(t));
     }
     /* 5-6. src/optim's step: the loss scaler, the schedule, unscale and clip fused into Adam */
     qt_step_info si;
@@ -257,10 +308,14 @@ static int train_step(qt_trainer *t, step_out *o) {
         return qt_error_context(rc, "step %ld (the last good checkpoint is %s)", t->step + 1,
                                 t->last_ckpt[0] ? t->last_ckpt : "none: no checkpoint was written yet");
     o->lr = si.lr;
+    if (!(si.lr >= 0) || !isfinite(si.lr)) /* the config checks make this unreachable; a guard for what they miss */
+        return QT_ERR(QT_EINVAL, "step %ld: the learning rate is %g; it must be a finite number >= 0 (check "
+                      "optimizer.params.lr and the scheduler's params)", t->step + 1, si.lr);
     if (si.skipped) {
         o->skipped = 1;
         return QT_OK;
     }
+    QT_TRY(check_update(t, si.lr));
     QT_TRY(dist_allgather_params(t->d, t->zp, t->master));
     qt_model_weights_updated(t->model);
     return QT_OK;
@@ -363,6 +418,28 @@ static int find_resume(qt_trainer *t, char *dir, size_t cap) {
         return QT_ERR(QT_EINVAL, "%s: train.resume names %s, which is not a complete qtune checkpoint (no %s)",
                       t->job->path, r, CKPT_STATE_FILE);
     snprintf(dir, cap, "%s", r);
+    return QT_OK;
+}
+
+/* Steps that applied no update (fp16 overflows, batches without a label),
+ * over the whole run: reported at the end; a run in which every step was
+ * skipped learned nothing and fails instead of writing final/. */
+static int check_skipped(qt_trainer *t, qt_train_result *res) {
+    res->skipped = t->step - (long)t->opt.n_updates;
+    if (res->skipped <= 0) return QT_OK;
+    const long ovf = t->cfg.fp16 ? (long)t->opt.n_skipped : 0;
+    const long nolabel = res->skipped - ovf > 0 ? res->skipped - ovf : 0;
+    char why[160];
+    snprintf(why, sizeof why, "%ld fp16 overflow%s, %ld without a labelled token", ovf, ovf == 1 ? "" : "s", nolabel);
+    if (t->opt.n_updates == 0)
+        return QT_ERR(QT_ENUMERIC,
+                      "every one of the %ld steps was skipped (%s): nothing was learned, so final/ is not written. "
+                      "%s%s%s%s",
+                      t->step, why,
+                      ovf ? "With fp16, set fp16.loss_scale to 0 (dynamic) or to a smaller static scale"
+                          : "Check that data.train has tokens with labels",
+                      ovf ? "" : " (", ovf ? "" : t->job->data.train, ovf ? "" : ")");
+    if (t->main) qt_warn("%ld of %ld steps were skipped (%s) and applied no update", res->skipped, t->step, why);
     return QT_OK;
 }
 
@@ -509,6 +586,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
                                        "again to continue",
                       t->step, t->max_steps, t->last_ckpt);
     }
+    QT_TRY(check_skipped(t, res));
     /* What a run stopped right after its last checkpoint had left undone is
      * done now: the final eval (unless this step's is on record, as when a
      * finished run is started again), the pruning, final/. */

@@ -63,6 +63,7 @@ typedef struct {
     double eval_loss_first;      /* first evaluation of this run (NaN if none) */
     double eval_loss_last;       /* last evaluation (NaN if none) */
     int interrupted;             /* stopped by the stop flag; a checkpoint was written */
+    long skipped;                /* steps that applied no update (fp16 overflow, no label), whole run */
     char last_checkpoint[4096];  /* "" if none */
     char final_dir[4096];        /* "" if not reached */
 } qt_train_result;

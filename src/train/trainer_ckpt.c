@@ -93,6 +93,16 @@ static int load_params(qt_trainer *t, const char *path) {
     st_file *f;
     QT_TRY(st_open(path, &f));
     int rc = qt_model_read_params(t->model, f);
+    /* NaN or inf weights would train on in silence until the loss turns NaN */
+    size_t at = 0;
+    if (rc == QT_OK && trainer_first_nonfinite(t, t->master, t->n, &at))
+        rc = QT_ERR(QT_EFORMAT, "%s: tensor %s holds NaN or infinite values; the file is damaged", path,
+                    trainer_param_at(t, at));
+    /* a tensor this model has no parameter for would be dropped in silence */
+    const st_tensor *extra = rc == QT_OK ? st_first_unused(f) : NULL;
+    if (extra)
+        rc = QT_ERR(QT_EFORMAT, "%s holds the tensor %s, which this job's model does not have; the file belongs to "
+                    "another model or LoRA setting", path, extra->name);
     st_close(f);
     if (rc == QT_OK) qt_model_weights_updated(t->model);
     return rc;
@@ -407,6 +417,8 @@ static int save_checkpoint(qt_trainer *t) {
             if (rc == QT_OK) rc = qt_write_file_atomic(path, s, strlen(s));
             free(s);
         }
+        /* last: the SHA-256 of every file, checked when the run resumes from it */
+        if (rc == QT_OK) rc = ckpt_write_checksums(w.dir);
         if (rc == QT_OK) rc = ckpt_commit(&w);
         else if (w.dir[0]) ckpt_abort(&w);
         if (rc == QT_OK) rc = ckpt_prune(t->job->output_dir, t->job->train.save_total_limit, t->step);
@@ -518,6 +530,15 @@ static int remap_data_position(const qt_trainer *t, const int64_t *pos, int64_t 
     return exact;
 }
 
+/* The step a folder's name says (checkpoint-STEP, a trailing '/' allowed), -1 if none. */
+static long dir_step(const char *dir) {
+    char b[4096];
+    snprintf(b, sizeof b, "%s", dir);
+    for (size_t n = strlen(b); n > 1 && b[n - 1] == '/'; n--) b[n - 1] = 0;
+    const char *slash = strrchr(b, '/');
+    return ckpt_step_of(slash ? slash + 1 : b);
+}
+
 static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos, opt_part **parts, int *nparts) {
     char path[4096];
     QT_TRY(qt_path_join(path, sizeof path, dir, CKPT_STATE_FILE));
@@ -536,6 +557,14 @@ static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos, opt_par
     if (rc == QT_OK) rc = state_i64(j, "tokens_seen", 0, &tokens, path);
     if (rc == QT_OK) rc = state_i64(j, "world", 1, &world, path);
     if (rc == QT_OK) rc = state_i64(j, "rng_micro_step", 0, &micro, path);
+    /* fields that must agree with each other and with the folder's name */
+    const long named = dir_step(dir);
+    if (rc == QT_OK && named >= 0 && named != step)
+        rc = QT_ERR(QT_EFORMAT, "%s says step %lld but its folder is checkpoint-%ld; the checkpoint is damaged or was "
+                    "renamed", path, (long long)step, named);
+    if (rc == QT_OK && applied > step)
+        rc = QT_ERR(QT_EFORMAT, "%s: applied_updates %lld is more than its step %lld (every update is a step); the "
+                    "checkpoint is damaged", path, (long long)applied, (long long)step);
     /* the run that wrote the checkpoint recorded its job beside it: name what differs */
     char diff[1024] = "", parent[4096];
     qt_path_dirname(parent, sizeof parent, dir);
@@ -645,6 +674,33 @@ static int check_opt_file(const qt_trainer *t, const st_file *f, const char *pat
     return QT_OK;
 }
 
+/* Adam's m must be finite and v finite and >= 0 (its square root divides the
+ * step): a NaN resumed from a damaged file would reach every later checkpoint.
+ * Elements [lo, lo + n) of the block. */
+/* Adam's m must be finite and v finite and >= 0: m and v (n floats each,
+ * device memory) are read back through a staging buffer and scanned. */
+static int check_opt_values(qt_trainer *t, const char *path, const float *m, const float *v, size_t lo, size_t n) {
+    enum { CHUNK = 1 << 18 };
+    float *stage = qt_malloc(sizeof(float) * (n < CHUNK ? (n ? n : 1) : CHUNK), "optimizer state check staging");
+    if (!stage) return QT_ENOMEM;
+    for (int which = 0; which < 2; which++)
+        for (size_t k = 0; k < n; k += CHUNK) {
+            size_t c = n - k < CHUNK ? n - k : CHUNK;
+            t->be->download(t->be, stage, (which ? v : m) + k, sizeof(float) * c);
+            for (size_t i = 0; i < c; i++)
+                if (!isfinite(stage[i]) || (which && stage[i] < 0)) {
+                    qt_free(stage);
+                    return QT_ERR(QT_EFORMAT, "%s: %s holds %s (element %zu of the block, in %s); the file is "
+                                  "damaged: resume from an earlier checkpoint, or set train.resume to \"never\"",
+                                  path, which ? "exp_avg_sq" : "exp_avg",
+                                  which ? "NaN, infinite or negative values" : "NaN or infinite values", lo + k + i,
+                                  trainer_param_at(t, lo + k + i));
+                }
+        }
+    qt_free(stage);
+    return QT_OK;
+}
+
 /* Adam m and v over this rank's range, from the parts that overlap it: each
  * file is mapped and only the slice this rank needs is read (no full-size
  * buffer on any rank). Every rank checks every file's header (cheap: the
@@ -669,9 +725,37 @@ static int load_opt_state(qt_trainer *t, const char *dir, const opt_part *parts,
         size_t lo = parts[i].lo > mlo ? parts[i].lo : mlo, hi = parts[i].hi < mhi ? parts[i].hi : mhi;
         if (rc == QT_OK && hi > lo) rc = read_range_to_device(t->be, a, lo - parts[i].lo, hi - lo, m + (lo - mlo));
         if (rc == QT_OK && hi > lo) rc = read_range_to_device(t->be, b, lo - parts[i].lo, hi - lo, v + (lo - mlo));
+        if (rc == QT_OK && hi > lo) rc = check_opt_values(t, path, m + (lo - mlo), v + (lo - mlo), lo, hi - lo);
         st_close(f);
     }
     return rc;
+}
+
+/* A damaged checkpoint's error ends with what to resume from instead: the
+ * newest complete checkpoint before it, named, or a fresh start. */
+static int damaged(const char *dir, int rc) {
+    char msg[2048], prev[4096] = "", parent[4096];
+    snprintf(msg, sizeof msg, "%s", qt_error_message());
+    long ps = -1, step = dir_step(dir);
+    qt_path_dirname(parent, sizeof parent, dir);
+    if (step >= 0 && ckpt_previous(parent, step, prev, sizeof prev, &ps) != QT_OK) ps = -1;
+    if (ps >= 0)
+        return QT_ERR(rc, "%s; resume from the previous checkpoint %s (set train.resume to it), or set train.resume to "
+                      "\"never\"", msg, prev);
+    return QT_ERR(rc, "%s; no earlier checkpoint (train.resume \"never\" starts over)", msg);
+}
+
+/* Rank 0 checks every file against the checksums written with it (the other
+ * ranks wait in the collective after loading). A checkpoint written before
+ * qtune recorded checksums resumes with a warning. */
+static int verify_checkpoint(const qt_trainer *t, const char *dir) {
+    if (!t->main) return QT_OK;
+    int present = 0;
+    QT_TRY(ckpt_verify_checksums(dir, &present));
+    if (!present)
+        qt_warn("%s has no %s (written by an older qtune): its files are resumed without being checked", dir,
+                CKPT_SUMS_FILE);
+    return QT_OK;
 }
 
 static int load_checkpoint(qt_trainer *t, const char *dir) {
@@ -684,6 +768,8 @@ static int load_checkpoint(qt_trainer *t, const char *dir) {
         rc = qt_path_join(path, sizeof path, dir, t->job->lora.enabled ? "adapter_model.safetensors" : "model.safetensors");
     if (rc == QT_OK) rc = load_params(t, path);
     if (rc == QT_OK) rc = load_opt_state(t, dir, parts, nparts);
+    /* after the structural checks above, whose messages say more when they fail */
+    if (rc == QT_OK) rc = verify_checkpoint(t, dir);
     qt_free(parts);
     /* all ranks go on, or none */
     int64_t ok = rc == QT_OK;
@@ -693,6 +779,8 @@ static int load_checkpoint(qt_trainer *t, const char *dir) {
         if (rc == QT_OK && !ok) rc = QT_ERR(QT_EIO, "another rank could not read the checkpoint %s", dir);
     }
     if (rc == QT_OK) rc = dl_state_set(t->train_dl, (dl_state){pos[0], pos[1]});
+    /* a damaged file: its message names it (and so the checkpoint), the hint what to resume from instead */
+    if (rc == QT_EFORMAT) return damaged(dir, rc);
     if (rc != QT_OK) return qt_error_context(rc, "resuming from %s", dir);
     return QT_OK;
 }
@@ -776,7 +864,8 @@ static int write_final(qt_trainer *t, char *final_dir, size_t cap) {
         if (rc == QT_OK && !link_checkpoint_model(t, dtype, path))
             rc = save_model_weights(t, path, dtype);
     }
-    /* same as checkpoints: a complete final/ at every instant */
+    /* same as checkpoints: checksums, and a complete final/ at every instant */
+    if (rc == QT_OK) rc = ckpt_write_checksums(tmp);
     if (rc == QT_OK) rc = qt_fsync_dir(tmp);
     if (rc == QT_OK) rc = qt_dir_replace(tmp, fin);
     if (rc != QT_OK) qt_rm_rf(tmp);

@@ -57,6 +57,10 @@ double trainer_elapsed(const qt_trainer *t);
 /* Bytes of a file, or of the regular files directly in a folder (0 when
  * unreadable): what a phase moves, for its deadline (dist_phase_timeout). */
 double trainer_path_bytes(const char *path);
+/* The name of the trainable parameter that holds element i of the block. */
+const char *trainer_param_at(const qt_trainer *t, size_t i);
+/* 1 when dev (n floats, device memory) holds a NaN or inf; *at its first. */
+int trainer_first_nonfinite(qt_trainer *t, const float *dev, size_t n, size_t *at);
 
 /* trainer_ckpt.c */
 int trainer_save_checkpoint(qt_trainer *t);

@@ -116,9 +116,29 @@ def test_nonfinite_loss_is_an_error(tmp_path, bad):
         p = qtune("eval", "--model", d, "--data", data, "--batch", batch, "--per-token", pt, check=1)
         err = p.stderr.strip().splitlines()
         assert len(err) == 1, p.stderr
-        assert "d.jsonl line 2" in err[0] and ("NaN" if bad == "nan" else "infinite") in err[0], err
+        # an inf weight gives +inf and -inf logits: their log-sum-exp is inf - inf = NaN (before the
+        # vectorised exp propagated NaN, it clamped that NaN and the loss read as infinite)
+        assert "d.jsonl line 2" in err[0] and "the loss is NaN" in err[0], err
         assert d in err[0] and "not a finite number" in err[0], err
         assert "loss" not in p.stdout and not pt.exists()
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_a_nonfinite_logit_of_an_unseen_token_is_an_error(tmp_path, bad):
+    """One lm_head row (the tied embedding of token 300, which the data never uses) holding NaN or
+    inf makes that token's logit non-finite at every position while every other value stays finite.
+    The vectorised exp used to clamp a NaN to exp(-87.3) ~ 0, so eval printed a finite, wrong loss
+    with exit 0 (issue 24 item 9); now the log-sum-exp is NaN and eval stops as for NaN weights."""
+    d = make_model(tmp_path / ("model_" + bad))
+    path = os.path.join(d, "model.safetensors")
+    w = {k: np.asarray(v, dtype=np.float32) for k, v in st.read(path).items()}
+    w["model.embed_tokens.weight"][300, 5] = float(bad)
+    st.write(path, w, "F32")
+    data = write_lines(tmp_path / "d.jsonl", b'{"input_ids": [1, 2, 3, 4]}', b'{"input_ids": [5, 6]}')
+    p = qtune("eval", "--model", d, "--data", data, check=1)
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and "d.jsonl line 1" in err[0] and "not a finite number" in err[0], p.stderr
+    assert "loss" not in p.stdout, p.stdout
 
 
 def test_perplexity_past_a_double_is_null(tmp_path):

@@ -5,7 +5,8 @@
  * op_exp8: exp of 8 floats, Cephes' method: x = n ln2 + r, |r| <= ln2/2,
  * exp(r) by a degree-6 polynomial, 2^n through the exponent bits. Relative
  * error about 2 ulp on [-87.3, 88.7]; below -87.3 the result is 0 (expf's
- * result there is denormal or 0), above 88.7 it saturates at exp(88.7). */
+ * result there is denormal or 0), above 88.7 it saturates at exp(88.7); NaN
+ * gives NaN. */
 #ifndef QT_BACKEND_CPU_OP_SIMD_H
 #define QT_BACKEND_CPU_OP_SIMD_H
 
@@ -15,7 +16,9 @@
 static inline __m256 op_exp8(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.3365478515625f), hi = _mm256_set1_ps(88.72283172607421875f);
     __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    /* max/min return their second operand when one is NaN: x goes second, so
+     * a NaN stays NaN (a NaN logit must make the loss NaN, not exp(-87)) */
+    x = _mm256_min_ps(hi, _mm256_max_ps(lo, x));
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);

@@ -311,6 +311,51 @@ static void test_load_file(void **state) {
     assert_int_equal(qt_ds_config_load("/nonexistent/ds.json", 1, &c), QT_EIO);
 }
 
+/* issue 24: values that used to train wrongly in silence are refused naming the key */
+static void test_silent_values_refused(void **state) {
+    (void)state;
+    static const struct {
+        const char *json, *must;
+    } cases[] = {
+        {"{\"optimizer\":{\"type\":\"AdamW\",\"params\":{\"eps\":0}}}", "optimizer.params: eps 0"},
+        {"{\"optimizer\":{\"type\":\"AdamW\",\"params\":{\"eps\":-1e-8}}}", "eps -1e-08"},
+        {"{\"scheduler\":{\"type\":\"WarmupLR\",\"params\":{\"warmup_max_lr\":-1}}}",
+         "scheduler.params.warmup_max_lr -1"},
+        {"{\"scheduler\":{\"type\":\"WarmupLR\",\"params\":{\"warmup_min_lr\":-0.5}}}",
+         "scheduler.params.warmup_min_lr -0.5"},
+        {"{\"scheduler\":{\"type\":\"WarmupDecayLR\",\"params\":{\"warmup_max_lr\":-1,\"total_num_steps\":9}}}",
+         "warmup_max_lr -1"},
+        {"{\"scheduler\":{\"type\":\"WarmupCosineLR\",\"params\":{\"cos_min_ratio\":-1,\"total_num_steps\":9}}}",
+         "cos_min_ratio -1"},
+        {"{\"scheduler\":{\"type\":\"WarmupCosineLR\",\"params\":{\"warmup_min_ratio\":2,\"total_num_steps\":9}}}",
+         "warmup_min_ratio 2"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char text[512];
+        snprintf(text, sizeof text, "{\"train_micro_batch_size_per_gpu\":1,%s", cases[i].json + 1);
+        qt_ds_config c;
+        assert_int_equal(parse_text(text, 1, &c), QT_EINVAL);
+        if (!strstr(qt_error_message(), cases[i].must)) fail_msg("%s: %s", cases[i].json, qt_error_message());
+    }
+    /* "auto" total_num_steps is checked when max_steps is known */
+    qt_ds_config c;
+    assert_int_equal(parse_text("{\"train_micro_batch_size_per_gpu\":1,\"scheduler\":{\"type\":\"WarmupDecayLR\",\"params\":{\"warmup_max_lr\":-1,"
+                                "\"total_num_steps\":\"auto\"}}}",
+                                1, &c),
+                     QT_OK);
+    assert_int_equal(qt_ds_config_finalize(&c, 10), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "warmup_max_lr -1"));
+    /* a key twice in a DeepSpeed file: cJSON would keep the first, Python's json the last */
+    char dir[] = "/tmp/qtune_ds_XXXXXX", path[256];
+    assert_non_null(mkdtemp(dir));
+    assert_int_equal(qt_path_join(path, sizeof path, dir, "ds.json"), QT_OK);
+    const char *dup = "{\"train_micro_batch_size_per_gpu\": 1, \"zero_optimization\": {\"stage\": 1, \"stage\": 2}}";
+    assert_int_equal(qt_write_file_atomic(path, dup, strlen(dup)), QT_OK);
+    assert_int_equal(qt_ds_config_load(path, 1, &c), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "\"zero_optimization.stage\" appears more than once"));
+    assert_non_null(strstr(qt_error_message(), "ds.json"));
+    assert_int_equal(qt_rm_rf(dir), QT_OK);
+}
 
 /* Random configs built from the real key names with values of every JSON
  * type: parsing never crashes (ASan/UBSan in CI), fails only with an input
@@ -400,6 +445,7 @@ int main(void) {
         cmocka_unit_test(test_defaults_and_sections), cmocka_unit_test(test_optimizer_modes),
         cmocka_unit_test(test_schedulers),       cmocka_unit_test(test_precision_and_zero),
         cmocka_unit_test(test_unknown_keys_warn), cmocka_unit_test(test_load_file), cmocka_unit_test(test_random_configs),
+        cmocka_unit_test(test_silent_values_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
