@@ -84,6 +84,14 @@ static void acts_load(qt_model *m, int l, int N) {
 static void linear_forward(qt_model *m, int l, int j, float *out, const float *inp, const uint16_t *inp16, int N,
                            float *lora_h, int dropout) {
     const qt_linear *q = &m->layers[l].lin[j];
+    if (m->infer && N == 1) { /* one-token decoding: matrix-vector products, each weight read once */
+        op_matvec(out, inp, q->w.p, q->w.dt, q->b, q->in, q->out, 1.0f, 0);
+        if (q->la) {
+            op_matvec(lora_h, inp, q->la, QT_F32, NULL, q->in, m->opts.lora_r, m->lora_scaling, 0); /* s A x */
+            op_matvec(out, lora_h, q->lb, QT_F32, NULL, m->opts.lora_r, q->out, 1.0f, 1);           /* += B hs */
+        }
+        return;
+    }
     if (!(m->native_bf16 && inp16 && q->w.dt == QT_BF16 &&
           op_dnnl_bf16_matmul(out, inp16, q->w.p, q->b, N, q->in, q->out, 1.0f) == QT_OK))
         op_matmul_forward(out, inp, q->w.p, q->w.dt, q->b, N, q->in, q->out, 1.0f, 0, m->ws);
@@ -390,7 +398,7 @@ int qt_model_decode(qt_model *m, const int32_t *ids, int n, int pos0, float *log
     op_embedding_forward(A->x[0], ids, m->wte.p, m->wte.dt, n, C);
     for (int l = 0; l < L; l++) layer_forward(m, l, NULL, n, A->x[l], A->x[l + 1], &A->layer[l], 0, m->pos_buf, pos0);
     op_rmsnorm_forward(A->lnf, A->rstdf, A->x[L] + (size_t)(n - 1) * C, m->lnf_w, 1, C, c->rms_norm_eps);
-    op_matmul_forward(logits_out, A->lnf, m->lm_head.p, m->lm_head.dt, NULL, 1, C, V, 1.0f, 0, m->ws);
+    op_matvec(logits_out, A->lnf, m->lm_head.p, m->lm_head.dt, NULL, C, V, 1.0f, 0); /* one row: read V x C once */
     m->kv_len = pos0 + n;
     return QT_OK;
 }
