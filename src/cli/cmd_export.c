@@ -58,7 +58,7 @@ int cmd_export(int argc, char **argv) {
     if (!model) return cli_usage_error("export", "--model DIR is required");
     if ((gguf != NULL) == (lora != NULL)) return cli_usage_error("export", "give exactly one of --gguf OUT or --gguf-lora OUT");
     if (lora && !adapter) return cli_usage_error("export", "--gguf-lora needs --adapter DIR (the adapter to write)");
-    gguf_export_opts o = {GGUF_F32, NULL, NULL, NULL, stderr, isatty(2), NULL};
+    gguf_export_opts o = {GGUF_F32, NULL, NULL, NULL, stderr, isatty(2), NULL, NULL};
     if (dtype && gguf_type_parse(dtype, &o.type) != QT_OK)
         return cli_usage_error("export", "--dtype must be f32, f16, bf16 or q8_0, not '%s'", dtype);
     const char *out = gguf ? gguf : lora;
@@ -80,6 +80,7 @@ int cmd_export(int argc, char **argv) {
     if (rc == QT_OK && gguf) {
         o.source = set ? merged_source : NULL;
         o.source_ctx = set;
+        o.base = base; /* the merge reads the same mapping */
         rc = gguf_export_model(model, gguf, &o);
     } else if (rc == QT_OK) {
         rc = gguf_export_lora(model, adapter, lora, &o);

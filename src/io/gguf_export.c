@@ -8,8 +8,11 @@
 
 #include <cjson/cJSON.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "core/error.h"
 #include "core/fs.h"
@@ -95,6 +98,26 @@ int gguf_tensor_name(int arch, const char *hf, int n_head, int n_head_kv, char *
 
 /* ---- value producers -------------------------------------------------------------- */
 static int stored_fill(void *ctx, float *dst, size_t off, size_t n) { return st_read_f32_range(ctx, off, n, dst); }
+
+/* Any producer, then the mapped pages of the source range it has consumed are
+ * handed back (the mapping is read-only, so they are only re-read from the
+ * page cache if needed again): the resident size stays a few MiB instead of
+ * growing to the whole model as the export walks it. */
+typedef struct {
+    st_fill_fn fill;
+    void *ctx;
+    const st_tensor *src;
+} release_ctx;
+
+static int release_fill(void *c, float *dst, size_t off, size_t n) {
+    const release_ctx *r = c;
+    QT_TRY(r->fill(r->ctx, dst, off, n));
+    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE), es = qt_dtype_size(r->src->dtype),
+                    p = (uintptr_t)r->src->data, a = (p + off * es + pg - 1) & ~(pg - 1),
+                    e = (p + (off + n) * es) & ~(pg - 1);
+    if (e > a) madvise((void *)a, e - a, MADV_DONTNEED);
+    return QT_OK;
+}
 
 /* Rows of a (heads * D, cols) tensor in ggml's RoPE order: GGUF row h*D + 2j + s
  * is HF row h*D + s*D/2 + j (convert_hf_to_gguf.py's LlamaModel.permute). */
@@ -357,8 +380,10 @@ int gguf_export_model(const char *model_dir, const char *out, const gguf_export_
     gguf_writer *w = NULL;
     const int nw = qt_weight_count(&cfg);
     permute_ctx *perm = qt_calloc((size_t)nw, sizeof *perm, "GGUF permutations");
-    if (!perm) return QT_ENOMEM;
-    int rc = st_open(model_dir, &st);
+    release_ctx *rel = qt_calloc((size_t)nw, sizeof *rel, "GGUF producers");
+    int rc = perm && rel ? QT_OK : QT_ENOMEM;
+    if (rc == QT_OK && o->base) st = o->base;
+    else if (rc == QT_OK) rc = st_open(model_dir, &st);
     if (rc == QT_OK) rc = gguf_writer_new(&w);
     if (rc == QT_OK) rc = add_general(w, a, "model", model_dir, o);
     if (rc == QT_OK) rc = gguf_set_u32(w, "general.file_type", file_type(o->type));
@@ -385,6 +410,10 @@ int gguf_export_model(const char *model_dir, const char *out, const gguf_export_
             perm[i] = (permute_ctx){fill, ctx, (size_t)cfg.head_dim, spec.ndim == 2 ? (size_t)spec.shape[1] : 1};
             fill = permuted_fill, ctx = &perm[i];
         }
+        if (!o->source || o->base) { /* the pages the producer reads are t's (a source reads o->base) */
+            rel[i] = (release_ctx){fill, ctx, t};
+            fill = release_fill, ctx = &rel[i];
+        }
         gguf_type type = spec.ndim == 1 ? GGUF_F32 : o->type;
         if (type == GGUF_Q8_0 && spec.shape[spec.ndim - 1] % GGUF_QK8_0) type = GGUF_F16, fallback++;
         rc = gguf_add_tensor(w, gname, type, spec.ndim, spec.shape, fill, ctx);
@@ -398,8 +427,9 @@ int gguf_export_model(const char *model_dir, const char *out, const gguf_export_
         rc = gguf_writer_write(w, out);
     }
     gguf_writer_free(w);
-    st_close(st);
+    if (st != o->base) st_close(st);
     qt_free(perm);
+    qt_free(rel);
     return rc;
 }
 

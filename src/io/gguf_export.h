@@ -33,6 +33,7 @@ typedef struct {
     FILE *progress;            /* progress lines (NULL: none) */
     int tty;
     const char *name;          /* general.name; NULL: the folder's name */
+    st_file *base;             /* the model's opened safetensors, shared with source (NULL: opened here) */
 } gguf_export_opts;
 
 /* Writes out (atomically) from the model folder: config.json, the

@@ -364,7 +364,8 @@ def test_missing_tokenizer(models, tmp_path):
 
 def test_memory_does_not_scale_with_the_model(tmp_path):
     """Streamed: a bf16 model exported to f32 needs neither an f32 copy (2x the source) nor the output in
-    memory. Peak RSS (which counts the source's mapped pages, at most 1x) stays well under 2x."""
+    memory, and the source's mapped pages are handed back as they are consumed: the peak RSS stays under
+    half the source file (19 MB for this 84 MB source when measured; 99 MB before the pages were released)."""
     m = tmp_path / "m"
     qtune("init", "--out", m, "--preset", "bench-tiny", "--seed", "1", "--dtype", "bf16")
     import shutil
@@ -372,13 +373,15 @@ def test_memory_does_not_scale_with_the_model(tmp_path):
     # the tiny tokenizer's 267 ids pad to the 151936-row vocabulary as [PAD<id>] tokens
     src_bytes = os.path.getsize(m / "model.safetensors")
     out = tmp_path / "m.gguf"
-    if not QTUNE:
-        pytest.skip("no qtune")
-    p = subprocess.Popen([QTUNE, "export", "--model", str(m), "--gguf", str(out), "--dtype", "f32"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _, status, ru = os.wait4(p.pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, p.stderr.read()
+    # measured by /usr/bin/time, a small parent: a child forked from pytest starts with pytest's own pages
+    # resident, and the peak RSS it reports keeps them across the exec
+    if not os.path.exists("/usr/bin/time"):
+        pytest.skip("/usr/bin/time is not installed")
+    rss = tmp_path / "rss"
+    p = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", str(rss), QTUNE, "export", "--model", str(m), "--gguf",
+                        str(out), "--dtype", "f32"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    peak = int(rss.read_text().split()[-1]) * 1024
     out_bytes = os.path.getsize(out)
     assert out_bytes > 1.9 * src_bytes
-    peak = ru.ru_maxrss * 1024
-    assert peak < src_bytes + (64 << 20), (peak, src_bytes, out_bytes)
+    assert peak < src_bytes / 2, (peak, src_bytes, out_bytes)
