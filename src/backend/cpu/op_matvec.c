@@ -22,6 +22,13 @@
  * of f32: a few microseconds, the cost of waking the team) */
 #define MATVEC_MIN_PARALLEL ((size_t)1 << 15)
 #define ROW_ALIGN 16
+/* Software prefetch distance in elements (8 KiB of bf16, 16 KiB of f32). One
+ * core keeps only as many lines in flight as its instruction window reaches,
+ * and a 2-byte row brings half a line per load: without the hint a bf16 matvec
+ * ran at about half the GB/s of an f32 one. Measured on op_matvec alone
+ * (896 x 4864, 64 matrices, 1 thread, the shared 2-core VM, best of 20, three
+ * alternating rounds): bf16 11-16.6 -> 21-23.8 GB/s, f32 unchanged at 25-30. */
+#define MATVEC_AHEAD 4096
 
 #if defined(__AVX512F__)
 #define LANES 16
@@ -64,8 +71,10 @@ static inline float w_at(const void *w, qt_dtype dt, size_t i) {
     return dt == QT_F16 ? qt_f16_to_f32(h) : qt_bf16_to_f32(h);
 }
 
-/* rows [r0, r1): dot products of W's rows with x into dot[] (r - r0 indexed) */
-static void dot_rows(float *dot, const float *x, const void *w, qt_dtype dt, int IN, int r0, int r1) {
+/* rows [r0, r1): dot products of W's rows with x into dot[] (r - r0 indexed).
+ * Always inlined into a switch on the dtype, so each copy has its dtype as a
+ * constant and the loads carry no branch. */
+static inline __attribute__((always_inline)) void dot_rows(float *dot, const float *x, const void *w, qt_dtype dt, int IN, int r0, int r1) {
     const size_t in = (size_t)IN;
     int r = r0;
 #if LANES
@@ -74,6 +83,13 @@ static void dot_rows(float *dot, const float *x, const void *w, qt_dtype dt, int
         const size_t b0 = (size_t)r * in, b1 = b0 + in, b2 = b1 + in, b3 = b2 + in;
         vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
         for (size_t i = 0; i < vec_end; i += LANES) {
+            /* the four rows are one contiguous stream; asking for it MATVEC_AHEAD elements ahead keeps
+             * enough lines in flight (a hint: no fault past the end) */
+            const char *ahead = (const char *)w + (b0 + i + MATVEC_AHEAD) * (dt == QT_F32 ? 4 : 2);
+            _mm_prefetch(ahead, _MM_HINT_T0);
+            _mm_prefetch(ahead + (b1 - b0) * (dt == QT_F32 ? 4 : 2), _MM_HINT_T0);
+            _mm_prefetch(ahead + (b2 - b0) * (dt == QT_F32 ? 4 : 2), _MM_HINT_T0);
+            _mm_prefetch(ahead + (b3 - b0) * (dt == QT_F32 ? 4 : 2), _MM_HINT_T0);
             vf xv = vload_x(x + i);
             a0 = vfma(vload_w(w, dt, b0 + i), xv, a0);
             a1 = vfma(vload_w(w, dt, b1 + i), xv, a1);
@@ -113,7 +129,11 @@ static void matvec_rows(float *out, const float *x, const void *w, qt_dtype dt, 
     float dot[256];
     for (int a = r0; a < r1; a += 256) {
         int b = r1 - a < 256 ? r1 : a + 256;
-        dot_rows(dot, x, w, dt, IN, a, b);
+        switch (dt) {
+        case QT_F32: dot_rows(dot, x, w, QT_F32, IN, a, b); break;
+        case QT_F16: dot_rows(dot, x, w, QT_F16, IN, a, b); break;
+        case QT_BF16: dot_rows(dot, x, w, QT_BF16, IN, a, b); break;
+        }
         for (int r = a; r < b; r++) {
             float v = alpha * dot[r - a] + (bias ? bias[r] : 0.0f);
             out[r] = accumulate ? out[r] + v : v;
