@@ -385,3 +385,29 @@ def test_memory_does_not_scale_with_the_model(tmp_path):
     out_bytes = os.path.getsize(out)
     assert out_bytes > 1.9 * src_bytes
     assert peak < src_bytes / 2, (peak, src_bytes, out_bytes)
+
+
+def test_interrupt_leaves_nothing(tmp_path):
+    """Ctrl-C during the write: exit 130, the temporary removed, an old OUT untouched."""
+    import signal
+    import time
+    m = tmp_path / "m"
+    qtune("init", "--out", m, "--preset", "bench-tiny", "--seed", "1")
+    import shutil
+    shutil.copy(TINY_TOK, m / "tokenizer.json")
+    out = tmp_path / "x.gguf"
+    out.write_bytes(b"old")
+    p = subprocess.Popen([QTUNE, "export", "--model", str(m), "--gguf", str(out), "--dtype", "f32"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # wait until the temporary file exists (the write has begun), then interrupt
+    t0 = time.time()
+    while time.time() - t0 < 30 and not [f for f in os.listdir(tmp_path) if f.startswith("x.gguf.tmp")]:
+        time.sleep(0.005)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    if p.returncode == 0:
+        pytest.skip("the export finished before the signal arrived")
+    assert p.returncode == 130, err
+    assert "export interrupted" in err
+    assert out.read_bytes() == b"old"
+    no_leftovers(tmp_path, ("m", "x.gguf"))
