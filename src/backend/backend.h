@@ -158,6 +158,10 @@ struct qt_backend {
     void (*matmul_backward)(qt_backend *be, float *dinp, float *dweight, float *dbias, const float *dout,
                             const float *inp, const void *w, qt_dtype wdt, int N, int IN, int OUT, float alpha,
                             float *ws);
+    /* One-token decoding: out (OUT) = alpha * W (OUT, IN) @ x (IN) + bias
+     * (+ out with accumulate), each weight read once in its stored dtype. */
+    void (*matvec)(qt_backend *be, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int IN,
+                   int OUT, float alpha, int accumulate);
     void (*rope_forward)(qt_backend *be, float *x, const int32_t *pos, int N, int NH, int D, float theta);
     void (*rope_backward)(qt_backend *be, float *dx, const int32_t *pos, int N, int NH, int D, float theta);
     void (*attention_forward)(qt_backend *be, float *out, float *lse, const float *q, const float *k, const float *v,

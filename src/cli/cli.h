@@ -12,6 +12,7 @@ int cmd_eval(int argc, char **argv);
 int cmd_generate(int argc, char **argv);
 int cmd_tokenize(int argc, char **argv);
 int cmd_merge(int argc, char **argv);
+int cmd_export(int argc, char **argv);
 int cmd_plan(int argc, char **argv);
 int cmd_doctor(int argc, char **argv);
 int cmd_stop(int argc, char **argv);

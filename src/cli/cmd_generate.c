@@ -62,6 +62,8 @@ typedef struct {
     int pos;            /* positions in the KV cache */
     int32_t *hist;      /* (ctx) the ids in the KV cache, in order */
     char *reply;        /* text of the last reply (qt_free), for the chat history */
+    long prompt_tokens, decode_tokens; /* over all replies, for the closing speed line */
+    double prompt_s, decode_s;
     const char *model_dir, *adapter; /* for messages */
 } gen_state;
 
@@ -162,6 +164,8 @@ static int generate_reply(gen_state *g, const int32_t *ids, int n) {
         n_dec++;
     }
     const double t2 = qt_now_s();
+    g->prompt_tokens += n, g->prompt_s += t1 - t0;
+    g->decode_tokens += n_dec, g->decode_s += t2 - t1;
     qt_free(g->reply);
     g->reply = NULL;
     if (rc == QT_OK && g->tok) {
@@ -528,6 +532,12 @@ int cmd_generate(int argc, char **argv) {
             rc = generate_reply(&g, ids, (int)n_ids);
         }
     }
+    /* the speeds, on stderr so stdout stays the text (or the JSON lines): prompt tokens run through
+     * the batched forward per second, and one-token decode steps (each with its sampling) per second */
+    if (rc == QT_OK && g.prompt_tokens > 0)
+        qt_info("prompt %ld tokens, %.1f tok/s; decode %ld tokens, %.1f tok/s", g.prompt_tokens,
+                g.prompt_s > 0 ? g.prompt_tokens / g.prompt_s : 0.0, g.decode_tokens,
+                g.decode_s > 0 ? g.decode_tokens / g.decode_s : 0.0);
     qt_free(ids);
     qt_sampler_free(&g.sampler);
     qt_free(g.logits);

@@ -27,6 +27,7 @@ static const struct {
     {"tokenize", cmd_tokenize, "encode text to token ids or decode ids to text"},
     {"merge", cmd_merge, "merge a PEFT LoRA adapter into a model folder"},
     {"stop", cmd_stop, "ask a running train (MPI included) to save a checkpoint and exit"},
+    {"export", cmd_export, "write a model or LoRA adapter as a GGUF file for llama.cpp"},
     {"plan", cmd_plan, "memory and hardware plan for a model, strategy and device count"},
     {"doctor", cmd_doctor, "check this machine and a job file; list known failures and fixes"},
 };

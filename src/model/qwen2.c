@@ -88,6 +88,14 @@ static void linear_forward(qt_model *m, int l, int j, float *out, const float *i
                            float *lora_h, int dropout) {
     const qt_linear *q = &m->layers[l].lin[j];
     qt_backend *be = m->be;
+    if (m->infer && N == 1) { /* one-token decoding: matrix-vector products, each weight read once */
+        be->matvec(be, out, inp, q->w.p, q->w.dt, q->b, q->in, q->out, 1.0f, 0);
+        if (q->la) {
+            be->matvec(be, lora_h, inp, q->la, QT_F32, NULL, q->in, m->opts.lora_r, m->lora_scaling, 0); /* s A x */
+            be->matvec(be, out, lora_h, q->lb, QT_F32, NULL, m->opts.lora_r, q->out, 1.0f, 1);           /* += B hs */
+        }
+        return;
+    }
     if (!(m->native_bf16 && inp16 && q->w.dt == QT_BF16 &&
           be->bf16_matmul(be, out, inp16, q->w.p, q->b, N, q->in, q->out, 1.0f) == QT_OK))
         be->matmul_forward(be, out, inp, q->w.p, q->w.dt, q->b, N, q->in, q->out, 1.0f, 0, m->ws);
@@ -424,7 +432,7 @@ int qt_model_decode(qt_model *m, const int32_t *ids, int n, int pos0, float *log
     be->embedding_forward(be, A->x[0], dids, m->wte.p, m->wte.dt, n, C);
     for (int l = 0; l < L; l++) layer_forward(m, l, NULL, n, A->x[l], A->x[l + 1], &A->layer[l], 0, dpos, pos0);
     be->rmsnorm_forward(be, A->lnf, A->rstdf, A->x[L] + (size_t)(n - 1) * C, m->lnf_w, 1, C, c->rms_norm_eps);
-    be->matmul_forward(be, m->logits, A->lnf, m->lm_head.p, m->lm_head.dt, NULL, 1, C, V, 1.0f, 0, m->ws);
+    be->matvec(be, m->logits, A->lnf, m->lm_head.p, m->lm_head.dt, NULL, C, V, 1.0f, 0); /* one row: read V x C once */
     be->download(be, logits_out, m->logits, sizeof(float) * (size_t)V);
     m->kv_len = pos0 + n;
     return QT_OK;

@@ -92,7 +92,7 @@ static int copy_side_files(const char *src, const char *dst, int out_dtype) {
 
 /* The model folder is checked before the adapter is read, so a wrong --model
  * is reported as such and not as whatever the adapter check meets first. */
-static int open_model(const char *model_dir, st_file **base) {
+int qt_merge_open_model(const char *model_dir, st_file **base) {
     char cfg[4096];
     if (!qt_path_exists(model_dir))
         return QT_ERR(QT_EIO, "--model %s does not exist; name the base model folder (config.json and "
@@ -167,9 +167,62 @@ static int pair_items(const char *model_dir, const char *adapter_dir, const peft
     return QT_OK;
 }
 
+struct qt_merge_set {
+    st_file *ad;
+    merge_item *items;
+    int n_items;
+    float scaling;
+};
+
+void qt_merge_set_free(qt_merge_set *s) {
+    if (!s) return;
+    for (int k = 0; s->items && k < s->n_items; k++) {
+        qt_free(s->items[k].af);
+        qt_free(s->items[k].bf);
+        qt_free(s->items[k].tmp);
+    }
+    qt_free(s->items);
+    st_close(s->ad);
+    qt_free(s);
+}
+
+int qt_merge_set_open(const char *model_dir, const char *adapter_dir, st_file *base, qt_merge_set **out) {
+    *out = NULL;
+    qt_merge_set *s = qt_calloc(1, sizeof *s, "merge list");
+    if (!s) return QT_ENOMEM;
+    peft_config pc;
+    int rc = peft_config_load(adapter_dir, &pc);
+    if (rc == QT_OK) rc = peft_open_weights(adapter_dir, &s->ad);
+    if (rc == QT_OK) {
+        s->items = qt_calloc((size_t)(st_count(s->ad) > 0 ? st_count(s->ad) : 1), sizeof *s->items, "merge list");
+        if (!s->items) rc = QT_ENOMEM;
+    }
+    if (rc == QT_OK) rc = pair_items(model_dir, adapter_dir, &pc, base, s->ad, s->items, &s->n_items);
+    if (rc != QT_OK) {
+        qt_merge_set_free(s);
+        return rc;
+    }
+    s->scaling = peft_scaling(&pc);
+    *out = s;
+    return QT_OK;
+}
+
+void qt_merge_set_lookup(qt_merge_set *s, const char *name, st_fill_fn *fill, void **ctx) {
+    *fill = NULL;
+    *ctx = NULL;
+    for (int k = 0; k < s->n_items; k++)
+        if (!strcmp(s->items[k].w->name, name)) {
+            *fill = merge_fill;
+            *ctx = &s->items[k];
+        }
+}
+
+int qt_merge_set_count(const qt_merge_set *s) { return s->n_items; }
+float qt_merge_set_scaling(const qt_merge_set *s) { return s->scaling; }
+
 /* Writes the whole merged folder into stage. */
-static int write_stage(const char *model_dir, const char *stage, st_file *base, merge_item *items, int n_items,
-                       int out_dtype, volatile sig_atomic_t *stop) {
+static int write_stage(const char *model_dir, const char *stage, st_file *base, qt_merge_set *set, int out_dtype,
+                       volatile sig_atomic_t *stop) {
     st_writer *wr = NULL;
     qt_rm_rf(stage); /* a left-over of a killed merge that had this pid */
     QT_TRY(qt_mkdir_p(stage));
@@ -179,9 +232,10 @@ static int write_stage(const char *model_dir, const char *stage, st_file *base, 
     for (int i = 0; rc == QT_OK && i < st_count(base); i++) {
         const st_tensor *t = st_at(base, i);
         qt_dtype dt = out_dtype < 0 ? t->dtype : (qt_dtype)out_dtype;
-        int k = 0;
-        while (k < n_items && items[k].w != t) k++;
-        if (k < n_items) rc = st_writer_add_fn(wr, t->name, dt, t->ndim, t->shape, merge_fill, &items[k]);
+        st_fill_fn fill;
+        void *ctx;
+        qt_merge_set_lookup(set, t->name, &fill, &ctx);
+        if (fill) rc = st_writer_add_fn(wr, t->name, dt, t->ndim, t->shape, fill, ctx);
         else rc = st_writer_add(wr, t->name, dt, t->ndim, t->shape, t->data, t->dtype);
     }
     char path[4096];
@@ -217,8 +271,9 @@ static int commit_stage(const char *stage, const char *out) {
 
 int qt_merge_adapter(const char *model_dir, const char *adapter_dir, const char *out_dir, int out_dtype,
                      volatile sig_atomic_t *stop) {
-    st_file *base = NULL, *ad = NULL;
-    QT_TRY(open_model(model_dir, &base));
+    st_file *base = NULL;
+    qt_merge_set *set = NULL;
+    QT_TRY(qt_merge_open_model(model_dir, &base));
     char rm[4096], ro[4096], out[4096], stage[4200];
     int rc = QT_OK;
     if (realpath(model_dir, rm) && realpath(out_dir, ro) && !strcmp(rm, ro))
@@ -236,21 +291,11 @@ int qt_merge_adapter(const char *model_dir, const char *adapter_dir, const char 
         if (qt_is_dir(out)) snprintf(stage, sizeof stage, "%s/.qtune-merge.tmp.%ld", out, (long)getpid());
         else snprintf(stage, sizeof stage, "%s.tmp.%ld", out, (long)getpid());
     }
-    peft_config pc;
-    if (rc == QT_OK) rc = peft_config_load(adapter_dir, &pc);
-    if (rc == QT_OK) rc = peft_open_weights(adapter_dir, &ad);
-
-    int n_items = 0;
-    merge_item *items = NULL;
-    if (rc == QT_OK) {
-        items = qt_calloc((size_t)(st_count(ad) > 0 ? st_count(ad) : 1), sizeof *items, "merge list");
-        if (!items) rc = QT_ENOMEM;
-    }
-    if (rc == QT_OK) rc = pair_items(model_dir, adapter_dir, &pc, base, ad, items, &n_items);
+    if (rc == QT_OK) rc = qt_merge_set_open(model_dir, adapter_dir, base, &set);
     int staged = 0;
     if (rc == QT_OK) {
         staged = 1;
-        rc = write_stage(model_dir, stage, base, items, n_items, out_dtype, stop);
+        rc = write_stage(model_dir, stage, base, set, out_dtype, stop);
     }
     /* a last look at the flag: once the renames start, a signal no longer undoes the merge */
     if (rc == QT_OK && stop && *stop) rc = QT_EINTERRUPTED;
@@ -259,14 +304,9 @@ int qt_merge_adapter(const char *model_dir, const char *adapter_dir, const char 
         QT_ERR(QT_EINTERRUPTED, "merge interrupted; the partial output was removed and %s was left as it was", out);
     if (rc != QT_OK && staged) qt_rm_rf(stage);
     if (rc == QT_OK)
-        qt_info("merged %d LoRA weights (scaling %g) into %s", n_items, (double)peft_scaling(&pc), out_dir);
-    for (int k = 0; items && k < n_items; k++) {
-        qt_free(items[k].af);
-        qt_free(items[k].bf);
-        qt_free(items[k].tmp);
-    }
-    qt_free(items);
-    st_close(ad);
+        qt_info("merged %d LoRA weights (scaling %g) into %s", qt_merge_set_count(set),
+                (double)qt_merge_set_scaling(set), out_dir);
+    qt_merge_set_free(set);
     st_close(base);
     return rc;
 }

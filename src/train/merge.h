@@ -8,6 +8,7 @@
 #include <signal.h>
 
 #include "core/dtype.h"
+#include "io/safetensors.h"
 
 /* model_dir: a model folder (checked first); adapter_dir: a PEFT adapter
  * folder whose tensors must all lie in its target_modules; out_dir: the merged
@@ -19,5 +20,21 @@
  * is left as it was and nothing else remains. */
 int qt_merge_adapter(const char *model_dir, const char *adapter_dir, const char *out_dir, int out_dtype,
                      volatile sig_atomic_t *stop);
+
+/* The merge as a set of producers, for writers other than the merged folder
+ * (qtune export --gguf): qt_merge_open_model checks and opens the base folder
+ * (the same messages as merge); qt_merge_set_open reads the adapter, pairs
+ * each A/B with its weight in base (borrowed: it must outlive the set) and
+ * checks names against target_modules and every shape, as merge does. */
+typedef struct qt_merge_set qt_merge_set;
+int qt_merge_open_model(const char *model_dir, st_file **base);
+int qt_merge_set_open(const char *model_dir, const char *adapter_dir, st_file *base, qt_merge_set **out);
+/* For the base weight named name: a producer of W' = W + (B @ A) * scaling in
+ * f32, row-major, any element range (safetensors' st_fill_fn), or *fill =
+ * NULL when the adapter leaves that weight alone. */
+void qt_merge_set_lookup(qt_merge_set *s, const char *name, st_fill_fn *fill, void **ctx);
+int qt_merge_set_count(const qt_merge_set *s);  /* adapted weights */
+float qt_merge_set_scaling(const qt_merge_set *s);
+void qt_merge_set_free(qt_merge_set *s);
 
 #endif

@@ -68,6 +68,10 @@ static void c_rmsnorm_backward(BE, float *dinp, float *dw, const float *dout, co
                                const float *rstd, int N, int C) {
     op_rmsnorm_backward(dinp, dw, dout, inp, w, rstd, N, C);
 }
+static void c_matvec(BE, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int IN, int OUT,
+                     float alpha, int accumulate) {
+    op_matvec(out, x, w, wdt, bias, IN, OUT, alpha, accumulate);
+}
 static void c_matmul_forward(BE, float *out, const float *inp, const void *w, qt_dtype wdt, const float *bias, int N,
                              int IN, int OUT, float alpha, int accumulate, float *ws) {
     op_matmul_forward(out, inp, w, wdt, bias, N, IN, OUT, alpha, accumulate, ws);
@@ -173,6 +177,7 @@ void qt_backend_cpu_fill(qt_backend *be) {
     be->rmsnorm_forward = c_rmsnorm_forward;
     be->rmsnorm_backward = c_rmsnorm_backward;
     be->matmul_forward = c_matmul_forward;
+    be->matvec = c_matvec;
     be->matmul_backward = c_matmul_backward;
     be->rope_forward = c_rope_forward;
     be->rope_backward = c_rope_backward;

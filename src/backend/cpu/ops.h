@@ -51,6 +51,14 @@ void op_matmul_forward(float *out, const float *inp, const void *w, qt_dtype wdt
 void op_matmul_backward(float *dinp, float *dweight, float *dbias, const float *dout, const float *inp, const void *w,
                         qt_dtype wdt, int N, int IN, int OUT, float alpha, float *ws);
 
+/* ---- matrix-vector product (one-token decoding, op_matvec.c) ------------ */
+/* out (OUT) = alpha * W (OUT, IN) @ x (IN) + bias, or out += that with
+ * accumulate != 0. W in wdt is read once, in its stored dtype (f16/bf16
+ * widened in registers); threads own blocks of output rows. The result does
+ * not depend on the thread count. No workspace. */
+void op_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int IN, int OUT,
+               float alpha, int accumulate);
+
 /* ---- rotary embedding (HF rotate-half convention) ------------------------ */
 /* x (N, NH, D) rotated in place by angle pos[n] * theta^(-2i/D), i < D/2:
  * x[i] <- x[i] cos - x[i+D/2] sin, x[i+D/2] <- x[i+D/2] cos + x[i] sin. */

@@ -101,6 +101,7 @@ static int cuda_open(qt_backend **out) {
     qt_cuda_fill_memory(be);
     qt_cuda_fill_elementwise(be);
     qt_cuda_fill_matmul(be);
+    qt_cuda_fill_matvec(be);
     qt_cuda_fill_attention(be);
     qt_cuda_fill_lmhead_ce(be);
     qt_cuda_fill_optim(be);

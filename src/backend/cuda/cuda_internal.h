@@ -70,6 +70,7 @@ void qt_cuda_fail(const char *what, const char *detail, const char *file, int li
 void qt_cuda_fill_memory(qt_backend *be);      /* memory.cu */
 void qt_cuda_fill_elementwise(qt_backend *be); /* op_elementwise.cu */
 void qt_cuda_fill_matmul(qt_backend *be);      /* op_matmul.cu */
+void qt_cuda_fill_matvec(qt_backend *be);      /* op_matmul.cu */
 void qt_cuda_fill_attention(qt_backend *be);   /* op_attention.cu */
 void qt_cuda_fill_lmhead_ce(qt_backend *be);   /* op_lmhead_ce.cu */
 void qt_cuda_fill_optim(qt_backend *be);       /* op_optim.cu */

@@ -92,3 +92,40 @@ extern "C" void qt_cuda_fill_matmul(qt_backend *be) {
     be->bf16_matmul = g_bf16_matmul;
     be->bf16_gemm = g_bf16_gemm;
 }
+
+/* One-token decoding: out (OUT) = alpha * W (OUT, IN) @ x (IN) + bias [+ out].
+ * A warp per output row reads the row once in its stored dtype (2-byte
+ * weights widened in registers), lanes striding over IN, a shuffle tree for
+ * the sum: decode is bound by reading the weights. */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+__global__ void k_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int IN, int OUT,
+                         float alpha, int accumulate) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= OUT) return;
+    size_t o = (size_t)row * IN;
+    float s = 0.0f;
+    if (wdt == QT_BF16) {
+        const unsigned short *r = (const unsigned short *)w + o;
+        for (int i = lane; i < IN; i += 32) s += __bfloat162float(__ushort_as_bfloat16(r[i])) * x[i];
+    } else if (wdt == QT_F16) {
+        const unsigned short *r = (const unsigned short *)w + o;
+        for (int i = lane; i < IN; i += 32) s += __half2float(__ushort_as_half(r[i])) * x[i];
+    } else {
+        const float *r = (const float *)w + o;
+        for (int i = lane; i < IN; i += 32) s += r[i] * x[i];
+    }
+    for (int k = 16; k > 0; k >>= 1) s += __shfl_xor_sync(0xffffffffu, s, k);
+    if (lane == 0) {
+        float v = alpha * s + (bias ? bias[row] : 0.0f);
+        out[row] = accumulate ? out[row] + v : v;
+    }
+}
+static void g_matvec(BE, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int IN, int OUT,
+                     float alpha, int accumulate) {
+    if (OUT <= 0) return;
+    k_matvec<<<(OUT + 7) / 8, 256, 0, STREAM>>>(out, x, w, wdt, bias, IN, OUT, alpha, accumulate);
+    QT_CUDA_LAUNCHED();
+}
+
+extern "C" void qt_cuda_fill_matvec(qt_backend *be) { be->matvec = g_matvec; }

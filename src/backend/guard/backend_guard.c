@@ -185,6 +185,10 @@ static void g_matmul_forward(BE, float *out, const float *inp, const void *w, qt
                              int IN, int OUT, float alpha, int accumulate, float *ws) {
     CALL(CPU->matmul_forward(CPU, out, inp, w, wdt, bias, N, IN, OUT, alpha, accumulate, ws));
 }
+static void g_matvec(BE, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int IN, int OUT,
+                     float alpha, int accumulate) {
+    CALL(CPU->matvec(CPU, out, x, w, wdt, bias, IN, OUT, alpha, accumulate));
+}
 static void g_matmul_backward(BE, float *dinp, float *dw, float *db, const float *dout, const float *inp,
                               const void *w, qt_dtype wdt, int N, int IN, int OUT, float alpha, float *ws) {
     CALL(CPU->matmul_backward(CPU, dinp, dw, db, dout, inp, w, wdt, N, IN, OUT, alpha, ws));
@@ -326,6 +330,7 @@ int qt_backend_guard_open(qt_backend **out) {
     be->rmsnorm_forward = g_rmsnorm_forward;
     be->rmsnorm_backward = g_rmsnorm_backward;
     be->matmul_forward = g_matmul_forward;
+    be->matvec = g_matvec;
     be->matmul_backward = g_matmul_backward;
     be->rope_forward = g_rope_forward;
     be->rope_backward = g_rope_backward;

@@ -174,6 +174,21 @@ static void test_matmul(void **state) {
         }
 }
 
+static void test_matvec(void **state) {
+    (void)state;
+    const int IN = 301, OUT = 97;
+    for (int k = 0; k < 3; k++) {
+        pair x = up_randn(IN, 1.0f), w = up_weight((size_t)OUT * IN, 0.2f, dts[k]), b = up_randn(OUT, 1.0f);
+        pair out = up_randn(OUT, 1.0f);
+        cpu->matvec(cpu, out.c, x.c, w.c, dts[k], b.c, IN, OUT, 0.5f, 1);
+        dev->matvec(dev, out.d, x.d, w.d, dts[k], b.d, IN, OUT, 0.5f, 1);
+        char what[64];
+        snprintf(what, sizeof what, "matvec %s (+bias, accumulate)", dtn[k]);
+        check(what, out, OUT, TOL);
+        drop(x), drop(w), drop(b), drop(out);
+    }
+}
+
 static void test_rope_swiglu(void **state) {
     (void)state;
     const int N = 13, NH = 3, D = 64, I = 101;
@@ -366,7 +381,7 @@ int main(int argc, char **argv) {
     }
     printf("backend %s against cpu\n", dev_name);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_embedding),  cmocka_unit_test(test_rmsnorm),   cmocka_unit_test(test_matmul),
+        cmocka_unit_test(test_embedding),  cmocka_unit_test(test_rmsnorm),   cmocka_unit_test(test_matmul), cmocka_unit_test(test_matvec),
         cmocka_unit_test(test_rope_swiglu), cmocka_unit_test(test_attention), cmocka_unit_test(test_lmhead_ce),
         cmocka_unit_test(test_precision_and_passes), cmocka_unit_test(test_bf16_gemm),
     };

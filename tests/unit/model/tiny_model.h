@@ -23,11 +23,13 @@
 #include "io/safetensors.h"
 #include "model/model.h"
 
-static void tiny_model_write(char *dir, size_t dirsz, const char *tag, uint64_t seed, qt_config *cfg) {
+/* The same, with the weights stored in dt (f32, f16 or bf16; config.json's torch_dtype says so). */
+static void tiny_model_write_dtype(char *dir, size_t dirsz, const char *tag, uint64_t seed, qt_config *cfg,
+                                   qt_dtype dt) {
     snprintf(dir, dirsz, "/tmp/qtune-test-%s-XXXXXX", tag);
     assert_non_null(mkdtemp(dir));
     assert_int_equal(qt_preset("tiny", cfg), QT_OK);
-    cfg->torch_dtype = QT_F32;
+    cfg->torch_dtype = dt;
     char path[512];
     snprintf(path, sizeof path, "%s/config.json", dir);
     assert_int_equal(qt_config_write(cfg, path), QT_OK);
@@ -44,11 +46,15 @@ static void tiny_model_write(char *dir, size_t dirsz, const char *tag, uint64_t 
     st_writer *sw;
     assert_int_equal(st_writer_new(&sw), QT_OK);
     for (int i = 0; i < n; i++)
-        assert_int_equal(st_writer_add(sw, p[i].name, QT_F32, p[i].ndim, p[i].shape, w + p[i].offset, QT_F32), QT_OK);
+        assert_int_equal(st_writer_add(sw, p[i].name, dt, p[i].ndim, p[i].shape, w + p[i].offset, QT_F32), QT_OK);
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
     assert_int_equal(st_writer_write(sw, path), QT_OK);
     st_writer_free(sw);
     free(p), free(w);
+}
+
+static inline void tiny_model_write(char *dir, size_t dirsz, const char *tag, uint64_t seed, qt_config *cfg) {
+    tiny_model_write_dtype(dir, dirsz, tag, seed, cfg, QT_F32);
 }
 
 #endif

@@ -1,0 +1,129 @@
+"""Decode speed of `qtune generate` against the memory-bandwidth limit.
+
+A one-token decode step reads every weight matrix once (the lm_head, which is
+the embedding when tied, included; the embedding of an untied model only one
+row), so its floor is bytes_per_token / bandwidth. For each weight dtype and
+thread count this runs greedy generation on a random model of the preset's
+shape (`qtune init --preset P --dtype D`), takes the median decode tokens/s
+over the reps (qtune's own `decode_tokens_per_s`: one-position decode calls,
+sampling included), and measures STREAM's triad (bench_gemm --triad) at the
+same thread count just before and after, in the same run: the limit is
+triad GB/s / bytes per token, and the table gives qtune's % of it.
+
+usage (on a quiet machine; the 0.5B shape takes a few minutes):
+  /usr/bin/python3 bench/bench_decode.py --build build --preset qwen2.5-0.5b \
+      --dtypes f32,bf16 --threads 1,2 --new 64 --reps 3 --json bench/runs/decode.json
+A quick check of the script itself: --preset bench-tiny --new 8 --reps 1.
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import struct
+import subprocess
+import sys
+import time
+
+
+def env(t):
+    e = dict(os.environ, OMP_NUM_THREADS=str(t), OPENBLAS_NUM_THREADS="1")
+    e.pop("QTUNE_LOG", None)
+    return e
+
+
+def triad(build, t, reps=3):
+    r = subprocess.run([os.path.join(build, "bench", "bench_gemm"), "--triad", "--threads", str(t), "--reps",
+                        str(reps)], capture_output=True, text=True, env=env(t))
+    if r.returncode:
+        sys.exit("bench_gemm --triad failed: " + r.stderr)
+    return json.loads(r.stdout.splitlines()[0])["gbs"]
+
+
+def bytes_per_token(model):
+    """Bytes of weights one decode step reads: every tensor in its stored dtype, except an untied model's
+    embedding table, of which one row is read."""
+    cfg = json.load(open(os.path.join(model, "config.json")))
+    with open(os.path.join(model, "model.safetensors"), "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    total = 0
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        nb = e["data_offsets"][1] - e["data_offsets"][0]
+        if name == "model.embed_tokens.weight" and not cfg.get("tie_word_embeddings", False):
+            nb //= e["shape"][0]
+        total += nb
+    return total
+
+
+def run_generate(qtune, model, t, prompt, new):
+    r = subprocess.run([qtune, "generate", "--model", model, "--prompt-ids", ",".join(map(str, prompt)),
+                        "--max-new", str(new), "--temperature", "0", "--json"], capture_output=True, text=True,
+                       env=env(t))
+    if r.returncode:
+        sys.exit("qtune generate failed: " + r.stderr)
+    o = json.loads(r.stdout.strip().splitlines()[-1])
+    return o["decode_tokens_per_s"], len(o["prompt_ids"]) / o["prefill_s"], o["ids"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default="build")
+    ap.add_argument("--qtune", default=None, help="qtune binary (default BUILD/src/cli/qtune)")
+    ap.add_argument("--preset", default="qwen2.5-0.5b")
+    ap.add_argument("--dtypes", default="f32,bf16")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--new", type=int, default=64, help="tokens generated per run")
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--workdir", default=None, help="where the random models go (default /tmp/qtune-bench-decode)")
+    ap.add_argument("--json", default=None, help="write the results here too")
+    a = ap.parse_args()
+    qtune = a.qtune or os.path.join(a.build, "src", "cli", "qtune")
+    work = a.workdir or "/tmp/qtune-bench-decode"
+    os.makedirs(work, exist_ok=True)
+    rng = random.Random(7)
+    rows = []
+    for dt in a.dtypes.split(","):
+        model = os.path.join(work, "%s-%s" % (a.preset, dt))
+        if not os.path.exists(os.path.join(model, "model.safetensors")):
+            t0 = time.time()
+            subprocess.run([qtune, "init", "--out", model, "--preset", a.preset, "--dtype", dt, "--seed", "1"],
+                           check=True, capture_output=True)
+            print("made %s in %.0f s" % (model, time.time() - t0), file=sys.stderr)
+        bpt = bytes_per_token(model)
+        vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
+        prompt = [rng.randrange(vocab) for _ in range(a.prompt_len)]
+        run_generate(qtune, model, 1, prompt, 2)  # page the weights in before timing
+        for t in map(int, a.threads.split(",")):
+            before = triad(a.build, t)
+            dec, pre = [], []
+            for _ in range(a.reps):
+                d, p, ids = run_generate(qtune, model, t, prompt, a.new)
+                dec.append(d)
+                pre.append(p)
+            after = triad(a.build, t)
+            gbs = (before + after) / 2
+            limit = gbs * 1e9 / bpt
+            med = statistics.median(dec)
+            row = {"preset": a.preset, "dtype": dt, "threads": t, "decode_tok_s": med, "decode_all": dec,
+                   "prefill_tok_s": statistics.median(pre), "bytes_per_token": bpt, "triad_gbs_before": before,
+                   "triad_gbs_after": after, "limit_tok_s": limit, "pct_of_limit": 100 * med / limit}
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
+    print("| %s decode | threads | tok/s (median of %d) | bytes/token | triad GB/s before / after | limit tok/s | "
+          "%% of limit |" % (a.preset, a.reps))
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print("| %s | %d | %.1f | %.2f GB | %.1f / %.1f | %.1f | %.0f%% |" % (
+            r["dtype"], r["threads"], r["decode_tok_s"], r["bytes_per_token"] / 1e9, r["triad_gbs_before"],
+            r["triad_gbs_after"], r["limit_tok_s"], r["pct_of_limit"]))
+    if a.json:
+        json.dump({"rows": rows, "new": a.new, "prompt_len": a.prompt_len, "load": os.getloadavg()},
+                  open(a.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+/* qtune export --model DIR [--adapter DIR] (--gguf OUT.gguf [--dtype T] | --gguf-lora OUT.gguf):
+ * a model (merged with an adapter when one is given) or an adapter alone as
+ * the GGUF file llama.cpp loads. See docs/export.md. */
+#include "cli/cli.h"
+#include "core/clock.h"
+#include "core/error.h"
+#include "core/fs.h"
+#include "io/gguf_export.h"
+#include "io/hf_config.h"
+#include "train/merge.h"
+
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static void help(void) {
+    printf("usage: qtune export --model DIR [--adapter DIR] --gguf OUT.gguf [--dtype f32|f16|bf16|q8_0]\n"
+           "       qtune export --model DIR --adapter DIR --gguf-lora OUT.gguf [--dtype f32|f16|bf16]\n\n"
+           "Writes a GGUF file that llama.cpp (llama-cli, llama-server, Ollama) loads.\n\n"
+           "  --model DIR       Hugging Face model folder (config.json, safetensors, tokenizer.json)\n"
+           "  --adapter DIR     PEFT LoRA adapter folder: with --gguf it is merged into the weights\n"
+           "                    (W + B A * scaling, as qtune merge); with --gguf-lora it is what is written\n"
+           "  --gguf OUT        the whole model, with its tokenizer and chat template\n"
+           "  --gguf-lora OUT   the adapter alone, as llama.cpp's LoRA GGUF (llama-cli --lora OUT)\n"
+           "  --dtype T         type of the weight matrices: f32, f16, bf16 or q8_0 (8-bit blocks of 32\n"
+           "                    with an fp16 scale). Default: the model's torch_dtype for --gguf, f32 for\n"
+           "                    --gguf-lora. Norms and biases are always f32.\n\n"
+           "The file is written under a temporary name and renamed when complete: an error or\n"
+           "Ctrl-C (exit status 130) leaves OUT as it was. Memory stays small whatever the model size.\n");
+}
+
+static void merged_source(void *set, const char *name, st_fill_fn *fill, void **ctx) {
+    qt_merge_set_lookup(set, name, fill, ctx);
+}
+
+static long long file_size(const char *path) {
+    struct stat s;
+    return stat(path, &s) == 0 ? (long long)s.st_size : -1;
+}
+
+int cmd_export(int argc, char **argv) {
+    if (cli_wants_help(argc, argv)) {
+        help();
+        return QT_EXIT_OK;
+    }
+    const char *model = NULL, *adapter = NULL, *gguf = NULL, *lora = NULL, *dtype = NULL;
+    for (int i = 1; i < argc; i++) {
+        const char **dst = !strcmp(argv[i], "--model")       ? &model
+                           : !strcmp(argv[i], "--adapter")   ? &adapter
+                           : !strcmp(argv[i], "--gguf")      ? &gguf
+                           : !strcmp(argv[i], "--gguf-lora") ? &lora
+                           : !strcmp(argv[i], "--dtype")     ? &dtype
+                                                             : NULL;
+        if (!dst) return cli_usage_error("export", "unknown argument '%s'", argv[i]);
+        if (i + 1 >= argc) return cli_usage_error("export", "%s needs a value", argv[i]);
+        *dst = argv[++i];
+    }
+    if (!model) return cli_usage_error("export", "--model DIR is required");
+    if ((gguf != NULL) == (lora != NULL)) return cli_usage_error("export", "give exactly one of --gguf OUT or --gguf-lora OUT");
+    if (lora && !adapter) return cli_usage_error("export", "--gguf-lora needs --adapter DIR (the adapter to write)");
+    gguf_export_opts o = {GGUF_F32, NULL, NULL, NULL, stderr, isatty(2), NULL, NULL};
+    if (dtype && gguf_type_parse(dtype, &o.type) != QT_OK)
+        return cli_usage_error("export", "--dtype must be f32, f16, bf16 or q8_0, not '%s'", dtype);
+    const char *out = gguf ? gguf : lora;
+    if (qt_is_dir(out)) return cli_usage_error("export", "%s is a folder; name the .gguf file to write", out);
+
+    /* the base model first, so a wrong --model is reported as such */
+    st_file *base = NULL;
+    qt_merge_set *set = NULL;
+    int rc = qt_merge_open_model(model, &base);
+    if (rc == QT_OK && adapter) rc = qt_merge_set_open(model, adapter, base, &set);
+    if (rc == QT_OK && gguf && !dtype) {
+        qt_config cfg;
+        rc = qt_config_load(model, &cfg);
+        if (rc == QT_OK)
+            o.type = cfg.torch_dtype == QT_BF16 ? GGUF_BF16 : cfg.torch_dtype == QT_F16 ? GGUF_F16 : GGUF_F32;
+    }
+    o.stop = cli_stop_on_signals("removing the partial GGUF file");
+    const double t0 = qt_now_s();
+    if (rc == QT_OK && gguf) {
+        o.source = set ? merged_source : NULL;
+        o.source_ctx = set;
+        o.base = base; /* the merge reads the same mapping */
+        rc = gguf_export_model(model, gguf, &o);
+    } else if (rc == QT_OK) {
+        rc = gguf_export_lora(model, adapter, lora, &o);
+    }
+    qt_merge_set_free(set);
+    st_close(base);
+    if (rc == QT_EINTERRUPTED) {
+        fprintf(stderr, "qtune: %s\n", qt_error_message());
+        return QT_EXIT_INTERRUPTED;
+    }
+    if (rc != QT_OK) return cli_fail();
+    printf("wrote %s (%s, %.1f MiB, %.1f s)%s%s\n", out, gguf_type_name(o.type), file_size(out) / 1048576.0,
+           qt_now_s() - t0, set && gguf ? " merged with " : "", set && gguf ? adapter : "");
+    return QT_EXIT_OK;
+}

@@ -1,0 +1,119 @@
+/* op_matvec (one-token decoding) against a double-precision loop over the
+ * weights as stored (f32, f16, bf16), on shapes whose row length is not a
+ * multiple of the vector width and whose row count is not a multiple of the
+ * 4-row block or the thread split; with bias, alpha, accumulation; equal to
+ * itself bit for bit at 1, 2 and 3 threads; and against op_matmul_forward
+ * (the batched path) on the same weights. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cpu/ops.h"
+#include "core/dtype.h"
+#include "core/mem.h"
+#include "core/rng.h"
+
+static qt_rng rng;
+
+/* W (OUT, IN) in dt, with its values as double (what the stored bits mean) */
+static void *make_w(qt_dtype dt, int IN, int OUT, double **wd) {
+    size_t n = (size_t)IN * OUT;
+    float *f = malloc(n * sizeof *f);
+    for (size_t i = 0; i < n; i++) f[i] = qt_rng_normal(&rng);
+    void *w = malloc(n * qt_dtype_size(dt));
+    qt_convert_from_f32(w, dt, f, n);
+    qt_convert_to_f32(f, w, dt, n);
+    *wd = malloc(n * sizeof **wd);
+    for (size_t i = 0; i < n; i++) (*wd)[i] = f[i];
+    free(f);
+    return w;
+}
+
+static void check_shape(qt_dtype dt, int IN, int OUT) {
+    double *wd;
+    void *w = make_w(dt, IN, OUT, &wd);
+    float *x = malloc((size_t)IN * sizeof *x), *bias = malloc((size_t)OUT * sizeof *bias);
+    float *out = malloc((size_t)OUT * sizeof *out), *ref1 = malloc((size_t)OUT * sizeof *ref1);
+    float *mm = malloc((size_t)OUT * sizeof *mm);
+    for (int i = 0; i < IN; i++) x[i] = qt_rng_normal(&rng);
+    for (int o = 0; o < OUT; o++) bias[o] = qt_rng_normal(&rng), out[o] = 0.5f * o;
+    const float alpha = 0.75f;
+    double *want = malloc((size_t)OUT * sizeof *want), *tol = malloc((size_t)OUT * sizeof *tol);
+    for (int o = 0; o < OUT; o++) {
+        double s = 0, mag = 0;
+        for (int i = 0; i < IN; i++) s += wd[(size_t)o * IN + i] * x[i], mag += fabs(wd[(size_t)o * IN + i] * x[i]);
+        want[o] = alpha * s + bias[o];
+        /* f32 accumulation of IN products: within a few ulp of the sum of magnitudes per level of the sum */
+        tol[o] = 4e-7 * (alpha * mag + fabs(bias[o]) + 0.5 * o) * (1 + log2(IN));
+    }
+    /* out = 0.5 o + alpha W x + bias (accumulate) */
+    op_matvec(out, x, w, dt, bias, IN, OUT, alpha, 1);
+    for (int o = 0; o < OUT; o++)
+        if (fabs(out[o] - (0.5 * o + want[o])) > tol[o])
+            fail_msg("%s IN %d OUT %d row %d: got %.9g want %.9g", qt_dtype_name(dt), IN, OUT, o, out[o],
+                     0.5 * o + want[o]);
+    /* the same numbers at every thread count (threads own rows; a row's sum order is fixed) */
+    omp_set_num_threads(1);
+    op_matvec(ref1, x, w, dt, bias, IN, OUT, alpha, 0);
+    for (int t = 2; t <= 3; t++) {
+        omp_set_num_threads(t);
+        op_matvec(out, x, w, dt, bias, IN, OUT, alpha, 0);
+        assert_memory_equal(out, ref1, (size_t)OUT * sizeof *out);
+    }
+    omp_set_num_threads(2);
+    /* and the batched path (sgemm over converted panels) on the same weights: both within the bound */
+    float *ws = malloc(op_matmul_ws_floats(IN, OUT) * sizeof(float) * 2);
+    op_matmul_forward(mm, x, w, dt, bias, 1, IN, OUT, alpha, 0, ws);
+    for (int o = 0; o < OUT; o++) {
+        if (fabs(ref1[o] - want[o]) > tol[o] || fabs(mm[o] - want[o]) > tol[o])
+            fail_msg("%s IN %d OUT %d row %d: matvec %.9g, matmul %.9g, want %.9g", qt_dtype_name(dt), IN, OUT, o,
+                     ref1[o], mm[o], want[o]);
+    }
+    free(want), free(tol);
+    free(ws), free(mm), free(ref1), free(out), free(bias), free(x), free(wd), free(w);
+}
+
+static void test_matvec_dtypes_and_shapes(void **state) {
+    (void)state;
+    static const int shapes[][2] = {{1, 1}, {7, 3}, {16, 5}, {33, 17}, {64, 64}, {100, 257}, {896, 128},
+                                    {256, 1031}, {4864, 37}};
+    static const qt_dtype dts[] = {QT_F32, QT_F16, QT_BF16};
+    for (size_t d = 0; d < 3; d++)
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) check_shape(dts[d], shapes[s][0], shapes[s][1]);
+}
+
+/* A product large enough for the threaded split (OUT rows over the team),
+ * with no bias and no accumulation: out is overwritten, whatever it held. */
+static void test_matvec_threaded_overwrites(void **state) {
+    (void)state;
+    const int IN = 512, OUT = 3001;
+    double *wd;
+    void *w = make_w(QT_BF16, IN, OUT, &wd);
+    float *x = malloc(IN * sizeof *x), *out = malloc(OUT * sizeof *out);
+    for (int i = 0; i < IN; i++) x[i] = qt_rng_normal(&rng);
+    for (int o = 0; o < OUT; o++) out[o] = NAN;
+    omp_set_num_threads(2);
+    op_matvec(out, x, w, QT_BF16, NULL, IN, OUT, 1.0f, 0);
+    for (int o = 0; o < OUT; o++) {
+        double s = 0, mag = 0;
+        for (int i = 0; i < IN; i++) s += wd[(size_t)o * IN + i] * x[i], mag += fabs(wd[(size_t)o * IN + i] * x[i]);
+        assert_true(fabs(out[o] - s) <= 4e-7 * mag * 10);
+    }
+    free(out), free(x), free(wd), free(w);
+}
+
+int main(void) {
+    qt_rng_seed(&rng, 1234);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_matvec_dtypes_and_shapes),
+        cmocka_unit_test(test_matvec_threaded_overwrites),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
