@@ -7,6 +7,10 @@
  *   h    = silu(gate_proj(ln2)) * up_proj(ln2)
  *   xout = xmid + down_proj(h)
  *
+ * Qwen3 adds q_norm/k_norm (RMSNorm over each head's D) on q and k before
+ * RoPE; the original Qwen's fused c_attn arrives here as three row slices
+ * (model/qwen2_load.c), so it runs the same steps.
+ *
  * then the final norm and the fused lm_head + cross-entropy. A Linear with a
  * LoRA adapter adds scaling * B A dropout(x) (PEFT). The backward walks the
  * same steps in reverse; with gradient checkpointing each layer's forward is
@@ -67,6 +71,8 @@ static void acts_load(qt_model *m, int l, int N) {
     op_convert(a->q, QT_F32, s->q, dt, NQ);
     op_convert(a->k, QT_F32, s->k, dt, NK);
     op_convert(a->v, QT_F32, s->v, dt, NK);
+    if (s->qraw) op_convert(a->qraw, QT_F32, s->qraw, dt, NQ);
+    if (s->kraw) op_convert(a->kraw, QT_F32, s->kraw, dt, NK);
     op_convert(a->att, QT_F32, s->att, dt, NQ);
     op_convert(a->xmid, QT_F32, s->xmid, dt, NC);
     op_convert(a->ln2, QT_F32, s->ln2, dt, NC);
@@ -91,7 +97,7 @@ static void linear_forward(qt_model *m, int l, int j, float *out, const float *i
     const float *xd = inp;
     if (dropout) {
         memcpy(m->gs.lx, inp, sizeof(float) * (size_t)N * q->in);
-        qt_lora_dropout_apply(m, l, j, m->gs.lx, (size_t)N * q->in);
+        qt_lora_dropout_apply(m, l, q->lora_id, m->gs.lx, (size_t)N * q->in);
         xd = m->gs.lx;
     }
     int R = m->opts.lora_r;
@@ -143,12 +149,12 @@ static void linear_backward(qt_model *m, int l, int j, float *dinp, const float 
     size_t n = (size_t)N * q->in;
     float *lx = m->gs.lx;
     memcpy(lx, inp, sizeof(float) * n);
-    qt_lora_dropout_apply(m, l, j, lx, n);
+    qt_lora_dropout_apply(m, l, q->lora_id, lx, n);
     op_matmul_backward(NULL, q->dla, NULL, dhs, lx, q->la, QT_F32, N, q->in, R, s, NULL);
     if (!dinp) return;
     memset(lx, 0, sizeof(float) * n);
     op_matmul_backward(lx, NULL, NULL, dhs, NULL, q->la, QT_F32, N, q->in, R, s, NULL);
-    qt_lora_dropout_apply(m, l, j, lx, n); /* the same mask: d dropout(x) / dx */
+    qt_lora_dropout_apply(m, l, q->lora_id, lx, n); /* the same mask: d dropout(x) / dx */
     op_acc(dinp, lx, n);
 }
 
@@ -168,9 +174,18 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
     uint16_t *const *x16 = m->acts.x16;
     op_rmsnorm_forward(a->ln1, a->rstd1, x, L->ln1, N, C, c->rms_norm_eps);
     keep_save(m, a->ln1, NC, s->ln1);
-    linear_forward(m, l, LIN_Q, a->q, a->ln1, s->ln1, N, a->lora_h[LIN_Q], dropout);
-    linear_forward(m, l, LIN_K, a->k, a->ln1, s->ln1, N, a->lora_h[LIN_K], dropout);
+    /* Qwen3: the projections go to qraw/kraw, and q_norm/k_norm (one RMSNorm over D per head: (N*H) rows
+     * of D) write q and k, before RoPE */
+    float *qp = a->qraw ? a->qraw : a->q, *kp = a->kraw ? a->kraw : a->k;
+    linear_forward(m, l, LIN_Q, qp, a->ln1, s->ln1, N, a->lora_h[LIN_Q], dropout);
+    linear_forward(m, l, LIN_K, kp, a->ln1, s->ln1, N, a->lora_h[LIN_K], dropout);
     linear_forward(m, l, LIN_V, a->v, a->ln1, s->ln1, N, a->lora_h[LIN_V], dropout);
+    if (a->qraw) {
+        keep_save(m, a->qraw, NQ, s->qraw);
+        keep_save(m, a->kraw, NK, s->kraw);
+        op_rmsnorm_forward(a->q, a->rstdq, a->qraw, L->qn, N * H, D, c->rms_norm_eps);
+        op_rmsnorm_forward(a->k, a->rstdk, a->kraw, L->kn, N * KV, D, c->rms_norm_eps);
+    }
     op_rope_forward(a->q, pos, N, H, D, c->rope_theta);
     op_rope_forward(a->k, pos, N, KV, D, c->rope_theta);
     keep_save(m, a->q, NQ, s->q);
@@ -245,8 +260,23 @@ static void layer_backward(qt_model *m, int l, const qt_batch *b, int N, const f
     keep(m, g->dv, NK);
     float *dln = need_dx ? g->dln : NULL;
     if (dln) memset(dln, 0, sizeof(float) * NC);
-    linear_backward(m, l, LIN_Q, dln, g->dq, a->ln1, s->ln1, a->lora_h[LIN_Q], N, dropout);
-    linear_backward(m, l, LIN_K, dln, g->dk, a->ln1, s->ln1, a->lora_h[LIN_K], N, dropout);
+    /* Qwen3: back through q_norm/k_norm; datt is free once the attention's backward has run, and
+     * holds the gradient of qraw, then of kraw (KV <= H) */
+    const float *dqp = g->dq, *dkp = g->dk;
+    if (a->qraw) {
+        memset(g->datt, 0, sizeof(float) * NQ);
+        op_rmsnorm_backward(g->datt, L->dqn, g->dq, a->qraw, L->qn, a->rstdq, N * H, D);
+        keep(m, g->datt, NQ);
+        dqp = g->datt;
+    }
+    linear_backward(m, l, LIN_Q, dln, dqp, a->ln1, s->ln1, a->lora_h[LIN_Q], N, dropout);
+    if (a->kraw) {
+        memset(g->datt, 0, sizeof(float) * NK);
+        op_rmsnorm_backward(g->datt, L->dkn, g->dk, a->kraw, L->kn, a->rstdk, N * KV, D);
+        keep(m, g->datt, NK);
+        dkp = g->datt;
+    }
+    linear_backward(m, l, LIN_K, dln, dkp, a->ln1, s->ln1, a->lora_h[LIN_K], N, dropout);
     linear_backward(m, l, LIN_V, dln, g->dv, a->ln1, s->ln1, a->lora_h[LIN_V], N, dropout);
     if (!need_dx) return;
     keep(m, g->dln, NC);

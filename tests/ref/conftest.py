@@ -21,24 +21,31 @@ SHAPES = {
     "qwen2-gqa2-d64-untied-bf16": ("qwen2", 4, 2, 64, 256, 192, 2, 288, False, "BF16"),
     "qwen2-gqa7-d128-tied-f32": ("qwen2", 7, 1, 128, 896, 256, 1, 200, True, "F32"),
     "llama-gqa2-d64-untied-bf16": ("llama", 4, 2, 64, 256, 192, 2, 288, False, "BF16"),
+    # Qwen3: head_dim on its own, so q is H*D = 192 / 512 wide against hidden 128 / 256
+    "qwen3-gqa2-d48-tied-f32": ("qwen3", 4, 2, 48, 128, 160, 2, 320, True, "F32"),
+    "qwen3-gqa4-d64-untied-bf16": ("qwen3", 8, 2, 64, 256, 192, 2, 288, False, "BF16"),
 }
+
+ARCH = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def make_model(path, shape, seed=0):
     arch, H, KV, D, C, I, L, V, tied, dtype = SHAPES[shape] if isinstance(shape, str) else shape
     os.makedirs(path, exist_ok=True)
     cfg = {
-        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        "architectures": [ARCH[arch]],
         "model_type": arch, "hidden_size": C, "intermediate_size": I, "num_attention_heads": H,
         "num_key_value_heads": KV, "num_hidden_layers": L, "vocab_size": V, "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0 if arch == "qwen2" else 10000.0, "max_position_embeddings": 4096,
         "tie_word_embeddings": tied, "hidden_act": "silu",
         "torch_dtype": "bfloat16" if dtype == "BF16" else "float32",
     }
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3"):
         cfg["use_sliding_window"] = False
-    else:
+    if arch != "qwen2":
         cfg["attention_bias"] = False
+    if arch == "qwen3":
+        cfg["head_dim"] = D
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     rng = np.random.default_rng(seed)
@@ -52,6 +59,9 @@ def make_model(path, shape, seed=0):
         pre = "model.layers.%d." % l
         w[pre + "input_layernorm.weight"] = 1 + 0.1 * rng.normal(size=C)
         w[pre + "post_attention_layernorm.weight"] = 1 + 0.1 * rng.normal(size=C)
+        if arch == "qwen3":
+            w[pre + "self_attn.q_norm.weight"] = 1 + 0.1 * rng.normal(size=D)
+            w[pre + "self_attn.k_norm.weight"] = 1 + 0.1 * rng.normal(size=D)
         for name, (o, i) in shapes.items():
             w[pre + name + ".weight"] = rng.normal(0, 1.0 / np.sqrt(i), (o, i))
             if arch == "qwen2" and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):

@@ -32,7 +32,7 @@ def test_loss_and_logprobs(tmp_path, shape):
     assert np.all(out["logp"][~mask] == 0)
 
 
-@pytest.mark.parametrize("shape", ["qwen2-gqa2-d64-untied-bf16", "qwen2-gqa7-d128-tied-f32"])
+@pytest.mark.parametrize("shape", ["qwen2-gqa2-d64-untied-bf16", "qwen2-gqa7-d128-tied-f32", "qwen3-gqa2-d48-tied-f32"])
 def test_decode_kv_cache(tmp_path, shape):
     """Prefill half of row 0, then one token at a time: each step's logits
     equal the reference's full-sequence logits at that position."""

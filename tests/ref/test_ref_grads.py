@@ -68,6 +68,8 @@ def write_adapter(path, cfg, r, alpha, targets, rslora=False, seed=3):
     ("qwen2-gqa2-d64-untied-bf16", ALL, False),
     ("qwen2-gqa7-d128-tied-f32", ["q_proj", "v_proj"], True),
     ("llama-gqa2-d64-untied-bf16", ["k_proj", "o_proj", "down_proj"], False),
+    ("qwen3-gqa4-d64-untied-bf16", ALL, False),
+    ("qwen3-gqa2-d48-tied-f32", ["q_proj", "k_proj", "o_proj"], True),
 ])
 def test_lora_gradients(tmp_path, shape, targets, rslora):
     md, ad = str(tmp_path / "model"), str(tmp_path / "adapter")
@@ -84,10 +86,12 @@ def test_lora_gradients(tmp_path, shape, targets, rslora):
     assert worst[0] <= 1e-4, "gradient %s rel err %.3g" % (worst[1], worst[0])
 
 
-@pytest.mark.parametrize("mode", ["full", "lora-dropout"])
-def test_recompute_gives_identical_gradients(tmp_path, mode):
+@pytest.mark.parametrize("mode,shape", [("full", "qwen2-gqa2-d64-untied-bf16"),
+                                        ("lora-dropout", "qwen2-gqa2-d64-untied-bf16"),
+                                        ("full", "qwen3-gqa4-d64-untied-bf16")])
+def test_recompute_gives_identical_gradients(tmp_path, mode, shape):
     md, ad = str(tmp_path / "model"), str(tmp_path / "adapter")
-    cfg = make_model(md, "qwen2-gqa2-d64-untied-bf16")
+    cfg = make_model(md, shape)
     batch = make_batch(cfg["vocab_size"])
     extra = []
     if mode != "full":

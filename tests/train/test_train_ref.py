@@ -84,14 +84,15 @@ def check(ours, theirs, out):
     return worst
 
 
-def test_lora_20_steps_match_reference(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"])
+def test_lora_20_steps_match_reference(tmp_path, preset):
     d = str(tmp_path)
-    model = init_model(os.path.join(d, "model"))
+    model = init_model(os.path.join(d, "model"), preset)
     rows = write_tokens(os.path.join(d, "train.jsonl"), N_EX, T, seed=11, min_len=5)
     # a non-zero starting adapter (B = 0 would hide errors in dA)
     cfg = json.load(open(os.path.join(model, "config.json")))
     C, H, KV = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    D, r = C // H, 4
+    D, r = cfg.get("head_dim") or C // H, 4
     rng = np.random.default_rng(5)
     w = {}
     for l in range(cfg["num_hidden_layers"]):
@@ -121,9 +122,10 @@ def test_lora_20_steps_match_reference(tmp_path):
     print("LoRA: max |w - w_ref| = %.3g" % worst)
 
 
-def test_full_20_steps_match_reference(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"])
+def test_full_20_steps_match_reference(tmp_path, preset):
     d = str(tmp_path)
-    model = init_model(os.path.join(d, "model"))
+    model = init_model(os.path.join(d, "model"), preset)
     rows = write_tokens(os.path.join(d, "train.jsonl"), N_EX, T, seed=12, min_len=5)
     job = write_job(os.path.join(d, "job.json"), "model", "out", "train.jsonl", T=T, ds=DS,
                     train_opts={"max_steps": STEPS})
