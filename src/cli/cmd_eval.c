@@ -126,7 +126,7 @@ static int run_eval(const char *model_dir, const char *adapter, const char *data
     o.infer = 1;
     o.max_B = B;
     o.max_T = T;
-    if (adapter) QT_TRY(qt_lora_opts_from_adapter(adapter, cfg.num_hidden_layers, &o));
+    if (adapter) QT_TRY(qt_lora_opts_from_adapter(adapter, &cfg, &o));
 
     bpe_tokenizer *tok = NULL;
     char tpath[4096];

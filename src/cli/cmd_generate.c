@@ -208,6 +208,7 @@ static void warn_untrained_chat(const char *model_dir, const char *adapter, int3
         snprintf(reason, sizeof reason, "the tokenizer has no <|im_end|> token");
     } else if (st_open(model_dir, &st) == QT_OK) {
         const st_tensor *e = st_find(st, "model.embed_tokens.weight");
+        if (!e) e = st_find(st, "transformer.wte.weight"); /* the original Qwen */
         if (e && e->ndim == 2 && e->shape[0] > 0 && e->shape[1] > 0 && e->shape[1] <= 65536) {
             const int64_t V = e->shape[0], C = e->shape[1];
             const size_t es = qt_dtype_size(e->dtype);
@@ -495,7 +496,7 @@ int cmd_generate(int argc, char **argv) {
     mo.infer = 1;
     mo.max_B = 1;
     mo.max_T = g.ctx;
-    if (adapter && qt_lora_opts_from_adapter(adapter, cfg.num_hidden_layers, &mo) != QT_OK) rc = QT_EINVAL;
+    if (adapter && qt_lora_opts_from_adapter(adapter, &cfg, &mo) != QT_OK) rc = QT_EINVAL;
     if (rc == QT_OK) mo.lora_dropout = 0; /* inference: dropout is off */
     if (rc == QT_OK) rc = qt_model_load(model, &mo, &g.m);
     if (rc == QT_OK && adapter) rc = qt_lora_load(g.m, adapter);

@@ -346,7 +346,10 @@ int qt_tokenizer_files_write(const qt_config *c, const char *tokenizer_json, con
 int qt_model_copy_side_files(const char *src_dir, const char *dst_dir) {
     static const char *const files[] = {"tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                                         "special_tokens_map.json", "added_tokens.json", "generation_config.json",
-                                        NULL};
+                                        /* the original Qwen's tokenizer and the remote code its config.json's
+                                         * auto_map names (transformers' trust_remote_code) */
+                                        "qwen.tiktoken", "configuration_qwen.py", "modeling_qwen.py",
+                                        "tokenization_qwen.py", "qwen_generation_utils.py", "cpp_kernels.py", NULL};
     char s[4096], d[4096];
     for (int i = 0; files[i]; i++) {
         QT_TRY(qt_path_join(s, sizeof s, src_dir, files[i]));

@@ -39,7 +39,7 @@ int qtune_model_load(const char *model_dir, const char *adapter_dir, int seq_len
     o.max_T = seq_len;
     qt_config cfg;
     int rc = adapter_dir ? qt_config_load(model_dir, &cfg) : QT_OK;
-    if (rc == QT_OK && adapter_dir) rc = qt_lora_opts_from_adapter(adapter_dir, cfg.num_hidden_layers, &o);
+    if (rc == QT_OK && adapter_dir) rc = qt_lora_opts_from_adapter(adapter_dir, &cfg, &o);
     if (rc == QT_OK) rc = qt_model_load(model_dir, &o, &q->m);
     if (rc == QT_OK && adapter_dir) rc = qt_lora_load(q->m, adapter_dir);
     char tokpath[4096];

@@ -33,7 +33,7 @@ LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 class Qwen2Ref:
     def __init__(self, model_dir, dtype=torch.float64, lora=None):
         """lora: None, or {"r", "alpha", "rslora", "weights": {peft key: array},
-        "masks": {(layer, "q_proj"): dropout mask / (1 - p), (B*T, in)} (optional)}"""
+        "masks": {(layer, "self_attn.q_proj"): dropout mask / (1 - p), (B*T, in)} (optional)}"""
         with open(os.path.join(model_dir, "config.json")) as f:
             self.cfg = cfg = json.load(f)
         self.dtype = dtype
@@ -63,8 +63,10 @@ class Qwen2Ref:
         var = x32.pow(2).mean(-1, keepdim=True)
         return w * (x32 * torch.rsqrt(var + self.eps)).to(x.dtype)
 
+    LAYERS = "model.layers"
+
     def linear(self, x, l, name):
-        pre = "model.layers.%d.%s" % (l, name)
+        pre = "%s.%d.%s" % (self.LAYERS, l, name)
         y = x @ self.p[pre + ".weight"].T
         if pre + ".bias" in self.p:
             y = y + self.p[pre + ".bias"]
@@ -72,7 +74,7 @@ class Qwen2Ref:
         if self.lora is not None and key + ".lora_A.weight" in self.lp:
             a, b = self.lp[key + ".lora_A.weight"], self.lp[key + ".lora_B.weight"]
             masks = self.lora.get("masks")  # dropout(x) = x * mask / (1 - p), masks given as mask / (1 - p)
-            xd = x * torch.as_tensor(masks[(l, name.split(".")[1])], dtype=x.dtype).view(x.shape) if masks else x
+            xd = x * torch.as_tensor(masks[(l, name)], dtype=x.dtype).view(x.shape) if masks else x
             y = y + (xd @ a.T) @ b.T * self.scaling
         return y
 
