@@ -130,8 +130,7 @@ static int run_eval(const char *model_dir, const char *adapter, const char *data
 
     bpe_tokenizer *tok = NULL;
     char tpath[4096];
-    if (qt_path_join(tpath, sizeof tpath, model_dir, "tokenizer.json") == QT_OK && qt_path_exists(tpath) &&
-        fmt != DL_FORMAT_TOKENS)
+    if (bpe_folder_file(model_dir, tpath, sizeof tpath) && fmt != DL_FORMAT_TOKENS)
         QT_TRY(bpe_load(tpath, &tok));
     eval_data d;
     memset(&d, 0, sizeof d);

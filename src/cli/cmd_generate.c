@@ -305,7 +305,7 @@ static int chat_loop(gen_state *g, const char *system) {
         size_t len;
         int32_t *ids = NULL;
         size_t n = 0;
-        rc = chat_render(msgs, (size_t)n_msg, 1, &text, &len);
+        rc = chat_render_tok(g->tok, msgs, (size_t)n_msg, 1, &text, &len);
         if (rc == QT_OK) rc = encode(g->tok, text, &ids, &n);
         qt_free(text);
         int k = 0; /* ids already in the KV cache */

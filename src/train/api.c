@@ -43,8 +43,7 @@ int qtune_model_load(const char *model_dir, const char *adapter_dir, int seq_len
     if (rc == QT_OK) rc = qt_model_load(model_dir, &o, &q->m);
     if (rc == QT_OK && adapter_dir) rc = qt_lora_load(q->m, adapter_dir);
     char tokpath[4096];
-    if (rc == QT_OK) rc = qt_path_join(tokpath, sizeof tokpath, model_dir, "tokenizer.json");
-    if (rc == QT_OK && qt_path_exists(tokpath)) rc = bpe_load(tokpath, &q->tok);
+    if (rc == QT_OK && bpe_folder_file(model_dir, tokpath, sizeof tokpath)) rc = bpe_load(tokpath, &q->tok);
     if (rc != QT_OK) {
         qtune_model_free(q);
         return rc;

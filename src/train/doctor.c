@@ -11,6 +11,7 @@
 #include "model/lora_io.h"
 #include "model/model.h"
 #include "optim/loss_scaler.h"
+#include "text/tokenizer.h"
 #include "train/ds_config.h"
 #include "train/job.h"
 #include "train/plan_report.h"
@@ -398,8 +399,7 @@ static void check_model(doc_ctx *c, const char *dir, const char *model, int need
         problem(c, "%s: \"model\" folder %s holds no *.safetensors weights; convert or download them there",
                 c->where, p);
     char t[4096];
-    qt_path_join(t, sizeof t, p, "tokenizer.json");
-    if (need_tok && !qt_path_exists(t))
+    if (need_tok && !bpe_folder_file(p, t, sizeof t))
         problem(c, "%s: \"model\" folder %s has no tokenizer.json, which text data needs; copy the base model's tokenizer files "
                    "there", c->where, p);
 }

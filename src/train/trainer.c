@@ -27,9 +27,8 @@ double trainer_elapsed(const qt_trainer *t) { return t->elapsed_before + (qt_now
 static int open_loaders(qt_trainer *t) {
     const qt_job *job = t->job;
     char tokpath[4096];
-    QT_TRY(qt_path_join(tokpath, sizeof tokpath, job->model, "tokenizer.json"));
-    if (qt_path_exists(tokpath)) QT_TRY(bpe_load(tokpath, &t->tok));
-    else qt_info("%s has no tokenizer.json: only pre-tokenized data ({\"input_ids\": ...}) can be read", job->model);
+    if (bpe_folder_file(job->model, tokpath, sizeof tokpath)) QT_TRY(bpe_load(tokpath, &t->tok));
+    else qt_info("%s has no tokenizer.json (nor qwen.tiktoken): only pre-tokenized data ({\"input_ids\": ...}) can be read", job->model);
 
     dl_config c;
     dl_config_default(&c);
