@@ -120,7 +120,8 @@ static int run_eval(const char *model_dir, const char *adapter, const char *data
     int rc;
     qt_config cfg;
     QT_TRY(qt_config_load(model_dir, &cfg));
-    if (T == 0) T = cfg.max_position_embeddings < 1024 ? cfg.max_position_embeddings : 1024; /* config: >= 1 */
+    const int max_pos = qt_config_max_positions(&cfg); /* seq_length for an original Qwen with NTK/logn on */
+    if (T == 0) T = max_pos < 1024 ? max_pos : 1024; /* config: >= 1 */
     qt_model_opts o;
     qt_model_opts_default(&o);
     o.infer = 1;

@@ -397,10 +397,11 @@ static int prepare(gen_state *g, qt_config *cfg, const char *model, int ctx, con
         qt_error_clear();
     }
     if (qt_config_load(model, cfg) != QT_OK) return cli_fail();
-    const int max_pos = cfg->max_position_embeddings; /* >= 1 (hf_config.c) */
+    const int max_pos = qt_config_max_positions(cfg); /* >= 1 (hf_config.c) */
     if (ctx > max_pos)
-        return cli_usage_error("generate", "--ctx %d is more than the model's max_position_embeddings (%d in "
-                               "%s/config.json); give --ctx %d or less", ctx, max_pos, model, max_pos);
+        return cli_usage_error("generate", "--ctx %d is more than the model's %s (%d in %s/config.json); give --ctx %d "
+                               "or less", ctx, max_pos < cfg->max_position_embeddings ? "seq_length" :
+                               "max_position_embeddings", max_pos, model, max_pos);
     g->ctx = ctx ? ctx : max_pos < 4096 ? max_pos : 4096;
     for (size_t i = 0; *ids && i < *n; i++)
         if ((*ids)[i] >= cfg->vocab_size)

@@ -523,6 +523,11 @@ int qt_config_write(const qt_config *c, const char *path) {
     return qt_write_file_atomic(path, buf, (size_t)n);
 }
 
+int qt_config_max_positions(const qt_config *c) {
+    if (c->long_context && c->seq_length > 0 && c->seq_length < c->max_position_embeddings) return c->seq_length;
+    return c->max_position_embeddings;
+}
+
 int64_t qt_config_param_count(const qt_config *c) {
     int64_t C = c->hidden_size, I = c->intermediate_size, V = c->vocab_size;
     int64_t q = (int64_t)c->num_attention_heads * c->head_dim, kv = (int64_t)c->num_key_value_heads * c->head_dim;

@@ -60,6 +60,12 @@ int qt_config_parse(const char *json, const char *where, qt_config *cfg); /* whe
 /* Writes a config.json that transformers loads unchanged (atomic). */
 int qt_config_write(const qt_config *cfg, const char *path);
 
+/* The longest sequence the model computes as its modelling code does:
+ * max_position_embeddings, or for an original Qwen with dynamic NTK / logn
+ * attention on, its seq_length (past it that code changes RoPE and the
+ * attention scale, which qtune does not implement). */
+int qt_config_max_positions(const qt_config *cfg);
+
 /* Number of parameters the config implies (embeddings, lm_head when untied,
  * every layer's weights and biases, the final norm). */
 int64_t qt_config_param_count(const qt_config *cfg);

@@ -1,5 +1,5 @@
-/* The Qwen2 / Llama decoder, written once over the op_* calls of
- * backend/cpu/ops.h. One decoder layer (HF Qwen2DecoderLayer):
+/* The Qwen2 / Qwen3 / original Qwen / Llama decoder, written once over the
+ * op_* calls of backend/cpu/ops.h. One decoder layer (HF Qwen2DecoderLayer):
  *
  *   ln1  = rmsnorm(x)                     q, k, v = q_proj(ln1), k_proj(ln1), v_proj(ln1)
  *   q, k = rope(q), rope(k)               att = causal GQA attention(q, k, v)
@@ -7,12 +7,11 @@
  *   h    = silu(gate_proj(ln2)) * up_proj(ln2)
  *   xout = xmid + down_proj(h)
  *
- * Qwen3 adds q_norm/k_norm (RMSNorm over each head's D) on q and k before
- * RoPE; the original Qwen's fused c_attn arrives here as three row slices
- * (model/qwen2_load.c), so it runs the same steps.
- *
- * then the final norm and the fused lm_head + cross-entropy. A Linear with a
- * LoRA adapter adds scaling * B A dropout(x) (PEFT). The backward walks the
+ * then the final norm and the fused lm_head + cross-entropy. Qwen3 adds
+ * q_norm/k_norm (RMSNorm over each head's D) on q and k before RoPE; the
+ * original Qwen's fused c_attn arrives as three row slices and its
+ * w2/w1/c_proj as gate/up/down (model/qwen2_load.c), so it runs the same
+ * steps. A Linear with a LoRA adapter adds scaling * B A dropout(x) (PEFT). The backward walks the
  * same steps in reverse; with gradient checkpointing each layer's forward is
  * recomputed from its saved input just before its backward. */
 #include <stdio.h>

@@ -664,9 +664,10 @@ int qt_doctor_check_job(FILE *f, const char *path, int ranks) {
             o.lora_targets = mask;
     }
     if (have_cfg) {
-        if (o.seq_len > cfg.max_position_embeddings && cfg.max_position_embeddings > 0)
-            problem(&c, "%s: data.seq_len %d is longer than the model's max_position_embeddings %d; lower it",
-                    path, o.seq_len, cfg.max_position_embeddings);
+        if (o.seq_len > qt_config_max_positions(&cfg) && cfg.max_position_embeddings > 0)
+            problem(&c, "%s: data.seq_len %d is longer than the model's %s %d; lower it", path, o.seq_len,
+                    qt_config_max_positions(&cfg) < cfg.max_position_embeddings ? "seq_length" : "max_position_embeddings",
+                    qt_config_max_positions(&cfg));
         if (o.offload && o.zero == 0) o.offload = 0; /* named above */
         check_resources(&c, dir, root, &cfg, &o, ranks);
     }

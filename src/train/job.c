@@ -322,6 +322,7 @@ static int parse_lora(const job_ctx *c, const cJSON *root, qt_job_lora *l) {
     } else {
         QT_TRY(qt_job_lora_targets(tm, &l->targets, c->where));
         if (cJSON_IsString(tm)) {
+            l->targets_all_linear = 1;
             static const char *const all[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                               "down_proj"};
             l->target_names = qt_calloc(7, sizeof(char *), "lora target names");

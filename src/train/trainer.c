@@ -327,7 +327,7 @@ static int resolve_lora_targets(qt_trainer *t) {
         const char *c_attn = "c_attn";
         return qt_lora_targets_from_names(&cfg, &c_attn, 1, &t->lora_targets, t->job->path);
     }
-    if (l->targets_default) return QT_OK;
+    if (l->targets_default || l->targets_all_linear) return QT_OK; /* q_proj/v_proj for Qwen2 layouts; every linear */
     char where[4200];
     snprintf(where, sizeof where, "%s: lora", t->job->path);
     return qt_lora_targets_from_names(&cfg, (const char *const *)l->target_names, l->n_target_names,

@@ -60,6 +60,14 @@ def test_default_targets_are_c_attn_and_c_proj_matches_both(tmp_path):
     run("train", job2)
     keys = set(st.read(os.path.join(d2, "out", "final", "adapter_model.safetensors")))
     assert {k.split(".lora_")[0].split(".", 5)[-1] for k in keys} == {"attn.c_proj", "mlp.c_proj", "mlp.w1"}
+    # "all-linear": every linear of this layout, written back with its own names
+    d3, job3 = make_job(tmp_path / "c", "all-linear")
+    run("train", job3)
+    final = os.path.join(d3, "out", "final")
+    keys = set(st.read(os.path.join(final, "adapter_model.safetensors")))
+    assert len(keys) == 2 * 2 * 5
+    assert json.load(open(os.path.join(final, "adapter_config.json")))["target_modules"] == ["c_attn", "c_proj", "w1",
+                                                                                            "w2"]
 
 
 def test_merge_folds_c_attn(tmp_path):
@@ -100,3 +108,9 @@ def test_seq_len_past_seq_length_refused(tmp_path):
     p = run("eval", "--model", model, "--data", os.path.join(d, "eval.jsonl"), "--seq-len", 16, check=False)
     assert p.returncode != 0 and "seq_length (8)" in p.stderr and "use_dynamic_ntk" in p.stderr, p.stderr
     run("eval", "--model", model, "--data", os.path.join(d, "eval.jsonl"), "--seq-len", 8)
+    # the defaults stop at seq_length too: eval's --seq-len, generate's --ctx
+    run("eval", "--model", model, "--data", os.path.join(d, "eval.jsonl"))
+    p = run("generate", "--model", model, "--prompt-ids", "1,2,3", "--max-new", 3, check=False)
+    assert p.returncode == 0, p.stderr
+    p = run("generate", "--model", model, "--prompt-ids", "1,2,3", "--ctx", 16, check=False)
+    assert p.returncode == 2 and "seq_length (8 in" in p.stderr, p.stderr
