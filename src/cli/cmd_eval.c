@@ -120,18 +120,18 @@ static int run_eval(const char *model_dir, const char *adapter, const char *data
     int rc;
     qt_config cfg;
     QT_TRY(qt_config_load(model_dir, &cfg));
-    if (T == 0) T = cfg.max_position_embeddings < 1024 ? cfg.max_position_embeddings : 1024; /* config: >= 1 */
+    const int max_pos = qt_config_max_positions(&cfg); /* seq_length for an original Qwen with NTK/logn on */
+    if (T == 0) T = max_pos < 1024 ? max_pos : 1024; /* config: >= 1 */
     qt_model_opts o;
     qt_model_opts_default(&o);
     o.infer = 1;
     o.max_B = B;
     o.max_T = T;
-    if (adapter) QT_TRY(qt_lora_opts_from_adapter(adapter, cfg.num_hidden_layers, &o));
+    if (adapter) QT_TRY(qt_lora_opts_from_adapter(adapter, &cfg, &o));
 
     bpe_tokenizer *tok = NULL;
     char tpath[4096];
-    if (qt_path_join(tpath, sizeof tpath, model_dir, "tokenizer.json") == QT_OK && qt_path_exists(tpath) &&
-        fmt != DL_FORMAT_TOKENS)
+    if (bpe_folder_file(model_dir, tpath, sizeof tpath) && fmt != DL_FORMAT_TOKENS)
         QT_TRY(qt_error_oom_advice(bpe_load(tpath, &tok), QT_TOKENIZER_OOM_ADVICE));
     eval_data d;
     memset(&d, 0, sizeof d);

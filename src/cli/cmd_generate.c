@@ -212,6 +212,7 @@ static void warn_untrained_chat(const char *model_dir, const char *adapter, int3
         snprintf(reason, sizeof reason, "the tokenizer has no <|im_end|> token");
     } else if (st_open(model_dir, &st) == QT_OK) {
         const st_tensor *e = st_find(st, "model.embed_tokens.weight");
+        if (!e) e = st_find(st, "transformer.wte.weight"); /* the original Qwen */
         if (e && e->ndim == 2 && e->shape[0] > 0 && e->shape[1] > 0 && e->shape[1] <= 65536) {
             const int64_t V = e->shape[0], C = e->shape[1];
             const size_t es = qt_dtype_size(e->dtype);
@@ -308,7 +309,7 @@ static int chat_loop(gen_state *g, const char *system) {
         size_t len;
         int32_t *ids = NULL;
         size_t n = 0;
-        rc = chat_render(msgs, (size_t)n_msg, 1, &text, &len);
+        rc = chat_render_tok(g->tok, msgs, (size_t)n_msg, 1, &text, &len);
         if (rc == QT_OK) rc = encode(g->tok, text, &ids, &n);
         qt_free(text);
         int k = 0; /* ids already in the KV cache */
@@ -400,10 +401,11 @@ static int prepare(gen_state *g, qt_config *cfg, const char *model, int ctx, con
         qt_error_clear();
     }
     if (qt_config_load(model, cfg) != QT_OK) return cli_fail();
-    const int max_pos = cfg->max_position_embeddings; /* >= 1 (hf_config.c) */
+    const int max_pos = qt_config_max_positions(cfg); /* >= 1 (hf_config.c) */
     if (ctx > max_pos)
-        return cli_usage_error("generate", "--ctx %d is more than the model's max_position_embeddings (%d in "
-                               "%s/config.json); give --ctx %d or less", ctx, max_pos, model, max_pos);
+        return cli_usage_error("generate", "--ctx %d is more than the model's %s (%d in %s/config.json); give --ctx %d "
+                               "or less", ctx, max_pos < cfg->max_position_embeddings ? "seq_length" :
+                               "max_position_embeddings", max_pos, model, max_pos);
     g->ctx = ctx ? ctx : max_pos < 4096 ? max_pos : 4096;
     for (size_t i = 0; *ids && i < *n; i++)
         if ((*ids)[i] >= cfg->vocab_size)
@@ -499,7 +501,7 @@ int cmd_generate(int argc, char **argv) {
     mo.infer = 1;
     mo.max_B = 1;
     mo.max_T = g.ctx;
-    if (adapter && qt_lora_opts_from_adapter(adapter, cfg.num_hidden_layers, &mo) != QT_OK) rc = QT_EINVAL;
+    if (adapter && qt_lora_opts_from_adapter(adapter, &cfg, &mo) != QT_OK) rc = QT_EINVAL;
     if (rc == QT_OK) mo.lora_dropout = 0; /* inference: dropout is off */
     if (rc == QT_OK) rc = qt_model_load(model, &mo, &g.m);
     if (rc == QT_OK && adapter) rc = qt_lora_load(g.m, adapter);

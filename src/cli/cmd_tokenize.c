@@ -100,7 +100,7 @@ static int run_chat(const bpe_tokenizer *t, const char *path) {
     char *text = NULL;
     size_t tl = 0, nids = 0, cap = 0;
     int32_t *ids = NULL, *labels = NULL;
-    if (rc == QT_OK) rc = chat_render(m, n, gen, &text, &tl);
+    if (rc == QT_OK) rc = chat_render_tok(t, m, n, gen, &text, &tl);
     if (rc == QT_OK) rc = chat_encode(t, m, n, gen, &ids, &labels, &nids, &cap);
     if (rc == QT_OK) {
         fputs("{\"text\": ", stdout);

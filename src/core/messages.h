@@ -40,4 +40,15 @@
     "rank %d: collective %s did not complete within %g s; %s. Check that every rank is alive, "   \
     "the network between hosts, and raise QTUNE_DIST_TIMEOUT if steps are just slow"
 
+/* LoRA target_modules with Qwen2 names on an original Qwen (QWenLMHeadModel)
+ * model, where PEFT stops with "Target modules {...} not found in the base
+ * model". Raised before anything is loaded (model/lora_io.c
+ * qt_lora_targets_for: train, eval, generate, merge; `qtune doctor` shows it
+ * for a job file). args: const char *where, const char *the names asked for,
+ * const char *the list to write (JSON). */
+#define QT_MSG_QWEN1_TARGETS_FMT                                                                   \
+    "%s: target_modules names %s, which do not exist in an original Qwen (QWenLMHeadModel) model: " \
+    "it has one fused c_attn (q, k and v together), c_proj (attention and MLP output), w1 and w2; "  \
+    "write \"target_modules\": %s"
+
 #endif

@@ -77,6 +77,25 @@ static int get_token_id(const cJSON *root, const char *where, const char *key, i
     return QT_OK;
 }
 
+/* Architectures qtune knows the name of, with what it says about them. */
+static int arch_from_name(const char *s, const char *where, const char *field, qt_arch *arch) {
+    static const struct { const char *cls, *type; qt_arch arch; } known[] = {
+        {"Qwen2ForCausalLM", "qwen2", QT_ARCH_QWEN2},
+        {"Qwen3ForCausalLM", "qwen3", QT_ARCH_QWEN3},
+        {"QWenLMHeadModel", "qwen", QT_ARCH_QWEN},
+        {"LlamaForCausalLM", "llama", QT_ARCH_LLAMA},
+    };
+    for (size_t i = 0; i < sizeof known / sizeof known[0]; i++)
+        if (!strcmp(s, known[i].cls) || !strcmp(s, known[i].type)) {
+            *arch = known[i].arch;
+            return QT_OK;
+        }
+    if (!strcmp(s, "Qwen2MoeForCausalLM") || !strcmp(s, "qwen2_moe") || !strcmp(s, "Qwen3MoeForCausalLM") ||
+        !strcmp(s, "qwen3_moe"))
+        return QT_ERR(QT_EUNSUPPORTED, "%s: %s '%s' is a mixture-of-experts model (Qwen2-MoE / Qwen3-MoE), which qtune does not implement; use a dense Qwen2, Qwen2.5 or Qwen3 model", where, field, s);
+    return QT_ERR(QT_EUNSUPPORTED, "%s: %s '%.64s' is not supported; qtune runs Qwen2ForCausalLM (Qwen1.5, Qwen2, Qwen2.5), Qwen3ForCausalLM, QWenLMHeadModel (the original Qwen) and LlamaForCausalLM", where, field, s);
+}
+
 static int parse_arch(const cJSON *root, const char *where, qt_arch *arch) {
     const cJSON *a = cJSON_GetObjectItemCaseSensitive(root, "architectures");
     const cJSON *mt = cJSON_GetObjectItemCaseSensitive(root, "model_type");
@@ -84,18 +103,9 @@ static int parse_arch(const cJSON *root, const char *where, qt_arch *arch) {
         const cJSON *a0 = cJSON_GetArrayItem(a, 0);
         if (!cJSON_IsString(a0))
             return QT_ERR(QT_EFORMAT, "%s: field 'architectures' must be a list of class names", where);
-        const char *s = a0->valuestring;
-        if (!strcmp(s, "Qwen2ForCausalLM")) { *arch = QT_ARCH_QWEN2; return QT_OK; }
-        if (!strcmp(s, "LlamaForCausalLM")) { *arch = QT_ARCH_LLAMA; return QT_OK; }
-        if (!strcmp(s, "QWenLMHeadModel"))
-            return QT_ERR(QT_EUNSUPPORTED, "%s: architecture QWenLMHeadModel (the original Qwen) is not supported; convert it to the Qwen2 layout first, or use a Qwen1.5/Qwen2/Qwen2.5 model", where);
-        return QT_ERR(QT_EUNSUPPORTED, "%s: architecture '%.64s' is not supported; qtune runs Qwen2ForCausalLM (Qwen1.5, Qwen2, Qwen2.5) and LlamaForCausalLM", where, s);
+        return arch_from_name(a0->valuestring, where, "architecture", arch);
     }
-    if (cJSON_IsString(mt)) {
-        if (!strcmp(mt->valuestring, "qwen2")) { *arch = QT_ARCH_QWEN2; return QT_OK; }
-        if (!strcmp(mt->valuestring, "llama")) { *arch = QT_ARCH_LLAMA; return QT_OK; }
-        return QT_ERR(QT_EUNSUPPORTED, "%s: model_type '%.64s' is not supported; qtune runs model_type qwen2 and llama", where, mt->valuestring);
-    }
+    if (cJSON_IsString(mt)) return arch_from_name(mt->valuestring, where, "model_type", arch);
     return QT_ERR(QT_EFORMAT, "%s: neither 'architectures' nor 'model_type' is given; is this a Hugging Face config.json?", where);
 }
 
@@ -108,8 +118,8 @@ static int check_unsupported(const cJSON *root, const char *where, const qt_conf
     if (v && !cJSON_IsNull(v) && (!cJSON_IsString(v) || strcmp(v->valuestring, "silu")))
         return QT_ERR(QT_EUNSUPPORTED, "%s: field 'hidden_act' is '%.32s'; qtune implements only \"silu\"", where,
                       cJSON_IsString(v) ? v->valuestring : "(not a string)");
-    if (c->arch == QT_ARCH_QWEN2) {
-        /* Qwen2 uses sliding-window attention on layers >= max_window_layers
+    if (c->arch == QT_ARCH_QWEN2 || c->arch == QT_ARCH_QWEN3) {
+        /* Qwen2/Qwen3 use sliding-window attention on layers >= max_window_layers
          * when use_sliding_window is true. */
         int sw = 0;
         QT_TRY(get_bool(root, where, "use_sliding_window", &sw));
@@ -151,6 +161,68 @@ static int parse_dtype(const cJSON *root, const char *where, qt_dtype *out) {
     return QT_OK;
 }
 
+/* The original Qwen's config.json (QWenConfig, modeling_qwen.py): its own
+ * keys. intermediate_size is twice the MLP width (w1 and w2 are each
+ * intermediate_size / 2 wide), kv_channels the head dim, no GQA. Dynamic NTK
+ * and logn attention (on in the published configs) only act on sequences
+ * longer than seq_length, so such a model is limited to seq_length here. */
+static int parse_qwen1(const cJSON *root, const char *where, qt_config *c) {
+    int ff2 = 0, no_bias = 1, ntk = 0, logn = 0, scale = 1, bf16 = 0, fp16 = 0, fp32 = 0;
+    float pct = 1.0f;
+    c->rms_norm_eps = 1e-6f;
+    c->rope_theta = 10000.0f;
+    c->seq_length = 8192;
+    c->max_position_embeddings = 8192;
+    c->attention_bias = 1; /* c_attn has a bias whatever no_bias says */
+    QT_TRY(get_int(root, where, "vocab_size", 1, 1, CONFIG_MAX_DIM, &c->vocab_size, NULL));
+    QT_TRY(get_int(root, where, "hidden_size", 1, 1, CONFIG_MAX_DIM, &c->hidden_size, NULL));
+    QT_TRY(get_int(root, where, "intermediate_size", 1, 2, CONFIG_MAX_DIM, &ff2, NULL));
+    QT_TRY(get_int(root, where, "num_hidden_layers", 1, 1, 100000, &c->num_hidden_layers, NULL));
+    QT_TRY(get_int(root, where, "num_attention_heads", 1, 1, 1 << 16, &c->num_attention_heads, NULL));
+    QT_TRY(get_int(root, where, "kv_channels", 1, 1, 1 << 16, &c->head_dim, NULL));
+    QT_TRY(get_int(root, where, "seq_length", 0, 1, 1 << 30, &c->seq_length, NULL));
+    QT_TRY(get_int(root, where, "max_position_embeddings", 0, 1, 1 << 30, &c->max_position_embeddings, NULL));
+    QT_TRY(get_float(root, where, "layer_norm_epsilon", &c->rms_norm_eps));
+    QT_TRY(get_float(root, where, "rotary_emb_base", &c->rope_theta));
+    QT_TRY(get_float(root, where, "rotary_pct", &pct));
+    QT_TRY(get_float(root, where, "initializer_range", &c->initializer_range));
+    QT_TRY(get_bool(root, where, "no_bias", &no_bias));
+    QT_TRY(get_bool(root, where, "use_dynamic_ntk", &ntk));
+    QT_TRY(get_bool(root, where, "use_logn_attn", &logn));
+    QT_TRY(get_bool(root, where, "scale_attn_weights", &scale));
+    QT_TRY(get_bool(root, where, "tie_word_embeddings", &c->tie_word_embeddings));
+    QT_TRY(get_bool(root, where, "bf16", &bf16));
+    QT_TRY(get_bool(root, where, "fp16", &fp16));
+    QT_TRY(get_bool(root, where, "fp32", &fp32));
+    QT_TRY(get_token_id(root, where, "bos_token_id", &c->bos_token_id));
+    QT_TRY(get_token_id(root, where, "eos_token_id", &c->eos_token_id));
+    QT_TRY(parse_dtype(root, where, &c->torch_dtype));
+    if (bf16 + fp16 + fp32 > 1)
+        return QT_ERR(QT_EFORMAT, "%s: more than one of the fields 'bf16', 'fp16' and 'fp32' is true; set at most one", where);
+    if (bf16) c->torch_dtype = QT_BF16;
+    if (fp16) c->torch_dtype = QT_F16;
+    if (fp32) c->torch_dtype = QT_F32;
+    if (ff2 % 2)
+        return QT_ERR(QT_EFORMAT, "%s: field 'intermediate_size' is %d; the original Qwen's is twice the MLP width, so it must be even", where, ff2);
+    c->intermediate_size = ff2 / 2;
+    c->num_key_value_heads = c->num_attention_heads;
+    if ((int64_t)c->head_dim * c->num_attention_heads != c->hidden_size)
+        return QT_ERR(QT_EUNSUPPORTED, "%s: kv_channels %d times num_attention_heads %d is not hidden_size %d; the original Qwen's attn.c_proj needs them equal", where,
+                      c->head_dim, c->num_attention_heads, c->hidden_size);
+    if (pct != 1.0f)
+        return QT_ERR(QT_EUNSUPPORTED, "%s: field 'rotary_pct' is %g; qtune rotates the whole head (rotary_pct 1.0) only", where, (double)pct);
+    if (!no_bias)
+        return QT_ERR(QT_EUNSUPPORTED, "%s: field 'no_bias' is false, which puts biases on attn.c_proj and the MLP; qtune supports the published layout (no_bias true) only", where);
+    if (!scale)
+        return QT_ERR(QT_EUNSUPPORTED, "%s: field 'scale_attn_weights' is false; qtune's attention always scales by 1/sqrt(kv_channels)", where);
+    if (ntk || logn) {
+        /* past seq_length modeling_qwen.py rescales RoPE (dynamic NTK) and the queries (logn) at inference:
+         * qtune does neither, so it stays within seq_length where both are the identity */
+        c->long_context = 1;
+    }
+    return check_unsupported(root, where, c);
+}
+
 int qt_config_parse(const char *json, const char *where, qt_config *cfg) {
     memset(cfg, 0, sizeof *cfg);
     const char *end = NULL;
@@ -167,36 +239,44 @@ int qt_config_parse(const char *json, const char *where, qt_config *cfg) {
     qt_config c;
     memset(&c, 0, sizeof c);
     int rc = parse_arch(root, where, &c.arch);
-    int kv_present = 0, hd_present = 0;
-    c.rms_norm_eps = 1e-6f;
-    c.rope_theta = 10000.0f;
-    c.max_position_embeddings = c.arch == QT_ARCH_QWEN2 ? 32768 : 2048;
-    c.tie_word_embeddings = 0;
-    c.attention_bias = c.arch == QT_ARCH_QWEN2;
-    if (rc == QT_OK) rc = get_int(root, where, "vocab_size", 1, 1, CONFIG_MAX_DIM, &c.vocab_size, NULL);
-    if (rc == QT_OK) rc = get_int(root, where, "hidden_size", 1, 1, CONFIG_MAX_DIM, &c.hidden_size, NULL);
-    if (rc == QT_OK) rc = get_int(root, where, "intermediate_size", 1, 1, CONFIG_MAX_DIM, &c.intermediate_size, NULL);
-    if (rc == QT_OK) rc = get_int(root, where, "num_hidden_layers", 1, 1, 100000, &c.num_hidden_layers, NULL);
-    if (rc == QT_OK) rc = get_int(root, where, "num_attention_heads", 1, 1, 1 << 16, &c.num_attention_heads, NULL);
-    if (rc == QT_OK) rc = get_int(root, where, "num_key_value_heads", 0, 1, 1 << 16, &c.num_key_value_heads, &kv_present);
-    if (rc == QT_OK) rc = get_int(root, where, "head_dim", 0, 1, 1 << 16, &c.head_dim, &hd_present);
-    if (rc == QT_OK) rc = get_int(root, where, "max_position_embeddings", 0, 1, 1 << 30, &c.max_position_embeddings, NULL);
-    if (rc == QT_OK) rc = get_float(root, where, "rms_norm_eps", &c.rms_norm_eps);
-    if (rc == QT_OK) rc = get_float(root, where, "rope_theta", &c.rope_theta);
-    if (rc == QT_OK) rc = get_float(root, where, "initializer_range", &c.initializer_range);
-    if (rc == QT_OK) rc = get_bool(root, where, "tie_word_embeddings", &c.tie_word_embeddings);
-    if (rc == QT_OK && c.arch == QT_ARCH_LLAMA) rc = get_bool(root, where, "attention_bias", &c.attention_bias);
-    if (rc == QT_OK) rc = get_token_id(root, where, "bos_token_id", &c.bos_token_id);
-    if (rc == QT_OK) rc = get_token_id(root, where, "eos_token_id", &c.eos_token_id);
-    if (rc == QT_OK) rc = parse_dtype(root, where, &c.torch_dtype);
-    if (rc == QT_OK) rc = check_unsupported(root, where, &c);
-    if (rc == QT_OK) {
-        if (!kv_present) c.num_key_value_heads = c.num_attention_heads;
-        if (!hd_present) {
-            if (c.hidden_size % c.num_attention_heads)
-                rc = QT_ERR(QT_EFORMAT, "%s: hidden_size %d is not divisible by num_attention_heads %d (and no head_dim is given)", where,
-                            c.hidden_size, c.num_attention_heads);
-            c.head_dim = c.hidden_size / c.num_attention_heads;
+    if (rc == QT_OK && c.arch == QT_ARCH_QWEN) {
+        rc = parse_qwen1(root, where, &c);
+    } else if (rc == QT_OK) {
+        int kv_present = 0, hd_present = 0;
+        c.rms_norm_eps = 1e-6f;
+        c.rope_theta = 10000.0f;
+        c.max_position_embeddings = c.arch == QT_ARCH_LLAMA ? 2048 : c.arch == QT_ARCH_QWEN3 ? 32768 : 32768;
+        c.tie_word_embeddings = 0;
+        c.attention_bias = c.arch == QT_ARCH_QWEN2;
+        c.qk_norm = c.arch == QT_ARCH_QWEN3;
+        if (rc == QT_OK) rc = get_int(root, where, "vocab_size", 1, 1, CONFIG_MAX_DIM, &c.vocab_size, NULL);
+        if (rc == QT_OK) rc = get_int(root, where, "hidden_size", 1, 1, CONFIG_MAX_DIM, &c.hidden_size, NULL);
+        if (rc == QT_OK) rc = get_int(root, where, "intermediate_size", 1, 1, CONFIG_MAX_DIM, &c.intermediate_size, NULL);
+        if (rc == QT_OK) rc = get_int(root, where, "num_hidden_layers", 1, 1, 100000, &c.num_hidden_layers, NULL);
+        if (rc == QT_OK) rc = get_int(root, where, "num_attention_heads", 1, 1, 1 << 16, &c.num_attention_heads, NULL);
+        if (rc == QT_OK) rc = get_int(root, where, "num_key_value_heads", 0, 1, 1 << 16, &c.num_key_value_heads, &kv_present);
+        if (rc == QT_OK) rc = get_int(root, where, "head_dim", 0, 1, 1 << 16, &c.head_dim, &hd_present);
+        if (rc == QT_OK) rc = get_int(root, where, "max_position_embeddings", 0, 1, 1 << 30, &c.max_position_embeddings, NULL);
+        if (rc == QT_OK) rc = get_float(root, where, "rms_norm_eps", &c.rms_norm_eps);
+        if (rc == QT_OK) rc = get_float(root, where, "rope_theta", &c.rope_theta);
+        if (rc == QT_OK) rc = get_float(root, where, "initializer_range", &c.initializer_range);
+        if (rc == QT_OK) rc = get_bool(root, where, "tie_word_embeddings", &c.tie_word_embeddings);
+        /* Qwen2's q/k/v always carry a bias (Qwen2Attention ignores attention_bias) */
+        if (rc == QT_OK && c.arch != QT_ARCH_QWEN2) rc = get_bool(root, where, "attention_bias", &c.attention_bias);
+        if (rc == QT_OK) rc = get_token_id(root, where, "bos_token_id", &c.bos_token_id);
+        if (rc == QT_OK) rc = get_token_id(root, where, "eos_token_id", &c.eos_token_id);
+        if (rc == QT_OK) rc = parse_dtype(root, where, &c.torch_dtype);
+        if (rc == QT_OK) rc = check_unsupported(root, where, &c);
+        if (rc == QT_OK) {
+            if (!kv_present) c.num_key_value_heads = c.num_attention_heads;
+            if (!hd_present && c.arch == QT_ARCH_QWEN3) {
+                c.head_dim = 128; /* transformers' Qwen3Config default, not hidden / heads */
+            } else if (!hd_present) {
+                if (c.hidden_size % c.num_attention_heads)
+                    rc = QT_ERR(QT_EFORMAT, "%s: hidden_size %d is not divisible by num_attention_heads %d (and no head_dim is given)", where,
+                                c.hidden_size, c.num_attention_heads);
+                c.head_dim = c.hidden_size / c.num_attention_heads;
+            }
         }
     }
     if (rc == QT_OK && c.num_attention_heads % c.num_key_value_heads)
@@ -254,6 +334,104 @@ static const char *dtype_torch_name(qt_dtype t) {
 /* The version whose config classes these fields follow (Qwen2.5's release). */
 #define CONFIG_TRANSFORMERS_VERSION "4.43.1"
 
+/* Qwen3ForCausalLM as transformers 4.51 (the first with Qwen3) writes it. */
+static int write_qwen3(const qt_config *c, const char *path, const char *bos, const char *eos, const char *eps,
+                       const char *theta, const char *init) {
+    char buf[4096];
+    int n = snprintf(buf, sizeof buf,
+                     "{\n"
+                     "  \"architectures\": [\n    \"Qwen3ForCausalLM\"\n  ],\n"
+                     "  \"attention_bias\": %s,\n"
+                     "  \"attention_dropout\": 0.0,\n"
+                     "  \"bos_token_id\": %s,\n"
+                     "  \"eos_token_id\": %s,\n"
+                     "  \"head_dim\": %d,\n"
+                     "  \"hidden_act\": \"silu\",\n"
+                     "  \"hidden_size\": %d,\n"
+                     "  \"initializer_range\": %s,\n"
+                     "  \"intermediate_size\": %d,\n"
+                     "  \"max_position_embeddings\": %d,\n"
+                     "  \"max_window_layers\": %d,\n"
+                     "  \"model_type\": \"qwen3\",\n"
+                     "  \"num_attention_heads\": %d,\n"
+                     "  \"num_hidden_layers\": %d,\n"
+                     "  \"num_key_value_heads\": %d,\n"
+                     "  \"rms_norm_eps\": %s,\n"
+                     "  \"rope_scaling\": null,\n"
+                     "  \"rope_theta\": %s,\n"
+                     "  \"sliding_window\": null,\n"
+                     "  \"tie_word_embeddings\": %s,\n"
+                     "  \"torch_dtype\": \"%s\",\n"
+                     "  \"transformers_version\": \"4.51.0\",\n"
+                     "  \"use_cache\": true,\n"
+                     "  \"use_sliding_window\": false,\n"
+                     "  \"vocab_size\": %d\n"
+                     "}\n",
+                     c->attention_bias ? "true" : "false", bos, eos, c->head_dim, c->hidden_size, init,
+                     c->intermediate_size, c->max_position_embeddings, c->num_hidden_layers, c->num_attention_heads,
+                     c->num_hidden_layers, c->num_key_value_heads, eps, theta,
+                     c->tie_word_embeddings ? "true" : "false", dtype_torch_name(c->torch_dtype), c->vocab_size);
+    if (n < 0 || (size_t)n >= sizeof buf) return QT_ERR(QT_EINVAL, "config for %s does not fit the write buffer", path);
+    return qt_write_file_atomic(path, buf, (size_t)n);
+}
+
+/* QWenConfig's keys, as Qwen-14B's config.json has them (the modelling code
+ * itself comes with the folder: auto_map names it, trust_remote_code loads
+ * it). The dtype flags say which dtype transformers loads in. */
+static int write_qwen1(const qt_config *c, const char *path, const char *eps, const char *theta, const char *init) {
+    char buf[4096], ids[80] = "";
+    int ntk = c->long_context;
+    /* the published configs carry no token ids (generation_config.json does); write those set */
+    int k = 0;
+    if (c->bos_token_id >= 0) k += snprintf(ids + k, sizeof ids - (size_t)k, "  \"bos_token_id\": %d,\n", c->bos_token_id);
+    if (c->eos_token_id >= 0) snprintf(ids + k, sizeof ids - (size_t)k, "  \"eos_token_id\": %d,\n", c->eos_token_id);
+    int n = snprintf(buf, sizeof buf,
+                     "{\n"
+                     "  \"architectures\": [\n    \"QWenLMHeadModel\"\n  ],\n"
+                     "  \"attn_dropout_prob\": 0.0,\n"
+                     "  \"auto_map\": {\n"
+                     "    \"AutoConfig\": \"configuration_qwen.QWenConfig\",\n"
+                     "    \"AutoModelForCausalLM\": \"modeling_qwen.QWenLMHeadModel\"\n"
+                     "  },\n"
+                     "  \"bf16\": %s,\n"
+                     "%s"
+                     "  \"emb_dropout_prob\": 0.0,\n"
+                     "  \"fp16\": %s,\n"
+                     "  \"fp32\": %s,\n"
+                     "  \"hidden_size\": %d,\n"
+                     "  \"initializer_range\": %s,\n"
+                     "  \"intermediate_size\": %d,\n"
+                     "  \"kv_channels\": %d,\n"
+                     "  \"layer_norm_epsilon\": %s,\n"
+                     "  \"max_position_embeddings\": %d,\n"
+                     "  \"model_type\": \"qwen\",\n"
+                     "  \"no_bias\": true,\n"
+                     "  \"num_attention_heads\": %d,\n"
+                     "  \"num_hidden_layers\": %d,\n"
+                     "  \"onnx_safe\": null,\n"
+                     "  \"rotary_emb_base\": %s,\n"
+                     "  \"rotary_pct\": 1.0,\n"
+                     "  \"scale_attn_weights\": true,\n"
+                     "  \"seq_length\": %d,\n"
+                     "  \"tie_word_embeddings\": %s,\n"
+                     "  \"tokenizer_class\": \"QWenTokenizer\",\n"
+                     "  \"transformers_version\": \"4.32.0\",\n"
+                     "  \"use_cache\": true,\n"
+                     "  \"use_dynamic_ntk\": %s,\n"
+                     "  \"use_flash_attn\": \"auto\",\n"
+                     "  \"use_logn_attn\": %s,\n"
+                     "  \"vocab_size\": %d\n"
+                     "}\n",
+                     c->torch_dtype == QT_BF16 ? "true" : "false", ids, c->torch_dtype == QT_F16 ? "true" : "false",
+                     c->torch_dtype == QT_F32 ? "true" : "false", c->hidden_size, init, 2 * c->intermediate_size,
+                     c->head_dim, eps, c->max_position_embeddings, c->num_attention_heads, c->num_hidden_layers, theta,
+                     c->seq_length > 0 ? c->seq_length : c->max_position_embeddings,
+                     c->tie_word_embeddings ? "true" : "false", ntk ? "true" : "false", ntk ? "true" : "false",
+                     c->vocab_size);
+    if (n < 0 || (size_t)n >= sizeof buf) return QT_ERR(QT_EINVAL, "config for %s does not fit the write buffer", path);
+    return qt_write_file_atomic(path, buf, (size_t)n);
+}
+
 int qt_config_write(const qt_config *c, const char *path) {
     char eps[32], theta[32], bos[16], eos[16], init[32];
     float_str(eps, sizeof eps, c->rms_norm_eps);
@@ -263,6 +441,8 @@ int qt_config_write(const qt_config *c, const char *path) {
     else snprintf(bos, sizeof bos, "null");
     if (c->eos_token_id >= 0) snprintf(eos, sizeof eos, "%d", c->eos_token_id);
     else snprintf(eos, sizeof eos, "null");
+    if (c->arch == QT_ARCH_QWEN3) return write_qwen3(c, path, bos, eos, eps, theta, init);
+    if (c->arch == QT_ARCH_QWEN) return write_qwen1(c, path, eps, theta, init);
     int qwen = c->arch == QT_ARCH_QWEN2;
     /* Qwen2Config has no head_dim before transformers 4.48 (it is hidden/heads):
      * write it only when it differs, which older versions cannot load anyway. */
@@ -343,10 +523,46 @@ int qt_config_write(const qt_config *c, const char *path) {
     return qt_write_file_atomic(path, buf, (size_t)n);
 }
 
+int qt_config_max_positions(const qt_config *c) {
+    if (c->long_context && c->seq_length > 0 && c->seq_length < c->max_position_embeddings) return c->seq_length;
+    return c->max_position_embeddings;
+}
+
 int64_t qt_config_param_count(const qt_config *c) {
     int64_t C = c->hidden_size, I = c->intermediate_size, V = c->vocab_size;
     int64_t q = (int64_t)c->num_attention_heads * c->head_dim, kv = (int64_t)c->num_key_value_heads * c->head_dim;
     int64_t layer = C * q + 2 * C * kv + q * C /* q, k, v, o */ + 3 * C * I /* gate, up, down */ + 2 * C /* norms */;
     if (c->attention_bias) layer += q + 2 * kv;
+    if (c->qk_norm) layer += 2 * (int64_t)c->head_dim;
     return V * C * (c->tie_word_embeddings ? 1 : 2) + c->num_hidden_layers * layer + C;
+}
+
+static const qt_layout layout_qwen2 = {
+    "model.embed_tokens", "model.norm", "model.layers", "input_layernorm", "post_attention_layernorm",
+    {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+     "mlp.down_proj"},
+    NULL, NULL, 0};
+static const qt_layout layout_qwen3 = {
+    "model.embed_tokens", "model.norm", "model.layers", "input_layernorm", "post_attention_layernorm",
+    {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+     "mlp.down_proj"},
+    "self_attn.q_norm", "self_attn.k_norm", 0};
+static const qt_layout layout_qwen1 = {
+    "transformer.wte", "transformer.ln_f", "transformer.h", "ln_1", "ln_2",
+    {"attn.c_attn", "attn.c_attn", "attn.c_attn", "attn.c_proj", "mlp.w2", "mlp.w1", "mlp.c_proj"},
+    NULL, NULL, 1};
+
+const qt_layout *qt_config_layout(const qt_config *c) {
+    if (c->arch == QT_ARCH_QWEN) return &layout_qwen1;
+    if (c->qk_norm) return &layout_qwen3;
+    return &layout_qwen2;
+}
+
+const char *qt_arch_name(qt_arch a) {
+    switch (a) {
+    case QT_ARCH_LLAMA: return "LlamaForCausalLM";
+    case QT_ARCH_QWEN3: return "Qwen3ForCausalLM";
+    case QT_ARCH_QWEN: return "QWenLMHeadModel";
+    default: return "Qwen2ForCausalLM";
+    }
 }

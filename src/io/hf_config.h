@@ -1,5 +1,8 @@
-/* A Hugging Face config.json for Qwen2ForCausalLM (Qwen1.5, Qwen2, Qwen2.5)
- * and LlamaForCausalLM (no q/k/v bias). Anything the forward pass would get
+/* A Hugging Face config.json for Qwen2ForCausalLM (Qwen1.5, Qwen2, Qwen2.5),
+ * Qwen3ForCausalLM (dense Qwen3: q_norm/k_norm), QWenLMHeadModel (the
+ * original Qwen: fused c_attn, its own config keys) and LlamaForCausalLM (no
+ * q/k/v bias). All four map onto one decoder (model/qwen2.c); qt_layout gives
+ * each its tensor names. Anything the forward pass would get
  * wrong silently (rope_scaling, sliding-window layers, another architecture)
  * is refused with an error that names the field. */
 #ifndef QT_IO_HF_CONFIG_H
@@ -9,7 +12,7 @@
 
 #include "core/dtype.h"
 
-typedef enum { QT_ARCH_QWEN2 = 0, QT_ARCH_LLAMA = 1 } qt_arch;
+typedef enum { QT_ARCH_QWEN2 = 0, QT_ARCH_LLAMA = 1, QT_ARCH_QWEN3 = 2, QT_ARCH_QWEN = 3 } qt_arch;
 
 typedef struct {
     qt_arch arch;
@@ -24,16 +27,44 @@ typedef struct {
     float rope_theta;
     int max_position_embeddings;
     int tie_word_embeddings;
-    int attention_bias;          /* q/k/v carry a bias (Qwen2: yes, Llama: attention_bias) */
+    int attention_bias;          /* q/k/v carry a bias (Qwen2 and the original Qwen: yes, Llama and
+                                    Qwen3: attention_bias) */
+    int qk_norm;                 /* Qwen3: RMSNorm over head_dim on q and k per head, before RoPE */
+    int seq_length;              /* original Qwen: its training length (0 elsewhere) */
+    int long_context;            /* original Qwen: use_dynamic_ntk or use_logn_attn, which change the
+                                    model past seq_length; max_position_embeddings is then seq_length */
     qt_dtype torch_dtype;        /* as the file says; f32 when absent */
     int bos_token_id, eos_token_id; /* -1 when absent */
     float initializer_range;     /* std of `qtune init`'s normal weights; 0 (absent) means 0.02 */
 } qt_config;
 
 int qt_config_load(const char *path, qt_config *cfg);           /* path: config.json or its folder */
+/* The Hugging Face tensor names of an architecture. The seven linears are
+ * those of model_internal.h's LIN_* order (q, k, v, o, gate, up, down); in
+ * the original Qwen q, k and v are row slices of one fused attn.c_attn
+ * ((H + 2 KV) D, C), so the three share one name, and gate/up are mlp.w2 /
+ * mlp.w1 (modeling_qwen.py: c_proj(w1(x) * silu(w2(x)))). */
+typedef struct {
+    const char *embed;        /* "model.embed_tokens" */
+    const char *final_norm;   /* "model.norm" */
+    const char *layers;       /* "model.layers": layer l is "<layers>.<l>." */
+    const char *ln1, *ln2;    /* "input_layernorm", "post_attention_layernorm" */
+    const char *lin[7];       /* "self_attn.q_proj" ... "mlp.down_proj" */
+    const char *q_norm, *k_norm; /* "self_attn.q_norm" / "self_attn.k_norm", NULL without qk_norm */
+    int fused_qkv;            /* lin[0..2] name one fused tensor */
+} qt_layout;
+const qt_layout *qt_config_layout(const qt_config *cfg);
+const char *qt_arch_name(qt_arch arch); /* "Qwen2ForCausalLM", ... */
+
 int qt_config_parse(const char *json, const char *where, qt_config *cfg); /* where names it in errors */
 /* Writes a config.json that transformers loads unchanged (atomic). */
 int qt_config_write(const qt_config *cfg, const char *path);
+
+/* The longest sequence the model computes as its modelling code does:
+ * max_position_embeddings, or for an original Qwen with dynamic NTK / logn
+ * attention on, its seq_length (past it that code changes RoPE and the
+ * attention scale, which qtune does not implement). */
+int qt_config_max_positions(const qt_config *cfg);
 
 /* Number of parameters the config implies (embeddings, lm_head when untied,
  * every layer's weights and biases, the final norm). */

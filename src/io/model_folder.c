@@ -78,14 +78,52 @@ const char qt_qwen25_chat_template[] =
 /* ---------------------------------------------------------------------------
  * Weight names and shapes */
 
-/* Tensors per layer, in write order; the bias rows exist only with attention_bias. */
-enum { W_IN_NORM, W_Q, W_QB, W_K, W_KB, W_V, W_VB, W_O, W_POST_NORM, W_GATE, W_UP, W_DOWN, W_PER_LAYER };
+/* One layer's tensors, in write order, named by the architecture's layout
+ * (qt_config_layout): the q/k/v biases exist only with attention_bias,
+ * q_norm/k_norm only in Qwen3, and a fused q/k/v (original Qwen) is one
+ * c_attn of (H + 2 KV) D rows. Returns the count (at most 16). */
+typedef struct {
+    const char *what; /* module path, without the layer prefix */
+    const char *kind_s; /* "weight" or "bias" */
+    int ndim;
+    int64_t d0, d1;
+    qt_init_kind init;
+} layer_slot;
 
-static int layer_slot_used(const qt_config *c, int slot) {
-    return c->attention_bias || (slot != W_QB && slot != W_KB && slot != W_VB);
+static int layer_slots(const qt_config *c, layer_slot *s) {
+    const qt_layout *ly = qt_config_layout(c);
+    int64_t C = c->hidden_size, I = c->intermediate_size, D = c->head_dim;
+    int64_t q = (int64_t)c->num_attention_heads * D, kv = (int64_t)c->num_key_value_heads * D;
+    int n = 0;
+#define SLOT(w, k, nd, a, b, in) (s[n++] = (layer_slot){(w), (k), (nd), (a), (b), (in)})
+    SLOT(ly->ln1, "weight", 1, C, 0, QT_INIT_ONES);
+    if (ly->fused_qkv) {
+        SLOT(ly->lin[0], "weight", 2, q + 2 * kv, C, QT_INIT_NORMAL);
+        if (c->attention_bias) SLOT(ly->lin[0], "bias", 1, q + 2 * kv, 0, QT_INIT_ZEROS);
+    } else {
+        const int64_t rows[3] = {q, kv, kv};
+        for (int j = 0; j < 3; j++) {
+            SLOT(ly->lin[j], "weight", 2, rows[j], C, QT_INIT_NORMAL);
+            if (c->attention_bias) SLOT(ly->lin[j], "bias", 1, rows[j], 0, QT_INIT_ZEROS);
+        }
+    }
+    if (ly->q_norm) {
+        SLOT(ly->q_norm, "weight", 1, D, 0, QT_INIT_ONES);
+        SLOT(ly->k_norm, "weight", 1, D, 0, QT_INIT_ONES);
+    }
+    SLOT(ly->lin[3], "weight", 2, C, q, QT_INIT_NORMAL);
+    SLOT(ly->ln2, "weight", 1, C, 0, QT_INIT_ONES);
+    SLOT(ly->lin[4], "weight", 2, I, C, QT_INIT_NORMAL);
+    SLOT(ly->lin[5], "weight", 2, I, C, QT_INIT_NORMAL);
+    SLOT(ly->lin[6], "weight", 2, C, I, QT_INIT_NORMAL);
+#undef SLOT
+    return n;
 }
 
-static int per_layer(const qt_config *c) { return c->attention_bias ? W_PER_LAYER : W_PER_LAYER - 3; }
+static int per_layer(const qt_config *c) {
+    layer_slot s[16];
+    return layer_slots(c, s);
+}
 
 int qt_weight_count(const qt_config *c) {
     return 1 + c->num_hidden_layers * per_layer(c) + 1 + (c->tie_word_embeddings ? 0 : 1);
@@ -100,44 +138,27 @@ static void spec(qt_weight_spec *w, const char *name, int ndim, int64_t d0, int6
 }
 
 int qt_weight_spec_at(const qt_config *c, int i, qt_weight_spec *w) {
-    int64_t C = c->hidden_size, I = c->intermediate_size, V = c->vocab_size;
-    int64_t q = (int64_t)c->num_attention_heads * c->head_dim, kv = (int64_t)c->num_key_value_heads * c->head_dim;
-    int n = qt_weight_count(c), pl = per_layer(c);
+    int64_t C = c->hidden_size, V = c->vocab_size;
+    const qt_layout *ly = qt_config_layout(c);
+    layer_slot slots[16];
+    int pl = layer_slots(c, slots), n = qt_weight_count(c);
+    char name[96];
     if (i < 0 || i >= n) return QT_ERR(QT_EINVAL, "weight index %d is outside the model's %d tensors", i, n);
-    if (i == 0) { spec(w, "model.embed_tokens.weight", 2, V, C, QT_INIT_NORMAL); return QT_OK; }
+    if (i == 0) {
+        snprintf(name, sizeof name, "%s.weight", ly->embed);
+        spec(w, name, 2, V, C, QT_INIT_NORMAL);
+        return QT_OK;
+    }
     int li = i - 1;
     if (li >= c->num_hidden_layers * pl) {
-        if (li == c->num_hidden_layers * pl) spec(w, "model.norm.weight", 1, C, 0, QT_INIT_ONES);
+        snprintf(name, sizeof name, "%s.weight", ly->final_norm);
+        if (li == c->num_hidden_layers * pl) spec(w, name, 1, C, 0, QT_INIT_ONES);
         else spec(w, "lm_head.weight", 2, V, C, QT_INIT_NORMAL);
         return QT_OK;
     }
-    int layer = li / pl, k = li % pl, slot = -1;
-    for (int s = 0, seen = 0; s < W_PER_LAYER; s++) {
-        if (!layer_slot_used(c, s)) continue;
-        if (seen++ == k) { slot = s; break; }
-    }
-    char name[96];
-    const char *what = "";
-    int ndim = 2;
-    int64_t d0 = 0, d1 = 0;
-    qt_init_kind kind = QT_INIT_NORMAL;
-    switch (slot) {
-    case W_IN_NORM: what = "input_layernorm.weight"; ndim = 1; d0 = C; kind = QT_INIT_ONES; break;
-    case W_Q: what = "self_attn.q_proj.weight"; d0 = q; d1 = C; break;
-    case W_QB: what = "self_attn.q_proj.bias"; ndim = 1; d0 = q; kind = QT_INIT_ZEROS; break;
-    case W_K: what = "self_attn.k_proj.weight"; d0 = kv; d1 = C; break;
-    case W_KB: what = "self_attn.k_proj.bias"; ndim = 1; d0 = kv; kind = QT_INIT_ZEROS; break;
-    case W_V: what = "self_attn.v_proj.weight"; d0 = kv; d1 = C; break;
-    case W_VB: what = "self_attn.v_proj.bias"; ndim = 1; d0 = kv; kind = QT_INIT_ZEROS; break;
-    case W_O: what = "self_attn.o_proj.weight"; d0 = C; d1 = q; break;
-    case W_POST_NORM: what = "post_attention_layernorm.weight"; ndim = 1; d0 = C; kind = QT_INIT_ONES; break;
-    case W_GATE: what = "mlp.gate_proj.weight"; d0 = I; d1 = C; break;
-    case W_UP: what = "mlp.up_proj.weight"; d0 = I; d1 = C; break;
-    case W_DOWN: what = "mlp.down_proj.weight"; d0 = C; d1 = I; break;
-    default: return QT_ERR(QT_EINVAL, "weight index %d has no layer slot", i);
-    }
-    snprintf(name, sizeof name, "model.layers.%d.%s", layer, what);
-    spec(w, name, ndim, d0, d1, kind);
+    const layer_slot *sl = &slots[li % pl];
+    snprintf(name, sizeof name, "%s.%d.%s.%s", ly->layers, li / pl, sl->what, sl->kind_s);
+    spec(w, name, sl->ndim, sl->d0, sl->d1, sl->init);
     return QT_OK;
 }
 
@@ -325,7 +346,10 @@ int qt_tokenizer_files_write(const qt_config *c, const char *tokenizer_json, con
 int qt_model_copy_side_files(const char *src_dir, const char *dst_dir) {
     static const char *const files[] = {"tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                                         "special_tokens_map.json", "added_tokens.json", "generation_config.json",
-                                        NULL};
+                                        /* the original Qwen's tokenizer and the remote code its config.json's
+                                         * auto_map names (transformers' trust_remote_code) */
+                                        "qwen.tiktoken", "configuration_qwen.py", "modeling_qwen.py",
+                                        "tokenization_qwen.py", "qwen_generation_utils.py", "cpp_kernels.py", NULL};
     char s[4096], d[4096];
     for (int i = 0; files[i]; i++) {
         QT_TRY(qt_path_join(s, sizeof s, src_dir, files[i]));

@@ -14,8 +14,10 @@
 
 /* The HF tensor names and shapes a config implies, in a stable order:
  * model.embed_tokens.weight, per layer input_layernorm, self_attn.{q,k,v,o}_proj
- * (+ q/k/v bias when cfg->attention_bias), post_attention_layernorm,
- * mlp.{gate,up,down}_proj, then model.norm.weight and lm_head.weight (untied only). */
+ * (+ q/k/v bias when cfg->attention_bias, + q_norm/k_norm in Qwen3),
+ * post_attention_layernorm, mlp.{gate,up,down}_proj, then model.norm.weight
+ * and lm_head.weight (untied only); the original Qwen's names and fused
+ * c_attn come from qt_config_layout. */
 typedef enum { QT_INIT_NORMAL = 0, QT_INIT_ZEROS = 1, QT_INIT_ONES = 2 } qt_init_kind;
 typedef struct {
     char name[96];
@@ -55,7 +57,8 @@ int qt_tokenizer_files_write(const qt_config *cfg, const char *tokenizer_json, c
 
 /* Copies the tokenizer and generation files a model folder may carry
  * (tokenizer.json, tokenizer_config.json, vocab.json, merges.txt,
- * special_tokens_map.json, added_tokens.json, generation_config.json) from
+ * special_tokens_map.json, added_tokens.json, generation_config.json; the
+ * original Qwen's qwen.tiktoken and its *_qwen.py remote code) from
  * src_dir to dst_dir; those src_dir lacks are skipped. Not config.json: the
  * callers copy or rewrite it themselves. */
 int qt_model_copy_side_files(const char *src_dir, const char *dst_dir);

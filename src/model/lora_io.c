@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "core/error.h"
+#include "core/messages.h"
 #include "core/mem.h"
 #include "io/peft.h"
 #include "model/model_internal.h"
@@ -25,19 +26,60 @@ int qt_lora_targets_parse(const char *const *names, int n, unsigned *mask) {
     return QT_OK;
 }
 
-/* "model.layers.{i}.self_attn.q_proj" ... "model.layers.{i}.mlp.down_proj" */
-static void lin_module(char *out, size_t cap, int layer, int j) {
-    snprintf(out, cap, "model.layers.%d.%s", layer, qt_lin_path[j]);
+/* "model.layers.{i}.self_attn.q_proj" ... in the model's layout ("transformer.h.{i}.attn.c_attn" ...) */
+static void lin_module(char *out, size_t cap, const qt_config *c, int layer, int j) {
+    snprintf(out, cap, "%s.%d.%s", qt_config_layout(c)->layers, layer, qt_lin_name(c, j));
 }
 
-int qt_lora_targets_from_peft(const peft_config *pc, int n_layers, unsigned *mask, const char *where) {
+/* The original Qwen's names for what a Qwen2-style list asked for: the sentence's "write ..." part. */
+static void qwen1_names_for(const peft_config *pc, char *out, size_t cap) {
+    static const struct { const char *qwen2, *qwen1; } map[] = {
+        {"q_proj", "c_attn"}, {"k_proj", "c_attn"}, {"v_proj", "c_attn"}, {"o_proj", "c_proj"},
+        {"gate_proj", "w2"}, {"up_proj", "w1"}, {"down_proj", "c_proj"},
+    };
+    const char *picked[8];
+    int n = 0;
+    for (size_t k = 0; k < sizeof map / sizeof map[0]; k++) {
+        int want = 0, dup = 0;
+        for (int e = 0; e < pc->n_targets; e++) want |= !strcmp(pc->target_modules[e], map[k].qwen2);
+        for (int i = 0; i < n; i++) dup |= !strcmp(picked[i], map[k].qwen1);
+        if (want && !dup) picked[n++] = map[k].qwen1;
+    }
+    if (!n) picked[n++] = "c_attn"; /* PEFT's own default for model_type qwen */
+    size_t o = (size_t)snprintf(out, cap, "[");
+    for (int i = 0; i < n && o < cap; i++) o += (size_t)snprintf(out + o, cap - o, "%s\"%s\"", i ? ", " : "", picked[i]);
+    if (o < cap) snprintf(out + o, cap - o, "]");
+}
+
+static int is_qwen2_name(const char *s) {
+    for (int j = 0; j < LIN_COUNT; j++)
+        if (!strcmp(s, qt_lin_short[j])) return 1;
+    return 0;
+}
+
+int qt_lora_targets_for(const qt_config *c, const peft_config *pc, unsigned *mask, const char *where) {
     char tm[PEFT_MAX_REGEX + 64], name[128];
+    const qt_layout *ly = qt_config_layout(c);
+    const int n_layers = c->num_hidden_layers;
     peft_targets_str(pc, tm, sizeof tm);
     *mask = 0;
+    /* Qwen2 names on an original Qwen model: PEFT stops with "Target modules {...} not found in the base
+     * model"; say why and what to write, before anything is loaded */
+    if (ly->fused_qkv && !pc->target_regex[0]) {
+        char bad[PEFT_MAX_REGEX + 64] = "", list[160];
+        size_t o = 0;
+        for (int e = 0; e < pc->n_targets && o < sizeof bad; e++)
+            if (is_qwen2_name(pc->target_modules[e]))
+                o += (size_t)snprintf(bad + o, sizeof bad - o, "%s%s", o ? ", " : "", pc->target_modules[e]);
+        if (bad[0]) {
+            qwen1_names_for(pc, list, sizeof list);
+            return QT_ERR(QT_EUNSUPPORTED, QT_MSG_QWEN1_TARGETS_FMT, where, bad, list);
+        }
+    }
     for (int j = 0; j < LIN_COUNT; j++) {
         int hit = 0;
         for (int i = 0; i < n_layers; i++) {
-            lin_module(name, sizeof name, i, j);
+            lin_module(name, sizeof name, c, i, j);
             hit += peft_targets_module(pc, name);
         }
         if (hit == n_layers && n_layers > 0)
@@ -46,10 +88,10 @@ int qt_lora_targets_from_peft(const peft_config *pc, int n_layers, unsigned *mas
             return QT_ERR(QT_EUNSUPPORTED,
                           "%s: target_modules (%s) selects %s in %d of the model's %d layers; qtune adapts the same "
                           "modules in every layer",
-                          where, tm, qt_lin_short[j], hit, n_layers);
+                          where, tm, qt_lin_name(c, j), hit, n_layers);
     }
     /* PEFT would adapt these too; qtune has no LoRA for them, so refuse rather than drop them */
-    static const char *const other[] = {"lm_head", "model.embed_tokens"};
+    const char *const other[] = {"lm_head", ly->embed};
     int all_linear = !pc->target_regex[0] && pc->n_targets == 1 && !strcmp(pc->target_modules[0], "all-linear");
     for (size_t k = 0; k < sizeof other / sizeof other[0] && !all_linear; k++)
         if (peft_targets_module(pc, other[k]))
@@ -59,9 +101,13 @@ int qt_lora_targets_from_peft(const peft_config *pc, int n_layers, unsigned *mas
     for (int e = 0; e < pc->n_targets; e++) {
         int found = 0;
         for (int j = 0; j < LIN_COUNT && !found; j++) {
-            lin_module(name, sizeof name, 0, j);
+            lin_module(name, sizeof name, c, 0, j);
             found = peft_target_entry_matches(pc->target_modules[e], name);
         }
+        if (!found && ly->fused_qkv)
+            return QT_ERR(QT_EUNSUPPORTED,
+                          "%s: target_modules entry '%s' names none of the original Qwen's c_attn, c_proj, w1, w2",
+                          where, pc->target_modules[e]);
         if (!found)
             return QT_ERR(QT_EUNSUPPORTED,
                           "%s: target_modules entry '%s' names none of q_proj, k_proj, v_proj, o_proj, gate_proj, "
@@ -73,13 +119,53 @@ int qt_lora_targets_from_peft(const peft_config *pc, int n_layers, unsigned *mas
     return QT_OK;
 }
 
-int qt_lora_opts_from_adapter(const char *dir, int n_layers, qt_model_opts *o) {
+int qt_lora_targets_from_peft(const peft_config *pc, int n_layers, unsigned *mask, const char *where) {
+    qt_config c;
+    memset(&c, 0, sizeof c);
+    c.arch = QT_ARCH_QWEN2;
+    c.num_hidden_layers = n_layers;
+    return qt_lora_targets_for(&c, pc, mask, where);
+}
+
+int qt_lora_targets_from_names(const qt_config *c, const char *const *names, int n, unsigned *mask,
+                               const char *where) {
+    peft_config pc;
+    memset(&pc, 0, sizeof pc);
+    if (n < 1 || n > PEFT_MAX_TARGETS)
+        return QT_ERR(QT_EINVAL, "%s: lora.target_modules must list 1 to %d names", where, PEFT_MAX_TARGETS);
+    for (int i = 0; i < n; i++) {
+        if (strlen(names[i]) >= sizeof pc.target_modules[0])
+            return QT_ERR(QT_EINVAL, "%s: lora.target_modules entry '%.40s...' is too long", where, names[i]);
+        snprintf(pc.target_modules[pc.n_targets++], sizeof pc.target_modules[0], "%s", names[i]);
+    }
+    return qt_lora_targets_for(c, &pc, mask, where);
+}
+
+int qt_lora_target_names(const qt_config *c, unsigned mask, char names[][64], int cap) {
+    int n = 0;
+    if (qt_config_layout(c)->fused_qkv) {
+        /* PEFT's module names: c_attn (q, k, v together), c_proj (both, or the one asked for), w1, w2 */
+        unsigned o = mask & QT_LORA_O, d = mask & QT_LORA_DOWN;
+        if ((mask & (QT_LORA_Q | QT_LORA_K | QT_LORA_V)) && n < cap) snprintf(names[n++], 64, "c_attn");
+        if (o && d && n < cap) snprintf(names[n++], 64, "c_proj");
+        else if (o && n < cap) snprintf(names[n++], 64, "attn.c_proj");
+        else if (d && n < cap) snprintf(names[n++], 64, "mlp.c_proj");
+        if ((mask & QT_LORA_UP) && n < cap) snprintf(names[n++], 64, "w1");
+        if ((mask & QT_LORA_GATE) && n < cap) snprintf(names[n++], 64, "w2");
+        return n;
+    }
+    for (int j = 0; j < LIN_COUNT; j++)
+        if ((mask & qt_lin_flag[j]) && n < cap) snprintf(names[n++], 64, "%s", qt_lin_short[j]);
+    return n;
+}
+
+int qt_lora_opts_from_adapter(const char *dir, const qt_config *cfg, qt_model_opts *o) {
     peft_config pc;
     QT_TRY(peft_config_load(dir, &pc));
     char where[4200];
     snprintf(where, sizeof where, "%s/adapter_config.json", dir);
     unsigned mask;
-    QT_TRY(qt_lora_targets_from_peft(&pc, n_layers, &mask, where));
+    QT_TRY(qt_lora_targets_for(cfg, &pc, &mask, where));
     o->lora = 1;
     o->lora_r = pc.r;
     o->lora_alpha = pc.lora_alpha;
@@ -149,9 +235,9 @@ int qt_lora_save(const qt_model *m, const char *dir, const char *base_model) {
     pc.lora_alpha = m->opts.lora_alpha;
     pc.lora_dropout = m->opts.lora_dropout;
     pc.use_rslora = m->opts.use_rslora;
-    for (int j = 0; j < LIN_COUNT; j++)
-        if (m->opts.lora_targets & qt_lin_flag[j])
-            snprintf(pc.target_modules[pc.n_targets++], sizeof pc.target_modules[0], "%s", qt_lin_short[j]);
+    char names[LIN_COUNT][64];
+    int n = qt_lora_target_names(&m->cfg, m->opts.lora_targets, names, LIN_COUNT);
+    for (int j = 0; j < n; j++) memcpy(pc.target_modules[pc.n_targets++], names[j], sizeof pc.target_modules[0]);
     snprintf(pc.base_model, sizeof pc.base_model, "%s", base_model ? base_model : "");
     peft_tensor *t = qt_calloc((size_t)m->n_params, sizeof *t, "adapter tensor list");
     if (!t) return QT_ENOMEM;

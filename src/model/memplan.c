@@ -55,6 +55,23 @@ int qt_lin_has_bias(const qt_config *c, int which) {
     return c->attention_bias && (which == LIN_Q || which == LIN_K || which == LIN_V);
 }
 
+const char *qt_lin_name(const qt_config *c, int which) { return qt_config_layout(c)->lin[which]; }
+
+int qt_lin_fused_rows(const qt_config *c) {
+    return (c->num_attention_heads + 2 * c->num_key_value_heads) * c->head_dim;
+}
+
+/* c_attn's rows: q (H*D), then k (KV*D), then v (modeling_qwen.py splits the output in that order) */
+int qt_lin_row0(const qt_config *c, int which) {
+    if (!qt_config_layout(c)->fused_qkv) return 0;
+    int q = c->num_attention_heads * c->head_dim, kv = c->num_key_value_heads * c->head_dim;
+    return which == LIN_K ? q : which == LIN_V ? q + kv : 0;
+}
+
+int qt_lin_owns(const qt_config *c, int which) {
+    return !(qt_config_layout(c)->fused_qkv && (which == LIN_K || which == LIN_V));
+}
+
 static int lora_on(const qt_model_opts *o, int which) {
     return o->lora && (o->lora_targets & qt_lin_flag[which]);
 }
@@ -75,41 +92,57 @@ static void add_param(qt_param *out, int *n, size_t *off, const char *name, int 
     (*n)++;
 }
 
+/* Full fine-tuning: every tensor of the file, in its order; LoRA: A and B
+ * of each adapted module. Names come from the architecture's layout; a fused
+ * q/k/v is one tensor (and one adapted module) listed at q. */
 int qt_model_param_table(const qt_config *c, const qt_model_opts *o, qt_param *out, size_t *numel) {
     int n = 0;
     size_t off = 0;
     char name[160];
-    int C = c->hidden_size, V = c->vocab_size, R = o->lora_r;
-    if (!o->lora) add_param(out, &n, &off, "model.embed_tokens.weight", 2, V, C);
+    const qt_layout *ly = qt_config_layout(c);
+    int C = c->hidden_size, V = c->vocab_size, R = o->lora_r, D = c->head_dim;
+    if (!o->lora) {
+        snprintf(name, sizeof name, "%s.weight", ly->embed);
+        add_param(out, &n, &off, name, 2, V, C);
+    }
     for (int l = 0; l < c->num_hidden_layers; l++) {
         if (!o->lora) {
-            snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
+            snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->ln1);
             add_param(out, &n, &off, name, 1, C, 0);
         }
         for (int j = 0; j < LIN_COUNT; j++) {
+            if (!qt_lin_owns(c, j)) continue;
             int in, ou;
             qt_lin_shape(c, j, &in, &ou);
+            if (ly->fused_qkv && j == LIN_Q) ou = qt_lin_fused_rows(c);
             if (!o->lora) {
-                snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, qt_lin_path[j]);
+                snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->lin[j]);
                 add_param(out, &n, &off, name, 2, ou, in);
                 if (qt_lin_has_bias(c, j)) {
-                    snprintf(name, sizeof name, "model.layers.%d.%s.bias", l, qt_lin_path[j]);
+                    snprintf(name, sizeof name, "%s.%d.%s.bias", ly->layers, l, ly->lin[j]);
                     add_param(out, &n, &off, name, 1, ou, 0);
                 }
+                if (j == LIN_K && ly->q_norm) { /* Qwen3: q_norm, k_norm after the projections */
+                    snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->q_norm);
+                    add_param(out, &n, &off, name, 1, D, 0);
+                    snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->k_norm);
+                    add_param(out, &n, &off, name, 1, D, 0);
+                }
                 if (j == LIN_O) {
-                    snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
+                    snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->ln2);
                     add_param(out, &n, &off, name, 1, C, 0);
                 }
             } else if (lora_on(o, j)) {
-                snprintf(name, sizeof name, "base_model.model.model.layers.%d.%s.lora_A.weight", l, qt_lin_path[j]);
+                snprintf(name, sizeof name, "base_model.model.%s.%d.%s.lora_A.weight", ly->layers, l, ly->lin[j]);
                 add_param(out, &n, &off, name, 2, R, in);
-                snprintf(name, sizeof name, "base_model.model.model.layers.%d.%s.lora_B.weight", l, qt_lin_path[j]);
+                snprintf(name, sizeof name, "base_model.model.%s.%d.%s.lora_B.weight", ly->layers, l, ly->lin[j]);
                 add_param(out, &n, &off, name, 2, ou, R);
             }
         }
     }
     if (!o->lora) {
-        add_param(out, &n, &off, "model.norm.weight", 1, C, 0);
+        snprintf(name, sizeof name, "%s.weight", ly->final_norm);
+        add_param(out, &n, &off, name, 1, C, 0);
         if (!c->tie_word_embeddings) add_param(out, &n, &off, "lm_head.weight", 2, V, C);
     }
     if (numel) *numel = off;
@@ -139,6 +172,12 @@ static void carve_layer(const qt_config *c, const qt_model_opts *o, float *base,
     a->q = carve(base, off, N * HD);
     a->k = carve(base, off, N * KVD);
     a->v = carve(base, off, N * KVD);
+    if (c->qk_norm) {
+        a->qraw = carve(base, off, N * HD);
+        a->kraw = carve(base, off, N * KVD);
+        a->rstdq = carve(base, off, N * c->num_attention_heads);
+        a->rstdk = carve(base, off, N * c->num_key_value_heads);
+    }
     a->att = carve(base, off, N * HD);
     a->lse = carve(base, off, N * c->num_attention_heads);
     a->xmid = carve(base, off, N * C);
@@ -163,6 +202,8 @@ static void carve_layer16(const qt_config *c, const qt_model_opts *o, float *bas
     s->q = carve16(base, off, N * HD);
     s->k = carve16(base, off, N * KVD);
     s->v = carve16(base, off, N * KVD);
+    s->qraw = c->qk_norm ? carve16(base, off, N * HD) : NULL;
+    s->kraw = c->qk_norm ? carve16(base, off, N * KVD) : NULL;
     s->att = carve16(base, off, N * HD);
     s->xmid = carve16(base, off, N * C);
     s->ln2 = carve16(base, off, N * C);
@@ -207,6 +248,10 @@ size_t qt_model_carve_acts(const qt_config *c, const qt_model_opts *o, float *ba
                 a.rstd1 = carve(base, &off, N);
                 a.lse = carve(base, &off, N * c->num_attention_heads);
                 a.rstd2 = carve(base, &off, N);
+                if (c->qk_norm) {
+                    a.rstdq = carve(base, &off, N * c->num_attention_heads);
+                    a.rstdk = carve(base, &off, N * c->num_key_value_heads);
+                }
             }
             qt_acts16 s;
             carve_layer16(c, o, base, &off, &s);
@@ -299,6 +344,7 @@ size_t qt_model_memory(const qt_config *c, const qt_model_opts *o, qt_mem_breakd
         if (c->attention_bias)
             small += (size_t)c->num_hidden_layers * (size_t)(c->num_attention_heads + 2 * c->num_key_value_heads) *
                      c->head_dim;
+        if (c->qk_norm) small += (size_t)c->num_hidden_layers * 2 * (size_t)c->head_dim;
         b.base = (all - small) * qt_dtype_size(c->torch_dtype);
         /* training in f16/bf16 holds the base in the compute dtype: a copy when the file's differs */
         if (o->lora && !o->infer && o->compute != QT_F32 && c->torch_dtype != o->compute)

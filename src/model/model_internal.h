@@ -18,6 +18,16 @@ extern const char *const qt_lin_short[LIN_COUNT];  /* "q_proj", ... */
 extern const unsigned qt_lin_flag[LIN_COUNT];      /* QT_LORA_Q, ... */
 void qt_lin_shape(const qt_config *c, int which, int *in, int *out);
 int qt_lin_has_bias(const qt_config *c, int which); /* q/k/v with attention_bias */
+/* The layout's module path of linear `which` ("self_attn.q_proj", or the
+ * original Qwen's "attn.c_attn" for q, k and v). With a fused q/k/v
+ * (qt_layout.fused_qkv) the three are row slices of one tensor: its rows
+ * (qt_lin_fused_rows) and where `which` starts (qt_lin_row0, 0 unfused). */
+const char *qt_lin_name(const qt_config *c, int which);
+int qt_lin_row0(const qt_config *c, int which);
+int qt_lin_fused_rows(const qt_config *c);
+/* 1 when `which` is the first linear of its module (the one that owns the fused tensor and its LoRA);
+ * 0 for k and v when fused. */
+int qt_lin_owns(const qt_config *c, int which);
 
 /* A weight as stored: f32 master, or a frozen base tensor in its file dtype. */
 typedef struct {
@@ -30,13 +40,18 @@ typedef struct {
     qt_wref w;          /* (out, in) */
     const float *b;     /* (out) or NULL */
     float *dw, *db;     /* full fine-tuning: into the gradient block; else NULL */
-    float *la, *lb;     /* LoRA A (R, in), B (out, R) in the master block; NULL when not a target */
+    float *la, *lb;     /* LoRA A (R, in), B (out, R) in the master block; NULL when not a target.
+                           Fused q/k/v (original Qwen's c_attn): one A shared by q, k and v, and each
+                           lb a row slice of one B, as PEFT adapts the whole fused module */
     float *dla, *dlb;
+    int lora_id;        /* the LoRA module's index for dropout masks: which, or LIN_Q for a fused k/v */
 } qt_linear;
 
 typedef struct {
     const float *ln1, *ln2; /* (C) */
     float *dln1, *dln2;     /* NULL when frozen */
+    const float *qn, *kn;   /* Qwen3 q_norm / k_norm (D), NULL without qk_norm */
+    float *dqn, *dkn;       /* NULL when frozen */
     qt_linear lin[LIN_COUNT];
 } qt_layer;
 
@@ -46,6 +61,8 @@ typedef struct {
     float *rstd1; /* (N) */
     float *q;     /* (N, H*D) after RoPE */
     float *k, *v; /* (N, KV*D), k after RoPE */
+    float *qraw, *kraw;   /* qk_norm: (N, H*D), (N, KV*D) the projections before the norm, else NULL */
+    float *rstdq, *rstdk; /* qk_norm: (N*H), (N*KV) */
     float *att;   /* (N, H*D) attention output before o_proj */
     float *lse;   /* (B, H, T) */
     float *xmid;  /* (N, C) x + o_proj(att) */
@@ -63,6 +80,7 @@ typedef struct {
  * pass, the backward converts a layer's slots back just before using them. */
 typedef struct {
     uint16_t *ln1, *q, *k, *v, *att, *xmid, *ln2, *gate, *up, *h; /* shapes as in qt_acts */
+    uint16_t *qraw, *kraw;                                        /* qk_norm only, else NULL */
     uint16_t *lora_h[LIN_COUNT];                                  /* NULL when not a target */
 } qt_acts16;
 

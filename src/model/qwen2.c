@@ -1,5 +1,5 @@
-/* The Qwen2 / Llama decoder, written once over the ops of the backend
- * interface (backend/backend.h; m->be, chosen at load). One decoder layer (HF Qwen2DecoderLayer):
+/* The Qwen2 / Qwen3 / original Qwen / Llama decoder, written once over the
+ * ops of the backend interface (backend/backend.h; m->be, chosen at load). One decoder layer (HF Qwen2DecoderLayer):
  *
  *   ln1  = rmsnorm(x)                     q, k, v = q_proj(ln1), k_proj(ln1), v_proj(ln1)
  *   q, k = rope(q), rope(k)               att = causal GQA attention(q, k, v)
@@ -7,8 +7,11 @@
  *   h    = silu(gate_proj(ln2)) * up_proj(ln2)
  *   xout = xmid + down_proj(h)
  *
- * then the final norm and the fused lm_head + cross-entropy. A Linear with a
- * LoRA adapter adds scaling * B A dropout(x) (PEFT). The backward walks the
+ * then the final norm and the fused lm_head + cross-entropy. Qwen3 adds
+ * q_norm/k_norm (RMSNorm over each head's D) on q and k before RoPE; the
+ * original Qwen's fused c_attn arrives as three row slices and its
+ * w2/w1/c_proj as gate/up/down (model/qwen2_load.c), so it runs the same
+ * steps. A Linear with a LoRA adapter adds scaling * B A dropout(x) (PEFT). The backward walks the
  * same steps in reverse; with gradient checkpointing each layer's forward is
  * recomputed from its saved input just before its backward.
  *
@@ -70,6 +73,8 @@ static void acts_load(qt_model *m, int l, int N) {
     be->convert(be, a->q, QT_F32, s->q, dt, NQ);
     be->convert(be, a->k, QT_F32, s->k, dt, NK);
     be->convert(be, a->v, QT_F32, s->v, dt, NK);
+    if (s->qraw) be->convert(be, a->qraw, QT_F32, s->qraw, dt, NQ);
+    if (s->kraw) be->convert(be, a->kraw, QT_F32, s->kraw, dt, NK);
     be->convert(be, a->att, QT_F32, s->att, dt, NQ);
     be->convert(be, a->xmid, QT_F32, s->xmid, dt, NC);
     be->convert(be, a->ln2, QT_F32, s->ln2, dt, NC);
@@ -102,7 +107,7 @@ static void linear_forward(qt_model *m, int l, int j, float *out, const float *i
     if (!q->la) return;
     const float *xd = inp;
     if (dropout) {
-        qt_lora_dropout(m, l, j, m->gs.lx, inp, (size_t)N * q->in);
+        qt_lora_dropout(m, l, q->lora_id, m->gs.lx, inp, (size_t)N * q->in);
         xd = m->gs.lx;
     }
     int R = m->opts.lora_r;
@@ -155,12 +160,12 @@ static void linear_backward(qt_model *m, int l, int j, float *dinp, const float 
     }
     size_t n = (size_t)N * q->in;
     float *lx = m->gs.lx;
-    qt_lora_dropout(m, l, j, lx, inp, n);
+    qt_lora_dropout(m, l, q->lora_id, lx, inp, n);
     be->matmul_backward(be, NULL, q->dla, NULL, dhs, lx, q->la, QT_F32, N, q->in, R, s, NULL);
     if (!dinp) return;
     be->zero(be, lx, sizeof(float) * n);
     be->matmul_backward(be, lx, NULL, NULL, dhs, NULL, q->la, QT_F32, N, q->in, R, s, NULL);
-    qt_lora_dropout(m, l, j, lx, lx, n); /* the same mask: d dropout(x) / dx */
+    qt_lora_dropout(m, l, q->lora_id, lx, lx, n); /* the same mask: d dropout(x) / dx */
     be->acc(be, dinp, lx, n);
 }
 
@@ -181,9 +186,18 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
     uint16_t *const *x16 = m->acts.x16;
     be->rmsnorm_forward(be, a->ln1, a->rstd1, x, L->ln1, N, C, c->rms_norm_eps);
     keep_save(m, a->ln1, NC, s->ln1);
-    linear_forward(m, l, LIN_Q, a->q, a->ln1, s->ln1, N, a->lora_h[LIN_Q], dropout);
-    linear_forward(m, l, LIN_K, a->k, a->ln1, s->ln1, N, a->lora_h[LIN_K], dropout);
+    /* Qwen3: the projections go to qraw/kraw, and q_norm/k_norm (one RMSNorm over D per head: (N*H) rows
+     * of D) write q and k, before RoPE */
+    float *qp = a->qraw ? a->qraw : a->q, *kp = a->kraw ? a->kraw : a->k;
+    linear_forward(m, l, LIN_Q, qp, a->ln1, s->ln1, N, a->lora_h[LIN_Q], dropout);
+    linear_forward(m, l, LIN_K, kp, a->ln1, s->ln1, N, a->lora_h[LIN_K], dropout);
     linear_forward(m, l, LIN_V, a->v, a->ln1, s->ln1, N, a->lora_h[LIN_V], dropout);
+    if (a->qraw) {
+        keep_save(m, a->qraw, NQ, s->qraw);
+        keep_save(m, a->kraw, NK, s->kraw);
+        be->rmsnorm_forward(be, a->q, a->rstdq, a->qraw, L->qn, N * H, D, c->rms_norm_eps);
+        be->rmsnorm_forward(be, a->k, a->rstdk, a->kraw, L->kn, N * KV, D, c->rms_norm_eps);
+    }
     be->rope_forward(be, a->q, pos, N, H, D, c->rope_theta);
     be->rope_forward(be, a->k, pos, N, KV, D, c->rope_theta);
     keep_save(m, a->q, NQ, s->q);
@@ -259,8 +273,23 @@ static void layer_backward(qt_model *m, int l, const qt_batch *b, int N, const f
     keep(m, g->dv, NK);
     float *dln = need_dx ? g->dln : NULL;
     if (dln) be->zero(be, dln, sizeof(float) * NC);
-    linear_backward(m, l, LIN_Q, dln, g->dq, a->ln1, s->ln1, a->lora_h[LIN_Q], N, dropout);
-    linear_backward(m, l, LIN_K, dln, g->dk, a->ln1, s->ln1, a->lora_h[LIN_K], N, dropout);
+    /* Qwen3: back through q_norm/k_norm; datt is free once the attention's backward has run, and
+     * holds the gradient of qraw, then of kraw (KV <= H) */
+    const float *dqp = g->dq, *dkp = g->dk;
+    if (a->qraw) {
+        be->zero(be, g->datt, sizeof(float) * NQ);
+        be->rmsnorm_backward(be, g->datt, L->dqn, g->dq, a->qraw, L->qn, a->rstdq, N * H, D);
+        keep(m, g->datt, NQ);
+        dqp = g->datt;
+    }
+    linear_backward(m, l, LIN_Q, dln, dqp, a->ln1, s->ln1, a->lora_h[LIN_Q], N, dropout);
+    if (a->kraw) {
+        be->zero(be, g->datt, sizeof(float) * NK);
+        be->rmsnorm_backward(be, g->datt, L->dkn, g->dk, a->kraw, L->kn, a->rstdk, N * KV, D);
+        keep(m, g->datt, NK);
+        dkp = g->datt;
+    }
+    linear_backward(m, l, LIN_K, dln, dkp, a->ln1, s->ln1, a->lora_h[LIN_K], N, dropout);
     linear_backward(m, l, LIN_V, dln, g->dv, a->ln1, s->ln1, a->lora_h[LIN_V], N, dropout);
     if (!need_dx) return;
     keep(m, g->dln, NC);

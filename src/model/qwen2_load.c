@@ -159,6 +159,7 @@ static int load_full(qt_model *m) {
         QT_TRY(qt_model_read_param(m, i, t));
     }
     const qt_config *c = &m->cfg;
+    const qt_layout *ly = qt_config_layout(c);
     char name[160];
     /* f16/bf16: matmuls, the embedding and the lm_head read a 2-byte compute
      * copy of the master block; norm weights and biases stay f32 (master) */
@@ -168,10 +169,12 @@ static int load_full(qt_model *m) {
         if (!m->wcopy) return QT_ENOMEM;
         qt_model_weights_updated(m);
     }
-    m->wte = compute_ref(m, "model.embed_tokens.weight");
-    m->dwte = find_param(m, m->grads, "model.embed_tokens.weight");
-    m->lnf_w = find_param(m, m->master, "model.norm.weight");
-    m->dlnf_w = find_param(m, m->grads, "model.norm.weight");
+    snprintf(name, sizeof name, "%s.weight", ly->embed);
+    m->wte = compute_ref(m, name);
+    m->dwte = find_param(m, m->grads, name);
+    snprintf(name, sizeof name, "%s.weight", ly->final_norm);
+    m->lnf_w = find_param(m, m->master, name);
+    m->dlnf_w = find_param(m, m->grads, name);
     if (c->tie_word_embeddings) {
         m->lm_head = m->wte;
         m->dlm_head = m->dwte;
@@ -181,20 +184,34 @@ static int load_full(qt_model *m) {
     }
     for (int l = 0; l < c->num_hidden_layers; l++) {
         qt_layer *L = &m->layers[l];
-        snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
+        snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->ln1);
         L->ln1 = find_param(m, m->master, name);
         L->dln1 = find_param(m, m->grads, name);
-        snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
+        snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->ln2);
         L->ln2 = find_param(m, m->master, name);
         L->dln2 = find_param(m, m->grads, name);
+        if (ly->q_norm) {
+            snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->q_norm);
+            L->qn = find_param(m, m->master, name);
+            L->dqn = find_param(m, m->grads, name);
+            snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->k_norm);
+            L->kn = find_param(m, m->master, name);
+            L->dkn = find_param(m, m->grads, name);
+        }
         for (int j = 0; j < LIN_COUNT; j++) {
             qt_linear *q = &L->lin[j];
-            snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, qt_lin_path[j]);
+            /* a fused q/k/v: rows row0.. of the one tensor, weight, bias and their gradients alike */
+            size_t r0 = (size_t)qt_lin_row0(c, j), w0 = r0 * (size_t)q->in;
+            snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->lin[j]);
             q->w = compute_ref(m, name);
+            q->w.p = (const char *)q->w.p + w0 * qt_dtype_size(q->w.dt);
             q->dw = find_param(m, m->grads, name);
-            snprintf(name, sizeof name, "model.layers.%d.%s.bias", l, qt_lin_path[j]);
+            if (q->dw) q->dw += w0;
+            snprintf(name, sizeof name, "%s.%d.%s.bias", ly->layers, l, ly->lin[j]);
             q->b = find_param(m, m->master, name);
             q->db = find_param(m, m->grads, name);
+            if (q->b) q->b += r0;
+            if (q->db) q->db += r0;
         }
     }
     return QT_OK;
@@ -202,38 +219,63 @@ static int load_full(qt_model *m) {
 
 static int load_frozen(qt_model *m) {
     const qt_config *c = &m->cfg;
-    int C = c->hidden_size, V = c->vocab_size;
+    const qt_layout *ly = qt_config_layout(c);
+    int C = c->hidden_size, V = c->vocab_size, D = c->head_dim;
     char name[160];
     float *small = m->base_f32;
-    QT_TRY(base_matrix(m, "model.embed_tokens.weight", V, C, &m->wte));
+    snprintf(name, sizeof name, "%s.weight", ly->embed);
+    QT_TRY(base_matrix(m, name, V, C, &m->wte));
     if (c->tie_word_embeddings) m->lm_head = m->wte;
     else QT_TRY(base_matrix(m, "lm_head.weight", V, C, &m->lm_head));
-    QT_TRY(base_vector(m, "model.norm.weight", C, small));
+    snprintf(name, sizeof name, "%s.weight", ly->final_norm);
+    QT_TRY(base_vector(m, name, C, small));
     m->lnf_w = small;
     small += C;
     for (int l = 0; l < c->num_hidden_layers; l++) {
         qt_layer *L = &m->layers[l];
-        snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
+        snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->ln1);
         QT_TRY(base_vector(m, name, C, small));
         L->ln1 = small, small += C;
-        snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
+        snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->ln2);
         QT_TRY(base_vector(m, name, C, small));
         L->ln2 = small, small += C;
+        if (ly->q_norm) {
+            snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->q_norm);
+            QT_TRY(base_vector(m, name, D, small));
+            L->qn = small, small += D;
+            snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->k_norm);
+            QT_TRY(base_vector(m, name, D, small));
+            L->kn = small, small += D;
+        }
         for (int j = 0; j < LIN_COUNT; j++) {
             qt_linear *q = &L->lin[j];
-            snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, qt_lin_path[j]);
-            QT_TRY(base_matrix(m, name, q->out, q->in, &q->w));
+            if (!qt_lin_owns(c, j)) { /* k and v of a fused c_attn: row slices of q's tensor, no copy */
+                const qt_linear *f = &L->lin[LIN_Q];
+                size_t r0 = (size_t)qt_lin_row0(c, j);
+                q->w.dt = f->w.dt;
+                q->w.p = (const char *)f->w.p + r0 * (size_t)q->in * qt_dtype_size(f->w.dt);
+                q->b = f->b ? f->b + r0 : NULL;
+                continue;
+            }
+            int rows = ly->fused_qkv && j == LIN_Q ? qt_lin_fused_rows(c) : q->out;
+            snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->lin[j]);
+            QT_TRY(base_matrix(m, name, rows, q->in, &q->w));
             if (qt_lin_has_bias(c, j)) {
-                snprintf(name, sizeof name, "model.layers.%d.%s.bias", l, qt_lin_path[j]);
-                QT_TRY(base_vector(m, name, q->out, small));
-                q->b = small, small += q->out;
+                snprintf(name, sizeof name, "%s.%d.%s.bias", ly->layers, l, ly->lin[j]);
+                QT_TRY(base_vector(m, name, rows, small));
+                q->b = small, small += rows;
             }
         }
     }
     return QT_OK;
 }
 
+/* LoRA A/B in the master block. A fused q/k/v is one adapted module: q, k
+ * and v share its A (initialised once) and take row slices of its B. A is
+ * drawn on the host and uploaded through a staging buffer. */
 static int wire_lora(qt_model *m) {
+    const qt_config *c = &m->cfg;
+    const qt_layout *ly = qt_config_layout(c);
     char name[200];
     size_t most = 0;
     for (int j = 0; j < LIN_COUNT; j++) {
@@ -242,16 +284,21 @@ static int wire_lora(qt_model *m) {
     }
     float *stage = qt_malloc(sizeof(float) * (most ? most : 1), "model: staging buffer");
     if (!stage) return QT_ENOMEM;
-    for (int l = 0; l < m->cfg.num_hidden_layers; l++)
+    for (int l = 0; l < c->num_hidden_layers; l++)
         for (int j = 0; j < LIN_COUNT; j++) {
             qt_linear *q = &m->layers[l].lin[j];
-            snprintf(name, sizeof name, "base_model.model.model.layers.%d.%s.lora_A.weight", l, qt_lin_path[j]);
+            q->lora_id = qt_lin_owns(c, j) ? j : LIN_Q;
+            snprintf(name, sizeof name, "base_model.model.%s.%d.%s.lora_A.weight", ly->layers, l, ly->lin[j]);
             q->la = find_param(m, m->master, name);
             q->dla = find_param(m, m->grads, name);
-            snprintf(name, sizeof name, "base_model.model.model.layers.%d.%s.lora_B.weight", l, qt_lin_path[j]);
+            snprintf(name, sizeof name, "base_model.model.%s.%d.%s.lora_B.weight", ly->layers, l, ly->lin[j]);
             q->lb = find_param(m, m->master, name);
             q->dlb = find_param(m, m->grads, name);
             if (!q->la) continue;
+            size_t b0 = (size_t)qt_lin_row0(c, j) * (size_t)m->opts.lora_r;
+            q->lb += b0;
+            if (q->dlb) q->dlb += b0;
+            if (!qt_lin_owns(c, j)) continue;
             /* A ~ U(-1/sqrt(in), 1/sqrt(in)), one stream per (layer, module); B stays 0 */
             qt_rng r;
             qt_rng_derive(&r, m->opts.seed ^ LORA_INIT_SALT, (uint64_t)l, (uint64_t)j);
@@ -295,6 +342,18 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
     m->own_be = 1;
     QT_TRY(qt_config_load(dir, &m->cfg));
     QT_TRY(check_config(&m->cfg, dir));
+    if (m->cfg.long_context && opts->max_T > m->cfg.seq_length)
+        return QT_ERR(QT_EUNSUPPORTED,
+                      "sequences of %d tokens are longer than seq_length (%d) in %s/config.json, and past it the "
+                      "original Qwen switches on dynamic NTK and logn attention (use_dynamic_ntk / use_logn_attn), "
+                      "which qtune does not implement; use a sequence length (data.seq_len, --seq-len) of at most %d",
+                      opts->max_T, m->cfg.seq_length, dir, m->cfg.seq_length);
+    if (qt_config_layout(&m->cfg)->fused_qkv && opts->lora) {
+        unsigned qkv = opts->lora_targets & (QT_LORA_Q | QT_LORA_K | QT_LORA_V);
+        if (qkv && qkv != (QT_LORA_Q | QT_LORA_K | QT_LORA_V))
+            return QT_ERR(QT_EUNSUPPORTED, "%s is an original Qwen model: q, k and v are one fused attn.c_attn, so "
+                                           "LoRA adapts all three or none; target c_attn", dir);
+    }
     if (m->cfg.max_position_embeddings > 0 && opts->max_T > m->cfg.max_position_embeddings)
         return QT_ERR(QT_EINVAL,
                       "sequences of %d tokens are longer than max_position_embeddings (%d) in %s/config.json; use a "

@@ -145,7 +145,16 @@ struct bpe_tokenizer {
     size_t vocab_words_cap;    /* power of two */
     size_t n_vocab_words;      /* tokens in it */
     uint64_t hash;             /* of the tokenizer.json bytes */
+    int tiktoken;              /* read from a qwen.tiktoken (tiktoken.c) */
 };
+
+/* The original Qwen's qwen.tiktoken (buf, len bytes) as the tokenizer.json
+ * tree it stands for: vocab = ranks, merges = every split of a token into two
+ * tokens by the token's rank, NFC, Qwen's split regex, ByteLevel, and the
+ * special tokens after the ranks (tiktoken.c says why this is tiktoken's
+ * rank rule). byte_to_cp: GPT-2's byte alphabet. */
+struct cJSON;
+int bpe_tiktoken_tree(const char *path, const char *buf, size_t len, const uint32_t byte_to_cp[256], struct cJSON **out);
 
 /* A small, fast hash of a byte string (8 bytes a step). */
 uint64_t bpe_hash_bytes(const void *p, size_t n);

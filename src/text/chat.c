@@ -22,7 +22,8 @@ typedef struct {
 
 /* Renders; contents[i] overrides msgs[i].content when given (the cleaned
  * text). Assistant regions (content + <|im_end|>) go to *regs. */
-static int render(const chat_message *msgs, size_t n, char *const *contents, int gen, qt_strbuf *b, region **regs, size_t *nregs) {
+static int render(const chat_message *msgs, size_t n, char *const *contents, int gen, const char *sys, qt_strbuf *b,
+                  region **regs, size_t *nregs) {
     for (size_t i = 0; i < n; i++) {
         const char *r = msgs[i].role;
         if (!r || (strcmp(r, "system") && strcmp(r, "user") && strcmp(r, "assistant") && strcmp(r, "tool")))
@@ -37,7 +38,7 @@ static int render(const chat_message *msgs, size_t n, char *const *contents, int
         QT_TRY(puts_(b, C(0)));
         first = 1;
     } else {
-        QT_TRY(puts_(b, CHAT_DEFAULT_SYSTEM));
+        QT_TRY(puts_(b, sys));
     }
     QT_TRY(puts_(b, "<|im_end|>\n"));
     for (size_t i = first; i < n; i++) {
@@ -69,10 +70,11 @@ static int render(const chat_message *msgs, size_t n, char *const *contents, int
     return QT_OK;
 }
 
-int chat_render(const chat_message *msgs, size_t n, int add_generation_prompt, char **out, size_t *len) {
+static int render_text(const chat_message *msgs, size_t n, int add_generation_prompt, const char *sys, char **out,
+                       size_t *len) {
     qt_strbuf b = {0};
     int rc = qt_strbuf_put(&b, "", 0);
-    if (rc == QT_OK) rc = render(msgs, n, NULL, add_generation_prompt, &b, NULL, NULL);
+    if (rc == QT_OK) rc = render(msgs, n, NULL, add_generation_prompt, sys, &b, NULL, NULL);
     if (rc != QT_OK) {
         qt_free(b.p);
         return rc;
@@ -80,6 +82,15 @@ int chat_render(const chat_message *msgs, size_t n, int add_generation_prompt, c
     *out = b.p;
     if (len) *len = b.n;
     return QT_OK;
+}
+
+int chat_render(const chat_message *msgs, size_t n, int add_generation_prompt, char **out, size_t *len) {
+    return render_text(msgs, n, add_generation_prompt, CHAT_DEFAULT_SYSTEM, out, len);
+}
+
+int chat_render_tok(const bpe_tokenizer *t, const chat_message *msgs, size_t n, int add_generation_prompt, char **out,
+                    size_t *len) {
+    return render_text(msgs, n, add_generation_prompt, bpe_chat_system(t), out, len);
 }
 
 int chat_encode(const bpe_tokenizer *t, const chat_message *msgs, size_t n, int add_generation_prompt, int32_t **ids,
@@ -96,7 +107,7 @@ int chat_encode(const bpe_tokenizer *t, const chat_message *msgs, size_t n, int 
         if (!msgs[i].content) break; /* render() names it */
         rc = bpe_normalize(t, msgs[i].content, strlen(msgs[i].content), &clean[i], &l);
     }
-    if (rc == QT_OK) rc = render(msgs, n, clean, add_generation_prompt, &b, &regs, &nregs);
+    if (rc == QT_OK) rc = render(msgs, n, clean, add_generation_prompt, bpe_chat_system(t), &b, &regs, &nregs);
     /* spans only for this conversation's tokens: encode into a fresh array,
      * then append; *labels follows *ids' capacity. */
     int32_t *new_ids = NULL;

@@ -19,6 +19,10 @@
 
 /* Qwen2.5's system prompt when the first message is not a system message. */
 #define CHAT_DEFAULT_SYSTEM "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+/* The original Qwen-Chat's (qwen_generation_utils.make_context's default): the
+ * same ChatML with this system prompt, for a qwen.tiktoken tokenizer
+ * (bpe_chat_system). */
+#define CHAT_QWEN1_SYSTEM "You are a helpful assistant."
 #define CHAT_IGNORE_INDEX (-100) /* label of a token the loss skips, as in HF */
 
 typedef struct {
@@ -29,6 +33,10 @@ typedef struct {
 /* The rendered conversation, NUL-terminated (qt_free *out). QT_EINVAL names a
  * message with an unknown role or no content. */
 int chat_render(const chat_message *msgs, size_t n, int add_generation_prompt, char **out, size_t *len);
+/* The same with the tokenizer's model family's default system prompt
+ * (bpe_chat_system: the original Qwen's for qwen.tiktoken). chat_encode uses it too. */
+int chat_render_tok(const bpe_tokenizer *t, const chat_message *msgs, size_t n, int add_generation_prompt, char **out,
+                    size_t *len);
 
 /* Tokenizes the rendered conversation and appends to *ids and *labels (both
  * grown together with qt_realloc; *cap is their shared capacity). labels[i]

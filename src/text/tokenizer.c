@@ -5,6 +5,7 @@
  * alphabet, "Ġthe") for bpe_id_token/bpe_token_id, and as the raw bytes it
  * stands for (" the"), which is what the encoder and decoder work on. */
 #include "text/bpe_impl.h"
+#include "text/chat.h"
 #include "text/utf8.h"
 
 #include "core/error.h"
@@ -448,37 +449,69 @@ static int parse_model(bpe_tokenizer *t, load_ctx *c) {
     return parse_added(t, c, added);
 }
 
+/* A path ending in .tiktoken (or a folder with qwen.tiktoken and no tokenizer.json): the original Qwen's. */
+static int is_tiktoken(const char *file) {
+    size_t n = strlen(file);
+    return n >= 9 && !strcmp(file + n - 9, ".tiktoken");
+}
+
+int bpe_folder_file(const char *dir, char *path, size_t cap) {
+    static const char *const names[] = {"tokenizer.json", "qwen.tiktoken"};
+    for (int i = 0; i < 2; i++)
+        if (qt_path_join(path, cap, dir, names[i]) == QT_OK && qt_path_exists(path)) return 1;
+    qt_error_clear();
+    return 0;
+}
+
 int bpe_load(const char *path, bpe_tokenizer **out) {
     *out = NULL;
     char file[4096];
-    if (qt_is_dir(path)) QT_TRY(qt_path_join(file, sizeof file, path, "tokenizer.json"));
-    else if (snprintf(file, sizeof file, "%s", path) >= (int)sizeof file) return QT_ERR(QT_EINVAL, "tokenizer path is too long: %s", path);
-    if (!qt_path_exists(file)) return QT_ERR(QT_EIO, "%s does not exist; pass a tokenizer.json or the model folder that holds one", file);
+    if (qt_is_dir(path)) {
+        QT_TRY(qt_path_join(file, sizeof file, path, "tokenizer.json"));
+        if (!qt_path_exists(file)) {
+            char tk[4096];
+            QT_TRY(qt_path_join(tk, sizeof tk, path, "qwen.tiktoken"));
+            if (qt_path_exists(tk)) memcpy(file, tk, sizeof file);
+        }
+    } else if (snprintf(file, sizeof file, "%s", path) >= (int)sizeof file) {
+        return QT_ERR(QT_EINVAL, "tokenizer path is too long: %s", path);
+    }
+    if (!qt_path_exists(file))
+        return QT_ERR(QT_EIO, "%s does not exist; pass a tokenizer.json (or the original Qwen's qwen.tiktoken) or the model folder that holds one", file);
     char *buf;
     size_t len;
     QT_TRY(qt_read_file(file, BPE_MAX_FILE, &buf, &len));
     load_ctx c = {.path = file};
     byte_level_tables(c.byte_to_cp, c.cp_to_byte);
-    const char *end = NULL;
-    c.root = cJSON_ParseWithLengthOpts(buf, len, &end, 0);
-    if (!c.root) {
-        size_t at = end && end >= buf ? (size_t)(end - buf) : 0;
-        qt_free(buf);
-        return QT_ERR(QT_EFORMAT, "%s is not valid JSON (near byte %zu); re-download the tokenizer", file, at);
-    }
-    if (!end) end = buf + len; /* cJSON sets it on success; never compare a NULL */
-    while (end < buf + len && isspace((unsigned char)*end)) end++;
-    if (end < buf + len) {
-        size_t at = (size_t)(end - buf);
-        cJSON_Delete(c.root);
-        qt_free(buf);
-        return QT_ERR(QT_EFORMAT, "%s has text after its JSON object (at byte %zu); re-download the tokenizer", file,
-                      at);
+    if (is_tiktoken(file)) {
+        int rc = bpe_tiktoken_tree(file, buf, len, c.byte_to_cp, &c.root);
+        if (rc != QT_OK) {
+            qt_free(buf);
+            return rc;
+        }
+    } else {
+        const char *end = NULL;
+        c.root = cJSON_ParseWithLengthOpts(buf, len, &end, 0);
+        if (!c.root) {
+            size_t at = end && end >= buf ? (size_t)(end - buf) : 0;
+            qt_free(buf);
+            return QT_ERR(QT_EFORMAT, "%s is not valid JSON (near byte %zu); re-download the tokenizer", file, at);
+        }
+        if (!end) end = buf + len; /* cJSON sets it on success; never compare a NULL */
+        while (end < buf + len && isspace((unsigned char)*end)) end++;
+        if (end < buf + len) {
+            size_t at = (size_t)(end - buf);
+            cJSON_Delete(c.root);
+            qt_free(buf);
+            return QT_ERR(QT_EFORMAT, "%s has text after its JSON object (at byte %zu); re-download the tokenizer", file,
+                          at);
+        }
     }
     bpe_tokenizer *t = qt_calloc(1, sizeof *t, "tokenizer");
     int rc = t ? QT_OK : QT_ENOMEM;
     if (rc == QT_OK) {
         t->hash = qt_hash64(buf, len, 0);
+        t->tiktoken = is_tiktoken(file);
         rc = parse_model(t, &c);
     }
     if (rc == QT_OK) rc = parse_normalizer(t, &c);
@@ -541,6 +574,11 @@ const char *bpe_id_token(const bpe_tokenizer *t, int32_t id) {
 
 int32_t bpe_vocab_size(const bpe_tokenizer *t) { return t->n_ids; }
 uint64_t bpe_hash(const bpe_tokenizer *t) { return t->hash; }
+const char *bpe_chat_system(const bpe_tokenizer *t) {
+    return t && t->tiktoken ? CHAT_QWEN1_SYSTEM : CHAT_DEFAULT_SYSTEM;
+}
+int bpe_is_tiktoken(const bpe_tokenizer *t) { return t && t->tiktoken; }
+
 int bpe_is_added(const bpe_tokenizer *t, int32_t id) { return id >= 0 && id < t->n_ids && t->is_added[id]; }
 
 int bpe_decode(const bpe_tokenizer *t, const int32_t *ids, size_t n, char **out, size_t *len) {

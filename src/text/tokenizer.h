@@ -14,8 +14,12 @@
 
 typedef struct bpe_tokenizer bpe_tokenizer;
 
-/* path: a tokenizer.json, or a model folder that holds one. */
+/* path: a tokenizer.json, the original Qwen's qwen.tiktoken (a path ending in
+ * .tiktoken), or a model folder that holds either (tokenizer.json first). */
 int bpe_load(const char *path, bpe_tokenizer **out);
+/* The tokenizer file a model folder holds: dir/tokenizer.json, else
+ * dir/qwen.tiktoken (the original Qwen). 1 and path filled when there is one. */
+int bpe_folder_file(const char *dir, char *path, size_t cap);
 void bpe_free(bpe_tokenizer *t);
 
 /* Appends the ids of text[0..len) to *ids (growing *cap with qt_realloc).
@@ -49,6 +53,13 @@ int bpe_encode_spans(const bpe_tokenizer *t, const char *text, size_t len, int32
 /* Text as the encoder sees it before splitting: invalid UTF-8 replaced with
  * U+FFFD, then NFC when the tokenizer's normaliser is NFC (qt_free *out). */
 int bpe_normalize(const bpe_tokenizer *t, const char *text, size_t len, char **out, size_t *out_len);
+
+/* The default ChatML system prompt of the tokenizer's model family: the
+ * original Qwen-Chat's "You are a helpful assistant." for a qwen.tiktoken,
+ * Qwen2.5's otherwise (text/chat.h). */
+const char *bpe_chat_system(const bpe_tokenizer *t);
+/* 1 when the tokenizer was read from the original Qwen's qwen.tiktoken. */
+int bpe_is_tiktoken(const bpe_tokenizer *t);
 
 /* 1 if id is an added token (<|im_end|>, <think>, ...), else 0. */
 int bpe_is_added(const bpe_tokenizer *t, int32_t id);

@@ -39,13 +39,11 @@ int qtune_model_load(const char *model_dir, const char *adapter_dir, int seq_len
     o.max_T = seq_len;
     qt_config cfg;
     int rc = adapter_dir ? qt_config_load(model_dir, &cfg) : QT_OK;
-    if (rc == QT_OK && adapter_dir) rc = qt_lora_opts_from_adapter(adapter_dir, cfg.num_hidden_layers, &o);
+    if (rc == QT_OK && adapter_dir) rc = qt_lora_opts_from_adapter(adapter_dir, &cfg, &o);
     if (rc == QT_OK) rc = qt_model_load(model_dir, &o, &q->m);
     if (rc == QT_OK && adapter_dir) rc = qt_lora_load(q->m, adapter_dir);
     char tokpath[4096];
-    if (rc == QT_OK) rc = qt_path_join(tokpath, sizeof tokpath, model_dir, "tokenizer.json");
-    if (rc == QT_OK && qt_path_exists(tokpath))
-        rc = qt_error_oom_advice(bpe_load(tokpath, &q->tok), QT_TOKENIZER_OOM_ADVICE);
+    if (rc == QT_OK && bpe_folder_file(model_dir, tokpath, sizeof tokpath)) rc = qt_error_oom_advice(bpe_load(tokpath, &q->tok), QT_TOKENIZER_OOM_ADVICE);
     if (rc != QT_OK) {
         qtune_model_free(q);
         return rc;

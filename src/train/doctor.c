@@ -8,8 +8,10 @@
 #include "core/mem.h"
 #include "core/messages.h"
 #include "io/hf_config.h"
+#include "model/lora_io.h"
 #include "model/model.h"
 #include "optim/loss_scaler.h"
+#include "text/tokenizer.h"
 #include "train/ds_config.h"
 #include "train/job.h"
 #include "train/plan_report.h"
@@ -67,6 +69,13 @@ static const qt_known_failure failures[] = {
      "use the instruct model as the base, or train the embedding and lm_head too (full fine-tuning); "
      "meanwhile cap replies with --max-new",
      QT_MSG_CHAT_UNTRAINED_FMT, "QT_MSG_CHAT_UNTRAINED_FMT"},
+    {"LoRA on an original Qwen model (Qwen-7B/14B/72B) stops at once with 'target_modules names q_proj, v_proj, "
+     "which do not exist'",
+     "the original Qwen (QWenLMHeadModel) has no q_proj/k_proj/v_proj: its q, k and v are one fused c_attn (PEFT "
+     "itself stops with \"Target modules {...} not found in the base model\")",
+     "write lora.target_modules with the model's own names: [\"c_attn\"] for q/k/v, c_proj (attention and MLP "
+     "output), w1 and w2 (the MLP)",
+     QT_MSG_QWEN1_TARGETS_FMT, "QT_MSG_QWEN1_TARGETS_FMT"},
 };
 
 const qt_known_failure *qt_doctor_known_failures(int *n) {
@@ -390,8 +399,7 @@ static void check_model(doc_ctx *c, const char *dir, const char *model, int need
         problem(c, "%s: \"model\" folder %s holds no *.safetensors weights; convert or download them there",
                 c->where, p);
     char t[4096];
-    qt_path_join(t, sizeof t, p, "tokenizer.json");
-    if (need_tok && !qt_path_exists(t))
+    if (need_tok && !bpe_folder_file(p, t, sizeof t))
         problem(c, "%s: \"model\" folder %s has no tokenizer.json, which text data needs; copy the base model's tokenizer files "
                    "there", c->where, p);
 }
@@ -642,11 +650,24 @@ int qt_doctor_check_job(FILE *f, const char *path, int ranks) {
         unsigned mask;
         qt_error_clear();
         if (tm && qt_job_lora_targets(tm, &mask, path) == QT_OK && mask) o.lora_targets = mask;
+        /* the names against the model's layout: Qwen2 names on an original Qwen model, as the run says */
+        const char *names[PEFT_MAX_TARGETS];
+        int n = 0;
+        const cJSON *it;
+        if (cJSON_IsArray(tm)) cJSON_ArrayForEach(it, tm) if (cJSON_IsString(it) && n < PEFT_MAX_TARGETS) names[n++] = it->valuestring;
+        char where[4200];
+        snprintf(where, sizeof where, "%s: lora", path);
+        qt_error_clear();
+        if (have_cfg && n && qt_lora_targets_from_names(&cfg, names, n, &mask, where) != QT_OK)
+            problem(&c, "%s", qt_error_message());
+        else if (have_cfg && n && mask)
+            o.lora_targets = mask;
     }
     if (have_cfg) {
-        if (o.seq_len > cfg.max_position_embeddings && cfg.max_position_embeddings > 0)
-            problem(&c, "%s: data.seq_len %d is longer than the model's max_position_embeddings %d; lower it",
-                    path, o.seq_len, cfg.max_position_embeddings);
+        if (o.seq_len > qt_config_max_positions(&cfg) && cfg.max_position_embeddings > 0)
+            problem(&c, "%s: data.seq_len %d is longer than the model's %s %d; lower it", path, o.seq_len,
+                    qt_config_max_positions(&cfg) < cfg.max_position_embeddings ? "seq_length" : "max_position_embeddings",
+                    qt_config_max_positions(&cfg));
         if (o.offload && o.zero == 0) o.offload = 0; /* named above */
         check_resources(&c, dir, root, &cfg, &o, ranks);
     }

@@ -225,6 +225,10 @@ int qt_job_lora_targets(const cJSON *arr, unsigned *mask, const char *where) {
     static const struct { const char *name; unsigned bit; } names[] = {
         {"q_proj", QT_LORA_Q}, {"k_proj", QT_LORA_K}, {"v_proj", QT_LORA_V}, {"o_proj", QT_LORA_O},
         {"gate_proj", QT_LORA_GATE}, {"up_proj", QT_LORA_UP}, {"down_proj", QT_LORA_DOWN},
+        /* the original Qwen's (QWenLMHeadModel) modules; which names fit the model is checked against its
+         * config.json when the run starts (model/lora_io.h qt_lora_targets_from_names) */
+        {"c_attn", QT_LORA_Q | QT_LORA_K | QT_LORA_V}, {"c_proj", QT_LORA_O | QT_LORA_DOWN},
+        {"attn.c_proj", QT_LORA_O}, {"mlp.c_proj", QT_LORA_DOWN}, {"w1", QT_LORA_UP}, {"w2", QT_LORA_GATE},
     };
     *mask = 0;
     if (cJSON_IsString(arr) && !strcmp(arr->valuestring, "all-linear")) {
@@ -248,7 +252,7 @@ int qt_job_lora_targets(const cJSON *arr, unsigned *mask, const char *where) {
         if (!bit)
             return QT_ERR(QT_EUNSUPPORTED,
                           "%s: lora.target_modules names '%s'; qtune adapts q_proj, k_proj, v_proj, o_proj, gate_proj, "
-                          "up_proj and down_proj",
+                          "up_proj and down_proj (the original Qwen: c_attn, c_proj, w1 and w2)",
                           where, it->valuestring);
         *mask |= bit;
     }
@@ -315,7 +319,8 @@ static int parse_lora(const job_ctx *c, const cJSON *root, qt_job_lora *l) {
     l->lora_dropout = (float)dr;
     const cJSON *tm = cJSON_GetObjectItemCaseSensitive(s, "target_modules");
     if (!tm || cJSON_IsNull(tm)) {
-        l->targets = QT_LORA_Q | QT_LORA_V; /* PEFT's default for Qwen2 */
+        l->targets = QT_LORA_Q | QT_LORA_V; /* PEFT's default for Qwen2 (for the original Qwen: c_attn) */
+        l->targets_default = 1;
         l->target_names = qt_calloc(2, sizeof(char *), "lora target names");
         if (!l->target_names) return QT_ENOMEM;
         l->n_target_names = 2;
@@ -324,6 +329,7 @@ static int parse_lora(const job_ctx *c, const cJSON *root, qt_job_lora *l) {
     } else {
         QT_TRY(qt_job_lora_targets(tm, &l->targets, c->where));
         if (cJSON_IsString(tm)) {
+            l->targets_all_linear = 1;
             static const char *const all[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                               "down_proj"};
             l->target_names = qt_calloc(7, sizeof(char *), "lora target names");

@@ -34,6 +34,9 @@ typedef struct {
     unsigned targets;     /* QT_LORA_* mask (model/model.h) */
     int n_target_names;
     char **target_names;  /* as written, e.g. {"q_proj", "v_proj"} */
+    int targets_all_linear; /* target_modules "all-linear": every linear of the model's layout */
+    int targets_default;  /* target_modules absent: PEFT's default for the model type (q_proj, v_proj;
+                             c_attn for the original Qwen), resolved when the run starts */
     int use_rslora;
     char *init_from;      /* resolved path of a PEFT adapter folder, or NULL */
 } qt_job_lora;

@@ -10,6 +10,7 @@
 #include "core/log.h"
 #include "core/mem.h"
 #include "io/checkpoint.h"
+#include "model/lora_io.h"
 #include "optim/clip.h"
 #include "train/trainer_internal.h"
 
@@ -44,9 +45,8 @@ double trainer_path_bytes(const char *path) {
 static int open_loaders(qt_trainer *t) {
     const qt_job *job = t->job;
     char tokpath[4096];
-    QT_TRY(qt_path_join(tokpath, sizeof tokpath, job->model, "tokenizer.json"));
-    if (qt_path_exists(tokpath)) QT_TRY(qt_error_oom_advice(bpe_load(tokpath, &t->tok), QT_TOKENIZER_OOM_ADVICE));
-    else qt_info("%s has no tokenizer.json: only pre-tokenized data ({\"input_ids\": ...}) can be read", job->model);
+    if (bpe_folder_file(job->model, tokpath, sizeof tokpath)) QT_TRY(qt_error_oom_advice(bpe_load(tokpath, &t->tok), QT_TOKENIZER_OOM_ADVICE));
+    else qt_info("%s has no tokenizer.json (nor qwen.tiktoken): only pre-tokenized data ({\"input_ids\": ...}) can be read", job->model);
 
     dl_config c;
     dl_config_default(&c);
@@ -91,7 +91,7 @@ static int load_model(qt_trainer *t) {
     o.lora_r = job->lora.r;
     o.lora_alpha = job->lora.lora_alpha;
     o.lora_dropout = job->lora.lora_dropout;
-    o.lora_targets = job->lora.targets;
+    o.lora_targets = t->lora_targets;
     o.use_rslora = job->lora.use_rslora;
     o.grad_checkpointing = job->train.gradient_checkpointing;
     o.max_B = t->cfg.micro_batch;
@@ -443,8 +443,28 @@ static int check_skipped(qt_trainer *t, qt_train_result *res) {
     return QT_OK;
 }
 
+/* lora.target_modules against the model's layout, from its config.json alone: Qwen2 names on an
+ * original Qwen model (QT_MSG_QWEN1_TARGETS_FMT) stop the run before anything is claimed or loaded. */
+static int resolve_lora_targets(qt_trainer *t) {
+    const qt_job_lora *l = &t->job->lora;
+    t->lora_targets = l->targets;
+    if (!l->enabled) return QT_OK;
+    qt_config cfg;
+    QT_TRY(qt_config_load(t->job->model, &cfg));
+    if (l->targets_default && qt_config_layout(&cfg)->fused_qkv) { /* PEFT's default for model_type qwen */
+        const char *c_attn = "c_attn";
+        return qt_lora_targets_from_names(&cfg, &c_attn, 1, &t->lora_targets, t->job->path);
+    }
+    if (l->targets_default || l->targets_all_linear) return QT_OK; /* q_proj/v_proj for Qwen2 layouts; every linear */
+    char where[4200];
+    snprintf(where, sizeof where, "%s: lora", t->job->path);
+    return qt_lora_targets_from_names(&cfg, (const char *const *)l->target_names, l->n_target_names,
+                                      &t->lora_targets, where);
+}
+
 static int run(qt_trainer *t, qt_train_result *res) {
     const qt_job *job = t->job;
+    QT_TRY(resolve_lora_targets(t));
     /* A folder of another run (or in use) is refused before minutes of
      * loading; nothing is written to it until everything the job names has
      * been read and checked (the claim below). */

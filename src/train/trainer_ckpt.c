@@ -27,6 +27,7 @@
 #include "io/peft.h"
 #include "io/safetensors.h"
 #include "model/params_io.h"
+#include "model/lora_io.h"
 #include "train/trainer_internal.h"
 
 #include <cjson/cJSON.h>
@@ -61,7 +62,12 @@ static void fill_peft_config(const qt_trainer *t, peft_config *c) {
     c->lora_alpha = l->lora_alpha;
     c->lora_dropout = l->lora_dropout;
     c->use_rslora = l->use_rslora;
-    for (int i = 0; i < l->n_target_names && i < PEFT_MAX_TARGETS; i++)
+    if (l->targets_default || l->targets_all_linear) { /* as resolved: c_attn on the original Qwen, its own names */
+        char names[8][64];
+        int n = qt_lora_target_names(qt_model_config(t->model), t->lora_targets, names, 8);
+        for (int i = 0; i < n; i++) memcpy(c->target_modules[c->n_targets++], names[i], sizeof names[i]);
+    }
+    for (int i = 0; i < l->n_target_names && i < PEFT_MAX_TARGETS && !l->targets_default && !l->targets_all_linear; i++)
         snprintf(c->target_modules[c->n_targets++], sizeof c->target_modules[0], "%s", l->target_names[i]);
     snprintf(c->base_model, sizeof c->base_model, "%s", t->job->model);
 }

@@ -24,6 +24,7 @@ typedef struct {
     qt_batch *mb;              /* (A) micro-batches of one accumulation window */
     qt_batch eval_b;
 
+    unsigned lora_targets;     /* QT_LORA_* mask of job.lora's target_modules in the model's layout */
     qt_model *model;
     size_t n;                  /* elements in the trainable block */
     float *master;             /* (n) fp32 master weights */

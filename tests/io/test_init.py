@@ -200,9 +200,11 @@ def test_refusals(tmp_path):
 def test_help_lists_presets():
     p = qtune("init", "--help", check=0)
     for name in ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b",
-                 "qwen2.5-72b", "qwen1.5-14b", "qwen-14b", "tiny", "demo", "bench-tiny"]:
+                 "qwen2.5-72b", "qwen1.5-14b", "qwen-14b", "qwen-14b-qwen2-layout", "qwen-7b", "qwen-72b",
+                 "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "tiny", "tiny-qwen3",
+                 "tiny-qwen", "demo", "bench-tiny"]:
         assert f"  {name} " in p.stdout, name
-    assert "shape only" in p.stdout  # qwen-14b's note
+    assert "Qwen-14B (original QWenLMHeadModel)" in p.stdout  # qwen-14b is the real layout now
 
 
 def test_tokenizer_files(tmp_path):

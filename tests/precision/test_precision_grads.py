@@ -19,7 +19,8 @@ HAS_BF16 = "avx512_bf16" in open("/proc/cpuinfo").read()
 
 @pytest.mark.parametrize("compute", ["f16", "bf16", "bf16-native"])
 @pytest.mark.parametrize("mode", ["full", "lora"])
-@pytest.mark.parametrize("shape", ["qwen2-gqa1-d64-tied-f32", "qwen2-gqa2-d64-untied-bf16"])
+@pytest.mark.parametrize("shape", ["qwen2-gqa1-d64-tied-f32", "qwen2-gqa2-d64-untied-bf16",
+                                   "qwen3-gqa4-d64-untied-bf16"])
 def test_grads_match_fp32(tmp_path, shape, mode, compute):
     env = EMULATE
     if compute == "bf16-native":

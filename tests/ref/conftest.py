@@ -21,24 +21,67 @@ SHAPES = {
     "qwen2-gqa2-d64-untied-bf16": ("qwen2", 4, 2, 64, 256, 192, 2, 288, False, "BF16"),
     "qwen2-gqa7-d128-tied-f32": ("qwen2", 7, 1, 128, 896, 256, 1, 200, True, "F32"),
     "llama-gqa2-d64-untied-bf16": ("llama", 4, 2, 64, 256, 192, 2, 288, False, "BF16"),
+    # Qwen3: head_dim on its own, so q is H*D = 192 / 512 wide against hidden 128 / 256
+    "qwen3-gqa2-d48-tied-f32": ("qwen3", 4, 2, 48, 128, 160, 2, 320, True, "F32"),
+    "qwen3-gqa4-d64-untied-bf16": ("qwen3", 8, 2, 64, 256, 192, 2, 288, False, "BF16"),
+    # the original Qwen (QWenLMHeadModel): fused c_attn, no GQA, D = C / H, I = the MLP width
+    "qwen1-d32-untied-f32": ("qwen", 4, 4, 32, 128, 160, 2, 320, False, "F32"),
+    "qwen1-d64-untied-bf16": ("qwen", 4, 4, 64, 256, 192, 2, 288, False, "BF16"),
 }
+
+ARCH = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def make_qwen1_model(path, H, D, C, I, L, V, dtype, seed):
+    """A QWenLMHeadModel folder: QWenConfig's keys (intermediate_size is twice the MLP width) and its
+    tensor names, c_attn fused (q, k, v rows) with a bias."""
+    assert H * D == C
+    cfg = {"architectures": ["QWenLMHeadModel"], "model_type": "qwen", "hidden_size": C,
+           "intermediate_size": 2 * I, "num_attention_heads": H, "kv_channels": D, "num_hidden_layers": L,
+           "vocab_size": V, "layer_norm_epsilon": 1e-6, "rotary_emb_base": 10000, "rotary_pct": 1.0,
+           "seq_length": 2048, "max_position_embeddings": 8192, "no_bias": True, "use_dynamic_ntk": True,
+           "use_logn_attn": True, "scale_attn_weights": True, "tie_word_embeddings": False,
+           "bf16": dtype == "BF16", "fp16": False, "fp32": dtype != "BF16"}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    rng = np.random.default_rng(seed)
+    w = {"transformer.wte.weight": rng.normal(0, 2.0 / np.sqrt(C), (V, C)),
+         "transformer.ln_f.weight": 1 + 0.1 * rng.normal(size=C),
+         "lm_head.weight": rng.normal(0, 1.0 / np.sqrt(C), (V, C))}
+    for l in range(L):
+        pre = "transformer.h.%d." % l
+        w[pre + "ln_1.weight"] = 1 + 0.1 * rng.normal(size=C)
+        w[pre + "ln_2.weight"] = 1 + 0.1 * rng.normal(size=C)
+        w[pre + "attn.c_attn.weight"] = rng.normal(0, 1.0 / np.sqrt(C), (3 * C, C))
+        w[pre + "attn.c_attn.bias"] = 0.1 * rng.normal(size=3 * C)
+        w[pre + "attn.c_proj.weight"] = rng.normal(0, 1.0 / np.sqrt(C), (C, C))
+        w[pre + "mlp.w1.weight"] = rng.normal(0, 1.0 / np.sqrt(C), (I, C))
+        w[pre + "mlp.w2.weight"] = rng.normal(0, 1.0 / np.sqrt(C), (I, C))
+        w[pre + "mlp.c_proj.weight"] = rng.normal(0, 1.0 / np.sqrt(I), (C, I))
+    st.write(os.path.join(path, "model.safetensors"), {k: v.astype(np.float32) for k, v in w.items()}, dtype)
+    cfg["num_key_value_heads"] = H  # for the callers' shape arithmetic, not in the file
+    return cfg
 
 
 def make_model(path, shape, seed=0):
     arch, H, KV, D, C, I, L, V, tied, dtype = SHAPES[shape] if isinstance(shape, str) else shape
     os.makedirs(path, exist_ok=True)
+    if arch == "qwen":
+        return make_qwen1_model(path, H, D, C, I, L, V, dtype, seed)
     cfg = {
-        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        "architectures": [ARCH[arch]],
         "model_type": arch, "hidden_size": C, "intermediate_size": I, "num_attention_heads": H,
         "num_key_value_heads": KV, "num_hidden_layers": L, "vocab_size": V, "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0 if arch == "qwen2" else 10000.0, "max_position_embeddings": 4096,
         "tie_word_embeddings": tied, "hidden_act": "silu",
         "torch_dtype": "bfloat16" if dtype == "BF16" else "float32",
     }
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3"):
         cfg["use_sliding_window"] = False
-    else:
+    if arch != "qwen2":
         cfg["attention_bias"] = False
+    if arch == "qwen3":
+        cfg["head_dim"] = D
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     rng = np.random.default_rng(seed)
@@ -52,6 +95,9 @@ def make_model(path, shape, seed=0):
         pre = "model.layers.%d." % l
         w[pre + "input_layernorm.weight"] = 1 + 0.1 * rng.normal(size=C)
         w[pre + "post_attention_layernorm.weight"] = 1 + 0.1 * rng.normal(size=C)
+        if arch == "qwen3":
+            w[pre + "self_attn.q_norm.weight"] = 1 + 0.1 * rng.normal(size=D)
+            w[pre + "self_attn.k_norm.weight"] = 1 + 0.1 * rng.normal(size=D)
         for name, (o, i) in shapes.items():
             w[pre + name + ".weight"] = rng.normal(0, 1.0 / np.sqrt(i), (o, i))
             if arch == "qwen2" and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):

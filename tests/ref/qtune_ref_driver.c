@@ -72,7 +72,10 @@ int main(int argc, char **argv) {
             const char *list[16];
             int n = 0;
             for (char *t = strtok_r(names, ",", &save); t && n < 16; t = strtok_r(NULL, ",", &save)) list[n++] = t;
-            if (qt_lora_targets_parse(list, n, &o.lora_targets) != QT_OK) return die();
+            qt_config lcfg; /* names resolved in the model's layout (c_attn, c_proj, w1, w2 on the original Qwen) */
+            if (qt_config_load(model_dir, &lcfg) != QT_OK ||
+                qt_lora_targets_from_names(&lcfg, list, n, &o.lora_targets, "--lora") != QT_OK)
+                return die();
         } else if (!strcmp(argv[i], "--rslora")) o.use_rslora = 1;
         else if (!strcmp(argv[i], "--adapter")) adapter = argv[++i];
         else if (!strcmp(argv[i], "--dropout")) dropout = (float)atof(argv[++i]);
@@ -91,7 +94,7 @@ int main(int argc, char **argv) {
     }
     qt_config acfg;
     if (adapter && !o.lora &&
-        (qt_config_load(model_dir, &acfg) != QT_OK || qt_lora_opts_from_adapter(adapter, acfg.num_hidden_layers, &o) != QT_OK))
+        (qt_config_load(model_dir, &acfg) != QT_OK || qt_lora_opts_from_adapter(adapter, &acfg, &o) != QT_OK))
         return die();
     if (dropout >= 0) o.lora_dropout = dropout; /* after the adapter's config, which sets its own */
 
@@ -130,7 +133,8 @@ int main(int argc, char **argv) {
     float *ms = calloc((size_t)steps, sizeof(float)); /* wall time of each call: the benchmark reads it */
     float *masks = NULL;
     if (dump_masks) {
-        /* mask/(1-p) of every adapted Linear for the first forward_backward: mask/L.M [B*T, in] */
+        /* mask/(1-p) of every adapted module for the first forward_backward: mask/L.PATH [B*T, in], PATH the
+         * layout's module path (self_attn.q_proj, attn.c_attn: one mask for a fused q/k/v) */
         const qt_config *c = qt_model_config(m);
         size_t per = 0;
         for (int j = 0; j < LIN_COUNT; j++) {
@@ -142,13 +146,13 @@ int main(int argc, char **argv) {
         float *p = masks;
         for (int l = 0; l < c->num_hidden_layers; l++)
             for (int j = 0; j < LIN_COUNT; j++) {
-                if (!(o.lora_targets & qt_lin_flag[j])) continue;
+                if (!(o.lora_targets & qt_lin_flag[j]) || !qt_lin_owns(c, j)) continue;
                 int in, ou;
                 qt_lin_shape(c, j, &in, &ou);
                 for (size_t i = 0; i < N * (size_t)in; i++) p[i] = 1.0f;
                 qt_lora_dropout(m, l, j, p, p, N * (size_t)in); /* the cpu backend: host memory is device memory */
-                char name[64];
-                snprintf(name, sizeof name, "mask/%d.%s", l, qt_lin_short[j]);
+                char name[96];
+                snprintf(name, sizeof name, "mask/%d.%s", l, qt_lin_name(c, j));
                 int64_t shape[2] = {(int64_t)N, in};
                 if (st_writer_add(w, name, QT_F32, 2, shape, p, QT_F32) != QT_OK) return die();
                 p += N * (size_t)in;

@@ -1,5 +1,5 @@
-"""A small, readable PyTorch Qwen2ForCausalLM (and Llama) with Hugging Face
-semantics, plus LoRA as PEFT computes it. Reads the same model folders as
+"""A small, readable PyTorch Qwen2ForCausalLM (and Llama, and Qwen3ForCausalLM)
+with Hugging Face semantics, plus LoRA as PEFT computes it. Reads the same model folders as
 qtune (config.json + model.safetensors via st.py). Used only by the tests.
 
 Semantics followed (transformers' modeling_qwen2):
@@ -10,6 +10,11 @@ Semantics followed (transformers' modeling_qwen2):
     heads; packed rows: query t sees keys [doc_start[t], t]
   - MLP down(silu(gate(x)) * up(x)); q/k/v bias for Qwen2
   - lm_head tied to embed_tokens when tie_word_embeddings
+  - Qwen3 (transformers' modeling_qwen3, Qwen3Attention): q_norm / k_norm, a
+    Qwen3RMSNorm(head_dim, eps=rms_norm_eps) over each head of
+    q_proj(x).view(..., heads, head_dim) and k_proj(x) likewise, applied
+    before RoPE; head_dim read on its own (H * D may differ from hidden); no
+    q/k/v bias unless attention_bias
   - LoRA: y = W x + b + scaling * B(A(dropout(x))), scaling = alpha / r
     (alpha / sqrt(r) with use_rslora)."""
 import json
@@ -28,7 +33,7 @@ LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 class Qwen2Ref:
     def __init__(self, model_dir, dtype=torch.float64, lora=None):
         """lora: None, or {"r", "alpha", "rslora", "weights": {peft key: array},
-        "masks": {(layer, "q_proj"): dropout mask / (1 - p), (B*T, in)} (optional)}"""
+        "masks": {(layer, "self_attn.q_proj"): dropout mask / (1 - p), (B*T, in)} (optional)}"""
         with open(os.path.join(model_dir, "config.json")) as f:
             self.cfg = cfg = json.load(f)
         self.dtype = dtype
@@ -40,6 +45,7 @@ class Qwen2Ref:
         self.eps = cfg.get("rms_norm_eps", 1e-6)
         self.theta = cfg.get("rope_theta", 10000.0)
         self.tied = cfg.get("tie_word_embeddings", False)
+        self.qk_norm = cfg.get("model_type") == "qwen3"
         w = st.read(os.path.join(model_dir, "model.safetensors"))
         self.p = {k: torch.tensor(v, dtype=dtype, requires_grad=True) for k, v in w.items()}
         if self.tied:
@@ -57,8 +63,10 @@ class Qwen2Ref:
         var = x32.pow(2).mean(-1, keepdim=True)
         return w * (x32 * torch.rsqrt(var + self.eps)).to(x.dtype)
 
+    LAYERS = "model.layers"
+
     def linear(self, x, l, name):
-        pre = "model.layers.%d.%s" % (l, name)
+        pre = "%s.%d.%s" % (self.LAYERS, l, name)
         y = x @ self.p[pre + ".weight"].T
         if pre + ".bias" in self.p:
             y = y + self.p[pre + ".bias"]
@@ -66,7 +74,7 @@ class Qwen2Ref:
         if self.lora is not None and key + ".lora_A.weight" in self.lp:
             a, b = self.lp[key + ".lora_A.weight"], self.lp[key + ".lora_B.weight"]
             masks = self.lora.get("masks")  # dropout(x) = x * mask / (1 - p), masks given as mask / (1 - p)
-            xd = x * torch.as_tensor(masks[(l, name.split(".")[1])], dtype=x.dtype).view(x.shape) if masks else x
+            xd = x * torch.as_tensor(masks[(l, name)], dtype=x.dtype).view(x.shape) if masks else x
             y = y + (xd @ a.T) @ b.T * self.scaling
         return y
 
@@ -109,6 +117,9 @@ class Qwen2Ref:
             h = self.rmsnorm(x, p[pre + "input_layernorm.weight"])
             q = self.linear(h, l, LINEARS[0]).view(B, T, self.H, self.D)
             k = self.linear(h, l, LINEARS[1]).view(B, T, self.KV, self.D)
+            if self.qk_norm:
+                q = self.rmsnorm(q, p[pre + "self_attn.q_norm.weight"])
+                k = self.rmsnorm(k, p[pre + "self_attn.k_norm.weight"])
             v = self.linear(h, l, LINEARS[2]).view(B, T, self.KV, self.D)
             q, k = self.rope(q, pos), self.rope(k, pos)
             a = self.attention(q, k, v, doc_start).reshape(B, T, self.H * self.D)

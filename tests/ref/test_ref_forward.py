@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import QTUNE, SHAPES, as_arrays, make_batch, make_model, rel_err, run_driver
-from qwen2_ref import Qwen2Ref
+from qwen1_ref import reference
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -20,7 +20,7 @@ def test_loss_and_logprobs(tmp_path, shape):
     batch = make_batch(cfg["vocab_size"])
     out = run_driver(str(tmp_path), md, batch, "--mode", "eval")
     a = as_arrays(batch)
-    ref = Qwen2Ref(md)
+    ref = reference(md)
     with torch.no_grad():
         loss, n, lp = ref.loss(a["inputs"], a["targets"], a["positions"], a["doc_start"])
     assert int(out["n_tokens"][0]) == n
@@ -32,7 +32,8 @@ def test_loss_and_logprobs(tmp_path, shape):
     assert np.all(out["logp"][~mask] == 0)
 
 
-@pytest.mark.parametrize("shape", ["qwen2-gqa2-d64-untied-bf16", "qwen2-gqa7-d128-tied-f32"])
+@pytest.mark.parametrize("shape", ["qwen2-gqa2-d64-untied-bf16", "qwen2-gqa7-d128-tied-f32", "qwen3-gqa2-d48-tied-f32",
+                                   "qwen1-d32-untied-f32"])
 def test_decode_kv_cache(tmp_path, shape):
     """Prefill half of row 0, then one token at a time: each step's logits
     equal the reference's full-sequence logits at that position."""
@@ -42,7 +43,7 @@ def test_decode_kv_cache(tmp_path, shape):
     out = run_driver(str(tmp_path), md, batch, "--mode", "decode")
     a = as_arrays(batch)
     with torch.no_grad():
-        lg = Qwen2Ref(md).logits(a["inputs"]).numpy()[0]
+        lg = reference(md).logits(a["inputs"]).numpy()[0]
     P = 10
     want = lg[P - 1:]
     assert out["logits"].shape == want.shape
@@ -71,7 +72,7 @@ def test_eval_cli(tmp_path):
     assert r.returncode == 0, r.stderr
     last = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(last) == {"loss", "ppl", "tokens"}
-    ref = Qwen2Ref(md)
+    ref = reference(md)
     total, ntok, per = 0.0, 0, []
     with torch.no_grad():
         for ex in examples:
@@ -105,3 +106,38 @@ def test_eval_cli_errors(tmp_path):
     assert "bad.jsonl:2:" in r.stderr
     r = subprocess.run([QTUNE, "eval", "--model", md], capture_output=True, text=True)
     assert r.returncode == 2
+
+
+@pytest.mark.parametrize("shape,drop,reshape", [
+    ("qwen3-gqa2-d48-tied-f32", "model.layers.1.self_attn.k_norm.weight", None),
+    ("qwen3-gqa2-d48-tied-f32", None, ("model.layers.0.self_attn.q_norm.weight", (64,))),
+    ("qwen1-d32-untied-f32", "transformer.h.1.mlp.w2.weight", None),
+    ("qwen1-d32-untied-f32", None, ("transformer.h.0.attn.c_attn.weight", (128, 128))),  # q only, not q+k+v
+    ("qwen1-d32-untied-f32", None, ("transformer.h.0.attn.c_attn.bias", (128,))),
+])
+def test_malformed_folders_refused_by_tensor(tmp_path, shape, drop, reshape):
+    """A folder of each layout that lacks a tensor, or holds one of the wrong shape: eval (frozen base)
+    and the driver's full fine-tuning both stop with the tensor's name."""
+    import st
+    md = str(tmp_path / "model")
+    cfg = make_model(md, shape)
+    path = os.path.join(md, "model.safetensors")
+    w = st.read(path)
+    name = drop or reshape[0]
+    assert name in w
+    if drop:
+        del w[name]
+    else:
+        w[name] = np.zeros(reshape[1], np.float32)
+    st.write(path, w, "F32")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3, 4]}\n')
+    r = subprocess.run([QTUNE, "eval", "--model", md, "--data", str(data), "--seq-len", "8"], capture_output=True,
+                       text=True)
+    assert r.returncode == 1 and name in r.stderr, r.stderr
+    bp = tmp_path / "b.json"
+    bp.write_text(json.dumps(make_batch(cfg["vocab_size"], B=1, T=8)))
+    from conftest import DRIVER
+    r = subprocess.run([DRIVER, md, str(bp), str(tmp_path / "o.st"), "--mode", "train"], capture_output=True,
+                       text=True)
+    assert r.returncode == 1 and name in r.stderr, r.stderr

@@ -11,7 +11,8 @@ import torch
 
 import st
 from conftest import SHAPES, as_arrays, make_batch, make_model, rel_err, run_driver
-from qwen2_ref import LINEARS, Qwen2Ref
+from qwen1_ref import reference
+from qwen2_ref import LINEARS
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -29,7 +30,7 @@ def test_full_ft_gradients(tmp_path, shape):
     cfg = make_model(md, shape)
     batch = make_batch(cfg["vocab_size"])
     out = run_driver(str(tmp_path), md, batch, "--mode", "train", "--grad-scale", "0.25")
-    ref = Qwen2Ref(md)
+    ref = reference(md)
     loss = ref_backward(ref, batch, 0.25)
     assert abs(out["loss_sum"][0] - loss) <= 1e-5 * abs(loss)
     names = {k[5:] for k in out if k.startswith("grad/")}
@@ -38,22 +39,34 @@ def test_full_ft_gradients(tmp_path, shape):
     assert worst[0] <= 1e-4, "gradient %s rel err %.3g" % (worst[1], worst[0])
 
 
+QWEN1_MODULES = ["attn.c_attn", "attn.c_proj", "mlp.w1", "mlp.w2", "mlp.c_proj"]
+
+
+def adapted_modules(cfg, targets):
+    """(layer path, module path, in, out) for each module PEFT's target_modules select, by its suffix
+    rule: an entry matches a module whose name is it or ends with "." + it."""
+    C, H, KV, I = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
+    if cfg["model_type"] == "qwen":
+        I //= 2  # QWenConfig's intermediate_size is twice the MLP width
+        D = cfg["kv_channels"]
+        dims = {"attn.c_attn": (C, 3 * H * D), "attn.c_proj": (H * D, C), "mlp.w1": (C, I), "mlp.w2": (C, I),
+                "mlp.c_proj": (I, C)}
+        layers, mods = "transformer.h", QWEN1_MODULES
+    else:
+        D = cfg.get("head_dim") or C // H
+        dims = dict(zip(LINEARS, [(C, H * D), (C, KV * D), (C, KV * D), (H * D, C), (C, I), (C, I), (I, C)]))
+        layers, mods = "model.layers", LINEARS
+    return [(layers, m) + dims[m] for m in mods if any(m == t or m.endswith("." + t) for t in targets)]
+
+
 def write_adapter(path, cfg, r, alpha, targets, rslora=False, seed=3):
     """A PEFT adapter folder with random A and (non-zero) B."""
     os.makedirs(path, exist_ok=True)
-    C, H, KV, I = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
-    D = cfg.get("head_dim") or C // H
-    dims = {"q_proj": (C, H * D), "k_proj": (C, KV * D), "v_proj": (C, KV * D), "o_proj": (H * D, C),
-            "gate_proj": (C, I), "up_proj": (C, I), "down_proj": (I, C)}
     rng = np.random.default_rng(seed)
     w = {}
     for l in range(cfg["num_hidden_layers"]):
-        for full in LINEARS:
-            short = full.split(".")[1]
-            if short not in targets:
-                continue
-            i, o = dims[short]
-            key = "base_model.model.model.layers.%d.%s" % (l, full)
+        for layers, mod, i, o in adapted_modules(cfg, targets):
+            key = "base_model.model.%s.%d.%s" % (layers, l, mod)
             w[key + ".lora_A.weight"] = rng.uniform(-1, 1, (r, i)) / np.sqrt(i)
             w[key + ".lora_B.weight"] = rng.normal(0, 0.2, (o, r))
     st.write(os.path.join(path, "adapter_model.safetensors"), w, "F32")
@@ -68,6 +81,11 @@ def write_adapter(path, cfg, r, alpha, targets, rslora=False, seed=3):
     ("qwen2-gqa2-d64-untied-bf16", ALL, False),
     ("qwen2-gqa7-d128-tied-f32", ["q_proj", "v_proj"], True),
     ("llama-gqa2-d64-untied-bf16", ["k_proj", "o_proj", "down_proj"], False),
+    ("qwen3-gqa4-d64-untied-bf16", ALL, False),
+    ("qwen3-gqa2-d48-tied-f32", ["q_proj", "k_proj", "o_proj"], True),
+    # the original Qwen: c_attn one module (one A, one B over q, k, v), c_proj = attn.c_proj + mlp.c_proj
+    ("qwen1-d64-untied-bf16", ["c_attn", "c_proj", "w1", "w2"], False),
+    ("qwen1-d32-untied-f32", ["c_attn", "mlp.c_proj"], True),
 ])
 def test_lora_gradients(tmp_path, shape, targets, rslora):
     md, ad = str(tmp_path / "model"), str(tmp_path / "adapter")
@@ -75,7 +93,7 @@ def test_lora_gradients(tmp_path, shape, targets, rslora):
     w = write_adapter(ad, cfg, 4, 8.0, targets, rslora)
     batch = make_batch(cfg["vocab_size"])
     out = run_driver(str(tmp_path), md, batch, "--mode", "train", "--adapter", ad)
-    ref = Qwen2Ref(md, lora={"r": 4, "alpha": 8.0, "rslora": rslora, "weights": w})
+    ref = reference(md, lora={"r": 4, "alpha": 8.0, "rslora": rslora, "weights": w})
     loss = ref_backward(ref, batch)
     assert abs(out["loss_sum"][0] - loss) <= 1e-5 * abs(loss)
     names = {k[5:] for k in out if k.startswith("grad/")}
@@ -84,10 +102,12 @@ def test_lora_gradients(tmp_path, shape, targets, rslora):
     assert worst[0] <= 1e-4, "gradient %s rel err %.3g" % (worst[1], worst[0])
 
 
-@pytest.mark.parametrize("mode", ["full", "lora-dropout"])
-def test_recompute_gives_identical_gradients(tmp_path, mode):
+@pytest.mark.parametrize("mode,shape", [("full", "qwen2-gqa2-d64-untied-bf16"),
+                                        ("lora-dropout", "qwen2-gqa2-d64-untied-bf16"),
+                                        ("full", "qwen3-gqa4-d64-untied-bf16")])
+def test_recompute_gives_identical_gradients(tmp_path, mode, shape):
     md, ad = str(tmp_path / "model"), str(tmp_path / "adapter")
-    cfg = make_model(md, "qwen2-gqa2-d64-untied-bf16")
+    cfg = make_model(md, shape)
     batch = make_batch(cfg["vocab_size"])
     extra = []
     if mode != "full":
@@ -150,29 +170,31 @@ def test_adapter_eval_matches_reference(tmp_path):
     w = write_adapter(ad, cfg, 4, 8.0, ["q_proj", "v_proj", "down_proj"], rslora=True)
     batch = make_batch(cfg["vocab_size"])
     out = run_driver(str(tmp_path), md, batch, "--mode", "eval", "--adapter", ad)
-    ref = Qwen2Ref(md, lora={"r": 4, "alpha": 8.0, "rslora": True, "weights": w})
+    ref = reference(md, lora={"r": 4, "alpha": 8.0, "rslora": True, "weights": w})
     a = as_arrays(batch)
     with torch.no_grad():
         loss, n, lp = ref.loss(a["inputs"], a["targets"], a["positions"], a["doc_start"])
     assert abs(out["loss_sum"][0] - loss.item()) <= 1e-5 * abs(loss.item())
 
 
-def test_lora_dropout_gradients(tmp_path):
+@pytest.mark.parametrize("shape,targets", [("qwen2-gqa2-d64-untied-bf16", ["q_proj", "v_proj", "gate_proj", "down_proj"]),
+                                           ("qwen1-d32-untied-f32", ["c_attn", "c_proj", "w2"])])
+def test_lora_dropout_gradients(tmp_path, shape, targets):
     """With lora_dropout, the gradients equal the reference's with the same
-    masks (dumped by the driver): dropout acts on the LoRA branch's input only."""
+    masks (dumped by the driver): dropout acts on the LoRA branch's input only,
+    once per adapted module (the original Qwen's c_attn: one mask for q, k, v)."""
     md, ad = str(tmp_path / "model"), str(tmp_path / "adapter")
-    cfg = make_model(md, "qwen2-gqa2-d64-untied-bf16")
-    targets = ["q_proj", "v_proj", "gate_proj", "down_proj"]
+    cfg = make_model(md, shape)
     w = write_adapter(ad, cfg, 4, 8.0, targets)
     batch = make_batch(cfg["vocab_size"])
     out = run_driver(str(tmp_path), md, batch, "--mode", "train", "--adapter", ad, "--dropout", "0.25",
                      "--dump-masks")
-    masks = {(int(k[5:].split(".")[0]), k.split(".")[1]): v for k, v in out.items() if k.startswith("mask/")}
-    assert len(masks) == len(targets) * cfg["num_hidden_layers"]
+    masks = {(int(k[5:].split(".")[0]), k[5:].split(".", 1)[1]): v for k, v in out.items() if k.startswith("mask/")}
+    assert len(masks) == len(adapted_modules(cfg, targets)) * cfg["num_hidden_layers"]
     for m in masks.values():
         assert set(np.unique(m)) <= {0.0, np.float32(1 / 0.75)}
         assert 0.15 < np.mean(m == 0) < 0.35
-    ref = Qwen2Ref(md, lora={"r": 4, "alpha": 8.0, "weights": w, "masks": masks})
+    ref = reference(md, lora={"r": 4, "alpha": 8.0, "weights": w, "masks": masks})
     loss = ref_backward(ref, batch)
     assert abs(out["loss_sum"][0] - loss) <= 1e-5 * abs(loss)
     worst = max((rel_err(out["grad/" + k], ref.lp[k].grad.numpy()), k) for k in w)

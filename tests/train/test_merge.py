@@ -15,14 +15,17 @@ def eval_loss(*args):
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("rslora", [False, True])
-def test_merge_matches_adapter(tmp_path, rslora):
+QWEN2_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.mark.parametrize("preset,rslora", [("tiny", False), ("tiny", True), ("tiny-qwen3", False)])
+def test_merge_matches_adapter(tmp_path, preset, rslora):
     d = str(tmp_path)
-    model = init_model(os.path.join(d, "model"))
+    model = init_model(os.path.join(d, "model"), preset)
     write_tokens(os.path.join(d, "train.jsonl"), 16, 16, seed=1)
     write_tokens(os.path.join(d, "eval.jsonl"), 8, 16, seed=2)
-    lora = {"r": 4, "lora_alpha": 16, "lora_dropout": 0.0, "use_rslora": rslora,
-            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+    targets = QWEN2_TARGETS
+    lora = {"r": 4, "lora_alpha": 16, "lora_dropout": 0.0, "use_rslora": rslora, "target_modules": targets}
     ds = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 2e-2}}}
     job = write_job(os.path.join(d, "job.json"), "model", "out", "train.jsonl", lora=lora, ds=ds,
                     train_opts={"max_steps": 4})
@@ -48,7 +51,7 @@ def test_merge_matches_adapter(tmp_path, rslora):
             n_merged += 1
         else:
             assert np.array_equal(out[k], w), k
-    assert n_merged == 2 * 7
+    assert n_merged == 2 * 7  # 2 layers x 7 modules
     assert os.path.exists(os.path.join(merged, "config.json"))
 
     # the merged model evaluates like base + adapter

@@ -15,7 +15,7 @@ import torch
 
 from trainutil import init_model, run, st, step_lines, write_job, write_tokens
 
-import qwen2_ref  # tests/ref (trainutil puts it on sys.path)
+import qwen1_ref  # tests/ref (trainutil puts it on sys.path)
 
 STEPS, B, A, T, N_EX = 20, 2, 2, 16, 24
 LR_MIN, LR_MAX, WARMUP, WD, CLIP = 5e-4, 4e-3, 5, 0.01, 1.0
@@ -84,51 +84,60 @@ def check(ours, theirs, out):
     return worst
 
 
-def test_lora_20_steps_match_reference(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3", "tiny-qwen"])
+def test_lora_20_steps_match_reference(tmp_path, preset):
     d = str(tmp_path)
-    model = init_model(os.path.join(d, "model"))
+    model = init_model(os.path.join(d, "model"), preset)
     rows = write_tokens(os.path.join(d, "train.jsonl"), N_EX, T, seed=11, min_len=5)
     # a non-zero starting adapter (B = 0 would hide errors in dA)
     cfg = json.load(open(os.path.join(model, "config.json")))
-    C, H, KV = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    D, r = C // H, 4
+    C, H, r = cfg["hidden_size"], cfg["num_attention_heads"], 4
+    if cfg["model_type"] == "qwen":  # the original Qwen: fused c_attn (q, k, v) and both c_proj
+        D, I = cfg["kv_channels"], cfg["intermediate_size"] // 2
+        targets = ["c_attn", "c_proj"]
+        mods = [("transformer.h.%d.attn.c_attn", C, 3 * H * D), ("transformer.h.%d.attn.c_proj", H * D, C),
+                ("transformer.h.%d.mlp.c_proj", I, C)]
+    else:
+        D, KV = cfg.get("head_dim") or C // H, cfg["num_key_value_heads"]
+        targets = ["q_proj", "v_proj"]
+        mods = [("model.layers.%d.self_attn.q_proj", C, H * D), ("model.layers.%d.self_attn.v_proj", C, KV * D)]
     rng = np.random.default_rng(5)
     w = {}
     for l in range(cfg["num_hidden_layers"]):
-        for mod, out in (("q_proj", H * D), ("v_proj", KV * D)):
-            key = "base_model.model.model.layers.%d.self_attn.%s" % (l, mod)
-            w[key + ".lora_A.weight"] = (rng.standard_normal((r, C)) * 0.2).astype(np.float32)
+        for mod, fan_in, out in mods:
+            key = "base_model.model." + mod % l
+            w[key + ".lora_A.weight"] = (rng.standard_normal((r, fan_in)) * 0.2).astype(np.float32)
             w[key + ".lora_B.weight"] = (rng.standard_normal((out, r)) * 0.2).astype(np.float32)
     ad = os.path.join(d, "adapter0")
     os.makedirs(ad)
     st.write(os.path.join(ad, "adapter_model.safetensors"), w)
     json.dump({"peft_type": "LORA", "r": r, "lora_alpha": 8, "lora_dropout": 0.0, "bias": "none",
-               "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM"},
+               "target_modules": targets, "task_type": "CAUSAL_LM"},
               open(os.path.join(ad, "adapter_config.json"), "w"))
-    lora = {"r": r, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"],
-            "init_from": "adapter0"}
+    lora = {"r": r, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": targets, "init_from": "adapter0"}
     job = write_job(os.path.join(d, "job.json"), "model", "out", "train.jsonl", T=T, lora=lora, ds=DS,
                     train_opts={"max_steps": STEPS})
     run("train", job)
 
-    ref = qwen2_ref.Qwen2Ref(model, dtype=torch.float64,
-                             lora={"r": r, "alpha": 8, "targets": ["q_proj", "v_proj"], "weights": w})
+    ref = qwen1_ref.reference(model, dtype=torch.float64, lora={"r": r, "alpha": 8, "weights": w})
     losses = reference(ref, rows)
     final = st.read(os.path.join(d, "out", "final", "adapter_model.safetensors"))
     assert set(final) == set(w)
+    assert json.load(open(os.path.join(d, "out", "final", "adapter_config.json")))["target_modules"] == targets
     ours = {k: (final[k], ref.lp[k].detach().numpy()) for k in final}
     worst = check(ours, losses, os.path.join(d, "out"))
     print("LoRA: max |w - w_ref| = %.3g" % worst)
 
 
-def test_full_20_steps_match_reference(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3", "tiny-qwen"])
+def test_full_20_steps_match_reference(tmp_path, preset):
     d = str(tmp_path)
-    model = init_model(os.path.join(d, "model"))
+    model = init_model(os.path.join(d, "model"), preset)
     rows = write_tokens(os.path.join(d, "train.jsonl"), N_EX, T, seed=12, min_len=5)
     job = write_job(os.path.join(d, "job.json"), "model", "out", "train.jsonl", T=T, ds=DS,
                     train_opts={"max_steps": STEPS})
     run("train", job)
-    ref = qwen2_ref.Qwen2Ref(model, dtype=torch.float64)
+    ref = qwen1_ref.reference(model, dtype=torch.float64)
     losses = reference(ref, rows)
     final = st.read(os.path.join(d, "out", "final", "model.safetensors"))
     assert set(final) == set(ref.p), sorted(set(final) ^ set(ref.p))

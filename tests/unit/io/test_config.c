@@ -24,6 +24,28 @@ static const char *QWEN25_05B =
     "\"rope_theta\":1000000.0,\"sliding_window\":32768,\"tie_word_embeddings\":true,\"torch_dtype\":\"bfloat16\","
     "\"transformers_version\":\"4.40.1\",\"use_cache\":true,\"use_sliding_window\":false,\"vocab_size\":151936}";
 
+/* Qwen3-0.6B's config.json as published (Qwen/Qwen3-0.6B). */
+static const char *QWEN3_06B =
+    "{\"architectures\":[\"Qwen3ForCausalLM\"],\"attention_bias\":false,\"attention_dropout\":0.0,"
+    "\"bos_token_id\":151643,\"eos_token_id\":151645,\"head_dim\":128,\"hidden_act\":\"silu\",\"hidden_size\":1024,"
+    "\"initializer_range\":0.02,\"intermediate_size\":3072,\"max_position_embeddings\":40960,"
+    "\"max_window_layers\":28,\"model_type\":\"qwen3\",\"num_attention_heads\":16,\"num_hidden_layers\":28,"
+    "\"num_key_value_heads\":8,\"rms_norm_eps\":1e-06,\"rope_scaling\":null,\"rope_theta\":1000000,"
+    "\"sliding_window\":null,\"tie_word_embeddings\":true,\"torch_dtype\":\"bfloat16\","
+    "\"transformers_version\":\"4.51.0\",\"use_cache\":true,\"use_sliding_window\":false,\"vocab_size\":151936}";
+
+/* Qwen-14B's config.json as published (Qwen/Qwen-14B, QWenLMHeadModel). */
+static const char *QWEN1_14B =
+    "{\"architectures\":[\"QWenLMHeadModel\"],\"auto_map\":{\"AutoConfig\":\"configuration_qwen.QWenConfig\","
+    "\"AutoModelForCausalLM\":\"modeling_qwen.QWenLMHeadModel\"},\"attn_dropout_prob\":0.0,\"bf16\":false,"
+    "\"emb_dropout_prob\":0.0,\"fp16\":false,\"fp32\":false,\"hidden_size\":5120,\"initializer_range\":0.02,"
+    "\"intermediate_size\":27392,\"kv_channels\":128,\"layer_norm_epsilon\":1e-06,\"max_position_embeddings\":8192,"
+    "\"model_type\":\"qwen\",\"no_bias\":true,\"num_attention_heads\":40,\"num_hidden_layers\":40,"
+    "\"onnx_safe\":null,\"rotary_emb_base\":10000,\"rotary_pct\":1.0,\"scale_attn_weights\":true,"
+    "\"seq_length\":2048,\"tie_word_embeddings\":false,\"tokenizer_class\":\"QWenTokenizer\","
+    "\"transformers_version\":\"4.32.0\",\"use_cache\":true,\"use_dynamic_ntk\":true,\"use_flash_attn\":\"auto\","
+    "\"use_logn_attn\":true,\"vocab_size\":152064}";
+
 static void expect_refused(const char *json, int code, const char *want) {
     qt_config c;
     qt_error_clear();
@@ -112,6 +134,78 @@ static void test_llama(void **state) {
                    QT_EUNSUPPORTED, "rope_scaling");
 }
 
+/* Replaces the first occurrence of from in base with to. */
+static char *json_with(const char *base, const char *from, const char *to) {
+    static char buf[4096];
+    const char *p = strstr(base, from);
+    assert_non_null(p);
+    snprintf(buf, sizeof buf, "%.*s%s%s", (int)(p - base), base, to, p + strlen(from));
+    return buf;
+}
+
+static void test_qwen3(void **state) {
+    (void)state;
+    qt_config c;
+    assert_int_equal(qt_config_parse(QWEN3_06B, "q3.json", &c), QT_OK);
+    assert_int_equal(c.arch, QT_ARCH_QWEN3);
+    assert_int_equal(c.qk_norm, 1);
+    assert_int_equal(c.attention_bias, 0);
+    assert_int_equal(c.head_dim, 128); /* given on its own: 16 heads x 128 = 2048 != hidden 1024 */
+    assert_int_equal(c.num_key_value_heads, 8);
+    assert_int_equal(c.tie_word_embeddings, 1);
+    assert_int_equal(c.max_position_embeddings, 40960);
+    assert_int_equal(c.eos_token_id, 151645);
+    /* 596,049,920: the published count (q_norm/k_norm included) */
+    assert_int_equal(qt_config_param_count(&c), 596049920);
+    assert_string_equal(qt_config_layout(&c)->q_norm, "self_attn.q_norm");
+    /* attention_bias is read for Qwen3; without head_dim transformers' Qwen3Config default 128 applies */
+    assert_int_equal(qt_config_parse(json_with(QWEN3_06B, "\"attention_bias\":false", "\"attention_bias\":true"),
+                                     "q3.json", &c), QT_OK);
+    assert_int_equal(c.attention_bias, 1);
+    assert_int_equal(qt_config_parse(json_with(QWEN3_06B, "\"head_dim\":128,", ""), "q3.json", &c), QT_OK);
+    assert_int_equal(c.head_dim, 128);
+    /* the MoE variants are named in the refusal */
+    expect_refused(json_with(QWEN3_06B, "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), QT_EUNSUPPORTED, "Qwen3-MoE");
+    assert_int_equal(qt_config_parse(json_with(QWEN3_06B, "\"architectures\":[\"Qwen3ForCausalLM\"],", ""), "q3.json", &c),
+                     QT_OK); /* model_type qwen3 alone */
+    assert_int_equal(c.arch, QT_ARCH_QWEN3);
+}
+
+static void test_qwen1(void **state) {
+    (void)state;
+    qt_config c;
+    assert_int_equal(qt_config_parse(QWEN1_14B, "q1.json", &c), QT_OK);
+    assert_int_equal(c.arch, QT_ARCH_QWEN);
+    assert_int_equal(c.hidden_size, 5120);
+    assert_int_equal(c.intermediate_size, 13696); /* 27392 / 2: w1 and w2 are each half of it */
+    assert_int_equal(c.head_dim, 128);            /* kv_channels */
+    assert_int_equal(c.num_key_value_heads, 40);
+    assert_int_equal(c.attention_bias, 1);        /* c_attn's bias */
+    assert_int_equal(c.tie_word_embeddings, 0);
+    assert_int_equal(c.seq_length, 2048);
+    assert_int_equal(c.max_position_embeddings, 8192);
+    assert_int_equal(c.long_context, 1);
+    assert_true(c.rope_theta == 10000.0f);
+    assert_true(c.rms_norm_eps == 1e-6f);
+    assert_int_equal(qt_config_param_count(&c), 14167290880LL);
+    const qt_layout *ly = qt_config_layout(&c);
+    assert_int_equal(ly->fused_qkv, 1);
+    assert_string_equal(ly->lin[4], "mlp.w2"); /* gate: c_proj(w1(x) * silu(w2(x))) */
+    assert_string_equal(ly->lin[5], "mlp.w1");
+    assert_int_equal(qt_config_parse(json_with(QWEN1_14B, "\"bf16\":false", "\"bf16\":true"), "q1.json", &c), QT_OK);
+    assert_int_equal(c.torch_dtype, QT_BF16);
+    expect_refused(json_with(QWEN1_14B, "\"rotary_pct\":1.0", "\"rotary_pct\":0.5"), QT_EUNSUPPORTED, "rotary_pct");
+    expect_refused(json_with(QWEN1_14B, "\"no_bias\":true", "\"no_bias\":false"), QT_EUNSUPPORTED, "no_bias");
+    expect_refused(json_with(QWEN1_14B, "\"kv_channels\":128", "\"kv_channels\":64"), QT_EUNSUPPORTED, "kv_channels");
+    expect_refused(json_with(QWEN1_14B, "\"intermediate_size\":27392", "\"intermediate_size\":27391"), QT_EFORMAT,
+                   "intermediate_size");
+    expect_refused(json_with(QWEN1_14B, "\"kv_channels\":128,", ""), QT_EFORMAT, "kv_channels");
+    char two[4096];
+    snprintf(two, sizeof two, "%s", json_with(QWEN1_14B, "\"fp16\":false", "\"fp16\":true"));
+    memcpy(strstr(two, "\"bf16\":false"), "\"bf16\":true ", 12);
+    expect_refused(two, QT_EFORMAT, "'bf16', 'fp16'");
+}
+
 static void test_refusals(void **state) {
     (void)state;
     expect_refused(qwen_with("\"rope_theta\"", "\"rope_scaling\":{\"type\":\"yarn\",\"factor\":4.0},\"rope_theta\""),
@@ -129,7 +223,7 @@ static void test_refusals(void **state) {
                    QT_EUNSUPPORTED, "layer_types");
     expect_refused(qwen_with("\"silu\"", "\"gelu\""), QT_EUNSUPPORTED, "hidden_act");
     expect_refused(qwen_with("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"), QT_EUNSUPPORTED, "Qwen2MoeForCausalLM");
-    expect_refused(qwen_with("Qwen2ForCausalLM", "QWenLMHeadModel"), QT_EUNSUPPORTED, "QWenLMHeadModel");
+    expect_refused(qwen_with("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"), QT_EUNSUPPORTED, "mixture-of-experts");
     expect_refused("{\"model_type\":\"gpt2\"}", QT_EUNSUPPORTED, "gpt2");
     expect_refused("{\"vocab_size\":10}", QT_EFORMAT, "architectures");
     /* broken JSON */
@@ -207,6 +301,14 @@ static void test_preset_shapes(void **state) {
         {"qwen2.5-14b", 14770033664},
         {"qwen2.5-32b", 32763876352},
         {"qwen2.5-72b", 72706203648},
+        /* Qwen3: the counts the Hub shows for each repository's safetensors (1.7B's file also stores the
+         * tied lm_head, so its 2.03B is not the count of distinct weights and is left out) */
+        {"qwen3-0.6b", 596049920},
+        {"qwen3-4b", 4022468096},
+        {"qwen3-8b", 8190735360},
+        {"qwen3-14b", 14768307200},
+        {"qwen3-32b", 32762123264},
+        {"qwen-14b", 14167290880}, /* Qwen-14B: the same count in either layout */
     };
     for (size_t i = 0; i < sizeof known / sizeof known[0]; i++) {
         qt_config c;
@@ -220,6 +322,8 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_qwen2),
         cmocka_unit_test(test_llama),
+        cmocka_unit_test(test_qwen3),
+        cmocka_unit_test(test_qwen1),
         cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_write_round_trip),
         cmocka_unit_test(test_preset_shapes),

@@ -204,7 +204,7 @@ static void test_lora_identity_at_init(void **state) {
     qt_model_opts_default(&o2);
     qt_config cfg;
     assert_int_equal(qt_config_load(dir, &cfg), QT_OK);
-    assert_int_equal(qt_lora_opts_from_adapter(ad, cfg.num_hidden_layers, &o2), QT_OK);
+    assert_int_equal(qt_lora_opts_from_adapter(ad, &cfg, &o2), QT_OK);
     assert_int_equal(o2.lora_targets, 0x7f);
     assert_int_equal(o2.lora_r, 2);
 }
