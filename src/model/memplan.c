@@ -177,6 +177,8 @@ static void carve_layer(const qt_config *c, const qt_model_opts *o, float *base,
         a->kraw = carve(base, off, N * KVD);
         a->rstdq = carve(base, off, N * c->num_attention_heads);
         a->rstdk = carve(base, off, N * c->num_key_value_heads);
+    } else {
+        a->qraw = a->kraw = a->rstdq = a->rstdk = NULL; /* the graph tests these: never left unset */
     }
     a->att = carve(base, off, N * HD);
     a->lse = carve(base, off, N * c->num_attention_heads);
