@@ -4,6 +4,7 @@
 #define QT_DIST_INTERNAL_H
 
 #include "dist/dist.h"
+#include "dist/transport.h"
 #include "qtune_config.h"
 
 /* A build can be forced to the single-process path (tests of that path). */
@@ -23,6 +24,7 @@ struct dist_ctx {
     int64_t seq;           /* collectives this rank has entered (for the timeout report) */
     const char *volatile cur_what; /* the collective being waited on, or NULL */
     volatile int aborting; /* this rank is ending the job and has said why */
+    tp_stats tp;           /* transport counters (transport_mpi.c) */
 #if QT_DIST_MPI
     MPI_Comm comm;         /* collectives */
     MPI_Comm ctl;          /* liveness queries when a deadline passes */

@@ -72,6 +72,28 @@ static float *find_param(qt_model *m, float *block, const char *name) {
     return NULL;
 }
 
+/* A trainable tensor's gradient: in the gradient block, or with gradient
+ * windows in its layer's window (memplan.c qt_model_grad_windows: every
+ * layer is the same flat length), the final norm's window, or for the
+ * embedding and lm_head a non-NULL mark (the backward hands them over as
+ * rows and slices, see qwen2.c). */
+static float *grad_param(qt_model *m, const char *name) {
+    if (!m->gwin_block) return find_param(m, m->grads, name);
+    for (int i = 0; i < m->n_params; i++) {
+        const qt_param *p = &m->params[i];
+        if (strcmp(p->name, name)) continue;
+        const qt_grad_windows *w = &m->gw;
+        size_t L = (size_t)m->cfg.num_hidden_layers, end = w->layer0 + L * w->layer;
+        if (p->offset >= w->layer0 && p->offset < end) {
+            size_t l = (p->offset - w->layer0) / w->layer;
+            return m->wlayer[l & 1] + (p->offset - w->layer0 - l * w->layer);
+        }
+        if (!strcmp(name, "model.norm.weight")) return m->wnorm;
+        return m->wslice[0];
+    }
+    return NULL;
+}
+
 /* The mapping's pages of a tensor that was copied are not read again: hand
  * them back so the resident size holds only the copy (the mapping is a
  * read-only file mapping, so a later read would fault them back in). */
@@ -150,32 +172,32 @@ static int load_full(qt_model *m) {
         qt_model_weights_updated(m);
     }
     m->wte = compute_ref(m, "model.embed_tokens.weight");
-    m->dwte = find_param(m, m->grads, "model.embed_tokens.weight");
+    m->dwte = grad_param(m, "model.embed_tokens.weight");
     m->lnf_w = find_param(m, m->master, "model.norm.weight");
-    m->dlnf_w = find_param(m, m->grads, "model.norm.weight");
+    m->dlnf_w = grad_param(m, "model.norm.weight");
     if (c->tie_word_embeddings) {
         m->lm_head = m->wte;
         m->dlm_head = m->dwte;
     } else {
         m->lm_head = compute_ref(m, "lm_head.weight");
-        m->dlm_head = find_param(m, m->grads, "lm_head.weight");
+        m->dlm_head = grad_param(m, "lm_head.weight");
     }
     for (int l = 0; l < c->num_hidden_layers; l++) {
         qt_layer *L = &m->layers[l];
         snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
         L->ln1 = find_param(m, m->master, name);
-        L->dln1 = find_param(m, m->grads, name);
+        L->dln1 = grad_param(m, name);
         snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
         L->ln2 = find_param(m, m->master, name);
-        L->dln2 = find_param(m, m->grads, name);
+        L->dln2 = grad_param(m, name);
         for (int j = 0; j < LIN_COUNT; j++) {
             qt_linear *q = &L->lin[j];
             snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, qt_lin_path[j]);
             q->w = compute_ref(m, name);
-            q->dw = find_param(m, m->grads, name);
+            q->dw = grad_param(m, name);
             snprintf(name, sizeof name, "model.layers.%d.%s.bias", l, qt_lin_path[j]);
             q->b = find_param(m, m->master, name);
-            q->db = find_param(m, m->grads, name);
+            q->db = grad_param(m, name);
         }
     }
     return QT_OK;
@@ -221,10 +243,10 @@ static void wire_lora(qt_model *m) {
             qt_linear *q = &m->layers[l].lin[j];
             snprintf(name, sizeof name, "base_model.model.model.layers.%d.%s.lora_A.weight", l, qt_lin_path[j]);
             q->la = find_param(m, m->master, name);
-            q->dla = find_param(m, m->grads, name);
+            q->dla = grad_param(m, name);
             snprintf(name, sizeof name, "base_model.model.model.layers.%d.%s.lora_B.weight", l, qt_lin_path[j]);
             q->lb = find_param(m, m->master, name);
-            q->dlb = find_param(m, m->grads, name);
+            q->dlb = grad_param(m, name);
             if (!q->la) continue;
             /* A ~ U(-1/sqrt(in), 1/sqrt(in)), one stream per (layer, module); B stays 0 */
             qt_rng r;
@@ -267,7 +289,20 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
         m->master = alloc_floats(m->numel * 4, "model: fp32 master weights");
         if (!m->master) return QT_ENOMEM;
         memset(m->master, 0, m->numel * 4);
-        if (!m->infer) {
+        if (!m->infer && m->opts.grad_windows) {
+            qt_model_grad_windows(c, &m->opts, &m->gw);
+            m->gwin_block = alloc_floats(m->gw.total * 4, "model: gradient windows");
+            if (!m->gwin_block) return QT_ENOMEM;
+            memset(m->gwin_block, 0, m->gw.total * 4);
+            float *q = m->gwin_block; /* the order of qt_model_grad_windows' sizing */
+            size_t pieces[6] = {m->gw.layer, m->gw.layer, m->gw.norm, m->gw.slice, m->gw.slice, m->gw.targets};
+            float **dst[6] = {&m->wlayer[0], &m->wlayer[1], &m->wnorm, &m->wslice[0], &m->wslice[1], NULL};
+            for (int i = 0; i < 6; i++) {
+                if (dst[i]) *dst[i] = pieces[i] ? q : NULL;
+                else m->tslice = pieces[i] ? (int32_t *)q : NULL;
+                q += (pieces[i] + 15) & ~(size_t)15;
+            }
+        } else if (!m->infer) {
             m->grads = alloc_floats(m->numel * 4, "model: fp32 gradients");
             if (!m->grads) return QT_ENOMEM;
             memset(m->grads, 0, m->numel * 4);
@@ -349,6 +384,7 @@ void qt_model_free(qt_model *m) {
     qt_free(m->owned);
     qt_free(m->master);
     qt_free(m->grads);
+    qt_free(m->gwin_block);
     qt_free(m->params);
     qt_free(m->base_f32);
     qt_free(m->wcopy);
@@ -370,6 +406,10 @@ const qt_config *qt_model_config(const qt_model *m) { return &m->cfg; }
 size_t qt_model_numel(const qt_model *m) { return m->numel; }
 float *qt_model_master(qt_model *m) { return m->master; }
 float *qt_model_grads(qt_model *m) { return m->grads; }
+void qt_model_set_grad_hook(qt_model *m, const qt_grad_hook *h) {
+    if (h) m->hook = *h;
+    else memset(&m->hook, 0, sizeof m->hook);
+}
 const qt_param *qt_model_params(const qt_model *m, int *n) {
     *n = m->n_params;
     return m->params;
