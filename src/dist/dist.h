@@ -99,6 +99,8 @@ typedef struct {
     int overlap;          /* overlap_comm, stage 2: reductions run while the backward goes on */
     int emb_rows, emb_dim; /* stage 2 with a trainable embedding: most rows per micro-batch
                              (max_B * max_T) and their width C; 0 otherwise */
+    size_t unit_elems;    /* stage 2: the largest unit the model hands over (its gradient
+                             window, qt_model_grad_window_elems); sizes the reduce temporaries */
 } zero_opts;
 
 /* The rule both the trainer and `qtune plan` follow: at stage 2 over several
@@ -112,8 +114,8 @@ static inline int zero_partitions_grads(int stage, int world) { return stage == 
  * `qtune plan` adds them to the model's own blocks. */
 typedef struct {
     size_t grad_shard;   /* stage 2: the fp32 gradient shard (the whole block on one rank) */
-    size_t reduce_parts; /* stage 0/1: the all-reduce's temporary (the MPI library's), a bucket
-                            per bucket in flight; counted, not allocated here */
+    size_t reduce_parts; /* the communication library's temporaries for the gradient
+                            reductions (transport.h tp_*_temp_bytes); counted, not allocated here */
     size_t gather_stage; /* stage 1/2: the parameter all-gather's staging bucket */
     size_t rows;         /* stage 2, trainable embedding: the embedding rows all-gather */
     size_t opt_state;    /* nslots fp32 arrays over the optimizer range (host when offloaded) */

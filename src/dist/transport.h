@@ -61,6 +61,23 @@ int tp_test(dist_ctx *d, tp_req *rq, int *done);
  * communication (tp_stats). */
 int tp_wait(dist_ctx *d, tp_req **rqs, int n, const char *what);
 
+/* The communication library's own memory in one rank's process beyond the
+ * buffers above (its code, shared-memory segments and fragment lists):
+ * measured with OpenMPI 4 over shared memory as 5 MB for a LoRA job and
+ * 10-11 MB for a full fine-tuning job of 5M parameters at 2 and 4 ranks
+ * (tests/dist/test_zero_memory.py); 8 MiB for several ranks, 0 for one. */
+size_t tp_runtime_bytes(int world);
+/* Temporary memory the library touches on `rank` for collectives of
+ * `bytes` (measured, OpenMPI's libnbc, tests/dist/test_zero_memory.py):
+ *   all-reduce: a copy of the buffer on the ranks that receive in its
+ *     binomial tree (2 ranks: both; more: rank 0 and the even ranks with a
+ *     right neighbour), nothing on the leaves;
+ *   reduce to an owner (ZeRO-2): about two pieces' worth per rank, three
+ *     with several reductions in flight (the tree's partial sums, and the
+ *     heap they leave behind). */
+size_t tp_allreduce_temp_bytes(int world, int rank, size_t bytes);
+size_t tp_reduce_temp_bytes(int world, size_t piece_bytes, int in_flight);
+
 /* Counters of the collectives this rank started through this interface,
  * since dist_init (kept in the dist_ctx). Overlap: the share of the
  * communication that hid behind computation is about 1 - wait_s / busy_s

@@ -27,6 +27,18 @@ struct tp_req {
 #endif
 };
 
+size_t tp_runtime_bytes(int world) { return world > 1 ? (size_t)8 << 20 : 0; }
+
+size_t tp_allreduce_temp_bytes(int world, int rank, size_t bytes) {
+    if (world < 2) return 0;
+    int receives = world == 2 || rank == 0 || (rank % 2 == 0 && rank + 1 < world);
+    return receives ? bytes : 0;
+}
+
+size_t tp_reduce_temp_bytes(int world, size_t piece_bytes, int in_flight) {
+    return world < 2 ? 0 : (in_flight ? 3 : 2) * piece_bytes;
+}
+
 void tp_get_stats(const dist_ctx *d, tp_stats *out) {
     memset(out, 0, sizeof *out);
     if (d) *out = d->tp;

@@ -115,10 +115,13 @@ int zero_memory(size_t n, int N, int rank, const zero_opts *o, int nslots, zero_
         if (o->stage == 2) {
             m->grad_shard = (hi - lo) * 4;
             m->rows = (size_t)N * rows_msg(o) * 4;
+            /* the reductions' temporaries: pieces are at most a bucket and one hand-over unit */
+            size_t piece = o->unit_elems && o->unit_elems < bucket ? o->unit_elems : bucket;
+            m->reduce_parts = tp_reduce_temp_bytes(N, piece * 4, o->overlap);
         } else {
-            /* MPI_Iallreduce's own temporary: one bucket's worth per bucket in flight (libnbc) */
+            /* the all-reduce's temporary, for each bucket in flight */
             size_t nb = n ? (n + bucket - 1) / bucket : 0;
-            m->reduce_parts = (nb < ZERO_IN_FLIGHT ? nb : ZERO_IN_FLIGHT) * bucket * 4;
+            m->reduce_parts = (nb < ZERO_IN_FLIGHT ? nb : ZERO_IN_FLIGHT) * tp_allreduce_temp_bytes(N, rank, bucket * 4);
         }
         if (o->stage >= 1) m->gather_stage = (size_t)N * gather_part(n, N, o) * 4;
     }

@@ -149,12 +149,12 @@ void qt_model_grad_windows(const qt_config *c, const qt_model_opts *o, qt_grad_w
         w->slice = rows * C;
         w->targets = max_n(o);
     }
+    /* the lm_head's slices run before the first layer: they share the two windows */
+    w->each = w->layer > w->slice ? w->layer : w->slice;
     size_t a = 0;
-    carve(NULL, &a, w->layer);
-    carve(NULL, &a, w->layer);
+    carve(NULL, &a, w->each);
+    carve(NULL, &a, w->each);
     carve(NULL, &a, w->norm);
-    carve(NULL, &a, w->slice);
-    carve(NULL, &a, w->slice);
     carve(NULL, &a, w->targets); /* int32 in float slots */
     w->total = a;
 }

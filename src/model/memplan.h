@@ -44,11 +44,12 @@ int qt_model_param_table(const qt_config *c, const qt_model_opts *o, qt_param *o
 /* opts->grad_windows: the windows the backward writes gradients into
  * instead of a gradient block (model.h qt_grad_hook), in floats. */
 typedef struct {
-    size_t layer;        /* one decoder layer's trainable elements (each of 2 windows) */
+    size_t layer;        /* one decoder layer's trainable elements */
+    size_t each;         /* each of the 2 alternating windows: max(layer, slice) */
     size_t layer0;       /* flat offset of layer 0 (the embedding comes first in full fine-tuning) */
     size_t norm;         /* the final norm's window (full fine-tuning), else 0 */
     int slice_rows;      /* lm_head vocabulary rows per slice (full fine-tuning), else 0 */
-    size_t slice;        /* slice_rows * C: each of 2 lm_head slice windows */
+    size_t slice;        /* slice_rows * C: an lm_head slice (in the same 2 windows) */
     size_t targets;      /* int32 slots for a slice's shifted targets (max_B * max_T) */
     size_t total;        /* floats of all windows, 64-byte aligned pieces */
 } qt_grad_windows;

@@ -295,13 +295,15 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
             if (!m->gwin_block) return QT_ENOMEM;
             memset(m->gwin_block, 0, m->gw.total * 4);
             float *q = m->gwin_block; /* the order of qt_model_grad_windows' sizing */
-            size_t pieces[6] = {m->gw.layer, m->gw.layer, m->gw.norm, m->gw.slice, m->gw.slice, m->gw.targets};
-            float **dst[6] = {&m->wlayer[0], &m->wlayer[1], &m->wnorm, &m->wslice[0], &m->wslice[1], NULL};
-            for (int i = 0; i < 6; i++) {
+            size_t pieces[4] = {m->gw.each, m->gw.each, m->gw.norm, m->gw.targets};
+            float **dst[4] = {&m->wlayer[0], &m->wlayer[1], &m->wnorm, NULL};
+            for (int i = 0; i < 4; i++) {
                 if (dst[i]) *dst[i] = pieces[i] ? q : NULL;
                 else m->tslice = pieces[i] ? (int32_t *)q : NULL;
                 q += (pieces[i] + 15) & ~(size_t)15;
             }
+            m->wslice[0] = m->wlayer[0];
+            m->wslice[1] = m->wlayer[1];
         } else if (!m->infer) {
             m->grads = alloc_floats(m->numel * 4, "model: fp32 gradients");
             if (!m->grads) return QT_ENOMEM;
@@ -406,6 +408,7 @@ const qt_config *qt_model_config(const qt_model *m) { return &m->cfg; }
 size_t qt_model_numel(const qt_model *m) { return m->numel; }
 float *qt_model_master(qt_model *m) { return m->master; }
 float *qt_model_grads(qt_model *m) { return m->grads; }
+size_t qt_model_grad_window_elems(const qt_model *m) { return m->gwin_block ? m->gw.each : 0; }
 void qt_model_set_grad_hook(qt_model *m, const qt_grad_hook *h) {
     if (h) m->hook = *h;
     else memset(&m->hook, 0, sizeof m->hook);

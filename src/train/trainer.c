@@ -99,6 +99,7 @@ static int hook_rows(void *u, size_t lo, int C, const int32_t *ids, const float 
 static int setup_optimizer(qt_trainer *t) {
     if (!t->grads) {
         /* gradient windows: the embedding's rows come as one message per micro-batch */
+        t->cfg.zero.unit_elems = qt_model_grad_window_elems(t->model);
         if (!t->job->lora.enabled) {
             t->cfg.zero.emb_rows = t->cfg.micro_batch * t->job->data.seq_len;
             t->cfg.zero.emb_dim = qt_model_config(t->model)->hidden_size;

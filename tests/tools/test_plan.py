@@ -70,7 +70,8 @@ def test_cpu_rank_counts_the_process_runtime():
     args = ("--preset", "qwen2.5-0.5b", "--precision", "fp32", "--mode", "lora")
     ob = json.loads(qtune("plan", *args, "--json", check=0, env={"QTUNE_SGEMM": "openblas"}).stdout)
     assert ob["cpu_runtime_bytes"] == 6 << 20
-    assert ob["cpu_rank_bytes"] == ob["per_device_bytes"]["total"] + ob["cpu_runtime_bytes"]
+    # the CPU process reads Qwen2.5-0.5B's bf16 base from the mapping (the device figure counts it in f32)
+    assert ob["cpu_rank_bytes"] < ob["per_device_bytes"]["total"] + ob["cpu_runtime_bytes"]
     auto = json.loads(qtune("plan", *args, "--json", check=0, env={"QTUNE_SGEMM": "auto"}).stdout)
     assert auto["cpu_runtime_bytes"] in (6 << 20, 16 << 20)  # 16 where oneDNN loads
     assert auto["cpu_rank_bytes"] - ob["cpu_rank_bytes"] == auto["cpu_runtime_bytes"] - (6 << 20)
@@ -86,22 +87,27 @@ def test_categories_add_up_and_zero_shards():
     assert z["0"]["per_device_bytes"]["optimizer_state"] == 8 * P
     assert abs(z["1"]["per_device_bytes"]["optimizer_state"] - 2 * P) <= 4
     assert z["1"]["per_device_bytes"]["gradients"] == 4 * P
-    assert abs(z["2"]["per_device_bytes"]["gradients"] - P) <= 4
+    # ZeRO 2 on 4 devices: the rank's fp32 shard (P bytes) + the model's two gradient windows (a layer each)
+    g2 = z["2"]["per_device_bytes"]["gradients"]
+    assert P < g2 < 1.3 * P, (g2, P)
     off = plan_json("--preset", "qwen2.5-7b", "--precision", "bf16", "--zero", "2", "--devices", 4, "--offload", "cpu")
     assert off["per_device_bytes"]["optimizer_state"] == 0 and off["per_device_bytes"]["master_weights"] == 0
     assert off["host_bytes"]["offload"] >= 12 * P
 
 
 def test_min_devices_and_power():
+    # DeepSpeed's default 5e8-element all-gather bucket (2 GB of fp32 staging) leaves no room beside 14B's
+    # fp16 weights on a 32 GB card; a smaller bucket does
+    small = ("--allgather-bucket-size", "5e7")
     p = plan_json("--preset", "qwen2.5-14b", "--precision", "fp16", "--zero", "2", "--offload", "cpu",
-                  "--devices", 1, "--checkpointing")
+                  "--devices", 1, "--checkpointing", *small)
     n = p["min_devices"]
     assert n > 1
     fits = plan_json("--preset", "qwen2.5-14b", "--precision", "fp16", "--zero", "2", "--offload", "cpu",
-                     "--devices", n, "--checkpointing")
+                     "--devices", n, "--checkpointing", *small)
     assert fits["fits"] and fits["per_device_bytes"]["total"] <= 32 * GIB
     short = plan_json("--preset", "qwen2.5-14b", "--precision", "fp16", "--zero", "2", "--offload", "cpu",
-                      "--devices", n - 1, "--checkpointing")
+                      "--devices", n - 1, "--checkpointing", *small)
     assert not short["fits"]
     w = fits["power"]
     assert w["total_watts"] == n * 300 + w["hosts"] * 500
