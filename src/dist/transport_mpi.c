@@ -17,6 +17,8 @@
 #include <limits.h>
 #include <string.h>
 
+#define TP_POLL_BURST 256 /* MPI_Test rounds per deadline tick in tp_wait */
+
 struct tp_req {
     double t0;
     double bytes;
@@ -294,11 +296,17 @@ int tp_wait(dist_ctx *d, tp_req **rqs, int n, const char *what) {
         dist_waiter w;
         dist_waiter_start(d, &w, what);
         for (;;) {
-            int left = 0;
-            for (int i = 0; i < n && rc == QT_OK; i++) {
-                int done;
-                rc = tp_test(d, rqs[i], &done);
-                left += !done;
+            /* a large message crosses shared memory in many fragments, and libnbc moves
+             * them only inside MPI calls: poll a burst before each tick, whose back-off
+             * sleeps (measured: a 4 MB reduce took ~0.7 s with one poll per tick) */
+            int left = 1;
+            for (int burst = 0; burst < TP_POLL_BURST && left && rc == QT_OK; burst++) {
+                left = 0;
+                for (int i = 0; i < n && rc == QT_OK; i++) {
+                    int done;
+                    rc = tp_test(d, rqs[i], &done);
+                    left += !done;
+                }
             }
             if (rc || !left) break;
             dist_waiter_tick(d, &w);
