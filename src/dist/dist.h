@@ -21,6 +21,9 @@
  *   dist_allreduce_i64(&tokens)        global labelled-token count, BEFORE backward
  *   ... forward/backward of every micro-batch, grads += ...
  *   zero_reduce_grads(plan, grads)     grads[opt_lo, opt_hi) now hold the global sum
+ *     (ZeRO-2 over several ranks instead: zero_grads_begin before the first
+ *     backward; the backward hands its gradients to zero_grads_*; the shard
+ *     zero_grad_shard holds the global sum)
  *   zero_reduce_partial(plan, ...)     grad-norm^2 partial sums, overflow flags
  *   optimizer on [opt_lo, opt_hi) with the zero_state slots
  *   zero_allgather_params(plan, params) every rank has the whole updated block

@@ -255,8 +255,9 @@ static int train_step(qt_trainer *t, step_out *o) {
     }
     /* 5-6. unscale and clip fused into the update; then every rank gets the result */
     float coef = qt_clip_coef(o->grad_norm, t->cfg.clip);
-    QT_TRY(qt_adam_step(&t->cfg.adam, t->applied + 1, o->lr, (float)((double)coef / S), t->master + t->lo,
-                        t->grads ? t->grads + t->lo : zero_grad_shard(t->zp), t->zs.slot[0], t->zs.slot[1], t->hi - t->lo, t->lo, t->decay, t->n_decay));
+    const float *g = t->grads ? t->grads + t->lo : zero_grad_shard(t->zp); /* [lo, hi), summed over ranks */
+    QT_TRY(qt_adam_step(&t->cfg.adam, t->applied + 1, o->lr, (float)((double)coef / S), t->master + t->lo, g,
+                        t->zs.slot[0], t->zs.slot[1], t->hi - t->lo, t->lo, t->decay, t->n_decay));
     t->applied++;
     QT_TRY(dist_allgather_params(t->d, t->zp, t->master));
     qt_model_weights_updated(t->model);
