@@ -75,6 +75,28 @@ static float *find_param(qt_model *m, float *block, const char *name) {
     return NULL;
 }
 
+/* A trainable tensor's gradient: in the gradient block, or with gradient
+ * windows in its layer's window (memplan.c qt_model_grad_windows: every
+ * layer is the same flat length), the final norm's window, or for the
+ * embedding and lm_head a non-NULL mark (the backward hands them over as
+ * rows and slices, see qwen2.c). */
+static float *grad_param(qt_model *m, const char *name) {
+    if (!m->gwin_block) return find_param(m, m->grads, name);
+    for (int i = 0; i < m->n_params; i++) {
+        const qt_param *p = &m->params[i];
+        if (strcmp(p->name, name)) continue;
+        const qt_grad_windows *w = &m->gw;
+        size_t L = (size_t)m->cfg.num_hidden_layers, end = w->layer0 + L * w->layer;
+        if (p->offset >= w->layer0 && p->offset < end) {
+            size_t l = (p->offset - w->layer0) / w->layer;
+            return m->wlayer[l & 1] + (p->offset - w->layer0 - l * w->layer);
+        }
+        if (!strcmp(name, "model.norm.weight")) return m->wnorm;
+        return m->wslice[0];
+    }
+    return NULL;
+}
+
 /* The mapping's pages of a tensor that was copied are not read again: hand
  * them back so the resident size holds only the copy (the mapping is a
  * read-only file mapping, so a later read would fault them back in). */
@@ -169,32 +191,32 @@ static int load_full(qt_model *m) {
         qt_model_weights_updated(m);
     }
     m->wte = compute_ref(m, "model.embed_tokens.weight");
-    m->dwte = find_param(m, m->grads, "model.embed_tokens.weight");
+    m->dwte = grad_param(m, "model.embed_tokens.weight");
     m->lnf_w = find_param(m, m->master, "model.norm.weight");
-    m->dlnf_w = find_param(m, m->grads, "model.norm.weight");
+    m->dlnf_w = grad_param(m, "model.norm.weight");
     if (c->tie_word_embeddings) {
         m->lm_head = m->wte;
         m->dlm_head = m->dwte;
     } else {
         m->lm_head = compute_ref(m, "lm_head.weight");
-        m->dlm_head = find_param(m, m->grads, "lm_head.weight");
+        m->dlm_head = grad_param(m, "lm_head.weight");
     }
     for (int l = 0; l < c->num_hidden_layers; l++) {
         qt_layer *L = &m->layers[l];
         snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
         L->ln1 = find_param(m, m->master, name);
-        L->dln1 = find_param(m, m->grads, name);
+        L->dln1 = grad_param(m, name);
         snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
         L->ln2 = find_param(m, m->master, name);
-        L->dln2 = find_param(m, m->grads, name);
+        L->dln2 = grad_param(m, name);
         for (int j = 0; j < LIN_COUNT; j++) {
             qt_linear *q = &L->lin[j];
             snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, qt_lin_path[j]);
             q->w = compute_ref(m, name);
-            q->dw = find_param(m, m->grads, name);
+            q->dw = grad_param(m, name);
             snprintf(name, sizeof name, "model.layers.%d.%s.bias", l, qt_lin_path[j]);
             q->b = find_param(m, m->master, name);
-            q->db = find_param(m, m->grads, name);
+            q->db = grad_param(m, name);
         }
     }
     return QT_OK;
@@ -247,10 +269,10 @@ static int wire_lora(qt_model *m) {
             qt_linear *q = &m->layers[l].lin[j];
             snprintf(name, sizeof name, "base_model.model.model.layers.%d.%s.lora_A.weight", l, qt_lin_path[j]);
             q->la = find_param(m, m->master, name);
-            q->dla = find_param(m, m->grads, name);
+            q->dla = grad_param(m, name);
             snprintf(name, sizeof name, "base_model.model.model.layers.%d.%s.lora_B.weight", l, qt_lin_path[j]);
             q->lb = find_param(m, m->master, name);
-            q->dlb = find_param(m, m->grads, name);
+            q->dlb = grad_param(m, name);
             if (!q->la) continue;
             /* A ~ U(-1/sqrt(in), 1/sqrt(in)), one stream per (layer, module); B stays 0 */
             qt_rng r;
@@ -262,6 +284,13 @@ static int wire_lora(qt_model *m) {
         }
     qt_free(stage);
     return QT_OK;
+}
+
+/* The next piece of the gradient windows' block (NULL when empty), 16-float aligned. */
+static float *win_piece(float **q, size_t n) {
+    float *r = n ? *q : NULL;
+    *q += (n + 15) & ~(size_t)15;
+    return r;
 }
 
 static void *alloc_floats(qt_model *m, size_t bytes, const char *what) {
@@ -321,7 +350,19 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
         m->master = alloc_floats(m, m->numel * 4, "model: fp32 master weights");
         if (!m->master) return QT_ENOMEM;
         m->be->zero(m->be, m->master, m->numel * 4);
-        if (!m->infer) {
+        if (!m->infer && m->opts.grad_windows) {
+            qt_model_grad_windows(c, &m->opts, &m->gw);
+            m->gwin_block = alloc_floats(m, m->gw.total * 4, "model: gradient windows");
+            if (!m->gwin_block) return QT_ENOMEM;
+            m->be->zero(m->be, m->gwin_block, m->gw.total * 4);
+            float *q = m->gwin_block; /* the order of qt_model_grad_windows' sizing */
+            m->wlayer[0] = win_piece(&q, m->gw.each);
+            m->wlayer[1] = win_piece(&q, m->gw.each);
+            m->wnorm = win_piece(&q, m->gw.norm);
+            m->tslice = (int32_t *)win_piece(&q, m->gw.targets);
+            m->wslice[0] = m->wlayer[0];
+            m->wslice[1] = m->wlayer[1];
+        } else if (!m->infer) {
             m->grads = alloc_floats(m, m->numel * 4, "model: fp32 gradients");
             if (!m->grads) return QT_ENOMEM;
             m->be->zero(m->be, m->grads, m->numel * 4);
@@ -413,6 +454,7 @@ void qt_model_free(qt_model *m) {
         for (int i = 0; i < m->n_imported; i++) be->release_mapped(be, m->imported[i]);
         be->free(be, m->master);
         be->free(be, m->grads);
+        be->free(be, m->gwin_block);
         be->free(be, m->base_f32);
         be->free(be, m->wcopy);
         be->free(be, m->act_block);
@@ -442,6 +484,11 @@ const qt_config *qt_model_config(const qt_model *m) { return &m->cfg; }
 size_t qt_model_numel(const qt_model *m) { return m->numel; }
 float *qt_model_master(qt_model *m) { return m->master; }
 float *qt_model_grads(qt_model *m) { return m->grads; }
+size_t qt_model_grad_window_elems(const qt_model *m) { return m->gwin_block ? m->gw.each : 0; }
+void qt_model_set_grad_hook(qt_model *m, const qt_grad_hook *h) {
+    if (h) m->hook = *h;
+    else memset(&m->hook, 0, sizeof m->hook);
+}
 const qt_param *qt_model_params(const qt_model *m, int *n) {
     *n = m->n_params;
     return m->params;
