@@ -25,6 +25,9 @@ static void plan_help(void) {
            "  --zero 0|1|2          ZeRO stage (default 0)\n"
            "  --devices N           data-parallel ranks (default 1)\n"
            "  --offload cpu|none    optimizer state + master weights in host memory (needs --zero 1|2)\n"
+           "  --reduce-bucket-size E, --allgather-bucket-size E\n"
+           "                        DeepSpeed's zero_optimization bucket sizes in elements (default 5e8)\n"
+           "  --overlap-comm        DeepSpeed's overlap_comm: ZeRO-2 reductions run during the backward\n"
            "  --precision fp32|fp16|bf16  compute dtype (default fp32)\n"
            "  --micro-batch B       default 1\n"
            "  --seq-len T           default 512\n"
@@ -132,6 +135,16 @@ int cmd_plan(int argc, char **argv) {
             NEED_VALUE();
             if (parse_int(v, 1, 4096, &o.devices))
                 return cli_usage_error("plan", "--devices must be a whole number from 1 to 4096, not '%s'", v);
+        } else if (!strcmp(a, "--reduce-bucket-size") || !strcmp(a, "--allgather-bucket-size")) {
+            NEED_VALUE();
+            char *end = NULL;
+            double e = strtod(v, &end);
+            if (!end || *end || !(e >= 1 && e < 1e15))
+                return cli_usage_error("plan", "%s must be a number of elements >= 1, not '%s'", a, v);
+            if (a[2] == 'r') o.reduce_bucket = (size_t)e;
+            else o.allgather_bucket = (size_t)e;
+        } else if (!strcmp(a, "--overlap-comm")) {
+            o.overlap = 1;
         } else if (!strcmp(a, "--offload")) {
             NEED_VALUE();
             if (!strcmp(v, "cpu")) o.offload = 1;

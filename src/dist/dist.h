@@ -10,15 +10,20 @@
  *    which collective, and abort the job.
  *  - zero_*: the ZeRO plan over the model's ONE flat fp32 trainable block of n
  *    elements. Each rank owns a contiguous element range [lo, hi) (its shard);
- *    gradients are all-reduced (stage 0, 1) or reduce-scattered (stage 2) in
- *    buckets, the optimizer state (m, v, ...) is allocated for the rank's
- *    range only (stage 1, 2) in host memory when offloaded, and the updated
- *    parameters are all-gathered (stage 1, 2).
+ *    gradients are all-reduced (stage 0, 1) in buckets, or (stage 2) reduced
+ *    to their owners as the backward hands them over, so that no rank holds a
+ *    gradient block; the optimizer state (m, v, ...) is allocated for the
+ *    rank's range only (stage 1, 2) in host memory when offloaded, and the
+ *    updated parameters are all-gathered (stage 1, 2). The collectives go
+ *    through transport.h.
  *
  * Per optimizer step the trainer calls, in this order (docs/distributed.md):
  *   dist_allreduce_i64(&tokens)        global labelled-token count, BEFORE backward
  *   ... forward/backward of every micro-batch, grads += ...
  *   zero_reduce_grads(plan, grads)     grads[opt_lo, opt_hi) now hold the global sum
+ *     (ZeRO-2 over several ranks instead: zero_grads_begin before the first
+ *     backward; the backward hands its gradients to zero_grads_*; the shard
+ *     zero_grad_shard holds the global sum)
  *   zero_reduce_partial(plan, ...)     grad-norm^2 partial sums, overflow flags
  *   optimizer on [opt_lo, opt_hi) with the zero_state slots
  *   zero_allgather_params(plan, params) every rank has the whole updated block
@@ -102,12 +107,42 @@ _Noreturn void dist_abort(dist_ctx *d, int code);
 
 typedef struct zero_plan zero_plan;
 
+/* DeepSpeed's default reduce_bucket_size and allgather_bucket_size. */
+#define ZERO_DEFAULT_BUCKET ((size_t)500000000)
+
 typedef struct {
     int stage;            /* 0: replicate everything; 1: shard optimizer state;
-                             2: also reduce-scatter gradients (keep only own shard) */
+                             2: also partition gradients (each rank keeps only its shard) */
     int offload;          /* offload_optimizer.device = cpu: optimizer state in host memory */
-    size_t bucket_elems;  /* elements per communication bucket; 0 = default (2^23) */
+    size_t bucket_elems;  /* reduce_bucket_size: elements per gradient collective; 0 = 5e8 */
+    size_t allgather_bucket_elems; /* allgather_bucket_size: elements of the parameter
+                             all-gather's staging bucket (all ranks' parts); 0 = 5e8 */
+    int overlap;          /* overlap_comm, stage 2: reductions run while the backward goes on */
+    int emb_rows, emb_dim; /* stage 2 with a trainable embedding: most rows per micro-batch
+                             (max_B * max_T) and their width C; 0 otherwise */
+    size_t unit_elems;    /* stage 2: the largest unit the model hands over (its gradient
+                             window, qt_model_grad_window_elems); sizes the reduce temporaries */
 } zero_opts;
+
+/* The rule both the trainer and `qtune plan` follow: at stage 2 over several
+ * ranks the model holds no gradient block (model.h opts.grad_windows) and
+ * hands its gradients to zero_grads_*; on one rank there is nothing to
+ * partition, so the model keeps its block. */
+static inline int zero_partitions_grads(int stage, int world) { return stage == 2 && world > 1; }
+
+/* What one rank of a ZeRO plan allocates, in bytes: zero_plan_create
+ * allocates exactly these (and zero_state_alloc the optimizer state), and
+ * `qtune plan` adds them to the model's own blocks. */
+typedef struct {
+    size_t grad_shard;   /* stage 2: the fp32 gradient shard (the whole block on one rank) */
+    size_t reduce_parts; /* the communication library's temporaries for the gradient
+                            reductions (transport.h tp_*_temp_bytes); counted, not allocated here */
+    size_t gather_stage; /* stage 1/2: the parameter all-gather's staging bucket */
+    size_t rows;         /* stage 2, trainable embedding: the embedding rows all-gather */
+    size_t opt_state;    /* nslots fp32 arrays over the optimizer range (host when offloaded) */
+    size_t total;
+} zero_mem;
+int zero_memory(size_t n, int world, int rank, const zero_opts *opts, int nslots, zero_mem *out);
 
 /* Every rank must pass the same n and opts. */
 int zero_plan_create(dist_ctx *d, size_t n, const zero_opts *opts, zero_plan **out);
@@ -115,6 +150,7 @@ int zero_plan_create(dist_ctx *d, size_t n, const zero_opts *opts, zero_plan **o
 void zero_plan_free(zero_plan *p);
 
 int zero_stage(const zero_plan *p);
+const zero_mem *zero_plan_memory(const zero_plan *p); /* without the optimizer state */
 size_t zero_numel(const zero_plan *p);
 /* Shard of rank r: [lo, hi). Shards are contiguous, in rank order, of equal
  * length rounded up to 16 elements (64 bytes); the last ones may be shorter
@@ -144,6 +180,25 @@ void zero_bucket_range(const zero_plan *p, int b, size_t *lo, size_t *hi);
 int zero_reduce_ready(zero_plan *p, float *grads, size_t from);
 int zero_reduce_grads(zero_plan *p, float *grads);
 
+/* Stage 2, gradients handed over by the model's backward (model.h
+ * qt_grad_hook; these are its three callbacks plus the step's bounds):
+ *   zero_grads_begin       at the start of an optimizer step: the shard is zeroed
+ *   zero_grads_window(g)   waits until nothing in flight reads window g
+ *   zero_grads_ready(lo, hi, g)  g holds this micro-batch's gradients of [lo, hi):
+ *                          each part is reduced to the rank owning it, into its
+ *                          shard (non-blocking with opts.overlap, else at once)
+ *   zero_grads_rows        the embedding rows of this micro-batch (all-gathered;
+ *                          each owner adds the rows in its shard)
+ *   zero_grads_finish      waits for all (dist_step_gradients calls it)
+ * zero_grad_shard: the reduced gradients of [lo, hi), summed over ranks and
+ * micro-steps (stage 2; on one rank the whole block). */
+int zero_grads_begin(zero_plan *p);
+int zero_grads_window(zero_plan *p, const float *g);
+int zero_grads_ready(zero_plan *p, size_t lo, size_t hi, const float *g);
+int zero_grads_rows(zero_plan *p, size_t lo, int C, const int32_t *ids, const float *rows, int n);
+int zero_grads_finish(zero_plan *p);
+float *zero_grad_shard(zero_plan *p);
+
 /* Turns per-rank partial values over the optimizer range into global ones:
  * at stage 1/2 (disjoint shards) an all-reduce with op; at stage 0 every rank
  * already computed the global value over [0, n), so nothing moves. Use it for
@@ -155,7 +210,8 @@ int zero_reduce_partial(zero_plan *p, double *vals, int n, dist_op op, const cha
 int zero_allgather_params(zero_plan *p, float *params);
 
 /* Convenience for the trainer: one call per optimizer step between the last
- * backward and the optimizer. Reduces the gradients (see zero_reduce_grads)
+ * backward and the optimizer. Reduces the gradients (see zero_reduce_grads;
+ * grads NULL at stage 2: the handed-over gradients, zero_grads_finish)
  * and returns the global sum of squared gradients and whether any gradient is
  * inf/NaN on any rank (both computed over the own range, then combined). */
 int dist_step_gradients(dist_ctx *d, zero_plan *p, float *grads, double *grad_sq_sum, int *overflow);

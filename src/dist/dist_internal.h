@@ -6,6 +6,8 @@
 #include "dist/dist.h"
 
 #include <signal.h>
+
+#include "dist/transport.h"
 #include "qtune_config.h"
 
 /* A build can be forced to the single-process path (tests of that path). */
@@ -29,6 +31,7 @@ struct dist_ctx {
     int own_sigterm;       /* dist_init installed its SIGTERM handler (none was there) */
     volatile sig_atomic_t *stop_flag; /* the program's stop flag (dist_set_stop_flag) or NULL */
     int stop_noted;        /* a wait after a stop request was reported (once) */
+    tp_stats tp;           /* transport counters (transport_mpi.c) */
 #if QT_DIST_MPI
     MPI_Comm comm;         /* collectives */
     MPI_Comm ctl;          /* liveness queries when a deadline passes */

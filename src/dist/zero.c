@@ -1,21 +1,35 @@
-/* ZeRO over the flat fp32 trainable block: shard ranges, bucketed gradient
- * reduction, the parameter all-gather (see dist.h for the call order).
+/* ZeRO over the flat fp32 trainable block: shard ranges, the gradient
+ * reductions, the parameter all-gather (see dist.h for the call order). Every
+ * collective goes through transport.h, so a device library can replace MPI.
  *
  * Layout: the block [0, n) is cut into N contiguous shards of `shard`
  * elements (ceil(n/N) rounded up to 16, so every shard starts on a 64-byte
- * boundary); rank r owns [r*shard, min((r+1)*shard, n)). Communication goes
- * in buckets of bucket_elems elements (so MPI's int counts never overflow on
- * a 14B-element block, and reduction of the last layers can start while the
- * backward still runs). For bucket b and rank r, counts[b][r] = the length of
- * bucket ∩ shard_r and displs[b][r] its offset inside the bucket: one table
- * drives reduce-scatter, all-gather, gather and scatter.
+ * boundary); rank r owns [r*shard, min((r+1)*shard, n)).
  *
- * Reductions are reduce-scatter (+ all-gather at stage 0/1) rather than
- * MPI_Allreduce: each element is then summed once, by its owner, and every
- * rank receives the same bits, so replicated weights never drift apart. */
+ * Gradients, stage 0/1: the whole block is all-reduced in place, bucket by
+ * bucket (reduce_bucket_size elements), last bucket first, at most
+ * ZERO_IN_FLIGHT at once.
+ * Gradients, stage 2 (DeepSpeed's partitioned gradients): the model hands
+ * each unit's gradients over as soon as its backward is done (model.h
+ * qt_grad_hook); each slice of at most reduce_bucket_size elements that lies
+ * in one rank's shard is reduced to that rank, in place into its fp32
+ * gradient shard (the owner first adds its own contribution there). The shard
+ * accumulates over the micro-steps of an optimizer step. No rank holds a
+ * gradient block; what stays in flight reads the model's two alternating
+ * windows, and zero_grads_window waits for a window before it is reused.
+ * The embedding's gradient is sparse (the rows of this micro-batch's
+ * tokens): the rows are all-gathered and each owner adds those in its shard.
+ *
+ * Parameters, stage 1/2: the shards are all-gathered through a staging bucket
+ * of allgather_bucket_size elements in N equal padded partitions (NCCL's rule).
+ *
+ * The memory all this takes is zero_memory's answer, which zero_plan_create
+ * allocates and `qtune plan` prints. */
 #include "dist/dist_internal.h"
+#include "dist/transport.h"
 
 #include "backend/backend.h"
+
 #include "core/error.h"
 #include "core/log.h"
 #include "core/mem.h"
@@ -25,39 +39,44 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#define ZERO_ALIGN 16                     /* elements: 64 bytes of fp32 */
-#define ZERO_DEFAULT_BUCKET ((size_t)1 << 23)  /* 32 MiB of fp32 */
-#define ZERO_IN_FLIGHT 4                       /* buckets communicating at once */
+#define ZERO_ALIGN 16     /* elements: 64 bytes of fp32 */
+#define ZERO_IN_FLIGHT 4  /* stage 0/1 all-reduce buckets communicating at once */
+#define CKPT_CHUNK ((size_t)1 << 24) /* elements per checkpoint gather/scatter call */
 
-/* Per-bucket progress of a gradient reduction. */
-enum { B_IDLE = 0, B_SCATTER, B_SCATTERED, B_GATHER, B_DONE };
+typedef struct {
+    tp_req *r;
+    const float *win; /* the window it reads (stage 2), to wait for before reuse */
+} zero_flight;
 
 struct zero_plan {
     dist_ctx *d;
-    int stage, offload;
+    int stage, offload, overlap;
     size_t n;            /* elements in the flat block */
     size_t shard;        /* elements per shard (last ones shorter) */
     size_t lo, hi;       /* own shard */
-    size_t bucket;       /* elements per bucket */
-    int nb;              /* buckets */
-    int *counts;         /* (nb, N) bucket ∩ shard_r length */
-    int *displs;         /* (nb, N) its offset inside the bucket */
-    float *gshard;       /* (hi - lo) reduce-scatter target */
-    unsigned char *bstate; /* (nb) B_* */
-    int started;         /* a reduction is in flight for `grads_in_flight` */
-    int next_op;         /* the next operation of the reduction sequence to start */
-    int ready_ops;       /* operations zero_reduce_ready has allowed so far */
-    int in_flight;       /* operations started and not yet complete */
+    size_t bucket;       /* reduce_bucket_size */
+    size_t ag;           /* elements per rank in one all-gather bucket */
+    int nb;              /* reduce buckets over the block */
+    zero_mem mem;        /* what this rank allocated here (zero_memory) */
+    float *gshard;       /* stage 2: (hi - lo) reduced gradients, summed over micro-steps */
+    float *stage_buf;    /* stage 1/2: (N * ag) all-gather staging */
+    float *rows_buf;     /* stage 2, trainable embedding: (N * rows_p) */
+    size_t rows_p;       /* floats of one rank's rows message */
+    int emb_rows, emb_dim;
+    /* stage 0/1 reduction of the whole block */
+    tp_req **req;        /* (nb) */
+    int started, next, ready;
     float *grads_in_flight;
-#if QT_DIST_MPI
-    MPI_Request *req;    /* (nb) */
-#endif
+    /* stage 2 reductions in flight */
+    zero_flight *fly;
+    int n_fly, cap_fly;
     size_t bytes_device, bytes_host;
     zero_alloc_fn dev_alloc;
     zero_free_fn dev_free;
     void *dev_user;
-    qt_backend *be;      /* copies, zeroing and the sum of squares of device memory */
+    qt_backend *be;      /* copies, zeroing, sums and the sum of squares of device memory */
     int own_be;
+    float *rows_host;    /* (1 + emb_rows): one rows message's count and ids, on the host */
 };
 
 static void *default_dev_alloc(size_t bytes, const char *what, void *user) {
@@ -69,11 +88,58 @@ static void default_dev_free(void *p, void *user) {
     qt_free(p);
 }
 
+/* ------------------------------------------------------------------------- */
+/* The plan of one rank's buffers                                              */
+
+static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+static size_t shard_len(size_t n, int N) { return round_up((n + (size_t)N - 1) / (size_t)N, ZERO_ALIGN); }
+static size_t opt_bucket(size_t b) { return b ? b : ZERO_DEFAULT_BUCKET; }
+
+/* Elements per rank in one all-gather bucket: allgather_bucket_size over N
+ * partitions, whole shards at most. */
+static size_t gather_part(size_t n, int N, const zero_opts *o) {
+    size_t sh = shard_len(n, N), ag = round_up(opt_bucket(o->allgather_bucket_elems) / (size_t)N, ZERO_ALIGN);
+    if (ag > (size_t)INT_MAX / 2 / (size_t)N) ag = (size_t)INT_MAX / 2 / (size_t)N / ZERO_ALIGN * ZERO_ALIGN;
+    return ag < sh ? ag : sh;
+}
+
+static size_t rows_msg(const zero_opts *o) {
+    return o->emb_rows > 0 ? 1 + (size_t)o->emb_rows * ((size_t)o->emb_dim + 1) : 0;
+}
+
+int zero_memory(size_t n, int N, int rank, const zero_opts *o, int nslots, zero_mem *m) {
+    memset(m, 0, sizeof *m);
+    if (N < 1 || rank < 0 || rank >= N)
+        return QT_ERR(QT_EINVAL, "dist: rank %d of %d ranks does not exist", rank, N);
+    size_t sh = shard_len(n, N), lo = (size_t)rank * sh, hi = lo + sh;
+    if (lo > n) lo = n;
+    if (hi > n) hi = n;
+    size_t own = o->stage == 0 ? n : hi - lo, bucket = opt_bucket(o->bucket_elems);
+    if (bucket > n) bucket = n;
+    if (N > 1) {
+        if (o->stage == 2) {
+            m->grad_shard = (hi - lo) * 4;
+            m->rows = (size_t)N * rows_msg(o) * 4;
+            /* the reductions' temporaries: pieces are at most a bucket and one hand-over unit */
+            size_t piece = o->unit_elems && o->unit_elems < bucket ? o->unit_elems : bucket;
+            m->reduce_parts = tp_reduce_temp_bytes(N, piece * 4, o->overlap);
+        } else {
+            /* the all-reduce's temporary, for each bucket in flight */
+            size_t nb = n ? (n + bucket - 1) / bucket : 0;
+            m->reduce_parts = (nb < ZERO_IN_FLIGHT ? nb : ZERO_IN_FLIGHT) * tp_allreduce_temp_bytes(N, rank, bucket * 4);
+        }
+        if (o->stage >= 1) m->gather_stage = (size_t)N * gather_part(n, N, o) * 4;
+    }
+    m->opt_state = (size_t)nslots * own * 4;
+    m->total = m->grad_shard + m->reduce_parts + m->gather_stage + m->rows + m->opt_state;
+    return QT_OK;
+}
+
 int zero_plan_create(dist_ctx *d, size_t n, const zero_opts *opts, zero_plan **out) {
     *out = NULL;
     if (opts->stage < 0 || opts->stage > 2)
         return QT_ERR(QT_EUNSUPPORTED, "zero_optimization.stage %d is not supported; use 0, 1 or 2", opts->stage);
-    size_t bucket = opts->bucket_elems ? opts->bucket_elems : ZERO_DEFAULT_BUCKET;
+    size_t bucket = opt_bucket(opts->bucket_elems);
     if (bucket > (size_t)INT_MAX / 2) bucket = (size_t)INT_MAX / 2;
     int N = d->world;
     size_t nb = n ? (n + bucket - 1) / bucket : 0;
@@ -86,45 +152,38 @@ int zero_plan_create(dist_ctx *d, size_t n, const zero_opts *opts, zero_plan **o
     p->d = d;
     p->stage = opts->stage;
     p->offload = opts->offload;
+    p->overlap = opts->overlap;
     p->n = n;
     p->bucket = bucket;
     p->nb = (int)nb;
-    size_t per = (n + (size_t)N - 1) / (size_t)N;
-    p->shard = (per + ZERO_ALIGN - 1) / ZERO_ALIGN * ZERO_ALIGN;
+    p->shard = shard_len(n, N);
     zero_shard_of(p, d->rank, &p->lo, &p->hi);
     p->dev_alloc = default_dev_alloc;
     p->dev_free = default_dev_free;
-    p->counts = qt_calloc(nb * (size_t)N + 1, sizeof(int), "ZeRO bucket counts");
-    p->displs = qt_calloc(nb * (size_t)N + 1, sizeof(int), "ZeRO bucket offsets");
-    p->bstate = qt_calloc(nb + 1, 1, "ZeRO bucket states");
-    p->gshard = qt_alloc_aligned((p->hi - p->lo + 1) * sizeof(float), "the reduced gradient shard");
-#if QT_DIST_MPI
+    p->emb_rows = opts->emb_rows;
+    p->emb_dim = opts->emb_dim;
+    p->rows_p = rows_msg(opts);
+    p->ag = gather_part(n, N, opts);
+    zero_memory(n, N, d->rank, opts, 0, &p->mem);
+    int ok = 1;
     p->req = qt_calloc(nb + 1, sizeof *p->req, "ZeRO requests");
-    if (p->req)
-        for (size_t b = 0; b < nb; b++) p->req[b] = MPI_REQUEST_NULL;
-    int ok_req = p->req != NULL;
-#else
-    int ok_req = 1;
-#endif
+    ok &= p->req != NULL;
+    if (p->mem.grad_shard) ok &= (p->gshard = qt_alloc_aligned(p->mem.grad_shard, "the gradient shard")) != NULL;
+    if (p->mem.gather_stage)
+        ok &= (p->stage_buf = qt_alloc_aligned(p->mem.gather_stage, "the all-gather bucket")) != NULL;
+    if (p->mem.rows) ok &= (p->rows_buf = qt_alloc_aligned(p->mem.rows, "the embedding rows bucket")) != NULL;
+    if (p->mem.rows)
+        ok &= (p->rows_host = qt_malloc((1 + (size_t)p->emb_rows) * sizeof(float), "the embedding rows ids")) != NULL;
     int ok_be = qt_backend_open("cpu", &p->be) == QT_OK; /* zero_set_backend replaces it */
     p->own_be = ok_be;
-    if (!p->counts || !p->displs || !p->bstate || !p->gshard || !ok_req || !ok_be) {
+    ok &= ok_be;
+    if (!ok) {
         zero_plan_free(p);
         return QT_ENOMEM;
     }
-    for (int b = 0; b < p->nb; b++) {
-        size_t b0, b1;
-        zero_bucket_range(p, b, &b0, &b1);
-        for (int r = 0; r < N; r++) {
-            size_t s0, s1;
-            zero_shard_of(p, r, &s0, &s1);
-            size_t a = s0 > b0 ? s0 : b0, e = s1 < b1 ? s1 : b1;
-            p->counts[(size_t)b * N + r] = e > a ? (int)(e - a) : 0;
-            p->displs[(size_t)b * N + r] = e > a ? (int)(a - b0) : 0;
-        }
-    }
-    qt_debug("zero: stage %d, n %zu, rank %d shard [%zu, %zu), %d buckets of %zu", p->stage, n, d->rank, p->lo,
-             p->hi, p->nb, bucket);
+    if (p->gshard) p->be->zero(p->be, p->gshard, p->mem.grad_shard);
+    qt_debug("zero: stage %d, n %zu, rank %d shard [%zu, %zu), %d buckets of %zu, all-gather %zu per rank",
+             p->stage, n, d->rank, p->lo, p->hi, p->nb, bucket, p->ag);
     *out = p;
     return QT_OK;
 }
@@ -137,20 +196,23 @@ void zero_set_backend(zero_plan *p, qt_backend *be) {
 
 void zero_plan_free(zero_plan *p) {
     if (!p) return;
+    if (p->req) tp_wait(p->d, p->req, p->nb, "gradient all-reduce");
+    for (int i = 0; i < p->n_fly; i++) tp_wait(p->d, &p->fly[i].r, 1, "gradient reduce");
     if (p->own_be) qt_backend_close(p->be);
-    qt_free(p->counts);
-    qt_free(p->displs);
-    qt_free(p->bstate);
-    qt_free(p->gshard);
-#if QT_DIST_MPI
+    qt_free(p->rows_host);
     qt_free(p->req);
-#endif
+    qt_free(p->fly);
+    qt_free(p->gshard);
+    qt_free(p->stage_buf);
+    qt_free(p->rows_buf);
     qt_free(p);
 }
 
 int zero_stage(const zero_plan *p) { return p->stage; }
 size_t zero_numel(const zero_plan *p) { return p->n; }
 int zero_n_buckets(const zero_plan *p) { return p->nb; }
+const zero_mem *zero_plan_memory(const zero_plan *p) { return &p->mem; }
+float *zero_grad_shard(zero_plan *p) { return p->gshard; }
 
 void zero_shard_of(const zero_plan *p, int r, size_t *lo, size_t *hi) {
     size_t a = (size_t)r * p->shard, e = a + p->shard;
@@ -175,83 +237,32 @@ void zero_bucket_range(const zero_plan *p, int b, size_t *lo, size_t *hi) {
 }
 
 /* ------------------------------------------------------------------------- */
-/* Gradient reduction                                                          */
+/* Stage 0/1: all-reduce of the whole gradient block, bucket by bucket        */
 
-#if QT_DIST_MPI
-static int bucket_start_scatter(zero_plan *p, float *grads, int b) {
-    int N = p->d->world, me = p->d->rank;
-    size_t b0, b1;
-    zero_bucket_range(p, b, &b0, &b1);
-    const int *cnt = p->counts + (size_t)b * N;
-    /* own part of this bucket lands at its place inside the shard buffer */
-    float *recv = p->gshard + (cnt[me] ? b0 + (size_t)p->displs[(size_t)b * N + me] - p->lo : 0);
-    DIST_MPI_CHECK(p->d, MPI_Ireduce_scatter(grads + b0, recv, cnt, MPI_FLOAT, MPI_SUM, p->d->comm, &p->req[b]),
-                   "gradient reduce-scatter");
-    p->bstate[b] = B_SCATTER;
-    return QT_OK;
-}
-
-/* Stage 0/1: every rank needs every reduced gradient, so the owner's sums go
- * back to all ranks with an in-place all-gather of the same bucket. */
-static int bucket_start_gather(zero_plan *p, float *grads, int b) {
-    int N = p->d->world, me = p->d->rank;
-    size_t b0, b1;
-    zero_bucket_range(p, b, &b0, &b1);
-    const int *cnt = p->counts + (size_t)b * N, *dsp = p->displs + (size_t)b * N;
-    if (cnt[me]) p->be->copy(p->be, grads + b0 + dsp[me], p->gshard + (b0 + dsp[me] - p->lo), (size_t)cnt[me] * sizeof(float));
-    DIST_MPI_CHECK(p->d, MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_FLOAT, grads + b0, cnt, dsp, MPI_FLOAT, p->d->comm,
-                                         &p->req[b]), "gradient all-gather");
-    p->bstate[b] = B_GATHER;
-    return QT_OK;
-}
-
-/* The reduction is a fixed sequence of operations, the same on every rank
- * (non-blocking collectives must start in the same order everywhere, while
- * the order in which they complete differs between ranks):
- *   op k < nb:        reduce-scatter of bucket nb-1-k (last layers first)
- *   op k >= nb:       all-gather of bucket nb-1-(k-nb)  (stage 0/1 only)
- * At most ZERO_IN_FLIGHT operations run at once: OpenMPI's reduce-scatter
- * keeps a temporary copy of each bucket in flight (measured: with every
- * bucket in flight rank 0 held one extra copy of the whole block), so the
- * window bounds that to ZERO_IN_FLIGHT buckets. */
-static int n_ops(const zero_plan *p) { return p->stage == 2 ? p->nb : 2 * p->nb; }
-
-/* Tests the operations in flight, then starts the next ones in sequence up to
- * op `limit` while the window has room. Returns the buckets not yet done. */
+/* Tests the buckets in flight, then starts the next ones (last bucket first)
+ * up to `limit` while the window has room. Returns the buckets not yet done. */
 static int progress(zero_plan *p, float *grads, int limit, int *rc) {
     *rc = QT_OK;
-    int left = 0;
-    for (int b = p->nb - 1; b >= 0; b--) {
-        unsigned char s = p->bstate[b];
-        if (s == B_SCATTER || s == B_GATHER) {
-            int flag = 0;
-            int mrc = MPI_Test(&p->req[b], &flag, MPI_STATUS_IGNORE);
-            if (mrc != MPI_SUCCESS) {
-                *rc = dist_mpi_fail(p->d, mrc, "MPI_Test",
-                                    s == B_SCATTER ? "gradient reduce-scatter" : "gradient all-gather");
-                return 1;
-            }
-            if (flag) {
-                p->bstate[b] = s = (s == B_GATHER || p->stage == 2) ? B_DONE : B_SCATTERED;
-                p->in_flight--;
-            }
-        }
-        if (s != B_DONE) left++;
+    int in_flight = 0;
+    for (int k = 0; k < p->next; k++) {
+        int b = p->nb - 1 - k, done;
+        if (!p->req[b]) continue;
+        *rc = tp_test(p->d, p->req[b], &done);
+        if (*rc) return 1;
+        if (done) *rc = tp_wait(p->d, &p->req[b], 1, "gradient all-reduce");
+        else in_flight++;
+        if (*rc) return 1;
     }
-    while (p->next_op < limit && p->in_flight < ZERO_IN_FLIGHT) {
-        int k = p->next_op;
-        if (k < p->nb) {
-            *rc = bucket_start_scatter(p, grads, p->nb - 1 - k);
-        } else {
-            int b = p->nb - 1 - (k - p->nb);
-            if (p->bstate[b] != B_SCATTERED) break; /* its sums are not in yet */
-            *rc = bucket_start_gather(p, grads, b);
-        }
-        if (*rc) return left ? left : 1;
-        p->in_flight++;
-        p->next_op++;
+    while (p->next < limit && in_flight < ZERO_IN_FLIGHT) {
+        int b = p->nb - 1 - p->next;
+        size_t b0, b1;
+        zero_bucket_range(p, b, &b0, &b1);
+        *rc = tp_allreduce_f32(p->d, grads + b0, b1 - b0, &p->req[b], "gradient all-reduce");
+        if (*rc) return 1;
+        p->next++;
+        in_flight++;
     }
-    return left;
+    return in_flight + (p->nb - p->next);
 }
 
 static int begin_reduction(zero_plan *p, float *grads) {
@@ -259,124 +270,212 @@ static int begin_reduction(zero_plan *p, float *grads) {
         return QT_ERR(QT_EINVAL, "dist: the gradient block changed address during a reduction; pass the same "
                                  "pointer to zero_reduce_ready and zero_reduce_grads");
     if (!p->started) {
-        memset(p->bstate, B_IDLE, (size_t)p->nb);
         p->started = 1;
-        p->next_op = 0;
-        p->ready_ops = 0;
-        p->in_flight = 0;
+        p->next = 0;
+        p->ready = 0;
         p->grads_in_flight = grads;
     }
     return QT_OK;
 }
-#endif
 
 int zero_reduce_ready(zero_plan *p, float *grads, size_t from) {
-    if (p->d->world == 1) return QT_OK;
-#if QT_DIST_MPI
+    if (p->d->world == 1 || p->stage == 2) return QT_OK;
     QT_TRY(begin_reduction(p, grads));
     /* buckets wholly inside [from, n): nb - ceil(from / bucket) of them */
     size_t first = (from + p->bucket - 1) / p->bucket;
     int ready = first >= (size_t)p->nb ? 0 : p->nb - (int)first;
-    if (ready > p->ready_ops) p->ready_ops = ready;
-    /* libnbc progresses only inside MPI calls: testing here is what lets the
-     * buckets in flight advance while the backward computes */
+    if (ready > p->ready) p->ready = ready;
+    /* MPI progresses only inside its calls: testing here lets the buckets in
+     * flight advance while the backward computes */
     int rc;
-    progress(p, grads, p->ready_ops, &rc);
+    progress(p, grads, p->ready, &rc);
     return rc;
-#else
-    (void)grads;
-    (void)from;
-    return QT_OK;
-#endif
 }
+
+static int reduce_block_stage2(zero_plan *p, float *grads);
 
 int zero_reduce_grads(zero_plan *p, float *grads) {
     if (p->d->world == 1) return QT_OK;
-#if QT_DIST_MPI
+    if (p->stage == 2) return reduce_block_stage2(p, grads);
     QT_TRY(begin_reduction(p, grads));
-    const char *what = p->stage == 2 ? "gradient reduce-scatter" : "gradient all-reduce";
-    dist_waiter w;
-    dist_waiter_start(p->d, &w, what);
     int rc = QT_OK;
-    while (progress(p, grads, n_ops(p), &rc) > 0 && rc == QT_OK) dist_waiter_tick(p->d, &w);
-    dist_waiter_end(p->d, &w);
+    while (progress(p, grads, p->nb, &rc) > 0 && rc == QT_OK) {
+        /* block on the oldest bucket in flight (tp_wait keeps the deadline) */
+        for (int k = 0; k < p->next; k++) {
+            int b = p->nb - 1 - k;
+            if (p->req[b]) {
+                rc = tp_wait(p->d, &p->req[b], 1, "gradient all-reduce");
+                break;
+            }
+        }
+        if (rc) break;
+    }
     p->started = 0;
     p->grads_in_flight = NULL;
-    if (rc) return rc;
-    /* stage 2: the own shard is final; copy it to its place in the block */
-    if (p->stage == 2 && p->hi > p->lo) p->be->copy(p->be, grads + p->lo, p->gshard, (p->hi - p->lo) * sizeof(float));
-    return QT_OK;
-#else
-    (void)grads;
-    return QT_OK;
-#endif
-}
-
-#if QT_DIST_MPI
-/* Bucket-by-bucket collectives outside the gradient reduction (parameter
- * all-gather, checkpoint gather/scatter): started in bucket order, at most
- * ZERO_IN_FLIGHT at once, all waited on with the deadline. */
-typedef int (*bucket_op)(zero_plan *p, int b, void *ctx);
-
-static int run_buckets(zero_plan *p, bucket_op start, void *ctx, const char *what) {
-    dist_waiter w;
-    dist_waiter_start(p->d, &w, what);
-    int next = 0, done = 0, rc = QT_OK;
-    int lo = 0; /* buckets below lo are complete: the window is [lo, next) */
-    while (done < p->nb) {
-        while (next < p->nb && next - lo < ZERO_IN_FLIGHT) {
-            rc = start(p, next, ctx);
-            if (rc) goto out;
-            next++;
-        }
-        int progressed = 0;
-        for (int b = lo; b < next; b++) {
-            if (p->req[b] == MPI_REQUEST_NULL) continue;
-            int flag = 0, mrc = MPI_Test(&p->req[b], &flag, MPI_STATUS_IGNORE);
-            if (mrc != MPI_SUCCESS) { rc = dist_mpi_fail(p->d, mrc, "MPI_Test", what); goto out; }
-            if (flag) { done++; progressed = 1; }
-        }
-        while (lo < next && p->req[lo] == MPI_REQUEST_NULL) lo++;
-        if (!progressed) dist_waiter_tick(p->d, &w);
-    }
-out:
-    dist_waiter_end(p->d, &w);
     return rc;
 }
 
-static int start_param_gather(zero_plan *p, int b, void *ctx) {
-    float *params = ctx;
-    int N = p->d->world;
-    size_t b0, b1;
-    zero_bucket_range(p, b, &b0, &b1);
-    DIST_MPI_CHECK(p->d, MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_FLOAT, params + b0, p->counts + (size_t)b * N,
-                                         p->displs + (size_t)b * N, MPI_FLOAT, p->d->comm, &p->req[b]),
-                   "parameter all-gather");
+/* ------------------------------------------------------------------------- */
+/* Stage 2: gradients reduced to their owners as the backward produces them   */
+
+static int fly_push(zero_plan *p, tp_req *r, const float *win) {
+    if (p->n_fly == p->cap_fly) {
+        int cap = p->cap_fly ? 2 * p->cap_fly : 64;
+        zero_flight *f = qt_realloc(p->fly, (size_t)cap * sizeof *f, "ZeRO requests in flight");
+        if (!f) {
+            tp_wait(p->d, &r, 1, "gradient reduce");
+            return QT_ENOMEM;
+        }
+        p->fly = f;
+        p->cap_fly = cap;
+    }
+    p->fly[p->n_fly++] = (zero_flight){r, win};
     return QT_OK;
 }
-#endif
+
+/* Waits for the requests reading `win` (NULL: all), and lets the others
+ * progress; completed ones leave the list. */
+static int fly_settle(zero_plan *p, const float *win, int all) {
+    int k = 0, rc = QT_OK;
+    for (int i = 0; i < p->n_fly; i++) {
+        zero_flight f = p->fly[i];
+        int done = 0;
+        if (rc == QT_OK) rc = tp_test(p->d, f.r, &done);
+        if (rc == QT_OK && (done || all || f.win == win)) rc = tp_wait(p->d, &f.r, 1, "gradient reduce");
+        if (f.r) p->fly[k++] = f;
+    }
+    p->n_fly = k;
+    return rc;
+}
+
+int zero_grads_begin(zero_plan *p) {
+    if (p->stage != 2) return QT_ERR(QT_EINVAL, "dist: gradient hand-over is ZeRO stage 2's; this plan is stage %d",
+                                     p->stage);
+    QT_TRY(fly_settle(p, NULL, 1));
+    if (p->gshard) p->be->zero(p->be, p->gshard, p->mem.grad_shard);
+    return QT_OK;
+}
+
+int zero_grads_window(zero_plan *p, const float *win) { return fly_settle(p, win, 0); }
+
+int zero_grads_ready(zero_plan *p, size_t lo, size_t hi, const float *g) {
+    if (hi > p->n || lo > hi)
+        return QT_ERR(QT_EINVAL, "dist: gradient range [%zu, %zu) is outside the block of %zu", lo, hi, p->n);
+    const int me = p->d->rank;
+    for (size_t a = lo; a < hi;) {
+        int r = (int)(a / p->shard);
+        size_t s0, s1;
+        zero_shard_of(p, r, &s0, &s1);
+        size_t e = hi < s1 ? hi : s1;
+        if (e - a > p->bucket) e = a + p->bucket;
+        tp_req *q = NULL;
+        if (r == me) {
+            /* the owner's contribution goes into its shard, which the reduce then sums in place */
+            float *dst = p->gshard + (a - p->lo);
+            p->be->acc(p->be, dst, g + (a - lo), e - a);
+            QT_TRY(tp_reduce_f32(p->d, dst, dst, e - a, r, p->overlap ? &q : NULL, "gradient reduce"));
+        } else {
+            QT_TRY(tp_reduce_f32(p->d, g + (a - lo), NULL, e - a, r, p->overlap ? &q : NULL, "gradient reduce"));
+        }
+        if (q) QT_TRY(fly_push(p, q, g));
+        a = e;
+    }
+    return fly_settle(p, NULL, 0); /* progress for what is in flight */
+}
+
+int zero_grads_rows(zero_plan *p, size_t base, int C, const int32_t *ids, const float *rows, int n) {
+    if (n > p->emb_rows || C != p->emb_dim)
+        return QT_ERR(QT_EINVAL, "dist: %d embedding rows of %d for a plan sized for %d of %d", n, C, p->emb_rows,
+                      p->emb_dim);
+    /* the lm_head's slices of a tied embedding may still be summing into the shard */
+    QT_TRY(fly_settle(p, NULL, 1));
+    const int N = p->d->world;
+    const size_t P = p->rows_p;
+    /* the message: count and ids (the host's, staged in rows_host and uploaded), then the
+     * rows (device memory, copied by the backend); the bucket is the transport's */
+    float *mine = p->rows_buf + (size_t)p->d->rank * P, *hdr = p->rows_host;
+    const size_t H = 1 + (size_t)p->emb_rows;
+    hdr[0] = (float)n;
+    memcpy(hdr + 1, ids, (size_t)n * sizeof(int32_t)); /* ids travel as bit patterns */
+    p->be->upload(p->be, mine, hdr, (1 + (size_t)n) * sizeof *hdr);
+    p->be->copy(p->be, mine + H, rows, (size_t)n * C * sizeof *mine);
+    QT_TRY(tp_allgather_f32(p->d, mine, p->rows_buf, P, NULL, "embedding rows"));
+    for (int r = 0; r < N; r++) {
+        const float *msg = p->rows_buf + (size_t)r * P, *d = msg + H;
+        p->be->download(p->be, hdr, msg, sizeof *hdr); /* the count, then its ids */
+        int cnt = (int)hdr[0];
+        if (cnt > 0) p->be->download(p->be, hdr + 1, msg + 1, (size_t)cnt * sizeof *hdr);
+        for (int i = 0; i < cnt; i++) {
+            int32_t id;
+            memcpy(&id, hdr + 1 + i, sizeof id);
+            size_t a = base + (size_t)id * C, e = a + (size_t)C;
+            size_t x0 = a > p->lo ? a : p->lo, x1 = e < p->hi ? e : p->hi;
+            if (x1 > x0) p->be->acc(p->be, p->gshard + (x0 - p->lo), d + (size_t)i * C + (x0 - a), x1 - x0);
+        }
+    }
+    return QT_OK;
+}
+
+int zero_grads_finish(zero_plan *p) { return fly_settle(p, NULL, 1); }
+
+/* The full-block path at stage 2 (a caller with its own gradient block): the
+ * block is reduced to the owners, whose shard lands at its place. */
+static int reduce_block_stage2(zero_plan *p, float *grads) {
+    int overlap = p->overlap;
+    p->overlap = 1;
+    int rc = zero_grads_begin(p);
+    if (rc == QT_OK) rc = zero_grads_ready(p, 0, p->n, grads);
+    if (rc == QT_OK) rc = zero_grads_finish(p);
+    p->overlap = overlap;
+    if (rc == QT_OK && p->hi > p->lo) p->be->copy(p->be, grads + p->lo, p->gshard, (p->hi - p->lo) * sizeof(float));
+    return rc;
+}
+
+/* ------------------------------------------------------------------------- */
+/* Parameters: the shards all-gathered through the staging bucket             */
+
+int zero_allgather_params(zero_plan *p, float *params) {
+    if (p->stage == 0 || p->d->world == 1) return QT_OK;
+    const int N = p->d->world, me = p->d->rank;
+    const size_t s = p->ag;
+    for (size_t k0 = 0; k0 < p->shard; k0 += s) {
+        /* partition r of this bucket: shard r's elements [k0, k0 + s), padded */
+        float *mine = p->stage_buf + (size_t)me * s;
+        size_t a = p->lo + k0, e = a + s < p->hi ? a + s : p->hi, len = e > a ? e - a : 0;
+        if (len) p->be->copy(p->be, mine, params + a, len * sizeof(float));
+        if (len < s) p->be->zero(p->be, mine + len, (s - len) * sizeof(float));
+        QT_TRY(tp_allgather_f32(p->d, mine, p->stage_buf, s, NULL, "parameter all-gather"));
+        for (int r = 0; r < N; r++) {
+            size_t s0, s1;
+            zero_shard_of(p, r, &s0, &s1);
+            size_t ra = s0 + k0, re = ra + s < s1 ? ra + s : s1;
+            if (r != me && re > ra)
+                p->be->copy(p->be, params + ra, p->stage_buf + (size_t)r * s, (re - ra) * sizeof(float));
+        }
+    }
+    return QT_OK;
+}
 
 int zero_reduce_partial(zero_plan *p, double *vals, int n, dist_op op, const char *what) {
     if (p->stage == 0) return QT_OK;
     return dist_allreduce_f64(p->d, vals, n, op, what);
 }
 
-int zero_allgather_params(zero_plan *p, float *params) {
-    if (p->stage == 0 || p->d->world == 1) return QT_OK;
-#if QT_DIST_MPI
-    return run_buckets(p, start_param_gather, params, "parameter all-gather");
-#else
-    (void)params;
-    return QT_OK;
-#endif
-}
-
 int dist_step_gradients(dist_ctx *d, zero_plan *p, float *grads, double *grad_sq_sum, int *overflow) {
     (void)d;
-    QT_TRY(zero_reduce_grads(p, grads));
     size_t lo, hi;
     zero_opt_range(p, &lo, &hi);
-    double sq = p->be->sum_squares(p->be, grads + lo, hi - lo); /* finite iff every element is */
+    const float *g = grads + lo;
+    if (grads) {
+        QT_TRY(zero_reduce_grads(p, grads));
+    } else {
+        /* stage 2 with the gradients handed over during the backward */
+        QT_TRY(zero_grads_finish(p));
+        if (!p->gshard && hi > lo)
+            return QT_ERR(QT_EINVAL, "dist: no gradient block and no gradient shard (ZeRO stage %d)", p->stage);
+        g = p->gshard;
+    }
+    double sq = p->be->sum_squares(p->be, g, hi - lo); /* finite iff every element is */
     int bad = !isfinite(sq);
     double vals[2] = {sq, bad};
     dist_op ops[2] = {DIST_SUM, DIST_MAX};
@@ -495,91 +594,21 @@ int zero_state_view(const zero_plan *p, const zero_state *st, int slot, float **
     return QT_OK;
 }
 
-#if QT_DIST_MPI
-typedef struct {
-    float *mine;
-    float *full;
-} slot_io;
-
-static int start_state_gather(zero_plan *p, int b, void *ctx) {
-    slot_io *io = ctx;
-    int N = p->d->world, me = p->d->rank;
-    size_t b0, b1;
-    zero_bucket_range(p, b, &b0, &b1);
-    const int *cnt = p->counts + (size_t)b * N, *dsp = p->displs + (size_t)b * N;
-    const float *send = io->mine + (cnt[me] ? b0 + (size_t)dsp[me] - p->lo : 0);
-    DIST_MPI_CHECK(p->d, MPI_Igatherv(send, cnt[me], MPI_FLOAT, me == 0 ? io->full + b0 : NULL, cnt, dsp,
-                                      MPI_FLOAT, 0, p->d->comm, &p->req[b]), "optimizer state gather");
-    return QT_OK;
-}
-
-static int start_state_scatter(zero_plan *p, int b, void *ctx) {
-    slot_io *io = ctx;
-    int N = p->d->world, me = p->d->rank;
-    size_t b0, b1;
-    zero_bucket_range(p, b, &b0, &b1);
-    const int *cnt = p->counts + (size_t)b * N, *dsp = p->displs + (size_t)b * N;
-    if (p->stage == 0) {
-        /* every rank holds the whole block */
-        if (me == 0) p->be->upload(p->be, io->mine + b0, io->full + b0, (b1 - b0) * sizeof(float));
-        DIST_MPI_CHECK(p->d, MPI_Ibcast(io->mine + b0, (int)(b1 - b0), MPI_FLOAT, 0, p->d->comm, &p->req[b]),
-                       "optimizer state scatter");
-    } else {
-        float *recv = io->mine + (cnt[me] ? b0 + (size_t)dsp[me] - p->lo : 0);
-        DIST_MPI_CHECK(p->d, MPI_Iscatterv(me == 0 ? io->full + b0 : NULL, cnt, dsp, MPI_FLOAT, recv, cnt[me],
-                                           MPI_FLOAT, 0, p->d->comm, &p->req[b]), "optimizer state scatter");
-    }
-    return QT_OK;
-}
-#endif
-
-int zero_state_gather(zero_plan *p, const zero_state *st, int slot, float *full) {
-    QT_TRY(check_slot(p, st, slot));
-    float *mine = st->slot[slot];
-    if (p->stage == 0 || p->d->world == 1) {
-        /* replicated: rank 0 already holds everything */
-        if (p->d->rank == 0 && p->n) p->be->download(p->be, full, mine, p->n * sizeof(float));
-        return QT_OK;
-    }
-#if QT_DIST_MPI
-    slot_io io = {mine, full};
-    return run_buckets(p, start_state_gather, &io, "optimizer state gather");
-#else
-    return QT_OK;
-#endif
-}
-
-int zero_state_scatter(zero_plan *p, zero_state *st, int slot, const float *full) {
-    QT_TRY(check_slot(p, st, slot));
-    float *mine = st->slot[slot];
-    if (p->d->world == 1) {
-        if (p->n) p->be->upload(p->be, mine, full, p->n * sizeof(float));
-        return QT_OK;
-    }
-#if QT_DIST_MPI
-    slot_io io = {mine, (float *)full};
-    return run_buckets(p, start_state_scatter, &io, "optimizer state scatter");
-#else
-    return QT_OK;
-#endif
-}
-
 /* ------------------------------------------------------------------------- */
-/* Streaming checkpoints: one element range at a time, so rank 0 never needs
- * the whole optimizer state in memory (2 x 56 GB for Qwen-14B's m and v). */
+/* Checkpoints, gathered: rank 0 receives or sends whole element ranges, one
+ * chunk at a time, through the transport's gatherv/scatterv (stage 1/2) or
+ * broadcast (stage 0: every rank holds the whole state). */
 
-#if QT_DIST_MPI
-/* counts/displs of [lo, hi) ∩ shard_r, relative to lo (N entries each). */
-static void range_table(const zero_plan *p, size_t lo, size_t hi, int *cnt, int *dsp) {
+/* counts/displs of [a, e) ∩ shard_r, relative to a (N entries each). */
+static void range_table(const zero_plan *p, size_t a0, size_t e0, size_t *cnt, size_t *dsp) {
     for (int r = 0; r < p->d->world; r++) {
         size_t s0, s1;
         zero_shard_of(p, r, &s0, &s1);
-        size_t a = s0 > lo ? s0 : lo, e = s1 < hi ? s1 : hi;
-        cnt[r] = e > a ? (int)(e - a) : 0;
-        dsp[r] = e > a ? (int)(a - lo) : 0;
+        size_t a = s0 > a0 ? s0 : a0, e = s1 < e0 ? s1 : e0;
+        cnt[r] = e > a ? e - a : 0;
+        dsp[r] = e > a ? a - a0 : 0;
     }
 }
-#endif
 
 static int check_range(const zero_plan *p, size_t lo, size_t hi) {
     if (lo > hi || hi > p->n)
@@ -590,61 +619,56 @@ static int check_range(const zero_plan *p, size_t lo, size_t hi) {
     return QT_OK;
 }
 
+/* [lo, hi) of the slot to/from rank 0's buffer io (hi - lo floats). */
+static int move_range(zero_plan *p, float *mine, size_t lo, size_t hi, float *io, int to_root) {
+    const int N = p->d->world, me = p->d->rank;
+    if (p->stage == 0 || N == 1) {
+        /* replicated: rank 0 holds everything; a scatter broadcasts it */
+        if (to_root) {
+            if (me == 0 && hi > lo) p->be->download(p->be, io, mine + lo, (hi - lo) * sizeof(float));
+            return QT_OK;
+        }
+        if (me == 0 && hi > lo) p->be->upload(p->be, mine + lo, io, (hi - lo) * sizeof(float));
+        for (size_t a = lo; a < hi; a += CKPT_CHUNK) {
+            size_t e = hi - a < CKPT_CHUNK ? hi : a + CKPT_CHUNK;
+            QT_TRY(tp_bcast(p->d, mine + a, (e - a) * sizeof(float), 0, NULL, "optimizer state scatter"));
+        }
+        return QT_OK;
+    }
+    size_t *cnt = qt_malloc(2 * (size_t)N * sizeof(size_t), "a gather table");
+    if (!cnt) return QT_ENOMEM;
+    size_t *dsp = cnt + N;
+    int rc = QT_OK;
+    for (size_t a = lo; a < hi && rc == QT_OK; a += CKPT_CHUNK) {
+        size_t e = hi - a < CKPT_CHUNK ? hi : a + CKPT_CHUNK;
+        range_table(p, a, e, cnt, dsp);
+        float *part = mine + (cnt[me] ? a + dsp[me] - p->lo : 0);
+        float *root = io ? io + (a - lo) : NULL;
+        rc = to_root ? tp_gatherv_f32(p->d, part, cnt[me], root, cnt, dsp, NULL, "optimizer state gather")
+                     : tp_scatterv_f32(p->d, root, cnt, dsp, part, cnt[me], NULL, "optimizer state scatter");
+    }
+    qt_free(cnt);
+    return rc;
+}
+
+int zero_state_gather(zero_plan *p, const zero_state *st, int slot, float *full) {
+    QT_TRY(check_slot(p, st, slot));
+    return move_range(p, st->slot[slot], 0, p->n, full, 1);
+}
+
+int zero_state_scatter(zero_plan *p, zero_state *st, int slot, const float *full) {
+    QT_TRY(check_slot(p, st, slot));
+    return move_range(p, st->slot[slot], 0, p->n, (float *)full, 0);
+}
+
 int zero_state_gather_range(zero_plan *p, const zero_state *st, int slot, size_t lo, size_t hi, float *out) {
     QT_TRY(check_slot(p, st, slot));
     QT_TRY(check_range(p, lo, hi));
-    const float *mine = st->slot[slot];
-    if (p->stage == 0 || p->d->world == 1) {
-        if (p->d->rank == 0 && hi > lo) p->be->download(p->be, out, mine + lo, (hi - lo) * sizeof(float));
-        return QT_OK;
-    }
-#if QT_DIST_MPI
-    int N = p->d->world, me = p->d->rank;
-    int *cnt = qt_malloc(2 * (size_t)N * sizeof(int), "a gather table");
-    if (!cnt) return QT_ENOMEM;
-    int *dsp = cnt + N;
-    range_table(p, lo, hi, cnt, dsp);
-    const float *send = mine + (cnt[me] ? lo + (size_t)dsp[me] - p->lo : 0);
-    MPI_Request rq;
-    int rc = MPI_Igatherv(send, cnt[me], MPI_FLOAT, me == 0 ? out : NULL, cnt, dsp, MPI_FLOAT, 0, p->d->comm, &rq);
-    rc = rc == MPI_SUCCESS ? dist_wait_all(p->d, &rq, 1, "optimizer state gather")
-                           : dist_mpi_fail(p->d, rc, "MPI_Igatherv", "optimizer state gather");
-    qt_free(cnt);
-    return rc;
-#else
-    return QT_OK;
-#endif
+    return move_range(p, st->slot[slot], lo, hi, out, 1);
 }
 
 int zero_state_scatter_range(zero_plan *p, zero_state *st, int slot, size_t lo, size_t hi, const float *in) {
     QT_TRY(check_slot(p, st, slot));
     QT_TRY(check_range(p, lo, hi));
-    float *mine = st->slot[slot];
-    if (p->d->world == 1) {
-        if (hi > lo) p->be->upload(p->be, mine + lo, in, (hi - lo) * sizeof(float));
-        return QT_OK;
-    }
-#if QT_DIST_MPI
-    int N = p->d->world, me = p->d->rank;
-    MPI_Request rq;
-    int rc;
-    if (p->stage == 0) {
-        if (me == 0 && hi > lo) p->be->upload(p->be, mine + lo, in, (hi - lo) * sizeof(float));
-        rc = MPI_Ibcast(mine + lo, (int)(hi - lo), MPI_FLOAT, 0, p->d->comm, &rq);
-        return rc == MPI_SUCCESS ? dist_wait_all(p->d, &rq, 1, "optimizer state scatter")
-                                 : dist_mpi_fail(p->d, rc, "MPI_Ibcast", "optimizer state scatter");
-    }
-    int *cnt = qt_malloc(2 * (size_t)N * sizeof(int), "a scatter table");
-    if (!cnt) return QT_ENOMEM;
-    int *dsp = cnt + N;
-    range_table(p, lo, hi, cnt, dsp);
-    float *recv = mine + (cnt[me] ? lo + (size_t)dsp[me] - p->lo : 0);
-    rc = MPI_Iscatterv(me == 0 ? in : NULL, cnt, dsp, MPI_FLOAT, recv, cnt[me], MPI_FLOAT, 0, p->d->comm, &rq);
-    rc = rc == MPI_SUCCESS ? dist_wait_all(p->d, &rq, 1, "optimizer state scatter")
-                           : dist_mpi_fail(p->d, rc, "MPI_Iscatterv", "optimizer state scatter");
-    qt_free(cnt);
-    return rc;
-#else
-    return QT_OK;
-#endif
+    return move_range(p, st->slot[slot], lo, hi, (float *)in, 0);
 }

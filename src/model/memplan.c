@@ -164,6 +164,44 @@ static float *carve(float *base, size_t *off, size_t n) {
 
 static size_t max_n(const qt_model_opts *o) { return (size_t)o->max_B * (size_t)o->max_T; }
 
+/* Every decoder layer has the same trainable tensors, so layer l's gradients
+ * are the flat range [layer0 + l*layer, layer0 + (l+1)*layer). The lm_head
+ * slices are about one layer's size (whole vocabulary chunks of the backend's
+ * ce_chunk, so the op walks the same chunks as unsliced): the peak is then two
+ * layer-sized windows per kind, whatever the vocabulary. */
+void qt_model_grad_windows(const qt_config *c, const qt_model_opts *o, qt_grad_windows *w) {
+    memset(w, 0, sizeof *w);
+    if (o->infer || !o->grad_windows) return;
+    qt_model_opts one = *o;
+    qt_config c1 = *c;
+    c1.num_hidden_layers = 1;
+    size_t n1, n0;
+    qt_model_param_table(&c1, &one, NULL, &n1);
+    c1.num_hidden_layers = 0;
+    qt_model_param_table(&c1, &one, NULL, &n0);
+    size_t C = (size_t)c->hidden_size;
+    w->layer = n1 - n0;
+    w->layer0 = o->lora ? 0 : (size_t)c->vocab_size * C;
+    if (!o->lora) {
+        w->norm = C;
+        const size_t ch = (size_t)desc_of(o)->ce_chunk;
+        size_t rows = (w->layer / C + ch - 1) / ch * ch;
+        if (rows > (size_t)c->vocab_size) rows = (size_t)c->vocab_size;
+        w->slice_rows = (int)rows;
+        w->slice = rows * C;
+        w->targets = max_n(o);
+    }
+    /* the lm_head's slices run before the first layer: they share the two windows */
+    w->each = w->layer > w->slice ? w->layer : w->slice;
+    size_t a = 0;
+    carve(NULL, &a, w->each);
+    carve(NULL, &a, w->each);
+    carve(NULL, &a, w->norm);
+    carve(NULL, &a, w->targets); /* int32 in float slots */
+    w->total = a;
+}
+
+
 static void carve_layer(const qt_config *c, const qt_model_opts *o, float *base, size_t *off, qt_acts *a) {
     size_t N = max_n(o), C = c->hidden_size, I = c->intermediate_size;
     size_t HD = (size_t)c->num_attention_heads * c->head_dim, KVD = (size_t)c->num_key_value_heads * c->head_dim;
@@ -298,7 +336,8 @@ size_t qt_model_carve_grads(const qt_config *c, const qt_model_opts *o, float *b
  * m and v, 16 bytes a parameter. Qwen2.5-0.5B at B*T = 256: 156 MB against
  * 7.9 GB; beyond about 13K tokens a micro-batch recomputes instead. */
 int qt_model_keeps_logits(const qt_config *c, const qt_model_opts *o) {
-    if (o->infer || o->lora) return 0;
+    /* gradient windows: the lm_head's backward runs in vocabulary slices, which recompute their logits */
+    if (o->infer || o->lora || o->grad_windows) return 0;
     size_t numel;
     qt_model_param_table(c, o, NULL, &numel);
     return qt_be_lmhead_ce_kept_floats(desc_of(o), (int)max_n(o), c->vocab_size) * 4 <= numel * 16;
@@ -335,6 +374,11 @@ size_t qt_model_memory(const qt_config *c, const qt_model_opts *o, qt_mem_breakd
     qt_model_param_table(c, o, NULL, &numel);
     b.master = numel * 4;
     b.grads = o->infer ? 0 : numel * 4;
+    if (!o->infer && o->grad_windows) {
+        qt_grad_windows w;
+        qt_model_grad_windows(c, o, &w);
+        b.grads = w.total * 4;
+    }
     int frozen = o->lora || o->infer;
     if (frozen) {
         qt_model_opts full = *o;

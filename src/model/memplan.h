@@ -41,6 +41,20 @@ size_t qt_model_memory(const qt_config *cfg, const qt_model_opts *opts, qt_mem_b
  * gets the block's size in elements. */
 int qt_model_param_table(const qt_config *c, const qt_model_opts *o, qt_param *out, size_t *numel);
 
+/* opts->grad_windows: the windows the backward writes gradients into
+ * instead of a gradient block (model.h qt_grad_hook), in floats. */
+typedef struct {
+    size_t layer;        /* one decoder layer's trainable elements */
+    size_t each;         /* each of the 2 alternating windows: max(layer, slice) */
+    size_t layer0;       /* flat offset of layer 0 (the embedding comes first in full fine-tuning) */
+    size_t norm;         /* the final norm's window (full fine-tuning), else 0 */
+    int slice_rows;      /* lm_head vocabulary rows per slice (full fine-tuning), else 0 */
+    size_t slice;        /* slice_rows * C: an lm_head slice (in the same 2 windows) */
+    size_t targets;      /* int32 slots for a slice's shifted targets (max_B * max_T) */
+    size_t total;        /* floats of all windows, 64-byte aligned pieces */
+} qt_grad_windows;
+void qt_model_grad_windows(const qt_config *c, const qt_model_opts *o, qt_grad_windows *w);
+
 /* Number of trainable parameters (elements of the master block). */
 size_t qt_model_trainable_numel(const qt_config *cfg, const qt_model_opts *opts);
 

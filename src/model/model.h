@@ -50,6 +50,8 @@ typedef struct {
     int infer;             /* eval/generate: base frozen in its file dtype, no gradient
                               block, activations for one layer, a KV cache of max_T */
     const char *backend;   /* backend/backend.h name ("cpu", "guard"); NULL: QTUNE_BACKEND, else cpu */
+    int grad_windows;      /* ZeRO-2: no gradient block; each unit's gradients are handed
+                              over through a qt_grad_hook as soon as its backward is done */
 } qt_model_opts;
 
 /* Defaults: f32 compute, full fine-tuning, max_B 1, max_T 512, seed 42. */
@@ -89,6 +91,32 @@ int qt_model_forward(qt_model *m, const qt_batch *b, double *loss_sum, int64_t *
  * scale S, pass grad_scale = S / N. */
 int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, double *loss_sum,
                               int64_t *n_tokens);
+
+/* Gradient hand-over (ZeRO-2, DeepSpeed's partitioned gradients). A model
+ * loaded with opts.grad_windows allocates no gradient block
+ * (qt_model_grads returns NULL); its backward produces the gradients one
+ * unit at a time in small windows and hands each unit over when it is done,
+ * last unit of the flat block first:
+ *   the final norm; the lm_head in vocabulary slices (when trainable); each
+ *   decoder layer, L-1 down to 0; the embedding as rows (when trainable).
+ * window(user, g): the model is about to zero and write window g (two
+ *   windows alternate, so g was handed over two units ago): the callee waits
+ *   until whatever reads g is done.
+ * ready(user, lo, hi, g): g[0, hi - lo) holds d(loss * grad_scale) of the
+ *   flat block's elements [lo, hi) for this micro-batch (not accumulated).
+ * rows(user, lo, C, ids, d, n): the embedding's gradient is sparse: for each
+ *   i < n, row ids[i] (elements lo + ids[i]*C ..+C) gets d[i*C .. +C] added.
+ * A non-zero return stops the backward with that status. Every rank calls
+ * the hooks in the same order (the units follow from the shapes alone). */
+typedef struct {
+    int (*window)(void *user, const float *g);
+    int (*ready)(void *user, size_t lo, size_t hi, const float *g);
+    int (*rows)(void *user, size_t lo, int C, const int32_t *ids, const float *d, int n);
+    void *user;
+} qt_grad_hook;
+void qt_model_set_grad_hook(qt_model *m, const qt_grad_hook *h);
+/* Elements of the largest unit handed over (a window), 0 without windows. */
+size_t qt_model_grad_window_elems(const qt_model *m);
 
 /* Sets the counter that seeds dropout masks (incremented by every
  * qt_model_forward_backward call); a resumed run restores it. */

@@ -146,7 +146,16 @@ struct qt_model {
     st_file *st;          /* the base's safetensors, mapped for the model's lifetime */
     qt_mem_breakdown mem;
 
-    float *master, *grads; /* trainable block and gradients (grads NULL for inference) */
+    float *master, *grads; /* trainable block and gradients (grads NULL for inference and
+                              with gradient windows) */
+    /* opts.grad_windows (model.h qt_grad_hook): the windows in one block. Layer l's
+     * gradient pointers point into wlayer[l & 1]; dlnf_w into wnorm; the lm_head's
+     * backward runs per vocabulary slice into wslice[k & 1] with targets shifted in
+     * tslice; dwte/dlm_head only mark the embedding/lm_head trainable then. */
+    qt_grad_windows gw;
+    float *gwin_block, *wlayer[2], *wnorm, *wslice[2];
+    int32_t *tslice;
+    qt_grad_hook hook;
     size_t numel;
     qt_param *params;
     qt_param_src *param_src; /* (n_params) */

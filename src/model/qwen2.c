@@ -386,12 +386,58 @@ int qt_model_forward(qt_model *m, const qt_batch *b, double *loss_sum, int64_t *
     return QT_OK;
 }
 
+/* ---- gradient hand-over (model.h qt_grad_hook) ------------------------------- */
+static int win_open(qt_model *m, float *g, size_t n) {
+    if (m->hook.window) QT_TRY(m->hook.window(m->hook.user, g));
+    m->be->zero(m->be, g, n * sizeof(float));
+    return QT_OK;
+}
+
+static int win_ready(qt_model *m, size_t lo, size_t hi, const float *g) {
+    return m->hook.ready(m->hook.user, lo, hi, g);
+}
+
+/* The lm_head's backward one vocabulary slice at a time, each slice's weight
+ * gradient handed over before the next is computed. A slice sees the targets
+ * shifted into its rows, -1 where the target lies in another slice (that row
+ * still gets its softmax gradient; the ignored rows keep QT_IGNORE_INDEX).
+ * dx accumulates over the slices as over the op's own chunks. The shifted
+ * targets are built from the host batch (hb) in pos_buf (host staging, the
+ * decode's positions otherwise) and uploaded into the window block's tslice. */
+static int lmhead_backward_sliced(qt_model *m, const qt_batch *hb, float *dln, float grad_scale) {
+    const qt_config *c = &m->cfg;
+    qt_backend *be = m->be;
+    int N = hb->B * hb->T, C = c->hidden_size, V = c->vocab_size, S = m->gw.slice_rows;
+    /* untied: lm_head.weight is the last tensor of the block; tied: the embedding, at 0 */
+    size_t base = c->tie_word_embeddings ? 0 : m->numel - (size_t)V * C;
+    size_t esz = qt_dtype_size(m->lm_head.dt);
+    int32_t *ht = m->pos_buf;
+    for (int v0 = 0, k = 0; v0 < V; v0 += S, k++) {
+        int sv = V - v0 < S ? V - v0 : S;
+        float *g = m->wslice[k & 1];
+        QT_TRY(win_open(m, g, (size_t)sv * C));
+        for (int i = 0; i < N; i++) {
+            int t = hb->targets[i];
+            ht[i] = t == QT_IGNORE_INDEX ? t : (t >= v0 && t < v0 + sv) ? t - v0 : -1;
+        }
+        be->upload(be, m->tslice, ht, sizeof(int32_t) * (size_t)N);
+        be->lmhead_ce_backward(be, dln, g, m->acts.lnf, (const char *)m->lm_head.p + (size_t)v0 * C * esz,
+                               m->lm_head.dt, m->tslice, m->acts.lse, grad_scale, N, C, sv, m->ws);
+        QT_TRY(win_ready(m, base + (size_t)v0 * C, base + (size_t)(v0 + sv) * C, g));
+    }
+    return QT_OK;
+}
+
 int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, double *loss_sum,
                               int64_t *n_tokens) {
     if (m->infer)
         return QT_ERR(QT_EINVAL, "this model was loaded for inference (no gradient buffers); load it with infer = 0 "
                                  "to train");
     QT_TRY(check_batch(m, b));
+    const int win = m->gwin_block != NULL;
+    if (win && !m->hook.ready)
+        return QT_ERR(QT_EINVAL, "this model was loaded with gradient windows (ZeRO-2) but no gradient hook is set; "
+                                 "call qt_model_set_grad_hook first");
     const qt_batch *hb = b, db = upload_batch(m, hb);
     b = &db; /* the ops read the device copy; sum_loss the host's targets */
     qt_backend *be = m->be;
@@ -410,23 +456,36 @@ int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, 
     sum_loss(m, hb, loss_sum, n_tokens, NULL);
 
     be->zero(be, dres, sizeof(float) * (size_t)N * C);
-    if (kept)
+    if (win && !fused)
+        QT_TRY(lmhead_backward_sliced(m, hb, dln, grad_scale));
+    else if (kept)
         be->lmhead_ce_backward_kept(be, dln, m->dlm_head, kept, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, A->lse,
                                    grad_scale, N, C, c->vocab_size, m->ws);
     else if (!fused)
         be->lmhead_ce_backward(be, dln, m->dlm_head, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, A->lse, grad_scale, N,
                               C, c->vocab_size, m->ws);
     keep(m, dln, (size_t)N * C); /* in fp16 the first place a too-large loss scale overflows */
+    const size_t norm_lo = m->gw.layer0 + (size_t)L * m->gw.layer; /* gradient windows: the final norm's place */
+    if (win && m->dlnf_w) QT_TRY(win_open(m, m->wnorm, (size_t)C));
     be->rmsnorm_backward(be, dres, m->dlnf_w, dln, A->x[L], m->lnf_w, A->rstdf, N, C);
     keep(m, dres, (size_t)N * C);
+    if (win && m->dlnf_w) QT_TRY(win_ready(m, norm_lo, norm_lo + (size_t)C, m->wnorm));
     for (int l = L - 1; l >= 0; l--) {
         acts_load(m, l, N); /* 2-byte storage: layer l's saved values back to fp32 */
         /* recompute: x[l+1] was consumed by layer l+1's backward, so it may be overwritten */
         if (m->opts.grad_checkpointing)
             layer_forward(m, l, b, N, A->x[l], A->x[l + 1], &A->layer[l], dropout, b->positions, 0);
+        if (win) QT_TRY(win_open(m, m->wlayer[l & 1], m->gw.layer));
         layer_backward(m, l, b, N, A->x[l], &A->layer[l], dropout, l > 0 || m->dwte != NULL);
+        /* layer l's gradients are final: hand them over while layer l-1's backward runs */
+        if (win) {
+            size_t lo = m->gw.layer0 + (size_t)l * m->gw.layer;
+            QT_TRY(win_ready(m, lo, lo + m->gw.layer, m->wlayer[l & 1]));
+        }
     }
-    if (m->dwte) be->embedding_backward(be, m->dwte, dres, b->inputs, N, C);
+    /* the hook reads the token ids on the host (hb), the row gradients (dres) on the device */
+    if (m->dwte && win) QT_TRY(m->hook.rows(m->hook.user, 0, C, hb->inputs, dres, N));
+    else if (m->dwte) be->embedding_backward(be, m->dwte, dres, b->inputs, N, C);
     m->micro_step++;
     return QT_OK;
 }

@@ -75,6 +75,28 @@ static float *find_param(qt_model *m, float *block, const char *name) {
     return NULL;
 }
 
+/* A trainable tensor's gradient: in the gradient block, or with gradient
+ * windows in its layer's window (memplan.c qt_model_grad_windows: every
+ * layer is the same flat length), the final norm's window, or for the
+ * embedding and lm_head a non-NULL mark (the backward hands them over as
+ * rows and slices, see qwen2.c). */
+static float *grad_param(qt_model *m, const char *name) {
+    if (!m->gwin_block) return find_param(m, m->grads, name);
+    for (int i = 0; i < m->n_params; i++) {
+        const qt_param *p = &m->params[i];
+        if (strcmp(p->name, name)) continue;
+        const qt_grad_windows *w = &m->gw;
+        size_t L = (size_t)m->cfg.num_hidden_layers, end = w->layer0 + L * w->layer;
+        if (p->offset >= w->layer0 && p->offset < end) {
+            size_t l = (p->offset - w->layer0) / w->layer;
+            return m->wlayer[l & 1] + (p->offset - w->layer0 - l * w->layer);
+        }
+        if (!strcmp(name, "model.norm.weight")) return m->wnorm;
+        return m->wslice[0];
+    }
+    return NULL;
+}
+
 /* The mapping's pages of a tensor that was copied are not read again: hand
  * them back so the resident size holds only the copy (the mapping is a
  * read-only file mapping, so a later read would fault them back in). */
@@ -171,32 +193,32 @@ static int load_full(qt_model *m) {
     }
     snprintf(name, sizeof name, "%s.weight", ly->embed);
     m->wte = compute_ref(m, name);
-    m->dwte = find_param(m, m->grads, name);
+    m->dwte = grad_param(m, name);
     snprintf(name, sizeof name, "%s.weight", ly->final_norm);
     m->lnf_w = find_param(m, m->master, name);
-    m->dlnf_w = find_param(m, m->grads, name);
+    m->dlnf_w = grad_param(m, name);
     if (c->tie_word_embeddings) {
         m->lm_head = m->wte;
         m->dlm_head = m->dwte;
     } else {
         m->lm_head = compute_ref(m, "lm_head.weight");
-        m->dlm_head = find_param(m, m->grads, "lm_head.weight");
+        m->dlm_head = grad_param(m, "lm_head.weight");
     }
     for (int l = 0; l < c->num_hidden_layers; l++) {
         qt_layer *L = &m->layers[l];
         snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->ln1);
         L->ln1 = find_param(m, m->master, name);
-        L->dln1 = find_param(m, m->grads, name);
+        L->dln1 = grad_param(m, name);
         snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->ln2);
         L->ln2 = find_param(m, m->master, name);
-        L->dln2 = find_param(m, m->grads, name);
+        L->dln2 = grad_param(m, name);
         if (ly->q_norm) {
             snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->q_norm);
             L->qn = find_param(m, m->master, name);
-            L->dqn = find_param(m, m->grads, name);
+            L->dqn = grad_param(m, name);
             snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->k_norm);
             L->kn = find_param(m, m->master, name);
-            L->dkn = find_param(m, m->grads, name);
+            L->dkn = grad_param(m, name);
         }
         for (int j = 0; j < LIN_COUNT; j++) {
             qt_linear *q = &L->lin[j];
@@ -205,11 +227,11 @@ static int load_full(qt_model *m) {
             snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->lin[j]);
             q->w = compute_ref(m, name);
             q->w.p = (const char *)q->w.p + w0 * qt_dtype_size(q->w.dt);
-            q->dw = find_param(m, m->grads, name);
+            q->dw = grad_param(m, name);
             if (q->dw) q->dw += w0;
             snprintf(name, sizeof name, "%s.%d.%s.bias", ly->layers, l, ly->lin[j]);
             q->b = find_param(m, m->master, name);
-            q->db = find_param(m, m->grads, name);
+            q->db = grad_param(m, name);
             if (q->b) q->b += r0;
             if (q->db) q->db += r0;
         }
@@ -290,10 +312,10 @@ static int wire_lora(qt_model *m) {
             q->lora_id = qt_lin_owns(c, j) ? j : LIN_Q;
             snprintf(name, sizeof name, "base_model.model.%s.%d.%s.lora_A.weight", ly->layers, l, ly->lin[j]);
             q->la = find_param(m, m->master, name);
-            q->dla = find_param(m, m->grads, name);
+            q->dla = grad_param(m, name);
             snprintf(name, sizeof name, "base_model.model.%s.%d.%s.lora_B.weight", ly->layers, l, ly->lin[j]);
             q->lb = find_param(m, m->master, name);
-            q->dlb = find_param(m, m->grads, name);
+            q->dlb = grad_param(m, name);
             if (!q->la) continue;
             size_t b0 = (size_t)qt_lin_row0(c, j) * (size_t)m->opts.lora_r;
             q->lb += b0;
@@ -309,6 +331,13 @@ static int wire_lora(qt_model *m) {
         }
     qt_free(stage);
     return QT_OK;
+}
+
+/* The next piece of the gradient windows' block (NULL when empty), 16-float aligned. */
+static float *win_piece(float **q, size_t n) {
+    float *r = n ? *q : NULL;
+    *q += (n + 15) & ~(size_t)15;
+    return r;
 }
 
 static void *alloc_floats(qt_model *m, size_t bytes, const char *what) {
@@ -380,7 +409,19 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
         m->master = alloc_floats(m, m->numel * 4, "model: fp32 master weights");
         if (!m->master) return QT_ENOMEM;
         m->be->zero(m->be, m->master, m->numel * 4);
-        if (!m->infer) {
+        if (!m->infer && m->opts.grad_windows) {
+            qt_model_grad_windows(c, &m->opts, &m->gw);
+            m->gwin_block = alloc_floats(m, m->gw.total * 4, "model: gradient windows");
+            if (!m->gwin_block) return QT_ENOMEM;
+            m->be->zero(m->be, m->gwin_block, m->gw.total * 4);
+            float *q = m->gwin_block; /* the order of qt_model_grad_windows' sizing */
+            m->wlayer[0] = win_piece(&q, m->gw.each);
+            m->wlayer[1] = win_piece(&q, m->gw.each);
+            m->wnorm = win_piece(&q, m->gw.norm);
+            m->tslice = (int32_t *)win_piece(&q, m->gw.targets);
+            m->wslice[0] = m->wlayer[0];
+            m->wslice[1] = m->wlayer[1];
+        } else if (!m->infer) {
             m->grads = alloc_floats(m, m->numel * 4, "model: fp32 gradients");
             if (!m->grads) return QT_ENOMEM;
             m->be->zero(m->be, m->grads, m->numel * 4);
@@ -472,6 +513,7 @@ void qt_model_free(qt_model *m) {
         for (int i = 0; i < m->n_imported; i++) be->release_mapped(be, m->imported[i]);
         be->free(be, m->master);
         be->free(be, m->grads);
+        be->free(be, m->gwin_block);
         be->free(be, m->base_f32);
         be->free(be, m->wcopy);
         be->free(be, m->act_block);
@@ -501,6 +543,11 @@ const qt_config *qt_model_config(const qt_model *m) { return &m->cfg; }
 size_t qt_model_numel(const qt_model *m) { return m->numel; }
 float *qt_model_master(qt_model *m) { return m->master; }
 float *qt_model_grads(qt_model *m) { return m->grads; }
+size_t qt_model_grad_window_elems(const qt_model *m) { return m->gwin_block ? m->gw.each : 0; }
+void qt_model_set_grad_hook(qt_model *m, const qt_grad_hook *h) {
+    if (h) m->hook = *h;
+    else memset(&m->hook, 0, sizeof m->hook);
+}
 const qt_param *qt_model_params(const qt_model *m, int *n) {
     *n = m->n_params;
     return m->params;

@@ -97,7 +97,7 @@ static int metrics_line(qt_metrics *m, const char *line) {
 }
 
 int qt_metrics_log_step(qt_metrics *m, const qt_step_metrics *s) {
-    char loss[40], lr[40], gn[40], ls[40], tps[40], el[40], ep[40], cs[40], line[1024];
+    char loss[40], lr[40], gn[40], ls[40], tps[40], el[40], ep[40], cs[40], line[4096];
     jnum(loss, sizeof loss, s->loss);
     jnum(lr, sizeof lr, s->lr);
     jnum(gn, sizeof gn, s->grad_norm);
@@ -112,6 +112,19 @@ int qt_metrics_log_step(qt_metrics *m, const qt_step_metrics *s) {
              "\"mem_peak_bytes\": %lld, \"epoch\": %s, \"opt_state_bytes\": %lld, \"comm_s\": %s}",
              s->step, loss, lr, gn, ls, s->skipped ? "true" : "false", (long long)s->tokens,
              (long long)s->target_tokens, tps, el, (long long)s->mem_peak_bytes, ep, (long long)s->opt_state_bytes, cs);
+    if (s->n_ranks > 1) {
+        /* drop the closing brace, add the per-rank figures */
+        size_t len = strlen(line) - 1;
+        char busy[40], wait[40];
+        jnum(busy, sizeof busy, s->comm_busy_s);
+        jnum(wait, sizeof wait, s->comm_wait_s);
+        len += (size_t)snprintf(line + len, sizeof line - len, ", \"comm_busy_s\": %s, \"comm_wait_s\": %s, "
+                                "\"mem_peak_bytes_ranks\": [", busy, wait);
+        for (int r = 0; r < s->n_ranks && len < sizeof line - 32; r++)
+            len += (size_t)snprintf(line + len, sizeof line - len, "%s%lld", r ? ", " : "",
+                                    (long long)s->mem_peak_ranks[r]);
+        snprintf(line + len, sizeof line - len, "]}");
+    }
     QT_TRY(metrics_line(m, line));
     if (isfinite(s->loss)) QT_TRY(push(&m->train, &m->n_train, &m->cap_train, s->step, s->loss));
     return QT_OK;

@@ -23,6 +23,13 @@ typedef struct {
     double epoch;         /* fractional epoch */
     int64_t opt_state_bytes; /* optimizer state rank 0 holds (its ZeRO shard), device + host */
     double comm_s;        /* seconds rank 0 spent inside collectives during this step */
+    /* several ranks: every rank's peak RSS (n_ranks entries), and rank 0's
+     * collectives of this step through dist/transport.h (gradient reductions,
+     * embedding rows, parameter all-gather): their lifetime (busy) and the
+     * part the step waited for (wait); busy - wait was hidden */
+    const int64_t *mem_peak_ranks;
+    int n_ranks;
+    double comm_busy_s, comm_wait_s;
 } qt_step_metrics;
 
 typedef struct {

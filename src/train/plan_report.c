@@ -8,6 +8,8 @@
 #include "core/mem.h"
 #include "model/memplan.h"
 #include "model/model.h"
+#include "dist/dist.h"
+#include "dist/transport.h"
 #include "train/trainer.h"
 
 #include <cjson/cJSON.h>
@@ -47,6 +49,12 @@ typedef struct {
     uint64_t weights;     /* frozen base + compute copy of the trainable block (f16/bf16) or the f32 block itself */
     uint64_t activations; /* saved for backward */
     uint64_t workspace;   /* backward scratch */
+    uint64_t grads;       /* the model's gradient block, or its gradient windows (ZeRO-2, N > 1) */
+    uint64_t allocated;   /* everything the model allocates (memplan total) */
+    uint64_t mapped_base; /* LoRA: the frozen base the model reads from the mapping */
+    int rows, dim;        /* ZeRO-2 with a trainable embedding: rows per micro-batch, C */
+    size_t unit;          /* ZeRO-2: the gradient window's elements */
+    int overlap;
 } plan_model;
 
 /* The model's own memory plan (model/memplan.h) sizes everything the model
@@ -56,7 +64,7 @@ typedef struct {
  * f16/bf16 full fine-tuning a 2-byte compute copy of the trainable block sits
  * on the card while the fp32 master (counted under "master") can be sharded
  * or offloaded. In f32 the master block is the compute copy. */
-static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, plan_model *pm) {
+static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, plan_model *pm) {
     qt_model_opts mo;
     qt_model_opts_default(&mo);
     mo.compute = o->precision;
@@ -68,6 +76,7 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, plan_mod
     mo.max_B = o->micro_batch;
     mo.max_T = o->seq_len;
     mo.backend = o->backend;
+    mo.grad_windows = zero_partitions_grads(o->zero, N); /* the trainer's rule */
     qt_mem_breakdown b;
     qt_model_memory(c, &mo, &b);
     qt_model_opts full = mo;
@@ -85,29 +94,63 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, plan_mod
     }
     pm->activations = b.activations;
     pm->workspace = b.act_grads + b.workspace;
+    pm->grads = b.grads;
+    pm->allocated = b.total;
+    pm->mapped_base = o->lora ? b.base : 0;
+    pm->rows = mo.grad_windows && !o->lora ? o->micro_batch * o->seq_len : 0;
+    pm->dim = c->hidden_size;
+    qt_grad_windows gw;
+    qt_model_grad_windows(c, &mo, &gw);
+    pm->unit = gw.each;
+    pm->overlap = o->overlap;
+}
+
+/* The ZeRO options the trainer would pass for this plan. */
+static zero_opts plan_zero_opts(const qt_plan_opts *o, const plan_model *pm) {
+    zero_opts z = {.stage = o->zero, .offload = o->offload, .bucket_elems = o->reduce_bucket,
+                   .allgather_bucket_elems = o->allgather_bucket, .emb_rows = pm->rows, .emb_dim = pm->dim,
+                   .unit_elems = pm->unit, .overlap = pm->overlap};
+    return z;
 }
 
 /* ---- strategy side -------------------------------------------------------- */
 
 static uint64_t shard(uint64_t bytes, int n) { return (bytes + (uint64_t)n - 1) / (uint64_t)n; }
 
-static void plan_device(const plan_model *pm, const qt_plan_opts *o, int N, qt_plan_device *d) {
-    const uint64_t Pt = (uint64_t)pm->n_trainable;
+/* Rank 0's device (the largest shard). Gradients and communication buffers
+ * are what the model and zero_plan_create allocate (memplan's gradient
+ * windows at ZeRO-2 over several ranks; dist.h zero_memory): the same
+ * functions size them here and there. */
+static void plan_device(const qt_config *c, const qt_plan_opts *o, int N, qt_plan_device *d) {
+    plan_model pm;
+    plan_model_bytes(c, o, N, &pm);
+    const uint64_t Pt = (uint64_t)pm.n_trainable;
     memset(d, 0, sizeof *d);
-    d->weights = pm->weights;
-    const uint64_t grads = Pt * 4; /* the model's gradient block is fp32 */
+    d->weights = pm.weights;
     const uint64_t master = o->precision == QT_F32 ? 0 : Pt * 4;
-    const uint64_t optim = Pt * 8; /* Adam m and v, fp32 */
-    d->grads = o->zero >= 2 ? shard(grads, N) : grads;
+    zero_opts z = plan_zero_opts(o, &pm);
+    zero_mem zm;
+    zero_memory((size_t)Pt, N, 0, &z, 2, &zm);
+    d->grads = pm.grads + zm.grad_shard;
     d->master = o->zero >= 1 ? shard(master, N) : master;
-    d->optim = o->zero >= 1 ? shard(optim, N) : optim;
-    if (o->offload) d->master = d->optim = 0;
-    d->activations = pm->activations;
-    d->workspace = pm->workspace;
-    /* the dist layer's reduce-scatter target: one fp32 gradient shard
-     * (allocated on one rank too, but never touched there) */
-    if (N > 1) d->comm = shard(Pt * 4, N);
+    d->optim = o->offload ? 0 : zm.opt_state;
+    if (o->offload) d->master = 0;
+    d->activations = pm.activations;
+    d->workspace = pm.workspace;
+    d->comm = zm.reduce_parts + zm.gather_stage + zm.rows;
     d->total = d->weights + d->grads + d->master + d->optim + d->activations + d->workspace + d->comm;
+}
+
+uint64_t qt_plan_cpu_rank(const qt_config *c, const qt_plan_opts *o, int rank, uint64_t mapped) {
+    plan_model pm;
+    plan_model_bytes(c, o, o->devices, &pm);
+    zero_opts z = plan_zero_opts(o, &pm);
+    zero_mem zm;
+    if (zero_memory((size_t)pm.n_trainable, o->devices, rank, &z, 2, &zm)) return 0;
+    /* LoRA's frozen base is read from the mapping in f32 (in RSS); in f16/bf16 the model's
+     * converted copy is in its own total */
+    uint64_t base = o->lora && o->precision == QT_F32 ? pm.mapped_base : 0;
+    return pm.allocated + base + zm.total + mapped + qt_model_cpu_runtime_bytes() + tp_runtime_bytes(o->devices);
 }
 
 static int plan_check(const qt_config *c, const qt_plan_opts *o) {
@@ -133,18 +176,18 @@ int qt_plan_compute(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
     QT_TRY(plan_check(c, o));
     memset(p, 0, sizeof *p);
     plan_model pm;
-    plan_model_bytes(c, o, &pm);
     const int N = o->devices;
+    plan_model_bytes(c, o, N, &pm);
     p->n_params = pm.n_params;
     p->n_trainable = pm.n_trainable;
-    plan_device(&pm, o, N, &p->dev);
+    plan_device(c, o, N, &p->dev);
 
     const uint64_t cap = (uint64_t)(o->device_gib * GIB);
     p->fits = p->dev.total <= cap;
     p->min_devices = -1;
     for (int n = 1; n <= MAX_DEVICES; n++) {
         qt_plan_device d;
-        plan_device(&pm, o, n, &d);
+        plan_device(c, o, n, &d);
         if (d.total <= cap) {
             p->min_devices = n;
             break;
@@ -171,8 +214,7 @@ int qt_plan_compute(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
                                                : (uint64_t)pm.n_params * qt_dtype_size(c->torch_dtype);
     p->host_total = p->host_offload + p->host_pinned + p->host_dataset + p->host_runtime + p->host_mapped;
     p->cpu_runtime = qt_model_cpu_runtime_bytes();
-    p->cpu_rank_bytes = p->dev.total + (K ? (p->host_offload + p->host_pinned) / (uint64_t)K : 0) + p->host_mapped +
-                        p->cpu_runtime;
+    p->cpu_rank_bytes = qt_plan_cpu_rank(c, o, 0, p->host_mapped);
     p->host_recommend = (uint64_t)ceil((double)p->host_total * 1.2 / GIB) * (uint64_t)GIB;
 
     /* A checkpoint holds the fp32 trainable block and Adam m, v (all shards
@@ -321,6 +363,11 @@ char *qt_plan_json(const char *name, const qt_config *c, const qt_plan_opts *o, 
         add_u64(h, "recommend", p->host_recommend);
     }
     add_u64(r, "cpu_rank_bytes", p->cpu_rank_bytes);
+    if (o->devices <= 64) {
+        cJSON *a = cJSON_AddArrayToObject(r, "cpu_rank_bytes_per_rank");
+        for (int k = 0; a && k < o->devices; k++)
+            cJSON_AddItemToArray(a, cJSON_CreateNumber((double)qt_plan_cpu_rank(c, o, k, p->host_mapped)));
+    }
     add_u64(r, "cpu_runtime_bytes", p->cpu_runtime);
     add_u64(r, "checkpoint_bytes", p->ckpt_bytes);
     add_u64(r, "final_bytes", p->final_bytes);

@@ -40,6 +40,9 @@ typedef struct {
     uint64_t dataset_bytes; /* token cache / dataset held in host memory */
     uint64_t weights_file_bytes; /* the model's *.safetensors; 0: parameters x config torch_dtype */
     const char *backend;   /* whose descriptor sizes the workspaces (backend/backend.h); NULL: QTUNE_BACKEND, else cpu */
+    size_t reduce_bucket;    /* DeepSpeed reduce_bucket_size, elements; 0: 5e8 */
+    size_t allgather_bucket; /* DeepSpeed allgather_bucket_size, elements; 0: 5e8 */
+    int overlap;             /* DeepSpeed overlap_comm (ZeRO 2: reductions in flight during the backward) */
 } qt_plan_opts;
 
 /* Defaults: LoRA off, r 8 on q,v, ZeRO 0, 1 device, no offload, f32, B 1,
@@ -49,12 +52,14 @@ void qt_plan_opts_default(qt_plan_opts *o);
 /* One line per category, bytes on each card. */
 typedef struct {
     uint64_t weights;     /* compute-dtype weights (frozen base + trainable copy) */
-    uint64_t grads;       /* gradients of the trainable block (sharded in ZeRO 2) */
+    uint64_t grads;       /* the fp32 gradient block; ZeRO 2 on several devices: the rank's
+                             gradient shard + the model's two gradient windows */
     uint64_t master;      /* fp32 master weights beyond the compute copy (sharded in ZeRO 1/2) */
     uint64_t optim;       /* Adam m and v, fp32 (sharded in ZeRO 1/2) */
     uint64_t activations; /* saved for backward, sized for B x T */
     uint64_t workspace;   /* backward scratch, logits, attention scores */
-    uint64_t comm;        /* the reduced fp32 gradient shard of the collectives (0 on one device) */
+    uint64_t comm;        /* collective buffers: the all-reduce temporary (ZeRO 0/1), the
+                             parameter all-gather bucket (ZeRO 1/2), the embedding rows (ZeRO 2) */
     uint64_t total;
 } qt_plan_device;
 
@@ -85,6 +90,11 @@ typedef struct {
     double power_recommend_w; /* power_w + 20% */
     int hosts;
 } qt_plan;
+
+/* One rank's process on the CPU backend, as qtune train allocates it: the
+ * model's blocks (memplan), the ZeRO buffers and optimizer state of that
+ * rank (dist.h zero_memory), the mapped weights file and the runtime. */
+uint64_t qt_plan_cpu_rank(const qt_config *cfg, const qt_plan_opts *o, int rank, uint64_t mapped);
 
 /* Computes the plan. QT_EINVAL names the bad option. */
 int qt_plan_compute(const qt_config *cfg, const qt_plan_opts *o, qt_plan *out);

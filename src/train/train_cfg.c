@@ -17,11 +17,11 @@ void qt_train_cfg_from_ds(const qt_ds_config *ds, qt_train_cfg *cfg) {
     cfg->scaler = ds->scaler;
     cfg->zero.stage = ds->zero.stage;
     cfg->zero.offload = ds->zero.offload_optimizer;
-    /* DeepSpeed's 5e8-element default bucket is larger than qtune needs; a
-     * smaller size the user chose is kept */
-    cfg->zero.bucket_elems = ds->zero.reduce_bucket_size > 0 && ds->zero.reduce_bucket_size < 5e8
-                                 ? (size_t)ds->zero.reduce_bucket_size
-                                 : 0;
+    /* DeepSpeed's bucket sizes as given (default 5e8 elements each); a
+     * bucket larger than the block is the block (dist.h zero_memory) */
+    cfg->zero.bucket_elems = ds->zero.reduce_bucket_size >= 1 ? (size_t)ds->zero.reduce_bucket_size : 0;
+    cfg->zero.allgather_bucket_elems = ds->zero.allgather_bucket_size >= 1 ? (size_t)ds->zero.allgather_bucket_size : 0;
+    cfg->zero.overlap = ds->zero.overlap_comm;
     cfg->steps_per_print = ds->steps_per_print > 0 ? ds->steps_per_print : 10;
 }
 

@@ -97,6 +97,8 @@ static int load_model(qt_trainer *t) {
     o.max_B = t->cfg.micro_batch;
     o.max_T = job->data.seq_len;
     o.seed = job->train.seed;
+    /* ZeRO-2 over several ranks: no gradient block, the backward hands each unit over */
+    o.grad_windows = zero_partitions_grads(t->cfg.zero.stage, t->world);
     int rc = qt_model_load(job->model, &o, &t->model);
     if (rc != QT_OK) return qt_error_context(rc, "%s: model", job->path);
     t->n = qt_model_numel(t->model);
@@ -117,10 +119,29 @@ static void state_free(void *p, void *user) {
     be->free(be, p);
 }
 
+/* The model's gradient hook, at ZeRO-2: straight into the plan. */
+static int hook_window(void *u, const float *g) { return zero_grads_window(u, g); }
+static int hook_ready(void *u, size_t lo, size_t hi, const float *g) { return zero_grads_ready(u, lo, hi, g); }
+static int hook_rows(void *u, size_t lo, int C, const int32_t *ids, const float *d, int n) {
+    return zero_grads_rows(u, lo, C, ids, d, n);
+}
+
 static int setup_optimizer(qt_trainer *t) {
+    if (!t->grads) {
+        /* gradient windows: the embedding's rows come as one message per micro-batch */
+        t->cfg.zero.unit_elems = qt_model_grad_window_elems(t->model);
+        if (!t->job->lora.enabled) {
+            t->cfg.zero.emb_rows = t->cfg.micro_batch * t->job->data.seq_len;
+            t->cfg.zero.emb_dim = qt_model_config(t->model)->hidden_size;
+        }
+    }
     QT_TRY(zero_plan_create(t->d, t->n, &t->cfg.zero, &t->zp));
     zero_set_device_allocator(t->zp, state_alloc, state_free, t->be);
     zero_set_backend(t->zp, t->be);
+    if (!t->grads) {
+        qt_grad_hook h = {hook_window, hook_ready, hook_rows, t->zp};
+        qt_model_set_grad_hook(t->model, &h);
+    }
     QT_TRY(zero_state_alloc(t->zp, 2, &t->zs));
     zero_opt_range(t->zp, &t->lo, &t->hi);
     QT_TRY(qt_decay_ranges_from_params(t->params, t->n_params, &t->decay, &t->n_decay));
@@ -265,8 +286,10 @@ static int train_step(qt_trainer *t, step_out *o) {
     const double S = qt_optimizer_loss_scale(&t->opt);
     o->loss_scale = S;
 
-    /* 2. forward/backward: grads = S * d(sum of token losses)/Ntok */
-    t->be->zero(t->be, t->grads, t->n * sizeof(float));
+    /* 2. forward/backward: grads = S * d(sum of token losses)/Ntok (ZeRO-2:
+     * handed over layer by layer into the rank's gradient shard) */
+    if (t->grads) t->be->zero(t->be, t->grads, t->n * sizeof(float));
+    else QT_TRY(zero_grads_begin(t->zp));
     double loss_sum = 0;
     const float gs = cnt[0] > 0 ? (float)(S / (double)cnt[0]) : 0.0f;
     for (int a = 0; a < A; a++) {
@@ -302,7 +325,8 @@ static int train_step(qt_trainer *t, step_out *o) {
     }
     /* 5-6. src/optim's step: the loss scaler, the schedule, unscale and clip fused into Adam */
     qt_step_info si;
-    int rc = qt_optimizer_apply(&t->opt, t->be, sumsq, overflow, t->master + t->lo, t->grads + t->lo, t->zs.slot[0],
+    const float *g = t->grads ? t->grads + t->lo : zero_grad_shard(t->zp); /* [lo, hi), summed over ranks */
+    int rc = qt_optimizer_apply(&t->opt, t->be, sumsq, overflow, t->master + t->lo, g, t->zs.slot[0],
                                 t->zs.slot[1], t->hi - t->lo, t->lo, t->decay, t->n_decay, &si);
     if (rc != QT_OK)
         return qt_error_context(rc, "step %ld (the last good checkpoint is %s)", t->step + 1,
@@ -360,6 +384,7 @@ static void trainer_free(qt_trainer *t) {
         zero_plan_free(t->zp);
     }
     qt_free(t->decay);
+    qt_free(t->peaks);
     if (t->mb)
         for (int a = 0; a < t->cfg.grad_accum; a++) dl_batch_free(&t->mb[a]);
     qt_free(t->mb);
@@ -556,10 +581,21 @@ static int run(qt_trainer *t, qt_train_result *res) {
         dl_get_stats(t->train_dl, &st0);
         win_wait0 = st0.wait_s;
     }
+    t->peaks = qt_calloc((size_t)t->world, sizeof *t->peaks, "per-rank peaks");
+    if (!t->peaks) return QT_ENOMEM;
     while (t->step < t->max_steps && !stop) {
         double ts = qt_now_s(), cs = dist_comm_seconds(t->d);
+        tp_stats tp0, tp1;
+        tp_get_stats(t->d, &tp0);
         step_out o;
         QT_TRY(train_step(t, &o));
+        tp_get_stats(t->d, &tp1);
+        /* every rank's peak, on the steps rank 0 logs (the same steps on every rank) */
+        int log_now = t->step + 1 == t->max_steps || (t->step + 1) % job->train.log_steps == 0;
+        if (log_now && t->world > 1) {
+            int64_t mine = qt_peak_rss_bytes();
+            QT_TRY(dist_allgather_i64(t->d, &mine, 1, t->peaks, "peak memory"));
+        }
         t->step++;
         t->tokens_seen += o.tokens;
         res->last_loss = o.loss;
@@ -575,6 +611,8 @@ static int run(qt_trainer *t, qt_train_result *res) {
                 .epoch = (double)ds.epoch + (st.n_examples_rank ? (double)ds.index / (double)st.n_examples_rank : 0),
                 .opt_state_bytes = (int64_t)(zero_state_bytes_device(t->zp) + zero_state_bytes_host(t->zp)),
                 .comm_s = dist_comm_seconds(t->d) - cs,
+                .mem_peak_ranks = t->peaks, .n_ranks = t->world,
+                .comm_busy_s = tp1.busy_s - tp0.busy_s, .comm_wait_s = tp1.wait_s - tp0.wait_s,
             };
             QT_TRY(qt_metrics_log_step(&t->metrics, &m));
             QT_TRY(qt_metrics_write_svg(&t->metrics));

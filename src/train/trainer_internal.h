@@ -5,6 +5,7 @@
 
 #include "data/loader.h"
 #include "dist/dist.h"
+#include "dist/transport.h"
 #include "model/model.h"
 #include "optim/optimizer.h"
 #include "text/tokenizer.h"
@@ -28,7 +29,8 @@ typedef struct {
     qt_model *model;
     size_t n;                  /* elements in the trainable block */
     float *master;             /* (n) fp32 master weights */
-    float *grads;              /* (n) fp32 gradients */
+    float *grads;              /* (n) fp32 gradients; NULL at ZeRO-2 over several ranks (the
+                                  model hands them to the plan: zero_grad_shard) */
     const qt_param *params;
     int n_params;
 
@@ -49,6 +51,7 @@ typedef struct {
     long resumed_from;
 
     qt_metrics metrics;
+    int64_t *peaks;            /* (world) every rank's peak RSS, gathered on logged steps */
     char last_ckpt[4096];
     int outdir_lock;           /* the output folder's flock (main rank), -1 when none */
     int stop_file_seen;        /* the main rank saw `qtune stop`'s file (said once) */

@@ -111,6 +111,67 @@ def test_ranks_match_one_rank(setup, reference, n, stage, offload):
     assert ok, why
 
 
+# ---------------------------------------------------------------------------
+# ZeRO-2's partitioned gradients: the model hands each unit (final norm, lm_head slices, layers, embedding
+# rows) to its owners during the backward; with accumulation every micro-step is reduced into the shard.
+# Small buckets cut the units at shard and bucket boundaries; overlap keeps the reductions in flight.
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """tiny-llama: the untied lm_head is its own tensor at the end of the block."""
+    d = tmp_path_factory.mktemp("mpi_llama")
+    u.init_model(str(d / "model"), preset="tiny-llama", seed=5)
+    u.write_tokens(str(d / "train.jsonl"), 64, 16, 1)
+    return d
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """A vocabulary of 6144 over small layers: the lm_head's backward runs in 3 slices of 2048 rows, each
+    handed over before the next (tied), and the rows of the embedding span several shards."""
+    d = tmp_path_factory.mktemp("mpi_wide")
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 6144, "hidden_size": 64,
+           "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+           "tie_word_embeddings": True, "hidden_act": "silu", "torch_dtype": "float32", "use_sliding_window": False}
+    (d / "config.json").write_text(json.dumps(cfg))
+    u.run("init", "--out", str(d / "model"), "--config", str(d / "config.json"), "--seed", "2")
+    u.write_tokens(str(d / "train.jsonl"), 64, 16, 1, vocab=6144)
+    return d
+
+
+def zero2_job(d, name, accum, zero):
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accum, "gradient_clipping": 1.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}, "zero_optimization": zero}
+    return u.write_job(str(d / f"{name}.json"), "model", name, "train.jsonl", T=16, train_opts={"max_steps": STEPS},
+                       ds=ds)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama", "wide"])
+@pytest.mark.parametrize("n,accum,overlap,bucket", [(2, 2, True, 5000), (4, 2, True, None), (2, 1, False, 777),
+                                                    (4, 1, True, 3000)])
+def test_zero2_partitioned_matches_one_rank(setup, llama, wide, preset, n, accum, overlap, bucket):
+    d = {"tiny": setup, "tiny-llama": llama, "wide": wide}[preset]
+    ref = f"z2ref_{n * accum}"
+    if not os.path.exists(d / ref / "final"):
+        u.run("train", zero2_job(d, ref, n * accum, {"stage": 0}))
+    z = {"stage": 2, "overlap_comm": overlap, "offload_optimizer": {"device": "cpu"}}
+    if bucket:
+        z.update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
+    name = f"z2_{n}_{accum}_{int(overlap)}_{bucket}"
+    rc, out = mpirun(n, ["train", zero2_job(d, name, accum, z)])
+    assert rc == 0, out
+    steps, ref_steps = u.step_lines(str(d / name)), u.step_lines(str(d / ref))
+    assert len(steps) == len(ref_steps) == STEPS
+    for s, r in zip(steps, ref_steps):
+        assert s["target_tokens"] == r["target_tokens"]
+        assert abs(s["loss"] - r["loss"]) <= 1e-5 * abs(r["loss"]), (s, r)
+        assert abs(s["grad_norm"] - r["grad_norm"]) <= 1e-5 * abs(r["grad_norm"]), (s, r)
+        assert len(s["mem_peak_bytes_ranks"]) == n and s["comm_busy_s"] > 0 and s["comm_wait_s"] >= 0
+    ok, why = close(weights(str(d / name)), weights(str(d / ref)))
+    assert ok, why
+
+
 def test_zero2_resume_equals_uninterrupted(setup):
     rc, out = mpirun(2, ["train", job(setup, "straight", 1, 2, 1, steps=4)])
     assert rc == 0, out

@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "core/mem.h"
 #include "model/model.h"
+#include "model/memplan.h"
 #include "train/plan_report.h"
 
 #include <string.h>
@@ -65,7 +66,16 @@ static void test_zero_stages(void **state) {
     assert_int_equal(p1.dev.master, P * 4 / 4);
     assert_int_equal(p1.dev.optim, P * 8 / 4);
     assert_int_equal(p1.dev.grads, P * 4);
-    assert_int_equal(p2.dev.grads, P * 4 / 4);
+    /* ZeRO 2 on 4 devices: the fp32 shard (P/4 rounded to 16 elements) + the model's gradient windows */
+    qt_model_opts mo;
+    qt_model_opts_default(&mo);
+    mo.compute = QT_F16;
+    mo.max_T = 512;
+    mo.grad_windows = 1;
+    qt_grad_windows gw;
+    qt_model_grad_windows(&c, &mo, &gw);
+    assert_true(gw.total > 2 * gw.layer && gw.total < P / 10);
+    assert_int_equal(p2.dev.grads, (P / 4 + 15) / 16 * 16 * 4 + gw.total * 4);
     assert_int_equal(p2o.dev.master, 0);
     assert_int_equal(p2o.dev.optim, 0);
     assert_true(p2o.host_offload >= P * 12); /* 4 ranks on one host hold every shard */

@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""ZeRO benchmark: per-rank peak memory (measured against `qtune plan`), step time and the share of the
+gradient communication hidden behind the backward, at ZeRO stages 0, 1 and 2, with 1, 2 and 4 ranks,
+optimizer offload on and off, full fine-tuning, on the bench-tiny and Qwen2.5-0.5B shapes.
+
+Each case is one `qtune train` (under mpirun for several ranks) of --steps optimizer steps, micro-batch 1,
+T tokens; the figures come from its metrics.jsonl (mem_peak_bytes_ranks, comm_busy_s, comm_wait_s,
+elapsed_s) and from `qtune plan --json` (cpu_rank_bytes_per_rank). Step time is the median over the steps
+after the first. Hidden share = 1 - wait / busy of the gradient collectives, with overlap_comm on; the
+same case with overlap_comm off gives the fully exposed time for comparison.
+
+Usage (on a quiet machine; 4 ranks want 4 free cores x threads):
+  /usr/bin/python3 bench/bench_zero.py --qtune build/src/cli/qtune \\
+      [--shapes bench-tiny,qwen2.5-0.5b] [--ranks 1,2,4] [--stages 0,1,2] [--offload both|on|off]
+      [--steps 4] [--seq-len 128] [--threads 1] [--memory-only] [--bucket E] [--json OUT.json]
+--memory-only runs 2 steps per case (peaks, no timing claims)."""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+
+import numpy as np
+
+MPI_ARGS = ["--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader"]
+MIB = 2 ** 20
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def prepare(qtune, work, shape, T, steps, max_ranks):
+    d = os.path.join(work, shape)
+    if not os.path.exists(os.path.join(d, "model", "config.json")):
+        os.makedirs(d, exist_ok=True)
+        subprocess.run([qtune, "init", "--preset", shape, "--dtype", "f32", "--out", os.path.join(d, "model"),
+                        "--force"], check=True, capture_output=True)
+    V = json.load(open(os.path.join(d, "model", "config.json")))["vocab_size"]
+    rng = np.random.default_rng(0)
+    with open(os.path.join(d, "train.jsonl"), "w") as f:
+        for _ in range(steps * max_ranks + 4):
+            f.write(json.dumps({"input_ids": [int(x) for x in rng.integers(1, V - 1, T + 1)]}) + "\n")
+    return d
+
+
+def run_case(a, d, n, stage, offload, overlap):
+    name = f"n{n}_s{stage}_o{offload}_ov{int(overlap)}"
+    z = {"stage": stage, "offload_optimizer": {"device": "cpu" if offload else "none"}, "overlap_comm": overlap}
+    if a.bucket:
+        z.update(reduce_bucket_size=a.bucket, allgather_bucket_size=a.bucket)
+    steps = 2 if a.memory_only else a.steps
+    job = {"model": "model", "output_dir": name,
+           "data": {"train": "train.jsonl", "seq_len": a.seq_len, "packing": False, "shuffle": False},
+           "train": {"max_steps": steps, "log_steps": 1, "seed": 1, "save_steps": 0},
+           "deepspeed": {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                         "zero_optimization": z}}
+    jp = os.path.join(d, name + ".json")
+    json.dump(job, open(jp, "w"))
+    shutil.rmtree(os.path.join(d, name), ignore_errors=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), OPENBLAS_NUM_THREADS=str(a.threads))
+    cmd = ([shutil.which("mpirun"), *MPI_ARGS, "-np", str(n)] if n > 1 else []) + [a.qtune, "train", jp]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        log(p.stdout[-2000:] + p.stderr[-2000:])
+        raise SystemExit(f"{name} failed")
+    lines = [json.loads(l) for l in open(os.path.join(d, name, "metrics.jsonl")) if l.strip()]
+    lines = [m for m in lines if "loss" in m]
+    peaks = lines[-1].get("mem_peak_bytes_ranks", [lines[-1]["mem_peak_bytes"]])
+    plan_args = [a.qtune, "plan", "--model", os.path.join(d, "model"), "--micro-batch", "1", "--seq-len",
+                 str(a.seq_len), "--json", "--zero", str(stage), "--devices", str(n)]
+    if offload:
+        plan_args += ["--offload", "cpu"]
+    if overlap:
+        plan_args += ["--overlap-comm"]
+    if a.bucket:
+        plan_args += ["--reduce-bucket-size", str(a.bucket), "--allgather-bucket-size", str(a.bucket)]
+    plan = json.loads(subprocess.run(plan_args, capture_output=True, text=True, check=True).stdout)
+    times = [b["elapsed_s"] - x["elapsed_s"] for x, b in zip(lines, lines[1:])]
+    busy = sum(m.get("comm_busy_s", 0) for m in lines[1:])
+    wait = sum(m.get("comm_wait_s", 0) for m in lines[1:])
+    return {"case": name, "ranks": n, "stage": stage, "offload": offload, "overlap": overlap,
+            "peak_mib": [x / MIB for x in peaks], "plan_mib": [x / MIB for x in plan["cpu_rank_bytes_per_rank"]],
+            "step_s": statistics.median(times) if times else None, "comm_busy_s": busy, "comm_wait_s": wait,
+            "hidden": (1 - wait / busy) if busy > 0 else None}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--qtune", default=os.environ.get("QTUNE_BIN", "build/src/cli/qtune"))
+    ap.add_argument("--shapes", default="bench-tiny,qwen2.5-0.5b")
+    ap.add_argument("--ranks", default="1,2,4")
+    ap.add_argument("--stages", default="0,1,2")
+    ap.add_argument("--offload", choices=("both", "on", "off"), default="both")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--bucket", type=float, help="reduce_bucket_size and allgather_bucket_size (default 5e8)")
+    ap.add_argument("--memory-only", action="store_true")
+    ap.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "qtune-bench-zero"))
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    a.qtune = os.path.abspath(a.qtune)
+    ranks = [int(x) for x in a.ranks.split(",")]
+    offs = {"both": [0, 1], "on": [1], "off": [0]}[a.offload]
+    results = []
+    print("| shape | ranks | stage | offload | overlap | plan MiB per rank | peak MiB per rank | worst err | "
+          "step s | comm busy s | wait s | hidden |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for shape in a.shapes.split(","):
+        d = prepare(a.qtune, a.work, shape, a.seq_len, a.steps, max(ranks))
+        for n in ranks:
+            for stage in [int(s) for s in a.stages.split(",")]:
+                for off in offs:
+                    if off and stage == 0:
+                        continue
+                    overlaps = [True, False] if stage == 2 and n > 1 and not a.memory_only else [stage == 2]
+                    for ov in overlaps:
+                        log(f"{shape}: {n} ranks, stage {stage}, offload {off}, overlap {ov}")
+                        r = run_case(a, d, n, stage, off, ov)
+                        r["shape"] = shape
+                        results.append(r)
+                        err = max(abs(p - m) / m for p, m in zip(r["plan_mib"], r["peak_mib"]))
+                        f = lambda xs: " / ".join(f"{x:.0f}" for x in xs)  # noqa: E731
+                        step = f"{r['step_s']:.2f}" if r["step_s"] is not None and not a.memory_only else "-"
+                        hid = f"{100 * r['hidden']:.0f}%" if r["hidden"] is not None and not a.memory_only else "-"
+                        print(f"| {shape} | {n} | {stage} | {'cpu' if off else 'none'} | {'on' if ov else 'off'} | "
+                              f"{f(r['plan_mib'])} | {f(r['peak_mib'])} | {100 * err:.1f}% | {step} | "
+                              f"{r['comm_busy_s']:.3f} | {r['comm_wait_s']:.3f} | {hid} |", flush=True)
+    if a.json:
+        json.dump(results, open(a.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

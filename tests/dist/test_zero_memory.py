@@ -1,0 +1,94 @@
+"""The plan is the allocation: `qtune plan`'s cpu_rank_bytes_per_rank against the peak RSS every rank of
+`qtune train` reports (metrics.jsonl mem_peak_bytes_ranks), under real mpirun at 1, 2 and 4 ranks, ZeRO
+stages 0, 1 and 2, optimizer offload on and off, full fine-tuning and LoRA: within 10% on every rank.
+Both sides size the model's blocks with memplan (gradient windows at ZeRO-2 over several ranks) and the
+ZeRO buffers with dist.h zero_memory."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "train"))
+import trainutil as u  # noqa: E402
+
+MPIRUN = shutil.which("mpirun")
+MPI_ARGS = ["--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader"]
+B, T = 2, 64
+
+
+def built_with_mpi():
+    cfg = os.path.join(os.environ.get("QTUNE_BUILD_DIR", ""), "generated", "qtune_config.h")
+    try:
+        with open(cfg) as f:
+            return "#define QTUNE_HAVE_MPI 1" in f.read()
+    except OSError:
+        return True
+
+
+pytestmark = [
+    pytest.mark.skipif(MPIRUN is None, reason="mpirun is not installed (apt-get install openmpi-bin)"),
+    pytest.mark.skipif(not built_with_mpi(), reason="this build has no MPI (QTUNE_HAVE_MPI 0)"),
+    pytest.mark.skipif(not os.path.exists(u.QTUNE), reason=f"{u.QTUNE} not built"),
+]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("zero_mem")
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 8192, "hidden_size": 256,
+           "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+           "tie_word_embeddings": True, "hidden_act": "silu", "torch_dtype": "float32", "use_sliding_window": False}
+    (d / "config.json").write_text(json.dumps(cfg))
+    u.run("init", "--out", str(d / "m"), "--config", str(d / "config.json"), "--seed", "1")
+    rng = np.random.default_rng(0)
+    with open(d / "train.jsonl", "w") as f:
+        for _ in range(64):
+            f.write(json.dumps({"input_ids": [int(x) for x in rng.integers(1, 8190, T + 1)]}) + "\n")
+    return d
+
+
+CASES = [(1, 0, 0), (1, 1, 1), (1, 2, 0), (2, 0, 0), (2, 1, 0), (2, 1, 1), (2, 2, 0), (2, 2, 1),
+         (4, 0, 0), (4, 1, 1), (4, 2, 0), (4, 2, 1)]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("n,stage,offload", CASES)
+def test_plan_matches_every_rank(setup, n, stage, offload, lora):
+    d = setup
+    name = f"n{n}_s{stage}_o{offload}_{'lora' if lora else 'full'}"
+    z = {"stage": stage, "offload_optimizer": {"device": "cpu" if offload else "none"}, "overlap_comm": True}
+    job = {"model": "m", "output_dir": name,
+           "data": {"train": "train.jsonl", "seq_len": T, "packing": False, "shuffle": False},
+           "train": {"max_steps": 2, "log_steps": 1, "seed": 1, "save_steps": 0},
+           "deepspeed": {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1,
+                         "zero_optimization": z}}
+    if lora:
+        job["lora"] = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}
+    (d / f"{name}.json").write_text(json.dumps(job))
+    env = u.env()
+    env.update({"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
+    cmd = ([MPIRUN, *MPI_ARGS, "-np", str(n)] if n > 1 else []) + [u.QTUNE, "train", str(d / f"{name}.json")]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    with open(d / name / "metrics.jsonl") as f:
+        last = [json.loads(l) for l in f if l.strip() and "step" in l][-1]
+    measured = last.get("mem_peak_bytes_ranks", [last["mem_peak_bytes"]])
+    assert len(measured) == n
+    args = ["plan", "--model", str(d / "m"), "--micro-batch", B, "--seq-len", T, "--json", "--zero", stage,
+            "--devices", n, "--overlap-comm"]
+    if offload:
+        args += ["--offload", "cpu"]
+    if lora:
+        args += ["--mode", "lora", "--lora-r", 8, "--lora-targets", "q_proj,v_proj"]
+    plan = json.loads(u.run(*map(str, args)).stdout)
+    predicted = plan["cpu_rank_bytes_per_rank"]
+    errs = [(pr - m) / m for pr, m in zip(predicted, measured)]
+    print(name, " ".join(f"r{r}: plan {pr / 2**20:.1f} MiB, peak {m / 2**20:.1f} MiB ({e:+.1%})"
+                         for r, (pr, m, e) in enumerate(zip(predicted, measured, errs))))
+    assert all(abs(e) <= 0.10 for e in errs), (name, predicted, measured, errs)
