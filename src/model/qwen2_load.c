@@ -91,7 +91,9 @@ static float *grad_param(qt_model *m, const char *name) {
             size_t l = (p->offset - w->layer0) / w->layer;
             return m->wlayer[l & 1] + (p->offset - w->layer0 - l * w->layer);
         }
-        if (!strcmp(name, "model.norm.weight")) return m->wnorm;
+        char norm[160];
+        snprintf(norm, sizeof norm, "%s.weight", qt_config_layout(&m->cfg)->final_norm);
+        if (!strcmp(name, norm)) return m->wnorm; /* model.norm, or the original Qwen's transformer.ln_f */
         return m->wslice[0];
     }
     return NULL;
