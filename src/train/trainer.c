@@ -14,6 +14,7 @@
 #include "train/trainer_internal.h"
 
 #include <math.h>
+#include <omp.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -471,6 +472,11 @@ int qt_train_run(const qt_job *job, dist_ctx *d, const qt_train_hooks *hooks, qt
     }
     /* provisional (B, A, dtype for the model and loaders); final once max_steps is known */
     if (rc == QT_OK) qt_train_cfg_from_ds(&t.ds, &t.cfg);
+    if (rc == QT_OK && t.main) {
+        char line[1024];
+        qt_train_describe(job, &t.ds, omp_get_max_threads(), line, sizeof line);
+        qt_info("%s", line);
+    }
     if (rc == QT_OK) rc = run(&t, res);
     trainer_free(&t);
     return rc;
