@@ -31,7 +31,8 @@ static void eval_help(void) {
            "  --model DIR        Hugging Face model folder (config.json, *.safetensors[, tokenizer.json])\n"
            "  --adapter DIR      PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors)\n"
            "  --data FILE        JSONL, one example a line\n"
-           "  --format F         auto (default), text, messages, alpaca, tokens ({\"input_ids\", \"labels\"?})\n"
+           "  --format F         auto (default), text, messages, sharegpt, alpaca, prompt_completion,\n"
+           "                     tokens ({\"input_ids\", \"labels\"?})\n"
            "  --seq-len T        tokens per example; longer examples are cut\n"
            "                     (default min(1024, the model's max_position_embeddings))\n"
            "  --batch B          examples per forward pass (default 1)\n"
@@ -53,7 +54,11 @@ static int read_data(const char *path, dl_format fmt, const bpe_tokenizer *tok, 
     dl_lines r;
     QT_TRY(dl_lines_open(&r, path, 0));
     dl_encode_ctx ctx = {.tok = tok, .mask_prompt = 1, .vocab_limit = V};
-    int rc = QT_OK;
+    int rc = dl_seen_keys_new(path, &ctx.seen);
+    if (rc != QT_OK) {
+        dl_lines_close(&r);
+        return rc;
+    }
     for (;;) {
         const char *s;
         size_t len;
@@ -80,6 +85,7 @@ static int read_data(const char *path, dl_format fmt, const bpe_tokenizer *tok, 
         d->line[d->n] = line;
         d->start[++d->n] = d->tb.n;
     }
+    dl_seen_keys_free(ctx.seen);
     dl_lines_close(&r);
     if (rc == QT_OK && d->n == 0) rc = QT_ERR(QT_EINVAL, "%s holds no examples", path);
     return rc;
@@ -231,7 +237,7 @@ int cmd_eval(int argc, char **argv) {
         else if (!strcmp(a, "--format")) {
             if (dl_format_parse(v, &fmt) != QT_OK) {
                 qt_error_clear();
-                return cli_usage_error("eval", "--format must be auto, text, messages, alpaca or tokens, not '%s'", v);
+                return cli_usage_error("eval", "--format must be auto, text, messages, sharegpt, alpaca, prompt_completion or tokens, not '%s'", v);
             }
         }
         else if (!strcmp(a, "--per-token")) per_token = v;

@@ -272,7 +272,7 @@ static int chat_loop(gen_state *g, const char *system) {
         msgs = qt_malloc((size_t)cap_msg * sizeof *msgs, "chat messages");
         owned = qt_calloc((size_t)cap_msg, sizeof *owned, "chat messages");
         if (!msgs || !owned) rc = QT_ENOMEM;
-        else msgs[n_msg++] = (chat_message){"system", system};
+        else msgs[n_msg++] = (chat_message){.role = "system", .content = system};
     }
     while (rc == QT_OK) {
         if (tty) fprintf(stderr, "user> "), fflush(stderr);
@@ -298,7 +298,7 @@ static int chat_loop(gen_state *g, const char *system) {
             rc = QT_ENOMEM;
             break;
         }
-        msgs[n_msg] = (chat_message){"user", owned[n_msg]};
+        msgs[n_msg] = (chat_message){.role = "user", .content = owned[n_msg]};
         n_msg++;
         char *text = NULL;
         size_t len;
@@ -318,7 +318,7 @@ static int chat_loop(gen_state *g, const char *system) {
         if (rc == QT_OK) {
             owned[n_msg] = g->reply; /* the history keeps the reply's text */
             g->reply = NULL;
-            msgs[n_msg] = (chat_message){"assistant", owned[n_msg] ? owned[n_msg] : ""};
+            msgs[n_msg] = (chat_message){.role = "assistant", .content = owned[n_msg] ? owned[n_msg] : ""};
             n_msg++;
         }
     }

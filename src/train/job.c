@@ -270,7 +270,7 @@ static int parse_data(const job_ctx *c, const cJSON *root, qt_job_data *d) {
     QT_TRY(get_str(c, s, "data", "format", "auto", &d->format));
     dl_format fmt;
     if (dl_format_parse(d->format, &fmt) != QT_OK)
-        return QT_ERR(QT_EINVAL, "%s: data.format is '%s'; use auto, text, messages, alpaca or tokens", c->where,
+        return QT_ERR(QT_EINVAL, "%s: data.format is '%s'; use auto, text, messages, sharegpt, alpaca, prompt_completion or tokens", c->where,
                       d->format);
     QT_TRY(get_int(c, s, "data", "seq_len", 512, 2, &d->seq_len));
     QT_TRY(get_bool(c, s, "data", "packing", 1, &d->packing));
