@@ -35,7 +35,7 @@ static const char *stop_msg = "";
 
 static void on_stop_signal(int sig) {
     (void)sig;
-    if (!stop_flag) {
+    if (!stop_flag && stop_msg) {
         /* write(2) is async-signal-safe; stdio is not */
         static const char head[] = "\nqtune: stop requested: ";
         ssize_t w = write(2, head, sizeof head - 1);

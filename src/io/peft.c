@@ -230,6 +230,12 @@ int peft_config_load(const char *dir, peft_config *c) {
     return rc;
 }
 
+void peft_base_model_name(const char *model_dir, char *out, size_t cap) {
+    char *abs = realpath(model_dir, NULL);
+    snprintf(out, cap, "%s", abs ? abs : model_dir);
+    free(abs);
+}
+
 int peft_config_write(const peft_config *c, const char *dir) {
     cJSON *j = cJSON_CreateObject();
     if (!j) return QT_ERR(QT_ENOMEM, "out of memory writing adapter_config.json");

@@ -60,6 +60,12 @@ int peft_check_lora_defaults(const cJSON *j, const char *where);
 /* Reads DIR/adapter_config.json; refuses anything but a plain LoRA adapter
  * (peft_type LORA, bias none, no rank/alpha patterns, no DoRA) by name. */
 int peft_config_load(const char *dir, peft_config *c);
+/* base_model_name_or_path for an adapter trained on the model folder
+ * model_dir: its absolute path (PEFT's from_pretrained and qtune read it
+ * from anywhere; a path relative to the job or the shell's folder would not
+ * be found from elsewhere), or model_dir as given when it does not resolve. */
+void peft_base_model_name(const char *model_dir, char *out, size_t cap);
+
 /* Writes DIR/adapter_config.json (atomic). */
 int peft_config_write(const peft_config *c, const char *dir);
 

@@ -12,6 +12,7 @@
 #include "core/fs.h"
 #include "core/log.h"
 #include "core/mem.h"
+#include "core/words.h"
 
 /* Hugging Face Trainer's TrainingArguments defaults: what "auto" means for
  * the optimizer (HF fills "auto" from these when it launches DeepSpeed). */
@@ -32,11 +33,20 @@ typedef struct {
     qt_ds_config *out;
 } ds_ctx;
 
-static void ignore_key(ds_ctx *x, const char *section, const char *key) {
+/* honoured: the section's keys, for a near spelling. */
+static void ignore_key(ds_ctx *x, const char *section, const char *key, const char *const *honoured) {
     char path[96];
     if (section) snprintf(path, sizeof path, "%s.%s", section, key);
     else snprintf(path, sizeof path, "%s", key);
-    qt_warn("%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored", x->where, path);
+    const char *near = honoured ? qt_nearest_word(key, honoured) : NULL;
+    if (!section && (!strcmp(key, "activation_checkpointing") || !strcmp(key, "gradient_checkpointing")))
+        qt_warn("%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored; set the job's "
+                "train.gradient_checkpointing to true to recompute activations",
+                x->where, path);
+    else if (near)
+        qt_warn("%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored; did you mean \"%s%s%s\"?", x->where,
+                path, section ? section : "", section ? "." : "", near);
+    else qt_warn("%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored", x->where, path);
     qt_ds_config *c = x->out;
     if (c->n_ignored < QT_DS_MAX_IGNORED) {
         snprintf(c->ignored[c->n_ignored], sizeof c->ignored[0], "%s", path);
@@ -72,7 +82,8 @@ static int in_list(const char *key, const char *const *list) {
 /* Warns about every key of obj not in honoured. */
 static void warn_unknown(ds_ctx *x, const cJSON *obj, const char *section, const char *const *honoured) {
     for (const cJSON *it = obj ? obj->child : NULL; it; it = it->next)
-        if (!it->string || !in_list(it->string, honoured)) ignore_key(x, section, it->string ? it->string : "?");
+        if (!it->string || !in_list(it->string, honoured))
+            ignore_key(x, section, it->string ? it->string : "?", honoured);
 }
 
 static int is_auto(const cJSON *v) { return cJSON_IsString(v) && strcmp(v->valuestring, "auto") == 0; }

@@ -7,6 +7,7 @@
 #include "core/json_range.h"
 #include "core/log.h"
 #include "core/mem.h"
+#include "core/words.h"
 #include "data/format.h"
 #include "data/loader.h"
 #include "io/peft.h"
@@ -204,9 +205,15 @@ static void warn_unknown(const job_ctx *c, const cJSON *obj, const char *sect, c
     for (const cJSON *it = obj->child; it; it = it->next) {
         int ok = 0;
         for (int i = 0; known[i] && !ok; i++) ok = !strcmp(it->string, known[i]);
-        if (!ok)
-            qt_warn("%s: unknown key '%s%s%s' is ignored; check its spelling (docs/job-file.md lists the keys)",
-                    c->where, sect, sect[0] ? "." : "", it->string);
+        if (!ok) {
+            const char *near = qt_nearest_word(it->string, known);
+            if (near)
+                qt_warn("%s: unknown key '%s%s%s' is ignored; did you mean '%s%s%s'?", c->where, sect,
+                        sect[0] ? "." : "", it->string, sect, sect[0] ? "." : "", near);
+            else
+                qt_warn("%s: unknown key '%s%s%s' is ignored; check its spelling (docs/job-file.md lists the keys)",
+                        c->where, sect, sect[0] ? "." : "", it->string);
+        }
     }
 }
 

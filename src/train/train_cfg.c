@@ -84,3 +84,28 @@ void qt_train_describe(const qt_job *job, const qt_ds_config *ds, int threads, c
              (long long)ds->micro_batch, (long long)ds->grad_accum, ds->world, (long long)ds->train_batch_size,
              job->data.seq_len, threads);
 }
+
+int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o) {
+    qt_ds_config ds;
+    if (job->deepspeed) {
+        char where[4200];
+        if (job->deepspeed_path) snprintf(where, sizeof where, "%s", job->deepspeed_path);
+        else snprintf(where, sizeof where, "%s: deepspeed", job->path);
+        QT_TRY(qt_ds_config_parse(job->deepspeed, where, ranks, &ds));
+    } else {
+        qt_ds_config_default(&ds, ranks);
+    }
+    o->lora = job->lora.enabled;
+    if (job->lora.enabled) {
+        o->lora_r = job->lora.r;
+        o->lora_targets = job->lora.targets;
+    }
+    o->zero = ds.zero.stage;
+    o->offload = ds.zero.offload_optimizer;
+    o->devices = ranks;
+    o->precision = ds.fp16 ? QT_F16 : ds.bf16 ? QT_BF16 : QT_F32;
+    o->micro_batch = (int)ds.micro_batch;
+    o->seq_len = job->data.seq_len;
+    o->checkpointing = job->train.gradient_checkpointing;
+    return QT_OK;
+}

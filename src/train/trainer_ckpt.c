@@ -62,7 +62,7 @@ static void fill_peft_config(const qt_trainer *t, peft_config *c) {
     c->use_rslora = l->use_rslora;
     for (int i = 0; i < l->n_target_names && i < PEFT_MAX_TARGETS; i++)
         snprintf(c->target_modules[c->n_targets++], sizeof c->target_modules[0], "%s", l->target_names[i]);
-    snprintf(c->base_model, sizeof c->base_model, "%s", t->job->model);
+    peft_base_model_name(t->job->model, c->base_model, sizeof c->base_model);
 }
 
 static int save_adapter(const qt_trainer *t, const char *dir) {
