@@ -1,5 +1,6 @@
 #include "cli/cli.h"
 #include "core/error.h"
+#include "core/fs.h"
 #include "core/log.h"
 
 #include <stdarg.h>
@@ -56,4 +57,20 @@ volatile sig_atomic_t *cli_stop_on_signals(const char *msg) {
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     return &stop_flag;
+}
+
+int cli_check_adapter(const char *dir) {
+    char p[4096], q[4096];
+    if (qt_path_join(p, sizeof p, dir, "adapter_config.json") != QT_OK || qt_path_exists(p)) return QT_OK;
+    if (qt_path_join(q, sizeof q, dir, "final/adapter_config.json") == QT_OK && qt_path_exists(q))
+        return QT_ERR(QT_EINVAL,
+                      "--adapter %s is a training output folder; its adapter is in %s/final (or a checkpoint-STEP "
+                      "folder beside it): give --adapter %s/final",
+                      dir, dir, dir);
+    if (qt_path_join(q, sizeof q, dir, "final/model.safetensors") == QT_OK && qt_path_exists(q))
+        return QT_ERR(QT_EINVAL,
+                      "--adapter %s is the output folder of a full fine-tuning run, which has no adapter; give "
+                      "--model %s/final instead",
+                      dir, dir);
+    return QT_OK; /* the adapter loader names what is missing */
 }

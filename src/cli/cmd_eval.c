@@ -25,11 +25,12 @@
 #include "text/tokenizer.h"
 
 static void eval_help(void) {
-    printf("usage: qtune eval --model DIR [--adapter DIR] --data FILE [--format F] [--seq-len T] [--batch B]\n"
-           "                  [--per-token OUT.jsonl]\n\n"
+    printf("usage: qtune eval --model DIR [--adapter DIR] [--tokenizer PATH] --data FILE [--format F] [--seq-len T]\n"
+           "                  [--batch B] [--per-token OUT.jsonl]\n\n"
            "Mean next-token cross-entropy (nats) and perplexity over the tokens that carry labels.\n"
            "  --model DIR        Hugging Face model folder (config.json, *.safetensors[, tokenizer.json])\n"
            "  --adapter DIR      PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors)\n"
+           "  --tokenizer PATH   tokenizer.json (or a folder holding one) when --model has none\n"
            "  --data FILE        JSONL, one example a line\n"
            "  --format F         auto (default), text, messages, sharegpt, alpaca, prompt_completion,\n"
            "                     tokens ({\"input_ids\", \"labels\"?})\n"
@@ -121,7 +122,8 @@ static int nonfinite_loss(const char *data, const char *model_dir, const char *a
 
 /* T == 0: min(1024, the model's max_position_embeddings), so a small model
  * evaluates without a --seq-len. */
-static int run_eval(const char *model_dir, const char *adapter, const char *data, dl_format fmt, int T, int B,
+static int run_eval(const char *model_dir, const char *tok_path, const char *adapter, const char *data, dl_format fmt,
+                    int T, int B,
                     const char *per_token) {
     int rc;
     qt_config cfg;
@@ -136,8 +138,9 @@ static int run_eval(const char *model_dir, const char *adapter, const char *data
 
     bpe_tokenizer *tok = NULL;
     char tpath[4096];
-    if (qt_path_join(tpath, sizeof tpath, model_dir, "tokenizer.json") == QT_OK && qt_path_exists(tpath) &&
-        fmt != DL_FORMAT_TOKENS)
+    if (tok_path) QT_TRY(bpe_load(tok_path, &tok)); /* --tokenizer: a file or a folder */
+    else if (qt_path_join(tpath, sizeof tpath, model_dir, "tokenizer.json") == QT_OK && qt_path_exists(tpath) &&
+             fmt != DL_FORMAT_TOKENS)
         QT_TRY(bpe_load(tpath, &tok));
     eval_data d;
     memset(&d, 0, sizeof d);
@@ -223,7 +226,7 @@ int cmd_eval(int argc, char **argv) {
         eval_help();
         return QT_EXIT_OK;
     }
-    const char *model = NULL, *adapter = NULL, *data = NULL, *per_token = NULL;
+    const char *model = NULL, *adapter = NULL, *data = NULL, *per_token = NULL, *tok_path = NULL;
     dl_format fmt = DL_FORMAT_AUTO;
     int T = 0, B = 1; /* T 0: the default, decided once the model's config is read */
     for (int i = 1; i < argc; i++) {
@@ -233,6 +236,7 @@ int cmd_eval(int argc, char **argv) {
         char *end;
         if (!strcmp(a, "--model")) model = v;
         else if (!strcmp(a, "--adapter")) adapter = v;
+        else if (!strcmp(a, "--tokenizer")) tok_path = v;
         else if (!strcmp(a, "--data")) data = v;
         else if (!strcmp(a, "--format")) {
             if (dl_format_parse(v, &fmt) != QT_OK) {
@@ -251,6 +255,7 @@ int cmd_eval(int argc, char **argv) {
         }
     }
     if (!model || !data) return cli_usage_error("eval", "--model and --data are required");
-    if (run_eval(model, adapter, data, fmt, T, B, per_token) != QT_OK) return cli_fail();
+    if (adapter && cli_check_adapter(adapter) != QT_OK) return cli_fail();
+    if (run_eval(model, tok_path, adapter, data, fmt, T, B, per_token) != QT_OK) return cli_fail();
     return QT_EXIT_OK;
 }

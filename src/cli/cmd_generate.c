@@ -34,6 +34,7 @@ static void generate_help(void) {
            "<|endoftext|> (or the config's eos_token_id) or after --max-new tokens.\n\n"
            "  --model DIR        Hugging Face model folder (config.json, safetensors, tokenizer.json)\n"
            "  --adapter DIR      PEFT LoRA adapter folder to apply\n"
+           "  --tokenizer PATH   tokenizer.json (or a folder holding one) when --model has none\n"
            "  --prompt TEXT      continue this text (no template)\n"
            "  --chat             chat in ChatML: each stdin line is a user turn; the history is kept\n"
            "  --system TEXT      system message for --chat (default: the Qwen2.5 template's)\n"
@@ -388,9 +389,10 @@ static int parse_seed(const char *v, uint64_t *seed) {
  * config, the context length and the prompt's ids (*ids already holds
  * --prompt-ids, else `prompt` is encoded; chat: neither). Returns an exit
  * status, the error printed, or QT_EXIT_OK. */
-static int prepare(gen_state *g, qt_config *cfg, const char *model, int ctx, const char *prompt, int32_t **ids,
-                   size_t *n) {
-    if (bpe_load(model, &g->tok) != QT_OK) {
+static int prepare(gen_state *g, qt_config *cfg, const char *model, const char *tok_path, int ctx, const char *prompt,
+                   int32_t **ids, size_t *n) {
+    if (tok_path && bpe_load(tok_path, &g->tok) != QT_OK) return cli_fail(); /* asked for: must load */
+    if (!tok_path && bpe_load(model, &g->tok) != QT_OK) {
         if (!*ids) return cli_fail();
         g->tok = NULL; /* ids in, ids out */
         qt_error_clear();
@@ -415,7 +417,7 @@ int cmd_generate(int argc, char **argv) {
         generate_help();
         return QT_EXIT_OK;
     }
-    const char *model = NULL, *adapter = NULL, *prompt = NULL, *prompt_ids = NULL;
+    const char *model = NULL, *adapter = NULL, *prompt = NULL, *prompt_ids = NULL, *tok_path = NULL;
     const char *system = NULL; /* the template's default system message */
     int chat = 0, json = 0, max_new = 256, ctx = 0;
     uint64_t seed = 42;
@@ -427,6 +429,7 @@ int cmd_generate(int argc, char **argv) {
     do { if (!v) return cli_usage_error("generate", "%s needs a value", a); i++; } while (0)
         if (!strcmp(a, "--model")) { NEED_VALUE(); model = v; }
         else if (!strcmp(a, "--adapter")) { NEED_VALUE(); adapter = v; }
+        else if (!strcmp(a, "--tokenizer")) { NEED_VALUE(); tok_path = v; }
         else if (!strcmp(a, "--prompt")) { NEED_VALUE(); prompt = v; }
         else if (!strcmp(a, "--prompt-ids")) { NEED_VALUE(); prompt_ids = v; }
         else if (!strcmp(a, "--system")) { NEED_VALUE(); system = v; }
@@ -465,6 +468,7 @@ int cmd_generate(int argc, char **argv) {
 #undef NEED_VALUE
     }
     if (!model) return cli_usage_error("generate", "--model DIR is required");
+    if (adapter && cli_check_adapter(adapter) != QT_OK) return cli_fail();
     if ((prompt != NULL) + (prompt_ids != NULL) + chat != 1)
         return cli_usage_error("generate", "give exactly one of --prompt TEXT, --prompt-ids LIST or --chat");
     if (qt_sample_opts_check(&so) != QT_OK) return cli_usage_error("generate", "%s", qt_error_message());
@@ -477,7 +481,7 @@ int cmd_generate(int argc, char **argv) {
     gen_state g;
     memset(&g, 0, sizeof g);
     qt_config cfg;
-    const int status = prepare(&g, &cfg, model, ctx, prompt, &ids, &n_ids);
+    const int status = prepare(&g, &cfg, model, tok_path, ctx, prompt, &ids, &n_ids);
     if (status != QT_EXIT_OK) {
         qt_free(ids);
         bpe_free(g.tok);

