@@ -11,12 +11,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli/cli.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/log.h"
 #include "core/mem.h"
+#include "core/progress.h"
 #include "data/batch.h"
 #include "data/format.h"
 #include "data/lines.h"
@@ -169,7 +171,10 @@ static int run_eval(const char *model_dir, const char *tok_path, const char *ada
     }
     double total = 0;
     int64_t ntok = 0, ncut = 0;
+    qt_progress prog;
+    qt_progress_start(&prog, stderr, isatty(2), "eval", (double)d.n, "examples");
     for (size_t e0 = 0; rc == QT_OK && e0 < d.n; e0 += (size_t)B) {
+        qt_progress_set(&prog, (double)e0);
         int rows = d.n - e0 < (size_t)B ? (int)(d.n - e0) : B;
         /* rows of the longest example in this batch (at least 1) */
         int Tb = 1;
@@ -199,6 +204,8 @@ static int run_eval(const char *model_dir, const char *tok_path, const char *ada
         if (pt)
             for (int r = 0; r < rows; r++) write_per_token(pt, e0 + r, &d, e0 + r, logp + (size_t)r * Tb, Tb);
     }
+    if (rc == QT_OK) prog.done = (double)d.n;
+    qt_progress_end(&prog);
     if (pt) rc = rc == QT_OK ? qt_atomic_commit(&af) : (qt_atomic_abort(&af), rc);
     if (rc == QT_OK) {
         if (ncut) qt_warn("eval: %lld examples were longer than --seq-len %d and were cut", (long long)ncut, T);

@@ -162,3 +162,33 @@ def test_checkpoints_are_usable(base, wide):
     p = run("eval", "--model", m, "--adapter", full, "--data", data, check=False)
     assert p.returncode == 1 and "give --model %s/final" % full in p.stderr, p.stderr
     run("eval", "--model", m, "--adapter", os.path.join(out, "final"), "--data", data)
+
+
+def test_no_long_silences(base, tmp_path):
+    """Off a terminal: training prints its first step at once (steps_per_print 10 notwithstanding),
+    the step-0 eval, eval, init and merge print progress lines with an ETA (every
+    QTUNE_PROGRESS_S seconds; 5 by default), and init says how large a file it writes."""
+    e = dict(env(), QTUNE_PROGRESS_S="0.000001")
+    write_tokens(os.path.join(base, "eval_many.jsonl"), 24, 16, seed=5)
+    j = write_job(os.path.join(base, "silence.json"), "model", "run_silence", "train.jsonl",
+                  eval_="eval_many.jsonl", lora={"r": 2}, train_opts={"max_steps": 3})
+    p = subprocess.run([QTUNE, "train", j], capture_output=True, text=True, env=e, timeout=300)
+    assert p.returncode == 0, p.stderr
+    steps = [l for l in p.stderr.splitlines() if l.startswith("qtune: step ") and "loss" in l and "eval" not in l]
+    assert steps and steps[0].startswith("qtune: step 1/3:"), p.stderr
+    assert "qtune: eval at step 0: 1/12 batches (8%) after " in p.stderr and "ETA" in p.stderr, p.stderr
+    assert "qtune: eval at step 0: done, 12 batches in" in p.stderr
+    m = os.path.join(base, "model")
+    p = subprocess.run([QTUNE, "eval", "--model", m, "--data", os.path.join(base, "eval_many.jsonl")],
+                       capture_output=True, text=True, env=e, timeout=300)
+    assert p.returncode == 0 and "qtune: eval: " in p.stderr and "/24 examples (" in p.stderr, p.stderr
+    assert "qtune: eval: done, 24 examples in" in p.stderr
+    p = subprocess.run([QTUNE, "init", "--out", tmp_path / "m2", "--preset", "tiny"], capture_output=True,
+                       text=True, env=e, timeout=300)
+    assert p.returncode == 0
+    assert "qtune: writing %s: " % (tmp_path / "m2" / "model.safetensors") in p.stderr and " GB" in p.stderr
+    assert "qtune: init: " in p.stderr and "parameters (" in p.stderr, p.stderr
+    p = subprocess.run([QTUNE, "merge", "--model", m, "--adapter", os.path.join(base, "run_silence", "final"),
+                        "--out", tmp_path / "merged"], capture_output=True, text=True, env=e, timeout=300)
+    assert p.returncode == 0 and "qtune: merge: writing model.safetensors: " in p.stderr and " MB (" in p.stderr, \
+        p.stderr
