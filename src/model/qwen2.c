@@ -171,8 +171,8 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
     linear_forward(m, l, LIN_Q, a->q, a->ln1, s->ln1, N, a->lora_h[LIN_Q], dropout);
     linear_forward(m, l, LIN_K, a->k, a->ln1, s->ln1, N, a->lora_h[LIN_K], dropout);
     linear_forward(m, l, LIN_V, a->v, a->ln1, s->ln1, N, a->lora_h[LIN_V], dropout);
-    op_rope_forward(a->q, pos, N, H, D, c->rope_theta);
-    op_rope_forward(a->k, pos, N, KV, D, c->rope_theta);
+    op_rope_forward(a->q, pos, N, H, D, c);
+    op_rope_forward(a->k, pos, N, KV, D, c);
     keep_save(m, a->q, NQ, s->q);
     keep_save(m, a->k, NK, s->k);
     keep_save(m, a->v, NK, s->v);
@@ -238,8 +238,8 @@ static void layer_backward(qt_model *m, int l, const qt_batch *b, int N, const f
     memset(g->dv, 0, sizeof(float) * NK);
     op_attention_backward(g->dq, g->dk, g->dv, g->datt, a->att, a->lse, a->q, a->k, a->v, b->doc_start, b->B, b->T,
                           H, KV, D);
-    op_rope_backward(g->dq, b->positions, N, H, D, c->rope_theta);
-    op_rope_backward(g->dk, b->positions, N, KV, D, c->rope_theta);
+    op_rope_backward(g->dq, b->positions, N, H, D, c);
+    op_rope_backward(g->dk, b->positions, N, KV, D, c);
     keep(m, g->dq, NQ);
     keep(m, g->dk, NK);
     keep(m, g->dv, NK);

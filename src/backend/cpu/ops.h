@@ -24,6 +24,7 @@
 #include <stdint.h>
 
 #include "core/dtype.h"
+#include "io/hf_config.h" /* qt_config: rope_theta and rope_scaling */
 
 /* ---- embedding ---------------------------------------------------------- */
 /* out (N, C) = wte[ids[n]]; wte (V, C) in wdt. ids must be in [0, V). */
@@ -52,9 +53,15 @@ void op_matmul_backward(float *dinp, float *dweight, float *dbias, const float *
 /* ---- rotary embedding (HF rotate-half convention) ------------------------ */
 /* x (N, NH, D) rotated in place by angle pos[n] * theta^(-2i/D), i < D/2:
  * x[i] <- x[i] cos - x[i+D/2] sin, x[i+D/2] <- x[i+D/2] cos + x[i] sin. */
-void op_rope_forward(float *x, const int32_t *pos, int N, int NH, int D, float theta);
+/* RoPE's inverse frequencies for c->head_dim at a call whose largest position
+ * is max_pos_seen (dynamic scaling depends on it), as transformers'
+ * modeling_rope_utils computes them for the config's rope_scaling, and the
+ * factor cos and sin are multiplied by (YaRN's attention_factor, else 1).
+ * inv gets head_dim/2 entries. */
+void op_rope_inv_freq(const qt_config *c, int32_t max_pos_seen, float *inv, float *attention_factor);
+void op_rope_forward(float *x, const int32_t *pos, int N, int NH, int D, const qt_config *c);
 /* The transpose rotation, in place on the gradient (dx = R^T dout). */
-void op_rope_backward(float *dx, const int32_t *pos, int N, int NH, int D, float theta);
+void op_rope_backward(float *dx, const int32_t *pos, int N, int NH, int D, const qt_config *c);
 
 /* ---- causal grouped-query attention, blockwise with online softmax -------- */
 /* q (B, T, H, D), k, v (B, T, KV, D), out (B, T, H, D), lse (B, H, T) saved

@@ -242,9 +242,10 @@ static void test_sgemm_nn_engines(void **state) {
 enum { PN = 3, PH = 2, PD = 8 };
 static float *rp_x, *rp_r, rp_out[PN * PH * PD];
 static int32_t rp_pos[PN] = {0, 5, 1234};
+static qt_config rope_cfg = {.rope_theta = 10000.0f, .max_position_embeddings = 4096}; /* plain RoPE */
 static double rp_loss(void) {
     memcpy(rp_out, rp_x, sizeof rp_out);
-    op_rope_forward(rp_out, rp_pos, PN, PH, PD, 10000.0f);
+    op_rope_forward(rp_out, rp_pos, PN, PH, PD, &rope_cfg);
     return dotd(rp_out, rp_r, PN * PH * PD);
 }
 static void test_rope(void **state) {
@@ -263,7 +264,7 @@ static void test_rope(void **state) {
     expect_close("rope out", rp_out, want, PN * PH * PD, 1e-4); /* angle 1234 rad rounds in fp32, as in HF */
     float dx[PN * PH * PD];
     memcpy(dx, rp_r, sizeof dx);
-    op_rope_backward(dx, rp_pos, PN, PH, PD, 10000.0f);
+    op_rope_backward(dx, rp_pos, PN, PH, PD, &rope_cfg);
     check_grad("rope dinp", rp_x, dx, PN * PH * PD, rp_loss, 1e-2f, 1e-3);
     qt_free(rp_x), qt_free(rp_r);
 }
