@@ -231,7 +231,10 @@ static int parse_batch(ds_ctx *x, const cJSON *j) {
         has_ga = 1;
     }
     if (auto_tb && has_mb) {
-        if (!has_ga) ga = 1, has_ga = 1;
+        if (!has_ga) {
+            ga = 1;
+            has_ga = 1;
+        }
         tb = mb * ga * w;
         has_tb = 1;
         note_auto(x, NULL, "train_batch_size", "%lld (micro-batch %lld x accumulation %lld x %lld rank(s))",
