@@ -26,6 +26,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* RoPE tables: head_dim / 2 entries at most (qwen2_load refuses head_dim > 1024) */
+#define QT_ROPE_MAX_HALF 512
+
 #include "core/dtype.h"
 
 typedef enum {
@@ -162,8 +165,16 @@ struct qt_backend {
      * (+ out with accumulate), each weight read once in its stored dtype. */
     void (*matvec)(qt_backend *be, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int IN,
                    int OUT, float alpha, int accumulate);
-    void (*rope_forward)(qt_backend *be, float *x, const int32_t *pos, int N, int NH, int D, float theta);
-    void (*rope_backward)(qt_backend *be, float *dx, const int32_t *pos, int N, int NH, int D, float theta);
+    /* RoPE, HF rotate-half, in place on x (N, NH, D): angle pos[n] * inv_freq[i]
+     * (an fp32 product), x[i] <- (x[i] cos - x[i+D/2] sin) * scale, x[i+D/2] <-
+     * (x[i+D/2] cos + x[i] sin) * scale. inv_freq (D/2 <= QT_ROPE_MAX_HALF
+     * floats) is HOST memory the model computed (qt_rope_inv_freq: the
+     * config's rope_scaling); scale is YaRN's attention factor, else 1. The
+     * backward applies the transposed rotation. */
+    void (*rope_forward)(qt_backend *be, float *x, const int32_t *pos, int N, int NH, int D, const float *inv_freq,
+                         float scale);
+    void (*rope_backward)(qt_backend *be, float *dx, const int32_t *pos, int N, int NH, int D, const float *inv_freq,
+                          float scale);
     void (*attention_forward)(qt_backend *be, float *out, float *lse, const float *q, const float *k, const float *v,
                               const int32_t *doc_start, int B, int T, int H, int KV, int D);
     void (*attention_backward)(qt_backend *be, float *dq, float *dk, float *dv, const float *dout, const float *out,

@@ -36,6 +36,11 @@ int cli_wants_help(int argc, char **argv);
  * first signal writes "\nqtune: stop requested: MSG\n" to stderr, every
  * signal sets the returned flag, which the library polls. MSG must outlive
  * the command (a string literal). */
+/* --adapter DIR that is not an adapter but a training output_dir: an error
+ * that names DIR/final (QT_EINVAL); QT_OK otherwise. */
+int cli_check_adapter(const char *dir);
+
+/* msg NULL: the flag is set silently (an MPI rank other than 0). */
 volatile sig_atomic_t *cli_stop_on_signals(const char *msg);
 
 #endif

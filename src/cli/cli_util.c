@@ -1,5 +1,6 @@
 #include "cli/cli.h"
 #include "core/error.h"
+#include "core/fs.h"
 #include "core/log.h"
 
 #include <stdarg.h>
@@ -48,11 +49,11 @@ static void say(const char *s) {
  * changes nothing. Only async-signal-safe calls (write, _exit) here. */
 static void on_stop_signal(int sig) {
     if (sig == SIGINT && sigints++ > 0) {
-        say("\nqtune: second Ctrl-C: exiting now; nothing was saved (files finished before, such as earlier "
-            "checkpoints, are whole)\n");
+        if (stop_msg) say("\nqtune: second Ctrl-C: exiting now; nothing was saved (files finished before, such as earlier "
+                          "checkpoints, are whole)\n");
         _exit(QT_EXIT_INTERRUPTED);
     }
-    if (!stop_flag) {
+    if (!stop_flag && stop_msg) { /* NULL: a rank other than the main one, which prints nothing */
         say("\nqtune: stop requested: ");
         say(stop_msg);
         say(sig == SIGINT ? " (Ctrl-C again to exit at once without saving)\n" : "\n");
@@ -71,4 +72,20 @@ volatile sig_atomic_t *cli_stop_on_signals(const char *msg) {
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     return &stop_flag;
+}
+
+int cli_check_adapter(const char *dir) {
+    char p[4096], q[4096];
+    if (qt_path_join(p, sizeof p, dir, "adapter_config.json") != QT_OK || qt_path_exists(p)) return QT_OK;
+    if (qt_path_join(q, sizeof q, dir, "final/adapter_config.json") == QT_OK && qt_path_exists(q))
+        return QT_ERR(QT_EINVAL,
+                      "--adapter %s is a training output folder; its adapter is in %s/final (or a checkpoint-STEP "
+                      "folder beside it): give --adapter %s/final",
+                      dir, dir, dir);
+    if (qt_path_join(q, sizeof q, dir, "final/model.safetensors") == QT_OK && qt_path_exists(q))
+        return QT_ERR(QT_EINVAL,
+                      "--adapter %s is the output folder of a full fine-tuning run, which has no adapter; give "
+                      "--model %s/final instead",
+                      dir, dir);
+    return QT_OK; /* the adapter loader names what is missing */
 }

@@ -11,12 +11,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli/cli.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/log.h"
 #include "core/mem.h"
+#include "core/progress.h"
 #include "data/batch.h"
 #include "data/format.h"
 #include "data/lines.h"
@@ -25,13 +27,15 @@
 #include "text/tokenizer.h"
 
 static void eval_help(void) {
-    printf("usage: qtune eval --model DIR [--adapter DIR] --data FILE [--format F] [--seq-len T] [--batch B]\n"
-           "                  [--per-token OUT.jsonl]\n\n"
+    printf("usage: qtune eval --model DIR [--adapter DIR] [--tokenizer PATH] --data FILE [--format F] [--seq-len T]\n"
+           "                  [--batch B] [--per-token OUT.jsonl]\n\n"
            "Mean next-token cross-entropy (nats) and perplexity over the tokens that carry labels.\n"
            "  --model DIR        Hugging Face model folder (config.json, *.safetensors[, tokenizer.json])\n"
            "  --adapter DIR      PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors)\n"
+           "  --tokenizer PATH   tokenizer.json (or a folder holding one) when --model has none\n"
            "  --data FILE        JSONL, one example a line\n"
-           "  --format F         auto (default), text, messages, alpaca, tokens ({\"input_ids\", \"labels\"?})\n"
+           "  --format F         auto (default), text, messages, sharegpt, alpaca, prompt_completion,\n"
+           "                     tokens ({\"input_ids\", \"labels\"?})\n"
            "  --seq-len T        tokens per example; longer examples are cut\n"
            "                     (default min(1024, the model's max_position_embeddings))\n"
            "  --batch B          examples per forward pass (default 1)\n"
@@ -53,7 +57,11 @@ static int read_data(const char *path, dl_format fmt, const bpe_tokenizer *tok, 
     dl_lines r;
     QT_TRY(dl_lines_open(&r, path, 0));
     dl_encode_ctx ctx = {.tok = tok, .mask_prompt = 1, .vocab_limit = V};
-    int rc = QT_OK;
+    int rc = dl_seen_keys_new(path, &ctx.seen);
+    if (rc != QT_OK) {
+        dl_lines_close(&r);
+        return rc;
+    }
     for (;;) {
         const char *s;
         size_t len;
@@ -80,6 +88,7 @@ static int read_data(const char *path, dl_format fmt, const bpe_tokenizer *tok, 
         d->line[d->n] = line;
         d->start[++d->n] = d->tb.n;
     }
+    dl_seen_keys_free(ctx.seen);
     dl_lines_close(&r);
     if (rc == QT_OK && d->n == 0) rc = QT_ERR(QT_EINVAL, "%s holds no examples", path);
     return rc;
@@ -115,7 +124,8 @@ static int nonfinite_loss(const char *data, const char *model_dir, const char *a
 
 /* T == 0: min(1024, the model's max_position_embeddings), so a small model
  * evaluates without a --seq-len. */
-static int run_eval(const char *model_dir, const char *adapter, const char *data, dl_format fmt, int T, int B,
+static int run_eval(const char *model_dir, const char *tok_path, const char *adapter, const char *data, dl_format fmt,
+                    int T, int B,
                     const char *per_token) {
     int rc;
     qt_config cfg;
@@ -131,7 +141,8 @@ static int run_eval(const char *model_dir, const char *adapter, const char *data
 
     bpe_tokenizer *tok = NULL;
     char tpath[4096];
-    if (bpe_folder_file(model_dir, tpath, sizeof tpath) && fmt != DL_FORMAT_TOKENS)
+    if (tok_path) QT_TRY(qt_error_oom_advice(bpe_load(tok_path, &tok), QT_TOKENIZER_OOM_ADVICE)); /* --tokenizer: a file or a folder */
+    else if (bpe_folder_file(model_dir, tpath, sizeof tpath) && fmt != DL_FORMAT_TOKENS)
         QT_TRY(qt_error_oom_advice(bpe_load(tpath, &tok), QT_TOKENIZER_OOM_ADVICE));
     eval_data d;
     memset(&d, 0, sizeof d);
@@ -160,7 +171,10 @@ static int run_eval(const char *model_dir, const char *adapter, const char *data
     }
     double total = 0;
     int64_t ntok = 0, ncut = 0;
+    qt_progress prog;
+    qt_progress_start(&prog, stderr, isatty(2), "eval", (double)d.n, "examples");
     for (size_t e0 = 0; rc == QT_OK && e0 < d.n; e0 += (size_t)B) {
+        qt_progress_set(&prog, (double)e0);
         int rows = d.n - e0 < (size_t)B ? (int)(d.n - e0) : B;
         /* rows of the longest example in this batch (at least 1) */
         int Tb = 1;
@@ -190,6 +204,8 @@ static int run_eval(const char *model_dir, const char *adapter, const char *data
         if (pt)
             for (int r = 0; r < rows; r++) write_per_token(pt, e0 + r, &d, e0 + r, logp + (size_t)r * Tb, Tb);
     }
+    if (rc == QT_OK) prog.done = (double)d.n;
+    qt_progress_end(&prog);
     if (pt) rc = rc == QT_OK ? qt_atomic_commit(&af) : (qt_atomic_abort(&af), rc);
     if (rc == QT_OK) {
         if (ncut) qt_warn("eval: %lld examples were longer than --seq-len %d and were cut", (long long)ncut, T);
@@ -217,7 +233,7 @@ int cmd_eval(int argc, char **argv) {
         eval_help();
         return QT_EXIT_OK;
     }
-    const char *model = NULL, *adapter = NULL, *data = NULL, *per_token = NULL;
+    const char *model = NULL, *adapter = NULL, *data = NULL, *per_token = NULL, *tok_path = NULL;
     dl_format fmt = DL_FORMAT_AUTO;
     int T = 0, B = 1; /* T 0: the default, decided once the model's config is read */
     for (int i = 1; i < argc; i++) {
@@ -227,11 +243,12 @@ int cmd_eval(int argc, char **argv) {
         char *end;
         if (!strcmp(a, "--model")) model = v;
         else if (!strcmp(a, "--adapter")) adapter = v;
+        else if (!strcmp(a, "--tokenizer")) tok_path = v;
         else if (!strcmp(a, "--data")) data = v;
         else if (!strcmp(a, "--format")) {
             if (dl_format_parse(v, &fmt) != QT_OK) {
                 qt_error_clear();
-                return cli_usage_error("eval", "--format must be auto, text, messages, alpaca or tokens, not '%s'", v);
+                return cli_usage_error("eval", "--format must be auto, text, messages, sharegpt, alpaca, prompt_completion or tokens, not '%s'", v);
             }
         }
         else if (!strcmp(a, "--per-token")) per_token = v;
@@ -245,6 +262,7 @@ int cmd_eval(int argc, char **argv) {
         }
     }
     if (!model || !data) return cli_usage_error("eval", "--model and --data are required");
-    if (run_eval(model, adapter, data, fmt, T, B, per_token) != QT_OK) return cli_fail();
+    if (adapter && cli_check_adapter(adapter) != QT_OK) return cli_fail();
+    if (run_eval(model, tok_path, adapter, data, fmt, T, B, per_token) != QT_OK) return cli_fail();
     return QT_EXIT_OK;
 }

@@ -34,6 +34,7 @@ static void generate_help(void) {
            "<|endoftext|> (or the config's eos_token_id) or after --max-new tokens.\n\n"
            "  --model DIR        Hugging Face model folder (config.json, safetensors, tokenizer.json)\n"
            "  --adapter DIR      PEFT LoRA adapter folder to apply\n"
+           "  --tokenizer PATH   tokenizer.json (or a folder holding one) when --model has none\n"
            "  --prompt TEXT      continue this text (no template)\n"
            "  --chat             chat in ChatML: each stdin line is a user turn; the history is kept\n"
            "  --system TEXT      system message for --chat (default: the Qwen2.5 template's)\n"
@@ -277,7 +278,7 @@ static int chat_loop(gen_state *g, const char *system) {
         msgs = qt_malloc((size_t)cap_msg * sizeof *msgs, "chat messages");
         owned = qt_calloc((size_t)cap_msg, sizeof *owned, "chat messages");
         if (!msgs || !owned) rc = QT_ENOMEM;
-        else msgs[n_msg++] = (chat_message){"system", system};
+        else msgs[n_msg++] = (chat_message){.role = "system", .content = system};
     }
     while (rc == QT_OK) {
         if (tty) fprintf(stderr, "user> "), fflush(stderr);
@@ -303,13 +304,13 @@ static int chat_loop(gen_state *g, const char *system) {
             rc = QT_ENOMEM;
             break;
         }
-        msgs[n_msg] = (chat_message){"user", owned[n_msg]};
+        msgs[n_msg] = (chat_message){.role = "user", .content = owned[n_msg]};
         n_msg++;
         char *text = NULL;
         size_t len;
         int32_t *ids = NULL;
         size_t n = 0;
-        rc = chat_render_tok(g->tok, msgs, (size_t)n_msg, 1, &text, &len);
+        rc = chat_render_tok(g->tok, msgs, (size_t)n_msg, NULL, 1, &text, &len);
         if (rc == QT_OK) rc = encode(g->tok, text, &ids, &n);
         qt_free(text);
         int k = 0; /* ids already in the KV cache */
@@ -323,7 +324,7 @@ static int chat_loop(gen_state *g, const char *system) {
         if (rc == QT_OK) {
             owned[n_msg] = g->reply; /* the history keeps the reply's text */
             g->reply = NULL;
-            msgs[n_msg] = (chat_message){"assistant", owned[n_msg] ? owned[n_msg] : ""};
+            msgs[n_msg] = (chat_message){.role = "assistant", .content = owned[n_msg] ? owned[n_msg] : ""};
             n_msg++;
         }
     }
@@ -393,9 +394,11 @@ static int parse_seed(const char *v, uint64_t *seed) {
  * config, the context length and the prompt's ids (*ids already holds
  * --prompt-ids, else `prompt` is encoded; chat: neither). Returns an exit
  * status, the error printed, or QT_EXIT_OK. */
-static int prepare(gen_state *g, qt_config *cfg, const char *model, int ctx, const char *prompt, int32_t **ids,
-                   size_t *n) {
-    if (bpe_load(model, &g->tok) != QT_OK) {
+static int prepare(gen_state *g, qt_config *cfg, const char *model, const char *tok_path, int ctx, const char *prompt,
+                   int32_t **ids, size_t *n) {
+    if (tok_path && bpe_load(tok_path, &g->tok) != QT_OK) /* asked for: must load */
+        return qt_error_oom_advice(qt_error_code(), QT_TOKENIZER_OOM_ADVICE), cli_fail();
+    if (!tok_path && bpe_load(model, &g->tok) != QT_OK) {
         if (!*ids) return qt_error_oom_advice(qt_error_code(), QT_TOKENIZER_OOM_ADVICE), cli_fail();
         g->tok = NULL; /* ids in, ids out */
         qt_error_clear();
@@ -421,7 +424,7 @@ int cmd_generate(int argc, char **argv) {
         generate_help();
         return QT_EXIT_OK;
     }
-    const char *model = NULL, *adapter = NULL, *prompt = NULL, *prompt_ids = NULL;
+    const char *model = NULL, *adapter = NULL, *prompt = NULL, *prompt_ids = NULL, *tok_path = NULL;
     const char *system = NULL; /* the template's default system message */
     int chat = 0, json = 0, max_new = 256, ctx = 0;
     uint64_t seed = 42;
@@ -433,6 +436,7 @@ int cmd_generate(int argc, char **argv) {
     do { if (!v) return cli_usage_error("generate", "%s needs a value", a); i++; } while (0)
         if (!strcmp(a, "--model")) { NEED_VALUE(); model = v; }
         else if (!strcmp(a, "--adapter")) { NEED_VALUE(); adapter = v; }
+        else if (!strcmp(a, "--tokenizer")) { NEED_VALUE(); tok_path = v; }
         else if (!strcmp(a, "--prompt")) { NEED_VALUE(); prompt = v; }
         else if (!strcmp(a, "--prompt-ids")) { NEED_VALUE(); prompt_ids = v; }
         else if (!strcmp(a, "--system")) { NEED_VALUE(); system = v; }
@@ -471,6 +475,7 @@ int cmd_generate(int argc, char **argv) {
 #undef NEED_VALUE
     }
     if (!model) return cli_usage_error("generate", "--model DIR is required");
+    if (adapter && cli_check_adapter(adapter) != QT_OK) return cli_fail();
     if ((prompt != NULL) + (prompt_ids != NULL) + chat != 1)
         return cli_usage_error("generate", "give exactly one of --prompt TEXT, --prompt-ids LIST or --chat");
     if (qt_sample_opts_check(&so) != QT_OK) return cli_usage_error("generate", "%s", qt_error_message());
@@ -483,7 +488,7 @@ int cmd_generate(int argc, char **argv) {
     gen_state g;
     memset(&g, 0, sizeof g);
     qt_config cfg;
-    const int status = prepare(&g, &cfg, model, ctx, prompt, &ids, &n_ids);
+    const int status = prepare(&g, &cfg, model, tok_path, ctx, prompt, &ids, &n_ids);
     if (status != QT_EXIT_OK) {
         qt_free(ids);
         bpe_free(g.tok);

@@ -5,6 +5,7 @@
 #include "cli/cli.h"
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/progress.h"
 #include "io/hf_config.h"
 #include "io/model_folder.h"
 
@@ -13,6 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <time.h>
 
 static void init_help(void) {
@@ -70,7 +72,13 @@ static int write_folder(const char *out, const qt_config *cfg, qt_dtype dtype, u
     QT_TRY(qt_path_join(path, sizeof path, out, "model.safetensors.index.json"));
     if (qt_path_exists(path)) remove(path);
     QT_TRY(qt_path_join(path, sizeof path, out, "model.safetensors"));
-    QT_TRY(qt_init_weights_write(cfg, dtype, seed, path));
+    fprintf(stderr, "qtune: writing %s: %lld parameters as %s, %.2f GB\n", path, (long long)params,
+            qt_dtype_name(dtype), (double)bytes / 1e9);
+    qt_progress prog;
+    qt_progress_start(&prog, stderr, isatty(2), "init", (double)params, "parameters");
+    int rc = qt_init_weights_write_progress(cfg, dtype, seed, path, &prog);
+    qt_progress_end(&prog);
+    QT_TRY(rc);
     return qt_fsync_dir(out);
 }
 

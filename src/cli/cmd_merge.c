@@ -3,6 +3,7 @@
  * SIGINT/SIGTERM stop the write: the partial output is removed, --out is left
  * as it was, and the exit status is 130, as for train. */
 #include "cli/cli.h"
+#include "core/progress.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "train/merge.h"
@@ -46,7 +47,9 @@ int cmd_merge(int argc, char **argv) {
         dt = (int)d;
     }
     volatile sig_atomic_t *stop = cli_stop_on_signals("removing the partial merge");
-    int rc = qt_merge_adapter(model, adapter, out, dt, stop);
+    qt_progress prog;
+    qt_progress_start(&prog, stderr, isatty(2), "merge: writing model.safetensors", 0, "MB");
+    int rc = qt_merge_adapter_progress(model, adapter, out, dt, stop, &prog);
     if (rc == QT_EINTERRUPTED) {
         fprintf(stderr, "qtune: %s\n", qt_error_message());
         return QT_EXIT_INTERRUPTED;

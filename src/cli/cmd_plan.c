@@ -7,7 +7,9 @@
 #include "core/mem.h"
 #include "io/hf_config.h"
 #include "model/model.h"
+#include "train/job.h"
 #include "train/plan_report.h"
+#include "train/trainer.h"
 
 #include <dirent.h>
 #include <stdlib.h>
@@ -16,7 +18,10 @@
 #include <strings.h>
 
 static void plan_help(void) {
-    printf("usage: qtune plan (--model DIR | --preset NAME) [options]\n\n"
+    printf("usage: qtune plan (--model DIR | --preset NAME | JOB.json [--set key.path=value ...]) [options]\n\n"
+           "With a job file the plan is the job's: its model, LoRA or full fine-tuning, r and targets, and\n"
+           "its DeepSpeed config (ZeRO stage, offload, precision, micro-batch, resolved for --devices ranks),\n"
+           "seq_len and gradient checkpointing; options given beside it override those.\n\n"
            "Per-device memory by category, host memory, checkpoint size, the smallest device\n"
            "count that fits, and a power/host recommendation with a 20%% margin.\n\n"
            "  --model DIR           a Hugging Face model folder (config.json)\n"
@@ -109,11 +114,38 @@ int cmd_plan(int argc, char **argv) {
     }
     qt_plan_opts o;
     qt_plan_opts_default(&o);
-    const char *model = NULL, *preset = NULL;
+    const char *model = NULL, *preset = NULL, *job_path = NULL;
     int json = 0, strategies = 0;
+    /* a job file first: its settings are the defaults the options override */
+    const char **sets = calloc((size_t)argc + 1, sizeof *sets);
+    int n_sets = 0, ranks = 1;
+    if (!sets) return cli_fail();
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--set") && i + 1 < argc) sets[n_sets++] = argv[++i];
+        else if (!strcmp(argv[i], "--devices") && i + 1 < argc) parse_int(argv[++i], 1, 4096, &ranks);
+        else if (argv[i][0] != '-' && (i == 1 || argv[i - 1][0] != '-' || !strcmp(argv[i - 1], "--checkpointing") ||
+                                      !strcmp(argv[i - 1], "--strategies") || !strcmp(argv[i - 1], "--json")))
+            job_path = argv[i];
+    }
+    char job_model[4096];
+    if (job_path) {
+        qt_job job;
+        int rc = qt_job_load(job_path, sets, n_sets, &job); /* on failure job is left empty */
+        if (rc == QT_OK) rc = qt_plan_opts_from_job(&job, ranks, &o);
+        if (rc == QT_OK) snprintf(job_model, sizeof job_model, "%s", job.model);
+        qt_job_free(&job);
+        free(sets);
+        if (rc != QT_OK) return cli_fail();
+        model = job_model;
+    } else {
+        free(sets);
+        if (n_sets) return cli_usage_error("plan", "--set needs a job file: qtune plan JOB.json --set key.path=value");
+    }
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (a == job_path) continue;
+        if (!strcmp(a, "--set")) { i++; continue; }
 #define NEED_VALUE() \
     do { if (!v) return cli_usage_error("plan", "%s needs a value", a); i++; } while (0)
         if (!strcmp(a, "--model")) { NEED_VALUE(); model = v; }
@@ -195,7 +227,8 @@ int cmd_plan(int argc, char **argv) {
         else return cli_usage_error("plan", "unknown option '%s'", a);
 #undef NEED_VALUE
     }
-    if (!model == !preset) return cli_usage_error("plan", "give exactly one of --model DIR or --preset NAME");
+    if (!model == !preset)
+        return cli_usage_error("plan", "give exactly one of a job file, --model DIR or --preset NAME");
     if (o.offload && o.zero == 0)
         return cli_usage_error("plan", "--offload cpu needs --zero 1 or 2 (the offloaded state is the sharded optimizer)");
 

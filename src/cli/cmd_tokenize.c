@@ -4,6 +4,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/mem.h"
+#include "data/format.h"
 #include "text/chat.h"
 #include "text/tokenizer.h"
 
@@ -84,24 +85,12 @@ static int run_chat(const bpe_tokenizer *t, const char *path) {
     cJSON *root = cJSON_ParseWithLength(buf, len);
     qt_free(buf);
     if (!root) return QT_ERR(QT_EFORMAT, "%s is not valid JSON", path);
-    const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(root, "messages");
-    size_t n = cJSON_IsArray(msgs) ? (size_t)cJSON_GetArraySize(msgs) : 0;
-    chat_message *m = qt_calloc(n ? n : 1, sizeof *m, "chat messages");
-    int rc = m ? QT_OK : QT_ENOMEM;
-    if (rc == QT_OK && !cJSON_IsArray(msgs)) rc = QT_ERR(QT_EFORMAT, "%s: \"messages\" must be an array of {\"role\", \"content\"}", path);
-    size_t i = 0;
-    for (const cJSON *e = cJSON_IsArray(msgs) ? msgs->child : NULL; e && rc == QT_OK; e = e->next, i++) {
-        const cJSON *r = cJSON_GetObjectItemCaseSensitive(e, "role"), *c = cJSON_GetObjectItemCaseSensitive(e, "content");
-        if (!cJSON_IsString(r) || !cJSON_IsString(c))
-            rc = QT_ERR(QT_EFORMAT, "%s: messages[%zu] needs string \"role\" and \"content\"", path, i);
-        else m[i] = (chat_message){r->valuestring, c->valuestring};
-    }
     int gen = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(root, "add_generation_prompt"));
     char *text = NULL;
-    size_t tl = 0, nids = 0, cap = 0;
+    size_t tl = 0, nids = 0;
     int32_t *ids = NULL, *labels = NULL;
-    if (rc == QT_OK) rc = chat_render_tok(t, m, n, gen, &text, &tl);
-    if (rc == QT_OK) rc = chat_encode(t, m, n, gen, &ids, &labels, &nids, &cap);
+    int rc = dl_chat_encode_json(t, root, gen, &text, &tl, &ids, &labels, &nids);
+    if (rc != QT_OK) rc = qt_error_context(rc, "%s", path);
     if (rc == QT_OK) {
         fputs("{\"text\": ", stdout);
         json_string(stdout, text, tl);
@@ -114,7 +103,6 @@ static int run_chat(const bpe_tokenizer *t, const char *path) {
     qt_free(text);
     qt_free(ids);
     qt_free(labels);
-    qt_free(m);
     cJSON_Delete(root);
     return rc;
 }

@@ -13,6 +13,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 static void help(void) {
@@ -32,6 +33,22 @@ static void help(void) {
            "Under mpirun every rank runs this command: mpirun -np 4 qtune train JOB.json; stop such\n"
            "a job with `qtune stop OUTPUT_DIR` (Ctrl-C on mpirun kills the ranks before they save).\n"
            "See docs/job-file.md for every key.\n");
+}
+
+/* An error that stops this rank. Rank 0 says it. Another rank waits a moment
+ * first: when rank 0 stops too (a bad job or model fails every rank alike)
+ * its MPI_Abort reaches this rank as SIGTERM, and the error has been said
+ * once; only an error of this rank alone (its memory, its disk) is said
+ * here, with the rank. */
+static int rank_failed(dist_ctx *d, volatile sig_atomic_t *stop) {
+    if (dist_world(d) <= 1 || dist_is_main(d)) return cli_fail();
+    const int st = qt_error_code() == QT_EINTERRUPTED ? QT_EXIT_INTERRUPTED : QT_EXIT_FAIL;
+    for (int i = 0; i < 30 && !*stop; i++) {
+        struct timespec ts = {0, 100 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    if (!*stop) fprintf(stderr, "qtune: error: rank %d: %s\n", dist_rank(d), qt_error_message());
+    return st;
 }
 
 int cmd_train(int argc, char **argv) {
@@ -76,11 +93,14 @@ int cmd_train(int argc, char **argv) {
     dist_set_stop_flag(d, stop);
     if (!dist_is_main(d) && qt_log_level() == QT_LOG_INFO) qt_log_set_level(QT_LOG_WARN); /* rank 0 speaks */
 
+    /* only rank 0 says it: mpirun passes a Ctrl-C to every rank, and an
+     * MPI_Abort reaches the others as SIGTERM (same handler and flag, no message) */
+    if (!dist_is_main(d)) cli_stop_on_signals(NULL);
     qt_job job;
     int rc = qt_job_load(job_path, sets, n_sets, &job);
     free(sets);
     if (rc != QT_OK) {
-        int st = cli_fail();
+        int st = rank_failed(d, stop);
         if (dist_world(d) > 1) dist_abort(d, st);
         dist_finalize(d);
         return st;
@@ -101,7 +121,7 @@ int cmd_train(int argc, char **argv) {
             if (dist_is_main(d)) fprintf(stderr, "qtune: %s\n", qt_error_message());
             status = QT_EXIT_INTERRUPTED;
         } else {
-            status = cli_fail();
+            status = rank_failed(d, stop);
             if (dist_world(d) > 1) { qt_job_free(&job); dist_abort(d, status); }
         }
     } else if (dist_is_main(d)) {

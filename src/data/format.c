@@ -1,12 +1,16 @@
 #include "data/format.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "core/mem.h"
+#include "core/strbuf.h"
 #include "data/batch.h"
 #include "text/chat.h"
 
 #include <ctype.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -17,6 +21,8 @@ const char *dl_format_name(dl_format f) {
     case DL_FORMAT_MESSAGES: return "messages";
     case DL_FORMAT_ALPACA: return "alpaca";
     case DL_FORMAT_TOKENS: return "tokens";
+    case DL_FORMAT_SHAREGPT: return "sharegpt";
+    case DL_FORMAT_PROMPT_COMPLETION: return "prompt_completion";
     }
     return "?";
 }
@@ -27,19 +33,25 @@ int dl_format_parse(const char *s, dl_format *out) {
         {"messages", DL_FORMAT_MESSAGES}, {"chat", DL_FORMAT_MESSAGES},
         {"chatml", DL_FORMAT_MESSAGES},   {"alpaca", DL_FORMAT_ALPACA},
         {"tokens", DL_FORMAT_TOKENS},     {"input_ids", DL_FORMAT_TOKENS},
-        {"pretokenized", DL_FORMAT_TOKENS},
+        {"pretokenized", DL_FORMAT_TOKENS}, {"sharegpt", DL_FORMAT_SHAREGPT},
+        {"prompt_completion", DL_FORMAT_PROMPT_COMPLETION}, {"prompt-completion", DL_FORMAT_PROMPT_COMPLETION},
     };
     for (size_t i = 0; s && i < sizeof names / sizeof names[0]; i++)
         if (!strcmp(s, names[i].name)) { *out = names[i].f; return QT_OK; }
-    return QT_ERR(QT_EINVAL, "unknown data.format '%s'; use auto, text, messages, alpaca or tokens", s ? s : "(null)");
+    return QT_ERR(QT_EINVAL,
+                  "unknown data.format '%s'; use auto, text, messages, sharegpt, alpaca, prompt_completion or tokens",
+                  s ? s : "(null)");
 }
 
 dl_format dl_format_detect(const cJSON *obj) {
     if (!cJSON_IsObject(obj)) return DL_FORMAT_AUTO;
     if (cJSON_GetObjectItemCaseSensitive(obj, "input_ids")) return DL_FORMAT_TOKENS;
     if (cJSON_GetObjectItemCaseSensitive(obj, "messages")) return DL_FORMAT_MESSAGES;
+    if (cJSON_GetObjectItemCaseSensitive(obj, "conversations")) return DL_FORMAT_SHAREGPT;
     if (cJSON_GetObjectItemCaseSensitive(obj, "instruction") && cJSON_GetObjectItemCaseSensitive(obj, "output"))
         return DL_FORMAT_ALPACA;
+    if (cJSON_GetObjectItemCaseSensitive(obj, "prompt") && cJSON_GetObjectItemCaseSensitive(obj, "completion"))
+        return DL_FORMAT_PROMPT_COMPLETION;
     if (cJSON_GetObjectItemCaseSensitive(obj, "text")) return DL_FORMAT_TEXT;
     return DL_FORMAT_AUTO;
 }
@@ -127,13 +139,310 @@ static int encode_text(const dl_encode_ctx *ctx, const cJSON *obj, dl_tokbuf *ou
     return put_special(ctx, out, "<|endoftext|>", 1);
 }
 
+/* ---- keys a format does not read: one warning per file and key ---- */
+
+#define DL_SEEN_MAX 32
+
+struct dl_seen_keys {
+    pthread_mutex_t mu;
+    int n;
+    char key[DL_SEEN_MAX][64];
+    char path[1024];
+};
+
+int dl_seen_keys_new(const char *path, dl_seen_keys **out) {
+    dl_seen_keys *s = qt_calloc(1, sizeof *s, "the dropped-key list");
+    if (!s) return QT_ENOMEM;
+    pthread_mutex_init(&s->mu, NULL);
+    snprintf(s->path, sizeof s->path, "%s", path ? path : "the data");
+    *out = s;
+    return QT_OK;
+}
+
+void dl_seen_keys_free(dl_seen_keys *s) {
+    if (!s) return;
+    pthread_mutex_destroy(&s->mu);
+    qt_free(s);
+}
+
+/* One line being encoded: where it is, for the dropped-key warnings. */
+typedef struct {
+    const dl_encode_ctx *ctx;
+    long long line; /* 0: unknown */
+} enc_call;
+
+static void dropped(const enc_call *e, const char *where, const char *key, const char *fmt_name) {
+    dl_seen_keys *s = e->ctx->seen;
+    if (!s) return;
+    char name[64];
+    snprintf(name, sizeof name, "%s%s", where, key);
+    pthread_mutex_lock(&s->mu);
+    int seen = 0;
+    for (int i = 0; i < s->n && !seen; i++) seen = !strcmp(s->key[i], name);
+    if (!seen && s->n < DL_SEEN_MAX) snprintf(s->key[s->n++], sizeof s->key[0], "%s", name);
+    pthread_mutex_unlock(&s->mu);
+    if (!seen)
+        qt_warn("%s:%lld: key \"%s\" is not read by the %s format and is dropped (warned once per file; docs/data.md "
+                "lists the keys each format reads)",
+                s->path, e->line, name, fmt_name);
+}
+
+static void check_keys(const enc_call *e, const cJSON *obj, const char *where, const char *const *known,
+                       dl_format f) {
+    for (const cJSON *it = obj ? obj->child : NULL; it; it = it->next) {
+        int ok = 0;
+        for (int i = 0; known[i] && !ok; i++) ok = it->string && !strcmp(it->string, known[i]);
+        if (!ok) dropped(e, where, it->string ? it->string : "?", dl_format_name(f));
+    }
+}
+
+/* ---- conversations: every chat-like shape becomes chat_message[] ---- */
+
+typedef struct {
+    chat_message *m;
+    size_t n, cap;
+    char *tools;  /* chat_tools_text, or NULL */
+    char **owned; /* strings made here (joined parts, tool calls), freed with the conversation */
+    size_t n_owned, cap_owned;
+} convo;
+
+static void convo_free(convo *c) {
+    for (size_t i = 0; i < c->n_owned; i++) qt_free(c->owned[i]);
+    qt_free(c->owned);
+    qt_free(c->m);
+    qt_free(c->tools);
+    memset(c, 0, sizeof *c);
+}
+
+/* Takes s into the conversation's keeping (frees it on failure). */
+static int convo_own(convo *c, char *s) {
+    if (c->n_owned == c->cap_owned) {
+        size_t cap = c->cap_owned ? 2 * c->cap_owned : 8;
+        char **o = qt_realloc(c->owned, cap * sizeof *o, "a conversation's strings");
+        if (!o) { qt_free(s); return QT_ENOMEM; }
+        c->owned = o;
+        c->cap_owned = cap;
+    }
+    c->owned[c->n_owned++] = s;
+    return QT_OK;
+}
+
+static int convo_add(convo *c, const char *role, const char *content, const char *calls, int no_label) {
+    if (c->n == c->cap) {
+        size_t cap = c->cap ? 2 * c->cap : 8;
+        chat_message *m = qt_realloc(c->m, cap * sizeof *m, "a conversation");
+        if (!m) return QT_ENOMEM;
+        c->m = m;
+        c->cap = cap;
+    }
+    c->m[c->n++] = (chat_message){.role = role, .content = content, .tool_calls = calls, .no_label = no_label};
+    return QT_OK;
+}
+
+/* content: a string, or OpenAI's list of parts whose text parts are joined
+ * with "\n" (as vLLM joins them); null is NULL (an assistant turn with tool
+ * calls may have none). */
+static int content_text(convo *c, const cJSON *v, const char *what, const char **out) {
+    *out = NULL;
+    if (!v || cJSON_IsNull(v)) return QT_OK;
+    if (cJSON_IsString(v)) { *out = v->valuestring; return QT_OK; }
+    if (!cJSON_IsArray(v))
+        return QT_ERR(QT_EFORMAT, "%s.content must be a string or a list of {\"type\": \"text\", \"text\": ...} parts",
+                      what);
+    qt_strbuf b = {0};
+    int rc = qt_strbuf_put(&b, "", 0), k = 0;
+    for (const cJSON *p = v->child; p && rc == QT_OK; p = p->next, k++) {
+        const cJSON *type = cJSON_GetObjectItemCaseSensitive(p, "type");
+        const cJSON *text = cJSON_GetObjectItemCaseSensitive(p, "text");
+        if (cJSON_IsString(p)) text = p;
+        else if (!cJSON_IsString(type) || strcmp(type->valuestring, "text") || !cJSON_IsString(text))
+            rc = QT_ERR(QT_EFORMAT, "%s.content[%d] is %s%s%s; qtune trains on text parts {\"type\": \"text\", "
+                        "\"text\": ...} only",
+                        what, k, cJSON_IsString(type) ? "a \"" : "not a text part", cJSON_IsString(type) ? type->valuestring : "",
+                        cJSON_IsString(type) ? "\" part" : "");
+        if (rc == QT_OK && k) rc = qt_strbuf_put(&b, "\n", 1);
+        if (rc == QT_OK) rc = qt_strbuf_put(&b, text->valuestring, strlen(text->valuestring));
+    }
+    if (rc != QT_OK) { qt_free(b.p); return rc; }
+    *out = b.p;
+    return convo_own(c, b.p);
+}
+
+/* "tools": a list of tool definitions, or (LLaMA-Factory) that list as a JSON string. */
+static int convo_tools(convo *c, const cJSON *obj) {
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(obj, "tools");
+    if (!t || cJSON_IsNull(t)) return QT_OK;
+    cJSON *parsed = NULL;
+    if (cJSON_IsString(t)) {
+        if (!t->valuestring[0]) return QT_OK;
+        parsed = cJSON_Parse(t->valuestring);
+        if (!cJSON_IsArray(parsed)) {
+            cJSON_Delete(parsed);
+            return QT_ERR(QT_EFORMAT, "\"tools\" is a string that is not a JSON list of tool definitions");
+        }
+        t = parsed;
+    }
+    int rc = cJSON_GetArraySize(t) ? chat_tools_text(t, &c->tools) : QT_OK;
+    cJSON_Delete(parsed);
+    return rc;
+}
+
+static int convo_calls(convo *c, const cJSON *calls, const char **out) {
+    *out = NULL;
+    if (!calls || cJSON_IsNull(calls) || (cJSON_IsArray(calls) && !cJSON_GetArraySize(calls))) return QT_OK;
+    char *t;
+    QT_TRY(chat_tool_calls_text(calls, &t));
+    QT_TRY(convo_own(c, t));
+    *out = t;
+    return QT_OK;
+}
+
+/* OpenAI / HF messages: role, content (string or parts), weight 0/1 on an
+ * assistant turn, tool_calls on an assistant turn. no_label marks every
+ * assistant turn as prompt (a TRL conversational prompt). */
+static int read_messages(const enc_call *e, convo *c, const cJSON *arr, const char *key, int no_label) {
+    static const char *const known[] = {"role", "content", "weight", "tool_calls", NULL};
+    if (!cJSON_IsArray(arr))
+        return QT_ERR(QT_EFORMAT, "\"%s\" must be an array of {\"role\", \"content\"} objects", key);
+    int i = 0;
+    for (const cJSON *m = arr->child; m; m = m->next, i++) {
+        char what[64];
+        snprintf(what, sizeof what, "%s[%d]", key, i);
+        if (!cJSON_IsObject(m)) return QT_ERR(QT_EFORMAT, "%s must be an object with \"role\" and \"content\"", what);
+        check_keys(e, m, "messages[].", known, DL_FORMAT_MESSAGES);
+        const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
+        if (!cJSON_IsString(role)) return QT_ERR(QT_EFORMAT, "%s.role is missing or not a string", what);
+        const char *r = role->valuestring;
+        if (strcmp(r, "system") && strcmp(r, "user") && strcmp(r, "assistant") && strcmp(r, "tool"))
+            return QT_ERR(QT_EFORMAT, "%s.role is \"%s\"; use system, user, assistant or tool", what, r);
+        const int assistant = !strcmp(r, "assistant");
+        const char *content, *calls = NULL;
+        QT_TRY(content_text(c, cJSON_GetObjectItemCaseSensitive(m, "content"), what, &content));
+        const cJSON *tc = cJSON_GetObjectItemCaseSensitive(m, "tool_calls");
+        if (tc && !cJSON_IsNull(tc) && !assistant)
+            return QT_ERR(QT_EFORMAT, "%s has tool_calls but role \"%s\"; only an assistant turn calls tools", what, r);
+        int rc = convo_calls(c, tc, &calls);
+        if (rc != QT_OK) return qt_error_context(rc, "%s", what);
+        if (!content && !calls) { /* null content is for a turn with tool_calls */
+            const cJSON *cv = cJSON_GetObjectItemCaseSensitive(m, "content");
+            if (cJSON_IsNull(cv))
+                return QT_ERR(QT_EFORMAT, "%s: \"content\" is null; it must be a string (\"\" for an empty one)%s",
+                              what, assistant ? ", or the turn must have tool_calls" : "");
+            return QT_ERR(QT_EFORMAT, "%s: the \"content\" key is missing", what);
+        }
+        const cJSON *w = cJSON_GetObjectItemCaseSensitive(m, "weight");
+        int weight = 1;
+        if (w && !cJSON_IsNull(w)) {
+            if (!cJSON_IsNumber(w) || (w->valuedouble != 0 && w->valuedouble != 1))
+                return QT_ERR(QT_EFORMAT, "%s.weight must be 0 or 1 (0: the turn is not trained on)", what);
+            weight = w->valuedouble == 1;
+        }
+        QT_TRY(convo_add(c, r, content, calls, no_label || !weight));
+    }
+    return QT_OK;
+}
+
+/* LLaMA-Factory's ShareGPT: from human/gpt/system/function_call/observation. */
+static int read_sharegpt(const enc_call *e, convo *c, const cJSON *obj) {
+    static const char *const known[] = {"from", "value", NULL};
+    const cJSON *arr = cJSON_GetObjectItemCaseSensitive(obj, "conversations");
+    if (!cJSON_IsArray(arr))
+        return QT_ERR(QT_EFORMAT, "\"conversations\" must be an array of {\"from\", \"value\"} objects");
+    const cJSON *sys = cJSON_GetObjectItemCaseSensitive(obj, "system");
+    if (sys && !cJSON_IsNull(sys) && !cJSON_IsString(sys)) return QT_ERR(QT_EFORMAT, "\"system\" must be a string");
+    if (cJSON_IsString(sys) && sys->valuestring[0]) QT_TRY(convo_add(c, "system", sys->valuestring, NULL, 0));
+    int i = 0;
+    for (const cJSON *t = arr->child; t; t = t->next, i++) {
+        if (!cJSON_IsObject(t))
+            return QT_ERR(QT_EFORMAT, "conversations[%d] must be an object with \"from\" and \"value\"", i);
+        check_keys(e, t, "conversations[].", known, DL_FORMAT_SHAREGPT);
+        const cJSON *from = cJSON_GetObjectItemCaseSensitive(t, "from");
+        const cJSON *value = cJSON_GetObjectItemCaseSensitive(t, "value");
+        if (!cJSON_IsString(from) || !cJSON_IsString(value))
+            return QT_ERR(QT_EFORMAT, "conversations[%d] needs string \"from\" and \"value\"", i);
+        const char *f = from->valuestring, *role = NULL;
+        if (!strcmp(f, "human") || !strcmp(f, "user")) role = "user";
+        else if (!strcmp(f, "gpt") || !strcmp(f, "assistant")) role = "assistant";
+        else if (!strcmp(f, "system")) role = "system";
+        else if (!strcmp(f, "observation") || !strcmp(f, "tool")) role = "tool";
+        else if (!strcmp(f, "function_call")) {
+            /* the value is the call as JSON: {"name", "arguments"} or a list of them */
+            cJSON *call = cJSON_Parse(value->valuestring);
+            if (cJSON_IsObject(call)) {
+                cJSON *list = cJSON_CreateArray();
+                if (list) cJSON_AddItemToArray(list, call);
+                call = list;
+            }
+            const char *calls = NULL;
+            int rc = cJSON_IsArray(call) ? convo_calls(c, call, &calls)
+                                         : QT_ERR(QT_EFORMAT, "is not JSON {\"name\": ..., \"arguments\": {...}}");
+            cJSON_Delete(call);
+            if (rc == QT_OK && !calls) rc = QT_ERR(QT_EFORMAT, "holds no call");
+            if (rc != QT_OK) return qt_error_context(rc, "conversations[%d] (function_call): value", i);
+            QT_TRY(convo_add(c, "assistant", NULL, calls, 0));
+            continue;
+        } else {
+            return QT_ERR(QT_EFORMAT,
+                          "conversations[%d].from is \"%s\"; use human, gpt, system, function_call or observation", i, f);
+        }
+        QT_TRY(convo_add(c, role, value->valuestring, NULL, 0));
+    }
+    return QT_OK;
+}
+
+/* Alpaca: [system], history pairs, then instruction (+ "\n\n" + input) and output. */
+static int read_alpaca(convo *c, const cJSON *obj) {
+    int rc = QT_OK;
+    const char *instruction = get_string(obj, "instruction", 1, &rc);
+    if (!instruction) return rc;
+    const char *input = get_string(obj, "input", 0, &rc);
+    if (rc != QT_OK) return rc;
+    const char *output = get_string(obj, "output", 1, &rc);
+    if (!output) return rc;
+    const char *system = get_string(obj, "system", 0, &rc);
+    if (rc != QT_OK) return rc;
+    if (system && system[0]) QT_TRY(convo_add(c, "system", system, NULL, 0));
+    const cJSON *h = cJSON_GetObjectItemCaseSensitive(obj, "history");
+    if (h && !cJSON_IsNull(h)) {
+        if (!cJSON_IsArray(h)) return QT_ERR(QT_EFORMAT, "\"history\" must be a list of [instruction, response] pairs");
+        int i = 0;
+        for (const cJSON *p = h->child; p; p = p->next, i++) {
+            const cJSON *q = cJSON_GetArrayItem(p, 0), *a = cJSON_GetArrayItem(p, 1);
+            if (!cJSON_IsArray(p) || cJSON_GetArraySize(p) != 2 || !cJSON_IsString(q) || !cJSON_IsString(a))
+                return QT_ERR(QT_EFORMAT, "history[%d] must be a pair of strings [instruction, response]", i);
+            QT_TRY(convo_add(c, "user", q->valuestring, NULL, 0));
+            QT_TRY(convo_add(c, "assistant", a->valuestring, NULL, 0));
+        }
+    }
+    /* prompt = instruction + "\n\n" + input (when input is non-empty) */
+    size_t ni = strlen(instruction), nin = input ? strlen(input) : 0;
+    char *prompt = qt_malloc(ni + nin + 3, "an Alpaca prompt");
+    if (!prompt) return QT_ENOMEM;
+    memcpy(prompt, instruction, ni);
+    size_t n = ni;
+    if (nin) {
+        memcpy(prompt + n, "\n\n", 2);
+        memcpy(prompt + n + 2, input, nin);
+        n += 2 + nin;
+    }
+    prompt[n] = 0;
+    QT_TRY(convo_own(c, prompt));
+    QT_TRY(convo_add(c, "user", prompt, NULL, 0));
+    return convo_add(c, "assistant", output, NULL, 0);
+}
+
 /* A conversation through the chat module (text/chat.h: Qwen2.5's ChatML
  * template, one encode of the rendered text, labels on each assistant
  * content and its <|im_end|>), appended to out as ids + label mask. */
-static int put_chat(const dl_encode_ctx *ctx, dl_tokbuf *out, const chat_message *msgs, size_t n) {
+static int put_chat(const dl_encode_ctx *ctx, dl_tokbuf *out, const convo *c) {
+    size_t n_label = 0;
+    for (size_t i = 0; i < c->n; i++) n_label += !strcmp(c->m[i].role, "assistant") && !c->m[i].no_label;
+    if (ctx->mask_prompt && n_label == 0)
+        return QT_ERR(QT_EFORMAT, "the conversation has no assistant turn to train on (none, or each has weight 0 or "
+                      "is part of the prompt), so with mask_prompt nothing would be learned");
     int32_t *ids = NULL, *labels = NULL;
     size_t n_ids = 0, cap = 0;
-    int rc = chat_encode(ctx->tok, msgs, n, 0, &ids, &labels, &n_ids, &cap);
+    int rc = chat_encode_tools(ctx->tok, c->m, c->n, c->tools, 0, &ids, &labels, &n_ids, &cap);
     if (rc == QT_OK) rc = dl_tokbuf_reserve(out, n_ids);
     if (rc == QT_OK) {
         for (size_t i = 0; i < n_ids; i++) {
@@ -147,57 +456,101 @@ static int put_chat(const dl_encode_ctx *ctx, dl_tokbuf *out, const chat_message
     return rc;
 }
 
-static int encode_messages(const dl_encode_ctx *ctx, const cJSON *obj, dl_tokbuf *out) {
-    const cJSON *arr = cJSON_GetObjectItemCaseSensitive(obj, "messages");
-    if (!cJSON_IsArray(arr)) return QT_ERR(QT_EFORMAT, "\"messages\" must be an array of {\"role\", \"content\"} objects");
-    int n = cJSON_GetArraySize(arr), i = 0, n_assistant = 0;
-    if (n == 0) return QT_ERR(QT_EFORMAT, "\"messages\" is empty");
-    chat_message *msgs = qt_calloc((size_t)n, sizeof *msgs, "a conversation");
-    if (!msgs) return QT_ENOMEM;
-    int rc = QT_OK;
-    const cJSON *m;
-    cJSON_ArrayForEach(m, arr) {
-        if (!cJSON_IsObject(m)) { rc = QT_ERR(QT_EFORMAT, "messages[%d] must be an object with \"role\" and \"content\"", i); break; }
-        const char *role = get_string(m, "role", 1, &rc);
-        const char *content = role ? get_string(m, "content", 1, &rc) : NULL;
-        if (!role || !content) { rc = qt_error_context(rc, "messages[%d]", i); break; }
-        if (strcmp(role, "system") && strcmp(role, "user") && strcmp(role, "assistant") && strcmp(role, "tool")) {
-            rc = QT_ERR(QT_EFORMAT, "messages[%d].role is \"%s\"; use system, user, assistant or tool", i, role);
-            break;
-        }
-        n_assistant += !strcmp(role, "assistant");
-        msgs[i++] = (chat_message){.role = role, .content = content};
-    }
-    if (rc == QT_OK && ctx->mask_prompt && n_assistant == 0)
-        rc = QT_ERR(QT_EFORMAT, "\"messages\" has no assistant turn, so with mask_prompt nothing would be learned");
-    if (rc == QT_OK) rc = put_chat(ctx, out, msgs, (size_t)n);
-    qt_free(msgs);
+int dl_chat_encode_json(const bpe_tokenizer *tok, const cJSON *obj, int add_generation_prompt, char **text,
+                        size_t *text_len, int32_t **ids, int32_t **labels, size_t *n) {
+    dl_encode_ctx ctx = {.tok = tok};
+    enc_call e = {&ctx, 0};
+    convo c = {0};
+    *text = NULL;
+    *ids = *labels = NULL;
+    *n = 0;
+    size_t cap = 0;
+    int rc = cJSON_IsObject(obj) ? read_messages(&e, &c, cJSON_GetObjectItemCaseSensitive(obj, "messages"), "messages", 0)
+                                 : QT_ERR(QT_EFORMAT, "not a JSON object");
+    if (rc == QT_OK) rc = convo_tools(&c, obj);
+    if (rc == QT_OK) rc = chat_render_tok(tok, c.m, c.n, c.tools, add_generation_prompt, text, text_len);
+    if (rc == QT_OK) rc = chat_encode_tools(tok, c.m, c.n, c.tools, add_generation_prompt, ids, labels, n, &cap);
+    convo_free(&c);
     return rc;
 }
 
-static int encode_alpaca(const dl_encode_ctx *ctx, const cJSON *obj, dl_tokbuf *out) {
+static int encode_convo(const enc_call *e, dl_format fmt, const cJSON *obj, dl_tokbuf *out) {
+    static const char *const k_messages[] = {"messages", "tools", NULL};
+    static const char *const k_sharegpt[] = {"conversations", "system", "tools", NULL};
+    static const char *const k_alpaca[] = {"instruction", "input", "output", "system", "history", NULL};
+    convo c = {0};
     int rc = QT_OK;
-    const char *instruction = get_string(obj, "instruction", 1, &rc);
-    if (!instruction) return rc;
-    const char *input = get_string(obj, "input", 0, &rc);
-    if (rc != QT_OK) return rc;
-    const char *output = get_string(obj, "output", 1, &rc);
-    if (!output) return rc;
-    /* prompt = instruction + "\n\n" + input (when input is non-empty) */
-    size_t ni = strlen(instruction), nin = input ? strlen(input) : 0;
-    char *prompt = qt_malloc(ni + nin + 3, "an Alpaca prompt");
-    if (!prompt) return QT_ENOMEM;
-    memcpy(prompt, instruction, ni);
-    size_t n = ni;
-    if (nin) {
-        memcpy(prompt + n, "\n\n", 2);
-        memcpy(prompt + n + 2, input, nin);
-        n += 2 + nin;
+    if (fmt == DL_FORMAT_MESSAGES) {
+        check_keys(e, obj, "", k_messages, fmt);
+        const cJSON *arr = cJSON_GetObjectItemCaseSensitive(obj, "messages");
+        if (cJSON_IsArray(arr) && cJSON_GetArraySize(arr) == 0) rc = QT_ERR(QT_EFORMAT, "\"messages\" is empty");
+        if (rc == QT_OK) rc = read_messages(e, &c, arr, "messages", 0);
+        if (rc == QT_OK) rc = convo_tools(&c, obj);
+    } else if (fmt == DL_FORMAT_SHAREGPT) {
+        check_keys(e, obj, "", k_sharegpt, fmt);
+        rc = read_sharegpt(e, &c, obj);
+        if (rc == QT_OK && c.n == 0) rc = QT_ERR(QT_EFORMAT, "\"conversations\" is empty");
+        if (rc == QT_OK) rc = convo_tools(&c, obj);
+    } else {
+        check_keys(e, obj, "", k_alpaca, fmt);
+        rc = read_alpaca(&c, obj);
     }
-    prompt[n] = 0;
-    chat_message msgs[2] = {{.role = "user", .content = prompt}, {.role = "assistant", .content = output}};
-    rc = put_chat(ctx, out, msgs, 2);
-    qt_free(prompt);
+    if (rc == QT_OK) rc = put_chat(e->ctx, out, &c);
+    convo_free(&c);
+    return rc;
+}
+
+/* TRL's prompt/completion. Both strings: plain text, the completion (and an
+ * <|endoftext|> after it, TRL's appended EOS) labelled, encoded in one call
+ * as TRL tokenizes prompt + completion. Message lists (TRL's conversational
+ * form): the chat template over prompt + completion, labels on the
+ * completion's assistant turns only. */
+static int encode_prompt_completion(const enc_call *e, const cJSON *obj, dl_tokbuf *out) {
+    static const char *const known[] = {"prompt", "completion", NULL};
+    check_keys(e, obj, "", known, DL_FORMAT_PROMPT_COMPLETION);
+    const dl_encode_ctx *ctx = e->ctx;
+    const cJSON *p = cJSON_GetObjectItemCaseSensitive(obj, "prompt");
+    const cJSON *q = cJSON_GetObjectItemCaseSensitive(obj, "completion");
+    if (cJSON_IsArray(p)) {
+        convo c = {0};
+        int rc = read_messages(e, &c, p, "prompt", 1);
+        if (rc == QT_OK && cJSON_IsArray(q)) rc = read_messages(e, &c, q, "completion", 0);
+        else if (rc == QT_OK && cJSON_IsString(q)) rc = convo_add(&c, "assistant", q->valuestring, NULL, 0);
+        else if (rc == QT_OK) rc = QT_ERR(QT_EFORMAT, "\"completion\" must be a string or a list of messages");
+        if (rc == QT_OK) rc = put_chat(ctx, out, &c);
+        convo_free(&c);
+        return rc;
+    }
+    if (!cJSON_IsString(p) || !cJSON_IsString(q))
+        return QT_ERR(QT_EFORMAT, "\"prompt\" and \"completion\" must both be strings, or both lists of messages");
+    char *cp = NULL, *cq = NULL;
+    size_t np = 0, nq = 0, n = 0, cap = 0;
+    int32_t *ids = NULL;
+    bpe_span *spans = NULL;
+    int rc = bpe_normalize(ctx->tok, p->valuestring, strlen(p->valuestring), &cp, &np);
+    if (rc == QT_OK) rc = bpe_normalize(ctx->tok, q->valuestring, strlen(q->valuestring), &cq, &nq);
+    char *all = rc == QT_OK ? qt_malloc(np + nq + 1, "a prompt and completion") : NULL;
+    if (rc == QT_OK && !all) rc = QT_ENOMEM;
+    if (rc == QT_OK) {
+        memcpy(all, cp, np);
+        memcpy(all + np, cq, nq);
+        all[np + nq] = 0;
+        rc = bpe_encode_spans(ctx->tok, all, np + nq, &ids, &spans, &n, &cap);
+    }
+    if (rc == QT_OK) rc = dl_tokbuf_reserve(out, n);
+    if (rc == QT_OK) {
+        for (size_t i = 0; i < n; i++) {
+            out->ids[out->n + i] = ids[i];
+            out->mask[out->n + i] = !ctx->mask_prompt || spans[i].end > np;
+        }
+        out->n += n;
+        rc = put_special(ctx, out, "<|endoftext|>", 1);
+    }
+    qt_free(all);
+    qt_free(cp);
+    qt_free(cq);
+    qt_free(ids);
+    qt_free(spans);
     return rc;
 }
 
@@ -258,16 +611,29 @@ static int encode_tokens(const dl_encode_ctx *ctx, const cJSON *obj, dl_tokbuf *
     return QT_OK;
 }
 
-int dl_encode_example(const dl_encode_ctx *ctx, dl_format fmt, const cJSON *obj, dl_tokbuf *out) {
+static int encode_obj(const enc_call *e, dl_format fmt, const cJSON *obj, dl_tokbuf *out) {
+    static const char *const k_text[] = {"text", NULL};
+    static const char *const k_tokens[] = {"input_ids", "labels", NULL};
+    const dl_encode_ctx *ctx = e->ctx;
     if (!cJSON_IsObject(obj)) return QT_ERR(QT_EFORMAT, "the line is not a JSON object");
     size_t n0 = out->n;
-    int rc;
-    switch (fmt) {
-    case DL_FORMAT_TEXT: rc = need_tokenizer(ctx, fmt); if (!rc) rc = encode_text(ctx, obj, out); break;
-    case DL_FORMAT_MESSAGES: rc = need_tokenizer(ctx, fmt); if (!rc) rc = encode_messages(ctx, obj, out); break;
-    case DL_FORMAT_ALPACA: rc = need_tokenizer(ctx, fmt); if (!rc) rc = encode_alpaca(ctx, obj, out); break;
-    case DL_FORMAT_TOKENS: rc = encode_tokens(ctx, obj, out); break;
-    default: rc = QT_ERR(QT_EINVAL, "no data format chosen"); break;
+    int rc = fmt == DL_FORMAT_TOKENS ? QT_OK : need_tokenizer(ctx, fmt);
+    if (rc == QT_OK) {
+        switch (fmt) {
+        case DL_FORMAT_TEXT:
+            check_keys(e, obj, "", k_text, fmt);
+            rc = encode_text(ctx, obj, out);
+            break;
+        case DL_FORMAT_MESSAGES:
+        case DL_FORMAT_SHAREGPT:
+        case DL_FORMAT_ALPACA: rc = encode_convo(e, fmt, obj, out); break;
+        case DL_FORMAT_PROMPT_COMPLETION: rc = encode_prompt_completion(e, obj, out); break;
+        case DL_FORMAT_TOKENS:
+            check_keys(e, obj, "", k_tokens, fmt);
+            rc = encode_tokens(ctx, obj, out);
+            break;
+        default: rc = QT_ERR(QT_EINVAL, "no data format chosen"); break;
+        }
     }
     if (rc != QT_OK) out->n = n0; /* drop a half-written example */
     return rc;
@@ -442,6 +808,11 @@ int dl_line_is_long_tokens(const dl_encode_ctx *ctx, const char *s, size_t len) 
     return rc == QT_OK;
 }
 
+int dl_encode_example(const dl_encode_ctx *ctx, dl_format fmt, const cJSON *obj, dl_tokbuf *out) {
+    enc_call e = {ctx, 0};
+    return encode_obj(&e, fmt, obj, out);
+}
+
 int dl_encode_line(const dl_encode_ctx *ctx, const char *path, long long line_no, const char *s, size_t len,
                    dl_format *fmt, dl_tokbuf *out) {
     if (memchr(s, 0, len))
@@ -471,9 +842,10 @@ int dl_encode_line(const dl_encode_ctx *ctx, const char *path, long long line_no
         rc = QT_ERR(QT_EFORMAT, "%s:%lld: the line is not a JSON object", path, line_no);
     } else if (*fmt == DL_FORMAT_AUTO && (*fmt = dl_format_detect(obj)) == DL_FORMAT_AUTO) {
         rc = QT_ERR(QT_EFORMAT, "%s:%lld: cannot tell the data format: expected a \"text\", \"messages\", "
-                    "\"instruction\"+\"output\" or \"input_ids\" key; or set the format",
+                    "\"conversations\", \"instruction\"+\"output\", \"prompt\"+\"completion\" or \"input_ids\" "
+                    "key; or set data.format",
                     path, line_no);
-    } else if ((rc = dl_encode_example(ctx, *fmt, obj, out)) != QT_OK) {
+    } else if ((rc = encode_obj(&(enc_call){ctx, line_no}, *fmt, obj, out)) != QT_OK) {
         rc = qt_error_context(rc, "%s:%lld", path, line_no);
     }
     cJSON_Delete(obj);
@@ -483,7 +855,8 @@ int dl_encode_line(const dl_encode_ctx *ctx, const char *path, long long line_no
 uint64_t dl_template_hash(void) {
     /* Bump the string when the rendering or masking rules here or in
      * text/chat.c change; the default system prompt is hashed with it. */
-    static const char rules[] = "v2: chat_encode (Qwen2.5 ChatML, whole-text encode, span labels: assistant "
+    static const char rules[] = "v3 (tools, tool_calls, weight 0, sharegpt, prompt_completion, alpaca system and "
+                                "history): chat_encode (Qwen2.5 ChatML, whole-text encode, span labels: assistant "
                                 "content + <|im_end|>); text + <|endoftext|>; alpaca: instruction\\n\\ninput as user; "
                                 "default system: " CHAT_DEFAULT_SYSTEM;
     uint64_t h = 1469598103934665603ull;

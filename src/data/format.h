@@ -17,14 +17,18 @@ typedef enum {
     DL_FORMAT_MESSAGES = 2, /* {"messages": [{"role", "content"}, ...]} in ChatML */
     DL_FORMAT_ALPACA = 3,   /* {"instruction", "input"?, "output"} as one user/assistant exchange */
     DL_FORMAT_TOKENS = 4,   /* {"input_ids": [...], "labels": [...]?} pre-tokenized */
+    DL_FORMAT_SHAREGPT = 5, /* {"conversations": [{"from", "value"}, ...], "system"?, "tools"?} */
+    DL_FORMAT_PROMPT_COMPLETION = 6, /* TRL: {"prompt", "completion"}, text or message lists */
+    DL_FORMAT_LAST = DL_FORMAT_PROMPT_COMPLETION,
 } dl_format;
 
-const char *dl_format_name(dl_format f); /* "auto" "text" "messages" "alpaca" "tokens" */
+const char *dl_format_name(dl_format f); /* "auto" "text" "messages" "alpaca" "tokens" "sharegpt" "prompt_completion" */
 /* Accepts the names above, plus "chat"/"chatml" for messages and
  * "input_ids"/"pretokenized" for tokens. QT_EINVAL names the choices. */
 int dl_format_parse(const char *s, dl_format *out);
 /* The format a JSON object's keys say, or DL_FORMAT_AUTO when none fits.
- * Checked in this order: input_ids, messages, instruction+output, text. */
+ * Checked in this order: input_ids, messages, conversations (ShareGPT),
+ * instruction+output (Alpaca), prompt+completion (TRL), text. */
 dl_format dl_format_detect(const cJSON *obj);
 
 /* Growing token buffer: ids and mask of every example appended so far. */
@@ -37,8 +41,16 @@ typedef struct {
 int dl_tokbuf_reserve(dl_tokbuf *b, size_t extra);
 void dl_tokbuf_free(dl_tokbuf *b);
 
+/* The keys one file's lines held that its format does not read: each is
+ * named in one warning per file (thread-safe; the cache build tokenizes a
+ * file on several threads). */
+typedef struct dl_seen_keys dl_seen_keys;
+int dl_seen_keys_new(const char *path, dl_seen_keys **out);
+void dl_seen_keys_free(dl_seen_keys *s);
+
 typedef struct {
     const bpe_tokenizer *tok; /* NULL: only DL_FORMAT_TOKENS can be read */
+    dl_seen_keys *seen;       /* NULL: dropped keys are not warned about */
     int mask_prompt;          /* chat/alpaca: label only the assistant's tokens */
     int32_t vocab_limit;      /* pre-tokenized ids must be < this; 0 = unchecked */
 } dl_encode_ctx;
@@ -61,6 +73,13 @@ int dl_line_is_long_tokens(const dl_encode_ctx *ctx, const char *s, size_t len);
  * "path:line: "; out unchanged then. */
 int dl_encode_line(const dl_encode_ctx *ctx, const char *path, long long line_no, const char *s, size_t len,
                    dl_format *fmt, dl_tokbuf *out);
+
+/* A {"messages": [...], "tools": [...]?} object (OpenAI/HF shape: content
+ * strings or text parts, tool_calls, weight) rendered with Qwen2.5's chat
+ * template (*text, qt_free) and encoded with labels (chat_encode's rules;
+ * *ids and *labels qt_free). What `qtune tokenize --chat` prints. */
+int dl_chat_encode_json(const bpe_tokenizer *tok, const cJSON *obj, int add_generation_prompt, char **text,
+                        size_t *text_len, int32_t **ids, int32_t **labels, size_t *n);
 
 /* What the cache key must include so a template/masking change rebuilds it. */
 uint64_t dl_template_hash(void);

@@ -428,7 +428,12 @@ static int open_files(dl_loader *l, const bpe_tokenizer *tok) {
     for (int f = 0; f < l->n_files; f++) {
         o.path = paths[f];
         if (!o.path) return QT_ERR(QT_EINVAL, "data file %d of %d has no path", f + 1, l->n_files);
-        QT_TRY(dl_source_open(&o, &l->files[f]));
+        dl_seen_keys *seen = NULL;
+        QT_TRY(dl_seen_keys_new(o.path, &seen)); /* dropped keys: one warning per file */
+        o.enc.seen = seen;
+        int rc = dl_source_open(&o, &l->files[f]);
+        dl_seen_keys_free(seen);
+        QT_TRY(rc);
         l->stats.n_cache_hits += l->files[f].cache_hit;
         l->stats.n_cache_written += l->files[f].cache_written;
         l->stats.n_lines_skipped += (int64_t)l->files[f].n_bad_lines;

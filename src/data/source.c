@@ -95,7 +95,7 @@ static const char *header_mismatch(const dl_cache_header *got, const dl_cache_he
     if (got->skip_bad_lines != want->skip_bad_lines || got->max_line_bytes != want->max_line_bytes)
         return "the bad-line settings changed";
     if (got->vocab_limit != want->vocab_limit) return "the vocabulary size changed";
-    if (got->format_resolved < DL_FORMAT_TEXT || got->format_resolved > DL_FORMAT_TOKENS) return "its header is corrupt";
+    if (got->format_resolved < DL_FORMAT_TEXT || got->format_resolved > DL_FORMAT_LAST) return "its header is corrupt";
     return NULL;
 }
 

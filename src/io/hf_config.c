@@ -109,12 +109,58 @@ static int parse_arch(const cJSON *root, const char *where, qt_arch *arch) {
     return QT_ERR(QT_EFORMAT, "%s: neither 'architectures' nor 'model_type' is given; is this a Hugging Face config.json?", where);
 }
 
+/* rope_scaling as transformers reads it: linear, dynamic, yarn, llama3 (and
+ * "default"). Another type is refused without suggesting to drop the field:
+ * the model was trained with it. */
+static int parse_rope_scaling(const cJSON *root, const char *where, qt_rope_scaling *r) {
+    memset(r, 0, sizeof *r); /* plain RoPE: all zero */
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, "rope_scaling");
+    if (!v || cJSON_IsNull(v)) return QT_OK;
+    if (!cJSON_IsObject(v)) return QT_ERR(QT_EFORMAT, "%s: field 'rope_scaling' must be an object or null", where);
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(v, "rope_type");
+    if (!cJSON_IsString(t)) t = cJSON_GetObjectItemCaseSensitive(v, "type");
+    if (!cJSON_IsString(t)) return QT_ERR(QT_EFORMAT, "%s: rope_scaling has no string 'rope_type' (or 'type')", where);
+    static const struct { const char *name; qt_rope_type type; } types[] = {
+        {"default", QT_ROPE_DEFAULT}, {"linear", QT_ROPE_LINEAR}, {"dynamic", QT_ROPE_DYNAMIC},
+        {"yarn", QT_ROPE_YARN},       {"llama3", QT_ROPE_LLAMA3},
+    };
+    int found = 0;
+    for (size_t i = 0; i < sizeof types / sizeof types[0] && !found; i++)
+        if (!strcmp(t->valuestring, types[i].name)) r->type = types[i].type, found = 1;
+    if (!found)
+        return QT_ERR(QT_EUNSUPPORTED,
+                      "%s: rope_scaling type '%.32s' is not supported yet; qtune implements linear, dynamic, yarn and "
+                      "llama3 (the model was trained with its scaling, so it cannot be run without it)",
+                      where, t->valuestring);
+    if (r->type == QT_ROPE_DEFAULT) return QT_OK;
+    r->beta_fast = 32.0f, r->beta_slow = 1.0f, r->truncate = 1; /* transformers' yarn defaults */
+    int rc = get_float(v, where, "factor", &r->factor);
+    if (rc == QT_OK) rc = get_int(v, where, "original_max_position_embeddings", 0, 1, 1 << 30,
+                                  &r->original_max_position_embeddings, NULL);
+    if (rc == QT_OK) rc = get_float(v, where, "low_freq_factor", &r->low_freq_factor);
+    if (rc == QT_OK) rc = get_float(v, where, "high_freq_factor", &r->high_freq_factor);
+    if (rc == QT_OK) rc = get_float(v, where, "beta_fast", &r->beta_fast);
+    if (rc == QT_OK) rc = get_float(v, where, "beta_slow", &r->beta_slow);
+    if (rc == QT_OK) rc = get_float(v, where, "attention_factor", &r->attention_factor);
+    if (rc == QT_OK) rc = get_float(v, where, "mscale", &r->mscale);
+    if (rc == QT_OK) rc = get_float(v, where, "mscale_all_dim", &r->mscale_all_dim);
+    if (rc == QT_OK) rc = get_bool(v, where, "truncate", &r->truncate);
+    if (rc != QT_OK) return rc;
+    if (!(r->factor > 0) && r->type != QT_ROPE_YARN)
+        return QT_ERR(QT_EFORMAT, "%s: rope_scaling type '%s' needs a positive 'factor'", where, t->valuestring);
+    if (r->type == QT_ROPE_LLAMA3 &&
+        (!(r->low_freq_factor > 0) || !(r->high_freq_factor > r->low_freq_factor) ||
+         !r->original_max_position_embeddings))
+        return QT_ERR(QT_EFORMAT,
+                      "%s: rope_scaling llama3 needs low_freq_factor < high_freq_factor and "
+                      "original_max_position_embeddings",
+                      where);
+    return QT_OK;
+}
+
 /* Everything a Qwen2/Llama forward pass here does not do must be absent. */
 static int check_unsupported(const cJSON *root, const char *where, const qt_config *c) {
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, "rope_scaling");
-    if (v && !cJSON_IsNull(v))
-        return QT_ERR(QT_EUNSUPPORTED, "%s: field 'rope_scaling' is set; qtune implements plain RoPE only, so set it to null (or use a model without RoPE scaling)", where);
-    v = cJSON_GetObjectItemCaseSensitive(root, "hidden_act");
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, "hidden_act");
     if (v && !cJSON_IsNull(v) && (!cJSON_IsString(v) || strcmp(v->valuestring, "silu")))
         return QT_ERR(QT_EUNSUPPORTED, "%s: field 'hidden_act' is '%.32s'; qtune implements only \"silu\"", where,
                       cJSON_IsString(v) ? v->valuestring : "(not a string)");
@@ -267,6 +313,7 @@ int qt_config_parse(const char *json, const char *where, qt_config *cfg) {
         if (rc == QT_OK) rc = get_token_id(root, where, "eos_token_id", &c.eos_token_id);
         if (rc == QT_OK) rc = parse_dtype(root, where, &c.torch_dtype);
         if (rc == QT_OK) rc = check_unsupported(root, where, &c);
+        if (rc == QT_OK) rc = parse_rope_scaling(root, where, &c.rope_scaling);
         if (rc == QT_OK) {
             if (!kv_present) c.num_key_value_heads = c.num_attention_heads;
             if (!hd_present && c.arch == QT_ARCH_QWEN3) {
@@ -334,9 +381,42 @@ static const char *dtype_torch_name(qt_dtype t) {
 /* The version whose config classes these fields follow (Qwen2.5's release). */
 #define CONFIG_TRANSFORMERS_VERSION "4.43.1"
 
+/* rope_scaling as JSON ("null" when plain). */
+static void rope_json(const qt_rope_scaling *r, char *buf, size_t cap) {
+    static const char *const names[] = {"default", "linear", "dynamic", "yarn", "llama3"};
+    if (r->type == QT_ROPE_DEFAULT) {
+        snprintf(buf, cap, "null");
+        return;
+    }
+    char f[32];
+    float_str(f, sizeof f, r->factor);
+    int n = snprintf(buf, cap, "{\"factor\": %s, \"rope_type\": \"%s\"", f, names[r->type]);
+    if (r->original_max_position_embeddings && n > 0 && (size_t)n < cap)
+        n += snprintf(buf + n, cap - (size_t)n, ", \"original_max_position_embeddings\": %d",
+                      r->original_max_position_embeddings);
+    if (r->type == QT_ROPE_LLAMA3 && n > 0 && (size_t)n < cap) {
+        char lo[32], hi[32];
+        float_str(lo, sizeof lo, r->low_freq_factor);
+        float_str(hi, sizeof hi, r->high_freq_factor);
+        n += snprintf(buf + n, cap - (size_t)n, ", \"low_freq_factor\": %s, \"high_freq_factor\": %s", lo, hi);
+    }
+    if (r->type == QT_ROPE_YARN && n > 0 && (size_t)n < cap) {
+        char bf[32], bs[32], af[32];
+        float_str(bf, sizeof bf, r->beta_fast);
+        float_str(bs, sizeof bs, r->beta_slow);
+        n += snprintf(buf + n, cap - (size_t)n, ", \"beta_fast\": %s, \"beta_slow\": %s, \"truncate\": %s", bf,
+                      bs, r->truncate ? "true" : "false");
+        if (r->attention_factor > 0 && n > 0 && (size_t)n < cap) {
+            float_str(af, sizeof af, r->attention_factor);
+            n += snprintf(buf + n, cap - (size_t)n, ", \"attention_factor\": %s", af);
+        }
+    }
+    if (n > 0 && (size_t)n < cap) snprintf(buf + n, cap - (size_t)n, "}");
+}
+
 /* Qwen3ForCausalLM as transformers 4.51 (the first with Qwen3) writes it. */
 static int write_qwen3(const qt_config *c, const char *path, const char *bos, const char *eos, const char *eps,
-                       const char *theta, const char *init) {
+                       const char *theta, const char *init, const char *rope) {
     char buf[4096];
     int n = snprintf(buf, sizeof buf,
                      "{\n"
@@ -357,7 +437,7 @@ static int write_qwen3(const qt_config *c, const char *path, const char *bos, co
                      "  \"num_hidden_layers\": %d,\n"
                      "  \"num_key_value_heads\": %d,\n"
                      "  \"rms_norm_eps\": %s,\n"
-                     "  \"rope_scaling\": null,\n"
+                     "  \"rope_scaling\": %s,\n"
                      "  \"rope_theta\": %s,\n"
                      "  \"sliding_window\": null,\n"
                      "  \"tie_word_embeddings\": %s,\n"
@@ -369,7 +449,7 @@ static int write_qwen3(const qt_config *c, const char *path, const char *bos, co
                      "}\n",
                      c->attention_bias ? "true" : "false", bos, eos, c->head_dim, c->hidden_size, init,
                      c->intermediate_size, c->max_position_embeddings, c->num_hidden_layers, c->num_attention_heads,
-                     c->num_hidden_layers, c->num_key_value_heads, eps, theta,
+                     c->num_hidden_layers, c->num_key_value_heads, eps, rope, theta,
                      c->tie_word_embeddings ? "true" : "false", dtype_torch_name(c->torch_dtype), c->vocab_size);
     if (n < 0 || (size_t)n >= sizeof buf) return QT_ERR(QT_EINVAL, "config for %s does not fit the write buffer", path);
     return qt_write_file_atomic(path, buf, (size_t)n);
@@ -433,7 +513,8 @@ static int write_qwen1(const qt_config *c, const char *path, const char *eps, co
 }
 
 int qt_config_write(const qt_config *c, const char *path) {
-    char eps[32], theta[32], bos[16], eos[16], init[32];
+    char eps[32], theta[32], bos[16], eos[16], init[32], rope[512];
+    rope_json(&c->rope_scaling, rope, sizeof rope);
     float_str(eps, sizeof eps, c->rms_norm_eps);
     float_str(init, sizeof init, c->initializer_range > 0.0f ? c->initializer_range : 0.02f);
     float_str(theta, sizeof theta, c->rope_theta);
@@ -441,7 +522,7 @@ int qt_config_write(const qt_config *c, const char *path) {
     else snprintf(bos, sizeof bos, "null");
     if (c->eos_token_id >= 0) snprintf(eos, sizeof eos, "%d", c->eos_token_id);
     else snprintf(eos, sizeof eos, "null");
-    if (c->arch == QT_ARCH_QWEN3) return write_qwen3(c, path, bos, eos, eps, theta, init);
+    if (c->arch == QT_ARCH_QWEN3) return write_qwen3(c, path, bos, eos, eps, theta, init, rope);
     if (c->arch == QT_ARCH_QWEN) return write_qwen1(c, path, eps, theta, init);
     int qwen = c->arch == QT_ARCH_QWEN2;
     /* Qwen2Config has no head_dim before transformers 4.48 (it is hidden/heads):
@@ -471,7 +552,7 @@ int qt_config_write(const qt_config *c, const char *path) {
                      "  \"num_hidden_layers\": %d,\n"
                      "  \"num_key_value_heads\": %d,\n"
                      "  \"rms_norm_eps\": %s,\n"
-                     "  \"rope_scaling\": null,\n"
+                     "  \"rope_scaling\": %s,\n"
                      "  \"rope_theta\": %s,\n"
                      "  \"sliding_window\": %d,\n"
                      "  \"tie_word_embeddings\": %s,\n"
@@ -483,7 +564,7 @@ int qt_config_write(const qt_config *c, const char *path) {
                      "}\n",
                      bos, eos, hd_line, c->hidden_size, init, c->intermediate_size, c->max_position_embeddings,
                      c->num_hidden_layers, c->num_attention_heads, c->num_hidden_layers, c->num_key_value_heads, eps,
-                     theta, c->max_position_embeddings, c->tie_word_embeddings ? "true" : "false",
+                     rope, theta, c->max_position_embeddings, c->tie_word_embeddings ? "true" : "false",
                      dtype_torch_name(c->torch_dtype), c->vocab_size);
     } else {
         n = snprintf(buf, sizeof buf,
@@ -506,7 +587,7 @@ int qt_config_write(const qt_config *c, const char *path) {
                      "  \"num_key_value_heads\": %d,\n"
                      "  \"pretraining_tp\": 1,\n"
                      "  \"rms_norm_eps\": %s,\n"
-                     "  \"rope_scaling\": null,\n"
+                     "  \"rope_scaling\": %s,\n"
                      "  \"rope_theta\": %s,\n"
                      "  \"tie_word_embeddings\": %s,\n"
                      "  \"torch_dtype\": \"%s\",\n"
@@ -516,7 +597,7 @@ int qt_config_write(const qt_config *c, const char *path) {
                      "}\n",
                      c->attention_bias ? "true" : "false", bos, eos, c->head_dim, c->hidden_size, init,
                      c->intermediate_size, c->max_position_embeddings, c->num_attention_heads, c->num_hidden_layers,
-                     c->num_key_value_heads, eps, theta, c->tie_word_embeddings ? "true" : "false",
+                     c->num_key_value_heads, eps, rope, theta, c->tie_word_embeddings ? "true" : "false",
                      dtype_torch_name(c->torch_dtype), c->vocab_size);
     }
     if (n < 0 || (size_t)n >= sizeof buf) return QT_ERR(QT_EINVAL, "config for %s does not fit the write buffer", path);

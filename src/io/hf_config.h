@@ -14,6 +14,20 @@
 
 typedef enum { QT_ARCH_QWEN2 = 0, QT_ARCH_LLAMA = 1, QT_ARCH_QWEN3 = 2, QT_ARCH_QWEN = 3 } qt_arch;
 
+typedef enum { QT_ROPE_DEFAULT = 0, QT_ROPE_LINEAR, QT_ROPE_DYNAMIC, QT_ROPE_YARN, QT_ROPE_LLAMA3 } qt_rope_type;
+
+/* config.json's rope_scaling (transformers' names; "type" or "rope_type"). */
+typedef struct {
+    qt_rope_type type;
+    float factor;
+    int original_max_position_embeddings; /* 0: absent (max_position_embeddings then) */
+    float low_freq_factor, high_freq_factor; /* llama3 */
+    float beta_fast, beta_slow;              /* yarn; 32 and 1 when absent */
+    float attention_factor;                  /* yarn; 0: absent (derived from factor) */
+    float mscale, mscale_all_dim;            /* yarn; 0: absent */
+    int truncate;                            /* yarn; true when absent */
+} qt_rope_scaling;
+
 typedef struct {
     qt_arch arch;
     int vocab_size;              /* V */
@@ -36,7 +50,9 @@ typedef struct {
     qt_dtype torch_dtype;        /* as the file says; f32 when absent */
     int bos_token_id, eos_token_id; /* -1 when absent */
     float initializer_range;     /* std of `qtune init`'s normal weights; 0 (absent) means 0.02 */
+    qt_rope_scaling rope_scaling; /* rope_scaling (type QT_ROPE_DEFAULT when null) */
 } qt_config;
+
 
 int qt_config_load(const char *path, qt_config *cfg);           /* path: config.json or its folder */
 /* The Hugging Face tensor names of an architecture. The seven linears are

@@ -5,6 +5,7 @@
 #include "core/fs.h"
 #include "core/log.h"
 #include "core/mem.h"
+#include "core/progress.h"
 #include "core/rng.h"
 #include "io/safetensors.h"
 
@@ -168,6 +169,7 @@ int qt_weight_spec_at(const qt_config *c, int i, qt_weight_spec *w) {
 typedef struct {
     qt_init_kind kind;
     float std;
+    qt_progress *prog; /* NULL: silent; done counts parameters written */
     qt_rng rng;
     int have_spare; /* Box-Muller makes normals in pairs; the second waits here */
     float spare;
@@ -194,10 +196,16 @@ static int fill_init(void *ctx, float *dst, size_t offset, size_t n) {
     case QT_INIT_ONES: for (size_t i = 0; i < n; i++) dst[i] = 1.0f; break;
     default: for (size_t i = 0; i < n; i++) dst[i] = s->std * init_normal(s); break;
     }
+    if (s->prog) qt_progress_set(s->prog, s->prog->done + (double)n);
     return QT_OK;
 }
 
 int qt_init_weights_write(const qt_config *c, qt_dtype dtype, uint64_t seed, const char *path) {
+    return qt_init_weights_write_progress(c, dtype, seed, path, NULL);
+}
+
+int qt_init_weights_write_progress(const qt_config *c, qt_dtype dtype, uint64_t seed, const char *path,
+                                   qt_progress *prog) {
     int n = qt_weight_count(c);
     init_stream *streams = qt_calloc((size_t)n, sizeof *streams, "the init streams");
     if (!streams) return QT_ENOMEM;
@@ -208,6 +216,7 @@ int qt_init_weights_write(const qt_config *c, qt_dtype dtype, uint64_t seed, con
         rc = qt_weight_spec_at(c, i, &ws);
         if (rc != QT_OK) break;
         streams[i].kind = ws.init;
+        streams[i].prog = prog;
         streams[i].std = c->initializer_range > 0.0f ? c->initializer_range : INIT_STD;
         qt_rng_derive(&streams[i].rng, seed, qt_hash64(ws.name, strlen(ws.name), 0), 0);
         rc = st_writer_add_fn(w, ws.name, dtype, ws.ndim, ws.shape, fill_init, &streams[i]);

@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "core/dtype.h"
+#include "core/progress.h"
 #include "io/hf_config.h"
 
 /* The HF tensor names and shapes a config implies, in a stable order:
@@ -36,6 +37,9 @@ int qt_weight_spec_at(const qt_config *cfg, int i, qt_weight_spec *out);
  * tensors are produced chunk by chunk while writing: memory stays small
  * whatever the model size. */
 int qt_init_weights_write(const qt_config *cfg, qt_dtype dtype, uint64_t seed, const char *path);
+/* The same, counting parameters written into prog (core/progress.h; NULL: silent). */
+int qt_init_weights_write_progress(const qt_config *cfg, qt_dtype dtype, uint64_t seed, const char *path,
+                                   qt_progress *prog);
 
 /* generation_config.json (bos/eos/pad ids from cfg, greedy by default). */
 int qt_generation_config_write(const qt_config *cfg, const char *dir);

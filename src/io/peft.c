@@ -56,6 +56,78 @@ static int regex_full_match(const char *re, const char *name) {
 /* A pattern dict (rank_pattern, alpha_pattern) is fine only when empty. */
 static int empty_or_null(const cJSON *j) { return !j || cJSON_IsNull(j) || (cJSON_IsObject(j) && !j->child); }
 
+/* LoraConfig's fields that qtune implements only at PEFT's default value.
+ * A key at its default (or null) is accepted quietly: PEFT writes them all
+ * into every adapter_config.json. kind: what the default is. */
+typedef enum { DEF_NULL, DEF_FALSE, DEF_TRUE_OR_NULL, DEF_EMPTY_OBJ, DEF_ANY_BOOL, DEF_ANY_STRING, DEF_ANY } def_kind;
+
+static const struct {
+    const char *key;
+    def_kind kind;
+    const char *why; /* what to do instead, for the error */
+} lora_defaults[] = {
+    {"inference_mode", DEF_ANY_BOOL, NULL},
+    {"base_model_name_or_path", DEF_ANY_STRING, NULL},
+    {"revision", DEF_ANY_STRING, NULL},
+    {"auto_mapping", DEF_ANY, NULL},
+    {"megatron_core", DEF_ANY_STRING, NULL},
+    {"fan_in_fan_out", DEF_FALSE, "Qwen's Linear layers store (out, in) weights and never need it"},
+    {"init_lora_weights", DEF_TRUE_OR_NULL,
+     "qtune initializes A as PEFT's default (Kaiming-uniform) and B as zeros; set true"},
+    {"use_dora", DEF_FALSE, "qtune trains plain LoRA; set false"},
+    {"lora_bias", DEF_FALSE, "qtune trains no LoRA bias; set false"},
+    {"layers_to_transform", DEF_NULL, "qtune adapts every layer; remove it or set null"},
+    {"layers_pattern", DEF_NULL, "qtune adapts every layer; remove it or set null"},
+    {"rank_pattern", DEF_EMPTY_OBJ, "qtune uses one r for every module; remove it"},
+    {"alpha_pattern", DEF_EMPTY_OBJ, "qtune uses one lora_alpha for every module; remove it"},
+    {"modules_to_save", DEF_NULL,
+     "qtune does not yet train embed_tokens/lm_head beside an adapter; use full fine-tuning (no lora section) "
+     "to train them"},
+    {"megatron_config", DEF_NULL, "remove it"},
+    {"loftq_config", DEF_EMPTY_OBJ, "qtune does not implement LoftQ; remove it"},
+    {"eva_config", DEF_NULL, "qtune does not implement EVA initialization; remove it"},
+    {"corda_config", DEF_NULL, "qtune does not implement CorDA initialization; remove it"},
+    {"layer_replication", DEF_NULL, "remove it"},
+    {"exclude_modules", DEF_NULL, "list the modules to adapt in target_modules instead"},
+    {"trainable_token_indices", DEF_NULL, "remove it"},
+    {"target_parameters", DEF_NULL, "remove it"},
+    {"use_qalora", DEF_FALSE, "remove it"},
+    {"qalora_group_size", DEF_ANY, NULL},
+    {"runtime_config", DEF_ANY, NULL},
+    {"lora_ga_config", DEF_NULL, "remove it"},
+};
+
+int peft_is_lora_key(const char *key) {
+    for (size_t i = 0; i < sizeof lora_defaults / sizeof lora_defaults[0]; i++)
+        if (!strcmp(key, lora_defaults[i].key)) return 1;
+    return 0;
+}
+
+int peft_check_lora_defaults(const cJSON *j, const char *where) {
+    for (size_t i = 0; i < sizeof lora_defaults / sizeof lora_defaults[0]; i++) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(j, lora_defaults[i].key);
+        if (!v || cJSON_IsNull(v)) continue;
+        int ok;
+        switch (lora_defaults[i].kind) {
+        case DEF_NULL: ok = 0; break;
+        case DEF_FALSE: ok = cJSON_IsFalse(v); break;
+        case DEF_TRUE_OR_NULL: ok = cJSON_IsTrue(v); break;
+        case DEF_EMPTY_OBJ: ok = cJSON_IsObject(v) && !v->child; break;
+        case DEF_ANY_BOOL: ok = cJSON_IsBool(v); break;
+        case DEF_ANY_STRING: ok = cJSON_IsString(v); break;
+        default: ok = 1; break;
+        }
+        if (ok) continue;
+        char *val = cJSON_PrintUnformatted(v);
+        int rc = QT_ERR(QT_EUNSUPPORTED, "%s%s is %.60s%s, which qtune does not implement; %s", where,
+                        lora_defaults[i].key, val ? val : "set", val && strlen(val) > 60 ? "..." : "",
+                        lora_defaults[i].why ? lora_defaults[i].why : "remove it");
+        free(val);
+        return rc;
+    }
+    return QT_OK;
+}
+
 int peft_config_load(const char *dir, peft_config *c) {
     memset(c, 0, sizeof *c);
     char path[4096];
@@ -113,6 +185,13 @@ int peft_config_load(const char *dir, peft_config *c) {
              !empty_or_null(cJSON_GetObjectItemCaseSensitive(j, "alpha_pattern")))
         rc = QT_ERR(QT_EUNSUPPORTED, "%s: rank_pattern/alpha_pattern are set; qtune handles one r and alpha for all layers",
                     path);
+    else if (!empty_or_null(cJSON_GetObjectItemCaseSensitive(j, "modules_to_save")) ||
+             !empty_or_null(cJSON_GetObjectItemCaseSensitive(j, "layers_to_transform")) ||
+             !empty_or_null(cJSON_GetObjectItemCaseSensitive(j, "layers_pattern")))
+        rc = QT_ERR(QT_EUNSUPPORTED,
+                    "%s: modules_to_save / layers_to_transform / layers_pattern are set; qtune reads adapters of "
+                    "LoRA weights on every layer only",
+                    path);
     if (rc == QT_OK) {
         c->r = (int)r->valuedouble;
         c->lora_alpha = cJSON_IsNumber(a) ? (float)a->valuedouble : 8.0f;
@@ -149,6 +228,12 @@ int peft_config_load(const char *dir, peft_config *c) {
     }
     cJSON_Delete(j);
     return rc;
+}
+
+void peft_base_model_name(const char *model_dir, char *out, size_t cap) {
+    char *abs = realpath(model_dir, NULL);
+    snprintf(out, cap, "%s", abs ? abs : model_dir);
+    free(abs);
 }
 
 int peft_config_write(const peft_config *c, const char *dir) {

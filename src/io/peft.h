@@ -17,6 +17,8 @@
 
 #include <stddef.h>
 
+#include <cjson/cJSON.h>
+
 #include "io/safetensors.h"
 
 #define PEFT_MAX_TARGETS 16
@@ -46,9 +48,24 @@ int peft_alpha_ok(double alpha);
 /* scaling = lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora. */
 float peft_scaling(const peft_config *c);
 
+/* LoraConfig keys qtune reads at PEFT's default value only (inference_mode,
+ * fan_in_fan_out false, init_lora_weights true, use_dora false, empty
+ * rank_pattern, modules_to_save null, layers_to_transform null, ...):
+ * peft_is_lora_key says whether key is one; peft_check_lora_defaults accepts
+ * each at its default (or null) quietly and refuses another value with an
+ * error "WHERE" + "key is VALUE, which qtune does not implement; ...". */
+int peft_is_lora_key(const char *key);
+int peft_check_lora_defaults(const cJSON *j, const char *where);
+
 /* Reads DIR/adapter_config.json; refuses anything but a plain LoRA adapter
  * (peft_type LORA, bias none, no rank/alpha patterns, no DoRA) by name. */
 int peft_config_load(const char *dir, peft_config *c);
+/* base_model_name_or_path for an adapter trained on the model folder
+ * model_dir: its absolute path (PEFT's from_pretrained and qtune read it
+ * from anywhere; a path relative to the job or the shell's folder would not
+ * be found from elsewhere), or model_dir as given when it does not resolve. */
+void peft_base_model_name(const char *model_dir, char *out, size_t cap);
+
 /* Writes DIR/adapter_config.json (atomic). */
 int peft_config_write(const peft_config *c, const char *dir);
 

@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/mem.h"
+#include "core/progress.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -550,9 +551,17 @@ struct st_writer {
     char **meta; /* key, value pairs */
     int nmeta;
     volatile sig_atomic_t *stop;
+    qt_progress *prog; /* MB written, after each tensor */
 };
 
 void st_writer_set_stop(st_writer *w, volatile sig_atomic_t *stop) { w->stop = stop; }
+void st_writer_set_progress(st_writer *w, qt_progress *p) { w->prog = p; }
+
+double st_writer_bytes(const st_writer *w) {
+    double b = 0;
+    for (int i = 0; i < w->n; i++) b += (double)w->e[i].numel * (double)qt_dtype_size(w->e[i].dtype);
+    return b;
+}
 
 int st_writer_new(st_writer **out) {
     *out = qt_calloc(1, sizeof **out, "a safetensors writer");
@@ -771,7 +780,12 @@ int st_writer_write(st_writer *w, const char *path) {
     if (rc == QT_OK) {
         rc = qt_atomic_write(&af, len8, 8);
         if (rc == QT_OK) rc = qt_atomic_write(&af, h.s, h.n);
-        for (int i = 0; i < w->n && rc == QT_OK; i++) rc = write_tensor(&af, &w->e[i], f32, half, chunk, w->stop);
+        double mb = 0;
+        for (int i = 0; i < w->n && rc == QT_OK; i++) {
+            rc = write_tensor(&af, &w->e[i], f32, half, chunk, w->stop);
+            mb += (double)w->e[i].numel * (double)qt_dtype_size(w->e[i].dtype) / 1e6;
+            if (w->prog) qt_progress_set(w->prog, mb);
+        }
         if (rc == QT_OK) rc = qt_atomic_commit(&af);
         else qt_atomic_abort(&af);
     }

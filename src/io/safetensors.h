@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "core/dtype.h"
+#include "core/progress.h"
 
 #define ST_MAX_DIMS 8
 
@@ -73,6 +74,11 @@ typedef int (*st_fill_fn)(void *ctx, float *dst, size_t offset, size_t n);
 int st_writer_add_fn(st_writer *w, const char *name, qt_dtype dtype, int ndim, const int64_t *shape,
                      st_fill_fn fill, void *ctx);
 int st_writer_set_metadata(st_writer *w, const char *key, const char *value);
+/* Reports MB written into p after each tensor (core/progress.h); p's total
+ * is the caller's to set (st_writer_bytes). */
+void st_writer_set_progress(st_writer *w, qt_progress *p);
+/* Bytes of tensor data the writer holds (the file less its header). */
+double st_writer_bytes(const st_writer *w);
 /* A flag (set by the CLI's SIGINT handler) st_writer_write polls between
  * chunks of at most a few MiB: once set, the write stops, its temporary file
  * is removed and it returns QT_EINTERRUPTED. NULL (the default): never. */

@@ -137,6 +137,15 @@ typedef struct {
 /* A file tensor into device memory as f32, through host staging (params_io.c). */
 int qt_model_read_to_device(struct qt_model *m, const st_tensor *t, float *dev);
 
+/* RoPE's inverse frequencies (D/2 floats into inv) for a call whose largest
+ * position is max_pos (dynamic scaling depends on it), as transformers'
+ * modeling_rope_utils computes them for c->rope_scaling, and the factor cos
+ * and sin are multiplied by (YaRN's attention_factor, else 1) (rope.c). */
+void qt_rope_inv_freq(const qt_config *c, int D, int32_t max_pos, float *inv, float *attention_factor);
+
+/* The model's RoPE table for positions up to max_pos (m->rope_inv, m->rope_scale). */
+void qt_model_rope_table(struct qt_model *m, int32_t max_pos);
+
 struct qt_model {
     qt_backend *be;       /* the backend every op and buffer belongs to */
     int own_be;           /* opened by qt_model_load (closed by qt_model_free) */
@@ -181,6 +190,9 @@ struct qt_model {
     qt_act_ptrs acts;
     qt_grad_scratch gs;
     int32_t *pos_buf;      /* host (max N) positions for decoding */
+    float rope_inv[QT_ROPE_MAX_HALF]; /* host RoPE table of the current forward (qt_rope_inv_freq: upload_batch,
+                                         qt_model_decode), read by be->rope_forward/backward */
+    float rope_scale;      /* its cos/sin factor (YaRN's attention factor, else 1) */
     int32_t *ids;          /* (4, max N) a batch's inputs, targets, positions, doc_start (upload_batch) */
     float *loss_host;      /* host (max N) per-token losses, downloaded */
     float *logits;         /* (V) decode logits, inference only */

@@ -198,8 +198,8 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
         be->rmsnorm_forward(be, a->q, a->rstdq, a->qraw, L->qn, N * H, D, c->rms_norm_eps);
         be->rmsnorm_forward(be, a->k, a->rstdk, a->kraw, L->kn, N * KV, D, c->rms_norm_eps);
     }
-    be->rope_forward(be, a->q, pos, N, H, D, c->rope_theta);
-    be->rope_forward(be, a->k, pos, N, KV, D, c->rope_theta);
+    be->rope_forward(be, a->q, pos, N, H, D, m->rope_inv, m->rope_scale);
+    be->rope_forward(be, a->k, pos, N, KV, D, m->rope_inv, m->rope_scale);
     keep_save(m, a->q, NQ, s->q);
     keep_save(m, a->k, NK, s->k);
     keep_save(m, a->v, NK, s->v);
@@ -266,8 +266,8 @@ static void layer_backward(qt_model *m, int l, const qt_batch *b, int N, const f
     be->zero(be, g->dv, sizeof(float) * NK);
     be->attention_backward(be, g->dq, g->dk, g->dv, g->datt, a->att, a->lse, a->q, a->k, a->v, b->doc_start, b->B, b->T,
                           H, KV, D);
-    be->rope_backward(be, g->dq, b->positions, N, H, D, c->rope_theta);
-    be->rope_backward(be, g->dk, b->positions, N, KV, D, c->rope_theta);
+    be->rope_backward(be, g->dq, b->positions, N, H, D, m->rope_inv, m->rope_scale);
+    be->rope_backward(be, g->dk, b->positions, N, KV, D, m->rope_inv, m->rope_scale);
     keep(m, g->dq, NQ);
     keep(m, g->dk, NK);
     keep(m, g->dv, NK);
@@ -334,6 +334,11 @@ static qt_batch upload_batch(qt_model *m, const qt_batch *b) {
     m->be->upload(m->be, d.targets, b->targets, bytes);
     m->be->upload(m->be, d.positions, b->positions, bytes);
     if (b->doc_start) m->be->upload(m->be, d.doc_start, b->doc_start, bytes);
+    /* the RoPE table of this forward (and its backward), from the host
+     * positions: dynamic scaling looks at the largest one */
+    int32_t mx = 0;
+    for (size_t i = 0; i < N; i++) mx = b->positions[i] > mx ? b->positions[i] : mx;
+    qt_model_rope_table(m, mx);
     return d;
 }
 
@@ -516,6 +521,7 @@ int qt_model_decode(qt_model *m, const int32_t *ids, int n, int pos0, float *log
     int32_t *dids = m->ids, *dpos = m->ids + 2 * cap;
     be->upload(be, dids, ids, sizeof(int32_t) * (size_t)n);
     be->upload(be, dpos, m->pos_buf, sizeof(int32_t) * (size_t)n);
+    qt_model_rope_table(m, pos0 + n - 1); /* the largest position of this call */
     qt_act_ptrs *A = &m->acts;
     be->embedding_forward(be, A->x[0], dids, m->wte.p, m->wte.dt, n, C);
     for (int l = 0; l < L; l++) layer_forward(m, l, NULL, n, A->x[l], A->x[l + 1], &A->layer[l], 0, dpos, pos0);

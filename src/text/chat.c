@@ -12,6 +12,9 @@
 #include "core/mem.h"
 #include "core/strbuf.h"
 
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 static int puts_(qt_strbuf *b, const char *s) { return qt_strbuf_put(b, s, strlen(s)); }
@@ -20,27 +23,66 @@ typedef struct {
     size_t start, end;
 } region;
 
-/* Renders; contents[i] overrides msgs[i].content when given (the cleaned
- * text). Assistant regions (content + <|im_end|>) go to *regs. */
-static int render(const chat_message *msgs, size_t n, char *const *contents, int gen, const char *sys, qt_strbuf *b,
-                  region **regs, size_t *nregs) {
+static const char TOOLS_HEAD[] = "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                                 "You are provided with function signatures within <tools></tools> XML tags:\n<tools>";
+static const char TOOLS_TAIL[] = "\n</tools>\n\nFor each function call, return a json object with function name and "
+                                 "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+                                 "<function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n";
+
+static int add_region(region **regs, size_t *nregs, size_t start, size_t end) {
+    region *g = qt_realloc(*regs, (*nregs + 1) * sizeof *g, "chat label regions");
+    if (!g) return QT_ENOMEM;
+    *regs = g;
+    g[(*nregs)++] = (region){start, end};
+    return QT_OK;
+}
+
+/* An assistant turn with tool calls (the template's second branch): no "\n"
+ * after the role when there is no content. Its label starts where a
+ * generation prompt "<|im_start|>assistant\n" would leave off: at the
+ * content, or at the first <tool_call>. */
+static int render_tool_turn(const char *content, const char *calls, int label, qt_strbuf *b, region **regs,
+                            size_t *nregs) {
+    QT_TRY(puts_(b, "<|im_start|>assistant"));
+    size_t start = b->n + 1;
+    if (content && content[0]) {
+        QT_TRY(puts_(b, "\n"));
+        QT_TRY(puts_(b, content));
+    }
+    QT_TRY(puts_(b, calls));
+    QT_TRY(puts_(b, "<|im_end|>"));
+    if (regs && label) QT_TRY(add_region(regs, nregs, start, b->n));
+    return puts_(b, "\n");
+}
+
+/* Renders; contents[i] / calls[i] / tools_clean override msgs[i].content,
+ * msgs[i].tool_calls and tools when given (the cleaned text); sys is the
+ * default system prompt (the model family's) when the first message is not
+ * a system one. Labelled regions (assistant content + <|im_end|>) go to *regs. */
+static int render(const chat_message *msgs, size_t n, char *const *contents, char *const *calls, const char *tools,
+                  int gen, const char *sys, qt_strbuf *b, region **regs, size_t *nregs) {
     for (size_t i = 0; i < n; i++) {
         const char *r = msgs[i].role;
         if (!r || (strcmp(r, "system") && strcmp(r, "user") && strcmp(r, "assistant") && strcmp(r, "tool")))
             return QT_ERR(QT_EINVAL, "message %zu has role \"%s\"; the ChatML template knows system, user, assistant and tool", i,
                           r ? r : "(none)");
-        if (!msgs[i].content) return QT_ERR(QT_EINVAL, "message %zu (%s) has no content", i, r);
+        int has_calls = msgs[i].tool_calls && msgs[i].tool_calls[0] && !strcmp(r, "assistant");
+        if (!msgs[i].content && !has_calls) return QT_ERR(QT_EINVAL, "message %zu (%s) has no content", i, r);
     }
 #define C(i) (contents ? contents[i] : msgs[i].content)
+#define K(i) (calls && calls[i] ? calls[i] : msgs[i].tool_calls)
     size_t first = 0;
+    const int sys0 = n && !strcmp(msgs[0].role, "system");
     QT_TRY(puts_(b, "<|im_start|>system\n"));
-    if (n && !strcmp(msgs[0].role, "system")) {
-        QT_TRY(puts_(b, C(0)));
-        first = 1;
+    QT_TRY(puts_(b, sys0 ? C(0) : sys));
+    first = sys0 ? 1 : 0;
+    if (tools) {
+        QT_TRY(puts_(b, TOOLS_HEAD));
+        QT_TRY(puts_(b, tools));
+        QT_TRY(puts_(b, TOOLS_TAIL));
     } else {
-        QT_TRY(puts_(b, sys));
+        QT_TRY(puts_(b, "<|im_end|>\n"));
     }
-    QT_TRY(puts_(b, "<|im_end|>\n"));
     for (size_t i = first; i < n; i++) {
         const char *r = msgs[i].role;
         if (!strcmp(r, "tool")) {
@@ -51,30 +93,31 @@ static int render(const chat_message *msgs, size_t n, char *const *contents, int
             if (i + 1 == n || strcmp(msgs[i + 1].role, "tool")) QT_TRY(puts_(b, "<|im_end|>\n"));
             continue;
         }
+        const int assistant = !strcmp(r, "assistant");
+        if (assistant && K(i) && K(i)[0]) {
+            QT_TRY(render_tool_turn(C(i), K(i), !msgs[i].no_label, b, regs, nregs));
+            continue;
+        }
         QT_TRY(puts_(b, "<|im_start|>"));
         QT_TRY(puts_(b, r));
         QT_TRY(puts_(b, "\n"));
         size_t start = b->n;
         QT_TRY(puts_(b, C(i)));
         QT_TRY(puts_(b, "<|im_end|>"));
-        if (regs && !strcmp(r, "assistant")) {
-            region *g = qt_realloc(*regs, (*nregs + 1) * sizeof *g, "chat label regions");
-            if (!g) return QT_ENOMEM;
-            *regs = g;
-            g[(*nregs)++] = (region){start, b->n};
-        }
+        if (regs && assistant && !msgs[i].no_label) QT_TRY(add_region(regs, nregs, start, b->n));
         QT_TRY(puts_(b, "\n"));
     }
     if (gen) QT_TRY(puts_(b, "<|im_start|>assistant\n"));
 #undef C
+#undef K
     return QT_OK;
 }
 
-static int render_text(const chat_message *msgs, size_t n, int add_generation_prompt, const char *sys, char **out,
-                       size_t *len) {
+static int render_text(const chat_message *msgs, size_t n, const char *tools, int add_generation_prompt, const char *sys,
+                       char **out, size_t *len) {
     qt_strbuf b = {0};
     int rc = qt_strbuf_put(&b, "", 0);
-    if (rc == QT_OK) rc = render(msgs, n, NULL, add_generation_prompt, sys, &b, NULL, NULL);
+    if (rc == QT_OK) rc = render(msgs, n, NULL, NULL, tools, add_generation_prompt, sys, &b, NULL, NULL);
     if (rc != QT_OK) {
         qt_free(b.p);
         return rc;
@@ -85,18 +128,30 @@ static int render_text(const chat_message *msgs, size_t n, int add_generation_pr
 }
 
 int chat_render(const chat_message *msgs, size_t n, int add_generation_prompt, char **out, size_t *len) {
-    return render_text(msgs, n, add_generation_prompt, CHAT_DEFAULT_SYSTEM, out, len);
+    return render_text(msgs, n, NULL, add_generation_prompt, CHAT_DEFAULT_SYSTEM, out, len);
 }
 
-int chat_render_tok(const bpe_tokenizer *t, const chat_message *msgs, size_t n, int add_generation_prompt, char **out,
-                    size_t *len) {
-    return render_text(msgs, n, add_generation_prompt, bpe_chat_system(t), out, len);
+int chat_render_tools(const chat_message *msgs, size_t n, const char *tools, int add_generation_prompt, char **out,
+                      size_t *len) {
+    return render_text(msgs, n, tools, add_generation_prompt, CHAT_DEFAULT_SYSTEM, out, len);
+}
+
+int chat_render_tok(const bpe_tokenizer *t, const chat_message *msgs, size_t n, const char *tools,
+                    int add_generation_prompt, char **out, size_t *len) {
+    return render_text(msgs, n, tools, add_generation_prompt, bpe_chat_system(t), out, len);
 }
 
 int chat_encode(const bpe_tokenizer *t, const chat_message *msgs, size_t n, int add_generation_prompt, int32_t **ids,
                 int32_t **labels, size_t *n_ids, size_t *cap) {
-    char **clean = n ? qt_calloc(n, sizeof *clean, "chat contents") : NULL;
+    return chat_encode_tools(t, msgs, n, NULL, add_generation_prompt, ids, labels, n_ids, cap);
+}
+
+int chat_encode_tools(const bpe_tokenizer *t, const chat_message *msgs, size_t n, const char *tools,
+                      int add_generation_prompt, int32_t **ids, int32_t **labels, size_t *n_ids, size_t *cap) {
+    /* (2n) cleaned contents, then cleaned tool calls */
+    char **clean = n ? qt_calloc(2 * n, sizeof *clean, "chat contents") : NULL;
     if (n && !clean) return QT_ENOMEM;
+    char *tools_clean = NULL;
     qt_strbuf b = {0};
     region *regs = NULL;
     size_t nregs = 0, base = *n_ids, ncap = *cap, k = 0;
@@ -104,10 +159,22 @@ int chat_encode(const bpe_tokenizer *t, const chat_message *msgs, size_t n, int 
     int rc = qt_strbuf_put(&b, "", 0);
     for (size_t i = 0; i < n && rc == QT_OK; i++) {
         size_t l;
-        if (!msgs[i].content) break; /* render() names it */
-        rc = bpe_normalize(t, msgs[i].content, strlen(msgs[i].content), &clean[i], &l);
+        const char *c = msgs[i].content ? msgs[i].content : "";
+        rc = bpe_normalize(t, c, strlen(c), &clean[i], &l);
+        if (rc == QT_OK && msgs[i].tool_calls)
+            rc = bpe_normalize(t, msgs[i].tool_calls, strlen(msgs[i].tool_calls), &clean[n + i], &l);
     }
-    if (rc == QT_OK) rc = render(msgs, n, clean, add_generation_prompt, bpe_chat_system(t), &b, &regs, &nregs);
+    size_t tl;
+    if (rc == QT_OK && tools) rc = bpe_normalize(t, tools, strlen(tools), &tools_clean, &tl);
+    /* a missing content stays missing (render names it, or renders a tool
+     * call turn without one) */
+    for (size_t i = 0; rc == QT_OK && i < n; i++)
+        if (!msgs[i].content) {
+            qt_free(clean[i]);
+            clean[i] = NULL;
+        }
+    if (rc == QT_OK)
+        rc = render(msgs, n, clean, clean + n, tools_clean, add_generation_prompt, bpe_chat_system(t), &b, &regs, &nregs);
     /* spans only for this conversation's tokens: encode into a fresh array,
      * then append; *labels follows *ids' capacity. */
     int32_t *new_ids = NULL;
@@ -141,7 +208,147 @@ int chat_encode(const bpe_tokenizer *t, const chat_message *msgs, size_t n, int 
     qt_free(spans);
     qt_free(regs);
     qt_free(b.p);
-    for (size_t i = 0; clean && i < n; i++) qt_free(clean[i]);
+    for (size_t i = 0; clean && i < 2 * n; i++) qt_free(clean[i]);
     qt_free(clean);
+    qt_free(tools_clean);
     return rc;
+}
+
+/* ---- JSON as the template's tojson writes it (Python json.dumps) ---- */
+
+static int json_str(qt_strbuf *b, const char *s) {
+    QT_TRY(puts_(b, "\""));
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+        const char *esc = NULL;
+        char u[8];
+        switch (*p) {
+        case '"': esc = "\\\""; break;
+        case '\\': esc = "\\\\"; break;
+        case '\n': esc = "\\n"; break;
+        case '\r': esc = "\\r"; break;
+        case '\t': esc = "\\t"; break;
+        case '\b': esc = "\\b"; break;
+        case '\f': esc = "\\f"; break;
+        default:
+            if (*p < 0x20) {
+                snprintf(u, sizeof u, "\\u%04x", *p);
+                esc = u;
+            }
+        }
+        QT_TRY(esc ? puts_(b, esc) : qt_strbuf_put(b, (const char *)p, 1));
+    }
+    return puts_(b, "\"");
+}
+
+/* Python's repr of a float: the shortest digits that read back, positional
+ * for exponents -4..15, else d.ddde+XX. */
+static int json_num(qt_strbuf *b, double v) {
+    char buf[64];
+    if (v == floor(v) && fabs(v) < 9007199254740992.0) {
+        snprintf(buf, sizeof buf, "%lld", (long long)v);
+        return puts_(b, buf);
+    }
+    if (!isfinite(v)) return puts_(b, isnan(v) ? "NaN" : v > 0 ? "Infinity" : "-Infinity");
+    char e[40];
+    for (int p = 0; p < 17; p++) {
+        snprintf(e, sizeof e, "%.*e", p, v);
+        if (strtod(e, NULL) == v) break;
+    }
+    /* e = [-]d[.ddd]e[+-]XX */
+    char *ep = strchr(e, 'e');
+    int exp10 = atoi(ep + 1);
+    *ep = 0;
+    const char *m = e;
+    int neg = *m == '-';
+    if (neg) m++;
+    char digits[24];
+    size_t nd = 0;
+    for (const char *q = m; *q && nd < sizeof digits - 1; q++)
+        if (*q != '.') digits[nd++] = *q;
+    digits[nd] = 0;
+    size_t k = 0;
+    if (neg) buf[k++] = '-';
+    if (exp10 >= -4 && exp10 < 16) {
+        if (exp10 < 0) {
+            k += (size_t)snprintf(buf + k, sizeof buf - k, "0.");
+            for (int z = -1; z > exp10; z--) buf[k++] = '0';
+            k += (size_t)snprintf(buf + k, sizeof buf - k, "%s", digits);
+        } else {
+            for (int i = 0; i <= exp10; i++) buf[k++] = (size_t)i < nd ? digits[i] : '0';
+            buf[k++] = '.';
+            if ((size_t)exp10 + 1 < nd) k += (size_t)snprintf(buf + k, sizeof buf - k, "%s", digits + exp10 + 1);
+            else buf[k++] = '0';
+        }
+        buf[k] = 0;
+    } else {
+        snprintf(buf + k, sizeof buf - k, "%c%s%se%c%02d", digits[0], nd > 1 ? "." : "", nd > 1 ? digits + 1 : "",
+                 exp10 < 0 ? '-' : '+', abs(exp10));
+    }
+    return puts_(b, buf);
+}
+
+static int tojson_at(const cJSON *v, qt_strbuf *b, int depth) {
+    if (depth > 64) return QT_ERR(QT_EFORMAT, "JSON nested deeper than 64 levels");
+    if (cJSON_IsNull(v)) return puts_(b, "null");
+    if (cJSON_IsTrue(v)) return puts_(b, "true");
+    if (cJSON_IsFalse(v)) return puts_(b, "false");
+    if (cJSON_IsNumber(v)) return json_num(b, v->valuedouble);
+    if (cJSON_IsString(v)) return json_str(b, v->valuestring);
+    int obj = cJSON_IsObject(v);
+    if (!obj && !cJSON_IsArray(v)) return QT_ERR(QT_EFORMAT, "a JSON value of an unknown kind");
+    QT_TRY(puts_(b, obj ? "{" : "["));
+    for (const cJSON *c = v->child; c; c = c->next) {
+        if (c != v->child) QT_TRY(puts_(b, ", "));
+        if (obj) {
+            QT_TRY(json_str(b, c->string ? c->string : ""));
+            QT_TRY(puts_(b, ": "));
+        }
+        QT_TRY(tojson_at(c, b, depth + 1));
+    }
+    return puts_(b, obj ? "}" : "]");
+}
+
+int chat_tojson(const cJSON *v, qt_strbuf *b) { return tojson_at(v, b, 0); }
+
+static int finish_text(qt_strbuf *b, int rc, char **out) {
+    if (rc == QT_OK) rc = qt_strbuf_put(b, "", 0);
+    if (rc != QT_OK) {
+        qt_free(b->p);
+        return rc;
+    }
+    *out = b->p;
+    return QT_OK;
+}
+
+int chat_tool_calls_text(const cJSON *tool_calls, char **out) {
+    *out = NULL;
+    if (!cJSON_IsArray(tool_calls)) return QT_ERR(QT_EFORMAT, "\"tool_calls\" must be an array of calls");
+    qt_strbuf b = {0};
+    int rc = QT_OK, i = 0;
+    for (const cJSON *call = tool_calls->child; call && rc == QT_OK; call = call->next, i++) {
+        const cJSON *f = cJSON_GetObjectItemCaseSensitive(call, "function");
+        const cJSON *c = cJSON_IsObject(f) ? f : call; /* the template: tool_call.function when defined */
+        const cJSON *name = cJSON_GetObjectItemCaseSensitive(c, "name");
+        const cJSON *args = cJSON_GetObjectItemCaseSensitive(c, "arguments");
+        if (!cJSON_IsString(name)) rc = QT_ERR(QT_EFORMAT, "tool_calls[%d] has no string \"name\"", i);
+        else if (!args) rc = QT_ERR(QT_EFORMAT, "tool_calls[%d] (%s) has no \"arguments\"", i, name->valuestring);
+        if (rc == QT_OK) rc = puts_(&b, "\n<tool_call>\n{\"name\": \"");
+        if (rc == QT_OK) rc = puts_(&b, name->valuestring);
+        if (rc == QT_OK) rc = puts_(&b, "\", \"arguments\": ");
+        if (rc == QT_OK) rc = chat_tojson(args, &b);
+        if (rc == QT_OK) rc = puts_(&b, "}\n</tool_call>");
+    }
+    return finish_text(&b, rc, out);
+}
+
+int chat_tools_text(const cJSON *tools, char **out) {
+    *out = NULL;
+    if (!cJSON_IsArray(tools)) return QT_ERR(QT_EFORMAT, "\"tools\" must be an array of tool definitions");
+    qt_strbuf b = {0};
+    int rc = QT_OK;
+    for (const cJSON *t = tools->child; t && rc == QT_OK; t = t->next) {
+        rc = puts_(&b, "\n");
+        if (rc == QT_OK) rc = chat_tojson(t, &b);
+    }
+    return finish_text(&b, rc, out);
 }

@@ -1,5 +1,5 @@
 /* ChatML conversations as Qwen2.5's tokenizer_config.json chat_template
- * renders them (without tools), and their tokenization with a label mask for
+ * renders them (tools, tool calls and tool turns included), and their tokenization with a label mask for
  * supervised fine-tuning. docs/tokenizer.md states the exact rules.
  *
  *   <|im_start|>system\n{system or the default}<|im_end|>\n
@@ -7,7 +7,14 @@
  *   <|im_start|>assistant\n{content}<|im_end|>\n          <- content and <|im_end|> labelled
  *   <|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n   (role "tool";
  *        consecutive tool messages share one user turn)
+ *   <|im_start|>assistant[\n{content}]\n<tool_call>\n{"name": "N", "arguments": {json}}\n</tool_call>...<|im_end|>\n
+ *        (an assistant turn with tool calls; labelled from the content, or
+ *        from the first <tool_call> when there is none, to <|im_end|>)
  *   [<|im_start|>assistant\n]                               (add_generation_prompt)
+ * With tools the system turn is the system content (or the default) followed
+ * by the template's "# Tools" block listing each tool as JSON. JSON inside
+ * the text is written as the HF template's `tojson` filter writes it
+ * (Python's json.dumps: ", " and ": " separators, non-ASCII kept).
  */
 #ifndef QT_TEXT_CHAT_H
 #define QT_TEXT_CHAT_H
@@ -15,6 +22,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <cjson/cJSON.h>
+
+#include "core/strbuf.h"
 #include "text/tokenizer.h"
 
 /* Qwen2.5's system prompt when the first message is not a system message. */
@@ -26,17 +36,39 @@
 #define CHAT_IGNORE_INDEX (-100) /* label of a token the loss skips, as in HF */
 
 typedef struct {
-    const char *role;    /* "system", "user", "assistant" or "tool" */
-    const char *content; /* NUL-terminated UTF-8 */
+    const char *role;       /* "system", "user", "assistant" or "tool" */
+    const char *content;    /* NUL-terminated UTF-8; may be NULL or "" on an assistant turn with tool_calls */
+    const char *tool_calls; /* NULL, or an assistant turn's calls as chat_tool_calls_text renders them */
+    int no_label;           /* an assistant turn that carries no label (OpenAI's "weight": 0, a TRL prompt) */
 } chat_message;
+
+/* Python's json.dumps(v, ensure_ascii=False) of a cJSON value, appended to
+ * *b: what the HF chat template's tojson filter writes. Whole numbers below
+ * 2^53 print as integers (cJSON does not keep 1.0 apart from 1). */
+int chat_tojson(const cJSON *v, qt_strbuf *b);
+
+/* The template's text for an assistant turn's tool_calls, a JSON array of
+ * {"function": {"name", "arguments"}} (OpenAI) or {"name", "arguments"}
+ * objects: "\n<tool_call>\n{\"name\": \"N\", \"arguments\": JSON}\n</tool_call>"
+ * each (qt_free *out). QT_EFORMAT names a call without a string name or
+ * without arguments. */
+int chat_tool_calls_text(const cJSON *tool_calls, char **out);
+
+/* "\n" + tojson(tool) for each tool of a JSON array (the template's <tools>
+ * block body; qt_free *out). */
+int chat_tools_text(const cJSON *tools, char **out);
 
 /* The rendered conversation, NUL-terminated (qt_free *out). QT_EINVAL names a
  * message with an unknown role or no content. */
 int chat_render(const chat_message *msgs, size_t n, int add_generation_prompt, char **out, size_t *len);
-/* The same with the tokenizer's model family's default system prompt
- * (bpe_chat_system: the original Qwen's for qwen.tiktoken). chat_encode uses it too. */
-int chat_render_tok(const bpe_tokenizer *t, const chat_message *msgs, size_t n, int add_generation_prompt, char **out,
-                    size_t *len);
+/* The same with tools: the text of chat_tools_text, or NULL for none. */
+int chat_render_tools(const chat_message *msgs, size_t n, const char *tools, int add_generation_prompt, char **out,
+                      size_t *len);
+/* chat_render_tools with the tokenizer's model family's default system prompt
+ * (bpe_chat_system: the original Qwen's for qwen.tiktoken); tools may be NULL.
+ * chat_encode uses it too. */
+int chat_render_tok(const bpe_tokenizer *t, const chat_message *msgs, size_t n, const char *tools,
+                    int add_generation_prompt, char **out, size_t *len);
 
 /* Tokenizes the rendered conversation and appends to *ids and *labels (both
  * grown together with qt_realloc; *cap is their shared capacity). labels[i]
@@ -47,5 +79,8 @@ int chat_render_tok(const bpe_tokenizer *t, const chat_message *msgs, size_t n, 
  * bpe_encode of chat_render's text. */
 int chat_encode(const bpe_tokenizer *t, const chat_message *msgs, size_t n, int add_generation_prompt, int32_t **ids,
                 int32_t **labels, size_t *n_ids, size_t *cap);
+/* The same with tools (chat_tools_text's text, or NULL). */
+int chat_encode_tools(const bpe_tokenizer *t, const chat_message *msgs, size_t n, const char *tools,
+                      int add_generation_prompt, int32_t **ids, int32_t **labels, size_t *n_ids, size_t *cap);
 
 #endif

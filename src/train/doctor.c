@@ -6,8 +6,12 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/mem.h"
+#include "core/log.h"
 #include "core/messages.h"
+#include "data/format.h"
+#include "data/lines.h"
 #include "io/hf_config.h"
+#include "io/safetensors.h"
 #include "model/lora_io.h"
 #include "model/model.h"
 #include "optim/loss_scaler.h"
@@ -21,6 +25,7 @@
 #include <cjson/cJSON.h>
 #include <cpuid.h>
 #include <ctype.h>
+#include <errno.h>
 #include <math.h>
 #include <dirent.h>
 #include <dlfcn.h>
@@ -395,9 +400,17 @@ static void check_model(doc_ctx *c, const char *dir, const char *model, int need
     }
     if (qt_config_load(p, cfg) != QT_OK) problem(c, "%s: \"model\": %s", c->where, qt_error_message());
     else *have_cfg = 1;
-    if (!has_safetensors(p))
+    if (!has_safetensors(p)) {
         problem(c, "%s: \"model\" folder %s holds no *.safetensors weights; convert or download them there",
                 c->where, p);
+    } else {
+        /* what the trainer opens: model.safetensors, or every shard the index
+         * lists, each header validated */
+        st_file *st = NULL;
+        qt_error_clear();
+        if (st_open(p, &st) != QT_OK) problem(c, "%s: \"model\": %s", c->where, qt_error_message());
+        st_close(st);
+    }
     char t[4096];
     if (need_tok && !bpe_folder_file(p, t, sizeof t))
         problem(c, "%s: \"model\" folder %s has no tokenizer.json, which text data needs; copy the base model's tokenizer files "
@@ -425,6 +438,37 @@ static void check_data(doc_ctx *c, const char *dir, const cJSON *data, int64_t *
     double T;
     if (ds_num(data, "seq_len", &T) && (!(T >= 2 && T <= 1e7) || T != floor(T)))
         problem(c, "%s: data.seq_len must be a whole number >= 2 (got %g)", c->where, T);
+}
+
+/* Every line of a data file as the trainer reads it (format, keys, the
+ * tokenizer, ids in the vocabulary), streamed; stops at the first bad line,
+ * named FILE:LINE. */
+static void check_data_lines(doc_ctx *c, const char *path, const char *key, dl_format fmt, int mask_prompt,
+                             const bpe_tokenizer *tok, int32_t vocab) {
+    dl_lines r;
+    qt_error_clear();
+    if (dl_lines_open(&r, path, 0) != QT_OK) return; /* named by check_data */
+    dl_encode_ctx ctx = {.tok = tok, .mask_prompt = mask_prompt, .vocab_limit = vocab};
+    dl_tokbuf tb = {0};
+    const char *line;
+    size_t len;
+    long long n = 0;
+    int got, bad = 0;
+    /* the dropped-key warnings are train's to give; here only what stops it */
+    const int level = qt_log_level();
+    qt_log_set_level(QT_LOG_ERROR);
+    while (!bad && (got = dl_lines_next(&r, &line, &len)) != 0) {
+        if (got < 0) { bad = 1; break; }
+        if (dl_line_blank(line, len)) continue;
+        tb.n = 0;
+        bad = dl_encode_line(&ctx, path, (long long)r.line_no, line, len, &fmt, &tb) != QT_OK;
+        n += !bad;
+    }
+    qt_log_set_level(level);
+    if (bad) problem(c, "%s: data.%s: %s", c->where, key, qt_error_message());
+    else fprintf(c->f, "data       %s: %lld example%s read as %s\n", path, n, n == 1 ? "" : "s", dl_format_name(fmt));
+    dl_tokbuf_free(&tb);
+    dl_lines_close(&r);
 }
 
 /* Nearest existing folder at or above p (p itself when it exists). */
@@ -567,9 +611,16 @@ static void check_resources(doc_ctx *c, const char *dir, const cJSON *root, cons
         char out[4096], base[4096];
         job_path(dir, od->valuestring, out, sizeof out);
         existing_parent(out, base, sizeof base);
-        if (access(base, W_OK) != 0)
-            problem(c, "%s: output_dir %s cannot be created or written (no write permission in %s)", c->where, out,
-                    base);
+        char probe[4200];
+        snprintf(probe, sizeof probe, "%s/.qtune_doctor_XXXXXX", base);
+        int fd = mkstemp(probe); /* access(W_OK) says yes to root on a read-only mount */
+        if (fd < 0)
+            problem(c, "%s: output_dir %s cannot be created or written (a file cannot be created in %s: %s)",
+                    c->where, out, base, strerror(errno));
+        else {
+            close(fd);
+            unlink(probe);
+        }
         const int64_t fr = qt_free_disk_bytes(base);
         /* a checkpoint being written next to the last, and final/ unless it links the last one's model */
         const uint64_t fin = p.final_linked ? 0 : p.final_bytes, disk = 2 * p.ckpt_bytes + fin;
@@ -583,7 +634,7 @@ static void check_resources(doc_ctx *c, const char *dir, const cJSON *root, cons
     }
 }
 
-int qt_doctor_check_job(FILE *f, const char *path, int ranks) {
+int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int n_sets, int ranks) {
     doc_ctx c = {f, path, 0};
     fprintf(f, "job        %s\n", path);
     char *text = NULL;
@@ -602,11 +653,23 @@ int qt_doctor_check_job(FILE *f, const char *path, int ranks) {
         cJSON_Delete(root);
         return c.n;
     }
-    /* the job parser: structure and types (it stops at the first problem) */
+    /* the job parser: structure and types (it stops at the first problem);
+     * what it read (overrides applied, deepspeed and lora files inlined) is
+     * what the rest checks */
     qt_job job;
     qt_error_clear();
-    if (qt_job_load(path, NULL, 0, &job) == QT_OK) qt_job_free(&job);
-    else problem(&c, "%s", qt_error_message());
+    if (qt_job_load(path, sets, n_sets, &job) == QT_OK) {
+        cJSON *r = cJSON_Duplicate(job.root, 1);
+        if (r) {
+            cJSON_Delete(root);
+            root = r;
+        }
+        qt_job_free(&job);
+    } else {
+        problem(&c, "%s", qt_error_message());
+        for (int i = 0; i < n_sets; i++) qt_job_apply_set(root, sets[i]); /* best effort: named above */
+        qt_error_clear();
+    }
 
     char dir[4096];
     qt_path_dirname(dir, sizeof dir, path);
@@ -662,6 +725,30 @@ int qt_doctor_check_job(FILE *f, const char *path, int ranks) {
             problem(&c, "%s", qt_error_message());
         else if (have_cfg && n && mask)
             o.lora_targets = mask;
+    }
+    /* every data line, as the trainer will read it */
+    if (cJSON_IsObject(data) && cJSON_IsString(model)) {
+        char mp[4096], tp[4096];
+        job_path(dir, model->valuestring, mp, sizeof mp);
+        bpe_tokenizer *tok = NULL;
+        if (bpe_folder_file(mp, tp, sizeof tp) && /* tokenizer.json, or qwen.tiktoken */
+            qt_error_oom_advice(bpe_load(tp, &tok), QT_TOKENIZER_OOM_ADVICE) != QT_OK)
+            problem(&c, "%s: \"model\": %s", path, qt_error_message());
+        const cJSON *fj = cJSON_GetObjectItemCaseSensitive(data, "format");
+        const cJSON *mj = cJSON_GetObjectItemCaseSensitive(data, "mask_prompt");
+        dl_format fmt = DL_FORMAT_AUTO;
+        if (cJSON_IsString(fj) && dl_format_parse(fj->valuestring, &fmt) != QT_OK) fmt = DL_FORMAT_AUTO;
+        static const char *const keys[] = {"train", "eval"};
+        for (int i = 0; i < 2; i++) {
+            const cJSON *v = cJSON_GetObjectItemCaseSensitive(data, keys[i]);
+            if (!cJSON_IsString(v)) continue;
+            char dp[4096];
+            job_path(dir, v->valuestring, dp, sizeof dp);
+            /* eval reads every assistant turn's labels as train does */
+            check_data_lines(&c, dp, keys[i], fmt, !cJSON_IsFalse(mj), tok, have_cfg ? (int32_t)cfg.vocab_size : 0);
+        }
+        bpe_free(tok);
+        qt_error_clear();
     }
     if (have_cfg) {
         if (o.seq_len > qt_config_max_positions(&cfg) && cfg.max_position_embeddings > 0)

@@ -3,6 +3,7 @@
 #include "train/ds_config.h"
 
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 #include <strings.h>
@@ -12,6 +13,7 @@
 #include "core/json_range.h"
 #include "core/log.h"
 #include "core/mem.h"
+#include "core/words.h"
 
 /* Hugging Face Trainer's TrainingArguments defaults: what "auto" means for
  * the optimizer (HF fills "auto" from these when it launches DeepSpeed). */
@@ -21,6 +23,9 @@
 #define HF_EPS 1e-8
 #define HF_WEIGHT_DECAY 0.0
 #define HF_MAX_GRAD_NORM 1.0
+#define HF_PER_DEVICE_BATCH_NOTE                                                                                       \
+    "qtune's micro-batch when none is given; the HF Trainer fills per_device_train_batch_size here"
+#define DS_DEFAULT "DeepSpeed's default"
 
 /* Parsing context: the config's name in messages and the output (for the
  * ignored-key list). */
@@ -29,16 +34,44 @@ typedef struct {
     qt_ds_config *out;
 } ds_ctx;
 
-static void ignore_key(ds_ctx *x, const char *section, const char *key) {
+/* honoured: the section's keys, for a near spelling. */
+static void ignore_key(ds_ctx *x, const char *section, const char *key, const char *const *honoured) {
     char path[96];
     if (section) snprintf(path, sizeof path, "%s.%s", section, key);
     else snprintf(path, sizeof path, "%s", key);
-    qt_warn("%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored", x->where, path);
+    const char *near = honoured ? qt_nearest_word(key, honoured) : NULL;
+    if (!section && (!strcmp(key, "activation_checkpointing") || !strcmp(key, "gradient_checkpointing")))
+        qt_warn("%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored; set the job's "
+                "train.gradient_checkpointing to true to recompute activations",
+                x->where, path);
+    else if (near)
+        qt_warn("%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored; did you mean \"%s%s%s\"?", x->where,
+                path, section ? section : "", section ? "." : "", near);
+    else qt_warn("%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored", x->where, path);
     qt_ds_config *c = x->out;
     if (c->n_ignored < QT_DS_MAX_IGNORED) {
         snprintf(c->ignored[c->n_ignored], sizeof c->ignored[0], "%s", path);
         c->n_ignored++;
     }
+}
+
+/* Records (and says, at info level) what an "auto" became and why: the HF
+ * Trainer fills these from its own arguments, and qtune has no such
+ * arguments, so the value chosen must be visible. */
+static void note_auto(ds_ctx *x, const char *section, const char *key, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void note_auto(ds_ctx *x, const char *section, const char *key, const char *fmt, ...) {
+    char what[160];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    qt_ds_config *c = x->out;
+    char *dst = c->n_resolved < QT_DS_MAX_RESOLVED ? c->resolved[c->n_resolved++] : NULL;
+    char line[sizeof c->resolved[0]];
+    snprintf(line, sizeof line, "%s%s%s \"auto\" -> %s", section ? section : "", section ? "." : "", key, what);
+    if (dst) memcpy(dst, line, sizeof line);
+    qt_info("%s: %s", x->where, line);
 }
 
 static int in_list(const char *key, const char *const *list) {
@@ -50,7 +83,8 @@ static int in_list(const char *key, const char *const *list) {
 /* Warns about every key of obj not in honoured. */
 static void warn_unknown(ds_ctx *x, const cJSON *obj, const char *section, const char *const *honoured) {
     for (const cJSON *it = obj ? obj->child : NULL; it; it = it->next)
-        if (!it->string || !in_list(it->string, honoured)) ignore_key(x, section, it->string ? it->string : "?");
+        if (!it->string || !in_list(it->string, honoured))
+            ignore_key(x, section, it->string ? it->string : "?", honoured);
 }
 
 static int is_auto(const cJSON *v) { return cJSON_IsString(v) && strcmp(v->valuestring, "auto") == 0; }
@@ -96,10 +130,16 @@ static int get_int(ds_ctx *x, const cJSON *obj, const char *section, const char 
     return QT_OK;
 }
 
-static int get_bool(ds_ctx *x, const cJSON *obj, const char *section, const char *key, int *out, int allow_auto) {
+/* auto_why: NULL when "auto" is not accepted, else why the default stands
+ * (said with the value when "auto" is given). */
+static int get_bool(ds_ctx *x, const cJSON *obj, const char *section, const char *key, int *out, const char *auto_why) {
+    const int allow_auto = auto_why != NULL;
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
     if (!v || cJSON_IsNull(v)) return QT_OK;
-    if (allow_auto && is_auto(v)) return QT_OK;
+    if (allow_auto && is_auto(v)) {
+        note_auto(x, section, key, "%s (%s)", *out ? "true" : "false", auto_why);
+        return QT_OK;
+    }
     char p[96];
     key_path(p, sizeof p, section, key);
     if (!cJSON_IsBool(v))
@@ -155,6 +195,52 @@ static int parse_batch(ds_ctx *x, const cJSON *j) {
     QT_TRY(get_int(x, j, NULL, "train_micro_batch_size_per_gpu", 1, small, &mb, &auto_mb, &has_mb));
     QT_TRY(get_int(x, j, NULL, "gradient_accumulation_steps", 1, small, &ga, &auto_ga, &has_ga));
     const int64_t w = c->world;
+    /* "auto" first, as the HF Trainer fills it before DeepSpeed sees the
+     * config. The HF Trainer would put its per_device_train_batch_size into
+     * an "auto" micro-batch; qtune has none and takes 1 (the batch size a
+     * large model fits), unless train_batch_size and the accumulation are
+     * both numbers, which fix it. An "auto" accumulation is then what makes
+     * up a given train_batch_size, so {"train_batch_size": 32} with the rest
+     * "auto" is 1 x 32 x ranks, never a micro-batch of 32. */
+    if (auto_mb) {
+        if (has_tb && has_ga) {
+            mb = tb / w / ga;
+            note_auto(x, NULL, "train_micro_batch_size_per_gpu",
+                      "%lld (train_batch_size %lld / gradient_accumulation_steps %lld / %lld rank(s))", (long long)mb,
+                      (long long)tb, (long long)ga, (long long)w);
+        } else {
+            mb = 1;
+            note_auto(x, NULL, "train_micro_batch_size_per_gpu", "1 (%s)", HF_PER_DEVICE_BATCH_NOTE);
+        }
+        has_mb = 1;
+    }
+    if (auto_ga) {
+        if (has_tb && !has_mb) {
+            ga = 1;
+            note_auto(x, NULL, "gradient_accumulation_steps",
+                      "1 (the HF Trainer's default; with train_micro_batch_size_per_gpu not given, DeepSpeed makes "
+                      "the micro-batch train_batch_size / ranks)");
+        } else if (has_tb) {
+            ga = tb / mb / w;
+            note_auto(x, NULL, "gradient_accumulation_steps",
+                      "%lld (train_batch_size %lld / micro-batch %lld / %lld rank(s))", (long long)ga, (long long)tb,
+                      (long long)mb, (long long)w);
+        } else {
+            ga = 1;
+            note_auto(x, NULL, "gradient_accumulation_steps", "1 (the HF Trainer's default)");
+        }
+        has_ga = 1;
+    }
+    if (auto_tb && has_mb) {
+        if (!has_ga) {
+            ga = 1;
+            has_ga = 1;
+        }
+        tb = mb * ga * w;
+        has_tb = 1;
+        note_auto(x, NULL, "train_batch_size", "%lld (micro-batch %lld x accumulation %lld x %lld rank(s))",
+                  (long long)tb, (long long)mb, (long long)ga, (long long)w);
+    }
     /* DeepSpeed's _set_batch_related_parameters, case by case. */
     if (has_tb && has_mb && has_ga) {
     } else if (has_tb && has_mb) {
@@ -169,12 +255,13 @@ static int parse_batch(ds_ctx *x, const cJSON *j) {
     } else if (has_mb) {
         ga = 1;
         tb = mb * w;
-    } else if (auto_tb || auto_mb) {
-        /* "auto" everywhere: HF would fill per_device_train_batch_size; qtune
-         * starts from a micro-batch of 1. */
+    } else if (auto_tb) {
+        /* train_batch_size "auto" with neither of the others given */
         mb = 1;
         if (!has_ga) ga = 1;
         tb = mb * ga * w;
+        note_auto(x, NULL, "train_batch_size", "%lld (micro-batch 1 x accumulation %lld x %lld rank(s); %s)",
+                  (long long)tb, (long long)ga, (long long)w, HF_PER_DEVICE_BATCH_NOTE);
     } else {
         return QT_ERR(QT_EINVAL,
                       "%s: neither train_batch_size nor train_micro_batch_size_per_gpu is set; set one of them "
@@ -232,15 +319,26 @@ static int parse_optimizer(ds_ctx *x, const cJSON *opt) {
     warn_unknown(x, p, "optimizer.params", pkeys);
     int a;
     QT_TRY(get_number(x, p, "optimizer.params", "lr", &c->adam.lr, &a));
-    if (a) c->adam.lr = HF_LR;
+    if (a) {
+        c->adam.lr = HF_LR;
+        note_auto(x, "optimizer.params", "lr", "%g (the HF Trainer's learning_rate default)", HF_LR);
+    }
     QT_TRY(get_number(x, p, "optimizer.params", "eps", &c->adam.eps, &a));
-    if (a) c->adam.eps = HF_EPS;
+    if (a) {
+        c->adam.eps = HF_EPS;
+        note_auto(x, "optimizer.params", "eps", "%g (the HF Trainer's adam_epsilon default)", HF_EPS);
+    }
     QT_TRY(get_number(x, p, "optimizer.params", "weight_decay", &c->adam.weight_decay, &a));
-    if (a) c->adam.weight_decay = HF_WEIGHT_DECAY;
+    if (a) {
+        c->adam.weight_decay = HF_WEIGHT_DECAY;
+        note_auto(x, "optimizer.params", "weight_decay", "%g (the HF Trainer's weight_decay default)", HF_WEIGHT_DECAY);
+    }
     const cJSON *betas = cJSON_GetObjectItemCaseSensitive(p, "betas");
     if (is_auto(betas)) {
         c->adam.beta1 = HF_BETA1;
         c->adam.beta2 = HF_BETA2;
+        note_auto(x, "optimizer.params", "betas", "[%g, %g] (the HF Trainer's adam_beta1/adam_beta2 defaults)",
+                  HF_BETA1, HF_BETA2);
     } else if (betas && !cJSON_IsNull(betas)) {
         if (!cJSON_IsArray(betas) || cJSON_GetArraySize(betas) != 2 || !cJSON_IsNumber(cJSON_GetArrayItem(betas, 0)) ||
             !cJSON_IsNumber(cJSON_GetArrayItem(betas, 1)))
@@ -252,13 +350,13 @@ static int parse_optimizer(ds_ctx *x, const cJSON *opt) {
     /* DeepSpeed: effective adam_w_mode = (type is AdamW) or adam_w_mode,
      * which defaults to true. */
     int w_mode = 1;
-    QT_TRY(get_bool(x, p, "optimizer.params", "adam_w_mode", &w_mode, 0));
+    QT_TRY(get_bool(x, p, "optimizer.params", "adam_w_mode", &w_mode, NULL));
     c->adam.decoupled = adamw || w_mode;
-    QT_TRY(get_bool(x, p, "optimizer.params", "bias_correction", &c->adam.bias_correction, 0));
+    QT_TRY(get_bool(x, p, "optimizer.params", "bias_correction", &c->adam.bias_correction, NULL));
     int flag = 0;
-    QT_TRY(get_bool(x, p, "optimizer.params", "torch_adam", &flag, 0)); /* same arithmetic either way */
+    QT_TRY(get_bool(x, p, "optimizer.params", "torch_adam", &flag, NULL)); /* same arithmetic either way */
     flag = 0;
-    QT_TRY(get_bool(x, p, "optimizer.params", "amsgrad", &flag, 0));
+    QT_TRY(get_bool(x, p, "optimizer.params", "amsgrad", &flag, NULL));
     if (flag)
         return QT_ERR(QT_EUNSUPPORTED, "%s: optimizer.params.amsgrad true is not supported; remove it or set false",
                       x->where);
@@ -303,15 +401,26 @@ static int parse_scheduler(ds_ctx *x, const cJSON *sch) {
     int a, present;
     if (t != QT_SCHED_WARMUP_COSINE_LR) {
         QT_TRY(get_number(x, p, sec, "warmup_min_lr", &s->warmup_min_lr, &a));
-        if (a) s->warmup_min_lr = 0.0;
+        if (a) {
+            s->warmup_min_lr = 0.0;
+            note_auto(x, sec, "warmup_min_lr", "0 (the HF Trainer's choice)");
+        }
         QT_TRY(get_number(x, p, sec, "warmup_max_lr", &s->warmup_max_lr, &a));
-        if (a) s->warmup_max_lr = c->adam.lr;
+        if (a) {
+            s->warmup_max_lr = c->adam.lr;
+            note_auto(x, sec, "warmup_max_lr", "%g (the optimizer's lr)", c->adam.lr);
+        }
     } else {
         QT_TRY(get_number(x, p, sec, "warmup_min_ratio", &s->warmup_min_ratio, NULL));
         QT_TRY(get_number(x, p, sec, "cos_min_ratio", &s->cos_min_ratio, NULL));
     }
     QT_TRY(get_int(x, p, sec, "warmup_num_steps", 0, (int64_t)1 << 50, &s->warmup_num_steps, &a, NULL));
-    if (a) s->warmup_num_steps = 0; /* HF warmup_steps default; DeepSpeed then uses 2 */
+    if (a) { /* HF warmup_steps default; DeepSpeed then uses 2 */
+        s->warmup_num_steps = 0;
+        note_auto(x, sec, "warmup_num_steps",
+                  "0 (the HF Trainer's warmup_steps default; the schedule warms up over 2 "
+                  "steps, DeepSpeed's minimum)");
+    }
     int64_t lbi = -1;
     QT_TRY(get_int(x, p, sec, "last_batch_iteration", -1, (int64_t)1 << 50, &lbi, NULL, NULL));
     if (lbi != -1)
@@ -352,22 +461,34 @@ static int parse_fp16(ds_ctx *x, const cJSON *f) {
                                        "min_loss_scale", NULL};
     warn_unknown(x, f, "fp16", keys);
     const char *sec = "fp16";
-    QT_TRY(get_bool(x, f, sec, "enabled", &c->fp16, 1));
+    QT_TRY(get_bool(x, f, sec, "enabled", &c->fp16,
+                    "the HF Trainer's --fp16 is off by default and qtune has no such flag; set true to train in fp16"));
     qt_loss_scaler_cfg *s = &c->scaler;
     int a;
     QT_TRY(get_number(x, f, sec, "loss_scale", &s->loss_scale, &a));
-    if (a) s->loss_scale = 0.0;
+    if (a) {
+        s->loss_scale = 0.0;
+        note_auto(x, sec, "loss_scale", "0 (dynamic loss scaling, %s)", DS_DEFAULT);
+    }
     int64_t v = s->initial_scale_power;
     QT_TRY(get_int(x, f, sec, "initial_scale_power", 0, 64, &v, &a, NULL));
     s->initial_scale_power = a ? 16 : (int)v;
+    if (a) note_auto(x, sec, "initial_scale_power", "16 (%s)", DS_DEFAULT);
     QT_TRY(get_int(x, f, sec, "loss_scale_window", 1, (int64_t)1 << 50, &s->loss_scale_window, &a, NULL));
-    if (a) s->loss_scale_window = 1000;
+    if (a) {
+        s->loss_scale_window = 1000;
+        note_auto(x, sec, "loss_scale_window", "1000 (%s)", DS_DEFAULT);
+    }
     v = s->hysteresis;
     QT_TRY(get_int(x, f, sec, "hysteresis", 1, 1 << 30, &v, &a, NULL));
     s->hysteresis = a ? 2 : (int)v;
-    QT_TRY(get_bool(x, f, sec, "consecutive_hysteresis", &s->consecutive_hysteresis, 1));
+    if (a) note_auto(x, sec, "hysteresis", "2 (%s)", DS_DEFAULT);
+    QT_TRY(get_bool(x, f, sec, "consecutive_hysteresis", &s->consecutive_hysteresis, DS_DEFAULT));
     QT_TRY(get_number(x, f, sec, "min_loss_scale", &s->min_loss_scale, &a));
-    if (a) s->min_loss_scale = 1.0;
+    if (a) {
+        s->min_loss_scale = 1.0;
+        note_auto(x, sec, "min_loss_scale", "1 (%s)", DS_DEFAULT);
+    }
     /* values of a disabled section are read but cannot stop the run */
     return c->fp16 ? qt_loss_scaler_cfg_check(s, x->where) : QT_OK;
 }
@@ -375,7 +496,8 @@ static int parse_fp16(ds_ctx *x, const cJSON *f) {
 static int parse_bf16(ds_ctx *x, const cJSON *b, const char *name) {
     static const char *const keys[] = {"enabled", NULL};
     warn_unknown(x, b, name, keys);
-    return get_bool(x, b, name, "enabled", &x->out->bf16, 1);
+    return get_bool(x, b, name, "enabled", &x->out->bf16,
+                    "the HF Trainer's --bf16 is off by default and qtune has no such flag; set true to train in bf16");
 }
 
 /* ---- ZeRO --------------------------------------------------------------- */
@@ -414,7 +536,7 @@ static int parse_zero(ds_ctx *x, const cJSON *z) {
                               "\"none\"",
                               x->where, dev->valuestring);
         }
-        QT_TRY(get_bool(x, off, "zero_optimization.offload_optimizer", "pin_memory", &zc->pin_memory, 0));
+        QT_TRY(get_bool(x, off, "zero_optimization.offload_optimizer", "pin_memory", &zc->pin_memory, NULL));
     }
     if (zc->offload_optimizer && zc->stage == 0) {
         qt_warn("%s: zero_optimization.offload_optimizer needs ZeRO stage 1 or 2 and is ignored at stage 0", x->where);
@@ -422,15 +544,21 @@ static int parse_zero(ds_ctx *x, const cJSON *z) {
     }
     int a;
     QT_TRY(get_number(x, z, sec, "reduce_bucket_size", &zc->reduce_bucket_size, &a));
-    if (a) zc->reduce_bucket_size = 5e8;
+    if (a) {
+        zc->reduce_bucket_size = 5e8;
+        note_auto(x, sec, "reduce_bucket_size", "5e8 elements (%s)", DS_DEFAULT);
+    }
     QT_TRY(get_number(x, z, sec, "allgather_bucket_size", &zc->allgather_bucket_size, &a));
-    if (a) zc->allgather_bucket_size = 5e8;
+    if (a) {
+        zc->allgather_bucket_size = 5e8;
+        note_auto(x, sec, "allgather_bucket_size", "5e8 elements (%s)", DS_DEFAULT);
+    }
     if (zc->reduce_bucket_size < 1 || zc->allgather_bucket_size < 1)
         return QT_ERR(QT_EINVAL, "%s: zero_optimization bucket sizes must be >= 1 element", x->where);
-    QT_TRY(get_bool(x, z, sec, "overlap_comm", &zc->overlap_comm, 1));
-    QT_TRY(get_bool(x, z, sec, "contiguous_gradients", &zc->contiguous_gradients, 1));
-    QT_TRY(get_bool(x, z, sec, "reduce_scatter", &zc->reduce_scatter, 1));
-    QT_TRY(get_bool(x, z, sec, "allgather_partitions", &zc->allgather_partitions, 1));
+    QT_TRY(get_bool(x, z, sec, "overlap_comm", &zc->overlap_comm, DS_DEFAULT));
+    QT_TRY(get_bool(x, z, sec, "contiguous_gradients", &zc->contiguous_gradients, DS_DEFAULT));
+    QT_TRY(get_bool(x, z, sec, "reduce_scatter", &zc->reduce_scatter, DS_DEFAULT));
+    QT_TRY(get_bool(x, z, sec, "allgather_partitions", &zc->allgather_partitions, DS_DEFAULT));
     return QT_OK;
 }
 
@@ -447,14 +575,17 @@ static int parse(ds_ctx *x, const cJSON *j) {
     QT_TRY(parse_batch(x, j));
     int a;
     QT_TRY(get_number(x, j, NULL, "gradient_clipping", &c->gradient_clipping, &a));
-    if (a) c->gradient_clipping = HF_MAX_GRAD_NORM;
+    if (a) {
+        c->gradient_clipping = HF_MAX_GRAD_NORM;
+        note_auto(x, NULL, "gradient_clipping", "%g (the HF Trainer's max_grad_norm default)", HF_MAX_GRAD_NORM);
+    }
     if (c->gradient_clipping < 0)
         return QT_ERR(QT_EINVAL, "%s: gradient_clipping %g must be >= 0 (0 turns clipping off)", x->where,
                       c->gradient_clipping);
     int64_t spp = c->steps_per_print;
     QT_TRY(get_int(x, j, NULL, "steps_per_print", 1, 1 << 30, &spp, NULL, NULL));
     c->steps_per_print = (int)spp;
-    QT_TRY(get_bool(x, j, NULL, "wall_clock_breakdown", &c->wall_clock_breakdown, 0));
+    QT_TRY(get_bool(x, j, NULL, "wall_clock_breakdown", &c->wall_clock_breakdown, NULL));
 
     const cJSON *sec;
     QT_TRY(get_section(x, j, NULL, "optimizer", &sec));
@@ -520,6 +651,12 @@ int qt_ds_config_finalize(qt_ds_config *c, int64_t max_steps) {
                           "set train.max_steps or give total_num_steps a number");
         c->sched.total_num_steps = max_steps;
         c->total_num_steps_auto = 0;
+        if (c->n_resolved < QT_DS_MAX_RESOLVED) {
+            char *line = c->resolved[c->n_resolved++];
+            snprintf(line, sizeof c->resolved[0], "scheduler.params.total_num_steps \"auto\" -> %lld (train.max_steps)",
+                     (long long)max_steps);
+            qt_info("deepspeed: %s", line);
+        }
         c->sched.base_lr = c->adam.lr;
         /* a number given in the file was checked when it was parsed */
         return qt_sched_check(&c->sched, "deepspeed: scheduler.params.total_num_steps \"auto\" (train.max_steps)");

@@ -24,6 +24,7 @@
 #include "optim/schedule.h"
 
 #define QT_DS_MAX_IGNORED 64
+#define QT_DS_MAX_RESOLVED 32
 
 typedef struct {
     int stage;                  /* 0, 1 or 2 */
@@ -58,6 +59,9 @@ typedef struct {
 
     int n_ignored;              /* keys named in a warning, as "section.key" */
     char ignored[QT_DS_MAX_IGNORED][96];
+    int n_resolved;             /* each "auto" and what it became, e.g. 'fp16.enabled "auto" -> false (...)';
+                                   also said at info level as it is read */
+    char resolved[QT_DS_MAX_RESOLVED][224];
 } qt_ds_config;
 
 /* What a job without a `deepspeed` key gets: micro-batch 1, accumulation 1,

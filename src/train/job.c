@@ -7,6 +7,7 @@
 #include "core/json_range.h"
 #include "core/log.h"
 #include "core/mem.h"
+#include "core/words.h"
 #include "data/format.h"
 #include "data/loader.h"
 #include "io/peft.h"
@@ -71,6 +72,8 @@ static cJSON *set_value(const cJSON *old, const char *v, const char *set) {
     /* a string field takes the text as is, except DeepSpeed's "auto", which
      * stands for a number: it takes JSON when the text parses as JSON */
     if (old && cJSON_IsString(old) && strcmp(old->valuestring, "auto")) return cJSON_CreateString(v);
+    /* PEFT's one string value of a list field */
+    if (old && cJSON_IsArray(old) && !strcmp(v, "all-linear")) return cJSON_CreateString(v);
     if (old && cJSON_IsArray(old) && v[0] != '[') {
         /* "q_proj,v_proj" -> ["q_proj", "v_proj"] */
         cJSON *arr = cJSON_CreateArray();
@@ -203,9 +206,15 @@ static void warn_unknown(const job_ctx *c, const cJSON *obj, const char *sect, c
     for (const cJSON *it = obj->child; it; it = it->next) {
         int ok = 0;
         for (int i = 0; known[i] && !ok; i++) ok = !strcmp(it->string, known[i]);
-        if (!ok)
-            qt_warn("%s: unknown key '%s%s%s' is ignored; check its spelling (docs/job-file.md lists the keys)",
-                    c->where, sect, sect[0] ? "." : "", it->string);
+        if (!ok) {
+            const char *near = qt_nearest_word(it->string, known);
+            if (near)
+                qt_warn("%s: unknown key '%s%s%s' is ignored; did you mean '%s%s%s'?", c->where, sect,
+                        sect[0] ? "." : "", it->string, sect, sect[0] ? "." : "", near);
+            else
+                qt_warn("%s: unknown key '%s%s%s' is ignored; check its spelling (docs/job-file.md lists the keys)",
+                        c->where, sect, sect[0] ? "." : "", it->string);
+        }
     }
 }
 
@@ -248,7 +257,8 @@ int qt_job_lora_targets(const cJSON *arr, unsigned *mask, const char *where) {
         if (!cJSON_IsString(it)) return QT_ERR(QT_EINVAL, "%s: lora.target_modules must hold strings", where);
         unsigned bit = 0;
         for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
-            if (!strcmp(it->valuestring, names[i].name)) bit = names[i].bit;
+            if (!strcmp(it->valuestring, names[i].name) || !strcmp(it->valuestring, "all-linear"))
+                bit |= names[i].bit;
         if (!bit)
             return QT_ERR(QT_EUNSUPPORTED,
                           "%s: lora.target_modules names '%s'; qtune adapts q_proj, k_proj, v_proj, o_proj, gate_proj, "
@@ -275,7 +285,7 @@ static int parse_data(const job_ctx *c, const cJSON *root, qt_job_data *d) {
     QT_TRY(get_str(c, s, "data", "format", "auto", &d->format));
     dl_format fmt;
     if (dl_format_parse(d->format, &fmt) != QT_OK)
-        return QT_ERR(QT_EINVAL, "%s: data.format is '%s'; use auto, text, messages, alpaca or tokens", c->where,
+        return QT_ERR(QT_EINVAL, "%s: data.format is '%s'; use auto, text, messages, sharegpt, alpaca, prompt_completion or tokens", c->where,
                       d->format);
     QT_TRY(get_int(c, s, "data", "seq_len", 512, 2, &d->seq_len));
     QT_TRY(get_bool(c, s, "data", "packing", 1, &d->packing));
@@ -306,7 +316,18 @@ static int parse_lora(const job_ctx *c, const cJSON *root, qt_job_lora *l) {
     QT_TRY(section(c, root, "lora", &s));
     if (!s) return QT_OK;
     l->enabled = 1;
-    warn_unknown(c, s, "lora", known);
+    /* PEFT's LoraConfig keys: quiet at their defaults, an error naming the
+     * key otherwise; anything else is unknown */
+    for (const cJSON *it = s->child; it; it = it->next) {
+        int ok = peft_is_lora_key(it->string);
+        for (int i = 0; known[i] && !ok; i++) ok = !strcmp(it->string, known[i]);
+        if (!ok)
+            qt_warn("%s: unknown key 'lora.%s' is ignored; check its spelling (docs/job-file.md lists the keys)",
+                    c->where, it->string);
+    }
+    char where[4200];
+    snprintf(where, sizeof where, "%s: lora.", c->where);
+    QT_TRY(peft_check_lora_defaults(s, where));
     QT_TRY(get_int(c, s, "lora", "r", 8, 1, &l->r));
     double a = 0, dr = 0;
     QT_TRY(get_num(c, s, "lora", "lora_alpha", 8, &a, NULL));
@@ -328,7 +349,10 @@ static int parse_lora(const job_ctx *c, const cJSON *root, qt_job_lora *l) {
         l->target_names[1] = qt_strdup("v_proj");
     } else {
         QT_TRY(qt_job_lora_targets(tm, &l->targets, c->where));
-        if (cJSON_IsString(tm)) {
+        int all = cJSON_IsString(tm);
+        for (const cJSON *e = cJSON_IsArray(tm) ? tm->child : NULL; e; e = e->next)
+            all |= cJSON_IsString(e) && !strcmp(e->valuestring, "all-linear");
+        if (all) {
             l->targets_all_linear = 1;
             static const char *const all[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                               "down_proj"};
@@ -351,7 +375,11 @@ static int parse_lora(const job_ctx *c, const cJSON *root, qt_job_lora *l) {
     QT_TRY(get_str(c, s, "lora", "init_from", NULL, &l->init_from));
     QT_TRY(resolve(c, &l->init_from));
     const cJSON *bias = cJSON_GetObjectItemCaseSensitive(s, "bias");
-    if (bias && !(cJSON_IsString(bias) && !strcmp(bias->valuestring, "none")))
+    const cJSON *pt = cJSON_GetObjectItemCaseSensitive(s, "peft_type");
+    if (pt && !cJSON_IsNull(pt) && !(cJSON_IsString(pt) && !strcmp(pt->valuestring, "LORA")))
+        return QT_ERR(QT_EUNSUPPORTED, "%s: lora.peft_type is %s; qtune trains LoRA (\"LORA\") only", c->where,
+                      cJSON_IsString(pt) ? pt->valuestring : "not a string");
+    if (bias && !cJSON_IsNull(bias) && !(cJSON_IsString(bias) && !strcmp(bias->valuestring, "none")))
         return QT_ERR(QT_EUNSUPPORTED, "%s: lora.bias must be \"none\"; qtune does not train biases with LoRA", c->where);
     return QT_OK;
 }
@@ -396,19 +424,28 @@ static int parse_train(const job_ctx *c, const cJSON *root, qt_job_train *t) {
     return QT_OK;
 }
 
-/* deepspeed: a path (relative to the job) is read into an object. */
-static int load_deepspeed(const job_ctx *c, cJSON *root, char **ds_path) {
-    cJSON *ds = cJSON_GetObjectItemCaseSensitive(root, "deepspeed");
+/* "deepspeed" or "lora" given as a path (relative to the job): the file is
+ * read into an object in its place. A "lora" folder means its
+ * adapter_config.json (the LoraConfig PEFT writes). */
+static int load_section_file(const job_ctx *c, cJSON *root, const char *key, char **path_out) {
+    cJSON *ds = cJSON_GetObjectItemCaseSensitive(root, key);
     if (!ds || !cJSON_IsString(ds)) return QT_OK;
     char *p = qt_strdup(ds->valuestring);
     if (!p) return QT_ENOMEM;
     int rc = resolve(c, &p);
+    if (rc == QT_OK && !strcmp(key, "lora") && qt_is_dir(p)) {
+        char cfg[4096];
+        rc = qt_path_join(cfg, sizeof cfg, p, "adapter_config.json");
+        char *q = rc == QT_OK ? qt_strdup(cfg) : NULL;
+        if (rc == QT_OK && !q) rc = QT_ENOMEM;
+        if (q) { qt_free(p); p = q; }
+    }
     if (rc != QT_OK) { qt_free(p); return rc; }
     char *text;
     rc = qt_read_file(p, JOB_MAX_BYTES, &text, NULL);
     if (rc != QT_OK) {
         qt_free(p);
-        return qt_error_context(rc, "%s: deepspeed", c->where);
+        return qt_error_context(rc, "%s: %s", c->where, key);
     }
     const char *errp = NULL;
     cJSON *obj = cJSON_ParseWithOpts(text, &errp, 1);
@@ -418,8 +455,8 @@ static int load_deepspeed(const job_ctx *c, cJSON *root, char **ds_path) {
         for (long i = 0; i < off && text[i]; i++) line += text[i] == '\n';
         cJSON_Delete(obj);
         qt_free(text);
-        rc = QT_ERR(QT_EFORMAT, "%s: line %d is not valid JSON (the DeepSpeed config named by %s's \"deepspeed\")", p,
-                    line, c->where);
+        rc = QT_ERR(QT_EFORMAT, "%s: line %d is not valid JSON (the %s config named by %s's \"%s\")", p, line,
+                    !strcmp(key, "lora") ? "LoRA" : "DeepSpeed", c->where, key);
         qt_free(p);
         return rc;
     }
@@ -431,10 +468,14 @@ static int load_deepspeed(const job_ctx *c, cJSON *root, char **ds_path) {
         qt_free(p);
         return rc;
     }
-    cJSON_ReplaceItemInObjectCaseSensitive(root, "deepspeed", obj);
-    qt_free(*ds_path);
-    *ds_path = p;
+    cJSON_ReplaceItemInObjectCaseSensitive(root, key, obj);
+    qt_free(*path_out);
+    *path_out = p;
     return QT_OK;
+}
+
+static int load_deepspeed(const job_ctx *c, cJSON *root, char **ds_path) {
+    return load_section_file(c, root, "deepspeed", ds_path);
 }
 
 /* What changes the trained result: everything but where outputs go, how often
@@ -589,11 +630,13 @@ int qt_job_parse(const char *json, const char *dir, const char *where, const cha
     if (rc == QT_OK) rc = qt_json_check_duplicate_keys(root, where);
     if (rc != QT_OK) { qt_job_free(job); return rc; }
     for (int i = 0; i < n_sets && rc == QT_OK; i++) {
-        /* an override inside the DeepSpeed config needs its file read first */
+        /* an override inside the DeepSpeed or LoRA config needs its file read first */
         if (!strncmp(sets[i], "deepspeed.", 10)) rc = load_deepspeed(&c, root, &job->deepspeed_path);
+        if (!strncmp(sets[i], "lora.", 5)) rc = load_section_file(&c, root, "lora", &job->lora_path);
         if (rc == QT_OK) rc = qt_job_apply_set(root, sets[i]);
     }
     if (rc == QT_OK) rc = load_deepspeed(&c, root, &job->deepspeed_path);
+    if (rc == QT_OK) rc = load_section_file(&c, root, "lora", &job->lora_path);
     if (rc != QT_OK) { qt_job_free(job); return rc; }
 
     static const char *const known[] = {"model", "output_dir", "data", "lora", "train", "deepspeed", NULL};
@@ -652,6 +695,7 @@ void qt_job_free(qt_job *job) {
     qt_free(job->lora.init_from);
     qt_free(job->train.resume);
     qt_free(job->deepspeed_path);
+    qt_free(job->lora_path);
     cJSON_Delete(job->deepspeed);
     cJSON_Delete(job->root);
     memset(job, 0, sizeof *job);

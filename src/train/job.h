@@ -65,6 +65,7 @@ typedef struct {
     qt_job_train train;
     cJSON *deepspeed;     /* the DeepSpeed object (read from its file when a path); owned */
     char *deepspeed_path; /* the file it came from, or NULL when inline */
+    char *lora_path;      /* the LoRA config file ("lora": "adapter_config.json" or a folder), or NULL */
     cJSON *root;          /* the whole job after overrides; owned */
     uint64_t fingerprint; /* of everything that changes what is trained (see job.c) */
 } qt_job;

@@ -9,6 +9,7 @@
 #include "core/fs.h"
 #include "core/log.h"
 #include "core/mem.h"
+#include "core/progress.h"
 #include "io/model_folder.h"
 #include "io/peft.h"
 #include "io/safetensors.h"
@@ -222,7 +223,7 @@ float qt_merge_set_scaling(const qt_merge_set *s) { return s->scaling; }
 
 /* Writes the whole merged folder into stage. */
 static int write_stage(const char *model_dir, const char *stage, st_file *base, qt_merge_set *set, int out_dtype,
-                       volatile sig_atomic_t *stop) {
+                       volatile sig_atomic_t *stop, qt_progress *prog) {
     st_writer *wr = NULL;
     qt_rm_rf(stage); /* a left-over of a killed merge that had this pid */
     QT_TRY(qt_mkdir_p(stage));
@@ -241,7 +242,12 @@ static int write_stage(const char *model_dir, const char *stage, st_file *base, 
     char path[4096];
     if (rc == QT_OK) rc = st_writer_set_metadata(wr, "format", "pt");
     if (rc == QT_OK) rc = qt_path_join(path, sizeof path, stage, "model.safetensors");
+    if (rc == QT_OK && prog) {
+        prog->total = st_writer_bytes(wr) / 1e6;
+        st_writer_set_progress(wr, prog);
+    }
     if (rc == QT_OK) rc = st_writer_write(wr, path);
+    qt_progress_end(prog);
     st_writer_free(wr);
     if (rc == QT_OK) rc = copy_side_files(model_dir, stage, out_dtype);
     return rc;
@@ -271,6 +277,11 @@ static int commit_stage(const char *stage, const char *out) {
 
 int qt_merge_adapter(const char *model_dir, const char *adapter_dir, const char *out_dir, int out_dtype,
                      volatile sig_atomic_t *stop) {
+    return qt_merge_adapter_progress(model_dir, adapter_dir, out_dir, out_dtype, stop, NULL);
+}
+
+int qt_merge_adapter_progress(const char *model_dir, const char *adapter_dir, const char *out_dir, int out_dtype,
+                              volatile sig_atomic_t *stop, qt_progress *prog) {
     st_file *base = NULL;
     qt_merge_set *set = NULL;
     QT_TRY(qt_merge_open_model(model_dir, &base));
@@ -295,7 +306,7 @@ int qt_merge_adapter(const char *model_dir, const char *adapter_dir, const char 
     int staged = 0;
     if (rc == QT_OK) {
         staged = 1;
-        rc = write_stage(model_dir, stage, base, set, out_dtype, stop);
+        rc = write_stage(model_dir, stage, base, set, out_dtype, stop, prog);
     }
     /* a last look at the flag: once the renames start, a signal no longer undoes the merge */
     if (rc == QT_OK && stop && *stop) rc = QT_EINTERRUPTED;

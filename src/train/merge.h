@@ -8,6 +8,7 @@
 #include <signal.h>
 
 #include "core/dtype.h"
+#include "core/progress.h"
 #include "io/safetensors.h"
 
 /* model_dir: a model folder (checked first); adapter_dir: a PEFT adapter
@@ -20,6 +21,9 @@
  * is left as it was and nothing else remains. */
 int qt_merge_adapter(const char *model_dir, const char *adapter_dir, const char *out_dir, int out_dtype,
                      volatile sig_atomic_t *stop);
+/* The same, reporting MB written into prog (core/progress.h; NULL: silent). */
+int qt_merge_adapter_progress(const char *model_dir, const char *adapter_dir, const char *out_dir, int out_dtype,
+                              volatile sig_atomic_t *stop, qt_progress *prog);
 
 /* The merge as a set of producers, for writers other than the merged folder
  * (qtune export --gguf): qt_merge_open_model checks and opens the base folder

@@ -39,3 +39,73 @@ int qt_train_cfg_from_job(const qt_job *job, int world, long max_steps, qt_train
     qt_train_cfg_from_ds(&ds, cfg);
     return QT_OK;
 }
+
+static const char *precision_name(const qt_ds_config *ds) {
+    return ds->fp16 ? "fp16 (dynamic loss scaling)" : ds->bf16 ? "bf16" : "fp32";
+}
+
+static void sched_text(const qt_ds_config *ds, char *buf, size_t cap) {
+    const qt_sched *s = &ds->sched;
+    const int64_t w = s->warmup_num_steps < 2 ? 2 : s->warmup_num_steps; /* DeepSpeed's max(2, n) */
+    char total[48];
+    if (ds->total_num_steps_auto) snprintf(total, sizeof total, "train.max_steps");
+    else snprintf(total, sizeof total, "%lld", (long long)s->total_num_steps);
+    switch (s->type) {
+    case QT_SCHED_CONSTANT: snprintf(buf, cap, "constant"); break;
+    case QT_SCHED_WARMUP_LR:
+        snprintf(buf, cap, "WarmupLR %g -> %g over %lld steps", s->warmup_min_lr, s->warmup_max_lr, (long long)w);
+        break;
+    case QT_SCHED_WARMUP_DECAY_LR:
+        snprintf(buf, cap, "WarmupDecayLR %g -> %g over %lld steps, to 0 at step %s", s->warmup_min_lr,
+                 s->warmup_max_lr, (long long)w, total);
+        break;
+    case QT_SCHED_WARMUP_COSINE_LR:
+        snprintf(buf, cap, "WarmupCosineLR, warmup %lld steps, cosine to %g x lr at step %s", (long long)w,
+                 s->cos_min_ratio, total);
+        break;
+    }
+}
+
+void qt_train_describe(const qt_job *job, const qt_ds_config *ds, int threads, char *buf, size_t cap) {
+    char what[160], sched[160];
+    if (job->lora.enabled)
+        snprintf(what, sizeof what, "LoRA r %d alpha %g on %d module kind(s)", job->lora.r, job->lora.lora_alpha,
+                 job->lora.n_target_names);
+    else snprintf(what, sizeof what, "full fine-tuning");
+    sched_text(ds, sched, sizeof sched);
+    const char *lr_note = ds->sched.type == QT_SCHED_CONSTANT || ds->sched.type == QT_SCHED_WARMUP_COSINE_LR
+                              ? ""
+                              : " (the schedule sets it)";
+    snprintf(buf, cap,
+             "run: %s | %s | ZeRO stage %d%s | %s lr %g%s, %s | gradient checkpointing %s | micro-batch %lld x "
+             "accumulation %lld x %d rank(s) = %lld rows of %d tokens | device cpu, %d thread(s)",
+             what, precision_name(ds), ds->zero.stage, ds->zero.offload_optimizer ? ", optimizer offloaded to host" : ", no offload",
+             ds->optimizer_type, ds->adam.lr, lr_note, sched, job->train.gradient_checkpointing ? "on" : "off",
+             (long long)ds->micro_batch, (long long)ds->grad_accum, ds->world, (long long)ds->train_batch_size,
+             job->data.seq_len, threads);
+}
+
+int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o) {
+    qt_ds_config ds;
+    if (job->deepspeed) {
+        char where[4200];
+        if (job->deepspeed_path) snprintf(where, sizeof where, "%s", job->deepspeed_path);
+        else snprintf(where, sizeof where, "%s: deepspeed", job->path);
+        QT_TRY(qt_ds_config_parse(job->deepspeed, where, ranks, &ds));
+    } else {
+        qt_ds_config_default(&ds, ranks);
+    }
+    o->lora = job->lora.enabled;
+    if (job->lora.enabled) {
+        o->lora_r = job->lora.r;
+        o->lora_targets = job->lora.targets;
+    }
+    o->zero = ds.zero.stage;
+    o->offload = ds.zero.offload_optimizer;
+    o->devices = ranks;
+    o->precision = ds.fp16 ? QT_F16 : ds.bf16 ? QT_BF16 : QT_F32;
+    o->micro_batch = (int)ds.micro_batch;
+    o->seq_len = job->data.seq_len;
+    o->checkpointing = job->train.gradient_checkpointing;
+    return QT_OK;
+}

@@ -9,6 +9,7 @@
 #include "core/fs.h"
 #include "core/log.h"
 #include "core/mem.h"
+#include "core/progress.h"
 #include "io/checkpoint.h"
 #include "model/lora_io.h"
 #include "optim/clip.h"
@@ -16,6 +17,7 @@
 
 #include <dirent.h>
 #include <math.h>
+#include <omp.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -171,7 +173,16 @@ static int evaluate(qt_trainer *t, double *loss, int64_t *ntok) {
     QT_TRY(dl_state_set(t->eval_dl, (dl_state){0, 0}));
     double sum = 0;
     int64_t n = 0;
+    /* batches of this rank, for the progress line (rank 0's) */
+    double batches = ceil((double)dl_num_examples(t->eval_dl) / t->world / t->cfg.micro_batch);
+    if (t->job->train.eval_batches && batches > (double)t->job->train.eval_batches)
+        batches = (double)t->job->train.eval_batches;
+    char what[64];
+    snprintf(what, sizeof what, "eval at step %ld", t->step);
+    qt_progress prog;
+    qt_progress_start(&prog, t->main ? t->hooks->progress : NULL, t->hooks->tty, what, batches, "batches");
     for (long i = 0; !t->job->train.eval_batches || i < t->job->train.eval_batches; i++) {
+        qt_progress_set(&prog, (double)i);
         int rc = dl_next(t->eval_dl, &t->eval_b);
         if (rc == DL_END) break;
         QT_TRY(rc);
@@ -180,7 +191,9 @@ static int evaluate(qt_trainer *t, double *loss, int64_t *ntok) {
         QT_TRY(qt_model_forward(t->model, &t->eval_b, &s, &k, NULL));
         sum += s;
         n += k;
+        prog.done = (double)(i + 1);
     }
+    qt_progress_end(&prog);
     QT_TRY(dist_allreduce_f64(t->d, &sum, 1, DIST_SUM, "eval loss sum"));
     QT_TRY(dist_allreduce_i64(t->d, &n, 1, DIST_SUM, "eval token count"));
     *loss = n ? sum / (double)n : NAN;
@@ -366,7 +379,7 @@ static void progress(qt_trainer *t, const step_out *o, double tok_s, long first_
         fprintf(f, "\r\033[Kstep %ld/%ld  loss %.4f  lr %.3g  %.0f tok/s  ETA %s%s", t->step, t->max_steps, o->loss,
                 o->lr, tok_s, eta, o->skipped ? "  (overflow: skipped)" : "");
         fflush(f);
-    } else if (t->step % t->cfg.steps_per_print == 0 || t->step == t->max_steps) {
+    } else if (t->step % t->cfg.steps_per_print == 0 || t->step == t->max_steps || t->step == first_step + 1) {
         fprintf(f, "qtune: step %ld/%ld: loss %.4f, lr %.4g, grad_norm %.4g, loss_scale %g, %.0f tokens/s, ETA %s%s\n",
                 t->step, t->max_steps, o->loss, o->lr, o->grad_norm, o->loss_scale, tok_s, eta,
                 o->skipped ? " (overflow: step skipped)" : "");
@@ -684,6 +697,11 @@ int qt_train_run(const qt_job *job, dist_ctx *d, const qt_train_hooks *hooks, qt
     /* one process: a stop while the data is tokenized ends the load at once
      * (under MPI loading finishes, then every rank agrees to stop) */
     if (t.world == 1) qt_cancel_watch(t.hooks->stop);
+    if (rc == QT_OK && t.main) {
+        char line[1024];
+        qt_train_describe(job, &t.ds, omp_get_max_threads(), line, sizeof line);
+        qt_info("%s", line);
+    }
     if (rc == QT_OK) rc = run(&t, res);
     qt_cancel_watch(NULL);
     trainer_free(&t);

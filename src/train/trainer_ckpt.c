@@ -69,7 +69,7 @@ static void fill_peft_config(const qt_trainer *t, peft_config *c) {
     }
     for (int i = 0; i < l->n_target_names && i < PEFT_MAX_TARGETS && !l->targets_default && !l->targets_all_linear; i++)
         snprintf(c->target_modules[c->n_targets++], sizeof c->target_modules[0], "%s", l->target_names[i]);
-    snprintf(c->base_model, sizeof c->base_model, "%s", t->job->model);
+    peft_base_model_name(t->job->model, c->base_model, sizeof c->base_model);
 }
 
 static int save_adapter(const qt_trainer *t, const char *dir) {
@@ -332,16 +332,17 @@ static int save_opt_part(qt_trainer *t, const char *dir, int index, int count, s
     return rc;
 }
 
-/* Rank 0's share: the weights (adapter or model + config.json). */
+static int copy_model_files(const char *src_dir, const char *dst_dir);
+
+/* Rank 0's share: the weights (adapter, or model + config.json and the
+ * model's tokenizer and generation files, so that eval and generate run on a
+ * checkpoint as on final/, as HF Trainer's checkpoints do). */
 static int save_weights(qt_trainer *t, const char *dir) {
     if (t->job->lora.enabled) return save_adapter(t, dir);
-    char path[4096], src[4096], dst[4096];
+    char path[4096];
     QT_TRY(qt_path_join(path, sizeof path, dir, "model.safetensors"));
     QT_TRY(save_model_weights(t, path, QT_F32));
-    QT_TRY(qt_path_join(src, sizeof src, t->job->model, "config.json"));
-    QT_TRY(qt_path_join(dst, sizeof dst, dir, "config.json"));
-    if (qt_path_exists(src)) QT_TRY(qt_copy_file(src, dst));
-    return QT_OK;
+    return copy_model_files(t->job->model, dir);
 }
 
 /* Every rank says whether its part went well; all learn the first rank that

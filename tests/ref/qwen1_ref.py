@@ -40,6 +40,8 @@ class QwenRef(Qwen2Ref):
         self.L = cfg["num_hidden_layers"]
         self.eps = cfg.get("layer_norm_epsilon", 1e-6)
         self.theta = cfg.get("rotary_emb_base", 10000)
+        self.rope_scaling = None  # its own dynamic NTK is not implemented (limited to seq_length)
+        self.max_pos = cfg.get("max_position_embeddings", 2048)
         self.tied = cfg.get("tie_word_embeddings", False)
         self.qk_norm = False
         w = st.read(os.path.join(model_dir, "model.safetensors"))

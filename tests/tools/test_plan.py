@@ -153,3 +153,32 @@ def test_errors():
     assert p.returncode == 2
     p = qtune("plan", "--preset", "tiny", "--zero", "3")
     assert p.returncode == 2 and "--zero" in p.stderr
+
+
+def test_plan_reads_a_job_file(tmp_path):
+    """qtune plan JOB.json [--set ...] plans what the job trains: the same JSON as the flags that say it."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg(8192, 256, 688, 4, 4, 2)))
+    ds = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 4,
+          "fp16": {"enabled": True}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    job = {"model": "m", "output_dir": "o", "data": {"train": "t.jsonl", "seq_len": 96},
+           "lora": {"r": 4, "target_modules": ["q_proj", "k_proj", "down_proj"]},
+           "train": {"gradient_checkpointing": True}, "deepspeed": ds}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    got = json.loads(qtune("plan", tmp_path / "job.json", "--devices", 2, "--json", check=0).stdout)
+    # micro-batch "auto" with 16 = micro x 4 x 2 ranks -> 2
+    want = json.loads(qtune("plan", "--model", tmp_path / "m", "--mode", "lora", "--lora-r", 4, "--lora-targets",
+                            "q,k,down", "--zero", 2, "--offload", "cpu", "--precision", "fp16", "--micro-batch", 2,
+                            "--seq-len", 96, "--checkpointing", "--devices", 2, "--json", check=0).stdout)
+    got.pop("model", None), want.pop("model", None)
+    assert got == want
+    # --set reaches the job (and its deepspeed section); an option beside the job overrides it
+    got = json.loads(qtune("plan", tmp_path / "job.json", "--set", "data.seq_len=128", "--set", "lora.r=16",
+                           "--devices", 2, "--micro-batch", 1, "--json", check=0).stdout)
+    want = json.loads(qtune("plan", "--model", tmp_path / "m", "--mode", "lora", "--lora-r", 16, "--lora-targets",
+                            "q,k,down", "--zero", 2, "--offload", "cpu", "--precision", "fp16", "--micro-batch", 1,
+                            "--seq-len", 128, "--checkpointing", "--devices", 2, "--json", check=0).stdout)
+    got.pop("model", None), want.pop("model", None)
+    assert got == want
+    p = qtune("plan", "--set", "lora.r=4", "--preset", "qwen2.5-0.5b")
+    assert p.returncode == 2 and "needs a job file" in p.stderr

@@ -80,11 +80,11 @@ static void c_matmul_backward(BE, float *dinp, float *dw, float *db, const float
                               const void *w, qt_dtype wdt, int N, int IN, int OUT, float alpha, float *ws) {
     op_matmul_backward(dinp, dw, db, dout, inp, w, wdt, N, IN, OUT, alpha, ws);
 }
-static void c_rope_forward(BE, float *x, const int32_t *pos, int N, int NH, int D, float theta) {
-    op_rope_forward(x, pos, N, NH, D, theta);
+static void c_rope_forward(BE, float *x, const int32_t *pos, int N, int NH, int D, const float *inv, float scale) {
+    op_rope_forward(x, pos, N, NH, D, inv, scale);
 }
-static void c_rope_backward(BE, float *dx, const int32_t *pos, int N, int NH, int D, float theta) {
-    op_rope_backward(dx, pos, N, NH, D, theta);
+static void c_rope_backward(BE, float *dx, const int32_t *pos, int N, int NH, int D, const float *inv, float scale) {
+    op_rope_backward(dx, pos, N, NH, D, inv, scale);
 }
 static void c_attention_forward(BE, float *out, float *lse, const float *q, const float *k, const float *v,
                                 const int32_t *doc_start, int B, int T, int H, int KV, int D) {

@@ -60,11 +60,12 @@ void op_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const fl
                float alpha, int accumulate);
 
 /* ---- rotary embedding (HF rotate-half convention) ------------------------ */
-/* x (N, NH, D) rotated in place by angle pos[n] * theta^(-2i/D), i < D/2:
+/* x (N, NH, D) rotated in place by angle pos[n] * inv[i], i < D/2 (inv: the
+ * model's table, qt_rope_inv_freq), cos and sin multiplied by scale:
  * x[i] <- x[i] cos - x[i+D/2] sin, x[i+D/2] <- x[i+D/2] cos + x[i] sin. */
-void op_rope_forward(float *x, const int32_t *pos, int N, int NH, int D, float theta);
+void op_rope_forward(float *x, const int32_t *pos, int N, int NH, int D, const float *inv, float scale);
 /* The transpose rotation, in place on the gradient (dx = R^T dout). */
-void op_rope_backward(float *dx, const int32_t *pos, int N, int NH, int D, float theta);
+void op_rope_backward(float *dx, const int32_t *pos, int N, int NH, int D, const float *inv, float scale);
 
 /* ---- causal grouped-query attention, blockwise with online softmax -------- */
 /* q (B, T, H, D), k, v (B, T, KV, D), out (B, T, H, D), lse (B, H, T) saved

@@ -7,6 +7,8 @@
  * order: no atomics, so the bits are the same on every run. */
 #include "backend/cuda/cuda_internal.h"
 
+#include <string.h>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -154,31 +156,42 @@ static void g_rmsnorm_backward(BE, float *dinp, float *dw, const float *dout, co
     }
 }
 
-/* ---- RoPE: the CPU's formula to the bit where the libm allows (inv_freq in
- * fp32 as HF computes it, the angle an fp32 product, cos/sin in double) ---- */
-__global__ void k_rope(float *x, const int32_t *pos, int N, int NH, int D, float theta, float sign) {
+/* ---- RoPE: the CPU's formula to the bit where the libm allows (the model's
+ * fp32 inv_freq table, the angle an fp32 product, cos/sin in double, times
+ * scale). The table (host memory) travels by value as a kernel parameter
+ * (QT_ROPE_MAX_HALF floats, 2 KiB: under the 4 KiB parameter limit). ---- */
+struct rope_table {
+    float inv[QT_ROPE_MAX_HALF];
+};
+__global__ void k_rope(float *x, const int32_t *pos, int N, int NH, int D, const rope_table t, float scale,
+                       float sign) {
     int half = D / 2;
     size_t n_all = (size_t)N * NH * half;
     GRID_STRIDE(idx, n_all) {
         int i = (int)(idx % half);
         size_t nh = idx / half;
         int n = (int)(nh / NH);
-        float inv = 1.0f / powf(theta, (float)(2 * i) / (float)D);
-        float a = (float)pos[n] * inv;
-        float cs = (float)cos((double)a), sn = sign * (float)sin((double)a);
+        float a = (float)pos[n] * t.inv[i];
+        float cs = (float)cos((double)a) * scale, sn = sign * (float)sin((double)a) * scale;
         float *v = x + nh * D;
         float p = v[i], q = v[i + half];
         v[i] = p * cs - q * sn;
         v[i + half] = q * cs + p * sn;
     }
 }
-static void g_rope_forward(BE, float *x, const int32_t *pos, int N, int NH, int D, float theta) {
-    k_rope<<<qt_cuda_blocks((size_t)N * NH * (D / 2)), 256, 0, STREAM>>>(x, pos, N, NH, D, theta, 1.0f);
+static void rope_launch(BE, float *x, const int32_t *pos, int N, int NH, int D, const float *inv, float scale,
+                        float sign) {
+    rope_table t;
+    memset(&t, 0, sizeof t);
+    memcpy(t.inv, inv, sizeof(float) * (size_t)(D / 2)); /* host to host: the launch carries it */
+    k_rope<<<qt_cuda_blocks((size_t)N * NH * (D / 2)), 256, 0, STREAM>>>(x, pos, N, NH, D, t, scale, sign);
     QT_CUDA_LAUNCHED();
 }
-static void g_rope_backward(BE, float *dx, const int32_t *pos, int N, int NH, int D, float theta) {
-    k_rope<<<qt_cuda_blocks((size_t)N * NH * (D / 2)), 256, 0, STREAM>>>(dx, pos, N, NH, D, theta, -1.0f);
-    QT_CUDA_LAUNCHED();
+static void g_rope_forward(BE, float *x, const int32_t *pos, int N, int NH, int D, const float *inv, float scale) {
+    rope_launch(be, x, pos, N, NH, D, inv, scale, 1.0f);
+}
+static void g_rope_backward(BE, float *dx, const int32_t *pos, int N, int NH, int D, const float *inv, float scale) {
+    rope_launch(be, dx, pos, N, NH, D, inv, scale, -1.0f);
 }
 
 /* ---- SwiGLU (sigmoid 0 below -88.72, where the CPU's saturating exp stops) */

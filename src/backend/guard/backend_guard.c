@@ -193,11 +193,12 @@ static void g_matmul_backward(BE, float *dinp, float *dw, float *db, const float
                               const void *w, qt_dtype wdt, int N, int IN, int OUT, float alpha, float *ws) {
     CALL(CPU->matmul_backward(CPU, dinp, dw, db, dout, inp, w, wdt, N, IN, OUT, alpha, ws));
 }
-static void g_rope_forward(BE, float *x, const int32_t *pos, int N, int NH, int D, float theta) {
-    CALL(CPU->rope_forward(CPU, x, pos, N, NH, D, theta));
+static void g_rope_forward(BE, float *x, const int32_t *pos, int N, int NH, int D, const float *inv, float scale) {
+    CALL(CPU->rope_forward(CPU, x, pos, N, NH, D, inv, scale));
 }
-static void g_rope_backward(BE, float *dx, const int32_t *pos, int N, int NH, int D, float theta) {
-    CALL(CPU->rope_backward(CPU, dx, pos, N, NH, D, theta));
+static void g_rope_backward(BE, float *dx, const int32_t *pos, int N, int NH, int D, const float *inv,
+                            float scale) {
+    CALL(CPU->rope_backward(CPU, dx, pos, N, NH, D, inv, scale));
 }
 static void g_attention_forward(BE, float *out, float *lse, const float *q, const float *k, const float *v,
                                 const int32_t *doc_start, int B, int T, int H, int KV, int D) {

@@ -242,13 +242,15 @@ static void test_sgemm_nn_engines(void **state) {
 enum { PN = 3, PH = 2, PD = 8 };
 static float *rp_x, *rp_r, rp_out[PN * PH * PD];
 static int32_t rp_pos[PN] = {0, 5, 1234};
+static float rp_inv[PD / 2]; /* plain RoPE: 1 / 10000^(2i/D), as the model's table holds it */
 static double rp_loss(void) {
     memcpy(rp_out, rp_x, sizeof rp_out);
-    op_rope_forward(rp_out, rp_pos, PN, PH, PD, 10000.0f);
+    op_rope_forward(rp_out, rp_pos, PN, PH, PD, rp_inv, 1.0f);
     return dotd(rp_out, rp_r, PN * PH * PD);
 }
 static void test_rope(void **state) {
     (void)state;
+    for (int i = 0; i < PD / 2; i++) rp_inv[i] = (float)(1.0 / pow(10000.0, (double)(2 * i) / PD));
     rp_x = randv(PN * PH * PD, 1.0f), rp_r = randv(PN * PH * PD, 1.0f);
     rp_loss();
     double want[PN * PH * PD];
@@ -263,7 +265,7 @@ static void test_rope(void **state) {
     expect_close("rope out", rp_out, want, PN * PH * PD, 1e-4); /* angle 1234 rad rounds in fp32, as in HF */
     float dx[PN * PH * PD];
     memcpy(dx, rp_r, sizeof dx);
-    op_rope_backward(dx, rp_pos, PN, PH, PD, 10000.0f);
+    op_rope_backward(dx, rp_pos, PN, PH, PD, rp_inv, 1.0f);
     check_grad("rope dinp", rp_x, dx, PN * PH * PD, rp_loss, 1e-2f, 1e-3);
     qt_free(rp_x), qt_free(rp_r);
 }

@@ -195,12 +195,18 @@ static void test_rope_swiglu(void **state) {
     int32_t pos[13];
     for (int i = 0; i < N; i++) pos[i] = i * 37 + 5;
     pair pp = up(pos, sizeof pos), x = up_randn((size_t)N * NH * D, 1.0f);
-    cpu->rope_forward(cpu, x.c, pp.c, N, NH, D, 1e6f);
-    dev->rope_forward(dev, x.d, pp.d, N, NH, D, 1e6f);
+    /* a host table, as the model hands it (theta 1e6); scale as YaRN's attention factor would */
+    float inv[D / 2];
+    for (int i = 0; i < D / 2; i++) inv[i] = (float)(1.0 / pow(1e6, (double)(2 * i) / D));
+    cpu->rope_forward(cpu, x.c, pp.c, N, NH, D, inv, 1.0f);
+    dev->rope_forward(dev, x.d, pp.d, N, NH, D, inv, 1.0f);
     check("rope_forward", x, (size_t)N * NH * D, TOL);
-    cpu->rope_backward(cpu, x.c, pp.c, N, NH, D, 1e6f);
-    dev->rope_backward(dev, x.d, pp.d, N, NH, D, 1e6f);
+    cpu->rope_backward(cpu, x.c, pp.c, N, NH, D, inv, 1.0f);
+    dev->rope_backward(dev, x.d, pp.d, N, NH, D, inv, 1.0f);
     check("rope_backward", x, (size_t)N * NH * D, TOL);
+    cpu->rope_forward(cpu, x.c, pp.c, N, NH, D, inv, 1.1386f);
+    dev->rope_forward(dev, x.d, pp.d, N, NH, D, inv, 1.1386f);
+    check("rope_forward (scale)", x, (size_t)N * NH * D, TOL);
     pair g = up_randn((size_t)N * I, 3.0f), u = up_randn((size_t)N * I, 1.0f), o = up_zero((size_t)N * I);
     cpu->swiglu_forward(cpu, o.c, g.c, u.c, N, I);
     dev->swiglu_forward(dev, o.d, g.d, u.d, N, I);

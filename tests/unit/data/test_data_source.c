@@ -31,13 +31,18 @@ static void test_format_names_and_detect(void **state) {
     assert_int_equal(dl_format_parse("auto", &f), QT_OK); assert_int_equal(f, DL_FORMAT_AUTO);
     assert_int_equal(dl_format_parse("input_ids", &f), QT_OK); assert_int_equal(f, DL_FORMAT_TOKENS);
     assert_int_equal(dl_format_parse("chat", &f), QT_OK); assert_int_equal(f, DL_FORMAT_MESSAGES);
-    assert_int_equal(dl_format_parse("sharegpt", &f), QT_EINVAL);
+    assert_int_equal(dl_format_parse("sharegpt", &f), QT_OK); assert_int_equal(f, DL_FORMAT_SHAREGPT);
+    assert_int_equal(dl_format_parse("prompt_completion", &f), QT_OK);
+    assert_int_equal(f, DL_FORMAT_PROMPT_COMPLETION);
+    assert_int_equal(dl_format_parse("vicuna", &f), QT_EINVAL);
     assert_non_null(strstr(qt_error_message(), "sharegpt"));
     static const struct { const char *json; dl_format want; } cases[] = {
         {"{\"text\": \"hi\"}", DL_FORMAT_TEXT},
         {"{\"messages\": []}", DL_FORMAT_MESSAGES},
         {"{\"instruction\": \"a\", \"input\": \"\", \"output\": \"b\"}", DL_FORMAT_ALPACA},
         {"{\"instruction\": \"a\", \"text\": \"b\"}", DL_FORMAT_TEXT},
+        {"{\"conversations\": []}", DL_FORMAT_SHAREGPT},
+        {"{\"prompt\": \"a\", \"completion\": \"b\"}", DL_FORMAT_PROMPT_COMPLETION},
         {"{\"input_ids\": [1], \"text\": \"b\"}", DL_FORMAT_TOKENS},
         {"{\"prompt\": \"a\"}", DL_FORMAT_AUTO},
         {"[1, 2]", DL_FORMAT_AUTO},
@@ -105,7 +110,7 @@ static void test_malformed_lines_name_file_and_line(void **state) {
     expect_error(p, DL_FORMAT_AUTO, 0, "elem.jsonl:1:", "input_ids[1] is not a number");
     p = write_tmp("frac.jsonl", "{\"input_ids\": [1, 2.5]}\n");
     expect_error(p, DL_FORMAT_AUTO, 0, "frac.jsonl:1:", "not an integer");
-    p = write_tmp("keys.jsonl", "{\"prompt\": \"a\", \"completion\": \"b\"}\n");
+    p = write_tmp("keys.jsonl", "{\"question\": \"a\", \"answer\": \"b\"}\n");
     expect_error(p, DL_FORMAT_AUTO, 0, "keys.jsonl:1:", "cannot tell the data format");
     p = write_tmp("missing.jsonl", "{\"input_ids\": [1]}\n{\"labels\": [1]}\n");
     expect_error(p, DL_FORMAT_TOKENS, 0, "missing.jsonl:2:", "input_ids");

@@ -93,9 +93,9 @@ static void test_messages_chatml_and_masking(void **state) {
         "{\"role\": \"user\", \"content\": \"What is 2+2?\"}, {\"role\": \"assistant\", \"content\": \"4\"}, "
         "{\"role\": \"user\", \"content\": \"And 3+3?\"}, {\"role\": \"assistant\", \"content\": \"6, of course.\"}]}\n"
         "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}, {\"role\": \"assistant\", \"content\": \"Hello!\"}]}\n");
-    const chat_message conv1[] = {{"system", "Be brief."}, {"user", "What is 2+2?"}, {"assistant", "4"},
-                                  {"user", "And 3+3?"}, {"assistant", "6, of course."}};
-    const chat_message conv2[] = {{"user", "Hi"}, {"assistant", "Hello!"}};
+    const chat_message conv1[] = {{.role = "system", .content = "Be brief."}, {.role = "user", .content = "What is 2+2?"}, {.role = "assistant", .content = "4"},
+                                  {.role = "user", .content = "And 3+3?"}, {.role = "assistant", .content = "6, of course."}};
+    const chat_message conv2[] = {{.role = "user", .content = "Hi"}, {.role = "assistant", .content = "Hello!"}};
     int32_t want[256], lab[64], tmp[64];
     size_t n1 = render_encode(conv1, 5, want, 256);
     size_t n2 = render_encode(conv2, 2, want + n1, 256 - n1);

@@ -131,7 +131,7 @@ static void test_llama(void **state) {
     expect_refused("{\"model_type\":\"llama\",\"vocab_size\":10,\"hidden_size\":8,\"intermediate_size\":16,"
                    "\"num_hidden_layers\":1,\"num_attention_heads\":2,"
                    "\"rope_scaling\":{\"rope_type\":\"llama3\",\"factor\":8.0}}",
-                   QT_EUNSUPPORTED, "rope_scaling");
+                   QT_EFORMAT, "rope_scaling llama3 needs low_freq_factor < high_freq_factor");
 }
 
 /* Replaces the first occurrence of from in base with to. */
@@ -208,9 +208,43 @@ static void test_qwen1(void **state) {
 
 static void test_refusals(void **state) {
     (void)state;
-    expect_refused(qwen_with("\"rope_theta\"", "\"rope_scaling\":{\"type\":\"yarn\",\"factor\":4.0},\"rope_theta\""),
-                   QT_EUNSUPPORTED, "rope_scaling");
-    expect_refused(qwen_with("\"rope_theta\"", "\"rope_scaling\":1.0,\"rope_theta\""), QT_EUNSUPPORTED, "rope_scaling");
+    /* rope_scaling: linear, dynamic, yarn, llama3 are read (tests/ref/test_ref_rope.py holds their
+     * numbers); another type is refused without telling the user to delete the field */
+    qt_config c;
+    assert_int_equal(qt_config_parse(qwen_with("\"rope_theta\"", "\"rope_scaling\":{\"type\":\"yarn\",\"factor\":4.0,"
+                                                                 "\"original_max_position_embeddings\":32768},\"rope_theta\""),
+                                     "cfg.json", &c),
+                     QT_OK);
+    assert_int_equal(c.rope_scaling.type, QT_ROPE_YARN);
+    assert_true(c.rope_scaling.factor == 4.0f && c.rope_scaling.original_max_position_embeddings == 32768);
+    assert_true(c.rope_scaling.beta_fast == 32.0f && c.rope_scaling.beta_slow == 1.0f && c.rope_scaling.truncate);
+    {   /* written configs keep it (init, merge, final/): it round-trips */
+        char dir[] = "/tmp/qtune_rope_XXXXXX";
+        assert_non_null(mkdtemp(dir));
+        char path[256];
+        snprintf(path, sizeof path, "%s/config.json", dir);
+        qt_config d;
+        c.rope_scaling.attention_factor = 1.25f;
+        assert_int_equal(qt_config_write(&c, path), QT_OK);
+        assert_int_equal(qt_config_load(dir, &d), QT_OK);
+        assert_memory_equal(&c.rope_scaling, &d.rope_scaling, sizeof c.rope_scaling);
+        assert_int_equal(qt_config_parse(qwen_with("\"rope_theta\"", "\"rope_scaling\":{\"rope_type\":\"llama3\","
+                                                   "\"factor\":8,\"low_freq_factor\":1,\"high_freq_factor\":4,"
+                                                   "\"original_max_position_embeddings\":8192},\"rope_theta\""),
+                                         "cfg.json", &c),
+                         QT_OK);
+        assert_int_equal(qt_config_write(&c, path), QT_OK);
+        assert_int_equal(qt_config_load(dir, &d), QT_OK);
+        assert_memory_equal(&c.rope_scaling, &d.rope_scaling, sizeof c.rope_scaling);
+        unlink(path);
+        rmdir(dir);
+    }
+    expect_refused(qwen_with("\"rope_theta\"", "\"rope_scaling\":{\"rope_type\":\"longrope\",\"factor\":4.0},\"rope_theta\""),
+                   QT_EUNSUPPORTED, "rope_scaling type 'longrope' is not supported yet");
+    assert_null(strstr(qt_error_message(), "null"));
+    expect_refused(qwen_with("\"rope_theta\"", "\"rope_scaling\":{\"rope_type\":\"linear\"},\"rope_theta\""),
+                   QT_EFORMAT, "needs a positive 'factor'");
+    expect_refused(qwen_with("\"rope_theta\"", "\"rope_scaling\":1.0,\"rope_theta\""), QT_EFORMAT, "rope_scaling");
     /* Qwen2.5-Instruct ships max_window_layers 21 of 24: with the window on,
      * layers 21..23 would use it. */
     char sw[4096];

@@ -63,6 +63,80 @@ static void test_batch_identity(void **state) {
                  2, 16, 1, 8);
 }
 
+static const char *resolved(const qt_ds_config *c, const char *key) {
+    for (int i = 0; i < c->n_resolved; i++)
+        if (strncmp(c->resolved[i], key, strlen(key)) == 0 && c->resolved[i][strlen(key)] == ' ') return c->resolved[i];
+    return NULL;
+}
+
+/* Every "auto" is said with its value and reason; train_batch_size 32 with
+ * the rest "auto" is micro-batch 1 x accumulation 32 (HF fills the micro-batch
+ * from its per-device batch; qtune's is 1), never a micro-batch of 32. */
+static void test_auto_is_said(void **state) {
+    (void)state;
+    qt_ds_config c;
+    const char *hf = "{\"train_batch_size\":32,\"train_micro_batch_size_per_gpu\":\"auto\","
+                     "\"gradient_accumulation_steps\":\"auto\",\"gradient_clipping\":\"auto\","
+                     "\"fp16\":{\"enabled\":\"auto\"},\"bf16\":{\"enabled\":\"auto\"},"
+                     "\"optimizer\":{\"type\":\"AdamW\",\"params\":{\"lr\":\"auto\",\"betas\":\"auto\","
+                     "\"eps\":\"auto\",\"weight_decay\":\"auto\"}},"
+                     "\"scheduler\":{\"type\":\"WarmupDecayLR\",\"params\":{\"warmup_min_lr\":\"auto\","
+                     "\"warmup_max_lr\":\"auto\",\"warmup_num_steps\":\"auto\",\"total_num_steps\":\"auto\"}},"
+                     "\"zero_optimization\":{\"stage\":2,\"overlap_comm\":\"auto\"}}";
+    assert_int_equal(parse_text(hf, 1, &c), QT_OK);
+    assert_int_equal(c.micro_batch, 1);
+    assert_int_equal(c.grad_accum, 32);
+    assert_int_equal(c.train_batch_size, 32);
+    const char *m = resolved(&c, "train_micro_batch_size_per_gpu");
+    assert_non_null(m);
+    assert_non_null(strstr(m, "\"auto\" -> 1 ("));
+    assert_non_null(strstr(m, "per_device_train_batch_size"));
+    m = resolved(&c, "gradient_accumulation_steps");
+    assert_non_null(m);
+    assert_non_null(strstr(m, "-> 32 (train_batch_size 32 / micro-batch 1 / 1 rank(s))"));
+    m = resolved(&c, "fp16.enabled");
+    assert_non_null(m);
+    assert_non_null(strstr(m, "-> false ("));
+    assert_non_null(strstr(m, "set true to train in fp16"));
+    assert_non_null(resolved(&c, "bf16.enabled"));
+    assert_non_null(strstr(resolved(&c, "optimizer.params.lr"), "-> 5e-05 (the HF Trainer's learning_rate default)"));
+    assert_non_null(strstr(resolved(&c, "optimizer.params.betas"), "-> [0.9, 0.999]"));
+    assert_non_null(resolved(&c, "optimizer.params.eps"));
+    assert_non_null(resolved(&c, "optimizer.params.weight_decay"));
+    assert_non_null(strstr(resolved(&c, "gradient_clipping"), "-> 1 ("));
+    assert_non_null(resolved(&c, "scheduler.params.warmup_min_lr"));
+    assert_non_null(strstr(resolved(&c, "scheduler.params.warmup_max_lr"), "-> 5e-05 (the optimizer's lr)"));
+    assert_non_null(resolved(&c, "scheduler.params.warmup_num_steps"));
+    assert_non_null(resolved(&c, "zero_optimization.overlap_comm"));
+    assert_null(resolved(&c, "train_batch_size"));          /* a number: nothing to say */
+    assert_null(resolved(&c, "scheduler.params.total_num_steps")); /* known only at finalize */
+    int n = c.n_resolved;
+    assert_int_equal(qt_ds_config_finalize(&c, 77), QT_OK);
+    assert_int_equal(c.n_resolved, n + 1);
+    assert_non_null(strstr(resolved(&c, "scheduler.params.total_num_steps"), "-> 77 (train.max_steps)"));
+    /* 4 ranks: 32 = 1 x 8 x 4 */
+    assert_int_equal(parse_text(hf, 4, &c), QT_OK);
+    assert_int_equal(c.micro_batch, 1);
+    assert_int_equal(c.grad_accum, 8);
+    /* numbers fix the micro-batch: said with the arithmetic */
+    assert_int_equal(parse_text("{\"train_batch_size\":32,\"train_micro_batch_size_per_gpu\":\"auto\","
+                                "\"gradient_accumulation_steps\":4}",
+                                2, &c),
+                     QT_OK);
+    assert_int_equal(c.micro_batch, 4);
+    assert_non_null(strstr(resolved(&c, "train_micro_batch_size_per_gpu"),
+                           "-> 4 (train_batch_size 32 / gradient_accumulation_steps 4 / 2 rank(s))"));
+    /* train_batch_size "auto" is the product, said */
+    assert_int_equal(parse_text("{\"train_batch_size\":\"auto\",\"train_micro_batch_size_per_gpu\":2}", 3, &c),
+                     QT_OK);
+    assert_int_equal(c.train_batch_size, 6);
+    assert_non_null(strstr(resolved(&c, "train_batch_size"), "-> 6 (micro-batch 2 x accumulation 1 x 3 rank(s))"));
+    /* no "auto": nothing resolved */
+    assert_int_equal(parse_text("{\"train_batch_size\":32}", 1, &c), QT_OK);
+    assert_int_equal(c.n_resolved, 0);
+    assert_int_equal(c.micro_batch, 32); /* DeepSpeed's own rule for a lone train_batch_size */
+}
+
 static void test_batch_errors(void **state) {
     (void)state;
     qt_ds_config c;
@@ -442,6 +516,7 @@ int main(void) {
     qt_log_set_level(QT_LOG_ERROR); /* the warnings are checked through `ignored` */
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_batch_identity),   cmocka_unit_test(test_batch_errors),
+        cmocka_unit_test(test_auto_is_said),
         cmocka_unit_test(test_defaults_and_sections), cmocka_unit_test(test_optimizer_modes),
         cmocka_unit_test(test_schedulers),       cmocka_unit_test(test_precision_and_zero),
         cmocka_unit_test(test_unknown_keys_warn), cmocka_unit_test(test_load_file), cmocka_unit_test(test_random_configs),

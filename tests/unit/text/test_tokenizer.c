@@ -406,7 +406,7 @@ static void test_qwen_where_hf_and_js_differ(void **state) {
 
 static void test_chat_render(void **state) {
     (void)state;
-    chat_message m[] = {{"user", "Hi"}, {"assistant", "Hello!"}, {"tool", "42"}, {"tool", "43"}};
+    chat_message m[] = {{.role = "user", .content = "Hi"}, {.role = "assistant", .content = "Hello!"}, {.role = "tool", .content = "42"}, {.role = "tool", .content = "43"}};
     char *s;
     size_t len;
     assert_int_equal(chat_render(m, 4, 1, &s, &len), QT_OK);
@@ -416,12 +416,12 @@ static void test_chat_render(void **state) {
                            "<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\n43\n</tool_response><|im_end|>\n"
                            "<|im_start|>assistant\n");
     qt_free(s);
-    chat_message sys[] = {{"system", "Be brief."}, {"user", "x"}, {"system", "late"}};
+    chat_message sys[] = {{.role = "system", .content = "Be brief."}, {.role = "user", .content = "x"}, {.role = "system", .content = "late"}};
     assert_int_equal(chat_render(sys, 3, 0, &s, &len), QT_OK);
     assert_string_equal(s, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nx<|im_end|>\n"
                            "<|im_start|>system\nlate<|im_end|>\n");
     qt_free(s);
-    chat_message bad[] = {{"bot", "x"}};
+    chat_message bad[] = {{.role = "bot", .content = "x"}};
     assert_int_equal(chat_render(bad, 1, 0, &s, &len), QT_EINVAL);
     assert_non_null(strstr(qt_error_message(), "bot"));
 }
@@ -430,8 +430,8 @@ static void test_chat_labels(void **state) {
     (void)state;
     bpe_tokenizer *t = qwen();
     if (!t) skip();
-    chat_message m[] = {{"system", "You are terse."}, {"user", "What is 2+2? 你好"}, {"assistant", "4. 很好！ 😀"},
-                        {"user", "And 3+3?"}, {"assistant", "6"}};
+    chat_message m[] = {{.role = "system", .content = "You are terse."}, {.role = "user", .content = "What is 2+2? 你好"}, {.role = "assistant", .content = "4. 很好！ 😀"},
+                        {.role = "user", .content = "And 3+3?"}, {.role = "assistant", .content = "6"}};
     int32_t *ids = NULL, *labels = NULL;
     size_t n = 0, cap = 0;
     assert_int_equal(chat_encode(t, m, 5, 0, &ids, &labels, &n, &cap), QT_OK);
@@ -483,7 +483,7 @@ static void test_chat_content_crossing_the_header(void **state) {
     if (!t) skip();
     /* content that starts with "\n" merges with the header's "\n" into one
      * token ("\n\n"), which is labelled because part of it is content */
-    chat_message m[] = {{"user", "x"}, {"assistant", "\nok"}};
+    chat_message m[] = {{.role = "user", .content = "x"}, {.role = "assistant", .content = "\nok"}};
     int32_t *ids = NULL, *labels = NULL;
     size_t n = 0, cap = 0;
     assert_int_equal(chat_encode(t, m, 2, 0, &ids, &labels, &n, &cap), QT_OK);
