@@ -54,7 +54,12 @@ def test_two_ranks_equal_one_rank_with_double_accumulation(tmp_path, stage):
         # k_proj's bias has an exactly-zero gradient in exact arithmetic (it adds
         # the same q.b to every score of a row); Adam turns its rounding noise
         # into full-size steps of either sign, so it is compared loosely
-        tol = 6 * 2e-3 if k.endswith("k_proj.bias") else 1e-5
+        # Others: 6 Adam steps at lr 2e-3 amplify the two runs' different
+        # summation orders (stage 2 reduces per layer, one rank sums the whole
+        # batch) to about 1e-5 absolute on weights of 0.01-0.1: measured up to
+        # 1.2e-5 (o_proj) after the RoPE table moved to rope_utils' double
+        # formula, with losses equal within 1e-5 and grad norms within 1e-4
+        tol = 6 * 2e-3 if k.endswith("k_proj.bias") else 3e-5
         assert np.allclose(w2[k], w1[k], rtol=1e-4, atol=tol), k
     # each rank wrote its ZeRO shard (stage 2: two parts; stage 0: rank 0 writes the one part)
     ck2 = os.path.join(d, "out2", "checkpoint-6")
