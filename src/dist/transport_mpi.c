@@ -74,6 +74,12 @@ static int local_done(dist_ctx *d, tp_req **rq) {
     return QT_OK;
 }
 
+/* One rank (or nothing to move): the collective is recv = send, done at once. */
+static int local_copy(dist_ctx *d, const float *send, float *recv, size_t count, tp_req **rq) {
+    if (count && recv != send) memcpy(recv, send, count * sizeof(float));
+    return local_done(d, rq);
+}
+
 #if QT_DIST_MPI
 static int req_new(dist_ctx *d, double bytes, tp_req **out) {
     tp_req *q = qt_calloc(1, sizeof *q, "a collective request");
@@ -137,10 +143,7 @@ int tp_reduce_f32(dist_ctx *d, const float *send, float *recv, size_t count, int
     QT_TRY(check_count(count, what));
     if (root < 0 || root >= d->world)
         return QT_ERR(QT_EINVAL, "dist: reduce root %d is not a rank (world %d)", root, d->world);
-    if (d->world == 1 || count == 0) {
-        if (count && recv != send) memcpy(recv, send, count * sizeof(float));
-        return local_done(d, rq);
-    }
+    if (d->world == 1 || count == 0) return local_copy(d, send, recv, count, rq);
 #if QT_DIST_MPI
     tp_req *q;
     QT_TRY(req_new(d, (double)count * 4, &q));
@@ -155,10 +158,7 @@ int tp_reduce_f32(dist_ctx *d, const float *send, float *recv, size_t count, int
 
 int tp_reduce_scatter_f32(dist_ctx *d, const float *send, float *recv, size_t count, tp_req **rq, const char *what) {
     QT_TRY(check_count(count * (size_t)d->world, what));
-    if (d->world == 1 || count == 0) {
-        if (count && recv != send) memcpy(recv, send, count * sizeof(float));
-        return local_done(d, rq);
-    }
+    if (d->world == 1 || count == 0) return local_copy(d, send, recv, count, rq);
 #if QT_DIST_MPI
     tp_req *q;
     QT_TRY(req_new(d, (double)count * 4 * d->world, &q));
@@ -172,10 +172,7 @@ int tp_reduce_scatter_f32(dist_ctx *d, const float *send, float *recv, size_t co
 
 int tp_allgather_f32(dist_ctx *d, const float *send, float *recv, size_t count, tp_req **rq, const char *what) {
     QT_TRY(check_count(count * (size_t)d->world, what));
-    if (d->world == 1 || count == 0) {
-        if (count && recv != send) memcpy(recv, send, count * sizeof(float));
-        return local_done(d, rq);
-    }
+    if (d->world == 1 || count == 0) return local_copy(d, send, recv, count, rq);
 #if QT_DIST_MPI
     tp_req *q;
     QT_TRY(req_new(d, (double)count * 4, &q));

@@ -229,27 +229,29 @@ const char *trainer_param_at(const qt_trainer *t, size_t i) {
     return "?";
 }
 
-/* 1 when dev (n floats of device memory) holds a NaN or inf, with *at its
- * first such element: the backend's sum of squares is finite iff every
- * element is (one pass on the device); only a bad block is scanned on the
- * host, through a staging buffer, to name the element. */
-int trainer_first_nonfinite(qt_trainer *t, const float *dev, size_t n, size_t *at) {
-    if (n == 0 || isfinite(t->be->sum_squares(t->be, dev, n))) return 0;
+/* 1 when dev (n floats of device memory) holds a NaN or inf, or with
+ * nonneg a negative value, with *at its first such element. Without nonneg
+ * the backend's sum of squares answers first (one pass on the device: finite
+ * iff every element is); a bad block, or any block with nonneg, is read back
+ * through a staging buffer and scanned to name the element. */
+int trainer_find_bad(qt_trainer *t, const float *dev, size_t n, int nonneg, size_t *at) {
+    if (n == 0 || (!nonneg && !qt_grad_has_nonfinite(t->be, dev, n))) return 0;
     enum { CHUNK = 1 << 18 };
     float *stage = qt_malloc(sizeof(float) * (n < CHUNK ? n : CHUNK), "finiteness check staging");
+    int bad = !nonneg; /* the sum of squares said so; a failed allocation cannot name where */
     *at = 0;
     for (size_t k = 0; stage && k < n; k += CHUNK) {
         size_t c = n - k < CHUNK ? n - k : CHUNK;
         t->be->download(t->be, stage, dev + k, sizeof(float) * c);
         for (size_t i = 0; i < c; i++)
-            if (!isfinite(stage[i])) {
+            if (!isfinite(stage[i]) || (nonneg && stage[i] < 0)) {
                 *at = k + i;
                 qt_free(stage);
                 return 1;
             }
     }
     qt_free(stage);
-    return 1;
+    return bad;
 }
 
 static const char *last_good(const qt_trainer *t) {
@@ -262,7 +264,7 @@ static const char *last_good(const qt_trainer *t) {
  * stops before anything is saved, so every checkpoint keeps finite weights. */
 static int check_update(qt_trainer *t, double lr) {
     size_t at = t->hi;
-    int64_t bad = trainer_first_nonfinite(t, t->master + t->lo, t->hi - t->lo, &at);
+    int64_t bad = trainer_find_bad(t, t->master + t->lo, t->hi - t->lo, 0, &at);
     if (bad) at += t->lo;
     if (t->world > 1) QT_TRY(dist_allreduce_i64(t->d, &bad, 1, DIST_MAX, "update check"));
     if (!bad) return QT_OK;

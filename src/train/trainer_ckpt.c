@@ -101,7 +101,7 @@ static int load_params(qt_trainer *t, const char *path) {
     int rc = qt_model_read_params(t->model, f);
     /* NaN or inf weights would train on in silence until the loss turns NaN */
     size_t at = 0;
-    if (rc == QT_OK && trainer_first_nonfinite(t, t->master, t->n, &at))
+    if (rc == QT_OK && trainer_find_bad(t, t->master, t->n, 0, &at))
         rc = QT_ERR(QT_EFORMAT, "%s: tensor %s holds NaN or infinite values; the file is damaged", path,
                     trainer_param_at(t, at));
     /* a tensor this model has no parameter for would be dropped in silence */
@@ -681,30 +681,17 @@ static int check_opt_file(const qt_trainer *t, const st_file *f, const char *pat
     return QT_OK;
 }
 
-/* Adam's m must be finite and v finite and >= 0 (its square root divides the
- * step): a NaN resumed from a damaged file would reach every later checkpoint.
- * Elements [lo, lo + n) of the block. */
-/* Adam's m must be finite and v finite and >= 0: m and v (n floats each,
- * device memory) are read back through a staging buffer and scanned. */
+/* Adam's m must be finite and v finite and >= 0 (m, v: n floats of device memory). */
 static int check_opt_values(qt_trainer *t, const char *path, const float *m, const float *v, size_t lo, size_t n) {
-    enum { CHUNK = 1 << 18 };
-    float *stage = qt_malloc(sizeof(float) * (n < CHUNK ? (n ? n : 1) : CHUNK), "optimizer state check staging");
-    if (!stage) return QT_ENOMEM;
-    for (int which = 0; which < 2; which++)
-        for (size_t k = 0; k < n; k += CHUNK) {
-            size_t c = n - k < CHUNK ? n - k : CHUNK;
-            t->be->download(t->be, stage, (which ? v : m) + k, sizeof(float) * c);
-            for (size_t i = 0; i < c; i++)
-                if (!isfinite(stage[i]) || (which && stage[i] < 0)) {
-                    qt_free(stage);
-                    return QT_ERR(QT_EFORMAT, "%s: %s holds %s (element %zu of the block, in %s); the file is "
-                                  "damaged: resume from an earlier checkpoint, or set train.resume to \"never\"",
-                                  path, which ? "exp_avg_sq" : "exp_avg",
-                                  which ? "NaN, infinite or negative values" : "NaN or infinite values", lo + k + i,
-                                  trainer_param_at(t, lo + k + i));
-                }
-        }
-    qt_free(stage);
+    for (int which = 0; which < 2; which++) {
+        size_t at;
+        if (trainer_find_bad(t, which ? v : m, n, which, &at))
+            return QT_ERR(QT_EFORMAT, "%s: %s holds %s (element %zu of the block, in %s); the file is damaged: resume "
+                          "from an earlier checkpoint, or set train.resume to \"never\"", path,
+                          which ? "exp_avg_sq" : "exp_avg",
+                          which ? "NaN, infinite or negative values" : "NaN or infinite values", lo + at,
+                          trainer_param_at(t, lo + at));
+    }
     return QT_OK;
 }
 

@@ -63,8 +63,9 @@ double trainer_elapsed(const qt_trainer *t);
 double trainer_path_bytes(const char *path);
 /* The name of the trainable parameter that holds element i of the block. */
 const char *trainer_param_at(const qt_trainer *t, size_t i);
-/* 1 when dev (n floats, device memory) holds a NaN or inf; *at its first. */
-int trainer_first_nonfinite(qt_trainer *t, const float *dev, size_t n, size_t *at);
+/* 1 when dev (n floats, device memory) holds a NaN or inf (with nonneg, or a
+ * negative value); *at its first. */
+int trainer_find_bad(qt_trainer *t, const float *dev, size_t n, int nonneg, size_t *at);
 
 /* trainer_ckpt.c */
 int trainer_save_checkpoint(qt_trainer *t);
