@@ -31,7 +31,10 @@ def gpu_visible():
     return r.returncode == 0 and "GPU" in r.stdout
 
 
-if not gpu_visible():
+# QTUNE_GPU_TEST_BACKEND=guard rehearses these tests without a GPU (scripts/gpu-check with
+# GPU_CHECK_BACKEND=guard): the same runs on the guard backend, which must equal cpu too
+GPU = os.environ.get("QTUNE_GPU_TEST_BACKEND", "cuda")
+if GPU == "cuda" and not gpu_visible():
     print("no GPU here: the CUDA backend's tests are skipped")
     pytest.skip("no GPU here", allow_module_level=True)
 
@@ -72,19 +75,19 @@ def test_20_steps_match_cpu(setup, mode):
     lora = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.1, "target_modules": ["q_proj", "v_proj"]} \
         if mode == "lora" else None
     outs = {}
-    for be in ("cpu", "cuda"):
+    for be in ("cpu", GPU):
         out = str(d / ("run-%s-%s" % (mode, be)))
         job = tu.write_job(str(d / ("%s-%s.json" % (mode, be))), model, out, data, T=32, lora=lora,
                            train_opts={"max_steps": 20, "save_steps": 0, "resume": "never"})
         run_on(be, "train", job)
         outs[be] = out
     lc = [m["loss"] for m in tu.step_lines(outs["cpu"])]
-    lg = [m["loss"] for m in tu.step_lines(outs["cuda"])]
+    lg = [m["loss"] for m in tu.step_lines(outs[GPU])]
     assert len(lc) == len(lg) == 20
     worst = max(abs(a - b) / abs(a) for a, b in zip(lc, lg))
     print("%s: worst per-step loss difference %.3g relative" % (mode, worst))
     assert worst <= 1e-4
-    tc, tg = final_tensors(outs["cpu"]), final_tensors(outs["cuda"])
+    tc, tg = final_tensors(outs["cpu"]), final_tensors(outs[GPU])
     assert sorted(tc) == sorted(tg)
     worst = max(rel(tc[k], tg[k]) for k in tc)
     print("%s: worst final tensor difference %.3g relative" % (mode, worst))
@@ -100,7 +103,7 @@ def test_resume_across_backends(setup):
                        train_opts={"max_steps": 10, "save_steps": 5, "resume": "never"})
     run_on("cpu", "train", job)
     ref = final_tensors(ref_out)
-    for first, second in (("cpu", "cuda"), ("cuda", "cpu")):
+    for first, second in (("cpu", GPU), (GPU, "cpu")):
         out = str(d / ("resume-%s-%s" % (first, second)))
         j1 = tu.write_job(str(d / ("r1-%s.json" % first)), model, out, data, T=32,
                           train_opts={"max_steps": 5, "save_steps": 5, "resume": "never"})

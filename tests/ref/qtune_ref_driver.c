@@ -22,6 +22,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/mem.h"
+#include "backend/backend.h"
 #include "io/safetensors.h"
 #include "model/lora_io.h"
 #include "model/model.h"
@@ -131,7 +132,7 @@ int main(int argc, char **argv) {
     float *logits = NULL;
     int V = qt_model_config(m)->vocab_size;
     float *ms = calloc((size_t)steps, sizeof(float)); /* wall time of each call: the benchmark reads it */
-    float *masks = NULL;
+    float *masks = NULL, *grads = NULL;
     if (dump_masks) {
         /* mask/(1-p) of every adapted module for the first forward_backward: mask/L.PATH [B*T, in], PATH the
          * layout's module path (self_attn.q_proj, attn.c_attn: one mask for a fused q/k/v) */
@@ -149,8 +150,16 @@ int main(int argc, char **argv) {
                 if (!(o.lora_targets & qt_lin_flag[j]) || !qt_lin_owns(c, j)) continue;
                 int in, ou;
                 qt_lin_shape(c, j, &in, &ou);
-                for (size_t i = 0; i < N * (size_t)in; i++) p[i] = 1.0f;
-                qt_lora_dropout(m, l, j, p, p, N * (size_t)in); /* the cpu backend: host memory is device memory */
+                /* ones go up, the backend's dropout scales them in place, the mask comes down */
+                size_t cnt = N * (size_t)in;
+                for (size_t i = 0; i < cnt; i++) p[i] = 1.0f;
+                qt_backend *be = qt_model_backend(m);
+                float *d = be->alloc(be, QT_MEM_DEVICE, sizeof(float) * cnt, "mask");
+                if (!d) return die();
+                be->upload(be, d, p, sizeof(float) * cnt);
+                qt_lora_dropout(m, l, j, d, d, cnt);
+                be->download(be, p, d, sizeof(float) * cnt);
+                be->free(be, d);
                 char name[96];
                 snprintf(name, sizeof name, "mask/%d.%s", l, qt_lin_name(c, j));
                 int64_t shape[2] = {(int64_t)N, in};
@@ -164,13 +173,22 @@ int main(int argc, char **argv) {
             if (qt_model_forward_backward(m, &b, grad_scale, &loss_sum, &ntok) != QT_OK) return die();
             ms[s] = (float)(now_ms() - t0);
         }
+        /* the gradients live in the backend's memory (a GPU's, with QTUNE_BACKEND=cuda): one download */
         int np;
         const qt_param *p = qt_model_params(m, &np);
+        size_t ng = 0;
+        for (int i = 0; i < np; i++) {
+            size_t n = 1;
+            for (int d = 0; d < p[i].ndim; d++) n *= (size_t)p[i].shape[d];
+            if (p[i].offset + n > ng) ng = p[i].offset + n;
+        }
+        grads = malloc(sizeof(float) * (ng ? ng : 1));
+        qt_backend *be = qt_model_backend(m);
+        be->download(be, grads, qt_model_grads(m), sizeof(float) * ng);
         char name[200];
         for (int i = 0; i < np; i++) {
             snprintf(name, sizeof name, "grad/%s", p[i].name);
-            if (st_writer_add(w, name, QT_F32, p[i].ndim, p[i].shape, qt_model_grads(m) + p[i].offset, QT_F32) !=
-                QT_OK)
+            if (st_writer_add(w, name, QT_F32, p[i].ndim, p[i].shape, grads + p[i].offset, QT_F32) != QT_OK)
                 return die();
         }
     } else if (decode) {
@@ -200,6 +218,6 @@ int main(int argc, char **argv) {
         return die();
     st_writer_free(w);
     qt_model_free(m);
-    free(b.inputs), free(b.targets), free(b.positions), free(b.doc_start), free(logp), free(logits), free(ms), free(masks);
+    free(b.inputs), free(b.targets), free(b.positions), free(b.doc_start), free(logp), free(logits), free(ms), free(masks), free(grads);
     return 0;
 }
