@@ -5,10 +5,15 @@ test is skipped and ctest reports the file as skipped, not passed
 
 Tolerances: fp32 runs differ only in summation order (cuBLAS against
 OpenBLAS/oneDNN, the GPU's reductions against OpenMP's), so per-step losses
-agree within 1e-4 relative over 20 steps and final weights within 1e-3
-relative to their largest magnitude (Adam's update divides by sqrt(v) and
-amplifies the rounding of near-zero gradients); the same numbers the
-multi-rank tests allow for another summation order."""
+agree within 1e-4 relative over 20 steps, and each final tensor within 1e-3
+relative to its largest magnitude, or within LR / 10 absolute. The absolute
+bound is for tensors whose gradient is zero in exact arithmetic: k_proj's
+bias (softmax does not change when a query's scores all move by q.b_k), so
+its gradient is rounding noise that Adam scales up to steps of size ~LR.
+Measured on the CPU alone: the same 20 full fine-tuning steps with micro-
+batch 2 x 2 against 1 x 4 give 1.1e-3 relative in layers.0.k_proj.bias
+(6.8e-7 absolute, LR 5e-5), every other tensor far below; on the H200 the
+first run measured 1.9e-3 relative (2026-12-04)."""
 import json
 import os
 import shutil
@@ -56,8 +61,21 @@ def final_tensors(out):
     return st.read(os.path.join(d, f))
 
 
+LR = 5e-5  # the trainer's default learning rate, which these jobs keep
+
+
 def rel(a, b):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-30))
+
+
+def check_tensors(ref, got, what):
+    """Every tensor within 1e-3 relative or LR / 10 absolute (the module docstring says why)."""
+    assert sorted(ref) == sorted(got)
+    worst, name = max((rel(ref[k], got[k]), k) for k in ref)
+    print("%s: worst final tensor difference %.3g relative (%s, %.3g absolute)" % (
+        what, worst, name, float(np.max(np.abs(ref[name] - got[name])))))
+    bad = [k for k in ref if rel(ref[k], got[k]) > 1e-3 and float(np.max(np.abs(ref[k] - got[k]))) > LR / 10]
+    assert not bad, "%s: tensors beyond both bounds: %s" % (what, bad)
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +105,7 @@ def test_20_steps_match_cpu(setup, mode):
     worst = max(abs(a - b) / abs(a) for a, b in zip(lc, lg))
     print("%s: worst per-step loss difference %.3g relative" % (mode, worst))
     assert worst <= 1e-4
-    tc, tg = final_tensors(outs["cpu"]), final_tensors(outs[GPU])
-    assert sorted(tc) == sorted(tg)
-    worst = max(rel(tc[k], tg[k]) for k in tc)
-    print("%s: worst final tensor difference %.3g relative" % (mode, worst))
-    assert worst <= 1e-3
+    check_tensors(final_tensors(outs["cpu"]), final_tensors(outs[GPU]), mode)
 
 
 def test_resume_across_backends(setup):
@@ -111,7 +125,4 @@ def test_resume_across_backends(setup):
         j2 = tu.write_job(str(d / ("r2-%s.json" % first)), model, out, data, T=32,
                           train_opts={"max_steps": 10, "save_steps": 5, "resume": "auto"})
         run_on(second, "train", j2)
-        got = final_tensors(out)
-        worst = max(rel(ref[k], got[k]) for k in ref)
-        print("%s -> %s: worst final tensor difference %.3g relative" % (first, second, worst))
-        assert worst <= 1e-3
+        check_tensors(ref, final_tensors(out), "%s -> %s" % (first, second))

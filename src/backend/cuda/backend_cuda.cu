@@ -50,6 +50,7 @@ static void cuda_close(qt_backend *be) {
         cudaStreamSynchronize(c->stream);
         if (c->sq_part) cudaFree(c->sq_part);
         if (c->sq_host) cudaFreeHost(c->sq_host);
+        if (c->scratch) cudaFree(c->scratch);
         if (c->blas) cublasDestroy(c->blas);
         if (c->stream) cudaStreamDestroy(c->stream);
         free(c);

@@ -41,6 +41,8 @@ typedef struct {
     cublasHandle_t blas;
     double *sq_part;     /* (QT_CUDA_SQ_BLOCKS) device partial sums of sum_squares */
     double *sq_host;     /* the same, pinned, read back */
+    float *scratch;      /* column-sum partials (qt_cuda_scratch), grown on first use */
+    size_t scratch_floats;
     size_t runtime_bytes;
 } qt_cuda;
 
@@ -78,6 +80,21 @@ void qt_cuda_fill_optim(qt_backend *be);       /* op_optim.cu */
 /* f32 copy of rows [0, rows) of a (rows, cols) matrix in dtype dt, into ws
  * (returned), or src itself when it is f32 already. */
 const float *qt_cuda_weight_f32(qt_backend *be, const void *src, qt_dtype dt, size_t rows, size_t cols, float *ws);
+
+/* A device buffer of at least `floats` floats owned by the backend, for
+ * partial sums inside one op (memory.cu). It grows on the first steps only
+ * (the largest request wins), then stays. */
+float *qt_cuda_scratch(qt_backend *be, size_t floats);
+
+/* Column sums over N rows in two deterministic passes: rows are cut into at
+ * most QT_CUDA_COL_CHUNKS runs of QT_CUDA_ROWS_PER(N) rows, a thread sums one
+ * column of one run (pass 1, the op's own kernel, into scratch), then a
+ * thread per column adds the runs in order (qt_cuda_colsum_finish). The same
+ * bits every run, without a thread walking all N rows alone. */
+#define QT_CUDA_COL_CHUNKS 64
+static inline int QT_CUDA_ROWS_PER(int N) { return (N + QT_CUDA_COL_CHUNKS - 1) / QT_CUDA_COL_CHUNKS; }
+/* out[c] += alpha * sum over the nch runs of part[k * C + c] */
+void qt_cuda_colsum_finish(qt_backend *be, float *out, const float *part, int nch, int C, float alpha);
 
 /* the grid of an elementwise launch over n items, 256 threads a block */
 static inline unsigned qt_cuda_blocks(size_t n) {

@@ -101,6 +101,33 @@ static void g_event_free(qt_backend *be, qt_event *e) {
 
 static size_t g_runtime_bytes(qt_backend *be) { return qt_cuda_of(be)->runtime_bytes; }
 
+extern "C" float *qt_cuda_scratch(qt_backend *be, size_t floats) {
+    qt_cuda *c = qt_cuda_of(be);
+    if (floats > c->scratch_floats) {
+        if (c->scratch) {
+            QT_CUDA(cudaStreamSynchronize(c->stream)); /* an enqueued op may still read the old one */
+            QT_CUDA(cudaFree(c->scratch));
+        }
+        c->scratch = NULL;
+        c->scratch_floats = 0;
+        QT_CUDA(cudaMalloc((void **)&c->scratch, floats * sizeof(float)));
+        c->scratch_floats = floats;
+    }
+    return c->scratch;
+}
+
+__global__ void k_colsum_finish(float *out, const float *part, int nch, int C, float alpha) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float acc = 0.0f;
+    for (int k = 0; k < nch; k++) acc += part[(size_t)k * C + c];
+    out[c] += alpha * acc;
+}
+extern "C" void qt_cuda_colsum_finish(qt_backend *be, float *out, const float *part, int nch, int C, float alpha) {
+    k_colsum_finish<<<(C + 255) / 256, 256, 0, qt_cuda_of(be)->stream>>>(out, part, nch, C, alpha);
+    QT_CUDA_LAUNCHED();
+}
+
 extern "C" void qt_cuda_fill_memory(qt_backend *be) {
     be->alloc = g_alloc;
     be->free = g_free;

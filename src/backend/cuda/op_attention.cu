@@ -105,21 +105,31 @@ __global__ void k_att_fwd_cached(float *out, const float *q, const float *kc, co
                     kc + (size_t)kvh * D, vc + (size_t)kvh * D, ks, 0, pos0 + i, D, scale);
 }
 
+/* delta (B, H, T) = rowsum(dout o out) of each query head, once for both
+ * backward kernels: a warp per (query, head, row) */
+__global__ void k_att_delta(float *delta, const float *dout, const float *out, int T, int H, int D) {
+    int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    size_t qo = ((size_t)b * T + t) * H * D + (size_t)h * D;
+    float s = 0.0f;
+    for (int d = threadIdx.x; d < D; d += 32) s += dout[qo + d] * out[qo + d];
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (threadIdx.x == 0) delta[((size_t)b * H + h) * T + t] = s;
+}
+
 /* dQ of one (query, head, row): dS = P o (dP - delta) * scale, dQ += dS K */
-__global__ void k_att_bwd_dq(float *dq, const float *dout, const float *out, const float *lse, const float *q,
+__global__ void k_att_bwd_dq(float *dq, const float *dout, const float *delta_, const float *lse, const float *q,
                              const float *k, const float *v, const int32_t *doc_start, int T, int H, int KV, int D,
                              float scale) {
-    __shared__ float qs_[ATT_MAX_D], dos[ATT_MAX_D], ds[ATT_TILE], red[32];
+    __shared__ float qs_[ATT_MAX_D], dos[ATT_MAX_D], ds[ATT_TILE];
     int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KV);
     size_t qs = (size_t)H * D, ks = (size_t)KV * D, row = (size_t)b * T + t, qo = row * qs + (size_t)h * D;
     const float *kb = k + (size_t)b * T * ks + (size_t)kvh * D, *vb = v + (size_t)b * T * ks + (size_t)kvh * D;
-    float part = 0.0f;
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         qs_[d] = q[qo + d];
         dos[d] = dout[qo + d];
-        part += dout[qo + d] * out[qo + d];
     }
-    float delta = att_block_reduce(part, red, 0); /* also publishes qs_ and dos */
+    __syncthreads();
+    float delta = delta_[((size_t)b * H + h) * T + t];
     float L = lse[((size_t)b * H + h) * T + t];
     int lo = doc_start ? doc_start[row] : 0;
     float acc[DPT];
@@ -151,7 +161,7 @@ __global__ void k_att_bwd_dq(float *dq, const float *dout, const float *out, con
 
 /* dK, dV of one (key, kv head, row): every query head of the group, every
  * query that sees the key, in order */
-__global__ void k_att_bwd_dkdv(float *dk, float *dv, const float *dout, const float *out, const float *lse,
+__global__ void k_att_bwd_dkdv(float *dk, float *dv, const float *dout, const float *delta_, const float *lse,
                                const float *q, const float *k, const float *v, const int32_t *doc_start, int T,
                                int H, int KV, int D, float scale) {
     __shared__ float kj[ATT_MAX_D], vj[ATT_MAX_D], p[ATT_TILE], ds[ATT_TILE];
@@ -173,7 +183,7 @@ __global__ void k_att_bwd_dkdv(float *dk, float *dv, const float *dout, const fl
                 size_t qo = ((size_t)b * T + t) * qs + (size_t)h * D;
                 float L = lse[((size_t)b * H + h) * T + t];
                 pp = expf(scale * dot_d(q + qo, kj, D) - L);
-                float delta = dot_d(dout + qo, out + qo, D);
+                float delta = delta_[((size_t)b * H + h) * T + t];
                 gg = pp * (dot_d(dout + qo, vj, D) - delta) * scale;
             }
             p[threadIdx.x] = pp;
@@ -223,11 +233,14 @@ static void g_attention_backward(BE, float *dq, float *dk, float *dv, const floa
     if (!dims_ok(H, KV, D)) qt_cuda_fail("attention_backward", "head_dim over 256 or heads not a multiple of kv heads",
                                          __FILE__, __LINE__);
     float scale = 1.0f / sqrtf((float)D);
-    k_att_bwd_dq<<<dim3((unsigned)T, (unsigned)H, (unsigned)B), ATT_TILE, 0, STREAM>>>(dq, dout, out, lse, q, k, v,
+    float *delta = qt_cuda_scratch(be, (size_t)B * H * T);
+    k_att_delta<<<dim3((unsigned)T, (unsigned)H, (unsigned)B), 32, 0, STREAM>>>(delta, dout, out, T, H, D);
+    QT_CUDA_LAUNCHED();
+    k_att_bwd_dq<<<dim3((unsigned)T, (unsigned)H, (unsigned)B), ATT_TILE, 0, STREAM>>>(dq, dout, delta, lse, q, k, v,
                                                                                        doc_start, T, H, KV, D, scale);
     QT_CUDA_LAUNCHED();
     k_att_bwd_dkdv<<<dim3((unsigned)T, (unsigned)KV, (unsigned)B), ATT_TILE, 0, STREAM>>>(
-        dk, dv, dout, out, lse, q, k, v, doc_start, T, H, KV, D, scale);
+        dk, dv, dout, delta, lse, q, k, v, doc_start, T, H, KV, D, scale);
     QT_CUDA_LAUNCHED();
 }
 

@@ -136,12 +136,15 @@ __global__ void k_rmsnorm_bwd_dx(float *dinp, const float *dout, const float *in
     float k = r * r * r * dot / (float)C;
     for (int c = threadIdx.x; c < C; c += blockDim.x) dinp[o + c] += r * w[c] * g[c] - k * x[c];
 }
-__global__ void k_rmsnorm_bwd_dw(float *dw, const float *dout, const float *inp, const float *rstd, int N, int C) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
+/* pass 1 of dw: column c of run k, rows [k*per, (k+1)*per) in order */
+__global__ void k_rmsnorm_bwd_dw(float *part, const float *dout, const float *inp, const float *rstd, int N, int C,
+                                 int per) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x, k = blockIdx.y;
     if (c >= C) return;
+    int n0 = k * per, n1 = n0 + per < N ? n0 + per : N;
     float acc = 0.0f;
-    for (int n = 0; n < N; n++) acc += dout[(size_t)n * C + c] * inp[(size_t)n * C + c] * rstd[n];
-    dw[c] += acc;
+    for (int n = n0; n < n1; n++) acc += dout[(size_t)n * C + c] * inp[(size_t)n * C + c] * rstd[n];
+    part[(size_t)k * C + c] = acc;
 }
 static void g_rmsnorm_backward(BE, float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                                const float *rstd, int N, int C) {
@@ -151,8 +154,12 @@ static void g_rmsnorm_backward(BE, float *dinp, float *dw, const float *dout, co
         QT_CUDA_LAUNCHED();
     }
     if (dw) {
-        k_rmsnorm_bwd_dw<<<(C + 255) / 256, 256, 0, STREAM>>>(dw, dout, inp, rstd, N, C);
+        int per = QT_CUDA_ROWS_PER(N), nch = (N + per - 1) / per;
+        float *part = qt_cuda_scratch(be, (size_t)nch * C);
+        k_rmsnorm_bwd_dw<<<dim3((unsigned)(C + 255) / 256, (unsigned)nch), 256, 0, STREAM>>>(part, dout, inp, rstd,
+                                                                                          N, C, per);
         QT_CUDA_LAUNCHED();
+        qt_cuda_colsum_finish(be, dw, part, nch, C, 1.0f);
     }
 }
 

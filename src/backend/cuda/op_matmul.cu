@@ -25,14 +25,15 @@ static void add_bias(BE, float *out, const float *bias, int N, int OUT) {
     k_add_bias<<<qt_cuda_blocks((size_t)N * OUT), 256, 0, STREAM>>>(out, bias, N, OUT);
     QT_CUDA_LAUNCHED();
 }
-/* dbias (OUT) += alpha * column sums of dout (N, OUT): a thread per column,
- * rows in order (no atomics: the same bits every run) */
-__global__ void k_colsum(float *db, const float *dout, int N, int OUT, float alpha) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
+/* dbias (OUT) += alpha * column sums of dout (N, OUT), pass 1: column c of
+ * run k (cuda_internal.h's two-pass column sums; no atomics) */
+__global__ void k_colsum(float *part, const float *dout, int N, int OUT, int per) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x, k = blockIdx.y;
     if (c >= OUT) return;
+    int n0 = k * per, n1 = n0 + per < N ? n0 + per : N;
     float acc = 0.0f;
-    for (int n = 0; n < N; n++) acc += dout[(size_t)n * OUT + c];
-    db[c] += alpha * acc;
+    for (int n = n0; n < n1; n++) acc += dout[(size_t)n * OUT + c];
+    part[(size_t)k * OUT + c] = acc;
 }
 
 static void g_matmul_forward(BE, float *out, const float *inp, const void *w, qt_dtype wdt, const float *bias, int N,
@@ -55,8 +56,11 @@ static void g_matmul_backward(BE, float *dinp, float *dw, float *db, const float
     if (dw)
         QT_CUBLAS(cublasSgemm(BLAS, CUBLAS_OP_N, CUBLAS_OP_T, IN, OUT, N, &alpha, inp, IN, dout, OUT, &one, dw, IN));
     if (db) {
-        k_colsum<<<(OUT + 255) / 256, 256, 0, STREAM>>>(db, dout, N, OUT, alpha);
+        int per = QT_CUDA_ROWS_PER(N), nch = (N + per - 1) / per;
+        float *part = qt_cuda_scratch(be, (size_t)nch * OUT);
+        k_colsum<<<dim3((unsigned)(OUT + 255) / 256, (unsigned)nch), 256, 0, STREAM>>>(part, dout, N, OUT, per);
         QT_CUDA_LAUNCHED();
+        qt_cuda_colsum_finish(be, db, part, nch, OUT, alpha);
     }
 }
 
