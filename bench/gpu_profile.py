@@ -61,18 +61,23 @@ def main():
     wall = a.B * a.T / steps[-1]["tokens_per_s"]
     # one step under ncu
     bs.write_job(job, model, out, data, a.B, a.T, 1, a.mode, a.precision)
-    r = subprocess.run([ncu, "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--csv",
+    r = subprocess.run([ncu, "--target-processes", "all", "--clock-control", "none", "--metrics",
+                        "gpu__time_duration.sum", "--csv",
                         "--page", "raw", "--print-units", "base", "--print-kernel-base", "function",
                         a.qtune, "train", job], capture_output=True, text=True, env=env)
     if r.returncode:
         print("ncu failed (%d): %s" % (r.returncode, r.stderr.strip()[-500:]))
         return 1
-    text = r.stdout[r.stdout.find('"ID"'):]
-    rows = list(csv.DictReader(io.StringIO(text)))
+    with open(os.path.join(a.out, "..", "ncu-raw.txt"), "w") as f:  # kept for a parse that finds nothing
+        f.write(r.stdout[:20000] + "\n...\n" + r.stdout[-5000:] + "\n---- stderr\n" + r.stderr[-5000:])
+    lines = r.stdout.splitlines()
+    head = next((i for i, x in enumerate(lines) if "Kernel Name" in x), None)
+    rows = list(csv.DictReader(io.StringIO("\n".join(lines[head:])))) if head is not None else []
+    col = next((c for c in (rows[0] if rows else {}) if "gpu__time_duration" in c), "gpu__time_duration.sum")
     tot, cnt = {}, {}
     for row in rows:
         try:
-            ns = float(row["gpu__time_duration.sum"])
+            ns = float(row[col].replace(",", ""))
         except (KeyError, ValueError):
             continue
         k = row.get("Kernel Name", "?")

@@ -14,7 +14,7 @@
  *    that key, for each query head of the group. dK and dV are therefore
  *    summed by one block in a fixed order: no atomics, the same bits each run.
  * Each score is a thread's dot product over D (D <= ATT_MAX_D). This is the
- * simple correct form, not a tuned one: it has not run on a GPU yet, and its
+ * simple correct form, not a tuned one: it matches the CPU on an H200 (docs/backends.md), and its
  * speed is to be measured before tiling it on the tensor cores. */
 #include "backend/cuda/cuda_internal.h"
 
