@@ -59,6 +59,19 @@ def main():
     subprocess.run([a.qtune, "train", job], check=True, capture_output=True, env=env)
     steps = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"tokens_per_s"' in x]
     wall = a.B * a.T / steps[-1]["tokens_per_s"]
+    # the same 3 steps with every op timed (QTUNE_PROFILE, src/backend/profile.c), LoRA and full
+    for mode in ("full", "lora"):
+        bs.write_job(job, model, out, data, a.B, a.T, 3, mode, a.precision)
+        r = subprocess.run([a.qtune, "train", job], capture_output=True, text=True, env=dict(env, QTUNE_PROFILE="1"))
+        err = r.stderr.splitlines()
+        at = next((i for i, x in enumerate(err) if "(QTUNE_PROFILE)" in x), None)
+        print("%s %s %s, 3 steps of B %d x T %d with QTUNE_PROFILE=1 (exit %d):" % (a.shape, mode, a.precision, a.B,
+                                                                                  a.T, r.returncode))
+        print("```")
+        print("\n".join(err[at:at + 40] if at is not None else err[-10:]))
+        print("```")
+        sys.stdout.flush()
+    bs.write_job(job, model, out, data, a.B, a.T, 3, a.mode, a.precision)
     # one step under ncu
     bs.write_job(job, model, out, data, a.B, a.T, 1, a.mode, a.precision)
     r = subprocess.run([ncu, "--target-processes", "all", "--clock-control", "none", "--metrics",

@@ -48,11 +48,21 @@ const qt_backend_desc *qt_backend_desc_of(const char *name) {
     return NULL;
 }
 
+int qt_backend_profile_wrap(qt_backend *in, qt_backend **out); /* profile.c */
+
 int qt_backend_open(const char *name, qt_backend **out) {
     *out = NULL;
     if (!name) name = qt_backend_default_name();
-    for (int i = 0; i < N_BACKENDS; i++)
-        if (!strcmp(backends[i].name, name)) return backends[i].open(out);
+    for (int i = 0; i < N_BACKENDS; i++) {
+        if (strcmp(backends[i].name, name)) continue;
+        int rc = backends[i].open(out);
+        const char *prof = getenv("QTUNE_PROFILE"); /* every op timed, a table at close (profile.c) */
+        if (rc != QT_OK || !prof || !*prof || !strcmp(prof, "0")) return rc;
+        qt_backend *in = *out;
+        rc = qt_backend_profile_wrap(in, out);
+        if (rc != QT_OK) qt_backend_close(in), *out = NULL;
+        return rc;
+    }
     return QT_ERR(QT_EINVAL, "backend \"%s\" is not compiled in (QTUNE_BACKEND); use cpu, guard or cuda", name);
 }
 

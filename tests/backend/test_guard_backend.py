@@ -135,3 +135,27 @@ def test_plan_reads_a_backends_descriptor(base):
     e = dict(os.environ)
     p = subprocess.run([QTUNE] + args + ["--backend", "tpu"], capture_output=True, text=True, env=e)
     assert p.returncode == 2 and "--backend must name a compiled-in backend" in p.stderr, p.stderr
+
+
+def test_profile_wrapper_times_every_op_and_changes_nothing(base):
+    """QTUNE_PROFILE=1 wraps the backend (src/backend/profile.c): a LoRA training run on the guard backend
+    gives the plain run's losses bit for bit, and stderr ends with the per-op table, one row per op used."""
+    outs = {}
+    for prof in ("0", "1"):
+        out = os.path.join(base, "prof-" + prof)
+        shutil.rmtree(out, ignore_errors=True)
+        j = write_job(os.path.join(base, "prof-%s.json" % prof), os.path.join(base, "model"), out,
+                      os.path.join(base, "train.jsonl"), lora=LORA)
+        e = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", QTUNE_BACKEND="guard",
+                 QTUNE_PROFILE=prof)
+        p = subprocess.run([QTUNE, "train", j], capture_output=True, text=True, env=e, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        outs[prof] = (out, p.stderr)
+    assert steps(outs["0"][0]) == steps(outs["1"][0])
+    assert "QTUNE_PROFILE" not in outs["0"][1]
+    err = outs["1"][1]
+    assert "profile of the guard backend (QTUNE_PROFILE)" in err
+    rows = {l.split()[0]: l.split() for l in err.splitlines() if l.startswith("  ") and len(l.split()) == 5}
+    for op in ("matmul_forward", "matmul_backward", "attention_forward", "attention_backward", "dropout", "adam"):
+        assert op in rows and int(rows[op][1]) > 0, (op, err[-2000:])
+    assert any(op.startswith("lmhead_ce_") for op in rows), err[-2000:]
