@@ -85,7 +85,8 @@ static void usage(FILE *out) {
                  "idle OpenMP threads spin briefly (GOMP_SPINCOUNT=" QT_GOMP_SPINCOUNT
                  "; OMP_WAIT_POLICY=passive: no spin, kinder to\n"
                  "other busy processes; active: a long spin);\n"
-                 "QTUNE_SGEMM=openblas keeps every fp32 product on OpenBLAS (default: oneDNN for the gradients).\n");
+                 "QTUNE_SGEMM=openblas keeps every fp32 product on OpenBLAS (default: oneDNN for the gradients);\n"
+                 "QTUNE_PROFILE=1 times every backend op and prints a table at exit (docs/performance.md).\n");
 }
 
 int main(int argc, char **argv) {
