@@ -71,7 +71,16 @@ def main():
         print("\n".join(err[at:at + 40] if at is not None else err[-10:]))
         print("```")
         sys.stdout.flush()
-    bs.write_job(job, model, out, data, a.B, a.T, 3, a.mode, a.precision)
+    # one-token decoding: 64 greedy tokens, every op timed
+    r = subprocess.run([a.qtune, "generate", "--model", model, "--prompt-ids", "5,17,99,3", "--max-new", "64",
+                        "--temperature", "0"], capture_output=True, text=True, env=dict(env, QTUNE_PROFILE="1"))
+    err = r.stderr.splitlines()
+    at = next((i for i, x in enumerate(err) if "(QTUNE_PROFILE)" in x), None)
+    print("%s generate, 64 greedy tokens, f32 weights, QTUNE_PROFILE=1 (exit %d):" % (a.shape, r.returncode))
+    print("```")
+    print("\n".join([x for x in err if "tok/s" in x] + (err[at:at + 25] if at is not None else err[-10:])))
+    print("```")
+    sys.stdout.flush()
     # one step under ncu
     bs.write_job(job, model, out, data, a.B, a.T, 1, a.mode, a.precision)
     r = subprocess.run([ncu, "--target-processes", "all", "--clock-control", "none", "--metrics",
