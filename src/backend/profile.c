@@ -185,6 +185,9 @@ static void w_close(BE) {
     double wall = now() - p->t_open, in_ops = 0;
     int order[P_COUNT];
     for (int i = 0; i < P_COUNT; i++) order[i] = i, in_ops += p->sec[i];
+    long used = 0;
+    for (int i = 0; i < P_COUNT; i++) used += p->calls[i];
+    if (!used) goto done; /* a backend opened for a probe: no table */
     qsort_r(order, P_COUNT, sizeof order[0], by_time_desc, p->sec);
     fprintf(stderr, "qtune: profile of the %s backend (QTUNE_PROFILE): %.3f s from open to close, %.3f s in ops "
                     "(each op synchronised)\n", p->in->desc->name, wall, in_ops);
@@ -197,6 +200,7 @@ static void w_close(BE) {
     }
     fprintf(stderr, "  %-26s %9s %11.2f %10s %6.1f%%\n", "(outside the ops)", "", 1e3 * (wall - in_ops), "",
             wall > 0 ? 100.0 * (wall - in_ops) / wall : 0.0);
+done:
     qt_backend_close(p->in);
     qt_free(p);
     qt_free(be);
