@@ -19,6 +19,8 @@
 #include "backend/cuda/cuda_internal.h"
 
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define BE qt_backend *be
 #define STREAM (qt_cuda_of(be)->stream)
@@ -216,11 +218,34 @@ __global__ void k_att_bwd_dkdv(float *dk, float *dv, const float *dout, const fl
 
 static int dims_ok(int H, int KV, int D) { return D > 0 && D <= ATT_MAX_D && KV > 0 && H % KV == 0; }
 
+/* op_attention_tiled.cu: the 64 x 64 shared-memory tiles, for D <= 128 */
+extern "C" int qt_cuda_att_tiled_ok(int D);
+extern "C" void qt_cuda_att_fwd_tiled(qt_backend *be, float *out, float *lse, const float *q, const float *k,
+                                      const float *v, const int32_t *doc_start, int B, int T, int H, int KV, int D,
+                                      float scale);
+extern "C" void qt_cuda_att_bwd_tiled(qt_backend *be, float *dq, float *dk, float *dv, const float *dout,
+                                      const float *delta, const float *lse, const float *q, const float *k,
+                                      const float *v, const int32_t *doc_start, int B, int T, int H, int KV, int D,
+                                      float scale, float *pdk, float *pdv);
+/* the tiled kernels unless QTUNE_CUDA_ATTENTION=simple (the first kernels, kept to compare against) */
+static int use_tiled(int D) {
+    static int simple = -1;
+    if (simple < 0) {
+        const char *e = getenv("QTUNE_CUDA_ATTENTION");
+        simple = e && !strcmp(e, "simple");
+    }
+    return !simple && qt_cuda_att_tiled_ok(D);
+}
+
 static void g_attention_forward(BE, float *out, float *lse, const float *q, const float *k, const float *v,
                                 const int32_t *doc_start, int B, int T, int H, int KV, int D) {
     if (B <= 0 || T <= 0) return;
     if (!dims_ok(H, KV, D)) qt_cuda_fail("attention_forward", "head_dim over 256 or heads not a multiple of kv heads",
                                          __FILE__, __LINE__);
+    if (use_tiled(D)) {
+        qt_cuda_att_fwd_tiled(be, out, lse, q, k, v, doc_start, B, T, H, KV, D, 1.0f / sqrtf((float)D));
+        return;
+    }
     dim3 grid((unsigned)T, (unsigned)H, (unsigned)B);
     k_att_fwd<<<grid, ATT_TILE, 0, STREAM>>>(out, lse, q, k, v, doc_start, T, H, KV, D, 1.0f / sqrtf((float)D));
     QT_CUDA_LAUNCHED();
@@ -233,9 +258,16 @@ static void g_attention_backward(BE, float *dq, float *dk, float *dv, const floa
     if (!dims_ok(H, KV, D)) qt_cuda_fail("attention_backward", "head_dim over 256 or heads not a multiple of kv heads",
                                          __FILE__, __LINE__);
     float scale = 1.0f / sqrtf((float)D);
-    float *delta = qt_cuda_scratch(be, (size_t)B * H * T);
+    int tiled = use_tiled(D);
+    size_t nd = (size_t)B * H * T, np = (size_t)B * T * H * D; /* delta; each of the G-head dK, dV partials */
+    float *delta = qt_cuda_scratch(be, nd + (tiled ? 2 * np : 0));
     k_att_delta<<<dim3((unsigned)T, (unsigned)H, (unsigned)B), 32, 0, STREAM>>>(delta, dout, out, T, H, D);
     QT_CUDA_LAUNCHED();
+    if (tiled) {
+        qt_cuda_att_bwd_tiled(be, dq, dk, dv, dout, delta, lse, q, k, v, doc_start, B, T, H, KV, D, scale, delta + nd,
+                              delta + nd + np);
+        return;
+    }
     k_att_bwd_dq<<<dim3((unsigned)T, (unsigned)H, (unsigned)B), ATT_TILE, 0, STREAM>>>(dq, dout, delta, lse, q, k, v,
                                                                                        doc_start, T, H, KV, D, scale);
     QT_CUDA_LAUNCHED();
