@@ -9,9 +9,10 @@
  * the chunk's weight widened to fp32 (chunk, C) when it is stored in 2 bytes,
  * then per row the running max, sum and target logit.
  *
- * The "kept" forms are the plain ones here: recomputing a chunk's logits is
- * one more GEMM, which the GPU does faster than it would stream (N, V) kept
- * values back; the results are the same. */
+ * The "kept" forms keep each chunk's logits in the caller's (N, V) buffer
+ * (the memory plan gives one when it fits), so the backward skips one GEMM
+ * of the four; the bits are the recomputed ones (cuBLAS gives the same
+ * result for the same product). */
 #include "backend/cuda/cuda_internal.h"
 
 #include <math.h>
@@ -36,13 +37,17 @@ static ce_ws ce_ws_of(qt_backend *be, float *ws, int N, int C) {
     return w;
 }
 
-/* logits of chunk [c0, c0+cv) into w->logits (N, cv) */
-static void chunk_logits(qt_backend *be, const ce_ws *w, const float *x, const void *wt, qt_dtype wdt, int c0,
-                         int cv, int N, int C, const float **wc_out) {
+/* the chunk's weight rows [c0, c0+cv) as fp32 (widened into w->wf when stored in 2 bytes) */
+static const float *chunk_weight(qt_backend *be, const ce_ws *w, const void *wt, qt_dtype wdt, int c0, int cv, int C) {
     const char *src = (const char *)wt + (size_t)c0 * C * qt_cuda_dtype_size(wdt);
-    const float *Wc = qt_cuda_weight_f32(be, src, wdt, (size_t)cv, (size_t)C, w->wf);
+    return qt_cuda_weight_f32(be, src, wdt, (size_t)cv, (size_t)C, w->wf);
+}
+/* logits of chunk [c0, c0+cv) into dst (N, cv) */
+static void chunk_logits(qt_backend *be, const ce_ws *w, const float *x, const void *wt, qt_dtype wdt, int c0,
+                         int cv, int N, int C, const float **wc_out, float *dst) {
+    const float *Wc = chunk_weight(be, w, wt, wdt, c0, cv, C);
     const float one = 1.0f, zero = 0.0f;
-    QT_CUBLAS(cublasSgemm(BLAS, CUBLAS_OP_T, CUBLAS_OP_N, cv, N, C, &one, Wc, C, x, C, &zero, w->logits, cv));
+    QT_CUBLAS(cublasSgemm(BLAS, CUBLAS_OP_T, CUBLAS_OP_N, cv, N, C, &one, Wc, C, x, C, &zero, dst, cv));
     *wc_out = Wc;
 }
 
@@ -104,8 +109,10 @@ __global__ void k_ce_grad(float *logits, int N, int cv, int c0, const int32_t *t
     }
 }
 
-static void g_ce_forward(BE, float *loss, float *lse, const float *x, const void *w, qt_dtype wdt,
-                         const int32_t *targets, int N, int C, int V, float *ws) {
+/* kept (N * V floats, or NULL): each chunk's logits stay there, (N, cv) at
+ * N * c0, for backward_kept to use instead of recomputing them */
+static void ce_forward(BE, float *loss, float *lse, float *kept, const float *x, const void *w, qt_dtype wdt,
+                       const int32_t *targets, int N, int C, int V, float *ws) {
     if (N <= 0) return;
     ce_ws s = ce_ws_of(be, ws, N, C);
     k_ce_init<<<(N + 255) / 256, 256, 0, STREAM>>>(s.m, s.l, s.tl, N);
@@ -113,43 +120,56 @@ static void g_ce_forward(BE, float *loss, float *lse, const float *x, const void
     for (int c0 = 0; c0 < V; c0 += s.chunk) {
         int cv = V - c0 < s.chunk ? V - c0 : s.chunk;
         const float *Wc;
-        chunk_logits(be, &s, x, w, wdt, c0, cv, N, C, &Wc);
-        k_ce_chunk<<<N, 256, 0, STREAM>>>(s.logits, cv, c0, targets, s.m, s.l, s.tl);
+        float *lg = kept ? kept + (size_t)N * c0 : s.logits;
+        chunk_logits(be, &s, x, w, wdt, c0, cv, N, C, &Wc, lg);
+        k_ce_chunk<<<N, 256, 0, STREAM>>>(lg, cv, c0, targets, s.m, s.l, s.tl);
         QT_CUDA_LAUNCHED();
     }
     k_ce_finish<<<(N + 255) / 256, 256, 0, STREAM>>>(loss, lse, s.m, s.l, s.tl, targets, N);
     QT_CUDA_LAUNCHED();
 }
 
-static void g_ce_backward(BE, float *dx, float *dw, const float *x, const void *w, qt_dtype wdt,
-                          const int32_t *targets, const float *lse, float dscale, int N, int C, int V, float *ws) {
+/* kept (or NULL): the forward's logits, turned into dlogits in place; else
+ * each chunk's logits are recomputed into the workspace */
+static void ce_backward(BE, float *dx, float *dw, float *kept, const float *x, const void *w, qt_dtype wdt,
+                        const int32_t *targets, const float *lse, float dscale, int N, int C, int V, float *ws) {
     if (N <= 0) return;
     ce_ws s = ce_ws_of(be, ws, N, C);
     const float one = 1.0f;
     for (int c0 = 0; c0 < V; c0 += s.chunk) {
         int cv = V - c0 < s.chunk ? V - c0 : s.chunk;
-        const float *Wc;
-        chunk_logits(be, &s, x, w, wdt, c0, cv, N, C, &Wc);
-        k_ce_grad<<<qt_cuda_blocks((size_t)N * cv), 256, 0, STREAM>>>(s.logits, N, cv, c0, targets, lse, dscale);
+        const float *Wc = NULL;
+        float *lg = kept ? kept + (size_t)N * c0 : s.logits;
+        if (kept) {
+            if (dx) Wc = chunk_weight(be, &s, w, wdt, c0, cv, C);
+        } else {
+            chunk_logits(be, &s, x, w, wdt, c0, cv, N, C, &Wc, lg);
+        }
+        k_ce_grad<<<qt_cuda_blocks((size_t)N * cv), 256, 0, STREAM>>>(lg, N, cv, c0, targets, lse, dscale);
         QT_CUDA_LAUNCHED();
-        if (dx)
-            QT_CUBLAS(cublasSgemm(BLAS, CUBLAS_OP_N, CUBLAS_OP_N, C, N, cv, &one, Wc, C, s.logits, cv, &one, dx, C));
+        if (dx) QT_CUBLAS(cublasSgemm(BLAS, CUBLAS_OP_N, CUBLAS_OP_N, C, N, cv, &one, Wc, C, lg, cv, &one, dx, C));
         if (dw)
-            QT_CUBLAS(cublasSgemm(BLAS, CUBLAS_OP_N, CUBLAS_OP_T, C, cv, N, &one, x, C, s.logits, cv, &one,
+            QT_CUBLAS(cublasSgemm(BLAS, CUBLAS_OP_N, CUBLAS_OP_T, C, cv, N, &one, x, C, lg, cv, &one,
                                   dw + (size_t)c0 * C, C));
     }
+}
+static void g_ce_forward(BE, float *loss, float *lse, const float *x, const void *w, qt_dtype wdt,
+                         const int32_t *targets, int N, int C, int V, float *ws) {
+    ce_forward(be, loss, lse, NULL, x, w, wdt, targets, N, C, V, ws);
+}
+static void g_ce_backward(BE, float *dx, float *dw, const float *x, const void *w, qt_dtype wdt,
+                          const int32_t *targets, const float *lse, float dscale, int N, int C, int V, float *ws) {
+    ce_backward(be, dx, dw, NULL, x, w, wdt, targets, lse, dscale, N, C, V, ws);
 }
 
 static void g_ce_forward_keep(BE, float *loss, float *lse, float *kept, const float *x, const void *w, qt_dtype wdt,
                               const int32_t *targets, int N, int C, int V, float *ws) {
-    (void)kept;
-    g_ce_forward(be, loss, lse, x, w, wdt, targets, N, C, V, ws);
+    ce_forward(be, loss, lse, kept, x, w, wdt, targets, N, C, V, ws);
 }
 static void g_ce_backward_kept(BE, float *dx, float *dw, float *kept, const float *x, const void *w, qt_dtype wdt,
                                const int32_t *targets, const float *lse, float dscale, int N, int C, int V,
                                float *ws) {
-    (void)kept;
-    g_ce_backward(be, dx, dw, x, w, wdt, targets, lse, dscale, N, C, V, ws);
+    ce_backward(be, dx, dw, kept, x, w, wdt, targets, lse, dscale, N, C, V, ws);
 }
 static void g_ce_forward_dx(BE, float *loss, float *lse, float *dx, const float *x, const void *w, qt_dtype wdt,
                             const int32_t *targets, float dscale, int N, int C, int V, float *ws) {
