@@ -17,15 +17,20 @@
 
 #include <math.h>
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #define BE qt_backend *be
 #define STREAM (qt_cuda_of(be)->stream)
 #define BLAS (qt_cuda_of(be)->blas)
 
 typedef struct {
-    float *logits, *wf, *m, *l, *tl;
+    float *logits, *wf, *m, *l, *tl, *fac, *dxacc;
     int chunk;
 } ce_ws;
 
+/* within backend.h's qt_be_lmhead_ce_ws_floats: logits (N, chunk), weight
+ * chunk (chunk, C), four per-row values, the dx accumulator (N, C) */
 static ce_ws ce_ws_of(qt_backend *be, float *ws, int N, int C) {
     ce_ws w;
     w.chunk = be->desc->ce_chunk;
@@ -34,6 +39,8 @@ static ce_ws ce_ws_of(qt_backend *be, float *ws, int N, int C) {
     w.m = w.wf + (size_t)w.chunk * C;
     w.l = w.m + N;
     w.tl = w.l + N;
+    w.fac = w.tl + N;
+    w.dxacc = w.fac + N;
     return w;
 }
 
@@ -171,10 +178,95 @@ static void g_ce_backward_kept(BE, float *dx, float *dw, float *kept, const floa
                                float *ws) {
     ce_backward(be, dx, dw, kept, x, w, wdt, targets, lse, dscale, N, C, V, ws);
 }
+/* forward_dx in one pass over the vocabulary (as the CPU's): a chunk's
+ * logits become p = exp(logit - m) in place against the row's running max m,
+ * the accumulator dxacc = sum of p W rows is rescaled by exp(m_old - m_new)
+ * whenever m grows, and at the end dx += dscale (dxacc / l - W[target]). One
+ * GEMM fewer than forward then backward, and no second widening of the
+ * chunk's weight. */
+__global__ void k_ce_chunk_p(float *logits, int cv, int c0, const int32_t *targets, float *m, float *l, float *tl,
+                             float *fac) {
+    __shared__ float red[32];
+    __shared__ float bc;
+    int n = blockIdx.x, t = targets[n];
+    float *r = logits + (size_t)n * cv;
+    float mx = -INFINITY;
+    for (int j = threadIdx.x; j < cv; j += blockDim.x) {
+        mx = fmaxf(mx, r[j]);
+        if (c0 + j == t) tl[n] = r[j]; /* the raw logit, before it becomes p below */
+    }
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = mx;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float v = red[0];
+        for (int i = 1; i < (int)blockDim.x / 32; i++) v = fmaxf(v, red[i]);
+        bc = fmaxf(m[n], v);
+    }
+    __syncthreads();
+    float mn = bc, s = 0.0f;
+    for (int j = threadIdx.x; j < cv; j += blockDim.x) {
+        float p = expf(r[j] - mn);
+        r[j] = p;
+        s += p;
+    }
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float v = red[0];
+        for (int i = 1; i < (int)blockDim.x / 32; i++) v += red[i];
+        float f = expf(m[n] - mn); /* 0 on the first chunk (m = -inf) */
+        fac[n] = f;
+        l[n] = l[n] * f + v;
+        m[n] = mn;
+    }
+}
+__global__ void k_scale_rows(float *x, const float *fac, int N, int C) {
+    size_t n_all = (size_t)N * C;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_all; i += (size_t)gridDim.x * blockDim.x)
+        x[i] *= fac[i / C];
+}
+__device__ __forceinline__ float ce_weight_at(const void *w, qt_dtype wdt, size_t i) {
+    if (wdt == QT_BF16) return __bfloat162float(__ushort_as_bfloat16(((const unsigned short *)w)[i]));
+    if (wdt == QT_F16) return __half2float(__ushort_as_half(((const unsigned short *)w)[i]));
+    return ((const float *)w)[i];
+}
+__global__ void k_ce_dx_final(float *dx, const float *dxacc, const float *l, const void *w, qt_dtype wdt,
+                              const int32_t *targets, float dscale, int N, int C) {
+    size_t n_all = (size_t)N * C;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_all; i += (size_t)gridDim.x * blockDim.x) {
+        int n = (int)(i / C), c = (int)(i % C), t = targets[n];
+        if (t == -100) continue;
+        dx[i] += dscale * (dxacc[i] / l[n] - ce_weight_at(w, wdt, (size_t)t * C + c));
+    }
+}
+
 static void g_ce_forward_dx(BE, float *loss, float *lse, float *dx, const float *x, const void *w, qt_dtype wdt,
                             const int32_t *targets, float dscale, int N, int C, int V, float *ws) {
-    g_ce_forward(be, loss, lse, x, w, wdt, targets, N, C, V, ws);
-    g_ce_backward(be, dx, NULL, x, w, wdt, targets, lse, dscale, N, C, V, ws);
+    if (N <= 0) return;
+    ce_ws s = ce_ws_of(be, ws, N, C);
+    const float one = 1.0f;
+    k_ce_init<<<(N + 255) / 256, 256, 0, STREAM>>>(s.m, s.l, s.tl, N);
+    QT_CUDA_LAUNCHED();
+    QT_CUDA(cudaMemsetAsync(s.dxacc, 0, sizeof(float) * (size_t)N * C, STREAM));
+    for (int c0 = 0; c0 < V; c0 += s.chunk) {
+        int cv = V - c0 < s.chunk ? V - c0 : s.chunk;
+        const float *Wc;
+        chunk_logits(be, &s, x, w, wdt, c0, cv, N, C, &Wc, s.logits);
+        k_ce_chunk_p<<<N, 256, 0, STREAM>>>(s.logits, cv, c0, targets, s.m, s.l, s.tl, s.fac);
+        QT_CUDA_LAUNCHED();
+        if (c0 > 0) {
+            k_scale_rows<<<qt_cuda_blocks((size_t)N * C), 256, 0, STREAM>>>(s.dxacc, s.fac, N, C);
+            QT_CUDA_LAUNCHED();
+        }
+        QT_CUBLAS(cublasSgemm(BLAS, CUBLAS_OP_N, CUBLAS_OP_N, C, N, cv, &one, Wc, C, s.logits, cv, &one, s.dxacc, C));
+    }
+    k_ce_finish<<<(N + 255) / 256, 256, 0, STREAM>>>(loss, lse, s.m, s.l, s.tl, targets, N);
+    QT_CUDA_LAUNCHED();
+    k_ce_dx_final<<<qt_cuda_blocks((size_t)N * C), 256, 0, STREAM>>>(dx, s.dxacc, s.l, w, wdt, targets, dscale, N, C);
+    QT_CUDA_LAUNCHED();
 }
 
 extern "C" void qt_cuda_fill_lmhead_ce(qt_backend *be) {
