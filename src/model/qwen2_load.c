@@ -251,7 +251,8 @@ static int load_full(qt_model *m) {
  * copy in the master block starts as the file's tensor `file` (the embedding
  * for a tied lm_head, as PEFT's wrapper copies the tied module); the graph
  * reads it in f32 and its gradient goes where grad_param says. */
-static int saved_module(qt_model *m, unsigned which, const char *file, qt_wref *w, float **dw, size_t *off) {
+static int saved_module(qt_model *m, unsigned which, const char *file, int drop, qt_wref *w, float **dw,
+                        size_t *off) {
     char name[160];
     qt_saved_module_name(&m->cfg, which, name, sizeof name);
     for (int i = 0; i < m->n_params; i++) {
@@ -260,6 +261,7 @@ static int saved_module(qt_model *m, unsigned which, const char *file, qt_wref *
         const st_tensor *t;
         QT_TRY(st_expect(m->st, file, 2, p->shape, &t));
         QT_TRY(qt_model_read_param(m, i, t));
+        if (drop) drop_mapped_pages(t->data, t->nbytes); /* the base copy is not read again */
         *w = (qt_wref){m->master + p->offset, QT_F32};
         *dw = grad_param(m, name);
         if (off) *off = p->offset;
@@ -278,11 +280,12 @@ static int load_vocab_mats(qt_model *m) {
     char emb[160];
     snprintf(emb, sizeof emb, "%s.weight", qt_config_layout(c)->embed);
     qt_wref base = {0};
-    if (!(sv & QT_SAVE_EMBED) || (tied && !(sv & QT_SAVE_LM_HEAD))) QT_TRY(base_matrix(m, emb, V, C, &base));
-    if (sv & QT_SAVE_EMBED) QT_TRY(saved_module(m, QT_SAVE_EMBED, emb, &m->wte, &m->dwte, NULL));
+    const int base_used = !(sv & QT_SAVE_EMBED) || (tied && !(sv & QT_SAVE_LM_HEAD));
+    if (base_used) QT_TRY(base_matrix(m, emb, V, C, &base));
+    if (sv & QT_SAVE_EMBED) QT_TRY(saved_module(m, QT_SAVE_EMBED, emb, !base_used && !tied, &m->wte, &m->dwte, NULL));
     else m->wte = base;
     if (sv & QT_SAVE_LM_HEAD)
-        return saved_module(m, QT_SAVE_LM_HEAD, tied ? emb : "lm_head.weight", &m->lm_head, &m->dlm_head,
+        return saved_module(m, QT_SAVE_LM_HEAD, tied ? emb : "lm_head.weight", !base_used, &m->lm_head, &m->dlm_head,
                             &m->lm_head_off);
     if (tied) m->lm_head = base;
     else QT_TRY(base_matrix(m, "lm_head.weight", V, C, &m->lm_head));
