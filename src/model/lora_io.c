@@ -95,14 +95,11 @@ static int check_layers(const qt_config *c, const peft_config *pc, const char *w
         return QT_ERR(QT_EUNSUPPORTED, "%s: layers_pattern '%s' does not match this %s model, whose layers are %s.N; "
                       "write \"%s\"", where, pc->layers_pattern[0], qt_arch_name(c->arch), ly->layers,
                       leaf(ly->layers));
-    int in_range = 0;
-    for (int i = 0; i < pc->n_layers; i++) {
-        if (pc->layers_to_transform[i] < L) in_range = 1;
-        else
+    for (int i = 0; i < pc->n_layers; i++)
+        if (pc->layers_to_transform[i] >= L)
             return QT_ERR(QT_EINVAL, "%s: layers_to_transform lists layer %d, but the model has %d layers (0 to %d)",
                           where, pc->layers_to_transform[i], L, L - 1);
-    }
-    return in_range ? QT_OK : QT_ERR(QT_EINVAL, "%s: layers_to_transform names no layer of the model", where);
+    return QT_OK;
 }
 
 /* modules_to_save against the model's layout: the embedding (embed_tokens;
