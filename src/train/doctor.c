@@ -717,12 +717,12 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
         /* modules_to_save: their weights, gradients and Adam state count in the plan */
         peft_config *pc = qt_calloc(1, sizeof *pc, "doctor: LoRA config");
         qt_error_clear();
-        if (pc && peft_parse_extras(lora, pc, path) == QT_OK)
+        int extras_ok = pc && peft_parse_extras(lora, pc, path) == QT_OK;
+        if (extras_ok)
             for (int i = 0; i < pc->n_save; i++) {
                 if (peft_target_entry_matches(pc->modules_to_save[i], "lm_head")) o.lora_save |= QT_SAVE_LM_HEAD;
                 else o.lora_save |= QT_SAVE_EMBED; /* embed_tokens / wte; any other name the run refuses */
             }
-        qt_free(pc);
         qt_error_clear();
         /* the names against the model's layout: Qwen2 names on an original Qwen model, as the run says */
         const char *names[PEFT_MAX_TARGETS];
@@ -736,6 +736,20 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
             problem(&c, "%s", qt_error_message());
         else if (have_cfg && n && mask)
             o.lora_targets = mask;
+        /* modules_to_save and layers_to_transform against the model's layout, as the run resolves them */
+        qt_error_clear();
+        if (pc && !extras_ok) {
+            problem(&c, "%s", qt_error_message());
+        } else if (pc && have_cfg && (pc->n_save || pc->n_layers)) {
+            char tn[8][64];
+            int k = qt_lora_target_names(&cfg, o.lora_targets, tn, 8);
+            for (int i = 0; i < k; i++) memcpy(pc->target_modules[pc->n_targets++], tn[i], sizeof tn[i]);
+            qt_model_opts sel;
+            memset(&sel, 0, sizeof sel);
+            if (qt_lora_resolve(&cfg, pc, &sel, where) != QT_OK) problem(&c, "%s", qt_error_message());
+        }
+        qt_free(pc);
+        qt_error_clear();
     }
     /* every data line, as the trainer will read it */
     if (cJSON_IsObject(data) && cJSON_IsString(model)) {
