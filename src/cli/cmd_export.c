@@ -69,6 +69,9 @@ int cmd_export(int argc, char **argv) {
     qt_merge_set *set = NULL;
     int rc = qt_merge_open_model(model, &base);
     if (rc == QT_OK && adapter) rc = qt_merge_set_open(model, adapter, base, &set);
+    if (rc == QT_OK && set && gguf && qt_merge_set_unties(set))
+        rc = QT_ERR(QT_EUNSUPPORTED, "%s trains modules_to_save on a model with tied embeddings, so the merged model "
+                    "needs its own lm_head; run qtune merge first and export the merged folder", adapter);
     if (rc == QT_OK && gguf && !dtype) {
         qt_config cfg;
         rc = qt_config_load(model, &cfg);

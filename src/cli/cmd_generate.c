@@ -203,16 +203,28 @@ static int encode(const bpe_tokenizer *t, const char *text, int32_t **ids, size_
 }
 
 /* The documented rule for the "never stops" warning (docs/generate.md): the
- * embedding row of <|im_end|> is (near) zero against the typical row, or an
- * adapter is applied to a base whose folder is not an instruct/chat model (a
- * LoRA on projections cannot teach a token the base never saw). */
+ * embedding row of <|im_end|> is (near) zero against the typical row (the
+ * adapter's own embedding when its modules_to_save trained one), or an
+ * adapter without modules_to_save is applied to a base whose folder is not
+ * an instruct/chat model (a LoRA on projections cannot teach a token the
+ * base never saw). */
 static void warn_untrained_chat(const char *model_dir, const char *adapter, int32_t im_end) {
     char reason[512] = "";
-    st_file *st = NULL;
+    st_file *st = NULL, *ad = NULL;
+    /* an adapter with modules_to_save trains more than projections: its own embedding is the one to look at */
+    int saves = 0;
+    peft_config *pc = adapter ? qt_calloc(1, sizeof *pc, "adapter config") : NULL;
+    if (pc && peft_config_load(adapter, pc) == QT_OK) saves = pc->n_save > 0;
+    qt_free(pc);
     if (im_end < 0) {
         snprintf(reason, sizeof reason, "the tokenizer has no <|im_end|> token");
     } else if (st_open(model_dir, &st) == QT_OK) {
-        const st_tensor *e = st_find(st, "model.embed_tokens.weight");
+        const st_tensor *e = NULL;
+        if (saves && peft_open_weights(adapter, &ad) == QT_OK) {
+            e = st_find(ad, "base_model.model.model.embed_tokens.weight");
+            if (!e) e = st_find(ad, "base_model.model.transformer.wte.weight");
+        }
+        if (!e) e = st_find(st, "model.embed_tokens.weight");
         if (!e) e = st_find(st, "transformer.wte.weight"); /* the original Qwen */
         if (e && e->ndim == 2 && e->shape[0] > 0 && e->shape[1] > 0 && e->shape[1] <= 65536) {
             const int64_t V = e->shape[0], C = e->shape[1];
@@ -246,10 +258,11 @@ static void warn_untrained_chat(const char *model_dir, const char *adapter, int3
             }
             qt_free(row);
         }
+        st_close(ad);
         st_close(st);
     }
     qt_error_clear();
-    if (!reason[0] && adapter) {
+    if (!reason[0] && adapter && !saves) {
         const char *base = strrchr(model_dir, '/');
         char name[512];
         snprintf(name, sizeof name, "%s", base && base[1] ? base + 1 : model_dir);

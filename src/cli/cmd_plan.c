@@ -40,6 +40,8 @@ static void plan_help(void) {
            "  --device-memory GiB   memory of one card (default 32)\n"
            "  --lora-r R            default 8\n"
            "  --lora-targets LIST   comma-separated: q,k,v,o,gate,up,down or PEFT names; all-linear (default q,v)\n"
+           "  --modules-to-save LIST  PEFT's modules_to_save trained beside the adapter: embed_tokens (or wte),\n"
+           "                        lm_head, comma-separated (their weights, gradients and Adam state count)\n"
            "  --card-watts W        TDP of one card (default 300, a 32 GB card)\n"
            "  --host-watts W        one host without its cards (default 500)\n"
            "  --cards-per-host K    default min(devices, 8)\n"
@@ -207,6 +209,17 @@ int cmd_plan(int argc, char **argv) {
             NEED_VALUE();
             if (parse_targets(v, &o.lora_targets))
                 return cli_usage_error("plan", "--lora-targets '%s' is not a comma-separated list of q,k,v,o,gate,up,down", v);
+        } else if (!strcmp(a, "--modules-to-save")) {
+            NEED_VALUE();
+            char buf[256];
+            snprintf(buf, sizeof buf, "%s", v);
+            o.lora_save = 0;
+            for (char *save, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+                if (!strcmp(t, "embed_tokens") || !strcmp(t, "wte")) o.lora_save |= QT_SAVE_EMBED;
+                else if (!strcmp(t, "lm_head")) o.lora_save |= QT_SAVE_LM_HEAD;
+                else return cli_usage_error("plan", "--modules-to-save names '%s'; qtune trains embed_tokens (wte) and "
+                                            "lm_head beside an adapter", t);
+            }
         } else if (!strcmp(a, "--card-watts")) {
             NEED_VALUE();
             if (parse_num(v, &o.card_watts)) return cli_usage_error("plan", "--card-watts must be positive, not '%s'", v);

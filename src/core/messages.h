@@ -30,7 +30,8 @@
  * --chat`. args: const char *token ("<|im_end|>"), const char *reason. */
 #define QT_MSG_CHAT_UNTRAINED_FMT                                                                  \
     "%s looks untrained in this model (%s), so chat replies may never stop; "                     \
-    "use the instruct model as the base (or fine-tune fully so embed_tokens and lm_head learn it), " \
+    "use the instruct model as the base (or train embed_tokens and lm_head too: lora.modules_to_save " \
+    "[\"embed_tokens\", \"lm_head\"], or full fine-tuning), " \
     "and cap the reply with --max-new"
 
 /* Collective timeout (src/dist/): a rank died or stalled. Printed by every

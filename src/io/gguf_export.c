@@ -459,7 +459,8 @@ int gguf_export_lora(const char *model_dir, const char *adapter_dir, const char 
         char base[512], gname[GGUF_MAX_NAME + 1], full[GGUF_MAX_NAME + 16];
         int is_b, heads;
         if (!peft_base_name(t->name, base, sizeof base, &is_b) || t->ndim != 2) {
-            rc = QT_ERR(QT_EUNSUPPORTED, "%s: tensor %s is not a LoRA A/B matrix; qtune exports plain LoRA adapters",
+            rc = QT_ERR(QT_EUNSUPPORTED, "%s: tensor %s is not a LoRA A/B matrix (a modules_to_save weight?); "
+                        "llama.cpp's LoRA GGUF holds A/B matrices only, so export the merged model with --gguf",
                         adapter_dir, t->name);
             break;
         }

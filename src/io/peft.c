@@ -76,13 +76,13 @@ static const struct {
      "qtune initializes A as PEFT's default (Kaiming-uniform) and B as zeros; set true"},
     {"use_dora", DEF_FALSE, "qtune trains plain LoRA; set false"},
     {"lora_bias", DEF_FALSE, "qtune trains no LoRA bias; set false"},
-    {"layers_to_transform", DEF_NULL, "qtune adapts every layer; remove it or set null"},
-    {"layers_pattern", DEF_NULL, "qtune adapts every layer; remove it or set null"},
+    {"layers_to_transform", DEF_ANY, NULL}, /* read by peft_parse_extras */
+    {"layers_pattern", DEF_ANY, NULL},
     {"rank_pattern", DEF_EMPTY_OBJ, "qtune uses one r for every module; remove it"},
     {"alpha_pattern", DEF_EMPTY_OBJ, "qtune uses one lora_alpha for every module; remove it"},
-    {"modules_to_save", DEF_NULL,
-     "qtune does not yet train embed_tokens/lm_head beside an adapter; use full fine-tuning (no lora section) "
-     "to train them"},
+    {"modules_to_save", DEF_ANY, NULL},
+    {"ensure_weight_tying", DEF_FALSE,
+     "qtune trains each listed module of a tied model as its own copy, as PEFT does by default; set false"},
     {"megatron_config", DEF_NULL, "remove it"},
     {"loftq_config", DEF_EMPTY_OBJ, "qtune does not implement LoftQ; remove it"},
     {"eva_config", DEF_NULL, "qtune does not implement EVA initialization; remove it"},
@@ -126,6 +126,121 @@ int peft_check_lora_defaults(const cJSON *j, const char *where) {
         return rc;
     }
     return QT_OK;
+}
+
+/* A JSON number that is a whole number in [lo, hi]. */
+static int whole(const cJSON *v, double lo, double hi) {
+    return cJSON_IsNumber(v) && v->valuedouble >= lo && v->valuedouble <= hi && v->valuedouble == floor(v->valuedouble);
+}
+
+int peft_parse_extras(const cJSON *j, peft_config *c, const char *where) {
+    const cJSON *ms = cJSON_GetObjectItemCaseSensitive(j, "modules_to_save");
+    const cJSON *lt = cJSON_GetObjectItemCaseSensitive(j, "layers_to_transform");
+    const cJSON *lp = cJSON_GetObjectItemCaseSensitive(j, "layers_pattern");
+    const cJSON *tm = cJSON_GetObjectItemCaseSensitive(j, "target_modules");
+    c->n_save = c->n_layers = c->layers_int = c->n_patterns = c->patterns_list = 0;
+    if (ms && !cJSON_IsNull(ms)) {
+        if (!cJSON_IsArray(ms))
+            return QT_ERR(QT_EFORMAT, "%smodules_to_save must be a list of module names such as [\"embed_tokens\", "
+                          "\"lm_head\"] or null", where);
+        const cJSON *it;
+        cJSON_ArrayForEach(it, ms) {
+            if (!cJSON_IsString(it) || !it->valuestring[0] || strlen(it->valuestring) >= sizeof c->modules_to_save[0] ||
+                c->n_save >= PEFT_MAX_SAVE)
+                return QT_ERR(QT_EFORMAT, "%smodules_to_save must list at most %d module names of under %zu "
+                              "characters, such as [\"embed_tokens\", \"lm_head\"]", where, PEFT_MAX_SAVE,
+                              sizeof c->modules_to_save[0]);
+            snprintf(c->modules_to_save[c->n_save++], sizeof c->modules_to_save[0], "%s", it->valuestring);
+        }
+    }
+    if (lt && !cJSON_IsNull(lt)) {
+        if (cJSON_IsString(tm))
+            return QT_ERR(QT_EINVAL, "%slayers_to_transform cannot be used when target_modules is a string (\"%.60s\"), "
+                          "as PEFT's LoraConfig says; list the module names instead", where, tm->valuestring);
+        if (whole(lt, 0, 1e9)) {
+            c->layers_to_transform[c->n_layers++] = (int)lt->valuedouble;
+            c->layers_int = 1;
+        } else if (cJSON_IsArray(lt) && lt->child) {
+            const cJSON *it;
+            cJSON_ArrayForEach(it, lt) {
+                if (!whole(it, 0, 1e9) || c->n_layers >= PEFT_MAX_LAYERS)
+                    return QT_ERR(QT_EFORMAT, "%slayers_to_transform must be a layer index or a list of at most %d "
+                                  "layer indices (whole numbers from 0)", where, PEFT_MAX_LAYERS);
+                c->layers_to_transform[c->n_layers++] = (int)it->valuedouble;
+            }
+        } else {
+            return QT_ERR(QT_EFORMAT, "%slayers_to_transform must be a layer index or a non-empty list of layer "
+                          "indices, such as [0, 1, 2], or null", where);
+        }
+    }
+    if (lp && !cJSON_IsNull(lp)) {
+        if (!c->n_layers)
+            return QT_ERR(QT_EINVAL, "%slayers_pattern is set but layers_to_transform is not; PEFT's LoraConfig "
+                          "needs both (layers_pattern only names where the layer index is)", where);
+        const cJSON *one = cJSON_IsString(lp) ? lp : NULL;
+        c->patterns_list = cJSON_IsArray(lp);
+        if (!one && !(c->patterns_list && lp->child))
+            return QT_ERR(QT_EFORMAT, "%slayers_pattern must be a name such as \"layers\" (or a list of names) or "
+                          "null", where);
+        for (const cJSON *it = one ? one : lp->child; it; it = one ? NULL : it->next) {
+            if (!cJSON_IsString(it) || !it->valuestring[0] || strlen(it->valuestring) >= sizeof c->layers_pattern[0] ||
+                c->n_patterns >= PEFT_MAX_PATTERNS)
+                return QT_ERR(QT_EFORMAT, "%slayers_pattern must be a name such as \"layers\" of under %zu "
+                              "characters, or a list of at most %d", where, sizeof c->layers_pattern[0],
+                              PEFT_MAX_PATTERNS);
+            char re[128];
+            snprintf(re, sizeof re, ".*\\.%s\\.(\\d+)\\.", it->valuestring);
+            int err;
+            PCRE2_SIZE off;
+            pcre2_code *code = pcre2_compile((PCRE2_SPTR)re, PCRE2_ZERO_TERMINATED, PCRE2_ANCHORED | PCRE2_UTF, &err,
+                                             &off, NULL);
+            if (!code)
+                return QT_ERR(QT_EFORMAT, "%slayers_pattern '%s' is not a regex PEFT can use; write the name of the "
+                              "model's layer list, such as \"layers\"", where, it->valuestring);
+            pcre2_code_free(code);
+            snprintf(c->layers_pattern[c->n_patterns++], sizeof c->layers_pattern[0], "%s", it->valuestring);
+        }
+    }
+    return QT_OK;
+}
+
+/* PEFT's re.match(rf".*\.{pattern}\.(\d+)\.", key): the layer number, or -1. */
+static int layer_match(const char *re, const char *module) {
+    int err;
+    PCRE2_SIZE off;
+    pcre2_code *code = pcre2_compile((PCRE2_SPTR)re, PCRE2_ZERO_TERMINATED, PCRE2_ANCHORED | PCRE2_UTF, &err, &off,
+                                     NULL);
+    if (!code) return -1;
+    pcre2_match_data *md = pcre2_match_data_create_from_pattern(code, NULL);
+    pcre2_match_context *mc = pcre2_match_context_create(NULL);
+    if (mc) pcre2_set_match_limit(mc, 100000);
+    int rc = md && mc ? pcre2_match(code, (PCRE2_SPTR)module, PCRE2_ZERO_TERMINATED, 0, 0, md, mc) : -1;
+    long idx = -1;
+    if (rc >= 2) {
+        PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
+        char num[16];
+        size_t n = ov[3] - ov[2];
+        if (n < sizeof num) {
+            memcpy(num, module + ov[2], n);
+            num[n] = 0;
+            idx = strtol(num, NULL, 10);
+        }
+    }
+    pcre2_match_context_free(mc);
+    pcre2_match_data_free(md);
+    pcre2_code_free(code);
+    return idx > 1000000000 ? -1 : (int)idx;
+}
+
+int peft_layer_index(const peft_config *c, const char *module) {
+    if (!c->n_patterns) return layer_match(".*\\.[^.]*\\.(\\d+)\\.", module);
+    for (int i = 0; i < c->n_patterns; i++) {
+        char re[128];
+        snprintf(re, sizeof re, ".*\\.%s\\.(\\d+)\\.", c->layers_pattern[i]);
+        int idx = layer_match(re, module);
+        if (idx >= 0) return idx;
+    }
+    return -1;
 }
 
 int peft_config_load(const char *dir, peft_config *c) {
@@ -185,13 +300,14 @@ int peft_config_load(const char *dir, peft_config *c) {
              !empty_or_null(cJSON_GetObjectItemCaseSensitive(j, "alpha_pattern")))
         rc = QT_ERR(QT_EUNSUPPORTED, "%s: rank_pattern/alpha_pattern are set; qtune handles one r and alpha for all layers",
                     path);
-    else if (!empty_or_null(cJSON_GetObjectItemCaseSensitive(j, "modules_to_save")) ||
-             !empty_or_null(cJSON_GetObjectItemCaseSensitive(j, "layers_to_transform")) ||
-             !empty_or_null(cJSON_GetObjectItemCaseSensitive(j, "layers_pattern")))
-        rc = QT_ERR(QT_EUNSUPPORTED,
-                    "%s: modules_to_save / layers_to_transform / layers_pattern are set; qtune reads adapters of "
-                    "LoRA weights on every layer only",
-                    path);
+    else if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(j, "ensure_weight_tying")))
+        rc = QT_ERR(QT_EUNSUPPORTED, "%s: ensure_weight_tying is true; qtune reads adapters whose modules_to_save "
+                    "are trained as separate copies (PEFT's default, false)", path);
+    if (rc == QT_OK) {
+        char where[4200];
+        snprintf(where, sizeof where, "%s: ", path);
+        rc = peft_parse_extras(j, c, where);
+    }
     if (rc == QT_OK) {
         c->r = (int)r->valuedouble;
         c->lora_alpha = cJSON_IsNumber(a) ? (float)a->valuedouble : 8.0f;
@@ -250,8 +366,22 @@ int peft_config_write(const peft_config *c, const char *dir) {
     cJSON_AddFalseToObject(j, "fan_in_fan_out");
     cJSON_AddTrueToObject(j, "inference_mode");
     cJSON_AddTrueToObject(j, "init_lora_weights");
-    cJSON_AddNullToObject(j, "layers_pattern");
-    cJSON_AddNullToObject(j, "layers_to_transform");
+    if (!c->n_patterns) {
+        cJSON_AddNullToObject(j, "layers_pattern");
+    } else if (!c->patterns_list) {
+        cJSON_AddStringToObject(j, "layers_pattern", c->layers_pattern[0]);
+    } else {
+        cJSON *lp = cJSON_AddArrayToObject(j, "layers_pattern");
+        for (int i = 0; lp && i < c->n_patterns; i++) cJSON_AddItemToArray(lp, cJSON_CreateString(c->layers_pattern[i]));
+    }
+    if (!c->n_layers) {
+        cJSON_AddNullToObject(j, "layers_to_transform");
+    } else if (c->layers_int) {
+        cJSON_AddNumberToObject(j, "layers_to_transform", c->layers_to_transform[0]);
+    } else {
+        cJSON *lt = cJSON_AddArrayToObject(j, "layers_to_transform");
+        for (int i = 0; lt && i < c->n_layers; i++) cJSON_AddItemToArray(lt, cJSON_CreateNumber(c->layers_to_transform[i]));
+    }
     cJSON_AddItemToObject(j, "loftq_config", cJSON_CreateObject());
     cJSON_AddNumberToObject(j, "lora_alpha", c->lora_alpha);
     /* dropout as the decimal the user wrote (0.1, not 0.10000000149) */
@@ -260,7 +390,12 @@ int peft_config_write(const peft_config *c, const char *dir) {
     cJSON_AddNumberToObject(j, "lora_dropout", strtod(buf, NULL));
     cJSON_AddNullToObject(j, "megatron_config");
     cJSON_AddStringToObject(j, "megatron_core", "megatron.core");
-    cJSON_AddNullToObject(j, "modules_to_save");
+    if (!c->n_save) {
+        cJSON_AddNullToObject(j, "modules_to_save");
+    } else {
+        cJSON *ms = cJSON_AddArrayToObject(j, "modules_to_save");
+        for (int i = 0; ms && i < c->n_save; i++) cJSON_AddItemToArray(ms, cJSON_CreateString(c->modules_to_save[i]));
+    }
     cJSON_AddStringToObject(j, "peft_type", "LORA");
     cJSON_AddNumberToObject(j, "r", c->r);
     cJSON_AddItemToObject(j, "rank_pattern", cJSON_CreateObject());

@@ -23,6 +23,9 @@
 
 #define PEFT_MAX_TARGETS 16
 #define PEFT_MAX_REGEX 1024
+#define PEFT_MAX_SAVE 8        /* modules_to_save entries */
+#define PEFT_MAX_LAYERS 1024   /* layers_to_transform entries */
+#define PEFT_MAX_PATTERNS 8    /* layers_pattern entries */
 
 typedef struct {
     int r;
@@ -35,6 +38,19 @@ typedef struct {
                                                  a regex PEFT full-matches against each module name;
                                                  "" for a list */
     char base_model[1024];                     /* base_model_name_or_path ("" when unknown) */
+    /* modules_to_save: names of modules trained fully beside the adapter (PEFT's
+     * ModulesToSaveWrapper); their weights are in adapter_model.safetensors as
+     * base_model.model.<module>.weight */
+    int n_save;
+    char modules_to_save[PEFT_MAX_SAVE][64];
+    /* layers_to_transform: LoRA only in these layer indices (n_layers 0: every
+     * layer); layers_int: it was one int, not a list (written back the same way) */
+    int n_layers, layers_int;
+    int layers_to_transform[PEFT_MAX_LAYERS];
+    /* layers_pattern: the name(s) of the layers' ModuleList ("layers", "h"), a
+     * regex each; n_patterns 0: null; patterns_list: given as a list */
+    int n_patterns, patterns_list;
+    char layers_pattern[PEFT_MAX_PATTERNS][64];
 } peft_config;
 
 /* The lora_alpha qtune accepts, in the job file and in adapter_config.json.
@@ -56,6 +72,20 @@ float peft_scaling(const peft_config *c);
  * error "WHERE" + "key is VALUE, which qtune does not implement; ...". */
 int peft_is_lora_key(const char *key);
 int peft_check_lora_defaults(const cJSON *j, const char *where);
+
+/* modules_to_save, layers_to_transform and layers_pattern of a LoraConfig
+ * object j (a job's lora section or adapter_config.json) into c, with
+ * LoraConfig's own checks: layers_pattern needs layers_to_transform, and
+ * neither goes with target_modules given as a string. Errors start with
+ * where ("FILE: " or "JOB: lora."). */
+int peft_parse_extras(const cJSON *j, peft_config *c, const char *where);
+
+/* The layer index PEFT reads from a module name for layers_to_transform:
+ * the number after "." + a layers_pattern entry + "." (regex
+ * `.*\.PATTERN\.(\d+)\.` from the start of the name), or without a pattern
+ * the last "NAME.N." in it; -1 when nothing matches (PEFT then leaves the
+ * module alone). */
+int peft_layer_index(const peft_config *c, const char *module);
 
 /* Reads DIR/adapter_config.json; refuses anything but a plain LoRA adapter
  * (peft_type LORA, bias none, no rank/alpha patterns, no DoRA) by name. */

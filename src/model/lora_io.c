@@ -57,12 +57,85 @@ static int is_qwen2_name(const char *s) {
     return 0;
 }
 
+/* layers_to_transform: whether PEFT adapts module (in layer l) given its
+ * target_modules already match. -1 with an error when layers_pattern finds
+ * a layer number other than l's (a pattern that reads another part of the
+ * name). */
+static int layer_selected(const peft_config *pc, const char *module, int l, const char *where) {
+    if (!pc->n_layers) return 1;
+    int idx = peft_layer_index(pc, module);
+    if (idx < 0) return 0;
+    if (idx != l)
+        return QT_ERR(QT_EUNSUPPORTED, "%s: layers_pattern reads layer %d from %s, which is layer %d; name the "
+                      "model's layer list", where, idx, module, l), -1;
+    for (int i = 0; i < pc->n_layers; i++)
+        if (pc->layers_to_transform[i] == l) return 1;
+    return 0;
+}
+
+/* A module path's last name: "layers" of "model.layers", "h" of "transformer.h", "wte" of "transformer.wte". */
+static const char *leaf(const char *path) {
+    const char *dot = strrchr(path, '.');
+    return dot ? dot + 1 : path;
+}
+
+/* layers_to_transform's checks against the model: every listed index is one
+ * of its layers (PEFT passes over one that is not; qtune says so), and
+ * layers_pattern finds the layer number in its module names. */
+static int check_layers(const qt_config *c, const peft_config *pc, const char *where) {
+    const qt_layout *ly = qt_config_layout(c);
+    const int L = c->num_hidden_layers;
+    if (!pc->n_layers) return QT_OK;
+    if (L > QT_LORA_MAX_LAYERS)
+        return QT_ERR(QT_EUNSUPPORTED, "%s: layers_to_transform on a model of %d layers; qtune handles it for up to %d",
+                      where, L, QT_LORA_MAX_LAYERS);
+    char name[160];
+    snprintf(name, sizeof name, "%s.0.%s", ly->layers, qt_lin_name(c, LIN_Q));
+    if (pc->n_patterns && peft_layer_index(pc, name) < 0)
+        return QT_ERR(QT_EUNSUPPORTED, "%s: layers_pattern '%s' does not match this %s model, whose layers are %s.N; "
+                      "write \"%s\"", where, pc->layers_pattern[0], qt_arch_name(c->arch), ly->layers,
+                      leaf(ly->layers));
+    for (int i = 0; i < pc->n_layers; i++)
+        if (pc->layers_to_transform[i] >= L)
+            return QT_ERR(QT_EINVAL, "%s: layers_to_transform lists layer %d, but the model has %d layers (0 to %d)",
+                          where, pc->layers_to_transform[i], L, L - 1);
+    return QT_OK;
+}
+
+/* modules_to_save against the model's layout: the embedding (embed_tokens;
+ * the original Qwen's wte) and lm_head, by PEFT's name rule (the module's
+ * name or a dotted suffix of it); anything else is refused by name. */
+static int saved_modules(const qt_config *c, const peft_config *pc, unsigned *save, const char *where) {
+    const qt_layout *ly = qt_config_layout(c);
+    *save = 0;
+    for (int i = 0; i < pc->n_save; i++) {
+        const char *e = pc->modules_to_save[i];
+        if (peft_target_entry_matches(e, ly->embed) && strcmp(e, "all-linear")) *save |= QT_SAVE_EMBED;
+        else if (peft_target_entry_matches(e, "lm_head") && strcmp(e, "all-linear")) *save |= QT_SAVE_LM_HEAD;
+        else
+            return QT_ERR(QT_EUNSUPPORTED, "%s: modules_to_save names '%s'; qtune trains the embedding (%s) and "
+                          "lm_head beside an adapter, nothing else; list only those", where, e, leaf(ly->embed));
+    }
+    return QT_OK;
+}
+
 int qt_lora_targets_for(const qt_config *c, const peft_config *pc, unsigned *mask, const char *where) {
+    qt_model_opts o;
+    memset(&o, 0, sizeof o);
+    QT_TRY(qt_lora_resolve(c, pc, &o, where));
+    *mask = o.lora_targets;
+    return QT_OK;
+}
+
+int qt_lora_resolve(const qt_config *c, const peft_config *pc, qt_model_opts *o, const char *where) {
     char tm[PEFT_MAX_REGEX + 64], name[128];
     const qt_layout *ly = qt_config_layout(c);
     const int n_layers = c->num_hidden_layers;
     peft_targets_str(pc, tm, sizeof tm);
+    unsigned *mask = &o->lora_targets;
     *mask = 0;
+    QT_TRY(saved_modules(c, pc, &o->lora_save, where));
+    QT_TRY(check_layers(c, pc, where));
     /* Qwen2 names on an original Qwen model: PEFT stops with "Target modules {...} not found in the base
      * model"; say why and what to write, before anything is loaded */
     if (ly->fused_qkv && !pc->target_regex[0]) {
@@ -76,14 +149,30 @@ int qt_lora_targets_for(const qt_config *c, const peft_config *pc, unsigned *mas
             return QT_ERR(QT_EUNSUPPORTED, QT_MSG_QWEN1_TARGETS_FMT, where, bad, list);
         }
     }
+    /* the layers layers_to_transform keeps (all without it); in each, PEFT's own choice of modules */
+    int n_sel = 0;
+    memset(o->lora_layers, 0, sizeof o->lora_layers);
+    for (int i = 0; i < n_layers; i++) {
+        lin_module(name, sizeof name, c, i, LIN_Q);
+        int on = layer_selected(pc, name, i, where);
+        if (on < 0) return qt_error_code();
+        if (on && i < QT_LORA_MAX_LAYERS) o->lora_layers[i / 64] |= (uint64_t)1 << (i % 64);
+        n_sel += on;
+    }
+    o->lora_layers_set = pc->n_layers > 0 && n_sel < n_layers;
     for (int j = 0; j < LIN_COUNT; j++) {
         int hit = 0;
         for (int i = 0; i < n_layers; i++) {
             lin_module(name, sizeof name, c, i, j);
-            hit += peft_targets_module(pc, name);
+            hit += peft_targets_module(pc, name) && (!pc->n_layers || qt_lora_layer_on(o, i));
         }
-        if (hit == n_layers && n_layers > 0)
+        if (hit == n_sel && n_sel > 0)
             *mask |= qt_lin_flag[j];
+        else if (hit && pc->n_layers)
+            return QT_ERR(QT_EUNSUPPORTED,
+                          "%s: target_modules (%s) selects %s in %d of the %d layers layers_to_transform keeps; qtune "
+                          "adapts the same modules in every adapted layer",
+                          where, tm, qt_lin_name(c, j), hit, n_sel);
         else if (hit)
             return QT_ERR(QT_EUNSUPPORTED,
                           "%s: target_modules (%s) selects %s in %d of the model's %d layers; qtune adapts the same "
@@ -164,15 +253,12 @@ int qt_lora_opts_from_adapter(const char *dir, const qt_config *cfg, qt_model_op
     QT_TRY(peft_config_load(dir, &pc));
     char where[4200];
     snprintf(where, sizeof where, "%s/adapter_config.json", dir);
-    unsigned mask;
-    QT_TRY(qt_lora_targets_for(cfg, &pc, &mask, where));
     o->lora = 1;
     o->lora_r = pc.r;
     o->lora_alpha = pc.lora_alpha;
     o->lora_dropout = pc.lora_dropout;
     o->use_rslora = pc.use_rslora;
-    o->lora_targets = mask;
-    return QT_OK;
+    return qt_lora_resolve(cfg, &pc, o, where); /* targets, modules_to_save, layers_to_transform */
 }
 
 int qt_lora_load(qt_model *m, const char *dir) {
@@ -212,8 +298,8 @@ int qt_lora_load(qt_model *m, const char *dir) {
             char base[200];
             int is_b;
             if (!peft_base_name(name, base, sizeof base, &is_b)) {
-                rc = QT_ERR(QT_EUNSUPPORTED, "%s/adapter_model.safetensors holds %s, which is not a LoRA A/B weight "
-                                             "(modules_to_save and biases are not supported)",
+                rc = QT_ERR(QT_EUNSUPPORTED, "%s/adapter_model.safetensors holds %s, which is neither a LoRA A/B "
+                                             "weight nor a module adapter_config.json's modules_to_save lists",
                             dir, name);
                 break;
             }
@@ -225,6 +311,18 @@ int qt_lora_load(qt_model *m, const char *dir) {
     }
     st_close(st);
     return rc;
+}
+
+void qt_lora_peft_extras(const qt_config *c, const qt_model_opts *o, peft_config *pc) {
+    const qt_layout *ly = qt_config_layout(c);
+    pc->n_save = 0;
+    if (o->lora_save & QT_SAVE_EMBED) snprintf(pc->modules_to_save[pc->n_save++], 64, "%s", leaf(ly->embed));
+    if (o->lora_save & QT_SAVE_LM_HEAD) snprintf(pc->modules_to_save[pc->n_save++], 64, "lm_head");
+    pc->n_layers = pc->layers_int = pc->n_patterns = pc->patterns_list = 0;
+    if (!o->lora_layers_set) return;
+    for (int l = 0; l < c->num_hidden_layers && pc->n_layers < PEFT_MAX_LAYERS; l++)
+        if (qt_lora_layer_on(o, l)) pc->layers_to_transform[pc->n_layers++] = l;
+    snprintf(pc->layers_pattern[pc->n_patterns++], 64, "%s", leaf(ly->layers));
 }
 
 int qt_lora_save(const qt_model *m, const char *dir, const char *base_model) {
@@ -239,6 +337,7 @@ int qt_lora_save(const qt_model *m, const char *dir, const char *base_model) {
     int n = qt_lora_target_names(&m->cfg, m->opts.lora_targets, names, LIN_COUNT);
     for (int j = 0; j < n; j++) memcpy(pc.target_modules[pc.n_targets++], names[j], sizeof pc.target_modules[0]);
     snprintf(pc.base_model, sizeof pc.base_model, "%s", base_model ? base_model : "");
+    qt_lora_peft_extras(&m->cfg, &m->opts, &pc);
     peft_tensor *t = qt_calloc((size_t)m->n_params, sizeof *t, "adapter tensor list");
     if (!t) return QT_ENOMEM;
     qt_model_peft_tensors(m, t);

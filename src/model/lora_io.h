@@ -27,6 +27,14 @@ int qt_lora_opts_from_adapter(const char *dir, const qt_config *cfg, qt_model_op
  * refused with QT_MSG_QWEN1_TARGETS_FMT (core/messages.h): what they are and
  * the list to write. Other refusals as qt_lora_targets_from_peft. */
 int qt_lora_targets_for(const qt_config *cfg, const peft_config *pc, unsigned *mask, const char *where);
+/* The whole LoRA selection of PEFT config pc in a model of config c:
+ * o->lora_targets as qt_lora_targets_for; o->lora_save from modules_to_save
+ * (embed_tokens / the original Qwen's wte, and lm_head; anything else is
+ * refused by name); o->lora_layers(_set) from layers_to_transform, each
+ * module's layer read with layers_pattern as PEFT reads it (a pattern that
+ * does not match the architecture's layer list is refused, naming the one to
+ * write; so is a layer index the model does not have). */
+int qt_lora_resolve(const qt_config *c, const peft_config *pc, qt_model_opts *o, const char *where);
 /* The same for a job file's list of names. */
 int qt_lora_targets_from_names(const qt_config *cfg, const char *const *names, int n, unsigned *mask,
                                const char *where);
@@ -45,6 +53,10 @@ int qt_lora_targets_parse(const char *const *names, int n, unsigned *mask);
 /* Reads DIR/adapter_model.safetensors into the LoRA block: every A/B the model
  * has must be there with its shape, and the file may hold nothing else. */
 int qt_lora_load(qt_model *m, const char *dir);
+/* modules_to_save, layers_to_transform and layers_pattern of opts as
+ * adapter_config.json writes them (the layout's names: embed_tokens or wte,
+ * lm_head; layers or h). */
+void qt_lora_peft_extras(const qt_config *c, const qt_model_opts *o, peft_config *pc);
 /* Writes DIR/adapter_config.json + adapter_model.safetensors (fp32), atomic
  * per file. base_model: base_model_name_or_path ("" when unknown). */
 int qt_lora_save(const qt_model *m, const char *dir, const char *base_model);

@@ -76,6 +76,26 @@ static int lora_on(const qt_model_opts *o, int which) {
     return o->lora && (o->lora_targets & qt_lin_flag[which]);
 }
 
+int qt_lora_layer_on(const qt_model_opts *o, int l) {
+    if (!o->lora_layers_set) return 1;
+    return l >= 0 && l < QT_LORA_MAX_LAYERS && (o->lora_layers[l / 64] >> (l % 64) & 1);
+}
+
+int qt_opts_trains_embed(const qt_model_opts *o) { return !o->lora || (o->lora_save & QT_SAVE_EMBED); }
+
+int qt_opts_trains_lm_head(const qt_config *c, const qt_model_opts *o) {
+    (void)c; /* full fine-tuning trains the lm_head, tied or not */
+    return !o->lora || (o->lora_save & QT_SAVE_LM_HEAD);
+}
+
+/* The model's embedding / lm_head under PEFT's modules_to_save: the
+ * ModulesToSaveWrapper's state-dict key with modules_to_save.default taken
+ * out, as get_peft_model_state_dict writes it. */
+void qt_saved_module_name(const qt_config *c, unsigned which, char *out, size_t cap) {
+    if (which == QT_SAVE_EMBED) snprintf(out, cap, "base_model.model.%s.weight", qt_config_layout(c)->embed);
+    else snprintf(out, cap, "base_model.model.lm_head.weight");
+}
+
 static void add_param(qt_param *out, int *n, size_t *off, const char *name, int ndim, int64_t d0, int64_t d1) {
     if (out) {
         qt_param *p = &out[*n];
@@ -103,6 +123,9 @@ int qt_model_param_table(const qt_config *c, const qt_model_opts *o, qt_param *o
     int C = c->hidden_size, V = c->vocab_size, R = o->lora_r, D = c->head_dim;
     if (!o->lora) {
         snprintf(name, sizeof name, "%s.weight", ly->embed);
+        add_param(out, &n, &off, name, 2, V, C);
+    } else if (o->lora_save & QT_SAVE_EMBED) { /* modules_to_save: the embedding first, as full fine-tuning */
+        qt_saved_module_name(c, QT_SAVE_EMBED, name, sizeof name);
         add_param(out, &n, &off, name, 2, V, C);
     }
     for (int l = 0; l < c->num_hidden_layers; l++) {
@@ -132,7 +155,7 @@ int qt_model_param_table(const qt_config *c, const qt_model_opts *o, qt_param *o
                     snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->ln2);
                     add_param(out, &n, &off, name, 1, C, 0);
                 }
-            } else if (lora_on(o, j)) {
+            } else if (lora_on(o, j) && qt_lora_layer_on(o, l)) {
                 snprintf(name, sizeof name, "base_model.model.%s.%d.%s.lora_A.weight", ly->layers, l, ly->lin[j]);
                 add_param(out, &n, &off, name, 2, R, in);
                 snprintf(name, sizeof name, "base_model.model.%s.%d.%s.lora_B.weight", ly->layers, l, ly->lin[j]);
@@ -144,6 +167,9 @@ int qt_model_param_table(const qt_config *c, const qt_model_opts *o, qt_param *o
         snprintf(name, sizeof name, "%s.weight", ly->final_norm);
         add_param(out, &n, &off, name, 1, C, 0);
         if (!c->tie_word_embeddings) add_param(out, &n, &off, "lm_head.weight", 2, V, C);
+    } else if (o->lora_save & QT_SAVE_LM_HEAD) { /* its own copy even when tied (PEFT's wrapper) */
+        qt_saved_module_name(c, QT_SAVE_LM_HEAD, name, sizeof name);
+        add_param(out, &n, &off, name, 2, V, C);
     }
     if (numel) *numel = off;
     return n;
@@ -164,8 +190,18 @@ static float *carve(float *base, size_t *off, size_t n) {
 
 static size_t max_n(const qt_model_opts *o) { return (size_t)o->max_B * (size_t)o->max_T; }
 
-/* Every decoder layer has the same trainable tensors, so layer l's gradients
- * are the flat range [layer0 + l*layer, layer0 + (l+1)*layer). The lm_head
+int qt_model_layer_unit(const qt_model_opts *o, int l) {
+    if (o->lora && !qt_lora_layer_on(o, l)) return -1;
+    if (!o->lora_layers_set || !o->lora) return l;
+    int k = 0;
+    for (int i = 0; i < l; i++) k += qt_lora_layer_on(o, i);
+    return k;
+}
+
+/* Every decoder layer with trainable tensors has the same ones (LoRA's
+ * layers_to_transform leaves the others with none), so the k-th such layer's
+ * gradients are the flat range [layer0 + k*layer, layer0 + (k+1)*layer)
+ * (qt_model_layer_unit gives k). The lm_head
  * slices are about one layer's size (whole vocabulary chunks of the backend's
  * ce_chunk, so the op walks the same chunks as unsliced): the peak is then two
  * layer-sized windows per kind, whatever the vocabulary. */
@@ -173,6 +209,7 @@ void qt_model_grad_windows(const qt_config *c, const qt_model_opts *o, qt_grad_w
     memset(w, 0, sizeof *w);
     if (o->infer || !o->grad_windows) return;
     qt_model_opts one = *o;
+    one.lora_layers_set = 0; /* one layer's tensors: an adapted layer's */
     qt_config c1 = *c;
     c1.num_hidden_layers = 1;
     size_t n1, n0;
@@ -181,9 +218,9 @@ void qt_model_grad_windows(const qt_config *c, const qt_model_opts *o, qt_grad_w
     qt_model_param_table(&c1, &one, NULL, &n0);
     size_t C = (size_t)c->hidden_size;
     w->layer = n1 - n0;
-    w->layer0 = o->lora ? 0 : (size_t)c->vocab_size * C;
-    if (!o->lora) {
-        w->norm = C;
+    w->layer0 = qt_opts_trains_embed(o) ? (size_t)c->vocab_size * C : 0;
+    w->norm = o->lora ? 0 : C; /* the final norm is frozen under LoRA */
+    if (qt_opts_trains_lm_head(c, o)) {
         const size_t ch = (size_t)desc_of(o)->ce_chunk;
         size_t rows = (w->layer / C + ch - 1) / ch * ch;
         if (rows > (size_t)c->vocab_size) rows = (size_t)c->vocab_size;
@@ -391,10 +428,16 @@ size_t qt_model_memory(const qt_config *c, const qt_model_opts *o, qt_mem_breakd
             small += (size_t)c->num_hidden_layers * (size_t)(c->num_attention_heads + 2 * c->num_key_value_heads) *
                      c->head_dim;
         if (c->qk_norm) small += (size_t)c->num_hidden_layers * 2 * (size_t)c->head_dim;
-        b.base = (all - small) * qt_dtype_size(c->torch_dtype);
+        /* modules_to_save: a (V, C) matrix the graph reads from the trained copy, not the base (a tied
+         * base matrix stays in use while either of its two roles still reads it) */
+        size_t unused = 0, VC = (size_t)c->vocab_size * (size_t)c->hidden_size;
+        unsigned sv = o->lora ? o->lora_save : 0;
+        if (c->tie_word_embeddings) unused = sv == (QT_SAVE_EMBED | QT_SAVE_LM_HEAD) ? VC : 0;
+        else unused = ((sv & QT_SAVE_EMBED) ? VC : 0) + ((sv & QT_SAVE_LM_HEAD) ? VC : 0);
+        b.base = (all - small - unused) * qt_dtype_size(c->torch_dtype);
         /* training in f16/bf16 holds the base in the compute dtype: a copy when the file's differs */
         if (o->lora && !o->infer && o->compute != QT_F32 && c->torch_dtype != o->compute)
-            b.compute_copy = (all - small) * qt_dtype_size(o->compute);
+            b.compute_copy = (all - small - unused) * qt_dtype_size(o->compute);
         b.base_f32 = small * 4;
         if (!o->lora) b.master = 0;
     }

@@ -55,6 +55,17 @@ typedef struct {
 } qt_grad_windows;
 void qt_model_grad_windows(const qt_config *c, const qt_model_opts *o, qt_grad_windows *w);
 
+/* Which unit of the gradient windows layer l is: its index among the layers
+ * with trainable tensors (every layer but those layers_to_transform leaves
+ * out), or -1 when it has none. */
+int qt_model_layer_unit(const qt_model_opts *o, int l);
+
+/* The parameter name of a modules_to_save module (QT_SAVE_EMBED or
+ * QT_SAVE_LM_HEAD): PEFT's adapter key, base_model.model.model.embed_tokens.weight
+ * (the original Qwen: base_model.model.transformer.wte.weight) and
+ * base_model.model.lm_head.weight. */
+void qt_saved_module_name(const qt_config *c, unsigned which, char *out, size_t cap);
+
 /* Number of trainable parameters (elements of the master block). */
 size_t qt_model_trainable_numel(const qt_config *cfg, const qt_model_opts *opts);
 

@@ -36,6 +36,17 @@ enum {
     QT_LORA_GATE = 1 << 4, QT_LORA_UP = 1 << 5, QT_LORA_DOWN = 1 << 6,
 };
 
+/* PEFT's modules_to_save that qtune trains beside an adapter: the embedding
+ * and the lm_head, trained fully (every weight gets a gradient and AdamW
+ * state) while the rest of the base stays frozen. On a model with tied
+ * embeddings each listed one becomes its own trained copy, as PEFT's
+ * ModulesToSaveWrapper makes it (the other keeps the frozen base weight). */
+enum { QT_SAVE_EMBED = 1 << 0, QT_SAVE_LM_HEAD = 1 << 1 };
+
+/* layers_to_transform as a bitmap of layer indices (QT_LORA_MAX_LAYERS at most). */
+#define QT_LORA_MAX_LAYERS 1024
+#define QT_LORA_LAYER_WORDS (QT_LORA_MAX_LAYERS / 64)
+
 typedef struct {
     qt_dtype compute;     /* f32, f16 (stored half, computed f32) or bf16 */
     int lora;             /* 0: full fine-tuning; 1: LoRA */
@@ -52,7 +63,17 @@ typedef struct {
     const char *backend;   /* backend/backend.h name ("cpu", "guard"); NULL: QTUNE_BACKEND, else cpu */
     int grad_windows;      /* ZeRO-2: no gradient block; each unit's gradients are handed
                               over through a qt_grad_hook as soon as its backward is done */
+    unsigned lora_save;    /* QT_SAVE_* mask: modules_to_save (LoRA only) */
+    int lora_layers_set;   /* layers_to_transform given: LoRA only in the layers of lora_layers */
+    uint64_t lora_layers[QT_LORA_LAYER_WORDS]; /* bit l: layer l is adapted (when lora_layers_set) */
 } qt_model_opts;
+
+/* Whether LoRA adapts layer l (layers_to_transform), and whether the
+ * embedding / the lm_head weight is trainable (full fine-tuning, or LoRA
+ * with modules_to_save). */
+int qt_lora_layer_on(const qt_model_opts *o, int l);
+int qt_opts_trains_embed(const qt_model_opts *o);
+int qt_opts_trains_lm_head(const qt_config *c, const qt_model_opts *o);
 
 /* Defaults: f32 compute, full fine-tuning, max_B 1, max_T 512, seed 42. */
 void qt_model_opts_default(qt_model_opts *o);

@@ -181,6 +181,7 @@ struct qt_model {
     qt_wref wte;           /* (V, C) */
     qt_wref lm_head;       /* (V, C), the embedding when tied */
     float *dwte, *dlm_head;
+    size_t lm_head_off;    /* the trainable lm_head's offset in the flat block (the embedding's when tied) */
     const float *lnf_w;    /* (C) */
     float *dlnf_w;
     qt_layer *layers;      /* L */

@@ -413,8 +413,7 @@ static int lmhead_backward_sliced(qt_model *m, const qt_batch *hb, float *dln, f
     const qt_config *c = &m->cfg;
     qt_backend *be = m->be;
     int N = hb->B * hb->T, C = c->hidden_size, V = c->vocab_size, S = m->gw.slice_rows;
-    /* untied: lm_head.weight is the last tensor of the block; tied: the embedding, at 0 */
-    size_t base = c->tie_word_embeddings ? 0 : m->numel - (size_t)V * C;
+    size_t base = m->lm_head_off; /* untied or modules_to_save: the last tensor; tied: the embedding, at 0 */
     size_t esz = qt_dtype_size(m->lm_head.dt);
     int32_t *ht = m->pos_buf;
     for (int v0 = 0, k = 0; v0 < V; v0 += S, k++) {
@@ -470,22 +469,29 @@ int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, 
         be->lmhead_ce_backward(be, dln, m->dlm_head, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, A->lse, grad_scale, N,
                               C, c->vocab_size, m->ws);
     keep(m, dln, (size_t)N * C); /* in fp16 the first place a too-large loss scale overflows */
-    const size_t norm_lo = m->gw.layer0 + (size_t)L * m->gw.layer; /* gradient windows: the final norm's place */
+    size_t units = 0; /* layers with trainable tensors */
+    for (int l = 0; l < L; l++) units += qt_model_layer_unit(&m->opts, l) >= 0;
+    const size_t norm_lo = m->gw.layer0 + units * m->gw.layer; /* gradient windows: the final norm's place */
     if (win && m->dlnf_w) QT_TRY(win_open(m, m->wnorm, (size_t)C));
     be->rmsnorm_backward(be, dres, m->dlnf_w, dln, A->x[L], m->lnf_w, A->rstdf, N, C);
     keep(m, dres, (size_t)N * C);
     if (win && m->dlnf_w) QT_TRY(win_ready(m, norm_lo, norm_lo + (size_t)C, m->wnorm));
-    for (int l = L - 1; l >= 0; l--) {
+    /* layers_to_transform: below the lowest adapted layer nothing is trainable (unless the embedding
+     * is), so the backward stops there */
+    int low = 0;
+    while (!m->dwte && low < L - 1 && qt_model_layer_unit(&m->opts, low) < 0) low++;
+    for (int l = L - 1; l >= low; l--) {
         acts_load(m, l, N); /* 2-byte storage: layer l's saved values back to fp32 */
         /* recompute: x[l+1] was consumed by layer l+1's backward, so it may be overwritten */
         if (m->opts.grad_checkpointing)
             layer_forward(m, l, b, N, A->x[l], A->x[l + 1], &A->layer[l], dropout, b->positions, 0);
-        if (win) QT_TRY(win_open(m, m->wlayer[l & 1], m->gw.layer));
-        layer_backward(m, l, b, N, A->x[l], &A->layer[l], dropout, l > 0 || m->dwte != NULL);
+        const int k = qt_model_layer_unit(&m->opts, l); /* its gradient window, -1: nothing trainable */
+        if (win && k >= 0) QT_TRY(win_open(m, m->wlayer[k & 1], m->gw.layer));
+        layer_backward(m, l, b, N, A->x[l], &A->layer[l], dropout, l > low || m->dwte != NULL);
         /* layer l's gradients are final: hand them over while layer l-1's backward runs */
-        if (win) {
-            size_t lo = m->gw.layer0 + (size_t)l * m->gw.layer;
-            QT_TRY(win_ready(m, lo, lo + m->gw.layer, m->wlayer[l & 1]));
+        if (win && k >= 0) {
+            size_t lo = m->gw.layer0 + (size_t)k * m->gw.layer;
+            QT_TRY(win_ready(m, lo, lo + m->gw.layer, m->wlayer[k & 1]));
         }
     }
     /* the hook reads the token ids on the host (hb), the row gradients (dres) on the device */

@@ -64,6 +64,8 @@ static int check_opts(const qt_model_opts *o) {
                                      "up_proj, down_proj");
         if (!(o->lora_dropout >= 0.0f && o->lora_dropout < 1.0f))
             return QT_ERR(QT_EINVAL, "lora.lora_dropout must be in [0, 1) (got %g)", o->lora_dropout);
+    } else if (o->lora_save || o->lora_layers_set) {
+        return QT_ERR(QT_EINVAL, "model options: modules_to_save and layers_to_transform need LoRA (opts.lora = 1)");
     }
     return QT_OK;
 }
@@ -86,10 +88,12 @@ static float *grad_param(qt_model *m, const char *name) {
         const qt_param *p = &m->params[i];
         if (strcmp(p->name, name)) continue;
         const qt_grad_windows *w = &m->gw;
-        size_t L = (size_t)m->cfg.num_hidden_layers, end = w->layer0 + L * w->layer;
+        size_t units = 0; /* layers with trainable tensors (all, or layers_to_transform's) */
+        for (int l = 0; l < m->cfg.num_hidden_layers; l++) units += qt_model_layer_unit(&m->opts, l) >= 0;
+        size_t end = w->layer0 + units * w->layer;
         if (p->offset >= w->layer0 && p->offset < end) {
-            size_t l = (p->offset - w->layer0) / w->layer;
-            return m->wlayer[l & 1] + (p->offset - w->layer0 - l * w->layer);
+            size_t k = (p->offset - w->layer0) / w->layer; /* its layer's unit: the windows alternate by unit */
+            return m->wlayer[k & 1] + (p->offset - w->layer0 - k * w->layer);
         }
         char norm[160];
         snprintf(norm, sizeof norm, "%s.weight", qt_config_layout(&m->cfg)->final_norm);
@@ -202,9 +206,11 @@ static int load_full(qt_model *m) {
     if (c->tie_word_embeddings) {
         m->lm_head = m->wte;
         m->dlm_head = m->dwte;
+        m->lm_head_off = 0; /* the embedding, first in the block */
     } else {
         m->lm_head = compute_ref(m, "lm_head.weight");
         m->dlm_head = grad_param(m, "lm_head.weight");
+        m->lm_head_off = m->numel - (size_t)c->vocab_size * (size_t)c->hidden_size; /* the last tensor */
     }
     for (int l = 0; l < c->num_hidden_layers; l++) {
         qt_layer *L = &m->layers[l];
@@ -241,16 +247,58 @@ static int load_full(qt_model *m) {
     return QT_OK;
 }
 
+/* A modules_to_save module (QT_SAVE_EMBED / QT_SAVE_LM_HEAD): its trained
+ * copy in the master block starts as the file's tensor `file` (the embedding
+ * for a tied lm_head, as PEFT's wrapper copies the tied module); the graph
+ * reads it in f32 and its gradient goes where grad_param says. */
+static int saved_module(qt_model *m, unsigned which, const char *file, int drop, qt_wref *w, float **dw,
+                        size_t *off) {
+    char name[160];
+    qt_saved_module_name(&m->cfg, which, name, sizeof name);
+    for (int i = 0; i < m->n_params; i++) {
+        const qt_param *p = &m->params[i];
+        if (strcmp(p->name, name)) continue;
+        const st_tensor *t;
+        QT_TRY(st_expect(m->st, file, 2, p->shape, &t));
+        QT_TRY(qt_model_read_param(m, i, t));
+        if (drop) drop_mapped_pages(t->data, t->nbytes); /* the base copy is not read again */
+        *w = (qt_wref){m->master + p->offset, QT_F32};
+        *dw = grad_param(m, name);
+        if (off) *off = p->offset;
+        return QT_OK;
+    }
+    return QT_ERR(QT_EINVAL, "model: %s is not in the parameter table", name); /* cannot happen: memplan lists it */
+}
+
+/* The embedding and the lm_head of a frozen (LoRA, inference) model: the
+ * base's, or the trained copies of modules_to_save. Tied and only one of the
+ * two saved, the other keeps reading the base embedding (PEFT unties them). */
+static int load_vocab_mats(qt_model *m) {
+    const qt_config *c = &m->cfg;
+    const int C = c->hidden_size, V = c->vocab_size, tied = c->tie_word_embeddings;
+    const unsigned sv = m->opts.lora ? m->opts.lora_save : 0;
+    char emb[160];
+    snprintf(emb, sizeof emb, "%s.weight", qt_config_layout(c)->embed);
+    qt_wref base = {0};
+    const int base_used = !(sv & QT_SAVE_EMBED) || (tied && !(sv & QT_SAVE_LM_HEAD));
+    if (base_used) QT_TRY(base_matrix(m, emb, V, C, &base));
+    if (sv & QT_SAVE_EMBED) QT_TRY(saved_module(m, QT_SAVE_EMBED, emb, !base_used && !tied, &m->wte, &m->dwte, NULL));
+    else m->wte = base;
+    if (sv & QT_SAVE_LM_HEAD)
+        return saved_module(m, QT_SAVE_LM_HEAD, tied ? emb : "lm_head.weight", !base_used, &m->lm_head, &m->dlm_head,
+                            &m->lm_head_off);
+    if (tied) m->lm_head = base;
+    else QT_TRY(base_matrix(m, "lm_head.weight", V, C, &m->lm_head));
+    return QT_OK;
+}
+
 static int load_frozen(qt_model *m) {
     const qt_config *c = &m->cfg;
     const qt_layout *ly = qt_config_layout(c);
-    int C = c->hidden_size, V = c->vocab_size, D = c->head_dim;
+    int C = c->hidden_size, D = c->head_dim;
     char name[160];
     float *small = m->base_f32;
-    snprintf(name, sizeof name, "%s.weight", ly->embed);
-    QT_TRY(base_matrix(m, name, V, C, &m->wte));
-    if (c->tie_word_embeddings) m->lm_head = m->wte;
-    else QT_TRY(base_matrix(m, "lm_head.weight", V, C, &m->lm_head));
+    QT_TRY(load_vocab_mats(m));
     snprintf(name, sizeof name, "%s.weight", ly->final_norm);
     QT_TRY(base_vector(m, name, C, small));
     m->lnf_w = small;
@@ -390,6 +438,13 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
                       "sequences of %d tokens are longer than max_position_embeddings (%d) in %s/config.json; use a "
                       "sequence length (data.seq_len, --seq-len) of at most %d",
                       opts->max_T, m->cfg.max_position_embeddings, dir, m->cfg.max_position_embeddings);
+    if (opts->lora && opts->lora_layers_set) {
+        int any = 0;
+        for (int l = 0; l < m->cfg.num_hidden_layers && !any; l++) any = qt_lora_layer_on(opts, l);
+        if (!any)
+            return QT_ERR(QT_EINVAL, "layers_to_transform names none of the %d layers (0 to %d) of %s; list layer "
+                          "indices of this model", m->cfg.num_hidden_layers, m->cfg.num_hidden_layers - 1, dir);
+    }
     m->opts = *opts;
     if (!m->opts.lora) m->opts.lora_targets = 0;
     m->infer = opts->infer;

@@ -71,7 +71,8 @@ static const qt_known_failure failures[] = {
     {"`qtune generate --chat` with a LoRA model never stops, or repeats the prompt",
      "the base model never learned ChatML's <|im_end|> (a base, not an instruct model), and a LoRA adapter on "
      "attention projections cannot teach it a new token's embedding",
-     "use the instruct model as the base, or train the embedding and lm_head too (full fine-tuning); "
+     "use the instruct model as the base, or train the embedding and lm_head too (lora.modules_to_save "
+     "[\"embed_tokens\", \"lm_head\"] beside the adapter, or full fine-tuning); "
      "meanwhile cap replies with --max-new",
      QT_MSG_CHAT_UNTRAINED_FMT, "QT_MSG_CHAT_UNTRAINED_FMT"},
     {"LoRA on an original Qwen model (Qwen-7B/14B/72B) stops at once with 'target_modules names q_proj, v_proj, "
@@ -713,6 +714,16 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
         unsigned mask;
         qt_error_clear();
         if (tm && qt_job_lora_targets(tm, &mask, path) == QT_OK && mask) o.lora_targets = mask;
+        /* modules_to_save: their weights, gradients and Adam state count in the plan */
+        peft_config *pc = qt_calloc(1, sizeof *pc, "doctor: LoRA config");
+        qt_error_clear();
+        int extras_ok = pc && peft_parse_extras(lora, pc, path) == QT_OK;
+        if (extras_ok)
+            for (int i = 0; i < pc->n_save; i++) {
+                if (peft_target_entry_matches(pc->modules_to_save[i], "lm_head")) o.lora_save |= QT_SAVE_LM_HEAD;
+                else o.lora_save |= QT_SAVE_EMBED; /* embed_tokens / wte; any other name the run refuses */
+            }
+        qt_error_clear();
         /* the names against the model's layout: Qwen2 names on an original Qwen model, as the run says */
         const char *names[PEFT_MAX_TARGETS];
         int n = 0;
@@ -725,6 +736,20 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
             problem(&c, "%s", qt_error_message());
         else if (have_cfg && n && mask)
             o.lora_targets = mask;
+        /* modules_to_save and layers_to_transform against the model's layout, as the run resolves them */
+        qt_error_clear();
+        if (pc && !extras_ok) {
+            problem(&c, "%s", qt_error_message());
+        } else if (pc && have_cfg && (pc->n_save || pc->n_layers)) {
+            char tn[8][64];
+            int k = qt_lora_target_names(&cfg, o.lora_targets, tn, 8);
+            for (int i = 0; i < k; i++) memcpy(pc->target_modules[pc->n_targets++], tn[i], sizeof tn[i]);
+            qt_model_opts sel;
+            memset(&sel, 0, sizeof sel);
+            if (qt_lora_resolve(&cfg, pc, &sel, where) != QT_OK) problem(&c, "%s", qt_error_message());
+        }
+        qt_free(pc);
+        qt_error_clear();
     }
     /* every data line, as the trainer will read it */
     if (cJSON_IsObject(data) && cJSON_IsString(model)) {

@@ -371,6 +371,7 @@ static int parse_lora(const job_ctx *c, const cJSON *root, qt_job_lora *l) {
     }
     for (int i = 0; i < l->n_target_names; i++)
         if (!l->target_names[i]) return QT_ENOMEM;
+    QT_TRY(peft_parse_extras(s, &l->extras, where));
     QT_TRY(get_bool(c, s, "lora", "use_rslora", 0, &l->use_rslora));
     QT_TRY(get_str(c, s, "lora", "init_from", NULL, &l->init_from));
     QT_TRY(resolve(c, &l->init_from));

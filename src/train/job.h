@@ -12,6 +12,8 @@
 
 #include <cjson/cJSON.h>
 
+#include "io/peft.h"
+
 typedef struct {
     char *train;        /* resolved path of the training JSONL */
     char *eval;         /* resolved path of the eval JSONL, NULL when none */
@@ -39,6 +41,8 @@ typedef struct {
                              c_attn for the original Qwen), resolved when the run starts */
     int use_rslora;
     char *init_from;      /* resolved path of a PEFT adapter folder, or NULL */
+    peft_config extras;   /* modules_to_save, layers_to_transform, layers_pattern as written (the
+                             n_save / n_layers / n_patterns fields; the rest unused) */
 } qt_job_lora;
 
 typedef struct {

@@ -10,6 +10,7 @@
 #include "core/log.h"
 #include "core/mem.h"
 #include "core/progress.h"
+#include "io/hf_config.h"
 #include "io/model_folder.h"
 #include "io/peft.h"
 #include "io/safetensors.h"
@@ -22,10 +23,12 @@
 #include <string.h>
 #include <unistd.h>
 
-/* One adapted weight: W (out, in), A (r, in), B (out, r). */
+/* One adapted weight: W (out, in), A (r, in), B (out, r); or a
+ * modules_to_save weight: W replaced by the adapter's trained copy `full`. */
 typedef struct {
     const st_tensor *w;
     const st_tensor *a, *b;
+    const st_tensor *full;
     float *af;   /* (r, in) f32 */
     float *bf;   /* (out, r) f32 */
     float *tmp;  /* (in) one row of B @ A */
@@ -36,6 +39,10 @@ typedef struct {
 /* Fills merged elements [off, off + n) of W' in row-major order. */
 static int merge_fill(void *ctx, float *dst, size_t off, size_t n) {
     merge_item *m = ctx;
+    if (m->full) { /* modules_to_save: the trained copy as it is */
+        qt_convert_to_f32(dst, (const char *)m->full->data + off * qt_dtype_size(m->full->dtype), m->full->dtype, n);
+        return QT_OK;
+    }
     const size_t in = (size_t)m->w->shape[1], es = qt_dtype_size(m->w->dtype);
     qt_convert_to_f32(dst, (const char *)m->w->data + off * es, m->w->dtype, n);
     size_t e = off, end = off + n;
@@ -60,12 +67,12 @@ static int merge_fill(void *ctx, float *dst, size_t off, size_t n) {
  * transformers up to 4.55 writes "torch_dtype", later ones "dtype" (and read
  * either): each one present is set, and torch_dtype is added when neither is,
  * so no loader finds the input model's dtype in the merged folder. */
-static int copy_side_files(const char *src, const char *dst, int out_dtype) {
+static int copy_side_files(const char *src, const char *dst, int out_dtype, int untie) {
     QT_TRY(qt_model_copy_side_files(src, dst));
     char s[4096], d[4096];
     QT_TRY(qt_path_join(s, sizeof s, src, "config.json"));
     QT_TRY(qt_path_join(d, sizeof d, dst, "config.json"));
-    if (out_dtype < 0) return qt_copy_file(s, d);
+    if (out_dtype < 0 && !untie) return qt_copy_file(s, d);
     char *text;
     QT_TRY(qt_read_file(s, 1 << 24, &text, NULL));
     cJSON *j = cJSON_Parse(text);
@@ -77,12 +84,17 @@ static int copy_side_files(const char *src, const char *dst, int out_dtype) {
     static const char *const names[] = {"float32", "float16", "bfloat16"};
     static const char *const keys[] = {"torch_dtype", "dtype"};
     int set = 0;
-    for (int k = 0; k < 2; k++) {
+    for (int k = 0; k < 2 && out_dtype >= 0; k++) {
         if (!cJSON_GetObjectItemCaseSensitive(j, keys[k])) continue;
         cJSON_ReplaceItemInObjectCaseSensitive(j, keys[k], cJSON_CreateString(names[out_dtype]));
         set = 1;
     }
-    if (!set) cJSON_AddItemToObject(j, "torch_dtype", cJSON_CreateString(names[out_dtype]));
+    if (!set && out_dtype >= 0) cJSON_AddItemToObject(j, "torch_dtype", cJSON_CreateString(names[out_dtype]));
+    /* modules_to_save trained on a tied model: the embedding and lm_head now differ (merge.h) */
+    if (untie && cJSON_GetObjectItemCaseSensitive(j, "tie_word_embeddings"))
+        cJSON_ReplaceItemInObjectCaseSensitive(j, "tie_word_embeddings", cJSON_CreateFalse());
+    else if (untie)
+        cJSON_AddFalseToObject(j, "tie_word_embeddings");
     char *out = cJSON_Print(j);
     cJSON_Delete(j);
     if (!out) return QT_ERR(QT_ENOMEM, "out of memory writing %s", d);
@@ -110,16 +122,56 @@ int qt_merge_open_model(const char *model_dir, st_file **base) {
 
 /* Pairs each adapter A/B with its base weight, checking every name against
  * target_modules and every shape; reads A and B as f32. */
+/* A modules_to_save tensor of the adapter: "base_model.model.X.weight" with
+ * X listed in modules_to_save (PEFT's name rule) and X.weight in the base, or
+ * the lm_head of a tied base (which has none). Returns the item, or NULL
+ * (*rc set) when t is not one. */
+static int saved_item(const char *model_dir, const char *adapter_dir, const peft_config *pc, st_file *base,
+                      const st_tensor *t, int tied, merge_item *item, int *lm_head_new) {
+    static const char prefix[] = "base_model.model.";
+    size_t pl = sizeof prefix - 1, n = strlen(t->name);
+    char module[512];
+    if (strncmp(t->name, prefix, pl) || n < pl + 8 || strcmp(t->name + n - 7, ".weight") || n - pl - 7 >= sizeof module)
+        return 0;
+    snprintf(module, sizeof module, "%.*s", (int)(n - pl - 7), t->name + pl);
+    int listed = 0;
+    for (int e = 0; e < pc->n_save; e++) listed |= peft_target_entry_matches(pc->modules_to_save[e], module);
+    if (!listed) return 0;
+    const st_tensor *w = st_find(base, t->name + pl);
+    *lm_head_new = !w && tied && !strcmp(module, "lm_head");
+    if (!w && !*lm_head_new) return 0;
+    if (w && (w->ndim != t->ndim || w->shape[0] != t->shape[0] || (t->ndim > 1 && w->shape[1] != t->shape[1])))
+        return QT_ERR(QT_EFORMAT, "%s: %s has shape [%lld, %lld], but %s/%s is [%lld, %lld]; is this the adapter's "
+                      "base model?", adapter_dir, t->name, (long long)t->shape[0],
+                      (long long)(t->ndim > 1 ? t->shape[1] : 0), model_dir, w->name, (long long)w->shape[0],
+                      (long long)(w->ndim > 1 ? w->shape[1] : 0)), -1;
+    item->w = w;
+    item->full = t;
+    return 1;
+}
+
 static int pair_items(const char *model_dir, const char *adapter_dir, const peft_config *pc, st_file *base,
-                      st_file *ad, merge_item *items, int *n_items) {
+                      st_file *ad, merge_item *items, int *n_items, int tied, const st_tensor **lm_head_new) {
     const int na = st_count(ad);
     for (int i = 0; i < na; i++) {
         const st_tensor *t = st_at(ad, i);
         char wname[512];
-        int is_b;
-        if (!peft_base_name(t->name, wname, sizeof wname, &is_b))
-            return QT_ERR(QT_EUNSUPPORTED, "%s: tensor %s is not a LoRA A/B weight; qtune merges plain LoRA adapters",
-                          adapter_dir, t->name);
+        int is_b, fresh = 0;
+        if (!peft_base_name(t->name, wname, sizeof wname, &is_b)) {
+            int k = saved_item(model_dir, adapter_dir, pc, base, t, tied, &items[*n_items], &fresh);
+            if (k < 0) return qt_error_code();
+            if (k && fresh) { /* a tied base has no lm_head.weight: written as a new tensor (write_stage) */
+                *lm_head_new = t;
+                continue;
+            }
+            if (k) {
+                (*n_items)++;
+                continue;
+            }
+            return QT_ERR(QT_EUNSUPPORTED, "%s: tensor %s is neither a LoRA A/B weight nor a module that "
+                          "adapter_config.json's modules_to_save lists; qtune merges LoRA adapters with "
+                          "modules_to_save", adapter_dir, t->name);
+        }
         /* PEFT never loads a LoRA weight for a module outside target_modules:
          * merging it would change the model where the adapter says it does not */
         char module[512];
@@ -145,6 +197,7 @@ static int pair_items(const char *model_dir, const char *adapter_dir, const peft
     for (int k = 0; k < *n_items; k++) {
         merge_item *m = &items[k];
         const st_tensor *w = m->w;
+        if (m->full) continue;
         if (!m->a || !m->b)
             return QT_ERR(QT_EFORMAT, "%s: %s has a lora_%s but no lora_%s", adapter_dir, w->name, m->a ? "A" : "B",
                           m->a ? "B" : "A");
@@ -173,6 +226,10 @@ struct qt_merge_set {
     merge_item *items;
     int n_items;
     float scaling;
+    /* modules_to_save on a tied model: the merged model unties (merge.h); lm_head.weight, which the
+     * tied base does not hold, comes from lm_head_src (the adapter's, or the base embedding) */
+    int untie;
+    merge_item lm_head;
 };
 
 void qt_merge_set_free(qt_merge_set *s) {
@@ -198,7 +255,23 @@ int qt_merge_set_open(const char *model_dir, const char *adapter_dir, st_file *b
         s->items = qt_calloc((size_t)(st_count(s->ad) > 0 ? st_count(s->ad) : 1), sizeof *s->items, "merge list");
         if (!s->items) rc = QT_ENOMEM;
     }
-    if (rc == QT_OK) rc = pair_items(model_dir, adapter_dir, &pc, base, s->ad, s->items, &s->n_items);
+    qt_config cfg;
+    if (rc == QT_OK) rc = qt_config_load(model_dir, &cfg);
+    const st_tensor *lm_new = NULL;
+    if (rc == QT_OK)
+        rc = pair_items(model_dir, adapter_dir, &pc, base, s->ad, s->items, &s->n_items, cfg.tie_word_embeddings,
+                        &lm_new);
+    if (rc == QT_OK && cfg.tie_word_embeddings && pc.n_save) {
+        /* PEFT trains a listed module of a tied model as its own copy: the embedding and lm_head differ */
+        char emb[160];
+        snprintf(emb, sizeof emb, "%s.weight", qt_config_layout(&cfg)->embed);
+        s->untie = 1;
+        s->lm_head.full = lm_new ? lm_new : st_find(base, emb);
+        s->lm_head.w = st_find(base, "lm_head.weight"); /* a tied file may hold one; then it is replaced */
+        if (!s->lm_head.full) rc = QT_ERR(QT_EFORMAT, "%s has no %s", model_dir, emb);
+        for (int k = 0; rc == QT_OK && k < s->n_items && s->lm_head.w; k++)
+            if (s->items[k].w == s->lm_head.w) s->lm_head.w = NULL; /* the adapter's lm_head replaces it already */
+    }
     if (rc != QT_OK) {
         qt_merge_set_free(s);
         return rc;
@@ -212,11 +285,17 @@ void qt_merge_set_lookup(qt_merge_set *s, const char *name, st_fill_fn *fill, vo
     *fill = NULL;
     *ctx = NULL;
     for (int k = 0; k < s->n_items; k++)
-        if (!strcmp(s->items[k].w->name, name)) {
+        if (s->items[k].w && !strcmp(s->items[k].w->name, name)) {
             *fill = merge_fill;
             *ctx = &s->items[k];
         }
+    if (s->untie && s->lm_head.w && !strcmp(name, "lm_head.weight")) {
+        *fill = merge_fill;
+        *ctx = &s->lm_head;
+    }
 }
+
+int qt_merge_set_unties(const qt_merge_set *s) { return s->untie; }
 
 int qt_merge_set_count(const qt_merge_set *s) { return s->n_items; }
 float qt_merge_set_scaling(const qt_merge_set *s) { return s->scaling; }
@@ -239,6 +318,12 @@ static int write_stage(const char *model_dir, const char *stage, st_file *base, 
         if (fill) rc = st_writer_add_fn(wr, t->name, dt, t->ndim, t->shape, fill, ctx);
         else rc = st_writer_add(wr, t->name, dt, t->ndim, t->shape, t->data, t->dtype);
     }
+    /* untied from a tied base that held no lm_head.weight: it is written now */
+    if (rc == QT_OK && set->untie && !st_find(base, "lm_head.weight")) {
+        const st_tensor *src = set->lm_head.full;
+        rc = st_writer_add_fn(wr, "lm_head.weight", out_dtype < 0 ? src->dtype : (qt_dtype)out_dtype, src->ndim,
+                              src->shape, merge_fill, &set->lm_head);
+    }
     char path[4096];
     if (rc == QT_OK) rc = st_writer_set_metadata(wr, "format", "pt");
     if (rc == QT_OK) rc = qt_path_join(path, sizeof path, stage, "model.safetensors");
@@ -249,7 +334,7 @@ static int write_stage(const char *model_dir, const char *stage, st_file *base, 
     if (rc == QT_OK) rc = st_writer_write(wr, path);
     qt_progress_end(prog);
     st_writer_free(wr);
-    if (rc == QT_OK) rc = copy_side_files(model_dir, stage, out_dtype);
+    if (rc == QT_OK) rc = copy_side_files(model_dir, stage, out_dtype, set->untie);
     return rc;
 }
 
@@ -315,8 +400,10 @@ int qt_merge_adapter_progress(const char *model_dir, const char *adapter_dir, co
         QT_ERR(QT_EINTERRUPTED, "merge interrupted; the partial output was removed and %s was left as it was", out);
     if (rc != QT_OK && staged) qt_rm_rf(stage);
     if (rc == QT_OK)
-        qt_info("merged %d LoRA weights (scaling %g) into %s", qt_merge_set_count(set),
-                (double)qt_merge_set_scaling(set), out_dir);
+        qt_info("merged %d LoRA weights (scaling %g) into %s%s", qt_merge_set_count(set),
+                (double)qt_merge_set_scaling(set), out_dir,
+                set->untie ? "; modules_to_save on a tied model: its embedding and lm_head are now separate "
+                             "(tie_word_embeddings false)" : "");
     qt_merge_set_free(set);
     st_close(base);
     return rc;

@@ -1,6 +1,7 @@
 /* Merging a PEFT LoRA adapter into its base model, as peft's merge_and_unload
  * does: for each adapted Linear, W' = W + (B @ A) * scaling, computed in fp32
- * and cast once to the output dtype. The result is a model folder that
+ * and cast once to the output dtype; each modules_to_save weight (embedding,
+ * lm_head) replaced by the adapter's trained copy. The result is a model folder that
  * transformers (and llama.cpp's converters) load unchanged. */
 #ifndef QT_TRAIN_MERGE_H
 #define QT_TRAIN_MERGE_H
@@ -37,7 +38,13 @@ int qt_merge_set_open(const char *model_dir, const char *adapter_dir, st_file *b
  * f32, row-major, any element range (safetensors' st_fill_fn), or *fill =
  * NULL when the adapter leaves that weight alone. */
 void qt_merge_set_lookup(qt_merge_set *s, const char *name, st_fill_fn *fill, void **ctx);
-int qt_merge_set_count(const qt_merge_set *s);  /* adapted weights */
+int qt_merge_set_count(const qt_merge_set *s);  /* adapted weights (LoRA and modules_to_save) */
+/* 1 when the adapter has modules_to_save on a base with tied embeddings: as
+ * PEFT trains each listed module as its own copy, the merged model's
+ * embedding and lm_head differ, so merge writes lm_head.weight (the trained
+ * copy, or the base embedding when only the embedding was listed) and sets
+ * tie_word_embeddings false in config.json. */
+int qt_merge_set_unties(const qt_merge_set *s);
 float qt_merge_set_scaling(const qt_merge_set *s);
 void qt_merge_set_free(qt_merge_set *s);
 

@@ -71,6 +71,7 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, p
     mo.lora = o->lora;
     mo.lora_r = o->lora_r;
     mo.lora_targets = o->lora_targets;
+    mo.lora_save = o->lora ? o->lora_save : 0;
     mo.lora_dropout = 0.1f; /* PEFT's usual setting; the dropout input buffer is counted */
     mo.grad_checkpointing = o->checkpointing;
     mo.max_B = o->micro_batch;
@@ -97,7 +98,7 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, p
     pm->grads = b.grads;
     pm->allocated = b.total;
     pm->mapped_base = o->lora ? b.base : 0;
-    pm->rows = mo.grad_windows && !o->lora ? o->micro_batch * o->seq_len : 0;
+    pm->rows = mo.grad_windows && qt_opts_trains_embed(&mo) ? o->micro_batch * o->seq_len : 0;
     pm->dim = c->hidden_size;
     qt_grad_windows gw;
     qt_model_grad_windows(c, &mo, &gw);
@@ -246,11 +247,20 @@ static const char *targets_str(unsigned t, char *buf, size_t cap) {
     return buf;
 }
 
+/* modules_to_save as the plan names them: "embed_tokens,lm_head", "" for none. */
+static const char *saved_str(unsigned save) {
+    return save == (QT_SAVE_EMBED | QT_SAVE_LM_HEAD) ? "embed_tokens,lm_head"
+           : save == QT_SAVE_EMBED                 ? "embed_tokens"
+           : save == QT_SAVE_LM_HEAD               ? "lm_head"
+                                                   : "";
+}
+
 static void strategy_line(const qt_plan_opts *o, char *buf, size_t cap) {
-    char t[128];
+    char t[128], sv[64] = "";
+    if (o->lora && o->lora_save) snprintf(sv, sizeof sv, " + %s trained", saved_str(o->lora_save));
     if (o->lora)
-        snprintf(buf, cap, "LoRA r=%d on %s, %s, ZeRO %d, %d device%s%s, B=%d T=%d%s", o->lora_r,
-                 targets_str(o->lora_targets, t, sizeof t), qt_dtype_name(o->precision), o->zero, o->devices,
+        snprintf(buf, cap, "LoRA r=%d on %s%s, %s, ZeRO %d, %d device%s%s, B=%d T=%d%s", o->lora_r,
+                 targets_str(o->lora_targets, t, sizeof t), sv, qt_dtype_name(o->precision), o->zero, o->devices,
                  o->devices > 1 ? "s" : "", o->offload ? ", optimizer offloaded to host" : "", o->micro_batch,
                  o->seq_len, o->checkpointing ? ", recomputation" : "");
     else
@@ -327,6 +337,7 @@ char *qt_plan_json(const char *name, const qt_config *c, const qt_plan_opts *o, 
     if (o->lora) {
         cJSON_AddNumberToObject(r, "lora_r", o->lora_r);
         cJSON_AddStringToObject(r, "lora_targets", targets_str(o->lora_targets, t, sizeof t));
+        cJSON_AddStringToObject(r, "modules_to_save", saved_str(o->lora_save));
     }
     cJSON_AddNumberToObject(r, "zero", o->zero);
     cJSON_AddNumberToObject(r, "devices", o->devices);

@@ -26,6 +26,7 @@ typedef struct {
     int lora;              /* 0: full fine-tuning, 1: LoRA */
     int lora_r;            /* R */
     unsigned lora_targets; /* QT_LORA_* mask (model/model.h) */
+    unsigned lora_save;    /* QT_SAVE_* mask: modules_to_save trained beside the adapter */
     int zero;              /* ZeRO stage 0, 1 or 2 */
     int devices;           /* data-parallel ranks N */
     int offload;           /* 1: optimizer state + master weights in host memory */

@@ -99,6 +99,10 @@ int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o) {
     if (job->lora.enabled) {
         o->lora_r = job->lora.r;
         o->lora_targets = job->lora.targets;
+        /* modules_to_save by PEFT's name rule; a name other than these two the run itself refuses */
+        for (int i = 0; i < job->lora.extras.n_save; i++)
+            o->lora_save |= peft_target_entry_matches(job->lora.extras.modules_to_save[i], "lm_head") ? QT_SAVE_LM_HEAD
+                                                                                                       : QT_SAVE_EMBED;
     }
     o->zero = ds.zero.stage;
     o->offload = ds.zero.offload_optimizer;

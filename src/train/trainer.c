@@ -95,6 +95,9 @@ static int load_model(qt_trainer *t) {
     o.lora_dropout = job->lora.lora_dropout;
     o.lora_targets = t->lora_targets;
     o.use_rslora = job->lora.use_rslora;
+    o.lora_save = t->lora_sel.lora_save;
+    o.lora_layers_set = t->lora_sel.lora_layers_set;
+    memcpy(o.lora_layers, t->lora_sel.lora_layers, sizeof o.lora_layers);
     o.grad_checkpointing = job->train.gradient_checkpointing;
     o.max_B = t->cfg.micro_batch;
     o.max_T = job->data.seq_len;
@@ -132,7 +135,7 @@ static int setup_optimizer(qt_trainer *t) {
     if (!t->grads) {
         /* gradient windows: the embedding's rows come as one message per micro-batch */
         t->cfg.zero.unit_elems = qt_model_grad_window_elems(t->model);
-        if (!t->job->lora.enabled) {
+        if (qt_opts_trains_embed(&t->lora_sel)) { /* full fine-tuning, or modules_to_save's embedding */
             t->cfg.zero.emb_rows = t->cfg.micro_batch * t->job->data.seq_len;
             t->cfg.zero.emb_dim = qt_model_config(t->model)->hidden_size;
         }
@@ -488,18 +491,36 @@ static int check_skipped(qt_trainer *t, qt_train_result *res) {
 static int resolve_lora_targets(qt_trainer *t) {
     const qt_job_lora *l = &t->job->lora;
     t->lora_targets = l->targets;
+    memset(&t->lora_sel, 0, sizeof t->lora_sel);
+    t->lora_sel.lora = l->enabled;
     if (!l->enabled) return QT_OK;
     qt_config cfg;
     QT_TRY(qt_config_load(t->job->model, &cfg));
     if (l->targets_default && qt_config_layout(&cfg)->fused_qkv) { /* PEFT's default for model_type qwen */
         const char *c_attn = "c_attn";
-        return qt_lora_targets_from_names(&cfg, &c_attn, 1, &t->lora_targets, t->job->path);
-    }
-    if (l->targets_default || l->targets_all_linear) return QT_OK; /* q_proj/v_proj for Qwen2 layouts; every linear */
-    char where[4200];
+        QT_TRY(qt_lora_targets_from_names(&cfg, &c_attn, 1, &t->lora_targets, t->job->path));
+    } else if (!l->targets_default && !l->targets_all_linear) {
+        char where[4200];
+        snprintf(where, sizeof where, "%s: lora", t->job->path);
+        QT_TRY(qt_lora_targets_from_names(&cfg, (const char *const *)l->target_names, l->n_target_names,
+                                          &t->lora_targets, where));
+    } /* else q_proj/v_proj for Qwen2 layouts; every linear */
+    /* modules_to_save and layers_to_transform: the resolved targets in the layout's own names, with them */
+    peft_config *pc = qt_calloc(1, sizeof *pc, "LoRA selection");
+    if (!pc) return QT_ENOMEM;
+    char names[8][64], where[4200];
+    int n = qt_lora_target_names(&cfg, t->lora_targets, names, 8);
+    for (int i = 0; i < n; i++) memcpy(pc->target_modules[pc->n_targets++], names[i], sizeof names[i]);
+    pc->n_save = l->extras.n_save;
+    memcpy(pc->modules_to_save, l->extras.modules_to_save, sizeof pc->modules_to_save);
+    pc->n_layers = l->extras.n_layers;
+    memcpy(pc->layers_to_transform, l->extras.layers_to_transform, sizeof pc->layers_to_transform);
+    pc->n_patterns = l->extras.n_patterns;
+    memcpy(pc->layers_pattern, l->extras.layers_pattern, sizeof pc->layers_pattern);
     snprintf(where, sizeof where, "%s: lora", t->job->path);
-    return qt_lora_targets_from_names(&cfg, (const char *const *)l->target_names, l->n_target_names,
-                                      &t->lora_targets, where);
+    int rc = qt_lora_resolve(&cfg, pc, &t->lora_sel, where);
+    qt_free(pc);
+    return rc;
 }
 
 static int run(qt_trainer *t, qt_train_result *res) {

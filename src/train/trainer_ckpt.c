@@ -70,6 +70,16 @@ static void fill_peft_config(const qt_trainer *t, peft_config *c) {
     for (int i = 0; i < l->n_target_names && i < PEFT_MAX_TARGETS && !l->targets_default && !l->targets_all_linear; i++)
         snprintf(c->target_modules[c->n_targets++], sizeof c->target_modules[0], "%s", l->target_names[i]);
     peft_base_model_name(t->job->model, c->base_model, sizeof c->base_model);
+    /* modules_to_save, layers_to_transform and layers_pattern as the job wrote them */
+    const peft_config *x = &l->extras;
+    c->n_save = x->n_save;
+    memcpy(c->modules_to_save, x->modules_to_save, sizeof c->modules_to_save);
+    c->n_layers = x->n_layers;
+    c->layers_int = x->layers_int;
+    memcpy(c->layers_to_transform, x->layers_to_transform, sizeof c->layers_to_transform);
+    c->n_patterns = x->n_patterns;
+    c->patterns_list = x->patterns_list;
+    memcpy(c->layers_pattern, x->layers_pattern, sizeof c->layers_pattern);
 }
 
 static int save_adapter(const qt_trainer *t, const char *dir) {
@@ -94,11 +104,23 @@ static int save_model_weights(const qt_trainer *t, const char *path, qt_dtype dt
     return rc;
 }
 
-/* Reads every trainable tensor by name from a safetensors file or folder. */
-static int load_params(qt_trainer *t, const char *path) {
+/* Reads every trainable tensor by name from a safetensors file or folder.
+ * saved_optional (lora.init_from): a modules_to_save weight the adapter does
+ * not hold keeps the base model's value, as PEFT's wrapper starts from it. */
+static int load_params(qt_trainer *t, const char *path, int saved_optional) {
     st_file *f;
     QT_TRY(st_open(path, &f));
-    int rc = qt_model_read_params(t->model, f);
+    int rc = QT_OK;
+    for (int i = 0; i < t->n_params && rc == QT_OK; i++) {
+        const qt_param *p = &t->params[i];
+        const st_tensor *st_t;
+        if (saved_optional && !st_find(f, p->name) && !strstr(p->name, ".lora_")) {
+            if (t->main) qt_info("%s has no %s; it starts from the base model's weight", path, p->name);
+            continue;
+        }
+        rc = st_expect(f, p->name, p->ndim, p->shape, &st_t);
+        if (rc == QT_OK) rc = qt_model_read_param(t->model, i, st_t);
+    }
     /* NaN or inf weights would train on in silence until the loss turns NaN */
     size_t at = 0;
     if (rc == QT_OK && trainer_find_bad(t, t->master, t->n, 0, &at))
@@ -127,7 +149,7 @@ int trainer_init_from_adapter(qt_trainer *t, const char *dir) {
                 t->job->lora.use_rslora ? " (rslora)" : "");
     char path[4096];
     QT_TRY(qt_path_join(path, sizeof path, dir, "adapter_model.safetensors"));
-    rc = load_params(t, path);
+    rc = load_params(t, path, 1);
     if (rc != QT_OK) return qt_error_context(rc, "%s: lora.init_from", t->job->path);
     if (t->main) qt_info("LoRA weights start from the adapter in %s", dir);
     return QT_OK;
@@ -760,7 +782,7 @@ static int load_checkpoint(qt_trainer *t, const char *dir) {
     char path[4096];
     if (rc == QT_OK)
         rc = qt_path_join(path, sizeof path, dir, t->job->lora.enabled ? "adapter_model.safetensors" : "model.safetensors");
-    if (rc == QT_OK) rc = load_params(t, path);
+    if (rc == QT_OK) rc = load_params(t, path, 0);
     if (rc == QT_OK) rc = load_opt_state(t, dir, parts, nparts);
     /* after the structural checks above, whose messages say more when they fail */
     if (rc == QT_OK) rc = verify_checkpoint(t, dir);

@@ -26,6 +26,8 @@ typedef struct {
     qt_batch eval_b;
 
     unsigned lora_targets;     /* QT_LORA_* mask of job.lora's target_modules in the model's layout */
+    qt_model_opts lora_sel;    /* the same with modules_to_save and layers_to_transform resolved
+                                  (lora_targets, lora_save, lora_layers_set, lora_layers) */
     qt_model *model;
     size_t n;                  /* elements in the trainable block */
     float *master;             /* (n) fp32 master weights */

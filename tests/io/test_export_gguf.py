@@ -411,3 +411,45 @@ def test_interrupt_leaves_nothing(tmp_path):
     assert "export interrupted" in err
     assert out.read_bytes() == b"old"
     no_leftovers(tmp_path, ("m", "x.gguf"))
+
+
+def test_modules_to_save(models, tmp_path):
+    """An adapter with PEFT's modules_to_save: export --gguf --adapter writes the trained embedding and lm_head
+    (untied model) as qtune merge does; on a tied model (the merged model must be untied) it asks for merge
+    first; --gguf-lora refuses the full tensors (llama.cpp's LoRA GGUF holds A/B only)."""
+    m = models["tiny-llama"]
+    cfg = json.load(open(os.path.join(m, "config.json")))
+    ad = write_adapter(tmp_path / "ad", cfg, targets=("q_proj",))
+    base = st.read(os.path.join(m, "model.safetensors"))
+    rng = np.random.default_rng(9)
+    for k in ("model.embed_tokens.weight", "lm_head.weight"):
+        ad["base_model.model." + k] = (base[k] + rng.normal(0, 0.1, base[k].shape)).astype(np.float32)
+    st.write(os.path.join(tmp_path / "ad", "adapter_model.safetensors"), ad)
+    c = json.load(open(tmp_path / "ad" / "adapter_config.json"))
+    c["modules_to_save"] = ["embed_tokens", "lm_head"]
+    json.dump(c, open(tmp_path / "ad" / "adapter_config.json", "w"))
+    out = tmp_path / "m.gguf"
+    qtune("export", "--model", m, "--adapter", tmp_path / "ad", "--gguf", out, "--dtype", "f32")
+    g = read_gguf(out)
+    for k in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert np.array_equal(g.tensors[hf_to_gguf(k)].array, expected(k, ad["base_model.model." + k], cfg)), k
+    qtune("merge", "--model", m, "--adapter", tmp_path / "ad", "--out", tmp_path / "mf")
+    qtune("export", "--model", tmp_path / "mf", "--gguf", tmp_path / "mf.gguf", "--dtype", "f32")
+    g2 = read_gguf(tmp_path / "mf.gguf")
+    for n, t in g.tensors.items():
+        assert t.raw == g2.tensors[n].raw, n
+    p = qtune("export", "--model", m, "--adapter", tmp_path / "ad", "--gguf-lora", tmp_path / "l.gguf", check=None)
+    assert p.returncode != 0 and "modules_to_save" in p.stderr and "--gguf" in p.stderr, p.stderr
+    # tied: the merged model is untied, which only qtune merge writes
+    t = models["tiny"]
+    tc = json.load(open(os.path.join(t, "config.json")))
+    tad = write_adapter(tmp_path / "tad", tc, targets=("q_proj",))
+    tb = st.read(os.path.join(t, "model.safetensors"))
+    tad["base_model.model.lm_head.weight"] = tb["model.embed_tokens.weight"] + 0.5
+    st.write(os.path.join(tmp_path / "tad", "adapter_model.safetensors"), tad)
+    c = json.load(open(tmp_path / "tad" / "adapter_config.json"))
+    c["modules_to_save"] = ["lm_head"]
+    json.dump(c, open(tmp_path / "tad" / "adapter_config.json", "w"))
+    p = qtune("export", "--model", t, "--adapter", tmp_path / "tad", "--gguf", tmp_path / "t.gguf", check=None)
+    assert p.returncode != 0 and "tied embeddings" in p.stderr and "qtune merge" in p.stderr, p.stderr
+    assert not os.path.exists(tmp_path / "t.gguf")

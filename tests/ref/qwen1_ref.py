@@ -60,7 +60,7 @@ class QwenRef(Qwen2Ref):
         doc_start = torch.zeros(B, T, dtype=torch.long) if doc_start is None else torch.as_tensor(doc_start,
                                                                                                  dtype=torch.long)
         p, HD = self.p, self.H * self.D
-        x = p["transformer.wte.weight"][ids]
+        x = self.vocab_matrix("transformer.wte.weight", "embed")[ids]
         for l in range(self.L):
             pre = "transformer.h.%d." % l
             h = self.rmsnorm(x, p[pre + "ln_1.weight"])
@@ -73,8 +73,7 @@ class QwenRef(Qwen2Ref):
             a1, a2 = self.linear(h, l, "mlp.w1"), self.linear(h, l, "mlp.w2")
             x = x + self.linear(a1 * torch.nn.functional.silu(a2), l, "mlp.c_proj")
         x = self.rmsnorm(x, p["transformer.ln_f.weight"])
-        w = p["transformer.wte.weight"] if self.tied else p["lm_head.weight"]
-        return x @ w.T
+        return x @ self.vocab_matrix("transformer.wte.weight", "lm_head").T
 
 
 def reference(model_dir, **kw):

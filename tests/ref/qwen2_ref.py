@@ -16,7 +16,12 @@ Semantics followed (transformers' modeling_qwen2):
     before RoPE; head_dim read on its own (H * D may differ from hidden); no
     q/k/v bias unless attention_bias
   - LoRA: y = W x + b + scaling * B(A(dropout(x))), scaling = alpha / r
-    (alpha / sqrt(r) with use_rslora)."""
+    (alpha / sqrt(r) with use_rslora); only the modules whose lora_A/lora_B
+    the weights hold (layers_to_transform: the other layers have none)
+  - PEFT's modules_to_save: a weights key base_model.model.<embedding>.weight
+    or base_model.model.lm_head.weight is a trained copy that replaces that
+    module; with tied embeddings the other role keeps the frozen base weight
+    (PEFT's ModulesToSaveWrapper copies one module, which unties them)."""
 import json
 import math
 import os
@@ -171,7 +176,7 @@ class Qwen2Ref:
         doc_start = torch.zeros(B, T, dtype=torch.long) if doc_start is None else torch.as_tensor(doc_start,
                                                                                                  dtype=torch.long)
         p = self.p
-        x = p["model.embed_tokens.weight"][ids]
+        x = self.vocab_matrix("model.embed_tokens.weight", "embed")[ids]
         for l in range(self.L):
             pre = "model.layers.%d." % l
             h = self.rmsnorm(x, p[pre + "input_layernorm.weight"])
@@ -188,8 +193,15 @@ class Qwen2Ref:
             g, u = self.linear(h, l, LINEARS[4]), self.linear(h, l, LINEARS[5])
             x = x + self.linear(torch.nn.functional.silu(g) * u, l, LINEARS[6])
         x = self.rmsnorm(x, p["model.norm.weight"])
-        w = p["model.embed_tokens.weight"] if self.tied else p["lm_head.weight"]
-        return x @ w.T
+        return x @ self.vocab_matrix("model.embed_tokens.weight", "lm_head").T
+
+    def vocab_matrix(self, embed, role):
+        """The embedding (role "embed") or the lm_head weight: a modules_to_save copy when the LoRA weights
+        hold one, else the base's (the embedding for a tied lm_head)."""
+        key = "base_model.model." + (embed if role == "embed" else "lm_head.weight")
+        if self.lora is not None and key in self.lp:
+            return self.lp[key]
+        return self.p[embed] if role == "embed" or self.tied else self.p["lm_head.weight"]
 
     def loss(self, ids, targets, pos=None, doc_start=None):
         """Sum of cross-entropy over targets != -100, their count, per-position

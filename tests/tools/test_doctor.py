@@ -62,6 +62,27 @@ def test_bad_job_names_every_problem(tmp_path):
     assert "problem" in p.stderr and str(job) in p.stderr
 
 
+@pytest.mark.parametrize("extra,msg", [
+    ({"modules_to_save": ["embed_tokens", "norm"]}, "modules_to_save names 'norm'"),
+    ({"layers_to_transform": [0], "layers_pattern": "h"}, "layers_pattern 'h' does not match"),
+    ({"layers_pattern": "layers"}, "layers_pattern is set but layers_to_transform is not"),
+])
+def test_lora_modules_to_save_and_layers(tmp_path, extra, msg):
+    """PEFT's modules_to_save / layers_to_transform / layers_pattern checked against the model as the run
+    checks them (a good one is no problem)."""
+    job, j = good_job(tmp_path)
+    j["lora"]["modules_to_save"] = ["embed_tokens", "lm_head"]
+    j["lora"]["layers_to_transform"] = [1]
+    job.write_text(json.dumps(j))
+    p = qtune("doctor", job, "--ranks", "1", "--no-table", check=0)
+    assert "no problems found" in p.stdout, p.stdout
+    del j["lora"]["layers_to_transform"]
+    j["lora"].update(extra)
+    job.write_text(json.dumps(j))
+    p = qtune("doctor", job, "--ranks", "1", "--no-table")
+    assert p.returncode != 0 and msg in p.stdout, p.stdout
+
+
 def test_unreadable_job(tmp_path):
     p = qtune("doctor", tmp_path / "nope.json", "--no-table")
     assert p.returncode != 0 and "nope.json" in p.stdout

@@ -74,3 +74,19 @@ def test_untrained_im_end_warning(demo, tmp_path):
     p = qtune("generate", "--model", demo, "--adapter", a, "--chat", "--max-new", 1, "--temperature", "0",
               stdin="hi\n", check=0)
     assert "looks untrained" in p.stderr and "Instruct/Chat" in p.stderr
+    # an adapter whose modules_to_save trained the embedding and lm_head: its own embedding is the one looked
+    # at (an ordinary <|im_end|> row, on the zero-row base too), and rule 3 (projections only) does not apply
+    s = str(tmp_path / "saved")
+    write_adapter(s, cfg)
+    aw = st.read(os.path.join(s, "adapter_model.safetensors"))
+    aw["base_model.model.model.embed_tokens.weight"] = np.asarray(w["model.embed_tokens.weight"], np.float32)
+    aw["base_model.model.model.embed_tokens.weight"][IM_END] = 0.05
+    aw["base_model.model.lm_head.weight"] = aw["base_model.model.model.embed_tokens.weight"]
+    st.write(os.path.join(s, "adapter_model.safetensors"), aw, "F32")
+    c = json.load(open(os.path.join(s, "adapter_config.json")))
+    c["modules_to_save"] = ["embed_tokens", "lm_head"]
+    json.dump(c, open(os.path.join(s, "adapter_config.json"), "w"))
+    for base in (demo, z):
+        p = qtune("generate", "--model", base, "--adapter", s, "--chat", "--max-new", 1, "--temperature", "0",
+                  stdin="hi\n", check=0)
+        assert "looks untrained" not in p.stderr, p.stderr

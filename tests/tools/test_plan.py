@@ -26,6 +26,11 @@ SHAPES = {
     "lora": (cfg(16384, 384, 1024, 4, 6, 2), {"r": 8, "lora_alpha": 16, "lora_dropout": 0.1,
                                               "target_modules": ["q_proj", "v_proj"]}, 2, 128, False),
     "full-recompute": (cfg(8192, 256, 688, 6, 4, 2), None, 4, 128, True),
+    # PEFT's modules_to_save: the (tied) embedding and lm_head trained as two copies beside the adapter,
+    # with their gradients and Adam state
+    "lora-modules-to-save": (cfg(16384, 384, 1024, 4, 6, 2),
+                             {"r": 8, "lora_alpha": 16, "lora_dropout": 0.1, "target_modules": ["q_proj", "v_proj"],
+                              "modules_to_save": ["embed_tokens", "lm_head"]}, 2, 128, False),
 }
 
 
@@ -51,6 +56,8 @@ def test_plan_matches_measured_peak(tmp_path, name):
     args = ["plan", "--model", tmp_path / "m", "--micro-batch", B, "--seq-len", T, "--json"]
     if lora:
         args += ["--mode", "lora", "--lora-r", lora["r"], "--lora-targets", ",".join(lora["target_modules"])]
+        if lora.get("modules_to_save"):
+            args += ["--modules-to-save", ",".join(lora["modules_to_save"])]
     if ckpt:
         args += ["--checkpointing"]
     plan = json.loads(qtune(*args, check=0).stdout)
@@ -182,3 +189,27 @@ def test_plan_reads_a_job_file(tmp_path):
     assert got == want
     p = qtune("plan", "--set", "lora.r=4", "--preset", "qwen2.5-0.5b")
     assert p.returncode == 2 and "needs a job file" in p.stderr
+
+
+def test_plan_counts_modules_to_save(tmp_path):
+    """lora.modules_to_save in a job plans like --modules-to-save: the embedding and lm_head (two copies on a
+    tied model) are trainable parameters, and their gradients and Adam state are ZeRO-sharded."""
+    (tmp_path / "m").mkdir()
+    c = cfg(8192, 256, 688, 4, 4, 2)
+    (tmp_path / "m" / "config.json").write_text(json.dumps(c))
+    job = {"model": "m", "output_dir": "o", "data": {"train": "t.jsonl", "seq_len": 64},
+           "lora": {"r": 4, "target_modules": ["q_proj"], "modules_to_save": ["embed_tokens", "lm_head"]},
+           "deepspeed": {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    got = plan_json(tmp_path / "job.json", "--devices", 2)
+    want = plan_json("--model", tmp_path / "m", "--mode", "lora", "--lora-r", 4, "--lora-targets", "q",
+                     "--modules-to-save", "embed_tokens,lm_head", "--zero", 2, "--seq-len", 64, "--devices", 2)
+    got.pop("model", None), want.pop("model", None)
+    assert got == want and got["modules_to_save"] == "embed_tokens,lm_head"
+    plain = plan_json("--model", tmp_path / "m", "--mode", "lora", "--lora-r", 4, "--lora-targets", "q",
+                      "--zero", 2, "--seq-len", 64, "--devices", 2)
+    VC = c["vocab_size"] * c["hidden_size"]
+    assert got["n_trainable"] == plain["n_trainable"] + 2 * VC
+    assert got["checkpoint_bytes"] > plain["checkpoint_bytes"] + 2 * VC * 4  # weights + Adam's m, v
+    p = qtune("plan", "--preset", "tiny", "--mode", "lora", "--modules-to-save", "norm")
+    assert p.returncode == 2 and "--modules-to-save names 'norm'" in p.stderr

@@ -70,3 +70,36 @@ def test_two_ranks_equal_one_rank_with_double_accumulation(tmp_path, stage):
     o1 = optimizer_state(os.path.join(d, "out1", "checkpoint-6"))
     assert np.allclose(o2["exp_avg"], o1["exp_avg"], rtol=1e-3, atol=1e-7)
     assert json.load(open(os.path.join(d, "out2", "checkpoint-6", "trainer_state.json")))["world"] == 2
+
+
+@pytest.mark.skipif(not mpi_ok(), reason="needs mpirun and a qtune built with MPI")
+@pytest.mark.parametrize("save,layers", [(["embed_tokens", "lm_head"], [1]), (["lm_head"], None)])
+def test_two_ranks_zero2_modules_to_save(tmp_path, save, layers):
+    """LoRA with modules_to_save (and layers_to_transform) at ZeRO-2 over two ranks: the saved embedding's
+    rows, the lm_head's vocabulary slices and the adapted layers' windows are partitioned like full
+    fine-tuning's, and the run equals one rank with twice the accumulation."""
+    d = str(tmp_path)
+    init_model(os.path.join(d, "model"))  # tiny: tied embeddings, so each saved module is its own copy
+    write_tokens(os.path.join(d, "train.jsonl"), 32, 16, seed=4, min_len=5)
+    ds = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
+          "zero_optimization": {"stage": 2}}
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "modules_to_save": save,
+            "layers_to_transform": layers}
+    job = write_job(os.path.join(d, "job.json"), "model", "out2", "train.jsonl", ds=ds, lora=lora,
+                    train_opts={"max_steps": 4})
+    p = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", QTUNE, "train", job],
+                       capture_output=True, text=True, env=env(), timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    run("train", job, "--set", "output_dir=out1")
+    m2, m1 = step_lines(os.path.join(d, "out2")), step_lines(os.path.join(d, "out1"))
+    assert len(m2) == len(m1) == 4
+    for a, b in zip(m2, m1):
+        assert a["opt_state_bytes"] < 0.6 * b["opt_state_bytes"]  # the saved modules' Adam state is sharded
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"], (a, b)
+    w2 = st.read(os.path.join(d, "out2", "final", "adapter_model.safetensors"))
+    w1 = st.read(os.path.join(d, "out1", "final", "adapter_model.safetensors"))
+    assert set(w2) == set(w1) and "base_model.model.lm_head.weight" in w1
+    for k in w1:
+        assert np.allclose(w2[k], w1[k], rtol=1e-4, atol=3e-5), k

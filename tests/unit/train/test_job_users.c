@@ -1,7 +1,8 @@
 /* The job file meets users' own files (issue 22): "lora" as a PEFT
  * adapter_config.json (a file or its folder), PEFT's keys at their defaults
  * accepted quietly and other values refused by key, and
- * --set lora.target_modules=all-linear as in the file. */
+ * --set lora.target_modules=all-linear as in the file; modules_to_save,
+ * layers_to_transform and layers_pattern read as PEFT's LoraConfig has them. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -100,9 +101,13 @@ static void test_non_default_peft_keys_are_refused_by_name(void **state) {
         {"lora.fan_in_fan_out=true", NULL, "lora.fan_in_fan_out is true, which qtune does not implement"},
         {NULL, "{\"init_lora_weights\": \"gaussian\"}", "lora.init_lora_weights is \"gaussian\""},
         {"lora.use_dora=true", NULL, "lora.use_dora is true"},
-        {"lora.modules_to_save=[\"embed_tokens\",\"lm_head\"]", NULL,
-         "lora.modules_to_save is [\"embed_tokens\",\"lm_head\"]"},
-        {"lora.layers_to_transform=[0,1]", NULL, "lora.layers_to_transform is [0,1]"},
+        {"lora.ensure_weight_tying=true", NULL, "lora.ensure_weight_tying is true"},
+        /* modules_to_save / layers_to_transform / layers_pattern: read, with LoraConfig's own checks */
+        {NULL, "{\"modules_to_save\": \"lm_head\"}", "lora.modules_to_save must be a list of module names"},
+        {"lora.layers_pattern=layers", NULL, "lora.layers_pattern is set but layers_to_transform is not"},
+        {NULL, "{\"layers_to_transform\": [0, -1]}", "lora.layers_to_transform must be a layer index or a list"},
+        {NULL, "{\"target_modules\": \"all-linear\", \"layers_to_transform\": 1}",
+         "lora.layers_to_transform cannot be used when target_modules is a string"},
         {"lora.rank_pattern={\"q_proj\":4}", NULL, "lora.rank_pattern is"},
         {"lora.peft_type=IA3", NULL, "lora.peft_type is IA3"},
     };
@@ -114,6 +119,40 @@ static void test_non_default_peft_keys_are_refused_by_name(void **state) {
         if (!strstr(qt_error_message(), cases[i].needle) || strstr(qt_error_message(), "spelling"))
             fail_msg("case %zu: '%s' lacks '%s'", i, qt_error_message(), cases[i].needle);
     }
+}
+
+/* PEFT's modules_to_save, layers_to_transform (an int or a list) and
+ * layers_pattern (a name or a list), from the config file with --set or
+ * inline; checked against the model's layout when the run starts. */
+static void test_modules_to_save_and_layers(void **state) {
+    (void)state;
+    qt_job j;
+    const char *sets[] = {"lora.modules_to_save=[\"embed_tokens\",\"lm_head\"]", "lora.layers_to_transform=[0,1]",
+                          "lora.layers_pattern=layers"};
+    assert_int_equal(load("\"adapter_config.json\"", sets, 3, &j), QT_OK);
+    const peft_config *x = &j.lora.extras;
+    assert_int_equal(x->n_save, 2);
+    assert_string_equal(x->modules_to_save[1], "lm_head");
+    assert_int_equal(x->n_layers, 2);
+    assert_int_equal(x->layers_to_transform[1], 1);
+    assert_false(x->layers_int);
+    assert_int_equal(x->n_patterns, 1);
+    assert_string_equal(x->layers_pattern[0], "layers");
+    qt_job_free(&j);
+    assert_int_equal(load("{\"layers_to_transform\": 3, \"layers_pattern\": [\"layers\", \"h\"]}", NULL, 0, &j),
+                     QT_OK);
+    assert_int_equal(j.lora.extras.n_layers, 1);
+    assert_true(j.lora.extras.layers_int);
+    assert_int_equal(j.lora.extras.n_patterns, 2);
+    assert_true(j.lora.extras.patterns_list);
+    /* PEFT's layer index: after the pattern, or without one the last NAME.N. */
+    assert_int_equal(peft_layer_index(&j.lora.extras, "model.layers.12.self_attn.q_proj"), 12);
+    assert_int_equal(peft_layer_index(&j.lora.extras, "transformer.h.3.attn.c_attn"), 3);
+    peft_config none;
+    memset(&none, 0, sizeof none);
+    assert_int_equal(peft_layer_index(&none, "model.layers.7.mlp.down_proj"), 7);
+    assert_int_equal(peft_layer_index(&none, "lm_head"), -1);
+    qt_job_free(&j);
 }
 
 static void test_set_all_linear(void **state) {
@@ -138,6 +177,7 @@ int main(void) {
         cmocka_unit_test(test_lora_is_a_peft_config_file),
         cmocka_unit_test(test_non_default_peft_keys_are_refused_by_name),
         cmocka_unit_test(test_set_all_linear),
+        cmocka_unit_test(test_modules_to_save_and_layers),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
