@@ -38,6 +38,7 @@ void qt_model_opts_default(qt_model_opts *o) {
     o->max_B = 1;
     o->max_T = 512;
     o->seed = 42;
+    o->device_index = -1;
 }
 
 static int check_config(const qt_config *c, const char *dir) {
@@ -369,7 +370,7 @@ static int check_all_consumed(const qt_model *m, const char *dir) {
 
 static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
     QT_TRY(check_opts(opts));
-    QT_TRY(qt_backend_open(opts->backend, &m->be));
+    QT_TRY(qt_backend_open_index(opts->backend, opts->device_index, &m->be));
     m->own_be = 1;
     QT_TRY(qt_config_load(dir, &m->cfg));
     QT_TRY(check_config(&m->cfg, dir));
