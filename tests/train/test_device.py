@@ -225,3 +225,15 @@ def test_plan_device_without_the_device(base):
     p = qtune(*args, "--device", "xpu")
     assert p.returncode == 2 and "--device must be cpu, cuda, cuda:N or auto" in p.stderr, p.stderr
     assert "--device D" in ok(qtune("plan", "--help")).stdout
+
+
+def test_doctor_checks_the_device(base):
+    j, _ = job(base, "doc_cuda", "cuda")
+    p = qtune("doctor", j, gpus=0)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert 'problem: %s: "device": "cuda" asks for a GPU, but no CUDA GPU is visible' % j in p.stdout, p.stdout
+    j, _ = job(base, "doc_auto")
+    p = ok(qtune("doctor", j, gpus=0))
+    assert "device: cpu (1 thread); device auto -> cpu: no CUDA GPU is visible" in p.stdout, p.stdout
+    p = ok(qtune("doctor", j, gpus=2))
+    assert "device: cuda:0 (Fake GPU 0); device auto -> cuda:0: 2 GPUs visible" in p.stdout, p.stdout
