@@ -248,7 +248,8 @@ const qt_backend_desc *qt_backend_desc_of(const char *name);
 /* The name qt_backend_open(NULL, ...) picks. */
 const char *qt_backend_default_name(void);
 /* 1 when the named backend's device (NULL: the default's) does bf16
- * arithmetic natively (cpu, guard: the CPU has AVX512_BF16). */
+ * arithmetic natively (cpu, guard: the CPU has AVX512_BF16; cuda: always,
+ * the GPUs the module is built for have it). */
 int qt_backend_bf16_arith(const char *name);
 
 #endif
