@@ -14,7 +14,8 @@
 
 static void cpu_close(qt_backend *be) { qt_free(be); }
 
-static int cpu_open(qt_backend **out) {
+static int cpu_open(int index, qt_backend **out) {
+    (void)index;
     qt_backend *be = qt_calloc(1, sizeof *be, "cpu backend");
     if (!be) return QT_ENOMEM;
     qt_backend_cpu_fill(be);
@@ -25,13 +26,18 @@ static int cpu_open(qt_backend **out) {
 
 static const qt_backend_desc *cpu_desc(void) { return &qt_cpu_desc; }
 
+static int guard_open(int index, qt_backend **out) {
+    (void)index;
+    return qt_backend_guard_open(out);
+}
+
 static const struct {
     const char *name;
-    int (*open)(qt_backend **out);
+    int (*open)(int index, qt_backend **out); /* index: the device (cuda's GPU); < 0 the default */
     const qt_backend_desc *(*desc)(void);
 } backends[] = {
     {"cpu", cpu_open, cpu_desc},
-    {"guard", qt_backend_guard_open, qt_backend_guard_desc},
+    {"guard", guard_open, qt_backend_guard_desc},
     {"cuda", qt_backend_cuda_open, qt_backend_cuda_desc}, /* loads its module on open (cuda/loader.c) */
 };
 enum { N_BACKENDS = sizeof backends / sizeof backends[0] };
@@ -50,12 +56,12 @@ const qt_backend_desc *qt_backend_desc_of(const char *name) {
 
 int qt_backend_profile_wrap(qt_backend *in, qt_backend **out); /* profile.c */
 
-int qt_backend_open(const char *name, qt_backend **out) {
+int qt_backend_open_index(const char *name, int index, qt_backend **out) {
     *out = NULL;
     if (!name) name = qt_backend_default_name();
     for (int i = 0; i < N_BACKENDS; i++) {
         if (strcmp(backends[i].name, name)) continue;
-        int rc = backends[i].open(out);
+        int rc = backends[i].open(index, out);
         const char *prof = getenv("QTUNE_PROFILE"); /* every op timed, a table at close (profile.c) */
         if (rc != QT_OK || !prof || !*prof || !strcmp(prof, "0")) return rc;
         qt_backend *in = *out;
@@ -66,11 +72,16 @@ int qt_backend_open(const char *name, qt_backend **out) {
     return QT_ERR(QT_EINVAL, "backend \"%s\" is not compiled in (QTUNE_BACKEND); use cpu, guard or cuda", name);
 }
 
+int qt_backend_open(const char *name, qt_backend **out) { return qt_backend_open_index(name, -1, out); }
+
 void qt_backend_close(qt_backend *be) {
     if (be && be->close) be->close(be);
 }
 
 int qt_backend_bf16_arith(const char *name) {
-    (void)name; /* cpu and guard both run the CPU's kernels */
+    if (!name) name = qt_backend_default_name();
+    /* the module is built for sm_90 (CMAKE_CUDA_ARCHITECTURES), whose tensor
+     * cores do bf16; cpu and guard both run the CPU's kernels */
+    if (!strcmp(name, "cuda")) return 1;
     return op_cpu_has_bf16();
 }

@@ -232,17 +232,24 @@ struct qt_backend {
     void (*close)(qt_backend *be);
 };
 
-/* The backends compiled in, by name ("cpu", "guard"); NULL name: the
+/* The backends compiled in, by name ("cpu", "guard", "cuda"); NULL name: the
  * environment's QTUNE_BACKEND, else "cpu". QT_EINVAL naming the known ones
- * for an unknown name. Close with qt_backend_close. */
+ * for an unknown name. Close with qt_backend_close. The device a run asks
+ * for ("device": "auto", "cuda:1", ...) is resolved to a name and an index
+ * by backend/device.h. */
 int qt_backend_open(const char *name, qt_backend **out);
+/* The same on device index of that backend (cuda: the GPU; < 0: the
+ * process's default, device.h qt_device_default_cuda_index; cpu and guard
+ * have one device and ignore it). */
+int qt_backend_open_index(const char *name, int index, qt_backend **out);
 void qt_backend_close(qt_backend *be);
 /* The descriptor of a backend by name without opening it (NULL: unknown). */
 const qt_backend_desc *qt_backend_desc_of(const char *name);
 /* The name qt_backend_open(NULL, ...) picks. */
 const char *qt_backend_default_name(void);
 /* 1 when the named backend's device (NULL: the default's) does bf16
- * arithmetic natively (cpu, guard: the CPU has AVX512_BF16). */
+ * arithmetic natively (cpu, guard: the CPU has AVX512_BF16; cuda: always,
+ * the GPUs the module is built for have it). */
 int qt_backend_bf16_arith(const char *name);
 
 #endif

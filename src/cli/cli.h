@@ -6,6 +6,8 @@
 #include <signal.h>
 #include <stdio.h>
 
+#include "backend/device.h"
+
 int cmd_init(int argc, char **argv);
 int cmd_train(int argc, char **argv);
 int cmd_eval(int argc, char **argv);
@@ -39,6 +41,13 @@ int cli_wants_help(int argc, char **argv);
 /* --adapter DIR that is not an adapter but a training output_dir: an error
  * that names DIR/final (QT_EINVAL); QT_OK otherwise. */
 int cli_check_adapter(const char *dir);
+
+/* --device D of eval, generate and merge (backend/device.h; NULL: auto),
+ * resolved on this machine. Says on stderr which GPU is used, and what auto
+ * became (or that QTUNE_BACKEND overrides) when D was given. Returns
+ * QT_EXIT_OK, QT_EXIT_USAGE for a value that is not a device, QT_EXIT_FAIL
+ * (with the error said) when this machine cannot give it. */
+int cli_device(const char *cmd, const char *spec, qt_device *out);
 
 /* msg NULL: the flag is set silently (an MPI rank other than 0). */
 volatile sig_atomic_t *cli_stop_on_signals(const char *msg);

@@ -89,3 +89,18 @@ int cli_check_adapter(const char *dir) {
                       dir, dir);
     return QT_OK; /* the adapter loader names what is missing */
 }
+
+int cli_device(const char *cmd, const char *spec, qt_device *out) {
+    if (spec && qt_device_check(spec, "--device") != QT_OK) {
+        qt_error_clear();
+        return cli_usage_error(cmd, "--device must be auto, cpu, cuda or cuda:N, not '%s'", spec);
+    }
+    if (qt_device_resolve(spec, "--device", out) != QT_OK) return cli_fail();
+    if (spec && out->note[0]) qt_info("%s", out->note);
+    if (!strcmp(out->backend, "cuda")) {
+        char label[320];
+        qt_device_label(out, 0, label, sizeof label);
+        qt_info("device %s", label);
+    }
+    return QT_EXIT_OK;
+}

@@ -28,7 +28,7 @@
 
 static void eval_help(void) {
     printf("usage: qtune eval --model DIR [--adapter DIR] [--tokenizer PATH] --data FILE [--format F] [--seq-len T]\n"
-           "                  [--batch B] [--per-token OUT.jsonl]\n\n"
+           "                  [--batch B] [--per-token OUT.jsonl] [--device D]\n\n"
            "Mean next-token cross-entropy (nats) and perplexity over the tokens that carry labels.\n"
            "  --model DIR        Hugging Face model folder (config.json, *.safetensors[, tokenizer.json])\n"
            "  --adapter DIR      PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors)\n"
@@ -40,6 +40,8 @@ static void eval_help(void) {
            "                     (default min(1024, the model's max_position_embeddings))\n"
            "  --batch B          examples per forward pass (default 1)\n"
            "  --per-token OUT    write each example's per-token log-probabilities as JSONL\n"
+           "  --device D         auto (default: a GPU when one is visible, else the CPU), cpu, cuda,\n"
+           "                     cuda:N (GPU N); QTUNE_BACKEND, when set, wins\n"
            "The last line of standard output is {\"loss\": L, \"ppl\": P, \"tokens\": N}.\n");
 }
 
@@ -125,8 +127,7 @@ static int nonfinite_loss(const char *data, const char *model_dir, const char *a
 /* T == 0: min(1024, the model's max_position_embeddings), so a small model
  * evaluates without a --seq-len. */
 static int run_eval(const char *model_dir, const char *tok_path, const char *adapter, const char *data, dl_format fmt,
-                    int T, int B,
-                    const char *per_token) {
+                    int T, int B, const char *per_token, const qt_device *dev) {
     int rc;
     qt_config cfg;
     QT_TRY(qt_config_load(model_dir, &cfg));
@@ -137,6 +138,8 @@ static int run_eval(const char *model_dir, const char *tok_path, const char *ada
     o.infer = 1;
     o.max_B = B;
     o.max_T = T;
+    o.backend = dev->backend;
+    o.device_index = dev->index;
     if (adapter) QT_TRY(qt_lora_opts_from_adapter(adapter, &cfg, &o));
 
     bpe_tokenizer *tok = NULL;
@@ -233,7 +236,7 @@ int cmd_eval(int argc, char **argv) {
         eval_help();
         return QT_EXIT_OK;
     }
-    const char *model = NULL, *adapter = NULL, *data = NULL, *per_token = NULL, *tok_path = NULL;
+    const char *model = NULL, *adapter = NULL, *data = NULL, *per_token = NULL, *tok_path = NULL, *device = NULL;
     dl_format fmt = DL_FORMAT_AUTO;
     int T = 0, B = 1; /* T 0: the default, decided once the model's config is read */
     for (int i = 1; i < argc; i++) {
@@ -252,6 +255,7 @@ int cmd_eval(int argc, char **argv) {
             }
         }
         else if (!strcmp(a, "--per-token")) per_token = v;
+        else if (!strcmp(a, "--device")) device = v;
         else if (!strcmp(a, "--seq-len") || !strcmp(a, "--batch")) {
             long x = strtol(v, &end, 10);
             if (*end || x < 1 || x > (1 << 20)) return cli_usage_error("eval", "%s must be a positive integer, not '%s'", a, v);
@@ -263,6 +267,9 @@ int cmd_eval(int argc, char **argv) {
     }
     if (!model || !data) return cli_usage_error("eval", "--model and --data are required");
     if (adapter && cli_check_adapter(adapter) != QT_OK) return cli_fail();
-    if (run_eval(model, tok_path, adapter, data, fmt, T, B, per_token) != QT_OK) return cli_fail();
+    qt_device dev;
+    int st = cli_device("eval", device, &dev);
+    if (st != QT_EXIT_OK) return st;
+    if (run_eval(model, tok_path, adapter, data, fmt, T, B, per_token, &dev) != QT_OK) return cli_fail();
     return QT_EXIT_OK;
 }

@@ -47,7 +47,9 @@ static void generate_help(void) {
            "                     reply; at most max_position_embeddings (default min(that, 4096))\n"
            "  --prompt-ids LIST  comma-separated token ids instead of --prompt (no tokenizer needed)\n"
            "  --json             print one JSON object per reply instead of streaming: prompt_ids, ids,\n"
-           "                     text, stop, prefill_s, decode_s, decode_tokens_per_s\n");
+           "                     text, stop, prefill_s, decode_s, decode_tokens_per_s\n"
+           "  --device D         auto (default: a GPU when one is visible, else the CPU), cpu, cuda,\n"
+           "                     cuda:N (GPU N); QTUNE_BACKEND, when set, wins\n");
 }
 
 typedef struct {
@@ -439,6 +441,7 @@ int cmd_generate(int argc, char **argv) {
     }
     const char *model = NULL, *adapter = NULL, *prompt = NULL, *prompt_ids = NULL, *tok_path = NULL;
     const char *system = NULL; /* the template's default system message */
+    const char *device = NULL;
     int chat = 0, json = 0, max_new = 256, ctx = 0;
     uint64_t seed = 42;
     qt_sample_opts so = {0.7f, 0, 1.0f};
@@ -453,6 +456,7 @@ int cmd_generate(int argc, char **argv) {
         else if (!strcmp(a, "--prompt")) { NEED_VALUE(); prompt = v; }
         else if (!strcmp(a, "--prompt-ids")) { NEED_VALUE(); prompt_ids = v; }
         else if (!strcmp(a, "--system")) { NEED_VALUE(); system = v; }
+        else if (!strcmp(a, "--device")) { NEED_VALUE(); device = v; }
         else if (!strcmp(a, "--chat")) chat = 1;
         else if (!strcmp(a, "--json")) json = 1;
         else if (!strcmp(a, "--max-new")) {
@@ -498,6 +502,12 @@ int cmd_generate(int argc, char **argv) {
     const int parsed = prompt_ids ? parse_ids(prompt_ids, &ids, &n_ids) : QT_OK;
     if (parsed == QT_ENOMEM) return cli_fail();
     if (parsed != QT_OK) return cli_usage_error("generate", "%s", qt_error_message());
+    qt_device dev;
+    const int dst = cli_device("generate", device, &dev);
+    if (dst != QT_EXIT_OK) {
+        qt_free(ids);
+        return dst;
+    }
     gen_state g;
     memset(&g, 0, sizeof g);
     qt_config cfg;
@@ -519,6 +529,8 @@ int cmd_generate(int argc, char **argv) {
     mo.infer = 1;
     mo.max_B = 1;
     mo.max_T = g.ctx;
+    mo.backend = dev.backend;
+    mo.device_index = dev.index;
     if (adapter && qt_lora_opts_from_adapter(adapter, &cfg, &mo) != QT_OK) rc = QT_EINVAL;
     if (rc == QT_OK) mo.lora_dropout = 0; /* inference: dropout is off */
     if (rc == QT_OK) rc = qt_model_load(model, &mo, &g.m);

@@ -6,6 +6,7 @@
 #include "core/progress.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "train/merge.h"
 
 #include <signal.h>
@@ -13,7 +14,7 @@
 #include <unistd.h>
 
 static void help(void) {
-    printf("usage: qtune merge --model DIR --adapter DIR --out DIR [--dtype f32|bf16|f16]\n\n"
+    printf("usage: qtune merge --model DIR --adapter DIR --out DIR [--dtype f32|bf16|f16] [--device D]\n\n"
            "Merges a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) into\n"
            "its base model as peft's merge_and_unload does: W' = W + (B @ A) * scaling, with\n"
            "scaling = lora_alpha / r (lora_alpha / sqrt(r) with use_rslora), computed in fp32\n"
@@ -21,19 +22,24 @@ static void help(void) {
            "  --model DIR    the base model folder the adapter was trained on\n"
            "  --adapter DIR  the adapter folder (e.g. a run's output_dir/final)\n"
            "  --out DIR      the merged model folder to write (not the model folder)\n"
-           "  --dtype T      store every tensor as T (default: as the base model stores it)\n\n"
+           "  --dtype T      store every tensor as T (default: as the base model stores it)\n"
+           "  --device D     auto (default), cpu, cuda, cuda:N, checked as eval and generate check it\n"
+           "                 (cuda where no GPU is visible is an error); the merge itself streams the\n"
+           "                 weights through host memory on the CPU whatever D is: B @ A adds r\n"
+           "                 multiply-adds per weight, little beside reading and writing the weights\n\n"
            "The files are staged first and moved into DIR when all are complete: an error\n"
            "or Ctrl-C (exit status 130) leaves DIR as it was.\n");
 }
 
 int cmd_merge(int argc, char **argv) {
     if (cli_wants_help(argc, argv)) { help(); return QT_EXIT_OK; }
-    const char *model = NULL, *adapter = NULL, *out = NULL, *dtype = NULL;
+    const char *model = NULL, *adapter = NULL, *out = NULL, *dtype = NULL, *device = NULL;
     for (int i = 1; i < argc; i++) {
         const char **dst = !strcmp(argv[i], "--model")     ? &model
                            : !strcmp(argv[i], "--adapter") ? &adapter
                            : !strcmp(argv[i], "--out")     ? &out
                            : !strcmp(argv[i], "--dtype")   ? &dtype
+                           : !strcmp(argv[i], "--device")  ? &device
                                                            : NULL;
         if (!dst) return cli_usage_error("merge", "unknown argument '%s'", argv[i]);
         if (i + 1 >= argc) return cli_usage_error("merge", "%s needs a value", argv[i]);
@@ -46,6 +52,11 @@ int cmd_merge(int argc, char **argv) {
         if (qt_dtype_parse(dtype, &d) != QT_OK) return cli_usage_error("merge", "--dtype must be f32, bf16 or f16");
         dt = (int)d;
     }
+    qt_device dev;
+    int st = cli_device("merge", device, &dev);
+    if (st != QT_EXIT_OK) return st;
+    if (!strcmp(dev.backend, "cuda"))
+        qt_info("merge: the merge streams the weights through host memory on the CPU; GPU %d is not used", dev.index);
     volatile sig_atomic_t *stop = cli_stop_on_signals("removing the partial merge");
     qt_progress prog;
     qt_progress_start(&prog, stderr, isatty(2), "merge: writing model.safetensors", 0, "MB");

@@ -1,6 +1,7 @@
 /* qtune plan: the memory and hardware plan for a model, a strategy and a
  * device count (src/train/plan_report.h does the sums; docs/plan.md). */
 #include "backend/backend.h"
+#include "backend/device.h"
 #include "cli/cli.h"
 #include "core/error.h"
 #include "core/fs.h"
@@ -47,8 +48,11 @@ static void plan_help(void) {
            "  --cards-per-host K    default min(devices, 8)\n"
            "  --dataset-gib G       dataset/token cache held in host memory (default 1)\n"
            "  --strategies          also print the field report's three strategies for this shape\n"
-           "  --backend NAME        size workspaces with this backend's descriptor (cpu, guard; default\n"
-           "                        QTUNE_BACKEND, else cpu); its device need not be on this machine\n"
+           "  --device D            size workspaces with the descriptor of device D: cpu, cuda (or cuda:N),\n"
+           "                        auto; the device need not be on this machine. Default: QTUNE_BACKEND\n"
+           "                        when set, else the job's \"device\", else auto (a GPU when one is\n"
+           "                        visible here, else the CPU)\n"
+           "  --backend NAME        the same by backend name (cpu, guard, cuda)\n"
            "  --json                print one JSON object instead of the table\n");
 }
 
@@ -117,7 +121,7 @@ int cmd_plan(int argc, char **argv) {
     qt_plan_opts o;
     qt_plan_opts_default(&o);
     const char *model = NULL, *preset = NULL, *job_path = NULL;
-    int json = 0, strategies = 0;
+    int json = 0, strategies = 0, backend_given = 0;
     /* a job file first: its settings are the defaults the options override */
     const char **sets = calloc((size_t)argc + 1, sizeof *sets);
     int n_sets = 0, ranks = 1;
@@ -129,12 +133,13 @@ int cmd_plan(int argc, char **argv) {
                                       !strcmp(argv[i - 1], "--strategies") || !strcmp(argv[i - 1], "--json")))
             job_path = argv[i];
     }
-    char job_model[4096];
+    char job_model[4096], job_device[32] = "";
     if (job_path) {
         qt_job job;
         int rc = qt_job_load(job_path, sets, n_sets, &job); /* on failure job is left empty */
         if (rc == QT_OK) rc = qt_plan_opts_from_job(&job, ranks, &o);
         if (rc == QT_OK) snprintf(job_model, sizeof job_model, "%s", job.model);
+        if (rc == QT_OK) snprintf(job_device, sizeof job_device, "%s", job.device);
         qt_job_free(&job);
         free(sets);
         if (rc != QT_OK) return cli_fail();
@@ -160,8 +165,18 @@ int cmd_plan(int argc, char **argv) {
         } else if (!strcmp(a, "--backend")) {
             NEED_VALUE();
             if (!qt_backend_desc_of(v))
-                return cli_usage_error("plan", "--backend must name a compiled-in backend (cpu, guard), not '%s'", v);
+                return cli_usage_error("plan", "--backend must name a compiled-in backend (cpu, guard, cuda), not '%s'", v);
             o.backend = v;
+            backend_given = 1;
+        } else if (!strcmp(a, "--device")) {
+            NEED_VALUE();
+            if (qt_backend_desc_of(v)) o.backend = v; /* cpu, cuda, and guard as --backend takes it */
+            else if (qt_device_check(v, "--device") == QT_OK) o.backend = qt_device_desc_name(v); /* NULL: auto */
+            else {
+                qt_error_clear();
+                return cli_usage_error("plan", "--device must be cpu, cuda, cuda:N or auto, not '%s'", v);
+            }
+            backend_given = 1;
         } else if (!strcmp(a, "--zero")) {
             NEED_VALUE();
             if (parse_int(v, 0, 2, &o.zero)) return cli_usage_error("plan", "--zero must be 0, 1 or 2, not '%s'", v);
@@ -245,6 +260,15 @@ int cmd_plan(int argc, char **argv) {
     if (o.offload && o.zero == 0)
         return cli_usage_error("plan", "--offload cpu needs --zero 1 or 2 (the offloaded state is the sharded optimizer)");
 
+    /* Whose descriptor: the option's; else as a run here would choose:
+     * QTUNE_BACKEND (the test hook), the job's "device", auto */
+    if (!o.backend) {
+        const char *env = getenv("QTUNE_BACKEND");
+        qt_device dev;
+        if (!backend_given && !(env && *env) && job_device[0]) o.backend = qt_device_desc_name(job_device);
+        if (!o.backend && qt_device_resolve("auto", "--device", &dev) != QT_OK) return cli_fail();
+        if (!o.backend) o.backend = dev.backend;
+    }
     qt_config cfg;
     if ((model ? qt_config_load(model, &cfg) : qt_preset(preset, &cfg)) != QT_OK) return cli_fail();
     if (model) o.weights_file_bytes = weights_file_bytes(model);

@@ -86,7 +86,9 @@ static void usage(FILE *out) {
                  "; OMP_WAIT_POLICY=passive: no spin, kinder to\n"
                  "other busy processes; active: a long spin);\n"
                  "QTUNE_SGEMM=openblas keeps every fp32 product on OpenBLAS (default: oneDNN for the gradients);\n"
-                 "QTUNE_PROFILE=1 times every backend op and prints a table at exit (docs/performance.md).\n");
+                 "QTUNE_PROFILE=1 times every backend op and prints a table at exit (docs/performance.md);\n"
+                 "QTUNE_BACKEND=cpu|guard|cuda overrides the job's \"device\" and --device; QTUNE_CUDA_DEVICE=N is\n"
+                 "the GPU a plain \"cuda\" takes (default: the local rank under mpirun, else 0) (docs/backends.md).\n");
 }
 
 int main(int argc, char **argv) {

@@ -60,7 +60,9 @@ typedef struct {
     uint64_t seed;         /* LoRA A init, dropout masks */
     int infer;             /* eval/generate: base frozen in its file dtype, no gradient
                               block, activations for one layer, a KV cache of max_T */
-    const char *backend;   /* backend/backend.h name ("cpu", "guard"); NULL: QTUNE_BACKEND, else cpu */
+    const char *backend;   /* backend/backend.h name ("cpu", "guard", "cuda"); NULL: QTUNE_BACKEND, else cpu.
+                              The CLI resolves the job's "device" / --device to it (backend/device.h) */
+    int device_index;      /* that backend's device (cuda: the GPU); -1: the process's default */
     int grad_windows;      /* ZeRO-2: no gradient block; each unit's gradients are handed
                               over through a qt_grad_hook as soon as its backward is done */
     unsigned lora_save;    /* QT_SAVE_* mask: modules_to_save (LoRA only) */

@@ -14,10 +14,10 @@ static int env_emulate(void) {
     return e && !strcmp(e, "1");
 }
 
-int qt_precision_bf16_emulated(void) { return !qt_backend_bf16_arith(NULL) || env_emulate(); }
+int qt_precision_bf16_emulated(const char *backend) { return !qt_backend_bf16_arith(backend) || env_emulate(); }
 
-int qt_precision_check(qt_dtype compute) {
-    if (compute != QT_BF16 || qt_backend_bf16_arith(NULL)) return QT_OK;
+int qt_precision_check(qt_dtype compute, const char *backend) {
+    if (compute != QT_BF16 || qt_backend_bf16_arith(backend)) return QT_OK;
     if (env_emulate()) {
         qt_warn("bf16 is emulated (QTUNE_BF16_EMULATE=1): values are stored in bf16 and computed in fp32, slower "
                 "than fp32; this CPU has no AVX512_BF16");

@@ -14,15 +14,16 @@
 
 #include "core/dtype.h"
 
-/* QT_OK when the CPU can train in `compute`. bf16 needs AVX512_BF16; without
- * it this returns QT_EUNSUPPORTED with a sentence saying so, unless the
- * environment sets QTUNE_BF16_EMULATE=1 (bf16 storage, fp32 arithmetic: for
- * tests on machines without it). */
-int qt_precision_check(qt_dtype compute);
+/* QT_OK when backend (a backend/backend.h name; NULL: the default) can train
+ * in `compute`. bf16 on the CPU needs AVX512_BF16; without it this returns
+ * QT_EUNSUPPORTED with a sentence saying so, unless the environment sets
+ * QTUNE_BF16_EMULATE=1 (bf16 storage, fp32 arithmetic: for tests on machines
+ * without it). The GPU's bf16 does not depend on the host CPU. */
+int qt_precision_check(qt_dtype compute, const char *backend);
 
-/* 1 when bf16 runs emulated (storage bf16, arithmetic fp32): the CPU has no
- * AVX512_BF16, or QTUNE_BF16_EMULATE=1 asks for it on one that has (the
- * tests compare the two paths there). */
-int qt_precision_bf16_emulated(void);
+/* 1 when bf16 runs emulated on backend (storage bf16, arithmetic fp32): the
+ * CPU has no AVX512_BF16, or QTUNE_BF16_EMULATE=1 asks for it on one that
+ * has (the tests compare the two paths there). */
+int qt_precision_bf16_emulated(const char *backend);
 
 #endif

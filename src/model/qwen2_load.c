@@ -38,6 +38,7 @@ void qt_model_opts_default(qt_model_opts *o) {
     o->max_B = 1;
     o->max_T = 512;
     o->seed = 42;
+    o->device_index = -1;
 }
 
 static int check_config(const qt_config *c, const char *dir) {
@@ -54,7 +55,7 @@ static int check_config(const qt_config *c, const char *dir) {
 }
 
 static int check_opts(const qt_model_opts *o) {
-    if (!o->infer) QT_TRY(qt_precision_check(o->compute));
+    if (!o->infer) QT_TRY(qt_precision_check(o->compute, o->backend));
     if (o->max_B < 1 || o->max_T < 1)
         return QT_ERR(QT_EINVAL, "model options: max_B and max_T must be at least 1 (got %d, %d)", o->max_B, o->max_T);
     if (o->lora) {
@@ -417,7 +418,7 @@ static int check_all_consumed(const qt_model *m, const char *dir) {
 
 static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
     QT_TRY(check_opts(opts));
-    QT_TRY(qt_backend_open(opts->backend, &m->be));
+    QT_TRY(qt_backend_open_index(opts->backend, opts->device_index, &m->be));
     m->own_be = 1;
     QT_TRY(qt_config_load(dir, &m->cfg));
     QT_TRY(check_config(&m->cfg, dir));
@@ -533,7 +534,7 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
     }
     /* bf16 with native hardware (and no QTUNE_BF16_EMULATE=1): the layers' matmuls on oneDNN's bf16 GEMM,
      * reading the saved 2-byte inputs (docs/precision.md); probed only where it can run */
-    m->native_bf16 = m->acts.layer16 && m->opts.compute == QT_BF16 && !qt_precision_bf16_emulated() &&
+    m->native_bf16 = m->acts.layer16 && m->opts.compute == QT_BF16 && !qt_precision_bf16_emulated(m->opts.backend) &&
                      m->be->bf16_available(m->be);
     if (m->native_bf16) qt_debug("model %s: bf16 forward matmuls on oneDNN", dir);
     const size_t maxn = (size_t)opts->max_B * (size_t)opts->max_T;

@@ -3,6 +3,7 @@
  * machine or the job; every check only reads. */
 #include "train/doctor.h"
 
+#include "backend/device.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/mem.h"
@@ -660,6 +661,16 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
     qt_job job;
     qt_error_clear();
     if (qt_job_load(path, sets, n_sets, &job) == QT_OK) {
+        /* the device as the run would resolve it here: "cuda" with no GPU stops the run */
+        char where[4200];
+        qt_device dev;
+        snprintf(where, sizeof where, "%s: \"device\":", path);
+        if (qt_device_resolve(job.device, where, &dev) != QT_OK) problem(&c, "%s", qt_error_message());
+        else {
+            char label[320];
+            qt_device_label(&dev, omp_get_max_threads(), label, sizeof label);
+            fprintf(f, "  device: %s%s%s\n", label, dev.note[0] ? "; " : "", dev.note);
+        }
         cJSON *r = cJSON_Duplicate(job.root, 1);
         if (r) {
             cJSON_Delete(root);

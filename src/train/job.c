@@ -2,6 +2,7 @@
  * the job file and the field ("job.json: train.max_steps must be ..."). */
 #include "train/job.h"
 
+#include "backend/device.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/json_range.h"
@@ -485,6 +486,9 @@ static cJSON *fingerprint_view(const cJSON *root) {
     cJSON *cp = cJSON_Duplicate(root, 1);
     if (!cp) return NULL;
     cJSON_DeleteItemFromObjectCaseSensitive(cp, "output_dir");
+    /* where it runs: the backends agree within rounding (docs/backends.md), and a
+     * run started on a GPU may resume on the CPU and back */
+    cJSON_DeleteItemFromObjectCaseSensitive(cp, "device");
     cJSON *t = cJSON_GetObjectItemCaseSensitive(cp, "train");
     static const char *const volatile_train[] = {"max_steps", "save_steps", "save_total_limit", "eval_steps",
                                                  "log_steps", "resume", "overwrite_output_dir", "eval_batches"};
@@ -640,7 +644,7 @@ int qt_job_parse(const char *json, const char *dir, const char *where, const cha
     if (rc == QT_OK) rc = load_section_file(&c, root, "lora", &job->lora_path);
     if (rc != QT_OK) { qt_job_free(job); return rc; }
 
-    static const char *const known[] = {"model", "output_dir", "data", "lora", "train", "deepspeed", NULL};
+    static const char *const known[] = {"model", "output_dir", "data", "lora", "train", "deepspeed", "device", NULL};
     warn_unknown(&c, root, "", known);
     job->dir = qt_strdup(dir);
     job->path = qt_strdup(where);
@@ -653,6 +657,12 @@ int qt_job_parse(const char *json, const char *dir, const char *where, const cha
     if (rc == QT_OK && !job->output_dir)
         rc = QT_ERR(QT_EINVAL, "%s: \"output_dir\" is missing; name the folder for checkpoints and results", where);
     if (rc == QT_OK) rc = resolve(&c, &job->output_dir);
+    if (rc == QT_OK) rc = get_str(&c, root, "", "device", "auto", &job->device);
+    if (rc == QT_OK) {
+        char w[4200];
+        snprintf(w, sizeof w, "%s: \"device\":", where);
+        rc = qt_device_check(job->device, w); /* what the machine has is asked when the run starts */
+    }
     if (rc == QT_OK) rc = parse_data(&c, root, &job->data);
     if (rc == QT_OK) rc = parse_lora(&c, root, &job->lora);
     if (rc == QT_OK) rc = parse_train(&c, root, &job->train);
@@ -687,6 +697,7 @@ void qt_job_free(qt_job *job) {
     qt_free(job->dir);
     qt_free(job->model);
     qt_free(job->output_dir);
+    qt_free(job->device);
     qt_free(job->data.train);
     qt_free(job->data.eval);
     qt_free(job->data.format);

@@ -64,6 +64,8 @@ typedef struct {
     char *dir;            /* its folder: relative paths start here */
     char *model;          /* resolved model folder */
     char *output_dir;     /* resolved output folder */
+    char *device;         /* "auto" (default), "cpu", "cuda", "cuda:N" as written; resolved when the run
+                             starts (backend/device.h); not in the fingerprint */
     qt_job_data data;
     qt_job_lora lora;
     qt_job_train train;

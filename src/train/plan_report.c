@@ -4,6 +4,7 @@
  * the accounting rules and docs/plan.md for the assumptions. */
 #include "train/plan_report.h"
 
+#include "backend/backend.h"
 #include "core/error.h"
 #include "core/mem.h"
 #include "model/memplan.h"
@@ -269,6 +270,12 @@ static void strategy_line(const qt_plan_opts *o, char *buf, size_t cap) {
                  o->micro_batch, o->seq_len, o->checkpointing ? ", recomputation" : "");
 }
 
+/* the backend whose descriptor sized the workspaces (memplan.c's rule: unknown plans as the cpu) */
+static const char *desc_name(const qt_plan_opts *o) {
+    const qt_backend_desc *d = qt_backend_desc_of(o->backend);
+    return d ? d->name : "cpu";
+}
+
 void qt_plan_print(FILE *f, const char *name, const qt_config *c, const qt_plan_opts *o, const qt_plan *p) {
     char s[400];
     strategy_line(o, s, sizeof s);
@@ -281,6 +288,8 @@ void qt_plan_print(FILE *f, const char *name, const qt_config *c, const qt_plan_
             p->n_params >= 1000000000 ? "B" : "M", c->num_hidden_layers, c->hidden_size, c->intermediate_size,
             c->num_attention_heads, c->num_key_value_heads, c->head_dim, c->vocab_size);
     fprintf(f, "strategy   %s\n", s);
+    fprintf(f, "device     %s (its descriptor sizes the workspaces; the device need not be on this machine)\n",
+            desc_name(o));
     fprintf(f, "trainable  %.3f M parameters\n\n", (double)p->n_trainable / 1e6);
     fprintf(f, "per device                 %s\n", un);
     fprintf(f, "  weights            %9.3f\n", U(p->dev.weights));
@@ -339,6 +348,7 @@ char *qt_plan_json(const char *name, const qt_config *c, const qt_plan_opts *o, 
         cJSON_AddStringToObject(r, "lora_targets", targets_str(o->lora_targets, t, sizeof t));
         cJSON_AddStringToObject(r, "modules_to_save", saved_str(o->lora_save));
     }
+    cJSON_AddStringToObject(r, "backend", desc_name(o));
     cJSON_AddNumberToObject(r, "zero", o->zero);
     cJSON_AddNumberToObject(r, "devices", o->devices);
     cJSON_AddStringToObject(r, "offload", o->offload ? "cpu" : "none");

@@ -66,7 +66,7 @@ static void sched_text(const qt_ds_config *ds, char *buf, size_t cap) {
     }
 }
 
-void qt_train_describe(const qt_job *job, const qt_ds_config *ds, int threads, char *buf, size_t cap) {
+void qt_train_describe(const qt_job *job, const qt_ds_config *ds, const char *device, char *buf, size_t cap) {
     char what[160], sched[160];
     if (job->lora.enabled)
         snprintf(what, sizeof what, "LoRA r %d alpha %g on %d module kind(s)", job->lora.r, job->lora.lora_alpha,
@@ -78,11 +78,11 @@ void qt_train_describe(const qt_job *job, const qt_ds_config *ds, int threads, c
                               : " (the schedule sets it)";
     snprintf(buf, cap,
              "run: %s | %s | ZeRO stage %d%s | %s lr %g%s, %s | gradient checkpointing %s | micro-batch %lld x "
-             "accumulation %lld x %d rank(s) = %lld rows of %d tokens | device cpu, %d thread(s)",
+             "accumulation %lld x %d rank(s) = %lld rows of %d tokens | device %s",
              what, precision_name(ds), ds->zero.stage, ds->zero.offload_optimizer ? ", optimizer offloaded to host" : ", no offload",
              ds->optimizer_type, ds->adam.lr, lr_note, sched, job->train.gradient_checkpointing ? "on" : "off",
              (long long)ds->micro_batch, (long long)ds->grad_accum, ds->world, (long long)ds->train_batch_size,
-             job->data.seq_len, threads);
+             job->data.seq_len, device);
 }
 
 int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o) {

@@ -102,6 +102,8 @@ static int load_model(qt_trainer *t) {
     o.max_B = t->cfg.micro_batch;
     o.max_T = job->data.seq_len;
     o.seed = job->train.seed;
+    o.backend = t->dev.backend;
+    o.device_index = t->dev.index;
     /* ZeRO-2 over several ranks: no gradient block, the backward hands each unit over */
     o.grad_windows = zero_partitions_grads(t->cfg.zero.stage, t->world);
     int rc = qt_model_load(job->model, &o, &t->model);
@@ -720,10 +722,19 @@ int qt_train_run(const qt_job *job, dist_ctx *d, const qt_train_hooks *hooks, qt
     /* one process: a stop while the data is tokenized ends the load at once
      * (under MPI loading finishes, then every rank agrees to stop) */
     if (t.world == 1) qt_cancel_watch(t.hooks->stop);
+    /* the device before anything is read or written: a "cuda" with no GPU
+     * here fails now, with the output folder untouched */
+    if (rc == QT_OK) {
+        char where[4200];
+        snprintf(where, sizeof where, "%s: \"device\":", job->path);
+        rc = qt_device_resolve(job->device, where, &t.dev);
+    }
     if (rc == QT_OK && t.main) {
-        char line[1024];
-        qt_train_describe(job, &t.ds, omp_get_max_threads(), line, sizeof line);
+        char line[1024], dev[320];
+        qt_device_label(&t.dev, omp_get_max_threads(), dev, sizeof dev);
+        qt_train_describe(job, &t.ds, dev, line, sizeof line);
         qt_info("%s", line);
+        if (t.dev.note[0]) qt_info("%s", t.dev.note);
     }
     if (rc == QT_OK) rc = run(&t, res);
     qt_cancel_watch(NULL);

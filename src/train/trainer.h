@@ -49,15 +49,16 @@ typedef struct {
 int qt_train_cfg_from_job(const qt_job *job, int world, long max_steps, qt_train_cfg *cfg);
 /* The same from an already parsed (and finalized) DeepSpeed config. */
 void qt_train_cfg_from_ds(const qt_ds_config *ds, qt_train_cfg *cfg);
-/* The one line a run starts with: what is trained, precision, ZeRO stage and
- * offload, optimizer, lr and schedule, gradient checkpointing, micro-batch x
- * accumulation x ranks and the device (`threads` OpenMP threads). */
 /* What `qtune plan JOB.json` plans for: the job's LoRA or full fine-tuning,
  * r and targets, ZeRO stage, offload, precision and micro-batch (its
  * DeepSpeed config resolved for `ranks`), seq_len and checkpointing. */
 int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o);
 
-void qt_train_describe(const qt_job *job, const qt_ds_config *ds, int threads, char *buf, size_t cap);
+/* The one line a run starts with: what is trained, precision, ZeRO stage and
+ * offload, optimizer, lr and schedule, gradient checkpointing, micro-batch x
+ * accumulation x ranks and the device (backend/device.h qt_device_label:
+ * "cpu (16 threads)", "cuda:0 (NVIDIA H200)"). */
+void qt_train_describe(const qt_job *job, const qt_ds_config *ds, const char *device, char *buf, size_t cap);
 
 typedef struct {
     volatile sig_atomic_t *stop; /* set by the CLI's SIGINT/SIGTERM handler; NULL: never */

@@ -3,6 +3,7 @@
 #ifndef QT_TRAIN_TRAINER_INTERNAL_H
 #define QT_TRAIN_TRAINER_INTERNAL_H
 
+#include "backend/device.h"
 #include "data/loader.h"
 #include "dist/dist.h"
 #include "dist/transport.h"
@@ -44,6 +45,7 @@ typedef struct {
     qt_optimizer opt;          /* Adam, schedule, clipping, loss scaler; opt.n_updates: updates applied (the
                                   scheduler's k) */
     qt_backend *be;            /* the model's backend: every buffer above is its device memory */
+    qt_device dev;             /* the job's "device" as resolved on this machine and rank */
 
     long step;                 /* optimizer steps done (skipped ones count) */
     long max_steps;

@@ -131,6 +131,7 @@ def test_plan_reads_a_backends_descriptor(base):
     args = ["plan", "--preset", "tiny", "--mode", "full", "--micro-batch", "2", "--seq-len", "64", "--json"]
     cpu = json.loads(qtune("cpu", *args, "--backend", "cpu").stdout)
     guard = json.loads(qtune("cpu", *args, "--backend", "guard").stdout)
+    assert cpu.pop("backend") == "cpu" and guard.pop("backend") == "guard"
     assert cpu == guard  # the guard runs the cpu's kernels: the same facts
     e = dict(os.environ)
     p = subprocess.run([QTUNE] + args + ["--backend", "tpu"], capture_output=True, text=True, env=e)

@@ -42,7 +42,7 @@ def test_run_says_what_it_resolved(base):
     line = runs[0]
     for part in ["LoRA r 4", "fp32", "ZeRO stage 1, no offload", "AdamW lr 5e-05", "WarmupCosineLR",
                  "gradient checkpointing on", "micro-batch 1 x accumulation 4 x 1 rank(s) = 4 rows of 16 tokens",
-                 "device cpu, 1 thread(s)"]:
+                 "device cpu (1 thread)"]:
         assert part in line, line
     # it comes before the first step is reported
     assert err.index(line) < min(i for i, l in enumerate(err) if "step 1/3" in l or "step 3/3" in l)

@@ -30,19 +30,6 @@ static int device_count(void) {
     return n;
 }
 
-/* the device of this process: QTUNE_CUDA_DEVICE, else the launcher's local
- * rank (OpenMPI, Slurm), modulo the GPUs visible, else 0 */
-static int pick_device(int count) {
-    const char *e = getenv("QTUNE_CUDA_DEVICE");
-    if (e && *e) return atoi(e);
-    const char *names[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"};
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
-        const char *v = getenv(names[i]);
-        if (v && *v) return atoi(v) % (count > 0 ? count : 1);
-    }
-    return 0;
-}
-
 static void cuda_close(qt_backend *be) {
     if (!be) return;
     qt_cuda *c = qt_cuda_of(be);
@@ -58,14 +45,15 @@ static void cuda_close(qt_backend *be) {
     free(be);
 }
 
-static int cuda_open(qt_backend **out) {
+/* dev: the GPU the host chose (backend/device.c: "cuda:N", QTUNE_CUDA_DEVICE
+ * or the launcher's local rank); the module only checks it */
+static int cuda_open(int dev, qt_backend **out) {
     *out = NULL;
     int count = device_count();
     if (count <= 0)
         return QT_ERR(QT_EUNSUPPORTED,
                       "no CUDA GPU is visible (no driver, or CUDA_VISIBLE_DEVICES hides them); use \"device\": "
                       "\"cpu\", or run `qtune doctor` to see what the machine has");
-    int dev = pick_device(count);
     if (dev < 0 || dev >= count)
         return QT_ERR(QT_EINVAL, "GPU %d was asked for (QTUNE_CUDA_DEVICE or \"device\": \"cuda:N\") but %d %s "
                       "visible; use 0 to %d", dev, count, count == 1 ? "is" : "are", count - 1);
@@ -140,12 +128,18 @@ static void describe(char *buf, size_t cap) {
 /* ---- the module's entry points (loader.c finds them with dlsym) ---------- */
 qt_cuda_host qt_cuda_host_api;
 
-extern "C" __attribute__((visibility("default"))) int qt_cuda_module_open(const qt_cuda_host *host,
-                                                                          qt_backend **out) {
+extern "C" __attribute__((visibility("default"))) int qt_cuda_module_open_device(const qt_cuda_host *host,
+                                                                                 int dev, qt_backend **out) {
     qt_cuda_host_api = *host;
-    return cuda_open(out);
+    return cuda_open(dev, out);
 }
 extern "C" __attribute__((visibility("default"))) int qt_cuda_module_device_count(void) { return device_count(); }
+extern "C" __attribute__((visibility("default"))) void qt_cuda_module_device_name(int dev, char *buf,
+                                                                                 size_t cap) {
+    cudaDeviceProp p;
+    if (cap && cudaGetDeviceProperties(&p, dev) == cudaSuccess) snprintf(buf, cap, "%s", p.name);
+    else cudaGetLastError();
+}
 extern "C" __attribute__((visibility("default"))) void qt_cuda_module_describe(char *buf, size_t cap) {
     describe(buf, cap);
 }

@@ -2,8 +2,7 @@
  * cuBLAS), as the registry (backend.c) sees it: the kernels are a module
  * loaded on first use (loader.c), the descriptor is plain C (desc.c) and
  * always there. The module is compiled where nvcc, cuBLAS and NCCL are
- * found; it has not run on a GPU yet (docs/backends.md says what is and is
- * not verified). */
+ * found (docs/backends.md says what has run on a GPU). */
 #ifndef QT_BACKEND_CUDA_H
 #define QT_BACKEND_CUDA_H
 
@@ -12,13 +11,20 @@ extern "C" {
 #endif
 #include "backend/backend.h"
 
-/* Loads the module and opens device QTUNE_CUDA_DEVICE (default: the
- * launcher's local rank under mpirun, else 0). QT_EUNSUPPORTED with a
- * sentence when the module, a driver or a GPU is missing. */
-int qt_backend_cuda_open(qt_backend **out);
+/* Loads the module and opens GPU index (< 0: the process's default,
+ * backend/device.h qt_device_default_cuda_index). QT_EUNSUPPORTED with a
+ * sentence when the module, a driver or a GPU is missing; QT_EINVAL when
+ * index is not a visible GPU. */
+int qt_backend_cuda_open(int index, qt_backend **out);
 const qt_backend_desc *qt_backend_cuda_desc(void);
 /* Number of visible GPUs (0 without a driver or module); never fails. */
 int qt_cuda_device_count(void);
+/* The same, with why there are none in why ("libqtune_cuda.so not built
+ * ...", "no CUDA GPU is visible (...)"); skips the module's load (seconds) where
+ * no module was built or no driver is present. */
+int qt_cuda_probe(char *why, size_t cap);
+/* The name of visible GPU index ("NVIDIA H200"); "" when unknown. */
+void qt_cuda_device_name(int index, char *buf, size_t cap);
 /* One line per GPU and the driver / runtime / cuBLAS / NCCL versions, for
  * `qtune doctor`; writes at most cap bytes to buf. */
 void qt_cuda_describe(char *buf, size_t cap);

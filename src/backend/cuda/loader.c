@@ -19,6 +19,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "backend/device.h"
 #include "core/error.h"
 #include "qtune_config.h"
 
@@ -30,20 +31,28 @@ typedef struct {
 static void *module;
 static char tried[2048]; /* where it was looked for, for the error */
 
-static void *load_module(void) {
-    if (module) return module;
-    char exe[PATH_MAX] = "", cand[PATH_MAX + 64];
+/* The places the module is looked for, first found wins; n filled. */
+static int module_paths(const char *paths[4], char p1[], char p2[], size_t cap) {
+    char exe[PATH_MAX] = "";
     ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
     if (n > 0) exe[n] = 0;
     char *dir = n > 0 ? dirname(exe) : ".";
     const char *env = getenv("QTUNE_CUDA_MODULE");
-    const char *paths[4] = {env && *env ? env : NULL, NULL, NULL, QTUNE_CUDA_MODULE_BUILD};
-    char p1[PATH_MAX + 32], p2[PATH_MAX + 32];
-    snprintf(p1, sizeof p1, "%s/libqtune_cuda.so", dir);
-    snprintf(p2, sizeof p2, "%s/../lib/libqtune_cuda.so", dir);
+    snprintf(p1, cap, "%s/libqtune_cuda.so", dir);
+    snprintf(p2, cap, "%s/../lib/libqtune_cuda.so", dir);
+    paths[0] = env && *env ? env : NULL;
     paths[1] = p1, paths[2] = p2;
+    paths[3] = QTUNE_CUDA_MODULE_BUILD;
+    return 4;
+}
+
+static void *load_module(void) {
+    if (module) return module;
+    char cand[PATH_MAX + 64], p1[PATH_MAX + 32], p2[PATH_MAX + 32];
+    const char *paths[4];
+    int n = module_paths(paths, p1, p2, sizeof p1);
     tried[0] = 0;
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < n; i++) {
         if (!paths[i] || !*paths[i]) continue;
         module = dlopen(paths[i], RTLD_NOW | RTLD_LOCAL);
         if (module) return module;
@@ -53,19 +62,36 @@ static void *load_module(void) {
     return NULL;
 }
 
-int qt_backend_cuda_open(qt_backend **out) {
+/* 1 when a module file is where load_module looks (without loading it:
+ * loading costs seconds) */
+static int module_present(void) {
+    char p1[PATH_MAX + 32], p2[PATH_MAX + 32];
+    const char *paths[4];
+    int n = module_paths(paths, p1, p2, sizeof p1);
+    for (int i = 0; i < n; i++)
+        if (paths[i] && *paths[i] && access(paths[i], F_OK) == 0) return 1;
+    return 0;
+}
+
+int qt_backend_cuda_open(int index, qt_backend **out) {
     *out = NULL;
     if (!load_module())
         return QT_ERR(QT_EUNSUPPORTED,
                       "the CUDA backend is not available: libqtune_cuda.so could not be loaded (%s); build qtune "
                       "where nvcc, cuBLAS and NCCL are installed, or set QTUNE_CUDA_MODULE to the module's path",
                       tried[0] ? tried : "this build has none: nvcc was not found when it was configured");
-    int (*open_fn)(const cuda_host *, qt_backend **) =
-        (int (*)(const cuda_host *, qt_backend **))dlsym(module, "qt_cuda_module_open");
-    if (!open_fn) return QT_ERR(QT_EUNSUPPORTED, "libqtune_cuda.so has no qt_cuda_module_open: a module from "
-                                "another qtune version; rebuild qtune");
+    int (*open_fn)(const cuda_host *, int, qt_backend **) =
+        (int (*)(const cuda_host *, int, qt_backend **))dlsym(module, "qt_cuda_module_open_device");
+    int (*count_fn)(void) = (int (*)(void))dlsym(module, "qt_cuda_module_device_count");
+    if (!open_fn || !count_fn)
+        return QT_ERR(QT_EUNSUPPORTED, "libqtune_cuda.so has no qt_cuda_module_open_device: a module from "
+                      "another qtune version; rebuild qtune");
+    if (index < 0) { /* the process's GPU: device.c's rule, the one place it is written */
+        int count = count_fn();
+        if (count > 0) QT_TRY(qt_device_default_cuda_index(count, &index));
+    }
     cuda_host h = {qt_error_at, qt_backend_cuda_desc()};
-    return open_fn(&h, out);
+    return open_fn(&h, index, out);
 }
 
 int qt_cuda_device_count(void) {
@@ -73,6 +99,36 @@ int qt_cuda_device_count(void) {
     if (!load_module()) return 0;
     int (*fn)(void) = (int (*)(void))dlsym(module, "qt_cuda_module_device_count");
     return fn ? fn() : 0;
+}
+
+int qt_cuda_probe(char *why, size_t cap) {
+    if (cap) why[0] = 0;
+    if (!module && !module_present()) {
+        snprintf(why, cap, QTUNE_CUDA_MODULE_BUILD[0]
+                               ? "libqtune_cuda.so is not where qtune looks for it (next to qtune, ../lib, the build "
+                                 "tree, $QTUNE_CUDA_MODULE)"
+                               : "libqtune_cuda.so was not built (nvcc was not found when this qtune was configured)");
+        return 0;
+    }
+    if (!module && access("/dev/nvidiactl", F_OK) != 0 && !getenv("QTUNE_CUDA_MODULE")) {
+        snprintf(why, cap, "no CUDA GPU is visible (no NVIDIA driver: /dev/nvidiactl is absent)");
+        return 0;
+    }
+    if (!load_module()) {
+        snprintf(why, cap, "libqtune_cuda.so could not be loaded (%s)", tried);
+        return 0;
+    }
+    int n = qt_cuda_device_count();
+    if (n <= 0) snprintf(why, cap, "no CUDA GPU is visible (the driver reports none; CUDA_VISIBLE_DEVICES may hide them)");
+    return n > 0 ? n : 0;
+}
+
+void qt_cuda_device_name(int index, char *buf, size_t cap) {
+    if (!cap) return;
+    buf[0] = 0;
+    if (!module) return; /* only asked after a probe found GPUs */
+    void (*fn)(int, char *, size_t) = (void (*)(int, char *, size_t))dlsym(module, "qt_cuda_module_device_name");
+    if (fn) fn(index, buf, cap);
 }
 
 void qt_cuda_describe(char *buf, size_t cap) {

@@ -86,14 +86,18 @@ static void test_round_bf16_and_f32(void **state) {
 
 static void test_bf16_rule(void **state) {
     (void)state;
-    assert_int_equal(qt_precision_check(QT_F32), QT_OK);
-    assert_int_equal(qt_precision_check(QT_F16), QT_OK);
+    assert_int_equal(qt_precision_check(QT_F32, NULL), QT_OK);
+    assert_int_equal(qt_precision_check(QT_F16, NULL), QT_OK);
     unsetenv("QTUNE_BF16_EMULATE");
+    /* a GPU's bf16 does not depend on the host CPU ("device": "cuda" on a host without AVX512_BF16) */
+    assert_int_equal(qt_precision_check(QT_BF16, "cuda"), QT_OK);
+    assert_int_equal(qt_precision_bf16_emulated("cuda"), 0);
     if (op_cpu_has_bf16()) {
-        assert_int_equal(qt_precision_check(QT_BF16), QT_OK);
+        assert_int_equal(qt_precision_check(QT_BF16, "cpu"), QT_OK);
         return;
     }
-    assert_int_equal(qt_precision_check(QT_BF16), QT_EUNSUPPORTED);
+    assert_int_equal(qt_precision_check(QT_BF16, "cpu"), QT_EUNSUPPORTED);
+    assert_int_equal(qt_precision_bf16_emulated("cpu"), 1);
     assert_non_null(strstr(qt_error_message(), "AVX512_BF16"));
     qt_model_opts o;
     qt_model_opts_default(&o);
@@ -104,7 +108,7 @@ static void test_bf16_rule(void **state) {
     assert_int_equal(qt_model_load(dir, &o, &m), QT_OK);
     qt_model_free(m);
     setenv("QTUNE_BF16_EMULATE", "1", 1);
-    assert_int_equal(qt_precision_check(QT_BF16), QT_OK);
+    assert_int_equal(qt_precision_check(QT_BF16, NULL), QT_OK);
     unsetenv("QTUNE_BF16_EMULATE");
 }
 

@@ -1,0 +1,47 @@
+/* Which device a run uses: the job file's "device" key and the --device flag
+ * of eval, generate and merge take the same values (docs/backends.md):
+ *   auto     a GPU when the CUDA module loads and one is visible, else the CPU
+ *   cpu      the CPU backend
+ *   cuda     a GPU: QTUNE_CUDA_DEVICE when set, else the launcher's local rank
+ *            modulo the GPUs visible (under mpirun each rank takes the GPU of
+ *            its local rank), else GPU 0; an error when none is visible
+ *   cuda:N   GPU N; an error when fewer are visible, and under a launcher
+ *            that starts several ranks on this host (they would share it)
+ * QTUNE_BACKEND, when set, wins over all of these (the test hook: guard runs
+ * the suites with device memory the host cannot touch); the note says so. */
+#ifndef QT_BACKEND_DEVICE_H
+#define QT_BACKEND_DEVICE_H
+
+#include <stddef.h>
+
+typedef struct {
+    const char *backend; /* the registry name qt_backend_open_index takes: "cpu", "guard", "cuda" */
+    int index;           /* cuda: the GPU, 0 .. count-1; -1 for the others */
+    char note[640];      /* what auto became and why, or that QTUNE_BACKEND overrides; "" when nothing */
+} qt_device;
+
+/* Checks the spelling of a device value (NULL is "auto") without looking at
+ * the machine. where names its source and comes before the quoted value in
+ * errors ("job.json: \"device\":", "--device"). QT_EINVAL with a sentence
+ * when it is not one of the above. */
+int qt_device_check(const char *spec, const char *where);
+
+/* The backend whose descriptor a plan for spec sizes, without the device
+ * present: "cpu", "cuda", or NULL for "auto" (the caller resolves it). */
+const char *qt_device_desc_name(const char *spec);
+
+/* Resolves spec on this machine (and this rank). Errors (QT_EINVAL,
+ * QT_EUNSUPPORTED) say what was asked, what the machine has and what to
+ * do; "auto" never fails for want of a GPU. */
+int qt_device_resolve(const char *spec, const char *where, qt_device *out);
+
+/* The GPU a "cuda" without a number takes among count visible ones:
+ * QTUNE_CUDA_DEVICE, else the launcher's local rank modulo count, else 0.
+ * QT_EINVAL when QTUNE_CUDA_DEVICE is not a GPU number below count. */
+int qt_device_default_cuda_index(int count, int *index);
+
+/* "cuda:0 (NVIDIA H200)", "cpu (16 threads)", "guard (CPU kernels, 16 threads)"
+ * for the run line; threads is the OpenMP thread count. */
+void qt_device_label(const qt_device *d, int threads, char *buf, size_t cap);
+
+#endif
