@@ -433,27 +433,19 @@ static int read_alpaca(convo *c, const cJSON *obj) {
 
 /* A conversation through the chat module (text/chat.h: Qwen2.5's ChatML
  * template, one encode of the rendered text, labels on each assistant
- * content and its <|im_end|>), appended to out as ids + label mask. */
+ * content and its <|im_end|>), appended to out as ids + label mask. On
+ * failure out->n is put back by the caller (encode_obj). */
 static int put_chat(const dl_encode_ctx *ctx, dl_tokbuf *out, const convo *c) {
     size_t n_label = 0;
     for (size_t i = 0; i < c->n; i++) n_label += !strcmp(c->m[i].role, "assistant") && !c->m[i].no_label;
     if (ctx->mask_prompt && n_label == 0)
         return QT_ERR(QT_EFORMAT, "the conversation has no assistant turn to train on (none, or each has weight 0 or "
                       "is part of the prompt), so with mask_prompt nothing would be learned");
-    int32_t *ids = NULL, *labels = NULL;
-    size_t n_ids = 0, cap = 0;
-    int rc = chat_encode_tools(ctx->tok, c->m, c->n, c->tools, 0, &ids, &labels, &n_ids, &cap);
-    if (rc == QT_OK) rc = dl_tokbuf_reserve(out, n_ids);
-    if (rc == QT_OK) {
-        for (size_t i = 0; i < n_ids; i++) {
-            out->ids[out->n + i] = ids[i];
-            out->mask[out->n + i] = !ctx->mask_prompt || labels[i] != CHAT_IGNORE_INDEX;
-        }
-        out->n += n_ids;
-    }
-    qt_free(ids);
-    qt_free(labels);
-    return rc;
+    /* straight into out: ids and the mask, nothing per token besides */
+    size_t n0 = out->n;
+    QT_TRY(chat_encode_mask(ctx->tok, c->m, c->n, c->tools, 0, &out->ids, &out->mask, &out->n, &out->cap));
+    if (!ctx->mask_prompt) memset(out->mask + n0, 1, out->n - n0);
+    return QT_OK;
 }
 
 int dl_chat_encode_json(const bpe_tokenizer *tok, const cJSON *obj, int add_generation_prompt, char **text,
@@ -523,34 +515,32 @@ static int encode_prompt_completion(const enc_call *e, const cJSON *obj, dl_tokb
     }
     if (!cJSON_IsString(p) || !cJSON_IsString(q))
         return QT_ERR(QT_EFORMAT, "\"prompt\" and \"completion\" must both be strings, or both lists of messages");
+    /* each part as the encoder sees it (copied only when that changes it),
+     * joined; the completion's bytes are the labelled region */
     char *cp = NULL, *cq = NULL;
-    size_t np = 0, nq = 0, n = 0, cap = 0;
-    int32_t *ids = NULL;
-    bpe_span *spans = NULL;
-    int rc = bpe_normalize(ctx->tok, p->valuestring, strlen(p->valuestring), &cp, &np);
-    if (rc == QT_OK) rc = bpe_normalize(ctx->tok, q->valuestring, strlen(q->valuestring), &cq, &nq);
+    const char *sp = p->valuestring, *sq = q->valuestring;
+    size_t np = strlen(sp), nq = strlen(sq), n0 = out->n;
+    int rc = QT_OK;
+    if (!bpe_is_normal(ctx->tok, sp, np) && (rc = bpe_normalize(ctx->tok, sp, np, &cp, &np)) == QT_OK) sp = cp;
+    if (rc == QT_OK && !bpe_is_normal(ctx->tok, sq, nq) && (rc = bpe_normalize(ctx->tok, sq, nq, &cq, &nq)) == QT_OK)
+        sq = cq;
     char *all = rc == QT_OK ? qt_malloc(np + nq + 1, "a prompt and completion") : NULL;
     if (rc == QT_OK && !all) rc = QT_ENOMEM;
     if (rc == QT_OK) {
-        memcpy(all, cp, np);
-        memcpy(all + np, cq, nq);
+        memcpy(all, sp, np);
+        memcpy(all + np, sq, nq);
         all[np + nq] = 0;
-        rc = bpe_encode_spans(ctx->tok, all, np + nq, &ids, &spans, &n, &cap);
+        qt_free(cp);
+        qt_free(cq);
+        cp = cq = NULL;
+        const bpe_span completion = {np, SIZE_MAX};
+        rc = bpe_encode_marked(ctx->tok, all, np + nq, &completion, 1, &out->ids, &out->mask, &out->n, &out->cap);
     }
-    if (rc == QT_OK) rc = dl_tokbuf_reserve(out, n);
-    if (rc == QT_OK) {
-        for (size_t i = 0; i < n; i++) {
-            out->ids[out->n + i] = ids[i];
-            out->mask[out->n + i] = !ctx->mask_prompt || spans[i].end > np;
-        }
-        out->n += n;
-        rc = put_special(ctx, out, "<|endoftext|>", 1);
-    }
+    if (rc == QT_OK && !ctx->mask_prompt) memset(out->mask + n0, 1, out->n - n0);
+    if (rc == QT_OK) rc = put_special(ctx, out, "<|endoftext|>", 1);
     qt_free(all);
     qt_free(cp);
     qt_free(cq);
-    qt_free(ids);
-    qt_free(spans);
     return rc;
 }
 

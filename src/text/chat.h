@@ -82,5 +82,11 @@ int chat_encode(const bpe_tokenizer *t, const chat_message *msgs, size_t n, int 
 /* The same with tools (chat_tools_text's text, or NULL). */
 int chat_encode_tools(const bpe_tokenizer *t, const chat_message *msgs, size_t n, const char *tools,
                       int add_generation_prompt, int32_t **ids, int32_t **labels, size_t *n_ids, size_t *cap);
+/* chat_encode_tools with a label mask instead of labels: appends the ids and
+ * mask[i] = 1 where chat_encode_tools's label is the id (0 where it is
+ * CHAT_IGNORE_INDEX) to *ids and *mask, which share *cap (grown with
+ * qt_realloc). No array per token beyond these two: the data loader's path. */
+int chat_encode_mask(const bpe_tokenizer *t, const chat_message *msgs, size_t n, const char *tools,
+                     int add_generation_prompt, int32_t **ids, uint8_t **mask, size_t *n_ids, size_t *cap);
 
 #endif
