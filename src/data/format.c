@@ -434,8 +434,10 @@ static int read_alpaca(convo *c, const cJSON *obj) {
 /* A conversation through the chat module (text/chat.h: Qwen2.5's ChatML
  * template, one encode of the rendered text, labels on each assistant
  * content and its <|im_end|>), appended to out as ids + label mask. On
- * failure out->n is put back by the caller (encode_obj). */
-static int put_chat(const dl_encode_ctx *ctx, dl_tokbuf *out, const convo *c) {
+ * failure out->n is put back by the caller (encode_obj). in_place: the
+ * contents again, writable with room before each (a long line's own
+ * buffer), so nothing need be rendered; or NULL. */
+static int put_chat(const dl_encode_ctx *ctx, dl_tokbuf *out, const convo *c, char *const *in_place) {
     size_t n_label = 0;
     for (size_t i = 0; i < c->n; i++) n_label += !strcmp(c->m[i].role, "assistant") && !c->m[i].no_label;
     if (ctx->mask_prompt && n_label == 0)
@@ -443,7 +445,8 @@ static int put_chat(const dl_encode_ctx *ctx, dl_tokbuf *out, const convo *c) {
                       "is part of the prompt), so with mask_prompt nothing would be learned");
     /* straight into out: ids and the mask, nothing per token besides */
     size_t n0 = out->n;
-    QT_TRY(chat_encode_mask(ctx->tok, c->m, c->n, c->tools, 0, &out->ids, &out->mask, &out->n, &out->cap));
+    if (in_place) QT_TRY(chat_encode_mask_in_place(ctx->tok, c->m, c->n, in_place, &out->ids, &out->mask, &out->n, &out->cap));
+    else QT_TRY(chat_encode_mask(ctx->tok, c->m, c->n, c->tools, 0, &out->ids, &out->mask, &out->n, &out->cap));
     if (!ctx->mask_prompt) memset(out->mask + n0, 1, out->n - n0);
     return QT_OK;
 }
@@ -487,7 +490,7 @@ static int encode_convo(const enc_call *e, dl_format fmt, const cJSON *obj, dl_t
         check_keys(e, obj, "", k_alpaca, fmt);
         rc = read_alpaca(&c, obj);
     }
-    if (rc == QT_OK) rc = put_chat(e->ctx, out, &c);
+    if (rc == QT_OK) rc = put_chat(e->ctx, out, &c, NULL);
     convo_free(&c);
     return rc;
 }
@@ -509,7 +512,7 @@ static int encode_prompt_completion(const enc_call *e, const cJSON *obj, dl_tokb
         if (rc == QT_OK && cJSON_IsArray(q)) rc = read_messages(e, &c, q, "completion", 0);
         else if (rc == QT_OK && cJSON_IsString(q)) rc = convo_add(&c, "assistant", q->valuestring, NULL, 0);
         else if (rc == QT_OK) rc = QT_ERR(QT_EFORMAT, "\"completion\" must be a string or a list of messages");
-        if (rc == QT_OK) rc = put_chat(ctx, out, &c);
+        if (rc == QT_OK) rc = put_chat(ctx, out, &c, NULL);
         convo_free(&c);
         return rc;
     }
@@ -1008,7 +1011,12 @@ static int fast_text_pass(const enc_call *ec, char *s, size_t len, dl_format *fm
     convo c = {0};
     int rc = QT_OK;
     if (!fast_messages(msgs, e, &c, &rc) && rc == QT_OK) rc = QT_ERR(QT_EINVAL, "a checked messages line read otherwise");
-    if (rc == QT_OK) rc = put_chat(ec->ctx, out, &c);
+    /* the contents lie in s, each after its "content": key (CHAT_HEAD_ROOM bytes) */
+    char **in_place = rc == QT_OK ? qt_malloc(c.n * sizeof *in_place, "a conversation") : NULL;
+    if (rc == QT_OK && !in_place) rc = QT_ENOMEM;
+    for (size_t i = 0; rc == QT_OK && i < c.n; i++) in_place[i] = s + (c.m[i].content - s);
+    if (rc == QT_OK) rc = put_chat(ec->ctx, out, &c, in_place);
+    qt_free(in_place);
     convo_free(&c);
     return rc;
 }

@@ -408,6 +408,29 @@ int bpe_encode(const bpe_tokenizer *t, const char *text, size_t len, int32_t **i
     return encode_text(t, text, len, ids, NULL, NULL, NULL, 0, n, cap);
 }
 
+int bpe_cut_before_added(const bpe_tokenizer *t, const char *a, size_t na, const char *b, size_t nb) {
+    /* the token the scan matches at b: the first, longest, whose content b starts with */
+    const bpe_added *at = NULL;
+    for (size_t k = 0; k < t->n_added && !at; k++) {
+        const bpe_added *x = &t->added[k];
+        if (x->len > nb) {
+            if (!memcmp(x->content, b, nb)) return 0; /* might match past what b shows */
+        } else if (!memcmp(x->content, b, x->len)) {
+            at = x;
+        }
+    }
+    if (!at || at->lstrip || at->rstrip || at->single_word) return 0;
+    /* no token that begins in a's last bytes reaches into b */
+    for (size_t k = 0; k < t->n_added; k++) {
+        const bpe_added *x = &t->added[k];
+        for (size_t j = 1; j < x->len && j <= na; j++) {
+            size_t rest = x->len - j;
+            if (!memcmp(x->content, a + na - j, j) && !memcmp(x->content + j, b, rest < nb ? rest : nb)) return 0;
+        }
+    }
+    return 1;
+}
+
 int bpe_is_normal(const bpe_tokenizer *t, const char *text, size_t len) {
     if (utf8_valid_prefix(text, len) != len) return 0;
     return !t->nfc || nfc_scan((const uint8_t *)text, len) == len; /* inert as a whole: every stretch is */

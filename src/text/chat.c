@@ -191,6 +191,65 @@ int chat_encode_mask(const bpe_tokenizer *t, const chat_message *msgs, size_t n,
     return rc;
 }
 
+/* The in-place encoding: each turn is "<|im_start|>", then "ROLE\n" +
+ * content where the content lies (the header written into its room), then
+ * "<|im_end|>\n"; each a text of its own. That is the rendered text's
+ * encoding when every cut falls right before a ChatML token that the
+ * rendered text's scan matches there (bpe_cut_before_added), and the
+ * contents need no cleaning: checked first, else 0 (render instead). */
+static const char *head_of(const char *role) {
+    return !strcmp(role, "system") ? "system\n" : !strcmp(role, "user") ? "user\n" : !strcmp(role, "assistant") ? "assistant\n" : NULL;
+}
+
+static int turns_separable(const bpe_tokenizer *t, const chat_message *msgs, size_t n, char *const *contents) {
+    char next[64];
+    for (size_t i = 0; i < n; i++) {
+        const char *h = head_of(msgs[i].role);
+        if (!h || msgs[i].tool_calls || contents[i] != msgs[i].content || strlen(h) > CHAT_HEAD_ROOM) return 0;
+        size_t cl = strlen(contents[i]);
+        if (!bpe_is_normal(t, contents[i], cl)) return 0;
+        /* before this turn's <|im_start|>: after "<|im_end|>\n" (the scan is past the <|im_end|>) */
+        snprintf(next, sizeof next, "<|im_start|>%s", h);
+        if (!bpe_cut_before_added(t, "\n", 1, next, strlen(next))) return 0;
+        /* before its <|im_end|>: after the header and the content (the header is written by then) */
+        size_t hl = strlen(h);
+        memcpy(contents[i] - hl, h, hl);
+        snprintf(next, sizeof next, "<|im_end|>\n%s%s", i + 1 < n ? "<|im_start|>" : "",
+                 i + 1 < n && head_of(msgs[i + 1].role) ? head_of(msgs[i + 1].role) : "");
+        if (!bpe_cut_before_added(t, contents[i] - hl, hl + cl, next, strlen(next))) return 0;
+    }
+    return 1;
+}
+
+static int put_text_marked(const bpe_tokenizer *t, const char *s, size_t len, size_t label_from, size_t label_to,
+                           int32_t **ids, uint8_t **mask, size_t *n_ids, size_t *cap) {
+    const bpe_span r = {label_from, label_to};
+    return bpe_encode_marked(t, s, len, &r, label_from < label_to, ids, mask, n_ids, cap);
+}
+
+int chat_encode_mask_in_place(const bpe_tokenizer *t, const chat_message *msgs, size_t n, char *const *contents,
+                              int32_t **ids, uint8_t **mask, size_t *n_ids, size_t *cap) {
+    if (!n || !turns_separable(t, msgs, n, contents))
+        return chat_encode_mask(t, msgs, n, NULL, 0, ids, mask, n_ids, cap);
+    if (strcmp(msgs[0].role, "system")) { /* the default system turn, as render writes it */
+        qt_strbuf b = {0};
+        int rc = qt_strbuf_put(&b, "<|im_start|>system\n", 19);
+        if (rc == QT_OK) rc = puts_(&b, bpe_chat_system(t));
+        if (rc == QT_OK) rc = puts_(&b, "<|im_end|>\n");
+        if (rc == QT_OK) rc = put_text_marked(t, b.p, b.n, 0, 0, ids, mask, n_ids, cap);
+        qt_free(b.p);
+        QT_TRY(rc);
+    }
+    for (size_t i = 0; i < n; i++) {
+        const int label = !strcmp(msgs[i].role, "assistant") && !msgs[i].no_label;
+        size_t hl = strlen(head_of(msgs[i].role)), cl = strlen(contents[i]);
+        QT_TRY(put_text_marked(t, "<|im_start|>", 12, 0, 0, ids, mask, n_ids, cap));
+        QT_TRY(put_text_marked(t, contents[i] - hl, hl + cl, label ? hl : 0, label ? SIZE_MAX : 0, ids, mask, n_ids, cap));
+        QT_TRY(put_text_marked(t, "<|im_end|>\n", 11, 0, label ? 10 : 0, ids, mask, n_ids, cap));
+    }
+    return QT_OK;
+}
+
 int chat_encode_tools(const bpe_tokenizer *t, const chat_message *msgs, size_t n, const char *tools,
                       int add_generation_prompt, int32_t **ids, int32_t **labels, size_t *n_ids, size_t *cap) {
     /* this conversation's ids and marks in arrays of their own, then

@@ -298,8 +298,9 @@ SLOW_KEY = {"text": ('"text"', '"\\u0074ext"'), "messages": ('"messages"', '"\\u
 def test_long_text_and_chat_lines_read_the_same_tokens_as_before(base, tmp_path, kind):
     """A long line takes the in-place path, unless its key is spelt with a
     \\u escape (only cJSON reads that): both files give byte-identical token
-    caches (escapes, a surrogate pair, raw UTF-8, other keys), and the same
-    warnings about the keys no format reads."""
+    caches (escapes, a surrogate pair, raw UTF-8, other keys, ChatML and
+    <|endoftext|> written inside contents and at their edges, a system turn
+    after others), and the same warnings about the keys no format reads."""
     long = prose_line(tmp_path, kind, 0.2, "long.jsonl")
     assert len(long.encode()) > 64 << 10
     extra = ', "meta": {"source": [1, "x"]}, "id": 7}'
@@ -312,15 +313,29 @@ def test_long_text_and_chat_lines_read_the_same_tokens_as_before(base, tmp_path,
             line = line.replace(*SLOW_KEY[kind], 1)
         short = '{"text": "a short line"}' if kind == "text" else json.dumps(
             {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
-        write(d / "data.jsonl", short + "\n" + line + "\n" + short + "\n")
-        j = write_job(d / "job.json", str(base / "chatmodel"), "out", "data.jsonl", T=16,
-                      train_opts={"max_steps": 1}, data_opts={"cache_dir": str(d / "cache"), "mask_prompt": False})
+        # ChatML written inside contents, at their edges too: the turns stay
+        # the rendered text's (a content ending in "<|im_" runs into the
+        # template's <|im_end|>, one ending in "<|im_end|>" matches it)
+        edges = ["\n\n  <|im_end|>x", "<|im_start|>assistant\n", "z <|endoftext|>", "y<|im_", "  \n", "<|im_end|>"]
+        p = json.loads(long)
+        if kind == "messages":
+            p["messages"] = [{"role": m["role"], "content": edges[i] + m["content"] + edges[-1 - i]}
+                             for i, m in enumerate(p["messages"])] + [{"role": "system", "content": "sys"}]
+        else:
+            p["text"] = edges[0] + p["text"] + edges[1]
+        tricky = json.dumps(p, ensure_ascii=False)
+        if name == "slow":
+            tricky = tricky.replace(*SLOW_KEY[kind], 1)
+        write(d / "data.jsonl", short + "\n" + line + "\n" + short + "\n" + tricky + "\n")
+        j = write_job(d / "job.json", str(base / "chatmodel"), "out", "data.jsonl", T=256,
+                      train_opts={"max_steps": 1}, data_opts={"cache_dir": str(d / "cache")})
         r = ok(["train", j])
         (cache,) = glob.glob(str(d / "cache" / "*.qtc"))
         bodies.append(cache_body(cache))
         warnings.append([l.replace(str(d), "D") for l in r.stderr.splitlines() if "is not read by" in l])
     assert bodies[0] == bodies[1]
     assert warnings[0] == warnings[1] and len(warnings[0]) == 2, warnings
+    assert len(bodies[0]) > 5 * len(long.encode()) // 2  # both long lines were read
 
 
 TEXT_MUTATIONS = ["", " ", ",", "]", "[", "\"", "}", "{", "null", "\\", "\\u", "\\u00", "\\ud800", "\\udc00",
