@@ -65,7 +65,7 @@ static int read_data(const char *path, dl_format fmt, const bpe_tokenizer *tok, 
         return rc;
     }
     for (;;) {
-        const char *s;
+        char *s;
         size_t len;
         int got = dl_lines_next(&r, &s, &len);
         if (got == 0) break;
@@ -73,7 +73,7 @@ static int read_data(const char *path, dl_format fmt, const bpe_tokenizer *tok, 
         const long long line = (long long)r.line_no;
         if (dl_line_blank(s, len)) continue;
         dl_format f = fmt; /* AUTO: detected line by line, so a file may mix formats */
-        rc = dl_encode_line(&ctx, path, line, s, len, &f, &d->tb);
+        rc = dl_encode_line_in_place(&ctx, path, line, s, len, &f, &d->tb);
         if (rc != QT_OK) break;
         if (d->n + 2 > d->cap) {
             size_t cap = d->cap ? 2 * d->cap : 256;

@@ -433,27 +433,22 @@ static int read_alpaca(convo *c, const cJSON *obj) {
 
 /* A conversation through the chat module (text/chat.h: Qwen2.5's ChatML
  * template, one encode of the rendered text, labels on each assistant
- * content and its <|im_end|>), appended to out as ids + label mask. */
-static int put_chat(const dl_encode_ctx *ctx, dl_tokbuf *out, const convo *c) {
+ * content and its <|im_end|>), appended to out as ids + label mask. On
+ * failure out->n is put back by the caller (encode_obj). in_place: the
+ * contents again, writable with room before each (a long line's own
+ * buffer), so nothing need be rendered; or NULL. */
+static int put_chat(const dl_encode_ctx *ctx, dl_tokbuf *out, const convo *c, char *const *in_place) {
     size_t n_label = 0;
     for (size_t i = 0; i < c->n; i++) n_label += !strcmp(c->m[i].role, "assistant") && !c->m[i].no_label;
     if (ctx->mask_prompt && n_label == 0)
         return QT_ERR(QT_EFORMAT, "the conversation has no assistant turn to train on (none, or each has weight 0 or "
                       "is part of the prompt), so with mask_prompt nothing would be learned");
-    int32_t *ids = NULL, *labels = NULL;
-    size_t n_ids = 0, cap = 0;
-    int rc = chat_encode_tools(ctx->tok, c->m, c->n, c->tools, 0, &ids, &labels, &n_ids, &cap);
-    if (rc == QT_OK) rc = dl_tokbuf_reserve(out, n_ids);
-    if (rc == QT_OK) {
-        for (size_t i = 0; i < n_ids; i++) {
-            out->ids[out->n + i] = ids[i];
-            out->mask[out->n + i] = !ctx->mask_prompt || labels[i] != CHAT_IGNORE_INDEX;
-        }
-        out->n += n_ids;
-    }
-    qt_free(ids);
-    qt_free(labels);
-    return rc;
+    /* straight into out: ids and the mask, nothing per token besides */
+    size_t n0 = out->n;
+    if (in_place) QT_TRY(chat_encode_mask_in_place(ctx->tok, c->m, c->n, in_place, &out->ids, &out->mask, &out->n, &out->cap));
+    else QT_TRY(chat_encode_mask(ctx->tok, c->m, c->n, c->tools, 0, &out->ids, &out->mask, &out->n, &out->cap));
+    if (!ctx->mask_prompt) memset(out->mask + n0, 1, out->n - n0);
+    return QT_OK;
 }
 
 int dl_chat_encode_json(const bpe_tokenizer *tok, const cJSON *obj, int add_generation_prompt, char **text,
@@ -495,7 +490,7 @@ static int encode_convo(const enc_call *e, dl_format fmt, const cJSON *obj, dl_t
         check_keys(e, obj, "", k_alpaca, fmt);
         rc = read_alpaca(&c, obj);
     }
-    if (rc == QT_OK) rc = put_chat(e->ctx, out, &c);
+    if (rc == QT_OK) rc = put_chat(e->ctx, out, &c, NULL);
     convo_free(&c);
     return rc;
 }
@@ -517,40 +512,38 @@ static int encode_prompt_completion(const enc_call *e, const cJSON *obj, dl_tokb
         if (rc == QT_OK && cJSON_IsArray(q)) rc = read_messages(e, &c, q, "completion", 0);
         else if (rc == QT_OK && cJSON_IsString(q)) rc = convo_add(&c, "assistant", q->valuestring, NULL, 0);
         else if (rc == QT_OK) rc = QT_ERR(QT_EFORMAT, "\"completion\" must be a string or a list of messages");
-        if (rc == QT_OK) rc = put_chat(ctx, out, &c);
+        if (rc == QT_OK) rc = put_chat(ctx, out, &c, NULL);
         convo_free(&c);
         return rc;
     }
     if (!cJSON_IsString(p) || !cJSON_IsString(q))
         return QT_ERR(QT_EFORMAT, "\"prompt\" and \"completion\" must both be strings, or both lists of messages");
+    /* each part as the encoder sees it (copied only when that changes it),
+     * joined; the completion's bytes are the labelled region */
     char *cp = NULL, *cq = NULL;
-    size_t np = 0, nq = 0, n = 0, cap = 0;
-    int32_t *ids = NULL;
-    bpe_span *spans = NULL;
-    int rc = bpe_normalize(ctx->tok, p->valuestring, strlen(p->valuestring), &cp, &np);
-    if (rc == QT_OK) rc = bpe_normalize(ctx->tok, q->valuestring, strlen(q->valuestring), &cq, &nq);
+    const char *sp = p->valuestring, *sq = q->valuestring;
+    size_t np = strlen(sp), nq = strlen(sq), n0 = out->n;
+    int rc = QT_OK;
+    if (!bpe_is_normal(ctx->tok, sp, np) && (rc = bpe_normalize(ctx->tok, sp, np, &cp, &np)) == QT_OK) sp = cp;
+    if (rc == QT_OK && !bpe_is_normal(ctx->tok, sq, nq) && (rc = bpe_normalize(ctx->tok, sq, nq, &cq, &nq)) == QT_OK)
+        sq = cq;
     char *all = rc == QT_OK ? qt_malloc(np + nq + 1, "a prompt and completion") : NULL;
     if (rc == QT_OK && !all) rc = QT_ENOMEM;
     if (rc == QT_OK) {
-        memcpy(all, cp, np);
-        memcpy(all + np, cq, nq);
+        memcpy(all, sp, np);
+        memcpy(all + np, sq, nq);
         all[np + nq] = 0;
-        rc = bpe_encode_spans(ctx->tok, all, np + nq, &ids, &spans, &n, &cap);
+        qt_free(cp);
+        qt_free(cq);
+        cp = cq = NULL;
+        const bpe_span completion = {np, SIZE_MAX};
+        rc = bpe_encode_marked(ctx->tok, all, np + nq, &completion, 1, &out->ids, &out->mask, &out->n, &out->cap);
     }
-    if (rc == QT_OK) rc = dl_tokbuf_reserve(out, n);
-    if (rc == QT_OK) {
-        for (size_t i = 0; i < n; i++) {
-            out->ids[out->n + i] = ids[i];
-            out->mask[out->n + i] = !ctx->mask_prompt || spans[i].end > np;
-        }
-        out->n += n;
-        rc = put_special(ctx, out, "<|endoftext|>", 1);
-    }
+    if (rc == QT_OK && !ctx->mask_prompt) memset(out->mask + n0, 1, out->n - n0);
+    if (rc == QT_OK) rc = put_special(ctx, out, "<|endoftext|>", 1);
     qt_free(all);
     qt_free(cp);
     qt_free(cq);
-    qt_free(ids);
-    qt_free(spans);
     return rc;
 }
 
@@ -799,13 +792,258 @@ static int fast_tokens(const dl_encode_ctx *ctx, const char *s, size_t len, dl_t
     return rc;
 }
 
-int dl_line_is_long_tokens(const dl_encode_ctx *ctx, const char *s, size_t len) {
-    if (len < FAST_MIN_LINE || memchr(s, 0, len)) return 0;
+/* ---------------------------------------------------------------------------
+ * long text and messages lines without a copy of their strings
+ *
+ * cJSON copies every string it parses: a 54 MB "text" or "content" costs the
+ * line plus that copy before a token is made. A long line of the plain shape
+ * is checked here first, as cJSON would read it, and only then are its
+ * strings decoded in place, inside the caller's line buffer (a JSON string
+ * never decodes longer than it is spelt), and tokenized from there. The plain
+ * shape: one object holding "text" (a string) or "messages" (a non-empty
+ * list of objects with exactly the keys "role", one of system, user,
+ * assistant, tool, and "content", strings), plus keys no format reads, whose
+ * values cJSON checks one at a time. Anything else (another key a format
+ * reads, an escaped or duplicate key, a \u escape that is not four hex
+ * digits of a code point other than U+0000) returns FAST_NO and the line
+ * takes the cJSON path: what is accepted and every message stay the same. */
+
+#define FAST_MAX_OTHER 32 /* keys no format reads, kept for their warnings */
+
+static int hex4(const char *p, unsigned *v) {
+    *v = 0;
+    for (int i = 0; i < 4; i++) {
+        char c = p[i];
+        unsigned d = c >= '0' && c <= '9' ? (unsigned)(c - '0') : c >= 'a' && c <= 'f' ? (unsigned)(c - 'a' + 10)
+                   : c >= 'A' && c <= 'F' ? (unsigned)(c - 'A' + 10) : 16u;
+        if (d == 16) return 0;
+        *v = *v << 4 | d;
+    }
+    return 1;
+}
+
+/* The JSON string whose opening quote is at p: its end (past the closing
+ * quote), or NULL when cJSON might read it otherwise (FAST_NO). With dst
+ * (p + 1, in place) it is decoded there as cJSON decodes it and
+ * NUL-terminated; *n its length. Bytes other than escapes are kept as they
+ * are, as cJSON keeps them (invalid UTF-8 and control characters too). */
+static char *fast_string(char *p, const char *e, char *dst, size_t *n) {
+    char *q = p + 1, *o = dst;
+    for (;;) {
+        /* plain bytes up to the next quote or backslash */
+        char *r = q;
+        while (r < e && *r != '"' && *r != '\\') r++;
+        if (o && o != q) memmove(o, q, (size_t)(r - q));
+        if (o) o += r - q;
+        if (r >= e) return NULL;
+        if (*r == '"') {
+            if (o) {
+                *o = 0;
+                *n = (size_t)(o - dst);
+            }
+            return r + 1;
+        }
+        if (r + 1 >= e) return NULL;
+        char c = r[1], out = 0;
+        q = r + 2;
+        switch (c) {
+        case 'b': out = '\b'; break;
+        case 'f': out = '\f'; break;
+        case 'n': out = '\n'; break;
+        case 'r': out = '\r'; break;
+        case 't': out = '\t'; break;
+        case '"': case '\\': case '/': out = c; break;
+        case 'u': {
+            unsigned cp, lo;
+            if (e - r < 6 || !hex4(r + 2, &cp) || cp == 0 || (cp >= 0xDC00 && cp <= 0xDFFF)) return NULL;
+            q = r + 6;
+            if (cp >= 0xD800 && cp <= 0xDBFF) {
+                if (e - q < 6 || q[0] != '\\' || q[1] != 'u' || !hex4(q + 2, &lo) || lo < 0xDC00 || lo > 0xDFFF)
+                    return NULL;
+                cp = 0x10000 + ((cp & 0x3FF) << 10 | (lo & 0x3FF));
+                q += 6;
+            }
+            if (o) {
+                if (cp < 0x80) *o++ = (char)cp;
+                else if (cp < 0x800) *o++ = (char)(0xC0 | cp >> 6), *o++ = (char)(0x80 | (cp & 0x3F));
+                else if (cp < 0x10000)
+                    *o++ = (char)(0xE0 | cp >> 12), *o++ = (char)(0x80 | (cp >> 6 & 0x3F)), *o++ = (char)(0x80 | (cp & 0x3F));
+                else
+                    *o++ = (char)(0xF0 | cp >> 18), *o++ = (char)(0x80 | (cp >> 12 & 0x3F)),
+                    *o++ = (char)(0x80 | (cp >> 6 & 0x3F)), *o++ = (char)(0x80 | (cp & 0x3F));
+            }
+            continue;
+        }
+        default: return NULL;
+        }
+        if (o) *o++ = out;
+    }
+}
+
+/* A key at p (at its quote), unescaped: *k and *kl; the position after its
+ * ':' and the white space after it, or NULL. */
+static char *fast_key(char *p, const char *e, const char **k, size_t *kl) {
+    if (p >= e || *p != '"') return NULL;
+    char *q = p + 1;
+    while (q < e && *q != '"' && *q != '\\') q++;
+    if (q >= e || *q != '"') return NULL;
+    *k = p + 1;
+    *kl = (size_t)(q - p - 1);
+    q = (char *)fast_ws(q + 1, e);
+    if (q >= e || *q != ':') return NULL;
+    return (char *)fast_ws(q + 1, e);
+}
+
+static int key_is(const char *k, size_t kl, const char *name) { return kl == strlen(name) && !memcmp(k, name, kl); }
+
+static const char *fast_role(const char *s, size_t n) {
+    static const char *const roles[] = {"system", "user", "assistant", "tool"};
+    for (int i = 0; i < 4; i++)
+        if (key_is(s, n, roles[i])) return roles[i];
+    return NULL;
+}
+
+/* The "messages" list at p ('['): checked (c NULL), or decoded in place into
+ * c. Its end, or NULL. */
+static char *fast_messages(char *p, const char *e, convo *c, int *rc) {
+    if (p >= e || *p != '[') return NULL;
+    p = (char *)fast_ws(p + 1, e);
+    if (p < e && *p == ']') return NULL; /* empty: cJSON's path says so */
+    for (;;) {
+        if (p >= e || *p != '{') return NULL;
+        p = (char *)fast_ws(p + 1, e);
+        const char *role = NULL, *content = NULL;
+        int have_role = 0, have_content = 0;
+        for (;;) {
+            const char *k;
+            size_t kl, vl = 0;
+            char *v = fast_key(p, e, &k, &kl);
+            if (!v || *v != '"') return NULL;
+            int is_role = key_is(k, kl, "role"), is_content = key_is(k, kl, "content");
+            if ((!is_role && !is_content) || (is_role && have_role) || (is_content && have_content)) return NULL;
+            p = fast_string(v, e, c ? v + 1 : NULL, &vl);
+            if (!p) return NULL;
+            if (is_role) {
+                have_role = 1;
+                if (c) role = fast_role(v + 1, vl);
+                else if (!fast_role(v + 1, (size_t)(p - v - 2))) return NULL; /* spelt plainly or not at all */
+            } else {
+                have_content = 1;
+                content = v + 1;
+            }
+            p = (char *)fast_ws(p, e);
+            if (p < e && *p == ',') { p = (char *)fast_ws(p + 1, e); continue; }
+            if (p < e && *p == '}') { p = (char *)fast_ws(p + 1, e); break; }
+            return NULL;
+        }
+        if (!have_role || !have_content) return NULL;
+        if (c && (*rc = convo_add(c, role, content, NULL, 0)) != QT_OK) return NULL;
+        if (p < e && *p == ',') { p = (char *)fast_ws(p + 1, e); continue; }
+        if (p < e && *p == ']') return p + 1;
+        return NULL;
+    }
+}
+
+/* Keys a format reads: a line that holds one besides "text" or "messages"
+ * takes the cJSON path (detection and warnings depend on them). */
+static int format_key(const char *k, size_t kl) {
+    static const char *const keys[] = {"text", "messages", "input_ids", "labels", "conversations", "instruction",
+                                       "input", "output", "system", "history", "prompt", "completion", "tools", NULL};
+    for (int i = 0; keys[i]; i++)
+        if (key_is(k, kl, keys[i])) return 1;
+    return 0;
+}
+
+/* One pass over the object: checks it (decode 0), or decodes its text or
+ * messages in place and encodes them (decode 1, after a checking pass). */
+static int fast_text_pass(const enc_call *ec, char *s, size_t len, dl_format *fmt, dl_tokbuf *out, int decode) {
+    const char *e = s + len;
+    char *p = (char *)fast_ws(s, e);
+    if (p >= e || *p != '{') return FAST_NO;
+    p = (char *)fast_ws(p + 1, e);
+    char *text = NULL, *msgs = NULL;
+    const char *other[FAST_MAX_OTHER];
+    size_t other_len[FAST_MAX_OTHER], n_other = 0;
+    for (;;) {
+        const char *k;
+        size_t kl;
+        char *v = fast_key(p, e, &k, &kl);
+        if (!v) return FAST_NO;
+        if (key_is(k, kl, "text") && !text) {
+            text = v;
+            p = v < e && *v == '"' ? fast_string(v, e, NULL, NULL) : NULL;
+        } else if (key_is(k, kl, "messages") && !msgs) {
+            msgs = v;
+            int rc = QT_OK;
+            p = fast_messages(v, e, NULL, &rc);
+        } else if (format_key(k, kl) || n_other == FAST_MAX_OTHER) {
+            return FAST_NO;
+        } else {
+            other[n_other] = k, other_len[n_other++] = kl;
+            const char *end = NULL;
+            cJSON *val = cJSON_ParseWithLengthOpts(v, (size_t)(e - v), &end, 0);
+            p = val && end ? (char *)end : NULL;
+            cJSON_Delete(val);
+        }
+        if (!p) return FAST_NO;
+        p = (char *)fast_ws(p, e);
+        if (p < e && *p == ',') { p = (char *)fast_ws(p + 1, e); continue; }
+        if (p < e && *p == '}') { p++; break; }
+        return FAST_NO;
+    }
+    while (p < e && isspace((unsigned char)*p)) p++; /* dl_encode_line's rule after the object */
+    dl_format f = text ? DL_FORMAT_TEXT : DL_FORMAT_MESSAGES;
+    if (p != e || !text == !msgs || (*fmt != DL_FORMAT_AUTO && *fmt != f) || !ec->ctx->tok) return FAST_NO;
+    *fmt = f;
+    if (!decode) return QT_OK;
+    /* valid, and what the cJSON path would read: its warnings, then its encoding */
+    for (size_t i = 0; i < n_other; i++) {
+        char key[64];
+        snprintf(key, sizeof key, "%.*s", (int)(other_len[i] < 63 ? other_len[i] : 63), other[i]);
+        dropped(ec, "", key, dl_format_name(f));
+    }
+    if (text) {
+        size_t n = 0;
+        fast_string(text, e, text + 1, &n);
+        QT_TRY(put_text(ec->ctx, out, text + 1, n, 1));
+        return put_special(ec->ctx, out, "<|endoftext|>", 1);
+    }
+    convo c = {0};
+    int rc = QT_OK;
+    if (!fast_messages(msgs, e, &c, &rc) && rc == QT_OK) rc = QT_ERR(QT_EINVAL, "a checked messages line read otherwise");
+    /* the contents lie in s, each after its "content": key (CHAT_HEAD_ROOM bytes) */
+    char **in_place = rc == QT_OK ? qt_malloc(c.n * sizeof *in_place, "a conversation") : NULL;
+    if (rc == QT_OK && !in_place) rc = QT_ENOMEM;
+    for (size_t i = 0; rc == QT_OK && i < c.n; i++) in_place[i] = s + (c.m[i].content - s);
+    if (rc == QT_OK) rc = put_chat(ec->ctx, out, &c, in_place);
+    qt_free(in_place);
+    convo_free(&c);
+    return rc;
+}
+
+/* A long text or messages line of the plain shape, encoded from its own
+ * buffer (s is no longer the line afterwards); FAST_NO, s untouched, when
+ * the line is anything else. */
+static int fast_text(const enc_call *ec, char *s, size_t len, dl_format *fmt, dl_tokbuf *out) {
+    int rc = fast_text_pass(ec, s, len, fmt, out, 0);
+    if (rc != QT_OK) return rc;
+    const size_t n0 = out->n;
+    rc = fast_text_pass(ec, s, len, fmt, out, 1);
+    if (rc != QT_OK) out->n = n0;
+    return rc;
+}
+
+dl_format dl_line_long_format(const dl_encode_ctx *ctx, const char *s, size_t len) {
+    if (len < FAST_MIN_LINE || memchr(s, 0, len)) return DL_FORMAT_AUTO;
+    dl_format f = DL_FORMAT_AUTO;
+    enc_call ec = {ctx, 0};
+    /* the checking pass writes nothing (s stays the caller's) */
+    if (fast_text_pass(&ec, (char *)s, len, &f, NULL, 0) == QT_OK) return f;
     dl_tokbuf tb = {0};
     int rc = fast_tokens(ctx, s, len, &tb);
     dl_tokbuf_free(&tb);
     qt_error_clear();
-    return rc == QT_OK;
+    return rc == QT_OK ? DL_FORMAT_TOKENS : DL_FORMAT_AUTO;
 }
 
 int dl_encode_example(const dl_encode_ctx *ctx, dl_format fmt, const cJSON *obj, dl_tokbuf *out) {
@@ -813,11 +1051,17 @@ int dl_encode_example(const dl_encode_ctx *ctx, dl_format fmt, const cJSON *obj,
     return encode_obj(&e, fmt, obj, out);
 }
 
-int dl_encode_line(const dl_encode_ctx *ctx, const char *path, long long line_no, const char *s, size_t len,
-                   dl_format *fmt, dl_tokbuf *out) {
+/* dl_encode_line; w: the line again, writable (dl_encode_line_in_place), or NULL */
+static int encode_line(const dl_encode_ctx *ctx, const char *path, long long line_no, const char *s, char *w,
+                       size_t len, dl_format *fmt, dl_tokbuf *out) {
     if (memchr(s, 0, len))
         return QT_ERR(QT_EFORMAT, "%s:%lld: the line holds a NUL byte; a JSONL file is text: fix or remove that line",
                       path, line_no);
+    if (w && len >= FAST_MIN_LINE && (*fmt == DL_FORMAT_TEXT || *fmt == DL_FORMAT_MESSAGES || *fmt == DL_FORMAT_AUTO)) {
+        int rc = fast_text(&(enc_call){ctx, line_no}, w, len, fmt, out);
+        if (rc != FAST_NO) return rc == QT_OK ? QT_OK : qt_error_context(rc, "%s:%lld", path, line_no);
+        qt_error_clear();
+    }
     if (len >= FAST_MIN_LINE && (*fmt == DL_FORMAT_TOKENS || *fmt == DL_FORMAT_AUTO)) {
         int rc = fast_tokens(ctx, s, len, out);
         if (rc != FAST_NO) {
@@ -850,6 +1094,16 @@ int dl_encode_line(const dl_encode_ctx *ctx, const char *path, long long line_no
     }
     cJSON_Delete(obj);
     return rc;
+}
+
+int dl_encode_line(const dl_encode_ctx *ctx, const char *path, long long line_no, const char *s, size_t len,
+                   dl_format *fmt, dl_tokbuf *out) {
+    return encode_line(ctx, path, line_no, s, NULL, len, fmt, out);
+}
+
+int dl_encode_line_in_place(const dl_encode_ctx *ctx, const char *path, long long line_no, char *s, size_t len,
+                            dl_format *fmt, dl_tokbuf *out) {
+    return encode_line(ctx, path, line_no, s, s, len, fmt, out);
 }
 
 uint64_t dl_template_hash(void) {

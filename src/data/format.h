@@ -60,10 +60,11 @@ typedef struct {
  * caller prefixes. */
 int dl_encode_example(const dl_encode_ctx *ctx, dl_format fmt, const cJSON *obj, dl_tokbuf *out);
 
-/* 1 when s is a long line (64 KiB or more) of the tokens format that
- * dl_encode_line reads without a cJSON node per id: format detection uses it
- * so as not to parse such a line with cJSON (80 bytes per id). */
-int dl_line_is_long_tokens(const dl_encode_ctx *ctx, const char *s, size_t len);
+/* The format of a long line (64 KiB or more) that dl_encode_line reads
+ * without cJSON (tokens; text and messages of the plain shape, in place),
+ * or DL_FORMAT_AUTO: format detection uses it so as not to parse such a line
+ * with cJSON (80 bytes per id, a copy of every string). s is not changed. */
+dl_format dl_line_long_format(const dl_encode_ctx *ctx, const char *s, size_t len);
 
 /* One line of a JSONL file, line_no of path, to one example appended to out:
  * the line must be exactly one JSON object (whitespace around it allowed, no
@@ -73,6 +74,13 @@ int dl_line_is_long_tokens(const dl_encode_ctx *ctx, const char *s, size_t len);
  * "path:line: "; out unchanged then. */
 int dl_encode_line(const dl_encode_ctx *ctx, const char *path, long long line_no, const char *s, size_t len,
                    dl_format *fmt, dl_tokbuf *out);
+/* dl_encode_line for a line buffer the caller is done with: a long line
+ * (64 KiB or more) of text or messages in the plain shape (docs/data.md) has
+ * its strings decoded in place and tokenized from there, so the line costs no
+ * copy of its text; s holds no JSON afterwards. Same examples, same
+ * messages. The loaders call this one. */
+int dl_encode_line_in_place(const dl_encode_ctx *ctx, const char *path, long long line_no, char *s, size_t len,
+                            dl_format *fmt, dl_tokbuf *out);
 
 /* A {"messages": [...], "tools": [...]?} object (OpenAI/HF shape: content
  * strings or text parts, tool_calls, weight) rendered with Qwen2.5's chat

@@ -34,7 +34,7 @@ int dl_lines_open_range(dl_lines *r, const char *path, size_t max_line, uint64_t
             return QT_ERR(QT_EIO, "cannot seek in the data file %s: %s", path, strerror(e));
         }
         r->pos = start - 1;
-        const char *line;
+        char *line;
         size_t len;
         /* the straddling line is read past, never stored: with a cap of 0
          * nothing is kept (a range cut inside a 60 MB line would otherwise
@@ -91,7 +91,7 @@ int dl_line_blank(const char *s, size_t n) {
     return 1;
 }
 
-int dl_lines_next(dl_lines *r, const char **line, size_t *len) {
+int dl_lines_next(dl_lines *r, char **line, size_t *len) {
     size_t n = 0;
     int over = 0, any = 0;
     if (r->pos >= r->limit) return 0;

@@ -29,9 +29,10 @@ int dl_lines_open(dl_lines *r, const char *path, size_t max_line);
  * belongs to the range before. Ranges cut anywhere partition a file's lines. */
 int dl_lines_open_range(dl_lines *r, const char *path, size_t max_line, uint64_t start, uint64_t limit);
 /* 1: *line and *len hold the next line (without "\n" or "\r\n"), valid until the
- * next call; 0: end of file; QT_EFORMAT: the line is over the cap (it has been
+ * next call (the buffer is the reader's, and the caller may write in it: see
+ * dl_encode_line_in_place); 0: end of file; QT_EFORMAT: the line is over the cap (it has been
  * skipped, so the caller may continue); other negative codes: I/O errors. */
-int dl_lines_next(dl_lines *r, const char **line, size_t *len);
+int dl_lines_next(dl_lines *r, char **line, size_t *len);
 /* 1 when the line holds only whitespace (isspace): readers skip it. */
 int dl_line_blank(const char *s, size_t n);
 void dl_lines_close(dl_lines *r);

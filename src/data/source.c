@@ -194,9 +194,9 @@ static int cache_write(const dl_cache_header *h, const dl_source *s) {
 
 /* Parses one line into out; errors carry "path:line: " (line counted from
  * the start of the reader's range). */
-static int build_line(const dl_source_opts *o, dl_lines *r, const char *line, size_t len, dl_format *fmt,
+static int build_line(const dl_source_opts *o, dl_lines *r, char *line, size_t len, dl_format *fmt,
                       dl_tokbuf *out) {
-    return dl_encode_line(&o->enc, o->path, (long long)r->line_no, line, len, fmt, out);
+    return dl_encode_line_in_place(&o->enc, o->path, (long long)r->line_no, line, len, fmt, out);
 }
 
 static int push_offset(uint64_t **offsets, size_t *n, size_t *cap, uint64_t v) {
@@ -241,7 +241,7 @@ static void *chunk_main(void *arg) {
     c->rc = dl_lines_open_range(&r, o->path, o->max_line_bytes, c->start, c->end);
     if (c->rc != QT_OK) { keep_message(c->err, sizeof c->err); return NULL; }
     c->rc = push_offset(&c->off, &c->n_off, &c->cap_off, 0);
-    const char *line;
+    char *line;
     size_t len;
     while (c->rc == QT_OK) {
         if (qt_cancel_requested()) {
@@ -294,12 +294,12 @@ static dl_format detect_first(const dl_source_opts *o) {
     dl_lines r;
     if (dl_lines_open(&r, o->path, o->max_line_bytes) != QT_OK) { qt_error_clear(); return DL_FORMAT_AUTO; }
     dl_format fmt = DL_FORMAT_AUTO;
-    const char *line;
+    char *line;
     size_t len;
     int got;
     while (fmt == DL_FORMAT_AUTO && r.line_no < 1000 && (got = dl_lines_next(&r, &line, &len)) != 0) {
         if (got == 1 && dl_line_blank(line, len)) continue;
-        if (got == 1 && dl_line_is_long_tokens(&o->enc, line, len)) { fmt = DL_FORMAT_TOKENS; break; }
+        if (got == 1 && (fmt = dl_line_long_format(&o->enc, line, len)) != DL_FORMAT_AUTO) break;
         cJSON *obj = got == 1 ? cJSON_ParseWithLength(line, len) : NULL;
         fmt = dl_format_detect(obj);
         cJSON_Delete(obj);

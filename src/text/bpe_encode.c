@@ -203,11 +203,25 @@ typedef struct {
     const bpe_tokenizer *t;
     int32_t **ids;
     bpe_span **spans; /* NULL: not wanted */
+    uint8_t **marks;  /* NULL: not wanted; else 1 where a token's span overlaps a region */
     size_t *n, *cap;
     int exact;        /* offsets in the work text equal offsets in the caller's */
+    int want_spans;   /* spans or marks */
     size_t text_len;  /* of the caller's text */
+    const bpe_span *regs; /* (nregs) sorted, disjoint: what marks are set for */
+    size_t nregs, reg;    /* reg: the first region a later token may overlap */
     pcre2_match_data *md;
 } enc_ctx;
+
+/* Token k's span [start, end): stored, and/or its mark set. Spans come in
+ * increasing order, so one cursor walks the regions. */
+static inline void put_span(enc_ctx *c, size_t k, size_t start, size_t end) {
+    if (c->spans) (*c->spans)[k] = (bpe_span){start, end};
+    if (c->marks) {
+        while (c->reg < c->nregs && c->regs[c->reg].end <= start) c->reg++;
+        (*c->marks)[k] = c->reg < c->nregs && start < c->regs[c->reg].end && end > c->regs[c->reg].start;
+    }
+}
 
 /* Spans of ids k0 .. *c->n: each token's bytes in turn from base when
  * exact, else the whole range [rs, re). */
@@ -216,7 +230,8 @@ static void piece_spans(enc_ctx *c, size_t k0, size_t base, int exact, size_t rs
     for (size_t k = k0; k < *c->n; k++) {
         int32_t id = (*c->ids)[k];
         size_t len = c->t->tok_off[id + 1] - c->t->tok_off[id];
-        (*c->spans)[k] = exact ? (bpe_span){off, off + len} : (bpe_span){rs, re};
+        if (exact) put_span(c, k, off, off + len);
+        else put_span(c, k, rs, re);
         off += len;
     }
 }
@@ -229,7 +244,7 @@ static inline __attribute__((always_inline)) int encode_piece(enc_ctx *c, const 
     /* room: the caller's stretch_room */
     QT_TRY(bpe_word_ids(c->t, p, n, *c->ids + k0, &nk));
     *c->n += nk;
-    if (c->spans) piece_spans(c, k0, base, exact, rs, re);
+    if (c->want_spans) piece_spans(c, k0, base, exact, rs, re);
     return QT_OK;
 }
 
@@ -243,7 +258,7 @@ static inline __attribute__((always_inline)) int encode_piece(enc_ctx *c, const 
 static inline int stretch_room(enc_ctx *c, size_t off, size_t e, size_t n, size_t *room_to) {
     if (e <= *room_to) return QT_OK;
     size_t to = n - e > ROOM_CHUNK ? e + ROOM_CHUNK : n;
-    QT_TRY(bpe_reserve(c->ids, c->spans, *c->n, c->cap, to - off + BPE_CACHE_MAX_IDS));
+    QT_TRY(bpe_reserve(c->ids, c->spans, c->marks, *c->n, c->cap, to - off + BPE_CACHE_MAX_IDS));
     *room_to = to;
     return QT_OK;
 }
@@ -325,8 +340,10 @@ static int encode_stretch(enc_ctx *c, const char *s, size_t n, size_t base) {
     return rc;
 }
 
-int bpe_encode_spans(const bpe_tokenizer *t, const char *text, size_t len, int32_t **ids, bpe_span **spans, size_t *n,
-                     size_t *cap) {
+/* bpe_encode, bpe_encode_spans and bpe_encode_marked: spans and marks are
+ * each NULL when not wanted. */
+static int encode_text(const bpe_tokenizer *t, const char *text, size_t len, int32_t **ids, bpe_span **spans,
+                       uint8_t **marks, const bpe_span *regs, size_t nregs, size_t *n, size_t *cap) {
     if (!text && len) return QT_ERR(QT_EINVAL, "bpe_encode: text is NULL");
     char *clean = NULL;
     const char *s = text;
@@ -335,12 +352,13 @@ int bpe_encode_spans(const bpe_tokenizer *t, const char *text, size_t len, int32
         QT_TRY(utf8_sanitize(text, len, &clean, &sl));
         s = clean;
     }
-    enc_ctx c = {t, ids, spans, n, cap, clean == NULL, len, NULL};
+    enc_ctx c = {.t = t, .ids = ids, .spans = spans, .marks = marks, .n = n, .cap = cap, .exact = clean == NULL,
+                 .want_spans = spans || marks, .text_len = len, .regs = regs, .nregs = nregs};
     {   /* Both arrays exist from here on (stretch_room then only compares
          * with *cap), sized for a token per 3 bytes, which most text does
          * not exceed (3.4-3.9 bytes a token in the benchmark texts): growing
          * by doubling copied the ids over and over. */
-        int rc = bpe_reserve(ids, spans, *n, cap, 16 + sl / 3);
+        int rc = bpe_reserve(ids, spans, marks, *n, cap, 16 + sl / 3);
         if (rc != QT_OK) {
             qt_free(clean);
             return rc;
@@ -362,10 +380,11 @@ int bpe_encode_spans(const bpe_tokenizer *t, const char *text, size_t len, int32
             break;
         }
         rc = encode_stretch(&c, s + pos, m.start - pos, pos);
-        if (rc == QT_OK) rc = bpe_reserve(ids, spans, *n, cap, 1);
+        if (rc == QT_OK) rc = bpe_reserve(ids, spans, marks, *n, cap, 1);
         if (rc == QT_OK) {
             (*ids)[*n] = m.id;
-            if (spans) (*spans)[*n] = c.exact ? (bpe_span){m.start, m.end} : (bpe_span){0, len};
+            if (c.exact) put_span(&c, *n, m.start, m.end);
+            else put_span(&c, *n, 0, len);
             (*n)++;
         }
         pos = m.end;
@@ -375,8 +394,46 @@ int bpe_encode_spans(const bpe_tokenizer *t, const char *text, size_t len, int32
     return rc;
 }
 
+int bpe_encode_spans(const bpe_tokenizer *t, const char *text, size_t len, int32_t **ids, bpe_span **spans, size_t *n,
+                     size_t *cap) {
+    return encode_text(t, text, len, ids, spans, NULL, NULL, 0, n, cap);
+}
+
+int bpe_encode_marked(const bpe_tokenizer *t, const char *text, size_t len, const bpe_span *regions, size_t n_regions,
+                      int32_t **ids, uint8_t **marks, size_t *n, size_t *cap) {
+    return encode_text(t, text, len, ids, NULL, marks, regions, n_regions, n, cap);
+}
+
 int bpe_encode(const bpe_tokenizer *t, const char *text, size_t len, int32_t **ids, size_t *n, size_t *cap) {
-    return bpe_encode_spans(t, text, len, ids, NULL, n, cap);
+    return encode_text(t, text, len, ids, NULL, NULL, NULL, 0, n, cap);
+}
+
+int bpe_cut_before_added(const bpe_tokenizer *t, const char *a, size_t na, const char *b, size_t nb) {
+    /* the token the scan matches at b: the first, longest, whose content b starts with */
+    const bpe_added *at = NULL;
+    for (size_t k = 0; k < t->n_added && !at; k++) {
+        const bpe_added *x = &t->added[k];
+        if (x->len > nb) {
+            if (!memcmp(x->content, b, nb)) return 0; /* might match past what b shows */
+        } else if (!memcmp(x->content, b, x->len)) {
+            at = x;
+        }
+    }
+    if (!at || at->lstrip || at->rstrip || at->single_word) return 0;
+    /* no token that begins in a's last bytes reaches into b */
+    for (size_t k = 0; k < t->n_added; k++) {
+        const bpe_added *x = &t->added[k];
+        for (size_t j = 1; j < x->len && j <= na; j++) {
+            size_t rest = x->len - j;
+            if (!memcmp(x->content, a + na - j, j) && !memcmp(x->content + j, b, rest < nb ? rest : nb)) return 0;
+        }
+    }
+    return 1;
+}
+
+int bpe_is_normal(const bpe_tokenizer *t, const char *text, size_t len) {
+    if (utf8_valid_prefix(text, len) != len) return 0;
+    return !t->nfc || nfc_scan((const uint8_t *)text, len) == len; /* inert as a whole: every stretch is */
 }
 
 int bpe_normalize(const bpe_tokenizer *t, const char *text, size_t len, char **out, size_t *out_len) {

@@ -252,11 +252,12 @@ int bpe_word_ids(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *ou
 int bpe_cache_init(bpe_tokenizer *t);
 void bpe_cache_free(bpe_tokenizer *t);
 
-/* Grows *ids (and *spans when not NULL) so that `more` entries fit. */
-int bpe_grow(int32_t **ids, bpe_span **spans, size_t n, size_t *cap, size_t more);
-static inline int bpe_reserve(int32_t **ids, bpe_span **spans, size_t n, size_t *cap, size_t more) {
-    if (n + more <= *cap && *ids && (!spans || *spans)) return 0;
-    return bpe_grow(ids, spans, n, cap, more);
+/* Grows *ids (and *spans, *marks when not NULL: they share *cap) so that
+ * `more` entries fit. */
+int bpe_grow(int32_t **ids, bpe_span **spans, uint8_t **marks, size_t n, size_t *cap, size_t more);
+static inline int bpe_reserve(int32_t **ids, bpe_span **spans, uint8_t **marks, size_t n, size_t *cap, size_t more) {
+    if (n + more <= *cap && *ids && (!spans || *spans) && (!marks || *marks)) return 0;
+    return bpe_grow(ids, spans, marks, n, cap, more);
 }
 
 #endif

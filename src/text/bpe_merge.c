@@ -51,7 +51,7 @@ static merge_cand heap_pop(merge_cand *h, size_t *n) {
     return top;
 }
 
-int bpe_grow(int32_t **ids, bpe_span **spans, size_t n, size_t *cap, size_t more) {
+int bpe_grow(int32_t **ids, bpe_span **spans, uint8_t **marks, size_t n, size_t *cap, size_t more) {
     size_t c = *cap < 64 ? 64 : *cap;
     while (c < n + more) c *= 2;
     int32_t *ni = qt_realloc(*ids, c * sizeof *ni, "token ids");
@@ -61,6 +61,11 @@ int bpe_grow(int32_t **ids, bpe_span **spans, size_t n, size_t *cap, size_t more
         bpe_span *ns = qt_realloc(*spans, c * sizeof *ns, "token spans");
         if (!ns) return QT_ENOMEM;
         *spans = ns;
+    }
+    if (marks) {
+        uint8_t *nm = qt_realloc(*marks, c, "token marks");
+        if (!nm) return QT_ENOMEM;
+        *marks = nm;
     }
     *cap = c;
     return QT_OK;
@@ -499,7 +504,7 @@ int bpe_word_ids(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *ou
 
 int bpe_word(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, size_t *nids, size_t *cap) {
     if (!n) return QT_OK; /* bpe_word_ids wants a byte at least */
-    QT_TRY(bpe_reserve(ids, NULL, *nids, cap, n + BPE_CACHE_MAX_IDS)); /* + what a cache hit copies */
+    QT_TRY(bpe_reserve(ids, NULL, NULL, *nids, cap, n + BPE_CACHE_MAX_IDS)); /* + what a cache hit copies */
     size_t k;
     QT_TRY(bpe_word_ids(t, w, n, *ids + *nids, &k));
     *nids += k;

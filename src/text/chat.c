@@ -3,9 +3,11 @@
  * chat_encode renders the whole conversation and encodes it in one call, so
  * its ids are always those of the rendered string (as HF's
  * apply_chat_template + encode give); labels come from each token's byte span
- * against the assistant regions recorded while rendering. Contents are
- * cleaned (U+FFFD) and NFC'd before rendering so that the encoder changes
- * nothing and the spans are exact byte offsets. */
+ * against the assistant regions recorded while rendering (bpe_encode_marked:
+ * a byte a token, no span array). Contents are cleaned (U+FFFD) and NFC'd
+ * before rendering so that the encoder changes nothing and the spans are
+ * exact byte offsets; a content that needs neither is used as it is, not
+ * copied, so a conversation costs its rendered text plus its ids and marks. */
 #include "text/chat.h"
 
 #include "core/error.h"
@@ -19,9 +21,7 @@
 
 static int puts_(qt_strbuf *b, const char *s) { return qt_strbuf_put(b, s, strlen(s)); }
 
-typedef struct {
-    size_t start, end;
-} region;
+typedef bpe_span region; /* a labelled byte range of the rendered text */
 
 static const char TOOLS_HEAD[] = "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
                                  "You are provided with function signatures within <tools></tools> XML tags:\n<tools>";
@@ -59,7 +59,7 @@ static int render_tool_turn(const char *content, const char *calls, int label, q
  * msgs[i].tool_calls and tools when given (the cleaned text); sys is the
  * default system prompt (the model family's) when the first message is not
  * a system one. Labelled regions (assistant content + <|im_end|>) go to *regs. */
-static int render(const chat_message *msgs, size_t n, char *const *contents, char *const *calls, const char *tools,
+static int render(const chat_message *msgs, size_t n, const char *const *contents, const char *const *calls, const char *tools,
                   int gen, const char *sys, qt_strbuf *b, region **regs, size_t *nregs) {
     for (size_t i = 0; i < n; i++) {
         const char *r = msgs[i].role;
@@ -146,40 +146,118 @@ int chat_encode(const bpe_tokenizer *t, const chat_message *msgs, size_t n, int 
     return chat_encode_tools(t, msgs, n, NULL, add_generation_prompt, ids, labels, n_ids, cap);
 }
 
-int chat_encode_tools(const bpe_tokenizer *t, const chat_message *msgs, size_t n, const char *tools,
-                      int add_generation_prompt, int32_t **ids, int32_t **labels, size_t *n_ids, size_t *cap) {
-    /* (2n) cleaned contents, then cleaned tool calls */
-    char **clean = n ? qt_calloc(2 * n, sizeof *clean, "chat contents") : NULL;
-    if (n && !clean) return QT_ENOMEM;
-    char *tools_clean = NULL;
+/* s as the encoder would see it (bpe_normalize): *use is s itself when that
+ * changes nothing (the usual case: no copy), else a copy in *owned. */
+static int normal_text(const bpe_tokenizer *t, const char *s, char **owned, const char **use) {
+    *owned = NULL;
+    *use = s;
+    if (!s) return QT_OK;
+    size_t len = strlen(s), l;
+    if (bpe_is_normal(t, s, len)) return QT_OK;
+    QT_TRY(bpe_normalize(t, s, len, owned, &l));
+    *use = *owned;
+    return QT_OK;
+}
+
+int chat_encode_mask(const bpe_tokenizer *t, const chat_message *msgs, size_t n, const char *tools,
+                     int add_generation_prompt, int32_t **ids, uint8_t **mask, size_t *n_ids, size_t *cap) {
+    /* (2n) contents, then tool calls, as the encoder sees them; owned: the copies among them */
+    const char **use = n ? qt_calloc(2 * n, sizeof *use, "chat contents") : NULL;
+    char **owned = n ? qt_calloc(2 * n, sizeof *owned, "chat contents") : NULL;
+    char *tools_owned = NULL;
+    const char *tools_use = NULL;
     qt_strbuf b = {0};
     region *regs = NULL;
-    size_t nregs = 0, base = *n_ids, ncap = *cap, k = 0;
-    bpe_span *spans = NULL;
-    int rc = qt_strbuf_put(&b, "", 0);
-    for (size_t i = 0; i < n && rc == QT_OK; i++) {
-        size_t l;
-        const char *c = msgs[i].content ? msgs[i].content : "";
-        rc = bpe_normalize(t, c, strlen(c), &clean[i], &l);
-        if (rc == QT_OK && msgs[i].tool_calls)
-            rc = bpe_normalize(t, msgs[i].tool_calls, strlen(msgs[i].tool_calls), &clean[n + i], &l);
-    }
-    size_t tl;
-    if (rc == QT_OK && tools) rc = bpe_normalize(t, tools, strlen(tools), &tools_clean, &tl);
+    size_t nregs = 0;
+    int rc = n && (!use || !owned) ? QT_ENOMEM : qt_strbuf_put(&b, "", 0);
     /* a missing content stays missing (render names it, or renders a tool
      * call turn without one) */
-    for (size_t i = 0; rc == QT_OK && i < n; i++)
-        if (!msgs[i].content) {
-            qt_free(clean[i]);
-            clean[i] = NULL;
-        }
+    for (size_t i = 0; i < n && rc == QT_OK; i++) {
+        rc = normal_text(t, msgs[i].content, &owned[i], &use[i]);
+        if (rc == QT_OK) rc = normal_text(t, msgs[i].tool_calls, &owned[n + i], &use[n + i]);
+    }
+    if (rc == QT_OK) rc = normal_text(t, tools, &tools_owned, &tools_use);
     if (rc == QT_OK)
-        rc = render(msgs, n, clean, clean + n, tools_clean, add_generation_prompt, bpe_chat_system(t), &b, &regs, &nregs);
-    /* spans only for this conversation's tokens: encode into a fresh array,
-     * then append; *labels follows *ids' capacity. */
+        rc = render(msgs, n, use, use + n, tools_use, add_generation_prompt, bpe_chat_system(t), &b, &regs, &nregs);
+    /* the rendered text holds every content now: the copies can go before
+     * the ids grow */
+    for (size_t i = 0; owned && i < 2 * n; i++) qt_free(owned[i]);
+    qt_free(owned);
+    qt_free(use);
+    qt_free(tools_owned);
+    if (rc == QT_OK) rc = bpe_encode_marked(t, b.p, b.n, regs, nregs, ids, mask, n_ids, cap);
+    qt_free(regs);
+    qt_free(b.p);
+    return rc;
+}
+
+/* The in-place encoding: each turn is "<|im_start|>", then "ROLE\n" +
+ * content where the content lies (the header written into its room), then
+ * "<|im_end|>\n"; each a text of its own. That is the rendered text's
+ * encoding when every cut falls right before a ChatML token that the
+ * rendered text's scan matches there (bpe_cut_before_added), and the
+ * contents need no cleaning: checked first, else 0 (render instead). */
+static const char *head_of(const char *role) {
+    return !strcmp(role, "system") ? "system\n" : !strcmp(role, "user") ? "user\n" : !strcmp(role, "assistant") ? "assistant\n" : NULL;
+}
+
+static int turns_separable(const bpe_tokenizer *t, const chat_message *msgs, size_t n, char *const *contents) {
+    char next[64];
+    for (size_t i = 0; i < n; i++) {
+        const char *h = head_of(msgs[i].role);
+        if (!h || msgs[i].tool_calls || contents[i] != msgs[i].content || strlen(h) > CHAT_HEAD_ROOM) return 0;
+        size_t cl = strlen(contents[i]);
+        if (!bpe_is_normal(t, contents[i], cl)) return 0;
+        /* before this turn's <|im_start|>: after "<|im_end|>\n" (the scan is past the <|im_end|>) */
+        snprintf(next, sizeof next, "<|im_start|>%s", h);
+        if (!bpe_cut_before_added(t, "\n", 1, next, strlen(next))) return 0;
+        /* before its <|im_end|>: after the header and the content (the header is written by then) */
+        size_t hl = strlen(h);
+        memcpy(contents[i] - hl, h, hl);
+        snprintf(next, sizeof next, "<|im_end|>\n%s%s", i + 1 < n ? "<|im_start|>" : "",
+                 i + 1 < n && head_of(msgs[i + 1].role) ? head_of(msgs[i + 1].role) : "");
+        if (!bpe_cut_before_added(t, contents[i] - hl, hl + cl, next, strlen(next))) return 0;
+    }
+    return 1;
+}
+
+static int put_text_marked(const bpe_tokenizer *t, const char *s, size_t len, size_t label_from, size_t label_to,
+                           int32_t **ids, uint8_t **mask, size_t *n_ids, size_t *cap) {
+    const bpe_span r = {label_from, label_to};
+    return bpe_encode_marked(t, s, len, &r, label_from < label_to, ids, mask, n_ids, cap);
+}
+
+int chat_encode_mask_in_place(const bpe_tokenizer *t, const chat_message *msgs, size_t n, char *const *contents,
+                              int32_t **ids, uint8_t **mask, size_t *n_ids, size_t *cap) {
+    if (!n || !turns_separable(t, msgs, n, contents))
+        return chat_encode_mask(t, msgs, n, NULL, 0, ids, mask, n_ids, cap);
+    if (strcmp(msgs[0].role, "system")) { /* the default system turn, as render writes it */
+        qt_strbuf b = {0};
+        int rc = qt_strbuf_put(&b, "<|im_start|>system\n", 19);
+        if (rc == QT_OK) rc = puts_(&b, bpe_chat_system(t));
+        if (rc == QT_OK) rc = puts_(&b, "<|im_end|>\n");
+        if (rc == QT_OK) rc = put_text_marked(t, b.p, b.n, 0, 0, ids, mask, n_ids, cap);
+        qt_free(b.p);
+        QT_TRY(rc);
+    }
+    for (size_t i = 0; i < n; i++) {
+        const int label = !strcmp(msgs[i].role, "assistant") && !msgs[i].no_label;
+        size_t hl = strlen(head_of(msgs[i].role)), cl = strlen(contents[i]);
+        QT_TRY(put_text_marked(t, "<|im_start|>", 12, 0, 0, ids, mask, n_ids, cap));
+        QT_TRY(put_text_marked(t, contents[i] - hl, hl + cl, label ? hl : 0, label ? SIZE_MAX : 0, ids, mask, n_ids, cap));
+        QT_TRY(put_text_marked(t, "<|im_end|>\n", 11, 0, label ? 10 : 0, ids, mask, n_ids, cap));
+    }
+    return QT_OK;
+}
+
+int chat_encode_tools(const bpe_tokenizer *t, const chat_message *msgs, size_t n, const char *tools,
+                      int add_generation_prompt, int32_t **ids, int32_t **labels, size_t *n_ids, size_t *cap) {
+    /* this conversation's ids and marks in arrays of their own, then
+     * appended; *labels follows *ids' capacity */
     int32_t *new_ids = NULL;
-    size_t nn = 0, ncap2 = 0;
-    if (rc == QT_OK) rc = bpe_encode_spans(t, b.p, b.n, &new_ids, &spans, &nn, &ncap2);
+    uint8_t *marks = NULL;
+    size_t base = *n_ids, ncap = *cap, nn = 0, ncap2 = 0;
+    int rc = chat_encode_mask(t, msgs, n, tools, add_generation_prompt, &new_ids, &marks, &nn, &ncap2);
     if (rc == QT_OK && base + nn > ncap) {
         size_t c = ncap ? ncap : 64;
         while (c < base + nn) c *= 2;
@@ -194,23 +272,14 @@ int chat_encode_tools(const bpe_tokenizer *t, const chat_message *msgs, size_t n
         if (!*labels) rc = QT_ENOMEM;
     }
     if (rc == QT_OK) {
-        /* spans and regions both increase: one merge-like walk */
-        size_t r = 0;
-        for (k = 0; k < nn; k++) {
-            while (r < nregs && regs[r].end <= spans[k].start) r++;
-            int lab = r < nregs && spans[k].start < regs[r].end && spans[k].end > regs[r].start;
+        for (size_t k = 0; k < nn; k++) {
             (*ids)[base + k] = new_ids[k];
-            (*labels)[base + k] = lab ? new_ids[k] : CHAT_IGNORE_INDEX;
+            (*labels)[base + k] = marks[k] ? new_ids[k] : CHAT_IGNORE_INDEX;
         }
         *n_ids = base + nn;
     }
     qt_free(new_ids);
-    qt_free(spans);
-    qt_free(regs);
-    qt_free(b.p);
-    for (size_t i = 0; clean && i < 2 * n; i++) qt_free(clean[i]);
-    qt_free(clean);
-    qt_free(tools_clean);
+    qt_free(marks);
     return rc;
 }
 

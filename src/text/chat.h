@@ -82,5 +82,24 @@ int chat_encode(const bpe_tokenizer *t, const chat_message *msgs, size_t n, int 
 /* The same with tools (chat_tools_text's text, or NULL). */
 int chat_encode_tools(const bpe_tokenizer *t, const chat_message *msgs, size_t n, const char *tools,
                       int add_generation_prompt, int32_t **ids, int32_t **labels, size_t *n_ids, size_t *cap);
+/* chat_encode_tools with a label mask instead of labels: appends the ids and
+ * mask[i] = 1 where chat_encode_tools's label is the id (0 where it is
+ * CHAT_IGNORE_INDEX) to *ids and *mask, which share *cap (grown with
+ * qt_realloc). No array per token beyond these two: the data loader's path. */
+int chat_encode_mask(const bpe_tokenizer *t, const chat_message *msgs, size_t n, const char *tools,
+                     int add_generation_prompt, int32_t **ids, uint8_t **mask, size_t *n_ids, size_t *cap);
+/* chat_encode_mask (no tools, no generation prompt) of a conversation whose
+ * contents lie in a buffer the caller is done with: contents[i] is
+ * msgs[i].content, with CHAT_HEAD_ROOM writable bytes before it (the data
+ * loader's in-place line: the "content": key is there). Nothing is rendered:
+ * each turn's header is written before its content and the turn encoded
+ * where it lies, so a conversation costs its ids and mask only. It does so
+ * when that gives the rendered text's ids and labels (system, user and
+ * assistant turns without tool calls, contents already clean, ChatML
+ * tokens that strip nothing and that no other added token runs into: see
+ * bpe_cut_before_added), else it renders (chat_encode_mask). */
+#define CHAT_HEAD_ROOM 11 /* strlen("\"content\":\""), the least JSON spells before a content */
+int chat_encode_mask_in_place(const bpe_tokenizer *t, const chat_message *msgs, size_t n, char *const *contents,
+                              int32_t **ids, uint8_t **mask, size_t *n_ids, size_t *cap);
 
 #endif

@@ -50,6 +50,25 @@ typedef struct {
 int bpe_encode_spans(const bpe_tokenizer *t, const char *text, size_t len, int32_t **ids, bpe_span **spans,
                      size_t *n, size_t *cap);
 
+/* bpe_encode that also appends, for each id, marks[i] = 1 when the token's
+ * byte range (bpe_encode_spans's) overlaps one of regions[0..n_regions)
+ * (sorted and disjoint), else 0: labels by byte offset at one byte a token
+ * instead of a span's 16. *ids and *marks share *cap. */
+int bpe_encode_marked(const bpe_tokenizer *t, const char *text, size_t len, const bpe_span *regions, size_t n_regions,
+                      int32_t **ids, uint8_t **marks, size_t *n, size_t *cap);
+
+/* 1 when bpe_encode(a + b) is certainly bpe_encode(a) followed by
+ * bpe_encode(b) as far as the added tokens go: b starts with an added
+ * token that strips nothing, which the scan of a + b matches right at b
+ * (no token that begins in a's last bytes reaches into b, no longer token
+ * could begin there), so a's text ends a stretch. The rest of the text after
+ * b's shown bytes must be b's own business (b holds the token whole). */
+int bpe_cut_before_added(const bpe_tokenizer *t, const char *a, size_t na, const char *b, size_t nb);
+
+/* 1 when bpe_normalize would return text[0..len) unchanged (valid UTF-8,
+ * and nothing NFC alters), so a caller can skip the copy. */
+int bpe_is_normal(const bpe_tokenizer *t, const char *text, size_t len);
+
 /* Text as the encoder sees it before splitting: invalid UTF-8 replaced with
  * U+FFFD, then NFC when the tokenizer's normaliser is NFC (qt_free *out). */
 int bpe_normalize(const bpe_tokenizer *t, const char *text, size_t len, char **out, size_t *out_len);

@@ -452,7 +452,7 @@ static void check_data_lines(doc_ctx *c, const char *path, const char *key, dl_f
     if (dl_lines_open(&r, path, 0) != QT_OK) return; /* named by check_data */
     dl_encode_ctx ctx = {.tok = tok, .mask_prompt = mask_prompt, .vocab_limit = vocab};
     dl_tokbuf tb = {0};
-    const char *line;
+    char *line;
     size_t len;
     long long n = 0;
     int got, bad = 0;
@@ -463,7 +463,7 @@ static void check_data_lines(doc_ctx *c, const char *path, const char *key, dl_f
         if (got < 0) { bad = 1; break; }
         if (dl_line_blank(line, len)) continue;
         tb.n = 0;
-        bad = dl_encode_line(&ctx, path, (long long)r.line_no, line, len, &fmt, &tb) != QT_OK;
+        bad = dl_encode_line_in_place(&ctx, path, (long long)r.line_no, line, len, &fmt, &tb) != QT_OK;
         n += !bad;
     }
     qt_log_set_level(level);

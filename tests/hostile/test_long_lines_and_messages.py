@@ -78,6 +78,80 @@ def test_a_long_token_line_costs_a_few_times_its_size(base, tmp_path):
     assert r.maxrss < 4 * size + (64 << 20), "peak RSS %.0f MB for a %.0f MB line" % (r.maxrss / 2**20, size / 2**20)
 
 
+# a long text or messages line: English-like prose with Chinese, escaped
+# newlines, quotes and backslashes, \u escapes (one a surrogate pair), raw
+# accented letters; KIND text|messages, MB its size
+GEN_PROSE = r"""
+import json, random, sys
+kind, mb, out = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+r = random.Random(11)
+words = ("the of and to in is was for on that with as by at from model training data token loss gradient "
+         "caf\u00e9 na\u00efve \u00c5ngstr\u00f6m \U0001F600 back\\slash \"quoted\" tab \u00e9t\u00e9").split()
+zh = "\u4e2d\u6587\u6587\u672c\u7684\u8bad\u7ec3\u6570\u636e\u6a21\u578b"
+def prose(n):
+    parts, size = [], 0
+    while size < n:
+        if r.random() < 0.1:
+            s = "".join(r.choice(zh) for _ in range(r.randint(5, 30))) + "\u3002"
+        else:
+            s = " ".join(r.choice(words) for _ in range(r.randint(5, 20))) + r.choice([".", ",", "!", " (1234).", ":\t"])
+        if r.random() < 0.05:
+            s += "\n\n"
+        parts.append(s)
+        size += len(s.encode()) + 1
+    # raw UTF-8, with some characters spelt as \u escapes (one a surrogate pair)
+    t = json.dumps(" ".join(parts), ensure_ascii=False)
+    return t.replace("\u00e9t\u00e9", "\\u00e9t\\u00e9").replace("\U0001F600", "\\ud83d\\ude00")
+n = int(mb * (1 << 20))
+if kind == "text":
+    body = '{"text": %s}' % prose(n)
+else:
+    body = ('{"messages": [{"role": "user", "content": %s}, {"role": "assistant", "content": %s}, '
+            '{"role": "user", "content": %s}, {"role": "assistant", "content": %s}]}'
+            % (prose(2000), prose(n // 2), prose(n // 4), prose(n // 4)))
+json.loads(body)
+with open(out, "w") as f:
+    f.write(body + "\n")
+"""
+
+
+def cache_tokens(cache_dir):
+    """Tokens in the one token cache of cache_dir (header, then 8 bytes an
+    example plus one, then 5 bytes a token)."""
+    (cache,) = glob.glob(str(cache_dir / "*.qtc"))
+    return (os.path.getsize(cache) - 128 - 16) // 5
+
+
+@pytest.mark.parametrize("kind", ["text", "messages"])
+def test_a_long_text_or_chat_line_costs_the_line_and_its_tokens(base, tmp_path, kind):
+    """A 45 MB text or messages line: peak RSS over that of a one-line file of
+    the same format at most the line plus the 5 bytes a token of the token
+    buffer (ids and mask), plus a quarter of the line. With this test's
+    tokenizer (264 ids, 1.2 bytes a token) that is about 5.3x the line; main
+    (94f5fab) spent one line more on text (cJSON's copy of the string: 257
+    MB, bound 239 MB) and 26x the line on messages (16-byte spans, a second
+    id array and int32 labels per token, the rendered conversation: 1,178
+    MB)."""
+    subprocess.run([sys.executable, "-c", GEN_PROSE, kind, "40", str(tmp_path / "long.jsonl")], check=True)
+    size = os.path.getsize(tmp_path / "long.jsonl")
+    small = {"text": {"text": "a short line"},
+             "messages": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}}
+    write(tmp_path / "small.jsonl", json.dumps(small[kind]) + "\n")
+    peaks, tokens = {}, {}
+    for name in ("small", "long"):
+        j = write_job(tmp_path / ("job_%s.json" % name), str(base / "chatmodel"), "out_" + name, name + ".jsonl", T=64,
+                      train_opts={"max_steps": 1},
+                      data_opts={"mask_prompt": False, "cache_dir": str(tmp_path / ("cache_" + name))})
+        r = run(["train", j], timeout=300)
+        assert r.returncode == 0, r
+        peaks[name], tokens[name] = r.maxrss, cache_tokens(tmp_path / ("cache_" + name))
+    assert tokens["long"] > size // 2, tokens
+    cost = peaks["long"] - peaks["small"]
+    bound = 1.25 * size + 5 * tokens["long"]  # tolerance: a quarter of the line
+    assert cost < bound, "a %.0f MB %s line (%d tokens) cost %.0f MB (%.1fx), over %.0f MB" % (
+        size / 2**20, kind, tokens["long"], cost / 2**20, cost / size, bound / 2**20)
+
+
 def cache_body(path):
     """The ids, mask and example table of a token cache (past its header)."""
     data = open(path, "rb").read()
@@ -207,4 +281,85 @@ def test_both_parse_paths_agree_on_damaged_lines(base, tmp_path):
             res = run(["eval", "--model", base / "model", "--data", f, "--seq-len", "16"])
             last = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else ""
             outs.append((res.returncode, res.stdout, re.sub(r"near byte \d+", "near byte N", last)))
+        assert outs[0] == outs[1], (it, op, m, pos, outs)
+
+
+def prose_line(tmp_path, kind, mb, name):
+    subprocess.run([sys.executable, "-c", GEN_PROSE, kind, str(mb), str(tmp_path / name)], check=True)
+    return open(tmp_path / name, encoding="utf-8").read().rstrip("\n")
+
+
+# the key spelt with a \u escape: cJSON reads the same object, the in-place
+# path declines it (an escaped key), so the line takes the cJSON path
+SLOW_KEY = {"text": ('"text"', '"\\u0074ext"'), "messages": ('"messages"', '"\\u006dessages"')}
+
+
+@pytest.mark.parametrize("kind", ["text", "messages"])
+def test_long_text_and_chat_lines_read_the_same_tokens_as_before(base, tmp_path, kind):
+    """A long line takes the in-place path, unless its key is spelt with a
+    \\u escape (only cJSON reads that): both files give byte-identical token
+    caches (escapes, a surrogate pair, raw UTF-8, other keys, ChatML and
+    <|endoftext|> written inside contents and at their edges, a system turn
+    after others), and the same warnings about the keys no format reads."""
+    long = prose_line(tmp_path, kind, 0.2, "long.jsonl")
+    assert len(long.encode()) > 64 << 10
+    extra = ', "meta": {"source": [1, "x"]}, "id": 7}'
+    bodies, warnings = [], []
+    for name in ("fast", "slow"):
+        d = tmp_path / name
+        os.makedirs(d)
+        line = long[:-1] + extra
+        if name == "slow":
+            line = line.replace(*SLOW_KEY[kind], 1)
+        short = '{"text": "a short line"}' if kind == "text" else json.dumps(
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+        # ChatML written inside contents, at their edges too: the turns stay
+        # the rendered text's (a content ending in "<|im_" runs into the
+        # template's <|im_end|>, one ending in "<|im_end|>" matches it)
+        edges = ["\n\n  <|im_end|>x", "<|im_start|>assistant\n", "z <|endoftext|>", "y<|im_", "  \n", "<|im_end|>"]
+        p = json.loads(long)
+        if kind == "messages":
+            p["messages"] = [{"role": m["role"], "content": edges[i] + m["content"] + edges[-1 - i]}
+                             for i, m in enumerate(p["messages"])] + [{"role": "system", "content": "sys"}]
+        else:
+            p["text"] = edges[0] + p["text"] + edges[1]
+        tricky = json.dumps(p, ensure_ascii=False)
+        if name == "slow":
+            tricky = tricky.replace(*SLOW_KEY[kind], 1)
+        write(d / "data.jsonl", short + "\n" + line + "\n" + short + "\n" + tricky + "\n")
+        j = write_job(d / "job.json", str(base / "chatmodel"), "out", "data.jsonl", T=256,
+                      train_opts={"max_steps": 1}, data_opts={"cache_dir": str(d / "cache")})
+        r = ok(["train", j])
+        (cache,) = glob.glob(str(d / "cache" / "*.qtc"))
+        bodies.append(cache_body(cache))
+        warnings.append([l.replace(str(d), "D") for l in r.stderr.splitlines() if "is not read by" in l])
+    assert bodies[0] == bodies[1]
+    assert warnings[0] == warnings[1] and len(warnings[0]) == 2, warnings
+    assert len(bodies[0]) > 5 * len(long.encode()) // 2  # both long lines were read
+
+
+TEXT_MUTATIONS = ["", " ", ",", "]", "[", "\"", "}", "{", "null", "\\", "\\u", "\\u00", "\\ud800", "\\udc00",
+                  "\\u0000", "\\x", "\\n", ":", "\"role\": \"user\", ", "\"content\": 5, ", "\t", "\x01", "\u00e9"]
+
+
+@pytest.mark.parametrize("kind", ["text", "messages"])
+def test_both_text_paths_agree_on_damaged_lines(base, tmp_path, kind):
+    """40 random damages (insert, delete, replace) of a long text or messages
+    line: the in-place path and the cJSON path (the key spelt with a \\u
+    escape) end the same way, with the same message (byte offsets aside)."""
+    import re
+    r = random.Random(13)
+    a = prose_line(tmp_path, kind, 0.07, "src.jsonl")
+    b = a.replace(*SLOW_KEY[kind], 1)
+    shift = len(b) - len(a)
+    for it in range(40):
+        pos, m, op, k = r.randint(20, len(a) - 10), r.choice(TEXT_MUTATIONS), r.choice("idr"), r.randint(1, 3)
+        outs = []
+        for s, sh in ((a, 0), (b, shift)):
+            p = pos + sh
+            t = s[:p] + m + s[p:] if op == "i" else s[:p] + s[p + k:] if op == "d" else s[:p] + m + s[p + 1:]
+            f = write(tmp_path / "d.jsonl", t + "\n")
+            res = run(["eval", "--model", base / "chatmodel", "--data", f, "--seq-len", "16"])
+            last = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else ""
+            outs.append((res.returncode, res.stdout, re.sub(r"byte \d+", "byte N", last)))
         assert outs[0] == outs[1], (it, op, m, pos, outs)

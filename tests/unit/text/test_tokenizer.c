@@ -725,6 +725,137 @@ static void test_ids_room_grows(void **state) {
     bpe_free(t);
 }
 
+/* bpe_encode_marked marks a token exactly when its bpe_encode_spans range
+ * overlaps a region (the rule chat labels were computed by from spans), and
+ * gives bpe_encode's ids: random texts of ASCII, Han, an added token,
+ * combining accents (NFC changes the stretch: inexact ranges) and invalid
+ * bytes (the whole text's range), random sorted regions. And bpe_is_normal
+ * is 1 exactly when bpe_normalize returns the text unchanged. */
+static void test_marks_follow_spans(void **state) {
+    (void)state;
+    const char *m[] = {"a b", "Ġ a"};
+    const char *added = "[{\"id\":300,\"content\":\"<|x|>\",\"special\":true,\"normalized\":false}]";
+    bpe_tokenizer *t;
+    assert_int_equal(bpe_load(write_tokenizer("marks.json", m, 2, added, QWEN_SPLIT), &t), QT_OK);
+    static const char *alpha[] = {"a", "b", " ", "ab", "\n", "\xE4\xB8\xAD", "<|x|>", "e\xCC\x81", "\xFF", "7", ",", "  "};
+    unsigned seed = 5;
+    for (int it = 0; it < 400; it++) {
+        char text[512];
+        size_t len = 0;
+        int parts = 1 + (int)((seed = seed * 1103515245u + 12345u) >> 16) % 60;
+        for (int k = 0; k < parts; k++) {
+            const char *a = alpha[((seed = seed * 1103515245u + 12345u) >> 16) % (sizeof alpha / sizeof *alpha)];
+            memcpy(text + len, a, strlen(a));
+            len += strlen(a);
+        }
+        bpe_span regs[8];
+        size_t nregs = 0, at = 0;
+        while (nregs < 8 && at < len) {
+            size_t s0 = at + ((seed = seed * 1103515245u + 12345u) >> 16) % 12, w = ((seed = seed * 1103515245u + 12345u) >> 16) % 10;
+            if (s0 >= len) break;
+            regs[nregs++] = (bpe_span){s0, s0 + w + 1 < len ? s0 + w + 1 : len};
+            at = regs[nregs - 1].end + 1;
+        }
+        int32_t *ids = NULL, *ids2 = NULL;
+        bpe_span *sp = NULL;
+        uint8_t *marks = NULL;
+        size_t n = 0, cap = 0, n2 = 0, cap2 = 0;
+        assert_int_equal(bpe_encode_spans(t, text, len, &ids, &sp, &n, &cap), QT_OK);
+        assert_int_equal(bpe_encode_marked(t, text, len, regs, nregs, &ids2, &marks, &n2, &cap2), QT_OK);
+        assert_int_equal(n2, n);
+        assert_memory_equal(ids2, ids, n * sizeof *ids);
+        size_t r = 0;
+        for (size_t k = 0; k < n; k++) {
+            while (r < nregs && regs[r].end <= sp[k].start) r++;
+            int want = r < nregs && sp[k].start < regs[r].end && sp[k].end > regs[r].start;
+            assert_int_equal(marks[k], want);
+        }
+        char *norm = NULL;
+        size_t nl = 0;
+        assert_int_equal(bpe_normalize(t, text, len, &norm, &nl), QT_OK);
+        if (bpe_is_normal(t, text, len)) assert_true(nl == len && !memcmp(norm, text, len));
+        else assert_true(nl != len || memcmp(norm, text, len)); /* only "\xFF" or a combining accent makes it 0 */
+        qt_free(norm);
+        qt_free(ids);
+        qt_free(ids2);
+        qt_free(sp);
+        qt_free(marks);
+    }
+    bpe_free(t);
+}
+
+/* chat_encode_mask_in_place gives chat_encode_mask's ids and mask (the
+ * rendered text's): random conversations of system, user and assistant
+ * turns whose contents hold ChatML pieces, at their edges too, each content
+ * with CHAT_HEAD_ROOM bytes before it. With a tokenizer whose added token
+ * "q<|im" runs from a content's last byte into the template's <|im_end|>,
+ * the cut is refused and it renders: still the same ids. And the real Qwen
+ * tokenizer when tests/node has it. */
+static void check_in_place(const bpe_tokenizer *t, unsigned seed, int iters) {
+    static const char *alpha[] = {"a", "b", " ", "q", "\n", "\xE4\xB8\xAD", "<|im_end|>", "<|im_start|>", "<|im_",
+                                  "|>", "<|endoftext|>", "7", "  ", "\n\n", "assistant\n"};
+    static const char *roles[] = {"system", "user", "assistant"};
+    for (int it = 0; it < iters; it++) {
+        chat_message m[6];
+        char buf[6][CHAT_HEAD_ROOM + 256];
+        char *contents[6];
+        int n = 1 + (int)((seed = seed * 1103515245u + 12345u) >> 16) % 6;
+        for (int i = 0; i < n; i++) {
+            char *c = buf[i] + CHAT_HEAD_ROOM;
+            size_t len = 0;
+            int parts = (int)((seed = seed * 1103515245u + 12345u) >> 16) % 12;
+            for (int k = 0; k < parts; k++) {
+                const char *a = alpha[((seed = seed * 1103515245u + 12345u) >> 16) % (sizeof alpha / sizeof *alpha)];
+                memcpy(c + len, a, strlen(a));
+                len += strlen(a);
+            }
+            c[len] = 0;
+            memset(buf[i], '#', CHAT_HEAD_ROOM);
+            contents[i] = c;
+            m[i] = (chat_message){.role = roles[((seed = seed * 1103515245u + 12345u) >> 16) % 3], .content = c,
+                                  .no_label = (int)((seed = seed * 1103515245u + 12345u) >> 16) % 5 == 0};
+        }
+        int32_t *ids = NULL, *ids2 = NULL;
+        uint8_t *mask = NULL, *mask2 = NULL;
+        size_t k = 0, cap = 0, k2 = 0, cap2 = 0;
+        assert_int_equal(chat_encode_mask(t, m, (size_t)n, NULL, 0, &ids, &mask, &k, &cap), QT_OK);
+        assert_int_equal(chat_encode_mask_in_place(t, m, (size_t)n, contents, &ids2, &mask2, &k2, &cap2), QT_OK);
+        assert_int_equal(k2, k);
+        assert_memory_equal(ids2, ids, k * sizeof *ids);
+        assert_memory_equal(mask2, mask, k);
+        qt_free(ids);
+        qt_free(ids2);
+        qt_free(mask);
+        qt_free(mask2);
+    }
+}
+
+static void test_chat_in_place_equals_rendered(void **state) {
+    (void)state;
+    const char *m[] = {"a b", "Ġ a"};
+    const char *chatml = "[{\"id\":300,\"content\":\"<|endoftext|>\",\"special\":true,\"normalized\":false},"
+                         "{\"id\":301,\"content\":\"<|im_start|>\",\"special\":true,\"normalized\":false},"
+                         "{\"id\":302,\"content\":\"<|im_end|>\",\"special\":true,\"normalized\":false}";
+    char added[1024];
+    bpe_tokenizer *t;
+    snprintf(added, sizeof added, "%s]", chatml);
+    assert_int_equal(bpe_load(write_tokenizer("inplace.json", m, 2, added, QWEN_SPLIT), &t), QT_OK);
+    check_in_place(t, 7, 600);
+    assert_true(bpe_cut_before_added(t, "xq", 2, "<|im_end|>\n", 11));
+    bpe_free(t);
+    snprintf(added, sizeof added, "%s,{\"id\":303,\"content\":\"q<|im\",\"special\":true,\"normalized\":false}]", chatml);
+    assert_int_equal(bpe_load(write_tokenizer("inplace_q.json", m, 2, added, QWEN_SPLIT), &t), QT_OK);
+    assert_false(bpe_cut_before_added(t, "xq", 2, "<|im_end|>\n", 11)); /* q<|im would match at the q */
+    assert_true(bpe_cut_before_added(t, "xa", 2, "<|im_end|>\n", 11));
+    check_in_place(t, 9, 600);
+    bpe_free(t);
+    t = qwen();
+    if (t) {
+        check_in_place(t, 11, 300);
+        bpe_free(t);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_utf8_maximal_subparts),
@@ -737,9 +868,11 @@ int main(void) {
         cmocka_unit_test(test_split_fast_path_equals_pcre2),
         cmocka_unit_test(test_caches_equal_plain_merges),
         cmocka_unit_test(test_ids_room_grows),
+        cmocka_unit_test(test_marks_follow_spans),
         cmocka_unit_test(test_chat_render),
         cmocka_unit_test(test_chat_labels),
         cmocka_unit_test(test_chat_content_crossing_the_header),
+        cmocka_unit_test(test_chat_in_place_equals_rendered),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
