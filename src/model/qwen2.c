@@ -94,10 +94,10 @@ static void linear_forward(qt_model *m, int l, int j, float *out, const float *i
     const qt_linear *q = &m->layers[l].lin[j];
     qt_backend *be = m->be;
     if (m->infer && N == 1) { /* one-token decoding: matrix-vector products, each weight read once */
-        be->matvec(be, out, inp, q->w.p, q->w.dt, q->b, q->in, q->out, 1.0f, 0);
+        be->matvec(be, out, inp, q->w.p, q->w.dt, q->b, 1, q->in, q->out, 1.0f, 0);
         if (q->la) {
-            be->matvec(be, lora_h, inp, q->la, QT_F32, NULL, q->in, m->opts.lora_r, m->lora_scaling, 0); /* s A x */
-            be->matvec(be, out, lora_h, q->lb, QT_F32, NULL, m->opts.lora_r, q->out, 1.0f, 1);           /* += B hs */
+            be->matvec(be, lora_h, inp, q->la, QT_F32, NULL, 1, q->in, m->opts.lora_r, m->lora_scaling, 0); /* s A x */
+            be->matvec(be, out, lora_h, q->lb, QT_F32, NULL, 1, m->opts.lora_r, q->out, 1.0f, 1);           /* += B hs */
         }
         return;
     }
@@ -526,7 +526,7 @@ int qt_model_decode(qt_model *m, const int32_t *ids, int n, int pos0, float *log
     be->embedding_forward(be, A->x[0], dids, m->wte.p, m->wte.dt, n, C);
     for (int l = 0; l < L; l++) layer_forward(m, l, NULL, n, A->x[l], A->x[l + 1], &A->layer[l], 0, dpos, pos0);
     be->rmsnorm_forward(be, A->lnf, A->rstdf, A->x[L] + (size_t)(n - 1) * C, m->lnf_w, 1, C, c->rms_norm_eps);
-    be->matvec(be, m->logits, A->lnf, m->lm_head.p, m->lm_head.dt, NULL, C, V, 1.0f, 0); /* one row: read V x C once */
+    be->matvec(be, m->logits, A->lnf, m->lm_head.p, m->lm_head.dt, NULL, 1, C, V, 1.0f, 0); /* one row: read V x C once */
     be->download(be, logits_out, m->logits, sizeof(float) * (size_t)V);
     m->kv_len = pos0 + n;
     return QT_OK;
