@@ -6,9 +6,21 @@
  * matrices are filled with random values and touched once before timing.
  *   bench_matvec [--dtype f32|bf16|f16] [--rows N] [--threads T] [--reps R]
  *                [--shape C I L Q KV V]     (default qwen2.5-0.5b: 896 4864 24 896 128 151936)
+ *                [--file PATH [--advise none|huge|collapse]]
+ * --file: the weights are written to PATH and read through a read-only file
+ * mapping, as qtune reads a model's safetensors (4 KiB page-cache pages
+ * unless the advice gets huge ones), instead of an anonymous buffer with
+ * transparent huge pages.
  * Output: one JSON object per line. Best and median of R steps. */
+#define _GNU_SOURCE
+#include <fcntl.h>
 #include <immintrin.h>
 #include <omp.h>
+#include <sys/mman.h>
+#include <unistd.h>
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25 /* Linux 6.1 (asm-generic/mman-common.h); older glibc headers lack it */
+#endif
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,6 +45,7 @@ static int cmp_d(const void *a, const void *b) {
 int main(int argc, char **argv) {
     int C = 896, I = 4864, L = 24, Q = 896, KV = 128, V = 151936, N = 1, threads = 1, reps = 10;
     qt_dtype dt = QT_BF16;
+    const char *file = NULL, *advise = "none";
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--dtype") && i + 1 < argc) {
             const char *d = argv[++i];
@@ -40,6 +53,8 @@ int main(int argc, char **argv) {
         } else if (!strcmp(argv[i], "--rows") && i + 1 < argc) N = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--file") && i + 1 < argc) file = argv[++i];
+        else if (!strcmp(argv[i], "--advise") && i + 1 < argc) advise = argv[++i];
         else if (!strcmp(argv[i], "--shape") && i + 6 < argc) {
             C = atoi(argv[++i]), I = atoi(argv[++i]), L = atoi(argv[++i]);
             Q = atoi(argv[++i]), KV = atoi(argv[++i]), V = atoi(argv[++i]);
@@ -76,6 +91,23 @@ int main(int argc, char **argv) {
         else ((uint16_t *)w)[i] = _cvtss_sh(f, 0);
     }
     for (size_t i = 0; i < (size_t)N * widest; i++) x[i] = (float)(i % 13) * 0.1f - 0.6f;
+    char *anon = w;
+    if (file) { /* through a file mapping instead */
+        int fd = open(file, O_RDWR | O_CREAT | O_TRUNC, 0644);
+        if (fd < 0 || write(fd, w, total * es) != (ssize_t)(total * es)) {
+            fprintf(stderr, "bench_matvec: cannot write %s\n", file);
+            return 1;
+        }
+        close(fd);
+        fd = open(file, O_RDONLY);
+        w = mmap(NULL, total * es, PROT_READ, MAP_PRIVATE, fd, 0);
+        close(fd);
+        if (w == MAP_FAILED) return 1;
+        int rc = 0;
+        if (!strcmp(advise, "huge") || !strcmp(advise, "collapse")) rc = madvise(w, total * es, MADV_HUGEPAGE);
+        if (!rc && !strcmp(advise, "collapse")) rc = madvise(w, total * es, MADV_COLLAPSE);
+        if (rc) perror("bench_matvec: madvise");
+    }
     double *t = malloc(sizeof(double) * (size_t)reps);
     for (int r = -1; r < reps; r++) { /* r = -1: warm-up */
         double t0 = now_s();
@@ -90,9 +122,12 @@ int main(int argc, char **argv) {
     }
     qsort(t, (size_t)reps, sizeof *t, cmp_d);
     const double best = t[0], med = t[reps / 2], gb = (double)(total * es) / 1e9;
-    printf("{\"dtype\": \"%s\", \"rows\": %d, \"threads\": %d, \"gb_per_step\": %.4f, \"ms_best\": %.3f, "
-           "\"ms_median\": %.3f, \"gbs_best\": %.2f, \"gbs_median\": %.2f, \"tok_s_median\": %.2f}\n",
-           qt_dtype_name(dt), N, threads, gb, best * 1e3, med * 1e3, gb / best, gb / med, N / med);
-    free(t), free(x), free(out), qt_free(w);
+    printf("{\"dtype\": \"%s\", \"rows\": %d, \"threads\": %d, \"memory\": \"%s\", \"gb_per_step\": %.4f, "
+           "\"ms_best\": %.3f, \"ms_median\": %.3f, \"gbs_best\": %.2f, \"gbs_median\": %.2f, "
+           "\"tok_s_median\": %.2f}\n",
+           qt_dtype_name(dt), N, threads, file ? advise : "anonymous", gb, best * 1e3, med * 1e3, gb / best, gb / med,
+           N / med);
+    if (file) munmap(w, total * es), unlink(file);
+    free(t), free(x), free(out), qt_free(anon);
     return 0;
 }
