@@ -78,7 +78,9 @@ int main(int argc, char **argv) {
     for (int j = 0; j < 7; j++) per_layer += (size_t)lin[j][0] * lin[j][1];
     const size_t total = per_layer * L + (size_t)V * C;
     char *w = qt_alloc_aligned(total * es, "bench_matvec weights");
-    const int widest = V > I ? V : I;
+    int widest = V; /* the longest input or output row of any product */
+    const int dims[4] = {C, I, Q, KV};
+    for (int k = 0; k < 4; k++) widest = dims[k] > widest ? dims[k] : widest;
     float *x = malloc(sizeof(float) * (size_t)N * widest), *out = malloc(sizeof(float) * (size_t)N * widest);
     if (!w || !x || !out) return 1;
     /* random-ish weights, written in parallel (pages spread as a loaded model's are touched) */
