@@ -10,11 +10,18 @@ sampling included), and measures STREAM's triad (bench_gemm --triad) at the
 same thread count just before and after, in the same run: the limit is
 triad GB/s / bytes per token, and the table gives qtune's % of it.
 
+With --batches 1,4,8 it also runs `qtune generate --prompts FILE --batch N`
+with N prompts of the same length decoding together and reports the
+aggregate decode tokens/s (every sequence's tokens per second of the steps,
+from generate's closing stderr line), the steps/s, and the steps' % of the
+one-token limit (a step reads the weights once for all N rows).
+
 usage (on a quiet machine; the 0.5B shape takes a few minutes):
   /usr/bin/python3 bench/bench_decode.py --build build --preset qwen2.5-0.5b \
-      --dtypes f32,bf16 --threads 1,2 --new 64 --reps 3 --json bench/runs/decode.json
+      --dtypes f32,bf16 --threads 1,2 --new 64 --reps 3 --batches 1,4,8 --json bench/runs/decode.json
 A quick check of the script itself: --preset bench-tiny --new 8 --reps 1.
 """
+import re
 import argparse
 import json
 import os
@@ -68,6 +75,21 @@ def run_generate(qtune, model, t, prompt, new):
     return o["decode_tokens_per_s"], len(o["prompt_ids"]) / o["prefill_s"], o["ids"]
 
 
+def run_batch(qtune, model, t, prompts, new, path):
+    with open(path, "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"prompt_ids": p}) + "\n")
+    r = subprocess.run([qtune, "generate", "--model", model, "--prompts", path, "--batch", str(len(prompts)),
+                        "--max-new", str(new), "--temperature", "0", "--json"], capture_output=True, text=True,
+                       env=env(t))
+    if r.returncode:
+        sys.exit("qtune generate --batch failed: " + r.stderr)
+    m = re.search(r"decode (\d+) tokens, ([0-9.]+) tok/s", r.stderr)
+    if not m:
+        sys.exit("no aggregate decode line in generate's stderr: " + r.stderr)
+    return float(m.group(2))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", default="build")
@@ -80,12 +102,13 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workdir", default=None, help="where the random models go (default /tmp/qtune-bench-decode)")
     ap.add_argument("--json", default=None, help="write the results here too")
+    ap.add_argument("--batches", default="", help="also --prompts/--batch runs with these N (e.g. 1,4,8)")
     a = ap.parse_args()
     qtune = a.qtune or os.path.join(a.build, "src", "cli", "qtune")
     work = a.workdir or "/tmp/qtune-bench-decode"
     os.makedirs(work, exist_ok=True)
     rng = random.Random(7)
-    rows = []
+    rows, brows = [], []
     for dt in a.dtypes.split(","):
         model = os.path.join(work, "%s-%s" % (a.preset, dt))
         if not os.path.exists(os.path.join(model, "model.safetensors")):
@@ -113,6 +136,16 @@ def main():
                    "triad_gbs_after": after, "limit_tok_s": limit, "pct_of_limit": 100 * med / limit}
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
+            for n in [int(b) for b in a.batches.split(",") if b]:
+                prompts = [[rng.randrange(vocab) for _ in range(a.prompt_len)] for _ in range(n)]
+                agg = [run_batch(qtune, model, t, prompts, a.new, os.path.join(work, "prompts.jsonl"))
+                       for _ in range(a.reps)]
+                med = statistics.median(agg)
+                brow = {"preset": a.preset, "dtype": dt, "threads": t, "batch": n, "decode_tok_s": med,
+                        "decode_all": agg, "steps_per_s": med / n, "limit_tok_s": limit,
+                        "pct_of_limit_per_step": 100 * med / n / limit}
+                brows.append(brow)
+                print(json.dumps(brow), file=sys.stderr)
     print("| %s decode | threads | tok/s (median of %d) | bytes/token | triad GB/s before / after | limit tok/s | "
           "%% of limit |" % (a.preset, a.reps))
     print("|---|---|---|---|---|---|---|")
@@ -120,9 +153,17 @@ def main():
         print("| %s | %d | %.1f | %.2f GB | %.1f / %.1f | %.1f | %.0f%% |" % (
             r["dtype"], r["threads"], r["decode_tok_s"], r["bytes_per_token"] / 1e9, r["triad_gbs_before"],
             r["triad_gbs_after"], r["limit_tok_s"], r["pct_of_limit"]))
+    if brows:
+        print()
+        print("| %s --batch N | threads | N | aggregate decode tok/s (median of %d) | steps/s | "
+              "step %% of the one-token limit |" % (a.preset, a.reps))
+        print("|---|---|---|---|---|---|")
+        for r in brows:
+            print("| %s | %d | %d | %.1f | %.1f | %.0f%% |" % (r["dtype"], r["threads"], r["batch"], r["decode_tok_s"],
+                                                            r["steps_per_s"], r["pct_of_limit_per_step"]))
     if a.json:
-        json.dump({"rows": rows, "new": a.new, "prompt_len": a.prompt_len, "load": os.getloadavg()},
-                  open(a.json, "w"), indent=1)
+        json.dump({"rows": rows, "batch_rows": brows, "new": a.new, "prompt_len": a.prompt_len,
+                   "load": os.getloadavg()}, open(a.json, "w"), indent=1)
 
 
 if __name__ == "__main__":

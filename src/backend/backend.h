@@ -161,10 +161,12 @@ struct qt_backend {
     void (*matmul_backward)(qt_backend *be, float *dinp, float *dweight, float *dbias, const float *dout,
                             const float *inp, const void *w, qt_dtype wdt, int N, int IN, int OUT, float alpha,
                             float *ws);
-    /* One-token decoding: out (OUT) = alpha * W (OUT, IN) @ x (IN) + bias
-     * (+ out with accumulate), each weight read once in its stored dtype. */
-    void (*matvec)(qt_backend *be, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int IN,
-                   int OUT, float alpha, int accumulate);
+    /* Decoding, one token for each of N sequences: out (N, OUT) = alpha *
+     * x (N, IN) @ W^T (W: OUT, IN) + bias (+ out with accumulate), each weight
+     * read once for all N rows, in its stored dtype; a row's result is the
+     * same bits whatever N (so --batch decodes as separate runs do). */
+    void (*matvec)(qt_backend *be, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N,
+                   int IN, int OUT, float alpha, int accumulate);
     /* RoPE, HF rotate-half, in place on x (N, NH, D): angle pos[n] * inv_freq[i]
      * (an fp32 product), x[i] <- (x[i] cos - x[i+D/2] sin) * scale, x[i+D/2] <-
      * (x[i+D/2] cos + x[i] sin) * scale. inv_freq (D/2 <= QT_ROPE_MAX_HALF

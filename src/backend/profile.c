@@ -112,9 +112,9 @@ WRAP(matmul_backward,
       int IN_, int OUT, float alpha, float *ws),
      (IN, dinp, dw, db, dout, inp, w, wdt, N, IN_, OUT, alpha, ws))
 WRAP(matvec,
-     (BE, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int IN_, int OUT, float alpha,
-      int accumulate),
-     (IN, out, x, w, wdt, bias, IN_, OUT, alpha, accumulate))
+     (BE, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN_, int OUT,
+      float alpha, int accumulate),
+     (IN, out, x, w, wdt, bias, N, IN_, OUT, alpha, accumulate))
 WRAP(rope_forward, (BE, float *x, const int32_t *pos, int N, int NH, int D, const float *inv, float scale),
      (IN, x, pos, N, NH, D, inv, scale))
 WRAP(rope_backward, (BE, float *dx, const int32_t *pos, int N, int NH, int D, const float *inv, float scale),

@@ -6,6 +6,7 @@
 #include "cli/cli.h"
 #include "core/clock.h"
 #include "core/error.h"
+#include "core/fs.h"
 #include "core/log.h"
 #include "core/mem.h"
 #include "core/messages.h"
@@ -29,7 +30,7 @@
 #include <unistd.h>
 
 static void generate_help(void) {
-    printf("usage: qtune generate --model DIR [--adapter DIR] (--prompt TEXT | --chat) [options]\n\n"
+    printf("usage: qtune generate --model DIR [--adapter DIR] (--prompt TEXT | --prompts FILE | --chat) [options]\n\n"
            "Generates text with a KV cache, printing tokens as they come. Stops at <|im_end|>,\n"
            "<|endoftext|> (or the config's eos_token_id) or after --max-new tokens.\n\n"
            "  --model DIR        Hugging Face model folder (config.json, safetensors, tokenizer.json)\n"
@@ -46,6 +47,11 @@ static void generate_help(void) {
            "  --ctx N            context length: at most N tokens in all, prompt (and chat history) plus\n"
            "                     reply; at most max_position_embeddings (default min(that, 4096))\n"
            "  --prompt-ids LIST  comma-separated token ids instead of --prompt (no tokenizer needed)\n"
+           "  --prompts FILE     many prompts, JSON Lines: {\"prompt\": TEXT} or {\"prompt_ids\": [ids]} per\n"
+           "                     line; the replies come in the file's order, each sampled with --seed\n"
+           "                     as its own run would be\n"
+           "  --batch N          with --prompts: N sequences decode together, each weight read once a\n"
+           "                     step for all of them (default 1); greedy replies equal separate runs'\n"
            "  --json             print one JSON object per reply instead of streaming: prompt_ids, ids,\n"
            "                     text, stop, prefill_s, decode_s, decode_tokens_per_s\n"
            "  --device D         auto (default: a GPU when one is visible, else the CPU), cpu, cuda,\n"
@@ -68,6 +74,7 @@ typedef struct {
     long prompt_tokens, decode_tokens; /* over all replies, for the closing speed line */
     double prompt_s, decode_s;
     const char *model_dir, *adapter; /* for messages */
+    uint64_t seed;
 } gen_state;
 
 static int is_stop(const gen_state *g, int32_t id) {
@@ -119,14 +126,15 @@ static int check_prompt_fits(int used, int n, int ctx) {
 }
 
 /* NaN or inf weights make every logit NaN or inf, and sampling from them
- * would print ids as if nothing were wrong (argmax of NaN is id 0). */
-static int check_logits(const gen_state *g) {
+ * would print ids as if nothing were wrong (argmax of NaN is id 0). `at`:
+ * the position of the token these logits follow. */
+static int check_logits(const gen_state *g, const float *logits, int at) {
     for (int i = 0; i < g->V; i++)
-        if (!isfinite(g->logits[i]))
+        if (!isfinite(logits[i]))
             return QT_ERR(QT_EINVAL, "the model in %s%s%s gives a non-finite logit (%s for id %d) at position %d; "
                           "check its weights for NaN or inf values", g->model_dir,
                           g->adapter ? " with the adapter in " : "", g->adapter ? g->adapter : "",
-                          isnan(g->logits[i]) ? "NaN" : "inf", i, g->pos - 1);
+                          isnan(logits[i]) ? "NaN" : "inf", i, at);
     return QT_OK;
 }
 
@@ -147,7 +155,7 @@ static int generate_reply(gen_state *g, const int32_t *ids, int n) {
     const char *stop = "max_new";
     utf8_stream us = {{0}, 0};
     while (rc == QT_OK && n_out < g->max_new) {
-        if ((rc = check_logits(g)) != QT_OK) break;
+        if ((rc = check_logits(g, g->logits, g->pos - 1)) != QT_OK) break;
         int32_t next = qt_sample(&g->sampler, g->logits, &g->so, &g->rng);
         if (is_stop(g, next)) {
             stop = "eos";
@@ -350,6 +358,202 @@ static int chat_loop(gen_state *g, const char *system) {
     return rc;
 }
 
+/* ---- --prompts FILE [--batch N]: many prompts, N sequences decoding together ---- */
+
+/* One prompt of the file: its ids, and once done its reply. */
+typedef struct {
+    int32_t *ids;
+    int n, line;
+    int32_t *out; /* (max_new) */
+    int n_out, n_dec, done;
+    const char *stop;
+    double t_start, prefill_s, decode_s; /* its prefill's start; its own prefill and decode wall time */
+    qt_rng rng;                          /* seeded with --seed, as its own run's would be */
+} gen_prompt;
+
+static void free_prompts(gen_prompt *p, int n) {
+    for (int i = 0; p && i < n; i++) qt_free(p[i].ids), qt_free(p[i].out);
+    qt_free(p);
+}
+
+/* The prompts file: JSON Lines, one object per line with "prompt" (text, needs
+ * the tokenizer) or "prompt_ids" (an array of ids); blank lines are skipped. */
+static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int ctx, gen_prompt **out, int *count) {
+    char *buf;
+    size_t len;
+    *out = NULL, *count = 0;
+    QT_TRY(qt_read_file(path, (size_t)1 << 32, &buf, &len));
+    int rc = QT_OK, cap = 0, lineno = 0;
+    gen_prompt *p = NULL;
+    for (char *s = buf, *e; rc == QT_OK && s < buf + len; s = e + 1) {
+        e = memchr(s, '\n', (size_t)(buf + len - s));
+        if (!e) e = buf + len;
+        *e = 0;
+        lineno++;
+        const char *t = s;
+        while (isspace((unsigned char)*t)) t++;
+        if (!*t) continue;
+        if (*count == cap) {
+            cap = cap ? 2 * cap : 16;
+            gen_prompt *q = qt_realloc(p, (size_t)cap * sizeof *p, "the prompts");
+            if (!q) {
+                rc = QT_ENOMEM;
+                break;
+            }
+            p = q;
+        }
+        gen_prompt *g = &p[*count];
+        memset(g, 0, sizeof *g);
+        g->line = lineno;
+        (*count)++;
+        cJSON *o = cJSON_Parse(t);
+        const cJSON *text = o ? cJSON_GetObjectItemCaseSensitive(o, "prompt") : NULL;
+        const cJSON *arr = o ? cJSON_GetObjectItemCaseSensitive(o, "prompt_ids") : NULL;
+        if (!cJSON_IsObject(o) || cJSON_IsString(text) == cJSON_IsArray(arr)) {
+            rc = QT_ERR(QT_EINVAL, "%s line %d: each line must be a JSON object with a \"prompt\" string or a "
+                        "\"prompt_ids\" array of token ids (one of the two)", path, lineno);
+        } else if (cJSON_IsString(text)) {
+            size_t n = 0;
+            if (!tok) rc = QT_ERR(QT_EINVAL, "%s line %d: a \"prompt\" text needs the model's tokenizer.json (or "
+                                  "--tokenizer); give \"prompt_ids\" instead", path, lineno);
+            else if ((rc = encode(tok, text->valuestring, &g->ids, &n)) == QT_OK) g->n = (int)n;
+        } else {
+            g->n = cJSON_GetArraySize(arr);
+            g->ids = qt_malloc((size_t)(g->n ? g->n : 1) * sizeof *g->ids, "prompt ids");
+            if (!g->ids) rc = QT_ENOMEM;
+            int i = 0;
+            const cJSON *v;
+            cJSON_ArrayForEach(v, arr) {
+                if (rc != QT_OK) break;
+                if (!cJSON_IsNumber(v) || v->valuedouble < 0 || v->valuedouble >= V ||
+                    v->valuedouble != (double)(int32_t)v->valuedouble)
+                    rc = QT_ERR(QT_EINVAL, "%s line %d: prompt_ids[%d] is not a token id of the model (a whole "
+                                "number from 0 to %d)", path, lineno, i, V - 1);
+                else g->ids[i++] = (int32_t)v->valuedouble;
+            }
+        }
+        cJSON_Delete(o);
+        if (rc == QT_OK && check_prompt_fits(0, g->n, ctx) != QT_OK)
+            rc = QT_ERR(QT_EINVAL, "%s line %d: %s", path, lineno, qt_error_message());
+    }
+    qt_free(buf);
+    if (rc == QT_OK && !*count) rc = QT_ERR(QT_EINVAL, "%s holds no prompts; give one JSON object per line", path);
+    if (rc != QT_OK) free_prompts(p, *count), p = NULL, *count = 0;
+    *out = p;
+    return rc;
+}
+
+/* The reply of prompt p so far, as generate_reply prints it. */
+static int print_reply(const gen_state *g, const gen_prompt *p, int index) {
+    char *text = NULL;
+    size_t len = 0;
+    if (g->tok) QT_TRY(bpe_decode(g->tok, p->out, (size_t)p->n_out, &text, &len));
+    if (g->json) {
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddNumberToObject(o, "index", index);
+        json_ids(o, "prompt_ids", p->ids, p->n);
+        json_ids(o, "ids", p->out, p->n_out);
+        if (text) cJSON_AddStringToObject(o, "text", text);
+        cJSON_AddStringToObject(o, "stop", p->stop);
+        cJSON_AddNumberToObject(o, "prefill_s", p->prefill_s);
+        cJSON_AddNumberToObject(o, "decode_s", p->decode_s);
+        /* this sequence's decode steps per second of its own decode time (shared with the batch) */
+        cJSON_AddNumberToObject(o, "decode_tokens_per_s", p->n_dec > 0 && p->decode_s > 0 ? p->n_dec / p->decode_s : 0);
+        char *s = cJSON_PrintUnformatted(o);
+        if (s) printf("%s\n", s);
+        cJSON_free(s);
+        cJSON_Delete(o);
+    } else if (text) {
+        fwrite(text, 1, len, stdout);
+        printf("\n");
+    } else {
+        for (int i = 0; i < p->n_out; i++) printf("%d ", p->out[i]);
+        printf("\n");
+    }
+    fflush(stdout);
+    qt_free(text);
+    return QT_OK;
+}
+
+/* A sequence has new logits (after its prefill or a step), its next token at
+ * position pos: sample it and decide, by generate_reply's rules, whether it
+ * goes on (*more = 1: feed p->out[n_out - 1] at pos) or is done. */
+static int take_token(gen_state *g, gen_prompt *p, const float *logits, int pos, int *more) {
+    *more = 0;
+    QT_TRY(check_logits(g, logits, pos - 1));
+    int32_t next = qt_sample(&g->sampler, logits, &g->so, &p->rng);
+    if (is_stop(g, next)) p->stop = "eos";
+    else if ((p->out[p->n_out++] = next), p->n_out == g->max_new) p->stop = "max_new";
+    else if (pos + 1 >= g->ctx) p->stop = "context";
+    else *more = 1;
+    return QT_OK;
+}
+
+/* Up to `batch` prompts at a time, each in its own slot of the KV cache: a
+ * free slot takes the next prompt (prefilled alone, the batched forward),
+ * then every running sequence advances one token per step in one
+ * qt_model_decode_rows call, so each weight is read once per step for all of
+ * them. Replies are printed in the file's order as they finish. */
+static int generate_batch(gen_state *g, gen_prompt *p, int count, int batch) {
+    int *slot_of = qt_malloc(sizeof(int) * (size_t)batch, "batch slots"); /* prompt in each slot, -1 free */
+    int *seqs = qt_malloc(sizeof(int) * (size_t)batch, "batch rows");
+    int *who = qt_malloc(sizeof(int) * (size_t)batch, "batch rows");
+    int32_t *tok = qt_malloc(sizeof(int32_t) * (size_t)batch, "batch rows");
+    int32_t *pos = qt_malloc(sizeof(int32_t) * (size_t)batch, "batch rows");
+    int *at = qt_malloc(sizeof(int) * (size_t)batch, "batch positions"); /* next position of each slot */
+    float *logits = qt_malloc(sizeof(float) * (size_t)batch * (size_t)g->V, "the logits of a batch step");
+    int rc = slot_of && seqs && who && tok && pos && at && logits ? QT_OK : QT_ENOMEM;
+    int next = 0, printed = 0, running = 0;
+    for (int s = 0; rc == QT_OK && s < batch; s++) slot_of[s] = -1;
+    for (int i = 0; rc == QT_OK && i < count; i++) {
+        p[i].out = qt_malloc((size_t)g->max_new * sizeof *p[i].out, "generated ids");
+        if (!p[i].out) rc = QT_ENOMEM;
+        p[i].stop = "max_new";
+    }
+    while (rc == QT_OK && (next < count || running)) {
+        for (int s = 0; rc == QT_OK && s < batch && next < count; s++) { /* free slots take the next prompts */
+            if (slot_of[s] >= 0) continue;
+            gen_prompt *q = &p[next];
+            qt_rng_seed(&q->rng, g->seed);
+            q->t_start = qt_now_s();
+            rc = qt_model_decode_seq(g->m, s, q->ids, q->n, 0, logits);
+            const double t1 = qt_now_s();
+            q->prefill_s = t1 - q->t_start;
+            g->prompt_tokens += q->n, g->prompt_s += q->prefill_s;
+            int more = 0;
+            if (rc == QT_OK) rc = take_token(g, q, logits, q->n, &more);
+            q->decode_s = qt_now_s() - t1;
+            if (more) slot_of[s] = next, at[s] = q->n, running++;
+            else q->done = 1;
+            next++;
+        }
+        int n = 0;
+        for (int s = 0; s < batch; s++)
+            if (slot_of[s] >= 0) {
+                gen_prompt *q = &p[slot_of[s]];
+                who[n] = slot_of[s], seqs[n] = s, pos[n] = at[s], tok[n] = q->out[q->n_out - 1];
+                n++;
+            }
+        if (rc == QT_OK && n) {
+            const double t0 = qt_now_s();
+            rc = qt_model_decode_rows(g->m, n, seqs, tok, pos, logits);
+            for (int i = 0; rc == QT_OK && i < n; i++) {
+                gen_prompt *q = &p[who[i]];
+                int more;
+                q->n_dec++;
+                rc = take_token(g, q, logits + (size_t)i * g->V, pos[i] + 1, &more);
+                at[seqs[i]] = pos[i] + 1;
+                q->decode_s = qt_now_s() - q->t_start - q->prefill_s;
+                if (!more) q->done = 1, slot_of[seqs[i]] = -1, running--;
+            }
+            g->decode_tokens += n, g->decode_s += qt_now_s() - t0;
+        }
+        while (rc == QT_OK && printed < next && p[printed].done) rc = print_reply(g, &p[printed], printed), printed++;
+    }
+    qt_free(slot_of), qt_free(seqs), qt_free(who), qt_free(tok), qt_free(pos), qt_free(at), qt_free(logits);
+    return rc;
+}
+
 /* --prompt-ids: whole numbers 0..INT32_MAX separated by commas (spaces
  * around them allowed); an empty item, a sign or any other text is refused
  * with the sentence the usage error prints. On failure *ids is NULL. */
@@ -407,14 +611,15 @@ static int parse_seed(const char *v, uint64_t *seed) {
 
 /* What the small files decide, before the model is loaded: the tokenizer, the
  * config, the context length and the prompt's ids (*ids already holds
- * --prompt-ids, else `prompt` is encoded; chat: neither). Returns an exit
- * status, the error printed, or QT_EXIT_OK. */
+ * --prompt-ids, else `prompt` is encoded; chat: neither). tok_optional: a
+ * missing tokenizer.json is no error (--prompts may hold ids only). Returns an
+ * exit status, the error printed, or QT_EXIT_OK. */
 static int prepare(gen_state *g, qt_config *cfg, const char *model, const char *tok_path, int ctx, const char *prompt,
-                   int32_t **ids, size_t *n) {
+                   int32_t **ids, size_t *n, int tok_optional) {
     if (tok_path && bpe_load(tok_path, &g->tok) != QT_OK) /* asked for: must load */
         return qt_error_oom_advice(qt_error_code(), QT_TOKENIZER_OOM_ADVICE), cli_fail();
     if (!tok_path && bpe_load(model, &g->tok) != QT_OK) {
-        if (!*ids) return qt_error_oom_advice(qt_error_code(), QT_TOKENIZER_OOM_ADVICE), cli_fail();
+        if (!*ids && !tok_optional) return qt_error_oom_advice(qt_error_code(), QT_TOKENIZER_OOM_ADVICE), cli_fail();
         g->tok = NULL; /* ids in, ids out */
         qt_error_clear();
     }
@@ -441,8 +646,8 @@ int cmd_generate(int argc, char **argv) {
     }
     const char *model = NULL, *adapter = NULL, *prompt = NULL, *prompt_ids = NULL, *tok_path = NULL;
     const char *system = NULL; /* the template's default system message */
-    const char *device = NULL;
-    int chat = 0, json = 0, max_new = 256, ctx = 0;
+    const char *device = NULL, *prompts_file = NULL;
+    int chat = 0, json = 0, max_new = 256, ctx = 0, batch = 0;
     uint64_t seed = 42;
     qt_sample_opts so = {0.7f, 0, 1.0f};
     for (int i = 1; i < argc; i++) {
@@ -455,6 +660,7 @@ int cmd_generate(int argc, char **argv) {
         else if (!strcmp(a, "--tokenizer")) { NEED_VALUE(); tok_path = v; }
         else if (!strcmp(a, "--prompt")) { NEED_VALUE(); prompt = v; }
         else if (!strcmp(a, "--prompt-ids")) { NEED_VALUE(); prompt_ids = v; }
+        else if (!strcmp(a, "--prompts")) { NEED_VALUE(); prompts_file = v; }
         else if (!strcmp(a, "--system")) { NEED_VALUE(); system = v; }
         else if (!strcmp(a, "--device")) { NEED_VALUE(); device = v; }
         else if (!strcmp(a, "--chat")) chat = 1;
@@ -465,6 +671,12 @@ int cmd_generate(int argc, char **argv) {
             if (*end || end == v || x < 1 || x > 1000000)
                 return cli_usage_error("generate", "--max-new must be a whole number from 1 to 1000000, not '%s'", v);
             max_new = (int)x;
+        } else if (!strcmp(a, "--batch")) {
+            NEED_VALUE();
+            long x = strtol(v, &end, 10);
+            if (*end || end == v || x < 1 || x > 256)
+                return cli_usage_error("generate", "--batch must be a whole number from 1 to 256, not '%s'", v);
+            batch = (int)x;
         } else if (!strcmp(a, "--ctx")) {
             NEED_VALUE();
             long x = strtol(v, &end, 10);
@@ -493,8 +705,12 @@ int cmd_generate(int argc, char **argv) {
     }
     if (!model) return cli_usage_error("generate", "--model DIR is required");
     if (adapter && cli_check_adapter(adapter) != QT_OK) return cli_fail();
-    if ((prompt != NULL) + (prompt_ids != NULL) + chat != 1)
-        return cli_usage_error("generate", "give exactly one of --prompt TEXT, --prompt-ids LIST or --chat");
+    if ((prompt != NULL) + (prompt_ids != NULL) + chat + (prompts_file != NULL) != 1)
+        return cli_usage_error("generate", "give exactly one of --prompt TEXT, --prompt-ids LIST, --prompts FILE or "
+                               "--chat");
+    if (batch && !prompts_file)
+        return cli_usage_error("generate", "--batch N decodes the prompts of --prompts FILE together; give --prompts");
+    if (!batch) batch = 1;
     if (qt_sample_opts_check(&so) != QT_OK) return cli_usage_error("generate", "%s", qt_error_message());
     /* The prompt: ids are checked here, before anything is read */
     int32_t *ids = NULL;
@@ -511,26 +727,37 @@ int cmd_generate(int argc, char **argv) {
     gen_state g;
     memset(&g, 0, sizeof g);
     qt_config cfg;
-    const int status = prepare(&g, &cfg, model, tok_path, ctx, prompt, &ids, &n_ids);
+    const int status = prepare(&g, &cfg, model, tok_path, ctx, prompt, &ids, &n_ids, prompts_file != NULL);
+    gen_prompt *prompts = NULL;
+    int n_prompts = 0;
+    if (status == QT_EXIT_OK && prompts_file &&
+        read_prompts(prompts_file, g.tok, cfg.vocab_size, g.ctx, &prompts, &n_prompts) != QT_OK) {
+        qt_free(ids);
+        bpe_free(g.tok);
+        return cli_fail();
+    }
     if (status != QT_EXIT_OK) {
         qt_free(ids);
         bpe_free(g.tok);
         return status;
     }
+    if (batch > n_prompts && prompts_file) batch = n_prompts; /* no slot without a prompt */
     int rc = QT_OK;
     g.model_dir = model;
     g.adapter = adapter;
     g.max_new = max_new;
     g.json = json;
     g.so = so;
+    g.seed = seed;
     qt_rng_seed(&g.rng, seed);
     qt_model_opts mo;
     qt_model_opts_default(&mo);
     mo.infer = 1;
-    mo.max_B = 1;
     mo.max_T = g.ctx;
     mo.backend = dev.backend;
     mo.device_index = dev.index;
+    mo.decode_seqs = batch;                     /* a KV cache slot per sequence decoding together */
+    mo.max_B = (batch + g.ctx - 1) / g.ctx;     /* activations for a step of `batch` rows (1 unless ctx < batch) */
     if (adapter && qt_lora_opts_from_adapter(adapter, &cfg, &mo) != QT_OK) rc = QT_EINVAL;
     if (rc == QT_OK) mo.lora_dropout = 0; /* inference: dropout is off */
     if (rc == QT_OK) rc = qt_model_load(model, &mo, &g.m);
@@ -560,16 +787,23 @@ int cmd_generate(int argc, char **argv) {
                 warn_untrained_chat(model, adapter, im_end);
                 rc = chat_loop(&g, system);
             }
+        } else if (prompts_file) {
+            rc = generate_batch(&g, prompts, n_prompts, batch);
         } else {
             rc = generate_reply(&g, ids, (int)n_ids);
         }
     }
     /* the speeds, on stderr so stdout stays the text (or the JSON lines): prompt tokens run through
      * the batched forward per second, and one-token decode steps (each with its sampling) per second */
-    if (rc == QT_OK && g.prompt_tokens > 0)
+    if (rc == QT_OK && g.prompt_tokens > 0 && !prompts_file)
         qt_info("prompt %ld tokens, %.1f tok/s; decode %ld tokens, %.1f tok/s", g.prompt_tokens,
                 g.prompt_s > 0 ? g.prompt_tokens / g.prompt_s : 0.0, g.decode_tokens,
                 g.decode_s > 0 ? g.decode_tokens / g.decode_s : 0.0);
+    if (rc == QT_OK && prompts_file) /* decode: tokens of all the sequences per second of the steps */
+        qt_info("%d prompts, batch %d: prompt %ld tokens, %.1f tok/s; decode %ld tokens, %.1f tok/s", n_prompts,
+                batch, g.prompt_tokens, g.prompt_s > 0 ? g.prompt_tokens / g.prompt_s : 0.0, g.decode_tokens,
+                g.decode_s > 0 ? g.decode_tokens / g.decode_s : 0.0);
+    free_prompts(prompts, n_prompts);
     qt_free(ids);
     qt_sampler_free(&g.sampler);
     qt_free(g.logits);

@@ -401,7 +401,8 @@ size_t qt_model_workspace_floats(const qt_config *c, const qt_model_opts *o) {
 
 size_t qt_model_kv_floats(const qt_config *c, const qt_model_opts *o) {
     if (!o->infer) return 0;
-    return 2 * (size_t)c->num_hidden_layers * (size_t)o->max_T * (size_t)c->num_key_value_heads * c->head_dim;
+    const size_t seqs = o->decode_seqs > 1 ? (size_t)o->decode_seqs : 1;
+    return 2 * (size_t)c->num_hidden_layers * seqs * (size_t)o->max_T * (size_t)c->num_key_value_heads * c->head_dim;
 }
 
 size_t qt_model_memory(const qt_config *c, const qt_model_opts *o, qt_mem_breakdown *out) {

@@ -60,6 +60,9 @@ typedef struct {
     uint64_t seed;         /* LoRA A init, dropout masks */
     int infer;             /* eval/generate: base frozen in its file dtype, no gradient
                               block, activations for one layer, a KV cache of max_T */
+    int decode_seqs;       /* inference: sequences the KV cache holds (max_T positions
+                              each), decoded together by qt_model_decode_rows; 0 means 1;
+                              at most max_B * max_T */
     const char *backend;   /* backend/backend.h name ("cpu", "guard", "cuda"); NULL: QTUNE_BACKEND, else cpu.
                               The CLI resolves the job's "device" / --device to it (backend/device.h) */
     int device_index;      /* that backend's device (cuda: the GPU); -1: the process's default */
@@ -147,12 +150,22 @@ void qt_model_set_micro_step(qt_model *m, uint64_t step);
 uint64_t qt_model_micro_step(const qt_model *m);
 
 /* Incremental decoding with a KV cache (inference models, opts->infer = 1):
- * runs the n tokens ids at positions pos0 .. pos0+n-1 (B = 1), attending to
- * the cached positions [0, pos0) plus themselves, stores their K/V, and writes
- * the V logits of the last one to logits_out. pos0 may not exceed the number
- * of cached positions (pass 0 to start over), and pos0 + n <= opts->max_T,
- * n <= max_B * max_T. */
+ * runs the n tokens ids at positions pos0 .. pos0+n-1 (B = 1) of sequence 0,
+ * attending to the cached positions [0, pos0) plus themselves, stores their
+ * K/V, and writes the V logits of the last one to logits_out. pos0 may not
+ * exceed the number of cached positions (pass 0 to start over), and pos0 + n
+ * <= opts->max_T, n <= max_B * max_T. One token (n = 1) runs every Linear as
+ * a matrix-vector product (be->matvec), the batched forward otherwise. */
 int qt_model_decode(qt_model *m, const int32_t *ids, int n, int pos0, float *logits_out);
+/* The same for sequence seq of the KV cache (0 <= seq < opts->decode_seqs). */
+int qt_model_decode_seq(qt_model *m, int seq, const int32_t *ids, int n, int pos0, float *logits_out);
+/* One decode step of n sequences together (n <= opts->decode_seqs): row i is
+ * token ids[i] of sequence seqs[i] (distinct) at position pos[i] (at most
+ * that sequence's cached positions). Every Linear reads its weight once for
+ * the n rows (be->matvec with N = n); logits_out gets n rows of V. Row i's
+ * logits are the same bits qt_model_decode_seq gives that one token. */
+int qt_model_decode_rows(qt_model *m, int n, const int *seqs, const int32_t *ids, const int32_t *pos,
+                         float *logits_out);
 void qt_model_decode_reset(qt_model *m);
 
 #endif

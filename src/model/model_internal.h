@@ -196,10 +196,13 @@ struct qt_model {
     float rope_scale;      /* its cos/sin factor (YaRN's attention factor, else 1) */
     int32_t *ids;          /* (4, max N) a batch's inputs, targets, positions, doc_start (upload_batch) */
     float *loss_host;      /* host (max N) per-token losses, downloaded */
-    float *logits;         /* (V) decode logits, inference only */
+    float *logits;         /* (decode_seqs, V) decode logits, inference only */
 
-    float *kcache, *vcache; /* (L, max_T, KV, D) each, inference only */
-    int kv_len;
+    float *kcache, *vcache; /* (L, decode_seqs, max_T, KV, D) each, inference only */
+    int *kv_len;           /* host (decode_seqs) cached positions of each sequence */
+    int decode_seqs;       /* opts.decode_seqs, at least 1 */
+    int dec_rows;          /* a qt_model_decode_rows step is running: its rows are one token of
+                              each sequence, and every Linear runs on be->matvec */
 
     uint64_t micro_step;   /* forward_backward calls so far: the dropout stream */
     int native_bf16;       /* bf16 training on a CPU with bf16 arithmetic and a oneDNN bf16 GEMM: the

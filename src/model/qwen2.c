@@ -93,11 +93,11 @@ static void linear_forward(qt_model *m, int l, int j, float *out, const float *i
                            float *lora_h, int dropout) {
     const qt_linear *q = &m->layers[l].lin[j];
     qt_backend *be = m->be;
-    if (m->infer && N == 1) { /* one-token decoding: matrix-vector products, each weight read once */
-        be->matvec(be, out, inp, q->w.p, q->w.dt, q->b, q->in, q->out, 1.0f, 0);
+    if (m->infer && (N == 1 || m->dec_rows)) { /* decoding: matrix-vector products, each weight read once */
+        be->matvec(be, out, inp, q->w.p, q->w.dt, q->b, N, q->in, q->out, 1.0f, 0);
         if (q->la) {
-            be->matvec(be, lora_h, inp, q->la, QT_F32, NULL, q->in, m->opts.lora_r, m->lora_scaling, 0); /* s A x */
-            be->matvec(be, out, lora_h, q->lb, QT_F32, NULL, m->opts.lora_r, q->out, 1.0f, 1);           /* += B hs */
+            be->matvec(be, lora_h, inp, q->la, QT_F32, NULL, N, q->in, m->opts.lora_r, m->lora_scaling, 0); /* s A x */
+            be->matvec(be, out, lora_h, q->lb, QT_F32, NULL, N, m->opts.lora_r, q->out, 1.0f, 1);           /* += B hs */
         }
         return;
     }
@@ -170,9 +170,61 @@ static void linear_backward(qt_model *m, int l, int j, float *dinp, const float 
 }
 
 /* ---- one decoder layer ---------------------------------------------------- */
-/* b == NULL: decoding N tokens at positions pos0.. against the KV cache. */
+/* What a decode call runs against the KV cache: N consecutive tokens of
+ * sequence seq from position pos0 (seqs NULL), or one token of sequence
+ * seqs[i] at position hpos[i] for each row i (host arrays). */
+typedef struct {
+    int seq, pos0;
+    const int *seqs;
+    const int32_t *hpos;
+    int rope_per_row; /* the RoPE table depends on the position (dynamic NTK) and the rows' tables differ:
+                       * each row is rotated with its own, as its one-token call would be */
+} dec_rows;
+
+/* RoPE of q (N, H, D) and k (N, KV, D) at positions pos (device) */
+static void rope_rows(qt_model *m, float *q, float *k, const int32_t *pos, int N, const dec_rows *d) {
+    const qt_config *c = &m->cfg;
+    qt_backend *be = m->be;
+    const int H = c->num_attention_heads, KV = c->num_key_value_heads, D = c->head_dim;
+    if (!d || !d->rope_per_row) {
+        be->rope_forward(be, q, pos, N, H, D, m->rope_inv, m->rope_scale);
+        be->rope_forward(be, k, pos, N, KV, D, m->rope_inv, m->rope_scale);
+        return;
+    }
+    float inv[QT_ROPE_MAX_HALF], scale;
+    for (int i = 0; i < N; i++) {
+        qt_rope_inv_freq(c, D, d->hpos[i], inv, &scale);
+        be->rope_forward(be, q + (size_t)i * H * D, pos + i, 1, H, D, inv, scale);
+        be->rope_forward(be, k + (size_t)i * KV * D, pos + i, 1, KV, D, inv, scale);
+    }
+}
+
+/* K and V of this layer's rows into the cache, then their attention over it */
+static void attend_cached(qt_model *m, int l, int N, qt_acts *a, const dec_rows *d) {
+    const qt_config *c = &m->cfg;
+    qt_backend *be = m->be;
+    const int H = c->num_attention_heads, KV = c->num_key_value_heads, D = c->head_dim;
+    const size_t row = (size_t)KV * D, seq = (size_t)m->opts.max_T * row, layer = (size_t)m->decode_seqs * seq;
+    float *kc = m->kcache + (size_t)l * layer, *vc = m->vcache + (size_t)l * layer;
+    if (!d->seqs) {
+        float *ks = kc + (size_t)d->seq * seq, *vs = vc + (size_t)d->seq * seq;
+        be->copy(be, ks + (size_t)d->pos0 * row, a->k, sizeof(float) * (size_t)N * row);
+        be->copy(be, vs + (size_t)d->pos0 * row, a->v, sizeof(float) * (size_t)N * row);
+        be->attention_forward_cached(be, a->att, a->q, ks, vs, N, d->pos0, H, KV, D);
+        return;
+    }
+    for (int i = 0; i < N; i++) { /* each row against its own sequence: the one-token call, row by row */
+        float *ks = kc + (size_t)d->seqs[i] * seq, *vs = vc + (size_t)d->seqs[i] * seq;
+        be->copy(be, ks + (size_t)d->hpos[i] * row, a->k + (size_t)i * row, sizeof(float) * row);
+        be->copy(be, vs + (size_t)d->hpos[i] * row, a->v + (size_t)i * row, sizeof(float) * row);
+        be->attention_forward_cached(be, a->att + (size_t)i * H * D, a->q + (size_t)i * H * D, ks, vs, 1, d->hpos[i],
+                                     H, KV, D);
+    }
+}
+
+/* b == NULL: decoding N tokens against the KV cache, as d says. */
 static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const float *x, float *xout, qt_acts *a,
-                          int dropout, const int32_t *pos, int pos0) {
+                          int dropout, const int32_t *pos, const dec_rows *d) {
     const qt_config *c = &m->cfg;
     const qt_layer *L = &m->layers[l];
     qt_backend *be = m->be;
@@ -198,19 +250,14 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
         be->rmsnorm_forward(be, a->q, a->rstdq, a->qraw, L->qn, N * H, D, c->rms_norm_eps);
         be->rmsnorm_forward(be, a->k, a->rstdk, a->kraw, L->kn, N * KV, D, c->rms_norm_eps);
     }
-    be->rope_forward(be, a->q, pos, N, H, D, m->rope_inv, m->rope_scale);
-    be->rope_forward(be, a->k, pos, N, KV, D, m->rope_inv, m->rope_scale);
+    rope_rows(m, a->q, a->k, pos, N, b ? NULL : d);
     keep_save(m, a->q, NQ, s->q);
     keep_save(m, a->k, NK, s->k);
     keep_save(m, a->v, NK, s->v);
     if (b) {
         be->attention_forward(be, a->att, a->lse, a->q, a->k, a->v, b->doc_start, b->B, b->T, H, KV, D);
     } else {
-        size_t row = (size_t)KV * D, layer = (size_t)m->opts.max_T * row;
-        float *kc = m->kcache + (size_t)l * layer, *vc = m->vcache + (size_t)l * layer;
-        be->copy(be, kc + (size_t)pos0 * row, a->k, sizeof(float) * (size_t)N * row);
-        be->copy(be, vc + (size_t)pos0 * row, a->v, sizeof(float) * (size_t)N * row);
-        be->attention_forward_cached(be, a->att, a->q, kc, vc, N, pos0, H, KV, D);
+        attend_cached(m, l, N, a, d);
     }
     keep_save(m, a->att, NQ, s->att);
     linear_forward(m, l, LIN_O, a->xmid, a->att, s->att, N, a->lora_h[LIN_O], dropout);
@@ -352,7 +399,7 @@ static void run_forward(qt_model *m, const qt_batch *b, int dropout, float *dx_l
     qt_act_ptrs *A = &m->acts;
     be->embedding_forward(be, A->x[0], b->inputs, m->wte.p, m->wte.dt, N, C);
     keep_save(m, A->x[0], (size_t)N * C, A->x16 ? A->x16[0] : NULL);
-    for (int l = 0; l < L; l++) layer_forward(m, l, b, N, A->x[l], A->x[l + 1], &A->layer[l], dropout, b->positions, 0);
+    for (int l = 0; l < L; l++) layer_forward(m, l, b, N, A->x[l], A->x[l + 1], &A->layer[l], dropout, b->positions, NULL);
     be->rmsnorm_forward(be, A->lnf, A->rstdf, A->x[L], m->lnf_w, N, C, c->rms_norm_eps);
     keep(m, A->lnf, (size_t)N * C);
     if (dx_lm)
@@ -484,7 +531,7 @@ int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, 
         acts_load(m, l, N); /* 2-byte storage: layer l's saved values back to fp32 */
         /* recompute: x[l+1] was consumed by layer l+1's backward, so it may be overwritten */
         if (m->opts.grad_checkpointing)
-            layer_forward(m, l, b, N, A->x[l], A->x[l + 1], &A->layer[l], dropout, b->positions, 0);
+            layer_forward(m, l, b, N, A->x[l], A->x[l + 1], &A->layer[l], dropout, b->positions, NULL);
         const int k = qt_model_layer_unit(&m->opts, l); /* its gradient window, -1: nothing trainable */
         if (win && k >= 0) QT_TRY(win_open(m, m->wlayer[k & 1], m->gw.layer));
         layer_backward(m, l, b, N, A->x[l], &A->layer[l], dropout, l > low || m->dwte != NULL);
@@ -502,38 +549,108 @@ int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, 
 }
 
 /* ---- decoding with the KV cache ------------------------------------------------ */
-void qt_model_decode_reset(qt_model *m) { m->kv_len = 0; }
+void qt_model_decode_reset(qt_model *m) {
+    for (int s = 0; m->kv_len && s < m->decode_seqs; s++) m->kv_len[s] = 0;
+}
 
-int qt_model_decode(qt_model *m, const int32_t *ids, int n, int pos0, float *logits_out) {
-    const qt_config *c = &m->cfg;
-    int C = c->hidden_size, L = c->num_hidden_layers, V = c->vocab_size;
+static int check_decode(const qt_model *m) {
     if (!m->infer || !m->kcache)
         return QT_ERR(QT_EINVAL, "decoding needs a model loaded for inference (opts.infer = 1) with a KV cache");
-    if (n < 1 || (size_t)n > (size_t)m->opts.max_B * m->opts.max_T)
-        return QT_ERR(QT_EINVAL, "decode: %d tokens at once is outside [1, %d]", n, m->opts.max_B * m->opts.max_T);
-    if (pos0 < 0 || pos0 > m->kv_len)
-        return QT_ERR(QT_EINVAL, "decode: position %d is past the %d cached positions; decode in order or start at 0",
-                      pos0, m->kv_len);
-    if (pos0 + n > m->opts.max_T)
+    return QT_OK;
+}
+
+static int check_position(const qt_model *m, int seq, int pos, int n) {
+    if (pos < 0 || pos > m->kv_len[seq])
+        return QT_ERR(QT_EINVAL, "decode: position %d of sequence %d is past its %d cached positions; decode in order "
+                      "or start at 0", pos, seq, m->kv_len[seq]);
+    if (pos + n > m->opts.max_T)
         return QT_ERR(QT_EINVAL, "decode: positions up to %d exceed the KV cache of %d; load with a larger max_T",
-                      pos0 + n, m->opts.max_T);
-    for (int i = 0; i < n; i++) {
-        if (ids[i] < 0 || ids[i] >= V)
-            return QT_ERR(QT_EINVAL, "decode: token id %d is outside the vocabulary [0, %d)", ids[i], V);
-        m->pos_buf[i] = pos0 + i;
-    }
+                      pos + n, m->opts.max_T);
+    return QT_OK;
+}
+
+/* The n rows' ids and positions (m->pos_buf) go up, then the layers run. */
+static void decode_layers(qt_model *m, const int32_t *ids, int n, int maxpos, const dec_rows *d) {
+    const qt_config *c = &m->cfg;
     qt_backend *be = m->be;
     size_t cap = (size_t)m->opts.max_B * m->opts.max_T;
     int32_t *dids = m->ids, *dpos = m->ids + 2 * cap;
     be->upload(be, dids, ids, sizeof(int32_t) * (size_t)n);
     be->upload(be, dpos, m->pos_buf, sizeof(int32_t) * (size_t)n);
-    qt_model_rope_table(m, pos0 + n - 1); /* the largest position of this call */
+    qt_model_rope_table(m, maxpos); /* the largest position of this call */
     qt_act_ptrs *A = &m->acts;
-    be->embedding_forward(be, A->x[0], dids, m->wte.p, m->wte.dt, n, C);
-    for (int l = 0; l < L; l++) layer_forward(m, l, NULL, n, A->x[l], A->x[l + 1], &A->layer[l], 0, dpos, pos0);
+    be->embedding_forward(be, A->x[0], dids, m->wte.p, m->wte.dt, n, c->hidden_size);
+    for (int l = 0; l < c->num_hidden_layers; l++)
+        layer_forward(m, l, NULL, n, A->x[l], A->x[l + 1], &A->layer[l], 0, dpos, d);
+}
+
+int qt_model_decode_seq(qt_model *m, int seq, const int32_t *ids, int n, int pos0, float *logits_out) {
+    const qt_config *c = &m->cfg;
+    int C = c->hidden_size, L = c->num_hidden_layers, V = c->vocab_size;
+    QT_TRY(check_decode(m));
+    if (seq < 0 || seq >= m->decode_seqs)
+        return QT_ERR(QT_EINVAL, "decode: sequence %d is outside the KV cache's [0, %d)", seq, m->decode_seqs);
+    if (n < 1 || (size_t)n > (size_t)m->opts.max_B * m->opts.max_T)
+        return QT_ERR(QT_EINVAL, "decode: %d tokens at once is outside [1, %d]", n, m->opts.max_B * m->opts.max_T);
+    QT_TRY(check_position(m, seq, pos0, n));
+    for (int i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= V)
+            return QT_ERR(QT_EINVAL, "decode: token id %d is outside the vocabulary [0, %d)", ids[i], V);
+        m->pos_buf[i] = pos0 + i;
+    }
+    const dec_rows d = {seq, pos0, NULL, NULL, 0};
+    decode_layers(m, ids, n, pos0 + n - 1, &d);
+    qt_backend *be = m->be;
+    qt_act_ptrs *A = &m->acts;
     be->rmsnorm_forward(be, A->lnf, A->rstdf, A->x[L] + (size_t)(n - 1) * C, m->lnf_w, 1, C, c->rms_norm_eps);
-    be->matvec(be, m->logits, A->lnf, m->lm_head.p, m->lm_head.dt, NULL, C, V, 1.0f, 0); /* one row: read V x C once */
+    be->matvec(be, m->logits, A->lnf, m->lm_head.p, m->lm_head.dt, NULL, 1, C, V, 1.0f, 0); /* one row: read V x C once */
     be->download(be, logits_out, m->logits, sizeof(float) * (size_t)V);
-    m->kv_len = pos0 + n;
+    m->kv_len[seq] = pos0 + n;
+    return QT_OK;
+}
+
+int qt_model_decode(qt_model *m, const int32_t *ids, int n, int pos0, float *logits_out) {
+    return qt_model_decode_seq(m, 0, ids, n, pos0, logits_out);
+}
+
+int qt_model_decode_rows(qt_model *m, int n, const int *seqs, const int32_t *ids, const int32_t *pos,
+                         float *logits_out) {
+    const qt_config *c = &m->cfg;
+    int C = c->hidden_size, L = c->num_hidden_layers, V = c->vocab_size;
+    QT_TRY(check_decode(m));
+    if (n < 1 || n > m->decode_seqs)
+        return QT_ERR(QT_EINVAL, "decode: %d sequences in one step is outside [1, %d] (the model's decode_seqs)", n,
+                      m->decode_seqs);
+    int maxpos = 0;
+    for (int i = 0; i < n; i++) {
+        if (seqs[i] < 0 || seqs[i] >= m->decode_seqs)
+            return QT_ERR(QT_EINVAL, "decode: sequence %d is outside the KV cache's [0, %d)", seqs[i], m->decode_seqs);
+        for (int j = 0; j < i; j++)
+            if (seqs[j] == seqs[i])
+                return QT_ERR(QT_EINVAL, "decode: sequence %d appears twice in one step; give each once", seqs[i]);
+        QT_TRY(check_position(m, seqs[i], pos[i], 1));
+        if (ids[i] < 0 || ids[i] >= V)
+            return QT_ERR(QT_EINVAL, "decode: token id %d is outside the vocabulary [0, %d)", ids[i], V);
+        m->pos_buf[i] = pos[i];
+        if (pos[i] > maxpos) maxpos = pos[i];
+    }
+    dec_rows d = {0, 0, seqs, pos, 0};
+    int minpos = maxpos;
+    for (int i = 0; i < n; i++) minpos = pos[i] < minpos ? pos[i] : minpos;
+    if (minpos < maxpos) { /* one table serves every row only when the lowest and highest positions share it */
+        float lo[QT_ROPE_MAX_HALF], hi[QT_ROPE_MAX_HALF], slo, shi;
+        qt_rope_inv_freq(c, c->head_dim, minpos, lo, &slo);
+        qt_rope_inv_freq(c, c->head_dim, maxpos, hi, &shi);
+        d.rope_per_row = slo != shi || memcmp(lo, hi, sizeof(float) * (size_t)(c->head_dim / 2));
+    }
+    m->dec_rows = 1;
+    decode_layers(m, ids, n, maxpos, &d);
+    qt_backend *be = m->be;
+    qt_act_ptrs *A = &m->acts;
+    be->rmsnorm_forward(be, A->lnf, A->rstdf, A->x[L], m->lnf_w, n, C, c->rms_norm_eps);
+    be->matvec(be, m->logits, A->lnf, m->lm_head.p, m->lm_head.dt, NULL, n, C, V, 1.0f, 0); /* V x C read once */
+    m->dec_rows = 0;
+    be->download(be, logits_out, m->logits, sizeof(float) * (size_t)n * V);
+    for (int i = 0; i < n; i++) m->kv_len[seqs[i]] = pos[i] + 1;
     return QT_OK;
 }

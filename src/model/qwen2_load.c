@@ -58,6 +58,9 @@ static int check_opts(const qt_model_opts *o) {
     if (!o->infer) QT_TRY(qt_precision_check(o->compute, o->backend));
     if (o->max_B < 1 || o->max_T < 1)
         return QT_ERR(QT_EINVAL, "model options: max_B and max_T must be at least 1 (got %d, %d)", o->max_B, o->max_T);
+    if (o->decode_seqs < 0 || (size_t)o->decode_seqs > (size_t)o->max_B * (size_t)o->max_T)
+        return QT_ERR(QT_EINVAL, "model options: decode_seqs %d is outside [0, max_B * max_T = %lld]; raise max_B",
+                      o->decode_seqs, (long long)o->max_B * o->max_T);
     if (o->lora) {
         if (o->lora_r < 1) return QT_ERR(QT_EINVAL, "lora.r must be at least 1 (got %d)", o->lora_r);
         if (!(o->lora_targets & 0x7f))
@@ -543,8 +546,11 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
     m->ids = m->be->alloc(m->be, QT_MEM_DEVICE, sizeof(int32_t) * 4 * maxn, "model: batch ids");
     if (!m->pos_buf || !m->loss_host || !m->ids) return QT_ENOMEM;
     if (m->infer) {
-        m->logits = alloc_floats(m, sizeof(float) * (size_t)c->vocab_size, "model: decode logits");
-        if (!m->logits) return QT_ENOMEM;
+        m->decode_seqs = opts->decode_seqs > 1 ? opts->decode_seqs : 1;
+        m->logits = alloc_floats(m, sizeof(float) * (size_t)m->decode_seqs * (size_t)c->vocab_size,
+                                 "model: decode logits");
+        m->kv_len = qt_calloc((size_t)m->decode_seqs, sizeof *m->kv_len, "model: cached positions");
+        if (!m->logits || !m->kv_len) return QT_ENOMEM;
     }
     qt_debug("model %s: %zu trainable, %.1f MiB allocated", dir, m->numel, (double)m->mem.total / (1 << 20));
     return QT_OK;
@@ -591,6 +597,7 @@ void qt_model_free(qt_model *m) {
     qt_free(m->acts.x16);
     qt_free(m->acts.layer16);
     qt_free(m->pos_buf);
+    qt_free(m->kv_len);
     qt_free(m->loss_host);
     st_close(m->st);
     if (m->own_be) qt_backend_close(be);

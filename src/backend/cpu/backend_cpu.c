@@ -68,9 +68,9 @@ static void c_rmsnorm_backward(BE, float *dinp, float *dw, const float *dout, co
                                const float *rstd, int N, int C) {
     op_rmsnorm_backward(dinp, dw, dout, inp, w, rstd, N, C);
 }
-static void c_matvec(BE, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int IN, int OUT,
-                     float alpha, int accumulate) {
-    op_matvec(out, x, w, wdt, bias, IN, OUT, alpha, accumulate);
+static void c_matvec(BE, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN,
+                     int OUT, float alpha, int accumulate) {
+    op_matvec(out, x, w, wdt, bias, N, IN, OUT, alpha, accumulate);
 }
 static void c_matmul_forward(BE, float *out, const float *inp, const void *w, qt_dtype wdt, const float *bias, int N,
                              int IN, int OUT, float alpha, int accumulate, float *ws) {

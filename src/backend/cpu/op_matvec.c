@@ -1,17 +1,24 @@
-/* Matrix-vector product for one-token decoding: out (OUT) = alpha * W (OUT, IN)
- * x (IN) + bias. A one-row sgemm packs the whole weight before using each
+/* Matrix-vector products for decoding: out (N, OUT) = alpha * x (N, IN) W^T
+ * + bias, for the few rows N of one decode step (1, or --batch N sequences
+ * decoding together). A one-row sgemm packs the whole weight before using each
  * element once (the profile of a 0.5B decode step: 75% in OpenBLAS's
  * packing); here each weight element is read exactly once, in its stored
  * dtype, and the step runs at the memory bandwidth. bf16 and f16 weights are
  * read as 2 bytes and widened in registers (bf16: a 16-bit shift; f16: F16C's
  * vcvtph2ps), so a 2-byte model moves half the bytes of an f32 one.
  *
- * Threads own blocks of output rows (no reduction between threads); a small
- * product runs on the calling thread, where the fork would cost more than the
- * work. Each thread walks four rows at a time so x, which sits in L1, is
- * loaded once per four rows and four FMA chains are in flight. Accumulation is
- * in f32 lanes; the lane sums are added in a fixed order, so the result does
- * not depend on the thread count. */
+ * Threads take chunks of output rows from a shared counter (no reduction
+ * between threads; on a shared machine a thread that is descheduled does not
+ * hold the step up for its whole static half); a small product runs on the
+ * calling thread, where the fork would cost more than the work. The kernel
+ * is a register tile of 4 weight rows x up to 4 input rows: the weight chunk
+ * is loaded (and widened) once and multiplied into every input row, so N
+ * rows cost one read of W from memory (more than 4 input rows re-read the 4
+ * weight rows from L1/L2, not from memory). Each (weight row, input row)
+ * dot product is one f32 vector accumulator over IN, its lanes summed in a
+ * fixed order, then the tail: the same operations whatever the tile, the
+ * chunk, the thread count or N, so a row's result is bit-identical whether
+ * it decodes alone or in a batch. */
 #include <immintrin.h>
 #include <omp.h>
 #include <string.h>
@@ -22,6 +29,8 @@
  * of f32: a few microseconds, the cost of waking the team) */
 #define MATVEC_MIN_PARALLEL ((size_t)1 << 15)
 #define ROW_ALIGN 16
+/* bytes of W a thread takes at a time (a few times the prefetch distance) */
+#define MATVEC_CHUNK ((size_t)256 << 10)
 /* Software prefetch distance in elements (8 KiB of bf16, 16 KiB of f32). One
  * core keeps only as many lines in flight as its instruction window reaches,
  * and a 2-byte row brings half a line per load: without the hint a bf16 matvec
@@ -29,6 +38,13 @@
  * (896 x 4864, 64 matrices, 1 thread, the shared 2-core VM, best of 20, three
  * alternating rounds): bf16 11-16.6 -> 21-23.8 GB/s, f32 unchanged at 25-30. */
 #define MATVEC_AHEAD 4096
+
+/* Keeps a loaded vector in its register: without it GCC folds the load into
+ * every instruction that uses the value (x into each of the 4 rows' FMAs, a
+ * bf16 line into both its shift and its mask), and the loads, not the FMAs,
+ * then bound the loop: in L2, 4 rows of bf16 ran at 48 GB/s against 70 for
+ * one load of x per 4 rows. */
+#define IN_REGISTER(v) __asm__("" : "+v"(v))
 
 #if defined(__AVX512F__)
 #define LANES 16
@@ -42,6 +58,27 @@ static inline vf vload_w(const void *w, qt_dtype dt, size_t i) {
     __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i));
     if (dt == QT_F16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+/* bf16 a whole cache line at a time: 32 weights in one load, the even ones
+ * widened by a shift and the odd ones by a mask (bf16 is the top half of an
+ * f32), multiplied by x's even and odd elements (x de-interleaved once per
+ * 4 weight rows): a load, two ALU ops and two FMAs per 64 bytes, against
+ * two widening loads, two shifts and two FMAs. */
+#define BF16_PAIRS 1
+static inline void bf16_pair(const void *w, size_t i, vf *even, vf *odd) {
+    __m512i v = _mm512_loadu_si512((const void *)((const uint16_t *)w + i));
+    IN_REGISTER(v);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+static inline void x_pair(const float *x, vf *even, vf *odd) {
+    const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    vf lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
+    IN_REGISTER(lo);
+    IN_REGISTER(hi);
+    *even = _mm512_permutex2var_ps(lo, ie, hi);
+    *odd = _mm512_permutex2var_ps(lo, io, hi);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LANES 8
@@ -71,86 +108,144 @@ static inline float w_at(const void *w, qt_dtype dt, size_t i) {
     return dt == QT_F16 ? qt_f16_to_f32(h) : qt_bf16_to_f32(h);
 }
 
-/* rows [r0, r1): dot products of W's rows with x into dot[] (r - r0 indexed).
- * Always inlined into a switch on the dtype, so each copy has its dtype as a
- * constant and the loads carry no branch. */
-static inline __attribute__((always_inline)) void dot_rows(float *dot, const float *x, const void *w, qt_dtype dt, int IN, int r0, int r1) {
-    const size_t in = (size_t)IN;
-    int r = r0;
+/* The tile: weight rows r .. r+NR-1 times input rows x[0 .. NB-1] (row
+ * stride IN) into dot[j * 4 + n]. NR, NB and dt are constants wherever it is
+ * inlined, so the accumulators live in registers and the loads carry no
+ * branch. pf: prefetch the weight stream (the first input group; the others
+ * find the rows in cache). */
+static inline __attribute__((always_inline)) void dot_tile(float *dot, const float *x, const void *w, qt_dtype dt,
+                                                           size_t in, int r, int NR, int NB, int pf) {
+    const size_t es = dt == QT_F32 ? 4 : 2;
+    const size_t b = (size_t)r * in;
 #if LANES
     const size_t vec_end = in / LANES * LANES;
-    for (; r + 4 <= r1; r += 4) {
-        const size_t b0 = (size_t)r * in, b1 = b0 + in, b2 = b1 + in, b3 = b2 + in;
-        vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-        for (size_t i = 0; i < vec_end; i += LANES) {
-            /* the four rows are one contiguous stream; asking for it MATVEC_AHEAD elements ahead keeps
-             * enough lines in flight (a hint: no fault past the end) */
-            const char *ahead = (const char *)w + (b0 + i + MATVEC_AHEAD) * (dt == QT_F32 ? 4 : 2);
-            _mm_prefetch(ahead, _MM_HINT_T0);
-            _mm_prefetch(ahead + (b1 - b0) * (dt == QT_F32 ? 4 : 2), _MM_HINT_T0);
-            _mm_prefetch(ahead + (b2 - b0) * (dt == QT_F32 ? 4 : 2), _MM_HINT_T0);
-            _mm_prefetch(ahead + (b3 - b0) * (dt == QT_F32 ? 4 : 2), _MM_HINT_T0);
-            vf xv = vload_x(x + i);
-            a0 = vfma(vload_w(w, dt, b0 + i), xv, a0);
-            a1 = vfma(vload_w(w, dt, b1 + i), xv, a1);
-            a2 = vfma(vload_w(w, dt, b2 + i), xv, a2);
-            a3 = vfma(vload_w(w, dt, b3 + i), xv, a3);
+    vf acc[4][4];
+    for (int j = 0; j < NR; j++)
+        for (int n = 0; n < NB; n++) acc[j][n] = vzero();
+    size_t i0 = 0;
+#ifdef BF16_PAIRS
+    if (dt == QT_BF16) { /* whole lines of 2 * LANES weights, then the widening loop below for what is left */
+        const size_t pair_end = in / (2 * LANES) * (2 * LANES);
+        for (size_t i = 0; i < pair_end; i += 2 * LANES) {
+            if (pf)
+                for (int j = 0; j < NR; j++)
+                    _mm_prefetch((const char *)w + (b + (size_t)j * in + i + MATVEC_AHEAD) * 2, _MM_HINT_T0);
+            vf xe[4], xo[4];
+            for (int n = 0; n < NB; n++) x_pair(x + (size_t)n * in + i, &xe[n], &xo[n]);
+            for (int j = 0; j < NR; j++) {
+                vf we, wo;
+                bf16_pair(w, b + (size_t)j * in + i, &we, &wo);
+                for (int n = 0; n < NB; n++) acc[j][n] = vfma(wo, xo[n], vfma(we, xe[n], acc[j][n]));
+            }
         }
-        float s0 = vsum(a0), s1 = vsum(a1), s2 = vsum(a2), s3 = vsum(a3);
-        for (size_t i = vec_end; i < in; i++) {
-            s0 += w_at(w, dt, b0 + i) * x[i];
-            s1 += w_at(w, dt, b1 + i) * x[i];
-            s2 += w_at(w, dt, b2 + i) * x[i];
-            s3 += w_at(w, dt, b3 + i) * x[i];
+        i0 = pair_end;
+    }
+#endif
+    for (size_t i = i0; i < vec_end; i += LANES) {
+        if (pf) /* the NR rows are one contiguous stream; asking for it MATVEC_AHEAD elements ahead keeps enough
+                 * lines in flight (a hint: no fault past the end) */
+            for (int j = 0; j < NR; j++) _mm_prefetch((const char *)w + (b + (size_t)j * in + i + MATVEC_AHEAD) * es,
+                                                      _MM_HINT_T0);
+        vf xv[4];
+        for (int n = 0; n < NB; n++) {
+            xv[n] = vload_x(x + (size_t)n * in + i);
+            IN_REGISTER(xv[n]);
         }
-        dot[r - r0] = s0, dot[r - r0 + 1] = s1, dot[r - r0 + 2] = s2, dot[r - r0 + 3] = s3;
+        for (int j = 0; j < NR; j++) {
+            vf wv = vload_w(w, dt, b + (size_t)j * in + i);
+            for (int n = 0; n < NB; n++) acc[j][n] = vfma(wv, xv[n], acc[j][n]);
+        }
     }
-    for (; r < r1; r++) {
-        const size_t b = (size_t)r * in;
-        vf a = vzero();
-        for (size_t i = 0; i < vec_end; i += LANES) a = vfma(vload_w(w, dt, b + i), vload_x(x + i), a);
-        float s = vsum(a);
-        for (size_t i = vec_end; i < in; i++) s += w_at(w, dt, b + i) * x[i];
-        dot[r - r0] = s;
-    }
+    for (int j = 0; j < NR; j++)
+        for (int n = 0; n < NB; n++) {
+            float s = vsum(acc[j][n]);
+            for (size_t i = vec_end; i < in; i++) s += w_at(w, dt, b + (size_t)j * in + i) * x[(size_t)n * in + i];
+            dot[j * 4 + n] = s;
+        }
 #else
-    for (; r < r1; r++) {
-        const size_t b = (size_t)r * in;
-        float s = 0.0f;
-        for (size_t i = 0; i < in; i++) s += w_at(w, dt, b + i) * x[i];
-        dot[r - r0] = s;
-    }
+    (void)pf, (void)es;
+    for (int j = 0; j < NR; j++)
+        for (int n = 0; n < NB; n++) {
+            float s = 0.0f;
+            for (size_t i = 0; i < in; i++) s += w_at(w, dt, b + (size_t)j * in + i) * x[(size_t)n * in + i];
+            dot[j * 4 + n] = s;
+        }
 #endif
 }
 
-/* rows [r0, r1) of the result, in blocks that fit a stack buffer */
-static void matvec_rows(float *out, const float *x, const void *w, qt_dtype dt, const float *bias, int IN, float alpha,
-                        int accumulate, int r0, int r1) {
-    float dot[256];
-    for (int a = r0; a < r1; a += 256) {
-        int b = r1 - a < 256 ? r1 : a + 256;
-        switch (dt) {
-        case QT_F32: dot_rows(dot, x, w, QT_F32, IN, a, b); break;
-        case QT_F16: dot_rows(dot, x, w, QT_F16, IN, a, b); break;
-        case QT_BF16: dot_rows(dot, x, w, QT_BF16, IN, a, b); break;
-        }
-        for (int r = a; r < b; r++) {
-            float v = alpha * dot[r - a] + (bias ? bias[r] : 0.0f);
-            out[r] = accumulate ? out[r] + v : v;
-        }
+/* input rows per tile: 4 x 4 accumulators fill half of AVX-512's 32
+ * registers; AVX2 has 16, so 4 x 2 */
+#if LANES == 8
+#define NB_MAX 2
+#else
+#define NB_MAX 4
+#endif
+
+/* one tile of NR rows with NB (1..NB_MAX) input rows, specialised on all three */
+static inline __attribute__((always_inline)) void dot_tile_nb(float *dot, const float *x, const void *w, qt_dtype dt,
+                                                              size_t in, int r, int NR, int nb, int pf) {
+    switch (nb) {
+    case 1: dot_tile(dot, x, w, dt, in, r, NR, 1, pf); break;
+    case 2: dot_tile(dot, x, w, dt, in, r, NR, 2, pf); break;
+#if NB_MAX == 4
+    case 3: dot_tile(dot, x, w, dt, in, r, NR, 3, pf); break;
+    case 4: dot_tile(dot, x, w, dt, in, r, NR, 4, pf); break;
+#endif
     }
 }
 
-void op_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int IN, int OUT,
+/* rows [r0, r1) of W against all N input rows, written to out (N, OUT) */
+static inline __attribute__((always_inline)) void rows_dt(float *out, const float *x, const void *w, qt_dtype dt,
+                                                          const float *bias, int N, int IN, int OUT, float alpha,
+                                                          int accumulate, int r0, int r1) {
+    const size_t in = (size_t)IN;
+    float dot[16];
+    for (int r = r0; r < r1;) {
+        const int NR = r1 - r >= 4 ? 4 : 1;
+        for (int n0 = 0; n0 < N; n0 += NB_MAX) {
+            const int nb = N - n0 < NB_MAX ? N - n0 : NB_MAX;
+            if (NR == 4 && n0 == 0) dot_tile_nb(dot, x, w, dt, in, r, 4, nb, 1); /* pf a constant in each copy */
+            else if (NR == 4) dot_tile_nb(dot, x + (size_t)n0 * in, w, dt, in, r, 4, nb, 0);
+            else dot_tile_nb(dot, x + (size_t)n0 * in, w, dt, in, r, 1, nb, 0);
+            for (int j = 0; j < NR; j++)
+                for (int n = 0; n < nb; n++) {
+                    float *o = out + (size_t)(n0 + n) * OUT + r + j;
+                    float v = alpha * dot[j * 4 + n] + (bias ? bias[r + j] : 0.0f);
+                    *o = accumulate ? *o + v : v;
+                }
+        }
+        r += NR;
+    }
+}
+
+static void matvec_rows(float *out, const float *x, const void *w, qt_dtype dt, const float *bias, int N, int IN,
+                        int OUT, float alpha, int accumulate, int r0, int r1) {
+    switch (dt) {
+    case QT_F32: rows_dt(out, x, w, QT_F32, bias, N, IN, OUT, alpha, accumulate, r0, r1); break;
+    case QT_F16: rows_dt(out, x, w, QT_F16, bias, N, IN, OUT, alpha, accumulate, r0, r1); break;
+    case QT_BF16: rows_dt(out, x, w, QT_BF16, bias, N, IN, OUT, alpha, accumulate, r0, r1); break;
+    }
+}
+
+void op_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN, int OUT,
                float alpha, int accumulate) {
-    if ((size_t)IN * (size_t)OUT < MATVEC_MIN_PARALLEL || omp_get_max_threads() == 1 || omp_in_parallel()) {
-        matvec_rows(out, x, w, wdt, bias, IN, alpha, accumulate, 0, OUT);
+    if (N < 1 || OUT < 1) return;
+    const int team = omp_get_max_threads();
+    const size_t elems = (size_t)IN * (size_t)OUT;
+    if (elems < MATVEC_MIN_PARALLEL || team == 1 || omp_in_parallel()) {
+        matvec_rows(out, x, w, wdt, bias, N, IN, OUT, alpha, accumulate, 0, OUT);
         return;
     }
-#pragma omp parallel
-    {
-        int r0, r1;
-        op_split(OUT, omp_get_num_threads(), omp_get_thread_num(), ROW_ALIGN, &r0, &r1);
-        if (r1 > r0) matvec_rows(out, x, w, wdt, bias, IN, alpha, accumulate, r0, r1);
+    /* chunks of about MATVEC_CHUNK bytes of W, at least 4 per thread so a late thread's share is taken by the
+     * others, in whole multiples of ROW_ALIGN rows (with OUT a multiple of 16, threads never write the same cache line) */
+    size_t chunks = elems * qt_dtype_size(wdt) / MATVEC_CHUNK;
+    if (chunks < (size_t)team * 4) chunks = (size_t)team * 4;
+    size_t rows = ((size_t)OUT + chunks - 1) / chunks;
+    rows = (rows + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
+    const int per = (int)rows, n_chunks = (int)(((size_t)OUT + rows - 1) / rows);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int c = 0; c < n_chunks; c++) {
+        const int r0 = c * per, r1 = OUT - r0 < per ? OUT : r0 + per;
+        matvec_rows(out, x, w, wdt, bias, N, IN, OUT, alpha, accumulate, r0, r1);
     }
 }

@@ -7,7 +7,8 @@
 #include <math.h>
 
 void op_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight, int N, int C, float eps) {
-#pragma omp parallel for schedule(static)
+    /* a decode step's few rows run on the calling thread: waking the team would cost more than the rows */
+#pragma omp parallel for schedule(static) if ((size_t)N * (size_t)C >= 32768)
     for (int n = 0; n < N; n++) {
         const float *x = inp + (size_t)n * C;
         float *o = out + (size_t)n * C;

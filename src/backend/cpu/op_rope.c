@@ -15,7 +15,8 @@
 /* scale: cos and sin are multiplied by it (YaRN's attention factor, else 1). */
 static void rope_apply(float *x, const int32_t *pos, int N, int NH, int D, const float *inv, float scale, float sign) {
     int half = D / 2;
-#pragma omp parallel for schedule(static)
+    /* a decode step's few rows run on the calling thread: waking the team would cost more than the rows */
+#pragma omp parallel for schedule(static) if (N >= 16)
     for (int n = 0; n < N; n++) {
         float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
         for (int i = 0; i < half; i++) {

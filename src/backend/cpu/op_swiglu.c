@@ -3,7 +3,10 @@
  *   dg += dout * u * s * (1 + g * (1 - s)),  du += dout * silu(g).
  *
  * Eight lanes at a time with op_exp8 (glibc's expf is one lane at a time and
- * was most of these loops' cost); a tail of fewer than eight uses expf. */
+ * was most of these loops' cost). The forward's tail of fewer than eight
+ * goes through the same lanes, masked, so an element's value never depends
+ * on where it sits (a decode step of N rows gives each row the bits of its
+ * one-row call); the backward's tail uses expf. */
 #include "backend/cpu/ops.h"
 #include "backend/cpu/op_simd.h"
 
@@ -19,6 +22,11 @@ static inline __m256 sigmoid8(__m256 g) {
     return _mm256_andnot_ps(_mm256_cmp_ps(g, _mm256_set1_ps(-88.72283172607421875f), _CMP_LT_OQ), s);
 }
 
+/* lanes [0, k) set, k < 8 */
+static inline __m256i tail_mask(size_t k) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 void op_swiglu_forward(float *out, const float *gate, const float *up, int N, int I) {
     size_t n = (size_t)N * I, n8 = n / 8;
 #pragma omp parallel for schedule(static)
@@ -27,9 +35,12 @@ void op_swiglu_forward(float *out, const float *gate, const float *up, int N, in
         __m256 s = sigmoid8(g);
         _mm256_storeu_ps(out + 8 * b, _mm256_mul_ps(_mm256_mul_ps(g, s), _mm256_loadu_ps(up + 8 * b)));
     }
-    for (size_t i = 8 * n8; i < n; i++) {
-        float g = gate[i];
-        out[i] = g / (1.0f + expf(-g)) * up[i];
+    if (n > 8 * n8) {
+        const size_t i = 8 * n8;
+        const __m256i mask = tail_mask(n - i);
+        __m256 g = _mm256_maskload_ps(gate + i, mask);
+        __m256 o = _mm256_mul_ps(_mm256_mul_ps(g, sigmoid8(g)), _mm256_maskload_ps(up + i, mask));
+        _mm256_maskstore_ps(out + i, mask, o);
     }
 }
 

@@ -51,12 +51,14 @@ void op_matmul_forward(float *out, const float *inp, const void *w, qt_dtype wdt
 void op_matmul_backward(float *dinp, float *dweight, float *dbias, const float *dout, const float *inp, const void *w,
                         qt_dtype wdt, int N, int IN, int OUT, float alpha, float *ws);
 
-/* ---- matrix-vector product (one-token decoding, op_matvec.c) ------------ */
-/* out (OUT) = alpha * W (OUT, IN) @ x (IN) + bias, or out += that with
- * accumulate != 0. W in wdt is read once, in its stored dtype (f16/bf16
- * widened in registers); threads own blocks of output rows. The result does
- * not depend on the thread count. No workspace. */
-void op_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int IN, int OUT,
+/* ---- matrix-vector product (decoding, op_matvec.c) ---------------------- */
+/* out (N, OUT) = alpha * x (N, IN) @ W^T + bias, or out += that with
+ * accumulate != 0, for a few rows N (one per sequence of a decode step). W
+ * (OUT, IN) in wdt is read once for all N rows, in its stored dtype (f16/bf16
+ * widened in registers); threads take chunks of output rows. Each output
+ * element is bit-identical whatever N, the row's place among them and the
+ * thread count. No workspace. */
+void op_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN, int OUT,
                float alpha, int accumulate);
 
 /* ---- rotary embedding (HF rotate-half convention) ------------------------ */

@@ -97,38 +97,54 @@ extern "C" void qt_cuda_fill_matmul(qt_backend *be) {
     be->bf16_gemm = g_bf16_gemm;
 }
 
-/* One-token decoding: out (OUT) = alpha * W (OUT, IN) @ x (IN) + bias [+ out].
- * A warp per output row reads the row once in its stored dtype (2-byte
- * weights widened in registers), lanes striding over IN, a shuffle tree for
- * the sum: decode is bound by reading the weights. */
+/* Decoding, one token for each of N sequences: out (N, OUT) = alpha * x (N,
+ * IN) @ W^T + bias [+ out]. A warp per output row reads the row once in its
+ * stored dtype (2-byte weights widened in registers), lanes striding over IN,
+ * and multiplies each weight into up to MV_NB input rows at once (more rows
+ * re-read the row from cache, not from memory); a shuffle tree for each sum.
+ * A row's result does not depend on N. Decode is bound by reading the
+ * weights. */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-__global__ void k_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int IN, int OUT,
-                         float alpha, int accumulate) {
+#define MV_NB 8
+__device__ __forceinline__ float mv_w(const void *w, qt_dtype wdt, size_t i) {
+    if (wdt == QT_BF16) return __bfloat162float(__ushort_as_bfloat16(((const unsigned short *)w)[i]));
+    if (wdt == QT_F16) return __half2float(__ushort_as_half(((const unsigned short *)w)[i]));
+    return ((const float *)w)[i];
+}
+__global__ void k_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN,
+                         int OUT, float alpha, int accumulate) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= OUT) return;
     size_t o = (size_t)row * IN;
-    float s = 0.0f;
-    if (wdt == QT_BF16) {
-        const unsigned short *r = (const unsigned short *)w + o;
-        for (int i = lane; i < IN; i += 32) s += __bfloat162float(__ushort_as_bfloat16(r[i])) * x[i];
-    } else if (wdt == QT_F16) {
-        const unsigned short *r = (const unsigned short *)w + o;
-        for (int i = lane; i < IN; i += 32) s += __half2float(__ushort_as_half(r[i])) * x[i];
-    } else {
-        const float *r = (const float *)w + o;
-        for (int i = lane; i < IN; i += 32) s += r[i] * x[i];
-    }
-    for (int k = 16; k > 0; k >>= 1) s += __shfl_xor_sync(0xffffffffu, s, k);
-    if (lane == 0) {
-        float v = alpha * s + (bias ? bias[row] : 0.0f);
-        out[row] = accumulate ? out[row] + v : v;
+    for (int n0 = 0; n0 < N; n0 += MV_NB) {
+        const int nb = N - n0 < MV_NB ? N - n0 : MV_NB;
+        const float *xs = x + (size_t)n0 * IN;
+        float s[MV_NB];
+#pragma unroll
+        for (int n = 0; n < MV_NB; n++) s[n] = 0.0f;
+        for (int i = lane; i < IN; i += 32) {
+            const float wv = mv_w(w, wdt, o + i);
+#pragma unroll
+            for (int n = 0; n < MV_NB; n++)
+                if (n < nb) s[n] += wv * xs[(size_t)n * IN + i];
+        }
+#pragma unroll
+        for (int n = 0; n < MV_NB; n++) {
+            float v = s[n];
+            for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffffu, v, k);
+            if (lane == 0 && n < nb) {
+                float *po = out + (size_t)(n0 + n) * OUT + row;
+                float r = alpha * v + (bias ? bias[row] : 0.0f);
+                *po = accumulate ? *po + r : r;
+            }
+        }
     }
 }
-static void g_matvec(BE, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int IN, int OUT,
-                     float alpha, int accumulate) {
-    if (OUT <= 0) return;
-    k_matvec<<<(OUT + 7) / 8, 256, 0, STREAM>>>(out, x, w, wdt, bias, IN, OUT, alpha, accumulate);
+static void g_matvec(BE, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN,
+                     int OUT, float alpha, int accumulate) {
+    if (OUT <= 0 || N <= 0) return;
+    k_matvec<<<(OUT + 7) / 8, 256, 0, STREAM>>>(out, x, w, wdt, bias, N, IN, OUT, alpha, accumulate);
     QT_CUDA_LAUNCHED();
 }
 

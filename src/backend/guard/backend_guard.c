@@ -185,9 +185,9 @@ static void g_matmul_forward(BE, float *out, const float *inp, const void *w, qt
                              int IN, int OUT, float alpha, int accumulate, float *ws) {
     CALL(CPU->matmul_forward(CPU, out, inp, w, wdt, bias, N, IN, OUT, alpha, accumulate, ws));
 }
-static void g_matvec(BE, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int IN, int OUT,
-                     float alpha, int accumulate) {
-    CALL(CPU->matvec(CPU, out, x, w, wdt, bias, IN, OUT, alpha, accumulate));
+static void g_matvec(BE, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN,
+                     int OUT, float alpha, int accumulate) {
+    CALL(CPU->matvec(CPU, out, x, w, wdt, bias, N, IN, OUT, alpha, accumulate));
 }
 static void g_matmul_backward(BE, float *dinp, float *dw, float *db, const float *dout, const float *inp,
                               const void *w, qt_dtype wdt, int N, int IN, int OUT, float alpha, float *ws) {

@@ -3,7 +3,9 @@
  * multiple of the vector width and whose row count is not a multiple of the
  * 4-row block or the thread split; with bias, alpha, accumulation; equal to
  * itself bit for bit at 1, 2 and 3 threads; and against op_matmul_forward
- * (the batched path) on the same weights. */
+ * (the batched path) on the same weights. Several input rows at once (the
+ * --batch decode): each row bit-identical to the one-row product of that row,
+ * whatever N and the thread count. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -54,17 +56,17 @@ static void check_shape(qt_dtype dt, int IN, int OUT) {
         tol[o] = 4e-7 * (alpha * mag + fabs(bias[o]) + 0.5 * o) * (1 + log2(IN));
     }
     /* out = 0.5 o + alpha W x + bias (accumulate) */
-    op_matvec(out, x, w, dt, bias, IN, OUT, alpha, 1);
+    op_matvec(out, x, w, dt, bias, 1, IN, OUT, alpha, 1);
     for (int o = 0; o < OUT; o++)
         if (fabs(out[o] - (0.5 * o + want[o])) > tol[o])
             fail_msg("%s IN %d OUT %d row %d: got %.9g want %.9g", qt_dtype_name(dt), IN, OUT, o, out[o],
                      0.5 * o + want[o]);
     /* the same numbers at every thread count (threads own rows; a row's sum order is fixed) */
     omp_set_num_threads(1);
-    op_matvec(ref1, x, w, dt, bias, IN, OUT, alpha, 0);
+    op_matvec(ref1, x, w, dt, bias, 1, IN, OUT, alpha, 0);
     for (int t = 2; t <= 3; t++) {
         omp_set_num_threads(t);
-        op_matvec(out, x, w, dt, bias, IN, OUT, alpha, 0);
+        op_matvec(out, x, w, dt, bias, 1, IN, OUT, alpha, 0);
         assert_memory_equal(out, ref1, (size_t)OUT * sizeof *out);
     }
     omp_set_num_threads(2);
@@ -100,7 +102,7 @@ static void test_matvec_threaded_overwrites(void **state) {
     for (int i = 0; i < IN; i++) x[i] = qt_rng_normal(&rng);
     for (int o = 0; o < OUT; o++) out[o] = NAN;
     omp_set_num_threads(2);
-    op_matvec(out, x, w, QT_BF16, NULL, IN, OUT, 1.0f, 0);
+    op_matvec(out, x, w, QT_BF16, NULL, 1, IN, OUT, 1.0f, 0);
     for (int o = 0; o < OUT; o++) {
         double s = 0, mag = 0;
         for (int i = 0; i < IN; i++) s += wd[(size_t)o * IN + i] * x[i], mag += fabs(wd[(size_t)o * IN + i] * x[i]);
@@ -109,11 +111,50 @@ static void test_matvec_threaded_overwrites(void **state) {
     free(out), free(x), free(wd), free(w);
 }
 
+/* N input rows in one call: row n of the result is the one-row product of
+ * x row n, bit for bit (the tile and its input groups never change a row's
+ * sum order), at 1 and 2 threads, with accumulation and bias; N covers one
+ * partial input group, whole groups and a group plus a remainder, and OUT
+ * both the serial and the chunked threaded paths. */
+static void test_matvec_rows_equal_single_rows(void **state) {
+    (void)state;
+    static const int shapes[][2] = {{33, 17}, {896, 130}, {301, 3001}};
+    static const qt_dtype dts[] = {QT_F32, QT_F16, QT_BF16};
+    for (size_t d = 0; d < 3; d++)
+        for (size_t s = 0; s < 3; s++)
+            for (int N = 1; N <= 9; N++) {
+                const int IN = shapes[s][0], OUT = shapes[s][1];
+                double *wd;
+                void *w = make_w(dts[d], IN, OUT, &wd);
+                float *x = malloc((size_t)N * IN * sizeof *x), *bias = malloc((size_t)OUT * sizeof *bias);
+                float *out = malloc((size_t)N * OUT * sizeof *out), *one = malloc((size_t)OUT * sizeof *one);
+                for (size_t i = 0; i < (size_t)N * IN; i++) x[i] = qt_rng_normal(&rng);
+                for (int o = 0; o < OUT; o++) bias[o] = qt_rng_normal(&rng);
+                for (int t = 1; t <= 2; t++) {
+                    omp_set_num_threads(t);
+                    for (size_t i = 0; i < (size_t)N * OUT; i++) out[i] = 0.25f * (float)(i % 7);
+                    op_matvec(out, x, w, dts[d], bias, N, IN, OUT, 0.5f, 1);
+                    for (int n = 0; n < N; n++) {
+                        for (int o = 0; o < OUT; o++) one[o] = 0.25f * (float)(((size_t)n * OUT + o) % 7);
+                        omp_set_num_threads(1);
+                        op_matvec(one, x + (size_t)n * IN, w, dts[d], bias, 1, IN, OUT, 0.5f, 1);
+                        omp_set_num_threads(t);
+                        if (memcmp(one, out + (size_t)n * OUT, (size_t)OUT * sizeof *one))
+                            fail_msg("%s IN %d OUT %d N %d row %d, %d threads: not the one-row product's bits",
+                                     qt_dtype_name(dts[d]), IN, OUT, N, n, t);
+                    }
+                }
+                free(one), free(out), free(bias), free(x), free(wd), free(w);
+            }
+    omp_set_num_threads(2);
+}
+
 int main(void) {
     qt_rng_seed(&rng, 1234);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_matvec_dtypes_and_shapes),
         cmocka_unit_test(test_matvec_threaded_overwrites),
+        cmocka_unit_test(test_matvec_rows_equal_single_rows),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

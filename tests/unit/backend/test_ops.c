@@ -507,7 +507,7 @@ static void test_swiglu_lanes_extreme(void **state) {
         for (int k = 0; k < 8; k++) g[k] = ends[i], u[k] = 0.75f, d[k] = -0.5f, dg[k] = 0.25f, du[k] = -0.5f;
         op_swiglu_forward(out, g, u, 1, 8); /* eight lanes */
         op_swiglu_backward(dg, du, d, g, u, 1, 8);
-        float o1, dg1 = 0.25f, du1 = -0.5f; /* one element: the scalar tail */
+        float o1, dg1 = 0.25f, du1 = -0.5f; /* one element: the tail (the forward's masked lanes, the backward's expf) */
         op_swiglu_forward(&o1, g, u, 1, 1);
         op_swiglu_backward(&dg1, &du1, d, g, u, 1, 1);
         const float want[3] = {o1, dg1, du1};
@@ -523,6 +523,23 @@ static void test_swiglu_lanes_extreme(void **state) {
             }
         }
     }
+}
+
+/* Rows of I = 13 (not a multiple of 8) in one call: each row's output has
+ * the bits of that row alone, though the call's lanes straddle the rows (a
+ * decode step of N sequences must give each the values of its own run). */
+static void test_swiglu_rows_equal_one_row(void **state) {
+    (void)state;
+    enum { RN = 5, RI = 13 };
+    float *g = randv(RN * RI, 4.0f), *u = randv(RN * RI, 1.0f), out[RN * RI], one[RI];
+    op_swiglu_forward(out, g, u, RN, RI);
+    for (int n = 0; n < RN; n++) {
+        op_swiglu_forward(one, g + n * RI, u + n * RI, 1, RI);
+        for (int i = 0; i < RI; i++)
+            if (memcmp(&one[i], &out[n * RI + i], sizeof(float)))
+                fail_msg("swiglu row %d element %d: %.9g in %d rows, %.9g alone", n, i, out[n * RI + i], RN, one[i]);
+    }
+    qt_free(g), qt_free(u);
 }
 
 /* ---- lm_head + cross-entropy ---- */
@@ -695,7 +712,7 @@ int main(void) {
         cmocka_unit_test(test_matmul_half_panels), cmocka_unit_test(test_sgemm_nn_engines), cmocka_unit_test(test_rope),
         cmocka_unit_test(test_attention), cmocka_unit_test(test_attention_blocks_and_cache),
         cmocka_unit_test(test_attention_gemm_blocks),
-        cmocka_unit_test(test_swiglu),    cmocka_unit_test(test_swiglu_lanes), cmocka_unit_test(test_swiglu_lanes_extreme),
+        cmocka_unit_test(test_swiglu),    cmocka_unit_test(test_swiglu_lanes), cmocka_unit_test(test_swiglu_rows_equal_one_row), cmocka_unit_test(test_swiglu_lanes_extreme),
         cmocka_unit_test(test_lmhead_ce),
         cmocka_unit_test(test_lmhead_ce_forward_dx), cmocka_unit_test(test_lmhead_ce_kept),
         cmocka_unit_test(test_exp8),

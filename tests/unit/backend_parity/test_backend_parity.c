@@ -189,16 +189,19 @@ static void test_matmul(void **state) {
 static void test_matvec(void **state) {
     (void)state;
     const int IN = 301, OUT = 97;
-    for (int k = 0; k < 3; k++) {
-        pair x = up_randn(IN, 1.0f), w = up_weight((size_t)OUT * IN, 0.2f, dts[k]), b = up_randn(OUT, 1.0f);
-        pair out = up_randn(OUT, 1.0f);
-        cpu->matvec(cpu, out.c, x.c, w.c, dts[k], b.c, IN, OUT, 0.5f, 1);
-        dev->matvec(dev, out.d, x.d, w.d, dts[k], b.d, IN, OUT, 0.5f, 1);
-        char what[64];
-        snprintf(what, sizeof what, "matvec %s (+bias, accumulate)", dtn[k]);
-        check(what, out, OUT, TOL);
-        drop(x), drop(w), drop(b), drop(out);
-    }
+    const int rows[] = {1, 3, 11}; /* one sequence; a batch within one input group (CUDA: 8); two groups */
+    for (int k = 0; k < 3; k++)
+        for (int q = 0; q < 3; q++) {
+            const int N = rows[q];
+            pair x = up_randn((size_t)N * IN, 1.0f), w = up_weight((size_t)OUT * IN, 0.2f, dts[k]);
+            pair b = up_randn(OUT, 1.0f), out = up_randn((size_t)N * OUT, 1.0f);
+            cpu->matvec(cpu, out.c, x.c, w.c, dts[k], b.c, N, IN, OUT, 0.5f, 1);
+            dev->matvec(dev, out.d, x.d, w.d, dts[k], b.d, N, IN, OUT, 0.5f, 1);
+            char what[64];
+            snprintf(what, sizeof what, "matvec %s N %d (+bias, accumulate)", dtn[k], N);
+            check(what, out, (size_t)N * OUT, TOL);
+            drop(x), drop(w), drop(b), drop(out);
+        }
 }
 
 static void test_rope_swiglu(void **state) {

@@ -3,7 +3,10 @@
  * prompt, one token at a time; at every position the batched forward of the
  * whole sequence so far gives the same logits (max-normalised error <= 2e-6)
  * and the same greedy id. For f32, f16 and bf16 weights, with and without a
- * LoRA adapter on every module. */
+ * LoRA adapter on every module. And several sequences decoding together
+ * (qt_model_decode_rows, generate --batch): prompts of different lengths,
+ * sequences leaving the step, each row's logits the bits of that sequence
+ * decoded alone, and its greedy ids the batched forward's. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -12,6 +15,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "core/error.h"
 #include "core/fs.h"
 #include "core/rng.h"
 #include "model/memplan.h"
@@ -84,11 +88,96 @@ static void test_decode_f32(void **s) { (void)s, check_case(QT_F32, 0), check_ca
 static void test_decode_f16(void **s) { (void)s, check_case(QT_F16, 0), check_case(QT_F16, 1); }
 static void test_decode_bf16(void **s) { (void)s, check_case(QT_BF16, 0), check_case(QT_BF16, 1); }
 
+/* SEQS sequences with prompts of 1, 2, 3, 5 and 6 tokens: each decoded alone
+ * (qt_model_decode_seq, one token at a time) gives the reference logits;
+ * then all of them are prefilled into their own slots and stepped together
+ * with qt_model_decode_rows, rows in a shuffled slot order, sequence k
+ * leaving the step after STEPS - k tokens (so steps of 5, 4, ... 1 rows).
+ * Every row's logits must equal the alone run's bit for bit, and the greedy
+ * ids must be the batched forward's argmax over the whole sequence. */
+#define SEQS 5
+#define STEPS 8
+static void check_rows_case(qt_dtype dt, int lora) {
+    char dir[256];
+    qt_config cfg;
+    tiny_model_write_dtype(dir, sizeof dir, "decrows", 12, &cfg, dt);
+    qt_model_opts o;
+    qt_model_opts_default(&o);
+    o.infer = 1, o.max_B = 1, o.max_T = T_MAX, o.decode_seqs = SEQS;
+    if (lora) o.lora = 1, o.lora_r = 4, o.lora_alpha = 8, o.lora_targets = 0x7f, o.lora_dropout = 0;
+    qt_model *m;
+    assert_int_equal(qt_model_load(dir, &o, &m), QT_OK);
+    qt_rng r;
+    qt_rng_seed(&r, 77);
+    if (lora)
+        for (size_t i = 0; i < qt_model_numel(m); i++) qt_model_master(m)[i] = 0.1f * qt_rng_normal(&r);
+    const int V = cfg.vocab_size, plen[SEQS] = {3, 1, 6, 2, 5}, slot[SEQS] = {2, 4, 0, 3, 1};
+    int32_t ids[SEQS][T_MAX];
+    float *alone = malloc(sizeof(float) * SEQS * STEPS * V), *step = malloc(sizeof(float) * SEQS * V);
+    float *bat = malloc(sizeof(float) * V);
+    for (int k = 0; k < SEQS; k++) {
+        const int len = STEPS - k; /* greedy tokens this sequence gets */
+        for (int i = 0; i < plen[k]; i++) ids[k][i] = (int32_t)qt_rng_below(&r, (uint64_t)V);
+        float *a = alone + (size_t)k * STEPS * V;
+        assert_int_equal(qt_model_decode_seq(m, 0, ids[k], plen[k], 0, a), QT_OK);
+        for (int t = 1; t < len; t++) {
+            ids[k][plen[k] + t - 1] = argmax(a + (size_t)(t - 1) * V, V);
+            assert_int_equal(qt_model_decode_seq(m, 0, &ids[k][plen[k] + t - 1], 1, plen[k] + t - 1, a + (size_t)t * V),
+                             QT_OK);
+        }
+    }
+    /* together: prefill each into its slot, then steps of the sequences still going */
+    qt_model_decode_reset(m);
+    for (int k = 0; k < SEQS; k++) {
+        assert_int_equal(qt_model_decode_seq(m, slot[k], ids[k], plen[k], 0, step), QT_OK);
+        assert_memory_equal(step, alone + (size_t)k * STEPS * V, sizeof(float) * V);
+    }
+    for (int t = 1; t < STEPS; t++) {
+        int seqs[SEQS], who[SEQS], n = 0;
+        int32_t tok[SEQS], pos[SEQS];
+        for (int k = SEQS - 1; k >= 0; k--) /* reversed, so row order is not slot or prompt order */
+            if (t < STEPS - k) {
+                who[n] = k, seqs[n] = slot[k], pos[n] = plen[k] + t - 1, tok[n] = ids[k][plen[k] + t - 1];
+                n++;
+            }
+        assert_int_equal(qt_model_decode_rows(m, n, seqs, tok, pos, step), QT_OK);
+        for (int i = 0; i < n; i++)
+            if (memcmp(step + (size_t)i * V, alone + ((size_t)who[i] * STEPS + t) * V, sizeof(float) * V))
+                fail_msg("%s%s sequence %d step %d (row %d of %d): logits are not those of its own run",
+                         qt_dtype_name(dt), lora ? " + LoRA" : "", who[i], t, i, n);
+    }
+    /* the greedy ids against the batched forward of each whole sequence */
+    for (int k = 0; k < SEQS; k++) {
+        const int total = plen[k] + STEPS - k - 1;
+        qt_model_decode_reset(m);
+        assert_int_equal(qt_model_decode_seq(m, 0, ids[k], total - 1, 0, bat), QT_OK);
+        assert_int_equal(argmax(bat, V), ids[k][total - 1]);
+    }
+    /* what a step refuses: a sequence twice, a position past its cache, a slot outside it */
+    qt_model_decode_reset(m);
+    int two[2] = {1, 1}, far[1] = {SEQS};
+    int32_t tk[2] = {1, 2}, p0[2] = {0, 0}, p3[1] = {3};
+    assert_int_equal(qt_model_decode_rows(m, 2, two, tk, p0, step), QT_EINVAL);
+    assert_int_equal(qt_model_decode_rows(m, 1, two, tk, p3, step), QT_EINVAL);
+    assert_int_equal(qt_model_decode_rows(m, 1, far, tk, p0, step), QT_EINVAL);
+    qt_error_clear();
+    free(alone), free(step), free(bat);
+    qt_model_free(m);
+    qt_rm_rf(dir);
+}
+
+static void test_decode_rows_f32(void **s) { (void)s, check_rows_case(QT_F32, 0), check_rows_case(QT_F32, 1); }
+static void test_decode_rows_f16(void **s) { (void)s, check_rows_case(QT_F16, 0), check_rows_case(QT_F16, 1); }
+static void test_decode_rows_bf16(void **s) { (void)s, check_rows_case(QT_BF16, 0), check_rows_case(QT_BF16, 1); }
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_decode_f32),
         cmocka_unit_test(test_decode_f16),
         cmocka_unit_test(test_decode_bf16),
+        cmocka_unit_test(test_decode_rows_f32),
+        cmocka_unit_test(test_decode_rows_f16),
+        cmocka_unit_test(test_decode_rows_bf16),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,145 @@
+/* The decode step's matrix-vector products alone (op_matvec), on a model
+ * shape's matrices in one dtype: per "token", every decoder layer's q, k, v,
+ * o, gate, up, down and the lm_head, for N input rows (a --batch N step), in
+ * the order a decode step runs them. Reports ms per step, the weight bytes
+ * read per step over that time (GB/s) and the steps/s times N (tokens/s). The
+ * matrices are filled with random values and touched once before timing.
+ *   bench_matvec [--dtype f32|bf16|f16] [--rows N] [--threads T] [--reps R]
+ *                [--shape C I L Q KV V]     (default qwen2.5-0.5b: 896 4864 24 896 128 151936)
+ *                [--file PATH [--advise none|huge|collapse]]
+ * --file: the weights are written to PATH and read through a read-only file
+ * mapping, as qtune reads a model's safetensors (4 KiB page-cache pages
+ * unless the advice gets huge ones), instead of an anonymous buffer with
+ * transparent huge pages.
+ * Output: one JSON object per line. Best and median of R steps, and "ms_sum_best":
+ * each product's best time over the R steps, summed (on a machine shared with
+ * other jobs a whole step is rarely left alone, a single product often is). */
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/mman.h>
+#include <unistd.h>
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25 /* Linux 6.1 (asm-generic/mman-common.h); older glibc headers lack it */
+#endif
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "backend/cpu/ops.h"
+#include "core/dtype.h"
+#include "core/mem.h"
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+int main(int argc, char **argv) {
+    int C = 896, I = 4864, L = 24, Q = 896, KV = 128, V = 151936, N = 1, threads = 1, reps = 10;
+    qt_dtype dt = QT_BF16;
+    const char *file = NULL, *advise = "none";
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--dtype") && i + 1 < argc) {
+            const char *d = argv[++i];
+            dt = !strcmp(d, "f32") ? QT_F32 : !strcmp(d, "f16") ? QT_F16 : QT_BF16;
+        } else if (!strcmp(argv[i], "--rows") && i + 1 < argc) N = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--file") && i + 1 < argc) file = argv[++i];
+        else if (!strcmp(argv[i], "--advise") && i + 1 < argc) advise = argv[++i];
+        else if (!strcmp(argv[i], "--shape") && i + 6 < argc) {
+            C = atoi(argv[++i]), I = atoi(argv[++i]), L = atoi(argv[++i]);
+            Q = atoi(argv[++i]), KV = atoi(argv[++i]), V = atoi(argv[++i]);
+        } else {
+            fprintf(stderr, "usage: bench_matvec [--dtype f32|bf16|f16] [--rows N] [--threads T] [--reps R] "
+                            "[--shape C I L Q KV V]\n");
+            return 2;
+        }
+    }
+    if (N < 1 || N > 64 || threads < 1 || reps < 1 || C < 1 || I < 1 || L < 1 || Q < 1 || KV < 1 || V < 1) {
+        fprintf(stderr, "bench_matvec: --rows in [1, 64], the rest positive\n");
+        return 2;
+    }
+    omp_set_num_threads(threads);
+    /* one layer's seven products: {IN, OUT} */
+    const int lin[7][2] = {{C, Q}, {C, KV}, {C, KV}, {Q, C}, {C, I}, {C, I}, {I, C}};
+    const size_t es = qt_dtype_size(dt);
+    size_t per_layer = 0;
+    for (int j = 0; j < 7; j++) per_layer += (size_t)lin[j][0] * lin[j][1];
+    const size_t total = per_layer * L + (size_t)V * C;
+    char *w = qt_alloc_aligned(total * es, "bench_matvec weights");
+    int widest = V; /* the longest input or output row of any product */
+    const int dims[4] = {C, I, Q, KV};
+    for (int k = 0; k < 4; k++) widest = dims[k] > widest ? dims[k] : widest;
+    float *x = malloc(sizeof(float) * (size_t)N * widest), *out = malloc(sizeof(float) * (size_t)N * widest);
+    if (!w || !x || !out) return 1;
+    /* random-ish weights, written in parallel (pages spread as a loaded model's are touched) */
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < total; i++) {
+        uint32_t h = (uint32_t)(i * 2654435761u);
+        float f = ((h >> 8) & 0xffff) / 65536.0f - 0.5f;
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        if (dt == QT_F32) ((float *)w)[i] = f;
+        else if (dt == QT_BF16) ((uint16_t *)w)[i] = (uint16_t)(u >> 16);
+        else ((uint16_t *)w)[i] = _cvtss_sh(f, 0);
+    }
+    for (size_t i = 0; i < (size_t)N * widest; i++) x[i] = (float)(i % 13) * 0.1f - 0.6f;
+    char *anon = w;
+    if (file) { /* through a file mapping instead */
+        int fd = open(file, O_RDWR | O_CREAT | O_TRUNC, 0644);
+        if (fd < 0 || write(fd, w, total * es) != (ssize_t)(total * es)) {
+            fprintf(stderr, "bench_matvec: cannot write %s\n", file);
+            return 1;
+        }
+        close(fd);
+        fd = open(file, O_RDONLY);
+        w = mmap(NULL, total * es, PROT_READ, MAP_PRIVATE, fd, 0);
+        close(fd);
+        if (w == MAP_FAILED) return 1;
+        int rc = 0;
+        if (!strcmp(advise, "huge") || !strcmp(advise, "collapse")) rc = madvise(w, total * es, MADV_HUGEPAGE);
+        if (!rc && !strcmp(advise, "collapse")) rc = madvise(w, total * es, MADV_COLLAPSE);
+        if (rc) perror("bench_matvec: madvise");
+    }
+    double *t = malloc(sizeof(double) * (size_t)reps);
+    const int n_prod = 7 * L + 1;
+    double *pbest = malloc(sizeof(double) * (size_t)n_prod);
+    for (int k = 0; k < n_prod; k++) pbest[k] = 1e30;
+    for (int r = -1; r < reps; r++) { /* r = -1: warm-up */
+        double t0 = now_s(), tp = t0;
+        const char *p = w;
+        for (int k = 0; k < n_prod; k++) {
+            const int in = k < 7 * L ? lin[k % 7][0] : C, o = k < 7 * L ? lin[k % 7][1] : V;
+            op_matvec(out, x, p, dt, NULL, N, in, o, 1.0f, 0);
+            p += (size_t)in * o * es;
+            const double tn = now_s();
+            if (r >= 0 && tn - tp < pbest[k]) pbest[k] = tn - tp;
+            tp = tn;
+        }
+        if (r >= 0) t[r] = now_s() - t0;
+    }
+    double sum_best = 0;
+    for (int k = 0; k < n_prod; k++) sum_best += pbest[k];
+    free(pbest);
+    qsort(t, (size_t)reps, sizeof *t, cmp_d);
+    const double best = t[0], med = t[reps / 2], gb = (double)(total * es) / 1e9;
+    printf("{\"dtype\": \"%s\", \"rows\": %d, \"threads\": %d, \"memory\": \"%s\", \"gb_per_step\": %.4f, "
+           "\"ms_best\": %.3f, \"ms_median\": %.3f, \"gbs_best\": %.2f, \"gbs_median\": %.2f, "
+           "\"tok_s_median\": %.2f, \"ms_sum_best\": %.3f, \"gbs_sum_best\": %.2f}\n",
+           qt_dtype_name(dt), N, threads, file ? advise : "anonymous", gb, best * 1e3, med * 1e3, gb / best, gb / med,
+           N / med, sum_best * 1e3, gb / sum_best);
+    if (file) munmap(w, total * es), unlink(file);
+    free(t), free(x), free(out), qt_free(anon);
+    return 0;
+}
