@@ -112,28 +112,36 @@ __device__ __forceinline__ float mv_w(const void *w, qt_dtype wdt, size_t i) {
     if (wdt == QT_F16) return __half2float(__ushort_as_half(((const unsigned short *)w)[i]));
     return ((const float *)w)[i];
 }
+/* NB: the input rows a warp carries at once. N == 1 takes the one-row
+ * instance, the loop of the first one-row kernel: on an H200 the 8-row form
+ * took 0.047 ms a call for the 0.5B decode against that kernel's 0.014
+ * (QTUNE_PROFILE, 2026-12-04); the NB = 1 instance itself has not been timed
+ * on a GPU yet. A row's arithmetic (lane stride, shuffle tree) is the same
+ * in both, so its bits do not depend on how many rows decode together. */
+template <int NB>
 __global__ void k_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN,
                          int OUT, float alpha, int accumulate) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= OUT) return;
     size_t o = (size_t)row * IN;
-    for (int n0 = 0; n0 < N; n0 += MV_NB) {
-        const int nb = N - n0 < MV_NB ? N - n0 : MV_NB;
+    for (int n0 = 0; n0 < N; n0 += NB) {
+        const int nb = N - n0 < NB ? N - n0 : NB;
         const float *xs = x + (size_t)n0 * IN;
-        float s[MV_NB];
+        float s[NB];
 #pragma unroll
-        for (int n = 0; n < MV_NB; n++) s[n] = 0.0f;
+        for (int n = 0; n < NB; n++) s[n] = 0.0f;
         for (int i = lane; i < IN; i += 32) {
             const float wv = mv_w(w, wdt, o + i);
 #pragma unroll
-            for (int n = 0; n < MV_NB; n++)
+            for (int n = 0; n < NB; n++)
                 if (n < nb) s[n] += wv * xs[(size_t)n * IN + i];
         }
 #pragma unroll
-        for (int n = 0; n < MV_NB; n++) {
+        for (int n = 0; n < NB; n++) {
+            if (n >= nb) break; /* the same for the whole warp */
             float v = s[n];
             for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffffu, v, k);
-            if (lane == 0 && n < nb) {
+            if (lane == 0) {
                 float *po = out + (size_t)(n0 + n) * OUT + row;
                 float r = alpha * v + (bias ? bias[row] : 0.0f);
                 *po = accumulate ? *po + r : r;
@@ -144,7 +152,10 @@ __global__ void k_matvec(float *out, const float *x, const void *w, qt_dtype wdt
 static void g_matvec(BE, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN,
                      int OUT, float alpha, int accumulate) {
     if (OUT <= 0 || N <= 0) return;
-    k_matvec<<<(OUT + 7) / 8, 256, 0, STREAM>>>(out, x, w, wdt, bias, N, IN, OUT, alpha, accumulate);
+    if (N == 1)
+        k_matvec<1><<<(OUT + 7) / 8, 256, 0, STREAM>>>(out, x, w, wdt, bias, N, IN, OUT, alpha, accumulate);
+    else
+        k_matvec<MV_NB><<<(OUT + 7) / 8, 256, 0, STREAM>>>(out, x, w, wdt, bias, N, IN, OUT, alpha, accumulate);
     QT_CUDA_LAUNCHED();
 }
 
