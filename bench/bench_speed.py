@@ -447,17 +447,22 @@ def report_ab(res):
     if not cases:
         return
     print("\n## Against the baseline binary (alternating runs, medians of each run's post-warm-up steps)\n")
-    print("| shape | mode | threads | new tok/s (runs) | baseline tok/s (runs) | new / baseline | >= 0.97 |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | mode | threads | new tok/s (runs) | baseline tok/s (runs) | new / baseline | >= 0.97 | "
+          "CPU s/step new / baseline (medians) | baseline / new CPU s | load after the runs |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for c in cases:
         ab = c["ab"]
         if ab.get("error"):
-            print("| %s | %s | %d | %s | | | |" % (c["shape"], c["mode"], c["threads"], ab["error"]))
+            print("| %s | %s | %d | %s | | | | | | |" % (c["shape"], c["mode"], c["threads"], ab["error"]))
             continue
-        print("| %s | %s | %d | %.1f (%s) | %.1f (%s) | %.3f | %s |" % (
+        nc, bc = [x for x in ab.get("new_cpu", []) if x], [x for x in ab.get("base_cpu", []) if x]
+        cpu = "%.3f / %.3f" % (median(nc), median(bc)) if nc and bc else "-"
+        loads = [l.split()[0] for l in ab.get("loads", []) if l]
+        print("| %s | %s | %d | %.1f (%s) | %.1f (%s) | %.3f | %s | %s | %s | %s |" % (
             c["shape"], c["mode"], c["threads"], median(ab["new"]), ", ".join("%.1f" % x for x in ab["new"]),
             median(ab["base"]), ", ".join("%.1f" % x for x in ab["base"]), ab["ratio"],
-            "yes" if ab["ratio"] >= 0.97 else "**no**"))
+            "yes" if ab["ratio"] >= 0.97 else "**no**", cpu, fmt(ab.get("cpu_ratio"), "%.3f"),
+            "%s-%s" % (min(loads, key=float), max(loads, key=float)) if loads else "-"))
 
 
 def report(res):
@@ -639,16 +644,28 @@ def machine_facts(build):
 
 def run_ab(qtune, base, work, model, data, B, T, mode, threads, warmup, steps, rounds):
     """This build and a baseline binary on the same job, alternating (new, base, new, base, ...) so that both
-    see the same minutes of a shared machine: {new: [tok/s medians], base: [...], ratio: median/median}."""
-    new, old = [], []
+    see the same minutes of a shared machine: {new: [tok/s medians], base: [...], ratio: median/median,
+    new_cpu / base_cpu: [CPU s/step medians], cpu_ratio: median base CPU s / median new CPU s (above 1: the new
+    build needs less CPU time per step), loads: [load average after each run, in run order]}. On a machine shared
+    with other work the wall clock also counts time the process waited for a core; CPU time does not (it still
+    counts the spin of threads that wait for a preempted sibling)."""
+    new, old, new_cpu, old_cpu, loads = [], [], [], [], []
     for r in range(rounds):
-        for exe, into in ((qtune, new), (base, old)):
+        for exe, into, cpu in ((qtune, new, new_cpu), (base, old, old_cpu)):
             q = run_qtune(exe, work, model, data, B, T, mode, threads, warmup, steps)
             if q.get("error"):
                 return {"error": "%s: %s" % (exe, q["error"])}
             into.append(q["tok_s"])
-        log("  A/B round %d: new %.1f, baseline %.1f tok/s" % (r + 1, new[-1], old[-1]))
-    return {"new": new, "base": old, "ratio": median(new) / median(old)}
+            cpu.append(q.get("cpu_s_step"))
+            loads.append(q.get("load"))
+        log("  A/B round %d: new %.1f, baseline %.1f tok/s; CPU s/step new %s, baseline %s (load %s)" % (
+            r + 1, new[-1], old[-1], fmt(new_cpu[-1], "%.3f"), fmt(old_cpu[-1], "%.3f"), loads[-1]))
+    res = {"new": new, "base": old, "ratio": median(new) / median(old), "new_cpu": new_cpu, "base_cpu": old_cpu,
+           "loads": loads}
+    nc, bc = [x for x in new_cpu if x], [x for x in old_cpu if x]
+    if nc and bc:
+        res["cpu_ratio"] = median(bc) / median(nc)
+    return res
 
 
 def main():

@@ -252,6 +252,33 @@ def test_report_bf16_failure_names_the_error(capsys):
     assert notes == ['bf16 columns "-" in every case: failed: ' + err]
 
 
+def test_report_ab_against_the_baseline(capsys):
+    """--baseline's table: the wall-clock ratio of medians and its >= 0.97 verdict, CPU s/step of each side with
+    baseline / new as a speed ratio, the load range over the runs; a JSON case written before the CPU columns
+    shows "-" there, a failed baseline run its error."""
+    res = synthetic_results()
+    res["cases"][0]["ab"] = {"new": [300.0, 250.0, 350.0], "base": [310.0, 320.0, 200.0], "ratio": 300.0 / 310.0,
+                             "new_cpu": [3.0, 3.5, 2.9], "base_cpu": [3.2, 3.0, 3.1], "cpu_ratio": 3.1 / 3.0,
+                             "loads": ["8.43 5.40 2.76", "11.15 8.9 5.5", "2.5 2 1", "9 9 9", "3 3 3", "4 4 4"]}
+    res["cases"][1]["ab"] = {"new": [100.0], "base": [100.0], "ratio": 1.0}
+    extra = dict(res["cases"][0], mode="lora", threads=1, ab={"error": "/x/qtune: exit 1"})
+    res["cases"].append(extra)
+    bench_speed.report(res)
+    out = capsys.readouterr().out
+    rows, _ = table(out, "| shape | mode | threads | new tok/s (runs)")
+    lora = rows[("bench-tiny", "lora", 2)]
+    assert lora["new tok/s (runs)"] == "300.0 (300.0, 250.0, 350.0)"
+    assert lora["baseline tok/s (runs)"] == "310.0 (310.0, 320.0, 200.0)"
+    assert lora["new / baseline"] == "0.968" and lora[">= 0.97"] == "**no**"
+    assert lora["CPU s/step new / baseline (medians)"] == "3.000 / 3.100"
+    assert lora["baseline / new CPU s"] == "1.033"
+    assert lora["load after the runs"] == "2.5-11.15"
+    full = rows[("bench-tiny", "full", 2)]
+    assert full["new / baseline"] == "1.000" and full[">= 0.97"] == "yes"
+    assert full["CPU s/step new / baseline (medians)"] == "-" and full["baseline / new CPU s"] == "-"
+    assert rows[("bench-tiny", "lora", 1)]["new tok/s (runs)"] == "/x/qtune: exit 1"
+
+
 @pytest.mark.parametrize("path", ["synthetic", "bench/runs/2026-12-02-H.json"])
 def test_report_of_json_without_bf16(tmp_path, path):
     """--report of a JSON file written before the bf16 runs: the tables print
