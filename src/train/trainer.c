@@ -101,6 +101,8 @@ static int load_model(qt_trainer *t) {
     o.seed = job->train.seed;
     /* ZeRO-2 over several ranks: no gradient block, the backward hands each unit over */
     o.grad_windows = zero_partitions_grads(t->cfg.zero.stage, t->world);
+    o.grad_bucket_elems = t->cfg.zero.bucket_elems; /* its buckets are reduce_bucket_size's */
+    o.grad_overlap = t->cfg.zero.overlap;
     int rc = qt_model_load(job->model, &o, &t->model);
     if (rc != QT_OK) return qt_error_context(rc, "%s: model", job->path);
     t->n = qt_model_numel(t->model);
