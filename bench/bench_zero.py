@@ -12,7 +12,7 @@ same case with overlap_comm off gives the fully exposed time for comparison.
 Usage (on a quiet machine; 4 ranks want 4 free cores x threads):
   /usr/bin/python3 bench/bench_zero.py --qtune build/src/cli/qtune \\
       [--shapes bench-tiny,qwen2.5-0.5b] [--ranks 1,2,4] [--stages 0,1,2] [--offload both|on|off]
-      [--steps 4] [--seq-len 128] [--threads 1] [--memory-only] [--bucket E] [--json OUT.json]
+      [--steps 4] [--seq-len 128] [--threads 1] [--memory-only] [--bucket E] [--max-gib G] [--json OUT.json]
 --memory-only runs 2 steps per case (peaks, no timing claims)."""
 import argparse
 import json
@@ -46,6 +46,18 @@ def prepare(qtune, work, shape, T, steps, max_ranks):
     return d
 
 
+def plan_case(a, d, n, stage, offload, overlap):
+    plan_args = [a.qtune, "plan", "--model", os.path.join(d, "model"), "--micro-batch", "1", "--seq-len",
+                 str(a.seq_len), "--json", "--zero", str(stage), "--devices", str(n)]
+    if offload:
+        plan_args += ["--offload", "cpu"]
+    if overlap:
+        plan_args += ["--overlap-comm"]
+    if a.bucket:
+        plan_args += ["--reduce-bucket-size", str(a.bucket), "--allgather-bucket-size", str(a.bucket)]
+    return json.loads(subprocess.run(plan_args, capture_output=True, text=True, check=True).stdout)
+
+
 def run_case(a, d, n, stage, offload, overlap):
     name = f"n{n}_s{stage}_o{offload}_ov{int(overlap)}"
     z = {"stage": stage, "offload_optimizer": {"device": "cpu" if offload else "none"}, "overlap_comm": overlap}
@@ -69,15 +81,7 @@ def run_case(a, d, n, stage, offload, overlap):
     lines = [json.loads(l) for l in open(os.path.join(d, name, "metrics.jsonl")) if l.strip()]
     lines = [m for m in lines if "loss" in m]
     peaks = lines[-1].get("mem_peak_bytes_ranks", [lines[-1]["mem_peak_bytes"]])
-    plan_args = [a.qtune, "plan", "--model", os.path.join(d, "model"), "--micro-batch", "1", "--seq-len",
-                 str(a.seq_len), "--json", "--zero", str(stage), "--devices", str(n)]
-    if offload:
-        plan_args += ["--offload", "cpu"]
-    if overlap:
-        plan_args += ["--overlap-comm"]
-    if a.bucket:
-        plan_args += ["--reduce-bucket-size", str(a.bucket), "--allgather-bucket-size", str(a.bucket)]
-    plan = json.loads(subprocess.run(plan_args, capture_output=True, text=True, check=True).stdout)
+    plan = plan_case(a, d, n, stage, offload, overlap)
     times = [b["elapsed_s"] - x["elapsed_s"] for x, b in zip(lines, lines[1:])]
     busy = sum(m.get("comm_busy_s", 0) for m in lines[1:])
     wait = sum(m.get("comm_wait_s", 0) for m in lines[1:])
@@ -100,6 +104,9 @@ def main():
     ap.add_argument("--bucket", type=float, help="reduce_bucket_size and allgather_bucket_size (default 5e8)")
     ap.add_argument("--memory-only", action="store_true")
     ap.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "qtune-bench-zero"))
+    ap.add_argument("--max-gib", type=float,
+                    help="skip a case whose planned memory over all its ranks (cpu_rank_bytes_per_rank) exceeds "
+                         "this many GiB: it would not fit this machine (listed as skipped)")
     ap.add_argument("--json")
     a = ap.parse_args()
     a.qtune = os.path.abspath(a.qtune)
@@ -119,6 +126,15 @@ def main():
                     overlaps = [True, False] if stage == 2 and n > 1 and not a.memory_only else [stage == 2]
                     for ov in overlaps:
                         log(f"{shape}: {n} ranks, stage {stage}, offload {off}, overlap {ov}")
+                        if a.max_gib:
+                            want = sum(plan_case(a, d, n, stage, off, ov)["cpu_rank_bytes_per_rank"]) / 2 ** 30
+                            if want > a.max_gib:
+                                print(f"| {shape} | {n} | {stage} | {'cpu' if off else 'none'} | "
+                                      f"{'on' if ov else 'off'} | skipped: plans {want:.1f} GiB over its ranks, "
+                                      f"more than --max-gib {a.max_gib:g} | | | | | | |", flush=True)
+                                results.append({"shape": shape, "ranks": n, "stage": stage, "offload": off,
+                                                "overlap": ov, "skipped_plan_gib": want})
+                                continue
                         r = run_case(a, d, n, stage, off, ov)
                         r["shape"] = shape
                         results.append(r)

@@ -120,7 +120,7 @@ typedef struct {
     int overlap;          /* overlap_comm, stage 2: reductions run while the backward goes on */
     int emb_rows, emb_dim; /* stage 2 with a trainable embedding: most rows per micro-batch
                              (max_B * max_T) and their width C; 0 otherwise */
-    size_t unit_elems;    /* stage 2: the largest unit the model hands over (its gradient
+    size_t unit_elems;    /* stage 2: the largest piece the model hands over (its gradient
                              window, qt_model_grad_window_elems); sizes the reduce temporaries */
 } zero_opts;
 

@@ -10,13 +10,15 @@
  * bucket (reduce_bucket_size elements), last bucket first, at most
  * ZERO_IN_FLIGHT at once.
  * Gradients, stage 2 (DeepSpeed's partitioned gradients): the model hands
- * each unit's gradients over as soon as its backward is done (model.h
- * qt_grad_hook); each slice of at most reduce_bucket_size elements that lies
+ * each gradient bucket over as soon as its backward is done (model.h
+ * qt_grad_hook; the buckets are reduce_bucket_size's, memplan.h
+ * qt_grad_pack); each slice of at most reduce_bucket_size elements that lies
  * in one rank's shard is reduced to that rank, in place into its fp32
  * gradient shard (the owner first adds its own contribution there). The shard
  * accumulates over the micro-steps of an optimizer step. No rank holds a
- * gradient block; what stays in flight reads the model's two alternating
- * windows, and zero_grads_window waits for a window before it is reused.
+ * gradient block; what stays in flight reads the model's windows (two
+ * alternating with overlap_comm), and zero_grads_window waits for a window
+ * before it is reused.
  * The embedding's gradient is sparse (the rows of this micro-batch's
  * tokens): the rows are all-gathered and each owner adds those in its shard.
  *

@@ -125,7 +125,7 @@ typedef struct {
     void *user;
 } qt_grad_hook;
 void qt_model_set_grad_hook(qt_model *m, const qt_grad_hook *h);
-/* Elements of the largest unit handed over (a window), 0 without windows. */
+/* Elements of one gradient window (the largest bucket or lm_head slice), 0 without windows. */
 size_t qt_model_grad_window_elems(const qt_model *m);
 
 /* Sets the counter that seeds dropout masks (incremented by every
