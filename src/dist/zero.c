@@ -47,7 +47,8 @@
 
 typedef struct {
     tp_req *r;
-    const float *win; /* the window it reads (stage 2), to wait for before reuse */
+    const float *at;  /* what it reads or writes (stage 2): [at, at + n), to wait for before a window's reuse */
+    size_t n;
 } zero_flight;
 
 struct zero_plan {
@@ -320,7 +321,7 @@ int zero_reduce_grads(zero_plan *p, float *grads) {
 /* ------------------------------------------------------------------------- */
 /* Stage 2: gradients reduced to their owners as the backward produces them   */
 
-static int fly_push(zero_plan *p, tp_req *r, const float *win) {
+static int fly_push(zero_plan *p, tp_req *r, const float *at, size_t n) {
     if (p->n_fly == p->cap_fly) {
         int cap = p->cap_fly ? 2 * p->cap_fly : 64;
         zero_flight *f = qt_realloc(p->fly, (size_t)cap * sizeof *f, "ZeRO requests in flight");
@@ -331,19 +332,21 @@ static int fly_push(zero_plan *p, tp_req *r, const float *win) {
         p->fly = f;
         p->cap_fly = cap;
     }
-    p->fly[p->n_fly++] = (zero_flight){r, win};
+    p->fly[p->n_fly++] = (zero_flight){r, at, n};
     return QT_OK;
 }
 
-/* Waits for the requests reading `win` (NULL: all), and lets the others
- * progress; completed ones leave the list. */
-static int fly_settle(zero_plan *p, const float *win, int all) {
+/* Waits for the requests that read or write any of [win, win + n) (or all),
+ * and lets the others progress; completed ones leave the list. A window holds
+ * a bucket's several ranges, each handed over on its own, so the test is by
+ * address range, not by the pointer handed over. */
+static int fly_settle(zero_plan *p, const float *win, size_t n, int all) {
     int k = 0, rc = QT_OK;
     for (int i = 0; i < p->n_fly; i++) {
         zero_flight f = p->fly[i];
-        int done = 0;
+        int done = 0, hit = win && f.at < win + n && win < f.at + f.n;
         if (rc == QT_OK) rc = tp_test(p->d, f.r, &done);
-        if (rc == QT_OK && (done || all || f.win == win)) rc = tp_wait(p->d, &f.r, 1, "gradient reduce");
+        if (rc == QT_OK && (done || all || hit)) rc = tp_wait(p->d, &f.r, 1, "gradient reduce");
         if (f.r) p->fly[k++] = f;
     }
     p->n_fly = k;
@@ -353,12 +356,12 @@ static int fly_settle(zero_plan *p, const float *win, int all) {
 int zero_grads_begin(zero_plan *p) {
     if (p->stage != 2) return QT_ERR(QT_EINVAL, "dist: gradient hand-over is ZeRO stage 2's; this plan is stage %d",
                                      p->stage);
-    QT_TRY(fly_settle(p, NULL, 1));
+    QT_TRY(fly_settle(p, NULL, 0, 1));
     if (p->gshard) p->be->zero(p->be, p->gshard, p->mem.grad_shard);
     return QT_OK;
 }
 
-int zero_grads_window(zero_plan *p, const float *win) { return fly_settle(p, win, 0); }
+int zero_grads_window(zero_plan *p, const float *win, size_t n) { return fly_settle(p, win, n, 0); }
 
 int zero_grads_ready(zero_plan *p, size_t lo, size_t hi, const float *g) {
     if (hi > p->n || lo > hi)
@@ -371,18 +374,21 @@ int zero_grads_ready(zero_plan *p, size_t lo, size_t hi, const float *g) {
         size_t e = hi < s1 ? hi : s1;
         if (e - a > p->bucket) e = a + p->bucket;
         tp_req *q = NULL;
+        const float *at;
         if (r == me) {
             /* the owner's contribution goes into its shard, which the reduce then sums in place */
             float *dst = p->gshard + (a - p->lo);
             p->be->acc(p->be, dst, g + (a - lo), e - a);
             QT_TRY(tp_reduce_f32(p->d, dst, dst, e - a, r, p->overlap ? &q : NULL, "gradient reduce"));
+            at = dst;
         } else {
-            QT_TRY(tp_reduce_f32(p->d, g + (a - lo), NULL, e - a, r, p->overlap ? &q : NULL, "gradient reduce"));
+            at = g + (a - lo);
+            QT_TRY(tp_reduce_f32(p->d, at, NULL, e - a, r, p->overlap ? &q : NULL, "gradient reduce"));
         }
-        if (q) QT_TRY(fly_push(p, q, g));
+        if (q) QT_TRY(fly_push(p, q, at, e - a));
         a = e;
     }
-    return fly_settle(p, NULL, 0); /* progress for what is in flight */
+    return fly_settle(p, NULL, 0, 0); /* progress for what is in flight */
 }
 
 int zero_grads_rows(zero_plan *p, size_t base, int C, const int32_t *ids, const float *rows, int n) {
@@ -390,7 +396,7 @@ int zero_grads_rows(zero_plan *p, size_t base, int C, const int32_t *ids, const 
         return QT_ERR(QT_EINVAL, "dist: %d embedding rows of %d for a plan sized for %d of %d", n, C, p->emb_rows,
                       p->emb_dim);
     /* the lm_head's slices of a tied embedding may still be summing into the shard */
-    QT_TRY(fly_settle(p, NULL, 1));
+    QT_TRY(fly_settle(p, NULL, 0, 1));
     const int N = p->d->world;
     const size_t P = p->rows_p;
     /* the message: count and ids (the host's, staged in rows_host and uploaded), then the
@@ -418,7 +424,7 @@ int zero_grads_rows(zero_plan *p, size_t base, int C, const int32_t *ids, const 
     return QT_OK;
 }
 
-int zero_grads_finish(zero_plan *p) { return fly_settle(p, NULL, 1); }
+int zero_grads_finish(zero_plan *p) { return fly_settle(p, NULL, 0, 1); }
 
 /* The full-block path at stage 2 (a caller with its own gradient block): the
  * block is reduced to the owners, whose shard lands at its place. */

@@ -109,9 +109,9 @@ int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, 
  *   unless one module is larger, finer than a layer or spanning layers),
  *   each bucket as one ready() call per contiguous flat range in it; the
  *   embedding as rows (when trainable).
- * window(user, g): the model is about to zero and write window g (with two
- *   windows, g was handed over two buckets ago): the callee waits until
- *   whatever reads g is done.
+ * window(user, g, n): the model is about to zero and write g[0, n) of a
+ *   window (with two windows, it was handed over two buckets ago, as several
+ *   ranges): the callee waits until whatever reads any of it is done.
  * ready(user, lo, hi, g): g[0, hi - lo) holds d(loss * grad_scale) of the
  *   flat block's elements [lo, hi) for this micro-batch (not accumulated).
  * rows(user, lo, C, ids, d, n): the embedding's gradient is sparse: for each
@@ -119,7 +119,7 @@ int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, 
  * A non-zero return stops the backward with that status. Every rank calls
  * the hooks in the same order (the units follow from the shapes alone). */
 typedef struct {
-    int (*window)(void *user, const float *g);
+    int (*window)(void *user, const float *g, size_t n);
     int (*ready)(void *user, size_t lo, size_t hi, const float *g);
     int (*rows)(void *user, size_t lo, int C, const int32_t *ids, const float *d, int n);
     void *user;

@@ -231,7 +231,7 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
 
 /* ---- gradient hand-over (model.h qt_grad_hook) ------------------------------- */
 static int win_open(qt_model *m, float *g, size_t n) {
-    if (m->hook.window) QT_TRY(m->hook.window(m->hook.user, g));
+    if (m->hook.window) QT_TRY(m->hook.window(m->hook.user, g, n));
     m->be->zero(m->be, g, n * sizeof(float));
     return QT_OK;
 }

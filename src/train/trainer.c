@@ -124,7 +124,7 @@ static void state_free(void *p, void *user) {
 }
 
 /* The model's gradient hook, at ZeRO-2: straight into the plan. */
-static int hook_window(void *u, const float *g) { return zero_grads_window(u, g); }
+static int hook_window(void *u, const float *g, size_t n) { return zero_grads_window(u, g, n); }
 static int hook_ready(void *u, size_t lo, size_t hi, const float *g) { return zero_grads_ready(u, lo, hi, g); }
 static int hook_rows(void *u, size_t lo, int C, const int32_t *ids, const float *d, int n) {
     return zero_grads_rows(u, lo, C, ids, d, n);
