@@ -47,7 +47,7 @@
 
 typedef struct {
     tp_req *r;
-    const float *at;  /* what it reads or writes (stage 2): [at, at + n), to wait for before a window's reuse */
+    const float *at;  /* the window piece it came from (stage 2): [at, at + n), waited for before reuse */
     size_t n;
 } zero_flight;
 
@@ -336,7 +336,7 @@ static int fly_push(zero_plan *p, tp_req *r, const float *at, size_t n) {
     return QT_OK;
 }
 
-/* Waits for the requests that read or write any of [win, win + n) (or all),
+/* Waits for the requests filed under any of [win, win + n) (or all),
  * and lets the others progress; completed ones leave the list. A window holds
  * a bucket's several ranges, each handed over on its own, so the test is by
  * address range, not by the pointer handed over. */
@@ -374,18 +374,18 @@ int zero_grads_ready(zero_plan *p, size_t lo, size_t hi, const float *g) {
         size_t e = hi < s1 ? hi : s1;
         if (e - a > p->bucket) e = a + p->bucket;
         tp_req *q = NULL;
-        const float *at;
         if (r == me) {
             /* the owner's contribution goes into its shard, which the reduce then sums in place */
             float *dst = p->gshard + (a - p->lo);
             p->be->acc(p->be, dst, g + (a - lo), e - a);
             QT_TRY(tp_reduce_f32(p->d, dst, dst, e - a, r, p->overlap ? &q : NULL, "gradient reduce"));
-            at = dst;
         } else {
-            at = g + (a - lo);
-            QT_TRY(tp_reduce_f32(p->d, at, NULL, e - a, r, p->overlap ? &q : NULL, "gradient reduce"));
+            QT_TRY(tp_reduce_f32(p->d, g + (a - lo), NULL, e - a, r, p->overlap ? &q : NULL, "gradient reduce"));
         }
-        if (q) QT_TRY(fly_push(p, q, at, e - a));
+        /* filed under the window piece it came from, the owner's too (it reads the shard): the window's
+         * reuse then waits for it as well, which keeps what is in flight (and MPI's temporaries,
+         * zero_memory's count) to the two windows' worth */
+        if (q) QT_TRY(fly_push(p, q, g + (a - lo), e - a));
         a = e;
     }
     return fly_settle(p, NULL, 0, 0); /* progress for what is in flight */
