@@ -14,7 +14,7 @@ Usage (on a quiet machine; 4 ranks want 4 free cores x threads):
   /usr/bin/python3 bench/bench_zero.py --qtune build/src/cli/qtune \\
       [--shapes bench-tiny,qwen2.5-0.5b] [--ranks 1,2,4] [--stages 0,1,2] [--offload both|on|off]
       [--steps 4] [--seq-len 128] [--threads 1] [--memory-only] [--bucket E] [--max-gib G] [--json OUT.json]
-  /usr/bin/python3 bench/bench_zero.py --from-json OUT.json     (the tables again)
+  /usr/bin/python3 bench/bench_zero.py --from-json OUT.json [--replan]    (the tables again)
 --memory-only runs 2 steps per case (peaks, no timing claims)."""
 import argparse
 import json
@@ -152,6 +152,8 @@ def main():
                          "this many GiB: it would not fit this machine (listed as skipped)")
     ap.add_argument("--json")
     ap.add_argument("--from-json", help="print the tables of an earlier --json file and exit")
+    ap.add_argument("--replan", action="store_true",
+                    help="with --from-json: the plan column again from --qtune (same --work, --seq-len, --bucket)")
     a = ap.parse_args()
     a.qtune = os.path.abspath(a.qtune)
     ranks = [int(x) for x in a.ranks.split(",")]
@@ -159,6 +161,12 @@ def main():
     results = []
     if a.from_json:
         results = json.load(open(a.from_json))
+        if a.replan:  # the plan column from this --qtune (a later build), the measurements as they were
+            for r in results:
+                if "skipped_plan_gib" not in r:
+                    r["plan_mib"] = [x / MIB for x in plan_case(a, os.path.join(a.work, r["shape"]), r["ranks"],
+                                                                 r["stage"], r["offload"],
+                                                                 r["overlap"])["cpu_rank_bytes_per_rank"]]
         print(HEAD)
         for r in results:
             print(row(r))

@@ -123,8 +123,10 @@ int zero_memory(size_t n, int N, int rank, const zero_opts *o, int nslots, zero_
         if (o->stage == 2) {
             m->grad_shard = (hi - lo) * 4;
             m->rows = (size_t)N * rows_msg(o) * 4;
-            /* the reductions' temporaries: pieces are at most a bucket and one hand-over unit */
+            /* the reductions' temporaries: a piece is at most a bucket, a window and a shard (ready()
+             * cuts at shard boundaries) */
             size_t piece = o->unit_elems && o->unit_elems < bucket ? o->unit_elems : bucket;
+            if (piece > sh) piece = sh;
             m->reduce_parts = tp_reduce_temp_bytes(N, piece * 4, o->overlap);
         } else {
             /* the all-reduce's temporary, for each bucket in flight */
