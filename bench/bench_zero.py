@@ -6,13 +6,15 @@ optimizer offload on and off, full fine-tuning, on the bench-tiny and Qwen2.5-0.
 Each case is one `qtune train` (under mpirun for several ranks) of --steps optimizer steps, micro-batch 1,
 T tokens; the figures come from its metrics.jsonl (mem_peak_bytes_ranks, comm_busy_s, comm_wait_s,
 elapsed_s) and from `qtune plan --json` (cpu_rank_bytes_per_rank). Step time is the median over the steps
-after the first. Hidden share = 1 - wait / busy of the gradient collectives, with overlap_comm on; the
-same case with overlap_comm off gives the fully exposed time for comparison.
+after the first. Hidden share, stage 2 over several ranks with overlap_comm on: 1 - wait / busy of the
+step's collectives, and (the second table) 1 - wait(on) / wait(off) against the same case with overlap_comm
+off, where every reduction is waited for at once.
 
 Usage (on a quiet machine; 4 ranks want 4 free cores x threads):
   /usr/bin/python3 bench/bench_zero.py --qtune build/src/cli/qtune \\
       [--shapes bench-tiny,qwen2.5-0.5b] [--ranks 1,2,4] [--stages 0,1,2] [--offload both|on|off]
-      [--steps 4] [--seq-len 128] [--threads 1] [--memory-only] [--bucket E] [--json OUT.json]
+      [--steps 4] [--seq-len 128] [--threads 1] [--memory-only] [--bucket E] [--max-gib G] [--json OUT.json]
+  /usr/bin/python3 bench/bench_zero.py --from-json OUT.json [--replan]    (the tables again)
 --memory-only runs 2 steps per case (peaks, no timing claims)."""
 import argparse
 import json
@@ -46,6 +48,18 @@ def prepare(qtune, work, shape, T, steps, max_ranks):
     return d
 
 
+def plan_case(a, d, n, stage, offload, overlap):
+    plan_args = [a.qtune, "plan", "--model", os.path.join(d, "model"), "--micro-batch", "1", "--seq-len",
+                 str(a.seq_len), "--json", "--zero", str(stage), "--devices", str(n)]
+    if offload:
+        plan_args += ["--offload", "cpu"]
+    if overlap:
+        plan_args += ["--overlap-comm"]
+    if a.bucket:
+        plan_args += ["--reduce-bucket-size", str(a.bucket), "--allgather-bucket-size", str(a.bucket)]
+    return json.loads(subprocess.run(plan_args, capture_output=True, text=True, check=True).stdout)
+
+
 def run_case(a, d, n, stage, offload, overlap):
     name = f"n{n}_s{stage}_o{offload}_ov{int(overlap)}"
     z = {"stage": stage, "offload_optimizer": {"device": "cpu" if offload else "none"}, "overlap_comm": overlap}
@@ -69,15 +83,7 @@ def run_case(a, d, n, stage, offload, overlap):
     lines = [json.loads(l) for l in open(os.path.join(d, name, "metrics.jsonl")) if l.strip()]
     lines = [m for m in lines if "loss" in m]
     peaks = lines[-1].get("mem_peak_bytes_ranks", [lines[-1]["mem_peak_bytes"]])
-    plan_args = [a.qtune, "plan", "--model", os.path.join(d, "model"), "--micro-batch", "1", "--seq-len",
-                 str(a.seq_len), "--json", "--zero", str(stage), "--devices", str(n)]
-    if offload:
-        plan_args += ["--offload", "cpu"]
-    if overlap:
-        plan_args += ["--overlap-comm"]
-    if a.bucket:
-        plan_args += ["--reduce-bucket-size", str(a.bucket), "--allgather-bucket-size", str(a.bucket)]
-    plan = json.loads(subprocess.run(plan_args, capture_output=True, text=True, check=True).stdout)
+    plan = plan_case(a, d, n, stage, offload, overlap)
     times = [b["elapsed_s"] - x["elapsed_s"] for x, b in zip(lines, lines[1:])]
     busy = sum(m.get("comm_busy_s", 0) for m in lines[1:])
     wait = sum(m.get("comm_wait_s", 0) for m in lines[1:])
@@ -85,6 +91,47 @@ def run_case(a, d, n, stage, offload, overlap):
             "peak_mib": [x / MIB for x in peaks], "plan_mib": [x / MIB for x in plan["cpu_rank_bytes_per_rank"]],
             "step_s": statistics.median(times) if times else None, "comm_busy_s": busy, "comm_wait_s": wait,
             "hidden": (1 - wait / busy) if busy > 0 else None}
+
+
+HEAD = ("| shape | ranks | stage | offload | overlap | plan MiB per rank | peak MiB per rank | worst err | "
+        "step s | comm busy s | wait s | hidden |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def row(r, memory_only=False):
+    """One case as a table row. `hidden` (1 - wait / busy) only where the gradient reductions can run during
+    the backward: stage 2, several ranks, overlap_comm on. At stage 0/1 `qtune train` reduces after the
+    backward, and busy there counts up to 4 buckets in flight at once, not time behind computation."""
+    where = f"| {r['shape']} | {r['ranks']} | {r['stage']} | {'cpu' if r['offload'] else 'none'} | " \
+            f"{'on' if r['overlap'] else 'off'} |"
+    if "skipped_plan_gib" in r:
+        return f"{where} skipped: plans {r['skipped_plan_gib']:.1f} GiB over its ranks, more than this " \
+               f"machine can give (--max-gib) | | | | | | |"
+    err = max(abs(p - m) / m for p, m in zip(r["plan_mib"], r["peak_mib"]))
+    f = lambda xs: " / ".join(f"{x:.0f}" for x in xs)  # noqa: E731
+    step = f"{r['step_s']:.2f}" if r["step_s"] is not None and not memory_only else "-"
+    overlapped = r["stage"] == 2 and r["ranks"] > 1 and r["overlap"]
+    hid = f"{100 * r['hidden']:.0f}%" if overlapped and r["hidden"] is not None and not memory_only else "-"
+    return f"{where} {f(r['plan_mib'])} | {f(r['peak_mib'])} | {100 * err:.1f}% | {step} | " \
+           f"{r['comm_busy_s']:.3f} | {r['comm_wait_s']:.3f} | {hid} |"
+
+
+def overlap_table(results):
+    """Stage 2 over several ranks, overlap_comm on against off (the same reductions, all waited for):
+    the communication the backward hid is 1 - wait(on) / wait(off)."""
+    out = ["| shape | ranks | offload | s / step on | s / step off | wait s on | wait s off | "
+           "hidden vs off | hidden (1 - wait/busy) |", "|---|---|---|---|---|---|---|---|---|"]
+    ran = [r for r in results if "skipped_plan_gib" not in r and r["stage"] == 2 and r["ranks"] > 1]
+    for on in (r for r in ran if r["overlap"]):
+        off = [r for r in ran if not r["overlap"] and (r["shape"], r["ranks"], r["offload"]) ==
+               (on["shape"], on["ranks"], on["offload"])]
+        if not off or not off[0]["comm_wait_s"]:
+            continue
+        off = off[0]
+        out.append(f"| {on['shape']} | {on['ranks']} | {'cpu' if on['offload'] else 'none'} | {on['step_s']:.2f} | "
+                   f"{off['step_s']:.2f} | {on['comm_wait_s']:.3f} | {off['comm_wait_s']:.3f} | "
+                   f"{100 * (1 - on['comm_wait_s'] / off['comm_wait_s']):.0f}% | "
+                   f"{100 * on['hidden']:.0f}% |")
+    return "\n".join(out)
 
 
 def main():
@@ -100,15 +147,33 @@ def main():
     ap.add_argument("--bucket", type=float, help="reduce_bucket_size and allgather_bucket_size (default 5e8)")
     ap.add_argument("--memory-only", action="store_true")
     ap.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "qtune-bench-zero"))
+    ap.add_argument("--max-gib", type=float,
+                    help="skip a case whose planned memory over all its ranks (cpu_rank_bytes_per_rank) exceeds "
+                         "this many GiB: it would not fit this machine (listed as skipped)")
     ap.add_argument("--json")
+    ap.add_argument("--from-json", help="print the tables of an earlier --json file and exit")
+    ap.add_argument("--replan", action="store_true",
+                    help="with --from-json: the plan column again from --qtune (same --work, --seq-len, --bucket)")
     a = ap.parse_args()
     a.qtune = os.path.abspath(a.qtune)
     ranks = [int(x) for x in a.ranks.split(",")]
     offs = {"both": [0, 1], "on": [1], "off": [0]}[a.offload]
     results = []
-    print("| shape | ranks | stage | offload | overlap | plan MiB per rank | peak MiB per rank | worst err | "
-          "step s | comm busy s | wait s | hidden |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    if a.from_json:
+        results = json.load(open(a.from_json))
+        if a.replan:  # the plan column from this --qtune (a later build), the measurements as they were
+            for r in results:
+                if "skipped_plan_gib" not in r:
+                    r["plan_mib"] = [x / MIB for x in plan_case(a, os.path.join(a.work, r["shape"]), r["ranks"],
+                                                                 r["stage"], r["offload"],
+                                                                 r["overlap"])["cpu_rank_bytes_per_rank"]]
+        print(HEAD)
+        for r in results:
+            print(row(r))
+        print()
+        print(overlap_table(results))
+        return
+    print(HEAD, flush=True)
     for shape in a.shapes.split(","):
         d = prepare(a.qtune, a.work, shape, a.seq_len, a.steps, max(ranks))
         for n in ranks:
@@ -119,16 +184,22 @@ def main():
                     overlaps = [True, False] if stage == 2 and n > 1 and not a.memory_only else [stage == 2]
                     for ov in overlaps:
                         log(f"{shape}: {n} ranks, stage {stage}, offload {off}, overlap {ov}")
+                        if a.max_gib:
+                            want = sum(plan_case(a, d, n, stage, off, ov)["cpu_rank_bytes_per_rank"]) / 2 ** 30
+                            if want > a.max_gib:
+                                results.append({"shape": shape, "ranks": n, "stage": stage, "offload": off,
+                                                "overlap": ov, "skipped_plan_gib": want})
+                                print(row(results[-1]), flush=True)
+                                continue
                         r = run_case(a, d, n, stage, off, ov)
                         r["shape"] = shape
                         results.append(r)
-                        err = max(abs(p - m) / m for p, m in zip(r["plan_mib"], r["peak_mib"]))
-                        f = lambda xs: " / ".join(f"{x:.0f}" for x in xs)  # noqa: E731
-                        step = f"{r['step_s']:.2f}" if r["step_s"] is not None and not a.memory_only else "-"
-                        hid = f"{100 * r['hidden']:.0f}%" if r["hidden"] is not None and not a.memory_only else "-"
-                        print(f"| {shape} | {n} | {stage} | {'cpu' if off else 'none'} | {'on' if ov else 'off'} | "
-                              f"{f(r['plan_mib'])} | {f(r['peak_mib'])} | {100 * err:.1f}% | {step} | "
-                              f"{r['comm_busy_s']:.3f} | {r['comm_wait_s']:.3f} | {hid} |", flush=True)
+                        print(row(r, a.memory_only), flush=True)
+                        if a.json:  # as it goes, so an interrupted run keeps what it measured
+                            json.dump(results, open(a.json, "w"), indent=1)
+    if not a.memory_only:
+        print()
+        print(overlap_table(results))
     if a.json:
         json.dump(results, open(a.json, "w"), indent=1)
 

@@ -120,7 +120,7 @@ typedef struct {
     int overlap;          /* overlap_comm, stage 2: reductions run while the backward goes on */
     int emb_rows, emb_dim; /* stage 2 with a trainable embedding: most rows per micro-batch
                              (max_B * max_T) and their width C; 0 otherwise */
-    size_t unit_elems;    /* stage 2: the largest unit the model hands over (its gradient
+    size_t unit_elems;    /* stage 2: the largest piece the model hands over (its gradient
                              window, qt_model_grad_window_elems); sizes the reduce temporaries */
 } zero_opts;
 
@@ -183,7 +183,7 @@ int zero_reduce_grads(zero_plan *p, float *grads);
 /* Stage 2, gradients handed over by the model's backward (model.h
  * qt_grad_hook; these are its three callbacks plus the step's bounds):
  *   zero_grads_begin       at the start of an optimizer step: the shard is zeroed
- *   zero_grads_window(g)   waits until nothing in flight reads window g
+ *   zero_grads_window(g, n) waits until nothing in flight reads g[0, n)
  *   zero_grads_ready(lo, hi, g)  g holds this micro-batch's gradients of [lo, hi):
  *                          each part is reduced to the rank owning it, into its
  *                          shard (non-blocking with opts.overlap, else at once)
@@ -193,7 +193,7 @@ int zero_reduce_grads(zero_plan *p, float *grads);
  * zero_grad_shard: the reduced gradients of [lo, hi), summed over ranks and
  * micro-steps (stage 2; on one rank the whole block). */
 int zero_grads_begin(zero_plan *p);
-int zero_grads_window(zero_plan *p, const float *g);
+int zero_grads_window(zero_plan *p, const float *g, size_t n);
 int zero_grads_ready(zero_plan *p, size_t lo, size_t hi, const float *g);
 int zero_grads_rows(zero_plan *p, size_t lo, int C, const int32_t *ids, const float *rows, int n);
 int zero_grads_finish(zero_plan *p);

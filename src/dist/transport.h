@@ -74,7 +74,10 @@ size_t tp_runtime_bytes(int world);
  *     right neighbour), nothing on the leaves;
  *   reduce to an owner (ZeRO-2): about two pieces' worth per rank, three
  *     with several reductions in flight (the tree's partial sums, and the
- *     heap they leave behind). */
+ *     heap they leave behind); on 2 ranks one piece, in flight or not
+ *     (measured with pieces of 9.5 MiB, a 2.9M-element bucket cut at the
+ *     shard, over 4 runs: 0.4 to 1.4 pieces). A piece is at most a bucket, a
+ *     window and a shard. */
 size_t tp_allreduce_temp_bytes(int world, int rank, size_t bytes);
 size_t tp_reduce_temp_bytes(int world, size_t piece_bytes, int in_flight);
 

@@ -38,7 +38,9 @@ size_t tp_allreduce_temp_bytes(int world, int rank, size_t bytes) {
 }
 
 size_t tp_reduce_temp_bytes(int world, size_t piece_bytes, int in_flight) {
-    return world < 2 ? 0 : (in_flight ? 3 : 2) * piece_bytes;
+    if (world < 2) return 0;
+    if (world == 2) return piece_bytes; /* no tree: the root's receive buffer, in flight or not */
+    return (in_flight ? 3 : 2) * piece_bytes;
 }
 
 void tp_get_stats(const dist_ctx *d, tp_stats *out) {

@@ -10,13 +10,15 @@
  * bucket (reduce_bucket_size elements), last bucket first, at most
  * ZERO_IN_FLIGHT at once.
  * Gradients, stage 2 (DeepSpeed's partitioned gradients): the model hands
- * each unit's gradients over as soon as its backward is done (model.h
- * qt_grad_hook); each slice of at most reduce_bucket_size elements that lies
+ * each gradient bucket over as soon as its backward is done (model.h
+ * qt_grad_hook; the buckets are reduce_bucket_size's, memplan.h
+ * qt_grad_pack); each slice of at most reduce_bucket_size elements that lies
  * in one rank's shard is reduced to that rank, in place into its fp32
  * gradient shard (the owner first adds its own contribution there). The shard
  * accumulates over the micro-steps of an optimizer step. No rank holds a
- * gradient block; what stays in flight reads the model's two alternating
- * windows, and zero_grads_window waits for a window before it is reused.
+ * gradient block; what stays in flight reads the model's windows (two
+ * alternating with overlap_comm), and zero_grads_window waits for a window
+ * before it is reused.
  * The embedding's gradient is sparse (the rows of this micro-batch's
  * tokens): the rows are all-gathered and each owner adds those in its shard.
  *
@@ -45,7 +47,8 @@
 
 typedef struct {
     tp_req *r;
-    const float *win; /* the window it reads (stage 2), to wait for before reuse */
+    const float *at;  /* the window piece it came from (stage 2): [at, at + n), waited for before reuse */
+    size_t n;
 } zero_flight;
 
 struct zero_plan {
@@ -120,8 +123,10 @@ int zero_memory(size_t n, int N, int rank, const zero_opts *o, int nslots, zero_
         if (o->stage == 2) {
             m->grad_shard = (hi - lo) * 4;
             m->rows = (size_t)N * rows_msg(o) * 4;
-            /* the reductions' temporaries: pieces are at most a bucket and one hand-over unit */
+            /* the reductions' temporaries: a piece is at most a bucket, a window and a shard (ready()
+             * cuts at shard boundaries) */
             size_t piece = o->unit_elems && o->unit_elems < bucket ? o->unit_elems : bucket;
+            if (piece > sh) piece = sh;
             m->reduce_parts = tp_reduce_temp_bytes(N, piece * 4, o->overlap);
         } else {
             /* the all-reduce's temporary, for each bucket in flight */
@@ -318,7 +323,7 @@ int zero_reduce_grads(zero_plan *p, float *grads) {
 /* ------------------------------------------------------------------------- */
 /* Stage 2: gradients reduced to their owners as the backward produces them   */
 
-static int fly_push(zero_plan *p, tp_req *r, const float *win) {
+static int fly_push(zero_plan *p, tp_req *r, const float *at, size_t n) {
     if (p->n_fly == p->cap_fly) {
         int cap = p->cap_fly ? 2 * p->cap_fly : 64;
         zero_flight *f = qt_realloc(p->fly, (size_t)cap * sizeof *f, "ZeRO requests in flight");
@@ -329,19 +334,21 @@ static int fly_push(zero_plan *p, tp_req *r, const float *win) {
         p->fly = f;
         p->cap_fly = cap;
     }
-    p->fly[p->n_fly++] = (zero_flight){r, win};
+    p->fly[p->n_fly++] = (zero_flight){r, at, n};
     return QT_OK;
 }
 
-/* Waits for the requests reading `win` (NULL: all), and lets the others
- * progress; completed ones leave the list. */
-static int fly_settle(zero_plan *p, const float *win, int all) {
+/* Waits for the requests filed under any of [win, win + n) (or all),
+ * and lets the others progress; completed ones leave the list. A window holds
+ * a bucket's several ranges, each handed over on its own, so the test is by
+ * address range, not by the pointer handed over. */
+static int fly_settle(zero_plan *p, const float *win, size_t n, int all) {
     int k = 0, rc = QT_OK;
     for (int i = 0; i < p->n_fly; i++) {
         zero_flight f = p->fly[i];
-        int done = 0;
+        int done = 0, hit = win && f.at < win + n && win < f.at + f.n;
         if (rc == QT_OK) rc = tp_test(p->d, f.r, &done);
-        if (rc == QT_OK && (done || all || f.win == win)) rc = tp_wait(p->d, &f.r, 1, "gradient reduce");
+        if (rc == QT_OK && (done || all || hit)) rc = tp_wait(p->d, &f.r, 1, "gradient reduce");
         if (f.r) p->fly[k++] = f;
     }
     p->n_fly = k;
@@ -351,12 +358,12 @@ static int fly_settle(zero_plan *p, const float *win, int all) {
 int zero_grads_begin(zero_plan *p) {
     if (p->stage != 2) return QT_ERR(QT_EINVAL, "dist: gradient hand-over is ZeRO stage 2's; this plan is stage %d",
                                      p->stage);
-    QT_TRY(fly_settle(p, NULL, 1));
+    QT_TRY(fly_settle(p, NULL, 0, 1));
     if (p->gshard) p->be->zero(p->be, p->gshard, p->mem.grad_shard);
     return QT_OK;
 }
 
-int zero_grads_window(zero_plan *p, const float *win) { return fly_settle(p, win, 0); }
+int zero_grads_window(zero_plan *p, const float *win, size_t n) { return fly_settle(p, win, n, 0); }
 
 int zero_grads_ready(zero_plan *p, size_t lo, size_t hi, const float *g) {
     if (hi > p->n || lo > hi)
@@ -377,10 +384,13 @@ int zero_grads_ready(zero_plan *p, size_t lo, size_t hi, const float *g) {
         } else {
             QT_TRY(tp_reduce_f32(p->d, g + (a - lo), NULL, e - a, r, p->overlap ? &q : NULL, "gradient reduce"));
         }
-        if (q) QT_TRY(fly_push(p, q, g));
+        /* filed under the window piece it came from, the owner's too (it reads the shard): the window's
+         * reuse then waits for it as well, which keeps what is in flight (and MPI's temporaries,
+         * zero_memory's count) to the two windows' worth */
+        if (q) QT_TRY(fly_push(p, q, g + (a - lo), e - a));
         a = e;
     }
-    return fly_settle(p, NULL, 0); /* progress for what is in flight */
+    return fly_settle(p, NULL, 0, 0); /* progress for what is in flight */
 }
 
 int zero_grads_rows(zero_plan *p, size_t base, int C, const int32_t *ids, const float *rows, int n) {
@@ -388,7 +398,7 @@ int zero_grads_rows(zero_plan *p, size_t base, int C, const int32_t *ids, const 
         return QT_ERR(QT_EINVAL, "dist: %d embedding rows of %d for a plan sized for %d of %d", n, C, p->emb_rows,
                       p->emb_dim);
     /* the lm_head's slices of a tied embedding may still be summing into the shard */
-    QT_TRY(fly_settle(p, NULL, 1));
+    QT_TRY(fly_settle(p, NULL, 0, 1));
     const int N = p->d->world;
     const size_t P = p->rows_p;
     /* the message: count and ids (the host's, staged in rows_host and uploaded), then the
@@ -416,7 +426,7 @@ int zero_grads_rows(zero_plan *p, size_t base, int C, const int32_t *ids, const 
     return QT_OK;
 }
 
-int zero_grads_finish(zero_plan *p) { return fly_settle(p, NULL, 1); }
+int zero_grads_finish(zero_plan *p) { return fly_settle(p, NULL, 0, 1); }
 
 /* The full-block path at stage 2 (a caller with its own gradient block): the
  * block is reduced to the owners, whose shard lands at its place. */

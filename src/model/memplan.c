@@ -96,7 +96,14 @@ void qt_saved_module_name(const qt_config *c, unsigned which, char *out, size_t 
     else snprintf(out, cap, "base_model.model.lm_head.weight");
 }
 
-static void add_param(qt_param *out, int *n, size_t *off, const char *name, int ndim, int64_t d0, int64_t d1) {
+/* Where a parameter sits: its decoder layer (-1 outside the layers) and the
+ * backward step that completes its gradient (memplan.h QT_GU_*). */
+typedef struct {
+    int layer, unit;
+} param_where;
+
+static void add_param(qt_param *out, int *n, size_t *off, param_where w, const char *name, int ndim, int64_t d0,
+                      int64_t d1) {
     if (out) {
         qt_param *p = &out[*n];
         memset(p, 0, sizeof *p);
@@ -107,6 +114,8 @@ static void add_param(qt_param *out, int *n, size_t *off, const char *name, int 
         p->offset = *off;
         p->numel = (size_t)d0 * (size_t)(ndim == 2 ? d1 : 1);
         p->decay = ndim == 2;
+        p->layer = w.layer;
+        p->unit = w.unit;
     }
     *off += (size_t)d0 * (size_t)(ndim == 2 ? d1 : 1);
     (*n)++;
@@ -115,61 +124,71 @@ static void add_param(qt_param *out, int *n, size_t *off, const char *name, int 
 /* Full fine-tuning: every tensor of the file, in its order; LoRA: A and B
  * of each adapted module. Names come from the architecture's layout; a fused
  * q/k/v is one tensor (and one adapted module) listed at q. */
+static const int lin_unit[LIN_COUNT] = {QT_GU_Q, QT_GU_K, QT_GU_V, QT_GU_O, QT_GU_GATE, QT_GU_UP, QT_GU_DOWN};
+
 int qt_model_param_table(const qt_config *c, const qt_model_opts *o, qt_param *out, size_t *numel) {
     int n = 0;
     size_t off = 0;
     char name[160];
     const qt_layout *ly = qt_config_layout(c);
     int C = c->hidden_size, V = c->vocab_size, R = o->lora_r, D = c->head_dim;
+    param_where w = {-1, -1};
     if (!o->lora) {
         snprintf(name, sizeof name, "%s.weight", ly->embed);
-        add_param(out, &n, &off, name, 2, V, C);
+        add_param(out, &n, &off, w, name, 2, V, C);
     } else if (o->lora_save & QT_SAVE_EMBED) { /* modules_to_save: the embedding first, as full fine-tuning */
         qt_saved_module_name(c, QT_SAVE_EMBED, name, sizeof name);
-        add_param(out, &n, &off, name, 2, V, C);
+        add_param(out, &n, &off, w, name, 2, V, C);
     }
     for (int l = 0; l < c->num_hidden_layers; l++) {
+        w.layer = l;
         if (!o->lora) {
+            w.unit = QT_GU_LN1;
             snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->ln1);
-            add_param(out, &n, &off, name, 1, C, 0);
+            add_param(out, &n, &off, w, name, 1, C, 0);
         }
         for (int j = 0; j < LIN_COUNT; j++) {
             if (!qt_lin_owns(c, j)) continue;
             int in, ou;
             qt_lin_shape(c, j, &in, &ou);
             if (ly->fused_qkv && j == LIN_Q) ou = qt_lin_fused_rows(c);
+            w.unit = lin_unit[j];
             if (!o->lora) {
                 snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->lin[j]);
-                add_param(out, &n, &off, name, 2, ou, in);
+                add_param(out, &n, &off, w, name, 2, ou, in);
                 if (qt_lin_has_bias(c, j)) {
                     snprintf(name, sizeof name, "%s.%d.%s.bias", ly->layers, l, ly->lin[j]);
-                    add_param(out, &n, &off, name, 1, ou, 0);
+                    add_param(out, &n, &off, w, name, 1, ou, 0);
                 }
                 if (j == LIN_K && ly->q_norm) { /* Qwen3: q_norm, k_norm after the projections */
+                    w.unit = QT_GU_Q;
                     snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->q_norm);
-                    add_param(out, &n, &off, name, 1, D, 0);
+                    add_param(out, &n, &off, w, name, 1, D, 0);
+                    w.unit = QT_GU_K;
                     snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->k_norm);
-                    add_param(out, &n, &off, name, 1, D, 0);
+                    add_param(out, &n, &off, w, name, 1, D, 0);
                 }
                 if (j == LIN_O) {
+                    w.unit = QT_GU_LN2;
                     snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->ln2);
-                    add_param(out, &n, &off, name, 1, C, 0);
+                    add_param(out, &n, &off, w, name, 1, C, 0);
                 }
             } else if (lora_on(o, j) && qt_lora_layer_on(o, l)) {
                 snprintf(name, sizeof name, "base_model.model.%s.%d.%s.lora_A.weight", ly->layers, l, ly->lin[j]);
-                add_param(out, &n, &off, name, 2, R, in);
+                add_param(out, &n, &off, w, name, 2, R, in);
                 snprintf(name, sizeof name, "base_model.model.%s.%d.%s.lora_B.weight", ly->layers, l, ly->lin[j]);
-                add_param(out, &n, &off, name, 2, ou, R);
+                add_param(out, &n, &off, w, name, 2, ou, R);
             }
         }
     }
+    w = (param_where){-1, -1};
     if (!o->lora) {
         snprintf(name, sizeof name, "%s.weight", ly->final_norm);
-        add_param(out, &n, &off, name, 1, C, 0);
-        if (!c->tie_word_embeddings) add_param(out, &n, &off, "lm_head.weight", 2, V, C);
+        add_param(out, &n, &off, w, name, 1, C, 0);
+        if (!c->tie_word_embeddings) add_param(out, &n, &off, w, "lm_head.weight", 2, V, C);
     } else if (o->lora_save & QT_SAVE_LM_HEAD) { /* its own copy even when tied (PEFT's wrapper) */
         qt_saved_module_name(c, QT_SAVE_LM_HEAD, name, sizeof name);
-        add_param(out, &n, &off, name, 2, V, C);
+        add_param(out, &n, &off, w, name, 2, V, C);
     }
     if (numel) *numel = off;
     return n;
@@ -198,46 +217,90 @@ int qt_model_layer_unit(const qt_model_opts *o, int l) {
     return k;
 }
 
-/* Every decoder layer with trainable tensors has the same ones (LoRA's
- * layers_to_transform leaves the others with none), so the k-th such layer's
- * gradients are the flat range [layer0 + k*layer, layer0 + (k+1)*layer)
- * (qt_model_layer_unit gives k). The lm_head
- * slices are about one layer's size (whole vocabulary chunks of the backend's
- * ce_chunk, so the op walks the same chunks as unsliced): the peak is then two
- * layer-sized windows per kind, whatever the vocabulary. */
+/* Every decoder layer with trainable tensors has the same ones in the same
+ * order (LoRA's layers_to_transform leaves the others with none): the units'
+ * sizes come from a one-layer table of an adapted layer, without the
+ * modules_to_save (outside the layers). */
+static int layer_units(const qt_config *c, const qt_model_opts *o, size_t units[QT_GU_COUNT]) {
+    qt_config c1 = *c;
+    c1.num_hidden_layers = 1;
+    qt_model_opts one = *o;
+    one.lora_layers_set = 0; /* one layer's tensors: an adapted layer's */
+    one.lora_save = 0;
+    qt_param t[32]; /* one layer: at most 15 tensors (full) or 14 (LoRA A/B of 7 modules) */
+    int n = qt_model_param_table(&c1, &one, NULL, NULL);
+    if (n > (int)(sizeof t / sizeof t[0])) return 0;
+    qt_model_param_table(&c1, &one, t, NULL);
+    memset(units, 0, QT_GU_COUNT * sizeof units[0]);
+    for (int i = 0; i < n; i++)
+        if (t[i].layer == 0) units[t[i].unit] += t[i].numel;
+    return 1;
+}
+
+static size_t grad_bucket(const qt_model_opts *o) {
+    return o->grad_bucket_elems ? o->grad_bucket_elems : QT_GRAD_BUCKET_DEFAULT;
+}
+
+/* DeepSpeed fills its bucket with parameters as their gradients are ready and
+ * reduces it when the next would overflow it; here the parameters of one
+ * backward step go together (one op writes them), in the backward's order.
+ * A layer layers_to_transform leaves out has no gradients: it is in no bucket. */
+int qt_grad_pack(const qt_config *c, const qt_model_opts *o, int *unit_bucket, size_t *most) {
+    size_t units[QT_GU_COUNT], S = grad_bucket(o), fill = 0, big = 0;
+    int nb = 0;
+    if (most) *most = 0;
+    if (!layer_units(c, o, units)) return 0;
+    for (int l = c->num_hidden_layers - 1; l >= 0; l--) {
+        const int on = qt_model_layer_unit(o, l) >= 0;
+        for (int k = 0; k < QT_GU_COUNT; k++) {
+            int b = -1;
+            if (on && units[k]) {
+                if (nb == 0 || (fill > 0 && fill + units[k] > S)) nb++, fill = 0;
+                fill += units[k];
+                if (fill > big) big = fill;
+                b = nb - 1;
+            }
+            if (unit_bucket) unit_bucket[(size_t)l * QT_GU_COUNT + (size_t)k] = b;
+        }
+    }
+    if (most) *most = big;
+    return nb;
+}
+
+/* The layer gradients go in buckets (qt_grad_pack). The lm_head slices are
+ * whole vocabulary chunks of the backend's ce_chunk (so the op walks the same
+ * chunks as unsliced), rounded up from the largest bucket: the windows then
+ * hold max(bucket, slice) each, whatever the vocabulary. The embedding and
+ * the lm_head are trainable in full fine-tuning and as LoRA's modules_to_save;
+ * the final norm only in full fine-tuning. */
 void qt_model_grad_windows(const qt_config *c, const qt_model_opts *o, qt_grad_windows *w) {
     memset(w, 0, sizeof *w);
     if (o->infer || !o->grad_windows) return;
-    qt_model_opts one = *o;
-    one.lora_layers_set = 0; /* one layer's tensors: an adapted layer's */
-    qt_config c1 = *c;
-    c1.num_hidden_layers = 1;
-    size_t n1, n0;
-    qt_model_param_table(&c1, &one, NULL, &n1);
-    c1.num_hidden_layers = 0;
-    qt_model_param_table(&c1, &one, NULL, &n0);
+    size_t units[QT_GU_COUNT];
+    if (layer_units(c, o, units))
+        for (int k = 0; k < QT_GU_COUNT; k++) w->layer += units[k];
+    w->nbuckets = qt_grad_pack(c, o, NULL, &w->bucket);
+    w->nwin = o->grad_overlap ? 2 : 1;
     size_t C = (size_t)c->hidden_size;
-    w->layer = n1 - n0;
     w->layer0 = qt_opts_trains_embed(o) ? (size_t)c->vocab_size * C : 0;
     w->norm = o->lora ? 0 : C; /* the final norm is frozen under LoRA */
     if (qt_opts_trains_lm_head(c, o)) {
         const size_t ch = (size_t)desc_of(o)->ce_chunk;
-        size_t rows = (w->layer / C + ch - 1) / ch * ch;
+        size_t rows = (w->bucket / C + ch - 1) / ch * ch;
+        if (rows < ch) rows = ch;
         if (rows > (size_t)c->vocab_size) rows = (size_t)c->vocab_size;
         w->slice_rows = (int)rows;
         w->slice = rows * C;
         w->targets = max_n(o);
     }
-    /* the lm_head's slices run before the first layer: they share the two windows */
-    w->each = w->layer > w->slice ? w->layer : w->slice;
+    /* the lm_head's slices run before the first layer: they share the windows */
+    w->each = w->bucket > w->slice ? w->bucket : w->slice;
     size_t a = 0;
-    carve(NULL, &a, w->each);
-    carve(NULL, &a, w->each);
+    for (int i = 0; i < w->nwin; i++) carve(NULL, &a, w->each);
     carve(NULL, &a, w->norm);
     carve(NULL, &a, w->targets); /* int32 in float slots */
     w->total = a;
 }
-
 
 static void carve_layer(const qt_config *c, const qt_model_opts *o, float *base, size_t *off, qt_acts *a) {
     size_t N = max_n(o), C = c->hidden_size, I = c->intermediate_size;

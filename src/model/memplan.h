@@ -41,22 +41,52 @@ size_t qt_model_memory(const qt_config *cfg, const qt_model_opts *opts, qt_mem_b
  * gets the block's size in elements. */
 int qt_model_param_table(const qt_config *c, const qt_model_opts *o, qt_param *out, size_t *numel);
 
+/* The backward steps of one decoder layer that complete trainable
+ * gradients, in the order layer_backward runs them (qwen2.c): a parameter's
+ * qt_param.unit. q_norm/k_norm (Qwen3) complete in the q/k step; a fused
+ * c_attn (original Qwen) is unit Q and completes only after the v step. */
+enum { QT_GU_DOWN, QT_GU_GATE, QT_GU_UP, QT_GU_LN2, QT_GU_O, QT_GU_Q, QT_GU_K, QT_GU_V, QT_GU_LN1, QT_GU_COUNT };
+
+/* DeepSpeed's default reduce_bucket_size, in elements. */
+#define QT_GRAD_BUCKET_DEFAULT ((size_t)500000000)
+
+/* The layers' gradient buckets (opts->grad_windows): the units of layers
+ * L-1 down to 0 (those with trainable tensors: under LoRA's
+ * layers_to_transform only the adapted ones), each in QT_GU order, packed greedily into buckets of at
+ * most `bucket` elements (opts->grad_bucket_elems, 0 = 5e8); a unit larger
+ * than that is a bucket of its own (DeepSpeed reduces such a parameter on its
+ * own too; ZeRO still cuts its reduction at reduce_bucket_size). A bucket may
+ * be one module, several, a whole layer or span layers. Its window holds its
+ * tensors packed in flat order, so each run of adjacent tensors is one
+ * contiguous range: with bucket = one layer's elements every bucket is
+ * exactly one layer, the layout of one window per layer.
+ * unit_bucket (may be NULL; L * QT_GU_COUNT entries, [l * QT_GU_COUNT + u])
+ * gets each unit's bucket, -1 for a unit without trainable tensors (every
+ * unit of a layer LoRA leaves out).
+ * Returns the number of buckets; *most (may be NULL) gets the largest
+ * bucket's elements. */
+int qt_grad_pack(const qt_config *c, const qt_model_opts *o, int *unit_bucket, size_t *most);
+
 /* opts->grad_windows: the windows the backward writes gradients into
  * instead of a gradient block (model.h qt_grad_hook), in floats. */
 typedef struct {
     size_t layer;        /* one decoder layer's trainable elements */
-    size_t each;         /* each of the 2 alternating windows: max(layer, slice) */
-    size_t layer0;       /* flat offset of layer 0 (the embedding comes first in full fine-tuning) */
+    size_t bucket;       /* the largest layer-gradient bucket (qt_grad_pack) */
+    int nbuckets;        /* buckets over the layers */
+    int nwin;            /* windows: 2 with opts->grad_overlap, else 1 */
+    size_t each;         /* each window: max(bucket, slice) */
+    size_t layer0;       /* flat offset of layer 0 (the embedding comes first when trainable: full
+                            fine-tuning or modules_to_save) */
     size_t norm;         /* the final norm's window (full fine-tuning), else 0 */
-    int slice_rows;      /* lm_head vocabulary rows per slice (full fine-tuning), else 0 */
-    size_t slice;        /* slice_rows * C: an lm_head slice (in the same 2 windows) */
+    int slice_rows;      /* lm_head vocabulary rows per slice (lm_head trainable: full fine-tuning or
+                            modules_to_save), else 0 */
+    size_t slice;        /* slice_rows * C: an lm_head slice (in the same windows) */
     size_t targets;      /* int32 slots for a slice's shifted targets (max_B * max_T) */
     size_t total;        /* floats of all windows, 64-byte aligned pieces */
 } qt_grad_windows;
 void qt_model_grad_windows(const qt_config *c, const qt_model_opts *o, qt_grad_windows *w);
 
-/* Which unit of the gradient windows layer l is: its index among the layers
- * with trainable tensors (every layer but those layers_to_transform leaves
+/* Layer l's index among the layers with trainable tensors (every layer but those layers_to_transform leaves
  * out), or -1 when it has none. */
 int qt_model_layer_unit(const qt_model_opts *o, int l);
 

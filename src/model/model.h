@@ -28,6 +28,8 @@ typedef struct {
     size_t offset;      /* element offset into the flat trainable block */
     size_t numel;
     int decay;          /* weight decay applies: 2-D weight matrices only (HF Trainer grouping) */
+    int layer;          /* decoder layer, -1 outside the layers (embedding, final norm, lm_head) */
+    int unit;           /* in a layer: the backward step that completes its gradient (memplan.h QT_GU_*) */
 } qt_param;
 
 /* LoRA target modules, PEFT names. */
@@ -66,8 +68,12 @@ typedef struct {
     const char *backend;   /* backend/backend.h name ("cpu", "guard", "cuda"); NULL: QTUNE_BACKEND, else cpu.
                               The CLI resolves the job's "device" / --device to it (backend/device.h) */
     int device_index;      /* that backend's device (cuda: the GPU); -1: the process's default */
-    int grad_windows;      /* ZeRO-2: no gradient block; each unit's gradients are handed
+    int grad_windows;      /* ZeRO-2: no gradient block; each bucket's gradients are handed
                               over through a qt_grad_hook as soon as its backward is done */
+    size_t grad_bucket_elems; /* with grad_windows: DeepSpeed's reduce_bucket_size, the most
+                              elements one bucket of layer gradients holds; 0 = 5e8 */
+    int grad_overlap;      /* with grad_windows: overlap_comm, two windows alternate (a bucket
+                              is reduced while the next fills); else one */
     unsigned lora_save;    /* QT_SAVE_* mask: modules_to_save (LoRA only) */
     int lora_layers_set;   /* layers_to_transform given: LoRA only in the layers of lora_layers */
     uint64_t lora_layers[QT_LORA_LAYER_WORDS]; /* bit l: layer l is adapted (when lora_layers_set) */
@@ -120,14 +126,18 @@ int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, 
 
 /* Gradient hand-over (ZeRO-2, DeepSpeed's partitioned gradients). A model
  * loaded with opts.grad_windows allocates no gradient block
- * (qt_model_grads returns NULL); its backward produces the gradients one
- * unit at a time in small windows and hands each unit over when it is done,
- * last unit of the flat block first:
- *   the final norm; the lm_head in vocabulary slices (when trainable); each
- *   decoder layer, L-1 down to 0; the embedding as rows (when trainable).
- * window(user, g): the model is about to zero and write window g (two
- *   windows alternate, so g was handed over two units ago): the callee waits
- *   until whatever reads g is done.
+ * (qt_model_grads returns NULL); its backward produces the gradients into
+ * one window (two with opts.grad_overlap) and hands them over as they are
+ * done, last of the flat block first:
+ *   the final norm; the lm_head in vocabulary slices (when trainable); the
+ *   decoder layers' gradients in buckets (memplan.h qt_grad_pack: whole
+ *   modules in the backward's order, at most opts.grad_bucket_elems each
+ *   unless one module is larger, finer than a layer or spanning layers),
+ *   each bucket as one ready() call per contiguous flat range in it; the
+ *   embedding as rows (when trainable).
+ * window(user, g, n): the model is about to zero and write g[0, n) of a
+ *   window (with two windows, it was handed over two buckets ago, as several
+ *   ranges): the callee waits until whatever reads any of it is done.
  * ready(user, lo, hi, g): g[0, hi - lo) holds d(loss * grad_scale) of the
  *   flat block's elements [lo, hi) for this micro-batch (not accumulated).
  * rows(user, lo, C, ids, d, n): the embedding's gradient is sparse: for each
@@ -135,13 +145,13 @@ int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, 
  * A non-zero return stops the backward with that status. Every rank calls
  * the hooks in the same order (the units follow from the shapes alone). */
 typedef struct {
-    int (*window)(void *user, const float *g);
+    int (*window)(void *user, const float *g, size_t n);
     int (*ready)(void *user, size_t lo, size_t hi, const float *g);
     int (*rows)(void *user, size_t lo, int C, const int32_t *ids, const float *d, int n);
     void *user;
 } qt_grad_hook;
 void qt_model_set_grad_hook(qt_model *m, const qt_grad_hook *h);
-/* Elements of the largest unit handed over (a window), 0 without windows. */
+/* Elements of one gradient window (the largest bucket or lm_head slice), 0 without windows. */
 size_t qt_model_grad_window_elems(const qt_model *m);
 
 /* Sets the counter that seeds dropout masks (incremented by every

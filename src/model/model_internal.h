@@ -146,6 +146,12 @@ void qt_rope_inv_freq(const qt_config *c, int D, int32_t max_pos, float *inv, fl
 /* The model's RoPE table for positions up to max_pos (m->rope_inv, m->rope_scale). */
 void qt_model_rope_table(struct qt_model *m, int32_t max_pos);
 
+/* One contiguous flat range of a gradient bucket: elements [lo, hi) of the
+ * trainable block, at window offset woff. */
+typedef struct {
+    size_t lo, hi, woff;
+} qt_grad_run;
+
 struct qt_model {
     qt_backend *be;       /* the backend every op and buffer belongs to */
     int own_be;           /* opened by qt_model_load (closed by qt_model_free) */
@@ -157,13 +163,22 @@ struct qt_model {
 
     float *master, *grads; /* trainable block and gradients (grads NULL for inference and
                               with gradient windows) */
-    /* opts.grad_windows (model.h qt_grad_hook): the windows in one block. Layer l's
-     * gradient pointers point into wlayer[l & 1]; dlnf_w into wnorm; the lm_head's
-     * backward runs per vocabulary slice into wslice[k & 1] with targets shifted in
-     * tslice; dwte/dlm_head only mark the embedding/lm_head trainable then. */
+    /* opts.grad_windows (model.h qt_grad_hook): the windows in one block. The layers'
+     * gradients go in buckets (memplan.h qt_grad_pack): bucket b is written in
+     * win[b % nwin], its tensors packed in flat order, and each layer's gradient pointers
+     * point there; dlnf_w into wnorm; the lm_head's backward runs per vocabulary slice into
+     * wslice[k % nwin] with targets shifted in tslice; dwte/dlm_head only mark the
+     * embedding/lm_head trainable then. */
     qt_grad_windows gw;
-    float *gwin_block, *wlayer[2], *wnorm, *wslice[2];
+    float *gwin_block, *win[2], *wnorm, *wslice[2];
     int32_t *tslice;
+    int *unit_bucket;      /* (L * QT_GU_COUNT) each unit's bucket, -1 when it has no tensors */
+    int *close_at;         /* (L * QT_GU_COUNT) the bucket handed over after that step, else -1 */
+    qt_grad_run *runs;     /* each bucket's contiguous flat ranges, bucket after bucket */
+    int *run0;             /* (nbuckets + 1) bucket b's runs: runs[run0[b] .. run0[b + 1]) */
+    size_t *bucket_fill;   /* (nbuckets) elements in each bucket's window */
+    float **grad_at;       /* (n_params) each layer tensor's gradient in its window, at load */
+    int gb_open;           /* the last bucket opened in the running backward */
     qt_grad_hook hook;
     size_t numel;
     qt_param *params;

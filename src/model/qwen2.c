@@ -276,10 +276,44 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
     keep_save(m, xout, NC, x16 && l + 1 < c->num_hidden_layers ? x16[l + 1] : NULL);
 }
 
+/* ---- gradient hand-over (model.h qt_grad_hook) ------------------------------- */
+static int win_open(qt_model *m, float *g, size_t n) {
+    if (m->hook.window) QT_TRY(m->hook.window(m->hook.user, g, n));
+    m->be->zero(m->be, g, n * sizeof(float));
+    return QT_OK;
+}
+
+static int win_ready(qt_model *m, size_t lo, size_t hi, const float *g) {
+    return m->hook.ready(m->hook.user, lo, hi, g);
+}
+
+/* The layers' gradient buckets (memplan.h qt_grad_pack). Before step k of
+ * layer l writes its gradients, the bucket its unit starts is opened (a
+ * fused c_attn's unit spans the q, k and v steps: it opens at q); after the
+ * step, the bucket it completes is handed over, one ready() per contiguous
+ * flat range, the last range first. Without windows both do nothing. */
+static int grad_begin(qt_model *m, int l, int k) {
+    if (!m->gwin_block) return QT_OK;
+    int b = m->unit_bucket[(size_t)l * QT_GU_COUNT + (size_t)k];
+    if (b < 0 || b <= m->gb_open) return QT_OK;
+    m->gb_open = b;
+    return win_open(m, m->win[b % m->gw.nwin], m->bucket_fill[b]);
+}
+
+static int grad_end(qt_model *m, int l, int k) {
+    if (!m->gwin_block) return QT_OK;
+    int b = m->close_at[(size_t)l * QT_GU_COUNT + (size_t)k];
+    if (b < 0) return QT_OK;
+    const float *g = m->win[b % m->gw.nwin];
+    for (int r = m->run0[b + 1] - 1; r >= m->run0[b]; r--)
+        QT_TRY(win_ready(m, m->runs[r].lo, m->runs[r].hi, g + m->runs[r].woff));
+    return QT_OK;
+}
+
 /* dres holds d loss / d xout on entry and d loss / d x on return. need_dx = 0
  * (LoRA, layer 0: nothing below is trainable) skips the work for dx. */
-static void layer_backward(qt_model *m, int l, const qt_batch *b, int N, const float *x, const qt_acts *a,
-                           int dropout, int need_dx) {
+static int layer_backward(qt_model *m, int l, const qt_batch *b, int N, const float *x, const qt_acts *a,
+                          int dropout, int need_dx) {
     const qt_config *c = &m->cfg;
     const qt_layer *L = &m->layers[l];
     const qt_grad_scratch *g = &m->gs;
@@ -291,7 +325,9 @@ static void layer_backward(qt_model *m, int l, const qt_batch *b, int N, const f
     const qt_acts16 no_slots = {0}, *s = m->acts.layer16 ? &m->acts.layer16[l] : &no_slots;
 
     be->zero(be, g->dh, sizeof(float) * NI);
+    QT_TRY(grad_begin(m, l, QT_GU_DOWN));
     linear_backward(m, l, LIN_DOWN, g->dh, g->dres, a->h, s->h, a->lora_h[LIN_DOWN], N, dropout);
+    QT_TRY(grad_end(m, l, QT_GU_DOWN));
     keep(m, g->dh, NI);
     be->zero(be, g->dg, sizeof(float) * NI);
     be->zero(be, g->du, sizeof(float) * NI);
@@ -299,14 +335,22 @@ static void layer_backward(qt_model *m, int l, const qt_batch *b, int N, const f
     keep(m, g->dg, NI);
     keep(m, g->du, NI);
     be->zero(be, g->dln, sizeof(float) * NC);
+    QT_TRY(grad_begin(m, l, QT_GU_GATE));
     linear_backward(m, l, LIN_GATE, g->dln, g->dg, a->ln2, s->ln2, a->lora_h[LIN_GATE], N, dropout);
+    QT_TRY(grad_end(m, l, QT_GU_GATE));
+    QT_TRY(grad_begin(m, l, QT_GU_UP));
     linear_backward(m, l, LIN_UP, g->dln, g->du, a->ln2, s->ln2, a->lora_h[LIN_UP], N, dropout);
+    QT_TRY(grad_end(m, l, QT_GU_UP));
     keep(m, g->dln, NC);
+    QT_TRY(grad_begin(m, l, QT_GU_LN2));
     be->rmsnorm_backward(be, g->dres, L->dln2, g->dln, a->xmid, L->ln2, a->rstd2, N, C); /* dres: d xmid */
+    QT_TRY(grad_end(m, l, QT_GU_LN2));
     keep(m, g->dres, NC);
 
     be->zero(be, g->datt, sizeof(float) * NQ);
+    QT_TRY(grad_begin(m, l, QT_GU_O));
     linear_backward(m, l, LIN_O, g->datt, g->dres, a->att, s->att, a->lora_h[LIN_O], N, dropout);
+    QT_TRY(grad_end(m, l, QT_GU_O));
     keep(m, g->datt, NQ);
     be->zero(be, g->dq, sizeof(float) * NQ);
     be->zero(be, g->dk, sizeof(float) * NK);
@@ -323,6 +367,7 @@ static void layer_backward(qt_model *m, int l, const qt_batch *b, int N, const f
     /* Qwen3: back through q_norm/k_norm; datt is free once the attention's backward has run, and
      * holds the gradient of qraw, then of kraw (KV <= H) */
     const float *dqp = g->dq, *dkp = g->dk;
+    QT_TRY(grad_begin(m, l, QT_GU_Q));
     if (a->qraw) {
         be->zero(be, g->datt, sizeof(float) * NQ);
         be->rmsnorm_backward(be, g->datt, L->dqn, g->dq, a->qraw, L->qn, a->rstdq, N * H, D);
@@ -330,6 +375,8 @@ static void layer_backward(qt_model *m, int l, const qt_batch *b, int N, const f
         dqp = g->datt;
     }
     linear_backward(m, l, LIN_Q, dln, dqp, a->ln1, s->ln1, a->lora_h[LIN_Q], N, dropout);
+    QT_TRY(grad_end(m, l, QT_GU_Q));
+    QT_TRY(grad_begin(m, l, QT_GU_K));
     if (a->kraw) {
         be->zero(be, g->datt, sizeof(float) * NK);
         be->rmsnorm_backward(be, g->datt, L->dkn, g->dk, a->kraw, L->kn, a->rstdk, N * KV, D);
@@ -337,11 +384,18 @@ static void layer_backward(qt_model *m, int l, const qt_batch *b, int N, const f
         dkp = g->datt;
     }
     linear_backward(m, l, LIN_K, dln, dkp, a->ln1, s->ln1, a->lora_h[LIN_K], N, dropout);
+    QT_TRY(grad_end(m, l, QT_GU_K));
+    QT_TRY(grad_begin(m, l, QT_GU_V));
     linear_backward(m, l, LIN_V, dln, g->dv, a->ln1, s->ln1, a->lora_h[LIN_V], N, dropout);
-    if (!need_dx) return;
+    QT_TRY(grad_end(m, l, QT_GU_V));
+    /* need_dx = 0 only without a trainable embedding, where ln1 is frozen (LoRA): its unit is empty */
+    if (!need_dx) return QT_OK;
     keep(m, g->dln, NC);
+    QT_TRY(grad_begin(m, l, QT_GU_LN1));
     be->rmsnorm_backward(be, g->dres, L->dln1, g->dln, x, L->ln1, a->rstd1, N, C);
+    QT_TRY(grad_end(m, l, QT_GU_LN1));
     keep(m, g->dres, NC);
+    return QT_OK;
 }
 
 /* ---- batches ---------------------------------------------------------------- */
@@ -438,17 +492,6 @@ int qt_model_forward(qt_model *m, const qt_batch *b, double *loss_sum, int64_t *
     return QT_OK;
 }
 
-/* ---- gradient hand-over (model.h qt_grad_hook) ------------------------------- */
-static int win_open(qt_model *m, float *g, size_t n) {
-    if (m->hook.window) QT_TRY(m->hook.window(m->hook.user, g));
-    m->be->zero(m->be, g, n * sizeof(float));
-    return QT_OK;
-}
-
-static int win_ready(qt_model *m, size_t lo, size_t hi, const float *g) {
-    return m->hook.ready(m->hook.user, lo, hi, g);
-}
-
 /* The lm_head's backward one vocabulary slice at a time, each slice's weight
  * gradient handed over before the next is computed. A slice sees the targets
  * shifted into its rows, -1 where the target lies in another slice (that row
@@ -465,7 +508,7 @@ static int lmhead_backward_sliced(qt_model *m, const qt_batch *hb, float *dln, f
     int32_t *ht = m->pos_buf;
     for (int v0 = 0, k = 0; v0 < V; v0 += S, k++) {
         int sv = V - v0 < S ? V - v0 : S;
-        float *g = m->wslice[k & 1];
+        float *g = m->wslice[k % m->gw.nwin];
         QT_TRY(win_open(m, g, (size_t)sv * C));
         for (int i = 0; i < N; i++) {
             int t = hb->targets[i];
@@ -527,19 +570,15 @@ int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, 
      * is), so the backward stops there */
     int low = 0;
     while (!m->dwte && low < L - 1 && qt_model_layer_unit(&m->opts, low) < 0) low++;
+    m->gb_open = -1; /* no bucket of this backward opened yet */
     for (int l = L - 1; l >= low; l--) {
         acts_load(m, l, N); /* 2-byte storage: layer l's saved values back to fp32 */
         /* recompute: x[l+1] was consumed by layer l+1's backward, so it may be overwritten */
         if (m->opts.grad_checkpointing)
             layer_forward(m, l, b, N, A->x[l], A->x[l + 1], &A->layer[l], dropout, b->positions, NULL);
-        const int k = qt_model_layer_unit(&m->opts, l); /* its gradient window, -1: nothing trainable */
-        if (win && k >= 0) QT_TRY(win_open(m, m->wlayer[k & 1], m->gw.layer));
-        layer_backward(m, l, b, N, A->x[l], &A->layer[l], dropout, l > low || m->dwte != NULL);
-        /* layer l's gradients are final: hand them over while layer l-1's backward runs */
-        if (win && k >= 0) {
-            size_t lo = m->gw.layer0 + (size_t)k * m->gw.layer;
-            QT_TRY(win_ready(m, lo, lo + m->gw.layer, m->wlayer[k & 1]));
-        }
+        /* each bucket is handed over as its last step is done, reduced while the backward goes on (a layer
+         * layers_to_transform leaves out is in no bucket) */
+        QT_TRY(layer_backward(m, l, b, N, A->x[l], &A->layer[l], dropout, l > low || m->dwte != NULL));
     }
     /* the hook reads the token ids on the host (hb), the row gradients (dres) on the device */
     if (m->dwte && win) QT_TRY(m->hook.rows(m->hook.user, 0, C, hb->inputs, dres, N));

@@ -82,29 +82,89 @@ static float *find_param(qt_model *m, float *block, const char *name) {
 }
 
 /* A trainable tensor's gradient: in the gradient block, or with gradient
- * windows in its layer's window (memplan.c qt_model_grad_windows: every
- * layer is the same flat length), the final norm's window, or for the
- * embedding and lm_head a non-NULL mark (the backward hands them over as
- * rows and slices, see qwen2.c). */
+ * windows in its bucket's window (build_buckets), the final norm's window,
+ * or for the embedding and lm_head a non-NULL mark (the backward hands them
+ * over as rows and slices, see qwen2.c). */
 static float *grad_param(qt_model *m, const char *name) {
     if (!m->gwin_block) return find_param(m, m->grads, name);
     for (int i = 0; i < m->n_params; i++) {
         const qt_param *p = &m->params[i];
         if (strcmp(p->name, name)) continue;
-        const qt_grad_windows *w = &m->gw;
-        size_t units = 0; /* layers with trainable tensors (all, or layers_to_transform's) */
-        for (int l = 0; l < m->cfg.num_hidden_layers; l++) units += qt_model_layer_unit(&m->opts, l) >= 0;
-        size_t end = w->layer0 + units * w->layer;
-        if (p->offset >= w->layer0 && p->offset < end) {
-            size_t k = (p->offset - w->layer0) / w->layer; /* its layer's unit: the windows alternate by unit */
-            return m->wlayer[k & 1] + (p->offset - w->layer0 - k * w->layer);
-        }
+        if (p->layer >= 0) return m->grad_at[i];
         char norm[160];
         snprintf(norm, sizeof norm, "%s.weight", qt_config_layout(&m->cfg)->final_norm);
         if (!strcmp(name, norm)) return m->wnorm; /* model.norm, or the original Qwen's transformer.ln_f */
         return m->wslice[0];
     }
     return NULL;
+}
+
+/* The layers' gradient buckets (memplan.h qt_grad_pack), for the backward:
+ * each unit's bucket; the step after which each bucket is handed over (its
+ * last unit's; a fused c_attn, unit q, is complete after the v step); each
+ * tensor's place in its bucket's window, tensors packed in flat order; and
+ * the runs of adjacent tensors, each one contiguous flat range. */
+static int build_buckets(qt_model *m) {
+    const qt_config *c = &m->cfg;
+    const size_t U = (size_t)c->num_hidden_layers * QT_GU_COUNT, nb = (size_t)m->gw.nbuckets;
+    const int fused = qt_config_layout(c)->fused_qkv;
+    m->unit_bucket = qt_malloc(U * sizeof(int), "model: gradient buckets");
+    m->close_at = qt_malloc(U * sizeof(int), "model: gradient buckets");
+    m->run0 = qt_calloc(nb + 1, sizeof(int), "model: gradient buckets");
+    m->bucket_fill = qt_calloc(nb + 1, sizeof(size_t), "model: gradient buckets");
+    m->grad_at = qt_calloc((size_t)m->n_params + 1, sizeof(float *), "model: gradient buckets");
+    size_t *end = qt_calloc(nb + 1, sizeof(size_t), "model: gradient buckets");
+    int *cur = qt_calloc(nb + 1, sizeof(int), "model: gradient buckets");
+    int rc = QT_ENOMEM;
+    if (!m->unit_bucket || !m->close_at || !m->run0 || !m->bucket_fill || !m->grad_at || !end || !cur) goto out;
+    if (qt_grad_pack(c, &m->opts, m->unit_bucket, NULL) != (int)nb) {
+        rc = QT_ERR(QT_EINVAL, "model: the gradient buckets disagree with the memory plan (internal error)");
+        goto out;
+    }
+    /* completion order: bucket b is handed over after its last unit's step */
+    for (size_t u = 0; u < U; u++) m->close_at[u] = -1;
+    int prev = -1;
+    size_t prev_at = 0;
+    for (int l = c->num_hidden_layers - 1; l >= 0; l--)
+        for (int k = 0; k < QT_GU_COUNT; k++) {
+            int b = m->unit_bucket[(size_t)l * QT_GU_COUNT + (size_t)k];
+            if (b < 0) continue;
+            if (prev >= 0 && b != prev) m->close_at[prev_at] = prev;
+            prev = b;
+            prev_at = (size_t)l * QT_GU_COUNT + (size_t)(fused && k == QT_GU_Q ? QT_GU_V : k);
+        }
+    if (prev >= 0) m->close_at[prev_at] = prev;
+    /* the table is in flat order: count each bucket's runs of adjacent tensors, then lay them out */
+    const qt_param *P = m->params;
+    for (int pass = 0; pass < 2; pass++) {
+        memset(m->bucket_fill, 0, (nb + 1) * sizeof(size_t));
+        for (int i = 0; i < m->n_params; i++) {
+            if (P[i].layer < 0) continue;
+            int b = m->unit_bucket[(size_t)P[i].layer * QT_GU_COUNT + (size_t)P[i].unit];
+            int fresh = m->bucket_fill[b] == 0 || end[b] != P[i].offset;
+            if (pass == 0) {
+                m->run0[b + 1] += fresh;
+            } else {
+                if (fresh) m->runs[cur[b]++] = (qt_grad_run){P[i].offset, P[i].offset, m->bucket_fill[b]};
+                m->runs[cur[b] - 1].hi = P[i].offset + P[i].numel;
+                m->grad_at[i] = m->win[b % m->gw.nwin] + m->bucket_fill[b];
+            }
+            end[b] = P[i].offset + P[i].numel;
+            m->bucket_fill[b] += P[i].numel;
+        }
+        if (pass == 0) {
+            for (size_t b = 0; b < nb; b++) m->run0[b + 1] += m->run0[b];
+            for (size_t b = 0; b < nb; b++) cur[b] = m->run0[b];
+            m->runs = qt_calloc((size_t)m->run0[nb] + 1, sizeof(qt_grad_run), "model: gradient buckets");
+            rc = QT_ENOMEM;
+            if (!m->runs) goto out;
+        }
+    }
+    rc = QT_OK;
+out:
+    qt_free(end);
+    qt_free(cur);
+    return rc;
 }
 
 /* The mapping's pages of a tensor that was copied are not read again: hand
@@ -476,12 +536,12 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
             if (!m->gwin_block) return QT_ENOMEM;
             m->be->zero(m->be, m->gwin_block, m->gw.total * 4);
             float *q = m->gwin_block; /* the order of qt_model_grad_windows' sizing */
-            m->wlayer[0] = win_piece(&q, m->gw.each);
-            m->wlayer[1] = win_piece(&q, m->gw.each);
+            for (int i = 0; i < m->gw.nwin; i++) m->win[i] = win_piece(&q, m->gw.each);
             m->wnorm = win_piece(&q, m->gw.norm);
             m->tslice = (int32_t *)win_piece(&q, m->gw.targets);
-            m->wslice[0] = m->wlayer[0];
-            m->wslice[1] = m->wlayer[1];
+            m->wslice[0] = m->win[0];
+            m->wslice[1] = m->win[m->gw.nwin - 1];
+            QT_TRY(build_buckets(m));
         } else if (!m->infer) {
             m->grads = alloc_floats(m, m->numel * 4, "model: fp32 gradients");
             if (!m->grads) return QT_ENOMEM;
@@ -589,6 +649,12 @@ void qt_model_free(qt_model *m) {
     }
     qt_free(m->owned);
     qt_free(m->imported);
+    qt_free(m->unit_bucket);
+    qt_free(m->close_at);
+    qt_free(m->runs);
+    qt_free(m->run0);
+    qt_free(m->bucket_fill);
+    qt_free(m->grad_at);
     qt_free(m->params);
     qt_free(m->param_src);
     qt_free(m->layers);

@@ -79,6 +79,8 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, p
     mo.max_T = o->seq_len;
     mo.backend = o->backend;
     mo.grad_windows = zero_partitions_grads(o->zero, N); /* the trainer's rule */
+    mo.grad_bucket_elems = o->reduce_bucket;
+    mo.grad_overlap = o->overlap;
     qt_mem_breakdown b;
     qt_model_memory(c, &mo, &b);
     qt_model_opts full = mo;

@@ -106,6 +106,8 @@ static int load_model(qt_trainer *t) {
     o.device_index = t->dev.index;
     /* ZeRO-2 over several ranks: no gradient block, the backward hands each unit over */
     o.grad_windows = zero_partitions_grads(t->cfg.zero.stage, t->world);
+    o.grad_bucket_elems = t->cfg.zero.bucket_elems; /* its buckets are reduce_bucket_size's */
+    o.grad_overlap = t->cfg.zero.overlap;
     int rc = qt_model_load(job->model, &o, &t->model);
     if (rc != QT_OK) return qt_error_context(rc, "%s: model", job->path);
     t->n = qt_model_numel(t->model);
@@ -127,7 +129,7 @@ static void state_free(void *p, void *user) {
 }
 
 /* The model's gradient hook, at ZeRO-2: straight into the plan. */
-static int hook_window(void *u, const float *g) { return zero_grads_window(u, g); }
+static int hook_window(void *u, const float *g, size_t n) { return zero_grads_window(u, g, n); }
 static int hook_ready(void *u, size_t lo, size_t hi, const float *g) { return zero_grads_ready(u, lo, hi, g); }
 static int hook_rows(void *u, size_t lo, int C, const int32_t *ids, const float *d, int n) {
     return zero_grads_rows(u, lo, C, ids, d, n);

@@ -57,12 +57,28 @@ CASES = [(1, 0, 0), (1, 1, 1), (1, 2, 0), (2, 0, 0), (2, 1, 0), (2, 1, 1), (2, 2
          (4, 0, 0), (4, 1, 1), (4, 2, 0), (4, 2, 1)]
 
 
+# ZeRO-2's gradient buckets (reduce_bucket_size; the layers here are 0.73M elements, 2.9M in all): finer
+# than a layer (1e5: each MLP matrix of 176K its own bucket), spanning layers (1e6), and one window without
+# overlap_comm; the plan follows the same packing (memplan.h qt_grad_pack) as the allocation.
+BUCKET_CASES = [(2, 1e5, True), (2, 1e6, False), (4, 1e5, False), (4, 1e6, True), (2, None, False)]
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("n,stage,offload", CASES)
 def test_plan_matches_every_rank(setup, n, stage, offload, lora):
-    d = setup
-    name = f"n{n}_s{stage}_o{offload}_{'lora' if lora else 'full'}"
-    z = {"stage": stage, "offload_optimizer": {"device": "cpu" if offload else "none"}, "overlap_comm": True}
+    check_plan(setup, n, stage, offload, lora, None, True)
+
+
+@pytest.mark.parametrize("n,bucket,overlap", BUCKET_CASES)
+def test_plan_matches_every_rank_buckets(setup, n, bucket, overlap):
+    check_plan(setup, n, 2, 1, False, bucket, overlap)
+
+
+def check_plan(d, n, stage, offload, lora, bucket, overlap):
+    name = f"n{n}_s{stage}_o{offload}_{'lora' if lora else 'full'}_b{bucket}_ov{int(overlap)}"
+    z = {"stage": stage, "offload_optimizer": {"device": "cpu" if offload else "none"}, "overlap_comm": overlap}
+    if bucket:
+        z["reduce_bucket_size"] = bucket
     job = {"model": "m", "output_dir": name,
            "data": {"train": "train.jsonl", "seq_len": T, "packing": False, "shuffle": False},
            "train": {"max_steps": 2, "log_steps": 1, "seed": 1, "save_steps": 0},
@@ -81,7 +97,11 @@ def test_plan_matches_every_rank(setup, n, stage, offload, lora):
     measured = last.get("mem_peak_bytes_ranks", [last["mem_peak_bytes"]])
     assert len(measured) == n
     args = ["plan", "--model", str(d / "m"), "--micro-batch", B, "--seq-len", T, "--json", "--zero", stage,
-            "--devices", n, "--overlap-comm"]
+            "--devices", n]
+    if overlap:
+        args += ["--overlap-comm"]
+    if bucket:
+        args += ["--reduce-bucket-size", bucket]
     if offload:
         args += ["--offload", "cpu"]
     if lora:

@@ -73,17 +73,21 @@ def test_two_ranks_equal_one_rank_with_double_accumulation(tmp_path, stage):
 
 
 @pytest.mark.skipif(not mpi_ok(), reason="needs mpirun and a qtune built with MPI")
-@pytest.mark.parametrize("save,layers", [(["embed_tokens", "lm_head"], [1]), (["lm_head"], None)])
-def test_two_ranks_zero2_modules_to_save(tmp_path, save, layers):
+@pytest.mark.parametrize("save,layers,bucket", [(["embed_tokens", "lm_head"], [1], None), (["lm_head"], None, None),
+                                                 (["embed_tokens", "lm_head"], [1], 300)])
+def test_two_ranks_zero2_modules_to_save(tmp_path, save, layers, bucket):
     """LoRA with modules_to_save (and layers_to_transform) at ZeRO-2 over two ranks: the saved embedding's
-    rows, the lm_head's vocabulary slices and the adapted layers' windows are partitioned like full
-    fine-tuning's, and the run equals one rank with twice the accumulation."""
+    rows, the lm_head's vocabulary slices and the adapted layers' gradient buckets (DeepSpeed's default
+    reduce_bucket_size, or 300 elements with overlap_comm: a bucket per module, two windows) are partitioned
+    like full fine-tuning's, and the run equals one rank with twice the accumulation."""
     d = str(tmp_path)
     init_model(os.path.join(d, "model"))  # tiny: tied embeddings, so each saved module is its own copy
     write_tokens(os.path.join(d, "train.jsonl"), 32, 16, seed=4, min_len=5)
     ds = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
           "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
           "zero_optimization": {"stage": 2}}
+    if bucket:
+        ds["zero_optimization"].update(reduce_bucket_size=bucket, overlap_comm=True)
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "modules_to_save": save,
             "layers_to_transform": layers}
     job = write_job(os.path.join(d, "job.json"), "model", "out2", "train.jsonl", ds=ds, lora=lora,

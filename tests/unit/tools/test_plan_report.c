@@ -66,7 +66,8 @@ static void test_zero_stages(void **state) {
     assert_int_equal(p1.dev.master, P * 4 / 4);
     assert_int_equal(p1.dev.optim, P * 8 / 4);
     assert_int_equal(p1.dev.grads, P * 4);
-    /* ZeRO 2 on 4 devices: the fp32 shard (P/4 rounded to 16 elements) + the model's gradient windows */
+    /* ZeRO 2 on 4 devices: the fp32 shard (P/4 rounded to 16 elements) + the model's gradient window;
+     * DeepSpeed's default bucket (5e8) holds all 24 layers' gradients (357.9M), so one bucket */
     qt_model_opts mo;
     qt_model_opts_default(&mo);
     mo.compute = QT_F16;
@@ -74,17 +75,153 @@ static void test_zero_stages(void **state) {
     mo.grad_windows = 1;
     qt_grad_windows gw;
     qt_model_grad_windows(&c, &mo, &gw);
-    assert_true(gw.total > 2 * gw.layer && gw.total < P / 10);
+    assert_int_equal(gw.nbuckets, 1);
+    assert_int_equal(gw.bucket, 24 * gw.layer);
+    assert_int_equal(gw.nwin, 1);
     assert_int_equal(p2.dev.grads, (P / 4 + 15) / 16 * 16 * 4 + gw.total * 4);
     assert_int_equal(p2o.dev.master, 0);
     assert_int_equal(p2o.dev.optim, 0);
     assert_true(p2o.host_offload >= P * 12); /* 4 ranks on one host hold every shard */
+    /* with buckets of one layer ZeRO 2 holds less than ZeRO 1 (at 5e8 the bucket is most of the block) */
+    o.reduce_bucket = gw.layer;
+    o.offload = 0;
+    assert_int_equal(qt_plan_compute(&c, &o, &p2), QT_OK);
+    o.offload = 1;
+    assert_int_equal(qt_plan_compute(&c, &o, &p2o), QT_OK);
     assert_true(p0.dev.total > p1.dev.total && p1.dev.total > p2.dev.total && p2.dev.total > p2o.dev.total);
     /* activations do not depend on the strategy */
     assert_int_equal(p0.dev.activations, p2o.dev.activations);
     assert_true(p0.dev.comm > 0);
     /* ZeRO 0 never fits by adding cards: min_devices is 1 or none */
     assert_true(p0.min_devices == -1 || p0.min_devices == 1);
+}
+
+/* The layers' gradient buckets follow reduce_bucket_size (memplan.h qt_grad_pack): finer than a layer
+ * (whole modules, a module larger than the bucket on its own), exactly a layer, or spanning layers. */
+static void test_grad_buckets(void **state) {
+    (void)state;
+    qt_config c = qwen05();
+    qt_model_opts mo;
+    qt_model_opts_default(&mo);
+    mo.grad_windows = 1;
+    const size_t layer = 14912384, mlp = 896 * 4864; /* one layer; gate, up and down each */
+    qt_grad_windows gw;
+    int ub[24 * QT_GU_COUNT];
+    /* 1e6: down, gate, up alone (4.36M each, larger than the bucket), {ln2, o}, {q, k}, {v, ln1} */
+    mo.grad_bucket_elems = 1000000;
+    qt_model_grad_windows(&c, &mo, &gw);
+    assert_int_equal(gw.layer, layer);
+    assert_int_equal(gw.nbuckets, 24 * 6);
+    assert_int_equal(gw.bucket, mlp);
+    assert_int_equal(gw.each, gw.slice > mlp ? gw.slice : mlp);
+    assert_int_equal(qt_grad_pack(&c, &mo, ub, NULL), 24 * 6);
+    const int *l23 = ub + 23 * QT_GU_COUNT; /* the last layer: the first buckets */
+    assert_int_equal(l23[QT_GU_DOWN], 0);
+    assert_int_equal(l23[QT_GU_GATE], 1);
+    assert_int_equal(l23[QT_GU_UP], 2);
+    assert_int_equal(l23[QT_GU_LN2], 3);
+    assert_int_equal(l23[QT_GU_O], 3);
+    assert_int_equal(l23[QT_GU_Q], 4);
+    assert_int_equal(l23[QT_GU_K], 4);
+    assert_int_equal(l23[QT_GU_V], 5);
+    assert_int_equal(l23[QT_GU_LN1], 5);
+    assert_int_equal(ub[QT_GU_LN1], 24 * 6 - 1);
+    /* one layer's elements: every bucket is one layer (the layout of a window per layer) */
+    mo.grad_bucket_elems = layer;
+    qt_model_grad_windows(&c, &mo, &gw);
+    assert_int_equal(gw.nbuckets, 24);
+    assert_int_equal(gw.bucket, layer);
+    qt_grad_pack(&c, &mo, ub, NULL);
+    for (int l = 0; l < 24; l++)
+        for (int k = 0; k < QT_GU_COUNT; k++) assert_int_equal(ub[l * QT_GU_COUNT + k], 23 - l);
+    /* 1.5 layers: buckets span layers: layer 23 and layer 22's down (4.36M); the next from its gate to
+     * layer 21's gate; the largest is layer 21 from up to layer 20's ln1 (21.1M) */
+    mo.grad_bucket_elems = layer + layer / 2;
+    qt_model_grad_windows(&c, &mo, &gw);
+    assert_true(gw.bucket > layer && gw.bucket <= layer + layer / 2);
+    qt_grad_pack(&c, &mo, ub, NULL);
+    assert_int_equal(ub[23 * QT_GU_COUNT + QT_GU_LN1], 0);
+    assert_int_equal(ub[22 * QT_GU_COUNT + QT_GU_DOWN], 0);
+    assert_int_equal(ub[22 * QT_GU_COUNT + QT_GU_GATE], 1);
+    assert_int_equal(ub[21 * QT_GU_COUNT + QT_GU_GATE], 1);
+    assert_int_equal(ub[21 * QT_GU_COUNT + QT_GU_UP], 2);
+    /* overlap_comm: two windows; without, one */
+    mo.grad_overlap = 1;
+    qt_grad_windows g2;
+    qt_model_grad_windows(&c, &mo, &g2);
+    assert_int_equal(g2.nwin, 2);
+    assert_int_equal(g2.total - gw.total, (gw.each + 15) / 16 * 16);
+}
+
+/* LoRA at ZeRO-2 with layers_to_transform and modules_to_save: the buckets hold the adapted layers'
+ * A/B only (a layer LoRA leaves out is in no bucket), the saved embedding comes first in the flat
+ * block and the saved lm_head is handed over in vocabulary slices, as in full fine-tuning. */
+static void test_grad_buckets_peft(void **state) {
+    (void)state;
+    qt_config c = qwen05();
+    qt_model_opts mo;
+    qt_model_opts_default(&mo);
+    mo.grad_windows = 1;
+    mo.lora = 1;
+    mo.lora_r = 8;
+    mo.lora_targets = QT_LORA_Q | QT_LORA_V;
+    mo.lora_layers_set = 1;
+    const int on[] = {3, 10, 20};
+    for (int i = 0; i < 3; i++) mo.lora_layers[on[i] / 64] |= (uint64_t)1 << (on[i] % 64);
+    const size_t q = 8 * (896 + 896), v = 8 * (896 + 128), VC = (size_t)151936 * 896;
+    qt_grad_windows gw;
+    int ub[24 * QT_GU_COUNT];
+    /* DeepSpeed's default bucket: the three adapted layers in one */
+    qt_model_grad_windows(&c, &mo, &gw);
+    assert_int_equal(gw.layer, q + v);
+    assert_int_equal(gw.nbuckets, 1);
+    assert_int_equal(gw.bucket, 3 * (q + v));
+    assert_int_equal(gw.layer0, 0);
+    assert_int_equal(gw.norm, 0);
+    assert_int_equal(gw.slice_rows, 0); /* lm_head frozen */
+    /* a bucket of one q: q and v apart, in layers 20, 10, 3 only */
+    mo.grad_bucket_elems = q;
+    qt_model_grad_windows(&c, &mo, &gw);
+    assert_int_equal(gw.nbuckets, 6);
+    assert_int_equal(qt_grad_pack(&c, &mo, ub, NULL), 6);
+    for (int l = 0; l < 24; l++) {
+        const int k = l == 20 ? 0 : l == 10 ? 1 : l == 3 ? 2 : -1;
+        assert_int_equal(qt_model_layer_unit(&mo, l), k < 0 ? -1 : 2 - k);
+        for (int u = 0; u < QT_GU_COUNT; u++) {
+            int want = -1;
+            if (k >= 0 && u == QT_GU_Q) want = 2 * k;
+            if (k >= 0 && u == QT_GU_V) want = 2 * k + 1;
+            assert_int_equal(ub[l * QT_GU_COUNT + u], want);
+        }
+    }
+    /* modules_to_save: the embedding first (layer0 past it), the lm_head last, in slices; the final norm
+     * stays frozen; the layers' tensors are those the buckets hold */
+    mo.lora_save = QT_SAVE_EMBED | QT_SAVE_LM_HEAD;
+    qt_model_grad_windows(&c, &mo, &gw);
+    assert_int_equal(gw.nbuckets, 6);
+    assert_int_equal(gw.layer0, VC);
+    assert_int_equal(gw.norm, 0);
+    assert_true(gw.slice_rows > 0 && gw.slice == (size_t)gw.slice_rows * 896);
+    assert_int_equal(gw.targets, (size_t)mo.max_B * mo.max_T);
+    size_t numel;
+    int n = qt_model_param_table(&c, &mo, NULL, &numel);
+    qt_param *t = test_calloc((size_t)n, sizeof *t);
+    qt_model_param_table(&c, &mo, t, NULL);
+    assert_int_equal(n, 2 + 3 * 4);
+    assert_int_equal(t[0].layer, -1);
+    assert_int_equal(t[0].offset, 0);
+    assert_int_equal(t[1].offset, gw.layer0);
+    assert_int_equal(t[n - 1].layer, -1);
+    assert_int_equal(t[n - 1].offset, numel - VC);
+    size_t in_layers = 0;
+    for (int i = 0; i < n; i++)
+        if (t[i].layer >= 0) {
+            assert_true(t[i].layer == 3 || t[i].layer == 10 || t[i].layer == 20);
+            assert_int_equal(ub[t[i].layer * QT_GU_COUNT + t[i].unit] >= 0, 1);
+            in_layers += t[i].numel;
+        }
+    assert_int_equal(in_layers, 3 * gw.layer);
+    test_free(t);
 }
 
 static void test_lora(void **state) {
@@ -129,6 +266,7 @@ static void test_checkpointing_and_min_devices(void **state) {
     /* a card too small for everything but the sharded state: ZeRO 2 finds N */
     o.zero = 2;
     o.precision = QT_F16;
+    o.reduce_bucket = 14912384; /* one layer: at 5e8 one bucket holds every layer's gradients */
     o.device_gib = (double)(494032768ull * 2 + b.dev.activations + b.dev.workspace) / (1024.0 * 1024 * 1024) + 2.5;
     qt_plan z;
     assert_int_equal(qt_plan_compute(&c, &o, &z), QT_OK);
@@ -174,7 +312,9 @@ static void test_json(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_param_count), cmocka_unit_test(test_zero_stages), cmocka_unit_test(test_lora),
+        cmocka_unit_test(test_param_count), cmocka_unit_test(test_zero_stages), cmocka_unit_test(test_grad_buckets),
+        cmocka_unit_test(test_grad_buckets_peft),
+        cmocka_unit_test(test_lora),
         cmocka_unit_test(test_checkpointing_and_min_devices), cmocka_unit_test(test_bad_options),
         cmocka_unit_test(test_json),
     };
