@@ -2,7 +2,7 @@
 `train` (examples/demo-full.json, then examples/demo-lora.json) and `generate`,
 with the demo's own files (needs the Qwen tokenizer from tests/node). Few
 steps and short rows: this proves the files stay valid, not that the demo
-learns (scripts/demo shows that; no test checks the held-out score yet).
+learns (test_demo_learns.py checks the held-out score).
 Also: the committed demo data is what make_demo_data.py writes."""
 import filecmp
 import json
