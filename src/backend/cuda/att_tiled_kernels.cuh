@@ -40,6 +40,27 @@ __device__ int first_key_tile(const int32_t *doc_start, int b, int T, int q0) {
     return lo / TB;
 }
 
+/* Two score tiles at once: s[a][c] = A row . X row and dp[a][c] = B row .
+ * Y row over D, for this thread's rows ty + 16a of A, B and rows tx + 16c of
+ * X, Y (the dQ kernel: Q, dO against K, V; the dK/dV kernel: K, V against
+ * Q, dO) */
+__device__ __forceinline__ void tile_dots2(float s[4][4], float dp[4][4], const float *A, const float *B,
+                                           const float *X, const float *Y, int pitch, int D) {
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    for (int a = 0; a < 4; a++)
+        for (int c = 0; c < 4; c++) s[a][c] = dp[a][c] = 0.0f;
+    for (int d = 0; d < D; d++) {
+        float xa[4], ya[4], xc[4], yc[4];
+        for (int a = 0; a < 4; a++) xa[a] = A[(ty + 16 * a) * pitch + d], ya[a] = B[(ty + 16 * a) * pitch + d];
+        for (int c = 0; c < 4; c++) xc[c] = X[(tx + 16 * c) * pitch + d], yc[c] = Y[(tx + 16 * c) * pitch + d];
+        for (int a = 0; a < 4; a++)
+            for (int c = 0; c < 4; c++) {
+                s[a][c] += xa[a] * xc[c];
+                dp[a][c] += ya[a] * yc[c];
+            }
+    }
+}
+
 template <int DC>
 __global__ void __launch_bounds__(TTH) k_att_fwd_tiled(float *out, float *lse, const float *q, const float *k,
                                                        const float *v, const int32_t *doc_start, int T, int H,
@@ -157,18 +178,7 @@ __global__ void __launch_bounds__(TTH) k_att_dq_tiled(float *dq, const float *do
         load_tile(Vs, vb, ks, k0, T, D);
         __syncthreads();
         float s[4][4], dp[4][4];
-        for (int a = 0; a < 4; a++)
-            for (int c = 0; c < 4; c++) s[a][c] = dp[a][c] = 0.0f;
-        for (int d = 0; d < D; d++) {
-            float qa[4], oa[4], kc[4], vc[4];
-            for (int a = 0; a < 4; a++) qa[a] = Qs[(ty + 16 * a) * pitch + d], oa[a] = Os[(ty + 16 * a) * pitch + d];
-            for (int c = 0; c < 4; c++) kc[c] = Ks[(tx + 16 * c) * pitch + d], vc[c] = Vs[(tx + 16 * c) * pitch + d];
-            for (int a = 0; a < 4; a++)
-                for (int c = 0; c < 4; c++) {
-                    s[a][c] += qa[a] * kc[c];
-                    dp[a][c] += oa[a] * vc[c];
-                }
-        }
+        tile_dots2(s, dp, Qs, Os, Ks, Vs, pitch, D);
         for (int a = 0; a < 4; a++)
             for (int c = 0; c < 4; c++) {
                 int kj = k0 + tx + 16 * c;
@@ -239,18 +249,7 @@ __global__ void __launch_bounds__(TTH) k_att_dkdv_tiled(float *pdk, float *pdv, 
         }
         __syncthreads();
         float s[4][4], dp[4][4];
-        for (int a = 0; a < 4; a++)
-            for (int c = 0; c < 4; c++) s[a][c] = dp[a][c] = 0.0f;
-        for (int d = 0; d < D; d++) {
-            float ka[4], va[4], qc[4], oc[4];
-            for (int a = 0; a < 4; a++) ka[a] = Ks[(ty + 16 * a) * pitch + d], va[a] = Vs[(ty + 16 * a) * pitch + d];
-            for (int c = 0; c < 4; c++) qc[c] = Qs[(tx + 16 * c) * pitch + d], oc[c] = Os[(tx + 16 * c) * pitch + d];
-            for (int a = 0; a < 4; a++)
-                for (int c = 0; c < 4; c++) {
-                    s[a][c] += ka[a] * qc[c];
-                    dp[a][c] += va[a] * oc[c];
-                }
-        }
+        tile_dots2(s, dp, Ks, Vs, Qs, Os, pitch, D);
         for (int a = 0; a < 4; a++)
             for (int c = 0; c < 4; c++) {
                 int i = tx + 16 * c, qi = q0 + i;
