@@ -81,7 +81,9 @@ int main(int argc, char **argv) {
     int widest = V; /* the longest input or output row of any product */
     const int dims[4] = {C, I, Q, KV};
     for (int k = 0; k < 4; k++) widest = dims[k] > widest ? dims[k] : widest;
-    float *x = malloc(sizeof(float) * (size_t)N * widest), *out = malloc(sizeof(float) * (size_t)N * widest);
+    /* aligned as the model's activations are (a vector load of an unaligned x splits across two lines) */
+    float *x = qt_alloc_aligned(sizeof(float) * (size_t)N * widest, "bench_matvec x");
+    float *out = qt_alloc_aligned(sizeof(float) * (size_t)N * widest, "bench_matvec out");
     if (!w || !x || !out) return 1;
     /* random-ish weights, written in parallel (pages spread as a loaded model's are touched) */
 #pragma omp parallel for schedule(static)
@@ -140,6 +142,6 @@ int main(int argc, char **argv) {
            qt_dtype_name(dt), N, threads, file ? advise : "anonymous", gb, best * 1e3, med * 1e3, gb / best, gb / med,
            N / med, sum_best * 1e3, gb / sum_best);
     if (file) munmap(w, total * es), unlink(file);
-    free(t), free(x), free(out), qt_free(anon);
+    free(t), qt_free(x), qt_free(out), qt_free(anon);
     return 0;
 }

@@ -192,6 +192,8 @@ struct qt_model {
     int n_owned;
     const void **imported; /* frozen tensors imported from the mapping (be->import_mapped) */
     int n_imported;
+    char *stream_block;    /* inference: one block holding the matrices a decode step reads whole */
+    size_t stream_size, stream_used;
 
     qt_wref wte;           /* (V, C) */
     qt_wref lm_head;       /* (V, C), the embedding when tied */

@@ -193,15 +193,57 @@ static int import(qt_model *m, const st_tensor *t, const void **dev, const char 
     return QT_OK;
 }
 
+/* Inference: a decode step reads every layer matrix and the lm_head whole,
+ * once a token, so its speed is the speed of that read. From the file mapping
+ * (4 KiB page-cache pages) the 0.5B bf16 decode ran at 21.5 tok/s (median of
+ * 5); from a copy in one block of anonymous memory on transparent huge pages
+ * at 30.7 (docs/generate.md). So these matrices are copied into one block,
+ * sized here, and their mapped pages handed back: the resident size stays one
+ * copy, and loading costs one read of the file. An untied embedding is read
+ * one row a token and stays mapped. The lm_head role's base matrix is named
+ * by stream_vocab_name, which load_vocab_mats follows too. */
+#define STREAM_ALIGN 64
+static const char *stream_vocab_name(const qt_model *m, const char *emb) {
+    const unsigned sv = m->opts.lora ? m->opts.lora_save : 0;
+    if (sv & QT_SAVE_LM_HEAD) return NULL; /* the lm_head is the trained copy */
+    return m->cfg.tie_word_embeddings ? emb : "lm_head.weight";
+}
+
+static size_t stream_bytes(const qt_model *m, const char *emb) {
+    const qt_config *c = &m->cfg;
+    const qt_layout *ly = qt_config_layout(c);
+    char name[160];
+    size_t total = 0;
+    const char *v = stream_vocab_name(m, emb);
+    const st_tensor *t = v ? st_find(m->st, v) : NULL;
+    if (t) total += (t->nbytes + STREAM_ALIGN - 1) / STREAM_ALIGN * STREAM_ALIGN;
+    for (int l = 0; l < c->num_hidden_layers; l++)
+        for (int j = 0; j < LIN_COUNT; j++) {
+            if (!qt_lin_owns(c, j)) continue;
+            snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->lin[j]);
+            if ((t = st_find(m->st, name))) total += (t->nbytes + STREAM_ALIGN - 1) / STREAM_ALIGN * STREAM_ALIGN;
+        }
+    return total;
+}
+
 /* A frozen base matrix, left in the mapping in its file dtype (imported: the
- * mapping itself on the cpu backend), or, training in f16/bf16, converted to
- * the compute dtype. */
-static int base_matrix(qt_model *m, const char *name, int64_t d0, int64_t d1, qt_wref *w) {
+ * mapping itself on the cpu backend), copied into the stream block
+ * (inference, streamed), or, training in f16/bf16, converted to the compute
+ * dtype. */
+static int base_matrix(qt_model *m, const char *name, int64_t d0, int64_t d1, qt_wref *w, int streamed) {
     const st_tensor *t;
     int64_t shape[2] = {d0, d1};
     QT_TRY(st_expect(m->st, name, 2, shape, &t));
     qt_backend *be = m->be;
     w->dt = t->dtype;
+    if (streamed && m->stream_block && m->stream_size - m->stream_used >= t->nbytes) {
+        void *p = m->stream_block + m->stream_used;
+        m->stream_used += (t->nbytes + STREAM_ALIGN - 1) / STREAM_ALIGN * STREAM_ALIGN;
+        be->upload(be, p, t->data, t->nbytes);
+        drop_mapped_pages(t->data, t->nbytes);
+        w->p = p;
+        return QT_OK;
+    }
     qt_dtype cd = m->opts.compute;
     if (!m->infer && cd != QT_F32 && t->dtype != cd) {
         /* training in f16/bf16 holds the frozen base in the compute dtype (the memory plan's compute_copy) */
@@ -345,14 +387,15 @@ static int load_vocab_mats(qt_model *m) {
     snprintf(emb, sizeof emb, "%s.weight", qt_config_layout(c)->embed);
     qt_wref base = {0};
     const int base_used = !(sv & QT_SAVE_EMBED) || (tied && !(sv & QT_SAVE_LM_HEAD));
-    if (base_used) QT_TRY(base_matrix(m, emb, V, C, &base));
+    const char *streamed = stream_vocab_name(m, emb);
+    if (base_used) QT_TRY(base_matrix(m, emb, V, C, &base, streamed == emb));
     if (sv & QT_SAVE_EMBED) QT_TRY(saved_module(m, QT_SAVE_EMBED, emb, !base_used && !tied, &m->wte, &m->dwte, NULL));
     else m->wte = base;
     if (sv & QT_SAVE_LM_HEAD)
         return saved_module(m, QT_SAVE_LM_HEAD, tied ? emb : "lm_head.weight", !base_used, &m->lm_head, &m->dlm_head,
                             &m->lm_head_off);
     if (tied) m->lm_head = base;
-    else QT_TRY(base_matrix(m, "lm_head.weight", V, C, &m->lm_head));
+    else QT_TRY(base_matrix(m, "lm_head.weight", V, C, &m->lm_head, 1));
     return QT_OK;
 }
 
@@ -362,6 +405,16 @@ static int load_frozen(qt_model *m) {
     int C = c->hidden_size, D = c->head_dim;
     char name[160];
     float *small = m->base_f32;
+    if (m->infer) {
+        char emb[160];
+        snprintf(emb, sizeof emb, "%s.weight", ly->embed);
+        m->stream_size = stream_bytes(m, emb);
+        if (m->stream_size) {
+            m->stream_block = m->be->alloc(m->be, QT_MEM_DEVICE, m->stream_size, "model: frozen matrices");
+            if (!m->stream_block) return QT_ENOMEM;
+            QT_TRY(own(m, m->stream_block));
+        }
+    }
     QT_TRY(load_vocab_mats(m));
     snprintf(name, sizeof name, "%s.weight", ly->final_norm);
     QT_TRY(base_vector(m, name, C, small));
@@ -395,7 +448,7 @@ static int load_frozen(qt_model *m) {
             }
             int rows = ly->fused_qkv && j == LIN_Q ? qt_lin_fused_rows(c) : q->out;
             snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->lin[j]);
-            QT_TRY(base_matrix(m, name, rows, q->in, &q->w));
+            QT_TRY(base_matrix(m, name, rows, q->in, &q->w, 1));
             if (qt_lin_has_bias(c, j)) {
                 snprintf(name, sizeof name, "%s.%d.%s.bias", ly->layers, l, ly->lin[j]);
                 QT_TRY(base_vector(m, name, rows, small));

@@ -31,13 +31,15 @@
 #define ROW_ALIGN 16
 /* bytes of W a thread takes at a time (a few times the prefetch distance) */
 #define MATVEC_CHUNK ((size_t)256 << 10)
-/* Software prefetch distance in elements (8 KiB of bf16, 16 KiB of f32). One
- * core keeps only as many lines in flight as its instruction window reaches,
- * and a 2-byte row brings half a line per load: without the hint a bf16 matvec
- * ran at about half the GB/s of an f32 one. Measured on op_matvec alone
- * (896 x 4864, 64 matrices, 1 thread, the shared 2-core VM, best of 20, three
- * alternating rounds): bf16 11-16.6 -> 21-23.8 GB/s, f32 unchanged at 25-30. */
-#define MATVEC_AHEAD 4096
+/* Software prefetch distance in bytes of W. One core keeps only as many lines
+ * in flight as its instruction window reaches, and a 2-byte row brings half a
+ * line per load: without the hint a bf16 matvec ran at about half the GB/s of
+ * an f32 one. Measured on op_matvec alone (896 x 4864, 64 matrices, 1 thread,
+ * the shared 2-core VM, best of 20, three alternating rounds): bf16 11-16.6 ->
+ * 21-23.8 GB/s, f32 unchanged at 25-30. */
+#ifndef MATVEC_AHEAD
+#define MATVEC_AHEAD 8192
+#endif
 
 /* Keeps a loaded vector in its register: without it GCC folds the load into
  * every instruction that uses the value (x into each of the 4 rows' FMAs, a
@@ -53,6 +55,7 @@ static inline vf vzero(void) { return _mm512_setzero_ps(); }
 static inline vf vload_x(const float *x) { return _mm512_loadu_ps(x); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vload_w(const void *w, qt_dtype dt, size_t i) {
     if (dt == QT_F32) return _mm512_loadu_ps((const float *)w + i);
     __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i));
@@ -86,6 +89,7 @@ typedef __m256 vf;
 static inline vf vzero(void) { return _mm256_setzero_ps(); }
 static inline vf vload_x(const float *x) { return _mm256_loadu_ps(x); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline float vsum(vf v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -102,95 +106,97 @@ static inline vf vload_w(const void *w, qt_dtype dt, size_t i) {
 #define LANES 0 /* scalar only */
 #endif
 
+/* input rows per tile: 4 x 2 accumulators, 2 x vectors and 2 weight vectors
+ * fit AVX2's 16 registers */
+#define NB_MAX 4
+
 static inline float w_at(const void *w, qt_dtype dt, size_t i) {
     if (dt == QT_F32) return ((const float *)w)[i];
     uint16_t h = ((const uint16_t *)w)[i];
     return dt == QT_F16 ? qt_f16_to_f32(h) : qt_bf16_to_f32(h);
 }
 
-/* The tile: weight rows r .. r+NR-1 times input rows x[0 .. NB-1] (row
- * stride IN) into dot[j * 4 + n]. NR, NB and dt are constants wherever it is
- * inlined, so the accumulators live in registers and the loads carry no
- * branch. pf: prefetch the weight stream (the first input group; the others
- * find the rows in cache). */
+/* The tile: weight row r times input rows x[0 .. NB-1] (row stride IN) into
+ * dot[0 .. NB-1]. One weight row at a time: the rows of a chunk are then one
+ * sequential stream, which the hardware prefetcher follows at the full read
+ * bandwidth; a tile of 4 weight rows read side by side (4 streams 4 row
+ * lengths apart) ran at 70-80% of it on this machine (f32 25-32 against 27-35
+ * GB/s, bf16 17-24 against 25-34, same run). Each (row, input row) dot product
+ * keeps two vector accumulators, so the FMAs of consecutive vectors do not
+ * wait for each other (one accumulator bounds a bf16 line to two dependent
+ * FMA latencies, about 8 bytes a cycle, below what memory delivers): f32, f16
+ * and the AVX2 path send vector k of the row to accumulator k % 2; bf16 on
+ * AVX-512 sends a line's even weights to the first and its odd ones to the
+ * second. The accumulators are added, their lanes summed in a fixed order,
+ * then the scalar tail. NB and dt are constants wherever it is inlined, so the
+ * accumulators live in registers and the loads carry no branch. pf: prefetch
+ * the weight stream (the first input group; the others find the row in
+ * cache). */
 static inline __attribute__((always_inline)) void dot_tile(float *dot, const float *x, const void *w, qt_dtype dt,
-                                                           size_t in, int r, int NR, int NB, int pf) {
+                                                           size_t in, int r, int NB, int pf) {
     const size_t es = dt == QT_F32 ? 4 : 2;
     const size_t b = (size_t)r * in;
+    const char *wrow = (const char *)w + b * es;
 #if LANES
-    const size_t vec_end = in / LANES * LANES;
-    vf acc[4][4];
-    for (int j = 0; j < NR; j++)
-        for (int n = 0; n < NB; n++) acc[j][n] = vzero();
+    vf acc0[NB_MAX], acc1[NB_MAX];
+    for (int n = 0; n < NB; n++) acc0[n] = vzero(), acc1[n] = vzero();
     size_t i0 = 0;
 #ifdef BF16_PAIRS
-    if (dt == QT_BF16) { /* whole lines of 2 * LANES weights, then the widening loop below for what is left */
+    if (dt == QT_BF16) { /* whole lines of 2 * LANES weights, then the loops below for what is left */
         const size_t pair_end = in / (2 * LANES) * (2 * LANES);
         for (size_t i = 0; i < pair_end; i += 2 * LANES) {
-            if (pf)
-                for (int j = 0; j < NR; j++)
-                    _mm_prefetch((const char *)w + (b + (size_t)j * in + i + MATVEC_AHEAD) * 2, _MM_HINT_T0);
-            vf xe[4], xo[4];
-            for (int n = 0; n < NB; n++) x_pair(x + (size_t)n * in + i, &xe[n], &xo[n]);
-            for (int j = 0; j < NR; j++) {
-                vf we, wo;
-                bf16_pair(w, b + (size_t)j * in + i, &we, &wo);
-                for (int n = 0; n < NB; n++) acc[j][n] = vfma(wo, xo[n], vfma(we, xe[n], acc[j][n]));
+            if (pf) _mm_prefetch(wrow + i * 2 + MATVEC_AHEAD, _MM_HINT_T0);
+            vf we, wo;
+            bf16_pair(w, b + i, &we, &wo);
+            for (int n = 0; n < NB; n++) {
+                vf xe, xo;
+                x_pair(x + (size_t)n * in + i, &xe, &xo);
+                acc0[n] = vfma(we, xe, acc0[n]);
+                acc1[n] = vfma(wo, xo, acc1[n]);
             }
         }
         i0 = pair_end;
     }
 #endif
-    for (size_t i = i0; i < vec_end; i += LANES) {
-        if (pf) /* the NR rows are one contiguous stream; asking for it MATVEC_AHEAD elements ahead keeps enough
-                 * lines in flight (a hint: no fault past the end) */
-            for (int j = 0; j < NR; j++) _mm_prefetch((const char *)w + (b + (size_t)j * in + i + MATVEC_AHEAD) * es,
-                                                      _MM_HINT_T0);
-        vf xv[4];
+    const size_t two_end = i0 + (in - i0) / (2 * LANES) * (2 * LANES);
+    for (size_t i = i0; i < two_end; i += 2 * LANES) {
+        if (pf) /* a hint: no fault past the end */
+            for (size_t off = 0; off < 2 * LANES * es; off += 64) _mm_prefetch(wrow + i * es + MATVEC_AHEAD + off, _MM_HINT_T0);
+        vf w0 = vload_w(w, dt, b + i), w1 = vload_w(w, dt, b + i + LANES);
         for (int n = 0; n < NB; n++) {
-            xv[n] = vload_x(x + (size_t)n * in + i);
-            IN_REGISTER(xv[n]);
-        }
-        for (int j = 0; j < NR; j++) {
-            vf wv = vload_w(w, dt, b + (size_t)j * in + i);
-            for (int n = 0; n < NB; n++) acc[j][n] = vfma(wv, xv[n], acc[j][n]);
+            vf x0 = vload_x(x + (size_t)n * in + i), x1 = vload_x(x + (size_t)n * in + i + LANES);
+            acc0[n] = vfma(w0, x0, acc0[n]);
+            acc1[n] = vfma(w1, x1, acc1[n]);
         }
     }
-    for (int j = 0; j < NR; j++)
-        for (int n = 0; n < NB; n++) {
-            float s = vsum(acc[j][n]);
-            for (size_t i = vec_end; i < in; i++) s += w_at(w, dt, b + (size_t)j * in + i) * x[(size_t)n * in + i];
-            dot[j * 4 + n] = s;
-        }
+    const size_t vec_end = two_end + (in - two_end) / LANES * LANES; /* at most one more vector */
+    if (vec_end > two_end) {
+        vf w0 = vload_w(w, dt, b + two_end);
+        for (int n = 0; n < NB; n++) acc0[n] = vfma(w0, vload_x(x + (size_t)n * in + two_end), acc0[n]);
+    }
+    for (int n = 0; n < NB; n++) {
+        float s = vsum(vadd(acc0[n], acc1[n]));
+        for (size_t i = vec_end; i < in; i++) s += w_at(w, dt, b + i) * x[(size_t)n * in + i];
+        dot[n] = s;
+    }
 #else
-    (void)pf, (void)es;
-    for (int j = 0; j < NR; j++)
-        for (int n = 0; n < NB; n++) {
-            float s = 0.0f;
-            for (size_t i = 0; i < in; i++) s += w_at(w, dt, b + (size_t)j * in + i) * x[(size_t)n * in + i];
-            dot[j * 4 + n] = s;
-        }
+    (void)pf, (void)wrow;
+    for (int n = 0; n < NB; n++) {
+        float s = 0.0f;
+        for (size_t i = 0; i < in; i++) s += w_at(w, dt, b + i) * x[(size_t)n * in + i];
+        dot[n] = s;
+    }
 #endif
 }
 
-/* input rows per tile: 4 x 4 accumulators fill half of AVX-512's 32
- * registers; AVX2 has 16, so 4 x 2 */
-#if LANES == 8
-#define NB_MAX 2
-#else
-#define NB_MAX 4
-#endif
-
-/* one tile of NR rows with NB (1..NB_MAX) input rows, specialised on all three */
+/* one tile with NB (1..NB_MAX) input rows, specialised on it */
 static inline __attribute__((always_inline)) void dot_tile_nb(float *dot, const float *x, const void *w, qt_dtype dt,
-                                                              size_t in, int r, int NR, int nb, int pf) {
+                                                              size_t in, int r, int nb, int pf) {
     switch (nb) {
-    case 1: dot_tile(dot, x, w, dt, in, r, NR, 1, pf); break;
-    case 2: dot_tile(dot, x, w, dt, in, r, NR, 2, pf); break;
-#if NB_MAX == 4
-    case 3: dot_tile(dot, x, w, dt, in, r, NR, 3, pf); break;
-    case 4: dot_tile(dot, x, w, dt, in, r, NR, 4, pf); break;
-#endif
+    case 1: dot_tile(dot, x, w, dt, in, r, 1, pf); break;
+    case 2: dot_tile(dot, x, w, dt, in, r, 2, pf); break;
+    case 3: dot_tile(dot, x, w, dt, in, r, 3, pf); break;
+    case 4: dot_tile(dot, x, w, dt, in, r, 4, pf); break;
     }
 }
 
@@ -199,23 +205,18 @@ static inline __attribute__((always_inline)) void rows_dt(float *out, const floa
                                                           const float *bias, int N, int IN, int OUT, float alpha,
                                                           int accumulate, int r0, int r1) {
     const size_t in = (size_t)IN;
-    float dot[16];
-    for (int r = r0; r < r1;) {
-        const int NR = r1 - r >= 4 ? 4 : 1;
+    float dot[NB_MAX];
+    for (int r = r0; r < r1; r++)
         for (int n0 = 0; n0 < N; n0 += NB_MAX) {
             const int nb = N - n0 < NB_MAX ? N - n0 : NB_MAX;
-            if (NR == 4 && n0 == 0) dot_tile_nb(dot, x, w, dt, in, r, 4, nb, 1); /* pf a constant in each copy */
-            else if (NR == 4) dot_tile_nb(dot, x + (size_t)n0 * in, w, dt, in, r, 4, nb, 0);
-            else dot_tile_nb(dot, x + (size_t)n0 * in, w, dt, in, r, 1, nb, 0);
-            for (int j = 0; j < NR; j++)
-                for (int n = 0; n < nb; n++) {
-                    float *o = out + (size_t)(n0 + n) * OUT + r + j;
-                    float v = alpha * dot[j * 4 + n] + (bias ? bias[r + j] : 0.0f);
-                    *o = accumulate ? *o + v : v;
-                }
+            if (n0 == 0) dot_tile_nb(dot, x, w, dt, in, r, nb, 1); /* pf a constant in each copy */
+            else dot_tile_nb(dot, x + (size_t)n0 * in, w, dt, in, r, nb, 0);
+            for (int n = 0; n < nb; n++) {
+                float *o = out + (size_t)(n0 + n) * OUT + r;
+                float v = alpha * dot[n] + (bias ? bias[r] : 0.0f);
+                *o = accumulate ? *o + v : v;
+            }
         }
-        r += NR;
-    }
 }
 
 static void matvec_rows(float *out, const float *x, const void *w, qt_dtype dt, const float *bias, int N, int IN,
