@@ -11,12 +11,12 @@
  * between threads; on a shared machine a thread that is descheduled does not
  * hold the step up for its whole static half); a small product runs on the
  * calling thread, where the fork would cost more than the work. The kernel
- * is a register tile of 4 weight rows x up to 4 input rows: the weight chunk
- * is loaded (and widened) once and multiplied into every input row, so N
- * rows cost one read of W from memory (more than 4 input rows re-read the 4
- * weight rows from L1/L2, not from memory). Each (weight row, input row)
- * dot product is one f32 vector accumulator over IN, its lanes summed in a
- * fixed order, then the tail: the same operations whatever the tile, the
+ * is a register tile of 2 weight rows (one from each half of the thread's
+ * chunk) x up to 4 input rows: each weight line is loaded (and widened) once
+ * and multiplied into every input row, so N rows cost one read of W from
+ * memory (more than 4 input rows re-read the 2 weight rows from L1/L2, not
+ * from memory). Each (weight row, input row) dot product has its own
+ * accumulators and a fixed order of operations, whatever the tile, the
  * chunk, the thread count or N, so a row's result is bit-identical whether
  * it decodes alone or in a batch. */
 #include <immintrin.h>
@@ -29,17 +29,13 @@
  * of f32: a few microseconds, the cost of waking the team) */
 #define MATVEC_MIN_PARALLEL ((size_t)1 << 15)
 #define ROW_ALIGN 16
-/* bytes of W a thread takes at a time (a few times the prefetch distance) */
-#define MATVEC_CHUNK ((size_t)256 << 10)
-/* Software prefetch distance in bytes of W. One core keeps only as many lines
- * in flight as its instruction window reaches, and a 2-byte row brings half a
- * line per load: without the hint a bf16 matvec ran at about half the GB/s of
- * an f32 one. Measured on op_matvec alone (896 x 4864, 64 matrices, 1 thread,
- * the shared 2-core VM, best of 20, three alternating rounds): bf16 11-16.6 ->
- * 21-23.8 GB/s, f32 unchanged at 25-30. */
-#ifndef MATVEC_AHEAD
-#define MATVEC_AHEAD 8192
-#endif
+/* bytes of W a thread takes at a time: each chunk is read as two streams
+ * that start cold, so larger chunks read faster (2 threads, 0.5B step, best
+ * of 6, three rounds: 64 KiB 34-44 GB/s, 256 KiB 43-48, 1 MiB 45-51, a half
+ * of each matrix per thread 47-53), while several chunks per thread let the
+ * other thread take a descheduled one's share */
+#define MATVEC_CHUNK ((size_t)1 << 20)
+#define MATVEC_CHUNKS_PER_THREAD 2
 
 /* Keeps a loaded vector in its register: without it GCC folds the load into
  * every instruction that uses the value (x into each of the 4 rows' FMAs, a
@@ -106,9 +102,13 @@ static inline vf vload_w(const void *w, qt_dtype dt, size_t i) {
 #define LANES 0 /* scalar only */
 #endif
 
-/* input rows per tile: 4 x 2 accumulators, 2 x vectors and 2 weight vectors
- * fit AVX2's 16 registers */
+/* input rows per tile: 2 weight rows x 4 input rows x 2 accumulators fill
+ * half of AVX-512's 32 registers; AVX2 has 16, so 2 input rows there */
+#if LANES == 8
+#define NB_MAX 2
+#else
 #define NB_MAX 4
+#endif
 
 static inline float w_at(const void *w, qt_dtype dt, size_t i) {
     if (dt == QT_F32) return ((const float *)w)[i];
@@ -116,43 +116,46 @@ static inline float w_at(const void *w, qt_dtype dt, size_t i) {
     return dt == QT_F16 ? qt_f16_to_f32(h) : qt_bf16_to_f32(h);
 }
 
-/* The tile: weight row r times input rows x[0 .. NB-1] (row stride IN) into
- * dot[0 .. NB-1]. One weight row at a time: the rows of a chunk are then one
- * sequential stream, which the hardware prefetcher follows at the full read
- * bandwidth; a tile of 4 weight rows read side by side (4 streams 4 row
- * lengths apart) ran at 70-80% of it on this machine (f32 25-32 against 27-35
- * GB/s, bf16 17-24 against 25-34, same run). Each (row, input row) dot product
- * keeps two vector accumulators, so the FMAs of consecutive vectors do not
- * wait for each other (one accumulator bounds a bf16 line to two dependent
- * FMA latencies, about 8 bytes a cycle, below what memory delivers): f32, f16
+/* The tile: NR (1 or 2) weight rows ra, rb times input rows x[0 .. NB-1]
+ * (row stride IN) into dot[j * NB_MAX + n]. A chunk of rows is read as two
+ * sequential streams, its first half and its second half side by side (ra
+ * from the first, rb from the second): one core then keeps more lines in
+ * flight than one stream's prefetch gives it. Measured on the 0.5B shapes, 1
+ * thread, means of 5 rounds: one row at a time f32 32-33 GB/s, bf16 30-32; two
+ * halves 37-39 and 36-39 (a plain read of one stream 34-35, of two 39-40);
+ * software prefetch lowered the two-stream figures by 10%, and 4 adjacent
+ * rows read side by side (4 streams a row apart) ran at 25-32. Each (row,
+ * input row) dot product keeps two vector accumulators, so the FMAs of
+ * consecutive vectors do not wait for each other (one accumulator bounds a
+ * bf16 line to two dependent FMA latencies, about 8 bytes a cycle): f32, f16
  * and the AVX2 path send vector k of the row to accumulator k % 2; bf16 on
  * AVX-512 sends a line's even weights to the first and its odd ones to the
  * second. The accumulators are added, their lanes summed in a fixed order,
- * then the scalar tail. NB and dt are constants wherever it is inlined, so the
- * accumulators live in registers and the loads carry no branch. pf: prefetch
- * the weight stream (the first input group; the others find the row in
- * cache). */
+ * then the scalar tail: the same operations for a row whatever the tile, the
+ * chunk, the thread count or N. NR, NB and dt are constants wherever it is
+ * inlined, so the accumulators live in registers and the loads carry no
+ * branch. */
 static inline __attribute__((always_inline)) void dot_tile(float *dot, const float *x, const void *w, qt_dtype dt,
-                                                           size_t in, int r, int NB, int pf) {
-    const size_t es = dt == QT_F32 ? 4 : 2;
-    const size_t b = (size_t)r * in;
-    const char *wrow = (const char *)w + b * es;
+                                                           size_t in, int ra, int rb, int NR, int NB) {
+    const size_t b[2] = {(size_t)ra * in, (size_t)rb * in};
 #if LANES
-    vf acc0[NB_MAX], acc1[NB_MAX];
-    for (int n = 0; n < NB; n++) acc0[n] = vzero(), acc1[n] = vzero();
+    vf acc0[2][NB_MAX], acc1[2][NB_MAX];
+    for (int j = 0; j < NR; j++)
+        for (int n = 0; n < NB; n++) acc0[j][n] = vzero(), acc1[j][n] = vzero();
     size_t i0 = 0;
 #ifdef BF16_PAIRS
     if (dt == QT_BF16) { /* whole lines of 2 * LANES weights, then the loops below for what is left */
         const size_t pair_end = in / (2 * LANES) * (2 * LANES);
         for (size_t i = 0; i < pair_end; i += 2 * LANES) {
-            if (pf) _mm_prefetch(wrow + i * 2 + MATVEC_AHEAD, _MM_HINT_T0);
-            vf we, wo;
-            bf16_pair(w, b + i, &we, &wo);
+            vf we[2], wo[2];
+            for (int j = 0; j < NR; j++) bf16_pair(w, b[j] + i, &we[j], &wo[j]);
             for (int n = 0; n < NB; n++) {
                 vf xe, xo;
                 x_pair(x + (size_t)n * in + i, &xe, &xo);
-                acc0[n] = vfma(we, xe, acc0[n]);
-                acc1[n] = vfma(wo, xo, acc1[n]);
+                for (int j = 0; j < NR; j++) {
+                    acc0[j][n] = vfma(we[j], xe, acc0[j][n]);
+                    acc1[j][n] = vfma(wo[j], xo, acc1[j][n]);
+                }
             }
         }
         i0 = pair_end;
@@ -160,63 +163,75 @@ static inline __attribute__((always_inline)) void dot_tile(float *dot, const flo
 #endif
     const size_t two_end = i0 + (in - i0) / (2 * LANES) * (2 * LANES);
     for (size_t i = i0; i < two_end; i += 2 * LANES) {
-        if (pf) /* a hint: no fault past the end */
-            for (size_t off = 0; off < 2 * LANES * es; off += 64) _mm_prefetch(wrow + i * es + MATVEC_AHEAD + off, _MM_HINT_T0);
-        vf w0 = vload_w(w, dt, b + i), w1 = vload_w(w, dt, b + i + LANES);
+        vf w0[2], w1[2];
+        for (int j = 0; j < NR; j++) w0[j] = vload_w(w, dt, b[j] + i), w1[j] = vload_w(w, dt, b[j] + i + LANES);
         for (int n = 0; n < NB; n++) {
             vf x0 = vload_x(x + (size_t)n * in + i), x1 = vload_x(x + (size_t)n * in + i + LANES);
-            acc0[n] = vfma(w0, x0, acc0[n]);
-            acc1[n] = vfma(w1, x1, acc1[n]);
+            for (int j = 0; j < NR; j++) {
+                acc0[j][n] = vfma(w0[j], x0, acc0[j][n]);
+                acc1[j][n] = vfma(w1[j], x1, acc1[j][n]);
+            }
         }
     }
     const size_t vec_end = two_end + (in - two_end) / LANES * LANES; /* at most one more vector */
-    if (vec_end > two_end) {
-        vf w0 = vload_w(w, dt, b + two_end);
-        for (int n = 0; n < NB; n++) acc0[n] = vfma(w0, vload_x(x + (size_t)n * in + two_end), acc0[n]);
-    }
-    for (int n = 0; n < NB; n++) {
-        float s = vsum(vadd(acc0[n], acc1[n]));
-        for (size_t i = vec_end; i < in; i++) s += w_at(w, dt, b + i) * x[(size_t)n * in + i];
-        dot[n] = s;
-    }
+    if (vec_end > two_end)
+        for (int j = 0; j < NR; j++) {
+            vf w0 = vload_w(w, dt, b[j] + two_end);
+            for (int n = 0; n < NB; n++) acc0[j][n] = vfma(w0, vload_x(x + (size_t)n * in + two_end), acc0[j][n]);
+        }
+    for (int j = 0; j < NR; j++)
+        for (int n = 0; n < NB; n++) {
+            float s = vsum(vadd(acc0[j][n], acc1[j][n]));
+            for (size_t i = vec_end; i < in; i++) s += w_at(w, dt, b[j] + i) * x[(size_t)n * in + i];
+            dot[j * NB_MAX + n] = s;
+        }
 #else
-    (void)pf, (void)wrow;
-    for (int n = 0; n < NB; n++) {
-        float s = 0.0f;
-        for (size_t i = 0; i < in; i++) s += w_at(w, dt, b + i) * x[(size_t)n * in + i];
-        dot[n] = s;
-    }
+    for (int j = 0; j < NR; j++)
+        for (int n = 0; n < NB; n++) {
+            float s = 0.0f;
+            for (size_t i = 0; i < in; i++) s += w_at(w, dt, b[j] + i) * x[(size_t)n * in + i];
+            dot[j * NB_MAX + n] = s;
+        }
 #endif
 }
 
-/* one tile with NB (1..NB_MAX) input rows, specialised on it */
+/* one tile of NR rows with NB (1..NB_MAX) input rows, specialised on both */
 static inline __attribute__((always_inline)) void dot_tile_nb(float *dot, const float *x, const void *w, qt_dtype dt,
-                                                              size_t in, int r, int nb, int pf) {
+                                                              size_t in, int ra, int rb, int NR, int nb) {
     switch (nb) {
-    case 1: dot_tile(dot, x, w, dt, in, r, 1, pf); break;
-    case 2: dot_tile(dot, x, w, dt, in, r, 2, pf); break;
-    case 3: dot_tile(dot, x, w, dt, in, r, 3, pf); break;
-    case 4: dot_tile(dot, x, w, dt, in, r, 4, pf); break;
+    case 1: dot_tile(dot, x, w, dt, in, ra, rb, NR, 1); break;
+    case 2: dot_tile(dot, x, w, dt, in, ra, rb, NR, 2); break;
+#if NB_MAX == 4
+    case 3: dot_tile(dot, x, w, dt, in, ra, rb, NR, 3); break;
+    case 4: dot_tile(dot, x, w, dt, in, ra, rb, NR, 4); break;
+#endif
     }
 }
 
-/* rows [r0, r1) of W against all N input rows, written to out (N, OUT) */
+/* rows [r0, r1) of W against all N input rows, written to out (N, OUT): row
+ * r0 + k of the first half with row r0 + half + k of the second, an odd last
+ * row of the second half alone */
 static inline __attribute__((always_inline)) void rows_dt(float *out, const float *x, const void *w, qt_dtype dt,
                                                           const float *bias, int N, int IN, int OUT, float alpha,
                                                           int accumulate, int r0, int r1) {
     const size_t in = (size_t)IN;
-    float dot[NB_MAX];
-    for (int r = r0; r < r1; r++)
+    const int half = (r1 - r0) / 2;
+    float dot[2 * NB_MAX];
+    for (int k = 0; k < r1 - r0 - half; k++) {
+        const int NR = k < half ? 2 : 1, rows[2] = {r0 + half + k, r0 + k};
         for (int n0 = 0; n0 < N; n0 += NB_MAX) {
             const int nb = N - n0 < NB_MAX ? N - n0 : NB_MAX;
-            if (n0 == 0) dot_tile_nb(dot, x, w, dt, in, r, nb, 1); /* pf a constant in each copy */
-            else dot_tile_nb(dot, x + (size_t)n0 * in, w, dt, in, r, nb, 0);
-            for (int n = 0; n < nb; n++) {
-                float *o = out + (size_t)(n0 + n) * OUT + r;
-                float v = alpha * dot[n] + (bias ? bias[r] : 0.0f);
-                *o = accumulate ? *o + v : v;
-            }
+            if (NR == 2) dot_tile_nb(dot, x + (size_t)n0 * in, w, dt, in, rows[0], rows[1], 2, nb);
+            else dot_tile_nb(dot, x + (size_t)n0 * in, w, dt, in, rows[0], rows[0], 1, nb);
+            for (int j = 0; j < NR; j++)
+                for (int n = 0; n < nb; n++) {
+                    const int r = rows[j];
+                    float *o = out + (size_t)(n0 + n) * OUT + r;
+                    float v = alpha * dot[j * NB_MAX + n] + (bias ? bias[r] : 0.0f);
+                    *o = accumulate ? *o + v : v;
+                }
         }
+    }
 }
 
 static void matvec_rows(float *out, const float *x, const void *w, qt_dtype dt, const float *bias, int N, int IN,
@@ -237,10 +252,11 @@ void op_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const fl
         matvec_rows(out, x, w, wdt, bias, N, IN, OUT, alpha, accumulate, 0, OUT);
         return;
     }
-    /* chunks of about MATVEC_CHUNK bytes of W, at least 4 per thread so a late thread's share is taken by the
-     * others, in whole multiples of ROW_ALIGN rows (with OUT a multiple of 16, threads never write the same cache line) */
+    /* chunks of about MATVEC_CHUNK bytes of W, at least MATVEC_CHUNKS_PER_THREAD per thread so a late thread's
+     * share is taken by the others, in whole multiples of ROW_ALIGN rows (with OUT a multiple of 16, threads never
+     * write the same cache line) */
     size_t chunks = elems * qt_dtype_size(wdt) / MATVEC_CHUNK;
-    if (chunks < (size_t)team * 4) chunks = (size_t)team * 4;
+    if (chunks < (size_t)team * MATVEC_CHUNKS_PER_THREAD) chunks = (size_t)team * MATVEC_CHUNKS_PER_THREAD;
     size_t rows = ((size_t)OUT + chunks - 1) / chunks;
     rows = (rows + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
     const int per = (int)rows, n_chunks = (int)(((size_t)OUT + rows - 1) / rows);
