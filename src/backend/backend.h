@@ -35,6 +35,9 @@ typedef enum {
     QT_MEM_DEVICE = 0, /* the backend's own memory (kernels read/write it; the host does not) */
     QT_MEM_PINNED,     /* host memory registered for fast transfers (staging buffers) */
     QT_MEM_HOST,       /* plain host memory */
+    QT_MEM_DEVICE_SPARSE, /* device memory written a little at a time, much of it never (the KV cache of
+                           * --ctx positions): the cpu backend keeps it on 4 KiB pages, so only what is
+                           * written is committed (a huge page commits 2 MiB at its first write) */
 } qt_mem_place;
 
 /* Plain facts about a backend, readable without the device (qt_backend_desc_of

@@ -38,6 +38,15 @@ void *qt_alloc_aligned_at(size_t n, const char *what, const char *file, int line
     return p;
 }
 
+void *qt_alloc_sparse_at(size_t n, const char *what, const char *file, int line) {
+    size_t rounded = (n + 63) & ~(size_t)63;
+    if (rounded < n) return oom(n, what, file, line);
+    void *p = aligned_alloc(64, rounded ? rounded : 64);
+    if (!p) return oom(n, what, file, line);
+    if (rounded >= QT_HUGE_MIN) (void)madvise((void *)((uintptr_t)p & ~(uintptr_t)4095), rounded, MADV_NOHUGEPAGE);
+    return p;
+}
+
 void qt_advise_huge(void *p, size_t n) {
     /* Advice only: where transparent huge pages are off, or the kernel has
      * none free, the buffer keeps 4 KiB pages and nothing else changes. */

@@ -14,6 +14,9 @@ void *qt_realloc_at(void *p, size_t n, const char *what, const char *file, int l
  * fewer TLB misses where sgemm packs them and Adam streams them, and 512x
  * fewer page faults when they are first touched. */
 void *qt_alloc_aligned_at(size_t n, const char *what, const char *file, int line);
+/* 64-byte aligned, on 4 KiB pages even where transparent huge pages are
+ * always on: memory of which only what is written is committed. */
+void *qt_alloc_sparse_at(size_t n, const char *what, const char *file, int line);
 /* madvise(MADV_HUGEPAGE) on a buffer of QT_HUGE_MIN bytes or more, else nothing. */
 void qt_advise_huge(void *p, size_t n);
 #define QT_HUGE_PAGE ((size_t)2 << 20)
@@ -27,6 +30,7 @@ char *qt_strdup(const char *s); /* NULL (with error set) on failure */
 #define qt_calloc(c, s, what) qt_calloc_at((c), (s), (what), __FILE__, __LINE__)
 #define qt_realloc(p, n, what) qt_realloc_at((p), (n), (what), __FILE__, __LINE__)
 #define qt_alloc_aligned(n, what) qt_alloc_aligned_at((n), (what), __FILE__, __LINE__)
+#define qt_alloc_sparse(n, what) qt_alloc_sparse_at((n), (what), __FILE__, __LINE__)
 
 /* Multiplies sizes, failing on overflow: lengths from files must pass here
  * before they size an allocation. Returns 0 on overflow. */

@@ -644,7 +644,8 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
     m->ws = alloc_floats(m, m->mem.workspace, "model: matmul workspace");
     if (!m->ws) return QT_ENOMEM;
     if (m->mem.kv_cache) {
-        m->kcache = alloc_floats(m, m->mem.kv_cache, "model: KV cache");
+        /* sparse: a cache of --ctx positions per sequence, of which a reply writes a few */
+        m->kcache = m->be->alloc(m->be, QT_MEM_DEVICE_SPARSE, m->mem.kv_cache, "model: KV cache");
         if (!m->kcache) return QT_ENOMEM;
         m->vcache = m->kcache + m->mem.kv_cache / 8;
     }

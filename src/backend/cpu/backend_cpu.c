@@ -29,7 +29,8 @@ const qt_backend_desc qt_cpu_desc = {
 };
 
 static void *c_alloc(qt_backend *be, qt_mem_place place, size_t bytes, const char *what) {
-    (void)be, (void)place;
+    (void)be;
+    if (place == QT_MEM_DEVICE_SPARSE) return qt_alloc_sparse(bytes ? bytes : 64, what);
     return qt_alloc_aligned(bytes ? bytes : 64, what);
 }
 static void c_free(qt_backend *be, void *p) { (void)be, qt_free(p); }

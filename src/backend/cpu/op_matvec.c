@@ -21,6 +21,7 @@
  * it decodes alone or in a batch. */
 #include <immintrin.h>
 #include <omp.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "backend/cpu/ops.h"
@@ -36,9 +37,15 @@
  * other thread take a descheduled one's share */
 #define MATVEC_CHUNK ((size_t)1 << 20)
 #define MATVEC_CHUNKS_PER_THREAD 2
+/* Software prefetch distance in bytes of W, used with more than one input
+ * row. One row reads fastest on the hardware prefetcher alone (the hint cost
+ * 10% there); with 4 or 8 rows each line carries 8-16 FMAs, the loop fills
+ * the core's window, and without the hint the 0.5B step with 4 rows read W at
+ * 12-14 GB/s against 17-19 for the earlier 4-row tile, which had it. */
+#define MATVEC_AHEAD 8192
 
 /* Keeps a loaded vector in its register: without it GCC folds the load into
- * every instruction that uses the value (x into each of the 4 rows' FMAs, a
+ * every instruction that uses the value (x into each of the tile rows' FMAs, a
  * bf16 line into both its shift and its mask), and the loads, not the FMAs,
  * then bound the loop: in L2, 4 rows of bf16 ran at 48 GB/s against 70 for
  * one load of x per 4 rows. */
@@ -60,9 +67,13 @@ static inline vf vload_w(const void *w, qt_dtype dt, size_t i) {
 }
 /* bf16 a whole cache line at a time: 32 weights in one load, the even ones
  * widened by a shift and the odd ones by a mask (bf16 is the top half of an
- * f32), multiplied by x's even and odd elements (x de-interleaved once per
- * 4 weight rows): a load, two ALU ops and two FMAs per 64 bytes, against
- * two widening loads, two shifts and two FMAs. */
+ * f32), multiplied by x's even and odd elements: a load, two ALU ops and two
+ * FMAs per 64 bytes, against two widening loads, two shifts and two FMAs.
+ * x is de-interleaved once per call (pairs_of_x: each block of 32 becomes
+ * its 16 even elements, then its 16 odd ones), not once per weight line:
+ * with 8 input rows (--batch 8) the two permutes per line and input row
+ * bound the step (bf16 1 thread 69 tok/s in all against 95 with 4-row
+ * tiles). x_pair does it in registers where the buffer cannot be had. */
 #define BF16_PAIRS 1
 static inline void bf16_pair(const void *w, size_t i, vf *even, vf *odd) {
     __m512i v = _mm512_loadu_si512((const void *)((const uint16_t *)w + i));
@@ -134,10 +145,11 @@ static inline float w_at(const void *w, qt_dtype dt, size_t i) {
  * then the scalar tail: the same operations for a row whatever the tile, the
  * chunk, the thread count or N. NR, NB and dt are constants wherever it is
  * inlined, so the accumulators live in registers and the loads carry no
- * branch. */
-static inline __attribute__((always_inline)) void dot_tile(float *dot, const float *x, const void *w, qt_dtype dt,
-                                                           size_t in, int ra, int rb, int NR, int NB) {
-    const size_t b[2] = {(size_t)ra * in, (size_t)rb * in};
+ * branch. xd: x de-interleaved (XD, a constant: bf16 pairs read it). */
+static inline __attribute__((always_inline)) void dot_tile(float *dot, const float *x, const float *xd, int XD,
+                                                           const void *w, qt_dtype dt, size_t in, int ra, int rb,
+                                                           int NR, int NB, int PF) {
+    const size_t b[2] = {(size_t)ra * in, (size_t)rb * in}, es = dt == QT_F32 ? 4 : 2;
 #if LANES
     vf acc0[2][NB_MAX], acc1[2][NB_MAX];
     for (int j = 0; j < NR; j++)
@@ -147,11 +159,17 @@ static inline __attribute__((always_inline)) void dot_tile(float *dot, const flo
     if (dt == QT_BF16) { /* whole lines of 2 * LANES weights, then the loops below for what is left */
         const size_t pair_end = in / (2 * LANES) * (2 * LANES);
         for (size_t i = 0; i < pair_end; i += 2 * LANES) {
+            if (PF)
+                for (int j = 0; j < NR; j++) _mm_prefetch((const char *)((const uint16_t *)w + b[j] + i) + MATVEC_AHEAD, _MM_HINT_T0);
             vf we[2], wo[2];
             for (int j = 0; j < NR; j++) bf16_pair(w, b[j] + i, &we[j], &wo[j]);
             for (int n = 0; n < NB; n++) {
                 vf xe, xo;
-                x_pair(x + (size_t)n * in + i, &xe, &xo);
+                if (XD) {
+                    xe = vload_x(xd + (size_t)n * in + i), xo = vload_x(xd + (size_t)n * in + i + LANES);
+                    IN_REGISTER(xe);
+                    IN_REGISTER(xo);
+                } else x_pair(x + (size_t)n * in + i, &xe, &xo);
                 for (int j = 0; j < NR; j++) {
                     acc0[j][n] = vfma(we[j], xe, acc0[j][n]);
                     acc1[j][n] = vfma(wo[j], xo, acc1[j][n]);
@@ -163,10 +181,16 @@ static inline __attribute__((always_inline)) void dot_tile(float *dot, const flo
 #endif
     const size_t two_end = i0 + (in - i0) / (2 * LANES) * (2 * LANES);
     for (size_t i = i0; i < two_end; i += 2 * LANES) {
+        if (PF)
+            for (int j = 0; j < NR; j++)
+                for (size_t off = 0; off < 2 * LANES * es; off += 64)
+                    _mm_prefetch((const char *)w + (b[j] + i) * es + MATVEC_AHEAD + off, _MM_HINT_T0);
         vf w0[2], w1[2];
         for (int j = 0; j < NR; j++) w0[j] = vload_w(w, dt, b[j] + i), w1[j] = vload_w(w, dt, b[j] + i + LANES);
         for (int n = 0; n < NB; n++) {
             vf x0 = vload_x(x + (size_t)n * in + i), x1 = vload_x(x + (size_t)n * in + i + LANES);
+            IN_REGISTER(x0);
+            IN_REGISTER(x1);
             for (int j = 0; j < NR; j++) {
                 acc0[j][n] = vfma(w0[j], x0, acc0[j][n]);
                 acc1[j][n] = vfma(w1[j], x1, acc1[j][n]);
@@ -186,6 +210,7 @@ static inline __attribute__((always_inline)) void dot_tile(float *dot, const flo
             dot[j * NB_MAX + n] = s;
         }
 #else
+    (void)xd, (void)XD, (void)PF, (void)es;
     for (int j = 0; j < NR; j++)
         for (int n = 0; n < NB; n++) {
             float s = 0.0f;
@@ -196,14 +221,15 @@ static inline __attribute__((always_inline)) void dot_tile(float *dot, const flo
 }
 
 /* one tile of NR rows with NB (1..NB_MAX) input rows, specialised on both */
-static inline __attribute__((always_inline)) void dot_tile_nb(float *dot, const float *x, const void *w, qt_dtype dt,
-                                                              size_t in, int ra, int rb, int NR, int nb) {
+static inline __attribute__((always_inline)) void dot_tile_nb(float *dot, const float *x, const float *xd, int XD,
+                                                              const void *w, qt_dtype dt, size_t in, int ra, int rb,
+                                                              int NR, int nb, int PF) {
     switch (nb) {
-    case 1: dot_tile(dot, x, w, dt, in, ra, rb, NR, 1); break;
-    case 2: dot_tile(dot, x, w, dt, in, ra, rb, NR, 2); break;
+    case 1: dot_tile(dot, x, xd, XD, w, dt, in, ra, rb, NR, 1, PF); break;
+    case 2: dot_tile(dot, x, xd, XD, w, dt, in, ra, rb, NR, 2, PF); break;
 #if NB_MAX == 4
-    case 3: dot_tile(dot, x, w, dt, in, ra, rb, NR, 3); break;
-    case 4: dot_tile(dot, x, w, dt, in, ra, rb, NR, 4); break;
+    case 3: dot_tile(dot, x, xd, XD, w, dt, in, ra, rb, NR, 3, PF); break;
+    case 4: dot_tile(dot, x, xd, XD, w, dt, in, ra, rb, NR, 4, PF); break;
 #endif
     }
 }
@@ -211,9 +237,9 @@ static inline __attribute__((always_inline)) void dot_tile_nb(float *dot, const 
 /* rows [r0, r1) of W against all N input rows, written to out (N, OUT): row
  * r0 + k of the first half with row r0 + half + k of the second, an odd last
  * row of the second half alone */
-static inline __attribute__((always_inline)) void rows_dt(float *out, const float *x, const void *w, qt_dtype dt,
-                                                          const float *bias, int N, int IN, int OUT, float alpha,
-                                                          int accumulate, int r0, int r1) {
+static inline __attribute__((always_inline)) void rows_dt(float *out, const float *x, const float *xd, int XD,
+                                                          const void *w, qt_dtype dt, const float *bias, int N, int IN,
+                                                          int OUT, float alpha, int accumulate, int r0, int r1) {
     const size_t in = (size_t)IN;
     const int half = (r1 - r0) / 2;
     float dot[2 * NB_MAX];
@@ -221,8 +247,11 @@ static inline __attribute__((always_inline)) void rows_dt(float *out, const floa
         const int NR = k < half ? 2 : 1, rows[2] = {r0 + half + k, r0 + k};
         for (int n0 = 0; n0 < N; n0 += NB_MAX) {
             const int nb = N - n0 < NB_MAX ? N - n0 : NB_MAX;
-            if (NR == 2) dot_tile_nb(dot, x + (size_t)n0 * in, w, dt, in, rows[0], rows[1], 2, nb);
-            else dot_tile_nb(dot, x + (size_t)n0 * in, w, dt, in, rows[0], rows[0], 1, nb);
+            const float *xn = x + (size_t)n0 * in, *xdn = XD ? xd + (size_t)n0 * in : NULL;
+            /* more than one input row: prefetch the weights (the first group; the others find them in cache) */
+            if (NR == 2 && N > 1 && n0 == 0) dot_tile_nb(dot, xn, xdn, XD, w, dt, in, rows[0], rows[1], 2, nb, 1);
+            else if (NR == 2) dot_tile_nb(dot, xn, xdn, XD, w, dt, in, rows[0], rows[1], 2, nb, 0);
+            else dot_tile_nb(dot, xn, xdn, XD, w, dt, in, rows[0], rows[0], 1, nb, 0);
             for (int j = 0; j < NR; j++)
                 for (int n = 0; n < nb; n++) {
                     const int r = rows[j];
@@ -234,13 +263,47 @@ static inline __attribute__((always_inline)) void rows_dt(float *out, const floa
     }
 }
 
-static void matvec_rows(float *out, const float *x, const void *w, qt_dtype dt, const float *bias, int N, int IN,
-                        int OUT, float alpha, int accumulate, int r0, int r1) {
+static void matvec_rows(float *out, const float *x, const float *xd, const void *w, qt_dtype dt, const float *bias,
+                        int N, int IN, int OUT, float alpha, int accumulate, int r0, int r1) {
     switch (dt) {
-    case QT_F32: rows_dt(out, x, w, QT_F32, bias, N, IN, OUT, alpha, accumulate, r0, r1); break;
-    case QT_F16: rows_dt(out, x, w, QT_F16, bias, N, IN, OUT, alpha, accumulate, r0, r1); break;
-    case QT_BF16: rows_dt(out, x, w, QT_BF16, bias, N, IN, OUT, alpha, accumulate, r0, r1); break;
+    case QT_F32: rows_dt(out, x, NULL, 0, w, QT_F32, bias, N, IN, OUT, alpha, accumulate, r0, r1); break;
+    case QT_F16: rows_dt(out, x, NULL, 0, w, QT_F16, bias, N, IN, OUT, alpha, accumulate, r0, r1); break;
+    case QT_BF16:
+        if (xd) rows_dt(out, x, xd, 1, w, QT_BF16, bias, N, IN, OUT, alpha, accumulate, r0, r1);
+        else rows_dt(out, x, NULL, 0, w, QT_BF16, bias, N, IN, OUT, alpha, accumulate, r0, r1);
+        break;
     }
+}
+
+/* x (N, IN) with each whole block of 2 * LANES de-interleaved (evens, then
+ * odds), in this thread's buffer, kept between calls (a decode step makes
+ * ~170 calls); NULL where there is no such block or no memory for it (the
+ * kernel then de-interleaves in registers; same values, same results). */
+static const float *pairs_of_x(const float *x, int N, int IN) {
+#ifdef BF16_PAIRS
+    static __thread float *buf;
+    static __thread size_t cap;
+    const size_t pair_end = (size_t)IN / (2 * LANES) * (2 * LANES), need = (size_t)N * (size_t)IN;
+    if (!pair_end) return NULL;
+    if (need > cap) {
+        size_t bytes = (need * sizeof(float) + 63) / 64 * 64;
+        float *nb = aligned_alloc(64, bytes);
+        if (!nb) return NULL;
+        free(buf);
+        buf = nb, cap = bytes / sizeof(float);
+    }
+    for (int n = 0; n < N; n++)
+        for (size_t i = 0; i < pair_end; i += 2 * LANES) {
+            vf e, o;
+            x_pair(x + (size_t)n * IN + i, &e, &o);
+            _mm512_storeu_ps(buf + (size_t)n * IN + i, e);
+            _mm512_storeu_ps(buf + (size_t)n * IN + i + LANES, o);
+        }
+    return buf;
+#else
+    (void)x, (void)N, (void)IN;
+    return NULL;
+#endif
 }
 
 void op_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN, int OUT,
@@ -248,8 +311,9 @@ void op_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const fl
     if (N < 1 || OUT < 1) return;
     const int team = omp_get_max_threads();
     const size_t elems = (size_t)IN * (size_t)OUT;
+    const float *xd = wdt == QT_BF16 ? pairs_of_x(x, N, IN) : NULL;
     if (elems < MATVEC_MIN_PARALLEL || team == 1 || omp_in_parallel()) {
-        matvec_rows(out, x, w, wdt, bias, N, IN, OUT, alpha, accumulate, 0, OUT);
+        matvec_rows(out, x, xd, w, wdt, bias, N, IN, OUT, alpha, accumulate, 0, OUT);
         return;
     }
     /* chunks of about MATVEC_CHUNK bytes of W, at least MATVEC_CHUNKS_PER_THREAD per thread so a late thread's
@@ -263,6 +327,6 @@ void op_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const fl
 #pragma omp parallel for schedule(dynamic, 1)
     for (int c = 0; c < n_chunks; c++) {
         const int r0 = c * per, r1 = OUT - r0 < per ? OUT : r0 + per;
-        matvec_rows(out, x, w, wdt, bias, N, IN, OUT, alpha, accumulate, r0, r1);
+        matvec_rows(out, x, xd, w, wdt, bias, N, IN, OUT, alpha, accumulate, r0, r1);
     }
 }

@@ -17,7 +17,8 @@ static void *g_alloc(qt_backend *be, qt_mem_place place, size_t bytes, const cha
     if (bytes == 0) bytes = 256;
     cudaError_t e;
     switch (place) {
-    case QT_MEM_DEVICE: e = cudaMalloc(&p, bytes); break;
+    case QT_MEM_DEVICE:
+    case QT_MEM_DEVICE_SPARSE: e = cudaMalloc(&p, bytes); break;
     case QT_MEM_PINNED: e = cudaMallocHost(&p, bytes); break;
     default:
         p = aligned_alloc(64, (bytes + 63) / 64 * 64);
@@ -31,7 +32,7 @@ static void *g_alloc(qt_backend *be, qt_mem_place place, size_t bytes, const cha
         QT_ERR(QT_ENOMEM, "cannot allocate %.1f MiB of %s memory for %s (%.1f of %.1f GiB free on the GPU): "
                "use gradient checkpointing, a smaller micro-batch or sequence length, ZeRO-2 with the optimizer "
                "offloaded, or LoRA; `qtune plan` shows what fits", (double)bytes / (1 << 20),
-               place == QT_MEM_DEVICE ? "GPU" : "pinned host", what, (double)fr / (1 << 30),
+               place == QT_MEM_PINNED ? "pinned host" : "GPU", what, (double)fr / (1 << 30),
                (double)tot / (1 << 30));
         return NULL;
     }

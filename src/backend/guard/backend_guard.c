@@ -100,7 +100,7 @@ static void g_close(qt_backend *be) {
 
 static void *g_alloc(qt_backend *be, qt_mem_place place, size_t bytes, const char *what) {
     guard *g = G(be);
-    if (place != QT_MEM_DEVICE) return qt_alloc_aligned(bytes ? bytes : 64, what);
+    if (place != QT_MEM_DEVICE && place != QT_MEM_DEVICE_SPARSE) return qt_alloc_aligned(bytes ? bytes : 64, what);
     size_t pg = (size_t)sysconf(_SC_PAGESIZE), len = (bytes + pg - 1) / pg * pg;
     if (!len) len = pg;
     if (len > g->reserved - g->used) {
