@@ -43,6 +43,12 @@
  * the core's window, and without the hint the 0.5B step with 4 rows read W at
  * 12-14 GB/s against 17-19 for the earlier 4-row tile, which had it. */
 #define MATVEC_AHEAD 8192
+/* Rows of at least this many bytes are prefetched with one input row too:
+ * the 0.5B down projection (rows of 4864 bf16, 9.5 KiB, whose x is 19 KiB)
+ * read at 21-25 GB/s without the hint and 27-30 with it (three alternating
+ * rounds, 1 thread), while the 896-long rows of the other products lose a
+ * little by it. */
+#define MATVEC_LONG_ROW 4096
 
 /* Keeps a loaded vector in its register: without it GCC folds the load into
  * every instruction that uses the value (x into each of the tile rows' FMAs, a
@@ -160,7 +166,8 @@ static inline __attribute__((always_inline)) void dot_tile(float *dot, const flo
         const size_t pair_end = in / (2 * LANES) * (2 * LANES);
         for (size_t i = 0; i < pair_end; i += 2 * LANES) {
             if (PF)
-                for (int j = 0; j < NR; j++) _mm_prefetch((const char *)((const uint16_t *)w + b[j] + i) + MATVEC_AHEAD, _MM_HINT_T0);
+                for (int j = 0; j < NR; j++)
+                    _mm_prefetch((const char *)((const uint16_t *)w + b[j] + i) + MATVEC_AHEAD, _MM_HINT_T0);
             vf we[2], wo[2];
             for (int j = 0; j < NR; j++) bf16_pair(w, b[j] + i, &we[j], &wo[j]);
             for (int n = 0; n < NB; n++) {
@@ -241,15 +248,17 @@ static inline __attribute__((always_inline)) void rows_dt(float *out, const floa
                                                           const void *w, qt_dtype dt, const float *bias, int N, int IN,
                                                           int OUT, float alpha, int accumulate, int r0, int r1) {
     const size_t in = (size_t)IN;
-    const int half = (r1 - r0) / 2;
+    const int half = (r1 - r0) / 2, long_rows = in * (dt == QT_F32 ? 4 : 2) >= MATVEC_LONG_ROW;
     float dot[2 * NB_MAX];
     for (int k = 0; k < r1 - r0 - half; k++) {
         const int NR = k < half ? 2 : 1, rows[2] = {r0 + half + k, r0 + k};
         for (int n0 = 0; n0 < N; n0 += NB_MAX) {
             const int nb = N - n0 < NB_MAX ? N - n0 : NB_MAX;
             const float *xn = x + (size_t)n0 * in, *xdn = XD ? xd + (size_t)n0 * in : NULL;
-            /* more than one input row: prefetch the weights (the first group; the others find them in cache) */
-            if (NR == 2 && N > 1 && n0 == 0) dot_tile_nb(dot, xn, xdn, XD, w, dt, in, rows[0], rows[1], 2, nb, 1);
+            /* more than one input row, or long rows: prefetch the weights (the first group; the others find them
+             * in cache) */
+            if (NR == 2 && (N > 1 || long_rows) && n0 == 0)
+                dot_tile_nb(dot, xn, xdn, XD, w, dt, in, rows[0], rows[1], 2, nb, 1);
             else if (NR == 2) dot_tile_nb(dot, xn, xdn, XD, w, dt, in, rows[0], rows[1], 2, nb, 0);
             else dot_tile_nb(dot, xn, xdn, XD, w, dt, in, rows[0], rows[0], 1, nb, 0);
             for (int j = 0; j < NR; j++)
