@@ -26,9 +26,11 @@
 
 #include "backend/cpu/ops.h"
 
-/* below this many weight elements the product runs on one thread (about 64 KiB
- * of f32: a few microseconds, the cost of waking the team) */
-#define MATVEC_MIN_PARALLEL ((size_t)1 << 15)
+/* below this many bytes of W the product runs on the calling thread: waking
+ * the team and splitting 2 threads' chunks cost more than they save (0.5B
+ * k/v, 229 KiB of bf16: 21-24 GB/s on 2 threads, 28-37 on one; q/o, 1.6 MiB,
+ * 44-57 on 2 threads and 30-40 on one; three rounds each) */
+#define MATVEC_MIN_PARALLEL_BYTES ((size_t)512 << 10)
 #define ROW_ALIGN 16
 /* bytes of W a thread takes at a time: each chunk is read as two streams
  * that start cold, so larger chunks read faster (2 threads, 0.5B step, best
@@ -321,7 +323,7 @@ void op_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const fl
     const int team = omp_get_max_threads();
     const size_t elems = (size_t)IN * (size_t)OUT;
     const float *xd = wdt == QT_BF16 ? pairs_of_x(x, N, IN) : NULL;
-    if (elems < MATVEC_MIN_PARALLEL || team == 1 || omp_in_parallel()) {
+    if (elems * qt_dtype_size(wdt) < MATVEC_MIN_PARALLEL_BYTES || team == 1 || omp_in_parallel()) {
         matvec_rows(out, x, xd, w, wdt, bias, N, IN, OUT, alpha, accumulate, 0, OUT);
         return;
     }
