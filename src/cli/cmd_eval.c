@@ -136,6 +136,7 @@ static int run_eval(const char *model_dir, const char *tok_path, const char *ada
     qt_model_opts o;
     qt_model_opts_default(&o);
     o.infer = 1;
+    o.keep_mapped = 1; /* no decoding: the batched forward packs panels of the mapped base */
     o.max_B = B;
     o.max_T = T;
     o.backend = dev->backend;

@@ -65,6 +65,8 @@ typedef struct {
     int decode_seqs;       /* inference: sequences the KV cache holds (max_T positions
                               each), decoded together by qt_model_decode_rows; 0 means 1;
                               at most max_B * max_T */
+    int keep_mapped;       /* inference without decoding (eval): the base stays in the file
+                              mapping, not copied into the block a decode step streams */
     const char *backend;   /* backend/backend.h name ("cpu", "guard", "cuda"); NULL: QTUNE_BACKEND, else cpu.
                               The CLI resolves the job's "device" / --device to it (backend/device.h) */
     int device_index;      /* that backend's device (cuda: the GPU); -1: the process's default */

@@ -405,7 +405,7 @@ static int load_frozen(qt_model *m) {
     int C = c->hidden_size, D = c->head_dim;
     char name[160];
     float *small = m->base_f32;
-    if (m->infer) {
+    if (m->infer && !m->opts.keep_mapped) {
         char emb[160];
         snprintf(emb, sizeof emb, "%s.weight", ly->embed);
         m->stream_size = stream_bytes(m, emb);
