@@ -121,13 +121,15 @@ static inline vf vload_w(const void *w, qt_dtype dt, size_t i) {
 #define LANES 0 /* scalar only */
 #endif
 
-/* input rows per tile: 2 weight rows x 4 input rows x 2 accumulators fill
- * half of AVX-512's 32 registers; AVX2 has 16, so 2 input rows there */
+/* input rows per tile: 4 weight rows x 4 input rows fill half of AVX-512's
+ * 32 registers with accumulators; AVX2 has 16, so 2 input rows there */
 #if LANES == 8
 #define NB_MAX 2
 #else
 #define NB_MAX 4
 #endif
+
+static inline size_t es_of(qt_dtype dt) { return dt == QT_F32 ? 4 : 2; }
 
 static inline float w_at(const void *w, qt_dtype dt, size_t i) {
     if (dt == QT_F32) return ((const float *)w)[i];
@@ -135,42 +137,35 @@ static inline float w_at(const void *w, qt_dtype dt, size_t i) {
     return dt == QT_F16 ? qt_f16_to_f32(h) : qt_bf16_to_f32(h);
 }
 
-/* The tile: NR (1 or 2) weight rows ra, rb times input rows x[0 .. NB-1]
- * (row stride IN) into dot[j * NB_MAX + n]. A chunk of rows is read as two
- * sequential streams, its first half and its second half side by side (ra
- * from the first, rb from the second): one core then keeps more lines in
- * flight than one stream's prefetch gives it. Measured on the 0.5B shapes, 1
- * thread, means of 5 rounds: one row at a time f32 32-33 GB/s, bf16 30-32; two
- * halves 37-39 and 36-39 (a plain read of one stream 34-35, of two 39-40);
- * software prefetch lowered the two-stream figures by 10%, and 4 adjacent
- * rows read side by side (4 streams a row apart) ran at 25-32. Each (row,
- * input row) dot product keeps two vector accumulators, so the FMAs of
- * consecutive vectors do not wait for each other (one accumulator bounds a
- * bf16 line to two dependent FMA latencies, about 8 bytes a cycle): f32, f16
- * and the AVX2 path send vector k of the row to accumulator k % 2; bf16 on
- * AVX-512 sends a line's even weights to the first and its odd ones to the
- * second. The accumulators are added, their lanes summed in a fixed order,
- * then the scalar tail: the same operations for a row whatever the tile, the
- * chunk, the thread count or N. NR, NB and dt are constants wherever it is
- * inlined, so the accumulators live in registers and the loads carry no
- * branch. xd: x de-interleaved (XD, a constant: bf16 pairs read it). */
+/* The tile: NR (1, 2 or 4) weight rows rows[0 .. NR-1] times input rows
+ * x[0 .. NB-1] (row stride IN) into dot[j * NB_MAX + n]. Each (row, input
+ * row) dot product is one f32 vector accumulator over IN (bf16 on AVX-512: a
+ * line's even weights, then its odd ones, into it), its lanes summed in a
+ * fixed order, then the scalar tail: the same operations for a row whatever
+ * the tile, the chunk, the thread count or N, so a row's result is
+ * bit-identical whether it decodes alone or in a batch. NR, NB and dt are
+ * constants wherever it is inlined, so the accumulators live in registers
+ * and the loads carry no branch. xd: x de-interleaved (XD, a constant: bf16
+ * pairs read it). PF: prefetch the weight rows MATVEC_AHEAD bytes ahead. */
 static inline __attribute__((always_inline)) void dot_tile(float *dot, const float *x, const float *xd, int XD,
-                                                           const void *w, qt_dtype dt, size_t in, int ra, int rb,
+                                                           const void *w, qt_dtype dt, size_t in, const int *rows,
                                                            int NR, int NB, int PF) {
-    const size_t b[2] = {(size_t)ra * in, (size_t)rb * in}, es = dt == QT_F32 ? 4 : 2;
+    const size_t es = dt == QT_F32 ? 4 : 2;
+    size_t b[4];
+    for (int j = 0; j < NR; j++) b[j] = (size_t)rows[j] * in;
 #if LANES
-    vf acc0[2][NB_MAX], acc1[2][NB_MAX];
+    vf acc[4][NB_MAX];
     for (int j = 0; j < NR; j++)
-        for (int n = 0; n < NB; n++) acc0[j][n] = vzero(), acc1[j][n] = vzero();
+        for (int n = 0; n < NB; n++) acc[j][n] = vzero();
     size_t i0 = 0;
 #ifdef BF16_PAIRS
-    if (dt == QT_BF16) { /* whole lines of 2 * LANES weights, then the loops below for what is left */
+    if (dt == QT_BF16) { /* whole lines of 2 * LANES weights, then the loop below for what is left */
         const size_t pair_end = in / (2 * LANES) * (2 * LANES);
         for (size_t i = 0; i < pair_end; i += 2 * LANES) {
             if (PF)
                 for (int j = 0; j < NR; j++)
                     _mm_prefetch((const char *)((const uint16_t *)w + b[j] + i) + MATVEC_AHEAD, _MM_HINT_T0);
-            vf we[2], wo[2];
+            vf we[4], wo[4];
             for (int j = 0; j < NR; j++) bf16_pair(w, b[j] + i, &we[j], &wo[j]);
             for (int n = 0; n < NB; n++) {
                 vf xe, xo;
@@ -179,42 +174,27 @@ static inline __attribute__((always_inline)) void dot_tile(float *dot, const flo
                     IN_REGISTER(xe);
                     IN_REGISTER(xo);
                 } else x_pair(x + (size_t)n * in + i, &xe, &xo);
-                for (int j = 0; j < NR; j++) {
-                    acc0[j][n] = vfma(we[j], xe, acc0[j][n]);
-                    acc1[j][n] = vfma(wo[j], xo, acc1[j][n]);
-                }
+                for (int j = 0; j < NR; j++) acc[j][n] = vfma(wo[j], xo, vfma(we[j], xe, acc[j][n]));
             }
         }
         i0 = pair_end;
     }
 #endif
-    const size_t two_end = i0 + (in - i0) / (2 * LANES) * (2 * LANES);
-    for (size_t i = i0; i < two_end; i += 2 * LANES) {
-        if (PF)
-            for (int j = 0; j < NR; j++)
-                for (size_t off = 0; off < 2 * LANES * es; off += 64)
-                    _mm_prefetch((const char *)w + (b[j] + i) * es + MATVEC_AHEAD + off, _MM_HINT_T0);
-        vf w0[2], w1[2];
-        for (int j = 0; j < NR; j++) w0[j] = vload_w(w, dt, b[j] + i), w1[j] = vload_w(w, dt, b[j] + i + LANES);
+    const size_t vec_end = in / LANES * LANES;
+    for (size_t i = i0; i < vec_end; i += LANES) {
+        if (PF && (i * es) % 64 == 0) /* once per 64-byte line: every f32 step of AVX-512, every other step else */
+            for (int j = 0; j < NR; j++) _mm_prefetch((const char *)w + (b[j] + i) * es + MATVEC_AHEAD, _MM_HINT_T0);
+        vf wv[4];
+        for (int j = 0; j < NR; j++) wv[j] = vload_w(w, dt, b[j] + i);
         for (int n = 0; n < NB; n++) {
-            vf x0 = vload_x(x + (size_t)n * in + i), x1 = vload_x(x + (size_t)n * in + i + LANES);
-            IN_REGISTER(x0);
-            IN_REGISTER(x1);
-            for (int j = 0; j < NR; j++) {
-                acc0[j][n] = vfma(w0[j], x0, acc0[j][n]);
-                acc1[j][n] = vfma(w1[j], x1, acc1[j][n]);
-            }
+            vf xv = vload_x(x + (size_t)n * in + i);
+            IN_REGISTER(xv);
+            for (int j = 0; j < NR; j++) acc[j][n] = vfma(wv[j], xv, acc[j][n]);
         }
     }
-    const size_t vec_end = two_end + (in - two_end) / LANES * LANES; /* at most one more vector */
-    if (vec_end > two_end)
-        for (int j = 0; j < NR; j++) {
-            vf w0 = vload_w(w, dt, b[j] + two_end);
-            for (int n = 0; n < NB; n++) acc0[j][n] = vfma(w0, vload_x(x + (size_t)n * in + two_end), acc0[j][n]);
-        }
     for (int j = 0; j < NR; j++)
         for (int n = 0; n < NB; n++) {
-            float s = vsum(vadd(acc0[j][n], acc1[j][n]));
+            float s = vsum(acc[j][n]);
             for (size_t i = vec_end; i < in; i++) s += w_at(w, dt, b[j] + i) * x[(size_t)n * in + i];
             dot[j * NB_MAX + n] = s;
         }
@@ -229,41 +209,53 @@ static inline __attribute__((always_inline)) void dot_tile(float *dot, const flo
 #endif
 }
 
-/* one tile of NR rows with NB (1..NB_MAX) input rows, specialised on both */
+/* one tile of NR rows with NB (1..NB_MAX) input rows, specialised on NB */
 static inline __attribute__((always_inline)) void dot_tile_nb(float *dot, const float *x, const float *xd, int XD,
-                                                              const void *w, qt_dtype dt, size_t in, int ra, int rb,
+                                                              const void *w, qt_dtype dt, size_t in, const int *rows,
                                                               int NR, int nb, int PF) {
     switch (nb) {
-    case 1: dot_tile(dot, x, xd, XD, w, dt, in, ra, rb, NR, 1, PF); break;
-    case 2: dot_tile(dot, x, xd, XD, w, dt, in, ra, rb, NR, 2, PF); break;
+    case 1: dot_tile(dot, x, xd, XD, w, dt, in, rows, NR, 1, PF); break;
+    case 2: dot_tile(dot, x, xd, XD, w, dt, in, rows, NR, 2, PF); break;
 #if NB_MAX == 4
-    case 3: dot_tile(dot, x, xd, XD, w, dt, in, ra, rb, NR, 3, PF); break;
-    case 4: dot_tile(dot, x, xd, XD, w, dt, in, ra, rb, NR, 4, PF); break;
+    case 3: dot_tile(dot, x, xd, XD, w, dt, in, rows, NR, 3, PF); break;
+    case 4: dot_tile(dot, x, xd, XD, w, dt, in, rows, NR, 4, PF); break;
 #endif
     }
 }
 
-/* rows [r0, r1) of W against all N input rows, written to out (N, OUT): row
- * r0 + k of the first half with row r0 + half + k of the second, an odd last
- * row of the second half alone */
+/* rows [r0, r1) of W against all N input rows, written to out (N, OUT). A
+ * chunk is read as two sequential streams, its first half and its second
+ * half side by side: one core then keeps more lines in flight than one
+ * stream's prefetch gives it (0.5B shapes, 1 thread, means of 5 rounds: one
+ * row at a time f32 32-33 GB/s, bf16 30-32; a row from each half 37-39 and
+ * 36-39; a plain read of one stream 34-35, of two 39-40; 4 adjacent rows read
+ * side by side ran at 25-32). One input row: a tile is one row of each half
+ * (two independent accumulator chains, enough to hide the FMA latency), no
+ * software prefetch (it cost 10% there) except on long rows. More input
+ * rows: each weight line carries 2 x NB FMAs per row, the step is bound by
+ * the arithmetic and the prefetch, so a tile is two adjacent rows of each
+ * half (4 weight rows x 4 inputs, each x vector loaded once per 4 rows; with
+ * 2 rows a tile, bf16 --batch 8 decoded 15-18% slower), prefetched. */
 static inline __attribute__((always_inline)) void rows_dt(float *out, const float *x, const float *xd, int XD,
                                                           const void *w, qt_dtype dt, const float *bias, int N, int IN,
                                                           int OUT, float alpha, int accumulate, int r0, int r1) {
     const size_t in = (size_t)IN;
-    const int half = (r1 - r0) / 2, long_rows = in * (dt == QT_F32 ? 4 : 2) >= MATVEC_LONG_ROW;
-    float dot[2 * NB_MAX];
-    for (int k = 0; k < r1 - r0 - half; k++) {
-        const int NR = k < half ? 2 : 1, rows[2] = {r0 + half + k, r0 + k};
+    const int G = N > 1 ? 2 : 1, half = (r1 - r0) / 2 / G * G, pf = N > 1 || in * es_of(dt) >= MATVEC_LONG_ROW;
+    float dot[4 * NB_MAX];
+    for (int k = 0; k < r1 - r0 - half; k += G) {
+        int rows[4], nr = 0; /* 2G rows while the first half lasts (it is not longer than the second), then 1 or 2 */
+        for (int g = 0; g < G && r0 + half + k + g < r1; g++) rows[nr++] = r0 + half + k + g;
+        for (int g = 0; g < G && k + g < half; g++) rows[nr++] = r0 + k + g;
         for (int n0 = 0; n0 < N; n0 += NB_MAX) {
             const int nb = N - n0 < NB_MAX ? N - n0 : NB_MAX;
             const float *xn = x + (size_t)n0 * in, *xdn = XD ? xd + (size_t)n0 * in : NULL;
-            /* more than one input row, or long rows: prefetch the weights (the first group; the others find them
-             * in cache) */
-            if (NR == 2 && (N > 1 || long_rows) && n0 == 0)
-                dot_tile_nb(dot, xn, xdn, XD, w, dt, in, rows[0], rows[1], 2, nb, 1);
-            else if (NR == 2) dot_tile_nb(dot, xn, xdn, XD, w, dt, in, rows[0], rows[1], 2, nb, 0);
-            else dot_tile_nb(dot, xn, xdn, XD, w, dt, in, rows[0], rows[0], 1, nb, 0);
-            for (int j = 0; j < NR; j++)
+            /* the first input group prefetches; the others find the rows in cache */
+            if (nr == 4 && n0 == 0) dot_tile_nb(dot, xn, xdn, XD, w, dt, in, rows, 4, nb, 1);
+            else if (nr == 4) dot_tile_nb(dot, xn, xdn, XD, w, dt, in, rows, 4, nb, 0);
+            else if (nr == 2 && pf && n0 == 0) dot_tile_nb(dot, xn, xdn, XD, w, dt, in, rows, 2, nb, 1);
+            else if (nr == 2) dot_tile_nb(dot, xn, xdn, XD, w, dt, in, rows, 2, nb, 0);
+            else dot_tile_nb(dot, xn, xdn, XD, w, dt, in, rows, 1, nb, 0);
+            for (int j = 0; j < nr; j++)
                 for (int n = 0; n < nb; n++) {
                     const int r = rows[j];
                     float *o = out + (size_t)(n0 + n) * OUT + r;
