@@ -11,11 +11,11 @@
  * between threads; on a shared machine a thread that is descheduled does not
  * hold the step up for its whole static half); a small product runs on the
  * calling thread, where the fork would cost more than the work. The kernel
- * is a register tile of 2 weight rows (one from each half of the thread's
- * chunk) x up to 4 input rows: each weight line is loaded (and widened) once
- * and multiplied into every input row, so N rows cost one read of W from
- * memory (more than 4 input rows re-read the 2 weight rows from L1/L2, not
- * from memory). Each (weight row, input row) dot product has its own
+ * is a register tile of weight rows from both halves of the thread's chunk
+ * (one of each for one input row, two adjacent of each for more) x up to 4
+ * input rows: each weight line is loaded (and widened) once and multiplied
+ * into every input row, so N rows cost one read of W from memory (more than
+ * 4 input rows re-read the tile's weight rows from L1/L2, not from memory). Each (weight row, input row) dot product has its own
  * accumulators and a fixed order of operations, whatever the tile, the
  * chunk, the thread count or N, so a row's result is bit-identical whether
  * it decodes alone or in a batch. */
