@@ -203,6 +203,7 @@ static int import(qt_model *m, const st_tensor *t, const void **dev, const char 
  * one row a token and stays mapped. The lm_head role's base matrix is named
  * by stream_vocab_name, which load_vocab_mats follows too. */
 #define STREAM_ALIGN 64
+static size_t stream_span(const st_tensor *t) { return (t->nbytes + STREAM_ALIGN - 1) / STREAM_ALIGN * STREAM_ALIGN; }
 static const char *stream_vocab_name(const qt_model *m, const char *emb) {
     const unsigned sv = m->opts.lora ? m->opts.lora_save : 0;
     if (sv & QT_SAVE_LM_HEAD) return NULL; /* the lm_head is the trained copy */
@@ -216,12 +217,12 @@ static size_t stream_bytes(const qt_model *m, const char *emb) {
     size_t total = 0;
     const char *v = stream_vocab_name(m, emb);
     const st_tensor *t = v ? st_find(m->st, v) : NULL;
-    if (t) total += (t->nbytes + STREAM_ALIGN - 1) / STREAM_ALIGN * STREAM_ALIGN;
+    if (t) total += stream_span(t);
     for (int l = 0; l < c->num_hidden_layers; l++)
         for (int j = 0; j < LIN_COUNT; j++) {
             if (!qt_lin_owns(c, j)) continue;
             snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->lin[j]);
-            if ((t = st_find(m->st, name))) total += (t->nbytes + STREAM_ALIGN - 1) / STREAM_ALIGN * STREAM_ALIGN;
+            if ((t = st_find(m->st, name))) total += stream_span(t);
         }
     return total;
 }
@@ -238,7 +239,7 @@ static int base_matrix(qt_model *m, const char *name, int64_t d0, int64_t d1, qt
     w->dt = t->dtype;
     if (streamed && m->stream_block && m->stream_size - m->stream_used >= t->nbytes) {
         void *p = m->stream_block + m->stream_used;
-        m->stream_used += (t->nbytes + STREAM_ALIGN - 1) / STREAM_ALIGN * STREAM_ALIGN;
+        m->stream_used += stream_span(t);
         be->upload(be, p, t->data, t->nbytes);
         drop_mapped_pages(t->data, t->nbytes);
         w->p = p;

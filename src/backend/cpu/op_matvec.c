@@ -150,9 +150,10 @@ static inline float w_at(const void *w, qt_dtype dt, size_t i) {
 static inline __attribute__((always_inline)) void dot_tile(float *dot, const float *x, const float *xd, int XD,
                                                            const void *w, qt_dtype dt, size_t in, const int *rows,
                                                            int NR, int NB, int PF) {
-    const size_t es = dt == QT_F32 ? 4 : 2;
+    const size_t es = es_of(dt);
     size_t b[4];
     for (int j = 0; j < NR; j++) b[j] = (size_t)rows[j] * in;
+    (void)xd, (void)XD; /* read by the AVX-512 bf16 pairs only */
 #if LANES
     vf acc[4][NB_MAX];
     for (int j = 0; j < NR; j++)
@@ -199,7 +200,7 @@ static inline __attribute__((always_inline)) void dot_tile(float *dot, const flo
             dot[j * NB_MAX + n] = s;
         }
 #else
-    (void)xd, (void)XD, (void)PF, (void)es;
+    (void)PF, (void)es;
     for (int j = 0; j < NR; j++)
         for (int n = 0; n < NB; n++) {
             float s = 0.0f;
