@@ -61,6 +61,26 @@ __device__ __forceinline__ void tile_dots2(float s[4][4], float dp[4][4], const 
     }
 }
 
+/* acc[a][c] += P row . M column over the tile's TB keys: for this thread's
+ * rows ty + 16a of the 64 x TB probabilities (or score gradients) P, pitch
+ * SP, and columns tx + 16c of the TB x D tile M (the forward: P V; the dQ
+ * kernel: dS K) */
+template <int DC>
+__device__ __forceinline__ void tile_acc(float acc[4][DC], const float *P, const float *M, int pitch, int D) {
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    for (int j = 0; j < TB; j++) {
+        float mv[DC];
+        for (int c = 0; c < DC; c++) {
+            int d = tx + 16 * c;
+            mv[c] = d < D ? M[j * pitch + d] : 0.0f;
+        }
+        for (int a = 0; a < 4; a++) {
+            float p = P[(ty + 16 * a) * SP + j];
+            for (int c = 0; c < DC; c++) acc[a][c] += p * mv[c];
+        }
+    }
+}
+
 template <int DC>
 __global__ void __launch_bounds__(TTH) k_att_fwd_tiled(float *out, float *lse, const float *q, const float *k,
                                                        const float *v, const int32_t *doc_start, int T, int H,
@@ -119,17 +139,7 @@ __global__ void __launch_bounds__(TTH) k_att_fwd_tiled(float *out, float *lse, c
             for (int c = 0; c < DC; c++) o[a][c] *= corr;
         }
         __syncthreads();
-        for (int j = 0; j < TB; j++) {
-            float vv[DC];
-            for (int c = 0; c < DC; c++) {
-                int d = tx + 16 * c;
-                vv[c] = d < D ? Vs[j * pitch + d] : 0.0f;
-            }
-            for (int a = 0; a < 4; a++) {
-                float p = Ps[(ty + 16 * a) * SP + j];
-                for (int c = 0; c < DC; c++) o[a][c] += p * vv[c];
-            }
-        }
+        tile_acc<DC>(o, Ps, Vs, pitch, D);
         __syncthreads(); /* Ks, Vs and Ps are rewritten by the next tile */
     }
     for (int a = 0; a < 4; a++) {
@@ -186,17 +196,7 @@ __global__ void __launch_bounds__(TTH) k_att_dq_tiled(float *dq, const float *do
                 Ss[(ty + 16 * a) * SP + tx + 16 * c] = p * (dp[a][c] - dl[a]) * scale;
             }
         __syncthreads();
-        for (int j = 0; j < TB; j++) {
-            float kv[DC];
-            for (int c = 0; c < DC; c++) {
-                int d = tx + 16 * c;
-                kv[c] = d < D ? Ks[j * pitch + d] : 0.0f;
-            }
-            for (int a = 0; a < 4; a++) {
-                float g = Ss[(ty + 16 * a) * SP + j];
-                for (int c = 0; c < DC; c++) acc[a][c] += g * kv[c];
-            }
-        }
+        tile_acc<DC>(acc, Ss, Ks, pitch, D);
         __syncthreads();
     }
     for (int a = 0; a < 4; a++) {
