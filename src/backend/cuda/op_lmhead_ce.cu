@@ -63,15 +63,23 @@ __global__ void k_ce_init(float *m, float *l, float *tl, int N) {
     if (n < N) m[n] = -INFINITY, l[n] = 0.0f, tl[n] = 0.0f;
 }
 
-/* a block per row: fold one chunk into the row's running max and sum */
-__global__ void k_ce_chunk(const float *logits, int cv, int c0, const int32_t *targets, float *m, float *l,
-                           float *tl) {
+/* a block per row: fold one chunk of logits into the row's running max m
+ * and sum l, and keep the target's raw logit in tl. KEEP_P (forward_dx in one
+ * pass) also turns the chunk into p = exp(logit - m) in place against the new
+ * max and writes fac = exp(m_old - m_new), the factor that rescales the
+ * row's accumulator (k_scale_rows). */
+template <bool KEEP_P>
+__global__ void k_ce_chunk(float *logits, int cv, int c0, const int32_t *targets, float *m, float *l, float *tl,
+                           float *fac) {
     __shared__ float red[32];
     __shared__ float bc;
-    int n = blockIdx.x;
-    const float *r = logits + (size_t)n * cv;
+    int n = blockIdx.x, t = targets[n];
+    float *r = logits + (size_t)n * cv;
     float mx = -INFINITY;
-    for (int j = threadIdx.x; j < cv; j += blockDim.x) mx = fmaxf(mx, r[j]);
+    for (int j = threadIdx.x; j < cv; j += blockDim.x) {
+        mx = fmaxf(mx, r[j]);
+        if (c0 + j == t) tl[n] = r[j]; /* the raw logit, before KEEP_P makes it p below */
+    }
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = mx;
     __syncthreads();
@@ -82,7 +90,11 @@ __global__ void k_ce_chunk(const float *logits, int cv, int c0, const int32_t *t
     }
     __syncthreads();
     float mn = bc, s = 0.0f;
-    for (int j = threadIdx.x; j < cv; j += blockDim.x) s += expf(r[j] - mn);
+    for (int j = threadIdx.x; j < cv; j += blockDim.x) {
+        float p = expf(r[j] - mn);
+        if (KEEP_P) r[j] = p;
+        s += p;
+    }
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     __syncthreads();
     if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = s;
@@ -90,10 +102,10 @@ __global__ void k_ce_chunk(const float *logits, int cv, int c0, const int32_t *t
     if (threadIdx.x == 0) {
         float v = red[0];
         for (int i = 1; i < (int)blockDim.x / 32; i++) v += red[i];
-        l[n] = l[n] * expf(m[n] - mn) + v;
+        float f = expf(m[n] - mn); /* 0 on the first chunk (m = -inf) */
+        if (KEEP_P) fac[n] = f;
+        l[n] = l[n] * f + v;
         m[n] = mn;
-        int t = targets[n];
-        if (t >= c0 && t < c0 + cv) tl[n] = r[t - c0];
     }
 }
 
@@ -129,7 +141,7 @@ static void ce_forward(BE, float *loss, float *lse, float *kept, const float *x,
         const float *Wc;
         float *lg = kept ? kept + (size_t)N * c0 : s.logits;
         chunk_logits(be, &s, x, w, wdt, c0, cv, N, C, &Wc, lg);
-        k_ce_chunk<<<N, 256, 0, STREAM>>>(lg, cv, c0, targets, s.m, s.l, s.tl);
+        k_ce_chunk<false><<<N, 256, 0, STREAM>>>(lg, cv, c0, targets, s.m, s.l, s.tl, NULL);
         QT_CUDA_LAUNCHED();
     }
     k_ce_finish<<<(N + 255) / 256, 256, 0, STREAM>>>(loss, lse, s.m, s.l, s.tl, targets, N);
@@ -183,46 +195,8 @@ static void g_ce_backward_kept(BE, float *dx, float *dw, float *kept, const floa
  * the accumulator dxacc = sum of p W rows is rescaled by exp(m_old - m_new)
  * whenever m grows, and at the end dx += dscale (dxacc / l - W[target]). One
  * GEMM fewer than forward then backward, and no second widening of the
- * chunk's weight. */
-__global__ void k_ce_chunk_p(float *logits, int cv, int c0, const int32_t *targets, float *m, float *l, float *tl,
-                             float *fac) {
-    __shared__ float red[32];
-    __shared__ float bc;
-    int n = blockIdx.x, t = targets[n];
-    float *r = logits + (size_t)n * cv;
-    float mx = -INFINITY;
-    for (int j = threadIdx.x; j < cv; j += blockDim.x) {
-        mx = fmaxf(mx, r[j]);
-        if (c0 + j == t) tl[n] = r[j]; /* the raw logit, before it becomes p below */
-    }
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = mx;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float v = red[0];
-        for (int i = 1; i < (int)blockDim.x / 32; i++) v = fmaxf(v, red[i]);
-        bc = fmaxf(m[n], v);
-    }
-    __syncthreads();
-    float mn = bc, s = 0.0f;
-    for (int j = threadIdx.x; j < cv; j += blockDim.x) {
-        float p = expf(r[j] - mn);
-        r[j] = p;
-        s += p;
-    }
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    __syncthreads();
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = s;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float v = red[0];
-        for (int i = 1; i < (int)blockDim.x / 32; i++) v += red[i];
-        float f = expf(m[n] - mn); /* 0 on the first chunk (m = -inf) */
-        fac[n] = f;
-        l[n] = l[n] * f + v;
-        m[n] = mn;
-    }
-}
+ * chunk's weight. Its kernels: k_ce_chunk<true> above, k_scale_rows and
+ * those below. */
 __global__ void k_scale_rows(float *x, const float *fac, int N, int C) {
     size_t n_all = (size_t)N * C;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_all; i += (size_t)gridDim.x * blockDim.x)
@@ -255,7 +229,7 @@ static void g_ce_forward_dx(BE, float *loss, float *lse, float *dx, const float 
         int cv = V - c0 < s.chunk ? V - c0 : s.chunk;
         const float *Wc;
         chunk_logits(be, &s, x, w, wdt, c0, cv, N, C, &Wc, s.logits);
-        k_ce_chunk_p<<<N, 256, 0, STREAM>>>(s.logits, cv, c0, targets, s.m, s.l, s.tl, s.fac);
+        k_ce_chunk<true><<<N, 256, 0, STREAM>>>(s.logits, cv, c0, targets, s.m, s.l, s.tl, s.fac);
         QT_CUDA_LAUNCHED();
         if (c0 > 0) {
             k_scale_rows<<<qt_cuda_blocks((size_t)N * C), 256, 0, STREAM>>>(s.dxacc, s.fac, N, C);
