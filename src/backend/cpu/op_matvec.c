@@ -228,9 +228,9 @@ static inline __attribute__((always_inline)) void dot_tile_nb(float *dot, const 
  * chunk is read as two sequential streams, its first half and its second
  * half side by side: one core then keeps more lines in flight than one
  * stream's prefetch gives it (0.5B shapes, 1 thread, means of 5 rounds: one
- * row at a time f32 32-33 GB/s, bf16 30-32; a row from each half 37-39 and
- * 36-39; a plain read of one stream 34-35, of two 39-40; 4 adjacent rows read
- * side by side ran at 25-32). One input row: a tile is one row of each half
+ * row at a time f32 32-35 GB/s, bf16 30-32; a row from each half 37-39 and
+ * 36-39; a plain read of one stream 34-35, of two 39-40; in other runs 4
+ * adjacent rows read side by side gave f32 25-32 and bf16 20-24). One input row: a tile is one row of each half
  * (two independent accumulator chains, enough to hide the FMA latency), no
  * software prefetch (it cost 10% there) except on long rows. More input
  * rows: each weight line carries 2 x NB FMAs per row, the step is bound by
