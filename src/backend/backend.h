@@ -209,14 +209,18 @@ struct qt_backend {
     void (*round_to_dtype)(qt_backend *be, float *x, size_t n, qt_dtype dt);
     void (*round_store)(qt_backend *be, float *x, uint16_t *dst, size_t n, qt_dtype dt);
     void (*convert)(qt_backend *be, void *dst, qt_dtype ddt, const void *src, qt_dtype sdt, size_t n);
-    /* Native bf16 GEMMs (bf16 inputs, fp32 accumulation): bf16_available says
-     * whether they run here (probe once, at load); each call returns QT_OK or
-     * QT_EUNSUPPORTED with its output untouched (the model then takes the
-     * fp32 op). Forms as backend/cpu/op_dnnl.h's. */
-    int (*bf16_available)(qt_backend *be);
-    int (*bf16_matmul)(qt_backend *be, float *out, const uint16_t *inp, const uint16_t *w, const float *bias, int N,
-                       int IN, int OUT, float alpha);
-    int (*bf16_gemm)(qt_backend *be, float *C, const uint16_t *A, int ta, const uint16_t *B, int tb,
+    /* Native 16-bit GEMMs (bf16 or f16 inputs, dt; fp32 accumulation and
+     * output): half_available says whether they run here for dt (probe once,
+     * at load); each call returns QT_OK or QT_EUNSUPPORTED with its output
+     * untouched (the model then takes the fp32 op). The products of two
+     * 16-bit values are exact in fp32, so only the summation order differs
+     * from fp32 sgemm on the same values. Forms as backend/cpu/op_dnnl.h's:
+     * the cpu backend has bf16 (oneDNN, where the CPU has AVX512_BF16), cuda
+     * both (the tensor cores). */
+    int (*half_available)(qt_backend *be, qt_dtype dt);
+    int (*half_matmul)(qt_backend *be, qt_dtype dt, float *out, const uint16_t *inp, const uint16_t *w,
+                       const float *bias, int N, int IN, int OUT, float alpha);
+    int (*half_gemm)(qt_backend *be, qt_dtype dt, float *C, const uint16_t *A, int ta, const uint16_t *B, int tb,
                      const float *bias, int M, int N, int K, float alpha, int acc);
 
     /* ---- LoRA dropout ------------------------------------------------------ */

@@ -86,7 +86,7 @@ static void w_sync(BE) { IN->sync(IN); }
 static qt_event *w_event_record(BE) { return IN->event_record(IN); }
 static void w_event_wait(BE, qt_event *e) { IN->event_wait(IN, e); }
 static void w_event_free(BE, qt_event *e) { IN->event_free(IN, e); }
-static int w_bf16_available(BE) { return IN->bf16_available(IN); }
+static int w_half_available(BE, qt_dtype dt) { return IN->half_available(IN, dt); }
 static size_t w_runtime_bytes(BE) { return IN->runtime_bytes(IN); }
 
 WRAP(upload, (BE, void *dev, const void *host, size_t bytes), (IN, dev, host, bytes))
@@ -158,14 +158,14 @@ WRAP(acc, (BE, float *out, const float *a, size_t n), (IN, out, a, n))
 WRAP(round_to_dtype, (BE, float *x, size_t n, qt_dtype dt), (IN, x, n, dt))
 WRAP(round_store, (BE, float *x, uint16_t *dst, size_t n, qt_dtype dt), (IN, x, dst, n, dt))
 WRAP(convert, (BE, void *dst, qt_dtype ddt, const void *src, qt_dtype sdt, size_t n), (IN, dst, ddt, src, sdt, n))
-WRAPR(int, bf16_matmul,
-      (BE, float *out, const uint16_t *inp, const uint16_t *w, const float *bias, int N, int IN_, int OUT,
-       float alpha),
-      (IN, out, inp, w, bias, N, IN_, OUT, alpha))
-WRAPR(int, bf16_gemm,
-      (BE, float *C, const uint16_t *A, int ta, const uint16_t *B, int tb, const float *bias, int M, int N, int K,
-       float alpha, int acc),
-      (IN, C, A, ta, B, tb, bias, M, N, K, alpha, acc))
+WRAPR(int, half_matmul,
+      (BE, qt_dtype dt, float *out, const uint16_t *inp, const uint16_t *w, const float *bias, int N, int IN_,
+       int OUT, float alpha),
+      (IN, dt, out, inp, w, bias, N, IN_, OUT, alpha))
+WRAPR(int, half_gemm,
+      (BE, qt_dtype dt, float *C, const uint16_t *A, int ta, const uint16_t *B, int tb, const float *bias, int M,
+       int N, int K, float alpha, int acc),
+      (IN, dt, C, A, ta, B, tb, bias, M, N, K, alpha, acc))
 WRAP(dropout,
      (BE, float *dst, const float *src, size_t n, const qt_dropout_key *key, uint32_t threshold, float keep_scale),
      (IN, dst, src, n, key, threshold, keep_scale))
@@ -227,7 +227,7 @@ int qt_backend_profile_wrap(qt_backend *in, qt_backend **out) {
     be->event_record = w_event_record;
     be->event_wait = w_event_wait;
     be->event_free = w_event_free;
-    be->bf16_available = w_bf16_available;
+    be->half_available = w_half_available;
     be->runtime_bytes = w_runtime_bytes;
 #define OP(name) be->name = w_##name;
 #include "backend/profile_ops.h"

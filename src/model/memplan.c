@@ -423,9 +423,11 @@ size_t qt_model_carve_grads(const qt_config *c, const qt_model_opts *o, float *b
     size_t maxin = C > I ? C : I;
     if (HD > maxin) maxin = HD;
     s.lx = (o->lora && o->lora_dropout > 0) ? carve(base, &off, N * maxin) : NULL;
-    /* bf16 with every layer's inputs saved in 2 bytes: a linear's output gradient as bf16, the A operand
-     * of the backward's bf16 GEMMs where the CPU has them (qwen2.c linear_backward); the widest is I */
-    s.dout16 = o->compute == QT_BF16 && !o->grad_checkpointing ? carve16(base, &off, N * maxin) : NULL;
+    /* 16-bit with every layer's inputs saved in 2 bytes: a linear's output gradient in 2 bytes, the A
+     * operand of the backward's 16-bit GEMMs where the backend has them (qwen2.c base_backward; f16 only
+     * where the descriptor lists f16 as native, the GPU); the widest is I */
+    int d16 = o->compute == QT_BF16 || (o->compute == QT_F16 && (desc_of(o)->native_dtypes & QT_BE_DT(QT_F16)));
+    s.dout16 = d16 && !o->grad_checkpointing ? carve16(base, &off, N * maxin) : NULL;
     if (g) *g = s;
     return off;
 }

@@ -222,8 +222,9 @@ struct qt_model {
                               each sequence, and every Linear runs on be->matvec */
 
     uint64_t micro_step;   /* forward_backward calls so far: the dropout stream */
-    int native_bf16;       /* bf16 training on a CPU with bf16 arithmetic and a oneDNN bf16 GEMM: the
-                              forward's base matmuls run on it (backend/cpu/op_dnnl.h) */
+    int native16;          /* 16-bit training (bf16 or f16, without checkpointing) where the backend has
+                              that dtype's GEMM (be->half_available: oneDNN's bf16 on a CPU with
+                              AVX512_BF16, the GPU's tensor cores): the layers' base matmuls run on it */
 };
 
 #endif

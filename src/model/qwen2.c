@@ -87,8 +87,9 @@ static void acts_load(qt_model *m, int l, int N) {
 
 /* ---- Linear (+ LoRA) forward/backward ------------------------------------ */
 /* inp16: the same input as 2-byte values (its saved slot) or NULL. With
- * native bf16 (m->native_bf16) a bf16 weight times that bf16 input runs on
- * oneDNN's bf16 GEMM, else (and whenever oneDNN refuses) on fp32 sgemm. */
+ * native 16-bit GEMMs (m->native16) a weight in the compute dtype times that
+ * input runs on the backend's 16-bit GEMM (oneDNN's bf16 on the CPU, the
+ * tensor cores on a GPU), else (and whenever it refuses) on fp32 sgemm. */
 static void linear_forward(qt_model *m, int l, int j, float *out, const float *inp, const uint16_t *inp16, int N,
                            float *lora_h, int dropout) {
     const qt_linear *q = &m->layers[l].lin[j];
@@ -101,8 +102,8 @@ static void linear_forward(qt_model *m, int l, int j, float *out, const float *i
         }
         return;
     }
-    if (!(m->native_bf16 && inp16 && q->w.dt == QT_BF16 &&
-          be->bf16_matmul(be, out, inp16, q->w.p, q->b, N, q->in, q->out, 1.0f) == QT_OK))
+    if (!(m->native16 && inp16 && q->w.dt == m->opts.compute &&
+          be->half_matmul(be, q->w.dt, out, inp16, q->w.p, q->b, N, q->in, q->out, 1.0f) == QT_OK))
         be->matmul_forward(be, out, inp, q->w.p, q->w.dt, q->b, N, q->in, q->out, 1.0f, 0, m->ws);
     if (!q->la) return;
     const float *xd = inp;
@@ -116,25 +117,27 @@ static void linear_forward(qt_model *m, int l, int j, float *out, const float *i
     be->matmul_forward(be, out, lora_h, q->lb, QT_F32, NULL, N, R, q->out, 1.0f, 1, NULL);         /* y += B hs */
 }
 
-/* The base weight's backward. With native bf16 the products run on oneDNN's
- * bf16 GEMM: dout as bf16 (keep() left it bf16, so exact), dinp += dout W
- * against the bf16 weight, and in full fine-tuning dW += dout^T inp16
- * against the saved bf16 input, both accumulated in fp32; each product that
- * oneDNN refuses runs on fp32 sgemm instead, and the bias gradient always
- * does. Else all of it on fp32 sgemm (op_matmul_backward). */
+/* The base weight's backward. With native 16-bit GEMMs the products run on
+ * the backend's GEMM for the compute dtype: dout in 2 bytes (keep() left it
+ * rounded, so exact), dinp += dout W against the 2-byte weight, and in full
+ * fine-tuning dW += dout^T inp16 against the saved 2-byte input, both
+ * accumulated in fp32; each product the backend refuses runs on fp32 sgemm
+ * instead, and the bias gradient always does. Else all of it on fp32 sgemm
+ * (op_matmul_backward). */
 static void base_backward(qt_model *m, const qt_linear *q, float *dinp, const float *dout, const float *inp,
                           const uint16_t *inp16, int N) {
-    /* native_bf16 implies every layer's 2-byte slots (so inp16) and the dout16 scratch (memplan.c) */
+    /* native16 implies every layer's 2-byte slots (so inp16) and the dout16 scratch (memplan.c) */
     uint16_t *d16 = m->gs.dout16;
     qt_backend *be = m->be;
-    if (!(m->native_bf16 && q->w.dt == QT_BF16)) {
+    const qt_dtype dt = q->w.dt;
+    if (!(m->native16 && dt == m->opts.compute)) {
         be->matmul_backward(be, dinp, q->dw, q->db, dout, inp, q->w.p, q->w.dt, N, q->in, q->out, 1.0f, m->ws);
         return;
     }
-    be->convert(be, d16, QT_BF16, dout, QT_F32, (size_t)N * q->out);
-    if (dinp && be->bf16_gemm(be, dinp, d16, 0, q->w.p, 0, NULL, N, q->in, q->out, 1.0f, 1) != QT_OK)
+    be->convert(be, d16, dt, dout, QT_F32, (size_t)N * q->out);
+    if (dinp && be->half_gemm(be, dt, dinp, d16, 0, q->w.p, 0, NULL, N, q->in, q->out, 1.0f, 1) != QT_OK)
         be->matmul_backward(be, dinp, NULL, NULL, dout, inp, q->w.p, q->w.dt, N, q->in, q->out, 1.0f, m->ws);
-    int dw_native = q->dw && be->bf16_gemm(be, q->dw, d16, 1, inp16, 0, NULL, q->out, q->in, N, 1.0f, 1) == QT_OK;
+    int dw_native = q->dw && be->half_gemm(be, dt, q->dw, d16, 1, inp16, 0, NULL, q->out, q->in, N, 1.0f, 1) == QT_OK;
     if ((q->dw && !dw_native) || q->db)
         be->matmul_backward(be, NULL, dw_native ? NULL : q->dw, q->db, dout, inp, q->w.p, q->w.dt, N, q->in, q->out,
                             1.0f, m->ws);

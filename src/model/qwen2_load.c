@@ -650,11 +650,12 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
         if (!m->kcache) return QT_ENOMEM;
         m->vcache = m->kcache + m->mem.kv_cache / 8;
     }
-    /* bf16 with native hardware (and no QTUNE_BF16_EMULATE=1): the layers' matmuls on oneDNN's bf16 GEMM,
-     * reading the saved 2-byte inputs (docs/precision.md); probed only where it can run */
-    m->native_bf16 = m->acts.layer16 && m->opts.compute == QT_BF16 && !qt_precision_bf16_emulated(m->opts.backend) &&
-                     m->be->bf16_available(m->be);
-    if (m->native_bf16) qt_debug("model %s: bf16 forward matmuls on oneDNN", dir);
+    /* 16-bit training with the backend's GEMM for that dtype (bf16: not under QTUNE_BF16_EMULATE=1): the
+     * layers' matmuls read the saved 2-byte inputs (docs/precision.md); probed only where it can run */
+    const qt_dtype cdt = m->opts.compute;
+    m->native16 = m->acts.layer16 && (cdt == QT_F16 || (cdt == QT_BF16 && !qt_precision_bf16_emulated(m->opts.backend))) &&
+                  m->gs.dout16 && m->be->half_available(m->be, cdt);
+    if (m->native16) qt_debug("model %s: %s layer matmuls on the backend's 16-bit GEMM", dir, qt_dtype_name(cdt));
     const size_t maxn = (size_t)opts->max_B * (size_t)opts->max_T;
     m->pos_buf = qt_malloc(sizeof(int32_t) * maxn, "model: positions");
     m->loss_host = qt_malloc(sizeof(float) * maxn, "model: token losses");

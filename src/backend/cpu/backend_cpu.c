@@ -136,13 +136,15 @@ static void c_round_store(BE, float *x, uint16_t *dst, size_t n, qt_dtype dt) { 
 static void c_convert(BE, void *dst, qt_dtype ddt, const void *src, qt_dtype sdt, size_t n) {
     op_convert(dst, ddt, src, sdt, n);
 }
-static int c_bf16_available(BE) { return op_dnnl_bf16_available(); }
-static int c_bf16_matmul(BE, float *out, const uint16_t *inp, const uint16_t *w, const float *bias, int N, int IN,
-                         int OUT, float alpha) {
+static int c_half_available(BE, qt_dtype dt) { return dt == QT_BF16 && op_dnnl_bf16_available(); }
+static int c_half_matmul(BE, qt_dtype dt, float *out, const uint16_t *inp, const uint16_t *w, const float *bias, int N,
+                         int IN, int OUT, float alpha) {
+    if (dt != QT_BF16) return QT_EUNSUPPORTED; /* no f16 GEMM on these CPUs (oneDNN wants AVX512-FP16) */
     return op_dnnl_bf16_matmul(out, inp, w, bias, N, IN, OUT, alpha);
 }
-static int c_bf16_gemm(BE, float *C, const uint16_t *A, int ta, const uint16_t *B, int tb, const float *bias, int M,
-                       int N, int K, float alpha, int acc) {
+static int c_half_gemm(BE, qt_dtype dt, float *C, const uint16_t *A, int ta, const uint16_t *B, int tb,
+                       const float *bias, int M, int N, int K, float alpha, int acc) {
+    if (dt != QT_BF16) return QT_EUNSUPPORTED;
     return op_dnnl_bf16_gemm(C, A, ta, B, tb, bias, M, N, K, alpha, acc);
 }
 static void c_dropout(BE, float *dst, const float *src, size_t n, const qt_dropout_key *key, uint32_t threshold,
@@ -196,9 +198,9 @@ void qt_backend_cpu_fill(qt_backend *be) {
     be->round_to_dtype = c_round_to_dtype;
     be->round_store = c_round_store;
     be->convert = c_convert;
-    be->bf16_available = c_bf16_available;
-    be->bf16_matmul = c_bf16_matmul;
-    be->bf16_gemm = c_bf16_gemm;
+    be->half_available = c_half_available;
+    be->half_matmul = c_half_matmul;
+    be->half_gemm = c_half_gemm;
     be->dropout = c_dropout;
     be->adam = c_adam;
     be->sum_squares = c_sum_squares;

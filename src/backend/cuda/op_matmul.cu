@@ -6,8 +6,8 @@
  *   dW (OUT, IN)  += dout^T @ inp ->  dW^T   = inp^T dout    ... cublas(N, T)
  * fp32 weights and activations run as fp32 SGEMM (no TF32: the reference
  * path); a bf16/f16 frozen weight is widened to fp32 in the workspace first.
- * The bf16 forms (bf16_matmul, bf16_gemm) run on the tensor cores with fp32
- * accumulation (cublasGemmEx, CUBLAS_COMPUTE_32F). */
+ * The 16-bit forms (half_matmul, half_gemm: bf16 or f16 operands) run on the
+ * tensor cores with fp32 accumulation (cublasGemmEx, CUBLAS_COMPUTE_32F). */
 #include "backend/cuda/cuda_internal.h"
 
 
@@ -64,37 +64,41 @@ static void g_matmul_backward(BE, float *dinp, float *dw, float *db, const float
     }
 }
 
-/* bf16 GEMMs need compute capability 8.0 (Ampere) or newer */
-static int g_bf16_available(BE) {
+/* bf16 GEMMs need compute capability 8.0 (Ampere) or newer, f16 ones 7.0 (Volta) */
+static int g_half_available(BE, qt_dtype dt) {
     cudaDeviceProp p;
+    if (dt != QT_BF16 && dt != QT_F16) return 0;
     if (cudaGetDeviceProperties(&p, qt_cuda_of(be)->device) != cudaSuccess) return 0;
-    return p.major >= 8;
+    return p.major >= (dt == QT_BF16 ? 8 : 7);
 }
 
-/* C (M, N) = alpha * op(A) (M, K) @ op(B) (K, N) [+ C] [+ bias], row-major C.
- * Column-major: C^T (N, M) = op(B)^T @ op(A)^T, B first. */
-static int g_bf16_gemm(BE, float *C, const uint16_t *A, int ta, const uint16_t *B, int tb, const float *bias, int M,
-                       int N, int K, float alpha, int acc) {
+/* C (M, N) = alpha * op(A) (M, K) @ op(B) (K, N) [+ C] [+ bias], row-major C,
+ * A and B bf16 or f16 (dt). Column-major: C^T (N, M) = op(B)^T @ op(A)^T, B
+ * first. */
+static int g_half_gemm(BE, qt_dtype dt, float *C, const uint16_t *A, int ta, const uint16_t *B, int tb,
+                       const float *bias, int M, int N, int K, float alpha, int acc) {
+    if (dt != QT_BF16 && dt != QT_F16) return QT_EUNSUPPORTED;
     if (M <= 0 || N <= 0) return QT_OK;
     float beta = acc ? 1.0f : 0.0f;
+    cudaDataType_t t = dt == QT_BF16 ? CUDA_R_16BF : CUDA_R_16F;
     cublasOperation_t opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N, opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
     int ldb = tb ? K : N, lda = ta ? M : K;
-    QT_CUBLAS(cublasGemmEx(BLAS, opb, opa, N, M, K, &alpha, B, CUDA_R_16BF, ldb, A, CUDA_R_16BF, lda, &beta, C,
-                           CUDA_R_32F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    QT_CUBLAS(cublasGemmEx(BLAS, opb, opa, N, M, K, &alpha, B, t, ldb, A, t, lda, &beta, C, CUDA_R_32F, N,
+                           CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     if (bias) add_bias(be, C, bias, M, N);
     return QT_OK;
 }
-static int g_bf16_matmul(BE, float *out, const uint16_t *inp, const uint16_t *w, const float *bias, int N, int IN,
-                         int OUT, float alpha) {
-    return g_bf16_gemm(be, out, inp, 0, w, 1, bias, N, OUT, IN, alpha, 0);
+static int g_half_matmul(BE, qt_dtype dt, float *out, const uint16_t *inp, const uint16_t *w, const float *bias,
+                         int N, int IN, int OUT, float alpha) {
+    return g_half_gemm(be, dt, out, inp, 0, w, 1, bias, N, OUT, IN, alpha, 0);
 }
 
 extern "C" void qt_cuda_fill_matmul(qt_backend *be) {
     be->matmul_forward = g_matmul_forward;
     be->matmul_backward = g_matmul_backward;
-    be->bf16_available = g_bf16_available;
-    be->bf16_matmul = g_bf16_matmul;
-    be->bf16_gemm = g_bf16_gemm;
+    be->half_available = g_half_available;
+    be->half_matmul = g_half_matmul;
+    be->half_gemm = g_half_gemm;
 }
 
 /* Decoding, one token for each of N sequences: out (N, OUT) = alpha * x (N,

@@ -38,7 +38,7 @@ typedef struct {
 static const qt_backend_desc guard_desc = {
     .name = "guard",
     .alignment = 4096,
-    .native_dtypes = QT_BE_DT(QT_F32),
+    .native_dtypes = QT_BE_DT(QT_F32) | QT_BE_DT(QT_F16), /* f16: the stand-in GEMMs below */
     .ce_chunk = OP_CE_CHUNK, /* the CPU's kernels, so the CPU's workspace facts */
     .matmul_ws_cap = OP_MATMUL_WS_CAP,
     .runtime_bytes = (size_t)6 << 20,
@@ -251,18 +251,49 @@ static void g_round_store(BE, float *x, uint16_t *dst, size_t n, qt_dtype dt) {
 static void g_convert(BE, void *dst, qt_dtype ddt, const void *src, qt_dtype sdt, size_t n) {
     CALL(CPU->convert(CPU, dst, ddt, src, sdt, n));
 }
-static int g_bf16_available(BE) { return CPU->bf16_available(CPU); }
-static int g_bf16_matmul(BE, float *out, const uint16_t *inp, const uint16_t *w, const float *bias, int N, int IN,
-                         int OUT, float alpha) {
+/* 16-bit GEMMs. bf16: the CPU's (oneDNN, where the CPU has it). f16, which
+ * no CPU here has: the guard stands in for a GPU's f16 GEMM, so the model's
+ * f16 path (qwen2.c, m->native16) runs in every test on it. Each form the
+ * model uses becomes the CPU's fp32 op on the same values widened (exact),
+ * the op the model itself calls without a 16-bit GEMM, so a run on the
+ * guard stays bit for bit the CPU's run:
+ *   (ta 0, tb 1, no acc)  C = A B^T (+ bias)  matmul_forward (A the input, B the 16-bit weight)
+ *   (ta 0, tb 0, acc)     C += A B            matmul_backward's dinp (A the output gradient)
+ *   (ta 1, tb 0, acc)     C += A^T B          matmul_backward's dW (B the input)
+ * Other forms answer QT_EUNSUPPORTED (the model then takes the fp32 op). */
+static float *widen(qt_backend *be, const uint16_t *x, qt_dtype dt, size_t n) {
+    float *f = qt_malloc(sizeof(float) * (n ? n : 1), "guard backend: widened f16 operand");
+    if (f) CALL(CPU->convert(CPU, f, QT_F32, x, dt, n));
+    return f;
+}
+static int g_half_available(BE, qt_dtype dt) { return dt == QT_F16 || CPU->half_available(CPU, dt); }
+static int g_half_gemm(BE, qt_dtype dt, float *C, const uint16_t *A, int ta, const uint16_t *B, int tb,
+                       const float *bias, int M, int N, int K, float alpha, int acc) {
     int rc;
-    CALL(rc = CPU->bf16_matmul(CPU, out, inp, w, bias, N, IN, OUT, alpha));
+    if (dt != QT_F16) {
+        CALL(rc = CPU->half_gemm(CPU, dt, C, A, ta, B, tb, bias, M, N, K, alpha, acc));
+        return rc;
+    }
+    int form = ta == 0 && tb == 1 && !acc ? 0 : ta == 0 && tb == 0 && acc && !bias ? 1 : ta == 1 && tb == 0 && acc && !bias ? 2 : -1;
+    if (form < 0) return QT_EUNSUPPORTED;
+    float *a = widen(be, A, dt, (size_t)M * K), *b = form == 2 ? widen(be, B, dt, (size_t)K * N) : NULL, *ws = NULL;
+    rc = a && (form != 2 || b) ? QT_OK : QT_ENOMEM;
+    if (rc == QT_OK && form != 2) {
+        ws = qt_malloc(sizeof(float) * qt_be_matmul_ws_floats(CPU->desc, form == 0 ? K : N, form == 0 ? N : K),
+                       "guard backend: f16 GEMM workspace");
+        if (!ws) rc = QT_ENOMEM;
+    }
+    if (rc == QT_OK) {
+        if (form == 0) CALL(CPU->matmul_forward(CPU, C, a, B, dt, bias, M, K, N, alpha, 0, ws));
+        else if (form == 1) CALL(CPU->matmul_backward(CPU, C, NULL, NULL, a, NULL, B, dt, M, N, K, alpha, ws));
+        else CALL(CPU->matmul_backward(CPU, NULL, C, NULL, a, b, NULL, dt, K, N, M, alpha, NULL));
+    }
+    qt_free(a), qt_free(b), qt_free(ws);
     return rc;
 }
-static int g_bf16_gemm(BE, float *C, const uint16_t *A, int ta, const uint16_t *B, int tb, const float *bias, int M,
-                       int N, int K, float alpha, int acc) {
-    int rc;
-    CALL(rc = CPU->bf16_gemm(CPU, C, A, ta, B, tb, bias, M, N, K, alpha, acc));
-    return rc;
+static int g_half_matmul(BE, qt_dtype dt, float *out, const uint16_t *inp, const uint16_t *w, const float *bias, int N,
+                         int IN, int OUT, float alpha) {
+    return g_half_gemm(be, dt, out, inp, 0, w, 1, bias, N, OUT, IN, alpha, 0);
 }
 static void g_dropout(BE, float *dst, const float *src, size_t n, const qt_dropout_key *key, uint32_t threshold,
                       float keep_scale) {
@@ -349,9 +380,9 @@ int qt_backend_guard_open(qt_backend **out) {
     be->round_to_dtype = g_round_to_dtype;
     be->round_store = g_round_store;
     be->convert = g_convert;
-    be->bf16_available = g_bf16_available;
-    be->bf16_matmul = g_bf16_matmul;
-    be->bf16_gemm = g_bf16_gemm;
+    be->half_available = g_half_available;
+    be->half_matmul = g_half_matmul;
+    be->half_gemm = g_half_gemm;
     be->dropout = g_dropout;
     be->adam = g_adam;
     be->sum_squares = g_sum_squares;

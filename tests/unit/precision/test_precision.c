@@ -358,15 +358,20 @@ static void test_dnnl_bf16_dispatch(void **state) {
                 assert_true(fabs(out[n * OUT + o] - ref) <= 1e-5 * (mag + fabs(bias[o])) + 1e-6);
             }
     }
+    qt_model_opts o;
+    qt_model_opts_default(&o);
+    o.max_B = 1, o.max_T = 8, o.compute = QT_F16;
+    qt_model *m;
+    /* f16 on the cpu backend: no f16 GEMM there, so fp32 sgemm (the guard's stand-in GEMM covers the f16 path) */
+    assert_int_equal(qt_model_load(dir, &o, &m), QT_OK);
+    assert_int_equal(m->native16, 0);
+    qt_model_free(m);
     if (op_cpu_has_bf16()) return;
     /* the model only selects it on bf16 hardware: emulated bf16 keeps fp32 sgemm */
     setenv("QTUNE_BF16_EMULATE", "1", 1);
-    qt_model_opts o;
-    qt_model_opts_default(&o);
-    o.max_B = 1, o.max_T = 8, o.compute = QT_BF16;
-    qt_model *m;
+    o.compute = QT_BF16;
     assert_int_equal(qt_model_load(dir, &o, &m), QT_OK);
-    assert_int_equal(m->native_bf16, 0);
+    assert_int_equal(m->native16, 0);
     qt_model_free(m);
     unsetenv("QTUNE_BF16_EMULATE");
 }
