@@ -12,10 +12,23 @@
  * The "kept" forms keep each chunk's logits in the caller's (N, V) buffer
  * (the memory plan gives one when it fits), so the backward skips one GEMM
  * of the four; the bits are the recomputed ones (cuBLAS gives the same
- * result for the same product). */
+ * result for the same product).
+ *
+ * The logits on the tensor cores: in 16-bit training x (the final norm's
+ * output) holds values rounded to the compute dtype and the weight is stored
+ * in it (docs/precision.md), so each logit is a sum of exact products of
+ * 16-bit values. Each call checks that on the GPU (ce_x16: every x equal to
+ * its rounding to the weight's dtype, one flag read back) and then runs the
+ * logits GEMM as cublasGemmEx on the 16-bit x and weight, fp32 accumulation
+ * and output: the same values as SGEMM, in another summation order. Where
+ * any x is not exact (fp32 training over a bf16 base, eval) or the weight is
+ * fp32, SGEMM as before. The dx and dW products multiply fp32 dlogits and
+ * stay SGEMM. QTUNE_CUDA_LMHEAD=fp32 keeps every product on SGEMM. */
 #include "backend/cuda/cuda_internal.h"
 
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -49,11 +62,59 @@ static const float *chunk_weight(qt_backend *be, const ce_ws *w, const void *wt,
     const char *src = (const char *)wt + (size_t)c0 * C * qt_cuda_dtype_size(wdt);
     return qt_cuda_weight_f32(be, src, wdt, (size_t)cv, (size_t)C, w->wf);
 }
-/* logits of chunk [c0, c0+cv) into dst (N, cv) */
-static void chunk_logits(qt_backend *be, const ce_ws *w, const float *x, const void *wt, qt_dtype wdt, int c0,
-                         int cv, int N, int C, const float **wc_out, float *dst) {
-    const float *Wc = chunk_weight(be, w, wt, wdt, c0, cv, C);
+/* x (N, C) as 16-bit values of dt in the backend's scratch when every x is
+ * one exactly, else NULL (module comment) */
+__global__ void k_x16_exact(unsigned short *x16, int *inexact, const float *x, size_t n, qt_dtype dt) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float v = x[i], back;
+        unsigned short h;
+        if (dt == QT_BF16) {
+            __nv_bfloat16 b = __float2bfloat16_rn(v);
+            h = __bfloat16_as_ushort(b), back = __bfloat162float(b);
+        } else {
+            __half b = __float2half_rn(v);
+            h = __half_as_ushort(b), back = __half2float(b);
+        }
+        x16[i] = h;
+        if (!(back == v)) *inexact = 1; /* NaN too; any writer writes 1 */
+    }
+}
+static const unsigned short *ce_x16(qt_backend *be, const float *x, qt_dtype wdt, int N, int C) {
+    static int fp32_only = -1;
+    if (fp32_only < 0) {
+        const char *e = getenv("QTUNE_CUDA_LMHEAD");
+        fp32_only = e && !strcmp(e, "fp32");
+    }
+    if ((wdt != QT_BF16 && wdt != QT_F16) || fp32_only || !be->half_available(be, wdt)) return NULL;
+    size_t n = (size_t)N * C, halves = (n + 1) / 2;
+    float *s = qt_cuda_scratch(be, halves + 1);
+    unsigned short *x16 = (unsigned short *)s;
+    int *flag = (int *)(s + halves), inexact = 1;
+    QT_CUDA(cudaMemsetAsync(flag, 0, sizeof(int), STREAM));
+    k_x16_exact<<<qt_cuda_blocks(n), 256, 0, STREAM>>>(x16, flag, x, n, wdt);
+    QT_CUDA_LAUNCHED();
+    QT_CUDA(cudaMemcpyAsync(&inexact, flag, sizeof(int), cudaMemcpyDeviceToHost, STREAM));
+    QT_CUDA(cudaStreamSynchronize(STREAM));
+    return inexact ? NULL : x16;
+}
+
+/* logits of chunk [c0, c0+cv) into dst (N, cv): on the tensor cores from x16
+ * (ce_x16) and the 16-bit weight rows, else SGEMM on the widened chunk.
+ * *wc_out: the chunk's weight as fp32 for the dx products when want_wc (else
+ * it may be left NULL). */
+static void chunk_logits(qt_backend *be, const ce_ws *w, const float *x, const unsigned short *x16, const void *wt,
+                         qt_dtype wdt, int c0, int cv, int N, int C, const float **wc_out, int want_wc, float *dst) {
     const float one = 1.0f, zero = 0.0f;
+    *wc_out = NULL;
+    if (x16) {
+        const char *src = (const char *)wt + (size_t)c0 * C * 2;
+        cudaDataType_t t = wdt == QT_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+        QT_CUBLAS(cublasGemmEx(BLAS, CUBLAS_OP_T, CUBLAS_OP_N, cv, N, C, &one, src, t, C, x16, t, C, &zero, dst,
+                               CUDA_R_32F, cv, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        if (want_wc) *wc_out = chunk_weight(be, w, wt, wdt, c0, cv, C);
+        return;
+    }
+    const float *Wc = chunk_weight(be, w, wt, wdt, c0, cv, C);
     QT_CUBLAS(cublasSgemm(BLAS, CUBLAS_OP_T, CUBLAS_OP_N, cv, N, C, &one, Wc, C, x, C, &zero, dst, cv));
     *wc_out = Wc;
 }
@@ -134,13 +195,14 @@ static void ce_forward(BE, float *loss, float *lse, float *kept, const float *x,
                        const int32_t *targets, int N, int C, int V, float *ws) {
     if (N <= 0) return;
     ce_ws s = ce_ws_of(be, ws, N, C);
+    const unsigned short *x16 = ce_x16(be, x, wdt, N, C);
     k_ce_init<<<(N + 255) / 256, 256, 0, STREAM>>>(s.m, s.l, s.tl, N);
     QT_CUDA_LAUNCHED();
     for (int c0 = 0; c0 < V; c0 += s.chunk) {
         int cv = V - c0 < s.chunk ? V - c0 : s.chunk;
         const float *Wc;
         float *lg = kept ? kept + (size_t)N * c0 : s.logits;
-        chunk_logits(be, &s, x, w, wdt, c0, cv, N, C, &Wc, lg);
+        chunk_logits(be, &s, x, x16, w, wdt, c0, cv, N, C, &Wc, 0, lg);
         k_ce_chunk<false><<<N, 256, 0, STREAM>>>(lg, cv, c0, targets, s.m, s.l, s.tl, NULL);
         QT_CUDA_LAUNCHED();
     }
@@ -155,6 +217,7 @@ static void ce_backward(BE, float *dx, float *dw, float *kept, const float *x, c
     if (N <= 0) return;
     ce_ws s = ce_ws_of(be, ws, N, C);
     const float one = 1.0f;
+    const unsigned short *x16 = kept ? NULL : ce_x16(be, x, wdt, N, C);
     for (int c0 = 0; c0 < V; c0 += s.chunk) {
         int cv = V - c0 < s.chunk ? V - c0 : s.chunk;
         const float *Wc = NULL;
@@ -162,7 +225,7 @@ static void ce_backward(BE, float *dx, float *dw, float *kept, const float *x, c
         if (kept) {
             if (dx) Wc = chunk_weight(be, &s, w, wdt, c0, cv, C);
         } else {
-            chunk_logits(be, &s, x, w, wdt, c0, cv, N, C, &Wc, lg);
+            chunk_logits(be, &s, x, x16, w, wdt, c0, cv, N, C, &Wc, dx != NULL, lg);
         }
         k_ce_grad<<<qt_cuda_blocks((size_t)N * cv), 256, 0, STREAM>>>(lg, N, cv, c0, targets, lse, dscale);
         QT_CUDA_LAUNCHED();
@@ -222,13 +285,14 @@ static void g_ce_forward_dx(BE, float *loss, float *lse, float *dx, const float 
     if (N <= 0) return;
     ce_ws s = ce_ws_of(be, ws, N, C);
     const float one = 1.0f;
+    const unsigned short *x16 = ce_x16(be, x, wdt, N, C);
     k_ce_init<<<(N + 255) / 256, 256, 0, STREAM>>>(s.m, s.l, s.tl, N);
     QT_CUDA_LAUNCHED();
     QT_CUDA(cudaMemsetAsync(s.dxacc, 0, sizeof(float) * (size_t)N * C, STREAM));
     for (int c0 = 0; c0 < V; c0 += s.chunk) {
         int cv = V - c0 < s.chunk ? V - c0 : s.chunk;
         const float *Wc;
-        chunk_logits(be, &s, x, w, wdt, c0, cv, N, C, &Wc, s.logits);
+        chunk_logits(be, &s, x, x16, w, wdt, c0, cv, N, C, &Wc, 1, s.logits);
         k_ce_chunk<true><<<N, 256, 0, STREAM>>>(s.logits, cv, c0, targets, s.m, s.l, s.tl, s.fac);
         QT_CUDA_LAUNCHED();
         if (c0 > 0) {

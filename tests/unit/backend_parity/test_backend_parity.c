@@ -282,8 +282,19 @@ static void test_lmhead_ce(void **state) {
     for (int i = 0; i < N; i++) tg[i] = (i * 977) % V;
     tg[3] = -100, tg[8] = V - 1;
     pair ptg = up(tg, sizeof tg);
-    for (int k = 0; k < 2; k++) {
+    /* cases: f32 table; bf16 table and fp32 x; then x rounded to the table's dtype, as 16-bit training's final
+     * norm leaves it: bf16 and f16 (the logits GEMM on a GPU's tensor cores, op_lmhead_ce.cu) */
+    const int kd[] = {0, 1, 1, 2}, kround[] = {0, 0, 1, 1};
+    for (int kk = 0; kk < 4; kk++) {
+        const int k = kd[kk];
         pair x = up_randn((size_t)N * C, 1.0f), w = up_weight((size_t)V * C, 0.3f, dts[k]);
+        if (kround[kk]) { /* round on the cpu, then the same bits on both sides */
+            float *h = qt_malloc(sizeof(float) * (size_t)N * C, "test");
+            cpu->round_to_dtype(cpu, x.c, (size_t)N * C, dts[k]);
+            cpu->download(cpu, h, x.c, sizeof(float) * (size_t)N * C);
+            dev->upload(dev, x.d, h, sizeof(float) * (size_t)N * C);
+            qt_free(h);
+        }
         pair loss = up_zero(N), lse = up_zero(N), dx = up_randn((size_t)N * C, 0.1f);
         pair dw = up_randn((size_t)V * C, 0.1f);
         float *wc = ws_of(cpu, qt_be_lmhead_ce_ws_floats(cpu->desc, N, C));
@@ -291,7 +302,7 @@ static void test_lmhead_ce(void **state) {
         cpu->lmhead_ce_forward(cpu, loss.c, lse.c, x.c, w.c, dts[k], ptg.c, N, C, V, wc);
         dev->lmhead_ce_forward(dev, loss.d, lse.d, x.d, w.d, dts[k], ptg.d, N, C, V, wd);
         char what[64];
-        snprintf(what, sizeof what, "lmhead_ce_forward %s loss", dtn[k]);
+        snprintf(what, sizeof what, "lmhead_ce_forward %s%s loss", dtn[k], kround[kk] ? " (x 16-bit)" : "");
         check(what, loss, N, TOL);
         check("lmhead_ce_forward lse", lse, N, TOL);
         int f32 = dts[k] == QT_F32;
