@@ -3,9 +3,25 @@
 #include "core/messages.h"
 
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+
+long long qt_meminfo_kib(const char *key) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f) return -1;
+    char line[256];
+    long long v = -1;
+    size_t kl = strlen(key);
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, key, kl) && line[kl] == ':') {
+            v = strtoll(line + kl + 1, NULL, 10);
+            break;
+        }
+    fclose(f);
+    return v;
+}
 
 static void *oom(size_t n, const char *what, const char *file, int line) {
     qt_error_at(QT_ENOMEM, file, line, QT_MSG_OOM_FMT, (double)n / (1 << 20), what);

@@ -32,6 +32,10 @@ char *qt_strdup(const char *s); /* NULL (with error set) on failure */
 #define qt_alloc_aligned(n, what) qt_alloc_aligned_at((n), (what), __FILE__, __LINE__)
 #define qt_alloc_sparse(n, what) qt_alloc_sparse_at((n), (what), __FILE__, __LINE__)
 
+/* A /proc/meminfo value in KiB ("MemAvailable", "MemTotal"), -1 where it
+ * cannot be read. */
+long long qt_meminfo_kib(const char *key);
+
 /* Multiplies sizes, failing on overflow: lengths from files must pass here
  * before they size an allocation. Returns 0 on overflow. */
 int qt_mul_ok(size_t a, size_t b, size_t *out);

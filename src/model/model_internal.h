@@ -117,6 +117,11 @@ size_t qt_model_workspace_floats(const qt_config *c, const qt_model_opts *o);
 /* Full fine-tuning: the forward keeps the lm_head's logits in the workspace,
  * at qt_model_kept_logits_offset floats, for the backward (rule in memplan.c). */
 int qt_model_keeps_logits(const qt_config *c, const qt_model_opts *o);
+/* Inference copies the matrices a decode step reads into one block (the
+ * stream block); on the cpu backend only where bytes fit, with a 1 GiB
+ * margin, in avail_kib of available memory (MemAvailable; -1: unknown, it
+ * fits). Else they stay in the file mapping. */
+int qt_model_stream_fits(size_t bytes, long long avail_kib);
 size_t qt_model_kept_logits_offset(const qt_config *c, const qt_model_opts *o);
 size_t qt_model_kv_floats(const qt_config *c, const qt_model_opts *o);
 

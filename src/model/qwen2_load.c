@@ -400,7 +400,12 @@ static int load_vocab_mats(qt_model *m) {
     return QT_OK;
 }
 
-static int load_frozen(qt_model *m) {
+int qt_model_stream_fits(size_t bytes, long long avail_kib) {
+    const size_t margin = (size_t)1 << 30; /* the rest of the process: KV cache, activations, logits, code */
+    return avail_kib < 0 || (double)bytes + (double)margin <= (double)avail_kib * 1024.0;
+}
+
+static int load_frozen(qt_model *m, const char *dir) {
     const qt_config *c = &m->cfg;
     const qt_layout *ly = qt_config_layout(c);
     int C = c->hidden_size, D = c->head_dim;
@@ -410,6 +415,17 @@ static int load_frozen(qt_model *m) {
         char emb[160];
         snprintf(emb, sizeof emb, "%s.weight", ly->embed);
         m->stream_size = stream_bytes(m, emb);
+        /* on the cpu backend the copy is anonymous memory: where it would not fit beside what the machine has
+         * available (the model file's cached pages count as available; the copy hands them back as it goes),
+         * the decode reads the weights from the mapping instead, as eval does, rather than the kernel killing
+         * the process half way */
+        const long long avail = m->be->desc->host_reads_device ? qt_meminfo_kib("MemAvailable") : -1;
+        if (m->stream_size && !qt_model_stream_fits(m->stream_size, avail)) {
+            qt_warn("%s: the weights stay in the file mapping (decoding reads them there, slower): a %.1f GiB copy "
+                    "would not fit in the %.1f GiB of memory available", dir, (double)m->stream_size / (1 << 30),
+                    (double)avail / (1 << 20));
+            m->stream_size = 0;
+        }
         if (m->stream_size) {
             m->stream_block = m->be->alloc(m->be, QT_MEM_DEVICE, m->stream_size, "model: frozen matrices");
             if (!m->stream_block) return QT_ENOMEM;
@@ -612,7 +628,7 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
             m->base_f32 = alloc_floats(m, m->mem.base_f32, "model: frozen norm weights and biases");
             if (!m->base_f32) return QT_ENOMEM;
         }
-        QT_TRY(load_frozen(m));
+        QT_TRY(load_frozen(m, dir));
     } else {
         QT_TRY(load_full(m));
     }

@@ -126,21 +126,6 @@ void qt_doctor_print_failures(FILE *f) {
 
 /* ---- environment ---------------------------------------------------------- */
 
-static int64_t meminfo_kib(const char *key) {
-    FILE *f = fopen("/proc/meminfo", "r");
-    if (!f) return -1;
-    char line[256];
-    int64_t v = -1;
-    size_t kl = strlen(key);
-    while (fgets(line, sizeof line, f))
-        if (!strncmp(line, key, kl) && line[kl] == ':') {
-            v = strtoll(line + kl + 1, NULL, 10);
-            break;
-        }
-    fclose(f);
-    return v;
-}
-
 static void cpu_model(char *out, size_t cap) {
     snprintf(out, cap, "unknown");
     FILE *f = fopen("/proc/cpuinfo", "r");
@@ -294,7 +279,7 @@ int qt_doctor_environment(FILE *f, int ranks) {
     print_mpi(f);
     print_cuda(f);
 
-    const int64_t total = meminfo_kib("MemTotal"), avail = meminfo_kib("MemAvailable");
+    const int64_t total = qt_meminfo_kib("MemTotal"), avail = qt_meminfo_kib("MemAvailable");
     if (total > 0 && avail >= 0)
         fprintf(f, "memory     %.1f GiB available of %.1f GiB\n", (double)avail * 1024 / GIB, (double)total * 1024 / GIB);
     char cwd[4096];
@@ -576,7 +561,7 @@ static void check_resources(doc_ctx *c, const char *dir, const cJSON *root, cons
     }
     /* Without a GPU every rank's "device" memory is this host's. */
     const uint64_t need = (gpu_count() > 0 ? 0 : p.dev.total * (uint64_t)ranks) + p.host_total;
-    const int64_t avail = meminfo_kib("MemAvailable");
+    const int64_t avail = qt_meminfo_kib("MemAvailable");
     fprintf(c->f, "plan       %.2f GiB per rank (weights %.2f, grads %.2f, optimizer %.2f, activations %.2f); host "
                   "%.2f GiB\n",
             (double)p.dev.total / GIB, (double)p.dev.weights / GIB, (double)p.dev.grads / GIB,

@@ -20,6 +20,7 @@
 #include "core/rng.h"
 #include "model/memplan.h"
 #include "model/model.h"
+#include "model/model_internal.h"
 #include "tiny_model.h"
 
 #define T_MAX 24
@@ -170,8 +171,23 @@ static void test_decode_rows_f32(void **s) { (void)s, check_rows_case(QT_F32, 0)
 static void test_decode_rows_f16(void **s) { (void)s, check_rows_case(QT_F16, 0), check_rows_case(QT_F16, 1); }
 static void test_decode_rows_bf16(void **s) { (void)s, check_rows_case(QT_BF16, 0), check_rows_case(QT_BF16, 1); }
 
+/* generate's weight copy is made only where it fits beside the rest (1 GiB
+ * margin) in the memory the machine has available, else the decode reads the
+ * file mapping (qwen2_load.c) */
+static void test_stream_fits(void **s) {
+    (void)s;
+    const size_t gib = (size_t)1 << 30;
+    const long long gib_kib = 1 << 20;
+    assert_true(qt_model_stream_fits(gib, 3 * gib_kib));
+    assert_true(qt_model_stream_fits(2 * gib, 3 * gib_kib));
+    assert_false(qt_model_stream_fits(2 * gib + 1, 3 * gib_kib));
+    assert_false(qt_model_stream_fits(28 * gib, 24 * gib_kib)); /* a 14B bf16 model on a 24 GiB machine */
+    assert_true(qt_model_stream_fits(28 * gib, -1));              /* unknown: copy, as before */
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_stream_fits),
         cmocka_unit_test(test_decode_f32),
         cmocka_unit_test(test_decode_f16),
         cmocka_unit_test(test_decode_bf16),
