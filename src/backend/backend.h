@@ -238,6 +238,12 @@ struct qt_backend {
 
     /* ---- facts only the running backend knows ------------------------------- */
     size_t (*runtime_bytes)(qt_backend *be); /* desc->runtime_bytes (+ runtime_extra where in use) */
+    /* The most bytes of device memory (QT_MEM_DEVICE and _SPARSE allocations,
+     * the backend's own buffers included) held at once since open; 0 where
+     * device memory is host memory (cpu: the peak RSS measures it). What
+     * metrics.jsonl's device_peak_bytes reports, against qtune plan's
+     * per-device total. */
+    size_t (*device_peak_bytes)(qt_backend *be);
     void (*close)(qt_backend *be);
 };
 

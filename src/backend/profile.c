@@ -88,6 +88,7 @@ static void w_event_wait(BE, qt_event *e) { IN->event_wait(IN, e); }
 static void w_event_free(BE, qt_event *e) { IN->event_free(IN, e); }
 static int w_half_available(BE, qt_dtype dt) { return IN->half_available(IN, dt); }
 static size_t w_runtime_bytes(BE) { return IN->runtime_bytes(IN); }
+static size_t w_device_peak_bytes(BE) { return IN->device_peak_bytes(IN); }
 
 WRAP(upload, (BE, void *dev, const void *host, size_t bytes), (IN, dev, host, bytes))
 WRAP(download, (BE, void *host, const void *dev, size_t bytes), (IN, host, dev, bytes))
@@ -229,6 +230,7 @@ int qt_backend_profile_wrap(qt_backend *in, qt_backend **out) {
     be->event_free = w_event_free;
     be->half_available = w_half_available;
     be->runtime_bytes = w_runtime_bytes;
+    be->device_peak_bytes = w_device_peak_bytes;
 #define OP(name) be->name = w_##name;
 #include "backend/profile_ops.h"
 #undef OP

@@ -112,6 +112,10 @@ int qt_metrics_log_step(qt_metrics *m, const qt_step_metrics *s) {
              "\"mem_peak_bytes\": %lld, \"epoch\": %s, \"opt_state_bytes\": %lld, \"comm_s\": %s}",
              s->step, loss, lr, gn, ls, s->skipped ? "true" : "false", (long long)s->tokens,
              (long long)s->target_tokens, tps, el, (long long)s->mem_peak_bytes, ep, (long long)s->opt_state_bytes, cs);
+    if (s->device_peak_bytes > 0) { /* a GPU's (or the guard's) own memory, beside the host's RSS */
+        size_t len = strlen(line) - 1;
+        snprintf(line + len, sizeof line - len, ", \"device_peak_bytes\": %lld}", (long long)s->device_peak_bytes);
+    }
     if (s->n_ranks > 1) {
         /* drop the closing brace, add the per-rank figures */
         size_t len = strlen(line) - 1;

@@ -20,6 +20,8 @@ typedef struct {
     double tokens_per_s;  /* tokens / this step's wall time */
     double elapsed_s;     /* since the run (or the resumed run) started, plus time before resume */
     int64_t mem_peak_bytes; /* peak resident set size of this process (getrusage) */
+    int64_t device_peak_bytes; /* rank 0's device memory peak (backend.h device_peak_bytes); 0 (not written)
+                                  where device memory is host memory (cpu) */
     double epoch;         /* fractional epoch */
     int64_t opt_state_bytes; /* optimizer state rank 0 holds (its ZeRO shard), device + host */
     double comm_s;        /* seconds rank 0 spent inside collectives during this step */

@@ -64,7 +64,9 @@ typedef struct {
  * dtype (the memplan counts it in the file's dtype, as it maps it), and in
  * f16/bf16 full fine-tuning a 2-byte compute copy of the trainable block sits
  * on the card while the fp32 master (counted under "master") can be sharded
- * or offloaded. In f32 the master block is the compute copy. */
+ * or offloaded. In f32 the master block is the compute copy; LoRA has no
+ * compute copy (its fp32 master is read directly, in f16/bf16 too: measured
+ * as the guard backend's device peak, tests/tools/test_plan.py). */
 static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, plan_model *pm) {
     qt_model_opts mo;
     qt_model_opts_default(&mo);
@@ -92,7 +94,9 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, p
     pm->n_trainable = n_train;
     if (o->lora) {
         const uint64_t file_bytes = qt_dtype_size(c->torch_dtype);
-        pm->weights = b.base / file_bytes * ws + b.base_f32 + (o->precision == QT_F32 ? b.master : (uint64_t)n_train * ws);
+        /* LoRA trains its fp32 master directly, in f16/bf16 too (the adapters and modules_to_save's copies
+         * have no 2-byte compute copy): the master is "weights" in f32, "master" otherwise */
+        pm->weights = b.base / file_bytes * ws + b.base_f32 + (o->precision == QT_F32 ? b.master : 0);
     } else {
         pm->weights = o->precision == QT_F32 ? b.master : (uint64_t)n_train * ws;
     }

@@ -648,6 +648,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
                 .step = t->step, .loss = o.loss, .lr = o.lr, .grad_norm = o.grad_norm, .loss_scale = o.loss_scale,
                 .skipped = o.skipped, .tokens = o.tokens, .target_tokens = o.target_tokens, .tokens_per_s = tok_s,
                 .elapsed_s = trainer_elapsed(t), .mem_peak_bytes = qt_peak_rss_bytes(),
+                .device_peak_bytes = (int64_t)t->be->device_peak_bytes(t->be),
                 .epoch = (double)ds.epoch + (st.n_examples_rank ? (double)ds.index / (double)st.n_examples_rank : 0),
                 .opt_state_bytes = (int64_t)(zero_state_bytes_device(t->zp) + zero_state_bytes_host(t->zp)),
                 .comm_s = dist_comm_seconds(t->d) - cs,

@@ -67,6 +67,47 @@ def test_plan_matches_measured_peak(tmp_path, name):
     assert abs(err) <= 0.10, f"{name}: plan {predicted} vs measured {measured} ({err:+.1%})\n{plan}"
 
 
+@pytest.mark.parametrize("prec", ["fp32", "fp16"])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_plan_matches_device_peak(tmp_path, name, prec):
+    """A backend with its own device memory writes metrics.jsonl's device_peak_bytes (the most device bytes it
+    held at once); the plan's per-device total for that backend predicts it within 10%. The guard backend's
+    device memory is its own reservation, so this runs on every machine; on a GPU scripts/gpu-check runs the
+    same comparison for cuda (tests/gpu/test_gpu_train.py). The CPU backend writes no device_peak_bytes."""
+    c, lora, B, T, ckpt = SHAPES[name]
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    qtune("init", "--out", tmp_path / "m", "--config", tmp_path / "config.json", "--seed", 1, check=0)
+    rng = np.random.default_rng(0)
+    with open(tmp_path / "train.jsonl", "w") as f:
+        for _ in range(4 * B):
+            f.write(json.dumps({"input_ids": [int(x) for x in rng.integers(1, c["vocab_size"] - 1, T + 1)]}) + "\n")
+    ds = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1}
+    if prec == "fp16":
+        ds["fp16"] = {"enabled": True}
+    job = {"model": "m", "output_dir": "out",
+           "data": {"train": "train.jsonl", "seq_len": T, "packing": False, "shuffle": False},
+           "train": {"max_steps": 2, "log_steps": 1, "seed": 1, "save_steps": 0, "gradient_checkpointing": ckpt},
+           "deepspeed": ds}
+    if lora:
+        job["lora"] = lora
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    qtune("train", tmp_path / "job.json", check=0, env={"QTUNE_BACKEND": "guard", "OMP_NUM_THREADS": "1"})
+    with open(tmp_path / "out" / "metrics.jsonl") as f:
+        lines = [json.loads(l) for l in f if l.strip()]
+    measured = max(l.get("device_peak_bytes", 0) for l in lines)
+    plan = json.loads(qtune("plan", tmp_path / "job.json", "--device", "guard", "--json", check=0).stdout)
+    predicted = plan["per_device_bytes"]["total"]
+    err = (predicted - measured) / measured
+    print(f"{name} {prec}: planned {predicted / 2**20:.2f} MiB, device peak {measured / 2**20:.2f} MiB ({err:+.1%})")
+    assert abs(err) <= 0.10, f"{name} {prec}: plan {predicted} vs device peak {measured} ({err:+.1%})\n{plan}"
+    if name == "full" and prec == "fp32":  # the cpu backend: no device memory of its own, no key
+        job["output_dir"] = "out-cpu"
+        (tmp_path / "job-cpu.json").write_text(json.dumps(job))
+        qtune("train", tmp_path / "job-cpu.json", check=0, env={"QTUNE_BACKEND": "cpu", "OMP_NUM_THREADS": "1"})
+        with open(tmp_path / "out-cpu" / "metrics.jsonl") as f:
+            assert not any("device_peak_bytes" in json.loads(l) for l in f if l.strip())
+
+
 def plan_json(*args):
     return json.loads(qtune("plan", *args, "--json", check=0).stdout)
 

@@ -156,6 +156,10 @@ static void c_adam(BE, const qt_adam_scalars *k, float *p, const float *g, float
 }
 static double c_sum_squares(BE, const float *x, size_t n) { return op_sum_squares(x, n); }
 static void c_scale(BE, float *x, size_t n, float s) { op_scale(x, n, s); }
+static size_t c_device_peak_bytes(BE) {
+    (void)be;
+    return 0;
+}
 static size_t c_runtime_bytes(BE) {
     return be->desc->runtime_bytes + (op_sgemm_onednn() ? be->desc->runtime_extra : 0);
 }
@@ -206,4 +210,5 @@ void qt_backend_cpu_fill(qt_backend *be) {
     be->sum_squares = c_sum_squares;
     be->scale = c_scale;
     be->runtime_bytes = c_runtime_bytes;
+    be->device_peak_bytes = c_device_peak_bytes;
 }

@@ -40,6 +40,7 @@ static void cuda_close(qt_backend *be) {
         if (c->scratch) cudaFree(c->scratch);
         if (c->blas) cublasDestroy(c->blas);
         if (c->stream) cudaStreamDestroy(c->stream);
+        free(c->blk);
         free(c);
     }
     free(be);

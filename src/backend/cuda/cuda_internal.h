@@ -36,6 +36,11 @@ extern qt_cuda_host qt_cuda_host_api;
 static inline size_t qt_cuda_dtype_size(qt_dtype dt) { return dt == QT_F32 ? 4 : 2; }
 
 typedef struct {
+    void *p;
+    size_t n;
+} qt_cuda_blk;
+
+typedef struct {
     int device;
     cudaStream_t stream;
     cublasHandle_t blas;
@@ -44,6 +49,11 @@ typedef struct {
     float *scratch;      /* column-sum partials (qt_cuda_scratch), grown on first use */
     size_t scratch_floats;
     size_t runtime_bytes;
+    /* device memory this backend cudaMalloc'd (memory.cu): each block's size, the bytes held now and the most
+     * held at once (device_peak_bytes) */
+    qt_cuda_blk *blk;
+    int n_blk, cap_blk;
+    size_t held, peak;
 } qt_cuda;
 
 #define QT_CUDA_SQ_BLOCKS 1024

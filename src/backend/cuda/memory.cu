@@ -8,11 +8,32 @@
 #include <string.h>
 
 
+/* Device blocks and their sizes, for device_peak_bytes: cudaFree is told
+ * only the pointer. A block the table has no room for still counts as held
+ * (the peak then errs high, never low). */
+static void track(qt_cuda *c, void *p, size_t n) {
+    if (c->n_blk == c->cap_blk) {
+        int cap = c->cap_blk ? 2 * c->cap_blk : 64;
+        qt_cuda_blk *b = (qt_cuda_blk *)realloc(c->blk, sizeof *b * (size_t)cap);
+        if (b) c->blk = b, c->cap_blk = cap;
+    }
+    if (c->n_blk < c->cap_blk) c->blk[c->n_blk++] = {p, n};
+    c->held += n;
+    if (c->held > c->peak) c->peak = c->held;
+}
+static void untrack(qt_cuda *c, void *p) {
+    for (int i = 0; i < c->n_blk; i++)
+        if (c->blk[i].p == p) {
+            c->held -= c->blk[i].n;
+            c->blk[i] = c->blk[--c->n_blk];
+            return;
+        }
+}
+
 /* Which allocator gave a pointer, so free can return it: a small open-hashed
  * table would do, but placement is known to the caller at free time only
  * through the pointer, and cudaPointerGetAttributes answers it exactly. */
 static void *g_alloc(qt_backend *be, qt_mem_place place, size_t bytes, const char *what) {
-    (void)be;
     void *p = NULL;
     if (bytes == 0) bytes = 256;
     cudaError_t e;
@@ -25,6 +46,7 @@ static void *g_alloc(qt_backend *be, qt_mem_place place, size_t bytes, const cha
         if (!p) QT_ERR(QT_ENOMEM, "out of host memory (%.1f MiB for %s)", (double)bytes / (1 << 20), what);
         return p;
     }
+    if (e == cudaSuccess && place != QT_MEM_PINNED) track(qt_cuda_of(be), p, bytes);
     if (e != cudaSuccess) {
         cudaGetLastError();
         size_t fr = 0, tot = 0;
@@ -40,7 +62,6 @@ static void *g_alloc(qt_backend *be, qt_mem_place place, size_t bytes, const cha
 }
 
 static void g_free(qt_backend *be, void *p) {
-    (void)be;
     if (!p) return;
     cudaPointerAttributes a;
     if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
@@ -48,7 +69,10 @@ static void g_free(qt_backend *be, void *p) {
         free(p);
         return;
     }
-    if (a.type == cudaMemoryTypeDevice) QT_CUDA(cudaFree(p));
+    if (a.type == cudaMemoryTypeDevice) {
+        untrack(qt_cuda_of(be), p);
+        QT_CUDA(cudaFree(p));
+    }
     else if (a.type == cudaMemoryTypeHost) QT_CUDA(cudaFreeHost(p));
     else free(p);
 }
@@ -101,17 +125,20 @@ static void g_event_free(qt_backend *be, qt_event *e) {
 }
 
 static size_t g_runtime_bytes(qt_backend *be) { return qt_cuda_of(be)->runtime_bytes; }
+static size_t g_device_peak_bytes(qt_backend *be) { return qt_cuda_of(be)->peak; }
 
 extern "C" float *qt_cuda_scratch(qt_backend *be, size_t floats) {
     qt_cuda *c = qt_cuda_of(be);
     if (floats > c->scratch_floats) {
         if (c->scratch) {
             QT_CUDA(cudaStreamSynchronize(c->stream)); /* an enqueued op may still read the old one */
+            untrack(c, c->scratch);
             QT_CUDA(cudaFree(c->scratch));
         }
         c->scratch = NULL;
         c->scratch_floats = 0;
         QT_CUDA(cudaMalloc((void **)&c->scratch, floats * sizeof(float)));
+        track(c, c->scratch, floats * sizeof(float));
         c->scratch_floats = floats;
     }
     return c->scratch;
@@ -143,4 +170,5 @@ extern "C" void qt_cuda_fill_memory(qt_backend *be) {
     be->event_wait = g_event_wait;
     be->event_free = g_event_free;
     be->runtime_bytes = g_runtime_bytes;
+    be->device_peak_bytes = g_device_peak_bytes;
 }

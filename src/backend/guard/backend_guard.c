@@ -30,6 +30,7 @@ typedef struct {
     qt_backend cpu; /* the kernels */
     char *base;     /* the reservation */
     size_t reserved, used;
+    size_t held, peak; /* bytes of device blocks held now, and the most at once */
     int depth;      /* open calls nested (an op inside an op never happens; kept safe anyway) */
     struct blk { char *p; size_t bytes; } *blk;
     int n_blk, cap_blk;
@@ -122,6 +123,8 @@ static void *g_alloc(qt_backend *be, qt_mem_place place, size_t bytes, const cha
     /* the new pages join the open window when a call is running */
     if (g->depth) mprotect(p, len, PROT_READ | PROT_WRITE);
     g->blk[g->n_blk++] = (struct blk){p, len};
+    g->held += len;
+    if (g->held > g->peak) g->peak = g->held;
     return p;
 }
 
@@ -131,6 +134,7 @@ static void g_free(qt_backend *be, void *p) {
     for (int i = 0; i < g->n_blk; i++)
         if (g->blk[i].p == p) {
             madvise(p, g->blk[i].bytes, MADV_DONTNEED);
+            g->held -= g->blk[i].bytes;
             g->blk[i] = g->blk[--g->n_blk];
             return;
         }
@@ -309,6 +313,7 @@ static double g_sum_squares(BE, const float *x, size_t n) {
 }
 static void g_scale(BE, float *x, size_t n, float s) { CALL(CPU->scale(CPU, x, n, s)); }
 static size_t g_runtime_bytes(BE) { return CPU->runtime_bytes(CPU); }
+static size_t g_device_peak_bytes(BE) { return G(be)->peak; } /* in whole pages, as allocated */
 
 static void g_close_backend(BE) {
     guard *g = G(be);
@@ -388,6 +393,7 @@ int qt_backend_guard_open(qt_backend **out) {
     be->sum_squares = g_sum_squares;
     be->scale = g_scale;
     be->runtime_bytes = g_runtime_bytes;
+    be->device_peak_bytes = g_device_peak_bytes;
     be->close = g_close_backend;
     *out = be;
     return QT_OK;
