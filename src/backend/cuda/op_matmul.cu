@@ -66,10 +66,11 @@ static void g_matmul_backward(BE, float *dinp, float *dw, float *db, const float
 
 /* bf16 GEMMs need compute capability 8.0 (Ampere) or newer, f16 ones 7.0 (Volta) */
 static int g_half_available(BE, qt_dtype dt) {
-    cudaDeviceProp p;
+    int major = 0; /* one attribute, not cudaGetDeviceProperties: the lm_head asks at every call */
     if (dt != QT_BF16 && dt != QT_F16) return 0;
-    if (cudaGetDeviceProperties(&p, qt_cuda_of(be)->device) != cudaSuccess) return 0;
-    return p.major >= (dt == QT_BF16 ? 8 : 7);
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, qt_cuda_of(be)->device) != cudaSuccess)
+        return 0;
+    return major >= (dt == QT_BF16 ? 8 : 7);
 }
 
 /* C (M, N) = alpha * op(A) (M, K) @ op(B) (K, N) [+ C] [+ bias], row-major C,
