@@ -106,19 +106,18 @@ int qt_metrics_log_step(qt_metrics *m, const qt_step_metrics *s) {
     jnum(el, sizeof el, s->elapsed_s);
     jnum(ep, sizeof ep, s->epoch);
     jnum(cs, sizeof cs, s->comm_s);
-    snprintf(line, sizeof line,
-             "{\"step\": %ld, \"loss\": %s, \"lr\": %s, \"grad_norm\": %s, \"loss_scale\": %s, \"skipped\": %s, "
-             "\"tokens\": %lld, \"target_tokens\": %lld, \"tokens_per_s\": %s, \"elapsed_s\": %s, "
-             "\"mem_peak_bytes\": %lld, \"epoch\": %s, \"opt_state_bytes\": %lld, \"comm_s\": %s}",
-             s->step, loss, lr, gn, ls, s->skipped ? "true" : "false", (long long)s->tokens,
-             (long long)s->target_tokens, tps, el, (long long)s->mem_peak_bytes, ep, (long long)s->opt_state_bytes, cs);
-    if (s->device_peak_bytes > 0) { /* a GPU's (or the guard's) own memory, beside the host's RSS */
-        size_t len = strlen(line) - 1;
-        snprintf(line + len, sizeof line - len, ", \"device_peak_bytes\": %lld}", (long long)s->device_peak_bytes);
-    }
-    if (s->n_ranks > 1) {
-        /* drop the closing brace, add the per-rank figures */
-        size_t len = strlen(line) - 1;
+    /* the fixed fields, then the optional ones, then the closing brace */
+    size_t len = (size_t)snprintf(
+        line, sizeof line,
+        "{\"step\": %ld, \"loss\": %s, \"lr\": %s, \"grad_norm\": %s, \"loss_scale\": %s, \"skipped\": %s, "
+        "\"tokens\": %lld, \"target_tokens\": %lld, \"tokens_per_s\": %s, \"elapsed_s\": %s, "
+        "\"mem_peak_bytes\": %lld, \"epoch\": %s, \"opt_state_bytes\": %lld, \"comm_s\": %s",
+        s->step, loss, lr, gn, ls, s->skipped ? "true" : "false", (long long)s->tokens, (long long)s->target_tokens,
+        tps, el, (long long)s->mem_peak_bytes, ep, (long long)s->opt_state_bytes, cs);
+    if (s->device_peak_bytes > 0) /* a GPU's (or the guard's) own memory, beside the host's RSS */
+        len += (size_t)snprintf(line + len, sizeof line - len, ", \"device_peak_bytes\": %lld",
+                                (long long)s->device_peak_bytes);
+    if (s->n_ranks > 1) { /* the per-rank figures */
         char busy[40], wait[40];
         jnum(busy, sizeof busy, s->comm_busy_s);
         jnum(wait, sizeof wait, s->comm_wait_s);
@@ -127,8 +126,9 @@ int qt_metrics_log_step(qt_metrics *m, const qt_step_metrics *s) {
         for (int r = 0; r < s->n_ranks && len < sizeof line - 32; r++)
             len += (size_t)snprintf(line + len, sizeof line - len, "%s%lld", r ? ", " : "",
                                     (long long)s->mem_peak_ranks[r]);
-        snprintf(line + len, sizeof line - len, "]}");
+        len += (size_t)snprintf(line + len, sizeof line - len, "]");
     }
+    snprintf(line + len, sizeof line - len, "}");
     QT_TRY(metrics_line(m, line));
     if (isfinite(s->loss)) QT_TRY(push(&m->train, &m->n_train, &m->cap_train, s->step, s->loss));
     return QT_OK;

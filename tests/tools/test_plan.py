@@ -34,8 +34,9 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("name", list(SHAPES))
-def test_plan_matches_measured_peak(tmp_path, name):
+def write_shape_job(tmp_path, name, ds_extra=None):
+    """The model of SHAPES[name] (qtune init), 4 micro-batches of random ids and a 2-step job over them in
+    tmp_path/job.json (output out/); returns the job as a dict."""
     c, lora, B, T, ckpt = SHAPES[name]
     (tmp_path / "config.json").write_text(json.dumps(c))
     qtune("init", "--out", tmp_path / "m", "--config", tmp_path / "config.json", "--seed", 1, check=0)
@@ -46,10 +47,18 @@ def test_plan_matches_measured_peak(tmp_path, name):
     job = {"model": "m", "output_dir": "out",
            "data": {"train": "train.jsonl", "seq_len": T, "packing": False, "shuffle": False},
            "train": {"max_steps": 2, "log_steps": 1, "seed": 1, "save_steps": 0, "gradient_checkpointing": ckpt},
-           "deepspeed": {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1}}
+           "deepspeed": dict({"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1},
+                             **(ds_extra or {}))}
     if lora:
         job["lora"] = lora
     (tmp_path / "job.json").write_text(json.dumps(job))
+    return job
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_plan_matches_measured_peak(tmp_path, name):
+    _, lora, B, T, ckpt = SHAPES[name]
+    write_shape_job(tmp_path, name)
     qtune("train", tmp_path / "job.json", check=0, env={"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
     with open(tmp_path / "out" / "metrics.jsonl") as f:
         measured = max(json.loads(l).get("mem_peak_bytes", 0) for l in f if l.strip())
@@ -74,23 +83,7 @@ def test_plan_matches_device_peak(tmp_path, name, prec):
     held at once); the plan's per-device total for that backend predicts it within 10%. The guard backend's
     device memory is its own reservation, so this runs on every machine; on a GPU scripts/gpu-check runs the
     same comparison for cuda (tests/gpu/test_gpu_train.py). The CPU backend writes no device_peak_bytes."""
-    c, lora, B, T, ckpt = SHAPES[name]
-    (tmp_path / "config.json").write_text(json.dumps(c))
-    qtune("init", "--out", tmp_path / "m", "--config", tmp_path / "config.json", "--seed", 1, check=0)
-    rng = np.random.default_rng(0)
-    with open(tmp_path / "train.jsonl", "w") as f:
-        for _ in range(4 * B):
-            f.write(json.dumps({"input_ids": [int(x) for x in rng.integers(1, c["vocab_size"] - 1, T + 1)]}) + "\n")
-    ds = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1}
-    if prec == "fp16":
-        ds["fp16"] = {"enabled": True}
-    job = {"model": "m", "output_dir": "out",
-           "data": {"train": "train.jsonl", "seq_len": T, "packing": False, "shuffle": False},
-           "train": {"max_steps": 2, "log_steps": 1, "seed": 1, "save_steps": 0, "gradient_checkpointing": ckpt},
-           "deepspeed": ds}
-    if lora:
-        job["lora"] = lora
-    (tmp_path / "job.json").write_text(json.dumps(job))
+    job = write_shape_job(tmp_path, name, {"fp16": {"enabled": True}} if prec == "fp16" else None)
     qtune("train", tmp_path / "job.json", check=0, env={"QTUNE_BACKEND": "guard", "OMP_NUM_THREADS": "1"})
     with open(tmp_path / "out" / "metrics.jsonl") as f:
         lines = [json.loads(l) for l in f if l.strip()]

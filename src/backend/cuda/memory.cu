@@ -21,18 +21,20 @@ static void track(qt_cuda *c, void *p, size_t n) {
     c->held += n;
     if (c->held > c->peak) c->peak = c->held;
 }
-static void untrack(qt_cuda *c, void *p) {
+/* 1 where p is a tracked device block (now forgotten), else 0 */
+static int untrack(qt_cuda *c, void *p) {
     for (int i = 0; i < c->n_blk; i++)
         if (c->blk[i].p == p) {
             c->held -= c->blk[i].n;
             c->blk[i] = c->blk[--c->n_blk];
-            return;
+            return 1;
         }
+    return 0;
 }
 
-/* Which allocator gave a pointer, so free can return it: a small open-hashed
- * table would do, but placement is known to the caller at free time only
- * through the pointer, and cudaPointerGetAttributes answers it exactly. */
+/* Which allocator gave a pointer, so free can return it: the device blocks
+ * are in the table above; for the others (pinned or plain host memory, or a
+ * device block the table had no room for) cudaPointerGetAttributes answers. */
 static void *g_alloc(qt_backend *be, qt_mem_place place, size_t bytes, const char *what) {
     void *p = NULL;
     if (bytes == 0) bytes = 256;
@@ -46,7 +48,6 @@ static void *g_alloc(qt_backend *be, qt_mem_place place, size_t bytes, const cha
         if (!p) QT_ERR(QT_ENOMEM, "out of host memory (%.1f MiB for %s)", (double)bytes / (1 << 20), what);
         return p;
     }
-    if (e == cudaSuccess && place != QT_MEM_PINNED) track(qt_cuda_of(be), p, bytes);
     if (e != cudaSuccess) {
         cudaGetLastError();
         size_t fr = 0, tot = 0;
@@ -58,21 +59,23 @@ static void *g_alloc(qt_backend *be, qt_mem_place place, size_t bytes, const cha
                (double)tot / (1 << 30));
         return NULL;
     }
+    if (place != QT_MEM_PINNED) track(qt_cuda_of(be), p, bytes);
     return p;
 }
 
 static void g_free(qt_backend *be, void *p) {
     if (!p) return;
+    if (untrack(qt_cuda_of(be), p)) {
+        QT_CUDA(cudaFree(p));
+        return;
+    }
     cudaPointerAttributes a;
     if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
         cudaGetLastError();
         free(p);
         return;
     }
-    if (a.type == cudaMemoryTypeDevice) {
-        untrack(qt_cuda_of(be), p);
-        QT_CUDA(cudaFree(p));
-    }
+    if (a.type == cudaMemoryTypeDevice) QT_CUDA(cudaFree(p));
     else if (a.type == cudaMemoryTypeHost) QT_CUDA(cudaFreeHost(p));
     else free(p);
 }

@@ -64,7 +64,7 @@ static const float *chunk_weight(qt_backend *be, const ce_ws *w, const void *wt,
 }
 /* x (N, C) as 16-bit values of dt in the backend's scratch when every x is
  * one exactly, else NULL (module comment) */
-__global__ void k_x16_exact(unsigned short *x16, int *inexact, const float *x, size_t n, qt_dtype dt) {
+__global__ void k_x16_exact(uint16_t *x16, int *inexact, const float *x, size_t n, qt_dtype dt) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         float v = x[i], back;
         unsigned short h;
@@ -79,7 +79,7 @@ __global__ void k_x16_exact(unsigned short *x16, int *inexact, const float *x, s
         if (!(back == v)) *inexact = 1; /* NaN too; any writer writes 1 */
     }
 }
-static const unsigned short *ce_x16(qt_backend *be, const float *x, qt_dtype wdt, int N, int C) {
+static const uint16_t *ce_x16(qt_backend *be, const float *x, qt_dtype wdt, int N, int C) {
     static int fp32_only = -1;
     if (fp32_only < 0) {
         const char *e = getenv("QTUNE_CUDA_LMHEAD");
@@ -88,7 +88,7 @@ static const unsigned short *ce_x16(qt_backend *be, const float *x, qt_dtype wdt
     if ((wdt != QT_BF16 && wdt != QT_F16) || fp32_only || !be->half_available(be, wdt)) return NULL;
     size_t n = (size_t)N * C, halves = (n + 1) / 2;
     float *s = qt_cuda_scratch(be, halves + 1);
-    unsigned short *x16 = (unsigned short *)s;
+    uint16_t *x16 = (uint16_t *)s;
     int *flag = (int *)(s + halves), inexact = 1;
     QT_CUDA(cudaMemsetAsync(flag, 0, sizeof(int), STREAM));
     k_x16_exact<<<qt_cuda_blocks(n), 256, 0, STREAM>>>(x16, flag, x, n, wdt);
@@ -102,15 +102,13 @@ static const unsigned short *ce_x16(qt_backend *be, const float *x, qt_dtype wdt
  * (ce_x16) and the 16-bit weight rows, else SGEMM on the widened chunk.
  * *wc_out: the chunk's weight as fp32 for the dx products when want_wc (else
  * it may be left NULL). */
-static void chunk_logits(qt_backend *be, const ce_ws *w, const float *x, const unsigned short *x16, const void *wt,
+static void chunk_logits(qt_backend *be, const ce_ws *w, const float *x, const uint16_t *x16, const void *wt,
                          qt_dtype wdt, int c0, int cv, int N, int C, const float **wc_out, int want_wc, float *dst) {
     const float one = 1.0f, zero = 0.0f;
     *wc_out = NULL;
-    if (x16) {
-        const char *src = (const char *)wt + (size_t)c0 * C * 2;
-        cudaDataType_t t = wdt == QT_BF16 ? CUDA_R_16BF : CUDA_R_16F;
-        QT_CUBLAS(cublasGemmEx(BLAS, CUBLAS_OP_T, CUBLAS_OP_N, cv, N, C, &one, src, t, C, x16, t, C, &zero, dst,
-                               CUDA_R_32F, cv, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    if (x16) { /* dst = x16 @ W_chunk^T: the 16-bit linear layers' product (op_matmul.cu) */
+        const uint16_t *src = (const uint16_t *)wt + (size_t)c0 * C;
+        be->half_matmul(be, wdt, dst, x16, src, NULL, N, C, cv, 1.0f);
         if (want_wc) *wc_out = chunk_weight(be, w, wt, wdt, c0, cv, C);
         return;
     }
@@ -195,7 +193,7 @@ static void ce_forward(BE, float *loss, float *lse, float *kept, const float *x,
                        const int32_t *targets, int N, int C, int V, float *ws) {
     if (N <= 0) return;
     ce_ws s = ce_ws_of(be, ws, N, C);
-    const unsigned short *x16 = ce_x16(be, x, wdt, N, C);
+    const uint16_t *x16 = ce_x16(be, x, wdt, N, C);
     k_ce_init<<<(N + 255) / 256, 256, 0, STREAM>>>(s.m, s.l, s.tl, N);
     QT_CUDA_LAUNCHED();
     for (int c0 = 0; c0 < V; c0 += s.chunk) {
@@ -217,7 +215,7 @@ static void ce_backward(BE, float *dx, float *dw, float *kept, const float *x, c
     if (N <= 0) return;
     ce_ws s = ce_ws_of(be, ws, N, C);
     const float one = 1.0f;
-    const unsigned short *x16 = kept ? NULL : ce_x16(be, x, wdt, N, C);
+    const uint16_t *x16 = kept ? NULL : ce_x16(be, x, wdt, N, C);
     for (int c0 = 0; c0 < V; c0 += s.chunk) {
         int cv = V - c0 < s.chunk ? V - c0 : s.chunk;
         const float *Wc = NULL;
@@ -285,7 +283,7 @@ static void g_ce_forward_dx(BE, float *loss, float *lse, float *dx, const float 
     if (N <= 0) return;
     ce_ws s = ce_ws_of(be, ws, N, C);
     const float one = 1.0f;
-    const unsigned short *x16 = ce_x16(be, x, wdt, N, C);
+    const uint16_t *x16 = ce_x16(be, x, wdt, N, C);
     k_ce_init<<<(N + 255) / 256, 256, 0, STREAM>>>(s.m, s.l, s.tl, N);
     QT_CUDA_LAUNCHED();
     QT_CUDA(cudaMemsetAsync(s.dxacc, 0, sizeof(float) * (size_t)N * C, STREAM));

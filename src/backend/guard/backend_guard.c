@@ -278,7 +278,10 @@ static int g_half_gemm(BE, qt_dtype dt, float *C, const uint16_t *A, int ta, con
         CALL(rc = CPU->half_gemm(CPU, dt, C, A, ta, B, tb, bias, M, N, K, alpha, acc));
         return rc;
     }
-    int form = ta == 0 && tb == 1 && !acc ? 0 : ta == 0 && tb == 0 && acc && !bias ? 1 : ta == 1 && tb == 0 && acc && !bias ? 2 : -1;
+    int form = -1; /* the three forms above, in that order */
+    if (!ta && tb && !acc) form = 0;
+    else if (!ta && !tb && acc && !bias) form = 1;
+    else if (ta && !tb && acc && !bias) form = 2;
     if (form < 0) return QT_EUNSUPPORTED;
     float *a = widen(be, A, dt, (size_t)M * K), *b = form == 2 ? widen(be, B, dt, (size_t)K * N) : NULL, *ws = NULL;
     rc = a && (form != 2 || b) ? QT_OK : QT_ENOMEM;
