@@ -14,7 +14,13 @@ PyTorch's side: transformers' Qwen2ForCausalLM from the same folder, sdpa
 attention, torch.autocast in the precision (fp16 with torch.amp.GradScaler),
 fp32 master weights, AdamW(fused=True); LoRA through peft where installed.
 
+--ab-env NAME=VALUE also runs each qtune case with that variable set (an
+A/B of one of qtune's switches in the same run, e.g. QTUNE_CUDA_LMHEAD=logits:
+the lm_head's dx and dW on fp32 SGEMM, as before they ran on the tensor
+cores), right after the plain run, and adds its column.
+
 usage: python3 bench/gpu_bench.py --qtune BIN --out DIR [--shapes ...] [--steps N] [--warmup W] [--B 4 --T 512]
+       [--ab-env NAME=VALUE]
 Writes DIR/gpu-bench.json and prints a markdown table."""
 import argparse
 import json
@@ -50,8 +56,8 @@ def bf16_peak():
     return 2 * 8192 ** 3 / statistics.median(ts)
 
 
-def run_qtune(qtune, work, model, data, B, T, mode, precision, warmup, steps):
-    tag = "%s-%s-%s" % (os.path.basename(model), mode, precision)
+def run_qtune(qtune, work, model, data, B, T, mode, precision, warmup, steps, extra_env=None):
+    tag = "%s-%s-%s%s" % (os.path.basename(model), mode, precision, "-ab" if extra_env else "")
     job, out = os.path.join(work, tag + ".json"), os.path.join(work, "run-" + tag)
     bs.write_job(job, model, out, data, B, T, warmup + steps, mode, precision)
     with open(job) as f:
@@ -59,7 +65,7 @@ def run_qtune(qtune, work, model, data, B, T, mode, precision, warmup, steps):
     j["device"] = "cuda"
     with open(job, "w") as f:
         json.dump(j, f, indent=1)
-    env = dict(os.environ, QTUNE_BACKEND="cuda")
+    env = dict(os.environ, QTUNE_BACKEND="cuda", **(extra_env or {}))
     t0 = time.time()
     r = subprocess.run([qtune, "train", job], capture_output=True, text=True, env=env, timeout=900)
     if r.returncode:
@@ -121,6 +127,7 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--ab-env", default=None, help="NAME=VALUE: each qtune case also runs with it set")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     work = os.path.join(a.out, "work")
@@ -136,25 +143,35 @@ def main():
             for prec in a.precisions.split(","):
                 log("case %s %s %s" % (shape, mode, prec))
                 q = run_qtune(a.qtune, work, model, data, a.B, a.T, mode, prec, a.warmup, a.steps)
+                qab = run_qtune(a.qtune, work, model, data, a.B, a.T, mode, prec, a.warmup, a.steps,
+                                dict([a.ab_env.split("=", 1)])) if a.ab_env else None
                 t = {"not_run": True} if a.no_torch else run_torch(model, data, a.B, a.T, mode, prec, a.warmup,
                                                                   a.steps)
                 case = {"shape": shape, "mode": mode, "precision": prec, "gflop_per_step": fl / 1e9, "qtune": q,
                         "torch": t}
-                for k in ("qtune", "torch"):
-                    if case[k].get("tok_s"):
+                if qab is not None:
+                    case["qtune_ab"], case["ab_env"] = qab, a.ab_env
+                for k in ("qtune", "torch", "qtune_ab"):
+                    if k in case and case[k].get("tok_s"):
                         case[k]["mfu"] = fl * case[k]["tok_s"] / (a.B * a.T) / peak
                 res["cases"].append(case)
                 with open(os.path.join(a.out, "gpu-bench.json"), "w") as f:
                     json.dump(res, f, indent=1)
-    print("| shape | mode | precision | qtune tok/s | qtune MFU | PyTorch tok/s | PyTorch MFU | qtune / PyTorch |")
-    print("|---|---|---|---|---|---|---|---|")
+    ab = " | qtune with %s tok/s | qtune / that" % a.ab_env if a.ab_env else ""
+    print("| shape | mode | precision | qtune tok/s | qtune MFU | PyTorch tok/s | PyTorch MFU | qtune / PyTorch%s |" % ab)
+    print("|---|---|---|---|---|---|---|---|%s" % ("---|---|" if a.ab_env else ""))
     for c in res["cases"]:
         q, t = c["qtune"], c["torch"]
         fmt = lambda r, k, f: (f % r[k]) if r.get(k) else (r.get("error", "-")[:60] if k == "tok_s" else "-")
         ratio = "%.2f" % (q["tok_s"] / t["tok_s"]) if q.get("tok_s") and t.get("tok_s") else "-"
-        print("| %s | %s | %s | %s | %s | %s | %s | %s |" % (
+        abc = ""
+        if "qtune_ab" in c:
+            qa = c["qtune_ab"]
+            abc = " | %s | %s" % (fmt(qa, "tok_s", "%.0f"), "%.2f" % (q["tok_s"] / qa["tok_s"])
+                                  if q.get("tok_s") and qa.get("tok_s") else "-")
+        print("| %s | %s | %s | %s | %s | %s | %s | %s%s |" % (
             c["shape"], c["mode"], c["precision"], fmt(q, "tok_s", "%.0f"), fmt(q, "mfu", "%.3f"),
-            fmt(t, "tok_s", "%.0f"), fmt(t, "mfu", "%.3f"), ratio))
+            fmt(t, "tok_s", "%.0f"), fmt(t, "mfu", "%.3f"), ratio, abc))
 
 
 if __name__ == "__main__":

@@ -22,8 +22,20 @@
  * logits GEMM as cublasGemmEx on the 16-bit x and weight, fp32 accumulation
  * and output: the same values as SGEMM, in another summation order. Where
  * any x is not exact (fp32 training over a bf16 base, eval) or the weight is
- * fp32, SGEMM as before. The dx and dW products multiply fp32 dlogits and
- * stay SGEMM. QTUNE_CUDA_LMHEAD=fp32 keeps every product on SGEMM. */
+ * fp32, SGEMM as before.
+ *
+ * The dx and dW products on the tensor cores too, where the logits are
+ * (x16): dlogits (backward) and the softmax numerators p (forward_dx) are
+ * rounded to the weight's dtype, a block of rows at a time, into the weight
+ * chunk's workspace (which the 16-bit path does not need for a widened
+ * weight), and multiplied with the 16-bit weight rows (dx) and x16 (dW),
+ * fp32 accumulation into the fp32 dx and dW. This is what PyTorch's autocast
+ * does: the lm_head's gradient reaches its matmul in the compute dtype. It is
+ * the one rounding in this file that fp32 SGEMM does not have (each dlogit
+ * within half a 16-bit ulp, 2^-9 relative in bf16); the 1.5B profile on the
+ * H200 had these two fp32 products at a third of the step.
+ * QTUNE_CUDA_LMHEAD=logits keeps dx and dW on SGEMM (the logits on the
+ * tensor cores), =fp32 keeps every product on SGEMM. */
 #include "backend/cuda/cuda_internal.h"
 
 #include <math.h>
@@ -79,13 +91,15 @@ __global__ void k_x16_exact(uint16_t *x16, int *inexact, const float *x, size_t 
         if (!(back == v)) *inexact = 1; /* NaN too; any writer writes 1 */
     }
 }
+/* QTUNE_CUDA_LMHEAD: 0 unset (every product on the tensor cores where x16
+ * holds), 1 "logits" (the logits only), 2 "fp32" (none). Read at each call
+ * (a few per step), so one process (the parity test) can compare the forms. */
+static int lmhead_mode(void) {
+    const char *e = getenv("QTUNE_CUDA_LMHEAD");
+    return e && !strcmp(e, "fp32") ? 2 : e && !strcmp(e, "logits") ? 1 : 0;
+}
 static const uint16_t *ce_x16(qt_backend *be, const float *x, qt_dtype wdt, int N, int C) {
-    static int fp32_only = -1;
-    if (fp32_only < 0) {
-        const char *e = getenv("QTUNE_CUDA_LMHEAD");
-        fp32_only = e && !strcmp(e, "fp32");
-    }
-    if ((wdt != QT_BF16 && wdt != QT_F16) || fp32_only || !be->half_available(be, wdt)) return NULL;
+    if ((wdt != QT_BF16 && wdt != QT_F16) || lmhead_mode() == 2 || !be->half_available(be, wdt)) return NULL;
     size_t n = (size_t)N * C, halves = (n + 1) / 2;
     float *s = qt_cuda_scratch(be, halves + 1);
     uint16_t *x16 = (uint16_t *)s;
@@ -115,6 +129,27 @@ static void chunk_logits(qt_backend *be, const ce_ws *w, const float *x, const u
     const float *Wc = chunk_weight(be, w, wt, wdt, c0, cv, C);
     QT_CUBLAS(cublasSgemm(BLAS, CUBLAS_OP_T, CUBLAS_OP_N, cv, N, C, &one, Wc, C, x, C, &zero, dst, cv));
     *wc_out = Wc;
+}
+
+/* dx (N, C) += g (N, cv) @ W16 rows [c0, c0+cv) and, with dw, dw rows
+ * [c0, c0+cv) += g^T @ x16, with g rounded to wdt (module comment): a block
+ * of rows of g at a time, as 16-bit values in the weight chunk's workspace
+ * (chunk x C floats: at least 2 C rows of g per block). */
+static void chunk_products16(qt_backend *be, const ce_ws *w, const float *g, const uint16_t *x16, const void *wt,
+                             qt_dtype wdt, int c0, int cv, int N, int C, float *dx, float *dw) {
+    const uint16_t *w16 = (const uint16_t *)wt + (size_t)c0 * C;
+    uint16_t *g16 = (uint16_t *)w->wf;
+    int rows = (int)((2 * (size_t)w->chunk * C) / (size_t)cv);
+    if (rows > N) rows = N;
+    for (int n0 = 0; n0 < N; n0 += rows) {
+        int nb = N - n0 < rows ? N - n0 : rows;
+        be->convert(be, g16, wdt, g + (size_t)n0 * cv, QT_F32, (size_t)nb * cv);
+        if (dx && be->half_gemm(be, wdt, dx + (size_t)n0 * C, g16, 0, w16, 0, NULL, nb, C, cv, 1.0f, 1) != QT_OK)
+            qt_cuda_fail("the lm_head's 16-bit dx product", "unsupported dtype", __FILE__, __LINE__);
+        if (dw && be->half_gemm(be, wdt, dw + (size_t)c0 * C, g16, 1, x16 + (size_t)n0 * C, 0, NULL, cv, C, nb, 1.0f,
+                                1) != QT_OK)
+            qt_cuda_fail("the lm_head's 16-bit dW product", "unsupported dtype", __FILE__, __LINE__);
+    }
 }
 
 __global__ void k_ce_init(float *m, float *l, float *tl, int N) {
@@ -215,18 +250,24 @@ static void ce_backward(BE, float *dx, float *dw, float *kept, const float *x, c
     if (N <= 0) return;
     ce_ws s = ce_ws_of(be, ws, N, C);
     const float one = 1.0f;
-    const uint16_t *x16 = kept ? NULL : ce_x16(be, x, wdt, N, C);
+    /* x16 for the logits when they are recomputed, and for the 16-bit dx and dW products (prod16) */
+    const uint16_t *x16 = kept && lmhead_mode() != 0 ? NULL : ce_x16(be, x, wdt, N, C);
+    const int prod16 = x16 && lmhead_mode() == 0;
     for (int c0 = 0; c0 < V; c0 += s.chunk) {
         int cv = V - c0 < s.chunk ? V - c0 : s.chunk;
         const float *Wc = NULL;
         float *lg = kept ? kept + (size_t)N * c0 : s.logits;
         if (kept) {
-            if (dx) Wc = chunk_weight(be, &s, w, wdt, c0, cv, C);
+            if (dx && !prod16) Wc = chunk_weight(be, &s, w, wdt, c0, cv, C);
         } else {
-            chunk_logits(be, &s, x, x16, w, wdt, c0, cv, N, C, &Wc, dx != NULL, lg);
+            chunk_logits(be, &s, x, x16, w, wdt, c0, cv, N, C, &Wc, dx != NULL && !prod16, lg);
         }
         k_ce_grad<<<qt_cuda_blocks((size_t)N * cv), 256, 0, STREAM>>>(lg, N, cv, c0, targets, lse, dscale);
         QT_CUDA_LAUNCHED();
+        if (prod16) {
+            chunk_products16(be, &s, lg, x16, w, wdt, c0, cv, N, C, dx, dw);
+            continue;
+        }
         if (dx) QT_CUBLAS(cublasSgemm(BLAS, CUBLAS_OP_N, CUBLAS_OP_N, C, N, cv, &one, Wc, C, lg, cv, &one, dx, C));
         if (dw)
             QT_CUBLAS(cublasSgemm(BLAS, CUBLAS_OP_N, CUBLAS_OP_T, C, cv, N, &one, x, C, lg, cv, &one,
@@ -284,18 +325,23 @@ static void g_ce_forward_dx(BE, float *loss, float *lse, float *dx, const float 
     ce_ws s = ce_ws_of(be, ws, N, C);
     const float one = 1.0f;
     const uint16_t *x16 = ce_x16(be, x, wdt, N, C);
+    const int prod16 = x16 && lmhead_mode() == 0;
     k_ce_init<<<(N + 255) / 256, 256, 0, STREAM>>>(s.m, s.l, s.tl, N);
     QT_CUDA_LAUNCHED();
     QT_CUDA(cudaMemsetAsync(s.dxacc, 0, sizeof(float) * (size_t)N * C, STREAM));
     for (int c0 = 0; c0 < V; c0 += s.chunk) {
         int cv = V - c0 < s.chunk ? V - c0 : s.chunk;
         const float *Wc;
-        chunk_logits(be, &s, x, x16, w, wdt, c0, cv, N, C, &Wc, 1, s.logits);
+        chunk_logits(be, &s, x, x16, w, wdt, c0, cv, N, C, &Wc, !prod16, s.logits);
         k_ce_chunk<true><<<N, 256, 0, STREAM>>>(s.logits, cv, c0, targets, s.m, s.l, s.tl, s.fac);
         QT_CUDA_LAUNCHED();
         if (c0 > 0) {
             k_scale_rows<<<qt_cuda_blocks((size_t)N * C), 256, 0, STREAM>>>(s.dxacc, s.fac, N, C);
             QT_CUDA_LAUNCHED();
+        }
+        if (prod16) { /* p rounded to 16 bits: dxacc += p16 @ W16 */
+            chunk_products16(be, &s, s.logits, x16, w, wdt, c0, cv, N, C, s.dxacc, NULL);
+            continue;
         }
         QT_CUBLAS(cublasSgemm(BLAS, CUBLAS_OP_N, CUBLAS_OP_N, C, N, cv, &one, Wc, C, s.logits, cv, &one, s.dxacc, C));
     }

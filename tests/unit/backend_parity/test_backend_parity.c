@@ -275,6 +275,94 @@ static void test_attention(void **state) {
     drop(q), drop(kc), drop(vc), drop(out);
 }
 
+/* |dev - cpu| within bound[i] + TOL * max |cpu| at every element (the
+ * products on 16-bit dlogits, below) */
+static void check_bound(const char *what, pair p, size_t n, const double *bound) {
+    float *a = qt_malloc(n * sizeof(float), "test"), *b = qt_malloc(n * sizeof(float), "test");
+    cpu->download(cpu, a, p.c, n * sizeof(float));
+    dev->download(dev, b, p.d, n * sizeof(float));
+    double mx = 0, worst = 0;
+    for (size_t i = 0; i < n; i++) mx = fmax(mx, fabs(a[i]));
+    size_t over = 0;
+    for (size_t i = 0; i < n; i++) {
+        double e = fabs((double)a[i] - b[i]), lim = bound[i] + TOL * mx;
+        if (!(e <= lim)) over++;
+        if (e / lim > worst) worst = e / lim;
+    }
+    printf("  %-40s worst %.3g of its bound%s\n", what, worst, over ? "  FAILED" : "");
+    if (over) fprintf(stderr, "%s: %zu of %zu values beyond the 16-bit rounding bound\n", what, over, n), n_failed++;
+    qt_free(a), qt_free(b);
+}
+
+/* The lm_head's dx and dW products with dlogits (backward) and softmax
+ * numerators (forward_dx) rounded to the table's 16-bit dtype, as a GPU
+ * backend runs them on its tensor cores (op_lmhead_ce.cu, unless
+ * QTUNE_CUDA_LMHEAD says otherwise): each rounded value g' is within u |g|
+ * of g (u = 2^-8 for bf16, 2^-11 for f16; f16 values below its normal range
+ * within 2^-25), so a result sum_v g'_v a_v is within u sum |g_v a_v| (+
+ * 2^-25 sum |a_v|) of the fp32 one. Those sums are computed here in double
+ * from the same inputs (x, W, the CPU's lse), and every element must lie
+ * within its bound plus the usual summation-order tolerance. The CPU
+ * backend keeps fp32 dlogits, so this compares the device with it. */
+static void check_lmhead_dl16(pair x, pair w, qt_dtype dt, pair ptg, const int32_t *tg, pair lse, int N, int C,
+                              int V) {
+    const double u = dt == QT_BF16 ? 1.0 / 256 : 1.0 / 2048, sub = dt == QT_F16 ? ldexp(1.0, -25) : 0.0;
+    float *hx = qt_malloc(sizeof(float) * (size_t)N * C, "test"), *hw = qt_malloc(sizeof(float) * (size_t)V * C, "test");
+    float *hl = qt_malloc(sizeof(float) * (size_t)N, "test");
+    cpu->download(cpu, hx, x.c, sizeof(float) * (size_t)N * C);
+    pair wf = up_zero((size_t)V * C);
+    cpu->convert(cpu, wf.c, QT_F32, w.c, dt, (size_t)V * C);
+    cpu->download(cpu, hw, wf.c, sizeof(float) * (size_t)V * C);
+    drop(wf);
+    cpu->download(cpu, hl, lse.c, sizeof(float) * (size_t)N);
+    const float dscale = 0.25f, dscale_fx = 0.5f;
+    double *bx = calloc((size_t)N * C, sizeof(double)), *bw = calloc((size_t)V * C, sizeof(double));
+    double *bf = calloc((size_t)N * C, sizeof(double));
+    for (int n = 0; n < N; n++) {
+        if (tg[n] == -100) continue;
+        for (int v = 0; v < V; v++) {
+            double z = 0;
+            for (int c = 0; c < C; c++) z += (double)hx[(size_t)n * C + c] * hw[(size_t)v * C + c];
+            double pv = exp(z - hl[n]), g = fabs(dscale * (pv - (v == tg[n] ? 1.0 : 0.0)));
+            for (int c = 0; c < C; c++) {
+                double a = fabs((double)hw[(size_t)v * C + c]), b = fabs((double)hx[(size_t)n * C + c]);
+                bx[(size_t)n * C + c] += u * g * a + sub * a;
+                bw[(size_t)v * C + c] += u * g * b + sub * b;
+                bf[(size_t)n * C + c] += dscale_fx * (u * pv * a + sub * a);
+            }
+        }
+    }
+    pair dx = up_randn((size_t)N * C, 0.1f), dw = up_randn((size_t)V * C, 0.1f);
+    float *wc = ws_of(cpu, qt_be_lmhead_ce_ws_floats(cpu->desc, N, C));
+    float *wd = ws_of(dev, qt_be_lmhead_ce_ws_floats(dev->desc, N, C));
+    char what[64];
+    cpu->lmhead_ce_backward(cpu, dx.c, dw.c, x.c, w.c, dt, ptg.c, lse.c, dscale, N, C, V, wc);
+    dev->lmhead_ce_backward(dev, dx.d, dw.d, x.d, w.d, dt, ptg.d, lse.d, dscale, N, C, V, wd);
+    snprintf(what, sizeof what, "lmhead_ce_backward %s 16-bit dl: dx", dt == QT_BF16 ? "bf16" : "f16");
+    check_bound(what, dx, (size_t)N * C, bx);
+    check_bound("  and dw", dw, (size_t)V * C, bw);
+    /* the kept pair: dx and dw accumulate a second time, so the bounds double */
+    pair kept = up(NULL, qt_be_lmhead_ce_kept_floats(cpu->desc, N, V) * sizeof(float)), loss = up_zero(N);
+    float *kd = ws_of(dev, qt_be_lmhead_ce_kept_floats(dev->desc, N, V));
+    cpu->lmhead_ce_forward_keep(cpu, loss.c, lse.c, kept.c, x.c, w.c, dt, ptg.c, N, C, V, wc);
+    dev->lmhead_ce_forward_keep(dev, loss.d, lse.d, kd, x.d, w.d, dt, ptg.d, N, C, V, wd);
+    cpu->lmhead_ce_backward_kept(cpu, dx.c, dw.c, kept.c, x.c, w.c, dt, ptg.c, lse.c, dscale, N, C, V, wc);
+    dev->lmhead_ce_backward_kept(dev, dx.d, dw.d, kd, x.d, w.d, dt, ptg.d, lse.d, dscale, N, C, V, wd);
+    for (size_t i = 0; i < (size_t)N * C; i++) bx[i] *= 2;
+    for (size_t i = 0; i < (size_t)V * C; i++) bw[i] *= 2;
+    check_bound("lmhead_ce_backward_kept (twice): dx", dx, (size_t)N * C, bx);
+    check_bound("  and dw", dw, (size_t)V * C, bw);
+    /* forward_dx, on top of the twice-accumulated dx */
+    for (size_t i = 0; i < (size_t)N * C; i++) bf[i] += bx[i];
+    cpu->lmhead_ce_forward_dx(cpu, loss.c, lse.c, dx.c, x.c, w.c, dt, ptg.c, dscale_fx, N, C, V, wc);
+    dev->lmhead_ce_forward_dx(dev, loss.d, lse.d, dx.d, x.d, w.d, dt, ptg.d, dscale_fx, N, C, V, wd);
+    check_bound("lmhead_ce_forward_dx (+ the above): dx", dx, (size_t)N * C, bf);
+    cpu->free(cpu, wc), dev->free(dev, wd), dev->free(dev, kd);
+    drop(kept), drop(loss), drop(dx), drop(dw);
+    free(bx), free(bw), free(bf);
+    qt_free(hx), qt_free(hw), qt_free(hl);
+}
+
 static void test_lmhead_ce(void **state) {
     (void)state;
     const int N = 11, C = 40, V = 9001; /* spans several chunks on every backend */
@@ -288,6 +376,9 @@ static void test_lmhead_ce(void **state) {
     for (int kk = 0; kk < 4; kk++) {
         const int k = kd[kk];
         pair x = up_randn((size_t)N * C, 1.0f), w = up_weight((size_t)V * C, 0.3f, dts[k]);
+        /* the cases with 16-bit x first as the logits-only form (QTUNE_CUDA_LMHEAD=logits: dlogits stay fp32, so
+         * the usual tolerance), then with the dx and dW products on 16-bit dlogits (check_lmhead_dl16) */
+        if (kround[kk]) setenv("QTUNE_CUDA_LMHEAD", "logits", 1);
         if (kround[kk]) { /* round on the cpu, then the same bits on both sides */
             float *h = qt_malloc(sizeof(float) * (size_t)N * C, "test");
             cpu->round_to_dtype(cpu, x.c, (size_t)N * C, dts[k]);
@@ -325,6 +416,10 @@ static void test_lmhead_ce(void **state) {
         dev->lmhead_ce_forward_dx(dev, loss.d, lse.d, dx.d, x.d, w.d, dts[k], ptg.d, 0.5f, N, C, V, wd);
         check("lmhead_ce_forward_dx dx", dx, (size_t)N * C, TOL);
         cpu->free(cpu, wc), dev->free(dev, wd), dev->free(dev, kd);
+        if (kround[kk]) {
+            unsetenv("QTUNE_CUDA_LMHEAD");
+            check_lmhead_dl16(x, w, dts[k], ptg, tg, lse, N, C, V);
+        }
         drop(kept), drop(x), drop(w), drop(loss), drop(lse), drop(dx), drop(dw);
     }
     drop(ptg);
