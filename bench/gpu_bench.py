@@ -15,9 +15,9 @@ attention, torch.autocast in the precision (fp16 with torch.amp.GradScaler),
 fp32 master weights, AdamW(fused=True); LoRA through peft where installed.
 
 --ab-env NAME=VALUE also runs each qtune case with that variable set (an
-A/B of one of qtune's switches in the same run, e.g. QTUNE_CUDA_LMHEAD=logits:
-the lm_head's dx and dW on fp32 SGEMM, as before they ran on the tensor
-cores), right after the plain run, and adds its column.
+A/B of one of qtune's switches in the same run, e.g. QTUNE_CUDA_LMHEAD=all:
+the lm_head's dx and dW on the tensor cores as well as its logits), right
+after the plain run, and adds its column.
 
 usage: python3 bench/gpu_bench.py --qtune BIN --out DIR [--shapes ...] [--steps N] [--warmup W] [--B 4 --T 512]
        [--ab-env NAME=VALUE]

@@ -25,17 +25,20 @@
  * fp32, SGEMM as before.
  *
  * The dx and dW products on the tensor cores too, where the logits are
- * (x16): dlogits (backward) and the softmax numerators p (forward_dx) are
- * rounded to the weight's dtype, a block of rows at a time, into the weight
- * chunk's workspace (which the 16-bit path does not need for a widened
- * weight), and multiplied with the 16-bit weight rows (dx) and x16 (dW),
- * fp32 accumulation into the fp32 dx and dW. This is what PyTorch's autocast
- * does: the lm_head's gradient reaches its matmul in the compute dtype. It is
- * the one rounding in this file that fp32 SGEMM does not have (each dlogit
- * within half a 16-bit ulp, 2^-9 relative in bf16); the 1.5B profile on the
- * H200 had these two fp32 products at a third of the step.
- * QTUNE_CUDA_LMHEAD=logits keeps dx and dW on SGEMM (the logits on the
- * tensor cores), =fp32 keeps every product on SGEMM. */
+ * (x16), with QTUNE_CUDA_LMHEAD=all: dlogits (backward) and the softmax
+ * numerators p (forward_dx) are rounded to the weight's dtype, a block of
+ * rows at a time, into the weight chunk's workspace (which the 16-bit path
+ * does not need for a widened weight), and multiplied with the 16-bit weight
+ * rows (dx) and x16 (dW), fp32 accumulation into the fp32 dx and dW. This is
+ * what PyTorch's autocast does: the lm_head's gradient reaches its matmul in
+ * the compute dtype. It is the one rounding in this file that fp32 SGEMM
+ * does not have (each dlogit within 2^-8 relative in bf16); the 1.5B profile
+ * on the H200 had these two fp32 products at a third of the step. Opt-in
+ * until it has run on a GPU (scripts/gpu-check with
+ * GPU_CHECK_AB_ENV=QTUNE_CUDA_LMHEAD=all: the parity test's
+ * check_lmhead_dl16, the training tests, the A/B benchmark); by default dx
+ * and dW stay SGEMM on fp32 dlogits. QTUNE_CUDA_LMHEAD=fp32 keeps every
+ * product of the lm_head on SGEMM. */
 #include "backend/cuda/cuda_internal.h"
 
 #include <math.h>
@@ -91,15 +94,17 @@ __global__ void k_x16_exact(uint16_t *x16, int *inexact, const float *x, size_t 
         if (!(back == v)) *inexact = 1; /* NaN too; any writer writes 1 */
     }
 }
-/* QTUNE_CUDA_LMHEAD: 0 unset (every product on the tensor cores where x16
- * holds), 1 "logits" (the logits only), 2 "fp32" (none). Read at each call
- * (a few per step), so one process (the parity test) can compare the forms. */
+/* QTUNE_CUDA_LMHEAD (read at each call, a few per step, so one process, the
+ * parity test, can compare the forms): LM_LOGITS unset (the logits on the
+ * tensor cores where x16 holds), LM_ALL "all" (dx and dW too), LM_FP32
+ * "fp32" (none) */
+enum { LM_LOGITS, LM_ALL, LM_FP32 };
 static int lmhead_mode(void) {
     const char *e = getenv("QTUNE_CUDA_LMHEAD");
-    return e && !strcmp(e, "fp32") ? 2 : e && !strcmp(e, "logits") ? 1 : 0;
+    return e && !strcmp(e, "fp32") ? LM_FP32 : e && !strcmp(e, "all") ? LM_ALL : LM_LOGITS;
 }
 static const uint16_t *ce_x16(qt_backend *be, const float *x, qt_dtype wdt, int N, int C) {
-    if ((wdt != QT_BF16 && wdt != QT_F16) || lmhead_mode() == 2 || !be->half_available(be, wdt)) return NULL;
+    if ((wdt != QT_BF16 && wdt != QT_F16) || lmhead_mode() == LM_FP32 || !be->half_available(be, wdt)) return NULL;
     size_t n = (size_t)N * C, halves = (n + 1) / 2;
     float *s = qt_cuda_scratch(be, halves + 1);
     uint16_t *x16 = (uint16_t *)s;
@@ -251,8 +256,8 @@ static void ce_backward(BE, float *dx, float *dw, float *kept, const float *x, c
     ce_ws s = ce_ws_of(be, ws, N, C);
     const float one = 1.0f;
     /* x16 for the logits when they are recomputed, and for the 16-bit dx and dW products (prod16) */
-    const uint16_t *x16 = kept && lmhead_mode() != 0 ? NULL : ce_x16(be, x, wdt, N, C);
-    const int prod16 = x16 && lmhead_mode() == 0;
+    const uint16_t *x16 = kept && lmhead_mode() != LM_ALL ? NULL : ce_x16(be, x, wdt, N, C);
+    const int prod16 = x16 && lmhead_mode() == LM_ALL;
     for (int c0 = 0; c0 < V; c0 += s.chunk) {
         int cv = V - c0 < s.chunk ? V - c0 : s.chunk;
         const float *Wc = NULL;
@@ -325,7 +330,7 @@ static void g_ce_forward_dx(BE, float *loss, float *lse, float *dx, const float 
     ce_ws s = ce_ws_of(be, ws, N, C);
     const float one = 1.0f;
     const uint16_t *x16 = ce_x16(be, x, wdt, N, C);
-    const int prod16 = x16 && lmhead_mode() == 0;
+    const int prod16 = x16 && lmhead_mode() == LM_ALL;
     k_ce_init<<<(N + 255) / 256, 256, 0, STREAM>>>(s.m, s.l, s.tl, N);
     QT_CUDA_LAUNCHED();
     QT_CUDA(cudaMemsetAsync(s.dxacc, 0, sizeof(float) * (size_t)N * C, STREAM));

@@ -295,9 +295,9 @@ static void check_bound(const char *what, pair p, size_t n, const double *bound)
 }
 
 /* The lm_head's dx and dW products with dlogits (backward) and softmax
- * numerators (forward_dx) rounded to the table's 16-bit dtype, as a GPU
- * backend runs them on its tensor cores (op_lmhead_ce.cu, unless
- * QTUNE_CUDA_LMHEAD says otherwise): each rounded value g' is within u |g|
+ * numerators (forward_dx) rounded to the table's 16-bit dtype, as the CUDA
+ * backend runs them on its tensor cores with QTUNE_CUDA_LMHEAD=all
+ * (op_lmhead_ce.cu; set here for these calls): each rounded value g' is within u |g|
  * of g (u = 2^-8 for bf16, 2^-11 for f16; f16 values below its normal range
  * within 2^-25), so a result sum_v g'_v a_v is within u sum |g_v a_v| (+
  * 2^-25 sum |a_v|) of the fp32 one. Those sums are computed here in double
@@ -376,9 +376,8 @@ static void test_lmhead_ce(void **state) {
     for (int kk = 0; kk < 4; kk++) {
         const int k = kd[kk];
         pair x = up_randn((size_t)N * C, 1.0f), w = up_weight((size_t)V * C, 0.3f, dts[k]);
-        /* the cases with 16-bit x first as the logits-only form (QTUNE_CUDA_LMHEAD=logits: dlogits stay fp32, so
-         * the usual tolerance), then with the dx and dW products on 16-bit dlogits (check_lmhead_dl16) */
-        if (kround[kk]) setenv("QTUNE_CUDA_LMHEAD", "logits", 1);
+        /* the cases with 16-bit x first in the default form (dlogits stay fp32, so the usual tolerance), then with
+         * the dx and dW products on 16-bit dlogits (QTUNE_CUDA_LMHEAD=all, check_lmhead_dl16) */
         if (kround[kk]) { /* round on the cpu, then the same bits on both sides */
             float *h = qt_malloc(sizeof(float) * (size_t)N * C, "test");
             cpu->round_to_dtype(cpu, x.c, (size_t)N * C, dts[k]);
@@ -417,8 +416,9 @@ static void test_lmhead_ce(void **state) {
         check("lmhead_ce_forward_dx dx", dx, (size_t)N * C, TOL);
         cpu->free(cpu, wc), dev->free(dev, wd), dev->free(dev, kd);
         if (kround[kk]) {
-            unsetenv("QTUNE_CUDA_LMHEAD");
+            setenv("QTUNE_CUDA_LMHEAD", "all", 1);
             check_lmhead_dl16(x, w, dts[k], ptg, tg, lse, N, C, V);
+            unsetenv("QTUNE_CUDA_LMHEAD");
         }
         drop(kept), drop(x), drop(w), drop(loss), drop(lse), drop(dx), drop(dw);
     }
