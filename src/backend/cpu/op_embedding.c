@@ -5,7 +5,7 @@
 
 void op_embedding_forward(float *out, const int32_t *ids, const void *wte, qt_dtype wdt, int N, int C) {
     size_t es = qt_dtype_size(wdt);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if ((size_t)N * (size_t)C >= 65536)
     for (int n = 0; n < N; n++)
         qt_convert_to_f32(out + (size_t)n * C, (const char *)wte + (size_t)ids[n] * C * es, wdt, (size_t)C);
 }

@@ -29,7 +29,8 @@ static inline __m256i tail_mask(size_t k) {
 
 void op_swiglu_forward(float *out, const float *gate, const float *up, int N, int I) {
     size_t n = (size_t)N * I, n8 = n / 8;
-#pragma omp parallel for schedule(static)
+    /* a decode step's one row (I values) on the calling thread: waking the team costs more than the row */
+#pragma omp parallel for schedule(static) if (n >= 65536)
     for (size_t b = 0; b < n8; b++) {
         __m256 g = _mm256_loadu_ps(gate + 8 * b);
         __m256 s = sigmoid8(g);
@@ -47,7 +48,7 @@ void op_swiglu_forward(float *out, const float *gate, const float *up, int N, in
 void op_swiglu_backward(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N,
                         int I) {
     size_t n = (size_t)N * I, n8 = n / 8;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= 65536)
     for (size_t b = 0; b < n8; b++) {
         const __m256 one = _mm256_set1_ps(1.0f);
         __m256 g = _mm256_loadu_ps(gate + 8 * b), d = _mm256_loadu_ps(dout + 8 * b);
