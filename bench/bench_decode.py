@@ -7,8 +7,10 @@ thread count this runs greedy generation on a random model of the preset's
 shape (`qtune init --preset P --dtype D`), takes the median decode tokens/s
 over the reps (qtune's own `decode_tokens_per_s`: one-position decode calls,
 sampling included), and measures STREAM's triad (bench_gemm --triad) at the
-same thread count just before and after, in the same run: the limit is
-triad GB/s / bytes per token, and the table gives qtune's % of it.
+same thread count before the first run and after each one, in the same run:
+the limit is triad GB/s / bytes per token, and the table gives qtune's % of
+it twice: the median run against the first and last triad, and each run
+against the two triads around it (their median, then every run's figure).
 
 With --batches 1,4,8 it also runs `qtune generate --prompts FILE --batch N`
 with N prompts of the same length decoding together and reports the
@@ -121,19 +123,25 @@ def main():
         prompt = [rng.randrange(vocab) for _ in range(a.prompt_len)]
         run_generate(qtune, model, 1, prompt, 2)  # page the weights in before timing
         for t in map(int, a.threads.split(",")):
-            before = triad(a.build, t)
+            triads = [triad(a.build, t)]  # one before the runs and one after each: every run is bracketed
             dec, pre = [], []
             for _ in range(a.reps):
                 d, p, ids = run_generate(qtune, model, t, prompt, a.new)
                 dec.append(d)
                 pre.append(p)
-            after = triad(a.build, t)
+                triads.append(triad(a.build, t))
+            before, after = triads[0], triads[-1]
             gbs = (before + after) / 2
             limit = gbs * 1e9 / bpt
             med = statistics.median(dec)
+            # each run against the mean of the two triads around it (the machine's bandwidth moves by 2x within
+            # minutes; the runs' own neighbours follow it more closely than the first and last triad do)
+            paired = [100 * d * bpt / 1e9 / ((triads[k] + triads[k + 1]) / 2) for k, d in enumerate(dec)]
             row = {"preset": a.preset, "dtype": dt, "threads": t, "decode_tok_s": med, "decode_all": dec,
                    "prefill_tok_s": statistics.median(pre), "bytes_per_token": bpt, "triad_gbs_before": before,
-                   "triad_gbs_after": after, "limit_tok_s": limit, "pct_of_limit": 100 * med / limit}
+                   "triad_gbs_after": after, "triad_gbs_all": triads, "limit_tok_s": limit,
+                   "pct_of_limit": 100 * med / limit, "pct_of_limit_paired": paired,
+                   "pct_of_limit_paired_median": statistics.median(paired)}
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
             for n in [int(b) for b in a.batches.split(",") if b]:
@@ -146,13 +154,14 @@ def main():
                         "pct_of_limit_per_step": 100 * med / n / limit}
                 brows.append(brow)
                 print(json.dumps(brow), file=sys.stderr)
-    print("| %s decode | threads | tok/s (median of %d) | bytes/token | triad GB/s before / after | limit tok/s | "
-          "%% of limit |" % (a.preset, a.reps))
-    print("|---|---|---|---|---|---|---|")
+    print("| %s decode | threads | tok/s (median of %d) | bytes/token | triad GB/s first / last | limit tok/s | "
+          "%% of limit | each run against its own triads (median; all) |" % (a.preset, a.reps))
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print("| %s | %d | %.1f | %.2f GB | %.1f / %.1f | %.1f | %.0f%% |" % (
+        print("| %s | %d | %.1f | %.2f GB | %.1f / %.1f | %.1f | %.0f%% | %.0f%% (%s) |" % (
             r["dtype"], r["threads"], r["decode_tok_s"], r["bytes_per_token"] / 1e9, r["triad_gbs_before"],
-            r["triad_gbs_after"], r["limit_tok_s"], r["pct_of_limit"]))
+            r["triad_gbs_after"], r["limit_tok_s"], r["pct_of_limit"], r["pct_of_limit_paired_median"],
+            ", ".join("%.0f" % x for x in r["pct_of_limit_paired"])))
     if brows:
         print()
         print("| %s --batch N | threads | N | aggregate decode tok/s (median of %d) | steps/s | "

@@ -154,49 +154,97 @@ void op_attention_forward(float *out, float *lse, const float *q, const float *k
  * goes through the same blocks as training, as one batch row of T = n
  * whose row i sits at key position pos0 + i. */
 #define ATT_ROWS_MAX 16
-#define ATT_MAX_D 1024
 
-/* One query row against keys [0, j1] of k/v with row stride ks (online softmax). */
-static void attn_row(float *o, const float *qv, const float *k, const float *v, size_t ks, int j1, int D,
-                     float scale) {
-    float acc[ATT_MAX_D];
-    float s[ATT_BC];
-    float m = -FLT_MAX, l = 0.0f;
-    for (int d = 0; d < D; d++) acc[d] = 0.0f;
-    for (int b0 = 0; b0 <= j1; b0 += ATT_BC) {
-        int b1 = b0 + ATT_BC - 1 < j1 ? b0 + ATT_BC - 1 : j1;
-        for (int j = b0; j <= b1; j++) {
-            const float *kj = k + (size_t)j * ks;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int d = 0; d < D; d++) dot += qv[d] * kj[d];
-            s[j - b0] = dot * scale;
-        }
-        float mn = op_row_max(s, b1 - b0 + 1, m);
-        float corr = expf(m - mn);
-        l *= corr;
-        for (int d = 0; d < D; d++) acc[d] *= corr;
-        l += (float)op_row_exp(s, b1 - b0 + 1, mn, 1.0f);
-        for (int j = b0; j <= b1; j++) {
-            float p = s[j - b0];
-            const float *vj = v + (size_t)j * ks;
-            for (int d = 0; d < D; d++) acc[d] += p * vj[d];
-        }
-        m = mn;
+/* q . k_j * scale for 8 keys k_0..k_7 (row stride ks) into s[0..7], D a
+ * multiple of 8: one accumulator per key over D, then the 8 sums taken
+ * across the accumulators at once (horizontal adds, a lane exchange), not
+ * one reduction per key. */
+static inline void dots8(float *s, const float *q, const float *k, size_t ks, int D, float scale) {
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (size_t)j * ks + d), a[j]);
     }
-    float inv = 1.0f / l;
-    for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
+    /* hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7] */
+    __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 lo4 = _mm256_hadd_ps(h01, h23), hi4 = _mm256_hadd_ps(h45, h67); /* keys 0-3 / 4-7, each lane half a sum */
+    __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(lo4, hi4, 0x20), _mm256_permute2f128_ps(lo4, hi4, 0x31));
+    _mm256_storeu_ps(s, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+}
+
+/* One query row of G heads sharing one kv head (GQA; G = 1 for one head),
+ * q and o G x D consecutive, against keys [0, j1] of k/v with row stride ks:
+ * online softmax over blocks of ATT_BC keys, each block's keys and values
+ * read once for all G heads (from L1, 16 KiB each at D = 64), the scores 8
+ * keys at a time (dots8) where D allows, and the values added into each
+ * head's accumulator 4 keys at a time (acc loaded and stored once per 4
+ * keys). A 0.5B decode step at a 2000-key context spent 4.5 ms here one
+ * head, one key and one reduction at a time; 1.7x less with dots8 and the
+ * 4-key update alone. */
+/* a group's accumulators on the stack; head_dim is at most 1024 (qwen2_load.c), so one head always fits */
+#define ATT_MAX_G 64
+#define ATT_MAX_GD 8192
+static void attn_rows(float *o, const float *q, const float *k, const float *v, size_t ks, int j1, int D, int G,
+                      float scale) {
+    float acc[ATT_MAX_GD];
+    float s[ATT_BC], m[ATT_MAX_G], l[ATT_MAX_G];
+    for (int i = 0; i < G * D; i++) acc[i] = 0.0f;
+    for (int g = 0; g < G; g++) m[g] = -FLT_MAX, l[g] = 0.0f;
+    for (int b0 = 0; b0 <= j1; b0 += ATT_BC) {
+        const int b1 = b0 + ATT_BC - 1 < j1 ? b0 + ATT_BC - 1 : j1;
+        for (int g = 0; g < G; g++) {
+            const float *qv = q + (size_t)g * D;
+            float *ac = acc + (size_t)g * D;
+            int j = b0;
+            if (D % 8 == 0)
+                for (; j + 8 <= b1 + 1; j += 8) dots8(s + (j - b0), qv, k + (size_t)j * ks, ks, D, scale);
+            for (; j <= b1; j++) {
+                const float *kj = k + (size_t)j * ks;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int d = 0; d < D; d++) dot += qv[d] * kj[d];
+                s[j - b0] = dot * scale;
+            }
+            const float mn = op_row_max(s, b1 - b0 + 1, m[g]), corr = expf(m[g] - mn);
+            l[g] *= corr;
+            for (int d = 0; d < D; d++) ac[d] *= corr;
+            l[g] += (float)op_row_exp(s, b1 - b0 + 1, mn, 1.0f);
+            for (j = b0; j + 4 <= b1 + 1; j += 4) {
+                const float p0 = s[j - b0], p1 = s[j - b0 + 1], p2 = s[j - b0 + 2], p3 = s[j - b0 + 3];
+                const float *v0 = v + (size_t)j * ks, *v1 = v0 + ks, *v2 = v1 + ks, *v3 = v2 + ks;
+#pragma omp simd
+                for (int d = 0; d < D; d++) ac[d] = ac[d] + p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+            }
+            for (; j <= b1; j++) {
+                const float p = s[j - b0];
+                const float *vj = v + (size_t)j * ks;
+                for (int d = 0; d < D; d++) ac[d] += p * vj[d];
+            }
+            m[g] = mn;
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const float inv = 1.0f / l[g];
+        for (int d = 0; d < D; d++) o[(size_t)g * D + d] = acc[(size_t)g * D + d] * inv;
+    }
 }
 
 void op_attention_forward_cached(float *out, const float *q, const float *kc, const float *vc, int n, int pos0,
                                  int H, int KV, int D) {
     att_dims a = att_dims_of(n, H, KV, D, pos0);
     if (n < ATT_ROWS_MAX) {
+        /* a work item per (row, kv head) with its G query heads, where that gives every thread one; else per
+         * (row, query head) */
+        const int grouped = n * KV >= omp_get_max_threads() && a.G <= ATT_MAX_G && a.G * D <= ATT_MAX_GD;
+        const int per = grouped ? a.G : 1, items = grouped ? KV : H;
 #pragma omp parallel for collapse(2) schedule(static)
         for (int i = 0; i < n; i++)
-            for (int h = 0; h < H; h++) {
+            for (int it = 0; it < items; it++) {
+                const int h = it * per;
                 size_t ko = (size_t)(h / a.G) * D, qo = (size_t)i * a.qs + (size_t)h * D;
-                attn_row(out + qo, q + qo, kc + ko, vc + ko, a.ks, pos0 + i, D, a.scale);
+                attn_rows(out + qo, q + qo, kc + ko, vc + ko, a.ks, pos0 + i, D, per, a.scale);
             }
         return;
     }

@@ -320,7 +320,8 @@ static void test_attention(void **state) {
 
 /* More keys than one block (online rescaling across blocks), GQA ratio 7,
  * and the cached decode path agreeing with the batched one: one prompt of
- * 100 rows, single rows, and 80 rows after 70 cached ones. */
+ * 100 rows, single rows (per query head with 2 threads and one kv head; as
+ * one group of 7 heads with 1 thread), and 80 rows after 70 cached ones. */
 static void test_attention_blocks_and_cache(void **state) {
     (void)state;
     const int T = 150, H = 7, KV = 1, D = 16;
@@ -333,9 +334,15 @@ static void test_attention_blocks_and_cache(void **state) {
     expect_close("attention(T=150) out", out, want, nq, 1e-5);
     /* decode: first 100 positions at once, then the rest one at a time */
     op_attention_forward_cached(out2, q, k, v, 100, 0, H, KV, D);
-    for (int t = 100; t < T; t++)
-        op_attention_forward_cached(out2 + (size_t)t * H * D, q + (size_t)t * H * D, k, v, 1, t, H, KV, D);
-    expect_close("cached attention out", out2, want, nq, 1e-5);
+    const int saved = omp_get_max_threads();
+    for (int threads = 1; threads <= 2; threads++) {
+        omp_set_num_threads(threads);
+        for (int t = 100; t < T; t++)
+            op_attention_forward_cached(out2 + (size_t)t * H * D, q + (size_t)t * H * D, k, v, 1, t, H, KV, D);
+        expect_close(threads == 1 ? "cached attention out (a group of 7 heads)" : "cached attention out (per head)",
+                     out2, want, nq, 1e-5);
+    }
+    omp_set_num_threads(saved);
     /* a prompt after a cached prefix: rows 70..149 at once (the block path, offset 70) */
     memset(out2, 0, nq * sizeof(float));
     op_attention_forward_cached(out2 + (size_t)70 * H * D, q + (size_t)70 * H * D, k, v, T - 70, 70, H, KV, D);
