@@ -9,8 +9,10 @@
  *
  * Threads take chunks of output rows from a shared counter (no reduction
  * between threads; on a shared machine a thread that is descheduled does not
- * hold the step up for its whole static half); a small product runs on the
- * calling thread, where the fork would cost more than the work. The kernel
+ * hold the step up for its whole static half), the last ones in quarter
+ * pieces so the threads finish together; a small product runs on the
+ * calling thread, where the fork would cost more than the work. One input
+ * row runs a loop of its own (dot_one) with the tile's operations. The kernel
  * is a register tile of weight rows from both halves of the thread's chunk
  * (one of each for one input row, two adjacent of each for more) x up to 4
  * input rows: each weight line is loaded (and widened) once and multiplied
@@ -93,7 +95,6 @@ static inline vf vload_w(const void *w, qt_dtype dt, size_t i) {
  * bound the step (bf16 1 thread 69 tok/s in all against 95 with 4-row
  * tiles). x_pair does it in registers where the buffer cannot be had. */
 #define BF16_PAIRS 1
-#define BF16_PAIRS_ON 1
 static inline void bf16_pair(const void *w, size_t i, vf *even, vf *odd) {
     __m512i v = _mm512_loadu_si512((const void *)((const uint16_t *)w + i));
     IN_REGISTER(v);
@@ -131,8 +132,8 @@ static inline vf vload_w(const void *w, qt_dtype dt, size_t i) {
 #else
 #define LANES 0 /* scalar only */
 #endif
-#ifndef BF16_PAIRS_ON
-#define BF16_PAIRS_ON 0
+#ifndef BF16_PAIRS
+#define BF16_PAIRS 0 /* bf16 widened a vector at a time, as f16 */
 #endif
 
 /* input rows per tile: 4 weight rows x 4 input rows fill half of AVX-512's
@@ -173,7 +174,7 @@ static inline __attribute__((always_inline)) void dot_tile(float *dot, const flo
     for (int j = 0; j < NR; j++)
         for (int n = 0; n < NB; n++) acc[j][n] = vzero();
     size_t i0 = 0;
-#ifdef BF16_PAIRS
+#if BF16_PAIRS
     if (dt == QT_BF16) { /* whole lines of 2 * LANES weights, then the loop below for what is left */
         const size_t pair_end = in / (2 * LANES) * (2 * LANES);
         for (size_t i = 0; i < pair_end; i += 2 * LANES) {
@@ -242,7 +243,7 @@ static inline __attribute__((always_inline)) void dot_tile_nb(float *dot, const 
  * NR is 2, rb, each into one accumulator, with the operations of dot_tile
  * for NB = 1 in the same order (so the results are the tile's, bit for bit),
  * in a loop of its own. The tile's general bookkeeping (row and input-group
- * arrays, the dot[] hand-over) cost the one-row step 8-10% of its speed at 2
+ * arrays, the dot[] hand-over) cost the one-row step 5-10% of its speed at 2
  * threads: a 1 GiB bf16 product read 62-64 GB/s through the tile against
  * 68-71 through this loop, five alternating rounds. xd: x de-interleaved, for
  * the bf16 pairs (never NULL when dt is bf16 on AVX-512). */
@@ -253,7 +254,7 @@ static inline __attribute__((always_inline)) void dot_one(float *sa, float *sb, 
     const size_t es = es_of(dt);
     vf a0 = vzero(), a1 = vzero();
     size_t i0 = 0;
-#ifdef BF16_PAIRS
+#if BF16_PAIRS
     if (dt == QT_BF16) {
         const size_t pair_end = in / (2 * LANES) * (2 * LANES);
         for (size_t i = 0; i < pair_end; i += 2 * LANES) {
@@ -324,7 +325,7 @@ static inline __attribute__((always_inline)) void rows_dt(float *out, const floa
                                                           int OUT, float alpha, int accumulate, int r0, int r1) {
     const size_t in = (size_t)IN;
     const int G = N > 1 ? 2 : 1, half = (r1 - r0) / 2 / G * G, pf = N > 1 || in * es_of(dt) >= MATVEC_LONG_ROW;
-    if (N == 1 && (dt != QT_BF16 || XD || !BF16_PAIRS_ON)) {
+    if (N == 1 && (dt != QT_BF16 || XD || !BF16_PAIRS)) {
         for (int k = 0; k < r1 - r0 - half; k++) {
             const int ra = r0 + half + k, rb = r0 + k;
             float sa, sb = 0.0f;
@@ -382,7 +383,7 @@ static void matvec_rows(float *out, const float *x, const float *xd, const void 
  * ~170 calls); NULL where there is no such block or no memory for it (the
  * kernel then de-interleaves in registers; same values, same results). */
 static const float *pairs_of_x(const float *x, int N, int IN) {
-#ifdef BF16_PAIRS
+#if BF16_PAIRS
     static __thread float *buf;
     static __thread size_t cap;
     const size_t pair_end = (size_t)IN / (2 * LANES) * (2 * LANES), need = (size_t)N * (size_t)IN;
