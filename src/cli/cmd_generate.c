@@ -129,6 +129,14 @@ static int check_prompt_fits(int used, int n, int ctx) {
  * would print ids as if nothing were wrong (argmax of NaN is id 0). `at`:
  * the position of the token these logits follow. */
 static int check_logits(const gen_state *g, const float *logits, int at) {
+    /* a pass the compiler vectorises (an all-ones exponent is inf or NaN), then the loop below only to name one */
+    uint32_t bad = 0;
+    for (int i = 0; i < g->V; i++) {
+        uint32_t u;
+        memcpy(&u, logits + i, sizeof u);
+        bad |= (u & 0x7F800000u) == 0x7F800000u;
+    }
+    if (!bad) return QT_OK;
     for (int i = 0; i < g->V; i++)
         if (!isfinite(logits[i]))
             return QT_ERR(QT_EINVAL, "the model in %s%s%s gives a non-finite logit (%s for id %d) at position %d; "

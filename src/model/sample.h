@@ -26,7 +26,8 @@ void qt_sampler_free(qt_sampler *s);
 /* QT_EINVAL naming the option when temperature < 0, top_k < 0 or top_p not in (0, 1]. */
 int qt_sample_opts_check(const qt_sample_opts *o);
 
-/* Index of the largest of V logits (first one on a tie). */
+/* Index of the largest of V logits (first one on a tie; -0 ties +0; NaN is
+ * never the largest unless every logit is NaN, then 0). */
 int32_t qt_argmax(const float *logits, int V);
 /* The next token id for one row of V logits (not modified). */
 int32_t qt_sample(qt_sampler *s, const float *logits, const qt_sample_opts *o, qt_rng *rng);

@@ -23,6 +23,26 @@ static void test_argmax_ties_pick_lowest(void **state) {
     qt_rng_seed(&r, 1);
     assert_int_equal(qt_sample(&s, x, &o, &r), 1);
     qt_sampler_free(&s);
+    /* negative values, -0 against +0 (a tie: the first), infinities, NaN never the largest */
+    float n[4] = {-3, -1, -2, -1};
+    assert_int_equal(qt_argmax(n, 4), 1);
+    float z[3] = {-1, -0.0f, 0.0f};
+    assert_int_equal(qt_argmax(z, 3), 1);
+    float inf[4] = {-INFINITY, 5, INFINITY, 7};
+    assert_int_equal(qt_argmax(inf, 4), 2);
+    float all_neg_inf[2] = {-INFINITY, -INFINITY};
+    assert_int_equal(qt_argmax(all_neg_inf, 2), 0);
+    float nan1[4] = {NAN, -5, 2, NAN};
+    assert_int_equal(qt_argmax(nan1, 4), 2);
+    float nans[2] = {NAN, NAN};
+    assert_int_equal(qt_argmax(nans, 2), 0);
+    /* a long row (the vectorised passes and their tails): the largest near the end, then a tie before it */
+    float big[1003];
+    for (int i = 0; i < 1003; i++) big[i] = -1000.0f + (float)(i % 97);
+    big[1001] = 500.0f;
+    assert_int_equal(qt_argmax(big, 1003), 1001);
+    big[17] = 500.0f;
+    assert_int_equal(qt_argmax(big, 1003), 17);
 }
 
 /* frequencies of n draws against softmax(x / t) restricted as the options say */
