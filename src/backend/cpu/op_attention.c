@@ -174,18 +174,18 @@ static inline void dots8(float *s, const float *q, const float *k, size_t ks, in
     _mm256_storeu_ps(s, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
 }
 
+/* a group's accumulators on the stack; head_dim is at most 1024 (qwen2_load.c), so one head always fits */
+#define ATT_MAX_G 64
+#define ATT_MAX_GD 8192
 /* One query row of G heads sharing one kv head (GQA; G = 1 for one head),
  * q and o G x D consecutive, against keys [0, j1] of k/v with row stride ks:
  * online softmax over blocks of ATT_BC keys, each block's keys and values
  * read once for all G heads (from L1, 16 KiB each at D = 64), the scores 8
  * keys at a time (dots8) where D allows, and the values added into each
  * head's accumulator 4 keys at a time (acc loaded and stored once per 4
- * keys). A 0.5B decode step at a 2000-key context spent 4.5 ms here one
- * head, one key and one reduction at a time; 1.7x less with dots8 and the
- * 4-key update alone. */
-/* a group's accumulators on the stack; head_dim is at most 1024 (qwen2_load.c), so one head always fits */
-#define ATT_MAX_G 64
-#define ATT_MAX_GD 8192
+ * keys). One head, one key and one reduction at a time before, a 0.5B decode
+ * step at a 2000-key context spent 5.5-5.9 ms outside the matrix-vector
+ * products on 2 threads; 2.9 this way (bench/RESULTS-decode.md). */
 static void attn_rows(float *o, const float *q, const float *k, const float *v, size_t ks, int j1, int D, int G,
                       float scale) {
     float acc[ATT_MAX_GD];

@@ -245,11 +245,12 @@ static inline __attribute__((always_inline)) void dot_tile_nb(float *dot, const 
  * in a loop of its own. The tile's general bookkeeping (row and input-group
  * arrays, the dot[] hand-over) cost the one-row step 5-10% of its speed at 2
  * threads: a 1 GiB bf16 product read 62-64 GB/s through the tile against
- * 68-71 through this loop, five alternating rounds. xd: x de-interleaved, for
- * the bf16 pairs (never NULL when dt is bf16 on AVX-512). */
+ * 68-71 through this loop, five alternating rounds. xd: x de-interleaved for
+ * the bf16 pairs when XD (a constant, as in dot_tile), else the pairs are
+ * made in registers. */
 static inline __attribute__((always_inline)) void dot_one(float *sa, float *sb, const float *x, const float *xd,
-                                                          const void *w, qt_dtype dt, size_t in, size_t ba, size_t bb,
-                                                          int NR, int PF) {
+                                                          int XD, const void *w, qt_dtype dt, size_t in, size_t ba,
+                                                          size_t bb, int NR, int PF) {
 #if LANES
     const size_t es = es_of(dt);
     vf a0 = vzero(), a1 = vzero();
@@ -265,16 +266,19 @@ static inline __attribute__((always_inline)) void dot_one(float *sa, float *sb, 
             vf e0, o0, e1, o1;
             bf16_pair(w, ba + i, &e0, &o0);
             if (NR == 2) bf16_pair(w, bb + i, &e1, &o1);
-            vf xe = vload_x(xd + i), xo = vload_x(xd + i + LANES);
-            IN_REGISTER(xe);
-            IN_REGISTER(xo);
+            vf xe, xo;
+            if (XD) {
+                xe = vload_x(xd + i), xo = vload_x(xd + i + LANES);
+                IN_REGISTER(xe);
+                IN_REGISTER(xo);
+            } else x_pair(x + i, &xe, &xo);
             a0 = vfma(o0, xo, vfma(e0, xe, a0));
             if (NR == 2) a1 = vfma(o1, xo, vfma(e1, xe, a1));
         }
         i0 = pair_end;
     }
 #else
-    (void)xd;
+    (void)xd, (void)XD;
 #endif
     const size_t vec_end = in / LANES * LANES;
     for (size_t i = i0; i < vec_end; i += LANES) {
@@ -297,7 +301,7 @@ static inline __attribute__((always_inline)) void dot_one(float *sa, float *sb, 
     *sa = s0;
     if (NR == 2) *sb = s1;
 #else
-    (void)xd, (void)PF;
+    (void)xd, (void)XD, (void)PF;
     float s0 = 0.0f, s1 = 0.0f;
     for (size_t i = 0; i < in; i++) s0 = fmaf(w_at(w, dt, ba + i), x[i], s0);
     if (NR == 2)
@@ -305,6 +309,12 @@ static inline __attribute__((always_inline)) void dot_one(float *sa, float *sb, 
     *sa = s0;
     if (NR == 2) *sb = s1;
 #endif
+}
+
+/* one result: *o = alpha * s + bias[r], or added to *o */
+static inline void put(float *o, float s, float alpha, const float *bias, int r, int accumulate) {
+    const float v = alpha * s + (bias ? bias[r] : 0.0f);
+    *o = accumulate ? *o + v : v;
 }
 
 /* rows [r0, r1) of W against all N input rows, written to out (N, OUT). A
@@ -325,19 +335,15 @@ static inline __attribute__((always_inline)) void rows_dt(float *out, const floa
                                                           int OUT, float alpha, int accumulate, int r0, int r1) {
     const size_t in = (size_t)IN;
     const int G = N > 1 ? 2 : 1, half = (r1 - r0) / 2 / G * G, pf = N > 1 || in * es_of(dt) >= MATVEC_LONG_ROW;
-    if (N == 1 && (dt != QT_BF16 || XD || !BF16_PAIRS)) {
+    if (N == 1) {
         for (int k = 0; k < r1 - r0 - half; k++) {
             const int ra = r0 + half + k, rb = r0 + k;
             float sa, sb = 0.0f;
-            if (k >= half) dot_one(&sa, &sb, x, xd, w, dt, in, (size_t)ra * in, 0, 1, 0);
-            else if (pf) dot_one(&sa, &sb, x, xd, w, dt, in, (size_t)ra * in, (size_t)rb * in, 2, 1);
-            else dot_one(&sa, &sb, x, xd, w, dt, in, (size_t)ra * in, (size_t)rb * in, 2, 0);
-            float v = alpha * sa + (bias ? bias[ra] : 0.0f);
-            out[ra] = accumulate ? out[ra] + v : v;
-            if (k < half) {
-                v = alpha * sb + (bias ? bias[rb] : 0.0f);
-                out[rb] = accumulate ? out[rb] + v : v;
-            }
+            if (k >= half) dot_one(&sa, &sb, x, xd, XD, w, dt, in, (size_t)ra * in, 0, 1, 0);
+            else if (pf) dot_one(&sa, &sb, x, xd, XD, w, dt, in, (size_t)ra * in, (size_t)rb * in, 2, 1);
+            else dot_one(&sa, &sb, x, xd, XD, w, dt, in, (size_t)ra * in, (size_t)rb * in, 2, 0);
+            put(out + ra, sa, alpha, bias, ra, accumulate);
+            if (k < half) put(out + rb, sb, alpha, bias, rb, accumulate);
         }
         return;
     }
@@ -358,9 +364,7 @@ static inline __attribute__((always_inline)) void rows_dt(float *out, const floa
             for (int j = 0; j < nr; j++)
                 for (int n = 0; n < nb; n++) {
                     const int r = rows[j];
-                    float *o = out + (size_t)(n0 + n) * OUT + r;
-                    float v = alpha * dot[j * NB_MAX + n] + (bias ? bias[r] : 0.0f);
-                    *o = accumulate ? *o + v : v;
+                    put(out + (size_t)(n0 + n) * OUT + r, dot[j * NB_MAX + n], alpha, bias, r, accumulate);
                 }
         }
     }
@@ -431,7 +435,7 @@ void op_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const fl
      * product's end for the others' last one, and a quarter of a chunk is a quarter of that wait */
     int n_head = (int)(((size_t)OUT + rows - 1) / rows) - team;
     if (n_head < 0) n_head = 0;
-    int tper = (per / MATVEC_TAIL_SPLIT + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
+    const int tper = (per / MATVEC_TAIL_SPLIT + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
     const int tail0 = n_head * per, n_chunks = n_head + (OUT - tail0 + tper - 1) / tper;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int c = 0; c < n_chunks; c++) {

@@ -78,7 +78,7 @@ static const float *chunk_weight(qt_backend *be, const ce_ws *w, const void *wt,
     return qt_cuda_weight_f32(be, src, wdt, (size_t)cv, (size_t)C, w->wf);
 }
 /* x (N, C) as 16-bit values of dt in the backend's scratch when every x is
- * one exactly, else NULL (module comment) */
+ * one exactly, else NULL (module comment; ce_x16 below) */
 __global__ void k_x16_exact(uint16_t *x16, int *inexact, const float *x, size_t n, qt_dtype dt) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         float v = x[i], back;
@@ -94,17 +94,17 @@ __global__ void k_x16_exact(uint16_t *x16, int *inexact, const float *x, size_t 
         if (!(back == v)) *inexact = 1; /* NaN too; any writer writes 1 */
     }
 }
-/* QTUNE_CUDA_LMHEAD (read at each call, a few per step, so one process, the
- * parity test, can compare the forms): LM_LOGITS unset (the logits on the
- * tensor cores where x16 holds), LM_ALL "all" (dx and dW too), LM_FP32
- * "fp32" (none) */
+/* QTUNE_CUDA_LMHEAD, read once by each op call (a few per step, so one
+ * process, the parity test, can compare the forms): LM_LOGITS unset (the
+ * logits on the tensor cores where x16 holds), LM_ALL "all" (dx and dW
+ * too), LM_FP32 "fp32" (none) */
 enum { LM_LOGITS, LM_ALL, LM_FP32 };
 static int lmhead_mode(void) {
     const char *e = getenv("QTUNE_CUDA_LMHEAD");
     return e && !strcmp(e, "fp32") ? LM_FP32 : e && !strcmp(e, "all") ? LM_ALL : LM_LOGITS;
 }
-static const uint16_t *ce_x16(qt_backend *be, const float *x, qt_dtype wdt, int N, int C) {
-    if ((wdt != QT_BF16 && wdt != QT_F16) || lmhead_mode() == LM_FP32 || !be->half_available(be, wdt)) return NULL;
+static const uint16_t *ce_x16(qt_backend *be, const float *x, qt_dtype wdt, int N, int C, int mode) {
+    if ((wdt != QT_BF16 && wdt != QT_F16) || mode == LM_FP32 || !be->half_available(be, wdt)) return NULL;
     size_t n = (size_t)N * C, halves = (n + 1) / 2;
     float *s = qt_cuda_scratch(be, halves + 1);
     uint16_t *x16 = (uint16_t *)s;
@@ -233,7 +233,7 @@ static void ce_forward(BE, float *loss, float *lse, float *kept, const float *x,
                        const int32_t *targets, int N, int C, int V, float *ws) {
     if (N <= 0) return;
     ce_ws s = ce_ws_of(be, ws, N, C);
-    const uint16_t *x16 = ce_x16(be, x, wdt, N, C);
+    const uint16_t *x16 = ce_x16(be, x, wdt, N, C, lmhead_mode());
     k_ce_init<<<(N + 255) / 256, 256, 0, STREAM>>>(s.m, s.l, s.tl, N);
     QT_CUDA_LAUNCHED();
     for (int c0 = 0; c0 < V; c0 += s.chunk) {
@@ -256,8 +256,9 @@ static void ce_backward(BE, float *dx, float *dw, float *kept, const float *x, c
     ce_ws s = ce_ws_of(be, ws, N, C);
     const float one = 1.0f;
     /* x16 for the logits when they are recomputed, and for the 16-bit dx and dW products (prod16) */
-    const uint16_t *x16 = kept && lmhead_mode() != LM_ALL ? NULL : ce_x16(be, x, wdt, N, C);
-    const int prod16 = x16 && lmhead_mode() == LM_ALL;
+    const int mode = lmhead_mode();
+    const uint16_t *x16 = kept && mode != LM_ALL ? NULL : ce_x16(be, x, wdt, N, C, mode);
+    const int prod16 = x16 && mode == LM_ALL;
     for (int c0 = 0; c0 < V; c0 += s.chunk) {
         int cv = V - c0 < s.chunk ? V - c0 : s.chunk;
         const float *Wc = NULL;
@@ -329,8 +330,9 @@ static void g_ce_forward_dx(BE, float *loss, float *lse, float *dx, const float 
     if (N <= 0) return;
     ce_ws s = ce_ws_of(be, ws, N, C);
     const float one = 1.0f;
-    const uint16_t *x16 = ce_x16(be, x, wdt, N, C);
-    const int prod16 = x16 && lmhead_mode() == LM_ALL;
+    const int mode = lmhead_mode();
+    const uint16_t *x16 = ce_x16(be, x, wdt, N, C, mode);
+    const int prod16 = x16 && mode == LM_ALL;
     k_ce_init<<<(N + 255) / 256, 256, 0, STREAM>>>(s.m, s.l, s.tl, N);
     QT_CUDA_LAUNCHED();
     QT_CUDA(cudaMemsetAsync(s.dxacc, 0, sizeof(float) * (size_t)N * C, STREAM));
