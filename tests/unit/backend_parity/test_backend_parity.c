@@ -81,13 +81,21 @@ static pair up_weight(size_t n, float s, qt_dtype dt) {
     return p;
 }
 
+/* both sides of p downloaded (a: the cpu's, b: the device's; qt_free both), and max |a| */
+static double pull(pair p, size_t n, float **a, float **b) {
+    *a = qt_malloc(n * sizeof(float), "test"), *b = qt_malloc(n * sizeof(float), "test");
+    cpu->download(cpu, *a, p.c, n * sizeof(float));
+    dev->download(dev, *b, p.d, n * sizeof(float));
+    double mx = 0;
+    for (size_t i = 0; i < n; i++) mx = fmax(mx, fabs((*a)[i]));
+    return mx;
+}
+
 /* max |a - b| / max |a| over the downloaded results; exact: bits equal */
 static void check(const char *what, pair p, size_t n, double tol) {
-    float *a = qt_malloc(n * sizeof(float), "test"), *b = qt_malloc(n * sizeof(float), "test");
-    cpu->download(cpu, a, p.c, n * sizeof(float));
-    dev->download(dev, b, p.d, n * sizeof(float));
-    double mx = 0, err = 0;
-    for (size_t i = 0; i < n; i++) mx = fmax(mx, fabs(a[i]));
+    float *a, *b;
+    const double mx = pull(p, n, &a, &b);
+    double err = 0;
     for (size_t i = 0; i < n; i++) {
         double e = fabs((double)a[i] - b[i]);
         if (isnan(a[i]) != isnan(b[i])) e = INFINITY;
@@ -278,11 +286,9 @@ static void test_attention(void **state) {
 /* |dev - cpu| within bound[i] + TOL * max |cpu| at every element (the
  * products on 16-bit dlogits, below) */
 static void check_bound(const char *what, pair p, size_t n, const double *bound) {
-    float *a = qt_malloc(n * sizeof(float), "test"), *b = qt_malloc(n * sizeof(float), "test");
-    cpu->download(cpu, a, p.c, n * sizeof(float));
-    dev->download(dev, b, p.d, n * sizeof(float));
-    double mx = 0, worst = 0;
-    for (size_t i = 0; i < n; i++) mx = fmax(mx, fabs(a[i]));
+    float *a, *b;
+    const double mx = pull(p, n, &a, &b);
+    double worst = 0;
     size_t over = 0;
     for (size_t i = 0; i < n; i++) {
         double e = fabs((double)a[i] - b[i]), lim = bound[i] + TOL * mx;
