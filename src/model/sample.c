@@ -54,15 +54,25 @@ static inline int32_t order_key(float f) {
 /* Two passes the compiler vectorises, the largest key (an integer max) and
  * then the first index holding it, where a compare chain is one element at a
  * time: 151936 logits took 100-127 us that way, 6-8 this way, once for every
- * generated token. */
+ * generated token. The second pass tests a block at a time (a vectorised
+ * count) and looks for the index only in the block that has it: an early
+ * exit keeps a loop scalar, and one element at a time up to the argmax was
+ * 0.4% of a 0.5B decode step's samples. */
 int32_t qt_argmax(const float *x, int V) {
     int32_t top = INT32_MIN;
     for (int i = 0; i < V; i++) {
         const int32_t k = order_key(x[i]);
         top = k > top ? k : top;
     }
-    for (int i = 0; i < V; i++)
-        if (order_key(x[i]) == top) return i;
+    enum { BLOCK = 256 };
+    for (int b = 0; b < V; b += BLOCK) {
+        const int e = V - b < BLOCK ? V : b + BLOCK;
+        int hits = 0;
+        for (int i = b; i < e; i++) hits += order_key(x[i]) == top;
+        if (hits)
+            for (int i = b; i < e; i++)
+                if (order_key(x[i]) == top) return i;
+    }
     return 0;
 }
 

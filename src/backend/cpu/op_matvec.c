@@ -63,6 +63,19 @@
  * rounds, 1 thread), while the 896-long rows of the other products lose a
  * little by it. */
 #define MATVEC_LONG_ROW 4096
+/* ... and for bf16 (the line-pair loop) the hint is non-temporal and nearer.
+ * A long row's x no longer stays in L1 (32 KiB) on its own: a pass over two
+ * rows of 4864 bf16 reads 19 KiB of weights between two uses of the same
+ * line of x's 19 KiB, and with the weights brought into L1 as any line, x is
+ * evicted every pass. (A standalone probe, rows of 4864, 1 thread: 21-27
+ * GB/s, and 33-35 with x cut to 4 KiB.) The NTA hint brings the weights in
+ * as the first lines to go. bench_matvec bf16, median of 6 alternating
+ * rounds against the T0 hint 8 KiB ahead: a 14B shape (rows of 5120 and
+ * 13696) 1 thread 1.089, 2 threads 1.024; 0.5B 1.007 / 1.026 (its down
+ * projection 30.5 -> 31.9 GB/s at 1 thread). 1 KiB ahead lost 7%, 3 KiB was
+ * level with 2, 4 KiB lost 4%; for f16 (widened from half lines) NTA lost 6%
+ * and f32 was level, so they keep T0. */
+#define MATVEC_AHEAD_PAIRS 2048
 
 /* Keeps a loaded vector in its register: without it GCC folds the load into
  * every instruction that uses the value (x into each of the tile rows' FMAs, a
@@ -260,8 +273,8 @@ static inline __attribute__((always_inline)) void dot_one(float *sa, float *sb, 
         const size_t pair_end = in / (2 * LANES) * (2 * LANES);
         for (size_t i = 0; i < pair_end; i += 2 * LANES) {
             if (PF) {
-                _mm_prefetch((const char *)((const uint16_t *)w + ba + i) + MATVEC_AHEAD, _MM_HINT_T0);
-                if (NR == 2) _mm_prefetch((const char *)((const uint16_t *)w + bb + i) + MATVEC_AHEAD, _MM_HINT_T0);
+                _mm_prefetch((const char *)((const uint16_t *)w + ba + i) + MATVEC_AHEAD_PAIRS, _MM_HINT_NTA);
+                if (NR == 2) _mm_prefetch((const char *)((const uint16_t *)w + bb + i) + MATVEC_AHEAD_PAIRS, _MM_HINT_NTA);
             }
             vf e0, o0, e1, o1;
             bf16_pair(w, ba + i, &e0, &o0);

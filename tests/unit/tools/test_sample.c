@@ -43,6 +43,16 @@ static void test_argmax_ties_pick_lowest(void **state) {
     assert_int_equal(qt_argmax(big, 1003), 1001);
     big[17] = 500.0f;
     assert_int_equal(qt_argmax(big, 1003), 17);
+    /* the index pass goes a block of 256 at a time: the first of a tie across a block's edge, the last element
+     * of a short last block, and a -0 / +0 tie in a later block */
+    big[17] = 0.0f, big[1001] = 0.0f;
+    big[255] = 600.0f, big[256] = 600.0f;
+    assert_int_equal(qt_argmax(big, 1003), 255);
+    big[1002] = 700.0f;
+    assert_int_equal(qt_argmax(big, 1003), 1002);
+    for (int i = 0; i < 1003; i++) big[i] = -1.0f;
+    big[700] = -0.0f, big[900] = 0.0f;
+    assert_int_equal(qt_argmax(big, 1003), 700);
 }
 
 /* frequencies of n draws against softmax(x / t) restricted as the options say */
