@@ -155,17 +155,13 @@ void op_attention_forward(float *out, float *lse, const float *q, const float *k
  * whose row i sits at key position pos0 + i. */
 #define ATT_ROWS_MAX 16
 
-/* q . k_j * scale for 8 keys k_0..k_7 (row stride ks) into s[0..7], D a
- * multiple of 8: one accumulator per key over D, then the 8 sums taken
- * across the accumulators at once (horizontal adds, a lane exchange), not
- * one reduction per key. */
-static inline void dots8(float *s, const float *q, const float *k, size_t ks, int D, float scale) {
-    __m256 a[8];
-    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-    for (int d = 0; d < D; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + d);
-        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (size_t)j * ks + d), a[j]);
-    }
+/* Keeps a loaded vector in its register: GCC otherwise folds the load into
+ * both heads' FMAs, and the loads, twice as many, bound the loop. */
+#define IN_REGISTER(v) __asm__("" : "+x"(v))
+
+/* s[0..7] = the 8 sums in a[0..7] (each over its 8 lanes) * scale: horizontal
+ * adds and a lane exchange, not one reduction per key. */
+static inline void sums8(float *s, const __m256 *a, float scale) {
     /* hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7] */
     __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
     __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
@@ -174,56 +170,174 @@ static inline void dots8(float *s, const float *q, const float *k, size_t ks, in
     _mm256_storeu_ps(s, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
 }
 
+/* q_h . k_j * scale for 8 keys k_0..k_7 (row stride ks) and NH (1 or 2)
+ * heads q_0, q_1 into s_h[0..7], D a multiple of 8: one accumulator per (head,
+ * key) over D, each key's line loaded once for both heads, then sums8. A
+ * head's operations are the same with NH 1 or 2. */
+static inline __attribute__((always_inline)) void dots8(float *s0, float *s1, const float *q0, const float *q1,
+                                                        const float *k, size_t ks, int D, float scale, int NH) {
+    __m256 a[8], b[8];
+    for (int j = 0; j < 8; j++) a[j] = b[j] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        const __m256 qa = _mm256_loadu_ps(q0 + d), qb = NH == 2 ? _mm256_loadu_ps(q1 + d) : qa;
+        for (int j = 0; j < 8; j++) {
+            __m256 kv = _mm256_loadu_ps(k + (size_t)j * ks + d);
+            if (NH == 2) IN_REGISTER(kv);
+            a[j] = _mm256_fmadd_ps(qa, kv, a[j]);
+            if (NH == 2) b[j] = _mm256_fmadd_ps(qb, kv, b[j]);
+        }
+    }
+    sums8(s0, a, scale);
+    if (NH == 2) sums8(s1, b, scale);
+}
+
+/* ac_h[c .. c + 8 NV) = ac_h * corr_h + p_h[0] v_0 + p_h[1] v_1 + ... over n
+ * keys (row stride ks), one key after another (an FMA per key), for NH heads:
+ * the columns stay in registers for the whole block and each value line is
+ * loaded once for both heads. (Loaded and stored again every 4 keys, the
+ * accumulator's chain through memory bounded the update.) NV x NH <= 8. */
+static inline __attribute__((always_inline)) void values_cols(float *ac0, float *ac1, float corr0, float corr1,
+                                                              const float *p0, const float *p1, const float *v,
+                                                              size_t ks, int n, int c, int NV, int NH) {
+    __m256 a[8], b[4];
+    const __m256 k0 = _mm256_set1_ps(corr0), k1 = _mm256_set1_ps(corr1);
+    for (int u = 0; u < NV; u++) {
+        a[u] = _mm256_mul_ps(_mm256_loadu_ps(ac0 + c + 8 * u), k0);
+        if (NH == 2) b[u] = _mm256_mul_ps(_mm256_loadu_ps(ac1 + c + 8 * u), k1);
+    }
+    for (int j = 0; j < n; j++) {
+        const float *vj = v + (size_t)j * ks + c;
+        const __m256 pa = _mm256_broadcast_ss(p0 + j), pb = NH == 2 ? _mm256_broadcast_ss(p1 + j) : pa;
+        for (int u = 0; u < NV; u++) {
+            __m256 x = _mm256_loadu_ps(vj + 8 * u);
+            if (NH == 2) IN_REGISTER(x);
+            a[u] = _mm256_fmadd_ps(pa, x, a[u]);
+            if (NH == 2) b[u] = _mm256_fmadd_ps(pb, x, b[u]);
+        }
+    }
+    for (int u = 0; u < NV; u++) {
+        _mm256_storeu_ps(ac0 + c + 8 * u, a[u]);
+        if (NH == 2) _mm256_storeu_ps(ac1 + c + 8 * u, b[u]);
+    }
+}
+
+/* the whole row of D (a multiple of 8) in pieces of 64 / NH columns: eight
+ * accumulator chains, enough to keep the FMA units busy */
+static inline __attribute__((always_inline)) void values(float *ac0, float *ac1, float corr0, float corr1,
+                                                         const float *p0, const float *p1, const float *v, size_t ks,
+                                                         int n, int D, int NH) {
+    const int W = 64 / NH;
+    int c = 0;
+    for (; c + W <= D; c += W) values_cols(ac0, ac1, corr0, corr1, p0, p1, v, ks, n, c, W / 8, NH);
+    for (; c < D; c += 8) values_cols(ac0, ac1, corr0, corr1, p0, p1, v, ks, n, c, 1, NH);
+}
+
+/* scores of NH heads (h, h + 1) for the nk keys of a block (row stride ks)
+ * into s + h * ATT_BC */
+static inline __attribute__((always_inline)) void heads_scores(float *s, const float *q, const float *k, size_t ks,
+                                                               int nk, int D, int h, float scale, int NH) {
+    float *s0 = s + (size_t)h * ATT_BC, *s1 = s0 + ATT_BC;
+    const float *q0 = q + (size_t)h * D, *q1 = q0 + D;
+    int j = 0;
+    if (D % 8 == 0)
+        for (; j + 8 <= nk; j += 8) dots8(s0 + j, s1 + j, q0, q1, k + (size_t)j * ks, ks, D, scale, NH);
+    for (; j < nk; j++) {
+        const float *kj = k + (size_t)j * ks;
+        for (int e = 0; e < NH; e++) {
+            const float *qv = e ? q1 : q0;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int d = 0; d < D; d++) dot += qv[d] * kj[d];
+            (e ? s1 : s0)[j] = dot * scale;
+        }
+    }
+}
+
+/* the value update of NH heads (h, h + 1) for a block's nk keys, weights p
+ * in s + h * ATT_BC, accumulators scaled by corr first */
+static inline __attribute__((always_inline)) void heads_values(float *acc, const float *s, const float *corr,
+                                                               const float *v, size_t ks, int nk, int D, int h,
+                                                               int NH) {
+    float *a0 = acc + (size_t)h * D, *a1 = a0 + D;
+    const float *p0 = s + (size_t)h * ATT_BC, *p1 = p0 + ATT_BC;
+    if (D % 8 == 0) {
+        values(a0, a1, corr[h], NH == 2 ? corr[h + 1] : 1.0f, p0, p1, v, ks, nk, D, NH);
+        return;
+    }
+    for (int e = 0; e < NH; e++) {
+        float *ac = e ? a1 : a0;
+        const float *p = e ? p1 : p0;
+        for (int d = 0; d < D; d++) ac[d] *= corr[h + e];
+        for (int t = 0; t < nk; t++)
+            for (int d = 0; d < D; d++) ac[d] = fmaf(p[t], v[(size_t)t * ks + d], ac[d]);
+    }
+}
+
 /* a group's accumulators on the stack; head_dim is at most 1024 (qwen2_load.c), so one head always fits */
 #define ATT_MAX_G 64
 #define ATT_MAX_GD 8192
+/* a block's keys (then its values) are copied to consecutive rows where at least ATT_COPY_MIN_G heads read them,
+ * the rows are at least ATT_COPY_MIN_STRIDE bytes apart and at most ATT_COPY_MAX_D long */
+#define ATT_COPY_MIN_G 4
+#define ATT_COPY_MIN_STRIDE 4096
+#define ATT_COPY_MAX_D 128
 /* One query row of G heads sharing one kv head (GQA; G = 1 for one head),
- * q and o G x D consecutive, against keys [0, j1] of k/v with row stride ks:
- * online softmax over blocks of ATT_BC keys, each block's keys and values
- * read once for all G heads (from L1, 16 KiB each at D = 64), the scores 8
- * keys at a time (dots8) where D allows, and the values added into each
- * head's accumulator 4 keys at a time (acc loaded and stored once per 4
- * keys). One head, one key and one reduction at a time before, a 0.5B decode
- * step at a 2000-key context spent 5.5-5.9 ms outside the matrix-vector
- * products on 2 threads; 2.9 this way (bench/RESULTS-decode.md). */
+ * q and o G x D consecutive, against keys [0, j1] of k/v with row stride ks,
+ * online softmax over blocks of ATT_BC keys. Per block: the scores of every
+ * head (two heads at a time, each key line loaded once for both, 8 keys at a
+ * time: dots8), the softmax, then the values of every head (two at a time,
+ * each head's accumulator held in registers through the block). Every
+ * head's operations are the same whatever its partner, G or the work split,
+ * and the same as the one-head-at-a-time form this replaced (its outputs
+ * were compared bit for bit on 8 head layouts, 9 contexts, 1 and 2 threads).
+ *
+ * Each phase reads one block (16 KiB at D = 64) G / 2 times, from L1 where
+ * its rows spread over L1's sets. The cache's rows are KV x D floats apart:
+ * at 8 kv heads of 128 that is 4 KiB, every row of a head falls in the same
+ * 8 sets, and the block is first copied to consecutive rows (1500 keys, 40
+ * heads, 1 thread, in cache: 940 -> 656 us a call); at 512 bytes (the 0.5B)
+ * the copy cost more than it saved (102 -> 107 us).
+ *
+ * Measured (bench/RESULTS-decode.md): a call in cache, 1 thread, 0.5B
+ * heads, 1500 keys 152 -> 87 us (80 keys: 8.1 -> 5.7); the 0.5B decode
+ * step's work outside the products, 1 thread at a 1000-token context, 3.43
+ * -> 2.82 ms. On 2 threads at 2000 tokens it stayed at 4.75 ms: there the
+ * cache's 48 MB a step come from memory (the weights' stream evicts it) and
+ * the reads, not the arithmetic, bound it. */
 static void attn_rows(float *o, const float *q, const float *k, const float *v, size_t ks, int j1, int D, int G,
                       float scale) {
     float acc[ATT_MAX_GD];
-    float s[ATT_BC], m[ATT_MAX_G], l[ATT_MAX_G];
+    float s[ATT_MAX_G * ATT_BC], m[ATT_MAX_G], l[ATT_MAX_G], corr[ATT_MAX_G];
+    float buf[ATT_BC * ATT_COPY_MAX_D];
+    const int copy = G >= ATT_COPY_MIN_G && D <= ATT_COPY_MAX_D && ks * sizeof(float) >= ATT_COPY_MIN_STRIDE;
     for (int i = 0; i < G * D; i++) acc[i] = 0.0f;
     for (int g = 0; g < G; g++) m[g] = -FLT_MAX, l[g] = 0.0f;
     for (int b0 = 0; b0 <= j1; b0 += ATT_BC) {
-        const int b1 = b0 + ATT_BC - 1 < j1 ? b0 + ATT_BC - 1 : j1;
-        for (int g = 0; g < G; g++) {
-            const float *qv = q + (size_t)g * D;
-            float *ac = acc + (size_t)g * D;
-            int j = b0;
-            if (D % 8 == 0)
-                for (; j + 8 <= b1 + 1; j += 8) dots8(s + (j - b0), qv, k + (size_t)j * ks, ks, D, scale);
-            for (; j <= b1; j++) {
-                const float *kj = k + (size_t)j * ks;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int d = 0; d < D; d++) dot += qv[d] * kj[d];
-                s[j - b0] = dot * scale;
-            }
-            const float mn = op_row_max(s, b1 - b0 + 1, m[g]), corr = expf(m[g] - mn);
-            l[g] *= corr;
-            for (int d = 0; d < D; d++) ac[d] *= corr;
-            l[g] += (float)op_row_exp(s, b1 - b0 + 1, mn, 1.0f);
-            for (j = b0; j + 4 <= b1 + 1; j += 4) {
-                const float p0 = s[j - b0], p1 = s[j - b0 + 1], p2 = s[j - b0 + 2], p3 = s[j - b0 + 3];
-                const float *v0 = v + (size_t)j * ks, *v1 = v0 + ks, *v2 = v1 + ks, *v3 = v2 + ks;
-#pragma omp simd
-                for (int d = 0; d < D; d++) ac[d] = ac[d] + p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
-            }
-            for (; j <= b1; j++) {
-                const float p = s[j - b0];
-                const float *vj = v + (size_t)j * ks;
-                for (int d = 0; d < D; d++) ac[d] += p * vj[d];
-            }
+        const int nk = (b0 + ATT_BC - 1 < j1 ? b0 + ATT_BC - 1 : j1) - b0 + 1;
+        const float *kb = k + (size_t)b0 * ks, *vb = v + (size_t)b0 * ks;
+        size_t bs = ks;
+        if (copy) {
+            for (int j = 0; j < nk; j++) memcpy(buf + (size_t)j * D, kb + (size_t)j * ks, sizeof(float) * (size_t)D);
+            kb = buf, bs = (size_t)D;
+        }
+        int g = 0;
+        for (; g + 2 <= G; g += 2) heads_scores(s, q, kb, bs, nk, D, g, scale, 2);
+        if (g < G) heads_scores(s, q, kb, bs, nk, D, g, scale, 1);
+        for (g = 0; g < G; g++) {
+            float *sg = s + (size_t)g * ATT_BC;
+            const float mn = op_row_max(sg, nk, m[g]);
+            corr[g] = expf(m[g] - mn);
+            l[g] *= corr[g];
+            l[g] += (float)op_row_exp(sg, nk, mn, 1.0f);
             m[g] = mn;
         }
+        bs = ks;
+        if (copy) {
+            for (int j = 0; j < nk; j++) memcpy(buf + (size_t)j * D, vb + (size_t)j * ks, sizeof(float) * (size_t)D);
+            vb = buf, bs = (size_t)D;
+        }
+        for (g = 0; g + 2 <= G; g += 2) heads_values(acc, s, corr, vb, bs, nk, D, g, 2);
+        if (g < G) heads_values(acc, s, corr, vb, bs, nk, D, g, 1);
     }
     for (int g = 0; g < G; g++) {
         const float inv = 1.0f / l[g];

@@ -273,8 +273,9 @@ static inline __attribute__((always_inline)) void dot_one(float *sa, float *sb, 
         const size_t pair_end = in / (2 * LANES) * (2 * LANES);
         for (size_t i = 0; i < pair_end; i += 2 * LANES) {
             if (PF) {
-                _mm_prefetch((const char *)((const uint16_t *)w + ba + i) + MATVEC_AHEAD_PAIRS, _MM_HINT_NTA);
-                if (NR == 2) _mm_prefetch((const char *)((const uint16_t *)w + bb + i) + MATVEC_AHEAD_PAIRS, _MM_HINT_NTA);
+                const uint16_t *wa = (const uint16_t *)w + ba + i, *wb = (const uint16_t *)w + bb + i;
+                _mm_prefetch((const char *)wa + MATVEC_AHEAD_PAIRS, _MM_HINT_NTA);
+                if (NR == 2) _mm_prefetch((const char *)wb + MATVEC_AHEAD_PAIRS, _MM_HINT_NTA);
             }
             vf e0, o0, e1, o1;
             bf16_pair(w, ba + i, &e0, &o0);

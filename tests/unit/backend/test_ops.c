@@ -351,6 +351,41 @@ static void test_attention_blocks_and_cache(void **state) {
     qt_free(q), qt_free(k), qt_free(v), qt_free(out), qt_free(lse), qt_free(out2), free(want);
 }
 
+/* The one-row decode against a cache on the model shapes' head layouts:
+ * groups of 7 (two heads at a time and one alone), 5 with the block copied
+ * to consecutive rows (8 kv heads of 128: rows 4 KiB apart), one head per
+ * kv head (MHA, D 40: value columns in pieces of 8), D 36 (no 8-wide path),
+ * against double precision at every position of 150 (three key blocks), at
+ * 1 and 2 threads. With one kv head, 1 thread runs the 7 heads as a group
+ * and 2 threads one head per work item: a head's operations must not depend
+ * on its partner, so the two agree to the bit. */
+static void test_attention_decode_shapes(void **state) {
+    (void)state;
+    static const int shapes[][3] = {{14, 2, 64}, {40, 8, 128}, {8, 8, 40}, {6, 2, 36}, {7, 1, 64}};
+    const int T = 150, saved = omp_get_max_threads();
+    for (size_t c = 0; c < sizeof shapes / sizeof shapes[0]; c++) {
+        const int H = shapes[c][0], KV = shapes[c][1], D = shapes[c][2];
+        size_t nq = (size_t)T * H * D, nk = (size_t)T * KV * D;
+        float *q = randv(nq, 2.0f), *k = randv(nk, 1.0f), *v = randv(nk, 1.0f);
+        float *out[2] = {zeros(nq), zeros(nq)};
+        double *want = malloc(sizeof(double) * nq);
+        naive_attention(want, q, k, v, NULL, 1, T, H, KV, D);
+        for (int threads = 1; threads <= 2; threads++) {
+            omp_set_num_threads(threads);
+            float *o = out[threads - 1];
+            for (int t = 0; t < T; t++)
+                op_attention_forward_cached(o + (size_t)t * H * D, q + (size_t)t * H * D, k, v, 1, t, H, KV, D);
+            char what[96];
+            snprintf(what, sizeof what, "decode attention H %d KV %d D %d, %d thread(s)", H, KV, D, threads);
+            expect_close(what, o, want, nq, 1e-5);
+        }
+        if (KV == 1 && memcmp(out[0], out[1], nq * sizeof(float)))
+            fail_msg("decode attention H %d KV 1 D %d: the group of %d heads and one head per item differ", H, D, H);
+        qt_free(q), qt_free(k), qt_free(v), qt_free(out[0]), qt_free(out[1]), free(want);
+    }
+    omp_set_num_threads(saved);
+}
+
 /* Naive double-precision backward of the same attention: dq, dk, dv (set,
  * not added) of sum(out * dout). */
 static void naive_attention_backward(double *dq, double *dk, double *dv, double *lse, const float *dout,
@@ -718,6 +753,7 @@ int main(void) {
         cmocka_unit_test(test_rmsnorm),   cmocka_unit_test(test_matmul),
         cmocka_unit_test(test_matmul_half_panels), cmocka_unit_test(test_sgemm_nn_engines), cmocka_unit_test(test_rope),
         cmocka_unit_test(test_attention), cmocka_unit_test(test_attention_blocks_and_cache),
+        cmocka_unit_test(test_attention_decode_shapes),
         cmocka_unit_test(test_attention_gemm_blocks),
         cmocka_unit_test(test_swiglu),    cmocka_unit_test(test_swiglu_lanes), cmocka_unit_test(test_swiglu_rows_equal_one_row), cmocka_unit_test(test_swiglu_lanes_extreme),
         cmocka_unit_test(test_lmhead_ce),
