@@ -8,7 +8,9 @@
  * Writes: the region count, the second thread's late entries (sum, maximum,
  * histogram), the sum of |end of thread 0 - end of thread 1|, and per region
  * function (file and offset; addr2line -f -e FILE OFFSET names it) each
- * thread's busy time and the end imbalance. Counts cover the whole process
+ * thread's busy time, the end imbalance, the calling thread's time outside
+ * any region before it (serial work, and regions of one thread), and the
+ * fork (call to the calling thread's start) and join (last end to return). Counts cover the whole process
  * (load and save too, few regions there). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -44,8 +46,9 @@ static void trampoline(void *p) {
 static struct {
     void *fn;
     long n;
-    double busy[2], imbalance;
+    double busy[2], imbalance, gap, fork, join;
 } tab[MAXF];
+static double last_exit;
 static int nf;
 static long regions, hist[6];
 static double late_sum, late_max, imbalance_sum;
@@ -54,6 +57,7 @@ void GOMP_parallel(region_fn fn, void *data, unsigned nt, unsigned flags) {
     if (!real_parallel) real_parallel = (void (*)(region_fn, void *, unsigned, unsigned))dlsym(RTLD_NEXT, "GOMP_parallel");
     struct call c = {fn, data, now(), {0, 0}, {0, 0}};
     real_parallel(trampoline, &c, nt, flags);
+    double tx = now(), gap = last_exit > 0 ? c.t0 - last_exit : 0; last_exit = tx;
     if (c.start[1] <= 0) return; /* one thread ran it */
     double late = c.start[1] - c.t0, imb = c.end[0] > c.end[1] ? c.end[0] - c.end[1] : c.end[1] - c.end[0];
     regions++, late_sum += late, imbalance_sum += imb;
@@ -65,7 +69,7 @@ void GOMP_parallel(region_fn fn, void *data, unsigned nt, unsigned flags) {
     if (i < MAXF) {
         tab[i].n++;
         for (int k = 0; k < 2; k++) tab[i].busy[k] += c.end[k] - c.start[k];
-        tab[i].imbalance += imb;
+        tab[i].imbalance += imb; tab[i].gap += gap; tab[i].fork += c.start[0] - c.t0; tab[i].join += tx - (c.end[0] > c.end[1] ? c.end[0] : c.end[1]);
     }
 }
 
@@ -79,8 +83,8 @@ __attribute__((destructor)) static void dump(void) {
     for (int i = 0; i < nf; i++) {
         Dl_info d = {0};
         dladdr(tab[i].fn, &d);
-        fprintf(f, "%6ld regions, busy %.3f / %.3f s, imbalance %.3f s: %s 0x%lx\n", tab[i].n, tab[i].busy[0],
-                tab[i].busy[1], tab[i].imbalance, d.dli_fname ? d.dli_fname : "?",
+        fprintf(f, "%6ld regions, busy %.3f / %.3f s, imbalance %.3f s, gap before %.3f s, fork %.3f join %.3f: %s 0x%lx\n", tab[i].n, tab[i].busy[0],
+                tab[i].busy[1], tab[i].imbalance, tab[i].gap, tab[i].fork, tab[i].join, d.dli_fname ? d.dli_fname : "?",
                 (unsigned long)((char *)tab[i].fn - (char *)d.dli_fbase));
     }
     fclose(f);
