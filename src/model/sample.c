@@ -53,11 +53,12 @@ static inline int32_t order_key(float f) {
 
 /* Two passes the compiler vectorises, the largest key (an integer max) and
  * then the first index holding it, where a compare chain is one element at a
- * time: 151936 logits took 100-127 us that way, 6-8 this way, once for every
- * generated token. The second pass tests a block at a time (a vectorised
- * count) and looks for the index only in the block that has it: an early
- * exit keeps a loop scalar, and one element at a time up to the argmax was
- * 0.4% of a 0.5B decode step's samples. */
+ * time (151936 logits: 100-127 us). The second pass tests a block at a time
+ * (a vectorised count) and looks for the index only in the block that has
+ * it: an early exit keeps a loop scalar, and one element at a time up to the
+ * argmax took 74 / 140 us with the largest logit in the middle / at the end
+ * (0.4% of a 0.5B decode step's samples), 13 / 19 us this way, 7 us when it
+ * comes first. */
 int32_t qt_argmax(const float *x, int V) {
     int32_t top = INT32_MIN;
     for (int i = 0; i < V; i++) {
