@@ -7,10 +7,12 @@
  * read as 2 bytes and widened in registers (bf16: a 16-bit shift; f16: F16C's
  * vcvtph2ps), so a 2-byte model moves half the bytes of an f32 one.
  *
- * Threads take chunks of output rows from a shared counter (no reduction
- * between threads; on a shared machine a thread that is descheduled does not
- * hold the step up for its whole static half), the last ones in quarter
- * pieces so the threads finish together; a small product runs on the
+ * Threads take chunks of output rows as they go (no reduction between
+ * threads; on a shared machine a thread that is descheduled does not hold
+ * the step up for its whole static half), even threads from the first row
+ * up and odd ones from the last row down, so each reads its own end of the
+ * matrix, and they meet in quarter pieces so they finish together; a small
+ * product runs on the
  * calling thread, where the fork would cost more than the work. One input
  * row runs a loop of its own (dot_one) with the tile's operations. The kernel
  * is a register tile of weight rows from both halves of the thread's chunk
@@ -42,9 +44,10 @@
  * other thread take a descheduled one's share */
 #define MATVEC_CHUNK ((size_t)1 << 20)
 #define MATVEC_CHUNKS_PER_THREAD 2
-/* The last team x MATVEC_CHUNK bytes of a product are taken in pieces of 1 /
- * MATVEC_TAIL_SPLIT of a chunk. At each product's end the thread that finds
- * nothing left waits for the others' last piece (the 0.5B bf16 step, 121
+/* The middle team x MATVEC_CHUNK bytes of a product (where the threads from
+ * either end meet) are taken in pieces of 1 / MATVEC_TAIL_SPLIT of a chunk.
+ * At each product's end the thread that finds nothing left waits for the
+ * others' last piece (the 0.5B bf16 step, 121
  * parallel products: the threads' finishing times 0.8-2.5 ms apart in all
  * with whole chunks, 0.5-1.0 with quarters). bench_matvec bf16, 2 threads,
  * median step, 8 alternating rounds: quarters 1.054 x whole chunks, eighths
@@ -445,16 +448,41 @@ void op_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const fl
     size_t rows = ((size_t)OUT + chunks - 1) / chunks;
     rows = (rows + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
     const int per = (int)rows;
-    /* the last team's worth of chunks in pieces of a quarter: a thread that finds no chunk left waits at the
-     * product's end for the others' last one, and a quarter of a chunk is a quarter of that wait */
-    int n_head = (int)(((size_t)OUT + rows - 1) / rows) - team;
-    if (n_head < 0) n_head = 0;
+    /* Chunk c in row order: nf whole chunks from row 0, then rows [mid0, mid1) in pieces of a quarter chunk, then
+     * whole chunks to OUT. Even threads take them from the first up, odd ones from the last down; a claim on the
+     * shared count comes first, so the two ends never take the same chunk. The threads meet in the quarters: a
+     * thread that finds nothing left waits at the product's end for the other's last piece, a quarter of a chunk.
+     * Each thread reading its own end of the matrix, not every other chunk of it: bench_matvec bf16, 2 threads,
+     * 8 alternating rounds, median step 1.075x, the sum of each product's best 1.034x (bench/RESULTS-decode.md,
+     * session 13). */
+    int n_whole = (int)(((size_t)OUT + rows - 1) / rows) - team;
+    if (n_whole < 0) n_whole = 0;
+    const int nf = n_whole / 2, nb = n_whole - nf, mid0 = nf * per;
+    const int mid1 = OUT - nb * per > mid0 ? OUT - nb * per : mid0;
     const int tper = (per / MATVEC_TAIL_SPLIT + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
-    const int tail0 = n_head * per, n_chunks = n_head + (OUT - tail0 + tper - 1) / tper;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int c = 0; c < n_chunks; c++) {
-        const int r0 = c < n_head ? c * per : tail0 + (c - n_head) * tper, len = c < n_head ? per : tper;
-        const int r1 = OUT - r0 < len ? OUT : r0 + len;
-        matvec_rows(out, x, xd, w, wdt, bias, N, IN, OUT, alpha, accumulate, r0, r1);
+    const int n_mid = (mid1 - mid0 + tper - 1) / tper, n = nf + n_mid + (OUT - mid1 + per - 1) / per;
+    int taken = 0, up = 0, down = 0;
+#pragma omp parallel
+    {
+        const int from_top = omp_get_thread_num() & 1;
+        for (;;) {
+            int t, c;
+#pragma omp atomic capture
+            t = taken++;
+            if (t >= n) break;
+            if (from_top) {
+#pragma omp atomic capture
+                c = down++;
+                c = n - 1 - c;
+            } else {
+#pragma omp atomic capture
+                c = up++;
+            }
+            int r0, r1;
+            if (c < nf) r0 = c * per, r1 = r0 + per;
+            else if (c < nf + n_mid) r0 = mid0 + (c - nf) * tper, r1 = r0 + tper < mid1 ? r0 + tper : mid1;
+            else r0 = mid1 + (c - nf - n_mid) * per, r1 = r0 + per < OUT ? r0 + per : OUT;
+            matvec_rows(out, x, xd, w, wdt, bias, N, IN, OUT, alpha, accumulate, r0, r1);
+        }
     }
 }
