@@ -155,10 +155,6 @@ void op_attention_forward(float *out, float *lse, const float *q, const float *k
  * whose row i sits at key position pos0 + i. */
 #define ATT_ROWS_MAX 16
 
-/* Keeps a loaded vector in its register: GCC otherwise folds the load into
- * both heads' FMAs, and the loads, twice as many, bound the loop. */
-#define IN_REGISTER(v) __asm__("" : "+x"(v))
-
 /* s[0..7] = the 8 sums in a[0..7] (each over its 8 lanes) * scale: horizontal
  * adds and a lane exchange, not one reduction per key. */
 static inline void sums8(float *s, const __m256 *a, float scale) {
@@ -281,6 +277,16 @@ static inline __attribute__((always_inline)) void heads_values(float *acc, const
 #define ATT_COPY_MIN_G 4
 #define ATT_COPY_MIN_STRIDE 4096
 #define ATT_COPY_MAX_D 128
+/* rows [0, nk) of src (row stride ks, D floats each) copied to consecutive rows of buf: returns buf and sets *bs
+ * to D when copy, else returns src with *bs = ks */
+static const float *block_rows(float *buf, const float *src, int nk, int D, size_t ks, int copy, size_t *bs) {
+    *bs = ks;
+    if (!copy) return src;
+    for (int j = 0; j < nk; j++) memcpy(buf + (size_t)j * D, src + (size_t)j * ks, sizeof(float) * (size_t)D);
+    *bs = (size_t)D;
+    return buf;
+}
+
 /* One query row of G heads sharing one kv head (GQA; G = 1 for one head),
  * q and o G x D consecutive, against keys [0, j1] of k/v with row stride ks,
  * online softmax over blocks of ATT_BC keys. Per block: the scores of every
@@ -314,12 +320,8 @@ static void attn_rows(float *o, const float *q, const float *k, const float *v, 
     for (int g = 0; g < G; g++) m[g] = -FLT_MAX, l[g] = 0.0f;
     for (int b0 = 0; b0 <= j1; b0 += ATT_BC) {
         const int nk = (b0 + ATT_BC - 1 < j1 ? b0 + ATT_BC - 1 : j1) - b0 + 1;
-        const float *kb = k + (size_t)b0 * ks, *vb = v + (size_t)b0 * ks;
-        size_t bs = ks;
-        if (copy) {
-            for (int j = 0; j < nk; j++) memcpy(buf + (size_t)j * D, kb + (size_t)j * ks, sizeof(float) * (size_t)D);
-            kb = buf, bs = (size_t)D;
-        }
+        size_t bs;
+        const float *kb = block_rows(buf, k + (size_t)b0 * ks, nk, D, ks, copy, &bs);
         int g = 0;
         for (; g + 2 <= G; g += 2) heads_scores(s, q, kb, bs, nk, D, g, scale, 2);
         if (g < G) heads_scores(s, q, kb, bs, nk, D, g, scale, 1);
@@ -331,11 +333,7 @@ static void attn_rows(float *o, const float *q, const float *k, const float *v, 
             l[g] += (float)op_row_exp(sg, nk, mn, 1.0f);
             m[g] = mn;
         }
-        bs = ks;
-        if (copy) {
-            for (int j = 0; j < nk; j++) memcpy(buf + (size_t)j * D, vb + (size_t)j * ks, sizeof(float) * (size_t)D);
-            vb = buf, bs = (size_t)D;
-        }
+        const float *vb = block_rows(buf, v + (size_t)b0 * ks, nk, D, ks, copy, &bs);
         for (g = 0; g + 2 <= G; g += 2) heads_values(acc, s, corr, vb, bs, nk, D, g, 2);
         if (g < G) heads_values(acc, s, corr, vb, bs, nk, D, g, 1);
     }

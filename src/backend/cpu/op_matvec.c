@@ -12,9 +12,9 @@
  * the step up for its whole static half), even threads from the first row
  * up and odd ones from the last row down, so each reads its own end of the
  * matrix, and they meet in quarter pieces so they finish together; a small
- * product runs on the
- * calling thread, where the fork would cost more than the work. One input
- * row runs a loop of its own (dot_one) with the tile's operations. The kernel
+ * product runs on the calling thread, where the fork would cost more than
+ * the work. One input row runs a loop of its own (dot_one) with the tile's
+ * operations. The kernel
  * is a register tile of weight rows from both halves of the thread's chunk
  * (one of each for one input row, two adjacent of each for more) x up to 4
  * input rows: each weight line is loaded (and widened) once and multiplied
@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/cpu/op_simd.h"
 #include "backend/cpu/ops.h"
 
 /* below this many bytes of W the product runs on the calling thread: waking
@@ -47,12 +48,13 @@
 /* The middle team x MATVEC_CHUNK bytes of a product (where the threads from
  * either end meet) are taken in pieces of 1 / MATVEC_TAIL_SPLIT of a chunk.
  * At each product's end the thread that finds nothing left waits for the
- * others' last piece (the 0.5B bf16 step, 121
- * parallel products: the threads' finishing times 0.8-2.5 ms apart in all
- * with whole chunks, 0.5-1.0 with quarters). bench_matvec bf16, 2 threads,
- * median step, 8 alternating rounds: quarters 1.054 x whole chunks, eighths
- * 1.039; generate's decode, 10 alternating rounds: no change beyond the
- * machine's spread (per-round ratio median 0.99). */
+ * others' last piece. Measured when all threads took chunks from the first
+ * row up and the pieces were the last ones (the 0.5B bf16 step, 121 parallel
+ * products): the threads' finishing times 0.8-2.5 ms apart in all with whole
+ * chunks, 0.5-1.0 with quarters; bench_matvec bf16, 2 threads, median step,
+ * 8 alternating rounds: quarters 1.054 x whole chunks, eighths 1.039;
+ * generate's decode, 10 alternating rounds: no change beyond the machine's
+ * spread (per-round ratio median 0.99). */
 #define MATVEC_TAIL_SPLIT 4
 /* Software prefetch distance in bytes of W, used with more than one input
  * row. One row reads fastest on the hardware prefetcher alone (the hint cost
@@ -79,13 +81,6 @@
  * level with 2, 4 KiB lost 4%; for f16 (widened from half lines) NTA lost 6%
  * and f32 was level, so they keep T0. */
 #define MATVEC_AHEAD_PAIRS 2048
-
-/* Keeps a loaded vector in its register: without it GCC folds the load into
- * every instruction that uses the value (x into each of the tile rows' FMAs, a
- * bf16 line into both its shift and its mask), and the loads, not the FMAs,
- * then bound the loop: in L2, 4 rows of bf16 ran at 48 GB/s against 70 for
- * one load of x per 4 rows. */
-#define IN_REGISTER(v) __asm__("" : "+v"(v))
 
 #if defined(__AVX512F__)
 #define LANES 16
