@@ -6,11 +6,13 @@
  * matrices are filled with random values and touched once before timing.
  *   bench_matvec [--dtype f32|bf16|f16] [--rows N] [--threads T] [--reps R]
  *                [--shape C I L Q KV V]     (default qwen2.5-0.5b: 896 4864 24 896 128 151936)
- *                [--file PATH [--advise none|huge|collapse]]
+ *                [--file PATH [--advise none|huge|collapse]] [--hold 0|1]
  * --file: the weights are written to PATH and read through a read-only file
  * mapping, as qtune reads a model's safetensors (4 KiB page-cache pages
  * unless the advice gets huge ones), instead of an anonymous buffer with
- * transparent huge pages.
+ * transparent huge pages. --hold 1 (the default) runs each step with the
+ * threads held between its products, as a decode step does (team.h); 0
+ * opens a parallel region per product, as decode steps did before.
  * Output: one JSON object per line. Best and median of R steps, and "ms_sum_best":
  * each product's best time over the R steps, summed (on a machine shared with
  * other jobs a whole step is rarely left alone, a single product often is). */
@@ -44,8 +46,35 @@ static int cmp_d(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
+/* one step's products in order, each product's time kept where it beats pbest[k] (NULL: not kept) */
+typedef struct {
+    const int (*lin)[2];
+    int L, C, V, N;
+    qt_dtype dt;
+    size_t es;
+    const char *w;
+    const float *x;
+    float *out;
+    double *pbest;
+} step_args;
+
+static int step(op_team *team, void *arg) {
+    const step_args *a = arg;
+    const char *p = a->w;
+    double tp = now_s();
+    for (int k = 0; k < 7 * a->L + 1; k++) {
+        const int in = k < 7 * a->L ? a->lin[k % 7][0] : a->C, o = k < 7 * a->L ? a->lin[k % 7][1] : a->V;
+        op_matvec_team(team, a->out, a->x, p, a->dt, NULL, a->N, in, o, 1.0f, 0);
+        p += (size_t)in * o * a->es;
+        const double tn = now_s();
+        if (a->pbest && tn - tp < a->pbest[k]) a->pbest[k] = tn - tp;
+        tp = tn;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
-    int C = 896, I = 4864, L = 24, Q = 896, KV = 128, V = 151936, N = 1, threads = 1, reps = 10;
+    int C = 896, I = 4864, L = 24, Q = 896, KV = 128, V = 151936, N = 1, threads = 1, reps = 10, hold = 1;
     qt_dtype dt = QT_BF16;
     const char *file = NULL, *advise = "none";
     for (int i = 1; i < argc; i++) {
@@ -57,12 +86,13 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--file") && i + 1 < argc) file = argv[++i];
         else if (!strcmp(argv[i], "--advise") && i + 1 < argc) advise = argv[++i];
+        else if (!strcmp(argv[i], "--hold") && i + 1 < argc) hold = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--shape") && i + 6 < argc) {
             C = atoi(argv[++i]), I = atoi(argv[++i]), L = atoi(argv[++i]);
             Q = atoi(argv[++i]), KV = atoi(argv[++i]), V = atoi(argv[++i]);
         } else {
             fprintf(stderr, "usage: bench_matvec [--dtype f32|bf16|f16] [--rows N] [--threads T] [--reps R] "
-                            "[--shape C I L Q KV V]\n");
+                            "[--shape C I L Q KV V] [--file PATH [--advise none|huge|collapse]] [--hold 0|1]\n");
             return 2;
         }
     }
@@ -119,16 +149,10 @@ int main(int argc, char **argv) {
     double *pbest = malloc(sizeof(double) * (size_t)n_prod);
     for (int k = 0; k < n_prod; k++) pbest[k] = 1e30;
     for (int r = -1; r < reps; r++) { /* r = -1: warm-up */
-        double t0 = now_s(), tp = t0;
-        const char *p = w;
-        for (int k = 0; k < n_prod; k++) {
-            const int in = k < 7 * L ? lin[k % 7][0] : C, o = k < 7 * L ? lin[k % 7][1] : V;
-            op_matvec(out, x, p, dt, NULL, N, in, o, 1.0f, 0);
-            p += (size_t)in * o * es;
-            const double tn = now_s();
-            if (r >= 0 && tn - tp < pbest[k]) pbest[k] = tn - tp;
-            tp = tn;
-        }
+        const double t0 = now_s();
+        step_args a = {lin, L, C, V, N, dt, es, w, x, out, r >= 0 ? pbest : NULL};
+        if (hold) op_team_hold(step, &a);
+        else step(NULL, &a);
         if (r >= 0) t[r] = now_s() - t0;
     }
     double sum_best = 0;
@@ -136,10 +160,11 @@ int main(int argc, char **argv) {
     free(pbest);
     qsort(t, (size_t)reps, sizeof *t, cmp_d);
     const double best = t[0], med = t[reps / 2], gb = (double)(total * es) / 1e9;
-    printf("{\"dtype\": \"%s\", \"rows\": %d, \"threads\": %d, \"memory\": \"%s\", \"gb_per_step\": %.4f, "
+    printf("{\"dtype\": \"%s\", \"rows\": %d, \"threads\": %d, \"hold\": %d, \"memory\": \"%s\", "
+           "\"gb_per_step\": %.4f, "
            "\"ms_best\": %.3f, \"ms_median\": %.3f, \"gbs_best\": %.2f, \"gbs_median\": %.2f, "
            "\"tok_s_median\": %.2f, \"ms_sum_best\": %.3f, \"gbs_sum_best\": %.2f}\n",
-           qt_dtype_name(dt), N, threads, file ? advise : "anonymous", gb, best * 1e3, med * 1e3, gb / best, gb / med,
+           qt_dtype_name(dt), N, threads, hold, file ? advise : "anonymous", gb, best * 1e3, med * 1e3, gb / best, gb / med,
            N / med, sum_best * 1e3, gb / sum_best);
     if (file) munmap(w, total * es), unlink(file);
     free(t), qt_free(x), qt_free(out), qt_free(anon);

@@ -204,6 +204,13 @@ struct qt_backend {
     void (*lmhead_ce_forward_dx)(qt_backend *be, float *loss, float *lse, float *dx, const float *x, const void *w,
                                  qt_dtype wdt, const int32_t *targets, float dscale, int N, int C, int V, float *ws);
     void (*acc)(qt_backend *be, float *out, const float *a, size_t n); /* out += a */
+    /* Runs fn(arg) on the calling thread and returns its result, with the
+     * backend's host threads held ready for the ops fn calls in between: for
+     * a run of many small ops (a decode step of few rows), where the threads'
+     * start for each op would cost more than the op. The cpu backend holds
+     * its OpenMP team (backend/cpu/team.h); backends whose work runs on a
+     * device call fn(arg). */
+    int (*hold_threads)(qt_backend *be, int (*fn)(void *arg), void *arg);
 
     /* ---- precision (backend/cpu/op_precision.h) ----------------------------- */
     void (*round_to_dtype)(qt_backend *be, float *x, size_t n, qt_dtype dt);

@@ -89,6 +89,8 @@ static void w_event_free(BE, qt_event *e) { IN->event_free(IN, e); }
 static int w_half_available(BE, qt_dtype dt) { return IN->half_available(IN, dt); }
 static size_t w_runtime_bytes(BE) { return IN->runtime_bytes(IN); }
 static size_t w_device_peak_bytes(BE) { return IN->device_peak_bytes(IN); }
+/* the ops fn calls are timed each; the hold itself is not an op */
+static int w_hold_threads(BE, int (*fn)(void *arg), void *arg) { return IN->hold_threads(IN, fn, arg); }
 
 WRAP(upload, (BE, void *dev, const void *host, size_t bytes), (IN, dev, host, bytes))
 WRAP(download, (BE, void *host, const void *dev, size_t bytes), (IN, host, dev, bytes))
@@ -231,6 +233,7 @@ int qt_backend_profile_wrap(qt_backend *in, qt_backend **out) {
     be->half_available = w_half_available;
     be->runtime_bytes = w_runtime_bytes;
     be->device_peak_bytes = w_device_peak_bytes;
+    be->hold_threads = w_hold_threads;
 #define OP(name) be->name = w_##name;
 #include "backend/profile_ops.h"
 #undef OP

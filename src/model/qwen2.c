@@ -626,9 +626,45 @@ static void decode_layers(qt_model *m, const int32_t *ids, int n, int maxpos, co
         layer_forward(m, l, NULL, n, A->x[l], A->x[l + 1], &A->layer[l], 0, dpos, d);
 }
 
+/* One decode call's layers and logits (decode_call), run with the backend's
+ * threads held between its ops (be->hold_threads) when it is a step of few
+ * rows on the matrix-vector path: ~170 ops of tens of microseconds each,
+ * where starting the threads for every op costs several percent of the step.
+ * More rows (or a prompt, on the batched path) run as plain calls: their ops
+ * are larger, and the backend's other ops would run on one thread while
+ * the team is held (backend/cpu/team.h). */
+#define DECODE_HOLD_MAX_ROWS 8
+typedef struct {
+    qt_model *m;
+    const int32_t *ids;
+    int n, maxpos;
+    const dec_rows *d;
+    int last_only; /* the logits of the last row only (a prompt's call), else of every row */
+} decode_call;
+
+static int decode_run(void *arg) {
+    const decode_call *k = arg;
+    qt_model *m = k->m;
+    const qt_config *c = &m->cfg;
+    const int C = c->hidden_size, L = c->num_hidden_layers, V = c->vocab_size, rows = k->last_only ? 1 : k->n;
+    qt_backend *be = m->be;
+    qt_act_ptrs *A = &m->acts;
+    decode_layers(m, k->ids, k->n, k->maxpos, k->d);
+    be->rmsnorm_forward(be, A->lnf, A->rstdf, A->x[L] + (size_t)(k->n - rows) * C, m->lnf_w, rows, C,
+                        c->rms_norm_eps);
+    be->matvec(be, m->logits, A->lnf, m->lm_head.p, m->lm_head.dt, NULL, rows, C, V, 1.0f, 0); /* V x C read once */
+    return QT_OK;
+}
+
+static void decode_call_run(qt_model *m, const decode_call *k) {
+    const int matvec_path = k->n == 1 || m->dec_rows;
+    if (matvec_path && k->n <= DECODE_HOLD_MAX_ROWS) m->be->hold_threads(m->be, decode_run, (void *)k);
+    else decode_run((void *)k);
+}
+
 int qt_model_decode_seq(qt_model *m, int seq, const int32_t *ids, int n, int pos0, float *logits_out) {
     const qt_config *c = &m->cfg;
-    int C = c->hidden_size, L = c->num_hidden_layers, V = c->vocab_size;
+    const int V = c->vocab_size;
     QT_TRY(check_decode(m));
     if (seq < 0 || seq >= m->decode_seqs)
         return QT_ERR(QT_EINVAL, "decode: sequence %d is outside the KV cache's [0, %d)", seq, m->decode_seqs);
@@ -641,12 +677,9 @@ int qt_model_decode_seq(qt_model *m, int seq, const int32_t *ids, int n, int pos
         m->pos_buf[i] = pos0 + i;
     }
     const dec_rows d = {seq, pos0, NULL, NULL, 0};
-    decode_layers(m, ids, n, pos0 + n - 1, &d);
-    qt_backend *be = m->be;
-    qt_act_ptrs *A = &m->acts;
-    be->rmsnorm_forward(be, A->lnf, A->rstdf, A->x[L] + (size_t)(n - 1) * C, m->lnf_w, 1, C, c->rms_norm_eps);
-    be->matvec(be, m->logits, A->lnf, m->lm_head.p, m->lm_head.dt, NULL, 1, C, V, 1.0f, 0); /* one row: read V x C once */
-    be->download(be, logits_out, m->logits, sizeof(float) * (size_t)V);
+    const decode_call k = {m, ids, n, pos0 + n - 1, &d, 1};
+    decode_call_run(m, &k);
+    m->be->download(m->be, logits_out, m->logits, sizeof(float) * (size_t)V);
     m->kv_len[seq] = pos0 + n;
     return QT_OK;
 }
@@ -658,7 +691,7 @@ int qt_model_decode(qt_model *m, const int32_t *ids, int n, int pos0, float *log
 int qt_model_decode_rows(qt_model *m, int n, const int *seqs, const int32_t *ids, const int32_t *pos,
                          float *logits_out) {
     const qt_config *c = &m->cfg;
-    int C = c->hidden_size, L = c->num_hidden_layers, V = c->vocab_size;
+    const int V = c->vocab_size;
     QT_TRY(check_decode(m));
     if (n < 1 || n > m->decode_seqs)
         return QT_ERR(QT_EINVAL, "decode: %d sequences in one step is outside [1, %d] (the model's decode_seqs)", n,
@@ -686,13 +719,10 @@ int qt_model_decode_rows(qt_model *m, int n, const int *seqs, const int32_t *ids
         d.rope_per_row = slo != shi || memcmp(lo, hi, sizeof(float) * (size_t)(c->head_dim / 2));
     }
     m->dec_rows = 1;
-    decode_layers(m, ids, n, maxpos, &d);
-    qt_backend *be = m->be;
-    qt_act_ptrs *A = &m->acts;
-    be->rmsnorm_forward(be, A->lnf, A->rstdf, A->x[L], m->lnf_w, n, C, c->rms_norm_eps);
-    be->matvec(be, m->logits, A->lnf, m->lm_head.p, m->lm_head.dt, NULL, n, C, V, 1.0f, 0); /* V x C read once */
+    const decode_call k = {m, ids, n, maxpos, &d, 0};
+    decode_call_run(m, &k);
     m->dec_rows = 0;
-    be->download(be, logits_out, m->logits, sizeof(float) * (size_t)n * V);
+    m->be->download(m->be, logits_out, m->logits, sizeof(float) * (size_t)n * V);
     for (int i = 0; i < n; i++) m->kv_len[seqs[i]] = pos[i] + 1;
     return QT_OK;
 }

@@ -71,7 +71,7 @@ static void c_rmsnorm_backward(BE, float *dinp, float *dw, const float *dout, co
 }
 static void c_matvec(BE, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN,
                      int OUT, float alpha, int accumulate) {
-    op_matvec(out, x, w, wdt, bias, N, IN, OUT, alpha, accumulate);
+    op_matvec_team(be->impl, out, x, w, wdt, bias, N, IN, OUT, alpha, accumulate);
 }
 static void c_matmul_forward(BE, float *out, const float *inp, const void *w, qt_dtype wdt, const float *bias, int N,
                              int IN, int OUT, float alpha, int accumulate, float *ws) {
@@ -98,7 +98,7 @@ static void c_attention_backward(BE, float *dq, float *dk, float *dv, const floa
 }
 static void c_attention_forward_cached(BE, float *out, const float *q, const float *kc, const float *vc, int n,
                                        int pos0, int H, int KV, int D) {
-    op_attention_forward_cached(out, q, kc, vc, n, pos0, H, KV, D);
+    op_attention_forward_cached_team(be->impl, out, q, kc, vc, n, pos0, H, KV, D);
 }
 static void c_swiglu_forward(BE, float *out, const float *gate, const float *up, int N, int I) {
     op_swiglu_forward(out, gate, up, N, I);
@@ -131,6 +131,24 @@ static void c_lmhead_ce_forward_dx(BE, float *loss, float *lse, float *dx, const
     op_lmhead_ce_forward_dx(loss, lse, dx, x, w, wdt, targets, dscale, N, C, V, ws);
 }
 static void c_acc(BE, float *out, const float *a, size_t n) { op_acc(out, a, n); }
+/* be->impl is the held team while fn runs (NULL otherwise): the ops that use it read it there */
+typedef struct {
+    qt_backend *be;
+    int (*fn)(void *arg);
+    void *arg;
+} held_call;
+static int c_held(op_team *team, void *p) {
+    held_call *h = p;
+    h->be->impl = team;
+    int rc = h->fn(h->arg);
+    h->be->impl = NULL;
+    return rc;
+}
+static int c_hold_threads(BE, int (*fn)(void *arg), void *arg) {
+    if (be->impl) return fn(arg); /* already held */
+    held_call h = {be, fn, arg};
+    return op_team_hold(c_held, &h);
+}
 static void c_round_to_dtype(BE, float *x, size_t n, qt_dtype dt) { op_round_to_dtype(x, n, dt); }
 static void c_round_store(BE, float *x, uint16_t *dst, size_t n, qt_dtype dt) { op_round_store(x, dst, n, dt); }
 static void c_convert(BE, void *dst, qt_dtype ddt, const void *src, qt_dtype sdt, size_t n) {
@@ -199,6 +217,7 @@ void qt_backend_cpu_fill(qt_backend *be) {
     be->lmhead_ce_backward_kept = c_lmhead_ce_backward_kept;
     be->lmhead_ce_forward_dx = c_lmhead_ce_forward_dx;
     be->acc = c_acc;
+    be->hold_threads = c_hold_threads;
     be->round_to_dtype = c_round_to_dtype;
     be->round_store = c_round_store;
     be->convert = c_convert;

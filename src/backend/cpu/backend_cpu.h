@@ -7,7 +7,8 @@
 
 extern const qt_backend_desc qt_cpu_desc;
 /* Fills every entry of be's table with the CPU's (desc, memory, ops); close
- * and impl are the caller's. */
+ * is the caller's. impl must be NULL: hold_threads keeps the held team
+ * there while its function runs. */
 void qt_backend_cpu_fill(qt_backend *be);
 
 #endif

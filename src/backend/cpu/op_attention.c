@@ -343,21 +343,41 @@ static void attn_rows(float *o, const float *q, const float *k, const float *v, 
     }
 }
 
+/* the few-row call's work items, in equal runs per thread (a static schedule) */
+typedef struct {
+    float *out;
+    const float *q, *kc, *vc;
+    const att_dims *a;
+    int n, pos0, D, per, items;
+} cached_job;
+
+static void cached_items(void *arg, int tid, int nth) {
+    const cached_job *j = arg;
+    const int total = j->n * j->items, lo = (int)((long)total * tid / nth), hi = (int)((long)total * (tid + 1) / nth);
+    for (int w = lo; w < hi; w++) {
+        const int i = w / j->items, h = w % j->items * j->per;
+        size_t ko = (size_t)(h / j->a->G) * j->D, qo = (size_t)i * j->a->qs + (size_t)h * j->D;
+        attn_rows(j->out + qo, j->q + qo, j->kc + ko, j->vc + ko, j->a->ks, j->pos0 + i, j->D, j->per, j->a->scale);
+    }
+}
+
 void op_attention_forward_cached(float *out, const float *q, const float *kc, const float *vc, int n, int pos0,
                                  int H, int KV, int D) {
+    op_attention_forward_cached_team(NULL, out, q, kc, vc, n, pos0, H, KV, D);
+}
+
+void op_attention_forward_cached_team(op_team *team, float *out, const float *q, const float *kc, const float *vc,
+                                      int n, int pos0, int H, int KV, int D) {
     att_dims a = att_dims_of(n, H, KV, D, pos0);
     if (n < ATT_ROWS_MAX) {
         /* a work item per (row, kv head) with its G query heads, where that gives every thread one; else per
          * (row, query head) */
-        const int grouped = n * KV >= omp_get_max_threads() && a.G <= ATT_MAX_G && a.G * D <= ATT_MAX_GD;
+        const int nth = op_team_size(team);
+        const int grouped = n * KV >= nth && a.G <= ATT_MAX_G && a.G * D <= ATT_MAX_GD;
         const int per = grouped ? a.G : 1, items = grouped ? KV : H;
-#pragma omp parallel for collapse(2) schedule(static)
-        for (int i = 0; i < n; i++)
-            for (int it = 0; it < items; it++) {
-                const int h = it * per;
-                size_t ko = (size_t)(h / a.G) * D, qo = (size_t)i * a.qs + (size_t)h * D;
-                attn_rows(out + qo, q + qo, kc + ko, vc + ko, a.ks, pos0 + i, D, per, a.scale);
-            }
+        cached_job j = {out, q, kc, vc, &a, n, pos0, D, per, items};
+        if (!team && omp_in_parallel()) cached_items(&j, 0, 1);
+        else op_team_run(team, cached_items, &j);
         return;
     }
     op_blas_init();

@@ -425,13 +425,55 @@ static const float *pairs_of_x(const float *x, int N, int IN) {
 #endif
 }
 
+/* one product's chunks, claimed by the threads of a job (op_team_job) */
+typedef struct {
+    float *out;
+    const float *x, *xd, *bias;
+    const void *w;
+    qt_dtype wdt;
+    int N, IN, OUT, accumulate;
+    float alpha;
+    int per, tper, nf, mid0, mid1, n_mid, n; /* the chunk layout (op_matvec_team) */
+    int taken, up, down;                     /* claims so far: in all, from the first row, from the last */
+} mv_job;
+
+static void mv_chunks(void *arg, int tid, int nth) {
+    mv_job *j = arg;
+    (void)nth;
+    const int from_top = tid & 1;
+    for (;;) {
+        int t, c;
+#pragma omp atomic capture
+        t = j->taken++;
+        if (t >= j->n) break;
+        if (from_top) {
+#pragma omp atomic capture
+            c = j->down++;
+            c = j->n - 1 - c;
+        } else {
+#pragma omp atomic capture
+            c = j->up++;
+        }
+        int r0, r1;
+        if (c < j->nf) r0 = c * j->per, r1 = r0 + j->per;
+        else if (c < j->nf + j->n_mid) r0 = j->mid0 + (c - j->nf) * j->tper, r1 = r0 + j->tper < j->mid1 ? r0 + j->tper : j->mid1;
+        else r0 = j->mid1 + (c - j->nf - j->n_mid) * j->per, r1 = r0 + j->per < j->OUT ? r0 + j->per : j->OUT;
+        matvec_rows(j->out, j->x, j->xd, j->w, j->wdt, j->bias, j->N, j->IN, j->OUT, j->alpha, j->accumulate, r0, r1);
+    }
+}
+
 void op_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN, int OUT,
                float alpha, int accumulate) {
+    op_matvec_team(NULL, out, x, w, wdt, bias, N, IN, OUT, alpha, accumulate);
+}
+
+void op_matvec_team(op_team *team, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N,
+                    int IN, int OUT, float alpha, int accumulate) {
     if (N < 1 || OUT < 1) return;
-    const int team = omp_get_max_threads();
+    const int nth = op_team_size(team);
     const size_t elems = (size_t)IN * (size_t)OUT;
     const float *xd = wdt == QT_BF16 ? pairs_of_x(x, N, IN) : NULL;
-    if (elems * qt_dtype_size(wdt) < MATVEC_MIN_PARALLEL_BYTES || team == 1 || omp_in_parallel()) {
+    if (elems * qt_dtype_size(wdt) < MATVEC_MIN_PARALLEL_BYTES || nth == 1 || (!team && omp_in_parallel())) {
         matvec_rows(out, x, xd, w, wdt, bias, N, IN, OUT, alpha, accumulate, 0, OUT);
         return;
     }
@@ -439,7 +481,7 @@ void op_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const fl
      * share is taken by the others, in whole multiples of ROW_ALIGN rows (with OUT a multiple of 16, threads never
      * write the same cache line) */
     size_t chunks = elems * qt_dtype_size(wdt) / MATVEC_CHUNK;
-    if (chunks < (size_t)team * MATVEC_CHUNKS_PER_THREAD) chunks = (size_t)team * MATVEC_CHUNKS_PER_THREAD;
+    if (chunks < (size_t)nth * MATVEC_CHUNKS_PER_THREAD) chunks = (size_t)nth * MATVEC_CHUNKS_PER_THREAD;
     size_t rows = ((size_t)OUT + chunks - 1) / chunks;
     rows = (rows + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
     const int per = (int)rows;
@@ -450,34 +492,14 @@ void op_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const fl
      * Each thread reading its own end of the matrix, not every other chunk of it: bench_matvec bf16, 2 threads,
      * 8 alternating rounds, median step 1.075x, the sum of each product's best 1.034x (bench/RESULTS-decode.md,
      * session 13). */
-    int n_whole = (int)(((size_t)OUT + rows - 1) / rows) - team;
+    int n_whole = (int)(((size_t)OUT + rows - 1) / rows) - nth;
     if (n_whole < 0) n_whole = 0;
     const int nf = n_whole / 2, nb = n_whole - nf, mid0 = nf * per;
     const int mid1 = OUT - nb * per > mid0 ? OUT - nb * per : mid0;
     const int tper = (per / MATVEC_TAIL_SPLIT + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
-    const int n_mid = (mid1 - mid0 + tper - 1) / tper, n = nf + n_mid + (OUT - mid1 + per - 1) / per;
-    int taken = 0, up = 0, down = 0;
-#pragma omp parallel
-    {
-        const int from_top = omp_get_thread_num() & 1;
-        for (;;) {
-            int t, c;
-#pragma omp atomic capture
-            t = taken++;
-            if (t >= n) break;
-            if (from_top) {
-#pragma omp atomic capture
-                c = down++;
-                c = n - 1 - c;
-            } else {
-#pragma omp atomic capture
-                c = up++;
-            }
-            int r0, r1;
-            if (c < nf) r0 = c * per, r1 = r0 + per;
-            else if (c < nf + n_mid) r0 = mid0 + (c - nf) * tper, r1 = r0 + tper < mid1 ? r0 + tper : mid1;
-            else r0 = mid1 + (c - nf - n_mid) * per, r1 = r0 + per < OUT ? r0 + per : OUT;
-            matvec_rows(out, x, xd, w, wdt, bias, N, IN, OUT, alpha, accumulate, r0, r1);
-        }
-    }
+    const int n_mid = (mid1 - mid0 + tper - 1) / tper;
+    mv_job j = {.out = out, .x = x, .xd = xd, .bias = bias, .w = w, .wdt = wdt, .N = N, .IN = IN, .OUT = OUT,
+                .accumulate = accumulate, .alpha = alpha, .per = per, .tper = tper, .nf = nf, .mid0 = mid0,
+                .mid1 = mid1, .n_mid = n_mid, .n = nf + n_mid + (OUT - mid1 + per - 1) / per};
+    op_team_run(team, mv_chunks, &j);
 }

@@ -24,6 +24,7 @@
 #include <stdint.h>
 
 #include "backend/backend.h"
+#include "backend/cpu/team.h"
 #include "core/dtype.h"
 
 /* ---- embedding ---------------------------------------------------------- */
@@ -60,6 +61,9 @@ void op_matmul_backward(float *dinp, float *dweight, float *dbias, const float *
  * thread count. No workspace. */
 void op_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN, int OUT,
                float alpha, int accumulate);
+/* ... on a held team's threads (team.h; NULL: op_matvec) */
+void op_matvec_team(op_team *team, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N,
+                    int IN, int OUT, float alpha, int accumulate);
 
 /* ---- rotary embedding (HF rotate-half convention) ------------------------ */
 /* x (N, NH, D) rotated in place by angle pos[n] * inv[i], i < D/2 (inv: the
@@ -84,6 +88,9 @@ void op_attention_backward(float *dq, float *dk, float *dv, const float *dout, c
  * attend to kc, vc (S, KV, D) rows [0, pos0+i] (the cache already holds them). */
 void op_attention_forward_cached(float *out, const float *q, const float *kc, const float *vc, int n, int pos0,
                                  int H, int KV, int D);
+/* ... on a held team's threads (team.h; NULL: op_attention_forward_cached) */
+void op_attention_forward_cached_team(op_team *team, float *out, const float *q, const float *kc, const float *vc,
+                                      int n, int pos0, int H, int KV, int D);
 
 /* ---- SwiGLU: out = silu(gate) * up ------------------------------------------ */
 void op_swiglu_forward(float *out, const float *gate, const float *up, int N, int I);

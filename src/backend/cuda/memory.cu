@@ -159,6 +159,12 @@ extern "C" void qt_cuda_colsum_finish(qt_backend *be, float *out, const float *p
     QT_CUDA_LAUNCHED();
 }
 
+/* the work runs on the GPU's stream: no host threads to hold */
+static int g_hold_threads(qt_backend *be, int (*fn)(void *arg), void *arg) {
+    (void)be;
+    return fn(arg);
+}
+
 extern "C" void qt_cuda_fill_memory(qt_backend *be) {
     be->alloc = g_alloc;
     be->free = g_free;
@@ -174,4 +180,5 @@ extern "C" void qt_cuda_fill_memory(qt_backend *be) {
     be->event_free = g_event_free;
     be->runtime_bytes = g_runtime_bytes;
     be->device_peak_bytes = g_device_peak_bytes;
+    be->hold_threads = g_hold_threads;
 }

@@ -189,6 +189,8 @@ static void g_matmul_forward(BE, float *out, const float *inp, const void *w, qt
                              int IN, int OUT, float alpha, int accumulate, float *ws) {
     CALL(CPU->matmul_forward(CPU, out, inp, w, wdt, bias, N, IN, OUT, alpha, accumulate, ws));
 }
+/* no CALL: the ops fn calls open the memory themselves */
+static int g_hold_threads(BE, int (*fn)(void *arg), void *arg) { return CPU->hold_threads(CPU, fn, arg); }
 static void g_matvec(BE, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN,
                      int OUT, float alpha, int accumulate) {
     CALL(CPU->matvec(CPU, out, x, w, wdt, bias, N, IN, OUT, alpha, accumulate));
@@ -371,6 +373,7 @@ int qt_backend_guard_open(qt_backend **out) {
     be->rmsnorm_backward = g_rmsnorm_backward;
     be->matmul_forward = g_matmul_forward;
     be->matvec = g_matvec;
+    be->hold_threads = g_hold_threads;
     be->matmul_backward = g_matmul_backward;
     be->rope_forward = g_rope_forward;
     be->rope_backward = g_rope_backward;
