@@ -287,9 +287,17 @@ static const float *block_rows(float *buf, const float *src, int nk, int D, size
     return buf;
 }
 
-/* One query row of G heads sharing one kv head (GQA; G = 1 for one head),
- * q and o G x D consecutive, against keys [0, j1] of k/v with row stride ks,
- * online softmax over blocks of ATT_BC keys. Per block: the scores of every
+/* One query row's G heads of each of NKV kv heads (G query heads share a kv
+ * head: GQA; G = 1 for one head), q and o NKV x G x D consecutive, k and v
+ * the first kv head's columns, against keys [0, j1] with row stride ks,
+ * online softmax over blocks of ATT_BC keys. The kv heads go through each
+ * block one after another, so a thread reads a stretch of NKV x D floats of
+ * every cache row, not D floats of it for one head over the whole context
+ * and then the next head's. A call from memory, two sets of alternating
+ * rounds, 1 / 2 threads: 0.5B heads at 1500 keys 1.07x and 1.27x at 1 (at 2
+ * each thread has one kv head, as before); 40 / 8 heads of 128 1.02-1.04x /
+ * 1.05-1.08x; 40 / 40 heads of 128 at 1000 keys 1.08-1.12x / 1.07-1.12x
+ * (bench/RESULTS-decode.md, session 14). Per block: the scores of every
  * head (two heads at a time, each key line loaded once for both, 8 keys at a
  * time: dots8), the softmax, then the values of every head (two at a time,
  * each head's accumulator held in registers through the block). Every
@@ -311,33 +319,37 @@ static const float *block_rows(float *buf, const float *src, int nk, int D, size
  * cache's 48 MB a step come from memory (the weights' stream evicts it) and
  * the reads, not the arithmetic, bound it. */
 static void attn_rows(float *o, const float *q, const float *k, const float *v, size_t ks, int j1, int D, int G,
-                      float scale) {
+                      float scale, int NKV) {
     float acc[ATT_MAX_GD];
     float s[ATT_MAX_G * ATT_BC], m[ATT_MAX_G], l[ATT_MAX_G], corr[ATT_MAX_G];
     float buf[ATT_BC * ATT_COPY_MAX_D];
     const int copy = G >= ATT_COPY_MIN_G && D <= ATT_COPY_MAX_D && ks * sizeof(float) >= ATT_COPY_MIN_STRIDE;
-    for (int i = 0; i < G * D; i++) acc[i] = 0.0f;
-    for (int g = 0; g < G; g++) m[g] = -FLT_MAX, l[g] = 0.0f;
+    for (int i = 0; i < NKV * G * D; i++) acc[i] = 0.0f;
+    for (int g = 0; g < NKV * G; g++) m[g] = -FLT_MAX, l[g] = 0.0f;
     for (int b0 = 0; b0 <= j1; b0 += ATT_BC) {
         const int nk = (b0 + ATT_BC - 1 < j1 ? b0 + ATT_BC - 1 : j1) - b0 + 1;
-        size_t bs;
-        const float *kb = block_rows(buf, k + (size_t)b0 * ks, nk, D, ks, copy, &bs);
-        int g = 0;
-        for (; g + 2 <= G; g += 2) heads_scores(s, q, kb, bs, nk, D, g, scale, 2);
-        if (g < G) heads_scores(s, q, kb, bs, nk, D, g, scale, 1);
-        for (g = 0; g < G; g++) {
-            float *sg = s + (size_t)g * ATT_BC;
-            const float mn = op_row_max(sg, nk, m[g]);
-            corr[g] = expf(m[g] - mn);
-            l[g] *= corr[g];
-            l[g] += (float)op_row_exp(sg, nk, mn, 1.0f);
-            m[g] = mn;
+        for (int e = 0; e < NKV; e++) { /* kv head e: its G query heads' q, m, l and accumulators */
+            const float *qe = q + (size_t)e * G * D;
+            float *me = m + e * G, *le = l + e * G, *ae = acc + (size_t)e * G * D;
+            size_t bs;
+            const float *kb = block_rows(buf, k + (size_t)e * D + (size_t)b0 * ks, nk, D, ks, copy, &bs);
+            int g = 0;
+            for (; g + 2 <= G; g += 2) heads_scores(s, qe, kb, bs, nk, D, g, scale, 2);
+            if (g < G) heads_scores(s, qe, kb, bs, nk, D, g, scale, 1);
+            for (g = 0; g < G; g++) {
+                float *sg = s + (size_t)g * ATT_BC;
+                const float mn = op_row_max(sg, nk, me[g]);
+                corr[g] = expf(me[g] - mn);
+                le[g] *= corr[g];
+                le[g] += (float)op_row_exp(sg, nk, mn, 1.0f);
+                me[g] = mn;
+            }
+            const float *vb = block_rows(buf, v + (size_t)e * D + (size_t)b0 * ks, nk, D, ks, copy, &bs);
+            for (g = 0; g + 2 <= G; g += 2) heads_values(ae, s, corr, vb, bs, nk, D, g, 2);
+            if (g < G) heads_values(ae, s, corr, vb, bs, nk, D, g, 1);
         }
-        const float *vb = block_rows(buf, v + (size_t)b0 * ks, nk, D, ks, copy, &bs);
-        for (g = 0; g + 2 <= G; g += 2) heads_values(acc, s, corr, vb, bs, nk, D, g, 2);
-        if (g < G) heads_values(acc, s, corr, vb, bs, nk, D, g, 1);
     }
-    for (int g = 0; g < G; g++) {
+    for (int g = 0; g < NKV * G; g++) {
         const float inv = 1.0f / l[g];
         for (int d = 0; d < D; d++) o[(size_t)g * D + d] = acc[(size_t)g * D + d] * inv;
     }
@@ -348,16 +360,18 @@ typedef struct {
     float *out;
     const float *q, *kc, *vc;
     const att_dims *a;
-    int n, pos0, D, per, items;
+    int n, pos0, D, per, nkv, items, KV; /* an item: nkv kv heads of per query heads each (a row has items) */
 } cached_job;
 
 static void cached_items(void *arg, int tid, int nth) {
     const cached_job *j = arg;
     const int total = j->n * j->items, lo = (int)((long)total * tid / nth), hi = (int)((long)total * (tid + 1) / nth);
     for (int w = lo; w < hi; w++) {
-        const int i = w / j->items, h = w % j->items * j->per;
-        size_t ko = (size_t)(h / j->a->G) * j->D, qo = (size_t)i * j->a->qs + (size_t)h * j->D;
-        attn_rows(j->out + qo, j->q + qo, j->kc + ko, j->vc + ko, j->a->ks, j->pos0 + i, j->D, j->per, j->a->scale);
+        const int i = w / j->items, h = w % j->items * j->per * j->nkv, kv = h / j->a->G;
+        const int nkv = j->per == j->a->G && kv + j->nkv > j->KV ? j->KV - kv : j->nkv; /* the row's last item */
+        size_t ko = (size_t)kv * j->D, qo = (size_t)i * j->a->qs + (size_t)h * j->D;
+        attn_rows(j->out + qo, j->q + qo, j->kc + ko, j->vc + ko, j->a->ks, j->pos0 + i, j->D, j->per, j->a->scale,
+                  nkv);
     }
 }
 
@@ -370,12 +384,22 @@ void op_attention_forward_cached_team(op_team *team, float *out, const float *q,
                                       int n, int pos0, int H, int KV, int D) {
     att_dims a = att_dims_of(n, H, KV, D, pos0);
     if (n < ATT_ROWS_MAX) {
-        /* a work item per (row, kv head) with its G query heads, where that gives every thread one; else per
-         * (row, query head) */
+        /* a work item per (row, run of kv heads) with their query heads, where that gives every thread one;
+         * else per (row, query head) */
         const int nth = op_team_size(team);
         const int grouped = n * KV >= nth && a.G <= ATT_MAX_G && a.G * D <= ATT_MAX_GD;
-        const int per = grouped ? a.G : 1, items = grouped ? KV : H;
-        cached_job j = {out, q, kc, vc, &a, n, pos0, D, per, items};
+        const int per = grouped ? a.G : 1;
+        /* grouped: a row's kv heads in parts, one part per thread where the rows do not share out evenly, each
+         * part's kv heads read together block by block (whole stretches of each cache row, not one head's D
+         * floats of it at a time), as many as the accumulators hold */
+        int parts = 1;
+        if (grouped) {
+            parts = n % nth ? (KV < nth ? KV : nth) : 1;
+            while ((KV + parts - 1) / parts * a.G * D > ATT_MAX_GD || (KV + parts - 1) / parts * a.G > ATT_MAX_G)
+                parts++;
+        }
+        const int nkv = grouped ? (KV + parts - 1) / parts : 1, items = grouped ? (KV + nkv - 1) / nkv : H;
+        cached_job j = {out, q, kc, vc, &a, n, pos0, D, per, nkv, items, KV};
         if (!team && omp_in_parallel()) cached_items(&j, 0, 1);
         else op_team_run(team, cached_items, &j);
         return;
