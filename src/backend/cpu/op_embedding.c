@@ -5,7 +5,13 @@
 
 void op_embedding_forward(float *out, const int32_t *ids, const void *wte, qt_dtype wdt, int N, int C) {
     size_t es = qt_dtype_size(wdt);
-#pragma omp parallel for schedule(static) if ((size_t)N * (size_t)C >= 65536)
+    /* a decode step's few rows on the calling thread, outside any region (op_rmsnorm.c says why) */
+    if ((size_t)N * (size_t)C < 65536) {
+        for (int n = 0; n < N; n++)
+            qt_convert_to_f32(out + (size_t)n * C, (const char *)wte + (size_t)ids[n] * C * es, wdt, (size_t)C);
+        return;
+    }
+#pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++)
         qt_convert_to_f32(out + (size_t)n * C, (const char *)wte + (size_t)ids[n] * C * es, wdt, (size_t)C);
 }
@@ -25,7 +31,11 @@ void op_add(float *out, const float *a, const float *b, size_t n) {
 }
 
 void op_acc(float *out, const float *a, size_t n) {
-#pragma omp parallel for schedule(static) if (n > 65536)
+    if (n <= 65536) { /* a decode step's residual: outside any region (op_rmsnorm.c says why) */
+        for (size_t i = 0; i < n; i++) out[i] += a[i];
+        return;
+    }
+#pragma omp parallel for schedule(static)
     for (size_t i = 0; i < n; i++) out[i] += a[i];
 }
 

@@ -13,26 +13,33 @@
 #define ROPE_MAX_HALF QT_ROPE_MAX_HALF
 
 /* scale: cos and sin are multiplied by it (YaRN's attention factor, else 1). */
-static void rope_apply(float *x, const int32_t *pos, int N, int NH, int D, const float *inv, float scale, float sign) {
-    int half = D / 2;
-    /* a decode step's few rows run on the calling thread: waking the team would cost more than the rows */
-#pragma omp parallel for schedule(static) if (N >= 16)
-    for (int n = 0; n < N; n++) {
-        float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
+static void rope_row(float *x, int32_t pos, int NH, int D, const float *inv, float scale, float sign) {
+    const int half = D / 2;
+    float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
+    for (int i = 0; i < half; i++) {
+        float a = (float)pos * inv[i];
+        cs[i] = (float)cos((double)a) * scale;
+        sn[i] = sign * (float)sin((double)a) * scale;
+    }
+    for (int h = 0; h < NH; h++) {
+        float *v = x + (size_t)h * D;
         for (int i = 0; i < half; i++) {
-            float a = (float)pos[n] * inv[i];
-            cs[i] = (float)cos((double)a) * scale;
-            sn[i] = sign * (float)sin((double)a) * scale;
-        }
-        for (int h = 0; h < NH; h++) {
-            float *v = x + ((size_t)n * NH + h) * D;
-            for (int i = 0; i < half; i++) {
-                float a = v[i], b = v[i + half];
-                v[i] = a * cs[i] - b * sn[i];
-                v[i + half] = b * cs[i] + a * sn[i];
-            }
+            float a = v[i], b = v[i + half];
+            v[i] = a * cs[i] - b * sn[i];
+            v[i + half] = b * cs[i] + a * sn[i];
         }
     }
+}
+
+/* scale: cos and sin are multiplied by it (YaRN's attention factor, else 1). */
+static void rope_apply(float *x, const int32_t *pos, int N, int NH, int D, const float *inv, float scale, float sign) {
+    /* a decode step's few rows run on the calling thread, outside any region (op_rmsnorm.c says why) */
+    if (N < 16) {
+        for (int n = 0; n < N; n++) rope_row(x + (size_t)n * NH * D, pos[n], NH, D, inv, scale, sign);
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) rope_row(x + (size_t)n * NH * D, pos[n], NH, D, inv, scale, sign);
 }
 
 void op_rope_forward(float *x, const int32_t *pos, int N, int NH, int D, const float *inv, float scale) {

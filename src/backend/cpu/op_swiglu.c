@@ -27,14 +27,20 @@ static inline __m256i tail_mask(size_t k) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+static inline void swiglu8(float *out, const float *gate, const float *up, size_t b) {
+    __m256 g = _mm256_loadu_ps(gate + 8 * b);
+    __m256 s = sigmoid8(g);
+    _mm256_storeu_ps(out + 8 * b, _mm256_mul_ps(_mm256_mul_ps(g, s), _mm256_loadu_ps(up + 8 * b)));
+}
+
 void op_swiglu_forward(float *out, const float *gate, const float *up, int N, int I) {
     size_t n = (size_t)N * I, n8 = n / 8;
-    /* a decode step's one row (I values) on the calling thread: waking the team costs more than the row */
-#pragma omp parallel for schedule(static) if (n >= 65536)
-    for (size_t b = 0; b < n8; b++) {
-        __m256 g = _mm256_loadu_ps(gate + 8 * b);
-        __m256 s = sigmoid8(g);
-        _mm256_storeu_ps(out + 8 * b, _mm256_mul_ps(_mm256_mul_ps(g, s), _mm256_loadu_ps(up + 8 * b)));
+    /* a decode step's few rows on the calling thread, outside any region (op_rmsnorm.c says why) */
+    if (n < 65536) {
+        for (size_t b = 0; b < n8; b++) swiglu8(out, gate, up, b);
+    } else {
+#pragma omp parallel for schedule(static)
+        for (size_t b = 0; b < n8; b++) swiglu8(out, gate, up, b);
     }
     if (n > 8 * n8) {
         const size_t i = 8 * n8;

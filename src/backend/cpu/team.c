@@ -61,6 +61,10 @@ int op_team_hold(int (*fn)(op_team *team, void *arg), void *arg) {
 }
 
 void op_team_run(op_team *t, op_team_job job, void *arg) {
+    if (!t && omp_get_max_threads() == 1) { /* not even a one-thread region (1.2 us) */
+        job(arg, 0, 1);
+        return;
+    }
     if (!t) {
 #pragma omp parallel
         job(arg, omp_get_thread_num(), omp_get_num_threads());
