@@ -8,6 +8,8 @@
 
 #include <omp.h>
 #include <stdatomic.h>
+#include <stdlib.h>
+#include <strings.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 static inline void relax(void) { _mm_pause(); } /* eases the spin on the core and on its sibling */
@@ -37,9 +39,16 @@ static void serve(op_team *t) {
     }
 }
 
+/* The user asked OpenMP's idle threads not to spin (OMP_WAIT_POLICY=passive,
+ * GOMP_SPINCOUNT=0): a held team would spin through the whole step. */
+static int spin_refused(void) {
+    const char *wp = getenv("OMP_WAIT_POLICY"), *sc = getenv("GOMP_SPINCOUNT");
+    return (wp && !strcasecmp(wp, "passive")) || (sc && strtoll(sc, NULL, 10) == 0 && sc[0] == '0');
+}
+
 int op_team_hold(int (*fn)(op_team *team, void *arg), void *arg) {
     const int nth = omp_get_max_threads();
-    if (nth < 2 || omp_in_parallel() || nth > omp_get_num_procs()) return fn(NULL, arg);
+    if (nth < 2 || omp_in_parallel() || nth > omp_get_num_procs() || spin_refused()) return fn(NULL, arg);
     op_team t = {.nth = 1};
     atomic_init(&t.gen, 0u);
     atomic_init(&t.pending, 0);

@@ -22,8 +22,9 @@ typedef void (*op_team_job)(void *arg, int tid, int nth);
 /* Runs fn(team, arg) on the calling thread, the team's other threads waiting
  * for its jobs until fn returns, and returns fn's result. team is NULL (fn
  * runs as a plain call) where no team is worth holding: one thread, a
- * parallel region already open, or more threads than CPUs (a thread that
- * spins would take the CPU from one that works). */
+ * parallel region already open, more threads than CPUs (a thread that spins
+ * would take the CPU from one that works), or the environment asks idle
+ * threads not to spin (OMP_WAIT_POLICY=passive, GOMP_SPINCOUNT=0). */
 int op_team_hold(int (*fn)(op_team *team, void *arg), void *arg);
 
 /* job on every thread of the team, returning when all have finished it. With

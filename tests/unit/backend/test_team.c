@@ -2,7 +2,8 @@
  * job after job; the function's result comes back; no team where none is
  * worth holding (one thread, a team already held); and the two ops that use
  * it (op_matvec_team, op_attention_forward_cached_team) give the bits of
- * their plain forms. */
+ * their plain forms. No team where the environment asks threads not to
+ * spin. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -62,6 +63,9 @@ static int count_fn(op_team *team, void *arg) {
 static void test_team_runs_every_job_on_every_thread(void **state) {
     (void)state;
     const int procs = omp_get_num_procs();
+    /* the environment's wait policy decides too (below); here it allows spinning */
+    unsetenv("OMP_WAIT_POLICY");
+    unsetenv("GOMP_SPINCOUNT");
     for (int t = 1; t <= 2; t++) {
         omp_set_num_threads(t);
         count_state s;
@@ -75,6 +79,22 @@ static void test_team_runs_every_job_on_every_thread(void **state) {
         assert_int_equal(s.nested_team, 0); /* a hold inside a hold gets no team of its own */
     }
     omp_set_num_threads(2);
+}
+
+/* Asked not to spin, the hold gives no team (its threads would spin through the step) */
+static void test_team_respects_passive_wait(void **state) {
+    (void)state;
+    omp_set_num_threads(2);
+    static const char *const env[][2] = {{"OMP_WAIT_POLICY", "passive"}, {"OMP_WAIT_POLICY", "PASSIVE"},
+                                         {"GOMP_SPINCOUNT", "0"}};
+    for (size_t i = 0; i < sizeof env / sizeof env[0]; i++) {
+        setenv(env[i][0], env[i][1], 1);
+        assert_int_equal(op_team_hold(nested, NULL), 0);
+        unsetenv(env[i][0]);
+    }
+    setenv("GOMP_SPINCOUNT", "3000", 1);
+    assert_int_equal(op_team_hold(nested, NULL), omp_get_num_procs() >= 2);
+    unsetenv("GOMP_SPINCOUNT");
 }
 
 typedef struct {
@@ -157,6 +177,7 @@ int main(void) {
     qt_rng_seed(&rng, 4321);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_team_runs_every_job_on_every_thread),
+        cmocka_unit_test(test_team_respects_passive_wait),
         cmocka_unit_test(test_team_matvec_bits),
         cmocka_unit_test(test_team_attention_bits),
     };
