@@ -161,11 +161,10 @@ int main(int argc, char **argv) {
     qsort(t, (size_t)reps, sizeof *t, cmp_d);
     const double best = t[0], med = t[reps / 2], gb = (double)(total * es) / 1e9;
     printf("{\"dtype\": \"%s\", \"rows\": %d, \"threads\": %d, \"hold\": %d, \"memory\": \"%s\", "
-           "\"gb_per_step\": %.4f, "
-           "\"ms_best\": %.3f, \"ms_median\": %.3f, \"gbs_best\": %.2f, \"gbs_median\": %.2f, "
-           "\"tok_s_median\": %.2f, \"ms_sum_best\": %.3f, \"gbs_sum_best\": %.2f}\n",
-           qt_dtype_name(dt), N, threads, hold, file ? advise : "anonymous", gb, best * 1e3, med * 1e3, gb / best, gb / med,
-           N / med, sum_best * 1e3, gb / sum_best);
+           "\"gb_per_step\": %.4f, \"ms_best\": %.3f, \"ms_median\": %.3f, \"gbs_best\": %.2f, "
+           "\"gbs_median\": %.2f, \"tok_s_median\": %.2f, \"ms_sum_best\": %.3f, \"gbs_sum_best\": %.2f}\n",
+           qt_dtype_name(dt), N, threads, hold, file ? advise : "anonymous", gb, best * 1e3, med * 1e3, gb / best,
+           gb / med, N / med, sum_best * 1e3, gb / sum_best);
     if (file) munmap(w, total * es), unlink(file);
     free(t), qt_free(x), qt_free(out), qt_free(anon);
     return 0;

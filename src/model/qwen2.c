@@ -629,7 +629,8 @@ static void decode_layers(qt_model *m, const int32_t *ids, int n, int maxpos, co
 /* One decode call's layers and logits (decode_call), run with the backend's
  * threads held between its ops (be->hold_threads) when it is a step of few
  * rows on the matrix-vector path: ~170 ops of tens of microseconds each,
- * where starting the threads for every op costs several percent of the step.
+ * where starting the threads for every op costs a few percent of the step
+ * (docs/generate.md).
  * More rows (or a prompt, on the batched path) run as plain calls: their ops
  * are larger, and the backend's other ops would run on one thread while
  * the team is held (backend/cpu/team.h). */

@@ -13,7 +13,9 @@
  * up and odd ones from the last row down, so each reads its own end of the
  * matrix, and they meet in quarter pieces so they finish together; a small
  * product runs on the calling thread, where the fork would cost more than
- * the work. One input row runs a loop of its own (dot_one) with the tile's
+ * the work. Inside a decode step the threads are the held team's (team.h: a
+ * job handed to threads spinning in one region, not a region per product).
+ * One input row runs a loop of its own (dot_one) with the tile's
  * operations. The kernel
  * is a register tile of weight rows from both halves of the thread's chunk
  * (one of each for one input row, two adjacent of each for more) x up to 4
@@ -456,7 +458,8 @@ static void mv_chunks(void *arg, int tid, int nth) {
         }
         int r0, r1;
         if (c < j->nf) r0 = c * j->per, r1 = r0 + j->per;
-        else if (c < j->nf + j->n_mid) r0 = j->mid0 + (c - j->nf) * j->tper, r1 = r0 + j->tper < j->mid1 ? r0 + j->tper : j->mid1;
+        else if (c < j->nf + j->n_mid)
+            r0 = j->mid0 + (c - j->nf) * j->tper, r1 = r0 + j->tper < j->mid1 ? r0 + j->tper : j->mid1;
         else r0 = j->mid1 + (c - j->nf - j->n_mid) * j->per, r1 = r0 + j->per < j->OUT ? r0 + j->per : j->OUT;
         matvec_rows(j->out, j->x, j->xd, j->w, j->wdt, j->bias, j->N, j->IN, j->OUT, j->alpha, j->accumulate, r0, r1);
     }
