@@ -640,14 +640,14 @@ typedef struct {
     const int32_t *ids;
     int n, maxpos;
     const dec_rows *d;
-    int last_only; /* the logits of the last row only (a prompt's call), else of every row */
 } decode_call;
 
 static int decode_run(void *arg) {
     const decode_call *k = arg;
     qt_model *m = k->m;
     const qt_config *c = &m->cfg;
-    const int C = c->hidden_size, L = c->num_hidden_layers, V = c->vocab_size, rows = k->last_only ? 1 : k->n;
+    /* one sequence's call: the logits of its last position; one row per sequence (dec_rows): every row's */
+    const int C = c->hidden_size, L = c->num_hidden_layers, V = c->vocab_size, rows = m->dec_rows ? k->n : 1;
     qt_backend *be = m->be;
     qt_act_ptrs *A = &m->acts;
     decode_layers(m, k->ids, k->n, k->maxpos, k->d);
@@ -678,7 +678,7 @@ int qt_model_decode_seq(qt_model *m, int seq, const int32_t *ids, int n, int pos
         m->pos_buf[i] = pos0 + i;
     }
     const dec_rows d = {seq, pos0, NULL, NULL, 0};
-    const decode_call k = {m, ids, n, pos0 + n - 1, &d, 1};
+    const decode_call k = {m, ids, n, pos0 + n - 1, &d};
     decode_call_run(m, &k);
     m->be->download(m->be, logits_out, m->logits, sizeof(float) * (size_t)V);
     m->kv_len[seq] = pos0 + n;
@@ -720,7 +720,7 @@ int qt_model_decode_rows(qt_model *m, int n, const int *seqs, const int32_t *ids
         d.rope_per_row = slo != shi || memcmp(lo, hi, sizeof(float) * (size_t)(c->head_dim / 2));
     }
     m->dec_rows = 1;
-    const decode_call k = {m, ids, n, maxpos, &d, 0};
+    const decode_call k = {m, ids, n, maxpos, &d};
     decode_call_run(m, &k);
     m->dec_rows = 0;
     m->be->download(m->be, logits_out, m->logits, sizeof(float) * (size_t)n * V);

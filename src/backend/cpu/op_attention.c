@@ -368,7 +368,7 @@ static void cached_items(void *arg, int tid, int nth) {
     const int total = j->n * j->items, lo = (int)((long)total * tid / nth), hi = (int)((long)total * (tid + 1) / nth);
     for (int w = lo; w < hi; w++) {
         const int i = w / j->items, h = w % j->items * j->per * j->nkv, kv = h / j->a->G;
-        const int nkv = j->per == j->a->G && kv + j->nkv > j->KV ? j->KV - kv : j->nkv; /* the row's last item */
+        const int nkv = kv + j->nkv > j->KV ? j->KV - kv : j->nkv; /* a row's last run may be shorter */
         size_t ko = (size_t)kv * j->D, qo = (size_t)i * j->a->qs + (size_t)h * j->D;
         attn_rows(j->out + qo, j->q + qo, j->kc + ko, j->vc + ko, j->a->ks, j->pos0 + i, j->D, j->per, j->a->scale,
                   nkv);

@@ -16,13 +16,13 @@
  * the work. Inside a decode step the threads are the held team's (team.h: a
  * job handed to threads spinning in one region, not a region per product).
  * One input row runs a loop of its own (dot_one) with the tile's
- * operations. The kernel
- * is a register tile of weight rows from both halves of the thread's chunk
- * (one of each for one input row, two adjacent of each for more) x up to 4
- * input rows: each weight line is loaded (and widened) once and multiplied
- * into every input row, so N rows cost one read of W from memory (more than
- * 4 input rows re-read the tile's weight rows from L1/L2, not from memory). Each (weight row, input row) dot product has its own
- * accumulators and a fixed order of operations, whatever the tile, the
+ * operations. The kernel is a register tile of weight rows from both halves
+ * of the thread's chunk (one of each for one input row, two adjacent of each
+ * for more) x up to 4 input rows: each weight line is loaded (and widened)
+ * once and multiplied into every input row, so N rows cost one read of W
+ * from memory (more than 4 input rows re-read the tile's weight rows from
+ * L1/L2, not from memory). Each (weight row, input row) dot product has its
+ * own accumulators and a fixed order of operations, whatever the tile, the
  * chunk, the thread count or N, so a row's result is bit-identical whether
  * it decodes alone or in a batch. */
 #include <immintrin.h>

@@ -16,8 +16,8 @@ static void rmsnorm_row(float *o, float *rstd, const float *x, const float *weig
 
 void op_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight, int N, int C, float eps) {
     /* a decode step's few rows run on the calling thread, outside any region: waking the team would cost more
-     * than the rows, and even a region of one thread (an if clause that is false) costs 1.2 us, 2.3 inside a
-     * held team's region (docs/performance.md) */
+     * than the rows, and even a region of one thread (an if clause that is false) costs 1.2-1.5 us, 2.3-2.8
+     * inside a held team's region (docs/performance.md) */
     if ((size_t)N * (size_t)C < 32768) {
         for (int n = 0; n < N; n++)
             rmsnorm_row(out + (size_t)n * C, rstd + n, inp + (size_t)n * C, weight, C, eps);

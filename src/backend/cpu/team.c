@@ -43,7 +43,8 @@ static void serve(op_team *t) {
  * GOMP_SPINCOUNT=0): a held team would spin through the whole step. */
 static int spin_refused(void) {
     const char *wp = getenv("OMP_WAIT_POLICY"), *sc = getenv("GOMP_SPINCOUNT");
-    return (wp && !strcasecmp(wp, "passive")) || (sc && strtoll(sc, NULL, 10) == 0 && sc[0] == '0');
+    /* a count that reads as 0 and starts with '0': "infinite", libgomp's other word, also reads as 0 */
+    return (wp && !strcasecmp(wp, "passive")) || (sc && sc[0] == '0' && strtoll(sc, NULL, 10) == 0);
 }
 
 int op_team_hold(int (*fn)(op_team *team, void *arg), void *arg) {
@@ -70,7 +71,7 @@ int op_team_hold(int (*fn)(op_team *team, void *arg), void *arg) {
 }
 
 void op_team_run(op_team *t, op_team_job job, void *arg) {
-    if (!t && omp_get_max_threads() == 1) { /* not even a one-thread region (1.2 us) */
+    if (!t && omp_get_max_threads() == 1) { /* not even a one-thread region (1.2-1.5 us) */
         job(arg, 0, 1);
         return;
     }
