@@ -6,13 +6,15 @@
  * matrices are filled with random values and touched once before timing.
  *   bench_matvec [--dtype f32|bf16|f16] [--rows N] [--threads T] [--reps R]
  *                [--shape C I L Q KV V]     (default qwen2.5-0.5b: 896 4864 24 896 128 151936)
- *                [--file PATH [--advise none|huge|collapse]] [--hold 0|1]
+ *                [--file PATH [--advise none|huge|collapse]] [--hold 0|1] [--group 0|1]
  * --file: the weights are written to PATH and read through a read-only file
  * mapping, as qtune reads a model's safetensors (4 KiB page-cache pages
  * unless the advice gets huge ones), instead of an anonymous buffer with
  * transparent huge pages. --hold 1 (the default) runs each step with the
  * threads held between its products, as a decode step does (team.h); 0
- * opens a parallel region per product, as decode steps did before.
+ * opens a parallel region per product, as decode steps did before. --group 1
+ * runs each layer's q/k/v and its gate/up as one op_matvec_many job each,
+ * as a decode step does; 0 (the default) a job per product.
  * Output: one JSON object per line. Best and median of R steps, and "ms_sum_best":
  * each product's best time over the R steps, summed (on a machine shared with
  * other jobs a whole step is rarely left alone, a single product often is). */
@@ -56,6 +58,7 @@ typedef struct {
     const float *x;
     float *out;
     double *pbest;
+    int group;
 } step_args;
 
 static int step(op_team *team, void *arg) {
@@ -64,17 +67,33 @@ static int step(op_team *team, void *arg) {
     double tp = now_s();
     for (int k = 0; k < 7 * a->L + 1; k++) {
         const int in = k < 7 * a->L ? a->lin[k % 7][0] : a->C, o = k < 7 * a->L ? a->lin[k % 7][1] : a->V;
-        op_matvec_team(team, a->out, a->x, p, a->dt, NULL, a->N, in, o, 1.0f, 0);
-        p += (size_t)in * o * a->es;
+        const int k0 = k, many = a->group && k < 7 * a->L && (k % 7 == 0 || k % 7 == 4) ? (k % 7 == 0 ? 3 : 2) : 1;
+        if (many > 1) { /* q/k/v or gate/up as one job, timed as the first of them */
+            qt_matvec_out mo[3];
+            float *out = a->out;
+            for (int g = 0; g < many; g++) {
+                const int og = a->lin[k % 7 + g][1];
+                mo[g] = (qt_matvec_out){.out = out, .w = p, .wdt = a->dt, .OUT = og};
+                out += (size_t)a->N * og;
+                p += (size_t)in * og * a->es;
+            }
+            op_matvec_many(team, a->x, a->N, in, many, mo);
+            if (a->pbest)
+                for (int g = 1; g < many; g++) a->pbest[k + g] = 0;
+            k += many - 1; /* the loop's k++ goes on after the group */
+        } else {
+            op_matvec_team(team, a->out, a->x, p, a->dt, NULL, a->N, in, o, 1.0f, 0);
+            p += (size_t)in * o * a->es;
+        }
         const double tn = now_s();
-        if (a->pbest && tn - tp < a->pbest[k]) a->pbest[k] = tn - tp;
+        if (a->pbest && tn - tp < a->pbest[k0]) a->pbest[k0] = tn - tp;
         tp = tn;
     }
     return 0;
 }
 
 int main(int argc, char **argv) {
-    int C = 896, I = 4864, L = 24, Q = 896, KV = 128, V = 151936, N = 1, threads = 1, reps = 10, hold = 1;
+    int C = 896, I = 4864, L = 24, Q = 896, KV = 128, V = 151936, N = 1, threads = 1, reps = 10, hold = 1, group = 0;
     qt_dtype dt = QT_BF16;
     const char *file = NULL, *advise = "none";
     for (int i = 1; i < argc; i++) {
@@ -87,12 +106,14 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--file") && i + 1 < argc) file = argv[++i];
         else if (!strcmp(argv[i], "--advise") && i + 1 < argc) advise = argv[++i];
         else if (!strcmp(argv[i], "--hold") && i + 1 < argc) hold = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--group") && i + 1 < argc) group = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--shape") && i + 6 < argc) {
             C = atoi(argv[++i]), I = atoi(argv[++i]), L = atoi(argv[++i]);
             Q = atoi(argv[++i]), KV = atoi(argv[++i]), V = atoi(argv[++i]);
         } else {
             fprintf(stderr, "usage: bench_matvec [--dtype f32|bf16|f16] [--rows N] [--threads T] [--reps R] "
-                            "[--shape C I L Q KV V] [--file PATH [--advise none|huge|collapse]] [--hold 0|1]\n");
+                            "[--shape C I L Q KV V] [--file PATH [--advise none|huge|collapse]] [--hold 0|1] "
+                            "[--group 0|1]\n");
             return 2;
         }
     }
@@ -113,7 +134,7 @@ int main(int argc, char **argv) {
     for (int k = 0; k < 4; k++) widest = dims[k] > widest ? dims[k] : widest;
     /* aligned as the model's activations are (a vector load of an unaligned x splits across two lines) */
     float *x = qt_alloc_aligned(sizeof(float) * (size_t)N * widest, "bench_matvec x");
-    float *out = qt_alloc_aligned(sizeof(float) * (size_t)N * widest, "bench_matvec out");
+    float *out = qt_alloc_aligned(sizeof(float) * (size_t)N * widest * 3, "bench_matvec out"); /* --group: 3 outs */
     if (!w || !x || !out) return 1;
     /* random-ish weights, written in parallel (pages spread as a loaded model's are touched) */
 #pragma omp parallel for schedule(static)
@@ -150,7 +171,7 @@ int main(int argc, char **argv) {
     for (int k = 0; k < n_prod; k++) pbest[k] = 1e30;
     for (int r = -1; r < reps; r++) { /* r = -1: warm-up */
         const double t0 = now_s();
-        step_args a = {lin, L, C, V, N, dt, es, w, x, out, r >= 0 ? pbest : NULL};
+        step_args a = {lin, L, C, V, N, dt, es, w, x, out, r >= 0 ? pbest : NULL, group};
         if (hold) op_team_hold(step, &a);
         else step(NULL, &a);
         if (r >= 0) t[r] = now_s() - t0;
@@ -160,10 +181,10 @@ int main(int argc, char **argv) {
     free(pbest);
     qsort(t, (size_t)reps, sizeof *t, cmp_d);
     const double best = t[0], med = t[reps / 2], gb = (double)(total * es) / 1e9;
-    printf("{\"dtype\": \"%s\", \"rows\": %d, \"threads\": %d, \"hold\": %d, \"memory\": \"%s\", "
+    printf("{\"dtype\": \"%s\", \"rows\": %d, \"threads\": %d, \"hold\": %d, \"group\": %d, \"memory\": \"%s\", "
            "\"gb_per_step\": %.4f, \"ms_best\": %.3f, \"ms_median\": %.3f, \"gbs_best\": %.2f, "
            "\"gbs_median\": %.2f, \"tok_s_median\": %.2f, \"ms_sum_best\": %.3f, \"gbs_sum_best\": %.2f}\n",
-           qt_dtype_name(dt), N, threads, hold, file ? advise : "anonymous", gb, best * 1e3, med * 1e3, gb / best,
+           qt_dtype_name(dt), N, threads, hold, group, file ? advise : "anonymous", gb, best * 1e3, med * 1e3, gb / best,
            gb / med, N / med, sum_best * 1e3, gb / sum_best);
     if (file) munmap(w, total * es), unlink(file);
     free(t), qt_free(x), qt_free(out), qt_free(anon);

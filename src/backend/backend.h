@@ -121,6 +121,16 @@ static inline uint32_t qt_dropout_threshold(float p) {
     return u > 16777216u ? 16777216u : u;
 }
 
+/* One product of a matvec_many call: out (N, OUT) = x @ w^T + bias (bias
+ * NULL: none). */
+typedef struct {
+    float *out;
+    const void *w;
+    qt_dtype wdt;
+    const float *bias;
+    int OUT;
+} qt_matvec_out;
+
 typedef struct qt_backend qt_backend;
 typedef struct qt_event qt_event;
 
@@ -170,6 +180,14 @@ struct qt_backend {
      * same bits whatever N (so --batch decodes as separate runs do). */
     void (*matvec)(qt_backend *be, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N,
                    int IN, int OUT, float alpha, int accumulate);
+    /* Several products of one input, as count matvec calls with alpha 1 and
+     * no accumulate (each out the same bits as that call's): for each k,
+     * o[k].out (N, o[k].OUT) = x (N, IN) @ o[k].w^T + o[k].bias. One job
+     * where the backend can (a decode step's q/k/v, and gate/up): a CPU
+     * thread goes from one product's rows to the next's without waiting for
+     * the others. o is host memory (the descriptors; their out, w and bias
+     * are the backend's). The outs must not overlap x or each other. */
+    void (*matvec_many)(qt_backend *be, const float *x, int N, int IN, int count, const qt_matvec_out *o);
     /* RoPE, HF rotate-half, in place on x (N, NH, D): angle pos[n] * inv_freq[i]
      * (an fp32 product), x[i] <- (x[i] cos - x[i+D/2] sin) * scale, x[i+D/2] <-
      * (x[i+D/2] cos + x[i] sin) * scale. inv_freq (D/2 <= QT_ROPE_MAX_HALF

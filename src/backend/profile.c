@@ -118,6 +118,7 @@ WRAP(matvec,
      (BE, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN_, int OUT,
       float alpha, int accumulate),
      (IN, out, x, w, wdt, bias, N, IN_, OUT, alpha, accumulate))
+WRAP(matvec_many, (BE, const float *x, int N, int IN_, int count, const qt_matvec_out *o), (IN, x, N, IN_, count, o))
 WRAP(rope_forward, (BE, float *x, const int32_t *pos, int N, int NH, int D, const float *inv, float scale),
      (IN, x, pos, N, NH, D, inv, scale))
 WRAP(rope_backward, (BE, float *dx, const int32_t *pos, int N, int NH, int D, const float *inv, float scale),

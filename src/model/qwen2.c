@@ -117,6 +117,33 @@ static void linear_forward(qt_model *m, int l, int j, float *out, const float *i
     be->matmul_forward(be, out, lora_h, q->lb, QT_F32, NULL, N, R, q->out, 1.0f, 1, NULL);         /* y += B hs */
 }
 
+/* Linears js[0 .. n-1] of one input (q/k/v, gate/up) into outs. Decoding,
+ * the base products run as one matvec_many job (a CPU thread goes from one
+ * product's rows to the next's without waiting at each product's end), then
+ * each LoRA adds its B A x as linear_forward does: the same bits as n
+ * linear_forward calls. Else n linear_forward calls. */
+static void linears_forward(qt_model *m, int l, int n, const int *js, float *const *outs, const float *inp,
+                            const uint16_t *inp16, int N, float *const *lora_h, int dropout) {
+    if (!(m->infer && (N == 1 || m->dec_rows))) {
+        for (int i = 0; i < n; i++) linear_forward(m, l, js[i], outs[i], inp, inp16, N, lora_h[js[i]], dropout);
+        return;
+    }
+    qt_backend *be = m->be;
+    qt_matvec_out o[3];
+    for (int i = 0; i < n; i++) {
+        const qt_linear *q = &m->layers[l].lin[js[i]];
+        o[i] = (qt_matvec_out){.out = outs[i], .w = q->w.p, .wdt = q->w.dt, .bias = q->b, .OUT = q->out};
+    }
+    be->matvec_many(be, inp, N, m->layers[l].lin[js[0]].in, n, o);
+    for (int i = 0; i < n; i++) {
+        const qt_linear *q = &m->layers[l].lin[js[i]];
+        if (!q->la) continue;
+        float *h = lora_h[js[i]];
+        be->matvec(be, h, inp, q->la, QT_F32, NULL, N, q->in, m->opts.lora_r, m->lora_scaling, 0); /* s A x */
+        be->matvec(be, outs[i], h, q->lb, QT_F32, NULL, N, m->opts.lora_r, q->out, 1.0f, 1);       /* += B hs */
+    }
+}
+
 /* The base weight's backward. With native 16-bit GEMMs the products run on
  * the backend's GEMM for the compute dtype: dout in 2 bytes (keep() left it
  * rounded, so exact), dinp += dout W against the 2-byte weight, and in full
@@ -244,9 +271,10 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
     /* Qwen3: the projections go to qraw/kraw, and q_norm/k_norm (one RMSNorm over D per head: (N*H) rows
      * of D) write q and k, before RoPE */
     float *qp = a->qraw ? a->qraw : a->q, *kp = a->kraw ? a->kraw : a->k;
-    linear_forward(m, l, LIN_Q, qp, a->ln1, s->ln1, N, a->lora_h[LIN_Q], dropout);
-    linear_forward(m, l, LIN_K, kp, a->ln1, s->ln1, N, a->lora_h[LIN_K], dropout);
-    linear_forward(m, l, LIN_V, a->v, a->ln1, s->ln1, N, a->lora_h[LIN_V], dropout);
+    const int qkv[3] = {LIN_Q, LIN_K, LIN_V}, gate_up[2] = {LIN_GATE, LIN_UP};
+    float *qkv_out[3] = {qp, kp, a->v};
+    float *gate_up_out[2] = {a->gate, a->up};
+    linears_forward(m, l, 3, qkv, qkv_out, a->ln1, s->ln1, N, a->lora_h, dropout);
     if (a->qraw) {
         keep_save(m, a->qraw, NQ, s->qraw);
         keep_save(m, a->kraw, NK, s->kraw);
@@ -268,8 +296,7 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
     keep_save(m, a->xmid, NC, s->xmid);
     be->rmsnorm_forward(be, a->ln2, a->rstd2, a->xmid, L->ln2, N, C, c->rms_norm_eps);
     keep_save(m, a->ln2, NC, s->ln2);
-    linear_forward(m, l, LIN_GATE, a->gate, a->ln2, s->ln2, N, a->lora_h[LIN_GATE], dropout);
-    linear_forward(m, l, LIN_UP, a->up, a->ln2, s->ln2, N, a->lora_h[LIN_UP], dropout);
+    linears_forward(m, l, 2, gate_up, gate_up_out, a->ln2, s->ln2, N, a->lora_h, dropout);
     keep_save(m, a->gate, NI, s->gate);
     keep_save(m, a->up, NI, s->up);
     be->swiglu_forward(be, a->h, a->gate, a->up, N, I);

@@ -73,6 +73,9 @@ static void c_matvec(BE, float *out, const float *x, const void *w, qt_dtype wdt
                      int OUT, float alpha, int accumulate) {
     op_matvec_team(be->impl, out, x, w, wdt, bias, N, IN, OUT, alpha, accumulate);
 }
+static void c_matvec_many(BE, const float *x, int N, int IN, int count, const qt_matvec_out *o) {
+    op_matvec_many(be->impl, x, N, IN, count, o);
+}
 static void c_matmul_forward(BE, float *out, const float *inp, const void *w, qt_dtype wdt, const float *bias, int N,
                              int IN, int OUT, float alpha, int accumulate, float *ws) {
     op_matmul_forward(out, inp, w, wdt, bias, N, IN, OUT, alpha, accumulate, ws);
@@ -203,6 +206,7 @@ void qt_backend_cpu_fill(qt_backend *be) {
     be->rmsnorm_backward = c_rmsnorm_backward;
     be->matmul_forward = c_matmul_forward;
     be->matvec = c_matvec;
+    be->matvec_many = c_matvec_many;
     be->matmul_backward = c_matmul_backward;
     be->rope_forward = c_rope_forward;
     be->rope_backward = c_rope_backward;

@@ -59,16 +59,16 @@
  * spread (per-round ratio median 0.99). */
 #define MATVEC_TAIL_SPLIT 4
 /* Software prefetch distance in bytes of W, used with more than one input
- * row. One row reads fastest on the hardware prefetcher alone (the hint cost
- * 10% there); with 4 or 8 rows each line carries 8-16 FMAs, the loop fills
- * the core's window, and without the hint the 0.5B step with 4 rows read W at
- * 12-14 GB/s against 17-19 for the earlier 4-row tile, which had it. */
+ * row (and for one row's long rows in f32 and f16, below): with 4 or 8 rows
+ * each line carries 8-16 FMAs, the loop fills the core's window, and without
+ * the hint the 0.5B step with 4 rows read W at 12-14 GB/s against 17-19 for
+ * the earlier 4-row tile, which had it. */
 #define MATVEC_AHEAD 8192
-/* Rows of at least this many bytes are prefetched with one input row too:
- * the 0.5B down projection (rows of 4864 bf16, 9.5 KiB, whose x is 19 KiB)
- * read at 21-25 GB/s without the hint and 27-30 with it (three alternating
- * rounds, 1 thread), while the 896-long rows of the other products lose a
- * little by it. */
+/* Rows of at least this many bytes are long rows: with one input row, the
+ * 0.5B down projection (rows of 4864 bf16, 9.5 KiB, whose x is 19 KiB) read
+ * at 21-25 GB/s without a hint and 27-30 with the T0 hint 8 KiB ahead (three
+ * alternating rounds, 1 thread), while the 896-long rows of the other
+ * products lost a little by that hint (they take MATVEC_AHEAD_ONE's now). */
 #define MATVEC_LONG_ROW 4096
 /* ... and for bf16 (the line-pair loop) the hint is non-temporal and nearer.
  * A long row's x no longer stays in L1 (32 KiB) on its own: a pass over two
@@ -83,6 +83,17 @@
  * level with 2, 4 KiB lost 4%; for f16 (widened from half lines) NTA lost 6%
  * and f32 was level, so they keep T0. */
 #define MATVEC_AHEAD_PAIRS 2048
+/* One input row's shorter rows of 2-byte weights in a product split over
+ * threads: a T0 hint 4 KiB ahead. An earlier kernel lost 10% by a hint on
+ * one row (8 KiB ahead), and the hardware prefetcher alone served these rows
+ * until session 15, which measured the hint (bench_matvec, alternating
+ * rounds, median step, against no hint on the short rows; the 0.5B shape
+ * unless said): bf16 2 threads 1.039 in a quiet phase of the shared host (8
+ * rounds; 3 KiB 1.031, 6 KiB 1.021, 8 KiB 0.996, 2 KiB 0.991, 2 KiB NTA
+ * 1.001), 1.088 and 1.024 in busier ones; f16 2 threads 1.055; a 14B shape
+ * 1.005. Where it is not used it lost: bf16 1 thread 0.970 and 0.973, f32 2
+ * threads 0.969 and 0.973 (1.030 in the quiet phase), f32 1 thread 0.921. */
+#define MATVEC_AHEAD_ONE 4096
 
 #if defined(__AVX512F__)
 #define LANES 16
@@ -264,6 +275,8 @@ static inline __attribute__((always_inline)) void dot_tile_nb(float *dot, const 
 static inline __attribute__((always_inline)) void dot_one(float *sa, float *sb, const float *x, const float *xd,
                                                           int XD, const void *w, qt_dtype dt, size_t in, size_t ba,
                                                           size_t bb, int NR, int PF) {
+    /* PF: 0 no hint, 1 a short row's (T0, MATVEC_AHEAD_ONE), 2 a long row's (bf16 NTA MATVEC_AHEAD_PAIRS, else
+     * T0 MATVEC_AHEAD) */
 #if LANES
     const size_t es = es_of(dt);
     vf a0 = vzero(), a1 = vzero();
@@ -272,10 +285,13 @@ static inline __attribute__((always_inline)) void dot_one(float *sa, float *sb, 
     if (dt == QT_BF16) {
         const size_t pair_end = in / (2 * LANES) * (2 * LANES);
         for (size_t i = 0; i < pair_end; i += 2 * LANES) {
-            if (PF) {
-                const uint16_t *wa = (const uint16_t *)w + ba + i, *wb = (const uint16_t *)w + bb + i;
+            const uint16_t *wa = (const uint16_t *)w + ba + i, *wb = (const uint16_t *)w + bb + i;
+            if (PF == 2) {
                 _mm_prefetch((const char *)wa + MATVEC_AHEAD_PAIRS, _MM_HINT_NTA);
                 if (NR == 2) _mm_prefetch((const char *)wb + MATVEC_AHEAD_PAIRS, _MM_HINT_NTA);
+            } else if (PF == 1) {
+                _mm_prefetch((const char *)wa + MATVEC_AHEAD_ONE, _MM_HINT_T0);
+                if (NR == 2) _mm_prefetch((const char *)wb + MATVEC_AHEAD_ONE, _MM_HINT_T0);
             }
             vf e0, o0, e1, o1;
             bf16_pair(w, ba + i, &e0, &o0);
@@ -297,8 +313,9 @@ static inline __attribute__((always_inline)) void dot_one(float *sa, float *sb, 
     const size_t vec_end = in / LANES * LANES;
     for (size_t i = i0; i < vec_end; i += LANES) {
         if (PF && (i * es) % 64 == 0) {
-            _mm_prefetch((const char *)w + (ba + i) * es + MATVEC_AHEAD, _MM_HINT_T0);
-            if (NR == 2) _mm_prefetch((const char *)w + (bb + i) * es + MATVEC_AHEAD, _MM_HINT_T0);
+            const size_t ahead = PF == 2 ? MATVEC_AHEAD : MATVEC_AHEAD_ONE;
+            _mm_prefetch((const char *)w + (ba + i) * es + ahead, _MM_HINT_T0);
+            if (NR == 2) _mm_prefetch((const char *)w + (bb + i) * es + ahead, _MM_HINT_T0);
         }
         vf wa = vload_w(w, dt, ba + i), wb = wa;
         if (NR == 2) wb = vload_w(w, dt, bb + i);
@@ -338,23 +355,27 @@ static inline void put(float *o, float s, float alpha, const float *bias, int r,
  * row at a time f32 32-35 GB/s, bf16 30-32; a row from each half 37-39 and
  * 36-39; a plain read of one stream 34-35, of two 39-40; in other runs 4
  * adjacent rows read side by side gave f32 25-32 and bf16 20-24). One input row: a tile is one row of each half
- * (two independent accumulator chains, enough to hide the FMA latency), no
- * software prefetch (it cost 10% there) except on long rows. More input
+ * (two independent accumulator chains, enough to hide the FMA latency),
+ * prefetched MATVEC_AHEAD_ONE ahead (a long row: MATVEC_AHEAD_PAIRS or
+ * MATVEC_AHEAD). More input
  * rows: each weight line carries 2 x NB FMAs per row, the step is bound by
  * the arithmetic and the prefetch, so a tile is two adjacent rows of each
  * half (4 weight rows x 4 inputs, each x vector loaded once per 4 rows; with
  * 2 rows a tile, bf16 --batch 8 decoded 15-18% slower), prefetched. */
 static inline __attribute__((always_inline)) void rows_dt(float *out, const float *x, const float *xd, int XD,
                                                           const void *w, qt_dtype dt, const float *bias, int N, int IN,
-                                                          int OUT, float alpha, int accumulate, int r0, int r1) {
+                                                          int OUT, float alpha, int accumulate, int r0, int r1,
+                                                          int hint) {
     const size_t in = (size_t)IN;
-    const int G = N > 1 ? 2 : 1, half = (r1 - r0) / 2 / G * G, pf = N > 1 || in * es_of(dt) >= MATVEC_LONG_ROW;
+    const int long_row = in * es_of(dt) >= MATVEC_LONG_ROW;
+    const int G = N > 1 ? 2 : 1, half = (r1 - r0) / 2 / G * G, pf = N > 1 || long_row;
     if (N == 1) {
         for (int k = 0; k < r1 - r0 - half; k++) {
             const int ra = r0 + half + k, rb = r0 + k;
             float sa, sb = 0.0f;
             if (k >= half) dot_one(&sa, &sb, x, xd, XD, w, dt, in, (size_t)ra * in, 0, 1, 0);
-            else if (pf) dot_one(&sa, &sb, x, xd, XD, w, dt, in, (size_t)ra * in, (size_t)rb * in, 2, 1);
+            else if (long_row) dot_one(&sa, &sb, x, xd, XD, w, dt, in, (size_t)ra * in, (size_t)rb * in, 2, 2);
+            else if (hint) dot_one(&sa, &sb, x, xd, XD, w, dt, in, (size_t)ra * in, (size_t)rb * in, 2, 1);
             else dot_one(&sa, &sb, x, xd, XD, w, dt, in, (size_t)ra * in, (size_t)rb * in, 2, 0);
             put(out + ra, sa, alpha, bias, ra, accumulate);
             if (k < half) put(out + rb, sb, alpha, bias, rb, accumulate);
@@ -384,14 +405,16 @@ static inline __attribute__((always_inline)) void rows_dt(float *out, const floa
     }
 }
 
+/* hint: one input row's short rows take MATVEC_AHEAD_ONE's hint (2-byte
+ * weights, a product split over threads; see there) */
 static void matvec_rows(float *out, const float *x, const float *xd, const void *w, qt_dtype dt, const float *bias,
-                        int N, int IN, int OUT, float alpha, int accumulate, int r0, int r1) {
+                        int N, int IN, int OUT, float alpha, int accumulate, int r0, int r1, int hint) {
     switch (dt) {
-    case QT_F32: rows_dt(out, x, NULL, 0, w, QT_F32, bias, N, IN, OUT, alpha, accumulate, r0, r1); break;
-    case QT_F16: rows_dt(out, x, NULL, 0, w, QT_F16, bias, N, IN, OUT, alpha, accumulate, r0, r1); break;
+    case QT_F32: rows_dt(out, x, NULL, 0, w, QT_F32, bias, N, IN, OUT, alpha, accumulate, r0, r1, 0); break;
+    case QT_F16: rows_dt(out, x, NULL, 0, w, QT_F16, bias, N, IN, OUT, alpha, accumulate, r0, r1, hint); break;
     case QT_BF16:
-        if (xd) rows_dt(out, x, xd, 1, w, QT_BF16, bias, N, IN, OUT, alpha, accumulate, r0, r1);
-        else rows_dt(out, x, NULL, 0, w, QT_BF16, bias, N, IN, OUT, alpha, accumulate, r0, r1);
+        if (xd) rows_dt(out, x, xd, 1, w, QT_BF16, bias, N, IN, OUT, alpha, accumulate, r0, r1, hint);
+        else rows_dt(out, x, NULL, 0, w, QT_BF16, bias, N, IN, OUT, alpha, accumulate, r0, r1, hint);
         break;
     }
 }
@@ -427,21 +450,34 @@ static const float *pairs_of_x(const float *x, int N, int IN) {
 #endif
 }
 
-/* one product's chunks, claimed by the threads of a job (op_team_job) */
+/* A job's products (one input, one IN) as one matrix of OUT rows, the sum of
+ * theirs: row v is product k's row v - (the rows before product k). Its
+ * chunks are claimed by the threads of the job (op_team_job); a chunk that
+ * spans two products runs as a piece of each. */
 typedef struct {
-    float *out;
-    const float *x, *xd, *bias;
-    const void *w;
-    qt_dtype wdt;
+    const qt_matvec_out *o;
+    int count;
+    const float *x, *xd;
     int N, IN, OUT, accumulate;
     float alpha;
-    int per, tper, nf, mid0, mid1, n_mid, n; /* the chunk layout (op_matvec_team) */
+    int per, tper, nf, mid0, mid1, n_mid, n; /* the chunk layout (mv_run) */
     int taken, up, down;                     /* claims so far: in all, from the first row, from the last */
 } mv_job;
 
+/* rows [r0, r1) of the job's matrix */
+static void mv_rows(const mv_job *j, int r0, int r1, int hint) {
+    int first = 0;
+    for (int k = 0; k < j->count && first < r1; first += j->o[k].OUT, k++) {
+        const qt_matvec_out *o = &j->o[k];
+        const int a = r0 > first ? r0 - first : 0, b = r1 - first < o->OUT ? r1 - first : o->OUT;
+        if (a < b)
+            matvec_rows(o->out, j->x, j->xd, o->w, o->wdt, o->bias, j->N, j->IN, o->OUT, j->alpha, j->accumulate, a, b,
+                        hint);
+    }
+}
+
 static void mv_chunks(void *arg, int tid, int nth) {
     mv_job *j = arg;
-    (void)nth;
     const int from_top = tid & 1;
     for (;;) {
         int t, c;
@@ -461,29 +497,31 @@ static void mv_chunks(void *arg, int tid, int nth) {
         else if (c < j->nf + j->n_mid)
             r0 = j->mid0 + (c - j->nf) * j->tper, r1 = r0 + j->tper < j->mid1 ? r0 + j->tper : j->mid1;
         else r0 = j->mid1 + (c - j->nf - j->n_mid) * j->per, r1 = r0 + j->per < j->OUT ? r0 + j->per : j->OUT;
-        matvec_rows(j->out, j->x, j->xd, j->w, j->wdt, j->bias, j->N, j->IN, j->OUT, j->alpha, j->accumulate, r0, r1);
+        mv_rows(j, r0, r1, nth > 1);
     }
 }
 
-void op_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN, int OUT,
-               float alpha, int accumulate) {
-    op_matvec_team(NULL, out, x, w, wdt, bias, N, IN, OUT, alpha, accumulate);
-}
-
-void op_matvec_team(op_team *team, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N,
-                    int IN, int OUT, float alpha, int accumulate) {
+static void mv_run(op_team *team, const float *x, int N, int IN, int count, const qt_matvec_out *o, float alpha,
+                   int accumulate) {
+    int OUT = 0, bf16 = 0;
+    size_t bytes = 0;
+    for (int k = 0; k < count; k++) {
+        OUT += o[k].OUT;
+        bytes += (size_t)IN * (size_t)o[k].OUT * qt_dtype_size(o[k].wdt);
+        bf16 |= o[k].wdt == QT_BF16;
+    }
     if (N < 1 || OUT < 1) return;
     const int nth = op_team_size(team);
-    const size_t elems = (size_t)IN * (size_t)OUT;
-    const float *xd = wdt == QT_BF16 ? pairs_of_x(x, N, IN) : NULL;
-    if (elems * qt_dtype_size(wdt) < MATVEC_MIN_PARALLEL_BYTES || nth == 1 || (!team && omp_in_parallel())) {
-        matvec_rows(out, x, xd, w, wdt, bias, N, IN, OUT, alpha, accumulate, 0, OUT);
+    mv_job j = {.o = o, .count = count, .x = x, .xd = bf16 ? pairs_of_x(x, N, IN) : NULL, .N = N, .IN = IN,
+                .OUT = OUT, .accumulate = accumulate, .alpha = alpha};
+    if (bytes < MATVEC_MIN_PARALLEL_BYTES || nth == 1 || (!team && omp_in_parallel())) {
+        mv_rows(&j, 0, OUT, 0);
         return;
     }
     /* chunks of about MATVEC_CHUNK bytes of W, at least MATVEC_CHUNKS_PER_THREAD per thread so a late thread's
      * share is taken by the others, in whole multiples of ROW_ALIGN rows (with OUT a multiple of 16, threads never
      * write the same cache line) */
-    size_t chunks = elems * qt_dtype_size(wdt) / MATVEC_CHUNK;
+    size_t chunks = bytes / MATVEC_CHUNK;
     if (chunks < (size_t)nth * MATVEC_CHUNKS_PER_THREAD) chunks = (size_t)nth * MATVEC_CHUNKS_PER_THREAD;
     size_t rows = ((size_t)OUT + chunks - 1) / chunks;
     rows = (rows + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
@@ -491,7 +529,7 @@ void op_matvec_team(op_team *team, float *out, const float *x, const void *w, qt
     /* Chunk c in row order: nf whole chunks from row 0, then rows [mid0, mid1) in pieces of a quarter chunk, then
      * whole chunks to OUT. Even threads take them from the first up, odd ones from the last down; a claim on the
      * shared count comes first, so the two ends never take the same chunk. The threads meet in the quarters: a
-     * thread that finds nothing left waits at the product's end for the other's last piece, a quarter of a chunk.
+     * thread that finds nothing left waits at the job's end for the other's last piece, a quarter of a chunk.
      * Each thread reading its own end of the matrix, not every other chunk of it: bench_matvec bf16, 2 threads,
      * 8 alternating rounds, median step 1.075x, the sum of each product's best 1.034x (bench/RESULTS-decode.md,
      * session 13). */
@@ -501,8 +539,22 @@ void op_matvec_team(op_team *team, float *out, const float *x, const void *w, qt
     const int mid1 = OUT - nb * per > mid0 ? OUT - nb * per : mid0;
     const int tper = (per / MATVEC_TAIL_SPLIT + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
     const int n_mid = (mid1 - mid0 + tper - 1) / tper;
-    mv_job j = {.out = out, .x = x, .xd = xd, .bias = bias, .w = w, .wdt = wdt, .N = N, .IN = IN, .OUT = OUT,
-                .accumulate = accumulate, .alpha = alpha, .per = per, .tper = tper, .nf = nf, .mid0 = mid0,
-                .mid1 = mid1, .n_mid = n_mid, .n = nf + n_mid + (OUT - mid1 + per - 1) / per};
+    j.per = per, j.tper = tper, j.nf = nf, j.mid0 = mid0, j.mid1 = mid1, j.n_mid = n_mid;
+    j.n = nf + n_mid + (OUT - mid1 + per - 1) / per;
     op_team_run(team, mv_chunks, &j);
+}
+
+void op_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN, int OUT,
+               float alpha, int accumulate) {
+    op_matvec_team(NULL, out, x, w, wdt, bias, N, IN, OUT, alpha, accumulate);
+}
+
+void op_matvec_team(op_team *team, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N,
+                    int IN, int OUT, float alpha, int accumulate) {
+    const qt_matvec_out o = {.out = out, .w = w, .wdt = wdt, .bias = bias, .OUT = OUT};
+    mv_run(team, x, N, IN, 1, &o, alpha, accumulate);
+}
+
+void op_matvec_many(op_team *team, const float *x, int N, int IN, int count, const qt_matvec_out *o) {
+    mv_run(team, x, N, IN, count, o, 1.0f, 0);
 }

@@ -64,6 +64,9 @@ void op_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const fl
 /* ... on a held team's threads (team.h; NULL: op_matvec) */
 void op_matvec_team(op_team *team, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N,
                     int IN, int OUT, float alpha, int accumulate);
+/* backend.h's matvec_many: the products o[0 .. count-1] of x as one job,
+ * whose chunks run across the products' boundaries (op_matvec.c) */
+void op_matvec_many(op_team *team, const float *x, int N, int IN, int count, const qt_matvec_out *o);
 
 /* ---- rotary embedding (HF rotate-half convention) ------------------------ */
 /* x (N, NH, D) rotated in place by angle pos[n] * inv[i], i < D/2 (inv: the

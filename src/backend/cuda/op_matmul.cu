@@ -164,4 +164,12 @@ static void g_matvec(BE, float *out, const float *x, const void *w, qt_dtype wdt
     QT_CUDA_LAUNCHED();
 }
 
-extern "C" void qt_cuda_fill_matvec(qt_backend *be) { be->matvec = g_matvec; }
+/* one launch a product, in order on the stream: a GPU's products are not held up by a barrier between them */
+static void g_matvec_many(BE, const float *x, int N, int IN, int count, const qt_matvec_out *o) {
+    for (int k = 0; k < count; k++) g_matvec(be, o[k].out, x, o[k].w, o[k].wdt, o[k].bias, N, IN, o[k].OUT, 1.0f, 0);
+}
+
+extern "C" void qt_cuda_fill_matvec(qt_backend *be) {
+    be->matvec = g_matvec;
+    be->matvec_many = g_matvec_many;
+}

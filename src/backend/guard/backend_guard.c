@@ -195,6 +195,9 @@ static void g_matvec(BE, float *out, const float *x, const void *w, qt_dtype wdt
                      int OUT, float alpha, int accumulate) {
     CALL(CPU->matvec(CPU, out, x, w, wdt, bias, N, IN, OUT, alpha, accumulate));
 }
+static void g_matvec_many(BE, const float *x, int N, int IN, int count, const qt_matvec_out *o) {
+    CALL(CPU->matvec_many(CPU, x, N, IN, count, o));
+}
 static void g_matmul_backward(BE, float *dinp, float *dw, float *db, const float *dout, const float *inp,
                               const void *w, qt_dtype wdt, int N, int IN, int OUT, float alpha, float *ws) {
     CALL(CPU->matmul_backward(CPU, dinp, dw, db, dout, inp, w, wdt, N, IN, OUT, alpha, ws));
@@ -373,6 +376,7 @@ int qt_backend_guard_open(qt_backend **out) {
     be->rmsnorm_backward = g_rmsnorm_backward;
     be->matmul_forward = g_matmul_forward;
     be->matvec = g_matvec;
+    be->matvec_many = g_matvec_many;
     be->hold_threads = g_hold_threads;
     be->matmul_backward = g_matmul_backward;
     be->rope_forward = g_rope_forward;

@@ -5,7 +5,9 @@
  * itself bit for bit at 1, 2 and 3 threads; and against op_matmul_forward
  * (the batched path) on the same weights. Several input rows at once (the
  * --batch decode): each row bit-identical to the one-row product of that row,
- * whatever N and the thread count. */
+ * whatever N and the thread count. op_matvec_many (a decode step's q/k/v and
+ * gate/up as one job): each product the bits of its own op_matvec call, at 1,
+ * 2 and 3 threads and on a held team, where chunks span two products. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -149,12 +151,86 @@ static void test_matvec_rows_equal_single_rows(void **state) {
     omp_set_num_threads(2);
 }
 
+/* one op_matvec_many call on a held team (team.h) */
+typedef struct {
+    const float *x;
+    int N, IN, count;
+    const qt_matvec_out *o;
+} many_args;
+static int many_on_team(op_team *team, void *arg) {
+    const many_args *a = arg;
+    op_matvec_many(team, a->x, a->N, a->IN, a->count, a->o);
+    return 0;
+}
+
+/* Groups of products of one input: the 0.5B's q/k/v (2 MiB of bf16, the
+ * threaded split, a chunk across q's end and k's start) and gate/up, and a
+ * group of mixed dtypes with an empty product, biases on some and row counts
+ * that are not multiples of 16. Each out is overwritten (filled with NaN
+ * first) with the bits of that product's own op_matvec at 1 thread. */
+static void test_matvec_many_equals_separate(void **state) {
+    (void)state;
+    enum { G = 4 };
+    static const struct {
+        int IN, count, OUT[G];
+        qt_dtype dt[G];
+        int bias[G];
+    } groups[] = {
+        {896, 3, {896, 128, 128}, {QT_BF16, QT_BF16, QT_BF16}, {1, 1, 1}},
+        {896, 2, {4864, 4864}, {QT_BF16, QT_BF16}, {0, 0}},
+        {300, 4, {37, 2001, 0, 1001}, {QT_F32, QT_BF16, QT_F16, QT_F16}, {1, 0, 1, 0}},
+    };
+    for (size_t g = 0; g < sizeof groups / sizeof groups[0]; g++)
+        for (int N = 1; N <= 5; N += 2) {
+            const int IN = groups[g].IN, count = groups[g].count;
+            void *w[G];
+            double *wd[G];
+            float *bias[G], *want[G], *got[G];
+            qt_matvec_out o[G];
+            float *x = malloc((size_t)N * IN * sizeof *x);
+            for (size_t i = 0; i < (size_t)N * IN; i++) x[i] = qt_rng_normal(&rng);
+            omp_set_num_threads(1);
+            for (int k = 0; k < count; k++) {
+                const int OUT = groups[g].OUT[k];
+                w[k] = make_w(groups[g].dt[k], IN, OUT, &wd[k]);
+                bias[k] = NULL;
+                if (groups[g].bias[k]) {
+                    bias[k] = malloc((size_t)(OUT ? OUT : 1) * sizeof(float));
+                    for (int r = 0; r < OUT; r++) bias[k][r] = qt_rng_normal(&rng);
+                }
+                want[k] = malloc(((size_t)N * OUT + 1) * sizeof(float));
+                got[k] = malloc(((size_t)N * OUT + 1) * sizeof(float));
+                op_matvec(want[k], x, w[k], groups[g].dt[k], bias[k], N, IN, OUT, 1.0f, 0);
+                o[k] = (qt_matvec_out){.out = got[k], .w = w[k], .wdt = groups[g].dt[k], .bias = bias[k], .OUT = OUT};
+            }
+            for (int t = 1; t <= 4; t++) { /* 4: 2 threads on a held team */
+                omp_set_num_threads(t == 4 ? 2 : t);
+                for (int k = 0; k < count; k++)
+                    for (size_t i = 0; i < (size_t)N * groups[g].OUT[k]; i++) got[k][i] = NAN;
+                if (t == 4) {
+                    many_args a = {x, N, IN, count, o};
+                    op_team_hold(many_on_team, &a);
+                } else {
+                    op_matvec_many(NULL, x, N, IN, count, o);
+                }
+                for (int k = 0; k < count; k++)
+                    if (memcmp(got[k], want[k], (size_t)N * groups[g].OUT[k] * sizeof(float)))
+                        fail_msg("group %zu N %d product %d, %s: not the bits of its own op_matvec", g, N, k,
+                                 t == 4 ? "held team" : t == 1 ? "1 thread" : t == 2 ? "2 threads" : "3 threads");
+            }
+            for (int k = 0; k < count; k++) free(w[k]), free(wd[k]), free(bias[k]), free(want[k]), free(got[k]);
+            free(x);
+        }
+    omp_set_num_threads(2);
+}
+
 int main(void) {
     qt_rng_seed(&rng, 1234);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_matvec_dtypes_and_shapes),
         cmocka_unit_test(test_matvec_threaded_overwrites),
         cmocka_unit_test(test_matvec_rows_equal_single_rows),
+        cmocka_unit_test(test_matvec_many_equals_separate),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
