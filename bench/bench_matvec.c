@@ -13,8 +13,9 @@
  * transparent huge pages. --hold 1 (the default) runs each step with the
  * threads held between its products, as a decode step does (team.h); 0
  * opens a parallel region per product, as decode steps did before. --group 1
- * runs each layer's q/k/v and its gate/up as one op_matvec_many job each,
- * as a decode step does; 0 (the default) a job per product.
+ * (the default) runs each layer's q/k/v and its gate/up as one
+ * op_matvec_many job each, as a decode step does since session 15; 0 a job
+ * per product.
  * Output: one JSON object per line. Best and median of R steps, and "ms_sum_best":
  * each product's best time over the R steps, summed (on a machine shared with
  * other jobs a whole step is rarely left alone, a single product often is). */
@@ -93,7 +94,7 @@ static int step(op_team *team, void *arg) {
 }
 
 int main(int argc, char **argv) {
-    int C = 896, I = 4864, L = 24, Q = 896, KV = 128, V = 151936, N = 1, threads = 1, reps = 10, hold = 1, group = 0;
+    int C = 896, I = 4864, L = 24, Q = 896, KV = 128, V = 151936, N = 1, threads = 1, reps = 10, hold = 1, group = 1;
     qt_dtype dt = QT_BF16;
     const char *file = NULL, *advise = "none";
     for (int i = 1; i < argc; i++) {
