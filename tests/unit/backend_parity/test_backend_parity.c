@@ -212,6 +212,35 @@ static void test_matvec(void **state) {
         }
 }
 
+/* three products of one input (with a bias, without, an empty one) as one matvec_many call, each out
+ * against the CPU's */
+static void test_matvec_many(void **state) {
+    (void)state;
+    const int IN = 301, OUT[3] = {97, 40, 0};
+    for (int k = 0; k < 3; k++)
+        for (int N = 1; N <= 9; N += 4) {
+            pair x = up_randn((size_t)N * IN, 1.0f), b = up_randn(OUT[0], 1.0f), w[3], out[3];
+            qt_matvec_out oc[3], od[3];
+            for (int i = 0; i < 3; i++) {
+                w[i] = up_weight((size_t)OUT[i] * IN, 0.2f, dts[k]);
+                out[i] = up_randn((size_t)N * OUT[i], 1.0f); /* overwritten */
+                oc[i] = (qt_matvec_out){.out = out[i].c, .w = w[i].c, .wdt = dts[k], .bias = i ? NULL : b.c,
+                                        .OUT = OUT[i]};
+                od[i] = (qt_matvec_out){.out = out[i].d, .w = w[i].d, .wdt = dts[k], .bias = i ? NULL : b.d,
+                                        .OUT = OUT[i]};
+            }
+            cpu->matvec_many(cpu, x.c, N, IN, 3, oc);
+            dev->matvec_many(dev, x.d, N, IN, 3, od);
+            for (int i = 0; i < 2; i++) {
+                char what[64];
+                snprintf(what, sizeof what, "matvec_many %s N %d product %d", dtn[k], N, i);
+                check(what, out[i], (size_t)N * OUT[i], TOL);
+            }
+            for (int i = 0; i < 3; i++) drop(w[i]), drop(out[i]);
+            drop(x), drop(b);
+        }
+}
+
 static void test_rope_swiglu(void **state) {
     (void)state;
     const int N = 13, NH = 3, D = 64, I = 101;
@@ -562,7 +591,7 @@ int main(int argc, char **argv) {
 #define T_(f) cmocka_unit_test_teardown(f, failed_checks)
         T_(test_embedding),   T_(test_rmsnorm),   T_(test_matmul),    T_(test_matvec),
         T_(test_rope_swiglu), T_(test_attention), T_(test_lmhead_ce), T_(test_precision_and_passes),
-        T_(test_half_gemm),
+        T_(test_half_gemm),   T_(test_matvec_many),
 #undef T_
     };
     int rc = cmocka_run_group_tests_name(dev_name, tests, NULL, NULL);
