@@ -5,12 +5,16 @@
  * lost to a plain read (bench/RESULTS-decode.md, "Session 15").
  *   gcc -O3 -march=native -fopenmp bench/probes/matvec_hint.c -o /tmp/matvec_hint
  *   R=8 OMP_NUM_THREADS=2 /tmp/matvec_hint IN V:D ...   (V:D pairs as pick() lists; GB/s per variant per round)
- * Variants: 0 the kernel (one accumulator chain per row), 1 even and odd
- * chains, 2 chains + T0 hint D bytes ahead, 3 chains + NTA, 4 one chain + T0,
- * 5 chains + T1, 6 and 14 and 15 loads and adds only (6: a store a row, 14: a
- * 64-byte store a row, 15: no store), 7 + the bf16 widening, 8 + FMAs by
- * constants, 10 and 11 IN fixed at 896 with the row loop unrolled, 9 the plain
- * read. */
+ * Variants (pick() lists the V:D pairs built): 0:0 the kernel (one
+ * accumulator chain per row), 1:0 even and odd chains, 2:D chains + a T0 hint
+ * D bytes ahead (2048, 4096, 8192), 3:2048 chains + NTA, 4:4096 one chain +
+ * T0, 5:8192 chains + T1; loads and adds only: 6:0 (a store a row), 14:0 (a
+ * 64-byte store a row), 15:0 (no store), 10:0 (IN fixed at 896, the row loop
+ * unrolled); 11:0 the chains kernel so unrolled; 16:0-20:0 the kernel with its
+ * row loop unrolled 4, 7 (IN fixed), 28 (IN fixed), 2, and not (IN fixed);
+ * 21:0-25:0 its loads left to the compiler to fold into the ALU and FMA
+ * operations (21 x, 22 w, 23 both, 24 x with a T0 hint 4 KiB ahead, 25
+ * neither: the kernel's form); 9:0 the plain read. */
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -75,10 +79,51 @@ static inline __attribute__((always_inline)) void rows2c(int V, const uint16_t *
 VV(0,0) VV(1,0) VV(2,2048) VV(2,4096) VV(2,8192) VV(3,2048) VV(4,4096) VV(5,8192) VV(6,0) VV(14,0) VV(15,0)
 static __attribute__((noinline)) void r_10_0(const uint16_t *w, const float *xd, float *out, size_t in, int r0, int r1) { (void)in; rows2c(10, w, xd, out, r0, r1); }
 static __attribute__((noinline)) void r_11_0(const uint16_t *w, const float *xd, float *out, size_t in, int r0, int r1) { (void)in; rows2c(11, w, xd, out, r0, r1); }
+
+/* full kernel, one chain per row (current op), IN constant 896, unroll U */
+#define FULLC(NAME, U, CONST_IN) static __attribute__((noinline)) void NAME(const uint16_t *w, const float *xd, float *out, size_t in_, int r0, int r1) { \
+    const size_t in = CONST_IN ? 896 : in_; int half = (r1 - r0) / 2; \
+    for (int k = 0; k < half; k++) { \
+        const uint16_t *wa = w + (size_t)(r0 + half + k) * in, *wb = w + (size_t)(r0 + k) * in; \
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0; \
+        _Pragma(U) for (size_t i = 0; i < in; i += 32) { \
+            __m512 e0, o0, e1, o1; pair(wa + i, &e0, &o0); pair(wb + i, &e1, &o1); \
+            __m512 xe = _mm512_loadu_ps(xd + i), xo = _mm512_loadu_ps(xd + i + 16); IR(xe); IR(xo); \
+            a0 = _mm512_fmadd_ps(o0, xo, _mm512_fmadd_ps(e0, xe, a0)); a1 = _mm512_fmadd_ps(o1, xo, _mm512_fmadd_ps(e1, xe, a1)); } \
+        out[r0 + half + k] = _mm512_reduce_add_ps(a0); out[r0 + k] = _mm512_reduce_add_ps(a1); } }
+FULLC(r_16_0, "GCC unroll 4", 0)
+FULLC(r_17_0, "GCC unroll 7", 1)
+FULLC(r_18_0, "GCC unroll 28", 1)
+FULLC(r_19_0, "GCC unroll 2", 0)
+FULLC(r_20_0, "GCC unroll 1", 1)
+
+/* the kernel's ops with memory operands left to the compiler (no IN_REGISTER): FOLDW lets the w line fold, FOLDX the x loads */
+static inline void pair_nr(const uint16_t *w, __m512 *e, __m512 *o) {
+    __m512i v = _mm512_loadu_si512(w);
+    *e = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *o = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+#define FOLD(NAME, FOLDW, FOLDX, PFD) static __attribute__((noinline)) void NAME(const uint16_t *w, const float *xd, float *out, size_t in, int r0, int r1) { \
+    int half = (r1 - r0) / 2; \
+    for (int k = 0; k < half; k++) { \
+        const uint16_t *wa = w + (size_t)(r0 + half + k) * in, *wb = w + (size_t)(r0 + k) * in; \
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0; \
+        for (size_t i = 0; i < in; i += 32) { \
+            if (PFD) { _mm_prefetch((const char *)(wa + i) + PFD, _MM_HINT_T0); _mm_prefetch((const char *)(wb + i) + PFD, _MM_HINT_T0); } \
+            __m512 e0, o0, e1, o1; \
+            if (FOLDW) { pair_nr(wa + i, &e0, &o0); pair_nr(wb + i, &e1, &o1); } else { pair(wa + i, &e0, &o0); pair(wb + i, &e1, &o1); } \
+            __m512 xe = _mm512_loadu_ps(xd + i), xo = _mm512_loadu_ps(xd + i + 16); if (!FOLDX) { IR(xe); IR(xo); } \
+            a0 = _mm512_fmadd_ps(o0, xo, _mm512_fmadd_ps(e0, xe, a0)); a1 = _mm512_fmadd_ps(o1, xo, _mm512_fmadd_ps(e1, xe, a1)); } \
+        out[r0 + half + k] = _mm512_reduce_add_ps(a0); out[r0 + k] = _mm512_reduce_add_ps(a1); } }
+FOLD(r_21_0, 0, 1, 0)
+FOLD(r_22_0, 1, 0, 0)
+FOLD(r_23_0, 1, 1, 0)
+FOLD(r_24_0, 0, 1, 4096)
+FOLD(r_25_0, 0, 0, 0)
 typedef void (*rf)(const uint16_t *, const float *, float *, size_t, int, int);
 static rf pick(int V, int D) {
 #define P(v, d) if (V == v && D == d) return r_##v##_##d;
-    P(0,0) P(1,0) P(2,2048) P(2,4096) P(2,8192) P(3,2048) P(4,4096) P(5,8192) P(6,0) P(14,0) P(15,0) P(10,0) P(11,0)
+    P(0,0) P(1,0) P(2,2048) P(2,4096) P(2,8192) P(3,2048) P(4,4096) P(5,8192) P(6,0) P(14,0) P(15,0) P(10,0) P(11,0) P(21,0) P(22,0) P(23,0) P(24,0) P(25,0) P(16,0) P(17,0) P(18,0) P(19,0) P(20,0)
     return NULL;
 }
 int main(int argc, char **argv) {
