@@ -13,8 +13,12 @@
  * up and odd ones from the last row down, so each reads its own end of the
  * matrix, and they meet in quarter pieces so they finish together; a small
  * product runs on the calling thread, where the fork would cost more than
- * the work. Inside a decode step the threads are the held team's (team.h: a
- * job handed to threads spinning in one region, not a region per product).
+ * the work. Several products of one input (a layer's q/k/v, its gate/up:
+ * op_matvec_many) run as one job over their rows together, so a thread goes
+ * on to the next product's rows without waiting at each product's end, and
+ * small ones are shared out with the rest. Inside a decode step the threads
+ * are the held team's (team.h: a job handed to threads spinning in one
+ * region, not a region per product).
  * One input row runs a loop of its own (dot_one) with the tile's
  * operations. The kernel is a register tile of weight rows from both halves
  * of the thread's chunk (one of each for one input row, two adjacent of each
