@@ -86,6 +86,17 @@ static void acts_load(qt_model *m, int l, int N) {
 }
 
 /* ---- Linear (+ LoRA) forward/backward ------------------------------------ */
+/* Decoding (N one-token rows against the KV cache): the Linears run as
+ * matrix-vector products, each weight read once for all N rows. */
+static int decoding(const qt_model *m, int N) { return m->infer && (N == 1 || m->dec_rows); }
+
+/* Decoding: out += B (s A x) for a LoRA target, through lora_h (N, R). */
+static void lora_decode(qt_model *m, const qt_linear *q, float *out, const float *inp, float *lora_h, int N) {
+    qt_backend *be = m->be;
+    be->matvec(be, lora_h, inp, q->la, QT_F32, NULL, N, q->in, m->opts.lora_r, m->lora_scaling, 0); /* s A x */
+    be->matvec(be, out, lora_h, q->lb, QT_F32, NULL, N, m->opts.lora_r, q->out, 1.0f, 1);          /* += B hs */
+}
+
 /* inp16: the same input as 2-byte values (its saved slot) or NULL. With
  * native 16-bit GEMMs (m->native16) a weight in the compute dtype times that
  * input runs on the backend's 16-bit GEMM (oneDNN's bf16 on the CPU, the
@@ -94,12 +105,9 @@ static void linear_forward(qt_model *m, int l, int j, float *out, const float *i
                            float *lora_h, int dropout) {
     const qt_linear *q = &m->layers[l].lin[j];
     qt_backend *be = m->be;
-    if (m->infer && (N == 1 || m->dec_rows)) { /* decoding: matrix-vector products, each weight read once */
+    if (decoding(m, N)) {
         be->matvec(be, out, inp, q->w.p, q->w.dt, q->b, N, q->in, q->out, 1.0f, 0);
-        if (q->la) {
-            be->matvec(be, lora_h, inp, q->la, QT_F32, NULL, N, q->in, m->opts.lora_r, m->lora_scaling, 0); /* s A x */
-            be->matvec(be, out, lora_h, q->lb, QT_F32, NULL, N, m->opts.lora_r, q->out, 1.0f, 1);           /* += B hs */
-        }
+        if (q->la) lora_decode(m, q, out, inp, lora_h, N);
         return;
     }
     if (!(m->native16 && inp16 && q->w.dt == m->opts.compute &&
@@ -124,23 +132,19 @@ static void linear_forward(qt_model *m, int l, int j, float *out, const float *i
  * linear_forward calls. Else n linear_forward calls. */
 static void linears_forward(qt_model *m, int l, int n, const int *js, float *const *outs, const float *inp,
                             const uint16_t *inp16, int N, float *const *lora_h, int dropout) {
-    if (!(m->infer && (N == 1 || m->dec_rows))) {
+    if (!decoding(m, N)) {
         for (int i = 0; i < n; i++) linear_forward(m, l, js[i], outs[i], inp, inp16, N, lora_h[js[i]], dropout);
         return;
     }
-    qt_backend *be = m->be;
-    qt_matvec_out o[3];
+    qt_matvec_out o[LIN_COUNT]; /* js are distinct Linears of layer l */
     for (int i = 0; i < n; i++) {
         const qt_linear *q = &m->layers[l].lin[js[i]];
         o[i] = (qt_matvec_out){.out = outs[i], .w = q->w.p, .wdt = q->w.dt, .bias = q->b, .OUT = q->out};
     }
-    be->matvec_many(be, inp, N, m->layers[l].lin[js[0]].in, n, o);
+    m->be->matvec_many(m->be, inp, N, m->layers[l].lin[js[0]].in, n, o);
     for (int i = 0; i < n; i++) {
         const qt_linear *q = &m->layers[l].lin[js[i]];
-        if (!q->la) continue;
-        float *h = lora_h[js[i]];
-        be->matvec(be, h, inp, q->la, QT_F32, NULL, N, q->in, m->opts.lora_r, m->lora_scaling, 0); /* s A x */
-        be->matvec(be, outs[i], h, q->lb, QT_F32, NULL, N, m->opts.lora_r, q->out, 1.0f, 1);       /* += B hs */
+        if (q->la) lora_decode(m, q, outs[i], inp, lora_h[js[i]], N);
     }
 }
 
@@ -685,8 +689,7 @@ static int decode_run(void *arg) {
 }
 
 static void decode_call_run(qt_model *m, const decode_call *k) {
-    const int matvec_path = k->n == 1 || m->dec_rows;
-    if (matvec_path && k->n <= DECODE_HOLD_MAX_ROWS) m->be->hold_threads(m->be, decode_run, (void *)k);
+    if (decoding(m, k->n) && k->n <= DECODE_HOLD_MAX_ROWS) m->be->hold_threads(m->be, decode_run, (void *)k);
     else decode_run((void *)k);
 }
 

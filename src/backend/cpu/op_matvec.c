@@ -72,7 +72,8 @@
  * 0.5B down projection (rows of 4864 bf16, 9.5 KiB, whose x is 19 KiB) read
  * at 21-25 GB/s without a hint and 27-30 with the T0 hint 8 KiB ahead (three
  * alternating rounds, 1 thread), while the 896-long rows of the other
- * products lost a little by that hint (they take MATVEC_AHEAD_ONE's now). */
+ * products lost a little by that hint (2-byte ones split over threads take
+ * MATVEC_AHEAD_ONE's now). */
 #define MATVEC_LONG_ROW 4096
 /* ... and for bf16 (the line-pair loop) the hint is non-temporal and nearer.
  * A long row's x no longer stays in L1 (32 KiB) on its own: a pass over two
