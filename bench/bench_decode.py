@@ -12,6 +12,15 @@ the limit is triad GB/s / bytes per token, and the table gives qtune's % of
 it twice: the median run against the first and last triad, and each run
 against the two triads around it (their median, then every run's figure).
 
+The host's bandwidth moves within seconds (the 2-thread triad read 41-76
+GB/s within one minute, session 16), faster than triads run between
+generate processes can follow. So each rep also runs bench_decode_steps
+(bench/bench_decode_steps.c): --new one-token steps of the same model in
+one process, each between two single triad passes, every step's read rate
+against the mean of its two passes; the last column is the median of the
+reps' medians (then each rep's). It is the stricter figure where the host
+is quiet, when the triad reads more than the decode step can.
+
 With --batches 1,4,8 it also runs `qtune generate --prompts FILE --batch N`
 with N prompts of the same length decoding together and reports the
 aggregate decode tokens/s (every sequence's tokens per second of the steps,
@@ -77,6 +86,17 @@ def run_generate(qtune, model, t, prompt, new):
     return o["decode_tokens_per_s"], len(o["prompt_ids"]) / o["prefill_s"], o["ids"]
 
 
+def run_steps(build, model, t, bpt, new, prompt_len):
+    """bench_decode_steps: the median over the steps of each step's read rate against the triad passes around it
+    (percent)."""
+    r = subprocess.run([os.path.join(build, "bench", "bench_decode_steps"), "--model", model, "--bytes", str(bpt),
+                        "--steps", str(new), "--prompt", str(prompt_len)], capture_output=True, text=True,
+                       env=env(t))
+    if r.returncode:
+        sys.exit("bench_decode_steps failed: " + r.stderr)
+    return json.loads(r.stdout.strip().splitlines()[-1])["pct_of_triad_median"]
+
+
 def run_batch(qtune, model, t, prompts, new, path):
     with open(path, "w") as f:
         for p in prompts:
@@ -124,12 +144,13 @@ def main():
         run_generate(qtune, model, 1, prompt, 2)  # page the weights in before timing
         for t in map(int, a.threads.split(",")):
             triads = [triad(a.build, t)]  # one before the runs and one after each: every run is bracketed
-            dec, pre = [], []
+            dec, pre, steps = [], [], []
             for _ in range(a.reps):
                 d, p, ids = run_generate(qtune, model, t, prompt, a.new)
                 dec.append(d)
                 pre.append(p)
                 triads.append(triad(a.build, t))
+                steps.append(run_steps(a.build, model, t, bpt, a.new, a.prompt_len))
             before, after = triads[0], triads[-1]
             gbs = (before + after) / 2
             limit = gbs * 1e9 / bpt
@@ -141,7 +162,8 @@ def main():
                    "prefill_tok_s": statistics.median(pre), "bytes_per_token": bpt, "triad_gbs_before": before,
                    "triad_gbs_after": after, "triad_gbs_all": triads, "limit_tok_s": limit,
                    "pct_of_limit": 100 * med / limit, "pct_of_limit_paired": paired,
-                   "pct_of_limit_paired_median": statistics.median(paired)}
+                   "pct_of_limit_paired_median": statistics.median(paired), "pct_of_step_triads": steps,
+                   "pct_of_step_triads_median": statistics.median(steps)}
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
             for n in [int(b) for b in a.batches.split(",") if b]:
@@ -155,13 +177,15 @@ def main():
                 brows.append(brow)
                 print(json.dumps(brow), file=sys.stderr)
     print("| %s decode | threads | tok/s (median of %d) | bytes/token | triad GB/s first / last | limit tok/s | "
-          "%% of limit | each run against its own triads (median; all) |" % (a.preset, a.reps))
-    print("|---|---|---|---|---|---|---|---|")
+          "%% of limit | each run against its own triads (median; all) | each step against the triad passes "
+          "around it (median of reps; each rep's median) |" % (a.preset, a.reps))
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print("| %s | %d | %.1f | %.2f GB | %.1f / %.1f | %.1f | %.0f%% | %.0f%% (%s) |" % (
+        print("| %s | %d | %.1f | %.2f GB | %.1f / %.1f | %.1f | %.0f%% | %.0f%% (%s) | %.0f%% (%s) |" % (
             r["dtype"], r["threads"], r["decode_tok_s"], r["bytes_per_token"] / 1e9, r["triad_gbs_before"],
             r["triad_gbs_after"], r["limit_tok_s"], r["pct_of_limit"], r["pct_of_limit_paired_median"],
-            ", ".join("%.0f" % x for x in r["pct_of_limit_paired"])))
+            ", ".join("%.0f" % x for x in r["pct_of_limit_paired"]), r["pct_of_step_triads_median"],
+            ", ".join("%.0f" % x for x in r["pct_of_step_triads"])))
     if brows:
         print()
         print("| %s --batch N | threads | N | aggregate decode tok/s (median of %d) | steps/s | "

@@ -14,7 +14,12 @@
  * row loop unrolled 4, 7 (IN fixed), 28 (IN fixed), 2, and not (IN fixed);
  * 21:0-25:0 its loads left to the compiler to fold into the ALU and FMA
  * operations (21 x, 22 w, 23 both, 24 x with a T0 hint 4 KiB ahead, 25
- * neither: the kernel's form); 9:0 the plain read. */
+ * neither: the kernel's form); 9:0 the plain read. Session 16 added: 7:0
+ * the widening and adds (no x, no FMA), 8:0 the widening and FMAs by
+ * constants (no x loads); 26:D the kernel with a T1 hint D bytes ahead (4096
+ * to 32768), 27:D with T2 (8192, 16384); and, where the compiler targets
+ * AVX512_BF16, 30:0-32:0 vdpbf16ps against x split into 1, 2 or 3 bf16
+ * parts (3 parts hold x exactly), one accumulator per part and row. */
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -41,13 +46,15 @@ static inline __attribute__((always_inline)) void rows2(int V, int D, const uint
         for (size_t i = 0; i < in; i += 32) {
             if (V == 2 || V == 4) { _mm_prefetch((const char *)(wa + i) + D, _MM_HINT_T0); _mm_prefetch((const char *)(wb + i) + D, _MM_HINT_T0); }
             if (V == 3) { _mm_prefetch((const char *)(wa + i) + D, _MM_HINT_NTA); _mm_prefetch((const char *)(wb + i) + D, _MM_HINT_NTA); }
+            if (V == 26) { _mm_prefetch((const char *)(wa + i) + D, _MM_HINT_T1); _mm_prefetch((const char *)(wb + i) + D, _MM_HINT_T1); }
+            if (V == 27) { _mm_prefetch((const char *)(wa + i) + D, _MM_HINT_T2); _mm_prefetch((const char *)(wb + i) + D, _MM_HINT_T2); }
             if (V == 5) { _mm_prefetch((const char *)(wa + i) + D, _MM_HINT_T1); _mm_prefetch((const char *)(wb + i) + D, _MM_HINT_T1); }
             if (V == 6 || V == 14 || V == 15) { a0 = _mm512_add_ps(a0, _mm512_loadu_ps((const float *)(wa + i))); a1 = _mm512_add_ps(a1, _mm512_loadu_ps((const float *)(wb + i))); continue; }
             __m512 e0, o0, e1, o1; pair(wa + i, &e0, &o0); pair(wb + i, &e1, &o1);
             if (V == 7) { a0 = _mm512_add_ps(a0, e0); a2 = _mm512_add_ps(a2, o0); a1 = _mm512_add_ps(a1, e1); a3 = _mm512_add_ps(a3, o1); continue; }
             if (V == 8) { const __m512 ce = _mm512_set1_ps(0.5f), co = _mm512_set1_ps(0.25f); a0 = _mm512_fmadd_ps(e0, ce, a0); a2 = _mm512_fmadd_ps(o0, co, a2); a1 = _mm512_fmadd_ps(e1, ce, a1); a3 = _mm512_fmadd_ps(o1, co, a3); continue; }
             __m512 xe = _mm512_loadu_ps(xd + i), xo = _mm512_loadu_ps(xd + i + 16); IR(xe); IR(xo);
-            if (V == 0 || V == 4) { a0 = _mm512_fmadd_ps(o0, xo, _mm512_fmadd_ps(e0, xe, a0)); a1 = _mm512_fmadd_ps(o1, xo, _mm512_fmadd_ps(e1, xe, a1)); }
+            if (V == 0 || V == 4 || V == 26 || V == 27) { a0 = _mm512_fmadd_ps(o0, xo, _mm512_fmadd_ps(e0, xe, a0)); a1 = _mm512_fmadd_ps(o1, xo, _mm512_fmadd_ps(e1, xe, a1)); }
             else { a0 = _mm512_fmadd_ps(e0, xe, a0); a2 = _mm512_fmadd_ps(o0, xo, a2); a1 = _mm512_fmadd_ps(e1, xe, a1); a3 = _mm512_fmadd_ps(o1, xo, a3); }
         }
         if (V == 15) { tot = _mm512_add_ps(tot, _mm512_add_ps(_mm512_add_ps(a0, a2), _mm512_add_ps(a1, a3))); continue; }
@@ -76,7 +83,7 @@ static inline __attribute__((always_inline)) void rows2c(int V, const uint16_t *
     }
 }
 #define VV(v, d) static __attribute__((noinline)) void r_##v##_##d(const uint16_t *w, const float *xd, float *out, size_t in, int r0, int r1) { rows2(v, d, w, xd, out, in, r0, r1); }
-VV(0,0) VV(1,0) VV(2,2048) VV(2,4096) VV(2,8192) VV(3,2048) VV(4,4096) VV(5,8192) VV(6,0) VV(14,0) VV(15,0)
+VV(26,4096) VV(26,8192) VV(26,16384) VV(26,32768) VV(27,8192) VV(27,16384) VV(0,0) VV(1,0) VV(2,2048) VV(2,4096) VV(2,8192) VV(3,2048) VV(4,4096) VV(5,8192) VV(6,0) VV(14,0) VV(15,0) VV(7,0) VV(8,0)
 static __attribute__((noinline)) void r_10_0(const uint16_t *w, const float *xd, float *out, size_t in, int r0, int r1) { (void)in; rows2c(10, w, xd, out, r0, r1); }
 static __attribute__((noinline)) void r_11_0(const uint16_t *w, const float *xd, float *out, size_t in, int r0, int r1) { (void)in; rows2c(11, w, xd, out, r0, r1); }
 
@@ -120,10 +127,52 @@ FOLD(r_22_0, 1, 0, 0)
 FOLD(r_23_0, 1, 1, 0)
 FOLD(r_24_0, 0, 1, 4096)
 FOLD(r_25_0, 0, 0, 0)
+
+#if defined(__AVX512BF16__)
+/* dpbf16 variants: x split into K bf16 parts (interleaved natural order), one accumulator per part per row */
+static __m512bh xs[3][65536 / 32] __attribute__((aligned(64)));
+static void split_x(const float *x, int in) {
+    for (int i = 0; i < in; i += 32) {
+        __m512 lo = _mm512_loadu_ps(x + i), hi = _mm512_loadu_ps(x + i + 16);
+        __m512bh h = _mm512_cvtne2ps_pbh(hi, lo);
+        /* residuals */
+        __m512 hlo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)&h)), 16));
+        __m512 hhi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)&h + 1)), 16));
+        __m512 rlo = _mm512_sub_ps(lo, hlo), rhi = _mm512_sub_ps(hi, hhi);
+        __m512bh m = _mm512_cvtne2ps_pbh(rhi, rlo);
+        __m512 mlo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)&m)), 16));
+        __m512 mhi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)&m + 1)), 16));
+        __m512bh l = _mm512_cvtne2ps_pbh(_mm512_sub_ps(rhi, mhi), _mm512_sub_ps(rlo, mlo));
+        xs[0][i / 32] = h, xs[1][i / 32] = m, xs[2][i / 32] = l;
+    }
+}
+#define DPV(NAME, K) static __attribute__((noinline)) void NAME(const uint16_t *w, const float *xd, float *out, size_t in, int r0, int r1) { \
+    (void)xd; int half = (r1 - r0) / 2; \
+    for (int k = 0; k < half; k++) { \
+        const uint16_t *wa = w + (size_t)(r0 + half + k) * in, *wb = w + (size_t)(r0 + k) * in; \
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0; \
+        for (size_t i = 0; i < in; i += 32) { \
+            __m512bh va = (__m512bh)_mm512_loadu_si512(wa + i), vb = (__m512bh)_mm512_loadu_si512(wb + i); \
+            a0 = _mm512_dpbf16_ps(a0, va, xs[0][i / 32]); a1 = _mm512_dpbf16_ps(a1, vb, xs[0][i / 32]); \
+            if (K > 1) { b0 = _mm512_dpbf16_ps(b0, va, xs[1][i / 32]); b1 = _mm512_dpbf16_ps(b1, vb, xs[1][i / 32]); } \
+            if (K > 2) { c0 = _mm512_dpbf16_ps(c0, va, xs[2][i / 32]); c1 = _mm512_dpbf16_ps(c1, vb, xs[2][i / 32]); } } \
+        out[r0 + half + k] = _mm512_reduce_add_ps(_mm512_add_ps(a0, _mm512_add_ps(b0, c0))); \
+        out[r0 + k] = _mm512_reduce_add_ps(_mm512_add_ps(a1, _mm512_add_ps(b1, c1))); } }
+DPV(r_30_0, 1)
+DPV(r_31_0, 2)
+DPV(r_32_0, 3)
+#define HAVE_DP 1
+#else
+#define HAVE_DP 0
+static void split_x(const float *x, int in) { (void)x, (void)in; }
+#endif
 typedef void (*rf)(const uint16_t *, const float *, float *, size_t, int, int);
 static rf pick(int V, int D) {
 #define P(v, d) if (V == v && D == d) return r_##v##_##d;
-    P(0,0) P(1,0) P(2,2048) P(2,4096) P(2,8192) P(3,2048) P(4,4096) P(5,8192) P(6,0) P(14,0) P(15,0) P(10,0) P(11,0) P(21,0) P(22,0) P(23,0) P(24,0) P(25,0) P(16,0) P(17,0) P(18,0) P(19,0) P(20,0)
+    P(26,4096) P(26,8192) P(26,16384) P(26,32768) P(27,8192) P(27,16384) P(0,0) P(1,0) P(2,2048) P(2,4096) P(2,8192) P(3,2048) P(4,4096) P(5,8192) P(6,0) P(14,0) P(15,0) P(7,0) P(8,0) P(10,0) P(11,0) P(21,0) P(22,0) P(23,0) P(24,0) P(25,0) P(16,0) P(17,0) P(18,0) P(19,0) P(20,0)
+#if HAVE_DP
+    P(30,0) P(31,0) P(32,0)
+#endif
     return NULL;
 }
 int main(int argc, char **argv) {
@@ -135,7 +184,7 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < bytes / 2; i++) w[i] = (uint16_t)(0x3c00 + (i * 2654435761u >> 24));
     float *x = aligned_alloc(64, 4 * 65536), *out = aligned_alloc(64, 4 * (size_t)OUT);
     for (int i = 0; i < 65536; i++) x[i] = (i % 13) * 0.1f - 0.6f;
-    int nv = argc - 2; 
+    split_x(x, IN); int nv = argc - 2; 
     for (int r = 0; r < (getenv("R") ? atoi(getenv("R")) : 3); r++) {
         printf("IN %d", IN);
         for (int a = 0; a < nv; a++) {

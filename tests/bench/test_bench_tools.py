@@ -309,3 +309,32 @@ def test_bf16_plan():
     assert bench_speed.bf16_plan("on", cpu_none) == (True, None)
     run, why = bench_speed.bf16_plan("off", cpu_bf16)
     assert not run and "--bf16 off" in why
+
+
+def test_bench_decode_steps_decodes_as_generate(tmp_path):
+    """bench_decode_steps (bench_decode.py's second measure) runs the greedy
+    one-token steps qtune generate runs: its ids for its seeded prompt are
+    generate's, at 1 and 2 threads; its figures are positive and ordered;
+    a missing --model or --bytes is refused with exit 2."""
+    steps = os.path.join(BUILD, "bench", "bench_decode_steps")
+    need(steps, QTUNE)
+    m = str(tmp_path / "m")
+    subprocess.run([QTUNE, "init", "--out", m, "--preset", "bench-tiny", "--seed", "4"], check=True,
+                   capture_output=True)
+    for t in ("1", "2"):
+        env = dict(os.environ, OMP_NUM_THREADS=t, OPENBLAS_NUM_THREADS="1")
+        r = subprocess.run([steps, "--model", m, "--bytes", "1000000", "--steps", "7", "--prompt", "5",
+                            "--triad-mib", "1", "--seed", "9"], capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr
+        o = json.loads(r.stdout)
+        assert o["steps"] == 7 and o["threads"] == int(t) and len(o["prompt_ids"]) == 5 and len(o["ids"]) == 8
+        assert o["step_ms_median"] > 0 and o["triad_gbs_median"] > 0
+        assert 0 < o["pct_of_triad_q1"] <= o["pct_of_triad_median"] <= o["pct_of_triad_q3"]
+        g = subprocess.run([QTUNE, "generate", "--model", m, "--prompt-ids", ",".join(map(str, o["prompt_ids"])),
+                            "--max-new", "8", "--temperature", "0", "--json"], capture_output=True, text=True,
+                           env=env)
+        assert g.returncode == 0, g.stderr
+        assert json.loads(g.stdout.strip().splitlines()[-1])["ids"] == o["ids"]
+    for args in ([], ["--model", m], ["--bytes", "5"], ["--model", m, "--bytes", "0"]):
+        r = subprocess.run([steps] + args, capture_output=True, text=True, env=ENV1)
+        assert r.returncode == 2 and "bench_decode_steps" in r.stderr
