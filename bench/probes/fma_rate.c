@@ -3,8 +3,8 @@
  * Session 16 ran it beside a plain read (read_streams.c) and bench_matvec
  * every few seconds to tell the host's phases apart: in minutes when
  * bench_matvec at 2 threads fell from 50-65 to 21-31 GB/s, the FMA rate per
- * thread stayed at 6.5-8 (1 thread 6.7-8.1) and the plain read at 41-76, so
- * those phases were not the two threads sharing one core's arithmetic
+ * thread read 4.8-7.9 (mostly 6.5-7.9; 1 thread 6.7-8.1) and the plain read
+ * 41-76: the arithmetic did not halve as the products did
  * (bench/RESULTS-decode.md, session 16).
  *   gcc -O2 -mavx512f -mfma -fopenmp bench/probes/fma_rate.c -o /tmp/fma_rate
  *   OMP_NUM_THREADS=2 /tmp/fma_rate */

@@ -97,7 +97,12 @@
  * rounds; 3 KiB 1.031, 6 KiB 1.021, 8 KiB 0.996, 2 KiB 0.991, 2 KiB NTA
  * 1.001), 1.088 and 1.024 in busier ones; f16 2 threads 1.055; a 14B shape
  * 1.005. Where it is not used it lost: bf16 1 thread 0.970 and 0.973, f32 2
- * threads 0.969 and 0.973 (1.030 in the quiet phase), f32 1 thread 0.921. */
+ * threads 0.969 and 0.973 (1.030 in the quiet phase), f32 1 thread 0.921.
+ * Through generate the evidence is weaker: session 15 saw 1.009, 0.988 and
+ * 1.070 (per-round medians, bf16 2 threads), session 16 level (no hint
+ * 1.029 over 10 rounds, 0.991 over 20; 8 KiB 0.997), and found bench_matvec
+ * running at one of two speeds from one process to the next; at 1 thread
+ * the hint lost 0.933 through generate. */
 #define MATVEC_AHEAD_ONE 4096
 
 #if defined(__AVX512F__)
