@@ -9,6 +9,7 @@
 #include "io/hf_config.h"
 #include "train/merge.h"
 
+#include <dirent.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -38,6 +39,27 @@ static long long file_size(const char *path) {
     return stat(path, &s) == 0 ? (long long)s.st_size : -1;
 }
 
+/* Whether the existing file o is one that export reads in dir (a .json or
+ * .safetensors file, compared by inode, so other spellings of the path and
+ * links count): renaming the GGUF over it would replace the input itself. Its
+ * name goes into name. */
+static int reads_file(const char *dir, const struct stat *o, char *name, size_t cap) {
+    DIR *d = dir ? opendir(dir) : NULL;
+    if (!d) return 0;
+    int hit = 0;
+    for (struct dirent *e; !hit && (e = readdir(d));) {
+        size_t n = strlen(e->d_name);
+        char p[4096];
+        struct stat s;
+        if (((n > 5 && !strcmp(e->d_name + n - 5, ".json")) || (n > 12 && !strcmp(e->d_name + n - 12, ".safetensors"))) &&
+            qt_path_join(p, sizeof p, dir, e->d_name) == QT_OK && stat(p, &s) == 0 && s.st_dev == o->st_dev &&
+            s.st_ino == o->st_ino)
+            hit = 1, snprintf(name, cap, "%s", e->d_name);
+    }
+    closedir(d);
+    return hit;
+}
+
 int cmd_export(int argc, char **argv) {
     if (cli_wants_help(argc, argv)) {
         help();
@@ -62,6 +84,16 @@ int cmd_export(int argc, char **argv) {
     if (dtype && gguf_type_parse(dtype, &o.type) != QT_OK)
         return cli_usage_error("export", "--dtype must be f32, f16, bf16 or q8_0, not '%s'", dtype);
     const char *out = gguf ? gguf : lora;
+    if (!out[0])
+        return cli_usage_error("export", "%s needs the name of the .gguf file to write", gguf ? "--gguf" : "--gguf-lora");
+    struct stat os;
+    char in[256];
+    const char *dirs[] = {model, adapter};
+    for (int k = 0; k < 2 && stat(out, &os) == 0; k++)
+        if (reads_file(dirs[k], &os, in, sizeof in))
+            return cli_usage_error("export", "%s %s is an input of the export (the %s's %s), which the GGUF file would "
+                                   "replace; name a new .gguf file", gguf ? "--gguf" : "--gguf-lora", out,
+                                   k ? "adapter" : "model", in);
     if (qt_is_dir(out)) return cli_usage_error("export", "%s is a folder; name the .gguf file to write", out);
 
     /* the base model first, so a wrong --model is reported as such */

@@ -352,6 +352,27 @@ def test_failed_export_keeps_old_file(models, tmp_path):
     no_leftovers(tmp_path, ("x.gguf", "bad"))
 
 
+def test_output_that_is_an_input_is_refused(models, tmp_path):
+    """OUT naming a file the export reads (the model's safetensors or config, the adapter's weights) would be
+    renamed over it, and the mapped input read to the end: the export succeeded and the model was gone."""
+    import shutil
+    m, ad = tmp_path / "m", tmp_path / "ad"
+    shutil.copytree(models["tiny"], m)
+    write_adapter(ad, json.load(open(m / "config.json")))
+    before = {p: p.read_bytes() for p in [*m.iterdir(), *ad.iterdir()]}
+    for args in (("--gguf", m / "model.safetensors"), ("--gguf", tmp_path / "." / "m" / "config.json"),
+                 ("--adapter", ad, "--gguf", ad / "adapter_config.json"),
+                 ("--adapter", ad, "--gguf-lora", ad / "adapter_model.safetensors")):
+        p = qtune("export", "--model", m, *args, check=2)
+        assert "is an input of the export" in p.stderr and "name a new .gguf file" in p.stderr, p.stderr
+    assert {p: p.read_bytes() for p in [*m.iterdir(), *ad.iterdir()]} == before
+    p = qtune("export", "--model", m, "--gguf", "", check=2)
+    assert "--gguf needs the name of the .gguf file" in p.stderr
+    qtune("export", "--model", m, "--gguf", m / "m.gguf")  # a new file in the model folder is fine
+    qtune("export", "--model", m, "--gguf", m / "m.gguf")  # and so is replacing it
+    no_leftovers(tmp_path, ("m", "ad"))
+
+
 def test_missing_tokenizer(models, tmp_path):
     import shutil
     m = tmp_path / "m"
