@@ -376,6 +376,13 @@ int gguf_export_model(const char *model_dir, const char *out, const gguf_export_
     qt_config cfg;
     const arch_map *a;
     QT_TRY(load_config(model_dir, &cfg, &a));
+    /* llama.cpp takes RoPE scaling from "<arch>.rope.scaling.*" keys (and llama3's from a rope_freqs
+     * tensor), none of which is written yet: without them it would run a different model */
+    static const char *const scaling[] = {"none", "linear", "dynamic", "yarn", "llama3"};
+    if (cfg.rope_scaling.type != QT_ROPE_DEFAULT)
+        return QT_ERR(QT_EUNSUPPORTED, "%s/config.json: rope_scaling is %s, which GGUF export does not write, so "
+                      "llama.cpp would run the model without it; convert this model with llama.cpp's "
+                      "convert_hf_to_gguf.py instead", model_dir, scaling[cfg.rope_scaling.type]);
     st_file *st = NULL;
     gguf_writer *w = NULL;
     const int nw = qt_weight_count(&cfg);

@@ -373,6 +373,25 @@ def test_output_that_is_an_input_is_refused(models, tmp_path):
     no_leftovers(tmp_path, ("m", "ad"))
 
 
+@pytest.mark.parametrize("scaling", [{"type": "linear", "factor": 2.0},
+                                     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}])
+def test_rope_scaling_is_refused(models, tmp_path, scaling):
+    """The export writes no rope scaling keys: a model with rope_scaling would have run unscaled in llama.cpp,
+    a different model, with no word said."""
+    import shutil
+    m = tmp_path / "m"
+    shutil.copytree(models["tiny-llama"], m)
+    cfg = json.load(open(m / "config.json"))
+    cfg["rope_scaling"] = scaling
+    json.dump(cfg, open(m / "config.json", "w"))
+    out = tmp_path / "x.gguf"
+    out.write_bytes(b"old")
+    p = qtune("export", "--model", m, "--gguf", out, check=1)
+    assert "rope_scaling" in p.stderr and "llama.cpp would run the model without it" in p.stderr, p.stderr
+    assert out.read_bytes() == b"old"
+    no_leftovers(tmp_path, ("m", "x.gguf"))
+
+
 def test_missing_tokenizer(models, tmp_path):
     import shutil
     m = tmp_path / "m"
