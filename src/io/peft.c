@@ -289,6 +289,9 @@ int peft_config_load(const char *dir, peft_config *c) {
                     PEFT_ALPHA_MIN, PEFT_ALPHA_MAX);
     else if (d && !cJSON_IsNull(d) && !(cJSON_IsNumber(d) && d->valuedouble >= 0 && d->valuedouble < 1))
         rc = QT_ERR(QT_EFORMAT, "%s: \"lora_dropout\" must be a number in [0, 1)", path);
+    /* PEFT takes any truthy value ("true", 1) as rsLoRA: read as false it would scale by alpha / r silently */
+    else if (rs && !cJSON_IsNull(rs) && !cJSON_IsBool(rs))
+        rc = QT_ERR(QT_EFORMAT, "%s: \"use_rslora\" must be true or false (not a string or number); fix it", path);
     else if (bias && !cJSON_IsNull(bias) && !(cJSON_IsString(bias) && !strcmp(bias->valuestring, "none")))
         rc = QT_ERR(QT_EUNSUPPORTED, "%s: bias is \"%s\"; qtune handles adapters with bias \"none\" only", path,
                     cJSON_IsString(bias) ? bias->valuestring : "?");

@@ -392,6 +392,21 @@ def test_rope_scaling_is_refused(models, tmp_path, scaling):
     no_leftovers(tmp_path, ("m", "x.gguf"))
 
 
+@pytest.mark.parametrize("value", ["true", 1])
+def test_non_bool_rslora_is_refused(models, tmp_path, value):
+    """PEFT reads a truthy use_rslora ("true", 1) as rsLoRA; qtune read it as false and scaled by alpha / r,
+    a different adapter (--gguf-lora's alpha, the merged weights), with no word said."""
+    m = models["tiny"]
+    write_adapter(tmp_path / "ad", json.load(open(os.path.join(m, "config.json"))))
+    c = json.load(open(tmp_path / "ad" / "adapter_config.json"))
+    c["use_rslora"] = value
+    json.dump(c, open(tmp_path / "ad" / "adapter_config.json", "w"))
+    for flag in ("--gguf", "--gguf-lora"):
+        p = qtune("export", "--model", m, "--adapter", tmp_path / "ad", flag, tmp_path / "x.gguf", check=1)
+        assert "use_rslora\" must be true or false" in p.stderr, p.stderr
+    no_leftovers(tmp_path, ("ad",))
+
+
 def test_missing_tokenizer(models, tmp_path):
     import shutil
     m = tmp_path / "m"
