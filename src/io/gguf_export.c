@@ -366,8 +366,9 @@ static uint32_t file_type(gguf_type t) {
 static int load_config(const char *dir, qt_config *cfg, const arch_map **a) {
     QT_TRY(qt_config_load(dir, cfg));
     if (!(*a = find_arch((int)cfg->arch)))
-        return QT_ERR(QT_EUNSUPPORTED, "%s/config.json: GGUF export has no tensor-name table for this architecture",
-                      dir);
+        return QT_ERR(QT_EUNSUPPORTED, "%s/config.json: GGUF export writes Qwen2ForCausalLM and LlamaForCausalLM "
+                      "models only, not this architecture (Qwen3 or the original Qwen); convert it with llama.cpp's "
+                      "convert_hf_to_gguf.py", dir);
     return QT_OK;
 }
 

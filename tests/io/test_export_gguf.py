@@ -407,6 +407,17 @@ def test_non_bool_rslora_is_refused(models, tmp_path, value):
     no_leftovers(tmp_path, ("ad",))
 
 
+def test_unsupported_architecture_says_what_to_do(models, tmp_path):
+    import shutil
+    m = tmp_path / "m"
+    shutil.copytree(models["tiny"], m)
+    cfg = dict(json.load(open(m / "config.json")), architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16)
+    json.dump(cfg, open(m / "config.json", "w"))
+    p = qtune("export", "--model", m, "--gguf", tmp_path / "x.gguf", check=1)
+    assert "Qwen2ForCausalLM and LlamaForCausalLM models only" in p.stderr and "convert_hf_to_gguf" in p.stderr
+    no_leftovers(tmp_path, ("m",))
+
+
 def test_missing_tokenizer(models, tmp_path):
     import shutil
     m = tmp_path / "m"
