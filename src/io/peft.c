@@ -4,6 +4,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/json_range.h"
+#include "core/log.h"
 #include "core/mem.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
@@ -243,6 +244,59 @@ int peft_layer_index(const peft_config *c, const char *module) {
     return -1;
 }
 
+/* Keys of a saved adapter_config.json beyond the LoraConfig defaults above:
+ * PeftConfig's own, the ones peft_config_load reads, and newer LoraConfig
+ * fields checked in saved_adapter_meaning. Any other key is ignored, aloud. */
+static const char *const saved_keys[] = {"peft_type", "task_type", "peft_version", "r", "lora_alpha", "lora_dropout",
+                                         "target_modules", "use_rslora", "bias", "alora_invocation_tokens",
+                                         "arrow_config", NULL};
+
+/* A value that is absent, null, false, or an empty string, list or object. */
+static int unset(const cJSON *v) {
+    return !v || cJSON_IsNull(v) || cJSON_IsFalse(v) || (cJSON_IsString(v) && !v->valuestring[0]) ||
+           ((cJSON_IsArray(v) || cJSON_IsObject(v)) && !v->child);
+}
+
+/* What a saved adapter's other keys say about the meaning of its weights.
+ * init_lora_weights only chose where training started, except for the forms
+ * that also changed the base model's weights (PiSSA, OLoRA, CorDA, LoftQ): such
+ * an adapter belongs to that changed base, not to the model folder's weights.
+ * Keys that change the forward pass are refused; unknown keys are ignored with
+ * a warning. path: the adapter_config.json. */
+static int saved_adapter_meaning(const cJSON *j, const char *path) {
+    const cJSON *init = cJSON_GetObjectItemCaseSensitive(j, "init_lora_weights");
+    static const char *const base_changing[] = {"pissa", "olora", "corda", "loftq"};
+    for (size_t i = 0; cJSON_IsString(init) && i < sizeof base_changing / sizeof base_changing[0]; i++)
+        if (!strncmp(init->valuestring, base_changing[i], strlen(base_changing[i])))
+            return QT_ERR(QT_EUNSUPPORTED, "%s: init_lora_weights is \"%.40s\": PEFT changed the base model's weights "
+                          "when it made this adapter, so the adapter does not apply to the original model; save it "
+                          "again with save_pretrained(..., path_initial_model_for_weight_conversion=...), which "
+                          "turns it into a plain LoRA", path, init->valuestring);
+    static const struct {
+        const char *key, *what;
+    } changes[] = {
+        {"layer_replication", "repeats base layers to build a deeper model"},
+        {"exclude_modules", "removes modules from target_modules, which qtune reads alone; write the modules to "
+                            "adapt in target_modules (a list or one regex)"},
+        {"target_parameters", "adapts parameters that are not Linear layers"},
+        {"use_qalora", "pools each input before the adapter (QA-LoRA)"},
+        {"alora_invocation_tokens", "applies the adapter only after its invocation tokens (activated LoRA)"},
+        {"arrow_config", "routes between several adapters (Arrow)"},
+    };
+    for (size_t i = 0; i < sizeof changes / sizeof changes[0]; i++)
+        if (!unset(cJSON_GetObjectItemCaseSensitive(j, changes[i].key)))
+            return QT_ERR(QT_EUNSUPPORTED, "%s: %s is set, which %s; qtune reads plain LoRA adapters only", path,
+                          changes[i].key, changes[i].what);
+    for (const cJSON *it = j->child; it; it = it->next) {
+        int known = peft_is_lora_key(it->string);
+        for (int i = 0; saved_keys[i] && !known; i++) known = !strcmp(it->string, saved_keys[i]);
+        if (!known)
+            qt_warn("%s: key \"%s\" is not a LoRA setting qtune knows and is ignored; check that the adapter is a "
+                    "plain PEFT LoRA", path, it->string);
+    }
+    return QT_OK;
+}
+
 int peft_config_load(const char *dir, peft_config *c) {
     memset(c, 0, sizeof *c);
     char path[4096];
@@ -306,6 +360,7 @@ int peft_config_load(const char *dir, peft_config *c) {
     else if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(j, "ensure_weight_tying")))
         rc = QT_ERR(QT_EUNSUPPORTED, "%s: ensure_weight_tying is true; qtune reads adapters whose modules_to_save "
                     "are trained as separate copies (PEFT's default, false)", path);
+    if (rc == QT_OK) rc = saved_adapter_meaning(j, path);
     if (rc == QT_OK) {
         char where[4200];
         snprintf(where, sizeof where, "%s: ", path);

@@ -407,6 +407,48 @@ def test_non_bool_rslora_is_refused(models, tmp_path, value):
     no_leftovers(tmp_path, ("ad",))
 
 
+@pytest.mark.parametrize("key,value,words", [
+    ("init_lora_weights", "pissa_niter_16", "changed the base model's weights"),
+    ("init_lora_weights", "olora", "changed the base model's weights"),
+    ("init_lora_weights", "loftq", "changed the base model's weights"),
+    ("exclude_modules", ["model.layers.0.self_attn.q_proj"], "exclude_modules is set"),
+    ("layer_replication", [[0, 1], [0, 1]], "layer_replication is set"),
+    ("use_qalora", True, "use_qalora is set"),
+    ("alora_invocation_tokens", [1, 2], "alora_invocation_tokens is set"),
+    ("target_parameters", ["mlp.experts.gate_up_proj"], "target_parameters is set"),
+])
+def test_adapter_keys_that_change_its_meaning_are_refused(models, tmp_path, key, value, words):
+    """A saved adapter whose config changes what its weights mean (a base PEFT changed at init, layers
+    left out or repeated, another forward) was read as a plain LoRA on the original model, silently."""
+    m = models["tiny"]
+    write_adapter(tmp_path / "ad", json.load(open(os.path.join(m, "config.json"))))
+    c = json.load(open(tmp_path / "ad" / "adapter_config.json"))
+    c[key] = value
+    json.dump(c, open(tmp_path / "ad" / "adapter_config.json", "w"))
+    for flag in ("--gguf", "--gguf-lora"):
+        p = qtune("export", "--model", m, "--adapter", tmp_path / "ad", flag, tmp_path / "x.gguf", check=1)
+        assert words in p.stderr and "adapter_config.json" in p.stderr, p.stderr
+    no_leftovers(tmp_path, ("ad",))
+
+
+def test_adapter_keys_at_harmless_values_and_unknown_keys(models, tmp_path):
+    """init_lora_weights that only chose the starting point, and the newer keys at their defaults, export
+    quietly; a key qtune does not know exports with a warning that names it."""
+    m = models["tiny"]
+    write_adapter(tmp_path / "ad", json.load(open(os.path.join(m, "config.json"))))
+    c = json.load(open(tmp_path / "ad" / "adapter_config.json"))
+    c.update(init_lora_weights="gaussian", exclude_modules=None, layer_replication=None, use_qalora=False,
+             alora_invocation_tokens=None, target_parameters=None, peft_version="0.17.0")
+    json.dump(c, open(tmp_path / "ad" / "adapter_config.json", "w"))
+    p = qtune("export", "--model", m, "--adapter", tmp_path / "ad", "--gguf-lora", tmp_path / "a.gguf")
+    assert "ignored" not in p.stderr, p.stderr
+    c["lora_frobnicate"] = 3
+    json.dump(c, open(tmp_path / "ad" / "adapter_config.json", "w"))
+    p = qtune("export", "--model", m, "--adapter", tmp_path / "ad", "--gguf-lora", tmp_path / "b.gguf")
+    assert "\"lora_frobnicate\" is not a LoRA setting qtune knows and is ignored" in p.stderr, p.stderr
+    assert os.path.exists(tmp_path / "b.gguf")
+
+
 def test_unsupported_architecture_says_what_to_do(models, tmp_path):
     import shutil
     m = tmp_path / "m"
