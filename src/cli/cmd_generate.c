@@ -77,6 +77,15 @@ typedef struct {
     uint64_t seed;
 } gen_state;
 
+/* Flushes the reply so far. A write that failed (a full disk, a closed
+ * stdout) stops the generation with an error: the text would be lost while
+ * the exit status said all was well. */
+static int flush_stdout(void) {
+    if (fflush(stdout) == 0 && !ferror(stdout)) return QT_OK;
+    return QT_ERR(QT_EIO, "cannot write the reply to standard output (%s); generation stopped: check the disk or "
+                  "the program reading the output", strerror(errno ? errno : EIO));
+}
+
 static int is_stop(const gen_state *g, int32_t id) {
     for (int i = 0; i < g->n_stop; i++)
         if (g->stop[i] == id) return 1;
@@ -100,11 +109,10 @@ static int stream_push(utf8_stream *s, const bpe_tokenizer *tok, int32_t id, int
     const int partial = len >= 3 && !memcmp(text + len - 3, "\xEF\xBF\xBD", 3);
     if (!partial || flush || s->n >= 4) {
         fwrite(text, 1, len, stdout);
-        fflush(stdout);
         s->n = 0;
     }
     qt_free(text);
-    return QT_OK;
+    return flush_stdout();
 }
 
 static void json_ids(cJSON *o, const char *k, const int32_t *ids, int n) {
@@ -171,7 +179,7 @@ static int generate_reply(gen_state *g, const int32_t *ids, int n) {
         }
         out[n_out++] = next;
         if (!g->json && g->tok) rc = stream_push(&us, g->tok, next, 0);
-        else if (!g->json) printf("%d ", next), fflush(stdout);
+        else if (!g->json) printf("%d ", next), rc = flush_stdout();
         if (rc != QT_OK) break;
         if (n_out == g->max_new) break;
         if (g->pos + 1 >= g->ctx) { /* the cached ids and `next` fill the context */
@@ -208,7 +216,7 @@ static int generate_reply(gen_state *g, const int32_t *ids, int n) {
         cJSON_free(s);
         cJSON_Delete(o);
     }
-    fflush(stdout);
+    if (rc == QT_OK) rc = flush_stdout();
     qt_free(out);
     return rc;
 }
@@ -478,9 +486,8 @@ static int print_reply(const gen_state *g, const gen_prompt *p, int index) {
         for (int i = 0; i < p->n_out; i++) printf("%d ", p->out[i]);
         printf("\n");
     }
-    fflush(stdout);
     qt_free(text);
-    return QT_OK;
+    return flush_stdout();
 }
 
 /* A sequence has new logits (after its prefill or a step), its next token at

@@ -4,13 +4,14 @@ respects top-k; the CLI refuses bad options."""
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import SRC, qtune
+from conftest import QTUNE, SRC, qtune
 
 REF = os.path.join(SRC, "tests", "ref")
 sys.path.insert(0, REF)
@@ -221,3 +222,23 @@ def test_nonfinite_logits_are_an_error(tmp_path, bad):
         err = p.stderr.strip().splitlines()
         assert len(err) == 1 and d in err[0] and "non-finite logit" in err[0], p.stderr
         assert ("NaN" if bad == "nan" else "inf") in err[0] and p.stdout == "", p.stdout
+
+
+@pytest.mark.parametrize("mode", [["--prompt-ids", "1,2,3"], ["--prompt-ids", "1,2,3", "--json"], ["--prompts"]])
+def test_write_error_is_an_error(tmp_path, mode):
+    """stdout on a full disk (/dev/full): the reply is lost, so generate stops with one sentence and
+    exit 1 (it printed into the void and exited 0)."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    d = str(tmp_path / "m")
+    ref_helpers.make_model(d, "qwen2-gqa1-d64-tied-f32", seed=3)
+    if mode == ["--prompts"]:
+        f = str(tmp_path / "p.jsonl")
+        with open(f, "w") as fh:
+            fh.write('{"prompt_ids": [1, 2]}\n{"prompt_ids": [3]}\n')
+        mode = ["--prompts", f, "--batch", "2"]
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([QTUNE, "generate", "--model", d, *mode, "--max-new", "8"], stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=600)
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(err) == 1 and "cannot write the reply to standard output" in err[0], p.stderr
