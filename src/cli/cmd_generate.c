@@ -392,14 +392,27 @@ static void free_prompts(gen_prompt *p, int n) {
     qt_free(p);
 }
 
+/* A \u0000 escape in a JSON string: cJSON keeps the NUL, and the C string
+ * would end there, the rest of the prompt dropped unseen. An escape is a
+ * backslash preceded by an even number of backslashes. */
+static int has_nul_escape(const char *s, const char *end) {
+    for (const char *p = s; (p = memmem(p, (size_t)(end - p), "\\u0000", 6)); p++) {
+        size_t k = 0;
+        while (p - k > s && p[-1 - (ptrdiff_t)k] == '\\') k++;
+        if (k % 2 == 0) return 1;
+    }
+    return 0;
+}
+
 /* The prompts file: JSON Lines, one object per line with "prompt" (text, needs
- * the tokenizer) or "prompt_ids" (an array of ids); blank lines are skipped. */
+ * the tokenizer) or "prompt_ids" (an array of ids); blank lines are skipped.
+ * Other keys are ignored, and the first one is named in a warning. */
 static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int ctx, gen_prompt **out, int *count) {
     char *buf;
     size_t len;
     *out = NULL, *count = 0;
     QT_TRY(qt_read_file(path, (size_t)1 << 32, &buf, &len));
-    int rc = QT_OK, cap = 0, lineno = 0;
+    int rc = QT_OK, cap = 0, lineno = 0, warned = 0;
     gen_prompt *p = NULL;
     for (char *s = buf, *e; rc == QT_OK && s < buf + len; s = e + 1) {
         e = memchr(s, '\n', (size_t)(buf + len - s));
@@ -408,7 +421,7 @@ static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int c
         lineno++;
         const char *t = s;
         while (isspace((unsigned char)*t)) t++;
-        if (!*t) continue;
+        if (t == e) continue;
         if (*count == cap) {
             cap = cap ? 2 * cap : 16;
             gen_prompt *q = qt_realloc(p, (size_t)cap * sizeof *p, "the prompts");
@@ -422,10 +435,22 @@ static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int c
         memset(g, 0, sizeof *g);
         g->line = lineno;
         (*count)++;
-        cJSON *o = cJSON_Parse(t);
+        const int nul = memchr(s, 0, (size_t)(e - s)) != NULL;
+        const char *after = NULL; /* cJSON stops after the value: what follows would be dropped unseen */
+        cJSON *o = nul ? NULL : cJSON_ParseWithLengthOpts(t, (size_t)(e - t), &after, 0);
+        while (o && after < e && isspace((unsigned char)*after)) after++;
         const cJSON *text = o ? cJSON_GetObjectItemCaseSensitive(o, "prompt") : NULL;
         const cJSON *arr = o ? cJSON_GetObjectItemCaseSensitive(o, "prompt_ids") : NULL;
-        if (!cJSON_IsObject(o) || cJSON_IsString(text) == cJSON_IsArray(arr)) {
+        if (nul) {
+            rc = QT_ERR(QT_EINVAL, "%s line %d holds a NUL byte; a JSON Lines file is text: fix or remove that line",
+                        path, lineno);
+        } else if (o && after < e) {
+            rc = QT_ERR(QT_EINVAL, "%s line %d: text after the JSON object (byte %zu); put one object per line", path,
+                        lineno, (size_t)(after - s) + 1);
+        } else if (cJSON_IsString(text) && has_nul_escape(t, e)) {
+            rc = QT_ERR(QT_EINVAL, "%s line %d: the prompt holds a NUL character (\\u0000), where its text would end; "
+                        "remove it", path, lineno);
+        } else if (!cJSON_IsObject(o) || cJSON_IsString(text) == cJSON_IsArray(arr)) {
             rc = QT_ERR(QT_EINVAL, "%s line %d: each line must be a JSON object with a \"prompt\" string or a "
                         "\"prompt_ids\" array of token ids (one of the two)", path, lineno);
         } else if (cJSON_IsString(text)) {
@@ -448,6 +473,13 @@ static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int c
                 else g->ids[i++] = (int32_t)v->valuedouble;
             }
         }
+        /* any other key, a repeated one included, is named once per file */
+        const cJSON *used = cJSON_IsString(text) ? text : arr;
+        for (const cJSON *k = rc == QT_OK ? o->child : NULL; k && !warned; k = k->next)
+            if (k != used)
+                warned = 1, qt_warn("%s line %d: the key \"%.64s\" is ignored: a line gives one \"prompt\" string "
+                                    "or one \"prompt_ids\" array, nothing else (further ignored keys are not named)",
+                                    path, lineno, k->string);
         cJSON_Delete(o);
         if (rc == QT_OK && check_prompt_fits(0, g->n, ctx) != QT_OK)
             rc = QT_ERR(QT_EINVAL, "%s line %d: %s", path, lineno, qt_error_message());
