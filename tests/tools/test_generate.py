@@ -113,6 +113,10 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy(tmp_path):
     k1 = json.loads(qtune(*base, "--temperature", "1.5", "--top-k", "1", "--seed", "9", check=0).stdout)
     p0 = json.loads(qtune(*base, "--temperature", "1.5", "--top-p", "1e-6", "--seed", "9", check=0).stdout)
     assert k1["ids"] == g["ids"] and p0["ids"] == g["ids"]
+    # a temperature whose inverse overflows a float sampled the last id every time (NaN probabilities)
+    for t in ("1e-40", "1e-45"):
+        tiny = json.loads(qtune(*base, "--temperature", t, check=0).stdout)
+        assert tiny["ids"] == g["ids"], t
 
 
 def test_bad_options(tmp_path):
