@@ -38,7 +38,7 @@ static void generate_help(void) {
            "  --tokenizer PATH   tokenizer.json (or a folder holding one) when --model has none\n"
            "  --prompt TEXT      continue this text (no template)\n"
            "  --chat             chat in ChatML: each stdin line is a user turn; the history is kept\n"
-           "  --system TEXT      system message for --chat (default: the Qwen2.5 template's)\n"
+           "  --system TEXT      system message for --chat, only there (default: the Qwen2.5 template's)\n"
            "  --max-new N        new tokens per reply (default 256)\n"
            "  --temperature t    0 is greedy (default 0.7)\n"
            "  --top-k k          keep the k most probable tokens (default 0: off)\n"
@@ -757,6 +757,9 @@ int cmd_generate(int argc, char **argv) {
                                "--chat");
     if (batch && !prompts_file)
         return cli_usage_error("generate", "--batch N decodes the prompts of --prompts FILE together; give --prompts");
+    if (system && !chat) /* a --prompt is continued as is: the system message would be dropped unseen */
+        return cli_usage_error("generate", "--system TEXT is the system message of --chat; give --chat (--prompt "
+                               "text is continued as is, with no template)");
     if (!batch) batch = 1;
     if (qt_sample_opts_check(&so) != QT_OK) return cli_usage_error("generate", "%s", qt_error_message());
     /* The prompt: ids are checked here, before anything is read */

@@ -127,6 +127,9 @@ def test_bad_options(tmp_path):
         assert p.returncode == 2 and extra[0] in p.stderr
     p = qtune("generate", "--model", d)
     assert p.returncode == 2 and "--prompt" in p.stderr
+    for prompt in (["--prompt-ids", "1"], ["--prompts", os.path.join(d, "config.json")]):
+        p = qtune("generate", "--model", d, *prompt, "--system", "be brief")  # was ignored in silence
+        assert p.returncode == 2 and "--system TEXT is the system message of --chat" in p.stderr, p.stderr
     p = qtune("generate", "--model", d, "--prompt", "hi")  # no tokenizer.json in a reference folder
     assert p.returncode == 1 and "tokenizer" in p.stderr
 
