@@ -728,7 +728,8 @@ int cmd_generate(int argc, char **argv) {
             NEED_VALUE();
             long x = strtol(v, &end, 10);
             if (*end || end == v || x < 2 || x > (1 << 22))
-                return cli_usage_error("generate", "--ctx must be a whole number >= 2, not '%s'", v);
+                return cli_usage_error("generate", "--ctx must be a whole number from 2 to %d (and at most the "
+                                       "model's max_position_embeddings), not '%s'", 1 << 22, v);
             ctx = (int)x;
         } else if (!strcmp(a, "--temperature") || !strcmp(a, "--top-p")) {
             NEED_VALUE();

@@ -212,6 +212,9 @@ def test_ctx_boundary(tmp_path):
     # --ctx may not pass max_position_embeddings: a usage error naming both
     p = greedy(d, prompt, "--ctx", 17, check=2)
     assert "--ctx 17" in p.stderr and "max_position_embeddings" in p.stderr and "16" in p.stderr, p.stderr
+    # past qtune's own bound the sentence said only ">= 2", which 5000000 is
+    p = greedy(d, prompt, "--ctx", 5000000, check=2)
+    assert "from 2 to 4194304" in p.stderr and "'5000000'" in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("bad", ["nan", "inf"])
