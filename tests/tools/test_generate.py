@@ -252,3 +252,15 @@ def test_write_error_is_an_error(tmp_path, mode):
                            stderr=subprocess.PIPE, text=True, timeout=600)
     err = p.stderr.strip().splitlines()
     assert p.returncode == 1 and len(err) == 1 and "cannot write the reply to standard output" in err[0], p.stderr
+
+
+def test_too_many_threads_is_refused(tmp_path):
+    """OMP_NUM_THREADS=70000 crashed inside libgomp (SIGSEGV: the threads' start data overflowed the
+    stack); more than 4096 threads is now one sentence and exit 2, before the model is read."""
+    d = str(tmp_path / "m")
+    ref_helpers.make_model(d, "qwen2-gqa1-d64-tied-f32", seed=3)
+    p = qtune("generate", "--model", d, "--prompt-ids", "1,2", "--max-new", 2, env={"OMP_NUM_THREADS": "70000"})
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(err) == 1 and "OMP_NUM_THREADS asks for 70000 threads" in err[0], p.stderr
+    assert qtune("generate", "--model", d, "--prompt-ids", "1,2", "--max-new", 2, "--json",
+                 env={"OMP_NUM_THREADS": "3"}).returncode == 0
