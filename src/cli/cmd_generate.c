@@ -38,7 +38,7 @@ static void generate_help(void) {
            "  --tokenizer PATH   tokenizer.json (or a folder holding one) when --model has none\n"
            "  --prompt TEXT      continue this text (no template)\n"
            "  --chat             chat in ChatML: each stdin line is a user turn; the history is kept\n"
-           "  --system TEXT      system message for --chat (default: the Qwen2.5 template's)\n"
+           "  --system TEXT      system message for --chat, only there (default: the Qwen2.5 template's)\n"
            "  --max-new N        new tokens per reply (default 256)\n"
            "  --temperature t    0 is greedy (default 0.7)\n"
            "  --top-k k          keep the k most probable tokens (default 0: off)\n"
@@ -77,6 +77,15 @@ typedef struct {
     uint64_t seed;
 } gen_state;
 
+/* Flushes the reply so far. A write that failed (a full disk, a closed
+ * stdout) stops the generation with an error: the text would be lost while
+ * the exit status said all was well. */
+static int flush_stdout(void) {
+    if (fflush(stdout) == 0 && !ferror(stdout)) return QT_OK;
+    return QT_ERR(QT_EIO, "cannot write the reply to standard output (%s); generation stopped: check the disk or "
+                  "the program reading the output", strerror(errno ? errno : EIO));
+}
+
 static int is_stop(const gen_state *g, int32_t id) {
     for (int i = 0; i < g->n_stop; i++)
         if (g->stop[i] == id) return 1;
@@ -100,11 +109,10 @@ static int stream_push(utf8_stream *s, const bpe_tokenizer *tok, int32_t id, int
     const int partial = len >= 3 && !memcmp(text + len - 3, "\xEF\xBF\xBD", 3);
     if (!partial || flush || s->n >= 4) {
         fwrite(text, 1, len, stdout);
-        fflush(stdout);
         s->n = 0;
     }
     qt_free(text);
-    return QT_OK;
+    return flush_stdout();
 }
 
 static void json_ids(cJSON *o, const char *k, const int32_t *ids, int n) {
@@ -171,7 +179,7 @@ static int generate_reply(gen_state *g, const int32_t *ids, int n) {
         }
         out[n_out++] = next;
         if (!g->json && g->tok) rc = stream_push(&us, g->tok, next, 0);
-        else if (!g->json) printf("%d ", next), fflush(stdout);
+        else if (!g->json) printf("%d ", next), rc = flush_stdout();
         if (rc != QT_OK) break;
         if (n_out == g->max_new) break;
         if (g->pos + 1 >= g->ctx) { /* the cached ids and `next` fill the context */
@@ -208,7 +216,7 @@ static int generate_reply(gen_state *g, const int32_t *ids, int n) {
         cJSON_free(s);
         cJSON_Delete(o);
     }
-    fflush(stdout);
+    if (rc == QT_OK) rc = flush_stdout();
     qt_free(out);
     return rc;
 }
@@ -384,14 +392,27 @@ static void free_prompts(gen_prompt *p, int n) {
     qt_free(p);
 }
 
+/* A \u0000 escape in a JSON string: cJSON keeps the NUL, and the C string
+ * would end there, the rest of the prompt dropped unseen. An escape is a
+ * backslash preceded by an even number of backslashes. */
+static int has_nul_escape(const char *s, const char *end) {
+    for (const char *p = s; (p = memmem(p, (size_t)(end - p), "\\u0000", 6)); p++) {
+        size_t k = 0;
+        while (p - k > s && p[-1 - (ptrdiff_t)k] == '\\') k++;
+        if (k % 2 == 0) return 1;
+    }
+    return 0;
+}
+
 /* The prompts file: JSON Lines, one object per line with "prompt" (text, needs
- * the tokenizer) or "prompt_ids" (an array of ids); blank lines are skipped. */
+ * the tokenizer) or "prompt_ids" (an array of ids); blank lines are skipped.
+ * Other keys are ignored, and the first one is named in a warning. */
 static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int ctx, gen_prompt **out, int *count) {
     char *buf;
     size_t len;
     *out = NULL, *count = 0;
     QT_TRY(qt_read_file(path, (size_t)1 << 32, &buf, &len));
-    int rc = QT_OK, cap = 0, lineno = 0;
+    int rc = QT_OK, cap = 0, lineno = 0, warned = 0;
     gen_prompt *p = NULL;
     for (char *s = buf, *e; rc == QT_OK && s < buf + len; s = e + 1) {
         e = memchr(s, '\n', (size_t)(buf + len - s));
@@ -400,7 +421,7 @@ static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int c
         lineno++;
         const char *t = s;
         while (isspace((unsigned char)*t)) t++;
-        if (!*t) continue;
+        if (t == e) continue;
         if (*count == cap) {
             cap = cap ? 2 * cap : 16;
             gen_prompt *q = qt_realloc(p, (size_t)cap * sizeof *p, "the prompts");
@@ -414,10 +435,22 @@ static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int c
         memset(g, 0, sizeof *g);
         g->line = lineno;
         (*count)++;
-        cJSON *o = cJSON_Parse(t);
+        const int nul = memchr(s, 0, (size_t)(e - s)) != NULL;
+        const char *after = NULL; /* cJSON stops after the value: what follows would be dropped unseen */
+        cJSON *o = nul ? NULL : cJSON_ParseWithLengthOpts(t, (size_t)(e - t), &after, 0);
+        while (o && after < e && isspace((unsigned char)*after)) after++;
         const cJSON *text = o ? cJSON_GetObjectItemCaseSensitive(o, "prompt") : NULL;
         const cJSON *arr = o ? cJSON_GetObjectItemCaseSensitive(o, "prompt_ids") : NULL;
-        if (!cJSON_IsObject(o) || cJSON_IsString(text) == cJSON_IsArray(arr)) {
+        if (nul) {
+            rc = QT_ERR(QT_EINVAL, "%s line %d holds a NUL byte; a JSON Lines file is text: fix or remove that line",
+                        path, lineno);
+        } else if (o && after < e) {
+            rc = QT_ERR(QT_EINVAL, "%s line %d: text after the JSON object (byte %zu); put one object per line", path,
+                        lineno, (size_t)(after - s) + 1);
+        } else if (cJSON_IsString(text) && has_nul_escape(t, e)) {
+            rc = QT_ERR(QT_EINVAL, "%s line %d: the prompt holds a NUL character (\\u0000), where its text would end; "
+                        "remove it", path, lineno);
+        } else if (!cJSON_IsObject(o) || cJSON_IsString(text) == cJSON_IsArray(arr)) {
             rc = QT_ERR(QT_EINVAL, "%s line %d: each line must be a JSON object with a \"prompt\" string or a "
                         "\"prompt_ids\" array of token ids (one of the two)", path, lineno);
         } else if (cJSON_IsString(text)) {
@@ -440,6 +473,13 @@ static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int c
                 else g->ids[i++] = (int32_t)v->valuedouble;
             }
         }
+        /* any other key, a repeated one included, is named once per file */
+        const cJSON *used = cJSON_IsString(text) ? text : arr;
+        for (const cJSON *k = rc == QT_OK ? o->child : NULL; k && !warned; k = k->next)
+            if (k != used)
+                warned = 1, qt_warn("%s line %d: the key \"%.64s\" is ignored: a line gives one \"prompt\" string "
+                                    "or one \"prompt_ids\" array, nothing else (further ignored keys are not named)",
+                                    path, lineno, k->string);
         cJSON_Delete(o);
         if (rc == QT_OK && check_prompt_fits(0, g->n, ctx) != QT_OK)
             rc = QT_ERR(QT_EINVAL, "%s line %d: %s", path, lineno, qt_error_message());
@@ -478,9 +518,8 @@ static int print_reply(const gen_state *g, const gen_prompt *p, int index) {
         for (int i = 0; i < p->n_out; i++) printf("%d ", p->out[i]);
         printf("\n");
     }
-    fflush(stdout);
     qt_free(text);
-    return QT_OK;
+    return flush_stdout();
 }
 
 /* A sequence has new logits (after its prefill or a step), its next token at
@@ -689,7 +728,8 @@ int cmd_generate(int argc, char **argv) {
             NEED_VALUE();
             long x = strtol(v, &end, 10);
             if (*end || end == v || x < 2 || x > (1 << 22))
-                return cli_usage_error("generate", "--ctx must be a whole number >= 2, not '%s'", v);
+                return cli_usage_error("generate", "--ctx must be a whole number from 2 to %d (and at most the "
+                                       "model's max_position_embeddings), not '%s'", 1 << 22, v);
             ctx = (int)x;
         } else if (!strcmp(a, "--temperature") || !strcmp(a, "--top-p")) {
             NEED_VALUE();
@@ -718,6 +758,9 @@ int cmd_generate(int argc, char **argv) {
                                "--chat");
     if (batch && !prompts_file)
         return cli_usage_error("generate", "--batch N decodes the prompts of --prompts FILE together; give --prompts");
+    if (system && !chat) /* a --prompt is continued as is: the system message would be dropped unseen */
+        return cli_usage_error("generate", "--system TEXT is the system message of --chat; give --chat (--prompt "
+                               "text is continued as is, with no template)");
     if (!batch) batch = 1;
     if (qt_sample_opts_check(&so) != QT_OK) return cli_usage_error("generate", "%s", qt_error_message());
     /* The prompt: ids are checked here, before anything is read */

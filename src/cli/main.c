@@ -76,13 +76,27 @@ static void omp_wait_default(char **argv) {
     execv("/proc/self/exe", argv);
 }
 
+/* libgomp puts the start data of a region's threads on the caller's stack:
+ * OMP_NUM_THREADS=70000 overflowed it and crashed inside GOMP_parallel
+ * (SIGSEGV), 40000 ended in libgomp's "Thread creation failed" abort. More
+ * threads than this bound are refused before any work starts. */
+#define QT_MAX_THREADS 4096
+static int threads_ok(void) {
+    const int n = omp_get_max_threads();
+    if (n <= QT_MAX_THREADS) return 1;
+    fprintf(stderr, "qtune: error: OMP_NUM_THREADS asks for %d threads, more than qtune runs (%d); this machine has "
+                    "%ld CPUs: set OMP_NUM_THREADS to that many or fewer\n", n, QT_MAX_THREADS,
+            sysconf(_SC_NPROCESSORS_ONLN));
+    return 0;
+}
+
 static void usage(FILE *out) {
     fprintf(out, "qtune %s: fine-tune Qwen-family language models\n\n"
                  "usage: qtune COMMAND [options]   (qtune COMMAND --help for details)\n\ncommands:\n",
             QTUNE_VERSION);
     for (size_t i = 0; i < NCOMMANDS; i++) fprintf(out, "  %-9s %s\n", commands[i].name, commands[i].summary);
-    fprintf(out, "\nenvironment: QTUNE_LOG=debug adds file:line to messages; OMP_NUM_THREADS sets threads;\n"
-                 "idle OpenMP threads spin briefly (GOMP_SPINCOUNT=" QT_GOMP_SPINCOUNT
+    fprintf(out, "\nenvironment: QTUNE_LOG=debug adds file:line to messages; OMP_NUM_THREADS sets threads\n"
+                 "(at most 4096); idle OpenMP threads spin briefly (GOMP_SPINCOUNT=" QT_GOMP_SPINCOUNT
                  "; OMP_WAIT_POLICY=passive: no spin, kinder to\n"
                  "other busy processes; active: a long spin);\n"
                  "QTUNE_SGEMM=openblas keeps every fp32 product on OpenBLAS (default: oneDNN for the gradients);\n"
@@ -104,6 +118,7 @@ int main(int argc, char **argv) {
         printf("qtune %s\n", QTUNE_VERSION);
         return 0;
     }
+    if (!threads_ok()) return 2;
     for (size_t i = 0; i < NCOMMANDS; i++)
         if (!strcmp(argv[1], commands[i].name)) return commands[i].run(argc - 1, argv + 1);
     fprintf(stderr, "qtune: error: unknown command '%s'; run `qtune --help` for the list\n", argv[1]);

@@ -87,9 +87,11 @@ static int by_prob_desc(const void *a, const void *b, void *ctx) {
 
 int32_t qt_sample(qt_sampler *s, const float *logits, const qt_sample_opts *o, qt_rng *rng) {
     const int V = s->V;
-    if (o->temperature == 0) return qt_argmax(logits, V);
-    /* softmax(logits / T) over the whole vocabulary, max-subtracted */
+    /* 1 / T past FLT_MAX (T below about 2.9e-39) is inf, and (max - max) * inf
+     * a NaN that made every draw the last id; greedy is the limit T -> 0 */
     const float inv_t = 1.0f / o->temperature;
+    if (o->temperature == 0 || isinf(inv_t)) return qt_argmax(logits, V);
+    /* softmax(logits / T) over the whole vocabulary, max-subtracted */
     const float mx = logits[qt_argmax(logits, V)];
     double sum = 0;
     for (int i = 0; i < V; i++) {

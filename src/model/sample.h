@@ -10,7 +10,7 @@
 #include "core/rng.h"
 
 typedef struct {
-    float temperature; /* 0: greedy */
+    float temperature; /* 0 (or below about 2.9e-39, where 1 / t overflows): greedy */
     int top_k;         /* 0: off */
     float top_p;       /* 1: off; keep the smallest set of tokens whose probability reaches top_p */
 } qt_sample_opts;

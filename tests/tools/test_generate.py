@@ -4,13 +4,14 @@ respects top-k; the CLI refuses bad options."""
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import SRC, qtune
+from conftest import QTUNE, SRC, qtune
 
 REF = os.path.join(SRC, "tests", "ref")
 sys.path.insert(0, REF)
@@ -112,6 +113,10 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy(tmp_path):
     k1 = json.loads(qtune(*base, "--temperature", "1.5", "--top-k", "1", "--seed", "9", check=0).stdout)
     p0 = json.loads(qtune(*base, "--temperature", "1.5", "--top-p", "1e-6", "--seed", "9", check=0).stdout)
     assert k1["ids"] == g["ids"] and p0["ids"] == g["ids"]
+    # a temperature whose inverse overflows a float sampled the last id every time (NaN probabilities)
+    for t in ("1e-40", "1e-45"):
+        tiny = json.loads(qtune(*base, "--temperature", t, check=0).stdout)
+        assert tiny["ids"] == g["ids"], t
 
 
 def test_bad_options(tmp_path):
@@ -122,6 +127,9 @@ def test_bad_options(tmp_path):
         assert p.returncode == 2 and extra[0] in p.stderr
     p = qtune("generate", "--model", d)
     assert p.returncode == 2 and "--prompt" in p.stderr
+    for prompt in (["--prompt-ids", "1"], ["--prompts", os.path.join(d, "config.json")]):
+        p = qtune("generate", "--model", d, *prompt, "--system", "be brief")  # was ignored in silence
+        assert p.returncode == 2 and "--system TEXT is the system message of --chat" in p.stderr, p.stderr
     p = qtune("generate", "--model", d, "--prompt", "hi")  # no tokenizer.json in a reference folder
     assert p.returncode == 1 and "tokenizer" in p.stderr
 
@@ -204,6 +212,9 @@ def test_ctx_boundary(tmp_path):
     # --ctx may not pass max_position_embeddings: a usage error naming both
     p = greedy(d, prompt, "--ctx", 17, check=2)
     assert "--ctx 17" in p.stderr and "max_position_embeddings" in p.stderr and "16" in p.stderr, p.stderr
+    # past qtune's own bound the sentence said only ">= 2", which 5000000 is
+    p = greedy(d, prompt, "--ctx", 5000000, check=2)
+    assert "from 2 to 4194304" in p.stderr and "'5000000'" in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("bad", ["nan", "inf"])
@@ -221,3 +232,35 @@ def test_nonfinite_logits_are_an_error(tmp_path, bad):
         err = p.stderr.strip().splitlines()
         assert len(err) == 1 and d in err[0] and "non-finite logit" in err[0], p.stderr
         assert ("NaN" if bad == "nan" else "inf") in err[0] and p.stdout == "", p.stdout
+
+
+@pytest.mark.parametrize("mode", [["--prompt-ids", "1,2,3"], ["--prompt-ids", "1,2,3", "--json"], ["--prompts"]])
+def test_write_error_is_an_error(tmp_path, mode):
+    """stdout on a full disk (/dev/full): the reply is lost, so generate stops with one sentence and
+    exit 1 (it printed into the void and exited 0)."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    d = str(tmp_path / "m")
+    ref_helpers.make_model(d, "qwen2-gqa1-d64-tied-f32", seed=3)
+    if mode == ["--prompts"]:
+        f = str(tmp_path / "p.jsonl")
+        with open(f, "w") as fh:
+            fh.write('{"prompt_ids": [1, 2]}\n{"prompt_ids": [3]}\n')
+        mode = ["--prompts", f, "--batch", "2"]
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([QTUNE, "generate", "--model", d, *mode, "--max-new", "8"], stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=600)
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(err) == 1 and "cannot write the reply to standard output" in err[0], p.stderr
+
+
+def test_too_many_threads_is_refused(tmp_path):
+    """OMP_NUM_THREADS=70000 crashed inside libgomp (SIGSEGV: the threads' start data overflowed the
+    stack); more than 4096 threads is now one sentence and exit 2, before the model is read."""
+    d = str(tmp_path / "m")
+    ref_helpers.make_model(d, "qwen2-gqa1-d64-tied-f32", seed=3)
+    p = qtune("generate", "--model", d, "--prompt-ids", "1,2", "--max-new", 2, env={"OMP_NUM_THREADS": "70000"})
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(err) == 1 and "OMP_NUM_THREADS asks for 70000 threads" in err[0], p.stderr
+    assert qtune("generate", "--model", d, "--prompt-ids", "1,2", "--max-new", 2, "--json",
+                 env={"OMP_NUM_THREADS": "3"}).returncode == 0

@@ -119,6 +119,10 @@ def test_bad_prompts_and_options(tmp_path):
         '\n\n': "no prompts",
         '{"prompt_ids": []}\n': "empty",
         '{"prompt_ids": %s}\n' % list(range(16)): "no room",
+        # what cJSON left after the object, a NUL byte or a \u0000 escape was dropped unseen
+        '{"prompt_ids": [1]}\n{"prompt_ids": [1, 2]} {"prompt_ids": [3]}\n': "line 2: text after the JSON object",
+        '{"prompt_ids": [1]}\n\x00{"prompt_ids": [3]}\n': "line 2 holds a NUL byte",
+        '{"prompt": "a\\u0000b"}\n': "NUL character",
     }
     for text, what in cases.items():
         with open(f, "w") as fh:
@@ -126,5 +130,11 @@ def test_bad_prompts_and_options(tmp_path):
         p = qtune("generate", "--model", d, "--prompts", f, "--batch", 2, "--ctx", CTX)
         assert p.returncode == 1 and what in p.stderr and f in p.stderr, (text, p.stderr)
         assert p.stdout == ""
+    with open(f, "w") as fh:  # keys other than the prompt's were ignored in silence
+        fh.write('{"prompt_ids": [1, 2]}\n{"prompt_ids": [3], "max_new": 5, "prompt_ids": [4]}\n')
+    p = qtune("generate", "--model", d, "--prompts", f, "--max-new", 2, "--json", check=0)
+    warn = [line for line in p.stderr.splitlines() if "warning" in line]
+    assert len(warn) == 1 and 'line 2: the key "max_new" is ignored' in warn[0], p.stderr
+    assert [json.loads(line)["prompt_ids"] for line in p.stdout.splitlines()] == [[1, 2], [3]]
     p = qtune("generate", "--model", d, "--prompts", str(tmp_path / "missing.jsonl"))
     assert p.returncode == 1 and "missing.jsonl" in p.stderr
