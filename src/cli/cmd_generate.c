@@ -7,6 +7,7 @@
 #include "core/clock.h"
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/json_range.h"
 #include "core/log.h"
 #include "core/mem.h"
 #include "core/messages.h"
@@ -392,18 +393,6 @@ static void free_prompts(gen_prompt *p, int n) {
     qt_free(p);
 }
 
-/* A \u0000 escape in a JSON string: cJSON keeps the NUL, and the C string
- * would end there, the rest of the prompt dropped unseen. An escape is a
- * backslash preceded by an even number of backslashes. */
-static int has_nul_escape(const char *s, const char *end) {
-    for (const char *p = s; (p = memmem(p, (size_t)(end - p), "\\u0000", 6)); p++) {
-        size_t k = 0;
-        while (p - k > s && p[-1 - (ptrdiff_t)k] == '\\') k++;
-        if (k % 2 == 0) return 1;
-    }
-    return 0;
-}
-
 /* The prompts file: JSON Lines, one object per line with "prompt" (text, needs
  * the tokenizer) or "prompt_ids" (an array of ids); blank lines are skipped.
  * Other keys are ignored, and the first one is named in a warning. */
@@ -447,7 +436,7 @@ static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int c
         } else if (o && after < e) {
             rc = QT_ERR(QT_EINVAL, "%s line %d: text after the JSON object (byte %zu); put one object per line", path,
                         lineno, (size_t)(after - s) + 1);
-        } else if (cJSON_IsString(text) && has_nul_escape(t, e)) {
+        } else if (cJSON_IsString(text) && qt_json_has_nul_escape(t, (size_t)(e - t))) {
             rc = QT_ERR(QT_EINVAL, "%s line %d: the prompt holds a NUL character (\\u0000), where its text would end; "
                         "remove it", path, lineno);
         } else if (!cJSON_IsObject(o) || cJSON_IsString(text) == cJSON_IsArray(arr)) {

@@ -1,5 +1,6 @@
 /* qt_json_check_range: a small scanner over JSON text cJSON has already
  * accepted, tracking the key path so the error can name the field. */
+#define _GNU_SOURCE /* memmem */
 #include "core/json_range.h"
 
 #include "core/error.h"
@@ -162,4 +163,14 @@ static int dup_walk(const cJSON *v, const char *where, char *path, size_t len, s
 int qt_json_check_duplicate_keys(const cJSON *root, const char *where) {
     char path[512] = "";
     return dup_walk(root, where, path, 0, sizeof path, 0);
+}
+
+int qt_json_has_nul_escape(const char *s, size_t len) {
+    const char *end = s + len;
+    for (const char *p = s; (p = memmem(p, (size_t)(end - p), "\\u0000", 6)); p++) {
+        size_t k = 0;
+        while (p - k > s && p[-1 - (ptrdiff_t)k] == '\\') k++;
+        if (k % 2 == 0) return 1;
+    }
+    return 0;
 }

@@ -23,4 +23,10 @@ int qt_json_check_range(const char *text, size_t len, const char *where);
 struct cJSON;
 int qt_json_check_duplicate_keys(const struct cJSON *root, const char *where);
 
+/* Whether JSON text s[0, len) holds a \u0000 escape (a backslash after an
+ * even number of backslashes, then u0000). cJSON decodes it to a NUL byte,
+ * where the C string of that value then ends: the rest of the string would be
+ * dropped unseen, so readers of text (prompts, training lines) refuse it. */
+int qt_json_has_nul_escape(const char *s, size_t len);
+
 #endif

@@ -1,5 +1,6 @@
 #include "data/format.h"
 #include "core/error.h"
+#include "core/json_range.h"
 #include "core/log.h"
 #include "core/mem.h"
 #include "core/strbuf.h"
@@ -1089,6 +1090,10 @@ static int encode_line(const dl_encode_ctx *ctx, const char *path, long long lin
                     "\"conversations\", \"instruction\"+\"output\", \"prompt\"+\"completion\" or \"input_ids\" "
                     "key; or set data.format",
                     path, line_no);
+    } else if (*fmt != DL_FORMAT_TOKENS && qt_json_has_nul_escape(s, len)) {
+        /* cJSON decodes it to a NUL byte, where the text would end: the rest of the example dropped unseen */
+        rc = QT_ERR(QT_EFORMAT, "%s:%lld: a string holds \\u0000 (U+0000), where its text would be cut short; remove "
+                    "it", path, line_no);
     } else if ((rc = encode_obj(&(enc_call){ctx, line_no}, *fmt, obj, out)) != QT_OK) {
         rc = qt_error_context(rc, "%s:%lld", path, line_no);
     }

@@ -232,6 +232,24 @@ def test_a_5000_character_path_is_elided(base):
     assert len(line) < 500, len(line)  # was 2,061
 
 
+def test_nul_escape_in_text_is_refused(base, tmp_path):
+    """A \\u0000 in a text or a message decoded to a NUL byte, where the example's C string ended: the
+    rest of it was dropped unseen (eval read 4 tokens of a 27-token line). It is a bad line now; an
+    escaped backslash before "u0000" is ordinary text; the pre-tokenized format reads no text."""
+    cm = base / "chatmodel"
+    long_text = "hello" + "\u0000" + " world and more text here" * 40  # both the in-place and cJSON paths
+    for name, obj in (("t", {"text": "hello\u0000 world and more text here"}), ("l", {"text": long_text}),
+                      ("m", {"messages": [{"role": "user", "content": "a\u0000b"},
+                                          {"role": "assistant", "content": "hi"}]})):
+        f = write(tmp_path / (name + ".jsonl"), json.dumps(obj) + "\n")
+        expect_error(["eval", "--model", cm, "--data", f, "--seq-len", "64"], name + ".jsonl:1", "\\u0000")
+    f = write(tmp_path / "ok.jsonl", '{"text": "hello\\\\u0000 world"}\n')  # a backslash, then u0000
+    r = ok(["eval", "--model", cm, "--data", f, "--seq-len", "64"])
+    assert '"tokens"' in r.stdout
+    f = write(tmp_path / "ids.jsonl", '{"input_ids": [1, 2, 3], "note": "\\u0000"}\n')
+    ok(["eval", "--model", cm, "--data", f, "--seq-len", "64"])
+
+
 def test_null_content_is_called_null(base, tmp_path):
     write(tmp_path / "chat.jsonl", json.dumps({"messages": [{"role": "user", "content": None},
                                                             {"role": "assistant", "content": "hi"}]}) + "\n")
