@@ -1114,10 +1114,10 @@ int dl_encode_line_in_place(const dl_encode_ctx *ctx, const char *path, long lon
 uint64_t dl_template_hash(void) {
     /* Bump the string when the rendering or masking rules here or in
      * text/chat.c change; the default system prompt is hashed with it. */
-    static const char rules[] = "v3 (tools, tool_calls, weight 0, sharegpt, prompt_completion, alpaca system and "
-                                "history): chat_encode (Qwen2.5 ChatML, whole-text encode, span labels: assistant "
-                                "content + <|im_end|>); text + <|endoftext|>; alpaca: instruction\\n\\ninput as user; "
-                                "default system: " CHAT_DEFAULT_SYSTEM;
+    static const char rules[] = "v4 (tools, tool_calls, weight 0, sharegpt, prompt_completion, alpaca system and "
+                                "history; \\u0000 refused): chat_encode (Qwen2.5 ChatML, whole-text encode, span "
+                                "labels: assistant content + <|im_end|>); text + <|endoftext|>; alpaca: "
+                                "instruction\\n\\ninput as user; default system: " CHAT_DEFAULT_SYSTEM;
     uint64_t h = 1469598103934665603ull;
     for (const char *p = rules; *p; p++) h = (h ^ (unsigned char)*p) * 1099511628211ull;
     return h;
