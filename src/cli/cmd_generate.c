@@ -33,7 +33,8 @@
 static void generate_help(void) {
     printf("usage: qtune generate --model DIR [--adapter DIR] (--prompt TEXT | --prompts FILE | --chat) [options]\n\n"
            "Generates text with a KV cache, printing tokens as they come. Stops at <|im_end|>,\n"
-           "<|endoftext|> (or the config's eos_token_id) or after --max-new tokens.\n\n"
+           "<|endoftext|>, the eos_token_id ids of config.json and generation_config.json, or after\n"
+           "--max-new tokens.\n\n"
            "  --model DIR        Hugging Face model folder (config.json, safetensors, tokenizer.json)\n"
            "  --adapter DIR      PEFT LoRA adapter folder to apply\n"
            "  --tokenizer PATH   tokenizer.json (or a folder holding one) when --model has none\n"
@@ -59,6 +60,8 @@ static void generate_help(void) {
            "                     cuda:N (GPU N); QTUNE_BACKEND, when set, wins\n");
 }
 
+#define GEN_MAX_STOP 16 /* <|im_end|>, <|endoftext|> and the model's eos ids */
+
 typedef struct {
     qt_model *m;
     bpe_tokenizer *tok; /* NULL with --prompt-ids and no tokenizer.json */
@@ -67,7 +70,7 @@ typedef struct {
     qt_rng rng;
     float *logits;      /* (V) */
     int V, ctx, max_new, json;
-    int32_t stop[3];
+    int32_t stop[GEN_MAX_STOP];
     int n_stop;
     int pos;            /* positions in the KV cache */
     int32_t *hist;      /* (ctx) the ids in the KV cache, in order */
@@ -770,8 +773,14 @@ int cmd_generate(int argc, char **argv) {
     const int status = prepare(&g, &cfg, model, tok_path, ctx, prompt, &ids, &n_ids, prompts_file != NULL);
     gen_prompt *prompts = NULL;
     int n_prompts = 0;
-    if (status == QT_EXIT_OK && prompts_file &&
-        read_prompts(prompts_file, g.tok, cfg.vocab_size, g.ctx, &prompts, &n_prompts) != QT_OK) {
+    /* every eos id of config.json and generation_config.json (Llama 3.1: <|eot_id|> is the third), read
+     * before the weights so a broken generation_config.json is reported at once */
+    int32_t eos[GEN_MAX_STOP];
+    int n_eos = 0;
+    if (status == QT_EXIT_OK &&
+        ((prompts_file && read_prompts(prompts_file, g.tok, cfg.vocab_size, g.ctx, &prompts, &n_prompts) != QT_OK) ||
+         qt_eos_ids_load(model, eos, GEN_MAX_STOP, &n_eos) != QT_OK)) {
+        free_prompts(prompts, n_prompts);
         qt_free(ids);
         bpe_free(g.tok);
         return cli_fail();
@@ -819,8 +828,8 @@ int cmd_generate(int argc, char **argv) {
         int32_t eot = g.tok ? bpe_token_id(g.tok, "<|endoftext|>") : -1;
         if (im_end >= 0) g.stop[g.n_stop++] = im_end;
         if (eot >= 0 && eot != im_end) g.stop[g.n_stop++] = eot;
-        if (cfg.eos_token_id >= 0 && cfg.eos_token_id != im_end && cfg.eos_token_id != eot)
-            g.stop[g.n_stop++] = cfg.eos_token_id;
+        for (int k = 0; k < n_eos; k++)
+            if (eos[k] < g.V && !is_stop(&g, eos[k]) && g.n_stop < GEN_MAX_STOP) g.stop[g.n_stop++] = eos[k];
         if (chat) {
             if (!g.tok) rc = QT_ERR(QT_EINVAL, "--chat needs the model's tokenizer.json in %s", model);
             else {

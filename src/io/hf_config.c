@@ -350,6 +350,43 @@ int qt_config_load(const char *path, qt_config *cfg) {
     return rc;
 }
 
+/* The ids of one file's eos_token_id (an integer or a list) added to ids[0, *n) once each. */
+static int add_eos_ids(const char *file, int32_t *ids, int cap, int *n) {
+    char *text;
+    QT_TRY(qt_read_file(file, CONFIG_MAX_BYTES, &text, NULL));
+    cJSON *root = cJSON_ParseWithOpts(text, NULL, 1);
+    qt_free(text);
+    if (!cJSON_IsObject(root)) {
+        cJSON_Delete(root);
+        return QT_ERR(QT_EFORMAT, "%s is not a JSON object; fix it or remove it", file);
+    }
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, "eos_token_id");
+    int rc = QT_OK;
+    const cJSON *it = cJSON_IsArray(v) ? v->child : v && !cJSON_IsNull(v) ? v : NULL;
+    for (; rc == QT_OK && it; it = cJSON_IsArray(v) ? it->next : NULL) {
+        const double d = cJSON_IsNumber(it) ? it->valuedouble : NAN;
+        if (!(d == floor(d)) || d < 0 || d > CONFIG_MAX_DIM)
+            rc = QT_ERR(QT_EFORMAT, "%s: eos_token_id must be a token id or a list of them", file);
+        int seen = 0;
+        for (int i = 0; rc == QT_OK && i < *n; i++) seen |= ids[i] == (int32_t)d;
+        if (rc == QT_OK && !seen && *n < cap) ids[(*n)++] = (int32_t)d;
+    }
+    cJSON_Delete(root);
+    return rc;
+}
+
+int qt_eos_ids_load(const char *dir, int32_t *ids, int cap, int *n) {
+    static const char *const files[] = {"config.json", "generation_config.json"};
+    *n = 0;
+    for (size_t k = 0; k < sizeof files / sizeof files[0]; k++) {
+        char file[4096];
+        QT_TRY(qt_path_join(file, sizeof file, dir, files[k]));
+        if (k && !qt_path_exists(file)) continue;
+        QT_TRY(add_eos_ids(file, ids, cap, n));
+    }
+    return QT_OK;
+}
+
 /* ---------------------------------------------------------------------------
  * Writing */
 

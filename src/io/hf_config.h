@@ -55,6 +55,11 @@ typedef struct {
 
 
 int qt_config_load(const char *path, qt_config *cfg);           /* path: config.json or its folder */
+/* Every id of eos_token_id (an integer or a list, as Llama 3 writes it) in
+ * dir/config.json and, where there is one, dir/generation_config.json, which
+ * Hugging Face's generate reads first: the ids that end a reply. Each once,
+ * at most cap of them. */
+int qt_eos_ids_load(const char *dir, int32_t *ids, int cap, int *n);
 /* The Hugging Face tensor names of an architecture. The seven linears are
  * those of model_internal.h's LIN_* order (q, k, v, o, gate, up, down); in
  * the original Qwen q, k and v are row slices of one fused attn.c_attn

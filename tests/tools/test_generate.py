@@ -264,3 +264,30 @@ def test_too_many_threads_is_refused(tmp_path):
     assert p.returncode == 2 and len(err) == 1 and "OMP_NUM_THREADS asks for 70000 threads" in err[0], p.stderr
     assert qtune("generate", "--model", d, "--prompt-ids", "1,2", "--max-new", 2, "--json",
                  env={"OMP_NUM_THREADS": "3"}).returncode == 0
+
+
+def test_every_eos_id_stops(tmp_path):
+    """eos_token_id as a list (Llama 3.1 writes [128001, 128008, 128009]) and generation_config.json's own
+    list (which Hugging Face's generate reads first): every id ends the reply. qtune kept only the first id
+    of config.json, so a reply ran past <|eot_id|> to --max-new. A broken generation_config.json is named
+    before the weights are read."""
+    d = str(tmp_path / "m")
+    cfg = ref_helpers.make_model(d, "qwen2-gqa1-d64-tied-f32", seed=3)
+    base = ["generate", "--model", d, "--prompt-ids", "5,17,42", "--temperature", "0", "--max-new", 12, "--json"]
+    free = json.loads(qtune(*base, check=0).stdout)["ids"]
+    firsts = [k for k in range(len(free)) if free[k] not in free[:k]]  # steps where a new id first comes
+    assert len(firsts) >= 2, free
+    late, early = firsts[-1], firsts[-2]
+    cfg["eos_token_id"] = [cfg["vocab_size"] - 1, free[late]]
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    out = json.loads(qtune(*base, check=0).stdout)
+    assert out["ids"] == free[:late] and out["stop"] == "eos", out
+    with open(os.path.join(d, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [cfg["vocab_size"] - 2, free[early]]}, f)
+    out = json.loads(qtune(*base, check=0).stdout)
+    assert out["ids"] == free[:early] and out["stop"] == "eos", out
+    with open(os.path.join(d, "generation_config.json"), "w") as f:
+        f.write('{"eos_token_id": "x"}')
+    p = qtune(*base, check=1)
+    assert "generation_config.json: eos_token_id must be a token id" in p.stderr, p.stderr
