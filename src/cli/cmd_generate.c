@@ -70,6 +70,7 @@ typedef struct {
     qt_rng rng;
     float *logits;      /* (V) */
     int V, ctx, max_new, json;
+    int max_ctx;        /* the model's positions: the largest --ctx */
     int32_t stop[GEN_MAX_STOP];
     int n_stop;
     int pos;            /* positions in the KV cache */
@@ -127,14 +128,21 @@ static void json_ids(cJSON *o, const char *k, const int32_t *ids, int n) {
 /* The context rule: the sequence (what is in the KV cache, the prompt, the
  * reply) holds at most ctx tokens, so the last one has position ctx - 1. A
  * reply needs room for at least one new token after `used` + n. */
-static int check_prompt_fits(int used, int n, int ctx) {
+static int check_prompt_fits(int used, int n, int ctx, int max_ctx) {
     if (n < 1) return QT_ERR(QT_EINVAL, "the prompt is empty; give some text (or ids) to continue");
     if (used + n < ctx) return QT_OK;
+    if (!used && n >= max_ctx) /* no --ctx can hold it */
+        return QT_ERR(QT_EINVAL, "the prompt (%d tokens) leaves no room for a new token in the model's context of %d "
+                      "(its max_position_embeddings); shorten the prompt to at most %d tokens", n, max_ctx,
+                      max_ctx - 1);
     if (!used)
         return QT_ERR(QT_EINVAL, "the prompt (%d tokens) leaves no room for a new token in the context of %d; "
-                      "raise --ctx above %d or shorten the prompt", n, ctx, n);
+                      "raise --ctx above %d (the model takes up to %d) or shorten the prompt", n, ctx, n, max_ctx);
+    if (ctx >= max_ctx)
+        return QT_ERR(QT_EINVAL, "the chat so far (%d tokens) and this turn (%d) leave no room for a reply in the "
+                      "model's context of %d; start a new chat", used, n, ctx);
     return QT_ERR(QT_EINVAL, "the chat so far (%d tokens) and this turn (%d) leave no room for a reply in the "
-                  "context of %d; raise --ctx or start a new chat", used, n, ctx);
+                  "context of %d; raise --ctx (the model takes up to %d) or start a new chat", used, n, ctx, max_ctx);
 }
 
 /* NaN or inf weights make every logit NaN or inf, and sampling from them
@@ -163,7 +171,7 @@ static int check_logits(const gen_state *g, const float *logits, int at) {
  * fed back only while the sequence is shorter than ctx: the last token of a
  * full context is printed but never needs a KV slot. */
 static int generate_reply(gen_state *g, const int32_t *ids, int n) {
-    QT_TRY(check_prompt_fits(g->pos, n, g->ctx));
+    QT_TRY(check_prompt_fits(g->pos, n, g->ctx, g->max_ctx));
     int32_t *out = qt_malloc((size_t)g->max_new * sizeof *out + 1, "generated ids");
     if (!out) return QT_ENOMEM;
     const double t0 = qt_now_s();
@@ -399,7 +407,8 @@ static void free_prompts(gen_prompt *p, int n) {
 /* The prompts file: JSON Lines, one object per line with "prompt" (text, needs
  * the tokenizer) or "prompt_ids" (an array of ids); blank lines are skipped.
  * Other keys are ignored, and the first one is named in a warning. */
-static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int ctx, gen_prompt **out, int *count) {
+static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int ctx, int max_ctx, gen_prompt **out,
+                        int *count) {
     char *buf;
     size_t len;
     *out = NULL, *count = 0;
@@ -473,7 +482,7 @@ static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int c
                                     "or one \"prompt_ids\" array, nothing else (further ignored keys are not named)",
                                     path, lineno, k->string);
         cJSON_Delete(o);
-        if (rc == QT_OK && check_prompt_fits(0, g->n, ctx) != QT_OK)
+        if (rc == QT_OK && check_prompt_fits(0, g->n, ctx, max_ctx) != QT_OK)
             rc = QT_ERR(QT_EINVAL, "%s line %d: %s", path, lineno, qt_error_message());
     }
     qt_free(buf);
@@ -669,12 +678,13 @@ static int prepare(gen_state *g, qt_config *cfg, const char *model, const char *
                                "or less", ctx, max_pos < cfg->max_position_embeddings ? "seq_length" :
                                "max_position_embeddings", max_pos, model, max_pos);
     g->ctx = ctx ? ctx : max_pos < 4096 ? max_pos : 4096;
+    g->max_ctx = max_pos;
     for (size_t i = 0; *ids && i < *n; i++)
         if ((*ids)[i] >= cfg->vocab_size)
             return cli_usage_error("generate", "--prompt-ids holds %d, outside the model's vocabulary of %d "
                                    "(vocab_size in %s/config.json)", (*ids)[i], cfg->vocab_size, model);
     if (prompt && encode(g->tok, prompt, ids, n) != QT_OK) return cli_fail();
-    if ((prompt || *ids) && check_prompt_fits(0, (int)*n, g->ctx) != QT_OK) return cli_fail();
+    if ((prompt || *ids) && check_prompt_fits(0, (int)*n, g->ctx, g->max_ctx) != QT_OK) return cli_fail();
     return QT_EXIT_OK;
 }
 
@@ -778,7 +788,7 @@ int cmd_generate(int argc, char **argv) {
     int32_t eos[GEN_MAX_STOP];
     int n_eos = 0;
     if (status == QT_EXIT_OK &&
-        ((prompts_file && read_prompts(prompts_file, g.tok, cfg.vocab_size, g.ctx, &prompts, &n_prompts) != QT_OK) ||
+        ((prompts_file && read_prompts(prompts_file, g.tok, cfg.vocab_size, g.ctx, g.max_ctx, &prompts, &n_prompts) != QT_OK) ||
          qt_eos_ids_load(model, eos, GEN_MAX_STOP, &n_eos) != QT_OK)) {
         free_prompts(prompts, n_prompts);
         qt_free(ids);

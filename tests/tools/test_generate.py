@@ -207,8 +207,11 @@ def test_ctx_boundary(tmp_path):
     assert o["stop"] == "context" and len(o["ids"]) == 1
     p = greedy(d, list(range(1, 9)), "--ctx", 8, check=1)
     assert "no room" in p.stderr and "--ctx" in p.stderr and "8 tokens" in p.stderr, p.stderr
+    assert "the model takes up to 16" in p.stderr, p.stderr
     p = greedy(d, list(range(1, 17)), check=1)  # the default context, max_position_embeddings 16
-    assert "no room" in p.stderr, p.stderr
+    # no --ctx can hold it: the advice is to shorten the prompt, not to raise --ctx past the model's limit
+    assert "no room" in p.stderr and "shorten the prompt to at most 15 tokens" in p.stderr, p.stderr
+    assert "raise --ctx" not in p.stderr, p.stderr
     # --ctx may not pass max_position_embeddings: a usage error naming both
     p = greedy(d, prompt, "--ctx", 17, check=2)
     assert "--ctx 17" in p.stderr and "max_position_embeddings" in p.stderr and "16" in p.stderr, p.stderr
