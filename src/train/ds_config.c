@@ -445,7 +445,10 @@ static int parse_scheduler(ds_ctx *x, const cJSON *sch) {
             return QT_ERR(QT_EINVAL,
                           "%s: scheduler %s needs params.total_num_steps (a number, or \"auto\" for train.max_steps)",
                           x->where, qt_sched_name(t));
-        else QT_TRY(qt_sched_check(s, x->where));
+        else {
+            QT_TRY(qt_sched_check(s, x->where));
+            qt_sched_warn(s, x->where);
+        }
     } else {
         QT_TRY(qt_sched_check(s, x->where));
     }
@@ -659,7 +662,10 @@ int qt_ds_config_finalize(qt_ds_config *c, int64_t max_steps) {
         }
         c->sched.base_lr = c->adam.lr;
         /* a number given in the file was checked when it was parsed */
-        return qt_sched_check(&c->sched, "deepspeed: scheduler.params.total_num_steps \"auto\" (train.max_steps)");
+        const char *where = "deepspeed: scheduler.params.total_num_steps \"auto\" (train.max_steps)";
+        QT_TRY(qt_sched_check(&c->sched, where));
+        qt_sched_warn(&c->sched, where);
+        return QT_OK;
     }
     c->sched.base_lr = c->adam.lr;
     return QT_OK;
