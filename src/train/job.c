@@ -271,8 +271,9 @@ int qt_job_lora_targets(const cJSON *arr, unsigned *mask, const char *where) {
     }
     if (cJSON_IsString(arr))
         return QT_ERR(QT_EINVAL,
-                      "%s: lora.target_modules is the string '%s'; the job file takes a list such as [\"q_proj\", "
-                      "\"v_proj\"] or \"all-linear\" (PEFT's regex form is read from adapter_config.json only)",
+                      "%s: lora.target_modules is the string '%s'; as a job's lora section (inline or the "
+                      "adapter_config.json it names) it takes no regex: write the module names as a list such as "
+                      "[\"q_proj\", \"v_proj\"], or \"all-linear\"",
                       where, arr->valuestring);
     if (!cJSON_IsArray(arr) || cJSON_GetArraySize(arr) == 0)
         return QT_ERR(QT_EINVAL, "%s: lora.target_modules must be a non-empty list such as [\"q_proj\", \"v_proj\"]",
@@ -688,7 +689,14 @@ int qt_job_parse(const char *json, const char *dir, const char *where, const cha
         rc = qt_device_check(job->device, w); /* what the machine has is asked when the run starts */
     }
     if (rc == QT_OK) rc = parse_data(&c, root, &job->data);
-    if (rc == QT_OK) rc = parse_lora(&c, root, &job->lora);
+    /* a lora section read from a file: its errors name that file */
+    char lora_where[4400];
+    job_ctx lc = c;
+    if (job->lora_path) {
+        snprintf(lora_where, sizeof lora_where, "%s (%s's \"lora\")", job->lora_path, where);
+        lc.where = lora_where;
+    }
+    if (rc == QT_OK) rc = parse_lora(&lc, root, &job->lora);
     if (rc == QT_OK) rc = parse_train(&c, root, &job->train);
     if (rc == QT_OK) {
         cJSON *ds = cJSON_GetObjectItemCaseSensitive(root, "deepspeed");
