@@ -476,7 +476,15 @@ static int load_section_file(const job_ctx *c, cJSON *root, const char *key, cha
     }
     const char *errp = NULL;
     cJSON *obj = cJSON_ParseWithOpts(text, &errp, 1);
-    if (!obj || !cJSON_IsObject(obj)) {
+    if (obj && !cJSON_IsObject(obj)) {
+        cJSON_Delete(obj);
+        qt_free(text);
+        rc = QT_ERR(QT_EFORMAT, "%s: the %s config named by %s's \"%s\" is JSON but not an object; write its settings "
+                    "as one object {...}", p, !strcmp(key, "lora") ? "LoRA" : "DeepSpeed", c->where, key);
+        qt_free(p);
+        return rc;
+    }
+    if (!obj) {
         long off = errp ? (long)(errp - text) : 0;
         int line = 1;
         for (long i = 0; i < off && text[i]; i++) line += text[i] == '\n';

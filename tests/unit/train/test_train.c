@@ -164,6 +164,15 @@ static void test_job_errors_name_the_field(void **state) {
     assert_int_equal(qt_job_parse("{\"model\": \"m\", \"output_dir\": \"o\", \"data\": {\"train\": \"t\"},"
                                   " \"deepspeed\": \"missing_ds.json\"}", "/nonexistent", "x.json", NULL, 0, &j), QT_EIO);
     assert_non_null(strstr(qt_error_message(), "missing_ds.json"));
+    /* valid JSON that is not an object is said as such, not as "not valid JSON" */
+    char *d = tmpdir();
+    write_text(d, "list_ds.json", "[{\"train_batch_size\": 8}]");
+    assert_int_equal(qt_job_parse("{\"model\": \"m\", \"output_dir\": \"o\", \"data\": {\"train\": \"t\"},"
+                                  " \"deepspeed\": \"list_ds.json\"}", d, "x.json", NULL, 0, &j), QT_EFORMAT);
+    assert_non_null(strstr(qt_error_message(), "list_ds.json: the DeepSpeed config named by x.json's \"deepspeed\" "
+                                               "is JSON but not an object"));
+    qt_rm_rf(d);
+    free(d);
 }
 
 /* Numbers out of a double's range, lora_alpha out of its range and a huge
