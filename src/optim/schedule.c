@@ -71,10 +71,17 @@ int qt_sched_check(const qt_sched *s, const char *where) {
                       "%s: WarmupCosineLR total_num_steps %lld equals its warmup steps (max(2, warmup_num_steps) = "
                       "%lld), which leaves no steps to decay over; raise total_num_steps",
                       where, (long long)s->total_num_steps, (long long)w);
-    if (s->total_num_steps < w)
-        qt_warn("%s: %s total_num_steps %lld is less than warmup_num_steps %lld", where, name,
-                (long long)s->total_num_steps, (long long)s->warmup_num_steps);
     return QT_OK;
+}
+
+void qt_sched_warn(const qt_sched *s, const char *where) {
+    if (s->type != QT_SCHED_WARMUP_DECAY_LR && s->type != QT_SCHED_WARMUP_COSINE_LR) return;
+    const int64_t w = warmup_steps(s);
+    if (s->total_num_steps >= 0 && s->total_num_steps < w)
+        qt_warn("%s: %s total_num_steps %lld is less than its warmup steps (max(2, warmup_num_steps) = %lld), so the "
+                "learning rate never leaves the warmup; lower warmup_num_steps (the warmup is at least 2 steps) or raise "
+                "total_num_steps",
+                where, qt_sched_name(s->type), (long long)s->total_num_steps, (long long)w);
 }
 
 /* The warmup fraction in [0, 1) for it < W. */

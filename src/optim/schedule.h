@@ -51,8 +51,12 @@ void qt_sched_default(qt_sched *s, qt_sched_type type, double base_lr);
 
 /* Checks the values: total_num_steps set where needed, WarmupCosineLR's
  * total_num_steps != warmup steps (its formula divides by the difference).
- * Warns (as DeepSpeed does) when total_num_steps < warmup_num_steps. */
+ * Says nothing: it also guards qt_optimizer_init, after the config was read. */
 int qt_sched_check(const qt_sched *s, const char *where);
+
+/* Warns (as DeepSpeed does) when total_num_steps < the warmup steps
+ * (max(2, warmup_num_steps)); the config reader calls it once. */
+void qt_sched_warn(const qt_sched *s, const char *where);
 
 /* DeepSpeed's get_lr() at last_batch_iteration = it. */
 double qt_sched_lr(const qt_sched *s, int64_t it);

@@ -34,6 +34,13 @@ typedef struct {
     qt_ds_config *out;
 } ds_ctx;
 
+static void record_ignored(qt_ds_config *c, const char *path) {
+    if (c->n_ignored < QT_DS_MAX_IGNORED) {
+        snprintf(c->ignored[c->n_ignored], sizeof c->ignored[0], "%s", path);
+        c->n_ignored++;
+    }
+}
+
 /* honoured: the section's keys, for a near spelling. */
 static void ignore_key(ds_ctx *x, const char *section, const char *key, const char *const *honoured) {
     char path[96];
@@ -48,11 +55,7 @@ static void ignore_key(ds_ctx *x, const char *section, const char *key, const ch
         qt_warn("%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored; did you mean \"%s%s%s\"?", x->where,
                 path, section ? section : "", section ? "." : "", near);
     else qt_warn("%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored", x->where, path);
-    qt_ds_config *c = x->out;
-    if (c->n_ignored < QT_DS_MAX_IGNORED) {
-        snprintf(c->ignored[c->n_ignored], sizeof c->ignored[0], "%s", path);
-        c->n_ignored++;
-    }
+    record_ignored(x->out, path);
 }
 
 /* Records (and says, at info level) what an "auto" became and why: the HF
@@ -445,7 +448,10 @@ static int parse_scheduler(ds_ctx *x, const cJSON *sch) {
             return QT_ERR(QT_EINVAL,
                           "%s: scheduler %s needs params.total_num_steps (a number, or \"auto\" for train.max_steps)",
                           x->where, qt_sched_name(t));
-        else QT_TRY(qt_sched_check(s, x->where));
+        else {
+            QT_TRY(qt_sched_check(s, x->where));
+            qt_sched_warn(s, x->where);
+        }
     } else {
         QT_TRY(qt_sched_check(s, x->where));
     }
@@ -595,10 +601,17 @@ static int parse(ds_ctx *x, const cJSON *j) {
     else qt_sched_default(&c->sched, QT_SCHED_CONSTANT, c->adam.lr);
     QT_TRY(get_section(x, j, NULL, "fp16", &sec));
     if (sec) QT_TRY(parse_fp16(x, sec));
-    QT_TRY(get_section(x, j, NULL, "bfloat16", &sec));
-    if (sec) QT_TRY(parse_bf16(x, sec, "bfloat16"));
+    /* DeepSpeed reads "bf16", and the old name "bfloat16" only without it */
+    const cJSON *old_bf16;
+    QT_TRY(get_section(x, j, NULL, "bfloat16", &old_bf16));
     QT_TRY(get_section(x, j, NULL, "bf16", &sec));
     if (sec) QT_TRY(parse_bf16(x, sec, "bf16"));
+    if (sec && old_bf16) {
+        qt_warn("%s: DeepSpeed key \"bfloat16\" (the old name of \"bf16\") is ignored because \"bf16\" is given, "
+                "as DeepSpeed does; keep one of them",
+                x->where);
+        record_ignored(c, "bfloat16");
+    } else if (old_bf16) QT_TRY(parse_bf16(x, old_bf16, "bfloat16"));
     if (c->fp16 && c->bf16)
         return QT_ERR(QT_EINVAL, "%s: fp16.enabled and bf16.enabled are both true; enable one of them", x->where);
     QT_TRY(get_section(x, j, NULL, "zero_optimization", &sec));
@@ -659,7 +672,10 @@ int qt_ds_config_finalize(qt_ds_config *c, int64_t max_steps) {
         }
         c->sched.base_lr = c->adam.lr;
         /* a number given in the file was checked when it was parsed */
-        return qt_sched_check(&c->sched, "deepspeed: scheduler.params.total_num_steps \"auto\" (train.max_steps)");
+        const char *where = "deepspeed: scheduler.params.total_num_steps \"auto\" (train.max_steps)";
+        QT_TRY(qt_sched_check(&c->sched, where));
+        qt_sched_warn(&c->sched, where);
+        return QT_OK;
     }
     c->sched.base_lr = c->adam.lr;
     return QT_OK;

@@ -52,17 +52,33 @@ static cJSON *set_walk(cJSON *root, char *path, char **leaf, const char *set) {
     return obj;
 }
 
+/* A number as JSON writes it (not strtod's "0x10", "inf" or "nan"), and one
+ * a double holds. */
+static int set_number(const char *v, const char *set, double *out) {
+    cJSON *j = cJSON_ParseWithOpts(v, NULL, 1);
+    int is_num = cJSON_IsNumber(j);
+    cJSON_Delete(j);
+    if (!is_num) return QT_ERR(QT_EINVAL, "--set %.200s: this field is a number and '%.200s' is not one", set, v);
+    errno = 0;
+    *out = strtod(v, NULL);
+    if (errno == ERANGE && *out != 0.0 && fabs(*out) >= 1.0)
+        return QT_ERR(QT_EINVAL, "--set %.200s: %.40s is larger than any number can be (1.8e308), so it would read "
+                      "as infinity; write a finite value", set, v);
+    if (errno == ERANGE)
+        return QT_ERR(QT_EINVAL, "--set %.200s: %.40s is smaller in magnitude than any normal number (2.2e-308), so "
+                      "it would read as %g; write 0 or a value of at least 2.2e-308", set, v, *out);
+    return QT_OK;
+}
+
 static cJSON *set_value(const cJSON *old, const char *v, const char *set) {
     if (!strcmp(v, "null")) return cJSON_CreateNull();
+    /* a DeepSpeed number or flag may be given as "auto" (the config reader
+     * says where it is accepted and what it becomes) */
+    if (old && (cJSON_IsNumber(old) || cJSON_IsBool(old)) && !strncmp(set, "deepspeed.", 10) && !strcmp(v, "auto"))
+        return cJSON_CreateString(v);
     if (old && cJSON_IsNumber(old)) {
-        char *end;
-        errno = 0;
-        double d = strtod(v, &end);
-        if (end == v || *end || errno) {
-            QT_ERR(QT_EINVAL, "--set %.200s: this field is a number and '%.200s' is not one", set, v);
-            return NULL;
-        }
-        return cJSON_CreateNumber(d);
+        double d;
+        return set_number(v, set, &d) == QT_OK ? cJSON_CreateNumber(d) : NULL;
     }
     if (old && cJSON_IsBool(old)) {
         if (!strcmp(v, "true") || !strcmp(v, "1")) return cJSON_CreateTrue();
@@ -76,7 +92,9 @@ static cJSON *set_value(const cJSON *old, const char *v, const char *set) {
     /* PEFT's one string value of a list field */
     if (old && cJSON_IsArray(old) && !strcmp(v, "all-linear")) return cJSON_CreateString(v);
     if (old && cJSON_IsArray(old) && v[0] != '[') {
-        /* "q_proj,v_proj" -> ["q_proj", "v_proj"] */
+        /* "q_proj,v_proj" -> ["q_proj", "v_proj"]; a list of numbers
+         * (betas) takes numbers: "0.9,0.95" -> [0.9, 0.95] */
+        const int numbers = cJSON_IsNumber(old->child);
         cJSON *arr = cJSON_CreateArray();
         const char *p = v;
         while (arr && *p) {
@@ -86,13 +104,19 @@ static cJSON *set_value(const cJSON *old, const char *v, const char *set) {
             if (n >= sizeof item) n = sizeof item - 1;
             memcpy(item, p, n);
             item[n] = 0;
-            if (n) cJSON_AddItemToArray(arr, cJSON_CreateString(item));
+            double d;
+            if (n && numbers && set_number(item, set, &d) != QT_OK) {
+                cJSON_Delete(arr);
+                return NULL;
+            }
+            if (n) cJSON_AddItemToArray(arr, numbers ? cJSON_CreateNumber(d) : cJSON_CreateString(item));
             p += c ? n + 1 : n;
         }
         return arr;
     }
-    /* null, array, object or a new key: JSON if it parses, otherwise a string */
-    cJSON *j = cJSON_Parse(v);
+    /* null, array, object or a new key: JSON if it parses (all of the text:
+     * "5x" is a string, not 5), otherwise a string */
+    cJSON *j = cJSON_ParseWithOpts(v, NULL, 1);
     char where[256];
     snprintf(where, sizeof where, "--set %.200s", set);
     if (j && (qt_json_check_range(v, strlen(v), where) != QT_OK || qt_json_check_duplicate_keys(j, where) != QT_OK)) {
@@ -247,8 +271,9 @@ int qt_job_lora_targets(const cJSON *arr, unsigned *mask, const char *where) {
     }
     if (cJSON_IsString(arr))
         return QT_ERR(QT_EINVAL,
-                      "%s: lora.target_modules is the string '%s'; the job file takes a list such as [\"q_proj\", "
-                      "\"v_proj\"] or \"all-linear\" (PEFT's regex form is read from adapter_config.json only)",
+                      "%s: lora.target_modules is the string '%s'; as a job's lora section (inline or the "
+                      "adapter_config.json it names) it takes no regex: write the module names as a list such as "
+                      "[\"q_proj\", \"v_proj\"], or \"all-linear\"",
                       where, arr->valuestring);
     if (!cJSON_IsArray(arr) || cJSON_GetArraySize(arr) == 0)
         return QT_ERR(QT_EINVAL, "%s: lora.target_modules must be a non-empty list such as [\"q_proj\", \"v_proj\"]",
@@ -451,7 +476,15 @@ static int load_section_file(const job_ctx *c, cJSON *root, const char *key, cha
     }
     const char *errp = NULL;
     cJSON *obj = cJSON_ParseWithOpts(text, &errp, 1);
-    if (!obj || !cJSON_IsObject(obj)) {
+    if (obj && !cJSON_IsObject(obj)) {
+        cJSON_Delete(obj);
+        qt_free(text);
+        rc = QT_ERR(QT_EFORMAT, "%s: the %s config named by %s's \"%s\" is JSON but not an object; write its settings "
+                    "as one object {...}", p, !strcmp(key, "lora") ? "LoRA" : "DeepSpeed", c->where, key);
+        qt_free(p);
+        return rc;
+    }
+    if (!obj) {
         long off = errp ? (long)(errp - text) : 0;
         int line = 1;
         for (long i = 0; i < off && text[i]; i++) line += text[i] == '\n';
@@ -664,7 +697,14 @@ int qt_job_parse(const char *json, const char *dir, const char *where, const cha
         rc = qt_device_check(job->device, w); /* what the machine has is asked when the run starts */
     }
     if (rc == QT_OK) rc = parse_data(&c, root, &job->data);
-    if (rc == QT_OK) rc = parse_lora(&c, root, &job->lora);
+    /* a lora section read from a file: its errors name that file */
+    char lora_where[4400];
+    job_ctx lc = c;
+    if (job->lora_path) {
+        snprintf(lora_where, sizeof lora_where, "%s (%s's \"lora\")", job->lora_path, where);
+        lc.where = lora_where;
+    }
+    if (rc == QT_OK) rc = parse_lora(&lc, root, &job->lora);
     if (rc == QT_OK) rc = parse_train(&c, root, &job->train);
     if (rc == QT_OK) {
         cJSON *ds = cJSON_GetObjectItemCaseSensitive(root, "deepspeed");

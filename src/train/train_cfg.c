@@ -66,21 +66,34 @@ static void sched_text(const qt_ds_config *ds, char *buf, size_t cap) {
     }
 }
 
+/* Weight decay, when there is any, with how it is applied: DeepSpeed's
+ * "Adam" decays as AdamW unless adam_w_mode is false, which a torch user
+ * would not guess from the name. */
+static void decay_text(const qt_ds_config *ds, char *buf, size_t cap) {
+    const qt_adam_cfg *a = &ds->adam;
+    const int adam = strcmp(ds->optimizer_type, "AdamW") != 0;
+    if (a->weight_decay == 0.0) buf[0] = 0;
+    else if (!a->decoupled) snprintf(buf, cap, ", weight decay %g as L2 in the gradient (adam_w_mode false)", a->weight_decay);
+    else snprintf(buf, cap, ", weight decay %g decoupled%s", a->weight_decay,
+                  adam ? " as in AdamW (adam_w_mode true, DeepSpeed's default)" : "");
+}
+
 void qt_train_describe(const qt_job *job, const qt_ds_config *ds, const char *device, char *buf, size_t cap) {
-    char what[160], sched[160];
+    char what[160], sched[160], decay[128];
     if (job->lora.enabled)
         snprintf(what, sizeof what, "LoRA r %d alpha %g on %d module kind(s)", job->lora.r, job->lora.lora_alpha,
                  job->lora.n_target_names);
     else snprintf(what, sizeof what, "full fine-tuning");
     sched_text(ds, sched, sizeof sched);
+    decay_text(ds, decay, sizeof decay);
     const char *lr_note = ds->sched.type == QT_SCHED_CONSTANT || ds->sched.type == QT_SCHED_WARMUP_COSINE_LR
                               ? ""
                               : " (the schedule sets it)";
     snprintf(buf, cap,
-             "run: %s | %s | ZeRO stage %d%s | %s lr %g%s, %s | gradient checkpointing %s | micro-batch %lld x "
+             "run: %s | %s | ZeRO stage %d%s | %s lr %g%s%s, %s | gradient checkpointing %s | micro-batch %lld x "
              "accumulation %lld x %d rank(s) = %lld rows of %d tokens | device %s",
              what, precision_name(ds), ds->zero.stage, ds->zero.offload_optimizer ? ", optimizer offloaded to host" : ", no offload",
-             ds->optimizer_type, ds->adam.lr, lr_note, sched, job->train.gradient_checkpointing ? "on" : "off",
+             ds->optimizer_type, ds->adam.lr, lr_note, decay, sched, job->train.gradient_checkpointing ? "on" : "off",
              (long long)ds->micro_batch, (long long)ds->grad_accum, ds->world, (long long)ds->train_batch_size,
              job->data.seq_len, device);
 }

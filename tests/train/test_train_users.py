@@ -48,6 +48,38 @@ def test_run_says_what_it_resolved(base):
     assert err.index(line) < min(i for i, l in enumerate(err) if "step 1/3" in l or "step 3/3" in l)
 
 
+@pytest.mark.parametrize("opt,says", [
+    ({"type": "AdamW", "params": {"weight_decay": 0.01}}, "AdamW lr 0.001, weight decay 0.01 decoupled, "),
+    ({"type": "Adam", "params": {"weight_decay": 0.01}},
+     "Adam lr 0.001, weight decay 0.01 decoupled as in AdamW (adam_w_mode true, DeepSpeed's default), "),
+    ({"type": "Adam", "params": {"weight_decay": 0.01, "adam_w_mode": False}},
+     "Adam lr 0.001, weight decay 0.01 as L2 in the gradient (adam_w_mode false), "),
+    ({"type": "Adam", "params": {}}, "Adam lr 0.001, constant"),
+])
+def test_run_says_how_weight_decay_applies(base, opt, says):
+    """DeepSpeed's "Adam" decays as AdamW unless adam_w_mode is false: the run line said "Adam" either way."""
+    ds = {"train_micro_batch_size_per_gpu": 1, "optimizer": opt}
+    j = write_job(os.path.join(base, "decay.json"), "model", "run_decay", "train.jsonl", ds=ds,
+                  train_opts={"max_steps": 1})
+    p = run("train", j, "--set", "train.overwrite_output_dir=true")
+    line = [l for l in p.stderr.splitlines() if l.startswith("qtune: run: ")][0]
+    assert says in line, line
+
+
+def test_short_schedule_is_said_once(base):
+    """A decay schedule shorter than its warmup is warned about once, with the warmup it runs (DeepSpeed's
+    max(2, warmup_num_steps)); it was said twice, the second time without the file, as "less than
+    warmup_num_steps 0"."""
+    ds = {"train_micro_batch_size_per_gpu": 1,
+          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 0, "total_num_steps": "auto"}}}
+    j = write_job(os.path.join(base, "shortsched.json"), "model", "run_shortsched", "train.jsonl", ds=ds,
+                  train_opts={"max_steps": 1})
+    p = run("train", j)
+    warns = [l for l in p.stderr.splitlines() if "is less than" in l]
+    assert len(warns) == 1, p.stderr
+    assert "total_num_steps 1 is less than its warmup steps (max(2, warmup_num_steps) = 2)" in warns[0], warns[0]
+
+
 def test_adapter_names_its_base_absolutely(base):
     """base_model_name_or_path is the model folder's absolute path, not the job-relative "model"."""
     j = write_job(os.path.join(base, "absbase.json"), "model", "run_absbase", "train.jsonl",

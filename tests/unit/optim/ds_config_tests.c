@@ -319,6 +319,17 @@ static void test_precision_and_zero(void **state) {
     assert_false(c.fp16 || c.bf16);
     assert_int_equal(parse_text("{\"train_batch_size\":1,\"bfloat16\":{\"enabled\":true}}", 1, &c), QT_OK);
     assert_true(c.bf16);
+    /* both names: DeepSpeed reads "bf16" and ignores the old one, which is named, whatever the key order */
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"bf16\":{\"enabled\":false},\"bfloat16\":{\"enabled\":true}}",
+                                1, &c),
+                     QT_OK);
+    assert_false(c.bf16);
+    assert_true(has_ignored(&c, "bfloat16"));
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"bfloat16\":{\"enabled\":false},\"bf16\":{\"enabled\":true}}",
+                                1, &c),
+                     QT_OK);
+    assert_true(c.bf16);
+    assert_true(has_ignored(&c, "bfloat16"));
     assert_int_equal(parse_text("{\"train_batch_size\":1,\"fp16\":{\"enabled\":true,\"loss_scale\":128}}", 1, &c),
                      QT_OK);
     assert_true(c.scaler.loss_scale == 128 && c.scaler.initial_scale_power == 16 && c.scaler.hysteresis == 2);

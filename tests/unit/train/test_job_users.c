@@ -92,6 +92,16 @@ static void test_lora_is_a_peft_config_file(void **state) {
     /* a missing file names the job and key */
     assert_int_equal(load("\"nope.json\"", NULL, 0, &j) < 0, 1);
     assert_non_null(strstr(qt_error_message(), "job.json: lora"));
+    /* a bad value in the file names that file (it named only the job, where no lora_alpha is written) */
+    char bad[sizeof PEFT_CONFIG + 8];
+    snprintf(bad, sizeof bad, "%s", PEFT_CONFIG);
+    char *alpha = strstr(bad, "\"lora_alpha\": 32");
+    assert_non_null(alpha);
+    memcpy(alpha, "\"lora_alpha\": []", strlen("\"lora_alpha\": []"));
+    write_file("bad_alpha.json", bad);
+    assert_int_equal(load("\"bad_alpha.json\"", NULL, 0, &j), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "bad_alpha.json ("));
+    assert_non_null(strstr(qt_error_message(), "job.json's \"lora\"): lora.lora_alpha must be a number"));
 }
 
 static void test_non_default_peft_keys_are_refused_by_name(void **state) {

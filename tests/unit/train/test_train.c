@@ -115,6 +115,34 @@ static void test_job_sets_are_typed(void **state) {
     assert_int_equal(qt_job_parse(json, ".", "j.json", bad2, 1, &j), QT_EINVAL);
     const char *bad3[] = {"noequals"};
     assert_int_equal(qt_job_parse(json, ".", "j.json", bad3, 1, &j), QT_EINVAL);
+    /* a list of numbers takes numbers ("0.9,0.95" was two strings, which betas refuses); a DeepSpeed
+     * number or flag takes "auto" (the config reader says what it becomes) */
+    const char *json3 = "{\"model\": \"m\", \"output_dir\": \"o\", \"data\": {\"train\": \"t\"},"
+                        " \"train\": {\"max_steps\": 3},"
+                        " \"deepspeed\": {\"train_batch_size\": 8, \"fp16\": {\"enabled\": true},"
+                        " \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"betas\": [0.9, 0.999]}}}}";
+    const char *sets3[] = {"deepspeed.optimizer.params.betas=0.9,0.95", "deepspeed.train_batch_size=auto",
+                           "deepspeed.fp16.enabled=auto"};
+    assert_int_equal(qt_job_parse(json3, ".", "j.json", sets3, 3, &j), QT_OK);
+    cJSON *betas = cJSON_GetObjectItem(cJSON_GetObjectItem(cJSON_GetObjectItem(j.deepspeed, "optimizer"), "params"),
+                                       "betas");
+    assert_int_equal(cJSON_GetArraySize(betas), 2);
+    assert_true(cJSON_IsNumber(cJSON_GetArrayItem(betas, 1)) && cJSON_GetArrayItem(betas, 1)->valuedouble == 0.95);
+    assert_string_equal(cJSON_GetObjectItem(j.deepspeed, "train_batch_size")->valuestring, "auto");
+    assert_string_equal(cJSON_GetObjectItem(cJSON_GetObjectItem(j.deepspeed, "fp16"), "enabled")->valuestring, "auto");
+    qt_job_free(&j);
+    /* a number is written as JSON writes one: strtod's hex, inf and nan are not numbers; "auto" only in deepspeed */
+    static const char *const not_numbers[] = {"train.max_steps=0x10", "train.max_steps=inf", "train.max_steps=nan",
+                                              "train.max_steps=5x", "train.max_steps=auto",
+                                              "deepspeed.optimizer.params.betas=0.9,x"};
+    for (size_t i = 0; i < sizeof not_numbers / sizeof not_numbers[0]; i++) {
+        const char *one[] = {not_numbers[i]};
+        if (qt_job_parse(json3, ".", "j.json", one, 1, &j) == QT_OK) {
+            qt_job_free(&j);
+            fail_msg("--set %s was accepted", not_numbers[i]);
+        }
+        assert_non_null(strstr(qt_error_message(), "is not one"));
+    }
 }
 
 static void test_job_errors_name_the_field(void **state) {
@@ -136,6 +164,15 @@ static void test_job_errors_name_the_field(void **state) {
     assert_int_equal(qt_job_parse("{\"model\": \"m\", \"output_dir\": \"o\", \"data\": {\"train\": \"t\"},"
                                   " \"deepspeed\": \"missing_ds.json\"}", "/nonexistent", "x.json", NULL, 0, &j), QT_EIO);
     assert_non_null(strstr(qt_error_message(), "missing_ds.json"));
+    /* valid JSON that is not an object is said as such, not as "not valid JSON" */
+    char *d = tmpdir();
+    write_text(d, "list_ds.json", "[{\"train_batch_size\": 8}]");
+    assert_int_equal(qt_job_parse("{\"model\": \"m\", \"output_dir\": \"o\", \"data\": {\"train\": \"t\"},"
+                                  " \"deepspeed\": \"list_ds.json\"}", d, "x.json", NULL, 0, &j), QT_EFORMAT);
+    assert_non_null(strstr(qt_error_message(), "list_ds.json: the DeepSpeed config named by x.json's \"deepspeed\" "
+                                               "is JSON but not an object"));
+    qt_rm_rf(d);
+    free(d);
 }
 
 /* Numbers out of a double's range, lora_alpha out of its range and a huge
@@ -166,6 +203,12 @@ static void test_job_numbers_in_range(void **state) {
     /* a key --set adds is read as JSON: its numbers are checked too */
     const char *set[] = {"data.extra={\"v\": 1e-999}"};
     expect_job_error(JOB_HEAD "\"train\": {}}", set, 1, "--set", "v is 1e-999");
+    /* and a number field's value the same way */
+    const char *big[] = {"train.max_steps=1e400"}, *tiny[] = {"deepspeed.optimizer.params.lr=1e-310"};
+    expect_job_error(JOB_HEAD "\"train\": {\"max_steps\": 3}}", big, 1, "--set train.max_steps=1e400",
+                     "larger than any number can be");
+    expect_job_error(JOB_HEAD "\"deepspeed\": {\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}}}",
+                     tiny, 1, "--set deepspeed.optimizer.params.lr=1e-310", "smaller in magnitude than any normal");
     /* in a DeepSpeed file, the error names that file */
     char *d = tmpdir();
     write_text(d, "ds.json", "{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-500}}}");
@@ -373,7 +416,7 @@ static void test_peft_target_modules(void **state) {
     cJSON *js = cJSON_CreateString(".*q_proj");
     unsigned jm = 0;
     assert_int_equal(qt_job_lora_targets(js, &jm, "job.json"), QT_EINVAL);
-    assert_non_null(strstr(qt_error_message(), "adapter_config.json only"));
+    assert_non_null(strstr(qt_error_message(), "write the module names as a list"));
     cJSON_Delete(js);
     /* written back as a string */
     char *d = tmpdir();
