@@ -457,6 +457,10 @@ static int parse_train(const job_ctx *c, const cJSON *root, qt_job_train *t) {
 static int load_section_file(const job_ctx *c, cJSON *root, const char *key, char **path_out) {
     cJSON *ds = cJSON_GetObjectItemCaseSensitive(root, key);
     if (!ds || !cJSON_IsString(ds)) return QT_OK;
+    if (!ds->valuestring[0])
+        return QT_ERR(QT_EINVAL, "%s: \"%s\" is an empty path; name the %s file (relative to the job), write the "
+                      "settings inline as an object, or remove the key", c->where, key,
+                      !strcmp(key, "lora") ? "adapter_config.json" : "DeepSpeed config");
     char *p = qt_strdup(ds->valuestring);
     if (!p) return QT_ENOMEM;
     int rc = resolve(c, &p);
@@ -467,6 +471,9 @@ static int load_section_file(const job_ctx *c, cJSON *root, const char *key, cha
         if (rc == QT_OK && !q) rc = QT_ENOMEM;
         if (q) { qt_free(p); p = q; }
     }
+    if (rc == QT_OK && !qt_path_exists(p))
+        rc = QT_ERR(QT_EINVAL, "%s: \"%s\" names %s, which does not exist; check the path (relative to the job "
+                    "file)", c->where, key, p);
     if (rc != QT_OK) { qt_free(p); return rc; }
     char *text;
     rc = qt_read_file(p, JOB_MAX_BYTES, &text, NULL);

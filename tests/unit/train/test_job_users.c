@@ -91,7 +91,8 @@ static void test_lora_is_a_peft_config_file(void **state) {
     qt_job_free(&j);
     /* a missing file names the job and key */
     assert_int_equal(load("\"nope.json\"", NULL, 0, &j) < 0, 1);
-    assert_non_null(strstr(qt_error_message(), "job.json: lora"));
+    assert_non_null(strstr(qt_error_message(), "job.json: \"lora\" names "));
+    assert_non_null(strstr(qt_error_message(), "nope.json, which does not exist"));
     /* a bad value in the file names that file (it named only the job, where no lora_alpha is written) */
     char bad[sizeof PEFT_CONFIG + 8];
     snprintf(bad, sizeof bad, "%s", PEFT_CONFIG);

@@ -162,8 +162,13 @@ static void test_job_errors_name_the_field(void **state) {
                                   " \"lora\": {\"lora_dropout\": 1.5}}", ".", "x.json", NULL, 0, &j), QT_EINVAL);
     assert_non_null(strstr(qt_error_message(), "lora.lora_dropout"));
     assert_int_equal(qt_job_parse("{\"model\": \"m\", \"output_dir\": \"o\", \"data\": {\"train\": \"t\"},"
-                                  " \"deepspeed\": \"missing_ds.json\"}", "/nonexistent", "x.json", NULL, 0, &j), QT_EIO);
-    assert_non_null(strstr(qt_error_message(), "missing_ds.json"));
+                                  " \"deepspeed\": \"missing_ds.json\"}", "/nonexistent", "x.json", NULL, 0, &j), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "x.json: \"deepspeed\" names /nonexistent/missing_ds.json, which does "
+                                               "not exist; check the path"));
+    /* an empty path said as such (it was "cannot open the file : No such file or directory") */
+    assert_int_equal(qt_job_parse("{\"model\": \"m\", \"output_dir\": \"o\", \"data\": {\"train\": \"t\"},"
+                                  " \"deepspeed\": \"\"}", ".", "x.json", NULL, 0, &j), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "x.json: \"deepspeed\" is an empty path"));
     /* valid JSON that is not an object is said as such, not as "not valid JSON" */
     char *d = tmpdir();
     write_text(d, "list_ds.json", "[{\"train_batch_size\": 8}]");
