@@ -360,6 +360,34 @@ static int commit_stage(const char *stage, const char *out) {
     return rc;
 }
 
+/* --out, checked before anything is staged: not the model folder; not a
+ * folder holding an adapter (transformers and PEFT load a folder with
+ * adapter_config.json as that adapter on its base, so the merged weights
+ * there would not be what loads); and below a folder, not a file. */
+static int check_out(const char *model_dir, const char *out) {
+    char rm[4096], ro[4096], p[4096], up[4096];
+    if (realpath(model_dir, rm) && realpath(out, ro) && !strcmp(rm, ro))
+        return QT_ERR(QT_EINVAL, "--out %s is the model folder itself; name a new folder for the merged model", out);
+    if (qt_path_exists(out) && !qt_is_dir(out))
+        return QT_ERR(QT_EINVAL, "--out %s exists and is not a folder; name a folder for the merged model", out);
+    if (qt_path_join(p, sizeof p, out, "adapter_config.json") == QT_OK && qt_path_exists(p))
+        return QT_ERR(QT_EINVAL, "--out %s holds an adapter (adapter_config.json), and a folder with one loads as "
+                      "that adapter, not as the merged model; name a new folder for the merged model", out);
+    qt_error_clear();
+    snprintf(p, sizeof p, "%s", out);
+    for (;;) { /* the nearest existing ancestor must be a folder to create out in */
+        qt_path_dirname(up, sizeof up, p);
+        if (!strcmp(up, p)) break;
+        snprintf(p, sizeof p, "%s", up);
+        if (!qt_path_exists(p)) continue;
+        if (!qt_is_dir(p))
+            return QT_ERR(QT_EINVAL, "--out %s is inside %s, which is a file, not a folder; name a folder for the "
+                          "merged model", out, p);
+        break;
+    }
+    return QT_OK;
+}
+
 int qt_merge_adapter(const char *model_dir, const char *adapter_dir, const char *out_dir, int out_dtype,
                      volatile sig_atomic_t *stop) {
     return qt_merge_adapter_progress(model_dir, adapter_dir, out_dir, out_dtype, stop, NULL);
@@ -370,20 +398,19 @@ int qt_merge_adapter_progress(const char *model_dir, const char *adapter_dir, co
     st_file *base = NULL;
     qt_merge_set *set = NULL;
     QT_TRY(qt_merge_open_model(model_dir, &base));
-    char rm[4096], ro[4096], out[4096], stage[4200];
+    char out[4096], stage[4200];
     int rc = QT_OK;
-    if (realpath(model_dir, rm) && realpath(out_dir, ro) && !strcmp(rm, ro))
-        rc = QT_ERR(QT_EINVAL, "--out %s is the model folder itself; name a new folder for the merged model", out_dir);
-    else if (qt_path_exists(out_dir) && !qt_is_dir(out_dir))
-        rc = QT_ERR(QT_EINVAL, "--out %s exists and is not a folder; name a folder for the merged model", out_dir);
     /* the staging folder is on out's filesystem, so the renames are atomic:
      * inside an existing out (whose parent may not be writable), else beside
      * it, to be renamed as a whole */
     size_t n = strlen(out_dir);
     while (n > 1 && out_dir[n - 1] == '/') n--;
-    if (rc == QT_OK && (n >= sizeof out || !n)) rc = QT_ERR(QT_EINVAL, "--out %.200s: path too long", out_dir);
+    if (n >= sizeof out || !n) rc = QT_ERR(QT_EINVAL, "--out %.200s: path too long", out_dir);
     if (rc == QT_OK) {
         snprintf(out, sizeof out, "%.*s", (int)n, out_dir);
+        rc = check_out(model_dir, out);
+    }
+    if (rc == QT_OK) {
         if (qt_is_dir(out)) snprintf(stage, sizeof stage, "%s/.qtune-merge.tmp.%ld", out, (long)getpid());
         else snprintf(stage, sizeof stage, "%s.tmp.%ld", out, (long)getpid());
     }

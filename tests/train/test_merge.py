@@ -156,6 +156,26 @@ def test_merge_checks_the_model_folder_first(tmp_path):
     assert not os.path.exists(out)
 
 
+def test_merge_refuses_an_out_that_cannot_hold_the_model(tmp_path):
+    """--out the adapter folder (or any folder holding an adapter) is refused:
+    transformers and PEFT load a folder with adapter_config.json as that
+    adapter, not as the merged model; it was merged into. A --out below a file
+    is named as such (the error named the staging folder). Nothing changes."""
+    d = str(tmp_path)
+    model = init_model(os.path.join(d, "model"))
+    ad = tiny_adapter(d, {Q0: (64, 64)}, ["q_proj"])
+    before = sorted(os.listdir(ad))
+    for out in (ad, ad + "/"):
+        p = run("merge", "--model", model, "--adapter", ad, "--out", out, check=False)
+        assert p.returncode == 1 and "holds an adapter (adapter_config.json)" in p.stderr, p.stderr
+        assert sorted(os.listdir(ad)) == before
+    cfg = os.path.join(model, "config.json")
+    p = run("merge", "--model", model, "--adapter", ad, "--out", os.path.join(cfg, "x", "merged"), check=False)
+    assert p.returncode == 1 and "is inside %s, which is a file" % cfg in p.stderr and ".tmp." not in p.stderr, \
+        p.stderr
+    assert sorted(os.listdir(d)) == ["ad", "model"]
+
+
 @pytest.mark.parametrize("keys", [("torch_dtype",), ("dtype",), ("torch_dtype", "dtype")])
 def test_merge_dtype_sets_every_dtype_key(tmp_path, keys):
     """--dtype rewrites each dtype key config.json has: torch_dtype (transformers
