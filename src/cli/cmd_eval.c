@@ -214,7 +214,10 @@ static int run_eval(const char *model_dir, const char *tok_path, const char *ada
     if (rc == QT_OK) {
         if (ncut) qt_warn("eval: %lld examples were longer than --seq-len %d and were cut", (long long)ncut, T);
         if (ntok == 0) {
-            rc = QT_ERR(QT_EINVAL, "%s: no token carries a label, so there is no loss to report", data);
+            /* one-token examples (or --seq-len 1) are the usual cause: token 0 is never predicted */
+            rc = QT_ERR(QT_EINVAL, "%s: no token carries a label, so there is no loss to report; each token is "
+                        "scored from the ones before it, so give examples of 2 or more tokens (within --seq-len "
+                        "%d) whose tokens after the first are labelled", data, T);
         } else {
             /* exp overflows a double past a loss of ~709.78 nats; JSON has no
              * infinity (printf's "inf" would break the line), so ppl is null */
@@ -259,7 +262,8 @@ int cmd_eval(int argc, char **argv) {
         else if (!strcmp(a, "--device")) device = v;
         else if (!strcmp(a, "--seq-len") || !strcmp(a, "--batch")) {
             long x = strtol(v, &end, 10);
-            if (*end || x < 1 || x > (1 << 20)) return cli_usage_error("eval", "%s must be a positive integer, not '%s'", a, v);
+            if (*end || x < 1 || x > (1 << 20))
+                return cli_usage_error("eval", "%s must be a whole number from 1 to %d, not '%s'", a, 1 << 20, v);
             if (a[2] == 's') T = (int)x;
             else B = (int)x;
         } else {

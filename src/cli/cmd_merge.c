@@ -21,7 +21,7 @@ static void help(void) {
            "and cast once. Writes DIR/model.safetensors, config.json and the tokenizer files.\n\n"
            "  --model DIR    the base model folder the adapter was trained on\n"
            "  --adapter DIR  the adapter folder (e.g. a run's output_dir/final)\n"
-           "  --out DIR      the merged model folder to write (not the model folder)\n"
+           "  --out DIR      the merged model folder to write (not the model or an adapter folder)\n"
            "  --dtype T      store every tensor as T (default: as the base model stores it)\n"
            "  --device D     auto (default), cpu, cuda, cuda:N, checked as eval and generate check it\n"
            "                 (cuda where no GPU is visible is an error); the merge itself streams the\n"

@@ -431,6 +431,15 @@ static int parse_model(bpe_tokenizer *t, load_ctx *c) {
         return QT_ERR(QT_EUNSUPPORTED, "%s: model.type must be \"BPE\"; qtune reads byte-level BPE tokenizers", c->path);
     if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(model, "byte_fallback")))
         return QT_ERR(QT_EUNSUPPORTED, "%s: model.byte_fallback=true is not supported (a SentencePiece-style BPE)", c->path);
+    /* both change which tokens a word becomes (HF: a word found in the vocabulary skips the merges; merges
+     * skipped at random), so an encoder that ignored them would differ from HF's in silence */
+    if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(model, "ignore_merges")))
+        return QT_ERR(QT_EUNSUPPORTED, "%s: model.ignore_merges=true is not supported (qtune always applies the "
+                      "merges, as Qwen's tokenizers do with ignore_merges false)", c->path);
+    const cJSON *dropout = cJSON_GetObjectItemCaseSensitive(model, "dropout");
+    if (dropout && !cJSON_IsNull(dropout) && !(cJSON_IsNumber(dropout) && dropout->valuedouble == 0))
+        return QT_ERR(QT_EUNSUPPORTED, "%s: model.dropout must be null or 0 (BPE dropout makes encoding random; "
+                      "Qwen's tokenizers have null)", c->path);
     const char *affix[] = {"continuing_subword_prefix", "end_of_word_suffix"};
     for (int i = 0; i < 2; i++) {
         const cJSON *a = cJSON_GetObjectItemCaseSensitive(model, affix[i]);

@@ -230,7 +230,19 @@ struct qt_merge_set {
      * tied base does not hold, comes from lm_head_src (the adapter's, or the base embedding) */
     int untie;
     merge_item lm_head;
+    qt_dtype lm_head_dtype; /* the tied embedding's: a new lm_head is stored as the model stores it */
 };
+
+/* 1 when the adapter holds a trained copy of the tied embedding or lm_head
+ * (modules_to_save): only then do the two differ. A saved module elsewhere
+ * (a norm) leaves the model tied, as PEFT's merge_and_unload does. */
+static int saves_embedding(const qt_merge_set *s, const st_tensor *emb, const st_tensor *lm_head,
+                           const st_tensor *lm_new) {
+    int saved = lm_new != NULL;
+    for (int k = 0; k < s->n_items; k++)
+        if (s->items[k].full && s->items[k].w && (s->items[k].w == emb || s->items[k].w == lm_head)) saved = 1;
+    return saved;
+}
 
 void qt_merge_set_free(qt_merge_set *s) {
     if (!s) return;
@@ -261,14 +273,19 @@ int qt_merge_set_open(const char *model_dir, const char *adapter_dir, st_file *b
     if (rc == QT_OK)
         rc = pair_items(model_dir, adapter_dir, &pc, base, s->ad, s->items, &s->n_items, cfg.tie_word_embeddings,
                         &lm_new);
-    if (rc == QT_OK && cfg.tie_word_embeddings && pc.n_save) {
-        /* PEFT trains a listed module of a tied model as its own copy: the embedding and lm_head differ */
-        char emb[160];
+    char emb[160];
+    const st_tensor *emb_w = NULL, *lm_w = st_find(base, "lm_head.weight"); /* a tied file may hold one */
+    if (rc == QT_OK && cfg.tie_word_embeddings) {
         snprintf(emb, sizeof emb, "%s.weight", qt_config_layout(&cfg)->embed);
+        emb_w = st_find(base, emb);
+    }
+    if (rc == QT_OK && cfg.tie_word_embeddings && saves_embedding(s, emb_w, lm_w, lm_new)) {
+        /* PEFT trains a listed module of a tied model as its own copy: the embedding and lm_head differ */
         s->untie = 1;
-        s->lm_head.full = lm_new ? lm_new : st_find(base, emb);
-        s->lm_head.w = st_find(base, "lm_head.weight"); /* a tied file may hold one; then it is replaced */
-        if (!s->lm_head.full) rc = QT_ERR(QT_EFORMAT, "%s has no %s", model_dir, emb);
+        s->lm_head.full = lm_new ? lm_new : emb_w;
+        s->lm_head.w = lm_w; /* then it is replaced */
+        if (!emb_w) rc = QT_ERR(QT_EFORMAT, "%s has no %s", model_dir, emb);
+        else s->lm_head_dtype = emb_w->dtype;
         for (int k = 0; rc == QT_OK && k < s->n_items && s->lm_head.w; k++)
             if (s->items[k].w == s->lm_head.w) s->lm_head.w = NULL; /* the adapter's lm_head replaces it already */
     }
@@ -321,7 +338,7 @@ static int write_stage(const char *model_dir, const char *stage, st_file *base, 
     /* untied from a tied base that held no lm_head.weight: it is written now */
     if (rc == QT_OK && set->untie && !st_find(base, "lm_head.weight")) {
         const st_tensor *src = set->lm_head.full;
-        rc = st_writer_add_fn(wr, "lm_head.weight", out_dtype < 0 ? src->dtype : (qt_dtype)out_dtype, src->ndim,
+        rc = st_writer_add_fn(wr, "lm_head.weight", out_dtype < 0 ? set->lm_head_dtype : (qt_dtype)out_dtype, src->ndim,
                               src->shape, merge_fill, &set->lm_head);
     }
     char path[4096];
@@ -360,6 +377,34 @@ static int commit_stage(const char *stage, const char *out) {
     return rc;
 }
 
+/* --out, checked before anything is staged: not the model folder; not a
+ * folder holding an adapter (transformers and PEFT load a folder with
+ * adapter_config.json as that adapter on its base, so the merged weights
+ * there would not be what loads); and below a folder, not a file. */
+static int check_out(const char *model_dir, const char *out) {
+    char rm[4096], ro[4096], p[4096], up[4096];
+    if (realpath(model_dir, rm) && realpath(out, ro) && !strcmp(rm, ro))
+        return QT_ERR(QT_EINVAL, "--out %s is the model folder itself; name a new folder for the merged model", out);
+    if (qt_path_exists(out) && !qt_is_dir(out))
+        return QT_ERR(QT_EINVAL, "--out %s exists and is not a folder; name a folder for the merged model", out);
+    if (qt_path_join(p, sizeof p, out, "adapter_config.json") == QT_OK && qt_path_exists(p))
+        return QT_ERR(QT_EINVAL, "--out %s holds an adapter (adapter_config.json), and a folder with one loads as "
+                      "that adapter, not as the merged model; name a new folder for the merged model", out);
+    qt_error_clear();
+    snprintf(p, sizeof p, "%s", out);
+    for (;;) { /* the nearest existing ancestor must be a folder to create out in */
+        qt_path_dirname(up, sizeof up, p);
+        if (!strcmp(up, p)) break;
+        snprintf(p, sizeof p, "%s", up);
+        if (!qt_path_exists(p)) continue;
+        if (!qt_is_dir(p))
+            return QT_ERR(QT_EINVAL, "--out %s is inside %s, which is a file, not a folder; name a folder for the "
+                          "merged model", out, p);
+        break;
+    }
+    return QT_OK;
+}
+
 int qt_merge_adapter(const char *model_dir, const char *adapter_dir, const char *out_dir, int out_dtype,
                      volatile sig_atomic_t *stop) {
     return qt_merge_adapter_progress(model_dir, adapter_dir, out_dir, out_dtype, stop, NULL);
@@ -370,20 +415,19 @@ int qt_merge_adapter_progress(const char *model_dir, const char *adapter_dir, co
     st_file *base = NULL;
     qt_merge_set *set = NULL;
     QT_TRY(qt_merge_open_model(model_dir, &base));
-    char rm[4096], ro[4096], out[4096], stage[4200];
+    char out[4096], stage[4200];
     int rc = QT_OK;
-    if (realpath(model_dir, rm) && realpath(out_dir, ro) && !strcmp(rm, ro))
-        rc = QT_ERR(QT_EINVAL, "--out %s is the model folder itself; name a new folder for the merged model", out_dir);
-    else if (qt_path_exists(out_dir) && !qt_is_dir(out_dir))
-        rc = QT_ERR(QT_EINVAL, "--out %s exists and is not a folder; name a folder for the merged model", out_dir);
     /* the staging folder is on out's filesystem, so the renames are atomic:
      * inside an existing out (whose parent may not be writable), else beside
      * it, to be renamed as a whole */
     size_t n = strlen(out_dir);
     while (n > 1 && out_dir[n - 1] == '/') n--;
-    if (rc == QT_OK && (n >= sizeof out || !n)) rc = QT_ERR(QT_EINVAL, "--out %.200s: path too long", out_dir);
+    if (n >= sizeof out || !n) rc = QT_ERR(QT_EINVAL, "--out %.200s: path too long", out_dir);
     if (rc == QT_OK) {
         snprintf(out, sizeof out, "%.*s", (int)n, out_dir);
+        rc = check_out(model_dir, out);
+    }
+    if (rc == QT_OK) {
         if (qt_is_dir(out)) snprintf(stage, sizeof stage, "%s/.qtune-merge.tmp.%ld", out, (long)getpid());
         else snprintf(stage, sizeof stage, "%s.tmp.%ld", out, (long)getpid());
     }

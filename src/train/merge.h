@@ -39,10 +39,11 @@ int qt_merge_set_open(const char *model_dir, const char *adapter_dir, st_file *b
  * NULL when the adapter leaves that weight alone. */
 void qt_merge_set_lookup(qt_merge_set *s, const char *name, st_fill_fn *fill, void **ctx);
 int qt_merge_set_count(const qt_merge_set *s);  /* adapted weights (LoRA and modules_to_save) */
-/* 1 when the adapter has modules_to_save on a base with tied embeddings: as
- * PEFT trains each listed module as its own copy, the merged model's
- * embedding and lm_head differ, so merge writes lm_head.weight (the trained
- * copy, or the base embedding when only the embedding was listed) and sets
+/* 1 when the adapter holds a trained copy (modules_to_save) of a tied base's
+ * embedding or lm_head: as PEFT trains each listed module as its own copy,
+ * the merged model's embedding and lm_head differ, so merge writes
+ * lm_head.weight (the trained copy, or the base embedding when only the
+ * embedding was listed; in the embedding's dtype) and sets
  * tie_word_embeddings false in config.json. */
 int qt_merge_set_unties(const qt_merge_set *s);
 float qt_merge_set_scaling(const qt_merge_set *s);

@@ -101,6 +101,28 @@ def test_unknown_format_is_a_usage_error(model, tmp_path, fmt):
         qtune("eval", "--model", model, "--data", data, "--format", good, check=0)
 
 
+@pytest.mark.parametrize("lines,extra", [([b'{"input_ids": [5]}'], []),
+                                         ([b'{"input_ids": [1, 2, 3]}'], ["--seq-len", "1"])])
+def test_no_labelled_token_says_what_to_give(model, tmp_path, lines, extra):
+    """One-token examples (or --seq-len 1) have nothing to score: the error
+    says why and what to give (it said only that no token carries a label)."""
+    data = write_lines(tmp_path / "d.jsonl", *lines)
+    p = qtune("eval", "--model", model, "--data", data, *extra, check=1)
+    err = p.stderr.strip().splitlines()[-1]
+    assert "no token carries a label" in err and "examples of 2 or more tokens" in err, err
+    assert p.stdout == ""
+
+
+@pytest.mark.parametrize("opt", ["--seq-len", "--batch"])
+def test_a_too_large_count_is_named_with_its_range(model, tmp_path, opt):
+    """A count past 2^20 is refused with the range (it said 'must be a
+    positive integer' of a positive integer)."""
+    data = write_lines(tmp_path / "d.jsonl", b'{"input_ids": [1, 2, 3]}')
+    for bad in ("0", "99999999999", "x"):
+        p = qtune("eval", "--model", model, "--data", data, opt, bad, check=2)
+        assert "must be a whole number from 1 to 1048576, not '%s'" % bad in p.stderr, p.stderr
+
+
 @pytest.mark.parametrize("bad", ["nan", "inf"])
 def test_nonfinite_loss_is_an_error(tmp_path, bad):
     """Weights holding NaN or inf make every log-probability non-finite: eval stops with one sentence

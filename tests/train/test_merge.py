@@ -156,6 +156,58 @@ def test_merge_checks_the_model_folder_first(tmp_path):
     assert not os.path.exists(out)
 
 
+def test_merge_refuses_an_out_that_cannot_hold_the_model(tmp_path):
+    """--out the adapter folder (or any folder holding an adapter) is refused:
+    transformers and PEFT load a folder with adapter_config.json as that
+    adapter, not as the merged model; it was merged into. A --out below a file
+    is named as such (the error named the staging folder). Nothing changes."""
+    d = str(tmp_path)
+    model = init_model(os.path.join(d, "model"))
+    ad = tiny_adapter(d, {Q0: (64, 64)}, ["q_proj"])
+    before = sorted(os.listdir(ad))
+    for out in (ad, ad + "/"):
+        p = run("merge", "--model", model, "--adapter", ad, "--out", out, check=False)
+        assert p.returncode == 1 and "holds an adapter (adapter_config.json)" in p.stderr, p.stderr
+        assert sorted(os.listdir(ad)) == before
+    cfg = os.path.join(model, "config.json")
+    p = run("merge", "--model", model, "--adapter", ad, "--out", os.path.join(cfg, "x", "merged"), check=False)
+    assert p.returncode == 1 and "is inside %s, which is a file" % cfg in p.stderr and ".tmp." not in p.stderr, \
+        p.stderr
+    assert sorted(os.listdir(d)) == ["ad", "model"]
+
+
+def test_merge_modules_to_save_on_a_tied_bf16_model(tmp_path):
+    """A tied bf16 model: a saved lm_head (f32 in the adapter, as qtune and
+    PEFT write it) becomes a bf16 lm_head.weight like every other tensor (it
+    was written f32); a saved module other than the embedding and lm_head
+    leaves the model tied (it was untied, with a copy of the embedding)."""
+    d = str(tmp_path)
+    model = init_model(os.path.join(d, "model"), dtype="bf16")
+    rng = np.random.default_rng(1)
+    ad = tiny_adapter(d, {Q0: (64, 64)}, ["q_proj"])
+    saved = (rng.standard_normal((512, 64)) * 0.02).astype(np.float32)
+    for name, key, value in (("lm_head", "base_model.model.lm_head.weight", saved),
+                             ("norm", "base_model.model.model.norm.weight", np.full(64, 2, np.float32))):
+        w = st.read(os.path.join(ad, "adapter_model.safetensors"))
+        w = {k: v for k, v in w.items() if "lora_" in k}
+        w[key] = value
+        st.write(os.path.join(ad, "adapter_model.safetensors"), w)
+        cfg = json.load(open(os.path.join(ad, "adapter_config.json")))
+        json.dump(dict(cfg, modules_to_save=[name]), open(os.path.join(ad, "adapter_config.json"), "w"))
+        out = os.path.join(d, "m_" + name)
+        run("merge", "--model", model, "--adapter", ad, "--out", out)
+        dtypes = st.read_dtypes(os.path.join(out, "model.safetensors"))
+        assert set(dtypes.values()) == {"BF16"}, dtypes
+        tied = json.load(open(os.path.join(out, "config.json")))["tie_word_embeddings"]
+        merged = st.read(os.path.join(out, "model.safetensors"))
+        if name == "lm_head":
+            assert tied is False
+            assert np.array_equal(merged["lm_head.weight"], st.bf16_to_f32(st.f32_to_bf16(saved)))
+        else:
+            assert tied is True and "lm_head.weight" not in dtypes
+            assert np.array_equal(merged["model.norm.weight"], np.full(64, 2, np.float32))
+
+
 @pytest.mark.parametrize("keys", [("torch_dtype",), ("dtype",), ("torch_dtype", "dtype")])
 def test_merge_dtype_sets_every_dtype_key(tmp_path, keys):
     """--dtype rewrites each dtype key config.json has: torch_dtype (transformers
