@@ -146,6 +146,9 @@ struct bpe_tokenizer {
     size_t n_vocab_words;      /* tokens in it */
     uint64_t hash;             /* of the tokenizer.json bytes */
     int tiktoken;              /* read from a qwen.tiktoken (tiktoken.c) */
+    int ignore_merges;         /* model.ignore_merges: a word that is a vocabulary token is that token, unmerged */
+    uint32_t byte_cp[256];     /* GPT-2's byte alphabet: the code point each byte is spelt with */
+    size_t max_word_bytes;     /* the longest vocabulary token, in bytes (ignore_merges' lookups) */
 };
 
 /* The original Qwen's qwen.tiktoken (buf, len bytes) as the tokenizer.json
@@ -250,6 +253,14 @@ int bpe_word(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t **ids, 
  * (an inline compare) and calls this. */
 int bpe_word_ids(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *out, size_t *k);
 int bpe_cache_init(bpe_tokenizer *t);
+
+/* Words longer than this are never looked up whole (ignore_merges): no real
+ * vocabulary has a token this long. */
+#define BPE_WHOLE_WORD_MAX 1024
+
+/* The id of the vocabulary token (not an added one) whose string is s[0, n)
+ * as tokenizer.json spells it, else -1. */
+int32_t bpe_vocab_find(const bpe_tokenizer *t, const char *s, size_t n);
 void bpe_cache_free(bpe_tokenizer *t);
 
 /* Grows *ids (and *spans, *marks when not NULL: they share *cap) so that

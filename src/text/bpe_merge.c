@@ -497,7 +497,29 @@ __attribute__((noinline)) static int word_cut(const bpe_tokenizer *t, const uint
     return QT_OK;
 }
 
+/* ignore_merges: the id of the vocabulary token whose bytes are w[0, n), else
+ * -1. HF looks the word up spelt in the byte alphabet, as the vocabulary is. */
+static int32_t whole_word(const bpe_tokenizer *t, const uint8_t *w, size_t n) {
+    char s[2 * BPE_WHOLE_WORD_MAX]; /* a byte's code point is below 0x800: at most 2 UTF-8 bytes */
+    if (n > t->max_word_bytes || n > BPE_WHOLE_WORD_MAX) return -1;
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        const uint32_t cp = t->byte_cp[w[i]];
+        if (cp < 0x80) s[m++] = (char)cp;
+        else s[m++] = (char)(0xC0 | cp >> 6), s[m++] = (char)(0x80 | (cp & 0x3F));
+    }
+    return bpe_vocab_find(t, s, m);
+}
+
 int bpe_word_ids(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *out, size_t *k) {
+    if (t->ignore_merges) {
+        const int32_t id = whole_word(t, w, n);
+        if (id >= 0) {
+            out[0] = id;
+            *k = 1;
+            return QT_OK;
+        }
+    }
     if (n <= 8 || w[n - 1] < 0x80) return word_one(t, w, n, out, k); /* ASCII words end in ASCII */
     return word_cut(t, w, n, out, k);
 }

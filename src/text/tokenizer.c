@@ -72,6 +72,11 @@ static int32_t str_find(const bpe_tokenizer *t, const char *s, size_t n) {
     }
 }
 
+int32_t bpe_vocab_find(const bpe_tokenizer *t, const char *s, size_t n) {
+    const int32_t id = str_find(t, s, n);
+    return id >= 0 && !t->is_added[id] ? id : -1;
+}
+
 /* Later entries win, as when HF builds its map: added tokens override vocab. */
 static void str_insert(bpe_tokenizer *t, const char *s, int32_t id) {
     size_t n = strlen(s);
@@ -181,6 +186,10 @@ static int build_strings(bpe_tokenizer *t, load_ctx *c) {
         }
     }
     t->tok_off[t->n_ids] = (uint32_t)bo;
+    memcpy(t->byte_cp, c->byte_to_cp, sizeof t->byte_cp);
+    for (int32_t i = 0; i < t->n_ids; i++)
+        if (!t->is_added[i] && t->tok_off[i + 1] - t->tok_off[i] > t->max_word_bytes)
+            t->max_word_bytes = t->tok_off[i + 1] - t->tok_off[i];
     t->str_cap = pow2_at_least((size_t)t->n_ids * 2);
     t->str_tab = qt_malloc(t->str_cap * sizeof *t->str_tab, "token lookup table");
     if (!t->str_tab) return QT_ENOMEM;
@@ -431,11 +440,13 @@ static int parse_model(bpe_tokenizer *t, load_ctx *c) {
         return QT_ERR(QT_EUNSUPPORTED, "%s: model.type must be \"BPE\"; qtune reads byte-level BPE tokenizers", c->path);
     if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(model, "byte_fallback")))
         return QT_ERR(QT_EUNSUPPORTED, "%s: model.byte_fallback=true is not supported (a SentencePiece-style BPE)", c->path);
-    /* both change which tokens a word becomes (HF: a word found in the vocabulary skips the merges; merges
-     * skipped at random), so an encoder that ignored them would differ from HF's in silence */
-    if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(model, "ignore_merges")))
-        return QT_ERR(QT_EUNSUPPORTED, "%s: model.ignore_merges=true is not supported (qtune always applies the "
-                      "merges, as Qwen's tokenizers do with ignore_merges false)", c->path);
+    /* HF's BPE: with ignore_merges a word that is a vocabulary token is that token, merges or not (Llama 3's
+     * tokenizers set it; bpe_word_ids) */
+    const cJSON *im = cJSON_GetObjectItemCaseSensitive(model, "ignore_merges");
+    if (im && !cJSON_IsNull(im) && !cJSON_IsBool(im))
+        return QT_ERR(QT_EFORMAT, "%s: model.ignore_merges must be true or false", c->path);
+    t->ignore_merges = cJSON_IsTrue(im);
+    /* merges skipped at random: an encoder that ignored it would differ from HF's in silence */
     const cJSON *dropout = cJSON_GetObjectItemCaseSensitive(model, "dropout");
     if (dropout && !cJSON_IsNull(dropout) && !(cJSON_IsNumber(dropout) && dropout->valuedouble == 0))
         return QT_ERR(QT_EUNSUPPORTED, "%s: model.dropout must be null or 0 (BPE dropout makes encoding random; "

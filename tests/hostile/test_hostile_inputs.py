@@ -230,8 +230,8 @@ def tok_case(base, case):
         t["normalizer"] = {"type": "NFKD"}
     elif case == "added_tokens_not_array":
         t["added_tokens"] = {"a": 1}
-    elif case == "ignore_merges":  # HF: a word in the vocabulary skips the merges; it was ignored
-        t["model"]["ignore_merges"] = True
+    elif case == "ignore_merges_not_bool":  # read as a flag (a word in the vocabulary skips the merges)
+        t["model"]["ignore_merges"] = "yes"
     elif case == "bpe_dropout":  # HF: merges skipped at random; it was ignored
         t["model"]["dropout"] = 0.1
     else:
@@ -241,7 +241,7 @@ def tok_case(base, case):
 
 TOK_CASES = ["duplicate_vocab_ids", "added_token_bad_id", "added_token_huge_id", "vocab_id_huge", "vocab_id_string",
              "vocab_too_small", "merge_unknown_token", "merge_one_part", "merges_not_array", "model_not_bpe",
-             "no_model", "bad_regex", "normalizer_unsupported", "added_tokens_not_array", "ignore_merges", "bpe_dropout"]
+             "no_model", "bad_regex", "normalizer_unsupported", "added_tokens_not_array", "ignore_merges_not_bool", "bpe_dropout"]
 
 
 @pytest.mark.parametrize("case", TOK_CASES)

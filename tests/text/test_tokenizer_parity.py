@@ -128,3 +128,32 @@ def test_cli_plain_modes_and_errors(qtune, qwen_json):
     assert r.returncode == 1 and "/nonexistent/tok.json" in r.stderr
     r = subprocess.run([qtune, "tokenize", "--tokenizer", qwen_json], capture_output=True, text=True)
     assert r.returncode == 2
+
+
+def test_ignore_merges_matches_reference(qtune, qwen_json, tmp_path):
+    """model.ignore_merges (Llama 3's tokenizers set it): a word that is a vocabulary token is that token,
+    whatever the merges would make of it. With the merges that build "Ġthe" and "Ġcat" taken out, " the"
+    and " cat" stay whole only through the flag; qtune (which refused the flag, and before that ignored
+    it) and the reference agree id for id with it on and with it off."""
+    tok = json.load(open(qwen_json, encoding="utf-8"))
+    model = tok["model"]
+
+    def joined(m):
+        return "".join(m.split(" ", 1)) if isinstance(m, str) else "".join(m)
+    gone = {"Ġthe", "Ġcat"}
+    model["merges"] = [m for m in model["merges"] if joined(m) not in gone]
+    texts = [" the cat", "the", " the", "Say the word: the cat sat on the mat.", " cathedral", "xyz the",
+             "日本語 the 猫"]
+    many = tmp_path / "many.json"
+    many.write_text(json.dumps(texts), encoding="utf-8")
+    ids = {}
+    for flag in (False, True):
+        model["ignore_merges"] = flag
+        path = tmp_path / ("tok_%d.json" % flag)
+        path.write_text(json.dumps(tok), encoding="utf-8")
+        ref = run_node(["--with", str(path), "--many", str(many)])
+        got = [run_qtune(qtune, ["--tokenizer", str(path), "--text", t, "--json"])["ids"] for t in texts]
+        assert got == ref, (flag, got, ref)
+        ids[flag] = got
+    the = tok["model"]["vocab"]["Ġthe"]
+    assert the in ids[True][0] and the not in ids[False][0], ids  # the flag is what keeps " the" whole
