@@ -221,6 +221,39 @@ static int pair_items(const char *model_dir, const char *adapter_dir, const peft
     return QT_OK;
 }
 
+/* Targeted modules of the base that the adapter holds no LoRA for: PEFT loads
+ * such an adapter with a warning and leaves those modules at B = 0, as the
+ * merge does by passing them over; said here, with the first one named, so it
+ * is not silent. Layers that layers_to_transform leaves out are not counted.
+ * embed: the embedding's module name. */
+static void warn_unadapted(const char *adapter_dir, const peft_config *pc, st_file *base, const merge_item *items,
+                           int n_items, const char *embed) {
+    int missing = 0;
+    char first[512] = "";
+    for (int i = 0; i < st_count(base); i++) {
+        const st_tensor *w = st_at(base, i);
+        const size_t n = strlen(w->name);
+        if (w->ndim != 2 || n <= 7 || strcmp(w->name + n - 7, ".weight")) continue;
+        char module[512];
+        snprintf(module, sizeof module, "%.*s", (int)(n - 7), w->name);
+        /* "all-linear" matches every name but lm_head; the embedding is no Linear layer */
+        if (!strcmp(module, embed) || !peft_targets_module(pc, module)) continue;
+        if (pc->n_layers) {
+            const int l = peft_layer_index(pc, module);
+            int on = 0;
+            for (int k = 0; k < pc->n_layers && l >= 0; k++) on |= pc->layers_to_transform[k] == l;
+            if (!on) continue;
+        }
+        int held = 0;
+        for (int k = 0; k < n_items && !held; k++) held = items[k].w == w;
+        if (!held && !missing++) snprintf(first, sizeof first, "%s", module);
+    }
+    if (missing)
+        qt_warn("%s: target_modules selects %d module%s of the model that the adapter holds no LoRA weights for "
+                "(the first: %s); %s left as the base model has %s, as PEFT leaves them", adapter_dir, missing,
+                missing == 1 ? "" : "s", first, missing == 1 ? "it is" : "they are", missing == 1 ? "it" : "them");
+}
+
 struct qt_merge_set {
     st_file *ad;
     merge_item *items;
@@ -273,6 +306,7 @@ int qt_merge_set_open(const char *model_dir, const char *adapter_dir, st_file *b
     if (rc == QT_OK)
         rc = pair_items(model_dir, adapter_dir, &pc, base, s->ad, s->items, &s->n_items, cfg.tie_word_embeddings,
                         &lm_new);
+    if (rc == QT_OK) warn_unadapted(adapter_dir, &pc, base, s->items, s->n_items, qt_config_layout(&cfg)->embed);
     char emb[160];
     const st_tensor *emb_w = NULL, *lm_w = st_find(base, "lm_head.weight"); /* a tied file may hold one */
     if (rc == QT_OK && cfg.tie_word_embeddings) {

@@ -133,6 +133,29 @@ def test_merge_refuses_tensors_outside_target_modules(tmp_path):
     assert p.returncode == 1 and "target_modules (self_attn.q)" in p.stderr, p.stderr
 
 
+def test_merge_names_targeted_modules_without_lora(tmp_path):
+    """An adapter with no LoRA for some modules its target_modules select (a file cut short, a
+    hand-made adapter) merged what it held in silence. PEFT loads such an adapter with a warning and
+    leaves those modules at B = 0, which the merge matches; now it says how many and names the first.
+    The same warning comes from export --gguf, which merges through the same code."""
+    d = str(tmp_path)
+    model = init_model(os.path.join(d, "model"))
+    out = os.path.join(d, "m")
+    ad = tiny_adapter(d, {Q0: (64, 64)}, ["q_proj", "v_proj"])
+    p = run("merge", "--model", model, "--adapter", ad, "--out", out)
+    assert "selects 3 modules of the model that the adapter holds no LoRA weights for (the first: " \
+           "model.layers.0.self_attn.v_proj)" in p.stderr, p.stderr
+    assert np.array_equal(st.read(os.path.join(out, "model.safetensors"))["model.layers.1.self_attn.q_proj.weight"],
+                          st.read(os.path.join(model, "model.safetensors"))["model.layers.1.self_attn.q_proj.weight"])
+    # every selected module held (both layers' q): no warning, all-linear's embedding is not counted
+    full = tiny_adapter(d, {Q0: (64, 64), "model.layers.1.self_attn.q_proj": (64, 64)}, ["q_proj"], name="full")
+    shutil.rmtree(out)
+    p = run("merge", "--model", model, "--adapter", full, "--out", out)
+    assert "holds no LoRA" not in p.stderr, p.stderr
+    p = run("export", "--model", model, "--adapter", ad, "--gguf", os.path.join(d, "x.gguf"), check=False)
+    assert "holds no LoRA weights for" in p.stderr, p.stderr
+
+
 def test_merge_checks_the_model_folder_first(tmp_path):
     """A wrong --model gets the model-folder sentence even when the adapter is
     wrong too (it was reported as a missing adapter_config.json)."""
