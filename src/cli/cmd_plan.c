@@ -130,7 +130,8 @@ int cmd_plan(int argc, char **argv) {
         if (!strcmp(argv[i], "--set") && i + 1 < argc) sets[n_sets++] = argv[++i];
         else if (!strcmp(argv[i], "--devices") && i + 1 < argc) parse_int(argv[++i], 1, 4096, &ranks);
         else if (argv[i][0] != '-' && (i == 1 || argv[i - 1][0] != '-' || !strcmp(argv[i - 1], "--checkpointing") ||
-                                      !strcmp(argv[i - 1], "--strategies") || !strcmp(argv[i - 1], "--json")))
+                                      !strcmp(argv[i - 1], "--strategies") || !strcmp(argv[i - 1], "--json") ||
+                                      !strcmp(argv[i - 1], "--overlap-comm")))
             job_path = argv[i];
     }
     char job_model[4096], job_device[32] = "";
