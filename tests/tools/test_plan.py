@@ -266,3 +266,14 @@ def test_plan_counts_modules_to_save(tmp_path):
     assert got["checkpoint_bytes"] > plain["checkpoint_bytes"] + 2 * VC * 4  # weights + Adam's m, v
     p = qtune("plan", "--preset", "tiny", "--mode", "lora", "--modules-to-save", "norm")
     assert p.returncode == 2 and "--modules-to-save names 'norm'" in p.stderr
+
+
+@pytest.mark.parametrize("opt,hi", [("--micro-batch", 1 << 20), ("--seq-len", 1 << 22), ("--lora-r", 65536),
+                                    ("--cards-per-host", 4096)])
+def test_a_count_past_its_limit_is_refused_with_the_range(opt, hi):
+    """A count above its limit is refused naming the range (it said 'must be a positive whole number' of a
+    positive whole number); the limit itself is taken."""
+    qtune("plan", "--preset", "tiny", opt, hi, "--json", check=0)
+    for bad in (hi + 1, 0, "x"):
+        p = qtune("plan", "--preset", "tiny", opt, bad, check=2)
+        assert f"{opt} must be a whole number from 1 to {hi}, not '{bad}'" in p.stderr, p.stderr
