@@ -19,7 +19,7 @@ int cmd_plan(int argc, char **argv);
 int cmd_doctor(int argc, char **argv);
 int cmd_stop(int argc, char **argv);
 
-/* Exit statuses (documented in docs/cli.md). */
+/* Exit statuses (documented in README.md, "Commands"). */
 enum {
     QT_EXIT_OK = 0,
     QT_EXIT_FAIL = 1,        /* the command failed; the message says why */

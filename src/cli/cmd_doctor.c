@@ -17,8 +17,8 @@ static void doctor_help(void) {
            "data line reads (the first bad one named FILE:LINE), the output folder takes a file and has\n"
            "room for two checkpoints and final/; it says ok only then.\n\n"
            "  --set k=v     override a job field as `qtune train --set` does\n"
-           "  --ranks N     data-parallel ranks that will run on this host (default: the mpirun\n"
-           "                world size when started under mpirun, else 1)\n"
+           "  --ranks N     data-parallel ranks that will run on this host, 1 to 4096 (default: the ranks\n"
+           "                mpirun starts on this host, OMPI_COMM_WORLD_LOCAL_SIZE, else 1)\n"
            "  --no-table    leave out the table of known failures\n");
 }
 

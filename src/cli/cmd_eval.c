@@ -245,6 +245,11 @@ int cmd_eval(int argc, char **argv) {
     int T = 0, B = 1; /* T 0: the default, decided once the model's config is read */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
+        static const char *const known[] = {"--model", "--adapter", "--tokenizer", "--data", "--format",
+                                            "--per-token", "--device", "--seq-len", "--batch", NULL};
+        int k = 0;
+        while (known[k] && strcmp(a, known[k])) k++;
+        if (!known[k]) return cli_usage_error("eval", "unknown option '%s'", a);
         if (i + 1 >= argc) return cli_usage_error("eval", "%s needs a value", a);
         const char *v = argv[++i];
         char *end;
@@ -266,8 +271,6 @@ int cmd_eval(int argc, char **argv) {
                 return cli_usage_error("eval", "%s must be a whole number from 1 to %d, not '%s'", a, 1 << 20, v);
             if (a[2] == 's') T = (int)x;
             else B = (int)x;
-        } else {
-            return cli_usage_error("eval", "unknown option '%s'", a);
         }
     }
     if (!model || !data) return cli_usage_error("eval", "--model and --data are required");

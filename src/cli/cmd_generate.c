@@ -31,7 +31,8 @@
 #include <unistd.h>
 
 static void generate_help(void) {
-    printf("usage: qtune generate --model DIR [--adapter DIR] (--prompt TEXT | --prompts FILE | --chat) [options]\n\n"
+    printf("usage: qtune generate --model DIR [--adapter DIR] (--prompt TEXT | --prompt-ids LIST | --prompts FILE | --chat)\n"
+           "                      [options]\n\n"
            "Generates text with a KV cache, printing tokens as they come. Stops at <|im_end|>,\n"
            "<|endoftext|>, the eos_token_id ids of config.json and generation_config.json, or after\n"
            "--max-new tokens.\n\n"

@@ -28,7 +28,7 @@ static void init_help(void) {
            "options:\n"
            "  --out DIR         folder to write (created; must be empty unless --force)\n"
            "  --preset NAME     a shape from the list below (any case)\n"
-           "  --config FILE     a Qwen2/Llama config.json instead of a preset\n"
+           "  --config FILE     a config.json (Qwen2, Qwen3, original Qwen or Llama) instead of a preset\n"
            "  --dtype T         stored dtype: f32 (default), bf16 or f16\n"
            "  --seed N          random seed (default 42)\n"
            "  --tokenizer FILE  a Qwen tokenizer.json to copy in\n"

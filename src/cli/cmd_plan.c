@@ -130,7 +130,8 @@ int cmd_plan(int argc, char **argv) {
         if (!strcmp(argv[i], "--set") && i + 1 < argc) sets[n_sets++] = argv[++i];
         else if (!strcmp(argv[i], "--devices") && i + 1 < argc) parse_int(argv[++i], 1, 4096, &ranks);
         else if (argv[i][0] != '-' && (i == 1 || argv[i - 1][0] != '-' || !strcmp(argv[i - 1], "--checkpointing") ||
-                                      !strcmp(argv[i - 1], "--strategies") || !strcmp(argv[i - 1], "--json")))
+                                      !strcmp(argv[i - 1], "--strategies") || !strcmp(argv[i - 1], "--json") ||
+                                      !strcmp(argv[i - 1], "--overlap-comm")))
             job_path = argv[i];
     }
     char job_model[4096], job_device[32] = "";
@@ -206,11 +207,11 @@ int cmd_plan(int argc, char **argv) {
         } else if (!strcmp(a, "--micro-batch")) {
             NEED_VALUE();
             if (parse_int(v, 1, 1 << 20, &o.micro_batch))
-                return cli_usage_error("plan", "--micro-batch must be a positive whole number, not '%s'", v);
+                return cli_usage_error("plan", "--micro-batch must be a whole number from 1 to %d, not '%s'", 1 << 20, v);
         } else if (!strcmp(a, "--seq-len")) {
             NEED_VALUE();
             if (parse_int(v, 1, 1 << 22, &o.seq_len))
-                return cli_usage_error("plan", "--seq-len must be a positive whole number, not '%s'", v);
+                return cli_usage_error("plan", "--seq-len must be a whole number from 1 to %d, not '%s'", 1 << 22, v);
         } else if (!strcmp(a, "--checkpointing")) o.checkpointing = 1;
         else if (!strcmp(a, "--device-memory")) {
             NEED_VALUE();
@@ -219,7 +220,7 @@ int cmd_plan(int argc, char **argv) {
         } else if (!strcmp(a, "--lora-r")) {
             NEED_VALUE();
             if (parse_int(v, 1, 65536, &o.lora_r))
-                return cli_usage_error("plan", "--lora-r must be a positive whole number, not '%s'", v);
+                return cli_usage_error("plan", "--lora-r must be a whole number from 1 to 65536, not '%s'", v);
         } else if (!strcmp(a, "--lora-targets")) {
             NEED_VALUE();
             if (parse_targets(v, &o.lora_targets))
@@ -244,7 +245,7 @@ int cmd_plan(int argc, char **argv) {
         } else if (!strcmp(a, "--cards-per-host")) {
             NEED_VALUE();
             if (parse_int(v, 1, 4096, &o.cards_per_host))
-                return cli_usage_error("plan", "--cards-per-host must be a positive whole number, not '%s'", v);
+                return cli_usage_error("plan", "--cards-per-host must be a whole number from 1 to 4096, not '%s'", v);
         } else if (!strcmp(a, "--dataset-gib")) {
             NEED_VALUE();
             double g;

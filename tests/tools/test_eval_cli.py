@@ -123,6 +123,17 @@ def test_a_too_large_count_is_named_with_its_range(model, tmp_path, opt):
         assert "must be a whole number from 1 to 1048576, not '%s'" % bad in p.stderr, p.stderr
 
 
+def test_an_unknown_option_is_named_as_one(model, tmp_path):
+    """An unknown option is called unknown wherever it stands; at the end of the line it was reported as
+    'needs a value', as if it were an option eval takes. A known option at the end still needs its value."""
+    data = write_lines(tmp_path / "d.jsonl", b'{"input_ids": [1, 2, 3]}')
+    for args in (["--bogus"], ["--bogus", "1"], ["--json"]):
+        p = qtune("eval", "--model", model, "--data", data, *args, check=2)
+        assert "unknown option '%s'" % args[0] in p.stderr, p.stderr
+    p = qtune("eval", "--model", model, "--data", data, "--batch", check=2)
+    assert "--batch needs a value" in p.stderr, p.stderr
+
+
 @pytest.mark.parametrize("bad", ["nan", "inf"])
 def test_nonfinite_loss_is_an_error(tmp_path, bad):
     """Weights holding NaN or inf make every log-probability non-finite: eval stops with one sentence

@@ -225,6 +225,25 @@ def test_plan_reads_a_job_file(tmp_path):
     assert p.returncode == 2 and "needs a job file" in p.stderr
 
 
+def test_plan_finds_the_job_file_after_a_flag(tmp_path):
+    """A job file may follow any option that takes no value, --overlap-comm included (it was taken for an
+    unknown option there, while --checkpointing, --strategies and --json worked)."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg(8192, 256, 688, 4, 4, 2)))
+    job = {"model": "m", "output_dir": "o", "data": {"train": "t.jsonl", "seq_len": 64},
+           "deepspeed": {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    want = plan_json(tmp_path / "job.json", "--devices", 2, "--overlap-comm")
+    for flag in ("--overlap-comm", "--checkpointing", "--strategies", "--json"):
+        p = qtune("plan", flag, tmp_path / "job.json", "--devices", 2, "--overlap-comm", "--json")
+        assert p.returncode == 0, (flag, p.stderr)
+        got = json.loads(p.stdout)
+        if flag == "--checkpointing":
+            assert got != want
+        else:
+            assert got == want
+
+
 def test_plan_counts_modules_to_save(tmp_path):
     """lora.modules_to_save in a job plans like --modules-to-save: the embedding and lm_head (two copies on a
     tied model) are trainable parameters, and their gradients and Adam state are ZeRO-sharded."""
@@ -247,3 +266,14 @@ def test_plan_counts_modules_to_save(tmp_path):
     assert got["checkpoint_bytes"] > plain["checkpoint_bytes"] + 2 * VC * 4  # weights + Adam's m, v
     p = qtune("plan", "--preset", "tiny", "--mode", "lora", "--modules-to-save", "norm")
     assert p.returncode == 2 and "--modules-to-save names 'norm'" in p.stderr
+
+
+@pytest.mark.parametrize("opt,hi", [("--micro-batch", 1 << 20), ("--seq-len", 1 << 22), ("--lora-r", 65536),
+                                    ("--cards-per-host", 4096)])
+def test_a_count_past_its_limit_is_refused_with_the_range(opt, hi):
+    """A count above its limit is refused naming the range (it said 'must be a positive whole number' of a
+    positive whole number); the limit itself is taken."""
+    qtune("plan", "--preset", "tiny", opt, hi, "--json", check=0)
+    for bad in (hi + 1, 0, "x"):
+        p = qtune("plan", "--preset", "tiny", opt, bad, check=2)
+        assert f"{opt} must be a whole number from 1 to {hi}, not '{bad}'" in p.stderr, p.stderr
