@@ -127,7 +127,11 @@ int cmd_plan(int argc, char **argv) {
     int n_sets = 0, ranks = 1;
     if (!sets) return cli_fail();
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--set") && i + 1 < argc) sets[n_sets++] = argv[++i];
+        if (!strcmp(argv[i], "--set") && i + 1 >= argc) {
+            free(sets);
+            return cli_usage_error("plan", "--set needs a value: --set key.path=value");
+        }
+        if (!strcmp(argv[i], "--set")) sets[n_sets++] = argv[++i];
         else if (!strcmp(argv[i], "--devices") && i + 1 < argc) parse_int(argv[++i], 1, 4096, &ranks);
         else if (argv[i][0] != '-' && (i == 1 || argv[i - 1][0] != '-' || !strcmp(argv[i - 1], "--checkpointing") ||
                                       !strcmp(argv[i - 1], "--strategies") || !strcmp(argv[i - 1], "--json") ||

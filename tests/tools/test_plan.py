@@ -223,6 +223,9 @@ def test_plan_reads_a_job_file(tmp_path):
     assert got == want
     p = qtune("plan", "--set", "lora.r=4", "--preset", "qwen2.5-0.5b")
     assert p.returncode == 2 and "needs a job file" in p.stderr
+    # a --set with nothing after it was passed over in silence
+    p = qtune("plan", tmp_path / "job.json", "--devices", 2, "--set")
+    assert p.returncode == 2 and "--set needs a value" in p.stderr, p.stderr
 
 
 def test_plan_finds_the_job_file_after_a_flag(tmp_path):
