@@ -47,6 +47,8 @@ static const name_row llama_family_layer[] = {
     {"mlp.gate_proj.weight", "ffn_gate.weight", 0},
     {"mlp.up_proj.weight", "ffn_up.weight", 0},
     {"mlp.down_proj.weight", "ffn_down.weight", 0},
+    {"self_attn.q_norm.weight", "attn_q_norm.weight", 0}, /* Qwen3: RMSNorm over head_dim on q and k */
+    {"self_attn.k_norm.weight", "attn_k_norm.weight", 0},
 };
 
 typedef struct {
@@ -60,6 +62,8 @@ typedef struct {
 #define N_OF(a) (int)(sizeof(a) / sizeof((a)[0]))
 static const arch_map arch_maps[] = {
     {QT_ARCH_QWEN2, "qwen2", llama_family_global, llama_family_layer, N_OF(llama_family_global),
+     N_OF(llama_family_layer), 0},
+    {QT_ARCH_QWEN3, "qwen3", llama_family_global, llama_family_layer, N_OF(llama_family_global),
      N_OF(llama_family_layer), 0},
     {QT_ARCH_LLAMA, "llama", llama_family_global, llama_family_layer, N_OF(llama_family_global),
      N_OF(llama_family_layer), 1},
@@ -89,7 +93,7 @@ int gguf_tensor_name(int arch, const char *hf, int n_head, int n_head_kv, char *
     }
     if (!row)
         return QT_ERR(QT_EUNSUPPORTED, "tensor %s has no GGUF name for the %s architecture; qtune exports the "
-                      "weights of its Qwen2/Llama layout only", hf, a->name);
+                      "weights of its Qwen2/Qwen3/Llama layout only", hf, a->name);
     int n = layer < 0 ? snprintf(out, cap, "%s", row->gguf) : snprintf(out, cap, "blk.%d.%s", layer, row->gguf);
     if (n < 0 || (size_t)n >= cap) return QT_ERR(QT_EINVAL, "GGUF name of %s is too long", hf);
     if (a->rope_interleaved && row->permute) *permute = row->permute == 'q' ? n_head : n_head_kv;
@@ -366,9 +370,9 @@ static uint32_t file_type(gguf_type t) {
 static int load_config(const char *dir, qt_config *cfg, const arch_map **a) {
     QT_TRY(qt_config_load(dir, cfg));
     if (!(*a = find_arch((int)cfg->arch)))
-        return QT_ERR(QT_EUNSUPPORTED, "%s/config.json: GGUF export writes Qwen2ForCausalLM and LlamaForCausalLM "
-                      "models only, not this architecture (Qwen3 or the original Qwen); convert it with llama.cpp's "
-                      "convert_hf_to_gguf.py", dir);
+        return QT_ERR(QT_EUNSUPPORTED, "%s/config.json: GGUF export writes Qwen2ForCausalLM, Qwen3ForCausalLM and "
+                      "LlamaForCausalLM models, not the original Qwen (QWenLMHeadModel, whose tokenizer is a "
+                      "qwen.tiktoken); convert it with llama.cpp's convert_hf_to_gguf.py", dir);
     return QT_OK;
 }
 
