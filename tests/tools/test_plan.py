@@ -225,6 +225,26 @@ def test_plan_reads_a_job_file(tmp_path):
     assert p.returncode == 2 and "needs a job file" in p.stderr
 
 
+def test_plan_reads_the_jobs_zero_buckets(tmp_path):
+    """zero_optimization's reduce_bucket_size, allgather_bucket_size and overlap_comm size the gradient windows
+    and the communication buffers of the run; a job's plan takes them as --reduce-bucket-size,
+    --allgather-bucket-size and --overlap-comm do (it used to plan DeepSpeed's 5e8 defaults whatever the job
+    said: 2 ranks of a 28M-parameter model planned at 666 MiB a rank against a measured 495)."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg(8192, 256, 688, 4, 4, 2)))
+    zero = {"stage": 2, "reduce_bucket_size": 100000, "allgather_bucket_size": 200000, "overlap_comm": True}
+    job = {"model": "m", "output_dir": "o", "data": {"train": "t.jsonl", "seq_len": 64},
+           "deepspeed": {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero}}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    got = plan_json(tmp_path / "job.json", "--devices", 2)
+    want = plan_json("--model", tmp_path / "m", "--zero", 2, "--micro-batch", 2, "--seq-len", 64, "--devices", 2,
+                     "--reduce-bucket-size", 100000, "--allgather-bucket-size", 200000, "--overlap-comm")
+    got.pop("model", None), want.pop("model", None)
+    assert got == want
+    default = plan_json("--model", tmp_path / "m", "--zero", 2, "--micro-batch", 2, "--seq-len", 64, "--devices", 2)
+    assert got["per_device_bytes"]["communication"] < default["per_device_bytes"]["communication"]
+
+
 def test_plan_counts_modules_to_save(tmp_path):
     """lora.modules_to_save in a job plans like --modules-to-save: the embedding and lm_head (two copies on a
     tied model) are trainable parameters, and their gradients and Adam state are ZeRO-sharded."""
