@@ -30,7 +30,7 @@ static void plan_help(void) {
            "  --mode lora|full      default full\n"
            "  --zero 0|1|2          ZeRO stage (default 0)\n"
            "  --devices N           data-parallel ranks (default 1)\n"
-           "  --offload cpu|none    optimizer state + master weights in host memory (needs --zero 1|2)\n"
+           "  --offload cpu|none    Adam m, v in host memory (needs --zero 1|2)\n"
            "  --reduce-bucket-size E, --allgather-bucket-size E\n"
            "                        DeepSpeed's zero_optimization bucket sizes in elements (default 5e8)\n"
            "  --overlap-comm        DeepSpeed's overlap_comm: ZeRO-2 reductions run during the backward\n"

@@ -63,8 +63,7 @@ typedef struct {
  * strategy layer apply on top: a frozen LoRA base is held in the compute
  * dtype (the memplan counts it in the file's dtype, as it maps it), and in
  * f16/bf16 full fine-tuning a 2-byte compute copy of the trainable block sits
- * on the card while the fp32 master (counted under "master") can be sharded
- * or offloaded. In f32 the master block is the compute copy; LoRA has no
+ * on the card beside the fp32 master (counted under "master"). In f32 the master block is the compute copy; LoRA has no
  * compute copy (its fp32 master is read directly, in f16/bf16 too: measured
  * as the guard backend's device peak, tests/tools/test_plan.py). */
 static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, plan_model *pm) {
@@ -140,9 +139,11 @@ static void plan_device(const qt_config *c, const qt_plan_opts *o, int N, qt_pla
     zero_mem zm;
     zero_memory((size_t)Pt, N, 0, &z, 2, &zm);
     d->grads = pm.grads + zm.grad_shard;
-    d->master = o->zero >= 1 ? shard(master, N) : master;
+    /* the model's fp32 master block is whole on every rank's device (qwen2_load.c allocates numel x 4 there):
+     * a rank updates its shard of it and all-gathers the rest. ZeRO shards, and offload moves, only Adam's
+     * m and v (zero_state_alloc), not the master as DeepSpeed does */
+    d->master = master;
     d->optim = o->offload ? 0 : zm.opt_state;
-    if (o->offload) d->master = 0;
     d->activations = pm.activations;
     d->workspace = pm.workspace;
     d->comm = zm.reduce_parts + zm.gather_stage + zm.rows;
@@ -208,8 +209,8 @@ int qt_plan_compute(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
     p->cards_per_host = K;
     p->hosts = (N + K - 1) / K;
     if (o->offload) {
-        const uint64_t master = o->precision == QT_F32 ? Pt * 4 : Pt * 4; /* the host keeps an fp32 master either way */
-        p->host_offload = (uint64_t)K * (shard(master, N) + shard(Pt * 8, N));
+        /* Adam's m and v shards; the fp32 master stays on the device (plan_device) */
+        p->host_offload = (uint64_t)K * shard(Pt * 8, N);
         /* fp32 gradient partition the host Adam reads, plus a bucket to stage
          * parameters back to the card */
         const uint64_t bucket = (uint64_t)(Pt < (uint64_t)COMM_BUCKET_ELEMS ? Pt : (uint64_t)COMM_BUCKET_ELEMS) * 4;
@@ -313,7 +314,7 @@ void qt_plan_print(FILE *f, const char *name, const qt_config *c, const qt_plan_
         fprintf(f, "no device count fits with this strategy%s\n",
                 o->zero < 2 || !o->offload ? "; try --zero 2 --offload cpu, --mode lora, or --checkpointing" : "");
     fprintf(f, "\nhost memory (one host, %d card%s)   %s\n", p->cards_per_host, p->cards_per_host > 1 ? "s" : "", un);
-    fprintf(f, "  offloaded optimizer + master %9.3f\n", U(p->host_offload));
+    fprintf(f, "  offloaded Adam m, v          %9.3f\n", U(p->host_offload));
     fprintf(f, "  pinned staging buffers       %9.3f\n", U(p->host_pinned));
     fprintf(f, "  dataset                      %9.3f\n", U(p->host_dataset));
     fprintf(f, "  mapped weights file          %9.3f\n", U(p->host_mapped));
@@ -330,7 +331,8 @@ void qt_plan_print(FILE *f, const char *name, const qt_config *c, const qt_plan_
             o->devices, o->devices > 1 ? "s" : "", o->card_watts, p->hosts, p->hosts > 1 ? "s" : "", o->host_watts,
             p->power_w, p->power_recommend_w);
     fprintf(f, "\nassumptions: gradients and optimizer state fp32 (Adam m, v = 8 B/param); f16/bf16 keep a 2 B\n"
-               "compute copy plus a 4 B fp32 master; activations in the compute dtype (one fp32 working layer),\n"
+               "compute copy plus a 4 B fp32 master, whole on every rank (ZeRO shards and offload moves only\n"
+               "Adam m, v); activations in the compute dtype (one fp32 working layer),\n"
                "sized for one micro-batch B x T, attention not materialised (log-sum-exp kept); collectives\n"
                "reduce into one fp32 gradient shard per rank; card TDP %.0f W (--card-watts), host %.0f W\n"
                "(--host-watts), dataset %.2f GiB (--dataset-gib).\n",

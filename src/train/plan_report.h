@@ -7,9 +7,11 @@
  * are what the model allocates for (config, opts) — see plan_model_bytes in
  * plan_report.c; this file adds the strategy on top of them:
  *   ZeRO 0  every rank holds full gradients, master weights and Adam m, v
- *   ZeRO 1  master weights and Adam m, v are sharded 1/N across ranks
+ *   ZeRO 1  Adam m, v are sharded 1/N across ranks
  *   ZeRO 2  gradients are sharded 1/N as well
- *   offload master weights and Adam m, v live in host memory, not on the card
+ *   offload Adam m, v live in host memory, not on the card
+ * The fp32 master block stays whole on every rank's card at every stage
+ * (each rank updates its shard and all-gathers the rest; DeepSpeed shards it).
  * Precision f16/bf16: compute weights 2 bytes/param, fp32 master 4, Adam 8.
  * Precision f32: the master block is the compute copy (no second copy).
  * LoRA: the frozen base is in the compute dtype; only A/B are trainable. */
@@ -29,7 +31,7 @@ typedef struct {
     unsigned lora_save;    /* QT_SAVE_* mask: modules_to_save trained beside the adapter */
     int zero;              /* ZeRO stage 0, 1 or 2 */
     int devices;           /* data-parallel ranks N */
-    int offload;           /* 1: optimizer state + master weights in host memory */
+    int offload;           /* 1: Adam m, v in host memory */
     qt_dtype precision;    /* compute dtype */
     int micro_batch;       /* B */
     int seq_len;           /* T */
@@ -55,7 +57,7 @@ typedef struct {
     uint64_t weights;     /* compute-dtype weights (frozen base + trainable copy) */
     uint64_t grads;       /* the fp32 gradient block; ZeRO 2 on several devices: the rank's
                              gradient shard + the model's two gradient windows */
-    uint64_t master;      /* fp32 master weights beyond the compute copy (sharded in ZeRO 1/2) */
+    uint64_t master;      /* fp32 master weights beyond the compute copy (whole on every rank) */
     uint64_t optim;       /* Adam m and v, fp32 (sharded in ZeRO 1/2) */
     uint64_t activations; /* saved for backward, sized for B x T */
     uint64_t workspace;   /* backward scratch, logits, attention scores */
@@ -69,7 +71,7 @@ typedef struct {
     int64_t n_trainable;   /* full: n_params; LoRA: A and B only */
     qt_plan_device dev;    /* per card */
     /* host memory, bytes for one host (cards_per_host ranks) */
-    uint64_t host_offload; /* master + Adam shards of this host's ranks (offload only) */
+    uint64_t host_offload; /* Adam m, v shards of this host's ranks (offload only) */
     uint64_t host_pinned;  /* staging buffers for offloaded gradients/parameters */
     uint64_t host_dataset;
     uint64_t host_runtime; /* per-process runtime, model loading */

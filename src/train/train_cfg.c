@@ -124,5 +124,10 @@ int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o) {
     o->micro_batch = (int)ds.micro_batch;
     o->seq_len = job->data.seq_len;
     o->checkpointing = job->train.gradient_checkpointing;
+    /* the buckets and overlap the run would use (qt_train_cfg_from_ds above): they size the gradient
+     * windows and the communication buffers */
+    o->reduce_bucket = ds.zero.reduce_bucket_size >= 1 ? (size_t)ds.zero.reduce_bucket_size : 0;
+    o->allgather_bucket = ds.zero.allgather_bucket_size >= 1 ? (size_t)ds.zero.allgather_bucket_size : 0;
+    o->overlap = ds.zero.overlap_comm;
     return QT_OK;
 }
