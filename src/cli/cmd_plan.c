@@ -7,6 +7,8 @@
 #include "core/fs.h"
 #include "core/mem.h"
 #include "io/hf_config.h"
+#include "io/peft.h"
+#include "model/lora_io.h"
 #include "model/model.h"
 #include "train/job.h"
 #include "train/plan_report.h"
@@ -40,7 +42,8 @@ static void plan_help(void) {
            "  --checkpointing       activation recomputation\n"
            "  --device-memory GiB   memory of one card (default 32)\n"
            "  --lora-r R            default 8\n"
-           "  --lora-targets LIST   comma-separated: q,k,v,o,gate,up,down or PEFT names; all-linear (default q,v)\n"
+           "  --lora-targets LIST   comma-separated: q,k,v,o,gate,up,down or PEFT names; all-linear (default q,v;\n"
+           "                        the original Qwen's names are c_attn, c_proj, w1, w2)\n"
            "  --modules-to-save LIST  PEFT's modules_to_save trained beside the adapter: embed_tokens (or wte),\n"
            "                        lm_head, comma-separated (their weights, gradients and Adam state count)\n"
            "  --card-watts W        TDP of one card (default 300, a 32 GB card)\n"
@@ -56,27 +59,28 @@ static void plan_help(void) {
            "  --json                print one JSON object instead of the table\n");
 }
 
-static int parse_targets(const char *s, unsigned *mask) {
-    static const struct { const char *a, *b; unsigned bit; } t[] = {
-        {"q", "q_proj", QT_LORA_Q},          {"k", "k_proj", QT_LORA_K},   {"v", "v_proj", QT_LORA_V},
-        {"o", "o_proj", QT_LORA_O},          {"gate", "gate_proj", QT_LORA_GATE},
-        {"up", "up_proj", QT_LORA_UP},       {"down", "down_proj", QT_LORA_DOWN},
-    };
-    *mask = 0;
-    char buf[256];
-    if (strlen(s) >= sizeof buf) return -1;
-    strcpy(buf, s);
+/* --lora-targets against the model's layout, as a run resolves a job's
+ * target_modules (qt_lora_targets_from_names): q,k,v,o,gate,up,down stand for
+ * q_proj ... down_proj; PEFT names and all-linear as they are (the original
+ * Qwen's c_attn, c_proj, w1, w2; its q_proj is refused with the list to
+ * write, where it planned nothing). */
+static int resolve_targets(const qt_config *cfg, const char *s, unsigned *mask) {
+    static const char *const short_names[] = {"q", "k", "v", "o", "gate", "up", "down"};
+    char buf[512], names[PEFT_MAX_TARGETS][64];
+    const char *list[PEFT_MAX_TARGETS];
+    int n = 0;
+    if (snprintf(buf, sizeof buf, "%s", s) >= (int)sizeof buf)
+        return QT_ERR(QT_EINVAL, "--lora-targets '%.40s...' is too long", s);
     for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-        if (!strcasecmp(tok, "all-linear")) {
-            *mask |= 0x7f;
-            continue;
-        }
-        int found = 0;
-        for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
-            if (!strcasecmp(tok, t[i].a) || !strcasecmp(tok, t[i].b)) *mask |= t[i].bit, found = 1;
-        if (!found) return -1;
+        if (n == PEFT_MAX_TARGETS) return QT_ERR(QT_EINVAL, "--lora-targets names more than %d modules", PEFT_MAX_TARGETS);
+        snprintf(names[n], sizeof names[n], "%s", tok);
+        for (size_t i = 0; i < sizeof short_names / sizeof short_names[0]; i++)
+            if (!strcasecmp(tok, short_names[i])) snprintf(names[n], sizeof names[n], "%s_proj", short_names[i]);
+        if (!strcasecmp(tok, "all-linear")) snprintf(names[n], sizeof names[n], "all-linear");
+        list[n] = names[n];
+        n++;
     }
-    return *mask ? 0 : -1;
+    return qt_lora_targets_from_names(cfg, list, n, mask, "--lora-targets");
 }
 
 /* Sum of the *.safetensors sizes in a model folder (0 when none). */
@@ -120,7 +124,7 @@ int cmd_plan(int argc, char **argv) {
     }
     qt_plan_opts o;
     qt_plan_opts_default(&o);
-    const char *model = NULL, *preset = NULL, *job_path = NULL;
+    const char *model = NULL, *preset = NULL, *job_path = NULL, *targets_arg = NULL;
     int json = 0, strategies = 0, backend_given = 0;
     /* a job file first: its settings are the defaults the options override */
     const char **sets = calloc((size_t)argc + 1, sizeof *sets);
@@ -227,8 +231,7 @@ int cmd_plan(int argc, char **argv) {
                 return cli_usage_error("plan", "--lora-r must be a whole number from 1 to 65536, not '%s'", v);
         } else if (!strcmp(a, "--lora-targets")) {
             NEED_VALUE();
-            if (parse_targets(v, &o.lora_targets))
-                return cli_usage_error("plan", "--lora-targets '%s' is not a comma-separated list of q,k,v,o,gate,up,down", v);
+            targets_arg = v; /* resolved against the model's layout below, as a run resolves target_modules */
         } else if (!strcmp(a, "--modules-to-save")) {
             NEED_VALUE();
             char buf[256];
@@ -277,6 +280,8 @@ int cmd_plan(int argc, char **argv) {
     qt_config cfg;
     if ((model ? qt_config_load(model, &cfg) : qt_preset(preset, &cfg)) != QT_OK) return cli_fail();
     if (model) o.weights_file_bytes = weights_file_bytes(model);
+    if (targets_arg && resolve_targets(&cfg, targets_arg, &o.lora_targets) != QT_OK)
+        return cli_usage_error("plan", "%s", qt_error_message());
     qt_plan p;
     if (qt_plan_compute(&cfg, &o, &p) != QT_OK) return cli_fail();
     const char *name = model ? model : preset;

@@ -310,3 +310,20 @@ def test_a_count_past_its_limit_is_refused_with_the_range(opt, hi):
     for bad in (hi + 1, 0, "x"):
         p = qtune("plan", "--preset", "tiny", opt, bad, check=2)
         assert f"{opt} must be a whole number from 1 to {hi}, not '{bad}'" in p.stderr, p.stderr
+
+
+def test_lora_targets_are_resolved_against_the_models_layout():
+    """--lora-targets on the original Qwen (one fused c_attn): "v" or "k,v" planned 0 trainable parameters
+    without a word, c_attn (a job's name for it) was refused and q_proj (which a run refuses) accepted. The
+    names now resolve as a run resolves target_modules."""
+    for bad in ("v", "k,v", "q_proj"):
+        p = qtune("plan", "--preset", "qwen-14b", "--mode", "lora", "--lora-targets", bad)
+        assert p.returncode == 2 and "c_attn" in p.stderr and "QWenLMHeadModel" in p.stderr, (bad, p.stderr)
+    c_attn = plan_json("--preset", "qwen-14b", "--mode", "lora", "--lora-targets", "c_attn")
+    assert c_attn["n_trainable"] == plan_json("--preset", "qwen-14b", "--mode", "lora")["n_trainable"] > 0
+    # r (8) x (C + 3C) per layer, 40 layers: c_attn's A (8, 5120) and B (15360, 8)
+    assert c_attn["n_trainable"] == 40 * 8 * (5120 + 3 * 5120)
+    p = qtune("plan", "--preset", "qwen2.5-0.5b", "--mode", "lora", "--lora-targets", "q,bogus")
+    assert p.returncode == 2 and "'bogus'" in p.stderr, p.stderr
+    assert plan_json("--preset", "qwen2.5-0.5b", "--mode", "lora", "--lora-targets", "q,v") == \
+        plan_json("--preset", "qwen2.5-0.5b", "--mode", "lora", "--lora-targets", "q_proj,v_proj")
