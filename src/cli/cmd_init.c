@@ -141,11 +141,15 @@ int cmd_init(int argc, char **argv) {
         QT_ERR(QT_EINVAL, "--out %s is not empty; choose an empty folder or pass --force to replace the model files in it", out);
         return cli_fail();
     }
+    const int created = !qt_path_exists(out);
     if (qt_mkdir_p(out) != QT_OK) return cli_fail();
 
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    if (write_folder(out, &cfg, dtype, seed, tokenizer) != QT_OK) return cli_fail();
+    if (write_folder(out, &cfg, dtype, seed, tokenizer) != QT_OK) {
+        if (created) (void)qt_rm_rf(out); /* the folder this run made: nothing of the user's is in it */
+        return cli_fail();
+    }
     clock_gettime(CLOCK_MONOTONIC, &t1);
     double secs = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
     int64_t params = qt_config_param_count(&cfg);

@@ -197,6 +197,27 @@ def test_refusals(tmp_path):
     assert not (tmp_path / "y").exists()
 
 
+def test_failed_write_removes_the_folder_it_made(tmp_path):
+    """A write that fails (here a file-size limit, as a full disk would) left the new, now useless --out
+    folder behind; the folder init made is removed, while an existing folder of the user's is kept."""
+    import resource
+    import signal
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() then fails with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+    out = tmp_path / "new"
+    p = subprocess.run([QTUNE, "init", "--out", str(out), "--preset", "tiny"], capture_output=True, text=True,
+                       preexec_fn=small_files, timeout=120)
+    assert p.returncode == 1 and "error" in p.stderr, p.stderr
+    assert not out.exists(), os.listdir(out)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    p = subprocess.run([QTUNE, "init", "--out", str(mine), "--preset", "tiny"], capture_output=True, text=True,
+                       preexec_fn=small_files, timeout=120)
+    assert p.returncode == 1 and mine.is_dir()
+
+
 def test_help_lists_presets():
     p = qtune("init", "--help", check=0)
     for name in ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b",
