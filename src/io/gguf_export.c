@@ -1,6 +1,7 @@
 /* Model folder and PEFT adapter -> GGUF (see gguf_export.h). The metadata
  * follows llama.cpp's convert_hf_to_gguf.py for these architectures: the
- * hyperparameters under "<arch>.", the byte-level BPE vocabulary under
+ * hyperparameters under "<arch>.", the byte-level BPE vocabulary (from
+ * tokenizer.json, or the original Qwen's qwen.tiktoken as its QwenModel reads it) under
  * "tokenizer.ggml." (every id below vocab_size, ids with no token as
  * "[PAD<id>]" of type UNUSED, added tokens CONTROL when special else
  * USER_DEFINED), merges as "a b" strings, special ids and the chat template. */
@@ -21,6 +22,7 @@
 #include "io/hf_config.h"
 #include "io/model_folder.h"
 #include "io/peft.h"
+#include "text/tokenizer.h"
 
 /* ---- tensor names, one table per architecture ----------------------------------- */
 typedef struct {
@@ -51,22 +53,45 @@ static const name_row llama_family_layer[] = {
     {"self_attn.k_norm.weight", "attn_k_norm.weight", 0},
 };
 
+/* The original Qwen (QWenLMHeadModel): llama.cpp's arch "qwen" keeps c_attn fused
+ * (attn_qkv, rows q, k, v) and names mlp.w2 the gate (modeling_qwen.py: w1(x) * silu(w2(x))) */
+static const name_row qwen1_global[] = {
+    {"transformer.wte.weight", "token_embd.weight", 0},
+    {"transformer.ln_f.weight", "output_norm.weight", 0},
+    {"lm_head.weight", "output.weight", 0},
+};
+/* after "transformer.h.N." */
+static const name_row qwen1_layer[] = {
+    {"ln_1.weight", "attn_norm.weight", 0},
+    {"attn.c_attn.weight", "attn_qkv.weight", 0},
+    {"attn.c_attn.bias", "attn_qkv.bias", 0},
+    {"attn.c_proj.weight", "attn_output.weight", 0},
+    {"ln_2.weight", "ffn_norm.weight", 0},
+    {"mlp.w1.weight", "ffn_up.weight", 0},
+    {"mlp.w2.weight", "ffn_gate.weight", 0},
+    {"mlp.c_proj.weight", "ffn_down.weight", 0},
+};
+
 typedef struct {
     qt_arch arch;
     const char *name; /* general.architecture, and the prefix of its hyperparameter keys */
     const name_row *global, *layer;
     int n_global, n_layer;
     int rope_interleaved; /* ggml's RoPE for this arch pairs (2i, 2i+1); HF's pairs (i, i + D/2) */
+    const char *layers;   /* the prefix of layer N's names: "<layers>N." */
+    int qwen1;            /* feed_forward_length is the config's doubled intermediate_size (llama.cpp
+                           * halves it), and output.weight is required (a tied model writes it twice) */
 } arch_map;
 
 #define N_OF(a) (int)(sizeof(a) / sizeof((a)[0]))
 static const arch_map arch_maps[] = {
     {QT_ARCH_QWEN2, "qwen2", llama_family_global, llama_family_layer, N_OF(llama_family_global),
-     N_OF(llama_family_layer), 0},
+     N_OF(llama_family_layer), 0, "model.layers.", 0},
     {QT_ARCH_QWEN3, "qwen3", llama_family_global, llama_family_layer, N_OF(llama_family_global),
-     N_OF(llama_family_layer), 0},
+     N_OF(llama_family_layer), 0, "model.layers.", 0},
     {QT_ARCH_LLAMA, "llama", llama_family_global, llama_family_layer, N_OF(llama_family_global),
-     N_OF(llama_family_layer), 1},
+     N_OF(llama_family_layer), 1, "model.layers.", 0},
+    {QT_ARCH_QWEN, "qwen", qwen1_global, qwen1_layer, N_OF(qwen1_global), N_OF(qwen1_layer), 0, "transformer.h.", 1},
 };
 
 static const arch_map *find_arch(int arch) {
@@ -83,8 +108,9 @@ int gguf_tensor_name(int arch, const char *hf, int n_head, int n_head_kv, char *
     int layer = -1;
     for (int i = 0; i < a->n_global && !row; i++)
         if (!strcmp(hf, a->global[i].hf)) row = &a->global[i];
-    const char *p = hf + strlen("model.layers.");
-    if (!row && !strncmp(hf, "model.layers.", strlen("model.layers.")) && *p >= '0' && *p <= '9') {
+    const size_t lp = strlen(a->layers);
+    const char *p = hf + lp;
+    if (!row && !strncmp(hf, a->layers, lp) && *p >= '0' && *p <= '9') {
         char *end;
         long l = strtol(p, &end, 10);
         if (*end == '.' && l >= 0 && l < 100000)
@@ -93,7 +119,7 @@ int gguf_tensor_name(int arch, const char *hf, int n_head, int n_head_kv, char *
     }
     if (!row)
         return QT_ERR(QT_EUNSUPPORTED, "tensor %s has no GGUF name for the %s architecture; qtune exports the "
-                      "weights of its Qwen2/Qwen3/Llama layout only", hf, a->name);
+                      "weights of its Qwen2/Qwen3/Llama/original-Qwen layouts only", hf, a->name);
     int n = layer < 0 ? snprintf(out, cap, "%s", row->gguf) : snprintf(out, cap, "blk.%d.%s", layer, row->gguf);
     if (n < 0 || (size_t)n >= cap) return QT_ERR(QT_EINVAL, "GGUF name of %s is too long", hf);
     if (a->rope_interleaved && row->permute) *permute = row->permute == 'q' ? n_head : n_head_kv;
@@ -198,7 +224,7 @@ static cJSON *read_json(const char *dir, const char *name, int required, int *rc
     if (!qt_path_exists(path)) {
         if (required)
             *rc = QT_ERR(QT_EIO, "%s is missing; GGUF files carry the tokenizer, so the model folder needs its "
-                         "tokenizer.json", path);
+                         "tokenizer.json (or, for the original Qwen, its qwen.tiktoken)", path);
         return NULL;
     }
     char *text;
@@ -213,10 +239,18 @@ static cJSON *read_json(const char *dir, const char *name, int required, int *rc
     return j;
 }
 
-/* The vocabulary, merges, special ids and chat template. */
+/* The vocabulary, merges, special ids and chat template: from tokenizer.json, or
+ * from a folder's qwen.tiktoken (the original Qwen, which has none) as the
+ * tokenizer.json tree it stands for, with the converter's one merge per token. */
 static int add_tokenizer(gguf_writer *w, const char *dir, const qt_config *cfg) {
-    int rc;
-    cJSON *tj = read_json(dir, "tokenizer.json", 1, &rc);
+    int rc = QT_OK;
+    char file[4096];
+    const int found = bpe_folder_file(dir, file, sizeof file); /* tokenizer.json first */
+    const size_t fl = found ? strlen(file) : 0;
+    const int tiktoken = fl >= 9 && !strcmp(file + fl - 9, ".tiktoken");
+    cJSON *tj = NULL;
+    if (tiktoken) rc = bpe_tiktoken_gguf_tree(file, &tj);
+    else tj = read_json(dir, "tokenizer.json", 1, &rc);
     if (!tj) return rc;
     cJSON *tc = read_json(dir, "tokenizer_config.json", 0, &rc);
     const int V = cfg->vocab_size;
@@ -301,6 +335,10 @@ static int add_tokenizer(gguf_writer *w, const char *dir, const qt_config *cfg) 
     if ((s = config_token(tc, "pad_token"))) pad = token_id(vocab, added, s);
     if (bos < 0) bos = cfg->bos_token_id;
     if (eos < 0) eos = cfg->eos_token_id;
+    /* _set_vocab_qwen: with no special id from the configs, bos, eos and unk are <|endoftext|> */
+    int unk = -1;
+    if (tiktoken && bos < 0 && eos < 0 && pad < 0) bos = eos = unk = token_id(vocab, added, "<|endoftext|>");
+    if (rc == QT_OK && unk >= 0 && unk < V) rc = gguf_set_u32(w, "tokenizer.ggml.unknown_token_id", (uint32_t)unk);
     if (rc == QT_OK && bos >= 0 && bos < V) rc = gguf_set_u32(w, "tokenizer.ggml.bos_token_id", (uint32_t)bos);
     if (rc == QT_OK && eos >= 0 && eos < V) rc = gguf_set_u32(w, "tokenizer.ggml.eos_token_id", (uint32_t)eos);
     if (rc == QT_OK && pad >= 0 && pad < V) rc = gguf_set_u32(w, "tokenizer.ggml.padding_token_id", (uint32_t)pad);
@@ -342,10 +380,14 @@ static int add_hparams(gguf_writer *w, const arch_map *a, const qt_config *c) {
     char k[128];
 #define KEY(s) (snprintf(k, sizeof k, "%s.%s", a->name, s), k)
     QT_TRY(gguf_set_u32(w, KEY("vocab_size"), (uint32_t)c->vocab_size));
-    QT_TRY(gguf_set_u32(w, KEY("context_length"), (uint32_t)c->max_position_embeddings));
+    /* the original Qwen's dynamic NTK and logn scaling act past seq_length only; llama.cpp has neither,
+     * so (as qtune) it is held to seq_length there */
+    QT_TRY(gguf_set_u32(w, KEY("context_length"), (uint32_t)qt_config_max_positions(c)));
     QT_TRY(gguf_set_u32(w, KEY("embedding_length"), (uint32_t)c->hidden_size));
     QT_TRY(gguf_set_u32(w, KEY("block_count"), (uint32_t)c->num_hidden_layers));
-    QT_TRY(gguf_set_u32(w, KEY("feed_forward_length"), (uint32_t)c->intermediate_size));
+    /* qtune keeps the original Qwen's MLP width (config.json's intermediate_size / 2); llama.cpp's "qwen"
+     * takes the config's value and halves it, as the converter writes it */
+    QT_TRY(gguf_set_u32(w, KEY("feed_forward_length"), (uint32_t)c->intermediate_size * (a->qwen1 ? 2u : 1u)));
     QT_TRY(gguf_set_u32(w, KEY("attention.head_count"), (uint32_t)c->num_attention_heads));
     QT_TRY(gguf_set_u32(w, KEY("attention.head_count_kv"), (uint32_t)c->num_key_value_heads));
     QT_TRY(gguf_set_u32(w, KEY("attention.key_length"), (uint32_t)c->head_dim));
@@ -370,9 +412,9 @@ static uint32_t file_type(gguf_type t) {
 static int load_config(const char *dir, qt_config *cfg, const arch_map **a) {
     QT_TRY(qt_config_load(dir, cfg));
     if (!(*a = find_arch((int)cfg->arch)))
-        return QT_ERR(QT_EUNSUPPORTED, "%s/config.json: GGUF export writes Qwen2ForCausalLM, Qwen3ForCausalLM and "
-                      "LlamaForCausalLM models, not the original Qwen (QWenLMHeadModel, whose tokenizer is a "
-                      "qwen.tiktoken); convert it with llama.cpp's convert_hf_to_gguf.py", dir);
+        return QT_ERR(QT_EUNSUPPORTED, "%s/config.json: GGUF export writes Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                      "LlamaForCausalLM and QWenLMHeadModel models, not %s; convert it with llama.cpp's "
+                      "convert_hf_to_gguf.py", dir, qt_arch_name(cfg->arch));
     return QT_OK;
 }
 
@@ -403,6 +445,9 @@ int gguf_export_model(const char *model_dir, const char *out, const gguf_export_
     if (rc == QT_OK) rc = add_hparams(w, a, &cfg);
     if (rc == QT_OK) rc = add_tokenizer(w, model_dir, &cfg);
     int fallback = 0;
+    st_fill_fn embd_fill = NULL; /* the embedding's producer, for a tied model that needs output.weight */
+    void *embd_ctx = NULL;
+    const st_tensor *embd = NULL;
     for (int i = 0; rc == QT_OK && i < nw; i++) {
         qt_weight_spec spec;
         const st_tensor *t;
@@ -429,6 +474,12 @@ int gguf_export_model(const char *model_dir, const char *out, const gguf_export_
         gguf_type type = spec.ndim == 1 ? GGUF_F32 : o->type;
         if (type == GGUF_Q8_0 && spec.shape[spec.ndim - 1] % GGUF_QK8_0) type = GGUF_F16, fallback++;
         rc = gguf_add_tensor(w, gname, type, spec.ndim, spec.shape, fill, ctx);
+        if (!strcmp(gname, "token_embd.weight")) embd_fill = fill, embd_ctx = ctx, embd = t;
+    }
+    /* llama.cpp's "qwen" requires output.weight (it has no tied fallback): the embedding again */
+    if (rc == QT_OK && a->qwen1 && cfg.tie_word_embeddings && embd) {
+        gguf_type type = o->type == GGUF_Q8_0 && embd->shape[1] % GGUF_QK8_0 ? GGUF_F16 : o->type;
+        rc = gguf_add_tensor(w, "output.weight", type, 2, embd->shape, embd_fill, embd_ctx);
     }
     if (rc == QT_OK && fallback)
         qt_warn("%d weights have rows that are not a multiple of 32 long and are stored as f16 instead of q8_0",

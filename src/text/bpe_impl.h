@@ -155,9 +155,11 @@ struct bpe_tokenizer {
  * tree it stands for: vocab = ranks, merges = every split of a token into two
  * tokens by the token's rank, NFC, Qwen's split regex, ByteLevel, and the
  * special tokens after the ranks (tiktoken.c says why this is tiktoken's
- * rank rule). byte_to_cp: GPT-2's byte alphabet. */
+ * rank rule). byte_to_cp: GPT-2's byte alphabet. converter_merges: instead of every
+ * split, the one merge per token that llama.cpp's converter writes (GGUF export). */
 struct cJSON;
-int bpe_tiktoken_tree(const char *path, const char *buf, size_t len, const uint32_t byte_to_cp[256], struct cJSON **out);
+int bpe_tiktoken_tree(const char *path, const char *buf, size_t len, const uint32_t byte_to_cp[256],
+                      int converter_merges, struct cJSON **out);
 
 /* A small, fast hash of a byte string (8 bytes a step). */
 uint64_t bpe_hash_bytes(const void *p, size_t n);

@@ -138,8 +138,34 @@ static cJSON *obj_with_type(const char *type) {
     return o;
 }
 
+/* The two tokens llama.cpp's convert_hf_to_gguf.py (QwenModel.bpe) merges into
+ * token r: its bytes merged by tiktoken's rule with the ranks below r only, which
+ * stops at two parts for every token of a well-formed file. *cut: the left
+ * part's length; 0 when it does not end in two parts. */
+static int converter_split(const tk_tok *t, int32_t r, const tk_map *map, uint32_t *cut) {
+    uint32_t *end = qt_malloc((size_t)t->n * sizeof *end, "tiktoken split"); /* end[i]: end of part i */
+    if (!end) return QT_ENOMEM;
+    uint32_t parts = t->n;
+    for (uint32_t i = 0; i < parts; i++) end[i] = i + 1;
+    for (;;) {
+        int32_t best = -1;
+        uint32_t at = 0;
+        for (uint32_t i = 0; i + 1 < parts; i++) {
+            uint32_t b = i ? end[i - 1] : 0;
+            int32_t k = tk_find(map, t->p + b, end[i + 1] - b);
+            if (k >= 0 && k < r && (best < 0 || k < best)) best = k, at = i;
+        }
+        if (best < 0) break;
+        memmove(end + at, end + at + 1, (size_t)(parts - at - 1) * sizeof *end);
+        parts--;
+    }
+    *cut = parts == 2 ? end[0] : 0;
+    qt_free(end);
+    return QT_OK;
+}
+
 static int build_tree(const char *path, const tk_tok *tok, int32_t n, const tk_map *map,
-                      const uint32_t byte_to_cp[256], cJSON **out) {
+                      const uint32_t byte_to_cp[256], int converter_merges, cJSON **out) {
     cJSON *root = cJSON_CreateObject(), *model = obj_with_type("BPE"), *vocab = cJSON_CreateObject(),
           *merges = cJSON_CreateArray(), *added = cJSON_CreateArray();
     int ok = root && model && vocab && merges && added;
@@ -155,8 +181,14 @@ static int build_tree(const char *path, const tk_tok *tok, int32_t n, const tk_m
     cJSON *vocab_node = rc == QT_OK ? cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(root, "model"), "vocab") : NULL;
     for (int32_t r = 0; r < n && rc == QT_OK; r++) {
         if (!cJSON_AddNumberToObject(vocab_node, byte_level(tok[r].p, tok[r].n, byte_to_cp, s), r)) rc = QT_ENOMEM;
-        /* every split of the token into two tokens is a merge of this rank */
+        /* every split of the token into two tokens is a merge of this rank; or, for
+         * converter_merges, the one split llama.cpp's converter writes */
+        uint32_t only = 0;
+        if (converter_merges && tok[r].n > 1 && (rc = converter_split(&tok[r], r, map, &only)) == QT_OK && !only)
+            rc = QT_ERR(QT_EFORMAT, "%s: rank %d is not two lower-ranked tokens merged, so it has no BPE merge; the "
+                        "file is not a tiktoken BPE vocabulary", path, r);
         for (uint32_t i = 1; i < tok[r].n && rc == QT_OK; i++) {
+            if (converter_merges && i != only) continue;
             if (tk_find(map, tok[r].p, i) < 0 || tk_find(map, tok[r].p + i, tok[r].n - i) < 0) continue;
             byte_level(tok[r].p, i, byte_to_cp, m);
             size_t k = strlen(m);
@@ -206,7 +238,8 @@ static int build_tree(const char *path, const tk_tok *tok, int32_t n, const tk_m
     return QT_OK;
 }
 
-int bpe_tiktoken_tree(const char *path, const char *buf, size_t len, const uint32_t byte_to_cp[256], cJSON **out) {
+int bpe_tiktoken_tree(const char *path, const char *buf, size_t len, const uint32_t byte_to_cp[256],
+                      int converter_merges, cJSON **out) {
     *out = NULL;
     tk_tok *tok = NULL;
     uint8_t *arena = NULL;
@@ -235,7 +268,7 @@ int bpe_tiktoken_tree(const char *path, const char *buf, size_t len, const uint3
         if (tk_find(&map, &c, 1) < 0)
             rc = QT_ERR(QT_EFORMAT, "%s has no token for byte 0x%02X; a byte-level BPE needs all 256", path, b);
     }
-    if (rc == QT_OK) rc = build_tree(path, tok, n, &map, byte_to_cp, out);
+    if (rc == QT_OK) rc = build_tree(path, tok, n, &map, byte_to_cp, converter_merges, out);
     qt_free(map.slot);
     qt_free(tok);
     qt_free(arena);

@@ -483,6 +483,18 @@ int bpe_folder_file(const char *dir, char *path, size_t cap) {
     return 0;
 }
 
+int bpe_tiktoken_gguf_tree(const char *path, cJSON **out) {
+    char *buf;
+    size_t len;
+    uint32_t byte_to_cp[256];
+    int16_t cp_to_byte[324];
+    QT_TRY(qt_read_file(path, BPE_MAX_FILE, &buf, &len));
+    byte_level_tables(byte_to_cp, cp_to_byte);
+    int rc = bpe_tiktoken_tree(path, buf, len, byte_to_cp, 1, out);
+    qt_free(buf);
+    return rc;
+}
+
 int bpe_load(const char *path, bpe_tokenizer **out) {
     *out = NULL;
     char file[4096];
@@ -504,7 +516,7 @@ int bpe_load(const char *path, bpe_tokenizer **out) {
     load_ctx c = {.path = file};
     byte_level_tables(c.byte_to_cp, c.cp_to_byte);
     if (is_tiktoken(file)) {
-        int rc = bpe_tiktoken_tree(file, buf, len, c.byte_to_cp, &c.root);
+        int rc = bpe_tiktoken_tree(file, buf, len, c.byte_to_cp, 0, &c.root);
         if (rc != QT_OK) {
             qt_free(buf);
             return rc;

@@ -21,6 +21,11 @@ int bpe_load(const char *path, bpe_tokenizer **out);
  * dir/qwen.tiktoken (the original Qwen). 1 and path filled when there is one. */
 int bpe_folder_file(const char *dir, char *path, size_t cap);
 void bpe_free(bpe_tokenizer *t);
+/* A qwen.tiktoken as the tokenizer.json tree (vocab, merges, added_tokens,
+ * pre_tokenizer) with llama.cpp's merges: the one split per token that its
+ * convert_hf_to_gguf.py writes, for GGUF export. cJSON_Delete it. */
+struct cJSON;
+int bpe_tiktoken_gguf_tree(const char *path, struct cJSON **out);
 
 /* Appends the ids of text[0..len) to *ids (growing *cap with qt_realloc).
  * Special tokens written inside the text are matched, as HF does by default.

@@ -453,12 +453,205 @@ def test_adapter_keys_at_harmless_values_and_unknown_keys(models, tmp_path):
     assert os.path.exists(tmp_path / "b.gguf")
 
 
-def test_unsupported_architecture_says_what_to_do(tmp_path):
+def test_unsupported_architecture_says_what_to_do(models, tmp_path):
+    """Every architecture qtune loads is exported; any other is refused when its config.json is read,
+    by a sentence that names what is supported."""
+    import shutil
     m = tmp_path / "m"
-    qtune("init", "--out", m, "--preset", "tiny-qwen", "--seed", "1")
+    shutil.copytree(models["tiny"], m)
+    cfg = json.load(open(m / "config.json"))
+    cfg["architectures"] = ["MistralForCausalLM"]
+    json.dump(cfg, open(m / "config.json", "w"))
     p = qtune("export", "--model", m, "--gguf", tmp_path / "x.gguf", check=1)
-    assert "not the original Qwen (QWenLMHeadModel" in p.stderr and "convert_hf_to_gguf" in p.stderr, p.stderr
+    assert "'MistralForCausalLM' is not supported" in p.stderr and "QWenLMHeadModel" in p.stderr, p.stderr
     no_leftovers(tmp_path, ("m",))
+
+
+# ---- the original Qwen (QWenLMHeadModel, qwen.tiktoken) -> llama.cpp's arch "qwen" ----
+QWEN1_WORDS = [b"th", b"he", b"the", b" t", b" the", b"in", b"ing", b"an", b"and", b" a", b" and", b"er", b"re",
+               b"on", b"hel", b"ll", b"lo", b"llo", b"hello", b"\xe4\xbd", b"\xe4\xbd\xa0"]
+QWEN1_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"<|extra_{i}|>" for i in range(205)]
+
+
+def gpt2_bytes_to_unicode():
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+        list(range(ord("\xae"), ord("\xff") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def qwen1_bpe(ranks, token, max_rank):
+    """convert_hf_to_gguf.py's QwenModel.bpe."""
+    parts = [bytes([b]) for b in token]
+    while True:
+        best = None
+        for i, (a, b) in enumerate(zip(parts[:-1], parts[1:])):
+            r = ranks.get(a + b)
+            if r is not None and (best is None or r < best[1]):
+                best = (i, r)
+        if best is None or best[1] >= max_rank:
+            return parts
+        i = best[0]
+        parts = parts[:i] + [parts[i] + parts[i + 1]] + parts[i + 2:]
+
+
+@pytest.fixture(scope="module")
+def qwen1(tmp_path_factory):
+    """A tiny-qwen model with a small hand-made qwen.tiktoken: the 256 bytes (in a shuffled order, so rank is
+    not byte value) and words each two lower-ranked tokens merged."""
+    import base64
+    m = tmp_path_factory.mktemp("qwen1") / "m"
+    qtune("init", "--out", m, "--preset", "tiny-qwen", "--seed", "3")
+    byts = list(range(256))
+    np.random.default_rng(1).shuffle(byts)
+    toks = [bytes([b]) for b in byts] + QWEN1_WORDS
+    with open(m / "qwen.tiktoken", "w") as f:
+        for i, t in enumerate(toks):
+            f.write(f"{base64.b64encode(t).decode()} {i}\n")
+    return m, toks
+
+
+def check_qwen1(path, model_dir, toks, dtype):
+    g = read_gguf(path)
+    kv = g.kv
+    cfg = json.load(open(os.path.join(model_dir, "config.json")))
+    assert kv["general.architecture"] == "qwen" and kv["general.type"] == "model"
+    assert kv["general.file_type"] == {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}[dtype]
+    C, H = cfg["hidden_size"], cfg["num_attention_heads"]
+    # convert_hf_to_gguf.py's QwenModel: feed_forward_length is config.json's intermediate_size (llama.cpp halves
+    # it); context_length is seq_length here, as use_dynamic_ntk / use_logn_attn are on and llama.cpp has neither
+    assert cfg["use_dynamic_ntk"] and cfg["seq_length"] < cfg["max_position_embeddings"]
+    want_hp = {"context_length": cfg["seq_length"], "embedding_length": C, "block_count": cfg["num_hidden_layers"],
+               "feed_forward_length": cfg["intermediate_size"], "attention.head_count": H,
+               "rope.dimension_count": C // H}
+    for k, v in want_hp.items():
+        assert kv[f"qwen.{k}"] == v, k
+    assert np.float32(kv["qwen.rope.freq_base"]) == np.float32(cfg["rotary_emb_base"])
+    assert np.float32(kv["qwen.attention.layer_norm_rms_epsilon"]) == np.float32(cfg["layer_norm_epsilon"])
+    # _set_vocab_qwen: ranks in GPT-2's byte alphabet, the converter's one merge per token, specials CONTROL
+    V = cfg["vocab_size"]
+    enc = gpt2_bytes_to_unicode()
+    s = lambda b: "".join(enc[c] for c in b)  # noqa: E731
+    ranks = {t: i for i, t in enumerate(toks)}
+    want_toks = [s(t) for t in toks] + QWEN1_SPECIALS
+    want_toks += [f"[PAD{i}]" for i in range(len(want_toks), V)]
+    want_types = [1] * len(toks) + [3] * len(QWEN1_SPECIALS) + [5] * (V - len(toks) - len(QWEN1_SPECIALS))
+    assert kv["tokenizer.ggml.tokens"] == want_toks
+    assert kv["tokenizer.ggml.token_type"] == want_types
+    want_merges = []
+    for t, r in ranks.items():
+        if len(t) > 1:
+            parts = qwen1_bpe(ranks, t, r)
+            assert len(parts) == 2
+            want_merges.append(" ".join(map(s, parts)))
+    assert kv["tokenizer.ggml.merges"] == want_merges
+    assert kv["tokenizer.ggml.model"] == "gpt2" and kv["tokenizer.ggml.pre"] == "qwen2"
+    eot = len(toks)
+    for k in ("bos", "eos", "unknown"):
+        assert kv[f"tokenizer.ggml.{k}_token_id"] == eot, k
+    assert kv["tokenizer.ggml.add_bos_token"] is False
+    # tensors: llama.cpp's names for the original Qwen's, values unchanged (NeoX RoPE, c_attn kept fused)
+    names = {"transformer.wte.weight": "token_embd.weight", "transformer.ln_f.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    layer = {"ln_1.weight": "attn_norm.weight", "attn.c_attn.weight": "attn_qkv.weight",
+             "attn.c_attn.bias": "attn_qkv.bias", "attn.c_proj.weight": "attn_output.weight",
+             "ln_2.weight": "ffn_norm.weight", "mlp.w1.weight": "ffn_up.weight", "mlp.w2.weight": "ffn_gate.weight",
+             "mlp.c_proj.weight": "ffn_down.weight"}
+    src = st.read(os.path.join(model_dir, "model.safetensors"))
+    for L in range(cfg["num_hidden_layers"]):
+        for k, v in layer.items():
+            names[f"transformer.h.{L}.{k}"] = f"blk.{L}.{v}"
+    assert set(src) == set(names) and set(g.tensors) == set(names.values())
+    I = cfg["intermediate_size"] // 2
+    for name, w in src.items():
+        t = g.tensors[names[name]]
+        assert t.ne == tuple(reversed(w.shape)), name
+        check_values(names[name], t, w.astype(np.float32), dtype, w.ndim == 2)
+    # the shapes llama.cpp's LLM_ARCH_QWEN creates: wqkv {C, 3C}, ffn_gate/up {C, n_ff/2}, ffn_down {n_ff/2, C}
+    assert g.tensors["blk.0.attn_qkv.weight"].ne == (C, 3 * C) and g.tensors["blk.0.attn_qkv.bias"].ne == (3 * C,)
+    assert g.tensors["blk.1.ffn_up.weight"].ne == (C, I) == g.tensors["blk.1.ffn_gate.weight"].ne
+    assert g.tensors["blk.1.ffn_down.weight"].ne == (I, C)
+    return g
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q8_0"])
+def test_qwen1_model(qwen1, tmp_path, dtype):
+    m, toks = qwen1
+    out = tmp_path / "q.gguf"
+    qtune("export", "--model", m, "--gguf", out, "--dtype", dtype)
+    check_qwen1(out, m, toks, dtype)
+
+
+def write_qwen1_adapter(d, cfg, r=4, alpha=8.0, seed=0):
+    rng = np.random.default_rng(seed)
+    os.makedirs(d, exist_ok=True)
+    C, I = cfg["hidden_size"], cfg["intermediate_size"] // 2
+    dims = {"attn.c_attn": (C, 3 * C), "attn.c_proj": (C, C), "mlp.w1": (C, I), "mlp.w2": (C, I),
+            "mlp.c_proj": (I, C)}
+    t = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for mod, (n_in, n_out) in dims.items():
+            k = f"base_model.model.transformer.h.{layer}.{mod}"
+            t[k + ".lora_A.weight"] = rng.normal(0, 0.2, (r, n_in)).astype(np.float32)
+            t[k + ".lora_B.weight"] = rng.normal(0, 0.2, (n_out, r)).astype(np.float32)
+    st.write(os.path.join(d, "adapter_model.safetensors"), t)
+    json.dump({"peft_type": "LORA", "r": r, "lora_alpha": alpha, "lora_dropout": 0.0,
+               "target_modules": ["c_attn", "c_proj", "w1", "w2"], "bias": "none", "task_type": "CAUSAL_LM"},
+              open(os.path.join(d, "adapter_config.json"), "w"))
+    return t
+
+
+def test_qwen1_lora_and_merged(qwen1, tmp_path):
+    m, toks = qwen1
+    cfg = json.load(open(m / "config.json"))
+    ad = write_qwen1_adapter(tmp_path / "ad", cfg)
+    out = tmp_path / "lora.gguf"
+    qtune("export", "--model", m, "--adapter", tmp_path / "ad", "--gguf-lora", out)
+    g = read_gguf(out)
+    assert g.kv["general.architecture"] == "qwen" and g.kv["adapter.type"] == "lora"
+    assert np.isclose(g.kv["adapter.lora.alpha"], 8.0)
+    gn = {"attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output", "mlp.w1": "ffn_up", "mlp.w2": "ffn_gate",
+          "mlp.c_proj": "ffn_down"}
+    assert len(g.tensors) == len(ad)
+    for k, v in ad.items():
+        _, _, _, _, L, rest = k.split(".", 5)
+        mod = rest.rsplit(".", 2)[0]
+        gname = f"blk.{L}.{gn[mod]}.weight" + (".lora_b" if ".lora_B." in k else ".lora_a")
+        assert g.tensors[gname].ne == tuple(reversed(v.shape)), gname
+        assert np.array_equal(g.tensors[gname].array, v), gname
+    # merged: qtune merge's folder (with the tokenizer copied) exports to the same tensors
+    merged = tmp_path / "merged.gguf"
+    qtune("export", "--model", m, "--adapter", tmp_path / "ad", "--gguf", merged, "--dtype", "f32")
+    base = st.read(os.path.join(m, "model.safetensors"))
+    gm = read_gguf(merged)
+    w = "transformer.h.1.attn.c_attn"
+    want = base[w + ".weight"] + (ad[f"base_model.model.{w}.lora_B.weight"].astype(np.float64) @
+                                  ad[f"base_model.model.{w}.lora_A.weight"]) * 8.0 / 4
+    assert np.allclose(gm.tensors["blk.1.attn_qkv.weight"].array, want, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(gm.tensors["blk.1.attn_qkv.bias"].array, base[w + ".bias"])
+
+
+def test_qwen1_tied_writes_output_twice(qwen1, tmp_path):
+    """llama.cpp's "qwen" has no tied fallback: a tied model's embedding is written as output.weight too."""
+    import shutil
+    m = tmp_path / "m"
+    shutil.copytree(qwen1[0], m)
+    cfg = json.load(open(m / "config.json"))
+    cfg["tie_word_embeddings"] = True
+    json.dump(cfg, open(m / "config.json", "w"))
+    src = st.read(os.path.join(m, "model.safetensors"))
+    del src["lm_head.weight"]
+    st.write(os.path.join(m, "model.safetensors"), src)
+    out = tmp_path / "t.gguf"
+    qtune("export", "--model", m, "--gguf", out, "--dtype", "f16")
+    g = read_gguf(out)
+    assert g.tensors["output.weight"].raw == g.tensors["token_embd.weight"].raw
+    assert np.array_equal(g.tensors["output.weight"].array, to_f16(src["transformer.wte.weight"]))
 
 
 def test_missing_tokenizer(models, tmp_path):
