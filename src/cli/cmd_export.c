@@ -39,10 +39,10 @@ static long long file_size(const char *path) {
     return stat(path, &s) == 0 ? (long long)s.st_size : -1;
 }
 
-/* Whether the existing file o is one that export reads in dir (a .json or
- * .safetensors file, compared by inode, so other spellings of the path and
- * links count): renaming the GGUF over it would replace the input itself. Its
- * name goes into name. */
+/* Whether the existing file o is one that export reads in dir (a .json,
+ * .safetensors or .tiktoken file, compared by inode, so other spellings of the
+ * path and links count): renaming the GGUF over it would replace the input
+ * itself. Its name goes into name. */
 static int reads_file(const char *dir, const struct stat *o, char *name, size_t cap) {
     DIR *d = dir ? opendir(dir) : NULL;
     if (!d) return 0;
@@ -51,7 +51,10 @@ static int reads_file(const char *dir, const struct stat *o, char *name, size_t 
         size_t n = strlen(e->d_name);
         char p[4096];
         struct stat s;
-        if (((n > 5 && !strcmp(e->d_name + n - 5, ".json")) || (n > 12 && !strcmp(e->d_name + n - 12, ".safetensors"))) &&
+        const int input = (n > 5 && !strcmp(e->d_name + n - 5, ".json")) ||
+                          (n > 12 && !strcmp(e->d_name + n - 12, ".safetensors")) ||
+                          (n > 9 && !strcmp(e->d_name + n - 9, ".tiktoken")); /* the original Qwen's tokenizer */
+        if (input &&
             qt_path_join(p, sizeof p, dir, e->d_name) == QT_OK && stat(p, &s) == 0 && s.st_dev == o->st_dev &&
             s.st_ino == o->st_ino)
             hit = 1, snprintf(name, cap, "%s", e->d_name);

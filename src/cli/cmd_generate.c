@@ -87,6 +87,7 @@ typedef struct {
  * stdout) stops the generation with an error: the text would be lost while
  * the exit status said all was well. */
 static int flush_stdout(void) {
+    errno = 0; /* a failed fflush sets it; a stream error from an earlier write may leave it 0 (then EIO) */
     if (fflush(stdout) == 0 && !ferror(stdout)) return QT_OK;
     return QT_ERR(QT_EIO, "cannot write the reply to standard output (%s); generation stopped: check the disk or "
                   "the program reading the output", strerror(errno ? errno : EIO));
@@ -450,7 +451,7 @@ static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int c
             rc = QT_ERR(QT_EINVAL, "%s line %d: text after the JSON object (byte %zu); put one object per line", path,
                         lineno, (size_t)(after - s) + 1);
         } else if (cJSON_IsString(text) && qt_json_has_nul_escape(t, (size_t)(e - t))) {
-            rc = QT_ERR(QT_EINVAL, "%s line %d: the prompt holds a NUL character (\\u0000), where its text would end; "
+            rc = QT_ERR(QT_EINVAL, "%s line %d holds a NUL character (\\u0000), where the prompt's text would end; "
                         "remove it", path, lineno);
         } else if (!cJSON_IsObject(o) || cJSON_IsString(text) == cJSON_IsArray(arr)) {
             rc = QT_ERR(QT_EINVAL, "%s line %d: each line must be a JSON object with a \"prompt\" string or a "

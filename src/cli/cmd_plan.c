@@ -14,6 +14,7 @@
 #include "train/plan_report.h"
 #include "train/trainer.h"
 
+#include <ctype.h>
 #include <dirent.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -74,6 +75,7 @@ static int resolve_targets(const qt_config *cfg, const char *s, unsigned *mask) 
     for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
         if (n == PEFT_MAX_TARGETS) return QT_ERR(QT_EINVAL, "--lora-targets names more than %d modules", PEFT_MAX_TARGETS);
         snprintf(names[n], sizeof names[n], "%s", tok);
+        for (char *c = names[n]; *c; c++) *c = (char)tolower((unsigned char)*c); /* Q_PROJ as q_proj, as before */
         for (size_t i = 0; i < sizeof short_names / sizeof short_names[0]; i++)
             if (!strcasecmp(tok, short_names[i])) snprintf(names[n], sizeof names[n], "%s_proj", short_names[i]);
         if (!strcasecmp(tok, "all-linear")) snprintf(names[n], sizeof names[n], "all-linear");

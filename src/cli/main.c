@@ -96,8 +96,8 @@ static void usage(FILE *out) {
             QTUNE_VERSION);
     for (size_t i = 0; i < NCOMMANDS; i++) fprintf(out, "  %-9s %s\n", commands[i].name, commands[i].summary);
     fprintf(out, "\nenvironment: QTUNE_LOG=debug adds file:line to messages, QTUNE_LOG=quiet keeps only warnings\n"
-                 "and errors; OMP_NUM_THREADS sets threads\n"
-                 "(at most 4096); idle OpenMP threads spin briefly (GOMP_SPINCOUNT=" QT_GOMP_SPINCOUNT
+                 "and errors; OMP_NUM_THREADS sets threads (at most 4096);\n"
+                 "idle OpenMP threads spin briefly (GOMP_SPINCOUNT=" QT_GOMP_SPINCOUNT
                  "; OMP_WAIT_POLICY=passive: no spin, kinder to\n"
                  "other busy processes; active: a long spin);\n"
                  "QTUNE_SGEMM=openblas keeps every fp32 product on OpenBLAS (default: oneDNN for the gradients);\n"

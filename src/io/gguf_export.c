@@ -335,9 +335,9 @@ static int add_tokenizer(gguf_writer *w, const char *dir, const qt_config *cfg) 
     if ((s = config_token(tc, "pad_token"))) pad = token_id(vocab, added, s);
     if (bos < 0) bos = cfg->bos_token_id;
     if (eos < 0) eos = cfg->eos_token_id;
-    /* _set_vocab_qwen: with no special id from the configs, bos, eos and unk are <|endoftext|> */
-    int unk = -1;
-    if (tiktoken && bos < 0 && eos < 0 && pad < 0) bos = eos = unk = token_id(vocab, added, "<|endoftext|>");
+    /* _set_vocab_qwen: with no special id from the configs, bos and eos are <|endoftext|>; unk is, always */
+    const int unk = tiktoken ? token_id(vocab, added, "<|endoftext|>") : -1;
+    if (tiktoken && bos < 0 && eos < 0 && pad < 0) bos = eos = unk;
     if (rc == QT_OK && unk >= 0 && unk < V) rc = gguf_set_u32(w, "tokenizer.ggml.unknown_token_id", (uint32_t)unk);
     if (rc == QT_OK && bos >= 0 && bos < V) rc = gguf_set_u32(w, "tokenizer.ggml.bos_token_id", (uint32_t)bos);
     if (rc == QT_OK && eos >= 0 && eos < V) rc = gguf_set_u32(w, "tokenizer.ggml.eos_token_id", (uint32_t)eos);

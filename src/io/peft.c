@@ -287,6 +287,10 @@ static int saved_adapter_meaning(const cJSON *j, const char *path) {
         if (!unset(cJSON_GetObjectItemCaseSensitive(j, changes[i].key)))
             return QT_ERR(QT_EUNSUPPORTED, "%s: %s is set, which %s; qtune reads plain LoRA adapters only", path,
                           changes[i].key, changes[i].what);
+    /* a command reads the same adapter_config.json more than once: its unknown keys are named once */
+    static char warned[4096];
+    if (!strcmp(warned, path)) return QT_OK;
+    snprintf(warned, sizeof warned, "%s", path);
     for (const cJSON *it = j->child; it; it = it->next) {
         int known = peft_is_lora_key(it->string);
         for (int i = 0; saved_keys[i] && !known; i++) known = !strcmp(it->string, saved_keys[i]);

@@ -7,6 +7,7 @@
 #include "backend/backend.h"
 #include "core/error.h"
 #include "core/mem.h"
+#include "model/lora_io.h"
 #include "model/memplan.h"
 #include "model/model.h"
 #include "dist/dist.h"
@@ -244,14 +245,15 @@ int qt_plan_compute(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
 
 static double gib(uint64_t b) { return (double)b / GIB; }
 
-static const char *targets_str(unsigned t, char *buf, size_t cap) {
-    static const char *names[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+/* The adapted modules in the layout's own names (the original Qwen's c_attn, not q_proj,v_proj). */
+static const char *targets_str(const qt_config *c, unsigned t, char *buf, size_t cap) {
+    char names[8][64];
+    const int n = qt_lora_target_names(c, t, names, 8);
     buf[0] = 0;
-    for (int i = 0; i < 7; i++)
-        if (t & (1u << i)) {
-            size_t n = strlen(buf);
-            snprintf(buf + n, cap - n, "%s%s", n ? "," : "", names[i]);
-        }
+    for (int i = 0; i < n; i++) {
+        size_t k = strlen(buf);
+        snprintf(buf + k, cap - k, "%s%s", k ? "," : "", names[i]);
+    }
     return buf;
 }
 
@@ -263,12 +265,12 @@ static const char *saved_str(unsigned save) {
                                                    : "";
 }
 
-static void strategy_line(const qt_plan_opts *o, char *buf, size_t cap) {
-    char t[128], sv[64] = "";
+static void strategy_line(const qt_config *c, const qt_plan_opts *o, char *buf, size_t cap) {
+    char t[600], sv[64] = "";
     if (o->lora && o->lora_save) snprintf(sv, sizeof sv, " + %s trained", saved_str(o->lora_save));
     if (o->lora)
         snprintf(buf, cap, "LoRA r=%d on %s%s, %s, ZeRO %d, %d device%s%s, B=%d T=%d%s", o->lora_r,
-                 targets_str(o->lora_targets, t, sizeof t), sv, qt_dtype_name(o->precision), o->zero, o->devices,
+                 targets_str(c, o->lora_targets, t, sizeof t), sv, qt_dtype_name(o->precision), o->zero, o->devices,
                  o->devices > 1 ? "s" : "", o->offload ? ", optimizer offloaded to host" : "", o->micro_batch,
                  o->seq_len, o->checkpointing ? ", recomputation" : "");
     else
@@ -285,7 +287,7 @@ static const char *desc_name(const qt_plan_opts *o) {
 
 void qt_plan_print(FILE *f, const char *name, const qt_config *c, const qt_plan_opts *o, const qt_plan *p) {
     char s[400];
-    strategy_line(o, s, sizeof s);
+    strategy_line(c, o, s, sizeof s);
     /* one unit for the whole report: GiB, or MiB for small shapes */
     const double unit = p->dev.total >= GIB ? GIB : 1024.0 * 1024.0;
     const char *un = unit == GIB ? "GiB" : "MiB";
@@ -348,12 +350,12 @@ char *qt_plan_json(const char *name, const qt_config *c, const qt_plan_opts *o, 
         QT_ERR(QT_ENOMEM, "could not build the plan's JSON");
         return NULL;
     }
-    char t[128];
+    char t[600];
     cJSON_AddStringToObject(r, "model", name);
     cJSON_AddStringToObject(r, "mode", o->lora ? "lora" : "full");
     if (o->lora) {
         cJSON_AddNumberToObject(r, "lora_r", o->lora_r);
-        cJSON_AddStringToObject(r, "lora_targets", targets_str(o->lora_targets, t, sizeof t));
+        cJSON_AddStringToObject(r, "lora_targets", targets_str(c, o->lora_targets, t, sizeof t));
         cJSON_AddStringToObject(r, "modules_to_save", saved_str(o->lora_save));
     }
     cJSON_AddStringToObject(r, "backend", desc_name(o));

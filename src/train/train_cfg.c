@@ -1,5 +1,7 @@
 /* The DeepSpeed section as the training loop uses it. */
 #include "core/error.h"
+#include "io/hf_config.h"
+#include "model/lora_io.h"
 #include "train/trainer.h"
 
 #include <string.h>
@@ -98,6 +100,19 @@ void qt_train_describe(const qt_job *job, const qt_ds_config *ds, const char *de
              job->data.seq_len, device);
 }
 
+int qt_job_lora_targets_resolve(const qt_job *job, const qt_config *cfg, unsigned *mask) {
+    const qt_job_lora *l = &job->lora;
+    *mask = l->targets;
+    if (l->targets_default && qt_config_layout(cfg)->fused_qkv) { /* PEFT's default for model_type qwen */
+        const char *c_attn = "c_attn";
+        return qt_lora_targets_from_names(cfg, &c_attn, 1, mask, job->path);
+    }
+    if (l->targets_default || l->targets_all_linear) return QT_OK; /* q_proj/v_proj for Qwen2 layouts; every linear */
+    char where[4200];
+    snprintf(where, sizeof where, "%s: lora", job->path);
+    return qt_lora_targets_from_names(cfg, (const char *const *)l->target_names, l->n_target_names, mask, where);
+}
+
 int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o) {
     qt_ds_config ds;
     if (job->deepspeed) {
@@ -112,6 +127,10 @@ int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o) {
     if (job->lora.enabled) {
         o->lora_r = job->lora.r;
         o->lora_targets = job->lora.targets;
+        /* the names against the model's layout, as the run resolves them (the original Qwen: c_attn) */
+        qt_config cfg;
+        if (qt_config_load(job->model, &cfg) == QT_OK) QT_TRY(qt_job_lora_targets_resolve(job, &cfg, &o->lora_targets));
+        else qt_error_clear(); /* the model folder's own error is the plan's to report */
         /* modules_to_save by PEFT's name rule; a name other than these two the run itself refuses */
         for (int i = 0; i < job->lora.extras.n_save; i++)
             o->lora_save |= peft_target_entry_matches(job->lora.extras.modules_to_save[i], "lm_head") ? QT_SAVE_LM_HEAD

@@ -500,15 +500,7 @@ static int resolve_lora_targets(qt_trainer *t) {
     if (!l->enabled) return QT_OK;
     qt_config cfg;
     QT_TRY(qt_config_load(t->job->model, &cfg));
-    if (l->targets_default && qt_config_layout(&cfg)->fused_qkv) { /* PEFT's default for model_type qwen */
-        const char *c_attn = "c_attn";
-        QT_TRY(qt_lora_targets_from_names(&cfg, &c_attn, 1, &t->lora_targets, t->job->path));
-    } else if (!l->targets_default && !l->targets_all_linear) {
-        char where[4200];
-        snprintf(where, sizeof where, "%s: lora", t->job->path);
-        QT_TRY(qt_lora_targets_from_names(&cfg, (const char *const *)l->target_names, l->n_target_names,
-                                          &t->lora_targets, where));
-    } /* else q_proj/v_proj for Qwen2 layouts; every linear */
+    QT_TRY(qt_job_lora_targets_resolve(t->job, &cfg, &t->lora_targets));
     /* modules_to_save and layers_to_transform: the resolved targets in the layout's own names, with them */
     peft_config *pc = qt_calloc(1, sizeof *pc, "LoRA selection");
     if (!pc) return QT_ENOMEM;

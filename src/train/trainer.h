@@ -52,6 +52,12 @@ void qt_train_cfg_from_ds(const qt_ds_config *ds, qt_train_cfg *cfg);
 /* What `qtune plan JOB.json` plans for: the job's LoRA or full fine-tuning,
  * r and targets, ZeRO stage, offload, precision and micro-batch (its
  * DeepSpeed config resolved for `ranks`), seq_len and checkpointing. */
+/* The job's lora.target_modules against the model's layout (cfg), as a run
+ * resolves them: absent, PEFT's default for the model type (q_proj, v_proj;
+ * the original Qwen's c_attn); "all-linear", every linear; names, resolved by
+ * qt_lora_targets_from_names, which refuses Qwen2 names on an original Qwen
+ * model with the list to write. */
+int qt_job_lora_targets_resolve(const qt_job *job, const qt_config *cfg, unsigned *mask);
 int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o);
 
 /* The one line a run starts with: what is trained, precision, ZeRO stage and

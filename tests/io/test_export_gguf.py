@@ -450,6 +450,7 @@ def test_adapter_keys_at_harmless_values_and_unknown_keys(models, tmp_path):
     json.dump(c, open(tmp_path / "ad" / "adapter_config.json", "w"))
     p = qtune("export", "--model", m, "--adapter", tmp_path / "ad", "--gguf-lora", tmp_path / "b.gguf")
     assert "\"lora_frobnicate\" is not a LoRA setting qtune knows and is ignored" in p.stderr, p.stderr
+    assert p.stderr.count("lora_frobnicate") == 1, p.stderr  # the command reads the file twice; said once
     assert os.path.exists(tmp_path / "b.gguf")
 
 
@@ -755,3 +756,29 @@ def test_modules_to_save(models, tmp_path):
     p = qtune("export", "--model", t, "--adapter", tmp_path / "tad", "--gguf", tmp_path / "t.gguf", check=None)
     assert p.returncode != 0 and "tied embeddings" in p.stderr and "qtune merge" in p.stderr, p.stderr
     assert not os.path.exists(tmp_path / "t.gguf")
+
+
+def test_qwen1_tokenizer_as_output_is_refused(qwen1, tmp_path):
+    """The "OUT is an input" check looked at .json and .safetensors files only, so --gguf DIR/qwen.tiktoken
+    replaced the original Qwen's tokenizer with the GGUF and exited 0."""
+    import shutil
+    m = tmp_path / "m"
+    shutil.copytree(qwen1[0], m)
+    before = (m / "qwen.tiktoken").read_bytes()
+    p = qtune("export", "--model", m, "--gguf", m / "qwen.tiktoken", check=2)
+    assert "is an input of the export" in p.stderr and "qwen.tiktoken" in p.stderr, p.stderr
+    assert (m / "qwen.tiktoken").read_bytes() == before
+
+
+def test_qwen1_unk_is_endoftext_even_with_config_ids(qwen1, tmp_path):
+    """_set_vocab_qwen sets unk to <|endoftext|> whatever the configs hold (bos/eos only when they hold no
+    special id); qtune set unk only with no ids at all."""
+    import shutil
+    m = tmp_path / "m"
+    shutil.copytree(qwen1[0], m)
+    cfg = json.load(open(m / "config.json"))
+    cfg["eos_token_id"] = 5
+    json.dump(cfg, open(m / "config.json", "w"))
+    qtune("export", "--model", m, "--gguf", tmp_path / "q.gguf", "--dtype", "f32")
+    kv = read_gguf(tmp_path / "q.gguf").kv
+    assert kv["tokenizer.ggml.unknown_token_id"] == len(qwen1[1]) and kv["tokenizer.ggml.eos_token_id"] == 5, kv

@@ -327,3 +327,19 @@ def test_lora_targets_are_resolved_against_the_models_layout():
     assert p.returncode == 2 and "'bogus'" in p.stderr, p.stderr
     assert plan_json("--preset", "qwen2.5-0.5b", "--mode", "lora", "--lora-targets", "q,v") == \
         plan_json("--preset", "qwen2.5-0.5b", "--mode", "lora", "--lora-targets", "q_proj,v_proj")
+
+
+def test_a_jobs_lora_targets_are_resolved_against_the_model(tmp_path):
+    """A job's target_modules went to the plan by name alone: ["v_proj"] on the original Qwen planned 0
+    trainable parameters with exit 0, where train and doctor refuse the job. They resolve as a run resolves
+    them now, and the plan names the adapted modules in the layout's own names (c_attn, not q_proj,v_proj)."""
+    qtune("init", "--out", tmp_path / "m", "--preset", "tiny-qwen", "--seed", "1")
+    job = {"model": "m", "output_dir": "o", "data": {"train": "t.jsonl", "seq_len": 64},
+           "lora": {"r": 4, "target_modules": ["v_proj"]}}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    p = qtune("plan", tmp_path / "job.json")
+    assert p.returncode == 1 and "c_attn" in p.stderr and "v_proj" in p.stderr, p.stderr
+    job["lora"].pop("target_modules")  # PEFT's default for model_type qwen: c_attn
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    got = plan_json(tmp_path / "job.json")
+    assert got["lora_targets"] == "c_attn" and got["n_trainable"] == 2 * 4 * (64 + 3 * 64), got
