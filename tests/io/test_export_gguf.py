@@ -17,7 +17,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.environ.get("QTUNE_SOURCE_DIR", os.path.abspath(os.path.join(HERE, "..", "..")))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(SRC, "tests", "ref"))
+sys.path.insert(0, os.path.join(SRC, "tests", "text"))
 import st  # noqa: E402
+from byte_level import bytes_to_unicode  # noqa: E402
 from gguf_reader import GGML_BF16, GGML_F16, GGML_F32, GGML_Q8_0, read_gguf  # noqa: E402
 
 QTUNE = os.environ.get("QTUNE_BIN", "")
@@ -474,18 +476,6 @@ QWEN1_WORDS = [b"th", b"he", b"the", b" t", b" the", b"in", b"ing", b"an", b"and
 QWEN1_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"<|extra_{i}|>" for i in range(205)]
 
 
-def gpt2_bytes_to_unicode():
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
-        list(range(ord("\xae"), ord("\xff") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 def qwen1_bpe(ranks, token, max_rank):
     """convert_hf_to_gguf.py's QwenModel.bpe."""
     parts = [bytes([b]) for b in token]
@@ -536,7 +526,7 @@ def check_qwen1(path, model_dir, toks, dtype):
     assert np.float32(kv["qwen.attention.layer_norm_rms_epsilon"]) == np.float32(cfg["layer_norm_epsilon"])
     # _set_vocab_qwen: ranks in GPT-2's byte alphabet, the converter's one merge per token, specials CONTROL
     V = cfg["vocab_size"]
-    enc = gpt2_bytes_to_unicode()
+    enc = bytes_to_unicode()
     s = lambda b: "".join(enc[c] for c in b)  # noqa: E731
     ranks = {t: i for i, t in enumerate(toks)}
     want_toks = [s(t) for t in toks] + QWEN1_SPECIALS

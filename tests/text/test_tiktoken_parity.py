@@ -21,20 +21,14 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+from byte_level import bytes_to_unicode  # noqa: E402
 from conftest import NODE_DIR, run_qtune  # noqa: E402
 from test_tokenizer_parity import corpus, first_mismatch  # noqa: E402,F401  (the same corpus fixture)
 
 
 def byte_decoder():
     """GPT-2's bytes_to_unicode, inverted."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 @pytest.fixture(scope="module")
