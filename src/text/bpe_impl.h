@@ -161,6 +161,11 @@ struct cJSON;
 int bpe_tiktoken_tree(const char *path, const char *buf, size_t len, const uint32_t byte_to_cp[256],
                       int converter_merges, struct cJSON **out);
 
+/* Bytes p[0, n) in the ByteLevel alphabet byte_to_cp (GPT-2's), as
+ * tokenizer.json spells tokens: at most 2 UTF-8 bytes each (every code point
+ * is below U+0800), NUL-terminated in out. Returns the length. */
+size_t bpe_spell_bytes(const uint8_t *p, size_t n, const uint32_t byte_to_cp[256], char *out);
+
 /* A small, fast hash of a byte string (8 bytes a step). */
 uint64_t bpe_hash_bytes(const void *p, size_t n);
 

@@ -500,15 +500,9 @@ __attribute__((noinline)) static int word_cut(const bpe_tokenizer *t, const uint
 /* ignore_merges: the id of the vocabulary token whose bytes are w[0, n), else
  * -1. HF looks the word up spelt in the byte alphabet, as the vocabulary is. */
 static int32_t whole_word(const bpe_tokenizer *t, const uint8_t *w, size_t n) {
-    char s[2 * BPE_WHOLE_WORD_MAX]; /* a byte's code point is below 0x800: at most 2 UTF-8 bytes */
+    char s[2 * BPE_WHOLE_WORD_MAX + 1];
     if (n > t->max_word_bytes || n > BPE_WHOLE_WORD_MAX) return -1;
-    size_t m = 0;
-    for (size_t i = 0; i < n; i++) {
-        const uint32_t cp = t->byte_cp[w[i]];
-        if (cp < 0x80) s[m++] = (char)cp;
-        else s[m++] = (char)(0xC0 | cp >> 6), s[m++] = (char)(0x80 | (cp & 0x3F));
-    }
-    return bpe_vocab_find(t, s, m);
+    return bpe_vocab_find(t, s, bpe_spell_bytes(w, n, t->byte_cp, s));
 }
 
 int bpe_word_ids(const bpe_tokenizer *t, const uint8_t *w, size_t n, int32_t *out, size_t *k) {

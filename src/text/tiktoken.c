@@ -78,8 +78,7 @@ static long b64_decode(const char *s, size_t n, uint8_t *out) {
     return (long)o;
 }
 
-/* The token's bytes in the ByteLevel alphabet (how tokenizer.json spells it). */
-static char *byte_level(const uint8_t *p, size_t n, const uint32_t byte_to_cp[256], char *out) {
+size_t bpe_spell_bytes(const uint8_t *p, size_t n, const uint32_t byte_to_cp[256], char *out) {
     char *o = out;
     for (size_t i = 0; i < n; i++) {
         uint32_t cp = byte_to_cp[p[i]];
@@ -87,7 +86,7 @@ static char *byte_level(const uint8_t *p, size_t n, const uint32_t byte_to_cp[25
         else *o++ = (char)(0xC0 | cp >> 6), *o++ = (char)(0x80 | (cp & 0x3F)); /* all below U+0800 */
     }
     *o = 0;
-    return out;
+    return (size_t)(o - out);
 }
 
 /* Reads the lines into tok[rank] (bytes in *arena); *n the count. */
@@ -180,7 +179,8 @@ static int build_tree(const char *path, const tk_tok *tok, int32_t n, const tk_m
     int rc = ok && s && m ? QT_OK : QT_ENOMEM;
     cJSON *vocab_node = rc == QT_OK ? cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(root, "model"), "vocab") : NULL;
     for (int32_t r = 0; r < n && rc == QT_OK; r++) {
-        if (!cJSON_AddNumberToObject(vocab_node, byte_level(tok[r].p, tok[r].n, byte_to_cp, s), r)) rc = QT_ENOMEM;
+        bpe_spell_bytes(tok[r].p, tok[r].n, byte_to_cp, s);
+        if (!cJSON_AddNumberToObject(vocab_node, s, r)) rc = QT_ENOMEM;
         /* every split of the token into two tokens is a merge of this rank; or, for
          * converter_merges, the one split llama.cpp's converter writes */
         uint32_t only = 0;
@@ -190,10 +190,9 @@ static int build_tree(const char *path, const tk_tok *tok, int32_t n, const tk_m
         for (uint32_t i = 1; i < tok[r].n && rc == QT_OK; i++) {
             if (converter_merges && i != only) continue;
             if (tk_find(map, tok[r].p, i) < 0 || tk_find(map, tok[r].p + i, tok[r].n - i) < 0) continue;
-            byte_level(tok[r].p, i, byte_to_cp, m);
-            size_t k = strlen(m);
+            size_t k = bpe_spell_bytes(tok[r].p, i, byte_to_cp, m);
             m[k++] = ' ';
-            byte_level(tok[r].p + i, tok[r].n - i, byte_to_cp, m + k);
+            bpe_spell_bytes(tok[r].p + i, tok[r].n - i, byte_to_cp, m + k);
             cJSON *e = cJSON_CreateString(m);
             if (!e || !cJSON_AddItemToArray(merges, e)) rc = QT_ENOMEM;
         }
