@@ -7,6 +7,7 @@
 #include "core/fs.h"
 #include "io/gguf_export.h"
 #include "io/hf_config.h"
+#include "text/tokenizer.h"
 #include "train/merge.h"
 
 #include <dirent.h>
@@ -53,7 +54,7 @@ static int reads_file(const char *dir, const struct stat *o, char *name, size_t 
         struct stat s;
         const int input = (n > 5 && !strcmp(e->d_name + n - 5, ".json")) ||
                           (n > 12 && !strcmp(e->d_name + n - 12, ".safetensors")) ||
-                          (n > 9 && !strcmp(e->d_name + n - 9, ".tiktoken")); /* the original Qwen's tokenizer */
+                          bpe_is_tiktoken_file(e->d_name); /* the original Qwen's tokenizer */
         if (input &&
             qt_path_join(p, sizeof p, dir, e->d_name) == QT_OK && stat(p, &s) == 0 && s.st_dev == o->st_dev &&
             s.st_ino == o->st_ino)

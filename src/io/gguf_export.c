@@ -245,9 +245,7 @@ static cJSON *read_json(const char *dir, const char *name, int required, int *rc
 static int add_tokenizer(gguf_writer *w, const char *dir, const qt_config *cfg) {
     int rc = QT_OK;
     char file[4096];
-    const int found = bpe_folder_file(dir, file, sizeof file); /* tokenizer.json first */
-    const size_t fl = found ? strlen(file) : 0;
-    const int tiktoken = fl >= 9 && !strcmp(file + fl - 9, ".tiktoken");
+    const int tiktoken = bpe_folder_file(dir, file, sizeof file) && bpe_is_tiktoken_file(file); /* tokenizer.json first */
     cJSON *tj = NULL;
     if (tiktoken) rc = bpe_tiktoken_gguf_tree(file, &tj);
     else tj = read_json(dir, "tokenizer.json", 1, &rc);

@@ -470,7 +470,7 @@ static int parse_model(bpe_tokenizer *t, load_ctx *c) {
 }
 
 /* A path ending in .tiktoken (or a folder with qwen.tiktoken and no tokenizer.json): the original Qwen's. */
-static int is_tiktoken(const char *file) {
+int bpe_is_tiktoken_file(const char *file) {
     size_t n = strlen(file);
     return n >= 9 && !strcmp(file + n - 9, ".tiktoken");
 }
@@ -515,7 +515,7 @@ int bpe_load(const char *path, bpe_tokenizer **out) {
     QT_TRY(qt_read_file(file, BPE_MAX_FILE, &buf, &len));
     load_ctx c = {.path = file};
     byte_level_tables(c.byte_to_cp, c.cp_to_byte);
-    if (is_tiktoken(file)) {
+    if (bpe_is_tiktoken_file(file)) {
         int rc = bpe_tiktoken_tree(file, buf, len, c.byte_to_cp, 0, &c.root);
         if (rc != QT_OK) {
             qt_free(buf);
@@ -543,7 +543,7 @@ int bpe_load(const char *path, bpe_tokenizer **out) {
     int rc = t ? QT_OK : QT_ENOMEM;
     if (rc == QT_OK) {
         t->hash = qt_hash64(buf, len, 0);
-        t->tiktoken = is_tiktoken(file);
+        t->tiktoken = bpe_is_tiktoken_file(file);
         rc = parse_model(t, &c);
     }
     if (rc == QT_OK) rc = parse_normalizer(t, &c);

@@ -20,6 +20,8 @@ int bpe_load(const char *path, bpe_tokenizer **out);
 /* The tokenizer file a model folder holds: dir/tokenizer.json, else
  * dir/qwen.tiktoken (the original Qwen). 1 and path filled when there is one. */
 int bpe_folder_file(const char *dir, char *path, size_t cap);
+/* Whether a tokenizer file is a tiktoken vocabulary (its name ends in .tiktoken). */
+int bpe_is_tiktoken_file(const char *path);
 void bpe_free(bpe_tokenizer *t);
 /* A qwen.tiktoken as the tokenizer.json tree (vocab, merges, added_tokens,
  * pre_tokenizer) with llama.cpp's merges: the one split per token that its
