@@ -59,43 +59,51 @@ static int empty_or_null(const cJSON *j) { return !j || cJSON_IsNull(j) || (cJSO
 
 /* LoraConfig's fields that qtune implements only at PEFT's default value.
  * A key at its default (or null) is accepted quietly: PEFT writes them all
- * into every adapter_config.json. kind: what the default is. */
+ * into every adapter_config.json. kind: what the default is. meaning: for the
+ * keys that change what a saved adapter's weights mean, what a set value
+ * does (saved_adapter_meaning refuses it there; NULL: not such a key). */
 typedef enum { DEF_NULL, DEF_FALSE, DEF_TRUE_OR_NULL, DEF_EMPTY_OBJ, DEF_ANY_BOOL, DEF_ANY_STRING, DEF_ANY } def_kind;
 
 static const struct {
     const char *key;
     def_kind kind;
     const char *why; /* what to do instead, for the error */
+    const char *meaning;
 } lora_defaults[] = {
-    {"inference_mode", DEF_ANY_BOOL, NULL},
-    {"base_model_name_or_path", DEF_ANY_STRING, NULL},
-    {"revision", DEF_ANY_STRING, NULL},
-    {"auto_mapping", DEF_ANY, NULL},
-    {"megatron_core", DEF_ANY_STRING, NULL},
-    {"fan_in_fan_out", DEF_FALSE, "Qwen's Linear layers store (out, in) weights and never need it"},
+    {"inference_mode", DEF_ANY_BOOL, NULL, NULL},
+    {"base_model_name_or_path", DEF_ANY_STRING, NULL, NULL},
+    {"revision", DEF_ANY_STRING, NULL, NULL},
+    {"auto_mapping", DEF_ANY, NULL, NULL},
+    {"megatron_core", DEF_ANY_STRING, NULL, NULL},
+    {"fan_in_fan_out", DEF_FALSE, "Qwen's Linear layers store (out, in) weights and never need it", NULL},
     {"init_lora_weights", DEF_TRUE_OR_NULL,
-     "qtune initializes A as PEFT's default (Kaiming-uniform) and B as zeros; set true"},
-    {"use_dora", DEF_FALSE, "qtune trains plain LoRA; set false"},
-    {"lora_bias", DEF_FALSE, "qtune trains no LoRA bias; set false"},
-    {"layers_to_transform", DEF_ANY, NULL}, /* read by peft_parse_extras */
-    {"layers_pattern", DEF_ANY, NULL},
-    {"rank_pattern", DEF_EMPTY_OBJ, "qtune uses one r for every module; remove it"},
-    {"alpha_pattern", DEF_EMPTY_OBJ, "qtune uses one lora_alpha for every module; remove it"},
-    {"modules_to_save", DEF_ANY, NULL},
+     "qtune initializes A as PEFT's default (Kaiming-uniform) and B as zeros; set true", NULL},
+    {"use_dora", DEF_FALSE, "qtune trains plain LoRA; set false", NULL},
+    {"lora_bias", DEF_FALSE, "qtune trains no LoRA bias; set false", NULL},
+    {"layers_to_transform", DEF_ANY, NULL, NULL}, /* read by peft_parse_extras */
+    {"layers_pattern", DEF_ANY, NULL, NULL},
+    {"rank_pattern", DEF_EMPTY_OBJ, "qtune uses one r for every module; remove it", NULL},
+    {"alpha_pattern", DEF_EMPTY_OBJ, "qtune uses one lora_alpha for every module; remove it", NULL},
+    {"modules_to_save", DEF_ANY, NULL, NULL},
     {"ensure_weight_tying", DEF_FALSE,
-     "qtune trains each listed module of a tied model as its own copy, as PEFT does by default; set false"},
-    {"megatron_config", DEF_NULL, "remove it"},
-    {"loftq_config", DEF_EMPTY_OBJ, "qtune does not implement LoftQ; remove it"},
-    {"eva_config", DEF_NULL, "qtune does not implement EVA initialization; remove it"},
-    {"corda_config", DEF_NULL, "qtune does not implement CorDA initialization; remove it"},
-    {"layer_replication", DEF_NULL, "remove it"},
-    {"exclude_modules", DEF_NULL, "list the modules to adapt in target_modules instead"},
-    {"trainable_token_indices", DEF_NULL, "remove it"},
-    {"target_parameters", DEF_NULL, "remove it"},
-    {"use_qalora", DEF_FALSE, "remove it"},
-    {"qalora_group_size", DEF_ANY, NULL},
-    {"runtime_config", DEF_ANY, NULL},
-    {"lora_ga_config", DEF_NULL, "remove it"},
+     "qtune trains each listed module of a tied model as its own copy, as PEFT does by default; set false", NULL},
+    {"megatron_config", DEF_NULL, "remove it", NULL},
+    {"loftq_config", DEF_EMPTY_OBJ, "qtune does not implement LoftQ; remove it", NULL},
+    {"eva_config", DEF_NULL, "qtune does not implement EVA initialization; remove it", NULL},
+    {"corda_config", DEF_NULL, "qtune does not implement CorDA initialization; remove it", NULL},
+    {"layer_replication", DEF_NULL, "remove it", "repeats base layers to build a deeper model"},
+    {"exclude_modules", DEF_NULL, "list the modules to adapt in target_modules instead",
+     "removes modules from target_modules, which qtune reads alone; write the modules to adapt in target_modules "
+     "(a list or one regex)"},
+    {"trainable_token_indices", DEF_NULL, "remove it", NULL},
+    {"target_parameters", DEF_NULL, "remove it", "adapts parameters that are not Linear layers"},
+    {"use_qalora", DEF_FALSE, "remove it", "pools each input before the adapter (QA-LoRA)"},
+    {"qalora_group_size", DEF_ANY, NULL, NULL},
+    {"runtime_config", DEF_ANY, NULL, NULL},
+    {"lora_ga_config", DEF_NULL, "remove it", NULL},
+    {"alora_invocation_tokens", DEF_NULL, "remove it",
+     "applies the adapter only after its invocation tokens (activated LoRA)"},
+    {"arrow_config", DEF_NULL, "remove it", "routes between several adapters (Arrow)"},
 };
 
 int peft_is_lora_key(const char *key) {
@@ -245,11 +253,10 @@ int peft_layer_index(const peft_config *c, const char *module) {
 }
 
 /* Keys of a saved adapter_config.json beyond the LoraConfig defaults above:
- * PeftConfig's own, the ones peft_config_load reads, and newer LoraConfig
- * fields checked in saved_adapter_meaning. Any other key is ignored, aloud. */
+ * PeftConfig's own and the ones peft_config_load reads. Any other key is
+ * ignored, aloud. */
 static const char *const saved_keys[] = {"peft_type", "task_type", "peft_version", "r", "lora_alpha", "lora_dropout",
-                                         "target_modules", "use_rslora", "bias", "alora_invocation_tokens",
-                                         "arrow_config", NULL};
+                                         "target_modules", "use_rslora", "bias", NULL};
 
 /* A value that is absent, null, false, or an empty string, list or object. */
 static int unset(const cJSON *v) {
@@ -272,21 +279,10 @@ static int saved_adapter_meaning(const cJSON *j, const char *path) {
                           "when it made this adapter, so the adapter does not apply to the original model; save it "
                           "again with save_pretrained(..., path_initial_model_for_weight_conversion=...), which "
                           "turns it into a plain LoRA", path, init->valuestring);
-    static const struct {
-        const char *key, *what;
-    } changes[] = {
-        {"layer_replication", "repeats base layers to build a deeper model"},
-        {"exclude_modules", "removes modules from target_modules, which qtune reads alone; write the modules to "
-                            "adapt in target_modules (a list or one regex)"},
-        {"target_parameters", "adapts parameters that are not Linear layers"},
-        {"use_qalora", "pools each input before the adapter (QA-LoRA)"},
-        {"alora_invocation_tokens", "applies the adapter only after its invocation tokens (activated LoRA)"},
-        {"arrow_config", "routes between several adapters (Arrow)"},
-    };
-    for (size_t i = 0; i < sizeof changes / sizeof changes[0]; i++)
-        if (!unset(cJSON_GetObjectItemCaseSensitive(j, changes[i].key)))
+    for (size_t i = 0; i < sizeof lora_defaults / sizeof lora_defaults[0]; i++)
+        if (lora_defaults[i].meaning && !unset(cJSON_GetObjectItemCaseSensitive(j, lora_defaults[i].key)))
             return QT_ERR(QT_EUNSUPPORTED, "%s: %s is set, which %s; qtune reads plain LoRA adapters only", path,
-                          changes[i].key, changes[i].what);
+                          lora_defaults[i].key, lora_defaults[i].meaning);
     /* a command reads the same adapter_config.json more than once: its unknown keys are named once */
     static char warned[4096];
     if (!strcmp(warned, path)) return QT_OK;
