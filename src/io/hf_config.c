@@ -61,7 +61,14 @@ static int get_bool(const cJSON *root, const char *where, const char *key, int *
     return QT_OK;
 }
 
-/* bos/eos ids: an integer, or a list whose first entry is taken (Llama 3). */
+/* A token id value: a whole number in [0, CONFIG_MAX_DIM]; -1 when it is not one. */
+static int token_id_value(const cJSON *v) {
+    const double d = cJSON_IsNumber(v) ? v->valuedouble : NAN;
+    return d == floor(d) && d >= 0 && d <= CONFIG_MAX_DIM ? (int)d : -1;
+}
+
+/* bos/eos ids: an integer, or a list whose first entry is taken (Llama 3;
+ * qt_eos_ids_load reads every eos id). */
 static int get_token_id(const cJSON *root, const char *where, const char *key, int *out) {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, key);
     *out = -1;
@@ -70,10 +77,8 @@ static int get_token_id(const cJSON *root, const char *where, const char *key, i
         if (cJSON_GetArraySize(v) == 0) return QT_OK;
         v = cJSON_GetArrayItem(v, 0);
     }
-    double d = cJSON_IsNumber(v) ? v->valuedouble : NAN;
-    if (!(d == floor(d)) || d < 0 || d > CONFIG_MAX_DIM)
+    if ((*out = token_id_value(v)) < 0)
         return QT_ERR(QT_EFORMAT, "%s: field '%s' must be a non-negative token id", where, key);
-    *out = (int)d;
     return QT_OK;
 }
 
@@ -364,12 +369,11 @@ static int add_eos_ids(const char *file, int32_t *ids, int cap, int *n) {
     int rc = QT_OK;
     const cJSON *it = cJSON_IsArray(v) ? v->child : v && !cJSON_IsNull(v) ? v : NULL;
     for (; rc == QT_OK && it; it = cJSON_IsArray(v) ? it->next : NULL) {
-        const double d = cJSON_IsNumber(it) ? it->valuedouble : NAN;
-        if (!(d == floor(d)) || d < 0 || d > CONFIG_MAX_DIM)
-            rc = QT_ERR(QT_EFORMAT, "%s: eos_token_id must be a token id or a list of them", file);
+        const int id = token_id_value(it);
+        if (id < 0) rc = QT_ERR(QT_EFORMAT, "%s: eos_token_id must be a token id or a list of them", file);
         int seen = 0;
-        for (int i = 0; rc == QT_OK && i < *n; i++) seen |= ids[i] == (int32_t)d;
-        if (rc == QT_OK && !seen && *n < cap) ids[(*n)++] = (int32_t)d;
+        for (int i = 0; rc == QT_OK && i < *n; i++) seen |= ids[i] == id;
+        if (rc == QT_OK && !seen && *n < cap) ids[(*n)++] = id;
     }
     cJSON_Delete(root);
     return rc;
