@@ -297,6 +297,13 @@ static int saved_adapter_meaning(const cJSON *j, const char *path) {
     return QT_OK;
 }
 
+int peft_layer_listed(const peft_config *c, int layer) {
+    if (!c->n_layers) return 1;
+    for (int i = 0; i < c->n_layers; i++)
+        if (c->layers_to_transform[i] == layer) return 1;
+    return 0;
+}
+
 int peft_config_load(const char *dir, peft_config *c) {
     memset(c, 0, sizeof *c);
     char path[4096];

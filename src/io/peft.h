@@ -86,6 +86,8 @@ int peft_parse_extras(const cJSON *j, peft_config *c, const char *where);
  * the last "NAME.N." in it; -1 when nothing matches (PEFT then leaves the
  * module alone). */
 int peft_layer_index(const peft_config *c, const char *module);
+/* Whether layers_to_transform keeps layer (every layer without it). */
+int peft_layer_listed(const peft_config *c, int layer);
 
 /* Reads DIR/adapter_config.json; refuses anything but a plain LoRA adapter
  * (peft_type LORA, bias none, no rank/alpha patterns, no DoRA) by name. */

@@ -68,9 +68,7 @@ static int layer_selected(const peft_config *pc, const char *module, int l, cons
     if (idx != l)
         return QT_ERR(QT_EUNSUPPORTED, "%s: layers_pattern reads layer %d from %s, which is layer %d; name the "
                       "model's layer list", where, idx, module, l), -1;
-    for (int i = 0; i < pc->n_layers; i++)
-        if (pc->layers_to_transform[i] == l) return 1;
-    return 0;
+    return peft_layer_listed(pc, l);
 }
 
 /* A module path's last name: "layers" of "model.layers", "h" of "transformer.h", "wte" of "transformer.wte". */

@@ -238,12 +238,7 @@ static void warn_unadapted(const char *adapter_dir, const peft_config *pc, st_fi
         snprintf(module, sizeof module, "%.*s", (int)(n - 7), w->name);
         /* "all-linear" matches every name but lm_head; the embedding is no Linear layer */
         if (!strcmp(module, embed) || !peft_targets_module(pc, module)) continue;
-        if (pc->n_layers) {
-            const int l = peft_layer_index(pc, module);
-            int on = 0;
-            for (int k = 0; k < pc->n_layers && l >= 0; k++) on |= pc->layers_to_transform[k] == l;
-            if (!on) continue;
-        }
+        if (pc->n_layers && !peft_layer_listed(pc, peft_layer_index(pc, module))) continue;
         int held = 0;
         for (int k = 0; k < n_items && !held; k++) held = items[k].w == w;
         if (!held && !missing++) snprintf(first, sizeof first, "%s", module);
