@@ -245,33 +245,34 @@ int cmd_eval(int argc, char **argv) {
     int T = 0, B = 1; /* T 0: the default, decided once the model's config is read */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
-        static const char *const known[] = {"--model", "--adapter", "--tokenizer", "--data", "--format",
-                                            "--per-token", "--device", "--seq-len", "--batch", NULL};
-        int k = 0;
-        while (known[k] && strcmp(a, known[k])) k++;
-        if (!known[k]) return cli_usage_error("eval", "unknown option '%s'", a);
-        if (i + 1 >= argc) return cli_usage_error("eval", "%s needs a value", a);
-        const char *v = argv[++i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         char *end;
-        if (!strcmp(a, "--model")) model = v;
-        else if (!strcmp(a, "--adapter")) adapter = v;
-        else if (!strcmp(a, "--tokenizer")) tok_path = v;
-        else if (!strcmp(a, "--data")) data = v;
+#define NEED_VALUE() \
+    do { if (!v) return cli_usage_error("eval", "%s needs a value", a); i++; } while (0)
+        if (!strcmp(a, "--model")) { NEED_VALUE(); model = v; }
+        else if (!strcmp(a, "--adapter")) { NEED_VALUE(); adapter = v; }
+        else if (!strcmp(a, "--tokenizer")) { NEED_VALUE(); tok_path = v; }
+        else if (!strcmp(a, "--data")) { NEED_VALUE(); data = v; }
         else if (!strcmp(a, "--format")) {
+            NEED_VALUE();
             if (dl_format_parse(v, &fmt) != QT_OK) {
                 qt_error_clear();
                 return cli_usage_error("eval", "--format must be auto, text, messages, sharegpt, alpaca, prompt_completion or tokens, not '%s'", v);
             }
         }
-        else if (!strcmp(a, "--per-token")) per_token = v;
-        else if (!strcmp(a, "--device")) device = v;
+        else if (!strcmp(a, "--per-token")) { NEED_VALUE(); per_token = v; }
+        else if (!strcmp(a, "--device")) { NEED_VALUE(); device = v; }
         else if (!strcmp(a, "--seq-len") || !strcmp(a, "--batch")) {
+            NEED_VALUE();
             long x = strtol(v, &end, 10);
             if (*end || x < 1 || x > (1 << 20))
                 return cli_usage_error("eval", "%s must be a whole number from 1 to %d, not '%s'", a, 1 << 20, v);
             if (a[2] == 's') T = (int)x;
             else B = (int)x;
+        } else {
+            return cli_usage_error("eval", "unknown option '%s'", a);
         }
+#undef NEED_VALUE
     }
     if (!model || !data) return cli_usage_error("eval", "--model and --data are required");
     if (adapter && cli_check_adapter(adapter) != QT_OK) return cli_fail();
