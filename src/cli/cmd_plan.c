@@ -19,7 +19,6 @@
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <string.h>
-#include <strings.h>
 
 static void plan_help(void) {
     printf("usage: qtune plan (--model DIR | --preset NAME | JOB.json [--set key.path=value ...]) [options]\n\n"
@@ -77,8 +76,7 @@ static int resolve_targets(const qt_config *cfg, const char *s, unsigned *mask) 
         snprintf(names[n], sizeof names[n], "%s", tok);
         for (char *c = names[n]; *c; c++) *c = (char)tolower((unsigned char)*c); /* Q_PROJ as q_proj, as before */
         for (size_t i = 0; i < sizeof short_names / sizeof short_names[0]; i++)
-            if (!strcasecmp(tok, short_names[i])) snprintf(names[n], sizeof names[n], "%s_proj", short_names[i]);
-        if (!strcasecmp(tok, "all-linear")) snprintf(names[n], sizeof names[n], "all-linear");
+            if (!strcmp(names[n], short_names[i])) snprintf(names[n], sizeof names[n], "%s_proj", short_names[i]);
         list[n] = names[n];
         n++;
     }
