@@ -32,6 +32,7 @@
 #ifndef QT_DIST_DIST_H
 #define QT_DIST_DIST_H
 
+#include "core/shard.h"
 #include <signal.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -106,6 +107,7 @@ _Noreturn void dist_abort(dist_ctx *d, int code);
 /* ZeRO over the flat fp32 trainable block                                     */
 
 typedef struct zero_plan zero_plan;
+struct qt_backend;
 
 /* DeepSpeed's default reduce_bucket_size and allgather_bucket_size. */
 #define ZERO_DEFAULT_BUCKET ((size_t)500000000)
@@ -122,6 +124,9 @@ typedef struct {
                              (max_B * max_T) and their width C; 0 otherwise */
     size_t unit_elems;    /* stage 2: the largest piece the model hands over (its gradient
                              window, qt_model_grad_window_elems); sizes the reduce temporaries */
+    struct qt_backend *be; /* whose memory the gradients, parameters and the plan's buffers are
+                             (backend/backend.h); ZeRO's copies, zeroing and sums go through it.
+                             NULL: a cpu backend of the plan's own. The caller keeps it open */
 } zero_opts;
 
 /* The rule both the trainer and `qtune plan` follow: at stage 2 over several
@@ -208,6 +213,18 @@ int zero_reduce_partial(zero_plan *p, double *vals, int n, dist_op op, const cha
 /* After the optimizer updated params[opt_lo, opt_hi): every rank receives the
  * other shards (stage 1/2, in-place all-gather in buckets). No-op at stage 0. */
 int zero_allgather_params(zero_plan *p, float *params);
+/* The same over a block of esize-byte elements (a 2-byte compute copy: each
+ * rank converted its own shard; half the bytes of the fp32 gather). */
+int zero_allgather_block(zero_plan *p, void *block, size_t esize);
+/* The elements of runs (core/shard.h: flat ranges kept in dst at their `at`)
+ * that lie in each rank's shard reach every rank: each rank filled its own
+ * (a sharded master's norm weights and biases, copied whole to every rank). */
+int zero_allgather_runs(zero_plan *p, float *dst, const qt_flat_run *runs, int n);
+/* Rank 0 receives elements [lo, hi) of a block sharded as the plan shards
+ * (shard: this rank's elements, its lo first) in out (host memory, hi - lo
+ * floats; ignored on the other ranks). Collective: every rank calls it with
+ * the same range. Stage 1/2 over 2+ ranks only. */
+int zero_gather_range(zero_plan *p, const float *shard, size_t lo, size_t hi, float *out);
 
 /* Convenience for the trainer: one call per optimizer step between the last
  * backward and the optimizer. Reduces the gradients (see zero_reduce_grads;
@@ -241,11 +258,6 @@ typedef struct {
 typedef void *(*zero_alloc_fn)(size_t bytes, const char *what, void *user);
 typedef void (*zero_free_fn)(void *ptr, void *user);
 void zero_set_device_allocator(zero_plan *p, zero_alloc_fn alloc, zero_free_fn release, void *user);
-/* The backend whose device memory the gradients, parameters and state are
- * (backend/backend.h): ZeRO's copies, zeroing and sum of squares go through
- * it. Default: the cpu backend. The caller keeps it open. */
-struct qt_backend;
-void zero_set_backend(zero_plan *p, struct qt_backend *be);
 
 int zero_state_alloc(zero_plan *p, int nslots, zero_state *st);
 void zero_state_free(zero_plan *p, zero_state *st);

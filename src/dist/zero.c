@@ -14,8 +14,11 @@
  * qt_grad_hook; the buckets are reduce_bucket_size's, memplan.h
  * qt_grad_pack); each slice of at most reduce_bucket_size elements that lies
  * in one rank's shard is reduced to that rank, in place into its fp32
- * gradient shard (the owner first adds its own contribution there). The shard
- * accumulates over the micro-steps of an optimizer step. No rank holds a
+ * gradient shard (the owner first adds its own contribution there). With
+ * offload the shard is pinned host memory, which a device collective may not
+ * write: the owner's sum lands in its window piece and is added to the shard
+ * once complete (the same sum in another order: shard + (own + others)). The
+ * shard accumulates over the micro-steps of an optimizer step. No rank holds a
  * gradient block; what stays in flight reads the model's windows (two
  * alternating with overlap_comm), and zero_grads_window waits for a window
  * before it is reused.
@@ -23,7 +26,9 @@
  * tokens): the rows are all-gathered and each owner adds those in its shard.
  *
  * Parameters, stage 1/2: the shards are all-gathered through a staging bucket
- * of allgather_bucket_size elements in N equal padded partitions (NCCL's rule).
+ * of allgather_bucket_size elements in N equal padded partitions (NCCL's rule):
+ * an fp32 block, or (a sharded master, model.h qt_model_sharded) the 2-byte
+ * compute copy and the f32 runs of norm weights and biases.
  *
  * The memory all this takes is zero_memory's answer, which zero_plan_create
  * allocates and `qtune plan` prints. */
@@ -33,6 +38,7 @@
 #include "backend/backend.h"
 
 #include "core/error.h"
+#include "core/shard.h"
 #include "core/log.h"
 #include "core/mem.h"
 
@@ -41,7 +47,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#define ZERO_ALIGN 16     /* elements: 64 bytes of fp32 */
+#define ZERO_ALIGN QT_SHARD_ALIGN /* elements: 64 bytes of fp32 */
 #define ZERO_IN_FLIGHT 4  /* stage 0/1 all-reduce buckets communicating at once */
 #define CKPT_CHUNK ((size_t)1 << 24) /* elements per checkpoint gather/scatter call */
 
@@ -49,6 +55,7 @@ typedef struct {
     tp_req *r;
     const float *at;  /* the window piece it came from (stage 2): [at, at + n), waited for before reuse */
     size_t n;
+    float *acc_to;    /* offloaded: the owner's piece was reduced in the window; added here once done */
 } zero_flight;
 
 struct zero_plan {
@@ -61,7 +68,8 @@ struct zero_plan {
     size_t ag;           /* elements per rank in one all-gather bucket */
     int nb;              /* reduce buckets over the block */
     zero_mem mem;        /* what this rank allocated here (zero_memory) */
-    float *gshard;       /* stage 2: (hi - lo) reduced gradients, summed over micro-steps */
+    float *gshard;       /* stage 2: (hi - lo) reduced gradients, summed over micro-steps (pinned host
+                            memory with offload, as DeepSpeed keeps the offloaded gradient partition) */
     float *stage_buf;    /* stage 1/2: (N * ag) all-gather staging */
     float *rows_buf;     /* stage 2, trainable embedding: (N * rows_p) */
     size_t rows_p;       /* floats of one rank's rows message */
@@ -95,7 +103,7 @@ static void default_dev_free(void *p, void *user) {
 /* The plan of one rank's buffers                                              */
 
 static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
-static size_t shard_len(size_t n, int N) { return round_up((n + (size_t)N - 1) / (size_t)N, ZERO_ALIGN); }
+static size_t shard_len(size_t n, int N) { return qt_shard_len(n, N); }
 static size_t opt_bucket(size_t b) { return b ? b : ZERO_DEFAULT_BUCKET; }
 
 /* Elements per rank in one all-gather bucket: allgather_bucket_size over N
@@ -114,9 +122,8 @@ int zero_memory(size_t n, int N, int rank, const zero_opts *o, int nslots, zero_
     memset(m, 0, sizeof *m);
     if (N < 1 || rank < 0 || rank >= N)
         return QT_ERR(QT_EINVAL, "dist: rank %d of %d ranks does not exist", rank, N);
-    size_t sh = shard_len(n, N), lo = (size_t)rank * sh, hi = lo + sh;
-    if (lo > n) lo = n;
-    if (hi > n) hi = n;
+    size_t sh = shard_len(n, N), lo, hi;
+    qt_shard_range(n, N, rank, &lo, &hi);
     size_t own = o->stage == 0 ? n : hi - lo, bucket = opt_bucket(o->bucket_elems);
     if (bucket > n) bucket = n;
     if (N > 1) {
@@ -138,6 +145,31 @@ int zero_memory(size_t n, int N, int rank, const zero_opts *o, int nslots, zero_
     m->opt_state = (size_t)nslots * own * 4;
     m->total = m->grad_shard + m->reduce_parts + m->gather_stage + m->rows + m->opt_state;
     return QT_OK;
+}
+
+/* The plan's buffers are the backend's: the gradient shard pinned host
+ * memory with offload (device memory otherwise), the staging buckets device
+ * memory. */
+static int bufs_alloc(zero_plan *p) {
+    qt_backend *be = p->be;
+    if (p->mem.grad_shard) {
+        p->gshard = be->alloc(be, p->offload ? QT_MEM_PINNED : QT_MEM_DEVICE, p->mem.grad_shard, "the gradient shard");
+        if (!p->gshard) return QT_ENOMEM;
+        be->zero(be, p->gshard, p->mem.grad_shard);
+    }
+    if (p->mem.gather_stage && !(p->stage_buf = be->alloc(be, QT_MEM_DEVICE, p->mem.gather_stage, "the all-gather bucket")))
+        return QT_ENOMEM;
+    if (p->mem.rows && !(p->rows_buf = be->alloc(be, QT_MEM_DEVICE, p->mem.rows, "the embedding rows bucket")))
+        return QT_ENOMEM;
+    return QT_OK;
+}
+
+static void bufs_free(zero_plan *p) {
+    if (!p->be) return;
+    p->be->free(p->be, p->gshard);
+    p->be->free(p->be, p->stage_buf);
+    p->be->free(p->be, p->rows_buf);
+    p->gshard = p->stage_buf = p->rows_buf = NULL;
 }
 
 int zero_plan_create(dist_ctx *d, size_t n, const zero_opts *opts, zero_plan **out) {
@@ -173,43 +205,36 @@ int zero_plan_create(dist_ctx *d, size_t n, const zero_opts *opts, zero_plan **o
     int ok = 1;
     p->req = qt_calloc(nb + 1, sizeof *p->req, "ZeRO requests");
     ok &= p->req != NULL;
-    if (p->mem.grad_shard) ok &= (p->gshard = qt_alloc_aligned(p->mem.grad_shard, "the gradient shard")) != NULL;
-    if (p->mem.gather_stage)
-        ok &= (p->stage_buf = qt_alloc_aligned(p->mem.gather_stage, "the all-gather bucket")) != NULL;
-    if (p->mem.rows) ok &= (p->rows_buf = qt_alloc_aligned(p->mem.rows, "the embedding rows bucket")) != NULL;
     if (p->mem.rows)
         ok &= (p->rows_host = qt_malloc((1 + (size_t)p->emb_rows) * sizeof(float), "the embedding rows ids")) != NULL;
-    int ok_be = qt_backend_open("cpu", &p->be) == QT_OK; /* zero_set_backend replaces it */
-    p->own_be = ok_be;
-    ok &= ok_be;
-    if (!ok) {
+    if (opts->be) {
+        p->be = opts->be;
+    } else {
+        int ok_be = qt_backend_open("cpu", &p->be) == QT_OK;
+        p->own_be = ok_be;
+        ok &= ok_be;
+    }
+    if (!ok || bufs_alloc(p) != QT_OK) {
         zero_plan_free(p);
         return QT_ENOMEM;
     }
-    if (p->gshard) p->be->zero(p->be, p->gshard, p->mem.grad_shard);
     qt_debug("zero: stage %d, n %zu, rank %d shard [%zu, %zu), %d buckets of %zu, all-gather %zu per rank",
              p->stage, n, d->rank, p->lo, p->hi, p->nb, bucket, p->ag);
     *out = p;
     return QT_OK;
 }
 
-void zero_set_backend(zero_plan *p, qt_backend *be) {
-    if (p->own_be) qt_backend_close(p->be);
-    p->be = be;
-    p->own_be = 0;
-}
+
 
 void zero_plan_free(zero_plan *p) {
     if (!p) return;
     if (p->req) tp_wait(p->d, p->req, p->nb, "gradient all-reduce");
     for (int i = 0; i < p->n_fly; i++) tp_wait(p->d, &p->fly[i].r, 1, "gradient reduce");
+    bufs_free(p);
     if (p->own_be) qt_backend_close(p->be);
     qt_free(p->rows_host);
     qt_free(p->req);
     qt_free(p->fly);
-    qt_free(p->gshard);
-    qt_free(p->stage_buf);
-    qt_free(p->rows_buf);
     qt_free(p);
 }
 
@@ -219,11 +244,7 @@ int zero_n_buckets(const zero_plan *p) { return p->nb; }
 const zero_mem *zero_plan_memory(const zero_plan *p) { return &p->mem; }
 float *zero_grad_shard(zero_plan *p) { return p->gshard; }
 
-void zero_shard_of(const zero_plan *p, int r, size_t *lo, size_t *hi) {
-    size_t a = (size_t)r * p->shard, e = a + p->shard;
-    *lo = a < p->n ? a : p->n;
-    *hi = e < p->n ? e : p->n;
-}
+void zero_shard_of(const zero_plan *p, int r, size_t *lo, size_t *hi) { qt_shard_range(p->n, p->d->world, r, lo, hi); }
 
 void zero_opt_range(const zero_plan *p, size_t *lo, size_t *hi) {
     if (p->stage == 0) {
@@ -323,7 +344,7 @@ int zero_reduce_grads(zero_plan *p, float *grads) {
 /* ------------------------------------------------------------------------- */
 /* Stage 2: gradients reduced to their owners as the backward produces them   */
 
-static int fly_push(zero_plan *p, tp_req *r, const float *at, size_t n) {
+static int fly_push(zero_plan *p, tp_req *r, const float *at, size_t n, float *acc_to) {
     if (p->n_fly == p->cap_fly) {
         int cap = p->cap_fly ? 2 * p->cap_fly : 64;
         zero_flight *f = qt_realloc(p->fly, (size_t)cap * sizeof *f, "ZeRO requests in flight");
@@ -334,7 +355,7 @@ static int fly_push(zero_plan *p, tp_req *r, const float *at, size_t n) {
         p->fly = f;
         p->cap_fly = cap;
     }
-    p->fly[p->n_fly++] = (zero_flight){r, at, n};
+    p->fly[p->n_fly++] = (zero_flight){r, at, n, acc_to};
     return QT_OK;
 }
 
@@ -350,6 +371,7 @@ static int fly_settle(zero_plan *p, const float *win, size_t n, int all) {
         if (rc == QT_OK) rc = tp_test(p->d, f.r, &done);
         if (rc == QT_OK && (done || all || hit)) rc = tp_wait(p->d, &f.r, 1, "gradient reduce");
         if (f.r) p->fly[k++] = f;
+        else if (rc == QT_OK && f.acc_to) p->be->acc(p->be, f.acc_to, f.at, f.n); /* an offloaded owner's sum */
     }
     p->n_fly = k;
     return rc;
@@ -376,9 +398,17 @@ int zero_grads_ready(zero_plan *p, size_t lo, size_t hi, const float *g) {
         size_t e = hi < s1 ? hi : s1;
         if (e - a > p->bucket) e = a + p->bucket;
         tp_req *q = NULL;
-        if (r == me) {
+        float *dst = p->gshard + (a - p->lo), *acc_to = NULL;
+        if (r == me && p->offload) {
+            /* the shard is host memory, which a device collective may not write: the ranks' sum lands in
+             * the owner's window piece (the model is done with it until window() hands it back), and is
+             * added to the shard once complete */
+            float *piece = (float *)g + (a - lo);
+            QT_TRY(tp_reduce_f32(p->d, piece, piece, e - a, r, p->overlap ? &q : NULL, "gradient reduce"));
+            if (q) acc_to = dst;
+            else p->be->acc(p->be, dst, piece, e - a);
+        } else if (r == me) {
             /* the owner's contribution goes into its shard, which the reduce then sums in place */
-            float *dst = p->gshard + (a - p->lo);
             p->be->acc(p->be, dst, g + (a - lo), e - a);
             QT_TRY(tp_reduce_f32(p->d, dst, dst, e - a, r, p->overlap ? &q : NULL, "gradient reduce"));
         } else {
@@ -387,7 +417,7 @@ int zero_grads_ready(zero_plan *p, size_t lo, size_t hi, const float *g) {
         /* filed under the window piece it came from, the owner's too (it reads the shard): the window's
          * reuse then waits for it as well, which keeps what is in flight (and MPI's temporaries,
          * zero_memory's count) to the two windows' worth */
-        if (q) QT_TRY(fly_push(p, q, g + (a - lo), e - a));
+        if (q) QT_TRY(fly_push(p, q, g + (a - lo), e - a, acc_to));
         a = e;
     }
     return fly_settle(p, NULL, 0, 0); /* progress for what is in flight */
@@ -444,24 +474,72 @@ static int reduce_block_stage2(zero_plan *p, float *grads) {
 /* ------------------------------------------------------------------------- */
 /* Parameters: the shards all-gathered through the staging bucket             */
 
-int zero_allgather_params(zero_plan *p, float *params) {
+int zero_allgather_block(zero_plan *p, void *block, size_t esize) {
     if (p->stage == 0 || p->d->world == 1) return QT_OK;
     const int N = p->d->world, me = p->d->rank;
-    const size_t s = p->ag;
+    const size_t s = p->ag, part = s * esize; /* s is a multiple of 16: whole floats for the transport */
+    char *b = block, *stage = (char *)p->stage_buf;
     for (size_t k0 = 0; k0 < p->shard; k0 += s) {
         /* partition r of this bucket: shard r's elements [k0, k0 + s), padded */
-        float *mine = p->stage_buf + (size_t)me * s;
+        char *mine = stage + (size_t)me * part;
         size_t a = p->lo + k0, e = a + s < p->hi ? a + s : p->hi, len = e > a ? e - a : 0;
-        if (len) p->be->copy(p->be, mine, params + a, len * sizeof(float));
-        if (len < s) p->be->zero(p->be, mine + len, (s - len) * sizeof(float));
-        QT_TRY(tp_allgather_f32(p->d, mine, p->stage_buf, s, NULL, "parameter all-gather"));
+        if (len) p->be->copy(p->be, mine, b + a * esize, len * esize);
+        if (len < s) p->be->zero(p->be, mine + len * esize, (s - len) * esize);
+        QT_TRY(tp_allgather_f32(p->d, (float *)mine, p->stage_buf, part / sizeof(float), NULL, "parameter all-gather"));
         for (int r = 0; r < N; r++) {
             size_t s0, s1;
             zero_shard_of(p, r, &s0, &s1);
             size_t ra = s0 + k0, re = ra + s < s1 ? ra + s : s1;
-            if (r != me && re > ra)
-                p->be->copy(p->be, params + ra, p->stage_buf + (size_t)r * s, (re - ra) * sizeof(float));
+            if (r != me && re > ra) p->be->copy(p->be, b + ra * esize, stage + (size_t)r * part, (re - ra) * esize);
         }
+    }
+    return QT_OK;
+}
+
+int zero_allgather_params(zero_plan *p, float *params) { return zero_allgather_block(p, params, sizeof(float)); }
+
+/* Rank r's elements of the runs, packed in run order: positions [k0, k1) of
+ * that sequence copied between the packed buffer buf (position k0 first) and
+ * dst (each run at its `at`). to_buf: dst -> buf; else buf -> dst. Returns
+ * the rank's whole count. */
+static size_t runs_move(zero_plan *p, int r, const qt_flat_run *runs, int n, float *dst, float *buf, size_t k0,
+                        size_t k1, int to_buf) {
+    size_t s0, s1, k = 0;
+    zero_shard_of(p, r, &s0, &s1);
+    for (int i = 0; i < n; i++) {
+        size_t a = runs[i].flat > s0 ? runs[i].flat : s0, e = runs[i].flat + runs[i].n;
+        if (e > s1) e = s1;
+        if (e <= a) continue;
+        /* this piece is positions [k, k + e - a) of rank r's sequence */
+        size_t x0 = k > k0 ? k : k0, x1 = k + (e - a) < k1 ? k + (e - a) : k1;
+        if (x1 > x0) {
+            float *d = dst + runs[i].at + (a - runs[i].flat) + (x0 - k), *q = buf + (x0 - k0);
+            if (to_buf) p->be->copy(p->be, q, d, (x1 - x0) * sizeof(float));
+            else p->be->copy(p->be, d, q, (x1 - x0) * sizeof(float));
+        }
+        k += e - a;
+    }
+    return k;
+}
+
+int zero_allgather_runs(zero_plan *p, float *dst, const qt_flat_run *runs, int n) {
+    if (p->stage == 0 || p->d->world == 1) return QT_OK;
+    const int N = p->d->world, me = p->d->rank;
+    const size_t s = p->ag;
+    size_t most = 0;
+    for (int r = 0; r < N; r++) {
+        size_t c = runs_move(p, r, runs, n, dst, NULL, 0, 0, 0);
+        if (c > most) most = c;
+    }
+    /* through the staging bucket, s elements of each rank's sequence a round */
+    for (size_t k0 = 0; k0 < most; k0 += s) {
+        float *mine = p->stage_buf + (size_t)me * s;
+        size_t c = runs_move(p, me, runs, n, dst, mine, k0, k0 + s, 1);
+        size_t len = c > k0 ? (c - k0 < s ? c - k0 : s) : 0;
+        if (len < s) p->be->zero(p->be, mine + len, (s - len) * sizeof(float));
+        QT_TRY(tp_allgather_f32(p->d, mine, p->stage_buf, s, NULL, "norm and bias all-gather"));
+        for (int r = 0; r < N; r++)
+            if (r != me) runs_move(p, r, runs, n, dst, p->stage_buf + (size_t)r * s, k0, k0 + s, 0);
     }
     return QT_OK;
 }
@@ -659,6 +737,13 @@ static int move_range(zero_plan *p, float *mine, size_t lo, size_t hi, float *io
     }
     qt_free(cnt);
     return rc;
+}
+
+int zero_gather_range(zero_plan *p, const float *shard, size_t lo, size_t hi, float *out) {
+    if (p->stage == 0 || p->d->world == 1)
+        return QT_ERR(QT_EINVAL, "dist: zero_gather_range is for a block sharded over ranks (ZeRO 1/2, 2+ ranks)");
+    QT_TRY(check_range(p, lo, hi));
+    return move_range(p, (float *)shard, lo, hi, out, 1);
 }
 
 int zero_state_gather(zero_plan *p, const zero_state *st, int slot, float *full) {

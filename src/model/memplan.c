@@ -8,6 +8,7 @@
 
 #include "backend/backend.h"
 #include "core/error.h"
+#include "core/mem.h"
 #include "model/model_internal.h"
 
 /* The plan reads only the backend's descriptor (plain facts: chunk sizes,
@@ -470,6 +471,22 @@ size_t qt_model_kv_floats(const qt_config *c, const qt_model_opts *o) {
     return 2 * (size_t)c->num_hidden_layers * seqs * (size_t)o->max_T * (size_t)c->num_key_value_heads * c->head_dim;
 }
 
+int qt_model_opts_sharded(const qt_model_opts *o) {
+    return o->master_shards > 1 && !o->lora && !o->infer && o->compute != QT_F32;
+}
+
+/* Elements of the trainable 1-D tensors (norm weights, biases). */
+static size_t one_d_numel(const qt_config *c, const qt_model_opts *o) {
+    int n = qt_model_param_table(c, o, NULL, NULL);
+    qt_param *t = qt_calloc((size_t)n + 1, sizeof *t, "model: parameter table");
+    if (!t) return 0;
+    qt_model_param_table(c, o, t, NULL);
+    size_t k = 0;
+    for (int i = 0; i < n; i++) k += t[i].ndim == 1 ? t[i].numel : 0;
+    qt_free(t);
+    return k;
+}
+
 size_t qt_model_memory(const qt_config *c, const qt_model_opts *o, qt_mem_breakdown *out) {
     qt_mem_breakdown b;
     memset(&b, 0, sizeof b);
@@ -508,6 +525,14 @@ size_t qt_model_memory(const qt_config *c, const qt_model_opts *o, qt_mem_breakd
         if (!o->lora) b.master = 0;
     }
     if (!frozen && o->compute != QT_F32) b.compute_copy = numel * qt_dtype_size(o->compute);
+    if (qt_model_opts_sharded(o)) {
+        /* this rank's shard of the master; the graph reads the compute copy and an f32 copy of the 1-D tensors */
+        size_t lo, hi;
+        qt_shard_range(numel, o->master_shards, o->master_rank, &lo, &hi);
+        b.master = o->master_on_host ? 0 : (hi - lo) * 4;
+        b.master_host = o->master_on_host ? (hi - lo) * 4 : 0;
+        b.base_f32 = one_d_numel(c, o) * 4;
+    }
     b.activations = qt_model_carve_acts(c, o, NULL, NULL) * 4;
     b.act_grads = qt_model_carve_grads(c, o, NULL, NULL) * 4;
     b.workspace = qt_model_workspace_floats(c, o) * 4;

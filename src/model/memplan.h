@@ -11,10 +11,12 @@
 #include "model/model.h"
 
 typedef struct {
-    size_t master;      /* fp32 trainable block: every weight (full) or the LoRA A/B (lora) */
+    size_t master;      /* fp32 trainable block: every weight (full) or the LoRA A/B (lora); sharded
+                           (qt_model_opts_sharded) this rank's shard, 0 when that is on the host */
+    size_t master_host; /* sharded with opts.master_on_host: the shard in pinned host memory (not in total) */
     size_t grads;       /* its fp32 gradient block (0 for inference) */
     size_t base;        /* frozen base weights as stored in the file (memory-mapped, not allocated) */
-    size_t base_f32;    /* frozen base's norm weights and biases converted to f32 */
+    size_t base_f32;    /* norm weights and biases in f32: the frozen base's, or beside a sharded master */
     size_t activations; /* saved for backward: every layer, or each layer's input plus one
                            layer's worth with gradient checkpointing / inference */
     size_t act_grads;   /* backward scratch (activation gradients), 0 for inference */
@@ -31,6 +33,10 @@ typedef struct {
  * gradient products run on oneDNN (op_sgemm_nn) its library and sgemm
  * buffers. Asks the backend which sgemm it uses, so it may open oneDNN. */
 size_t qt_model_cpu_runtime_bytes(void);
+
+/* Whether opts shard the fp32 master (model.h master_shards): full fine-tuning in f16/bf16 over 2+
+ * ranks. In f32 the master is the weights the graph reads, with LoRA the adapter: whole on every rank. */
+int qt_model_opts_sharded(const qt_model_opts *o);
 
 /* Fills *out (may be NULL) and returns out->total. Base dtype is cfg->torch_dtype. */
 size_t qt_model_memory(const qt_config *cfg, const qt_model_opts *opts, qt_mem_breakdown *out);

@@ -18,6 +18,7 @@
 
 #include "core/dtype.h"
 #include "data/batch.h"
+#include "core/shard.h"
 #include "io/hf_config.h"
 
 typedef struct {
@@ -79,6 +80,11 @@ typedef struct {
     unsigned lora_save;    /* QT_SAVE_* mask: modules_to_save (LoRA only) */
     int lora_layers_set;   /* layers_to_transform given: LoRA only in the layers of lora_layers */
     uint64_t lora_layers[QT_LORA_LAYER_WORDS]; /* bit l: layer l is adapted (when lora_layers_set) */
+    int master_shards;     /* full fine-tuning in f16/bf16 under ZeRO 1/2 over this many ranks (> 1):
+                              the fp32 master holds only shard master_rank of the flat block
+                              (core/shard.h), as DeepSpeed partitions it; see qt_model_sharded */
+    int master_rank;
+    int master_on_host;    /* with master_shards: the shard in pinned host memory (offload_optimizer cpu) */
 } qt_model_opts;
 
 /* Whether LoRA adapts layer l (layers_to_transform), and whether the
@@ -112,8 +118,34 @@ size_t qt_model_numel(const qt_model *m);
 float *qt_model_master(qt_model *m);   /* fp32 master weights (trainable) */
 float *qt_model_grads(qt_model *m);    /* fp32 gradients; callers zero them */
 const qt_param *qt_model_params(const qt_model *m, int *n);
-/* After the optimizer changed the master block: refresh any compute-dtype copy. */
+/* After the optimizer changed the master block: refresh any compute-dtype copy
+ * (sharded: this rank's range of it and of the f32 copy of the 1-D tensors;
+ * the caller then all-gathers both, see qt_model_sharded). */
 void qt_model_weights_updated(qt_model *m);
+
+/* A sharded master (opts.master_shards > 1, full fine-tuning in f16/bf16):
+ * qt_model_master holds the flat block's elements [lo, hi) only (element lo
+ * first). The graph reads two copies that are whole on every rank: the
+ * compute copy (numel elements of esize bytes) and the 1-D tensors (norm
+ * weights, biases) in f32, each run of flat elements [flat, flat + n) at
+ * small + at. Loading and qt_model_read_param fill both from the file on
+ * every rank; after an update each rank refreshes its own range
+ * (qt_model_weights_updated) and the ranks all-gather the rest. Writing the
+ * trainable tensors (params_io.h) reads other ranks' ranges through gather,
+ * which the caller sets: gather(user, dst, lo, n) puts flat elements
+ * [lo, lo + n) into host memory dst. Returns 0 (out untouched) when the
+ * master is whole. */
+typedef struct {
+    size_t lo, hi;
+    void *wcopy;
+    size_t esize;
+    float *small;
+    const qt_flat_run *runs;
+    int n_runs;
+} qt_model_shard;
+int qt_model_sharded(const qt_model *m, qt_model_shard *out);
+typedef int (*qt_param_gather_fn)(void *user, float *dst, size_t lo, size_t n);
+void qt_model_set_param_gather(qt_model *m, qt_param_gather_fn gather, void *user);
 
 /* Forward only: sum of the cross-entropy over labelled targets (nats) and
  * their count. Per-position log-probabilities of the targets go to logp

@@ -167,7 +167,16 @@ struct qt_model {
     qt_mem_breakdown mem;
 
     float *master, *grads; /* trainable block and gradients (grads NULL for inference and
-                              with gradient windows) */
+                              with gradient windows); the master holds [mlo, mhi) of the block */
+    size_t mlo, mhi;       /* [0, numel) unless sharded */
+    int sharded;           /* opts.master_shards > 1 (model.h qt_model_sharded): the graph reads
+                              wcopy and small, never the master */
+    float *small;          /* sharded: (n_small) the 1-D tensors in f32, whole */
+    qt_flat_run *small_runs; /* sharded: each 1-D tensor's flat range and place in small */
+    int n_small_runs;
+    size_t n_small;
+    qt_param_gather_fn gather; /* sharded: other ranks' master elements, for writing */
+    void *gather_user;
     /* opts.grad_windows (model.h qt_grad_hook): the windows in one block. The layers'
      * gradients go in buckets (memplan.h qt_grad_pack): bucket b is written in
      * win[b % nwin], its tensors packed in flat order, and each layer's gradient pointers

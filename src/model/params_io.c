@@ -23,7 +23,37 @@ int qt_model_read_to_device(qt_model *m, const st_tensor *t, float *dev) {
     return rc;
 }
 
+/* Sharded master: every rank reads the whole tensor, a chunk at a time
+ * through a device staging buffer, into the compute copy (rounded by the
+ * backend, as qt_model_weights_updated rounds), its own range of the master
+ * and, for a 1-D tensor, the f32 copy. */
+static int read_param_sharded(qt_model *m, int i, const st_tensor *t) {
+    const qt_param *p = &m->params[i];
+    qt_backend *be = m->be;
+    float *small = NULL;
+    for (int k = 0; k < m->n_small_runs; k++)
+        if (m->small_runs[k].flat == p->offset) small = m->small + m->small_runs[k].at;
+    size_t n = p->numel, chunk = n < STAGE_FLOATS ? n : STAGE_FLOATS;
+    float *stage = qt_malloc(sizeof(float) * (chunk ? chunk : 1), "model: staging buffer");
+    float *dev = be->alloc(be, QT_MEM_DEVICE, sizeof(float) * (chunk ? chunk : 1), "model: staging buffer");
+    int rc = stage && dev ? QT_OK : QT_ENOMEM;
+    for (size_t off = 0; off < n && rc == QT_OK; off += chunk) {
+        size_t k = n - off < chunk ? n - off : chunk, f = p->offset + off;
+        rc = st_read_f32_range(t, off, k, stage);
+        if (rc != QT_OK) break;
+        be->upload(be, dev, stage, sizeof(float) * k);
+        be->convert(be, m->wcopy + f, m->opts.compute, dev, QT_F32, k);
+        size_t a = f > m->mlo ? f : m->mlo, e = f + k < m->mhi ? f + k : m->mhi;
+        if (e > a) be->copy(be, m->master + (a - m->mlo), dev + (a - f), sizeof(float) * (e - a));
+        if (small) be->copy(be, small + off, dev, sizeof(float) * k);
+    }
+    qt_free(stage);
+    be->free(be, dev);
+    return rc;
+}
+
 int qt_model_read_param(qt_model *m, int i, const st_tensor *t) {
+    if (m->sharded) return read_param_sharded(m, i, t);
     return qt_model_read_to_device(m, t, m->master + m->params[i].offset);
 }
 
@@ -39,6 +69,11 @@ int qt_model_read_params(qt_model *m, st_file *f) {
 
 static int fill_param(void *ctx, float *dst, size_t offset, size_t n) {
     const qt_param_src *s = ctx;
+    if (s->m->sharded) {
+        if (!s->m->gather)
+            return QT_ERR(QT_EINVAL, "model: the master is sharded and no gather is set to write it (a bug)");
+        return s->m->gather(s->m->gather_user, dst, s->offset + offset, n);
+    }
     s->m->be->download(s->m->be, dst, s->m->master + s->offset + offset, sizeof(float) * n);
     return QT_OK;
 }

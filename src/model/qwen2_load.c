@@ -279,36 +279,72 @@ static int base_vector(qt_model *m, const char *name, int64_t n, float *dst) {
     return qt_model_read_to_device(m, t, dst);
 }
 
+static int param_index(const qt_model *m, const char *name) {
+    for (int i = 0; i < m->n_params; i++)
+        if (!strcmp(m->params[i].name, name)) return i;
+    return -1;
+}
+
 /* A trainable matrix as the matmuls read it: the master (f32) or its compute copy. */
 static qt_wref compute_ref(qt_model *m, const char *name) {
-    float *p = find_param(m, m->master, name);
-    if (!p || !m->wcopy) return (qt_wref){p, QT_F32};
-    return (qt_wref){m->wcopy + (p - m->master), m->opts.compute};
+    int i = param_index(m, name);
+    if (i < 0) return (qt_wref){NULL, QT_F32};
+    if (!m->wcopy) return (qt_wref){m->master + m->params[i].offset, QT_F32};
+    return (qt_wref){m->wcopy + m->params[i].offset, m->opts.compute};
+}
+
+/* A trainable 1-D tensor (norm weight, bias) as the graph reads it, in f32:
+ * the master, or with a sharded master its whole copy in small. */
+static float *f32_param(qt_model *m, const char *name) {
+    int i = param_index(m, name);
+    if (i < 0) return NULL;
+    if (!m->sharded) return m->master + m->params[i].offset;
+    for (int k = 0; k < m->n_small_runs; k++)
+        if (m->small_runs[k].flat == m->params[i].offset) return m->small + m->small_runs[k].at;
+    return NULL;
+}
+
+/* Sharded: the f32 copy of the 1-D tensors, one run each, in flat order. */
+static int alloc_small(qt_model *m) {
+    int k = 0;
+    for (int i = 0; i < m->n_params; i++) k += m->params[i].ndim == 1;
+    m->small_runs = qt_calloc((size_t)k + 1, sizeof *m->small_runs, "model: 1-D tensor table");
+    if (!m->small_runs) return QT_ENOMEM;
+    for (int i = 0; i < m->n_params; i++) {
+        const qt_param *p = &m->params[i];
+        if (p->ndim != 1) continue;
+        m->small_runs[m->n_small_runs++] = (qt_flat_run){p->offset, p->numel, m->n_small};
+        m->n_small += p->numel;
+    }
+    m->small = m->be->alloc(m->be, QT_MEM_DEVICE, (m->n_small ? m->n_small : 1) * 4, "model: norm weights and biases (f32)");
+    return m->small ? QT_OK : QT_ENOMEM;
 }
 
 static int load_full(qt_model *m) {
-    for (int i = 0; i < m->n_params; i++) {
-        const qt_param *p = &m->params[i];
-        const st_tensor *t;
-        QT_TRY(st_expect(m->st, p->name, p->ndim, p->shape, &t));
-        QT_TRY(qt_model_read_param(m, i, t));
-    }
-    const qt_config *c = &m->cfg;
-    const qt_layout *ly = qt_config_layout(c);
-    char name[160];
     /* f16/bf16: matmuls, the embedding and the lm_head read a 2-byte compute
-     * copy of the master block; norm weights and biases stay f32 (master) */
+     * copy of the master block; norm weights and biases stay f32 (the master,
+     * or sharded their own copy) */
     const qt_dtype cd = m->opts.compute;
     if (cd != QT_F32) {
         m->wcopy = m->be->alloc(m->be, QT_MEM_DEVICE, m->numel * qt_dtype_size(cd), "model: compute copy of the weights");
         if (!m->wcopy) return QT_ENOMEM;
-        qt_model_weights_updated(m);
     }
+    if (m->sharded) QT_TRY(alloc_small(m));
+    for (int i = 0; i < m->n_params; i++) {
+        const qt_param *p = &m->params[i];
+        const st_tensor *t;
+        QT_TRY(st_expect(m->st, p->name, p->ndim, p->shape, &t));
+        QT_TRY(qt_model_read_param(m, i, t)); /* sharded: the copies too */
+    }
+    if (cd != QT_F32 && !m->sharded) qt_model_weights_updated(m);
+    const qt_config *c = &m->cfg;
+    const qt_layout *ly = qt_config_layout(c);
+    char name[160];
     snprintf(name, sizeof name, "%s.weight", ly->embed);
     m->wte = compute_ref(m, name);
     m->dwte = grad_param(m, name);
     snprintf(name, sizeof name, "%s.weight", ly->final_norm);
-    m->lnf_w = find_param(m, m->master, name);
+    m->lnf_w = f32_param(m, name);
     m->dlnf_w = grad_param(m, name);
     if (c->tie_word_embeddings) {
         m->lm_head = m->wte;
@@ -322,17 +358,17 @@ static int load_full(qt_model *m) {
     for (int l = 0; l < c->num_hidden_layers; l++) {
         qt_layer *L = &m->layers[l];
         snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->ln1);
-        L->ln1 = find_param(m, m->master, name);
+        L->ln1 = f32_param(m, name);
         L->dln1 = grad_param(m, name);
         snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->ln2);
-        L->ln2 = find_param(m, m->master, name);
+        L->ln2 = f32_param(m, name);
         L->dln2 = grad_param(m, name);
         if (ly->q_norm) {
             snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->q_norm);
-            L->qn = find_param(m, m->master, name);
+            L->qn = f32_param(m, name);
             L->dqn = grad_param(m, name);
             snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->k_norm);
-            L->kn = find_param(m, m->master, name);
+            L->kn = f32_param(m, name);
             L->dkn = grad_param(m, name);
         }
         for (int j = 0; j < LIN_COUNT; j++) {
@@ -345,7 +381,7 @@ static int load_full(qt_model *m) {
             q->dw = grad_param(m, name);
             if (q->dw) q->dw += w0;
             snprintf(name, sizeof name, "%s.%d.%s.bias", ly->layers, l, ly->lin[j]);
-            q->b = find_param(m, m->master, name);
+            q->b = f32_param(m, name);
             q->db = grad_param(m, name);
             if (q->b) q->b += r0;
             if (q->db) q->db += r0;
@@ -597,9 +633,15 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
         for (int i = 0; i < m->n_params; i++) m->param_src[i] = (qt_param_src){m, m->params[i].offset};
     }
     if (m->numel) {
-        m->master = alloc_floats(m, m->numel * 4, "model: fp32 master weights");
+        /* ZeRO 1/2 in f16/bf16: only this rank's shard of the master (the graph reads the compute copy) */
+        m->mlo = 0, m->mhi = m->numel;
+        m->sharded = qt_model_opts_sharded(&m->opts);
+        if (m->sharded) qt_shard_range(m->numel, opts->master_shards, opts->master_rank, &m->mlo, &m->mhi);
+        const size_t nm = m->mhi - m->mlo;
+        m->master = m->be->alloc(m->be, m->sharded && opts->master_on_host ? QT_MEM_PINNED : QT_MEM_DEVICE,
+                                 (nm ? nm : 1) * 4, "model: fp32 master weights");
         if (!m->master) return QT_ENOMEM;
-        m->be->zero(m->be, m->master, m->numel * 4);
+        m->be->zero(m->be, m->master, nm * 4);
         if (!m->infer && m->opts.grad_windows) {
             qt_model_grad_windows(c, &m->opts, &m->gw);
             m->gwin_block = alloc_floats(m, m->gw.total * 4, "model: gradient windows");
@@ -711,6 +753,7 @@ void qt_model_free(qt_model *m) {
         be->free(be, m->grads);
         be->free(be, m->gwin_block);
         be->free(be, m->base_f32);
+        be->free(be, m->small);
         be->free(be, m->wcopy);
         be->free(be, m->act_block);
         be->free(be, m->grad_block);
@@ -727,6 +770,7 @@ void qt_model_free(qt_model *m) {
     qt_free(m->run0);
     qt_free(m->bucket_fill);
     qt_free(m->grad_at);
+    qt_free(m->small_runs);
     qt_free(m->params);
     qt_free(m->param_src);
     qt_free(m->layers);
@@ -759,7 +803,30 @@ const qt_param *qt_model_params(const qt_model *m, int *n) {
  * fine-tuning it reads the 2-byte compute copy, rounded here from the master
  * (round to nearest even; fp16 saturates to inf beyond 65504). */
 void qt_model_weights_updated(qt_model *m) {
-    if (m->wcopy) m->be->convert(m->be, m->wcopy, m->opts.compute, m->master, QT_F32, m->numel);
+    if (!m->wcopy) return;
+    if (!m->sharded) {
+        m->be->convert(m->be, m->wcopy, m->opts.compute, m->master, QT_F32, m->numel);
+        return;
+    }
+    /* this rank's range; the caller all-gathers the others' (qt_model_sharded) */
+    m->be->convert(m->be, m->wcopy + m->mlo, m->opts.compute, m->master, QT_F32, m->mhi - m->mlo);
+    for (int k = 0; k < m->n_small_runs; k++) {
+        const qt_flat_run *r = &m->small_runs[k];
+        size_t a = r->flat > m->mlo ? r->flat : m->mlo, e = r->flat + r->n < m->mhi ? r->flat + r->n : m->mhi;
+        if (e > a) m->be->copy(m->be, m->small + r->at + (a - r->flat), m->master + (a - m->mlo), (e - a) * 4);
+    }
+}
+
+int qt_model_sharded(const qt_model *m, qt_model_shard *out) {
+    if (!m->sharded) return 0;
+    *out = (qt_model_shard){m->mlo, m->mhi, m->wcopy, qt_dtype_size(m->opts.compute), m->small, m->small_runs,
+                            m->n_small_runs};
+    return 1;
+}
+
+void qt_model_set_param_gather(qt_model *m, qt_param_gather_fn gather, void *user) {
+    m->gather = gather;
+    m->gather_user = user;
 }
 void qt_model_set_micro_step(qt_model *m, uint64_t step) { m->micro_step = step; }
 uint64_t qt_model_micro_step(const qt_model *m) { return m->micro_step; }

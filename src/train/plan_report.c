@@ -20,8 +20,6 @@
 
 #define GIB (1024.0 * 1024.0 * 1024.0)
 #define MAX_DEVICES 4096
-/* Staging bucket for offloaded parameters: the dist layer's default 2^24 elements. */
-#define COMM_BUCKET_ELEMS ((int64_t)1 << 24)
 /* Process runtime per rank: code, BLAS/OpenMP buffers, allocator slack. */
 #define HOST_RUNTIME_PER_RANK ((uint64_t)1 << 30)
 
@@ -52,6 +50,8 @@ typedef struct {
     uint64_t activations; /* saved for backward */
     uint64_t workspace;   /* backward scratch */
     uint64_t grads;       /* the model's gradient block, or its gradient windows (ZeRO-2, N > 1) */
+    uint64_t master;      /* f16/bf16: the fp32 master on the card (whole, or this rank's shard) */
+    uint64_t master_host; /* a sharded master offloaded: its shard in pinned host memory */
     uint64_t allocated;   /* everything the model allocates (memplan total) */
     uint64_t mapped_base; /* LoRA: the frozen base the model reads from the mapping */
     int rows, dim;        /* ZeRO-2 with a trainable embedding: rows per micro-batch, C */
@@ -64,10 +64,13 @@ typedef struct {
  * strategy layer apply on top: a frozen LoRA base is held in the compute
  * dtype (the memplan counts it in the file's dtype, as it maps it), and in
  * f16/bf16 full fine-tuning a 2-byte compute copy of the trainable block sits
- * on the card beside the fp32 master (counted under "master"). In f32 the master block is the compute copy; LoRA has no
- * compute copy (its fp32 master is read directly, in f16/bf16 too: measured
- * as the guard backend's device peak, tests/tools/test_plan.py). */
-static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, plan_model *pm) {
+ * on the card beside the fp32 master (counted under "master"; under ZeRO 1/2
+ * over N > 1 ranks only the rank's shard of it, on the host with offload, and
+ * an f32 copy of the norm weights and biases is counted under "weights"). In
+ * f32 the master block is the compute copy; LoRA has no compute copy (its
+ * fp32 master is read directly, in f16/bf16 too: measured as the guard
+ * backend's device peak, tests/tools/test_plan.py). rank: whose shard. */
+static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, int rank, plan_model *pm) {
     qt_model_opts mo;
     qt_model_opts_default(&mo);
     mo.compute = o->precision;
@@ -83,6 +86,11 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, p
     mo.grad_windows = zero_partitions_grads(o->zero, N); /* the trainer's rule */
     mo.grad_bucket_elems = o->reduce_bucket;
     mo.grad_overlap = o->overlap;
+    if (o->zero >= 1 && N > 1) { /* the trainer's rule (load_model): the model decides whether it applies */
+        mo.master_shards = N;
+        mo.master_rank = rank;
+        mo.master_on_host = o->offload;
+    }
     qt_mem_breakdown b;
     qt_model_memory(c, &mo, &b);
     qt_model_opts full = mo;
@@ -98,8 +106,10 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, p
          * have no 2-byte compute copy): the master is "weights" in f32, "master" otherwise */
         pm->weights = b.base / file_bytes * ws + b.base_f32 + (o->precision == QT_F32 ? b.master : 0);
     } else {
-        pm->weights = o->precision == QT_F32 ? b.master : (uint64_t)n_train * ws;
+        pm->weights = o->precision == QT_F32 ? b.master : (uint64_t)n_train * ws + b.base_f32;
     }
+    pm->master = o->precision == QT_F32 ? 0 : b.master;
+    pm->master_host = b.master_host;
     pm->activations = b.activations;
     pm->workspace = b.act_grads + b.workspace;
     pm->grads = b.grads;
@@ -131,19 +141,18 @@ static uint64_t shard(uint64_t bytes, int n) { return (bytes + (uint64_t)n - 1) 
  * functions size them here and there. */
 static void plan_device(const qt_config *c, const qt_plan_opts *o, int N, qt_plan_device *d) {
     plan_model pm;
-    plan_model_bytes(c, o, N, &pm);
+    plan_model_bytes(c, o, N, 0, &pm);
     const uint64_t Pt = (uint64_t)pm.n_trainable;
     memset(d, 0, sizeof *d);
     d->weights = pm.weights;
-    const uint64_t master = o->precision == QT_F32 ? 0 : Pt * 4;
     zero_opts z = plan_zero_opts(o, &pm);
     zero_mem zm;
     zero_memory((size_t)Pt, N, 0, &z, 2, &zm);
-    d->grads = pm.grads + zm.grad_shard;
-    /* the model's fp32 master block is whole on every rank's device (qwen2_load.c allocates numel x 4 there):
-     * a rank updates its shard of it and all-gathers the rest. ZeRO shards, and offload moves, only Adam's
-     * m and v (zero_state_alloc), not the master as DeepSpeed does */
-    d->master = master;
+    /* ZeRO-2's fp32 gradient shard: on the host with offload (pinned, beside the master shard) */
+    d->grads = pm.grads + (o->offload ? 0 : zm.grad_shard);
+    /* f16/bf16 full fine-tuning under ZeRO 1/2: the rank's shard of the fp32 master, 0 with offload (as
+     * DeepSpeed partitions and offloads it); LoRA's master (the adapter) is whole on every rank */
+    d->master = pm.master;
     d->optim = o->offload ? 0 : zm.opt_state;
     d->activations = pm.activations;
     d->workspace = pm.workspace;
@@ -153,14 +162,15 @@ static void plan_device(const qt_config *c, const qt_plan_opts *o, int N, qt_pla
 
 uint64_t qt_plan_cpu_rank(const qt_config *c, const qt_plan_opts *o, int rank, uint64_t mapped) {
     plan_model pm;
-    plan_model_bytes(c, o, o->devices, &pm);
+    plan_model_bytes(c, o, o->devices, rank, &pm);
     zero_opts z = plan_zero_opts(o, &pm);
     zero_mem zm;
     if (zero_memory((size_t)pm.n_trainable, o->devices, rank, &z, 2, &zm)) return 0;
     /* LoRA's frozen base is read from the mapping in f32 (in RSS); in f16/bf16 the model's
      * converted copy is in its own total */
     uint64_t base = o->lora && o->precision == QT_F32 ? pm.mapped_base : 0;
-    return pm.allocated + base + zm.total + mapped + qt_model_cpu_runtime_bytes() + tp_runtime_bytes(o->devices);
+    return pm.allocated + pm.master_host + base + zm.total + mapped + qt_model_cpu_runtime_bytes() +
+           tp_runtime_bytes(o->devices);
 }
 
 static int plan_check(const qt_config *c, const qt_plan_opts *o) {
@@ -187,7 +197,7 @@ int qt_plan_compute(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
     memset(p, 0, sizeof *p);
     plan_model pm;
     const int N = o->devices;
-    plan_model_bytes(c, o, N, &pm);
+    plan_model_bytes(c, o, N, 0, &pm);
     p->n_params = pm.n_params;
     p->n_trainable = pm.n_trainable;
     plan_device(c, o, N, &p->dev);
@@ -210,12 +220,13 @@ int qt_plan_compute(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
     p->cards_per_host = K;
     p->hosts = (N + K - 1) / K;
     if (o->offload) {
-        /* Adam's m and v shards; the fp32 master stays on the device (plan_device) */
+        /* Adam's m and v shards; pinned: ZeRO-2's fp32 gradient shards and in f16/bf16 full fine-tuning
+         * the fp32 master shards (the optimizer reads them in place) */
+        zero_opts z = plan_zero_opts(o, &pm);
+        zero_mem zm;
+        zero_memory((size_t)Pt, N, 0, &z, 2, &zm);
         p->host_offload = (uint64_t)K * shard(Pt * 8, N);
-        /* fp32 gradient partition the host Adam reads, plus a bucket to stage
-         * parameters back to the card */
-        const uint64_t bucket = (uint64_t)(Pt < (uint64_t)COMM_BUCKET_ELEMS ? Pt : (uint64_t)COMM_BUCKET_ELEMS) * 4;
-        p->host_pinned = (uint64_t)K * (shard(Pt * 4, N) + bucket);
+        p->host_pinned = (uint64_t)K * (pm.master_host + zm.grad_shard);
     }
     p->host_dataset = o->dataset_bytes;
     p->host_runtime = (uint64_t)K * HOST_RUNTIME_PER_RANK;
@@ -317,7 +328,7 @@ void qt_plan_print(FILE *f, const char *name, const qt_config *c, const qt_plan_
                 o->zero < 2 || !o->offload ? "; try --zero 2 --offload cpu, --mode lora, or --checkpointing" : "");
     fprintf(f, "\nhost memory (one host, %d card%s)   %s\n", p->cards_per_host, p->cards_per_host > 1 ? "s" : "", un);
     fprintf(f, "  offloaded Adam m, v          %9.3f\n", U(p->host_offload));
-    fprintf(f, "  pinned staging buffers       %9.3f\n", U(p->host_pinned));
+    fprintf(f, "  pinned master, grad shards   %9.3f\n", U(p->host_pinned));
     fprintf(f, "  dataset                      %9.3f\n", U(p->host_dataset));
     fprintf(f, "  mapped weights file          %9.3f\n", U(p->host_mapped));
     fprintf(f, "  runtime (1 GiB per rank)     %9.3f\n", U(p->host_runtime));
@@ -333,10 +344,10 @@ void qt_plan_print(FILE *f, const char *name, const qt_config *c, const qt_plan_
             o->devices, o->devices > 1 ? "s" : "", o->card_watts, p->hosts, p->hosts > 1 ? "s" : "", o->host_watts,
             p->power_w, p->power_recommend_w);
     fprintf(f, "\nassumptions: gradients and optimizer state fp32 (Adam m, v = 8 B/param); f16/bf16 keep a 2 B\n"
-               "compute copy plus a 4 B fp32 master, whole on every rank (ZeRO shards and offload moves only\n"
-               "Adam m, v); activations in the compute dtype (one fp32 working layer),\n"
-               "sized for one micro-batch B x T, attention not materialised (log-sum-exp kept); collectives\n"
-               "reduce into one fp32 gradient shard per rank; card TDP %.0f W (--card-watts), host %.0f W\n"
+               "compute copy plus a 4 B fp32 master (full fine-tuning under ZeRO 1/2: 1/N a rank; offload puts it,\n"
+               "Adam m, v and ZeRO-2's gradient shard on the host); activations in the compute dtype (one fp32\n"
+               "working layer), sized for one micro-batch B x T, attention not materialised (log-sum-exp\n"
+               "kept); collectives reduce into one fp32 gradient shard per rank; card TDP %.0f W (--card-watts), host %.0f W\n"
                "(--host-watts), dataset %.2f GiB (--dataset-gib).\n",
             o->card_watts, o->host_watts, gib(o->dataset_bytes));
 #undef U
@@ -386,7 +397,7 @@ char *qt_plan_json(const char *name, const qt_config *c, const qt_plan_opts *o, 
     if (h) {
         cJSON_AddNumberToObject(h, "cards_per_host", p->cards_per_host);
         add_u64(h, "offload", p->host_offload);
-        add_u64(h, "pinned", p->host_pinned);
+        add_u64(h, "pinned_shards", p->host_pinned);
         add_u64(h, "dataset", p->host_dataset);
         add_u64(h, "runtime", p->host_runtime);
         add_u64(h, "mapped_weights", p->host_mapped);

@@ -72,7 +72,8 @@ typedef struct {
     qt_plan_device dev;    /* per card */
     /* host memory, bytes for one host (cards_per_host ranks) */
     uint64_t host_offload; /* Adam m, v shards of this host's ranks (offload only) */
-    uint64_t host_pinned;  /* staging buffers for offloaded gradients/parameters */
+    uint64_t host_pinned;  /* offload: this host's ranks' pinned fp32 shards (ZeRO-2's gradient shard; the
+                              master's in f16/bf16 full fine-tuning) */
     uint64_t host_dataset;
     uint64_t host_runtime; /* per-process runtime, model loading */
     uint64_t host_mapped;  /* full fine-tuning: the weights file stays memory-mapped after its

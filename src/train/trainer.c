@@ -108,10 +108,19 @@ static int load_model(qt_trainer *t) {
     o.grad_windows = zero_partitions_grads(t->cfg.zero.stage, t->world);
     o.grad_bucket_elems = t->cfg.zero.bucket_elems; /* its buckets are reduce_bucket_size's */
     o.grad_overlap = t->cfg.zero.overlap;
+    /* ZeRO 1/2: each rank keeps its shard of the fp32 master (on the host with offload), as DeepSpeed does;
+     * the model ignores it where the master is the compute weights (f32) or the adapter (LoRA) */
+    if (t->cfg.zero.stage >= 1 && t->world > 1) {
+        o.master_shards = t->world;
+        o.master_rank = t->rank;
+        o.master_on_host = t->cfg.zero.offload;
+    }
     int rc = qt_model_load(job->model, &o, &t->model);
     if (rc != QT_OK) return qt_error_context(rc, "%s: model", job->path);
     t->n = qt_model_numel(t->model);
     t->master = qt_model_master(t->model);
+    t->sharded = qt_model_sharded(t->model, &t->shard);
+    t->mlo = t->sharded ? t->shard.lo : 0;
     t->grads = qt_model_grads(t->model);
     t->params = qt_model_params(t->model, &t->n_params);
     t->be = qt_model_backend(t->model);
@@ -144,15 +153,19 @@ static int setup_optimizer(qt_trainer *t) {
             t->cfg.zero.emb_dim = qt_model_config(t->model)->hidden_size;
         }
     }
+    t->cfg.zero.be = t->be;
     QT_TRY(zero_plan_create(t->d, t->n, &t->cfg.zero, &t->zp));
     zero_set_device_allocator(t->zp, state_alloc, state_free, t->be);
-    zero_set_backend(t->zp, t->be);
     if (!t->grads) {
         qt_grad_hook h = {hook_window, hook_ready, hook_rows, t->zp};
         qt_model_set_grad_hook(t->model, &h);
     }
     QT_TRY(zero_state_alloc(t->zp, 2, &t->zs));
     zero_opt_range(t->zp, &t->lo, &t->hi);
+    if (t->sharded && (t->shard.lo != t->lo || t->shard.hi != t->hi)) /* one formula, core/shard.h */
+        return QT_ERR(QT_EINVAL, "rank %d: the model's master shard [%zu, %zu) is not its optimizer range [%zu, %zu) "
+                      "(a bug)", t->rank, t->shard.lo, t->shard.hi, t->lo, t->hi);
+    if (t->sharded) qt_model_set_param_gather(t->model, trainer_gather_master, t);
     QT_TRY(qt_decay_ranges_from_params(t->params, t->n_params, &t->decay, &t->n_decay));
     /* fp32/bf16: a static scale of 1 */
     return qt_optimizer_init(&t->opt, &t->cfg.adam, &t->cfg.sched, t->cfg.clip, t->cfg.fp16 ? &t->cfg.scaler : NULL);
@@ -271,7 +284,7 @@ static const char *last_good(const qt_trainer *t) {
  * stops before anything is saved, so every checkpoint keeps finite weights. */
 static int check_update(qt_trainer *t, double lr) {
     size_t at = t->hi;
-    int64_t bad = trainer_find_bad(t, t->master + t->lo, t->hi - t->lo, 0, &at);
+    int64_t bad = trainer_find_bad(t, t->master + (t->lo - t->mlo), t->hi - t->lo, 0, &at);
     if (bad) at += t->lo;
     if (t->world > 1) QT_TRY(dist_allreduce_i64(t->d, &bad, 1, DIST_MAX, "update check"));
     if (!bad) return QT_OK;
@@ -348,7 +361,7 @@ static int train_step(qt_trainer *t, step_out *o) {
     /* 5-6. src/optim's step: the loss scaler, the schedule, unscale and clip fused into Adam */
     qt_step_info si;
     const float *g = t->grads ? t->grads + t->lo : zero_grad_shard(t->zp); /* [lo, hi), summed over ranks */
-    int rc = qt_optimizer_apply(&t->opt, t->be, sumsq, overflow, t->master + t->lo, g, t->zs.slot[0],
+    int rc = qt_optimizer_apply(&t->opt, t->be, sumsq, overflow, t->master + (t->lo - t->mlo), g, t->zs.slot[0],
                                 t->zs.slot[1], t->hi - t->lo, t->lo, t->decay, t->n_decay, &si);
     if (rc != QT_OK)
         return qt_error_context(rc, "step %ld (the last good checkpoint is %s)", t->step + 1,
@@ -362,9 +375,23 @@ static int train_step(qt_trainer *t, step_out *o) {
         return QT_OK;
     }
     QT_TRY(check_update(t, si.lr));
-    QT_TRY(dist_allgather_params(t->d, t->zp, t->master));
-    qt_model_weights_updated(t->model);
-    return QT_OK;
+    return trainer_publish_weights(t);
+}
+
+/* After an update every rank reads the whole new weights. A whole master is
+ * all-gathered in fp32 and then rounded to the compute copy; a sharded one is
+ * rounded shard by shard and the 2-byte copy all-gathered (half the bytes),
+ * with the norm weights and biases gathered in f32 beside it. Both give every
+ * rank the same bits. */
+int trainer_publish_weights(qt_trainer *t) {
+    if (!t->sharded) {
+        QT_TRY(dist_allgather_params(t->d, t->zp, t->master));
+        qt_model_weights_updated(t->model);
+        return QT_OK;
+    }
+    qt_model_weights_updated(t->model); /* this rank's range of both copies */
+    QT_TRY(zero_allgather_block(t->zp, t->shard.wcopy, t->shard.esize));
+    return zero_allgather_runs(t->zp, t->shard.small, t->shard.runs, t->shard.n_runs);
 }
 
 /* ---------------------------------------------------------------------------

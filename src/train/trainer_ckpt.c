@@ -93,6 +93,38 @@ static int save_adapter(const qt_trainer *t, const char *dir) {
     return rc;
 }
 
+/* ---------------------------------------------------------------------------
+ * a sharded master, written by rank 0: the writer's reads of other ranks'
+ * elements are gathers every rank takes part in. Rank 0 announces each range
+ * (its lo and length), and an empty range when it is done, whatever happened;
+ * the other ranks serve announced ranges until then. */
+
+static int announce(qt_trainer *t, size_t lo, size_t n) {
+    uint64_t req[2] = {lo, n};
+    return dist_bcast(t->d, req, sizeof req, 0, "sharded weights write");
+}
+
+int trainer_gather_master(void *user, float *dst, size_t lo, size_t n) {
+    qt_trainer *t = user;
+    QT_TRY(announce(t, lo, n));
+    return zero_gather_range(t->zp, t->master, lo, lo + n, dst);
+}
+
+static int gathers_done(qt_trainer *t) { return t->sharded && t->main ? announce(t, 0, 0) : QT_OK; }
+
+static int serve_gathers(qt_trainer *t) {
+    if (!t->sharded || t->main) return QT_OK;
+    for (;;) {
+        uint64_t req[2];
+        QT_TRY(dist_bcast(t->d, req, sizeof req, 0, "sharded weights write"));
+        if (req[1] == 0) return QT_OK;
+        if (req[0] > t->n || req[1] > t->n - req[0])
+            return QT_ERR(QT_EINVAL, "rank %d: rank 0 asked for elements [%llu, +%llu) of a block of %zu (a bug)",
+                          t->rank, (unsigned long long)req[0], (unsigned long long)req[1], t->n);
+        QT_TRY(zero_gather_range(t->zp, t->master, req[0], req[0] + req[1], NULL));
+    }
+}
+
 /* The master block as a model.safetensors in dtype, by Hugging Face names. */
 static int save_model_weights(const qt_trainer *t, const char *path, qt_dtype dtype) {
     st_writer *w;
@@ -122,10 +154,10 @@ static int load_params(qt_trainer *t, const char *path, int saved_optional) {
         if (rc == QT_OK) rc = qt_model_read_param(t->model, i, st_t);
     }
     /* NaN or inf weights would train on in silence until the loss turns NaN */
-    size_t at = 0;
-    if (rc == QT_OK && trainer_find_bad(t, t->master, t->n, 0, &at))
+    size_t at = 0; /* sharded: each rank checks its own range */
+    if (rc == QT_OK && trainer_find_bad(t, t->master, t->sharded ? t->hi - t->lo : t->n, 0, &at))
         rc = QT_ERR(QT_EFORMAT, "%s: tensor %s holds NaN or infinite values; the file is damaged", path,
-                    trainer_param_at(t, at));
+                    trainer_param_at(t, t->mlo + at));
     /* a tensor this model has no parameter for would be dropped in silence */
     const st_tensor *extra = rc == QT_OK ? st_first_unused(f) : NULL;
     if (extra)
@@ -414,6 +446,9 @@ static int save_checkpoint(qt_trainer *t) {
     int wrc = rc;
     if (wrc == QT_OK && index >= 0) wrc = save_opt_part(t, w.dir, index, count, lo, hi);
     if (wrc == QT_OK && t->main) wrc = save_weights(t, w.dir);
+    /* a sharded master: rank 0 wrote with the others' help, and ends that whatever happened */
+    int grc = t->main ? gathers_done(t) : serve_gathers(t);
+    if (wrc == QT_OK) wrc = grc;
     /* said now: once rank 0 learns of the failure it aborts every rank, which
      * may come before this rank's CLI prints its error */
     if (wrc != QT_OK && !t->main && t->world > 1) qt_warn("rank %d: %s", t->rank, qt_error_message());
@@ -850,6 +885,8 @@ int trainer_write_final(qt_trainer *t, char *final_dir, size_t cap) {
     double to = dist_timeout(t->d);
     dist_set_timeout(t->d, io_timeout(t));
     int rc = write_final(t, final_dir, cap);
+    int grc = t->main ? gathers_done(t) : serve_gathers(t); /* a sharded master (save_checkpoint) */
+    if (rc == QT_OK) rc = grc;
     /* the other ranks wait here while rank 0 writes */
     int64_t ok = rc == QT_OK;
     if (t->world > 1) {

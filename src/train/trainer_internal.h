@@ -31,7 +31,11 @@ typedef struct {
                                   (lora_targets, lora_save, lora_layers_set, lora_layers) */
     qt_model *model;
     size_t n;                  /* elements in the trainable block */
-    float *master;             /* (n) fp32 master weights */
+    float *master;             /* fp32 master weights: elements [mlo, n) of the block, or
+                                  sharded (qt_model_sharded) only this rank's [lo, hi) */
+    size_t mlo;                /* the master's first element: 0, or lo when sharded */
+    int sharded;               /* ZeRO 1/2 over 2+ ranks in f16/bf16 full fine-tuning */
+    qt_model_shard shard;      /* when sharded: the copies to all-gather after an update */
     float *grads;              /* (n) fp32 gradients; NULL at ZeRO-2 over several ranks (the
                                   model hands them to the plan: zero_grad_shard) */
     const qt_param *params;
@@ -70,6 +74,10 @@ const char *trainer_param_at(const qt_trainer *t, size_t i);
 /* 1 when dev (n floats, device memory) holds a NaN or inf (with nonneg, or a
  * negative value); *at its first. */
 int trainer_find_bad(qt_trainer *t, const float *dev, size_t n, int nonneg, size_t *at);
+/* After an update: every rank gets the whole new weights (trainer.c). */
+int trainer_publish_weights(qt_trainer *t);
+/* A sharded master's gather for the model's writer (qt_model_set_param_gather; trainer_ckpt.c). */
+int trainer_gather_master(void *user, float *dst, size_t lo, size_t n);
 
 /* trainer_ckpt.c */
 int trainer_save_checkpoint(qt_trainer *t);

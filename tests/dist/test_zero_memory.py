@@ -74,8 +74,17 @@ def test_plan_matches_every_rank_buckets(setup, n, bucket, overlap):
     check_plan(setup, n, 2, 1, False, bucket, overlap)
 
 
-def check_plan(d, n, stage, offload, lora, bucket, overlap):
-    name = f"n{n}_s{stage}_o{offload}_{'lora' if lora else 'full'}_b{bucket}_ov{int(overlap)}"
+# fp16/bf16 full fine-tuning: ZeRO 1/2 over N ranks keep each rank's shard of the fp32 master (on the host with
+# offload) beside the whole 2-byte compute copy; here the master is 20 MiB, so a rank holding all of it at 4
+# ranks would be 15 MiB (about 15%) over the plan
+@pytest.mark.parametrize("prec", ["fp16", "bf16"])
+@pytest.mark.parametrize("n,stage,offload", [(2, 0, 0), (2, 2, 0), (4, 1, 1), (4, 2, 1)])
+def test_plan_matches_every_rank_16bit(setup, n, stage, offload, prec):
+    check_plan(setup, n, stage, offload, False, None, True, prec)
+
+
+def check_plan(d, n, stage, offload, lora, bucket, overlap, prec=None):
+    name = f"n{n}_s{stage}_o{offload}_{'lora' if lora else 'full'}_b{bucket}_ov{int(overlap)}_{prec or 'fp32'}"
     z = {"stage": stage, "offload_optimizer": {"device": "cpu" if offload else "none"}, "overlap_comm": overlap}
     if bucket:
         z["reduce_bucket_size"] = bucket
@@ -84,6 +93,8 @@ def check_plan(d, n, stage, offload, lora, bucket, overlap):
            "train": {"max_steps": 2, "log_steps": 1, "seed": 1, "save_steps": 0},
            "deepspeed": {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1,
                          "zero_optimization": z}}
+    if prec:
+        job["deepspeed"][prec] = {"enabled": True}
     if lora:
         job["lora"] = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}
     (d / f"{name}.json").write_text(json.dumps(job))
@@ -104,6 +115,8 @@ def check_plan(d, n, stage, offload, lora, bucket, overlap):
         args += ["--reduce-bucket-size", bucket]
     if offload:
         args += ["--offload", "cpu"]
+    if prec:
+        args += ["--precision", prec]
     if lora:
         args += ["--mode", "lora", "--lora-r", 8, "--lora-targets", "q_proj,v_proj"]
     plan = json.loads(u.run(*map(str, args)).stdout)

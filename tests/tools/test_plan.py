@@ -131,23 +131,28 @@ def test_categories_add_up_and_zero_shards():
     # ZeRO 2 on 4 devices: the rank's fp32 shard (P bytes) + the model's two gradient windows (a layer each)
     g2 = z["2"]["per_device_bytes"]["gradients"]
     assert P < g2 < 1.3 * P, (g2, P)
-    # ZeRO shards, and offload moves to the host, only Adam's m and v: the model's fp32 master block is whole on
-    # every rank's card (qwen2_load.c; each rank updates its shard and all-gathers the rest), as the CPU run's
-    # own figure, cpu_rank_bytes (measured per rank in tests/dist/test_zero_memory.py), always counted it
-    assert z["1"]["per_device_bytes"]["master_weights"] == z["2"]["per_device_bytes"]["master_weights"] == 4 * P
+    # ZeRO 1/2 shard the fp32 master too (f16/bf16 full fine-tuning: each rank keeps its quarter, as DeepSpeed),
+    # and offload moves that shard to pinned host memory beside Adam's m and v
+    S = (P // 4 + 15) // 16 * 16
+    assert z["0"]["per_device_bytes"]["master_weights"] == 4 * P
+    assert z["1"]["per_device_bytes"]["master_weights"] == z["2"]["per_device_bytes"]["master_weights"] == 4 * S
     off = plan_json("--preset", "qwen2.5-7b", "--precision", "bf16", "--zero", "2", "--devices", 4, "--offload", "cpu")
     d, h = off["per_device_bytes"], off["host_bytes"]
-    assert d["optimizer_state"] == 0 and d["master_weights"] == 4 * P
+    assert d["optimizer_state"] == 0 and d["master_weights"] == 0
+    # ZeRO-2's gradient shard is on the host too: the card keeps the model's gradient windows only
+    assert d["gradients"] == g2 - 4 * S
     assert 8 * P <= h["offload"] <= 8 * P + 4 * 64  # 4 ranks' m, v shards (16-element rounding)
-    # the card's total and the CPU process agree: + this rank's offloaded m, v + the mapped file + the runtime
-    # + MPI's 8 MiB (they were 4 * P * 3/4 apart: the master shard counted where it is not)
-    rest = off["cpu_rank_bytes"] - d["total"] - h["offload"] // 4 - h["mapped_weights"] - off["cpu_runtime_bytes"]
+    assert h["pinned_shards"] == 4 * (4 * S + 4 * S)  # each rank's fp32 master and gradient shards
+    # the card's total and the CPU process agree: + this rank's offloaded m, v, master and gradient shards + the
+    # mapped file + the runtime + MPI's 8 MiB
+    rest = (off["cpu_rank_bytes"] - d["total"] - h["offload"] // 4 - h["pinned_shards"] // 4 - h["mapped_weights"]
+            - off["cpu_runtime_bytes"])
     assert abs(rest - (8 << 20)) <= 4 * 64, rest
 
 
 def test_min_devices_and_power():
-    # 7B on 64 GiB cards: the fp16 copy and the fp32 master (6 B/param, 42.6 GiB) are on every card at any
-    # device count; the gradient shard is what more cards shrink (on 32 GiB cards no count fits)
+    # 7B on 64 GiB cards with offload: the fp16 copy (2 B/param) is on every card at any device count; the
+    # gradient shard is what more cards shrink (the master and Adam shards are on the host)
     mem = ("--device-memory", 64)
     p = plan_json("--preset", "qwen2.5-7b", "--precision", "fp16", "--zero", "2", "--offload", "cpu",
                   "--devices", 1, "--checkpointing", *mem)

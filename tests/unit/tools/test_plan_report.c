@@ -63,7 +63,9 @@ static void test_zero_stages(void **state) {
     assert_int_equal(p0.dev.master, P * 4);
     assert_int_equal(p0.dev.optim, P * 8);
     assert_int_equal(p0.dev.grads, P * 4);
-    assert_int_equal(p1.dev.master, P * 4); /* the master block is whole on every rank; only m, v are sharded */
+    const uint64_t S = (P / 4 + 15) / 16 * 16; /* rank 0's shard: P/4 rounded up to 16 elements */
+    assert_int_equal(p1.dev.master, S * 4);    /* each rank keeps its shard of the fp32 master, as DeepSpeed */
+    assert_true(p1.dev.weights > P * 2 && p1.dev.weights < P * 2 + P / 1000); /* + the f32 norms and biases */
     assert_int_equal(p1.dev.optim, P * 8 / 4);
     assert_int_equal(p1.dev.grads, P * 4);
     /* ZeRO 2 on 4 devices: the fp32 shard (P/4 rounded to 16 elements) + the model's gradient window;
@@ -79,7 +81,10 @@ static void test_zero_stages(void **state) {
     assert_int_equal(gw.bucket, 24 * gw.layer);
     assert_int_equal(gw.nwin, 1);
     assert_int_equal(p2.dev.grads, (P / 4 + 15) / 16 * 16 * 4 + gw.total * 4);
-    assert_int_equal(p2o.dev.master, P * 4);
+    /* offloaded: the master shard and the gradient shard are in pinned host memory, 4 ranks' on one host */
+    assert_int_equal(p2o.dev.master, 0);
+    assert_int_equal(p2o.dev.grads, gw.total * 4);
+    assert_int_equal(p2o.host_pinned, 4 * (S * 4 + S * 4));
     assert_int_equal(p2o.dev.optim, 0);
     assert_true(p2o.host_offload >= P * 8 && p2o.host_offload < P * 9); /* 4 ranks on one host: every m, v shard */
     /* with buckets of one layer ZeRO 2 holds less than ZeRO 1 (at 5e8 the bucket is most of the block) */
