@@ -51,5 +51,10 @@ int cli_device(const char *cmd, const char *spec, qt_device *out);
 
 /* msg NULL: the flag is set silently (an MPI rank other than 0). */
 volatile sig_atomic_t *cli_stop_on_signals(const char *msg);
+/* What a second Ctrl-C removes before it ends the process: the files of the
+ * folder dir (a staging folder of plain files), dir itself, and the folders
+ * above it up to top that the command made (qt_rmdir_made: only while
+ * empty). NULL dir: nothing (after the command's own cleanup or commit). */
+void cli_remove_on_second_ctrl_c(const char *dir, const char *top);
 
 #endif
