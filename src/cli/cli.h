@@ -32,6 +32,18 @@ enum {
 int cli_fail(void);
 /* Prints "qtune CMD: <msg>; see `qtune CMD --help`" and returns QT_EXIT_USAGE. */
 int cli_usage_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* The single-value options a command's parser has taken, so that one given
+ * twice is refused instead of its last value winning in silence. */
+typedef struct {
+    const char *opt[64];
+    const char *val[64];
+    int n;
+} cli_once_list;
+/* Records option opt, given with value val, for command cmd. Returns
+ * QT_EXIT_OK, or a usage error (QT_EXIT_USAGE, "--model given twice ('a' and
+ * 'b'); give it once") when opt was given before. Options meant to repeat
+ * (--set) and flags without a value do not call it. */
+int cli_once(cli_once_list *l, const char *cmd, const char *opt, const char *val);
 /* True if argv has --help or -h; commands print their help and return 0. */
 int cli_wants_help(int argc, char **argv);
 /* Installs the SIGINT/SIGTERM handlers of a long command (train, merge): the

@@ -28,6 +28,17 @@ int cli_usage_error(const char *cmd, const char *fmt, ...) {
     return QT_EXIT_USAGE;
 }
 
+int cli_once(cli_once_list *l, const char *cmd, const char *opt, const char *val) {
+    for (int k = 0; k < l->n; k++)
+        if (!strcmp(l->opt[k], opt))
+            return cli_usage_error(cmd, "%s given twice ('%.200s' and '%.200s'); give it once", opt, l->val[k], val);
+    if (l->n < (int)(sizeof l->opt / sizeof l->opt[0])) {
+        l->opt[l->n] = opt;
+        l->val[l->n++] = val;
+    }
+    return QT_EXIT_OK;
+}
+
 int cli_wants_help(int argc, char **argv) {
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return 1;

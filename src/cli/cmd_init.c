@@ -90,6 +90,7 @@ int cmd_init(int argc, char **argv) {
     const char *out = NULL, *preset = NULL, *config = NULL, *dtype_s = "f32", *tokenizer = NULL;
     uint64_t seed = 42;
     int force = 0;
+    cli_once_list once = {0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char **dst = !strcmp(a, "--out") ? &out : !strcmp(a, "--preset") ? &preset
@@ -97,9 +98,11 @@ int cmd_init(int argc, char **argv) {
                          : !strcmp(a, "--tokenizer") ? &tokenizer : NULL;
         if (dst) {
             if (i + 1 >= argc) return cli_usage_error("init", "%s needs a value", a);
+            if (cli_once(&once, "init", a, argv[i + 1])) return QT_EXIT_USAGE;
             *dst = argv[++i];
         } else if (!strcmp(a, "--seed")) {
             if (i + 1 >= argc) return cli_usage_error("init", "--seed needs a value");
+            if (cli_once(&once, "init", a, argv[i + 1])) return QT_EXIT_USAGE;
             char *end;
             errno = 0;
             unsigned long long v = strtoull(argv[++i], &end, 10);

@@ -37,6 +37,7 @@ static void help(void) {
 int cmd_merge(int argc, char **argv) {
     if (cli_wants_help(argc, argv)) { help(); return QT_EXIT_OK; }
     const char *model = NULL, *adapter = NULL, *out = NULL, *dtype = NULL, *device = NULL;
+    cli_once_list once = {0};
     for (int i = 1; i < argc; i++) {
         const char **dst = !strcmp(argv[i], "--model")     ? &model
                            : !strcmp(argv[i], "--adapter") ? &adapter
@@ -46,6 +47,7 @@ int cmd_merge(int argc, char **argv) {
                                                            : NULL;
         if (!dst) return cli_usage_error("merge", "unknown argument '%s'", argv[i]);
         if (i + 1 >= argc) return cli_usage_error("merge", "%s needs a value", argv[i]);
+        if (cli_once(&once, "merge", argv[i], argv[i + 1])) return QT_EXIT_USAGE;
         *dst = argv[++i];
     }
     if (!model || !adapter || !out) return cli_usage_error("merge", "--model, --adapter and --out are all required");
