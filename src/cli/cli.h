@@ -32,6 +32,18 @@ enum {
 int cli_fail(void);
 /* Prints "qtune CMD: <msg>; see `qtune CMD --help`" and returns QT_EXIT_USAGE. */
 int cli_usage_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* The single-value options a command's parser has taken, so that one given
+ * twice is refused instead of its last value winning in silence. */
+typedef struct {
+    const char *opt[64];
+    const char *val[64];
+    int n;
+} cli_once_list;
+/* Records option opt, given with value val, for command cmd. Returns
+ * QT_EXIT_OK, or a usage error (QT_EXIT_USAGE, "--model given twice ('a' and
+ * 'b'); give it once") when opt was given before. Options meant to repeat
+ * (--set) and flags without a value do not call it. */
+int cli_once(cli_once_list *l, const char *cmd, const char *opt, const char *val);
 /* True if argv has --help or -h; commands print their help and return 0. */
 int cli_wants_help(int argc, char **argv);
 /* Installs the SIGINT/SIGTERM handlers of a long command (train, merge): the
@@ -51,5 +63,10 @@ int cli_device(const char *cmd, const char *spec, qt_device *out);
 
 /* msg NULL: the flag is set silently (an MPI rank other than 0). */
 volatile sig_atomic_t *cli_stop_on_signals(const char *msg);
+/* What a second Ctrl-C removes before it ends the process: the files of the
+ * folder dir (a staging folder of plain files), dir itself, and the folders
+ * above it up to top that the command made (qt_rmdir_made: only while
+ * empty). NULL dir: nothing (after the command's own cleanup or commit). */
+void cli_remove_on_second_ctrl_c(const char *dir, const char *top);
 
 #endif

@@ -3,8 +3,11 @@
 #include "core/fs.h"
 #include "core/log.h"
 
+#include <fcntl.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 int cli_fail(void) {
@@ -25,6 +28,17 @@ int cli_usage_error(const char *cmd, const char *fmt, ...) {
     return QT_EXIT_USAGE;
 }
 
+int cli_once(cli_once_list *l, const char *cmd, const char *opt, const char *val) {
+    for (int k = 0; k < l->n; k++)
+        if (!strcmp(l->opt[k], opt))
+            return cli_usage_error(cmd, "%s given twice ('%.200s' and '%.200s'); give it once", opt, l->val[k], val);
+    if (l->n < (int)(sizeof l->opt / sizeof l->opt[0])) {
+        l->opt[l->n] = opt;
+        l->val[l->n++] = val;
+    }
+    return QT_EXIT_OK;
+}
+
 int cli_wants_help(int argc, char **argv) {
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return 1;
@@ -40,17 +54,58 @@ static void say(const char *s) {
     (void)w;
 }
 
+/* cli_remove_on_second_ctrl_c's folder; the handler reads it only once set */
+static char doomed_dir[4096], doomed_top[4096];
+static volatile sig_atomic_t doomed_set = 0;
+
+void cli_remove_on_second_ctrl_c(const char *dir, const char *top) {
+    doomed_set = 0;
+    atomic_signal_fence(memory_order_seq_cst);
+    if (!dir || strlen(dir) >= sizeof doomed_dir || strlen(top) >= sizeof doomed_top) return;
+    memcpy(doomed_dir, dir, strlen(dir) + 1);
+    memcpy(doomed_top, top, strlen(top) + 1);
+    atomic_signal_fence(memory_order_seq_cst); /* the paths are whole before the handler may read them */
+    doomed_set = 1;
+}
+
+/* Empties and removes the registered folder from the signal handler: the
+ * entries come from getdents64 (readdir is not async-signal-safe), each is
+ * unlinked, and a second pass catches any a removal made the listing skip. */
+static void remove_doomed(void) {
+    int fd = open(doomed_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd >= 0) {
+        char buf[4096] __attribute__((aligned(8)));
+        for (int pass = 0; pass < 2; pass++) {
+            lseek(fd, 0, SEEK_SET);
+            long n;
+            while ((n = syscall(SYS_getdents64, fd, buf, sizeof buf)) > 0)
+                for (long off = 0; off < n;) {
+                    const char *name = buf + off + 19; /* struct linux_dirent64: ino 8, off 8, reclen 2, type 1 */
+                    unsigned short reclen;
+                    memcpy(&reclen, buf + off + 16, sizeof reclen);
+                    if (strcmp(name, ".") && strcmp(name, "..")) unlinkat(fd, name, 0);
+                    off += reclen;
+                }
+        }
+        close(fd);
+    }
+    qt_rmdir_made(doomed_dir, doomed_top);
+}
+
 /* The first SIGINT or SIGTERM only sets the flag that the library polls
  * (between steps, and while the data loads). A second Ctrl-C (SIGINT) ends
  * the process at once, for a step that never returns (seen inside OpenBLAS
  * under `ulimit -v`): nothing more is saved, and the checkpoints already on
  * disk are whole (a checkpoint being written stays a .tmp folder the next
- * start removes). A repeated SIGTERM, as mpirun and job schedulers send,
- * changes nothing. Only async-signal-safe calls (write, _exit) here. */
+ * start removes); a folder registered with cli_remove_on_second_ctrl_c (a
+ * merge's staging folder) is removed first. A repeated SIGTERM, as mpirun and
+ * job schedulers send, changes nothing. Only async-signal-safe calls (write,
+ * open, getdents64, unlinkat, rmdir, _exit) here. */
 static void on_stop_signal(int sig) {
     if (sig == SIGINT && sigints++ > 0) {
         if (stop_msg) say("\nqtune: second Ctrl-C: exiting now; nothing was saved (files finished before, such as earlier "
                           "checkpoints, are whole)\n");
+        if (doomed_set) remove_doomed();
         _exit(QT_EXIT_INTERRUPTED);
     }
     if (!stop_flag && stop_msg) { /* NULL: a rank other than the main one, which prints nothing */

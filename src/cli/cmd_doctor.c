@@ -31,6 +31,7 @@ int cmd_doctor(int argc, char **argv) {
     int ranks = 0, table = 1, n_sets = 0;
     const char **sets = calloc((size_t)argc + 1, sizeof *sets);
     if (!sets) return QT_EXIT_FAIL;
+    cli_once_list once = {0};
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--set")) {
             if (i + 1 >= argc) {
@@ -41,6 +42,10 @@ int cmd_doctor(int argc, char **argv) {
         } else if (!strncmp(argv[i], "--set=", 6)) {
             sets[n_sets++] = argv[i] + 6;
         } else if (!strcmp(argv[i], "--ranks")) {
+            if (i + 1 < argc && cli_once(&once, "doctor", argv[i], argv[i + 1])) {
+                free(sets);
+                return QT_EXIT_USAGE;
+            }
             char *end;
             long v = i + 1 < argc ? strtol(argv[i + 1], &end, 10) : 0;
             if (i + 1 >= argc || *end || v < 1 || v > 4096)

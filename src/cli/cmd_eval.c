@@ -243,12 +243,17 @@ int cmd_eval(int argc, char **argv) {
     const char *model = NULL, *adapter = NULL, *data = NULL, *per_token = NULL, *tok_path = NULL, *device = NULL;
     dl_format fmt = DL_FORMAT_AUTO;
     int T = 0, B = 1; /* T 0: the default, decided once the model's config is read */
+    cli_once_list once = {0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         char *end;
 #define NEED_VALUE() \
-    do { if (!v) return cli_usage_error("eval", "%s needs a value", a); i++; } while (0)
+    do { \
+        if (!v) return cli_usage_error("eval", "%s needs a value", a); \
+        if (cli_once(&once, "eval", a, v)) return QT_EXIT_USAGE; \
+        i++; \
+    } while (0)
         if (!strcmp(a, "--model")) { NEED_VALUE(); model = v; }
         else if (!strcmp(a, "--adapter")) { NEED_VALUE(); adapter = v; }
         else if (!strcmp(a, "--tokenizer")) { NEED_VALUE(); tok_path = v; }

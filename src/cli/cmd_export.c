@@ -70,6 +70,7 @@ int cmd_export(int argc, char **argv) {
         return QT_EXIT_OK;
     }
     const char *model = NULL, *adapter = NULL, *gguf = NULL, *lora = NULL, *dtype = NULL;
+    cli_once_list once = {0};
     for (int i = 1; i < argc; i++) {
         const char **dst = !strcmp(argv[i], "--model")       ? &model
                            : !strcmp(argv[i], "--adapter")   ? &adapter
@@ -79,6 +80,7 @@ int cmd_export(int argc, char **argv) {
                                                              : NULL;
         if (!dst) return cli_usage_error("export", "unknown argument '%s'", argv[i]);
         if (i + 1 >= argc) return cli_usage_error("export", "%s needs a value", argv[i]);
+        if (cli_once(&once, "export", argv[i], argv[i + 1])) return QT_EXIT_USAGE;
         *dst = argv[++i];
     }
     if (!model) return cli_usage_error("export", "--model DIR is required");

@@ -701,11 +701,16 @@ int cmd_generate(int argc, char **argv) {
     int chat = 0, json = 0, max_new = 256, ctx = 0, batch = 0;
     uint64_t seed = 42;
     qt_sample_opts so = {0.7f, 0, 1.0f};
+    cli_once_list once = {0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         char *end = NULL;
 #define NEED_VALUE() \
-    do { if (!v) return cli_usage_error("generate", "%s needs a value", a); i++; } while (0)
+    do { \
+        if (!v) return cli_usage_error("generate", "%s needs a value", a); \
+        if (cli_once(&once, "generate", a, v)) return QT_EXIT_USAGE; \
+        i++; \
+    } while (0)
         if (!strcmp(a, "--model")) { NEED_VALUE(); model = v; }
         else if (!strcmp(a, "--adapter")) { NEED_VALUE(); adapter = v; }
         else if (!strcmp(a, "--tokenizer")) { NEED_VALUE(); tok_path = v; }

@@ -90,6 +90,7 @@ int cmd_init(int argc, char **argv) {
     const char *out = NULL, *preset = NULL, *config = NULL, *dtype_s = "f32", *tokenizer = NULL;
     uint64_t seed = 42;
     int force = 0;
+    cli_once_list once = {0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char **dst = !strcmp(a, "--out") ? &out : !strcmp(a, "--preset") ? &preset
@@ -97,9 +98,11 @@ int cmd_init(int argc, char **argv) {
                          : !strcmp(a, "--tokenizer") ? &tokenizer : NULL;
         if (dst) {
             if (i + 1 >= argc) return cli_usage_error("init", "%s needs a value", a);
+            if (cli_once(&once, "init", a, argv[i + 1])) return QT_EXIT_USAGE;
             *dst = argv[++i];
         } else if (!strcmp(a, "--seed")) {
             if (i + 1 >= argc) return cli_usage_error("init", "--seed needs a value");
+            if (cli_once(&once, "init", a, argv[i + 1])) return QT_EXIT_USAGE;
             char *end;
             errno = 0;
             unsigned long long v = strtoull(argv[++i], &end, 10);
@@ -141,13 +144,20 @@ int cmd_init(int argc, char **argv) {
         QT_ERR(QT_EINVAL, "--out %s is not empty; choose an empty folder or pass --force to replace the model files in it", out);
         return cli_fail();
     }
-    const int created = !qt_path_exists(out);
-    if (qt_mkdir_p(out) != QT_OK) return cli_fail();
+    char top[4096]; /* the highest folder this run makes ("": out exists) */
+    if (qt_path_missing_top(out, top, sizeof top) != QT_OK) return cli_fail();
+    if (qt_mkdir_p(out) != QT_OK) {
+        if (top[0]) qt_rmdir_made(out, top); /* the parents made before the mkdir that failed */
+        return cli_fail();
+    }
 
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     if (write_folder(out, &cfg, dtype, seed, tokenizer) != QT_OK) {
-        if (created) (void)qt_rm_rf(out); /* the folder this run made: nothing of the user's is in it */
+        if (top[0]) { /* the folders this run made: nothing of the user's is in them */
+            (void)qt_rm_rf(out);
+            qt_rmdir_made(out, top);
+        }
         return cli_fail();
     }
     clock_gettime(CLOCK_MONOTONIC, &t1);

@@ -1,7 +1,9 @@
 /* qtune merge --model DIR --adapter DIR --out DIR [--dtype f32|bf16|f16]:
  * fold a PEFT LoRA adapter into its base model (W += B @ A * scaling).
  * SIGINT/SIGTERM stop the write: the partial output is removed, --out is left
- * as it was, and the exit status is 130, as for train. */
+ * as it was, and the exit status is 130, as for train. A second Ctrl-C exits
+ * at once and removes the staging folder (and the folders made for it) on its
+ * way out. */
 #include "cli/cli.h"
 #include "core/progress.h"
 #include "core/dtype.h"
@@ -28,12 +30,14 @@ static void help(void) {
            "                 weights through host memory on the CPU whatever D is: B @ A adds r\n"
            "                 multiply-adds per weight, little beside reading and writing the weights\n\n"
            "The files are staged first and moved into DIR when all are complete: an error\n"
-           "or Ctrl-C (exit status 130) leaves DIR as it was.\n");
+           "or Ctrl-C (exit status 130, a second Ctrl-C included) leaves DIR as it was and\n"
+           "removes the staged files and any parent folders made for a new DIR.\n");
 }
 
 int cmd_merge(int argc, char **argv) {
     if (cli_wants_help(argc, argv)) { help(); return QT_EXIT_OK; }
     const char *model = NULL, *adapter = NULL, *out = NULL, *dtype = NULL, *device = NULL;
+    cli_once_list once = {0};
     for (int i = 1; i < argc; i++) {
         const char **dst = !strcmp(argv[i], "--model")     ? &model
                            : !strcmp(argv[i], "--adapter") ? &adapter
@@ -43,6 +47,7 @@ int cmd_merge(int argc, char **argv) {
                                                            : NULL;
         if (!dst) return cli_usage_error("merge", "unknown argument '%s'", argv[i]);
         if (i + 1 >= argc) return cli_usage_error("merge", "%s needs a value", argv[i]);
+        if (cli_once(&once, "merge", argv[i], argv[i + 1])) return QT_EXIT_USAGE;
         *dst = argv[++i];
     }
     if (!model || !adapter || !out) return cli_usage_error("merge", "--model, --adapter and --out are all required");
@@ -58,9 +63,13 @@ int cmd_merge(int argc, char **argv) {
     if (!strcmp(dev.backend, "cuda"))
         qt_info("merge: the merge streams the weights through host memory on the CPU; GPU %d is not used", dev.index);
     volatile sig_atomic_t *stop = cli_stop_on_signals("removing the partial merge");
+    char stage[4200], top[4200];
+    if (qt_merge_stage_path(out, stage, sizeof stage, top, sizeof top) != QT_OK) return cli_fail();
+    cli_remove_on_second_ctrl_c(stage, top);
     qt_progress prog;
     qt_progress_start(&prog, stderr, isatty(2), "merge: writing model.safetensors", 0, "MB");
     int rc = qt_merge_adapter_progress(model, adapter, out, dt, stop, &prog);
+    cli_remove_on_second_ctrl_c(NULL, NULL); /* committed into --out, or removed by the merge */
     if (rc == QT_EINTERRUPTED) {
         fprintf(stderr, "qtune: %s\n", qt_error_message());
         return QT_EXIT_INTERRUPTED;

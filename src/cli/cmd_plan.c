@@ -157,13 +157,18 @@ int cmd_plan(int argc, char **argv) {
         free(sets);
         if (n_sets) return cli_usage_error("plan", "--set needs a job file: qtune plan JOB.json --set key.path=value");
     }
+    cli_once_list once = {0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (a == job_path) continue;
         if (!strcmp(a, "--set")) { i++; continue; }
 #define NEED_VALUE() \
-    do { if (!v) return cli_usage_error("plan", "%s needs a value", a); i++; } while (0)
+    do { \
+        if (!v) return cli_usage_error("plan", "%s needs a value", a); \
+        if (cli_once(&once, "plan", a, v)) return QT_EXIT_USAGE; \
+        i++; \
+    } while (0)
         if (!strcmp(a, "--model")) { NEED_VALUE(); model = v; }
         else if (!strcmp(a, "--preset")) { NEED_VALUE(); preset = v; }
         else if (!strcmp(a, "--mode")) {

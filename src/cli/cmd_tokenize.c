@@ -114,6 +114,7 @@ int cmd_tokenize(int argc, char **argv) {
     }
     const char *tok_path = NULL, *text = NULL, *file = NULL, *decode = NULL, *chat = NULL;
     int json = 0;
+    cli_once_list once = {0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char **dst = !strcmp(a, "--tokenizer") ? &tok_path : !strcmp(a, "--text") ? &text
@@ -123,6 +124,7 @@ int cmd_tokenize(int argc, char **argv) {
                                                      : NULL;
         if (dst) {
             if (i + 1 >= argc) return cli_usage_error("tokenize", "%s needs a value", a);
+            if (cli_once(&once, "tokenize", a, argv[i + 1])) return QT_EXIT_USAGE;
             *dst = argv[++i];
         } else if (!strcmp(a, "--json")) {
             json = 1;

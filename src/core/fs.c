@@ -157,6 +157,40 @@ int qt_mkdir_p(const char *path) {
     return QT_OK;
 }
 
+int qt_path_missing_top(const char *path, char *top, size_t cap) {
+    char buf[4096];
+    size_t n = strlen(path);
+    if (n == 0 || n >= sizeof buf) return QT_ERR(QT_EINVAL, "bad folder path '%s'", path);
+    memcpy(buf, path, n + 1);
+    if (cap) top[0] = 0;
+    /* the same prefixes qt_mkdir_p creates, top down */
+    for (size_t i = 1; i <= n; i++) {
+        if (buf[i] != '/' && buf[i] != 0) continue;
+        char c = buf[i];
+        buf[i] = 0;
+        struct stat st;
+        if (lstat(buf, &st) != 0 && errno == ENOENT) {
+            if (i + 1 > cap) return QT_ERR(QT_EINVAL, "folder path too long: %s", path);
+            memcpy(top, buf, i + 1);
+            return QT_OK;
+        }
+        buf[i] = c;
+    }
+    return QT_OK;
+}
+
+void qt_rmdir_made(const char *path, const char *top) {
+    char buf[4096];
+    size_t n = strlen(path), t = strlen(top);
+    if (!t || t > n || n >= sizeof buf || strncmp(path, top, t) || (path[t] != '/' && path[t] != 0)) return;
+    memcpy(buf, path, n + 1);
+    for (size_t i = n; i >= t; i--) {
+        if (i < n && buf[i] != '/') continue;
+        buf[i] = 0;
+        if (rmdir(buf) != 0 && errno != ENOENT) return; /* not empty: something else is in it */
+    }
+}
+
 int qt_rm_rf(const char *path) {
     struct stat st;
     if (lstat(path, &st) != 0) return errno == ENOENT ? QT_OK : QT_ERR(QT_EIO, "cannot stat %s: %s", path, strerror(errno));

@@ -36,6 +36,16 @@ void qt_atomic_abort(qt_atomic_file *af); /* remove the temporary; always releas
 int qt_write_file_atomic(const char *path, const void *buf, size_t n);
 
 int qt_mkdir_p(const char *path);
+/* The highest of path and its parent folders that does not exist yet ("" when
+ * path exists): the first folder qt_mkdir_p(path) will create. Asked before
+ * creating anything, it lets a command that fails remove the folders it made
+ * (qt_rmdir_made) and nothing that was there before. */
+int qt_path_missing_top(const char *path, char *top, size_t cap);
+/* Removes the folder path, then each parent up to and including top (a
+ * prefix of path, from qt_path_missing_top), each only while it is empty: a
+ * missing one is passed over, one that is not empty (or cannot be removed)
+ * stops it. Only rmdir and string copies: async-signal-safe. */
+void qt_rmdir_made(const char *path, const char *top);
 int qt_rm_rf(const char *path);
 int qt_path_exists(const char *path);
 int qt_is_dir(const char *path);

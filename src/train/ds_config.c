@@ -28,11 +28,19 @@
 #define DS_DEFAULT "DeepSpeed's default"
 
 /* Parsing context: the config's name in messages and the output (for the
- * ignored-key list). */
+ * ignored-key list). check_only: qt_ds_config_check, which says nothing and
+ * leaves out the batch-size arithmetic. */
 typedef struct {
     const char *where;
     qt_ds_config *out;
+    int check_only;
 } ds_ctx;
+
+/* A warning, unless only checking (the run's own parse says it once) */
+#define ds_warn(x, ...)                                                                                                \
+    do {                                                                                                               \
+        if (!(x)->check_only) qt_warn(__VA_ARGS__);                                                                    \
+    } while (0)
 
 static void record_ignored(qt_ds_config *c, const char *path) {
     if (c->n_ignored < QT_DS_MAX_IGNORED) {
@@ -48,13 +56,13 @@ static void ignore_key(ds_ctx *x, const char *section, const char *key, const ch
     else snprintf(path, sizeof path, "%s", key);
     const char *near = honoured ? qt_nearest_word(key, honoured) : NULL;
     if (!section && (!strcmp(key, "activation_checkpointing") || !strcmp(key, "gradient_checkpointing")))
-        qt_warn("%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored; set the job's "
+        ds_warn(x, "%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored; set the job's "
                 "train.gradient_checkpointing to true to recompute activations",
                 x->where, path);
     else if (near)
-        qt_warn("%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored; did you mean \"%s%s%s\"?", x->where,
+        ds_warn(x, "%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored; did you mean \"%s%s%s\"?", x->where,
                 path, section ? section : "", section ? "." : "", near);
-    else qt_warn("%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored", x->where, path);
+    else ds_warn(x, "%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored", x->where, path);
     record_ignored(x->out, path);
 }
 
@@ -74,7 +82,7 @@ static void note_auto(ds_ctx *x, const char *section, const char *key, const cha
     char line[sizeof c->resolved[0]];
     snprintf(line, sizeof line, "%s%s%s \"auto\" -> %s", section ? section : "", section ? "." : "", key, what);
     if (dst) memcpy(dst, line, sizeof line);
-    qt_info("%s: %s", x->where, line);
+    if (!x->check_only) qt_info("%s: %s", x->where, line);
 }
 
 static int in_list(const char *key, const char *const *list) {
@@ -145,8 +153,15 @@ static int get_bool(ds_ctx *x, const cJSON *obj, const char *section, const char
     }
     char p[96];
     key_path(p, sizeof p, section, key);
+    /* 0 and 1 as well, as DeepSpeed's own config classes (pydantic bools)
+     * take them: `--set deepspeed.fp16.enabled=1` over an "auto" gives 1 */
+    if (cJSON_IsNumber(v) && (v->valuedouble == 0 || v->valuedouble == 1)) {
+        *out = v->valuedouble == 1;
+        return QT_OK;
+    }
     if (!cJSON_IsBool(v))
-        return QT_ERR(QT_EINVAL, "%s: \"%s\" must be true or false%s", x->where, p, allow_auto ? " (or \"auto\")" : "");
+        return QT_ERR(QT_EINVAL, "%s: \"%s\" must be true or false (or 1 or 0%s)", x->where, p,
+                      allow_auto ? ", or \"auto\"" : "");
     *out = cJSON_IsTrue(v);
     return QT_OK;
 }
@@ -197,6 +212,7 @@ static int parse_batch(ds_ctx *x, const cJSON *j) {
     const int64_t small = (int64_t)1 << 20;
     QT_TRY(get_int(x, j, NULL, "train_micro_batch_size_per_gpu", 1, small, &mb, &auto_mb, &has_mb));
     QT_TRY(get_int(x, j, NULL, "gradient_accumulation_steps", 1, small, &ga, &auto_ga, &has_ga));
+    if (x->check_only) return QT_OK; /* what follows depends on the world size */
     const int64_t w = c->world;
     /* "auto" first, as the HF Trainer fills it before DeepSpeed sees the
      * config. The HF Trainer would put its per_device_train_batch_size into
@@ -427,7 +443,7 @@ static int parse_scheduler(ds_ctx *x, const cJSON *sch) {
     int64_t lbi = -1;
     QT_TRY(get_int(x, p, sec, "last_batch_iteration", -1, (int64_t)1 << 50, &lbi, NULL, NULL));
     if (lbi != -1)
-        qt_warn("%s: scheduler.params.last_batch_iteration %lld is ignored; qtune resumes the schedule from its "
+        ds_warn(x, "%s: scheduler.params.last_batch_iteration %lld is ignored; qtune resumes the schedule from its "
                 "checkpoints",
                 x->where, (long long)lbi);
     const cJSON *wt = p ? cJSON_GetObjectItemCaseSensitive(p, "warmup_type") : NULL;
@@ -436,7 +452,7 @@ static int parse_scheduler(ds_ctx *x, const cJSON *sch) {
         else if (cJSON_IsString(wt) && strcmp(wt->valuestring, "log") == 0) s->warmup_type = QT_WARMUP_LOG;
         else {
             /* DeepSpeed warns and falls back to log. */
-            qt_warn("%s: scheduler.params.warmup_type is not \"log\" or \"linear\"; using \"log\" as DeepSpeed does",
+            ds_warn(x, "%s: scheduler.params.warmup_type is not \"log\" or \"linear\"; using \"log\" as DeepSpeed does",
                     x->where);
             s->warmup_type = QT_WARMUP_LOG;
         }
@@ -450,7 +466,7 @@ static int parse_scheduler(ds_ctx *x, const cJSON *sch) {
                           x->where, qt_sched_name(t));
         else {
             QT_TRY(qt_sched_check(s, x->where));
-            qt_sched_warn(s, x->where);
+            if (!x->check_only) qt_sched_warn(s, x->where);
         }
     } else {
         QT_TRY(qt_sched_check(s, x->where));
@@ -545,7 +561,7 @@ static int parse_zero(ds_ctx *x, const cJSON *z) {
         QT_TRY(get_bool(x, off, "zero_optimization.offload_optimizer", "pin_memory", &zc->pin_memory, NULL));
     }
     if (zc->offload_optimizer && zc->stage == 0) {
-        qt_warn("%s: zero_optimization.offload_optimizer needs ZeRO stage 1 or 2 and is ignored at stage 0", x->where);
+        ds_warn(x, "%s: zero_optimization.offload_optimizer needs ZeRO stage 1 or 2 and is ignored at stage 0", x->where);
         zc->offload_optimizer = 0;
     }
     int a;
@@ -607,7 +623,7 @@ static int parse(ds_ctx *x, const cJSON *j) {
     QT_TRY(get_section(x, j, NULL, "bf16", &sec));
     if (sec) QT_TRY(parse_bf16(x, sec, "bf16"));
     if (sec && old_bf16) {
-        qt_warn("%s: DeepSpeed key \"bfloat16\" (the old name of \"bf16\") is ignored because \"bf16\" is given, "
+        ds_warn(x, "%s: DeepSpeed key \"bfloat16\" (the old name of \"bf16\") is ignored because \"bf16\" is given, "
                 "as DeepSpeed does; keep one of them",
                 x->where);
         record_ignored(c, "bfloat16");
@@ -622,7 +638,7 @@ static int parse(ds_ctx *x, const cJSON *j) {
 int qt_ds_config_parse(const cJSON *json, const char *where, int world, qt_ds_config *out) {
     if (world < 1) return QT_ERR(QT_EINVAL, "%s: world size %d must be >= 1", where, world);
     qt_ds_config_default(out, world);
-    ds_ctx x = {where, out};
+    ds_ctx x = {where, out, 0};
     int rc = parse(&x, json);
     if (rc != QT_OK) {
         int n = out->n_ignored;
@@ -632,6 +648,16 @@ int qt_ds_config_parse(const cJSON *json, const char *where, int world, qt_ds_co
         out->n_ignored = n;
         memcpy(out->ignored, keep, sizeof keep);
     }
+    return rc;
+}
+
+int qt_ds_config_check(const cJSON *json, const char *where) {
+    qt_ds_config *c = qt_malloc(sizeof *c, "a DeepSpeed config check");
+    if (!c) return QT_ENOMEM;
+    qt_ds_config_default(c, 1);
+    ds_ctx x = {where, c, 1};
+    int rc = parse(&x, json);
+    qt_free(c);
     return rc;
 }
 

@@ -74,6 +74,13 @@ void qt_ds_config_default(qt_ds_config *c, int world);
  * or "JOB.json: deepspeed"). world: the number of data-parallel ranks. */
 int qt_ds_config_parse(const cJSON *json, const char *where, int world, qt_ds_config *out);
 
+/* Checks a DeepSpeed config object as qt_ds_config_parse reads it, without a
+ * word on stderr and without the batch-size arithmetic (which needs the run's
+ * world size). The job loader checks before and after each `--set
+ * deepspeed.X=...`, so that an override which makes a readable config
+ * unreadable is named in the error, where the run's parse names the file. */
+int qt_ds_config_check(const cJSON *json, const char *where);
+
 /* Reads a DeepSpeed JSON file (at most 16 MiB). */
 int qt_ds_config_load(const char *path, int world, qt_ds_config *out);
 

@@ -13,6 +13,7 @@
 #include "data/loader.h"
 #include "io/peft.h"
 #include "model/model.h"
+#include "train/ds_config.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -520,6 +521,23 @@ static int load_deepspeed(const job_ctx *c, cJSON *root, char **ds_path) {
     return load_section_file(c, root, "deepspeed", ds_path);
 }
 
+/* The DeepSpeed section of root, checked as the run will read it
+ * (qt_ds_config_check); where names it in an error, which is kept. */
+static int ds_check(const cJSON *root, const char *where) {
+    const cJSON *ds = cJSON_GetObjectItemCaseSensitive(root, "deepspeed");
+    return cJSON_IsObject(ds) ? qt_ds_config_check(ds, where) : QT_OK;
+}
+
+/* After `--set deepspeed.X=...` on a DeepSpeed config that read well: one
+ * that reads no more is refused naming the override (the run's parse would
+ * name the DeepSpeed file, which never held that value). A config that was
+ * unreadable before keeps its own error, said by the run's parse. */
+static int ds_check_set(const cJSON *root, const char *set) {
+    char where[256];
+    snprintf(where, sizeof where, "--set %.200s", set);
+    return ds_check(root, where);
+}
+
 /* What changes the trained result: everything but where outputs go, how often
  * they are written and how the run is resumed. */
 static cJSON *fingerprint_view(const cJSON *root) {
@@ -676,9 +694,13 @@ int qt_job_parse(const char *json, const char *dir, const char *where, const cha
     if (rc != QT_OK) { qt_job_free(job); return rc; }
     for (int i = 0; i < n_sets && rc == QT_OK; i++) {
         /* an override inside the DeepSpeed or LoRA config needs its file read first */
-        if (!strncmp(sets[i], "deepspeed.", 10)) rc = load_deepspeed(&c, root, &job->deepspeed_path);
+        const int ds_set = !strncmp(sets[i], "deepspeed.", 10);
+        if (ds_set) rc = load_deepspeed(&c, root, &job->deepspeed_path);
         if (!strncmp(sets[i], "lora.", 5)) rc = load_section_file(&c, root, "lora", &job->lora_path);
+        int ds_was_ok = 0;
+        if (ds_set && rc == QT_OK && !(ds_was_ok = ds_check(root, "") == QT_OK)) qt_error_clear();
         if (rc == QT_OK) rc = qt_job_apply_set(root, sets[i]);
+        if (rc == QT_OK && ds_was_ok) rc = ds_check_set(root, sets[i]);
     }
     if (rc == QT_OK) rc = load_deepspeed(&c, root, &job->deepspeed_path);
     if (rc == QT_OK) rc = load_section_file(&c, root, "lora", &job->lora_path);

@@ -2,7 +2,8 @@
  * The merged folder is written into a staging folder (OUT.tmp.PID beside a
  * new OUT, OUT/.qtune-merge.tmp.PID inside an existing one) and its files are
  * renamed into OUT only once all of them are complete, so an error or Ctrl-C
- * leaves OUT exactly as it was. */
+ * leaves OUT exactly as it was, and the parent folders made for a new OUT are
+ * removed again. */
 #include "train/merge.h"
 
 #include "core/error.h"
@@ -351,7 +352,7 @@ static int write_stage(const char *model_dir, const char *stage, st_file *base, 
                        volatile sig_atomic_t *stop, qt_progress *prog) {
     st_writer *wr = NULL;
     qt_rm_rf(stage); /* a left-over of a killed merge that had this pid */
-    QT_TRY(qt_mkdir_p(stage));
+    QT_TRY(qt_mkdir_p(stage)); /* with the parents of a new OUT (qt_merge_stage_path's top) */
     QT_TRY(st_writer_new(&wr));
     st_writer_set_stop(wr, stop);
     int rc = QT_OK;
@@ -434,6 +435,23 @@ static int check_out(const char *model_dir, const char *out) {
     return QT_OK;
 }
 
+int qt_merge_stage_path(const char *out_dir, char *stage, size_t stage_cap, char *top, size_t top_cap) {
+    char out[4096];
+    size_t n = strlen(out_dir);
+    while (n > 1 && out_dir[n - 1] == '/') n--;
+    if (n >= sizeof out || !n) return QT_ERR(QT_EINVAL, "--out %.200s: path too long", out_dir);
+    snprintf(out, sizeof out, "%.*s", (int)n, out_dir);
+    /* the staging folder is on out's filesystem, so the renames are atomic:
+     * inside an existing out (whose parent may not be writable), else beside
+     * it, to be renamed as a whole */
+    int w = qt_is_dir(out) ? snprintf(stage, stage_cap, "%s/.qtune-merge.tmp.%ld", out, (long)getpid())
+                           : snprintf(stage, stage_cap, "%s.tmp.%ld", out, (long)getpid());
+    if (w < 0 || (size_t)w >= stage_cap) return QT_ERR(QT_EINVAL, "--out %.200s: path too long", out_dir);
+    QT_TRY(qt_path_missing_top(stage, top, top_cap));
+    if (!top[0]) snprintf(top, top_cap, "%s", stage); /* a left-over stage of this pid: it is removed first */
+    return QT_OK;
+}
+
 int qt_merge_adapter(const char *model_dir, const char *adapter_dir, const char *out_dir, int out_dtype,
                      volatile sig_atomic_t *stop) {
     return qt_merge_adapter_progress(model_dir, adapter_dir, out_dir, out_dtype, stop, NULL);
@@ -444,11 +462,8 @@ int qt_merge_adapter_progress(const char *model_dir, const char *adapter_dir, co
     st_file *base = NULL;
     qt_merge_set *set = NULL;
     QT_TRY(qt_merge_open_model(model_dir, &base));
-    char out[4096], stage[4200];
+    char out[4096], stage[4200], top[4200];
     int rc = QT_OK;
-    /* the staging folder is on out's filesystem, so the renames are atomic:
-     * inside an existing out (whose parent may not be writable), else beside
-     * it, to be renamed as a whole */
     size_t n = strlen(out_dir);
     while (n > 1 && out_dir[n - 1] == '/') n--;
     if (n >= sizeof out || !n) rc = QT_ERR(QT_EINVAL, "--out %.200s: path too long", out_dir);
@@ -456,10 +471,7 @@ int qt_merge_adapter_progress(const char *model_dir, const char *adapter_dir, co
         snprintf(out, sizeof out, "%.*s", (int)n, out_dir);
         rc = check_out(model_dir, out);
     }
-    if (rc == QT_OK) {
-        if (qt_is_dir(out)) snprintf(stage, sizeof stage, "%s/.qtune-merge.tmp.%ld", out, (long)getpid());
-        else snprintf(stage, sizeof stage, "%s.tmp.%ld", out, (long)getpid());
-    }
+    if (rc == QT_OK) rc = qt_merge_stage_path(out, stage, sizeof stage, top, sizeof top);
     if (rc == QT_OK) rc = qt_merge_set_open(model_dir, adapter_dir, base, &set);
     int staged = 0;
     if (rc == QT_OK) {
@@ -471,7 +483,10 @@ int qt_merge_adapter_progress(const char *model_dir, const char *adapter_dir, co
     if (rc == QT_OK) rc = commit_stage(stage, out);
     if (rc == QT_EINTERRUPTED)
         QT_ERR(QT_EINTERRUPTED, "merge interrupted; the partial output was removed and %s was left as it was", out);
-    if (rc != QT_OK && staged) qt_rm_rf(stage);
+    if (rc != QT_OK && staged) {
+        qt_rm_rf(stage);
+        qt_rmdir_made(stage, top); /* the parent folders made for a new out, while empty */
+    }
     if (rc == QT_OK)
         qt_info("merged %d LoRA weights (scaling %g) into %s%s", qt_merge_set_count(set),
                 (double)qt_merge_set_scaling(set), out_dir,

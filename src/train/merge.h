@@ -7,6 +7,7 @@
 #define QT_TRAIN_MERGE_H
 
 #include <signal.h>
+#include <stddef.h>
 
 #include "core/dtype.h"
 #include "core/progress.h"
@@ -25,6 +26,13 @@ int qt_merge_adapter(const char *model_dir, const char *adapter_dir, const char 
 /* The same, reporting MB written into prog (core/progress.h; NULL: silent). */
 int qt_merge_adapter_progress(const char *model_dir, const char *adapter_dir, const char *out_dir, int out_dtype,
                               volatile sig_atomic_t *stop, qt_progress *prog);
+/* Where the merge into out_dir stages its files (OUT.tmp.PID beside a new
+ * OUT, OUT/.qtune-merge.tmp.PID inside an existing one), and top, the highest
+ * folder it will create for them (the stage, or the first missing parent of
+ * a new OUT). Asked before the merge, it tells a caller that may end the
+ * process before the merge returns (the CLI's second Ctrl-C) what to remove:
+ * the stage's files, then qt_rmdir_made(stage, top). */
+int qt_merge_stage_path(const char *out_dir, char *stage, size_t stage_cap, char *top, size_t top_cap);
 
 /* The merge as a set of producers, for writers other than the merged folder
  * (qtune export --gguf): qt_merge_open_model checks and opens the base folder

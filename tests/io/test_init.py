@@ -218,6 +218,26 @@ def test_failed_write_removes_the_folder_it_made(tmp_path):
     assert p.returncode == 1 and mine.is_dir()
 
 
+def test_failed_write_removes_the_parent_folders_it_made(tmp_path):
+    """--out a/b/new where a/b did not exist: a failed write removed new but left the parent folders it had
+    created behind; now every folder init made is removed, and a folder of the user's on the way is kept."""
+    import resource
+    import signal
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("mine")
+    for out in (tmp_path / "made" / "deeper" / "new", mine / "made" / "new"):
+        p = subprocess.run([QTUNE, "init", "--out", str(out), "--preset", "tiny"], capture_output=True, text=True,
+                           preexec_fn=small_files, timeout=120)
+        assert p.returncode == 1 and "error" in p.stderr, p.stderr
+        assert sorted(os.listdir(tmp_path)) == ["mine"], os.listdir(tmp_path)
+        assert os.listdir(mine) == ["keep.txt"], os.listdir(mine)
+
+
 def test_help_lists_presets():
     p = qtune("init", "--help", check=0)
     for name in ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b",

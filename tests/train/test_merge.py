@@ -307,3 +307,105 @@ def test_merge_sigint_leaves_no_partial_output(tmp_path, previous):
         assert not os.path.exists(out)
     assert sorted(os.listdir(d)) == sorted(["tiny", "big.json", "big", "ad"] + (["merged"] if previous else [])), \
         os.listdir(d)
+
+
+def test_merge_failure_removes_the_folders_it_made(tmp_path):
+    """--out a/b/merged where a/b did not exist: a merge that fails while it
+    writes (here a file-size limit, as a full disk would) removed its staging
+    folder but left the parent folders it had created behind. Now every folder
+    merge made is removed; a folder of the user's on the way is kept."""
+    import resource
+    import signal
+    import subprocess
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() then fails with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+    d = str(tmp_path)
+    model = init_model(os.path.join(d, "model"))
+    ad = tiny_adapter(d, {Q0: (64, 64)}, ["q_proj"])
+    mine = os.path.join(d, "mine")
+    os.makedirs(mine)
+    for out in (os.path.join(d, "made", "deeper", "merged"), os.path.join(mine, "made", "merged")):
+        p = subprocess.run([QTUNE, "merge", "--model", model, "--adapter", ad, "--out", out], capture_output=True,
+                           text=True, preexec_fn=small_files, timeout=120)
+        assert p.returncode == 1 and "error" in p.stderr, p.stderr
+        assert sorted(os.listdir(d)) == ["ad", "mine", "model"], os.listdir(d)
+        assert os.listdir(mine) == [], os.listdir(mine)
+
+
+def blocked_signals(pid):
+    """The signal mask of pid's main thread (/proc/PID/status SigBlk)."""
+    for line in open("/proc/%d/status" % pid):
+        if line.startswith("SigBlk:"):
+            return int(line.split()[1], 16)
+    return 0
+
+
+@pytest.mark.parametrize("previous", [True, False])
+def test_merge_second_ctrl_c_leaves_no_partial_output(tmp_path, previous):
+    """A second Ctrl-C (which ends the process at once) left the staging
+    folder OUT.tmp.PID (or OUT/.qtune-merge.tmp.PID) behind, and the parent
+    folders merge had made for a new --out. Now the second Ctrl-C removes them
+    before it exits: a previous --out is byte for byte as it was, or nothing
+    new is left at all.
+
+    Two signals sent at once merge into one, and after one the merge cleans up
+    by itself, so the second is made to arrive while the first is handled:
+    the merge's stderr is a pipe the test has filled, so the first handler
+    blocks in its write (SIGINT masked); the second is sent then, and runs as
+    soon as the pipe is drained and the first handler returns."""
+    import signal
+    import subprocess
+    import threading
+    import time
+    d = str(tmp_path)
+    model = big_model(d)
+    ad = tiny_adapter(d, {Q0: (1024, 1024)}, ["q_proj"])
+    if previous:
+        out = os.path.join(d, "merged")
+        os.makedirs(out)
+        for name, data in (("model.safetensors", b"previous weights"), ("config.json", b"{}"), ("notes.txt", b"x")):
+            with open(os.path.join(out, name), "wb") as f:
+                f.write(data)
+        before = {n: open(os.path.join(out, n), "rb").read() for n in os.listdir(out)}
+    else:
+        out = os.path.join(d, "new", "deeper", "merged")
+    listing = sorted(os.listdir(d))
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    r, w = os.pipe()
+    p = subprocess.Popen([QTUNE, "merge", "--model", model, "--adapter", ad, "--out", out, "--dtype", "bf16"],
+                         stdout=subprocess.DEVNULL, stderr=w, env=env)
+    stage = os.path.join(out, ".qtune-merge.tmp.%d" % p.pid) if previous else "%s.tmp.%d" % (out, p.pid)
+    t0 = time.monotonic()
+    while not os.path.exists(os.path.join(stage, "model.safetensors")) and p.poll() is None \
+            and time.monotonic() - t0 < 60:
+        time.sleep(0.001)
+    assert p.poll() is None, "the merge finished before it could be interrupted"
+    # filled through a file description of its own: O_NONBLOCK on w would make the merge's writes fail, not wait
+    fill = os.open("/proc/self/fd/%d" % w, os.O_WRONLY | os.O_NONBLOCK)
+    try:
+        while True:
+            os.write(fill, b"." * 4096)
+    except BlockingIOError:
+        pass
+    os.close(fill)
+    sigint = 1 << (signal.SIGINT - 1)
+    p.send_signal(signal.SIGINT)
+    while not blocked_signals(p.pid) & sigint and p.poll() is None and time.monotonic() - t0 < 60:
+        time.sleep(0.001)
+    assert p.poll() is None, "the merge ended before its first Ctrl-C handler ran"
+    p.send_signal(signal.SIGINT)
+    os.close(w)
+    err = []
+    drain = threading.Thread(target=lambda: err.append(b"".join(iter(lambda: os.read(r, 65536), b""))))
+    drain.start()
+    p.wait(timeout=120)
+    drain.join(timeout=120)
+    os.close(r)
+    err = err[0].decode(errors="replace").lstrip(".")
+    assert p.returncode == 130 and "second Ctrl-C" in err, (p.returncode, err)
+    assert sorted(os.listdir(d)) == listing, os.listdir(d)
+    if previous:
+        assert sorted(os.listdir(out)) == sorted(before), os.listdir(out)
+        assert {n: open(os.path.join(out, n), "rb").read() for n in os.listdir(out)} == before

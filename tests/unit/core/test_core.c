@@ -133,6 +133,39 @@ static int thp_enabled(void) {
     return strstr(buf, "[always]") || strstr(buf, "[madvise]");
 }
 
+/* qt_path_missing_top names the first folder mkdir_p will make, and
+ * qt_rmdir_made removes what was made up to it, never a folder above it nor
+ * one that holds anything. */
+static void test_rmdir_made(void **state) {
+    (void)state;
+    char dir[] = "/tmp/qtune_core_XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char deep[256], top[256], want[256], f[256];
+    snprintf(deep, sizeof deep, "%s/a/b/c", dir);
+    snprintf(want, sizeof want, "%s/a", dir);
+    assert_int_equal(qt_path_missing_top(deep, top, sizeof top), QT_OK);
+    assert_string_equal(top, want);
+    assert_int_equal(qt_path_missing_top(dir, top, sizeof top), QT_OK);
+    assert_string_equal(top, ""); /* it exists */
+    assert_int_equal(qt_path_missing_top(deep, top, sizeof top), QT_OK);
+    assert_int_equal(qt_mkdir_p(deep), QT_OK);
+    qt_rmdir_made(deep, top);
+    assert_false(qt_path_exists(want));
+    assert_true(qt_is_dir(dir)); /* above top: kept */
+    /* a folder that is not empty stops it: b holds a file of someone else's */
+    assert_int_equal(qt_mkdir_p(deep), QT_OK);
+    snprintf(f, sizeof f, "%s/a/b/theirs", dir);
+    assert_int_equal(qt_write_file_atomic(f, "x", 1), QT_OK);
+    qt_rmdir_made(deep, top);
+    assert_false(qt_path_exists(deep));
+    assert_true(qt_path_exists(f));
+    /* a top that is no prefix of the path: nothing is removed */
+    assert_int_equal(qt_mkdir_p(deep), QT_OK);
+    qt_rmdir_made(deep, "/tmp/elsewhere");
+    assert_true(qt_is_dir(deep));
+    assert_int_equal(qt_rm_rf(dir), QT_OK);
+}
+
 static void test_alloc_aligned(void **state) {
     (void)state;
     unsigned char *small = qt_alloc_aligned(1000, "a small buffer");
@@ -208,6 +241,7 @@ int main(void) {
         cmocka_unit_test(test_alloc_aligned),
         cmocka_unit_test(test_atomic_abort_keeps_old),
         cmocka_unit_test(test_dir_replace),
+        cmocka_unit_test(test_rmdir_made),
         cmocka_unit_test(test_rng_streams),
         cmocka_unit_test(test_json_range),
     };

@@ -523,6 +523,28 @@ static void test_random_configs(void **state) {
     assert_true(ok > 10); /* some configs must get through, or the accepted path was never exercised */
 }
 
+/* Flags take 1 and 0 as DeepSpeed's pydantic bools do; qt_ds_config_check
+ * reads the values without the batch arithmetic that needs a world size. */
+static void test_flags_and_check(void **state) {
+    (void)state;
+    qt_ds_config c;
+    assert_int_equal(parse_text("{\"train_micro_batch_size_per_gpu\": 1, \"fp16\": {\"enabled\": 1}}", 1, &c), QT_OK);
+    assert_true(c.fp16);
+    assert_int_equal(parse_text("{\"train_micro_batch_size_per_gpu\": 1, \"fp16\": {\"enabled\": 0}}", 1, &c), QT_OK);
+    assert_false(c.fp16);
+    assert_int_equal(parse_text("{\"train_micro_batch_size_per_gpu\": 1, \"fp16\": {\"enabled\": 2}}", 1, &c), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "\"fp16.enabled\" must be true or false"));
+    /* 8 = 2 x 2 x 2 ranks: wrong for 1 rank, which check does not know */
+    cJSON *j = cJSON_Parse("{\"train_batch_size\": 8, \"train_micro_batch_size_per_gpu\": 2, "
+                           "\"gradient_accumulation_steps\": 2}");
+    assert_int_equal(qt_ds_config_check(j, "x"), QT_OK);
+    cJSON_Delete(j);
+    j = cJSON_Parse("{\"train_micro_batch_size_per_gpu\": 2, \"gradient_clipping\": -1}");
+    assert_int_equal(qt_ds_config_check(j, "--set deepspeed.gradient_clipping=-1"), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "--set deepspeed.gradient_clipping=-1: gradient_clipping -1"));
+    cJSON_Delete(j);
+}
+
 int main(void) {
     qt_log_set_level(QT_LOG_ERROR); /* the warnings are checked through `ignored` */
     const struct CMUnitTest tests[] = {
@@ -531,7 +553,7 @@ int main(void) {
         cmocka_unit_test(test_defaults_and_sections), cmocka_unit_test(test_optimizer_modes),
         cmocka_unit_test(test_schedulers),       cmocka_unit_test(test_precision_and_zero),
         cmocka_unit_test(test_unknown_keys_warn), cmocka_unit_test(test_load_file), cmocka_unit_test(test_random_configs),
-        cmocka_unit_test(test_silent_values_refused),
+        cmocka_unit_test(test_silent_values_refused), cmocka_unit_test(test_flags_and_check),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
