@@ -221,10 +221,10 @@ int zero_allgather_block(zero_plan *p, void *block, size_t esize);
  * (a sharded master's norm weights and biases, copied whole to every rank). */
 int zero_allgather_runs(zero_plan *p, float *dst, const qt_flat_run *runs, int n);
 /* Rank 0 receives elements [lo, hi) of a block sharded as the plan shards
- * (shard: this rank's elements, its lo first) in out (host memory, hi - lo
+ * (mine: this rank's elements, its lo first) in out (host memory, hi - lo
  * floats; ignored on the other ranks). Collective: every rank calls it with
  * the same range. Stage 1/2 over 2+ ranks only. */
-int zero_gather_range(zero_plan *p, const float *shard, size_t lo, size_t hi, float *out);
+int zero_gather_range(zero_plan *p, const float *mine, size_t lo, size_t hi, float *out);
 
 /* Convenience for the trainer: one call per optimizer step between the last
  * backward and the optimizer. Reduces the gradients (see zero_reduce_grads;

@@ -739,11 +739,11 @@ static int move_range(zero_plan *p, float *mine, size_t lo, size_t hi, float *io
     return rc;
 }
 
-int zero_gather_range(zero_plan *p, const float *shard, size_t lo, size_t hi, float *out) {
+int zero_gather_range(zero_plan *p, const float *mine, size_t lo, size_t hi, float *out) {
     if (p->stage == 0 || p->d->world == 1)
         return QT_ERR(QT_EINVAL, "dist: zero_gather_range is for a block sharded over ranks (ZeRO 1/2, 2+ ranks)");
     QT_TRY(check_range(p, lo, hi));
-    return move_range(p, (float *)shard, lo, hi, out, 1);
+    return move_range(p, (float *)mine, lo, hi, out, 1);
 }
 
 int zero_state_gather(zero_plan *p, const zero_state *st, int slot, float *full) {
