@@ -396,6 +396,76 @@ static int add_hparams(gguf_writer *w, const arch_map *a, const qt_config *c) {
 #undef KEY
 }
 
+/* ---- RoPE scaling, as llama.cpp (c392e50) applies it ---------------------------------------
+ * linear: "<arch>.rope.scaling.type" "linear" and the factor (freq_scale = 1 / factor).
+ * yarn: type "yarn", the factor and original_context_length; ggml's YaRN ramps between the
+ *   dimensions beta_fast = 32 and beta_slow = 1 turn over that length (floored and ceiled, as
+ *   transformers' truncate), and scales cos/sin by attn_factor x (1 + 0.1 ln factor), so an
+ *   attention factor of transformers' other than that default is written as attn_factor.
+ *   llama.cpp has no keys for other betas or for truncate false: those are refused.
+ * llama3: the "rope_freqs.weight" tensor (llama architecture only): per frequency the divisor
+ *   transformers applies, as llama.cpp's converter computes it.
+ * dynamic NTK: llama.cpp does not have it. */
+static int rope_scaling_check(const char *dir, const qt_config *c, const arch_map *a) {
+    const qt_rope_scaling *r = &c->rope_scaling;
+    static const char *const names[] = {"none", "linear", "dynamic", "yarn", "llama3"};
+    const char *why = NULL;
+    if (r->type == QT_ROPE_DYNAMIC) why = "llama.cpp has no dynamic NTK scaling";
+    else if (r->type == QT_ROPE_LLAMA3 && strcmp(a->name, "llama"))
+        why = "llama.cpp reads llama3's frequency factors (rope_freqs) for the llama architecture only";
+    else if (r->type == QT_ROPE_YARN && (r->beta_fast != 32.0f || r->beta_slow != 1.0f))
+        why = "llama.cpp's YaRN keeps beta_fast 32 and beta_slow 1 (no GGUF key sets them)";
+    else if (r->type == QT_ROPE_YARN && !r->truncate)
+        why = "llama.cpp's YaRN truncates the correction range (truncate false has no GGUF key)";
+    if (!why) return QT_OK;
+    return QT_ERR(QT_EUNSUPPORTED, "%s/config.json: rope_scaling is %s, which GGUF export cannot write so that "
+                  "llama.cpp runs the same model (%s); convert this model with llama.cpp's convert_hf_to_gguf.py "
+                  "if its result suits you", dir, names[r->type], why);
+}
+
+static int add_rope_scaling(gguf_writer *w, const arch_map *a, const qt_config *c) {
+    const qt_rope_scaling *r = &c->rope_scaling;
+    if (r->type != QT_ROPE_LINEAR && r->type != QT_ROPE_YARN) return QT_OK;
+    char k[128];
+#define KEY(s) (snprintf(k, sizeof k, "%s.%s", a->name, s), k)
+    const double factor = qt_rope_factor(c);
+    QT_TRY(gguf_set_str(w, KEY("rope.scaling.type"), r->type == QT_ROPE_LINEAR ? "linear" : "yarn"));
+    QT_TRY(gguf_set_f32(w, KEY("rope.scaling.factor"), (float)factor));
+    if (r->type == QT_ROPE_YARN) {
+        QT_TRY(gguf_set_u32(w, KEY("rope.scaling.original_context_length"), (uint32_t)qt_rope_original_length(c)));
+        /* ggml multiplies attn_factor by its own 1 + 0.1 ln(factor) */
+        const double attn = qt_rope_yarn_attention(c), ggml_ms = 1.0 + 0.1 * log(factor);
+        if (fabs(attn - ggml_ms) > 1e-6 * ggml_ms)
+            QT_TRY(gguf_set_f32(w, KEY("rope.scaling.attn_factor"), (float)(attn / ggml_ms)));
+    }
+    return QT_OK;
+#undef KEY
+}
+
+/* llama3: rope_freqs[i] = the divisor of frequency i (1, factor, or the smooth mix between), as
+ * convert_hf_to_gguf.py's LlamaModel writes it. */
+static int rope_freqs_fill(void *ctx, float *dst, size_t offset, size_t n) {
+    memcpy(dst, (const float *)ctx + offset, n * sizeof *dst);
+    return QT_OK;
+}
+
+static void rope_freqs_compute(const qt_config *c, float *out) {
+    const qt_rope_scaling *r = &c->rope_scaling;
+    const int D = c->head_dim, half = D / 2;
+    const double orig = qt_rope_original_length(c);
+    const double lo_wl = orig / r->low_freq_factor, hi_wl = orig / r->high_freq_factor;
+    for (int i = 0; i < half; i++) {
+        const double freq = 1.0 / pow(c->rope_theta, (double)(2 * i) / D), wl = 2.0 * M_PI / freq;
+        double d = 1.0;
+        if (wl > lo_wl) d = r->factor;
+        else if (!(wl < hi_wl)) {
+            const double smooth = (orig / wl - r->low_freq_factor) / (r->high_freq_factor - r->low_freq_factor);
+            d = 1.0 / ((1.0 - smooth) / r->factor + smooth);
+        }
+        out[i] = (float)d;
+    }
+}
+
 /* llama.cpp's LLAMA_FTYPE of a file whose 2-D weights are t */
 static uint32_t file_type(gguf_type t) {
     switch (t) {
@@ -421,14 +491,9 @@ int gguf_export_model(const char *model_dir, const char *out, const gguf_export_
     qt_config cfg;
     const arch_map *a;
     QT_TRY(load_config(model_dir, &cfg, &a));
-    /* llama.cpp takes RoPE scaling from "<arch>.rope.scaling.*" keys (and llama3's from a rope_freqs
-     * tensor), none of which is written yet: without them it would run a different model */
-    static const char *const scaling[] = {"none", "linear", "dynamic", "yarn", "llama3"};
-    if (cfg.rope_scaling.type != QT_ROPE_DEFAULT)
-        return QT_ERR(QT_EUNSUPPORTED, "%s/config.json: rope_scaling is %s, which GGUF export does not write, so "
-                      "llama.cpp would run the model without it; convert this model with llama.cpp's "
-                      "convert_hf_to_gguf.py instead", model_dir, scaling[cfg.rope_scaling.type]);
+    QT_TRY(rope_scaling_check(model_dir, &cfg, a));
     st_file *st = NULL;
+    float *freqs = NULL; /* llama3's rope_freqs, read while the file is written */
     gguf_writer *w = NULL;
     const int nw = qt_weight_count(&cfg);
     permute_ctx *perm = qt_calloc((size_t)nw, sizeof *perm, "GGUF permutations");
@@ -441,6 +506,14 @@ int gguf_export_model(const char *model_dir, const char *out, const gguf_export_
     if (rc == QT_OK) rc = gguf_set_u32(w, "general.file_type", file_type(o->type));
     if (rc == QT_OK) rc = gguf_set_u32(w, "general.quantization_version", 2);
     if (rc == QT_OK) rc = add_hparams(w, a, &cfg);
+    if (rc == QT_OK) rc = add_rope_scaling(w, a, &cfg);
+    if (rc == QT_OK && cfg.rope_scaling.type == QT_ROPE_LLAMA3) {
+        const int64_t shape[1] = {cfg.head_dim / 2};
+        freqs = qt_calloc((size_t)cfg.head_dim / 2 + 1, sizeof *freqs, "rope_freqs");
+        rc = freqs ? QT_OK : QT_ENOMEM;
+        if (rc == QT_OK) rope_freqs_compute(&cfg, freqs);
+        if (rc == QT_OK) rc = gguf_add_tensor(w, "rope_freqs.weight", GGUF_F32, 1, shape, rope_freqs_fill, freqs);
+    }
     if (rc == QT_OK) rc = add_tokenizer(w, model_dir, &cfg);
     int fallback = 0;
     st_fill_fn embd_fill = NULL; /* the embedding's producer, for a tied model that needs output.weight */
@@ -491,6 +564,7 @@ int gguf_export_model(const char *model_dir, const char *out, const gguf_export_
     if (st != o->base) st_close(st);
     qt_free(perm);
     qt_free(rel);
+    qt_free(freqs);
     return rc;
 }
 

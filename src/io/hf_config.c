@@ -650,6 +650,27 @@ int qt_config_max_positions(const qt_config *c) {
     return c->max_position_embeddings;
 }
 
+int qt_rope_original_length(const qt_config *c) {
+    const qt_rope_scaling *r = &c->rope_scaling;
+    return r->original_max_position_embeddings ? r->original_max_position_embeddings : c->max_position_embeddings;
+}
+
+double qt_rope_factor(const qt_config *c) {
+    const qt_rope_scaling *r = &c->rope_scaling;
+    if (r->factor > 0 || r->type != QT_ROPE_YARN) return r->factor;
+    return (double)c->max_position_embeddings / qt_rope_original_length(c);
+}
+
+double qt_rope_yarn_attention(const qt_config *c) {
+    const qt_rope_scaling *r = &c->rope_scaling;
+    const double factor = qt_rope_factor(c);
+    if (r->attention_factor > 0) return r->attention_factor;
+    if (r->mscale > 0 && r->mscale_all_dim > 0)
+        return (factor <= 1 ? 1.0 : 0.1 * r->mscale * log(factor) + 1.0) /
+               (factor <= 1 ? 1.0 : 0.1 * r->mscale_all_dim * log(factor) + 1.0);
+    return factor <= 1 ? 1.0 : 0.1 * log(factor) + 1.0;
+}
+
 int64_t qt_config_param_count(const qt_config *c) {
     int64_t C = c->hidden_size, I = c->intermediate_size, V = c->vocab_size;
     int64_t q = (int64_t)c->num_attention_heads * c->head_dim, kv = (int64_t)c->num_key_value_heads * c->head_dim;

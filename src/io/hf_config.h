@@ -87,6 +87,14 @@ int qt_config_write(const qt_config *cfg, const char *path);
  * attention scale, which qtune does not implement). */
 int qt_config_max_positions(const qt_config *cfg);
 
+/* rope_scaling's trained length (original_max_position_embeddings, else
+ * max_position_embeddings), its factor (YaRN without one: the ratio of the
+ * two lengths) and YaRN's cos/sin scale (attention_factor, from mscale and
+ * mscale_all_dim, else 0.1 ln(factor) + 1), as transformers computes them. */
+int qt_rope_original_length(const qt_config *cfg);
+double qt_rope_factor(const qt_config *cfg);
+double qt_rope_yarn_attention(const qt_config *cfg);
+
 /* Number of parameters the config implies (embeddings, lm_head when untied,
  * every layer's weights and biases, the final norm). */
 int64_t qt_config_param_count(const qt_config *cfg);

@@ -12,8 +12,7 @@ void qt_rope_inv_freq(const qt_config *c, int D, int32_t max_pos_seen, float *in
     const qt_rope_scaling *r = &c->rope_scaling;
     const int half = D / 2;
     double base = c->rope_theta, factor = r->factor;
-    const int orig = r->original_max_position_embeddings ? r->original_max_position_embeddings
-                                                         : c->max_position_embeddings;
+    const int orig = qt_rope_original_length(c);
     *attention_factor = 1.0f;
     if (r->type == QT_ROPE_DYNAMIC) {
         /* NTK: a larger base once the sequence outgrows the trained length */
@@ -35,13 +34,8 @@ void qt_rope_inv_freq(const qt_config *c, int D, int32_t max_pos_seen, float *in
             inv[i] = (float)g;
         }
     } else if (r->type == QT_ROPE_YARN) {
-        if (!(factor > 0)) factor = (double)c->max_position_embeddings / orig;
-        const double ms = factor <= 1 ? 1.0 : 0.1 * log(factor) + 1.0;
-        if (r->attention_factor > 0) *attention_factor = r->attention_factor;
-        else if (r->mscale > 0 && r->mscale_all_dim > 0)
-            *attention_factor = (float)((factor <= 1 ? 1.0 : 0.1 * r->mscale * log(factor) + 1.0) /
-                                        (factor <= 1 ? 1.0 : 0.1 * r->mscale_all_dim * log(factor) + 1.0));
-        else *attention_factor = (float)ms;
+        factor = qt_rope_factor(c);
+        *attention_factor = (float)qt_rope_yarn_attention(c);
         /* the dimensions that turn fewer than beta_slow times over the trained
          * length are interpolated, more than beta_fast extrapolated, a linear
          * ramp between */

@@ -379,21 +379,84 @@ def test_output_that_is_an_input_is_refused(models, tmp_path):
     no_leftovers(tmp_path, ("m", "ad"))
 
 
-@pytest.mark.parametrize("scaling", [{"type": "linear", "factor": 2.0},
-                                     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}])
-def test_rope_scaling_is_refused(models, tmp_path, scaling):
-    """The export writes no rope scaling keys: a model with rope_scaling would have run unscaled in llama.cpp,
-    a different model, with no word said."""
+def with_scaling(src, tmp_path, scaling):
     import shutil
     m = tmp_path / "m"
-    shutil.copytree(models["tiny-llama"], m)
+    shutil.copytree(src, m)
     cfg = json.load(open(m / "config.json"))
     cfg["rope_scaling"] = scaling
     json.dump(cfg, open(m / "config.json", "w"))
+    return m, cfg
+
+
+# RoPE scaling as llama.cpp reads it (c392e50: llama-model.cpp's rope.scaling.* keys, ggml's rope_yarn, and
+# the llama architecture's rope_freqs tensor): linear and YaRN as keys, llama3 as per-frequency divisors.
+@pytest.mark.parametrize("preset,scaling,want", [
+    ("tiny", {"type": "linear", "factor": 2.0}, {"type": "linear", "factor": 2.0}),
+    ("tiny-llama", {"rope_type": "linear", "factor": 3.0}, {"type": "linear", "factor": 3.0}),
+    ("tiny", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+     {"type": "yarn", "factor": 4.0, "original_context_length": 512}),
+    # an attention factor of its own: ggml scales by attn_factor x (1 + 0.1 ln 4), so attn_factor = 1.3 / that
+    ("tiny-qwen3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                    "attention_factor": 1.3},
+     {"type": "yarn", "factor": 4.0, "original_context_length": 256, "attn_factor": 1.3 / (1 + 0.1 * np.log(4.0))}),
+])
+def test_rope_scaling_keys(models, tmp_path, preset, scaling, want):
+    m, cfg = with_scaling(models[preset], tmp_path, scaling)
+    out = tmp_path / "x.gguf"
+    qtune("export", "--model", m, "--gguf", out)
+    kv = read_gguf(out).kv
+    arch = {"tiny": "qwen2", "tiny-llama": "llama", "tiny-qwen3": "qwen3"}[preset]
+    got = {k.split("rope.scaling.")[1]: v for k, v in kv.items() if k.startswith(f"{arch}.rope.scaling.")}
+    assert set(got) == set(want), got
+    for k, v in want.items():
+        assert (got[k] == v) if isinstance(v, (str, int)) else np.float32(got[k]) == np.float32(v), (k, got[k], v)
+
+
+def test_llama3_rope_freqs(models, tmp_path):
+    """llama3's scaling is the rope_freqs tensor: each frequency's divisor, as convert_hf_to_gguf.py computes it
+    (written here from its formula: 1 above the high-frequency wavelength, factor below the low one, the smooth
+    mix between)."""
+    sc = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+    m, cfg = with_scaling(models["tiny-llama"], tmp_path, sc)
+    out = tmp_path / "x.gguf"
+    qtune("export", "--model", m, "--gguf", out)
+    g = read_gguf(out)
+    D = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    want = []
+    for i in range(0, D, 2):
+        freq = 1.0 / (cfg["rope_theta"] ** (i / D))
+        wavelen = 2 * np.pi / freq
+        if wavelen < 64 / 4.0:
+            want.append(1.0)
+        elif wavelen > 64 / 1.0:
+            want.append(8.0)
+        else:
+            smooth = (64 / wavelen - 1.0) / (4.0 - 1.0)
+            want.append(1 / ((1 - smooth) / 8.0 + smooth))
+    t = g.tensors["rope_freqs.weight"]
+    assert t.type == GGML_F32 and list(t.ne) == [D // 2]
+    assert np.array_equal(t.array, np.array(want, dtype=np.float32)), (t.array, want)
+    assert 1.0 in want and 8.0 in want and any(1 < x < 8 for x in want)  # all three regimes occur
+    assert not [k for k in g.kv if ".rope.scaling." in k]
+
+
+@pytest.mark.parametrize("preset,scaling,words", [
+    ("tiny", {"rope_type": "dynamic", "factor": 2.0}, "no dynamic NTK"),
+    ("tiny", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}, "llama architecture only"),
+    ("tiny", {"rope_type": "yarn", "factor": 4.0, "beta_fast": 16}, "beta_fast 32 and beta_slow 1"),
+    ("tiny-llama", {"rope_type": "yarn", "factor": 4.0, "truncate": False}, "truncate false"),
+])
+def test_rope_scaling_llama_cpp_cannot_run_is_refused(models, tmp_path, preset, scaling, words):
+    """Scaling llama.cpp would not apply as transformers does is refused, the old file kept: written anyway,
+    llama.cpp would run another model with no word said."""
+    m, _ = with_scaling(models[preset], tmp_path, scaling)
     out = tmp_path / "x.gguf"
     out.write_bytes(b"old")
     p = qtune("export", "--model", m, "--gguf", out, check=1)
-    assert "rope_scaling" in p.stderr and "llama.cpp would run the model without it" in p.stderr, p.stderr
+    assert "rope_scaling" in p.stderr and words in p.stderr and "convert_hf_to_gguf.py" in p.stderr, p.stderr
     assert out.read_bytes() == b"old"
     no_leftovers(tmp_path, ("m", "x.gguf"))
 
