@@ -692,8 +692,17 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
         char where[4200];
         snprintf(where, sizeof where, "%s: deepspeed", path);
         qt_error_clear();
-        if (qt_ds_config_parse(ds, where, ranks, &dc) != QT_OK) problem(&c, "%s", qt_error_message());
-        else if (dc.micro_batch >= 1 && dc.micro_batch <= (1 << 20)) o.micro_batch = (int)dc.micro_batch;
+        if (qt_ds_config_parse(ds, where, ranks, &dc) != QT_OK) {
+            problem(&c, "%s", qt_error_message());
+        } else {
+            if (dc.micro_batch >= 1 && dc.micro_batch <= (1 << 20)) o.micro_batch = (int)dc.micro_batch;
+            /* the buckets and overlap the run plans with (qt_plan_opts_from_job): a reduce_bucket_size of
+             * "auto" is the model's hidden_size squared, 5e8 when config.json could not be read (either said) */
+            qt_ds_config_resolve_model(&dc, have_cfg ? cfg.hidden_size : 0);
+            o.reduce_bucket = (size_t)dc.zero.reduce_bucket_size;
+            o.allgather_bucket = (size_t)dc.zero.allgather_bucket_size;
+            o.overlap = dc.zero.overlap_comm;
+        }
     }
     o.devices = ranks;
     o.dataset_bytes = (uint64_t)train_bytes;

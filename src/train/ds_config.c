@@ -566,14 +566,14 @@ static int parse_zero(ds_ctx *x, const cJSON *z) {
     }
     int a;
     QT_TRY(get_number(x, z, sec, "reduce_bucket_size", &zc->reduce_bucket_size, &a));
-    if (a) {
-        zc->reduce_bucket_size = 5e8;
-        note_auto(x, sec, "reduce_bucket_size", "5e8 elements (%s)", DS_DEFAULT);
-    }
+    /* the HF Trainer fills it from the model's hidden_size: qt_ds_config_resolve_model, once config.json is read */
+    zc->reduce_bucket_auto = a;
+    if (a) zc->reduce_bucket_size = 5e8;
     QT_TRY(get_number(x, z, sec, "allgather_bucket_size", &zc->allgather_bucket_size, &a));
     if (a) {
         zc->allgather_bucket_size = 5e8;
-        note_auto(x, sec, "allgather_bucket_size", "5e8 elements (%s)", DS_DEFAULT);
+        note_auto(x, sec, "allgather_bucket_size", "5e8 elements (%s; the HF Trainer does not fill this key)",
+                  DS_DEFAULT);
     }
     if (zc->reduce_bucket_size < 1 || zc->allgather_bucket_size < 1)
         return QT_ERR(QT_EINVAL, "%s: zero_optimization bucket sizes must be >= 1 element", x->where);
@@ -682,6 +682,19 @@ int qt_ds_config_load(const char *path, int world, qt_ds_config *out) {
     return rc;
 }
 
+/* Records (and says, at info level) an "auto" resolved after parsing, when
+ * the file's name is no longer at hand. */
+static void note_late(qt_ds_config *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void note_late(qt_ds_config *c, const char *fmt, ...) {
+    char line[sizeof c->resolved[0]];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    if (c->n_resolved < QT_DS_MAX_RESOLVED) memcpy(c->resolved[c->n_resolved++], line, sizeof line);
+    qt_info("deepspeed: %s", line);
+}
+
 int qt_ds_config_finalize(qt_ds_config *c, int64_t max_steps) {
     if (c->total_num_steps_auto) {
         if (max_steps < 0)
@@ -690,12 +703,7 @@ int qt_ds_config_finalize(qt_ds_config *c, int64_t max_steps) {
                           "set train.max_steps or give total_num_steps a number");
         c->sched.total_num_steps = max_steps;
         c->total_num_steps_auto = 0;
-        if (c->n_resolved < QT_DS_MAX_RESOLVED) {
-            char *line = c->resolved[c->n_resolved++];
-            snprintf(line, sizeof c->resolved[0], "scheduler.params.total_num_steps \"auto\" -> %lld (train.max_steps)",
-                     (long long)max_steps);
-            qt_info("deepspeed: %s", line);
-        }
+        note_late(c, "scheduler.params.total_num_steps \"auto\" -> %lld (train.max_steps)", (long long)max_steps);
         c->sched.base_lr = c->adam.lr;
         /* a number given in the file was checked when it was parsed */
         const char *where = "deepspeed: scheduler.params.total_num_steps \"auto\" (train.max_steps)";
@@ -705,4 +713,23 @@ int qt_ds_config_finalize(qt_ds_config *c, int64_t max_steps) {
     }
     c->sched.base_lr = c->adam.lr;
     return QT_OK;
+}
+
+void qt_ds_config_resolve_model(qt_ds_config *c, int64_t hidden_size) {
+    qt_ds_zero *z = &c->zero;
+    if (!z->reduce_bucket_auto) return;
+    z->reduce_bucket_auto = 0;
+    if (hidden_size <= 0) {
+        z->reduce_bucket_size = 5e8;
+        note_late(c, "zero_optimization.reduce_bucket_size \"auto\" -> 5e8 elements (%s: the model's config.json "
+                     "could not be read for the hidden_size the HF Trainer squares)",
+                  DS_DEFAULT);
+        return;
+    }
+    /* transformers' trainer_config_finalize:
+     * fill_only("zero_optimization.reduce_bucket_size", hidden_size * hidden_size), at any ZeRO stage */
+    z->reduce_bucket_size = (double)hidden_size * (double)hidden_size;
+    note_late(c, "zero_optimization.reduce_bucket_size \"auto\" -> %lld (hidden_size %lld squared, as Hugging Face's "
+                 "Trainer fills it)",
+              (long long)hidden_size * (long long)hidden_size, (long long)hidden_size);
 }

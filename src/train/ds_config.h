@@ -31,6 +31,8 @@ typedef struct {
     int offload_optimizer;      /* offload_optimizer.device == "cpu" */
     int pin_memory;             /* offload_optimizer.pin_memory */
     double reduce_bucket_size;  /* elements; 5e8 */
+    int reduce_bucket_auto;     /* reduce_bucket_size was "auto": 5e8 until qt_ds_config_resolve_model gives it
+                                   the model's hidden_size squared */
     double allgather_bucket_size; /* elements; 5e8 */
     int overlap_comm;           /* false */
     int contiguous_gradients;   /* true */
@@ -89,5 +91,14 @@ int qt_ds_config_load(const char *path, int world, qt_ds_config *out);
  * is checked (a number given in the file was checked by the parser). Call once
  * max_steps is known; max_steps < 0 when unknown (an error only if needed). */
 int qt_ds_config_finalize(qt_ds_config *c, int64_t max_steps);
+
+/* Resolves what needs the model's config.json, as the HF Trainer's
+ * trainer_config_finalize does: a zero_optimization.reduce_bucket_size given
+ * as "auto" becomes hidden_size * hidden_size. hidden_size <= 0 (config.json
+ * could not be read) leaves it at 5e8, DeepSpeed's default. Either way the
+ * value and why is recorded in `resolved` and said at info level. Call before
+ * the bucket size is used (the model's gradient buckets are sized at load);
+ * a second call does nothing. */
+void qt_ds_config_resolve_model(qt_ds_config *c, int64_t hidden_size);
 
 #endif

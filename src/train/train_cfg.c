@@ -37,9 +37,19 @@ int qt_train_cfg_from_job(const qt_job *job, int world, long max_steps, qt_train
     } else {
         qt_ds_config_default(&ds, world);
     }
+    qt_train_ds_resolve_model(&ds, job->model);
     QT_TRY(qt_ds_config_finalize(&ds, max_steps));
     qt_train_cfg_from_ds(&ds, cfg);
     return QT_OK;
+}
+
+void qt_train_ds_resolve_model(qt_ds_config *ds, const char *model) {
+    if (!ds->zero.reduce_bucket_auto) return;
+    qt_config cfg;
+    int64_t hidden = 0;
+    if (model && qt_config_load(model, &cfg) == QT_OK) hidden = cfg.hidden_size;
+    else qt_error_clear(); /* the model folder's own error is the caller's to report */
+    qt_ds_config_resolve_model(ds, hidden);
 }
 
 static const char *precision_name(const qt_ds_config *ds) {
@@ -123,6 +133,7 @@ int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o) {
     } else {
         qt_ds_config_default(&ds, ranks);
     }
+    qt_train_ds_resolve_model(&ds, job->model); /* the buckets below */
     o->lora = job->lora.enabled;
     if (job->lora.enabled) {
         o->lora_r = job->lora.r;
@@ -143,8 +154,9 @@ int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o) {
     o->micro_batch = (int)ds.micro_batch;
     o->seq_len = job->data.seq_len;
     o->checkpointing = job->train.gradient_checkpointing;
-    /* the buckets and overlap the run would use (qt_train_cfg_from_ds above): they size the gradient
-     * windows and the communication buffers */
+    /* the buckets (a reduce_bucket_size of "auto" resolved from the model's hidden_size, as the run does) and
+     * overlap the run would use (qt_train_cfg_from_ds above): they size the gradient windows and the
+     * communication buffers */
     o->reduce_bucket = ds.zero.reduce_bucket_size >= 1 ? (size_t)ds.zero.reduce_bucket_size : 0;
     o->allgather_bucket = ds.zero.allgather_bucket_size >= 1 ? (size_t)ds.zero.allgather_bucket_size : 0;
     o->overlap = ds.zero.overlap_comm;

@@ -739,6 +739,9 @@ int qt_train_run(const qt_job *job, dist_ctx *d, const qt_train_hooks *hooks, qt
     } else {
         qt_ds_config_default(&t.ds, t.world);
     }
+    /* a reduce_bucket_size of "auto" is the model's hidden_size squared: it sizes the gradient buckets
+     * load_model asks the model for, so it is resolved from config.json before anything is loaded */
+    if (rc == QT_OK) qt_train_ds_resolve_model(&t.ds, job->model);
     /* provisional (B, A, dtype for the model and loaders); final once max_steps is known */
     if (rc == QT_OK) qt_train_cfg_from_ds(&t.ds, &t.cfg);
     /* one process: a stop while the data is tokenized ends the load at once

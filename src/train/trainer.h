@@ -45,19 +45,27 @@ typedef struct {
 } qt_train_cfg;
 
 /* Fills cfg from the job's DeepSpeed section (none: qt_ds_config_default),
- * resolved for `world` ranks; max_steps resolves "auto" schedule lengths. */
+ * resolved for `world` ranks and the job's model (qt_train_ds_resolve_model);
+ * max_steps resolves "auto" schedule lengths. */
 int qt_train_cfg_from_job(const qt_job *job, int world, long max_steps, qt_train_cfg *cfg);
 /* The same from an already parsed (and finalized) DeepSpeed config. */
 void qt_train_cfg_from_ds(const qt_ds_config *ds, qt_train_cfg *cfg);
-/* What `qtune plan JOB.json` plans for: the job's LoRA or full fine-tuning,
- * r and targets, ZeRO stage, offload, precision and micro-batch (its
- * DeepSpeed config resolved for `ranks`), seq_len and checkpointing. */
+/* What in the DeepSpeed config needs the model (qt_ds_config_resolve_model):
+ * a reduce_bucket_size of "auto" becomes the hidden_size squared from the
+ * config.json in the folder `model`, or 5e8 when that cannot be read (the run
+ * reports the folder's error when it loads the model). Reads nothing when
+ * there is no such "auto". */
+void qt_train_ds_resolve_model(qt_ds_config *ds, const char *model);
 /* The job's lora.target_modules against the model's layout (cfg), as a run
  * resolves them: absent, PEFT's default for the model type (q_proj, v_proj;
  * the original Qwen's c_attn); "all-linear", every linear; names, resolved by
  * qt_lora_targets_from_names, which refuses Qwen2 names on an original Qwen
  * model with the list to write. */
 int qt_job_lora_targets_resolve(const qt_job *job, const qt_config *cfg, unsigned *mask);
+/* What `qtune plan JOB.json` plans for: the job's LoRA or full fine-tuning,
+ * r and targets, ZeRO stage, offload, precision and micro-batch (its
+ * DeepSpeed config resolved for `ranks` and the job's model: bucket sizes
+ * too), seq_len and checkpointing. */
 int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o);
 
 /* The one line a run starts with: what is trained, precision, ZeRO stage and

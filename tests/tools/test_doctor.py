@@ -170,6 +170,24 @@ def test_trainers_deepspeed_parser_is_consulted(tmp_path):
     assert p.returncode == 1 and "Lamb" in p.stdout
 
 
+def test_reduce_bucket_auto_resolves_from_the_model(tmp_path):
+    """reduce_bucket_size "auto" is resolved as the run resolves it: the model's hidden_size squared (64 x 64
+    here), or DeepSpeed's 5e8 when the model's config.json cannot be read, said either way."""
+    job, j = good_job(tmp_path)
+    del j["deepspeed"]["train_batch_size"]  # 2 x 2 x 2 ranks
+    j["deepspeed"]["zero_optimization"] = {"stage": 2, "reduce_bucket_size": "auto"}
+    job.write_text(json.dumps(j))
+    p = qtune("doctor", job, "--no-table", "--ranks", "2", check=0)
+    assert "no problems found" in p.stdout, p.stdout
+    assert ('zero_optimization.reduce_bucket_size "auto" -> 4096 (hidden_size 64 squared, as Hugging Face\'s '
+            'Trainer fills it)') in p.stderr, p.stderr
+    j["model"] = "no-such-model"
+    job.write_text(json.dumps(j))
+    p = qtune("doctor", job, "--no-table", "--ranks", "2", check=1)
+    assert 'zero_optimization.reduce_bucket_size "auto" -> 5e8 elements' in p.stderr, p.stderr
+    assert "config.json could not be read" in p.stderr, p.stderr
+
+
 @pytest.mark.parametrize("text", [
     '{"model": 3, "output_dir": [], "data": [], "deepspeed": 5, "lora": {"r": "x", "target_modules": 7}}',
     '{"model": "m", "data": {"train": "", "seq_len": 1e300}, "deepspeed": {"train_batch_size": 1e300, '

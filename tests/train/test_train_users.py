@@ -48,6 +48,33 @@ def test_run_says_what_it_resolved(base):
     assert err.index(line) < min(i for i, l in enumerate(err) if "step 1/3" in l or "step 3/3" in l)
 
 
+def test_reduce_bucket_auto_is_hidden_size_squared(base):
+    """zero_optimization.reduce_bucket_size "auto" is the model's hidden_size squared, as Hugging Face's Trainer
+    fills it (trainer_config_finalize), not DeepSpeed's 5e8 (which qtune took before); the run says so, and the
+    job's plan sizes its gradient windows and reduce buffers with it. allgather_bucket_size "auto" (which the
+    Trainer does not fill) stays 5e8."""
+    ds = {"train_micro_batch_size_per_gpu": 1,
+          "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "allgather_bucket_size": "auto"}}
+    j = write_job(os.path.join(base, "bucketauto.json"), "model", "run_bucketauto", "train.jsonl", ds=ds,
+                  train_opts={"max_steps": 1})
+    p = run("train", j)
+    says = [l for l in p.stderr.splitlines() if "bucket_size \"auto\" ->" in l]
+    want = ('zero_optimization.reduce_bucket_size "auto" -> 4096 (hidden_size 64 squared, as Hugging Face\'s '
+            'Trainer fills it)')
+    assert [l for l in says if want in l] and len([l for l in says if "reduce_bucket_size" in l]) == 1, p.stderr
+    assert [l for l in says if 'allgather_bucket_size "auto" -> 5e8 elements' in l], p.stderr
+    # the plan of the job (2 ranks, ZeRO-2: the buckets size the gradient windows) is the plan at 64 x 64
+    common = ("--zero", 2, "--devices", 2, "--micro-batch", 1, "--seq-len", 16, "--json")
+    got = json.loads(run("plan", j, "--devices", 2, "--json").stdout)
+    want_plan = json.loads(run("plan", "--model", os.path.join(base, "model"), *common,
+                               "--reduce-bucket-size", 64 * 64).stdout)
+    default = json.loads(run("plan", "--model", os.path.join(base, "model"), *common).stdout)
+    got.pop("model"), want_plan.pop("model"), default.pop("model")
+    assert got == want_plan
+    assert got["per_device_bytes"]["gradients"] < default["per_device_bytes"]["gradients"]
+    assert got["per_device_bytes"]["communication"] < default["per_device_bytes"]["communication"]
+
+
 @pytest.mark.parametrize("opt,says", [
     ({"type": "AdamW", "params": {"weight_decay": 0.01}}, "AdamW lr 0.001, weight decay 0.01 decoupled, "),
     ({"type": "Adam", "params": {"weight_decay": 0.01}},

@@ -137,6 +137,52 @@ static void test_auto_is_said(void **state) {
     assert_int_equal(c.micro_batch, 32); /* DeepSpeed's own rule for a lone train_batch_size */
 }
 
+/* reduce_bucket_size "auto" is the model's hidden_size squared, as the HF
+ * Trainer fills it (transformers' trainer_config_finalize): known only once
+ * config.json is read, so qt_ds_config_resolve_model sets and says it; 5e8
+ * until then, and when config.json could not be read. allgather_bucket_size
+ * "auto" (which HF does not fill) stays 5e8 at parse. */
+static void test_reduce_bucket_auto_from_hidden_size(void **state) {
+    (void)state;
+    qt_ds_config c;
+    const char *both = "{\"train_batch_size\":1,\"zero_optimization\":{\"stage\":2,\"reduce_bucket_size\":\"auto\","
+                       "\"allgather_bucket_size\":\"auto\"}}";
+    assert_int_equal(parse_text(both, 1, &c), QT_OK);
+    assert_true(c.zero.reduce_bucket_auto && c.zero.reduce_bucket_size == 5e8);
+    assert_null(resolved(&c, "zero_optimization.reduce_bucket_size")); /* known only with the model */
+    assert_non_null(strstr(resolved(&c, "zero_optimization.allgather_bucket_size"),
+                           "\"auto\" -> 5e8 elements (DeepSpeed's default; the HF Trainer does not fill this key)"));
+    int n = c.n_resolved;
+    qt_ds_config_resolve_model(&c, 5120);
+    assert_int_equal(c.n_resolved, n + 1);
+    assert_true(c.zero.reduce_bucket_size == 26214400.0 && !c.zero.reduce_bucket_auto);
+    assert_true(c.zero.allgather_bucket_size == 5e8);
+    assert_string_equal(resolved(&c, "zero_optimization.reduce_bucket_size"),
+                        "zero_optimization.reduce_bucket_size \"auto\" -> 26214400 (hidden_size 5120 squared, as "
+                        "Hugging Face's Trainer fills it)");
+    qt_ds_config_resolve_model(&c, 64); /* once resolved, a second call changes and says nothing */
+    assert_int_equal(c.n_resolved, n + 1);
+    assert_true(c.zero.reduce_bucket_size == 26214400.0);
+    /* config.json unreadable: DeepSpeed's 5e8, said with why */
+    assert_int_equal(parse_text(both, 1, &c), QT_OK);
+    qt_ds_config_resolve_model(&c, 0);
+    assert_true(c.zero.reduce_bucket_size == 5e8 && !c.zero.reduce_bucket_auto);
+    const char *m = resolved(&c, "zero_optimization.reduce_bucket_size");
+    assert_non_null(m);
+    assert_non_null(strstr(m, "\"auto\" -> 5e8 elements (DeepSpeed's default: the model's config.json could not "
+                              "be read"));
+    /* a number is kept whatever the model; no DeepSpeed section has nothing to resolve */
+    assert_int_equal(
+        parse_text("{\"train_batch_size\":1,\"zero_optimization\":{\"stage\":2,\"reduce_bucket_size\":2e8}}", 1, &c),
+        QT_OK);
+    n = c.n_resolved;
+    qt_ds_config_resolve_model(&c, 5120);
+    assert_true(c.zero.reduce_bucket_size == 2e8 && c.n_resolved == n);
+    qt_ds_config_default(&c, 2);
+    qt_ds_config_resolve_model(&c, 5120);
+    assert_true(c.zero.reduce_bucket_size == 5e8 && c.n_resolved == 0);
+}
+
 static void test_batch_errors(void **state) {
     (void)state;
     qt_ds_config c;
@@ -550,6 +596,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_batch_identity),   cmocka_unit_test(test_batch_errors),
         cmocka_unit_test(test_auto_is_said),
+        cmocka_unit_test(test_reduce_bucket_auto_from_hidden_size),
         cmocka_unit_test(test_defaults_and_sections), cmocka_unit_test(test_optimizer_modes),
         cmocka_unit_test(test_schedulers),       cmocka_unit_test(test_precision_and_zero),
         cmocka_unit_test(test_unknown_keys_warn), cmocka_unit_test(test_load_file), cmocka_unit_test(test_random_configs),
