@@ -140,9 +140,8 @@ static int save_model_weights(const qt_trainer *t, const char *path, qt_dtype dt
  * saved_optional (lora.init_from): a modules_to_save weight the adapter does
  * not hold keeps the base model's value, as PEFT's wrapper starts from it. */
 static int load_params(qt_trainer *t, const char *path, int saved_optional) {
-    st_file *f;
-    QT_TRY(st_open(path, &f));
-    int rc = QT_OK;
+    st_file *f = NULL;
+    int rc = st_open(path, &f);
     for (int i = 0; i < t->n_params && rc == QT_OK; i++) {
         const qt_param *p = &t->params[i];
         const st_tensor *st_t;
@@ -153,17 +152,26 @@ static int load_params(qt_trainer *t, const char *path, int saved_optional) {
         rc = st_expect(f, p->name, p->ndim, p->shape, &st_t);
         if (rc == QT_OK) rc = qt_model_read_param(t->model, i, st_t);
     }
-    /* NaN or inf weights would train on in silence until the loss turns NaN */
-    size_t at = 0; /* sharded: each rank checks its own range */
+    /* NaN or inf weights would train on in silence until the loss turns NaN. Sharded, each rank checks its
+     * own range and all learn the first bad element, so every rank names the tensor (every rank takes part
+     * in that collective, whatever happened above) */
+    size_t at = 0;
+    int64_t bad = (int64_t)t->n;
     if (rc == QT_OK && trainer_find_bad(t, t->master, t->sharded ? t->hi - t->lo : t->n, 0, &at))
+        bad = (int64_t)(t->mlo + at);
+    if (t->sharded) {
+        int r2 = dist_allreduce_i64(t->d, &bad, 1, DIST_MIN, "checkpoint weights check");
+        if (rc == QT_OK) rc = r2;
+    }
+    if (rc == QT_OK && bad < (int64_t)t->n)
         rc = QT_ERR(QT_EFORMAT, "%s: tensor %s holds NaN or infinite values; the file is damaged", path,
-                    trainer_param_at(t, t->mlo + at));
+                    trainer_param_at(t, (size_t)bad));
     /* a tensor this model has no parameter for would be dropped in silence */
     const st_tensor *extra = rc == QT_OK ? st_first_unused(f) : NULL;
     if (extra)
         rc = QT_ERR(QT_EFORMAT, "%s holds the tensor %s, which this job's model does not have; the file belongs to "
                     "another model or LoRA setting", path, extra->name);
-    st_close(f);
+    if (f) st_close(f);
     if (rc == QT_OK) qt_model_weights_updated(t->model);
     return rc;
 }

@@ -271,6 +271,34 @@ def test_sharded_master_matches_one_rank_and_resumes(setup, prec):
         assert np.array_equal(fin[k], wb[k]), k
 
 
+def test_sharded_master_nan_in_another_ranks_shard_is_named(setup):
+    """Each rank checks its own range of a resumed checkpoint's weights; the first bad element is shared, so the
+    message names the tensor and says what to resume from, whichever rank found it (rank 0 alone said
+    "another rank could not read the checkpoint")."""
+    import hashlib
+    import struct
+    j = job(setup, "nan_sharded", 1, 2, 1, prec="bf16", train_opts={"save_steps": 2})
+    rc, out = mpirun(2, ["train", j, "--set", "train.max_steps=2"])
+    assert rc == 0, out
+    ck = setup / "nan_sharded" / "checkpoint-2"
+    path = ck / "model.safetensors"
+    with open(path, "r+b") as f:  # one NaN in the final norm: the last tensor, in rank 1's shard
+        n = struct.unpack("<Q", f.read(8))[0]
+        t = json.loads(f.read(n))["model.norm.weight"]
+        f.seek(8 + n + t["data_offsets"][0] + 4 * 3)
+        f.write(struct.pack("<f", float("nan")))
+    sums = (ck / "checksums.sha256").read_text().splitlines()  # valid checksums over the bad data
+    with open(ck / "checksums.sha256", "w") as f:
+        for line in sums:
+            h, name = line.split(None, 1)
+            if name.strip() == "model.safetensors":
+                h = hashlib.sha256(path.read_bytes()).hexdigest()
+            f.write(f"{h}  {name.strip()}\n")
+    rc, out = mpirun(2, ["train", j])
+    assert rc != 0
+    assert "tensor model.norm.weight holds NaN or infinite values; the file is damaged" in out, out[-3000:]
+
+
 def rank_pids(mpirun_pid, n, timeout=30):
     """pids of the qtune processes mpirun started (its children), in rank order when known."""
     t0 = time.monotonic()

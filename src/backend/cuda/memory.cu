@@ -104,8 +104,10 @@ static void g_download(qt_backend *be, void *host, const void *dev, size_t bytes
     QT_CUDA(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, c->stream));
     QT_CUDA(cudaStreamSynchronize(c->stream));
 }
+/* cudaMemcpyDefault: either side may be pinned host memory (a sharded master offloaded, ZeRO-2's offloaded
+ * gradient shard), which unified addressing tells apart */
 static void g_copy(qt_backend *be, void *dst, const void *src, size_t bytes) {
-    if (bytes) QT_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, qt_cuda_of(be)->stream));
+    if (bytes) QT_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, qt_cuda_of(be)->stream));
 }
 static void g_zero(qt_backend *be, void *dev, size_t bytes) {
     if (bytes) QT_CUDA(cudaMemsetAsync(dev, 0, bytes, qt_cuda_of(be)->stream));
