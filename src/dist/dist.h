@@ -98,6 +98,17 @@ int dist_barrier(dist_ctx *d, const char *what);
  * included): the communication share of a step is its difference over the step. */
 double dist_comm_seconds(const dist_ctx *d);
 
+/* The backend whose memory the transport's buffers (transport.h tp_*: the
+ * gradients, parameters and ZeRO's buckets) are. Where its device memory is
+ * not host-readable (desc->host_reads_device 0: the guard backend, or CUDA
+ * under an MPI that is not CUDA-aware, before an NCCL transport exists), each
+ * collective copies its device buffers to host memory, runs MPI there and
+ * copies the result back when it completes. A host-readable backend (cpu) or
+ * NULL: MPI reads the buffers in place. Call it before the first collective
+ * on device memory; the caller keeps the backend open. */
+struct qt_backend;
+void dist_set_backend(dist_ctx *d, struct qt_backend *be);
+
 /* Ends every rank of the job now (MPI_Abort) after printing nothing more; a
  * single process just exits with `code`. For a fatal error on one rank that
  * the others would otherwise wait on until the timeout. */

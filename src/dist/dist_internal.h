@@ -32,6 +32,8 @@ struct dist_ctx {
     volatile sig_atomic_t *stop_flag; /* the program's stop flag (dist_set_stop_flag) or NULL */
     int stop_noted;        /* a wait after a stop request was reported (once) */
     tp_stats tp;           /* transport counters (transport_mpi.c) */
+    struct qt_backend *stage_be; /* dist_set_backend: a backend whose device memory the host cannot
+                                    read, so each collective goes through host copies; NULL: none */
 #if QT_DIST_MPI
     MPI_Comm comm;         /* collectives */
     MPI_Comm ctl;          /* liveness queries when a deadline passes */

@@ -10,7 +10,11 @@
  *   all-gather       equal counts: rank r's `count` elements land at
  *                    recv + r*count; send may be recv + rank*count (in place)
  *   broadcast, barrier (both with the collective deadline of dist.h)
- *   gatherv/scatterv to/from rank 0 (checkpoints written the old way)
+ *   gatherv/scatterv to/from rank 0 (checkpoints written the old way, a
+ *                    sharded master's writes)
+ *
+ * Buffers are the backend's device memory (dist_set_backend), except rank 0's
+ * whole buffer of gatherv/scatterv, which is host memory.
  *
  * Equal counts are NCCL's rule: a caller whose partitions differ in length
  * pads them to the longest (zero.c's all-gather staging does).

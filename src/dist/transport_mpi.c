@@ -6,10 +6,17 @@
  * send it to every rank, so every rank receives the same bits and replicated
  * weights never drift apart.
  * One MPI request per collective: several in flight start and match in the
- * same order on every rank, whatever order they complete in. */
+ * same order on every rank, whatever order they complete in.
+ *
+ * Staged (dist_set_backend with a backend whose device memory the host cannot
+ * read): each collective downloads its device input into a host copy, MPI
+ * works on that, and once the request completes (note_done) the result is
+ * uploaded to the device buffer; the gathers' and scatters' rank-0 buffer is
+ * host memory already. */
 #include "dist/dist_internal.h"
 #include "dist/transport.h"
 
+#include "backend/backend.h"
 #include "core/clock.h"
 #include "core/error.h"
 #include "core/mem.h"
@@ -27,7 +34,15 @@ struct tp_req {
     MPI_Request r;
     int *counts, *displs; /* (N) each, gatherv/scatterv */
 #endif
+    /* staged: the host copy MPI works on, and what of it goes back to the device once done */
+    qt_backend *be;
+    void *host;
+    void *up_dst;
+    const void *up_src;
+    size_t up_bytes;
 };
+
+void dist_set_backend(dist_ctx *d, qt_backend *be) { d->stage_be = be && !be->desc->host_reads_device ? be : NULL; }
 
 size_t tp_runtime_bytes(int world) { return world > 1 ? (size_t)8 << 20 : 0; }
 
@@ -60,6 +75,7 @@ static void req_free(tp_req *q) {
 #if QT_DIST_MPI
     qt_free(q->counts);
 #endif
+    if (q->host) q->be->free(q->be, q->host);
     qt_free(q);
 }
 
@@ -67,6 +83,7 @@ static void note_done(dist_ctx *d, tp_req *q) {
     if (q->done) return;
     q->done = 1;
     d->tp.busy_s += qt_now_s() - q->t0;
+    if (q->up_dst) q->be->upload(q->be, q->up_dst, q->up_src, q->up_bytes); /* a staged result */
 }
 
 /* Single process: the result is already in place (or one copy away). */
@@ -78,7 +95,10 @@ static int local_done(dist_ctx *d, tp_req **rq) {
 
 /* One rank (or nothing to move): the collective is recv = send, done at once. */
 static int local_copy(dist_ctx *d, const float *send, float *recv, size_t count, tp_req **rq) {
-    if (count && recv != send) memcpy(recv, send, count * sizeof(float));
+    if (count && recv != send) {
+        if (d->stage_be) d->stage_be->copy(d->stage_be, recv, send, count * sizeof(float));
+        else memcpy(recv, send, count * sizeof(float));
+    }
     return local_done(d, rq);
 }
 
@@ -102,6 +122,21 @@ static int finish(dist_ctx *d, tp_req *q, tp_req **rq, const char *what) {
         return QT_OK;
     }
     return tp_wait(d, &q, 1, what);
+}
+
+/* Staged: q's host copy of bytes (freed with q), NULL when out of memory (q freed). */
+static void *stage(dist_ctx *d, tp_req *q, size_t bytes) {
+    q->be = d->stage_be;
+    q->host = q->be->alloc(q->be, QT_MEM_PINNED, bytes ? bytes : 64, "a collective's host copy");
+    if (!q->host) req_free(q);
+    return q->host;
+}
+
+/* Staged: what of q's host copy goes back to the device when q completes. */
+static void stage_back(tp_req *q, void *dev, const void *host, size_t bytes) {
+    q->up_dst = dev;
+    q->up_src = host;
+    q->up_bytes = bytes;
 }
 
 static int start_fail(dist_ctx *d, tp_req *q, int mrc, const char *call, const char *what) {
@@ -131,7 +166,13 @@ int tp_allreduce_f32(dist_ctx *d, float *buf, size_t count, tp_req **rq, const c
 #if QT_DIST_MPI
     tp_req *q;
     QT_TRY(req_new(d, (double)count * 4, &q));
-    int mrc = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)count, MPI_FLOAT, MPI_SUM, d->comm, &q->r);
+    float *b = buf;
+    if (d->stage_be) {
+        if (!(b = stage(d, q, count * 4))) return QT_ENOMEM;
+        d->stage_be->download(d->stage_be, b, buf, count * 4);
+        stage_back(q, buf, b, count * 4);
+    }
+    int mrc = MPI_Iallreduce(MPI_IN_PLACE, b, (int)count, MPI_FLOAT, MPI_SUM, d->comm, &q->r);
     if (mrc != MPI_SUCCESS) return start_fail(d, q, mrc, "MPI_Iallreduce", what);
     return finish(d, q, rq, what);
 #else
@@ -149,8 +190,18 @@ int tp_reduce_f32(dist_ctx *d, const float *send, float *recv, size_t count, int
 #if QT_DIST_MPI
     tp_req *q;
     QT_TRY(req_new(d, (double)count * 4, &q));
-    const void *sb = (d->rank == root && send == recv) ? MPI_IN_PLACE : send;
-    int mrc = MPI_Ireduce(sb, d->rank == root ? recv : NULL, (int)count, MPI_FLOAT, MPI_SUM, root, d->comm, &q->r);
+    const float *s = send;
+    float *r = recv;
+    int in_place = d->rank == root && send == recv;
+    if (d->stage_be) { /* the root sums in place into its copy of send, then that goes to recv */
+        float *h = stage(d, q, count * 4);
+        if (!h) return QT_ENOMEM;
+        d->stage_be->download(d->stage_be, h, send, count * 4);
+        s = h;
+        if (d->rank == root) r = h, in_place = 1, stage_back(q, recv, h, count * 4);
+    }
+    const void *sb = in_place ? MPI_IN_PLACE : s;
+    int mrc = MPI_Ireduce(sb, d->rank == root ? r : NULL, (int)count, MPI_FLOAT, MPI_SUM, root, d->comm, &q->r);
     if (mrc != MPI_SUCCESS) return start_fail(d, q, mrc, "MPI_Ireduce", what);
     return finish(d, q, rq, what);
 #else
@@ -164,7 +215,17 @@ int tp_reduce_scatter_f32(dist_ctx *d, const float *send, float *recv, size_t co
 #if QT_DIST_MPI
     tp_req *q;
     QT_TRY(req_new(d, (double)count * 4 * d->world, &q));
-    int mrc = MPI_Ireduce_scatter_block(send, recv, (int)count, MPI_FLOAT, MPI_SUM, d->comm, &q->r);
+    const float *s = send;
+    float *r = recv;
+    if (d->stage_be) {
+        const size_t all = count * (size_t)d->world;
+        float *h = stage(d, q, (all + count) * 4);
+        if (!h) return QT_ENOMEM;
+        d->stage_be->download(d->stage_be, h, send, all * 4);
+        s = h, r = h + all;
+        stage_back(q, recv, r, count * 4);
+    }
+    int mrc = MPI_Ireduce_scatter_block(s, r, (int)count, MPI_FLOAT, MPI_SUM, d->comm, &q->r);
     if (mrc != MPI_SUCCESS) return start_fail(d, q, mrc, "MPI_Ireduce_scatter_block", what);
     return finish(d, q, rq, what);
 #else
@@ -179,7 +240,15 @@ int tp_allgather_f32(dist_ctx *d, const float *send, float *recv, size_t count, 
     tp_req *q;
     QT_TRY(req_new(d, (double)count * 4, &q));
     const void *sb = send == recv + (size_t)d->rank * count ? MPI_IN_PLACE : send;
-    int mrc = MPI_Iallgather(sb, (int)count, MPI_FLOAT, recv, (int)count, MPI_FLOAT, d->comm, &q->r);
+    float *r = recv;
+    if (d->stage_be) { /* this rank's part in place in the copy of the whole result */
+        const size_t all = count * (size_t)d->world;
+        if (!(r = stage(d, q, all * 4))) return QT_ENOMEM;
+        d->stage_be->download(d->stage_be, r + (size_t)d->rank * count, send, count * 4);
+        sb = MPI_IN_PLACE;
+        stage_back(q, recv, r, all * 4);
+    }
+    int mrc = MPI_Iallgather(sb, (int)count, MPI_FLOAT, r, (int)count, MPI_FLOAT, d->comm, &q->r);
     if (mrc != MPI_SUCCESS) return start_fail(d, q, mrc, "MPI_Iallgather", what);
     return finish(d, q, rq, what);
 #else
@@ -195,7 +264,13 @@ int tp_bcast(dist_ctx *d, void *buf, size_t bytes, int root, tp_req **rq, const 
 #if QT_DIST_MPI
     tp_req *q;
     QT_TRY(req_new(d, (double)bytes, &q));
-    int mrc = MPI_Ibcast(buf, (int)bytes, MPI_BYTE, root, d->comm, &q->r);
+    void *b = buf;
+    if (d->stage_be) {
+        if (!(b = stage(d, q, bytes))) return QT_ENOMEM;
+        if (d->rank == root) d->stage_be->download(d->stage_be, b, buf, bytes);
+        else stage_back(q, buf, b, bytes);
+    }
+    int mrc = MPI_Ibcast(b, (int)bytes, MPI_BYTE, root, d->comm, &q->r);
     if (mrc != MPI_SUCCESS) return start_fail(d, q, mrc, "MPI_Ibcast", what);
     return finish(d, q, rq, what);
 #else
@@ -226,8 +301,9 @@ int tp_barrier(dist_ctx *d, double deadline_s, const char *what) {
 int tp_gatherv_f32(dist_ctx *d, const float *send, size_t n_mine, float *recv, const size_t *counts,
                    const size_t *displs, tp_req **rq, const char *what) {
     QT_TRY(check_count(n_mine, what));
-    if (d->world == 1) {
-        if (n_mine) memcpy(recv + displs[0], send, n_mine * sizeof(float));
+    if (d->world == 1) { /* send is device memory, recv the host's */
+        if (n_mine && d->stage_be) d->stage_be->download(d->stage_be, recv + displs[0], send, n_mine * sizeof(float));
+        else if (n_mine) memcpy(recv + displs[0], send, n_mine * sizeof(float));
         return local_done(d, rq);
     }
 #if QT_DIST_MPI
@@ -238,7 +314,14 @@ int tp_gatherv_f32(dist_ctx *d, const float *send, size_t n_mine, float *recv, c
         req_free(q);
         return rc;
     }
-    int mrc = MPI_Igatherv(send, (int)n_mine, MPI_FLOAT, d->rank == 0 ? recv : NULL, q->counts, q->displs, MPI_FLOAT,
+    const float *s = send;
+    if (d->stage_be) {
+        float *h = stage(d, q, n_mine * 4);
+        if (!h) return QT_ENOMEM;
+        d->stage_be->download(d->stage_be, h, send, n_mine * 4);
+        s = h;
+    }
+    int mrc = MPI_Igatherv(s, (int)n_mine, MPI_FLOAT, d->rank == 0 ? recv : NULL, q->counts, q->displs, MPI_FLOAT,
                            0, d->comm, &q->r);
     if (mrc != MPI_SUCCESS) return start_fail(d, q, mrc, "MPI_Igatherv", what);
     return finish(d, q, rq, what);
@@ -250,8 +333,9 @@ int tp_gatherv_f32(dist_ctx *d, const float *send, size_t n_mine, float *recv, c
 int tp_scatterv_f32(dist_ctx *d, const float *send, const size_t *counts, const size_t *displs, float *recv,
                     size_t n_mine, tp_req **rq, const char *what) {
     QT_TRY(check_count(n_mine, what));
-    if (d->world == 1) {
-        if (n_mine) memcpy(recv, send + displs[0], n_mine * sizeof(float));
+    if (d->world == 1) { /* send is the host's, recv device memory */
+        if (n_mine && d->stage_be) d->stage_be->upload(d->stage_be, recv, send + displs[0], n_mine * sizeof(float));
+        else if (n_mine) memcpy(recv, send + displs[0], n_mine * sizeof(float));
         return local_done(d, rq);
     }
 #if QT_DIST_MPI
@@ -262,7 +346,12 @@ int tp_scatterv_f32(dist_ctx *d, const float *send, const size_t *counts, const 
         req_free(q);
         return rc;
     }
-    int mrc = MPI_Iscatterv(d->rank == 0 ? send : NULL, q->counts, q->displs, MPI_FLOAT, recv, (int)n_mine, MPI_FLOAT,
+    float *r = recv;
+    if (d->stage_be) {
+        if (!(r = stage(d, q, n_mine * 4))) return QT_ENOMEM;
+        stage_back(q, recv, r, n_mine * 4);
+    }
+    int mrc = MPI_Iscatterv(d->rank == 0 ? send : NULL, q->counts, q->displs, MPI_FLOAT, r, (int)n_mine, MPI_FLOAT,
                             0, d->comm, &q->r);
     if (mrc != MPI_SUCCESS) return start_fail(d, q, mrc, "MPI_Iscatterv", what);
     return finish(d, q, rq, what);

@@ -555,6 +555,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
     if (t->main) QT_TRY(qt_output_dir_check(job->output_dir, job, job->train.overwrite_output_dir, &t->outdir_lock));
     QT_TRY(dist_barrier(t->d, "output folder check"));
     QT_TRY(load_model(t));
+    dist_set_backend(t->d, t->be); /* the collectives' buffers are its memory (staged where not host-readable) */
     QT_TRY(open_loaders(t));
     /* ranks finish loading (a token cache may be built first) at different
      * times: this wait's deadline adds the time of reading the model folder

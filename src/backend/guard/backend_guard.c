@@ -8,8 +8,9 @@
  * training, eval, generate and merge on it.
  *
  * One stream, one thread: the guard opens the whole reservation for a call and
- * closes it after, so it is for the single-process tests (MPI would read the
- * buffers from its own threads). Freed blocks give their pages back but their
+ * closes it after. Under MPI the transport stages every collective through
+ * host copies (dist_set_backend: the guard's device memory is not
+ * host-readable), so MPI never reads a guard buffer itself. Freed blocks give their pages back but their
  * addresses are not reused: a use after free faults too. */
 #include "backend/guard/backend_guard.h"
 
