@@ -10,19 +10,11 @@ import os
 import numpy as np
 import pytest
 
-from test_train_mpi import job, mpirun, st, u, weights  # noqa: F401
+from test_train_mpi import job, mpirun, setup, u, weights  # noqa: F401  (setup: the tiny model and data)
 from test_train_mpi import pytestmark  # noqa: F401  (the mpirun / MPI-build skips)
 
 TIMING = {"tokens_per_s", "elapsed_s", "mem_peak_bytes", "mem_peak_bytes_ranks", "comm_s", "comm_busy_s",
           "comm_wait_s", "device_peak_bytes", "device_peak_bytes_ranks"}
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    d = tmp_path_factory.mktemp("guard_mpi")
-    u.init_model(str(d / "model"), preset="tiny", seed=3)
-    u.write_tokens(str(d / "train.jsonl"), 64, 16, 1)
-    return d
 
 
 def steps(out):
