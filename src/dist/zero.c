@@ -45,7 +45,6 @@
 #include <limits.h>
 #include <math.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #define ZERO_ALIGN QT_SHARD_ALIGN /* elements: 64 bytes of fp32 */
 #define ZERO_IN_FLIGHT 4  /* stage 0/1 all-reduce buckets communicating at once */
@@ -587,18 +586,19 @@ void zero_set_device_allocator(zero_plan *p, zero_alloc_fn alloc, zero_free_fn r
     p->dev_user = user;
 }
 
-/* Host (offloaded) state comes straight from the kernel: page-aligned,
- * zero-filled, and committed only as the optimizer first touches it. A GPU
- * backend would pin these pages for its host-to-device copies. */
-static void *host_alloc(size_t bytes) {
-    void *q = mmap(NULL, bytes ? bytes : 1, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (q == MAP_FAILED) {
-        QT_ERR(QT_ENOMEM, "could not map %.1f MiB of host memory for the offloaded optimizer state; free host "
-                          "memory or use more ranks (ZeRO stage 2 divides it by the rank count)",
+/* Host (offloaded) state is the backend's pinned host memory, which its ops
+ * read and write in place (on the cpu backend plain host memory; under CUDA
+ * page-locked memory a kernel reaches through unified addressing), beside the
+ * master and gradient shards offload also puts there. */
+static void *host_alloc(zero_plan *p, size_t bytes) {
+    void *q = p->be->alloc(p->be, QT_MEM_PINNED, bytes ? bytes : 64, "the offloaded optimizer state");
+    if (!q) {
+        QT_ERR(QT_ENOMEM, "could not allocate %.1f MiB of host memory for the offloaded optimizer state; free "
+                          "host memory or use more ranks (ZeRO stage 1/2 divide it by the rank count)",
                (double)bytes / (1 << 20));
         return NULL;
     }
-    qt_advise_huge(q, bytes);
+    p->be->zero(p->be, q, bytes);
     return q;
 }
 
@@ -613,7 +613,7 @@ int zero_state_alloc(zero_plan *p, int nslots, zero_state *st) {
     for (int s = 0; s < nslots; s++) {
         float *q;
         if (p->offload) {
-            q = host_alloc(bytes);
+            q = host_alloc(p, bytes);
         } else {
             q = p->dev_alloc(bytes, "the optimizer state", p->dev_user);
             if (q) p->be->zero(p->be, q, bytes);
@@ -636,7 +636,7 @@ void zero_state_free(zero_plan *p, zero_state *st) {
     for (int s = 0; s < st->nslots; s++) {
         if (!st->slot[s]) continue;
         if (st->on_host) {
-            munmap(st->slot[s], bytes ? bytes : 1);
+            p->be->free(p->be, st->slot[s]);
             p->bytes_host -= bytes;
         } else {
             p->dev_free(st->slot[s], p->dev_user);
