@@ -87,6 +87,8 @@ struct zero_plan {
     qt_backend *be;      /* copies, zeroing, sums and the sum of squares of device memory */
     int own_be;
     float *rows_host;    /* (1 + emb_rows): one rows message's count and ids, on the host */
+    size_t *gtab;        /* (2N) a gather's counts and displacements: allocated with the plan, so a
+                            gather every rank has entered cannot fail on one of them for memory */
 };
 
 static void *default_dev_alloc(size_t bytes, const char *what, void *user) {
@@ -204,6 +206,8 @@ int zero_plan_create(dist_ctx *d, size_t n, const zero_opts *opts, zero_plan **o
     int ok = 1;
     p->req = qt_calloc(nb + 1, sizeof *p->req, "ZeRO requests");
     ok &= p->req != NULL;
+    p->gtab = qt_calloc(2 * (size_t)N, sizeof *p->gtab, "a gather table");
+    ok &= p->gtab != NULL;
     if (p->mem.rows)
         ok &= (p->rows_host = qt_malloc((1 + (size_t)p->emb_rows) * sizeof(float), "the embedding rows ids")) != NULL;
     if (opts->be) {
@@ -232,6 +236,7 @@ void zero_plan_free(zero_plan *p) {
     bufs_free(p);
     if (p->own_be) qt_backend_close(p->be);
     qt_free(p->rows_host);
+    qt_free(p->gtab);
     qt_free(p->req);
     qt_free(p->fly);
     qt_free(p);
@@ -723,9 +728,7 @@ static int move_range(zero_plan *p, float *mine, size_t lo, size_t hi, float *io
         }
         return QT_OK;
     }
-    size_t *cnt = qt_malloc(2 * (size_t)N * sizeof(size_t), "a gather table");
-    if (!cnt) return QT_ENOMEM;
-    size_t *dsp = cnt + N;
+    size_t *cnt = p->gtab, *dsp = cnt + N;
     int rc = QT_OK;
     for (size_t a = lo; a < hi && rc == QT_OK; a += CKPT_CHUNK) {
         size_t e = hi - a < CKPT_CHUNK ? hi : a + CKPT_CHUNK;
@@ -735,7 +738,6 @@ static int move_range(zero_plan *p, float *mine, size_t lo, size_t hi, float *io
         rc = to_root ? tp_gatherv_f32(p->d, part, cnt[me], root, cnt, dsp, NULL, "optimizer state gather")
                      : tp_scatterv_f32(p->d, root, cnt, dsp, part, cnt[me], NULL, "optimizer state scatter");
     }
-    qt_free(cnt);
     return rc;
 }
 
