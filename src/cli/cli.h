@@ -39,11 +39,19 @@ typedef struct {
     const char *val[64];
     int n;
 } cli_once_list;
-/* Records option opt, given with value val, for command cmd. Returns
- * QT_EXIT_OK, or a usage error (QT_EXIT_USAGE, "--model given twice ('a' and
- * 'b'); give it once") when opt was given before. Options meant to repeat
- * (--set) and flags without a value do not call it. */
-int cli_once(cli_once_list *l, const char *cmd, const char *opt, const char *val);
+/* Takes val (the next argument, NULL when there is none) as the value of
+ * option opt of command cmd, and records it. Returns QT_EXIT_OK, or a usage
+ * error (QT_EXIT_USAGE): "--model needs a value" when val is NULL, "--model
+ * given twice ('a' and 'b'); give it once" when opt was given before. Options
+ * meant to repeat (--set) and flags without a value do not call it. */
+int cli_value(cli_once_list *l, const char *cmd, const char *opt, const char *val);
+/* The same in an option loop whose index is i: on success steps i past the
+ * value, else returns the usage error from the calling function. */
+#define CLI_NEED_VALUE(l, cmd, opt, val, i) \
+    do { \
+        if (cli_value(l, cmd, opt, val)) return QT_EXIT_USAGE; \
+        (i)++; \
+    } while (0)
 /* True if argv has --help or -h; commands print their help and return 0. */
 int cli_wants_help(int argc, char **argv);
 /* Installs the SIGINT/SIGTERM handlers of a long command (train, merge): the

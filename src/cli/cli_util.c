@@ -28,7 +28,8 @@ int cli_usage_error(const char *cmd, const char *fmt, ...) {
     return QT_EXIT_USAGE;
 }
 
-int cli_once(cli_once_list *l, const char *cmd, const char *opt, const char *val) {
+int cli_value(cli_once_list *l, const char *cmd, const char *opt, const char *val) {
+    if (!val) return cli_usage_error(cmd, "%s needs a value", opt);
     for (int k = 0; k < l->n; k++)
         if (!strcmp(l->opt[k], opt))
             return cli_usage_error(cmd, "%s given twice ('%.200s' and '%.200s'); give it once", opt, l->val[k], val);

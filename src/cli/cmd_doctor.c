@@ -42,7 +42,7 @@ int cmd_doctor(int argc, char **argv) {
         } else if (!strncmp(argv[i], "--set=", 6)) {
             sets[n_sets++] = argv[i] + 6;
         } else if (!strcmp(argv[i], "--ranks")) {
-            if (i + 1 < argc && cli_once(&once, "doctor", argv[i], argv[i + 1])) {
+            if (i + 1 < argc && cli_value(&once, "doctor", argv[i], argv[i + 1])) {
                 free(sets);
                 return QT_EXIT_USAGE;
             }

@@ -248,12 +248,7 @@ int cmd_eval(int argc, char **argv) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         char *end;
-#define NEED_VALUE() \
-    do { \
-        if (!v) return cli_usage_error("eval", "%s needs a value", a); \
-        if (cli_once(&once, "eval", a, v)) return QT_EXIT_USAGE; \
-        i++; \
-    } while (0)
+#define NEED_VALUE() CLI_NEED_VALUE(&once, "eval", a, v, i)
         if (!strcmp(a, "--model")) { NEED_VALUE(); model = v; }
         else if (!strcmp(a, "--adapter")) { NEED_VALUE(); adapter = v; }
         else if (!strcmp(a, "--tokenizer")) { NEED_VALUE(); tok_path = v; }

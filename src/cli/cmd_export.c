@@ -79,8 +79,7 @@ int cmd_export(int argc, char **argv) {
                            : !strcmp(argv[i], "--dtype")     ? &dtype
                                                              : NULL;
         if (!dst) return cli_usage_error("export", "unknown argument '%s'", argv[i]);
-        if (i + 1 >= argc) return cli_usage_error("export", "%s needs a value", argv[i]);
-        if (cli_once(&once, "export", argv[i], argv[i + 1])) return QT_EXIT_USAGE;
+        if (cli_value(&once, "export", argv[i], i + 1 < argc ? argv[i + 1] : NULL)) return QT_EXIT_USAGE;
         *dst = argv[++i];
     }
     if (!model) return cli_usage_error("export", "--model DIR is required");

@@ -705,12 +705,7 @@ int cmd_generate(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         char *end = NULL;
-#define NEED_VALUE() \
-    do { \
-        if (!v) return cli_usage_error("generate", "%s needs a value", a); \
-        if (cli_once(&once, "generate", a, v)) return QT_EXIT_USAGE; \
-        i++; \
-    } while (0)
+#define NEED_VALUE() CLI_NEED_VALUE(&once, "generate", a, v, i)
         if (!strcmp(a, "--model")) { NEED_VALUE(); model = v; }
         else if (!strcmp(a, "--adapter")) { NEED_VALUE(); adapter = v; }
         else if (!strcmp(a, "--tokenizer")) { NEED_VALUE(); tok_path = v; }

@@ -97,12 +97,10 @@ int cmd_init(int argc, char **argv) {
                          : !strcmp(a, "--config") ? &config : !strcmp(a, "--dtype") ? &dtype_s
                          : !strcmp(a, "--tokenizer") ? &tokenizer : NULL;
         if (dst) {
-            if (i + 1 >= argc) return cli_usage_error("init", "%s needs a value", a);
-            if (cli_once(&once, "init", a, argv[i + 1])) return QT_EXIT_USAGE;
+            if (cli_value(&once, "init", a, i + 1 < argc ? argv[i + 1] : NULL)) return QT_EXIT_USAGE;
             *dst = argv[++i];
         } else if (!strcmp(a, "--seed")) {
-            if (i + 1 >= argc) return cli_usage_error("init", "--seed needs a value");
-            if (cli_once(&once, "init", a, argv[i + 1])) return QT_EXIT_USAGE;
+            if (cli_value(&once, "init", a, i + 1 < argc ? argv[i + 1] : NULL)) return QT_EXIT_USAGE;
             char *end;
             errno = 0;
             unsigned long long v = strtoull(argv[++i], &end, 10);

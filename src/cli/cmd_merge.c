@@ -46,8 +46,7 @@ int cmd_merge(int argc, char **argv) {
                            : !strcmp(argv[i], "--device")  ? &device
                                                            : NULL;
         if (!dst) return cli_usage_error("merge", "unknown argument '%s'", argv[i]);
-        if (i + 1 >= argc) return cli_usage_error("merge", "%s needs a value", argv[i]);
-        if (cli_once(&once, "merge", argv[i], argv[i + 1])) return QT_EXIT_USAGE;
+        if (cli_value(&once, "merge", argv[i], i + 1 < argc ? argv[i + 1] : NULL)) return QT_EXIT_USAGE;
         *dst = argv[++i];
     }
     if (!model || !adapter || !out) return cli_usage_error("merge", "--model, --adapter and --out are all required");

@@ -163,12 +163,7 @@ int cmd_plan(int argc, char **argv) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (a == job_path) continue;
         if (!strcmp(a, "--set")) { i++; continue; }
-#define NEED_VALUE() \
-    do { \
-        if (!v) return cli_usage_error("plan", "%s needs a value", a); \
-        if (cli_once(&once, "plan", a, v)) return QT_EXIT_USAGE; \
-        i++; \
-    } while (0)
+#define NEED_VALUE() CLI_NEED_VALUE(&once, "plan", a, v, i)
         if (!strcmp(a, "--model")) { NEED_VALUE(); model = v; }
         else if (!strcmp(a, "--preset")) { NEED_VALUE(); preset = v; }
         else if (!strcmp(a, "--mode")) {

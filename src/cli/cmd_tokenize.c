@@ -123,8 +123,7 @@ int cmd_tokenize(int argc, char **argv) {
                          : !strcmp(a, "--chat")      ? &chat
                                                      : NULL;
         if (dst) {
-            if (i + 1 >= argc) return cli_usage_error("tokenize", "%s needs a value", a);
-            if (cli_once(&once, "tokenize", a, argv[i + 1])) return QT_EXIT_USAGE;
+            if (cli_value(&once, "tokenize", a, i + 1 < argc ? argv[i + 1] : NULL)) return QT_EXIT_USAGE;
             *dst = argv[++i];
         } else if (!strcmp(a, "--json")) {
             json = 1;
