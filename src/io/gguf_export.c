@@ -408,7 +408,6 @@ static int add_hparams(gguf_writer *w, const arch_map *a, const qt_config *c) {
  * dynamic NTK: llama.cpp does not have it. */
 static int rope_scaling_check(const char *dir, const qt_config *c, const arch_map *a) {
     const qt_rope_scaling *r = &c->rope_scaling;
-    static const char *const names[] = {"none", "linear", "dynamic", "yarn", "llama3"};
     const char *why = NULL;
     if (r->type == QT_ROPE_DYNAMIC) why = "llama.cpp has no dynamic NTK scaling";
     else if (r->type == QT_ROPE_LLAMA3 && strcmp(a->name, "llama"))
@@ -420,7 +419,7 @@ static int rope_scaling_check(const char *dir, const qt_config *c, const arch_ma
     if (!why) return QT_OK;
     return QT_ERR(QT_EUNSUPPORTED, "%s/config.json: rope_scaling is %s, which GGUF export cannot write so that "
                   "llama.cpp runs the same model (%s); convert this model with llama.cpp's convert_hf_to_gguf.py "
-                  "if its result suits you", dir, names[r->type], why);
+                  "if its result suits you", dir, qt_rope_type_name(r->type), why);
 }
 
 static int add_rope_scaling(gguf_writer *w, const arch_map *a, const qt_config *c) {

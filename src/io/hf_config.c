@@ -117,6 +117,11 @@ static int parse_arch(const cJSON *root, const char *where, qt_arch *arch) {
 /* rope_scaling as transformers reads it: linear, dynamic, yarn, llama3 (and
  * "default"). Another type is refused without suggesting to drop the field:
  * the model was trained with it. */
+const char *qt_rope_type_name(qt_rope_type t) {
+    static const char *const names[QT_ROPE_TYPES] = {"default", "linear", "dynamic", "yarn", "llama3"};
+    return (int)t >= 0 && (int)t < QT_ROPE_TYPES ? names[t] : "?";
+}
+
 static int parse_rope_scaling(const cJSON *root, const char *where, qt_rope_scaling *r) {
     memset(r, 0, sizeof *r); /* plain RoPE: all zero */
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, "rope_scaling");
@@ -125,13 +130,9 @@ static int parse_rope_scaling(const cJSON *root, const char *where, qt_rope_scal
     const cJSON *t = cJSON_GetObjectItemCaseSensitive(v, "rope_type");
     if (!cJSON_IsString(t)) t = cJSON_GetObjectItemCaseSensitive(v, "type");
     if (!cJSON_IsString(t)) return QT_ERR(QT_EFORMAT, "%s: rope_scaling has no string 'rope_type' (or 'type')", where);
-    static const struct { const char *name; qt_rope_type type; } types[] = {
-        {"default", QT_ROPE_DEFAULT}, {"linear", QT_ROPE_LINEAR}, {"dynamic", QT_ROPE_DYNAMIC},
-        {"yarn", QT_ROPE_YARN},       {"llama3", QT_ROPE_LLAMA3},
-    };
     int found = 0;
-    for (size_t i = 0; i < sizeof types / sizeof types[0] && !found; i++)
-        if (!strcmp(t->valuestring, types[i].name)) r->type = types[i].type, found = 1;
+    for (int i = 0; i < QT_ROPE_TYPES && !found; i++)
+        if (!strcmp(t->valuestring, qt_rope_type_name((qt_rope_type)i))) r->type = (qt_rope_type)i, found = 1;
     if (!found)
         return QT_ERR(QT_EUNSUPPORTED,
                       "%s: rope_scaling type '%.32s' is not supported yet; qtune implements linear, dynamic, yarn and "
@@ -424,14 +425,13 @@ static const char *dtype_torch_name(qt_dtype t) {
 
 /* rope_scaling as JSON ("null" when plain). */
 static void rope_json(const qt_rope_scaling *r, char *buf, size_t cap) {
-    static const char *const names[] = {"default", "linear", "dynamic", "yarn", "llama3"};
     if (r->type == QT_ROPE_DEFAULT) {
         snprintf(buf, cap, "null");
         return;
     }
     char f[32];
     float_str(f, sizeof f, r->factor);
-    int n = snprintf(buf, cap, "{\"factor\": %s, \"rope_type\": \"%s\"", f, names[r->type]);
+    int n = snprintf(buf, cap, "{\"factor\": %s, \"rope_type\": \"%s\"", f, qt_rope_type_name(r->type));
     if (r->original_max_position_embeddings && n > 0 && (size_t)n < cap)
         n += snprintf(buf + n, cap - (size_t)n, ", \"original_max_position_embeddings\": %d",
                       r->original_max_position_embeddings);

@@ -15,6 +15,9 @@
 typedef enum { QT_ARCH_QWEN2 = 0, QT_ARCH_LLAMA = 1, QT_ARCH_QWEN3 = 2, QT_ARCH_QWEN = 3 } qt_arch;
 
 typedef enum { QT_ROPE_DEFAULT = 0, QT_ROPE_LINEAR, QT_ROPE_DYNAMIC, QT_ROPE_YARN, QT_ROPE_LLAMA3 } qt_rope_type;
+#define QT_ROPE_TYPES 5
+/* transformers' rope_type name ("default", "linear", "dynamic", "yarn", "llama3") */
+const char *qt_rope_type_name(qt_rope_type t);
 
 /* config.json's rope_scaling (transformers' names; "type" or "rope_type"). */
 typedef struct {
