@@ -30,9 +30,7 @@ int qt_model_read_to_device(qt_model *m, const st_tensor *t, float *dev) {
 static int read_param_sharded(qt_model *m, int i, const st_tensor *t) {
     const qt_param *p = &m->params[i];
     qt_backend *be = m->be;
-    float *small = NULL;
-    for (int k = 0; k < m->n_small_runs; k++)
-        if (m->small_runs[k].flat == p->offset) small = m->small + m->small_runs[k].at;
+    float *small = qt_model_small_of(m, p->offset); /* NULL: not a 1-D tensor */
     size_t n = p->numel, chunk = n < STAGE_FLOATS ? n : STAGE_FLOATS;
     float *stage = qt_malloc(sizeof(float) * (chunk ? chunk : 1), "model: staging buffer");
     float *dev = be->alloc(be, QT_MEM_DEVICE, sizeof(float) * (chunk ? chunk : 1), "model: staging buffer");

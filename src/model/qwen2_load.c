@@ -298,9 +298,12 @@ static qt_wref compute_ref(qt_model *m, const char *name) {
 static float *f32_param(qt_model *m, const char *name) {
     int i = param_index(m, name);
     if (i < 0) return NULL;
-    if (!m->sharded) return m->master + m->params[i].offset;
+    return m->sharded ? qt_model_small_of(m, m->params[i].offset) : m->master + m->params[i].offset;
+}
+
+float *qt_model_small_of(const qt_model *m, size_t offset) {
     for (int k = 0; k < m->n_small_runs; k++)
-        if (m->small_runs[k].flat == m->params[i].offset) return m->small + m->small_runs[k].at;
+        if (m->small_runs[k].flat == offset) return m->small + m->small_runs[k].at;
     return NULL;
 }
 

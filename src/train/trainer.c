@@ -120,7 +120,6 @@ static int load_model(qt_trainer *t) {
     t->n = qt_model_numel(t->model);
     t->master = qt_model_master(t->model);
     t->sharded = qt_model_sharded(t->model, &t->shard);
-    t->mlo = t->sharded ? t->shard.lo : 0;
     t->grads = qt_model_grads(t->model);
     t->params = qt_model_params(t->model, &t->n_params);
     t->be = qt_model_backend(t->model);
@@ -284,7 +283,7 @@ static const char *last_good(const qt_trainer *t) {
  * stops before anything is saved, so every checkpoint keeps finite weights. */
 static int check_update(qt_trainer *t, double lr) {
     size_t at = t->hi;
-    int64_t bad = trainer_find_bad(t, t->master + (t->lo - t->mlo), t->hi - t->lo, 0, &at);
+    int64_t bad = trainer_find_bad(t, t->master + (t->lo - trainer_master_lo(t)), t->hi - t->lo, 0, &at);
     if (bad) at += t->lo;
     if (t->world > 1) QT_TRY(dist_allreduce_i64(t->d, &bad, 1, DIST_MAX, "update check"));
     if (!bad) return QT_OK;
@@ -361,7 +360,7 @@ static int train_step(qt_trainer *t, step_out *o) {
     /* 5-6. src/optim's step: the loss scaler, the schedule, unscale and clip fused into Adam */
     qt_step_info si;
     const float *g = t->grads ? t->grads + t->lo : zero_grad_shard(t->zp); /* [lo, hi), summed over ranks */
-    int rc = qt_optimizer_apply(&t->opt, t->be, sumsq, overflow, t->master + (t->lo - t->mlo), g, t->zs.slot[0],
+    int rc = qt_optimizer_apply(&t->opt, t->be, sumsq, overflow, t->master + (t->lo - trainer_master_lo(t)), g, t->zs.slot[0],
                                 t->zs.slot[1], t->hi - t->lo, t->lo, t->decay, t->n_decay, &si);
     if (rc != QT_OK)
         return qt_error_context(rc, "step %ld (the last good checkpoint is %s)", t->step + 1,

@@ -158,7 +158,7 @@ static int load_params(qt_trainer *t, const char *path, int saved_optional) {
     size_t at = 0;
     int64_t bad = (int64_t)t->n;
     if (rc == QT_OK && trainer_find_bad(t, t->master, t->sharded ? t->hi - t->lo : t->n, 0, &at))
-        bad = (int64_t)(t->mlo + at);
+        bad = (int64_t)(trainer_master_lo(t) + at);
     if (t->sharded) {
         int r2 = dist_allreduce_i64(t->d, &bad, 1, DIST_MIN, "checkpoint weights check");
         if (rc == QT_OK) rc = r2;

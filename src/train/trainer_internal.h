@@ -31,9 +31,8 @@ typedef struct {
                                   (lora_targets, lora_save, lora_layers_set, lora_layers) */
     qt_model *model;
     size_t n;                  /* elements in the trainable block */
-    float *master;             /* fp32 master weights: elements [mlo, n) of the block, or
-                                  sharded (qt_model_sharded) only this rank's [lo, hi) */
-    size_t mlo;                /* the master's first element: 0, or lo when sharded */
+    float *master;             /* fp32 master weights: the whole block, or sharded
+                                  (qt_model_sharded) only this rank's [lo, hi) (trainer_master_lo) */
     int sharded;               /* ZeRO 1/2 over 2+ ranks in f16/bf16 full fine-tuning */
     qt_model_shard shard;      /* when sharded: the copies to all-gather after an update */
     float *grads;              /* (n) fp32 gradients; NULL at ZeRO-2 over several ranks (the
@@ -74,6 +73,8 @@ const char *trainer_param_at(const qt_trainer *t, size_t i);
 /* 1 when dev (n floats, device memory) holds a NaN or inf (with nonneg, or a
  * negative value); *at its first. */
 int trainer_find_bad(qt_trainer *t, const float *dev, size_t n, int nonneg, size_t *at);
+/* The flat element the master's first one is: 0, or this rank's lo when sharded. */
+static inline size_t trainer_master_lo(const qt_trainer *t) { return t->sharded ? t->shard.lo : 0; }
 /* After an update: every rank gets the whole new weights (trainer.c). */
 int trainer_publish_weights(qt_trainer *t);
 /* A sharded master's gather for the model's writer (qt_model_set_param_gather; trainer_ckpt.c). */
