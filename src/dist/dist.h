@@ -145,6 +145,10 @@ typedef struct {
  * hands its gradients to zero_grads_*; on one rank there is nothing to
  * partition, so the model keeps its block. */
 static inline int zero_partitions_grads(int stage, int world) { return stage == 2 && world > 1; }
+/* ZeRO 1/2 over several ranks keep each rank's shard of the fp32 master (the
+ * model applies it where the master is not the weights the graph reads:
+ * qt_model_opts.master_shards, memplan.h qt_model_opts_sharded). */
+static inline int zero_partitions_master(int stage, int world) { return stage >= 1 && world > 1; }
 
 /* What one rank of a ZeRO plan allocates, in bytes: zero_plan_create
  * allocates exactly these (and zero_state_alloc the optimizer state), and

@@ -86,7 +86,7 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, i
     mo.grad_windows = zero_partitions_grads(o->zero, N); /* the trainer's rule */
     mo.grad_bucket_elems = o->reduce_bucket;
     mo.grad_overlap = o->overlap;
-    if (o->zero >= 1 && N > 1) { /* the trainer's rule (load_model): the model decides whether it applies */
+    if (zero_partitions_master(o->zero, N)) { /* the trainer's rule: the model decides whether it applies */
         mo.master_shards = N;
         mo.master_rank = rank;
         mo.master_on_host = o->offload;

@@ -110,7 +110,7 @@ static int load_model(qt_trainer *t) {
     o.grad_overlap = t->cfg.zero.overlap;
     /* ZeRO 1/2: each rank keeps its shard of the fp32 master (on the host with offload), as DeepSpeed does;
      * the model ignores it where the master is the compute weights (f32) or the adapter (LoRA) */
-    if (t->cfg.zero.stage >= 1 && t->world > 1) {
+    if (zero_partitions_master(t->cfg.zero.stage, t->world)) {
         o.master_shards = t->world;
         o.master_rank = t->rank;
         o.master_on_host = t->cfg.zero.offload;
@@ -304,6 +304,8 @@ typedef struct {
     int64_t tokens, target_tokens;
 } step_out;
 
+static int trainer_publish_weights(qt_trainer *t);
+
 static int train_step(qt_trainer *t, step_out *o) {
     const int A = t->cfg.grad_accum;
     memset(o, 0, sizeof *o);
@@ -382,7 +384,7 @@ static int train_step(qt_trainer *t, step_out *o) {
  * rounded shard by shard and the 2-byte copy all-gathered (half the bytes),
  * with the norm weights and biases gathered in f32 beside it. Both give every
  * rank the same bits. */
-int trainer_publish_weights(qt_trainer *t) {
+static int trainer_publish_weights(qt_trainer *t) {
     if (!t->sharded) {
         QT_TRY(dist_allgather_params(t->d, t->zp, t->master));
         qt_model_weights_updated(t->model);

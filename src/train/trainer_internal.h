@@ -75,8 +75,6 @@ const char *trainer_param_at(const qt_trainer *t, size_t i);
 int trainer_find_bad(qt_trainer *t, const float *dev, size_t n, int nonneg, size_t *at);
 /* The flat element the master's first one is: 0, or this rank's lo when sharded. */
 static inline size_t trainer_master_lo(const qt_trainer *t) { return t->sharded ? t->shard.lo : 0; }
-/* After an update: every rank gets the whole new weights (trainer.c). */
-int trainer_publish_weights(qt_trainer *t);
 /* A sharded master's gather for the model's writer (qt_model_set_param_gather; trainer_ckpt.c). */
 int trainer_gather_master(void *user, float *dst, size_t lo, size_t n);
 
