@@ -211,14 +211,15 @@ void qt_metrics_set_report(qt_metrics *m, const char *device, long max_steps, ui
 int qt_metrics_write_report(const qt_metrics *m, const char *status) {
     /* a long run: every stride-th train line (and the last), so the page
      * rewritten at every log line stays a few MB; evals and skipped steps all */
-    size_t n_train = 0;
-    for (size_t i = 0; i < m->n_row; i++) n_train += !m->row[i].keep;
+    size_t n_train = 0, last_train = 0;
+    for (size_t i = 0; i < m->n_row; i++)
+        if (!m->row[i].keep) n_train++, last_train = i;
     size_t stride = n_train > REPORT_MAX_ROWS ? (n_train + REPORT_MAX_ROWS - 1) / REPORT_MAX_ROWS : 1;
     qt_strbuf b = {0};
     int rc = QT_OK;
     for (size_t i = 0, k = 0; rc == QT_OK && i < m->n_row; i++) {
         const qt_metrics_row *r = &m->row[i];
-        int take = r->keep || k++ % stride == 0 || i + 1 == m->n_row;
+        int take = r->keep || k++ % stride == 0 || i == last_train;
         if (!take) continue;
         if (b.n) rc = qt_strbuf_put(&b, ",", 1);
         if (rc == QT_OK) rc = qt_strbuf_put(&b, m->rows.p + r->off, r->len);

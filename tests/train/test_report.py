@@ -358,3 +358,31 @@ def test_report_to_values(out, tmp_path):
     assert p.returncode != 0
     assert "train.report_to names wandb" in p.stderr and '"tensorboard"' in p.stderr, p.stderr
     assert not os.path.exists(os.path.join(d, "out-wandb"))
+
+
+def test_resume_keeps_the_report_whole(out):
+    """A resumed run's page holds the lines from before the resume, and the
+    TensorBoard files of both starts hold each step once; overwrite removes
+    both with the rest of the run's outputs."""
+    d = os.path.dirname(out)
+    job = json.load(open(os.path.join(d, "job.json")))
+    job["train"].update({"max_steps": 2, "save_steps": 2, "eval_steps": 0})
+    job["deepspeed"].pop("fp16")
+    job["deepspeed"].pop("scheduler")
+    job["output_dir"] = "out-resume"
+    path = os.path.join(d, "job-resume.json")
+    json.dump(job, open(path, "w"))
+    run("train", path)
+    run("train", path, "--set", "train.max_steps=4")
+    o = os.path.join(d, "out-resume")
+    _, data = embedded(os.path.join(o, "report.html"))
+    assert data["rows"] == metrics(o) and data["status"] == "finished" and data["max_steps"] == 4
+    assert [r["step"] for r in data["rows"] if "loss" in r] == [1, 2, 3, 4]
+    steps = []
+    for folder in os.listdir(os.path.join(o, "runs")):
+        for f in os.listdir(os.path.join(o, "runs", folder)):
+            steps += [s for s, _ in scalars(read_events(os.path.join(o, "runs", folder, f)))["train/loss"]]
+    assert sorted(steps) == [1, 2, 3, 4]
+    run("train", path, "--set", "train.overwrite_output_dir=true", "--set", "train.report_to=none")
+    assert not os.path.exists(os.path.join(o, "runs"))
+    assert [r["step"] for r in embedded(os.path.join(o, "report.html"))[1]["rows"] if "loss" in r] == [1, 2]
