@@ -205,7 +205,7 @@ def test_report_fits_a_phone_and_reloads_while_running(out, tmp_path):
         assert int(body["data-innerw"]) <= 560 and int(body["data-scrollw"]) <= int(body["data-innerw"]), body
         assert body.get("data-reload") == ("15000" if status == "running" else None), (status, body)
     shots = os.environ.get("QTUNE_REPORT_SCREENSHOT") or str(tmp_path)
-    for name, size in (("report.png", "1280,1250"), ("report-phone.png", "390,1700")):
+    for name, size in (("report.png", "1280,1160"), ("report-phone.png", "500,2060")):
         png = os.path.join(shots, name)
         chromium(["--window-size=" + size, "--screenshot=" + png], "file://" + os.path.join(out, "report.html"),
                  tmp_path)
