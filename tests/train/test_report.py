@@ -386,3 +386,34 @@ def test_resume_keeps_the_report_whole(out):
     run("train", path, "--set", "train.overwrite_output_dir=true", "--set", "train.report_to=none")
     assert not os.path.exists(os.path.join(o, "runs"))
     assert [r["step"] for r in embedded(os.path.join(o, "report.html"))[1]["rows"] if "loss" in r] == [1, 2]
+
+
+def test_stopped_run_says_so(out):
+    """`qtune stop` ends a run: the page's last word is "stopped" (it stops
+    reloading), and the run's own message is the one printed."""
+    import time
+    d = os.path.dirname(out)
+    job = json.load(open(os.path.join(d, "job.json")))
+    job["train"].update({"max_steps": 100000, "eval_steps": 0})
+    job["deepspeed"].pop("fp16")
+    job["deepspeed"].pop("scheduler")
+    job["output_dir"] = "out-stop"
+    path = os.path.join(d, "job-stop.json")
+    json.dump(job, open(path, "w"))
+    o = os.path.join(d, "out-stop")
+    from trainutil import QTUNE, env
+    p = subprocess.Popen([QTUNE, "train", path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    try:
+        for _ in range(600):
+            if os.path.exists(os.path.join(o, "metrics.jsonl")) and len(metrics(o)) >= 3:
+                break
+            time.sleep(0.1)
+        assert embedded(os.path.join(o, "report.html"))[1]["status"] == "running"
+        run("stop", o)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode != 0 and "stopped at step" in err, err
+    _, data = embedded(os.path.join(o, "report.html"))
+    assert data["status"] == "stopped" and data["rows"] == metrics(o)
