@@ -3,6 +3,7 @@
 
 #include "train/report.h"
 
+#include "core/clock.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/mem.h"
@@ -18,6 +19,7 @@
 #define SVG_MAX_POINTS 2000
 #define REPORT_MAX_ROWS 4000
 #define REPORT_REFRESH_S 15
+#define REPORT_MIN_INTERVAL_S 2.0 /* a run logging many steps a second rewrites the page this often at most */
 
 int64_t qt_peak_rss_bytes(void) {
     struct rusage ru;
@@ -208,7 +210,11 @@ void qt_metrics_set_report(qt_metrics *m, const char *device, long max_steps, ui
     m->plan_device_bytes = plan_device_bytes;
 }
 
-int qt_metrics_write_report(const qt_metrics *m, const char *status) {
+int qt_metrics_write_report(qt_metrics *m, const char *status) {
+    double now = qt_now_s();
+    if (!strcmp(status, "running") && m->report_written_s > 0 && now - m->report_written_s < REPORT_MIN_INTERVAL_S)
+        return QT_OK;
+    m->report_written_s = now;
     /* a long run: every stride-th train line (and the last), so the page
      * rewritten at every log line stays a few MB; evals and skipped steps all */
     size_t n_train = 0, last_train = 0;

@@ -65,6 +65,7 @@ typedef struct {
     char device[320];
     long max_steps;
     uint64_t plan_rank_bytes, plan_device_bytes;
+    double report_written_s; /* qt_now_s() of the last rewrite */
     qt_tb_writer *tb; /* NULL: no TensorBoard files */
 } qt_metrics;
 
@@ -80,10 +81,13 @@ int qt_metrics_write_svg(const qt_metrics *m);
  * plan's bytes for rank 0's process and card (0: no plan). */
 void qt_metrics_set_report(qt_metrics *m, const char *device, long max_steps, uint64_t plan_rank_bytes,
                            uint64_t plan_device_bytes);
-/* Rewrites report.html (atomic); status "running" (the page reloads itself),
- * "finished", "stopped" or "failed". A long run's page holds about
- * REPORT_MAX_ROWS train lines (every k-th), with every eval line and skipped step. */
-int qt_metrics_write_report(const qt_metrics *m, const char *status);
+/* Rewrites report.html (atomic); status "running" (the page reloads itself;
+ * skipped when the last rewrite is under 2 s old, so a run logging many
+ * steps a second does not spend its time writing the page), "finished",
+ * "stopped" or "failed" (always written). A long run's page holds about
+ * REPORT_MAX_ROWS train lines (every k-th, and the newest), with every eval
+ * line and skipped step. */
+int qt_metrics_write_report(qt_metrics *m, const char *status);
 /* From here on each logged line also goes to a new TensorBoard event file in
  * logdir (created): train/loss, train/learning_rate, train/grad_norm,
  * train/epoch, train/loss_scale, train/skipped, train/tokens_per_s per step,
