@@ -412,10 +412,33 @@ static int parse_lora(const job_ctx *c, const cJSON *root, qt_job_lora *l) {
     return QT_OK;
 }
 
+/* train.report_to, the HF Trainer's key: "none", "all", "tensorboard", or a
+ * list of them. qtune writes TensorBoard event files and nothing that needs a
+ * network, so "all" is TensorBoard, and another integration is refused by
+ * name rather than dropped in silence. */
+static int parse_report_to(const job_ctx *c, const cJSON *it, int *tensorboard) {
+    *tensorboard = 0;
+    if (!it || cJSON_IsNull(it)) return QT_OK;
+    if (!cJSON_IsString(it) && !cJSON_IsArray(it))
+        return QT_ERR(QT_EINVAL, "%s: train.report_to must be \"none\", \"all\", \"tensorboard\" or a list of "
+                      "them", c->where);
+    const cJSON *e = cJSON_IsArray(it) ? it->child : it;
+    for (; e; e = cJSON_IsArray(it) ? e->next : NULL) {
+        const char *v = cJSON_IsString(e) ? e->valuestring : NULL;
+        if (v && (!strcmp(v, "tensorboard") || !strcmp(v, "all"))) *tensorboard = 1;
+        else if (!v || strcmp(v, "none"))
+            return QT_ERR(QT_EUNSUPPORTED, "%s: train.report_to names %s; qtune writes TensorBoard event files "
+                          "(\"tensorboard\", or \"all\") and report.html in the output folder, and reports "
+                          "to nothing else; use \"tensorboard\" or \"none\"", c->where,
+                          v ? v : "something that is not a string");
+    }
+    return QT_OK;
+}
+
 static int parse_train(const job_ctx *c, const cJSON *root, qt_job_train *t) {
     static const char *const known[] = {"max_steps", "epochs", "save_steps", "save_total_limit", "eval_steps",
                                         "log_steps", "seed", "gradient_checkpointing", "resume",
-                                        "overwrite_output_dir", "eval_batches", NULL};
+                                        "overwrite_output_dir", "eval_batches", "report_to", "logging_dir", NULL};
     const cJSON *s;
     QT_TRY(section(c, root, "train", &s));
     warn_unknown(c, s, "train", known);
@@ -442,6 +465,9 @@ static int parse_train(const job_ctx *c, const cJSON *root, qt_job_train *t) {
     t->seed = (uint64_t)seed;
     QT_TRY(get_bool(c, s, "train", "gradient_checkpointing", 0, &t->gradient_checkpointing));
     QT_TRY(get_bool(c, s, "train", "overwrite_output_dir", 0, &t->overwrite_output_dir));
+    QT_TRY(parse_report_to(c, s ? cJSON_GetObjectItemCaseSensitive(s, "report_to") : NULL, &t->report_tensorboard));
+    QT_TRY(get_str(c, s, "train", "logging_dir", NULL, &t->logging_dir));
+    QT_TRY(resolve(c, &t->logging_dir));
     const cJSON *r = s ? cJSON_GetObjectItemCaseSensitive(s, "resume") : NULL;
     if (r && cJSON_IsBool(r)) {
         t->resume = qt_strdup(cJSON_IsTrue(r) ? "auto" : "never");
@@ -549,7 +575,8 @@ static cJSON *fingerprint_view(const cJSON *root) {
     cJSON_DeleteItemFromObjectCaseSensitive(cp, "device");
     cJSON *t = cJSON_GetObjectItemCaseSensitive(cp, "train");
     static const char *const volatile_train[] = {"max_steps", "save_steps", "save_total_limit", "eval_steps",
-                                                 "log_steps", "resume", "overwrite_output_dir", "eval_batches"};
+                                                 "log_steps", "resume", "overwrite_output_dir", "eval_batches",
+                                                 "report_to", "logging_dir"};
     if (cJSON_IsObject(t))
         for (size_t i = 0; i < sizeof volatile_train / sizeof volatile_train[0]; i++)
             cJSON_DeleteItemFromObjectCaseSensitive(t, volatile_train[i]);
@@ -775,6 +802,7 @@ void qt_job_free(qt_job *job) {
     qt_free(job->lora.target_names);
     qt_free(job->lora.init_from);
     qt_free(job->train.resume);
+    qt_free(job->train.logging_dir);
     qt_free(job->deepspeed_path);
     qt_free(job->lora_path);
     cJSON_Delete(job->deepspeed);

@@ -57,6 +57,8 @@ typedef struct {
     char *resume;         /* "auto", "never", or a checkpoint folder path (resolved) */
     int overwrite_output_dir;
     long eval_batches;    /* micro-batches per evaluation; 0 = the whole eval set */
+    int report_tensorboard; /* report_to names "tensorboard" (or "all"): TensorBoard event files */
+    char *logging_dir;    /* where they go (resolved); NULL: OUTPUT/runs/MonDD_HH-MM-SS_HOST, as the HF Trainer */
 } qt_job_train;
 
 typedef struct {

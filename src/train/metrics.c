@@ -1,6 +1,9 @@
-/* metrics.jsonl and loss.svg. */
+/* metrics.jsonl, loss.svg, report.html's rows and the TensorBoard scalars. */
 #include "train/metrics.h"
 
+#include "train/report.h"
+
+#include "core/clock.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/mem.h"
@@ -14,6 +17,9 @@
 
 #define METRICS_MAX_BYTES ((size_t)1 << 30)
 #define SVG_MAX_POINTS 2000
+#define REPORT_MAX_ROWS 4000
+#define REPORT_REFRESH_S 15
+#define REPORT_MIN_INTERVAL_S 2.0 /* a run logging many steps a second rewrites the page this often at most */
 
 int64_t qt_peak_rss_bytes(void) {
     struct rusage ru;
@@ -30,6 +36,30 @@ static int push(qt_metrics_point **a, size_t *n, size_t *cap, long step, double 
         *cap = nc;
     }
     (*a)[(*n)++] = (qt_metrics_point){step, x};
+    return QT_OK;
+}
+
+/* A metrics.jsonl line kept for report.html, each '<' as \u003c (only a
+ * JSON string can hold one, where the escape reads the same). */
+static int row_push(qt_metrics *m, const char *line, int keep) {
+    if (m->n_row == m->cap_row) {
+        size_t nc = m->cap_row ? m->cap_row * 2 : 256;
+        qt_metrics_row *nr = qt_realloc(m->row, nc * sizeof *nr, "report.html rows");
+        if (!nr) return QT_ENOMEM;
+        m->row = nr;
+        m->cap_row = nc;
+    }
+    size_t off = m->rows.n;
+    for (const char *p = line; *p;) {
+        size_t k = strcspn(p, "<");
+        QT_TRY(qt_strbuf_put(&m->rows, p, k));
+        p += k;
+        if (*p) {
+            QT_TRY(qt_strbuf_put(&m->rows, "\\u003c", 6));
+            p++;
+        }
+    }
+    m->row[m->n_row++] = (qt_metrics_row){off, m->rows.n - off, keep};
     return QT_OK;
 }
 
@@ -59,6 +89,12 @@ static int metrics_trim(qt_metrics *m, long keep_until) {
             if (cJSON_IsNumber(el)) rc = push(&m->eval, &m->n_eval, &m->cap_eval, (long)st->valuedouble, el->valuedouble);
             else if (cJSON_IsNumber(lo))
                 rc = push(&m->train, &m->n_train, &m->cap_train, (long)st->valuedouble, lo->valuedouble);
+            /* the line as cJSON reads it (a line with text after its object is cut there) */
+            char *row = rc == QT_OK ? cJSON_PrintUnformatted(j) : NULL;
+            if (rc == QT_OK && !row) rc = QT_ENOMEM;
+            if (rc == QT_OK)
+                rc = row_push(m, row, el != NULL || cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(j, "skipped")));
+            cJSON_free(row);
         }
         cJSON_Delete(j);
         line[ll] = save;
@@ -74,6 +110,7 @@ int qt_metrics_open(qt_metrics *m, const char *output_dir, long keep_until, cons
     memset(m, 0, sizeof *m);
     QT_TRY(qt_path_join(m->path, sizeof m->path, output_dir, "metrics.jsonl"));
     QT_TRY(qt_path_join(m->svg_path, sizeof m->svg_path, output_dir, "loss.svg"));
+    QT_TRY(qt_path_join(m->html_path, sizeof m->html_path, output_dir, "report.html"));
     snprintf(m->title, sizeof m->title, "%s", title ? title : "loss");
     int rc = keep_until >= 0 ? metrics_trim(m, keep_until) : QT_OK;
     if (rc == QT_OK) {
@@ -130,7 +167,17 @@ int qt_metrics_log_step(qt_metrics *m, const qt_step_metrics *s) {
     }
     snprintf(line + len, sizeof line - len, "}");
     QT_TRY(metrics_line(m, line));
+    QT_TRY(row_push(m, line, s->skipped));
     if (isfinite(s->loss)) QT_TRY(push(&m->train, &m->n_train, &m->cap_train, s->step, s->loss));
+    if (m->tb) {
+        /* the HF Trainer's names: its logs' keys under "train/" (rewrite_logs) */
+        const struct { const char *tag; double x; } sc[] = {
+            {"train/loss", s->loss}, {"train/learning_rate", s->lr}, {"train/grad_norm", s->grad_norm},
+            {"train/epoch", s->epoch}, {"train/loss_scale", s->loss_scale}, {"train/skipped", s->skipped},
+            {"train/tokens_per_s", s->tokens_per_s}};
+        for (size_t i = 0; i < sizeof sc / sizeof sc[0]; i++)
+            if (isfinite(sc[i].x)) QT_TRY(qt_tb_scalar(m->tb, sc[i].tag, s->step, 0, (float)sc[i].x));
+    }
     return QT_OK;
 }
 
@@ -142,7 +189,12 @@ int qt_metrics_log_eval(qt_metrics *m, long step, double eval_loss, int64_t toke
     snprintf(line, sizeof line, "{\"step\": %ld, \"eval_loss\": %s, \"eval_ppl\": %s, \"eval_tokens\": %lld, \"elapsed_s\": %s}",
              step, l, p, (long long)tokens, el);
     QT_TRY(metrics_line(m, line));
+    QT_TRY(row_push(m, line, 1));
     if (isfinite(eval_loss)) QT_TRY(push(&m->eval, &m->n_eval, &m->cap_eval, step, eval_loss));
+    if (m->tb && isfinite(eval_loss)) { /* eval_loss is the Trainer's eval/loss */
+        QT_TRY(qt_tb_scalar(m->tb, "eval/loss", step, 0, (float)eval_loss));
+        if (isfinite(exp(eval_loss))) QT_TRY(qt_tb_scalar(m->tb, "eval/ppl", step, 0, (float)exp(eval_loss)));
+    }
     return QT_OK;
 }
 
@@ -150,8 +202,54 @@ int qt_metrics_write_svg(const qt_metrics *m) {
     return qt_loss_svg_write(m->svg_path, m->title, m->train, m->n_train, m->eval, m->n_eval);
 }
 
+void qt_metrics_set_report(qt_metrics *m, const char *device, long max_steps, uint64_t plan_rank_bytes,
+                           uint64_t plan_device_bytes) {
+    snprintf(m->device, sizeof m->device, "%s", device ? device : "");
+    m->max_steps = max_steps;
+    m->plan_rank_bytes = plan_rank_bytes;
+    m->plan_device_bytes = plan_device_bytes;
+}
+
+int qt_metrics_write_report(qt_metrics *m, const char *status) {
+    double now = qt_now_s();
+    if (!strcmp(status, "running") && m->report_written_s > 0 && now - m->report_written_s < REPORT_MIN_INTERVAL_S)
+        return QT_OK;
+    m->report_written_s = now;
+    /* a long run: every stride-th train line (and the last), so the page
+     * rewritten at every log line stays a few MB; evals and skipped steps all */
+    size_t n_train = 0, last_train = 0;
+    for (size_t i = 0; i < m->n_row; i++)
+        if (!m->row[i].keep) n_train++, last_train = i;
+    size_t stride = n_train > REPORT_MAX_ROWS ? (n_train + REPORT_MAX_ROWS - 1) / REPORT_MAX_ROWS : 1;
+    qt_strbuf b = {0};
+    int rc = QT_OK;
+    for (size_t i = 0, k = 0; rc == QT_OK && i < m->n_row; i++) {
+        const qt_metrics_row *r = &m->row[i];
+        int take = r->keep || k++ % stride == 0 || i == last_train;
+        if (!take) continue;
+        if (b.n) rc = qt_strbuf_put(&b, ",", 1);
+        if (rc == QT_OK) rc = qt_strbuf_put(&b, m->rows.p + r->off, r->len);
+    }
+    qt_report_info info = {
+        .title = m->title, .status = status, .device = m->device[0] ? m->device : NULL, .max_steps = m->max_steps,
+        .refresh_s = REPORT_REFRESH_S, .plan_rank_bytes = m->plan_rank_bytes, .plan_device_bytes = m->plan_device_bytes,
+        .rows_total = (long)m->n_row, .stride = (long)stride,
+    };
+    if (rc == QT_OK) rc = qt_report_html_write(m->html_path, &info, b.p ? b.p : "", b.n);
+    qt_free(b.p);
+    return rc;
+}
+
+int qt_metrics_open_tensorboard(qt_metrics *m, const char *logdir) {
+    QT_TRY(qt_tb_open(&m->tb, logdir));
+    return QT_OK;
+}
+
 void qt_metrics_close(qt_metrics *m) {
     if (m->f) fclose(m->f);
+    qt_tb_close(m->tb);
+    qt_free(m->rows.p);
+    qt_free(m->row);
     qt_free(m->train);
     qt_free(m->eval);
     memset(m, 0, sizeof *m);

@@ -1,12 +1,18 @@
 /* The output folder's running record: metrics.jsonl (one JSON object per
- * optimizer step, eval lines carrying "eval_loss") and loss.svg (the train and
- * eval loss curves, a self-contained SVG rewritten atomically at each log). */
+ * optimizer step, eval lines carrying "eval_loss"), loss.svg (the train and
+ * eval loss curves, a self-contained SVG rewritten atomically at each log),
+ * report.html (the dashboard, train/report.h, rewritten with it) and, when
+ * the job's report_to names "tensorboard", TensorBoard event files
+ * (io/tb_events.h) under the HF Trainer's tag names. */
 #ifndef QT_TRAIN_METRICS_H
 #define QT_TRAIN_METRICS_H
 
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+
+#include "core/strbuf.h"
+#include "io/tb_events.h"
 
 typedef struct {
     long step;            /* 1-based optimizer step just finished */
@@ -40,12 +46,27 @@ typedef struct {
 } qt_metrics_point;
 
 typedef struct {
+    size_t off, len; /* in qt_metrics.rows */
+    int keep;        /* an eval line or a skipped step: embedded in report.html however long the run */
+} qt_metrics_row;
+
+typedef struct {
     FILE *f;
     char path[4096];
     char svg_path[4096];
+    char html_path[4096];
     char title[256];
     qt_metrics_point *train, *eval;
     size_t n_train, cap_train, n_eval, cap_eval;
+    /* report.html: every metrics.jsonl line so far ('<' escaped), and what the page says beside them */
+    qt_strbuf rows;
+    qt_metrics_row *row;
+    size_t n_row, cap_row;
+    char device[320];
+    long max_steps;
+    uint64_t plan_rank_bytes, plan_device_bytes;
+    double report_written_s; /* qt_now_s() of the last rewrite */
+    qt_tb_writer *tb; /* NULL: no TensorBoard files */
 } qt_metrics;
 
 /* Opens output_dir/metrics.jsonl for appending. keep_until >= 0 (a resume)
@@ -56,6 +77,22 @@ int qt_metrics_log_step(qt_metrics *m, const qt_step_metrics *s);
 int qt_metrics_log_eval(qt_metrics *m, long step, double eval_loss, int64_t tokens, double elapsed_s);
 /* Rewrites loss.svg from the points logged so far (atomic). */
 int qt_metrics_write_svg(const qt_metrics *m);
+/* What report.html says beside the lines: the device, the last step, and the
+ * plan's bytes for rank 0's process and card (0: no plan). */
+void qt_metrics_set_report(qt_metrics *m, const char *device, long max_steps, uint64_t plan_rank_bytes,
+                           uint64_t plan_device_bytes);
+/* Rewrites report.html (atomic); status "running" (the page reloads itself;
+ * skipped when the last rewrite is under 2 s old, so a run logging many
+ * steps a second does not spend its time writing the page), "finished",
+ * "stopped" or "failed" (always written). A long run's page holds about
+ * REPORT_MAX_ROWS train lines (every k-th, and the newest), with every eval
+ * line and skipped step. */
+int qt_metrics_write_report(qt_metrics *m, const char *status);
+/* From here on each logged line also goes to a new TensorBoard event file in
+ * logdir (created): train/loss, train/learning_rate, train/grad_norm,
+ * train/epoch, train/loss_scale, train/skipped, train/tokens_per_s per step,
+ * eval/loss and eval/ppl per evaluation. */
+int qt_metrics_open_tensorboard(qt_metrics *m, const char *logdir);
 void qt_metrics_close(qt_metrics *m);
 
 /* Writes the SVG for the given series to path (atomic). */

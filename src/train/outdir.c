@@ -20,16 +20,19 @@
 
 /* Names qtune writes into an output folder (and removes on overwrite). */
 static int is_ours(const char *name) {
-    static const char *const names[] = {RUN_FILE, "metrics.jsonl", "loss.svg", "final", "final.tmp", "final.old", NULL};
+    /* runs: the TensorBoard event files' default folder (report_to "tensorboard") */
+    static const char *const names[] = {RUN_FILE, "metrics.jsonl", "loss.svg", "report.html", "runs", "final",
+                                        "final.tmp", "final.old", NULL};
     for (int i = 0; names[i]; i++)
         if (!strcmp(name, names[i])) return 1;
     return !strncmp(name, "checkpoint-", 11) || !strncmp(name, "final.tmp", 9) || !strncmp(name, "metrics.jsonl.tmp", 17) ||
-           !strncmp(name, "loss.svg.tmp", 12) || !strncmp(name, RUN_FILE ".tmp", sizeof RUN_FILE + 3);
+           !strncmp(name, "loss.svg.tmp", 12) || !strncmp(name, "report.html.tmp", 15) ||
+           !strncmp(name, RUN_FILE ".tmp", sizeof RUN_FILE + 3);
 }
 
 /* A temporary a write left behind when a crash or a kill cut it short:
  * checkpoint-N.tmp and final.tmp (folders written before their rename),
- * NAME.tmp.PID of qtune_run.json, metrics.jsonl and loss.svg (qt_atomic_open),
+ * NAME.tmp.PID of qtune_run.json, metrics.jsonl, loss.svg and report.html (qt_atomic_open),
  * and the X.old of a qt_dir_replace stopped between its two renames. Nothing
  * a user keeps has such a name; a folder holding only these is empty. */
 static int is_leftover(const char *name) {
@@ -37,7 +40,8 @@ static int is_leftover(const char *name) {
     if (!strncmp(name, "checkpoint-", 11) && n > 15 && (!strcmp(name + n - 4, ".tmp") || !strcmp(name + n - 4, ".old")))
         return 1;
     return !strncmp(name, "final.tmp", 9) || !strcmp(name, "final.old") || !strncmp(name, RUN_FILE ".tmp", sizeof RUN_FILE + 3) ||
-           !strncmp(name, "metrics.jsonl.tmp", 17) || !strncmp(name, "loss.svg.tmp", 12);
+           !strncmp(name, "metrics.jsonl.tmp", 17) || !strncmp(name, "loss.svg.tmp", 12) ||
+           !strncmp(name, "report.html.tmp", 15);
 }
 
 /* 1 when the folder has anything in it but such leftovers. */

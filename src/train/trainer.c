@@ -220,6 +220,40 @@ static int evaluate(qt_trainer *t, double *loss, int64_t *ntok) {
     return QT_OK;
 }
 
+/* What report.html draws memory against: the plan for this job on this
+ * device (qtune plan JOB.json), rank 0's process and its card. 0 and 0 when
+ * there is none (the model folder's config could not be planned). */
+static void report_plan(const qt_trainer *t, uint64_t *rank_bytes, uint64_t *device_bytes) {
+    qt_plan_opts o;
+    qt_config cfg;
+    qt_plan p;
+    *rank_bytes = *device_bytes = 0;
+    qt_plan_opts_default(&o);
+    o.backend = t->dev.backend;
+    if (qt_plan_opts_from_job(t->job, t->world, &o) == QT_OK && qt_config_load(t->job->model, &cfg) == QT_OK &&
+        qt_plan_compute(&cfg, &o, &p) == QT_OK) {
+        *rank_bytes = p.cpu_rank_bytes;
+        *device_bytes = p.dev.total;
+    }
+    qt_error_clear(); /* no plan: the page says so; the run goes on */
+}
+
+/* TensorBoard files when report_to asks: in logging_dir, else where the HF
+ * Trainer puts them, OUTPUT/runs/MonDD_HH-MM-SS_HOST (a new folder, a new run
+ * in TensorBoard, each time the job starts or resumes) */
+static int open_tensorboard(qt_trainer *t) {
+    char dir[4096], name[512], host[256] = "localhost";
+    if (t->job->train.logging_dir) return qt_metrics_open_tensorboard(&t->metrics, t->job->train.logging_dir);
+    time_t now = time(NULL);
+    struct tm tm;
+    localtime_r(&now, &tm);
+    if (gethostname(host, sizeof host - 1) != 0) snprintf(host, sizeof host, "localhost");
+    size_t k = strftime(name, sizeof name, "runs/%b%d_%H-%M-%S_", &tm);
+    snprintf(name + k, sizeof name - k, "%s", host);
+    QT_TRY(qt_path_join(dir, sizeof dir, t->job->output_dir, name));
+    return qt_metrics_open_tensorboard(&t->metrics, dir);
+}
+
 static int eval_and_log(qt_trainer *t, double *out) {
     double l;
     int64_t n;
@@ -229,6 +263,7 @@ static int eval_and_log(qt_trainer *t, double *out) {
     if (t->main) {
         QT_TRY(qt_metrics_log_eval(&t->metrics, t->step, l, n, trainer_elapsed(t)));
         QT_TRY(qt_metrics_write_svg(&t->metrics));
+        QT_TRY(qt_metrics_write_report(&t->metrics, "running"));
         if (t->hooks->progress) {
             if (t->hooks->tty) fputs("\r\033[K", t->hooks->progress);
             fprintf(t->hooks->progress, "qtune: step %ld/%ld: eval_loss %.4f (ppl %.2f) over %lld tokens\n", t->step,
@@ -605,6 +640,13 @@ static int run(qt_trainer *t, qt_train_result *res) {
         char title[512];
         snprintf(title, sizeof title, "qtune: %s", job->output_dir);
         QT_TRY(qt_metrics_open(&t->metrics, job->output_dir, resume[0] ? t->step : -1, title));
+        char dev[320];
+        uint64_t plan_rank, plan_dev;
+        qt_device_label(&t->dev, omp_get_max_threads(), dev, sizeof dev);
+        report_plan(t, &plan_rank, &plan_dev);
+        qt_metrics_set_report(&t->metrics, dev, t->max_steps, plan_rank, plan_dev);
+        QT_TRY(qt_metrics_write_report(&t->metrics, "running"));
+        if (job->train.report_tensorboard) QT_TRY(open_tensorboard(t));
         qt_info("training %s: %zu trainable parameters (%s), %ld steps of %d x %d x %d rank(s) rows of %d tokens",
                 job->model, t->n, job->lora.enabled ? "LoRA" : "full", t->max_steps, t->cfg.micro_batch,
                 t->cfg.grad_accum, t->world, job->data.seq_len);
@@ -678,6 +720,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
             };
             QT_TRY(qt_metrics_log_step(&t->metrics, &m));
             QT_TRY(qt_metrics_write_svg(&t->metrics));
+            QT_TRY(qt_metrics_write_report(&t->metrics, "running"));
         }
         if (++win_steps == STARVE_WINDOW) {
             dl_stats st;
@@ -718,6 +761,17 @@ static int run(qt_trainer *t, qt_train_result *res) {
     if (t->main) QT_TRY(ckpt_prune(job->output_dir, job->train.save_total_limit, t->step));
     QT_TRY(trainer_write_final(t, res->final_dir, sizeof res->final_dir));
     return QT_OK;
+}
+
+/* report.html's last word: the run finished, was stopped, or failed (then
+ * the run's own error is the one reported, whatever happens here). */
+static int report_final(qt_trainer *t, int rc) {
+    const char *status = rc == QT_OK ? "finished" : rc == QT_EINTERRUPTED ? "stopped" : "failed";
+    if (rc == QT_OK) return qt_metrics_write_report(&t->metrics, status);
+    char msg[2048];
+    snprintf(msg, sizeof msg, "%s", qt_error_message());
+    if (qt_metrics_write_report(&t->metrics, status) != QT_OK) qt_error_at(rc, __FILE__, __LINE__, "%s", msg);
+    return rc;
 }
 
 int qt_train_run(const qt_job *job, dist_ctx *d, const qt_train_hooks *hooks, qt_train_result *res) {
@@ -764,6 +818,7 @@ int qt_train_run(const qt_job *job, dist_ctx *d, const qt_train_hooks *hooks, qt
         if (t.dev.note[0]) qt_info("%s", t.dev.note);
     }
     if (rc == QT_OK) rc = run(&t, res);
+    if (t.main && t.metrics.f) rc = report_final(&t, rc);
     qt_cancel_watch(NULL);
     trainer_free(&t);
     return rc;

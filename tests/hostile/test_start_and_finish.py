@@ -165,6 +165,7 @@ def test_a_start_that_fails_writes_nothing(w, typo):
 @pytest.mark.parametrize("left", [
     {"qtune_run.json.tmp.4242": '{\n\t"fingerprint":\t"00ab'},
     {"qtune_run.json.tmp.4242": "", "metrics.jsonl.tmp.4242": '{"step": 1', "loss.svg.tmp.4242": "<svg"},
+    {"qtune_run.json.tmp.4242": "", "report.html.tmp.4242": "<!DOCTYPE html>"},
 ])
 def test_a_kill_during_the_first_record_does_not_claim_the_folder(w, left):
     """Issue 24 item 2: a kill while qtune_run.json was first written leaves
