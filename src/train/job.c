@@ -708,7 +708,8 @@ int qt_job_parse(const char *json, const char *dir, const char *where, const cha
     job_ctx c = {where, dir};
     const char *errp = NULL;
     cJSON *root = cJSON_ParseWithOpts(json, &errp, 1);
-    if (!root || !cJSON_IsObject(root)) {
+    if (!root) return qt_json_parse_error(json, errp, where, "the job file must be one JSON object");
+    if (!cJSON_IsObject(root)) {
         long off = errp ? (long)(errp - json) : 0;
         int line = 1;
         for (long i = 0; i < off && json[i]; i++) line += json[i] == '\n';
