@@ -230,7 +230,7 @@ static int pair_items(const char *model_dir, const char *adapter_dir, const peft
             size_t at = qt_find_nonfinite(abf[h], QT_F32, ab[h]->numel, &nan);
             if (at < ab[h]->numel)
                 return QT_ERR(QT_ENUMERIC, "%s/adapter_model.safetensors: tensor %s holds %s at element %zu; the adapter "
-                              "is damaged (training diverged, or the file was changed): merge an earlier checkpoint's "
+                              "is damaged (training diverged, or the file was changed): use an earlier checkpoint's "
                               "adapter", adapter_dir, ab[h]->name, nan ? "NaN" : "an infinite value", at);
         }
     }
@@ -507,9 +507,12 @@ int qt_merge_adapter_progress(const char *model_dir, const char *adapter_dir, co
     if (rc == QT_OK) rc = commit_stage(stage, out);
     if (rc == QT_EINTERRUPTED)
         QT_ERR(QT_EINTERRUPTED, "merge interrupted; the partial output was removed and %s was left as it was", out);
-    if (rc == QT_ENUMERIC && staged) /* the writer named the tensor of the merged model */
-        qt_error_context(rc, "%s merged with %s: qtune writes no NaN or infinite weights (generate, eval and train "
-                         "refuse them), so nothing was written and %s was left as it was", model_dir, adapter_dir, out);
+    if (rc == QT_ENUMERIC && staged) { /* the writer named the tensor of the merged model */
+        char what[512];
+        snprintf(what, sizeof what, "%s", qt_error_message());
+        QT_ERR(rc, "the merge of %s into %s: %s; qtune writes no NaN or infinite weights (generate, eval and train "
+               "refuse them), so nothing was written and %s was left as it was", adapter_dir, model_dir, what, out);
+    }
     if (rc != QT_OK && staged) {
         qt_rm_rf(stage);
         qt_rmdir_made(stage, top); /* the parent folders made for a new out, while empty */
