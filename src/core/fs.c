@@ -312,8 +312,9 @@ void qt_path_dirname(char *out, size_t cap, const char *path) {
 }
 
 int qt_copy_file(const char *src, const char *dst) {
-    FILE *in = fopen(src, "rb");
-    if (!in) return QT_ERR(QT_EIO, "cannot open %s: %s", src, strerror(errno));
+    /* a FIFO would block for ever, /dev/zero fill the disk */
+    FILE *in = qt_fopen_regular(src, "the file to copy");
+    if (!in) return qt_error_code();
     qt_atomic_file af;
     int rc = qt_atomic_open(&af, dst);
     if (rc != QT_OK) { fclose(in); return rc; }

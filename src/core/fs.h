@@ -73,6 +73,8 @@ int qt_dir_replace(const char *tmp, const char *final);
 int qt_path_join(char *out, size_t cap, const char *dir, const char *name);
 /* Folder part of a path ("." when none). */
 void qt_path_dirname(char *out, size_t cap, const char *path);
+/* Copies the regular file src to dst (atomically); anything else at src (a
+ * FIFO, a device) is refused as qt_open_regular refuses it. */
 int qt_copy_file(const char *src, const char *dst);
 /* Free bytes on the filesystem holding path, or -1. */
 int64_t qt_free_disk_bytes(const char *path);

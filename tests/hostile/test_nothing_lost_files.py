@@ -196,6 +196,23 @@ def test_export_refuses_nan_and_inf(base, tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith("m.gguf")]
 
 
+@pytest.mark.parametrize("kind", ["dev_zero", "fifo"])
+def test_merge_refuses_a_special_side_file(base, tmp_path, kind):
+    """Found beside item 1: merge copied the model folder's side files with a
+    plain fopen, so a FIFO tokenizer_config.json blocked it for ever (SIGTERM
+    too) and a link to /dev/zero filled the disk."""
+    m = tmp_path / "model"
+    shutil.copytree(base / "model", m)
+    os.unlink(m / "tokenizer_config.json")
+    if kind == "fifo":
+        os.mkfifo(m / "tokenizer_config.json")
+    else:
+        os.symlink("/dev/zero", m / "tokenizer_config.json")
+    expect_error(["merge", "--model", m, "--adapter", base / "run" / "final", "--out", tmp_path / "merged"],
+                 "tokenizer_config.json", "not a regular file", timeout=10)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("merged")]
+
+
 # ---------------------------------------------------------------------------
 # item 4: temporaries of killed exports and merges
 
