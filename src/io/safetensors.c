@@ -254,12 +254,13 @@ static int parse_header(st_shard *sh, int shard_index, st_tensor **tensors, int 
 }
 
 static int map_shard(st_shard *sh) {
-    int fd = open(sh->path, O_RDONLY);
-    if (fd < 0) return QT_ERR(QT_EIO, "cannot open %s: %s", sh->path, strerror(errno));
+    int fd;
+    QT_TRY(qt_open_regular(sh->path, "the weight file", &fd)); /* a FIFO would block in open() */
     struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    if (fstat(fd, &st) != 0) {
+        int e = errno;
         close(fd);
-        return QT_ERR(QT_EIO, "%s is not a regular file", sh->path);
+        return QT_ERR(QT_EIO, "cannot read %s: %s", sh->path, strerror(e));
     }
     sh->size = (size_t)st.st_size;
     if (sh->size == 0) {

@@ -213,6 +213,22 @@ def test_merge_refuses_a_special_side_file(base, tmp_path, kind):
     assert not [n for n in os.listdir(tmp_path) if n.startswith("merged")]
 
 
+def test_a_fifo_model_file_or_doctor_data_does_not_hang(base, tmp_path):
+    """Found beside item 1: a FIFO named model.safetensors blocked eval (and
+    every command that loads the model) in open(), and `qtune doctor` blocked
+    on a FIFO named as the data, each for ever."""
+    m = tmp_path / "model"
+    shutil.copytree(base / "model", m)
+    os.unlink(m / "model.safetensors")
+    os.mkfifo(m / "model.safetensors")
+    expect_error(["eval", "--model", m, "--data", base / "tokens.jsonl", "--seq-len", "8"], "model.safetensors",
+                 "FIFO", timeout=10)
+    os.mkfifo(tmp_path / "data.jsonl")
+    j = write_job(tmp_path / "job.json", str(base / "model"), "out", "data.jsonl", lora=LORA, ds=DS)
+    r = run(["doctor", j], timeout=10)
+    assert r.returncode == 1 and "data.jsonl, which is a FIFO (named pipe), not a regular file" in r.stdout + r.stderr, r
+
+
 # ---------------------------------------------------------------------------
 # item 4: temporaries of killed exports and merges
 
