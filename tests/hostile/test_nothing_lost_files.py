@@ -187,12 +187,14 @@ def test_merge_refuses_an_inf_base(base, tmp_path):
 
 
 def test_export_refuses_nan_and_inf(base, tmp_path):
-    ad, _ = poisoned_adapter(base, tmp_path)
+    ad, name = poisoned_adapter(base, tmp_path)
     out = tmp_path / "m.gguf"
-    expect_error(["export", "--model", base / "model", "--adapter", ad, "--gguf", out], "NaN", "not written")
-    expect_error(["export", "--model", base / "model", "--adapter", ad, "--gguf-lora", out], "NaN", "lora_b")
+    expect_error(["export", "--model", base / "model", "--adapter", ad, "--gguf", out], name, "NaN", "damaged")
+    expect_error(["export", "--model", base / "model", "--adapter", ad, "--gguf-lora", out], name, "NaN")
     m, _ = poisoned_model(base, tmp_path)
-    expect_error(["export", "--model", m, "--gguf", out], "blk.0.ffn_down.weight", "infinite")
+    expect_error(["export", "--model", m, "--gguf", out], "blk.0.ffn_down.weight", "infinite", "not written")
+    expect_error(["export", "--model", m, "--adapter", base / "run" / "final", "--gguf", out],
+                 "blk.0.ffn_down.weight", "infinite", "merged with")
     assert not [n for n in os.listdir(tmp_path) if n.startswith("m.gguf")]
 
 
