@@ -305,3 +305,35 @@ def test_config_nan_names_key_and_line(base, tmp_path, word):
     write(m / "config.json", "".join(lines))
     expect_error(["eval", "--model", m, "--data", base / "tokens.jsonl", "--seq-len", "8"],
                  "config.json: line %d" % (at + 1), "rms_norm_eps is %s" % word)
+
+
+def nan_at(path, obj, marker, word):
+    """obj written as indented JSON with the number marker replaced by word;
+    returns the 1-based line of it."""
+    import json
+    text = json.dumps(obj, indent=1)
+    assert text.count(repr(marker)) == 1
+    write(path, text.replace(repr(marker), word))
+    return text[:text.index(repr(marker))].count("\n") + 1
+
+
+def test_nan_in_a_job_deepspeed_or_adapter_config_is_named(base, tmp_path):
+    """The same for the other JSON a user writes or a script saves: the job
+    file, a DeepSpeed file, adapter_config.json."""
+    ds = dict(DS, optimizer={"type": "AdamW", "params": {"lr": 12345.5}})
+    job = {"model": str(base / "model"), "output_dir": "out", "data": {"train": str(base / "tokens.jsonl"),
+                                                                        "seq_len": 8}, "deepspeed": ds}
+    line = nan_at(tmp_path / "job.json", job, 12345.5, "NaN")
+    expect_error(["train", tmp_path / "job.json"], "job.json: line %d" % line, "deepspeed.optimizer.params.lr is NaN")
+    line = nan_at(tmp_path / "ds.json", ds, 12345.5, "Infinity")
+    write(tmp_path / "job2.json", '{"model": "%s", "output_dir": "out", "data": {"train": "%s", "seq_len": 8}, '
+          '"deepspeed": "ds.json"}' % (base / "model", base / "tokens.jsonl"))
+    expect_error(["train", tmp_path / "job2.json"], "ds.json: line %d" % line, "optimizer.params.lr is Infinity")
+    ad = tmp_path / "adapter"
+    shutil.copytree(base / "run" / "final", ad)
+    import json
+    cfg = json.load(open(ad / "adapter_config.json"))
+    cfg["lora_alpha"] = 12345.5
+    line = nan_at(ad / "adapter_config.json", cfg, 12345.5, "NaN")
+    expect_error(["merge", "--model", base / "model", "--adapter", ad, "--out", tmp_path / "m"],
+                 "adapter_config.json: line %d" % line, "lora_alpha is NaN")
