@@ -117,6 +117,7 @@ int cmd_export(int argc, char **argv) {
     }
     o.stop = cli_stop_on_signals("removing the partial GGUF file");
     const double t0 = qt_now_s();
+    const int writing = rc == QT_OK;
     if (rc == QT_OK && gguf) {
         o.source = set ? merged_source : NULL;
         o.source_ctx = set;
@@ -130,6 +131,13 @@ int cmd_export(int argc, char **argv) {
     if (rc == QT_EINTERRUPTED) {
         fprintf(stderr, "qtune: %s\n", qt_error_message());
         return QT_EXIT_INTERRUPTED;
+    }
+    if (rc == QT_ENUMERIC && writing) { /* the writer named the tensor (its GGUF name) */
+        char what[512];
+        snprintf(what, sizeof what, "%s", qt_error_message());
+        QT_ERR(rc, "%s%s%s: %s; qtune writes no NaN or infinite weights (generate, eval and train refuse them), so "
+               "%s was not written", lora ? adapter : model, set && gguf ? " merged with " : "",
+               set && gguf ? adapter : "", what, out);
     }
     if (rc != QT_OK) return cli_fail();
     printf("wrote %s (%s, %.1f MiB, %.1f s)%s%s\n", out, gguf_type_name(o.type), file_size(out) / 1048576.0,

@@ -59,3 +59,30 @@ void qt_convert_from_f32(void *dst, qt_dtype t, const float *src, size_t n) {
         for (; i < n; i++) d[i] = qt_f32_to_bf16(src[i]);
     }
 }
+
+size_t qt_find_nonfinite(const void *p, qt_dtype t, size_t n, int *nan) {
+    *nan = 0;
+    if (t == QT_F32) {
+        const uint32_t *u = p;
+        uint32_t bad = 0;
+        for (size_t i = 0; i < n; i++) bad |= (u[i] & 0x7f800000u) == 0x7f800000u;
+        if (!bad) return n;
+        for (size_t i = 0; i < n; i++)
+            if ((u[i] & 0x7f800000u) == 0x7f800000u) {
+                *nan = (u[i] & 0x007fffffu) != 0;
+                return i;
+            }
+        return n;
+    }
+    /* f16: exponent 5 bits, mantissa 10; bf16: exponent 8 bits, mantissa 7 */
+    const uint16_t *h = p, e = t == QT_F16 ? 0x7c00u : 0x7f80u, m = t == QT_F16 ? 0x03ffu : 0x007fu;
+    uint16_t bad = 0;
+    for (size_t i = 0; i < n; i++) bad |= (h[i] & e) == e;
+    if (!bad) return n;
+    for (size_t i = 0; i < n; i++)
+        if ((h[i] & e) == e) {
+            *nan = (h[i] & m) != 0;
+            return i;
+        }
+    return n;
+}

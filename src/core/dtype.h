@@ -34,4 +34,9 @@ uint16_t qt_f32_to_f16(float f);
 void qt_convert_to_f32(float *dst, const void *src, qt_dtype t, size_t n);
 void qt_convert_from_f32(void *dst, qt_dtype t, const float *src, size_t n);
 
+/* The index of the first NaN or inf among n elements of type t (an all-ones
+ * exponent), n when there is none; *nan says which it is. One pass the
+ * compiler vectorises, then a scan only when one is there. */
+size_t qt_find_nonfinite(const void *p, qt_dtype t, size_t n, int *nan);
+
 #endif

@@ -279,7 +279,8 @@ int qt_config_parse(const char *json, const char *where, qt_config *cfg) {
     memset(cfg, 0, sizeof *cfg);
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithOpts(json, &end, 1); /* 1: nothing but whitespace after the object */
-    if (!root || !cJSON_IsObject(root)) {
+    if (!root) return qt_json_parse_error(json, end, where, "fix or re-download it");
+    if (!cJSON_IsObject(root)) {
         cJSON_Delete(root);
         return QT_ERR(QT_EFORMAT, "%s is not valid JSON (or not a JSON object); fix or re-download it", where);
     }

@@ -314,9 +314,9 @@ int peft_config_load(const char *dir, peft_config *c) {
     cJSON *j = cJSON_ParseWithOpts(text, &end, 1); /* 1: nothing but whitespace after the object */
     int rc = QT_OK;
     if (!j) {
+        rc = qt_json_parse_error(text, end, path, "fix it or save the adapter again");
         qt_free(text);
-        return QT_ERR(QT_EFORMAT, "%s is not valid JSON (or has text after its object); fix it or save the adapter "
-                      "again", path);
+        return rc;
     }
     if (!cJSON_IsObject(j)) {
         cJSON_Delete(j);

@@ -363,8 +363,11 @@ static int needs_tokenizer(const char *dir, const cJSON *data) {
     if (!cJSON_IsString(tr)) return 1;
     char p[4096], line[65536];
     job_path(dir, tr->valuestring, p, sizeof p);
-    FILE *f = fopen(p, "r");
-    if (!f) return 1;
+    FILE *f = qt_fopen_regular(p, "the data file"); /* a FIFO would block here; the data check names it */
+    if (!f) {
+        qt_error_clear();
+        return 1;
+    }
     int need = 1;
     if (fgets(line, sizeof line, f)) {
         cJSON *j = cJSON_Parse(line);
@@ -414,9 +417,13 @@ static void check_data(doc_ctx *c, const char *dir, const cJSON *data, int64_t *
         char p[4096];
         job_path(dir, v->valuestring, p, sizeof p);
         int64_t sz = file_size(p);
+        struct stat sb;
         if (sz < 0 || access(p, R_OK) != 0)
             problem(c, "%s: data.%s names %s, which cannot be read; check the path (it is relative to the job "
                        "file's folder)", c->where, keys[i], p);
+        else if (stat(p, &sb) == 0 && !S_ISREG(sb.st_mode))
+            problem(c, "%s: data.%s names %s, which is %s, not a regular file; save the data to a file and name "
+                       "that", c->where, keys[i], p, qt_file_kind((unsigned)sb.st_mode));
         else if (sz == 0)
             problem(c, "%s: data.%s file %s is empty; it needs one JSON example per line", c->where, keys[i], p);
         else if (i == 0)

@@ -667,13 +667,12 @@ int qt_ds_config_load(const char *path, int world, qt_ds_config *out) {
     QT_TRY(qt_read_file(path, (size_t)16 << 20, &text, &len));
     cJSON *j = cJSON_ParseWithLength(text, len);
     if (!j) {
-        /* Name the line of the first syntax error. */
+        /* the line of the first syntax error, and the key of a NaN or Infinity */
         const char *at = cJSON_GetErrorPtr();
-        int line = 1;
-        if (at && at >= text && at <= text + len)
-            for (const char *p = text; p < at; p++) line += *p == '\n';
+        int rc = qt_json_parse_error(text, at && at >= text && at <= text + len ? at : NULL, path,
+                                     "fix the syntax there");
         qt_free(text);
-        return QT_ERR(QT_EFORMAT, "%s: line %d: not valid JSON; fix the syntax there", path, line);
+        return rc;
     }
     qt_free(text);
     int rc = qt_json_check_duplicate_keys(j, path);

@@ -519,13 +519,11 @@ static int load_section_file(const job_ctx *c, cJSON *root, const char *key, cha
         return rc;
     }
     if (!obj) {
-        long off = errp ? (long)(errp - text) : 0;
-        int line = 1;
-        for (long i = 0; i < off && text[i]; i++) line += text[i] == '\n';
-        cJSON_Delete(obj);
+        char hint[4200];
+        snprintf(hint, sizeof hint, "it is the %s config named by %s's \"%s\"", !strcmp(key, "lora") ? "LoRA" : "DeepSpeed",
+                 c->where, key);
+        rc = qt_json_parse_error(text, errp, p, hint);
         qt_free(text);
-        rc = QT_ERR(QT_EFORMAT, "%s: line %d is not valid JSON (the %s config named by %s's \"%s\")", p, line,
-                    !strcmp(key, "lora") ? "LoRA" : "DeepSpeed", c->where, key);
         qt_free(p);
         return rc;
     }
@@ -708,7 +706,8 @@ int qt_job_parse(const char *json, const char *dir, const char *where, const cha
     job_ctx c = {where, dir};
     const char *errp = NULL;
     cJSON *root = cJSON_ParseWithOpts(json, &errp, 1);
-    if (!root || !cJSON_IsObject(root)) {
+    if (!root) return qt_json_parse_error(json, errp, where, "the job file must be one JSON object");
+    if (!cJSON_IsObject(root)) {
         long off = errp ? (long)(errp - json) : 0;
         int line = 1;
         for (long i = 0; i < off && json[i]; i++) line += json[i] == '\n';
