@@ -230,11 +230,15 @@ static void report_plan(const qt_trainer *t, uint64_t *rank_bytes, uint64_t *dev
     *rank_bytes = *device_bytes = 0;
     qt_plan_opts_default(&o);
     o.backend = t->dev.backend;
+    /* the job was resolved and its warnings said once when the run began: this second reading says nothing */
+    int level = qt_log_level();
+    qt_log_set_level(QT_LOG_ERROR);
     if (qt_plan_opts_from_job(t->job, t->world, &o) == QT_OK && qt_config_load(t->job->model, &cfg) == QT_OK &&
         qt_plan_compute(&cfg, &o, &p) == QT_OK) {
         *rank_bytes = p.cpu_rank_bytes;
         *device_bytes = p.dev.total;
     }
+    qt_log_set_level(level);
     qt_error_clear(); /* no plan: the page says so; the run goes on */
 }
 
