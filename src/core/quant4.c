@@ -183,7 +183,7 @@ static inline float round_dt(float v, qt_dtype dt) {
  * the 16-entry code table with one permute (AVX-512) or two and a blend
  * (AVX2), times the block's absmax, rounded to dt. */
 #if defined(__AVX512F__)
-static void block64(float *out, const uint8_t *p, const float *code, float am, qt_dtype dt) {
+static void block64_avx512(float *out, const uint8_t *p, const float *code, float am, qt_dtype dt) {
     __m512 tab = _mm512_loadu_ps(code), s = _mm512_set1_ps(am);
     for (int h = 0; h < 2; h++) {
         __m128i b = _mm_loadu_si128((const __m128i *)(p + 16 * h));
@@ -201,8 +201,8 @@ static void block64(float *out, const uint8_t *p, const float *code, float am, q
     if (dt != QT_F32)
         for (int i = 0; i < 64; i++) out[i] = round_dt(out[i], dt);
 }
-#else
-static void block64(float *out, const uint8_t *p, const float *code, float am, qt_dtype dt) {
+#endif
+static void block64_avx2(float *out, const uint8_t *p, const float *code, float am, qt_dtype dt) {
     __m256 t0 = _mm256_loadu_ps(code), t1 = _mm256_loadu_ps(code + 8), s = _mm256_set1_ps(am);
     for (int k = 0; k < 4; k++) {
         __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * k)));
@@ -219,7 +219,21 @@ static void block64(float *out, const uint8_t *p, const float *code, float am, q
     if (dt != QT_F32)
         for (int i = 0; i < 64; i++) out[i] = round_dt(out[i], dt);
 }
+
+#if defined(__AVX512F__)
+static int simd_level = 2;
+#else
+static int simd_level = 1;
 #endif
+int qt_q4_set_simd(int level) {
+    int was = simd_level;
+#if defined(__AVX512F__)
+    simd_level = level < 0 ? 0 : level > 2 ? 2 : level;
+#else
+    simd_level = level < 0 ? 0 : level > 1 ? 1 : level;
+#endif
+    return was;
+}
 
 void qt_q4_dequantize(const qt_q4_weight *w, size_t e0, size_t e1, float *out) {
     const uint8_t *p = qt_q4_packed(w);
@@ -229,8 +243,12 @@ void qt_q4_dequantize(const qt_q4_weight *w, size_t e0, size_t e1, float *out) {
     while (e < e1) {
         size_t b = e / bs, end = (b + 1) * bs < e1 ? (b + 1) * bs : e1;
         float am = qt_q4_block_absmax(w, b);
-        if (bs == 64 && e == b * bs && end == e + 64) {
-            block64(out + (e - e0), p + e / 2, w->code, am, dt);
+        if (simd_level && bs == 64 && e == b * bs && end == e + 64) {
+#if defined(__AVX512F__)
+            if (simd_level == 2) block64_avx512(out + (e - e0), p + e / 2, w->code, am, dt);
+            else
+#endif
+                block64_avx2(out + (e - e0), p + e / 2, w->code, am, dt);
             e = end;
             continue;
         }

@@ -90,6 +90,9 @@ float qt_q4_block_absmax(const qt_q4_weight *w, size_t b);
 /* Elements [e0, e1) of the flattened weight, dequantized and rounded to
  * w->dtype, as f32 into out. AVX-512 or AVX2 where compiled in. */
 void qt_q4_dequantize(const qt_q4_weight *w, size_t e0, size_t e1, float *out);
+/* The dequantization path (tests): 0 scalar, 1 AVX2, 2 AVX-512 (capped at
+ * what is compiled in); returns the previous level. */
+int qt_q4_set_simd(int level);
 /* Checks a header against the bytes it claims: QT_OK, or QT_EINVAL naming
  * what is wrong (what: the tensor, for the message). */
 int qt_q4_check(const qt_q4_weight *w, size_t bytes, const char *what);

@@ -25,7 +25,8 @@ def run_driver(tmp_path, x, rows, cols, qtype, nested, dtype):
     subprocess.run([DRIVER, str(inp), str(rows), str(cols), qtype, str(int(nested)), dtype, str(out)], check=True)
     rd = lambda name, dt: np.fromfile(out / name, dtype=dt)  # noqa: E731
     return {k: rd(k, dt) for k, dt in (("packed.bin", np.uint8), ("absmax.bin", np.uint8 if nested else F),
-                                       ("dequant.f32", F), ("dequant_rows.f32", F), ("tables.f32", F))} | (
+                                       ("dequant.f32", F), ("dequant_rows.f32", F),
+                                       ("dequant_scalar.f32", F), ("dequant_avx2.f32", F), ("tables.f32", F))} | (
         {"absmax2.bin": rd("absmax2.bin", F), "offset.f32": rd("offset.f32", F)} if nested else {})
 
 
@@ -68,7 +69,8 @@ def check(tmp_path, rows, cols, qtype, nested, dtype, seed=0):
         assert np.array_equal(got["absmax.bin"].view(np.uint32), absmax.view(np.uint32))
     want = to_dtype(bnb_ref.dequantize_4bit(packed, absmax, code4, rows * cols, 64), dtype)
     assert np.array_equal(got["dequant.f32"].view(np.uint32), want.view(np.uint32)), "dequantized values differ"
-    assert np.array_equal(got["dequant_rows.f32"].view(np.uint32), want.view(np.uint32))
+    for k in ("dequant_rows.f32", "dequant_scalar.f32", "dequant_avx2.f32"):
+        assert np.array_equal(got[k].view(np.uint32), want.view(np.uint32)), k
     return x, want
 
 

@@ -53,6 +53,13 @@ int main(int argc, char **argv) {
         e = e1, len = len % 97 + 1;
     }
     put(out, "dequant_rows.f32", deq, n * 4);
+    /* every SIMD path compiled in must give the same bits: scalar, AVX2 (and AVX-512, the default where built) */
+    for (int level = 0; level < 2; level++) {
+        int was = qt_q4_set_simd(level);
+        qt_q4_dequantize(w, 0, n, deq);
+        qt_q4_set_simd(was);
+        put(out, level ? "dequant_avx2.f32" : "dequant_scalar.f32", deq, n * 4);
+    }
     float tables[16 + 16 + 256];
     for (int i = 0; i < 16; i++) tables[i] = qt_q4_nf4_code[i], tables[16 + i] = qt_q4_fp4_code[i];
     for (int i = 0; i < 256; i++) tables[32 + i] = qt_q8_dynamic_map()[i];
