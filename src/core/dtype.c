@@ -4,10 +4,10 @@
 #include <immintrin.h>
 #include <strings.h>
 
-size_t qt_dtype_size(qt_dtype t) { return t == QT_F32 ? 4 : 2; }
+size_t qt_dtype_size(qt_dtype t) { return t == QT_F32 ? 4 : t == QT_Q4 ? 1 : 2; }
 
 const char *qt_dtype_name(qt_dtype t) {
-    return t == QT_F32 ? "f32" : t == QT_F16 ? "f16" : "bf16";
+    return t == QT_F32 ? "f32" : t == QT_F16 ? "f16" : t == QT_Q4 ? "q4" : "bf16";
 }
 
 const char *qt_dtype_st_name(qt_dtype t) {

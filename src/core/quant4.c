@@ -139,9 +139,9 @@ void qt_q4_init(qt_q4_weight *w, qt_q4_type t, qt_dtype dtype, uint64_t rows, ui
     w->rows = rows, w->cols = cols;
     w->nb = (n + (size_t)blocksize - 1) / (size_t)blocksize;
     w->nb2 = nested ? (w->nb + QT_Q4_BLOCK2 - 1) / QT_Q4_BLOCK2 : 0;
-    w->packed_off = align64(sizeof *w);
-    w->absmax_off = w->packed_off + align64((n + 1) / 2);
-    w->absmax2_off = nested ? w->absmax_off + align64(w->nb) : 0;
+    w->packed_off = (int64_t)align64(sizeof *w);
+    w->absmax_off = w->packed_off + (int64_t)align64((n + 1) / 2);
+    w->absmax2_off = nested ? w->absmax_off + (int64_t)align64(w->nb) : 0;
     w->bytes = qt_q4_bytes(rows, cols, blocksize, nested);
     memcpy(w->code, t == QT_Q4_FP4 ? qt_q4_fp4_code : qt_q4_nf4_code, sizeof w->code);
     if (nested) memcpy(w->code2, dynamic.f, sizeof w->code2);
@@ -235,26 +235,40 @@ int qt_q4_set_simd(int level) {
     return was;
 }
 
+void qt_q4_view(const qt_q4_weight *w, const void *w_at, const void *view_at, uint64_t row0, uint64_t rows,
+                qt_q4_weight *view) {
+    *view = *w;
+    const int64_t d = (int64_t)((intptr_t)w_at - (intptr_t)view_at);
+    view->packed_off += d, view->absmax_off += d;
+    if (w->nested) view->absmax2_off += d;
+    view->e0 = w->e0 + row0 * w->cols;
+    view->rows = rows;
+    view->bytes = sizeof *view;
+}
+
 void qt_q4_dequantize(const qt_q4_weight *w, size_t e0, size_t e1, float *out) {
     const uint8_t *p = qt_q4_packed(w);
     size_t bs = w->blocksize;
     qt_dtype dt = (qt_dtype)w->dtype;
-    size_t e = e0;
+    /* e counts in the data's numbering; out[0] is its value base */
+    const size_t base = e0 + w->e0;
+    e1 += w->e0;
+    size_t e = base;
     while (e < e1) {
         size_t b = e / bs, end = (b + 1) * bs < e1 ? (b + 1) * bs : e1;
         float am = qt_q4_block_absmax(w, b);
         if (simd_level && bs == 64 && e == b * bs && end == e + 64) {
 #if defined(__AVX512F__)
-            if (simd_level == 2) block64_avx512(out + (e - e0), p + e / 2, w->code, am, dt);
+            if (simd_level == 2) block64_avx512(out + (e - base), p + e / 2, w->code, am, dt);
             else
 #endif
-                block64_avx2(out + (e - e0), p + e / 2, w->code, am, dt);
+                block64_avx2(out + (e - base), p + e / 2, w->code, am, dt);
             e = end;
             continue;
         }
         for (; e < end; e++) {
             uint8_t byte = p[e / 2];
-            out[e - e0] = round_dt(w->code[(e & 1) ? byte & 15 : byte >> 4] * am, dt);
+            out[e - base] = round_dt(w->code[(e & 1) ? byte & 15 : byte >> 4] * am, dt);
         }
     }
 }
@@ -262,6 +276,7 @@ void qt_q4_dequantize(const qt_q4_weight *w, size_t e0, size_t e1, float *out) {
 int qt_q4_check(const qt_q4_weight *w, size_t bytes, const char *what) {
     if (bytes < sizeof *w || w->magic != QT_Q4_MAGIC)
         return QT_ERR(QT_EINVAL, "%s is not a 4-bit weight block", what);
+    if (w->bytes == sizeof *w) return QT_OK; /* a view: its data was checked with the block it points into */
     if (w->type > QT_Q4_FP4 || w->blocksize < 2 || (w->blocksize & (w->blocksize - 1)) || w->blocksize > 4096 ||
         (w->nested && w->blocksize2 != QT_Q4_BLOCK2) || w->bytes != bytes ||
         w->bytes != qt_q4_bytes(w->rows, w->cols, (int)w->blocksize, (int)w->nested))

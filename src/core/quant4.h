@@ -64,7 +64,9 @@ typedef struct {
     uint32_t blocksize2; /* absmax values per nested absmax */
     uint64_t rows, cols; /* the weight's shape (OUT, IN) */
     uint64_t nb, nb2;    /* absmax values, nested absmax values */
-    uint64_t packed_off, absmax_off, absmax2_off, bytes;
+    int64_t packed_off, absmax_off, absmax2_off; /* bytes from this header (a view's point into another block) */
+    uint64_t bytes;      /* of the whole block (a view: of its header) */
+    uint64_t e0;         /* a view: its first value's index in the data it points into; else 0 */
     float offset;        /* nested: added to every dequantized absmax */
     float code[16];      /* quant_map */
     float code2[256];    /* nested_quant_map */
@@ -77,6 +79,13 @@ size_t qt_q4_bytes(uint64_t rows, uint64_t cols, int blocksize, int nested);
  * about to be quantized or read; the data parts are left to the caller. */
 void qt_q4_init(qt_q4_weight *w, qt_q4_type t, qt_dtype dtype, uint64_t rows, uint64_t cols, int blocksize,
                 int nested);
+/* A (rows, cols) view of rows [row0, row0 + rows) of w, in a header of its
+ * own (the fused q/k/v of the original Qwen: k and v are row slices of one
+ * quantized c_attn). w is a copy of the header that lives at w_at, the view
+ * will live at view_at (device addresses); its offsets point from there
+ * into w's data. */
+void qt_q4_view(const qt_q4_weight *w, const void *w_at, const void *view_at, uint64_t row0, uint64_t rows,
+                qt_q4_weight *view);
 static inline uint8_t *qt_q4_packed(const qt_q4_weight *w) { return (uint8_t *)w + w->packed_off; }
 static inline void *qt_q4_absmax(const qt_q4_weight *w) { return (uint8_t *)w + w->absmax_off; }
 static inline float *qt_q4_absmax2(const qt_q4_weight *w) { return (float *)((uint8_t *)w + w->absmax2_off); }
@@ -87,7 +96,7 @@ static inline float *qt_q4_absmax2(const qt_q4_weight *w) { return (float *)((ui
 int qt_q4_quantize_weight(qt_q4_weight *w, const void *x, qt_dtype sdt);
 /* The float32 absmax of block b (nested: code2[q] * absmax2 + offset). */
 float qt_q4_block_absmax(const qt_q4_weight *w, size_t b);
-/* Elements [e0, e1) of the flattened weight, dequantized and rounded to
+/* Values [e0, e1) of the flattened weight (a view's own numbering), dequantized and rounded to
  * w->dtype, as f32 into out. AVX-512 or AVX2 where compiled in. */
 void qt_q4_dequantize(const qt_q4_weight *w, size_t e0, size_t e1, float *out);
 /* The dequantization path (tests): 0 scalar, 1 AVX2, 2 AVX-512 (capped at

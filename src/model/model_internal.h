@@ -211,6 +211,7 @@ struct qt_model {
     int n_imported;
     char *stream_block;    /* inference: one block holding the matrices a decode step reads whole */
     size_t stream_size, stream_used;
+    size_t quant_bytes;   /* 4-bit blocks of the base (opts.quant4) */
 
     qt_wref wte;           /* (V, C) */
     qt_wref lm_head;       /* (V, C), the embedding when tied */

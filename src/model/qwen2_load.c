@@ -23,6 +23,7 @@
 #include "core/log.h"
 #include "core/mem.h"
 #include "core/rng.h"
+#include "core/quant4.h"
 #include "model/model_internal.h"
 #include "model/params_io.h"
 #include "model/precision.h"
@@ -71,8 +72,19 @@ static int check_opts(const qt_model_opts *o) {
     } else if (o->lora_save || o->lora_layers_set) {
         return QT_ERR(QT_EINVAL, "model options: modules_to_save and layers_to_transform need LoRA (opts.lora = 1)");
     }
+    if (o->quant4 && !o->infer && !o->lora)
+        return QT_ERR(QT_EINVAL, "a 4-bit base is frozen: full fine-tuning cannot update it; add a \"lora\" section "
+                                 "(QLoRA) or drop \"quantization\"");
+    if (o->quant4 && o->quant4_type != QT_Q4_NF4 && o->quant4_type != QT_Q4_FP4)
+        return QT_ERR(QT_EINVAL, "model options: quant4_type %d is neither nf4 nor fp4", o->quant4_type);
     return QT_OK;
 }
+
+/* 1 when layer linear j is quantized at load. */
+static int lin_quantized(const qt_model *m, int j) {
+    return m->opts.quant4 && !(m->opts.quant4_skip & qt_lin_flag[j]);
+}
+
 
 static float *find_param(qt_model *m, float *block, const char *name) {
     if (!block) return NULL;
@@ -193,6 +205,54 @@ static int import(qt_model *m, const st_tensor *t, const void **dev, const char 
     return QT_OK;
 }
 
+/* A frozen layer matrix quantized to 4 bits from the file's mapping: the
+ * block built on the host (one tensor at a time; the 16-bit tensor is only
+ * ever the mapping, and its pages are handed back), then uploaded. Its
+ * dequantized values round to the dtype the 16-bit path would hold: the
+ * compute dtype when training in f16/bf16, else the file's. */
+static int quant_matrix(qt_model *m, const st_tensor *t, int64_t d0, int64_t d1, qt_wref *w, const char *name) {
+    qt_backend *be = m->be;
+    if (strcmp(be->desc->name, "cpu") && strcmp(be->desc->name, "guard"))
+        return QT_ERR(QT_EUNSUPPORTED, "a 4-bit base runs on the cpu backend only so far (not %s); use \"device\": "
+                                       "\"cpu\" or drop \"quantization\"", be->desc->name);
+    const qt_dtype cd = m->opts.compute;
+    const qt_dtype dt = !m->infer && cd != QT_F32 ? cd : t->dtype;
+    const size_t bytes = qt_q4_bytes((uint64_t)d0, (uint64_t)d1, QT_Q4_BLOCK, m->opts.quant4_nested);
+    qt_q4_weight *host = qt_malloc(bytes, "model: 4-bit staging");
+    if (!host) return QT_ENOMEM;
+    qt_q4_init(host, (qt_q4_type)m->opts.quant4_type, dt, (uint64_t)d0, (uint64_t)d1, QT_Q4_BLOCK,
+               m->opts.quant4_nested);
+    int rc = qt_q4_quantize_weight(host, t->data, t->dtype);
+    void *dev = rc == QT_OK ? be->alloc(be, QT_MEM_DEVICE, bytes, name) : NULL;
+    if (rc == QT_OK && !dev) rc = QT_ENOMEM;
+    if (rc == QT_OK) rc = own(m, dev);
+    if (rc == QT_OK) {
+        be->upload(be, dev, host, bytes);
+        drop_mapped_pages(t->data, t->nbytes);
+        m->quant_bytes += bytes;
+        w->p = dev;
+        w->dt = QT_Q4;
+    }
+    qt_free(host);
+    return rc;
+}
+
+/* Rows [r0, r0 + rows) of a 4-bit matrix (the original Qwen's k and v in
+ * its fused c_attn): a view header of its own in device memory. */
+static int quant_rows(qt_model *m, const qt_wref *f, size_t r0, int rows, qt_wref *w) {
+    qt_backend *be = m->be;
+    qt_q4_weight hdr, view;
+    be->download(be, &hdr, f->p, sizeof hdr);
+    void *dev = be->alloc(be, QT_MEM_DEVICE, sizeof view, "model: 4-bit row view");
+    if (!dev) return QT_ENOMEM;
+    QT_TRY(own(m, dev));
+    qt_q4_view(&hdr, f->p, dev, r0, (uint64_t)rows, &view);
+    be->upload(be, dev, &view, sizeof view);
+    w->p = dev;
+    w->dt = QT_Q4;
+    return QT_OK;
+}
+
 /* Inference: a decode step reads every layer matrix and the lm_head whole,
  * once a token, so its speed is the speed of that read. From the file mapping
  * (4 KiB page-cache pages) the 0.5B bf16 decode ran at 21.5 tok/s (median of
@@ -222,7 +282,7 @@ static size_t stream_bytes(const qt_model *m, const char *emb) {
         for (int j = 0; j < LIN_COUNT; j++) {
             if (!qt_lin_owns(c, j)) continue;
             snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->lin[j]);
-            if ((t = st_find(m->st, name))) total += stream_span(t);
+            if (!lin_quantized(m, j) && (t = st_find(m->st, name))) total += stream_span(t);
         }
     return total;
 }
@@ -231,10 +291,11 @@ static size_t stream_bytes(const qt_model *m, const char *emb) {
  * mapping itself on the cpu backend), copied into the stream block
  * (inference, streamed), or, training in f16/bf16, converted to the compute
  * dtype. */
-static int base_matrix(qt_model *m, const char *name, int64_t d0, int64_t d1, qt_wref *w, int streamed) {
+static int base_matrix(qt_model *m, const char *name, int64_t d0, int64_t d1, qt_wref *w, int streamed, int quant) {
     const st_tensor *t;
     int64_t shape[2] = {d0, d1};
     QT_TRY(st_expect(m->st, name, 2, shape, &t));
+    if (quant) return quant_matrix(m, t, d0, d1, w, name);
     qt_backend *be = m->be;
     w->dt = t->dtype;
     if (streamed && m->stream_block && m->stream_size - m->stream_used >= t->nbytes) {
@@ -428,14 +489,14 @@ static int load_vocab_mats(qt_model *m) {
     qt_wref base = {0};
     const int base_used = !(sv & QT_SAVE_EMBED) || (tied && !(sv & QT_SAVE_LM_HEAD));
     const char *streamed = stream_vocab_name(m, emb);
-    if (base_used) QT_TRY(base_matrix(m, emb, V, C, &base, streamed == emb));
+    if (base_used) QT_TRY(base_matrix(m, emb, V, C, &base, streamed == emb, 0));
     if (sv & QT_SAVE_EMBED) QT_TRY(saved_module(m, QT_SAVE_EMBED, emb, !base_used && !tied, &m->wte, &m->dwte, NULL));
     else m->wte = base;
     if (sv & QT_SAVE_LM_HEAD)
         return saved_module(m, QT_SAVE_LM_HEAD, tied ? emb : "lm_head.weight", !base_used, &m->lm_head, &m->dlm_head,
                             &m->lm_head_off);
     if (tied) m->lm_head = base;
-    else QT_TRY(base_matrix(m, "lm_head.weight", V, C, &m->lm_head, 1));
+    else QT_TRY(base_matrix(m, "lm_head.weight", V, C, &m->lm_head, 1, 0));
     return QT_OK;
 }
 
@@ -497,14 +558,14 @@ static int load_frozen(qt_model *m, const char *dir) {
             if (!qt_lin_owns(c, j)) { /* k and v of a fused c_attn: row slices of q's tensor, no copy */
                 const qt_linear *f = &L->lin[LIN_Q];
                 size_t r0 = (size_t)qt_lin_row0(c, j);
-                q->w.dt = f->w.dt;
-                q->w.p = (const char *)f->w.p + r0 * (size_t)q->in * qt_dtype_size(f->w.dt);
+                if (f->w.dt == QT_Q4) QT_TRY(quant_rows(m, &f->w, r0, q->out, &q->w));
+                else q->w.p = (const char *)f->w.p + r0 * (size_t)q->in * qt_dtype_size(f->w.dt), q->w.dt = f->w.dt;
                 q->b = f->b ? f->b + r0 : NULL;
                 continue;
             }
             int rows = ly->fused_qkv && j == LIN_Q ? qt_lin_fused_rows(c) : q->out;
             snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->lin[j]);
-            QT_TRY(base_matrix(m, name, rows, q->in, &q->w, 1));
+            QT_TRY(base_matrix(m, name, rows, q->in, &q->w, 1, lin_quantized(m, j)));
             if (qt_lin_has_bias(c, j)) {
                 snprintf(name, sizeof name, "%s.%d.%s.bias", ly->layers, l, ly->lin[j]);
                 QT_TRY(base_vector(m, name, rows, small));

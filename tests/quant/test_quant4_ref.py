@@ -71,6 +71,8 @@ def check(tmp_path, rows, cols, qtype, nested, dtype, seed=0):
     assert np.array_equal(got["dequant.f32"].view(np.uint32), want.view(np.uint32)), "dequantized values differ"
     for k in ("dequant_rows.f32", "dequant_scalar.f32", "dequant_avx2.f32"):
         assert np.array_equal(got[k].view(np.uint32), want.view(np.uint32)), k
+    view = np.fromfile(tmp_path / "out" / "dequant_view.f32", dtype=F)
+    assert np.array_equal(view.view(np.uint32), want[cols:].view(np.uint32)), "a row view differs"
     return x, want
 
 

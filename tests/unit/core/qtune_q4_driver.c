@@ -60,6 +60,13 @@ int main(int argc, char **argv) {
         qt_q4_set_simd(was);
         put(out, level ? "dequant_avx2.f32" : "dequant_scalar.f32", deq, n * 4);
     }
+    if (rows > 1) { /* rows [1, rows) through a view in a header of its own */
+        qt_q4_weight view;
+        qt_q4_view(w, w, &view, 1, rows - 1, &view);
+        if (qt_q4_check(&view, sizeof view, "view")) return 3;
+        qt_q4_dequantize(&view, 0, (rows - 1) * cols, deq);
+        put(out, "dequant_view.f32", deq, (rows - 1) * cols * 4);
+    }
     float tables[16 + 16 + 256];
     for (int i = 0; i < 16; i++) tables[i] = qt_q4_nf4_code[i], tables[16 + i] = qt_q4_fp4_code[i];
     for (int i = 0; i < 256; i++) tables[32 + i] = qt_q8_dynamic_map()[i];

@@ -1,0 +1,143 @@
+"""QLoRA: LoRA on a base whose layer linears are quantized to 4 bits as they
+load (job key "quantization", transformers' BitsAndBytesConfig names), held
+against the PyTorch reference (tests/ref, float64) run on the dequantized
+weights: 20 steps, losses and the LoRA weights within 1e-4, as
+test_train_ref.py holds the 16-bit base. The dequantized folder is made with
+tests/quant/bnb_ref.py, the reference quantizer that core/quant4.c equals bit
+for bit (tests/quant/test_quant4_ref.py)."""
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from trainutil import init_model, run, st, step_lines, write_job, write_tokens
+
+import qwen1_ref  # tests/ref (trainutil puts it on sys.path)
+import test_train_ref as R
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "quant"))
+import bnb_ref  # noqa: E402
+
+
+def dequantized_folder(src, dst, qtype, nested):
+    """A copy of the model folder src whose decoder-layer matrices are replaced by their 4-bit round trip."""
+    shutil.copytree(src, dst)
+    w = st.read(os.path.join(src, "model.safetensors"))
+    code4 = bnb_ref.NF4 if qtype == "nf4" else bnb_ref.FP4
+    code8 = bnb_ref.create_dynamic_map()
+    n_q = 0
+    for k, v in w.items():
+        if v.ndim != 2 or not (".layers." in k or k.startswith("transformer.h.")):
+            continue  # embeddings, lm_head and norms stay 16-bit, as transformers keeps them
+        packed, absmax = bnb_ref.quantize_4bit(v.reshape(-1), qtype, 64)
+        if nested:
+            off, q, am2 = bnb_ref.double_quant(absmax, code8)
+            absmax = bnb_ref.nested_absmax(q, am2, code8, off)
+        w[k] = bnb_ref.dequantize_4bit(packed, absmax, code4, v.size, 64).reshape(v.shape)
+        n_q += 1
+    assert n_q > 0
+    st.write(os.path.join(dst, "model.safetensors"), w)
+    return dst
+
+
+@pytest.mark.parametrize("preset,qtype,nested", [("tiny", "nf4", True), ("tiny-qwen3", "fp4", False),
+                                                 ("tiny-qwen", "nf4", True)])
+def test_qlora_20_steps_match_reference_on_dequantized_base(tmp_path, preset, qtype, nested):
+    d = str(tmp_path)
+    model = init_model(os.path.join(d, "model"), preset)
+    rows = write_tokens(os.path.join(d, "train.jsonl"), R.N_EX, R.T, seed=11, min_len=5)
+    cfg = json.load(open(os.path.join(model, "config.json")))
+    C, H, r = cfg["hidden_size"], cfg["num_attention_heads"], 4
+    if cfg["model_type"] == "qwen":  # the original Qwen: fused c_attn (its k and v are views of one 4-bit block)
+        D, I = cfg["kv_channels"], cfg["intermediate_size"] // 2
+        targets = ["c_attn", "c_proj"]
+        mods = [("transformer.h.%d.attn.c_attn", C, 3 * H * D), ("transformer.h.%d.attn.c_proj", H * D, C),
+                ("transformer.h.%d.mlp.c_proj", I, C)]
+    else:
+        D, KV = cfg.get("head_dim") or C // H, cfg["num_key_value_heads"]
+        targets = ["q_proj", "v_proj"]
+        mods = [("model.layers.%d.self_attn.q_proj", C, H * D), ("model.layers.%d.self_attn.v_proj", C, KV * D)]
+    rng = np.random.default_rng(5)
+    w = {}
+    for l in range(cfg["num_hidden_layers"]):
+        for mod, fan_in, out in mods:
+            key = "base_model.model." + mod % l
+            w[key + ".lora_A.weight"] = (rng.standard_normal((r, fan_in)) * 0.2).astype(np.float32)
+            w[key + ".lora_B.weight"] = (rng.standard_normal((out, r)) * 0.2).astype(np.float32)
+    ad = os.path.join(d, "adapter0")
+    os.makedirs(ad)
+    st.write(os.path.join(ad, "adapter_model.safetensors"), w)
+    json.dump({"peft_type": "LORA", "r": r, "lora_alpha": 8, "lora_dropout": 0.0, "bias": "none",
+               "target_modules": targets, "task_type": "CAUSAL_LM"},
+              open(os.path.join(ad, "adapter_config.json"), "w"))
+    lora = {"r": r, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": targets, "init_from": "adapter0"}
+    job = write_job(os.path.join(d, "job.json"), "model", "out", "train.jsonl", T=R.T, lora=lora, ds=R.DS,
+                    train_opts={"max_steps": R.STEPS})
+    j = json.load(open(job))
+    j["quantization"] = {"load_in_4bit": True, "bnb_4bit_quant_type": qtype, "bnb_4bit_use_double_quant": nested,
+                         "bnb_4bit_compute_dtype": "float32"}
+    json.dump(j, open(job, "w"))
+    run("train", job)
+
+    deq = dequantized_folder(model, os.path.join(d, "deq"), qtype, nested)
+    ref = qwen1_ref.reference(deq, dtype=torch.float64, lora={"r": r, "alpha": 8, "weights": w})
+    losses = R.reference(ref, rows)
+    final = st.read(os.path.join(d, "out", "final", "adapter_model.safetensors"))
+    assert set(final) == set(w)
+    ours = {k: (final[k], ref.lp[k].detach().numpy()) for k in final}
+    worst = R.check(ours, losses, os.path.join(d, "out"))
+    print("QLoRA %s %s nested=%s: max |w - w_ref| = %.3g" % (preset, qtype, nested, worst))
+
+
+def test_qlora_differs_from_the_16bit_base(tmp_path):
+    """The quantization is really applied: the first loss on the 4-bit base is not the 16-bit base's."""
+    d = str(tmp_path)
+    model = init_model(os.path.join(d, "model"), "tiny")
+    write_tokens(os.path.join(d, "train.jsonl"), 8, 16, seed=3)
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    losses = []
+    for q in (None, {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}):
+        out = os.path.join(d, "out%d" % len(losses))
+        job = write_job(os.path.join(d, "job.json"), "model", out, "train.jsonl", lora=lora,
+                        train_opts={"max_steps": 1})
+        j = json.load(open(job))
+        if q:
+            j["quantization"] = q
+        json.dump(j, open(job, "w"))
+        run("train", job)
+        losses.append(step_lines(out)[0]["loss"])
+    assert losses[0] != losses[1]
+
+
+@pytest.mark.parametrize("quant,msg", [
+    ({"load_in_8bit": True}, "8-bit (LLM.int8) bases are not supported"),
+    ({"load_in_4bit": True, "bnb_4bit_quant_type": "int4"}, "must be \"nf4\" or \"fp4\""),
+    ({"load_in_4bit": True, "bnb_4bit_compute_dtype": "bfloat16"}, "bnb_4bit_compute_dtype is bf16 but the run"),
+])
+def test_quantization_refusals(tmp_path, quant, msg):
+    d = str(tmp_path)
+    init_model(os.path.join(d, "model"), "tiny")
+    write_tokens(os.path.join(d, "train.jsonl"), 8, 16, seed=3)
+    job = write_job(os.path.join(d, "job.json"), "model", "out", "train.jsonl",
+                    lora={"r": 4, "target_modules": ["q_proj"]})
+    j = json.load(open(job))
+    j["quantization"] = quant
+    json.dump(j, open(job, "w"))
+    p = run("train", job, check=False)
+    assert p.returncode != 0 and msg in p.stderr, p.stderr
+
+
+def test_full_finetuning_on_a_4bit_base_is_refused(tmp_path):
+    d = str(tmp_path)
+    init_model(os.path.join(d, "model"), "tiny")
+    write_tokens(os.path.join(d, "train.jsonl"), 8, 16, seed=3)
+    job = write_job(os.path.join(d, "job.json"), "model", "out", "train.jsonl")
+    j = json.load(open(job))
+    j["quantization"] = {"load_in_4bit": True}
+    json.dump(j, open(job, "w"))
+    p = run("train", job, check=False)
+    assert p.returncode != 0 and "full fine-tuning cannot update it" in p.stderr, p.stderr
