@@ -7,6 +7,7 @@
 #include "backend/backend.h"
 #include "core/error.h"
 #include "core/mem.h"
+#include "core/quant4.h"
 #include "model/lora_io.h"
 #include "model/memplan.h"
 #include "model/model.h"
@@ -80,6 +81,10 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, i
     mo.lora_save = o->lora ? o->lora_save : 0;
     mo.lora_dropout = 0.1f; /* PEFT's usual setting; the dropout input buffer is counted */
     mo.grad_checkpointing = o->checkpointing;
+    mo.quant4 = o->lora && o->quant4;
+    mo.quant4_type = QT_Q4_NF4; /* nf4 and fp4 take the same bytes */
+    mo.quant4_nested = o->quant4_nested;
+    mo.quant4_skip = o->quant4_skip;
     mo.max_B = o->micro_batch;
     mo.max_T = o->seq_len;
     mo.backend = o->backend;
@@ -104,7 +109,7 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, i
         const uint64_t file_bytes = qt_dtype_size(c->torch_dtype);
         /* LoRA trains its fp32 master directly, in f16/bf16 too (the adapters and modules_to_save's copies
          * have no 2-byte compute copy): the master is "weights" in f32, "master" otherwise */
-        pm->weights = b.base / file_bytes * ws + b.base_f32 + (o->precision == QT_F32 ? b.master : 0);
+        pm->weights = b.base / file_bytes * ws + b.quant4 + b.base_f32 + (o->precision == QT_F32 ? b.master : 0);
     } else {
         pm->weights = o->precision == QT_F32 ? b.master : (uint64_t)n_train * ws + b.base_f32;
     }
@@ -367,6 +372,7 @@ char *qt_plan_json(const char *name, const qt_config *c, const qt_plan_opts *o, 
     if (o->lora) {
         cJSON_AddNumberToObject(r, "lora_r", o->lora_r);
         cJSON_AddStringToObject(r, "lora_targets", targets_str(c, o->lora_targets, t, sizeof t));
+        cJSON_AddStringToObject(r, "base", !o->quant4 ? "16-bit" : o->quant4_nested ? "4-bit, double-quantized" : "4-bit");
         cJSON_AddStringToObject(r, "modules_to_save", saved_str(o->lora_save));
     }
     cJSON_AddStringToObject(r, "backend", desc_name(o));
