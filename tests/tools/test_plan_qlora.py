@@ -45,3 +45,13 @@ def test_quantization_option_counts_half_a_byte_a_weight():
     assert b16["base"] == "16-bit" and q4["base"] == "4-bit"
     p = qtune("plan", "--preset", "tiny", "--quantization", "int8")
     assert p.returncode != 0 and "--quantization must be nf4, fp4 or none" in p.stderr
+
+
+def test_strategies_table_has_qlora_under_20_gb():
+    """The field report's "under 20 GB" LoRA row is reproduced by QLoRA: Qwen-14B, r 8 on c_attn, B 1 x T 512,
+    recomputation, fp16 compute, NF4 base."""
+    out = qtune("plan", "--preset", "qwen-14b", "--checkpointing", "--strategies", check=0).stdout
+    assert "QLoRA 1 card" in out
+    total = [l for l in out.splitlines() if l.startswith("total")][0].split()
+    lora, qlora = float(total[3]), float(total[4])
+    assert qlora < 20 * 1e9 / 2**30 < lora, out
