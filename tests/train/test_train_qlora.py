@@ -184,3 +184,62 @@ def test_qlora_half_compute_equals_the_16bit_path_on_dequantized_weights(tmp_pat
     fa, fb = (st.read(os.path.join(o, "final", "adapter_model.safetensors")) for o in outs)
     for k in fa:
         assert np.allclose(fa[k], fb[k], rtol=1e-4, atol=1e-4), k
+
+
+def test_eval_and_generate_read_the_4bit_base(tmp_path):
+    """qtune eval and generate --quantization: the adapter trained on the 4-bit base evaluated and decoded on
+    it equals the same on the folder of the dequantized weights (eval: the batched forward, generate: the
+    decode's matvec over 4-bit rows)."""
+    d = str(tmp_path)
+    model = init_model(os.path.join(d, "model"), "tiny")
+    write_tokens(os.path.join(d, "train.jsonl"), 8, 16, seed=3)
+    job = write_job(os.path.join(d, "job.json"), "model", "out", "train.jsonl",
+                    lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]},
+                    train_opts={"max_steps": 3})
+    j = json.load(open(job))
+    j["quantization"] = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
+    json.dump(j, open(job, "w"))
+    run("train", job)
+    deq = dequantized_folder(model, os.path.join(d, "deq"), "nf4", True)
+    ad = os.path.join(d, "out", "final")
+    q = ["--quantization", "nf4", "--double-quant"]
+    data = os.path.join(d, "train.jsonl")
+    e4 = json.loads(run("eval", "--model", model, "--adapter", ad, "--data", data, "--seq-len", 16, *q)
+                    .stdout.strip().splitlines()[-1])
+    e16 = json.loads(run("eval", "--model", deq, "--adapter", ad, "--data", data, "--seq-len", 16)
+                     .stdout.strip().splitlines()[-1])
+    e0 = json.loads(run("eval", "--model", model, "--adapter", ad, "--data", data, "--seq-len", 16)
+                    .stdout.strip().splitlines()[-1])
+    assert abs(e4["loss"] - e16["loss"]) <= 1e-6 * e16["loss"], (e4, e16)
+    assert e4["loss"] != e0["loss"]  # the 16-bit base gives another loss: the 4 bits are really read
+    gen = ["generate", "--adapter", ad, "--prompt-ids", "5,6,7,8", "--max-new", 24, "--temperature", 1.0,
+           "--seed", 3]
+    g4 = run(*gen, "--model", model, *q).stdout.split()
+    g16 = run(*gen, "--model", deq).stdout.split()
+    assert len(g4) == 24 and g4 == g16
+    p = run("eval", "--model", model, "--data", data, "--quantization", "int8", check=False)
+    assert p.returncode != 0 and "--quantization must be nf4, fp4 or none" in p.stderr
+
+
+def test_qlora_checkpoint_resume_equals_one_run(tmp_path):
+    """A QLoRA run stopped at step 3 and resumed to 6 ends with the adapter of a 6-step run: the 4-bit base is
+    quantized again on resume, the same bits."""
+    d = str(tmp_path)
+    init_model(os.path.join(d, "model"), "tiny")
+    write_tokens(os.path.join(d, "train.jsonl"), 16, 16, seed=3)
+    finals = []
+    for out, steps in (("one", [6]), ("two", [3, 6])):
+        for s in steps:
+            job = write_job(os.path.join(d, "job.json"), "model", out, "train.jsonl",
+                            lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+                            train_opts={"max_steps": s, "save_steps": 3})
+            j = json.load(open(job))
+            j["quantization"] = {"load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}
+            json.dump(j, open(job, "w"))
+            p = run("train", job)
+            if s == 6 and out == "two":
+                assert "resuming from" in p.stderr and "(step 3 of 6)" in p.stderr, p.stderr
+        finals.append(st.read(os.path.join(d, out, "final", "adapter_model.safetensors")))
+        assert len(step_lines(os.path.join(d, out))) >= 3
+    for k in finals[0]:
+        assert np.array_equal(finals[0][k], finals[1][k]), k
