@@ -144,6 +144,7 @@ static int run_eval(const char *model_dir, const char *tok_path, const char *ada
     o.backend = dev->backend;
     o.device_index = dev->index;
     o.quant4 = q4_type >= 0, o.quant4_type = q4_type, o.quant4_nested = q4_nested;
+    o.progress = stderr;
     if (adapter) QT_TRY(qt_lora_opts_from_adapter(adapter, &cfg, &o));
 
     bpe_tokenizer *tok = NULL;

@@ -826,6 +826,7 @@ int cmd_generate(int argc, char **argv) {
     mo.device_index = dev.index;
     mo.decode_seqs = batch;                     /* a KV cache slot per sequence decoding together */
     mo.quant4 = q4_type >= 0, mo.quant4_type = q4_type, mo.quant4_nested = q4_nested; /* decode reads 4 bits */
+    mo.progress = stderr;
     mo.max_B = (batch + g.ctx - 1) / g.ctx;     /* activations for a step of `batch` rows (1 unless ctx < batch) */
     if (adapter && qt_lora_opts_from_adapter(adapter, &cfg, &mo) != QT_OK) rc = QT_EINVAL;
     if (rc == QT_OK) mo.lora_dropout = 0; /* inference: dropout is off */

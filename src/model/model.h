@@ -15,6 +15,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "core/dtype.h"
 #include "data/batch.h"
@@ -91,6 +92,7 @@ typedef struct {
     int quant4_type;       /* qt_q4_type: QT_Q4_NF4 or QT_Q4_FP4 */
     int quant4_nested;     /* bnb_4bit_use_double_quant: the absmax values quantized too */
     unsigned quant4_skip;  /* QT_LORA_* mask of linears left 16-bit (llm_int8_skip_modules) */
+    FILE *progress;        /* quantizing at load: progress lines there (core/progress.h); NULL: silent */
 } qt_model_opts;
 
 /* Whether LoRA adapts layer l (layers_to_transform), and whether the

@@ -230,6 +230,8 @@ static int quant_matrix(qt_model *m, const st_tensor *t, int64_t d0, int64_t d1,
         be->upload(be, dev, host, bytes);
         drop_mapped_pages(t->data, t->nbytes);
         m->quant_bytes += bytes;
+        m->quant_src_bytes += t->nbytes;
+        qt_progress_set(&m->quant_prog, ++m->quant_done);
         w->p = dev;
         w->dt = QT_Q4;
     }
@@ -505,12 +507,11 @@ int qt_model_stream_fits(size_t bytes, long long avail_kib) {
     return avail_kib < 0 || (double)bytes + (double)margin <= (double)avail_kib * 1024.0;
 }
 
+static int load_frozen_layers(qt_model *m);
+
 static int load_frozen(qt_model *m, const char *dir) {
     const qt_config *c = &m->cfg;
     const qt_layout *ly = qt_config_layout(c);
-    int C = c->hidden_size, D = c->head_dim;
-    char name[160];
-    float *small = m->base_f32;
     if (m->infer && !m->opts.keep_mapped) {
         char emb[160];
         snprintf(emb, sizeof emb, "%s.weight", ly->embed);
@@ -533,6 +534,30 @@ static int load_frozen(qt_model *m, const char *dir) {
         }
     }
     QT_TRY(load_vocab_mats(m));
+    if (m->opts.quant4) {
+        int n = 0;
+        for (int j = 0; j < LIN_COUNT; j++) n += qt_lin_owns(c, j) && lin_quantized(m, j);
+        char what[96];
+        snprintf(what, sizeof what, "quantizing the base to %s%s", qt_q4_type_name((qt_q4_type)m->opts.quant4_type),
+                 m->opts.quant4_nested ? " (double quantization)" : "");
+        qt_progress_start(&m->quant_prog, m->opts.progress, m->opts.progress ? isatty(fileno(m->opts.progress)) : 0,
+                          what, (double)n * c->num_hidden_layers, "matrices");
+    }
+    QT_TRY(load_frozen_layers(m));
+    if (m->opts.quant4) {
+        qt_progress_end(&m->quant_prog);
+        qt_info("4-bit base: %d matrices, %.1f MiB (%.1f MiB in the file's dtype)", m->quant_done,
+                (double)m->quant_bytes / (1 << 20), (double)m->quant_src_bytes / (1 << 20));
+    }
+    return QT_OK;
+}
+
+static int load_frozen_layers(qt_model *m) {
+    const qt_config *c = &m->cfg;
+    const qt_layout *ly = qt_config_layout(c);
+    int C = c->hidden_size, D = c->head_dim;
+    char name[160];
+    float *small = m->base_f32;
     snprintf(name, sizeof name, "%s.weight", ly->final_norm);
     QT_TRY(base_vector(m, name, C, small));
     m->lnf_w = small;

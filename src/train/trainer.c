@@ -102,6 +102,7 @@ static int load_model(qt_trainer *t) {
     o.quant4_type = job->quant.type;
     o.quant4_nested = job->quant.double_quant;
     o.quant4_skip = job->quant.skip;
+    o.progress = t->main ? t->hooks->progress : NULL;
     if (o.quant4 && job->quant.compute_set && (qt_dtype)job->quant.compute != o.compute)
         return QT_ERR(QT_EINVAL, "%s: quantization.bnb_4bit_compute_dtype is %s but the run computes in %s (the "
                                  "DeepSpeed config's bf16/fp16); make them agree", job->path,
