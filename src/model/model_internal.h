@@ -216,6 +216,7 @@ struct qt_model {
     size_t quant_src_bytes; /* ... and the 16-bit (file) bytes they came from */
     qt_progress quant_prog; /* quantizing at load */
     int quant_done;
+    const char *dir;      /* the folder, while qt_model_load runs (messages); NULL after */
 
     qt_wref wte;           /* (V, C) */
     qt_wref lm_head;       /* (V, C), the embedding when tied */

@@ -81,9 +81,9 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, i
     mo.lora_save = o->lora ? o->lora_save : 0;
     mo.lora_dropout = 0.1f; /* PEFT's usual setting; the dropout input buffer is counted */
     mo.grad_checkpointing = o->checkpointing;
-    mo.quant4 = o->lora && o->quant4;
-    mo.quant4_type = QT_Q4_NF4; /* nf4 and fp4 take the same bytes */
-    mo.quant4_nested = o->quant4_nested;
+    mo.quant4 = o->lora && (o->quant4 || c->prequant4); /* a bitsandbytes folder is 4-bit as it is */
+    mo.quant4_type = QT_Q4_NF4;                          /* nf4 and fp4 take the same bytes */
+    mo.quant4_nested = c->prequant4 ? c->prequant4_nested : o->quant4_nested;
     mo.quant4_skip = o->quant4_skip;
     mo.max_B = o->micro_batch;
     mo.max_T = o->seq_len;
@@ -372,7 +372,8 @@ char *qt_plan_json(const char *name, const qt_config *c, const qt_plan_opts *o, 
     if (o->lora) {
         cJSON_AddNumberToObject(r, "lora_r", o->lora_r);
         cJSON_AddStringToObject(r, "lora_targets", targets_str(c, o->lora_targets, t, sizeof t));
-        cJSON_AddStringToObject(r, "base", !o->quant4 ? "16-bit" : o->quant4_nested ? "4-bit, double-quantized" : "4-bit");
+        const int q4 = o->quant4 || c->prequant4, nested = c->prequant4 ? c->prequant4_nested : o->quant4_nested;
+        cJSON_AddStringToObject(r, "base", !q4 ? "16-bit" : nested ? "4-bit, double-quantized" : "4-bit");
         cJSON_AddStringToObject(r, "modules_to_save", saved_str(o->lora_save));
     }
     cJSON_AddStringToObject(r, "backend", desc_name(o));

@@ -453,6 +453,7 @@ static void matvec_rows(float *out, const float *x, const float *xd, const void 
         else rows_dt(out, x, NULL, 0, w, QT_BF16, bias, N, IN, OUT, alpha, accumulate, r0, r1, hint);
         break;
     case QT_Q4: rows_q4(out, x, w, bias, N, IN, OUT, alpha, accumulate, r0, r1); break;
+    case QT_U8: break; /* file bytes, never a weight */
     }
 }
 
