@@ -243,3 +243,44 @@ def test_qlora_checkpoint_resume_equals_one_run(tmp_path):
         assert len(step_lines(os.path.join(d, out))) >= 3
     for k in finals[0]:
         assert np.array_equal(finals[0][k], finals[1][k]), k
+
+
+def mpi_ok():
+    import shutil
+    if not shutil.which("mpirun"):
+        return False
+    cfg = os.path.join(os.environ.get("QTUNE_BUILD_DIR", ""), "generated", "qtune_config.h")
+    return not os.path.exists(cfg) or "QTUNE_HAVE_MPI 1" in open(cfg).read()
+
+
+@pytest.mark.skipif(not mpi_ok(), reason="needs mpirun and a qtune built with MPI")
+def test_qlora_two_ranks_zero2_equal_one_rank(tmp_path):
+    """ZeRO-2 over two ranks with a 4-bit base: each rank quantizes its own copy of the base (replicated), the
+    adapter's gradients and Adam state are sharded; losses equal one rank with twice the accumulation."""
+    import subprocess
+    from trainutil import QTUNE, env
+    d = str(tmp_path)
+    init_model(os.path.join(d, "model"))
+    write_tokens(os.path.join(d, "train.jsonl"), 32, 16, seed=4, min_len=5)
+    ds = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
+          "zero_optimization": {"stage": 2}}
+    job = write_job(os.path.join(d, "job.json"), "model", "out2", "train.jsonl", ds=ds,
+                    lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+                    train_opts={"max_steps": 4})
+    j = json.load(open(job))
+    j["quantization"] = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
+    json.dump(j, open(job, "w"))
+    p = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", QTUNE, "train", job],
+                       capture_output=True, text=True, env=env(), timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    run("train", job, "--set", "output_dir=out1")
+    m2, m1 = step_lines(os.path.join(d, "out2")), step_lines(os.path.join(d, "out1"))
+    assert len(m2) == len(m1) == 4
+    for a, b in zip(m2, m1):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (a, b)
+        assert a["opt_state_bytes"] < 0.6 * b["opt_state_bytes"]
+    w2 = st.read(os.path.join(d, "out2", "final", "adapter_model.safetensors"))
+    w1 = st.read(os.path.join(d, "out1", "final", "adapter_model.safetensors"))
+    for k in w1:
+        assert np.allclose(w2[k], w1[k], rtol=1e-4, atol=3e-5), k
