@@ -183,6 +183,18 @@ static inline float round_dt(float v, qt_dtype dt) {
  * the 16-entry code table with one permute (AVX-512) or two and a blend
  * (AVX2), times the block's absmax, rounded to dt. */
 #if defined(__AVX512F__)
+/* v rounded to dt and back (bf16: to nearest even, as qt_f32_to_bf16 for the
+ * finite values a code times an absmax is; f16: F16C's conversion) */
+static inline __m512 round16_512(__m512 v, qt_dtype dt) {
+    if (dt == QT_BF16) {
+        __m512i u = _mm512_castps_si512(v);
+        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+        return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
+    }
+    if (dt == QT_F16) return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return v;
+}
 static void block64_avx512(float *out, const uint8_t *p, const float *code, float am, qt_dtype dt) {
     __m512 tab = _mm512_loadu_ps(code), s = _mm512_set1_ps(am);
     for (int h = 0; h < 2; h++) {
@@ -195,13 +207,21 @@ static void block64_avx512(float *out, const uint8_t *p, const float *code, floa
         __m512i i0 = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
         __m512i i1 = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
         __m512 r0 = _mm512_permutex2var_ps(a, i0, c), r1 = _mm512_permutex2var_ps(a, i1, c);
-        _mm512_storeu_ps(out + 32 * h, r0);
-        _mm512_storeu_ps(out + 32 * h + 16, r1);
+        _mm512_storeu_ps(out + 32 * h, round16_512(r0, dt));
+        _mm512_storeu_ps(out + 32 * h + 16, round16_512(r1, dt));
     }
-    if (dt != QT_F32)
-        for (int i = 0; i < 64; i++) out[i] = round_dt(out[i], dt);
 }
 #endif
+static inline __m256 round16_256(__m256 v, qt_dtype dt) {
+    if (dt == QT_BF16) {
+        __m256i u = _mm256_castps_si256(v);
+        __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+        return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
+    }
+    if (dt == QT_F16) return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return v;
+}
 static void block64_avx2(float *out, const uint8_t *p, const float *code, float am, qt_dtype dt) {
     __m256 t0 = _mm256_loadu_ps(code), t1 = _mm256_loadu_ps(code + 8), s = _mm256_set1_ps(am);
     for (int k = 0; k < 4; k++) {
@@ -213,11 +233,9 @@ static void block64_avx2(float *out, const uint8_t *p, const float *code, float 
                                     _mm256_castsi256_ps(_mm256_slli_epi32(lo, 28)));
         a = _mm256_mul_ps(a, s), c = _mm256_mul_ps(c, s);
         __m256 u0 = _mm256_unpacklo_ps(a, c), u1 = _mm256_unpackhi_ps(a, c);
-        _mm256_storeu_ps(out + 16 * k, _mm256_permute2f128_ps(u0, u1, 0x20));
-        _mm256_storeu_ps(out + 16 * k + 8, _mm256_permute2f128_ps(u0, u1, 0x31));
+        _mm256_storeu_ps(out + 16 * k, round16_256(_mm256_permute2f128_ps(u0, u1, 0x20), dt));
+        _mm256_storeu_ps(out + 16 * k + 8, round16_256(_mm256_permute2f128_ps(u0, u1, 0x31), dt));
     }
-    if (dt != QT_F32)
-        for (int i = 0; i < 64; i++) out[i] = round_dt(out[i], dt);
 }
 
 #if defined(__AVX512F__)
