@@ -55,3 +55,23 @@ def test_strategies_table_has_qlora_under_20_gb():
     total = [l for l in out.splitlines() if l.startswith("total")][0].split()
     lora, qlora = float(total[3]), float(total[4])
     assert qlora < 20 * 1e9 / 2**30 < lora, out
+
+
+def test_skip_modules_stay_16bit_in_the_plan(tmp_path):
+    """llm_int8_skip_modules: the named linears keep their 16-bit bytes (lm_head is 16-bit anyway)."""
+    SHAPES["qlora"] = SHAPES["lora"]
+    try:
+        job = write_shape_job(tmp_path, "qlora")
+    finally:
+        del SHAPES["qlora"]
+    sizes = []
+    for skip in (None, ["lm_head"], ["down_proj", "lm_head"]):
+        job["quantization"] = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "llm_int8_skip_modules": skip}
+        (tmp_path / "job.json").write_text(json.dumps(job))
+        sizes.append(json.loads(qtune("plan", tmp_path / "job.json", "--json", check=0).stdout)
+                     ["per_device_bytes"]["weights"])
+    c = SHAPES["lora"][0]
+    down = c["num_hidden_layers"] * c["intermediate_size"] * c["hidden_size"]
+    assert sizes[0] == sizes[1]
+    # the file is f32 (torch_dtype float32): a skipped weight counts 4 bytes instead of 0.5 + absmax
+    assert abs((sizes[2] - sizes[0]) - down * (4 - 0.5 - 4 / 64)) < 0.01 * down, sizes

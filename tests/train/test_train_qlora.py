@@ -108,8 +108,12 @@ def test_qlora_differs_from_the_16bit_base(tmp_path):
         if q:
             j["quantization"] = q
         json.dump(j, open(job, "w"))
-        run("train", job)
+        p = run("train", job)
         losses.append(step_lines(out)[0]["loss"])
+        if q:  # quantized one tensor at a time, with its sizes said once (tiny: 2 layers x 7 linears)
+            assert "4-bit base: 14 matrices" in p.stderr, p.stderr
+        else:
+            assert "4-bit base" not in p.stderr
     assert losses[0] != losses[1]
 
 
@@ -284,3 +288,22 @@ def test_qlora_two_ranks_zero2_equal_one_rank(tmp_path):
     w1 = st.read(os.path.join(d, "out1", "final", "adapter_model.safetensors"))
     for k in w1:
         assert np.allclose(w2[k], w1[k], rtol=1e-4, atol=3e-5), k
+
+
+def test_skip_modules_load_16bit(tmp_path):
+    """llm_int8_skip_modules: down_proj stays 16-bit (12 of the tiny model's 14 linears are quantized); an
+    unknown module name is refused by name."""
+    d = str(tmp_path)
+    init_model(os.path.join(d, "model"), "tiny")
+    write_tokens(os.path.join(d, "train.jsonl"), 8, 16, seed=3)
+    for skip, ok in ((["model.layers.0.mlp.down_proj", "lm_head"], True), (["mlp.down_projj"], False)):
+        job = write_job(os.path.join(d, "job.json"), "model", "out", "train.jsonl",
+                        lora={"r": 4, "target_modules": ["q_proj"]}, train_opts={"max_steps": 1})
+        j = json.load(open(job))
+        j["quantization"] = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "llm_int8_skip_modules": skip}
+        json.dump(j, open(job, "w"))
+        p = run("train", job, check=ok)
+        if ok:
+            assert "4-bit base: 12 matrices" in p.stderr, p.stderr
+        else:
+            assert p.returncode != 0 and "down_projj" in p.stderr, p.stderr
