@@ -38,6 +38,7 @@ static void generate_help(void) {
            "--max-new tokens.\n\n"
            "  --model DIR        Hugging Face model folder (config.json, safetensors, tokenizer.json)\n"
            "  --adapter DIR      PEFT LoRA adapter folder to apply\n"
+           "  --quantization nf4|fp4  the base's layer linears in 4 bits (QLoRA), --double-quant for double quantization\n"
            "  --tokenizer PATH   tokenizer.json (or a folder holding one) when --model has none\n"
            "  --prompt TEXT      continue this text (no template)\n"
            "  --chat             chat in ChatML: each stdin line is a user turn; the history is kept\n"
@@ -698,7 +699,7 @@ int cmd_generate(int argc, char **argv) {
     const char *model = NULL, *adapter = NULL, *prompt = NULL, *prompt_ids = NULL, *tok_path = NULL;
     const char *system = NULL; /* the template's default system message */
     const char *device = NULL, *prompts_file = NULL;
-    int chat = 0, json = 0, max_new = 256, ctx = 0, batch = 0;
+    int chat = 0, json = 0, max_new = 256, ctx = 0, batch = 0, q4_type = -1, q4_nested = 0;
     uint64_t seed = 42;
     qt_sample_opts so = {0.7f, 0, 1.0f};
     cli_once_list once = {0};
@@ -709,6 +710,12 @@ int cmd_generate(int argc, char **argv) {
         if (!strcmp(a, "--model")) { NEED_VALUE(); model = v; }
         else if (!strcmp(a, "--adapter")) { NEED_VALUE(); adapter = v; }
         else if (!strcmp(a, "--tokenizer")) { NEED_VALUE(); tok_path = v; }
+        else if (!strcmp(a, "--double-quant")) q4_nested = 1;
+        else if (!strcmp(a, "--quantization")) {
+            NEED_VALUE();
+            int st = cli_quant_type("generate", v, &q4_type);
+            if (st != QT_EXIT_OK) return st;
+        }
         else if (!strcmp(a, "--prompt")) { NEED_VALUE(); prompt = v; }
         else if (!strcmp(a, "--prompt-ids")) { NEED_VALUE(); prompt_ids = v; }
         else if (!strcmp(a, "--prompts")) { NEED_VALUE(); prompts_file = v; }
@@ -818,6 +825,8 @@ int cmd_generate(int argc, char **argv) {
     mo.backend = dev.backend;
     mo.device_index = dev.index;
     mo.decode_seqs = batch;                     /* a KV cache slot per sequence decoding together */
+    mo.quant4 = q4_type >= 0, mo.quant4_type = q4_type, mo.quant4_nested = q4_nested; /* decode reads 4 bits */
+    mo.progress = stderr;
     mo.max_B = (batch + g.ctx - 1) / g.ctx;     /* activations for a step of `batch` rows (1 unless ctx < batch) */
     if (adapter && qt_lora_opts_from_adapter(adapter, &cfg, &mo) != QT_OK) rc = QT_EINVAL;
     if (rc == QT_OK) mo.lora_dropout = 0; /* inference: dropout is off */

@@ -40,6 +40,9 @@ static void plan_help(void) {
            "  --micro-batch B       default 1\n"
            "  --seq-len T           default 512\n"
            "  --checkpointing       activation recomputation\n"
+           "  --quantization nf4|fp4|none  QLoRA (with --mode lora): the layers' linears in 4 bits, 0.5 byte a\n"
+           "                        weight plus a float32 absmax per 64 (the job's \"quantization\" key)\n"
+           "  --double-quant        bnb_4bit_use_double_quant: the absmax values in 8 bits too\n"
            "  --device-memory GiB   memory of one card (default 32)\n"
            "  --lora-r R            default 8\n"
            "  --lora-targets LIST   comma-separated: q,k,v,o,gate,up,down or PEFT names; all-linear (default q,v;\n"
@@ -138,6 +141,7 @@ int cmd_plan(int argc, char **argv) {
         if (!strcmp(argv[i], "--set")) sets[n_sets++] = argv[++i];
         else if (!strcmp(argv[i], "--devices") && i + 1 < argc) parse_int(argv[++i], 1, 4096, &ranks);
         else if (argv[i][0] != '-' && (i == 1 || argv[i - 1][0] != '-' || !strcmp(argv[i - 1], "--checkpointing") ||
+                                      !strcmp(argv[i - 1], "--double-quant") ||
                                       !strcmp(argv[i - 1], "--strategies") || !strcmp(argv[i - 1], "--json") ||
                                       !strcmp(argv[i - 1], "--overlap-comm")))
             job_path = argv[i];
@@ -221,6 +225,13 @@ int cmd_plan(int argc, char **argv) {
             if (parse_int(v, 1, 1 << 22, &o.seq_len))
                 return cli_usage_error("plan", "--seq-len must be a whole number from 1 to %d, not '%s'", 1 << 22, v);
         } else if (!strcmp(a, "--checkpointing")) o.checkpointing = 1;
+        else if (!strcmp(a, "--double-quant")) o.quant4_nested = 1;
+        else if (!strcmp(a, "--quantization")) {
+            NEED_VALUE();
+            if (!strcmp(v, "nf4") || !strcmp(v, "fp4")) o.quant4 = 1;
+            else if (!strcmp(v, "none")) o.quant4 = 0;
+            else return cli_usage_error("plan", "--quantization must be nf4, fp4 or none, not '%s'", v);
+        }
         else if (!strcmp(a, "--device-memory")) {
             NEED_VALUE();
             if (parse_num(v, &o.device_gib))

@@ -478,6 +478,10 @@ static uint32_t file_type(gguf_type t) {
 
 static int load_config(const char *dir, qt_config *cfg, const arch_map **a) {
     QT_TRY(qt_config_load(dir, cfg));
+    if (cfg->prequant4)
+        return QT_ERR(QT_EUNSUPPORTED, "%s is a bitsandbytes 4-bit folder (quantization_config); GGUF export reads "
+                                       "16-bit weights only: give --model the 16-bit folder the 4-bit one was made "
+                                       "from", dir);
     if (!(*a = find_arch((int)cfg->arch)))
         return QT_ERR(QT_EUNSUPPORTED, "%s/config.json: GGUF export writes Qwen2ForCausalLM, Qwen3ForCausalLM, "
                       "LlamaForCausalLM and QWenLMHeadModel models, not %s; convert it with llama.cpp's "

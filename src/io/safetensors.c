@@ -56,6 +56,7 @@ static int dtype_from_st(const char *s, qt_dtype *out) {
     if (!strcmp(s, "F32")) { *out = QT_F32; return 1; }
     if (!strcmp(s, "F16")) { *out = QT_F16; return 1; }
     if (!strcmp(s, "BF16")) { *out = QT_BF16; return 1; }
+    if (!strcmp(s, "U8")) { *out = QT_U8; return 1; } /* a bitsandbytes 4-bit folder's packed weights */
     return 0;
 }
 

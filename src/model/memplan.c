@@ -9,6 +9,7 @@
 #include "backend/backend.h"
 #include "core/error.h"
 #include "core/mem.h"
+#include "core/quant4.h"
 #include "model/model_internal.h"
 
 /* The plan reads only the backend's descriptor (plain facts: chunk sizes,
@@ -487,6 +488,24 @@ static size_t one_d_numel(const qt_config *c, const qt_model_opts *o) {
     return k;
 }
 
+/* The layer linears a 4-bit base quantizes (qwen2_load.c lin_quantized):
+ * their weights (into *numel) and the bytes of their 4-bit blocks. */
+static size_t quant4_bytes(const qt_config *c, const qt_model_opts *o, size_t *numel) {
+    size_t bytes = 0;
+    *numel = 0;
+    if (!o->quant4) return 0;
+    for (int j = 0; j < LIN_COUNT; j++) {
+        if (!qt_lin_owns(c, j) || (o->quant4_skip & qt_lin_flag[j])) continue;
+        int in, out;
+        qt_lin_shape(c, j, &in, &out);
+        if (j == LIN_Q && !qt_lin_owns(c, LIN_K)) out = qt_lin_fused_rows(c); /* the original Qwen's c_attn */
+        *numel += (size_t)in * (size_t)out * (size_t)c->num_hidden_layers;
+        bytes += qt_q4_bytes((uint64_t)out, (uint64_t)in, QT_Q4_BLOCK, o->quant4_nested) *
+                 (size_t)c->num_hidden_layers;
+    }
+    return bytes;
+}
+
 size_t qt_model_memory(const qt_config *c, const qt_model_opts *o, qt_mem_breakdown *out) {
     qt_mem_breakdown b;
     memset(&b, 0, sizeof b);
@@ -517,10 +536,12 @@ size_t qt_model_memory(const qt_config *c, const qt_model_opts *o, qt_mem_breakd
         unsigned sv = o->lora ? o->lora_save : 0;
         if (c->tie_word_embeddings) unused = sv == (QT_SAVE_EMBED | QT_SAVE_LM_HEAD) ? VC : 0;
         else unused = ((sv & QT_SAVE_EMBED) ? VC : 0) + ((sv & QT_SAVE_LM_HEAD) ? VC : 0);
-        b.base = (all - small - unused) * qt_dtype_size(c->torch_dtype);
+        size_t qn;
+        b.quant4 = quant4_bytes(c, o, &qn);
+        b.base = (all - small - unused - qn) * qt_dtype_size(c->torch_dtype);
         /* training in f16/bf16 holds the base in the compute dtype: a copy when the file's differs */
         if (o->lora && !o->infer && o->compute != QT_F32 && c->torch_dtype != o->compute)
-            b.compute_copy = (all - small - unused) * qt_dtype_size(o->compute);
+            b.compute_copy = (all - small - unused - qn) * qt_dtype_size(o->compute);
         b.base_f32 = small * 4;
         if (!o->lora) b.master = 0;
     }
@@ -538,7 +559,7 @@ size_t qt_model_memory(const qt_config *c, const qt_model_opts *o, qt_mem_breakd
     b.workspace = qt_model_workspace_floats(c, o) * 4;
     b.kv_cache = qt_model_kv_floats(c, o) * 4;
     b.total = b.master + b.grads + b.base_f32 + b.activations + b.act_grads + b.workspace + b.kv_cache +
-              b.compute_copy;
+              b.compute_copy + b.quant4;
     if (out) *out = b;
     return b.total;
 }

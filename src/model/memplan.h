@@ -25,6 +25,8 @@ typedef struct {
     size_t kv_cache;    /* inference only: K and V for max_T positions of every layer */
     size_t compute_copy; /* training in f16/bf16: 2-byte copy of the trainable block (full), or the
                             frozen base converted to the compute dtype when the file's differs (LoRA) */
+    size_t quant4;      /* opts.quant4: the 4-bit blocks of the layer linears (0.5 byte a weight plus an
+                           absmax a block, core/quant4.h qt_q4_bytes); not in base or compute_copy */
     size_t total;       /* bytes allocated: everything above except base */
 } qt_mem_breakdown;
 

@@ -15,6 +15,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "core/dtype.h"
 #include "data/batch.h"
@@ -85,6 +86,13 @@ typedef struct {
                               (core/shard.h), as DeepSpeed partitions it; see qt_model_sharded */
     int master_rank;
     int master_on_host;    /* with master_shards: the shard in pinned host memory (offload_optimizer cpu) */
+    int quant4;            /* QLoRA: the decoder layers' linear weights quantized to 4 bits as they load
+                              (bitsandbytes' format, core/quant4.h), one tensor at a time; the embedding,
+                              lm_head and norms stay 16-bit, as transformers keeps them. LoRA or inference only */
+    int quant4_type;       /* qt_q4_type: QT_Q4_NF4 or QT_Q4_FP4 */
+    int quant4_nested;     /* bnb_4bit_use_double_quant: the absmax values quantized too */
+    unsigned quant4_skip;  /* QT_LORA_* mask of linears left 16-bit (llm_int8_skip_modules) */
+    FILE *progress;        /* quantizing at load: progress lines there (core/progress.h); NULL: silent */
 } qt_model_opts;
 
 /* Whether LoRA adapts layer l (layers_to_transform), and whether the

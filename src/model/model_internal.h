@@ -8,6 +8,7 @@
 
 #include "backend/backend.h"
 #include "io/safetensors.h"
+#include "core/progress.h"
 #include "model/memplan.h"
 #include "model/model.h"
 
@@ -211,6 +212,11 @@ struct qt_model {
     int n_imported;
     char *stream_block;    /* inference: one block holding the matrices a decode step reads whole */
     size_t stream_size, stream_used;
+    size_t quant_bytes;   /* 4-bit blocks of the base (opts.quant4) */
+    size_t quant_src_bytes; /* ... and the 16-bit (file) bytes they came from */
+    qt_progress quant_prog; /* quantizing at load */
+    int quant_done;
+    const char *dir;      /* the folder, while qt_model_load runs (messages); NULL after */
 
     qt_wref wte;           /* (V, C) */
     qt_wref lm_head;       /* (V, C), the embedding when tied */

@@ -8,6 +8,7 @@
 #include "core/json_range.h"
 #include "core/log.h"
 #include "core/mem.h"
+#include "core/quant4.h"
 #include "core/words.h"
 #include "data/format.h"
 #include "data/loader.h"
@@ -478,6 +479,86 @@ static int parse_train(const job_ctx *c, const cJSON *root, qt_job_train *t) {
     return QT_OK;
 }
 
+/* "quantization": BitsAndBytesConfig's names. The 4-bit ones are read; the
+ * 8-bit ones refused (LLM.int8 is not implemented); those that change nothing
+ * here are named as ignored. */
+static int parse_quant(const job_ctx *c, const cJSON *root, qt_job_quant *q) {
+    static const char *const known[] = {"load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
+                                        "bnb_4bit_compute_dtype", "llm_int8_skip_modules", "quant_method",
+                                        "load_in_8bit", "bnb_4bit_quant_storage", "llm_int8_threshold",
+                                        "llm_int8_has_fp16_weight", "llm_int8_enable_fp32_cpu_offload", NULL};
+    const cJSON *s;
+    memset(q, 0, sizeof *q);
+    q->type = QT_Q4_FP4; /* BitsAndBytesConfig's default */
+    QT_TRY(section(c, root, "quantization", &s));
+    if (!s) return QT_OK;
+    warn_unknown(c, s, "quantization", known);
+    int l8 = 0;
+    QT_TRY(get_bool(c, s, "quantization", "load_in_8bit", 0, &l8));
+    if (l8)
+        return QT_ERR(QT_EINVAL, "%s: quantization.load_in_8bit: 8-bit (LLM.int8) bases are not supported; use "
+                                 "\"load_in_4bit\": true (QLoRA)", c->where);
+    QT_TRY(get_bool(c, s, "quantization", "load_in_4bit", 0, &q->load_in_4bit));
+    char *v = NULL;
+    QT_TRY(get_str(c, s, "quantization", "quant_method", "bitsandbytes", &v));
+    int bad = strcmp(v, "bitsandbytes") != 0;
+    qt_free(v);
+    if (bad)
+        return QT_ERR(QT_EINVAL, "%s: quantization.quant_method must be \"bitsandbytes\" (the only one qtune reads)",
+                      c->where);
+    QT_TRY(get_str(c, s, "quantization", "bnb_4bit_quant_type", "fp4", &v));
+    if (!strcmp(v, "nf4")) q->type = QT_Q4_NF4;
+    else if (strcmp(v, "fp4")) bad = 1;
+    qt_free(v);
+    if (bad) return QT_ERR(QT_EINVAL, "%s: quantization.bnb_4bit_quant_type must be \"nf4\" or \"fp4\"", c->where);
+    QT_TRY(get_bool(c, s, "quantization", "bnb_4bit_use_double_quant", 0, &q->double_quant));
+    QT_TRY(get_str(c, s, "quantization", "bnb_4bit_compute_dtype", NULL, &v));
+    if (v) {
+        qt_dtype d;
+        int rc = qt_dtype_parse(v, &d);
+        qt_free(v);
+        if (rc != QT_OK) return QT_ERR(QT_EINVAL, "%s: quantization.bnb_4bit_compute_dtype: use float32, bfloat16 "
+                                                  "or float16", c->where);
+        q->compute_set = 1, q->compute = (int)d;
+    }
+    QT_TRY(get_str(c, s, "quantization", "bnb_4bit_quant_storage", "uint8", &v));
+    bad = strcmp(v, "uint8") != 0;
+    qt_free(v);
+    if (bad)
+        return QT_ERR(QT_EINVAL, "%s: quantization.bnb_4bit_quant_storage: only uint8 (the default) is supported",
+                      c->where);
+    static const char *const ignored[] = {"llm_int8_threshold", "llm_int8_has_fp16_weight",
+                                          "llm_int8_enable_fp32_cpu_offload", NULL};
+    for (int i = 0; ignored[i]; i++)
+        if (cJSON_GetObjectItemCaseSensitive(s, ignored[i]))
+            qt_warn("%s: quantization.%s is ignored (it concerns 8-bit bases or offloading)", c->where, ignored[i]);
+    const cJSON *sk = cJSON_GetObjectItemCaseSensitive(s, "llm_int8_skip_modules");
+    if (sk && !cJSON_IsNull(sk)) {
+        if (!cJSON_IsArray(sk))
+            return QT_ERR(QT_EINVAL, "%s: quantization.llm_int8_skip_modules must be a list of module names", c->where);
+        for (const cJSON *e = sk->child; e; e = e->next) {
+            if (!cJSON_IsString(e))
+                return QT_ERR(QT_EINVAL, "%s: quantization.llm_int8_skip_modules must list names", c->where);
+            const char *n = strrchr(e->valuestring, '.') ? strrchr(e->valuestring, '.') + 1 : e->valuestring;
+            if (!strcmp(n, "lm_head") || !strcmp(n, "embed_tokens") || !strcmp(n, "wte")) continue; /* 16-bit anyway */
+            cJSON *one = cJSON_CreateArray();
+            if (!one) return QT_ENOMEM;
+            cJSON_AddItemToArray(one, cJSON_CreateString(n));
+            unsigned m = 0;
+            char w[4300];
+            snprintf(w, sizeof w, "%s: quantization.llm_int8_skip_modules", c->where);
+            int rc = qt_job_lora_targets(one, &m, w);
+            cJSON_Delete(one);
+            QT_TRY(rc);
+            q->skip |= m;
+        }
+    }
+    if (!q->load_in_4bit)
+        qt_warn("%s: \"quantization\" without \"load_in_4bit\": true changes nothing; the base stays 16-bit",
+                c->where);
+    return QT_OK;
+}
+
 /* "deepspeed" or "lora" given as a path (relative to the job): the file is
  * read into an object in its place. A "lora" folder means its
  * adapter_config.json (the LoraConfig PEFT writes). */
@@ -732,7 +813,8 @@ int qt_job_parse(const char *json, const char *dir, const char *where, const cha
     if (rc == QT_OK) rc = load_section_file(&c, root, "lora", &job->lora_path);
     if (rc != QT_OK) { qt_job_free(job); return rc; }
 
-    static const char *const known[] = {"model", "output_dir", "data", "lora", "train", "deepspeed", "device", NULL};
+    static const char *const known[] = {"model",     "output_dir", "data",         "lora", "train",
+                                        "deepspeed", "device",     "quantization", NULL};
     warn_unknown(&c, root, "", known);
     job->dir = qt_strdup(dir);
     job->path = qt_strdup(where);
@@ -761,6 +843,10 @@ int qt_job_parse(const char *json, const char *dir, const char *where, const cha
     }
     if (rc == QT_OK) rc = parse_lora(&lc, root, &job->lora);
     if (rc == QT_OK) rc = parse_train(&c, root, &job->train);
+    if (rc == QT_OK) rc = parse_quant(&c, root, &job->quant);
+    if (rc == QT_OK && job->quant.load_in_4bit && !job->lora.enabled)
+        rc = QT_ERR(QT_EINVAL, "%s: a 4-bit base (quantization.load_in_4bit) is frozen, so full fine-tuning cannot "
+                               "update it; add a \"lora\" section (QLoRA) or drop \"quantization\"", where);
     if (rc == QT_OK) {
         cJSON *ds = cJSON_GetObjectItemCaseSensitive(root, "deepspeed");
         if (ds && !cJSON_IsNull(ds) && !cJSON_IsObject(ds))

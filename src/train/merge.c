@@ -313,6 +313,10 @@ int qt_merge_set_open(const char *model_dir, const char *adapter_dir, st_file *b
     }
     qt_config cfg;
     if (rc == QT_OK) rc = qt_config_load(model_dir, &cfg);
+    if (rc == QT_OK && cfg.prequant4)
+        rc = QT_ERR(QT_EUNSUPPORTED, "%s is a bitsandbytes 4-bit folder (quantization_config); qtune merges into "
+                                     "16-bit weights only: give --model the 16-bit folder the 4-bit one was made from",
+                    model_dir);
     const st_tensor *lm_new = NULL;
     if (rc == QT_OK)
         rc = pair_items(model_dir, adapter_dir, &pc, base, s->ad, s->items, &s->n_items, cfg.tie_word_embeddings,

@@ -46,6 +46,9 @@ typedef struct {
     size_t reduce_bucket;    /* DeepSpeed reduce_bucket_size, elements; 0: 5e8 */
     size_t allgather_bucket; /* DeepSpeed allgather_bucket_size, elements; 0: 5e8 */
     int overlap;             /* DeepSpeed overlap_comm (ZeRO 2: reductions in flight during the backward) */
+    int quant4;              /* QLoRA (LoRA only): the layer linears of the base in 4 bits (the job's quantization) */
+    int quant4_nested;       /* bnb_4bit_use_double_quant */
+    unsigned quant4_skip;    /* llm_int8_skip_modules as QT_LORA_* bits */
 } qt_plan_opts;
 
 /* Defaults: LoRA off, r 8 on q,v, ZeRO 0, 1 device, no offload, f32, B 1,

@@ -160,5 +160,8 @@ int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o) {
     o->reduce_bucket = ds.zero.reduce_bucket_size >= 1 ? (size_t)ds.zero.reduce_bucket_size : 0;
     o->allgather_bucket = ds.zero.allgather_bucket_size >= 1 ? (size_t)ds.zero.allgather_bucket_size : 0;
     o->overlap = ds.zero.overlap_comm;
+    o->quant4 = job->quant.load_in_4bit;
+    o->quant4_nested = job->quant.double_quant;
+    o->quant4_skip = job->quant.skip;
     return QT_OK;
 }

@@ -98,6 +98,15 @@ static int load_model(qt_trainer *t) {
     o.lora_save = t->lora_sel.lora_save;
     o.lora_layers_set = t->lora_sel.lora_layers_set;
     memcpy(o.lora_layers, t->lora_sel.lora_layers, sizeof o.lora_layers);
+    o.quant4 = job->quant.load_in_4bit;
+    o.quant4_type = job->quant.type;
+    o.quant4_nested = job->quant.double_quant;
+    o.quant4_skip = job->quant.skip;
+    o.progress = t->main ? t->hooks->progress : NULL;
+    if (o.quant4 && job->quant.compute_set && (qt_dtype)job->quant.compute != o.compute)
+        return QT_ERR(QT_EINVAL, "%s: quantization.bnb_4bit_compute_dtype is %s but the run computes in %s (the "
+                                 "DeepSpeed config's bf16/fp16); make them agree", job->path,
+                      qt_dtype_name((qt_dtype)job->quant.compute), qt_dtype_name(o.compute));
     o.grad_checkpointing = job->train.gradient_checkpointing;
     o.max_B = t->cfg.micro_batch;
     o.max_T = job->data.seq_len;
