@@ -29,7 +29,8 @@ typedef struct {
     int lora_r;            /* R */
     unsigned lora_targets; /* QT_LORA_* mask (model/model.h) */
     unsigned lora_save;    /* QT_SAVE_* mask: modules_to_save trained beside the adapter */
-    int zero;              /* ZeRO stage 0, 1 or 2 */
+    int zero;              /* ZeRO stage 0, 1, 2 or 3 (3: the weights partitioned, gathered a layer at a time) */
+    int offload_param;     /* ZeRO-3: the rank's parameter shard in host memory */
     int devices;           /* data-parallel ranks N */
     int offload;           /* 1: Adam m, v in host memory */
     qt_dtype precision;    /* compute dtype */

@@ -207,8 +207,10 @@ def test_errors():
     assert p.returncode == 1 and "no-such-model" in p.stderr
     p = qtune("plan")
     assert p.returncode == 2
-    p = qtune("plan", "--preset", "tiny", "--zero", "3")
+    p = qtune("plan", "--preset", "tiny", "--zero", "4")
     assert p.returncode == 2 and "--zero" in p.stderr
+    p = qtune("plan", "--preset", "tiny", "--zero", "2", "--offload-param", "cpu")
+    assert p.returncode == 2 and "--offload-param cpu needs --zero 3" in p.stderr
 
 
 def test_plan_reads_a_job_file(tmp_path):
