@@ -12,6 +12,7 @@
 #include "core/progress.h"
 #include "io/checkpoint.h"
 #include "model/lora_io.h"
+#include "model/memplan.h"
 #include "optim/clip.h"
 #include "train/trainer_internal.h"
 
@@ -128,6 +129,16 @@ static int load_model(qt_trainer *t) {
     }
     int rc = qt_model_load(job->model, &o, &t->model);
     if (rc != QT_OK) return qt_error_context(rc, "%s: model", job->path);
+    if (o.param_shards > 1 && t->main) {
+        /* the gathers hold two layers and the embedding / lm_head at once: that is the floor here */
+        size_t layer, outer;
+        qt_model_gather_sizes(qt_model_config(t->model), &o, &layer, &outer);
+        double live = (double)(2 * layer + outer);
+        if (live > t->ds.zero.max_live_parameters)
+            qt_warn("%s: zero_optimization.stage3_max_live_parameters %.0f is below what ZeRO-3 keeps gathered at "
+                    "once here, two layers and the embedding (%.0f elements); qtune keeps those (`qtune plan "
+                    "--zero 3` counts them)", job->path, t->ds.zero.max_live_parameters, live);
+    }
     t->n = qt_model_numel(t->model);
     t->master = qt_model_master(t->model);
     t->sharded = qt_model_sharded(t->model, &t->shard);

@@ -182,3 +182,18 @@ def test_stage3_refusals(models):
     p = job(d, "badoff", 1, {"stage": 3, "offload_param": {"device": "nvme"}})
     r = u.run("train", p, check=False)
     assert r.returncode != 0 and "offload_param.device" in r.stderr, r.stderr
+
+
+def test_stage3_notes(models):
+    """What the stage-3 keys mean here is said: "auto" resolved from hidden_size as the HF Trainer fills it,
+    a stage3_max_live_parameters below the two layers and the embedding the gathers hold, and the stage-3
+    keys named as ignored at stage 2."""
+    d = models["tiny"]
+    z3 = {"stage": 3, "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+          "stage3_max_live_parameters": 10}
+    out = run_ok(2, ["train", job(d, "notes3", 1, z3, steps=1)])
+    assert 'stage3_prefetch_bucket_size "auto" -> 3686' in out, out  # 0.9 x 64^2
+    assert 'stage3_param_persistence_threshold "auto" -> 640' in out, out
+    assert "stage3_max_live_parameters 10 is below" in out, out
+    out = run_ok(2, ["train", job(d, "notes2", 1, {"stage": 2, "stage3_max_live_parameters": 10}, steps=1)])
+    assert "applies to ZeRO stage 3 only" in out, out
