@@ -540,7 +540,7 @@ static int parse_stage3(ds_ctx *x, const cJSON *z) {
         static const char *const s3[] = {"offload_param", "stage3_prefetch_bucket_size",
                                          "stage3_param_persistence_threshold", "stage3_max_live_parameters",
                                          "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
-                                         "stage3_gather_fp16_weights_on_model_save", "sub_group_size", NULL};
+                                         "stage3_gather_fp16_weights_on_model_save", NULL};
         for (int i = 0; s3[i]; i++) {
             if (!cJSON_GetObjectItemCaseSensitive(z, s3[i])) continue;
             char path[96];
@@ -602,7 +602,7 @@ static int parse_zero(ds_ctx *x, const cJSON *z) {
                                        "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
                                        "stage3_max_live_parameters", "stage3_max_reuse_distance",
                                        "stage3_gather_16bit_weights_on_model_save",
-                                       "stage3_gather_fp16_weights_on_model_save", "sub_group_size", NULL};
+                                       "stage3_gather_fp16_weights_on_model_save", NULL};
     static const char *const okeys[] = {"device", "pin_memory", NULL};
     const char *sec = "zero_optimization";
     warn_unknown(x, z, sec, keys);
