@@ -379,6 +379,8 @@ static int load_full(qt_model *m) {
         const st_tensor *t;
         QT_TRY(st_expect(m->st, p->name, p->ndim, p->shape, &t));
         QT_TRY(qt_model_read_param(m, i, t)); /* sharded: the copies too */
+        /* ZeRO-3: this rank keeps 1/N of the weights, so the file's pages leave its memory as they are read */
+        if (m->pshard) drop_mapped_pages(t->data, t->nbytes);
     }
     if (cd != QT_F32 && !m->sharded) qt_model_weights_updated(m);
     const qt_config *c = &m->cfg;

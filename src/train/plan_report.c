@@ -247,7 +247,9 @@ int qt_plan_compute(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
     }
     p->host_dataset = o->dataset_bytes;
     p->host_runtime = (uint64_t)K * HOST_RUNTIME_PER_RANK;
-    if (!o->lora) /* LoRA's mapped base is its frozen weights, already counted on the device */
+    /* LoRA's mapped base is its frozen weights, already counted on the device; ZeRO-3 over several ranks
+     * drops each tensor's pages from the mapping once read (a rank keeps 1/N of the weights) */
+    if (!o->lora && !zero_partitions_params(o->zero, N))
         p->host_mapped = o->weights_file_bytes ? o->weights_file_bytes
                                                : (uint64_t)pm.n_params * qt_dtype_size(c->torch_dtype);
     p->host_total = p->host_offload + p->host_pinned + p->host_dataset + p->host_runtime + p->host_mapped;
