@@ -153,13 +153,21 @@ def overlap_table(results):
     return "\n".join(out)
 
 
+def hidden_gathers(w2, w3pf, w3):
+    """The share of the gathers' exposed time that prefetch hid: the wait stage 3 adds over stage 2 with
+    prefetch against without (every gather waited for at once there)."""
+    if w3 - w2 <= 0:
+        return "-"
+    return f"{100 * (1 - max(0.0, w3pf - w2) / (w3 - w2)):.0f}%"
+
+
 def stage3_table(results):
     """Stage 3 against stage 2 (overlap_comm on) of the same shape, ranks and offload: the step time ratio, the
     worst rank's peak ratio, and the exposed communication (wait s a step) with the gathers' share of it: with
     prefetch (pf) and without."""
     out = ["| shape | ranks | offload | s / step stage 2 | stage 3 pf | stage 3 no pf | ratio pf | "
-           "peak MiB stage 2 | stage 3 | peak ratio | wait s / step 2 | 3 pf | 3 no pf |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "peak MiB stage 2 | stage 3 | peak ratio | wait s / step 2 | 3 pf | 3 no pf | gathers hidden |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ran = [r for r in results if "skipped_plan_gib" not in r and r["ranks"] > 1 and r["overlap"]]
     for s2 in (r for r in ran if r["stage"] == 2):
         key = (s2["shape"], s2["ranks"], s2["offload"])
@@ -172,7 +180,7 @@ def stage3_table(results):
                    f"{pf['step_s']:.2f} | {npf['step_s']:.2f} | {pf['step_s'] / s2['step_s']:.2f}x | "
                    f"{max(s2['peak_mib']):.0f} | {max(pf['peak_mib']):.0f} | "
                    f"{max(pf['peak_mib']) / max(s2['peak_mib']):.2f} | {per(s2):.3f} | {per(pf):.3f} | "
-                   f"{per(npf):.3f} |")
+                   f"{per(npf):.3f} | {hidden_gathers(per(s2), per(pf), per(npf))} |")
     return "\n".join(out)
 
 
