@@ -14,8 +14,9 @@
  *    to their owners as the backward hands them over, so that no rank holds a
  *    gradient block; the optimizer state (m, v, ...) is allocated for the
  *    rank's range only (stage 1, 2) in host memory when offloaded, and the
- *    updated parameters are all-gathered (stage 1, 2). The collectives go
- *    through transport.h.
+ *    updated parameters are all-gathered (stage 1, 2); at stage 3 the weights
+ *    the graph reads stay partitioned too and each layer's are gathered at use
+ *    (zero_gather_params). The collectives go through transport.h.
  *
  * Per optimizer step the trainer calls, in this order (docs/distributed.md):
  *   dist_allreduce_i64(&tokens)        global labelled-token count, BEFORE backward

@@ -30,6 +30,11 @@
  * an fp32 block, or (a sharded master, model.h qt_model_sharded) the 2-byte
  * compute copy and the f32 runs of norm weights and biases.
  *
+ * Parameters, stage 3: the model's compute weights stay partitioned; a
+ * layer's flat range is gathered when the graph reads it (zero_gather_params:
+ * each owner broadcasts its part in place, non-blocking for the prefetch),
+ * and only the 1-D tensors kept whole are all-gathered after the update.
+ *
  * The memory all this takes is zero_memory's answer, which zero_plan_create
  * allocates and `qtune plan` prints. */
 #include "dist/dist_internal.h"
