@@ -199,7 +199,7 @@ static int plan_check(const qt_config *c, const qt_plan_opts *o) {
         return QT_ERR(QT_EINVAL, "--devices must be between 1 and %d, not %d", MAX_DEVICES, o->devices);
     if (o->offload && o->zero < 1)
         return QT_ERR(QT_EINVAL, "--offload cpu moves the sharded optimizer state to the host, so it needs "
-                                 "--zero 1 or 2 (as DeepSpeed's offload_optimizer does)");
+                                 "--zero 1, 2 or 3 (as DeepSpeed's offload_optimizer does)");
     if (o->micro_batch < 1 || o->seq_len < 1 || o->micro_batch > (1 << 20) || o->seq_len > (1 << 22))
         return QT_ERR(QT_EINVAL, "--micro-batch and --seq-len must be positive (got %d and %d)", o->micro_batch,
                       o->seq_len);
