@@ -8,6 +8,7 @@ with and without prefetch, in fp32, fp16 and bf16; stage 2's own tests hold
 it against 1 rank with N-fold accumulation, and so does this file within
 their tolerances. Checkpoints hold each rank's shard (the sharded-master
 format) and resume bit for bit at the same rank count and at another one."""
+import json
 import os
 import shutil
 import sys
@@ -197,3 +198,22 @@ def test_stage3_notes(models):
     assert "stage3_max_live_parameters 10 is below" in out, out
     out = run_ok(2, ["train", job(d, "notes2", 1, {"stage": 2, "stage3_max_live_parameters": 10}, steps=1)])
     assert "applies to ZeRO stage 3 only" in out, out
+
+
+def test_stage3_example_config(models):
+    """examples/ds-zero3-offload.json (the recipe at stage 3) runs as written on 4 ranks with its batch
+    scaled down, and resolves its "auto" values from the model's hidden_size."""
+    d = models["tiny"]
+    root = os.path.join(HERE, "..", "..")
+    ds = json.load(open(os.path.join(root, "examples", "ds-zero3-offload.json")))
+    assert ds["zero_optimization"]["stage"] == 3
+    ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"] = 8, 1, 2
+    ds["scheduler"]["params"]["warmup_num_steps"] = 1
+    (d / "ds3.json").write_text(json.dumps(ds))
+    job = {"model": "model", "output_dir": "ex3", "deepspeed": "ds3.json",
+           "data": {"train": "train.jsonl", "seq_len": 16, "packing": False, "shuffle": False},
+           "train": {"max_steps": 2, "log_steps": 1, "seed": 1}}
+    (d / "ex3.json").write_text(json.dumps(job))
+    out = run_ok(4, ["train", str(d / "ex3.json")])
+    assert "ZeRO stage 3" in out and 'reduce_bucket_size "auto" -> 4096' in out, out
+    assert len(u.step_lines(str(d / "ex3"))) == 2
