@@ -473,7 +473,26 @@ size_t qt_model_kv_floats(const qt_config *c, const qt_model_opts *o) {
 }
 
 int qt_model_opts_sharded(const qt_model_opts *o) {
-    return o->master_shards > 1 && !o->lora && !o->infer && o->compute != QT_F32;
+    return o->master_shards > 1 && !o->lora && !o->infer && (o->compute != QT_F32 || o->param_shards > 1);
+}
+
+void qt_model_gather_sizes(const qt_config *c, const qt_model_opts *o, size_t *layer, size_t *outer) {
+    *layer = 0;
+    *outer = (size_t)c->vocab_size * (size_t)c->hidden_size;
+    int n = qt_model_param_table(c, o, NULL, NULL), L = c->num_hidden_layers;
+    qt_param *t = qt_calloc((size_t)n + 1, sizeof *t, "model: parameter table");
+    if (!t) return;
+    qt_model_param_table(c, o, t, NULL);
+    for (int l = 0; l < L; l++) {
+        size_t lo = (size_t)-1, hi = 0;
+        for (int i = 0; i < n; i++)
+            if (t[i].layer == l) {
+                if (t[i].offset < lo) lo = t[i].offset;
+                if (t[i].offset + t[i].numel > hi) hi = t[i].offset + t[i].numel;
+            }
+        if (hi > lo && hi - lo > *layer) *layer = hi - lo;
+    }
+    qt_free(t);
 }
 
 /* Elements of the trainable 1-D tensors (norm weights, biases). */
@@ -553,13 +572,22 @@ size_t qt_model_memory(const qt_config *c, const qt_model_opts *o, qt_mem_breakd
         b.master = o->master_on_host ? 0 : (hi - lo) * 4;
         b.master_host = o->master_on_host ? (hi - lo) * 4 : 0;
         b.base_f32 = one_d_numel(c, o) * 4;
+        if (o->param_shards > 1) {
+            /* ZeRO-3: the compute weights are this rank's shard (in f32 the master itself) and three gather
+             * buffers: two layers and the embedding / lm_head */
+            size_t es = qt_dtype_size(o->compute), layer, outer;
+            b.compute_copy = o->compute == QT_F32 || o->param_on_host ? 0 : (hi - lo) * es;
+            b.compute_host = o->compute != QT_F32 && o->param_on_host ? (hi - lo) * es : 0;
+            qt_model_gather_sizes(c, o, &layer, &outer);
+            b.param_gather = (2 * layer + outer) * es;
+        }
     }
     b.activations = qt_model_carve_acts(c, o, NULL, NULL) * 4;
     b.act_grads = qt_model_carve_grads(c, o, NULL, NULL) * 4;
     b.workspace = qt_model_workspace_floats(c, o) * 4;
     b.kv_cache = qt_model_kv_floats(c, o) * 4;
     b.total = b.master + b.grads + b.base_f32 + b.activations + b.act_grads + b.workspace + b.kv_cache +
-              b.compute_copy + b.quant4;
+              b.compute_copy + b.quant4 + b.param_gather;
     if (out) *out = b;
     return b.total;
 }

@@ -179,6 +179,16 @@ struct qt_model {
     qt_flat_run *small_runs; /* sharded: each 1-D tensor's flat range and place in small */
     int n_small_runs;
     size_t n_small;
+    /* ZeRO-3 (opts.param_shards > 1, model.h qt_param_fetch): wcopy holds only [mlo, mhi) (f16/bf16; in
+     * f32 the master is that shard); the graph reads layer l from gbuf[l & 1] and the embedding and
+     * lm_head from gbuf[2], filled by gathers of their flat ranges */
+    int pshard;
+    void *gbuf[3];
+    size_t *glo, *ghi;     /* (L) layer l's flat range [glo[l], ghi[l]) */
+    size_t emb_off;        /* the embedding's flat offset */
+    long long gkey[3];     /* what each buffer holds: a layer index, or (buffer 2) a flat offset; -1: nothing */
+    int gpend[3];          /* a gather into that buffer is in flight (prefetch) */
+    qt_param_fetch pf;
     qt_param_gather_fn gather; /* sharded: other ranks' master elements, for writing */
     void *gather_user;
     /* opts.grad_windows (model.h qt_grad_hook): the windows in one block. The layers'

@@ -459,6 +459,12 @@ static int param_index(const qt_model *m, const char *name) {
 static qt_wref compute_ref(qt_model *m, const char *name) {
     int i = param_index(m, name);
     if (i < 0) return (qt_wref){NULL, QT_F32};
+    if (m->pshard) { /* ZeRO-3: in its gather buffer, wherever that layer's range starts */
+        const qt_param *p = &m->params[i];
+        size_t es = qt_dtype_size(m->opts.compute);
+        char *b = p->layer >= 0 ? (char *)m->gbuf[p->layer & 1] + (p->offset - m->glo[p->layer]) * es : m->gbuf[2];
+        return (qt_wref){b, m->opts.compute};
+    }
     if (!m->wcopy) return (qt_wref){m->master + m->params[i].offset, QT_F32};
     return (qt_wref){m->wcopy + m->params[i].offset, m->opts.compute};
 }
@@ -493,12 +499,47 @@ static int alloc_small(qt_model *m) {
     return m->small ? QT_OK : QT_ENOMEM;
 }
 
+/* ZeRO-3: each layer's flat range and the three gather buffers (memplan.c
+ * qt_model_gather_sizes); the shard of the compute copy (f16/bf16) where
+ * offload_param says. */
+static int alloc_param_shard(qt_model *m) {
+    const qt_config *c = &m->cfg;
+    const int L = c->num_hidden_layers;
+    const size_t es = qt_dtype_size(m->opts.compute);
+    m->glo = qt_calloc((size_t)L + 1, sizeof *m->glo, "model: layer ranges");
+    m->ghi = qt_calloc((size_t)L + 1, sizeof *m->ghi, "model: layer ranges");
+    if (!m->glo || !m->ghi) return QT_ENOMEM;
+    for (int l = 0; l < L; l++) m->glo[l] = (size_t)-1;
+    for (int i = 0; i < m->n_params; i++) {
+        const qt_param *p = &m->params[i];
+        if (p->layer < 0) continue;
+        if (p->offset < m->glo[p->layer]) m->glo[p->layer] = p->offset;
+        if (p->offset + p->numel > m->ghi[p->layer]) m->ghi[p->layer] = p->offset + p->numel;
+    }
+    size_t layer, outer;
+    qt_model_gather_sizes(c, &m->opts, &layer, &outer);
+    for (int k = 0; k < 3; k++) {
+        size_t n = (k < 2 ? layer : outer) * es;
+        m->gbuf[k] = m->be->alloc(m->be, QT_MEM_DEVICE, n ? n : 64, "model: ZeRO-3 gather buffer");
+        if (!m->gbuf[k]) return QT_ENOMEM;
+        m->gkey[k] = -1;
+    }
+    if (m->opts.compute != QT_F32) {
+        size_t n = (m->mhi - m->mlo) * es;
+        m->wcopy = m->be->alloc(m->be, m->opts.param_on_host ? QT_MEM_PINNED : QT_MEM_DEVICE, n ? n : 64,
+                                "model: this rank's shard of the compute weights");
+        if (!m->wcopy) return QT_ENOMEM;
+    }
+    return QT_OK;
+}
+
 static int load_full(qt_model *m) {
     /* f16/bf16: matmuls, the embedding and the lm_head read a 2-byte compute
      * copy of the master block; norm weights and biases stay f32 (the master,
      * or sharded their own copy) */
     const qt_dtype cd = m->opts.compute;
-    if (cd != QT_F32) {
+    if (m->pshard) QT_TRY(alloc_param_shard(m));
+    else if (cd != QT_F32) {
         m->wcopy = m->be->alloc(m->be, QT_MEM_DEVICE, m->numel * qt_dtype_size(cd), "model: compute copy of the weights");
         if (!m->wcopy) return QT_ENOMEM;
     }
@@ -508,12 +549,16 @@ static int load_full(qt_model *m) {
         const st_tensor *t;
         QT_TRY(st_expect(m->st, p->name, p->ndim, p->shape, &t));
         QT_TRY(qt_model_read_param(m, i, t)); /* sharded: the copies too */
+        /* ZeRO-3: this rank keeps 1/N of the weights, so the file's pages leave its memory as they are read */
+        if (m->pshard) drop_mapped_pages(t->data, t->nbytes);
     }
     if (cd != QT_F32 && !m->sharded) qt_model_weights_updated(m);
     const qt_config *c = &m->cfg;
     const qt_layout *ly = qt_config_layout(c);
     char name[160];
     snprintf(name, sizeof name, "%s.weight", ly->embed);
+    int ie = param_index(m, name);
+    m->emb_off = ie >= 0 ? m->params[ie].offset : 0;
     m->wte = compute_ref(m, name);
     m->dwte = grad_param(m, name);
     snprintf(name, sizeof name, "%s.weight", ly->final_norm);
@@ -843,6 +888,7 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
         m->mlo = 0, m->mhi = m->numel;
         m->sharded = qt_model_opts_sharded(&m->opts);
         if (m->sharded) qt_shard_range(m->numel, opts->master_shards, opts->master_rank, &m->mlo, &m->mhi);
+        m->pshard = m->sharded && opts->param_shards > 1;
         const size_t nm = m->mhi - m->mlo;
         m->master = m->be->alloc(m->be, m->sharded && opts->master_on_host ? QT_MEM_PINNED : QT_MEM_DEVICE,
                                  (nm ? nm : 1) * 4, "model: fp32 master weights");
@@ -962,6 +1008,7 @@ void qt_model_free(qt_model *m) {
         be->free(be, m->base_f32);
         be->free(be, m->small);
         be->free(be, m->wcopy);
+        for (int k = 0; k < 3; k++) be->free(be, m->gbuf[k]);
         be->free(be, m->act_block);
         be->free(be, m->grad_block);
         be->free(be, m->ws);
@@ -978,6 +1025,8 @@ void qt_model_free(qt_model *m) {
     qt_free(m->bucket_fill);
     qt_free(m->grad_at);
     qt_free(m->small_runs);
+    qt_free(m->glo);
+    qt_free(m->ghi);
     qt_free(m->params);
     qt_free(m->param_src);
     qt_free(m->layers);
@@ -1010,13 +1059,16 @@ const qt_param *qt_model_params(const qt_model *m, int *n) {
  * fine-tuning it reads the 2-byte compute copy, rounded here from the master
  * (round to nearest even; fp16 saturates to inf beyond 65504). */
 void qt_model_weights_updated(qt_model *m) {
-    if (!m->wcopy) return;
+    for (int k = 0; k < 3; k++) m->gkey[k] = -1; /* ZeRO-3: what the buffers hold is stale */
+    if (!m->wcopy && !m->pshard) return;
     if (!m->sharded) {
         m->be->convert(m->be, m->wcopy, m->opts.compute, m->master, QT_F32, m->numel);
         return;
     }
-    /* this rank's range; the caller all-gathers the others' (qt_model_sharded) */
-    m->be->convert(m->be, m->wcopy + m->mlo, m->opts.compute, m->master, QT_F32, m->mhi - m->mlo);
+    /* this rank's range; the caller all-gathers the others' (qt_model_sharded; ZeRO-3 gathers the
+     * compute weights at use and only the 1-D tensors here) */
+    if (m->wcopy) m->be->convert(m->be, m->wcopy + (m->pshard ? 0 : m->mlo), m->opts.compute, m->master, QT_F32,
+                                 m->mhi - m->mlo);
     for (int k = 0; k < m->n_small_runs; k++) {
         const qt_flat_run *r = &m->small_runs[k];
         size_t a = r->flat > m->mlo ? r->flat : m->mlo, e = r->flat + r->n < m->mhi ? r->flat + r->n : m->mhi;
@@ -1026,9 +1078,14 @@ void qt_model_weights_updated(qt_model *m) {
 
 int qt_model_sharded(const qt_model *m, qt_model_shard *out) {
     if (!m->sharded) return 0;
-    *out = (qt_model_shard){m->mlo, m->mhi, m->wcopy, qt_dtype_size(m->opts.compute), m->small, m->small_runs,
-                            m->n_small_runs};
+    *out = (qt_model_shard){m->mlo, m->mhi, m->pshard && !m->wcopy ? (void *)m->master : m->wcopy,
+                            qt_dtype_size(m->opts.compute), m->small, m->small_runs, m->n_small_runs, m->pshard};
     return 1;
+}
+
+void qt_model_set_param_fetch(qt_model *m, const qt_param_fetch *f) {
+    if (f) m->pf = *f;
+    else memset(&m->pf, 0, sizeof m->pf);
 }
 
 void qt_model_set_param_gather(qt_model *m, qt_param_gather_fn gather, void *user) {

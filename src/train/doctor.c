@@ -476,9 +476,10 @@ static void existing_parent(const char *p, char *out, size_t cap) {
     }
 }
 
-static void check_deepspeed(doc_ctx *c, const cJSON *ds, int ranks, int *zero, int *offload, qt_dtype *prec,
+static void check_deepspeed(doc_ctx *c, const cJSON *ds, int ranks, int *zero, int *offload, int *offload_param,
+                            qt_dtype *prec,
                             int *micro) {
-    *zero = 0, *offload = 0, *prec = QT_F32, *micro = 1;
+    *zero = 0, *offload = 0, *offload_param = 0, *prec = QT_F32, *micro = 1;
     if (!cJSON_IsObject(ds)) return;
     double tbs = 0, mbs = 0, gas = 0;
     const int h_t = ds_num(ds, "train_batch_size", &tbs), h_m = ds_num(ds, "train_micro_batch_size_per_gpu", &mbs);
@@ -516,8 +517,9 @@ static void check_deepspeed(doc_ctx *c, const cJSON *ds, int ranks, int *zero, i
     if (cJSON_IsObject(z)) {
         double st = 0;
         if (ds_num(z, "stage", &st)) {
-            if (st != 0 && st != 1 && st != 2)
-                problem(c, "%s: deepspeed zero_optimization.stage is %g; qtune runs stages 0, 1 and 2", c->where, st);
+            if (st != 0 && st != 1 && st != 2 && st != 3)
+                problem(c, "%s: deepspeed zero_optimization.stage is %g; qtune runs stages 0, 1, 2 and 3", c->where,
+                        st);
             else
                 *zero = (int)st;
         }
@@ -532,6 +534,14 @@ static void check_deepspeed(doc_ctx *c, const cJSON *ds, int ranks, int *zero, i
         if (*offload && *zero == 0)
             problem(c, "%s: deepspeed offload_optimizer.device is \"cpu\" at ZeRO stage 0; offload needs stage 1 "
                        "or 2", c->where);
+        const cJSON *pdev = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(z, "offload_param"),
+                                                             "device");
+        if (*zero == 3 && cJSON_IsString(pdev)) {
+            if (!strcmp(pdev->valuestring, "cpu")) *offload_param = 1;
+            else if (strcmp(pdev->valuestring, "none"))
+                problem(c, "%s: deepspeed zero_optimization.offload_param.device is \"%s\"; use \"cpu\" or \"none\" "
+                           "(qtune has no NVMe offload)", c->where, pdev->valuestring);
+        }
     }
 }
 
@@ -691,7 +701,7 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
     qt_plan_opts o;
     qt_plan_opts_default(&o);
     const int before_ds = c.n;
-    check_deepspeed(&c, ds, ranks, &o.zero, &o.offload, &o.precision, &o.micro_batch);
+    check_deepspeed(&c, ds, ranks, &o.zero, &o.offload, &o.offload_param, &o.precision, &o.micro_batch);
     if (ds && c.n == before_ds) {
         /* the trainer's own DeepSpeed parser: optimizer, scheduler, fp16 and
          * "auto" resolution, with the values it will train with */
@@ -793,6 +803,10 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
                     qt_config_max_positions(&cfg) < cfg.max_position_embeddings ? "seq_length" : "max_position_embeddings",
                     qt_config_max_positions(&cfg));
         if (o.offload && o.zero == 0) o.offload = 0; /* named above */
+        if (o.lora && o.zero == 3) {
+            problem(&c, "%s: ZeRO stage 3 with LoRA is not supported yet; use zero_optimization.stage 2", path);
+            o.zero = 2, o.offload_param = 0; /* plan the rest as the stage that runs */
+        }
         check_resources(&c, dir, root, &cfg, &o, ranks);
     }
     cJSON_Delete(ds_owned);

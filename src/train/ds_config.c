@@ -197,6 +197,10 @@ void qt_ds_config_default(qt_ds_config *c, int world) {
     c->zero.contiguous_gradients = 1;
     c->zero.reduce_scatter = 1;
     c->zero.allgather_partitions = 1;
+    c->zero.prefetch_bucket_size = 5e7; /* DeepSpeed's stage-3 defaults */
+    c->zero.param_persistence_threshold = 1e5;
+    c->zero.max_live_parameters = 1e9;
+    c->zero.max_reuse_distance = 1e9;
 }
 
 /* ---- batch sizes ------------------------------------------------------- */
@@ -524,22 +528,88 @@ static int parse_bf16(ds_ctx *x, const cJSON *b, const char *name) {
 
 /* ---- ZeRO --------------------------------------------------------------- */
 
+/* offload_param and the stage3_* keys. DeepSpeed reads them only at stage 3;
+ * so does qtune (a warning says so below). "auto" for the prefetch bucket
+ * and the persistence threshold is filled by the HF Trainer from hidden_size
+ * (0.9 * hidden^2 and 10 * hidden): resolved by qt_ds_config_resolve_model. */
+static int parse_stage3(ds_ctx *x, const cJSON *z) {
+    qt_ds_zero *zc = &x->out->zero;
+    static const char *const okeys[] = {"device", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu", NULL};
+    const char *sec = "zero_optimization";
+    if (zc->stage != 3) { /* DeepSpeed reads these at stage 3 only */
+        static const char *const s3[] = {"offload_param", "stage3_prefetch_bucket_size",
+                                         "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+                                         "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+                                         "stage3_gather_fp16_weights_on_model_save", NULL};
+        for (int i = 0; s3[i]; i++) {
+            if (!cJSON_GetObjectItemCaseSensitive(z, s3[i])) continue;
+            char path[96];
+            snprintf(path, sizeof path, "%s.%s", sec, s3[i]);
+            ds_warn(x, "%s: \"%s\" applies to ZeRO stage 3 only and is ignored at stage %d", x->where, path,
+                    zc->stage);
+            record_ignored(x->out, path);
+        }
+        return QT_OK;
+    }
+    const cJSON *off;
+    QT_TRY(get_section(x, z, sec, "offload_param", &off));
+    if (off) {
+        warn_unknown(x, off, "zero_optimization.offload_param", okeys);
+        const cJSON *dev = cJSON_GetObjectItemCaseSensitive(off, "device");
+        if (dev && !cJSON_IsNull(dev)) {
+            if (!cJSON_IsString(dev))
+                return QT_ERR(QT_EINVAL, "%s: zero_optimization.offload_param.device must be \"cpu\" or \"none\"",
+                              x->where);
+            if (strcmp(dev->valuestring, "cpu") == 0) zc->offload_param = 1;
+            else if (strcmp(dev->valuestring, "none") == 0) zc->offload_param = 0;
+            else
+                return QT_ERR(QT_EUNSUPPORTED,
+                              "%s: zero_optimization.offload_param.device \"%s\" is not supported; use \"cpu\" or "
+                              "\"none\"",
+                              x->where, dev->valuestring);
+        }
+    }
+    int a;
+    QT_TRY(get_number(x, z, sec, "stage3_prefetch_bucket_size", &zc->prefetch_bucket_size, &a));
+    if (a) zc->stage3_auto |= 1, zc->prefetch_bucket_size = 5e7;
+    QT_TRY(get_number(x, z, sec, "stage3_param_persistence_threshold", &zc->param_persistence_threshold, &a));
+    if (a) zc->stage3_auto |= 2, zc->param_persistence_threshold = 1e5;
+    QT_TRY(get_number(x, z, sec, "stage3_max_live_parameters", &zc->max_live_parameters, &a));
+    if (a) {
+        zc->max_live_parameters = 1e9;
+        note_auto(x, sec, "stage3_max_live_parameters", "1e9 (%s; the HF Trainer does not fill this key)", DS_DEFAULT);
+    }
+    QT_TRY(get_number(x, z, sec, "stage3_max_reuse_distance", &zc->max_reuse_distance, &a));
+    if (a) {
+        zc->max_reuse_distance = 1e9;
+        note_auto(x, sec, "stage3_max_reuse_distance", "1e9 (%s; the HF Trainer does not fill this key)", DS_DEFAULT);
+    }
+    int g16 = 0, gf16 = 0;
+    QT_TRY(get_bool(x, z, sec, "stage3_gather_16bit_weights_on_model_save", &g16, DS_DEFAULT));
+    QT_TRY(get_bool(x, z, sec, "stage3_gather_fp16_weights_on_model_save", &gf16, DS_DEFAULT));
+    zc->gather_16bit_on_save = g16 || gf16;
+    if (zc->prefetch_bucket_size < 0 || zc->param_persistence_threshold < 0 || zc->max_live_parameters < 0 ||
+        zc->max_reuse_distance < 0)
+        return QT_ERR(QT_EINVAL, "%s: zero_optimization.stage3_* sizes must be >= 0 elements", x->where);
+    return QT_OK;
+}
+
 static int parse_zero(ds_ctx *x, const cJSON *z) {
     qt_ds_zero *zc = &x->out->zero;
     static const char *const keys[] = {"stage",          "offload_optimizer",    "reduce_bucket_size",
                                        "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
-                                       "reduce_scatter", "allgather_partitions", NULL};
+                                       "reduce_scatter", "allgather_partitions", "offload_param",
+                                       "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                                       "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                                       "stage3_gather_16bit_weights_on_model_save",
+                                       "stage3_gather_fp16_weights_on_model_save", NULL};
     static const char *const okeys[] = {"device", "pin_memory", NULL};
     const char *sec = "zero_optimization";
     warn_unknown(x, z, sec, keys);
     int64_t stage = 0;
     const cJSON *sv = cJSON_GetObjectItemCaseSensitive(z, "stage");
-    if (cJSON_IsNumber(sv) && sv->valuedouble == 3)
-        return QT_ERR(QT_EUNSUPPORTED,
-                      "%s: zero_optimization.stage 3 is not supported; use stage 2 (with "
-                      "offload_optimizer.device \"cpu\" to move the optimizer state to host memory)",
-                      x->where);
-    QT_TRY(get_int(x, z, sec, "stage", 0, 2, &stage, NULL, NULL));
+    (void)sv;
+    QT_TRY(get_int(x, z, sec, "stage", 0, 3, &stage, NULL, NULL));
     zc->stage = (int)stage;
     const cJSON *off;
     QT_TRY(get_section(x, z, sec, "offload_optimizer", &off));
@@ -581,7 +651,7 @@ static int parse_zero(ds_ctx *x, const cJSON *z) {
     QT_TRY(get_bool(x, z, sec, "contiguous_gradients", &zc->contiguous_gradients, DS_DEFAULT));
     QT_TRY(get_bool(x, z, sec, "reduce_scatter", &zc->reduce_scatter, DS_DEFAULT));
     QT_TRY(get_bool(x, z, sec, "allgather_partitions", &zc->allgather_partitions, DS_DEFAULT));
-    return QT_OK;
+    return parse_stage3(x, z);
 }
 
 /* ---- the whole object --------------------------------------------------- */
@@ -714,8 +784,30 @@ int qt_ds_config_finalize(qt_ds_config *c, int64_t max_steps) {
     return QT_OK;
 }
 
+/* transformers' trainer_config_finalize at stage 3: fill_only("stage3_prefetch_bucket_size",
+ * 0.9 * hidden_size * hidden_size) and ("stage3_param_persistence_threshold", 10 * hidden_size). */
+static void resolve_stage3(qt_ds_config *c, int64_t hidden_size) {
+    qt_ds_zero *z = &c->zero;
+    double h = (double)hidden_size;
+    if (z->stage3_auto & 1) {
+        if (hidden_size > 0) z->prefetch_bucket_size = 0.9 * h * h;
+        note_late(c, "zero_optimization.stage3_prefetch_bucket_size \"auto\" -> %.0f (%s)", z->prefetch_bucket_size,
+                  hidden_size > 0 ? "0.9 x hidden_size squared, as Hugging Face's Trainer fills it"
+                                  : "DeepSpeed's default: config.json could not be read");
+    }
+    if (z->stage3_auto & 2) {
+        if (hidden_size > 0) z->param_persistence_threshold = 10 * h;
+        note_late(c, "zero_optimization.stage3_param_persistence_threshold \"auto\" -> %.0f (%s)",
+                  z->param_persistence_threshold,
+                  hidden_size > 0 ? "10 x hidden_size, as Hugging Face's Trainer fills it"
+                                  : "DeepSpeed's default: config.json could not be read");
+    }
+    z->stage3_auto = 0;
+}
+
 void qt_ds_config_resolve_model(qt_ds_config *c, int64_t hidden_size) {
     qt_ds_zero *z = &c->zero;
+    if (z->stage3_auto) resolve_stage3(c, hidden_size);
     if (!z->reduce_bucket_auto) return;
     z->reduce_bucket_auto = 0;
     if (hidden_size <= 0) {

@@ -52,7 +52,9 @@ typedef struct {
     uint64_t workspace;   /* backward scratch */
     uint64_t grads;       /* the model's gradient block, or its gradient windows (ZeRO-2, N > 1) */
     uint64_t master;      /* f16/bf16: the fp32 master on the card (whole, or this rank's shard) */
-    uint64_t master_host; /* a sharded master offloaded: its shard in pinned host memory */
+    uint64_t master_host; /* a sharded master offloaded: its shard in pinned host memory; ZeRO-3 with
+                             offload_param: the compute-weight shard too */
+    size_t persist;       /* ZeRO-3: elements of the 1-D tensors kept whole on every rank */
     uint64_t allocated;   /* everything the model allocates (memplan total) */
     uint64_t mapped_base; /* LoRA: the frozen base the model reads from the mapping */
     int rows, dim;        /* ZeRO-2 with a trainable embedding: rows per micro-batch, C */
@@ -96,6 +98,11 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, i
         mo.master_rank = rank;
         mo.master_on_host = o->offload;
     }
+    if (zero_partitions_params(o->zero, N) && !o->lora) { /* the trainer's rule (ZeRO-3) */
+        mo.param_shards = N;
+        mo.param_on_host = o->offload_param;
+        if (o->precision == QT_F32 && o->offload_param) mo.master_on_host = 1;
+    }
     qt_mem_breakdown b;
     qt_model_memory(c, &mo, &b);
     qt_model_opts full = mo;
@@ -110,11 +117,16 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, i
         /* LoRA trains its fp32 master directly, in f16/bf16 too (the adapters and modules_to_save's copies
          * have no 2-byte compute copy): the master is "weights" in f32, "master" otherwise */
         pm->weights = b.base / file_bytes * ws + b.quant4 + b.base_f32 + (o->precision == QT_F32 ? b.master : 0);
+    } else if (mo.param_shards > 1) {
+        /* ZeRO-3: the rank's shard of the compute weights (in f32 the master shard), the three gather
+         * buffers and the 1-D tensors whole */
+        pm->weights = (o->precision == QT_F32 ? b.master : b.compute_copy) + b.param_gather + b.base_f32;
     } else {
         pm->weights = o->precision == QT_F32 ? b.master : (uint64_t)n_train * ws + b.base_f32;
     }
     pm->master = o->precision == QT_F32 ? 0 : b.master;
-    pm->master_host = b.master_host;
+    pm->master_host = b.master_host + b.compute_host;
+    pm->persist = mo.param_shards > 1 ? b.base_f32 / 4 : 0;
     pm->activations = b.activations;
     pm->workspace = b.act_grads + b.workspace;
     pm->grads = b.grads;
@@ -132,7 +144,8 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, i
 static zero_opts plan_zero_opts(const qt_plan_opts *o, const plan_model *pm) {
     zero_opts z = {.stage = o->zero, .offload = o->offload, .bucket_elems = o->reduce_bucket,
                    .allgather_bucket_elems = o->allgather_bucket, .emb_rows = pm->rows, .emb_dim = pm->dim,
-                   .unit_elems = pm->unit, .overlap = pm->overlap};
+                   .unit_elems = pm->unit, .overlap = pm->overlap, .persist_elems = pm->persist,
+                   .offload_param = o->offload_param};
     return z;
 }
 
@@ -182,12 +195,16 @@ static int plan_check(const qt_config *c, const qt_plan_opts *o) {
     if (c->vocab_size <= 0 || c->hidden_size <= 0 || c->num_hidden_layers <= 0 || c->num_attention_heads <= 0 ||
         c->num_key_value_heads <= 0 || c->head_dim <= 0 || c->intermediate_size <= 0)
         return QT_ERR(QT_EINVAL, "the model config has a zero or negative size; check config.json");
-    if (o->zero < 0 || o->zero > 2) return QT_ERR(QT_EINVAL, "--zero must be 0, 1 or 2, not %d", o->zero);
+    if (o->zero < 0 || o->zero > 3) return QT_ERR(QT_EINVAL, "--zero must be 0, 1, 2 or 3, not %d", o->zero);
+    if (o->zero == 3 && o->lora)
+        return QT_ERR(QT_EINVAL, "ZeRO stage 3 with LoRA is not supported yet; plan LoRA with --zero 2");
+    if (o->offload_param && o->zero != 3)
+        return QT_ERR(QT_EINVAL, "--offload-param cpu needs --zero 3 (only stage 3 partitions the weights)");
     if (o->devices < 1 || o->devices > MAX_DEVICES)
         return QT_ERR(QT_EINVAL, "--devices must be between 1 and %d, not %d", MAX_DEVICES, o->devices);
     if (o->offload && o->zero < 1)
         return QT_ERR(QT_EINVAL, "--offload cpu moves the sharded optimizer state to the host, so it needs "
-                                 "--zero 1 or 2 (as DeepSpeed's offload_optimizer does)");
+                                 "--zero 1, 2 or 3 (as DeepSpeed's offload_optimizer does)");
     if (o->micro_batch < 1 || o->seq_len < 1 || o->micro_batch > (1 << 20) || o->seq_len > (1 << 22))
         return QT_ERR(QT_EINVAL, "--micro-batch and --seq-len must be positive (got %d and %d)", o->micro_batch,
                       o->seq_len);
@@ -224,18 +241,20 @@ int qt_plan_compute(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
     const uint64_t Pt = (uint64_t)pm.n_trainable;
     p->cards_per_host = K;
     p->hosts = (N + K - 1) / K;
-    if (o->offload) {
+    if (o->offload || o->offload_param) {
         /* Adam's m and v shards; pinned: ZeRO-2's fp32 gradient shards and in f16/bf16 full fine-tuning
          * the fp32 master shards (the optimizer reads them in place) */
         zero_opts z = plan_zero_opts(o, &pm);
         zero_mem zm;
         zero_memory((size_t)Pt, N, 0, &z, 2, &zm);
-        p->host_offload = (uint64_t)K * shard(Pt * 8, N);
-        p->host_pinned = (uint64_t)K * (pm.master_host + zm.grad_shard);
+        p->host_offload = o->offload ? (uint64_t)K * shard(Pt * 8, N) : 0;
+        p->host_pinned = (uint64_t)K * (pm.master_host + (o->offload ? zm.grad_shard : 0));
     }
     p->host_dataset = o->dataset_bytes;
     p->host_runtime = (uint64_t)K * HOST_RUNTIME_PER_RANK;
-    if (!o->lora) /* LoRA's mapped base is its frozen weights, already counted on the device */
+    /* LoRA's mapped base is its frozen weights, already counted on the device; ZeRO-3 over several ranks
+     * drops each tensor's pages from the mapping once read (a rank keeps 1/N of the weights) */
+    if (!o->lora && !zero_partitions_params(o->zero, N))
         p->host_mapped = o->weights_file_bytes ? o->weights_file_bytes
                                                : (uint64_t)pm.n_params * qt_dtype_size(c->torch_dtype);
     p->host_total = p->host_offload + p->host_pinned + p->host_dataset + p->host_runtime + p->host_mapped;

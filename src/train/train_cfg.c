@@ -24,6 +24,8 @@ void qt_train_cfg_from_ds(const qt_ds_config *ds, qt_train_cfg *cfg) {
     cfg->zero.bucket_elems = ds->zero.reduce_bucket_size >= 1 ? (size_t)ds->zero.reduce_bucket_size : 0;
     cfg->zero.allgather_bucket_elems = ds->zero.allgather_bucket_size >= 1 ? (size_t)ds->zero.allgather_bucket_size : 0;
     cfg->zero.overlap = ds->zero.overlap_comm;
+    cfg->zero.offload_param = ds->zero.offload_param;
+    cfg->zero.prefetch = ds->zero.prefetch_bucket_size > 0; /* stage 3: the next layer gathered ahead */
     cfg->steps_per_print = ds->steps_per_print > 0 ? ds->steps_per_print : 10;
 }
 
@@ -44,7 +46,7 @@ int qt_train_cfg_from_job(const qt_job *job, int world, long max_steps, qt_train
 }
 
 void qt_train_ds_resolve_model(qt_ds_config *ds, const char *model) {
-    if (!ds->zero.reduce_bucket_auto) return;
+    if (!ds->zero.reduce_bucket_auto && !ds->zero.stage3_auto) return;
     qt_config cfg;
     int64_t hidden = 0;
     if (model && qt_config_load(model, &cfg) == QT_OK) hidden = cfg.hidden_size;
@@ -104,7 +106,9 @@ void qt_train_describe(const qt_job *job, const qt_ds_config *ds, const char *de
     snprintf(buf, cap,
              "run: %s | %s | ZeRO stage %d%s | %s lr %g%s%s, %s | gradient checkpointing %s | micro-batch %lld x "
              "accumulation %lld x %d rank(s) = %lld rows of %d tokens | device %s",
-             what, precision_name(ds), ds->zero.stage, ds->zero.offload_optimizer ? ", optimizer offloaded to host" : ", no offload",
+             what, precision_name(ds), ds->zero.stage,
+             ds->zero.offload_param ? ", optimizer and parameters offloaded to host"
+             : ds->zero.offload_optimizer ? ", optimizer offloaded to host" : ", no offload",
              ds->optimizer_type, ds->adam.lr, lr_note, decay, sched, job->train.gradient_checkpointing ? "on" : "off",
              (long long)ds->micro_batch, (long long)ds->grad_accum, ds->world, (long long)ds->train_batch_size,
              job->data.seq_len, device);
@@ -149,6 +153,7 @@ int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o) {
     }
     o->zero = ds.zero.stage;
     o->offload = ds.zero.offload_optimizer;
+    o->offload_param = ds.zero.offload_param;
     o->devices = ranks;
     o->precision = ds.fp16 ? QT_F16 : ds.bf16 ? QT_BF16 : QT_F32;
     o->micro_batch = (int)ds.micro_batch;

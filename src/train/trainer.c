@@ -12,6 +12,7 @@
 #include "core/progress.h"
 #include "io/checkpoint.h"
 #include "model/lora_io.h"
+#include "model/memplan.h"
 #include "optim/clip.h"
 #include "train/trainer_internal.h"
 
@@ -124,8 +125,29 @@ static int load_model(qt_trainer *t) {
         o.master_rank = t->rank;
         o.master_on_host = t->cfg.zero.offload;
     }
+    /* ZeRO-3: the weights the graph reads are partitioned too, gathered layer by layer at use (in f32 the
+     * master shard is that partition, on the host where either offload puts it) */
+    if (zero_partitions_params(t->cfg.zero.stage, t->world)) {
+        if (job->lora.enabled)
+            return QT_ERR(QT_EUNSUPPORTED, "%s: ZeRO stage 3 with LoRA is not supported yet (the frozen base would "
+                          "stay whole on every rank); use stage 2, which shards the adapter's optimizer state and "
+                          "gradients", job->path);
+        o.param_shards = t->world;
+        o.param_on_host = t->cfg.zero.offload_param;
+        if (t->cfg.compute == QT_F32 && t->cfg.zero.offload_param) o.master_on_host = 1;
+    }
     int rc = qt_model_load(job->model, &o, &t->model);
     if (rc != QT_OK) return qt_error_context(rc, "%s: model", job->path);
+    if (o.param_shards > 1 && t->main) {
+        /* the gathers hold two layers and the embedding / lm_head at once: that is the floor here */
+        size_t layer, outer;
+        qt_model_gather_sizes(qt_model_config(t->model), &o, &layer, &outer);
+        double live = (double)(2 * layer + outer);
+        if (live > t->ds.zero.max_live_parameters)
+            qt_warn("%s: zero_optimization.stage3_max_live_parameters %.0f is below what ZeRO-3 keeps gathered at "
+                    "once here, two layers and the embedding (%.0f elements); qtune keeps those (`qtune plan "
+                    "--zero 3` counts them)", job->path, t->ds.zero.max_live_parameters, live);
+    }
     t->n = qt_model_numel(t->model);
     t->master = qt_model_master(t->model);
     t->sharded = qt_model_sharded(t->model, &t->shard);
@@ -133,6 +155,28 @@ static int load_model(qt_trainer *t) {
     t->params = qt_model_params(t->model, &t->n_params);
     t->be = qt_model_backend(t->model);
     return QT_OK;
+}
+
+/* ZeRO-3's gathers for the model (model.h qt_param_fetch): the broadcasts of
+ * a buffer's range start in start() and are waited for in wait(). */
+static int fetch_start(void *u, int slot, const void *mine, size_t esize, size_t lo, size_t hi, void *dst) {
+    qt_trainer *t = u;
+    int need = zero_gather_slots(t->zp, lo, hi, esize);
+    if (need > t->gcap[slot]) {
+        tp_req **r = qt_realloc(t->greq[slot], (size_t)need * sizeof *r, "ZeRO-3 gather requests");
+        if (!r) return QT_ENOMEM;
+        t->greq[slot] = r;
+        t->gcap[slot] = need;
+    }
+    memset(t->greq[slot], 0, (size_t)need * sizeof *t->greq[slot]);
+    t->gn[slot] = need;
+    return zero_gather_params(t->zp, mine, esize, lo, hi, dst, t->greq[slot]);
+}
+static int fetch_wait(void *u, int slot) {
+    qt_trainer *t = u;
+    int n = t->gn[slot];
+    t->gn[slot] = 0;
+    return zero_gather_wait(t->zp, t->greq[slot], n);
 }
 
 /* ZeRO's optimizer state is the backend's device memory too */
@@ -162,6 +206,8 @@ static int setup_optimizer(qt_trainer *t) {
         }
     }
     t->cfg.zero.be = t->be;
+    if (t->sharded) /* ZeRO-3: the norm weights and biases all-gathered after each update size its bucket */
+        for (int k = 0; k < t->shard.n_runs; k++) t->cfg.zero.persist_elems += t->shard.runs[k].n;
     QT_TRY(zero_plan_create(t->d, t->n, &t->cfg.zero, &t->zp));
     zero_set_device_allocator(t->zp, state_alloc, state_free, t->be);
     if (!t->grads) {
@@ -174,6 +220,10 @@ static int setup_optimizer(qt_trainer *t) {
         return QT_ERR(QT_EINVAL, "rank %d: the model's master shard [%zu, %zu) is not its optimizer range [%zu, %zu) "
                       "(a bug)", t->rank, t->shard.lo, t->shard.hi, t->lo, t->hi);
     if (t->sharded) qt_model_set_param_gather(t->model, trainer_gather_master, t);
+    if (t->shard.params_sharded) {
+        qt_param_fetch f = {fetch_start, fetch_wait, t, t->cfg.zero.prefetch};
+        qt_model_set_param_fetch(t->model, &f);
+    }
     QT_TRY(qt_decay_ranges_from_params(t->params, t->n_params, &t->decay, &t->n_decay));
     /* fp32/bf16: a static scale of 1 */
     return qt_optimizer_init(&t->opt, &t->cfg.adam, &t->cfg.sched, t->cfg.clip, t->cfg.fp16 ? &t->cfg.scaler : NULL);
@@ -212,8 +262,20 @@ static int evaluate(qt_trainer *t, double *loss, int64_t *ntok) {
     for (long i = 0; !t->job->train.eval_batches || i < t->job->train.eval_batches; i++) {
         qt_progress_set(&prog, (double)i);
         int rc = dl_next(t->eval_dl, &t->eval_b);
-        if (rc == DL_END) break;
-        QT_TRY(rc);
+        if (rc != DL_END) QT_TRY(rc);
+        if (t->shard.params_sharded) {
+            /* ZeRO-3: the forward's gathers are collective, so the ranks go on together while any has a
+             * batch; one that has none takes part in the gathers only */
+            int64_t any = rc != DL_END;
+            QT_TRY(dist_allreduce_i64(t->d, &any, 1, DIST_MAX, "eval batches left"));
+            if (!any) break;
+            if (rc == DL_END) {
+                QT_TRY(qt_model_forward_idle(t->model));
+                continue;
+            }
+        } else if (rc == DL_END) {
+            break;
+        }
         double s;
         int64_t k;
         QT_TRY(qt_model_forward(t->model, &t->eval_b, &s, &k, NULL));
@@ -439,7 +501,8 @@ static int trainer_publish_weights(qt_trainer *t) {
         return QT_OK;
     }
     qt_model_weights_updated(t->model); /* this rank's range of both copies */
-    QT_TRY(zero_allgather_block(t->zp, t->shard.wcopy, t->shard.esize));
+    /* ZeRO-3: the compute weights stay partitioned; each layer's are gathered when the next pass reads them */
+    if (!t->shard.params_sharded) QT_TRY(zero_allgather_block(t->zp, t->shard.wcopy, t->shard.esize));
     return zero_allgather_runs(t->zp, t->shard.small, t->shard.runs, t->shard.n_runs);
 }
 
@@ -483,6 +546,7 @@ static void trainer_free(qt_trainer *t) {
     }
     qt_free(t->decay);
     qt_free(t->peaks);
+    for (int k = 0; k < 3; k++) qt_free(t->greq[k]);
     if (t->mb)
         for (int a = 0; a < t->cfg.grad_accum; a++) dl_batch_free(&t->mb[a]);
     qt_free(t->mb);

@@ -386,9 +386,31 @@ static void test_precision_and_zero(void **state) {
                      QT_OK);
     assert_int_equal(parse_text("{\"train_batch_size\":1,\"fp16\":{\"enabled\":true,\"hysteresis\":0}}", 1, &c),
                      QT_EINVAL);
-    assert_int_equal(parse_text("{\"train_batch_size\":1,\"zero_optimization\":{\"stage\":3}}", 1, &c),
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"zero_optimization\":{\"stage\":4}}", 1, &c),
+                     QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "stage"));
+    /* stage 3 with DeepSpeed's defaults for its keys, and "auto" filled from hidden_size as the HF Trainer does */
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"zero_optimization\":{\"stage\":3}}", 1, &c), QT_OK);
+    assert_true(c.zero.stage == 3 && !c.zero.offload_param && c.zero.prefetch_bucket_size == 5e7 &&
+                c.zero.param_persistence_threshold == 1e5 && c.zero.max_live_parameters == 1e9 &&
+                c.zero.max_reuse_distance == 1e9);
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"zero_optimization\":{\"stage\":3,\"offload_param\":"
+                                "{\"device\":\"cpu\"},\"stage3_prefetch_bucket_size\":\"auto\","
+                                "\"stage3_param_persistence_threshold\":\"auto\"}}",
+                                1, &c),
+                     QT_OK);
+    assert_true(c.zero.offload_param == 1);
+    qt_ds_config_resolve_model(&c, 64);
+    assert_true(c.zero.prefetch_bucket_size == 0.9 * 64 * 64 && c.zero.param_persistence_threshold == 640);
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"zero_optimization\":{\"stage\":3,\"offload_param\":"
+                                "{\"device\":\"nvme\"}}}",
+                                1, &c),
                      QT_EUNSUPPORTED);
-    assert_non_null(strstr(qt_error_message(), "stage 3"));
+    assert_non_null(strstr(qt_error_message(), "offload_param.device"));
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"zero_optimization\":{\"stage\":3,"
+                                "\"stage3_max_live_parameters\":-1}}",
+                                1, &c),
+                     QT_EINVAL);
     assert_int_equal(parse_text("{\"train_batch_size\":1,\"zero_optimization\":{\"stage\":2,\"offload_optimizer\":"
                                 "{\"device\":\"nvme\"}}}",
                                 1, &c),
