@@ -84,6 +84,14 @@ int bpe_normalize(const bpe_tokenizer *t, const char *text, size_t len, char **o
  * original Qwen-Chat's "You are a helpful assistant." for a qwen.tiktoken,
  * Qwen2.5's otherwise (text/chat.h). */
 const char *bpe_chat_system(const bpe_tokenizer *t);
+/* The chat template of the tokenizer's folder (bpe_load reads it beside the
+ * tokenizer file: text/chat_template.h), or NULL when the folder ships none
+ * and chats render as qtune's ChatML. */
+struct chat_template;
+const struct chat_template *bpe_chat_template(const bpe_tokenizer *t);
+struct chat_template *bpe_chat_template_mut(bpe_tokenizer *t);
+/* Replaces it (--chat-template FILE); the tokenizer owns ct from here on. */
+void bpe_set_chat_template(bpe_tokenizer *t, struct chat_template *ct);
 /* 1 when the tokenizer was read from the original Qwen's qwen.tiktoken. */
 int bpe_is_tiktoken(const bpe_tokenizer *t);
 
