@@ -971,7 +971,7 @@ static int apply_filter(ctx *c, scope *s, const jnode *e, jv *v, jv **out) {
         if (!a0 || a0->k != V_STR || v->k != V_LIST || (a1 && a1->k != V_STR))
             return QT_ERR(QT_EINVAL, "chat template line %d: %s(\"attribute\"[, \"test\", value]) over a list", e->line, f);
         jnode tn = {.kind = N_TEST, .line = e->line, .s = a1 ? ja_strdup(&c->a, a1->s, a1->n) : NULL};
-        jnode cst = {.kind = N_CONST_NONE};
+        jnode cst = {.kind = N_CONST_NONE}, argn = {.kind = N_NAME, .s = "__arg"};
         jnode *targ = &cst;
         const char *kwnull = NULL;
         static const char *const known[] = {"defined", "undefined", "none", "string", "number", "integer", "float",
@@ -987,7 +987,7 @@ static int apply_filter(ctx *c, scope *s, const jnode *e, jv *v, jv **out) {
         tmp.up = s;
         if (a2) {
             QT_TRY(bind(c, &tmp, "__arg", a2));
-            targ = &(jnode){.kind = N_NAME, .s = "__arg"};
+            targ = &argn;
         }
         tn.args = &targ;
         tn.kw = &kwnull;

@@ -151,10 +151,27 @@ static int parse_primary(parser *p, jnode **out) {
     case TK_OP:
         if (is_op(p, "(")) {
             next(p);
-            QT_TRY(parse_expr(p, &n));
-            if (is_op(p, ","))
-                return QT_ERR(QT_EFORMAT, "chat template line %d: tuples are outside qtune's Jinja subset", t->line);
-            QT_TRY(expect_op(p, ")"));
+            if (is_op(p, ")")) { /* () : an empty tuple, a list here */
+                if (!(n = node(p, N_LIST))) return QT_ENOMEM;
+                next(p);
+                break;
+            }
+            jnode *first;
+            QT_TRY(parse_expr(p, &first));
+            if (is_op(p, ",")) { /* a tuple: a list here (what the templates do with one is iterate or test it) */
+                next(p);
+                if (!(n = node(p, N_LIST))) return QT_ENOMEM;
+                QT_TRY(parse_list_items(p, n, ")", 0));
+                jnode **all = ja_alloc(p->a, (n->nargs + 2) * sizeof *all);
+                if (!all) return QT_ENOMEM;
+                all[0] = first;
+                memcpy(all + 1, n->args, n->nargs * sizeof *all);
+                n->args = all;
+                n->nargs++;
+            } else {
+                n = first;
+                QT_TRY(expect_op(p, ")"));
+            }
         } else if (is_op(p, "[") || is_op(p, "{")) {
             int dict = is_op(p, "{");
             if (!(n = node(p, dict ? N_DICT : N_LIST))) return QT_ENOMEM;
