@@ -303,11 +303,13 @@ static int turn_label(const chat_template *ct, const char *text, size_t s, size_
     size_t ng = g ? strlen(g) : 0;
     const char *at = NULL;
     size_t used = ng;
-    /* the whole prompt, else its longest leading run of whole lines */
-    while (used && !(at = find_in(text + s, e - s, g, used))) {
-        size_t k = used - 1;
-        while (k && g[k - 1] != '\n') k--;
-        used = k;
+    /* the whole prompt, else its first line (the role's header: a turn that
+     * does not begin as the prompt does, e.g. Qwen3's reasoning where the
+     * prompt holds an empty think block) */
+    if (used && !(at = find_in(text + s, e - s, g, used))) {
+        const char *nl = memchr(g, '\n', ng);
+        used = nl && (size_t)(nl - g) + 1 < ng ? (size_t)(nl - g) + 1 : 0;
+        if (used) at = find_in(text + s, e - s, g, used);
     }
     if (!at)
         return QT_ERR(QT_EUNSUPPORTED, "%s: qtune cannot tell where the assistant's reply starts in message %zu's turn (the "

@@ -13,8 +13,9 @@
  * the template's loop over messages sat on that message (jinja_item_span);
  * its label starts after the generation prompt (what add_generation_prompt
  * appends, found by rendering a one-message probe with and without it) where
- * that prompt occurs in the turn, or its longest leading run of whole lines
- * that does, and ends at the turn's last non-whitespace byte (the <|im_end|>
+ * that prompt occurs in the turn, else after the prompt's first line (the
+ * role's header: Qwen3's turn with reasoning where the prompt of
+ * enable_thinking=false holds an empty think block), and ends at the turn's last non-whitespace byte (the <|im_end|>
  * or <|eot_id|>, not the newline after it). */
 #ifndef QT_TEXT_CHAT_TEMPLATE_H
 #define QT_TEXT_CHAT_TEMPLATE_H
