@@ -7,6 +7,7 @@
 #include "core/fs.h"
 #include "core/mem.h"
 #include "core/strbuf.h"
+#include "text/bpe_impl.h"
 #include "text/jinja.h"
 
 #include <stdio.h>
@@ -158,6 +159,13 @@ void chat_template_free(chat_template *ct) {
     qt_free(ct->error);
     qt_free(ct->gen);
     qt_free(ct);
+}
+
+uint64_t chat_template_hash(const chat_template *ct) {
+    char *v = cJSON_PrintUnformatted(ct->vars);
+    uint64_t h = bpe_hash_bytes(ct->text, strlen(ct->text)) ^ (v ? bpe_hash_bytes(v, strlen(v)) * 31 : 0);
+    cJSON_free(v);
+    return h;
 }
 
 const char *chat_template_source(const chat_template *ct) { return ct->source; }

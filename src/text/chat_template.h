@@ -46,6 +46,9 @@ void chat_template_free(chat_template *ct);
  * default. */
 int chat_template_override(bpe_tokenizer *t, const char *arg, const char *dir);
 
+/* Of the template's text and variables (a part of the token cache's key). */
+uint64_t chat_template_hash(const chat_template *ct);
+
 /* Where it came from ("tokenizer_config.json's chat_template", ...). */
 const char *chat_template_source(const chat_template *ct);
 /* NULL when it renders; else why not (the construct outside the subset). */

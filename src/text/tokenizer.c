@@ -619,7 +619,10 @@ const char *bpe_id_token(const bpe_tokenizer *t, int32_t id) {
 }
 
 int32_t bpe_vocab_size(const bpe_tokenizer *t) { return t->n_ids; }
-uint64_t bpe_hash(const bpe_tokenizer *t) { return t->hash; }
+uint64_t bpe_hash(const bpe_tokenizer *t) {
+    /* the chat template renders the cached conversations too: a changed template is a changed cache */
+    return t->tmpl ? t->hash ^ (chat_template_hash(t->tmpl) * 0x9E3779B97F4A7C15ull + 1) : t->hash;
+}
 const char *bpe_chat_system(const bpe_tokenizer *t) {
     return t && t->tiktoken ? CHAT_QWEN1_SYSTEM : CHAT_DEFAULT_SYSTEM;
 }

@@ -41,7 +41,7 @@ int bpe_decode(const bpe_tokenizer *t, const int32_t *ids, size_t n, char **out,
 int32_t bpe_token_id(const bpe_tokenizer *t, const char *token);
 const char *bpe_id_token(const bpe_tokenizer *t, int32_t id); /* NULL if out of range */
 int32_t bpe_vocab_size(const bpe_tokenizer *t);  /* highest id + 1, added tokens included */
-uint64_t bpe_hash(const bpe_tokenizer *t);       /* of the tokenizer.json bytes: cache key */
+uint64_t bpe_hash(const bpe_tokenizer *t);       /* of the tokenizer.json bytes and the chat template: cache key */
 
 /* --- additions (text owner) --- */
 
