@@ -266,7 +266,7 @@ static int render_raw(const chat_template *ct, const chat_message *msgs, size_t 
     QT_TRY(build_vars(ct, msgs, n, contents, tools, gen, &vars));
     int rc = jinja_render(ct->tmpl, vars, "messages", out, len, spans, nspans);
     cJSON_Delete(vars);
-    if (rc != QT_OK && rc != QT_ENOMEM) rc = qt_error_context(rc, "rendering %s", ct->source);
+    if (rc != QT_OK) rc = qt_error_context(rc, "rendering %s", ct->source);
     return rc;
 }
 
@@ -274,25 +274,30 @@ static int render_raw(const chat_template *ct, const chat_message *msgs, size_t 
  * message conversation. NULL (no labels can be placed) where the render with
  * it does not extend the one without. */
 static int find_gen_prompt(chat_template *ct) {
-    chat_message probe = {.role = "user", .content = "Hi"};
-    char *a = NULL, *b = NULL;
-    size_t na = 0, nb = 0;
+    /* a user turn alone, else after a system turn (for a template that insists on one) */
+    const chat_message probes[2][2] = {{{.role = "user", .content = "Hi"}},
+                                       {{.role = "system", .content = "S"}, {.role = "user", .content = "Hi"}}};
     qt_free(ct->gen);
     ct->gen = NULL;
-    int rc = render_raw(ct, &probe, 1, NULL, NULL, 0, &a, &na, NULL, NULL);
-    if (rc == QT_OK) rc = render_raw(ct, &probe, 1, NULL, NULL, 1, &b, &nb, NULL, NULL);
-    if (rc == QT_OK && nb > na && !memcmp(a, b, na)) {
-        ct->gen = qt_malloc(nb - na + 1, "generation prompt");
-        if (!ct->gen) rc = QT_ENOMEM;
-        else {
-            memcpy(ct->gen, b + na, nb - na);
-            ct->gen[nb - na] = 0;
+    int rc = QT_OK;
+    for (int k = 0; k < 2 && !ct->gen; k++) {
+        char *a = NULL, *b = NULL;
+        size_t na = 0, nb = 0;
+        rc = render_raw(ct, probes[k], (size_t)k + 1, NULL, NULL, 0, &a, &na, NULL, NULL);
+        if (rc == QT_OK) rc = render_raw(ct, probes[k], (size_t)k + 1, NULL, NULL, 1, &b, &nb, NULL, NULL);
+        if (rc == QT_OK && nb > na && !memcmp(a, b, na)) {
+            ct->gen = qt_malloc(nb - na + 1, "generation prompt");
+            if (!ct->gen) rc = QT_ENOMEM;
+            else {
+                memcpy(ct->gen, b + na, nb - na);
+                ct->gen[nb - na] = 0;
+            }
         }
+        qt_free(a);
+        qt_free(b);
+        if (rc == QT_ENOMEM) return rc;
     }
-    qt_free(a);
-    qt_free(b);
-    if (rc == QT_ENOMEM) return rc;
-    qt_error_clear(); /* a template that refuses the probe still loads; a real render reports its own error */
+    qt_error_clear(); /* a template that refuses the probes still loads; a real render reports its own error */
     return QT_OK;
 }
 

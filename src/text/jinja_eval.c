@@ -53,6 +53,7 @@ typedef struct {
 } ctx;
 
 #define OOM QT_ENOMEM
+#define JINJA_MAX_OUTPUT (256 << 20) /* bytes one render may write */
 static jv UNDEF_ = {.k = V_UNDEF, .item = -1, .s = "value"};
 
 static jv *mk(ctx *c, vkind k) {
@@ -1206,6 +1207,14 @@ static int exec_body(ctx *c, scope *s, const jnode *n) {
             QT_TRY(eval(c, s, n->a, &v));
             QT_TRY(to_str(c, v, &c->out, 0));
             break;
+        default: break;
+        }
+        if (c->out.n > JINJA_MAX_OUTPUT)
+            return QT_ERR(QT_EINVAL, "chat template line %d: the rendered text passed %d MiB; a template loops without end?",
+                          n->line, JINJA_MAX_OUTPUT >> 20);
+        switch (n->kind) {
+        case N_TEXT:
+        case N_OUT: break;
         case N_IF: {
             const jnode *br = n;
             while (br && br->kind == N_IF) {
@@ -1258,6 +1267,7 @@ int jinja_render(const jinja_template *t, const cJSON *vars, const char *track, 
         if (rc == QT_OK) rc = bind(&c, &top, v->string, x);
     }
     if (rc == QT_OK) rc = exec_body(&c, &top, t->body);
+    if (rc != QT_OK && c.a.capped) rc = QT_EINVAL; /* the message says why */
     ja_free(&c.a);
     if (rc != QT_OK) {
         qt_free(c.out.p);

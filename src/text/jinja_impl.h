@@ -12,7 +12,10 @@
 typedef struct jarena_chunk jarena_chunk;
 typedef struct {
     jarena_chunk *head;
+    size_t total; /* bytes held: capped, so a hostile template cannot take the host's memory */
+    int capped;   /* the cap was hit: the failure is the template's (QT_EINVAL), not the host's */
 } jarena;
+#define JINJA_MAX_ARENA ((size_t)1 << 30)
 void *ja_alloc(jarena *a, size_t n); /* zeroed; NULL when out of memory */
 char *ja_strdup(jarena *a, const char *s, size_t n);
 void ja_free(jarena *a);

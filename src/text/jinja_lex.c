@@ -24,6 +24,13 @@ void *ja_alloc(jarena *a, size_t n) {
     jarena_chunk *c = a->head;
     if (!c || c->cap - c->used < n) {
         size_t cap = n > 65536 ? n : 65536;
+        if (a->total + cap > JINJA_MAX_ARENA) {
+            a->capped = 1;
+            QT_ERR(QT_EINVAL, "a chat template needs more than %zu MiB to parse or render; a template that loops "
+                   "without end?", JINJA_MAX_ARENA >> 20);
+            return NULL;
+        }
+        a->total += cap;
         c = qt_malloc(sizeof *c + cap, "template memory");
         if (!c) return NULL;
         c->next = a->head;
@@ -49,6 +56,7 @@ void ja_free(jarena *a) {
         qt_free(c);
     }
     a->head = NULL;
+    a->total = 0;
 }
 
 typedef struct {

@@ -16,7 +16,10 @@ typedef struct {
     jarena *a;
     jtok *t;
     size_t i, n;
+    int depth; /* nesting of expressions and blocks: a hostile template must not overflow the stack */
 } parser;
+
+#define MAX_DEPTH 200
 
 /* The names jinja_eval.c implements: a template using any other is refused
  * here, before anything renders. */
@@ -298,19 +301,23 @@ static int parse_filters(parser *p, jnode **io) {
 }
 
 static int parse_unary(parser *p, jnode **out, int with_filter) {
+    if (++p->depth > MAX_DEPTH) return QT_ERR(QT_EFORMAT, "chat template line %d: expressions and blocks nested deeper than %d levels", peek(p)->line, MAX_DEPTH);
+    int rc = QT_OK;
     if (is_op(p, "-") || is_op(p, "+")) {
         int neg = is_op(p, "-");
         next(p);
         jnode *n = node(p, N_NEG);
         if (!n) return QT_ENOMEM;
-        QT_TRY(parse_unary(p, &n->a, 0));
+        rc = parse_unary(p, &n->a, 0);
         if (!neg) *out = n->a;
         else *out = n;
     } else {
-        QT_TRY(parse_primary(p, out));
-        QT_TRY(parse_postfix(p, out));
+        rc = parse_primary(p, out);
+        if (rc == QT_OK) rc = parse_postfix(p, out);
     }
-    return with_filter ? parse_filters(p, out) : QT_OK;
+    if (rc == QT_OK && with_filter) rc = parse_filters(p, out);
+    p->depth--;
+    return rc;
 }
 
 static int binary(parser *p, jnode **io, const char *op, int (*rhs)(parser *, jnode **)) {
@@ -444,6 +451,7 @@ static int expect_bend(parser *p) {
 /* Statements until a block tag named in ends ("endif", "else", ...): *stop
  * is the tag's name (the parser sits after its name), or NULL at the end. */
 static int parse_body(parser *p, jnode **out, const char *const *ends, const char **stop);
+static int parse_body_in(parser *p, jnode *head, jnode **tailp, const char *const *ends, const char **stop);
 
 static int parse_if(parser *p, jnode **out) {
     jnode *n = node(p, N_IF);
@@ -528,6 +536,17 @@ static int parse_set(parser *p, jnode **out) {
 static int parse_body(parser *p, jnode **out, const char *const *ends, const char **stop) {
     jnode head = {0}, *tail = &head;
     *stop = NULL;
+    if (p->depth > MAX_DEPTH) return QT_ERR(QT_EFORMAT, "chat template line %d: expressions and blocks nested deeper than %d levels", peek(p)->line, MAX_DEPTH);
+    p->depth++;
+    int rc = parse_body_in(p, &head, &tail, ends, stop);
+    p->depth--;
+    *out = head.next; /* with ends and no *stop: the caller names the missing end */
+    return rc;
+}
+
+static int parse_body_in(parser *p, jnode *head, jnode **tailp, const char *const *ends, const char **stop) {
+    (void)head;
+    jnode *tail = *tailp;
     for (;;) {
         jtok *t = peek(p);
         jnode *n = NULL;
@@ -581,7 +600,7 @@ static int parse_body(parser *p, jnode **out, const char *const *ends, const cha
         tail->next = n;
         tail = n;
     }
-    *out = head.next; /* with ends and no *stop: the caller names the missing end */
+    *tailp = tail;
     return QT_OK;
 }
 
@@ -593,11 +612,12 @@ int jinja_parse(const char *src, size_t len, jinja_template **out) {
     size_t ntoks;
     int rc = jinja_lex(&t->arena, src, len, &toks, &ntoks);
     if (rc == QT_OK) {
-        parser p = {&t->arena, toks, 0, ntoks};
+        parser p = {&t->arena, toks, 0, ntoks, 0};
         const char *stop;
         rc = parse_body(&p, &t->body, NULL, &stop);
     }
     if (rc != QT_OK) {
+        if (t->arena.capped) rc = QT_EINVAL;
         jinja_free(t);
         return rc;
     }
