@@ -323,3 +323,23 @@ def test_jinja_subset_matches_jinja2(qtune, qwen_json, tmp_path, i):
     want = env().from_string(body).render(messages=messages, add_generation_prompt=False)
     got = qtune_chat(qtune, str(d), tmp_path, messages, False, {})
     assert got["text"] == want
+
+
+@pytest.mark.parametrize("body,msg", [
+    ("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", "nested deeper than 200 levels"),
+    ("{% if true %}" * 3000 + "x" + "{% endif %}" * 3000, "nested deeper than 200 levels"),
+    ("{% for i in range(1000000) %}{% for j in range(1000000) %}xxxxxxxxxxxxxxxx{% endfor %}{% endfor %}",
+     "a template that loops without end?"),
+    ("{% if true %}unclosed", "\"if\" is not closed with \"endif\""),
+    ("{{ 'unclosed }}", "string literal is not closed"),
+])
+def test_hostile_template_is_refused_not_a_crash(qtune, qwen_json, tmp_path, body, msg):
+    """A model folder from the internet is untrusted: a template that nests without end, loops
+    without end or is malformed stops with a sentence, in bounded time and memory."""
+    d = tmp_path / "hostile"
+    d.mkdir()
+    shutil.copy(qwen_json, d / "tokenizer.json")
+    (d / "chat_template.jinja").write_text(body)
+    r = qtune_chat(qtune, str(d), tmp_path, CONVERSATIONS["one-turn"], False, {}, check=False)
+    err = r.stderr.decode()
+    assert r.returncode == 1 and msg in err, err
