@@ -2,6 +2,7 @@
  * parse, rendered with a conversation that has a system, user, assistant
  * (with a tool call) and tool turn and a tool list. A model folder from the
  * internet is untrusted input: no crash, no hang, bounded memory. */
+#include <stdint.h>
 #include <string.h>
 
 #include <cjson/cJSON.h>

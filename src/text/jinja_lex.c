@@ -146,16 +146,32 @@ static int lex_tag(toklist *l, const char *s, const char *lim, const char *close
             continue;
         }
         if (isdigit((unsigned char)*s)) {
-            char *e1, *e2;
-            long long iv = strtoll(s, &e1, 10);
-            double fv = strtod(s, &e2);
-            if (e2 > e1 && (*e1 == '.' || *e1 == 'e' || *e1 == 'E')) {
-                QT_TRY(push(l, (jtok){.kind = TK_FLOAT, .line = *line, .f = fv}));
-                s = e2;
-            } else {
-                QT_TRY(push(l, (jtok){.kind = TK_INT, .line = *line, .i = iv}));
-                s = e1;
+            /* Jinja2's number: digits, then .digits and/or e[+-]digits for a float; scanned within
+             * the source (it need not be NUL-terminated), then converted from a copy */
+            const char *e = s;
+            int is_float = 0;
+            while (e < lim && isdigit((unsigned char)*e)) e++;
+            if (e + 1 < lim && *e == '.' && isdigit((unsigned char)e[1])) {
+                is_float = 1;
+                for (e++; e < lim && isdigit((unsigned char)*e); e++) {
+                }
             }
+            if (e < lim && (*e == 'e' || *e == 'E')) {
+                const char *x = e + 1;
+                if (x < lim && (*x == '+' || *x == '-')) x++;
+                if (x < lim && isdigit((unsigned char)*x)) {
+                    is_float = 1;
+                    for (e = x; e < lim && isdigit((unsigned char)*e); e++) {
+                    }
+                }
+            }
+            char num[64];
+            size_t nl = (size_t)(e - s) < sizeof num - 1 ? (size_t)(e - s) : sizeof num - 1;
+            memcpy(num, s, nl);
+            num[nl] = 0;
+            if (is_float) QT_TRY(push(l, (jtok){.kind = TK_FLOAT, .line = *line, .f = strtod(num, NULL)}));
+            else QT_TRY(push(l, (jtok){.kind = TK_INT, .line = *line, .i = strtoll(num, NULL, 10)}));
+            s = e;
             continue;
         }
         if (isalpha((unsigned char)*s) || *s == '_') {
@@ -217,7 +233,10 @@ int jinja_lex(jarena *a, const char *src, size_t len, jtok **toks, size_t *ntoks
         if (kind == '#') {
             const char *e = s;
             while (e + 1 < lim && !(e[0] == '#' && e[1] == '}')) line += *e++ == '\n';
-            if (e + 1 >= lim) return QT_ERR(QT_EFORMAT, "chat template line %d: a comment is not closed with \"#}\"", line);
+            if (e + 1 >= lim) {
+                rc = QT_ERR(QT_EFORMAT, "chat template line %d: a comment is not closed with \"#}\"", line);
+                break;
+            }
             strip_next = e > s && e[-1] == '-';
             trim_next = !(e > s && (e[-1] == '-' || e[-1] == '+'));
             s = e + 2;
