@@ -17,6 +17,7 @@
 #include "model/model.h"
 #include "model/sample.h"
 #include "text/chat.h"
+#include "text/chat_template.h"
 #include "text/tokenizer.h"
 
 #include <cjson/cJSON.h>
@@ -41,8 +42,11 @@ static void generate_help(void) {
            "  --quantization nf4|fp4  the base's layer linears in 4 bits (QLoRA), --double-quant for double quantization\n"
            "  --tokenizer PATH   tokenizer.json (or a folder holding one) when --model has none\n"
            "  --prompt TEXT      continue this text (no template)\n"
-           "  --chat             chat in ChatML: each stdin line is a user turn; the history is kept\n"
-           "  --system TEXT      system message for --chat, only there (default: the Qwen2.5 template's)\n"
+           "  --chat             chat with the model folder's chat template (qtune's ChatML when it ships none):\n"
+           "                     each stdin line is a user turn; the history is kept\n"
+           "  --system TEXT      system message for --chat, only there (default: the template's own, if any)\n"
+           "  --enable-thinking true|false  the chat template's enable_thinking (Qwen3: false writes an empty\n"
+           "                     think block after the assistant header, so the reply skips reasoning)\n"
            "  --max-new N        new tokens per reply (default 256)\n"
            "  --temperature t    0 is greedy (default 0.7)\n"
            "  --top-k k          keep the k most probable tokens (default 0: off)\n"
@@ -699,7 +703,7 @@ int cmd_generate(int argc, char **argv) {
     const char *model = NULL, *adapter = NULL, *prompt = NULL, *prompt_ids = NULL, *tok_path = NULL;
     const char *system = NULL; /* the template's default system message */
     const char *device = NULL, *prompts_file = NULL;
-    int chat = 0, json = 0, max_new = 256, ctx = 0, batch = 0, q4_type = -1, q4_nested = 0;
+    int chat = 0, json = 0, max_new = 256, ctx = 0, batch = 0, q4_type = -1, q4_nested = 0, thinking = -1;
     uint64_t seed = 42;
     qt_sample_opts so = {0.7f, 0, 1.0f};
     cli_once_list once = {0};
@@ -722,6 +726,12 @@ int cmd_generate(int argc, char **argv) {
         else if (!strcmp(a, "--system")) { NEED_VALUE(); system = v; }
         else if (!strcmp(a, "--device")) { NEED_VALUE(); device = v; }
         else if (!strcmp(a, "--chat")) chat = 1;
+        else if (!strcmp(a, "--enable-thinking")) {
+            NEED_VALUE();
+            if (strcmp(v, "true") && strcmp(v, "false"))
+                return cli_usage_error("generate", "--enable-thinking takes true or false, not '%s'", v);
+            thinking = !strcmp(v, "true");
+        }
         else if (!strcmp(a, "--json")) json = 1;
         else if (!strcmp(a, "--max-new")) {
             NEED_VALUE();
@@ -772,6 +782,8 @@ int cmd_generate(int argc, char **argv) {
     if (system && !chat) /* a --prompt is continued as is: the system message would be dropped unseen */
         return cli_usage_error("generate", "--system TEXT is the system message of --chat; give --chat (--prompt "
                                "text is continued as is, with no template)");
+    if (thinking >= 0 && !chat)
+        return cli_usage_error("generate", "--enable-thinking is a variable of the chat template; give --chat");
     if (!batch) batch = 1;
     if (qt_sample_opts_check(&so) != QT_OK) return cli_usage_error("generate", "%s", qt_error_message());
     /* The prompt: ids are checked here, before anything is read */
@@ -789,7 +801,20 @@ int cmd_generate(int argc, char **argv) {
     gen_state g;
     memset(&g, 0, sizeof g);
     qt_config cfg;
-    const int status = prepare(&g, &cfg, model, tok_path, ctx, prompt, &ids, &n_ids, prompts_file != NULL);
+    int status = prepare(&g, &cfg, model, tok_path, ctx, prompt, &ids, &n_ids, prompts_file != NULL);
+    if (status == QT_EXIT_OK && thinking >= 0) { /* apply_chat_template(..., enable_thinking=...) */
+        chat_template *ct = g.tok ? bpe_chat_template_mut(g.tok) : NULL;
+        cJSON *b = cJSON_CreateBool(thinking);
+        if (!ct) {
+            char desc[512];
+            chat_template_describe(g.tok, desc, sizeof desc);
+            status = cli_usage_error("generate", "--enable-thinking needs the model's own chat template, and this "
+                                     "model chats in %s", desc);
+        } else if (!b || chat_template_set_var(ct, "enable_thinking", b) != QT_OK) {
+            status = cli_fail();
+        }
+        cJSON_Delete(b);
+    }
     gen_prompt *prompts = NULL;
     int n_prompts = 0;
     /* every eos id of config.json and generation_config.json (Llama 3.1: <|eot_id|> is the third), read

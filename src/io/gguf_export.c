@@ -344,8 +344,23 @@ static int add_tokenizer(gguf_writer *w, const char *dir, const qt_config *cfg) 
     if (rc == QT_OK)
         rc = gguf_set_bool(w, "tokenizer.ggml.add_bos_token",
                            cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(tc, "add_bos_token")));
+    /* the template qtune trains and chats with (text/chat_template.h): the folder's chat_template.jinja, else
+     * tokenizer_config.json's, else the ChatML qtune renders for a folder without one, so that llama.cpp
+     * serves the model under the prompt format it was trained on */
+    char jpath[4096], *jtext = NULL;
+    size_t jlen = 0;
+    if (rc == QT_OK && qt_path_join(jpath, sizeof jpath, dir, "chat_template.jinja") == QT_OK && qt_path_exists(jpath))
+        rc = qt_read_file(jpath, (size_t)64 << 20, &jtext, &jlen);
     const cJSON *tmpl = cJSON_GetObjectItemCaseSensitive(tc, "chat_template");
-    if (rc == QT_OK && cJSON_IsString(tmpl)) rc = gguf_set_str(w, "tokenizer.chat_template", tmpl->valuestring);
+    const char *chosen = jtext ? jtext : cJSON_IsString(tmpl) ? tmpl->valuestring
+                       : tiktoken ? qt_qwen_chatml_template : qt_qwen25_chat_template;
+    if (rc == QT_OK && cJSON_IsArray(tmpl) && !jtext) /* [{name, template}]: the "default" one, as apply_chat_template */
+        for (const cJSON *e = tmpl->child; e; e = e->next) {
+            const cJSON *nm = cJSON_GetObjectItemCaseSensitive(e, "name"), *t = cJSON_GetObjectItemCaseSensitive(e, "template");
+            if (cJSON_IsString(nm) && !strcmp(nm->valuestring, "default") && cJSON_IsString(t)) chosen = t->valuestring;
+        }
+    if (rc == QT_OK) rc = gguf_set_str(w, "tokenizer.chat_template", chosen);
+    qt_free(jtext);
     for (size_t i = 0; merges && i < n_merges; i++) qt_free(merges[i]);
     qt_free(merges);
     qt_free(pads);

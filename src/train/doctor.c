@@ -16,6 +16,8 @@
 #include "model/lora_io.h"
 #include "model/model.h"
 #include "optim/loss_scaler.h"
+#include "data/preview.h"
+#include "text/chat_template.h"
 #include "text/tokenizer.h"
 #include "train/ds_config.h"
 #include "train/job.h"
@@ -461,6 +463,13 @@ static void check_data_lines(doc_ctx *c, const char *path, const char *key, dl_f
     qt_log_set_level(level);
     if (bad) problem(c, "%s: data.%s: %s", c->where, key, qt_error_message());
     else fprintf(c->f, "data       %s: %lld example%s read as %s\n", path, n, n == 1 ? "" : "s", dl_format_name(fmt));
+    if (!bad && n && tok && !strcmp(key, "train")) { /* the first example as training sees it, as the run prints it */
+        char *ex = NULL;
+        if (dl_preview_first(tok, path, dl_format_name(fmt), mask_prompt, 4000, &ex) == QT_OK)
+            fprintf(c->f, "example    the first training example (labelled text between [[ and ]]):\n%s\n", ex);
+        qt_free(ex);
+        qt_error_clear();
+    }
     dl_tokbuf_free(&tb);
     dl_lines_close(&r);
 }
@@ -781,6 +790,11 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
         if (bpe_folder_file(mp, tp, sizeof tp) && /* tokenizer.json, or qwen.tiktoken */
             qt_error_oom_advice(bpe_load(tp, &tok), QT_TOKENIZER_OOM_ADVICE) != QT_OK)
             problem(&c, "%s: \"model\": %s", path, qt_error_message());
+        if (tok) {
+            char desc[512];
+            chat_template_describe(tok, desc, sizeof desc);
+            fprintf(c.f, "template   %s\n", desc);
+        }
         const cJSON *fj = cJSON_GetObjectItemCaseSensitive(data, "format");
         const cJSON *mj = cJSON_GetObjectItemCaseSensitive(data, "mask_prompt");
         dl_format fmt = DL_FORMAT_AUTO;

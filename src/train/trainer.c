@@ -10,10 +10,12 @@
 #include "core/log.h"
 #include "core/mem.h"
 #include "core/progress.h"
+#include "data/preview.h"
 #include "io/checkpoint.h"
 #include "model/lora_io.h"
 #include "model/memplan.h"
 #include "optim/clip.h"
+#include "text/chat_template.h"
 #include "train/trainer_internal.h"
 
 #include <dirent.h>
@@ -50,6 +52,15 @@ static int open_loaders(qt_trainer *t) {
     char tokpath[4096];
     if (bpe_folder_file(job->model, tokpath, sizeof tokpath)) QT_TRY(qt_error_oom_advice(bpe_load(tokpath, &t->tok), QT_TOKENIZER_OOM_ADVICE));
     else qt_info("%s has no tokenizer.json (nor qwen.tiktoken): only pre-tokenized data ({\"input_ids\": ...}) can be read", job->model);
+    if (t->tok && t->main) { /* which template renders the chats, and the first example as it is trained on */
+        char desc[512], *ex = NULL;
+        chat_template_describe(t->tok, desc, sizeof desc);
+        qt_info("chat template: %s", desc);
+        if (dl_preview_first(t->tok, job->data.train, job->data.format, job->data.mask_prompt, 4000, &ex) == QT_OK)
+            qt_info("first training example (labelled text between [[ and ]]):\n%s", ex);
+        qt_free(ex);
+        qt_error_clear(); /* a first line that does not encode is the loader's to report, with its line */
+    }
 
     dl_config c;
     dl_config_default(&c);
