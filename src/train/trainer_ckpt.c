@@ -700,7 +700,10 @@ static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos, opt_par
         t->tokens_seen = tokens;
         t->elapsed_before = cJSON_IsNumber(el) ? el->valuedouble : 0;
         qt_model_set_micro_step(t->model, (uint64_t)micro);
-        if (t->cfg.fp16) qt_loss_scaler_state_apply(&t->opt.scaler, &sc);
+        if (t->cfg.fp16) {
+            qt_loss_scaler_state_apply(&t->opt.scaler, &sc);
+            t->opt.n_skipped = sc.n_overflows; /* the optimizer's count of overflow skips goes on from there */
+        }
     }
     cJSON_Delete(j);
     return rc;
