@@ -511,15 +511,14 @@ static int check_skipped(qt_trainer *t, qt_train_result *res) {
         /* every step overflowed while the dynamic scale was still backing off from its start: the cause is
          * the initial scale (a halving per overflow once hysteresis is spent), not the data */
         const qt_loss_scaler_cfg *c = &t->opt.scaler.cfg;
-        const double now = t->opt.scaler.scale;
-        const int p = (int)floor(log2(now > 1 ? now : 1));
         return QT_ERR(QT_ENUMERIC,
                       "every one of the %ld steps was skipped (%s): the fp16 loss scale started at 2^%d = %g "
-                      "(fp16.initial_scale_power %d) and halves once per overflow after %d (fp16.hysteresis), so it "
-                      "was still %g at the end and nothing was learned; final/ is not written. Set "
-                      "fp16.initial_scale_power to %d or lower (or train more steps)",
+                      "(fp16.initial_scale_power %d) and halves only once per overflow after %d in a row "
+                      "(fp16.hysteresis), so it was still %g at the end and nothing was learned; final/ is not "
+                      "written. Lower fp16.initial_scale_power (DeepSpeed's default is 16; each 1 less halves the "
+                      "start) or train more steps so the scale can fall to where the gradients fit",
                       t->step, why, c->initial_scale_power, ldexp(1.0, c->initial_scale_power),
-                      c->initial_scale_power, c->hysteresis, now, p > 0 ? p - 1 : 0);
+                      c->initial_scale_power, c->hysteresis, t->opt.scaler.scale);
     }
     if (t->opt.n_updates == 0)
         return QT_ERR(QT_ENUMERIC,
