@@ -136,8 +136,8 @@ int cmd_train(int argc, char **argv) {
     static char mpi_stop_msg[4400];
     if (dist_uses_mpi(d) && dist_is_main(d)) {
         snprintf(mpi_stop_msg, sizeof mpi_stop_msg,
-                 "mpirun will not wait for it: it kills every rank about a second after Ctrl-C, usually before a "
-                 "checkpoint is written. To stop an MPI job and keep its progress run `qtune stop %s` instead",
+                 "mpirun will not wait for it: it kills every rank about a second after Ctrl-C, and a checkpoint "
+                 "not written by then is lost. To stop an MPI job and keep its progress run `qtune stop %s` instead",
                  job.output_dir);
         cli_stop_on_signals(mpi_stop_msg);
     }
