@@ -581,6 +581,13 @@ def test_adapter_keys_at_harmless_values_and_unknown_keys(models, tmp_path):
     assert "\"lora_frobnicate\" is not a LoRA setting qtune knows and is ignored" in p.stderr, p.stderr
     assert p.stderr.count("lora_frobnicate") == 1, p.stderr  # the command reads the file twice; said once
     assert os.path.exists(tmp_path / "b.gguf")
+    # a misspelt LoraConfig key names the key it is nearest to (issue 41)
+    c.pop("lora_frobnicate")
+    c["use_rslroa"] = False
+    json.dump(c, open(tmp_path / "ad" / "adapter_config.json", "w"))
+    p = qtune("export", "--model", m, "--adapter", tmp_path / "ad", "--gguf-lora", tmp_path / "c.gguf")
+    assert "\"use_rslroa\" is not a LoRA setting qtune knows and is ignored; did you mean \"use_rslora\"?" in p.stderr, \
+        p.stderr
 
 
 def test_unsupported_architecture_says_what_to_do(models, tmp_path):
