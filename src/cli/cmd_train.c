@@ -115,8 +115,9 @@ int cmd_train(int argc, char **argv) {
     if (dist_init(&argc, &argv, &d) != QT_OK) { free(sets); return cli_fail(); }
     dist_set_stop_flag(d, stop);
     /* rank 0 speaks: every rank reads the same job, model and data, so the other ranks' warnings would
-     * repeat rank 0's once per rank; what fails on one rank alone is said by rank_failed */
-    if (!dist_is_main(d) && qt_log_level() <= QT_LOG_INFO) qt_log_set_level(QT_LOG_ERROR);
+     * repeat rank 0's once per rank; what concerns one rank alone is said by qt_warn_rank and rank_failed
+     * (QTUNE_LOG=debug keeps every rank's words) */
+    if (!dist_is_main(d) && qt_log_level() <= QT_LOG_INFO) qt_log_set_rank_quiet(1);
 
     /* only rank 0 says it: mpirun passes a Ctrl-C to every rank, and an
      * MPI_Abort reaches the others as SIGTERM (same handler and flag, no message) */

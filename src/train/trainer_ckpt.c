@@ -459,7 +459,7 @@ static int save_checkpoint(qt_trainer *t) {
     if (wrc == QT_OK) wrc = grc;
     /* said now: once rank 0 learns of the failure it aborts every rank, which
      * may come before this rank's CLI prints its error */
-    if (wrc != QT_OK && !t->main && t->world > 1) qt_warn("rank %d: %s", t->rank, qt_error_message());
+    if (wrc != QT_OK && !t->main && t->world > 1) qt_warn_rank("rank %d: %s", t->rank, qt_error_message());
     if (rc == QT_OK) {
         r2 = agree(t, wrc, "checkpoint parts written", &bad);
         rc = wrc != QT_OK ? wrc : r2;
