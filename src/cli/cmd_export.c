@@ -115,6 +115,14 @@ int cmd_export(int argc, char **argv) {
         if (rc == QT_OK)
             o.type = cfg.torch_dtype == QT_BF16 ? GGUF_BF16 : cfg.torch_dtype == QT_F16 ? GGUF_F16 : GGUF_F32;
     }
+    /* the output's parent folders, as merge makes them (and removes them again when the export fails) */
+    char parent[4096], made_top[4096] = "";
+    qt_path_dirname(parent, sizeof parent, out);
+    if (rc == QT_OK && qt_path_missing_top(parent, made_top, sizeof made_top) != QT_OK) {
+        made_top[0] = 0;
+        qt_error_clear(); /* the write below names the path */
+    }
+    if (rc == QT_OK && made_top[0]) rc = qt_mkdir_p(parent);
     o.stop = cli_stop_on_signals("removing the partial GGUF file");
     const double t0 = qt_now_s();
     const int writing = rc == QT_OK;
@@ -128,6 +136,7 @@ int cmd_export(int argc, char **argv) {
     }
     qt_merge_set_free(set);
     st_close(base);
+    if (rc != QT_OK && made_top[0]) qt_rmdir_made(parent, made_top);
     if (rc == QT_EINTERRUPTED) {
         fprintf(stderr, "qtune: %s\n", qt_error_message());
         return QT_EXIT_INTERRUPTED;

@@ -55,8 +55,10 @@ static void generate_help(void) {
            "  --ctx N            context length: at most N tokens in all, prompt (and chat history) plus\n"
            "                     reply; at most max_position_embeddings (default min(that, 4096))\n"
            "  --prompt-ids LIST  comma-separated token ids instead of --prompt (no tokenizer needed)\n"
-           "  --prompts FILE     many prompts, JSON Lines: {\"prompt\": TEXT} or {\"prompt_ids\": [ids]} per\n"
-           "                     line; the replies come in the file's order, each sampled with --seed\n"
+           "  --prompts FILE     many prompts, JSON Lines: {\"prompt\": TEXT}, {\"prompt_ids\": [ids]} or\n"
+           "                     {\"messages\": [{\"role\": ..., \"content\": ...}]} (rendered as --chat does, with\n"
+           "                     the assistant's turn opened) per line; the replies come in the file's\n"
+           "                     order, each sampled with --seed\n"
            "                     as its own run would be\n"
            "  --batch N          with --prompts: N sequences decode together, each weight read once a\n"
            "                     step for all of them (default 1); greedy replies equal separate runs'\n"
@@ -414,6 +416,43 @@ static void free_prompts(gen_prompt *p, int n) {
 /* The prompts file: JSON Lines, one object per line with "prompt" (text, needs
  * the tokenizer) or "prompt_ids" (an array of ids); blank lines are skipped.
  * Other keys are ignored, and the first one is named in a warning. */
+/* A --prompts line's "messages" (OpenAI / HF chat form): rendered with the chat
+ * template training uses (text/chat.h) and the assistant's generation prompt,
+ * as `generate --chat` renders its history, then tokenized. */
+static int messages_prompt(const bpe_tokenizer *tok, const cJSON *arr, const char *path, int lineno, int32_t **ids,
+                           size_t *n) {
+    const int count = cJSON_GetArraySize(arr);
+    if (count < 1) return QT_ERR(QT_EINVAL, "%s line %d: \"messages\" is empty; give at least one user turn", path, lineno);
+    chat_message *m = qt_calloc((size_t)count, sizeof *m, "prompt messages");
+    if (!m) return QT_ENOMEM;
+    int i = 0, rc = QT_OK;
+    const cJSON *e;
+    cJSON_ArrayForEach(e, arr) {
+        const cJSON *role = cJSON_GetObjectItemCaseSensitive(e, "role");
+        const cJSON *content = cJSON_GetObjectItemCaseSensitive(e, "content");
+        if (!cJSON_IsString(role) || !cJSON_IsString(content)) {
+            rc = QT_ERR(QT_EINVAL, "%s line %d: messages[%d] must be {\"role\": \"system\" | \"user\" | \"assistant\", "
+                        "\"content\": \"text\"}", path, lineno, i);
+            break;
+        }
+        /* OpenAI's "developer" is its newer name for the system message */
+        m[i++] = (chat_message){.role = strcmp(role->valuestring, "developer") ? role->valuestring : "system",
+                                .content = content->valuestring};
+    }
+    char *text = NULL;
+    size_t len;
+    if (rc == QT_OK) rc = chat_render_tok(tok, m, (size_t)i, NULL, 1, &text, &len);
+    if (rc != QT_OK && rc != QT_ENOMEM && qt_error_code()) {
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", qt_error_message());
+        if (!strstr(msg, path)) rc = QT_ERR(rc, "%s line %d: %s", path, lineno, msg);
+    }
+    if (rc == QT_OK) rc = encode(tok, text, ids, n);
+    qt_free(text);
+    qt_free(m);
+    return rc;
+}
+
 static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int ctx, int max_ctx, gen_prompt **out,
                         int *count) {
     char *buf;
@@ -449,6 +488,7 @@ static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int c
         while (o && after < e && isspace((unsigned char)*after)) after++;
         const cJSON *text = o ? cJSON_GetObjectItemCaseSensitive(o, "prompt") : NULL;
         const cJSON *arr = o ? cJSON_GetObjectItemCaseSensitive(o, "prompt_ids") : NULL;
+        const cJSON *msgs = o ? cJSON_GetObjectItemCaseSensitive(o, "messages") : NULL;
         if (nul) {
             rc = QT_ERR(QT_EINVAL, "%s line %d holds a NUL byte; a JSON Lines file is text: fix or remove that line",
                         path, lineno);
@@ -458,9 +498,15 @@ static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int c
         } else if (cJSON_IsString(text) && qt_json_has_nul_escape(t, (size_t)(e - t))) {
             rc = QT_ERR(QT_EINVAL, "%s line %d holds a NUL character (\\u0000), where the prompt's text would end; "
                         "remove it", path, lineno);
-        } else if (!cJSON_IsObject(o) || cJSON_IsString(text) == cJSON_IsArray(arr)) {
-            rc = QT_ERR(QT_EINVAL, "%s line %d: each line must be a JSON object with a \"prompt\" string or a "
-                        "\"prompt_ids\" array of token ids (one of the two)", path, lineno);
+        } else if (!cJSON_IsObject(o) || cJSON_IsString(text) + cJSON_IsArray(arr) + cJSON_IsArray(msgs) != 1) {
+            rc = QT_ERR(QT_EINVAL, "%s line %d: each line must be a JSON object with a \"prompt\" string, a "
+                        "\"prompt_ids\" array of token ids or a \"messages\" array of {\"role\", \"content\"} "
+                        "(one of the three)", path, lineno);
+        } else if (cJSON_IsArray(msgs)) {
+            size_t n = 0;
+            if (!tok) rc = QT_ERR(QT_EINVAL, "%s line %d: \"messages\" need the model's tokenizer.json (or "
+                                  "--tokenizer); give \"prompt_ids\" instead", path, lineno);
+            else if ((rc = messages_prompt(tok, msgs, path, lineno, &g->ids, &n)) == QT_OK) g->n = (int)n;
         } else if (cJSON_IsString(text)) {
             size_t n = 0;
             if (!tok) rc = QT_ERR(QT_EINVAL, "%s line %d: a \"prompt\" text needs the model's tokenizer.json (or "
@@ -482,11 +528,12 @@ static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int c
             }
         }
         /* any other key, a repeated one included, is named once per file */
-        const cJSON *used = cJSON_IsString(text) ? text : arr;
+        const cJSON *used = cJSON_IsString(text) ? text : cJSON_IsArray(arr) ? arr : msgs;
         for (const cJSON *k = rc == QT_OK ? o->child : NULL; k && !warned; k = k->next)
             if (k != used)
-                warned = 1, qt_warn("%s line %d: the key \"%.64s\" is ignored: a line gives one \"prompt\" string "
-                                    "or one \"prompt_ids\" array, nothing else (further ignored keys are not named)",
+                warned = 1, qt_warn("%s line %d: the key \"%.64s\" is ignored: a line gives one \"prompt\" string, "
+                                    "one \"prompt_ids\" array or one \"messages\" array, nothing else (further "
+                                    "ignored keys are not named)",
                                     path, lineno, k->string);
         cJSON_Delete(o);
         if (rc == QT_OK && check_prompt_fits(0, g->n, ctx, max_ctx) != QT_OK)

@@ -647,7 +647,7 @@ static void check_resources(doc_ctx *c, const char *dir, const cJSON *root, cons
     }
 }
 
-int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int n_sets, int ranks) {
+int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int n_sets, int ranks, int strict) {
     doc_ctx c = {f, path, 0};
     fprintf(f, "job        %s\n", path);
     char *text = NULL;
@@ -671,7 +671,7 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
      * what the rest checks */
     qt_job job;
     qt_error_clear();
-    if (qt_job_load(path, sets, n_sets, &job) == QT_OK) {
+    if (qt_job_load_ex(path, sets, n_sets, strict, &job) == QT_OK) {
         /* the device as the run would resolve it here: "cuda" with no GPU stops the run */
         char where[4200];
         qt_device dev;
@@ -722,6 +722,10 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
             problem(&c, "%s", qt_error_message());
         } else {
             if (dc.micro_batch >= 1 && dc.micro_batch <= (1 << 20)) o.micro_batch = (int)dc.micro_batch;
+            if (dc.precision_auto_off[0])
+                fprintf(f, "  warning: %s: %s.enabled is \"auto\", which qtune resolves to false: the job trains in "
+                           "fp32, not %s; set %s.enabled to true (or false to mean fp32)\n",
+                        where, dc.precision_auto_off, dc.precision_auto_off, dc.precision_auto_off);
             /* the buckets and overlap the run plans with (qt_plan_opts_from_job): a reduce_bucket_size of
              * "auto" is the model's hidden_size squared, 5e8 when config.json could not be read (either said) */
             qt_ds_config_resolve_model(&dc, have_cfg ? cfg.hidden_size : 0);

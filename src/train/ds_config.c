@@ -34,6 +34,8 @@ typedef struct {
     const char *where;
     qt_ds_config *out;
     int check_only;
+    int strict;             /* qt_ds_config_check_strict: an ignored key is an error */
+    char strict_msg[512];   /* the first such key's sentence ("" = none) */
 } ds_ctx;
 
 /* A warning, unless only checking (the run's own parse says it once) */
@@ -51,19 +53,25 @@ static void record_ignored(qt_ds_config *c, const char *path) {
 
 /* honoured: the section's keys, for a near spelling. */
 static void ignore_key(ds_ctx *x, const char *section, const char *key, const char *const *honoured) {
-    char path[96];
+    char path[96], msg[512];
     if (section) snprintf(path, sizeof path, "%s.%s", section, key);
     else snprintf(path, sizeof path, "%s", key);
     const char *near = honoured ? qt_nearest_word(key, honoured) : NULL;
     if (!section && (!strcmp(key, "activation_checkpointing") || !strcmp(key, "gradient_checkpointing")))
-        ds_warn(x, "%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored; set the job's "
-                "train.gradient_checkpointing to true to recompute activations",
-                x->where, path);
+        snprintf(msg, sizeof msg, "%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored; set the job's "
+                 "train.gradient_checkpointing to true to recompute activations",
+                 x->where, path);
     else if (near)
-        ds_warn(x, "%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored; did you mean \"%s%s%s\"?", x->where,
-                path, section ? section : "", section ? "." : "", near);
-    else ds_warn(x, "%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored", x->where, path);
+        snprintf(msg, sizeof msg, "%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored; did you mean "
+                 "\"%s%s%s\"?", x->where, path, section ? section : "", section ? "." : "", near);
+    else snprintf(msg, sizeof msg, "%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored", x->where, path);
+    if (x->strict && !x->strict_msg[0]) snprintf(x->strict_msg, sizeof x->strict_msg, "%s", msg);
+    ds_warn(x, "%s", msg);
     record_ignored(x->out, path);
+}
+
+static void record_resolved(qt_ds_config *c, const char *line) {
+    if (c->n_resolved < QT_DS_MAX_RESOLVED) snprintf(c->resolved[c->n_resolved++], sizeof c->resolved[0], "%s", line);
 }
 
 /* Records (and says, at info level) what an "auto" became and why: the HF
@@ -78,10 +86,9 @@ static void note_auto(ds_ctx *x, const char *section, const char *key, const cha
     vsnprintf(what, sizeof what, fmt, ap);
     va_end(ap);
     qt_ds_config *c = x->out;
-    char *dst = c->n_resolved < QT_DS_MAX_RESOLVED ? c->resolved[c->n_resolved++] : NULL;
     char line[sizeof c->resolved[0]];
     snprintf(line, sizeof line, "%s%s%s \"auto\" -> %s", section ? section : "", section ? "." : "", key, what);
-    if (dst) memcpy(dst, line, sizeof line);
+    record_resolved(c, line);
     if (!x->check_only) qt_info("%s: %s", x->where, line);
 }
 
@@ -480,6 +487,25 @@ static int parse_scheduler(ds_ctx *x, const cJSON *sch) {
 
 /* ---- fp16 / bf16 -------------------------------------------------------- */
 
+/* An fp16 (or bf16) section whose "enabled" is "auto": the HF Trainer fills
+ * it from its --fp16 (--bf16) flag, off by default, and qtune has no such
+ * flag, so the run is fp32. Someone who wrote the section meant half
+ * precision more often than not: a warning, not a quiet note, and the run
+ * line and `qtune doctor` say it again (qt_ds_config.precision_auto_off). */
+static void precision_auto_off(ds_ctx *x, const char *section) {
+    qt_ds_config *c = x->out;
+    char line[sizeof c->resolved[0]];
+    const char *p = !strcmp(section, "fp16") ? "fp16" : "bf16";
+    snprintf(line, sizeof line, "%s.enabled \"auto\" -> false (the HF Trainer's --%s is off by default and qtune "
+             "has no such flag; set true to train in %s)", section, p, p);
+    record_resolved(c, line);
+    if (!c->precision_auto_off[0]) snprintf(c->precision_auto_off, sizeof c->precision_auto_off, "%s", section);
+    ds_warn(x, "%s: %s.enabled \"auto\" -> false: this run trains in fp32, not %s (the HF Trainer fills \"auto\" "
+            "from its --%s flag, off by default; qtune has no such flag); set %s.enabled to true to train in %s, or "
+            "to false to keep fp32 without this warning",
+            x->where, section, p, p, section, p);
+}
+
 static int parse_fp16(ds_ctx *x, const cJSON *f) {
     qt_ds_config *c = x->out;
     static const char *const keys[] = {"enabled",   "loss_scale",             "initial_scale_power",
@@ -487,8 +513,8 @@ static int parse_fp16(ds_ctx *x, const cJSON *f) {
                                        "min_loss_scale", NULL};
     warn_unknown(x, f, "fp16", keys);
     const char *sec = "fp16";
-    QT_TRY(get_bool(x, f, sec, "enabled", &c->fp16,
-                    "the HF Trainer's --fp16 is off by default and qtune has no such flag; set true to train in fp16"));
+    if (is_auto(cJSON_GetObjectItemCaseSensitive(f, "enabled"))) precision_auto_off(x, "fp16");
+    else QT_TRY(get_bool(x, f, sec, "enabled", &c->fp16, "precision_auto_off says it")); /* "auto" allowed */
     qt_loss_scaler_cfg *s = &c->scaler;
     int a;
     QT_TRY(get_number(x, f, sec, "loss_scale", &s->loss_scale, &a));
@@ -522,8 +548,11 @@ static int parse_fp16(ds_ctx *x, const cJSON *f) {
 static int parse_bf16(ds_ctx *x, const cJSON *b, const char *name) {
     static const char *const keys[] = {"enabled", NULL};
     warn_unknown(x, b, name, keys);
-    return get_bool(x, b, name, "enabled", &x->out->bf16,
-                    "the HF Trainer's --bf16 is off by default and qtune has no such flag; set true to train in bf16");
+    if (is_auto(cJSON_GetObjectItemCaseSensitive(b, "enabled"))) {
+        precision_auto_off(x, name);
+        return QT_OK;
+    }
+    return get_bool(x, b, name, "enabled", &x->out->bf16, "precision_auto_off says it"); /* "auto" allowed */
 }
 
 /* ---- ZeRO --------------------------------------------------------------- */
@@ -708,7 +737,7 @@ static int parse(ds_ctx *x, const cJSON *j) {
 int qt_ds_config_parse(const cJSON *json, const char *where, int world, qt_ds_config *out) {
     if (world < 1) return QT_ERR(QT_EINVAL, "%s: world size %d must be >= 1", where, world);
     qt_ds_config_default(out, world);
-    ds_ctx x = {where, out, 0};
+    ds_ctx x = {where, out, 0, 0, ""};
     int rc = parse(&x, json);
     if (rc != QT_OK) {
         int n = out->n_ignored;
@@ -725,9 +754,21 @@ int qt_ds_config_check(const cJSON *json, const char *where) {
     qt_ds_config *c = qt_malloc(sizeof *c, "a DeepSpeed config check");
     if (!c) return QT_ENOMEM;
     qt_ds_config_default(c, 1);
-    ds_ctx x = {where, c, 1};
+    ds_ctx x = {where, c, 1, 0, ""};
     int rc = parse(&x, json);
     qt_free(c);
+    return rc;
+}
+
+int qt_ds_config_check_strict(const cJSON *json, const char *where) {
+    qt_ds_config *c = qt_malloc(sizeof *c, "a DeepSpeed config check");
+    if (!c) return QT_ENOMEM;
+    qt_ds_config_default(c, 1);
+    ds_ctx x = {where, c, 1, 1, ""};
+    int rc = parse(&x, json);
+    qt_free(c);
+    if (rc == QT_OK && x.strict_msg[0])
+        rc = QT_ERR(QT_EINVAL, "%s (--strict makes every unknown key an error)", x.strict_msg);
     return rc;
 }
 

@@ -66,6 +66,8 @@ typedef struct {
     int fp16;                   /* fp16.enabled */
     qt_loss_scaler_cfg scaler;  /* the fp16 section (defaults when fp16 is off) */
     int bf16;                   /* bf16.enabled (or the old "bfloat16") */
+    char precision_auto_off[12];/* "fp16" or "bf16" when that section is present with enabled "auto", which
+                                   resolves to false (fp32, warned); "" otherwise */
     qt_ds_zero zero;
 
     int n_ignored;              /* keys named in a warning, as "section.key" */
@@ -91,6 +93,11 @@ int qt_ds_config_parse(const cJSON *json, const char *where, int world, qt_ds_co
  * deepspeed.X=...`, so that an override which makes a readable config
  * unreadable is named in the error, where the run's parse names the file. */
 int qt_ds_config_check(const cJSON *json, const char *where);
+
+/* qt_ds_config_check, and a key qtune does not implement (which the run
+ * warns about and ignores) is an error too, with the warning's sentence and
+ * its nearest known key: `--strict`. */
+int qt_ds_config_check_strict(const cJSON *json, const char *where);
 
 /* Reads a DeepSpeed JSON file (at most 16 MiB). */
 int qt_ds_config_load(const char *path, int world, qt_ds_config *out);

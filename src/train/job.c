@@ -160,6 +160,7 @@ int qt_job_apply_set(cJSON *root, const char *set) {
 typedef struct {
     const char *where; /* job file name */
     const char *dir;
+    int strict;        /* --strict: an unknown key is an error, not a warning */
 } job_ctx;
 
 static int get_num(const job_ctx *c, const cJSON *obj, const char *sect, const char *key, double def, double *out,
@@ -228,21 +229,29 @@ static int resolve(const job_ctx *c, char **p) {
     return QT_OK;
 }
 
-static void warn_unknown(const job_ctx *c, const cJSON *obj, const char *sect, const char *const *known) {
-    if (!cJSON_IsObject(obj)) return;
+/* An unknown key: a warning naming the nearest known key, or with --strict
+ * the same sentence as an error. */
+static int unknown_key(const job_ctx *c, const char *sect, const char *key, const char *near) {
+    char msg[1024];
+    if (near)
+        snprintf(msg, sizeof msg, "%s: unknown key '%s%s%s' is ignored; did you mean '%s%s%s'?", c->where, sect,
+                 sect[0] ? "." : "", key, sect, sect[0] ? "." : "", near);
+    else
+        snprintf(msg, sizeof msg, "%s: unknown key '%s%s%s' is ignored; check its spelling (docs/job-file.md lists "
+                 "the keys)", c->where, sect, sect[0] ? "." : "", key);
+    if (c->strict) return QT_ERR(QT_EINVAL, "%s (--strict makes every unknown key an error)", msg);
+    qt_warn("%s", msg);
+    return QT_OK;
+}
+
+static int warn_unknown(const job_ctx *c, const cJSON *obj, const char *sect, const char *const *known) {
+    if (!cJSON_IsObject(obj)) return QT_OK;
     for (const cJSON *it = obj->child; it; it = it->next) {
         int ok = 0;
         for (int i = 0; known[i] && !ok; i++) ok = !strcmp(it->string, known[i]);
-        if (!ok) {
-            const char *near = qt_nearest_word(it->string, known);
-            if (near)
-                qt_warn("%s: unknown key '%s%s%s' is ignored; did you mean '%s%s%s'?", c->where, sect,
-                        sect[0] ? "." : "", it->string, sect, sect[0] ? "." : "", near);
-            else
-                qt_warn("%s: unknown key '%s%s%s' is ignored; check its spelling (docs/job-file.md lists the keys)",
-                        c->where, sect, sect[0] ? "." : "", it->string);
-        }
+        if (!ok) QT_TRY(unknown_key(c, sect, it->string, qt_nearest_word(it->string, known)));
     }
+    return QT_OK;
 }
 
 static int section(const job_ctx *c, const cJSON *root, const char *name, const cJSON **out) {
@@ -304,7 +313,7 @@ static int parse_data(const job_ctx *c, const cJSON *root, qt_job_data *d) {
     QT_TRY(section(c, root, "data", &s));
     if (!s) return QT_ERR(QT_EINVAL, "%s: the 'data' section is missing; it needs at least \"train\": \"file.jsonl\"",
                           c->where);
-    warn_unknown(c, s, "data", known);
+    QT_TRY(warn_unknown(c, s, "data", known));
     QT_TRY(get_str(c, s, "data", "train", NULL, &d->train));
     if (!d->train) return QT_ERR(QT_EINVAL, "%s: data.train is missing; name the training JSONL file", c->where);
     QT_TRY(resolve(c, &d->train));
@@ -349,9 +358,7 @@ static int parse_lora(const job_ctx *c, const cJSON *root, qt_job_lora *l) {
     for (const cJSON *it = s->child; it; it = it->next) {
         int ok = peft_is_lora_key(it->string);
         for (int i = 0; known[i] && !ok; i++) ok = !strcmp(it->string, known[i]);
-        if (!ok)
-            qt_warn("%s: unknown key 'lora.%s' is ignored; check its spelling (docs/job-file.md lists the keys)",
-                    c->where, it->string);
+        if (!ok) QT_TRY(unknown_key(c, "lora", it->string, peft_nearest_lora_key(it->string, known)));
     }
     char where[4200];
     snprintf(where, sizeof where, "%s: lora.", c->where);
@@ -442,7 +449,7 @@ static int parse_train(const job_ctx *c, const cJSON *root, qt_job_train *t) {
                                         "overwrite_output_dir", "eval_batches", "report_to", "logging_dir", NULL};
     const cJSON *s;
     QT_TRY(section(c, root, "train", &s));
-    warn_unknown(c, s, "train", known);
+    QT_TRY(warn_unknown(c, s, "train", known));
     int has_steps = 0, has_epochs = 0;
     double ms = 0, ep = 0;
     QT_TRY(get_num(c, s, "train", "max_steps", -1, &ms, &has_steps));
@@ -783,8 +790,13 @@ int qt_job_describe_difference(const cJSON *was, const cJSON *now, char *out, si
 
 int qt_job_parse(const char *json, const char *dir, const char *where, const char *const *sets, int n_sets,
                  qt_job *job) {
+    return qt_job_parse_ex(json, dir, where, sets, n_sets, 0, job);
+}
+
+int qt_job_parse_ex(const char *json, const char *dir, const char *where, const char *const *sets, int n_sets,
+                    int strict, qt_job *job) {
     memset(job, 0, sizeof *job);
-    job_ctx c = {where, dir};
+    job_ctx c = {where, dir, strict};
     const char *errp = NULL;
     cJSON *root = cJSON_ParseWithOpts(json, &errp, 1);
     if (!root) return qt_json_parse_error(json, errp, where, "the job file must be one JSON object");
@@ -815,7 +827,8 @@ int qt_job_parse(const char *json, const char *dir, const char *where, const cha
 
     static const char *const known[] = {"model",     "output_dir", "data",         "lora", "train",
                                         "deepspeed", "device",     "quantization", NULL};
-    warn_unknown(&c, root, "", known);
+    rc = warn_unknown(&c, root, "", known);
+    if (rc != QT_OK) { qt_job_free(job); return rc; }
     job->dir = qt_strdup(dir);
     job->path = qt_strdup(where);
     if (!job->dir || !job->path) rc = QT_ENOMEM;
@@ -856,18 +869,28 @@ int qt_job_parse(const char *json, const char *dir, const char *where, const cha
             if (!job->deepspeed) rc = QT_ERR(QT_ENOMEM, "out of memory copying the DeepSpeed config");
         }
     }
+    if (rc == QT_OK && strict && job->deepspeed) {
+        char dsw[4200];
+        if (job->deepspeed_path) snprintf(dsw, sizeof dsw, "%s", job->deepspeed_path);
+        else snprintf(dsw, sizeof dsw, "%s: deepspeed", where);
+        rc = qt_ds_config_check_strict(job->deepspeed, dsw);
+    }
     if (rc != QT_OK) { qt_job_free(job); return rc; }
     job->fingerprint = qt_job_fingerprint_of(root);
     return QT_OK;
 }
 
 int qt_job_load(const char *path, const char *const *sets, int n_sets, qt_job *job) {
+    return qt_job_load_ex(path, sets, n_sets, 0, job);
+}
+
+int qt_job_load_ex(const char *path, const char *const *sets, int n_sets, int strict, qt_job *job) {
     memset(job, 0, sizeof *job);
     char *text;
     QT_TRY(qt_read_file(path, JOB_MAX_BYTES, &text, NULL));
     char dir[4096];
     qt_path_dirname(dir, sizeof dir, path);
-    int rc = qt_job_parse(text, dir, path, sets, n_sets, job);
+    int rc = qt_job_parse_ex(text, dir, path, sets, n_sets, strict, job);
     qt_free(text);
     return rc;
 }

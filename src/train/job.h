@@ -96,6 +96,12 @@ int qt_job_load(const char *path, const char *const *sets, int n_sets, qt_job *j
  * in messages. */
 int qt_job_parse(const char *json, const char *dir, const char *where, const char *const *sets, int n_sets,
                  qt_job *job);
+/* The same, and strict (`--strict`): every unknown key, in the job file, its
+ * lora section and its DeepSpeed config, is an error (with the nearest known
+ * key) rather than a warning. */
+int qt_job_load_ex(const char *path, const char *const *sets, int n_sets, int strict, qt_job *job);
+int qt_job_parse_ex(const char *json, const char *dir, const char *where, const char *const *sets, int n_sets,
+                    int strict, qt_job *job);
 void qt_job_free(qt_job *job);
 
 /* Applies one "key.path=value" override to a JSON tree. The value is typed by

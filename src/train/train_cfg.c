@@ -54,8 +54,13 @@ void qt_train_ds_resolve_model(qt_ds_config *ds, const char *model) {
     qt_ds_config_resolve_model(ds, hidden);
 }
 
-static const char *precision_name(const qt_ds_config *ds) {
-    return ds->fp16 ? "fp16 (dynamic loss scaling)" : ds->bf16 ? "bf16" : "fp32";
+static void precision_text(const qt_ds_config *ds, char *buf, size_t cap) {
+    if (ds->fp16) snprintf(buf, cap, "fp16 (%s loss scaling)", ds->scaler.loss_scale > 0 ? "static" : "dynamic");
+    else if (ds->bf16) snprintf(buf, cap, "bf16");
+    else if (ds->precision_auto_off[0])
+        snprintf(buf, cap, "fp32 (WARNING: %s.enabled \"auto\" -> false; set it to true for %s)",
+                 ds->precision_auto_off, ds->precision_auto_off);
+    else snprintf(buf, cap, "fp32");
 }
 
 static void sched_text(const qt_ds_config *ds, char *buf, size_t cap) {
@@ -93,20 +98,21 @@ static void decay_text(const qt_ds_config *ds, char *buf, size_t cap) {
 }
 
 void qt_train_describe(const qt_job *job, const qt_ds_config *ds, const char *device, char *buf, size_t cap) {
-    char what[160], sched[160], decay[128];
+    char what[160], sched[160], decay[128], prec[128];
     if (job->lora.enabled)
         snprintf(what, sizeof what, "LoRA r %d alpha %g on %d module kind(s)", job->lora.r, job->lora.lora_alpha,
                  job->lora.n_target_names);
     else snprintf(what, sizeof what, "full fine-tuning");
     sched_text(ds, sched, sizeof sched);
     decay_text(ds, decay, sizeof decay);
+    precision_text(ds, prec, sizeof prec);
     const char *lr_note = ds->sched.type == QT_SCHED_CONSTANT || ds->sched.type == QT_SCHED_WARMUP_COSINE_LR
                               ? ""
                               : " (the schedule sets it)";
     snprintf(buf, cap,
              "run: %s | %s | ZeRO stage %d%s | %s lr %g%s%s, %s | gradient checkpointing %s | micro-batch %lld x "
              "accumulation %lld x %d rank(s) = %lld rows of %d tokens | device %s",
-             what, precision_name(ds), ds->zero.stage,
+             what, prec, ds->zero.stage,
              ds->zero.offload_param ? ", optimizer and parameters offloaded to host"
              : ds->zero.offload_optimizer ? ", optimizer offloaded to host" : ", no offload",
              ds->optimizer_type, ds->adam.lr, lr_note, decay, sched, job->train.gradient_checkpointing ? "on" : "off",

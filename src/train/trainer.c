@@ -625,16 +625,31 @@ static int find_resume(qt_trainer *t, char *dir, size_t cap) {
 static int check_skipped(qt_trainer *t, qt_train_result *res) {
     res->skipped = t->step - (long)t->opt.n_updates;
     if (res->skipped <= 0) return QT_OK;
-    const long ovf = t->cfg.fp16 ? (long)t->opt.n_skipped : 0;
+    /* the scaler's count, which a checkpoint carries across a resume */
+    const long ovf = t->cfg.fp16 ? (long)t->opt.scaler.n_overflows : 0;
     const long nolabel = res->skipped - ovf > 0 ? res->skipped - ovf : 0;
     char why[160];
     snprintf(why, sizeof why, "%ld fp16 overflow%s, %ld without a labelled token", ovf, ovf == 1 ? "" : "s", nolabel);
+    if (t->opt.n_updates == 0 && ovf && t->opt.scaler.dynamic) {
+        /* every step overflowed while the dynamic scale was still backing off from its start: the cause is
+         * the initial scale (a halving per overflow once hysteresis is spent), not the data */
+        const qt_loss_scaler_cfg *c = &t->opt.scaler.cfg;
+        return QT_ERR(QT_ENUMERIC,
+                      "every one of the %ld steps was skipped (%s): the fp16 loss scale started at 2^%d = %g "
+                      "(fp16.initial_scale_power %d) and halves only once per overflow after %d in a row "
+                      "(fp16.hysteresis), so it was still %g at the end and nothing was learned; final/ is not "
+                      "written. Lower fp16.initial_scale_power (DeepSpeed's default is 16; each 1 less halves the "
+                      "start) or train more steps so the scale can fall to where the gradients fit",
+                      t->step, why, c->initial_scale_power, ldexp(1.0, c->initial_scale_power),
+                      c->initial_scale_power, c->hysteresis, t->opt.scaler.scale);
+    }
     if (t->opt.n_updates == 0)
         return QT_ERR(QT_ENUMERIC,
                       "every one of the %ld steps was skipped (%s): nothing was learned, so final/ is not written. "
                       "%s%s%s%s",
                       t->step, why,
-                      ovf ? "With fp16, set fp16.loss_scale to 0 (dynamic) or to a smaller static scale"
+                      ovf ? "With fp16, a static fp16.loss_scale overflows at every step: set it to 0 (dynamic) or "
+                            "to a smaller scale"
                           : "Check that data.train has tokens with labels",
                       ovf ? "" : " (", ovf ? "" : t->job->data.train, ovf ? "" : ")");
     if (t->main) qt_warn("%ld of %ld steps were skipped (%s) and applied no update", res->skipped, t->step, why);
@@ -751,6 +766,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
     }
     const long first_step = t->step;
     const double t_loop = qt_now_s();
+    const int64_t tokens0 = t->tokens_seen;
     int stop = 0;
     /* a stop during loading or the first evaluation: nothing new to save */
     QT_TRY(stop_requested(t, &stop));
@@ -829,6 +845,8 @@ static int run(qt_trainer *t, qt_train_result *res) {
     }
     if (t->main && t->hooks->progress && t->hooks->tty) fputc('\n', t->hooks->progress);
     res->step = t->step;
+    res->tokens = t->tokens_seen - tokens0;
+    res->train_s = qt_now_s() - t_loop;
     snprintf(res->last_checkpoint, sizeof res->last_checkpoint, "%s", t->last_ckpt);
     if (stop && t->main) qt_stop_file_clear(job->output_dir); /* honoured: the next run starts clean */
     if (stop && t->step < t->max_steps) {
@@ -875,12 +893,17 @@ int qt_train_run(const qt_job *job, dist_ctx *d, const qt_train_hooks *hooks, qt
     t.world = dist_world(d);
     t.main = dist_is_main(d);
     int rc = QT_OK;
-    if (job->deepspeed) {
+    /* the job's key, not a file inside the folder, names what is wrong */
+    if (!qt_is_dir(job->model))
+        rc = QT_ERR(QT_EINVAL, "%s: \"model\" names %s, which %s; give the path of a Hugging Face model folder "
+                    "(a relative path starts at the job file's folder)",
+                    job->path, job->model, qt_path_exists(job->model) ? "is not a folder" : "does not exist");
+    if (rc == QT_OK && job->deepspeed) {
         char where[4200];
         if (job->deepspeed_path) snprintf(where, sizeof where, "%s", job->deepspeed_path);
         else snprintf(where, sizeof where, "%s: deepspeed", job->path);
         rc = qt_ds_config_parse(job->deepspeed, where, t.world, &t.ds);
-    } else {
+    } else if (rc == QT_OK) {
         qt_ds_config_default(&t.ds, t.world);
     }
     /* a reduce_bucket_size of "auto" is the model's hidden_size squared: it sizes the gradient buckets

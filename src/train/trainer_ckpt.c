@@ -459,7 +459,7 @@ static int save_checkpoint(qt_trainer *t) {
     if (wrc == QT_OK) wrc = grc;
     /* said now: once rank 0 learns of the failure it aborts every rank, which
      * may come before this rank's CLI prints its error */
-    if (wrc != QT_OK && !t->main && t->world > 1) qt_warn("rank %d: %s", t->rank, qt_error_message());
+    if (wrc != QT_OK && !t->main && t->world > 1) qt_warn_rank("rank %d: %s", t->rank, qt_error_message());
     if (rc == QT_OK) {
         r2 = agree(t, wrc, "checkpoint parts written", &bad);
         rc = wrc != QT_OK ? wrc : r2;
@@ -700,7 +700,10 @@ static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos, opt_par
         t->tokens_seen = tokens;
         t->elapsed_before = cJSON_IsNumber(el) ? el->valuedouble : 0;
         qt_model_set_micro_step(t->model, (uint64_t)micro);
-        if (t->cfg.fp16) qt_loss_scaler_state_apply(&t->opt.scaler, &sc);
+        if (t->cfg.fp16) {
+            qt_loss_scaler_state_apply(&t->opt.scaler, &sc);
+            t->opt.n_skipped = sc.n_overflows; /* the optimizer's count of overflow skips goes on from there */
+        }
     }
     cJSON_Delete(j);
     return rc;
