@@ -14,7 +14,7 @@ typedef struct {
     int rank;
     long at;   /* the occurrence, from 1 */
     long seen; /* passes so far */
-    int term;  /* 1: raise SIGTERM; 0: sleep ms */
+    int term;  /* 1: raise SIGTERM; 2: skip; 0: sleep ms */
     long ms;
 } fault_spec;
 
@@ -44,23 +44,27 @@ static void read_specs(void) {
             continue;
         }
         if (!strcmp(action, "term")) s.term = 1;
+        else if (!strcmp(action, "skip")) s.term = 2;
         else if (!strncmp(action, "sleep", 5)) s.ms = atol(action + 5);
         else {
-            fprintf(stderr, "qtune: warning: QTUNE_TEST_FAULT action \"%s\" is not term or sleepMS; ignored\n", action);
+            fprintf(stderr, "qtune: warning: QTUNE_TEST_FAULT action \"%s\" is not term, skip or sleepMS; ignored\n", action);
             continue;
         }
         specs[n_specs++] = s;
     }
 }
 
-void qt_fault_point(const char *phase, int rank) {
+int qt_fault_point(const char *phase, int rank) {
     if (n_specs < 0) read_specs();
-    if (!n_specs && !delay_ms) return;
+    if (!n_specs && !delay_ms) return 0;
     if (delay_ms) sleep_ms(delay_ms);
+    int skip = 0;
     for (int i = 0; i < n_specs; i++) {
         fault_spec *s = &specs[i];
         if (s->rank != rank || strcmp(s->phase, phase) || ++s->seen != s->at) continue;
-        if (s->term) raise(SIGTERM);
+        if (s->term == 1) raise(SIGTERM);
+        else if (s->term == 2) skip = 1;
         else sleep_ms(s->ms);
     }
+    return skip;
 }
