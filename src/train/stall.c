@@ -17,6 +17,7 @@
 #include "train/stall.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,16 +33,42 @@
 #define MIB (1024.0 * 1024.0)
 #define STALL_EXPLAINED_S 30.0 /* no progress this long with a cause in sight ends the run */
 
+/* Calls fn on each line of a /proc file, read with read(2) into the stack:
+ * the watchdog thread must not malloc (a thread's first malloc reserves a
+ * 64 MiB arena, which is what runs short here). */
+static void each_line(const char *path, void (*fn)(const char *line, void *ctx), void *ctx) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    char buf[4096 + 1];
+    size_t have = 0;
+    for (;;) {
+        ssize_t n = read(fd, buf + have, sizeof buf - 1 - have);
+        if (n <= 0) break;
+        have += (size_t)n;
+        buf[have] = 0;
+        char *start = buf, *nl;
+        while ((nl = strchr(start, '\n'))) {
+            *nl = 0;
+            fn(start, ctx);
+            start = nl + 1;
+        }
+        have = (size_t)(buf + have - start);
+        memmove(buf, start, have);
+        if (have == sizeof buf - 1) have = 0; /* a line longer than the buffer: dropped */
+    }
+    close(fd);
+}
+
+static void vm_line(const char *line, void *ctx) {
+    size_t kb;
+    if (sscanf(line, "VmSize: %zu kB", &kb) == 1) *(size_t *)ctx = kb * 1024;
+}
+
 /* bytes of address space this process maps (VmSize), 0 when unknown */
 static size_t vm_size(void) {
-    FILE *f = fopen("/proc/self/status", "r");
-    if (!f) return 0;
-    char line[256];
-    size_t kb = 0;
-    while (fgets(line, sizeof line, f))
-        if (sscanf(line, "VmSize: %zu kB", &kb) == 1) break;
-    fclose(f);
-    return kb * 1024;
+    size_t bytes = 0;
+    each_line("/proc/self/status", vm_line, &bytes);
+    return bytes;
 }
 
 /* RLIMIT_AS in bytes, 0 when unlimited */
@@ -51,19 +78,23 @@ static size_t as_limit(void) {
     return (size_t)rl.rlim_cur;
 }
 
+typedef struct {
+    size_t bytes;
+    int n;
+} size_count;
+
+static void map_line(const char *line, void *ctx) {
+    size_count *c = ctx;
+    unsigned long lo, hi;
+    if (sscanf(line, "%lx-%lx", &lo, &hi) == 2 && hi - lo == c->bytes) c->n++;
+}
+
 /* Mappings of exactly `bytes` (the BLAS buffers already mapped: nothing else
  * here is that size). */
 static int maps_of_size(size_t bytes) {
-    FILE *f = fopen("/proc/self/maps", "r");
-    if (!f) return 0;
-    char line[512];
-    int n = 0;
-    while (fgets(line, sizeof line, f)) {
-        unsigned long lo, hi;
-        if (sscanf(line, "%lx-%lx", &lo, &hi) == 2 && hi - lo == bytes) n++;
-    }
-    fclose(f);
-    return n;
+    size_count c = {bytes, 0};
+    each_line("/proc/self/maps", map_line, &c);
+    return c.n;
 }
 
 int qt_stall_check_address_space(const qt_backend_desc *d, int threads, const char *what) {
