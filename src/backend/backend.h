@@ -52,6 +52,8 @@ typedef struct {
     size_t runtime_bytes;    /* process runtime outside the planned blocks (code, library buffers) */
     size_t runtime_extra;    /* ... more when the optional GEMM library (oneDNN) is in use */
     int host_reads_device;   /* 1: device pointers are host-readable (cpu); 0: never touch them */
+    size_t blas_thread_vm;   /* address space the BLAS maps for each thread that calls it (OpenBLAS:
+                                a buffer at its first call, never unmapped); counts against ulimit -v */
 } qt_backend_desc;
 #define QT_BE_DT(dt) (1u << (unsigned)(dt))
 

@@ -126,6 +126,7 @@ int qt_device_resolve(const char *spec, const char *where, qt_device *out) {
     }
     char why[512];
     int count = qt_cuda_probe(why, sizeof why);
+    if (count < 0) return QT_ERR(QT_EINVAL, "%s", why); /* a module the user named: never skipped for the CPU */
     if (count <= 0 && kind == DEV_AUTO) {
         out->backend = "cpu";
         snprintf(out->note, sizeof out->note, "device auto -> cpu: %s", why);

@@ -313,7 +313,16 @@ int dist_init(int *argc, char ***argv, dist_ctx **out) {
     if (launched) {
         int inited = 0;
         MPI_Initialized(&inited);
+        /* MPI_Init and MPI_Comm_dup wait for every rank, with no deadline of
+         * their own: a watchdog gives them the collectives' one */
+        struct dist_startup *watch = NULL;
+        int rc = dist_startup_begin(timeout, &watch);
+        if (rc != QT_OK) {
+            qt_free(d);
+            return rc;
+        }
         if (!inited && MPI_Init(argc, argv) != MPI_SUCCESS) {
+            dist_startup_end(watch);
             qt_free(d);
             return QT_ERR(QT_EDIST, "MPI_Init failed; run `mpirun --version` and check the launcher's settings "
                                     "(docs/distributed.md lists the ones that work in containers)");
@@ -321,6 +330,7 @@ int dist_init(int *argc, char ***argv, dist_ctx **out) {
         MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
         MPI_Comm_dup(MPI_COMM_WORLD, &d->comm);
         MPI_Comm_dup(MPI_COMM_WORLD, &d->ctl);
+        dist_startup_end(watch);
         MPI_Comm_set_errhandler(d->comm, MPI_ERRORS_RETURN);
         MPI_Comm_set_errhandler(d->ctl, MPI_ERRORS_RETURN);
         MPI_Comm_rank(d->comm, &d->rank);

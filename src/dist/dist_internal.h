@@ -64,6 +64,15 @@ int dist_mpi_fail(dist_ctx *d, int mpi_rc, const char *call, const char *what);
     } while (0)
 #endif
 
+#if QT_DIST_MPI
+/* MPI start-up's deadline (startup.c): begin before MPI_Init starts a
+ * watchdog that, past timeout_s, names the ranks that never arrived and ends
+ * the process; end after the last blocking start-up call stops it. */
+struct dist_startup;
+int dist_startup_begin(double timeout_s, struct dist_startup **out);
+void dist_startup_end(struct dist_startup *s);
+#endif
+
 /* All-reduce of a few doubles with a per-value op, bitwise identical on every
  * rank (values are all-gathered and combined in rank order). */
 int dist_allreduce_ops(dist_ctx *d, double *vals, const dist_op *ops, int n, const char *what);

@@ -95,6 +95,7 @@ typedef struct {
     double busy_s;    /* sum over requests of (completion seen - start) */
     double bytes;     /* payload bytes this rank put into collectives */
     long calls;
+    long abandoned;   /* requests left in flight after an error: their buffers are never freed */
 } tp_stats;
 void tp_get_stats(const dist_ctx *d, tp_stats *out);
 

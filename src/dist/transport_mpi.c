@@ -405,8 +405,13 @@ int tp_wait(dist_ctx *d, tp_req **rqs, int n, const char *what) {
 #endif
         d->tp.wait_s += qt_now_s() - t0;
     }
+    /* After an error a request not yet complete may still be written by a
+     * peer (a receive, or a staged copy MPI reads from): its buffers are left
+     * allocated, not freed for reuse while MPI holds them. The rank ends
+     * after an error (dist_abort), so what is left is never reclaimed. */
     for (int i = 0; i < n; i++) {
-        req_free(rqs[i]);
+        if (rqs[i] && (rc == QT_OK || rqs[i]->done)) req_free(rqs[i]);
+        else if (rqs[i]) d->tp.abandoned++;
         rqs[i] = NULL;
     }
     return rc;

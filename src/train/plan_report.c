@@ -17,6 +17,7 @@
 
 #include <cjson/cJSON.h>
 #include <math.h>
+#include <omp.h>
 #include <string.h>
 
 #define GIB (1024.0 * 1024.0 * 1024.0)
@@ -260,6 +261,11 @@ int qt_plan_compute(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
     p->host_total = p->host_offload + p->host_pinned + p->host_dataset + p->host_runtime + p->host_mapped;
     p->cpu_runtime = qt_model_cpu_runtime_bytes();
     p->cpu_rank_bytes = qt_plan_cpu_rank(c, o, 0, p->host_mapped);
+    {
+        const qt_backend_desc *bd = qt_backend_desc_of("cpu");
+        p->cpu_threads = omp_get_max_threads();
+        p->cpu_blas_vm = bd ? (uint64_t)p->cpu_threads * bd->blas_thread_vm : 0;
+    }
     p->host_recommend = (uint64_t)ceil((double)p->host_total * 1.2 / GIB) * (uint64_t)GIB;
 
     /* A checkpoint holds the fp32 trainable block and Adam m, v (all shards
@@ -361,6 +367,11 @@ void qt_plan_print(FILE *f, const char *name, const qt_config *c, const qt_plan_
     fprintf(f, "cpu run    one rank's process on the CPU backend: %.3f %s (device total + its offloaded\n"
                "           shards + mapped weights file + %.0f MiB process runtime)\n", U(p->cpu_rank_bytes), un,
             (double)p->cpu_runtime / (1 << 20));
+    if (p->cpu_blas_vm)
+        fprintf(f, "           address space (ulimit -v) %.3f %s more: OpenBLAS maps a %.0f MiB buffer for each of %d\n"
+                   "           thread%s (OMP_NUM_THREADS) at its first call; virtual, not memory in use\n",
+                U(p->cpu_blas_vm), un, (double)p->cpu_blas_vm / p->cpu_threads / (1 << 20), p->cpu_threads,
+                p->cpu_threads == 1 ? "" : "s");
     fprintf(f, "disk       checkpoint %.3f %s each (fp32 trainable + Adam m, v); final %.3f %s%s\n",
             U(p->ckpt_bytes), un, U(p->final_bytes), un,
             p->final_linked ? " (a hard link to the last checkpoint's model: no extra space)" : "");
@@ -437,6 +448,8 @@ char *qt_plan_json(const char *name, const qt_config *c, const qt_plan_opts *o, 
             cJSON_AddItemToArray(a, cJSON_CreateNumber((double)qt_plan_cpu_rank(c, o, k, p->host_mapped)));
     }
     add_u64(r, "cpu_runtime_bytes", p->cpu_runtime);
+    add_u64(r, "cpu_blas_address_space_bytes", p->cpu_blas_vm);
+    cJSON_AddNumberToObject(r, "cpu_threads", p->cpu_threads);
     add_u64(r, "checkpoint_bytes", p->ckpt_bytes);
     add_u64(r, "final_bytes", p->final_bytes);
     cJSON_AddBoolToObject(r, "final_linked", p->final_linked);

@@ -90,6 +90,10 @@ typedef struct {
                                 memory: dev.total + its offloaded shards + host_mapped +
                                 cpu_runtime (what metrics.jsonl's mem_peak_bytes measures) */
     uint64_t cpu_runtime;    /* that process's code and library buffers (qt_model_cpu_runtime_bytes) */
+    uint64_t cpu_blas_vm;    /* address space (not memory in use) the CPU's BLAS maps beside it: a buffer per
+                                calling thread (qt_backend_desc.blas_thread_vm x this machine's OpenMP threads);
+                                ulimit -v must hold cpu_rank_bytes + this (src/train/stall.c checks it) */
+    int cpu_threads;         /* the OpenMP threads cpu_blas_vm counts */
     uint64_t ckpt_bytes;   /* one checkpoint-STEP folder on disk */
     uint64_t final_bytes;  /* final/ (adapter or model folder) */
     int final_linked;      /* final/model.safetensors is a hard link to the last checkpoint's (full, fp32) */

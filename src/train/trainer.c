@@ -5,6 +5,7 @@
 #include "core/clock.h"
 
 #include "core/error.h"
+#include "core/fault.h"
 #include "core/messages.h"
 #include "core/fs.h"
 #include "core/log.h"
@@ -16,6 +17,7 @@
 #include "model/memplan.h"
 #include "optim/clip.h"
 #include "text/chat_template.h"
+#include "train/stall.h"
 #include "train/trainer_internal.h"
 
 #include <dirent.h>
@@ -343,7 +345,12 @@ static int open_tensorboard(qt_trainer *t) {
 static int eval_and_log(qt_trainer *t, double *out) {
     double l;
     int64_t n;
-    QT_TRY(evaluate(t, &l, &n));
+    char what[64];
+    snprintf(what, sizeof what, "the evaluation at step %ld", t->step);
+    qt_stall_enter(t->stall, what);
+    int rc = evaluate(t, &l, &n);
+    qt_stall_enter(t->stall, NULL);
+    QT_TRY(rc);
     *out = l;
     if (!t->eval_dl) return QT_OK;
     if (t->main) {
@@ -550,6 +557,7 @@ static void progress(qt_trainer *t, const step_out *o, double tok_s, long first_
  * the run */
 
 static void trainer_free(qt_trainer *t) {
+    qt_stall_stop(t->stall);
     if (t->main) qt_metrics_close(&t->metrics);
     if (t->zp) {
         zero_state_free(t->zp, &t->zs);
@@ -760,6 +768,14 @@ static int run(qt_trainer *t, qt_train_result *res) {
     res->eval_loss_first = res->eval_loss_last = NAN;
     res->last_loss = NAN;
 
+    /* the BLAS maps a buffer per thread at its first call, which retries
+     * forever when ulimit -v refuses it: checked before any step or eval */
+    if (t->step < t->max_steps) {
+        (void)t->be->runtime_bytes(t->be); /* loads the GEMM libraries first: their mappings count too */
+        if (!qt_fault_point("address-space-check", t->rank)) /* tests skip it to reach the watchdog */
+            QT_TRY(qt_stall_check_address_space(t->be->desc, omp_get_max_threads(), "training"));
+        QT_TRY(qt_stall_start(t->be->desc, omp_get_max_threads(), &t->stall));
+    }
     if (t->step < t->max_steps && t->eval_dl && !resume[0]) {
         QT_TRY(eval_and_log(t, &res->eval_loss_first));
         res->eval_loss_last = res->eval_loss_first;
@@ -795,7 +811,12 @@ static int run(qt_trainer *t, qt_train_result *res) {
         tp_stats tp0, tp1;
         tp_get_stats(t->d, &tp0);
         step_out o;
-        QT_TRY(train_step(t, &o));
+        char what[48];
+        snprintf(what, sizeof what, "step %ld", t->step + 1);
+        qt_stall_enter(t->stall, what);
+        int src = train_step(t, &o);
+        qt_stall_enter(t->stall, NULL);
+        QT_TRY(src);
         tp_get_stats(t->d, &tp1);
         /* every rank's peak, on the steps rank 0 logs (the same steps on every rank) */
         int log_now = t->step + 1 == t->max_steps || (t->step + 1) % job->train.log_steps == 0;

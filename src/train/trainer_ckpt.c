@@ -18,6 +18,7 @@
  *                           size and the optimizer parts with their ranges;
  *                           written last, by rank 0, once every rank wrote
  *                           its part. */
+#include "core/fault.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/log.h"
@@ -106,18 +107,26 @@ static int announce(qt_trainer *t, size_t lo, size_t n) {
 
 int trainer_gather_master(void *user, float *dst, size_t lo, size_t n) {
     qt_trainer *t = user;
+    qt_fault_point("announce", t->rank);
     QT_TRY(announce(t, lo, n));
+    qt_fault_point("gather", t->rank);
     return zero_gather_range(t->zp, t->master, lo, lo + n, dst);
 }
 
-static int gathers_done(qt_trainer *t) { return t->sharded && t->main ? announce(t, 0, 0) : QT_OK; }
+static int gathers_done(qt_trainer *t) {
+    if (!t->sharded || !t->main) return QT_OK;
+    qt_fault_point("gathers-done", t->rank);
+    return announce(t, 0, 0);
+}
 
 static int serve_gathers(qt_trainer *t) {
     if (!t->sharded || t->main) return QT_OK;
     for (;;) {
         uint64_t req[2];
+        qt_fault_point("serve-wait", t->rank);
         QT_TRY(dist_bcast(t->d, req, sizeof req, 0, "sharded weights write"));
         if (req[1] == 0) return QT_OK;
+        qt_fault_point("serve", t->rank);
         if (req[0] > t->n || req[1] > t->n - req[0])
             return QT_ERR(QT_EINVAL, "rank %d: rank 0 asked for elements [%llu, +%llu) of a block of %zu (a bug)",
                           t->rank, (unsigned long long)req[0], (unsigned long long)req[1], t->n);
@@ -434,6 +443,7 @@ static int save_checkpoint(qt_trainer *t) {
     if (!pos) return QT_ENOMEM;
     dl_state ds = dl_state_get(t->train_dl);
     const int64_t mine[2] = {ds.epoch, ds.index};
+    qt_fault_point("ckpt-positions", t->rank);
     int rc = dist_allgather_i64(t->d, mine, 2, pos, "data positions");
     if (rc != QT_OK) {
         qt_free(pos);
@@ -443,6 +453,7 @@ static int save_checkpoint(qt_trainer *t) {
     int bad = -1;
     /* rank 0 makes the .tmp folder (removing a stale one) before anyone writes into it */
     rc = t->main ? ckpt_begin(&w, t->job->output_dir, t->step) : ckpt_names(&w, t->job->output_dir, t->step);
+    qt_fault_point("ckpt-folder", t->rank);
     int r2 = agree(t, rc, "checkpoint folder", &bad);
     if (rc == QT_OK && r2 != QT_OK) rc = r2;
     if (rc == QT_OK && bad >= 0)
@@ -452,6 +463,7 @@ static int save_checkpoint(qt_trainer *t) {
     size_t lo, hi;
     zero_ckpt_part(t->zp, &index, &count, &lo, &hi);
     int wrc = rc;
+    qt_fault_point("ckpt-opt-part", t->rank);
     if (wrc == QT_OK && index >= 0) wrc = save_opt_part(t, w.dir, index, count, lo, hi);
     if (wrc == QT_OK && t->main) wrc = save_weights(t, w.dir);
     /* a sharded master: rank 0 wrote with the others' help, and ends that whatever happened */
@@ -461,6 +473,7 @@ static int save_checkpoint(qt_trainer *t) {
      * may come before this rank's CLI prints its error */
     if (wrc != QT_OK && !t->main && t->world > 1) qt_warn_rank("rank %d: %s", t->rank, qt_error_message());
     if (rc == QT_OK) {
+        qt_fault_point("ckpt-parts-agree", t->rank);
         r2 = agree(t, wrc, "checkpoint parts written", &bad);
         rc = wrc != QT_OK ? wrc : r2;
         if (rc == QT_OK && bad >= 0)
@@ -491,6 +504,7 @@ static int save_checkpoint(qt_trainer *t) {
         }
         /* last: the SHA-256 of every file, checked when the run resumes from it */
         if (rc == QT_OK) rc = ckpt_write_checksums(w.dir);
+        qt_fault_point("ckpt-commit", t->rank);
         if (rc == QT_OK) rc = ckpt_commit(&w);
         else if (w.dir[0]) ckpt_abort(&w);
         if (rc == QT_OK) rc = ckpt_prune(t->job->output_dir, t->job->train.save_total_limit, t->step);
@@ -498,6 +512,7 @@ static int save_checkpoint(qt_trainer *t) {
     qt_free(pos);
     /* every rank learns whether rank 0 committed */
     int64_t good = rc == QT_OK;
+    qt_fault_point("ckpt-written", t->rank);
     if (t->world > 1) {
         r2 = dist_allreduce_i64(t->d, &good, 1, DIST_MIN, "checkpoint written");
         if (rc == QT_OK && r2 != QT_OK) rc = r2;

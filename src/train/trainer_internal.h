@@ -63,6 +63,7 @@ typedef struct {
     int64_t *peaks;            /* (world) every rank's peak RSS, gathered on logged steps */
     char last_ckpt[4096];
     int outdir_lock;           /* the output folder's flock (main rank), -1 when none */
+    struct qt_stall *stall;    /* the step watchdog (stall.h), NULL before the first step */
     int stop_file_seen;        /* the main rank saw `qtune stop`'s file (said once) */
 } qt_trainer;
 

@@ -105,6 +105,17 @@ def plan_json(*args):
     return json.loads(qtune("plan", *args, "--json", check=0).stdout)
 
 
+def test_plan_counts_openblas_buffers_per_thread():
+    """issue 42 item 7: OpenBLAS maps a 128 MiB buffer per calling thread, which
+    ulimit -v counts; the plan says how much, for this machine's thread count"""
+    for threads in (1, 3):
+        p = qtune("plan", "--preset", "qwen2.5-0.5b", "--json", check=0, env={"OMP_NUM_THREADS": str(threads)})
+        j = json.loads(p.stdout)
+        assert j["cpu_threads"] == threads and j["cpu_blas_address_space_bytes"] == threads * 134225920
+    text = qtune("plan", "--preset", "qwen2.5-0.5b", check=0, env={"OMP_NUM_THREADS": "3"}).stdout
+    assert "address space (ulimit -v) 0.375 GiB more: OpenBLAS maps a 128 MiB buffer for each of 3" in text, text
+
+
 def test_cpu_rank_counts_the_process_runtime():
     """cpu_rank_bytes = device total + mapped weights + cpu_runtime_bytes (1 rank, no offload); the runtime is
     6 MiB with every product on OpenBLAS and 16 MiB where the input gradients run on oneDNN's sgemm."""

@@ -108,6 +108,31 @@ def test_this_machine_says_why_there_is_no_gpu(base):
     assert not os.path.exists(out)
 
 
+def test_a_module_the_user_names_loads_or_is_the_error(base, tmp_path):
+    """issue 42 item 6: a wrong QTUNE_CUDA_MODULE was skipped in silence (auto
+    went to the CPU, or the build tree's module loaded) and "cuda" blamed the
+    driver; the path the user named is now the error, for every device that
+    may use a GPU"""
+    not_a_module = tmp_path / "libqtune_cuda.so"
+    not_a_module.write_text("not an ELF file\n")
+    for path, says in [(str(tmp_path / "typo" / "libqtune_cuda.so"), "No such file"),
+                       (str(not_a_module), str(not_a_module))]:
+        for device in (None, "cuda", "cuda:0"):
+            j, out = job(base, "named_module", device)
+            p = qtune("train", j, QTUNE_CUDA_MODULE=path)
+            assert p.returncode == 1, p.stderr
+            assert "QTUNE_CUDA_MODULE names a module that could not be loaded: " + path in p.stderr, p.stderr
+            assert says in p.stderr and "unset QTUNE_CUDA_MODULE" in p.stderr, p.stderr
+            assert "driver" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+            assert not os.path.exists(out)
+    p = qtune("eval", "--model", os.path.join(base, "model"), "--data", os.path.join(base, "train.jsonl"),
+              QTUNE_CUDA_MODULE=str(tmp_path / "typo.so"))
+    assert p.returncode == 1 and "QTUNE_CUDA_MODULE names a module" in p.stderr, p.stderr
+    # the CPU asked for by name does not load a module at all
+    j, out = job(base, "named_module_cpu", "cpu")
+    ok(qtune("train", j, QTUNE_CUDA_MODULE=str(tmp_path / "typo.so")))
+
+
 def test_auto_and_named_gpus_reach_the_backend(base):
     j, out = job(base, "auto_gpu")
     p = qtune("train", j, gpus=2)

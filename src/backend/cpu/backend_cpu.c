@@ -25,6 +25,7 @@ const qt_backend_desc qt_cpu_desc = {
     .matmul_ws_cap = OP_MATMUL_WS_CAP,
     .runtime_bytes = (size_t)6 << 20,
     .runtime_extra = (size_t)10 << 20,
+    .blas_thread_vm = QT_CPU_BLAS_THREAD_VM,
     .host_reads_device = 1,
 };
 

@@ -6,6 +6,11 @@
 #include "backend/backend.h"
 
 extern const qt_backend_desc qt_cpu_desc;
+/* What OpenBLAS maps for each thread that calls it: its BUFFER_SIZE (128 MiB
+ * on x86-64) through malloc, which adds a page and its header: measured
+ * 134225920 bytes per mapping (Debian's 0.3.21 pthreads build, gdb on a run
+ * stuck in blas_memory_alloc under ulimit -v). */
+#define QT_CPU_BLAS_THREAD_VM ((size_t)134225920)
 /* Fills every entry of be's table with the CPU's (desc, memory, ops); close
  * is the caller's. impl must be NULL: hold_threads keeps the held team
  * there while its function runs. */

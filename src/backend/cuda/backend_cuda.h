@@ -21,7 +21,9 @@ const qt_backend_desc *qt_backend_cuda_desc(void);
 int qt_cuda_device_count(void);
 /* The same, with why there are none in why ("libqtune_cuda.so not built
  * ...", "no CUDA GPU is visible (...)"); skips the module's load (seconds) where
- * no module was built or no driver is present. */
+ * no module was built or no driver is present. -1 when the module the user
+ * named (QTUNE_CUDA_MODULE) does not load: why then is the error, whatever
+ * the device asked for. */
 int qt_cuda_probe(char *why, size_t cap);
 /* The name of visible GPU index ("NVIDIA H200"); "" when unknown. */
 void qt_cuda_device_name(int index, char *buf, size_t cap);

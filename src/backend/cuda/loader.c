@@ -5,9 +5,12 @@
  * with), which no CPU run should pay, and a machine without the CUDA
  * libraries could not start qtune at all.
  *
- * Where the module is looked for, first found wins: $QTUNE_CUDA_MODULE; next
- * to the executable; ../lib beside it (the installed layout); the build
- * tree's lib/ (tests run from there). */
+ * Where the module is looked for, first found wins: next to the executable;
+ * ../lib beside it (the installed layout); the build tree's lib/ (tests run
+ * from there). A path the user names in $QTUNE_CUDA_MODULE is the only place
+ * looked: it loads or is the error. (It used to be the first of the four, so
+ * a typo there was skipped in silence: on a GPU host the build tree's module
+ * loaded instead, and elsewhere the error blamed the driver.) */
 #define _GNU_SOURCE
 #include "backend/cuda/backend_cuda.h"
 
@@ -31,25 +34,39 @@ typedef struct {
 static void *module;
 static char tried[2048]; /* where it was looked for, for the error */
 
-/* The places the module is looked for, first found wins; n filled. */
-static int module_paths(const char *paths[4], char p1[], char p2[], size_t cap) {
+/* the module path the user named, NULL when none */
+static const char *user_module(void) {
+    const char *env = getenv("QTUNE_CUDA_MODULE");
+    return env && *env ? env : NULL;
+}
+
+/* The places the module is looked for, first found wins; their count. */
+static int module_paths(const char *paths[3], char p1[], char p2[], size_t cap) {
+    if (user_module()) {
+        paths[0] = user_module();
+        return 1;
+    }
     char exe[PATH_MAX] = "";
     ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
     if (n > 0) exe[n] = 0;
     char *dir = n > 0 ? dirname(exe) : ".";
-    const char *env = getenv("QTUNE_CUDA_MODULE");
     snprintf(p1, cap, "%s/libqtune_cuda.so", dir);
     snprintf(p2, cap, "%s/../lib/libqtune_cuda.so", dir);
-    paths[0] = env && *env ? env : NULL;
-    paths[1] = p1, paths[2] = p2;
-    paths[3] = QTUNE_CUDA_MODULE_BUILD;
-    return 4;
+    paths[0] = p1, paths[1] = p2;
+    paths[2] = QTUNE_CUDA_MODULE_BUILD;
+    return 3;
+}
+
+/* The sentence for a module the user named that did not load. */
+static void user_module_failed(char *buf, size_t cap) {
+    snprintf(buf, cap, "QTUNE_CUDA_MODULE names a module that could not be loaded: %s; correct the path, or unset "
+             "QTUNE_CUDA_MODULE to use the module qtune finds itself", tried);
 }
 
 static void *load_module(void) {
     if (module) return module;
     char cand[PATH_MAX + 64], p1[PATH_MAX + 32], p2[PATH_MAX + 32];
-    const char *paths[4];
+    const char *paths[3];
     int n = module_paths(paths, p1, p2, sizeof p1);
     tried[0] = 0;
     for (int i = 0; i < n; i++) {
@@ -66,7 +83,7 @@ static void *load_module(void) {
  * loading costs seconds) */
 static int module_present(void) {
     char p1[PATH_MAX + 32], p2[PATH_MAX + 32];
-    const char *paths[4];
+    const char *paths[3];
     int n = module_paths(paths, p1, p2, sizeof p1);
     for (int i = 0; i < n; i++)
         if (paths[i] && *paths[i] && access(paths[i], F_OK) == 0) return 1;
@@ -75,7 +92,12 @@ static int module_present(void) {
 
 int qt_backend_cuda_open(int index, qt_backend **out) {
     *out = NULL;
-    if (!load_module())
+    if (!load_module() && user_module()) {
+        char why[sizeof tried + 256];
+        user_module_failed(why, sizeof why);
+        return QT_ERR(QT_EINVAL, "%s", why);
+    }
+    if (!module)
         return QT_ERR(QT_EUNSUPPORTED,
                       "the CUDA backend is not available: libqtune_cuda.so could not be loaded (%s); build qtune "
                       "where nvcc, cuBLAS and NCCL are installed, or set QTUNE_CUDA_MODULE to the module's path",
@@ -95,7 +117,7 @@ int qt_backend_cuda_open(int index, qt_backend **out) {
 }
 
 int qt_cuda_device_count(void) {
-    if (access("/dev/nvidiactl", F_OK) != 0 && !getenv("QTUNE_CUDA_MODULE")) return 0; /* no driver: skip the load */
+    if (access("/dev/nvidiactl", F_OK) != 0 && !user_module()) return 0; /* no driver: skip the load */
     if (!load_module()) return 0;
     int (*fn)(void) = (int (*)(void))dlsym(module, "qt_cuda_module_device_count");
     return fn ? fn() : 0;
@@ -103,14 +125,18 @@ int qt_cuda_device_count(void) {
 
 int qt_cuda_probe(char *why, size_t cap) {
     if (cap) why[0] = 0;
+    if (user_module() && !load_module()) {
+        user_module_failed(why, cap);
+        return -1;
+    }
     if (!module && !module_present()) {
         snprintf(why, cap, QTUNE_CUDA_MODULE_BUILD[0]
                                ? "libqtune_cuda.so is not where qtune looks for it (next to qtune, ../lib, the build "
-                                 "tree, $QTUNE_CUDA_MODULE)"
+                                 "tree; or set $QTUNE_CUDA_MODULE to its path)"
                                : "libqtune_cuda.so was not built (nvcc was not found when this qtune was configured)");
         return 0;
     }
-    if (!module && access("/dev/nvidiactl", F_OK) != 0 && !getenv("QTUNE_CUDA_MODULE")) {
+    if (!module && access("/dev/nvidiactl", F_OK) != 0) {
         snprintf(why, cap, "no CUDA GPU is visible (no NVIDIA driver: /dev/nvidiactl is absent)");
         return 0;
     }
