@@ -53,14 +53,16 @@ static int check_labels(qt_trainer *t) {
     dl_get_stats(t->train_dl, &st);
     if (st.n_targets > 0) return QT_OK;
     const qt_job_data *d = &t->job->data;
+    char more[32] = "";
+    if (d->n_train > 1) snprintf(more, sizeof more, " and %d more", d->n_train - 1);
     return QT_ERR(QT_EINVAL,
-                  "%s: no token of data.train carries a label%s: %lld examples, %lld tokens, %lld of them truncated "
-                  "to data.seq_len %d (%lld tokens dropped)%s; nothing would be learned. %s",
-                  t->job->path, st.n_truncated ? " after truncation" : "", (long long)st.n_examples,
+                  "%s: no token of data.train (%s%s) carries a label%s: %lld examples, %lld tokens, %lld of them "
+                  "truncated to data.seq_len %d (%lld tokens dropped); nothing would be learned. %s",
+                  t->job->path, d->train, more, st.n_truncated ? " after truncation" : "", (long long)st.n_examples,
                   (long long)st.n_tokens, (long long)st.n_truncated, d->seq_len, (long long)st.n_tokens_dropped,
-                  d->mask_prompt ? ", with mask_prompt on (only assistant/output tokens are trained)" : "",
                   st.n_truncated ? "Raise data.seq_len so the answers fit, or shorten the prompts"
-                                 : "Check that the examples have assistant/output text, or set data.mask_prompt false");
+                                 : "Each example needs at least 2 tokens and, with data.mask_prompt on, assistant or "
+                                   "output text (only those tokens are trained)");
 }
 
 static int open_loaders(qt_trainer *t) {

@@ -184,7 +184,7 @@ def test_no_label_after_truncation_stops_before_step_1(tmp_path, model):
     j = write_job(tmp_path / "nolabel.json", model, {"train": "d.jsonl"}, steps=50)
     p = qtune("train", j)
     assert p.returncode != 0
-    assert "no token of data.train carries a label after truncation: 6 examples, 96 tokens, 6 of them truncated " \
+    assert "d.jsonl) carries a label after truncation: 6 examples, 96 tokens, 6 of them truncated " \
            "to data.seq_len 16 (48 tokens dropped)" in p.stderr, p.stderr
     assert "Raise data.seq_len" in p.stderr
     assert not os.path.exists(tmp_path / "nolabel-out" / "metrics.jsonl")  # stopped before step 1
