@@ -10,12 +10,14 @@
 #include "io/peft.h"
 #include "model/lora_io.h"
 #include "model/model.h"
+#include "text/tokenizer.h"
 #include "train/job.h"
 #include "train/plan_report.h"
 #include "train/trainer.h"
 
 #include <ctype.h>
 #include <dirent.h>
+#include <malloc.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <string.h>
@@ -26,7 +28,10 @@ static void plan_help(void) {
            "its DeepSpeed config (ZeRO stage, offload, precision, micro-batch, resolved for --devices ranks),\n"
            "seq_len and gradient checkpointing; options given beside it override those.\n\n"
            "Per-device memory by category, host memory, checkpoint size, the smallest device\n"
-           "count that fits, and a power/host recommendation with a 20%% margin.\n\n"
+           "count that fits, and a power/host recommendation with a 20%% margin. A total within the plan's\n"
+           "5%% error of the card is \"borderline\"; one that does not fit (or only just) names the one setting\n"
+           "not already on that makes it fit. Sized by device auto on a machine without a GPU, the plan says\n"
+           "so and gives the CUDA card's total too.\n\n"
            "  --model DIR           a Hugging Face model folder (config.json)\n"
            "  --preset NAME         a preset shape (see `qtune init --help`)\n"
            "  --mode lora|full      default full\n"
@@ -103,6 +108,25 @@ static uint64_t weights_file_bytes(const char *dir) {
     }
     closedir(d);
     return sum;
+}
+
+/* Bytes the model folder's tokenizer keeps once loaded (every rank's process
+ * loads it): measured by loading it, as the heap's growth (mallinfo2: the
+ * small blocks and the mmap'd large ones), the loader's transient parse tree
+ * freed. 0 when the folder has none or it does not load (a run names why). */
+static uint64_t tokenizer_bytes(const char *dir) {
+    char path[4096];
+    bpe_tokenizer *tok = NULL;
+    if (!bpe_folder_file(dir, path, sizeof path)) return 0;
+    const struct mallinfo2 before = mallinfo2();
+    if (bpe_load(path, &tok) != QT_OK) {
+        qt_error_clear();
+        return 0;
+    }
+    const struct mallinfo2 after = mallinfo2();
+    bpe_free(tok);
+    const size_t b = before.uordblks + before.hblkhd, a = after.uordblks + after.hblkhd;
+    return a > b ? (uint64_t)(a - b) : 0;
 }
 
 static int parse_int(const char *s, int lo, int hi, int *out) {
@@ -294,11 +318,15 @@ int cmd_plan(int argc, char **argv) {
         qt_device dev;
         if (!backend_given && !(env && *env) && job_device[0]) o.backend = qt_device_desc_name(job_device);
         if (!o.backend && qt_device_resolve("auto", "--device", &dev) != QT_OK) return cli_fail();
-        if (!o.backend) o.backend = dev.backend;
+        if (!o.backend) {
+            o.backend = dev.backend;
+            o.backend_auto = !(env && *env); /* what this machine has, not what the job's cards are */
+        }
     }
     qt_config cfg;
     if ((model ? qt_config_load(model, &cfg) : qt_preset(preset, &cfg)) != QT_OK) return cli_fail();
     if (model) o.weights_file_bytes = weights_file_bytes(model);
+    if (model) o.tokenizer_bytes = tokenizer_bytes(model);
     if (targets_arg && resolve_targets(&cfg, targets_arg, &o.lora_targets) != QT_OK)
         return cli_usage_error("plan", "%s", qt_error_message());
     qt_plan p;

@@ -314,8 +314,9 @@ static int read_messages(const enc_call *e, convo *c, const cJSON *arr, const ch
         const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
         if (!cJSON_IsString(role)) return QT_ERR(QT_EFORMAT, "%s.role is missing or not a string", what);
         const char *r = role->valuestring;
+        if (!strcmp(r, "developer")) r = "system"; /* OpenAI's name for the system turn (o1 on) */
         if (strcmp(r, "system") && strcmp(r, "user") && strcmp(r, "assistant") && strcmp(r, "tool"))
-            return QT_ERR(QT_EFORMAT, "%s.role is \"%s\"; use system, user, assistant or tool", what, r);
+            return QT_ERR(QT_EFORMAT, "%s.role is \"%s\"; use system (or developer), user, assistant or tool", what, r);
         const int assistant = !strcmp(r, "assistant");
         const char *content, *calls = NULL;
         QT_TRY(content_text(c, cJSON_GetObjectItemCaseSensitive(m, "content"), what, &content));

@@ -349,6 +349,10 @@ static int check_config(const dl_config *c) {
     if (c->prefetch > DL_PREFETCH_MAX)
         return QT_ERR(QT_EINVAL, "data.prefetch is %d; it must be from 0 to %d", c->prefetch, DL_PREFETCH_MAX);
     if (c->n_paths <= 0 && !c->path) return QT_ERR(QT_EINVAL, "no data file given; set data.train");
+    for (int f = 0; c->mix_weights && f < c->n_paths; f++)
+        if (!(c->mix_weights[f] > 0) || c->mix_weights[f] > 1e12)
+            return QT_ERR(QT_EINVAL, "mixing weight %d of %d is %g; each must be above 0", f + 1, c->n_paths,
+                          c->mix_weights[f]);
     return QT_OK;
 }
 
@@ -401,6 +405,88 @@ static int build_segs(dl_loader *l) {
     return QT_OK;
 }
 
+int dl_mix_parse(const char *s, dl_mix *out) {
+    if (s && !strcmp(s, "concat")) *out = DL_MIX_CONCAT;
+    else if (s && !strcmp(s, "interleave_under")) *out = DL_MIX_INTERLEAVE_UNDER;
+    else if (s && !strcmp(s, "interleave_over")) *out = DL_MIX_INTERLEAVE_OVER;
+    else return QT_EINVAL;
+    return QT_OK;
+}
+
+const char *dl_mix_name(dl_mix m) {
+    return m == DL_MIX_INTERLEAVE_UNDER ? "interleave_under" : m == DL_MIX_INTERLEAVE_OVER ? "interleave_over" : "concat";
+}
+
+/* The interleave strategies (loader.h): the epoch's examples, file by file
+ * counts from the weights, the files spread evenly through it (at each place
+ * the file furthest behind its share goes next). Replaces segs. */
+static int mix_segs(dl_loader *l) {
+    const int F = l->n_files;
+    int64_t *first = qt_calloc((size_t)F + 1, sizeof *first, "the data mix");
+    int64_t *want = qt_calloc((size_t)F, sizeof *want, "the data mix");
+    int64_t *taken = qt_calloc((size_t)F, sizeof *taken, "the data mix");
+    dl_seg *out = NULL;
+    int rc = QT_ENOMEM;
+    if (!first || !want || !taken) goto done;
+    for (int64_t i = 0; i < l->n_segs; i++) first[l->segs[i].file + 1]++;
+    for (int f = 0; f < F; f++) first[f + 1] += first[f];
+    double wsum = 0, S = -1;
+    for (int f = 0; f < F; f++) wsum += l->cfg.mix_weights ? l->cfg.mix_weights[f] : 1.0;
+    for (int f = 0; f < F; f++) {
+        const double w = (l->cfg.mix_weights ? l->cfg.mix_weights[f] : 1.0) / wsum;
+        const double s = (double)(first[f + 1] - first[f]) / w;
+        if (S < 0 || (l->cfg.mix == DL_MIX_INTERLEAVE_UNDER ? s < S : s > S)) S = s;
+    }
+    int64_t total = 0;
+    for (int f = 0; f < F; f++) {
+        const double w = (l->cfg.mix_weights ? l->cfg.mix_weights[f] : 1.0) / wsum;
+        const int64_t n = first[f + 1] - first[f];
+        want[f] = (int64_t)(w * S + 0.5);
+        if (want[f] < 1) want[f] = 1; /* every file named is seen */
+        if (l->cfg.mix == DL_MIX_INTERLEAVE_UNDER && want[f] > n) want[f] = n;
+        if (l->cfg.mix == DL_MIX_INTERLEAVE_OVER && want[f] < n) want[f] = n;
+        if (want[f] < n) l->stats.n_mix_dropped += n - want[f];
+        else l->stats.n_mix_repeated += want[f] - n;
+        total += want[f];
+    }
+    out = qt_malloc((size_t)total * sizeof *out, "the data mix");
+    if (!out) goto done;
+    for (int64_t k = 0; k < total; k++) {
+        int best = -1;
+        double best_share = 0;
+        for (int f = 0; f < F; f++) {
+            if (taken[f] == want[f]) continue;
+            const double share = ((double)taken[f] + 0.5) / (double)want[f];
+            if (best < 0 || share < best_share) best = f, best_share = share;
+        }
+        const int64_t n = first[best + 1] - first[best];
+        out[k] = l->segs[first[best] + taken[best] % n];
+        taken[best]++;
+    }
+    /* the epoch's totals are the mix's */
+    l->stats.n_tokens = l->stats.n_labels = l->stats.n_targets = l->stats.n_unlabelled = 0;
+    for (int64_t k = 0; k < total; k++) {
+        const uint8_t *m = l->files[out[k].file].mask + out[k].start;
+        int64_t targets = 0;
+        for (uint32_t j = 1; j < out[k].len; j++) targets += m[j];
+        l->stats.n_tokens += out[k].len;
+        l->stats.n_labels += targets + m[0];
+        l->stats.n_targets += targets;
+        l->stats.n_unlabelled += targets == 0;
+    }
+    qt_free(l->segs);
+    l->segs = out;
+    l->n_segs = total;
+    out = NULL;
+    rc = QT_OK;
+done:
+    qt_free(first);
+    qt_free(want);
+    qt_free(taken);
+    qt_free(out);
+    return rc;
+}
+
 /* 80% of the online cores, at least 1. */
 static int auto_workers(void) {
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
@@ -448,6 +534,7 @@ static int loader_init(dl_loader *l, const bpe_tokenizer *tok) {
     const dl_config *c = &l->cfg;
     QT_TRY(open_files(l, tok));
     QT_TRY(build_segs(l));
+    if (c->mix != DL_MIX_CONCAT && l->n_files > 1) QT_TRY(mix_segs(l));
     int world = c->world;
     if (l->n_segs < world)
         return QT_ERR(QT_EINVAL, "the data has %lld examples, fewer than the %d data-parallel ranks; add data or use fewer ranks",
@@ -513,6 +600,10 @@ int dl_open(const dl_config *cfg, const bpe_tokenizer *tok, dl_loader **out) {
     l->stats.n_examples = l->n_segs;
     l->stats.n_examples_rank = l->n_rank;
     l->stats.open_s = qt_now_s() - t0;
+    if (l->stats.n_mix_dropped || l->stats.n_mix_repeated)
+        qt_info("data mix %s over %d files: %lld examples an epoch (%lld left out, %lld repeated)",
+                dl_mix_name(cfg->mix), l->n_files, (long long)l->n_segs, (long long)l->stats.n_mix_dropped,
+                (long long)l->stats.n_mix_repeated);
     if (l->stats.n_truncated)
         qt_info("%lld examples were longer than seq_len %d and were truncated (%lld tokens dropped)",
                 (long long)l->stats.n_truncated, l->T, (long long)l->stats.n_tokens_dropped);

@@ -37,6 +37,22 @@ typedef enum {
     DL_OVERLONG_SPLIT = 1,    /* cut into pieces of seq_len tokens overlapping by one, so no label is lost */
 } dl_overlong;
 
+/* How several files make one epoch (LLaMA-Factory's data.mix_strategy, on
+ * Hugging Face's concatenate_datasets / interleave_datasets):
+ *   concat            every example of every file once
+ *   interleave_under  files interleaved by weight until the first runs out
+ *                     (stopping_strategy "first_exhausted": the others undersampled)
+ *   interleave_over   files interleaved by weight until the last runs out,
+ *                     the others starting over ("all_exhausted": oversampled)
+ * Where Hugging Face draws each next file at random with probability w_f, qtune
+ * takes the expected counts: with S = min (under) or max (over) of n_f / w_f
+ * over files, file f gives round(w_f * S) examples (its first ones, from the
+ * start again when it runs out), spread evenly through the epoch's file order
+ * before the shuffle. Equal weights when none are given. */
+typedef enum { DL_MIX_CONCAT = 0, DL_MIX_INTERLEAVE_UNDER = 1, DL_MIX_INTERLEAVE_OVER = 2 } dl_mix;
+int dl_mix_parse(const char *s, dl_mix *out); /* QT_EINVAL for an unknown name */
+const char *dl_mix_name(dl_mix m);
+
 /* Each slot holds a whole micro-batch (B x T ids, labels and masks); a deeper
  * queue only costs memory, and a job-file value like 1e9 would size it. */
 #define DL_PREFETCH_MAX 1024
@@ -45,6 +61,8 @@ typedef struct {
     const char *path;          /* one JSONL file, or: */
     const char *const *paths;  /* several, read in this order (n_paths > 0 wins over path) */
     int n_paths;
+    dl_mix mix;                /* how several files mix (above); concat by default */
+    const double *mix_weights; /* (n_paths) relative weights for the interleave strategies, > 0; NULL: equal */
     dl_format format;          /* DL_FORMAT_AUTO: per file, from its first valid line */
     int seq_len;               /* T, >= 2 */
     int micro_batch;           /* B, rows per batch */
@@ -83,6 +101,8 @@ typedef struct {
     int64_t n_lines_skipped;   /* malformed lines skipped (skip_bad_lines) */
     int64_t n_truncated;       /* examples cut to seq_len (DL_OVERLONG_TRUNCATE) */
     int64_t n_split;           /* examples cut into pieces (DL_OVERLONG_SPLIT) */
+    int64_t n_mix_dropped;     /* interleave_under: examples of the files left out of the epoch */
+    int64_t n_mix_repeated;    /* interleave_over: examples repeated to fill the epoch */
     int64_t n_tokens_dropped;  /* tokens lost to truncation */
     int n_files, n_cache_hits, n_cache_written;
     int num_workers, prefetch;

@@ -367,10 +367,109 @@ static int merge_chunks(const dl_source_opts *o, build_chunk *ch, int K, dl_sour
     return QT_OK;
 }
 
+/* 1 when the file's first non-blank byte is '[': a JSON array of examples
+ * (LLaMA-Factory's alpaca_zh_demo.json form) rather than JSONL. */
+int dl_source_is_array(const char *path) {
+    FILE *f = qt_fopen_regular(path, "the data file"); /* a FIFO would block here: the reader names it */
+    if (!f) {
+        qt_error_clear();
+        return 0;
+    }
+    int c, n = 0;
+    while ((c = fgetc(f)) != EOF && n < (1 << 20) && (c == ' ' || c == '\t' || c == '\r' || c == '\n' ||
+                                                      c == 0xEF || c == 0xBB || c == 0xBF)) /* UTF-8 BOM too */
+        n++;
+    fclose(f);
+    return c == '[';
+}
+
+/* A JSON array file, read whole: each element is encoded as a JSONL line
+ * would be, its messages naming the line the element starts on; with
+ * skip_bad_lines an element that is not an example is skipped and counted.
+ * The array itself must parse (there is no next line to resume at). */
+static int array_build(const dl_source_opts *o, const char *text, size_t n, build_chunk *c) {
+    size_t pos = 0;
+    long long line = 1;
+#define ADVANCE_TO(p)                                            \
+    for (; pos < (p); pos++) line += text[pos] == '\n';
+#define SKIP_SPACE()                                                                                          \
+    while (pos < n && (text[pos] == ' ' || text[pos] == '\t' || text[pos] == '\r' || text[pos] == '\n')) {       \
+        line += text[pos] == '\n';                                                                                \
+        pos++;                                                                                                    \
+    }
+    if (n >= 3 && !memcmp(text, "\xEF\xBB\xBF", 3)) pos = 3; /* a UTF-8 byte order mark */
+    SKIP_SPACE();
+    pos++; /* '[' */
+    QT_TRY(push_offset(&c->off, &c->n_off, &c->cap_off, 0));
+    for (long long k = 0;; k++) {
+        SKIP_SPACE();
+        if (pos < n && text[pos] == ']' && k == 0) { pos++; break; }
+        const char *end = NULL;
+        cJSON *el = pos < n ? cJSON_ParseWithLengthOpts(text + pos, n - pos, &end, 0) : NULL;
+        if (!el) {
+            if (end && end > text + pos) ADVANCE_TO((size_t)(end - text));
+            return QT_ERR(QT_EFORMAT, "%s:%lld: not valid JSON inside the file's top-level array (element %lld); a file "
+                          "that starts with '[' is read as one JSON array of examples: fix the file or write it as "
+                          "JSONL, one example per line", o->path, line, k + 1);
+        }
+        cJSON_Delete(el);
+        const size_t el_end = (size_t)(end - text);
+        int got = dl_encode_line(&o->enc, o->path, line, text + pos, el_end - pos, &c->fmt, &c->tb);
+        if (got == QT_EFORMAT && o->skip_bad_lines) {
+            if (c->n_warn < DL_WARN_BAD_LINES) {
+                c->warn_line[c->n_warn] = line;
+                keep_message(c->warn[c->n_warn], sizeof c->warn[0]);
+                c->n_warn++;
+            }
+            c->n_bad++;
+            qt_error_clear();
+        } else {
+            QT_TRY(got);
+            QT_TRY(push_offset(&c->off, &c->n_off, &c->cap_off, c->tb.n));
+        }
+        ADVANCE_TO(el_end);
+        SKIP_SPACE();
+        if (pos < n && text[pos] == ',') { pos++; continue; }
+        if (pos < n && text[pos] == ']') { pos++; break; }
+        return QT_ERR(QT_EFORMAT, "%s:%lld: expected ',' or ']' after element %lld of the file's top-level array",
+                      o->path, line, k + 1);
+    }
+    SKIP_SPACE();
+    if (pos < n)
+        return QT_ERR(QT_EFORMAT, "%s:%lld: text after the closing ']' of the file's top-level array; a JSON array file "
+                      "holds one array", o->path, line);
+    c->lines = line;
+#undef ADVANCE_TO
+#undef SKIP_SPACE
+    return QT_OK;
+}
+
+static int source_build_array(const dl_source_opts *o, dl_source *s) {
+    char *text = NULL;
+    size_t n = 0;
+    QT_TRY(qt_read_file(o->path, SIZE_MAX, &text, &n));
+    build_chunk c = {.o = o, .fmt = o->format};
+    int rc = array_build(o, text, n, &c);
+    qt_free(text);
+    if (rc == QT_OK && c.n_off == 1)
+        rc = QT_ERR(QT_EFORMAT, "%s holds no examples: its top-level JSON array is empty%s", o->path,
+                    c.n_bad ? " once the bad elements are skipped" : "");
+    if (rc == QT_OK) {
+        rc = merge_chunks(o, &c, 1, s);
+        s->build_threads = 1;
+    } else {
+        for (int w = 0; w < c.n_warn; w++) qt_warn("skipping a bad element: %s", c.warn[w]);
+    }
+    dl_tokbuf_free(&c.tb);
+    qt_free(c.off);
+    return rc;
+}
+
 /* Tokenizes the file: in K byte ranges on K threads when it is large and
  * threads are allowed (the format is settled first, from the first line),
  * else in one pass on this thread. Same result either way. */
 static int source_build(const dl_source_opts *o, uint64_t size, dl_source *s) {
+    if (dl_source_is_array(o->path)) return source_build_array(o, s);
     size_t chunk_bytes = o->chunk_bytes ? o->chunk_bytes : DL_BUILD_CHUNK_BYTES;
     int K = o->n_threads > 1 ? o->n_threads : 1;
     if ((uint64_t)K > size / chunk_bytes) K = (int)(size / chunk_bytes);

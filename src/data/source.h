@@ -67,6 +67,9 @@ typedef struct {
 } dl_source;
 
 int dl_source_open(const dl_source_opts *o, dl_source *out);
+/* 1 when the file is one JSON array of examples (its first non-blank byte is
+ * '['), read whole; else it is JSONL, read line by line. */
+int dl_source_is_array(const char *path);
 void dl_source_close(dl_source *s);
 /* Where the cache of a data file lives (no I/O). */
 int dl_cache_path(const char *data_path, const char *cache_dir, char *out, size_t cap);

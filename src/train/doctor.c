@@ -11,6 +11,7 @@
 #include "core/messages.h"
 #include "data/format.h"
 #include "data/lines.h"
+#include "data/source.h"
 #include "io/hf_config.h"
 #include "io/safetensors.h"
 #include "model/lora_io.h"
@@ -362,6 +363,7 @@ static int needs_tokenizer(const char *dir, const cJSON *data) {
     const cJSON *tr = cJSON_GetObjectItemCaseSensitive(data, "train");
     if (cJSON_IsString(fmt) && !strcmp(fmt->valuestring, "tokens")) return 0;
     if (cJSON_IsString(fmt) && strcmp(fmt->valuestring, "auto")) return 1;
+    if (cJSON_IsArray(tr)) tr = tr->child; /* a list of files: the first one's format */
     if (!cJSON_IsString(tr)) return 1;
     char p[4096], line[65536];
     job_path(dir, tr->valuestring, p, sizeof p);
@@ -414,22 +416,24 @@ static void check_data(doc_ctx *c, const char *dir, const cJSON *data, int64_t *
     if (!cJSON_IsObject(data)) return; /* the parser names it */
     static const char *keys[] = {"train", "eval"};
     for (int i = 0; i < 2; i++) {
-        const cJSON *v = cJSON_GetObjectItemCaseSensitive(data, keys[i]);
-        if (!cJSON_IsString(v)) continue;
-        char p[4096];
-        job_path(dir, v->valuestring, p, sizeof p);
-        int64_t sz = file_size(p);
-        struct stat sb;
-        if (sz < 0 || access(p, R_OK) != 0)
-            problem(c, "%s: data.%s names %s, which cannot be read; check the path (it is relative to the job "
-                       "file's folder)", c->where, keys[i], p);
-        else if (stat(p, &sb) == 0 && !S_ISREG(sb.st_mode))
-            problem(c, "%s: data.%s names %s, which is %s, not a regular file; save the data to a file and name "
-                       "that", c->where, keys[i], p, qt_file_kind((unsigned)sb.st_mode));
-        else if (sz == 0)
-            problem(c, "%s: data.%s file %s is empty; it needs one JSON example per line", c->where, keys[i], p);
-        else if (i == 0)
-            *train_bytes = sz;
+        const cJSON *list = cJSON_GetObjectItemCaseSensitive(data, keys[i]);
+        for (const cJSON *v = cJSON_IsArray(list) ? list->child : list; v; v = cJSON_IsArray(list) ? v->next : NULL) {
+            if (!cJSON_IsString(v)) continue;
+            char p[4096];
+            job_path(dir, v->valuestring, p, sizeof p);
+            int64_t sz = file_size(p);
+            struct stat sb;
+            if (sz < 0 || access(p, R_OK) != 0)
+                problem(c, "%s: data.%s names %s, which cannot be read; check the path (it is relative to the job "
+                           "file's folder)", c->where, keys[i], p);
+            else if (stat(p, &sb) == 0 && !S_ISREG(sb.st_mode))
+                problem(c, "%s: data.%s names %s, which is %s, not a regular file; save the data to a file and name "
+                           "that", c->where, keys[i], p, qt_file_kind((unsigned)sb.st_mode));
+            else if (sz == 0)
+                problem(c, "%s: data.%s file %s is empty; it needs one JSON example per line", c->where, keys[i], p);
+            else if (i == 0)
+                *train_bytes += sz;
+        }
     }
     double T;
     if (ds_num(data, "seq_len", &T) && (!(T >= 2 && T <= 1e7) || T != floor(T)))
@@ -443,8 +447,24 @@ static void check_data_lines(doc_ctx *c, const char *path, const char *key, dl_f
                              const bpe_tokenizer *tok, int32_t vocab) {
     dl_lines r;
     qt_error_clear();
-    if (dl_lines_open(&r, path, 0) != QT_OK) return; /* named by check_data */
     dl_encode_ctx ctx = {.tok = tok, .mask_prompt = mask_prompt, .vocab_limit = vocab};
+    if (dl_source_is_array(path)) { /* one JSON array: read whole, as a run reads it */
+        dl_source_opts so = {.path = path, .no_cache = 1, .format = fmt, .enc = ctx, .n_threads = 1};
+        dl_source src;
+        const int level = qt_log_level();
+        qt_log_set_level(QT_LOG_ERROR);
+        int rc = dl_source_open(&so, &src);
+        qt_log_set_level(level);
+        if (rc != QT_OK) {
+            problem(c, "%s: data.%s: %s", c->where, key, qt_error_message());
+            return;
+        }
+        fprintf(c->f, "data       %s: %llu example%s read as %s (a JSON array)\n", path,
+                (unsigned long long)src.n_examples, src.n_examples == 1 ? "" : "s", dl_format_name(src.format));
+        dl_source_close(&src);
+        return;
+    }
+    if (dl_lines_open(&r, path, 0) != QT_OK) return; /* named by check_data */
     dl_tokbuf tb = {0};
     char *line;
     size_t len;
@@ -601,6 +621,7 @@ static void check_resources(doc_ctx *c, const char *dir, const cJSON *root, cons
     const cJSON *data = cJSON_GetObjectItemCaseSensitive(root, "data");
     const cJSON *cd = cJSON_GetObjectItemCaseSensitive(data, "cache_dir");
     const cJSON *tr = cJSON_GetObjectItemCaseSensitive(data, "train");
+    if (cJSON_IsArray(tr)) tr = tr->child; /* a list of files: the cache of the first one's folder */
     if (o->dataset_bytes && (cJSON_IsString(cd) || cJSON_IsString(tr))) {
         char where[4096], base[4096];
         if (cJSON_IsString(cd)) job_path(dir, cd->valuestring, where, sizeof where);
@@ -805,12 +826,15 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
         if (cJSON_IsString(fj) && dl_format_parse(fj->valuestring, &fmt) != QT_OK) fmt = DL_FORMAT_AUTO;
         static const char *const keys[] = {"train", "eval"};
         for (int i = 0; i < 2; i++) {
-            const cJSON *v = cJSON_GetObjectItemCaseSensitive(data, keys[i]);
-            if (!cJSON_IsString(v)) continue;
-            char dp[4096];
-            job_path(dir, v->valuestring, dp, sizeof dp);
-            /* eval reads every assistant turn's labels as train does */
-            check_data_lines(&c, dp, keys[i], fmt, !cJSON_IsFalse(mj), tok, have_cfg ? (int32_t)cfg.vocab_size : 0);
+            const cJSON *list = cJSON_GetObjectItemCaseSensitive(data, keys[i]);
+            for (const cJSON *v = cJSON_IsArray(list) ? list->child : list; v; v = cJSON_IsArray(list) ? v->next : NULL) {
+                if (!cJSON_IsString(v)) continue;
+                char dp[4096];
+                job_path(dir, v->valuestring, dp, sizeof dp);
+                /* eval reads every assistant turn's labels as train does */
+                check_data_lines(&c, dp, keys[i], fmt, !cJSON_IsFalse(mj), tok,
+                                 have_cfg ? (int32_t)cfg.vocab_size : 0);
+            }
         }
         bpe_free(tok);
         qt_error_clear();

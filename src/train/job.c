@@ -306,19 +306,79 @@ int qt_job_lora_targets(const cJSON *arr, unsigned *mask, const char *where) {
     return QT_OK;
 }
 
+/* data.train / data.eval: one file, or a list of files (LLaMA-Factory's
+ * "dataset: a,b" as a list), each resolved against the job's folder. */
+static int get_files(const job_ctx *c, const cJSON *s, const char *key, char ***files, int *n) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(s, key);
+    *files = NULL;
+    *n = 0;
+    if (!it || cJSON_IsNull(it)) return QT_OK;
+    const int count = cJSON_IsArray(it) ? cJSON_GetArraySize(it) : 1;
+    if (!cJSON_IsArray(it) && !(cJSON_IsString(it) && it->valuestring[0]))
+        return QT_ERR(QT_EINVAL, "%s: data.%s must be a file name or a list of file names", c->where, key);
+    if (count == 0)
+        return QT_ERR(QT_EINVAL, "%s: data.%s is an empty list; name at least one file", c->where, key);
+    *files = qt_calloc((size_t)count, sizeof **files, "the data file list");
+    if (!*files) return QT_ENOMEM;
+    const cJSON *el = cJSON_IsArray(it) ? it->child : it;
+    for (int i = 0; i < count; i++, el = el->next) {
+        if (!cJSON_IsString(el) || !el->valuestring[0])
+            return QT_ERR(QT_EINVAL, "%s: data.%s[%d] must be a non-empty file name", c->where, key, i);
+        (*files)[i] = qt_strdup(el->valuestring);
+        if (!(*files)[i]) return QT_ENOMEM;
+        (*n)++;
+        QT_TRY(resolve(c, &(*files)[i]));
+    }
+    return QT_OK;
+}
+
+/* data.mix_strategy and data.interleave_probs, LLaMA-Factory's names and
+ * meanings (data/loader.h dl_mix). */
+static int parse_mix(const job_ctx *c, const cJSON *s, qt_job_data *d) {
+    QT_TRY(get_str(c, s, "data", "mix_strategy", "concat", &d->mix_strategy));
+    dl_mix mix;
+    if (dl_mix_parse(d->mix_strategy, &mix) != QT_OK)
+        return QT_ERR(QT_EINVAL, "%s: data.mix_strategy is '%s'; use concat, interleave_under or interleave_over",
+                      c->where, d->mix_strategy);
+    const cJSON *p = cJSON_GetObjectItemCaseSensitive(s, "interleave_probs");
+    if (!p || cJSON_IsNull(p)) return QT_OK;
+    if (mix == DL_MIX_CONCAT)
+        return QT_ERR(QT_EINVAL, "%s: data.interleave_probs is set but data.mix_strategy is concat, which reads every "
+                      "example once; set mix_strategy to interleave_under or interleave_over, or drop the weights",
+                      c->where);
+    if (!cJSON_IsArray(p) || cJSON_GetArraySize(p) != d->n_train)
+        return QT_ERR(QT_EINVAL, "%s: data.interleave_probs must be a list of %d number%s, one per data.train file",
+                      c->where, d->n_train, d->n_train == 1 ? "" : "s");
+    d->train_weights = qt_calloc((size_t)d->n_train, sizeof *d->train_weights, "the mixing weights");
+    if (!d->train_weights) return QT_ENOMEM;
+    int i = 0;
+    for (const cJSON *w = p->child; w; w = w->next, i++) {
+        if (!cJSON_IsNumber(w) || !(w->valuedouble > 0) || w->valuedouble > 1e12)
+            return QT_ERR(QT_EINVAL, "%s: data.interleave_probs[%d] must be a number above 0 (the weights are "
+                          "normalised to sum 1)", c->where, i);
+        d->train_weights[i] = w->valuedouble;
+    }
+    return QT_OK;
+}
+
 static int parse_data(const job_ctx *c, const cJSON *root, qt_job_data *d) {
     static const char *const known[] = {"train", "eval", "format", "seq_len", "packing", "shuffle", "mask_prompt",
-                                        "cache_dir", "num_workers", "prefetch", "max_line_bytes", NULL};
+                                        "cache_dir", "num_workers", "prefetch", "max_line_bytes", "skip_bad_lines",
+                                        "mix_strategy", "interleave_probs", NULL};
     const cJSON *s;
     QT_TRY(section(c, root, "data", &s));
     if (!s) return QT_ERR(QT_EINVAL, "%s: the 'data' section is missing; it needs at least \"train\": \"file.jsonl\"",
                           c->where);
     QT_TRY(warn_unknown(c, s, "data", known));
-    QT_TRY(get_str(c, s, "data", "train", NULL, &d->train));
-    if (!d->train) return QT_ERR(QT_EINVAL, "%s: data.train is missing; name the training JSONL file", c->where);
-    QT_TRY(resolve(c, &d->train));
-    QT_TRY(get_str(c, s, "data", "eval", NULL, &d->eval));
-    QT_TRY(resolve(c, &d->eval));
+    QT_TRY(get_files(c, s, "train", &d->train_files, &d->n_train));
+    if (!d->n_train)
+        return QT_ERR(QT_EINVAL, "%s: data.train is missing; name the training file (JSONL or a JSON array), or a list "
+                      "of them", c->where);
+    d->train = d->train_files[0];
+    QT_TRY(get_files(c, s, "eval", &d->eval_files, &d->n_eval));
+    d->eval = d->n_eval ? d->eval_files[0] : NULL;
+    QT_TRY(parse_mix(c, s, d));
+    QT_TRY(get_bool(c, s, "data", "skip_bad_lines", 0, &d->skip_bad_lines));
     QT_TRY(get_str(c, s, "data", "format", "auto", &d->format));
     dl_format fmt;
     if (dl_format_parse(d->format, &fmt) != QT_OK)
@@ -902,8 +962,12 @@ void qt_job_free(qt_job *job) {
     qt_free(job->model);
     qt_free(job->output_dir);
     qt_free(job->device);
-    qt_free(job->data.train);
-    qt_free(job->data.eval);
+    for (int i = 0; i < job->data.n_train; i++) qt_free(job->data.train_files[i]);
+    for (int i = 0; i < job->data.n_eval; i++) qt_free(job->data.eval_files[i]);
+    qt_free(job->data.train_files);
+    qt_free(job->data.eval_files);
+    qt_free(job->data.train_weights);
+    qt_free(job->data.mix_strategy);
     qt_free(job->data.format);
     qt_free(job->data.cache_dir);
     for (int i = 0; i < job->lora.n_target_names; i++) qt_free(job->lora.target_names[i]);

@@ -15,8 +15,15 @@
 #include "io/peft.h"
 
 typedef struct {
-    char *train;        /* resolved path of the training JSONL */
-    char *eval;         /* resolved path of the eval JSONL, NULL when none */
+    char *train;        /* resolved path of the (first) training file: train_files[0] */
+    char *eval;         /* resolved path of the (first) eval file, NULL when none: eval_files[0] */
+    char **train_files; /* (n_train) data.train: one file or a list, resolved; JSONL or a JSON array */
+    int n_train;
+    double *train_weights; /* (n_train) data.interleave_probs, or NULL: equal */
+    char **eval_files;  /* (n_eval) data.eval, concatenated */
+    int n_eval;
+    char *mix_strategy; /* "concat" (default), "interleave_under", "interleave_over" */
+    int skip_bad_lines; /* skip and count malformed lines instead of stopping */
     char *format;       /* "auto", "text", "messages", "alpaca", "tokens" */
     int seq_len;        /* T */
     int packing;

@@ -179,6 +179,12 @@ static void plan_device(const qt_config *c, const qt_plan_opts *o, int N, qt_pla
     d->total = d->weights + d->grads + d->master + d->optim + d->activations + d->workspace + d->comm;
 }
 
+/* One process's loaded tokenizer: measured from the model folder, else Qwen's on its vocabulary. */
+static uint64_t plan_tokenizer(const qt_config *c, const qt_plan_opts *o) {
+    if (o->tokenizer_bytes) return o->tokenizer_bytes;
+    return c->vocab_size >= 151643 ? QT_PLAN_QWEN_TOKENIZER_BYTES : 0;
+}
+
 uint64_t qt_plan_cpu_rank(const qt_config *c, const qt_plan_opts *o, int rank, uint64_t mapped) {
     plan_model pm;
     plan_model_bytes(c, o, o->devices, rank, &pm);
@@ -189,7 +195,7 @@ uint64_t qt_plan_cpu_rank(const qt_config *c, const qt_plan_opts *o, int rank, u
      * converted copy is in its own total */
     uint64_t base = o->lora && o->precision == QT_F32 ? pm.mapped_base : 0;
     return pm.allocated + pm.master_host + base + zm.total + mapped + qt_model_cpu_runtime_bytes() +
-           tp_runtime_bytes(o->devices);
+           tp_runtime_bytes(o->devices) + plan_tokenizer(c, o);
 }
 
 static int plan_check(const qt_config *c, const qt_plan_opts *o) {
@@ -215,6 +221,108 @@ static int plan_check(const qt_config *c, const qt_plan_opts *o) {
     return QT_OK;
 }
 
+/* the backend whose descriptor sizes the workspaces (memplan.c's rule: unknown plans as the cpu) */
+static const char *plan_desc_name(const qt_plan_opts *o) {
+    const qt_backend_desc *d = qt_backend_desc_of(o->backend);
+    return d ? d->name : "cpu";
+}
+
+/* The settings that shrink the per-card total, cheapest to the training
+ * first, each only where it is not already on. */
+enum { FIX_CKPT, FIX_REDUCE, FIX_GATHER, FIX_OVERLAP, FIX_MICRO, FIX_OFFLOAD, FIX_ZERO2, FIX_LORA, FIX_COUNT };
+
+/* o with setting k applied; 0 when it is already on or does not apply. */
+static int fix_apply(const qt_config *c, const qt_plan_opts *o, int k, qt_plan_opts *f, char *say, size_t cap) {
+    const size_t c2 = (size_t)c->hidden_size * (size_t)c->hidden_size, dflt = 500000000;
+    const size_t reduce = o->reduce_bucket ? o->reduce_bucket : dflt, gather = o->allgather_bucket ? o->allgather_bucket : dflt;
+    const int sharded = o->zero >= 1 && o->devices > 1;
+    *f = *o;
+    switch (k) {
+    case FIX_CKPT:
+        if (o->checkpointing) return 0;
+        f->checkpointing = 1;
+        snprintf(say, cap, "train.gradient_checkpointing true (--checkpointing)");
+        return 1;
+    case FIX_REDUCE:
+        if (o->zero != 2 || o->devices < 2 || reduce <= c2) return 0;
+        f->reduce_bucket = c2;
+        snprintf(say, cap, "zero_optimization.reduce_bucket_size \"auto\" (= hidden_size^2 = %zu; --reduce-bucket-size %zu)",
+                 c2, c2);
+        return 1;
+    case FIX_GATHER:
+        if (!sharded || gather <= c2) return 0;
+        f->allgather_bucket = c2;
+        snprintf(say, cap, "zero_optimization.allgather_bucket_size %zu (hidden_size^2; --allgather-bucket-size %zu)", c2,
+                 c2);
+        return 1;
+    case FIX_OVERLAP:
+        if (!o->overlap) return 0;
+        f->overlap = 0;
+        snprintf(say, cap, "zero_optimization.overlap_comm false (drop --overlap-comm)");
+        return 1;
+    case FIX_MICRO:
+        if (o->micro_batch < 2) return 0;
+        f->micro_batch = o->micro_batch / 2;
+        snprintf(say, cap, "train_micro_batch_size_per_gpu %d with gradient_accumulation_steps doubled (--micro-batch %d)",
+                 f->micro_batch, f->micro_batch);
+        return 1;
+    case FIX_OFFLOAD:
+        if (o->offload || o->zero < 1) return 0;
+        f->offload = 1;
+        snprintf(say, cap, "zero_optimization.offload_optimizer.device cpu (--offload cpu)");
+        return 1;
+    case FIX_ZERO2:
+        if (o->zero >= 2 || o->devices < 2) return 0;
+        f->zero = 2;
+        snprintf(say, cap, "zero_optimization.stage 2 (--zero 2)");
+        return 1;
+    case FIX_LORA:
+        if (o->lora) return 0;
+        f->lora = 1;
+        snprintf(say, cap, "a \"lora\" section: LoRA instead of full fine-tuning (--mode lora)");
+        return 1;
+    }
+    return 0;
+}
+
+/* p->fix: the first setting that brings the total under the card with the
+ * plan's margin (else the first that fits at all); p->advice: every setting
+ * not already on, by its option. */
+static void plan_advice(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
+    static const char *const flag[FIX_COUNT] = {"--checkpointing", "--reduce-bucket-size (hidden_size^2)",
+                                                "--allgather-bucket-size (hidden_size^2)", "no --overlap-comm",
+                                                "a smaller --micro-batch", "--offload cpu", "--zero 2", "--mode lora"};
+    const double cap = o->device_gib * GIB;
+    char said[FIX_COUNT][sizeof p->fix];
+    p->fix[0] = p->advice[0] = 0;
+    int fit_any = -1;
+    uint64_t fit_any_total = 0;
+    for (int k = 0; k < FIX_COUNT; k++) {
+        qt_plan_opts f;
+        if (!fix_apply(c, o, k, &f, said[k], sizeof said[k])) continue;
+        size_t n = strlen(p->advice);
+        snprintf(p->advice + n, sizeof p->advice - n, "%s%s", n ? ", " : "", flag[k]);
+        if (p->fix[0] || (p->fits && !p->borderline)) continue;
+        qt_plan_device d;
+        plan_device(c, &f, o->devices, &d);
+        if ((double)d.total <= cap * (1 - QT_PLAN_ERROR)) {
+            memcpy(p->fix, said[k], sizeof p->fix);
+            p->fix_total = (double)d.total;
+        } else if ((double)d.total <= cap && fit_any < 0) {
+            fit_any = k;
+            fit_any_total = d.total;
+        }
+    }
+    if (o->devices == 1 && o->zero < 2 && !o->lora) { /* sharding needs ranks to shard over */
+        size_t n = strlen(p->advice);
+        snprintf(p->advice + n, sizeof p->advice - n, "%s--zero 2 over more --devices", n ? ", " : "");
+    }
+    if (!p->fix[0] && fit_any >= 0 && !p->fits) {
+        memcpy(p->fix, said[fit_any], sizeof p->fix);
+        p->fix_total = (double)fit_any_total;
+    }
+}
+
 int qt_plan_compute(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
     QT_TRY(plan_check(c, o));
     memset(p, 0, sizeof *p);
@@ -227,6 +335,25 @@ int qt_plan_compute(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
 
     const uint64_t cap = (uint64_t)(o->device_gib * GIB);
     p->fits = p->dev.total <= cap;
+    p->borderline = fabs((double)p->dev.total - (double)cap) <= QT_PLAN_ERROR * (double)cap;
+    plan_advice(c, o, p);
+    if (o->backend_auto && !strcmp(plan_desc_name(o), "cpu")) {
+        qt_plan_opts g = *o;
+        g.backend = "cuda";
+        qt_plan_device d;
+        if (qt_backend_desc_of("cuda")) {
+            plan_device(c, &g, N, &d);
+            qt_plan gp = {.fits = d.total <= cap,
+                          .borderline = fabs((double)d.total - (double)cap) <= QT_PLAN_ERROR * (double)cap};
+            plan_advice(c, &g, &gp); /* the one setting for the card */
+            p->gpu_note = 1;
+            p->gpu_total = d.total;
+            p->gpu_fits = gp.fits;
+            p->gpu_borderline = gp.borderline;
+            memcpy(p->gpu_fix, gp.fix, sizeof p->gpu_fix);
+            p->gpu_fix_total = gp.fix_total;
+        }
+    }
     p->min_devices = -1;
     for (int n = 1; n <= MAX_DEVICES; n++) {
         qt_plan_device d;
@@ -258,7 +385,9 @@ int qt_plan_compute(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
     if (!o->lora && !zero_partitions_params(o->zero, N))
         p->host_mapped = o->weights_file_bytes ? o->weights_file_bytes
                                                : (uint64_t)pm.n_params * qt_dtype_size(c->torch_dtype);
-    p->host_total = p->host_offload + p->host_pinned + p->host_dataset + p->host_runtime + p->host_mapped;
+    p->host_tokenizer = (uint64_t)K * plan_tokenizer(c, o);
+    p->host_total =
+        p->host_offload + p->host_pinned + p->host_dataset + p->host_runtime + p->host_mapped + p->host_tokenizer;
     p->cpu_runtime = qt_model_cpu_runtime_bytes();
     p->cpu_rank_bytes = qt_plan_cpu_rank(c, o, 0, p->host_mapped);
     {
@@ -320,10 +449,11 @@ static void strategy_line(const qt_config *c, const qt_plan_opts *o, char *buf, 
                  o->micro_batch, o->seq_len, o->checkpointing ? ", recomputation" : "");
 }
 
-/* the backend whose descriptor sized the workspaces (memplan.c's rule: unknown plans as the cpu) */
-static const char *desc_name(const qt_plan_opts *o) {
-    const qt_backend_desc *d = qt_backend_desc_of(o->backend);
-    return d ? d->name : "cpu";
+static const char *desc_name(const qt_plan_opts *o) { return plan_desc_name(o); }
+
+/* "fits", "does NOT fit", with "(borderline)" inside the plan's error */
+static const char *verdict(int fits, int borderline) {
+    return fits ? (borderline ? "fits (borderline)" : "fits") : (borderline ? "does NOT fit (borderline)" : "does NOT fit");
 }
 
 void qt_plan_print(FILE *f, const char *name, const qt_config *c, const qt_plan_opts *o, const qt_plan *p) {
@@ -349,24 +479,44 @@ void qt_plan_print(FILE *f, const char *name, const qt_config *c, const qt_plan_
     fprintf(f, "  activations        %9.3f\n", U(p->dev.activations));
     fprintf(f, "  workspace          %9.3f\n", U(p->dev.workspace));
     fprintf(f, "  communication      %9.3f\n", U(p->dev.comm));
-    fprintf(f, "  total              %9.3f %s of %.1f GiB: %s\n\n", U(p->dev.total), un, o->device_gib,
-            p->fits ? "fits" : "does NOT fit");
+    fprintf(f, "  total              %9.3f %s of %.1f GiB: %s\n", U(p->dev.total), un, o->device_gib,
+            verdict(p->fits, p->borderline));
+    if (p->borderline)
+        fprintf(f, "borderline within the plan's %.0f%% error of the card's %.1f GiB (docs/plan.md)%s\n",
+                QT_PLAN_ERROR * 100, o->device_gib, p->fix[0] ? ";" : "; no one setting gives it that margin");
+    if (p->fix[0])
+        fprintf(f, "%s %s: %.2f GiB a card\n", p->fits ? "for margin, set" : "to fit, set", p->fix, p->fix_total / GIB);
+    if (p->gpu_note) {
+        fprintf(f, "\nNOTE: these figures use the CPU backend's descriptor (device \"auto\" found no GPU here).\n"
+                   "On a CUDA card the workspaces (cuBLAS, 8192-row lm_head chunks, 256-byte alignment) add\n"
+                   "%.2f GiB: %.2f GiB of %.1f GiB a card: %s.\n",
+                gib(p->gpu_total > p->dev.total ? p->gpu_total - p->dev.total : 0), gib(p->gpu_total), o->device_gib,
+                verdict(p->gpu_fits, p->gpu_borderline));
+        if (p->gpu_fix[0])
+            fprintf(f, "On the card, %s %s: %.2f GiB a card.\n", p->gpu_fits ? "for margin, set" : "to fit, set",
+                    p->gpu_fix, p->gpu_fix_total / GIB);
+        fprintf(f, "Plan for the card with --device cuda, or set the job's \"device\": \"cuda\".\n");
+    }
+    fprintf(f, "\n");
     if (p->min_devices > 0)
         fprintf(f, "smallest device count that fits with this strategy: %d\n", p->min_devices);
+    else if (p->advice[0])
+        fprintf(f, "no device count fits with this strategy; try %s\n", p->advice);
     else
-        fprintf(f, "no device count fits with this strategy%s\n",
-                o->zero < 2 || !o->offload ? "; try --zero 2 --offload cpu, --mode lora, or --checkpointing" : "");
+        fprintf(f, "no device count fits with this strategy, and every setting the plan knows to shrink it is\n"
+                   "already on (the weights alone are %.1f GiB a card)\n", gib(p->dev.weights));
     fprintf(f, "\nhost memory (one host, %d card%s)   %s\n", p->cards_per_host, p->cards_per_host > 1 ? "s" : "", un);
     fprintf(f, "  offloaded Adam m, v          %9.3f\n", U(p->host_offload));
     fprintf(f, "  pinned master, grad shards   %9.3f\n", U(p->host_pinned));
     fprintf(f, "  dataset                      %9.3f\n", U(p->host_dataset));
     fprintf(f, "  mapped weights file          %9.3f\n", U(p->host_mapped));
+    fprintf(f, "  tokenizer (loaded, per rank) %9.3f\n", U(p->host_tokenizer));
     fprintf(f, "  runtime (1 GiB per rank)     %9.3f\n", U(p->host_runtime));
     fprintf(f, "  total                        %9.3f %s -> recommend %.0f GiB (+20%%)\n\n", U(p->host_total), un,
             gib(p->host_recommend));
     fprintf(f, "cpu run    one rank's process on the CPU backend: %.3f %s (device total + its offloaded\n"
-               "           shards + mapped weights file + %.0f MiB process runtime)\n", U(p->cpu_rank_bytes), un,
-            (double)p->cpu_runtime / (1 << 20));
+               "           shards + mapped weights file + tokenizer + %.0f MiB process runtime)\n",
+            U(p->cpu_rank_bytes), un, (double)p->cpu_runtime / (1 << 20));
     if (p->cpu_blas_vm)
         fprintf(f, "           address space (ulimit -v) %.3f %s more: OpenBLAS maps a %.0f MiB buffer for each of %d\n"
                    "           thread%s (OMP_NUM_THREADS) at its first call; virtual, not memory in use\n",
@@ -429,6 +579,25 @@ char *qt_plan_json(const char *name, const qt_config *c, const qt_plan_opts *o, 
     }
     add_u64(r, "device_memory_bytes", (uint64_t)(o->device_gib * GIB));
     cJSON_AddBoolToObject(r, "fits", p->fits);
+    cJSON_AddBoolToObject(r, "borderline", p->borderline);
+    cJSON_AddNumberToObject(r, "plan_error", QT_PLAN_ERROR);
+    if (p->fix[0]) {
+        cJSON_AddStringToObject(r, "fix", p->fix);
+        add_u64(r, "fix_total_bytes", (uint64_t)p->fix_total);
+    }
+    cJSON_AddStringToObject(r, "advice", p->advice);
+    if (p->gpu_note) {
+        cJSON *g = cJSON_AddObjectToObject(r, "cuda");
+        if (g) {
+            add_u64(g, "total_bytes", p->gpu_total);
+            cJSON_AddBoolToObject(g, "fits", p->gpu_fits);
+            cJSON_AddBoolToObject(g, "borderline", p->gpu_borderline);
+            if (p->gpu_fix[0]) {
+                cJSON_AddStringToObject(g, "fix", p->gpu_fix);
+                add_u64(g, "fix_total_bytes", (uint64_t)p->gpu_fix_total);
+            }
+        }
+    }
     cJSON_AddNumberToObject(r, "min_devices", p->min_devices);
     cJSON *h = cJSON_AddObjectToObject(r, "host_bytes");
     if (h) {
@@ -438,6 +607,7 @@ char *qt_plan_json(const char *name, const qt_config *c, const qt_plan_opts *o, 
         add_u64(h, "dataset", p->host_dataset);
         add_u64(h, "runtime", p->host_runtime);
         add_u64(h, "mapped_weights", p->host_mapped);
+        add_u64(h, "tokenizer", p->host_tokenizer);
         add_u64(h, "total", p->host_total);
         add_u64(h, "recommend", p->host_recommend);
     }

@@ -45,7 +45,11 @@ typedef struct {
     int cards_per_host;    /* 0: min(devices, 8) */
     uint64_t dataset_bytes; /* token cache / dataset held in host memory */
     uint64_t weights_file_bytes; /* the model's *.safetensors; 0: parameters x config torch_dtype */
+    uint64_t tokenizer_bytes;    /* one process's loaded tokenizer; 0: QT_PLAN_QWEN_TOKENIZER_BYTES on Qwen's
+                                    vocabulary (V >= 151643), else none */
     const char *backend;   /* whose descriptor sizes the workspaces (backend/backend.h); NULL: QTUNE_BACKEND, else cpu */
+    int backend_auto;      /* 1: the descriptor is what "auto" found on this machine, not one the job or user named
+                              (the plan then says what a CUDA card adds) */
     size_t reduce_bucket;    /* DeepSpeed reduce_bucket_size, elements; 0: 5e8 */
     size_t allgather_bucket; /* DeepSpeed allgather_bucket_size, elements; 0: 5e8 */
     int overlap;             /* DeepSpeed overlap_comm (ZeRO 2: reductions in flight during the backward) */
@@ -72,6 +76,15 @@ typedef struct {
     uint64_t total;
 } qt_plan_device;
 
+/* The plan's stated error: the largest gap measured between a plan and the
+ * peak it predicts is 4.5% (docs/plan.md); a total within this fraction of
+ * the card's size either way is "borderline". */
+#define QT_PLAN_ERROR 0.05
+/* The Qwen tokenizer (tokenizer.json of Qwen2.5/Qwen3: 151,643 tokens, 151,387
+ * merges) as one process holds it once loaded, measured (cmd_plan.c
+ * tokenizer_bytes): what a --preset on Qwen's vocabulary counts. */
+#define QT_PLAN_QWEN_TOKENIZER_BYTES ((uint64_t)33079920)
+
 typedef struct {
     int64_t n_params;      /* all parameters of the model */
     int64_t n_trainable;   /* full: n_params; LoRA: A and B only */
@@ -82,6 +95,7 @@ typedef struct {
                               master's in f16/bf16 full fine-tuning) */
     uint64_t host_dataset;
     uint64_t host_runtime; /* per-process runtime, model loading */
+    uint64_t host_tokenizer; /* each rank's loaded tokenizer */
     uint64_t host_mapped;  /* full fine-tuning: the weights file stays memory-mapped after its
                               values are copied into the master block (page cache, in the RSS) */
     uint64_t host_total;   /* sum of the above */
@@ -99,6 +113,16 @@ typedef struct {
     int final_linked;      /* final/model.safetensors is a hard link to the last checkpoint's (full, fp32) */
     int cards_per_host;
     int fits;              /* dev.total <= device memory */
+    int borderline;        /* dev.total within QT_PLAN_ERROR of the device memory, either side */
+    char fix[200];         /* not fitting, or borderline: the one setting (not already on) that makes it fit with
+                              the margin (or at least fit), as the job / options write it; "" when none does */
+    double fix_total;      /* dev.total with that setting, bytes */
+    char advice[200];      /* settings not already on that shrink the per-card total, for "try ..." */
+    int gpu_note;          /* backend_auto found the CPU: the CUDA descriptor's figures follow */
+    uint64_t gpu_total;    /* dev.total sized with the CUDA descriptor */
+    int gpu_fits, gpu_borderline;
+    char gpu_fix[200];     /* fix, for the CUDA card */
+    double gpu_fix_total;
     int min_devices;       /* smallest N that fits with this strategy, -1 if none up to 4096 */
     double power_w;        /* cards * card_watts + hosts * host_watts */
     double power_recommend_w; /* power_w + 20% */

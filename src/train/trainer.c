@@ -49,6 +49,26 @@ double trainer_path_bytes(const char *path) {
 /* ---------------------------------------------------------------------------
  * set up */
 
+/* A run whose data has no labelled token left (prompt masking, truncation to
+ * seq_len) would run every step as a skipped one and fail at the end: it
+ * stops here, before step 1, with the numbers. */
+static int check_labels(qt_trainer *t) {
+    dl_stats st;
+    dl_get_stats(t->train_dl, &st);
+    if (st.n_targets > 0) return QT_OK;
+    const qt_job_data *d = &t->job->data;
+    char more[32] = "";
+    if (d->n_train > 1) snprintf(more, sizeof more, " and %d more", d->n_train - 1);
+    return QT_ERR(QT_EINVAL,
+                  "%s: no token of data.train (%s%s) carries a label%s: %lld examples, %lld tokens, %lld of them "
+                  "truncated to data.seq_len %d (%lld tokens dropped); nothing would be learned. %s",
+                  t->job->path, d->train, more, st.n_truncated ? " after truncation" : "", (long long)st.n_examples,
+                  (long long)st.n_tokens, (long long)st.n_truncated, d->seq_len, (long long)st.n_tokens_dropped,
+                  st.n_truncated ? "Raise data.seq_len so the answers fit, or shorten the prompts"
+                                 : "Each example needs at least 2 tokens and, with data.mask_prompt on, assistant or "
+                                   "output text (only those tokens are trained)");
+}
+
 static int open_loaders(qt_trainer *t) {
     const qt_job *job = t->job;
     char tokpath[4096];
@@ -66,7 +86,11 @@ static int open_loaders(qt_trainer *t) {
 
     dl_config c;
     dl_config_default(&c);
-    c.path = job->data.train;
+    c.paths = (const char *const *)job->data.train_files;
+    c.n_paths = job->data.n_train;
+    QT_TRY(dl_mix_parse(job->data.mix_strategy, &c.mix));
+    c.mix_weights = job->data.train_weights;
+    c.skip_bad_lines = job->data.skip_bad_lines;
     QT_TRY(dl_format_parse(job->data.format, &c.format));
     c.seq_len = job->data.seq_len;
     c.micro_batch = t->cfg.micro_batch;
@@ -83,8 +107,12 @@ static int open_loaders(qt_trainer *t) {
     c.vocab_size = qt_model_config(t->model)->vocab_size;
     int rc = dl_open(&c, t->tok, &t->train_dl);
     if (rc != QT_OK) return qt_error_context(rc, "%s: data.train", job->path);
+    QT_TRY(check_labels(t));
     if (job->data.eval) {
-        c.path = job->data.eval;
+        c.paths = (const char *const *)job->data.eval_files;
+        c.n_paths = job->data.n_eval;
+        c.mix = DL_MIX_CONCAT; /* one pass over every eval example */
+        c.mix_weights = NULL;
         c.eval = 1;
         c.shuffle = 0;
         c.num_workers = 1;
@@ -708,7 +736,9 @@ static int run(qt_trainer *t, qt_train_result *res) {
      * times: this wait's deadline adds the time of reading the model folder
      * and tokenizing the data at slow rates to the user's timeout */
     double to = dist_timeout(t->d);
-    double text = trainer_path_bytes(job->data.train) + (job->data.eval ? trainer_path_bytes(job->data.eval) : 0);
+    double text = 0;
+    for (int i = 0; i < job->data.n_train; i++) text += trainer_path_bytes(job->data.train_files[i]);
+    for (int i = 0; i < job->data.n_eval; i++) text += trainer_path_bytes(job->data.eval_files[i]);
     dist_set_timeout(t->d, dist_phase_timeout(t->d, trainer_path_bytes(job->model) +
                                                         text * (DIST_DISK_FLOOR_BPS / DIST_TOKENIZE_FLOOR_BPS),
                                               DIST_DISK_FLOOR_BPS));

@@ -155,9 +155,10 @@ def test_categories_add_up_and_zero_shards():
     assert 8 * P <= h["offload"] <= 8 * P + 4 * 64  # 4 ranks' m, v shards (16-element rounding)
     assert h["pinned_shards"] == 4 * (4 * S + 4 * S)  # each rank's fp32 master and gradient shards
     # the card's total and the CPU process agree: + this rank's offloaded m, v, master and gradient shards + the
-    # mapped file + the runtime + MPI's 8 MiB
+    # mapped file + its loaded tokenizer (Qwen's, on Qwen's vocabulary) + the runtime + MPI's 8 MiB
+    assert h["tokenizer"] == 4 * 33079920
     rest = (off["cpu_rank_bytes"] - d["total"] - h["offload"] // 4 - h["pinned_shards"] // 4 - h["mapped_weights"]
-            - off["cpu_runtime_bytes"])
+            - h["tokenizer"] // 4 - off["cpu_runtime_bytes"])
     assert abs(rest - (8 << 20)) <= 4 * 64, rest
 
 

@@ -51,3 +51,32 @@ def test_zero2_4rank(tmp_path):
     assert os.path.exists(os.path.join(out, "final", "model.safetensors"))
     state = json.load(open(os.path.join(out, "checkpoint-2", "trainer_state.json")))
     assert state["world"] == 4 and len(state["data_position"]) == 4
+
+
+def test_examples_write_nothing_into_the_checkout():
+    """Every job in examples/ puts its outputs and its token cache (data.cache_dir, else <data folder>/.qtune-cache)
+    where git ignores them, and none under examples/: a fresh clone runs them without changing what is tracked."""
+    if subprocess.run(["git", "-C", SRC, "rev-parse"], capture_output=True).returncode != 0:
+        pytest.skip("the sources are not a git checkout")
+    for name in sorted(os.listdir(EX)):
+        if not name.endswith(".json"):
+            continue
+        job = json.load(open(os.path.join(EX, name)))
+        if "output_dir" not in job:
+            continue  # a model config (qtune init --config), not a job
+        data = job["data"]
+        written = [job["output_dir"]]
+        if data.get("cache_dir"):
+            written.append(data["cache_dir"])
+        else:
+            for key in ("train", "eval"):
+                files = data.get(key) or []
+                for f in [files] if isinstance(files, str) else files:
+                    written.append(os.path.join(os.path.dirname(f), ".qtune-cache"))
+        for w in written:
+            path = os.path.normpath(os.path.join(EX, w))
+            assert not path.startswith(EX + os.sep), f"{name}: writes {path} inside examples/"
+            if path.startswith(SRC + os.sep):
+                probe = os.path.join(path, "x")  # a file the run would create there
+                ignored = subprocess.run(["git", "-C", SRC, "check-ignore", "-q", probe]).returncode == 0
+                assert ignored, f"{name}: {path} is inside the checkout and not git-ignored"

@@ -4,6 +4,7 @@
  *           [--seed S] [--rank r] [--world w] [--eval] [--batches n] [--tokenizer J]
  *           [--format F] [--mask-prompt 0|1] [--split] [--cache-dir D] [--no-cache]
  *           [--workers n] [--prefetch n] [--vocab V] [--skip-bad-lines] [--state E,I] [--pack-window W]
+ *           [--mix concat|interleave_under|interleave_over] [--weight w (one per --data, in order)]
  * The last line is {"stats": {...}}. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,7 +26,8 @@ int main(int argc, char **argv) {
     c.shuffle = 0;
     c.num_workers = 1;
     const char *paths[16];
-    int n_paths = 0, batches = -1;
+    double weights[16];
+    int n_paths = 0, n_weights = 0, batches = -1;
     const char *tok_path = NULL;
     dl_state start = {-1, -1};
     for (int i = 1; i < argc; i++) {
@@ -47,6 +49,10 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--prefetch") && v) c.prefetch = atoi(v);
         else if (!strcmp(a, "--vocab") && v) c.vocab_size = atoi(v);
         else if (!strcmp(a, "--pack-window") && v) c.pack_window = atoi(v);
+        else if (!strcmp(a, "--weight") && v && n_weights < 16) weights[n_weights++] = atof(v);
+        else if (!strcmp(a, "--mix") && v) {
+            if (dl_mix_parse(v, &c.mix) != QT_OK) { fprintf(stderr, "dl_dump: unknown mix %s\n", v); return 2; }
+        }
         else if (!strcmp(a, "--state") && v) {
             long long e, x;
             if (sscanf(v, "%lld,%lld", &e, &x) == 2) start = (dl_state){e, x};
@@ -64,6 +70,7 @@ int main(int argc, char **argv) {
     }
     c.paths = paths;
     c.n_paths = n_paths;
+    if (n_weights) c.mix_weights = weights;
     bpe_tokenizer *tok = NULL;
     if (tok_path && bpe_load(tok_path, &tok) != QT_OK) { fprintf(stderr, "%s\n", qt_error_message()); return 1; }
     dl_loader *l;
@@ -88,10 +95,10 @@ int main(int argc, char **argv) {
     dl_get_stats(l, &st);
     printf("{\"stats\": {\"n_examples\": %lld, \"n_examples_rank\": %lld, \"n_tokens\": %lld, \"n_labels\": %lld, "
            "\"n_lines_skipped\": %lld, \"n_truncated\": %lld, \"n_split\": %lld, \"n_cache_hits\": %d, "
-           "\"n_cache_written\": %d, \"B\": %d, \"T\": %d}}\n",
+           "\"n_cache_written\": %d, \"n_mix_dropped\": %lld, \"n_mix_repeated\": %lld, \"B\": %d, \"T\": %d}}\n",
            (long long)st.n_examples, (long long)st.n_examples_rank, (long long)st.n_tokens, (long long)st.n_labels,
            (long long)st.n_lines_skipped, (long long)st.n_truncated, (long long)st.n_split, st.n_cache_hits,
-           st.n_cache_written, b.B, b.T);
+           st.n_cache_written, (long long)st.n_mix_dropped, (long long)st.n_mix_repeated, b.B, b.T);
     dl_batch_free(&b);
     dl_close(l);
     bpe_free(tok);
