@@ -234,7 +234,7 @@ static int sha256_file(const char *path, char hex[SUM_HEX + 1]) {
     for (;;) {
         if (rc != QT_OK) break;
         if (qt_cancel_requested()) {
-            rc = QT_ERR(QT_EINTERRUPTED, "stopped while checking %s against its checksum", path);
+            rc = QT_ERR(QT_EINTERRUPTED, "stopped while checking %s against its checksum; nothing new to save", path);
             break;
         }
         ssize_t got = read(fd, buf, cap);

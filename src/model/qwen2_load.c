@@ -320,28 +320,28 @@ static int prequant_matrix(qt_model *m, const st_tensor *t, const char *name, in
                       qt_dtype_name(cd), qt_dtype_name(sdt));
     qt_backend *be = m->be;
     const size_t bytes = qt_q4_bytes((uint64_t)d0, (uint64_t)d1, blocksize, nested);
-    qt_q4_weight *host = qt_calloc(1, bytes, "model: 4-bit staging");
-    if (!host) return QT_ENOMEM;
-    qt_q4_init(host, !strcmp(type, "fp4") ? QT_Q4_FP4 : QT_Q4_NF4, sdt, (uint64_t)d0, (uint64_t)d1, blocksize, nested);
-    memcpy(qt_q4_packed(host), t->data, t->numel);
-    memcpy(qt_q4_absmax(host), am->data, am->nbytes);
-    memcpy(host->code, qm->data, sizeof host->code); /* the folder's own maps: bitsandbytes reads them so */
+    qt_q4_weight *stage = qt_calloc(1, bytes, "model: 4-bit staging");
+    if (!stage) return QT_ENOMEM;
+    qt_q4_init(stage, !strcmp(type, "fp4") ? QT_Q4_FP4 : QT_Q4_NF4, sdt, (uint64_t)d0, (uint64_t)d1, blocksize, nested);
+    memcpy(qt_q4_packed(stage), t->data, t->numel);
+    memcpy(qt_q4_absmax(stage), am->data, am->nbytes);
+    memcpy(stage->code, qm->data, sizeof stage->code); /* the folder's own maps: bitsandbytes reads them so */
     if (nested) {
-        memcpy(qt_q4_absmax2(host), nam->data, nam->nbytes);
-        memcpy(host->code2, nqm->data, sizeof host->code2);
-        host->offset = offset;
+        memcpy(qt_q4_absmax2(stage), nam->data, nam->nbytes);
+        memcpy(stage->code2, nqm->data, sizeof stage->code2);
+        stage->offset = offset;
     }
     void *dev = be->alloc(be, QT_MEM_DEVICE, bytes, name);
     int rc = dev ? own(m, dev) : QT_ENOMEM;
     if (rc == QT_OK) {
-        be->upload(be, dev, host, bytes);
+        be->upload(be, dev, stage, bytes);
         m->quant_bytes += bytes;
         m->quant_src_bytes += n * qt_dtype_size(sdt);
         qt_progress_set(&m->quant_prog, ++m->quant_done);
         w->p = dev;
         w->dt = QT_Q4;
     }
-    qt_free(host);
+    qt_free(stage);
     return rc;
 }
 
