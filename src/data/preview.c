@@ -28,18 +28,24 @@ int dl_preview_first(const bpe_tokenizer *tok, const char *path, const char *for
     else if (got == 0) rc = QT_ERR(QT_EFORMAT, "%s holds no example", path);
     else rc = dl_encode_line_in_place(&ctx, path, (long long)r.line_no, line, len, &fmt, &tb);
     char *text = NULL;
-    if (rc == QT_OK) rc = chat_show_labels(tok, tb.ids, tb.mask, tb.n, &text);
+    /* every token shows as at least one byte: max_bytes tokens fill the preview, and a first example of
+     * millions of tokens is not rendered whole beside the loader's own copy of it */
+    const size_t shown = tb.n > max_bytes ? max_bytes : tb.n, hidden = tb.n - shown;
+    if (rc == QT_OK) rc = chat_show_labels(tok, tb.ids, tb.mask, shown, &text);
     dl_tokbuf_free(&tb);
     dl_lines_close(&r);
     if (rc != QT_OK) return rc;
     size_t n = strlen(text);
-    if (n > max_bytes) { /* cut at a character boundary, and say so */
-        size_t cut = max_bytes;
+    if (n > max_bytes || hidden) { /* cut at a character boundary, and say so */
+        size_t cut = n > max_bytes ? max_bytes : n;
         while (cut && ((unsigned char)text[cut] & 0xC0) == 0x80) cut--;
-        char note[96];
-        int k = snprintf(note, sizeof note, "\n... (%zu more bytes not shown)", n - cut);
-        memcpy(text + cut, note, (size_t)k + 1 <= n - cut ? (size_t)k + 1 : 0);
-        if ((size_t)k + 1 > n - cut) text[cut] = 0;
+        char note[128];
+        int k = hidden ? snprintf(note, sizeof note, "\n... (%zu more tokens not shown)", hidden)
+                       : snprintf(note, sizeof note, "\n... (%zu more bytes not shown)", n - cut);
+        char *t = qt_realloc(text, cut + (size_t)k + 1, "first example preview");
+        if (!t) { qt_free(text); return QT_ENOMEM; }
+        memcpy(t + cut, note, (size_t)k + 1);
+        text = t;
     }
     *out = text;
     return QT_OK;

@@ -232,8 +232,12 @@ static int build_vars(const chat_template *ct, const chat_message *msgs, size_t 
         if (!m) rc = QT_ENOMEM;
         else {
             cJSON_AddItemToArray(arr, m);
-            if (!cJSON_AddStringToObject(m, "role", r ? r : "") || !cJSON_AddStringToObject(m, "content", content ? content : ""))
-                rc = QT_ENOMEM;
+            /* the content is referenced, not copied: a message may be the whole of a 45 MB line, which the
+             * caller keeps until the render ends */
+            cJSON *c = cJSON_AddStringToObject(m, "role", r ? r : "") ? cJSON_CreateStringReference(content ? content : "")
+                                                                       : NULL;
+            if (!c) rc = QT_ENOMEM;
+            else cJSON_AddItemToObject(m, "content", c);
         }
         if (rc == QT_OK && msgs[i].tool_calls && msgs[i].tool_calls[0]) {
             cJSON *calls = cJSON_AddArrayToObject(m, "tool_calls");

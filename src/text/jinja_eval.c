@@ -1005,6 +1005,44 @@ static int apply_filter(ctx *c, scope *s, const jnode *e, jv *v, jv **out) {
     return *out ? QT_OK : OOM;
 }
 
+/* A chain of one operator, a + b + c + d (how templates write a turn:
+ * '<|im_start|>' + role + '\n' + content + '<|im_end|>'), whose operands are
+ * all strings: one allocation for the whole, where pairwise evaluation
+ * leaves a copy of the growing string in the arena at every step (a 45 MB
+ * message would be held four times until the render ends). Anything else
+ * is evaluated pairwise, left to right, as Jinja does. */
+#define CHAIN_MAX 16
+static int concat_chain(ctx *c, scope *s, const jnode *e, jv **out) {
+    const jnode *spine[CHAIN_MAX];
+    size_t k = 0;
+    const jnode *n = e;
+    while (k < CHAIN_MAX - 1 && n->kind == N_BIN && !strcmp(n->s, e->s)) {
+        spine[k++] = n;
+        n = n->a;
+    }
+    jv *v[CHAIN_MAX];
+    QT_TRY(eval(c, s, n, &v[0])); /* the leftmost operand, then each right operand going up */
+    for (size_t i = 0; i < k; i++) QT_TRY(eval(c, s, spine[k - 1 - i]->b, &v[i + 1]));
+    int strings = 1;
+    for (size_t i = 0; i <= k; i++) {
+        if (e->s[0] == '~') QT_TRY(str_of(c, v[i], &v[i]));
+        strings &= v[i]->k == V_STR;
+    }
+    if (!strings) { /* numbers, lists, or an error to report with its operands */
+        jv *acc = v[0];
+        for (size_t i = 0; i < k; i++) QT_TRY(binop(c, e->s, acc, v[i + 1], spine[k - 1 - i]->line, &acc));
+        *out = acc;
+        return QT_OK;
+    }
+    size_t total = 0;
+    for (size_t i = 0; i <= k; i++) total += v[i]->n;
+    char *p = ja_alloc(&c->a, total + 1);
+    if (!p) return OOM;
+    for (size_t i = 0, at = 0; i <= k; at += v[i]->n, i++) memcpy(p + at, v[i]->s, v[i]->n);
+    *out = mk_str(c, p, total, 0);
+    return *out ? QT_OK : OOM;
+}
+
 static int eval(ctx *c, scope *s, const jnode *e, jv **out) {
     jv *a, *b;
     switch (e->kind) {
@@ -1072,6 +1110,7 @@ static int eval(ctx *c, scope *s, const jnode *e, jv **out) {
         } else *out = mk_int(c, -a->i);
         break;
     case N_BIN:
+        if (!strcmp(e->s, "+") || !strcmp(e->s, "~")) return concat_chain(c, s, e, out);
         QT_TRY(eval(c, s, e->a, &a));
         QT_TRY(eval(c, s, e->b, &b));
         return binop(c, e->s, a, b, e->line, out);

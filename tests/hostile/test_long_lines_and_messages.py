@@ -147,7 +147,10 @@ def test_a_long_text_or_chat_line_costs_the_line_and_its_tokens(base, tmp_path, 
         peaks[name], tokens[name] = r.maxrss, cache_tokens(tmp_path / ("cache_" + name))
     assert tokens["long"] > size // 2, tokens
     cost = peaks["long"] - peaks["small"]
-    bound = 1.25 * size + 5 * tokens["long"]  # tolerance: a quarter of the line
+    # tolerance: a quarter of the line. A messages line now renders through the model folder's Jinja
+    # template (issue 41, 2026-12-06), which holds one more copy of the line while it tokenizes: 273 MB
+    # (6.1x) measured against 5.3x for the ChatML path before it; the bound allows that line, and no more
+    bound = (2.25 if kind == "messages" else 1.25) * size + 5 * tokens["long"]
     assert cost < bound, "a %.0f MB %s line (%d tokens) cost %.0f MB (%.1fx), over %.0f MB" % (
         size / 2**20, kind, tokens["long"], cost / 2**20, cost / size, bound / 2**20)
 
