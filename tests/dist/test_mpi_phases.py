@@ -53,7 +53,8 @@ def test_fixed_batch_checkpoint_resumes_on_4_2_1_ranks(setup):
     3-4 (accumulation 4: `--set` keeps the batch of 8), 1 rank with steps 5-6
     (accumulation 8). Each run resumes the checkpoint of the one before; the
     steps see the same rows as one uninterrupted 1-rank run, and the losses
-    agree with it within 1e-6 relative (other summation orders; measured up to 7e-8)."""
+    agree with it within 1e-5 relative (other summation orders; measured up to 7e-8 on an AMD EPYC and
+    2.7e-6 on an Intel Xeon with AVX512_BF16, where 180687f failed the old bound of 1e-6 as well)."""
     j = recipe_job(setup, "recipe", 6)
     straight = recipe_job(setup, "recipe_1rank", 6)
     u.run("train", straight, "--set", "deepspeed.gradient_accumulation_steps=8")
@@ -70,7 +71,7 @@ def test_fixed_batch_checkpoint_resumes_on_4_2_1_ranks(setup):
     assert [m["step"] for m in b] == [1, 2, 3, 4, 5, 6]
     for x, y in zip(a, b):
         assert x["tokens"] == y["tokens"] == 8 * 16 and x["target_tokens"] == y["target_tokens"], (x, y)
-        assert abs(x["loss"] - y["loss"]) <= 1e-6 * abs(x["loss"]), (x, y)
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (x, y)
     states = [json.load(open(out / f"checkpoint-{s}" / "trainer_state.json")) for s in (2, 4, 6)]
     assert [s["world"] for s in states] == [4, 2, 1]
 
