@@ -733,7 +733,8 @@ int qt_job_parse(const char *json, const char *dir, const char *where, const cha
     if (rc == QT_OK) rc = load_section_file(&c, root, "lora", &job->lora_path);
     if (rc != QT_OK) { qt_job_free(job); return rc; }
 
-    static const char *const known[] = {"model", "output_dir", "data", "lora", "train", "deepspeed", "device", NULL};
+    static const char *const known[] = {"model", "output_dir", "data", "lora", "train", "deepspeed", "device",
+                                        "objective", NULL};
     warn_unknown(&c, root, "", known);
     job->dir = qt_strdup(dir);
     job->path = qt_strdup(where);
@@ -762,6 +763,7 @@ int qt_job_parse(const char *json, const char *dir, const char *where, const cha
     }
     if (rc == QT_OK) rc = parse_lora(&lc, root, &job->lora);
     if (rc == QT_OK) rc = parse_train(&c, root, &job->train);
+    if (rc == QT_OK) rc = qt_objective_parse(cJSON_GetObjectItemCaseSensitive(root, "objective"), where, &job->objective);
     if (rc == QT_OK) {
         cJSON *ds = cJSON_GetObjectItemCaseSensitive(root, "deepspeed");
         if (ds && !cJSON_IsNull(ds) && !cJSON_IsObject(ds))

@@ -817,6 +817,9 @@ int qt_train_run(const qt_job *job, dist_ctx *d, const qt_train_hooks *hooks, qt
         qt_info("%s", line);
         if (t.dev.note[0]) qt_info("%s", t.dev.note);
     }
+    if (rc == QT_OK && job->objective.type != QT_OBJ_SFT)
+        rc = QT_ERR(QT_EINVAL, "%s: objective %s is not trained by this build yet", job->path,
+                    job->objective.type == QT_OBJ_DPO ? "dpo" : job->objective.type == QT_OBJ_ORPO ? "orpo" : "simpo");
     if (rc == QT_OK) rc = run(&t, res);
     if (t.main && t.metrics.f) rc = report_final(&t, rc);
     qt_cancel_watch(NULL);
