@@ -109,11 +109,15 @@ static int to_prompt_completion(const cJSON *obj, cJSON *out[2]) {
                                   "\"instruction\") beside \"chosen\" and \"rejected\"");
     }
     for (int s = 0; s < 2 && rc == QT_OK; s++) {
+        cJSON *ps = p ? cJSON_Duplicate(p, 1) : NULL; /* each side its own copy of the prompt */
         out[s] = cJSON_CreateObject();
-        if (!out[s] || !p || !side[s]) { rc = QT_ERR(QT_ENOMEM, "out of memory building a preference example"); break; }
-        cJSON_AddItemToObject(out[s], "prompt", s ? cJSON_Duplicate(p, 1) : p);
+        if (!out[s] || !ps || !side[s]) {
+            cJSON_Delete(ps);
+            rc = QT_ERR(QT_ENOMEM, "out of memory building a preference example");
+            break;
+        }
+        cJSON_AddItemToObject(out[s], "prompt", ps);
         cJSON_AddItemToObject(out[s], "completion", side[s]);
-        if (!s) p = NULL;
         side[s] = NULL;
     }
     cJSON_Delete(p);

@@ -108,6 +108,19 @@ void qt_train_describe(const qt_job *job, const qt_ds_config *ds, const char *de
              ds->optimizer_type, ds->adam.lr, lr_note, decay, sched, job->train.gradient_checkpointing ? "on" : "off",
              (long long)ds->micro_batch, (long long)ds->grad_accum, ds->world, (long long)ds->train_batch_size,
              job->data.seq_len, device);
+    if (job->objective.type != QT_OBJ_SFT) { /* the objective and, for DPO, what the reference model is */
+        char obj[160];
+        size_t k = strlen(buf);
+        qt_objective_describe(&job->objective, obj, sizeof obj);
+        const char *ref = !qt_objective_needs_ref(&job->objective)
+                              ? "no reference model"
+                              : "reference: the base model with the adapter off";
+        /* TRL with a PEFT model and no ref_model: disable_adapter(), so an init_from adapter is not in it */
+        snprintf(buf + k, cap > k ? cap - k : 0, " | objective %s on pairs (each row count above is pairs: a "
+                 "chosen and a rejected row each), %s%s", obj, ref,
+                 qt_objective_needs_ref(&job->objective) && job->lora.init_from ? " (without the init_from adapter)"
+                                                                                 : "");
+    }
 }
 
 int qt_job_lora_targets_resolve(const qt_job *job, const qt_config *cfg, unsigned *mask) {

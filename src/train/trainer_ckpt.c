@@ -432,7 +432,7 @@ static int save_checkpoint(qt_trainer *t) {
     /* collective parts first: every rank takes part */
     int64_t *pos = qt_calloc((size_t)t->world * 2, sizeof(int64_t), "data positions");
     if (!pos) return QT_ENOMEM;
-    dl_state ds = dl_state_get(t->train_dl);
+    dl_state ds = trainer_data_position(t);
     const int64_t mine[2] = {ds.epoch, ds.index};
     int rc = dist_allgather_i64(t->d, mine, 2, pos, "data positions");
     if (rc != QT_OK) {
@@ -837,7 +837,7 @@ static int load_checkpoint(qt_trainer *t, const char *dir) {
         if (r2 != QT_OK && rc == QT_OK) rc = r2;
         if (rc == QT_OK && !ok) rc = QT_ERR(QT_EIO, "another rank could not read the checkpoint %s", dir);
     }
-    if (rc == QT_OK) rc = dl_state_set(t->train_dl, (dl_state){pos[0], pos[1]});
+    if (rc == QT_OK && t->train_dl) rc = dl_state_set(t->train_dl, (dl_state){pos[0], pos[1]});
     /* a damaged file: its message names it (and so the checkpoint), the hint what to resume from instead */
     if (rc == QT_EFORMAT) return damaged(dir, rc);
     if (rc != QT_OK) return qt_error_context(rc, "resuming from %s", dir);
