@@ -165,6 +165,9 @@ int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o) {
     o->devices = ranks;
     o->precision = ds.fp16 ? QT_F16 : ds.bf16 ? QT_BF16 : QT_F32;
     o->micro_batch = (int)ds.micro_batch;
+    /* preference objectives: a micro-batch of B pairs is 2B rows (a chosen and a rejected one each); the
+     * reference's forward (adapter off) reuses the same activations, so it adds time, not memory */
+    if (job->objective.type != QT_OBJ_SFT) o->micro_batch *= 2;
     o->seq_len = job->data.seq_len;
     o->checkpointing = job->train.gradient_checkpointing;
     /* the buckets (a reduce_bucket_size of "auto" resolved from the model's hidden_size, as the run does) and
