@@ -132,11 +132,19 @@ static int to_prompt_completion(const cJSON *obj, cJSON *out[2]) {
 }
 
 static int add_side(dl_pref_set *set, dl_tokbuf *buf, int64_t s, size_t n0, int seq_len) {
-    size_t len = buf->n - n0;
+    size_t len = buf->n - n0, prompt = 0;
+    while (prompt < len && !buf->mask[n0 + prompt]) prompt++;
     if (len > (size_t)seq_len) {
         buf->n = n0 + (size_t)seq_len;
         set->n_truncated++;
     }
+    /* a label on token t is a target of position t - 1: the first token's cannot count */
+    size_t labelled = 0;
+    for (size_t i = n0 + 1; i < buf->n; i++) labelled += buf->mask[i];
+    if (!labelled)
+        return QT_ERR(QT_EFORMAT, "the %s answer has no token within data.seq_len %d (the prompt takes %zu tokens); "
+                                  "raise data.seq_len or shorten the prompt",
+                      s % 2 ? "rejected" : "chosen", seq_len, prompt);
     set->start[s + 1] = (int64_t)buf->n;
     return QT_OK;
 }
