@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """ZeRO benchmark: per-rank peak memory (measured against `qtune plan`), step time and the share of the
-gradient communication hidden behind the backward, at ZeRO stages 0, 1 and 2, with 1, 2 and 4 ranks,
-optimizer offload on and off, full fine-tuning, on the bench-tiny and Qwen2.5-0.5B shapes.
+gradient communication hidden behind the backward, at ZeRO stages 0, 1, 2 and 3, with 1, 2 and 4 ranks,
+optimizer offload on and off, full fine-tuning, on the bench-tiny and Qwen2.5-0.5B shapes. Stage 3 runs
+with overlap_comm on and its parameter prefetch on and off (stage3_prefetch_bucket_size 5e7 / 0); a third
+table sets it against stage 2 (overlap on) of the same shape, ranks and offload: step time and peak ratios,
+and the exposed communication its gathers add.
 
 Each case is one `qtune train` (under mpirun for several ranks) of --steps optimizer steps, micro-batch 1,
 T tokens; the figures come from its metrics.jsonl (mem_peak_bytes_ranks, comm_busy_s, comm_wait_s,
@@ -13,7 +16,8 @@ off, where every reduction is waited for at once.
 Usage (on a quiet machine; 4 ranks want 4 free cores x threads):
   /usr/bin/python3 bench/bench_zero.py --qtune build/src/cli/qtune \\
       [--shapes bench-tiny,qwen2.5-0.5b] [--ranks 1,2,4] [--stages 0,1,2] [--offload both|on|off]
-      [--steps 4] [--seq-len 128] [--threads 1] [--memory-only] [--bucket E] [--max-gib G] [--json OUT.json]
+      [--steps 4] [--seq-len 128] [--threads 1] [--precision fp32|fp16|bf16] [--memory-only] [--bucket E]
+      [--max-gib G] [--json OUT.json]
   /usr/bin/python3 bench/bench_zero.py --from-json OUT.json [--replan]    (the tables again)
 --memory-only runs 2 steps per case (peaks, no timing claims)."""
 import argparse
@@ -51,6 +55,8 @@ def prepare(qtune, work, shape, T, steps, max_ranks):
 def plan_case(a, d, n, stage, offload, overlap):
     plan_args = [a.qtune, "plan", "--model", os.path.join(d, "model"), "--micro-batch", "1", "--seq-len",
                  str(a.seq_len), "--json", "--zero", str(stage), "--devices", str(n)]
+    if a.precision != "fp32":
+        plan_args += ["--precision", a.precision]
     if offload:
         plan_args += ["--offload", "cpu"]
     if overlap:
@@ -60,9 +66,11 @@ def plan_case(a, d, n, stage, offload, overlap):
     return json.loads(subprocess.run(plan_args, capture_output=True, text=True, check=True).stdout)
 
 
-def run_case(a, d, n, stage, offload, overlap):
-    name = f"n{n}_s{stage}_o{offload}_ov{int(overlap)}"
+def run_case(a, d, n, stage, offload, overlap, prefetch=True):
+    name = f"n{n}_s{stage}_o{offload}_ov{int(overlap)}_pf{int(prefetch)}_{a.precision}"
     z = {"stage": stage, "offload_optimizer": {"device": "cpu" if offload else "none"}, "overlap_comm": overlap}
+    if stage == 3 and not prefetch:
+        z["stage3_prefetch_bucket_size"] = 0
     if a.bucket:
         z.update(reduce_bucket_size=a.bucket, allgather_bucket_size=a.bucket)
     steps = 2 if a.memory_only else a.steps
@@ -71,6 +79,8 @@ def run_case(a, d, n, stage, offload, overlap):
            "train": {"max_steps": steps, "log_steps": 1, "seed": 1, "save_steps": 0},
            "deepspeed": {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                          "zero_optimization": z}}
+    if a.precision != "fp32":
+        job["deepspeed"][a.precision] = {"enabled": True}
     jp = os.path.join(d, name + ".json")
     json.dump(job, open(jp, "w"))
     shutil.rmtree(os.path.join(d, name), ignore_errors=True)
@@ -87,14 +97,21 @@ def run_case(a, d, n, stage, offload, overlap):
     times = [b["elapsed_s"] - x["elapsed_s"] for x, b in zip(lines, lines[1:])]
     busy = sum(m.get("comm_busy_s", 0) for m in lines[1:])
     wait = sum(m.get("comm_wait_s", 0) for m in lines[1:])
-    return {"case": name, "ranks": n, "stage": stage, "offload": offload, "overlap": overlap,
+    return {"case": name, "ranks": n, "stage": stage, "offload": offload, "overlap": overlap, "prefetch": prefetch,
+            "precision": a.precision,
             "peak_mib": [x / MIB for x in peaks], "plan_mib": [x / MIB for x in plan["cpu_rank_bytes_per_rank"]],
             "step_s": statistics.median(times) if times else None, "comm_busy_s": busy, "comm_wait_s": wait,
-            "hidden": (1 - wait / busy) if busy > 0 else None}
+            "hidden": (1 - wait / busy) if busy > 0 else None, "timed_steps": len(lines) - 1}
 
 
 HEAD = ("| shape | ranks | stage | offload | overlap | plan MiB per rank | peak MiB per rank | worst err | "
         "step s | comm busy s | wait s | hidden |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def label(r):
+    """overlap_comm, and at stage 3 the prefetch ("on+pf": the next layer's gather starts ahead)."""
+    ov = "on" if r["overlap"] else "off"
+    return ov + ("+pf" if r.get("prefetch", True) else "") if r["stage"] == 3 else ov
 
 
 def row(r, memory_only=False):
@@ -102,14 +119,14 @@ def row(r, memory_only=False):
     the backward: stage 2, several ranks, overlap_comm on. At stage 0/1 `qtune train` reduces after the
     backward, and busy there counts up to 4 buckets in flight at once, not time behind computation."""
     where = f"| {r['shape']} | {r['ranks']} | {r['stage']} | {'cpu' if r['offload'] else 'none'} | " \
-            f"{'on' if r['overlap'] else 'off'} |"
+            f"{label(r)} |"
     if "skipped_plan_gib" in r:
         return f"{where} skipped: plans {r['skipped_plan_gib']:.1f} GiB over its ranks, more than this " \
                f"machine can give (--max-gib) | | | | | | |"
     err = max(abs(p - m) / m for p, m in zip(r["plan_mib"], r["peak_mib"]))
     f = lambda xs: " / ".join(f"{x:.0f}" for x in xs)  # noqa: E731
     step = f"{r['step_s']:.2f}" if r["step_s"] is not None and not memory_only else "-"
-    overlapped = r["stage"] == 2 and r["ranks"] > 1 and r["overlap"]
+    overlapped = r["stage"] >= 2 and r["ranks"] > 1 and r["overlap"]
     hid = f"{100 * r['hidden']:.0f}%" if overlapped and r["hidden"] is not None and not memory_only else "-"
     return f"{where} {f(r['plan_mib'])} | {f(r['peak_mib'])} | {100 * err:.1f}% | {step} | " \
            f"{r['comm_busy_s']:.3f} | {r['comm_wait_s']:.3f} | {hid} |"
@@ -121,6 +138,8 @@ def overlap_table(results):
     out = ["| shape | ranks | offload | s / step on | s / step off | wait s on | wait s off | "
            "hidden vs off | hidden (1 - wait/busy) |", "|---|---|---|---|---|---|---|---|---|"]
     ran = [r for r in results if "skipped_plan_gib" not in r and r["stage"] == 2 and r["ranks"] > 1]
+    if not ran:
+        return "\n".join(out)
     for on in (r for r in ran if r["overlap"]):
         off = [r for r in ran if not r["overlap"] and (r["shape"], r["ranks"], r["offload"]) ==
                (on["shape"], on["ranks"], on["offload"])]
@@ -134,6 +153,37 @@ def overlap_table(results):
     return "\n".join(out)
 
 
+def hidden_gathers(w2, w3pf, w3):
+    """The share of the gathers' exposed time that prefetch hid: the wait stage 3 adds over stage 2 with
+    prefetch against without (every gather waited for at once there)."""
+    if w3 - w2 <= 0:
+        return "-"
+    return f"{100 * (1 - max(0.0, w3pf - w2) / (w3 - w2)):.0f}%"
+
+
+def stage3_table(results):
+    """Stage 3 against stage 2 (overlap_comm on) of the same shape, ranks and offload: the step time ratio, the
+    worst rank's peak ratio, and the exposed communication (wait s a step) with the gathers' share of it: with
+    prefetch (pf) and without."""
+    out = ["| shape | ranks | offload | s / step stage 2 | stage 3 pf | stage 3 no pf | ratio pf | "
+           "peak MiB stage 2 | stage 3 | peak ratio | wait s / step 2 | 3 pf | 3 no pf | gathers hidden |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ran = [r for r in results if "skipped_plan_gib" not in r and r["ranks"] > 1 and r["overlap"]]
+    for s2 in (r for r in ran if r["stage"] == 2):
+        key = (s2["shape"], s2["ranks"], s2["offload"])
+        s3 = {r.get("prefetch", True): r for r in ran if r["stage"] == 3 and (r["shape"], r["ranks"], r["offload"]) == key}
+        if True not in s3 or False not in s3:
+            continue
+        pf, npf = s3[True], s3[False]
+        per = lambda r: r["comm_wait_s"] / max(1, r.get("timed_steps", 1))  # noqa: E731
+        out.append(f"| {key[0]} | {key[1]} | {'cpu' if key[2] else 'none'} | {s2['step_s']:.2f} | "
+                   f"{pf['step_s']:.2f} | {npf['step_s']:.2f} | {pf['step_s'] / s2['step_s']:.2f}x | "
+                   f"{max(s2['peak_mib']):.0f} | {max(pf['peak_mib']):.0f} | "
+                   f"{max(pf['peak_mib']) / max(s2['peak_mib']):.2f} | {per(s2):.3f} | {per(pf):.3f} | "
+                   f"{per(npf):.3f} | {hidden_gathers(per(s2), per(pf), per(npf))} |")
+    return "\n".join(out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--qtune", default=os.environ.get("QTUNE_BIN", "build/src/cli/qtune"))
@@ -144,6 +194,7 @@ def main():
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp32")
     ap.add_argument("--bucket", type=float, help="reduce_bucket_size and allgather_bucket_size (default 5e8)")
     ap.add_argument("--memory-only", action="store_true")
     ap.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "qtune-bench-zero"))
@@ -172,6 +223,8 @@ def main():
             print(row(r))
         print()
         print(overlap_table(results))
+        print()
+        print(stage3_table(results))
         return
     print(HEAD, flush=True)
     for shape in a.shapes.split(","):
@@ -181,17 +234,20 @@ def main():
                 for off in offs:
                     if off and stage == 0:
                         continue
-                    overlaps = [True, False] if stage == 2 and n > 1 and not a.memory_only else [stage == 2]
-                    for ov in overlaps:
-                        log(f"{shape}: {n} ranks, stage {stage}, offload {off}, overlap {ov}")
+                    if stage == 3 and n == 1:
+                        continue  # one rank has nothing to partition: stage 3 is stage 2 there
+                    overlaps = [True, False] if stage == 2 and n > 1 and not a.memory_only else [stage >= 2]
+                    prefetches = [True, False] if stage == 3 and not a.memory_only else [True]
+                    for ov, pf in [(o, f) for o in overlaps for f in prefetches]:
+                        log(f"{shape}: {n} ranks, stage {stage}, offload {off}, overlap {ov}, prefetch {pf}")
                         if a.max_gib:
                             want = sum(plan_case(a, d, n, stage, off, ov)["cpu_rank_bytes_per_rank"]) / 2 ** 30
                             if want > a.max_gib:
                                 results.append({"shape": shape, "ranks": n, "stage": stage, "offload": off,
-                                                "overlap": ov, "skipped_plan_gib": want})
+                                                "overlap": ov, "prefetch": pf, "skipped_plan_gib": want})
                                 print(row(results[-1]), flush=True)
                                 continue
-                        r = run_case(a, d, n, stage, off, ov)
+                        r = run_case(a, d, n, stage, off, ov, pf)
                         r["shape"] = shape
                         results.append(r)
                         print(row(r, a.memory_only), flush=True)
@@ -200,6 +256,8 @@ def main():
     if not a.memory_only:
         print()
         print(overlap_table(results))
+        print()
+        print(stage3_table(results))
     if a.json:
         json.dump(results, open(a.json, "w"), indent=1)
 

@@ -68,6 +68,9 @@ int cli_check_adapter(const char *dir);
  * QT_EXIT_OK, QT_EXIT_USAGE for a value that is not a device, QT_EXIT_FAIL
  * (with the error said) when this machine cannot give it. */
 int cli_device(const char *cmd, const char *spec, qt_device *out);
+/* --quantization nf4|fp4|none (QLoRA's 4-bit base, as the job's "quantization" key) into *type
+ * (-1: none, else qt_q4_type); QT_EXIT_OK or the usage error's exit code. */
+int cli_quant_type(const char *cmd, const char *v, int *type);
 
 /* msg NULL: the flag is set silently (an MPI rank other than 0). */
 volatile sig_atomic_t *cli_stop_on_signals(const char *msg);

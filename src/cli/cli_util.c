@@ -2,6 +2,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/log.h"
+#include "core/quant4.h"
 
 #include <fcntl.h>
 #include <stdarg.h>
@@ -158,5 +159,13 @@ int cli_device(const char *cmd, const char *spec, qt_device *out) {
         qt_device_label(out, 0, label, sizeof label);
         qt_info("device %s", label);
     }
+    return QT_EXIT_OK;
+}
+
+int cli_quant_type(const char *cmd, const char *v, int *type) {
+    if (!strcmp(v, "nf4")) *type = QT_Q4_NF4;
+    else if (!strcmp(v, "fp4")) *type = QT_Q4_FP4;
+    else if (!strcmp(v, "none")) *type = -1;
+    else return cli_usage_error(cmd, "--quantization must be nf4, fp4 or none, not '%s'", v);
     return QT_EXIT_OK;
 }

@@ -7,7 +7,7 @@
 #include <string.h>
 
 static void doctor_help(void) {
-    printf("usage: qtune doctor [JOB.json [--set key.path=value ...]] [--ranks N] [--no-table]\n\n"
+    printf("usage: qtune doctor [JOB.json [--set key.path=value ...] [--strict]] [--ranks N] [--no-table]\n\n"
            "Reports CPU features (AVX2, AVX-512F, AVX512_BF16, F16C), the BLAS library and its threads,\n"
            "OpenMP threads against cores, MPI and CUDA of this build, memory and disk. With a job file it\n"
            "names every problem found in it (paths, DeepSpeed batch identity, ZeRO/offload/precision\n"
@@ -19,6 +19,8 @@ static void doctor_help(void) {
            "  --set k=v     override a job field as `qtune train --set` does\n"
            "  --ranks N     data-parallel ranks that will run on this host, 1 to 4096 (default: the ranks\n"
            "                mpirun starts on this host, OMPI_COMM_WORLD_LOCAL_SIZE, else 1)\n"
+           "  --strict      an unknown key in the job, its lora section or its DeepSpeed config is a\n"
+           "                problem (as `qtune train --strict` stops on it), not a warning\n"
            "  --no-table    leave out the table of known failures\n");
 }
 
@@ -28,7 +30,7 @@ int cmd_doctor(int argc, char **argv) {
         return QT_EXIT_OK;
     }
     const char *job = NULL;
-    int ranks = 0, table = 1, n_sets = 0;
+    int ranks = 0, table = 1, n_sets = 0, strict = 0;
     const char **sets = calloc((size_t)argc + 1, sizeof *sets);
     if (!sets) return QT_EXIT_FAIL;
     cli_once_list once = {0};
@@ -57,6 +59,8 @@ int cmd_doctor(int argc, char **argv) {
             i++;
         } else if (!strcmp(argv[i], "--no-table")) {
             table = 0;
+        } else if (!strcmp(argv[i], "--strict")) {
+            strict = 1;
         } else if (argv[i][0] == '-') {
             {
                 free(sets);
@@ -83,7 +87,7 @@ int cmd_doctor(int argc, char **argv) {
     int problems = 0;
     if (job) {
         printf("\n");
-        problems = qt_doctor_check_job(stdout, job, sets, n_sets, ranks);
+        problems = qt_doctor_check_job(stdout, job, sets, n_sets, ranks, strict);
     }
     free(sets);
     if (table) {

@@ -28,7 +28,7 @@
 
 static void eval_help(void) {
     printf("usage: qtune eval --model DIR [--adapter DIR] [--tokenizer PATH] --data FILE [--format F] [--seq-len T]\n"
-           "                  [--batch B] [--per-token OUT.jsonl] [--device D]\n\n"
+           "                  [--batch B] [--per-token OUT.jsonl] [--device D] [--quantization nf4|fp4]\n\n"
            "Mean next-token cross-entropy (nats) and perplexity over the tokens that carry labels.\n"
            "  --model DIR        Hugging Face model folder (config.json, *.safetensors[, tokenizer.json])\n"
            "  --adapter DIR      PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors)\n"
@@ -40,6 +40,8 @@ static void eval_help(void) {
            "                     (default min(1024, the model's max_position_embeddings))\n"
            "  --batch B          examples per forward pass (default 1)\n"
            "  --per-token OUT    write each example's per-token log-probabilities as JSONL\n"
+           "  --quantization nf4|fp4  the base's layer linears in 4 bits (QLoRA; as the job's \"quantization\")\n"
+           "  --double-quant     with --quantization: bnb_4bit_use_double_quant\n"
            "  --device D         auto (default: a GPU when one is visible, else the CPU), cpu, cuda,\n"
            "                     cuda:N (GPU N); QTUNE_BACKEND, when set, wins\n"
            "The last line of standard output is {\"loss\": L, \"ppl\": P, \"tokens\": N}.\n");
@@ -127,7 +129,7 @@ static int nonfinite_loss(const char *data, const char *model_dir, const char *a
 /* T == 0: min(1024, the model's max_position_embeddings), so a small model
  * evaluates without a --seq-len. */
 static int run_eval(const char *model_dir, const char *tok_path, const char *adapter, const char *data, dl_format fmt,
-                    int T, int B, const char *per_token, const qt_device *dev) {
+                    int T, int B, const char *per_token, const qt_device *dev, int q4_type, int q4_nested) {
     int rc;
     qt_config cfg;
     QT_TRY(qt_config_load(model_dir, &cfg));
@@ -141,6 +143,8 @@ static int run_eval(const char *model_dir, const char *tok_path, const char *ada
     o.max_T = T;
     o.backend = dev->backend;
     o.device_index = dev->index;
+    o.quant4 = q4_type >= 0, o.quant4_type = q4_type, o.quant4_nested = q4_nested;
+    o.progress = stderr;
     if (adapter) QT_TRY(qt_lora_opts_from_adapter(adapter, &cfg, &o));
 
     bpe_tokenizer *tok = NULL;
@@ -243,6 +247,7 @@ int cmd_eval(int argc, char **argv) {
     const char *model = NULL, *adapter = NULL, *data = NULL, *per_token = NULL, *tok_path = NULL, *device = NULL;
     dl_format fmt = DL_FORMAT_AUTO;
     int T = 0, B = 1; /* T 0: the default, decided once the model's config is read */
+    int q4_type = -1, q4_nested = 0;
     cli_once_list once = {0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -262,7 +267,12 @@ int cmd_eval(int argc, char **argv) {
         }
         else if (!strcmp(a, "--per-token")) { NEED_VALUE(); per_token = v; }
         else if (!strcmp(a, "--device")) { NEED_VALUE(); device = v; }
-        else if (!strcmp(a, "--seq-len") || !strcmp(a, "--batch")) {
+        else if (!strcmp(a, "--double-quant")) q4_nested = 1;
+        else if (!strcmp(a, "--quantization")) {
+            NEED_VALUE();
+            int st = cli_quant_type("eval", v, &q4_type);
+            if (st != QT_EXIT_OK) return st;
+        } else if (!strcmp(a, "--seq-len") || !strcmp(a, "--batch")) {
             NEED_VALUE();
             long x = strtol(v, &end, 10);
             if (*end || x < 1 || x > (1 << 20))
@@ -279,6 +289,6 @@ int cmd_eval(int argc, char **argv) {
     qt_device dev;
     int st = cli_device("eval", device, &dev);
     if (st != QT_EXIT_OK) return st;
-    if (run_eval(model, tok_path, adapter, data, fmt, T, B, per_token, &dev) != QT_OK) return cli_fail();
+    if (run_eval(model, tok_path, adapter, data, fmt, T, B, per_token, &dev, q4_type, q4_nested) != QT_OK) return cli_fail();
     return QT_EXIT_OK;
 }

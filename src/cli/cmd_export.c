@@ -115,8 +115,17 @@ int cmd_export(int argc, char **argv) {
         if (rc == QT_OK)
             o.type = cfg.torch_dtype == QT_BF16 ? GGUF_BF16 : cfg.torch_dtype == QT_F16 ? GGUF_F16 : GGUF_F32;
     }
+    /* the output's parent folders, as merge makes them (and removes them again when the export fails) */
+    char parent[4096], made_top[4096] = "";
+    qt_path_dirname(parent, sizeof parent, out);
+    if (rc == QT_OK && qt_path_missing_top(parent, made_top, sizeof made_top) != QT_OK) {
+        made_top[0] = 0;
+        qt_error_clear(); /* the write below names the path */
+    }
+    if (rc == QT_OK && made_top[0]) rc = qt_mkdir_p(parent);
     o.stop = cli_stop_on_signals("removing the partial GGUF file");
     const double t0 = qt_now_s();
+    const int writing = rc == QT_OK;
     if (rc == QT_OK && gguf) {
         o.source = set ? merged_source : NULL;
         o.source_ctx = set;
@@ -127,9 +136,17 @@ int cmd_export(int argc, char **argv) {
     }
     qt_merge_set_free(set);
     st_close(base);
+    if (rc != QT_OK && made_top[0]) qt_rmdir_made(parent, made_top);
     if (rc == QT_EINTERRUPTED) {
         fprintf(stderr, "qtune: %s\n", qt_error_message());
         return QT_EXIT_INTERRUPTED;
+    }
+    if (rc == QT_ENUMERIC && writing) { /* the writer named the tensor (its GGUF name) */
+        char what[512];
+        snprintf(what, sizeof what, "%s", qt_error_message());
+        QT_ERR(rc, "%s%s%s: %s; qtune writes no NaN or infinite weights (generate, eval and train refuse them), so "
+               "%s was not written", lora ? adapter : model, set && gguf ? " merged with " : "",
+               set && gguf ? adapter : "", what, out);
     }
     if (rc != QT_OK) return cli_fail();
     printf("wrote %s (%s, %.1f MiB, %.1f s)%s%s\n", out, gguf_type_name(o.type), file_size(out) / 1048576.0,

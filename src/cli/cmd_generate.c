@@ -17,6 +17,7 @@
 #include "model/model.h"
 #include "model/sample.h"
 #include "text/chat.h"
+#include "text/chat_template.h"
 #include "text/tokenizer.h"
 
 #include <cjson/cJSON.h>
@@ -38,10 +39,14 @@ static void generate_help(void) {
            "--max-new tokens.\n\n"
            "  --model DIR        Hugging Face model folder (config.json, safetensors, tokenizer.json)\n"
            "  --adapter DIR      PEFT LoRA adapter folder to apply\n"
+           "  --quantization nf4|fp4  the base's layer linears in 4 bits (QLoRA), --double-quant for double quantization\n"
            "  --tokenizer PATH   tokenizer.json (or a folder holding one) when --model has none\n"
            "  --prompt TEXT      continue this text (no template)\n"
-           "  --chat             chat in ChatML: each stdin line is a user turn; the history is kept\n"
-           "  --system TEXT      system message for --chat, only there (default: the Qwen2.5 template's)\n"
+           "  --chat             chat with the model folder's chat template (qtune's ChatML when it ships none):\n"
+           "                     each stdin line is a user turn; the history is kept\n"
+           "  --system TEXT      system message for --chat, only there (default: the template's own, if any)\n"
+           "  --enable-thinking true|false  the chat template's enable_thinking (Qwen3: false writes an empty\n"
+           "                     think block after the assistant header, so the reply skips reasoning)\n"
            "  --max-new N        new tokens per reply (default 256)\n"
            "  --temperature t    0 is greedy (default 0.7)\n"
            "  --top-k k          keep the k most probable tokens (default 0: off)\n"
@@ -50,8 +55,10 @@ static void generate_help(void) {
            "  --ctx N            context length: at most N tokens in all, prompt (and chat history) plus\n"
            "                     reply; at most max_position_embeddings (default min(that, 4096))\n"
            "  --prompt-ids LIST  comma-separated token ids instead of --prompt (no tokenizer needed)\n"
-           "  --prompts FILE     many prompts, JSON Lines: {\"prompt\": TEXT} or {\"prompt_ids\": [ids]} per\n"
-           "                     line; the replies come in the file's order, each sampled with --seed\n"
+           "  --prompts FILE     many prompts, JSON Lines: {\"prompt\": TEXT}, {\"prompt_ids\": [ids]} or\n"
+           "                     {\"messages\": [{\"role\": ..., \"content\": ...}]} (rendered as --chat does, with\n"
+           "                     the assistant's turn opened) per line; the replies come in the file's\n"
+           "                     order, each sampled with --seed\n"
            "                     as its own run would be\n"
            "  --batch N          with --prompts: N sequences decode together, each weight read once a\n"
            "                     step for all of them (default 1); greedy replies equal separate runs'\n"
@@ -409,6 +416,43 @@ static void free_prompts(gen_prompt *p, int n) {
 /* The prompts file: JSON Lines, one object per line with "prompt" (text, needs
  * the tokenizer) or "prompt_ids" (an array of ids); blank lines are skipped.
  * Other keys are ignored, and the first one is named in a warning. */
+/* A --prompts line's "messages" (OpenAI / HF chat form): rendered with the chat
+ * template training uses (text/chat.h) and the assistant's generation prompt,
+ * as `generate --chat` renders its history, then tokenized. */
+static int messages_prompt(const bpe_tokenizer *tok, const cJSON *arr, const char *path, int lineno, int32_t **ids,
+                           size_t *n) {
+    const int count = cJSON_GetArraySize(arr);
+    if (count < 1) return QT_ERR(QT_EINVAL, "%s line %d: \"messages\" is empty; give at least one user turn", path, lineno);
+    chat_message *m = qt_calloc((size_t)count, sizeof *m, "prompt messages");
+    if (!m) return QT_ENOMEM;
+    int i = 0, rc = QT_OK;
+    const cJSON *e;
+    cJSON_ArrayForEach(e, arr) {
+        const cJSON *role = cJSON_GetObjectItemCaseSensitive(e, "role");
+        const cJSON *content = cJSON_GetObjectItemCaseSensitive(e, "content");
+        if (!cJSON_IsString(role) || !cJSON_IsString(content)) {
+            rc = QT_ERR(QT_EINVAL, "%s line %d: messages[%d] must be {\"role\": \"system\" | \"user\" | \"assistant\", "
+                        "\"content\": \"text\"}", path, lineno, i);
+            break;
+        }
+        /* OpenAI's "developer" is its newer name for the system message */
+        m[i++] = (chat_message){.role = strcmp(role->valuestring, "developer") ? role->valuestring : "system",
+                                .content = content->valuestring};
+    }
+    char *text = NULL;
+    size_t len;
+    if (rc == QT_OK) rc = chat_render_tok(tok, m, (size_t)i, NULL, 1, &text, &len);
+    if (rc != QT_OK && rc != QT_ENOMEM && qt_error_code()) {
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", qt_error_message());
+        if (!strstr(msg, path)) rc = QT_ERR(rc, "%s line %d: %s", path, lineno, msg);
+    }
+    if (rc == QT_OK) rc = encode(tok, text, ids, n);
+    qt_free(text);
+    qt_free(m);
+    return rc;
+}
+
 static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int ctx, int max_ctx, gen_prompt **out,
                         int *count) {
     char *buf;
@@ -444,6 +488,7 @@ static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int c
         while (o && after < e && isspace((unsigned char)*after)) after++;
         const cJSON *text = o ? cJSON_GetObjectItemCaseSensitive(o, "prompt") : NULL;
         const cJSON *arr = o ? cJSON_GetObjectItemCaseSensitive(o, "prompt_ids") : NULL;
+        const cJSON *msgs = o ? cJSON_GetObjectItemCaseSensitive(o, "messages") : NULL;
         if (nul) {
             rc = QT_ERR(QT_EINVAL, "%s line %d holds a NUL byte; a JSON Lines file is text: fix or remove that line",
                         path, lineno);
@@ -453,9 +498,15 @@ static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int c
         } else if (cJSON_IsString(text) && qt_json_has_nul_escape(t, (size_t)(e - t))) {
             rc = QT_ERR(QT_EINVAL, "%s line %d holds a NUL character (\\u0000), where the prompt's text would end; "
                         "remove it", path, lineno);
-        } else if (!cJSON_IsObject(o) || cJSON_IsString(text) == cJSON_IsArray(arr)) {
-            rc = QT_ERR(QT_EINVAL, "%s line %d: each line must be a JSON object with a \"prompt\" string or a "
-                        "\"prompt_ids\" array of token ids (one of the two)", path, lineno);
+        } else if (!cJSON_IsObject(o) || cJSON_IsString(text) + cJSON_IsArray(arr) + cJSON_IsArray(msgs) != 1) {
+            rc = QT_ERR(QT_EINVAL, "%s line %d: each line must be a JSON object with a \"prompt\" string, a "
+                        "\"prompt_ids\" array of token ids or a \"messages\" array of {\"role\", \"content\"} "
+                        "(one of the three)", path, lineno);
+        } else if (cJSON_IsArray(msgs)) {
+            size_t n = 0;
+            if (!tok) rc = QT_ERR(QT_EINVAL, "%s line %d: \"messages\" need the model's tokenizer.json (or "
+                                  "--tokenizer); give \"prompt_ids\" instead", path, lineno);
+            else if ((rc = messages_prompt(tok, msgs, path, lineno, &g->ids, &n)) == QT_OK) g->n = (int)n;
         } else if (cJSON_IsString(text)) {
             size_t n = 0;
             if (!tok) rc = QT_ERR(QT_EINVAL, "%s line %d: a \"prompt\" text needs the model's tokenizer.json (or "
@@ -477,11 +528,12 @@ static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int c
             }
         }
         /* any other key, a repeated one included, is named once per file */
-        const cJSON *used = cJSON_IsString(text) ? text : arr;
+        const cJSON *used = cJSON_IsString(text) ? text : cJSON_IsArray(arr) ? arr : msgs;
         for (const cJSON *k = rc == QT_OK ? o->child : NULL; k && !warned; k = k->next)
             if (k != used)
-                warned = 1, qt_warn("%s line %d: the key \"%.64s\" is ignored: a line gives one \"prompt\" string "
-                                    "or one \"prompt_ids\" array, nothing else (further ignored keys are not named)",
+                warned = 1, qt_warn("%s line %d: the key \"%.64s\" is ignored: a line gives one \"prompt\" string, "
+                                    "one \"prompt_ids\" array or one \"messages\" array, nothing else (further "
+                                    "ignored keys are not named)",
                                     path, lineno, k->string);
         cJSON_Delete(o);
         if (rc == QT_OK && check_prompt_fits(0, g->n, ctx, max_ctx) != QT_OK)
@@ -698,7 +750,7 @@ int cmd_generate(int argc, char **argv) {
     const char *model = NULL, *adapter = NULL, *prompt = NULL, *prompt_ids = NULL, *tok_path = NULL;
     const char *system = NULL; /* the template's default system message */
     const char *device = NULL, *prompts_file = NULL;
-    int chat = 0, json = 0, max_new = 256, ctx = 0, batch = 0;
+    int chat = 0, json = 0, max_new = 256, ctx = 0, batch = 0, q4_type = -1, q4_nested = 0, thinking = -1;
     uint64_t seed = 42;
     qt_sample_opts so = {0.7f, 0, 1.0f};
     cli_once_list once = {0};
@@ -709,12 +761,24 @@ int cmd_generate(int argc, char **argv) {
         if (!strcmp(a, "--model")) { NEED_VALUE(); model = v; }
         else if (!strcmp(a, "--adapter")) { NEED_VALUE(); adapter = v; }
         else if (!strcmp(a, "--tokenizer")) { NEED_VALUE(); tok_path = v; }
+        else if (!strcmp(a, "--double-quant")) q4_nested = 1;
+        else if (!strcmp(a, "--quantization")) {
+            NEED_VALUE();
+            int st = cli_quant_type("generate", v, &q4_type);
+            if (st != QT_EXIT_OK) return st;
+        }
         else if (!strcmp(a, "--prompt")) { NEED_VALUE(); prompt = v; }
         else if (!strcmp(a, "--prompt-ids")) { NEED_VALUE(); prompt_ids = v; }
         else if (!strcmp(a, "--prompts")) { NEED_VALUE(); prompts_file = v; }
         else if (!strcmp(a, "--system")) { NEED_VALUE(); system = v; }
         else if (!strcmp(a, "--device")) { NEED_VALUE(); device = v; }
         else if (!strcmp(a, "--chat")) chat = 1;
+        else if (!strcmp(a, "--enable-thinking")) {
+            NEED_VALUE();
+            if (strcmp(v, "true") && strcmp(v, "false"))
+                return cli_usage_error("generate", "--enable-thinking takes true or false, not '%s'", v);
+            thinking = !strcmp(v, "true");
+        }
         else if (!strcmp(a, "--json")) json = 1;
         else if (!strcmp(a, "--max-new")) {
             NEED_VALUE();
@@ -765,6 +829,8 @@ int cmd_generate(int argc, char **argv) {
     if (system && !chat) /* a --prompt is continued as is: the system message would be dropped unseen */
         return cli_usage_error("generate", "--system TEXT is the system message of --chat; give --chat (--prompt "
                                "text is continued as is, with no template)");
+    if (thinking >= 0 && !chat)
+        return cli_usage_error("generate", "--enable-thinking is a variable of the chat template; give --chat");
     if (!batch) batch = 1;
     if (qt_sample_opts_check(&so) != QT_OK) return cli_usage_error("generate", "%s", qt_error_message());
     /* The prompt: ids are checked here, before anything is read */
@@ -782,7 +848,20 @@ int cmd_generate(int argc, char **argv) {
     gen_state g;
     memset(&g, 0, sizeof g);
     qt_config cfg;
-    const int status = prepare(&g, &cfg, model, tok_path, ctx, prompt, &ids, &n_ids, prompts_file != NULL);
+    int status = prepare(&g, &cfg, model, tok_path, ctx, prompt, &ids, &n_ids, prompts_file != NULL);
+    if (status == QT_EXIT_OK && thinking >= 0) { /* apply_chat_template(..., enable_thinking=...) */
+        chat_template *ct = g.tok ? bpe_chat_template_mut(g.tok) : NULL;
+        cJSON *b = cJSON_CreateBool(thinking);
+        if (!ct) {
+            char desc[512];
+            chat_template_describe(g.tok, desc, sizeof desc);
+            status = cli_usage_error("generate", "--enable-thinking needs the model's own chat template, and this "
+                                     "model chats in %s", desc);
+        } else if (!b || chat_template_set_var(ct, "enable_thinking", b) != QT_OK) {
+            status = cli_fail();
+        }
+        cJSON_Delete(b);
+    }
     gen_prompt *prompts = NULL;
     int n_prompts = 0;
     /* every eos id of config.json and generation_config.json (Llama 3.1: <|eot_id|> is the third), read
@@ -818,6 +897,8 @@ int cmd_generate(int argc, char **argv) {
     mo.backend = dev.backend;
     mo.device_index = dev.index;
     mo.decode_seqs = batch;                     /* a KV cache slot per sequence decoding together */
+    mo.quant4 = q4_type >= 0, mo.quant4_type = q4_type, mo.quant4_nested = q4_nested; /* decode reads 4 bits */
+    mo.progress = stderr;
     mo.max_B = (batch + g.ctx - 1) / g.ctx;     /* activations for a step of `batch` rows (1 unless ctx < batch) */
     if (adapter && qt_lora_opts_from_adapter(adapter, &cfg, &mo) != QT_OK) rc = QT_EINVAL;
     if (rc == QT_OK) mo.lora_dropout = 0; /* inference: dropout is off */

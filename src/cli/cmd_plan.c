@@ -30,9 +30,10 @@ static void plan_help(void) {
            "  --model DIR           a Hugging Face model folder (config.json)\n"
            "  --preset NAME         a preset shape (see `qtune init --help`)\n"
            "  --mode lora|full      default full\n"
-           "  --zero 0|1|2          ZeRO stage (default 0)\n"
+           "  --zero 0|1|2|3        ZeRO stage (default 0; 3 partitions the weights too)\n"
            "  --devices N           data-parallel ranks (default 1)\n"
-           "  --offload cpu|none    Adam m, v in host memory (needs --zero 1|2)\n"
+           "  --offload cpu|none    Adam m, v in host memory (needs --zero 1|2|3)\n"
+           "  --offload-param cpu|none  ZeRO-3: the rank's parameter shard in host memory\n"
            "  --reduce-bucket-size E, --allgather-bucket-size E\n"
            "                        DeepSpeed's zero_optimization bucket sizes in elements (default 5e8)\n"
            "  --overlap-comm        DeepSpeed's overlap_comm: ZeRO-2 reductions run during the backward\n"
@@ -40,6 +41,9 @@ static void plan_help(void) {
            "  --micro-batch B       default 1\n"
            "  --seq-len T           default 512\n"
            "  --checkpointing       activation recomputation\n"
+           "  --quantization nf4|fp4|none  QLoRA (with --mode lora): the layers' linears in 4 bits, 0.5 byte a\n"
+           "                        weight plus a float32 absmax per 64 (the job's \"quantization\" key)\n"
+           "  --double-quant        bnb_4bit_use_double_quant: the absmax values in 8 bits too\n"
            "  --device-memory GiB   memory of one card (default 32)\n"
            "  --lora-r R            default 8\n"
            "  --lora-targets LIST   comma-separated: q,k,v,o,gate,up,down or PEFT names; all-linear (default q,v;\n"
@@ -138,6 +142,7 @@ int cmd_plan(int argc, char **argv) {
         if (!strcmp(argv[i], "--set")) sets[n_sets++] = argv[++i];
         else if (!strcmp(argv[i], "--devices") && i + 1 < argc) parse_int(argv[++i], 1, 4096, &ranks);
         else if (argv[i][0] != '-' && (i == 1 || argv[i - 1][0] != '-' || !strcmp(argv[i - 1], "--checkpointing") ||
+                                      !strcmp(argv[i - 1], "--double-quant") ||
                                       !strcmp(argv[i - 1], "--strategies") || !strcmp(argv[i - 1], "--json") ||
                                       !strcmp(argv[i - 1], "--overlap-comm")))
             job_path = argv[i];
@@ -188,7 +193,7 @@ int cmd_plan(int argc, char **argv) {
             backend_given = 1;
         } else if (!strcmp(a, "--zero")) {
             NEED_VALUE();
-            if (parse_int(v, 0, 2, &o.zero)) return cli_usage_error("plan", "--zero must be 0, 1 or 2, not '%s'", v);
+            if (parse_int(v, 0, 3, &o.zero)) return cli_usage_error("plan", "--zero must be 0, 1, 2 or 3, not '%s'", v);
         } else if (!strcmp(a, "--devices")) {
             NEED_VALUE();
             if (parse_int(v, 1, 4096, &o.devices))
@@ -203,6 +208,11 @@ int cmd_plan(int argc, char **argv) {
             else o.allgather_bucket = (size_t)e;
         } else if (!strcmp(a, "--overlap-comm")) {
             o.overlap = 1;
+        } else if (!strcmp(a, "--offload-param")) {
+            NEED_VALUE();
+            if (!strcmp(v, "cpu")) o.offload_param = 1;
+            else if (!strcmp(v, "none")) o.offload_param = 0;
+            else return cli_usage_error("plan", "--offload-param must be cpu or none, not '%s'", v);
         } else if (!strcmp(a, "--offload")) {
             NEED_VALUE();
             if (!strcmp(v, "cpu")) o.offload = 1;
@@ -221,6 +231,13 @@ int cmd_plan(int argc, char **argv) {
             if (parse_int(v, 1, 1 << 22, &o.seq_len))
                 return cli_usage_error("plan", "--seq-len must be a whole number from 1 to %d, not '%s'", 1 << 22, v);
         } else if (!strcmp(a, "--checkpointing")) o.checkpointing = 1;
+        else if (!strcmp(a, "--double-quant")) o.quant4_nested = 1;
+        else if (!strcmp(a, "--quantization")) {
+            NEED_VALUE();
+            if (!strcmp(v, "nf4") || !strcmp(v, "fp4")) o.quant4 = 1;
+            else if (!strcmp(v, "none")) o.quant4 = 0;
+            else return cli_usage_error("plan", "--quantization must be nf4, fp4 or none, not '%s'", v);
+        }
         else if (!strcmp(a, "--device-memory")) {
             NEED_VALUE();
             if (parse_num(v, &o.device_gib))
@@ -265,6 +282,8 @@ int cmd_plan(int argc, char **argv) {
     }
     if (!model == !preset)
         return cli_usage_error("plan", "give exactly one of a job file, --model DIR or --preset NAME");
+    if (o.offload_param && o.zero != 3)
+        return cli_usage_error("plan", "--offload-param cpu needs --zero 3 (only stage 3 partitions the weights)");
     if (o.offload && o.zero == 0)
         return cli_usage_error("plan", "--offload cpu needs --zero 1 or 2 (the offloaded state is the sharded optimizer)");
 

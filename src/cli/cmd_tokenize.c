@@ -6,6 +6,7 @@
 #include "core/mem.h"
 #include "data/format.h"
 #include "text/chat.h"
+#include "text/chat_template.h"
 #include "text/tokenizer.h"
 
 #include <cjson/cJSON.h>
@@ -16,7 +17,8 @@
 #include <string.h>
 
 static void help(void) {
-    printf("usage: qtune tokenize --tokenizer PATH (--text TEXT | --file F | --decode IDS | --chat F) [--json]\n\n"
+    printf("usage: qtune tokenize --tokenizer PATH (--text TEXT | --file F | --decode IDS | --chat F)\n"
+           "                      [--chat-template FILE|chatml] [--json]\n\n"
            "Encode text to token ids, or decode ids to text, exactly as Hugging Face tokenizers does\n"
            "with the same tokenizer.json (special tokens written in the text are matched).\n\n"
            "  --tokenizer PATH  a tokenizer.json, or a model folder that holds one\n"
@@ -24,9 +26,12 @@ static void help(void) {
            "  --file F          encode the bytes of file F (invalid UTF-8 becomes U+FFFD first)\n"
            "  --decode IDS      decode ids separated by commas and/or spaces, e.g. \"9707,11,1879\";\n"
            "                    @FILE reads the ids from FILE (same syntax; a JSON array works too)\n"
-           "  --chat F          F is JSON {\"messages\": [{\"role\", \"content\"}, ...], \"add_generation_prompt\": false}:\n"
-           "                    render it with Qwen2.5's ChatML template and print {\"text\", \"ids\", \"labels\"}\n"
-           "                    (labels: the id where the token is trained on, -100 elsewhere)\n"
+           "  --chat F          F is JSON {\"messages\": [{\"role\", \"content\"}, ...], \"add_generation_prompt\": false,\n"
+           "                    \"enable_thinking\": false, \"chat_template_kwargs\": {...}} (the last two optional):\n"
+           "                    render it with the folder's chat template (chat_template.jinja or tokenizer_config.json's\n"
+           "                    chat_template; qtune's ChatML when it ships none) and print {\"text\", \"ids\", \"labels\",\n"
+           "                    \"chat_template\"} (labels: the id where the token is trained on, -100 elsewhere)\n"
+           "  --chat-template FILE  render with the Jinja template in FILE instead; \"chatml\": qtune's ChatML\n"
            "  --json            print {\"ids\": [...]} or {\"text\": \"...\"} instead of plain output\n\n"
            "Plain output: ids separated by spaces on one line, or the decoded text followed by a newline.\n");
 }
@@ -78,7 +83,7 @@ static int parse_ids(const char *s, int32_t **ids, size_t *n) {
 }
 
 /* --chat F: {"messages": [...], "add_generation_prompt": bool} -> text, ids, labels. */
-static int run_chat(const bpe_tokenizer *t, const char *path) {
+static int run_chat(bpe_tokenizer *t, const char *path) {
     char *buf;
     size_t len;
     QT_TRY(qt_read_file(path, (size_t)1 << 30, &buf, &len));
@@ -86,10 +91,21 @@ static int run_chat(const bpe_tokenizer *t, const char *path) {
     qt_free(buf);
     if (!root) return QT_ERR(QT_EFORMAT, "%s is not valid JSON", path);
     int gen = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(root, "add_generation_prompt"));
+    /* apply_chat_template's keyword arguments: enable_thinking, or any under chat_template_kwargs */
+    const cJSON *think = cJSON_GetObjectItemCaseSensitive(root, "enable_thinking");
+    const cJSON *kw = cJSON_GetObjectItemCaseSensitive(root, "chat_template_kwargs");
+    chat_template *ct = bpe_chat_template_mut(t);
+    int rc = QT_OK;
+    if ((think || cJSON_IsObject(kw)) && !ct)
+        rc = QT_ERR(QT_EINVAL, "%s: enable_thinking / chat_template_kwargs need a chat template, and the tokenizer's folder "
+                    "ships none (qtune's ChatML default takes no variables)", path);
+    if (rc == QT_OK && think) rc = chat_template_set_var(ct, "enable_thinking", think);
+    for (const cJSON *v = cJSON_IsObject(kw) ? kw->child : NULL; rc == QT_OK && v; v = v->next)
+        rc = chat_template_set_var(ct, v->string, v);
     char *text = NULL;
     size_t tl = 0, nids = 0;
     int32_t *ids = NULL, *labels = NULL;
-    int rc = dl_chat_encode_json(t, root, gen, &text, &tl, &ids, &labels, &nids);
+    if (rc == QT_OK) rc = dl_chat_encode_json(t, root, gen, &text, &tl, &ids, &labels, &nids);
     if (rc != QT_OK) rc = qt_error_context(rc, "%s", path);
     if (rc == QT_OK) {
         fputs("{\"text\": ", stdout);
@@ -98,7 +114,11 @@ static int run_chat(const bpe_tokenizer *t, const char *path) {
         for (size_t k = 0; k < nids; k++) printf(k ? ", %d" : "%d", ids[k]);
         fputs("], \"labels\": [", stdout);
         for (size_t k = 0; k < nids; k++) printf(k ? ", %d" : "%d", labels[k]);
-        fputs("]}\n", stdout);
+        char desc[512];
+        chat_template_describe(t, desc, sizeof desc);
+        fputs("], \"chat_template\": ", stdout);
+        json_string(stdout, desc, strlen(desc));
+        fputs("}\n", stdout);
     }
     qt_free(text);
     qt_free(ids);
@@ -112,7 +132,7 @@ int cmd_tokenize(int argc, char **argv) {
         help();
         return QT_EXIT_OK;
     }
-    const char *tok_path = NULL, *text = NULL, *file = NULL, *decode = NULL, *chat = NULL;
+    const char *tok_path = NULL, *text = NULL, *file = NULL, *decode = NULL, *chat = NULL, *tmpl = NULL;
     int json = 0;
     cli_once_list once = {0};
     for (int i = 1; i < argc; i++) {
@@ -121,6 +141,7 @@ int cmd_tokenize(int argc, char **argv) {
                          : !strcmp(a, "--file")      ? &file
                          : !strcmp(a, "--decode")    ? &decode
                          : !strcmp(a, "--chat")      ? &chat
+                         : !strcmp(a, "--chat-template") ? &tmpl
                                                      : NULL;
         if (dst) {
             if (cli_value(&once, "tokenize", a, i + 1 < argc ? argv[i + 1] : NULL)) return QT_EXIT_USAGE;
@@ -155,7 +176,14 @@ int cmd_tokenize(int argc, char **argv) {
         return cli_fail();
     }
     int rc = QT_OK;
-    if (chat) {
+    if (tmpl) {
+        char dir[4096];
+        if (qt_is_dir(tok_path)) snprintf(dir, sizeof dir, "%s", tok_path);
+        else qt_path_dirname(dir, sizeof dir, tok_path);
+        rc = chat_template_override(t, tmpl, dir);
+    }
+    if (rc != QT_OK) {
+    } else if (chat) {
         rc = run_chat(t, chat);
     } else if (decode) {
         char *out;

@@ -2,6 +2,7 @@
  * says (docs/job-file.md, docs/training.md). SIGINT/SIGTERM finish the current
  * step, write a checkpoint and exit with status 130. */
 #include "cli/cli.h"
+#include "core/clock.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/mem.h"
@@ -17,7 +18,7 @@
 #include <unistd.h>
 
 static void help(void) {
-    printf("usage: qtune train JOB.json [--set key.path=value ...]\n\n"
+    printf("usage: qtune train JOB.json [--set key.path=value ...] [--strict]\n\n"
            "Fine-tunes the model the job file names (LoRA when it has a \"lora\" section, else full\n"
            "fine-tuning) with the DeepSpeed settings it names, and writes to its output_dir:\n"
            "  metrics.jsonl     one line per optimizer step (loss, lr, grad_norm, tokens/s, ...)\n"
@@ -30,7 +31,9 @@ static void help(void) {
            "options:\n"
            "  --set key.path=value   override a job field, e.g. --set train.max_steps=100,\n"
            "                         --set deepspeed.optimizer.params.lr=1e-4,\n"
-           "                         --set train.overwrite_output_dir=true (replace another run's outputs)\n\n"
+           "                         --set train.overwrite_output_dir=true (replace another run's outputs)\n"
+           "  --strict               stop on an unknown key (in the job, its lora section or its DeepSpeed\n"
+           "                         config) instead of warning and ignoring it\n\n"
            "Paths in the job file are relative to its folder. Ctrl-C (or SIGTERM) finishes the step,\n"
            "saves a checkpoint and exits with status 130; run the same command to continue.\n"
            "Under mpirun every rank runs this command: mpirun -np 4 qtune train JOB.json; stop such\n"
@@ -54,14 +57,34 @@ static int rank_failed(dist_ctx *d, volatile sig_atomic_t *stop) {
     return st;
 }
 
+static void fmt_wall(char *buf, size_t cap, double s) {
+    const long x = (long)(s + 0.5);
+    if (x >= 3600) snprintf(buf, cap, "%ldh%02ldm%02lds", x / 3600, (x / 60) % 60, x % 60);
+    else if (x >= 60) snprintf(buf, cap, "%ldm%02lds", x / 60, x % 60);
+    else snprintf(buf, cap, "%.1fs", s);
+}
+
+/* The run's closing lines: how long it took, how fast it went, where its record is. */
+static void print_summary(const qt_job *job, const qt_train_result *res, double wall_s) {
+    char wall[32];
+    fmt_wall(wall, sizeof wall, wall_s);
+    printf("wall time %s", wall);
+    if (res->tokens > 0 && res->train_s > 0)
+        printf("; %.0f tokens/s mean over this run's steps (%lld tokens in %.1f s)", (double)res->tokens / res->train_s,
+               (long long)res->tokens, res->train_s);
+    printf("\nloss curve: %s/loss.svg\nmetrics: %s/metrics.jsonl\n", job->output_dir, job->output_dir);
+}
+
 int cmd_train(int argc, char **argv) {
     if (cli_wants_help(argc, argv)) { help(); return QT_EXIT_OK; }
     const char *job_path = NULL;
     const char **sets = calloc((size_t)argc + 1, sizeof *sets);
-    int n_sets = 0;
+    int n_sets = 0, strict = 0;
     if (!sets) return cli_fail();
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--set")) {
+        if (!strcmp(argv[i], "--strict")) {
+            strict = 1;
+        } else if (!strcmp(argv[i], "--set")) {
             if (i + 1 >= argc) { free(sets); return cli_usage_error("train", "--set needs key.path=value"); }
             sets[n_sets++] = argv[++i];
         } else if (!strncmp(argv[i], "--set=", 6)) {
@@ -94,13 +117,16 @@ int cmd_train(int argc, char **argv) {
     dist_ctx *d = NULL;
     if (dist_init(&argc, &argv, &d) != QT_OK) { free(sets); return cli_fail(); }
     dist_set_stop_flag(d, stop);
-    if (!dist_is_main(d) && qt_log_level() == QT_LOG_INFO) qt_log_set_level(QT_LOG_WARN); /* rank 0 speaks */
+    /* rank 0 speaks: every rank reads the same job, model and data, so the other ranks' warnings would
+     * repeat rank 0's once per rank; what concerns one rank alone is said by qt_warn_rank and rank_failed
+     * (QTUNE_LOG=debug keeps every rank's words) */
+    if (!dist_is_main(d) && qt_log_level() <= QT_LOG_INFO) qt_log_set_rank_quiet(1);
 
     /* only rank 0 says it: mpirun passes a Ctrl-C to every rank, and an
      * MPI_Abort reaches the others as SIGTERM (same handler and flag, no message) */
     if (!dist_is_main(d)) cli_stop_on_signals(NULL);
     qt_job job;
-    int rc = qt_job_load(job_path, sets, n_sets, &job);
+    int rc = qt_job_load_ex(job_path, sets, n_sets, strict, &job);
     free(sets);
     if (rc != QT_OK) {
         int st = rank_failed(d, stop);
@@ -109,12 +135,23 @@ int cmd_train(int argc, char **argv) {
         return st;
     }
 
+    /* Ctrl-C on mpirun reaches rank 0 as a signal, and mpirun kills every rank about a second later: say
+     * at once that this stop will likely not be saved, and what does save */
+    static char mpi_stop_msg[4400];
+    if (dist_uses_mpi(d) && dist_is_main(d)) {
+        snprintf(mpi_stop_msg, sizeof mpi_stop_msg,
+                 "mpirun will not wait for it: it kills every rank about a second after Ctrl-C, and a checkpoint "
+                 "not written by then is lost. To stop an MPI job and keep its progress run `qtune stop %s` instead",
+                 job.output_dir);
+        cli_stop_on_signals(mpi_stop_msg);
+    }
     if (dist_uses_mpi(d) && dist_is_main(d))
         fprintf(stderr, "qtune: to stop this MPI job and keep its progress run `qtune stop %s` (it saves a "
                         "checkpoint after the current step); Ctrl-C on mpirun kills the ranks one second after "
                         "passing SIGTERM on, often before a checkpoint is written (docs/robustness.md: the mpirun "
                         "setting that waits longer)\n", job.output_dir);
 
+    const double t_start = qt_now_s();
     qt_train_hooks hooks = {.stop = stop, .progress = stderr, .tty = isatty(fileno(stderr))};
     qt_train_result res;
     rc = qt_train_run(&job, d, &hooks, &res);
@@ -122,6 +159,11 @@ int cmd_train(int argc, char **argv) {
     if (rc != QT_OK) {
         if (rc == QT_EINTERRUPTED) {
             if (dist_is_main(d)) fprintf(stderr, "qtune: %s\n", qt_error_message());
+            /* mpirun reports any non-zero exit with a banner of its own; 130 is kept so that a script or a
+             * scheduler can tell a stopped job from a finished one (docs/robustness.md) */
+            if (dist_is_main(d) && dist_uses_mpi(d))
+                fprintf(stderr, "qtune: every rank exits with status 130 (stopped, resumable); mpirun reports that "
+                                "below as processes that \"exited with non-zero status\": nothing failed\n");
             status = QT_EXIT_INTERRUPTED;
         } else {
             status = rank_failed(d, stop);
@@ -134,6 +176,7 @@ int cmd_train(int argc, char **argv) {
         if (!isnan(res.eval_loss_first)) printf("; eval loss %.4f -> %.4f", res.eval_loss_first, res.eval_loss_last);
         else if (!isnan(res.eval_loss_last)) printf("; eval loss %.4f", res.eval_loss_last);
         printf("\n%s: %s\n", job.lora.enabled ? "adapter" : "model", res.final_dir);
+        print_summary(&job, &res, qt_now_s() - t_start);
     }
     qt_job_free(&job);
     dist_finalize(d);

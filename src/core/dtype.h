@@ -7,10 +7,17 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef enum { QT_F32 = 0, QT_F16 = 1, QT_BF16 = 2 } qt_dtype;
+/* QT_Q4: a frozen weight in bitsandbytes' 4-bit format (NF4 or FP4). Its
+ * pointer is the core/quant4.h qt_q4_weight header of the block, not an
+ * array of elements: only the matmul and matvec ops take it, and they
+ * dequantize it (to the dtype in its header) as they go. */
+/* QT_U8: bytes in a file (a pre-quantized folder's packed codes, 8-bit absmax
+ * and quant_state); never a weight an op reads. */
+typedef enum { QT_F32 = 0, QT_F16 = 1, QT_BF16 = 2, QT_Q4 = 3, QT_U8 = 4 } qt_dtype;
 
+/* bytes an element (QT_Q4: 1, an upper bound; qt_q4_bytes sizes a block; QT_U8: 1) */
 size_t qt_dtype_size(qt_dtype t);
-const char *qt_dtype_name(qt_dtype t);      /* "f32" "f16" "bf16" */
+const char *qt_dtype_name(qt_dtype t);      /* "f32" "f16" "bf16" "q4" "u8" */
 const char *qt_dtype_st_name(qt_dtype t);   /* safetensors: "F32" "F16" "BF16" */
 int qt_dtype_parse(const char *s, qt_dtype *out); /* accepts f32/fp32/float32, f16/fp16/float16, bf16/bfloat16; QT_OK or QT_EINVAL */
 
@@ -33,5 +40,10 @@ uint16_t qt_f32_to_f16(float f);
 /* Bulk conversions; n elements; vectorised with F16C/AVX2 where available. */
 void qt_convert_to_f32(float *dst, const void *src, qt_dtype t, size_t n);
 void qt_convert_from_f32(void *dst, qt_dtype t, const float *src, size_t n);
+
+/* The index of the first NaN or inf among n elements of type t (an all-ones
+ * exponent), n when there is none; *nan says which it is. One pass the
+ * compiler vectorises, then a scan only when one is there. */
+size_t qt_find_nonfinite(const void *p, qt_dtype t, size_t n, int *nan);
 
 #endif

@@ -5,11 +5,22 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
+
+const char *qt_file_kind(unsigned mode) {
+    return S_ISREG(mode)    ? "a regular file"
+           : S_ISDIR(mode)  ? "a folder"
+           : S_ISFIFO(mode) ? "a FIFO (named pipe)"
+           : S_ISCHR(mode)  ? "a character device (like /dev/zero)"
+           : S_ISBLK(mode)  ? "a block device"
+           : S_ISSOCK(mode) ? "a socket"
+                            : "not a regular file";
+}
 
 int qt_open_regular(const char *path, const char *what, int *fd) {
     *fd = -1;
@@ -24,14 +35,8 @@ int qt_open_regular(const char *path, const char *what, int *fd) {
     }
     if (!S_ISREG(st.st_mode)) {
         close(f);
-        const char *kind = S_ISDIR(st.st_mode)    ? "a folder"
-                           : S_ISFIFO(st.st_mode) ? "a FIFO (named pipe)"
-                           : S_ISCHR(st.st_mode)  ? "a character device (like /dev/zero)"
-                           : S_ISBLK(st.st_mode)  ? "a block device"
-                           : S_ISSOCK(st.st_mode) ? "a socket"
-                                                  : "not a regular file";
         return QT_ERR(QT_EINVAL, "%s %s is %s, not a regular file; qtune reads only regular files: save it to a file "
-                      "and name that", what, path, kind);
+                      "and name that", what, path, qt_file_kind((unsigned)st.st_mode));
     }
     int fl = fcntl(f, F_GETFL);
     if (fl >= 0) fcntl(f, F_SETFL, fl & ~O_NONBLOCK);
@@ -191,6 +196,38 @@ void qt_rmdir_made(const char *path, const char *top) {
     }
 }
 
+long qt_tmp_pid(const char *name, const char *base) {
+    size_t n = strlen(base);
+    if (strncmp(name, base, n) || strncmp(name + n, ".tmp.", 5)) return 0;
+    const char *p = name + n + 5;
+    long pid = 0;
+    for (; *p >= '0' && *p <= '9' && pid < 100000000; p++) pid = pid * 10 + (*p - '0');
+    return *p || p == name + n + 5 ? 0 : pid;
+}
+
+int qt_remove_dead_tmps(const char *path_of, int *removed) {
+    *removed = 0;
+    char dir[4096];
+    qt_path_dirname(dir, sizeof dir, path_of);
+    const char *slash = strrchr(path_of, '/'), *base = slash ? slash + 1 : path_of;
+    if (!base[0]) return QT_OK;
+    DIR *d = opendir(dir);
+    if (!d) return errno == ENOENT ? QT_OK : QT_ERR(QT_EIO, "cannot open folder %s: %s", dir, strerror(errno));
+    int rc = QT_OK;
+    char path[4096];
+    struct dirent *e;
+    while (rc == QT_OK && (e = readdir(d))) {
+        long pid = qt_tmp_pid(e->d_name, base);
+        /* ESRCH only: EPERM is a process of another user, alive */
+        if (pid <= 0 || pid == (long)getpid() || kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
+        rc = qt_path_join(path, sizeof path, dir, e->d_name);
+        if (rc == QT_OK) rc = qt_rm_rf(path);
+        if (rc == QT_OK) (*removed)++;
+    }
+    closedir(d);
+    return rc;
+}
+
 int qt_rm_rf(const char *path) {
     struct stat st;
     if (lstat(path, &st) != 0) return errno == ENOENT ? QT_OK : QT_ERR(QT_EIO, "cannot stat %s: %s", path, strerror(errno));
@@ -275,8 +312,9 @@ void qt_path_dirname(char *out, size_t cap, const char *path) {
 }
 
 int qt_copy_file(const char *src, const char *dst) {
-    FILE *in = fopen(src, "rb");
-    if (!in) return QT_ERR(QT_EIO, "cannot open %s: %s", src, strerror(errno));
+    /* a FIFO would block for ever, /dev/zero fill the disk */
+    FILE *in = qt_fopen_regular(src, "the file to copy");
+    if (!in) return qt_error_code();
     qt_atomic_file af;
     int rc = qt_atomic_open(&af, dst);
     if (rc != QT_OK) { fclose(in); return rc; }

@@ -15,6 +15,9 @@
  * without blocking on a FIFO or reading forever from a device. `what` names
  * the file's role, e.g. "the data file". */
 int qt_open_regular(const char *path, const char *what, int *fd);
+/* What a stat mode is, for such a sentence: "a folder", "a FIFO (named
+ * pipe)", "a character device (like /dev/zero)", ... */
+const char *qt_file_kind(unsigned mode);
 /* The same as a stdio stream; NULL with the error set. */
 FILE *qt_fopen_regular(const char *path, const char *what);
 
@@ -47,6 +50,16 @@ int qt_path_missing_top(const char *path, char *top, size_t cap);
  * stops it. Only rmdir and string copies: async-signal-safe. */
 void qt_rmdir_made(const char *path, const char *top);
 int qt_rm_rf(const char *path);
+/* A writer killed before its rename (kill -9, a power cut) leaves its
+ * temporary, named PATH.tmp.PID: qt_atomic_open's files, merge's staging
+ * folders. qt_tmp_pid is the PID of such a file name for the file name base
+ * (0 when name is not one); qt_remove_dead_tmps removes the temporaries of
+ * path whose process no longer exists on this host (a live one, a concurrent
+ * writer, is left) and counts them in *removed. A run that takes its output
+ * folder under a lock removes its own kinds (train/outdir.c); export and merge,
+ * which hold no lock, call this before they write. */
+long qt_tmp_pid(const char *name, const char *base);
+int qt_remove_dead_tmps(const char *path, int *removed);
 int qt_path_exists(const char *path);
 int qt_is_dir(const char *path);
 int qt_fsync_dir(const char *dir);
@@ -60,6 +73,8 @@ int qt_dir_replace(const char *tmp, const char *final);
 int qt_path_join(char *out, size_t cap, const char *dir, const char *name);
 /* Folder part of a path ("." when none). */
 void qt_path_dirname(char *out, size_t cap, const char *path);
+/* Copies the regular file src to dst (atomically); anything else at src (a
+ * FIFO, a device) is refused as qt_open_regular refuses it. */
 int qt_copy_file(const char *src, const char *dst);
 /* Free bytes on the filesystem holding path, or -1. */
 int64_t qt_free_disk_bytes(const char *path);

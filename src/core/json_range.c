@@ -63,7 +63,9 @@ static int jr_number(const char *t, size_t n, const char *where, const jr_frame 
                   where, path, n > 40 ? 40 : (int)n, t);
 }
 
-int qt_json_check_range(const char *text, size_t len, const char *where) {
+/* Walks text[0, len) tracking the key path; with where, checks each number
+ * (jr_number); with path, writes the key path of the value at len there. */
+static int jr_walk(const char *text, size_t len, const char *where, char *path, size_t cap) {
     jr_frame st[JR_DEPTH];
     int depth = 0, expect_key = 0;
     size_t i = 0;
@@ -84,7 +86,7 @@ int qt_json_check_range(const char *text, size_t len, const char *where) {
         if (ch == '-' || (ch >= '0' && ch <= '9')) {
             size_t j = i;
             while (j < len && strchr("+-.eE0123456789", text[j]) && text[j]) j++;
-            QT_TRY(jr_number(text + i, j - i, where, st, depth));
+            if (where) QT_TRY(jr_number(text + i, j - i, where, st, depth));
             i = j;
             continue;
         }
@@ -109,7 +111,31 @@ int qt_json_check_range(const char *text, size_t len, const char *where) {
         }
         i++;
     }
+    if (path) jr_path(path, cap, st, depth);
     return QT_OK;
+}
+
+int qt_json_check_range(const char *text, size_t len, const char *where) {
+    return jr_walk(text, len, where, NULL, 0);
+}
+
+int qt_json_parse_error(const char *text, const char *err, const char *where, const char *hint) {
+    size_t off = err && err >= text ? (size_t)(err - text) : 0;
+    int line = 1;
+    for (size_t i = 0; i < off && text[i]; i++) line += text[i] == '\n';
+    /* what Python's json.dump writes for a float that is NaN or infinite */
+    static const char *const words[] = {"NaN", "Infinity", "-Infinity", "nan", "inf", "-inf", "-NaN", NULL};
+    const char *word = NULL;
+    for (int k = 0; err && words[k] && !word; k++) {
+        size_t n = strlen(words[k]);
+        if (!strncmp(err, words[k], n) && !((err[n] >= 'a' && err[n] <= 'z') || (err[n] >= 'A' && err[n] <= 'Z')))
+            word = words[k];
+    }
+    if (!word) return QT_ERR(QT_EFORMAT, "%s: line %d is not valid JSON; %s", where, line, hint);
+    char path[512];
+    jr_walk(text, off, NULL, path, sizeof path);
+    return QT_ERR(QT_EFORMAT, "%s: line %d: %s is %s, which JSON has no value for (Python's json.dump writes it for a "
+                  "float that is not finite); %s", where, line, path, word, hint);
 }
 
 /* ---------------------------------------------------------------------------

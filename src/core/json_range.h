@@ -17,6 +17,13 @@
  * DBL_MAX are refused; an exact zero (0, 0.0, 0e-400) is fine. */
 int qt_json_check_range(const char *text, size_t len, const char *where);
 
+/* The error for JSON text that cJSON refused, err its error pointer:
+ * QT_EFORMAT with one sentence naming `where` (the file), the line and, for
+ * NaN or Infinity (what Python's json.dump writes for a float that is not
+ * finite; no JSON reader takes it), the key path ("rope_scaling.factor").
+ * `hint` ends the sentence: what to do. */
+int qt_json_parse_error(const char *text, const char *err, const char *where, const char *hint);
+
 /* A key that appears twice in one object, anywhere in the tree, is refused
  * with one sentence naming `where` and the key path ("train.lr"): cJSON keeps
  * the first, Python's json the last. The job file and the DeepSpeed file run it. */

@@ -14,8 +14,9 @@
  *    to their owners as the backward hands them over, so that no rank holds a
  *    gradient block; the optimizer state (m, v, ...) is allocated for the
  *    rank's range only (stage 1, 2) in host memory when offloaded, and the
- *    updated parameters are all-gathered (stage 1, 2). The collectives go
- *    through transport.h.
+ *    updated parameters are all-gathered (stage 1, 2); at stage 3 the weights
+ *    the graph reads stay partitioned too and each layer's are gathered at use
+ *    (zero_gather_params). The collectives go through transport.h.
  *
  * Per optimizer step the trainer calls, in this order (docs/distributed.md):
  *   dist_allreduce_i64(&tokens)        global labelled-token count, BEFORE backward
@@ -125,7 +126,12 @@ struct qt_backend;
 
 typedef struct {
     int stage;            /* 0: replicate everything; 1: shard optimizer state;
-                             2: also partition gradients (each rank keeps only its shard) */
+                             2: also partition gradients (each rank keeps only its shard);
+                             3: also partition the parameters (gathered at use: zero_gather_params) */
+    int offload_param;    /* stage 3, offload_param.device = cpu: the parameter shard in host memory */
+    int prefetch;         /* stage 3: the next layer's gather starts before this layer computes */
+    size_t persist_elems; /* stage 3: elements kept whole on every rank (norm weights, biases), all-gathered
+                             after each update (zero_allgather_runs): they, not the block, size its bucket */
     int offload;          /* offload_optimizer.device = cpu: optimizer state in host memory */
     size_t bucket_elems;  /* reduce_bucket_size: elements per gradient collective; 0 = 5e8 */
     size_t allgather_bucket_elems; /* allgather_bucket_size: elements of the parameter
@@ -144,7 +150,11 @@ typedef struct {
  * ranks the model holds no gradient block (model.h opts.grad_windows) and
  * hands its gradients to zero_grads_*; on one rank there is nothing to
  * partition, so the model keeps its block. */
-static inline int zero_partitions_grads(int stage, int world) { return stage == 2 && world > 1; }
+static inline int zero_partitions_grads(int stage, int world) { return stage >= 2 && world > 1; }
+/* ZeRO-3 over several ranks: each rank keeps 1/N of the weights the graph
+ * reads (model.h qt_model_opts.param_shards); a layer's are gathered before
+ * its forward and again before its backward (zero_gather_params). */
+static inline int zero_partitions_params(int stage, int world) { return stage == 3 && world > 1; }
 /* ZeRO 1/2 over several ranks keep each rank's shard of the fp32 master (the
  * model applies it where the master is not the weights the graph reads:
  * qt_model_opts.master_shards, memplan.h qt_model_opts_sharded). */
@@ -240,6 +250,18 @@ int zero_allgather_runs(zero_plan *p, float *dst, const qt_flat_run *runs, int n
  * floats; ignored on the other ranks). Collective: every rank calls it with
  * the same range. Stage 1/2 over 2+ ranks only. */
 int zero_gather_range(zero_plan *p, const float *mine, size_t lo, size_t hi, float *out);
+
+/* Stage 3: the flat elements [lo, hi) of a block of esize-byte elements
+ * sharded as the plan shards (mine: this rank's elements, its lo first) reach
+ * every rank's dst (hi - lo elements): each owner broadcasts its part in
+ * place, so no staging and no padding, and every rank receives the same bits.
+ * With rqs (at least zero_gather_slots(p, lo, hi) slots) the broadcasts are
+ * started and left in flight (the prefetch); tp_wait them before reading dst.
+ * Collective: every rank calls it with the same range, in the same order. */
+struct tp_req;
+int zero_gather_slots(const zero_plan *p, size_t lo, size_t hi, size_t esize);
+int zero_gather_params(zero_plan *p, const void *mine, size_t esize, size_t lo, size_t hi, void *dst, struct tp_req **rqs);
+int zero_gather_wait(zero_plan *p, struct tp_req **rqs, int n);
 
 /* Convenience for the trainer: one call per optimizer step between the last
  * backward and the optimizer. Reduces the gradients (see zero_reduce_grads;

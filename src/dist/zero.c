@@ -30,6 +30,11 @@
  * an fp32 block, or (a sharded master, model.h qt_model_sharded) the 2-byte
  * compute copy and the f32 runs of norm weights and biases.
  *
+ * Parameters, stage 3: the model's compute weights stay partitioned; a
+ * layer's flat range is gathered when the graph reads it (zero_gather_params:
+ * each owner broadcasts its part in place, non-blocking for the prefetch),
+ * and only the 1-D tensors kept whole are all-gathered after the update.
+ *
  * The memory all this takes is zero_memory's answer, which zero_plan_create
  * allocates and `qtune plan` prints. */
 #include "dist/dist_internal.h"
@@ -112,6 +117,7 @@ static size_t opt_bucket(size_t b) { return b ? b : ZERO_DEFAULT_BUCKET; }
 static size_t gather_part(size_t n, int N, const zero_opts *o) {
     size_t sh = shard_len(n, N), ag = round_up(opt_bucket(o->allgather_bucket_elems) / (size_t)N, ZERO_ALIGN);
     if (ag > (size_t)INT_MAX / 2 / (size_t)N) ag = (size_t)INT_MAX / 2 / (size_t)N / ZERO_ALIGN * ZERO_ALIGN;
+    if (o->stage == 3 && o->persist_elems < sh) sh = round_up(o->persist_elems ? o->persist_elems : 1, ZERO_ALIGN);
     return ag < sh ? ag : sh;
 }
 
@@ -128,7 +134,7 @@ int zero_memory(size_t n, int N, int rank, const zero_opts *o, int nslots, zero_
     size_t own = o->stage == 0 ? n : hi - lo, bucket = opt_bucket(o->bucket_elems);
     if (bucket > n) bucket = n;
     if (N > 1) {
-        if (o->stage == 2) {
+        if (o->stage >= 2) {
             m->grad_shard = (hi - lo) * 4;
             m->rows = (size_t)N * rows_msg(o) * 4;
             /* the reductions' temporaries: a piece is at most a bucket, a window and a shard (ready()
@@ -175,8 +181,8 @@ static void bufs_free(zero_plan *p) {
 
 int zero_plan_create(dist_ctx *d, size_t n, const zero_opts *opts, zero_plan **out) {
     *out = NULL;
-    if (opts->stage < 0 || opts->stage > 2)
-        return QT_ERR(QT_EUNSUPPORTED, "zero_optimization.stage %d is not supported; use 0, 1 or 2", opts->stage);
+    if (opts->stage < 0 || opts->stage > 3)
+        return QT_ERR(QT_EUNSUPPORTED, "zero_optimization.stage %d is not supported; use 0, 1, 2 or 3", opts->stage);
     size_t bucket = opt_bucket(opts->bucket_elems);
     if (bucket > (size_t)INT_MAX / 2) bucket = (size_t)INT_MAX / 2;
     int N = d->world;
@@ -309,7 +315,7 @@ static int begin_reduction(zero_plan *p, float *grads) {
 }
 
 int zero_reduce_ready(zero_plan *p, float *grads, size_t from) {
-    if (p->d->world == 1 || p->stage == 2) return QT_OK;
+    if (p->d->world == 1 || p->stage >= 2) return QT_OK;
     QT_TRY(begin_reduction(p, grads));
     /* buckets wholly inside [from, n): nb - ceil(from / bucket) of them */
     size_t first = (from + p->bucket - 1) / p->bucket;
@@ -326,7 +332,7 @@ static int reduce_block_stage2(zero_plan *p, float *grads);
 
 int zero_reduce_grads(zero_plan *p, float *grads) {
     if (p->d->world == 1) return QT_OK;
-    if (p->stage == 2) return reduce_block_stage2(p, grads);
+    if (p->stage >= 2) return reduce_block_stage2(p, grads);
     QT_TRY(begin_reduction(p, grads));
     int rc = QT_OK;
     while (progress(p, grads, p->nb, &rc) > 0 && rc == QT_OK) {
@@ -382,7 +388,7 @@ static int fly_settle(zero_plan *p, const float *win, size_t n, int all) {
 }
 
 int zero_grads_begin(zero_plan *p) {
-    if (p->stage != 2) return QT_ERR(QT_EINVAL, "dist: gradient hand-over is ZeRO stage 2's; this plan is stage %d",
+    if (p->stage < 2) return QT_ERR(QT_EINVAL, "dist: gradient hand-over is ZeRO stage 2's and 3's; this plan is stage %d",
                                      p->stage);
     QT_TRY(fly_settle(p, NULL, 0, 1));
     if (p->gshard) p->be->zero(p->be, p->gshard, p->mem.grad_shard);
@@ -547,6 +553,53 @@ int zero_allgather_runs(zero_plan *p, float *dst, const qt_flat_run *runs, int n
     }
     return QT_OK;
 }
+
+/* ------------------------------------------------------------------------- */
+/* Stage 3: a range of the sharded parameters gathered at use                 */
+
+/* Broadcasts of at most this many bytes (the transport's counts are below TP_MAX_COUNT). */
+#define GATHER_CHUNK ((size_t)1 << 28)
+
+/* Rank r's part of [lo, hi): [*a, *e), empty when *e <= *a. */
+static void part_of(const zero_plan *p, int r, size_t lo, size_t hi, size_t *a, size_t *e) {
+    size_t s0, s1;
+    zero_shard_of(p, r, &s0, &s1);
+    *a = s0 > lo ? s0 : lo;
+    *e = s1 < hi ? s1 : hi;
+}
+
+int zero_gather_slots(const zero_plan *p, size_t lo, size_t hi, size_t esize) {
+    int k = 0;
+    for (int r = 0; r < p->d->world; r++) {
+        size_t a, e;
+        part_of(p, r, lo, hi, &a, &e);
+        if (e > a) k += (int)(((e - a) * esize + GATHER_CHUNK - 1) / GATHER_CHUNK);
+    }
+    return k;
+}
+
+int zero_gather_params(zero_plan *p, const void *mine, size_t esize, size_t lo, size_t hi, void *dst, tp_req **rqs) {
+    if (lo > hi || hi > p->n)
+        return QT_ERR(QT_EINVAL, "dist: parameter range [%zu, %zu) is outside the block of %zu", lo, hi, p->n);
+    char *out = dst;
+    int k = 0;
+    for (int r = 0; r < p->d->world; r++) {
+        size_t a, e;
+        part_of(p, r, lo, hi, &a, &e);
+        if (e <= a) continue;
+        char *at = out + (a - lo) * esize;
+        size_t bytes = (e - a) * esize;
+        if (r == p->d->rank) p->be->copy(p->be, at, (const char *)mine + (a - p->lo) * esize, bytes);
+        if (p->d->world == 1) continue;
+        for (size_t o = 0; o < bytes; o += GATHER_CHUNK) {
+            size_t c = bytes - o < GATHER_CHUNK ? bytes - o : GATHER_CHUNK;
+            QT_TRY(tp_bcast(p->d, at + o, c, r, rqs ? &rqs[k++] : NULL, "parameter gather"));
+        }
+    }
+    return QT_OK;
+}
+
+int zero_gather_wait(zero_plan *p, tp_req **rqs, int n) { return tp_wait(p->d, rqs, n, "parameter gather"); }
 
 int zero_reduce_partial(zero_plan *p, double *vals, int n, dist_op op, const char *what) {
     if (p->stage == 0) return QT_OK;

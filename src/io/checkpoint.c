@@ -204,10 +204,27 @@ int ckpt_read_f32(const char *path, const char *name, float *data, size_t n) {
 #define SUM_HEX 64 /* SHA-256: 32 bytes as hex */
 #define SUM_MAX_FILES 4096
 
-/* SHA-256 of a file as 64 lowercase hex digits, read in 4 MiB blocks. */
+/* SHA-256 of a file as 64 lowercase hex digits, read in 4 MiB blocks. A
+ * checkpoint holds only regular files: anything else named there (a FIFO,
+ * which would block in open(), a link to /dev/zero, which never ends) is
+ * refused before it is read. Reading a large checkpoint takes minutes, so a
+ * stop request (qt_cancel_requested) ends it between blocks. */
 static int sha256_file(const char *path, char hex[SUM_HEX + 1]) {
-    int fd = open(path, O_RDONLY);
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) return QT_ERR(QT_EIO, "cannot open %s: %s", path, strerror(errno));
+    struct stat sb;
+    if (fstat(fd, &sb) != 0) {
+        int e = errno;
+        close(fd);
+        return QT_ERR(QT_EIO, "cannot read %s: %s", path, strerror(e));
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        close(fd);
+        return QT_ERR(QT_EFORMAT, "%s is %s, not a regular file, and a checkpoint holds only regular files; the "
+                      "checkpoint is damaged", path, qt_file_kind((unsigned)sb.st_mode));
+    }
+    int fl = fcntl(fd, F_GETFL);
+    if (fl >= 0) fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
     const size_t cap = (size_t)4 << 20;
     unsigned char *buf = qt_malloc(cap, "checksum buffer");
     EVP_MD_CTX *ctx = EVP_MD_CTX_new();
@@ -216,6 +233,10 @@ static int sha256_file(const char *path, char hex[SUM_HEX + 1]) {
         rc = QT_ERR(QT_EIO, "cannot start a SHA-256 digest (OpenSSL) for %s", path);
     for (;;) {
         if (rc != QT_OK) break;
+        if (qt_cancel_requested()) {
+            rc = QT_ERR(QT_EINTERRUPTED, "stopped while checking %s against its checksum", path);
+            break;
+        }
         ssize_t got = read(fd, buf, cap);
         if (got < 0 && errno == EINTR) continue;
         if (got < 0) { rc = QT_ERR(QT_EIO, "cannot read %s: %s", path, strerror(errno)); break; }
@@ -278,23 +299,62 @@ int ckpt_write_checksums(const char *dir) {
     return rc;
 }
 
-int ckpt_verify_checksums(const char *dir, int *present) {
+/* Appends name to the ", "-separated list out (cap bytes), or counts it in
+ * *more when it no longer fits. */
+static void list_add(char *out, size_t cap, const char *name, int *more) {
+    size_t len = strlen(out);
+    if (len + strlen(name) + 2 + 24 >= cap) { /* room kept for " and N more" */
+        (*more)++;
+        return;
+    }
+    snprintf(out + len, cap - len, "%s%s", len ? ", " : "", name);
+}
+
+/* The regular files of dir (not dot files, not CKPT_SUMS_FILE) that the list
+ * does not name: they would be resumed unchecked. */
+static int find_unlisted(const char *dir, char *const *listed, size_t n_listed, char *out, size_t cap) {
+    DIR *d = opendir(dir);
+    if (!d) return QT_ERR(QT_EIO, "cannot open folder %s: %s", dir, strerror(errno));
+    int more = 0, rc = QT_OK;
+    char path[CKPT_PATH_MAX];
+    struct dirent *e;
+    while (rc == QT_OK && (e = readdir(d))) {
+        if (e->d_name[0] == '.' || !strcmp(e->d_name, CKPT_SUMS_FILE)) continue;
+        struct stat sb;
+        rc = qt_path_join(path, sizeof path, dir, e->d_name);
+        if (rc != QT_OK || stat(path, &sb) != 0 || !S_ISREG(sb.st_mode)) continue;
+        size_t i = 0;
+        while (i < n_listed && strcmp(listed[i], e->d_name)) i++;
+        if (i == n_listed) list_add(out, cap, e->d_name, &more);
+    }
+    closedir(d);
+    size_t len = strlen(out);
+    if (more) snprintf(out + len, cap - len, " and %d more", more);
+    return rc;
+}
+
+int ckpt_verify_checksums(const char *dir, int *present, char *unlisted, size_t cap) {
     char sums[CKPT_PATH_MAX], path[CKPT_PATH_MAX];
     *present = 0;
+    if (cap) unlisted[0] = 0;
     QT_TRY(qt_path_join(sums, sizeof sums, dir, CKPT_SUMS_FILE));
     if (!qt_path_exists(sums)) return QT_OK;
     *present = 1;
     char *text;
     size_t len;
     QT_TRY(qt_read_file(sums, (size_t)SUM_MAX_FILES * (SUM_HEX + 3 + 256), &text, &len));
-    int rc = QT_OK;
+    char **listed = qt_calloc(SUM_MAX_FILES, sizeof *listed, "checksum list");
+    size_t n_listed = 0;
+    int rc = listed ? QT_OK : QT_ENOMEM;
     long line = 0;
     for (char *p = text; rc == QT_OK && *p;) {
         char *nl = strchr(p, '\n');
         if (!nl) nl = p + strlen(p);
         line++;
-        /* "HEX  NAME": 64 hex digits, two spaces, a plain file name */
+        /* "HEX  NAME": 64 hex digits, two spaces, a plain file name; a list
+         * saved with Windows line ends (CRLF) reads the same */
         size_t ll = (size_t)(nl - p);
+        if (ll && p[ll - 1] == '\r') ll--;
         char name[256];
         int good = ll > SUM_HEX + 2 && ll - SUM_HEX - 2 < sizeof name && p[SUM_HEX] == ' ' && p[SUM_HEX + 1] == ' ';
         for (int i = 0; good && i < SUM_HEX; i++) good = isxdigit((unsigned char)p[i]) && !isupper((unsigned char)p[i]);
@@ -318,8 +378,14 @@ int ckpt_verify_checksums(const char *dir, int *present) {
                         "%s does not match its SHA-256 in %s: it changed after it was written (a disk error, or a "
                         "file copied in)",
                         path, CKPT_SUMS_FILE);
+        if (rc == QT_OK && n_listed < SUM_MAX_FILES && !(listed[n_listed] = qt_strdup(name))) rc = QT_ENOMEM;
+        if (rc == QT_OK && n_listed < SUM_MAX_FILES) n_listed++;
         p = *nl ? nl + 1 : nl;
     }
+    /* a list cut short or edited must not switch the check off in silence */
+    if (rc == QT_OK && cap) rc = find_unlisted(dir, listed, n_listed, unlisted, cap);
+    for (size_t i = 0; i < n_listed; i++) qt_free(listed[i]);
+    qt_free(listed);
     qt_free(text);
     return rc;
 }

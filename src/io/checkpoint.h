@@ -51,8 +51,13 @@ long ckpt_step_of(const char *name);
 int ckpt_write_checksums(const char *dir);
 /* Checks every file dir/CKPT_SUMS_FILE lists. *present = 0 (and QT_OK) when
  * the folder has no such file (written before qtune recorded checksums).
- * A missing file or a different hash is QT_EFORMAT naming the file. */
-int ckpt_verify_checksums(const char *dir, int *present);
+ * A missing file, one that is not a regular file (a FIFO, a link to a
+ * device) or a different hash is QT_EFORMAT naming the file; a stop request
+ * (qt_cancel_requested) ends the reading with QT_EINTERRUPTED. The regular
+ * files of dir that the list leaves out (an empty or edited list) go into
+ * unlisted (cap bytes, ", "-separated; "" when every file is listed): they
+ * are not checked, and the caller says so. */
+int ckpt_verify_checksums(const char *dir, int *present, char *unlisted, size_t cap);
 /* The newest complete checkpoint of output_dir older than `step` (path and
  * its step), *prev = -1 when there is none: what to resume from instead of
  * a damaged one. */

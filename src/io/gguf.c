@@ -10,6 +10,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/log.h"
 #include "core/mem.h"
 
 #define GGUF_MAGIC 0x46554747u /* "GGUF" read as a little-endian u32 */
@@ -276,6 +277,16 @@ static int write_tensor(gguf_writer *w, qt_atomic_file *af, const gguf_tensor *g
         case GGUF_BF16: qt_convert_from_f32(buf, QT_BF16, f32, n); break;
         case GGUF_Q8_0: gguf_quantize_q8_0(buf, f32, n); break;
         }
+        /* llama.cpp would load NaN or inf weights and print garbage: the values, and an f16 that overflowed */
+        int nan;
+        size_t at = qt_find_nonfinite(f32, QT_F32, n, &nan);
+        if (at == n && g->type == GGUF_F16) at = qt_find_nonfinite(buf, QT_F16, n, &nan);
+        if (at < n && isfinite(f32[at]))
+            return QT_ERR(QT_ENUMERIC, "tensor %s holds %g at element %zu, past F16's range (written as inf); export "
+                          "with --dtype bf16 or f32", g->name, (double)f32[at], off + at);
+        if (at < n)
+            return QT_ERR(QT_ENUMERIC, "tensor %s holds %s at element %zu", g->name, nan ? "NaN" : "an infinite value",
+                          off + at);
         size_t nb = gguf_type_bytes(g->type, n);
         QT_TRY(qt_atomic_write(af, out, nb));
         ps->done += nb;
@@ -305,6 +316,10 @@ int gguf_writer_write(gguf_writer *w, const char *path) {
     void *buf = qt_malloc(CHUNK_ELEMS * sizeof(float), "GGUF conversion chunk");
     qt_atomic_file af;
     if (!f32 || !buf) rc = QT_ENOMEM;
+    /* what an export killed before its rename (kill -9) left beside path */
+    int removed = 0;
+    if (rc == QT_OK) rc = qt_remove_dead_tmps(path, &removed);
+    if (removed) qt_info("removed %d temporary file(s) %s.tmp.PID that a killed export left", removed, path);
     if (rc == QT_OK) rc = qt_atomic_open(&af, path);
     if (rc == QT_OK) {
         progress_state ps = {qt_now_s(), 0.0, 0, w->data_bytes};

@@ -3,8 +3,8 @@
  * hyperparameters under "<arch>.", the byte-level BPE vocabulary (from
  * tokenizer.json, or the original Qwen's qwen.tiktoken as its QwenModel reads it) under
  * "tokenizer.ggml." (every id below vocab_size, ids with no token as
- * "[PAD<id>]" of type UNUSED, added tokens CONTROL when special else
- * USER_DEFINED), merges as "a b" strings, special ids and the chat template. */
+ * "[PAD<id>]" of type UNUSED, added tokens CONTROL when special or spelled
+ * like a control token (<|...|>), else USER_DEFINED), merges as "a b" strings, special ids and the chat template. */
 #include "io/gguf_export.h"
 
 #include <cjson/cJSON.h>
@@ -185,6 +185,24 @@ static const struct {
      "llama-bpe"},
 };
 
+/* convert_hf_to_gguf.py's does_token_look_special: an added token that is not
+ * marked special but reads like a control token is typed CONTROL all the same
+ * (Qwen2.5 ships <|fim_prefix|> ... <|file_sep|> with "special": false, and a
+ * USER_DEFINED token spelled <|...|> draws a "control-looking token" warning
+ * on every llama.cpp load). */
+static int looks_special(const char *t) {
+    static const char *const named[] = {"<pad>", "<mask>", "<2mass>", "[@BOS@]"};
+    for (size_t i = 0; i < sizeof named / sizeof named[0]; i++)
+        if (!strcmp(t, named[i])) return 1;
+    const size_t n = strlen(t);
+#define ENDS(s) (n >= strlen(s) && !strcmp(t + n - strlen(s), s))
+    if (!strncmp(t, "<|", 2) && ENDS("|>")) return 1;
+    if (!strncmp(t, "<\xef\xbd\x9c", 4) && ENDS("\xef\xbd\x9c>")) return 1; /* fullwidth bars, deepseek-coder */
+    if (!strncmp(t, "<unused", 7) && ENDS(">")) return 1;
+#undef ENDS
+    return 0;
+}
+
 static const char *split_regex(const cJSON *pre) {
     const cJSON *type = cJSON_GetObjectItemCaseSensitive(pre, "type");
     if (cJSON_IsString(type) && !strcmp(type->valuestring, "Split")) {
@@ -283,8 +301,9 @@ static int add_tokenizer(gguf_writer *w, const char *dir, const qt_config *cfg) 
             break;
         }
         tokens[id->valueint] = c->valuestring;
-        types[id->valueint] = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(e, "special")) ? TOK_CONTROL
-                                                                                           : TOK_USER_DEFINED;
+        types[id->valueint] = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(e, "special")) || looks_special(c->valuestring)
+                                  ? TOK_CONTROL
+                                  : TOK_USER_DEFINED;
     }
     char (*pads)[24] = NULL;
     if (rc == QT_OK && !(pads = qt_malloc((size_t)V * sizeof *pads, "GGUF pad tokens"))) rc = QT_ENOMEM;
@@ -344,8 +363,23 @@ static int add_tokenizer(gguf_writer *w, const char *dir, const qt_config *cfg) 
     if (rc == QT_OK)
         rc = gguf_set_bool(w, "tokenizer.ggml.add_bos_token",
                            cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(tc, "add_bos_token")));
+    /* the template qtune trains and chats with (text/chat_template.h): the folder's chat_template.jinja, else
+     * tokenizer_config.json's, else the ChatML qtune renders for a folder without one, so that llama.cpp
+     * serves the model under the prompt format it was trained on */
+    char jpath[4096], *jtext = NULL;
+    size_t jlen = 0;
+    if (rc == QT_OK && qt_path_join(jpath, sizeof jpath, dir, "chat_template.jinja") == QT_OK && qt_path_exists(jpath))
+        rc = qt_read_file(jpath, (size_t)64 << 20, &jtext, &jlen);
     const cJSON *tmpl = cJSON_GetObjectItemCaseSensitive(tc, "chat_template");
-    if (rc == QT_OK && cJSON_IsString(tmpl)) rc = gguf_set_str(w, "tokenizer.chat_template", tmpl->valuestring);
+    const char *chosen = jtext ? jtext : cJSON_IsString(tmpl) ? tmpl->valuestring
+                       : tiktoken ? qt_qwen_chatml_template : qt_qwen25_chat_template;
+    if (rc == QT_OK && cJSON_IsArray(tmpl) && !jtext) /* [{name, template}]: the "default" one, as apply_chat_template */
+        for (const cJSON *e = tmpl->child; e; e = e->next) {
+            const cJSON *nm = cJSON_GetObjectItemCaseSensitive(e, "name"), *t = cJSON_GetObjectItemCaseSensitive(e, "template");
+            if (cJSON_IsString(nm) && !strcmp(nm->valuestring, "default") && cJSON_IsString(t)) chosen = t->valuestring;
+        }
+    if (rc == QT_OK) rc = gguf_set_str(w, "tokenizer.chat_template", chosen);
+    qt_free(jtext);
     for (size_t i = 0; merges && i < n_merges; i++) qt_free(merges[i]);
     qt_free(merges);
     qt_free(pads);
@@ -365,10 +399,34 @@ static void folder_name(const char *dir, char *out, size_t cap) {
     snprintf(out, cap, "%.*s", (int)(n - b), dir + b);
 }
 
+/* general.name: the folder's name, except for a training run's final/ or
+ * checkpoint-STEP, which is named after the base model and the run
+ * ("Qwen2.5-0.5B-myrun"): its qtune_run.json beside it records the job. */
+static void model_name(const char *dir, char *out, size_t cap) {
+    folder_name(dir, out, cap);
+    if (strcmp(out, "final") && strncmp(out, "checkpoint-", 11)) return;
+    char parent[4096], run[4200], base[256] = "", runname[256];
+    qt_path_dirname(parent, sizeof parent, dir);
+    folder_name(parent, runname, sizeof runname);
+    char *text = NULL;
+    snprintf(run, sizeof run, "%s/qtune_run.json", parent);
+    if (qt_read_file(run, 1 << 24, &text, NULL) == QT_OK) {
+        cJSON *j = cJSON_Parse(text);
+        const cJSON *m = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(j, "job"), "model");
+        if (cJSON_IsString(m)) folder_name(m->valuestring, base, sizeof base);
+        cJSON_Delete(j);
+        qt_free(text);
+    } else {
+        qt_error_clear();
+    }
+    if (base[0] && strcmp(base, ".") && strcmp(base, runname)) snprintf(out, cap, "%.120s-%.120s", base, runname);
+    else if (runname[0] && strcmp(runname, ".")) snprintf(out, cap, "%s", runname);
+}
+
 static int add_general(gguf_writer *w, const arch_map *a, const char *type, const char *dir,
                        const gguf_export_opts *o) {
     char name[256];
-    folder_name(dir, name, sizeof name);
+    model_name(dir, name, sizeof name);
     QT_TRY(gguf_set_str(w, "general.architecture", a->name));
     QT_TRY(gguf_set_str(w, "general.type", type));
     return gguf_set_str(w, "general.name", o->name ? o->name : name);
@@ -478,6 +536,10 @@ static uint32_t file_type(gguf_type t) {
 
 static int load_config(const char *dir, qt_config *cfg, const arch_map **a) {
     QT_TRY(qt_config_load(dir, cfg));
+    if (cfg->prequant4)
+        return QT_ERR(QT_EUNSUPPORTED, "%s is a bitsandbytes 4-bit folder (quantization_config); GGUF export reads "
+                                       "16-bit weights only: give --model the 16-bit folder the 4-bit one was made "
+                                       "from", dir);
     if (!(*a = find_arch((int)cfg->arch)))
         return QT_ERR(QT_EUNSUPPORTED, "%s/config.json: GGUF export writes Qwen2ForCausalLM, Qwen3ForCausalLM, "
                       "LlamaForCausalLM and QWenLMHeadModel models, not %s; convert it with llama.cpp's "

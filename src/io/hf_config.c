@@ -275,11 +275,39 @@ static int parse_qwen1(const cJSON *root, const char *where, qt_config *c) {
     return check_unsupported(root, where, c);
 }
 
+/* quantization_config: only bitsandbytes' 4-bit (a pre-quantized folder, e.g.
+ * unsloth's "-bnb-4bit"); the tensors are checked as they load. */
+static int parse_quant_config(const cJSON *root, const char *where, qt_config *c) {
+    const cJSON *q = cJSON_GetObjectItemCaseSensitive(root, "quantization_config");
+    if (!q || cJSON_IsNull(q)) return QT_OK;
+    if (!cJSON_IsObject(q)) return QT_ERR(QT_EFORMAT, "%s: field 'quantization_config' must be an object", where);
+    const cJSON *m = cJSON_GetObjectItemCaseSensitive(q, "quant_method");
+    const char *method = cJSON_IsString(m) ? m->valuestring : "";
+    if (strcmp(method, "bitsandbytes"))
+        return QT_ERR(QT_EUNSUPPORTED, "%s: quantization_config.quant_method is '%.40s'; qtune reads bitsandbytes 4-bit "
+                                       "folders only: use the 16-bit model (with the job's \"quantization\" key)", where,
+                      method);
+    if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(q, "load_in_8bit")))
+        return QT_ERR(QT_EUNSUPPORTED, "%s: quantization_config is 8-bit (load_in_8bit); qtune reads 4-bit bitsandbytes "
+                                       "folders only: use the 16-bit model", where);
+    if (!cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(q, "load_in_4bit")))
+        return QT_ERR(QT_EFORMAT, "%s: quantization_config names bitsandbytes but not load_in_4bit: true", where);
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(q, "bnb_4bit_quant_type");
+    const char *type = cJSON_IsString(t) ? t->valuestring : "fp4";
+    if (strcmp(type, "nf4") && strcmp(type, "fp4"))
+        return QT_ERR(QT_EFORMAT, "%s: quantization_config.bnb_4bit_quant_type is '%.40s', not nf4 or fp4", where, type);
+    c->prequant4 = 1;
+    c->prequant4_type = !strcmp(type, "fp4");
+    c->prequant4_nested = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(q, "bnb_4bit_use_double_quant"));
+    return QT_OK;
+}
+
 int qt_config_parse(const char *json, const char *where, qt_config *cfg) {
     memset(cfg, 0, sizeof *cfg);
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithOpts(json, &end, 1); /* 1: nothing but whitespace after the object */
-    if (!root || !cJSON_IsObject(root)) {
+    if (!root) return qt_json_parse_error(json, end, where, "fix or re-download it");
+    if (!cJSON_IsObject(root)) {
         cJSON_Delete(root);
         return QT_ERR(QT_EFORMAT, "%s is not valid JSON (or not a JSON object); fix or re-download it", where);
     }
@@ -337,6 +365,7 @@ int qt_config_parse(const char *json, const char *where, qt_config *cfg) {
                     c.num_attention_heads, c.num_key_value_heads);
     if (rc == QT_OK && c.head_dim % 2)
         rc = QT_ERR(QT_EFORMAT, "%s: head_dim %d is odd; rotary embeddings need an even head dimension", where, c.head_dim);
+    if (rc == QT_OK) rc = parse_quant_config(root, where, &c);
     cJSON_Delete(root);
     if (rc == QT_OK) *cfg = c;
     return rc;

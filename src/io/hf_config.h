@@ -54,6 +54,10 @@ typedef struct {
     int bos_token_id, eos_token_id; /* -1 when absent */
     float initializer_range;     /* std of `qtune init`'s normal weights; 0 (absent) means 0.02 */
     qt_rope_scaling rope_scaling; /* rope_scaling (type QT_ROPE_DEFAULT when null) */
+    int prequant4;               /* quantization_config of bitsandbytes 4-bit: the layer linears are stored
+                                    quantized (transformers' Linear4bit layout; model/qwen2_load.c reads them) */
+    int prequant4_type;          /* its bnb_4bit_quant_type (qt_q4_type: 0 nf4, 1 fp4) */
+    int prequant4_nested;        /* its bnb_4bit_use_double_quant */
 } qt_config;
 
 

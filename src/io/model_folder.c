@@ -20,6 +20,15 @@
 #define TOKENIZER_MAX_BYTES ((size_t)64 << 20)
 #define GEN_TRANSFORMERS_VERSION "4.43.1"
 
+/* The original Qwen-Chat's ChatML (qwen_generation_utils.make_context) as a
+ * template: Qwen2-Instruct's, whose layout and default system prompt are the
+ * same. What a qwen.tiktoken folder, which ships no template, trains with. */
+const char qt_qwen_chatml_template[] =
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
 const char qt_qwen25_chat_template[] =
     "{%- if tools %}\n"
     "    {{- '<|im_start|>system\\n' }}\n"
@@ -355,6 +364,7 @@ int qt_tokenizer_files_write(const qt_config *c, const char *tokenizer_json, con
 int qt_model_copy_side_files(const char *src_dir, const char *dst_dir) {
     static const char *const files[] = {"tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                                         "special_tokens_map.json", "added_tokens.json", "generation_config.json",
+                                        "chat_template.jinja", /* transformers >= 4.43 saves the template here */
                                         /* the original Qwen's tokenizer and the remote code its config.json's
                                          * auto_map names (transformers' trust_remote_code) */
                                         "qwen.tiktoken", "configuration_qwen.py", "modeling_qwen.py",

@@ -69,5 +69,7 @@ int qt_model_copy_side_files(const char *src_dir, const char *dst_dir);
 
 /* Qwen2.5-Instruct's chat template (Jinja), as its tokenizer_config.json has it. */
 extern const char qt_qwen25_chat_template[];
+/* The original Qwen-Chat's ChatML as a template (Qwen2-Instruct's). */
+extern const char qt_qwen_chatml_template[];
 
 #endif

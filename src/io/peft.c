@@ -6,6 +6,7 @@
 #include "core/json_range.h"
 #include "core/log.h"
 #include "core/mem.h"
+#include "core/words.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <cjson/cJSON.h>
@@ -110,6 +111,16 @@ int peft_is_lora_key(const char *key) {
     for (size_t i = 0; i < sizeof lora_defaults / sizeof lora_defaults[0]; i++)
         if (!strcmp(key, lora_defaults[i].key)) return 1;
     return 0;
+}
+
+const char *peft_nearest_lora_key(const char *word, const char *const *also) {
+    enum { N = sizeof lora_defaults / sizeof lora_defaults[0] };
+    const char *all[N + 64];
+    size_t n = 0;
+    for (size_t i = 0; i < N; i++) all[n++] = lora_defaults[i].key;
+    for (; also && *also && n < N + 63; also++) all[n++] = *also;
+    all[n] = NULL;
+    return qt_nearest_word(word, all);
 }
 
 int peft_check_lora_defaults(const cJSON *j, const char *where) {
@@ -290,7 +301,11 @@ static int saved_adapter_meaning(const cJSON *j, const char *path) {
     for (const cJSON *it = j->child; it; it = it->next) {
         int known = peft_is_lora_key(it->string);
         for (int i = 0; saved_keys[i] && !known; i++) known = !strcmp(it->string, saved_keys[i]);
-        if (!known)
+        const char *near = known ? NULL : peft_nearest_lora_key(it->string, saved_keys);
+        if (near)
+            qt_warn("%s: key \"%s\" is not a LoRA setting qtune knows and is ignored; did you mean \"%s\"?", path,
+                    it->string, near);
+        else if (!known)
             qt_warn("%s: key \"%s\" is not a LoRA setting qtune knows and is ignored; check that the adapter is a "
                     "plain PEFT LoRA", path, it->string);
     }
@@ -314,9 +329,9 @@ int peft_config_load(const char *dir, peft_config *c) {
     cJSON *j = cJSON_ParseWithOpts(text, &end, 1); /* 1: nothing but whitespace after the object */
     int rc = QT_OK;
     if (!j) {
+        rc = qt_json_parse_error(text, end, path, "fix it or save the adapter again");
         qt_free(text);
-        return QT_ERR(QT_EFORMAT, "%s is not valid JSON (or has text after its object); fix it or save the adapter "
-                      "again", path);
+        return rc;
     }
     if (!cJSON_IsObject(j)) {
         cJSON_Delete(j);

@@ -71,6 +71,9 @@ float peft_scaling(const peft_config *c);
  * each at its default (or null) quietly and refuses another value with an
  * error "WHERE" + "key is VALUE, which qtune does not implement; ...". */
 int peft_is_lora_key(const char *key);
+/* The LoraConfig key (those above, and the NULL-terminated list also) nearest
+ * to word, for "did you mean": qt_nearest_word's rule; NULL when none is near. */
+const char *peft_nearest_lora_key(const char *word, const char *const *also);
 int peft_check_lora_defaults(const cJSON *j, const char *where);
 
 /* modules_to_save, layers_to_transform and layers_pattern of a LoraConfig

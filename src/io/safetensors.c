@@ -21,6 +21,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -55,6 +56,7 @@ static int dtype_from_st(const char *s, qt_dtype *out) {
     if (!strcmp(s, "F32")) { *out = QT_F32; return 1; }
     if (!strcmp(s, "F16")) { *out = QT_F16; return 1; }
     if (!strcmp(s, "BF16")) { *out = QT_BF16; return 1; }
+    if (!strcmp(s, "U8")) { *out = QT_U8; return 1; } /* a bitsandbytes 4-bit folder's packed weights */
     return 0;
 }
 
@@ -253,12 +255,13 @@ static int parse_header(st_shard *sh, int shard_index, st_tensor **tensors, int 
 }
 
 static int map_shard(st_shard *sh) {
-    int fd = open(sh->path, O_RDONLY);
-    if (fd < 0) return QT_ERR(QT_EIO, "cannot open %s: %s", sh->path, strerror(errno));
+    int fd;
+    QT_TRY(qt_open_regular(sh->path, "the weight file", &fd)); /* a FIFO would block in open() */
     struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    if (fstat(fd, &st) != 0) {
+        int e = errno;
         close(fd);
-        return QT_ERR(QT_EIO, "%s is not a regular file", sh->path);
+        return QT_ERR(QT_EIO, "cannot read %s: %s", sh->path, strerror(e));
     }
     sh->size = (size_t)st.st_size;
     if (sh->size == 0) {
@@ -552,9 +555,24 @@ struct st_writer {
     int nmeta;
     volatile sig_atomic_t *stop;
     qt_progress *prog; /* MB written, after each tensor */
+    int finite;        /* st_writer_refuse_nonfinite */
 };
 
 void st_writer_set_stop(st_writer *w, volatile sig_atomic_t *stop) { w->stop = stop; }
+void st_writer_refuse_nonfinite(st_writer *w) { w->finite = 1; }
+
+/* QT_ENUMERIC naming the tensor when p (n elements of t, starting at element
+ * off of e) holds a NaN or inf. src: the f32 values p was converted from, to
+ * tell an overflow in the conversion, or NULL. */
+static int check_finite(const st_wentry *e, const void *p, qt_dtype t, size_t n, size_t off, const float *src) {
+    int nan;
+    size_t at = qt_find_nonfinite(p, t, n, &nan);
+    if (at == n) return QT_OK;
+    if (src && isfinite(src[at]))
+        return QT_ERR(QT_ENUMERIC, "tensor %s holds %g at element %zu, past %s's range (written as inf); write it "
+                      "as f32%s", e->name, (double)src[at], off + at, qt_dtype_st_name(t), t == QT_F16 ? " or bf16" : "");
+    return QT_ERR(QT_ENUMERIC, "tensor %s holds %s at element %zu", e->name, nan ? "NaN" : "an infinite value", off + at);
+}
 void st_writer_set_progress(st_writer *w, qt_progress *p) { w->prog = p; }
 
 double st_writer_bytes(const st_writer *w) {
@@ -695,7 +713,7 @@ static int cmp_wentry(const void *a, const void *b) {
 /* Writes one tensor's bytes: converted (or produced) in chunks so neither a
  * converted copy nor a produced tensor is ever whole in memory. */
 static int write_tensor(qt_atomic_file *af, const st_wentry *e, float *f32, void *out, size_t chunk,
-                        volatile sig_atomic_t *stop) {
+                        volatile sig_atomic_t *stop, int finite) {
     size_t es = qt_dtype_size(e->dtype);
     if (!e->fill && e->src_dtype == e->dtype) {
         if (e->numel && !e->data)
@@ -704,7 +722,9 @@ static int write_tensor(qt_atomic_file *af, const st_wentry *e, float *f32, void
         const size_t slice = (size_t)16 << 20, bytes = e->numel * es;
         for (size_t off = 0; off < bytes; off += slice) {
             if (stop && *stop) return QT_ERR(QT_EINTERRUPTED, "interrupted while writing tensor %s", e->name);
-            QT_TRY(qt_atomic_write(af, (const char *)e->data + off, bytes - off < slice ? bytes - off : slice));
+            const size_t nb = bytes - off < slice ? bytes - off : slice;
+            if (finite) QT_TRY(check_finite(e, (const char *)e->data + off, e->dtype, nb / es, off / es, NULL));
+            QT_TRY(qt_atomic_write(af, (const char *)e->data + off, nb));
         }
         return QT_OK;
     }
@@ -719,9 +739,11 @@ static int write_tensor(qt_atomic_file *af, const st_wentry *e, float *f32, void
             qt_convert_to_f32(f32, (const uint16_t *)e->data + i, e->src_dtype, n);
         }
         if (e->dtype == QT_F32) {
+            if (finite) QT_TRY(check_finite(e, f32, QT_F32, n, i, NULL));
             QT_TRY(qt_atomic_write(af, f32, n * sizeof(float)));
         } else {
             qt_convert_from_f32(out, e->dtype, f32, n);
+            if (finite) QT_TRY(check_finite(e, out, e->dtype, n, i, f32));
             QT_TRY(qt_atomic_write(af, out, n * es));
         }
     }
@@ -782,7 +804,7 @@ int st_writer_write(st_writer *w, const char *path) {
         if (rc == QT_OK) rc = qt_atomic_write(&af, h.s, h.n);
         double mb = 0;
         for (int i = 0; i < w->n && rc == QT_OK; i++) {
-            rc = write_tensor(&af, &w->e[i], f32, half, chunk, w->stop);
+            rc = write_tensor(&af, &w->e[i], f32, half, chunk, w->stop, w->finite);
             mb += (double)w->e[i].numel * (double)qt_dtype_size(w->e[i].dtype) / 1e6;
             if (w->prog) qt_progress_set(w->prog, mb);
         }

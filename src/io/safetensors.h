@@ -83,6 +83,10 @@ double st_writer_bytes(const st_writer *w);
  * chunks of at most a few MiB: once set, the write stops, its temporary file
  * is removed and it returns QT_EINTERRUPTED. NULL (the default): never. */
 void st_writer_set_stop(st_writer *w, volatile sig_atomic_t *stop);
+/* A tensor that would be written with a NaN or inf (read or produced so, or
+ * past the range of its output dtype) fails the write with QT_ENUMERIC naming
+ * it and the element, before that chunk reaches the file. */
+void st_writer_refuse_nonfinite(st_writer *w);
 int st_writer_write(st_writer *w, const char *path); /* tensors sorted by name, atomic */
 void st_writer_free(st_writer *w);
 

@@ -9,6 +9,7 @@
 #include "backend/backend.h"
 #include "core/error.h"
 #include "core/mem.h"
+#include "core/quant4.h"
 #include "model/model_internal.h"
 
 /* The plan reads only the backend's descriptor (plain facts: chunk sizes,
@@ -472,7 +473,26 @@ size_t qt_model_kv_floats(const qt_config *c, const qt_model_opts *o) {
 }
 
 int qt_model_opts_sharded(const qt_model_opts *o) {
-    return o->master_shards > 1 && !o->lora && !o->infer && o->compute != QT_F32;
+    return o->master_shards > 1 && !o->lora && !o->infer && (o->compute != QT_F32 || o->param_shards > 1);
+}
+
+void qt_model_gather_sizes(const qt_config *c, const qt_model_opts *o, size_t *layer, size_t *outer) {
+    *layer = 0;
+    *outer = (size_t)c->vocab_size * (size_t)c->hidden_size;
+    int n = qt_model_param_table(c, o, NULL, NULL), L = c->num_hidden_layers;
+    qt_param *t = qt_calloc((size_t)n + 1, sizeof *t, "model: parameter table");
+    if (!t) return;
+    qt_model_param_table(c, o, t, NULL);
+    for (int l = 0; l < L; l++) {
+        size_t lo = (size_t)-1, hi = 0;
+        for (int i = 0; i < n; i++)
+            if (t[i].layer == l) {
+                if (t[i].offset < lo) lo = t[i].offset;
+                if (t[i].offset + t[i].numel > hi) hi = t[i].offset + t[i].numel;
+            }
+        if (hi > lo && hi - lo > *layer) *layer = hi - lo;
+    }
+    qt_free(t);
 }
 
 /* Elements of the trainable 1-D tensors (norm weights, biases). */
@@ -485,6 +505,24 @@ static size_t one_d_numel(const qt_config *c, const qt_model_opts *o) {
     for (int i = 0; i < n; i++) k += t[i].ndim == 1 ? t[i].numel : 0;
     qt_free(t);
     return k;
+}
+
+/* The layer linears a 4-bit base quantizes (qwen2_load.c lin_quantized):
+ * their weights (into *numel) and the bytes of their 4-bit blocks. */
+static size_t quant4_bytes(const qt_config *c, const qt_model_opts *o, size_t *numel) {
+    size_t bytes = 0;
+    *numel = 0;
+    if (!o->quant4) return 0;
+    for (int j = 0; j < LIN_COUNT; j++) {
+        if (!qt_lin_owns(c, j) || (o->quant4_skip & qt_lin_flag[j])) continue;
+        int in, out;
+        qt_lin_shape(c, j, &in, &out);
+        if (j == LIN_Q && !qt_lin_owns(c, LIN_K)) out = qt_lin_fused_rows(c); /* the original Qwen's c_attn */
+        *numel += (size_t)in * (size_t)out * (size_t)c->num_hidden_layers;
+        bytes += qt_q4_bytes((uint64_t)out, (uint64_t)in, QT_Q4_BLOCK, o->quant4_nested) *
+                 (size_t)c->num_hidden_layers;
+    }
+    return bytes;
 }
 
 size_t qt_model_memory(const qt_config *c, const qt_model_opts *o, qt_mem_breakdown *out) {
@@ -517,10 +555,12 @@ size_t qt_model_memory(const qt_config *c, const qt_model_opts *o, qt_mem_breakd
         unsigned sv = o->lora ? o->lora_save : 0;
         if (c->tie_word_embeddings) unused = sv == (QT_SAVE_EMBED | QT_SAVE_LM_HEAD) ? VC : 0;
         else unused = ((sv & QT_SAVE_EMBED) ? VC : 0) + ((sv & QT_SAVE_LM_HEAD) ? VC : 0);
-        b.base = (all - small - unused) * qt_dtype_size(c->torch_dtype);
+        size_t qn;
+        b.quant4 = quant4_bytes(c, o, &qn);
+        b.base = (all - small - unused - qn) * qt_dtype_size(c->torch_dtype);
         /* training in f16/bf16 holds the base in the compute dtype: a copy when the file's differs */
         if (o->lora && !o->infer && o->compute != QT_F32 && c->torch_dtype != o->compute)
-            b.compute_copy = (all - small - unused) * qt_dtype_size(o->compute);
+            b.compute_copy = (all - small - unused - qn) * qt_dtype_size(o->compute);
         b.base_f32 = small * 4;
         if (!o->lora) b.master = 0;
     }
@@ -532,13 +572,22 @@ size_t qt_model_memory(const qt_config *c, const qt_model_opts *o, qt_mem_breakd
         b.master = o->master_on_host ? 0 : (hi - lo) * 4;
         b.master_host = o->master_on_host ? (hi - lo) * 4 : 0;
         b.base_f32 = one_d_numel(c, o) * 4;
+        if (o->param_shards > 1) {
+            /* ZeRO-3: the compute weights are this rank's shard (in f32 the master itself) and three gather
+             * buffers: two layers and the embedding / lm_head */
+            size_t es = qt_dtype_size(o->compute), layer, outer;
+            b.compute_copy = o->compute == QT_F32 || o->param_on_host ? 0 : (hi - lo) * es;
+            b.compute_host = o->compute != QT_F32 && o->param_on_host ? (hi - lo) * es : 0;
+            qt_model_gather_sizes(c, o, &layer, &outer);
+            b.param_gather = (2 * layer + outer) * es;
+        }
     }
     b.activations = qt_model_carve_acts(c, o, NULL, NULL) * 4;
     b.act_grads = qt_model_carve_grads(c, o, NULL, NULL) * 4;
     b.workspace = qt_model_workspace_floats(c, o) * 4;
     b.kv_cache = qt_model_kv_floats(c, o) * 4;
     b.total = b.master + b.grads + b.base_f32 + b.activations + b.act_grads + b.workspace + b.kv_cache +
-              b.compute_copy;
+              b.compute_copy + b.quant4 + b.param_gather;
     if (out) *out = b;
     return b.total;
 }

@@ -24,7 +24,13 @@ typedef struct {
                            fine-tuning: the kept (N, V) logits (qt_model_keeps_logits) */
     size_t kv_cache;    /* inference only: K and V for max_T positions of every layer */
     size_t compute_copy; /* training in f16/bf16: 2-byte copy of the trainable block (full), or the
-                            frozen base converted to the compute dtype when the file's differs (LoRA) */
+                            frozen base converted to the compute dtype when the file's differs (LoRA);
+                            ZeRO-3: this rank's shard of it (0 when on the host) */
+    size_t quant4;      /* opts.quant4: the 4-bit blocks of the layer linears (0.5 byte a weight plus an
+                           absmax a block, core/quant4.h qt_q4_bytes); not in base or compute_copy */
+    size_t compute_host; /* ZeRO-3 with opts.param_on_host in f16/bf16: that shard in pinned host memory
+                            (not in total) */
+    size_t param_gather; /* ZeRO-3: the two layer buffers and the V x C buffer the gathers fill */
     size_t total;       /* bytes allocated: everything above except base */
 } qt_mem_breakdown;
 
@@ -37,6 +43,11 @@ size_t qt_model_cpu_runtime_bytes(void);
 /* Whether opts shard the fp32 master (model.h master_shards): full fine-tuning in f16/bf16 over 2+
  * ranks. In f32 the master is the weights the graph reads, with LoRA the adapter: whole on every rank. */
 int qt_model_opts_sharded(const qt_model_opts *o);
+
+/* ZeRO-3 (opts.param_shards > 1): elements of the largest layer's flat range
+ * (every trainable tensor of one decoder layer, contiguous) and of the
+ * embedding / lm_head (V x C), the sizes of the gather buffers. */
+void qt_model_gather_sizes(const qt_config *c, const qt_model_opts *o, size_t *layer, size_t *outer);
 
 /* Fills *out (may be NULL) and returns out->total. Base dtype is cfg->torch_dtype. */
 size_t qt_model_memory(const qt_config *cfg, const qt_model_opts *opts, qt_mem_breakdown *out);

@@ -15,6 +15,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "core/dtype.h"
 #include "data/batch.h"
@@ -85,6 +86,18 @@ typedef struct {
                               (core/shard.h), as DeepSpeed partitions it; see qt_model_sharded */
     int master_rank;
     int master_on_host;    /* with master_shards: the shard in pinned host memory (offload_optimizer cpu) */
+    int quant4;            /* QLoRA: the decoder layers' linear weights quantized to 4 bits as they load
+                              (bitsandbytes' format, core/quant4.h), one tensor at a time; the embedding,
+                              lm_head and norms stay 16-bit, as transformers keeps them. LoRA or inference only */
+    int quant4_type;       /* qt_q4_type: QT_Q4_NF4 or QT_Q4_FP4 */
+    int quant4_nested;     /* bnb_4bit_use_double_quant: the absmax values quantized too */
+    unsigned quant4_skip;  /* QT_LORA_* mask of linears left 16-bit (llm_int8_skip_modules) */
+    FILE *progress;        /* quantizing at load: progress lines there (core/progress.h); NULL: silent */
+    int param_shards;      /* ZeRO-3, full fine-tuning over this many ranks (> 1, = master_shards): the
+                              weights the graph reads are partitioned too; each rank keeps shard
+                              master_rank of them (the 2-byte copy, or in f32 the master itself) and a
+                              layer's are gathered before its forward and its backward (qt_param_fetch) */
+    int param_on_host;     /* with param_shards: that shard in pinned host memory (offload_param cpu) */
 } qt_model_opts;
 
 /* Whether LoRA adapts layer l (layers_to_transform), and whether the
@@ -137,15 +150,43 @@ void qt_model_weights_updated(qt_model *m);
  * master is whole. */
 typedef struct {
     size_t lo, hi;
-    void *wcopy;
+    void *wcopy;        /* params_sharded: this rank's elements only (lo first; in f32 the master) */
     size_t esize;
     float *small;
     const qt_flat_run *runs;
     int n_runs;
+    int params_sharded; /* ZeRO-3 (opts.param_shards): the compute weights are gathered at use */
 } qt_model_shard;
 int qt_model_sharded(const qt_model *m, qt_model_shard *out);
 typedef int (*qt_param_gather_fn)(void *user, float *dst, size_t lo, size_t n);
 void qt_model_set_param_gather(qt_model *m, qt_param_gather_fn gather, void *user);
+
+/* ZeRO-3 (opts.param_shards > 1): the graph reads a layer's weights from one
+ * of two layer-sized buffers (layer l from buffer l & 1) and the embedding
+ * and lm_head from a third (V x C); before a layer's forward, and again before
+ * its backward unless the buffer still holds it, the model asks for its flat
+ * range [lo, hi) of the compute weights:
+ *   start(user, slot, mine, esize, lo, hi, dst): begin gathering elements
+ *     [lo, hi) into dst (hi - lo elements of esize bytes) from every rank's
+ *     shard (mine: this rank's, its lo first); may return before it arrived;
+ *   wait(user, slot): dst of that slot (0, 1: layer buffers, 2: the V x C
+ *     buffer) holds them.
+ * With prefetch the next layer's start comes before this layer computes.
+ * The weights do not change between updates, so a buffer that still holds
+ * the layer asked for is used again (the last two layers of a forward are
+ * the first two of its backward; a tied embedding is gathered once per
+ * step). Every rank makes the same calls in the same order. */
+typedef struct {
+    int (*start)(void *user, int slot, const void *mine, size_t esize, size_t lo, size_t hi, void *dst);
+    int (*wait)(void *user, int slot);
+    void *user;
+    int prefetch;
+} qt_param_fetch;
+void qt_model_set_param_fetch(qt_model *m, const qt_param_fetch *f);
+/* ZeRO-3: a rank with no batch left takes part in the gathers of another
+ * rank's forward (evaluation: ranks hold different numbers of batches); a
+ * no-op otherwise. */
+int qt_model_forward_idle(qt_model *m);
 
 /* Forward only: sum of the cross-entropy over labelled targets (nats) and
  * their count. Per-position log-probabilities of the targets go to logp

@@ -8,6 +8,7 @@
 
 #include "backend/backend.h"
 #include "io/safetensors.h"
+#include "core/progress.h"
 #include "model/memplan.h"
 #include "model/model.h"
 
@@ -178,6 +179,16 @@ struct qt_model {
     qt_flat_run *small_runs; /* sharded: each 1-D tensor's flat range and place in small */
     int n_small_runs;
     size_t n_small;
+    /* ZeRO-3 (opts.param_shards > 1, model.h qt_param_fetch): wcopy holds only [mlo, mhi) (f16/bf16; in
+     * f32 the master is that shard); the graph reads layer l from gbuf[l & 1] and the embedding and
+     * lm_head from gbuf[2], filled by gathers of their flat ranges */
+    int pshard;
+    void *gbuf[3];
+    size_t *glo, *ghi;     /* (L) layer l's flat range [glo[l], ghi[l]) */
+    size_t emb_off;        /* the embedding's flat offset */
+    long long gkey[3];     /* what each buffer holds: a layer index, or (buffer 2) a flat offset; -1: nothing */
+    int gpend[3];          /* a gather into that buffer is in flight (prefetch) */
+    qt_param_fetch pf;
     qt_param_gather_fn gather; /* sharded: other ranks' master elements, for writing */
     void *gather_user;
     /* opts.grad_windows (model.h qt_grad_hook): the windows in one block. The layers'
@@ -211,6 +222,11 @@ struct qt_model {
     int n_imported;
     char *stream_block;    /* inference: one block holding the matrices a decode step reads whole */
     size_t stream_size, stream_used;
+    size_t quant_bytes;   /* 4-bit blocks of the base (opts.quant4) */
+    size_t quant_src_bytes; /* ... and the 16-bit (file) bytes they came from */
+    qt_progress quant_prog; /* quantizing at load */
+    int quant_done;
+    const char *dir;      /* the folder, while qt_model_load runs (messages); NULL after */
 
     qt_wref wte;           /* (V, C) */
     qt_wref lm_head;       /* (V, C), the embedding when tied */

@@ -40,8 +40,10 @@ static int read_param_sharded(qt_model *m, int i, const st_tensor *t) {
         rc = st_read_f32_range(t, off, k, stage);
         if (rc != QT_OK) break;
         be->upload(be, dev, stage, sizeof(float) * k);
-        be->convert(be, m->wcopy + f, m->opts.compute, dev, QT_F32, k);
         size_t a = f > m->mlo ? f : m->mlo, e = f + k < m->mhi ? f + k : m->mhi;
+        if (!m->pshard) be->convert(be, m->wcopy + f, m->opts.compute, dev, QT_F32, k);
+        else if (m->wcopy && e > a) /* ZeRO-3: only this rank's shard of the compute copy */
+            be->convert(be, m->wcopy + (a - m->mlo), m->opts.compute, dev + (a - f), QT_F32, e - a);
         if (e > a) be->copy(be, m->master + (a - m->mlo), dev + (a - f), sizeof(float) * (e - a));
         if (small) be->copy(be, small + off, dev, sizeof(float) * k);
     }

@@ -311,6 +311,45 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
     keep_save(m, xout, NC, x16 && l + 1 < c->num_hidden_layers ? x16[l + 1] : NULL);
 }
 
+/* ---- ZeRO-3: the weights gathered at use (model.h qt_param_fetch) -------------- */
+/* Buffer `slot` gets flat [lo, hi) under `key` (a layer, or buffer 2 a flat
+ * offset); nothing moves when it holds or is receiving that already. */
+static int gather_start(qt_model *m, int slot, long long key, size_t lo, size_t hi) {
+    if (m->gkey[slot] == key) return QT_OK;
+    if (m->gpend[slot]) QT_TRY(m->pf.wait(m->pf.user, slot)); /* cannot happen: a buffer is read before reuse */
+    if (!m->pf.start)
+        return QT_ERR(QT_EINVAL, "this model's weights are partitioned (ZeRO-3) but no parameter fetch is set; call "
+                                 "qt_model_set_param_fetch first");
+    m->gkey[slot] = key;
+    m->gpend[slot] = 1;
+    const void *mine = m->wcopy ? (const void *)m->wcopy : (const void *)m->master;
+    return m->pf.start(m->pf.user, slot, mine, qt_dtype_size(m->opts.compute), lo, hi, m->gbuf[slot]);
+}
+
+static int gather_have(qt_model *m, int slot, long long key, size_t lo, size_t hi) {
+    QT_TRY(gather_start(m, slot, key, lo, hi));
+    if (!m->gpend[slot]) return QT_OK;
+    m->gpend[slot] = 0;
+    return m->pf.wait(m->pf.user, slot);
+}
+
+/* Layer l's weights before its forward or backward; with prefetch the gather
+ * of layer `next` (the one after it in this pass, -1 for none) starts now,
+ * into the other buffer, whose layer this pass is done with. */
+static int layer_params(qt_model *m, int l, int next) {
+    if (!m->pshard) return QT_OK;
+    QT_TRY(gather_have(m, l & 1, l, m->glo[l], m->ghi[l]));
+    if (m->pf.prefetch && next >= 0 && next < m->cfg.num_hidden_layers)
+        QT_TRY(gather_start(m, next & 1, next, m->glo[next], m->ghi[next]));
+    return QT_OK;
+}
+
+/* The embedding (off = emb_off) or the lm_head (lm_head_off) in buffer 2. */
+static int outer_params(qt_model *m, size_t off) {
+    if (!m->pshard) return QT_OK;
+    return gather_have(m, 2, (long long)off, off, off + (size_t)m->cfg.vocab_size * (size_t)m->cfg.hidden_size);
+}
+
 /* ---- gradient hand-over (model.h qt_grad_hook) ------------------------------- */
 static int win_open(qt_model *m, float *g, size_t n) {
     if (m->hook.window) QT_TRY(m->hook.window(m->hook.user, g, n));
@@ -481,14 +520,19 @@ static qt_batch upload_batch(qt_model *m, const qt_batch *b) {
 /* dx_lm != NULL (training with a frozen lm_head): the lm_head's dx, scaled by
  * grad_scale, is added into dx_lm in the same walk as the loss. kept != NULL
  * (training a kept-logits model): the logits stay there for the backward. */
-static void run_forward(qt_model *m, const qt_batch *b, int dropout, float *dx_lm, float grad_scale, float *kept) {
+static int run_forward(qt_model *m, const qt_batch *b, int dropout, float *dx_lm, float grad_scale, float *kept) {
     const qt_config *c = &m->cfg;
     qt_backend *be = m->be;
     int N = b->B * b->T, C = c->hidden_size, L = c->num_hidden_layers;
     qt_act_ptrs *A = &m->acts;
+    QT_TRY(outer_params(m, m->emb_off));
     be->embedding_forward(be, A->x[0], b->inputs, m->wte.p, m->wte.dt, N, C);
     keep_save(m, A->x[0], (size_t)N * C, A->x16 ? A->x16[0] : NULL);
-    for (int l = 0; l < L; l++) layer_forward(m, l, b, N, A->x[l], A->x[l + 1], &A->layer[l], dropout, b->positions, NULL);
+    for (int l = 0; l < L; l++) {
+        QT_TRY(layer_params(m, l, l + 1));
+        layer_forward(m, l, b, N, A->x[l], A->x[l + 1], &A->layer[l], dropout, b->positions, NULL);
+    }
+    QT_TRY(outer_params(m, m->lm_head_off));
     be->rmsnorm_forward(be, A->lnf, A->rstdf, A->x[L], m->lnf_w, N, C, c->rms_norm_eps);
     keep(m, A->lnf, (size_t)N * C);
     if (dx_lm)
@@ -500,6 +544,14 @@ static void run_forward(qt_model *m, const qt_batch *b, int dropout, float *dx_l
     else
         be->lmhead_ce_forward(be, A->loss, A->lse, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, N, C, c->vocab_size,
                              m->ws);
+    return QT_OK;
+}
+
+int qt_model_forward_idle(qt_model *m) {
+    if (!m->pshard) return QT_OK;
+    QT_TRY(outer_params(m, m->emb_off));
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++) QT_TRY(layer_params(m, l, l + 1));
+    return outer_params(m, m->lm_head_off);
 }
 
 /* The per-token losses come down (N floats) and are summed on the host in
@@ -522,7 +574,7 @@ static void sum_loss(const qt_model *m, const qt_batch *b, double *loss_sum, int
 int qt_model_forward(qt_model *m, const qt_batch *b, double *loss_sum, int64_t *n_tokens, float *logp) {
     QT_TRY(check_batch(m, b));
     qt_batch db = upload_batch(m, b);
-    run_forward(m, &db, 0, NULL, 0.0f, NULL);
+    QT_TRY(run_forward(m, &db, 0, NULL, 0.0f, NULL));
     sum_loss(m, b, loss_sum, n_tokens, logp);
     return QT_OK;
 }
@@ -595,7 +647,7 @@ static int forward_backward(qt_model *m, const qt_batch *b, float grad_scale, qt
     /* trainable lm_head: the logits kept from the forward when the plan has room */
     float *kept = !fused && !row_fn && qt_model_keeps_logits(c, &m->opts)
                       ? m->ws + qt_model_kept_logits_offset(c, &m->opts) : NULL;
-    run_forward(m, b, dropout, fused ? dln : NULL, grad_scale, kept);
+    QT_TRY(run_forward(m, b, dropout, fused ? dln : NULL, grad_scale, kept));
     float *row_scale = NULL, *logp = NULL;
     if (row_fn) {
         logp = qt_malloc(sizeof(float) * ((size_t)N + (size_t)b->B), "per-token log-probs");
@@ -645,6 +697,7 @@ static int forward_backward(qt_model *m, const qt_batch *b, float grad_scale, qt
     while (!m->dwte && low < L - 1 && qt_model_layer_unit(&m->opts, low) < 0) low++;
     m->gb_open = -1; /* no bucket of this backward opened yet */
     for (int l = L - 1; l >= low; l--) {
+        QT_TRY(layer_params(m, l, l - 1 >= low ? l - 1 : -1)); /* ZeRO-3: gathered again (or still there) */
         acts_load(m, l, N); /* 2-byte storage: layer l's saved values back to fp32 */
         /* recompute: x[l+1] was consumed by layer l+1's backward, so it may be overwritten */
         if (m->opts.grad_checkpointing)

@@ -18,11 +18,14 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cjson/cJSON.h>
+
 #include "backend/backend.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/mem.h"
 #include "core/rng.h"
+#include "core/quant4.h"
 #include "model/model_internal.h"
 #include "model/params_io.h"
 #include "model/precision.h"
@@ -71,8 +74,19 @@ static int check_opts(const qt_model_opts *o) {
     } else if (o->lora_save || o->lora_layers_set) {
         return QT_ERR(QT_EINVAL, "model options: modules_to_save and layers_to_transform need LoRA (opts.lora = 1)");
     }
+    if (o->quant4 && !o->infer && !o->lora)
+        return QT_ERR(QT_EINVAL, "a 4-bit base is frozen: full fine-tuning cannot update it; add a \"lora\" section "
+                                 "(QLoRA) or drop \"quantization\"");
+    if (o->quant4 && o->quant4_type != QT_Q4_NF4 && o->quant4_type != QT_Q4_FP4)
+        return QT_ERR(QT_EINVAL, "model options: quant4_type %d is neither nf4 nor fp4", o->quant4_type);
     return QT_OK;
 }
+
+/* 1 when layer linear j is quantized at load. */
+static int lin_quantized(const qt_model *m, int j) {
+    return m->opts.quant4 && !(m->opts.quant4_skip & qt_lin_flag[j]);
+}
+
 
 static float *find_param(qt_model *m, float *block, const char *name) {
     if (!block) return NULL;
@@ -193,6 +207,160 @@ static int import(qt_model *m, const st_tensor *t, const void **dev, const char 
     return QT_OK;
 }
 
+/* A frozen layer matrix quantized to 4 bits from the file's mapping: the
+ * block built on the host (one tensor at a time; the 16-bit tensor is only
+ * ever the mapping, and its pages are handed back), then uploaded. Its
+ * dequantized values round to the dtype the 16-bit path would hold: the
+ * compute dtype when training in f16/bf16, else the file's. */
+static int quant_matrix(qt_model *m, const st_tensor *t, int64_t d0, int64_t d1, qt_wref *w, const char *name) {
+    qt_backend *be = m->be;
+    if (strcmp(be->desc->name, "cpu") && strcmp(be->desc->name, "guard"))
+        return QT_ERR(QT_EUNSUPPORTED, "a 4-bit base runs on the cpu backend only so far (not %s); use \"device\": "
+                                       "\"cpu\" or drop \"quantization\"", be->desc->name);
+    const qt_dtype cd = m->opts.compute;
+    const qt_dtype dt = !m->infer && cd != QT_F32 ? cd : t->dtype;
+    const size_t bytes = qt_q4_bytes((uint64_t)d0, (uint64_t)d1, QT_Q4_BLOCK, m->opts.quant4_nested);
+    qt_q4_weight *host = qt_malloc(bytes, "model: 4-bit staging");
+    if (!host) return QT_ENOMEM;
+    qt_q4_init(host, (qt_q4_type)m->opts.quant4_type, dt, (uint64_t)d0, (uint64_t)d1, QT_Q4_BLOCK,
+               m->opts.quant4_nested);
+    int rc = qt_q4_quantize_weight(host, t->data, t->dtype);
+    void *dev = rc == QT_OK ? be->alloc(be, QT_MEM_DEVICE, bytes, name) : NULL;
+    if (rc == QT_OK && !dev) rc = QT_ENOMEM;
+    if (rc == QT_OK) rc = own(m, dev);
+    if (rc == QT_OK) {
+        be->upload(be, dev, host, bytes);
+        drop_mapped_pages(t->data, t->nbytes);
+        m->quant_bytes += bytes;
+        m->quant_src_bytes += t->nbytes;
+        qt_progress_set(&m->quant_prog, ++m->quant_done);
+        w->p = dev;
+        w->dt = QT_Q4;
+    }
+    qt_free(host);
+    return rc;
+}
+
+/* One component of a pre-quantized weight, NAME.SUFFIX: present, of dtype dt
+ * and n elements, else a sentence naming it. */
+static int prequant_part(qt_model *m, const char *name, const char *suffix, qt_dtype dt, size_t n,
+                         const st_tensor **out) {
+    char full[256];
+    snprintf(full, sizeof full, "%s.%s", name, suffix);
+    const st_tensor *t = st_find(m->st, full);
+    if (!t)
+        return QT_ERR(QT_EFORMAT, "%s: the 4-bit weight %s has no %s; the folder is incomplete, re-download or "
+                                  "re-save it", m->dir, name, full);
+    if (t->dtype != dt || t->numel != n)
+        return QT_ERR(QT_EFORMAT, "%s: %s is %s with %zu elements, but %s (%s) needs %s with %zu; the folder does not "
+                                  "match its quant_state, re-save it", m->dir, full, qt_dtype_name(t->dtype), t->numel,
+                      name, suffix, qt_dtype_name(dt), n);
+    *out = t;
+    return QT_OK;
+}
+
+/* A layer matrix stored 4-bit as transformers saves bitsandbytes' Linear4bit:
+ * NAME (U8, the packed codes), NAME.absmax, NAME.quant_map, with double
+ * quantization NAME.nested_absmax and NAME.nested_quant_map, and
+ * NAME.quant_state.bitsandbytes__nf4|fp4 (U8: JSON of quant_type,
+ * blocksize, dtype, shape, nested_blocksize, nested_offset). Every size is
+ * checked against the quant_state and the model's shape, then the parts are
+ * copied into one block as quant_matrix builds it. */
+static int prequant_matrix(qt_model *m, const st_tensor *t, const char *name, int64_t d0, int64_t d1, qt_wref *w) {
+    char key[256], json[1024];
+    const char *type = NULL;
+    const st_tensor *qs = NULL;
+    for (int k = 0; k < 2 && !qs; k++) {
+        snprintf(key, sizeof key, "%s.quant_state.bitsandbytes__%s", name, k ? "fp4" : "nf4");
+        if ((qs = st_find(m->st, key))) type = k ? "fp4" : "nf4";
+    }
+    if (!qs || qs->dtype != QT_U8 || qs->numel >= sizeof json)
+        return QT_ERR(QT_EFORMAT, "%s: %s is stored as bytes but has no quant_state.bitsandbytes__nf4 or __fp4 "
+                                  "beside it; qtune reads bitsandbytes 4-bit weights in transformers' layout only",
+                      m->dir, name);
+    memcpy(json, qs->data, qs->numel);
+    json[qs->numel] = 0;
+    cJSON *j = cJSON_Parse(json);
+    const cJSON *qt = cJSON_GetObjectItemCaseSensitive(j, "quant_type"), *bs = cJSON_GetObjectItemCaseSensitive(j, "blocksize"),
+                *dt = cJSON_GetObjectItemCaseSensitive(j, "dtype"), *sh = cJSON_GetObjectItemCaseSensitive(j, "shape"),
+                *nb = cJSON_GetObjectItemCaseSensitive(j, "nested_blocksize"),
+                *off = cJSON_GetObjectItemCaseSensitive(j, "nested_offset");
+    qt_dtype sdt = QT_F32;
+    int ok = j && cJSON_IsString(qt) && !strcmp(qt->valuestring, type) && cJSON_IsNumber(bs) && cJSON_IsString(dt) &&
+             qt_dtype_parse(dt->valuestring, &sdt) == QT_OK && cJSON_IsArray(sh) && cJSON_GetArraySize(sh) == 2 &&
+             cJSON_GetArrayItem(sh, 0)->valuedouble == (double)d0 && cJSON_GetArrayItem(sh, 1)->valuedouble == (double)d1;
+    const int blocksize = ok ? (int)bs->valuedouble : 0, nested = nb != NULL;
+    ok = ok && blocksize >= 16 && blocksize <= 4096 && !(blocksize & (blocksize - 1)) &&
+         (!nested || (cJSON_IsNumber(nb) && nb->valuedouble == QT_Q4_BLOCK2 && cJSON_IsNumber(off)));
+    const float offset = ok && nested ? (float)off->valuedouble : 0.0f;
+    if (!ok) qt_error_clear();
+    cJSON_Delete(j);
+    if (!ok)
+        return QT_ERR(QT_EFORMAT, "%s: %s's quant_state (%s) is not a %s weight of shape [%lld, %lld] with a power-of-two "
+                                  "blocksize (and nested_blocksize 256 with a nested_offset); the folder lies about "
+                                  "its tensors, re-save it", m->dir, name, key, type, (long long)d0, (long long)d1);
+    const size_t n = (size_t)d0 * (size_t)d1, nbk = (n + (size_t)blocksize - 1) / (size_t)blocksize;
+    const st_tensor *am, *qm, *nam = NULL, *nqm = NULL;
+    if (t->numel != (n + 1) / 2)
+        return QT_ERR(QT_EFORMAT, "%s: %s holds %zu bytes of 4-bit codes but its shape [%lld, %lld] needs %zu; the "
+                                  "folder lies about its tensors, re-save it", m->dir, name, t->numel, (long long)d0,
+                      (long long)d1, (n + 1) / 2);
+    QT_TRY(prequant_part(m, name, "absmax", nested ? QT_U8 : QT_F32, nbk, &am));
+    QT_TRY(prequant_part(m, name, "quant_map", QT_F32, 16, &qm));
+    if (nested) {
+        QT_TRY(prequant_part(m, name, "nested_absmax", QT_F32, (nbk + QT_Q4_BLOCK2 - 1) / QT_Q4_BLOCK2, &nam));
+        QT_TRY(prequant_part(m, name, "nested_quant_map", QT_F32, 256, &nqm));
+    }
+    /* dequantized values round to the weight's own dtype (quant_state.dtype); training in f16/bf16 they would
+     * then be rounded again to the compute dtype, which qtune does not do: refused where the two differ */
+    const qt_dtype cd = m->opts.compute;
+    if (!m->infer && cd != QT_F32 && sdt != cd)
+        return QT_ERR(QT_EUNSUPPORTED, "%s: its 4-bit weights dequantize to %s (quant_state dtype) but the run computes "
+                                       "in %s; set the DeepSpeed config's precision to %s", m->dir, qt_dtype_name(sdt),
+                      qt_dtype_name(cd), qt_dtype_name(sdt));
+    qt_backend *be = m->be;
+    const size_t bytes = qt_q4_bytes((uint64_t)d0, (uint64_t)d1, blocksize, nested);
+    qt_q4_weight *host = qt_calloc(1, bytes, "model: 4-bit staging");
+    if (!host) return QT_ENOMEM;
+    qt_q4_init(host, !strcmp(type, "fp4") ? QT_Q4_FP4 : QT_Q4_NF4, sdt, (uint64_t)d0, (uint64_t)d1, blocksize, nested);
+    memcpy(qt_q4_packed(host), t->data, t->numel);
+    memcpy(qt_q4_absmax(host), am->data, am->nbytes);
+    memcpy(host->code, qm->data, sizeof host->code); /* the folder's own maps: bitsandbytes reads them so */
+    if (nested) {
+        memcpy(qt_q4_absmax2(host), nam->data, nam->nbytes);
+        memcpy(host->code2, nqm->data, sizeof host->code2);
+        host->offset = offset;
+    }
+    void *dev = be->alloc(be, QT_MEM_DEVICE, bytes, name);
+    int rc = dev ? own(m, dev) : QT_ENOMEM;
+    if (rc == QT_OK) {
+        be->upload(be, dev, host, bytes);
+        m->quant_bytes += bytes;
+        m->quant_src_bytes += n * qt_dtype_size(sdt);
+        qt_progress_set(&m->quant_prog, ++m->quant_done);
+        w->p = dev;
+        w->dt = QT_Q4;
+    }
+    qt_free(host);
+    return rc;
+}
+
+/* Rows [r0, r0 + rows) of a 4-bit matrix (the original Qwen's k and v in
+ * its fused c_attn): a view header of its own in device memory. */
+static int quant_rows(qt_model *m, const qt_wref *f, size_t r0, int rows, qt_wref *w) {
+    qt_backend *be = m->be;
+    qt_q4_weight hdr, view;
+    be->download(be, &hdr, f->p, sizeof hdr);
+    void *dev = be->alloc(be, QT_MEM_DEVICE, sizeof view, "model: 4-bit row view");
+    if (!dev) return QT_ENOMEM;
+    QT_TRY(own(m, dev));
+    qt_q4_view(&hdr, f->p, dev, r0, (uint64_t)rows, &view);
+    be->upload(be, dev, &view, sizeof view);
+    w->p = dev;
+    w->dt = QT_Q4;
+    return QT_OK;
+}
+
 /* Inference: a decode step reads every layer matrix and the lm_head whole,
  * once a token, so its speed is the speed of that read. From the file mapping
  * (4 KiB page-cache pages) the 0.5B bf16 decode ran at 21.5 tok/s (median of
@@ -222,7 +390,7 @@ static size_t stream_bytes(const qt_model *m, const char *emb) {
         for (int j = 0; j < LIN_COUNT; j++) {
             if (!qt_lin_owns(c, j)) continue;
             snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->lin[j]);
-            if ((t = st_find(m->st, name))) total += stream_span(t);
+            if (!lin_quantized(m, j) && (t = st_find(m->st, name))) total += stream_span(t);
         }
     return total;
 }
@@ -231,10 +399,12 @@ static size_t stream_bytes(const qt_model *m, const char *emb) {
  * mapping itself on the cpu backend), copied into the stream block
  * (inference, streamed), or, training in f16/bf16, converted to the compute
  * dtype. */
-static int base_matrix(qt_model *m, const char *name, int64_t d0, int64_t d1, qt_wref *w, int streamed) {
+static int base_matrix(qt_model *m, const char *name, int64_t d0, int64_t d1, qt_wref *w, int streamed, int quant) {
     const st_tensor *t;
     int64_t shape[2] = {d0, d1};
+    if (m->cfg.prequant4 && (t = st_find(m->st, name)) && t->dtype == QT_U8) return prequant_matrix(m, t, name, d0, d1, w);
     QT_TRY(st_expect(m->st, name, 2, shape, &t));
+    if (quant && !m->cfg.prequant4) return quant_matrix(m, t, d0, d1, w, name);
     qt_backend *be = m->be;
     w->dt = t->dtype;
     if (streamed && m->stream_block && m->stream_size - m->stream_used >= t->nbytes) {
@@ -289,6 +459,12 @@ static int param_index(const qt_model *m, const char *name) {
 static qt_wref compute_ref(qt_model *m, const char *name) {
     int i = param_index(m, name);
     if (i < 0) return (qt_wref){NULL, QT_F32};
+    if (m->pshard) { /* ZeRO-3: in its gather buffer, wherever that layer's range starts */
+        const qt_param *p = &m->params[i];
+        size_t es = qt_dtype_size(m->opts.compute);
+        char *b = p->layer >= 0 ? (char *)m->gbuf[p->layer & 1] + (p->offset - m->glo[p->layer]) * es : m->gbuf[2];
+        return (qt_wref){b, m->opts.compute};
+    }
     if (!m->wcopy) return (qt_wref){m->master + m->params[i].offset, QT_F32};
     return (qt_wref){m->wcopy + m->params[i].offset, m->opts.compute};
 }
@@ -323,12 +499,47 @@ static int alloc_small(qt_model *m) {
     return m->small ? QT_OK : QT_ENOMEM;
 }
 
+/* ZeRO-3: each layer's flat range and the three gather buffers (memplan.c
+ * qt_model_gather_sizes); the shard of the compute copy (f16/bf16) where
+ * offload_param says. */
+static int alloc_param_shard(qt_model *m) {
+    const qt_config *c = &m->cfg;
+    const int L = c->num_hidden_layers;
+    const size_t es = qt_dtype_size(m->opts.compute);
+    m->glo = qt_calloc((size_t)L + 1, sizeof *m->glo, "model: layer ranges");
+    m->ghi = qt_calloc((size_t)L + 1, sizeof *m->ghi, "model: layer ranges");
+    if (!m->glo || !m->ghi) return QT_ENOMEM;
+    for (int l = 0; l < L; l++) m->glo[l] = (size_t)-1;
+    for (int i = 0; i < m->n_params; i++) {
+        const qt_param *p = &m->params[i];
+        if (p->layer < 0) continue;
+        if (p->offset < m->glo[p->layer]) m->glo[p->layer] = p->offset;
+        if (p->offset + p->numel > m->ghi[p->layer]) m->ghi[p->layer] = p->offset + p->numel;
+    }
+    size_t layer, outer;
+    qt_model_gather_sizes(c, &m->opts, &layer, &outer);
+    for (int k = 0; k < 3; k++) {
+        size_t n = (k < 2 ? layer : outer) * es;
+        m->gbuf[k] = m->be->alloc(m->be, QT_MEM_DEVICE, n ? n : 64, "model: ZeRO-3 gather buffer");
+        if (!m->gbuf[k]) return QT_ENOMEM;
+        m->gkey[k] = -1;
+    }
+    if (m->opts.compute != QT_F32) {
+        size_t n = (m->mhi - m->mlo) * es;
+        m->wcopy = m->be->alloc(m->be, m->opts.param_on_host ? QT_MEM_PINNED : QT_MEM_DEVICE, n ? n : 64,
+                                "model: this rank's shard of the compute weights");
+        if (!m->wcopy) return QT_ENOMEM;
+    }
+    return QT_OK;
+}
+
 static int load_full(qt_model *m) {
     /* f16/bf16: matmuls, the embedding and the lm_head read a 2-byte compute
      * copy of the master block; norm weights and biases stay f32 (the master,
      * or sharded their own copy) */
     const qt_dtype cd = m->opts.compute;
-    if (cd != QT_F32) {
+    if (m->pshard) QT_TRY(alloc_param_shard(m));
+    else if (cd != QT_F32) {
         m->wcopy = m->be->alloc(m->be, QT_MEM_DEVICE, m->numel * qt_dtype_size(cd), "model: compute copy of the weights");
         if (!m->wcopy) return QT_ENOMEM;
     }
@@ -338,12 +549,16 @@ static int load_full(qt_model *m) {
         const st_tensor *t;
         QT_TRY(st_expect(m->st, p->name, p->ndim, p->shape, &t));
         QT_TRY(qt_model_read_param(m, i, t)); /* sharded: the copies too */
+        /* ZeRO-3: this rank keeps 1/N of the weights, so the file's pages leave its memory as they are read */
+        if (m->pshard) drop_mapped_pages(t->data, t->nbytes);
     }
     if (cd != QT_F32 && !m->sharded) qt_model_weights_updated(m);
     const qt_config *c = &m->cfg;
     const qt_layout *ly = qt_config_layout(c);
     char name[160];
     snprintf(name, sizeof name, "%s.weight", ly->embed);
+    int ie = param_index(m, name);
+    m->emb_off = ie >= 0 ? m->params[ie].offset : 0;
     m->wte = compute_ref(m, name);
     m->dwte = grad_param(m, name);
     snprintf(name, sizeof name, "%s.weight", ly->final_norm);
@@ -428,14 +643,14 @@ static int load_vocab_mats(qt_model *m) {
     qt_wref base = {0};
     const int base_used = !(sv & QT_SAVE_EMBED) || (tied && !(sv & QT_SAVE_LM_HEAD));
     const char *streamed = stream_vocab_name(m, emb);
-    if (base_used) QT_TRY(base_matrix(m, emb, V, C, &base, streamed == emb));
+    if (base_used) QT_TRY(base_matrix(m, emb, V, C, &base, streamed == emb, 0));
     if (sv & QT_SAVE_EMBED) QT_TRY(saved_module(m, QT_SAVE_EMBED, emb, !base_used && !tied, &m->wte, &m->dwte, NULL));
     else m->wte = base;
     if (sv & QT_SAVE_LM_HEAD)
         return saved_module(m, QT_SAVE_LM_HEAD, tied ? emb : "lm_head.weight", !base_used, &m->lm_head, &m->dlm_head,
                             &m->lm_head_off);
     if (tied) m->lm_head = base;
-    else QT_TRY(base_matrix(m, "lm_head.weight", V, C, &m->lm_head, 1));
+    else QT_TRY(base_matrix(m, "lm_head.weight", V, C, &m->lm_head, 1, 0));
     return QT_OK;
 }
 
@@ -444,12 +659,11 @@ int qt_model_stream_fits(size_t bytes, long long avail_kib) {
     return avail_kib < 0 || (double)bytes + (double)margin <= (double)avail_kib * 1024.0;
 }
 
+static int load_frozen_layers(qt_model *m);
+
 static int load_frozen(qt_model *m, const char *dir) {
     const qt_config *c = &m->cfg;
     const qt_layout *ly = qt_config_layout(c);
-    int C = c->hidden_size, D = c->head_dim;
-    char name[160];
-    float *small = m->base_f32;
     if (m->infer && !m->opts.keep_mapped) {
         char emb[160];
         snprintf(emb, sizeof emb, "%s.weight", ly->embed);
@@ -472,6 +686,30 @@ static int load_frozen(qt_model *m, const char *dir) {
         }
     }
     QT_TRY(load_vocab_mats(m));
+    if (m->opts.quant4) {
+        int n = 0;
+        for (int j = 0; j < LIN_COUNT; j++) n += qt_lin_owns(c, j) && lin_quantized(m, j);
+        char what[96];
+        snprintf(what, sizeof what, "%s the base to %s%s", m->cfg.prequant4 ? "reading 4-bit" : "quantizing", qt_q4_type_name((qt_q4_type)m->opts.quant4_type),
+                 m->opts.quant4_nested ? " (double quantization)" : "");
+        qt_progress_start(&m->quant_prog, m->opts.progress, m->opts.progress ? isatty(fileno(m->opts.progress)) : 0,
+                          what, (double)n * c->num_hidden_layers, "matrices");
+    }
+    QT_TRY(load_frozen_layers(m));
+    if (m->opts.quant4) {
+        qt_progress_end(&m->quant_prog);
+        qt_info("4-bit base: %d matrices, %.1f MiB (%.1f MiB in the file's dtype)", m->quant_done,
+                (double)m->quant_bytes / (1 << 20), (double)m->quant_src_bytes / (1 << 20));
+    }
+    return QT_OK;
+}
+
+static int load_frozen_layers(qt_model *m) {
+    const qt_config *c = &m->cfg;
+    const qt_layout *ly = qt_config_layout(c);
+    int C = c->hidden_size, D = c->head_dim;
+    char name[160];
+    float *small = m->base_f32;
     snprintf(name, sizeof name, "%s.weight", ly->final_norm);
     QT_TRY(base_vector(m, name, C, small));
     m->lnf_w = small;
@@ -497,14 +735,14 @@ static int load_frozen(qt_model *m, const char *dir) {
             if (!qt_lin_owns(c, j)) { /* k and v of a fused c_attn: row slices of q's tensor, no copy */
                 const qt_linear *f = &L->lin[LIN_Q];
                 size_t r0 = (size_t)qt_lin_row0(c, j);
-                q->w.dt = f->w.dt;
-                q->w.p = (const char *)f->w.p + r0 * (size_t)q->in * qt_dtype_size(f->w.dt);
+                if (f->w.dt == QT_Q4) QT_TRY(quant_rows(m, &f->w, r0, q->out, &q->w));
+                else q->w.p = (const char *)f->w.p + r0 * (size_t)q->in * qt_dtype_size(f->w.dt), q->w.dt = f->w.dt;
                 q->b = f->b ? f->b + r0 : NULL;
                 continue;
             }
             int rows = ly->fused_qkv && j == LIN_Q ? qt_lin_fused_rows(c) : q->out;
             snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->lin[j]);
-            QT_TRY(base_matrix(m, name, rows, q->in, &q->w, 1));
+            QT_TRY(base_matrix(m, name, rows, q->in, &q->w, 1, lin_quantized(m, j)));
             if (qt_lin_has_bias(c, j)) {
                 snprintf(name, sizeof name, "%s.%d.%s.bias", ly->layers, l, ly->lin[j]);
                 QT_TRY(base_vector(m, name, rows, small));
@@ -621,6 +859,16 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
     m->opts = *opts;
     if (!m->opts.lora) m->opts.lora_targets = 0;
     m->infer = opts->infer;
+    m->dir = dir;
+    if (m->cfg.prequant4) { /* a bitsandbytes 4-bit folder: its layer linears are read as stored */
+        if (!opts->infer && !opts->lora)
+            return QT_ERR(QT_EINVAL, "%s holds a 4-bit base (quantization_config: bitsandbytes): frozen, so full "
+                                     "fine-tuning cannot update it; add a \"lora\" section (QLoRA)", dir);
+        if (opts->quant4) qt_warn("%s is already 4-bit (quantization_config); the job's \"quantization\" is not "
+                                  "applied again", dir);
+        m->opts.quant4 = 1, m->opts.quant4_type = m->cfg.prequant4_type, m->opts.quant4_nested = m->cfg.prequant4_nested;
+        m->opts.quant4_skip = 0;
+    }
     const qt_config *c = &m->cfg;
     QT_TRY(st_open(dir, &m->st));
     qt_model_memory(c, &m->opts, &m->mem);
@@ -640,6 +888,7 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
         m->mlo = 0, m->mhi = m->numel;
         m->sharded = qt_model_opts_sharded(&m->opts);
         if (m->sharded) qt_shard_range(m->numel, opts->master_shards, opts->master_rank, &m->mlo, &m->mhi);
+        m->pshard = m->sharded && opts->param_shards > 1;
         const size_t nm = m->mhi - m->mlo;
         m->master = m->be->alloc(m->be, m->sharded && opts->master_on_host ? QT_MEM_PINNED : QT_MEM_DEVICE,
                                  (nm ? nm : 1) * 4, "model: fp32 master weights");
@@ -738,6 +987,7 @@ int qt_model_load(const char *dir, const qt_model_opts *opts, qt_model **out) {
     qt_model *m = qt_calloc(1, sizeof *m, "model");
     if (!m) return QT_ENOMEM;
     int rc = model_load(m, dir, opts);
+    m->dir = NULL;
     if (rc != QT_OK) {
         qt_model_free(m);
         return rc;
@@ -758,6 +1008,7 @@ void qt_model_free(qt_model *m) {
         be->free(be, m->base_f32);
         be->free(be, m->small);
         be->free(be, m->wcopy);
+        for (int k = 0; k < 3; k++) be->free(be, m->gbuf[k]);
         be->free(be, m->act_block);
         be->free(be, m->grad_block);
         be->free(be, m->ws);
@@ -774,6 +1025,8 @@ void qt_model_free(qt_model *m) {
     qt_free(m->bucket_fill);
     qt_free(m->grad_at);
     qt_free(m->small_runs);
+    qt_free(m->glo);
+    qt_free(m->ghi);
     qt_free(m->params);
     qt_free(m->param_src);
     qt_free(m->layers);
@@ -806,13 +1059,16 @@ const qt_param *qt_model_params(const qt_model *m, int *n) {
  * fine-tuning it reads the 2-byte compute copy, rounded here from the master
  * (round to nearest even; fp16 saturates to inf beyond 65504). */
 void qt_model_weights_updated(qt_model *m) {
-    if (!m->wcopy) return;
+    for (int k = 0; k < 3; k++) m->gkey[k] = -1; /* ZeRO-3: what the buffers hold is stale */
+    if (!m->wcopy && !m->pshard) return;
     if (!m->sharded) {
         m->be->convert(m->be, m->wcopy, m->opts.compute, m->master, QT_F32, m->numel);
         return;
     }
-    /* this rank's range; the caller all-gathers the others' (qt_model_sharded) */
-    m->be->convert(m->be, m->wcopy + m->mlo, m->opts.compute, m->master, QT_F32, m->mhi - m->mlo);
+    /* this rank's range; the caller all-gathers the others' (qt_model_sharded; ZeRO-3 gathers the
+     * compute weights at use and only the 1-D tensors here) */
+    if (m->wcopy) m->be->convert(m->be, m->wcopy + (m->pshard ? 0 : m->mlo), m->opts.compute, m->master, QT_F32,
+                                 m->mhi - m->mlo);
     for (int k = 0; k < m->n_small_runs; k++) {
         const qt_flat_run *r = &m->small_runs[k];
         size_t a = r->flat > m->mlo ? r->flat : m->mlo, e = r->flat + r->n < m->mhi ? r->flat + r->n : m->mhi;
@@ -822,9 +1078,14 @@ void qt_model_weights_updated(qt_model *m) {
 
 int qt_model_sharded(const qt_model *m, qt_model_shard *out) {
     if (!m->sharded) return 0;
-    *out = (qt_model_shard){m->mlo, m->mhi, m->wcopy, qt_dtype_size(m->opts.compute), m->small, m->small_runs,
-                            m->n_small_runs};
+    *out = (qt_model_shard){m->mlo, m->mhi, m->pshard && !m->wcopy ? (void *)m->master : m->wcopy,
+                            qt_dtype_size(m->opts.compute), m->small, m->small_runs, m->n_small_runs, m->pshard};
     return 1;
+}
+
+void qt_model_set_param_fetch(qt_model *m, const qt_param_fetch *f) {
+    if (f) m->pf = *f;
+    else memset(&m->pf, 0, sizeof m->pf);
 }
 
 void qt_model_set_param_gather(qt_model *m, qt_param_gather_fn gather, void *user) {

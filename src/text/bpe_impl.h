@@ -102,6 +102,7 @@ typedef struct {
 } bpe_vocab_slot;
 
 struct bpe_tokenizer {
+    struct chat_template *tmpl; /* the folder's chat template (text/chat_template.h), or NULL: ChatML */
     int32_t n_ids;             /* highest id + 1 */
     char **tok_str;            /* (n_ids) token string as tokenizer.json spells it, NULL for a gap */
     uint32_t *tok_off;         /* (n_ids + 1) decoded bytes of id i are bytes[tok_off[i] .. tok_off[i+1]) */

@@ -9,6 +9,7 @@
  * exact byte offsets; a content that needs neither is used as it is, not
  * copied, so a conversation costs its rendered text plus its ids and marks. */
 #include "text/chat.h"
+#include "text/chat_template.h"
 
 #include "core/error.h"
 #include "core/mem.h"
@@ -138,6 +139,8 @@ int chat_render_tools(const chat_message *msgs, size_t n, const char *tools, int
 
 int chat_render_tok(const bpe_tokenizer *t, const chat_message *msgs, size_t n, const char *tools,
                     int add_generation_prompt, char **out, size_t *len) {
+    if (bpe_chat_template(t)) /* the folder's own template */
+        return chat_template_render(bpe_chat_template(t), msgs, n, tools, add_generation_prompt, out, len, NULL, NULL);
     return render_text(msgs, n, tools, add_generation_prompt, bpe_chat_system(t), out, len);
 }
 
@@ -161,6 +164,8 @@ static int normal_text(const bpe_tokenizer *t, const char *s, char **owned, cons
 
 int chat_encode_mask(const bpe_tokenizer *t, const chat_message *msgs, size_t n, const char *tools,
                      int add_generation_prompt, int32_t **ids, uint8_t **mask, size_t *n_ids, size_t *cap) {
+    if (bpe_chat_template(t))
+        return chat_template_encode_mask(t, bpe_chat_template(t), msgs, n, tools, add_generation_prompt, ids, mask, n_ids, cap);
     /* (2n) contents, then tool calls, as the encoder sees them; owned: the copies among them */
     const char **use = n ? qt_calloc(2 * n, sizeof *use, "chat contents") : NULL;
     char **owned = n ? qt_calloc(2 * n, sizeof *owned, "chat contents") : NULL;
@@ -229,7 +234,7 @@ static int put_text_marked(const bpe_tokenizer *t, const char *s, size_t len, si
 
 int chat_encode_mask_in_place(const bpe_tokenizer *t, const chat_message *msgs, size_t n, char *const *contents,
                               int32_t **ids, uint8_t **mask, size_t *n_ids, size_t *cap) {
-    if (!n || !turns_separable(t, msgs, n, contents))
+    if (!n || bpe_chat_template(t) || !turns_separable(t, msgs, n, contents))
         return chat_encode_mask(t, msgs, n, NULL, 0, ids, mask, n_ids, cap);
     if (strcmp(msgs[0].role, "system")) { /* the default system turn, as render writes it */
         qt_strbuf b = {0};

@@ -41,7 +41,7 @@ int bpe_decode(const bpe_tokenizer *t, const int32_t *ids, size_t n, char **out,
 int32_t bpe_token_id(const bpe_tokenizer *t, const char *token);
 const char *bpe_id_token(const bpe_tokenizer *t, int32_t id); /* NULL if out of range */
 int32_t bpe_vocab_size(const bpe_tokenizer *t);  /* highest id + 1, added tokens included */
-uint64_t bpe_hash(const bpe_tokenizer *t);       /* of the tokenizer.json bytes: cache key */
+uint64_t bpe_hash(const bpe_tokenizer *t);       /* of the tokenizer.json bytes and the chat template: cache key */
 
 /* --- additions (text owner) --- */
 
@@ -84,6 +84,14 @@ int bpe_normalize(const bpe_tokenizer *t, const char *text, size_t len, char **o
  * original Qwen-Chat's "You are a helpful assistant." for a qwen.tiktoken,
  * Qwen2.5's otherwise (text/chat.h). */
 const char *bpe_chat_system(const bpe_tokenizer *t);
+/* The chat template of the tokenizer's folder (bpe_load reads it beside the
+ * tokenizer file: text/chat_template.h), or NULL when the folder ships none
+ * and chats render as qtune's ChatML. */
+struct chat_template;
+const struct chat_template *bpe_chat_template(const bpe_tokenizer *t);
+struct chat_template *bpe_chat_template_mut(bpe_tokenizer *t);
+/* Replaces it (--chat-template FILE); the tokenizer owns ct from here on. */
+void bpe_set_chat_template(bpe_tokenizer *t, struct chat_template *ct);
 /* 1 when the tokenizer was read from the original Qwen's qwen.tiktoken. */
 int bpe_is_tiktoken(const bpe_tokenizer *t);
 

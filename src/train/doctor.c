@@ -16,6 +16,8 @@
 #include "model/lora_io.h"
 #include "model/model.h"
 #include "optim/loss_scaler.h"
+#include "data/preview.h"
+#include "text/chat_template.h"
 #include "text/tokenizer.h"
 #include "train/ds_config.h"
 #include "train/job.h"
@@ -363,8 +365,11 @@ static int needs_tokenizer(const char *dir, const cJSON *data) {
     if (!cJSON_IsString(tr)) return 1;
     char p[4096], line[65536];
     job_path(dir, tr->valuestring, p, sizeof p);
-    FILE *f = fopen(p, "r");
-    if (!f) return 1;
+    FILE *f = qt_fopen_regular(p, "the data file"); /* a FIFO would block here; the data check names it */
+    if (!f) {
+        qt_error_clear();
+        return 1;
+    }
     int need = 1;
     if (fgets(line, sizeof line, f)) {
         cJSON *j = cJSON_Parse(line);
@@ -414,9 +419,13 @@ static void check_data(doc_ctx *c, const char *dir, const cJSON *data, int64_t *
         char p[4096];
         job_path(dir, v->valuestring, p, sizeof p);
         int64_t sz = file_size(p);
+        struct stat sb;
         if (sz < 0 || access(p, R_OK) != 0)
             problem(c, "%s: data.%s names %s, which cannot be read; check the path (it is relative to the job "
                        "file's folder)", c->where, keys[i], p);
+        else if (stat(p, &sb) == 0 && !S_ISREG(sb.st_mode))
+            problem(c, "%s: data.%s names %s, which is %s, not a regular file; save the data to a file and name "
+                       "that", c->where, keys[i], p, qt_file_kind((unsigned)sb.st_mode));
         else if (sz == 0)
             problem(c, "%s: data.%s file %s is empty; it needs one JSON example per line", c->where, keys[i], p);
         else if (i == 0)
@@ -454,6 +463,13 @@ static void check_data_lines(doc_ctx *c, const char *path, const char *key, dl_f
     qt_log_set_level(level);
     if (bad) problem(c, "%s: data.%s: %s", c->where, key, qt_error_message());
     else fprintf(c->f, "data       %s: %lld example%s read as %s\n", path, n, n == 1 ? "" : "s", dl_format_name(fmt));
+    if (!bad && n && tok && !strcmp(key, "train")) { /* the first example as training sees it, as the run prints it */
+        char *ex = NULL;
+        if (dl_preview_first(tok, path, dl_format_name(fmt), mask_prompt, 4000, &ex) == QT_OK)
+            fprintf(c->f, "example    the first training example (labelled text between [[ and ]]):\n%s\n", ex);
+        qt_free(ex);
+        qt_error_clear();
+    }
     dl_tokbuf_free(&tb);
     dl_lines_close(&r);
 }
@@ -469,9 +485,10 @@ static void existing_parent(const char *p, char *out, size_t cap) {
     }
 }
 
-static void check_deepspeed(doc_ctx *c, const cJSON *ds, int ranks, int *zero, int *offload, qt_dtype *prec,
+static void check_deepspeed(doc_ctx *c, const cJSON *ds, int ranks, int *zero, int *offload, int *offload_param,
+                            qt_dtype *prec,
                             int *micro) {
-    *zero = 0, *offload = 0, *prec = QT_F32, *micro = 1;
+    *zero = 0, *offload = 0, *offload_param = 0, *prec = QT_F32, *micro = 1;
     if (!cJSON_IsObject(ds)) return;
     double tbs = 0, mbs = 0, gas = 0;
     const int h_t = ds_num(ds, "train_batch_size", &tbs), h_m = ds_num(ds, "train_micro_batch_size_per_gpu", &mbs);
@@ -509,8 +526,9 @@ static void check_deepspeed(doc_ctx *c, const cJSON *ds, int ranks, int *zero, i
     if (cJSON_IsObject(z)) {
         double st = 0;
         if (ds_num(z, "stage", &st)) {
-            if (st != 0 && st != 1 && st != 2)
-                problem(c, "%s: deepspeed zero_optimization.stage is %g; qtune runs stages 0, 1 and 2", c->where, st);
+            if (st != 0 && st != 1 && st != 2 && st != 3)
+                problem(c, "%s: deepspeed zero_optimization.stage is %g; qtune runs stages 0, 1, 2 and 3", c->where,
+                        st);
             else
                 *zero = (int)st;
         }
@@ -525,6 +543,14 @@ static void check_deepspeed(doc_ctx *c, const cJSON *ds, int ranks, int *zero, i
         if (*offload && *zero == 0)
             problem(c, "%s: deepspeed offload_optimizer.device is \"cpu\" at ZeRO stage 0; offload needs stage 1 "
                        "or 2", c->where);
+        const cJSON *pdev = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(z, "offload_param"),
+                                                             "device");
+        if (*zero == 3 && cJSON_IsString(pdev)) {
+            if (!strcmp(pdev->valuestring, "cpu")) *offload_param = 1;
+            else if (strcmp(pdev->valuestring, "none"))
+                problem(c, "%s: deepspeed zero_optimization.offload_param.device is \"%s\"; use \"cpu\" or \"none\" "
+                           "(qtune has no NVMe offload)", c->where, pdev->valuestring);
+        }
     }
 }
 
@@ -621,7 +647,7 @@ static void check_resources(doc_ctx *c, const char *dir, const cJSON *root, cons
     }
 }
 
-int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int n_sets, int ranks) {
+int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int n_sets, int ranks, int strict) {
     doc_ctx c = {f, path, 0};
     fprintf(f, "job        %s\n", path);
     char *text = NULL;
@@ -645,7 +671,7 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
      * what the rest checks */
     qt_job job;
     qt_error_clear();
-    if (qt_job_load(path, sets, n_sets, &job) == QT_OK) {
+    if (qt_job_load_ex(path, sets, n_sets, strict, &job) == QT_OK) {
         /* the device as the run would resolve it here: "cuda" with no GPU stops the run */
         char where[4200];
         qt_device dev;
@@ -684,7 +710,7 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
     qt_plan_opts o;
     qt_plan_opts_default(&o);
     const int before_ds = c.n;
-    check_deepspeed(&c, ds, ranks, &o.zero, &o.offload, &o.precision, &o.micro_batch);
+    check_deepspeed(&c, ds, ranks, &o.zero, &o.offload, &o.offload_param, &o.precision, &o.micro_batch);
     if (ds && c.n == before_ds) {
         /* the trainer's own DeepSpeed parser: optimizer, scheduler, fp16 and
          * "auto" resolution, with the values it will train with */
@@ -696,6 +722,10 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
             problem(&c, "%s", qt_error_message());
         } else {
             if (dc.micro_batch >= 1 && dc.micro_batch <= (1 << 20)) o.micro_batch = (int)dc.micro_batch;
+            if (dc.precision_auto_off[0])
+                fprintf(f, "  warning: %s: %s.enabled is \"auto\", which qtune resolves to false: the job trains in "
+                           "fp32, not %s; set %s.enabled to true (or false to mean fp32)\n",
+                        where, dc.precision_auto_off, dc.precision_auto_off, dc.precision_auto_off);
             /* the buckets and overlap the run plans with (qt_plan_opts_from_job): a reduce_bucket_size of
              * "auto" is the model's hidden_size squared, 5e8 when config.json could not be read (either said) */
             qt_ds_config_resolve_model(&dc, have_cfg ? cfg.hidden_size : 0);
@@ -764,6 +794,11 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
         if (bpe_folder_file(mp, tp, sizeof tp) && /* tokenizer.json, or qwen.tiktoken */
             qt_error_oom_advice(bpe_load(tp, &tok), QT_TOKENIZER_OOM_ADVICE) != QT_OK)
             problem(&c, "%s: \"model\": %s", path, qt_error_message());
+        if (tok) {
+            char desc[512];
+            chat_template_describe(tok, desc, sizeof desc);
+            fprintf(c.f, "template   %s\n", desc);
+        }
         const cJSON *fj = cJSON_GetObjectItemCaseSensitive(data, "format");
         const cJSON *mj = cJSON_GetObjectItemCaseSensitive(data, "mask_prompt");
         dl_format fmt = DL_FORMAT_AUTO;
@@ -786,6 +821,10 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
                     qt_config_max_positions(&cfg) < cfg.max_position_embeddings ? "seq_length" : "max_position_embeddings",
                     qt_config_max_positions(&cfg));
         if (o.offload && o.zero == 0) o.offload = 0; /* named above */
+        if (o.lora && o.zero == 3) {
+            problem(&c, "%s: ZeRO stage 3 with LoRA is not supported yet; use zero_optimization.stage 2", path);
+            o.zero = 2, o.offload_param = 0; /* plan the rest as the stage that runs */
+        }
         check_resources(&c, dir, root, &cfg, &o, ranks);
     }
     cJSON_Delete(ds_owned);

@@ -32,6 +32,6 @@ int qt_doctor_environment(FILE *f, int ranks);
 /* Checks a job file and prints one line per problem, each naming the file,
  * the field and what to do; also the memory and disk it needs against what
  * this host has. Returns the number of problems (0: the job should start). */
-int qt_doctor_check_job(FILE *f, const char *job_path, const char *const *sets, int n_sets, int ranks);
+int qt_doctor_check_job(FILE *f, const char *job_path, const char *const *sets, int n_sets, int ranks, int strict);
 
 #endif

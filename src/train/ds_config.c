@@ -34,6 +34,8 @@ typedef struct {
     const char *where;
     qt_ds_config *out;
     int check_only;
+    int strict;             /* qt_ds_config_check_strict: an ignored key is an error */
+    char strict_msg[512];   /* the first such key's sentence ("" = none) */
 } ds_ctx;
 
 /* A warning, unless only checking (the run's own parse says it once) */
@@ -51,19 +53,25 @@ static void record_ignored(qt_ds_config *c, const char *path) {
 
 /* honoured: the section's keys, for a near spelling. */
 static void ignore_key(ds_ctx *x, const char *section, const char *key, const char *const *honoured) {
-    char path[96];
+    char path[96], msg[512];
     if (section) snprintf(path, sizeof path, "%s.%s", section, key);
     else snprintf(path, sizeof path, "%s", key);
     const char *near = honoured ? qt_nearest_word(key, honoured) : NULL;
     if (!section && (!strcmp(key, "activation_checkpointing") || !strcmp(key, "gradient_checkpointing")))
-        ds_warn(x, "%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored; set the job's "
-                "train.gradient_checkpointing to true to recompute activations",
-                x->where, path);
+        snprintf(msg, sizeof msg, "%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored; set the job's "
+                 "train.gradient_checkpointing to true to recompute activations",
+                 x->where, path);
     else if (near)
-        ds_warn(x, "%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored; did you mean \"%s%s%s\"?", x->where,
-                path, section ? section : "", section ? "." : "", near);
-    else ds_warn(x, "%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored", x->where, path);
+        snprintf(msg, sizeof msg, "%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored; did you mean "
+                 "\"%s%s%s\"?", x->where, path, section ? section : "", section ? "." : "", near);
+    else snprintf(msg, sizeof msg, "%s: DeepSpeed key \"%s\" has no effect in qtune and is ignored", x->where, path);
+    if (x->strict && !x->strict_msg[0]) snprintf(x->strict_msg, sizeof x->strict_msg, "%s", msg);
+    ds_warn(x, "%s", msg);
     record_ignored(x->out, path);
+}
+
+static void record_resolved(qt_ds_config *c, const char *line) {
+    if (c->n_resolved < QT_DS_MAX_RESOLVED) snprintf(c->resolved[c->n_resolved++], sizeof c->resolved[0], "%s", line);
 }
 
 /* Records (and says, at info level) what an "auto" became and why: the HF
@@ -78,10 +86,9 @@ static void note_auto(ds_ctx *x, const char *section, const char *key, const cha
     vsnprintf(what, sizeof what, fmt, ap);
     va_end(ap);
     qt_ds_config *c = x->out;
-    char *dst = c->n_resolved < QT_DS_MAX_RESOLVED ? c->resolved[c->n_resolved++] : NULL;
     char line[sizeof c->resolved[0]];
     snprintf(line, sizeof line, "%s%s%s \"auto\" -> %s", section ? section : "", section ? "." : "", key, what);
-    if (dst) memcpy(dst, line, sizeof line);
+    record_resolved(c, line);
     if (!x->check_only) qt_info("%s: %s", x->where, line);
 }
 
@@ -197,6 +204,10 @@ void qt_ds_config_default(qt_ds_config *c, int world) {
     c->zero.contiguous_gradients = 1;
     c->zero.reduce_scatter = 1;
     c->zero.allgather_partitions = 1;
+    c->zero.prefetch_bucket_size = 5e7; /* DeepSpeed's stage-3 defaults */
+    c->zero.param_persistence_threshold = 1e5;
+    c->zero.max_live_parameters = 1e9;
+    c->zero.max_reuse_distance = 1e9;
 }
 
 /* ---- batch sizes ------------------------------------------------------- */
@@ -476,6 +487,25 @@ static int parse_scheduler(ds_ctx *x, const cJSON *sch) {
 
 /* ---- fp16 / bf16 -------------------------------------------------------- */
 
+/* An fp16 (or bf16) section whose "enabled" is "auto": the HF Trainer fills
+ * it from its --fp16 (--bf16) flag, off by default, and qtune has no such
+ * flag, so the run is fp32. Someone who wrote the section meant half
+ * precision more often than not: a warning, not a quiet note, and the run
+ * line and `qtune doctor` say it again (qt_ds_config.precision_auto_off). */
+static void precision_auto_off(ds_ctx *x, const char *section) {
+    qt_ds_config *c = x->out;
+    char line[sizeof c->resolved[0]];
+    const char *p = !strcmp(section, "fp16") ? "fp16" : "bf16";
+    snprintf(line, sizeof line, "%s.enabled \"auto\" -> false (the HF Trainer's --%s is off by default and qtune "
+             "has no such flag; set true to train in %s)", section, p, p);
+    record_resolved(c, line);
+    if (!c->precision_auto_off[0]) snprintf(c->precision_auto_off, sizeof c->precision_auto_off, "%s", section);
+    ds_warn(x, "%s: %s.enabled \"auto\" -> false: this run trains in fp32, not %s (the HF Trainer fills \"auto\" "
+            "from its --%s flag, off by default; qtune has no such flag); set %s.enabled to true to train in %s, or "
+            "to false to keep fp32 without this warning",
+            x->where, section, p, p, section, p);
+}
+
 static int parse_fp16(ds_ctx *x, const cJSON *f) {
     qt_ds_config *c = x->out;
     static const char *const keys[] = {"enabled",   "loss_scale",             "initial_scale_power",
@@ -483,8 +513,8 @@ static int parse_fp16(ds_ctx *x, const cJSON *f) {
                                        "min_loss_scale", NULL};
     warn_unknown(x, f, "fp16", keys);
     const char *sec = "fp16";
-    QT_TRY(get_bool(x, f, sec, "enabled", &c->fp16,
-                    "the HF Trainer's --fp16 is off by default and qtune has no such flag; set true to train in fp16"));
+    if (is_auto(cJSON_GetObjectItemCaseSensitive(f, "enabled"))) precision_auto_off(x, "fp16");
+    else QT_TRY(get_bool(x, f, sec, "enabled", &c->fp16, "precision_auto_off says it")); /* "auto" allowed */
     qt_loss_scaler_cfg *s = &c->scaler;
     int a;
     QT_TRY(get_number(x, f, sec, "loss_scale", &s->loss_scale, &a));
@@ -518,28 +548,97 @@ static int parse_fp16(ds_ctx *x, const cJSON *f) {
 static int parse_bf16(ds_ctx *x, const cJSON *b, const char *name) {
     static const char *const keys[] = {"enabled", NULL};
     warn_unknown(x, b, name, keys);
-    return get_bool(x, b, name, "enabled", &x->out->bf16,
-                    "the HF Trainer's --bf16 is off by default and qtune has no such flag; set true to train in bf16");
+    if (is_auto(cJSON_GetObjectItemCaseSensitive(b, "enabled"))) {
+        precision_auto_off(x, name);
+        return QT_OK;
+    }
+    return get_bool(x, b, name, "enabled", &x->out->bf16, "precision_auto_off says it"); /* "auto" allowed */
 }
 
 /* ---- ZeRO --------------------------------------------------------------- */
+
+/* offload_param and the stage3_* keys. DeepSpeed reads them only at stage 3;
+ * so does qtune (a warning says so below). "auto" for the prefetch bucket
+ * and the persistence threshold is filled by the HF Trainer from hidden_size
+ * (0.9 * hidden^2 and 10 * hidden): resolved by qt_ds_config_resolve_model. */
+static int parse_stage3(ds_ctx *x, const cJSON *z) {
+    qt_ds_zero *zc = &x->out->zero;
+    static const char *const okeys[] = {"device", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu", NULL};
+    const char *sec = "zero_optimization";
+    if (zc->stage != 3) { /* DeepSpeed reads these at stage 3 only */
+        static const char *const s3[] = {"offload_param", "stage3_prefetch_bucket_size",
+                                         "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+                                         "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+                                         "stage3_gather_fp16_weights_on_model_save", NULL};
+        for (int i = 0; s3[i]; i++) {
+            if (!cJSON_GetObjectItemCaseSensitive(z, s3[i])) continue;
+            char path[96];
+            snprintf(path, sizeof path, "%s.%s", sec, s3[i]);
+            ds_warn(x, "%s: \"%s\" applies to ZeRO stage 3 only and is ignored at stage %d", x->where, path,
+                    zc->stage);
+            record_ignored(x->out, path);
+        }
+        return QT_OK;
+    }
+    const cJSON *off;
+    QT_TRY(get_section(x, z, sec, "offload_param", &off));
+    if (off) {
+        warn_unknown(x, off, "zero_optimization.offload_param", okeys);
+        const cJSON *dev = cJSON_GetObjectItemCaseSensitive(off, "device");
+        if (dev && !cJSON_IsNull(dev)) {
+            if (!cJSON_IsString(dev))
+                return QT_ERR(QT_EINVAL, "%s: zero_optimization.offload_param.device must be \"cpu\" or \"none\"",
+                              x->where);
+            if (strcmp(dev->valuestring, "cpu") == 0) zc->offload_param = 1;
+            else if (strcmp(dev->valuestring, "none") == 0) zc->offload_param = 0;
+            else
+                return QT_ERR(QT_EUNSUPPORTED,
+                              "%s: zero_optimization.offload_param.device \"%s\" is not supported; use \"cpu\" or "
+                              "\"none\"",
+                              x->where, dev->valuestring);
+        }
+    }
+    int a;
+    QT_TRY(get_number(x, z, sec, "stage3_prefetch_bucket_size", &zc->prefetch_bucket_size, &a));
+    if (a) zc->stage3_auto |= 1, zc->prefetch_bucket_size = 5e7;
+    QT_TRY(get_number(x, z, sec, "stage3_param_persistence_threshold", &zc->param_persistence_threshold, &a));
+    if (a) zc->stage3_auto |= 2, zc->param_persistence_threshold = 1e5;
+    QT_TRY(get_number(x, z, sec, "stage3_max_live_parameters", &zc->max_live_parameters, &a));
+    if (a) {
+        zc->max_live_parameters = 1e9;
+        note_auto(x, sec, "stage3_max_live_parameters", "1e9 (%s; the HF Trainer does not fill this key)", DS_DEFAULT);
+    }
+    QT_TRY(get_number(x, z, sec, "stage3_max_reuse_distance", &zc->max_reuse_distance, &a));
+    if (a) {
+        zc->max_reuse_distance = 1e9;
+        note_auto(x, sec, "stage3_max_reuse_distance", "1e9 (%s; the HF Trainer does not fill this key)", DS_DEFAULT);
+    }
+    int g16 = 0, gf16 = 0;
+    QT_TRY(get_bool(x, z, sec, "stage3_gather_16bit_weights_on_model_save", &g16, DS_DEFAULT));
+    QT_TRY(get_bool(x, z, sec, "stage3_gather_fp16_weights_on_model_save", &gf16, DS_DEFAULT));
+    zc->gather_16bit_on_save = g16 || gf16;
+    if (zc->prefetch_bucket_size < 0 || zc->param_persistence_threshold < 0 || zc->max_live_parameters < 0 ||
+        zc->max_reuse_distance < 0)
+        return QT_ERR(QT_EINVAL, "%s: zero_optimization.stage3_* sizes must be >= 0 elements", x->where);
+    return QT_OK;
+}
 
 static int parse_zero(ds_ctx *x, const cJSON *z) {
     qt_ds_zero *zc = &x->out->zero;
     static const char *const keys[] = {"stage",          "offload_optimizer",    "reduce_bucket_size",
                                        "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
-                                       "reduce_scatter", "allgather_partitions", NULL};
+                                       "reduce_scatter", "allgather_partitions", "offload_param",
+                                       "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                                       "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                                       "stage3_gather_16bit_weights_on_model_save",
+                                       "stage3_gather_fp16_weights_on_model_save", NULL};
     static const char *const okeys[] = {"device", "pin_memory", NULL};
     const char *sec = "zero_optimization";
     warn_unknown(x, z, sec, keys);
     int64_t stage = 0;
     const cJSON *sv = cJSON_GetObjectItemCaseSensitive(z, "stage");
-    if (cJSON_IsNumber(sv) && sv->valuedouble == 3)
-        return QT_ERR(QT_EUNSUPPORTED,
-                      "%s: zero_optimization.stage 3 is not supported; use stage 2 (with "
-                      "offload_optimizer.device \"cpu\" to move the optimizer state to host memory)",
-                      x->where);
-    QT_TRY(get_int(x, z, sec, "stage", 0, 2, &stage, NULL, NULL));
+    (void)sv;
+    QT_TRY(get_int(x, z, sec, "stage", 0, 3, &stage, NULL, NULL));
     zc->stage = (int)stage;
     const cJSON *off;
     QT_TRY(get_section(x, z, sec, "offload_optimizer", &off));
@@ -581,7 +680,7 @@ static int parse_zero(ds_ctx *x, const cJSON *z) {
     QT_TRY(get_bool(x, z, sec, "contiguous_gradients", &zc->contiguous_gradients, DS_DEFAULT));
     QT_TRY(get_bool(x, z, sec, "reduce_scatter", &zc->reduce_scatter, DS_DEFAULT));
     QT_TRY(get_bool(x, z, sec, "allgather_partitions", &zc->allgather_partitions, DS_DEFAULT));
-    return QT_OK;
+    return parse_stage3(x, z);
 }
 
 /* ---- the whole object --------------------------------------------------- */
@@ -638,7 +737,7 @@ static int parse(ds_ctx *x, const cJSON *j) {
 int qt_ds_config_parse(const cJSON *json, const char *where, int world, qt_ds_config *out) {
     if (world < 1) return QT_ERR(QT_EINVAL, "%s: world size %d must be >= 1", where, world);
     qt_ds_config_default(out, world);
-    ds_ctx x = {where, out, 0};
+    ds_ctx x = {where, out, 0, 0, ""};
     int rc = parse(&x, json);
     if (rc != QT_OK) {
         int n = out->n_ignored;
@@ -655,9 +754,21 @@ int qt_ds_config_check(const cJSON *json, const char *where) {
     qt_ds_config *c = qt_malloc(sizeof *c, "a DeepSpeed config check");
     if (!c) return QT_ENOMEM;
     qt_ds_config_default(c, 1);
-    ds_ctx x = {where, c, 1};
+    ds_ctx x = {where, c, 1, 0, ""};
     int rc = parse(&x, json);
     qt_free(c);
+    return rc;
+}
+
+int qt_ds_config_check_strict(const cJSON *json, const char *where) {
+    qt_ds_config *c = qt_malloc(sizeof *c, "a DeepSpeed config check");
+    if (!c) return QT_ENOMEM;
+    qt_ds_config_default(c, 1);
+    ds_ctx x = {where, c, 1, 1, ""};
+    int rc = parse(&x, json);
+    qt_free(c);
+    if (rc == QT_OK && x.strict_msg[0])
+        rc = QT_ERR(QT_EINVAL, "%s (--strict makes every unknown key an error)", x.strict_msg);
     return rc;
 }
 
@@ -667,13 +778,12 @@ int qt_ds_config_load(const char *path, int world, qt_ds_config *out) {
     QT_TRY(qt_read_file(path, (size_t)16 << 20, &text, &len));
     cJSON *j = cJSON_ParseWithLength(text, len);
     if (!j) {
-        /* Name the line of the first syntax error. */
+        /* the line of the first syntax error, and the key of a NaN or Infinity */
         const char *at = cJSON_GetErrorPtr();
-        int line = 1;
-        if (at && at >= text && at <= text + len)
-            for (const char *p = text; p < at; p++) line += *p == '\n';
+        int rc = qt_json_parse_error(text, at && at >= text && at <= text + len ? at : NULL, path,
+                                     "fix the syntax there");
         qt_free(text);
-        return QT_ERR(QT_EFORMAT, "%s: line %d: not valid JSON; fix the syntax there", path, line);
+        return rc;
     }
     qt_free(text);
     int rc = qt_json_check_duplicate_keys(j, path);
@@ -715,8 +825,30 @@ int qt_ds_config_finalize(qt_ds_config *c, int64_t max_steps) {
     return QT_OK;
 }
 
+/* transformers' trainer_config_finalize at stage 3: fill_only("stage3_prefetch_bucket_size",
+ * 0.9 * hidden_size * hidden_size) and ("stage3_param_persistence_threshold", 10 * hidden_size). */
+static void resolve_stage3(qt_ds_config *c, int64_t hidden_size) {
+    qt_ds_zero *z = &c->zero;
+    double h = (double)hidden_size;
+    if (z->stage3_auto & 1) {
+        if (hidden_size > 0) z->prefetch_bucket_size = 0.9 * h * h;
+        note_late(c, "zero_optimization.stage3_prefetch_bucket_size \"auto\" -> %.0f (%s)", z->prefetch_bucket_size,
+                  hidden_size > 0 ? "0.9 x hidden_size squared, as Hugging Face's Trainer fills it"
+                                  : "DeepSpeed's default: config.json could not be read");
+    }
+    if (z->stage3_auto & 2) {
+        if (hidden_size > 0) z->param_persistence_threshold = 10 * h;
+        note_late(c, "zero_optimization.stage3_param_persistence_threshold \"auto\" -> %.0f (%s)",
+                  z->param_persistence_threshold,
+                  hidden_size > 0 ? "10 x hidden_size, as Hugging Face's Trainer fills it"
+                                  : "DeepSpeed's default: config.json could not be read");
+    }
+    z->stage3_auto = 0;
+}
+
 void qt_ds_config_resolve_model(qt_ds_config *c, int64_t hidden_size) {
     qt_ds_zero *z = &c->zero;
+    if (z->stage3_auto) resolve_stage3(c, hidden_size);
     if (!z->reduce_bucket_auto) return;
     z->reduce_bucket_auto = 0;
     if (hidden_size <= 0) {

@@ -27,8 +27,9 @@
 #define QT_DS_MAX_RESOLVED 32
 
 typedef struct {
-    int stage;                  /* 0, 1 or 2 */
+    int stage;                  /* 0, 1, 2 or 3 */
     int offload_optimizer;      /* offload_optimizer.device == "cpu" */
+    int offload_param;          /* stage 3: offload_param.device == "cpu" (the parameter shard in host memory) */
     int pin_memory;             /* offload_optimizer.pin_memory */
     double reduce_bucket_size;  /* elements; 5e8 */
     int reduce_bucket_auto;     /* reduce_bucket_size was "auto": 5e8 until qt_ds_config_resolve_model gives it
@@ -38,6 +39,14 @@ typedef struct {
     int contiguous_gradients;   /* true */
     int reduce_scatter;         /* true */
     int allgather_partitions;   /* true */
+    /* stage 3 (docs/distributed.md says what each means here) */
+    double prefetch_bucket_size;    /* stage3_prefetch_bucket_size: 5e7; 0 turns the prefetch off */
+    double param_persistence_threshold; /* stage3_param_persistence_threshold: 1e5 */
+    double max_live_parameters;     /* stage3_max_live_parameters: 1e9 */
+    double max_reuse_distance;      /* stage3_max_reuse_distance: 1e9 */
+    int gather_16bit_on_save;       /* stage3_gather_16bit_weights_on_model_save: false (final/ is always gathered) */
+    int stage3_auto;                /* bit 0: prefetch_bucket_size, bit 1: param_persistence_threshold were "auto",
+                                       resolved from hidden_size by qt_ds_config_resolve_model */
 } qt_ds_zero;
 
 typedef struct {
@@ -57,6 +66,8 @@ typedef struct {
     int fp16;                   /* fp16.enabled */
     qt_loss_scaler_cfg scaler;  /* the fp16 section (defaults when fp16 is off) */
     int bf16;                   /* bf16.enabled (or the old "bfloat16") */
+    char precision_auto_off[12];/* "fp16" or "bf16" when that section is present with enabled "auto", which
+                                   resolves to false (fp32, warned); "" otherwise */
     qt_ds_zero zero;
 
     int n_ignored;              /* keys named in a warning, as "section.key" */
@@ -82,6 +93,11 @@ int qt_ds_config_parse(const cJSON *json, const char *where, int world, qt_ds_co
  * deepspeed.X=...`, so that an override which makes a readable config
  * unreadable is named in the error, where the run's parse names the file. */
 int qt_ds_config_check(const cJSON *json, const char *where);
+
+/* qt_ds_config_check, and a key qtune does not implement (which the run
+ * warns about and ignores) is an error too, with the warning's sentence and
+ * its nearest known key: `--strict`. */
+int qt_ds_config_check_strict(const cJSON *json, const char *where);
 
 /* Reads a DeepSpeed JSON file (at most 16 MiB). */
 int qt_ds_config_load(const char *path, int world, qt_ds_config *out);

@@ -8,6 +8,7 @@
 #include "core/json_range.h"
 #include "core/log.h"
 #include "core/mem.h"
+#include "core/quant4.h"
 #include "core/words.h"
 #include "data/format.h"
 #include "data/loader.h"
@@ -159,6 +160,7 @@ int qt_job_apply_set(cJSON *root, const char *set) {
 typedef struct {
     const char *where; /* job file name */
     const char *dir;
+    int strict;        /* --strict: an unknown key is an error, not a warning */
 } job_ctx;
 
 static int get_num(const job_ctx *c, const cJSON *obj, const char *sect, const char *key, double def, double *out,
@@ -227,21 +229,29 @@ static int resolve(const job_ctx *c, char **p) {
     return QT_OK;
 }
 
-static void warn_unknown(const job_ctx *c, const cJSON *obj, const char *sect, const char *const *known) {
-    if (!cJSON_IsObject(obj)) return;
+/* An unknown key: a warning naming the nearest known key, or with --strict
+ * the same sentence as an error. */
+static int unknown_key(const job_ctx *c, const char *sect, const char *key, const char *near) {
+    char msg[1024];
+    if (near)
+        snprintf(msg, sizeof msg, "%s: unknown key '%s%s%s' is ignored; did you mean '%s%s%s'?", c->where, sect,
+                 sect[0] ? "." : "", key, sect, sect[0] ? "." : "", near);
+    else
+        snprintf(msg, sizeof msg, "%s: unknown key '%s%s%s' is ignored; check its spelling (docs/job-file.md lists "
+                 "the keys)", c->where, sect, sect[0] ? "." : "", key);
+    if (c->strict) return QT_ERR(QT_EINVAL, "%s (--strict makes every unknown key an error)", msg);
+    qt_warn("%s", msg);
+    return QT_OK;
+}
+
+static int warn_unknown(const job_ctx *c, const cJSON *obj, const char *sect, const char *const *known) {
+    if (!cJSON_IsObject(obj)) return QT_OK;
     for (const cJSON *it = obj->child; it; it = it->next) {
         int ok = 0;
         for (int i = 0; known[i] && !ok; i++) ok = !strcmp(it->string, known[i]);
-        if (!ok) {
-            const char *near = qt_nearest_word(it->string, known);
-            if (near)
-                qt_warn("%s: unknown key '%s%s%s' is ignored; did you mean '%s%s%s'?", c->where, sect,
-                        sect[0] ? "." : "", it->string, sect, sect[0] ? "." : "", near);
-            else
-                qt_warn("%s: unknown key '%s%s%s' is ignored; check its spelling (docs/job-file.md lists the keys)",
-                        c->where, sect, sect[0] ? "." : "", it->string);
-        }
+        if (!ok) QT_TRY(unknown_key(c, sect, it->string, qt_nearest_word(it->string, known)));
     }
+    return QT_OK;
 }
 
 static int section(const job_ctx *c, const cJSON *root, const char *name, const cJSON **out) {
@@ -303,7 +313,7 @@ static int parse_data(const job_ctx *c, const cJSON *root, qt_job_data *d) {
     QT_TRY(section(c, root, "data", &s));
     if (!s) return QT_ERR(QT_EINVAL, "%s: the 'data' section is missing; it needs at least \"train\": \"file.jsonl\"",
                           c->where);
-    warn_unknown(c, s, "data", known);
+    QT_TRY(warn_unknown(c, s, "data", known));
     QT_TRY(get_str(c, s, "data", "train", NULL, &d->train));
     if (!d->train) return QT_ERR(QT_EINVAL, "%s: data.train is missing; name the training JSONL file", c->where);
     QT_TRY(resolve(c, &d->train));
@@ -348,9 +358,7 @@ static int parse_lora(const job_ctx *c, const cJSON *root, qt_job_lora *l) {
     for (const cJSON *it = s->child; it; it = it->next) {
         int ok = peft_is_lora_key(it->string);
         for (int i = 0; known[i] && !ok; i++) ok = !strcmp(it->string, known[i]);
-        if (!ok)
-            qt_warn("%s: unknown key 'lora.%s' is ignored; check its spelling (docs/job-file.md lists the keys)",
-                    c->where, it->string);
+        if (!ok) QT_TRY(unknown_key(c, "lora", it->string, peft_nearest_lora_key(it->string, known)));
     }
     char where[4200];
     snprintf(where, sizeof where, "%s: lora.", c->where);
@@ -441,7 +449,7 @@ static int parse_train(const job_ctx *c, const cJSON *root, qt_job_train *t) {
                                         "overwrite_output_dir", "eval_batches", "report_to", "logging_dir", NULL};
     const cJSON *s;
     QT_TRY(section(c, root, "train", &s));
-    warn_unknown(c, s, "train", known);
+    QT_TRY(warn_unknown(c, s, "train", known));
     int has_steps = 0, has_epochs = 0;
     double ms = 0, ep = 0;
     QT_TRY(get_num(c, s, "train", "max_steps", -1, &ms, &has_steps));
@@ -475,6 +483,86 @@ static int parse_train(const job_ctx *c, const cJSON *root, qt_job_train *t) {
     }
     QT_TRY(get_str(c, s, "train", "resume", "auto", &t->resume));
     if (strcmp(t->resume, "auto") && strcmp(t->resume, "never")) QT_TRY(resolve(c, &t->resume));
+    return QT_OK;
+}
+
+/* "quantization": BitsAndBytesConfig's names. The 4-bit ones are read; the
+ * 8-bit ones refused (LLM.int8 is not implemented); those that change nothing
+ * here are named as ignored. */
+static int parse_quant(const job_ctx *c, const cJSON *root, qt_job_quant *q) {
+    static const char *const known[] = {"load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
+                                        "bnb_4bit_compute_dtype", "llm_int8_skip_modules", "quant_method",
+                                        "load_in_8bit", "bnb_4bit_quant_storage", "llm_int8_threshold",
+                                        "llm_int8_has_fp16_weight", "llm_int8_enable_fp32_cpu_offload", NULL};
+    const cJSON *s;
+    memset(q, 0, sizeof *q);
+    q->type = QT_Q4_FP4; /* BitsAndBytesConfig's default */
+    QT_TRY(section(c, root, "quantization", &s));
+    if (!s) return QT_OK;
+    warn_unknown(c, s, "quantization", known);
+    int l8 = 0;
+    QT_TRY(get_bool(c, s, "quantization", "load_in_8bit", 0, &l8));
+    if (l8)
+        return QT_ERR(QT_EINVAL, "%s: quantization.load_in_8bit: 8-bit (LLM.int8) bases are not supported; use "
+                                 "\"load_in_4bit\": true (QLoRA)", c->where);
+    QT_TRY(get_bool(c, s, "quantization", "load_in_4bit", 0, &q->load_in_4bit));
+    char *v = NULL;
+    QT_TRY(get_str(c, s, "quantization", "quant_method", "bitsandbytes", &v));
+    int bad = strcmp(v, "bitsandbytes") != 0;
+    qt_free(v);
+    if (bad)
+        return QT_ERR(QT_EINVAL, "%s: quantization.quant_method must be \"bitsandbytes\" (the only one qtune reads)",
+                      c->where);
+    QT_TRY(get_str(c, s, "quantization", "bnb_4bit_quant_type", "fp4", &v));
+    if (!strcmp(v, "nf4")) q->type = QT_Q4_NF4;
+    else if (strcmp(v, "fp4")) bad = 1;
+    qt_free(v);
+    if (bad) return QT_ERR(QT_EINVAL, "%s: quantization.bnb_4bit_quant_type must be \"nf4\" or \"fp4\"", c->where);
+    QT_TRY(get_bool(c, s, "quantization", "bnb_4bit_use_double_quant", 0, &q->double_quant));
+    QT_TRY(get_str(c, s, "quantization", "bnb_4bit_compute_dtype", NULL, &v));
+    if (v) {
+        qt_dtype d;
+        int rc = qt_dtype_parse(v, &d);
+        qt_free(v);
+        if (rc != QT_OK) return QT_ERR(QT_EINVAL, "%s: quantization.bnb_4bit_compute_dtype: use float32, bfloat16 "
+                                                  "or float16", c->where);
+        q->compute_set = 1, q->compute = (int)d;
+    }
+    QT_TRY(get_str(c, s, "quantization", "bnb_4bit_quant_storage", "uint8", &v));
+    bad = strcmp(v, "uint8") != 0;
+    qt_free(v);
+    if (bad)
+        return QT_ERR(QT_EINVAL, "%s: quantization.bnb_4bit_quant_storage: only uint8 (the default) is supported",
+                      c->where);
+    static const char *const ignored[] = {"llm_int8_threshold", "llm_int8_has_fp16_weight",
+                                          "llm_int8_enable_fp32_cpu_offload", NULL};
+    for (int i = 0; ignored[i]; i++)
+        if (cJSON_GetObjectItemCaseSensitive(s, ignored[i]))
+            qt_warn("%s: quantization.%s is ignored (it concerns 8-bit bases or offloading)", c->where, ignored[i]);
+    const cJSON *sk = cJSON_GetObjectItemCaseSensitive(s, "llm_int8_skip_modules");
+    if (sk && !cJSON_IsNull(sk)) {
+        if (!cJSON_IsArray(sk))
+            return QT_ERR(QT_EINVAL, "%s: quantization.llm_int8_skip_modules must be a list of module names", c->where);
+        for (const cJSON *e = sk->child; e; e = e->next) {
+            if (!cJSON_IsString(e))
+                return QT_ERR(QT_EINVAL, "%s: quantization.llm_int8_skip_modules must list names", c->where);
+            const char *n = strrchr(e->valuestring, '.') ? strrchr(e->valuestring, '.') + 1 : e->valuestring;
+            if (!strcmp(n, "lm_head") || !strcmp(n, "embed_tokens") || !strcmp(n, "wte")) continue; /* 16-bit anyway */
+            cJSON *one = cJSON_CreateArray();
+            if (!one) return QT_ENOMEM;
+            cJSON_AddItemToArray(one, cJSON_CreateString(n));
+            unsigned m = 0;
+            char w[4300];
+            snprintf(w, sizeof w, "%s: quantization.llm_int8_skip_modules", c->where);
+            int rc = qt_job_lora_targets(one, &m, w);
+            cJSON_Delete(one);
+            QT_TRY(rc);
+            q->skip |= m;
+        }
+    }
+    if (!q->load_in_4bit)
+        qt_warn("%s: \"quantization\" without \"load_in_4bit\": true changes nothing; the base stays 16-bit",
+                c->where);
     return QT_OK;
 }
 
@@ -519,13 +607,11 @@ static int load_section_file(const job_ctx *c, cJSON *root, const char *key, cha
         return rc;
     }
     if (!obj) {
-        long off = errp ? (long)(errp - text) : 0;
-        int line = 1;
-        for (long i = 0; i < off && text[i]; i++) line += text[i] == '\n';
-        cJSON_Delete(obj);
+        char hint[4200];
+        snprintf(hint, sizeof hint, "it is the %s config named by %s's \"%s\"", !strcmp(key, "lora") ? "LoRA" : "DeepSpeed",
+                 c->where, key);
+        rc = qt_json_parse_error(text, errp, p, hint);
         qt_free(text);
-        rc = QT_ERR(QT_EFORMAT, "%s: line %d is not valid JSON (the %s config named by %s's \"%s\")", p, line,
-                    !strcmp(key, "lora") ? "LoRA" : "DeepSpeed", c->where, key);
         qt_free(p);
         return rc;
     }
@@ -704,11 +790,17 @@ int qt_job_describe_difference(const cJSON *was, const cJSON *now, char *out, si
 
 int qt_job_parse(const char *json, const char *dir, const char *where, const char *const *sets, int n_sets,
                  qt_job *job) {
+    return qt_job_parse_ex(json, dir, where, sets, n_sets, 0, job);
+}
+
+int qt_job_parse_ex(const char *json, const char *dir, const char *where, const char *const *sets, int n_sets,
+                    int strict, qt_job *job) {
     memset(job, 0, sizeof *job);
-    job_ctx c = {where, dir};
+    job_ctx c = {where, dir, strict};
     const char *errp = NULL;
     cJSON *root = cJSON_ParseWithOpts(json, &errp, 1);
-    if (!root || !cJSON_IsObject(root)) {
+    if (!root) return qt_json_parse_error(json, errp, where, "the job file must be one JSON object");
+    if (!cJSON_IsObject(root)) {
         long off = errp ? (long)(errp - json) : 0;
         int line = 1;
         for (long i = 0; i < off && json[i]; i++) line += json[i] == '\n';
@@ -733,9 +825,10 @@ int qt_job_parse(const char *json, const char *dir, const char *where, const cha
     if (rc == QT_OK) rc = load_section_file(&c, root, "lora", &job->lora_path);
     if (rc != QT_OK) { qt_job_free(job); return rc; }
 
-    static const char *const known[] = {"model", "output_dir", "data", "lora", "train", "deepspeed", "device",
-                                        "objective", NULL};
-    warn_unknown(&c, root, "", known);
+    static const char *const known[] = {"model",     "output_dir", "data",         "lora", "train",
+                                        "deepspeed", "device",     "quantization", "objective", NULL};
+    rc = warn_unknown(&c, root, "", known);
+    if (rc != QT_OK) { qt_job_free(job); return rc; }
     job->dir = qt_strdup(dir);
     job->path = qt_strdup(where);
     if (!job->dir || !job->path) rc = QT_ENOMEM;
@@ -763,6 +856,10 @@ int qt_job_parse(const char *json, const char *dir, const char *where, const cha
     }
     if (rc == QT_OK) rc = parse_lora(&lc, root, &job->lora);
     if (rc == QT_OK) rc = parse_train(&c, root, &job->train);
+    if (rc == QT_OK) rc = parse_quant(&c, root, &job->quant);
+    if (rc == QT_OK && job->quant.load_in_4bit && !job->lora.enabled)
+        rc = QT_ERR(QT_EINVAL, "%s: a 4-bit base (quantization.load_in_4bit) is frozen, so full fine-tuning cannot "
+                               "update it; add a \"lora\" section (QLoRA) or drop \"quantization\"", where);
     if (rc == QT_OK) rc = qt_objective_parse(cJSON_GetObjectItemCaseSensitive(root, "objective"), where, &job->objective);
     if (rc == QT_OK) {
         cJSON *ds = cJSON_GetObjectItemCaseSensitive(root, "deepspeed");
@@ -773,18 +870,28 @@ int qt_job_parse(const char *json, const char *dir, const char *where, const cha
             if (!job->deepspeed) rc = QT_ERR(QT_ENOMEM, "out of memory copying the DeepSpeed config");
         }
     }
+    if (rc == QT_OK && strict && job->deepspeed) {
+        char dsw[4200];
+        if (job->deepspeed_path) snprintf(dsw, sizeof dsw, "%s", job->deepspeed_path);
+        else snprintf(dsw, sizeof dsw, "%s: deepspeed", where);
+        rc = qt_ds_config_check_strict(job->deepspeed, dsw);
+    }
     if (rc != QT_OK) { qt_job_free(job); return rc; }
     job->fingerprint = qt_job_fingerprint_of(root);
     return QT_OK;
 }
 
 int qt_job_load(const char *path, const char *const *sets, int n_sets, qt_job *job) {
+    return qt_job_load_ex(path, sets, n_sets, 0, job);
+}
+
+int qt_job_load_ex(const char *path, const char *const *sets, int n_sets, int strict, qt_job *job) {
     memset(job, 0, sizeof *job);
     char *text;
     QT_TRY(qt_read_file(path, JOB_MAX_BYTES, &text, NULL));
     char dir[4096];
     qt_path_dirname(dir, sizeof dir, path);
-    int rc = qt_job_parse(text, dir, path, sets, n_sets, job);
+    int rc = qt_job_parse_ex(text, dir, path, sets, n_sets, strict, job);
     qt_free(text);
     return rc;
 }

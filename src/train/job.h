@@ -62,6 +62,16 @@ typedef struct {
     char *logging_dir;    /* where they go (resolved); NULL: OUTPUT/runs/MonDD_HH-MM-SS_HOST, as the HF Trainer */
 } qt_job_train;
 
+/* "quantization": transformers' BitsAndBytesConfig names (QLoRA). */
+typedef struct {
+    int load_in_4bit;     /* 1: the layers' linears quantized to 4 bits as they load */
+    int type;             /* bnb_4bit_quant_type: QT_Q4_NF4 (default "fp4" as transformers) or QT_Q4_FP4 */
+    int double_quant;     /* bnb_4bit_use_double_quant */
+    int compute_set;      /* bnb_4bit_compute_dtype given */
+    int compute;          /* its qt_dtype: must be the run's compute dtype */
+    unsigned skip;        /* llm_int8_skip_modules as QT_LORA_* bits (lm_head/embeddings stay 16-bit anyway) */
+} qt_job_quant;
+
 typedef struct {
     char *path;           /* the job file as given */
     char *dir;            /* its folder: relative paths start here */
@@ -72,6 +82,7 @@ typedef struct {
     qt_job_data data;
     qt_job_lora lora;
     qt_job_train train;
+    qt_job_quant quant;
     qt_objective objective; /* "objective": sft (default), dpo, orpo, simpo (train/objective.h) */
     cJSON *deepspeed;     /* the DeepSpeed object (read from its file when a path); owned */
     char *deepspeed_path; /* the file it came from, or NULL when inline */
@@ -87,6 +98,12 @@ int qt_job_load(const char *path, const char *const *sets, int n_sets, qt_job *j
  * in messages. */
 int qt_job_parse(const char *json, const char *dir, const char *where, const char *const *sets, int n_sets,
                  qt_job *job);
+/* The same, and strict (`--strict`): every unknown key, in the job file, its
+ * lora section and its DeepSpeed config, is an error (with the nearest known
+ * key) rather than a warning. */
+int qt_job_load_ex(const char *path, const char *const *sets, int n_sets, int strict, qt_job *job);
+int qt_job_parse_ex(const char *json, const char *dir, const char *where, const char *const *sets, int n_sets,
+                    int strict, qt_job *job);
 void qt_job_free(qt_job *job);
 
 /* Applies one "key.path=value" override to a JSON tree. The value is typed by

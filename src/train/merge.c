@@ -6,6 +6,7 @@
  * removed again. */
 #include "train/merge.h"
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/log.h"
@@ -23,6 +24,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+/* the staging folder's name inside an existing OUT, before ".tmp.PID" */
+#define MERGE_STAGE_IN ".qtune-merge"
 
 /* One adapted weight: W (out, in), A (r, in), B (out, r); or a
  * modules_to_save weight: W replaced by the adapter's trained copy `full`. */
@@ -218,6 +222,17 @@ static int pair_items(const char *model_dir, const char *adapter_dir, const peft
         if (!m->af || !m->bf || !m->tmp) return QT_ENOMEM;
         QT_TRY(st_read_f32(m->a, m->af));
         QT_TRY(st_read_f32(m->b, m->bf));
+        /* named here: in the merged weight the NaN would point at the base */
+        int nan;
+        const st_tensor *ab[2] = {m->a, m->b};
+        const float *abf[2] = {m->af, m->bf};
+        for (int h = 0; h < 2; h++) {
+            size_t at = qt_find_nonfinite(abf[h], QT_F32, ab[h]->numel, &nan);
+            if (at < ab[h]->numel)
+                return QT_ERR(QT_ENUMERIC, "%s/adapter_model.safetensors: tensor %s holds %s at element %zu; the adapter "
+                              "is damaged (training diverged, or the file was changed): use an earlier checkpoint's "
+                              "adapter", adapter_dir, ab[h]->name, nan ? "NaN" : "an infinite value", at);
+        }
     }
     return QT_OK;
 }
@@ -298,6 +313,10 @@ int qt_merge_set_open(const char *model_dir, const char *adapter_dir, st_file *b
     }
     qt_config cfg;
     if (rc == QT_OK) rc = qt_config_load(model_dir, &cfg);
+    if (rc == QT_OK && cfg.prequant4)
+        rc = QT_ERR(QT_EUNSUPPORTED, "%s is a bitsandbytes 4-bit folder (quantization_config); qtune merges into "
+                                     "16-bit weights only: give --model the 16-bit folder the 4-bit one was made from",
+                    model_dir);
     const st_tensor *lm_new = NULL;
     if (rc == QT_OK)
         rc = pair_items(model_dir, adapter_dir, &pc, base, s->ad, s->items, &s->n_items, cfg.tie_word_embeddings,
@@ -355,6 +374,7 @@ static int write_stage(const char *model_dir, const char *stage, st_file *base, 
     QT_TRY(qt_mkdir_p(stage)); /* with the parents of a new OUT (qt_merge_stage_path's top) */
     QT_TRY(st_writer_new(&wr));
     st_writer_set_stop(wr, stop);
+    st_writer_refuse_nonfinite(wr); /* what generate, eval and train refuse to load */
     int rc = QT_OK;
     for (int i = 0; rc == QT_OK && i < st_count(base); i++) {
         const st_tensor *t = st_at(base, i);
@@ -444,7 +464,7 @@ int qt_merge_stage_path(const char *out_dir, char *stage, size_t stage_cap, char
     /* the staging folder is on out's filesystem, so the renames are atomic:
      * inside an existing out (whose parent may not be writable), else beside
      * it, to be renamed as a whole */
-    int w = qt_is_dir(out) ? snprintf(stage, stage_cap, "%s/.qtune-merge.tmp.%ld", out, (long)getpid())
+    int w = qt_is_dir(out) ? snprintf(stage, stage_cap, "%s/" MERGE_STAGE_IN ".tmp.%ld", out, (long)getpid())
                            : snprintf(stage, stage_cap, "%s.tmp.%ld", out, (long)getpid());
     if (w < 0 || (size_t)w >= stage_cap) return QT_ERR(QT_EINVAL, "--out %.200s: path too long", out_dir);
     QT_TRY(qt_path_missing_top(stage, top, top_cap));
@@ -473,6 +493,14 @@ int qt_merge_adapter_progress(const char *model_dir, const char *adapter_dir, co
     }
     if (rc == QT_OK) rc = qt_merge_stage_path(out, stage, sizeof stage, top, sizeof top);
     if (rc == QT_OK) rc = qt_merge_set_open(model_dir, adapter_dir, base, &set);
+    /* what a merge killed before its renames (kill -9) left: OUT.tmp.PID beside OUT, OUT/.qtune-merge.tmp.PID */
+    char inside[4200];
+    int removed = 0, removed_in = 0;
+    if (rc == QT_OK) rc = qt_remove_dead_tmps(out, &removed);
+    if (rc == QT_OK && qt_is_dir(out) && snprintf(inside, sizeof inside, "%s/" MERGE_STAGE_IN, out) < (int)sizeof inside)
+        rc = qt_remove_dead_tmps(inside, &removed_in);
+    if (removed + removed_in)
+        qt_info("removed %d staging folder(s) that a killed merge into %s left", removed + removed_in, out);
     int staged = 0;
     if (rc == QT_OK) {
         staged = 1;
@@ -483,6 +511,12 @@ int qt_merge_adapter_progress(const char *model_dir, const char *adapter_dir, co
     if (rc == QT_OK) rc = commit_stage(stage, out);
     if (rc == QT_EINTERRUPTED)
         QT_ERR(QT_EINTERRUPTED, "merge interrupted; the partial output was removed and %s was left as it was", out);
+    if (rc == QT_ENUMERIC && staged) { /* the writer named the tensor of the merged model */
+        char what[512];
+        snprintf(what, sizeof what, "%s", qt_error_message());
+        QT_ERR(rc, "the merge of %s into %s: %s; qtune writes no NaN or infinite weights (generate, eval and train "
+               "refuse them), so nothing was written and %s was left as it was", adapter_dir, model_dir, what, out);
+    }
     if (rc != QT_OK && staged) {
         qt_rm_rf(stage);
         qt_rmdir_made(stage, top); /* the parent folders made for a new out, while empty */

@@ -27,7 +27,7 @@ int64_t qt_peak_rss_bytes(void) {
     return (int64_t)ru.ru_maxrss * 1024; /* Linux reports KiB */
 }
 
-static int push(qt_metrics_point **a, size_t *n, size_t *cap, long step, double x) {
+static int push_point(qt_metrics_point **a, size_t *n, size_t *cap, long step, double x, int skipped) {
     if (*n == *cap) {
         size_t nc = *cap ? *cap * 2 : 256;
         qt_metrics_point *na = qt_realloc(*a, nc * sizeof **a, "loss curve points");
@@ -35,8 +35,12 @@ static int push(qt_metrics_point **a, size_t *n, size_t *cap, long step, double 
         *a = na;
         *cap = nc;
     }
-    (*a)[(*n)++] = (qt_metrics_point){step, x};
+    (*a)[(*n)++] = (qt_metrics_point){step, x, skipped};
     return QT_OK;
+}
+
+static int push(qt_metrics_point **a, size_t *n, size_t *cap, long step, double x) {
+    return push_point(a, n, cap, step, x, 0);
 }
 
 /* A metrics.jsonl line kept for report.html, each '<' as \u003c (only a
@@ -87,8 +91,10 @@ static int metrics_trim(qt_metrics *m, long keep_until) {
             const cJSON *el = cJSON_GetObjectItemCaseSensitive(j, "eval_loss");
             const cJSON *lo = cJSON_GetObjectItemCaseSensitive(j, "loss");
             if (cJSON_IsNumber(el)) rc = push(&m->eval, &m->n_eval, &m->cap_eval, (long)st->valuedouble, el->valuedouble);
-            else if (cJSON_IsNumber(lo))
-                rc = push(&m->train, &m->n_train, &m->cap_train, (long)st->valuedouble, lo->valuedouble);
+            else if (cJSON_IsNumber(lo) || cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(j, "skipped")))
+                rc = push_point(&m->train, &m->n_train, &m->cap_train, (long)st->valuedouble,
+                                cJSON_IsNumber(lo) ? lo->valuedouble : NAN,
+                                cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(j, "skipped")));
             /* the line as cJSON reads it (a line with text after its object is cut there) */
             char *row = rc == QT_OK ? cJSON_PrintUnformatted(j) : NULL;
             if (rc == QT_OK && !row) rc = QT_ENOMEM;
@@ -170,7 +176,9 @@ int qt_metrics_log_step(qt_metrics *m, const qt_step_metrics *s) {
     snprintf(line + len, sizeof line - len, "}");
     QT_TRY(metrics_line(m, line));
     QT_TRY(row_push(m, line, s->skipped));
-    if (isfinite(s->loss)) QT_TRY(push(&m->train, &m->n_train, &m->cap_train, s->step, s->loss));
+    if (isfinite(s->loss) || s->skipped)
+        QT_TRY(push_point(&m->train, &m->n_train, &m->cap_train, s->step, isfinite(s->loss) ? s->loss : NAN,
+                          s->skipped));
     if (m->tb) {
         /* the HF Trainer's names: its logs' keys under "train/" (rewrite_logs) */
         const struct { const char *tag; double x; } sc[] = {
@@ -305,15 +313,19 @@ int qt_loss_svg_write(const char *path, const char *title, const qt_metrics_poin
                       const qt_metrics_point *eval, size_t n_eval) {
     const double W = 800, H = 450, L = 70, R = 20, T = 40, B = 50; /* canvas and margins */
     double x0 = 1e300, x1 = -1e300, y0 = 1e300, y1 = -1e300;
+    size_t n_skip = 0;
     for (size_t i = 0; i < n_train; i++) {
         x0 = fmin(x0, (double)train[i].step); x1 = fmax(x1, (double)train[i].step);
+        n_skip += train[i].skipped != 0;
+        if (isnan(train[i].x)) continue;
         y0 = fmin(y0, train[i].x); y1 = fmax(y1, train[i].x);
     }
     for (size_t i = 0; i < n_eval; i++) {
         x0 = fmin(x0, (double)eval[i].step); x1 = fmax(x1, (double)eval[i].step);
         y0 = fmin(y0, eval[i].x); y1 = fmax(y1, eval[i].x);
     }
-    if (x0 > x1) { x0 = 0; x1 = 1; y0 = 0; y1 = 1; }
+    if (x0 > x1) { x0 = 0; x1 = 1; }
+    if (y0 > y1) { y0 = 0; y1 = 1; }
     if (x1 - x0 < 1) x1 = x0 + 1;
     if (y1 - y0 < 1e-6) { y0 -= 0.5; y1 += 0.5; }
     double ys = nice_step(y1 - y0, 6), xs = nice_step(x1 - x0, 8);
@@ -350,11 +362,23 @@ int qt_loss_svg_write(const char *path, const char *title, const qt_metrics_poin
         for (size_t i = 0; i < n_train; i += per) {
             size_t e = i + per < n_train ? i + per : n_train;
             double sx = 0, sy = 0;
-            for (size_t k = i; k < e; k++) { sx += (double)train[k].step; sy += train[k].x; }
-            sb_printf(&s, "%.1f,%.1f ", PX(sx / (double)(e - i)), PY(sy / (double)(e - i)));
+            size_t k_n = 0;
+            for (size_t k = i; k < e; k++)
+                if (!isnan(train[k].x)) sx += (double)train[k].step, sy += train[k].x, k_n++;
+            if (k_n) sb_printf(&s, "%.1f,%.1f ", PX(sx / (double)k_n), PY(sy / (double)k_n));
         }
         sb_printf(&s, "\"/>\n");
     }
+    /* steps that applied no update (an fp16 overflow, a batch without labels): a red tick on the step axis */
+    for (size_t i = 0; i < n_train; i++)
+        if (train[i].skipped)
+            sb_printf(&s, "<line class=\"skipped\" x1=\"%.1f\" y1=\"%g\" x2=\"%.1f\" y2=\"%g\" stroke=\"#d62728\" "
+                          "stroke-width=\"2\"><title>step %ld skipped</title></line>\n",
+                      PX((double)train[i].step), H - B - 10, PX((double)train[i].step), H - B, train[i].step);
+    if (n_skip)
+        sb_printf(&s, "<line x1=\"%g\" y1=\"%g\" x2=\"%g\" y2=\"%g\" stroke=\"#d62728\" stroke-width=\"2\"/>"
+                      "<text x=\"%g\" y=\"%g\">%zu skipped step%s (no update)</text>\n",
+                  L + 10, T + 10, L + 10, T + 20, L + 16, T + 18, n_skip, n_skip == 1 ? "" : "s");
     if (n_eval) {
         sb_printf(&s, "<polyline fill=\"none\" stroke=\"#ff7f0e\" stroke-width=\"2\" points=\"");
         for (size_t i = 0; i < n_eval; i++) sb_printf(&s, "%.1f,%.1f ", PX((double)eval[i].step), PY(eval[i].x));

@@ -44,7 +44,8 @@ typedef struct {
 
 typedef struct {
     long step;
-    double x;
+    double x;             /* NaN: not drawn (a skipped step whose loss was not finite) */
+    int skipped;          /* a train step that applied no update: marked on the step axis */
 } qt_metrics_point;
 
 typedef struct {

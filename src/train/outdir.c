@@ -39,9 +39,8 @@ static int is_leftover(const char *name) {
     size_t n = strlen(name);
     if (!strncmp(name, "checkpoint-", 11) && n > 15 && (!strcmp(name + n - 4, ".tmp") || !strcmp(name + n - 4, ".old")))
         return 1;
-    return !strncmp(name, "final.tmp", 9) || !strcmp(name, "final.old") || !strncmp(name, RUN_FILE ".tmp", sizeof RUN_FILE + 3) ||
-           !strncmp(name, "metrics.jsonl.tmp", 17) || !strncmp(name, "loss.svg.tmp", 12) ||
-           !strncmp(name, "report.html.tmp", 15);
+    return !strncmp(name, "final.tmp", 9) || !strcmp(name, "final.old") || qt_tmp_pid(name, RUN_FILE) ||
+           qt_tmp_pid(name, "metrics.jsonl") || qt_tmp_pid(name, "loss.svg") || qt_tmp_pid(name, "report.html");
 }
 
 /* 1 when the folder has anything in it but such leftovers. */

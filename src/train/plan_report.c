@@ -7,6 +7,7 @@
 #include "backend/backend.h"
 #include "core/error.h"
 #include "core/mem.h"
+#include "core/quant4.h"
 #include "model/lora_io.h"
 #include "model/memplan.h"
 #include "model/model.h"
@@ -51,7 +52,9 @@ typedef struct {
     uint64_t workspace;   /* backward scratch */
     uint64_t grads;       /* the model's gradient block, or its gradient windows (ZeRO-2, N > 1) */
     uint64_t master;      /* f16/bf16: the fp32 master on the card (whole, or this rank's shard) */
-    uint64_t master_host; /* a sharded master offloaded: its shard in pinned host memory */
+    uint64_t master_host; /* a sharded master offloaded: its shard in pinned host memory; ZeRO-3 with
+                             offload_param: the compute-weight shard too */
+    size_t persist;       /* ZeRO-3: elements of the 1-D tensors kept whole on every rank */
     uint64_t allocated;   /* everything the model allocates (memplan total) */
     uint64_t mapped_base; /* LoRA: the frozen base the model reads from the mapping */
     int rows, dim;        /* ZeRO-2 with a trainable embedding: rows per micro-batch, C */
@@ -80,6 +83,10 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, i
     mo.lora_save = o->lora ? o->lora_save : 0;
     mo.lora_dropout = 0.1f; /* PEFT's usual setting; the dropout input buffer is counted */
     mo.grad_checkpointing = o->checkpointing;
+    mo.quant4 = o->lora && (o->quant4 || c->prequant4); /* a bitsandbytes folder is 4-bit as it is */
+    mo.quant4_type = QT_Q4_NF4;                          /* nf4 and fp4 take the same bytes */
+    mo.quant4_nested = c->prequant4 ? c->prequant4_nested : o->quant4_nested;
+    mo.quant4_skip = o->quant4_skip;
     mo.max_B = o->micro_batch;
     mo.max_T = o->seq_len;
     mo.backend = o->backend;
@@ -90,6 +97,11 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, i
         mo.master_shards = N;
         mo.master_rank = rank;
         mo.master_on_host = o->offload;
+    }
+    if (zero_partitions_params(o->zero, N) && !o->lora) { /* the trainer's rule (ZeRO-3) */
+        mo.param_shards = N;
+        mo.param_on_host = o->offload_param;
+        if (o->precision == QT_F32 && o->offload_param) mo.master_on_host = 1;
     }
     qt_mem_breakdown b;
     qt_model_memory(c, &mo, &b);
@@ -104,12 +116,17 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, i
         const uint64_t file_bytes = qt_dtype_size(c->torch_dtype);
         /* LoRA trains its fp32 master directly, in f16/bf16 too (the adapters and modules_to_save's copies
          * have no 2-byte compute copy): the master is "weights" in f32, "master" otherwise */
-        pm->weights = b.base / file_bytes * ws + b.base_f32 + (o->precision == QT_F32 ? b.master : 0);
+        pm->weights = b.base / file_bytes * ws + b.quant4 + b.base_f32 + (o->precision == QT_F32 ? b.master : 0);
+    } else if (mo.param_shards > 1) {
+        /* ZeRO-3: the rank's shard of the compute weights (in f32 the master shard), the three gather
+         * buffers and the 1-D tensors whole */
+        pm->weights = (o->precision == QT_F32 ? b.master : b.compute_copy) + b.param_gather + b.base_f32;
     } else {
         pm->weights = o->precision == QT_F32 ? b.master : (uint64_t)n_train * ws + b.base_f32;
     }
     pm->master = o->precision == QT_F32 ? 0 : b.master;
-    pm->master_host = b.master_host;
+    pm->master_host = b.master_host + b.compute_host;
+    pm->persist = mo.param_shards > 1 ? b.base_f32 / 4 : 0;
     pm->activations = b.activations;
     pm->workspace = b.act_grads + b.workspace;
     pm->grads = b.grads;
@@ -127,7 +144,8 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, i
 static zero_opts plan_zero_opts(const qt_plan_opts *o, const plan_model *pm) {
     zero_opts z = {.stage = o->zero, .offload = o->offload, .bucket_elems = o->reduce_bucket,
                    .allgather_bucket_elems = o->allgather_bucket, .emb_rows = pm->rows, .emb_dim = pm->dim,
-                   .unit_elems = pm->unit, .overlap = pm->overlap};
+                   .unit_elems = pm->unit, .overlap = pm->overlap, .persist_elems = pm->persist,
+                   .offload_param = o->offload_param};
     return z;
 }
 
@@ -177,12 +195,16 @@ static int plan_check(const qt_config *c, const qt_plan_opts *o) {
     if (c->vocab_size <= 0 || c->hidden_size <= 0 || c->num_hidden_layers <= 0 || c->num_attention_heads <= 0 ||
         c->num_key_value_heads <= 0 || c->head_dim <= 0 || c->intermediate_size <= 0)
         return QT_ERR(QT_EINVAL, "the model config has a zero or negative size; check config.json");
-    if (o->zero < 0 || o->zero > 2) return QT_ERR(QT_EINVAL, "--zero must be 0, 1 or 2, not %d", o->zero);
+    if (o->zero < 0 || o->zero > 3) return QT_ERR(QT_EINVAL, "--zero must be 0, 1, 2 or 3, not %d", o->zero);
+    if (o->zero == 3 && o->lora)
+        return QT_ERR(QT_EINVAL, "ZeRO stage 3 with LoRA is not supported yet; plan LoRA with --zero 2");
+    if (o->offload_param && o->zero != 3)
+        return QT_ERR(QT_EINVAL, "--offload-param cpu needs --zero 3 (only stage 3 partitions the weights)");
     if (o->devices < 1 || o->devices > MAX_DEVICES)
         return QT_ERR(QT_EINVAL, "--devices must be between 1 and %d, not %d", MAX_DEVICES, o->devices);
     if (o->offload && o->zero < 1)
         return QT_ERR(QT_EINVAL, "--offload cpu moves the sharded optimizer state to the host, so it needs "
-                                 "--zero 1 or 2 (as DeepSpeed's offload_optimizer does)");
+                                 "--zero 1, 2 or 3 (as DeepSpeed's offload_optimizer does)");
     if (o->micro_batch < 1 || o->seq_len < 1 || o->micro_batch > (1 << 20) || o->seq_len > (1 << 22))
         return QT_ERR(QT_EINVAL, "--micro-batch and --seq-len must be positive (got %d and %d)", o->micro_batch,
                       o->seq_len);
@@ -219,18 +241,20 @@ int qt_plan_compute(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
     const uint64_t Pt = (uint64_t)pm.n_trainable;
     p->cards_per_host = K;
     p->hosts = (N + K - 1) / K;
-    if (o->offload) {
+    if (o->offload || o->offload_param) {
         /* Adam's m and v shards; pinned: ZeRO-2's fp32 gradient shards and in f16/bf16 full fine-tuning
          * the fp32 master shards (the optimizer reads them in place) */
         zero_opts z = plan_zero_opts(o, &pm);
         zero_mem zm;
         zero_memory((size_t)Pt, N, 0, &z, 2, &zm);
-        p->host_offload = (uint64_t)K * shard(Pt * 8, N);
-        p->host_pinned = (uint64_t)K * (pm.master_host + zm.grad_shard);
+        p->host_offload = o->offload ? (uint64_t)K * shard(Pt * 8, N) : 0;
+        p->host_pinned = (uint64_t)K * (pm.master_host + (o->offload ? zm.grad_shard : 0));
     }
     p->host_dataset = o->dataset_bytes;
     p->host_runtime = (uint64_t)K * HOST_RUNTIME_PER_RANK;
-    if (!o->lora) /* LoRA's mapped base is its frozen weights, already counted on the device */
+    /* LoRA's mapped base is its frozen weights, already counted on the device; ZeRO-3 over several ranks
+     * drops each tensor's pages from the mapping once read (a rank keeps 1/N of the weights) */
+    if (!o->lora && !zero_partitions_params(o->zero, N))
         p->host_mapped = o->weights_file_bytes ? o->weights_file_bytes
                                                : (uint64_t)pm.n_params * qt_dtype_size(c->torch_dtype);
     p->host_total = p->host_offload + p->host_pinned + p->host_dataset + p->host_runtime + p->host_mapped;
@@ -367,6 +391,8 @@ char *qt_plan_json(const char *name, const qt_config *c, const qt_plan_opts *o, 
     if (o->lora) {
         cJSON_AddNumberToObject(r, "lora_r", o->lora_r);
         cJSON_AddStringToObject(r, "lora_targets", targets_str(c, o->lora_targets, t, sizeof t));
+        const int q4 = o->quant4 || c->prequant4, nested = c->prequant4 ? c->prequant4_nested : o->quant4_nested;
+        cJSON_AddStringToObject(r, "base", !q4 ? "16-bit" : nested ? "4-bit, double-quantized" : "4-bit");
         cJSON_AddStringToObject(r, "modules_to_save", saved_str(o->lora_save));
     }
     cJSON_AddStringToObject(r, "backend", desc_name(o));
@@ -434,31 +460,39 @@ char *qt_plan_json(const char *name, const qt_config *c, const qt_plan_opts *o, 
 }
 
 void qt_plan_print_strategies(FILE *f, const char *name, const qt_config *c, const qt_plan_opts *base) {
-    qt_plan_opts s[3];
-    const char *title[3] = {"full fp16, 4 cards, ZeRO 0", "full fp16, 4 cards, ZeRO 2 + offload",
-                            "LoRA r=8 q,v fp16, 1 card"};
-    for (int i = 0; i < 3; i++) {
+    /* the report's three, and a fourth it implied: its "under 20 GB" LoRA needs the base in 4 bits (QLoRA) */
+    enum { NS = 4 };
+    qt_plan_opts s[NS];
+    const char *title[NS] = {"full fp16, 4 cards, ZeRO 0", "full fp16, 4 cards, ZeRO 2 + offload",
+                             "LoRA r=8 q,v fp16, 1 card", "QLoRA r=8 q,v fp16, NF4 base, 1 card"};
+    for (int i = 0; i < NS; i++) {
         s[i] = *base;
         s[i].precision = QT_F16;
         s[i].lora = 0;
         s[i].offload = 0;
+        s[i].quant4 = 0;
     }
     s[0].zero = 0, s[0].devices = 4;
     s[1].zero = 2, s[1].devices = 4, s[1].offload = 1;
     s[2].zero = 0, s[2].devices = 1, s[2].lora = 1, s[2].lora_r = 8, s[2].lora_targets = QT_LORA_Q | QT_LORA_V;
-    qt_plan p[3];
-    for (int i = 0; i < 3; i++)
+    s[3] = s[2];
+    s[3].quant4 = 1, s[3].quant4_nested = 1, s[3].quant4_skip = 0;
+    qt_plan p[NS];
+    for (int i = 0; i < NS; i++)
         if (qt_plan_compute(c, &s[i], &p[i]) != QT_OK) {
             fprintf(f, "could not plan '%s': %s\n", title[i], qt_error_message());
             return;
         }
-    fprintf(f, "the field report's three strategies for %s (%.2f B parameters), B=%d T=%d%s, %.0f GiB cards\n\n",
+    fprintf(f, "the field report's three strategies for %s (%.2f B parameters), B=%d T=%d%s, %.0f GiB cards,\n"
+               "and QLoRA (the base's layer linears in NF4, double-quantized)\n\n",
             name, (double)p[0].n_params / 1e9, base->micro_batch, base->seq_len,
             base->checkpointing ? ", recomputation" : "", base->device_gib);
-    fprintf(f, "%-22s %14s %14s %14s\n", "GiB per card", "full/ZeRO0", "ZeRO2+offload", "LoRA 1 card");
-#define ROW(label, field) \
-    fprintf(f, "%-22s %14.2f %14.2f %14.2f\n", label, gib(p[0].dev.field), gib(p[1].dev.field), gib(p[2].dev.field))
-    ROW("weights (fp16)", weights);
+    fprintf(f, "%-22s %14s %14s %14s %14s\n", "GiB per card", "full/ZeRO0", "ZeRO2+offload", "LoRA 1 card",
+            "QLoRA 1 card");
+#define ROW(label, field)                                                                                    \
+    fprintf(f, "%-22s %14.2f %14.2f %14.2f %14.2f\n", label, gib(p[0].dev.field), gib(p[1].dev.field), \
+            gib(p[2].dev.field), gib(p[3].dev.field))
+    ROW("weights (fp16/4-bit)", weights);
     ROW("gradients (fp32)", grads);
     ROW("master weights (fp32)", master);
     ROW("Adam m, v (fp32)", optim);
@@ -467,11 +501,12 @@ void qt_plan_print_strategies(FILE *f, const char *name, const qt_config *c, con
     ROW("communication", comm);
     ROW("total", total);
 #undef ROW
-    fprintf(f, "%-22s %14s %14s %14s\n", "fits", p[0].fits ? "yes" : "no", p[1].fits ? "yes" : "no",
-            p[2].fits ? "yes" : "no");
-    fprintf(f, "%-22s %14.2f %14.2f %14.2f\n", "host RAM (GiB, +20%)", gib(p[0].host_recommend),
-            gib(p[1].host_recommend), gib(p[2].host_recommend));
+    fprintf(f, "%-22s %14s %14s %14s %14s\n", "fits", p[0].fits ? "yes" : "no", p[1].fits ? "yes" : "no",
+            p[2].fits ? "yes" : "no", p[3].fits ? "yes" : "no");
+    fprintf(f, "%-22s %14.2f %14.2f %14.2f %14.2f\n", "host RAM (GiB, +20%)", gib(p[0].host_recommend),
+            gib(p[1].host_recommend), gib(p[2].host_recommend), gib(p[3].host_recommend));
     fprintf(f, "\nthe report said: ~56 GB (full fp16), ~35 GB (ZeRO-2 offload), under 20 GB (LoRA) per card;\n"
-               "see docs/plan.md for why these numbers differ (what each counts).\n");
+               "its LoRA figure is QLoRA's: with a 16-bit base LoRA holds the whole base on the card.\n"
+               "See docs/plan.md for why these numbers differ (what each counts).\n");
     (void)title;
 }

@@ -9,6 +9,8 @@
  *   ZeRO 0  every rank holds full gradients, master weights and Adam m, v
  *   ZeRO 1  Adam m, v are sharded 1/N across ranks
  *   ZeRO 2  gradients are sharded 1/N as well
+ *   ZeRO 3  the compute weights too (1/N, on the host with offload_param), plus
+ *           two layer gather buffers and a V x C one; the weights file is not kept mapped
  *   offload Adam m, v live in host memory, not on the card
  * The fp32 master block stays whole on every rank's card at every stage
  * (each rank updates its shard and all-gathers the rest; DeepSpeed shards it).
@@ -29,7 +31,8 @@ typedef struct {
     int lora_r;            /* R */
     unsigned lora_targets; /* QT_LORA_* mask (model/model.h) */
     unsigned lora_save;    /* QT_SAVE_* mask: modules_to_save trained beside the adapter */
-    int zero;              /* ZeRO stage 0, 1 or 2 */
+    int zero;              /* ZeRO stage 0, 1, 2 or 3 (3: the weights partitioned, gathered a layer at a time) */
+    int offload_param;     /* ZeRO-3: the rank's parameter shard in host memory */
     int devices;           /* data-parallel ranks N */
     int offload;           /* 1: Adam m, v in host memory */
     qt_dtype precision;    /* compute dtype */
@@ -46,6 +49,9 @@ typedef struct {
     size_t reduce_bucket;    /* DeepSpeed reduce_bucket_size, elements; 0: 5e8 */
     size_t allgather_bucket; /* DeepSpeed allgather_bucket_size, elements; 0: 5e8 */
     int overlap;             /* DeepSpeed overlap_comm (ZeRO 2: reductions in flight during the backward) */
+    int quant4;              /* QLoRA (LoRA only): the layer linears of the base in 4 bits (the job's quantization) */
+    int quant4_nested;       /* bnb_4bit_use_double_quant */
+    unsigned quant4_skip;    /* llm_int8_skip_modules as QT_LORA_* bits */
 } qt_plan_opts;
 
 /* Defaults: LoRA off, r 8 on q,v, ZeRO 0, 1 device, no offload, f32, B 1,

@@ -24,6 +24,8 @@ void qt_train_cfg_from_ds(const qt_ds_config *ds, qt_train_cfg *cfg) {
     cfg->zero.bucket_elems = ds->zero.reduce_bucket_size >= 1 ? (size_t)ds->zero.reduce_bucket_size : 0;
     cfg->zero.allgather_bucket_elems = ds->zero.allgather_bucket_size >= 1 ? (size_t)ds->zero.allgather_bucket_size : 0;
     cfg->zero.overlap = ds->zero.overlap_comm;
+    cfg->zero.offload_param = ds->zero.offload_param;
+    cfg->zero.prefetch = ds->zero.prefetch_bucket_size > 0; /* stage 3: the next layer gathered ahead */
     cfg->steps_per_print = ds->steps_per_print > 0 ? ds->steps_per_print : 10;
 }
 
@@ -44,7 +46,7 @@ int qt_train_cfg_from_job(const qt_job *job, int world, long max_steps, qt_train
 }
 
 void qt_train_ds_resolve_model(qt_ds_config *ds, const char *model) {
-    if (!ds->zero.reduce_bucket_auto) return;
+    if (!ds->zero.reduce_bucket_auto && !ds->zero.stage3_auto) return;
     qt_config cfg;
     int64_t hidden = 0;
     if (model && qt_config_load(model, &cfg) == QT_OK) hidden = cfg.hidden_size;
@@ -52,8 +54,13 @@ void qt_train_ds_resolve_model(qt_ds_config *ds, const char *model) {
     qt_ds_config_resolve_model(ds, hidden);
 }
 
-static const char *precision_name(const qt_ds_config *ds) {
-    return ds->fp16 ? "fp16 (dynamic loss scaling)" : ds->bf16 ? "bf16" : "fp32";
+static void precision_text(const qt_ds_config *ds, char *buf, size_t cap) {
+    if (ds->fp16) snprintf(buf, cap, "fp16 (%s loss scaling)", ds->scaler.loss_scale > 0 ? "static" : "dynamic");
+    else if (ds->bf16) snprintf(buf, cap, "bf16");
+    else if (ds->precision_auto_off[0])
+        snprintf(buf, cap, "fp32 (WARNING: %s.enabled \"auto\" -> false; set it to true for %s)",
+                 ds->precision_auto_off, ds->precision_auto_off);
+    else snprintf(buf, cap, "fp32");
 }
 
 static void sched_text(const qt_ds_config *ds, char *buf, size_t cap) {
@@ -91,20 +98,23 @@ static void decay_text(const qt_ds_config *ds, char *buf, size_t cap) {
 }
 
 void qt_train_describe(const qt_job *job, const qt_ds_config *ds, const char *device, char *buf, size_t cap) {
-    char what[160], sched[160], decay[128];
+    char what[160], sched[160], decay[128], prec[128];
     if (job->lora.enabled)
         snprintf(what, sizeof what, "LoRA r %d alpha %g on %d module kind(s)", job->lora.r, job->lora.lora_alpha,
                  job->lora.n_target_names);
     else snprintf(what, sizeof what, "full fine-tuning");
     sched_text(ds, sched, sizeof sched);
     decay_text(ds, decay, sizeof decay);
+    precision_text(ds, prec, sizeof prec);
     const char *lr_note = ds->sched.type == QT_SCHED_CONSTANT || ds->sched.type == QT_SCHED_WARMUP_COSINE_LR
                               ? ""
                               : " (the schedule sets it)";
     snprintf(buf, cap,
              "run: %s | %s | ZeRO stage %d%s | %s lr %g%s%s, %s | gradient checkpointing %s | micro-batch %lld x "
              "accumulation %lld x %d rank(s) = %lld rows of %d tokens | device %s",
-             what, precision_name(ds), ds->zero.stage, ds->zero.offload_optimizer ? ", optimizer offloaded to host" : ", no offload",
+             what, prec, ds->zero.stage,
+             ds->zero.offload_param ? ", optimizer and parameters offloaded to host"
+             : ds->zero.offload_optimizer ? ", optimizer offloaded to host" : ", no offload",
              ds->optimizer_type, ds->adam.lr, lr_note, decay, sched, job->train.gradient_checkpointing ? "on" : "off",
              (long long)ds->micro_batch, (long long)ds->grad_accum, ds->world, (long long)ds->train_batch_size,
              job->data.seq_len, device);
@@ -162,6 +172,7 @@ int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o) {
     }
     o->zero = ds.zero.stage;
     o->offload = ds.zero.offload_optimizer;
+    o->offload_param = ds.zero.offload_param;
     o->devices = ranks;
     o->precision = ds.fp16 ? QT_F16 : ds.bf16 ? QT_BF16 : QT_F32;
     o->micro_batch = (int)ds.micro_batch;
@@ -176,5 +187,8 @@ int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o) {
     o->reduce_bucket = ds.zero.reduce_bucket_size >= 1 ? (size_t)ds.zero.reduce_bucket_size : 0;
     o->allgather_bucket = ds.zero.allgather_bucket_size >= 1 ? (size_t)ds.zero.allgather_bucket_size : 0;
     o->overlap = ds.zero.overlap_comm;
+    o->quant4 = job->quant.load_in_4bit;
+    o->quant4_nested = job->quant.double_quant;
+    o->quant4_skip = job->quant.skip;
     return QT_OK;
 }

@@ -11,9 +11,12 @@
 #include "core/mem.h"
 #include "core/progress.h"
 #include "core/rng.h"
+#include "data/preview.h"
 #include "io/checkpoint.h"
 #include "model/lora_io.h"
+#include "model/memplan.h"
 #include "optim/clip.h"
+#include "text/chat_template.h"
 #include "train/trainer_internal.h"
 
 #include <dirent.h>
@@ -100,6 +103,15 @@ static int open_loaders(qt_trainer *t) {
     char tokpath[4096];
     if (bpe_folder_file(job->model, tokpath, sizeof tokpath)) QT_TRY(qt_error_oom_advice(bpe_load(tokpath, &t->tok), QT_TOKENIZER_OOM_ADVICE));
     else qt_info("%s has no tokenizer.json (nor qwen.tiktoken): only pre-tokenized data ({\"input_ids\": ...}) can be read", job->model);
+    if (t->tok && t->main) { /* which template renders the chats, and the first example as it is trained on */
+        char desc[512], *ex = NULL;
+        chat_template_describe(t->tok, desc, sizeof desc);
+        qt_info("chat template: %s", desc);
+        if (dl_preview_first(t->tok, job->data.train, job->data.format, job->data.mask_prompt, 4000, &ex) == QT_OK)
+            qt_info("first training example (labelled text between [[ and ]]):\n%s", ex);
+        qt_free(ex);
+        qt_error_clear(); /* a first line that does not encode is the loader's to report, with its line */
+    }
 
     if (t->pref) return open_pref(t);
     dl_config c;
@@ -150,6 +162,15 @@ static int load_model(qt_trainer *t) {
     o.lora_save = t->lora_sel.lora_save;
     o.lora_layers_set = t->lora_sel.lora_layers_set;
     memcpy(o.lora_layers, t->lora_sel.lora_layers, sizeof o.lora_layers);
+    o.quant4 = job->quant.load_in_4bit;
+    o.quant4_type = job->quant.type;
+    o.quant4_nested = job->quant.double_quant;
+    o.quant4_skip = job->quant.skip;
+    o.progress = t->main ? t->hooks->progress : NULL;
+    if (o.quant4 && job->quant.compute_set && (qt_dtype)job->quant.compute != o.compute)
+        return QT_ERR(QT_EINVAL, "%s: quantization.bnb_4bit_compute_dtype is %s but the run computes in %s (the "
+                                 "DeepSpeed config's bf16/fp16); make them agree", job->path,
+                      qt_dtype_name((qt_dtype)job->quant.compute), qt_dtype_name(o.compute));
     o.grad_checkpointing = job->train.gradient_checkpointing;
     o.max_B = t->cfg.micro_batch * (t->pref ? 2 : 1); /* preference: a chosen and a rejected row per pair */
     o.max_T = job->data.seq_len;
@@ -167,8 +188,29 @@ static int load_model(qt_trainer *t) {
         o.master_rank = t->rank;
         o.master_on_host = t->cfg.zero.offload;
     }
+    /* ZeRO-3: the weights the graph reads are partitioned too, gathered layer by layer at use (in f32 the
+     * master shard is that partition, on the host where either offload puts it) */
+    if (zero_partitions_params(t->cfg.zero.stage, t->world)) {
+        if (job->lora.enabled)
+            return QT_ERR(QT_EUNSUPPORTED, "%s: ZeRO stage 3 with LoRA is not supported yet (the frozen base would "
+                          "stay whole on every rank); use stage 2, which shards the adapter's optimizer state and "
+                          "gradients", job->path);
+        o.param_shards = t->world;
+        o.param_on_host = t->cfg.zero.offload_param;
+        if (t->cfg.compute == QT_F32 && t->cfg.zero.offload_param) o.master_on_host = 1;
+    }
     int rc = qt_model_load(job->model, &o, &t->model);
     if (rc != QT_OK) return qt_error_context(rc, "%s: model", job->path);
+    if (o.param_shards > 1 && t->main) {
+        /* the gathers hold two layers and the embedding / lm_head at once: that is the floor here */
+        size_t layer, outer;
+        qt_model_gather_sizes(qt_model_config(t->model), &o, &layer, &outer);
+        double live = (double)(2 * layer + outer);
+        if (live > t->ds.zero.max_live_parameters)
+            qt_warn("%s: zero_optimization.stage3_max_live_parameters %.0f is below what ZeRO-3 keeps gathered at "
+                    "once here, two layers and the embedding (%.0f elements); qtune keeps those (`qtune plan "
+                    "--zero 3` counts them)", job->path, t->ds.zero.max_live_parameters, live);
+    }
     t->n = qt_model_numel(t->model);
     t->master = qt_model_master(t->model);
     t->sharded = qt_model_sharded(t->model, &t->shard);
@@ -176,6 +218,28 @@ static int load_model(qt_trainer *t) {
     t->params = qt_model_params(t->model, &t->n_params);
     t->be = qt_model_backend(t->model);
     return QT_OK;
+}
+
+/* ZeRO-3's gathers for the model (model.h qt_param_fetch): the broadcasts of
+ * a buffer's range start in start() and are waited for in wait(). */
+static int fetch_start(void *u, int slot, const void *mine, size_t esize, size_t lo, size_t hi, void *dst) {
+    qt_trainer *t = u;
+    int need = zero_gather_slots(t->zp, lo, hi, esize);
+    if (need > t->gcap[slot]) {
+        tp_req **r = qt_realloc(t->greq[slot], (size_t)need * sizeof *r, "ZeRO-3 gather requests");
+        if (!r) return QT_ENOMEM;
+        t->greq[slot] = r;
+        t->gcap[slot] = need;
+    }
+    memset(t->greq[slot], 0, (size_t)need * sizeof *t->greq[slot]);
+    t->gn[slot] = need;
+    return zero_gather_params(t->zp, mine, esize, lo, hi, dst, t->greq[slot]);
+}
+static int fetch_wait(void *u, int slot) {
+    qt_trainer *t = u;
+    int n = t->gn[slot];
+    t->gn[slot] = 0;
+    return zero_gather_wait(t->zp, t->greq[slot], n);
 }
 
 /* ZeRO's optimizer state is the backend's device memory too */
@@ -205,6 +269,8 @@ static int setup_optimizer(qt_trainer *t) {
         }
     }
     t->cfg.zero.be = t->be;
+    if (t->sharded) /* ZeRO-3: the norm weights and biases all-gathered after each update size its bucket */
+        for (int k = 0; k < t->shard.n_runs; k++) t->cfg.zero.persist_elems += t->shard.runs[k].n;
     QT_TRY(zero_plan_create(t->d, t->n, &t->cfg.zero, &t->zp));
     zero_set_device_allocator(t->zp, state_alloc, state_free, t->be);
     if (!t->grads) {
@@ -217,6 +283,10 @@ static int setup_optimizer(qt_trainer *t) {
         return QT_ERR(QT_EINVAL, "rank %d: the model's master shard [%zu, %zu) is not its optimizer range [%zu, %zu) "
                       "(a bug)", t->rank, t->shard.lo, t->shard.hi, t->lo, t->hi);
     if (t->sharded) qt_model_set_param_gather(t->model, trainer_gather_master, t);
+    if (t->shard.params_sharded) {
+        qt_param_fetch f = {fetch_start, fetch_wait, t, t->cfg.zero.prefetch};
+        qt_model_set_param_fetch(t->model, &f);
+    }
     QT_TRY(qt_decay_ranges_from_params(t->params, t->n_params, &t->decay, &t->n_decay));
     /* fp32/bf16: a static scale of 1 */
     return qt_optimizer_init(&t->opt, &t->cfg.adam, &t->cfg.sched, t->cfg.clip, t->cfg.fp16 ? &t->cfg.scaler : NULL);
@@ -256,8 +326,20 @@ static int evaluate(qt_trainer *t, double *loss, int64_t *ntok) {
     for (long i = 0; !t->job->train.eval_batches || i < t->job->train.eval_batches; i++) {
         qt_progress_set(&prog, (double)i);
         int rc = dl_next(t->eval_dl, &t->eval_b);
-        if (rc == DL_END) break;
-        QT_TRY(rc);
+        if (rc != DL_END) QT_TRY(rc);
+        if (t->shard.params_sharded) {
+            /* ZeRO-3: the forward's gathers are collective, so the ranks go on together while any has a
+             * batch; one that has none takes part in the gathers only */
+            int64_t any = rc != DL_END;
+            QT_TRY(dist_allreduce_i64(t->d, &any, 1, DIST_MAX, "eval batches left"));
+            if (!any) break;
+            if (rc == DL_END) {
+                QT_TRY(qt_model_forward_idle(t->model));
+                continue;
+            }
+        } else if (rc == DL_END) {
+            break;
+        }
         double s;
         int64_t k;
         QT_TRY(qt_model_forward(t->model, &t->eval_b, &s, &k, NULL));
@@ -283,11 +365,15 @@ static void report_plan(const qt_trainer *t, uint64_t *rank_bytes, uint64_t *dev
     *rank_bytes = *device_bytes = 0;
     qt_plan_opts_default(&o);
     o.backend = t->dev.backend;
+    /* the job was resolved and its warnings said once when the run began: this second reading says nothing */
+    int level = qt_log_level();
+    qt_log_set_level(QT_LOG_ERROR);
     if (qt_plan_opts_from_job(t->job, t->world, &o) == QT_OK && qt_config_load(t->job->model, &cfg) == QT_OK &&
         qt_plan_compute(&cfg, &o, &p) == QT_OK) {
         *rank_bytes = p.cpu_rank_bytes;
         *device_bytes = p.dev.total;
     }
+    qt_log_set_level(level);
     qt_error_clear(); /* no plan: the page says so; the run goes on */
 }
 
@@ -589,7 +675,8 @@ static int trainer_publish_weights(qt_trainer *t) {
         return QT_OK;
     }
     qt_model_weights_updated(t->model); /* this rank's range of both copies */
-    QT_TRY(zero_allgather_block(t->zp, t->shard.wcopy, t->shard.esize));
+    /* ZeRO-3: the compute weights stay partitioned; each layer's are gathered when the next pass reads them */
+    if (!t->shard.params_sharded) QT_TRY(zero_allgather_block(t->zp, t->shard.wcopy, t->shard.esize));
     return zero_allgather_runs(t->zp, t->shard.small, t->shard.runs, t->shard.n_runs);
 }
 
@@ -635,6 +722,7 @@ static void trainer_free(qt_trainer *t) {
     }
     qt_free(t->decay);
     qt_free(t->peaks);
+    for (int k = 0; k < 3; k++) qt_free(t->greq[k]);
     if (t->mb)
         for (int a = 0; a < t->cfg.grad_accum; a++) dl_batch_free(&t->mb[a]);
     qt_free(t->mb);
@@ -704,16 +792,31 @@ static int find_resume(qt_trainer *t, char *dir, size_t cap) {
 static int check_skipped(qt_trainer *t, qt_train_result *res) {
     res->skipped = t->step - (long)t->opt.n_updates;
     if (res->skipped <= 0) return QT_OK;
-    const long ovf = t->cfg.fp16 ? (long)t->opt.n_skipped : 0;
+    /* the scaler's count, which a checkpoint carries across a resume */
+    const long ovf = t->cfg.fp16 ? (long)t->opt.scaler.n_overflows : 0;
     const long nolabel = res->skipped - ovf > 0 ? res->skipped - ovf : 0;
     char why[160];
     snprintf(why, sizeof why, "%ld fp16 overflow%s, %ld without a labelled token", ovf, ovf == 1 ? "" : "s", nolabel);
+    if (t->opt.n_updates == 0 && ovf && t->opt.scaler.dynamic) {
+        /* every step overflowed while the dynamic scale was still backing off from its start: the cause is
+         * the initial scale (a halving per overflow once hysteresis is spent), not the data */
+        const qt_loss_scaler_cfg *c = &t->opt.scaler.cfg;
+        return QT_ERR(QT_ENUMERIC,
+                      "every one of the %ld steps was skipped (%s): the fp16 loss scale started at 2^%d = %g "
+                      "(fp16.initial_scale_power %d) and halves only once per overflow after %d in a row "
+                      "(fp16.hysteresis), so it was still %g at the end and nothing was learned; final/ is not "
+                      "written. Lower fp16.initial_scale_power (DeepSpeed's default is 16; each 1 less halves the "
+                      "start) or train more steps so the scale can fall to where the gradients fit",
+                      t->step, why, c->initial_scale_power, ldexp(1.0, c->initial_scale_power),
+                      c->initial_scale_power, c->hysteresis, t->opt.scaler.scale);
+    }
     if (t->opt.n_updates == 0)
         return QT_ERR(QT_ENUMERIC,
                       "every one of the %ld steps was skipped (%s): nothing was learned, so final/ is not written. "
                       "%s%s%s%s",
                       t->step, why,
-                      ovf ? "With fp16, set fp16.loss_scale to 0 (dynamic) or to a smaller static scale"
+                      ovf ? "With fp16, a static fp16.loss_scale overflows at every step: set it to 0 (dynamic) or "
+                            "to a smaller scale"
                           : "Check that data.train has tokens with labels",
                       ovf ? "" : " (", ovf ? "" : t->job->data.train, ovf ? "" : ")");
     if (t->main) qt_warn("%ld of %ld steps were skipped (%s) and applied no update", res->skipped, t->step, why);
@@ -849,6 +952,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
     }
     const long first_step = t->step;
     const double t_loop = qt_now_s();
+    const int64_t tokens0 = t->tokens_seen;
     int stop = 0;
     /* a stop during loading or the first evaluation: nothing new to save */
     QT_TRY(stop_requested(t, &stop));
@@ -928,6 +1032,8 @@ static int run(qt_trainer *t, qt_train_result *res) {
     }
     if (t->main && t->hooks->progress && t->hooks->tty) fputc('\n', t->hooks->progress);
     res->step = t->step;
+    res->tokens = t->tokens_seen - tokens0;
+    res->train_s = qt_now_s() - t_loop;
     snprintf(res->last_checkpoint, sizeof res->last_checkpoint, "%s", t->last_ckpt);
     if (stop && t->main) qt_stop_file_clear(job->output_dir); /* honoured: the next run starts clean */
     if (stop && t->step < t->max_steps) {
@@ -975,12 +1081,17 @@ int qt_train_run(const qt_job *job, dist_ctx *d, const qt_train_hooks *hooks, qt
     t.main = dist_is_main(d);
     t.pref = job->objective.type != QT_OBJ_SFT;
     int rc = QT_OK;
-    if (job->deepspeed) {
+    /* the job's key, not a file inside the folder, names what is wrong */
+    if (!qt_is_dir(job->model))
+        rc = QT_ERR(QT_EINVAL, "%s: \"model\" names %s, which %s; give the path of a Hugging Face model folder "
+                    "(a relative path starts at the job file's folder)",
+                    job->path, job->model, qt_path_exists(job->model) ? "is not a folder" : "does not exist");
+    if (rc == QT_OK && job->deepspeed) {
         char where[4200];
         if (job->deepspeed_path) snprintf(where, sizeof where, "%s", job->deepspeed_path);
         else snprintf(where, sizeof where, "%s: deepspeed", job->path);
         rc = qt_ds_config_parse(job->deepspeed, where, t.world, &t.ds);
-    } else {
+    } else if (rc == QT_OK) {
         qt_ds_config_default(&t.ds, t.world);
     }
     /* a reduce_bucket_size of "auto" is the model's hidden_size squared: it sizes the gradient buckets

@@ -89,6 +89,8 @@ typedef struct {
     double eval_loss_last;       /* last evaluation (NaN if none) */
     int interrupted;             /* stopped by the stop flag; a checkpoint was written */
     long skipped;                /* steps that applied no update (fp16 overflow, no label), whole run */
+    int64_t tokens;              /* input positions this run's steps processed, all ranks */
+    double train_s;              /* wall seconds of this run's steps (evaluations and saves included) */
     char last_checkpoint[4096];  /* "" if none */
     char final_dir[4096];        /* "" if not reached */
 } qt_train_result;

@@ -459,7 +459,7 @@ static int save_checkpoint(qt_trainer *t) {
     if (wrc == QT_OK) wrc = grc;
     /* said now: once rank 0 learns of the failure it aborts every rank, which
      * may come before this rank's CLI prints its error */
-    if (wrc != QT_OK && !t->main && t->world > 1) qt_warn("rank %d: %s", t->rank, qt_error_message());
+    if (wrc != QT_OK && !t->main && t->world > 1) qt_warn_rank("rank %d: %s", t->rank, qt_error_message());
     if (rc == QT_OK) {
         r2 = agree(t, wrc, "checkpoint parts written", &bad);
         rc = wrc != QT_OK ? wrc : r2;
@@ -700,7 +700,10 @@ static int load_state(qt_trainer *t, const char *dir, int64_t *data_pos, opt_par
         t->tokens_seen = tokens;
         t->elapsed_before = cJSON_IsNumber(el) ? el->valuedouble : 0;
         qt_model_set_micro_step(t->model, (uint64_t)micro);
-        if (t->cfg.fp16) qt_loss_scaler_state_apply(&t->opt.scaler, &sc);
+        if (t->cfg.fp16) {
+            qt_loss_scaler_state_apply(&t->opt.scaler, &sc);
+            t->opt.n_skipped = sc.n_overflows; /* the optimizer's count of overflow skips goes on from there */
+        }
     }
     cJSON_Delete(j);
     return rc;
@@ -805,15 +808,24 @@ static int damaged(const char *dir, int rc) {
 }
 
 /* Rank 0 checks every file against the checksums written with it (the other
- * ranks wait in the collective after loading). A checkpoint written before
- * qtune recorded checksums resumes with a warning. */
+ * ranks wait in the collective after loading); a stop request ends the
+ * reading, which takes minutes for a large model. A checkpoint written before
+ * qtune recorded checksums resumes with a warning, and so do files the list
+ * leaves out (an emptied or edited list), named. */
 static int verify_checkpoint(const qt_trainer *t, const char *dir) {
     if (!t->main) return QT_OK;
     int present = 0;
-    QT_TRY(ckpt_verify_checksums(dir, &present));
+    char unlisted[1024];
+    qt_cancel_watch(t->hooks->stop);
+    int rc = ckpt_verify_checksums(dir, &present, unlisted, sizeof unlisted);
+    qt_cancel_watch(NULL);
+    QT_TRY(rc);
     if (!present)
         qt_warn("%s has no %s (written by an older qtune): its files are resumed without being checked", dir,
                 CKPT_SUMS_FILE);
+    else if (unlisted[0])
+        qt_warn("%s/%s does not list %s (the list was cut short or edited): %s resumed without being checked",
+                dir, CKPT_SUMS_FILE, unlisted, strchr(unlisted, ',') || strstr(unlisted, " more") ? "they are" : "it is");
     return QT_OK;
 }
 
@@ -830,12 +842,14 @@ static int load_checkpoint(qt_trainer *t, const char *dir) {
     /* after the structural checks above, whose messages say more when they fail */
     if (rc == QT_OK) rc = verify_checkpoint(t, dir);
     qt_free(parts);
-    /* all ranks go on, or none */
-    int64_t ok = rc == QT_OK;
+    /* all ranks go on, or none: 2 loaded, 1 stopped by a stop request, 0 failed */
+    int64_t ok = rc == QT_OK ? 2 : rc == QT_EINTERRUPTED ? 1 : 0;
     if (t->world > 1) {
         int r2 = dist_allreduce_i64(t->d, &ok, 1, DIST_MIN, "checkpoint load");
         if (r2 != QT_OK && rc == QT_OK) rc = r2;
-        if (rc == QT_OK && !ok) rc = QT_ERR(QT_EIO, "another rank could not read the checkpoint %s", dir);
+        if (rc == QT_OK && ok == 1)
+            rc = QT_ERR(QT_EINTERRUPTED, "stopped while rank 0 checked the checkpoint %s; nothing new to save", dir);
+        if (rc == QT_OK && ok == 0) rc = QT_ERR(QT_EIO, "another rank could not read the checkpoint %s", dir);
     }
     if (rc == QT_OK && t->train_dl) rc = dl_state_set(t->train_dl, (dl_state){pos[0], pos[1]});
     /* a damaged file: its message names it (and so the checkpoint), the hint what to resume from instead */

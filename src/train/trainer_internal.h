@@ -46,6 +46,8 @@ typedef struct {
     int n_params;
 
     zero_plan *zp;
+    tp_req **greq[3];          /* ZeRO-3: the broadcasts of each gather buffer's fetch in flight */
+    int gn[3], gcap[3];
     zero_state zs;             /* slot 0: Adam m, slot 1: Adam v, over [lo, hi) */
     size_t lo, hi;             /* this rank's optimizer range */
     qt_range *decay;

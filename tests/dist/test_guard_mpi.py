@@ -2,7 +2,8 @@
 stages every collective through host copies when the backend's device memory is not host-readable
 (dist_set_backend; CUDA under an MPI that is not CUDA-aware is the other such case), so ZeRO's and the
 trainer's distributed paths run there: the all-reduce (stage 0), partitioned gradients (stage 2, with and
-without offload), the sharded fp16 master with its all-gathers and the gathered checkpoint writes, resume.
+without offload), the sharded fp16 master with its all-gathers and the gathered checkpoint writes, resume, and ZeRO-3's
+per-layer parameter gathers (broadcasts into device buffers).
 Each gives the cpu backend's results bit for bit; a host touch of device memory would crash the guard run at
 its line (SIGSEGV), and a staging copy in the wrong place would change the numbers."""
 import os
@@ -34,7 +35,7 @@ def same_bytes(a, b):
 
 
 @pytest.mark.parametrize("n,stage,offload,prec", [(2, 0, 0, None), (2, 2, 0, None), (2, 2, 1, "fp16"),
-                                                   (3, 1, 1, "fp16")])
+                                                   (3, 1, 1, "fp16"), (2, 3, 0, None), (3, 3, 1, "fp16")])
 def test_guard_ranks_equal_cpu_ranks(setup, n, stage, offload, prec):
     kw = {"stage": stage, "offload": offload, "prec": prec}
     tag = f"n{n}_s{stage}_o{offload}_{prec or 'fp32'}"

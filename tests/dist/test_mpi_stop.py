@@ -255,3 +255,40 @@ def test_stop_while_another_rank_hangs_says_where_it_waits(setup):
     assert p.returncode != 0, log
     assert "qtune: rank 0: asked to stop, and still waiting in collective" in log, log
     assert "rank(s) 1 stopped responding" in log, log
+
+
+def test_sigterm_while_rank_0_checks_the_checkpoint(setup):
+    """Issue 42 item 1 at 2 ranks: rank 0 hashes a listed 64 GiB file (sparse:
+    no disk), which takes minutes, while rank 1 waits in the collective after
+    loading. SIGTERM to both ends the job within seconds with exit 130 and
+    says so (the hashing used to run to its end: the stop handler restarts the
+    read), not that a rank could not read the checkpoint."""
+    j = stress_job(setup, "verify_stop", max_steps=2, save_steps=2, gradient_checkpointing=False)
+    out = setup / "verify_stop"
+    rc, log = mpirun(2, ["train", j])
+    assert rc == 0, log
+    ck = out / "checkpoint-2"
+    with open(ck / "big.bin", "wb") as f:
+        f.truncate(64 << 30)
+    with open(ck / "checksums.sha256", "a") as f:
+        f.write("0" * 64 + "  big.bin\n")
+    p = mpirun_popen(2, ["train", j, "--set", "train.max_steps=3"])
+    try:
+        pids = rank_pids(p.pid, 2, timeout=60)
+        t0 = time.monotonic()
+        while not all(handler_installed(q) for q in pids.values()):
+            assert time.monotonic() - t0 < 60 and p.poll() is None, "qtune never installed its handler"
+            time.sleep(0.01)
+        time.sleep(3.0)  # loaded; rank 0 is hashing big.bin
+        assert p.poll() is None, p.communicate()[0]
+        t0 = time.monotonic()
+        for v in pids.values():
+            os.kill(v, signal.SIGTERM)
+        log, _ = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 130, log
+    assert time.monotonic() - t0 < 15, log
+    assert "big.bin" in log and "could not read the checkpoint" not in log, log

@@ -250,10 +250,14 @@ def test_sharded_master_matches_one_rank_and_resumes(setup, prec):
         assert abs(s["loss"] - r["loss"]) <= 1e-4 * abs(r["loss"]), (s, r)
     # 16-bit activations make the summation-order noise larger than in close(): about 10% of elements move
     # by more than 1e-6 (median 2e-7 against a median movement of 2e-3). k_proj's bias, whose exact gradient
-    # is zero, is all noise (Adam's m / sqrt(v)) and is left out; the rest stays within 2% of lr * steps.
+    # is zero, is all noise (Adam's m / sqrt(v)) and is left out. An element whose gradient is near zero is
+    # partly noise as well, and Adam scales it to about lr a step: all but 1 in 10,000 stay within 2% of
+    # lr * steps and none passes 5% (on an Intel Xeon with AVX512_BF16, 2026-12-06: 1-2 elements of 125,440
+    # at 2.4-2.8%, the median 3e-7 in fp16, 2e-9 in bf16; on the AMD EPYC of earlier sessions all within 2%).
     wa, wr = weights(str(setup / name)), weights(str(setup / ref))
     d = np.concatenate([np.abs(wa[k].astype(np.float64) - wr[k]).ravel() for k in sorted(wa) if "k_proj.bias" not in k])
-    assert d.max() <= 0.02 * LR * STEPS and np.median(d) <= 1e-6, (d.max(), np.median(d))
+    far = int((d > 0.02 * LR * STEPS).sum())
+    assert far <= d.size // 10000 and d.max() <= 0.05 * LR * STEPS and np.median(d) <= 1e-6, (far, d.max(), np.median(d))
     # the checkpoint of the last step holds the fp32 master, gathered: the same tensors final/ wrote
     last = st.read(os.path.join(str(setup / name), f"checkpoint-{STEPS}", "model.safetensors"))
     fin = weights(str(setup / name))

@@ -1,6 +1,6 @@
 """The plan is the allocation: `qtune plan`'s cpu_rank_bytes_per_rank against the peak RSS every rank of
 `qtune train` reports (metrics.jsonl mem_peak_bytes_ranks), under real mpirun at 1, 2 and 4 ranks, ZeRO
-stages 0, 1 and 2, optimizer offload on and off, full fine-tuning and LoRA: within 10% on every rank.
+stages 0, 1, 2 and 3, optimizer (and at stage 3 parameter) offload on and off, full fine-tuning and LoRA: within 10% on every rank.
 Both sides size the model's blocks with memplan (gradient windows at ZeRO-2 over several ranks) and the
 ZeRO buffers with dist.h zero_memory."""
 import json
@@ -83,9 +83,20 @@ def test_plan_matches_every_rank_16bit(setup, n, stage, offload, prec):
     check_plan(setup, n, stage, offload, False, None, True, prec)
 
 
-def check_plan(d, n, stage, offload, lora, bucket, overlap, prec=None):
-    name = f"n{n}_s{stage}_o{offload}_{'lora' if lora else 'full'}_b{bucket}_ov{int(overlap)}_{prec or 'fp32'}"
+# ZeRO-3: each rank keeps its shard of the compute weights (in f32 the master shard), on the host with
+# offload_param, and three gather buffers (two layers, the embedding); the norm weights and biases whole
+@pytest.mark.parametrize("prec", [None, "fp16", "bf16"])
+@pytest.mark.parametrize("n,offload,offload_param", [(2, 0, 0), (4, 1, 1), (4, 0, 0)])
+def test_plan_matches_every_rank_stage3(setup, n, offload, offload_param, prec):
+    check_plan(setup, n, 3, offload, False, None, True, prec, offload_param)
+
+
+def check_plan(d, n, stage, offload, lora, bucket, overlap, prec=None, offload_param=0):
+    name = (f"n{n}_s{stage}_o{offload}{offload_param}_{'lora' if lora else 'full'}_b{bucket}_ov{int(overlap)}_"
+            f"{prec or 'fp32'}")
     z = {"stage": stage, "offload_optimizer": {"device": "cpu" if offload else "none"}, "overlap_comm": overlap}
+    if offload_param:
+        z["offload_param"] = {"device": "cpu"}
     if bucket:
         z["reduce_bucket_size"] = bucket
     job = {"model": "m", "output_dir": name,
@@ -115,6 +126,8 @@ def check_plan(d, n, stage, offload, lora, bucket, overlap, prec=None):
         args += ["--reduce-bucket-size", bucket]
     if offload:
         args += ["--offload", "cpu"]
+    if offload_param:
+        args += ["--offload-param", "cpu"]
     if prec:
         args += ["--precision", prec]
     if lora:

@@ -430,7 +430,8 @@ JOB_TYPE_CASES = [
     ("deepspeed.optimizer", {"type": "AdamW", "params": {"betas": [0.9]}}, "betas"),
     ("deepspeed.scheduler", {"type": "WarmupLR", "params": {"warmup_num_steps": -3}}, "warmup_num_steps"),
     ("deepspeed.fp16", {"enabled": True, "initial_scale_power": 4000}, "initial_scale_power"),
-    ("deepspeed.zero_optimization", {"stage": 3}, "stage"),
+    ("deepspeed.zero_optimization", {"stage": 4}, "stage"),
+    ("deepspeed.zero_optimization", {"stage": 3, "offload_param": {"device": "disk"}}, "offload_param"),
     ("deepspeed.zero_optimization", {"stage": "two"}, "stage"),
     # lora_alpha must keep alpha / r a finite float (1e300 trained to NaN)
     ("lora.lora_alpha", 1e300, "lora.lora_alpha"),

@@ -7,6 +7,7 @@ adapter merged, or written as llama.cpp's LoRA GGUF. Hostile inputs end in one
 clear sentence and leave nothing half-written."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -122,6 +123,13 @@ def check_values(gname, t, want, dtype, two_d):
         assert np.all(np.abs(t.array - ref) <= step * 1.0001), gname
 
 
+def looks_special(t):
+    """convert_hf_to_gguf.py's does_token_look_special: an added token spelled like a control token is
+    typed CONTROL even when tokenizer.json says "special": false."""
+    return (t in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (t.startswith("<|") and t.endswith("|>"))
+            or (t.startswith("<\uff5c") and t.endswith("\uff5c>")) or (t.startswith("<unused") and t.endswith(">")))
+
+
 def check_model(path, model_dir, dtype, merged=None):
     g = read_gguf(path)
     cfg = json.load(open(os.path.join(model_dir, "config.json")))
@@ -151,7 +159,7 @@ def check_model(path, model_dir, dtype, merged=None):
     for s, i in tok["model"]["vocab"].items():
         assert toks[i] == s and types[i] == 1
     for i, a in added.items():
-        assert toks[i] == a["content"] and types[i] == (3 if a["special"] else 4)
+        assert toks[i] == a["content"] and types[i] == (3 if a["special"] or looks_special(a["content"]) else 4)
     for i in range(V):
         if i not in added and toks[i].startswith("[PAD"):
             assert toks[i] == f"[PAD{i}]" and types[i] == 5
@@ -320,13 +328,69 @@ def test_errors(models, tmp_path):
     assert "--adapter" in p.stderr
     p = qtune("export", "--model", m, "--gguf", tmp_path, check=2)
     assert "is a folder" in p.stderr
-    p = qtune("export", "--model", m, "--gguf", tmp_path / "no" / "dir" / "x.gguf", check=1)
-    assert "cannot create" in p.stderr and "x.gguf" in p.stderr
+    # a new folder for the output is made, as merge makes one (before: "cannot create")
+    p = qtune("export", "--model", m, "--gguf", tmp_path / "no" / "dir" / "x.gguf")
+    assert os.path.isfile(tmp_path / "no" / "dir" / "x.gguf"), p.stderr
+    shutil.rmtree(tmp_path / "no")
+    # one under a file cannot be made: named, and nothing is left
+    (tmp_path / "afile").write_text("x")
+    p = qtune("export", "--model", m, "--gguf", tmp_path / "afile" / "dir" / "x.gguf", check=1)
+    assert "afile" in p.stderr, p.stderr
+    os.remove(tmp_path / "afile")
     cfg = json.load(open(os.path.join(m, "config.json")))
     write_adapter(tmp_path / "ad", cfg)
     p = qtune("export", "--model", m, "--adapter", tmp_path / "ad", "--gguf-lora", out, "--dtype", "q8_0", check=1)
     assert "q8_0" in p.stderr
     no_leftovers(tmp_path, ("ad",))
+    # a failed export removes the folders it made for its output
+    p = qtune("export", "--model", m, "--adapter", tmp_path / "ad", "--gguf-lora", tmp_path / "new" / "sub" / "a.gguf",
+              "--dtype", "q8_0", check=1)
+    no_leftovers(tmp_path, ("ad",))
+
+
+def test_added_tokens_typed_as_llama_cpp_converts_them(models, tmp_path):
+    """Qwen2.5's tokenizer.json lists <|fim_prefix|> ... <|repo_name|>, <|file_sep|> with "special": false;
+    convert_hf_to_gguf.py types them CONTROL (does_token_look_special), and llama.cpp warns about a
+    USER_DEFINED token spelled <|...|> on every load. <tool_call> (not special, not <|...|>) stays
+    USER_DEFINED."""
+    m = tmp_path / "m"
+    shutil.copytree(models["tiny"], m)
+    tok = json.load(open(m / "tokenizer.json"))
+    V = json.load(open(m / "config.json"))["vocab_size"]
+    used = {a["id"] for a in tok["added_tokens"]} | set(tok["model"]["vocab"].values())
+    free = [i for i in range(V) if i not in used]
+    names = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+             "<tool_call>"]
+    assert len(free) >= len(names)
+    for i, n in zip(free, names):
+        tok["added_tokens"].append({"id": i, "content": n, "single_word": False, "lstrip": False, "rstrip": False,
+                                    "normalized": False, "special": False})
+    json.dump(tok, open(m / "tokenizer.json", "w"))
+    out = tmp_path / "m.gguf"
+    qtune("export", "--model", m, "--gguf", out)
+    kv = read_gguf(out).kv
+    toks, types = kv["tokenizer.ggml.tokens"], kv["tokenizer.ggml.token_type"]
+    for i, n in zip(free, names):
+        assert toks[i] == n
+        assert types[i] == (4 if n == "<tool_call>" else 3), n
+
+
+def test_gguf_named_after_the_model_not_final(models, tmp_path):
+    """general.name: a model folder's own name; a training run's final/ (or checkpoint-STEP) is named after
+    the base model its qtune_run.json records and the run's folder, not "final"."""
+    out = tmp_path / "a.gguf"
+    qtune("export", "--model", models["tiny"], "--gguf", out)
+    assert read_gguf(out).kv["general.name"] == "tiny"
+    run = tmp_path / "myrun"
+    run.mkdir()
+    shutil.copytree(models["tiny"], run / "final")
+    json.dump({"job": {"model": "../models/Qwen2.5-0.5B", "output_dir": "myrun"}}, open(run / "qtune_run.json", "w"))
+    qtune("export", "--model", run / "final", "--gguf", out)
+    assert read_gguf(out).kv["general.name"] == "Qwen2.5-0.5B-myrun"
+    # without the run's record: the run's folder
+    os.remove(run / "qtune_run.json")
+    qtune("export", "--model", run / "final", "--gguf", out)
+    assert read_gguf(out).kv["general.name"] == "myrun"
 
 
 def test_unwritable_output_keeps_old_file(models, tmp_path):
@@ -517,6 +581,13 @@ def test_adapter_keys_at_harmless_values_and_unknown_keys(models, tmp_path):
     assert "\"lora_frobnicate\" is not a LoRA setting qtune knows and is ignored" in p.stderr, p.stderr
     assert p.stderr.count("lora_frobnicate") == 1, p.stderr  # the command reads the file twice; said once
     assert os.path.exists(tmp_path / "b.gguf")
+    # a misspelt LoraConfig key names the key it is nearest to (issue 41)
+    c.pop("lora_frobnicate")
+    c["use_rslroa"] = False
+    json.dump(c, open(tmp_path / "ad" / "adapter_config.json", "w"))
+    p = qtune("export", "--model", m, "--adapter", tmp_path / "ad", "--gguf-lora", tmp_path / "c.gguf")
+    assert "\"use_rslroa\" is not a LoRA setting qtune knows and is ignored; did you mean \"use_rslora\"?" in p.stderr, \
+        p.stderr
 
 
 def test_unsupported_architecture_says_what_to_do(models, tmp_path):

@@ -34,10 +34,24 @@ CONVERSATIONS = [
 ]
 
 
-def qtune_chat(qtune, qwen_json, tmp_path, messages, gen):
+# Each test runs twice: with qtune's built-in ChatML (what a folder without a
+# template gets) and with Qwen2.5's real template rendered by qtune's Jinja
+# (tests/text/qwen2.5_chat_template_full.jinja); both must give Qwen2.5's text.
+# The folder of the npm tokenizer.json ships Qwen3's template, which
+# --chat-template replaces here (tests/text/test_chat_templates.py tests that one).
+TEMPLATE_ARGS = ["chatml", os.path.join(os.path.dirname(__file__), "qwen2.5_chat_template_full.jinja")]
+
+
+@pytest.fixture(params=TEMPLATE_ARGS, ids=["chatml", "qwen2.5-jinja"])
+def tmpl(request):
+    return request.param
+
+
+def qtune_chat(qtune, qwen_json, tmp_path, messages, gen, tmpl):
     p = tmp_path / "chat.json"
     p.write_text(json.dumps({"messages": messages, "add_generation_prompt": gen}))
-    r = subprocess.run([qtune, "tokenize", "--tokenizer", qwen_json, "--chat", str(p)], capture_output=True)
+    r = subprocess.run([qtune, "tokenize", "--tokenizer", qwen_json, "--chat-template", tmpl, "--chat", str(p)],
+                       capture_output=True)
     assert r.returncode == 0, r.stderr.decode()
     return json.loads(r.stdout.decode())
 
@@ -51,18 +65,18 @@ def reference_chat(tmp_path, conversations):
     return out
 
 
-def test_chat_matches_reference(qtune, qwen_json, tmp_path):
+def test_chat_matches_reference(qtune, qwen_json, tmp_path, tmpl):
     refs = reference_chat(tmp_path, CONVERSATIONS)
     for (messages, gen), ref in zip(CONVERSATIONS, refs):
-        got = qtune_chat(qtune, qwen_json, tmp_path, messages, gen)
+        got = qtune_chat(qtune, qwen_json, tmp_path, messages, gen, tmpl)
         assert got["text"] == ref["text"]
         assert got["ids"] == ref["ids"]
         assert len(got["labels"]) == len(got["ids"])
 
 
-def test_labels_cover_assistant_content_and_im_end(qtune, qwen_json, tmp_path):
+def test_labels_cover_assistant_content_and_im_end(qtune, qwen_json, tmp_path, tmpl):
     messages, gen = CONVERSATIONS[2]
-    got = qtune_chat(qtune, qwen_json, tmp_path, messages, gen)
+    got = qtune_chat(qtune, qwen_json, tmp_path, messages, gen, tmpl)
     ids, labels = got["ids"], got["labels"]
     im_start, im_end = 151644, 151645
     # walk the turns: a labelled run starts after "<|im_start|>assistant\n" and ends at its <|im_end|>
@@ -131,10 +145,11 @@ TOOL_CONVERSATIONS = [
 ]
 
 
-def qtune_chat_line(qtune, qwen_json, tmp_path, conv, gen):
+def qtune_chat_line(qtune, qwen_json, tmp_path, conv, gen, tmpl):
     p = tmp_path / "line.json"
     p.write_text(json.dumps(dict(conv, add_generation_prompt=gen)))
-    r = subprocess.run([qtune, "tokenize", "--tokenizer", qwen_json, "--chat", str(p)], capture_output=True)
+    r = subprocess.run([qtune, "tokenize", "--tokenizer", qwen_json, "--chat-template", tmpl, "--chat", str(p)],
+                       capture_output=True)
     assert r.returncode == 0, r.stderr.decode()
     return json.loads(r.stdout.decode())
 
@@ -149,30 +164,30 @@ def jinja_render(conv, gen):
                                                  add_generation_prompt=gen)
 
 
-def test_tools_match_the_template(qtune, qwen_json, tmp_path):
+def test_tools_match_the_template(qtune, qwen_json, tmp_path, tmpl):
     texts = [jinja_render(conv, gen) for conv, gen in TOOL_CONVERSATIONS]
     p = tmp_path / "texts.json"
     p.write_text(json.dumps(texts))
     ref_ids = run_node(["--many", str(p)])
     for (conv, gen), text, ids in zip(TOOL_CONVERSATIONS, texts, ref_ids):
-        got = qtune_chat_line(qtune, qwen_json, tmp_path, conv, gen)
+        got = qtune_chat_line(qtune, qwen_json, tmp_path, conv, gen, tmpl)
         assert got["text"] == text
         assert got["ids"] == ids
 
 
-def test_tool_call_turn_labels(qtune, qwen_json, tmp_path):
+def test_tool_call_turn_labels(qtune, qwen_json, tmp_path, tmpl):
     """The labelled text of each assistant turn is what a model prompted with
     "<|im_start|>assistant\\n" must produce: from the content, or from the
     first <tool_call>, through <|im_end|>."""
     conv, gen = TOOL_CONVERSATIONS[1]
-    got = qtune_chat_line(qtune, qwen_json, tmp_path, conv, gen)
+    got = qtune_chat_line(qtune, qwen_json, tmp_path, conv, gen, tmpl)
     lab = [i for i, l in zip(got["ids"], got["labels"]) if l != -100]
     text = subprocess.run([qtune, "tokenize", "--tokenizer", qwen_json, "--decode", ",".join(map(str, lab))],
                           capture_output=True, text=True).stdout
     assert text.startswith("Checking.\n<tool_call>\n{\"name\": \"get_weather\"")
     assert text.endswith("</tool_call><|im_end|>") or text.endswith("</tool_call><|im_end|>\n")
     conv, gen = TOOL_CONVERSATIONS[2]
-    got = qtune_chat_line(qtune, qwen_json, tmp_path, conv, gen)
+    got = qtune_chat_line(qtune, qwen_json, tmp_path, conv, gen, tmpl)
     lab = [i for i, l in zip(got["ids"], got["labels"]) if l != -100]
     text = subprocess.run([qtune, "tokenize", "--tokenizer", qwen_json, "--decode", ",".join(map(str, lab))],
                           capture_output=True, text=True).stdout

@@ -271,3 +271,22 @@ def test_output_folder_must_take_a_file(tmp_path):
             subprocess.run(["chattr", "-i", str(ro)])
         ro.chmod(0o755)
     assert p.returncode == 1 and "cannot be created or written" in p.stdout, p.stdout
+
+
+def test_zero3_job(tmp_path):
+    """Stage 3 is a stage qtune runs (full fine-tuning, offload_param cpu read); with LoRA it is a problem
+    that names stage 2, and an NVMe parameter offload is one too."""
+    job, j = good_job(tmp_path)
+    del j["lora"]
+    j["deepspeed"]["train_batch_size"] = 8  # 2 x 2 x 2 ranks
+    j["deepspeed"]["zero_optimization"] = {"stage": 3, "offload_param": {"device": "cpu"}}
+    job.write_text(json.dumps(j))
+    p = qtune("doctor", job, "--ranks", "2", "--no-table")
+    assert "no problems found" in p.stdout, p.stdout
+    j["lora"] = {"r": 8}
+    j["deepspeed"]["zero_optimization"] = {"stage": 3, "offload_param": {"device": "nvme"}}
+    job.write_text(json.dumps(j))
+    p = qtune("doctor", job, "--ranks", "2", "--no-table")
+    assert p.returncode != 0
+    assert "stage 3 with LoRA is not supported yet; use zero_optimization.stage 2" in p.stdout, p.stdout
+    assert 'offload_param.device is "nvme"' in p.stdout, p.stdout

@@ -114,7 +114,7 @@ def test_bad_prompts_and_options(tmp_path):
     cases = {
         '{"prompt_ids": [1, 2]}\nnot json\n': "line 2",
         '{"prompt_ids": [1, 300]}\n': "prompt_ids[1]",
-        '{"prompt_ids": [1], "prompt": "x"}\n': "one of the two",
+        '{"prompt_ids": [1], "prompt": "x"}\n': "one of the three",
         '{"prompt": "hello"}\n': "tokenizer",
         '\n\n': "no prompts",
         '{"prompt_ids": []}\n': "empty",

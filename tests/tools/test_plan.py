@@ -207,8 +207,10 @@ def test_errors():
     assert p.returncode == 1 and "no-such-model" in p.stderr
     p = qtune("plan")
     assert p.returncode == 2
-    p = qtune("plan", "--preset", "tiny", "--zero", "3")
+    p = qtune("plan", "--preset", "tiny", "--zero", "4")
     assert p.returncode == 2 and "--zero" in p.stderr
+    p = qtune("plan", "--preset", "tiny", "--zero", "2", "--offload-param", "cpu")
+    assert p.returncode == 2 and "--offload-param cpu needs --zero 3" in p.stderr
 
 
 def test_plan_reads_a_job_file(tmp_path):
@@ -348,3 +350,27 @@ def test_a_jobs_lora_targets_are_resolved_against_the_model(tmp_path):
     (tmp_path / "job.json").write_text(json.dumps(job))
     got = plan_json(tmp_path / "job.json")
     assert got["lora_targets"] == "c_attn" and got["n_trainable"] == 2 * 4 * (64 + 3 * 64), got
+
+
+def test_plan_zero3_recipe_and_large_models():
+    """ZeRO-3's per-card figures of docs/plan.md: the recipe (Qwen-14B fp16, 4 cards) drops from 31.0 GiB at
+    stage 2 to 13.7, Qwen2.5-32B fits 4 cards and 72B 8 (or 4 with offload_param); the weights line is the
+    rank's 2-byte shard, two layers and the V x C buffer."""
+    def plan(preset, n, zero, *extra):
+        p = qtune("plan", "--preset", preset, "--precision", "fp16", "--micro-batch", "2", "--seq-len", "512",
+                  "--checkpointing", "--reduce-bucket-size", "26214400", "--allgather-bucket-size", "26214400",
+                  "--device", "cuda", "--devices", n, "--offload", "cpu", "--zero", zero, *extra, "--json")
+        assert p.returncode == 0, p.stderr
+        j = json.loads(p.stdout)
+        return j["per_device_bytes"]["total"] / 2**30, j["per_device_bytes"]["weights"] / 2**30, j["fits"]
+    t2, w2, _ = plan("qwen-14b", 4, 2)
+    t3, w3, fits = plan("qwen-14b", 4, 3)
+    assert abs(t2 - 31.0) < 0.05 and abs(t3 - 13.7) < 0.05 and fits, (t2, t3)
+    # 14.17e9 params / 4 x 2 bytes + (2 layers + V x C) x 2 bytes + the norms in fp32
+    assert abs(w3 - 9.23) < 0.01 and abs(w2 - 26.39) < 0.01, (w2, w3)
+    assert plan("qwen-14b", 4, 3, "--offload-param", "cpu")[1] < 3
+    assert plan("qwen2.5-32b", 4, 3)[2] and not plan("qwen2.5-32b", 4, 2)[2]
+    assert plan("qwen2.5-72b", 8, 3)[2] and not plan("qwen2.5-72b", 4, 3)[2]
+    assert plan("qwen2.5-72b", 4, 3, "--offload-param", "cpu")[2]
+    p = qtune("plan", "--preset", "tiny", "--zero", "3", "--mode", "lora")
+    assert p.returncode != 0 and "stage 3 with LoRA" in p.stderr, p.stderr

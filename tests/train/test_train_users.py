@@ -29,7 +29,7 @@ def test_run_says_what_it_resolved(base):
                   lora={"r": 4, "lora_alpha": 8}, train_opts={"max_steps": 3, "gradient_checkpointing": True})
     p = run("train", j)
     err = p.stderr.splitlines()
-    says = [l for l in err if '"auto" ->' in l]
+    says = [l for l in err if '"auto" ->' in l and not l.startswith("qtune: run: ")]
     assert any("train_micro_batch_size_per_gpu \"auto\" -> 1 (" in l for l in says), p.stderr
     assert any("gradient_accumulation_steps \"auto\" -> 4 (train_batch_size 4 / micro-batch 1 / 1 rank(s))" in l
                for l in says), p.stderr

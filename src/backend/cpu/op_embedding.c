@@ -1,5 +1,6 @@
 /* Token embedding: a row gather forward, a scatter-add backward. */
 #include "backend/cpu/ops.h"
+#include "core/quant4.h"
 
 #include <string.h>
 
@@ -42,12 +43,22 @@ void op_acc(float *out, const float *a, size_t n) {
 void op_convert_rows(float *dst, const void *src, qt_dtype dt, size_t r0, size_t r1, size_t cols) {
     size_t es = qt_dtype_size(dt);
     long nr = (long)(r1 - r0);
+    if (dt == QT_Q4) {
+#pragma omp parallel for schedule(static) if (nr * (long)cols > 65536)
+        for (long r = 0; r < nr; r++)
+            qt_q4_dequantize(src, (r0 + (size_t)r) * cols, (r0 + (size_t)r + 1) * cols, dst + (size_t)r * cols);
+        return;
+    }
 #pragma omp parallel for schedule(static) if (nr * (long)cols > 65536)
     for (long r = 0; r < nr; r++)
         qt_convert_to_f32(dst + (size_t)r * cols, (const char *)src + (r0 + (size_t)r) * cols * es, dt, cols);
 }
 
 void op_convert_rows_serial(float *dst, const void *src, qt_dtype dt, size_t r0, size_t r1, size_t cols) {
+    if (dt == QT_Q4) { /* the 4-bit base: dequantized a panel at a time, never whole */
+        qt_q4_dequantize(src, r0 * cols, r1 * cols, dst);
+        return;
+    }
     size_t es = qt_dtype_size(dt);
     for (size_t r = r0; r < r1; r++)
         qt_convert_to_f32(dst + (r - r0) * cols, (const char *)src + r * cols * es, dt, cols);

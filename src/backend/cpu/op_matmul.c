@@ -7,7 +7,8 @@
  * a BLAS call and an OpenMP loop cost milliseconds (measured: a forward 1.8x
  * slower, 2.5x with bf16 weights); one pool avoids that.
  *
- * f16/bf16 weights (a frozen base kept in its file dtype) are converted to f32
+ * f16/bf16 and 4-bit weights (a frozen base kept in its file dtype, or
+ * quantized: QT_Q4, dequantized here) are converted to f32
  * a panel of rows at a time into the workspace, each thread converting only
  * the rows (or, in the backward, the columns) it multiplies, so no fp32 copy
  * of the base is ever made.
@@ -26,6 +27,7 @@
 #include <string.h>
 
 #include "backend/cpu/op_dnnl.h"
+#include "core/quant4.h"
 #include "core/error.h"
 #include "core/log.h"
 
@@ -154,9 +156,11 @@ void op_matmul_backward(float *dinp, float *dweight, float *dbias, const float *
                 size_t es = qt_dtype_size(wdt);
                 for (int o = 0; o < OUT; o += P) {
                     int p = OUT - o < P ? OUT - o : P;
-                    for (int r = 0; r < p; r++)
-                        qt_convert_to_f32(my + (size_t)r * ib, (const char *)w + ((size_t)(o + r) * IN + i0) * es, wdt,
-                                          (size_t)ib);
+                    for (int r = 0; r < p; r++) {
+                        const size_t e = (size_t)(o + r) * IN + i0;
+                        if (wdt == QT_Q4) qt_q4_dequantize(w, e, e + (size_t)ib, my + (size_t)r * ib);
+                        else qt_convert_to_f32(my + (size_t)r * ib, (const char *)w + e * es, wdt, (size_t)ib);
+                    }
                     op_sgemm_nn(N, ib, p, alpha, dout + o, OUT, my, ib, 1.0f, dinp + i0, IN);
                 }
             }

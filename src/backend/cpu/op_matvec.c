@@ -37,6 +37,7 @@
 
 #include "backend/cpu/op_simd.h"
 #include "backend/cpu/ops.h"
+#include "core/quant4.h"
 
 /* below this many bytes of W the product runs on the calling thread: waking
  * the team and splitting 2 threads' chunks cost more than they save (0.5B
@@ -415,6 +416,31 @@ static inline __attribute__((always_inline)) void rows_dt(float *out, const floa
     }
 }
 
+/* A 4-bit weight (QT_Q4): each row dequantized once into this thread's
+ * buffer, then dotted with the N inputs in fp32 (the order of the f32
+ * kernel's lanes is not kept: 4-bit decoding has no other result to match). */
+static void rows_q4(float *out, const float *x, const void *w, const float *bias, int N, int IN, int OUT, float alpha,
+                    int accumulate, int r0, int r1) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (cap < (size_t)IN) {
+        free(buf);
+        buf = malloc((size_t)IN * sizeof(float));
+        cap = buf ? (size_t)IN : 0;
+        if (!buf) abort(); /* a row of floats; the op has no way to report, and continuing would be wrong */
+    }
+    for (int r = r0; r < r1; r++) {
+        qt_q4_dequantize(w, (size_t)r * IN, (size_t)(r + 1) * IN, buf);
+        for (int n = 0; n < N; n++) {
+            const float *xn = x + (size_t)n * IN;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int i = 0; i < IN; i++) acc += xn[i] * buf[i];
+            put(out + (size_t)n * OUT + r, acc, alpha, bias, r, accumulate);
+        }
+    }
+}
+
 /* hint: one input row's short rows take MATVEC_AHEAD_ONE's hint (2-byte
  * weights, a product split over threads; see there) */
 static void matvec_rows(float *out, const float *x, const float *xd, const void *w, qt_dtype dt, const float *bias,
@@ -426,6 +452,8 @@ static void matvec_rows(float *out, const float *x, const float *xd, const void 
         if (xd) rows_dt(out, x, xd, 1, w, QT_BF16, bias, N, IN, OUT, alpha, accumulate, r0, r1, hint);
         else rows_dt(out, x, NULL, 0, w, QT_BF16, bias, N, IN, OUT, alpha, accumulate, r0, r1, hint);
         break;
+    case QT_Q4: rows_q4(out, x, w, bias, N, IN, OUT, alpha, accumulate, r0, r1); break;
+    case QT_U8: break; /* file bytes, never a weight */
     }
 }
 

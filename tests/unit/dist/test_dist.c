@@ -45,9 +45,9 @@ static void test_plan_ranges(void **state) {
     (void)state;
     dist_ctx *d = solo();
     zero_plan *p;
-    zero_opts o = {.stage = 3};
+    zero_opts o = {.stage = 4};
     assert_int_equal(zero_plan_create(d, 100, &o, &p), QT_EUNSUPPORTED);
-    assert_non_null(strstr(qt_error_message(), "stage 3"));
+    assert_non_null(strstr(qt_error_message(), "stage 4"));
     o = (zero_opts){.stage = 2, .bucket_elems = 30};
     assert_int_equal(zero_plan_create(d, 100, &o, &p), QT_OK);
     assert_int_equal(zero_n_buckets(p), 4);

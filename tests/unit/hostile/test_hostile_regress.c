@@ -21,6 +21,7 @@
 #include "io/hf_config.h"
 #include "io/model_folder.h"
 #include "model/model.h"
+#include "text/jinja.h"
 #include "text/tokenizer.h"
 #include "train/ds_config.h"
 #include "train/job.h"
@@ -164,8 +165,30 @@ static void test_empty_text_into_empty_buffer(void **state) {
     bpe_free(tok);
 }
 
+/* fuzz_jinja: a number at the very end of a template that is not
+ * NUL-terminated was read past the end (strtoll), and a comment left open
+ * leaked the token list. Both now parse within the bytes given, or fail with
+ * one sentence (under ASan, the bytes end at a guard). */
+static void test_jinja_template_ends_inside_a_token(void **state) {
+    (void)state;
+    static const char *const srcs[] = {"{{ 12", "{{ 1.5e", "{{ x }}{# open", "{% if 1 %}"};
+    static const char *const msgs[] = {"not closed", "not closed", "comment is not closed", "not closed"};
+    for (int i = 0; i < 4; i++) {
+        size_t n = strlen(srcs[i]);
+        char *exact = qt_malloc(n, "template"); /* no NUL after the bytes */
+        assert_non_null(exact);
+        memcpy(exact, srcs[i], n);
+        jinja_template *t = NULL;
+        assert_int_equal(jinja_parse(exact, n, &t), QT_EFORMAT);
+        assert_non_null(strstr(qt_error_message(), msgs[i]));
+        qt_error_clear();
+        qt_free(exact);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_jinja_template_ends_inside_a_token),
         cmocka_unit_test(test_ds_batch_sizes_past_int),
         cmocka_unit_test(test_set_error_is_short),
         cmocka_unit_test(test_seq_len_past_max_positions),

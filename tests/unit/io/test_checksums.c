@@ -1,6 +1,7 @@
 /* io/checkpoint's checksums (checksums.sha256 in sha256sum's format: known
  * SHA-256 answers, every file listed, a changed byte, a missing file, a
- * damaged line, none at all) and ckpt_previous; io/safetensors'
+ * damaged line, none at all, files the list leaves out, CRLF, special files,
+ * a stop request) and ckpt_previous; io/safetensors'
  * st_first_unused (the tensors no reader asked for). */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -10,6 +11,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "core/error.h"
@@ -46,8 +49,9 @@ static char *sums_text(void) {
 
 static void expect_verify_fails(const char *want) {
     int present = 0;
+    char unlisted[256];
     qt_error_clear();
-    int rc = ckpt_verify_checksums(g_dir, &present);
+    int rc = ckpt_verify_checksums(g_dir, &present, unlisted, sizeof unlisted);
     if (rc != QT_EFORMAT || !strstr(qt_error_message(), want))
         fail_msg("verify: rc %d, message '%s' (want '%s')", rc, qt_error_message(), want);
     assert_int_equal(present, 1);
@@ -65,7 +69,8 @@ static void test_known_answers_and_format(void **state) {
                               "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad  b.txt\n");
     qt_free(text);
     int present = 0;
-    assert_int_equal(ckpt_verify_checksums(g_dir, &present), QT_OK);
+    char unlisted[256];
+    assert_int_equal(ckpt_verify_checksums(g_dir, &present, unlisted, sizeof unlisted), QT_OK);
     assert_int_equal(present, 1);
     /* written again: the old checksums file is not listed in the new one */
     assert_int_equal(ckpt_write_checksums(g_dir), QT_OK);
@@ -96,8 +101,63 @@ static void test_changes_are_refused(void **state) {
     snprintf(path, sizeof path, "%s/%s", g_dir, CKPT_SUMS_FILE);
     assert_int_equal(unlink(path), 0);
     int present = 1;
-    assert_int_equal(ckpt_verify_checksums(g_dir, &present), QT_OK);
+    char unlisted[256];
+    assert_int_equal(ckpt_verify_checksums(g_dir, &present, unlisted, sizeof unlisted), QT_OK);
     assert_int_equal(present, 0);
+}
+
+/* A list that leaves files out (emptied, cut short, edited) names them: they
+ * are not checked; CRLF line ends read as LF. */
+static void test_unlisted_files_are_named(void **state) {
+    (void)state;
+    put("w.bin", "0123456789");
+    put("s.json", "{}");
+    assert_int_equal(ckpt_write_checksums(g_dir), QT_OK);
+    char crlf[1024] = "", unlisted[256], sums[512], *text;
+    snprintf(sums, sizeof sums, "%s/%s", g_dir, CKPT_SUMS_FILE);
+    assert_int_equal(qt_read_file(sums, 1 << 20, &text, NULL), QT_OK);
+    for (char *p = text, *nl; (nl = strchr(p, '\n')); p = nl + 1)
+        snprintf(crlf + strlen(crlf), sizeof crlf - strlen(crlf), "%.*s\r\n", (int)(nl - p), p);
+    put(CKPT_SUMS_FILE, crlf);
+    int present = 0;
+    assert_int_equal(ckpt_verify_checksums(g_dir, &present, unlisted, sizeof unlisted), QT_OK);
+    assert_string_equal(unlisted, "");
+    char second[256]; /* w.bin's line (sorted after s.json) */
+    snprintf(second, sizeof second, "%s", strchr(text, '\n') + 1);
+    put(CKPT_SUMS_FILE, second);
+    assert_int_equal(ckpt_verify_checksums(g_dir, &present, unlisted, sizeof unlisted), QT_OK);
+    assert_string_equal(unlisted, "s.json");
+    put(CKPT_SUMS_FILE, "");
+    assert_int_equal(ckpt_verify_checksums(g_dir, &present, unlisted, sizeof unlisted), QT_OK);
+    assert_int_equal(present, 1);
+    assert_non_null(strstr(unlisted, "w.bin"));
+    assert_non_null(strstr(unlisted, "s.json"));
+    qt_free(text);
+}
+
+/* A listed name that is a FIFO or a link to /dev/zero is refused at once
+ * (it used to block in open(), or hash forever); a stop request ends the
+ * reading of a regular file. */
+static void test_special_files_and_stop(void **state) {
+    (void)state;
+    char path[512], unlisted[256];
+    int present;
+    static const char zero_line[] = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855  config.json\n";
+    snprintf(path, sizeof path, "%s/config.json", g_dir);
+    assert_int_equal(mkfifo(path, 0600), 0);
+    put(CKPT_SUMS_FILE, zero_line);
+    expect_verify_fails("is a FIFO (named pipe), not a regular file");
+    assert_int_equal(unlink(path), 0);
+    assert_int_equal(symlink("/dev/zero", path), 0);
+    expect_verify_fails("is a character device");
+    assert_int_equal(unlink(path), 0);
+    put("config.json", "");
+    volatile sig_atomic_t stop = 1;
+    qt_cancel_watch(&stop);
+    int rc = ckpt_verify_checksums(g_dir, &present, unlisted, sizeof unlisted);
+    qt_cancel_watch(NULL);
+    assert_int_equal(rc, QT_EINTERRUPTED);
+    assert_int_equal(ckpt_verify_checksums(g_dir, &present, unlisted, sizeof unlisted), QT_OK);
 }
 
 static void test_previous_checkpoint(void **state) {
@@ -151,6 +211,8 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_known_answers_and_format, setup, teardown),
         cmocka_unit_test_setup_teardown(test_changes_are_refused, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_unlisted_files_are_named, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_special_files_and_stop, setup, teardown),
         cmocka_unit_test_setup_teardown(test_previous_checkpoint, setup, teardown),
         cmocka_unit_test_setup_teardown(test_first_unused, setup, teardown),
     };

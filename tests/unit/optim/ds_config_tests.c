@@ -99,6 +99,9 @@ static void test_auto_is_said(void **state) {
     assert_non_null(strstr(m, "-> false ("));
     assert_non_null(strstr(m, "set true to train in fp16"));
     assert_non_null(resolved(&c, "bf16.enabled"));
+    /* a precision section present with enabled "auto" is fp32, which the run line and doctor flag */
+    assert_string_equal(c.precision_auto_off, "fp16");
+    assert_int_equal(c.fp16, 0);
     assert_non_null(strstr(resolved(&c, "optimizer.params.lr"), "-> 5e-05 (the HF Trainer's learning_rate default)"));
     assert_non_null(strstr(resolved(&c, "optimizer.params.betas"), "-> [0.9, 0.999]"));
     assert_non_null(resolved(&c, "optimizer.params.eps"));
@@ -386,9 +389,31 @@ static void test_precision_and_zero(void **state) {
                      QT_OK);
     assert_int_equal(parse_text("{\"train_batch_size\":1,\"fp16\":{\"enabled\":true,\"hysteresis\":0}}", 1, &c),
                      QT_EINVAL);
-    assert_int_equal(parse_text("{\"train_batch_size\":1,\"zero_optimization\":{\"stage\":3}}", 1, &c),
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"zero_optimization\":{\"stage\":4}}", 1, &c),
+                     QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "stage"));
+    /* stage 3 with DeepSpeed's defaults for its keys, and "auto" filled from hidden_size as the HF Trainer does */
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"zero_optimization\":{\"stage\":3}}", 1, &c), QT_OK);
+    assert_true(c.zero.stage == 3 && !c.zero.offload_param && c.zero.prefetch_bucket_size == 5e7 &&
+                c.zero.param_persistence_threshold == 1e5 && c.zero.max_live_parameters == 1e9 &&
+                c.zero.max_reuse_distance == 1e9);
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"zero_optimization\":{\"stage\":3,\"offload_param\":"
+                                "{\"device\":\"cpu\"},\"stage3_prefetch_bucket_size\":\"auto\","
+                                "\"stage3_param_persistence_threshold\":\"auto\"}}",
+                                1, &c),
+                     QT_OK);
+    assert_true(c.zero.offload_param == 1);
+    qt_ds_config_resolve_model(&c, 64);
+    assert_true(c.zero.prefetch_bucket_size == 0.9 * 64 * 64 && c.zero.param_persistence_threshold == 640);
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"zero_optimization\":{\"stage\":3,\"offload_param\":"
+                                "{\"device\":\"nvme\"}}}",
+                                1, &c),
                      QT_EUNSUPPORTED);
-    assert_non_null(strstr(qt_error_message(), "stage 3"));
+    assert_non_null(strstr(qt_error_message(), "offload_param.device"));
+    assert_int_equal(parse_text("{\"train_batch_size\":1,\"zero_optimization\":{\"stage\":3,"
+                                "\"stage3_max_live_parameters\":-1}}",
+                                1, &c),
+                     QT_EINVAL);
     assert_int_equal(parse_text("{\"train_batch_size\":1,\"zero_optimization\":{\"stage\":2,\"offload_optimizer\":"
                                 "{\"device\":\"nvme\"}}}",
                                 1, &c),
@@ -591,6 +616,24 @@ static void test_flags_and_check(void **state) {
     cJSON_Delete(j);
 }
 
+/* --strict: a key the run would warn about and ignore is an error, with the warning's sentence and its
+ * nearest known key; a config without one passes */
+static void test_strict_check(void **state) {
+    (void)state;
+    cJSON *j = cJSON_Parse("{\"train_micro_batch_size_per_gpu\": 2, \"zero_optimization\": {\"stage\": 2, "
+                           "\"overlap_com\": true}}");
+    assert_int_equal(qt_ds_config_check(j, "ds.json"), QT_OK); /* a warning only */
+    assert_int_equal(qt_ds_config_check_strict(j, "ds.json"), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "ds.json: DeepSpeed key \"zero_optimization.overlap_com\" has no "
+                                               "effect in qtune and is ignored; did you mean "
+                                               "\"zero_optimization.overlap_comm\"?"));
+    assert_non_null(strstr(qt_error_message(), "--strict"));
+    cJSON_Delete(j);
+    j = cJSON_Parse("{\"train_micro_batch_size_per_gpu\": 2, \"zero_optimization\": {\"stage\": 2}}");
+    assert_int_equal(qt_ds_config_check_strict(j, "ds.json"), QT_OK);
+    cJSON_Delete(j);
+}
+
 int main(void) {
     qt_log_set_level(QT_LOG_ERROR); /* the warnings are checked through `ignored` */
     const struct CMUnitTest tests[] = {
@@ -601,6 +644,7 @@ int main(void) {
         cmocka_unit_test(test_schedulers),       cmocka_unit_test(test_precision_and_zero),
         cmocka_unit_test(test_unknown_keys_warn), cmocka_unit_test(test_load_file), cmocka_unit_test(test_random_configs),
         cmocka_unit_test(test_silent_values_refused), cmocka_unit_test(test_flags_and_check),
+        cmocka_unit_test(test_strict_check),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -294,8 +294,28 @@ static void test_bad_options(void **state) {
     assert_int_equal(qt_plan_compute(&c, &o, &p), QT_EINVAL);
     assert_non_null(strstr(qt_error_message(), "--zero"));
     qt_plan_opts_default(&o);
-    o.zero = 3;
+    o.zero = 4;
     assert_int_equal(qt_plan_compute(&c, &o, &p), QT_EINVAL);
+    qt_plan_opts_default(&o);
+    o.zero = 2, o.offload_param = 1; /* only stage 3 partitions the weights */
+    assert_int_equal(qt_plan_compute(&c, &o, &p), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "--zero 3"));
+    qt_plan_opts_default(&o);
+    o.zero = 3, o.lora = 1;
+    assert_int_equal(qt_plan_compute(&c, &o, &p), QT_EINVAL);
+    /* stage 3 on 4 devices: the weights line is the rank's quarter of the 2-byte copy, two layers, the V x C
+     * buffer and the 1-D tensors in f32; stage 2 keeps the whole copy */
+    qt_plan_opts_default(&o);
+    o.precision = QT_F16, o.devices = 4, o.zero = 2;
+    qt_plan p2, p3;
+    assert_int_equal(qt_plan_compute(&c, &o, &p2), QT_OK);
+    o.zero = 3;
+    assert_int_equal(qt_plan_compute(&c, &o, &p3), QT_OK);
+    assert_true(p3.dev.weights < p2.dev.weights * 2 / 3); /* 0.5B: its tied V x C buffer is 28% of the copy */
+    assert_true(p3.dev.grads == p2.dev.grads && p3.dev.optim == p2.dev.optim);
+    o.offload_param = 1;
+    assert_int_equal(qt_plan_compute(&c, &o, &p), QT_OK);
+    assert_true(p.dev.weights < p3.dev.weights && p.host_pinned > p3.host_pinned);
     qt_plan_opts_default(&o);
     c.hidden_size = 0;
     assert_int_equal(qt_plan_compute(&c, &o, &p), QT_EINVAL);

@@ -445,7 +445,7 @@ static void test_loss_svg(void **state) {
     char *d = tmpdir();
     char p[4096];
     qt_path_join(p, sizeof p, d, "loss.svg");
-    qt_metrics_point tr[3] = {{1, 2.5}, {2, 2.0}, {3, 1.5}}, ev[1] = {{3, 1.7}};
+    qt_metrics_point tr[3] = {{1, 2.5, 0}, {2, 2.0, 0}, {3, 1.5, 0}}, ev[1] = {{3, 1.7, 0}};
     assert_int_equal(qt_loss_svg_write(p, "a <title> & more", tr, 3, ev, 1), QT_OK);
     char *s;
     size_t n;
@@ -454,12 +454,24 @@ static void test_loss_svg(void **state) {
     assert_non_null(strstr(s, "</svg>"));
     assert_non_null(strstr(s, "&lt;title&gt; &amp;"));
     assert_non_null(strstr(s, "polyline"));
+    assert_null(strstr(s, "skipped")); /* no step was skipped: no mark, no legend */
+    qt_free(s);
+    /* steps that applied no update (fp16 overflows) are marked on the step axis, one whose loss was not
+     * finite too, and the curve leaves that point out rather than drawing NaN */
+    qt_metrics_point sk[4] = {{1, NAN, 1}, {2, 9.0, 1}, {3, 2.0, 0}, {4, 1.5, 0}};
+    assert_int_equal(qt_loss_svg_write(p, "skips", sk, 4, NULL, 0), QT_OK);
+    assert_int_equal(qt_read_file(p, 1 << 20, &s, &n), QT_OK);
+    assert_non_null(strstr(s, "<title>step 1 skipped</title>"));
+    assert_non_null(strstr(s, "<title>step 2 skipped</title>"));
+    assert_null(strstr(s, "<title>step 3 skipped"));
+    assert_non_null(strstr(s, "2 skipped steps (no update)"));
+    assert_null(strstr(s, "nan"));
     qt_free(s);
     assert_int_equal(qt_loss_svg_write(p, NULL, NULL, 0, NULL, 0), QT_OK); /* empty curve is fine */
     /* a long run's curve stays a small file */
     enum { N = 100000 };
     qt_metrics_point *many = malloc(N * sizeof *many);
-    for (int i = 0; i < N; i++) many[i] = (qt_metrics_point){i + 1, 3.0 - i * 1e-5};
+    for (int i = 0; i < N; i++) many[i] = (qt_metrics_point){i + 1, 3.0 - i * 1e-5, 0};
     assert_int_equal(qt_loss_svg_write(p, "long", many, N, ev, 1), QT_OK);
     struct stat sb;
     assert_int_equal(stat(p, &sb), 0);
