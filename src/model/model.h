@@ -199,6 +199,22 @@ int qt_model_forward(qt_model *m, const qt_batch *b, double *loss_sum, int64_t *
 int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, double *loss_sum,
                               int64_t *n_tokens);
 
+/* Preference objectives: a forward whose per-token log-probs of the
+ * targets (logp, B*T host floats, 0 where unlabelled) go to fn, which writes
+ * one weight per row into row_scale (B floats); the backward then adds the
+ * gradient of sum over rows r of row_scale[r] * (sum of row r's token
+ * losses) into the gradient block. A row of one sequence with weight
+ * -S * d objective / d log p(token) gives S times the objective's gradient.
+ * fn returns QT_OK or an error, which stops the call before the backward. */
+typedef int (*qt_row_weights_fn)(void *user, const float *logp, int B, int T, float *row_scale);
+int qt_model_forward_backward_rows(qt_model *m, const qt_batch *b, qt_row_weights_fn fn, void *user,
+                                   double *loss_sum, int64_t *n_tokens);
+/* LoRA on (1, the default) or off (0): off, every forward is the base
+ * model's, as PEFT's disable_adapter() (the adapter's weights stay; the
+ * modules_to_save copies are still used, so a preference reference with
+ * them is refused by the trainer). */
+void qt_model_set_adapter(qt_model *m, int on);
+
 /* Gradient hand-over (ZeRO-2, DeepSpeed's partitioned gradients). A model
  * loaded with opts.grad_windows allocates no gradient block
  * (qt_model_grads returns NULL); its backward produces the gradients into

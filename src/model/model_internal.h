@@ -255,6 +255,7 @@ struct qt_model {
                               each sequence, and every Linear runs on be->matvec */
 
     uint64_t micro_step;   /* forward_backward calls so far: the dropout stream */
+    int adapter_off;       /* qt_model_set_adapter(m, 0): the LoRA products are skipped (the base model) */
     int native16;          /* 16-bit training (bf16 or f16, without checkpointing) where the backend has
                               that dtype's GEMM (be->half_available: oneDNN's bf16 on a CPU with
                               AVX512_BF16, the GPU's tensor cores): the layers' base matmuls run on it */

@@ -24,6 +24,7 @@
 
 #include "backend/backend.h"
 #include "core/error.h"
+#include "core/mem.h"
 #include "model/model_internal.h"
 
 /* ---- LoRA dropout: masks regenerated from (seed, micro step, layer, module)
@@ -107,13 +108,13 @@ static void linear_forward(qt_model *m, int l, int j, float *out, const float *i
     qt_backend *be = m->be;
     if (decoding(m, N)) {
         be->matvec(be, out, inp, q->w.p, q->w.dt, q->b, N, q->in, q->out, 1.0f, 0);
-        if (q->la) lora_decode(m, q, out, inp, lora_h, N);
+        if (q->la && !m->adapter_off) lora_decode(m, q, out, inp, lora_h, N);
         return;
     }
     if (!(m->native16 && inp16 && q->w.dt == m->opts.compute &&
           be->half_matmul(be, q->w.dt, out, inp16, q->w.p, q->b, N, q->in, q->out, 1.0f) == QT_OK))
         be->matmul_forward(be, out, inp, q->w.p, q->w.dt, q->b, N, q->in, q->out, 1.0f, 0, m->ws);
-    if (!q->la) return;
+    if (!q->la || m->adapter_off) return;
     const float *xd = inp;
     if (dropout) {
         qt_lora_dropout(m, l, q->lora_id, m->gs.lx, inp, (size_t)N * q->in);
@@ -585,10 +586,11 @@ int qt_model_forward(qt_model *m, const qt_batch *b, double *loss_sum, int64_t *
  * dx accumulates over the slices as over the op's own chunks. The shifted
  * targets are built from the host batch (hb) in pos_buf (host staging, the
  * decode's positions otherwise) and uploaded into the window block's tslice. */
-static int lmhead_backward_sliced(qt_model *m, const qt_batch *hb, float *dln, float grad_scale) {
+static int lmhead_backward_sliced(qt_model *m, const qt_batch *hb, float *dln, float grad_scale,
+                                  const float *row_scale) {
     const qt_config *c = &m->cfg;
     qt_backend *be = m->be;
-    int N = hb->B * hb->T, C = c->hidden_size, V = c->vocab_size, S = m->gw.slice_rows;
+    int N = hb->B * hb->T, T = hb->T, C = c->hidden_size, V = c->vocab_size, S = m->gw.slice_rows;
     size_t base = m->lm_head_off; /* untied or modules_to_save: the last tensor; tied: the embedding, at 0 */
     size_t esz = qt_dtype_size(m->lm_head.dt);
     int32_t *ht = m->pos_buf;
@@ -601,15 +603,28 @@ static int lmhead_backward_sliced(qt_model *m, const qt_batch *hb, float *dln, f
             ht[i] = t == QT_IGNORE_INDEX ? t : (t >= v0 && t < v0 + sv) ? t - v0 : -1;
         }
         be->upload(be, m->tslice, ht, sizeof(int32_t) * (size_t)N);
-        be->lmhead_ce_backward(be, dln, g, m->acts.lnf, (const char *)m->lm_head.p + (size_t)v0 * C * esz,
-                               m->lm_head.dt, m->tslice, m->acts.lse, grad_scale, N, C, sv, m->ws);
+        const char *w = (const char *)m->lm_head.p + (size_t)v0 * C * esz;
+        if (!row_scale)
+            be->lmhead_ce_backward(be, dln, g, m->acts.lnf, w, m->lm_head.dt, m->tslice, m->acts.lse, grad_scale, N,
+                                   C, sv, m->ws);
+        else /* one call per row, each with its sequence's weight (the slice's dW sums over them) */
+            for (int r = 0; r < hb->B; r++)
+                if (row_scale[r] != 0.0f)
+                    be->lmhead_ce_backward(be, dln + (size_t)r * T * C, g, m->acts.lnf + (size_t)r * T * C, w,
+                                           m->lm_head.dt, m->tslice + (size_t)r * T, m->acts.lse + (size_t)r * T,
+                                           row_scale[r], T, C, sv, m->ws);
         QT_TRY(win_ready(m, base + (size_t)v0 * C, base + (size_t)(v0 + sv) * C, g));
     }
     return QT_OK;
 }
 
-int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, double *loss_sum,
-                              int64_t *n_tokens) {
+/* row_fn NULL: every labelled token's loss weighs grad_scale. Else the
+ * forward's per-token log-probs go to row_fn, which returns one weight per
+ * row (preference objectives: one sequence per row); the lm_head's backward
+ * then runs row by row with that weight as its scale (no fused forward + dx,
+ * no kept logits: the weights are known only after the forward). */
+static int forward_backward(qt_model *m, const qt_batch *b, float grad_scale, qt_row_weights_fn row_fn, void *user,
+                            double *loss_sum, int64_t *n_tokens) {
     if (m->infer)
         return QT_ERR(QT_EINVAL, "this model was loaded for inference (no gradient buffers); load it with infer = 0 "
                                  "to train");
@@ -628,22 +643,46 @@ int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, 
     float *dres = m->gs.dres, *dln = m->gs.dln;
     be->zero(be, dln, sizeof(float) * (size_t)N * C); /* the forward does not use dln */
     /* frozen lm_head: dx comes out of the forward's walk (two (N, V) products, not three) */
-    int fused = m->dlm_head == NULL;
+    int fused = m->dlm_head == NULL && !row_fn;
     /* trainable lm_head: the logits kept from the forward when the plan has room */
-    float *kept = !fused && qt_model_keeps_logits(c, &m->opts) ? m->ws + qt_model_kept_logits_offset(c, &m->opts)
-                                                                : NULL;
+    float *kept = !fused && !row_fn && qt_model_keeps_logits(c, &m->opts)
+                      ? m->ws + qt_model_kept_logits_offset(c, &m->opts) : NULL;
     QT_TRY(run_forward(m, b, dropout, fused ? dln : NULL, grad_scale, kept));
-    sum_loss(m, hb, loss_sum, n_tokens, NULL);
+    float *row_scale = NULL, *logp = NULL;
+    if (row_fn) {
+        logp = qt_malloc(sizeof(float) * ((size_t)N + (size_t)b->B), "per-token log-probs");
+        if (!logp) return QT_ENOMEM;
+        row_scale = logp + N;
+    }
+    sum_loss(m, hb, loss_sum, n_tokens, logp);
+    if (row_fn) {
+        int rc = row_fn(user, logp, b->B, b->T, row_scale);
+        if (rc != QT_OK) {
+            qt_free(logp);
+            return rc;
+        }
+    }
 
     be->zero(be, dres, sizeof(float) * (size_t)N * C);
-    if (win && !fused)
-        QT_TRY(lmhead_backward_sliced(m, hb, dln, grad_scale));
-    else if (kept)
+    if (win && m->dlm_head) {
+        int rc = lmhead_backward_sliced(m, hb, dln, grad_scale, row_scale);
+        if (rc != QT_OK) {
+            qt_free(logp);
+            return rc;
+        }
+    } else if (row_fn) {
+        for (int r = 0; r < b->B; r++)
+            if (row_scale[r] != 0.0f)
+                be->lmhead_ce_backward(be, dln + (size_t)r * b->T * C, m->dlm_head, A->lnf + (size_t)r * b->T * C,
+                                       m->lm_head.p, m->lm_head.dt, b->targets + (size_t)r * b->T,
+                                       A->lse + (size_t)r * b->T, row_scale[r], b->T, C, c->vocab_size, m->ws);
+    } else if (kept)
         be->lmhead_ce_backward_kept(be, dln, m->dlm_head, kept, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, A->lse,
                                    grad_scale, N, C, c->vocab_size, m->ws);
     else if (!fused)
         be->lmhead_ce_backward(be, dln, m->dlm_head, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, A->lse, grad_scale, N,
                               C, c->vocab_size, m->ws);
+    qt_free(logp); /* row_scale with it: the lm_head's backward was their last use */
     keep(m, dln, (size_t)N * C); /* in fp16 the first place a too-large loss scale overflows */
     size_t units = 0; /* layers with trainable tensors */
     for (int l = 0; l < L; l++) units += qt_model_layer_unit(&m->opts, l) >= 0;
@@ -673,6 +712,18 @@ int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, 
     m->micro_step++;
     return QT_OK;
 }
+
+int qt_model_forward_backward(qt_model *m, const qt_batch *b, float grad_scale, double *loss_sum,
+                              int64_t *n_tokens) {
+    return forward_backward(m, b, grad_scale, NULL, NULL, loss_sum, n_tokens);
+}
+
+int qt_model_forward_backward_rows(qt_model *m, const qt_batch *b, qt_row_weights_fn fn, void *user,
+                                   double *loss_sum, int64_t *n_tokens) {
+    return forward_backward(m, b, 0.0f, fn, user, loss_sum, n_tokens);
+}
+
+void qt_model_set_adapter(qt_model *m, int on) { m->adapter_off = !on; }
 
 /* ---- decoding with the KV cache ------------------------------------------------ */
 void qt_model_decode_reset(qt_model *m) {

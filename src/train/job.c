@@ -886,7 +886,7 @@ int qt_job_parse_ex(const char *json, const char *dir, const char *where, const 
     if (rc != QT_OK) { qt_job_free(job); return rc; }
 
     static const char *const known[] = {"model",     "output_dir", "data",         "lora", "train",
-                                        "deepspeed", "device",     "quantization", NULL};
+                                        "deepspeed", "device",     "quantization", "objective", NULL};
     rc = warn_unknown(&c, root, "", known);
     if (rc != QT_OK) { qt_job_free(job); return rc; }
     job->dir = qt_strdup(dir);
@@ -920,6 +920,7 @@ int qt_job_parse_ex(const char *json, const char *dir, const char *where, const 
     if (rc == QT_OK && job->quant.load_in_4bit && !job->lora.enabled)
         rc = QT_ERR(QT_EINVAL, "%s: a 4-bit base (quantization.load_in_4bit) is frozen, so full fine-tuning cannot "
                                "update it; add a \"lora\" section (QLoRA) or drop \"quantization\"", where);
+    if (rc == QT_OK) rc = qt_objective_parse(cJSON_GetObjectItemCaseSensitive(root, "objective"), where, &job->objective);
     if (rc == QT_OK) {
         cJSON *ds = cJSON_GetObjectItemCaseSensitive(root, "deepspeed");
         if (ds && !cJSON_IsNull(ds) && !cJSON_IsObject(ds))

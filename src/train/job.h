@@ -13,6 +13,7 @@
 #include <cjson/cJSON.h>
 
 #include "io/peft.h"
+#include "train/objective.h"
 
 typedef struct {
     char *train;        /* resolved path of the (first) training file: train_files[0] */
@@ -89,6 +90,7 @@ typedef struct {
     qt_job_lora lora;
     qt_job_train train;
     qt_job_quant quant;
+    qt_objective objective; /* "objective": sft (default), dpo, orpo, simpo (train/objective.h) */
     cJSON *deepspeed;     /* the DeepSpeed object (read from its file when a path); owned */
     char *deepspeed_path; /* the file it came from, or NULL when inline */
     char *lora_path;      /* the LoRA config file ("lora": "adapter_config.json" or a folder), or NULL */

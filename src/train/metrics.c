@@ -171,6 +171,8 @@ int qt_metrics_log_step(qt_metrics *m, const qt_step_metrics *s) {
                                     (long long)s->mem_peak_ranks[r]);
         len += (size_t)snprintf(line + len, sizeof line - len, "]");
     }
+    if (s->extra && len < sizeof line) len += (size_t)snprintf(line + len, sizeof line - len, "%s", s->extra);
+    if (len >= sizeof line - 2) len = sizeof line - 2; /* cut short rather than unterminated */
     snprintf(line + len, sizeof line - len, "}");
     QT_TRY(metrics_line(m, line));
     QT_TRY(row_push(m, line, s->skipped));

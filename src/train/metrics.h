@@ -38,6 +38,8 @@ typedef struct {
     const int64_t *mem_peak_ranks;
     int n_ranks;
     double comm_busy_s, comm_wait_s;
+    const char *extra;    /* NULL, or more fields as JSON text (", \"rewards/chosen\": 0.1, ..."): preference
+                             objectives' TRL metrics */
 } qt_step_metrics;
 
 typedef struct {

@@ -118,6 +118,19 @@ void qt_train_describe(const qt_job *job, const qt_ds_config *ds, const char *de
              ds->optimizer_type, ds->adam.lr, lr_note, decay, sched, job->train.gradient_checkpointing ? "on" : "off",
              (long long)ds->micro_batch, (long long)ds->grad_accum, ds->world, (long long)ds->train_batch_size,
              job->data.seq_len, device);
+    if (job->objective.type != QT_OBJ_SFT) { /* the objective and, for DPO, what the reference model is */
+        char obj[160];
+        size_t k = strlen(buf);
+        qt_objective_describe(&job->objective, obj, sizeof obj);
+        const char *ref = !qt_objective_needs_ref(&job->objective)
+                              ? "no reference model"
+                              : "reference: the base model with the adapter off";
+        /* TRL with a PEFT model and no ref_model: disable_adapter(), so an init_from adapter is not in it */
+        snprintf(buf + k, cap > k ? cap - k : 0, " | objective %s on pairs (each row count above is pairs: a "
+                 "chosen and a rejected row each), %s%s", obj, ref,
+                 qt_objective_needs_ref(&job->objective) && job->lora.init_from ? " (without the init_from adapter)"
+                                                                                 : "");
+    }
 }
 
 int qt_job_lora_targets_resolve(const qt_job *job, const qt_config *cfg, unsigned *mask) {
@@ -163,6 +176,9 @@ int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o) {
     o->devices = ranks;
     o->precision = ds.fp16 ? QT_F16 : ds.bf16 ? QT_BF16 : QT_F32;
     o->micro_batch = (int)ds.micro_batch;
+    /* preference objectives: a micro-batch of B pairs is 2B rows (a chosen and a rejected one each); the
+     * reference's forward (adapter off) reuses the same activations, so it adds time, not memory */
+    if (job->objective.type != QT_OBJ_SFT) o->micro_batch *= 2;
     o->seq_len = job->data.seq_len;
     o->checkpointing = job->train.gradient_checkpointing;
     /* the buckets (a reduce_bucket_size of "auto" resolved from the model's hidden_size, as the run does) and

