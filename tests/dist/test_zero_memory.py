@@ -137,4 +137,8 @@ def check_plan(d, n, stage, offload, lora, bucket, overlap, prec=None, offload_p
     errs = [(pr - m) / m for pr, m in zip(predicted, measured)]
     print(name, " ".join(f"r{r}: plan {pr / 2**20:.1f} MiB, peak {m / 2**20:.1f} MiB ({e:+.1%})"
                          for r, (pr, m, e) in enumerate(zip(predicted, measured, errs))))
-    assert all(abs(e) <= 0.10 for e in errs), (name, predicted, measured, errs)
+    # 10%; 12% at 4 ranks, where the pages of OpenMPI's shared-memory transport a rank touches depend on how
+    # far the ranks drift apart on 2 cores: under load one rank of four peaked 7-8 MiB above the others
+    # (-10.0% and -11.8% on 2026-12-06, Intel Xeon; the same cases at -6% run alone, on 180687f as well)
+    tol = 0.12 if n >= 4 else 0.10
+    assert all(abs(e) <= tol for e in errs), (name, predicted, measured, errs)
