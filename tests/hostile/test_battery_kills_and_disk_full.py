@@ -32,9 +32,16 @@ _spec = importlib.util.spec_from_loader("kill_battery", _loader)
 kb = importlib.util.module_from_spec(_spec)
 _loader.exec_module(kb)
 
-HAVE_MPI = shutil.which("mpirun") is not None and "MPI on" in subprocess.run(
-    [QTUNE, "--version"], capture_output=True, text=True).stdout + subprocess.run(
-    [QTUNE, "doctor"], capture_output=True, text=True).stdout
+
+
+def _built_with_mpi():
+    try:
+        return "MPI on" in subprocess.run([QTUNE, "doctor"], capture_output=True, text=True, timeout=120).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+HAVE_MPI = shutil.which("mpirun") is not None and _built_with_mpi()
 
 
 def needs(config):
