@@ -239,6 +239,15 @@ def test_hostile_quantization_key(base, name, model):
     contract(r)
 
 
+def test_unknown_skip_module_names_the_key_it_is_in(base):
+    """was "quantization.llm_int8_skip_modules: lora.target_modules names ''": a key the user never wrote"""
+    for name in ("", ".", "x" * 5000, "model.layers.0.mlp"):
+        r = expect_error(train_args(base, base / "model", "q_skip_bad",
+                                    extra={"quantization": {"load_in_4bit": True, "llm_int8_skip_modules": [name]}}),
+                         "quantization.llm_int8_skip_modules names")
+        assert "lora.target_modules" not in r.stderr, r
+
+
 def test_quantization_without_lora_is_one_sentence(base):
     expect_error(train_args(base, base / "model", "q_full", lora=None, extra={"quantization": {"load_in_4bit": True}}),
                  "quantization")
