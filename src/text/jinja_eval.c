@@ -14,6 +14,7 @@
 #include "text/chat.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -583,6 +584,9 @@ static int binop(ctx *c, const char *op, jv *a, jv *b, int line, jv **out) {
     if (!strcmp(op, "*") && ((a->k == V_STR && b->k == V_INT) || (a->k == V_INT && b->k == V_STR))) {
         jv *sv = a->k == V_STR ? a : b;
         int64_t times = a->k == V_INT ? a->i : b->i;
+        if (times > 0 && sv->n && (uint64_t)times > (uint64_t)JINJA_MAX_OUTPUT / sv->n)
+            return QT_ERR(QT_EINVAL, "chat template line %d: a string repeated %lld times passes %d MiB", line,
+                          (long long)times, JINJA_MAX_OUTPUT >> 20);
         qt_strbuf buf = {0};
         int rc = QT_OK;
         for (int64_t k = 0; rc == QT_OK && k < times; k++) rc = qt_strbuf_put(&buf, sv->s, sv->n);
@@ -599,12 +603,19 @@ static int binop(ctx *c, const char *op, jv *a, jv *b, int line, jv **out) {
         return QT_ERR(QT_EINVAL, "chat template line %d: division by zero", line);
     jv *r;
     if (ints && strcmp(op, "/") && strcmp(op, "**")) {
-        int64_t p = a->i, q = b->i, v;
-        if (!strcmp(op, "+")) v = p + q;
-        else if (!strcmp(op, "-")) v = p - q;
-        else if (!strcmp(op, "*")) v = p * q;
-        else if (!strcmp(op, "//")) v = (p / q) - ((p % q != 0) && ((p < 0) != (q < 0)));
-        else v = ((p % q) + q) % q;
+        int64_t p = a->i, q = b->i, v = 0;
+        int over = 0;
+        if (!strcmp(op, "+")) over = __builtin_add_overflow(p, q, &v);
+        else if (!strcmp(op, "-")) over = __builtin_sub_overflow(p, q, &v);
+        else if (!strcmp(op, "*")) over = __builtin_mul_overflow(p, q, &v);
+        else if (q == -1) { /* INT64_MIN / -1 traps */
+            if (!strcmp(op, "//")) over = __builtin_sub_overflow((int64_t)0, p, &v);
+            else v = 0;
+        } else if (!strcmp(op, "//")) v = (p / q) - ((p % q != 0) && ((p < 0) != (q < 0)));
+        else v = p % q, v += (v != 0 && (v < 0) != (q < 0)) ? q : 0;
+        if (over)
+            return QT_ERR(QT_EINVAL, "chat template line %d: %lld %s %lld passes 64-bit integers (qtune's Jinja "
+                                     "integers are 64-bit)", line, (long long)p, op, (long long)q);
         *out = mk_int(c, v);
         return *out ? QT_OK : OOM;
     }
@@ -617,6 +628,9 @@ static int binop(ctx *c, const char *op, jv *a, jv *b, int line, jv **out) {
     else if (!strcmp(op, "**")) r->f = pow(x, y);
     else r->f = x - y * floor(x / y);
     if (ints && !strcmp(op, "**") && y >= 0) {
+        if (!(fabs(r->f) < 9223372036854775808.0))
+            return QT_ERR(QT_EINVAL, "chat template line %d: %lld ** %lld passes 64-bit integers (qtune's Jinja "
+                                     "integers are 64-bit)", line, (long long)a->i, (long long)b->i);
         r->k = V_INT;
         r->i = (int64_t)llround(r->f);
     }
@@ -688,11 +702,12 @@ static int call_method(ctx *c, scope *s, const jnode *e, jv *f, jv **out) {
         if (!st) return QT_ERR(QT_EINVAL, "chat template line %d: range() step must not be zero", e->line);
         jv *l = mk(c, V_LIST);
         if (!l) return OOM;
-        for (int64_t i = lo; st > 0 ? i < hi : i > hi; i += st) {
+        for (int64_t i = lo; st > 0 ? i < hi : i > hi;) {
             if (l->len > 1000000) return QT_ERR(QT_EINVAL, "chat template line %d: range() over a million items", e->line);
             jv *x = mk_int(c, i);
             if (!x) return OOM;
             QT_TRY(push_item(c, l, NULL, x));
+            if (__builtin_add_overflow(i, st, &i)) break; /* past the 64-bit end: past hi too */
         }
         *out = l;
         return QT_OK;
@@ -939,7 +954,10 @@ static int apply_filter(ctx *c, scope *s, const jnode *e, jv *v, jv **out) {
         jnode none = {.kind = N_CALL, .line = e->line};
         return call_method(c, s, &none, &fn, out);
     } else if (!strcmp(f, "int")) {
-        *out = mk_int(c, v->k == V_FLOAT ? (int64_t)v->f : v->k == V_INT || v->k == V_BOOL ? v->i
+        if (v->k == V_FLOAT && !isnan(v->f) && !(fabs(v->f) < 9223372036854775808.0))
+            return QT_ERR(QT_EINVAL, "chat template line %d: %g | int passes 64-bit integers (qtune's Jinja integers "
+                                     "are 64-bit)", e->line, v->f);
+        *out = mk_int(c, v->k == V_FLOAT ? (isnan(v->f) ? 0 : (int64_t)v->f) : v->k == V_INT || v->k == V_BOOL ? v->i
                                                         : v->k == V_STR ? strtoll(ja_strdup(&c->a, v->s, v->n), NULL, 10) : 0);
     } else if (!strcmp(f, "float")) {
         if (!(*out = mk(c, V_FLOAT))) return OOM;
@@ -1107,6 +1125,9 @@ static int eval(ctx *c, scope *s, const jnode *e, jv **out) {
         if (!is_num(a)) return QT_ERR(QT_EINVAL, "chat template line %d: unary minus of a %s", e->line, kind_name(a));
         if (a->k == V_FLOAT) {
             if ((*out = mk(c, V_FLOAT))) (*out)->f = -a->f;
+        } else if (a->i == INT64_MIN) {
+            return QT_ERR(QT_EINVAL, "chat template line %d: -(%lld) passes 64-bit integers (qtune's Jinja integers "
+                                     "are 64-bit)", e->line, (long long)a->i);
         } else *out = mk_int(c, -a->i);
         break;
     case N_BIN:

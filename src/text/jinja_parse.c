@@ -21,6 +21,17 @@ typedef struct {
 
 #define MAX_DEPTH 200
 
+/* One more level of the expression tree: chains built in a loop (a.b.c, x|f|g,
+ * a ~ b ~ c, not not x, a ** b ** c) nest as deep as recursion does, and the
+ * evaluator recurses over them, so they count against the same limit. The
+ * caller restores p->depth when its chain ends. */
+static int deeper(parser *p) {
+    if (++p->depth > MAX_DEPTH)
+        return QT_ERR(QT_EFORMAT, "chat template line %d: expressions and blocks nested deeper than %d levels",
+                      p->t[p->i].line, MAX_DEPTH);
+    return QT_OK;
+}
+
 /* The names jinja_eval.c implements: a template using any other is refused
  * here, before anything renders. */
 static const char *const FILTERS[] = {"tojson", "trim", "length", "count", "string", "lower", "upper", "first", "last",
@@ -192,8 +203,10 @@ static int parse_primary(parser *p, jnode **out) {
 }
 
 static int parse_postfix(parser *p, jnode **io) {
+    const int d0 = p->depth;
     for (;;) {
         jnode *n;
+        if (is_op(p, ".") || is_op(p, "[") || is_op(p, "(")) QT_TRY(deeper(p));
         if (is_op(p, ".")) {
             next(p);
             jtok *t = peek(p);
@@ -237,6 +250,7 @@ static int parse_postfix(parser *p, jnode **io) {
                               "(it has raise_exception, namespace and range)", n->line, (*io)->s);
             QT_TRY(parse_args(p, n));
         } else {
+            p->depth = d0;
             return QT_OK;
         }
         *io = n;
@@ -245,7 +259,9 @@ static int parse_postfix(parser *p, jnode **io) {
 
 /* x|f(args) and x is [not] t(args) chains */
 static int parse_filters(parser *p, jnode **io) {
+    const int d0 = p->depth;
     for (;;) {
+        if (is_op(p, "|") || is_name(p, "is")) QT_TRY(deeper(p));
         if (is_op(p, "|")) {
             next(p);
             jtok *t = peek(p);
@@ -295,6 +311,7 @@ static int parse_filters(parser *p, jnode **io) {
             }
             *io = n;
         } else {
+            p->depth = d0;
             return QT_OK;
         }
     }
@@ -321,6 +338,7 @@ static int parse_unary(parser *p, jnode **out, int with_filter) {
 }
 
 static int binary(parser *p, jnode **io, const char *op, int (*rhs)(parser *, jnode **)) {
+    QT_TRY(deeper(p));
     jnode *n = node(p, N_BIN);
     if (!n) return QT_ENOMEM;
     n->s = op;
@@ -331,42 +349,51 @@ static int binary(parser *p, jnode **io, const char *op, int (*rhs)(parser *, jn
 }
 
 static int parse_pow(parser *p, jnode **out) {
+    const int d0 = p->depth;
     QT_TRY(parse_unary(p, out, 1));
     while (is_op(p, "**")) {
         next(p);
         QT_TRY(binary(p, out, "**", parse_pow));
     }
+    p->depth = d0;
     return QT_OK;
 }
 
 static int parse_math2(parser *p, jnode **out) {
+    const int d0 = p->depth;
     QT_TRY(parse_pow(p, out));
     while (is_op(p, "*") || is_op(p, "/") || is_op(p, "//") || is_op(p, "%")) {
         const char *op = next(p)->text;
         QT_TRY(binary(p, out, op, parse_pow));
     }
+    p->depth = d0;
     return QT_OK;
 }
 
 static int parse_concat(parser *p, jnode **out) {
+    const int d0 = p->depth;
     QT_TRY(parse_math2(p, out));
     while (is_op(p, "~")) {
         next(p);
         QT_TRY(binary(p, out, "~", parse_math2));
     }
+    p->depth = d0;
     return QT_OK;
 }
 
 static int parse_math1(parser *p, jnode **out) {
+    const int d0 = p->depth;
     QT_TRY(parse_concat(p, out));
     while (is_op(p, "+") || is_op(p, "-")) {
         const char *op = next(p)->text;
         QT_TRY(binary(p, out, op, parse_concat));
     }
+    p->depth = d0;
     return QT_OK;
 }
 
 static int parse_compare(parser *p, jnode **out) {
+    const int d0 = p->depth;
     QT_TRY(parse_math1(p, out));
     for (;;) {
         const char *op = NULL;
@@ -380,6 +407,7 @@ static int parse_compare(parser *p, jnode **out) {
             next(p);
             op = "not in";
         } else {
+            p->depth = d0;
             return QT_OK;
         }
         QT_TRY(binary(p, out, op, parse_math1));
@@ -391,7 +419,9 @@ static int parse_not(parser *p, jnode **out) {
         next(p);
         jnode *n = node(p, N_NOT);
         if (!n) return QT_ENOMEM;
+        QT_TRY(deeper(p));
         QT_TRY(parse_not(p, &n->a));
+        p->depth--;
         *out = n;
         return QT_OK;
     }
@@ -399,35 +429,43 @@ static int parse_not(parser *p, jnode **out) {
 }
 
 static int parse_and(parser *p, jnode **out) {
+    const int d0 = p->depth;
     QT_TRY(parse_not(p, out));
     while (is_name(p, "and")) {
         next(p);
+        QT_TRY(deeper(p));
         jnode *n = node(p, N_AND);
         if (!n) return QT_ENOMEM;
         n->a = *out;
         QT_TRY(parse_not(p, &n->b));
         *out = n;
     }
+    p->depth = d0;
     return QT_OK;
 }
 
 static int parse_or(parser *p, jnode **out) {
+    const int d0 = p->depth;
     QT_TRY(parse_and(p, out));
     while (is_name(p, "or")) {
         next(p);
+        QT_TRY(deeper(p));
         jnode *n = node(p, N_OR);
         if (!n) return QT_ENOMEM;
         n->a = *out;
         QT_TRY(parse_and(p, &n->b));
         *out = n;
     }
+    p->depth = d0;
     return QT_OK;
 }
 
 /* a if cond else b (no else: undefined) */
 static int parse_expr(parser *p, jnode **out) {
+    const int d0 = p->depth;
     QT_TRY(parse_or(p, out));
     while (is_name(p, "if")) {
+        QT_TRY(deeper(p));
         next(p);
         jnode *n = node(p, N_COND);
         if (!n) return QT_ENOMEM;
@@ -439,6 +477,7 @@ static int parse_expr(parser *p, jnode **out) {
         }
         *out = n;
     }
+    p->depth = d0;
     return QT_OK;
 }
 

@@ -608,6 +608,15 @@ static int parse_quant(const job_ctx *c, const cJSON *root, qt_job_quant *q) {
                 return QT_ERR(QT_EINVAL, "%s: quantization.llm_int8_skip_modules must list names", c->where);
             const char *n = strrchr(e->valuestring, '.') ? strrchr(e->valuestring, '.') + 1 : e->valuestring;
             if (!strcmp(n, "lm_head") || !strcmp(n, "embed_tokens") || !strcmp(n, "wte")) continue; /* 16-bit anyway */
+            static const char *const linears[] = {"q_proj", "k_proj",  "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                  "down_proj", "c_attn", "c_proj", "w1",     "w2",        NULL};
+            int known_linear = 0;
+            for (int i = 0; linears[i]; i++) known_linear |= !strcmp(n, linears[i]);
+            if (!known_linear) /* said here: qt_job_lora_targets' sentence would name lora.target_modules */
+                return QT_ERR(QT_EINVAL, "%s: quantization.llm_int8_skip_modules names '%.200s', which is not a layer "
+                                         "linear qtune quantizes: name q_proj, k_proj, v_proj, o_proj, gate_proj, "
+                                         "up_proj or down_proj (the original Qwen: c_attn, c_proj, w1 or w2)",
+                              c->where, e->valuestring);
             cJSON *one = cJSON_CreateArray();
             if (!one) return QT_ENOMEM;
             cJSON_AddItemToArray(one, cJSON_CreateString(n));
