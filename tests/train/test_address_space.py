@@ -77,6 +77,10 @@ def test_a_step_stuck_in_openblas_ends_with_the_reason(base):
     x = mapped_at_check(base, "probe_stuck")
     p, out = train(base, "stuck", limit=x + BUF + 8 * MIB, timeout=150,
                    QTUNE_TEST_FAULT="address-space-check@0#1:skip")
+    if "step 2/2" in p.stderr and "made no progress" not in p.stderr:
+        # both steps ran: OpenMP's second thread never reached an sgemm (the first took every chunk, as it can
+        # on a loaded machine; seen once in CI's run of 2026-12-06), so there was no hang for the watchdog
+        pytest.skip("OpenBLAS's second thread never called sgemm in this run: no stuck step to end")
     assert p.returncode == 1, p.stderr
     assert re.search(r"qtune: error: (step \d+|the evaluation at step 0) made no progress for 3\d s: the address space "
                      r"is used up \(\d+ of \d+ MiB under ulimit -v\), so OpenBLAS cannot map the 128 MiB buffer",
