@@ -229,7 +229,8 @@ static const char *plan_desc_name(const qt_plan_opts *o) {
 
 /* The settings that shrink the per-card total, cheapest to the training
  * first, each only where it is not already on. */
-enum { FIX_CKPT, FIX_REDUCE, FIX_GATHER, FIX_OVERLAP, FIX_MICRO, FIX_OFFLOAD, FIX_ZERO2, FIX_LORA, FIX_COUNT };
+enum { FIX_CKPT, FIX_REDUCE, FIX_GATHER, FIX_OVERLAP, FIX_MICRO, FIX_OFFLOAD, FIX_ZERO2, FIX_ZERO3, FIX_OFFLOAD_PARAM,
+       FIX_LORA, FIX_COUNT };
 
 /* o with setting k applied; 0 when it is already on or does not apply. */
 static int fix_apply(const qt_config *c, const qt_plan_opts *o, int k, qt_plan_opts *f, char *say, size_t cap) {
@@ -276,6 +277,16 @@ static int fix_apply(const qt_config *c, const qt_plan_opts *o, int k, qt_plan_o
         f->zero = 2;
         snprintf(say, cap, "zero_optimization.stage 2 (--zero 2)");
         return 1;
+    case FIX_ZERO3: /* full fine-tuning only: LoRA at stage 3 is refused */
+        if (o->zero >= 3 || o->devices < 2 || o->lora) return 0;
+        f->zero = 3;
+        snprintf(say, cap, "zero_optimization.stage 3 (--zero 3)");
+        return 1;
+    case FIX_OFFLOAD_PARAM:
+        if (o->zero != 3 || o->devices < 2 || o->lora || o->offload_param) return 0;
+        f->offload_param = 1;
+        snprintf(say, cap, "zero_optimization.offload_param.device cpu (--offload-param cpu)");
+        return 1;
     case FIX_LORA:
         if (o->lora) return 0;
         f->lora = 1;
@@ -291,7 +302,8 @@ static int fix_apply(const qt_config *c, const qt_plan_opts *o, int k, qt_plan_o
 static void plan_advice(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
     static const char *const flag[FIX_COUNT] = {"--checkpointing", "--reduce-bucket-size (hidden_size^2)",
                                                 "--allgather-bucket-size (hidden_size^2)", "no --overlap-comm",
-                                                "a smaller --micro-batch", "--offload cpu", "--zero 2", "--mode lora"};
+                                                "a smaller --micro-batch", "--offload cpu", "--zero 2", "--zero 3",
+                                                "--offload-param cpu", "--mode lora"};
     const double cap = o->device_gib * GIB;
     char said[FIX_COUNT][sizeof p->fix];
     p->fix[0] = p->advice[0] = 0;
@@ -303,6 +315,9 @@ static void plan_advice(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
         size_t n = strlen(p->advice);
         snprintf(p->advice + n, sizeof p->advice - n, "%s%s", n ? ", " : "", flag[k]);
         if (p->fix[0] || (p->fits && !p->borderline)) continue;
+        /* stage 3 and its parameter offload trade step time for memory: named as the fix only when no
+         * cheaper setting fits at all */
+        if ((k == FIX_ZERO3 || k == FIX_OFFLOAD_PARAM) && fit_any >= 0) continue;
         qt_plan_device d;
         plan_device(c, &f, o->devices, &d);
         if ((double)d.total <= cap * (1 - QT_PLAN_ERROR)) {

@@ -75,7 +75,7 @@ def test_advice_never_repeats_a_setting_already_on():
     p = qtune("plan", "--preset", "qwen2.5-72b", "--mode", "lora", "--checkpointing", "--precision", "bf16",
               check=0, env=NO_BACKEND).stdout
     line = next(l for l in p.splitlines() if l.startswith("no device count fits"))
-    assert "--mode lora" not in p and "--checkpointing" not in p, p
+    assert "--mode lora" not in p and "--checkpointing" not in p and "--zero 3" not in p, p  # LoRA: no stage 3
     # full fine-tuning without recomputation: both are offered
     p = qtune("plan", "--preset", "qwen2.5-72b", "--precision", "bf16", check=0, env=NO_BACKEND).stdout
     line = next(l for l in p.splitlines() if l.startswith("no device count fits"))
@@ -84,7 +84,8 @@ def test_advice_never_repeats_a_setting_already_on():
     p = qtune("plan", "--preset", "qwen2.5-72b", "--precision", "bf16", "--checkpointing", "--zero", 2, "--offload",
               "cpu", "--devices", 8, "--json", check=0, env=NO_BACKEND).stdout
     advice = json.loads(p)["advice"]
-    assert "--checkpointing" not in advice and "--offload" not in advice and "--zero" not in advice, advice
+    assert "--checkpointing" not in advice and "--offload cpu" not in advice and "--zero 2" not in advice, advice
+    assert "--zero 3" in advice, advice  # stage 3 is the next step up, and full fine-tuning can take it
 
 
 def test_the_host_plan_counts_the_tokenizer():
