@@ -130,6 +130,9 @@ int cmd_train(int argc, char **argv) {
     free(sets);
     if (rc != QT_OK) {
         int st = rank_failed(d, stop);
+        /* from here a stop has nothing to save: the SIGTERM of another rank's MPI_Abort, which can arrive while
+         * this rank's own abort is under way, says nothing (it said "saving a checkpoint" under load) */
+        cli_stop_on_signals(NULL);
         if (dist_world(d) > 1) dist_abort(d, st);
         dist_finalize(d);
         return st;
@@ -167,6 +170,7 @@ int cmd_train(int argc, char **argv) {
             status = QT_EXIT_INTERRUPTED;
         } else {
             status = rank_failed(d, stop);
+            cli_stop_on_signals(NULL); /* as above: a failed rank has nothing to save */
             if (dist_world(d) > 1) { qt_job_free(&job); dist_abort(d, status); }
         }
     } else if (dist_is_main(d)) {
