@@ -210,21 +210,15 @@ int ckpt_read_f32(const char *path, const char *name, float *data, size_t n) {
  * refused before it is read. Reading a large checkpoint takes minutes, so a
  * stop request (qt_cancel_requested) ends it between blocks. */
 static int sha256_file(const char *path, char hex[SUM_HEX + 1]) {
-    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) return QT_ERR(QT_EIO, "cannot open %s: %s", path, strerror(errno));
-    struct stat sb;
-    if (fstat(fd, &sb) != 0) {
-        int e = errno;
-        close(fd);
-        return QT_ERR(QT_EIO, "cannot read %s: %s", path, strerror(e));
-    }
-    if (!S_ISREG(sb.st_mode)) {
-        close(fd);
+    int fd;
+    int rc0 = qt_open_regular(path, "checkpoint file", &fd); /* refuses a FIFO or a device without blocking */
+    if (rc0 == QT_EINVAL) {
+        struct stat sb;
         return QT_ERR(QT_EFORMAT, "%s is %s, not a regular file, and a checkpoint holds only regular files; the "
-                      "checkpoint is damaged", path, qt_file_kind((unsigned)sb.st_mode));
+                      "checkpoint is damaged", path, stat(path, &sb) == 0 ? qt_file_kind((unsigned)sb.st_mode)
+                                                                          : "not a regular file");
     }
-    int fl = fcntl(fd, F_GETFL);
-    if (fl >= 0) fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+    if (rc0 != QT_OK) return rc0;
     const size_t cap = (size_t)4 << 20;
     unsigned char *buf = qt_malloc(cap, "checksum buffer");
     EVP_MD_CTX *ctx = EVP_MD_CTX_new();
