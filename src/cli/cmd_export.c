@@ -5,6 +5,7 @@
 #include "core/clock.h"
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/log.h"
 #include "io/gguf_export.h"
 #include "io/hf_config.h"
 #include "text/tokenizer.h"
@@ -22,6 +23,9 @@ static void help(void) {
            "  --model DIR       Hugging Face model folder (config.json, safetensors, tokenizer.json)\n"
            "  --adapter DIR     PEFT LoRA adapter folder: with --gguf it is merged into the weights\n"
            "                    (W + B A * scaling, as qtune merge); with --gguf-lora it is what is written\n"
+           "                    A bitsandbytes 4-bit --model (QLoRA) is written dequantized (16-bit or\n"
+           "                    q8_0 from the dequantized values); for its original 16-bit weights give\n"
+           "                    --model the folder it was quantized from\n"
            "  --gguf OUT        the whole model, with its tokenizer and chat template\n"
            "  --gguf-lora OUT   the adapter alone, as llama.cpp's LoRA GGUF (llama-cli --lora OUT)\n"
            "  --dtype T         type of the weight matrices: f32, f16, bf16 or q8_0 (8-bit blocks of 32\n"
@@ -105,7 +109,11 @@ int cmd_export(int argc, char **argv) {
     st_file *base = NULL;
     qt_merge_set *set = NULL;
     int rc = qt_merge_open_model(model, &base);
-    if (rc == QT_OK && adapter) rc = qt_merge_set_open(model, adapter, base, &set);
+    qt_config mcfg;
+    if (rc == QT_OK) rc = qt_config_load(model, &mcfg);
+    /* a bitsandbytes 4-bit folder: its weights written dequantized (with the adapter merged in, when given) */
+    if (rc == QT_OK && (adapter || (gguf && mcfg.prequant4)))
+        rc = qt_merge_set_open(model, adapter, base, &set);
     if (rc == QT_OK && set && gguf && qt_merge_set_unties(set))
         rc = QT_ERR(QT_EUNSUPPORTED, "%s trains modules_to_save on a model with tied embeddings, so the merged model "
                     "needs its own lm_head; run qtune merge first and export the merged folder", adapter);
@@ -115,6 +123,10 @@ int cmd_export(int argc, char **argv) {
         if (rc == QT_OK)
             o.type = cfg.torch_dtype == QT_BF16 ? GGUF_BF16 : cfg.torch_dtype == QT_F16 ? GGUF_F16 : GGUF_F32;
     }
+    if (rc == QT_OK && gguf && set && qt_merge_set_dequantizes(set))
+        qt_info("%s is a bitsandbytes 4-bit folder: its %d 4-bit weights are written dequantized%s (the weights "
+                "the adapter was trained on; to export the original 16-bit weights, give --model the folder it was "
+                "quantized from)", model, qt_merge_set_dequantizes(set), adapter ? ", with the adapter merged in" : "");
     /* the output's parent folders, as merge makes them (and removes them again when the export fails) */
     char parent[4096], made_top[4096] = "";
     qt_path_dirname(parent, sizeof parent, out);

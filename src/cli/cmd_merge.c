@@ -16,7 +16,8 @@
 #include <unistd.h>
 
 static void help(void) {
-    printf("usage: qtune merge --model DIR --adapter DIR --out DIR [--dtype f32|bf16|f16] [--device D]\n\n"
+    printf("usage: qtune merge --model DIR --adapter DIR --out DIR [--dtype f32|bf16|f16] [--base16 DIR]\n"
+           "                   [--device D]\n\n"
            "Merges a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) into\n"
            "its base model as peft's merge_and_unload does: W' = W + (B @ A) * scaling, with\n"
            "scaling = lora_alpha / r (lora_alpha / sqrt(r) with use_rslora), computed in fp32\n"
@@ -25,6 +26,10 @@ static void help(void) {
            "  --adapter DIR  the adapter folder (e.g. a run's output_dir/final)\n"
            "  --out DIR      the merged model folder to write (not the model or an adapter folder)\n"
            "  --dtype T      store every tensor as T (default: as the base model stores it)\n"
+           "  --base16 DIR   with a bitsandbytes 4-bit --model (QLoRA): merge into the 16-bit folder it\n"
+           "                 was quantized from (checked: shapes, 4-bit codes, other tensors) instead of\n"
+           "                 into its dequantized weights, which is what happens without --base16; either\n"
+           "                 way the result is a 16-bit folder, and a line says which and how they differ\n"
            "  --device D     auto (default), cpu, cuda, cuda:N, checked as eval and generate check it\n"
            "                 (cuda where no GPU is visible is an error); the merge itself streams the\n"
            "                 weights through host memory on the CPU whatever D is: B @ A adds r\n"
@@ -36,7 +41,7 @@ static void help(void) {
 
 int cmd_merge(int argc, char **argv) {
     if (cli_wants_help(argc, argv)) { help(); return QT_EXIT_OK; }
-    const char *model = NULL, *adapter = NULL, *out = NULL, *dtype = NULL, *device = NULL;
+    const char *model = NULL, *adapter = NULL, *out = NULL, *dtype = NULL, *device = NULL, *base16 = NULL;
     cli_once_list once = {0};
     for (int i = 1; i < argc; i++) {
         const char **dst = !strcmp(argv[i], "--model")     ? &model
@@ -44,6 +49,7 @@ int cmd_merge(int argc, char **argv) {
                            : !strcmp(argv[i], "--out")     ? &out
                            : !strcmp(argv[i], "--dtype")   ? &dtype
                            : !strcmp(argv[i], "--device")  ? &device
+                           : !strcmp(argv[i], "--base16")  ? &base16
                                                            : NULL;
         if (!dst) return cli_usage_error("merge", "unknown argument '%s'", argv[i]);
         if (cli_value(&once, "merge", argv[i], i + 1 < argc ? argv[i + 1] : NULL)) return QT_EXIT_USAGE;
@@ -67,7 +73,7 @@ int cmd_merge(int argc, char **argv) {
     cli_remove_on_second_ctrl_c(stage, top);
     qt_progress prog;
     qt_progress_start(&prog, stderr, isatty(2), "merge: writing model.safetensors", 0, "MB");
-    int rc = qt_merge_adapter_progress(model, adapter, out, dt, stop, &prog);
+    int rc = qt_merge_adapter_progress(model, base16, adapter, out, dt, stop, &prog);
     cli_remove_on_second_ctrl_c(NULL, NULL); /* committed into --out, or removed by the merge */
     if (rc == QT_EINTERRUPTED) {
         fprintf(stderr, "qtune: %s\n", qt_error_message());

@@ -19,6 +19,7 @@
 #include "core/fs.h"
 #include "core/log.h"
 #include "core/mem.h"
+#include "io/bnb4.h"
 #include "io/hf_config.h"
 #include "io/model_folder.h"
 #include "io/peft.h"
@@ -536,14 +537,24 @@ static uint32_t file_type(gguf_type t) {
 
 static int load_config(const char *dir, qt_config *cfg, const arch_map **a) {
     QT_TRY(qt_config_load(dir, cfg));
-    if (cfg->prequant4)
-        return QT_ERR(QT_EUNSUPPORTED, "%s is a bitsandbytes 4-bit folder (quantization_config); GGUF export reads "
-                                       "16-bit weights only: give --model the 16-bit folder the 4-bit one was made "
-                                       "from", dir);
     if (!(*a = find_arch((int)cfg->arch)))
         return QT_ERR(QT_EUNSUPPORTED, "%s/config.json: GGUF export writes Qwen2ForCausalLM, Qwen3ForCausalLM, "
                       "LlamaForCausalLM and QWenLMHeadModel models, not %s; convert it with llama.cpp's "
                       "convert_hf_to_gguf.py", dir, qt_arch_name(cfg->arch));
+    return QT_OK;
+}
+
+/* A 4-bit weight of a bitsandbytes folder where the config expects shape:
+ * its quant_state and parts checked (io/bnb4.h), and a producer of its
+ * dequantized values given. */
+static int q4_expect(const char *dir, st_file *st, const st_tensor *t, const int64_t *shape, st_fill_fn fill) {
+    qt_q4_weight *q4;
+    size_t bytes;
+    QT_TRY(bnb4_read(st, dir, t, shape[0], shape[1], &q4, &bytes));
+    qt_free(q4);
+    if (!fill)
+        return QT_ERR(QT_EUNSUPPORTED, "%s is a bitsandbytes 4-bit folder, and this writer has no dequantizing "
+                      "source for %s; use qtune export, which writes it dequantized", dir, t->name);
     return QT_OK;
 }
 
@@ -586,14 +597,17 @@ int gguf_export_model(const char *model_dir, const char *out, const gguf_export_
         char gname[GGUF_MAX_NAME + 1];
         int heads;
         rc = qt_weight_spec_at(&cfg, i, &spec);
-        if (rc == QT_OK) rc = st_expect(st, spec.name, spec.ndim, spec.shape, &t);
+        st_fill_fn fill = NULL;
+        void *ctx = NULL;
+        if (rc == QT_OK && o->source) o->source(o->source_ctx, spec.name, &fill, &ctx);
+        /* a bitsandbytes 4-bit weight: its values come dequantized from the source (qtune export sets one) */
+        if (rc == QT_OK && cfg.prequant4 && (t = st_find(st, spec.name)) && bnb4_is_weight(st, t) && spec.ndim == 2)
+            rc = q4_expect(model_dir, st, t, spec.shape, fill);
+        else if (rc == QT_OK) rc = st_expect(st, spec.name, spec.ndim, spec.shape, &t);
         if (rc == QT_OK)
             rc = gguf_tensor_name((int)cfg.arch, spec.name, cfg.num_attention_heads, cfg.num_key_value_heads, gname,
                                   sizeof gname, &heads);
         if (rc != QT_OK) break;
-        st_fill_fn fill = NULL;
-        void *ctx = NULL;
-        if (o->source) o->source(o->source_ctx, spec.name, &fill, &ctx);
         if (!fill) fill = stored_fill, ctx = (void *)t;
         if (heads) {
             perm[i] = (permute_ctx){fill, ctx, (size_t)cfg.head_dim, spec.ndim == 2 ? (size_t)spec.shape[1] : 1};

@@ -26,6 +26,7 @@
 #include "core/mem.h"
 #include "core/rng.h"
 #include "core/quant4.h"
+#include "io/bnb4.h"
 #include "model/model_internal.h"
 #include "model/params_io.h"
 #include "model/precision.h"
@@ -241,102 +242,29 @@ static int quant_matrix(qt_model *m, const st_tensor *t, int64_t d0, int64_t d1,
     return rc;
 }
 
-/* One component of a pre-quantized weight, NAME.SUFFIX: present, of dtype dt
- * and n elements, else a sentence naming it. */
-static int prequant_part(qt_model *m, const char *name, const char *suffix, qt_dtype dt, size_t n,
-                         const st_tensor **out) {
-    char full[256];
-    snprintf(full, sizeof full, "%s.%s", name, suffix);
-    const st_tensor *t = st_find(m->st, full);
-    if (!t)
-        return QT_ERR(QT_EFORMAT, "%s: the 4-bit weight %s has no %s; the folder is incomplete, re-download or "
-                                  "re-save it", m->dir, name, full);
-    if (t->dtype != dt || t->numel != n)
-        return QT_ERR(QT_EFORMAT, "%s: %s is %s with %zu elements, but %s (%s) needs %s with %zu; the folder does not "
-                                  "match its quant_state, re-save it", m->dir, full, qt_dtype_name(t->dtype), t->numel,
-                      name, suffix, qt_dtype_name(dt), n);
-    *out = t;
-    return QT_OK;
-}
-
-/* A layer matrix stored 4-bit as transformers saves bitsandbytes' Linear4bit:
- * NAME (U8, the packed codes), NAME.absmax, NAME.quant_map, with double
- * quantization NAME.nested_absmax and NAME.nested_quant_map, and
- * NAME.quant_state.bitsandbytes__nf4|fp4 (U8: JSON of quant_type,
- * blocksize, dtype, shape, nested_blocksize, nested_offset). Every size is
- * checked against the quant_state and the model's shape, then the parts are
- * copied into one block as quant_matrix builds it. */
+/* A layer matrix stored 4-bit as transformers saves bitsandbytes' Linear4bit
+ * (io/bnb4.h): every size checked against its quant_state and the model's
+ * shape, the parts copied into one block as quant_matrix builds it. */
 static int prequant_matrix(qt_model *m, const st_tensor *t, const char *name, int64_t d0, int64_t d1, qt_wref *w) {
-    char key[256], json[1024];
-    const char *type = NULL;
-    const st_tensor *qs = NULL;
-    for (int k = 0; k < 2 && !qs; k++) {
-        snprintf(key, sizeof key, "%s.quant_state.bitsandbytes__%s", name, k ? "fp4" : "nf4");
-        if ((qs = st_find(m->st, key))) type = k ? "fp4" : "nf4";
-    }
-    if (!qs || qs->dtype != QT_U8 || qs->numel >= sizeof json)
-        return QT_ERR(QT_EFORMAT, "%s: %s is stored as bytes but has no quant_state.bitsandbytes__nf4 or __fp4 "
-                                  "beside it; qtune reads bitsandbytes 4-bit weights in transformers' layout only",
-                      m->dir, name);
-    memcpy(json, qs->data, qs->numel);
-    json[qs->numel] = 0;
-    cJSON *j = cJSON_Parse(json);
-    const cJSON *qt = cJSON_GetObjectItemCaseSensitive(j, "quant_type"), *bs = cJSON_GetObjectItemCaseSensitive(j, "blocksize"),
-                *dt = cJSON_GetObjectItemCaseSensitive(j, "dtype"), *sh = cJSON_GetObjectItemCaseSensitive(j, "shape"),
-                *nb = cJSON_GetObjectItemCaseSensitive(j, "nested_blocksize"),
-                *off = cJSON_GetObjectItemCaseSensitive(j, "nested_offset");
-    qt_dtype sdt = QT_F32;
-    int ok = j && cJSON_IsString(qt) && !strcmp(qt->valuestring, type) && cJSON_IsNumber(bs) && cJSON_IsString(dt) &&
-             qt_dtype_parse(dt->valuestring, &sdt) == QT_OK && cJSON_IsArray(sh) && cJSON_GetArraySize(sh) == 2 &&
-             cJSON_GetArrayItem(sh, 0)->valuedouble == (double)d0 && cJSON_GetArrayItem(sh, 1)->valuedouble == (double)d1;
-    const int blocksize = ok ? (int)bs->valuedouble : 0, nested = nb != NULL;
-    ok = ok && blocksize >= 16 && blocksize <= 4096 && !(blocksize & (blocksize - 1)) &&
-         (!nested || (cJSON_IsNumber(nb) && nb->valuedouble == QT_Q4_BLOCK2 && cJSON_IsNumber(off)));
-    const float offset = ok && nested ? (float)off->valuedouble : 0.0f;
-    if (!ok) qt_error_clear();
-    cJSON_Delete(j);
-    if (!ok)
-        return QT_ERR(QT_EFORMAT, "%s: %s's quant_state (%s) is not a %s weight of shape [%lld, %lld] with a power-of-two "
-                                  "blocksize (and nested_blocksize 256 with a nested_offset); the folder lies about "
-                                  "its tensors, re-save it", m->dir, name, key, type, (long long)d0, (long long)d1);
-    const size_t n = (size_t)d0 * (size_t)d1, nbk = (n + (size_t)blocksize - 1) / (size_t)blocksize;
-    const st_tensor *am, *qm, *nam = NULL, *nqm = NULL;
-    if (t->numel != (n + 1) / 2)
-        return QT_ERR(QT_EFORMAT, "%s: %s holds %zu bytes of 4-bit codes but its shape [%lld, %lld] needs %zu; the "
-                                  "folder lies about its tensors, re-save it", m->dir, name, t->numel, (long long)d0,
-                      (long long)d1, (n + 1) / 2);
-    QT_TRY(prequant_part(m, name, "absmax", nested ? QT_U8 : QT_F32, nbk, &am));
-    QT_TRY(prequant_part(m, name, "quant_map", QT_F32, 16, &qm));
-    if (nested) {
-        QT_TRY(prequant_part(m, name, "nested_absmax", QT_F32, (nbk + QT_Q4_BLOCK2 - 1) / QT_Q4_BLOCK2, &nam));
-        QT_TRY(prequant_part(m, name, "nested_quant_map", QT_F32, 256, &nqm));
-    }
+    qt_q4_weight *stage;
+    size_t bytes;
+    (void)name;
+    QT_TRY(bnb4_read(m->st, m->dir, t, d0, d1, &stage, &bytes));
     /* dequantized values round to the weight's own dtype (quant_state.dtype); training in f16/bf16 they would
      * then be rounded again to the compute dtype, which qtune does not do: refused where the two differ */
-    const qt_dtype cd = m->opts.compute;
+    const qt_dtype cd = m->opts.compute, sdt = (qt_dtype)stage->dtype;
+    int rc = QT_OK;
     if (!m->infer && cd != QT_F32 && sdt != cd)
-        return QT_ERR(QT_EUNSUPPORTED, "%s: its 4-bit weights dequantize to %s (quant_state dtype) but the run computes "
-                                       "in %s; set the DeepSpeed config's precision to %s", m->dir, qt_dtype_name(sdt),
-                      qt_dtype_name(cd), qt_dtype_name(sdt));
+        rc = QT_ERR(QT_EUNSUPPORTED, "%s: its 4-bit weights dequantize to %s (quant_state dtype) but the run computes "
+                                     "in %s; set the DeepSpeed config's precision to %s", m->dir, qt_dtype_name(sdt),
+                    qt_dtype_name(cd), qt_dtype_name(sdt));
     qt_backend *be = m->be;
-    const size_t bytes = qt_q4_bytes((uint64_t)d0, (uint64_t)d1, blocksize, nested);
-    qt_q4_weight *stage = qt_calloc(1, bytes, "model: 4-bit staging");
-    if (!stage) return QT_ENOMEM;
-    qt_q4_init(stage, !strcmp(type, "fp4") ? QT_Q4_FP4 : QT_Q4_NF4, sdt, (uint64_t)d0, (uint64_t)d1, blocksize, nested);
-    memcpy(qt_q4_packed(stage), t->data, t->numel);
-    memcpy(qt_q4_absmax(stage), am->data, am->nbytes);
-    memcpy(stage->code, qm->data, sizeof stage->code); /* the folder's own maps: bitsandbytes reads them so */
-    if (nested) {
-        memcpy(qt_q4_absmax2(stage), nam->data, nam->nbytes);
-        memcpy(stage->code2, nqm->data, sizeof stage->code2);
-        stage->offset = offset;
-    }
-    void *dev = be->alloc(be, QT_MEM_DEVICE, bytes, name);
-    int rc = dev ? own(m, dev) : QT_ENOMEM;
+    void *dev = rc == QT_OK ? be->alloc(be, QT_MEM_DEVICE, bytes, t->name) : NULL;
+    if (rc == QT_OK) rc = dev ? own(m, dev) : QT_ENOMEM;
     if (rc == QT_OK) {
         be->upload(be, dev, stage, bytes);
         m->quant_bytes += bytes;
-        m->quant_src_bytes += n * qt_dtype_size(sdt);
+        m->quant_src_bytes += (size_t)d0 * (size_t)d1 * qt_dtype_size(sdt);
         qt_progress_set(&m->quant_prog, ++m->quant_done);
         w->p = dev;
         w->dt = QT_Q4;

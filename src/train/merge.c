@@ -14,12 +14,14 @@
 #include "core/progress.h"
 #include "io/hf_config.h"
 #include "io/model_folder.h"
+#include "io/bnb4.h"
 #include "io/peft.h"
 #include "io/safetensors.h"
 
 #include <cjson/cJSON.h>
 #include <dirent.h>
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,7 +41,32 @@ typedef struct {
     float *tmp;  /* (in) one row of B @ A */
     float scaling;
     int r;
+    int64_t rows, cols; /* W's shape: w's, or a 4-bit W's quant_state's */
+    /* a bitsandbytes 4-bit base (io/bnb4.h): w holds W's packed codes, and W is its dequantization, read
+     * into q4 at the first fill and freed after the last (one weight's 4-bit block held at a time) */
+    int q4w;
+    qt_dtype q4_dtype; /* what the 4-bit values dequantize to (quant_state.dtype) */
+    st_file *st;
+    const char *dir;
+    qt_q4_weight *q4;
 } merge_item;
+
+/* Elements [off, off + n) of the base weight W as f32: as stored, or the
+ * 4-bit weight dequantized as bitsandbytes' dequantize_4bit returns it. */
+static int base_fill(merge_item *m, float *dst, size_t off, size_t n) {
+    if (!m->q4w) {
+        qt_convert_to_f32(dst, (const char *)m->w->data + off * qt_dtype_size(m->w->dtype), m->w->dtype, n);
+        return QT_OK;
+    }
+    size_t bytes;
+    if (!m->q4) QT_TRY(bnb4_read(m->st, m->dir, m->w, m->rows, m->cols, &m->q4, &bytes));
+    qt_q4_dequantize(m->q4, off, off + n, dst);
+    if (off + n == (size_t)m->rows * (size_t)m->cols) {
+        qt_free(m->q4);
+        m->q4 = NULL;
+    }
+    return QT_OK;
+}
 
 /* Fills merged elements [off, off + n) of W' in row-major order. */
 static int merge_fill(void *ctx, float *dst, size_t off, size_t n) {
@@ -48,8 +75,9 @@ static int merge_fill(void *ctx, float *dst, size_t off, size_t n) {
         qt_convert_to_f32(dst, (const char *)m->full->data + off * qt_dtype_size(m->full->dtype), m->full->dtype, n);
         return QT_OK;
     }
-    const size_t in = (size_t)m->w->shape[1], es = qt_dtype_size(m->w->dtype);
-    qt_convert_to_f32(dst, (const char *)m->w->data + off * es, m->w->dtype, n);
+    const size_t in = (size_t)m->cols;
+    QT_TRY(base_fill(m, dst, off, n));
+    if (!m->a) return QT_OK; /* a 4-bit weight the adapter leaves alone: dequantized only */
     size_t e = off, end = off + n;
     while (e < end) {
         size_t i = e / in, j0 = e % in, j1 = in;
@@ -72,12 +100,12 @@ static int merge_fill(void *ctx, float *dst, size_t off, size_t n) {
  * transformers up to 4.55 writes "torch_dtype", later ones "dtype" (and read
  * either): each one present is set, and torch_dtype is added when neither is,
  * so no loader finds the input model's dtype in the merged folder. */
-static int copy_side_files(const char *src, const char *dst, int out_dtype, int untie) {
+static int copy_side_files(const char *src, const char *dst, int out_dtype, int untie, int dequant) {
     QT_TRY(qt_model_copy_side_files(src, dst));
     char s[4096], d[4096];
     QT_TRY(qt_path_join(s, sizeof s, src, "config.json"));
     QT_TRY(qt_path_join(d, sizeof d, dst, "config.json"));
-    if (out_dtype < 0 && !untie) return qt_copy_file(s, d);
+    if (out_dtype < 0 && !untie && !dequant) return qt_copy_file(s, d);
     char *text;
     QT_TRY(qt_read_file(s, 1 << 24, &text, NULL));
     cJSON *j = cJSON_Parse(text);
@@ -100,6 +128,8 @@ static int copy_side_files(const char *src, const char *dst, int out_dtype, int 
         cJSON_ReplaceItemInObjectCaseSensitive(j, "tie_word_embeddings", cJSON_CreateFalse());
     else if (untie)
         cJSON_AddFalseToObject(j, "tie_word_embeddings");
+    /* the 4-bit weights were written dequantized: no loader may read them as bitsandbytes' */
+    if (dequant) cJSON_DeleteItemFromObjectCaseSensitive(j, "quantization_config");
     char *out = cJSON_Print(j);
     cJSON_Delete(j);
     if (!out) return QT_ERR(QT_ENOMEM, "out of memory writing %s", d);
@@ -155,6 +185,23 @@ static int saved_item(const char *model_dir, const char *adapter_dir, const peft
     return 1;
 }
 
+/* The shape of item m's weight: as stored, or for a 4-bit weight of a
+ * bitsandbytes folder its quant_state's (the whole block read once here, so
+ * a folder that lies is refused before anything is written). */
+static int item_shape(const char *model_dir, st_file *base, merge_item *m) {
+    const st_tensor *w = m->w;
+    m->rows = w->shape[0], m->cols = w->ndim > 1 ? w->shape[1] : 1;
+    if (!bnb4_is_weight(base, w)) return QT_OK;
+    qt_q4_weight *q4;
+    size_t bytes;
+    QT_TRY(bnb4_read(base, model_dir, w, -1, -1, &q4, &bytes));
+    m->q4w = 1;
+    m->rows = (int64_t)q4->rows, m->cols = (int64_t)q4->cols, m->q4_dtype = (qt_dtype)q4->dtype;
+    m->st = base, m->dir = model_dir;
+    qt_free(q4);
+    return QT_OK;
+}
+
 static int pair_items(const char *model_dir, const char *adapter_dir, const peft_config *pc, st_file *base,
                       st_file *ad, merge_item *items, int *n_items, int tied, const st_tensor **lm_head_new) {
     const int na = st_count(ad);
@@ -206,19 +253,20 @@ static int pair_items(const char *model_dir, const char *adapter_dir, const peft
         if (!m->a || !m->b)
             return QT_ERR(QT_EFORMAT, "%s: %s has a lora_%s but no lora_%s", adapter_dir, w->name, m->a ? "A" : "B",
                           m->a ? "B" : "A");
+        QT_TRY(item_shape(model_dir, base, m));
         if (w->ndim != 2 || m->a->ndim != 2 || m->b->ndim != 2 || m->a->shape[0] != pc->r || m->b->shape[1] != pc->r ||
-            m->a->shape[1] != w->shape[1] || m->b->shape[0] != w->shape[0])
+            m->a->shape[1] != m->cols || m->b->shape[0] != m->rows)
             return QT_ERR(QT_EFORMAT,
                           "%s: the LoRA of %s has A [%lld, %lld] and B [%lld, %lld], which do not fit the weight "
                           "[%lld, %lld] with r = %d",
                           adapter_dir, w->name, (long long)m->a->shape[0], (long long)m->a->shape[1],
-                          (long long)m->b->shape[0], (long long)m->b->shape[1], (long long)w->shape[0],
-                          (long long)(w->ndim > 1 ? w->shape[1] : 0), pc->r);
+                          (long long)m->b->shape[0], (long long)m->b->shape[1], (long long)m->rows,
+                          (long long)m->cols, pc->r);
         m->r = pc->r;
         m->scaling = peft_scaling(pc);
         m->af = qt_malloc(m->a->numel * sizeof(float), "LoRA A");
         m->bf = qt_malloc(m->b->numel * sizeof(float), "LoRA B");
-        m->tmp = qt_malloc((size_t)w->shape[1] * sizeof(float), "merge row");
+        m->tmp = qt_malloc((size_t)m->cols * sizeof(float), "merge row");
         if (!m->af || !m->bf || !m->tmp) return QT_ENOMEM;
         QT_TRY(st_read_f32(m->a, m->af));
         QT_TRY(st_read_f32(m->b, m->bf));
@@ -265,6 +313,9 @@ static void warn_unadapted(const char *adapter_dir, const peft_config *pc, st_fi
                 missing == 1 ? "" : "s", first, missing == 1 ? "it is" : "they are", missing == 1 ? "it" : "them");
 }
 
+struct qt_merge_set;
+static int dequant_items(const char *model_dir, st_file *base, struct qt_merge_set *s);
+
 struct qt_merge_set {
     st_file *ad;
     merge_item *items;
@@ -275,7 +326,38 @@ struct qt_merge_set {
     int untie;
     merge_item lm_head;
     qt_dtype lm_head_dtype; /* the tied embedding's: a new lm_head is stored as the model stores it */
+    /* a bitsandbytes 4-bit base: every 4-bit weight is an item (dequantized, with its LoRA when it has one),
+     * written as dq_dtype unless told otherwise; the first one's quant type says what the base was */
+    int dequant, dq_count;
+    qt_dtype dq_dtype;
+    int dq_type, dq_nested;
 };
+
+/* A bitsandbytes 4-bit base: each 4-bit weight the adapter leaves alone
+ * becomes an item too (dequantized only), so the writers see a 16-bit model. */
+static int dequant_items(const char *model_dir, st_file *base, qt_merge_set *s) {
+    s->dequant = 1;
+    for (int i = 0; i < st_count(base); i++) {
+        const st_tensor *t = st_at(base, i);
+        if (!bnb4_is_weight(base, t)) continue;
+        int k = 0;
+        while (k < s->n_items && s->items[k].w != t) k++;
+        merge_item *m = &s->items[k];
+        if (k == s->n_items) {
+            m->w = t;
+            s->n_items++;
+            QT_TRY(item_shape(model_dir, base, m));
+        }
+        qt_q4_weight *q4;
+        size_t bytes;
+        if (!s->dq_count++) { /* the first one's header says what the base is */
+            QT_TRY(bnb4_read(base, model_dir, t, m->rows, m->cols, &q4, &bytes));
+            s->dq_dtype = (qt_dtype)q4->dtype, s->dq_type = (int)q4->type, s->dq_nested = (int)q4->nested;
+            qt_free(q4);
+        }
+    }
+    return QT_OK;
+}
 
 /* 1 when the adapter holds a trained copy of the tied embedding or lm_head
  * (modules_to_save): only then do the two differ. A saved module elsewhere
@@ -294,6 +376,7 @@ void qt_merge_set_free(qt_merge_set *s) {
         qt_free(s->items[k].af);
         qt_free(s->items[k].bf);
         qt_free(s->items[k].tmp);
+        qt_free(s->items[k].q4);
     }
     qt_free(s->items);
     st_close(s->ad);
@@ -305,23 +388,22 @@ int qt_merge_set_open(const char *model_dir, const char *adapter_dir, st_file *b
     qt_merge_set *s = qt_calloc(1, sizeof *s, "merge list");
     if (!s) return QT_ENOMEM;
     peft_config pc;
-    int rc = peft_config_load(adapter_dir, &pc);
-    if (rc == QT_OK) rc = peft_open_weights(adapter_dir, &s->ad);
+    memset(&pc, 0, sizeof pc);
+    int rc = adapter_dir ? peft_config_load(adapter_dir, &pc) : QT_OK; /* NULL: a 4-bit base dequantized alone */
+    if (rc == QT_OK && adapter_dir) rc = peft_open_weights(adapter_dir, &s->ad);
     if (rc == QT_OK) {
-        s->items = qt_calloc((size_t)(st_count(s->ad) > 0 ? st_count(s->ad) : 1), sizeof *s->items, "merge list");
+        s->items = qt_calloc((size_t)(s->ad ? st_count(s->ad) : 0) + (size_t)st_count(base) + 1, sizeof *s->items,
+                             "merge list");
         if (!s->items) rc = QT_ENOMEM;
     }
     qt_config cfg;
     if (rc == QT_OK) rc = qt_config_load(model_dir, &cfg);
-    if (rc == QT_OK && cfg.prequant4)
-        rc = QT_ERR(QT_EUNSUPPORTED, "%s is a bitsandbytes 4-bit folder (quantization_config); qtune merges into "
-                                     "16-bit weights only: give --model the 16-bit folder the 4-bit one was made from",
-                    model_dir);
     const st_tensor *lm_new = NULL;
-    if (rc == QT_OK)
+    if (rc == QT_OK && s->ad)
         rc = pair_items(model_dir, adapter_dir, &pc, base, s->ad, s->items, &s->n_items, cfg.tie_word_embeddings,
                         &lm_new);
-    if (rc == QT_OK) warn_unadapted(adapter_dir, &pc, base, s->items, s->n_items, qt_config_layout(&cfg)->embed);
+    if (rc == QT_OK && s->ad) warn_unadapted(adapter_dir, &pc, base, s->items, s->n_items, qt_config_layout(&cfg)->embed);
+    if (rc == QT_OK && cfg.prequant4) rc = dequant_items(model_dir, base, s);
     char emb[160];
     const st_tensor *emb_w = NULL, *lm_w = st_find(base, "lm_head.weight"); /* a tied file may hold one */
     if (rc == QT_OK && cfg.tie_word_embeddings) {
@@ -342,7 +424,7 @@ int qt_merge_set_open(const char *model_dir, const char *adapter_dir, st_file *b
         qt_merge_set_free(s);
         return rc;
     }
-    s->scaling = peft_scaling(&pc);
+    s->scaling = adapter_dir ? peft_scaling(&pc) : 0.0f;
     *out = s;
     return QT_OK;
 }
@@ -362,8 +444,13 @@ void qt_merge_set_lookup(qt_merge_set *s, const char *name, st_fill_fn *fill, vo
 }
 
 int qt_merge_set_unties(const qt_merge_set *s) { return s->untie; }
+int qt_merge_set_dequantizes(const qt_merge_set *s) { return s->dequant ? s->dq_count : 0; }
 
-int qt_merge_set_count(const qt_merge_set *s) { return s->n_items; }
+int qt_merge_set_count(const qt_merge_set *s) {
+    int n = 0;
+    for (int k = 0; k < s->n_items; k++) n += s->items[k].a || s->items[k].full;
+    return n;
+}
 float qt_merge_set_scaling(const qt_merge_set *s) { return s->scaling; }
 
 /* Writes the whole merged folder into stage. */
@@ -381,8 +468,13 @@ static int write_stage(const char *model_dir, const char *stage, st_file *base, 
         qt_dtype dt = out_dtype < 0 ? t->dtype : (qt_dtype)out_dtype;
         st_fill_fn fill;
         void *ctx;
+        if (set->dequant && bnb4_is_part(t->name)) continue; /* absmax, quant_map, ...: the weight is 16-bit now */
         qt_merge_set_lookup(set, t->name, &fill, &ctx);
-        if (fill) rc = st_writer_add_fn(wr, t->name, dt, t->ndim, t->shape, fill, ctx);
+        const merge_item *m = ctx;
+        if (fill && m->q4w) { /* a 4-bit weight: written in its own shape, as the dtype it dequantizes to */
+            const int64_t shape[2] = {m->rows, m->cols};
+            rc = st_writer_add_fn(wr, t->name, out_dtype < 0 ? m->q4_dtype : (qt_dtype)out_dtype, 2, shape, fill, ctx);
+        } else if (fill) rc = st_writer_add_fn(wr, t->name, dt, t->ndim, t->shape, fill, ctx);
         else rc = st_writer_add(wr, t->name, dt, t->ndim, t->shape, t->data, t->dtype);
     }
     /* untied from a tied base that held no lm_head.weight: it is written now */
@@ -401,7 +493,9 @@ static int write_stage(const char *model_dir, const char *stage, st_file *base, 
     if (rc == QT_OK) rc = st_writer_write(wr, path);
     qt_progress_end(prog);
     st_writer_free(wr);
-    if (rc == QT_OK) rc = copy_side_files(model_dir, stage, out_dtype, set->untie);
+    if (rc == QT_OK)
+        rc = copy_side_files(model_dir, stage, out_dtype < 0 && set->dequant ? (int)set->dq_dtype : out_dtype, set->untie,
+                             set->dequant);
     return rc;
 }
 
@@ -474,14 +568,110 @@ int qt_merge_stage_path(const char *out_dir, char *stage, size_t stage_cap, char
 
 int qt_merge_adapter(const char *model_dir, const char *adapter_dir, const char *out_dir, int out_dtype,
                      volatile sig_atomic_t *stop) {
-    return qt_merge_adapter_progress(model_dir, adapter_dir, out_dir, out_dtype, stop, NULL);
+    return qt_merge_adapter_progress(model_dir, NULL, adapter_dir, out_dir, out_dtype, stop, NULL);
 }
 
-int qt_merge_adapter_progress(const char *model_dir, const char *adapter_dir, const char *out_dir, int out_dtype,
-                              volatile sig_atomic_t *stop, qt_progress *prog) {
+#define ORIGIN_HINT "give the folder it was quantized from, or leave --base16 out to merge into its dequantized weights"
+
+/* Whether dir16 is the 16-bit folder the bitsandbytes folder bnb_dir was
+ * made from: each 4-bit weight's tensor there has its shape and quantizes
+ * (bnb_dir's type and blocksize; bitsandbytes' own arithmetic, core/quant4.h)
+ * to the same codes, but for at most 1 in 1000 (a value on a rounding
+ * threshold that another copy of the weights, an f32 one, puts on the other
+ * side); every other tensor of bnb_dir is there with its shape and, stored
+ * in the same dtype, its bytes. *rel: ||W - dequant(W)|| / ||W|| over the
+ * 4-bit weights, the difference between the model the adapter was trained
+ * on and the one it is merged into; *mism: codes that differed. */
+static int check_origin(const char *bnb_dir, st_file *bnb, const char *dir16, st_file *b16, double *rel,
+                        size_t *mism) {
+    double dd = 0.0, ww = 0.0;
+    *mism = 0;
+    for (int i = 0; i < st_count(bnb); i++) {
+        const st_tensor *t = st_at(bnb, i), *u = st_find(b16, t->name);
+        if (bnb4_is_part(t->name)) continue;
+        const int q = bnb4_is_weight(bnb, t);
+        qt_q4_weight *q4 = NULL;
+        size_t bytes;
+        if (q) QT_TRY(bnb4_read(bnb, bnb_dir, t, -1, -1, &q4, &bytes));
+        const int64_t r = q ? (int64_t)q4->rows : t->shape[0], c = q ? (int64_t)q4->cols : t->ndim > 1 ? t->shape[1] : 1;
+        int rc = QT_OK;
+        if (!u)
+            rc = QT_ERR(QT_EINVAL, "--base16 %s has no %s, which %s holds: it is not the 16-bit folder %s was made from; "
+                        ORIGIN_HINT, dir16, t->name, bnb_dir, bnb_dir);
+        else if ((q ? u->ndim != 2 : u->ndim != t->ndim) || u->shape[0] != r || (u->ndim > 1 ? u->shape[1] : 1) != c)
+            rc = QT_ERR(QT_EINVAL, "--base16 %s: %s is [%lld, %lld] but %s's is [%lld, %lld]: it is not the 16-bit folder "
+                        "%s was made from; " ORIGIN_HINT, dir16, t->name, (long long)u->shape[0],
+                        (long long)(u->ndim > 1 ? u->shape[1] : 1), bnb_dir, (long long)r, (long long)c, bnb_dir);
+        else if (!q && u->dtype == t->dtype && memcmp(u->data, t->data, t->nbytes))
+            rc = QT_ERR(QT_EINVAL, "--base16 %s: %s holds other values than %s's (which 4-bit quantization leaves as "
+                        "they are): it is not the 16-bit folder %s was made from; " ORIGIN_HINT, dir16, t->name,
+                        bnb_dir, bnb_dir);
+        if (rc != QT_OK || !q) {
+            qt_free(q4);
+            if (rc != QT_OK) return rc;
+            continue;
+        }
+        const size_t n = (size_t)r * (size_t)c, nb = (n + q4->blocksize - 1) / q4->blocksize;
+        float *x = qt_malloc(n * sizeof(float), "merge: a 16-bit weight"), *dq = qt_malloc(n * sizeof(float), "merge: a "
+                                                                                            "dequantized weight");
+        float *am = qt_malloc(nb * sizeof(float), "merge: absmax");
+        uint8_t *codes = qt_malloc((n + 1) / 2, "merge: 4-bit codes");
+        rc = x && dq && am && codes ? st_read_f32(u, x) : QT_ENOMEM;
+        size_t bad = 0;
+        if (rc == QT_OK) {
+            qt_q4_quantize((qt_q4_type)q4->type, x, n, (int)q4->blocksize, codes, am);
+            const uint8_t *theirs = qt_q4_packed(q4);
+            for (size_t k = 0; k < (n + 1) / 2; k++)
+                bad += ((codes[k] ^ theirs[k]) & 0xf0) != 0, bad += (k * 2 + 1 < n) && ((codes[k] ^ theirs[k]) & 0x0f);
+            qt_q4_dequantize(q4, 0, n, dq);
+            for (size_t k = 0; k < n; k++) dd += ((double)x[k] - dq[k]) * ((double)x[k] - dq[k]), ww += (double)x[k] * x[k];
+        }
+        if (rc == QT_OK && bad * 1000 > n)
+            rc = QT_ERR(QT_EINVAL, "--base16 %s: %s quantizes (%s, blocks of %u) to codes that differ from %s's in "
+                        "%.1f%% of its values: it is not the 16-bit folder %s was made from; " ORIGIN_HINT, dir16,
+                        t->name, qt_q4_type_name((qt_q4_type)q4->type), q4->blocksize, bnb_dir, 100.0 * (double)bad / (double)n,
+                        bnb_dir);
+        *mism += bad;
+        qt_free(x);
+        qt_free(dq);
+        qt_free(am);
+        qt_free(codes);
+        qt_free(q4);
+        if (rc != QT_OK) return rc;
+    }
+    *rel = ww > 0 ? sqrt(dd / ww) : 0.0;
+    return QT_OK;
+}
+
+int qt_merge_adapter_progress(const char *model_dir, const char *base16, const char *adapter_dir, const char *out_dir,
+                              int out_dtype, volatile sig_atomic_t *stop, qt_progress *prog) {
     st_file *base = NULL;
     qt_merge_set *set = NULL;
+    double rel = 0.0;
+    size_t mism = 0;
+    char bnb_desc[64] = "";
     QT_TRY(qt_merge_open_model(model_dir, &base));
+    if (base16) { /* checked against the 4-bit folder, then merged into as any 16-bit base */
+        qt_config cfg;
+        st_file *b16 = NULL;
+        int rc = qt_config_load(model_dir, &cfg);
+        if (rc == QT_OK && !cfg.prequant4)
+            rc = QT_ERR(QT_EINVAL, "--base16 names the 16-bit origin of a bitsandbytes 4-bit --model, but %s is no "
+                        "4-bit folder (no quantization_config); merge into it without --base16", model_dir);
+        if (rc == QT_OK) rc = qt_merge_open_model(base16, &b16);
+        if (rc == QT_OK) rc = check_origin(model_dir, base, base16, b16, &rel, &mism);
+        if (rc == QT_OK)
+            snprintf(bnb_desc, sizeof bnb_desc, "%s%s", cfg.prequant4_type ? "fp4" : "nf4",
+                     cfg.prequant4_nested ? ", double-quantized" : "");
+        st_close(base);
+        base = b16;
+        if (rc != QT_OK) {
+            st_close(base);
+            return rc;
+        }
+    }
+    const char *bnb_dir = model_dir;
+    if (base16) model_dir = base16;
     char out[4096], stage[4200], top[4200];
     int rc = QT_OK;
     size_t n = strlen(out_dir);
@@ -526,6 +716,19 @@ int qt_merge_adapter_progress(const char *model_dir, const char *adapter_dir, co
                 (double)qt_merge_set_scaling(set), out_dir,
                 set->untie ? "; modules_to_save on a tied model: its embedding and lm_head are now separate "
                              "(tie_word_embeddings false)" : "");
+    /* which weights the adapter went into, and how they differ from the ones it was trained on */
+    if (rc == QT_OK && set->dequant)
+        qt_info("merged into the dequantized 4-bit weights of %s (%s%s, %d weights written as %s): the weights the "
+                "adapter was trained on, with their 4-bit rounding; to merge into the original 16-bit weights instead "
+                "(which differ from these by that rounding, about 10%% of each weight's norm for nf4), add --base16 "
+                "and the folder %s was quantized from", bnb_dir, set->dq_type ? "fp4" : "nf4",
+                set->dq_nested ? ", double-quantized" : "", set->dq_count,
+                qt_dtype_name(out_dtype < 0 ? set->dq_dtype : (qt_dtype)out_dtype), bnb_dir);
+    if (rc == QT_OK && base16)
+        qt_info("merged into the original 16-bit weights of %s, checked to be what %s was quantized from (%s; %zu of "
+                "the 4-bit codes differ); the adapter was trained on the 4-bit weights, which differ from these by "
+                "%.3g%% of their norm (||W - dequant(W)|| / ||W||): the merged model is the original base plus the "
+                "adapter, as PEFT's merge into the 16-bit base gives", base16, bnb_dir, bnb_desc, mism, 100.0 * rel);
     qt_merge_set_free(set);
     st_close(base);
     return rc;

@@ -23,9 +23,16 @@
  * is left as it was and nothing else remains. */
 int qt_merge_adapter(const char *model_dir, const char *adapter_dir, const char *out_dir, int out_dtype,
                      volatile sig_atomic_t *stop);
-/* The same, reporting MB written into prog (core/progress.h; NULL: silent). */
-int qt_merge_adapter_progress(const char *model_dir, const char *adapter_dir, const char *out_dir, int out_dtype,
-                              volatile sig_atomic_t *stop, qt_progress *prog);
+/* The same, reporting MB written into prog (core/progress.h; NULL: silent).
+ * model_dir may be a bitsandbytes 4-bit folder (io/bnb4.h): the adapter is
+ * merged into its dequantized weights (dequantize_4bit's values, + B A *
+ * scaling in fp32), written as the dtype they dequantize to (quant_state
+ * dtype) or out_dtype, without quantization_config; or, with base16 (NULL:
+ * none), into the 16-bit folder it was made from, checked first (every
+ * tensor's shape, the 4-bit codes its weights quantize to, the other
+ * tensors' bytes). An info line says which, and how far the two differ. */
+int qt_merge_adapter_progress(const char *model_dir, const char *base16, const char *adapter_dir, const char *out_dir,
+                              int out_dtype, volatile sig_atomic_t *stop, qt_progress *prog);
 /* Where the merge into out_dir stages its files (OUT.tmp.PID beside a new
  * OUT, OUT/.qtune-merge.tmp.PID inside an existing one), and top, the highest
  * folder it will create for them (the stage, or the first missing parent of
@@ -54,6 +61,11 @@ int qt_merge_set_count(const qt_merge_set *s);  /* adapted weights (LoRA and mod
  * embedding was listed; in the embedding's dtype) and sets
  * tie_word_embeddings false in config.json. */
 int qt_merge_set_unties(const qt_merge_set *s);
+/* A bitsandbytes 4-bit base (io/bnb4.h): how many 4-bit weights the set
+ * dequantizes (each one's producer: dequantize_4bit's values, plus B A *
+ * scaling where the adapter has a LoRA for it), else 0. adapter_dir may be
+ * NULL for such a base: the producers then dequantize only. */
+int qt_merge_set_dequantizes(const qt_merge_set *s);
 float qt_merge_set_scaling(const qt_merge_set *s);
 void qt_merge_set_free(qt_merge_set *s);
 

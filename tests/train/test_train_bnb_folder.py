@@ -1,7 +1,7 @@
 """Pre-quantized folders (transformers' bitsandbytes 4-bit layout, made by tests/quant/bnb_folder.py): they
 load as they are; training on one equals training with the job's "quantization" on the 16-bit folder it came
 from, bit for bit (the same 4-bit blocks); eval and generate read them; a folder that lies is refused in one
-sentence."""
+sentence. merge and export: test_merge_qlora.py."""
 import json
 import os
 import sys
@@ -111,21 +111,3 @@ def test_a_lying_folder_is_refused(tmp_path, name):
     p = train(d, "bnb", "out", check=False)
     assert p.returncode != 0 and msg in p.stderr, p.stderr
     assert len([l for l in p.stderr.strip().splitlines() if "error" in l.lower()]) <= 1, p.stderr
-
-
-def test_merge_and_export_of_a_bnb_folder_are_refused(tmp_path):
-    """Not implemented yet: merging into (or exporting) the dequantized 4-bit weights. One sentence says to give
-    the 16-bit folder instead; an adapter trained on the 4-bit base merges into that as any adapter does."""
-    d = str(tmp_path)
-    model = init_model(os.path.join(d, "model"), "tiny")
-    bnb = bnb_folder.bnb_folder(model, os.path.join(d, "bnb"))
-    write_tokens(os.path.join(d, "train.jsonl"), 8, 16, seed=3)
-    train(d, "bnb", "out", steps=2)
-    ad = os.path.join(d, "out", "final")
-    for args in (["merge", "--model", bnb, "--adapter", ad, "--out", os.path.join(d, "merged")],
-                 ["export", "--model", bnb, "--adapter", ad, "--gguf", os.path.join(d, "m.gguf")]):
-        p = run(*args, check=False)
-        assert p.returncode != 0 and "give --model the 16-bit folder" in p.stderr, p.stderr
-        assert not os.path.exists(os.path.join(d, "merged")) and not os.path.exists(os.path.join(d, "m.gguf"))
-    run("merge", "--model", model, "--adapter", ad, "--out", os.path.join(d, "merged"))
-    assert os.path.exists(os.path.join(d, "merged", "model.safetensors"))
