@@ -215,9 +215,9 @@ static int import(qt_model *m, const st_tensor *t, const void **dev, const char 
  * compute dtype when training in f16/bf16, else the file's. */
 static int quant_matrix(qt_model *m, const st_tensor *t, int64_t d0, int64_t d1, qt_wref *w, const char *name) {
     qt_backend *be = m->be;
-    if (strcmp(be->desc->name, "cpu") && strcmp(be->desc->name, "guard"))
-        return QT_ERR(QT_EUNSUPPORTED, "a 4-bit base runs on the cpu backend only so far (not %s); use \"device\": "
-                                       "\"cpu\" or drop \"quantization\"", be->desc->name);
+    if (strcmp(be->desc->name, "cpu") && strcmp(be->desc->name, "guard") && strcmp(be->desc->name, "cuda"))
+        return QT_ERR(QT_EUNSUPPORTED, "a 4-bit base runs on the cpu and cuda backends only so far (not %s); use "
+                                       "\"device\": \"cpu\" or drop \"quantization\"", be->desc->name);
     const qt_dtype cd = m->opts.compute;
     const qt_dtype dt = !m->infer && cd != QT_F32 ? cd : t->dtype;
     const size_t bytes = qt_q4_bytes((uint64_t)d0, (uint64_t)d1, QT_Q4_BLOCK, m->opts.quant4_nested);

@@ -720,8 +720,8 @@ int qt_merge_adapter_progress(const char *model_dir, const char *base16, const c
     if (rc == QT_OK && set->dequant)
         qt_info("merged into the dequantized 4-bit weights of %s (%s%s, %d weights written as %s): the weights the "
                 "adapter was trained on, with their 4-bit rounding; to merge into the original 16-bit weights instead "
-                "(which differ from these by that rounding, about 10%% of each weight's norm for nf4), add --base16 "
-                "and the folder %s was quantized from", bnb_dir, set->dq_type ? "fp4" : "nf4",
+                "(they differ from these by that rounding, which it then measures), add --base16 and the folder %s "
+                "was quantized from", bnb_dir, set->dq_type ? "fp4" : "nf4",
                 set->dq_nested ? ", double-quantized" : "", set->dq_count,
                 qt_dtype_name(out_dtype < 0 ? set->dq_dtype : (qt_dtype)out_dtype), bnb_dir);
     if (rc == QT_OK && base16)

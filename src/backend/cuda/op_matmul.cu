@@ -5,10 +5,13 @@
  *   dinp (N, IN)  += dout @ W     ->  dinp^T = W' dout^T     ... cublas(N, N)
  *   dW (OUT, IN)  += dout^T @ inp ->  dW^T   = inp^T dout    ... cublas(N, T)
  * fp32 weights and activations run as fp32 SGEMM (no TF32: the reference
- * path); a bf16/f16 frozen weight is widened to fp32 in the workspace first.
+ * path); a bf16/f16 frozen weight is widened to fp32 in the workspace first,
+ * and a 4-bit one (QT_Q4, QLoRA's frozen base) dequantized there by
+ * quant4_kernels.cuh: the CPU's values bit for bit, then the same SGEMM.
  * The 16-bit forms (half_matmul, half_gemm: bf16 or f16 operands) run on the
  * tensor cores with fp32 accumulation (cublasGemmEx, CUBLAS_COMPUTE_32F). */
 #include "backend/cuda/cuda_internal.h"
+#include "backend/cuda/quant4_kernels.cuh"
 
 
 #define BE qt_backend *be
@@ -36,10 +39,20 @@ __global__ void k_colsum(float *part, const float *dout, int N, int OUT, int per
     part[(size_t)k * OUT + c] = acc;
 }
 
+/* W (rows, cols) as f32: itself, widened, or dequantized into ws (the
+ * workspace holds a whole weight on this backend: desc.c's matmul_ws_cap) */
+static const float *weight_f32(BE, const void *w, qt_dtype wdt, size_t rows, size_t cols, float *ws) {
+    if (wdt != QT_Q4) return qt_cuda_weight_f32(be, w, wdt, rows, cols, ws);
+    const size_t n = rows * cols;
+    k_q4_dequantize<<<qt_cuda_blocks(n), 256, 0, STREAM>>>(ws, (const qt_q4_weight *)w, n);
+    QT_CUDA_LAUNCHED();
+    return ws;
+}
+
 static void g_matmul_forward(BE, float *out, const float *inp, const void *w, qt_dtype wdt, const float *bias, int N,
                              int IN, int OUT, float alpha, int accumulate, float *ws) {
     if (N <= 0) return;
-    const float *W = qt_cuda_weight_f32(be, w, wdt, (size_t)OUT, (size_t)IN, ws);
+    const float *W = weight_f32(be, w, wdt, (size_t)OUT, (size_t)IN, ws);
     float beta = accumulate ? 1.0f : 0.0f;
     QT_CUBLAS(cublasSgemm(BLAS, CUBLAS_OP_T, CUBLAS_OP_N, OUT, N, IN, &alpha, W, IN, inp, IN, &beta, out, OUT));
     if (bias) add_bias(be, out, bias, N, OUT);
@@ -50,7 +63,7 @@ static void g_matmul_backward(BE, float *dinp, float *dw, float *db, const float
     if (N <= 0) return;
     const float one = 1.0f;
     if (dinp) {
-        const float *W = qt_cuda_weight_f32(be, w, wdt, (size_t)OUT, (size_t)IN, ws);
+        const float *W = weight_f32(be, w, wdt, (size_t)OUT, (size_t)IN, ws);
         QT_CUBLAS(cublasSgemm(BLAS, CUBLAS_OP_N, CUBLAS_OP_N, IN, N, OUT, &alpha, W, IN, dout, OUT, &one, dinp, IN));
     }
     if (dw)
@@ -112,7 +125,10 @@ extern "C" void qt_cuda_fill_matmul(qt_backend *be) {
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #define MV_NB 8
+/* a 4-bit weight is read as stored, half a byte a value (its block's absmax
+ * from cache): decode reads a quarter of the bytes of a bf16 base */
 __device__ __forceinline__ float mv_w(const void *w, qt_dtype wdt, size_t i) {
+    if (wdt == QT_Q4) return q4_value((const qt_q4_weight *)w, i);
     if (wdt == QT_BF16) return __bfloat162float(__ushort_as_bfloat16(((const unsigned short *)w)[i]));
     if (wdt == QT_F16) return __half2float(__ushort_as_half(((const unsigned short *)w)[i]));
     return ((const float *)w)[i];

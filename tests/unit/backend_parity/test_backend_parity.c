@@ -2,7 +2,8 @@
  * to both, each op runs on both, the results come down and are compared by
  * relative error (the largest absolute difference over the largest magnitude
  * of the CPU's result). Forward and backward, fp32, bf16 and f16 weights,
- * odd shapes (C, T, V not multiples of any block), packing masks and GQA.
+ * odd shapes (C, T, V not multiples of any block), packing masks and GQA;
+ * 4-bit weights (QT_Q4: NF4/FP4, double quantization, a row view).
  *
  * Tolerances: 2e-5 where only the summation order may differ (GEMMs,
  * attention, norms), 0 (exact) where both backends must compute the same
@@ -23,6 +24,7 @@
 #include "backend/backend.h"
 #include "core/error.h"
 #include "core/mem.h"
+#include "core/quant4.h"
 #include "core/rng.h"
 
 static qt_backend *cpu, *dev;
@@ -239,6 +241,82 @@ static void test_matvec_many(void **state) {
             for (int i = 0; i < 3; i++) drop(w[i]), drop(out[i]);
             drop(x), drop(b);
         }
+}
+
+/* A 4-bit weight (QT_Q4, QLoRA's frozen base) quantized on the host and uploaded to both as one block (its
+ * header's offsets count from itself), with a row view of each (the original Qwen's k and v in c_attn): every
+ * op that takes one (matmul forward, backward dinp, matvec, matvec_many) against the CPU. The dequantized
+ * values are the same bits on both (emu_quant4 holds the CUDA kernel's to the CPU's), so only the GEMM's
+ * summation order differs: TOL. */
+static pair up_q4(qt_q4_type t, int nested, qt_dtype dt, int rows, int cols) {
+    float *x = host_randn((size_t)rows * cols, 0.2f);
+    const size_t bytes = qt_q4_bytes((uint64_t)rows, (uint64_t)cols, QT_Q4_BLOCK, nested);
+    qt_q4_weight *w = qt_malloc(bytes, "test");
+    qt_q4_init(w, t, dt, (uint64_t)rows, (uint64_t)cols, QT_Q4_BLOCK, nested);
+    assert_int_equal(qt_q4_quantize_weight(w, x, QT_F32), QT_OK);
+    pair p = up(w, bytes);
+    qt_free(w), qt_free(x);
+    return p;
+}
+/* rows [r0, r0 + rows) of q as a view header on each side, pointing into that side's block */
+static pair up_q4_view(pair q, int r0, int rows) {
+    qt_q4_weight hdr, vc, vd;
+    cpu->download(cpu, &hdr, q.c, sizeof hdr);
+    pair v = up(NULL, sizeof hdr);
+    qt_q4_view(&hdr, q.c, v.c, (uint64_t)r0, (uint64_t)rows, &vc);
+    qt_q4_view(&hdr, q.d, v.d, (uint64_t)r0, (uint64_t)rows, &vd);
+    cpu->upload(cpu, v.c, &vc, sizeof vc);
+    dev->upload(dev, v.d, &vd, sizeof vd);
+    return v;
+}
+static void test_q4(void **state) {
+    (void)state;
+    const int N = 19, IN = 75, OUT = 43, VR0 = 10, VR = 21;
+    const struct { qt_q4_type t; int nested; qt_dtype dt; const char *name; } cases[] = {
+        {QT_Q4_NF4, 1, QT_BF16, "nf4 nested bf16"}, {QT_Q4_FP4, 0, QT_F32, "fp4 f32"}, {QT_Q4_NF4, 0, QT_F16, "nf4 f16"}};
+    for (int k = 0; k < 3; k++) {
+        pair full = up_q4(cases[k].t, cases[k].nested, cases[k].dt, OUT, IN), view = up_q4_view(full, VR0, VR);
+        for (int v = 0; v < 2; v++) {
+            const int O = v ? VR : OUT;
+            pair w = v ? view : full;
+            char what[96];
+            float *wc = ws_of(cpu, qt_be_matmul_ws_floats(cpu->desc, IN, O));
+            float *wd = ws_of(dev, qt_be_matmul_ws_floats(dev->desc, IN, O));
+            for (int acc = 0; acc < 2; acc++) {
+                pair x = up_randn((size_t)N * IN, 1.0f), b = up_randn(O, 1.0f), out = up_randn((size_t)N * O, 1.0f);
+                cpu->matmul_forward(cpu, out.c, x.c, w.c, QT_Q4, b.c, N, IN, O, 0.5f, acc, wc);
+                dev->matmul_forward(dev, out.d, x.d, w.d, QT_Q4, b.d, N, IN, O, 0.5f, acc, wd);
+                snprintf(what, sizeof what, "q4 %s%s matmul_forward%s", cases[k].name, v ? " view" : "",
+                         acc ? " accumulate" : "");
+                check(what, out, (size_t)N * O, TOL);
+                drop(x), drop(b), drop(out);
+            }
+            pair x = up_randn((size_t)N * IN, 1.0f), dout = up_randn((size_t)N * O, 1.0f);
+            pair dx = up_randn((size_t)N * IN, 1.0f), db = up_randn(O, 1.0f);
+            cpu->matmul_backward(cpu, dx.c, NULL, db.c, dout.c, x.c, w.c, QT_Q4, N, IN, O, 0.5f, wc);
+            dev->matmul_backward(dev, dx.d, NULL, db.d, dout.d, x.d, w.d, QT_Q4, N, IN, O, 0.5f, wd);
+            snprintf(what, sizeof what, "q4 %s%s matmul_backward dinp", cases[k].name, v ? " view" : "");
+            check(what, dx, (size_t)N * IN, TOL);
+            check("q4 matmul_backward dbias", db, O, TOL);
+            for (int n = 1; n <= 11; n += 10) { /* decode reads the 4-bit weight as stored */
+                pair out = up_randn((size_t)n * O, 1.0f), bb = up_randn(O, 1.0f);
+                cpu->matvec(cpu, out.c, x.c, w.c, QT_Q4, bb.c, n, IN, O, 0.5f, 1);
+                dev->matvec(dev, out.d, x.d, w.d, QT_Q4, bb.d, n, IN, O, 0.5f, 1);
+                snprintf(what, sizeof what, "q4 %s%s matvec N %d", cases[k].name, v ? " view" : "", n);
+                check(what, out, (size_t)n * O, TOL);
+                qt_matvec_out oc = {.out = out.c, .w = w.c, .wdt = QT_Q4, .bias = NULL, .OUT = O};
+                qt_matvec_out od = {.out = out.d, .w = w.d, .wdt = QT_Q4, .bias = NULL, .OUT = O};
+                cpu->matvec_many(cpu, x.c, n, IN, 1, &oc);
+                dev->matvec_many(dev, x.d, n, IN, 1, &od);
+                snprintf(what, sizeof what, "q4 %s%s matvec_many N %d", cases[k].name, v ? " view" : "", n);
+                check(what, out, (size_t)n * O, TOL);
+                drop(out), drop(bb);
+            }
+            cpu->free(cpu, wc), dev->free(dev, wd);
+            drop(x), drop(dout), drop(dx), drop(db);
+        }
+        drop(view), drop(full);
+    }
 }
 
 static void test_rope_swiglu(void **state) {
@@ -591,7 +669,7 @@ int main(int argc, char **argv) {
 #define T_(f) cmocka_unit_test_teardown(f, failed_checks)
         T_(test_embedding),   T_(test_rmsnorm),   T_(test_matmul),    T_(test_matvec),
         T_(test_rope_swiglu), T_(test_attention), T_(test_lmhead_ce), T_(test_precision_and_passes),
-        T_(test_half_gemm),   T_(test_matvec_many),
+        T_(test_half_gemm),   T_(test_matvec_many), T_(test_q4),
 #undef T_
     };
     int rc = cmocka_run_group_tests_name(dev_name, tests, NULL, NULL);
