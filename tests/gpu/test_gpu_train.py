@@ -201,3 +201,48 @@ def test_resume_across_backends(setup):
                           train_opts={"max_steps": 10, "save_steps": 5, "resume": "auto"})
         run_on(second, "train", j2)
         check_tensors(ref, final_tensors(out), "%s -> %s" % (first, second))
+
+
+@pytest.mark.parametrize("quant", [{"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True},
+                                   {"bnb_4bit_quant_type": "fp4", "bnb_4bit_use_double_quant": False}])
+def test_qlora_20_steps_match_cpu(setup, quant):
+    """QLoRA: the base quantized to 4 bits on load (bitsandbytes' NF4/FP4), 20 LoRA steps with dropout on
+    q/v/down_proj on the GPU against the CPU, fp32 compute. The GPU dequantizes each 4-bit weight into the
+    matmul workspace (src/backend/cuda/quant4_kernels.cuh: the CPU's values bit for bit, tests/unit/
+    backend_parity/emu_quant4.cpp) and runs the same fp32 SGEMM as for a 16-bit base, so only the summation
+    order differs: the bounds of test_20_steps_match_cpu. Then greedy generation from the 4-bit base (the
+    decode matvec reads the 4-bit weights as stored) gives the same ids on both, and eval of the bitsandbytes
+    folder made from the same model (the pre-quantized path) the same loss within 1e-5."""
+    d, model, data = setup
+    lora = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.1, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    tag = quant["bnb_4bit_quant_type"]
+    outs = {}
+    for be in ("cpu", GPU):
+        out = str(d / ("run-qlora-%s-%s" % (tag, be)))
+        job = tu.write_job(str(d / ("qlora-%s-%s.json" % (tag, be))), model, out, data, T=32, lora=lora,
+                           train_opts={"max_steps": 20, "save_steps": 0, "resume": "never"})
+        j = json.load(open(job))
+        j["quantization"] = dict({"load_in_4bit": True}, **quant)
+        json.dump(j, open(job, "w"))
+        run_on(be, "train", job)
+        outs[be] = out
+    lc = [m["loss"] for m in tu.step_lines(outs["cpu"])]
+    lg = [m["loss"] for m in tu.step_lines(outs[GPU])]
+    assert len(lc) == len(lg) == 20
+    worst = max(abs(a - b) / abs(a) for a, b in zip(lc, lg))
+    print("qlora %s: worst per-step loss difference %.3g relative" % (tag, worst))
+    assert worst <= 1e-4
+    check_tensors(final_tensors(outs["cpu"]), final_tensors(outs[GPU]), "qlora " + tag)
+    sys.path.insert(0, os.path.join(HERE, "..", "quant"))
+    import bnb_folder  # noqa: E402
+    bnb = str(d / ("bnb-%s" % tag))
+    if not os.path.exists(bnb):
+        bnb_folder.bnb_folder(model, bnb, tag, quant["bnb_4bit_use_double_quant"])
+    ids = [run_on(be, "generate", "--model", bnb, "--adapter", os.path.join(outs["cpu"], "final"), "--prompt-ids",
+                  "5,17,99,3", "--max-new", 16, "--temperature", 0).stdout.split() for be in ("cpu", GPU)]
+    print("qlora %s generate: cpu %s, %s %s" % (tag, " ".join(ids[0]), GPU, " ".join(ids[1])))
+    assert ids[0] == ids[1] and len(ids[0]) == 16
+    loss = [json.loads(run_on(be, "eval", "--model", bnb, "--adapter", os.path.join(outs["cpu"], "final"), "--data",
+                              data, "--seq-len", 32).stdout.strip().splitlines()[-1])["loss"] for be in ("cpu", GPU)]
+    print("qlora %s eval of the 4-bit folder: cpu %.7g, %s %.7g" % (tag, loss[0], GPU, loss[1]))
+    assert abs(loss[0] - loss[1]) <= 1e-5 * abs(loss[0])

@@ -142,6 +142,13 @@ def test_a_wrong_base16_is_refused(tmp_path):
     p = run("merge", "--model", model, "--base16", model, "--adapter", ad, "--out", out, check=False)
     assert p.returncode != 0 and "is no 4-bit folder" in p.stderr, p.stderr
     assert not os.path.exists(out)
+    # the adapter into another model's 4-bit folder: the 4-bit shapes (from the quant_state) do not fit
+    wide_bnb = bnb_folder.bnb_folder(wide, os.path.join(d, "wide-bnb"))
+    for args in (["merge", "--model", wide_bnb, "--adapter", ad, "--out", out],
+                 ["export", "--model", wide_bnb, "--adapter", ad, "--gguf", out + ".gguf"]):
+        p = run(*args, check=False)
+        assert p.returncode != 0 and "which do not fit the weight" in p.stderr, p.stderr
+        assert not os.path.exists(out) and not os.path.exists(out + ".gguf")
 
 
 def test_export_gguf_of_a_4bit_base(tmp_path):
