@@ -12,9 +12,9 @@
 #include "core/log.h"
 #include "core/mem.h"
 #include "core/progress.h"
+#include "io/bnb4.h"
 #include "io/hf_config.h"
 #include "io/model_folder.h"
-#include "io/bnb4.h"
 #include "io/peft.h"
 #include "io/safetensors.h"
 
@@ -312,9 +312,6 @@ static void warn_unadapted(const char *adapter_dir, const peft_config *pc, st_fi
                 "(the first: %s); %s left as the base model has %s, as PEFT leaves them", adapter_dir, missing,
                 missing == 1 ? "" : "s", first, missing == 1 ? "it is" : "they are", missing == 1 ? "it" : "them");
 }
-
-struct qt_merge_set;
-static int dequant_items(const char *model_dir, st_file *base, struct qt_merge_set *s);
 
 struct qt_merge_set {
     st_file *ad;
@@ -621,8 +618,11 @@ static int check_origin(const char *bnb_dir, st_file *bnb, const char *dir16, st
         if (rc == QT_OK) {
             qt_q4_quantize((qt_q4_type)q4->type, x, n, (int)q4->blocksize, codes, am);
             const uint8_t *theirs = qt_q4_packed(q4);
-            for (size_t k = 0; k < (n + 1) / 2; k++)
-                bad += ((codes[k] ^ theirs[k]) & 0xf0) != 0, bad += (k * 2 + 1 < n) && ((codes[k] ^ theirs[k]) & 0x0f);
+            for (size_t k = 0; k < (n + 1) / 2; k++) { /* two codes a byte; an odd n leaves the last low nibble */
+                const uint8_t d = codes[k] ^ theirs[k];
+                bad += (d & 0xf0) != 0;
+                bad += 2 * k + 1 < n && (d & 0x0f) != 0;
+            }
             qt_q4_dequantize(q4, 0, n, dq);
             for (size_t k = 0; k < n; k++) dd += ((double)x[k] - dq[k]) * ((double)x[k] - dq[k]), ww += (double)x[k] * x[k];
         }
