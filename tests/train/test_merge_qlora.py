@@ -62,6 +62,7 @@ def expected_merge(bnb, ad, lora=LORA):
         w = st.bf16_to_f32(st.f32_to_bf16(w)).reshape(state["shape"])  # dequantize_4bit returns quant_state.dtype
         la, lb = "base_model.model." + k[:-7] + ".lora_A.weight", "base_model.model." + k[:-7] + ".lora_B.weight"
         if la in a:
+            out["adapted"] = out.get("adapted", 0) + 1
             w = (w.astype(np.float32) + (a[lb].astype(np.float32) @ a[la].astype(np.float32)) * scaling).astype(np.float32)
         out[k] = st.bf16_to_f32(st.f32_to_bf16(w))
     return out
@@ -72,16 +73,22 @@ def bnb4_part(k):
         ".quant_state." in k
 
 
-@pytest.mark.parametrize("qtype,nested", [("nf4", True), ("fp4", False)])
-def test_merge_into_the_dequantized_weights(tmp_path, qtype, nested):
+QWEN1_LORA = dict(LORA, target_modules=["c_attn", "w2"])
+
+
+@pytest.mark.parametrize("qtype,nested,preset", [("nf4", True, "tiny"), ("fp4", False, "tiny"),
+                                                 ("nf4", True, "tiny-qwen3"), ("fp4", True, "tiny-qwen")])
+def test_merge_into_the_dequantized_weights(tmp_path, qtype, nested, preset):
     d = str(tmp_path)
-    model, bnb, ad = make_base(d, qtype, nested)
+    lora = QWEN1_LORA if preset == "tiny-qwen" else LORA
+    model, bnb, ad = make_base(d, qtype, nested, preset, lora)
     merged = os.path.join(d, "merged")
     p = run("merge", "--model", bnb, "--adapter", ad, "--out", merged)
     assert "merged into the dequantized 4-bit weights of" in p.stderr and "--base16" in p.stderr, p.stderr
     got = st.read(os.path.join(merged, "model.safetensors"))
     dts = st.read_dtypes(os.path.join(merged, "model.safetensors"))
-    want = expected_merge(bnb, ad)
+    want = expected_merge(bnb, ad, lora)
+    assert want.pop("adapted") == 2 * len(lora["target_modules"])  # the reference added every LoRA
     assert set(got) == set(want)
     worst = 0.0
     for k in want:
@@ -93,7 +100,7 @@ def test_merge_into_the_dequantized_weights(tmp_path, qtype, nested):
         assert (diff <= ulp).all(), k
         worst = max(worst, float(np.mean(diff > 0)))
     assert worst < 0.01
-    adapted = [k for k in want if "q_proj.weight" in k]
+    adapted = [k for k in want if "q_proj.weight" in k or "c_attn.weight" in k]
     base16 = st.read(os.path.join(model, "model.safetensors"))
     assert not np.array_equal(got[adapted[0]], base16[adapted[0]])  # the dequantized, not the original, weights
     cfg = json.load(open(os.path.join(merged, "config.json")))
