@@ -290,6 +290,10 @@ def test_zero3_job(tmp_path):
     assert p.returncode != 0
     assert "does not partition" not in p.stdout, p.stdout  # LoRA at stage 3 runs (the base is partitioned)
     assert 'offload_param.device is "nvme"' in p.stdout, p.stdout
+    j["deepspeed"]["zero_optimization"] = {"stage": 3, "offload_param": {"device": "cpu"}}
+    job.write_text(json.dumps(j))
+    p = qtune("doctor", job, "--ranks", "2", "--no-table")
+    assert "no problems found" in p.stdout, p.stdout
     # QLoRA at stage 3 is refused, with what to use instead
     j["quantization"] = {"load_in_4bit": True}
     j["deepspeed"]["zero_optimization"] = {"stage": 3}
