@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """ZeRO benchmark: per-rank peak memory (measured against `qtune plan`), step time and the share of the
 gradient communication hidden behind the backward, at ZeRO stages 0, 1, 2 and 3, with 1, 2 and 4 ranks,
-optimizer offload on and off, full fine-tuning, on the bench-tiny and Qwen2.5-0.5B shapes. Stage 3 runs
+optimizer offload on and off, full fine-tuning or LoRA (--mode lora: r 8 on q_proj and v_proj; at stage 3 the
+frozen base is what is partitioned, the adapter whole), on the bench-tiny and Qwen2.5-0.5B shapes. Stage 3 runs
 with overlap_comm on and its parameter prefetch on and off (stage3_prefetch_bucket_size 5e7 / 0); a third
 table sets it against stage 2 (overlap on) of the same shape, ranks and offload: step time and peak ratios,
 and the exposed communication its gathers add.
@@ -16,7 +17,8 @@ off, where every reduction is waited for at once.
 Usage (on a quiet machine; 4 ranks want 4 free cores x threads):
   /usr/bin/python3 bench/bench_zero.py --qtune build/src/cli/qtune \\
       [--shapes bench-tiny,qwen2.5-0.5b] [--ranks 1,2,4] [--stages 0,1,2] [--offload both|on|off]
-      [--steps 4] [--seq-len 128] [--threads 1] [--precision fp32|fp16|bf16] [--memory-only] [--bucket E]
+      [--steps 4] [--seq-len 128] [--threads 1] [--precision fp32|fp16|bf16] [--mode full|lora]
+      [--memory-only] [--bucket E]
       [--max-gib G] [--json OUT.json]
   /usr/bin/python3 bench/bench_zero.py --from-json OUT.json [--replan]    (the tables again)
 --memory-only runs 2 steps per case (peaks, no timing claims)."""
@@ -63,11 +65,14 @@ def plan_case(a, d, n, stage, offload, overlap):
         plan_args += ["--overlap-comm"]
     if a.bucket:
         plan_args += ["--reduce-bucket-size", str(a.bucket), "--allgather-bucket-size", str(a.bucket)]
+    if a.mode == "lora":
+        plan_args += ["--mode", "lora", "--lora-r", "8", "--lora-targets", "q_proj,v_proj"]
     return json.loads(subprocess.run(plan_args, capture_output=True, text=True, check=True).stdout)
 
 
 def run_case(a, d, n, stage, offload, overlap, prefetch=True):
-    name = f"n{n}_s{stage}_o{offload}_ov{int(overlap)}_pf{int(prefetch)}_{a.precision}"
+    name = f"n{n}_s{stage}_o{offload}_ov{int(overlap)}_pf{int(prefetch)}_{a.precision}" + \
+        ("_lora" if a.mode == "lora" else "")
     z = {"stage": stage, "offload_optimizer": {"device": "cpu" if offload else "none"}, "overlap_comm": overlap}
     if stage == 3 and not prefetch:
         z["stage3_prefetch_bucket_size"] = 0
@@ -81,6 +86,8 @@ def run_case(a, d, n, stage, offload, overlap, prefetch=True):
                          "zero_optimization": z}}
     if a.precision != "fp32":
         job["deepspeed"][a.precision] = {"enabled": True}
+    if a.mode == "lora":
+        job["lora"] = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
     jp = os.path.join(d, name + ".json")
     json.dump(job, open(jp, "w"))
     shutil.rmtree(os.path.join(d, name), ignore_errors=True)
@@ -98,7 +105,7 @@ def run_case(a, d, n, stage, offload, overlap, prefetch=True):
     busy = sum(m.get("comm_busy_s", 0) for m in lines[1:])
     wait = sum(m.get("comm_wait_s", 0) for m in lines[1:])
     return {"case": name, "ranks": n, "stage": stage, "offload": offload, "overlap": overlap, "prefetch": prefetch,
-            "precision": a.precision,
+            "precision": a.precision, "mode": a.mode,
             "peak_mib": [x / MIB for x in peaks], "plan_mib": [x / MIB for x in plan["cpu_rank_bytes_per_rank"]],
             "step_s": statistics.median(times) if times else None, "comm_busy_s": busy, "comm_wait_s": wait,
             "hidden": (1 - wait / busy) if busy > 0 else None, "timed_steps": len(lines) - 1}
@@ -118,7 +125,7 @@ def row(r, memory_only=False):
     """One case as a table row. `hidden` (1 - wait / busy) only where the gradient reductions can run during
     the backward: stage 2, several ranks, overlap_comm on. At stage 0/1 `qtune train` reduces after the
     backward, and busy there counts up to 4 buckets in flight at once, not time behind computation."""
-    where = f"| {r['shape']} | {r['ranks']} | {r['stage']} | {'cpu' if r['offload'] else 'none'} | " \
+    where = f"| {r['shape']}{' LoRA' if r.get('mode') == 'lora' else ''} | {r['ranks']} | {r['stage']} | {'cpu' if r['offload'] else 'none'} | " \
             f"{label(r)} |"
     if "skipped_plan_gib" in r:
         return f"{where} skipped: plans {r['skipped_plan_gib']:.1f} GiB over its ranks, more than this " \
@@ -176,7 +183,7 @@ def stage3_table(results):
             continue
         pf, npf = s3[True], s3[False]
         per = lambda r: r["comm_wait_s"] / max(1, r.get("timed_steps", 1))  # noqa: E731
-        out.append(f"| {key[0]} | {key[1]} | {'cpu' if key[2] else 'none'} | {s2['step_s']:.2f} | "
+        out.append(f"| {key[0]}{' LoRA' if s2.get('mode') == 'lora' else ''} | {key[1]} | {'cpu' if key[2] else 'none'} | {s2['step_s']:.2f} | "
                    f"{pf['step_s']:.2f} | {npf['step_s']:.2f} | {pf['step_s'] / s2['step_s']:.2f}x | "
                    f"{max(s2['peak_mib']):.0f} | {max(pf['peak_mib']):.0f} | "
                    f"{max(pf['peak_mib']) / max(s2['peak_mib']):.2f} | {per(s2):.3f} | {per(pf):.3f} | "
@@ -195,6 +202,7 @@ def main():
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp32")
+    ap.add_argument("--mode", choices=("full", "lora"), default="full")
     ap.add_argument("--bucket", type=float, help="reduce_bucket_size and allgather_bucket_size (default 5e8)")
     ap.add_argument("--memory-only", action="store_true")
     ap.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "qtune-bench-zero"))

@@ -251,16 +251,19 @@ int zero_allgather_runs(zero_plan *p, float *dst, const qt_flat_run *runs, int n
  * the same range. Stage 1/2 over 2+ ranks only. */
 int zero_gather_range(zero_plan *p, const float *mine, size_t lo, size_t hi, float *out);
 
-/* Stage 3: the flat elements [lo, hi) of a block of esize-byte elements
- * sharded as the plan shards (mine: this rank's elements, its lo first) reach
+/* Stage 3: the flat elements [lo, hi) of a block of n esize-byte elements
+ * sharded by the plan's formula (core/shard.h over n: the trainable block's
+ * n = zero_numel, or LoRA's frozen base block; mine: this rank's elements,
+ * its lo first) reach
  * every rank's dst (hi - lo elements): each owner broadcasts its part in
  * place, so no staging and no padding, and every rank receives the same bits.
  * With rqs (at least zero_gather_slots(p, lo, hi) slots) the broadcasts are
  * started and left in flight (the prefetch); tp_wait them before reading dst.
  * Collective: every rank calls it with the same range, in the same order. */
 struct tp_req;
-int zero_gather_slots(const zero_plan *p, size_t lo, size_t hi, size_t esize);
-int zero_gather_params(zero_plan *p, const void *mine, size_t esize, size_t lo, size_t hi, void *dst, struct tp_req **rqs);
+int zero_gather_slots(const zero_plan *p, size_t n, size_t lo, size_t hi, size_t esize);
+int zero_gather_params(zero_plan *p, size_t n, const void *mine, size_t esize, size_t lo, size_t hi, void *dst,
+                       struct tp_req **rqs);
 int zero_gather_wait(zero_plan *p, struct tp_req **rqs, int n);
 
 /* Convenience for the trainer: one call per optimizer step between the last

@@ -561,35 +561,38 @@ int zero_allgather_runs(zero_plan *p, float *dst, const qt_flat_run *runs, int n
 #define GATHER_CHUNK ((size_t)1 << 28)
 
 /* Rank r's part of [lo, hi): [*a, *e), empty when *e <= *a. */
-static void part_of(const zero_plan *p, int r, size_t lo, size_t hi, size_t *a, size_t *e) {
+static void part_of(const zero_plan *p, size_t n, int r, size_t lo, size_t hi, size_t *a, size_t *e) {
     size_t s0, s1;
-    zero_shard_of(p, r, &s0, &s1);
+    qt_shard_range(n, p->d->world, r, &s0, &s1);
     *a = s0 > lo ? s0 : lo;
     *e = s1 < hi ? s1 : hi;
 }
 
-int zero_gather_slots(const zero_plan *p, size_t lo, size_t hi, size_t esize) {
+int zero_gather_slots(const zero_plan *p, size_t n, size_t lo, size_t hi, size_t esize) {
     int k = 0;
     for (int r = 0; r < p->d->world; r++) {
         size_t a, e;
-        part_of(p, r, lo, hi, &a, &e);
+        part_of(p, n, r, lo, hi, &a, &e);
         if (e > a) k += (int)(((e - a) * esize + GATHER_CHUNK - 1) / GATHER_CHUNK);
     }
     return k;
 }
 
-int zero_gather_params(zero_plan *p, const void *mine, size_t esize, size_t lo, size_t hi, void *dst, tp_req **rqs) {
-    if (lo > hi || hi > p->n)
-        return QT_ERR(QT_EINVAL, "dist: parameter range [%zu, %zu) is outside the block of %zu", lo, hi, p->n);
+int zero_gather_params(zero_plan *p, size_t n, const void *mine, size_t esize, size_t lo, size_t hi, void *dst,
+                       tp_req **rqs) {
+    if (lo > hi || hi > n)
+        return QT_ERR(QT_EINVAL, "dist: parameter range [%zu, %zu) is outside the block of %zu", lo, hi, n);
     char *out = dst;
+    size_t mlo, mhi;
+    qt_shard_range(n, p->d->world, p->d->rank, &mlo, &mhi);
     int k = 0;
     for (int r = 0; r < p->d->world; r++) {
         size_t a, e;
-        part_of(p, r, lo, hi, &a, &e);
+        part_of(p, n, r, lo, hi, &a, &e);
         if (e <= a) continue;
         char *at = out + (a - lo) * esize;
         size_t bytes = (e - a) * esize;
-        if (r == p->d->rank) p->be->copy(p->be, at, (const char *)mine + (a - p->lo) * esize, bytes);
+        if (r == p->d->rank) p->be->copy(p->be, at, (const char *)mine + (a - mlo) * esize, bytes);
         if (p->d->world == 1) continue;
         for (size_t o = 0; o < bytes; o += GATHER_CHUNK) {
             size_t c = bytes - o < GATHER_CHUNK ? bytes - o : GATHER_CHUNK;

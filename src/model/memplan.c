@@ -476,7 +476,38 @@ int qt_model_opts_sharded(const qt_model_opts *o) {
     return o->master_shards > 1 && !o->lora && !o->infer && (o->compute != QT_F32 || o->param_shards > 1);
 }
 
+int qt_model_opts_base_sharded(const qt_model_opts *o) { return o->lora && !o->infer && o->param_shards > 1; }
+
+size_t qt_model_base_block(const qt_config *c, const qt_model_opts *o, size_t *layer, size_t *outer) {
+    const size_t VC = (size_t)c->vocab_size * (size_t)c->hidden_size;
+    const unsigned sv = o->lora ? o->lora_save : 0;
+    const int tied = c->tie_word_embeddings;
+    /* qwen2_load.c load_vocab_mats' rule: a tied base matrix is read while either role still reads it */
+    const int emb = !(sv & QT_SAVE_EMBED) || (tied && !(sv & QT_SAVE_LM_HEAD));
+    const int lm = !tied && !(sv & QT_SAVE_LM_HEAD);
+    size_t per = 0;
+    for (int j = 0; j < LIN_COUNT; j++) {
+        if (!qt_lin_owns(c, j)) continue;
+        int in, out;
+        qt_lin_shape(c, j, &in, &out);
+        if (j == LIN_Q && !qt_lin_owns(c, LIN_K)) out = qt_lin_fused_rows(c); /* the original Qwen's c_attn */
+        per += (size_t)in * (size_t)out;
+    }
+    if (layer) *layer = per;
+    if (outer) *outer = emb || lm ? VC : 0;
+    return (emb ? VC : 0) + (lm ? VC : 0) + per * (size_t)c->num_hidden_layers;
+}
+
+qt_dtype qt_model_base_block_dtype(const qt_config *c, const qt_model_opts *o) {
+    if (o->compute != QT_F32) return o->compute;
+    return c->torch_dtype == QT_F16 || c->torch_dtype == QT_BF16 ? c->torch_dtype : QT_F32;
+}
+
 void qt_model_gather_sizes(const qt_config *c, const qt_model_opts *o, size_t *layer, size_t *outer) {
+    if (qt_model_opts_base_sharded(o)) {
+        qt_model_base_block(c, o, layer, outer);
+        return;
+    }
     *layer = 0;
     *outer = (size_t)c->vocab_size * (size_t)c->hidden_size;
     int n = qt_model_param_table(c, o, NULL, NULL), L = c->num_hidden_layers;
@@ -563,6 +594,17 @@ size_t qt_model_memory(const qt_config *c, const qt_model_opts *o, qt_mem_breakd
             b.compute_copy = (all - small - unused - qn) * qt_dtype_size(o->compute);
         b.base_f32 = small * 4;
         if (!o->lora) b.master = 0;
+        if (qt_model_opts_base_sharded(o)) {
+            /* LoRA at ZeRO-3: nothing stays in the mapping; this rank's shard of the base matrices (on the
+             * host with offload_param) and the three gather buffers, in the base block's dtype */
+            size_t layer, outer, lo, hi, es = qt_dtype_size(qt_model_base_block_dtype(c, o));
+            size_t nb = qt_model_base_block(c, o, &layer, &outer);
+            qt_shard_range(nb, o->param_shards, o->master_rank, &lo, &hi);
+            b.base = 0;
+            b.compute_copy = o->param_on_host ? 0 : (hi - lo) * es;
+            b.compute_host = o->param_on_host ? (hi - lo) * es : 0;
+            b.param_gather = (2 * layer + outer) * es;
+        }
     }
     if (!frozen && o->compute != QT_F32) b.compute_copy = numel * qt_dtype_size(o->compute);
     if (qt_model_opts_sharded(o)) {

@@ -49,6 +49,23 @@ int qt_model_opts_sharded(const qt_model_opts *o);
  * embedding / lm_head (V x C), the sizes of the gather buffers. */
 void qt_model_gather_sizes(const qt_config *c, const qt_model_opts *o, size_t *layer, size_t *outer);
 
+/* LoRA under ZeRO-3 (qt_model_opts_base_sharded): the frozen base matrices the
+ * graph reads in one flat block, partitioned over the ranks as full
+ * fine-tuning's weights are and gathered per layer into the same three
+ * buffers: the embedding (unless modules_to_save replaced every use of it),
+ * the untied lm_head (unless saved), then layer by layer each owned linear
+ * (a fused c_attn whole). The norm weights and biases stay whole on every
+ * rank (base_f32), as DeepSpeed's stage3_param_persistence_threshold keeps
+ * small tensors; the adapter stays whole too (it is trained, and small).
+ * Returns the block's elements; *layer (may be NULL) the largest layer's,
+ * *outer (may be NULL) V x C, or 0 when no base vocabulary matrix is read. */
+int qt_model_opts_base_sharded(const qt_model_opts *o);
+size_t qt_model_base_block(const qt_config *c, const qt_model_opts *o, size_t *layer, size_t *outer);
+/* The dtype the partitioned base is kept and gathered in: the compute dtype
+ * in f16/bf16 (what stage 2 converts the base to), in f32 the file's
+ * (config torch_dtype), which the f32 graph reads as stored at stage 2. */
+qt_dtype qt_model_base_block_dtype(const qt_config *c, const qt_model_opts *o);
+
 /* Fills *out (may be NULL) and returns out->total. Base dtype is cfg->torch_dtype. */
 size_t qt_model_memory(const qt_config *cfg, const qt_model_opts *opts, qt_mem_breakdown *out);
 

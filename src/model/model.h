@@ -93,9 +93,10 @@ typedef struct {
     int quant4_nested;     /* bnb_4bit_use_double_quant: the absmax values quantized too */
     unsigned quant4_skip;  /* QT_LORA_* mask of linears left 16-bit (llm_int8_skip_modules) */
     FILE *progress;        /* quantizing at load: progress lines there (core/progress.h); NULL: silent */
-    int param_shards;      /* ZeRO-3, full fine-tuning over this many ranks (> 1, = master_shards): the
-                              weights the graph reads are partitioned too; each rank keeps shard
-                              master_rank of them (the 2-byte copy, or in f32 the master itself) and a
+    int param_shards;      /* ZeRO-3 over this many ranks (> 1, = master_shards): the weights the graph
+                              reads are partitioned too; each rank keeps shard master_rank of them (full:
+                              the 2-byte copy, or in f32 the master itself; LoRA: the frozen base's
+                              matrices, memplan.h qt_model_base_block, the adapter staying whole) and a
                               layer's are gathered before its forward and its backward (qt_param_fetch) */
     int param_on_host;     /* with param_shards: that shard in pinned host memory (offload_param cpu) */
 } qt_model_opts;
@@ -183,6 +184,11 @@ typedef struct {
     int prefetch;
 } qt_param_fetch;
 void qt_model_set_param_fetch(qt_model *m, const qt_param_fetch *f);
+/* LoRA at ZeRO-3: the elements of the partitioned frozen base block, over
+ * which the fetch's [lo, hi) run (sharded by core/shard.h's formula, as the
+ * trainable block is); 0 when the base is whole (the fetch then runs over
+ * the trainable block). */
+size_t qt_model_base_sharded(const qt_model *m);
 /* ZeRO-3: a rank with no batch left takes part in the gathers of another
  * rank's forward (evaluation: ranks hold different numbers of batches); a
  * no-op otherwise. */

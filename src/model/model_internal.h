@@ -189,6 +189,14 @@ struct qt_model {
     long long gkey[3];     /* what each buffer holds: a layer index, or (buffer 2) a flat offset; -1: nothing */
     int gpend[3];          /* a gather into that buffer is in flight (prefetch) */
     qt_param_fetch pf;
+    size_t gout[2];        /* buffer 2's flat offset for the embedding [0] and the lm_head [1]; -1: not gathered */
+    /* LoRA at ZeRO-3 (memplan.h qt_model_base_block): what is partitioned is the frozen base; pbase holds this
+     * rank's [blo, bhi) of that block of bn elements in bdt; bcur places each matrix as it loads (blayer: the
+     * layer loading, -1 for the vocabulary matrices) */
+    void *pbase;
+    size_t bn, blo, bhi, bcur;
+    qt_dtype bdt;
+    int blayer;
     qt_param_gather_fn gather; /* sharded: other ranks' master elements, for writing */
     void *gather_user;
     /* opts.grad_windows (model.h qt_grad_hook): the windows in one block. The layers'

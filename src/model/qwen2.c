@@ -322,6 +322,7 @@ static int gather_start(qt_model *m, int slot, long long key, size_t lo, size_t 
                                  "qt_model_set_param_fetch first");
     m->gkey[slot] = key;
     m->gpend[slot] = 1;
+    if (m->pbase) return m->pf.start(m->pf.user, slot, m->pbase, qt_dtype_size(m->bdt), lo, hi, m->gbuf[slot]);
     const void *mine = m->wcopy ? (const void *)m->wcopy : (const void *)m->master;
     return m->pf.start(m->pf.user, slot, mine, qt_dtype_size(m->opts.compute), lo, hi, m->gbuf[slot]);
 }
@@ -344,9 +345,10 @@ static int layer_params(qt_model *m, int l, int next) {
     return QT_OK;
 }
 
-/* The embedding (off = emb_off) or the lm_head (lm_head_off) in buffer 2. */
+/* The embedding (off = gout[0]) or the lm_head (gout[1]) in buffer 2; -1:
+ * not gathered (LoRA: modules_to_save's copy, whole in the master). */
 static int outer_params(qt_model *m, size_t off) {
-    if (!m->pshard) return QT_OK;
+    if (!m->pshard || off == (size_t)-1) return QT_OK;
     return gather_have(m, 2, (long long)off, off, off + (size_t)m->cfg.vocab_size * (size_t)m->cfg.hidden_size);
 }
 
@@ -525,14 +527,14 @@ static int run_forward(qt_model *m, const qt_batch *b, int dropout, float *dx_lm
     qt_backend *be = m->be;
     int N = b->B * b->T, C = c->hidden_size, L = c->num_hidden_layers;
     qt_act_ptrs *A = &m->acts;
-    QT_TRY(outer_params(m, m->emb_off));
+    QT_TRY(outer_params(m, m->gout[0]));
     be->embedding_forward(be, A->x[0], b->inputs, m->wte.p, m->wte.dt, N, C);
     keep_save(m, A->x[0], (size_t)N * C, A->x16 ? A->x16[0] : NULL);
     for (int l = 0; l < L; l++) {
         QT_TRY(layer_params(m, l, l + 1));
         layer_forward(m, l, b, N, A->x[l], A->x[l + 1], &A->layer[l], dropout, b->positions, NULL);
     }
-    QT_TRY(outer_params(m, m->lm_head_off));
+    QT_TRY(outer_params(m, m->gout[1]));
     be->rmsnorm_forward(be, A->lnf, A->rstdf, A->x[L], m->lnf_w, N, C, c->rms_norm_eps);
     keep(m, A->lnf, (size_t)N * C);
     if (dx_lm)
@@ -549,9 +551,9 @@ static int run_forward(qt_model *m, const qt_batch *b, int dropout, float *dx_lm
 
 int qt_model_forward_idle(qt_model *m) {
     if (!m->pshard) return QT_OK;
-    QT_TRY(outer_params(m, m->emb_off));
+    QT_TRY(outer_params(m, m->gout[0]));
     for (int l = 0; l < m->cfg.num_hidden_layers; l++) QT_TRY(layer_params(m, l, l + 1));
-    return outer_params(m, m->lm_head_off);
+    return outer_params(m, m->gout[1]);
 }
 
 /* The per-token losses come down (N floats) and are summed on the host in

@@ -323,6 +323,35 @@ static size_t stream_bytes(const qt_model *m, const char *emb) {
     return total;
 }
 
+/* LoRA at ZeRO-3: the next matrix of the base block (memplan.h
+ * qt_model_base_block, in its order): this rank keeps the part that lies in
+ * its shard, in the block's dtype, and the file's pages leave its memory; the
+ * graph reads the matrix from the gather buffer of its layer (m->blayer, -1:
+ * the V x C buffer). */
+static int shard_matrix(qt_model *m, const st_tensor *t, int64_t d0, int64_t d1, qt_wref *w) {
+    qt_backend *be = m->be;
+    const size_t n = (size_t)d0 * (size_t)d1, off = m->bcur, es = qt_dtype_size(m->bdt);
+    m->bcur += n;
+    if (m->bcur > m->bn)
+        return QT_ERR(QT_EINVAL, "model: the base block is larger than planned (%zu > %zu elements; a bug)", m->bcur,
+                      m->bn);
+    size_t a = off > m->blo ? off : m->blo, e = off + n < m->bhi ? off + n : m->bhi;
+    if (e > a) {
+        const size_t fs = qt_dtype_size(t->dtype);
+        const void *src;
+        QT_TRY(be->import_mapped(be, (const char *)t->data + (a - off) * fs, (e - a) * fs, &src, t->name));
+        char *dst = (char *)m->pbase + (a - m->blo) * es;
+        if (t->dtype == m->bdt) be->copy(be, dst, src, (e - a) * es);
+        else be->convert(be, dst, m->bdt, src, t->dtype, e - a);
+        be->release_mapped(be, src);
+    }
+    drop_mapped_pages(t->data, t->nbytes);
+    if (m->blayer >= 0) w->p = (char *)m->gbuf[m->blayer & 1] + (off - m->glo[m->blayer]) * es;
+    else w->p = m->gbuf[2];
+    w->dt = m->bdt;
+    return QT_OK;
+}
+
 /* A frozen base matrix, left in the mapping in its file dtype (imported: the
  * mapping itself on the cpu backend), copied into the stream block
  * (inference, streamed), or, training in f16/bf16, converted to the compute
@@ -332,6 +361,7 @@ static int base_matrix(qt_model *m, const char *name, int64_t d0, int64_t d1, qt
     int64_t shape[2] = {d0, d1};
     if (m->cfg.prequant4 && (t = st_find(m->st, name)) && t->dtype == QT_U8) return prequant_matrix(m, t, name, d0, d1, w);
     QT_TRY(st_expect(m->st, name, 2, shape, &t));
+    if (m->pbase) return shard_matrix(m, t, d0, d1, w);
     if (quant && !m->cfg.prequant4) return quant_matrix(m, t, d0, d1, w, name);
     qt_backend *be = m->be;
     w->dt = t->dtype;
@@ -461,6 +491,33 @@ static int alloc_param_shard(qt_model *m) {
     return QT_OK;
 }
 
+/* LoRA at ZeRO-3: this rank's shard of the base block (on the host with
+ * offload_param), each layer's range and the three gather buffers, in the
+ * block's dtype (memplan.c counts the same). */
+static int alloc_base_shard(qt_model *m) {
+    const qt_config *c = &m->cfg;
+    const int L = c->num_hidden_layers;
+    size_t layer, outer;
+    m->bn = qt_model_base_block(c, &m->opts, &layer, &outer);
+    m->bdt = qt_model_base_block_dtype(c, &m->opts);
+    qt_shard_range(m->bn, m->opts.param_shards, m->opts.master_rank, &m->blo, &m->bhi);
+    const size_t es = qt_dtype_size(m->bdt), nb = (m->bhi - m->blo) * es;
+    m->pbase = m->be->alloc(m->be, m->opts.param_on_host ? QT_MEM_PINNED : QT_MEM_DEVICE, nb ? nb : 64,
+                            "model: this rank's shard of the frozen base");
+    m->glo = qt_calloc((size_t)L + 1, sizeof *m->glo, "model: layer ranges");
+    m->ghi = qt_calloc((size_t)L + 1, sizeof *m->ghi, "model: layer ranges");
+    if (!m->pbase || !m->glo || !m->ghi) return QT_ENOMEM;
+    for (int k = 0; k < 3; k++) {
+        size_t n = (k < 2 ? layer : outer) * es;
+        m->gbuf[k] = m->be->alloc(m->be, QT_MEM_DEVICE, n ? n : 64, "model: ZeRO-3 gather buffer");
+        if (!m->gbuf[k]) return QT_ENOMEM;
+        m->gkey[k] = -1;
+    }
+    m->pshard = 1;
+    m->blayer = -1;
+    return QT_OK;
+}
+
 static int load_full(qt_model *m) {
     /* f16/bf16: matmuls, the embedding and the lm_head read a 2-byte compute
      * copy of the master block; norm weights and biases stay f32 (the master,
@@ -501,6 +558,7 @@ static int load_full(qt_model *m) {
         m->dlm_head = grad_param(m, "lm_head.weight");
         m->lm_head_off = m->numel - (size_t)c->vocab_size * (size_t)c->hidden_size; /* the last tensor */
     }
+    m->gout[0] = m->emb_off, m->gout[1] = m->lm_head_off;
     for (int l = 0; l < c->num_hidden_layers; l++) {
         qt_layer *L = &m->layers[l];
         snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->ln1);
@@ -571,14 +629,20 @@ static int load_vocab_mats(qt_model *m) {
     qt_wref base = {0};
     const int base_used = !(sv & QT_SAVE_EMBED) || (tied && !(sv & QT_SAVE_LM_HEAD));
     const char *streamed = stream_vocab_name(m, emb);
+    /* LoRA at ZeRO-3: the base block's offsets of what the embedding and the lm_head read (-1: a saved copy) */
+    size_t at = m->bcur;
+    m->gout[0] = m->gout[1] = (size_t)-1;
     if (base_used) QT_TRY(base_matrix(m, emb, V, C, &base, streamed == emb, 0));
     if (sv & QT_SAVE_EMBED) QT_TRY(saved_module(m, QT_SAVE_EMBED, emb, !base_used && !tied, &m->wte, &m->dwte, NULL));
-    else m->wte = base;
+    else m->wte = base, m->gout[0] = at;
     if (sv & QT_SAVE_LM_HEAD)
         return saved_module(m, QT_SAVE_LM_HEAD, tied ? emb : "lm_head.weight", !base_used, &m->lm_head, &m->dlm_head,
                             &m->lm_head_off);
-    if (tied) m->lm_head = base;
-    else QT_TRY(base_matrix(m, "lm_head.weight", V, C, &m->lm_head, 1, 0));
+    if (tied) m->lm_head = base, m->gout[1] = at;
+    else {
+        m->gout[1] = m->bcur;
+        QT_TRY(base_matrix(m, "lm_head.weight", V, C, &m->lm_head, 1, 0));
+    }
     return QT_OK;
 }
 
@@ -644,6 +708,7 @@ static int load_frozen_layers(qt_model *m) {
     small += C;
     for (int l = 0; l < c->num_hidden_layers; l++) {
         qt_layer *L = &m->layers[l];
+        if (m->pbase) m->blayer = l, m->glo[l] = m->bcur; /* LoRA at ZeRO-3: the layer's range of the base block */
         snprintf(name, sizeof name, "%s.%d.%s.weight", ly->layers, l, ly->ln1);
         QT_TRY(base_vector(m, name, C, small));
         L->ln1 = small, small += C;
@@ -677,6 +742,7 @@ static int load_frozen_layers(qt_model *m) {
                 q->b = small, small += rows;
             }
         }
+        if (m->pbase) m->ghi[l] = m->bcur;
     }
     return QT_OK;
 }
@@ -797,6 +863,11 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
         m->opts.quant4 = 1, m->opts.quant4_type = m->cfg.prequant4_type, m->opts.quant4_nested = m->cfg.prequant4_nested;
         m->opts.quant4_skip = 0;
     }
+    if (m->opts.quant4 && qt_model_opts_base_sharded(&m->opts))
+        return QT_ERR(QT_EUNSUPPORTED, "%s: ZeRO stage 3 does not partition a 4-bit (QLoRA) base; use "
+                                       "zero_optimization.stage 2, where each rank keeps the 4-bit base whole (a "
+                                       "quarter of its 16-bit size) and the adapter's gradients and optimizer state "
+                                       "are still partitioned", dir);
     const qt_config *c = &m->cfg;
     QT_TRY(st_open(dir, &m->st));
     qt_model_memory(c, &m->opts, &m->mem);
@@ -846,6 +917,7 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
         for (int j = 0; j < LIN_COUNT; j++) qt_lin_shape(c, j, &m->layers[l].lin[j].in, &m->layers[l].lin[j].out);
 
     if (m->opts.lora || m->infer) {
+        if (qt_model_opts_base_sharded(&m->opts)) QT_TRY(alloc_base_shard(m));
         if (m->mem.base_f32) {
             m->base_f32 = alloc_floats(m, m->mem.base_f32, "model: frozen norm weights and biases");
             if (!m->base_f32) return QT_ENOMEM;
@@ -936,6 +1008,7 @@ void qt_model_free(qt_model *m) {
         be->free(be, m->base_f32);
         be->free(be, m->small);
         be->free(be, m->wcopy);
+        be->free(be, m->pbase);
         for (int k = 0; k < 3; k++) be->free(be, m->gbuf[k]);
         be->free(be, m->act_block);
         be->free(be, m->grad_block);
@@ -987,6 +1060,7 @@ const qt_param *qt_model_params(const qt_model *m, int *n) {
  * fine-tuning it reads the 2-byte compute copy, rounded here from the master
  * (round to nearest even; fp16 saturates to inf beyond 65504). */
 void qt_model_weights_updated(qt_model *m) {
+    if (m->pbase) return; /* LoRA at ZeRO-3: the gathered base is frozen; the graph reads the adapter itself */
     for (int k = 0; k < 3; k++) m->gkey[k] = -1; /* ZeRO-3: what the buffers hold is stale */
     if (!m->wcopy && !m->pshard) return;
     if (!m->sharded) {
@@ -1010,6 +1084,8 @@ int qt_model_sharded(const qt_model *m, qt_model_shard *out) {
                             qt_dtype_size(m->opts.compute), m->small, m->small_runs, m->n_small_runs, m->pshard};
     return 1;
 }
+
+size_t qt_model_base_sharded(const qt_model *m) { return m->pbase ? m->bn : 0; }
 
 void qt_model_set_param_fetch(qt_model *m, const qt_param_fetch *f) {
     if (f) m->pf = *f;

@@ -845,8 +845,11 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
                     qt_config_max_positions(&cfg) < cfg.max_position_embeddings ? "seq_length" : "max_position_embeddings",
                     qt_config_max_positions(&cfg));
         if (o.offload && o.zero == 0) o.offload = 0; /* named above */
-        if (o.lora && o.zero == 3) {
-            problem(&c, "%s: ZeRO stage 3 with LoRA is not supported yet; use zero_optimization.stage 2", path);
+        const cJSON *qz = cJSON_GetObjectItemCaseSensitive(root, "quantization");
+        const int q4 = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(qz, "load_in_4bit")) || cfg.prequant4;
+        if (o.lora && o.zero == 3 && ranks > 1 && q4) {
+            problem(&c, "%s: ZeRO stage 3 does not partition a 4-bit (QLoRA) base; use zero_optimization.stage 2",
+                    path);
             o.zero = 2, o.offload_param = 0; /* plan the rest as the stage that runs */
         }
         check_resources(&c, dir, root, &cfg, &o, ranks);

@@ -99,7 +99,7 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, i
         mo.master_rank = rank;
         mo.master_on_host = o->offload;
     }
-    if (zero_partitions_params(o->zero, N) && !o->lora) { /* the trainer's rule (ZeRO-3) */
+    if (zero_partitions_params(o->zero, N)) { /* the trainer's rule (ZeRO-3; LoRA: the frozen base's matrices) */
         mo.param_shards = N;
         mo.param_on_host = o->offload_param;
         if (o->precision == QT_F32 && o->offload_param) mo.master_on_host = 1;
@@ -118,6 +118,9 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, i
         /* LoRA trains its fp32 master directly, in f16/bf16 too (the adapters and modules_to_save's copies
          * have no 2-byte compute copy): the master is "weights" in f32, "master" otherwise */
         pm->weights = b.base / file_bytes * ws + b.quant4 + b.base_f32 + (o->precision == QT_F32 ? b.master : 0);
+        /* ZeRO-3: the rank's shard of the base matrices and the three gather buffers, in the dtype they are
+         * gathered in (memplan.h qt_model_base_block_dtype); nothing of the base stays mapped */
+        if (qt_model_opts_base_sharded(&mo)) pm->weights += b.compute_copy + b.param_gather;
     } else if (mo.param_shards > 1) {
         /* ZeRO-3: the rank's shard of the compute weights (in f32 the master shard), the three gather
          * buffers and the 1-D tensors whole */
@@ -127,7 +130,8 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, i
     }
     pm->master = o->precision == QT_F32 ? 0 : b.master;
     pm->master_host = b.master_host + b.compute_host;
-    pm->persist = mo.param_shards > 1 ? b.base_f32 / 4 : 0;
+    /* ZeRO-3's all-gather after the update: the 1-D tensors (full), the whole adapter (LoRA, as at stage 2) */
+    pm->persist = mo.param_shards > 1 ? (o->lora ? (size_t)n_train : b.base_f32 / 4) : 0;
     pm->activations = b.activations;
     pm->workspace = b.act_grads + b.workspace;
     pm->grads = b.grads;
@@ -203,8 +207,8 @@ static int plan_check(const qt_config *c, const qt_plan_opts *o) {
         c->num_key_value_heads <= 0 || c->head_dim <= 0 || c->intermediate_size <= 0)
         return QT_ERR(QT_EINVAL, "the model config has a zero or negative size; check config.json");
     if (o->zero < 0 || o->zero > 3) return QT_ERR(QT_EINVAL, "--zero must be 0, 1, 2 or 3, not %d", o->zero);
-    if (o->zero == 3 && o->lora)
-        return QT_ERR(QT_EINVAL, "ZeRO stage 3 with LoRA is not supported yet; plan LoRA with --zero 2");
+    if (o->zero == 3 && o->lora && o->devices > 1 && (o->quant4 || c->prequant4))
+        return QT_ERR(QT_EINVAL, "ZeRO stage 3 does not partition a 4-bit (QLoRA) base; plan QLoRA with --zero 2");
     if (o->offload_param && o->zero != 3)
         return QT_ERR(QT_EINVAL, "--offload-param cpu needs --zero 3 (only stage 3 partitions the weights)");
     if (o->devices < 1 || o->devices > MAX_DEVICES)
@@ -277,13 +281,13 @@ static int fix_apply(const qt_config *c, const qt_plan_opts *o, int k, qt_plan_o
         f->zero = 2;
         snprintf(say, cap, "zero_optimization.stage 2 (--zero 2)");
         return 1;
-    case FIX_ZERO3: /* full fine-tuning only: LoRA at stage 3 is refused */
-        if (o->zero >= 3 || o->devices < 2 || o->lora) return 0;
+    case FIX_ZERO3: /* QLoRA at stage 3 is refused */
+        if (o->zero >= 3 || o->devices < 2 || (o->lora && (o->quant4 || c->prequant4))) return 0;
         f->zero = 3;
         snprintf(say, cap, "zero_optimization.stage 3 (--zero 3)");
         return 1;
     case FIX_OFFLOAD_PARAM:
-        if (o->zero != 3 || o->devices < 2 || o->lora || o->offload_param) return 0;
+        if (o->zero != 3 || o->devices < 2 || o->offload_param) return 0;
         f->offload_param = 1;
         snprintf(say, cap, "zero_optimization.offload_param.device cpu (--offload-param cpu)");
         return 1;

@@ -220,11 +220,9 @@ static int load_model(qt_trainer *t) {
     }
     /* ZeRO-3: the weights the graph reads are partitioned too, gathered layer by layer at use (in f32 the
      * master shard is that partition, on the host where either offload puts it) */
+    /* LoRA: the frozen base is what is partitioned; the adapter stays whole on every rank and takes stage 2's
+     * path (gradients reduce-scattered, optimizer state sharded, the update all-gathered) */
     if (zero_partitions_params(t->cfg.zero.stage, t->world)) {
-        if (job->lora.enabled)
-            return QT_ERR(QT_EUNSUPPORTED, "%s: ZeRO stage 3 with LoRA is not supported yet (the frozen base would "
-                          "stay whole on every rank); use stage 2, which shards the adapter's optimizer state and "
-                          "gradients", job->path);
         o.param_shards = t->world;
         o.param_on_host = t->cfg.zero.offload_param;
         if (t->cfg.compute == QT_F32 && t->cfg.zero.offload_param) o.master_on_host = 1;
@@ -244,6 +242,7 @@ static int load_model(qt_trainer *t) {
     t->n = qt_model_numel(t->model);
     t->master = qt_model_master(t->model);
     t->sharded = qt_model_sharded(t->model, &t->shard);
+    t->base_n = qt_model_base_sharded(t->model);
     t->grads = qt_model_grads(t->model);
     t->params = qt_model_params(t->model, &t->n_params);
     t->be = qt_model_backend(t->model);
@@ -254,7 +253,8 @@ static int load_model(qt_trainer *t) {
  * a buffer's range start in start() and are waited for in wait(). */
 static int fetch_start(void *u, int slot, const void *mine, size_t esize, size_t lo, size_t hi, void *dst) {
     qt_trainer *t = u;
-    int need = zero_gather_slots(t->zp, lo, hi, esize);
+    size_t n = t->base_n ? t->base_n : t->n; /* LoRA: the frozen base block */
+    int need = zero_gather_slots(t->zp, n, lo, hi, esize);
     if (need > t->gcap[slot]) {
         tp_req **r = qt_realloc(t->greq[slot], (size_t)need * sizeof *r, "ZeRO-3 gather requests");
         if (!r) return QT_ENOMEM;
@@ -263,7 +263,7 @@ static int fetch_start(void *u, int slot, const void *mine, size_t esize, size_t
     }
     memset(t->greq[slot], 0, (size_t)need * sizeof *t->greq[slot]);
     t->gn[slot] = need;
-    return zero_gather_params(t->zp, mine, esize, lo, hi, dst, t->greq[slot]);
+    return zero_gather_params(t->zp, n, mine, esize, lo, hi, dst, t->greq[slot]);
 }
 static int fetch_wait(void *u, int slot) {
     qt_trainer *t = u;
@@ -301,6 +301,7 @@ static int setup_optimizer(qt_trainer *t) {
     t->cfg.zero.be = t->be;
     if (t->sharded) /* ZeRO-3: the norm weights and biases all-gathered after each update size its bucket */
         for (int k = 0; k < t->shard.n_runs; k++) t->cfg.zero.persist_elems += t->shard.runs[k].n;
+    if (t->base_n) t->cfg.zero.persist_elems = t->n; /* LoRA: the whole adapter, all-gathered as at stage 2 */
     QT_TRY(zero_plan_create(t->d, t->n, &t->cfg.zero, &t->zp));
     zero_set_device_allocator(t->zp, state_alloc, state_free, t->be);
     if (!t->grads) {
@@ -313,7 +314,7 @@ static int setup_optimizer(qt_trainer *t) {
         return QT_ERR(QT_EINVAL, "rank %d: the model's master shard [%zu, %zu) is not its optimizer range [%zu, %zu) "
                       "(a bug)", t->rank, t->shard.lo, t->shard.hi, t->lo, t->hi);
     if (t->sharded) qt_model_set_param_gather(t->model, trainer_gather_master, t);
-    if (t->shard.params_sharded) {
+    if (t->shard.params_sharded || t->base_n) {
         qt_param_fetch f = {fetch_start, fetch_wait, t, t->cfg.zero.prefetch};
         qt_model_set_param_fetch(t->model, &f);
     }
@@ -357,7 +358,7 @@ static int evaluate(qt_trainer *t, double *loss, int64_t *ntok) {
         qt_progress_set(&prog, (double)i);
         int rc = dl_next(t->eval_dl, &t->eval_b);
         if (rc != DL_END) QT_TRY(rc);
-        if (t->shard.params_sharded) {
+        if (t->shard.params_sharded || t->base_n) {
             /* ZeRO-3: the forward's gathers are collective, so the ranks go on together while any has a
              * batch; one that has none takes part in the gathers only */
             int64_t any = rc != DL_END;

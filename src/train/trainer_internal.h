@@ -40,6 +40,8 @@ typedef struct {
                                   (qt_model_sharded) only this rank's [lo, hi) (trainer_master_lo) */
     int sharded;               /* ZeRO 1/2 over 2+ ranks in f16/bf16 full fine-tuning */
     qt_model_shard shard;      /* when sharded: the copies to all-gather after an update */
+    size_t base_n;             /* LoRA at ZeRO-3: the partitioned frozen base block's elements, which the
+                                  gathers run over (qt_model_base_sharded); 0 otherwise */
     float *grads;              /* (n) fp32 gradients; NULL at ZeRO-2 over several ranks (the
                                   model hands them to the plan: zero_grad_shard) */
     const qt_param *params;

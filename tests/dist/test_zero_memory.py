@@ -91,6 +91,15 @@ def test_plan_matches_every_rank_stage3(setup, n, offload, offload_param, prec):
     check_plan(setup, n, 3, offload, False, None, True, prec, offload_param)
 
 
+# LoRA at ZeRO-3: each rank keeps its shard of the frozen base's matrices (the embedding is 2M of the 2.9M
+# elements here; in f32 the file's dtype, on the host with offload_param) and the three gather buffers; the
+# adapter whole. At stage 2 every rank maps the whole base.
+@pytest.mark.parametrize("prec", [None, "bf16"])
+@pytest.mark.parametrize("n,offload,offload_param", [(2, 0, 0), (4, 1, 1)])
+def test_plan_matches_every_rank_stage3_lora(setup, n, offload, offload_param, prec):
+    check_plan(setup, n, 3, offload, True, None, True, prec, offload_param)
+
+
 def check_plan(d, n, stage, offload, lora, bucket, overlap, prec=None, offload_param=0):
     name = (f"n{n}_s{stage}_o{offload}{offload_param}_{'lora' if lora else 'full'}_b{bucket}_ov{int(overlap)}_"
             f"{prec or 'fp32'}")

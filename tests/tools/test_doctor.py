@@ -274,8 +274,8 @@ def test_output_folder_must_take_a_file(tmp_path):
 
 
 def test_zero3_job(tmp_path):
-    """Stage 3 is a stage qtune runs (full fine-tuning, offload_param cpu read); with LoRA it is a problem
-    that names stage 2, and an NVMe parameter offload is one too."""
+    """Stage 3 is a stage qtune runs (full fine-tuning and LoRA, offload_param cpu read); an NVMe parameter
+    offload is a problem, and so is QLoRA at stage 3, which names stage 2."""
     job, j = good_job(tmp_path)
     del j["lora"]
     j["deepspeed"]["train_batch_size"] = 8  # 2 x 2 x 2 ranks
@@ -288,5 +288,16 @@ def test_zero3_job(tmp_path):
     job.write_text(json.dumps(j))
     p = qtune("doctor", job, "--ranks", "2", "--no-table")
     assert p.returncode != 0
-    assert "stage 3 with LoRA is not supported yet; use zero_optimization.stage 2" in p.stdout, p.stdout
+    assert "does not partition" not in p.stdout, p.stdout  # LoRA at stage 3 runs (the base is partitioned)
     assert 'offload_param.device is "nvme"' in p.stdout, p.stdout
+    j["deepspeed"]["zero_optimization"] = {"stage": 3, "offload_param": {"device": "cpu"}}
+    job.write_text(json.dumps(j))
+    p = qtune("doctor", job, "--ranks", "2", "--no-table")
+    assert "no problems found" in p.stdout, p.stdout
+    # QLoRA at stage 3 is refused, with what to use instead
+    j["quantization"] = {"load_in_4bit": True}
+    j["deepspeed"]["zero_optimization"] = {"stage": 3}
+    job.write_text(json.dumps(j))
+    p = qtune("doctor", job, "--ranks", "2", "--no-table")
+    assert p.returncode != 0
+    assert "ZeRO stage 3 does not partition a 4-bit (QLoRA) base; use zero_optimization.stage 2" in p.stdout, p.stdout

@@ -384,5 +384,15 @@ def test_plan_zero3_recipe_and_large_models():
     assert plan("qwen2.5-32b", 4, 3)[2] and not plan("qwen2.5-32b", 4, 2)[2]
     assert plan("qwen2.5-72b", 8, 3)[2] and not plan("qwen2.5-72b", 4, 3)[2]
     assert plan("qwen2.5-72b", 4, 3, "--offload-param", "cpu")[2]
-    p = qtune("plan", "--preset", "tiny", "--zero", "3", "--mode", "lora")
-    assert p.returncode != 0 and "stage 3 with LoRA" in p.stderr, p.stderr
+    # LoRA at stage 3: the frozen base 1/N a rank (the adapter whole); QLoRA is refused, naming stage 2
+    def lora_weights(zero, n):
+        p = qtune("plan", "--preset", "qwen-14b", "--zero", str(zero), "--devices", str(n), "--mode", "lora",
+                  "--precision", "bf16", "--json")
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout)["per_device_bytes"]["weights"] / 2**30
+    # stage 2: the whole base in bf16 (26.39 GiB); stage 3: the same 1/4 + two layers + V x C as full
+    # fine-tuning's 9.23 (the adapter, whole on every rank, is 0.01 GiB of it in fp32)
+    lw2, lw3 = lora_weights(2, 4), lora_weights(3, 4)
+    assert abs(lw2 - w2) < 0.05 and abs(lw3 - w3) < 0.05, (lw2, lw3)
+    p = qtune("plan", "--preset", "tiny", "--zero", "3", "--devices", "2", "--mode", "lora", "--quantization", "nf4")
+    assert p.returncode != 0 and "does not partition a 4-bit (QLoRA) base" in p.stderr, p.stderr

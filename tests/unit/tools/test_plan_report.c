@@ -301,8 +301,11 @@ static void test_bad_options(void **state) {
     assert_int_equal(qt_plan_compute(&c, &o, &p), QT_EINVAL);
     assert_non_null(strstr(qt_error_message(), "--zero 3"));
     qt_plan_opts_default(&o);
-    o.zero = 3, o.lora = 1;
+    o.zero = 3, o.lora = 1, o.devices = 2; /* LoRA at stage 3 plans; QLoRA there is refused */
+    assert_int_equal(qt_plan_compute(&c, &o, &p), QT_OK);
+    o.quant4 = 1;
     assert_int_equal(qt_plan_compute(&c, &o, &p), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "--zero 2"));
     /* stage 3 on 4 devices: the weights line is the rank's quarter of the 2-byte copy, two layers, the V x C
      * buffer and the 1-D tensors in f32; stage 2 keeps the whole copy */
     qt_plan_opts_default(&o);
