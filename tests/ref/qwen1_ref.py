@@ -29,7 +29,8 @@ from qwen2_ref import Qwen2Ref
 class QwenRef(Qwen2Ref):
     LAYERS = "transformer.h"
 
-    def __init__(self, model_dir, dtype=torch.float64, lora=None):
+    def __init__(self, model_dir, dtype=torch.float64, lora=None, bf16_inputs=False):
+        self.bf16_inputs = bf16_inputs
         with open(os.path.join(model_dir, "config.json")) as f:
             self.cfg = cfg = json.load(f)
         assert cfg.get("rotary_pct", 1.0) == 1.0

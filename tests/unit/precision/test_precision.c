@@ -16,8 +16,10 @@
 
 #include "backend/cpu/op_dnnl.h"
 #include "backend/cpu/op_precision.h"
+#include "backend/cpu/ops.h"
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/quant4.h"
 #include "core/rng.h"
 #include "data/batch.h"
 #include "io/hf_config.h"
@@ -476,6 +478,107 @@ static void test_bf16_native_matches_emulated(void **state) {
     }
 }
 
+/* fp64 reference of out (N, OUT) = alpha * x (N, IN) @ wf^T (+ bias) (+ c0 when acc), wf the weight's f32 values;
+ * every element within 1e-5 of the magnitude sum (fp32 rounding, any summation order). */
+static void check_forward(const float *out, const float *x, const float *wf, const float *bias, const float *c0, int N,
+                          int IN, int OUT, float alpha, int acc) {
+    for (int n = 0; n < N; n++)
+        for (int o = 0; o < OUT; o++) {
+            double ref = 0, mag = 0;
+            for (int i = 0; i < IN; i++) {
+                double p = (double)x[(size_t)n * IN + i] * wf[(size_t)o * IN + i];
+                ref += p, mag += fabs(p);
+            }
+            ref = alpha * ref + (bias ? bias[o] : 0.0) + (acc ? c0[(size_t)n * OUT + o] : 0.0);
+            assert_true(fabs(out[(size_t)n * OUT + o] - ref) <= 1e-5 * (fabs(alpha) * mag + 1.0));
+        }
+}
+
+/* dinp (N, IN) = c0 + alpha * dout (N, OUT) @ wf, likewise */
+static void check_dinp(const float *dinp, const float *dout, const float *wf, const float *c0, int N, int IN, int OUT,
+                       float alpha) {
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < IN; i++) {
+            double ref = 0, mag = 0;
+            for (int o = 0; o < OUT; o++) {
+                double p = (double)dout[(size_t)n * OUT + o] * wf[(size_t)o * IN + i];
+                ref += p, mag += fabs(p);
+            }
+            ref = alpha * ref + c0[(size_t)n * IN + i];
+            assert_true(fabs(dinp[(size_t)n * IN + i] - ref) <= 1e-5 * (fabs(alpha) * mag + 1.0));
+        }
+}
+
+/* op_matmul_forward / op_matmul_backward's dinp on a bf16 weight and on a
+ * 4-bit one that dequantizes to bf16 (op_matmul.c): an operand whose values
+ * are all bf16 runs on oneDNN's bf16 GEMM where the CPU has it (counted by
+ * op_dnnl_bf16_runs) and equals an fp64 product of the same values to fp32
+ * rounding, with and without bias, scale and accumulation; shapes that take
+ * several row blocks (N past the workspace) and several 4-bit panels (a
+ * weight past OP_MATMUL_WS_CAP). An operand that is not bf16-exact, and any
+ * operand under QTUNE_BF16_GEMM=off, takes the fp32 path (no bf16 GEMM run)
+ * with the same result bound. Without the hardware only the fp32 path runs. */
+static void test_matmul_bf16_gemm_path(void **state) {
+    (void)state;
+    const int avail = op_dnnl_bf16_available();
+    printf("bf16 GEMM available: %d\n", avail);
+    const struct { int N, IN, OUT; qt_dtype dt; } cases[] = {
+        {70, 64, 16, QT_BF16}, {70, 64, 16, QT_Q4}, {5, 1024, 4100, QT_Q4}, {3, 96, 40, QT_BF16}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const int N = cases[c].N, IN = cases[c].IN, OUT = cases[c].OUT;
+        const qt_dtype dt = cases[c].dt;
+        const size_t nw = (size_t)OUT * IN;
+        float *src = malloc(sizeof(float) * nw), *wf = malloc(sizeof(float) * nw);
+        uint16_t *w16 = malloc(2 * nw);
+        assert_non_null(src), assert_non_null(wf), assert_non_null(w16);
+        for (size_t i = 0; i < nw; i++) src[i] = 0.05f * sinf(0.37f * (float)i + 0.1f * (float)(i % 7));
+        void *w = w16;
+        qt_q4_weight *q = NULL;
+        if (dt == QT_Q4) {
+            size_t bytes = qt_q4_bytes((uint64_t)OUT, (uint64_t)IN, QT_Q4_BLOCK, 1);
+            q = malloc(bytes);
+            assert_non_null(q);
+            qt_q4_init(q, QT_Q4_NF4, QT_BF16, (uint64_t)OUT, (uint64_t)IN, QT_Q4_BLOCK, 1);
+            assert_int_equal(qt_q4_quantize_weight(q, src, QT_F32), QT_OK);
+            qt_q4_dequantize(q, 0, nw, wf);
+            w = q;
+        } else {
+            for (size_t i = 0; i < nw; i++) w16[i] = qt_f32_to_bf16(src[i]), wf[i] = qt_bf16_to_f32(w16[i]);
+        }
+        const size_t nx = (size_t)N * (IN > OUT ? IN : OUT);
+        float *x = malloc(sizeof(float) * nx), *out = malloc(sizeof(float) * nx), *c0 = malloc(sizeof(float) * nx);
+        float *bias = malloc(sizeof(float) * OUT), *ws = malloc(sizeof(float) * op_matmul_ws_floats(IN, OUT));
+        assert_non_null(x), assert_non_null(out), assert_non_null(c0), assert_non_null(bias), assert_non_null(ws);
+        for (int o = 0; o < OUT; o++) bias[o] = 0.01f * (float)(o % 9);
+        for (int exact = 1; exact >= 0; exact--)
+            for (int off = 0; off < 2; off++) {
+                if (off) setenv("QTUNE_BF16_GEMM", "off", 1);
+                for (size_t i = 0; i < nx; i++) {
+                    float v = cosf(0.11f * (float)i) + 0.25f;
+                    x[i] = exact ? qt_bf16_to_f32(qt_f32_to_bf16(v)) : v;
+                    c0[i] = 0.5f * sinf((float)i);
+                }
+                const int want = exact && !off && avail;
+                for (int acc = 0; acc < 2; acc++) {
+                    float alpha = acc ? 0.5f : 1.0f;
+                    long before = op_dnnl_bf16_runs();
+                    memcpy(out, c0, sizeof(float) * (size_t)N * OUT);
+                    op_matmul_forward(out, x, w, dt, bias, N, IN, OUT, alpha, acc, ws);
+                    check_forward(out, x, wf, bias, c0, N, IN, OUT, alpha, acc);
+                    assert_int_equal(op_dnnl_bf16_runs() > before, want);
+                    /* dinp += alpha * dout @ W, dout (N, OUT) taken from x */
+                    before = op_dnnl_bf16_runs();
+                    memcpy(out, c0, sizeof(float) * (size_t)N * IN);
+                    op_matmul_backward(out, NULL, NULL, x, NULL, w, dt, N, IN, OUT, alpha, ws);
+                    check_dinp(out, x, wf, c0, N, IN, OUT, alpha);
+                    assert_int_equal(op_dnnl_bf16_runs() > before, want);
+                }
+                unsetenv("QTUNE_BF16_GEMM");
+            }
+        free(src), free(wf), free(w16), free(q), free(x), free(out), free(c0), free(bias), free(ws);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_round_f16_saturates),    cmocka_unit_test(test_round_bf16_and_f32),
@@ -483,7 +586,7 @@ int main(void) {
         cmocka_unit_test(test_lora_base_held_in_f16),  cmocka_unit_test(test_full_compute_copy_refreshed),
         cmocka_unit_test(test_round_store_and_load),   cmocka_unit_test(test_memplan_activations_2byte),
         cmocka_unit_test(test_f16_acts_checkpointing_agree), cmocka_unit_test(test_dnnl_bf16_dispatch),
-        cmocka_unit_test(test_dnnl_bf16_gemm_layouts),
+        cmocka_unit_test(test_dnnl_bf16_gemm_layouts),     cmocka_unit_test(test_matmul_bf16_gemm_path),
         cmocka_unit_test(test_bf16_native_matches_emulated),
     };
     return cmocka_run_group_tests(tests, write_model, remove_model);
