@@ -11,7 +11,9 @@
  * quantized: QT_Q4, dequantized here) are converted to f32
  * a panel of rows at a time into the workspace, each thread converting only
  * the rows (or, in the backward, the columns) it multiplies, so no fp32 copy
- * of the base is ever made.
+ * of the base is ever made. bf16-valued weights times a bf16-exact operand
+ * run on oneDNN's bf16 GEMM instead where the CPU has it (forward_bf16,
+ * dinp_bf16 below; docs/precision.md).
  *
  * The input-gradient products (dout @ W, no operand transposed) go through
  * op_sgemm_nn and the weight gradients (dout^T @ inp) through op_sgemm_tn:
