@@ -92,8 +92,8 @@ static void acts_load(qt_model *m, int l, int N) {
 static int decoding(const qt_model *m, int N) { return m->infer && (N == 1 || m->dec_rows); }
 
 /* Inference on bf16-valued weights (m->infer16): x, the input of the
- * Linears next, rounded to bf16 in place (read by nothing else), so that a
- * batched forward's products run on the bf16 GEMM. Decode steps (matvec)
+ * Linears (or of the lm_head) next, rounded to bf16 in place (read by
+ * nothing else), so that a batched forward's products run on the bf16 GEMM. Decode steps (matvec)
  * round the same inputs, so a prompt's prefill and its token-by-token decode
  * compute the same thing up to the summation order. */
 static void infer_round(const qt_model *m, float *x, size_t n) {
@@ -548,6 +548,7 @@ static int run_forward(qt_model *m, const qt_batch *b, int dropout, float *dx_lm
     QT_TRY(outer_params(m, m->lm_head_off));
     be->rmsnorm_forward(be, A->lnf, A->rstdf, A->x[L], m->lnf_w, N, C, c->rms_norm_eps);
     keep(m, A->lnf, (size_t)N * C);
+    infer_round(m, A->lnf, (size_t)N * C);
     if (dx_lm)
         be->lmhead_ce_forward_dx(be, A->loss, A->lse, dx_lm, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, grad_scale, N,
                                 C, c->vocab_size, m->ws);
@@ -801,6 +802,7 @@ static int decode_run(void *arg) {
     decode_layers(m, k->ids, k->n, k->maxpos, k->d);
     be->rmsnorm_forward(be, A->lnf, A->rstdf, A->x[L] + (size_t)(k->n - rows) * C, m->lnf_w, rows, C,
                         c->rms_norm_eps);
+    infer_round(m, A->lnf, (size_t)rows * C);
     be->matvec(be, m->logits, A->lnf, m->lm_head.p, m->lm_head.dt, NULL, rows, C, V, 1.0f, 0); /* V x C read once */
     return QT_OK;
 }

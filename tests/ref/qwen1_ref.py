@@ -74,6 +74,8 @@ class QwenRef(Qwen2Ref):
             a1, a2 = self.linear(h, l, "mlp.w1"), self.linear(h, l, "mlp.w2")
             x = x + self.linear(a1 * torch.nn.functional.silu(a2), l, "mlp.c_proj")
         x = self.rmsnorm(x, p["transformer.ln_f.weight"])
+        if getattr(self, "bf16_inputs", False):
+            x = x.to(torch.bfloat16).to(x.dtype)
         return x @ self.vocab_matrix("transformer.wte.weight", "lm_head").T
 
 

@@ -199,6 +199,8 @@ class Qwen2Ref:
             g, u = self.linear(h, l, LINEARS[4]), self.linear(h, l, LINEARS[5])
             x = x + self.linear(torch.nn.functional.silu(g) * u, l, LINEARS[6])
         x = self.rmsnorm(x, p["model.norm.weight"])
+        if getattr(self, "bf16_inputs", False):
+            x = x.to(torch.bfloat16).to(x.dtype)
         return x @ self.vocab_matrix("model.embed_tokens.weight", "lm_head").T
 
     def vocab_matrix(self, embed, role):

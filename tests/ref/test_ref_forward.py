@@ -8,13 +8,15 @@ each layer Linear's input to bf16 and runs the product on it (docs/precision.md,
 (bf16_inputs), and since bf16 x bf16 products are exact in fp32 only the
 summation order differs, and with it, now and then, which way a later input
 rounds (a value near a bf16 midpoint: fp64 reference, fp32 qtune), a step of
-2^-8 in that value: loss sums within 1e-4 there (measured 4e-6 to 6e-5 on the
-four bf16 shapes), per-token log-probabilities and decode logits within 2e-3
-(measured up to 6e-4 and 1.2e-3; against the unrounded reference 1.7e-3 to
-3e-3). The exactness of the GEMM itself is held at fp32 rounding by
-unit/test_precision (test_matmul_bf16_gemm_path). Each bf16 case also runs
-with QTUNE_BF16_GEMM=off, the fp32 path of every other CPU, against the
-unrounded reference at 1e-5."""
+2^-8 in that value (the lm_head's input too: one such step moves every
+logit of the row): loss sums within 1e-4 there (measured 6e-6 to 4e-5 on the
+four bf16 shapes), per-token log-probabilities and decode logits within 4e-3
+(measured up to 1.2e-3 and 2.6e-3), and always closer to the rounded
+reference than to the unrounded one (which they miss by 1.7e-3 to 2.9e-3 and
+5.4e-3 to 5.9e-3). The exactness of the GEMM itself is held at fp32 rounding
+by unit/test_precision (test_matmul_bf16_gemm_path, test_lmhead_bf16_gemm_path).
+Each bf16 case also runs with QTUNE_BF16_GEMM=off, the fp32 path of every
+other CPU, against the unrounded reference at 1e-5."""
 import json
 import os
 import subprocess
@@ -39,7 +41,7 @@ def gemm_modes(shape):
         return [({}, 1e-5, 1e-5)]
     if not has_bf16_cpu():
         return [({}, 1e-5, 1e-5)]
-    return [({}, 1e-4, 2e-3), ({"QTUNE_BF16_GEMM": "off"}, 1e-5, 1e-5)]
+    return [({}, 1e-4, 4e-3), ({"QTUNE_BF16_GEMM": "off"}, 1e-5, 1e-5)]
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -52,15 +54,21 @@ def test_loss_and_logprobs(tmp_path, shape):
         out = run_driver(str(tmp_path), md, batch, "--mode", "eval", env=env)
         # the bf16 path is taken exactly where it should be: bf16 weights, a bf16 CPU, not switched off
         assert int(out["infer16"][0]) == int(shape.endswith("bf16") and has_bf16_cpu() and not env), env
-        ref = reference(md, bf16_inputs=bool(out["infer16"][0]))
-        with torch.no_grad():
-            loss, n, lp = ref.loss(a["inputs"], a["targets"], a["positions"], a["doc_start"])
-        assert int(out["n_tokens"][0]) == n
-        assert abs(out["loss_sum"][0] - loss.item()) <= ltol * abs(loss.item()), env
-        lp = lp.numpy()
         mask = a["targets"] != -100
-        err = np.abs(out["logp"] - lp)[mask] / np.abs(lp[mask])
-        assert err.max() <= tol, "per-token logprob rel err %.3g (%s)" % (err.max(), env)
+        errs = []
+        for r16 in (True, False) if out["infer16"][0] else (False,):
+            with torch.no_grad():
+                loss, n, lp = reference(md, bf16_inputs=r16).loss(a["inputs"], a["targets"], a["positions"],
+                                                                  a["doc_start"])
+            lp = lp.numpy()
+            errs.append((abs(out["loss_sum"][0] - loss.item()) / abs(loss.item()),
+                         (np.abs(out["logp"] - lp)[mask] / np.abs(lp[mask])).max()))
+            if r16 == bool(out["infer16"][0]):
+                assert int(out["n_tokens"][0]) == n
+        assert errs[0][0] <= ltol, (errs, env)
+        assert errs[0][1] <= tol, "per-token logprob rel err %.3g (%s)" % (errs[0][1], env)
+        if len(errs) == 2:  # bf16 inputs: the rounded reference is the one it follows
+            assert errs[0][1] < errs[1][1], errs
         assert np.all(out["logp"][~mask] == 0)
 
 
@@ -76,12 +84,16 @@ def test_decode_kv_cache(tmp_path, shape):
     for env, _, tol in gemm_modes(shape):
         out = run_driver(str(tmp_path), md, batch, "--mode", "decode", env=env)
         assert int(out["infer16"][0]) == int(shape.endswith("bf16") and has_bf16_cpu() and not env), env
-        with torch.no_grad():
-            lg = reference(md, bf16_inputs=bool(out["infer16"][0])).logits(a["inputs"]).numpy()[0]
         P = 10
-        want = lg[P - 1:]
-        assert out["logits"].shape == want.shape
-        assert rel_err(out["logits"], want) <= tol, env
+        errs = []
+        for r16 in (True, False) if out["infer16"][0] else (False,):
+            with torch.no_grad():
+                want = reference(md, bf16_inputs=r16).logits(a["inputs"]).numpy()[0][P - 1:]
+            assert out["logits"].shape == want.shape
+            errs.append(rel_err(out["logits"], want))
+        assert errs[0] <= tol, (errs, env)
+        if len(errs) == 2:  # bf16 inputs: the rounded reference is the one it follows
+            assert errs[0] < errs[1], errs
 
 
 def test_eval_cli(tmp_path):

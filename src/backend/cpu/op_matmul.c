@@ -146,6 +146,12 @@ static void to_bf16(uint16_t *d, const float *x, size_t n) {
     for (size_t i = 0; i < n; i++) d[i] = (uint16_t)(u[i] >> 16);
 }
 
+int op_bf16_operand(const float *x, size_t n, uint16_t *x16) {
+    if (!bf16_gemm_on() || !bf16_exact(x, n)) return 0;
+    to_bf16(x16, x, n);
+    return 1;
+}
+
 /* rows [o0, o0 + p) of a 4-bit weight (bf16-valued) as bf16, (p, IN) */
 static void q4_rows_bf16(uint16_t *d, const void *w, int o0, int p, int IN) {
     enum { CH = 1024 };

@@ -9,6 +9,7 @@
 #include <cmocka.h>
 
 #include <math.h>
+#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -461,8 +462,15 @@ static void test_bf16_native_matches_emulated(void **state) {
             runs[emu] = op_dnnl_bf16_runs() - before;
         }
         unsetenv("QTUNE_BF16_EMULATE");
-        /* full: forward, dx and dW of 7 linears a layer; LoRA: forward and dx, but layer 0's q/k/v need no dx */
-        assert_int_equal(runs[0], lora ? (long)L * 14 - 3 : (long)L * 21);
+        /* full: forward, dx and dW of 7 linears a layer, and the lm_head's logits (its forward keeps them,
+         * op_lmhead_ce_forward_keep): one GEMM per thread's slice of each vocabulary chunk; LoRA: forward
+         * and dx, but layer 0's q/k/v need no dx (its lm_head forward is fused with dx, on sgemm) */
+        long lm = 0;
+        for (int v0 = 0; v0 < cfg.vocab_size; v0 += OP_CE_CHUNK) {
+            int cv = cfg.vocab_size - v0 < OP_CE_CHUNK ? cfg.vocab_size - v0 : OP_CE_CHUNK, nt = omp_get_max_threads();
+            for (int id = 0, a, e; id < nt; id++) op_split(cv, nt, id, 16, &a, &e), lm += e > a;
+        }
+        assert_int_equal(runs[0], lora ? (long)L * 14 - 3 : (long)L * 21 + lm);
         assert_int_equal(runs[1], 0);
         assert_true(isfinite(loss[0]) && fabs(loss[0] - loss[1]) <= 1e-5 * fabs(loss[1]));
         size_t n = qt_model_numel(m[0]);
@@ -632,6 +640,46 @@ static void test_qlora_bf16_on_the_gemm(void **state) {
     }
 }
 
+/* The lm_head + cross-entropy forward (op_lmhead_ce_forward, _keep) on a bf16
+ * table with a bf16-exact x: its logits on the bf16 GEMM where the CPU has it
+ * (counted), loss and lse equal to the fp32 path's (QTUNE_BF16_GEMM=off) to
+ * fp32 rounding; a non-exact x takes the fp32 path. Several vocabulary
+ * chunks, a last one partial. */
+static void test_lmhead_bf16_gemm_path(void **state) {
+    (void)state;
+    enum { N = 12, C = 64, V = 2 * OP_CE_CHUNK + 37 };
+    const int avail = op_dnnl_bf16_available();
+    uint16_t *w = malloc(2 * (size_t)V * C);
+    float *x = malloc(sizeof(float) * N * C), *ws = malloc(sizeof(float) * op_lmhead_ce_ws_floats(N, C));
+    assert_non_null(w), assert_non_null(x), assert_non_null(ws);
+    for (size_t i = 0; i < (size_t)V * C; i++) w[i] = qt_f32_to_bf16(0.3f * sinf(0.13f * (float)i));
+    int32_t targets[N];
+    for (int n = 0; n < N; n++) targets[n] = n == 3 ? -100 : (n * 1543) % V;
+    for (int exact = 1; exact >= 0; exact--) {
+        for (int i = 0; i < N * C; i++) {
+            float v = cosf(0.7f * (float)i);
+            x[i] = exact ? qt_bf16_to_f32(qt_f32_to_bf16(v)) : v;
+        }
+        float loss[2][N], lse[2][N];
+        long runs[2];
+        for (int off = 0; off < 2; off++) {
+            if (off) setenv("QTUNE_BF16_GEMM", "off", 1);
+            long before = op_dnnl_bf16_runs();
+            op_lmhead_ce_forward(loss[off], lse[off], x, w, QT_BF16, targets, N, C, V, ws);
+            runs[off] = op_dnnl_bf16_runs() - before;
+            unsetenv("QTUNE_BF16_GEMM");
+        }
+        assert_int_equal(runs[0] > 0, exact && avail);
+        assert_int_equal(runs[1], 0);
+        for (int n = 0; n < N; n++) {
+            assert_true(fabsf(lse[0][n] - lse[1][n]) <= 1e-5f * (fabsf(lse[1][n]) + 1.0f));
+            assert_true(fabsf(loss[0][n] - loss[1][n]) <= 1e-5f * (fabsf(lse[1][n]) + 1.0f));
+        }
+        assert_true(loss[0][3] == 0.0f);
+    }
+    free(w), free(x), free(ws);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_round_f16_saturates),    cmocka_unit_test(test_round_bf16_and_f32),
@@ -640,6 +688,7 @@ int main(void) {
         cmocka_unit_test(test_round_store_and_load),   cmocka_unit_test(test_memplan_activations_2byte),
         cmocka_unit_test(test_f16_acts_checkpointing_agree), cmocka_unit_test(test_dnnl_bf16_dispatch),
         cmocka_unit_test(test_dnnl_bf16_gemm_layouts),     cmocka_unit_test(test_matmul_bf16_gemm_path),
+        cmocka_unit_test(test_lmhead_bf16_gemm_path),
         cmocka_unit_test(test_bf16_native_matches_emulated), cmocka_unit_test(test_qlora_bf16_on_the_gemm),
     };
     return cmocka_run_group_tests(tests, write_model, remove_model);
