@@ -9,6 +9,8 @@ every figure. Three parts:
   lora    `qtune train`: LoRA r 8 on q/v, B 1 x T --seq, deepspeed bf16, on the
           bf16 folder and on it quantized on load (nf4); tokens/s median over
           the steps after --warmup. Target: the nf4 step within 1.3x the bf16 one.
+  eval    `qtune eval` of --eval-rows rows of --seq random ids on the f32 and the bf16
+          folder: tokens / wall seconds of the whole process (model load included).
   decode  `qtune generate --quantization nf4 --max-new N`: decode tokens/s
           against the bandwidth limit of the bytes a step reads (4-bit layer
           linears: packed codes + f32 absmax; the rest as stored; an untied
@@ -17,7 +19,7 @@ every figure. Three parts:
 
 usage: /usr/bin/python3 bench/bench_bf16.py --before /work/base/build/src/cli/qtune \
            --after build/src/cli/qtune --build build --work /tmp/bf16bench [--preset qwen2.5-0.5b]
-           [--threads 1] [--rounds 3] [--parts prompt,lora,decode] [--json OUT]"""
+           [--threads 1] [--rounds 3] [--parts prompt,lora,eval,decode] [--json OUT]"""
 import argparse
 import json
 import os
@@ -134,6 +136,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--eval-rows", type=int, default=2)
     ap.add_argument("--parts", default="prompt,lora,decode")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -166,6 +169,28 @@ def main():
                     runs.setdefault(k, []).append((tok, load(), losses))
                     print("lora round %d %s: %.2f tok/s (load %.1f) losses %s" % (r, k, tok, load(), losses), flush=True)
         res["lora"] = runs
+    if "eval" in parts:
+        m32 = ensure_model(a.after, a.work, a.preset, "f32")
+        V = json.load(open(os.path.join(m16, "config.json")))["vocab_size"]
+        data = os.path.join(a.work, "eval-%dx%d.jsonl" % (a.eval_rows, a.seq))
+        with open(data, "w") as f:
+            for r in range(a.eval_rows):
+                f.write(json.dumps({"input_ids": [(7919 * (i + 131 * r) + 13) % (V - 1) + 1 for i in range(a.seq)]})
+                        + "\n")
+        runs = {}
+        for r in range(a.rounds):
+            for b in ("before", "after"):
+                for dt, m in (("f32", m32), ("bf16", m16)):
+                    t0 = time.time()
+                    p = subprocess.run([bins[b], "eval", "--model", m, "--data", data, "--seq-len", str(a.seq)],
+                                       capture_output=True, text=True, env=env(t))
+                    if p.returncode:
+                        sys.exit("qtune eval failed: " + p.stderr)
+                    o = json.loads(p.stdout.strip().splitlines()[-1])
+                    k = "%s/%s" % (b, dt)
+                    runs.setdefault(k, []).append((a.eval_rows * a.seq / (time.time() - t0), load(), o["loss"]))
+                    print("eval round %d %s: %.1f tok/s (load %.1f) loss %.6f" % (r, k, *runs[k][-1]), flush=True)
+        res["eval"] = runs
     if "decode" in parts:
         bpt = nf4_bytes_per_token(m16)
         runs = {}
@@ -183,7 +208,7 @@ def main():
         res["decode"] = runs
         res["nf4_bytes_per_token"] = bpt
     print("\nmedians:")
-    for part in ("prompt", "lora", "decode"):
+    for part in ("prompt", "lora", "eval", "decode"):
         for k, v in res.get(part, {}).items():
             print("  %s %s: %.2f (rounds %s)" % (part, k, statistics.median(x[0] for x in v),
                                                 ", ".join("%.2f" % x[0] for x in v)))
