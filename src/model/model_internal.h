@@ -267,6 +267,10 @@ struct qt_model {
     int native16;          /* 16-bit training (bf16 or f16, without checkpointing) where the backend has
                               that dtype's GEMM (be->half_available: oneDNN's bf16 on a CPU with
                               AVX512_BF16, the GPU's tensor cores): the layers' base matmuls run on it */
+    int infer16;           /* inference (fp32 compute) on bf16-valued layer weights (bf16, or 4-bit
+                              dequantizing to bf16) where the backend has the bf16 GEMM: a batched
+                              forward rounds each Linear's input to bf16 first, as the PyTorch bf16
+                              model holds its activations, so the product runs on that GEMM */
 };
 
 #endif

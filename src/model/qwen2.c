@@ -91,6 +91,15 @@ static void acts_load(qt_model *m, int l, int N) {
  * matrix-vector products, each weight read once for all N rows. */
 static int decoding(const qt_model *m, int N) { return m->infer && (N == 1 || m->dec_rows); }
 
+/* Inference on bf16-valued weights (m->infer16): x, the input of the
+ * Linears (or of the lm_head) next, rounded to bf16 in place (read by
+ * nothing else), so that a batched forward's products run on the bf16 GEMM. Decode steps (matvec)
+ * round the same inputs, so a prompt's prefill and its token-by-token decode
+ * compute the same thing up to the summation order. */
+static void infer_round(const qt_model *m, float *x, size_t n) {
+    if (m->infer16) m->be->round_to_dtype(m->be, x, n, QT_BF16);
+}
+
 /* Decoding: out += B (s A x) for a LoRA target, through lora_h (N, R). */
 static void lora_decode(qt_model *m, const qt_linear *q, float *out, const float *inp, float *lora_h, int N) {
     qt_backend *be = m->be;
@@ -273,6 +282,7 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
     uint16_t *const *x16 = m->acts.x16;
     be->rmsnorm_forward(be, a->ln1, a->rstd1, x, L->ln1, N, C, c->rms_norm_eps);
     keep_save(m, a->ln1, NC, s->ln1);
+    infer_round(m, a->ln1, NC);
     /* Qwen3: the projections go to qraw/kraw, and q_norm/k_norm (one RMSNorm over D per head: (N*H) rows
      * of D) write q and k, before RoPE */
     float *qp = a->qraw ? a->qraw : a->q, *kp = a->kraw ? a->kraw : a->k;
@@ -296,16 +306,19 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
         attend_cached(m, l, N, a, d);
     }
     keep_save(m, a->att, NQ, s->att);
+    infer_round(m, a->att, NQ);
     linear_forward(m, l, LIN_O, a->xmid, a->att, s->att, N, a->lora_h[LIN_O], dropout);
     be->acc(be, a->xmid, x, NC);
     keep_save(m, a->xmid, NC, s->xmid);
     be->rmsnorm_forward(be, a->ln2, a->rstd2, a->xmid, L->ln2, N, C, c->rms_norm_eps);
     keep_save(m, a->ln2, NC, s->ln2);
+    infer_round(m, a->ln2, NC);
     linears_forward(m, l, 2, gate_up, gate_up_out, a->ln2, s->ln2, N, a->lora_h, dropout);
     keep_save(m, a->gate, NI, s->gate);
     keep_save(m, a->up, NI, s->up);
     be->swiglu_forward(be, a->h, a->gate, a->up, N, I);
     keep_save(m, a->h, NI, s->h);
+    infer_round(m, a->h, NI);
     linear_forward(m, l, LIN_DOWN, xout, a->h, s->h, N, a->lora_h[LIN_DOWN], dropout);
     be->acc(be, xout, a->xmid, NC);
     keep_save(m, xout, NC, x16 && l + 1 < c->num_hidden_layers ? x16[l + 1] : NULL);
@@ -537,6 +550,7 @@ static int run_forward(qt_model *m, const qt_batch *b, int dropout, float *dx_lm
     QT_TRY(outer_params(m, m->gout[1]));
     be->rmsnorm_forward(be, A->lnf, A->rstdf, A->x[L], m->lnf_w, N, C, c->rms_norm_eps);
     keep(m, A->lnf, (size_t)N * C);
+    infer_round(m, A->lnf, (size_t)N * C);
     if (dx_lm)
         be->lmhead_ce_forward_dx(be, A->loss, A->lse, dx_lm, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, grad_scale, N,
                                 C, c->vocab_size, m->ws);
@@ -790,6 +804,7 @@ static int decode_run(void *arg) {
     decode_layers(m, k->ids, k->n, k->maxpos, k->d);
     be->rmsnorm_forward(be, A->lnf, A->rstdf, A->x[L] + (size_t)(k->n - rows) * C, m->lnf_w, rows, C,
                         c->rms_norm_eps);
+    infer_round(m, A->lnf, (size_t)rows * C);
     be->matvec(be, m->logits, A->lnf, m->lm_head.p, m->lm_head.dt, NULL, rows, C, V, 1.0f, 0); /* V x C read once */
     return QT_OK;
 }

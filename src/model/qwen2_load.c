@@ -273,6 +273,15 @@ static int prequant_matrix(qt_model *m, const st_tensor *t, const char *name, in
     return rc;
 }
 
+/* 1 when w's values are bf16 values: a bf16 weight, or a 4-bit one that
+ * dequantizes to bf16. */
+static int bf16_valued(qt_model *m, const qt_wref *w) {
+    if (w->dt != QT_Q4) return w->dt == QT_BF16;
+    qt_q4_weight hdr;
+    m->be->download(m->be, &hdr, w->p, sizeof hdr);
+    return hdr.dtype == QT_BF16;
+}
+
 /* Rows [r0, r0 + rows) of a 4-bit matrix (the original Qwen's k and v in
  * its fused c_attn): a view header of its own in device memory. */
 static int quant_rows(qt_model *m, const qt_wref *f, size_t r0, int rows, qt_wref *w) {
@@ -966,6 +975,13 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
     m->native16 = m->acts.layer16 && (cdt == QT_F16 || (cdt == QT_BF16 && !qt_precision_bf16_emulated(m->opts.backend))) &&
                   m->gs.dout16 && m->be->half_available(m->be, cdt);
     if (m->native16) qt_debug("model %s: %s layer matmuls on the backend's 16-bit GEMM", dir, qt_dtype_name(cdt));
+    /* inference: bf16-valued layer weights (docs/precision.md, "Inference on bf16 weights"); the cpu backend's
+     * matmul (and the guard's, which runs it) takes bf16-exact operands onto the bf16 GEMM, cuda's does not */
+    const int exact_ops = !strcmp(m->be->desc->name, "cpu") || !strcmp(m->be->desc->name, "guard");
+    m->infer16 = m->infer && cdt == QT_F32 && exact_ops && c->num_hidden_layers > 0 &&
+                 bf16_valued(m, &m->layers[0].lin[LIN_Q].w) && !qt_precision_bf16_emulated(m->opts.backend) &&
+                 m->be->half_available(m->be, QT_BF16);
+    if (m->infer16) qt_debug("model %s: batched forwards round the Linears' inputs to bf16 (the bf16 GEMM)", dir);
     const size_t maxn = (size_t)opts->max_B * (size_t)opts->max_T;
     m->pos_buf = qt_malloc(sizeof(int32_t) * maxn, "model: positions");
     m->loss_host = qt_malloc(sizeof(float) * maxn, "model: token losses");

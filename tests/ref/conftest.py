@@ -131,12 +131,14 @@ def as_arrays(batch):
     return {k: np.array(batch[k]).reshape(B, T) for k in ("inputs", "targets", "positions", "doc_start")}
 
 
-def run_driver(tmp, model_dir, batch, *opts, tag="out"):
+def run_driver(tmp, model_dir, batch, *opts, tag="out", env=None):
+    """env: variables to set for the driver's run (e.g. QTUNE_BF16_GEMM=off)"""
     bp = os.path.join(tmp, tag + "-batch.json")
     with open(bp, "w") as f:
         json.dump(batch, f)
     out = os.path.join(tmp, tag + ".safetensors")
-    r = subprocess.run([DRIVER, model_dir, bp, out, *opts], capture_output=True, text=True)
+    r = subprocess.run([DRIVER, model_dir, bp, out, *opts], capture_output=True, text=True,
+                       env=dict(os.environ, **(env or {})))
     assert r.returncode == 0, r.stderr
     return st.read(out)
 

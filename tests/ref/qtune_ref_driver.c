@@ -4,6 +4,8 @@
  *   loss_sum [1], n_tokens [1], logp [B, T]            (every mode)
  *   grad/<param name> for every trainable tensor        (--mode train)
  *   logits [steps, V]: KV-cache decode of row 0         (--mode decode)
+ *   infer16 [1]: 1 when the inference forwards rounded the Linears' inputs to
+ *     bf16 for the bf16 GEMM (model_internal.h m->infer16), else 0
  *
  * usage: qtune_ref_driver MODEL_DIR BATCH.json OUT.safetensors
  *          [--mode eval|train|decode] [--lora R ALPHA TARGETS(a,b,..)] [--rslora]
@@ -257,7 +259,9 @@ int main(int argc, char **argv) {
     scal[0] = (float)loss_sum;
     scal[1] = (float)ntok;
     int64_t one = 1, bt[2] = {b.B, b.T};
-    if (st_writer_add(w, "loss_sum", QT_F32, 1, &one, &scal[0], QT_F32) != QT_OK ||
+    float infer16 = (float)m->infer16;
+    if (st_writer_add(w, "infer16", QT_F32, 1, &one, &infer16, QT_F32) != QT_OK ||
+        st_writer_add(w, "loss_sum", QT_F32, 1, &one, &scal[0], QT_F32) != QT_OK ||
         st_writer_add(w, "n_tokens", QT_F32, 1, &one, &scal[1], QT_F32) != QT_OK ||
         st_writer_add(w, "logp", QT_F32, 2, bt, logp, QT_F32) != QT_OK || st_writer_write(w, out_path) != QT_OK)
         return die();

@@ -29,7 +29,8 @@ from qwen2_ref import Qwen2Ref
 class QwenRef(Qwen2Ref):
     LAYERS = "transformer.h"
 
-    def __init__(self, model_dir, dtype=torch.float64, lora=None):
+    def __init__(self, model_dir, dtype=torch.float64, lora=None, bf16_inputs=False):
+        self.bf16_inputs = bf16_inputs
         with open(os.path.join(model_dir, "config.json")) as f:
             self.cfg = cfg = json.load(f)
         assert cfg.get("rotary_pct", 1.0) == 1.0
@@ -73,6 +74,8 @@ class QwenRef(Qwen2Ref):
             a1, a2 = self.linear(h, l, "mlp.w1"), self.linear(h, l, "mlp.w2")
             x = x + self.linear(a1 * torch.nn.functional.silu(a2), l, "mlp.c_proj")
         x = self.rmsnorm(x, p["transformer.ln_f.weight"])
+        if getattr(self, "bf16_inputs", False):
+            x = x.to(torch.bfloat16).to(x.dtype)
         return x @ self.vocab_matrix("transformer.wte.weight", "lm_head").T
 
 

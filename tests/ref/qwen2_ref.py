@@ -36,12 +36,16 @@ LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 
 
 class Qwen2Ref:
-    def __init__(self, model_dir, dtype=torch.float64, lora=None):
+    def __init__(self, model_dir, dtype=torch.float64, lora=None, bf16_inputs=False):
         """lora: None, or {"r", "alpha", "rslora", "weights": {peft key: array},
-        "masks": {(layer, "self_attn.q_proj"): dropout mask / (1 - p), (B*T, in)} (optional)}"""
+        "masks": {(layer, "self_attn.q_proj"): dropout mask / (1 - p), (B*T, in)} (optional)}
+        bf16_inputs: each layer Linear's input rounded to bf16 first (a torch bf16 model's
+        matmul: bf16 inputs, products accumulated in fp32; what qtune's inference does on
+        bf16 weights where the CPU has the bf16 GEMM)"""
         with open(os.path.join(model_dir, "config.json")) as f:
             self.cfg = cfg = json.load(f)
         self.dtype = dtype
+        self.bf16_inputs = bf16_inputs
         self.C = cfg["hidden_size"]
         self.H = cfg["num_attention_heads"]
         self.KV = cfg.get("num_key_value_heads", self.H)
@@ -74,6 +78,8 @@ class Qwen2Ref:
 
     def linear(self, x, l, name):
         pre = "%s.%d.%s" % (self.LAYERS, l, name)
+        if getattr(self, "bf16_inputs", False):
+            x = x.to(torch.bfloat16).to(x.dtype)
         y = x @ self.p[pre + ".weight"].T
         if pre + ".bias" in self.p:
             y = y + self.p[pre + ".bias"]
@@ -193,6 +199,8 @@ class Qwen2Ref:
             g, u = self.linear(h, l, LINEARS[4]), self.linear(h, l, LINEARS[5])
             x = x + self.linear(torch.nn.functional.silu(g) * u, l, LINEARS[6])
         x = self.rmsnorm(x, p["model.norm.weight"])
+        if getattr(self, "bf16_inputs", False):
+            x = x.to(torch.bfloat16).to(x.dtype)
         return x @ self.vocab_matrix("model.embed_tokens.weight", "lm_head").T
 
     def vocab_matrix(self, embed, role):

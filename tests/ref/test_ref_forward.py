@@ -1,6 +1,22 @@
 """Forward parity against the PyTorch reference: loss and per-token
 log-probabilities (rel err <= 1e-5 in fp32), KV-cache decoding logits, and
-`qtune eval` end to end."""
+`qtune eval` end to end.
+
+bf16 models: where the CPU has the bf16 GEMM (AVX512_BF16), inference rounds
+each layer Linear's input to bf16 and runs the product on it (docs/precision.md,
+"Inference on bf16 weights"); the reference then rounds the same inputs
+(bf16_inputs), and since bf16 x bf16 products are exact in fp32 only the
+summation order differs, and with it, now and then, which way a later input
+rounds (a value near a bf16 midpoint: fp64 reference, fp32 qtune), a step of
+2^-8 in that value (the lm_head's input too: one such step moves every
+logit of the row): loss sums within 1e-4 there (measured 6e-6 to 4e-5 on the
+four bf16 shapes), per-token log-probabilities and decode logits within 4e-3
+(measured up to 1.2e-3 and 2.6e-3), and always closer to the rounded
+reference than to the unrounded one (which they miss by 1.7e-3 to 2.9e-3 and
+5.4e-3 to 5.9e-3). The exactness of the GEMM itself is held at fp32 rounding
+by unit/test_precision (test_matmul_bf16_gemm_path, test_lmhead_bf16_gemm_path).
+Each bf16 case also runs with QTUNE_BF16_GEMM=off, the fp32 path of every
+other CPU, against the unrounded reference at 1e-5."""
 import json
 import os
 import subprocess
@@ -13,23 +29,47 @@ from conftest import QTUNE, SHAPES, as_arrays, make_batch, make_model, rel_err, 
 from qwen1_ref import reference
 
 
+def has_bf16_cpu():
+    flags = open("/proc/cpuinfo").read()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def gemm_modes(shape):
+    """(env, loss tolerance, per-value tolerance) per run: bf16 shapes on the bf16 GEMM where the CPU has it,
+    and on the fp32 path"""
+    if not shape.endswith("bf16"):
+        return [({}, 1e-5, 1e-5)]
+    if not has_bf16_cpu():
+        return [({}, 1e-5, 1e-5)]
+    return [({}, 1e-4, 4e-3), ({"QTUNE_BF16_GEMM": "off"}, 1e-5, 1e-5)]
+
+
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_loss_and_logprobs(tmp_path, shape):
     md = str(tmp_path / "model")
     cfg = make_model(md, shape)
     batch = make_batch(cfg["vocab_size"])
-    out = run_driver(str(tmp_path), md, batch, "--mode", "eval")
     a = as_arrays(batch)
-    ref = reference(md)
-    with torch.no_grad():
-        loss, n, lp = ref.loss(a["inputs"], a["targets"], a["positions"], a["doc_start"])
-    assert int(out["n_tokens"][0]) == n
-    assert abs(out["loss_sum"][0] - loss.item()) <= 1e-5 * abs(loss.item())
-    lp = lp.numpy()
-    mask = a["targets"] != -100
-    err = np.abs(out["logp"] - lp)[mask] / np.abs(lp[mask])
-    assert err.max() <= 1e-5, "per-token logprob rel err %.3g" % err.max()
-    assert np.all(out["logp"][~mask] == 0)
+    for env, ltol, tol in gemm_modes(shape):
+        out = run_driver(str(tmp_path), md, batch, "--mode", "eval", env=env)
+        # the bf16 path is taken exactly where it should be: bf16 weights, a bf16 CPU, not switched off
+        assert int(out["infer16"][0]) == int(shape.endswith("bf16") and has_bf16_cpu() and not env), env
+        mask = a["targets"] != -100
+        errs = []
+        for r16 in (True, False) if out["infer16"][0] else (False,):
+            with torch.no_grad():
+                loss, n, lp = reference(md, bf16_inputs=r16).loss(a["inputs"], a["targets"], a["positions"],
+                                                                  a["doc_start"])
+            lp = lp.numpy()
+            errs.append((abs(out["loss_sum"][0] - loss.item()) / abs(loss.item()),
+                         (np.abs(out["logp"] - lp)[mask] / np.abs(lp[mask])).max()))
+            if r16 == bool(out["infer16"][0]):
+                assert int(out["n_tokens"][0]) == n
+        assert errs[0][0] <= ltol, (errs, env)
+        assert errs[0][1] <= tol, "per-token logprob rel err %.3g (%s)" % (errs[0][1], env)
+        if len(errs) == 2:  # bf16 inputs: the rounded reference is the one it follows
+            assert errs[0][1] < errs[1][1], errs
+        assert np.all(out["logp"][~mask] == 0)
 
 
 @pytest.mark.parametrize("shape", ["qwen2-gqa2-d64-untied-bf16", "qwen2-gqa7-d128-tied-f32", "qwen3-gqa2-d48-tied-f32",
@@ -40,14 +80,20 @@ def test_decode_kv_cache(tmp_path, shape):
     md = str(tmp_path / "model")
     cfg = make_model(md, shape)
     batch = make_batch(cfg["vocab_size"], B=1, T=20, packed=False)
-    out = run_driver(str(tmp_path), md, batch, "--mode", "decode")
     a = as_arrays(batch)
-    with torch.no_grad():
-        lg = reference(md).logits(a["inputs"]).numpy()[0]
-    P = 10
-    want = lg[P - 1:]
-    assert out["logits"].shape == want.shape
-    assert rel_err(out["logits"], want) <= 1e-5
+    for env, _, tol in gemm_modes(shape):
+        out = run_driver(str(tmp_path), md, batch, "--mode", "decode", env=env)
+        assert int(out["infer16"][0]) == int(shape.endswith("bf16") and has_bf16_cpu() and not env), env
+        P = 10
+        errs = []
+        for r16 in (True, False) if out["infer16"][0] else (False,):
+            with torch.no_grad():
+                want = reference(md, bf16_inputs=r16).logits(a["inputs"]).numpy()[0][P - 1:]
+            assert out["logits"].shape == want.shape
+            errs.append(rel_err(out["logits"], want))
+        assert errs[0] <= tol, (errs, env)
+        if len(errs) == 2:  # bf16 inputs: the rounded reference is the one it follows
+            assert errs[0] < errs[1], errs
 
 
 def test_eval_cli(tmp_path):
@@ -67,33 +113,35 @@ def test_eval_cli(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(lines) + "\n")
     pt = tmp_path / "pt.jsonl"
-    r = subprocess.run([QTUNE, "eval", "--model", md, "--data", str(data), "--seq-len", "16", "--batch", "2",
-                        "--per-token", str(pt)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    last = json.loads(r.stdout.strip().splitlines()[-1])
-    assert set(last) == {"loss", "ppl", "tokens"}
-    ref = reference(md)
-    total, ntok, per = 0.0, 0, []
-    with torch.no_grad():
-        for ex in examples:
-            ids = ex["input_ids"][:16]
-            labels = ex.get("labels", ex["input_ids"])[:16]
-            tg = labels[1:] + [-100]
-            loss, n, lp = ref.loss(np.array([ids]), np.array([tg]))
-            total += loss.item()
-            ntok += n
-            per.append([None] + [float(lp[0, t - 1]) if labels[t] != -100 else None for t in range(1, len(ids))])
-    assert last["tokens"] == ntok
-    assert abs(last["loss"] - total / ntok) <= 1e-5 * total / ntok
-    assert abs(last["ppl"] - np.exp(total / ntok)) <= 1e-4 * np.exp(total / ntok)
-    got = [json.loads(l) for l in pt.read_text().splitlines()]
-    assert [g["index"] for g in got] == list(range(5))
-    for g, w in zip(got, per):
-        assert len(g["logprobs"]) == len(w)
-        for x, y in zip(g["logprobs"], w):
-            assert (x is None) == (y is None)
-            if x is not None:
-                assert abs(x - y) <= 1e-5 * abs(y)
+    for env, ltol, tol in gemm_modes("bf16"):
+        r = subprocess.run([QTUNE, "eval", "--model", md, "--data", str(data), "--seq-len", "16", "--batch", "2",
+                            "--per-token", str(pt)], capture_output=True, text=True, env=dict(os.environ, **env))
+        assert r.returncode == 0, r.stderr
+        last = json.loads(r.stdout.strip().splitlines()[-1])
+        assert set(last) == {"loss", "ppl", "tokens"}
+        ref = reference(md, bf16_inputs=has_bf16_cpu() and not env)
+        total, ntok, per = 0.0, 0, []
+        with torch.no_grad():
+            for ex in examples:
+                ids = ex["input_ids"][:16]
+                labels = ex.get("labels", ex["input_ids"])[:16]
+                tg = labels[1:] + [-100]
+                loss, n, lp = ref.loss(np.array([ids]), np.array([tg]))
+                total += loss.item()
+                ntok += n
+                per.append([None] + [float(lp[0, t - 1]) if labels[t] != -100 else None
+                                     for t in range(1, len(ids))])
+        assert last["tokens"] == ntok
+        assert abs(last["loss"] - total / ntok) <= ltol * total / ntok, env
+        assert abs(last["ppl"] - np.exp(total / ntok)) <= 10 * ltol * np.exp(total / ntok)
+        got = [json.loads(l) for l in pt.read_text().splitlines()]
+        assert [g["index"] for g in got] == list(range(5))
+        for g, w in zip(got, per):
+            assert len(g["logprobs"]) == len(w)
+            for x, y in zip(g["logprobs"], w):
+                assert (x is None) == (y is None)
+                if x is not None:
+                    assert abs(x - y) <= tol * abs(y), env
 
 
 def test_eval_cli_errors(tmp_path):

@@ -151,10 +151,11 @@ def test_full_finetuning_on_a_4bit_base_is_refused(tmp_path):
 def test_qlora_half_compute_equals_the_16bit_path_on_dequantized_weights(tmp_path, compute, monkeypatch):
     """bf16/fp16 compute: the 4-bit weights dequantize to the compute dtype, as bitsandbytes'
     dequantize_4bit returns quant_state.dtype; 20 steps equal qtune's 16-bit path (held against PyTorch by
-    tests/precision) on a folder of those dequantized values, losses and adapter within 1e-4. The 4-bit
-    products run on fp32 sgemm over the dequantized panel (the native bf16 GEMM reads 16-bit weights only),
-    so the 16-bit run takes the same route (QTUNE_BF16_EMULATE: bf16 values, fp32 products); with the native
-    GEMM's other summation order the adapters drift apart by ~2e-4 over 20 Adam steps."""
+    tests/precision) on a folder of those dequantized values, losses and adapter within 1e-4. Both runs take
+    the fp32 path (QTUNE_BF16_EMULATE: bf16 values, fp32 products), so the two differ only in where the
+    weights come from; a summation order that differs between two GEMM routes made the adapters drift apart
+    by ~2e-4 over 20 Adam steps (unit/test_precision holds the 4-bit bf16 GEMM path against the fp32 one on
+    one step)."""
     monkeypatch.setenv("QTUNE_BF16_EMULATE", "1")
     d = str(tmp_path)
     model = init_model(os.path.join(d, "model"), "tiny")

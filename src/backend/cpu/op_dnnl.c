@@ -17,6 +17,7 @@
  * its function table are the one process-wide state here, set once. */
 #include "backend/cpu/op_dnnl.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #include "core/error.h"
@@ -34,7 +35,7 @@
 
 #define DNNL_FUNCS(X)                                                                                                 \
     X(engine_create) X(engine_destroy) X(stream_create) X(stream_destroy) X(stream_wait)                              \
-    X(memory_desc_init_by_tag) X(matmul_desc_init) X(primitive_attr_create) X(primitive_attr_destroy)                 \
+    X(memory_desc_init_by_tag) X(memory_desc_init_by_strides) X(matmul_desc_init) X(primitive_attr_create) X(primitive_attr_destroy)                 \
     X(primitive_attr_set_output_scales) X(primitive_desc_create) X(primitive_desc_destroy) X(primitive_desc_query)    \
     X(primitive_desc_query_md) X(primitive_create) X(primitive_destroy) X(memory_create) X(memory_destroy)            \
     X(primitive_execute) X(post_ops_create) X(post_ops_append_sum) X(post_ops_destroy)                    \
@@ -93,14 +94,17 @@ static void call_free(dnnl_call *c) {
  * [+ bias (N)] [+ dst]; dnnl_unimplemented (and so a refusal) where the CPU has
  * no bf16 kernel, and a refusal too when oneDNN would fall back to its
  * reference kernel ("ref:..."), far slower than sgemm. */
-static int call_init(dnnl_call *c, int M, int N, int K, int ta, int tb, int has_bias, float alpha, int acc) {
+static int call_init(dnnl_call *c, int M, int N, int K, int lda, int ta, int ldb, int tb, int ldc, int has_bias,
+                     float alpha, int acc) {
     dnnl_memory_desc_t src_md, wei_md, bias_md, dst_md;
     dnnl_dims_t sd = {M, K}, wd = {K, N}, bd = {1, N}, dd = {M, N};
+    /* row-major with leading dimensions: op(A) (m, k) at A[m * lda + k], or A[k * lda + m] read transposed */
+    dnnl_dims_t ss = {ta ? 1 : lda, ta ? lda : 1}, ws = {tb ? 1 : ldb, tb ? ldb : 1}, ds = {ldc, 1};
     if (dn.engine_create(&c->eng, dnnl_cpu, 0) != dnnl_success) return QT_EUNSUPPORTED;
-    if (dn.memory_desc_init_by_tag(&src_md, 2, sd, dnnl_bf16, ta ? dnnl_ba : dnnl_ab) != dnnl_success ||
-        dn.memory_desc_init_by_tag(&wei_md, 2, wd, dnnl_bf16, tb ? dnnl_ba : dnnl_ab) != dnnl_success ||
+    if (dn.memory_desc_init_by_strides(&src_md, 2, sd, dnnl_bf16, ss) != dnnl_success ||
+        dn.memory_desc_init_by_strides(&wei_md, 2, wd, dnnl_bf16, ws) != dnnl_success ||
         dn.memory_desc_init_by_tag(&bias_md, 2, bd, dnnl_f32, dnnl_ab) != dnnl_success ||
-        dn.memory_desc_init_by_tag(&dst_md, 2, dd, dnnl_f32, dnnl_ab) != dnnl_success)
+        dn.memory_desc_init_by_strides(&dst_md, 2, dd, dnnl_f32, ds) != dnnl_success)
         return QT_EUNSUPPORTED;
     dnnl_matmul_desc_t desc;
     if (dn.matmul_desc_init(&desc, &src_md, &wei_md, has_bias ? &bias_md : NULL, &dst_md) != dnnl_success)
@@ -119,21 +123,36 @@ static int call_init(dnnl_call *c, int M, int N, int K, int ta, int tb, int has_
     return QT_OK;
 }
 
-int op_dnnl_bf16_available(void) {
-    if (!dn_ready()) return 0;
-    dnnl_call c;
-    memset(&c, 0, sizeof c);
-    int ok = call_init(&c, 16, 32, 64, 0, 1, 1, 1.0f, 0) == QT_OK;
-    call_free(&c);
-    return ok;
+/* QTUNE_BF16_GEMM=off: the bf16 GEMM is not used (the fp32 sgemm path on an
+ * AVX512_BF16 CPU, as on one without; tests and comparisons). */
+static int bf16_off(void) {
+    const char *e = getenv("QTUNE_BF16_GEMM");
+    return e && (!strcmp(e, "off") || !strcmp(e, "0"));
 }
 
-int op_dnnl_bf16_gemm(float *C, const uint16_t *A, int ta, const uint16_t *B, int tb, const float *bias, int M,
-                      int N, int K, float alpha, int acc) {
-    if ((bias && (alpha != 1.0f || acc)) || !dn_ready()) return QT_EUNSUPPORTED;
+static pthread_once_t probe_once = PTHREAD_ONCE_INIT;
+static int probe_ok;
+
+static void bf16_probe(void) {
+    if (!dn_ready()) return;
     dnnl_call c;
     memset(&c, 0, sizeof c);
-    int rc = call_init(&c, M, N, K, ta, tb, bias != NULL, alpha, acc);
+    probe_ok = call_init(&c, 16, 32, 64, 64, 0, 64, 1, 32, 1, 1.0f, 0) == QT_OK;
+    call_free(&c);
+}
+
+int op_dnnl_bf16_available(void) {
+    if (bf16_off()) return 0;
+    pthread_once(&probe_once, bf16_probe);
+    return probe_ok;
+}
+
+int op_dnnl_bf16_gemm_ld(float *C, int ldc, const uint16_t *A, int lda, int ta, const uint16_t *B, int ldb, int tb,
+                         const float *bias, int M, int N, int K, float alpha, int acc) {
+    if ((bias && (alpha != 1.0f || acc)) || bf16_off() || !dn_ready()) return QT_EUNSUPPORTED;
+    dnnl_call c;
+    memset(&c, 0, sizeof c);
+    int rc = call_init(&c, M, N, K, lda, ta, ldb, tb, ldc, bias != NULL, alpha, acc);
     if (rc == QT_OK) {
         const dnnl_memory_desc_t *src_md = dn.primitive_desc_query_md(c.pd, dnnl_query_src_md, 0),
                                  *wei_md = dn.primitive_desc_query_md(c.pd, dnnl_query_weights_md, 0),
@@ -161,6 +180,11 @@ int op_dnnl_bf16_gemm(float *C, const uint16_t *A, int ta, const uint16_t *B, in
     return rc;
 }
 
+int op_dnnl_bf16_gemm(float *C, const uint16_t *A, int ta, const uint16_t *B, int tb, const float *bias, int M,
+                      int N, int K, float alpha, int acc) {
+    return op_dnnl_bf16_gemm_ld(C, N, A, ta ? M : K, ta, B, tb ? K : N, tb, bias, M, N, K, alpha, acc);
+}
+
 int op_dnnl_bf16_matmul(float *out, const uint16_t *inp, const uint16_t *w, const float *bias, int N, int IN,
                         int OUT, float alpha) {
     return op_dnnl_bf16_gemm(out, inp, 0, w, 1, bias, N, OUT, IN, alpha, 0);
@@ -185,10 +209,16 @@ long op_dnnl_sgemm_runs(void) { return __atomic_load_n(&dn_sgemm_runs, __ATOMIC_
 
 int op_dnnl_bf16_available(void) { return 0; }
 
+int op_dnnl_bf16_gemm_ld(float *C, int ldc, const uint16_t *A, int lda, int ta, const uint16_t *B, int ldb, int tb,
+                         const float *bias, int M, int N, int K, float alpha, int acc) {
+    (void)C, (void)ldc, (void)A, (void)lda, (void)ta, (void)B, (void)ldb, (void)tb, (void)bias, (void)M, (void)N;
+    (void)K, (void)alpha, (void)acc;
+    return QT_EUNSUPPORTED;
+}
+
 int op_dnnl_bf16_gemm(float *C, const uint16_t *A, int ta, const uint16_t *B, int tb, const float *bias, int M,
                       int N, int K, float alpha, int acc) {
-    (void)C, (void)A, (void)ta, (void)B, (void)tb, (void)bias, (void)M, (void)N, (void)K, (void)alpha, (void)acc;
-    return QT_EUNSUPPORTED;
+    return op_dnnl_bf16_gemm_ld(C, N, A, ta ? M : K, ta, B, tb ? K : N, tb, bias, M, N, K, alpha, acc);
 }
 
 int op_dnnl_bf16_matmul(float *out, const uint16_t *inp, const uint16_t *w, const float *bias, int N, int IN,

@@ -14,8 +14,9 @@
 #include <stdint.h>
 
 /* 1 when a native (non-reference) oneDNN bf16 matmul can be created on this
- * CPU; 0 otherwise (no oneDNN in the build, no bf16 kernel). Costs one
- * primitive-descriptor creation: call once, at model load. */
+ * CPU; 0 otherwise (no oneDNN in the build, no bf16 kernel, or the
+ * environment's QTUNE_BF16_GEMM=off, under which the GEMMs below refuse too).
+ * The probe (one primitive-descriptor creation) runs once a process. */
 int op_dnnl_bf16_available(void);
 
 /* out (N, OUT) = alpha * inp (N, IN) @ W^T + bias, with inp and W (OUT, IN)
@@ -33,6 +34,13 @@ int op_dnnl_bf16_matmul(float *out, const uint16_t *inp, const uint16_t *w, cons
  * alpha 1 and no acc. QT_OK, or QT_EUNSUPPORTED with C untouched. */
 int op_dnnl_bf16_gemm(float *C, const uint16_t *A, int ta, const uint16_t *B, int tb, const float *bias, int M,
                       int N, int K, float alpha, int acc);
+
+/* The same with leading dimensions (elements between rows as stored): A
+ * (M, K) row-major with lda, or with ta stored (K, M) with lda; B likewise
+ * with ldb; C with ldc. Lets a product write a column block of C and read a
+ * column block of A (the 4-bit weight's panels, op_matmul.c). */
+int op_dnnl_bf16_gemm_ld(float *C, int ldc, const uint16_t *A, int lda, int ta, const uint16_t *B, int ldb, int tb,
+                         const float *bias, int M, int N, int K, float alpha, int acc);
 
 /* How many bf16 GEMMs have run (returned QT_OK) in this process: lets the
  * tests see which path a model took. */

@@ -24,6 +24,8 @@
 #include <omp.h>
 #include <string.h>
 
+#include "backend/cpu/op_dnnl.h"
+#include "core/error.h"
 #include "data/batch.h"
 
 size_t op_lmhead_ce_ws_floats(int N, int C) {
@@ -55,6 +57,22 @@ static const float *chunk_logits(float *logits, float *wbuf, const float *x, con
     return wc;
 }
 
+/* chunk_logits with x also as bf16 (x16) and a bf16 table: each thread's
+ * slice on oneDNN's bf16 GEMM (single-threaded inside the region), or where
+ * that is refused, on sgemm over the converted rows as chunk_logits does. */
+static void chunk_logits16(float *logits, float *wbuf, const float *x, const uint16_t *x16, const void *w, int v0,
+                           int cv, int N, int C) {
+    int a, b;
+    op_split(cv, omp_get_num_threads(), omp_get_thread_num(), 16, &a, &b);
+    if (b > a && op_dnnl_bf16_gemm_ld(logits + a, cv, x16, C, 0, (const uint16_t *)w + (size_t)(v0 + a) * C, C, 1,
+                                      NULL, N, b - a, C, 1.0f, 0) != QT_OK) {
+        op_convert_rows_serial(wbuf + (size_t)a * C, w, QT_BF16, (size_t)(v0 + a), (size_t)(v0 + b), (size_t)C);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, b - a, C, 1.0f, x, C, wbuf + (size_t)a * C, C, 0.0f,
+                    logits + a, cv);
+    }
+#pragma omp barrier
+}
+
 /* The per-row running statistics of a forward walk, after the logits and
  * weight chunks in ws (the doubles first: N * CHUNK + CHUNK * C is even, so
  * they stay 8-byte aligned), reset: sum 0, max -FLT_MAX, target logit 0.
@@ -82,13 +100,17 @@ static void ce_forward(float *loss, float *lse, float *kept, const float *x, con
     op_blas_init();
     float *logits = ws, *wbuf = ws + (size_t)N * OP_CE_CHUNK, *mx, *tl;
     double *sum;
-    ce_stats(ws, N, C, &sum, &mx, &tl);
+    /* a bf16 table and a bf16-exact x (bf16 training's keep(), inference's rounding): the logits on the bf16
+     * GEMM, x as bf16 in the (N, C) floats after the statistics that only the fused dx form uses */
+    uint16_t *x16 = (uint16_t *)ce_stats(ws, N, C, &sum, &mx, &tl);
+    if (wdt != QT_BF16 || !op_bf16_operand(x, (size_t)N * C, x16)) x16 = NULL;
 #pragma omp parallel
     for (int v0 = 0; v0 < V; v0 += OP_CE_CHUNK) {
         int cv = V - v0 < OP_CE_CHUNK ? V - v0 : OP_CE_CHUNK;
         float *lc = kept ? kept + (size_t)N * v0 : logits;
         float *mc = kept ? kept + (size_t)N * V + (size_t)N * (size_t)(v0 / OP_CE_CHUNK) : NULL;
-        chunk_logits(lc, wbuf, x, w, wdt, v0, cv, N, C);
+        if (x16) chunk_logits16(lc, wbuf, x, x16, w, v0, cv, N, C);
+        else chunk_logits(lc, wbuf, x, w, wdt, v0, cv, N, C);
 #pragma omp for schedule(static)
         for (int n = 0; n < N; n++) {
             float *l = lc + (size_t)n * cv;

@@ -47,6 +47,10 @@ void op_rmsnorm_backward(float *dinp, float *dweight, const float *dout, const f
 size_t op_matmul_ws_floats(int IN, int OUT);
 void op_matmul_forward(float *out, const float *inp, const void *w, qt_dtype wdt, const float *bias, int N, int IN,
                        int OUT, float alpha, int accumulate, float *ws);
+/* x (n) as bf16 into x16 when the bf16 GEMM runs here (AVX512_BF16, not
+ * switched off) and every x[i] is a bf16 value: 1, else 0 (x16 untouched).
+ * The operand test of the bf16 paths (op_matmul.c, op_lmhead_ce.c). */
+int op_bf16_operand(const float *x, size_t n, uint16_t *x16);
 /* dinp (N, IN) += alpha * dout @ W (NULL to skip); dweight (OUT, IN) += alpha * dout^T @ inp
  * (NULL when frozen; W must then be f32 master); dbias (OUT) += alpha * column sums of dout. */
 void op_matmul_backward(float *dinp, float *dweight, float *dbias, const float *dout, const float *inp, const void *w,

@@ -9,6 +9,7 @@
 #include <cmocka.h>
 
 #include <math.h>
+#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,8 +17,10 @@
 
 #include "backend/cpu/op_dnnl.h"
 #include "backend/cpu/op_precision.h"
+#include "backend/cpu/ops.h"
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/quant4.h"
 #include "core/rng.h"
 #include "data/batch.h"
 #include "io/hf_config.h"
@@ -459,8 +462,15 @@ static void test_bf16_native_matches_emulated(void **state) {
             runs[emu] = op_dnnl_bf16_runs() - before;
         }
         unsetenv("QTUNE_BF16_EMULATE");
-        /* full: forward, dx and dW of 7 linears a layer; LoRA: forward and dx, but layer 0's q/k/v need no dx */
-        assert_int_equal(runs[0], lora ? (long)L * 14 - 3 : (long)L * 21);
+        /* full: forward, dx and dW of 7 linears a layer, and the lm_head's logits (its forward keeps them,
+         * op_lmhead_ce_forward_keep): one GEMM per thread's slice of each vocabulary chunk; LoRA: forward
+         * and dx, but layer 0's q/k/v need no dx (its lm_head forward is fused with dx, on sgemm) */
+        long lm = 0;
+        for (int v0 = 0; v0 < cfg.vocab_size; v0 += OP_CE_CHUNK) {
+            int cv = cfg.vocab_size - v0 < OP_CE_CHUNK ? cfg.vocab_size - v0 : OP_CE_CHUNK, nt = omp_get_max_threads();
+            for (int id = 0, a, e; id < nt; id++) op_split(cv, nt, id, 16, &a, &e), lm += e > a;
+        }
+        assert_int_equal(runs[0], lora ? (long)L * 14 - 3 : (long)L * 21 + lm);
         assert_int_equal(runs[1], 0);
         assert_true(isfinite(loss[0]) && fabs(loss[0] - loss[1]) <= 1e-5 * fabs(loss[1]));
         size_t n = qt_model_numel(m[0]);
@@ -476,6 +486,200 @@ static void test_bf16_native_matches_emulated(void **state) {
     }
 }
 
+/* fp64 reference of out (N, OUT) = alpha * x (N, IN) @ wf^T (+ bias) (+ c0 when acc), wf the weight's f32 values;
+ * every element within 1e-5 of the magnitude sum (fp32 rounding, any summation order). */
+static void check_forward(const float *out, const float *x, const float *wf, const float *bias, const float *c0, int N,
+                          int IN, int OUT, float alpha, int acc) {
+    for (int n = 0; n < N; n++)
+        for (int o = 0; o < OUT; o++) {
+            double ref = 0, mag = 0;
+            for (int i = 0; i < IN; i++) {
+                double p = (double)x[(size_t)n * IN + i] * wf[(size_t)o * IN + i];
+                ref += p, mag += fabs(p);
+            }
+            ref = alpha * ref + (bias ? bias[o] : 0.0) + (acc ? c0[(size_t)n * OUT + o] : 0.0);
+            assert_true(fabs(out[(size_t)n * OUT + o] - ref) <= 1e-5 * (fabs(alpha) * mag + 1.0));
+        }
+}
+
+/* dinp (N, IN) = c0 + alpha * dout (N, OUT) @ wf, likewise */
+static void check_dinp(const float *dinp, const float *dout, const float *wf, const float *c0, int N, int IN, int OUT,
+                       float alpha) {
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < IN; i++) {
+            double ref = 0, mag = 0;
+            for (int o = 0; o < OUT; o++) {
+                double p = (double)dout[(size_t)n * OUT + o] * wf[(size_t)o * IN + i];
+                ref += p, mag += fabs(p);
+            }
+            ref = alpha * ref + c0[(size_t)n * IN + i];
+            assert_true(fabs(dinp[(size_t)n * IN + i] - ref) <= 1e-5 * (fabs(alpha) * mag + 1.0));
+        }
+}
+
+/* op_matmul_forward / op_matmul_backward's dinp on a bf16 weight and on a
+ * 4-bit one that dequantizes to bf16 (op_matmul.c): an operand whose values
+ * are all bf16 runs on oneDNN's bf16 GEMM where the CPU has it (counted by
+ * op_dnnl_bf16_runs) and equals an fp64 product of the same values to fp32
+ * rounding, with and without bias, scale and accumulation; shapes that take
+ * several row blocks (N past the workspace) and several 4-bit panels (a
+ * weight past OP_MATMUL_WS_CAP). An operand that is not bf16-exact, and any
+ * operand under QTUNE_BF16_GEMM=off, takes the fp32 path (no bf16 GEMM run)
+ * with the same result bound. Without the hardware only the fp32 path runs. */
+static void test_matmul_bf16_gemm_path(void **state) {
+    (void)state;
+    const int avail = op_dnnl_bf16_available();
+    printf("bf16 GEMM available: %d\n", avail);
+    const struct { int N, IN, OUT; qt_dtype dt; } cases[] = {
+        {70, 64, 16, QT_BF16}, {70, 64, 16, QT_Q4}, {5, 1024, 4100, QT_Q4}, {3, 96, 40, QT_BF16}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const int N = cases[c].N, IN = cases[c].IN, OUT = cases[c].OUT;
+        const qt_dtype dt = cases[c].dt;
+        const size_t nw = (size_t)OUT * IN;
+        float *src = malloc(sizeof(float) * nw), *wf = malloc(sizeof(float) * nw);
+        uint16_t *w16 = malloc(2 * nw);
+        assert_non_null(src), assert_non_null(wf), assert_non_null(w16);
+        for (size_t i = 0; i < nw; i++) src[i] = 0.05f * sinf(0.37f * (float)i + 0.1f * (float)(i % 7));
+        void *w = w16;
+        qt_q4_weight *q = NULL;
+        if (dt == QT_Q4) {
+            size_t bytes = qt_q4_bytes((uint64_t)OUT, (uint64_t)IN, QT_Q4_BLOCK, 1);
+            q = malloc(bytes);
+            assert_non_null(q);
+            qt_q4_init(q, QT_Q4_NF4, QT_BF16, (uint64_t)OUT, (uint64_t)IN, QT_Q4_BLOCK, 1);
+            assert_int_equal(qt_q4_quantize_weight(q, src, QT_F32), QT_OK);
+            qt_q4_dequantize(q, 0, nw, wf);
+            w = q;
+        } else {
+            for (size_t i = 0; i < nw; i++) w16[i] = qt_f32_to_bf16(src[i]), wf[i] = qt_bf16_to_f32(w16[i]);
+        }
+        const size_t nx = (size_t)N * (IN > OUT ? IN : OUT);
+        float *x = malloc(sizeof(float) * nx), *out = malloc(sizeof(float) * nx), *c0 = malloc(sizeof(float) * nx);
+        float *bias = malloc(sizeof(float) * OUT), *ws = malloc(sizeof(float) * op_matmul_ws_floats(IN, OUT));
+        assert_non_null(x), assert_non_null(out), assert_non_null(c0), assert_non_null(bias), assert_non_null(ws);
+        for (int o = 0; o < OUT; o++) bias[o] = 0.01f * (float)(o % 9);
+        for (int exact = 1; exact >= 0; exact--)
+            for (int off = 0; off < 2; off++) {
+                if (off) setenv("QTUNE_BF16_GEMM", "off", 1);
+                for (size_t i = 0; i < nx; i++) {
+                    float v = cosf(0.11f * (float)i) + 0.25f;
+                    x[i] = exact ? qt_bf16_to_f32(qt_f32_to_bf16(v)) : v;
+                    c0[i] = 0.5f * sinf((float)i);
+                }
+                const int want = exact && !off && avail;
+                for (int acc = 0; acc < 2; acc++) {
+                    float alpha = acc ? 0.5f : 1.0f;
+                    long before = op_dnnl_bf16_runs();
+                    memcpy(out, c0, sizeof(float) * (size_t)N * OUT);
+                    op_matmul_forward(out, x, w, dt, bias, N, IN, OUT, alpha, acc, ws);
+                    check_forward(out, x, wf, bias, c0, N, IN, OUT, alpha, acc);
+                    assert_int_equal(op_dnnl_bf16_runs() > before, want);
+                    /* dinp += alpha * dout @ W, dout (N, OUT) taken from x */
+                    before = op_dnnl_bf16_runs();
+                    memcpy(out, c0, sizeof(float) * (size_t)N * IN);
+                    op_matmul_backward(out, NULL, NULL, x, NULL, w, dt, N, IN, OUT, alpha, ws);
+                    check_dinp(out, x, wf, c0, N, IN, OUT, alpha);
+                    assert_int_equal(op_dnnl_bf16_runs() > before, want);
+                }
+                unsetenv("QTUNE_BF16_GEMM");
+            }
+        free(src), free(wf), free(w16), free(q), free(x), free(out), free(c0), free(bias), free(ws);
+    }
+}
+
+/* QLoRA in bf16 (issue 39's CPU path): the 4-bit base's products, forward
+ * and input gradient, run on the bf16 GEMM where the CPU has it (their
+ * operands are keep()-rounded, so bf16-exact; the panels dequantize to bf16):
+ * as many GEMMs as the graph has, with and without gradient checkpointing,
+ * and the loss and LoRA gradients agree with QTUNE_BF16_GEMM=off (the fp32
+ * path, no GEMM run) to the bound test_bf16_native_matches_emulated uses.
+ * Skipped without the hardware. */
+static void test_qlora_bf16_on_the_gemm(void **state) {
+    (void)state;
+    if (!op_cpu_has_bf16() || !op_dnnl_bf16_available()) {
+        printf("no native bf16 GEMM on this CPU: nothing to compare\n");
+        return;
+    }
+    const int L = cfg.num_hidden_layers;
+    batch_2x16 arrays;
+    qt_batch b = random_batch(&arrays, 5, 7);
+    for (int ckpt = 0; ckpt < 2; ckpt++) {
+        qt_model_opts o;
+        qt_model_opts_default(&o);
+        o.max_B = 2, o.max_T = 16, o.compute = QT_BF16, o.lora = 1, o.grad_checkpointing = ckpt;
+        o.lora_targets = QT_LORA_Q | QT_LORA_V | QT_LORA_DOWN;
+        o.quant4 = 1, o.quant4_type = QT_Q4_NF4;
+        qt_model *m[2];
+        double loss[2];
+        long runs[2];
+        for (int off = 0; off < 2; off++) {
+            if (off) setenv("QTUNE_BF16_GEMM", "off", 1);
+            assert_int_equal(qt_model_load(dir, &o, &m[off]), QT_OK);
+            float *w = qt_model_master(m[off]); /* B non-zero, so dx reaches the layers below */
+            for (size_t i = 0; i < qt_model_numel(m[off]); i++) w[i] += 0.01f * (float)((i * 7) % 13) - 0.06f;
+            qt_model_weights_updated(m[off]);
+            long before = op_dnnl_bf16_runs();
+            assert_int_equal(qt_model_forward_backward(m[off], &b, 64.0f, &loss[off], NULL), QT_OK);
+            runs[off] = op_dnnl_bf16_runs() - before;
+            unsetenv("QTUNE_BF16_GEMM");
+        }
+        /* forward 7 a layer (twice with checkpointing: the recompute), dx 7 a layer less layer 0's q/k/v */
+        assert_int_equal(runs[0], (long)L * 7 * (ckpt ? 2 : 1) + (long)L * 7 - 3);
+        assert_int_equal(runs[1], 0);
+        assert_true(isfinite(loss[0]) && fabs(loss[0] - loss[1]) <= 1e-5 * fabs(loss[1]));
+        size_t n = qt_model_numel(m[0]);
+        double d2 = 0, g2 = 0;
+        for (size_t i = 0; i < n; i++) {
+            double d = (double)qt_model_grads(m[0])[i] - qt_model_grads(m[1])[i];
+            d2 += d * d, g2 += (double)qt_model_grads(m[1])[i] * qt_model_grads(m[1])[i];
+        }
+        printf("qlora bf16 GEMM vs fp32 path (checkpointing %d): loss %.9g / %.9g, gradient rel diff %.3g\n", ckpt,
+               loss[0], loss[1], sqrt(d2 / g2));
+        assert_true(g2 > 0 && sqrt(d2 / g2) <= 1e-3);
+        qt_model_free(m[0]), qt_model_free(m[1]);
+    }
+}
+
+/* The lm_head + cross-entropy forward (op_lmhead_ce_forward, _keep) on a bf16
+ * table with a bf16-exact x: its logits on the bf16 GEMM where the CPU has it
+ * (counted), loss and lse equal to the fp32 path's (QTUNE_BF16_GEMM=off) to
+ * fp32 rounding; a non-exact x takes the fp32 path. Several vocabulary
+ * chunks, a last one partial. */
+static void test_lmhead_bf16_gemm_path(void **state) {
+    (void)state;
+    enum { N = 12, C = 64, V = 2 * OP_CE_CHUNK + 37 };
+    const int avail = op_dnnl_bf16_available();
+    uint16_t *w = malloc(2 * (size_t)V * C);
+    float *x = malloc(sizeof(float) * N * C), *ws = malloc(sizeof(float) * op_lmhead_ce_ws_floats(N, C));
+    assert_non_null(w), assert_non_null(x), assert_non_null(ws);
+    for (size_t i = 0; i < (size_t)V * C; i++) w[i] = qt_f32_to_bf16(0.3f * sinf(0.13f * (float)i));
+    int32_t targets[N];
+    for (int n = 0; n < N; n++) targets[n] = n == 3 ? -100 : (n * 1543) % V;
+    for (int exact = 1; exact >= 0; exact--) {
+        for (int i = 0; i < N * C; i++) {
+            float v = cosf(0.7f * (float)i);
+            x[i] = exact ? qt_bf16_to_f32(qt_f32_to_bf16(v)) : v;
+        }
+        float loss[2][N], lse[2][N];
+        long runs[2];
+        for (int off = 0; off < 2; off++) {
+            if (off) setenv("QTUNE_BF16_GEMM", "off", 1);
+            long before = op_dnnl_bf16_runs();
+            op_lmhead_ce_forward(loss[off], lse[off], x, w, QT_BF16, targets, N, C, V, ws);
+            runs[off] = op_dnnl_bf16_runs() - before;
+            unsetenv("QTUNE_BF16_GEMM");
+        }
+        assert_int_equal(runs[0] > 0, exact && avail);
+        assert_int_equal(runs[1], 0);
+        for (int n = 0; n < N; n++) {
+            assert_true(fabsf(lse[0][n] - lse[1][n]) <= 1e-5f * (fabsf(lse[1][n]) + 1.0f));
+            assert_true(fabsf(loss[0][n] - loss[1][n]) <= 1e-5f * (fabsf(lse[1][n]) + 1.0f));
+        }
+        assert_true(loss[0][3] == 0.0f);
+    }
+    free(w), free(x), free(ws);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_round_f16_saturates),    cmocka_unit_test(test_round_bf16_and_f32),
@@ -483,8 +687,9 @@ int main(void) {
         cmocka_unit_test(test_lora_base_held_in_f16),  cmocka_unit_test(test_full_compute_copy_refreshed),
         cmocka_unit_test(test_round_store_and_load),   cmocka_unit_test(test_memplan_activations_2byte),
         cmocka_unit_test(test_f16_acts_checkpointing_agree), cmocka_unit_test(test_dnnl_bf16_dispatch),
-        cmocka_unit_test(test_dnnl_bf16_gemm_layouts),
-        cmocka_unit_test(test_bf16_native_matches_emulated),
+        cmocka_unit_test(test_dnnl_bf16_gemm_layouts),     cmocka_unit_test(test_matmul_bf16_gemm_path),
+        cmocka_unit_test(test_lmhead_bf16_gemm_path),
+        cmocka_unit_test(test_bf16_native_matches_emulated), cmocka_unit_test(test_qlora_bf16_on_the_gemm),
     };
     return cmocka_run_group_tests(tests, write_model, remove_model);
 }
