@@ -393,7 +393,10 @@ static int head_norm_backward(qt_model *m, int l, int j, float *draw, float *dwe
 }
 
 /* dres holds d loss / d xout on entry and d loss / d x on return. need_dx = 0
- * (LoRA, layer 0: nothing below is trainable) skips the work for dx. */
+ * (LoRA, layer 0: nothing below is trainable) skips the work for dx. Each
+ * linear_backward / norm_backward is one step of memplan.h's QT_GU order and
+ * hands its gradient bucket over itself (grad_windows.h); round_grad stores
+ * each activation gradient in the compute dtype. */
 static int layer_backward(qt_model *m, int l, const qt_batch *b, int N, const float *x, const qt_acts *a,
                           int dropout, int need_dx) {
     const qt_config *c = &m->cfg;
@@ -439,11 +442,15 @@ static int layer_backward(qt_model *m, int l, const qt_batch *b, int N, const fl
     /* Qwen3: back through q_norm/k_norm; datt is free once the attention's backward has run, and
      * holds the gradient of qraw, then of kraw (KV <= H) */
     const float *dqp = g->dq, *dkp = g->dk;
-    if (a->qraw) QT_TRY(head_norm_backward(m, l, LIN_Q, g->datt, L->dqn, g->dq, a->qraw, L->qn, a->rstdq, N * H));
-    if (a->qraw) dqp = g->datt;
+    if (a->qraw) {
+        QT_TRY(head_norm_backward(m, l, LIN_Q, g->datt, L->dqn, g->dq, a->qraw, L->qn, a->rstdq, N * H));
+        dqp = g->datt;
+    }
     QT_TRY(linear_backward(m, l, LIN_Q, dln, dqp, a->ln1, s->ln1, a->lora_h[LIN_Q], N, dropout));
-    if (a->kraw) QT_TRY(head_norm_backward(m, l, LIN_K, g->datt, L->dkn, g->dk, a->kraw, L->kn, a->rstdk, N * KV));
-    if (a->kraw) dkp = g->datt;
+    if (a->kraw) {
+        QT_TRY(head_norm_backward(m, l, LIN_K, g->datt, L->dkn, g->dk, a->kraw, L->kn, a->rstdk, N * KV));
+        dkp = g->datt;
+    }
     QT_TRY(linear_backward(m, l, LIN_K, dln, dkp, a->ln1, s->ln1, a->lora_h[LIN_K], N, dropout));
     QT_TRY(linear_backward(m, l, LIN_V, dln, g->dv, a->ln1, s->ln1, a->lora_h[LIN_V], N, dropout));
     /* need_dx = 0 only without a trainable embedding, where ln1 is frozen (LoRA): its unit is empty */
