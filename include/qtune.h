@@ -1,5 +1,6 @@
 /* qtune's public C API: load a model (optionally with a PEFT LoRA adapter),
- * evaluate it on a dataset, train from a job file, merge an adapter.
+ * evaluate it on a dataset, generate from it, train from a job file, merge an
+ * adapter.
  *
  * Every function returns 0 on success or a negative code (the QT_E* values of
  * src/core/error.h: -1 invalid input, -2 I/O, -3 out of memory, -4 malformed
@@ -31,6 +32,16 @@ void qtune_model_free(qtune_model *m);
  * dataset (any format qtune trains on; "auto" detects it per file), one
  * example per row, cut to seq_len. *tokens: how many tokens carried a label. */
 int qtune_eval(qtune_model *m, const char *data_path, const char *format, double *loss, int64_t *tokens);
+
+/* Continues a prompt of n token ids by up to max_new tokens (out holds
+ * max_new), with the decode loop of `qtune generate`: greedy at temperature
+ * 0, else sampled from softmax(logits / temperature) with the given seed. It
+ * stops at the model's end-of-sequence ids (config.json, generation_config.json,
+ * the tokenizer's <|im_end|> and <|endoftext|>, not written to out), after
+ * max_new tokens, or when the prompt and reply fill the seq_len the model was
+ * loaded with. *n_out: the tokens written. */
+int qtune_generate(qtune_model *m, const int32_t *ids, int n, int max_new, float temperature, uint64_t seed,
+                   int32_t *out, int *n_out);
 
 /* Trains as the job file says (docs/job-file.md), single process. sets: n_sets
  * "key.path=value" overrides. stop: polled once per step; when it becomes

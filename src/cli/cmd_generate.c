@@ -4,7 +4,6 @@
  * held back until it is whole. See docs/generate.md. */
 #define _GNU_SOURCE /* strcasestr, getline */
 #include "cli/cli.h"
-#include "core/clock.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/json_range.h"
@@ -13,6 +12,7 @@
 #include "core/messages.h"
 #include "core/rng.h"
 #include "io/safetensors.h"
+#include "model/decode.h"
 #include "model/lora_io.h"
 #include "model/model.h"
 #include "model/sample.h"
@@ -68,26 +68,12 @@ static void generate_help(void) {
            "                     cuda:N (GPU N); QTUNE_BACKEND, when set, wins\n");
 }
 
-#define GEN_MAX_STOP 16 /* <|im_end|>, <|endoftext|> and the model's eos ids */
-
 typedef struct {
-    qt_model *m;
+    qt_decoder d;       /* the decode loop (model/decode.h), once the model is loaded */
     bpe_tokenizer *tok; /* NULL with --prompt-ids and no tokenizer.json */
-    qt_sampler sampler;
-    qt_sample_opts so;
-    qt_rng rng;
-    float *logits;      /* (V) */
-    int V, ctx, max_new, json;
-    int max_ctx;        /* the model's positions: the largest --ctx */
-    int32_t stop[GEN_MAX_STOP];
-    int n_stop;
-    int pos;            /* positions in the KV cache */
-    int32_t *hist;      /* (ctx) the ids in the KV cache, in order */
+    int ctx, max_ctx;   /* the context (prepare) and the model's positions: the largest --ctx */
+    int json;
     char *reply;        /* text of the last reply (qt_free), for the chat history */
-    long prompt_tokens, decode_tokens; /* over all replies, for the closing speed line */
-    double prompt_s, decode_s;
-    const char *model_dir, *adapter; /* for messages */
-    uint64_t seed;
 } gen_state;
 
 /* Flushes the reply so far. A write that failed (a full disk, a closed
@@ -98,12 +84,6 @@ static int flush_stdout(void) {
     if (fflush(stdout) == 0 && !ferror(stdout)) return QT_OK;
     return QT_ERR(QT_EIO, "cannot write the reply to standard output (%s); generation stopped: check the disk or "
                   "the program reading the output", strerror(errno ? errno : EIO));
-}
-
-static int is_stop(const gen_state *g, int32_t id) {
-    for (int i = 0; i < g->n_stop; i++)
-        if (g->stop[i] == id) return 1;
-    return 0;
 }
 
 /* Streams the text of byte-level tokens: pending ids are decoded together,
@@ -134,111 +114,53 @@ static void json_ids(cJSON *o, const char *k, const int32_t *ids, int n) {
     for (int i = 0; a && i < n; i++) cJSON_AddItemToArray(a, cJSON_CreateNumber(ids[i]));
 }
 
-/* The context rule: the sequence (what is in the KV cache, the prompt, the
- * reply) holds at most ctx tokens, so the last one has position ctx - 1. A
- * reply needs room for at least one new token after `used` + n. */
-static int check_prompt_fits(int used, int n, int ctx, int max_ctx) {
-    if (n < 1) return QT_ERR(QT_EINVAL, "the prompt is empty; give some text (or ids) to continue");
-    if (used + n < ctx) return QT_OK;
-    if (!used && n >= max_ctx) /* no --ctx can hold it */
-        return QT_ERR(QT_EINVAL, "the prompt (%d tokens) leaves no room for a new token in the model's context of %d "
-                      "(its max_position_embeddings); shorten the prompt to at most %d tokens", n, max_ctx,
-                      max_ctx - 1);
-    if (!used)
-        return QT_ERR(QT_EINVAL, "the prompt (%d tokens) leaves no room for a new token in the context of %d; "
-                      "raise --ctx above %d (the model takes up to %d) or shorten the prompt", n, ctx, n, max_ctx);
-    if (ctx >= max_ctx)
-        return QT_ERR(QT_EINVAL, "the chat so far (%d tokens) and this turn (%d) leave no room for a reply in the "
-                      "model's context of %d; start a new chat", used, n, ctx);
-    return QT_ERR(QT_EINVAL, "the chat so far (%d tokens) and this turn (%d) leave no room for a reply in the "
-                  "context of %d; raise --ctx (the model takes up to %d) or start a new chat", used, n, ctx, max_ctx);
+/* qt_decode_reply's token callback: the reply's text streams as it comes
+ * (its ids when there is no tokenizer); --json prints it whole at the end. */
+typedef struct {
+    const gen_state *g;
+    utf8_stream us;
+} reply_stream;
+
+static int print_token(void *user, int32_t id) {
+    reply_stream *s = user;
+    if (s->g->json) return QT_OK;
+    if (s->g->tok) return stream_push(&s->us, s->g->tok, id, 0);
+    printf("%d ", id);
+    return flush_stdout();
 }
 
-/* NaN or inf weights make every logit NaN or inf, and sampling from them
- * would print ids as if nothing were wrong (argmax of NaN is id 0). `at`:
- * the position of the token these logits follow. */
-static int check_logits(const gen_state *g, const float *logits, int at) {
-    /* a pass the compiler vectorises (an all-ones exponent is inf or NaN), then the loop below only to name one */
-    uint32_t bad = 0;
-    for (int i = 0; i < g->V; i++) {
-        uint32_t u;
-        memcpy(&u, logits + i, sizeof u);
-        bad |= (u & 0x7F800000u) == 0x7F800000u;
-    }
-    if (!bad) return QT_OK;
-    for (int i = 0; i < g->V; i++)
-        if (!isfinite(logits[i]))
-            return QT_ERR(QT_EINVAL, "the model in %s%s%s gives a non-finite logit (%s for id %d) at position %d; "
-                          "check its weights for NaN or inf values", g->model_dir,
-                          g->adapter ? " with the adapter in " : "", g->adapter ? g->adapter : "",
-                          isnan(logits[i]) ? "NaN" : "inf", i, at);
-    return QT_OK;
-}
-
-/* Feeds n prompt ids after the cached positions, then samples up to max_new
- * tokens, streaming them (or printing one JSON object). The sampled token is
- * fed back only while the sequence is shorter than ctx: the last token of a
- * full context is printed but never needs a KV slot. */
+/* One reply to n prompt ids after the cached positions (qt_decode_reply),
+ * streamed, or printed as one JSON object. */
 static int generate_reply(gen_state *g, const int32_t *ids, int n) {
-    QT_TRY(check_prompt_fits(g->pos, n, g->ctx, g->max_ctx));
-    int32_t *out = qt_malloc((size_t)g->max_new * sizeof *out + 1, "generated ids");
-    if (!out) return QT_ENOMEM;
-    const double t0 = qt_now_s();
-    int rc = qt_model_decode(g->m, ids, n, g->pos, g->logits);
-    memcpy(g->hist + g->pos, ids, (size_t)n * sizeof *ids);
-    g->pos += n;
-    const double t1 = qt_now_s();
-    int n_out = 0, n_dec = 0; /* generated ids; one-position decode calls */
-    const char *stop = "max_new";
-    utf8_stream us = {{0}, 0};
-    while (rc == QT_OK && n_out < g->max_new) {
-        if ((rc = check_logits(g, g->logits, g->pos - 1)) != QT_OK) break;
-        int32_t next = qt_sample(&g->sampler, g->logits, &g->so, &g->rng);
-        if (is_stop(g, next)) {
-            stop = "eos";
-            break;
-        }
-        out[n_out++] = next;
-        if (!g->json && g->tok) rc = stream_push(&us, g->tok, next, 0);
-        else if (!g->json) printf("%d ", next), rc = flush_stdout();
-        if (rc != QT_OK) break;
-        if (n_out == g->max_new) break;
-        if (g->pos + 1 >= g->ctx) { /* the cached ids and `next` fill the context */
-            stop = "context";
-            break;
-        }
-        rc = qt_model_decode(g->m, &next, 1, g->pos, g->logits);
-        g->hist[g->pos++] = next;
-        n_dec++;
-    }
-    const double t2 = qt_now_s();
-    g->prompt_tokens += n, g->prompt_s += t1 - t0;
-    g->decode_tokens += n_dec, g->decode_s += t2 - t1;
+    reply_stream st = {g, {{0}, 0}};
+    qt_decode_result r;
+    int rc = qt_decode_reply(&g->d, ids, n, print_token, &st, &r);
+    if (!r.out) return rc; /* the prompt did not fit, or no memory: nothing was decoded */
     qt_free(g->reply);
     g->reply = NULL;
     if (rc == QT_OK && g->tok) {
         size_t len;
-        rc = bpe_decode(g->tok, out, (size_t)n_out, &g->reply, &len);
+        rc = bpe_decode(g->tok, r.out, (size_t)r.n_out, &g->reply, &len);
     }
-    if (rc == QT_OK && !g->json && g->tok) rc = stream_push(&us, g->tok, -1, 1);
+    if (rc == QT_OK && !g->json && g->tok) rc = stream_push(&st.us, g->tok, -1, 1);
     if (rc == QT_OK && !g->json) printf("\n");
     if (rc == QT_OK && g->json) {
         cJSON *o = cJSON_CreateObject();
         json_ids(o, "prompt_ids", ids, n);
-        json_ids(o, "ids", out, n_out);
+        json_ids(o, "ids", r.out, r.n_out);
         if (g->reply) cJSON_AddStringToObject(o, "text", g->reply);
-        cJSON_AddStringToObject(o, "stop", stop);
-        cJSON_AddNumberToObject(o, "prefill_s", t1 - t0);
-        cJSON_AddNumberToObject(o, "decode_s", t2 - t1);
+        cJSON_AddStringToObject(o, "stop", r.stop);
+        cJSON_AddNumberToObject(o, "prefill_s", r.prefill_s);
+        cJSON_AddNumberToObject(o, "decode_s", r.decode_s);
         /* one-position decode calls (each with its sampling) per second */
-        cJSON_AddNumberToObject(o, "decode_tokens_per_s", n_dec > 0 && t2 > t1 ? n_dec / (t2 - t1) : 0);
+        cJSON_AddNumberToObject(o, "decode_tokens_per_s", r.n_dec > 0 && r.decode_s > 0 ? r.n_dec / r.decode_s : 0);
         char *s = cJSON_PrintUnformatted(o);
         if (s) printf("%s\n", s);
         cJSON_free(s);
         cJSON_Delete(o);
     }
     if (rc == QT_OK) rc = flush_stdout();
-    qt_free(out);
+    qt_decode_result_free(&r);
     return rc;
 }
 
@@ -374,9 +296,9 @@ static int chat_loop(gen_state *g, const char *system) {
         if (rc == QT_OK) rc = encode(g->tok, text, &ids, &n);
         qt_free(text);
         int k = 0; /* ids already in the KV cache */
-        while (rc == QT_OK && k < g->pos && (size_t)k < n - 1 && g->hist[k] == ids[k]) k++;
+        while (rc == QT_OK && k < g->d.pos && (size_t)k < n - 1 && g->d.hist[k] == ids[k]) k++;
         if (rc == QT_OK) {
-            g->pos = k;
+            g->d.pos = k;
             if (tty && !g->json) fprintf(stderr, "assistant> "), fflush(stderr);
             rc = generate_reply(g, ids + k, (int)(n - (size_t)k));
         }
@@ -398,15 +320,7 @@ static int chat_loop(gen_state *g, const char *system) {
 /* ---- --prompts FILE [--batch N]: many prompts, N sequences decoding together ---- */
 
 /* One prompt of the file: its ids, and once done its reply. */
-typedef struct {
-    int32_t *ids;
-    int n, line;
-    int32_t *out; /* (max_new) */
-    int n_out, n_dec, done;
-    const char *stop;
-    double t_start, prefill_s, decode_s; /* its prefill's start; its own prefill and decode wall time */
-    qt_rng rng;                          /* seeded with --seed, as its own run's would be */
-} gen_prompt;
+typedef qt_decode_seq gen_prompt;
 
 static void free_prompts(gen_prompt *p, int n) {
     for (int i = 0; p && i < n; i++) qt_free(p[i].ids), qt_free(p[i].out);
@@ -480,7 +394,6 @@ static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int c
         }
         gen_prompt *g = &p[*count];
         memset(g, 0, sizeof *g);
-        g->line = lineno;
         (*count)++;
         const int nul = memchr(s, 0, (size_t)(e - s)) != NULL;
         const char *after = NULL; /* cJSON stops after the value: what follows would be dropped unseen */
@@ -536,7 +449,7 @@ static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int c
                                     "ignored keys are not named)",
                                     path, lineno, k->string);
         cJSON_Delete(o);
-        if (rc == QT_OK && check_prompt_fits(0, g->n, ctx, max_ctx) != QT_OK)
+        if (rc == QT_OK && qt_decode_check_prompt(0, g->n, ctx, max_ctx) != QT_OK)
             rc = QT_ERR(QT_EINVAL, "%s line %d: %s", path, lineno, qt_error_message());
     }
     qt_free(buf);
@@ -546,8 +459,10 @@ static int read_prompts(const char *path, const bpe_tokenizer *tok, int V, int c
     return rc;
 }
 
-/* The reply of prompt p so far, as generate_reply prints it. */
-static int print_reply(const gen_state *g, const gen_prompt *p, int index) {
+/* qt_decode_batch's callback: a finished prompt's reply, as generate_reply
+ * prints it. */
+static int print_reply(void *user, const gen_prompt *p, int index) {
+    const gen_state *g = user;
     char *text = NULL;
     size_t len = 0;
     if (g->tok) QT_TRY(bpe_decode(g->tok, p->out, (size_t)p->n_out, &text, &len));
@@ -575,85 +490,6 @@ static int print_reply(const gen_state *g, const gen_prompt *p, int index) {
     }
     qt_free(text);
     return flush_stdout();
-}
-
-/* A sequence has new logits (after its prefill or a step), its next token at
- * position pos: sample it and decide, by generate_reply's rules, whether it
- * goes on (*more = 1: feed p->out[n_out - 1] at pos) or is done. */
-static int take_token(gen_state *g, gen_prompt *p, const float *logits, int pos, int *more) {
-    *more = 0;
-    QT_TRY(check_logits(g, logits, pos - 1));
-    int32_t next = qt_sample(&g->sampler, logits, &g->so, &p->rng);
-    if (is_stop(g, next)) p->stop = "eos";
-    else if ((p->out[p->n_out++] = next), p->n_out == g->max_new) p->stop = "max_new";
-    else if (pos + 1 >= g->ctx) p->stop = "context";
-    else *more = 1;
-    return QT_OK;
-}
-
-/* Up to `batch` prompts at a time, each in its own slot of the KV cache: a
- * free slot takes the next prompt (prefilled alone, the batched forward),
- * then every running sequence advances one token per step in one
- * qt_model_decode_rows call, so each weight is read once per step for all of
- * them. Replies are printed in the file's order as they finish. */
-static int generate_batch(gen_state *g, gen_prompt *p, int count, int batch) {
-    int *slot_of = qt_malloc(sizeof(int) * (size_t)batch, "batch slots"); /* prompt in each slot, -1 free */
-    int *seqs = qt_malloc(sizeof(int) * (size_t)batch, "batch rows");
-    int *who = qt_malloc(sizeof(int) * (size_t)batch, "batch rows");
-    int32_t *tok = qt_malloc(sizeof(int32_t) * (size_t)batch, "batch rows");
-    int32_t *pos = qt_malloc(sizeof(int32_t) * (size_t)batch, "batch rows");
-    int *at = qt_malloc(sizeof(int) * (size_t)batch, "batch positions"); /* next position of each slot */
-    float *logits = qt_malloc(sizeof(float) * (size_t)batch * (size_t)g->V, "the logits of a batch step");
-    int rc = slot_of && seqs && who && tok && pos && at && logits ? QT_OK : QT_ENOMEM;
-    int next = 0, printed = 0, running = 0;
-    for (int s = 0; rc == QT_OK && s < batch; s++) slot_of[s] = -1;
-    for (int i = 0; rc == QT_OK && i < count; i++) {
-        p[i].out = qt_malloc((size_t)g->max_new * sizeof *p[i].out, "generated ids");
-        if (!p[i].out) rc = QT_ENOMEM;
-        p[i].stop = "max_new";
-    }
-    while (rc == QT_OK && (next < count || running)) {
-        for (int s = 0; rc == QT_OK && s < batch && next < count; s++) { /* free slots take the next prompts */
-            if (slot_of[s] >= 0) continue;
-            gen_prompt *q = &p[next];
-            qt_rng_seed(&q->rng, g->seed);
-            q->t_start = qt_now_s();
-            rc = qt_model_decode_seq(g->m, s, q->ids, q->n, 0, logits);
-            const double t1 = qt_now_s();
-            q->prefill_s = t1 - q->t_start;
-            g->prompt_tokens += q->n, g->prompt_s += q->prefill_s;
-            int more = 0;
-            if (rc == QT_OK) rc = take_token(g, q, logits, q->n, &more);
-            q->decode_s = qt_now_s() - t1;
-            if (more) slot_of[s] = next, at[s] = q->n, running++;
-            else q->done = 1;
-            next++;
-        }
-        int n = 0;
-        for (int s = 0; s < batch; s++)
-            if (slot_of[s] >= 0) {
-                gen_prompt *q = &p[slot_of[s]];
-                who[n] = slot_of[s], seqs[n] = s, pos[n] = at[s], tok[n] = q->out[q->n_out - 1];
-                n++;
-            }
-        if (rc == QT_OK && n) {
-            const double t0 = qt_now_s();
-            rc = qt_model_decode_rows(g->m, n, seqs, tok, pos, logits);
-            for (int i = 0; rc == QT_OK && i < n; i++) {
-                gen_prompt *q = &p[who[i]];
-                int more;
-                q->n_dec++;
-                rc = take_token(g, q, logits + (size_t)i * g->V, pos[i] + 1, &more);
-                at[seqs[i]] = pos[i] + 1;
-                q->decode_s = qt_now_s() - q->t_start - q->prefill_s;
-                if (!more) q->done = 1, slot_of[seqs[i]] = -1, running--;
-            }
-            g->decode_tokens += n, g->decode_s += qt_now_s() - t0;
-        }
-        while (rc == QT_OK && printed < next && p[printed].done) rc = print_reply(g, &p[printed], printed), printed++;
-    }
-    qt_free(slot_of), qt_free(seqs), qt_free(who), qt_free(tok), qt_free(pos), qt_free(at), qt_free(logits);
-    return rc;
 }
 
 /* --prompt-ids: whole numbers 0..INT32_MAX separated by commas (spaces
@@ -738,7 +574,7 @@ static int prepare(gen_state *g, qt_config *cfg, const char *model, const char *
             return cli_usage_error("generate", "--prompt-ids holds %d, outside the model's vocabulary of %d "
                                    "(vocab_size in %s/config.json)", (*ids)[i], cfg->vocab_size, model);
     if (prompt && encode(g->tok, prompt, ids, n) != QT_OK) return cli_fail();
-    if ((prompt || *ids) && check_prompt_fits(0, (int)*n, g->ctx, g->max_ctx) != QT_OK) return cli_fail();
+    if ((prompt || *ids) && qt_decode_check_prompt(0, (int)*n, g->ctx, g->max_ctx) != QT_OK) return cli_fail();
     return QT_EXIT_OK;
 }
 
@@ -866,11 +702,11 @@ int cmd_generate(int argc, char **argv) {
     int n_prompts = 0;
     /* every eos id of config.json and generation_config.json (Llama 3.1: <|eot_id|> is the third), read
      * before the weights so a broken generation_config.json is reported at once */
-    int32_t eos[GEN_MAX_STOP];
+    int32_t eos[QT_DECODE_MAX_STOP];
     int n_eos = 0;
     if (status == QT_EXIT_OK &&
         ((prompts_file && read_prompts(prompts_file, g.tok, cfg.vocab_size, g.ctx, g.max_ctx, &prompts, &n_prompts) != QT_OK) ||
-         qt_eos_ids_load(model, eos, GEN_MAX_STOP, &n_eos) != QT_OK)) {
+         qt_eos_ids_load(model, eos, QT_DECODE_MAX_STOP, &n_eos) != QT_OK)) {
         free_prompts(prompts, n_prompts);
         qt_free(ids);
         bpe_free(g.tok);
@@ -883,13 +719,8 @@ int cmd_generate(int argc, char **argv) {
     }
     if (batch > n_prompts && prompts_file) batch = n_prompts; /* no slot without a prompt */
     int rc = QT_OK;
-    g.model_dir = model;
-    g.adapter = adapter;
-    g.max_new = max_new;
     g.json = json;
-    g.so = so;
-    g.seed = seed;
-    qt_rng_seed(&g.rng, seed);
+    qt_model *m = NULL;
     qt_model_opts mo;
     qt_model_opts_default(&mo);
     mo.infer = 1;
@@ -902,27 +733,27 @@ int cmd_generate(int argc, char **argv) {
     mo.max_B = (batch + g.ctx - 1) / g.ctx;     /* activations for a step of `batch` rows (1 unless ctx < batch) */
     if (adapter && qt_lora_opts_from_adapter(adapter, &cfg, &mo) != QT_OK) rc = QT_EINVAL;
     if (rc == QT_OK) mo.lora_dropout = 0; /* inference: dropout is off */
-    if (rc == QT_OK) rc = qt_model_load(model, &mo, &g.m);
-    if (rc == QT_OK && adapter) rc = qt_lora_load(g.m, adapter);
+    if (rc == QT_OK) rc = qt_model_load(model, &mo, &m);
+    if (rc == QT_OK && adapter) rc = qt_lora_load(m, adapter);
     if (rc == QT_OK) {
-        g.V = qt_model_config(g.m)->vocab_size;
-        g.logits = qt_malloc((size_t)g.V * sizeof *g.logits, "the logits of one position");
-        g.hist = qt_malloc((size_t)g.ctx * sizeof *g.hist, "the ids in the KV cache");
-        if (!g.hist) rc = QT_ENOMEM;
         /* Real Qwen models pad the embedding past the tokenizer (151936 rows,
          * 151665 tokens): ids with no token are never sampled, as HF would
          * never emit text for them. */
-        int v_sample = g.V;
+        int v_sample = qt_model_config(m)->vocab_size;
         if (g.tok && bpe_vocab_size(g.tok) < v_sample) v_sample = bpe_vocab_size(g.tok);
-        if (rc == QT_OK) rc = g.logits ? qt_sampler_init(&g.sampler, v_sample) : QT_ENOMEM;
+        rc = qt_decoder_init(&g.d, m, g.ctx, g.max_ctx, max_new, v_sample);
+        g.d.model_dir = model;
+        g.d.adapter = adapter;
+        g.d.so = so;
+        g.d.seed = seed;
+        qt_rng_seed(&g.d.rng, seed);
     }
     if (rc == QT_OK) {
         int32_t im_end = g.tok ? bpe_token_id(g.tok, "<|im_end|>") : -1;
         int32_t eot = g.tok ? bpe_token_id(g.tok, "<|endoftext|>") : -1;
-        if (im_end >= 0) g.stop[g.n_stop++] = im_end;
-        if (eot >= 0 && eot != im_end) g.stop[g.n_stop++] = eot;
-        for (int k = 0; k < n_eos; k++)
-            if (eos[k] < g.V && !is_stop(&g, eos[k]) && g.n_stop < GEN_MAX_STOP) g.stop[g.n_stop++] = eos[k];
+        qt_decoder_add_stop(&g.d, im_end);
+        qt_decoder_add_stop(&g.d, eot);
+        for (int k = 0; k < n_eos; k++) qt_decoder_add_stop(&g.d, eos[k]);
         if (chat) {
             if (!g.tok) rc = QT_ERR(QT_EINVAL, "--chat needs the model's tokenizer.json in %s", model);
             else {
@@ -930,28 +761,27 @@ int cmd_generate(int argc, char **argv) {
                 rc = chat_loop(&g, system);
             }
         } else if (prompts_file) {
-            rc = generate_batch(&g, prompts, n_prompts, batch);
+            rc = qt_decode_batch(&g.d, prompts, n_prompts, batch, print_reply, &g);
         } else {
             rc = generate_reply(&g, ids, (int)n_ids);
         }
     }
     /* the speeds, on stderr so stdout stays the text (or the JSON lines): prompt tokens run through
      * the batched forward per second, and one-token decode steps (each with its sampling) per second */
-    if (rc == QT_OK && g.prompt_tokens > 0 && !prompts_file)
-        qt_info("prompt %ld tokens, %.1f tok/s; decode %ld tokens, %.1f tok/s", g.prompt_tokens,
-                g.prompt_s > 0 ? g.prompt_tokens / g.prompt_s : 0.0, g.decode_tokens,
-                g.decode_s > 0 ? g.decode_tokens / g.decode_s : 0.0);
+    const qt_decoder *d = &g.d;
+    if (rc == QT_OK && d->prompt_tokens > 0 && !prompts_file)
+        qt_info("prompt %ld tokens, %.1f tok/s; decode %ld tokens, %.1f tok/s", d->prompt_tokens,
+                d->prompt_s > 0 ? d->prompt_tokens / d->prompt_s : 0.0, d->decode_tokens,
+                d->decode_s > 0 ? d->decode_tokens / d->decode_s : 0.0);
     if (rc == QT_OK && prompts_file) /* decode: tokens of all the sequences per second of the steps */
         qt_info("%d prompts, batch %d: prompt %ld tokens, %.1f tok/s; decode %ld tokens, %.1f tok/s", n_prompts,
-                batch, g.prompt_tokens, g.prompt_s > 0 ? g.prompt_tokens / g.prompt_s : 0.0, g.decode_tokens,
-                g.decode_s > 0 ? g.decode_tokens / g.decode_s : 0.0);
+                batch, d->prompt_tokens, d->prompt_s > 0 ? d->prompt_tokens / d->prompt_s : 0.0, d->decode_tokens,
+                d->decode_s > 0 ? d->decode_tokens / d->decode_s : 0.0);
     free_prompts(prompts, n_prompts);
     qt_free(ids);
-    qt_sampler_free(&g.sampler);
-    qt_free(g.logits);
-    qt_free(g.hist);
+    qt_decoder_free(&g.d);
     qt_free(g.reply);
-    qt_model_free(g.m);
+    qt_model_free(m);
     bpe_free(g.tok);
     return rc == QT_OK ? QT_EXIT_OK : cli_fail();
 }

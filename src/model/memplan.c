@@ -297,11 +297,17 @@ void qt_model_grad_windows(const qt_config *c, const qt_model_opts *o, qt_grad_w
     }
     /* the lm_head's slices run before the first layer: they share the windows */
     w->each = w->bucket > w->slice ? w->bucket : w->slice;
-    size_t a = 0;
-    for (int i = 0; i < w->nwin; i++) carve(NULL, &a, w->each);
-    carve(NULL, &a, w->norm);
-    carve(NULL, &a, w->targets); /* int32 in float slots */
-    w->total = a;
+    w->total = qt_model_carve_windows(w, NULL, NULL);
+}
+
+size_t qt_model_carve_windows(const qt_grad_windows *w, float *base, qt_grad_window_ptrs *p) {
+    qt_grad_window_ptrs s = {{NULL, NULL}, NULL, NULL};
+    size_t off = 0;
+    for (int i = 0; i < w->nwin; i++) s.win[i] = w->each ? carve(base, &off, w->each) : NULL;
+    s.norm = w->norm ? carve(base, &off, w->norm) : NULL;
+    s.targets = w->targets ? (int32_t *)carve(base, &off, w->targets) : NULL; /* int32 in float slots */
+    if (p) *p = s;
+    return off;
 }
 
 static void carve_layer(const qt_config *c, const qt_model_opts *o, float *base, size_t *off, qt_acts *a) {
@@ -466,10 +472,29 @@ size_t qt_model_workspace_floats(const qt_config *c, const qt_model_opts *o) {
     return w > ws ? w : ws;
 }
 
-size_t qt_model_kv_floats(const qt_config *c, const qt_model_opts *o) {
+size_t qt_model_carve_kv(const qt_config *c, const qt_model_opts *o, float *base, float **k, float **v) {
     if (!o->infer) return 0;
     const size_t seqs = o->decode_seqs > 1 ? (size_t)o->decode_seqs : 1;
-    return 2 * (size_t)c->num_hidden_layers * seqs * (size_t)o->max_T * (size_t)c->num_key_value_heads * c->head_dim;
+    const size_t half = (size_t)c->num_hidden_layers * seqs * (size_t)o->max_T * (size_t)c->num_key_value_heads *
+                        c->head_dim;
+    size_t off = 0;
+    float *pk = carve(base, &off, half), *pv = carve(base, &off, half);
+    if (k) *k = pk;
+    if (v) *v = pv;
+    return off;
+}
+
+size_t qt_model_kv_floats(const qt_config *c, const qt_model_opts *o) { return qt_model_carve_kv(c, o, NULL, NULL, NULL); }
+
+size_t qt_model_carve_ids(const qt_model_opts *o, float *base, qt_batch_ids *p) {
+    size_t off = 0, n = max_n(o);
+    qt_batch_ids s;
+    s.inputs = (int32_t *)carve(base, &off, n); /* int32 in float slots */
+    s.targets = (int32_t *)carve(base, &off, n);
+    s.positions = (int32_t *)carve(base, &off, n);
+    s.doc_start = (int32_t *)carve(base, &off, n);
+    if (p) *p = s;
+    return off;
 }
 
 int qt_model_opts_sharded(const qt_model_opts *o) {

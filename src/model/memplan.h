@@ -1,11 +1,14 @@
 /* The model's memory plan: a pure function of (config, opts) that sizes every
- * buffer the model allocates. qt_model_load allocates exactly these blocks,
- * and `qtune plan` prints the same numbers, so predicted and measured memory
- * agree. */
+ * buffer the model allocates. qt_model_load allocates exactly these blocks
+ * (and two small ones not in the total: the batch ids, max_B * max_T int32
+ * four times, and inference's decode logits), carving each with the
+ * function that sized it, and `qtune plan` prints the same numbers, so
+ * predicted and measured memory agree. */
 #ifndef QT_MODEL_MEMPLAN_H
 #define QT_MODEL_MEMPLAN_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "io/hf_config.h"
 #include "model/model.h"
@@ -116,9 +119,18 @@ typedef struct {
                             modules_to_save), else 0 */
     size_t slice;        /* slice_rows * C: an lm_head slice (in the same windows) */
     size_t targets;      /* int32 slots for a slice's shifted targets (max_B * max_T) */
-    size_t total;        /* floats of all windows, 64-byte aligned pieces */
+    size_t total;        /* floats of all windows, 64-byte aligned pieces (qt_model_carve_windows) */
 } qt_grad_windows;
 void qt_model_grad_windows(const qt_config *c, const qt_model_opts *o, qt_grad_windows *w);
+/* The windows' block carved into its pieces, in this order: nwin windows of
+ * `each`, the final norm's, the slice targets' (int32 in float slots); an
+ * empty piece is NULL. base NULL: size only. Returns the block's floats. */
+typedef struct {
+    float *win[2];       /* win[0 .. nwin) */
+    float *norm;         /* NULL when the final norm is frozen */
+    int32_t *targets;    /* NULL when the lm_head is frozen */
+} qt_grad_window_ptrs;
+size_t qt_model_carve_windows(const qt_grad_windows *w, float *base, qt_grad_window_ptrs *p);
 
 /* Layer l's index among the layers with trainable tensors (every layer but those layers_to_transform leaves
  * out), or -1 when it has none. */

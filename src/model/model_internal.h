@@ -9,6 +9,7 @@
 #include "backend/backend.h"
 #include "io/safetensors.h"
 #include "core/progress.h"
+#include "model/grad_windows.h"
 #include "model/memplan.h"
 #include "model/model.h"
 
@@ -124,7 +125,16 @@ int qt_model_keeps_logits(const qt_config *c, const qt_model_opts *o);
  * fits). Else they stay in the file mapping. */
 int qt_model_stream_fits(size_t bytes, long long avail_kib);
 size_t qt_model_kept_logits_offset(const qt_config *c, const qt_model_opts *o);
+/* Inference: the KV cache, K then V, each (L, decode_seqs, max_T, KV, D);
+ * base NULL: size only (k, v may be NULL). Returns floats. */
+size_t qt_model_carve_kv(const qt_config *c, const qt_model_opts *o, float *base, float **k, float **v);
 size_t qt_model_kv_floats(const qt_config *c, const qt_model_opts *o);
+/* A batch's int32 arrays in device memory, each max_B * max_T (upload_batch;
+ * decoding uses inputs and positions). Small, and not in the plan's total. */
+typedef struct {
+    int32_t *inputs, *targets, *positions, *doc_start;
+} qt_batch_ids;
+size_t qt_model_carve_ids(const qt_model_opts *o, float *base, qt_batch_ids *p);
 
 /* dst[0..n) = src * the LoRA dropout mask of (layer l, module j) at the
  * model's current micro step, scaled by 1/(1-p), on the model's backend
@@ -154,12 +164,6 @@ float *qt_model_small_of(const struct qt_model *m, size_t offset);
 
 /* The model's RoPE table for positions up to max_pos (m->rope_inv, m->rope_scale). */
 void qt_model_rope_table(struct qt_model *m, int32_t max_pos);
-
-/* One contiguous flat range of a gradient bucket: elements [lo, hi) of the
- * trainable block, at window offset woff. */
-typedef struct {
-    size_t lo, hi, woff;
-} qt_grad_run;
 
 struct qt_model {
     qt_backend *be;       /* the backend every op and buffer belongs to */
@@ -199,23 +203,9 @@ struct qt_model {
     int blayer;
     qt_param_gather_fn gather; /* sharded: other ranks' master elements, for writing */
     void *gather_user;
-    /* opts.grad_windows (model.h qt_grad_hook): the windows in one block. The layers'
-     * gradients go in buckets (memplan.h qt_grad_pack): bucket b is written in
-     * win[b % nwin], its tensors packed in flat order, and each layer's gradient pointers
-     * point there; dlnf_w into wnorm; the lm_head's backward runs per vocabulary slice into
-     * wslice[k % nwin] with targets shifted in tslice; dwte/dlm_head only mark the
-     * embedding/lm_head trainable then. */
-    qt_grad_windows gw;
-    float *gwin_block, *win[2], *wnorm, *wslice[2];
-    int32_t *tslice;
-    int *unit_bucket;      /* (L * QT_GU_COUNT) each unit's bucket, -1 when it has no tensors */
-    int *close_at;         /* (L * QT_GU_COUNT) the bucket handed over after that step, else -1 */
-    qt_grad_run *runs;     /* each bucket's contiguous flat ranges, bucket after bucket */
-    int *run0;             /* (nbuckets + 1) bucket b's runs: runs[run0[b] .. run0[b + 1]) */
-    size_t *bucket_fill;   /* (nbuckets) elements in each bucket's window */
-    float **grad_at;       /* (n_params) each layer tensor's gradient in its window, at load */
-    int gb_open;           /* the last bucket opened in the running backward */
-    qt_grad_hook hook;
+    /* opts.grad_windows (model.h qt_grad_hook): the gradient windows and their buckets (grad_windows.h);
+     * dwte/dlm_head only mark the embedding/lm_head trainable then. grad_win.block NULL: none. */
+    qt_grad_win_state grad_win;
     size_t numel;
     qt_param *params;
     qt_param_src *param_src; /* (n_params) */
@@ -252,11 +242,13 @@ struct qt_model {
     float rope_inv[QT_ROPE_MAX_HALF]; /* host RoPE table of the current forward (qt_rope_inv_freq: upload_batch,
                                          qt_model_decode), read by be->rope_forward/backward */
     float rope_scale;      /* its cos/sin factor (YaRN's attention factor, else 1) */
-    int32_t *ids;          /* (4, max N) a batch's inputs, targets, positions, doc_start (upload_batch) */
+    float *ids_block;      /* qt_model_carve_ids: */
+    qt_batch_ids ids;      /* a batch's inputs, targets, positions, doc_start (upload_batch) */
     float *loss_host;      /* host (max N) per-token losses, downloaded */
     float *logits;         /* (decode_seqs, V) decode logits, inference only */
 
-    float *kcache, *vcache; /* (L, decode_seqs, max_T, KV, D) each, inference only */
+    float *kv_block;       /* inference only: the KV cache (qt_model_carve_kv), */
+    float *kcache, *vcache; /* its halves, (L, decode_seqs, max_T, KV, D) each */
     int *kv_len;           /* host (decode_seqs) cached positions of each sequence */
     int decode_seqs;       /* opts.decode_seqs, at least 1 */
     int dec_rows;          /* a qt_model_decode_rows step is running: its rows are one token of

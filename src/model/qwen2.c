@@ -42,21 +42,26 @@ void qt_lora_dropout(const qt_model *m, int l, int j, float *dst, const float *s
  * store to fp16/bf16 would; arithmetic stays fp32. In fp16 a value beyond
  * 65504 becomes inf, so a too-large loss scale overflows as on a GPU and the
  * loss scaler skips the step. No-op in f32. */
-static inline void keep(const qt_model *m, float *x, size_t n) {
+static inline void round_to_compute(const qt_model *m, float *x, size_t n) {
     if (m->opts.compute != QT_F32) m->be->round_to_dtype(m->be, x, n, m->opts.compute);
 }
 
-/* keep() for a value the backward reads again: with 2-byte storage (f16/bf16
- * training, model_internal.h qt_acts16) the rounded values are also written
- * to the layer's 2-byte slot in the same pass; x itself is the fp32 working
- * set that the rest of this layer's forward reads. slot NULL: plain keep(). */
-static inline void keep_save(const qt_model *m, float *x, size_t n, uint16_t *slot) {
+/* An activation gradient rounded to the compute dtype, as the reference's
+ * 16-bit autograd stores each one it hands from op to op. */
+static inline void round_grad(const qt_model *m, float *dx, size_t n) { round_to_compute(m, dx, n); }
+
+/* round_to_compute() for a value the backward reads again: with 2-byte
+ * storage (f16/bf16 training, model_internal.h qt_acts16) the rounded values
+ * are also written to the layer's 2-byte slot in the same pass; x itself is
+ * the fp32 working set that the rest of this layer's forward reads. slot
+ * NULL: plain round_to_compute(). */
+static inline void round_and_save(const qt_model *m, float *x, size_t n, uint16_t *slot) {
     if (slot) m->be->round_store(m->be, x, slot, n, m->opts.compute);
-    else keep(m, x, n);
+    else round_to_compute(m, x, n);
 }
 
 /* 2-byte storage: layer l's saved values back into the fp32 working set (an
- * exact conversion, so the backward reads what keep() left), just before its
+ * exact conversion, so the backward reads what round_and_save() left), just before its
  * backward; with checkpointing only its input, from which it is recomputed. */
 static void acts_load(qt_model *m, int l, int N) {
     const qt_act_ptrs *A = &m->acts;
@@ -131,7 +136,7 @@ static void linear_forward(qt_model *m, int l, int j, float *out, const float *i
     }
     int R = m->opts.lora_r;
     be->matmul_forward(be, lora_h, xd, q->la, QT_F32, NULL, N, q->in, R, m->lora_scaling, 0, NULL); /* hs = s A xd */
-    keep_save(m, lora_h, (size_t)N * R, m->acts.layer16 ? m->acts.layer16[l].lora_h[j] : NULL);
+    round_and_save(m, lora_h, (size_t)N * R, m->acts.layer16 ? m->acts.layer16[l].lora_h[j] : NULL);
     be->matmul_forward(be, out, lora_h, q->lb, QT_F32, NULL, N, R, q->out, 1.0f, 1, NULL);         /* y += B hs */
 }
 
@@ -159,7 +164,7 @@ static void linears_forward(qt_model *m, int l, int n, const int *js, float *con
 }
 
 /* The base weight's backward. With native 16-bit GEMMs the products run on
- * the backend's GEMM for the compute dtype: dout in 2 bytes (keep() left it
+ * the backend's GEMM for the compute dtype: dout in 2 bytes (round_grad() left it
  * rounded, so exact), dinp += dout W against the 2-byte weight, and in full
  * fine-tuning dW += dout^T inp16 against the saved 2-byte input, both
  * accumulated in fp32; each product the backend refuses runs on fp32 sgemm
@@ -186,8 +191,8 @@ static void base_backward(qt_model *m, const qt_linear *q, float *dinp, const fl
 
 /* dinp may be NULL when nothing below needs it (LoRA, layer 0); inp16: inp's
  * saved 2-byte slot or NULL. */
-static void linear_backward(qt_model *m, int l, int j, float *dinp, const float *dout, const float *inp,
-                            const uint16_t *inp16, const float *lora_h, int N, int dropout) {
+static void linear_grads(qt_model *m, int l, int j, float *dinp, const float *dout, const float *inp,
+                         const uint16_t *inp16, const float *lora_h, int N, int dropout) {
     const qt_linear *q = &m->layers[l].lin[j];
     base_backward(m, q, dinp, dout, inp, inp16, N);
     if (!q->la) return;
@@ -211,6 +216,19 @@ static void linear_backward(qt_model *m, int l, int j, float *dinp, const float 
     be->matmul_backward(be, lx, NULL, NULL, dhs, NULL, q->la, QT_F32, N, q->in, R, s, NULL);
     qt_lora_dropout(m, l, q->lora_id, lx, lx, n); /* the same mask: d dropout(x) / dx */
     be->acc(be, dinp, lx, n);
+}
+
+/* Each Linear's weight gradients are one backward step (memplan.h QT_GU_*). */
+static const int lin_unit[LIN_COUNT] = {QT_GU_Q, QT_GU_K, QT_GU_V, QT_GU_O, QT_GU_GATE, QT_GU_UP, QT_GU_DOWN};
+
+/* Linear j's backward as one step of the gradient hand-over: with gradient
+ * windows (grad_windows.h) the bucket its unit starts opens before, and the
+ * bucket the step completes is handed over after. */
+static int linear_backward(qt_model *m, int l, int j, float *dinp, const float *dout, const float *inp,
+                           const uint16_t *inp16, const float *lora_h, int N, int dropout) {
+    QT_TRY(qt_grad_win_begin(&m->grad_win, l, lin_unit[j]));
+    linear_grads(m, l, j, dinp, dout, inp, inp16, lora_h, N, dropout);
+    return qt_grad_win_end(&m->grad_win, l, lin_unit[j]);
 }
 
 /* ---- one decoder layer ---------------------------------------------------- */
@@ -281,7 +299,7 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
     const qt_acts16 no_slots = {0}, *s = m->acts.layer16 ? &m->acts.layer16[l] : &no_slots;
     uint16_t *const *x16 = m->acts.x16;
     be->rmsnorm_forward(be, a->ln1, a->rstd1, x, L->ln1, N, C, c->rms_norm_eps);
-    keep_save(m, a->ln1, NC, s->ln1);
+    round_and_save(m, a->ln1, NC, s->ln1);
     infer_round(m, a->ln1, NC);
     /* Qwen3: the projections go to qraw/kraw, and q_norm/k_norm (one RMSNorm over D per head: (N*H) rows
      * of D) write q and k, before RoPE */
@@ -291,37 +309,37 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
     float *gate_up_out[2] = {a->gate, a->up};
     linears_forward(m, l, 3, qkv, qkv_out, a->ln1, s->ln1, N, a->lora_h, dropout);
     if (a->qraw) {
-        keep_save(m, a->qraw, NQ, s->qraw);
-        keep_save(m, a->kraw, NK, s->kraw);
+        round_and_save(m, a->qraw, NQ, s->qraw);
+        round_and_save(m, a->kraw, NK, s->kraw);
         be->rmsnorm_forward(be, a->q, a->rstdq, a->qraw, L->qn, N * H, D, c->rms_norm_eps);
         be->rmsnorm_forward(be, a->k, a->rstdk, a->kraw, L->kn, N * KV, D, c->rms_norm_eps);
     }
     rope_rows(m, a->q, a->k, pos, N, b ? NULL : d);
-    keep_save(m, a->q, NQ, s->q);
-    keep_save(m, a->k, NK, s->k);
-    keep_save(m, a->v, NK, s->v);
+    round_and_save(m, a->q, NQ, s->q);
+    round_and_save(m, a->k, NK, s->k);
+    round_and_save(m, a->v, NK, s->v);
     if (b) {
         be->attention_forward(be, a->att, a->lse, a->q, a->k, a->v, b->doc_start, b->B, b->T, H, KV, D);
     } else {
         attend_cached(m, l, N, a, d);
     }
-    keep_save(m, a->att, NQ, s->att);
+    round_and_save(m, a->att, NQ, s->att);
     infer_round(m, a->att, NQ);
     linear_forward(m, l, LIN_O, a->xmid, a->att, s->att, N, a->lora_h[LIN_O], dropout);
     be->acc(be, a->xmid, x, NC);
-    keep_save(m, a->xmid, NC, s->xmid);
+    round_and_save(m, a->xmid, NC, s->xmid);
     be->rmsnorm_forward(be, a->ln2, a->rstd2, a->xmid, L->ln2, N, C, c->rms_norm_eps);
-    keep_save(m, a->ln2, NC, s->ln2);
+    round_and_save(m, a->ln2, NC, s->ln2);
     infer_round(m, a->ln2, NC);
     linears_forward(m, l, 2, gate_up, gate_up_out, a->ln2, s->ln2, N, a->lora_h, dropout);
-    keep_save(m, a->gate, NI, s->gate);
-    keep_save(m, a->up, NI, s->up);
+    round_and_save(m, a->gate, NI, s->gate);
+    round_and_save(m, a->up, NI, s->up);
     be->swiglu_forward(be, a->h, a->gate, a->up, N, I);
-    keep_save(m, a->h, NI, s->h);
+    round_and_save(m, a->h, NI, s->h);
     infer_round(m, a->h, NI);
     linear_forward(m, l, LIN_DOWN, xout, a->h, s->h, N, a->lora_h[LIN_DOWN], dropout);
     be->acc(be, xout, a->xmid, NC);
-    keep_save(m, xout, NC, x16 && l + 1 < c->num_hidden_layers ? x16[l + 1] : NULL);
+    round_and_save(m, xout, NC, x16 && l + 1 < c->num_hidden_layers ? x16[l + 1] : NULL);
 }
 
 /* ---- ZeRO-3: the weights gathered at use (model.h qt_param_fetch) -------------- */
@@ -365,42 +383,35 @@ static int outer_params(qt_model *m, size_t off) {
     return gather_have(m, 2, (long long)off, off, off + (size_t)m->cfg.vocab_size * (size_t)m->cfg.hidden_size);
 }
 
-/* ---- gradient hand-over (model.h qt_grad_hook) ------------------------------- */
-static int win_open(qt_model *m, float *g, size_t n) {
-    if (m->hook.window) QT_TRY(m->hook.window(m->hook.user, g, n));
-    m->be->zero(m->be, g, n * sizeof(float));
-    return QT_OK;
+/* ---- norms in the backward -------------------------------------------------- */
+/* A layer's RMSNorm backward (weight gradient dweight, NULL when frozen) as
+ * backward step `unit`, handed over as linear_backward is. */
+static int norm_backward(qt_model *m, int l, int unit, float *dinp, float *dweight, const float *dout,
+                         const float *inp, const float *weight, const float *rstd, int N, int C) {
+    QT_TRY(qt_grad_win_begin(&m->grad_win, l, unit));
+    m->be->rmsnorm_backward(m->be, dinp, dweight, dout, inp, weight, rstd, N, C);
+    return qt_grad_win_end(&m->grad_win, l, unit);
 }
 
-static int win_ready(qt_model *m, size_t lo, size_t hi, const float *g) {
-    return m->hook.ready(m->hook.user, lo, hi, g);
-}
-
-/* The layers' gradient buckets (memplan.h qt_grad_pack). Before step k of
- * layer l writes its gradients, the bucket its unit starts is opened (a
- * fused c_attn's unit spans the q, k and v steps: it opens at q); after the
- * step, the bucket it completes is handed over, one ready() per contiguous
- * flat range, the last range first. Without windows both do nothing. */
-static int grad_begin(qt_model *m, int l, int k) {
-    if (!m->gwin_block) return QT_OK;
-    int b = m->unit_bucket[(size_t)l * QT_GU_COUNT + (size_t)k];
-    if (b < 0 || b <= m->gb_open) return QT_OK;
-    m->gb_open = b;
-    return win_open(m, m->win[b % m->gw.nwin], m->bucket_fill[b]);
-}
-
-static int grad_end(qt_model *m, int l, int k) {
-    if (!m->gwin_block) return QT_OK;
-    int b = m->close_at[(size_t)l * QT_GU_COUNT + (size_t)k];
-    if (b < 0) return QT_OK;
-    const float *g = m->win[b % m->gw.nwin];
-    for (int r = m->run0[b + 1] - 1; r >= m->run0[b]; r--)
-        QT_TRY(win_ready(m, m->runs[r].lo, m->runs[r].hi, g + m->runs[r].woff));
+/* Qwen3's q_norm / k_norm (rows of D): d raw (into draw, zeroed here) from d
+ * normed. Its weight's gradient belongs to the projection's step (Linear j's
+ * unit): that bucket opens here, and linear_backward hands it over after the
+ * projection's gradients. */
+static int head_norm_backward(qt_model *m, int l, int j, float *draw, float *dweight, const float *dnormed,
+                              const float *raw, const float *weight, const float *rstd, int rows) {
+    const int D = m->cfg.head_dim;
+    QT_TRY(qt_grad_win_begin(&m->grad_win, l, lin_unit[j]));
+    m->be->zero(m->be, draw, sizeof(float) * (size_t)rows * D);
+    m->be->rmsnorm_backward(m->be, draw, dweight, dnormed, raw, weight, rstd, rows, D);
+    round_grad(m, draw, (size_t)rows * D);
     return QT_OK;
 }
 
 /* dres holds d loss / d xout on entry and d loss / d x on return. need_dx = 0
- * (LoRA, layer 0: nothing below is trainable) skips the work for dx. */
+ * (LoRA, layer 0: nothing below is trainable) skips the work for dx. Each
+ * linear_backward / norm_backward is one step of memplan.h's QT_GU order and
+ * hands its gradient bucket over itself (grad_windows.h); round_grad stores
+ * each activation gradient in the compute dtype. */
 static int layer_backward(qt_model *m, int l, const qt_batch *b, int N, const float *x, const qt_acts *a,
                           int dropout, int need_dx) {
     const qt_config *c = &m->cfg;
@@ -414,33 +425,23 @@ static int layer_backward(qt_model *m, int l, const qt_batch *b, int N, const fl
     const qt_acts16 no_slots = {0}, *s = m->acts.layer16 ? &m->acts.layer16[l] : &no_slots;
 
     be->zero(be, g->dh, sizeof(float) * NI);
-    QT_TRY(grad_begin(m, l, QT_GU_DOWN));
-    linear_backward(m, l, LIN_DOWN, g->dh, g->dres, a->h, s->h, a->lora_h[LIN_DOWN], N, dropout);
-    QT_TRY(grad_end(m, l, QT_GU_DOWN));
-    keep(m, g->dh, NI);
+    QT_TRY(linear_backward(m, l, LIN_DOWN, g->dh, g->dres, a->h, s->h, a->lora_h[LIN_DOWN], N, dropout));
+    round_grad(m, g->dh, NI);
     be->zero(be, g->dg, sizeof(float) * NI);
     be->zero(be, g->du, sizeof(float) * NI);
     be->swiglu_backward(be, g->dg, g->du, g->dh, a->gate, a->up, N, I);
-    keep(m, g->dg, NI);
-    keep(m, g->du, NI);
+    round_grad(m, g->dg, NI);
+    round_grad(m, g->du, NI);
     be->zero(be, g->dln, sizeof(float) * NC);
-    QT_TRY(grad_begin(m, l, QT_GU_GATE));
-    linear_backward(m, l, LIN_GATE, g->dln, g->dg, a->ln2, s->ln2, a->lora_h[LIN_GATE], N, dropout);
-    QT_TRY(grad_end(m, l, QT_GU_GATE));
-    QT_TRY(grad_begin(m, l, QT_GU_UP));
-    linear_backward(m, l, LIN_UP, g->dln, g->du, a->ln2, s->ln2, a->lora_h[LIN_UP], N, dropout);
-    QT_TRY(grad_end(m, l, QT_GU_UP));
-    keep(m, g->dln, NC);
-    QT_TRY(grad_begin(m, l, QT_GU_LN2));
-    be->rmsnorm_backward(be, g->dres, L->dln2, g->dln, a->xmid, L->ln2, a->rstd2, N, C); /* dres: d xmid */
-    QT_TRY(grad_end(m, l, QT_GU_LN2));
-    keep(m, g->dres, NC);
+    QT_TRY(linear_backward(m, l, LIN_GATE, g->dln, g->dg, a->ln2, s->ln2, a->lora_h[LIN_GATE], N, dropout));
+    QT_TRY(linear_backward(m, l, LIN_UP, g->dln, g->du, a->ln2, s->ln2, a->lora_h[LIN_UP], N, dropout));
+    round_grad(m, g->dln, NC);
+    QT_TRY(norm_backward(m, l, QT_GU_LN2, g->dres, L->dln2, g->dln, a->xmid, L->ln2, a->rstd2, N, C)); /* d xmid */
+    round_grad(m, g->dres, NC);
 
     be->zero(be, g->datt, sizeof(float) * NQ);
-    QT_TRY(grad_begin(m, l, QT_GU_O));
-    linear_backward(m, l, LIN_O, g->datt, g->dres, a->att, s->att, a->lora_h[LIN_O], N, dropout);
-    QT_TRY(grad_end(m, l, QT_GU_O));
-    keep(m, g->datt, NQ);
+    QT_TRY(linear_backward(m, l, LIN_O, g->datt, g->dres, a->att, s->att, a->lora_h[LIN_O], N, dropout));
+    round_grad(m, g->datt, NQ);
     be->zero(be, g->dq, sizeof(float) * NQ);
     be->zero(be, g->dk, sizeof(float) * NK);
     be->zero(be, g->dv, sizeof(float) * NK);
@@ -448,42 +449,30 @@ static int layer_backward(qt_model *m, int l, const qt_batch *b, int N, const fl
                           H, KV, D);
     be->rope_backward(be, g->dq, b->positions, N, H, D, m->rope_inv, m->rope_scale);
     be->rope_backward(be, g->dk, b->positions, N, KV, D, m->rope_inv, m->rope_scale);
-    keep(m, g->dq, NQ);
-    keep(m, g->dk, NK);
-    keep(m, g->dv, NK);
+    round_grad(m, g->dq, NQ);
+    round_grad(m, g->dk, NK);
+    round_grad(m, g->dv, NK);
     float *dln = need_dx ? g->dln : NULL;
     if (dln) be->zero(be, dln, sizeof(float) * NC);
     /* Qwen3: back through q_norm/k_norm; datt is free once the attention's backward has run, and
      * holds the gradient of qraw, then of kraw (KV <= H) */
     const float *dqp = g->dq, *dkp = g->dk;
-    QT_TRY(grad_begin(m, l, QT_GU_Q));
     if (a->qraw) {
-        be->zero(be, g->datt, sizeof(float) * NQ);
-        be->rmsnorm_backward(be, g->datt, L->dqn, g->dq, a->qraw, L->qn, a->rstdq, N * H, D);
-        keep(m, g->datt, NQ);
+        QT_TRY(head_norm_backward(m, l, LIN_Q, g->datt, L->dqn, g->dq, a->qraw, L->qn, a->rstdq, N * H));
         dqp = g->datt;
     }
-    linear_backward(m, l, LIN_Q, dln, dqp, a->ln1, s->ln1, a->lora_h[LIN_Q], N, dropout);
-    QT_TRY(grad_end(m, l, QT_GU_Q));
-    QT_TRY(grad_begin(m, l, QT_GU_K));
+    QT_TRY(linear_backward(m, l, LIN_Q, dln, dqp, a->ln1, s->ln1, a->lora_h[LIN_Q], N, dropout));
     if (a->kraw) {
-        be->zero(be, g->datt, sizeof(float) * NK);
-        be->rmsnorm_backward(be, g->datt, L->dkn, g->dk, a->kraw, L->kn, a->rstdk, N * KV, D);
-        keep(m, g->datt, NK);
+        QT_TRY(head_norm_backward(m, l, LIN_K, g->datt, L->dkn, g->dk, a->kraw, L->kn, a->rstdk, N * KV));
         dkp = g->datt;
     }
-    linear_backward(m, l, LIN_K, dln, dkp, a->ln1, s->ln1, a->lora_h[LIN_K], N, dropout);
-    QT_TRY(grad_end(m, l, QT_GU_K));
-    QT_TRY(grad_begin(m, l, QT_GU_V));
-    linear_backward(m, l, LIN_V, dln, g->dv, a->ln1, s->ln1, a->lora_h[LIN_V], N, dropout);
-    QT_TRY(grad_end(m, l, QT_GU_V));
+    QT_TRY(linear_backward(m, l, LIN_K, dln, dkp, a->ln1, s->ln1, a->lora_h[LIN_K], N, dropout));
+    QT_TRY(linear_backward(m, l, LIN_V, dln, g->dv, a->ln1, s->ln1, a->lora_h[LIN_V], N, dropout));
     /* need_dx = 0 only without a trainable embedding, where ln1 is frozen (LoRA): its unit is empty */
     if (!need_dx) return QT_OK;
-    keep(m, g->dln, NC);
-    QT_TRY(grad_begin(m, l, QT_GU_LN1));
-    be->rmsnorm_backward(be, g->dres, L->dln1, g->dln, x, L->ln1, a->rstd1, N, C);
-    QT_TRY(grad_end(m, l, QT_GU_LN1));
-    keep(m, g->dres, NC);
+    round_grad(m, g->dln, NC);
+    QT_TRY(norm_backward(m, l, QT_GU_LN1, g->dres, L->dln1, g->dln, x, L->ln1, a->rstd1, N, C));
+    round_grad(m, g->dres, NC);
     return QT_OK;
 }
 
@@ -513,13 +502,13 @@ static int check_batch(const qt_model *m, const qt_batch *b) {
     return QT_OK;
 }
 
-/* The batch's int32 arrays in device memory (m->ids: 4 x max_B*max_T), as
- * the ops read them; the host batch stays the caller's. */
+/* The batch's int32 arrays in device memory (m->ids), as the ops read them;
+ * the host batch stays the caller's. */
 static qt_batch upload_batch(qt_model *m, const qt_batch *b) {
-    size_t N = (size_t)b->B * b->T, cap = (size_t)m->opts.max_B * m->opts.max_T, bytes = N * sizeof(int32_t);
+    size_t N = (size_t)b->B * b->T, bytes = N * sizeof(int32_t);
     qt_batch d = *b;
-    d.inputs = m->ids, d.targets = m->ids + cap, d.positions = m->ids + 2 * cap;
-    d.doc_start = b->doc_start ? m->ids + 3 * cap : NULL;
+    d.inputs = m->ids.inputs, d.targets = m->ids.targets, d.positions = m->ids.positions;
+    d.doc_start = b->doc_start ? m->ids.doc_start : NULL;
     m->be->upload(m->be, d.inputs, b->inputs, bytes);
     m->be->upload(m->be, d.targets, b->targets, bytes);
     m->be->upload(m->be, d.positions, b->positions, bytes);
@@ -542,14 +531,14 @@ static int run_forward(qt_model *m, const qt_batch *b, int dropout, float *dx_lm
     qt_act_ptrs *A = &m->acts;
     QT_TRY(outer_params(m, m->gout[0]));
     be->embedding_forward(be, A->x[0], b->inputs, m->wte.p, m->wte.dt, N, C);
-    keep_save(m, A->x[0], (size_t)N * C, A->x16 ? A->x16[0] : NULL);
+    round_and_save(m, A->x[0], (size_t)N * C, A->x16 ? A->x16[0] : NULL);
     for (int l = 0; l < L; l++) {
         QT_TRY(layer_params(m, l, l + 1));
         layer_forward(m, l, b, N, A->x[l], A->x[l + 1], &A->layer[l], dropout, b->positions, NULL);
     }
     QT_TRY(outer_params(m, m->gout[1]));
     be->rmsnorm_forward(be, A->lnf, A->rstdf, A->x[L], m->lnf_w, N, C, c->rms_norm_eps);
-    keep(m, A->lnf, (size_t)N * C);
+    round_to_compute(m, A->lnf, (size_t)N * C);
     infer_round(m, A->lnf, (size_t)N * C);
     if (dx_lm)
         be->lmhead_ce_forward_dx(be, A->loss, A->lse, dx_lm, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, grad_scale, N,
@@ -601,35 +590,37 @@ int qt_model_forward(qt_model *m, const qt_batch *b, double *loss_sum, int64_t *
  * still gets its softmax gradient; the ignored rows keep QT_IGNORE_INDEX).
  * dx accumulates over the slices as over the op's own chunks. The shifted
  * targets are built from the host batch (hb) in pos_buf (host staging, the
- * decode's positions otherwise) and uploaded into the window block's tslice. */
+ * decode's positions otherwise) and uploaded into the window block's targets. */
 static int lmhead_backward_sliced(qt_model *m, const qt_batch *hb, float *dln, float grad_scale,
                                   const float *row_scale) {
     const qt_config *c = &m->cfg;
     qt_backend *be = m->be;
-    int N = hb->B * hb->T, T = hb->T, C = c->hidden_size, V = c->vocab_size, S = m->gw.slice_rows;
+    qt_grad_win_state *gw = &m->grad_win;
+    int N = hb->B * hb->T, T = hb->T, C = c->hidden_size, V = c->vocab_size, S = gw->plan.slice_rows;
     size_t base = m->lm_head_off; /* untied or modules_to_save: the last tensor; tied: the embedding, at 0 */
     size_t esz = qt_dtype_size(m->lm_head.dt);
     int32_t *ht = m->pos_buf;
     for (int v0 = 0, k = 0; v0 < V; v0 += S, k++) {
         int sv = V - v0 < S ? V - v0 : S;
-        float *g = m->wslice[k % m->gw.nwin];
-        QT_TRY(win_open(m, g, (size_t)sv * C));
+        float *g = gw->slice[k % gw->plan.nwin];
+        int32_t *tslice = gw->at.targets;
+        QT_TRY(qt_grad_win_open(gw, g, (size_t)sv * C));
         for (int i = 0; i < N; i++) {
             int t = hb->targets[i];
             ht[i] = t == QT_IGNORE_INDEX ? t : (t >= v0 && t < v0 + sv) ? t - v0 : -1;
         }
-        be->upload(be, m->tslice, ht, sizeof(int32_t) * (size_t)N);
+        be->upload(be, tslice, ht, sizeof(int32_t) * (size_t)N);
         const char *w = (const char *)m->lm_head.p + (size_t)v0 * C * esz;
         if (!row_scale)
-            be->lmhead_ce_backward(be, dln, g, m->acts.lnf, w, m->lm_head.dt, m->tslice, m->acts.lse, grad_scale, N,
+            be->lmhead_ce_backward(be, dln, g, m->acts.lnf, w, m->lm_head.dt, tslice, m->acts.lse, grad_scale, N,
                                    C, sv, m->ws);
         else /* one call per row, each with its sequence's weight (the slice's dW sums over them) */
             for (int r = 0; r < hb->B; r++)
                 if (row_scale[r] != 0.0f)
                     be->lmhead_ce_backward(be, dln + (size_t)r * T * C, g, m->acts.lnf + (size_t)r * T * C, w,
-                                           m->lm_head.dt, m->tslice + (size_t)r * T, m->acts.lse + (size_t)r * T,
+                                           m->lm_head.dt, tslice + (size_t)r * T, m->acts.lse + (size_t)r * T,
                                            row_scale[r], T, C, sv, m->ws);
-        QT_TRY(win_ready(m, base + (size_t)v0 * C, base + (size_t)(v0 + sv) * C, g));
+        QT_TRY(qt_grad_win_ready(gw, base + (size_t)v0 * C, base + (size_t)(v0 + sv) * C, g));
     }
     return QT_OK;
 }
@@ -645,8 +636,9 @@ static int forward_backward(qt_model *m, const qt_batch *b, float grad_scale, qt
         return QT_ERR(QT_EINVAL, "this model was loaded for inference (no gradient buffers); load it with infer = 0 "
                                  "to train");
     QT_TRY(check_batch(m, b));
-    const int win = m->gwin_block != NULL;
-    if (win && !m->hook.ready)
+    qt_grad_win_state *gw = &m->grad_win;
+    const int win = gw->block != NULL;
+    if (win && !gw->hook.ready)
         return QT_ERR(QT_EINVAL, "this model was loaded with gradient windows (ZeRO-2) but no gradient hook is set; "
                                  "call qt_model_set_grad_hook first");
     const qt_batch *hb = b, db = upload_batch(m, hb);
@@ -699,19 +691,19 @@ static int forward_backward(qt_model *m, const qt_batch *b, float grad_scale, qt
         be->lmhead_ce_backward(be, dln, m->dlm_head, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, A->lse, grad_scale, N,
                               C, c->vocab_size, m->ws);
     qt_free(logp); /* row_scale with it: the lm_head's backward was their last use */
-    keep(m, dln, (size_t)N * C); /* in fp16 the first place a too-large loss scale overflows */
+    round_grad(m, dln, (size_t)N * C); /* in fp16 the first place a too-large loss scale overflows */
     size_t units = 0; /* layers with trainable tensors */
     for (int l = 0; l < L; l++) units += qt_model_layer_unit(&m->opts, l) >= 0;
-    const size_t norm_lo = m->gw.layer0 + units * m->gw.layer; /* gradient windows: the final norm's place */
-    if (win && m->dlnf_w) QT_TRY(win_open(m, m->wnorm, (size_t)C));
+    const size_t norm_lo = gw->plan.layer0 + units * gw->plan.layer; /* gradient windows: the final norm's place */
+    if (win && m->dlnf_w) QT_TRY(qt_grad_win_open(gw, gw->at.norm, (size_t)C));
     be->rmsnorm_backward(be, dres, m->dlnf_w, dln, A->x[L], m->lnf_w, A->rstdf, N, C);
-    keep(m, dres, (size_t)N * C);
-    if (win && m->dlnf_w) QT_TRY(win_ready(m, norm_lo, norm_lo + (size_t)C, m->wnorm));
+    round_grad(m, dres, (size_t)N * C);
+    if (win && m->dlnf_w) QT_TRY(qt_grad_win_ready(gw, norm_lo, norm_lo + (size_t)C, gw->at.norm));
     /* layers_to_transform: below the lowest adapted layer nothing is trainable (unless the embedding
      * is), so the backward stops there */
     int low = 0;
     while (!m->dwte && low < L - 1 && qt_model_layer_unit(&m->opts, low) < 0) low++;
-    m->gb_open = -1; /* no bucket of this backward opened yet */
+    qt_grad_win_start(gw); /* no bucket of this backward opened yet */
     for (int l = L - 1; l >= low; l--) {
         QT_TRY(layer_params(m, l, l - 1 >= low ? l - 1 : -1)); /* ZeRO-3: gathered again (or still there) */
         acts_load(m, l, N); /* 2-byte storage: layer l's saved values back to fp32 */
@@ -723,7 +715,7 @@ static int forward_backward(qt_model *m, const qt_batch *b, float grad_scale, qt
         QT_TRY(layer_backward(m, l, b, N, A->x[l], &A->layer[l], dropout, l > low || m->dwte != NULL));
     }
     /* the hook reads the token ids on the host (hb), the row gradients (dres) on the device */
-    if (m->dwte && win) QT_TRY(m->hook.rows(m->hook.user, 0, C, hb->inputs, dres, N));
+    if (m->dwte && win) QT_TRY(gw->hook.rows(gw->hook.user, 0, C, hb->inputs, dres, N));
     else if (m->dwte) be->embedding_backward(be, m->dwte, dres, b->inputs, N, C);
     m->micro_step++;
     return QT_OK;
@@ -766,8 +758,7 @@ static int check_position(const qt_model *m, int seq, int pos, int n) {
 static void decode_layers(qt_model *m, const int32_t *ids, int n, int maxpos, const dec_rows *d) {
     const qt_config *c = &m->cfg;
     qt_backend *be = m->be;
-    size_t cap = (size_t)m->opts.max_B * m->opts.max_T;
-    int32_t *dids = m->ids, *dpos = m->ids + 2 * cap;
+    int32_t *dids = m->ids.inputs, *dpos = m->ids.positions;
     be->upload(be, dids, ids, sizeof(int32_t) * (size_t)n);
     be->upload(be, dpos, m->pos_buf, sizeof(int32_t) * (size_t)n);
     qt_model_rope_table(m, maxpos); /* the largest position of this call */

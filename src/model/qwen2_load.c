@@ -97,89 +97,22 @@ static float *find_param(qt_model *m, float *block, const char *name) {
 }
 
 /* A trainable tensor's gradient: in the gradient block, or with gradient
- * windows in its bucket's window (build_buckets), the final norm's window,
+ * windows in its bucket's window (grad_windows.c), the final norm's window,
  * or for the embedding and lm_head a non-NULL mark (the backward hands them
  * over as rows and slices, see qwen2.c). */
 static float *grad_param(qt_model *m, const char *name) {
-    if (!m->gwin_block) return find_param(m, m->grads, name);
+    const qt_grad_win_state *w = &m->grad_win;
+    if (!w->block) return find_param(m, m->grads, name);
     for (int i = 0; i < m->n_params; i++) {
         const qt_param *p = &m->params[i];
         if (strcmp(p->name, name)) continue;
-        if (p->layer >= 0) return m->grad_at[i];
+        if (p->layer >= 0) return w->grad_at[i];
         char norm[160];
         snprintf(norm, sizeof norm, "%s.weight", qt_config_layout(&m->cfg)->final_norm);
-        if (!strcmp(name, norm)) return m->wnorm; /* model.norm, or the original Qwen's transformer.ln_f */
-        return m->wslice[0];
+        if (!strcmp(name, norm)) return w->at.norm; /* model.norm, or the original Qwen's transformer.ln_f */
+        return w->slice[0];
     }
     return NULL;
-}
-
-/* The layers' gradient buckets (memplan.h qt_grad_pack), for the backward:
- * each unit's bucket; the step after which each bucket is handed over (its
- * last unit's; a fused c_attn, unit q, is complete after the v step); each
- * tensor's place in its bucket's window, tensors packed in flat order; and
- * the runs of adjacent tensors, each one contiguous flat range. */
-static int build_buckets(qt_model *m) {
-    const qt_config *c = &m->cfg;
-    const size_t U = (size_t)c->num_hidden_layers * QT_GU_COUNT, nb = (size_t)m->gw.nbuckets;
-    const int fused = qt_config_layout(c)->fused_qkv;
-    m->unit_bucket = qt_malloc(U * sizeof(int), "model: gradient buckets");
-    m->close_at = qt_malloc(U * sizeof(int), "model: gradient buckets");
-    m->run0 = qt_calloc(nb + 1, sizeof(int), "model: gradient buckets");
-    m->bucket_fill = qt_calloc(nb + 1, sizeof(size_t), "model: gradient buckets");
-    m->grad_at = qt_calloc((size_t)m->n_params + 1, sizeof(float *), "model: gradient buckets");
-    size_t *end = qt_calloc(nb + 1, sizeof(size_t), "model: gradient buckets");
-    int *cur = qt_calloc(nb + 1, sizeof(int), "model: gradient buckets");
-    int rc = QT_ENOMEM;
-    if (!m->unit_bucket || !m->close_at || !m->run0 || !m->bucket_fill || !m->grad_at || !end || !cur) goto out;
-    if (qt_grad_pack(c, &m->opts, m->unit_bucket, NULL) != (int)nb) {
-        rc = QT_ERR(QT_EINVAL, "model: the gradient buckets disagree with the memory plan (internal error)");
-        goto out;
-    }
-    /* completion order: bucket b is handed over after its last unit's step */
-    for (size_t u = 0; u < U; u++) m->close_at[u] = -1;
-    int prev = -1;
-    size_t prev_at = 0;
-    for (int l = c->num_hidden_layers - 1; l >= 0; l--)
-        for (int k = 0; k < QT_GU_COUNT; k++) {
-            int b = m->unit_bucket[(size_t)l * QT_GU_COUNT + (size_t)k];
-            if (b < 0) continue;
-            if (prev >= 0 && b != prev) m->close_at[prev_at] = prev;
-            prev = b;
-            prev_at = (size_t)l * QT_GU_COUNT + (size_t)(fused && k == QT_GU_Q ? QT_GU_V : k);
-        }
-    if (prev >= 0) m->close_at[prev_at] = prev;
-    /* the table is in flat order: count each bucket's runs of adjacent tensors, then lay them out */
-    const qt_param *P = m->params;
-    for (int pass = 0; pass < 2; pass++) {
-        memset(m->bucket_fill, 0, (nb + 1) * sizeof(size_t));
-        for (int i = 0; i < m->n_params; i++) {
-            if (P[i].layer < 0) continue;
-            int b = m->unit_bucket[(size_t)P[i].layer * QT_GU_COUNT + (size_t)P[i].unit];
-            int fresh = m->bucket_fill[b] == 0 || end[b] != P[i].offset;
-            if (pass == 0) {
-                m->run0[b + 1] += fresh;
-            } else {
-                if (fresh) m->runs[cur[b]++] = (qt_grad_run){P[i].offset, P[i].offset, m->bucket_fill[b]};
-                m->runs[cur[b] - 1].hi = P[i].offset + P[i].numel;
-                m->grad_at[i] = m->win[b % m->gw.nwin] + m->bucket_fill[b];
-            }
-            end[b] = P[i].offset + P[i].numel;
-            m->bucket_fill[b] += P[i].numel;
-        }
-        if (pass == 0) {
-            for (size_t b = 0; b < nb; b++) m->run0[b + 1] += m->run0[b];
-            for (size_t b = 0; b < nb; b++) cur[b] = m->run0[b];
-            m->runs = qt_calloc((size_t)m->run0[nb] + 1, sizeof(qt_grad_run), "model: gradient buckets");
-            rc = QT_ENOMEM;
-            if (!m->runs) goto out;
-        }
-    }
-    rc = QT_OK;
-out:
-    qt_free(end);
-    qt_free(cur);
-    return rc;
 }
 
 /* The mapping's pages of a tensor that was copied are not read again: hand
@@ -797,13 +730,6 @@ static int wire_lora(qt_model *m) {
     return QT_OK;
 }
 
-/* The next piece of the gradient windows' block (NULL when empty), 16-float aligned. */
-static float *win_piece(float **q, size_t n) {
-    float *r = n ? *q : NULL;
-    *q += (n + 15) & ~(size_t)15;
-    return r;
-}
-
 static void *alloc_floats(qt_model *m, size_t bytes, const char *what) {
     if (!bytes) return NULL;
     return m->be->alloc(m->be, QT_MEM_DEVICE, bytes, what);
@@ -903,17 +829,7 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
         if (!m->master) return QT_ENOMEM;
         m->be->zero(m->be, m->master, nm * 4);
         if (!m->infer && m->opts.grad_windows) {
-            qt_model_grad_windows(c, &m->opts, &m->gw);
-            m->gwin_block = alloc_floats(m, m->gw.total * 4, "model: gradient windows");
-            if (!m->gwin_block) return QT_ENOMEM;
-            m->be->zero(m->be, m->gwin_block, m->gw.total * 4);
-            float *q = m->gwin_block; /* the order of qt_model_grad_windows' sizing */
-            for (int i = 0; i < m->gw.nwin; i++) m->win[i] = win_piece(&q, m->gw.each);
-            m->wnorm = win_piece(&q, m->gw.norm);
-            m->tslice = (int32_t *)win_piece(&q, m->gw.targets);
-            m->wslice[0] = m->win[0];
-            m->wslice[1] = m->win[m->gw.nwin - 1];
-            QT_TRY(build_buckets(m));
+            QT_TRY(qt_grad_win_init(&m->grad_win, m->be, c, &m->opts, m->params, m->n_params));
         } else if (!m->infer) {
             m->grads = alloc_floats(m, m->numel * 4, "model: fp32 gradients");
             if (!m->grads) return QT_ENOMEM;
@@ -965,9 +881,9 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
     if (!m->ws) return QT_ENOMEM;
     if (m->mem.kv_cache) {
         /* sparse: a cache of --ctx positions per sequence, of which a reply writes a few */
-        m->kcache = m->be->alloc(m->be, QT_MEM_DEVICE_SPARSE, m->mem.kv_cache, "model: KV cache");
-        if (!m->kcache) return QT_ENOMEM;
-        m->vcache = m->kcache + m->mem.kv_cache / 8;
+        m->kv_block = m->be->alloc(m->be, QT_MEM_DEVICE_SPARSE, m->mem.kv_cache, "model: KV cache");
+        if (!m->kv_block) return QT_ENOMEM;
+        qt_model_carve_kv(c, &m->opts, m->kv_block, &m->kcache, &m->vcache);
     }
     /* 16-bit training with the backend's GEMM for that dtype (bf16: not under QTUNE_BF16_EMULATE=1): the
      * layers' matmuls read the saved 2-byte inputs (docs/precision.md); probed only where it can run */
@@ -985,8 +901,9 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
     const size_t maxn = (size_t)opts->max_B * (size_t)opts->max_T;
     m->pos_buf = qt_malloc(sizeof(int32_t) * maxn, "model: positions");
     m->loss_host = qt_malloc(sizeof(float) * maxn, "model: token losses");
-    m->ids = m->be->alloc(m->be, QT_MEM_DEVICE, sizeof(int32_t) * 4 * maxn, "model: batch ids");
-    if (!m->pos_buf || !m->loss_host || !m->ids) return QT_ENOMEM;
+    m->ids_block = alloc_floats(m, sizeof(float) * qt_model_carve_ids(&m->opts, NULL, NULL), "model: batch ids");
+    if (!m->pos_buf || !m->loss_host || !m->ids_block) return QT_ENOMEM;
+    qt_model_carve_ids(&m->opts, m->ids_block, &m->ids);
     if (m->infer) {
         m->decode_seqs = opts->decode_seqs > 1 ? opts->decode_seqs : 1;
         m->logits = alloc_floats(m, sizeof(float) * (size_t)m->decode_seqs * (size_t)c->vocab_size,
@@ -1020,7 +937,6 @@ void qt_model_free(qt_model *m) {
         for (int i = 0; i < m->n_imported; i++) be->release_mapped(be, m->imported[i]);
         be->free(be, m->master);
         be->free(be, m->grads);
-        be->free(be, m->gwin_block);
         be->free(be, m->base_f32);
         be->free(be, m->small);
         be->free(be, m->wcopy);
@@ -1029,18 +945,13 @@ void qt_model_free(qt_model *m) {
         be->free(be, m->act_block);
         be->free(be, m->grad_block);
         be->free(be, m->ws);
-        be->free(be, m->kcache);
-        be->free(be, m->ids);
+        be->free(be, m->kv_block);
+        be->free(be, m->ids_block);
         be->free(be, m->logits);
     }
     qt_free(m->owned);
     qt_free(m->imported);
-    qt_free(m->unit_bucket);
-    qt_free(m->close_at);
-    qt_free(m->runs);
-    qt_free(m->run0);
-    qt_free(m->bucket_fill);
-    qt_free(m->grad_at);
+    qt_grad_win_free(&m->grad_win);
     qt_free(m->small_runs);
     qt_free(m->glo);
     qt_free(m->ghi);
@@ -1063,10 +974,10 @@ const qt_config *qt_model_config(const qt_model *m) { return &m->cfg; }
 size_t qt_model_numel(const qt_model *m) { return m->numel; }
 float *qt_model_master(qt_model *m) { return m->master; }
 float *qt_model_grads(qt_model *m) { return m->grads; }
-size_t qt_model_grad_window_elems(const qt_model *m) { return m->gwin_block ? m->gw.each : 0; }
+size_t qt_model_grad_window_elems(const qt_model *m) { return m->grad_win.block ? m->grad_win.plan.each : 0; }
 void qt_model_set_grad_hook(qt_model *m, const qt_grad_hook *h) {
-    if (h) m->hook = *h;
-    else memset(&m->hook, 0, sizeof m->hook);
+    if (h) m->grad_win.hook = *h;
+    else memset(&m->grad_win.hook, 0, sizeof m->grad_win.hook);
 }
 const qt_param *qt_model_params(const qt_model *m, int *n) {
     *n = m->n_params;

@@ -6,6 +6,7 @@
 #include "core/mem.h"
 #include "data/loader.h"
 #include "dist/dist.h"
+#include "model/decode.h"
 #include "model/lora_io.h"
 #include "model/model.h"
 #include "qtune_config.h"
@@ -20,6 +21,7 @@ struct qtune_model {
     qt_model *m;
     bpe_tokenizer *tok;
     int seq_len, batch;
+    char *dir; /* the model folder (its eos ids, messages) */
 };
 
 const char *qtune_version(void) { return QTUNE_VERSION; }
@@ -32,6 +34,11 @@ int qtune_model_load(const char *model_dir, const char *adapter_dir, int seq_len
     if (!q) return QT_ENOMEM;
     q->seq_len = seq_len;
     q->batch = batch;
+    q->dir = qt_strdup(model_dir);
+    if (!q->dir) {
+        qt_free(q);
+        return QT_ENOMEM;
+    }
     qt_model_opts o;
     qt_model_opts_default(&o);
     o.infer = 1;
@@ -56,7 +63,45 @@ void qtune_model_free(qtune_model *q) {
     if (!q) return;
     qt_model_free(q->m);
     bpe_free(q->tok);
+    qt_free(q->dir);
     qt_free(q);
+}
+
+int qtune_generate(qtune_model *q, const int32_t *ids, int n, int max_new, float temperature, uint64_t seed,
+                   int32_t *out, int *n_out) {
+    *n_out = 0;
+    if (max_new < 1) return QT_ERR(QT_EINVAL, "qtune_generate: max_new is %d; ask for at least 1 token", max_new);
+    if (n >= q->seq_len)
+        return QT_ERR(QT_EINVAL, "qtune_generate: the prompt (%d tokens) leaves no room for a new token in the "
+                      "seq_len of %d the model was loaded with; load it with a larger seq_len or shorten the prompt",
+                      n, q->seq_len);
+    qt_sample_opts so = {temperature, 0, 1.0f};
+    QT_TRY(qt_sample_opts_check(&so));
+    int32_t eos[QT_DECODE_MAX_STOP];
+    int n_eos = 0;
+    QT_TRY(qt_eos_ids_load(q->dir, eos, QT_DECODE_MAX_STOP, &n_eos));
+    /* ids past the tokenizer (a padded embedding) are never sampled, as in qtune generate */
+    int v_sample = qt_model_config(q->m)->vocab_size;
+    if (q->tok && bpe_vocab_size(q->tok) < v_sample) v_sample = bpe_vocab_size(q->tok);
+    qt_decoder d;
+    int rc = qt_decoder_init(&d, q->m, q->seq_len, q->seq_len, max_new, v_sample);
+    d.so = so;
+    d.seed = seed;
+    qt_rng_seed(&d.rng, seed);
+    d.model_dir = q->dir;
+    qt_decoder_add_stop(&d, q->tok ? bpe_token_id(q->tok, "<|im_end|>") : -1);
+    qt_decoder_add_stop(&d, q->tok ? bpe_token_id(q->tok, "<|endoftext|>") : -1);
+    for (int k = 0; k < n_eos; k++) qt_decoder_add_stop(&d, eos[k]);
+    qt_model_decode_reset(q->m); /* a new sequence from position 0 */
+    qt_decode_result r = {0};
+    if (rc == QT_OK) rc = qt_decode_reply(&d, ids, n, NULL, NULL, &r);
+    if (rc == QT_OK) {
+        memcpy(out, r.out, (size_t)r.n_out * sizeof *out);
+        *n_out = r.n_out;
+    }
+    qt_decode_result_free(&r);
+    qt_decoder_free(&d);
+    return rc;
 }
 
 int qtune_eval(qtune_model *q, const char *data_path, const char *format, double *loss, int64_t *tokens) {

@@ -23,6 +23,7 @@
 #include "io/peft.h"
 #include "model/lora_io.h"
 #include "model/model.h"
+#include "model/sample.h"
 #include "qtune.h"
 #include "train/job.h"
 #include "train/metrics.h"
@@ -528,6 +529,45 @@ static void test_public_api(void **state) {
     assert_int_equal(na, 8 * 7);
     assert_int_equal(na, nb);
     assert_true(fabs(la - lb) < 1e-5 * la);
+    /* qtune_generate, greedy: the tokens an argmax loop over qt_model_decode gives, up to an eos id, max_new
+     * or the context (seq_len 8) */
+    int32_t prompt[3] = {1, 2, 3}, got[8], want[8], eos[16];
+    int n_got = -1, n_want = 0, n_eos = 0;
+    assert_int_equal(qtune_generate(b, prompt, 3, 6, 0.0f, 1, got, &n_got), 0);
+    assert_int_equal(qt_eos_ids_load(merged, eos, 16, &n_eos), QT_OK);
+    qt_model_opts o;
+    qt_model_opts_default(&o);
+    o.infer = 1, o.max_B = 2, o.max_T = 8;
+    qt_model *m;
+    assert_int_equal(qt_model_load(merged, &o, &m), QT_OK);
+    const int V = qt_model_config(m)->vocab_size;
+    float *lg = malloc(sizeof(float) * (size_t)V);
+    assert_int_equal(qt_model_decode(m, prompt, 3, 0, lg), QT_OK);
+    for (int pos = 3; n_want < 6;) {
+        int32_t t = qt_argmax(lg, V);
+        int stop = 0;
+        for (int k = 0; k < n_eos; k++) stop |= eos[k] == t;
+        if (stop) break;
+        want[n_want++] = t;
+        if (pos + 1 >= 8) break;
+        assert_int_equal(qt_model_decode(m, &t, 1, pos++, lg), QT_OK);
+    }
+    assert_true(n_want > 0);
+    assert_int_equal(n_got, n_want);
+    assert_memory_equal(got, want, sizeof(int32_t) * (size_t)n_want);
+    free(lg);
+    qt_model_free(m);
+    /* a second call starts a new sequence: the same reply */
+    int32_t again[8];
+    int n_again = -1;
+    assert_int_equal(qtune_generate(b, prompt, 3, 6, 0.0f, 1, again, &n_again), 0);
+    assert_int_equal(n_again, n_got);
+    assert_memory_equal(again, got, sizeof(int32_t) * (size_t)n_got);
+    /* a prompt that fills seq_len is refused with a sentence that names it */
+    int32_t full[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    assert_int_equal(qtune_generate(b, full, 8, 4, 0.0f, 1, got, &n_got), QT_EINVAL);
+    assert_non_null(strstr(qtune_last_error(), "seq_len"));
+    assert_int_equal(n_got, 0);
     qtune_model_free(a);
     qtune_model_free(b);
     assert_int_equal(qtune_merge(model, fin, merged, "f64"), QT_EINVAL);
