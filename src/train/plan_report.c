@@ -13,6 +13,7 @@
 #include "model/model.h"
 #include "dist/dist.h"
 #include "dist/transport.h"
+#include "train/run_setup.h"
 #include "train/trainer.h"
 
 #include <cjson/cJSON.h>
@@ -91,19 +92,9 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, i
     mo.max_B = o->micro_batch;
     mo.max_T = o->seq_len;
     mo.backend = o->backend;
-    mo.grad_windows = zero_partitions_grads(o->zero, N); /* the trainer's rule */
-    mo.grad_bucket_elems = o->reduce_bucket;
-    mo.grad_overlap = o->overlap;
-    if (zero_partitions_master(o->zero, N)) { /* the trainer's rule: the model decides whether it applies */
-        mo.master_shards = N;
-        mo.master_rank = rank;
-        mo.master_on_host = o->offload;
-    }
-    if (zero_partitions_params(o->zero, N) && !o->lora) { /* the trainer's rule (ZeRO-3) */
-        mo.param_shards = N;
-        mo.param_on_host = o->offload_param;
-        if (o->precision == QT_F32 && o->offload_param) mo.master_on_host = 1;
-    }
+    const zero_opts z = {.stage = o->zero, .offload = o->offload, .bucket_elems = o->reduce_bucket,
+                         .overlap = o->overlap, .offload_param = o->offload_param};
+    qt_run_model_zero(&z, N, rank, &mo); /* the run's rule (run_setup.h) */
     qt_mem_breakdown b;
     qt_model_memory(c, &mo, &b);
     qt_model_opts full = mo;
