@@ -31,6 +31,7 @@ void qt_plan_opts_default(qt_plan_opts *o) {
     o->lora = 0;
     o->lora_r = 8;
     o->lora_targets = QT_LORA_Q | QT_LORA_V;
+    o->lora_dropout = 0.1f; /* PEFT's usual setting, where no job says */
     o->zero = 0;
     o->devices = 1;
     o->offload = 0;
@@ -83,7 +84,9 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, i
     mo.lora_r = o->lora_r;
     mo.lora_targets = o->lora_targets;
     mo.lora_save = o->lora ? o->lora_save : 0;
-    mo.lora_dropout = 0.1f; /* PEFT's usual setting; the dropout input buffer is counted */
+    mo.lora_dropout = o->lora_dropout; /* > 0: the dropout input buffer is counted */
+    mo.lora_layers_set = o->lora ? o->lora_layers_set : 0;
+    memcpy(mo.lora_layers, o->lora_layers, sizeof mo.lora_layers);
     mo.grad_checkpointing = o->checkpointing;
     mo.quant4 = o->lora && (o->quant4 || c->prequant4); /* a bitsandbytes folder is 4-bit as it is */
     mo.quant4_type = QT_Q4_NF4;                          /* nf4 and fp4 take the same bytes */
@@ -441,9 +444,21 @@ static const char *saved_str(unsigned save) {
                                                    : "";
 }
 
+/* The layers LoRA adapts (layers_to_transform; all without it). */
+static int plan_lora_layers(const qt_config *c, const qt_plan_opts *o) {
+    int n = 0;
+    for (int l = 0; l < c->num_hidden_layers; l++)
+        n += !o->lora_layers_set || (l < QT_LORA_MAX_LAYERS && (o->lora_layers[l / 64] >> (l % 64) & 1));
+    return n;
+}
+
 static void strategy_line(const qt_config *c, const qt_plan_opts *o, char *buf, size_t cap) {
     char t[600], sv[64] = "";
     if (o->lora && o->lora_save) snprintf(sv, sizeof sv, " + %s trained", saved_str(o->lora_save));
+    if (o->lora && o->lora_layers_set) { /* layers_to_transform */
+        size_t k = strlen(sv);
+        snprintf(sv + k, sizeof sv - k, " in %d of %d layers", plan_lora_layers(c, o), c->num_hidden_layers);
+    }
     if (o->lora)
         snprintf(buf, cap, "LoRA r=%d on %s%s, %s, ZeRO %d, %d device%s%s, B=%d T=%d%s", o->lora_r,
                  targets_str(c, o->lora_targets, t, sizeof t), sv, qt_dtype_name(o->precision), o->zero, o->devices,
@@ -561,6 +576,8 @@ char *qt_plan_json(const char *name, const qt_config *c, const qt_plan_opts *o, 
         const int q4 = o->quant4 || c->prequant4, nested = c->prequant4 ? c->prequant4_nested : o->quant4_nested;
         cJSON_AddStringToObject(r, "base", !q4 ? "16-bit" : nested ? "4-bit, double-quantized" : "4-bit");
         cJSON_AddStringToObject(r, "modules_to_save", saved_str(o->lora_save));
+        cJSON_AddNumberToObject(r, "lora_layers", plan_lora_layers(c, o));
+        cJSON_AddNumberToObject(r, "lora_dropout", round((double)o->lora_dropout * 1e6) / 1e6); /* 0.1, not float's 0.10000000149 */
     }
     cJSON_AddStringToObject(r, "backend", desc_name(o));
     cJSON_AddNumberToObject(r, "zero", o->zero);
@@ -660,6 +677,8 @@ void qt_plan_print_strategies(FILE *f, const char *name, const qt_config *c, con
         s[i].lora = 0;
         s[i].offload = 0;
         s[i].quant4 = 0;
+        s[i].lora_dropout = 0.1f; /* the field report's LoRA: every layer, PEFT's usual dropout */
+        s[i].lora_layers_set = 0;
     }
     s[0].zero = 0, s[0].devices = 4;
     s[1].zero = 2, s[1].devices = 4, s[1].offload = 1;

@@ -71,19 +71,13 @@ int qt_run_setup_lora(qt_run_setup *s, int strict) {
         QT_TRY(qt_config_load(s->job->model, &cfg));
     } else if (qt_config_load(s->job->model, &cfg) != QT_OK) {
         qt_error_clear(); /* the model folder's own error is the plan's to report */
-        goto by_name;
+        return QT_OK;
     }
     /* the names against the model's layout, as the run resolves them (the original Qwen: c_attn); Qwen2
      * names on an original Qwen model (QT_MSG_QWEN1_TARGETS_FMT) stop the run before anything is loaded */
     QT_TRY(qt_job_lora_targets_resolve(s->job, &cfg, &s->lora_targets));
     s->lora_resolved = 1;
-    if (strict) return resolve_selection(s, &cfg);
-by_name:
-    /* modules_to_save by PEFT's name rule; a name other than these two the run itself refuses */
-    for (int i = 0; i < l->extras.n_save; i++)
-        s->lora_sel.lora_save |= peft_target_entry_matches(l->extras.modules_to_save[i], "lm_head") ? QT_SAVE_LM_HEAD
-                                                                                                     : QT_SAVE_EMBED;
-    return QT_OK;
+    return resolve_selection(s, &cfg);
 }
 
 int qt_run_setup_finalize(qt_run_setup *s, long max_steps) {
@@ -154,6 +148,9 @@ void qt_run_setup_plan_opts(const qt_run_setup *s, qt_plan_opts *o) {
         o->lora_r = job->lora.r;
         o->lora_targets = s->lora_targets;
         o->lora_save = s->lora_sel.lora_save;
+        o->lora_dropout = job->lora.lora_dropout;
+        o->lora_layers_set = s->lora_sel.lora_layers_set;
+        memcpy(o->lora_layers, s->lora_sel.lora_layers, sizeof o->lora_layers);
     }
     o->zero = ds->zero.stage;
     o->offload = ds->zero.offload_optimizer;

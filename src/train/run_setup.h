@@ -46,11 +46,12 @@ int qt_run_setup_ds(const qt_job *job, int world, qt_ds_config *ds);
  * hidden_size (for an "auto" bucket). */
 int qt_run_setup_open(qt_run_setup *s, const qt_job *job, int world, int rank);
 
-/* The LoRA selection against the model's layout (config.json): the run's
- * (strict: a folder without a readable config.json is an error, and
- * modules_to_save and layers_to_transform are resolved as PEFT would) or the
- * plan's (not strict: without config.json the names stay as the job wrote
- * them and the plan reports the folder; modules_to_save by name). */
+/* The LoRA selection against the model's layout (config.json): the targets
+ * in the layout's names, modules_to_save and layers_to_transform resolved as
+ * PEFT would (a name or layer the run cannot take is refused here). strict
+ * (the run): a folder without a readable config.json is an error; not strict
+ * (the plan, the doctor): the selection then stays as the job wrote it, and
+ * the caller reports the folder. */
 int qt_run_setup_lora(qt_run_setup *s, int strict);
 
 /* The schedule's "auto" lengths from max_steps; the train config again. */
@@ -61,7 +62,8 @@ int qt_run_setup_finalize(qt_run_setup *s, long max_steps);
  * largest micro-batch (2 rows a pair for preference objectives), seed and the
  * ZeRO partitioning (qt_run_model_zero). The backend, device and progress
  * are the caller's. Refuses what the model cannot run: a 4-bit compute dtype
- * other than the run's, ZeRO-3 with LoRA. */
+ * other than the run's, ZeRO-3 with LoRA (the job parser refuses a 4-bit
+ * base under full fine-tuning). */
 int qt_run_setup_model_opts(const qt_run_setup *s, qt_model_opts *o);
 
 /* The ZeRO stage's meaning for the model, `world` ranks, `rank`'s shard: the
