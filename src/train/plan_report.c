@@ -127,11 +127,13 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, i
     pm->grads = b.grads;
     pm->allocated = b.total;
     pm->mapped_base = o->lora ? b.base : 0;
-    pm->rows = mo.grad_windows && qt_opts_trains_embed(&mo) ? o->micro_batch * o->seq_len : 0;
-    pm->dim = c->hidden_size;
     qt_grad_windows gw;
     qt_model_grad_windows(c, &mo, &gw);
-    pm->unit = gw.each;
+    zero_opts zm = {0};
+    qt_run_zero_from_model(&mo, c->hidden_size, gw.each, &zm); /* the run's rule (run_setup.h) */
+    pm->rows = zm.emb_rows;
+    pm->dim = zm.emb_dim;
+    pm->unit = zm.unit_elems;
     pm->overlap = o->overlap;
 }
 

@@ -64,7 +64,6 @@ int qt_run_setup_lora(qt_run_setup *s, int strict) {
     s->lora_targets = l->targets;
     memset(&s->lora_sel, 0, sizeof s->lora_sel);
     s->lora_sel.lora = l->enabled;
-    s->lora_resolved = 0;
     if (!l->enabled) return QT_OK;
     qt_config cfg;
     if (strict) {
@@ -76,7 +75,6 @@ int qt_run_setup_lora(qt_run_setup *s, int strict) {
     /* the names against the model's layout, as the run resolves them (the original Qwen: c_attn); Qwen2
      * names on an original Qwen model (QT_MSG_QWEN1_TARGETS_FMT) stop the run before anything is loaded */
     QT_TRY(qt_job_lora_targets_resolve(s->job, &cfg, &s->lora_targets));
-    s->lora_resolved = 1;
     return resolve_selection(s, &cfg);
 }
 
@@ -104,6 +102,15 @@ void qt_run_model_zero(const zero_opts *z, int world, int rank, qt_model_opts *o
         o->param_shards = world;
         o->param_on_host = z->offload_param;
         if (o->compute == QT_F32 && z->offload_param) o->master_on_host = 1;
+    }
+}
+
+void qt_run_zero_from_model(const qt_model_opts *o, int hidden, size_t window_elems, zero_opts *z) {
+    if (!o->grad_windows) return;
+    z->unit_elems = window_elems;
+    if (qt_opts_trains_embed(o)) { /* full fine-tuning, or modules_to_save's embedding */
+        z->emb_rows = o->max_B * o->max_T;
+        z->emb_dim = hidden;
     }
 }
 

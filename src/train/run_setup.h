@@ -29,7 +29,6 @@ typedef struct {
     qt_ds_config ds;        /* parsed for world ranks; model-dependent "auto"s resolved; finalized by
                                qt_run_setup_finalize */
     qt_train_cfg cfg;       /* from ds (provisional until qt_run_setup_finalize) */
-    int lora_resolved;      /* qt_run_setup_lora read the model's layout */
     unsigned lora_targets;  /* QT_LORA_* mask of lora.target_modules in the model's layout */
     qt_model_opts lora_sel; /* the same with modules_to_save and layers_to_transform resolved (lora, lora_save,
                                lora_layers_set, lora_layers; the run's selection) */
@@ -72,6 +71,14 @@ int qt_run_setup_model_opts(const qt_run_setup *s, qt_model_opts *o);
  * weights (stage 3, full fine-tuning). o->compute and o->lora are read. The
  * one rule for the trainer and the plan. */
 void qt_run_model_zero(const zero_opts *z, int world, int rank, qt_model_opts *o);
+
+/* What the ZeRO plan takes from the model o describes, at ZeRO-2 over
+ * several ranks (o->grad_windows): the gradient window's elements
+ * (window_elems, qt_model_grad_window_elems) and, where the embedding is
+ * trained, the most rows one micro-batch sends (max_B x max_T: two rows a
+ * pair for preference objectives) of `hidden` floats. Nothing otherwise. The
+ * one rule for the trainer (zero_plan_create) and the plan (zero_memory). */
+void qt_run_zero_from_model(const qt_model_opts *o, int hidden, size_t window_elems, zero_opts *z);
 
 /* What `qtune plan JOB.json` plans for, from the setup (after
  * qt_run_setup_lora): LoRA or full fine-tuning, r, targets and

@@ -246,14 +246,11 @@ static int hook_rows(void *u, size_t lo, int C, const int32_t *ids, const float 
 }
 
 static int setup_optimizer(qt_trainer *t) {
-    if (!t->grads) {
-        /* gradient windows: the embedding's rows come as one message per micro-batch */
-        t->cfg.zero.unit_elems = qt_model_grad_window_elems(t->model);
-        if (qt_opts_trains_embed(&t->setup.lora_sel)) { /* full fine-tuning, or modules_to_save's embedding */
-            t->cfg.zero.emb_rows = t->cfg.micro_batch * t->job->data.seq_len;
-            t->cfg.zero.emb_dim = qt_model_config(t->model)->hidden_size;
-        }
-    }
+    /* gradient windows: the embedding's rows come as one message per micro-batch */
+    qt_model_opts mo;
+    QT_TRY(qt_run_setup_model_opts(&t->setup, &mo));
+    qt_run_zero_from_model(&mo, qt_model_config(t->model)->hidden_size,
+                           mo.grad_windows ? qt_model_grad_window_elems(t->model) : 0, &t->cfg.zero);
     t->cfg.zero.be = t->be;
     if (t->sharded) /* ZeRO-3: the norm weights and biases all-gathered after each update size its bucket */
         for (int k = 0; k < t->shard.n_runs; k++) t->cfg.zero.persist_elems += t->shard.runs[k].n;
@@ -346,13 +343,12 @@ static int evaluate(qt_trainer *t, double *loss, int64_t *ntok) {
  * there is none (the model folder's config could not be planned). */
 static void report_plan(const qt_trainer *t, uint64_t *rank_bytes, uint64_t *device_bytes) {
     qt_plan_opts o;
-    qt_config cfg;
     qt_plan p;
     *rank_bytes = *device_bytes = 0;
     qt_plan_opts_default(&o);
     o.backend = t->dev.backend;
-    qt_run_setup_plan_opts(&t->setup, &o); /* the job as this run resolved it */
-    if (qt_config_load(t->job->model, &cfg) == QT_OK && qt_plan_compute(&cfg, &o, &p) == QT_OK) {
+    qt_run_setup_plan_opts(&t->setup, &o); /* the job as this run resolved it, for the model it loaded */
+    if (qt_plan_compute(qt_model_config(t->model), &o, &p) == QT_OK) {
         *rank_bytes = p.cpu_rank_bytes;
         *device_bytes = p.dev.total;
     }
