@@ -783,7 +783,7 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
                 fprintf(f, "  warning: %s: %s.enabled is \"auto\", which qtune resolves to false: the job trains in "
                            "fp32, not %s; set %s.enabled to true (or false to mean fp32)\n",
                         where, dc.precision_auto_off, dc.precision_auto_off, dc.precision_auto_off);
-            /* the buckets and overlap the run plans with (qt_plan_opts_from_job): a reduce_bucket_size of
+            /* the buckets and overlap the run plans with (qt_run_setup_plan_opts): a reduce_bucket_size of
              * "auto" is the model's hidden_size squared, 5e8 when config.json could not be read (either said) */
             if (!have_setup) qt_ds_config_resolve_model(&dc, have_cfg ? cfg.hidden_size : 0);
             o.reduce_bucket = (size_t)dc.zero.reduce_bucket_size;
