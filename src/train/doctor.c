@@ -13,6 +13,7 @@
 #include "data/lines.h"
 #include "data/source.h"
 #include "io/hf_config.h"
+#include "core/quant4.h"
 #include "io/safetensors.h"
 #include "model/lora_io.h"
 #include "model/model.h"
@@ -23,6 +24,7 @@
 #include "train/ds_config.h"
 #include "train/job.h"
 #include "train/plan_report.h"
+#include "train/run_setup.h"
 #include "qtune_config.h"
 
 #include <cblas.h>
@@ -668,6 +670,32 @@ static void check_resources(doc_ctx *c, const char *dir, const cJSON *root, cons
     }
 }
 
+/* The job's "quantization" (QLoRA), as the run loads the model: one line
+ * saying what is 4-bit, and what the run's setup refuses (a 4-bit compute
+ * dtype other than the run's). */
+static void check_quantization(doc_ctx *c, const qt_run_setup *s) {
+    const qt_job *job = s->job;
+    const qt_job_quant *q = &job->quant;
+    if (!q->load_in_4bit) return;
+    char skip[160] = "";
+    if (q->skip) {
+        size_t k = (size_t)snprintf(skip, sizeof skip, ", 16-bit:");
+        static const unsigned bits[] = {QT_LORA_Q, QT_LORA_K, QT_LORA_V, QT_LORA_O, QT_LORA_GATE, QT_LORA_UP,
+                                        QT_LORA_DOWN};
+        static const char *const names[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                            "down_proj"};
+        for (int i = 0; i < 7 && k < sizeof skip; i++)
+            if (q->skip & bits[i]) k += (size_t)snprintf(skip + k, sizeof skip - k, " %s", names[i]);
+    }
+    fprintf(c->f, "quant      the base's layer linears in 4 bits as they load (%s%s%s); embedding, lm_head and "
+                  "norms 16-bit; compute %s\n",
+            qt_q4_type_name((qt_q4_type)q->type), q->double_quant ? ", double-quantized" : "", skip,
+            qt_dtype_name(s->cfg.compute));
+    if (job->lora.enabled && zero_partitions_params(s->cfg.zero.stage, s->world)) return; /* named below */
+    qt_model_opts mo;
+    if (qt_run_setup_model_opts(s, &mo) != QT_OK) problem(c, "%s", qt_error_message());
+}
+
 int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int n_sets, int ranks, int strict) {
     doc_ctx c = {f, path, 0};
     fprintf(f, "job        %s\n", path);
@@ -691,8 +719,10 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
      * what it read (overrides applied, deepspeed and lora files inlined) is
      * what the rest checks */
     qt_job job;
+    int have_job = 0; /* the job as the run reads it: its setup (run_setup.h) gives the plan below */
     qt_error_clear();
     if (qt_job_load_ex(path, sets, n_sets, strict, &job) == QT_OK) {
+        have_job = 1;
         /* the device as the run would resolve it here: "cuda" with no GPU stops the run */
         char where[4200];
         qt_device dev;
@@ -708,7 +738,6 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
             cJSON_Delete(root);
             root = r;
         }
-        qt_job_free(&job);
     } else {
         problem(&c, "%s", qt_error_message());
         for (int i = 0; i < n_sets; i++) qt_job_apply_set(root, sets[i]); /* best effort: named above */
@@ -732,24 +761,31 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
     qt_plan_opts_default(&o);
     const int before_ds = c.n;
     check_deepspeed(&c, ds, ranks, &o.zero, &o.offload, &o.offload_param, &o.precision, &o.micro_batch);
+    qt_run_setup s;
+    int have_setup = 0;
+    if (have_job && !ds) have_setup = qt_run_setup_open(&s, &job, ranks, 0) == QT_OK; /* DeepSpeed's defaults */
     if (ds && c.n == before_ds) {
         /* the trainer's own DeepSpeed parser: optimizer, scheduler, fp16 and
-         * "auto" resolution, with the values it will train with */
+         * "auto" resolution, with the values it will train with (the run's
+         * setup when the job loads, as qtune train reads it) */
         qt_ds_config dc;
         char where[4200];
         snprintf(where, sizeof where, "%s: deepspeed", path);
         qt_error_clear();
-        if (qt_ds_config_parse(ds, where, ranks, &dc) != QT_OK) {
+        int rc = have_job ? qt_run_setup_open(&s, &job, ranks, 0) : qt_ds_config_parse(ds, where, ranks, &dc);
+        if (rc != QT_OK) {
             problem(&c, "%s", qt_error_message());
         } else {
+            have_setup = have_job;
+            if (have_setup) dc = s.ds;
             if (dc.micro_batch >= 1 && dc.micro_batch <= (1 << 20)) o.micro_batch = (int)dc.micro_batch;
             if (dc.precision_auto_off[0])
                 fprintf(f, "  warning: %s: %s.enabled is \"auto\", which qtune resolves to false: the job trains in "
                            "fp32, not %s; set %s.enabled to true (or false to mean fp32)\n",
                         where, dc.precision_auto_off, dc.precision_auto_off, dc.precision_auto_off);
-            /* the buckets and overlap the run plans with (qt_plan_opts_from_job): a reduce_bucket_size of
+            /* the buckets and overlap the run plans with (qt_run_setup_plan_opts): a reduce_bucket_size of
              * "auto" is the model's hidden_size squared, 5e8 when config.json could not be read (either said) */
-            qt_ds_config_resolve_model(&dc, have_cfg ? cfg.hidden_size : 0);
+            if (!have_setup) qt_ds_config_resolve_model(&dc, have_cfg ? cfg.hidden_size : 0);
             o.reduce_bucket = (size_t)dc.zero.reduce_bucket_size;
             o.allgather_bucket = (size_t)dc.zero.allgather_bucket_size;
             o.overlap = dc.zero.overlap_comm;
@@ -839,6 +875,17 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
         bpe_free(tok);
         qt_error_clear();
     }
+    /* what the run trains, from its own setup (run_setup.h): the plan below is `qtune plan JOB.json`'s, the
+     * quantization and a preference objective's pairs included; the values read above stay where the job
+     * does not load */
+    if (have_setup && have_cfg) {
+        qt_error_clear();
+        if (qt_run_setup_lora(&s, 0) == QT_OK) {
+            qt_run_setup_plan_opts(&s, &o);
+            check_quantization(&c, &s);
+        }
+        qt_error_clear(); /* a LoRA selection the run refuses was named above */
+    }
     if (have_cfg) {
         if (o.seq_len > qt_config_max_positions(&cfg) && cfg.max_position_embeddings > 0)
             problem(&c, "%s: data.seq_len %d is longer than the model's %s %d; lower it", path, o.seq_len,
@@ -856,6 +903,7 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
     }
     cJSON_Delete(ds_owned);
     cJSON_Delete(root);
+    if (have_job) qt_job_free(&job);
     if (c.n == 0) fprintf(f, "  ok: no problems found\n");
     else fprintf(f, "  %d problem%s found\n", c.n, c.n == 1 ? "" : "s");
     return c.n;

@@ -13,6 +13,7 @@
 #include "model/model.h"
 #include "dist/dist.h"
 #include "dist/transport.h"
+#include "train/run_setup.h"
 #include "train/trainer.h"
 
 #include <cjson/cJSON.h>
@@ -30,6 +31,7 @@ void qt_plan_opts_default(qt_plan_opts *o) {
     o->lora = 0;
     o->lora_r = 8;
     o->lora_targets = QT_LORA_Q | QT_LORA_V;
+    o->lora_dropout = 0.1f; /* PEFT's usual setting, where no job says */
     o->zero = 0;
     o->devices = 1;
     o->offload = 0;
@@ -82,7 +84,9 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, i
     mo.lora_r = o->lora_r;
     mo.lora_targets = o->lora_targets;
     mo.lora_save = o->lora ? o->lora_save : 0;
-    mo.lora_dropout = 0.1f; /* PEFT's usual setting; the dropout input buffer is counted */
+    mo.lora_dropout = o->lora_dropout; /* > 0: the dropout input buffer is counted */
+    mo.lora_layers_set = o->lora ? o->lora_layers_set : 0;
+    memcpy(mo.lora_layers, o->lora_layers, sizeof mo.lora_layers);
     mo.grad_checkpointing = o->checkpointing;
     mo.quant4 = o->lora && (o->quant4 || c->prequant4); /* a bitsandbytes folder is 4-bit as it is */
     mo.quant4_type = QT_Q4_NF4;                          /* nf4 and fp4 take the same bytes */
@@ -91,19 +95,9 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, i
     mo.max_B = o->micro_batch;
     mo.max_T = o->seq_len;
     mo.backend = o->backend;
-    mo.grad_windows = zero_partitions_grads(o->zero, N); /* the trainer's rule */
-    mo.grad_bucket_elems = o->reduce_bucket;
-    mo.grad_overlap = o->overlap;
-    if (zero_partitions_master(o->zero, N)) { /* the trainer's rule: the model decides whether it applies */
-        mo.master_shards = N;
-        mo.master_rank = rank;
-        mo.master_on_host = o->offload;
-    }
-    if (zero_partitions_params(o->zero, N)) { /* the trainer's rule (ZeRO-3; LoRA: the frozen base's matrices) */
-        mo.param_shards = N;
-        mo.param_on_host = o->offload_param;
-        if (o->precision == QT_F32 && o->offload_param) mo.master_on_host = 1;
-    }
+    const zero_opts z = {.stage = o->zero, .offload = o->offload, .bucket_elems = o->reduce_bucket,
+                         .overlap = o->overlap, .offload_param = o->offload_param};
+    qt_run_model_zero(&z, N, rank, &mo); /* the run's rule (run_setup.h) */
     qt_mem_breakdown b;
     qt_model_memory(c, &mo, &b);
     qt_model_opts full = mo;
@@ -137,11 +131,13 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, i
     pm->grads = b.grads;
     pm->allocated = b.total;
     pm->mapped_base = o->lora ? b.base : 0;
-    pm->rows = mo.grad_windows && qt_opts_trains_embed(&mo) ? o->micro_batch * o->seq_len : 0;
-    pm->dim = c->hidden_size;
     qt_grad_windows gw;
     qt_model_grad_windows(c, &mo, &gw);
-    pm->unit = gw.each;
+    zero_opts zm = {0};
+    qt_run_zero_from_model(&mo, c->hidden_size, gw.each, &zm); /* the run's rule (run_setup.h) */
+    pm->rows = zm.emb_rows;
+    pm->dim = zm.emb_dim;
+    pm->unit = zm.unit_elems;
     pm->overlap = o->overlap;
 }
 
@@ -454,9 +450,21 @@ static const char *saved_str(unsigned save) {
                                                    : "";
 }
 
+/* The layers LoRA adapts (layers_to_transform; all without it). */
+static int plan_lora_layers(const qt_config *c, const qt_plan_opts *o) {
+    int n = 0;
+    for (int l = 0; l < c->num_hidden_layers; l++)
+        n += !o->lora_layers_set || (l < QT_LORA_MAX_LAYERS && (o->lora_layers[l / 64] >> (l % 64) & 1));
+    return n;
+}
+
 static void strategy_line(const qt_config *c, const qt_plan_opts *o, char *buf, size_t cap) {
     char t[600], sv[64] = "";
     if (o->lora && o->lora_save) snprintf(sv, sizeof sv, " + %s trained", saved_str(o->lora_save));
+    if (o->lora && o->lora_layers_set) { /* layers_to_transform */
+        size_t k = strlen(sv);
+        snprintf(sv + k, sizeof sv - k, " in %d of %d layers", plan_lora_layers(c, o), c->num_hidden_layers);
+    }
     if (o->lora)
         snprintf(buf, cap, "LoRA r=%d on %s%s, %s, ZeRO %d, %d device%s%s, B=%d T=%d%s", o->lora_r,
                  targets_str(c, o->lora_targets, t, sizeof t), sv, qt_dtype_name(o->precision), o->zero, o->devices,
@@ -574,6 +582,8 @@ char *qt_plan_json(const char *name, const qt_config *c, const qt_plan_opts *o, 
         const int q4 = o->quant4 || c->prequant4, nested = c->prequant4 ? c->prequant4_nested : o->quant4_nested;
         cJSON_AddStringToObject(r, "base", !q4 ? "16-bit" : nested ? "4-bit, double-quantized" : "4-bit");
         cJSON_AddStringToObject(r, "modules_to_save", saved_str(o->lora_save));
+        cJSON_AddNumberToObject(r, "lora_layers", plan_lora_layers(c, o));
+        cJSON_AddNumberToObject(r, "lora_dropout", round((double)o->lora_dropout * 1e6) / 1e6); /* 0.1, not float's 0.10000000149 */
     }
     cJSON_AddStringToObject(r, "backend", desc_name(o));
     cJSON_AddNumberToObject(r, "zero", o->zero);
@@ -673,6 +683,8 @@ void qt_plan_print_strategies(FILE *f, const char *name, const qt_config *c, con
         s[i].lora = 0;
         s[i].offload = 0;
         s[i].quant4 = 0;
+        s[i].lora_dropout = 0.1f; /* the field report's LoRA: every layer, PEFT's usual dropout */
+        s[i].lora_layers_set = 0;
     }
     s[0].zero = 0, s[0].devices = 4;
     s[1].zero = 2, s[1].devices = 4, s[1].offload = 1;

@@ -25,12 +25,16 @@
 
 #include "core/dtype.h"
 #include "io/hf_config.h"
+#include "model/model.h"
 
 typedef struct {
     int lora;              /* 0: full fine-tuning, 1: LoRA */
     int lora_r;            /* R */
     unsigned lora_targets; /* QT_LORA_* mask (model/model.h) */
     unsigned lora_save;    /* QT_SAVE_* mask: modules_to_save trained beside the adapter */
+    float lora_dropout;    /* > 0: the dropout input buffer is counted (default 0.1, PEFT's usual setting) */
+    int lora_layers_set;   /* layers_to_transform: LoRA only in the layers of lora_layers */
+    uint64_t lora_layers[QT_LORA_LAYER_WORDS]; /* bit l: layer l is adapted (when lora_layers_set) */
     int zero;              /* ZeRO stage 0, 1, 2 or 3 (3: the weights partitioned, gathered a layer at a time) */
     int offload_param;     /* ZeRO-3: the rank's parameter shard in host memory */
     int devices;           /* data-parallel ranks N */
@@ -58,7 +62,7 @@ typedef struct {
     unsigned quant4_skip;    /* llm_int8_skip_modules as QT_LORA_* bits */
 } qt_plan_opts;
 
-/* Defaults: LoRA off, r 8 on q,v, ZeRO 0, 1 device, no offload, f32, B 1,
+/* Defaults: LoRA off, r 8 on q,v in every layer, dropout 0.1, ZeRO 0, 1 device, no offload, f32, B 1,
  * T 512, no checkpointing, 32 GiB cards at 300 W, 500 W per host, 1 GiB data. */
 void qt_plan_opts_default(qt_plan_opts *o);
 

@@ -2,6 +2,7 @@
 #include "core/error.h"
 #include "io/hf_config.h"
 #include "model/lora_io.h"
+#include "train/run_setup.h"
 #include "train/trainer.h"
 
 #include <string.h>
@@ -30,18 +31,10 @@ void qt_train_cfg_from_ds(const qt_ds_config *ds, qt_train_cfg *cfg) {
 }
 
 int qt_train_cfg_from_job(const qt_job *job, int world, long max_steps, qt_train_cfg *cfg) {
-    qt_ds_config ds;
-    if (job->deepspeed) {
-        char where[4200];
-        if (job->deepspeed_path) snprintf(where, sizeof where, "%s", job->deepspeed_path);
-        else snprintf(where, sizeof where, "%s: deepspeed", job->path);
-        QT_TRY(qt_ds_config_parse(job->deepspeed, where, world, &ds));
-    } else {
-        qt_ds_config_default(&ds, world);
-    }
-    qt_train_ds_resolve_model(&ds, job->model);
-    QT_TRY(qt_ds_config_finalize(&ds, max_steps));
-    qt_train_cfg_from_ds(&ds, cfg);
+    qt_run_setup s;
+    QT_TRY(qt_run_setup_open(&s, job, world, 0));
+    QT_TRY(qt_run_setup_finalize(&s, max_steps));
+    *cfg = s.cfg;
     return QT_OK;
 }
 
@@ -147,48 +140,9 @@ int qt_job_lora_targets_resolve(const qt_job *job, const qt_config *cfg, unsigne
 }
 
 int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o) {
-    qt_ds_config ds;
-    if (job->deepspeed) {
-        char where[4200];
-        if (job->deepspeed_path) snprintf(where, sizeof where, "%s", job->deepspeed_path);
-        else snprintf(where, sizeof where, "%s: deepspeed", job->path);
-        QT_TRY(qt_ds_config_parse(job->deepspeed, where, ranks, &ds));
-    } else {
-        qt_ds_config_default(&ds, ranks);
-    }
-    qt_train_ds_resolve_model(&ds, job->model); /* the buckets below */
-    o->lora = job->lora.enabled;
-    if (job->lora.enabled) {
-        o->lora_r = job->lora.r;
-        o->lora_targets = job->lora.targets;
-        /* the names against the model's layout, as the run resolves them (the original Qwen: c_attn) */
-        qt_config cfg;
-        if (qt_config_load(job->model, &cfg) == QT_OK) QT_TRY(qt_job_lora_targets_resolve(job, &cfg, &o->lora_targets));
-        else qt_error_clear(); /* the model folder's own error is the plan's to report */
-        /* modules_to_save by PEFT's name rule; a name other than these two the run itself refuses */
-        for (int i = 0; i < job->lora.extras.n_save; i++)
-            o->lora_save |= peft_target_entry_matches(job->lora.extras.modules_to_save[i], "lm_head") ? QT_SAVE_LM_HEAD
-                                                                                                       : QT_SAVE_EMBED;
-    }
-    o->zero = ds.zero.stage;
-    o->offload = ds.zero.offload_optimizer;
-    o->offload_param = ds.zero.offload_param;
-    o->devices = ranks;
-    o->precision = ds.fp16 ? QT_F16 : ds.bf16 ? QT_BF16 : QT_F32;
-    o->micro_batch = (int)ds.micro_batch;
-    /* preference objectives: a micro-batch of B pairs is 2B rows (a chosen and a rejected one each); the
-     * reference's forward (adapter off) reuses the same activations, so it adds time, not memory */
-    if (job->objective.type != QT_OBJ_SFT) o->micro_batch *= 2;
-    o->seq_len = job->data.seq_len;
-    o->checkpointing = job->train.gradient_checkpointing;
-    /* the buckets (a reduce_bucket_size of "auto" resolved from the model's hidden_size, as the run does) and
-     * overlap the run would use (qt_train_cfg_from_ds above): they size the gradient windows and the
-     * communication buffers */
-    o->reduce_bucket = ds.zero.reduce_bucket_size >= 1 ? (size_t)ds.zero.reduce_bucket_size : 0;
-    o->allgather_bucket = ds.zero.allgather_bucket_size >= 1 ? (size_t)ds.zero.allgather_bucket_size : 0;
-    o->overlap = ds.zero.overlap_comm;
-    o->quant4 = job->quant.load_in_4bit;
-    o->quant4_nested = job->quant.double_quant;
-    o->quant4_skip = job->quant.skip;
+    qt_run_setup s;
+    QT_TRY(qt_run_setup_open(&s, job, ranks, 0));
+    QT_TRY(qt_run_setup_lora(&s, 0));
+    qt_run_setup_plan_opts(&s, o);
     return QT_OK;
 }

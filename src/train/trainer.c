@@ -181,52 +181,10 @@ static int open_loaders(qt_trainer *t) {
 static int load_model(qt_trainer *t) {
     const qt_job *job = t->job;
     qt_model_opts o;
-    qt_model_opts_default(&o);
-    o.compute = t->cfg.compute;
-    o.lora = job->lora.enabled;
-    o.lora_r = job->lora.r;
-    o.lora_alpha = job->lora.lora_alpha;
-    o.lora_dropout = job->lora.lora_dropout;
-    o.lora_targets = t->lora_targets;
-    o.use_rslora = job->lora.use_rslora;
-    o.lora_save = t->lora_sel.lora_save;
-    o.lora_layers_set = t->lora_sel.lora_layers_set;
-    memcpy(o.lora_layers, t->lora_sel.lora_layers, sizeof o.lora_layers);
-    o.quant4 = job->quant.load_in_4bit;
-    o.quant4_type = job->quant.type;
-    o.quant4_nested = job->quant.double_quant;
-    o.quant4_skip = job->quant.skip;
+    QT_TRY(qt_run_setup_model_opts(&t->setup, &o));
     o.progress = t->main ? t->hooks->progress : NULL;
-    if (o.quant4 && job->quant.compute_set && (qt_dtype)job->quant.compute != o.compute)
-        return QT_ERR(QT_EINVAL, "%s: quantization.bnb_4bit_compute_dtype is %s but the run computes in %s (the "
-                                 "DeepSpeed config's bf16/fp16); make them agree", job->path,
-                      qt_dtype_name((qt_dtype)job->quant.compute), qt_dtype_name(o.compute));
-    o.grad_checkpointing = job->train.gradient_checkpointing;
-    o.max_B = t->cfg.micro_batch * (t->pref ? 2 : 1); /* preference: a chosen and a rejected row per pair */
-    o.max_T = job->data.seq_len;
-    o.seed = job->train.seed;
     o.backend = t->dev.backend;
     o.device_index = t->dev.index;
-    /* ZeRO-2 over several ranks: no gradient block, the backward hands each unit over */
-    o.grad_windows = zero_partitions_grads(t->cfg.zero.stage, t->world);
-    o.grad_bucket_elems = t->cfg.zero.bucket_elems; /* its buckets are reduce_bucket_size's */
-    o.grad_overlap = t->cfg.zero.overlap;
-    /* ZeRO 1/2: each rank keeps its shard of the fp32 master (on the host with offload), as DeepSpeed does;
-     * the model ignores it where the master is the compute weights (f32) or the adapter (LoRA) */
-    if (zero_partitions_master(t->cfg.zero.stage, t->world)) {
-        o.master_shards = t->world;
-        o.master_rank = t->rank;
-        o.master_on_host = t->cfg.zero.offload;
-    }
-    /* ZeRO-3: the weights the graph reads are partitioned too, gathered layer by layer at use (in f32 the
-     * master shard is that partition, on the host where either offload puts it) */
-    /* LoRA: the frozen base is what is partitioned; the adapter stays whole on every rank and takes stage 2's
-     * path (gradients reduce-scattered, optimizer state sharded, the update all-gathered) */
-    if (zero_partitions_params(t->cfg.zero.stage, t->world)) {
-        o.param_shards = t->world;
-        o.param_on_host = t->cfg.zero.offload_param;
-        if (t->cfg.compute == QT_F32 && t->cfg.zero.offload_param) o.master_on_host = 1;
-    }
     int rc = qt_model_load(job->model, &o, &t->model);
     if (rc != QT_OK) return qt_error_context(rc, "%s: model", job->path);
     if (o.param_shards > 1 && t->main) {
@@ -234,10 +192,10 @@ static int load_model(qt_trainer *t) {
         size_t layer, outer;
         qt_model_gather_sizes(qt_model_config(t->model), &o, &layer, &outer);
         double live = (double)(2 * layer + outer);
-        if (live > t->ds.zero.max_live_parameters)
+        if (live > t->setup.ds.zero.max_live_parameters)
             qt_warn("%s: zero_optimization.stage3_max_live_parameters %.0f is below what ZeRO-3 keeps gathered at "
                     "once here, two layers and the embedding (%.0f elements); qtune keeps those (`qtune plan "
-                    "--zero 3` counts them)", job->path, t->ds.zero.max_live_parameters, live);
+                    "--zero 3` counts them)", job->path, t->setup.ds.zero.max_live_parameters, live);
     }
     t->n = qt_model_numel(t->model);
     t->master = qt_model_master(t->model);
@@ -290,14 +248,11 @@ static int hook_rows(void *u, size_t lo, int C, const int32_t *ids, const float 
 }
 
 static int setup_optimizer(qt_trainer *t) {
-    if (!t->grads) {
-        /* gradient windows: the embedding's rows come as one message per micro-batch */
-        t->cfg.zero.unit_elems = qt_model_grad_window_elems(t->model);
-        if (qt_opts_trains_embed(&t->lora_sel)) { /* full fine-tuning, or modules_to_save's embedding */
-            t->cfg.zero.emb_rows = t->cfg.micro_batch * t->job->data.seq_len;
-            t->cfg.zero.emb_dim = qt_model_config(t->model)->hidden_size;
-        }
-    }
+    /* gradient windows: the embedding's rows come as one message per micro-batch */
+    qt_model_opts mo;
+    QT_TRY(qt_run_setup_model_opts(&t->setup, &mo));
+    qt_run_zero_from_model(&mo, qt_model_config(t->model)->hidden_size,
+                           mo.grad_windows ? qt_model_grad_window_elems(t->model) : 0, &t->cfg.zero);
     t->cfg.zero.be = t->be;
     if (t->sharded) /* ZeRO-3: the norm weights and biases all-gathered after each update size its bucket */
         for (int k = 0; k < t->shard.n_runs; k++) t->cfg.zero.persist_elems += t->shard.runs[k].n;
@@ -391,20 +346,15 @@ static int evaluate(qt_trainer *t, double *loss, int64_t *ntok) {
  * there is none (the model folder's config could not be planned). */
 static void report_plan(const qt_trainer *t, uint64_t *rank_bytes, uint64_t *device_bytes) {
     qt_plan_opts o;
-    qt_config cfg;
     qt_plan p;
     *rank_bytes = *device_bytes = 0;
     qt_plan_opts_default(&o);
     o.backend = t->dev.backend;
-    /* the job was resolved and its warnings said once when the run began: this second reading says nothing */
-    int level = qt_log_level();
-    qt_log_set_level(QT_LOG_ERROR);
-    if (qt_plan_opts_from_job(t->job, t->world, &o) == QT_OK && qt_config_load(t->job->model, &cfg) == QT_OK &&
-        qt_plan_compute(&cfg, &o, &p) == QT_OK) {
+    qt_run_setup_plan_opts(&t->setup, &o); /* the job as this run resolved it, for the model it loaded */
+    if (qt_plan_compute(qt_model_config(t->model), &o, &p) == QT_OK) {
         *rank_bytes = p.cpu_rank_bytes;
         *device_bytes = p.dev.total;
     }
-    qt_log_set_level(level);
     qt_error_clear(); /* no plan: the page says so; the run goes on */
 }
 
@@ -860,35 +810,6 @@ static int check_skipped(qt_trainer *t, qt_train_result *res) {
     return QT_OK;
 }
 
-/* lora.target_modules against the model's layout, from its config.json alone: Qwen2 names on an
- * original Qwen model (QT_MSG_QWEN1_TARGETS_FMT) stop the run before anything is claimed or loaded. */
-static int resolve_lora_targets(qt_trainer *t) {
-    const qt_job_lora *l = &t->job->lora;
-    t->lora_targets = l->targets;
-    memset(&t->lora_sel, 0, sizeof t->lora_sel);
-    t->lora_sel.lora = l->enabled;
-    if (!l->enabled) return QT_OK;
-    qt_config cfg;
-    QT_TRY(qt_config_load(t->job->model, &cfg));
-    QT_TRY(qt_job_lora_targets_resolve(t->job, &cfg, &t->lora_targets));
-    /* modules_to_save and layers_to_transform: the resolved targets in the layout's own names, with them */
-    peft_config *pc = qt_calloc(1, sizeof *pc, "LoRA selection");
-    if (!pc) return QT_ENOMEM;
-    char names[8][64], where[4200];
-    int n = qt_lora_target_names(&cfg, t->lora_targets, names, 8);
-    for (int i = 0; i < n; i++) memcpy(pc->target_modules[pc->n_targets++], names[i], sizeof names[i]);
-    pc->n_save = l->extras.n_save;
-    memcpy(pc->modules_to_save, l->extras.modules_to_save, sizeof pc->modules_to_save);
-    pc->n_layers = l->extras.n_layers;
-    memcpy(pc->layers_to_transform, l->extras.layers_to_transform, sizeof pc->layers_to_transform);
-    pc->n_patterns = l->extras.n_patterns;
-    memcpy(pc->layers_pattern, l->extras.layers_pattern, sizeof pc->layers_pattern);
-    snprintf(where, sizeof where, "%s: lora", t->job->path);
-    int rc = qt_lora_resolve(&cfg, pc, &t->lora_sel, where);
-    qt_free(pc);
-    return rc;
-}
-
 /* What a preference objective cannot run with, said before anything is loaded. */
 static int check_pref(const qt_trainer *t) {
     const qt_job *job = t->job;
@@ -897,7 +818,7 @@ static int check_pref(const qt_trainer *t) {
         return QT_ERR(QT_EINVAL, "%s: objective dpo with full fine-tuning needs a reference model, and qtune keeps "
                                  "one only for LoRA (the base with the adapter off); add a \"lora\" section, or set "
                                  "objective.reference_free to true", job->path);
-    if (qt_objective_needs_ref(&job->objective) && t->lora_sel.lora_save)
+    if (qt_objective_needs_ref(&job->objective) && t->setup.lora_sel.lora_save)
         return QT_ERR(QT_EINVAL, "%s: objective dpo with lora.modules_to_save: the reference (the adapter off) would "
                                  "still use the trained embedding/lm_head copies; remove modules_to_save or set "
                                  "objective.reference_free to true", job->path);
@@ -909,7 +830,9 @@ static int check_pref(const qt_trainer *t) {
 
 static int run(qt_trainer *t, qt_train_result *res) {
     const qt_job *job = t->job;
-    QT_TRY(resolve_lora_targets(t));
+    /* lora.target_modules against the model's layout, from its config.json alone: Qwen2 names on an original
+     * Qwen model (QT_MSG_QWEN1_TARGETS_FMT) stop the run before anything is claimed or loaded */
+    QT_TRY(qt_run_setup_lora(&t->setup, 1));
     QT_TRY(check_pref(t));
     /* A folder of another run (or in use) is refused before minutes of
      * loading; nothing is written to it until everything the job names has
@@ -934,8 +857,8 @@ static int run(qt_trainer *t, qt_train_result *res) {
     qt_cancel_watch(NULL); /* from here the loop polls the stop flag itself */
     QT_TRY(rc);
     t->max_steps = job->train.max_steps > 0 ? job->train.max_steps : steps_from_epochs(t);
-    QT_TRY(qt_ds_config_finalize(&t->ds, t->max_steps));
-    qt_train_cfg_from_ds(&t->ds, &t->cfg);
+    QT_TRY(qt_run_setup_finalize(&t->setup, t->max_steps));
+    t->cfg = t->setup.cfg;
     QT_TRY(setup_optimizer(t));
 
     char resume[4096];
@@ -1138,19 +1061,8 @@ int qt_train_run(const qt_job *job, dist_ctx *d, const qt_train_hooks *hooks, qt
         rc = QT_ERR(QT_EINVAL, "%s: \"model\" names %s, which %s; give the path of a Hugging Face model folder "
                     "(a relative path starts at the job file's folder)",
                     job->path, job->model, qt_path_exists(job->model) ? "is not a folder" : "does not exist");
-    if (rc == QT_OK && job->deepspeed) {
-        char where[4200];
-        if (job->deepspeed_path) snprintf(where, sizeof where, "%s", job->deepspeed_path);
-        else snprintf(where, sizeof where, "%s: deepspeed", job->path);
-        rc = qt_ds_config_parse(job->deepspeed, where, t.world, &t.ds);
-    } else if (rc == QT_OK) {
-        qt_ds_config_default(&t.ds, t.world);
-    }
-    /* a reduce_bucket_size of "auto" is the model's hidden_size squared: it sizes the gradient buckets
-     * load_model asks the model for, so it is resolved from config.json before anything is loaded */
-    if (rc == QT_OK) qt_train_ds_resolve_model(&t.ds, job->model);
-    /* provisional (B, A, dtype for the model and loaders); final once max_steps is known */
-    if (rc == QT_OK) qt_train_cfg_from_ds(&t.ds, &t.cfg);
+    if (rc == QT_OK) rc = qt_run_setup_open(&t.setup, job, t.world, t.rank);
+    if (rc == QT_OK) t.cfg = t.setup.cfg;
     /* one process: a stop while the data is tokenized ends the load at once
      * (under MPI loading finishes, then every rank agrees to stop) */
     if (t.world == 1) qt_cancel_watch(t.hooks->stop);
@@ -1164,7 +1076,7 @@ int qt_train_run(const qt_job *job, dist_ctx *d, const qt_train_hooks *hooks, qt
     if (rc == QT_OK && t.main) {
         char line[1024], dev[320];
         qt_device_label(&t.dev, omp_get_max_threads(), dev, sizeof dev);
-        qt_train_describe(job, &t.ds, dev, line, sizeof line);
+        qt_train_describe(job, &t.setup.ds, dev, line, sizeof line);
         qt_info("%s", line);
         if (t.dev.note[0]) qt_info("%s", t.dev.note);
     }

@@ -46,7 +46,8 @@ typedef struct {
 
 /* Fills cfg from the job's DeepSpeed section (none: qt_ds_config_default),
  * resolved for `world` ranks and the job's model (qt_train_ds_resolve_model);
- * max_steps resolves "auto" schedule lengths. */
+ * max_steps resolves "auto" schedule lengths. The run's setup
+ * (train/run_setup.h) read for its train config alone. */
 int qt_train_cfg_from_job(const qt_job *job, int world, long max_steps, qt_train_cfg *cfg);
 /* The same from an already parsed (and finalized) DeepSpeed config. */
 void qt_train_cfg_from_ds(const qt_ds_config *ds, qt_train_cfg *cfg);
@@ -62,10 +63,11 @@ void qt_train_ds_resolve_model(qt_ds_config *ds, const char *model);
  * qt_lora_targets_from_names, which refuses Qwen2 names on an original Qwen
  * model with the list to write. */
 int qt_job_lora_targets_resolve(const qt_job *job, const qt_config *cfg, unsigned *mask);
-/* What `qtune plan JOB.json` plans for: the job's LoRA or full fine-tuning,
- * r and targets, ZeRO stage, offload, precision and micro-batch (its
- * DeepSpeed config resolved for `ranks` and the job's model: bucket sizes
- * too), seq_len and checkpointing. */
+/* What `qtune plan JOB.json` plans for, read from the run's own setup
+ * (train/run_setup.h qt_run_setup_plan_opts) for `ranks` ranks: LoRA or full
+ * fine-tuning with the run's LoRA selection and dropout, ZeRO stage,
+ * offloads, precision, micro-batch, buckets, seq_len, checkpointing,
+ * quantization. */
 int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o);
 
 /* The one line a run starts with: what is trained, precision, ZeRO stage and

@@ -65,7 +65,7 @@ static void fill_peft_config(const qt_trainer *t, peft_config *c) {
     c->use_rslora = l->use_rslora;
     if (l->targets_default || l->targets_all_linear) { /* as resolved: c_attn on the original Qwen, its own names */
         char names[8][64];
-        int n = qt_lora_target_names(qt_model_config(t->model), t->lora_targets, names, 8);
+        int n = qt_lora_target_names(qt_model_config(t->model), t->setup.lora_targets, names, 8);
         for (int i = 0; i < n; i++) memcpy(c->target_modules[c->n_targets++], names[i], sizeof names[i]);
     }
     for (int i = 0; i < l->n_target_names && i < PEFT_MAX_TARGETS && !l->targets_default && !l->targets_all_linear; i++)

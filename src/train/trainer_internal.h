@@ -12,14 +12,15 @@
 #include "optim/optimizer.h"
 #include "text/tokenizer.h"
 #include "train/metrics.h"
+#include "train/run_setup.h"
 #include "train/trainer.h"
 
 typedef struct {
     const qt_job *job;
     dist_ctx *d;
     const qt_train_hooks *hooks;
-    qt_ds_config ds;           /* parsed once; finalized when max_steps is known */
-    qt_train_cfg cfg;
+    qt_run_setup setup;        /* the job resolved (run_setup.h): DeepSpeed, LoRA selection, model options */
+    qt_train_cfg cfg;          /* setup.cfg, with the ZeRO fields the model and the plan add */
     int rank, world, main;     /* main: rank 0 writes files and prints */
 
     bpe_tokenizer *tok;        /* NULL for pre-tokenized data without tokenizer.json */
@@ -31,9 +32,6 @@ typedef struct {
     uint64_t *pref_perm;       /* (n_pairs) the order of epoch pref_epoch */
     int64_t pref_epoch;
 
-    unsigned lora_targets;     /* QT_LORA_* mask of job.lora's target_modules in the model's layout */
-    qt_model_opts lora_sel;    /* the same with modules_to_save and layers_to_transform resolved
-                                  (lora_targets, lora_save, lora_layers_set, lora_layers) */
     qt_model *model;
     size_t n;                  /* elements in the trainable block */
     float *master;             /* fp32 master weights: the whole block, or sharded

@@ -301,3 +301,23 @@ def test_zero3_job(tmp_path):
     p = qtune("doctor", job, "--ranks", "2", "--no-table")
     assert p.returncode != 0
     assert "ZeRO stage 3 does not partition a 4-bit (QLoRA) base; use zero_optimization.stage 2" in p.stdout, p.stdout
+
+
+def test_quantization_is_reported_from_the_runs_setup(tmp_path):
+    """The job's "quantization" (QLoRA) as the run reads it (train/run_setup.c): a line saying what is 4-bit
+    and the compute dtype, and a 4-bit compute dtype other than the run's precision is a problem, as `qtune
+    train` refuses it when it loads the model (the doctor said nothing of the key, issue 40)."""
+    job, j = good_job(tmp_path)  # fp16
+    j["quantization"] = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+                         "bnb_4bit_compute_dtype": "float16", "llm_int8_skip_modules": ["v_proj"]}
+    job.write_text(json.dumps(j))
+    p = qtune("doctor", job, "--ranks", "1", "--no-table", check=0)
+    line = [l for l in p.stdout.splitlines() if l.startswith("quant ")]
+    assert line and "4 bits" in line[0] and "nf4, double-quantized, 16-bit: v_proj" in line[0], p.stdout
+    assert "compute f16" in line[0], p.stdout
+    assert "bnb_4bit_compute_dtype" not in p.stdout, p.stdout
+    j["quantization"]["bnb_4bit_compute_dtype"] = "bfloat16"
+    job.write_text(json.dumps(j))
+    p = qtune("doctor", job, "--ranks", "1", "--no-table")
+    assert p.returncode != 0
+    assert "quantization.bnb_4bit_compute_dtype is bf16 but the run computes in f16" in p.stdout, p.stdout

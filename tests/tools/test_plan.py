@@ -3,6 +3,7 @@ memory `qtune train` really uses: on three small shapes (full, LoRA, full with r
 plan's cpu_rank_bytes (one rank on the CPU backend) is within 10% of metrics.jsonl's mem_peak_bytes."""
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -232,7 +233,7 @@ def test_plan_reads_a_job_file(tmp_path):
     ds = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 4,
           "fp16": {"enabled": True}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     job = {"model": "m", "output_dir": "o", "data": {"train": "t.jsonl", "seq_len": 96},
-           "lora": {"r": 4, "target_modules": ["q_proj", "k_proj", "down_proj"]},
+           "lora": {"r": 4, "target_modules": ["q_proj", "k_proj", "down_proj"], "lora_dropout": 0.1},
            "train": {"gradient_checkpointing": True}, "deepspeed": ds}
     (tmp_path / "job.json").write_text(json.dumps(job))
     got = json.loads(qtune("plan", tmp_path / "job.json", "--devices", 2, "--json", check=0).stdout)
@@ -303,7 +304,8 @@ def test_plan_counts_modules_to_save(tmp_path):
     c = cfg(8192, 256, 688, 4, 4, 2)
     (tmp_path / "m" / "config.json").write_text(json.dumps(c))
     job = {"model": "m", "output_dir": "o", "data": {"train": "t.jsonl", "seq_len": 64},
-           "lora": {"r": 4, "target_modules": ["q_proj"], "modules_to_save": ["embed_tokens", "lm_head"]},
+           "lora": {"r": 4, "target_modules": ["q_proj"], "modules_to_save": ["embed_tokens", "lm_head"],
+                    "lora_dropout": 0.1},
            "deepspeed": {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}}
     (tmp_path / "job.json").write_text(json.dumps(job))
     got = plan_json(tmp_path / "job.json", "--devices", 2)
@@ -318,6 +320,52 @@ def test_plan_counts_modules_to_save(tmp_path):
     assert got["checkpoint_bytes"] > plain["checkpoint_bytes"] + 2 * VC * 4  # weights + Adam's m, v
     p = qtune("plan", "--preset", "tiny", "--mode", "lora", "--modules-to-save", "norm")
     assert p.returncode == 2 and "--modules-to-save names 'norm'" in p.stderr
+
+
+def test_plan_takes_layers_to_transform_and_dropout(tmp_path):
+    """A job's plan counts LoRA in the layers lora.layers_to_transform keeps, as the run adapts them, and the
+    dropout input buffer only when the job's lora_dropout is above 0 (the plan counted every layer and a
+    dropout of 0.1 whatever the job said, issue 40). Its trainable count is the run's."""
+    c = cfg(8192, 256, 688, 4, 4, 2)
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    qtune("init", "--out", tmp_path / "m", "--config", tmp_path / "config.json", "--seed", 1, check=0)
+    B, T, R, C = 2, 32, 4, c["hidden_size"]
+    with open(tmp_path / "train.jsonl", "w") as f:
+        for i in range(4):
+            f.write(json.dumps({"input_ids": [(7 * i + k) % 8000 + 1 for k in range(T + 1)]}) + "\n")
+    lora = {"r": R, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+    job = {"model": "m", "output_dir": "out", "data": {"train": "train.jsonl", "seq_len": T, "packing": False},
+           "train": {"max_steps": 1, "save_steps": 0, "seed": 1},
+           "deepspeed": {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1}, "lora": lora}
+
+    def plan(**over):
+        j = json.loads(json.dumps(job))
+        j["lora"].update(over)
+        (tmp_path / "job.json").write_text(json.dumps(j))
+        return plan_json(tmp_path / "job.json")
+
+    every = plan()
+    half = plan(layers_to_transform=[0, 2])
+    H, KV, D = c["num_attention_heads"], c["num_key_value_heads"], C // c["num_attention_heads"]
+    per_layer = R * (C + H * D) + R * (C + KV * D)  # q_proj and v_proj's A and B
+    assert every["n_trainable"] == 4 * per_layer, every
+    assert half["n_trainable"] == 2 * per_layer, half
+    assert half["per_device_bytes"]["total"] < every["per_device_bytes"]["total"]
+    assert every["lora_layers"] == 4 and half["lora_layers"] == 2
+    # the run adapts the same parameters
+    p = qtune("train", tmp_path / "job.json", check=0, env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr
+    m = re.search(r"(\d+) trainable parameters", p.stderr)
+    assert m and int(m.group(1)) == half["n_trainable"], p.stderr
+    # dropout: the model's buffer for a linear's dropped input, B x T x the widest input (here I) floats
+    dropped = plan(lora_dropout=0.1)
+    assert dropped["lora_dropout"] == 0.1 and every["lora_dropout"] == 0
+    widest = max(C, c["intermediate_size"], H * D)
+    assert dropped["per_device_bytes"]["total"] - every["per_device_bytes"]["total"] == B * T * widest * 4
+    # a layer the model does not have: the plan refuses it as the run does
+    (tmp_path / "job.json").write_text(json.dumps(dict(job, lora=dict(lora, layers_to_transform=[7]))))
+    p = qtune("plan", tmp_path / "job.json")
+    assert p.returncode != 0 and "layers_to_transform" in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("opt,hi", [("--micro-batch", 1 << 20), ("--seq-len", 1 << 22), ("--lora-r", 65536),
