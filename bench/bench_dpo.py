@@ -11,7 +11,12 @@ reference pass once before step 1, none in the steps).
 Runs alternate (sft, dpo[, dpo-pre], sft, dpo, ...) so load on a shared
 machine hits all kinds alike; the step time of a run is the median of its
 steps after the first (from metrics.jsonl's elapsed_s); the load average is
-printed before each run. Figures go to stdout as a Markdown table.
+printed before each run. On a loaded machine wall time says little, so each
+run's CPU seconds (user + sys of the qtune process, getrusage) are taken
+too, and a run of --steps and one of 1 step give CPU seconds a step as their
+difference over the extra steps (loading and the warm-up cancel). Use
+--threads 1 there: OpenMP threads that spin while waiting for a CPU inflate
+CPU time. Figures go to stdout as a Markdown table.
 
 usage: /usr/bin/python3 bench/bench_dpo.py [--build DIR] [--preset qwen2.5-0.5b] [--pairs 1] [--seq-len 256]
        [--steps 4] [--rounds 2] [--threads 2] [--precompute] [--work DIR]"""
@@ -19,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import time
@@ -45,13 +51,13 @@ def write_data(work, n, words):
             f.writelines(json.dumps(x) + "\n" for x in rows)
 
 
-def job(work, kind, a):
+def job(work, kind, a, steps):
     pref = kind != "sft"
     j = {"model": "model", "output_dir": "out-" + kind,
          "data": {"train": "pairs.jsonl" if pref else "sft.jsonl", "seq_len": a.seq_len, "packing": False,
                   "shuffle": False, "cache_dir": "cache"},
          "lora": {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": TARGETS},
-         "train": {"max_steps": a.steps, "log_steps": 1, "seed": 1, "overwrite_output_dir": True,
+         "train": {"max_steps": steps, "log_steps": 1, "seed": 1, "overwrite_output_dir": True,
                    "save_steps": 0},
          "deepspeed": {"train_micro_batch_size_per_gpu": a.pairs * (1 if pref else 2),
                        "gradient_accumulation_steps": 1,
@@ -65,20 +71,24 @@ def job(work, kind, a):
     return path
 
 
-def run_one(qtune, work, kind, a):
+def run_one(qtune, work, kind, a, steps):
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), OPENBLAS_NUM_THREADS="1")
     load = os.getloadavg()[0]
     t0 = time.time()
-    p = subprocess.run([qtune, "train", job(work, kind, a)], cwd=work, env=env, capture_output=True, text=True)
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    p = subprocess.run([qtune, "train", job(work, kind, a, steps)], cwd=work, env=env, capture_output=True,
+                       text=True)
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if p.returncode:
         raise SystemExit(p.stderr[-3000:])
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
     rows = [json.loads(l) for l in open(os.path.join(work, "out-" + kind, "metrics.jsonl")) if '"loss"' in l
             and '"eval_loss"' not in l]
     el = [r["elapsed_s"] for r in rows]
     steps = [b - c for b, c in zip(el[1:], el[:-1])]  # steps 2..N: the first carries the warm-up
     tok = {r["tokens"] for r in rows}
-    return {"kind": kind, "step_s": statistics.median(steps), "steps": steps, "load": load,
-            "wall_s": time.time() - t0, "tokens": sorted(tok)}
+    return {"kind": kind, "n": steps, "step_s": statistics.median(steps) if steps else float("nan"),
+            "steps": steps, "load": load, "wall_s": time.time() - t0, "tokens": sorted(tok), "cpu_s": cpu}
 
 
 def main():
@@ -103,15 +113,27 @@ def main():
     kinds = ["sft", "dpo"] + (["dpo-pre"] if a.precompute else [])
     res = []
     for r in range(a.rounds):
-        for k in kinds:
-            x = run_one(qtune, a.work, k, a)
-            res.append(x)
-            print("round %d %-7s step %.2f s (steps %s), tokens/step %s, load average %.1f at start" % (
-                r + 1, k, x["step_s"], " ".join("%.2f" % s for s in x["steps"]), x["tokens"], x["load"]), flush=True)
-    med = {k: statistics.median(x["step_s"] for x in res if x["kind"] == k) for k in kinds}
-    print("\n| kind | step s (median of runs) | / SFT |\n|---|---|---|")
+        for steps in (1, a.steps):
+            for k in kinds:
+                x = run_one(qtune, a.work, k, a, steps)
+                res.append(x)
+                print("round %d %-7s %d step(s): CPU %.1f s, wall %.1f s, step wall %s, tokens/step %s, load "
+                      "average %.1f at start" % (r + 1, k, steps, x["cpu_s"], x["wall_s"],
+                                                 " ".join("%.2f" % s for s in x["steps"]) or "-", x["tokens"],
+                                                 x["load"]), flush=True)
+    cpu = {}
     for k in kinds:
-        print("| %s | %.2f | %.2fx |" % (k, med[k], med[k] / med["sft"]))
+        per = []
+        for r in range(a.rounds):
+            one = [x for x in res if x["kind"] == k and x["n"] == 1][r]["cpu_s"]
+            many = [x for x in res if x["kind"] == k and x["n"] == a.steps][r]["cpu_s"]
+            per.append((many - one) / (a.steps - 1))
+        cpu[k] = statistics.median(per)
+    wall = {k: statistics.median(x["step_s"] for x in res if x["kind"] == k and x["n"] == a.steps) for k in kinds}
+    print("\n| kind | CPU s a step | / SFT | wall s a step (median, steps 2..N) | / SFT |\n|---|---|---|---|---|")
+    for k in kinds:
+        print("| %s | %.2f | %.2fx | %.2f | %.2fx |" % (k, cpu[k], cpu[k] / cpu["sft"], wall[k],
+                                                        wall[k] / wall["sft"]))
 
 
 if __name__ == "__main__":
