@@ -37,10 +37,11 @@ def test_the_demo_answers_held_out_prompts(tmp_path):
     k, n, dpo = demo(tmp_path / "full")
     print("held-out: %d of %d" % (k, n))
     assert n == 20 and k >= 8
-    # stage 3, DPO: the held-out preference accuracy and margin rise (README's figures)
+    # stage 3, DPO: the held-out margin rises, the accuracy does not fall (it may start at 1: the reference
+    # is the base without the stage-2 adapter, which already prefers the reversed words)
     acc0, acc1, mar0, mar1 = dpo
     print("DPO: rewards/accuracies %.2f -> %.2f, rewards/margins %.3f -> %.3f" % (acc0, acc1, mar0, mar1))
-    assert acc1 > acc0 and mar1 > mar0
+    assert acc1 >= acc0 and mar1 > mar0
     k0, _, _ = demo(tmp_path / "untrained", "--set", "train.max_steps=1", "--set", "train.eval_steps=1",
                  "--set", "train.save_steps=1")
     print("one step a stage: %d of %d" % (k0, n))

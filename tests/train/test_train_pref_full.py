@@ -64,7 +64,7 @@ def test_full_ft_dpo_20_steps_match_trl(tmp_path):
     model, _ = make_model(d, "qwen2")
     ps = pairs()
     write_pairs(os.path.join(d, "pairs.jsonl"), ps, "trl")
-    p = run("train", full_job(d))
+    p = run("train", full_job(d), timeout=1200)  # seconds on a quiet CPU; minutes on a shared one
     assert "reference: the starting weights, their log-probs computed once before training" in p.stderr, p.stderr
     assert "one pass with the starting weights" in p.stderr, p.stderr
     sides = [(encode(model, d, pr, c), encode(model, d, pr, j)) for pr, c, j in ps]
@@ -131,3 +131,29 @@ def test_plan_counts_the_reference_pass(tmp_path):
     assert "reference: one forward pass over every training and eval pair before step 1" in out, out
     out = run("plan", job, "--set", 'lora={"r": 4}').stdout
     assert "reference: a forward of the same rows with the adapter off" in out, out
+
+
+def test_eval_with_ref_model(tmp_path):
+    """qtune eval --objective dpo --ref-model: a full fine-tuning's final/ against the model it started from.
+    Its rewards are beta times the difference of the two models' reference-free log-probs, and the
+    starting model against itself scores log 2 with every reward 0."""
+    d = str(tmp_path)
+    model, _ = make_model(d, "qwen2")
+    write_pairs(os.path.join(d, "pairs.jsonl"), pairs(), "trl")
+    run("train", full_job(d, max_steps=2))
+    final = os.path.join(d, "out", "final")
+
+    def ev(m, obj, *more):
+        p = run("eval", "--model", m, "--tokenizer", model, "--data", os.path.join(d, "pairs.jsonl"), "--seq-len",
+                40, "--batch", 2, "--objective", json.dumps(obj), *more)
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    free = dict(OBJ, reference_free=True)
+    pol, ref = ev(final, free), ev(model, free)
+    got = ev(final, OBJ, "--ref-model", model)
+    for side in ("chosen", "rejected"):
+        assert abs(got["eval_logps/" + side] - pol["eval_logps/" + side]) <= 1e-6 * abs(pol["eval_logps/" + side])
+        want = OBJ["beta"] * (pol["eval_logps/" + side] - ref["eval_logps/" + side])
+        assert abs(got["eval_rewards/" + side] - want) <= 1e-5 * OBJ["beta"] * abs(ref["eval_logps/" + side])
+    same = ev(model, OBJ, "--ref-model", model)
+    assert same["eval_rewards/margins"] == 0 and same["eval_rewards/accuracies"] == 0
+    assert abs(same["eval_loss"] - np.log(2)) < 1e-9
