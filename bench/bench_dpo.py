@@ -71,7 +71,7 @@ def job(work, kind, a, steps):
     return path
 
 
-def run_one(qtune, work, kind, a, steps):
+def run_one(qtune, work, kind, a, n_steps):
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), OPENBLAS_NUM_THREADS="1")
     load = os.getloadavg()[0]
     t0 = time.time()
@@ -79,7 +79,7 @@ def run_one(qtune, work, kind, a, steps):
         if f.endswith(".qref"):  # every dpo-pre run computes its reference pass: it cancels in the difference
             os.remove(os.path.join(work, "cache", f))
     r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    p = subprocess.run([qtune, "train", job(work, kind, a, steps)], cwd=work, env=env, capture_output=True,
+    p = subprocess.run([qtune, "train", job(work, kind, a, n_steps)], cwd=work, env=env, capture_output=True,
                        text=True)
     r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if p.returncode:
@@ -90,7 +90,7 @@ def run_one(qtune, work, kind, a, steps):
     el = [r["elapsed_s"] for r in rows]
     steps = [b - c for b, c in zip(el[1:], el[:-1])]  # steps 2..N: the first carries the warm-up
     tok = {r["tokens"] for r in rows}
-    return {"kind": kind, "n": steps, "step_s": statistics.median(steps) if steps else float("nan"),
+    return {"kind": kind, "n": n_steps, "step_s": statistics.median(steps) if steps else float("nan"),
             "steps": steps, "load": load, "wall_s": time.time() - t0, "tokens": sorted(tok), "cpu_s": cpu}
 
 
