@@ -7,9 +7,15 @@ held-out word is seen in every position in training, but the triple is new:
 the model can answer it only by having learned the rule (reverse), not a
 table.
 
+For the demo's DPO stage, preference pairs in TRL's format (prompt, chosen,
+rejected): the reversed words chosen, another order of the same words
+rejected; 1,000 pairs from the training triples (demo-pref-train.jsonl) and
+the 20 held-out triples (demo-pref-eval.jsonl).
+
 Standard library only, deterministic (fixed seed); run from anywhere:
     python3 examples/data/make_demo_data.py [--out DIR]
-writes demo-train.jsonl and demo-eval.jsonl into DIR (default: this folder,
+writes demo-train.jsonl, demo-eval.jsonl, demo-pref-train.jsonl and
+demo-pref-eval.jsonl into DIR (default: this folder,
 examples/data/)."""
 import argparse
 import json
@@ -17,7 +23,7 @@ import os
 import random
 
 WORDS = ("red cat sun dog tree fish bird king moon star blue green gold milk rain snow wind fire stone apple").split()
-N_HELD, N_TRAIN = 20, 3000
+N_HELD, N_TRAIN, N_PREF = 20, 3000, 1000
 
 
 def row(t):
@@ -36,7 +42,17 @@ def main():
         with open(os.path.join(out, name), "w", encoding="utf-8") as f:
             for t in rows:
                 f.write(json.dumps(row(t)) + "\n")
-    print(f"wrote {len(train)} training and {len(held)} held-out examples to {out}")
+    prng = random.Random(2)  # its own stream: the SFT files above stay as they were
+    for name, rows in (("demo-pref-train.jsonl", train[:N_PREF]), ("demo-pref-eval.jsonl", held)):
+        with open(os.path.join(out, name), "w", encoding="utf-8") as f:
+            for t in rows:
+                wrong = [o for o in ((t[0], t[1], t[2]), (t[0], t[2], t[1]), (t[1], t[0], t[2]),
+                                     (t[1], t[2], t[0]), (t[2], t[0], t[1])) if o != tuple(reversed(t))]
+                r = row(t)
+                f.write(json.dumps({"prompt": r["prompt"], "chosen": r["completion"],
+                                    "rejected": " " + " ".join(prng.choice(wrong))}) + "\n")
+    print(f"wrote {len(train)} training and {len(held)} held-out examples, {N_PREF} and {len(held)} preference "
+          f"pairs to {out}")
 
 
 if __name__ == "__main__":

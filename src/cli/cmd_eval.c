@@ -25,10 +25,14 @@
 #include "model/lora_io.h"
 #include "model/model.h"
 #include "text/tokenizer.h"
+#include "data/pref.h"
+#include "train/objective.h"
+#include "train/pref_pass.h"
 
 static void eval_help(void) {
     printf("usage: qtune eval --model DIR [--adapter DIR] [--tokenizer PATH] --data FILE [--format F] [--seq-len T]\n"
-           "                  [--batch B] [--per-token OUT.jsonl] [--device D] [--quantization nf4|fp4]\n\n"
+           "                  [--batch B] [--per-token OUT.jsonl] [--device D] [--quantization nf4|fp4]\n"
+           "       qtune eval --model DIR [--adapter DIR | --ref-model DIR] --data PAIRS.jsonl --objective OBJ ...\n\n"
            "Mean next-token cross-entropy (nats) and perplexity over the tokens that carry labels.\n"
            "  --model DIR        Hugging Face model folder (config.json, *.safetensors[, tokenizer.json])\n"
            "  --adapter DIR      PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors)\n"
@@ -44,7 +48,12 @@ static void eval_help(void) {
            "  --double-quant     with --quantization: bnb_4bit_use_double_quant\n"
            "  --device D         auto (default: a GPU when one is visible, else the CPU), cpu, cuda,\n"
            "                     cuda:N (GPU N); QTUNE_BACKEND, when set, wins\n"
-           "The last line of standard output is {\"loss\": L, \"ppl\": P, \"tokens\": N}.\n");
+           "  --objective OBJ    held-out preference pairs (prompt, chosen, rejected; docs/preference.md):\n"
+           "                     dpo, orpo, simpo, or the job's object as JSON ('{\"type\": \"dpo\", \"beta\": 0.1}');\n"
+           "                     prints TRL's eval_ metrics (eval_loss, eval_rewards/accuracies, ...)\n"
+           "  --ref-model DIR    dpo's reference when there is no --adapter (a full fine-tuning's start)\n"
+           "The last line of standard output is {\"loss\": L, \"ppl\": P, \"tokens\": N}\n"
+           "(with --objective: {\"pairs\": N, \"eval_loss\": L, \"eval_rewards/chosen\": ..., ...}).\n");
 }
 
 typedef struct {
@@ -239,12 +248,128 @@ static int run_eval(const char *model_dir, const char *tok_path, const char *ada
     return rc;
 }
 
+/* --objective: held-out preference pairs (docs/preference.md). The
+ * reference is the base with the adapter off (--adapter), or --ref-model's
+ * weights (a full fine-tuning's starting model); its log-probs are computed
+ * first, so only one model is in memory at a time. */
+static int load_for_eval(const char *dir, const char *adapter, int B, int T, const qt_device *dev, int q4_type,
+                         int q4_nested, qt_model **m) {
+    qt_config cfg;
+    QT_TRY(qt_config_load(dir, &cfg));
+    qt_model_opts o;
+    qt_model_opts_default(&o);
+    o.infer = 1;
+    o.keep_mapped = 1;
+    o.max_B = 2 * B; /* a chosen and a rejected row per pair */
+    o.max_T = T;
+    o.backend = dev->backend;
+    o.device_index = dev->index;
+    o.quant4 = q4_type >= 0, o.quant4_type = q4_type, o.quant4_nested = q4_nested;
+    o.progress = stderr;
+    if (adapter) QT_TRY(qt_lora_opts_from_adapter(adapter, &cfg, &o));
+    QT_TRY(qt_model_load(dir, &o, m));
+    if (adapter && qt_lora_load(*m, adapter) != QT_OK) {
+        qt_model_free(*m);
+        *m = NULL;
+        return QT_EINVAL;
+    }
+    return QT_OK;
+}
+
+static int run_pref_eval(const char *model_dir, const char *tok_path, const char *adapter, const char *ref_model,
+                         const char *data, const qt_objective *obj, int T, int B, const qt_device *dev, int q4_type,
+                         int q4_nested) {
+    qt_config cfg;
+    QT_TRY(qt_config_load(model_dir, &cfg));
+    const int max_pos = qt_config_max_positions(&cfg);
+    if (T == 0) T = max_pos < 1024 ? max_pos : 1024;
+    if (qt_objective_needs_ref(obj) && !adapter && !ref_model)
+        return QT_ERR(QT_EINVAL, "eval: objective dpo compares with a reference model: give --adapter (the reference "
+                                 "is the base with the adapter off), --ref-model DIR (the model a full fine-tuning "
+                                 "started from), or set reference_free in --objective");
+    bpe_tokenizer *tok = NULL;
+    char tpath[4096];
+    if (tok_path) QT_TRY(qt_error_oom_advice(bpe_load(tok_path, &tok), QT_TOKENIZER_OOM_ADVICE));
+    else if (bpe_folder_file(model_dir, tpath, sizeof tpath))
+        QT_TRY(qt_error_oom_advice(bpe_load(tpath, &tok), QT_TOKENIZER_OOM_ADVICE));
+    else return QT_ERR(QT_EINVAL, "eval: %s has no tokenizer.json; give --tokenizer PATH (preference pairs are text)",
+                       model_dir);
+    dl_pref_set set;
+    memset(&set, 0, sizeof set);
+    int rc = dl_pref_load(data, tok, T, &set);
+    bpe_free(tok);
+    QT_TRY(rc);
+    if (set.n_truncated)
+        qt_warn("eval: %lld of the %lld answers in %s are longer than --seq-len %d and were cut to it",
+                (long long)set.n_truncated, (long long)(2 * set.n_pairs), data, T);
+    int Tb = 1; /* rows as long as the longest side, not --seq-len */
+    for (int64_t s = 0; s < 2 * set.n_pairs; s++)
+        if (set.start[s + 1] - set.start[s] > Tb) Tb = (int)(set.start[s + 1] - set.start[s]);
+    const int64_t N = set.n_pairs;
+    qt_batch b;
+    memset(&b, 0, sizeof b);
+    size_t NT = (size_t)2 * B * Tb;
+    b.inputs = qt_malloc(NT * 4 * 4, "eval batch");
+    float *logp = qt_malloc(NT * 4, "eval log-probabilities");
+    double *pol = qt_malloc(sizeof(double) * (size_t)(4 * N), "eval log-probs"), *ref = pol ? pol + 2 * N : NULL;
+    int64_t *n = qt_malloc(sizeof(int64_t) * (size_t)(4 * N), "eval log-probs");
+    int64_t *idx = qt_malloc(sizeof(int64_t) * (size_t)N, "eval pairs");
+    rc = b.inputs && logp && pol && n && idx ? QT_OK : QT_ENOMEM;
+    if (rc == QT_OK) b.targets = b.inputs + NT, b.positions = b.inputs + 2 * NT, b.doc_start = b.inputs + 3 * NT;
+    for (int64_t i = 0; i < N && idx; i++) idx[i] = i;
+    qt_model *m = NULL;
+    const int needs_ref = qt_objective_needs_ref(obj);
+    if (rc == QT_OK && needs_ref && ref_model) {
+        rc = load_for_eval(ref_model, NULL, B, Tb, dev, q4_type, q4_nested, &m);
+        if (rc == QT_OK) rc = qt_pref_logps(m, &set, idx, N, B, Tb, 1, &b, logp, ref, n + 2 * N);
+        if (rc != QT_OK) rc = qt_error_context(rc, "eval: --ref-model %s", ref_model);
+        qt_model_free(m);
+        m = NULL;
+    }
+    if (rc == QT_OK) rc = load_for_eval(model_dir, adapter, B, Tb, dev, q4_type, q4_nested, &m);
+    if (rc == QT_OK && needs_ref && !ref_model) rc = qt_pref_logps(m, &set, idx, N, B, Tb, 0, &b, logp, ref, n + 2 * N);
+    if (rc == QT_OK) rc = qt_pref_logps(m, &set, idx, N, B, Tb, 1, &b, logp, pol, n);
+    if (rc == QT_OK) {
+        qt_pref_sums s = {0};
+        int64_t chosen = 0;
+        char fields[1024];
+        qt_pref_eval_add(obj, N, pol, n, needs_ref ? ref : NULL, &s, &chosen);
+        double loss = qt_pref_eval_loss(obj, &s, chosen);
+        if (!isfinite(loss))
+            rc = QT_ERR(QT_EINVAL, "%s: the loss is not a finite number: the model in %s%s%s gives non-finite "
+                        "log-probabilities; check its weights for NaN or inf values", data, model_dir,
+                        adapter ? " with the adapter in " : "", adapter ? adapter : "");
+        else {
+            qt_pref_metrics_json(obj, "eval_", loss, &s, chosen, fields, sizeof fields);
+            printf("{\"pairs\": %lld%s}\n", (long long)N, fields);
+        }
+    }
+    qt_model_free(m);
+    qt_free(b.inputs), qt_free(logp), qt_free(pol), qt_free(n), qt_free(idx);
+    dl_pref_free(&set);
+    return rc;
+}
+
+/* --objective's value: a type name ("dpo") or the job's object as JSON. */
+static int parse_objective(const char *v, qt_objective *o) {
+    cJSON *j = v[0] == '{' ? cJSON_Parse(v) : cJSON_CreateObject();
+    if (!j) return QT_ERR(QT_EINVAL, "--objective: '%s' is not a JSON object; write e.g. '{\"type\": \"dpo\", "
+                                     "\"beta\": 0.1}' or just dpo", v);
+    if (v[0] != '{') cJSON_AddStringToObject(j, "type", v);
+    int rc = qt_objective_parse(j, "--objective", o);
+    cJSON_Delete(j);
+    if (rc == QT_OK && o->type == QT_OBJ_SFT)
+        rc = QT_ERR(QT_EINVAL, "--objective sft is the default; leave --objective out for the cross-entropy");
+    return rc;
+}
+
 int cmd_eval(int argc, char **argv) {
     if (cli_wants_help(argc, argv)) {
         eval_help();
         return QT_EXIT_OK;
     }
     const char *model = NULL, *adapter = NULL, *data = NULL, *per_token = NULL, *tok_path = NULL, *device = NULL;
+    const char *objective = NULL, *ref_model = NULL;
     dl_format fmt = DL_FORMAT_AUTO;
     int T = 0, B = 1; /* T 0: the default, decided once the model's config is read */
     int q4_type = -1, q4_nested = 0;
@@ -266,6 +391,8 @@ int cmd_eval(int argc, char **argv) {
             }
         }
         else if (!strcmp(a, "--per-token")) { NEED_VALUE(); per_token = v; }
+        else if (!strcmp(a, "--objective")) { NEED_VALUE(); objective = v; }
+        else if (!strcmp(a, "--ref-model")) { NEED_VALUE(); ref_model = v; }
         else if (!strcmp(a, "--device")) { NEED_VALUE(); device = v; }
         else if (!strcmp(a, "--double-quant")) q4_nested = 1;
         else if (!strcmp(a, "--quantization")) {
@@ -289,6 +416,19 @@ int cmd_eval(int argc, char **argv) {
     qt_device dev;
     int st = cli_device("eval", device, &dev);
     if (st != QT_EXIT_OK) return st;
+    if (objective) {
+        qt_objective obj;
+        if (parse_objective(objective, &obj) != QT_OK) return cli_usage_error("eval", "%s", qt_error_message());
+        if (per_token || fmt != DL_FORMAT_AUTO)
+            return cli_usage_error("eval", "--per-token and --format do not apply with --objective (the pairs' "
+                                           "shape is detected line by line)");
+        if (ref_model && !qt_objective_needs_ref(&obj))
+            return cli_usage_error("eval", "--ref-model applies to objective dpo without reference_free only");
+        if (run_pref_eval(model, tok_path, adapter, ref_model, data, &obj, T, B, &dev, q4_type, q4_nested) != QT_OK)
+            return cli_fail();
+        return QT_EXIT_OK;
+    }
+    if (ref_model) return cli_usage_error("eval", "--ref-model needs --objective dpo");
     if (run_eval(model, tok_path, adapter, data, fmt, T, B, per_token, &dev, q4_type, q4_nested) != QT_OK) return cli_fail();
     return QT_EXIT_OK;
 }

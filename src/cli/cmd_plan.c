@@ -171,13 +171,14 @@ int cmd_plan(int argc, char **argv) {
                                       !strcmp(argv[i - 1], "--overlap-comm")))
             job_path = argv[i];
     }
-    char job_model[4096], job_device[32] = "";
+    char job_model[4096], job_device[32] = "", job_objective[768] = "";
     if (job_path) {
         qt_job job;
         int rc = qt_job_load(job_path, sets, n_sets, &job); /* on failure job is left empty */
         if (rc == QT_OK) rc = qt_plan_opts_from_job(&job, ranks, &o);
         if (rc == QT_OK) snprintf(job_model, sizeof job_model, "%s", job.model);
         if (rc == QT_OK) snprintf(job_device, sizeof job_device, "%s", job.device);
+        if (rc == QT_OK) qt_objective_plan_note(&job.objective, job.lora.enabled, job_objective, sizeof job_objective);
         qt_job_free(&job);
         free(sets);
         if (rc != QT_OK) return cli_fail();
@@ -339,6 +340,7 @@ int cmd_plan(int argc, char **argv) {
         qt_free(s);
     } else {
         qt_plan_print(stdout, name, &cfg, &o, &p);
+        if (job_objective[0]) printf("%s\n", job_objective);
         if (strategies) {
             printf("\n");
             qt_plan_print_strategies(stdout, name, &cfg, &o);

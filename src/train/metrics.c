@@ -208,6 +208,20 @@ int qt_metrics_log_eval(qt_metrics *m, long step, double eval_loss, int64_t toke
     return QT_OK;
 }
 
+int qt_metrics_log_eval_fields(qt_metrics *m, long step, double eval_loss, const char *fields, int64_t pairs,
+                               double elapsed_s) {
+    char el[40], line[1536];
+    jnum(el, sizeof el, elapsed_s);
+    /* fields starts with ", ": the first of them takes the step's place after the brace */
+    snprintf(line, sizeof line, "{\"step\": %ld%s, \"eval_pairs\": %lld, \"elapsed_s\": %s}", step, fields,
+             (long long)pairs, el);
+    QT_TRY(metrics_line(m, line));
+    QT_TRY(row_push(m, line, 1));
+    if (isfinite(eval_loss)) QT_TRY(push(&m->eval, &m->n_eval, &m->cap_eval, step, eval_loss));
+    if (m->tb && isfinite(eval_loss)) QT_TRY(qt_tb_scalar(m->tb, "eval/loss", step, 0, (float)eval_loss));
+    return QT_OK;
+}
+
 int qt_metrics_write_svg(const qt_metrics *m) {
     return qt_loss_svg_write(m->svg_path, m->title, m->train, m->n_train, m->eval, m->n_eval);
 }

@@ -78,6 +78,10 @@ typedef struct {
 int qt_metrics_open(qt_metrics *m, const char *output_dir, long keep_until, const char *title);
 int qt_metrics_log_step(qt_metrics *m, const qt_step_metrics *s);
 int qt_metrics_log_eval(qt_metrics *m, long step, double eval_loss, int64_t tokens, double elapsed_s);
+/* A preference objective's eval line: fields is ", \"eval_loss\": ..., \"eval_rewards/chosen\": ..." (TRL's
+ * names; it must hold eval_loss), over that many held-out pairs. */
+int qt_metrics_log_eval_fields(qt_metrics *m, long step, double eval_loss, const char *fields, int64_t pairs,
+                               double elapsed_s);
 /* Rewrites loss.svg from the points logged so far (atomic). */
 int qt_metrics_write_svg(const qt_metrics *m);
 /* What report.html says beside the lines: the device, the last step, and the

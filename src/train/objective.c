@@ -17,6 +17,7 @@ void qt_objective_default(qt_objective *o) {
     o->loss_type = QT_DPO_SIGMOID;
     o->beta = 0.1;
     o->simpo_gamma = 0.5;
+    o->precompute_ref = -1;
 }
 
 static const char *const type_names[] = {"sft", "dpo", "orpo", "simpo", NULL};
@@ -33,7 +34,7 @@ static int key_allowed(qt_obj_type t, const char *k) {
     if (!strcmp(k, "type")) return 1;
     if (t == QT_OBJ_DPO)
         return !strcmp(k, "beta") || !strcmp(k, "loss_type") || !strcmp(k, "label_smoothing") ||
-               !strcmp(k, "reference_free");
+               !strcmp(k, "reference_free") || !strcmp(k, "precompute_ref_log_probs");
     if (t == QT_OBJ_ORPO) return !strcmp(k, "beta");
     if (t == QT_OBJ_SIMPO)
         return !strcmp(k, "beta") || !strcmp(k, "simpo_gamma") || !strcmp(k, "gamma") ||
@@ -70,14 +71,16 @@ int qt_objective_parse(const cJSON *obj, const char *where, qt_objective *o) {
                                      "TRL's simpo_gamma (the margin itself): write simpo_gamma = gamma_beta_ratio * beta",
                           where);
         static const char *const all[] = {"type", "beta", "loss_type", "label_smoothing", "reference_free",
-                                          "simpo_gamma", "gamma", "cpo_alpha", NULL};
+                                          "simpo_gamma", "gamma", "cpo_alpha", "precompute_ref_log_probs",
+                                          NULL};
         const char *near = qt_nearest_word(it->string, all);
         if (near && strcmp(near, it->string))
             return QT_ERR(QT_EINVAL, "%s: objective.%s is not a key of the objective; did you mean '%s'?", where,
                           it->string, near);
         return QT_ERR(QT_EINVAL, "%s: objective.%s does not apply to type \"%s\"; %s", where, it->string,
                       type_names[ti],
-                      o->type == QT_OBJ_DPO     ? "dpo reads beta, loss_type, label_smoothing, reference_free"
+                      o->type == QT_OBJ_DPO     ? "dpo reads beta, loss_type, label_smoothing, reference_free, "
+                                                          "precompute_ref_log_probs"
                       : o->type == QT_OBJ_ORPO  ? "orpo reads beta"
                       : o->type == QT_OBJ_SIMPO ? "simpo reads beta, simpo_gamma, label_smoothing, cpo_alpha"
                                                 : "sft reads no other key");
@@ -99,6 +102,12 @@ int qt_objective_parse(const cJSON *obj, const char *where, qt_objective *o) {
     if (rf) {
         if (!cJSON_IsBool(rf)) return QT_ERR(QT_EINVAL, "%s: objective.reference_free must be true or false", where);
         o->reference_free = cJSON_IsTrue(rf);
+    }
+    const cJSON *pc = cJSON_GetObjectItemCaseSensitive(obj, "precompute_ref_log_probs");
+    if (pc) {
+        if (!cJSON_IsBool(pc))
+            return QT_ERR(QT_EINVAL, "%s: objective.precompute_ref_log_probs must be true or false", where);
+        o->precompute_ref = cJSON_IsTrue(pc) ? 1 : 0;
     }
     if (!(o->beta > 0))
         return QT_ERR(QT_EINVAL, "%s: objective.beta must be above 0 (TRL's default is 0.1)", where);
@@ -128,6 +137,27 @@ void qt_objective_describe(const qt_objective *o, char *buf, size_t cap) {
 }
 
 int qt_objective_needs_ref(const qt_objective *o) { return o->type == QT_OBJ_DPO && !o->reference_free; }
+
+int qt_objective_precomputes_ref(const qt_objective *o, int lora) {
+    return qt_objective_needs_ref(o) && (o->precompute_ref > 0 || (!lora && o->precompute_ref < 0));
+}
+
+void qt_objective_plan_note(const qt_objective *o, int lora, char *buf, size_t cap) {
+    char d[160];
+    buf[0] = 0;
+    if (o->type == QT_OBJ_SFT) return;
+    qt_objective_describe(o, d, sizeof d);
+    const char *ref =
+        !qt_objective_needs_ref(o) ? "no reference model"
+        : qt_objective_precomputes_ref(o, lora)
+            ? "reference: one forward pass over every training and eval pair before step 1 (about a third of the "
+              "compute of an epoch of steps; 16 bytes a pair kept, and cached beside the token cache), no frozen "
+              "copy in memory"
+            : "reference: a forward of the same rows with the adapter off before each micro-batch's forward and "
+              "backward (no memory beyond the activations above; about a third more compute a step)";
+    snprintf(buf, cap, "objective %s: a micro-batch of B pairs is 2B rows (a chosen and a rejected one; counted "
+                       "above); %s", d, ref);
+}
 
 int qt_objective_averages(const qt_objective *o) {
     return o->type == QT_OBJ_ORPO || o->type == QT_OBJ_SIMPO || (o->type == QT_OBJ_DPO && o->loss_type == QT_DPO_IPO);

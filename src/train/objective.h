@@ -43,6 +43,9 @@ typedef struct {
     int reference_free;      /* dpo; 0 */
     double simpo_gamma;      /* simpo; 0.5 (CPOConfig) */
     double cpo_alpha;        /* simpo: weight of the chosen answer's NLL; 0 */
+    int precompute_ref;      /* dpo: precompute_ref_log_probs, -1 unset (then on for full fine-tuning, where
+                                it is the only reference qtune keeps; off for LoRA, whose reference is the
+                                adapter-off forward of each step) */
 } qt_objective;
 
 void qt_objective_default(qt_objective *o);
@@ -54,6 +57,13 @@ int qt_objective_parse(const cJSON *obj, const char *where, qt_objective *o);
 void qt_objective_describe(const qt_objective *o, char *buf, size_t cap);
 /* 1 when the objective needs the reference model's log-probs (dpo, unless reference_free). */
 int qt_objective_needs_ref(const qt_objective *o);
+/* 1 when the reference's log-probs come from one pass over the data before
+ * training (precompute_ref_log_probs) rather than an adapter-off forward per
+ * step: full fine-tuning always, LoRA when the job asks. */
+int qt_objective_precomputes_ref(const qt_objective *o, int lora);
+/* What `qtune plan` says of the objective: the rows of a pair and what the
+ * reference costs ("" for sft). */
+void qt_objective_plan_note(const qt_objective *o, int lora, char *buf, size_t cap);
 /* 1 when the log-probs enter as per-token means (ipo, orpo, simpo). */
 int qt_objective_averages(const qt_objective *o);
 

@@ -115,9 +115,14 @@ void qt_train_describe(const qt_job *job, const qt_ds_config *ds, const char *de
         char obj[160];
         size_t k = strlen(buf);
         qt_objective_describe(&job->objective, obj, sizeof obj);
-        const char *ref = !qt_objective_needs_ref(&job->objective)
-                              ? "no reference model"
-                              : "reference: the base model with the adapter off";
+        const int pre = qt_objective_precomputes_ref(&job->objective, job->lora.enabled);
+        const char *ref = !qt_objective_needs_ref(&job->objective) ? "no reference model"
+                          : pre && job->lora.enabled
+                              ? "reference: the base model with the adapter off, its log-probs computed once before "
+                                "training (precompute_ref_log_probs) and cached beside the token cache"
+                          : pre ? "reference: the starting weights, their log-probs computed once before training "
+                                  "(precompute_ref_log_probs) and cached beside the token cache"
+                                : "reference: the base model with the adapter off";
         /* TRL with a PEFT model and no ref_model: disable_adapter(), so an init_from adapter is not in it */
         snprintf(buf + k, cap > k ? cap - k : 0, " | objective %s on pairs (each row count above is pairs: a "
                  "chosen and a rejected row each), %s%s", obj, ref,

@@ -18,6 +18,7 @@
 #include "model/memplan.h"
 #include "optim/clip.h"
 #include "text/chat_template.h"
+#include "train/pref_pass.h"
 #include "train/stall.h"
 #include "train/trainer_internal.h"
 
@@ -100,23 +101,119 @@ dl_state trainer_data_position(const qt_trainer *t) {
 
 static int open_pref(qt_trainer *t) {
     const qt_job *job = t->job;
-    if (job->data.eval)
-        return QT_ERR(QT_EINVAL, "%s: data.eval with objective %s: evaluation on a preference file is not supported "
-                                 "yet; remove data.eval (the training metrics carry rewards/accuracies)",
-                      job->path, job->objective.type == QT_OBJ_DPO ? "dpo" : job->objective.type == QT_OBJ_ORPO ? "orpo"
-                                                                                                            : "simpo");
+    if (job->data.n_train > 1 || job->data.n_eval > 1)
+        return QT_ERR(QT_EINVAL, "%s: a preference objective reads one data.train and at most one data.eval file; "
+                                 "concatenate the pair files into one", job->path);
     int rc = dl_pref_load(job->data.train, t->tok, job->data.seq_len, &t->pref_train);
     if (rc != QT_OK) return qt_error_context(rc, "%s: data.train", job->path);
     if (t->main && t->pref_train.n_truncated)
         qt_warn("%lld of the %lld answers in %s are longer than data.seq_len %d and were cut to it",
                 (long long)t->pref_train.n_truncated, (long long)(2 * t->pref_train.n_pairs), job->data.train,
                 job->data.seq_len);
+    if (job->data.eval) { /* held-out pairs: TRL's eval_ metrics */
+        rc = dl_pref_load(job->data.eval, t->tok, job->data.seq_len, &t->pref_eval);
+        if (rc != QT_OK) return qt_error_context(rc, "%s: data.eval", job->path);
+    }
     t->pref_perm = qt_malloc(sizeof(uint64_t) * (size_t)t->pref_train.n_pairs, "the pairs' order");
     t->mb = qt_calloc((size_t)t->cfg.grad_accum, sizeof *t->mb, "micro-batch buffers");
     if (!t->pref_perm || !t->mb) return QT_ENOMEM;
     t->pref_epoch = -1;
     for (int a = 0; a < t->cfg.grad_accum; a++)
         QT_TRY(pref_batch_alloc(&t->mb[a], 2 * t->cfg.micro_batch, job->data.seq_len));
+    return QT_OK;
+}
+
+/* Every pair of set through the model (adapter 0: with the LoRA adapter off):
+ * rank r takes pairs r, r + world, ..., each rank the same number of
+ * micro-batches (a short rank repeats pair 0 and drops it: ZeRO-3's
+ * forwards gather collectively), and the sums are all-reduced, so every rank
+ * ends with all of them. n_limit > 0 takes the first n_limit pairs only. */
+static int pref_pass(qt_trainer *t, const dl_pref_set *set, int64_t n_limit, int adapter, double *sum, int64_t *n) {
+    const int B = t->cfg.micro_batch, T = t->job->data.seq_len, W = t->world;
+    int64_t N = n_limit > 0 && n_limit < set->n_pairs ? n_limit : set->n_pairs, M = (N + W - 1) / W;
+    int64_t *idx = qt_malloc(sizeof(int64_t) * (size_t)(M ? M : 1), "pair indices");
+    double *s = qt_malloc(sizeof(double) * (size_t)(2 * M + 1), "sequence log-probs");
+    int64_t *k = qt_malloc(sizeof(int64_t) * (size_t)(2 * M + 1), "sequence log-probs");
+    float *logp = qt_malloc(sizeof(float) * (size_t)2 * B * T, "sequence log-probs");
+    int rc = idx && s && k && logp ? QT_OK : QT_ENOMEM;
+    for (int64_t j = 0; j < M; j++) idx[j] = t->rank + j * W < N ? t->rank + j * W : 0;
+    if (rc == QT_OK) rc = qt_pref_logps(t->model, set, idx, M, B, T, adapter, &t->mb[0], logp, s, k);
+    /* every rank's 2M sums (as bits) and counts, rank-major: rank q's j-th pair is q + j W */
+    int64_t *all = rc == QT_OK ? qt_malloc(sizeof(int64_t) * (size_t)(4 * M * W + 1), "sequence log-probs") : NULL;
+    if (rc == QT_OK && !all) rc = QT_ENOMEM;
+    if (rc == QT_OK) {
+        int64_t *mine = qt_malloc(sizeof(int64_t) * (size_t)(4 * M + 1), "sequence log-probs");
+        if (!mine) rc = QT_ENOMEM;
+        for (int64_t j = 0; mine && j < 2 * M; j++) memcpy(&mine[j], &s[j], sizeof(double)), mine[2 * M + j] = k[j];
+        if (rc == QT_OK) rc = dist_allgather_i64(t->d, mine, (int)(4 * M), all, "sequence log-probs");
+        qt_free(mine);
+    }
+    for (int q = 0; rc == QT_OK && q < W; q++)
+        for (int64_t j = 0; j < M; j++) {
+            int64_t i = q + j * W;
+            if (i >= N) continue;
+            const int64_t *r = all + (size_t)q * 4 * M;
+            for (int side = 0; side < 2; side++) {
+                memcpy(&sum[2 * i + side], &r[2 * j + side], sizeof(double));
+                n[2 * i + side] = r[2 * M + 2 * j + side];
+            }
+        }
+    qt_free(all);
+    qt_free(idx), qt_free(s), qt_free(k), qt_free(logp);
+    return rc;
+}
+
+/* precompute_ref_log_probs (TRL's name): the reference's log-probs of every
+ * pair, from the weights the run starts with (the model folder; the adapter
+ * off for LoRA), before any checkpoint or init_from adapter is loaded, so a
+ * resumed run gets the same ones. Cached beside the token cache, keyed by the
+ * model folder and the tokens; a resume or a rerun reads them back. */
+static int pref_reference_one(qt_trainer *t, const char *path, const dl_pref_set *set, double **out) {
+    const int64_t n = 2 * set->n_pairs;
+    *out = qt_malloc(sizeof(double) * (size_t)n, "reference log-probs");
+    int64_t *cnt = qt_malloc(sizeof(int64_t) * (size_t)n, "reference log-probs");
+    if (!*out || !cnt) {
+        qt_free(cnt);
+        return QT_ENOMEM;
+    }
+    char cache[4096];
+    const int use_cache = qt_pref_ref_cache_path(path, t->job->data.cache_dir, cache, sizeof cache) == QT_OK;
+    qt_error_clear();
+    uint64_t key = qt_pref_ref_key(t->job->model, set, qt_dtype_name(t->cfg.compute), t->be->desc->name);
+    int64_t hit = use_cache && qt_pref_ref_cache_read(cache, key, n, *out);
+    if (t->world > 1) {
+        int rc = dist_allreduce_i64(t->d, &hit, 1, DIST_MIN, "reference cache");
+        if (rc != QT_OK) {
+            qt_free(cnt);
+            return rc;
+        }
+    }
+    int rc = QT_OK;
+    if (hit) {
+        if (t->main) qt_info("reference log-probs of the %lld pairs of %s: read from %s", (long long)set->n_pairs, path,
+                             cache);
+    } else {
+        double t0 = qt_now_s();
+        rc = pref_pass(t, set, 0, 0, *out, cnt);
+        if (rc == QT_OK && t->main) {
+            qt_info("reference log-probs of the %lld pairs of %s: one pass with the starting weights%s, %.1f s%s%s",
+                    (long long)set->n_pairs, path, t->job->lora.enabled ? " (the adapter off)" : "",
+                    qt_now_s() - t0, use_cache ? "; cached in " : "", use_cache ? cache : "");
+            if (use_cache && qt_pref_ref_cache_write(cache, key, n, *out) != QT_OK) {
+                qt_warn("could not write the reference cache %s (%s); the next run computes it again", cache,
+                        qt_error_message());
+                qt_error_clear();
+            }
+        }
+    }
+    qt_free(cnt);
+    return rc;
+}
+
+static int pref_reference_pass(qt_trainer *t) {
+    if (!t->ref_pre) return QT_OK;
+    QT_TRY(pref_reference_one(t, t->job->data.train, &t->pref_train, &t->ref_train));
+    if (t->pref_eval.n_pairs) QT_TRY(pref_reference_one(t, t->job->data.eval, &t->pref_eval, &t->ref_eval));
     return QT_OK;
 }
 
@@ -374,16 +471,65 @@ static int open_tensorboard(qt_trainer *t) {
     return qt_metrics_open_tensorboard(&t->metrics, dir);
 }
 
+/* Held-out pairs (data.eval with a preference objective): the policy's and
+ * the reference's log-probs of every pair (the first eval_batches micro-batches
+ * of each rank), and TRL's eval_ metrics over them, as JSON fields in extra. */
+static int pref_evaluate(qt_trainer *t, double *loss, int64_t *pairs, char *extra, size_t cap, double am[2]) {
+    const qt_objective *o = &t->job->objective;
+    int64_t N = t->pref_eval.n_pairs, lim = (int64_t)t->job->train.eval_batches * t->cfg.micro_batch * t->world;
+    if (lim > 0 && lim < N) N = lim;
+    double *pol = qt_malloc(sizeof(double) * (size_t)(4 * N), "eval log-probs"), *ref = pol ? pol + 2 * N : NULL;
+    int64_t *n = qt_malloc(sizeof(int64_t) * (size_t)(2 * N), "eval log-probs");
+    int rc = pol && n ? QT_OK : QT_ENOMEM;
+    if (rc == QT_OK) rc = pref_pass(t, &t->pref_eval, N, 1, pol, n);
+    const double *r = NULL;
+    if (rc == QT_OK && t->ref_pre) {
+        r = t->ref_eval;
+    } else if (rc == QT_OK && qt_objective_needs_ref(o)) {
+        int64_t *n2 = qt_malloc(sizeof(int64_t) * (size_t)(2 * N), "eval log-probs");
+        rc = n2 ? pref_pass(t, &t->pref_eval, N, 0, ref, n2) : QT_ENOMEM;
+        qt_free(n2);
+        r = ref;
+    }
+    qt_pref_sums sums = {0};
+    int64_t chosen = 0;
+    if (rc == QT_OK) {
+        qt_pref_eval_add(o, N, pol, n, r, &sums, &chosen);
+        *loss = qt_pref_eval_loss(o, &sums, chosen);
+        *pairs = N;
+        qt_pref_metrics_json(o, "eval_", *loss, &sums, chosen, extra, cap);
+        am[0] = sums.accuracies / (double)(N ? N : 1), am[1] = sums.margins / (double)(N ? N : 1);
+    }
+    qt_free(pol);
+    qt_free(n);
+    return rc;
+}
+
 static int eval_and_log(qt_trainer *t, double *out) {
     double l;
     int64_t n;
-    char what[64];
+    char what[64], extra[1024] = "";
+    double am[2] = {NAN, NAN}; /* preference: eval_rewards/accuracies and margins for the progress line */
     snprintf(what, sizeof what, "the evaluation at step %ld", t->step);
     qt_stall_enter(t->stall, what);
-    int rc = evaluate(t, &l, &n);
+    int rc = t->pref ? pref_evaluate(t, &l, &n, extra, sizeof extra, am) : evaluate(t, &l, &n);
     qt_stall_enter(t->stall, NULL);
     QT_TRY(rc);
     *out = l;
+    if (t->pref) {
+        if (!t->main) return QT_OK;
+        QT_TRY(qt_metrics_log_eval_fields(&t->metrics, t->step, l, extra, n, trainer_elapsed(t)));
+        QT_TRY(qt_metrics_write_svg(&t->metrics));
+        QT_TRY(qt_metrics_write_report(&t->metrics, "running"));
+        if (t->hooks->progress) {
+            if (t->hooks->tty) fputs("\r\033[K", t->hooks->progress);
+            fprintf(t->hooks->progress, "qtune: step %ld/%ld: eval_loss %.4f, eval_rewards/accuracies %.4g, "
+                    "eval_rewards/margins %.4g over %lld held-out pairs\n", t->step, t->max_steps, l,
+                    am[0], am[1], (long long)n);
+            fflush(t->hooks->progress);
+        }
+        return QT_OK;
+    }
     if (!t->eval_dl) return QT_OK;
     if (t->main) {
         QT_TRY(qt_metrics_log_eval(&t->metrics, t->step, l, n, trainer_elapsed(t)));
@@ -526,7 +672,13 @@ static int pref_forward_backward(qt_trainer *t, step_out *o, int64_t cnt[2]) {
     for (int a = 0; a < A && rc == QT_OK; a++) {
         qt_pref_step ps = {.o = obj, .targets = t->mb[a].targets, .scale = S,
                            .inv_pairs = 1.0 / ((double)B * A * t->world), .inv_chosen = chosen ? 1.0 / (double)chosen : 0};
-        if (qt_objective_needs_ref(obj)) {
+        if (t->ref_pre) { /* precompute_ref_log_probs: the pass before training */
+            for (int j = 0; j < B; j++) {
+                int64_t i = pref_pair(t, (((int64_t)t->step * A + a) * B + j) * t->world + t->rank);
+                ref[j] = t->ref_train[2 * i], ref[B + j] = t->ref_train[2 * i + 1];
+            }
+            ps.ref_sum = ref;
+        } else if (qt_objective_needs_ref(obj)) {
             qt_model_set_adapter(t->model, 0);
             rc = qt_model_forward(t->model, &t->mb[a], NULL, NULL, logp);
             qt_model_set_adapter(t->model, 1);
@@ -716,7 +868,10 @@ static void trainer_free(qt_trainer *t) {
     if (t->eval_dl) dl_batch_free(&t->eval_b);
     dl_close(t->train_dl);
     dl_pref_free(&t->pref_train);
+    dl_pref_free(&t->pref_eval);
     qt_free(t->pref_perm);
+    qt_free(t->ref_train);
+    qt_free(t->ref_eval);
     dl_close(t->eval_dl);
     qt_model_free(t->model);
     bpe_free(t->tok);
@@ -814,14 +969,16 @@ static int check_skipped(qt_trainer *t, qt_train_result *res) {
 static int check_pref(const qt_trainer *t) {
     const qt_job *job = t->job;
     if (!t->pref) return QT_OK;
-    if (qt_objective_needs_ref(&job->objective) && !job->lora.enabled)
-        return QT_ERR(QT_EINVAL, "%s: objective dpo with full fine-tuning needs a reference model, and qtune keeps "
-                                 "one only for LoRA (the base with the adapter off); add a \"lora\" section, or set "
+    if (qt_objective_needs_ref(&job->objective) && !job->lora.enabled && job->objective.precompute_ref == 0)
+        return QT_ERR(QT_EINVAL, "%s: objective dpo with full fine-tuning needs a reference model: qtune keeps no "
+                                 "frozen copy, it precomputes the reference's log-probs before training; remove "
+                                 "objective.precompute_ref_log_probs (or set it to true), or set "
                                  "objective.reference_free to true", job->path);
-    if (qt_objective_needs_ref(&job->objective) && t->setup.lora_sel.lora_save)
+    if (qt_objective_needs_ref(&job->objective) && t->setup.lora_sel.lora_save && !t->ref_pre)
         return QT_ERR(QT_EINVAL, "%s: objective dpo with lora.modules_to_save: the reference (the adapter off) would "
-                                 "still use the trained embedding/lm_head copies; remove modules_to_save or set "
-                                 "objective.reference_free to true", job->path);
+                                 "still use the trained embedding/lm_head copies; remove modules_to_save, set "
+                                 "objective.precompute_ref_log_probs to true (one pass before training, when the "
+                                 "copies are still the base's) or objective.reference_free to true", job->path);
     if (t->cfg.micro_batch > QT_PREF_MAX_PAIRS)
         return QT_ERR(QT_EINVAL, "%s: a micro-batch of %d pairs; preference objectives take at most %d "
                                  "(train_micro_batch_size_per_gpu)", job->path, t->cfg.micro_batch, QT_PREF_MAX_PAIRS);
@@ -860,6 +1017,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
     QT_TRY(qt_run_setup_finalize(&t->setup, t->max_steps));
     t->cfg = t->setup.cfg;
     QT_TRY(setup_optimizer(t));
+    QT_TRY(pref_reference_pass(t)); /* the starting weights: before a checkpoint or init_from replaces them */
 
     char resume[4096];
     QT_TRY(find_resume(t, resume, sizeof resume));
@@ -916,7 +1074,8 @@ static int run(qt_trainer *t, qt_train_result *res) {
             QT_TRY(qt_stall_check_address_space(t->be->desc, omp_get_max_threads(), "training"));
         QT_TRY(qt_stall_start(t->be->desc, omp_get_max_threads(), &t->stall));
     }
-    if (t->step < t->max_steps && t->eval_dl && !resume[0]) {
+    const int has_eval = t->eval_dl || t->pref_eval.n_pairs;
+    if (t->step < t->max_steps && has_eval && !resume[0]) {
         QT_TRY(eval_and_log(t, &res->eval_loss_first));
         res->eval_loss_last = res->eval_loss_first;
     }
@@ -1021,7 +1180,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
     /* What a run stopped right after its last checkpoint had left undone is
      * done now: the final eval (unless this step's is on record, as when a
      * finished run is started again), the pruning, final/. */
-    if (t->eval_dl) {
+    if (has_eval) {
         int need = t->step > first_step;
         if (!need) QT_TRY(final_eval_missing(t, &need, &res->eval_loss_last));
         if (need) QT_TRY(eval_and_log(t, &res->eval_loss_last));
@@ -1055,6 +1214,7 @@ int qt_train_run(const qt_job *job, dist_ctx *d, const qt_train_hooks *hooks, qt
     t.world = dist_world(d);
     t.main = dist_is_main(d);
     t.pref = job->objective.type != QT_OBJ_SFT;
+    t.ref_pre = qt_objective_precomputes_ref(&job->objective, job->lora.enabled);
     int rc = QT_OK;
     /* the job's key, not a file inside the folder, names what is wrong */
     if (!qt_is_dir(job->model))

