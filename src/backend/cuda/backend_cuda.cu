@@ -1,6 +1,6 @@
-/* The CUDA backend: the descriptor, opening and closing a device, and the
- * failure path every checked call takes. The ops live one family a file
- * (op_*.cu); each fills its rows of backend.h's table. */
+/* The CUDA backend: opening and closing a device, and the failure path every
+ * checked call takes. The ops live one family a file (op_*.cu); table.c
+ * gathers them into the backend's table. */
 #include "backend/cuda/backend_cuda.h"
 #include "backend/cuda/cuda_internal.h"
 
@@ -8,9 +8,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-
-
 
 extern "C" void qt_cuda_fail(const char *what, const char *detail, const char *file, int line) {
     fprintf(stderr,
@@ -30,7 +27,7 @@ static int device_count(void) {
     return n;
 }
 
-static void cuda_close(qt_backend *be) {
+void qt_cuda_close(qt_backend *be) {
     if (!be) return;
     qt_cuda *c = qt_cuda_of(be);
     if (c) {
@@ -62,13 +59,14 @@ static int cuda_open(int dev, qt_backend **out) {
     if (e != cudaSuccess)
         return QT_ERR(QT_EUNSUPPORTED, "cannot use GPU %d: %s; run `qtune doctor` (a driver older than the CUDA "
                       "runtime qtune was built with is the usual cause)", dev, cudaGetErrorString(e));
-    qt_backend *be = (qt_backend *)calloc(1, sizeof *be);
+    qt_backend *be = (qt_backend *)malloc(sizeof *be);
     qt_cuda *c = (qt_cuda *)calloc(1, sizeof *c);
     if (!be || !c) {
         free(be), free(c);
         return QT_ERR(QT_ENOMEM, "out of host memory opening the CUDA backend");
     }
     c->device = dev;
+    *be = qt_cuda_backend_i;
     be->impl = c;
     be->desc = qt_cuda_host_api.desc;
     size_t free0 = 0, total = 0;
@@ -78,7 +76,7 @@ static int cuda_open(int dev, qt_backend **out) {
         cublasSetStream(c->blas, c->stream) != CUBLAS_STATUS_SUCCESS ||
         cudaMalloc((void **)&c->sq_part, QT_CUDA_SQ_BLOCKS * sizeof(double)) != cudaSuccess ||
         cudaMallocHost((void **)&c->sq_host, QT_CUDA_SQ_BLOCKS * sizeof(double)) != cudaSuccess) {
-        cuda_close(be);
+        qt_cuda_close(be);
         return QT_ERR(QT_EUNSUPPORTED, "cannot set up GPU %d (stream, cuBLAS handle or a small buffer failed: "
                       "out of device memory, or another process holds the card in exclusive mode); check "
                       "nvidia-smi", dev);
@@ -88,14 +86,6 @@ static int cuda_open(int dev, qt_backend **out) {
     size_t free1 = 0;
     cudaMemGetInfo(&free1, &total);
     c->runtime_bytes = free0 > free1 ? free0 - free1 : 0;
-    qt_cuda_fill_memory(be);
-    qt_cuda_fill_elementwise(be);
-    qt_cuda_fill_matmul(be);
-    qt_cuda_fill_matvec(be);
-    qt_cuda_fill_attention(be);
-    qt_cuda_fill_lmhead_ce(be);
-    qt_cuda_fill_optim(be);
-    be->close = cuda_close;
     *out = be;
     return QT_OK;
 }

@@ -36,7 +36,7 @@ __global__ void k_colsum(float *part, const float *dout, int N, int OUT, int per
     part[(size_t)k * OUT + c] = acc;
 }
 
-static void g_matmul_forward(BE, float *out, const float *inp, const void *w, qt_dtype wdt, const float *bias, int N,
+void qt_cuda_matmul_forward(BE, float *out, const float *inp, const void *w, qt_dtype wdt, const float *bias, int N,
                              int IN, int OUT, float alpha, int accumulate, float *ws) {
     if (N <= 0) return;
     const float *W = qt_cuda_weight_f32(be, w, wdt, (size_t)OUT, (size_t)IN, ws);
@@ -45,7 +45,7 @@ static void g_matmul_forward(BE, float *out, const float *inp, const void *w, qt
     if (bias) add_bias(be, out, bias, N, OUT);
 }
 
-static void g_matmul_backward(BE, float *dinp, float *dw, float *db, const float *dout, const float *inp,
+void qt_cuda_matmul_backward(BE, float *dinp, float *dw, float *db, const float *dout, const float *inp,
                               const void *w, qt_dtype wdt, int N, int IN, int OUT, float alpha, float *ws) {
     if (N <= 0) return;
     const float one = 1.0f;
@@ -65,7 +65,7 @@ static void g_matmul_backward(BE, float *dinp, float *dw, float *db, const float
 }
 
 /* bf16 GEMMs need compute capability 8.0 (Ampere) or newer, f16 ones 7.0 (Volta) */
-static int g_half_available(BE, qt_dtype dt) {
+int qt_cuda_half_available(BE, qt_dtype dt) {
     int major = 0; /* one attribute, not cudaGetDeviceProperties: the lm_head asks at every call */
     if (dt != QT_BF16 && dt != QT_F16) return 0;
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, qt_cuda_of(be)->device) != cudaSuccess)
@@ -76,7 +76,7 @@ static int g_half_available(BE, qt_dtype dt) {
 /* C (M, N) = alpha * op(A) (M, K) @ op(B) (K, N) [+ C] [+ bias], row-major C,
  * A and B bf16 or f16 (dt). Column-major: C^T (N, M) = op(B)^T @ op(A)^T, B
  * first. */
-static int g_half_gemm(BE, qt_dtype dt, float *C, const uint16_t *A, int ta, const uint16_t *B, int tb,
+int qt_cuda_half_gemm(BE, qt_dtype dt, float *C, const uint16_t *A, int ta, const uint16_t *B, int tb,
                        const float *bias, int M, int N, int K, float alpha, int acc) {
     if (dt != QT_BF16 && dt != QT_F16) return QT_EUNSUPPORTED;
     if (M <= 0 || N <= 0) return QT_OK;
@@ -89,17 +89,9 @@ static int g_half_gemm(BE, qt_dtype dt, float *C, const uint16_t *A, int ta, con
     if (bias) add_bias(be, C, bias, M, N);
     return QT_OK;
 }
-static int g_half_matmul(BE, qt_dtype dt, float *out, const uint16_t *inp, const uint16_t *w, const float *bias,
+int qt_cuda_half_matmul(BE, qt_dtype dt, float *out, const uint16_t *inp, const uint16_t *w, const float *bias,
                          int N, int IN, int OUT, float alpha) {
-    return g_half_gemm(be, dt, out, inp, 0, w, 1, bias, N, OUT, IN, alpha, 0);
-}
-
-extern "C" void qt_cuda_fill_matmul(qt_backend *be) {
-    be->matmul_forward = g_matmul_forward;
-    be->matmul_backward = g_matmul_backward;
-    be->half_available = g_half_available;
-    be->half_matmul = g_half_matmul;
-    be->half_gemm = g_half_gemm;
+    return qt_cuda_half_gemm(be, dt, out, inp, 0, w, 1, bias, N, OUT, IN, alpha, 0);
 }
 
 /* Decoding, one token for each of N sequences: out (N, OUT) = alpha * x (N,
@@ -154,7 +146,7 @@ __global__ void k_matvec(float *out, const float *x, const void *w, qt_dtype wdt
         }
     }
 }
-static void g_matvec(BE, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN,
+void qt_cuda_matvec(BE, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN,
                      int OUT, float alpha, int accumulate) {
     if (OUT <= 0 || N <= 0) return;
     if (N == 1)
@@ -165,11 +157,6 @@ static void g_matvec(BE, float *out, const float *x, const void *w, qt_dtype wdt
 }
 
 /* one launch a product, in order on the stream: a GPU's products are not held up by a barrier between them */
-static void g_matvec_many(BE, const float *x, int N, int IN, int count, const qt_matvec_out *o) {
-    for (int k = 0; k < count; k++) g_matvec(be, o[k].out, x, o[k].w, o[k].wdt, o[k].bias, N, IN, o[k].OUT, 1.0f, 0);
-}
-
-extern "C" void qt_cuda_fill_matvec(qt_backend *be) {
-    be->matvec = g_matvec;
-    be->matvec_many = g_matvec_many;
+void qt_cuda_matvec_many(BE, const float *x, int N, int IN, int count, const qt_matvec_out *o) {
+    for (int k = 0; k < count; k++) qt_cuda_matvec(be, o[k].out, x, o[k].w, o[k].wdt, o[k].bias, N, IN, o[k].OUT, 1.0f, 0);
 }
