@@ -281,7 +281,7 @@ struct qt_backend {
  * by backend/device.h. */
 int qt_backend_open(const char *name, qt_backend **out);
 /* The same on device index of that backend (cuda: the GPU; < 0: the
- * process's default, device.h qt_device_default_cuda_index; cpu and guard
+ * process's default, device_default.h qt_device_default_cuda_index; cpu and guard
  * have one device and ignore it). */
 int qt_backend_open_index(const char *name, int index, qt_backend **out);
 void qt_backend_close(qt_backend *be);

@@ -35,11 +35,6 @@ const char *qt_device_desc_name(const char *spec);
  * do; "auto" never fails for want of a GPU. */
 int qt_device_resolve(const char *spec, const char *where, qt_device *out);
 
-/* The GPU a "cuda" without a number takes among count visible ones:
- * QTUNE_CUDA_DEVICE, else the launcher's local rank modulo count, else 0.
- * QT_EINVAL when QTUNE_CUDA_DEVICE is not a GPU number below count. */
-int qt_device_default_cuda_index(int count, int *index);
-
 /* "cuda:0 (NVIDIA H200)", "cpu (16 threads)", "guard (CPU kernels, 16 threads)"
  * for the run line; threads is the OpenMP thread count. */
 void qt_device_label(const qt_device *d, int threads, char *buf, size_t cap);

@@ -4,7 +4,6 @@
 #include "backend/cuda/backend_cuda.h"
 #include "backend/cuda/cuda_internal.h"
 
-#include <nccl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -90,32 +89,6 @@ static int cuda_open(int dev, qt_backend **out) {
     return QT_OK;
 }
 
-static void describe(char *buf, size_t cap) {
-    size_t at = 0;
-#define PUT(...)                                                              \
-    do {                                                                      \
-        if (at < cap) at += (size_t)snprintf(buf + at, cap - at, __VA_ARGS__); \
-    } while (0)
-    int drv = 0, rt = 0;
-    cudaDriverGetVersion(&drv);
-    cudaRuntimeGetVersion(&rt);
-    int nccl = 0;
-    ncclGetVersion(&nccl);
-    PUT("driver CUDA %d.%d, runtime %d.%d, cuBLAS %d, NCCL %d.%d.%d\n", drv / 1000, drv % 1000 / 10, rt / 1000,
-        rt % 1000 / 10, CUBLAS_VERSION, nccl / 10000, nccl / 100 % 100, nccl % 100);
-    if (drv == 0) PUT("no NVIDIA driver is loaded\n");
-    else if (drv < rt) PUT("the driver (CUDA %d.%d) is older than the runtime qtune was built with (%d.%d): update it\n",
-                           drv / 1000, drv % 1000 / 10, rt / 1000, rt % 1000 / 10);
-    int n = device_count();
-    for (int i = 0; i < n; i++) {
-        cudaDeviceProp p;
-        if (cudaGetDeviceProperties(&p, i) != cudaSuccess) continue;
-        PUT("GPU %d: %s, compute capability %d.%d, %.1f GiB\n", i, p.name, p.major, p.minor,
-            (double)p.totalGlobalMem / (1 << 30));
-    }
-#undef PUT
-}
-
 /* ---- the module's entry points (loader.c finds them with dlsym) ---------- */
 qt_cuda_host qt_cuda_host_api;
 
@@ -130,7 +103,4 @@ extern "C" __attribute__((visibility("default"))) void qt_cuda_module_device_nam
     cudaDeviceProp p;
     if (cap && cudaGetDeviceProperties(&p, dev) == cudaSuccess) snprintf(buf, cap, "%s", p.name);
     else cudaGetLastError();
-}
-extern "C" __attribute__((visibility("default"))) void qt_cuda_module_describe(char *buf, size_t cap) {
-    describe(buf, cap);
 }

@@ -22,7 +22,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "backend/device.h"
+#include "backend/device_default.h"
 #include "core/error.h"
 #include "qtune_config.h"
 
@@ -108,7 +108,7 @@ int qt_backend_cuda_open(int index, qt_backend **out) {
     if (!open_fn || !count_fn)
         return QT_ERR(QT_EUNSUPPORTED, "libqtune_cuda.so has no qt_cuda_module_open_device: a module from "
                       "another qtune version; rebuild qtune");
-    if (index < 0) { /* the process's GPU: device.c's rule, the one place it is written */
+    if (index < 0) { /* the process's GPU: device_default.c's rule */
         int count = count_fn();
         if (count > 0) QT_TRY(qt_device_default_cuda_index(count, &index));
     }
@@ -155,16 +155,4 @@ void qt_cuda_device_name(int index, char *buf, size_t cap) {
     if (!module) return; /* only asked after a probe found GPUs */
     void (*fn)(int, char *, size_t) = (void (*)(int, char *, size_t))dlsym(module, "qt_cuda_module_device_name");
     if (fn) fn(index, buf, cap);
-}
-
-void qt_cuda_describe(char *buf, size_t cap) {
-    if (!cap) return;
-    buf[0] = 0;
-    if (!load_module()) {
-        snprintf(buf, cap, "CUDA backend: not available (%s)\n",
-                 tried[0] ? tried : "this build has none: nvcc was not found when it was configured");
-        return;
-    }
-    void (*fn)(char *, size_t) = (void (*)(char *, size_t))dlsym(module, "qt_cuda_module_describe");
-    if (fn) fn(buf, cap);
 }
