@@ -84,6 +84,8 @@ const char *qt_backend_empty_slot(const qt_backend *t) {
     return NULL;
 }
 
+size_t qt_backend_host_runtime_bytes(void) { return qt_cpu_runtime_bytes(); }
+
 int qt_backend_bf16_arith(const char *name) {
     if (!name) name = qt_backend_default_name();
     /* the module is built for sm_90 (CMAKE_CUDA_ARCHITECTURES), whose tensor

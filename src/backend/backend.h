@@ -287,6 +287,10 @@ int qt_backend_open_index(const char *name, int index, qt_backend **out);
 void qt_backend_close(qt_backend *be);
 /* The descriptor of a backend by name without opening it (NULL: unknown). */
 const qt_backend_desc *qt_backend_desc_of(const char *name);
+/* The host process's runtime outside the planned blocks (code, library
+ * buffers) while the CPU's kernels run: what a plan counts in the host's
+ * memory, read without opening a backend. */
+size_t qt_backend_host_runtime_bytes(void);
 /* The name qt_backend_open(NULL, ...) picks. */
 const char *qt_backend_default_name(void);
 /* 1 when the named backend's device (NULL: the default's) does bf16

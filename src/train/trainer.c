@@ -18,6 +18,7 @@
 #include "model/memplan.h"
 #include "optim/clip.h"
 #include "text/chat_template.h"
+#include "train/decay.h"
 #include "train/stall.h"
 #include "train/trainer_internal.h"
 

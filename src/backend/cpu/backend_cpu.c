@@ -183,8 +183,12 @@ static size_t c_device_peak_bytes(BE) {
     (void)be;
     return 0;
 }
+size_t qt_cpu_runtime_bytes(void) {
+    return qt_cpu_desc.runtime_bytes + (op_sgemm_onednn() ? qt_cpu_desc.runtime_extra : 0);
+}
 static size_t c_runtime_bytes(BE) {
-    return be->desc->runtime_bytes + (op_sgemm_onednn() ? be->desc->runtime_extra : 0);
+    (void)be;
+    return qt_cpu_runtime_bytes();
 }
 static void c_close(BE) { qt_free(be); } /* the instance qt_backend_open allocated */
 #undef BE

@@ -15,5 +15,9 @@ extern const qt_backend_desc qt_cpu_desc;
  * starts as a copy of it with impl NULL: hold_threads keeps the held team
  * there while its function runs. */
 extern const qt_backend qt_backend_cpu_i;
+/* The process runtime the CPU's kernels add outside the planned blocks:
+ * the descriptor's figure, more while sgemm runs on oneDNN. A process fact:
+ * no instance needed. */
+size_t qt_cpu_runtime_bytes(void);
 
 #endif
