@@ -13,11 +13,11 @@
 #include "core/error.h"
 #include "core/mem.h"
 
-/* Measured peak RSS of qtune train less its planned blocks, on the three
- * shapes of tests/tools/test_plan.py (1 and 2 threads, 2026-12-03): 6-7 MB
- * with every product on OpenBLAS, 10.5-11 MB more with op_sgemm_nn on
- * oneDNN (its pages and JIT kernels, measured with QTUNE_SGEMM=openblas and
- * without). */
+/* runtime_bytes: the peak RSS of qtune train less its planned blocks, with
+ * every product on OpenBLAS; runtime_extra: what oneDNN's pages and JIT
+ * kernels add while op_sgemm_nn runs on it (measured on the shapes of
+ * tests/tools/test_plan.py, which holds the plan to the measured peak; the
+ * figures are in bench/RESULTS.md). */
 const qt_backend_desc qt_cpu_desc = {
     .name = "cpu",
     .alignment = 64,

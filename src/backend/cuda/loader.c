@@ -1,16 +1,15 @@
 /* Loading the CUDA backend: the kernels live in a module, libqtune_cuda.so,
  * opened with dlopen the first time a run asks for the GPU. Linking the CUDA
- * runtime and cuBLAS into qtune itself cost every command 3.3 s and 220 MB
- * at start (measured: `qtune --help` 0.12 s / 6.5 MB without, 3.3 s / 225 MB
- * with), which no CPU run should pay, and a machine without the CUDA
- * libraries could not start qtune at all.
+ * runtime and cuBLAS into qtune itself would cost every command seconds and
+ * hundreds of MB at start (bench/RESULTS.md), which no CPU run should pay,
+ * and a machine without the CUDA libraries could not start qtune at all.
  *
  * Where the module is looked for, first found wins: next to the executable;
  * ../lib beside it (the installed layout); the build tree's lib/ (tests run
  * from there). A path the user names in $QTUNE_CUDA_MODULE is the only place
- * looked: it loads or is the error. (It used to be the first of the four, so
- * a typo there was skipped in silence: on a GPU host the build tree's module
- * loaded instead, and elsewhere the error blamed the driver.) */
+ * looked: it loads or is the error, never skipped in silence for another
+ * module (a typo would otherwise load the build tree's, or blame the
+ * driver). */
 #define _GNU_SOURCE
 #include "backend/cuda/backend_cuda.h"
 

@@ -110,11 +110,10 @@ __device__ __forceinline__ float mv_w(const void *w, qt_dtype wdt, size_t i) {
     return ((const float *)w)[i];
 }
 /* NB: the input rows a warp carries at once. N == 1 takes the one-row
- * instance, the loop of the first one-row kernel: on an H200 the 8-row form
- * took 0.047 ms a call for the 0.5B decode against that kernel's 0.014
- * (QTUNE_PROFILE, 2026-12-04); the NB = 1 instance itself has not been timed
- * on a GPU yet. A row's arithmetic (lane stride, shuffle tree) is the same
- * in both, so its bits do not depend on how many rows decode together. */
+ * instance, the loop of the first one-row kernel, which ran a single row
+ * several times faster than the 8-row form (bench/RESULTS.md). A row's
+ * arithmetic (lane stride, shuffle tree) is the same in both, so its bits do
+ * not depend on how many rows decode together. */
 template <int NB>
 __global__ void k_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN,
                          int OUT, float alpha, int accumulate) {
