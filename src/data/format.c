@@ -595,7 +595,7 @@ int dl_fmt_encode_tokens(const dl_encode_ctx *ctx, const cJSON *obj, dl_tokbuf *
     return QT_OK;
 }
 
-static int encode_obj(const enc_call *e, dl_format fmt, const cJSON *obj, dl_tokbuf *out) {
+int dl_fmt_encode_obj(const enc_call *e, dl_format fmt, const cJSON *obj, dl_tokbuf *out) {
     static const char *const k_text[] = {"text", NULL};
     static const char *const k_tokens[] = {"input_ids", "labels", NULL};
     const dl_encode_ctx *ctx = e->ctx;
@@ -623,81 +623,9 @@ static int encode_obj(const enc_call *e, dl_format fmt, const cJSON *obj, dl_tok
     return rc;
 }
 
-dl_format dl_line_long_format(const dl_encode_ctx *ctx, const char *s, size_t len) {
-    if (len < FAST_MIN_LINE || memchr(s, 0, len)) return DL_FORMAT_AUTO;
-    dl_format f = DL_FORMAT_AUTO;
-    enc_call ec = {ctx, 0};
-    /* the checking pass writes nothing (s stays the caller's) */
-    if (dl_fmt_fast_text_pass(&ec, (char *)s, len, &f, NULL, 0) == QT_OK) return f;
-    dl_tokbuf tb = {0};
-    int rc = dl_fmt_fast_tokens(ctx, s, len, &tb);
-    dl_tokbuf_free(&tb);
-    qt_error_clear();
-    return rc == QT_OK ? DL_FORMAT_TOKENS : DL_FORMAT_AUTO;
-}
-
 int dl_encode_example(const dl_encode_ctx *ctx, dl_format fmt, const cJSON *obj, dl_tokbuf *out) {
     enc_call e = {ctx, 0};
-    return encode_obj(&e, fmt, obj, out);
-}
-
-/* dl_encode_line; w: the line again, writable (dl_encode_line_in_place), or NULL */
-static int encode_line(const dl_encode_ctx *ctx, const char *path, long long line_no, const char *s, char *w,
-                       size_t len, dl_format *fmt, dl_tokbuf *out) {
-    if (memchr(s, 0, len))
-        return QT_ERR(QT_EFORMAT, "%s:%lld: the line holds a NUL byte; a JSONL file is text: fix or remove that line",
-                      path, line_no);
-    if (w && len >= FAST_MIN_LINE && (*fmt == DL_FORMAT_TEXT || *fmt == DL_FORMAT_MESSAGES || *fmt == DL_FORMAT_AUTO)) {
-        int rc = dl_fmt_fast_text(&(enc_call){ctx, line_no}, w, len, fmt, out);
-        if (rc != FAST_NO) return rc == QT_OK ? QT_OK : qt_error_context(rc, "%s:%lld", path, line_no);
-        qt_error_clear();
-    }
-    if (len >= FAST_MIN_LINE && (*fmt == DL_FORMAT_TOKENS || *fmt == DL_FORMAT_AUTO)) {
-        int rc = dl_fmt_fast_tokens(ctx, s, len, out);
-        if (rc != FAST_NO) {
-            if (rc == QT_OK) *fmt = DL_FORMAT_TOKENS;
-            return rc == QT_OK ? QT_OK : qt_error_context(rc, "%s:%lld", path, line_no);
-        }
-    }
-    const char *end = NULL;
-    cJSON *obj = cJSON_ParseWithLengthOpts(s, len, &end, 0);
-    if (!obj) {
-        size_t at = end && end >= s ? (size_t)(end - s) : 0;
-        return QT_ERR(QT_EFORMAT, "%s:%lld: not valid JSON (near byte %zu); each line must be one JSON object", path,
-                      line_no, at);
-    }
-    /* cJSON stops after the value: what follows it would be dropped unseen */
-    while (end && end < s + len && isspace((unsigned char)*end)) end++;
-    int rc = QT_OK;
-    if (end && end < s + len) {
-        rc = QT_ERR(QT_EFORMAT, "%s:%lld: text after the JSON object (byte %zu); put one object per line", path,
-                    line_no, (size_t)(end - s));
-    } else if (!cJSON_IsObject(obj)) {
-        rc = QT_ERR(QT_EFORMAT, "%s:%lld: the line is not a JSON object", path, line_no);
-    } else if (*fmt == DL_FORMAT_AUTO && (*fmt = dl_format_detect(obj)) == DL_FORMAT_AUTO) {
-        rc = QT_ERR(QT_EFORMAT, "%s:%lld: cannot tell the data format: expected a \"text\", \"messages\", "
-                    "\"conversations\", \"instruction\"+\"output\", \"prompt\"+\"completion\" or \"input_ids\" "
-                    "key; or set data.format",
-                    path, line_no);
-    } else if (*fmt != DL_FORMAT_TOKENS && qt_json_has_nul_escape(s, len)) {
-        /* cJSON decodes it to a NUL byte, where the text would end: the rest of the example dropped unseen */
-        rc = QT_ERR(QT_EFORMAT, "%s:%lld: a string holds \\u0000 (U+0000), where its text would be cut short; remove "
-                    "it", path, line_no);
-    } else if ((rc = encode_obj(&(enc_call){ctx, line_no}, *fmt, obj, out)) != QT_OK) {
-        rc = qt_error_context(rc, "%s:%lld", path, line_no);
-    }
-    cJSON_Delete(obj);
-    return rc;
-}
-
-int dl_encode_line(const dl_encode_ctx *ctx, const char *path, long long line_no, const char *s, size_t len,
-                   dl_format *fmt, dl_tokbuf *out) {
-    return encode_line(ctx, path, line_no, s, NULL, len, fmt, out);
-}
-
-int dl_encode_line_in_place(const dl_encode_ctx *ctx, const char *path, long long line_no, char *s, size_t len,
-                            dl_format *fmt, dl_tokbuf *out) {
-    return encode_line(ctx, path, line_no, s, s, len, fmt, out);
+    return dl_fmt_encode_obj(&e, fmt, obj, out);
 }
 
 uint64_t dl_template_hash(void) {

@@ -1,5 +1,5 @@
-/* What format.c (the cJSON reader of the data formats) and format_fast.c
- * (the reader of long lines of the plain shapes) share: the line being
+/* What format.c (the data formats' readers over cJSON) and format_line.c
+ * (one line to tokens: the long-line readers, then cJSON) share: the line being
  * encoded, a conversation being built, and the steps both take to put tokens
  * in the buffer. Private to src/data/. */
 #ifndef QT_DATA_FORMAT_INTERNAL_H
@@ -36,15 +36,7 @@ int dl_fmt_put_chat(const dl_encode_ctx *ctx, dl_tokbuf *out, const convo *c, ch
 int dl_fmt_check_id(double d, const char *key, int i, double lo, double hi, int32_t *out);
 int dl_fmt_check_label(int32_t lab, int32_t id, int i, uint8_t *m);
 int dl_fmt_encode_tokens(const dl_encode_ctx *ctx, const cJSON *obj, dl_tokbuf *out);
-
-/* format_fast.c: a long line (FAST_MIN_LINE bytes or more) of the tokens
- * format, or of text / messages decoded in place in s (decode 0: the
- * checking pass, which writes nothing). QT_OK, an error of the line, or
- * FAST_NO: not the plain shape, take the cJSON path. */
-enum { FAST_NO = 1 };
-#define FAST_MIN_LINE ((size_t)64 << 10) /* shorter lines: cJSON, which is cheap there */
-int dl_fmt_fast_tokens(const dl_encode_ctx *ctx, const char *s, size_t len, dl_tokbuf *out);
-int dl_fmt_fast_text_pass(const enc_call *ec, char *s, size_t len, dl_format *fmt, dl_tokbuf *out, int decode);
-int dl_fmt_fast_text(const enc_call *ec, char *s, size_t len, dl_format *fmt, dl_tokbuf *out);
+/* one parsed example in format fmt to tokens (dl_encode_example with the line for its warnings) */
+int dl_fmt_encode_obj(const enc_call *e, dl_format fmt, const cJSON *obj, dl_tokbuf *out);
 
 #endif

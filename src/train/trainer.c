@@ -20,7 +20,7 @@
 #include "text/chat_template.h"
 #include "train/decay.h"
 #include "train/stall.h"
-#include "train/trainer_internal.h"
+#include "train/trainer_state.h"
 
 #include <dirent.h>
 #include <math.h>

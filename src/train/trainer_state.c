@@ -1,12 +1,12 @@
 /* The small questions trainer.c (the loop) and trainer_ckpt.c (its
- * checkpoints) both ask of the trainer's state (trainer_internal.h): how long
+ * checkpoints) both ask of the trainer's state (trainer_state.h): how long
  * the run has been going, where the data stands, which parameter an element
  * belongs to, whether a block is finite. Neither file calls the other for
  * them. */
 #include "core/clock.h"
 #include "core/mem.h"
 #include "optim/clip.h"
-#include "train/trainer_internal.h"
+#include "train/trainer_state.h"
 
 #include <dirent.h>
 #include <math.h>

@@ -1,7 +1,9 @@
-/* The data formats' second reader (format.c is the first): long lines of the
- * plain shapes, read without cJSON's per-element memory or string copies.
- * What it accepts, and every message, is what format.c's cJSON path gives:
- * anything else answers FAST_NO and takes that path. */
+/* One line of a dataset to tokens (format.h's dl_encode_line): a long line
+ * of a plain shape is read here without cJSON's per-element memory or string
+ * copies; any other line, and a long one that is not of a plain shape
+ * (FAST_NO), is parsed by cJSON and encoded by format.c's readers. What the
+ * long-line readers accept, and every message, is what the cJSON path
+ * gives. */
 #include "data/format.h"
 #include "data/format_internal.h"
 #include "core/error.h"
@@ -29,6 +31,8 @@
  * FAST_NO and the line takes the cJSON path, so what is accepted and every
  * message stay the same. */
 
+enum { FAST_NO = 1 };
+#define FAST_MIN_LINE ((size_t)64 << 10) /* shorter lines: cJSON, which is cheap there */
 
 static const char *fast_ws(const char *p, const char *e) {
     while (p < e && (unsigned char)*p <= 32) p++; /* cJSON's rule for white space */
@@ -106,7 +110,7 @@ static int fast_array(const char **pp, const char *e, double lo, double hi, dl_t
     return rc;
 }
 
-int dl_fmt_fast_tokens(const dl_encode_ctx *ctx, const char *s, size_t len, dl_tokbuf *out) {
+static int fast_tokens(const dl_encode_ctx *ctx, const char *s, size_t len, dl_tokbuf *out) {
     const char *p = fast_ws(s, s + len), *e = s + len;
     if (p >= e || *p != '{') return FAST_NO;
     p = fast_ws(p + 1, e);
@@ -338,7 +342,7 @@ static int format_key(const char *k, size_t kl) {
 
 /* One pass over the object: checks it (decode 0), or decodes its text or
  * messages in place and encodes them (decode 1, after a checking pass). */
-int dl_fmt_fast_text_pass(const enc_call *ec, char *s, size_t len, dl_format *fmt, dl_tokbuf *out, int decode) {
+static int fast_text_pass(const enc_call *ec, char *s, size_t len, dl_format *fmt, dl_tokbuf *out, int decode) {
     const char *e = s + len;
     char *p = (char *)fast_ws(s, e);
     if (p >= e || *p != '{') return FAST_NO;
@@ -406,11 +410,83 @@ int dl_fmt_fast_text_pass(const enc_call *ec, char *s, size_t len, dl_format *fm
 /* A long text or messages line of the plain shape, encoded from its own
  * buffer (s is no longer the line afterwards); FAST_NO, s untouched, when
  * the line is anything else. */
-int dl_fmt_fast_text(const enc_call *ec, char *s, size_t len, dl_format *fmt, dl_tokbuf *out) {
-    int rc = dl_fmt_fast_text_pass(ec, s, len, fmt, out, 0);
+static int fast_text(const enc_call *ec, char *s, size_t len, dl_format *fmt, dl_tokbuf *out) {
+    int rc = fast_text_pass(ec, s, len, fmt, out, 0);
     if (rc != QT_OK) return rc;
     const size_t n0 = out->n;
-    rc = dl_fmt_fast_text_pass(ec, s, len, fmt, out, 1);
+    rc = fast_text_pass(ec, s, len, fmt, out, 1);
     if (rc != QT_OK) out->n = n0;
     return rc;
+}
+
+dl_format dl_line_long_format(const dl_encode_ctx *ctx, const char *s, size_t len) {
+    if (len < FAST_MIN_LINE || memchr(s, 0, len)) return DL_FORMAT_AUTO;
+    dl_format f = DL_FORMAT_AUTO;
+    enc_call ec = {ctx, 0};
+    /* the checking pass writes nothing (s stays the caller's) */
+    if (fast_text_pass(&ec, (char *)s, len, &f, NULL, 0) == QT_OK) return f;
+    dl_tokbuf tb = {0};
+    int rc = fast_tokens(ctx, s, len, &tb);
+    dl_tokbuf_free(&tb);
+    qt_error_clear();
+    return rc == QT_OK ? DL_FORMAT_TOKENS : DL_FORMAT_AUTO;
+}
+
+/* dl_encode_line; w: the line again, writable (dl_encode_line_in_place), or NULL */
+static int encode_line(const dl_encode_ctx *ctx, const char *path, long long line_no, const char *s, char *w,
+                       size_t len, dl_format *fmt, dl_tokbuf *out) {
+    if (memchr(s, 0, len))
+        return QT_ERR(QT_EFORMAT, "%s:%lld: the line holds a NUL byte; a JSONL file is text: fix or remove that line",
+                      path, line_no);
+    if (w && len >= FAST_MIN_LINE && (*fmt == DL_FORMAT_TEXT || *fmt == DL_FORMAT_MESSAGES || *fmt == DL_FORMAT_AUTO)) {
+        int rc = fast_text(&(enc_call){ctx, line_no}, w, len, fmt, out);
+        if (rc != FAST_NO) return rc == QT_OK ? QT_OK : qt_error_context(rc, "%s:%lld", path, line_no);
+        qt_error_clear();
+    }
+    if (len >= FAST_MIN_LINE && (*fmt == DL_FORMAT_TOKENS || *fmt == DL_FORMAT_AUTO)) {
+        int rc = fast_tokens(ctx, s, len, out);
+        if (rc != FAST_NO) {
+            if (rc == QT_OK) *fmt = DL_FORMAT_TOKENS;
+            return rc == QT_OK ? QT_OK : qt_error_context(rc, "%s:%lld", path, line_no);
+        }
+    }
+    const char *end = NULL;
+    cJSON *obj = cJSON_ParseWithLengthOpts(s, len, &end, 0);
+    if (!obj) {
+        size_t at = end && end >= s ? (size_t)(end - s) : 0;
+        return QT_ERR(QT_EFORMAT, "%s:%lld: not valid JSON (near byte %zu); each line must be one JSON object", path,
+                      line_no, at);
+    }
+    /* cJSON stops after the value: what follows it would be dropped unseen */
+    while (end && end < s + len && isspace((unsigned char)*end)) end++;
+    int rc = QT_OK;
+    if (end && end < s + len) {
+        rc = QT_ERR(QT_EFORMAT, "%s:%lld: text after the JSON object (byte %zu); put one object per line", path,
+                    line_no, (size_t)(end - s));
+    } else if (!cJSON_IsObject(obj)) {
+        rc = QT_ERR(QT_EFORMAT, "%s:%lld: the line is not a JSON object", path, line_no);
+    } else if (*fmt == DL_FORMAT_AUTO && (*fmt = dl_format_detect(obj)) == DL_FORMAT_AUTO) {
+        rc = QT_ERR(QT_EFORMAT, "%s:%lld: cannot tell the data format: expected a \"text\", \"messages\", "
+                    "\"conversations\", \"instruction\"+\"output\", \"prompt\"+\"completion\" or \"input_ids\" "
+                    "key; or set data.format",
+                    path, line_no);
+    } else if (*fmt != DL_FORMAT_TOKENS && qt_json_has_nul_escape(s, len)) {
+        /* cJSON decodes it to a NUL byte, where the text would end: the rest of the example dropped unseen */
+        rc = QT_ERR(QT_EFORMAT, "%s:%lld: a string holds \\u0000 (U+0000), where its text would be cut short; remove "
+                    "it", path, line_no);
+    } else if ((rc = dl_fmt_encode_obj(&(enc_call){ctx, line_no}, *fmt, obj, out)) != QT_OK) {
+        rc = qt_error_context(rc, "%s:%lld", path, line_no);
+    }
+    cJSON_Delete(obj);
+    return rc;
+}
+
+int dl_encode_line(const dl_encode_ctx *ctx, const char *path, long long line_no, const char *s, size_t len,
+                   dl_format *fmt, dl_tokbuf *out) {
+    return encode_line(ctx, path, line_no, s, NULL, len, fmt, out);
+}
+
+int dl_encode_line_in_place(const dl_encode_ctx *ctx, const char *path, long long line_no, char *s, size_t len,
+                            dl_format *fmt, dl_tokbuf *out) {
+    return encode_line(ctx, path, line_no, s, s, len, fmt, out);
 }
