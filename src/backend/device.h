@@ -13,6 +13,7 @@
 #define QT_BACKEND_DEVICE_H
 
 #include <stddef.h>
+#include <stdio.h>
 
 typedef struct {
     const char *backend; /* the registry name qt_backend_open_index takes: "cpu", "guard", "cuda" */
@@ -34,6 +35,13 @@ const char *qt_device_desc_name(const char *spec);
  * QT_EUNSUPPORTED) say what was asked, what the machine has and what to
  * do; "auto" never fails for want of a GPU. */
 int qt_device_resolve(const char *spec, const char *where, qt_device *out);
+
+/* What the NVIDIA driver itself reports, without the CUDA module
+ * (cuda/driver.c): the GPUs it sees (0 in a build without CUDA or without a
+ * driver), and `qtune doctor`'s cuda lines (driver and runtime versions,
+ * each GPU's name and memory) to f. */
+int qt_cuda_driver_gpu_count(void);
+void qt_cuda_driver_report(FILE *f);
 
 /* "cuda:0 (NVIDIA H200)", "cpu (16 threads)", "guard (CPU kernels, 16 threads)"
  * for the run line; threads is the OpenMP thread count. */

@@ -3,7 +3,6 @@
  * machine or the job; every check only reads. */
 #include "train/doctor.h"
 
-#include "backend/cuda/backend_cuda.h"
 #include "backend/device.h"
 #include "core/error.h"
 #include "core/fs.h"

@@ -9,8 +9,6 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
-#include <stdio.h>
-
 #include "backend/backend.h"
 
 /* Loads the module and opens GPU index (< 0: the process's default,
@@ -29,13 +27,6 @@ int qt_cuda_device_count(void);
 int qt_cuda_probe(char *why, size_t cap);
 /* The name of visible GPU index ("NVIDIA H200"); "" when unknown. */
 void qt_cuda_device_name(int index, char *buf, size_t cap);
-
-/* The driver's own answers, without the module (driver.c): the GPUs it
- * reports (0 in a build without CUDA or without a driver), and `qtune
- * doctor`'s cuda lines (driver and runtime versions, each GPU's name and
- * memory) to f. */
-int qt_cuda_driver_gpu_count(void);
-void qt_cuda_driver_report(FILE *f);
 
 #ifdef __cplusplus
 }

@@ -2,7 +2,7 @@
  * (and libcudart.so for the free memory) looked up at run time, without the
  * module (loader.c), whose load costs seconds and which a broken install may
  * lack while the driver works. */
-#include "backend/cuda/backend_cuda.h"
+#include "backend/device.h"
 
 #include <dlfcn.h>
 #include <stdio.h>
