@@ -1,10 +1,12 @@
 /* The registry of compiled-in backends (backend.h). Adding one: a folder
- * src/backend/<name>/ with its open function and descriptor, and a row here. */
+ * src/backend/<name>/ with its table, open function and descriptor
+ * (backend_impl.h), and a row here. */
 #include "backend/backend.h"
 
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/backend_impl.h"
 #include "backend/cpu/backend_cpu.h"
 #include "backend/cpu/op_precision.h"
 #include "backend/guard/backend_guard.h"
@@ -12,14 +14,11 @@
 #include "core/error.h"
 #include "core/mem.h"
 
-static void cpu_close(qt_backend *be) { qt_free(be); }
-
 static int cpu_open(int index, qt_backend **out) {
     (void)index;
-    qt_backend *be = qt_calloc(1, sizeof *be, "cpu backend");
+    qt_backend *be = qt_malloc(sizeof *be, "cpu backend");
     if (!be) return QT_ENOMEM;
-    qt_backend_cpu_fill(be);
-    be->close = cpu_close;
+    *be = qt_backend_cpu_i;
     *out = be;
     return QT_OK;
 }
@@ -54,8 +53,6 @@ const qt_backend_desc *qt_backend_desc_of(const char *name) {
     return NULL;
 }
 
-int qt_backend_profile_wrap(qt_backend *in, qt_backend **out); /* profile.c */
-
 int qt_backend_open_index(const char *name, int index, qt_backend **out) {
     *out = NULL;
     if (!name) name = qt_backend_default_name();
@@ -77,6 +74,17 @@ int qt_backend_open(const char *name, qt_backend **out) { return qt_backend_open
 void qt_backend_close(qt_backend *be) {
     if (be && be->close) be->close(be);
 }
+
+const char *qt_backend_empty_slot(const qt_backend *t) {
+    if (!t->desc) return "desc";
+#define X(name) \
+    if (!t->name) return #name;
+    QT_BACKEND_SLOTS(X)
+#undef X
+    return NULL;
+}
+
+size_t qt_backend_host_runtime_bytes(void) { return qt_cpu_runtime_bytes(); }
 
 int qt_backend_bf16_arith(const char *name) {
     if (!name) name = qt_backend_default_name();

@@ -1,8 +1,10 @@
-/* The backend interface: everything the model, the optimizer, clipping, the
- * loss scaler, ZeRO and the trainer do to tensor memory goes through one of
- * these calls. A backend is a table of function pointers chosen at run time
- * (qt_backend_open: "cpu", "guard", later "cuda"), so a GPU backend is one
- * more folder under src/backend/ and one more entry in backend.c.
+/* The backend interface, as its callers see it: everything the model, the
+ * optimizer, clipping, the loss scaler, ZeRO and the trainer do to tensor
+ * memory goes through one of these calls. A backend is a read-only table of
+ * function pointers chosen at run time (qt_backend_open: "cpu", "guard",
+ * "cuda"); a new backend is one more folder under src/backend/ and one more
+ * row in backend.c. backend_impl.h is the implementers' side: how a table is
+ * declared and every op's contract (shapes, `+=` gradients, workspaces).
  *
  * Ownership (docs/architecture.md draws it):
  *  - memory of placement QT_MEM_DEVICE belongs to the backend: the host never
@@ -14,12 +16,9 @@
  *    in its safetensors file) and returns what the kernels read: the mapping
  *    itself where the device can read host memory (cpu), a device copy
  *    otherwise.
- * Every op follows backend/cpu/ops.h's conventions (stated once there):
- * backward ops ADD into their gradient outputs, weights are (pointer, dtype),
- * small vectors are f32, ws is scratch of the size the descriptor's formulas
- * give. All pointers an op receives are device pointers, including the int32
- * token ids, targets, positions and doc_start of a batch (the model uploads
- * them). Calls are ordered (one stream); sync waits for all of them. */
+ * All pointers an op receives are device pointers, including the int32 token
+ * ids, targets, positions and doc_start of a batch (the model uploads them).
+ * Calls are ordered (one stream); sync waits for all of them. */
 #ifndef QT_BACKEND_BACKEND_H
 #define QT_BACKEND_BACKEND_H
 
@@ -30,6 +29,7 @@
 #define QT_ROPE_MAX_HALF 512
 
 #include "core/dtype.h"
+#include "core/label.h" /* QT_IGNORE_INDEX: the target the loss skips, on every backend */
 
 typedef enum {
     QT_MEM_DEVICE = 0, /* the backend's own memory (kernels read/write it; the host does not) */
@@ -163,7 +163,7 @@ struct qt_backend {
     void (*event_wait)(qt_backend *be, qt_event *e);
     void (*event_free)(qt_backend *be, qt_event *e);
 
-    /* ---- the model's ops (backend/cpu/ops.h documents each) ---------------- */
+    /* ---- the model's ops (backend_impl.h states each one's contract) ------- */
     void (*embedding_forward)(qt_backend *be, float *out, const int32_t *ids, const void *wte, qt_dtype wdt, int N,
                               int C);
     void (*embedding_backward)(qt_backend *be, float *dwte, const float *dout, const int32_t *ids, int N, int C);
@@ -232,7 +232,7 @@ struct qt_backend {
      * device call fn(arg). */
     int (*hold_threads)(qt_backend *be, int (*fn)(void *arg), void *arg);
 
-    /* ---- precision (backend/cpu/op_precision.h) ----------------------------- */
+    /* ---- precision (backend_impl.h: the rounding each does) ------------------- */
     void (*round_to_dtype)(qt_backend *be, float *x, size_t n, qt_dtype dt);
     void (*round_store)(qt_backend *be, float *x, uint16_t *dst, size_t n, qt_dtype dt);
     void (*convert)(qt_backend *be, void *dst, qt_dtype ddt, const void *src, qt_dtype sdt, size_t n);
@@ -241,7 +241,7 @@ struct qt_backend {
      * at load); each call returns QT_OK or QT_EUNSUPPORTED with its output
      * untouched (the model then takes the fp32 op). The products of two
      * 16-bit values are exact in fp32, so only the summation order differs
-     * from fp32 sgemm on the same values. Forms as backend/cpu/op_dnnl.h's:
+     * from fp32 sgemm on the same values. Forms in backend_impl.h:
      * the cpu backend has bf16 (oneDNN, where the CPU has AVX512_BF16), cuda
      * both (the tensor cores). */
     int (*half_available)(qt_backend *be, qt_dtype dt);
@@ -281,12 +281,16 @@ struct qt_backend {
  * by backend/device.h. */
 int qt_backend_open(const char *name, qt_backend **out);
 /* The same on device index of that backend (cuda: the GPU; < 0: the
- * process's default, device.h qt_device_default_cuda_index; cpu and guard
+ * process's default, device_default.h qt_device_default_cuda_index; cpu and guard
  * have one device and ignore it). */
 int qt_backend_open_index(const char *name, int index, qt_backend **out);
 void qt_backend_close(qt_backend *be);
 /* The descriptor of a backend by name without opening it (NULL: unknown). */
 const qt_backend_desc *qt_backend_desc_of(const char *name);
+/* The host process's runtime outside the planned blocks (code, library
+ * buffers) while the CPU's kernels run: what a plan counts in the host's
+ * memory, read without opening a backend. */
+size_t qt_backend_host_runtime_bytes(void);
 /* The name qt_backend_open(NULL, ...) picks. */
 const char *qt_backend_default_name(void);
 /* 1 when the named backend's device (NULL: the default's) does bf16

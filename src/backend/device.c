@@ -10,6 +10,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/backend_cuda.h"
+#include "backend/device_default.h"
 #include "core/error.h"
 
 enum { DEV_AUTO, DEV_CPU, DEV_CUDA };
@@ -49,42 +50,6 @@ const char *qt_device_desc_name(const char *spec) {
     }
 }
 
-static const char *env_first(const char *const *names, int n) {
-    for (int i = 0; i < n; i++) {
-        const char *v = getenv(names[i]);
-        if (v && *v) return v;
-    }
-    return NULL;
-}
-
-/* the launcher's local rank and ranks on this host (OpenMPI, MPICH/Hydra, Slurm) */
-static const char *local_rank(void) {
-    static const char *const names[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"};
-    return env_first(names, 3);
-}
-static int local_size(void) {
-    static const char *const names[] = {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"};
-    const char *v = env_first(names, 2);
-    return v ? atoi(v) : 1;
-}
-
-int qt_device_default_cuda_index(int count, int *index) {
-    const char *e = getenv("QTUNE_CUDA_DEVICE");
-    if (e && *e) {
-        char *end;
-        long v = strtol(e, &end, 10);
-        if (*end || v < 0 || v >= count)
-            return QT_ERR(QT_EINVAL, "QTUNE_CUDA_DEVICE is \"%s\" but %d GPU%s %s visible; set it to a number from 0 "
-                          "to %d, or unset it", e, count, count == 1 ? "" : "s", count == 1 ? "is" : "are", count - 1);
-        *index = (int)v;
-        return QT_OK;
-    }
-    const char *r = local_rank();
-    *index = r && count > 0 ? atoi(r) % count : 0;
-    if (*index < 0) *index = 0;
-    return QT_OK;
-}
-
 /* a GPU for "cuda" / "cuda:N" among count visible ones */
 static int pick_gpu(int n, int count, const char *who, int *index) {
     if (n < 0) return qt_device_default_cuda_index(count, index);
@@ -116,10 +81,10 @@ int qt_device_resolve(const char *spec, const char *where, qt_device *out) {
         snprintf(who, sizeof who, "QTUNE_BACKEND=cuda");
     }
     /* several ranks on this host would all open the one GPU named */
-    if (n >= 0 && kind == DEV_CUDA && local_size() > 1)
+    if (n >= 0 && kind == DEV_CUDA && qt_device_local_size() > 1)
         return QT_ERR(QT_EINVAL, "%s names one GPU, but the launcher starts %d ranks on this host, which would all "
                       "share it; use \"cuda\" (each rank takes the GPU of its local rank) and choose the GPUs with "
-                      "CUDA_VISIBLE_DEVICES", who, local_size());
+                      "CUDA_VISIBLE_DEVICES", who, qt_device_local_size());
     if (kind == DEV_CPU) {
         out->backend = "cpu";
         return QT_OK;
@@ -139,7 +104,7 @@ int qt_device_resolve(const char *spec, const char *where, qt_device *out) {
     out->backend = "cuda";
     if (kind == DEV_AUTO && !out->note[0])
         snprintf(out->note, sizeof out->note, "device auto -> cuda:%d: %d GPU%s visible%s", out->index, count,
-                 count == 1 ? "" : "s", local_rank() ? ", each rank takes the GPU of its local rank" : "");
+                 count == 1 ? "" : "s", qt_device_local_rank() ? ", each rank takes the GPU of its local rank" : "");
     return QT_OK;
 }
 

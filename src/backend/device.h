@@ -13,6 +13,7 @@
 #define QT_BACKEND_DEVICE_H
 
 #include <stddef.h>
+#include <stdio.h>
 
 typedef struct {
     const char *backend; /* the registry name qt_backend_open_index takes: "cpu", "guard", "cuda" */
@@ -35,10 +36,12 @@ const char *qt_device_desc_name(const char *spec);
  * do; "auto" never fails for want of a GPU. */
 int qt_device_resolve(const char *spec, const char *where, qt_device *out);
 
-/* The GPU a "cuda" without a number takes among count visible ones:
- * QTUNE_CUDA_DEVICE, else the launcher's local rank modulo count, else 0.
- * QT_EINVAL when QTUNE_CUDA_DEVICE is not a GPU number below count. */
-int qt_device_default_cuda_index(int count, int *index);
+/* What the NVIDIA driver itself reports, without the CUDA module
+ * (cuda/driver.c): the GPUs it sees (0 in a build without CUDA or without a
+ * driver), and `qtune doctor`'s cuda lines (driver and runtime versions,
+ * each GPU's name and memory) to f. */
+int qt_cuda_driver_gpu_count(void);
+void qt_cuda_driver_report(FILE *f);
 
 /* "cuda:0 (NVIDIA H200)", "cpu (16 threads)", "guard (CPU kernels, 16 threads)"
  * for the run line; threads is the OpenMP thread count. */

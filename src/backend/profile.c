@@ -15,6 +15,7 @@
 #include <time.h>
 
 #include "backend/backend.h"
+#include "backend/backend_impl.h"
 #include "core/error.h"
 #include "core/mem.h"
 
@@ -205,15 +206,37 @@ static void w_close(BE) {
     fprintf(stderr, "  %-26s %9s %11.2f %10s %6.1f%%\n", "(outside the ops)", "", 1e3 * (wall - in_ops), "",
             wall > 0 ? 100.0 * (wall - in_ops) / wall : 0.0);
 done:
-    qt_backend_close(p->in);
+    p->in->close(p->in);
     qt_free(p);
     qt_free(be);
 }
 #undef BE
 
+/* The decorator's table; an instance's desc is the wrapped backend's. The
+ * memory entries and the facts pass straight through, the ops are timed
+ * (profile_ops.h lists them). */
+static const qt_backend profile_i = {
+    .alloc = w_alloc,
+    .free = w_free,
+    .import_mapped = w_import_mapped,
+    .release_mapped = w_release_mapped,
+    .sync = w_sync,
+    .event_record = w_event_record,
+    .event_wait = w_event_wait,
+    .event_free = w_event_free,
+    .half_available = w_half_available,
+    .runtime_bytes = w_runtime_bytes,
+    .device_peak_bytes = w_device_peak_bytes,
+    .hold_threads = w_hold_threads,
+#define OP(name) .name = w_##name,
+#include "backend/profile_ops.h"
+#undef OP
+    .close = w_close,
+};
+
 int qt_backend_profile_wrap(qt_backend *in, qt_backend **out) {
     *out = NULL;
-    qt_backend *be = qt_calloc(1, sizeof *be, "profiling backend");
+    qt_backend *be = qt_malloc(sizeof *be, "profiling backend");
     prof *p = qt_calloc(1, sizeof *p, "profiling backend");
     if (!be || !p) {
         qt_free(be), qt_free(p);
@@ -221,24 +244,9 @@ int qt_backend_profile_wrap(qt_backend *in, qt_backend **out) {
     }
     p->in = in;
     p->t_open = now();
+    *be = profile_i;
     be->desc = in->desc;
     be->impl = p;
-    be->alloc = w_alloc;
-    be->free = w_free;
-    be->import_mapped = w_import_mapped;
-    be->release_mapped = w_release_mapped;
-    be->sync = w_sync;
-    be->event_record = w_event_record;
-    be->event_wait = w_event_wait;
-    be->event_free = w_event_free;
-    be->half_available = w_half_available;
-    be->runtime_bytes = w_runtime_bytes;
-    be->device_peak_bytes = w_device_peak_bytes;
-    be->hold_threads = w_hold_threads;
-#define OP(name) be->name = w_##name;
-#include "backend/profile_ops.h"
-#undef OP
-    be->close = w_close;
     *out = be;
     return QT_OK;
 }

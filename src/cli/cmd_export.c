@@ -6,7 +6,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/log.h"
-#include "io/gguf_export.h"
+#include "export/gguf_export.h"
 #include "io/hf_config.h"
 #include "text/tokenizer.h"
 #include "train/merge.h"

@@ -34,21 +34,16 @@ static const struct {
 #define NCOMMANDS (sizeof commands / sizeof commands[0])
 
 /* OpenMP's idle threads spin briefly, then sleep: GOMP_SPINCOUNT=3000 (about
- * 150 microseconds here) unless the environment sets OMP_WAIT_POLICY or
+ * 150 microseconds) unless the environment sets OMP_WAIT_POLICY or
  * GOMP_SPINCOUNT. A 0.5B step opens about a thousand parallel regions.
  * - libgomp's default spins 300000 times (about 15 ms) after each region, so
- *   on a shared machine the idle thread holds a core another process needs:
- *   bench-tiny full fine-tuning, 2 threads, load ~5: 7.09 CPU s per step,
- *   against 5.07 with no spin at all.
- * - No spin at all (OMP_WAIT_POLICY=passive, qtune's default until
- *   2026-12-03) puts the other thread to sleep at every region's end, and it
- *   mostly enters the next region 20-50 microseconds late. 0.5B LoRA at 2
- *   threads on an idle machine: 3000 spins faster in 4 of 6 pairs (by 5-14%),
- *   slower in 2 (by 3%).
- * - A short spin costs little when another process wants the cores: with a
- *   busy loop beside it, 0.5B LoRA at 2 threads ran within 5% of passive,
- *   where 10000 spins lost 6-13% and 30000 lost 23%.
- * Figures: docs/performance.md, item 6. libgomp reads the variable once,
+ *   on a shared machine the idle thread holds a core another process needs.
+ * - No spin at all (OMP_WAIT_POLICY=passive) puts the other thread to sleep
+ *   at every region's end, and it mostly enters the next region tens of
+ *   microseconds late.
+ * - A short spin costs little when another process wants the cores, where
+ *   longer ones lose more the longer they spin.
+ * Figures: docs/performance.md, item 6, and bench/RESULTS.md. libgomp reads the variable once,
  * before main runs (and glibc resets the environment after an executable's
  * .preinit_array), so the process sets it and executes itself again, once:
  * the second time the variable is set. If the exec fails, qtune runs on with

@@ -93,21 +93,6 @@ void qt_error_clear(void) {
     err_code = QT_OK;
 }
 
-const char *qt_error_name(int code) {
-    switch (code) {
-    case QT_OK: return "ok";
-    case QT_EINVAL: return "invalid input";
-    case QT_EIO: return "I/O error";
-    case QT_ENOMEM: return "out of memory";
-    case QT_EFORMAT: return "malformed file";
-    case QT_EUNSUPPORTED: return "unsupported";
-    case QT_EINTERRUPTED: return "interrupted";
-    case QT_ENUMERIC: return "numerical fault";
-    case QT_EDIST: return "distributed failure";
-    default: return "error";
-    }
-}
-
 static volatile sig_atomic_t *cancel_flag;
 
 void qt_cancel_watch(volatile sig_atomic_t *flag) { cancel_flag = flag; }

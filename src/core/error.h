@@ -36,7 +36,6 @@ const char *qt_error_message(void); /* "" when none */
 const char *qt_error_where(void);   /* "file.c:123" */
 int qt_error_code(void);
 void qt_error_clear(void);
-const char *qt_error_name(int code); /* "invalid input", "I/O error", ... */
 
 /* An out-of-memory error's advice (after "could not allocate N MiB for X; ")
  * replaced with one that fits where it happened, e.g. while a tokenizer loads,

@@ -6,7 +6,7 @@
 
 #include <stdint.h>
 
-#define QT_IGNORE_INDEX (-100) /* a label that carries no loss, as in HF */
+#include "core/label.h" /* QT_IGNORE_INDEX */
 
 typedef struct {
     int B, T;

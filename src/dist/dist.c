@@ -67,10 +67,9 @@ int dist_built_with_mpi(void) { return QT_DIST_MPI; }
  * SIGTERM handler of its own gets one here at dist_init that says where this
  * rank was (async-signal-safe writes only) and then takes the default action.
  * A program with its own handler (qtune train: stop after the step and save)
- * keeps it: dist never swaps handlers. (It used to install this one around
- * every wait and put the program's back after; a SIGTERM between the swap
- * and the flag that chose the handler to pass it on to found the default
- * action instead and killed a rank that had been asked to save.) Such a
+ * keeps it: dist never swaps handlers (a swap around every wait would leave
+ * a window where a SIGTERM finds the default action and kills a rank that
+ * was asked to save). Such a
  * program hands dist its stop flag (dist_set_stop_flag), and a wait that
  * goes on after the flag was set says where the rank waits, from ordinary
  * code. The one piece of process-wide state here: a signal handler has no

@@ -179,9 +179,6 @@ int zero_plan_create(dist_ctx *d, size_t n, const zero_opts *opts, zero_plan **o
 /* Frees the plan (waits for nothing: call zero_reduce_grads first). */
 void zero_plan_free(zero_plan *p);
 
-int zero_stage(const zero_plan *p);
-const zero_mem *zero_plan_memory(const zero_plan *p); /* without the optimizer state */
-size_t zero_numel(const zero_plan *p);
 /* Shard of rank r: [lo, hi). Shards are contiguous, in rank order, of equal
  * length rounded up to 16 elements (64 bytes); the last ones may be shorter
  * or empty when n is small. Defined for every stage. */

@@ -248,10 +248,7 @@ void zero_plan_free(zero_plan *p) {
     qt_free(p);
 }
 
-int zero_stage(const zero_plan *p) { return p->stage; }
-size_t zero_numel(const zero_plan *p) { return p->n; }
 int zero_n_buckets(const zero_plan *p) { return p->nb; }
-const zero_mem *zero_plan_memory(const zero_plan *p) { return &p->mem; }
 float *zero_grad_shard(zero_plan *p) { return p->gshard; }
 
 void zero_shard_of(const zero_plan *p, int r, size_t *lo, size_t *hi) { qt_shard_range(p->n, p->d->world, r, lo, hi); }

@@ -11,21 +11,6 @@
 #include "model/model_internal.h"
 #include "model/params_io.h"
 
-int qt_lora_targets_parse(const char *const *names, int n, unsigned *mask) {
-    *mask = 0;
-    for (int i = 0; i < n; i++) {
-        int found = 0;
-        for (int j = 0; j < LIN_COUNT; j++)
-            if (!strcmp(names[i], qt_lin_short[j])) *mask |= qt_lin_flag[j], found = 1;
-        if (!found)
-            return QT_ERR(QT_EUNSUPPORTED,
-                          "LoRA target module '%s' is not one of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
-                          "down_proj",
-                          names[i]);
-    }
-    return QT_OK;
-}
-
 /* "model.layers.{i}.self_attn.q_proj" ... in the model's layout ("transformer.h.{i}.attn.c_attn" ...) */
 static void lin_module(char *out, size_t cap, const qt_config *c, int layer, int j) {
     snprintf(out, cap, "%s.%d.%s", qt_config_layout(c)->layers, layer, qt_lin_name(c, j));

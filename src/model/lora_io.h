@@ -48,8 +48,6 @@ int qt_lora_target_names(const qt_config *cfg, unsigned mask, char names[][64], 
  * the embedding selected, a list entry naming no linear module, or nothing
  * selected. */
 int qt_lora_targets_from_peft(const peft_config *pc, int n_layers, unsigned *mask, const char *where);
-/* Maps PEFT target_modules names (q_proj ... down_proj) to a QT_LORA_* mask. */
-int qt_lora_targets_parse(const char *const *names, int n, unsigned *mask);
 /* Reads DIR/adapter_model.safetensors into the LoRA block: every A/B the model
  * has must be there with its shape, and the file may hold nothing else. */
 int qt_lora_load(qt_model *m, const char *dir);

@@ -20,16 +20,9 @@ static const qt_backend_desc *desc_of(const qt_model_opts *o) {
     return d ? d : qt_backend_desc_of("cpu");
 }
 
-/* The process runtime outside the planned blocks: the backend's figure
- * (backend_cpu.c: measured peak RSS less the planned blocks, more with
- * oneDNN's sgemm in use, which only the running backend knows). */
-size_t qt_model_cpu_runtime_bytes(void) {
-    qt_backend *be;
-    if (qt_backend_open(NULL, &be) != QT_OK) return qt_backend_desc_of("cpu")->runtime_bytes;
-    size_t n = be->runtime_bytes(be);
-    qt_backend_close(be);
-    return n;
-}
+/* The process runtime outside the planned blocks (backend.h; the CPU's
+ * figure, more with oneDNN's sgemm in use), without opening a backend. */
+size_t qt_model_cpu_runtime_bytes(void) { return qt_backend_host_runtime_bytes(); }
 
 const char *const qt_lin_path[LIN_COUNT] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                             "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",

@@ -40,7 +40,8 @@ typedef struct {
 /* A CPU training process beyond the blocks above, measured (docs/plan.md):
  * code, OpenBLAS's buffers, tokenizer and loader, and where the input-
  * gradient products run on oneDNN (op_sgemm_nn) its library and sgemm
- * buffers. Asks the backend which sgemm it uses, so it may open oneDNN. */
+ * buffers. Asks the CPU's kernels which sgemm they use (no backend is
+ * opened: a plan for a GPU never starts one), so it may load oneDNN. */
 size_t qt_model_cpu_runtime_bytes(void);
 
 /* Whether opts shard the fp32 master (model.h master_shards): full fine-tuning in f16/bf16 over 2+

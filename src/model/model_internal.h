@@ -159,7 +159,7 @@ int qt_model_read_to_device(struct qt_model *m, const st_tensor *t, float *dev);
  * and sin are multiplied by (YaRN's attention_factor, else 1) (rope.c). */
 void qt_rope_inv_freq(const qt_config *c, int D, int32_t max_pos, float *inv, float *attention_factor);
 
-/* A sharded master's f32 copy of the 1-D tensor at flat offset `offset`, or NULL. */
+/* A sharded master's f32 copy of the 1-D tensor at flat offset `offset`, or NULL (params_io.c). */
 float *qt_model_small_of(const struct qt_model *m, size_t offset);
 
 /* The model's RoPE table for positions up to max_pos (m->rope_inv, m->rope_scale). */

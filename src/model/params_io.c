@@ -6,6 +6,12 @@
 #include "core/mem.h"
 #include "model/model_internal.h"
 
+float *qt_model_small_of(const qt_model *m, size_t offset) {
+    for (int k = 0; k < m->n_small_runs; k++)
+        if (m->small_runs[k].flat == offset) return m->small + m->small_runs[k].at;
+    return NULL;
+}
+
 /* Host staging for reads: at most STAGE_FLOATS at a time. */
 #define STAGE_FLOATS ((size_t)1 << 20)
 
@@ -55,16 +61,6 @@ static int read_param_sharded(qt_model *m, int i, const st_tensor *t) {
 int qt_model_read_param(qt_model *m, int i, const st_tensor *t) {
     if (m->sharded) return read_param_sharded(m, i, t);
     return qt_model_read_to_device(m, t, m->master + m->params[i].offset);
-}
-
-int qt_model_read_params(qt_model *m, st_file *f) {
-    for (int i = 0; i < m->n_params; i++) {
-        const qt_param *p = &m->params[i];
-        const st_tensor *t;
-        QT_TRY(st_expect(f, p->name, p->ndim, p->shape, &t));
-        QT_TRY(qt_model_read_param(m, i, t));
-    }
-    return QT_OK;
 }
 
 static int fill_param(void *ctx, float *dst, size_t offset, size_t n) {

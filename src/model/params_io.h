@@ -13,8 +13,6 @@
 /* Parameter i's values from the file tensor t (any dtype, converted to f32;
  * the caller checked the shape). */
 int qt_model_read_param(qt_model *m, int i, const st_tensor *t);
-/* Every parameter by its name from f (st_expect: name, rank and shape). */
-int qt_model_read_params(qt_model *m, st_file *f);
 /* Adds every parameter to w by name, stored as dtype, produced from the
  * master block at write time (the model must outlive st_writer_write). */
 int qt_model_write_params(const qt_model *m, st_writer *w, qt_dtype dtype);

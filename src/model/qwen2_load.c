@@ -377,12 +377,6 @@ static float *f32_param(qt_model *m, const char *name) {
     return m->sharded ? qt_model_small_of(m, m->params[i].offset) : m->master + m->params[i].offset;
 }
 
-float *qt_model_small_of(const qt_model *m, size_t offset) {
-    for (int k = 0; k < m->n_small_runs; k++)
-        if (m->small_runs[k].flat == offset) return m->small + m->small_runs[k].at;
-    return NULL;
-}
-
 /* Sharded: the f32 copy of the 1-D tensors, one run each, in flat order. */
 static int alloc_small(qt_model *m) {
     int k = 0;

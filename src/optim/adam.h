@@ -16,8 +16,8 @@
  *
  * Weight decay applies only to elements inside the decay ranges: the 2-D
  * weight matrices, as the Hugging Face Trainer groups parameters (biases and
- * norm weights get none). qt_decay_ranges_from_params builds the ranges from
- * the model's parameter table. */
+ * norm weights get none). The optimizer sees the ranges only:
+ * train/decay.h builds them from the model's parameter table. */
 #ifndef QT_OPTIM_ADAM_H
 #define QT_OPTIM_ADAM_H
 
@@ -25,7 +25,6 @@
 #include <stdint.h>
 
 #include "backend/backend.h"
-#include "model/model.h"
 
 typedef struct {
     double lr;           /* base learning rate (a scheduler may override it per step) */
@@ -60,10 +59,5 @@ int qt_adam_cfg_check(const qt_adam_cfg *c, const char *where);
 int qt_adam_step(qt_backend *be, const qt_adam_cfg *c, int64_t step, double lr, float grad_scale, float *params,
                  const float *grads, float *m, float *v, size_t n, size_t base, const qt_range *decay,
                  int n_decay);
-
-/* Decay ranges from the parameter table: every param with decay = 1, sorted
- * by offset, adjacent ones merged. *out is qt_malloc'd (qt_free it); NULL with
- * *n_out = 0 when no parameter decays. */
-int qt_decay_ranges_from_params(const qt_param *params, int n_params, qt_range **out, int *n_out);
 
 #endif

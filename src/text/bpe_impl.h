@@ -167,7 +167,7 @@ int bpe_tiktoken_tree(const char *path, const char *buf, size_t len, const uint3
  * is below U+0800), NUL-terminated in out. Returns the length. */
 size_t bpe_spell_bytes(const uint8_t *p, size_t n, const uint32_t byte_to_cp[256], char *out);
 
-/* A small, fast hash of a byte string (8 bytes a step). */
+/* A small, fast hash of a byte string (8 bytes a step; bpe_vocab.c). */
 uint64_t bpe_hash_bytes(const void *p, size_t n);
 
 static inline uint64_t bpe_merge_key(int32_t left, int32_t right) {
@@ -266,9 +266,16 @@ int bpe_cache_init(bpe_tokenizer *t);
  * vocabulary has a token this long. */
 #define BPE_WHOLE_WORD_MAX 1024
 
-/* The id of the vocabulary token (not an added one) whose string is s[0, n)
- * as tokenizer.json spells it, else -1. */
+/* The vocabulary's table (bpe_vocab.c). bpe_vocab_find: the id of the
+ * vocabulary token (not an added one) whose string is s[0, n) as
+ * tokenizer.json spells it, else -1; bpe_str_find the same over added tokens
+ * too; bpe_str_insert adds s (later entries win, as when HF builds its map)
+ * to a table of t->str_cap (bpe_pow2_at_least: a power of two >= n, from 16)
+ * slots. */
 int32_t bpe_vocab_find(const bpe_tokenizer *t, const char *s, size_t n);
+int32_t bpe_str_find(const bpe_tokenizer *t, const char *s, size_t n);
+void bpe_str_insert(bpe_tokenizer *t, const char *s, int32_t id);
+size_t bpe_pow2_at_least(size_t n);
 void bpe_cache_free(bpe_tokenizer *t);
 
 /* Grows *ids (and *spans, *marks when not NULL: they share *cap) so that

@@ -24,6 +24,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "core/label.h"
 #include "core/strbuf.h"
 #include "text/tokenizer.h"
 
@@ -33,7 +34,7 @@
  * same ChatML with this system prompt, for a qwen.tiktoken tokenizer
  * (bpe_chat_system). */
 #define CHAT_QWEN1_SYSTEM "You are a helpful assistant."
-#define CHAT_IGNORE_INDEX (-100) /* label of a token the loss skips, as in HF */
+#define CHAT_IGNORE_INDEX QT_IGNORE_INDEX /* label of a token the loss skips (core/label.h) */
 
 typedef struct {
     const char *role;       /* "system", "user", "assistant" or "tool" */

@@ -37,62 +37,6 @@ static void byte_level_tables(uint32_t byte_to_cp[256], int16_t cp_to_byte[324])
     }
 }
 
-uint64_t bpe_hash_bytes(const void *p, size_t n) {
-    const uint8_t *s = p;
-    uint64_t h = 0x243F6A8885A308D3ull ^ (n * 0x9E3779B97F4A7C15ull);
-    while (n >= 8) {
-        uint64_t w;
-        memcpy(&w, s, 8);
-        h = (h ^ w) * 0xBF58476D1CE4E5B9ull;
-        h ^= h >> 31;
-        s += 8;
-        n -= 8;
-    }
-    uint64_t w = 0;
-    memcpy(&w, s, n);
-    h = (h ^ w ^ ((uint64_t)n << 59)) * 0x94D049BB133111EBull;
-    h ^= h >> 29;
-    return h;
-}
-
-static size_t pow2_at_least(size_t n) {
-    size_t c = 16;
-    while (c < n) c <<= 1;
-    return c;
-}
-
-/* ---- token string -> id ---- */
-
-static int32_t str_find(const bpe_tokenizer *t, const char *s, size_t n) {
-    uint64_t h = bpe_hash_bytes(s, n);
-    size_t mask = t->str_cap - 1;
-    for (size_t i = h & mask;; i = (i + 1) & mask) {
-        const bpe_str_slot *e = &t->str_tab[i];
-        if (e->id < 0) return -1;
-        if (e->hash == h && t->str_len[e->id] == n && !memcmp(t->tok_str[e->id], s, n)) return e->id;
-    }
-}
-
-int32_t bpe_vocab_find(const bpe_tokenizer *t, const char *s, size_t n) {
-    const int32_t id = str_find(t, s, n);
-    return id >= 0 && !t->is_added[id] ? id : -1;
-}
-
-/* Later entries win, as when HF builds its map: added tokens override vocab. */
-static void str_insert(bpe_tokenizer *t, const char *s, int32_t id) {
-    size_t n = strlen(s);
-    uint64_t h = bpe_hash_bytes(s, n);
-    size_t mask = t->str_cap - 1;
-    for (size_t i = h & mask;; i = (i + 1) & mask) {
-        bpe_str_slot *e = &t->str_tab[i];
-        if (e->id < 0 || (e->hash == h && !strcmp(t->tok_str[e->id], s))) {
-            e->hash = h;
-            e->id = id;
-            return;
-        }
-    }
-}
-
 /* ---- loading ---- */
 
 typedef struct {
@@ -191,18 +135,18 @@ static int build_strings(bpe_tokenizer *t, load_ctx *c) {
     for (int32_t i = 0; i < t->n_ids; i++)
         if (!t->is_added[i] && t->tok_off[i + 1] - t->tok_off[i] > t->max_word_bytes)
             t->max_word_bytes = t->tok_off[i + 1] - t->tok_off[i];
-    t->str_cap = pow2_at_least((size_t)t->n_ids * 2);
+    t->str_cap = bpe_pow2_at_least((size_t)t->n_ids * 2);
     t->str_tab = qt_malloc(t->str_cap * sizeof *t->str_tab, "token lookup table");
     if (!t->str_tab) return QT_ENOMEM;
     for (size_t i = 0; i < t->str_cap; i++) t->str_tab[i].id = -1;
     for (int32_t i = 0; i < t->n_ids; i++)
-        if (t->tok_str[i] && !t->is_added[i]) str_insert(t, t->tok_str[i], i);
+        if (t->tok_str[i] && !t->is_added[i]) bpe_str_insert(t, t->tok_str[i], i);
     for (int32_t i = 0; i < t->n_ids; i++)
-        if (t->tok_str[i] && t->is_added[i]) str_insert(t, t->tok_str[i], i);
+        if (t->tok_str[i] && t->is_added[i]) bpe_str_insert(t, t->tok_str[i], i);
     for (int b = 0; b < 256; b++) {
         char u[5];
         int l = utf8_encode(c->byte_to_cp[b], u);
-        t->byte_id[b] = str_find(t, u, (size_t)l);
+        t->byte_id[b] = bpe_str_find(t, u, (size_t)l);
         if (t->byte_id[b] < 0)
             return QT_ERR(QT_EUNSUPPORTED, "%s: model.vocab has no token for byte 0x%02X; qtune reads byte-level BPE vocabularies (GPT-2/Qwen style) only",
                           c->path, b);
@@ -213,14 +157,14 @@ static int build_strings(bpe_tokenizer *t, load_ctx *c) {
 }
 
 static int add_merge(bpe_tokenizer *t, load_ctx *c, size_t rank, const char *a, size_t na, const char *b, size_t nb) {
-    int32_t ia = str_find(t, a, na), ib = str_find(t, b, nb);
+    int32_t ia = bpe_str_find(t, a, na), ib = bpe_str_find(t, b, nb);
     char buf[1024];
     if (ia < 0 || ib < 0 || na + nb >= sizeof buf)
         return QT_ERR(QT_EFORMAT, "%s: model.merges[%zu] (\"%.*s %.*s\") names a token that model.vocab lacks", c->path, rank,
                       (int)na, a, (int)nb, b);
     memcpy(buf, a, na);
     memcpy(buf + na, b, nb);
-    int32_t id = str_find(t, buf, na + nb);
+    int32_t id = bpe_str_find(t, buf, na + nb);
     if (id < 0)
         return QT_ERR(QT_EFORMAT, "%s: model.merges[%zu] (\"%.*s %.*s\") makes \"%.*s\", which model.vocab lacks", c->path, rank,
                       (int)na, a, (int)nb, b, (int)(na + nb), buf);
@@ -245,7 +189,7 @@ static int parse_merges(bpe_tokenizer *t, load_ctx *c, const cJSON *merges) {
                       BPE_MAX_RANK, 1 << BPE_ID_BITS);
     t->n_merges = n;
     /* load factor about 0.6: short probes, 2 MiB for Qwen's 151k merges */
-    t->merge_cap = pow2_at_least(n + n / 2 + 2);
+    t->merge_cap = bpe_pow2_at_least(n + n / 2 + 2);
     int lg = 0;
     while (((size_t)1 << lg) < t->merge_cap) lg++;
     t->merge_shift = 64 - lg;
@@ -611,7 +555,7 @@ void bpe_free(bpe_tokenizer *t) {
 }
 
 int32_t bpe_token_id(const bpe_tokenizer *t, const char *token) {
-    return token ? str_find(t, token, strlen(token)) : -1;
+    return token ? bpe_str_find(t, token, strlen(token)) : -1;
 }
 
 const char *bpe_id_token(const bpe_tokenizer *t, int32_t id) {

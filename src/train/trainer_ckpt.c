@@ -29,7 +29,7 @@
 #include "io/safetensors.h"
 #include "model/params_io.h"
 #include "model/lora_io.h"
-#include "train/trainer_internal.h"
+#include "train/trainer_state.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>

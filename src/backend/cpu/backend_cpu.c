@@ -6,17 +6,18 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/backend_impl.h"
 #include "backend/cpu/op_dnnl.h"
 #include "backend/cpu/op_precision.h"
 #include "backend/cpu/ops.h"
 #include "core/error.h"
 #include "core/mem.h"
 
-/* Measured peak RSS of qtune train less its planned blocks, on the three
- * shapes of tests/tools/test_plan.py (1 and 2 threads, 2026-12-03): 6-7 MB
- * with every product on OpenBLAS, 10.5-11 MB more with op_sgemm_nn on
- * oneDNN (its pages and JIT kernels, measured with QTUNE_SGEMM=openblas and
- * without). */
+/* runtime_bytes: the peak RSS of qtune train less its planned blocks, with
+ * every product on OpenBLAS; runtime_extra: what oneDNN's pages and JIT
+ * kernels add while op_sgemm_nn runs on it (measured on the shapes of
+ * tests/tools/test_plan.py, which holds the plan to the measured peak; the
+ * figures are in bench/RESULTS.md). */
 const qt_backend_desc qt_cpu_desc = {
     .name = "cpu",
     .alignment = 64,
@@ -182,57 +183,64 @@ static size_t c_device_peak_bytes(BE) {
     (void)be;
     return 0;
 }
-static size_t c_runtime_bytes(BE) {
-    return be->desc->runtime_bytes + (op_sgemm_onednn() ? be->desc->runtime_extra : 0);
+size_t qt_cpu_runtime_bytes(void) {
+    return qt_cpu_desc.runtime_bytes + (op_sgemm_onednn() ? qt_cpu_desc.runtime_extra : 0);
 }
+static size_t c_runtime_bytes(BE) {
+    (void)be;
+    return qt_cpu_runtime_bytes();
+}
+static void c_close(BE) { qt_free(be); } /* the instance qt_backend_open allocated */
 #undef BE
 
-void qt_backend_cpu_fill(qt_backend *be) {
-    be->desc = &qt_cpu_desc;
-    be->alloc = c_alloc;
-    be->free = c_free;
-    be->import_mapped = c_import_mapped;
-    be->release_mapped = c_release_mapped;
-    be->upload = c_copy;
-    be->download = c_copy;
-    be->copy = c_copy;
-    be->zero = c_zero;
-    be->sync = c_sync;
-    be->event_record = c_event_record;
-    be->event_wait = c_event_wait;
-    be->event_free = c_event_free;
-    be->embedding_forward = c_embedding_forward;
-    be->embedding_backward = c_embedding_backward;
-    be->rmsnorm_forward = c_rmsnorm_forward;
-    be->rmsnorm_backward = c_rmsnorm_backward;
-    be->matmul_forward = c_matmul_forward;
-    be->matvec = c_matvec;
-    be->matvec_many = c_matvec_many;
-    be->matmul_backward = c_matmul_backward;
-    be->rope_forward = c_rope_forward;
-    be->rope_backward = c_rope_backward;
-    be->attention_forward = c_attention_forward;
-    be->attention_backward = c_attention_backward;
-    be->attention_forward_cached = c_attention_forward_cached;
-    be->swiglu_forward = c_swiglu_forward;
-    be->swiglu_backward = c_swiglu_backward;
-    be->lmhead_ce_forward = c_lmhead_ce_forward;
-    be->lmhead_ce_backward = c_lmhead_ce_backward;
-    be->lmhead_ce_forward_keep = c_lmhead_ce_forward_keep;
-    be->lmhead_ce_backward_kept = c_lmhead_ce_backward_kept;
-    be->lmhead_ce_forward_dx = c_lmhead_ce_forward_dx;
-    be->acc = c_acc;
-    be->hold_threads = c_hold_threads;
-    be->round_to_dtype = c_round_to_dtype;
-    be->round_store = c_round_store;
-    be->convert = c_convert;
-    be->half_available = c_half_available;
-    be->half_matmul = c_half_matmul;
-    be->half_gemm = c_half_gemm;
-    be->dropout = c_dropout;
-    be->adam = c_adam;
-    be->sum_squares = c_sum_squares;
-    be->scale = c_scale;
-    be->runtime_bytes = c_runtime_bytes;
-    be->device_peak_bytes = c_device_peak_bytes;
-}
+/* The table the registry copies into each instance it opens (backend_impl.h). */
+const qt_backend qt_backend_cpu_i = {
+    .desc = &qt_cpu_desc,
+    .alloc = c_alloc,
+    .free = c_free,
+    .import_mapped = c_import_mapped,
+    .release_mapped = c_release_mapped,
+    .upload = c_copy,
+    .download = c_copy,
+    .copy = c_copy,
+    .zero = c_zero,
+    .sync = c_sync,
+    .event_record = c_event_record,
+    .event_wait = c_event_wait,
+    .event_free = c_event_free,
+    .embedding_forward = c_embedding_forward,
+    .embedding_backward = c_embedding_backward,
+    .rmsnorm_forward = c_rmsnorm_forward,
+    .rmsnorm_backward = c_rmsnorm_backward,
+    .matmul_forward = c_matmul_forward,
+    .matmul_backward = c_matmul_backward,
+    .matvec = c_matvec,
+    .matvec_many = c_matvec_many,
+    .rope_forward = c_rope_forward,
+    .rope_backward = c_rope_backward,
+    .attention_forward = c_attention_forward,
+    .attention_backward = c_attention_backward,
+    .attention_forward_cached = c_attention_forward_cached,
+    .swiglu_forward = c_swiglu_forward,
+    .swiglu_backward = c_swiglu_backward,
+    .lmhead_ce_forward = c_lmhead_ce_forward,
+    .lmhead_ce_backward = c_lmhead_ce_backward,
+    .lmhead_ce_forward_keep = c_lmhead_ce_forward_keep,
+    .lmhead_ce_backward_kept = c_lmhead_ce_backward_kept,
+    .lmhead_ce_forward_dx = c_lmhead_ce_forward_dx,
+    .acc = c_acc,
+    .hold_threads = c_hold_threads,
+    .round_to_dtype = c_round_to_dtype,
+    .round_store = c_round_store,
+    .convert = c_convert,
+    .half_available = c_half_available,
+    .half_matmul = c_half_matmul,
+    .half_gemm = c_half_gemm,
+    .dropout = c_dropout,
+    .adam = c_adam,
+    .sum_squares = c_sum_squares,
+    .scale = c_scale,
+    .runtime_bytes = c_runtime_bytes,
+    .device_peak_bytes = c_device_peak_bytes,
+    .close = c_close,
+};

@@ -11,9 +11,13 @@ extern const qt_backend_desc qt_cpu_desc;
  * 134225920 bytes per mapping (Debian's 0.3.21 pthreads build, gdb on a run
  * stuck in blas_memory_alloc under ulimit -v). */
 #define QT_CPU_BLAS_THREAD_VM ((size_t)134225920)
-/* Fills every entry of be's table with the CPU's (desc, memory, ops); close
- * is the caller's. impl must be NULL: hold_threads keeps the held team
+/* The CPU's table (desc, memory, ops; close frees the instance). An instance
+ * starts as a copy of it with impl NULL: hold_threads keeps the held team
  * there while its function runs. */
-void qt_backend_cpu_fill(qt_backend *be);
+extern const qt_backend qt_backend_cpu_i;
+/* The process runtime the CPU's kernels add outside the planned blocks:
+ * the descriptor's figure, more while sgemm runs on oneDNN. A process fact:
+ * no instance needed. */
+size_t qt_cpu_runtime_bytes(void);
 
 #endif

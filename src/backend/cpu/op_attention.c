@@ -17,11 +17,9 @@
  * the work, one sgemm per thread at a time (see op_matmul.c). Scratch is two
  * ATT_BR x ATT_BC blocks on each thread's stack: nothing is allocated.
  *
- * Most of the time is spent in the sgemm calls (64 x 64 x 64 products run
- * at ~50 GFLOP per CPU-second alone on the team's machine): 26-40 GFLOP per
- * CPU-second at the 0.5B and bench-tiny shapes, against 9-15 when this file
- * went one query row at a time with vector dot products (bench/RESULTS.md,
- * "Attention on GEMM blocks"). */
+ * Most of the time is spent in the sgemm calls, which run several times the
+ * rate of the one-query-row-at-a-time form with vector dot products that
+ * this replaced (bench/RESULTS.md, "Attention on GEMM blocks"). */
 #include "backend/cpu/ops.h"
 #include "backend/cpu/op_simd.h"
 
@@ -293,11 +291,8 @@ static const float *block_rows(float *buf, const float *src, int nk, int D, size
  * online softmax over blocks of ATT_BC keys. The kv heads go through each
  * block one after another, so a thread reads a stretch of NKV x D floats of
  * every cache row, not D floats of it for one head over the whole context
- * and then the next head's. A call from memory, two sets of alternating
- * rounds, 1 / 2 threads: 0.5B heads at 1500 keys 1.07x and 1.27x at 1 (at 2
- * each thread has one kv head, as before); 40 / 8 heads of 128 1.02-1.04x /
- * 1.05-1.08x; 40 / 40 heads of 128 at 1000 keys 1.08-1.12x / 1.07-1.12x
- * (bench/RESULTS-decode.md, session 14). Per block: the scores of every
+ * and then the next head's: faster at every head layout measured
+ * (bench/RESULTS-decode.md). Per block: the scores of every
  * head (two heads at a time, each key line loaded once for both, 8 keys at a
  * time: dots8), the softmax, then the values of every head (two at a time,
  * each head's accumulator held in registers through the block). Every
@@ -308,16 +303,10 @@ static const float *block_rows(float *buf, const float *src, int nk, int D, size
  * Each phase reads one block (16 KiB at D = 64) G / 2 times, from L1 where
  * its rows spread over L1's sets. The cache's rows are KV x D floats apart:
  * at 8 kv heads of 128 that is 4 KiB, every row of a head falls in the same
- * 8 sets, and the block is first copied to consecutive rows (1500 keys, 40
- * heads, 1 thread, in cache: 940 -> 656 us a call); at 512 bytes (the 0.5B)
- * the copy cost more than it saved (102 -> 107 us).
- *
- * Measured (bench/RESULTS-decode.md): a call in cache, 1 thread, 0.5B
- * heads, 1500 keys 152 -> 87 us (80 keys: 8.1 -> 5.7); the 0.5B decode
- * step's work outside the products, 1 thread at a 1000-token context, 3.43
- * -> 2.82 ms. On 2 threads at 2000 tokens it stayed at 4.75 ms: there the
- * cache's 48 MB a step come from memory (the weights' stream evicts it) and
- * the reads, not the arithmetic, bound it. */
+ * 8 sets, and the block is first copied to consecutive rows; at 512 bytes
+ * (the 0.5B) the copy costs more than it saves. Where the cache comes from
+ * memory (long contexts on several threads: the weights' stream evicts it)
+ * the reads, not the arithmetic, bound the call (bench/RESULTS-decode.md). */
 static void attn_rows(float *o, const float *q, const float *k, const float *v, size_t ks, int j1, int D, int G,
                       float scale, int NKV) {
     float acc[ATT_MAX_GD];

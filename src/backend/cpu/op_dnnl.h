@@ -6,8 +6,8 @@
  * (it answers dnnl_unimplemented, or only its slow reference kernel), both
  * functions refuse and the caller keeps the fp32 sgemm path.
  *
- * Checked on AVX512_BF16 hardware (AMD Zen 4, 2026-12-03) against an fp64
- * product; without it only the refusal is tested (docs/precision.md). */
+ * Checked on AVX512_BF16 hardware against an fp64 product; without it only
+ * the refusal is tested (docs/precision.md). */
 #ifndef QT_BACKEND_CPU_OP_DNNL_H
 #define QT_BACKEND_CPU_OP_DNNL_H
 

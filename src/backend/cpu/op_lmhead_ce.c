@@ -5,7 +5,7 @@
  * backward recomputes each chunk's logits, turns them into
  *   dlogits = dscale * (softmax - onehot(target))
  * in place, and accumulates dx += dlogits @ Wc and dW[chunk] += dlogits^T @ x.
- * Rows whose target is -100 carry no loss and no gradient.
+ * Rows whose target is QT_IGNORE_INDEX carry no loss and no gradient.
  *
  * A trainable lm_head whose logits fit the plan (full fine-tuning, see
  * qt_model_keeps_logits) keeps them instead: forward_keep writes each chunk's
@@ -26,7 +26,6 @@
 
 #include "backend/cpu/op_dnnl.h"
 #include "core/error.h"
-#include "data/batch.h"
 
 size_t op_lmhead_ce_ws_floats(int N, int C) {
     /* logits chunk, weight chunk, sum (double) / max / target logit, and for

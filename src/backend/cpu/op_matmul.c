@@ -17,10 +17,9 @@
  *
  * The input-gradient products (dout @ W, no operand transposed) go through
  * op_sgemm_nn and the weight gradients (dout^T @ inp) through op_sgemm_tn:
- * oneDNN's sgemm where it loads, which on the AVX-512 Zen 4 machine ran them
- * 8-25% (nn) and 3-10% (tn) faster than OpenBLAS (bench/RESULTS.md, run K);
- * the forward's products stay on OpenBLAS, which was as fast or faster
- * there. */
+ * oneDNN's sgemm where it loads, which ran them faster than OpenBLAS on
+ * AVX-512 (bench/RESULTS.md); the forward's products stay on OpenBLAS, which
+ * was as fast or faster there. */
 #include "backend/cpu/ops.h"
 
 #include <cblas.h>

@@ -90,20 +90,10 @@
  * and f32 was level, so they keep T0. */
 #define MATVEC_AHEAD_PAIRS 2048
 /* One input row's shorter rows of 2-byte weights in a product split over
- * threads: a T0 hint 4 KiB ahead. An earlier kernel lost 10% by a hint on
- * one row (8 KiB ahead), and the hardware prefetcher alone served these rows
- * until session 15, which measured the hint (bench_matvec, alternating
- * rounds, median step, against no hint on the short rows; the 0.5B shape
- * unless said): bf16 2 threads 1.039 in a quiet phase of the shared host (8
- * rounds; 3 KiB 1.031, 6 KiB 1.021, 8 KiB 0.996, 2 KiB 0.991, 2 KiB NTA
- * 1.001), 1.088 and 1.024 in busier ones; f16 2 threads 1.055; a 14B shape
- * 1.005. Where it is not used it lost: bf16 1 thread 0.970 and 0.973, f32 2
- * threads 0.969 and 0.973 (1.030 in the quiet phase), f32 1 thread 0.921.
- * Through generate the evidence is weaker: session 15 saw 1.009, 0.988 and
- * 1.070 (per-round medians, bf16 2 threads), session 16 level (no hint
- * 1.029 over 10 rounds, 0.991 over 20; 8 KiB 0.997), and found bench_matvec
- * running at one of two speeds from one process to the next; at 1 thread
- * the hint lost 0.933 through generate. */
+ * threads: a T0 hint 4 KiB ahead, which bench_matvec measured faster than
+ * the hardware prefetcher alone for bf16 and f16 on 2 threads, and slower
+ * where it is not used (1 thread, f32); through generate the gain is within
+ * the noise (bench/RESULTS.md). */
 #define MATVEC_AHEAD_ONE 4096
 
 #if defined(__AVX512F__)
@@ -568,9 +558,8 @@ static void mv_run(op_team *team, const float *x, int N, int IN, int count, cons
      * whole chunks to OUT. Even threads take them from the first up, odd ones from the last down; a claim on the
      * shared count comes first, so the two ends never take the same chunk. The threads meet in the quarters: a
      * thread that finds nothing left waits at the job's end for the other's last piece, a quarter of a chunk.
-     * Each thread reading its own end of the matrix, not every other chunk of it: bench_matvec bf16, 2 threads,
-     * 8 alternating rounds, median step 1.075x, the sum of each product's best 1.034x (bench/RESULTS-decode.md,
-     * session 13). */
+     * Each thread reads its own end of the matrix, not every other chunk of it: faster on two threads
+     * (bench/RESULTS-decode.md, bench_matvec). */
     int n_whole = (int)(((size_t)OUT + rows - 1) / rows) - nth;
     if (n_whole < 0) n_whole = 0;
     const int nf = n_whole / 2, nb = n_whole - nf, mid0 = nf * per;

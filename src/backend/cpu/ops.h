@@ -1,22 +1,10 @@
-/* CPU ops: forward/backward pairs over flat fp32 activations, on OpenBLAS
- * (cblas_sgemm) and OpenMP. The Qwen2 graph (src/model/) is written once over
- * these op_* calls; a CUDA backend implements the same names.
- *
- * Dimension letters: B batch, T sequence, N = B*T rows, C hidden, H heads,
- * KV kv heads, D head dim, I intermediate, V vocab, IN/OUT a matmul's sides.
- *
- * Conventions, stated once here:
- *  - every backward ADDS into its gradient outputs (dinp, dweight, dbias ...)
- *    with `+=`; callers zero them. So the residual stream's gradient and
- *    accumulation across micro-batches come for free.
- *  - weights that may be frozen (matmul matrices, the embedding table, the
- *    lm_head) are passed as (pointer, qt_dtype): f32, f16 or bf16 as stored in
- *    the file. Matmuls convert panels of rows to f32 in a workspace for sgemm,
- *    so a frozen base never needs an fp32 copy. Weight gradients exist only
- *    for f32 master weights (pass NULL otherwise).
- *  - small vectors (norm weights, biases) are always f32.
- *  - ws arguments are caller-owned scratch of at least the size the matching
- *    op_*_ws_floats() returns. */
+/* The CPU's kernels: forward/backward pairs over flat fp32 activations, on
+ * OpenBLAS (cblas_sgemm) and OpenMP. backend_cpu.c's table calls them, one
+ * op_<slot> per slot of backend.h's table; the contract each keeps (shapes,
+ * `+=` gradients, (pointer, dtype) weights, workspaces) is backend_impl.h's,
+ * and the guard backend runs these same kernels. What is said below is what
+ * is particular to the CPU: its workspace constants and formulas, the held
+ * thread team (team.h), the sgemm helpers. */
 #ifndef QT_BACKEND_CPU_OPS_H
 #define QT_BACKEND_CPU_OPS_H
 
@@ -106,8 +94,8 @@ void op_swiglu_backward(float *dgate, float *dup, const float *dout, const float
 /* ---- fused lm_head + cross-entropy over vocabulary chunks ------------------ */
 /* Logits (N, V) = x (N, C) @ W^T are never held whole: the vocabulary is
  * walked in chunks of OP_CE_CHUNK with an online log-sum-exp. For rows with
- * targets[n] != -100: loss[n] = lse[n] - logit[n][target]; else loss[n] = 0.
- * lse (N) is saved for the backward. */
+ * targets[n] != QT_IGNORE_INDEX: loss[n] = lse[n] - logit[n][target]; else
+ * loss[n] = 0. lse (N) is saved for the backward. */
 #define OP_CE_CHUNK 2048
 size_t op_lmhead_ce_ws_floats(int N, int C);
 void op_lmhead_ce_forward(float *loss, float *lse, const float *x, const void *w, qt_dtype wdt,

@@ -1,16 +1,12 @@
-/* The CUDA backend: the descriptor, opening and closing a device, and the
- * failure path every checked call takes. The ops live one family a file
- * (op_*.cu); each fills its rows of backend.h's table. */
+/* The CUDA backend: opening and closing a device, and the failure path every
+ * checked call takes. The ops live one family a file (op_*.cu); table.c
+ * gathers them into the backend's table. */
 #include "backend/cuda/backend_cuda.h"
 #include "backend/cuda/cuda_internal.h"
 
-#include <nccl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-
-
 
 extern "C" void qt_cuda_fail(const char *what, const char *detail, const char *file, int line) {
     fprintf(stderr,
@@ -30,7 +26,7 @@ static int device_count(void) {
     return n;
 }
 
-static void cuda_close(qt_backend *be) {
+void qt_cuda_close(qt_backend *be) {
     if (!be) return;
     qt_cuda *c = qt_cuda_of(be);
     if (c) {
@@ -62,13 +58,14 @@ static int cuda_open(int dev, qt_backend **out) {
     if (e != cudaSuccess)
         return QT_ERR(QT_EUNSUPPORTED, "cannot use GPU %d: %s; run `qtune doctor` (a driver older than the CUDA "
                       "runtime qtune was built with is the usual cause)", dev, cudaGetErrorString(e));
-    qt_backend *be = (qt_backend *)calloc(1, sizeof *be);
+    qt_backend *be = (qt_backend *)malloc(sizeof *be);
     qt_cuda *c = (qt_cuda *)calloc(1, sizeof *c);
     if (!be || !c) {
         free(be), free(c);
         return QT_ERR(QT_ENOMEM, "out of host memory opening the CUDA backend");
     }
     c->device = dev;
+    *be = qt_cuda_backend_i;
     be->impl = c;
     be->desc = qt_cuda_host_api.desc;
     size_t free0 = 0, total = 0;
@@ -78,7 +75,7 @@ static int cuda_open(int dev, qt_backend **out) {
         cublasSetStream(c->blas, c->stream) != CUBLAS_STATUS_SUCCESS ||
         cudaMalloc((void **)&c->sq_part, QT_CUDA_SQ_BLOCKS * sizeof(double)) != cudaSuccess ||
         cudaMallocHost((void **)&c->sq_host, QT_CUDA_SQ_BLOCKS * sizeof(double)) != cudaSuccess) {
-        cuda_close(be);
+        qt_cuda_close(be);
         return QT_ERR(QT_EUNSUPPORTED, "cannot set up GPU %d (stream, cuBLAS handle or a small buffer failed: "
                       "out of device memory, or another process holds the card in exclusive mode); check "
                       "nvidia-smi", dev);
@@ -88,42 +85,8 @@ static int cuda_open(int dev, qt_backend **out) {
     size_t free1 = 0;
     cudaMemGetInfo(&free1, &total);
     c->runtime_bytes = free0 > free1 ? free0 - free1 : 0;
-    qt_cuda_fill_memory(be);
-    qt_cuda_fill_elementwise(be);
-    qt_cuda_fill_matmul(be);
-    qt_cuda_fill_matvec(be);
-    qt_cuda_fill_attention(be);
-    qt_cuda_fill_lmhead_ce(be);
-    qt_cuda_fill_optim(be);
-    be->close = cuda_close;
     *out = be;
     return QT_OK;
-}
-
-static void describe(char *buf, size_t cap) {
-    size_t at = 0;
-#define PUT(...)                                                              \
-    do {                                                                      \
-        if (at < cap) at += (size_t)snprintf(buf + at, cap - at, __VA_ARGS__); \
-    } while (0)
-    int drv = 0, rt = 0;
-    cudaDriverGetVersion(&drv);
-    cudaRuntimeGetVersion(&rt);
-    int nccl = 0;
-    ncclGetVersion(&nccl);
-    PUT("driver CUDA %d.%d, runtime %d.%d, cuBLAS %d, NCCL %d.%d.%d\n", drv / 1000, drv % 1000 / 10, rt / 1000,
-        rt % 1000 / 10, CUBLAS_VERSION, nccl / 10000, nccl / 100 % 100, nccl % 100);
-    if (drv == 0) PUT("no NVIDIA driver is loaded\n");
-    else if (drv < rt) PUT("the driver (CUDA %d.%d) is older than the runtime qtune was built with (%d.%d): update it\n",
-                           drv / 1000, drv % 1000 / 10, rt / 1000, rt % 1000 / 10);
-    int n = device_count();
-    for (int i = 0; i < n; i++) {
-        cudaDeviceProp p;
-        if (cudaGetDeviceProperties(&p, i) != cudaSuccess) continue;
-        PUT("GPU %d: %s, compute capability %d.%d, %.1f GiB\n", i, p.name, p.major, p.minor,
-            (double)p.totalGlobalMem / (1 << 30));
-    }
-#undef PUT
 }
 
 /* ---- the module's entry points (loader.c finds them with dlsym) ---------- */
@@ -140,7 +103,4 @@ extern "C" __attribute__((visibility("default"))) void qt_cuda_module_device_nam
     cudaDeviceProp p;
     if (cap && cudaGetDeviceProperties(&p, dev) == cudaSuccess) snprintf(buf, cap, "%s", p.name);
     else cudaGetLastError();
-}
-extern "C" __attribute__((visibility("default"))) void qt_cuda_module_describe(char *buf, size_t cap) {
-    describe(buf, cap);
 }

@@ -12,7 +12,7 @@ extern "C" {
 #include "backend/backend.h"
 
 /* Loads the module and opens GPU index (< 0: the process's default,
- * backend/device.h qt_device_default_cuda_index). QT_EUNSUPPORTED with a
+ * backend/device_default.h qt_device_default_cuda_index). QT_EUNSUPPORTED with a
  * sentence when the module, a driver or a GPU is missing; QT_EINVAL when
  * index is not a visible GPU. */
 int qt_backend_cuda_open(int index, qt_backend **out);
@@ -27,9 +27,6 @@ int qt_cuda_device_count(void);
 int qt_cuda_probe(char *why, size_t cap);
 /* The name of visible GPU index ("NVIDIA H200"); "" when unknown. */
 void qt_cuda_device_name(int index, char *buf, size_t cap);
-/* One line per GPU and the driver / runtime / cuBLAS / NCCL versions, for
- * `qtune doctor`; writes at most cap bytes to buf. */
-void qt_cuda_describe(char *buf, size_t cap);
 
 #ifdef __cplusplus
 }

@@ -18,6 +18,7 @@
 extern "C" {
 #endif
 #include "backend/backend.h"
+#include "backend/cuda/cuda_ops.h"
 #include "core/error.h" /* the QT_E* codes only: errors are raised through the host's table below */
 
 /* This folder is built as a module (libqtune_cuda.so) that qtune loads with
@@ -78,14 +79,7 @@ void qt_cuda_fail(const char *what, const char *detail, const char *file, int li
 /* after a kernel launch: a bad launch configuration shows here */
 #define QT_CUDA_LAUNCHED() QT_CUDA(cudaGetLastError())
 
-/* ---- the ops, one file per family (each fills its rows of the table) ---- */
-void qt_cuda_fill_memory(qt_backend *be);      /* memory.cu */
-void qt_cuda_fill_elementwise(qt_backend *be); /* op_elementwise.cu */
-void qt_cuda_fill_matmul(qt_backend *be);      /* op_matmul.cu */
-void qt_cuda_fill_matvec(qt_backend *be);      /* op_matmul.cu */
-void qt_cuda_fill_attention(qt_backend *be);   /* op_attention.cu */
-void qt_cuda_fill_lmhead_ce(qt_backend *be);   /* op_lmhead_ce.cu */
-void qt_cuda_fill_optim(qt_backend *be);       /* op_optim.cu */
+/* ---- the ops, one file per family: cuda_ops.h declares them, table.c gathers them ---- */
 
 /* f32 copy of rows [0, rows) of a (rows, cols) matrix in dtype dt, into ws
  * (returned), or src itself when it is f32 already. */

@@ -1,16 +1,15 @@
 /* Loading the CUDA backend: the kernels live in a module, libqtune_cuda.so,
  * opened with dlopen the first time a run asks for the GPU. Linking the CUDA
- * runtime and cuBLAS into qtune itself cost every command 3.3 s and 220 MB
- * at start (measured: `qtune --help` 0.12 s / 6.5 MB without, 3.3 s / 225 MB
- * with), which no CPU run should pay, and a machine without the CUDA
- * libraries could not start qtune at all.
+ * runtime and cuBLAS into qtune itself would cost every command seconds and
+ * hundreds of MB at start (bench/RESULTS.md), which no CPU run should pay,
+ * and a machine without the CUDA libraries could not start qtune at all.
  *
  * Where the module is looked for, first found wins: next to the executable;
  * ../lib beside it (the installed layout); the build tree's lib/ (tests run
  * from there). A path the user names in $QTUNE_CUDA_MODULE is the only place
- * looked: it loads or is the error. (It used to be the first of the four, so
- * a typo there was skipped in silence: on a GPU host the build tree's module
- * loaded instead, and elsewhere the error blamed the driver.) */
+ * looked: it loads or is the error, never skipped in silence for another
+ * module (a typo would otherwise load the build tree's, or blame the
+ * driver). */
 #define _GNU_SOURCE
 #include "backend/cuda/backend_cuda.h"
 
@@ -22,7 +21,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "backend/device.h"
+#include "backend/device_default.h"
 #include "core/error.h"
 #include "qtune_config.h"
 
@@ -108,7 +107,7 @@ int qt_backend_cuda_open(int index, qt_backend **out) {
     if (!open_fn || !count_fn)
         return QT_ERR(QT_EUNSUPPORTED, "libqtune_cuda.so has no qt_cuda_module_open_device: a module from "
                       "another qtune version; rebuild qtune");
-    if (index < 0) { /* the process's GPU: device.c's rule, the one place it is written */
+    if (index < 0) { /* the process's GPU: device_default.c's rule */
         int count = count_fn();
         if (count > 0) QT_TRY(qt_device_default_cuda_index(count, &index));
     }
@@ -155,16 +154,4 @@ void qt_cuda_device_name(int index, char *buf, size_t cap) {
     if (!module) return; /* only asked after a probe found GPUs */
     void (*fn)(int, char *, size_t) = (void (*)(int, char *, size_t))dlsym(module, "qt_cuda_module_device_name");
     if (fn) fn(index, buf, cap);
-}
-
-void qt_cuda_describe(char *buf, size_t cap) {
-    if (!cap) return;
-    buf[0] = 0;
-    if (!load_module()) {
-        snprintf(buf, cap, "CUDA backend: not available (%s)\n",
-                 tried[0] ? tried : "this build has none: nvcc was not found when it was configured");
-        return;
-    }
-    void (*fn)(char *, size_t) = (void (*)(char *, size_t))dlsym(module, "qt_cuda_module_describe");
-    if (fn) fn(buf, cap);
 }

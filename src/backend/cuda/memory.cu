@@ -35,7 +35,7 @@ static int untrack(qt_cuda *c, void *p) {
 /* Which allocator gave a pointer, so free can return it: the device blocks
  * are in the table above; for the others (pinned or plain host memory, or a
  * device block the table had no room for) cudaPointerGetAttributes answers. */
-static void *g_alloc(qt_backend *be, qt_mem_place place, size_t bytes, const char *what) {
+void *qt_cuda_alloc(qt_backend *be, qt_mem_place place, size_t bytes, const char *what) {
     void *p = NULL;
     if (bytes == 0) bytes = 256;
     cudaError_t e;
@@ -63,7 +63,7 @@ static void *g_alloc(qt_backend *be, qt_mem_place place, size_t bytes, const cha
     return p;
 }
 
-static void g_free(qt_backend *be, void *p) {
+void qt_cuda_free(qt_backend *be, void *p) {
     if (!p) return;
     if (untrack(qt_cuda_of(be), p)) {
         QT_CUDA(cudaFree(p));
@@ -80,25 +80,25 @@ static void g_free(qt_backend *be, void *p) {
     else free(p);
 }
 
-static int g_import_mapped(qt_backend *be, const void *host, size_t bytes, const void **dev, const char *what) {
-    void *d = g_alloc(be, QT_MEM_DEVICE, bytes, what);
+int qt_cuda_import_mapped(qt_backend *be, const void *host, size_t bytes, const void **dev, const char *what) {
+    void *d = qt_cuda_alloc(be, QT_MEM_DEVICE, bytes, what);
     if (!d) return QT_ENOMEM;
     QT_CUDA(cudaMemcpyAsync(d, host, bytes, cudaMemcpyHostToDevice, qt_cuda_of(be)->stream));
     QT_CUDA(cudaStreamSynchronize(qt_cuda_of(be)->stream)); /* the mapping may go once this returns */
     *dev = d;
     return QT_OK;
 }
-static void g_release_mapped(qt_backend *be, const void *dev) { g_free(be, (void *)dev); }
+void qt_cuda_release_mapped(qt_backend *be, const void *dev) { qt_cuda_free(be, (void *)dev); }
 
 /* upload/download are synchronous with the host's buffer: the caller may
  * reuse it at once (a pageable buffer makes the copy synchronous anyway) */
-static void g_upload(qt_backend *be, void *dev, const void *host, size_t bytes) {
+void qt_cuda_upload(qt_backend *be, void *dev, const void *host, size_t bytes) {
     if (!bytes) return;
     qt_cuda *c = qt_cuda_of(be);
     QT_CUDA(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, c->stream));
     QT_CUDA(cudaStreamSynchronize(c->stream));
 }
-static void g_download(qt_backend *be, void *host, const void *dev, size_t bytes) {
+void qt_cuda_download(qt_backend *be, void *host, const void *dev, size_t bytes) {
     if (!bytes) return;
     qt_cuda *c = qt_cuda_of(be);
     QT_CUDA(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, c->stream));
@@ -106,31 +106,31 @@ static void g_download(qt_backend *be, void *host, const void *dev, size_t bytes
 }
 /* cudaMemcpyDefault: either side may be pinned host memory (a sharded master offloaded, ZeRO-2's offloaded
  * gradient shard), which unified addressing tells apart */
-static void g_copy(qt_backend *be, void *dst, const void *src, size_t bytes) {
+void qt_cuda_copy(qt_backend *be, void *dst, const void *src, size_t bytes) {
     if (bytes) QT_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, qt_cuda_of(be)->stream));
 }
-static void g_zero(qt_backend *be, void *dev, size_t bytes) {
+void qt_cuda_zero(qt_backend *be, void *dev, size_t bytes) {
     if (bytes) QT_CUDA(cudaMemsetAsync(dev, 0, bytes, qt_cuda_of(be)->stream));
 }
-static void g_sync(qt_backend *be) { QT_CUDA(cudaStreamSynchronize(qt_cuda_of(be)->stream)); }
+void qt_cuda_sync(qt_backend *be) { QT_CUDA(cudaStreamSynchronize(qt_cuda_of(be)->stream)); }
 
-static qt_event *g_event_record(qt_backend *be) {
+qt_event *qt_cuda_event_record(qt_backend *be) {
     cudaEvent_t ev;
     QT_CUDA(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
     QT_CUDA(cudaEventRecord(ev, qt_cuda_of(be)->stream));
     return (qt_event *)ev;
 }
-static void g_event_wait(qt_backend *be, qt_event *e) {
+void qt_cuda_event_wait(qt_backend *be, qt_event *e) {
     (void)be;
     QT_CUDA(cudaEventSynchronize((cudaEvent_t)e));
 }
-static void g_event_free(qt_backend *be, qt_event *e) {
+void qt_cuda_event_free(qt_backend *be, qt_event *e) {
     (void)be;
     if (e) QT_CUDA(cudaEventDestroy((cudaEvent_t)e));
 }
 
-static size_t g_runtime_bytes(qt_backend *be) { return qt_cuda_of(be)->runtime_bytes; }
-static size_t g_device_peak_bytes(qt_backend *be) { return qt_cuda_of(be)->peak; }
+size_t qt_cuda_runtime_bytes(qt_backend *be) { return qt_cuda_of(be)->runtime_bytes; }
+size_t qt_cuda_device_peak_bytes(qt_backend *be) { return qt_cuda_of(be)->peak; }
 
 extern "C" float *qt_cuda_scratch(qt_backend *be, size_t floats) {
     qt_cuda *c = qt_cuda_of(be);
@@ -162,25 +162,7 @@ extern "C" void qt_cuda_colsum_finish(qt_backend *be, float *out, const float *p
 }
 
 /* the work runs on the GPU's stream: no host threads to hold */
-static int g_hold_threads(qt_backend *be, int (*fn)(void *arg), void *arg) {
+int qt_cuda_hold_threads(qt_backend *be, int (*fn)(void *arg), void *arg) {
     (void)be;
     return fn(arg);
-}
-
-extern "C" void qt_cuda_fill_memory(qt_backend *be) {
-    be->alloc = g_alloc;
-    be->free = g_free;
-    be->import_mapped = g_import_mapped;
-    be->release_mapped = g_release_mapped;
-    be->upload = g_upload;
-    be->download = g_download;
-    be->copy = g_copy;
-    be->zero = g_zero;
-    be->sync = g_sync;
-    be->event_record = g_event_record;
-    be->event_wait = g_event_wait;
-    be->event_free = g_event_free;
-    be->runtime_bytes = g_runtime_bytes;
-    be->device_peak_bytes = g_device_peak_bytes;
-    be->hold_threads = g_hold_threads;
 }

@@ -237,7 +237,7 @@ static int use_tiled(int D) {
     return !simple && qt_cuda_att_tiled_ok(D);
 }
 
-static void g_attention_forward(BE, float *out, float *lse, const float *q, const float *k, const float *v,
+void qt_cuda_attention_forward(BE, float *out, float *lse, const float *q, const float *k, const float *v,
                                 const int32_t *doc_start, int B, int T, int H, int KV, int D) {
     if (B <= 0 || T <= 0) return;
     if (!dims_ok(H, KV, D)) qt_cuda_fail("attention_forward", "head_dim over 256 or heads not a multiple of kv heads",
@@ -251,7 +251,7 @@ static void g_attention_forward(BE, float *out, float *lse, const float *q, cons
     QT_CUDA_LAUNCHED();
 }
 
-static void g_attention_backward(BE, float *dq, float *dk, float *dv, const float *dout, const float *out,
+void qt_cuda_attention_backward(BE, float *dq, float *dk, float *dv, const float *dout, const float *out,
                                  const float *lse, const float *q, const float *k, const float *v,
                                  const int32_t *doc_start, int B, int T, int H, int KV, int D) {
     if (B <= 0 || T <= 0) return;
@@ -276,17 +276,11 @@ static void g_attention_backward(BE, float *dq, float *dk, float *dv, const floa
     QT_CUDA_LAUNCHED();
 }
 
-static void g_attention_forward_cached(BE, float *out, const float *q, const float *kc, const float *vc, int n,
+void qt_cuda_attention_forward_cached(BE, float *out, const float *q, const float *kc, const float *vc, int n,
                                        int pos0, int H, int KV, int D) {
     if (n <= 0) return;
     if (!dims_ok(H, KV, D)) qt_cuda_fail("attention_forward_cached", "head_dim over 256", __FILE__, __LINE__);
     k_att_fwd_cached<<<dim3((unsigned)n, (unsigned)H, 1), ATT_TILE, 0, STREAM>>>(out, q, kc, vc, pos0, H, KV, D,
                                                                                 1.0f / sqrtf((float)D));
     QT_CUDA_LAUNCHED();
-}
-
-extern "C" void qt_cuda_fill_attention(qt_backend *be) {
-    be->attention_forward = g_attention_forward;
-    be->attention_backward = g_attention_backward;
-    be->attention_forward_cached = g_attention_forward_cached;
 }

@@ -39,7 +39,7 @@ __global__ void k_convert(void *dst, qt_dtype ddt, const void *src, qt_dtype sdt
         else ((unsigned short *)dst)[i] = f32_to_bits(x, ddt);
     }
 }
-static void g_convert(BE, void *dst, qt_dtype ddt, const void *src, qt_dtype sdt, size_t n) {
+void qt_cuda_convert(BE, void *dst, qt_dtype ddt, const void *src, qt_dtype sdt, size_t n) {
     if (!n) return;
     k_convert<<<qt_cuda_blocks(n), 256, 0, STREAM>>>(dst, ddt, src, sdt, n);
     QT_CUDA_LAUNCHED();
@@ -48,7 +48,7 @@ static void g_convert(BE, void *dst, qt_dtype ddt, const void *src, qt_dtype sdt
 extern "C" const float *qt_cuda_weight_f32(qt_backend *be, const void *src, qt_dtype dt, size_t rows, size_t cols,
                                            float *ws) {
     if (dt == QT_F32) return (const float *)src;
-    g_convert(be, ws, QT_F32, src, dt, rows * cols);
+    qt_cuda_convert(be, ws, QT_F32, src, dt, rows * cols);
     return ws;
 }
 
@@ -59,12 +59,12 @@ __global__ void k_round(float *x, unsigned short *dst, size_t n, qt_dtype dt) {
         if (dst) dst[i] = f32_to_bits(r, dt);
     }
 }
-static void g_round_to_dtype(BE, float *x, size_t n, qt_dtype dt) {
+void qt_cuda_round_to_dtype(BE, float *x, size_t n, qt_dtype dt) {
     if (!n || dt == QT_F32) return;
     k_round<<<qt_cuda_blocks(n), 256, 0, STREAM>>>(x, NULL, n, dt);
     QT_CUDA_LAUNCHED();
 }
-static void g_round_store(BE, float *x, uint16_t *dst, size_t n, qt_dtype dt) {
+void qt_cuda_round_store(BE, float *x, uint16_t *dst, size_t n, qt_dtype dt) {
     if (!n) return;
     k_round<<<qt_cuda_blocks(n), 256, 0, STREAM>>>(x, (unsigned short *)dst, n, dt);
     QT_CUDA_LAUNCHED();
@@ -78,7 +78,7 @@ __global__ void k_embedding_fwd(float *out, const int32_t *ids, const void *wte,
         out[i] = load_as_f32(wte, wdt, (size_t)ids[n] * C + c);
     }
 }
-static void g_embedding_forward(BE, float *out, const int32_t *ids, const void *wte, qt_dtype wdt, int N, int C) {
+void qt_cuda_embedding_forward(BE, float *out, const int32_t *ids, const void *wte, qt_dtype wdt, int N, int C) {
     k_embedding_fwd<<<qt_cuda_blocks((size_t)N * C), 256, 0, STREAM>>>(out, ids, wte, wdt, N, C);
     QT_CUDA_LAUNCHED();
 }
@@ -88,7 +88,7 @@ __global__ void k_embedding_bwd(float *dwte, const float *dout, const int32_t *i
     if (c >= C) return;
     for (int n = 0; n < N; n++) dwte[(size_t)ids[n] * C + c] += dout[(size_t)n * C + c];
 }
-static void g_embedding_backward(BE, float *dwte, const float *dout, const int32_t *ids, int N, int C) {
+void qt_cuda_embedding_backward(BE, float *dwte, const float *dout, const int32_t *ids, int N, int C) {
     k_embedding_bwd<<<(C + 255) / 256, 256, 0, STREAM>>>(dwte, dout, ids, N, C);
     QT_CUDA_LAUNCHED();
 }
@@ -120,7 +120,7 @@ __global__ void k_rmsnorm_fwd(float *out, float *rstd, const float *inp, const f
     float *o = out + (size_t)blockIdx.x * C;
     for (int c = threadIdx.x; c < C; c += blockDim.x) o[c] = w[c] * (x[c] * r);
 }
-static void g_rmsnorm_forward(BE, float *out, float *rstd, const float *inp, const float *w, int N, int C, float eps) {
+void qt_cuda_rmsnorm_forward(BE, float *out, float *rstd, const float *inp, const float *w, int N, int C, float eps) {
     if (N <= 0) return;
     k_rmsnorm_fwd<<<N, 256, 0, STREAM>>>(out, rstd, inp, w, C, eps);
     QT_CUDA_LAUNCHED();
@@ -146,7 +146,7 @@ __global__ void k_rmsnorm_bwd_dw(float *part, const float *dout, const float *in
     for (int n = n0; n < n1; n++) acc += dout[(size_t)n * C + c] * inp[(size_t)n * C + c] * rstd[n];
     part[(size_t)k * C + c] = acc;
 }
-static void g_rmsnorm_backward(BE, float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+void qt_cuda_rmsnorm_backward(BE, float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                                const float *rstd, int N, int C) {
     if (N <= 0) return;
     if (dinp) {
@@ -194,10 +194,10 @@ static void rope_launch(BE, float *x, const int32_t *pos, int N, int NH, int D, 
     k_rope<<<qt_cuda_blocks((size_t)N * NH * (D / 2)), 256, 0, STREAM>>>(x, pos, N, NH, D, t, scale, sign);
     QT_CUDA_LAUNCHED();
 }
-static void g_rope_forward(BE, float *x, const int32_t *pos, int N, int NH, int D, const float *inv, float scale) {
+void qt_cuda_rope_forward(BE, float *x, const int32_t *pos, int N, int NH, int D, const float *inv, float scale) {
     rope_launch(be, x, pos, N, NH, D, inv, scale, 1.0f);
 }
-static void g_rope_backward(BE, float *dx, const int32_t *pos, int N, int NH, int D, const float *inv, float scale) {
+void qt_cuda_rope_backward(BE, float *dx, const int32_t *pos, int N, int NH, int D, const float *inv, float scale) {
     rope_launch(be, dx, pos, N, NH, D, inv, scale, -1.0f);
 }
 
@@ -219,12 +219,12 @@ __global__ void k_swiglu_bwd(float *dgate, float *dup, const float *dout, const 
         dup[i] += d * g * s;
     }
 }
-static void g_swiglu_forward(BE, float *out, const float *gate, const float *up, int N, int I) {
+void qt_cuda_swiglu_forward(BE, float *out, const float *gate, const float *up, int N, int I) {
     size_t n = (size_t)N * I;
     k_swiglu_fwd<<<qt_cuda_blocks(n), 256, 0, STREAM>>>(out, gate, up, n);
     QT_CUDA_LAUNCHED();
 }
-static void g_swiglu_backward(BE, float *dgate, float *dup, const float *dout, const float *gate, const float *up,
+void qt_cuda_swiglu_backward(BE, float *dgate, float *dup, const float *dout, const float *gate, const float *up,
                               int N, int I) {
     size_t n = (size_t)N * I;
     k_swiglu_bwd<<<qt_cuda_blocks(n), 256, 0, STREAM>>>(dgate, dup, dout, gate, up, n);
@@ -235,7 +235,7 @@ static void g_swiglu_backward(BE, float *dgate, float *dup, const float *dout, c
 __global__ void k_acc(float *out, const float *a, size_t n) {
     GRID_STRIDE(i, n) out[i] += a[i];
 }
-static void g_acc(BE, float *out, const float *a, size_t n) {
+void qt_cuda_acc(BE, float *out, const float *a, size_t n) {
     if (!n) return;
     k_acc<<<qt_cuda_blocks(n), 256, 0, STREAM>>>(out, a, n);
     QT_CUDA_LAUNCHED();
@@ -243,7 +243,7 @@ static void g_acc(BE, float *out, const float *a, size_t n) {
 __global__ void k_scale(float *x, size_t n, float s) {
     GRID_STRIDE(i, n) x[i] *= s;
 }
-static void g_scale(BE, float *x, size_t n, float s) {
+void qt_cuda_scale(BE, float *x, size_t n, float s) {
     if (!n || s == 1.0f) return;
     k_scale<<<qt_cuda_blocks(n), 256, 0, STREAM>>>(x, n, s);
     QT_CUDA_LAUNCHED();
@@ -253,26 +253,9 @@ __global__ void k_dropout(float *dst, const float *src, size_t n, qt_dropout_key
                           float keep_scale) {
     GRID_STRIDE(i, n) dst[i] = qt_dropout_u24(&key, i) < threshold ? 0.0f : src[i] * keep_scale;
 }
-static void g_dropout(BE, float *dst, const float *src, size_t n, const qt_dropout_key *key, uint32_t threshold,
+void qt_cuda_dropout(BE, float *dst, const float *src, size_t n, const qt_dropout_key *key, uint32_t threshold,
                       float keep_scale) {
     if (!n) return;
     k_dropout<<<qt_cuda_blocks(n), 256, 0, STREAM>>>(dst, src, n, *key, threshold, keep_scale);
     QT_CUDA_LAUNCHED();
-}
-
-extern "C" void qt_cuda_fill_elementwise(qt_backend *be) {
-    be->embedding_forward = g_embedding_forward;
-    be->embedding_backward = g_embedding_backward;
-    be->rmsnorm_forward = g_rmsnorm_forward;
-    be->rmsnorm_backward = g_rmsnorm_backward;
-    be->rope_forward = g_rope_forward;
-    be->rope_backward = g_rope_backward;
-    be->swiglu_forward = g_swiglu_forward;
-    be->swiglu_backward = g_swiglu_backward;
-    be->acc = g_acc;
-    be->scale = g_scale;
-    be->dropout = g_dropout;
-    be->round_to_dtype = g_round_to_dtype;
-    be->round_store = g_round_store;
-    be->convert = g_convert;
 }

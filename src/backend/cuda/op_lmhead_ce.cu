@@ -2,7 +2,7 @@
  * desc->ce_chunk rows: logits (N, cv) of one chunk exist at a time (cuBLAS
  * SGEMM into the workspace), an online log-sum-exp runs over the chunks, and
  * the backward recomputes each chunk's logits, turns them into dlogits in
- * place and runs the dx and dW products. Rows whose target is -100 carry no
+ * place and runs the dx and dW products. Rows whose target is QT_IGNORE_INDEX carry no
  * loss and no gradient.
  *
  * Workspace (floats, within the descriptor's formula): logits (N, chunk),
@@ -214,7 +214,7 @@ __global__ void k_ce_finish(float *loss, float *lse, const float *m, const float
     if (n >= N) return;
     float L = m[n] + logf(l[n]);
     lse[n] = L;
-    loss[n] = targets[n] != -100 ? L - tl[n] : 0.0f;
+    loss[n] = targets[n] != QT_IGNORE_INDEX ? L - tl[n] : 0.0f;
 }
 
 /* dlogits in place: dscale * (softmax - onehot) on labelled rows, else 0 */
@@ -223,7 +223,7 @@ __global__ void k_ce_grad(float *logits, int N, int cv, int c0, const int32_t *t
     size_t n_all = (size_t)N * cv;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_all; i += (size_t)gridDim.x * blockDim.x) {
         int n = (int)(i / cv), j = (int)(i % cv), t = targets[n];
-        logits[i] = t == -100 ? 0.0f : dscale * (expf(logits[i] - lse[n]) - (c0 + j == t ? 1.0f : 0.0f));
+        logits[i] = t == QT_IGNORE_INDEX ? 0.0f : dscale * (expf(logits[i] - lse[n]) - (c0 + j == t ? 1.0f : 0.0f));
     }
 }
 
@@ -280,20 +280,20 @@ static void ce_backward(BE, float *dx, float *dw, float *kept, const float *x, c
                                   dw + (size_t)c0 * C, C));
     }
 }
-static void g_ce_forward(BE, float *loss, float *lse, const float *x, const void *w, qt_dtype wdt,
+void qt_cuda_lmhead_ce_forward(BE, float *loss, float *lse, const float *x, const void *w, qt_dtype wdt,
                          const int32_t *targets, int N, int C, int V, float *ws) {
     ce_forward(be, loss, lse, NULL, x, w, wdt, targets, N, C, V, ws);
 }
-static void g_ce_backward(BE, float *dx, float *dw, const float *x, const void *w, qt_dtype wdt,
+void qt_cuda_lmhead_ce_backward(BE, float *dx, float *dw, const float *x, const void *w, qt_dtype wdt,
                           const int32_t *targets, const float *lse, float dscale, int N, int C, int V, float *ws) {
     ce_backward(be, dx, dw, NULL, x, w, wdt, targets, lse, dscale, N, C, V, ws);
 }
 
-static void g_ce_forward_keep(BE, float *loss, float *lse, float *kept, const float *x, const void *w, qt_dtype wdt,
+void qt_cuda_lmhead_ce_forward_keep(BE, float *loss, float *lse, float *kept, const float *x, const void *w, qt_dtype wdt,
                               const int32_t *targets, int N, int C, int V, float *ws) {
     ce_forward(be, loss, lse, kept, x, w, wdt, targets, N, C, V, ws);
 }
-static void g_ce_backward_kept(BE, float *dx, float *dw, float *kept, const float *x, const void *w, qt_dtype wdt,
+void qt_cuda_lmhead_ce_backward_kept(BE, float *dx, float *dw, float *kept, const float *x, const void *w, qt_dtype wdt,
                                const int32_t *targets, const float *lse, float dscale, int N, int C, int V,
                                float *ws) {
     ce_backward(be, dx, dw, kept, x, w, wdt, targets, lse, dscale, N, C, V, ws);
@@ -320,12 +320,12 @@ __global__ void k_ce_dx_final(float *dx, const float *dxacc, const float *l, con
     size_t n_all = (size_t)N * C;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_all; i += (size_t)gridDim.x * blockDim.x) {
         int n = (int)(i / C), c = (int)(i % C), t = targets[n];
-        if (t == -100) continue;
+        if (t == QT_IGNORE_INDEX) continue;
         dx[i] += dscale * (dxacc[i] / l[n] - ce_weight_at(w, wdt, (size_t)t * C + c));
     }
 }
 
-static void g_ce_forward_dx(BE, float *loss, float *lse, float *dx, const float *x, const void *w, qt_dtype wdt,
+void qt_cuda_lmhead_ce_forward_dx(BE, float *loss, float *lse, float *dx, const float *x, const void *w, qt_dtype wdt,
                             const int32_t *targets, float dscale, int N, int C, int V, float *ws) {
     if (N <= 0) return;
     ce_ws s = ce_ws_of(be, ws, N, C);
@@ -356,12 +356,4 @@ static void g_ce_forward_dx(BE, float *loss, float *lse, float *dx, const float 
     QT_CUDA_LAUNCHED();
     k_ce_dx_final<<<qt_cuda_blocks((size_t)N * C), 256, 0, STREAM>>>(dx, s.dxacc, s.l, w, wdt, targets, dscale, N, C);
     QT_CUDA_LAUNCHED();
-}
-
-extern "C" void qt_cuda_fill_lmhead_ce(qt_backend *be) {
-    be->lmhead_ce_forward = g_ce_forward;
-    be->lmhead_ce_backward = g_ce_backward;
-    be->lmhead_ce_forward_keep = g_ce_forward_keep;
-    be->lmhead_ce_backward_kept = g_ce_backward_kept;
-    be->lmhead_ce_forward_dx = g_ce_forward_dx;
 }

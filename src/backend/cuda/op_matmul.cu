@@ -49,7 +49,7 @@ static const float *weight_f32(BE, const void *w, qt_dtype wdt, size_t rows, siz
     return ws;
 }
 
-static void g_matmul_forward(BE, float *out, const float *inp, const void *w, qt_dtype wdt, const float *bias, int N,
+void qt_cuda_matmul_forward(BE, float *out, const float *inp, const void *w, qt_dtype wdt, const float *bias, int N,
                              int IN, int OUT, float alpha, int accumulate, float *ws) {
     if (N <= 0) return;
     const float *W = weight_f32(be, w, wdt, (size_t)OUT, (size_t)IN, ws);
@@ -58,7 +58,7 @@ static void g_matmul_forward(BE, float *out, const float *inp, const void *w, qt
     if (bias) add_bias(be, out, bias, N, OUT);
 }
 
-static void g_matmul_backward(BE, float *dinp, float *dw, float *db, const float *dout, const float *inp,
+void qt_cuda_matmul_backward(BE, float *dinp, float *dw, float *db, const float *dout, const float *inp,
                               const void *w, qt_dtype wdt, int N, int IN, int OUT, float alpha, float *ws) {
     if (N <= 0) return;
     const float one = 1.0f;
@@ -78,7 +78,7 @@ static void g_matmul_backward(BE, float *dinp, float *dw, float *db, const float
 }
 
 /* bf16 GEMMs need compute capability 8.0 (Ampere) or newer, f16 ones 7.0 (Volta) */
-static int g_half_available(BE, qt_dtype dt) {
+int qt_cuda_half_available(BE, qt_dtype dt) {
     int major = 0; /* one attribute, not cudaGetDeviceProperties: the lm_head asks at every call */
     if (dt != QT_BF16 && dt != QT_F16) return 0;
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, qt_cuda_of(be)->device) != cudaSuccess)
@@ -89,7 +89,7 @@ static int g_half_available(BE, qt_dtype dt) {
 /* C (M, N) = alpha * op(A) (M, K) @ op(B) (K, N) [+ C] [+ bias], row-major C,
  * A and B bf16 or f16 (dt). Column-major: C^T (N, M) = op(B)^T @ op(A)^T, B
  * first. */
-static int g_half_gemm(BE, qt_dtype dt, float *C, const uint16_t *A, int ta, const uint16_t *B, int tb,
+int qt_cuda_half_gemm(BE, qt_dtype dt, float *C, const uint16_t *A, int ta, const uint16_t *B, int tb,
                        const float *bias, int M, int N, int K, float alpha, int acc) {
     if (dt != QT_BF16 && dt != QT_F16) return QT_EUNSUPPORTED;
     if (M <= 0 || N <= 0) return QT_OK;
@@ -102,17 +102,9 @@ static int g_half_gemm(BE, qt_dtype dt, float *C, const uint16_t *A, int ta, con
     if (bias) add_bias(be, C, bias, M, N);
     return QT_OK;
 }
-static int g_half_matmul(BE, qt_dtype dt, float *out, const uint16_t *inp, const uint16_t *w, const float *bias,
+int qt_cuda_half_matmul(BE, qt_dtype dt, float *out, const uint16_t *inp, const uint16_t *w, const float *bias,
                          int N, int IN, int OUT, float alpha) {
-    return g_half_gemm(be, dt, out, inp, 0, w, 1, bias, N, OUT, IN, alpha, 0);
-}
-
-extern "C" void qt_cuda_fill_matmul(qt_backend *be) {
-    be->matmul_forward = g_matmul_forward;
-    be->matmul_backward = g_matmul_backward;
-    be->half_available = g_half_available;
-    be->half_matmul = g_half_matmul;
-    be->half_gemm = g_half_gemm;
+    return qt_cuda_half_gemm(be, dt, out, inp, 0, w, 1, bias, N, OUT, IN, alpha, 0);
 }
 
 /* Decoding, one token for each of N sequences: out (N, OUT) = alpha * x (N,
@@ -134,11 +126,10 @@ __device__ __forceinline__ float mv_w(const void *w, qt_dtype wdt, size_t i) {
     return ((const float *)w)[i];
 }
 /* NB: the input rows a warp carries at once. N == 1 takes the one-row
- * instance, the loop of the first one-row kernel: on an H200 the 8-row form
- * took 0.047 ms a call for the 0.5B decode against that kernel's 0.014
- * (QTUNE_PROFILE, 2026-12-04); the NB = 1 instance itself has not been timed
- * on a GPU yet. A row's arithmetic (lane stride, shuffle tree) is the same
- * in both, so its bits do not depend on how many rows decode together. */
+ * instance, the loop of the first one-row kernel, which ran a single row
+ * several times faster than the 8-row form (bench/RESULTS.md). A row's
+ * arithmetic (lane stride, shuffle tree) is the same in both, so its bits do
+ * not depend on how many rows decode together. */
 template <int NB>
 __global__ void k_matvec(float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN,
                          int OUT, float alpha, int accumulate) {
@@ -170,7 +161,7 @@ __global__ void k_matvec(float *out, const float *x, const void *w, qt_dtype wdt
         }
     }
 }
-static void g_matvec(BE, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN,
+void qt_cuda_matvec(BE, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N, int IN,
                      int OUT, float alpha, int accumulate) {
     if (OUT <= 0 || N <= 0) return;
     if (N == 1)
@@ -181,11 +172,6 @@ static void g_matvec(BE, float *out, const float *x, const void *w, qt_dtype wdt
 }
 
 /* one launch a product, in order on the stream: a GPU's products are not held up by a barrier between them */
-static void g_matvec_many(BE, const float *x, int N, int IN, int count, const qt_matvec_out *o) {
-    for (int k = 0; k < count; k++) g_matvec(be, o[k].out, x, o[k].w, o[k].wdt, o[k].bias, N, IN, o[k].OUT, 1.0f, 0);
-}
-
-extern "C" void qt_cuda_fill_matvec(qt_backend *be) {
-    be->matvec = g_matvec;
-    be->matvec_many = g_matvec_many;
+void qt_cuda_matvec_many(BE, const float *x, int N, int IN, int count, const qt_matvec_out *o) {
+    for (int k = 0; k < count; k++) qt_cuda_matvec(be, o[k].out, x, o[k].w, o[k].wdt, o[k].bias, N, IN, o[k].OUT, 1.0f, 0);
 }

@@ -26,7 +26,7 @@ __global__ void k_adam(qt_adam_scalars k, float *p, const float *g, float *m, fl
         v[i] = vi;
     }
 }
-static void g_adam(BE, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n) {
+void qt_cuda_adam(BE, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n) {
     if (!n) return;
     k_adam<<<qt_cuda_blocks(n), 256, 0, STREAM>>>(*k, p, g, m, v, n);
     QT_CUDA_LAUNCHED();
@@ -45,7 +45,7 @@ __global__ void k_sum_squares(double *part, const float *x, size_t n, size_t per
     }
     if (threadIdx.x == 0) part[blockIdx.x] = sh[0];
 }
-static double g_sum_squares(BE, const float *x, size_t n) {
+double qt_cuda_sum_squares(BE, const float *x, size_t n) {
     if (!n) return 0.0;
     qt_cuda *c = qt_cuda_of(be);
     size_t per = (n + QT_CUDA_SQ_BLOCKS - 1) / QT_CUDA_SQ_BLOCKS;
@@ -57,9 +57,4 @@ static double g_sum_squares(BE, const float *x, size_t n) {
     double s = 0.0;
     for (unsigned i = 0; i < blocks; i++) s += c->sq_host[i];
     return s;
-}
-
-extern "C" void qt_cuda_fill_optim(qt_backend *be) {
-    be->adam = g_adam;
-    be->sum_squares = g_sum_squares;
 }

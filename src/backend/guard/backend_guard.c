@@ -22,6 +22,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "backend/backend_impl.h"
 #include "backend/cpu/backend_cpu.h"
 #include "backend/cpu/ops.h"
 #include "core/error.h"
@@ -337,6 +338,59 @@ static void g_close_backend(BE) {
 }
 #undef BE
 
+/* The guard's table: every entry that touches device memory opens the
+ * reservation, runs the CPU's entry and closes it again (backend_impl.h). */
+static const qt_backend guard_i = {
+    .desc = &guard_desc,
+    .alloc = g_alloc,
+    .free = g_free,
+    .import_mapped = g_import_mapped,
+    .release_mapped = g_release_mapped,
+    .upload = g_upload,
+    .download = g_download,
+    .copy = g_copy,
+    .zero = g_zero,
+    .sync = g_sync,
+    .event_record = g_event_record,
+    .event_wait = g_event_wait,
+    .event_free = g_event_free,
+    .embedding_forward = g_embedding_forward,
+    .embedding_backward = g_embedding_backward,
+    .rmsnorm_forward = g_rmsnorm_forward,
+    .rmsnorm_backward = g_rmsnorm_backward,
+    .matmul_forward = g_matmul_forward,
+    .matmul_backward = g_matmul_backward,
+    .matvec = g_matvec,
+    .matvec_many = g_matvec_many,
+    .rope_forward = g_rope_forward,
+    .rope_backward = g_rope_backward,
+    .attention_forward = g_attention_forward,
+    .attention_backward = g_attention_backward,
+    .attention_forward_cached = g_attention_forward_cached,
+    .swiglu_forward = g_swiglu_forward,
+    .swiglu_backward = g_swiglu_backward,
+    .lmhead_ce_forward = g_lmhead_ce_forward,
+    .lmhead_ce_backward = g_lmhead_ce_backward,
+    .lmhead_ce_forward_keep = g_lmhead_ce_forward_keep,
+    .lmhead_ce_backward_kept = g_lmhead_ce_backward_kept,
+    .lmhead_ce_forward_dx = g_lmhead_ce_forward_dx,
+    .acc = g_acc,
+    .hold_threads = g_hold_threads,
+    .round_to_dtype = g_round_to_dtype,
+    .round_store = g_round_store,
+    .convert = g_convert,
+    .half_available = g_half_available,
+    .half_matmul = g_half_matmul,
+    .half_gemm = g_half_gemm,
+    .dropout = g_dropout,
+    .adam = g_adam,
+    .sum_squares = g_sum_squares,
+    .scale = g_scale,
+    .runtime_bytes = g_runtime_bytes,
+    .device_peak_bytes = g_device_peak_bytes,
+    .close = g_close_backend,
+};
+
 int qt_backend_guard_open(qt_backend **out) {
     *out = NULL;
     qt_backend *be = qt_calloc(1, sizeof *be, "guard backend");
@@ -345,7 +399,7 @@ int qt_backend_guard_open(qt_backend **out) {
         qt_free(be), qt_free(g);
         return QT_ENOMEM;
     }
-    qt_backend_cpu_fill(&g->cpu);
+    g->cpu = qt_backend_cpu_i;
     const char *gib = getenv("QTUNE_GUARD_GIB");
     double want = gib ? atof(gib) : 64.0;
     g->reserved = (size_t)((want > 0 ? want : 64.0) * (double)(1u << 30));
@@ -357,56 +411,8 @@ int qt_backend_guard_open(qt_backend **out) {
     }
     g->base = p;
     watch(g->base, g->reserved);
-    *be = g->cpu; /* the same table shape; every entry below is replaced */
-    be->desc = &guard_desc;
+    *be = guard_i;
     be->impl = g;
-    be->alloc = g_alloc;
-    be->free = g_free;
-    be->import_mapped = g_import_mapped;
-    be->release_mapped = g_release_mapped;
-    be->upload = g_upload;
-    be->download = g_download;
-    be->copy = g_copy;
-    be->zero = g_zero;
-    be->sync = g_sync;
-    be->event_record = g_event_record;
-    be->event_wait = g_event_wait;
-    be->event_free = g_event_free;
-    be->embedding_forward = g_embedding_forward;
-    be->embedding_backward = g_embedding_backward;
-    be->rmsnorm_forward = g_rmsnorm_forward;
-    be->rmsnorm_backward = g_rmsnorm_backward;
-    be->matmul_forward = g_matmul_forward;
-    be->matvec = g_matvec;
-    be->matvec_many = g_matvec_many;
-    be->hold_threads = g_hold_threads;
-    be->matmul_backward = g_matmul_backward;
-    be->rope_forward = g_rope_forward;
-    be->rope_backward = g_rope_backward;
-    be->attention_forward = g_attention_forward;
-    be->attention_backward = g_attention_backward;
-    be->attention_forward_cached = g_attention_forward_cached;
-    be->swiglu_forward = g_swiglu_forward;
-    be->swiglu_backward = g_swiglu_backward;
-    be->lmhead_ce_forward = g_lmhead_ce_forward;
-    be->lmhead_ce_backward = g_lmhead_ce_backward;
-    be->lmhead_ce_forward_keep = g_lmhead_ce_forward_keep;
-    be->lmhead_ce_backward_kept = g_lmhead_ce_backward_kept;
-    be->lmhead_ce_forward_dx = g_lmhead_ce_forward_dx;
-    be->acc = g_acc;
-    be->round_to_dtype = g_round_to_dtype;
-    be->round_store = g_round_store;
-    be->convert = g_convert;
-    be->half_available = g_half_available;
-    be->half_matmul = g_half_matmul;
-    be->half_gemm = g_half_gemm;
-    be->dropout = g_dropout;
-    be->adam = g_adam;
-    be->sum_squares = g_sum_squares;
-    be->scale = g_scale;
-    be->runtime_bytes = g_runtime_bytes;
-    be->device_peak_bytes = g_device_peak_bytes;
-    be->close = g_close_backend;
     *out = be;
     return QT_OK;
 }

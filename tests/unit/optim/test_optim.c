@@ -100,28 +100,6 @@ static void test_adam_shards_match_whole(void **state) {
     qt_free(p1), qt_free(p2), qt_free(g), qt_free(m1), qt_free(v1), qt_free(m2), qt_free(v2);
 }
 
-static void test_decay_ranges_from_params(void **state) {
-    (void)state;
-    qt_param ps[4];
-    memset(ps, 0, sizeof ps);
-    ps[0] = (qt_param){.name = "b", .ndim = 1, .offset = 30, .numel = 5, .decay = 0};
-    ps[1] = (qt_param){.name = "w2", .ndim = 2, .offset = 10, .numel = 20, .decay = 1};
-    ps[2] = (qt_param){.name = "w1", .ndim = 2, .offset = 0, .numel = 10, .decay = 1};
-    ps[3] = (qt_param){.name = "w3", .ndim = 2, .offset = 35, .numel = 7, .decay = 1};
-    qt_range *r;
-    int n;
-    assert_int_equal(qt_decay_ranges_from_params(ps, 4, &r, &n), QT_OK);
-    assert_int_equal(n, 2);
-    assert_int_equal(r[0].lo, 0);
-    assert_int_equal(r[0].hi, 30);
-    assert_int_equal(r[1].lo, 35);
-    assert_int_equal(r[1].hi, 42);
-    qt_free(r);
-    ps[3].offset = 25; /* overlaps w2 */
-    assert_int_equal(qt_decay_ranges_from_params(ps, 4, &r, &n), QT_EINVAL);
-    assert_non_null(strstr(qt_error_message(), "overlap"));
-}
-
 static void test_clip(void **state) {
     (void)state;
     float g[4] = {3, 0, 4, 0};
@@ -433,7 +411,6 @@ int main(void) {
         cmocka_unit_test(test_adam_first_step),
         cmocka_unit_test(test_adam_decay_ranges),
         cmocka_unit_test(test_adam_shards_match_whole),
-        cmocka_unit_test(test_decay_ranges_from_params),
         cmocka_unit_test(test_clip),
         cmocka_unit_test(test_nonfinite_and_determinism),
         cmocka_unit_test(test_schedules),

@@ -12,8 +12,8 @@
  * from Hugging Face's rotate-half RoPE layout to ggml's interleaved one, as
  * llama.cpp's convert_hf_to_gguf.py does; Qwen2 runs ggml's NeoX RoPE, the HF
  * layout, and is written as stored. */
-#ifndef QT_IO_GGUF_EXPORT_H
-#define QT_IO_GGUF_EXPORT_H
+#ifndef QT_EXPORT_GGUF_EXPORT_H
+#define QT_EXPORT_GGUF_EXPORT_H
 
 #include <signal.h>
 #include <stdio.h>

@@ -5,7 +5,7 @@
  * "tokenizer.ggml." (every id below vocab_size, ids with no token as
  * "[PAD<id>]" of type UNUSED, added tokens CONTROL when special or spelled
  * like a control token (<|...|>), else USER_DEFINED), merges as "a b" strings, special ids and the chat template. */
-#include "io/gguf_export.h"
+#include "export/gguf_export.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>

@@ -1,7 +1,8 @@
 /* The trainer's state, shared by trainer.c (the loop) and trainer_ckpt.c
- * (checkpoints, resume, final outputs). Not a public interface. */
-#ifndef QT_TRAIN_TRAINER_INTERNAL_H
-#define QT_TRAIN_TRAINER_INTERNAL_H
+ * (checkpoints, resume, final outputs), and the small questions both ask of
+ * it (trainer_state.c). Not a public interface. */
+#ifndef QT_TRAIN_TRAINER_STATE_H
+#define QT_TRAIN_TRAINER_STATE_H
 
 #include "backend/device.h"
 #include "data/loader.h"
@@ -75,6 +76,7 @@ typedef struct {
     int stop_file_seen;        /* the main rank saw `qtune stop`'s file (said once) */
 } qt_trainer;
 
+/* trainer_state.c */
 double trainer_elapsed(const qt_trainer *t);
 /* Bytes of a file, or of the regular files directly in a folder (0 when
  * unreadable): what a phase moves, for its deadline (dist_phase_timeout). */
