@@ -8,8 +8,10 @@
  * attention, norms), 0 (exact) where both backends must compute the same
  * bits: dropout masks (one counter-based generator), dtype rounding, scale.
  *
- * Usage: test_backend_parity NAME (guard, cuda). Exit 77 (ctest: skipped)
- * when the backend cannot open here, e.g. no GPU. */
+ * Usage: test_backend_parity NAME [TEST ...] (NAME guard, cuda, npu; the
+ * TESTs, when given, the only ones run: a backend that has some ops so far,
+ * as npu). Exit 77 (ctest: skipped) when the backend cannot open here, e.g.
+ * no GPU. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -594,7 +596,14 @@ int main(int argc, char **argv) {
         T_(test_half_gemm),   T_(test_matvec_many),
 #undef T_
     };
-    int rc = cmocka_run_group_tests_name(dev_name, tests, NULL, NULL);
+    struct CMUnitTest chosen[sizeof tests / sizeof tests[0]];
+    size_t n = 0;
+    for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
+        int take = argc <= 2;
+        for (int a = 2; a < argc; a++) take |= !strcmp(argv[a], tests[i].name);
+        if (take) chosen[n++] = tests[i];
+    }
+    int rc = n ? _cmocka_run_group_tests(dev_name, chosen, n, NULL, NULL) : 1;
     qt_backend_close(dev);
     qt_backend_close(cpu);
     return rc;
