@@ -16,5 +16,8 @@
  * index is not a visible NPU. */
 int qt_backend_ascend_open(int index, qt_backend **out);
 const qt_backend_desc *qt_backend_ascend_desc(void);
+/* The backend's table (backend_impl.h), every slot filled: the ops not
+ * written yet refuse by name at their first call. */
+extern const qt_backend qt_backend_ascend_i;
 
 #endif

@@ -16,7 +16,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "backend/ascend/backend_ascend.h"
 #include "backend/backend.h"
+#include "backend/backend_impl.h"
 #include "backend/device.h"
 #include "core/error.h"
 
@@ -44,6 +46,13 @@ static void test_absent_library(void **state) {
     assert_int_equal(qt_backend_open("npu", &be), QT_EINVAL);
     assert_non_null(strstr(qt_error_message(), "QTUNE_ASCEND_LIB"));
     qt_error_clear();
+}
+
+/* every slot filled (the refusals are slots too) */
+static void test_table_is_complete(void **state) {
+    (void)state;
+    const char *hole = qt_backend_empty_slot(&qt_backend_ascend_i);
+    if (hole) fail_msg("backend npu: slot %s is empty", hole);
 }
 
 static void test_device_values(void **state) {
@@ -160,7 +169,8 @@ static void test_fp16_cube(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_absent_library), cmocka_unit_test(test_device_values), cmocka_unit_test(test_convert),
+        cmocka_unit_test(test_absent_library), cmocka_unit_test(test_table_is_complete),
+        cmocka_unit_test(test_device_values),  cmocka_unit_test(test_convert),
         cmocka_unit_test(test_refusals),       cmocka_unit_test(test_fp16_cube),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
