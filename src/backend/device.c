@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "backend/backend.h"
+#include "backend/ascend/backend_ascend.h"
 #include "backend/cuda/backend_cuda.h"
 #include "backend/device_default.h"
 #include "core/error.h"
@@ -93,7 +94,14 @@ int qt_device_resolve(const char *spec, const char *where, qt_device *out) {
         out->backend = "cpu";
         return QT_OK;
     }
-    if (kind == DEV_NPU) { /* opening it says when CANN or a card is missing (ascend/loader.c) */
+    if (kind == DEV_NPU) { /* CANN's libraries here, before the run starts; opening it says when no card is */
+        if (qt_ascend_library_check() != QT_OK) {
+            char why[1024];
+            snprintf(why, sizeof why, "%s", qt_error_message());
+            int code = qt_error_code();
+            qt_error_clear();
+            return QT_ERR(code, "%s: %s", who, why);
+        }
         out->backend = "npu";
         out->index = n;
         return QT_OK;

@@ -594,6 +594,8 @@ const qt_backend qt_backend_ascend_i = {
 };
 
 /* ---- open ------------------------------------------------------------------------ */
+int qt_ascend_library_check(void) { return qt_acl_load() ? QT_OK : qt_error_code(); }
+
 static int acl_inited; /* aclInit may run once a process */
 
 int qt_backend_ascend_open(int index, qt_backend **out) {

@@ -16,6 +16,10 @@
  * index is not a visible NPU. */
 int qt_backend_ascend_open(int index, qt_backend **out);
 const qt_backend_desc *qt_backend_ascend_desc(void);
+/* QT_OK when CANN's libraries (or $QTUNE_ASCEND_LIB) load and have every
+ * function the backend calls; else the loader's error, raised (device.c
+ * asks before the run starts, so a machine without CANN writes nothing). */
+int qt_ascend_library_check(void);
 /* The backend's table (backend_impl.h), every slot filled: the ops not
  * written yet refuse by name at their first call. */
 extern const qt_backend qt_backend_ascend_i;

@@ -42,6 +42,9 @@ static void test_absent_library(void **state) {
     assert_null(be);
     assert_non_null(strstr(qt_error_message(), "libascendcl.so"));
     assert_non_null(strstr(qt_error_message(), "set_env.sh"));
+    qt_device d; /* and before a run starts, naming what asked */
+    assert_int_equal(qt_device_resolve("npu", "job.json: \"device\":", &d), QT_EUNSUPPORTED);
+    assert_non_null(strstr(qt_error_message(), "job.json: \"device\": \"npu\": the Ascend backend"));
     setenv("QTUNE_ASCEND_LIB", "/nonexistent/libacl.so", 1);
     assert_int_equal(qt_backend_open("npu", &be), QT_EINVAL);
     assert_non_null(strstr(qt_error_message(), "QTUNE_ASCEND_LIB"));
@@ -58,6 +61,7 @@ static void test_table_is_complete(void **state) {
 static void test_device_values(void **state) {
     (void)state;
     unsetenv("QTUNE_BACKEND");
+    setenv("QTUNE_ASCEND_LIB", QT_ACL_STANDIN, 1);
     qt_device d;
     assert_int_equal(qt_device_resolve("npu", "--device", &d), QT_OK);
     assert_string_equal(d.backend, "npu");
@@ -70,7 +74,6 @@ static void test_device_values(void **state) {
     assert_non_null(strstr(qt_error_message(), "\"npu:N\""));
     qt_error_clear();
     /* an NPU number beyond the cards is the open's error */
-    setenv("QTUNE_ASCEND_LIB", QT_ACL_STANDIN, 1);
     qt_backend *be = NULL;
     assert_int_equal(qt_backend_open_index("npu", 3, &be), QT_EINVAL);
     assert_non_null(strstr(qt_error_message(), "1 NPU is visible"));
