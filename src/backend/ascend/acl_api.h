@@ -143,7 +143,8 @@ typedef enum {
 
 /* libopapi.so, 8.1.RC1 opp/built-in/op_impl/ai_core/tbe/op_api/include/
  * aclnnop/: aclnn_addmm.h, aclnn_add.h, aclnn_cast.h, aclnn_rms_norm.h,
- * aclnn_rms_norm_grad.h. Each operator is two calls: *GetWorkspaceSize
+ * aclnn_rms_norm_grad.h, aclnn_copy.h, aclnn_mul.h, aclnn_swi_glu.h,
+ * aclnn_swi_glu_grad.h. Each operator is two calls: *GetWorkspaceSize
  * checks the arguments and returns the device workspace it needs and an
  * executor; the second runs that executor on a stream (and consumes it). */
 #define QT_ACL_OP_FUNCS(X)                                                                                       \
@@ -168,7 +169,21 @@ typedef enum {
       (const aclTensor *dy, const aclTensor *x, const aclTensor *rstd, const aclTensor *gamma,                   \
        const aclTensor *dxOut, const aclTensor *dgammaOut, uint64_t *workspaceSize, aclOpExecutor **executor))   \
     X(aclnnStatus, aclnnRmsNormGrad,                                                                             \
-      (void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream))
+      (void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream))                    \
+    X(aclnnStatus, aclnnInplaceCopyGetWorkspaceSize,                                                             \
+      (aclTensor *selfRef, const aclTensor *src, uint64_t *workspaceSize, aclOpExecutor **executor))             \
+    X(aclnnStatus, aclnnInplaceCopy,                                                                             \
+      (void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, const aclrtStream stream))              \
+    X(aclnnStatus, aclnnInplaceMulsGetWorkspaceSize,                                                             \
+      (aclTensor *selfRef, const aclScalar *other, uint64_t *workspaceSize, aclOpExecutor **executor))           \
+    X(aclnnStatus, aclnnInplaceMuls, (void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream)) \
+    X(aclnnStatus, aclnnSwiGluGetWorkspaceSize,                                                                  \
+      (const aclTensor *x, int64_t dim, const aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor)) \
+    X(aclnnStatus, aclnnSwiGlu, (void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream)) \
+    X(aclnnStatus, aclnnSwiGluGradGetWorkspaceSize,                                                              \
+      (const aclTensor *yGrad, const aclTensor *x, int64_t dim, const aclTensor *out, uint64_t *workspaceSize,   \
+       aclOpExecutor **executor))                                                                                \
+    X(aclnnStatus, aclnnSwiGluGrad, (void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream))
 
 /* Every function the backend calls, in one list (the loader's table). */
 #define QT_ACL_FUNCS(X) QT_ACL_RT_FUNCS(X) QT_ACL_META_FUNCS(X) QT_ACL_OP_FUNCS(X)
@@ -177,10 +192,6 @@ typedef enum {
 #define QT_ACL_PROTO(ret, name, params) ret name params;
 
 /* Not declared yet (the next session's list):
- *  - aclnnSwiGlu / aclnnSwiGluGrad (8.1.RC1 aclnn_swi_glu.h, _grad.h): they
- *    take gate and up as one tensor split on a dimension, and refuse
- *    non-contiguous input, so qtune's separate gate and up buffers need a
- *    copy into one (N, 2I) workspace first;
  *  - aclnnFlashAttentionScore / Grad, aclnnApplyRotaryPosEmb,
  *    aclnnApplyAdamWV2, aclnnCrossEntropyLoss / Grad (headers present in
  *    8.1.RC1 aclnnop/, semantics not yet held against qtune's contract);

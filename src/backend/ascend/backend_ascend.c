@@ -5,8 +5,8 @@
  * acl_standin.c), never run on an Ascend card.
  *
  * What exists: memory, copies, events; matmul forward and backward (fp32 on
- * the cube unit, f16/bf16 weights cast to fp32 in ws first), RMSNorm forward
- * and backward, convert (casts), acc. Every other op is refused by name the
+ * the cube unit, f16/bf16 weights cast to fp32 in ws first), RMSNorm and
+ * SwiGLU forward and backward, convert (casts), acc, scale. Every other op is refused by name the
  * first time it is called (refuse below): the run stops with a sentence,
  * never a silently wrong result. half_matmul / half_gemm answer
  * QT_EUNSUPPORTED (the model then takes the fp32 op), as the contract allows.
@@ -69,7 +69,7 @@ static void asc_fail(const char *what, int code, const char *file, int line) {
 static void refuse(const char *op) {
     fprintf(stderr,
             "qtune: error: the Ascend backend has no %s yet (written so far: memory, copies, matmul, RMSNorm, "
-            "convert, acc; docs/backends.md lists the rest); run this job on \"cpu\" or \"cuda\"\n",
+            "SwiGLU, convert, acc, scale; docs/backends.md lists the rest); run this job on \"cpu\" or \"cuda\"\n",
             op);
     fflush(stderr);
     exit(1);
@@ -344,6 +344,51 @@ static void a_rmsnorm_backward(qt_backend *be, float *dinp, float *dweight, cons
     if (dweight) add(a, vec(a, dweight, QT_F32, C), vec(a, s + nc, QT_F32, C));
 }
 
+/* dst (N, I) view at column col of a row-major (N, 2I) buffer x2 <- src (N, I) */
+static void to_half(ascend *a, float *x2, int col, const float *src, int N, int I) {
+    aclTensor *d = view2(a, x2 + col, QT_F32, N, I, 2 * (int64_t)I, 1, (int64_t)N * 2 * I - col),
+              *s = mat(a, src, QT_F32, N, I);
+    LAUNCH(aclnnInplaceCopy, d, s);
+    a->acl->aclDestroyTensor(d), a->acl->aclDestroyTensor(s);
+}
+
+/* aclnnSwiGlu takes gate and up as one contiguous (N, 2I) tensor split on
+ * its last dimension (gate first, up second): both are copied into scratch */
+static void a_swiglu_forward(qt_backend *be, float *out, const float *gate, const float *up, int N, int I) {
+    ascend *a = asc(be);
+    size_t n2 = (size_t)N * 2 * I;
+    float *x2 = grow(a, (void **)&a->scratch, &a->scratch_bytes, n2 * sizeof(float), "scratch");
+    to_half(a, x2, 0, gate, N, I), to_half(a, x2, I, up, N, I);
+    aclTensor *x = mat(a, x2, QT_F32, N, 2 * I), *o = mat(a, out, QT_F32, N, I);
+    LAUNCH(aclnnSwiGlu, x, -1, o);
+    a->acl->aclDestroyTensor(x), a->acl->aclDestroyTensor(o);
+}
+
+/* aclnnSwiGluGrad writes [dgate | dup] as one (N, 2I) tensor: its halves are
+ * added into dgate and dup (the += contract) */
+static void a_swiglu_backward(qt_backend *be, float *dgate, float *dup, const float *dout, const float *gate,
+                              const float *up, int N, int I) {
+    ascend *a = asc(be);
+    size_t n2 = (size_t)N * 2 * I;
+    float *x2 = grow(a, (void **)&a->scratch, &a->scratch_bytes, 2 * n2 * sizeof(float), "scratch"), *g2 = x2 + n2;
+    to_half(a, x2, 0, gate, N, I), to_half(a, x2, I, up, N, I);
+    aclTensor *dy = mat(a, dout, QT_F32, N, I), *x = mat(a, x2, QT_F32, N, 2 * I), *o = mat(a, g2, QT_F32, N, 2 * I);
+    LAUNCH(aclnnSwiGluGrad, dy, x, -1, o);
+    a->acl->aclDestroyTensor(dy), a->acl->aclDestroyTensor(x), a->acl->aclDestroyTensor(o);
+    int64_t rest = (int64_t)n2 - I;
+    add(a, mat(a, dgate, QT_F32, N, I), view2(a, g2, QT_F32, N, I, 2 * (int64_t)I, 1, (int64_t)n2));
+    add(a, mat(a, dup, QT_F32, N, I), view2(a, g2 + I, QT_F32, N, I, 2 * (int64_t)I, 1, rest));
+}
+
+static void a_scale(qt_backend *be, float *x, size_t n, float sc) {
+    if (!n) return;
+    ascend *a = asc(be);
+    aclTensor *t = vec(a, x, QT_F32, (int64_t)n);
+    aclScalar *k = scalar(a, sc);
+    LAUNCH(aclnnInplaceMuls, t, k);
+    a->acl->aclDestroyScalar(k), a->acl->aclDestroyTensor(t);
+}
+
 static void a_acc(qt_backend *be, float *out, const float *x, size_t n) {
     if (!n) return;
     ascend *a = asc(be);
@@ -452,15 +497,6 @@ static void n_attention_forward_cached(qt_backend *be, float *out, const float *
     (void)be, (void)out, (void)q, (void)kc, (void)vc, (void)n, (void)pos0, (void)H, (void)KV, (void)D;
     refuse("attention_forward_cached");
 }
-static void n_swiglu_forward(qt_backend *be, float *out, const float *gate, const float *up, int N, int I) {
-    (void)be, (void)out, (void)gate, (void)up, (void)N, (void)I;
-    refuse("swiglu_forward");
-}
-static void n_swiglu_backward(qt_backend *be, float *dgate, float *dup, const float *dout, const float *gate,
-                              const float *up, int N, int I) {
-    (void)be, (void)dgate, (void)dup, (void)dout, (void)gate, (void)up, (void)N, (void)I;
-    refuse("swiglu_backward");
-}
 static void n_lmhead_ce_forward(qt_backend *be, float *loss, float *lse, const float *x, const void *w, qt_dtype wdt,
                                 const int32_t *targets, int N, int C, int V, float *ws) {
     (void)be, (void)loss, (void)lse, (void)x, (void)w, (void)wdt, (void)targets, (void)N, (void)C, (void)V, (void)ws;
@@ -519,10 +555,6 @@ static double n_sum_squares(qt_backend *be, const float *x, size_t n) {
     refuse("sum_squares");
     return 0.0;
 }
-static void n_scale(qt_backend *be, float *x, size_t n, float s) {
-    (void)be, (void)x, (void)n, (void)s;
-    refuse("scale");
-}
 
 /* ---- the table and the descriptor ---------------------------------------------- */
 /* Facts the memory plan reads. Not from CANN's documentation and not
@@ -569,8 +601,8 @@ const qt_backend qt_backend_ascend_i = {
     .attention_forward = n_attention_forward,
     .attention_backward = n_attention_backward,
     .attention_forward_cached = n_attention_forward_cached,
-    .swiglu_forward = n_swiglu_forward,
-    .swiglu_backward = n_swiglu_backward,
+    .swiglu_forward = a_swiglu_forward,
+    .swiglu_backward = a_swiglu_backward,
     .lmhead_ce_forward = n_lmhead_ce_forward,
     .lmhead_ce_backward = n_lmhead_ce_backward,
     .lmhead_ce_forward_keep = n_lmhead_ce_forward_keep,
@@ -587,7 +619,7 @@ const qt_backend qt_backend_ascend_i = {
     .dropout = n_dropout,
     .adam = n_adam,
     .sum_squares = n_sum_squares,
-    .scale = n_scale,
+    .scale = a_scale,
     .runtime_bytes = a_runtime_bytes,
     .device_peak_bytes = a_device_peak_bytes,
     .close = a_close,

@@ -372,7 +372,7 @@ static void st(const aclTensor *t, int64_t i, float v) {
 }
 
 /* ---- executors ------------------------------------------------------------ */
-enum { OP_ADDMM, OP_ADD, OP_CAST, OP_RMSNORM, OP_RMSNORM_GRAD };
+enum { OP_ADDMM, OP_ADD, OP_CAST, OP_RMSNORM, OP_RMSNORM_GRAD, OP_COPY, OP_MULS, OP_SWIGLU, OP_SWIGLU_GRAD };
 struct aclOpExecutor {
     int op, cube;
     aclTensor t[6];
@@ -511,7 +511,99 @@ VIS aclnnStatus aclnnRmsNormGrad(void *ws, uint64_t wsz, aclOpExecutor *e, aclrt
     return launch(ws, wsz, e, s, OP_RMSNORM_GRAD);
 }
 
+/* selfRef = src, selfRef may be a strided view (aclnn_copy.h: non-contiguous supported) */
+VIS aclnnStatus aclnnInplaceCopyGetWorkspaceSize(aclTensor *self, const aclTensor *src, uint64_t *ws,
+                                                 aclOpExecutor **ex) {
+    if (!ws || !ex) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus rc;
+    if ((rc = usable(self)) || (rc = usable(src))) return rc;
+    if (!same_shape(self, src)) return ACLNN_ERR_PARAM_INVALID; /* the stand-in takes no broadcast here */
+    aclOpExecutor *e = exec_new(OP_COPY, ws, ex);
+    e->t[0] = *self, e->t[1] = *src;
+    return ACLNN_SUCCESS;
+}
+VIS aclnnStatus aclnnInplaceCopy(void *ws, uint64_t wsz, aclOpExecutor *e, const aclrtStream s) {
+    return launch(ws, wsz, e, s, OP_COPY);
+}
+
+VIS aclnnStatus aclnnInplaceMulsGetWorkspaceSize(aclTensor *self, const aclScalar *other, uint64_t *ws,
+                                                 aclOpExecutor **ex) {
+    if (!other || !ws || !ex) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus rc;
+    if ((rc = usable(self))) return rc;
+    aclOpExecutor *e = exec_new(OP_MULS, ws, ex);
+    e->t[0] = *self, e->a = other->v;
+    return ACLNN_SUCCESS;
+}
+VIS aclnnStatus aclnnInplaceMuls(void *ws, uint64_t wsz, aclOpExecutor *e, aclrtStream s) {
+    return launch(ws, wsz, e, s, OP_MULS);
+}
+
+/* 1 when t is row-major without gaps (aclnnSwiGlu refuses non-contiguous tensors) */
+static int contiguous(const aclTensor *t) {
+    int64_t want = 1;
+    for (int64_t d = t->nd - 1; d >= 0; d--) {
+        if (t->dims[d] != 1 && t->strides[d] != want) return 0;
+        want *= t->dims[d];
+    }
+    return 1;
+}
+/* the dimension dim names (negative from the end), -1 when none */
+static int64_t axis(const aclTensor *t, int64_t dim) {
+    int64_t d = dim < 0 ? dim + t->nd : dim;
+    return d >= 0 && d < t->nd ? d : -1;
+}
+/* out = swish(A) * B, A and B x's halves on dim; out x's shape with dim halved */
+VIS aclnnStatus aclnnSwiGluGetWorkspaceSize(const aclTensor *x, int64_t dim, const aclTensor *out, uint64_t *ws,
+                                            aclOpExecutor **ex) {
+    if (!ws || !ex) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus rc;
+    if ((rc = usable(x)) || (rc = usable(out))) return rc;
+    int64_t d = axis(x, dim);
+    if (d != x->nd - 1 || x->dims[d] % 2 || !contiguous(x) || !contiguous(out) || out->nd != x->nd ||
+        out->dims[d] * 2 != x->dims[d])
+        return ACLNN_ERR_PARAM_INVALID; /* the stand-in splits the last dimension only */
+    aclOpExecutor *e = exec_new(OP_SWIGLU, ws, ex);
+    e->t[0] = *x, e->t[1] = *out;
+    return ACLNN_SUCCESS;
+}
+VIS aclnnStatus aclnnSwiGlu(void *ws, uint64_t wsz, aclOpExecutor *e, aclrtStream s) {
+    return launch(ws, wsz, e, s, OP_SWIGLU);
+}
+/* out (x's shape) = [dA | dB] of sum(yGrad * swish(A) * B) */
+VIS aclnnStatus aclnnSwiGluGradGetWorkspaceSize(const aclTensor *dy, const aclTensor *x, int64_t dim,
+                                                const aclTensor *out, uint64_t *ws, aclOpExecutor **ex) {
+    if (!ws || !ex) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus rc;
+    if ((rc = usable(dy)) || (rc = usable(x)) || (rc = usable(out))) return rc;
+    int64_t d = axis(x, dim);
+    if (d != x->nd - 1 || x->dims[d] % 2 || !contiguous(x) || !contiguous(out) || !contiguous(dy) ||
+        !same_shape(x, out) || dy->nd != x->nd || dy->dims[d] * 2 != x->dims[d])
+        return ACLNN_ERR_PARAM_INVALID;
+    aclOpExecutor *e = exec_new(OP_SWIGLU_GRAD, ws, ex);
+    e->t[0] = *dy, e->t[1] = *x, e->t[2] = *out;
+    return ACLNN_SUCCESS;
+}
+VIS aclnnStatus aclnnSwiGluGrad(void *ws, uint64_t wsz, aclOpExecutor *e, aclrtStream s) {
+    return launch(ws, wsz, e, s, OP_SWIGLU_GRAD);
+}
+
 /* ---- the operators' arithmetic, when a stream runs them ------------------- */
+static void run_swiglu(aclOpExecutor *e, int grad) {
+    const aclTensor *x = &e->t[grad], *dy = &e->t[0], *o = &e->t[grad ? 2 : 1];
+    int64_t I2 = x->dims[x->nd - 1], I = I2 / 2, N = numel(x) / I2;
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t i = 0; i < I; i++) {
+            float a = ld(x, n * I2 + i), b = ld(x, n * I2 + I + i), sg = 1.0f / (1.0f + expf(-a));
+            if (!grad) {
+                st(o, n * I + i, a * sg * b);
+                continue;
+            }
+            float g = ld(dy, n * I + i);
+            st(o, n * I2 + i, g * (sg + sg * (1.0f - sg) * a) * b);
+            st(o, n * I2 + I + i, g * sg * a);
+        }
+}
 static float down(const aclOpExecutor *e, float v) { /* FLOAT32 computed as FLOAT16 on 910 / 310P */
     return e->cube == QT_ACL_CUBE_ALLOW_FP32_DOWN_PRECISION && !soc_has_bf16() ? h2f(f2h(v)) : v;
 }
@@ -579,6 +671,14 @@ static void run(aclOpExecutor *e) {
         break;
     case OP_RMSNORM: run_rmsnorm(e); break;
     case OP_RMSNORM_GRAD: run_rmsnorm_grad(e); break;
+    case OP_COPY:
+        for (int64_t i = 0, n = numel(&e->t[0]); i < n; i++) st(&e->t[0], i, ld(&e->t[1], i));
+        break;
+    case OP_MULS:
+        for (int64_t i = 0, n = numel(&e->t[0]); i < n; i++) st(&e->t[0], i, ld(&e->t[0], i) * (float)e->a);
+        break;
+    case OP_SWIGLU: run_swiglu(e, 0); break;
+    case OP_SWIGLU_GRAD: run_swiglu(e, 1); break;
     }
 }
 

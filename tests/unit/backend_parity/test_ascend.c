@@ -105,6 +105,23 @@ static void test_convert(void **state) {
     qt_backend_close(npu), qt_backend_close(cpu);
 }
 
+/* x *= s: the same bits as the CPU's */
+static void test_scale(void **state) {
+    (void)state;
+    qt_backend *cpu = NULL, *npu = open_npu("Ascend910B1");
+    assert_int_equal(qt_backend_open("cpu", &cpu), QT_OK);
+    enum { n = 333 };
+    float h[n], a[n], b[n];
+    for (int i = 0; i < n; i++) h[i] = sinf((float)i) * 1e3f;
+    float *xc = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof h, "x"), *xn = npu->alloc(npu, QT_MEM_DEVICE, sizeof h, "x");
+    cpu->upload(cpu, xc, h, sizeof h), npu->upload(npu, xn, h, sizeof h);
+    cpu->scale(cpu, xc, n, 0.37f), npu->scale(npu, xn, n, 0.37f);
+    cpu->download(cpu, a, xc, sizeof a), npu->download(npu, b, xn, sizeof b);
+    assert_memory_equal(a, b, sizeof a);
+    cpu->free(cpu, xc), npu->free(npu, xn);
+    qt_backend_close(npu), qt_backend_close(cpu);
+}
+
 /* status of fn(be) run in a child, its stderr in err */
 static int in_child(const char *soc, void (*fn)(qt_backend *), char *err, size_t cap) {
     int p[2];
@@ -173,7 +190,7 @@ static void test_fp16_cube(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_absent_library), cmocka_unit_test(test_table_is_complete),
-        cmocka_unit_test(test_device_values),  cmocka_unit_test(test_convert),
+        cmocka_unit_test(test_device_values),  cmocka_unit_test(test_convert), cmocka_unit_test(test_scale),
         cmocka_unit_test(test_refusals),       cmocka_unit_test(test_fp16_cube),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
