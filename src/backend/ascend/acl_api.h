@@ -144,7 +144,7 @@ typedef enum {
 /* libopapi.so, 8.1.RC1 opp/built-in/op_impl/ai_core/tbe/op_api/include/
  * aclnnop/: aclnn_addmm.h, aclnn_add.h, aclnn_cast.h, aclnn_rms_norm.h,
  * aclnn_rms_norm_grad.h, aclnn_copy.h, aclnn_mul.h, aclnn_swi_glu.h,
- * aclnn_swi_glu_grad.h. Each operator is two calls: *GetWorkspaceSize
+ * aclnn_swi_glu_grad.h, aclnn_embedding.h. Each operator is two calls: *GetWorkspaceSize
  * checks the arguments and returns the device workspace it needs and an
  * executor; the second runs that executor on a stream (and consumes it). */
 #define QT_ACL_OP_FUNCS(X)                                                                                       \
@@ -183,7 +183,12 @@ typedef enum {
     X(aclnnStatus, aclnnSwiGluGradGetWorkspaceSize,                                                              \
       (const aclTensor *yGrad, const aclTensor *x, int64_t dim, const aclTensor *out, uint64_t *workspaceSize,   \
        aclOpExecutor **executor))                                                                                \
-    X(aclnnStatus, aclnnSwiGluGrad, (void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream))
+    X(aclnnStatus, aclnnSwiGluGrad, (void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream)) \
+    X(aclnnStatus, aclnnEmbeddingGetWorkspaceSize,                                                               \
+      (const aclTensor *weight, const aclTensor *indices, const aclTensor *out, uint64_t *workspaceSize,         \
+       aclOpExecutor **executor))                                                                                \
+    X(aclnnStatus, aclnnEmbedding,                                                                               \
+      (void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, const aclrtStream stream))
 
 /* Every function the backend calls, in one list (the loader's table). */
 #define QT_ACL_FUNCS(X) QT_ACL_RT_FUNCS(X) QT_ACL_META_FUNCS(X) QT_ACL_OP_FUNCS(X)
@@ -192,6 +197,9 @@ typedef enum {
 #define QT_ACL_PROTO(ret, name, params) ret name params;
 
 /* Not declared yet (the next session's list):
+ *  - aclnnEmbeddingDenseBackward (8.1.RC1 aclnn_embedding_dense_backward.h):
+ *    its paddingIdx is a uint64_t whose "None" value the header does not
+ *    give, and it writes a whole (V, C) fp32 out rather than adding;
  *  - aclnnFlashAttentionScore / Grad, aclnnApplyRotaryPosEmb,
  *    aclnnApplyAdamWV2, aclnnCrossEntropyLoss / Grad (headers present in
  *    8.1.RC1 aclnnop/, semantics not yet held against qtune's contract);

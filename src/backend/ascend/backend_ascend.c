@@ -4,9 +4,10 @@
  * against the CPU stand-in of that API (tests/unit/backend_parity/
  * acl_standin.c), never run on an Ascend card.
  *
- * What exists: memory, copies, events; matmul forward and backward (fp32 on
- * the cube unit, f16/bf16 weights cast to fp32 in ws first), RMSNorm and
- * SwiGLU forward and backward, convert (casts), acc, scale. Every other op is refused by name the
+ * What exists: memory, copies, events; embedding forward; matmul forward
+ * and backward (fp32 on the cube unit, f16/bf16 weights cast to fp32 in ws
+ * first), RMSNorm and SwiGLU forward and backward, convert (casts), acc,
+ * scale. Every other op is refused by name the
  * first time it is called (refuse below): the run stops with a sentence,
  * never a silently wrong result. half_matmul / half_gemm answer
  * QT_EUNSUPPORTED (the model then takes the fp32 op), as the contract allows.
@@ -68,8 +69,8 @@ static void asc_fail(const char *what, int code, const char *file, int line) {
 /* An op this backend has not written yet: stop at its first use, by name. */
 static void refuse(const char *op) {
     fprintf(stderr,
-            "qtune: error: the Ascend backend has no %s yet (written so far: memory, copies, matmul, RMSNorm, "
-            "SwiGLU, convert, acc, scale; docs/backends.md lists the rest); run this job on \"cpu\" or \"cuda\"\n",
+            "qtune: error: the Ascend backend has no %s yet (written so far: memory, copies, embedding "
+            "forward, matmul, RMSNorm, SwiGLU, convert, acc, scale; docs/backends.md lists the rest); run this job on \"cpu\" or \"cuda\"\n",
             op);
     fflush(stderr);
     exit(1);
@@ -88,6 +89,16 @@ static void track(ascend *a, void *p, size_t bytes, qt_mem_place place) {
         a->held += bytes;
         if (a->held > a->peak) a->peak = a->held;
     }
+}
+
+/* bytes from p to the end of the block of this backend's it lies in; 0 when none */
+static size_t bytes_after(const ascend *a, const void *p) {
+    for (int i = 0; i < a->n_blk; i++) {
+        const char *b = a->blk[i].p;
+        const char *e = b + a->blk[i].bytes, *q = p;
+        if (q >= b && q < e) return (size_t)(e - q);
+    }
+    return 0;
 }
 
 static void *dev_malloc(ascend *a, size_t bytes) {
@@ -156,7 +167,9 @@ static void a_zero(qt_backend *be, void *dev, size_t bytes) {
     if (!bytes) return;
     CK(a->acl->aclrtMemsetAsync(dev, bytes, 0, bytes, a->stream), "aclrtMemsetAsync");
 }
-static void a_sync(qt_backend *be) { CK(asc(be)->acl->aclrtSynchronizeStream(asc(be)->stream), "aclrtSynchronizeStream"); }
+static void a_sync(qt_backend *be) {
+    CK(asc(be)->acl->aclrtSynchronizeStream(asc(be)->stream), "aclrtSynchronizeStream");
+}
 
 static int a_import_mapped(qt_backend *be, const void *host, size_t bytes, const void **dev, const char *what) {
     void *p = a_alloc(be, QT_MEM_DEVICE, bytes, what);
@@ -344,6 +357,27 @@ static void a_rmsnorm_backward(qt_backend *be, float *dinp, float *dweight, cons
     if (dweight) add(a, vec(a, dweight, QT_F32, C), vec(a, s + nc, QT_F32, C));
 }
 
+/* out (N, C) = wte rows ids: gathered in wte's dtype (aclnnEmbedding's out
+ * is the weight's dtype), a 16-bit gather into scratch then cast to fp32 */
+static void a_embedding_forward(qt_backend *be, float *out, const int32_t *ids, const void *wte, qt_dtype wdt, int N,
+                                int C) {
+    ascend *a = asc(be);
+    if (wdt != QT_F32 && wdt != QT_F16 && wdt != QT_BF16) refuse("embedding_forward of a quantized table");
+    size_t nc = (size_t)N * C;
+    void *g = wdt == QT_F32 ? (void *)out : grow(a, (void **)&a->scratch, &a->scratch_bytes, nc * 2, "scratch");
+    /* aclnnEmbedding needs the table's shape (V, C), which the interface does
+     * not pass: the rows of the block wte lies in (this backend allocated it) */
+    int64_t V = (int64_t)(bytes_after(a, wte) / ((size_t)C * qt_dtype_size(wdt))), n = N, one = 1;
+    if (V <= 0) asc_fail("embedding_forward (a table this backend did not allocate)", ACL_ERROR_INVALID_PARAM,
+                         __FILE__, __LINE__);
+    aclTensor *i = a->acl->aclCreateTensor(&n, 1, ACL_INT32, &one, 0, ACL_FORMAT_ND, &n, 1, (void *)ids);
+    if (!i) asc_fail("aclCreateTensor", ACL_ERROR_INVALID_PARAM, __FILE__, __LINE__);
+    aclTensor *w = mat(a, wte, wdt, V, C), *o = mat(a, g, wdt, N, C);
+    LAUNCH(aclnnEmbedding, w, i, o);
+    a->acl->aclDestroyTensor(w), a->acl->aclDestroyTensor(i), a->acl->aclDestroyTensor(o);
+    if (wdt != QT_F32) cast(a, out, QT_F32, g, wdt, nc);
+}
+
 /* dst (N, I) view at column col of a row-major (N, 2I) buffer x2 <- src (N, I) */
 static void to_half(ascend *a, float *x2, int col, const float *src, int N, int I) {
     aclTensor *d = view2(a, x2 + col, QT_F32, N, I, 2 * (int64_t)I, 1, (int64_t)N * 2 * I - col),
@@ -450,11 +484,6 @@ static void a_close(qt_backend *be) {
 }
 
 /* ---- the ops not written yet: each refuses by name ---------------------------- */
-static void n_embedding_forward(qt_backend *be, float *out, const int32_t *ids, const void *wte, qt_dtype wdt, int N,
-                                int C) {
-    (void)be, (void)out, (void)ids, (void)wte, (void)wdt, (void)N, (void)C;
-    refuse("embedding_forward");
-}
 static void n_embedding_backward(qt_backend *be, float *dwte, const float *dout, const int32_t *ids, int N, int C) {
     (void)be, (void)dwte, (void)dout, (void)ids, (void)N, (void)C;
     refuse("embedding_backward");
@@ -588,7 +617,7 @@ const qt_backend qt_backend_ascend_i = {
     .event_record = a_event_record,
     .event_wait = a_event_wait,
     .event_free = a_event_free,
-    .embedding_forward = n_embedding_forward,
+    .embedding_forward = a_embedding_forward,
     .embedding_backward = n_embedding_backward,
     .rmsnorm_forward = a_rmsnorm_forward,
     .rmsnorm_backward = a_rmsnorm_backward,
@@ -650,7 +679,8 @@ int qt_backend_ascend_open(int index, qt_backend **out) {
         return QT_ERR(QT_EINVAL, "\"npu:%d\" names NPU %d, but %u NPU%s visible (numbered from 0); use \"npu:0\" or "
                       "\"npu\"", index, index, count, count == 1 ? " is" : "s are");
     int rc = acl->aclrtSetDevice(index);
-    if (rc != ACL_SUCCESS) return QT_ERR(QT_EUNSUPPORTED, "CANN could not open NPU %d (error %d); run `npu-smi info`", index, rc);
+    if (rc != ACL_SUCCESS)
+        return QT_ERR(QT_EUNSUPPORTED, "CANN could not open NPU %d (error %d); run `npu-smi info`", index, rc);
     qt_backend *be = qt_malloc(sizeof *be, "npu backend");
     ascend *a = calloc(1, sizeof *a);
     if (!be || !a) return free(a), qt_free(be), acl->aclrtResetDevice(index), QT_ENOMEM;

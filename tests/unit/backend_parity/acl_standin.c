@@ -372,7 +372,9 @@ static void st(const aclTensor *t, int64_t i, float v) {
 }
 
 /* ---- executors ------------------------------------------------------------ */
-enum { OP_ADDMM, OP_ADD, OP_CAST, OP_RMSNORM, OP_RMSNORM_GRAD, OP_COPY, OP_MULS, OP_SWIGLU, OP_SWIGLU_GRAD };
+enum {
+    OP_ADDMM, OP_ADD, OP_CAST, OP_RMSNORM, OP_RMSNORM_GRAD, OP_COPY, OP_MULS, OP_SWIGLU, OP_SWIGLU_GRAD, OP_EMBEDDING
+};
 struct aclOpExecutor {
     int op, cube;
     aclTensor t[6];
@@ -588,6 +590,33 @@ VIS aclnnStatus aclnnSwiGluGrad(void *ws, uint64_t wsz, aclOpExecutor *e, aclrtS
     return launch(ws, wsz, e, s, OP_SWIGLU_GRAD);
 }
 
+/* out (indices' shape, C) = weight (V, C) rows; indices INT32 or INT64, out weight's dtype */
+VIS aclnnStatus aclnnEmbeddingGetWorkspaceSize(const aclTensor *w, const aclTensor *idx, const aclTensor *out,
+                                               uint64_t *ws, aclOpExecutor **ex) {
+    if (!ws || !ex || !idx || !idx->data) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus rc;
+    if ((rc = usable(w)) || (rc = usable(out))) return rc;
+    if (idx->fmt != ACL_FORMAT_ND || idx->dt != ACL_INT32 || w->nd != 2 || out->dt != w->dt ||
+        out->nd != idx->nd + 1 || out->dims[out->nd - 1] != w->dims[1])
+        return ACLNN_ERR_PARAM_INVALID; /* INT64 indices are documented too; the stand-in takes INT32 only */
+    for (int64_t d = 0; d < idx->nd; d++)
+        if (out->dims[d] != idx->dims[d]) return ACLNN_ERR_PARAM_INVALID;
+    aclOpExecutor *e = exec_new(OP_EMBEDDING, ws, ex);
+    e->t[0] = *w, e->t[1] = *idx, e->t[2] = *out;
+    return ACLNN_SUCCESS;
+}
+VIS aclnnStatus aclnnEmbedding(void *ws, uint64_t wsz, aclOpExecutor *e, const aclrtStream s) {
+    return launch(ws, wsz, e, s, OP_EMBEDDING);
+}
+static void run_embedding(aclOpExecutor *e) {
+    const aclTensor *w = &e->t[0], *idx = &e->t[1], *o = &e->t[2];
+    int64_t V = w->dims[0], C = w->dims[1], N = numel(idx);
+    for (int64_t n = 0; n < N; n++) {
+        int64_t r = ((const int32_t *)idx->data)[at(idx, n)];
+        for (int64_t c = 0; c < C; c++) st(o, n * C + c, r >= 0 && r < V ? ld(w, r * C + c) : NAN);
+    }
+}
+
 /* ---- the operators' arithmetic, when a stream runs them ------------------- */
 static void run_swiglu(aclOpExecutor *e, int grad) {
     const aclTensor *x = &e->t[grad], *dy = &e->t[0], *o = &e->t[grad ? 2 : 1];
@@ -679,6 +708,7 @@ static void run(aclOpExecutor *e) {
         break;
     case OP_SWIGLU: run_swiglu(e, 0); break;
     case OP_SWIGLU_GRAD: run_swiglu(e, 1); break;
+    case OP_EMBEDDING: run_embedding(e); break;
     }
 }
 

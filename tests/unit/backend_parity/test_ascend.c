@@ -105,6 +105,41 @@ static void test_convert(void **state) {
     qt_backend_close(npu), qt_backend_close(cpu);
 }
 
+/* rows of the table, f32 / f16 / bf16, the same bits as the CPU's (the
+ * backward is not written: test_backend_parity's test_embedding needs both) */
+static void test_embedding_forward(void **state) {
+    (void)state;
+    qt_backend *cpu = NULL, *npu = open_npu("Ascend910B1");
+    assert_int_equal(qt_backend_open("cpu", &cpu), QT_OK);
+    enum { V = 61, C = 37, N = 23 };
+    int32_t ids[N];
+    for (int i = 0; i < N; i++) ids[i] = (i * 7) % V;
+    ids[0] = V - 1; /* the last row */
+    static float w[V * C], a[N * C], b[N * C];
+    for (int i = 0; i < V * C; i++) w[i] = cosf((float)i) * 3.0f;
+    const qt_dtype dts[] = {QT_F32, QT_F16, QT_BF16};
+    for (int k = 0; k < 3; k++) {
+        size_t wb = (size_t)V * C * qt_dtype_size(dts[k]);
+        void *wc = cpu->alloc(cpu, QT_MEM_DEVICE, wb, "w"), *wn = npu->alloc(npu, QT_MEM_DEVICE, wb, "w");
+        float *f = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof w, "f");
+        cpu->upload(cpu, f, w, sizeof w);
+        cpu->convert(cpu, wc, dts[k], f, QT_F32, (size_t)V * C);
+        void *h = malloc(wb);
+        cpu->download(cpu, h, wc, wb), npu->upload(npu, wn, h, wb); /* the same bits on both */
+        int32_t *ic = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof ids, "i");
+        int32_t *in = npu->alloc(npu, QT_MEM_DEVICE, sizeof ids, "i");
+        cpu->upload(cpu, ic, ids, sizeof ids), npu->upload(npu, in, ids, sizeof ids);
+        float *oc = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof a, "o"), *on = npu->alloc(npu, QT_MEM_DEVICE, sizeof b, "o");
+        cpu->embedding_forward(cpu, oc, ic, wc, dts[k], N, C), npu->embedding_forward(npu, on, in, wn, dts[k], N, C);
+        cpu->download(cpu, a, oc, sizeof a), npu->download(npu, b, on, sizeof b);
+        assert_memory_equal(a, b, sizeof a);
+        free(h);
+        cpu->free(cpu, wc), cpu->free(cpu, f), cpu->free(cpu, ic), cpu->free(cpu, oc);
+        npu->free(npu, wn), npu->free(npu, in), npu->free(npu, on);
+    }
+    qt_backend_close(npu), qt_backend_close(cpu);
+}
+
 /* x *= s: the same bits as the CPU's */
 static void test_scale(void **state) {
     (void)state;
@@ -191,6 +226,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_absent_library), cmocka_unit_test(test_table_is_complete),
         cmocka_unit_test(test_device_values),  cmocka_unit_test(test_convert), cmocka_unit_test(test_scale),
+        cmocka_unit_test(test_embedding_forward),
         cmocka_unit_test(test_refusals),       cmocka_unit_test(test_fp16_cube),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
