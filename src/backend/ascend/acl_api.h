@@ -144,7 +144,8 @@ typedef enum {
 /* libopapi.so, 8.1.RC1 opp/built-in/op_impl/ai_core/tbe/op_api/include/
  * aclnnop/: aclnn_addmm.h, aclnn_add.h, aclnn_cast.h, aclnn_rms_norm.h,
  * aclnn_rms_norm_grad.h, aclnn_copy.h, aclnn_mul.h, aclnn_swi_glu.h,
- * aclnn_swi_glu_grad.h, aclnn_embedding.h. Each operator is two calls: *GetWorkspaceSize
+ * aclnn_swi_glu_grad.h, aclnn_embedding.h, aclnn_sub.h, aclnn_addcmul.h,
+ * aclnn_addcdiv.h, aclnn_sqrt.h, aclnn_div.h. Each operator is two calls: *GetWorkspaceSize
  * checks the arguments and returns the device workspace it needs and an
  * executor; the second runs that executor on a stream (and consumes it). */
 #define QT_ACL_OP_FUNCS(X)                                                                                       \
@@ -188,7 +189,41 @@ typedef enum {
       (const aclTensor *weight, const aclTensor *indices, const aclTensor *out, uint64_t *workspaceSize,         \
        aclOpExecutor **executor))                                                                                \
     X(aclnnStatus, aclnnEmbedding,                                                                               \
-      (void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, const aclrtStream stream))
+      (void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, const aclrtStream stream))              \
+    QT_ACL_ELEMENTWISE_FUNCS(X)
+
+/* The elementwise operators AdamW is built from (aclnn_mul.h, aclnn_add.h,
+ * aclnn_sub.h, aclnn_addcmul.h, aclnn_addcdiv.h, aclnn_sqrt.h, aclnn_div.h). */
+#define QT_ACL_LAUNCH_PARAMS (void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream)
+#define QT_ACL_ELEMENTWISE_FUNCS(X)                                                                              \
+    X(aclnnStatus, aclnnMulsGetWorkspaceSize,                                                                    \
+      (const aclTensor *self, const aclScalar *other, aclTensor *out, uint64_t *workspaceSize,                   \
+       aclOpExecutor **executor))                                                                                \
+    X(aclnnStatus, aclnnMuls, QT_ACL_LAUNCH_PARAMS)                                                              \
+    X(aclnnStatus, aclnnSubGetWorkspaceSize,                                                                     \
+      (const aclTensor *self, const aclTensor *other, const aclScalar *alpha, aclTensor *out,                    \
+       uint64_t *workspaceSize, aclOpExecutor **executor))                                                       \
+    X(aclnnStatus, aclnnSub, QT_ACL_LAUNCH_PARAMS)                                                               \
+    X(aclnnStatus, aclnnInplaceAddsGetWorkspaceSize,                                                             \
+      (const aclTensor *selfRef, const aclScalar *other, const aclScalar *alpha, uint64_t *workspaceSize,        \
+       aclOpExecutor **executor))                                                                                \
+    X(aclnnStatus, aclnnInplaceAdds, QT_ACL_LAUNCH_PARAMS)                                                       \
+    X(aclnnStatus, aclnnInplaceAddcmulGetWorkspaceSize,                                                          \
+      (const aclTensor *selfRef, const aclTensor *tensor1, const aclTensor *tensor2, const aclScalar *value,     \
+       uint64_t *workspaceSize, aclOpExecutor **executor))                                                       \
+    X(aclnnStatus, aclnnInplaceAddcmul, QT_ACL_LAUNCH_PARAMS)                                                    \
+    X(aclnnStatus, aclnnInplaceAddcdivGetWorkspaceSize,                                                          \
+      (const aclTensor *selfRef, const aclTensor *tensor1, const aclTensor *tensor2, const aclScalar *value,     \
+       uint64_t *workspaceSize, aclOpExecutor **executor))                                                       \
+    X(aclnnStatus, aclnnInplaceAddcdiv,                                                                          \
+      (void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, const aclrtStream stream))              \
+    X(aclnnStatus, aclnnSqrtGetWorkspaceSize,                                                                    \
+      (const aclTensor *self, aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **opExecutor))              \
+    X(aclnnStatus, aclnnSqrt,                                                                                    \
+      (void *workspace, uint64_t workspaceSize, aclOpExecutor *opExecutor, aclrtStream stream))                  \
+    X(aclnnStatus, aclnnInplaceDivsGetWorkspaceSize,                                                             \
+      (aclTensor *selfRef, const aclScalar *other, uint64_t *workspaceSize, aclOpExecutor **executor))           \
+    X(aclnnStatus, aclnnInplaceDivs, QT_ACL_LAUNCH_PARAMS)
 
 /* Every function the backend calls, in one list (the loader's table). */
 #define QT_ACL_FUNCS(X) QT_ACL_RT_FUNCS(X) QT_ACL_META_FUNCS(X) QT_ACL_OP_FUNCS(X)
@@ -201,7 +236,8 @@ typedef enum {
  *    its paddingIdx is a uint64_t whose "None" value the header does not
  *    give, and it writes a whole (V, C) fp32 out rather than adding;
  *  - aclnnFlashAttentionScore / Grad, aclnnApplyRotaryPosEmb,
- *    aclnnApplyAdamWV2, aclnnCrossEntropyLoss / Grad (headers present in
+ *    aclnnApplyAdamWV2 (qtune's AdamW is the elementwise operators above,
+ *    as torch's single-tensor loop), aclnnCrossEntropyLoss / Grad (headers present in
  *    8.1.RC1 aclnnop/, semantics not yet held against qtune's contract);
  *  - an fp16 x fp16 -> fp32-out matmul: whether aclnnMatmul accepts an fp32
  *    out for FLOAT16 inputs (the "互推导关系" table) was not confirmed, so

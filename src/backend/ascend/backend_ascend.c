@@ -6,8 +6,8 @@
  *
  * What exists: memory, copies, events; embedding forward; matmul forward
  * and backward (fp32 on the cube unit, f16/bf16 weights cast to fp32 in ws
- * first), RMSNorm and SwiGLU forward and backward, convert (casts), acc,
- * scale. Every other op is refused by name the
+ * first), RMSNorm and SwiGLU forward and backward, Adam / AdamW, convert
+ * (casts), acc, scale. Every other op is refused by name the
  * first time it is called (refuse below): the run stops with a sentence,
  * never a silently wrong result. half_matmul / half_gemm answer
  * QT_EUNSUPPORTED (the model then takes the fp32 op), as the contract allows.
@@ -70,7 +70,7 @@ static void asc_fail(const char *what, int code, const char *file, int line) {
 static void refuse(const char *op) {
     fprintf(stderr,
             "qtune: error: the Ascend backend has no %s yet (written so far: memory, copies, embedding "
-            "forward, matmul, RMSNorm, SwiGLU, convert, acc, scale; docs/backends.md lists the rest); run this job on \"cpu\" or \"cuda\"\n",
+            "forward, matmul, RMSNorm, SwiGLU, AdamW, convert, acc, scale; docs/backends.md lists the rest); run this job on \"cpu\" or \"cuda\"\n",
             op);
     fflush(stderr);
     exit(1);
@@ -423,6 +423,48 @@ static void a_scale(qt_backend *be, float *x, size_t n, float sc) {
     a->acl->aclDestroyScalar(k), a->acl->aclDestroyTensor(t);
 }
 
+/* Adam / AdamW (optim/adam.h's rule) as torch's single-tensor loop writes
+ * it, one aclnn elementwise operator a step, each rounding to fp32 where the
+ * CPU's loop does (so the CPU's bits, FMA contraction aside), in pieces of
+ * ADAM_PIECE elements: three scratch vectors (the scaled gradient, g - m, the
+ * denominator) a piece. */
+#define ADAM_PIECE ((size_t)1 << 22)
+static void adam_piece(ascend *a, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n,
+                       float *gi, float *t, float *d) {
+    int64_t len = (int64_t)n;
+    aclTensor *P = vec(a, p, QT_F32, len), *G = vec(a, g, QT_F32, len), *M = vec(a, m, QT_F32, len);
+    aclTensor *Vt = vec(a, v, QT_F32, len), *GI = vec(a, gi, QT_F32, len), *T = vec(a, t, QT_F32, len);
+    aclTensor *D = vec(a, d, QT_F32, len);
+    aclScalar *gs = scalar(a, k->gs), *wd = scalar(a, k->wd_mul), *l2 = scalar(a, k->wd_l2), *one = scalar(a, 1.0f);
+    aclScalar *omb1 = scalar(a, k->omb1), *b2 = scalar(a, k->b2), *omb2 = scalar(a, k->omb2);
+    aclScalar *bc2 = scalar(a, k->bc2_sqrt), *eps = scalar(a, k->eps), *step = scalar(a, -k->step_size);
+    LAUNCH(aclnnMuls, G, gs, GI);                             /* gi = g * gs */
+    LAUNCH(aclnnInplaceMuls, P, wd);                          /* AdamW: p *= 1 - lr*wd */
+    if (k->wd_l2 != 0.0f) LAUNCH(aclnnInplaceAdd, GI, P, l2); /* Adam: gi += wd * p */
+    LAUNCH(aclnnSub, GI, M, one, T);                          /* m += (1-beta1) (gi - m) */
+    LAUNCH(aclnnInplaceAdd, M, T, omb1);
+    LAUNCH(aclnnInplaceMuls, Vt, b2); /* v = v beta2 + (1-beta2) gi gi */
+    LAUNCH(aclnnInplaceAddcmul, Vt, GI, GI, omb2);
+    LAUNCH(aclnnSqrt, Vt, D); /* d = sqrt(v) / sqrt(1-beta2^t) + eps */
+    LAUNCH(aclnnInplaceDivs, D, bc2);
+    LAUNCH(aclnnInplaceAdds, D, eps, one);
+    LAUNCH(aclnnInplaceAddcdiv, P, M, D, step); /* p -= step_size * m / d */
+    aclScalar *sc[] = {gs, wd, l2, one, omb1, b2, omb2, bc2, eps, step};
+    for (size_t i = 0; i < sizeof sc / sizeof sc[0]; i++) a->acl->aclDestroyScalar(sc[i]);
+    aclTensor *tt[] = {P, G, M, Vt, GI, T, D};
+    for (size_t i = 0; i < sizeof tt / sizeof tt[0]; i++) a->acl->aclDestroyTensor(tt[i]);
+}
+static void a_adam(qt_backend *be, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n) {
+    ascend *a = asc(be);
+    size_t piece = n < ADAM_PIECE ? n : ADAM_PIECE;
+    if (!piece) return;
+    float *s = grow(a, (void **)&a->scratch, &a->scratch_bytes, 3 * piece * sizeof(float), "scratch");
+    for (size_t i = 0; i < n; i += piece) {
+        size_t c = n - i < piece ? n - i : piece;
+        adam_piece(a, k, p + i, g + i, m + i, v + i, c, s, s + piece, s + 2 * piece);
+    }
+}
+
 static void a_acc(qt_backend *be, float *out, const float *x, size_t n) {
     if (!n) return;
     ascend *a = asc(be);
@@ -575,10 +617,6 @@ static void n_dropout(qt_backend *be, float *dst, const float *src, size_t n, co
     (void)be, (void)dst, (void)src, (void)n, (void)key, (void)threshold, (void)keep_scale;
     refuse("dropout");
 }
-static void n_adam(qt_backend *be, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n) {
-    (void)be, (void)k, (void)p, (void)g, (void)m, (void)v, (void)n;
-    refuse("adam");
-}
 static double n_sum_squares(qt_backend *be, const float *x, size_t n) {
     (void)be, (void)x, (void)n;
     refuse("sum_squares");
@@ -646,7 +684,7 @@ const qt_backend qt_backend_ascend_i = {
     .half_matmul = a_half_matmul,
     .half_gemm = a_half_gemm,
     .dropout = n_dropout,
-    .adam = n_adam,
+    .adam = a_adam,
     .sum_squares = n_sum_squares,
     .scale = a_scale,
     .runtime_bytes = a_runtime_bytes,

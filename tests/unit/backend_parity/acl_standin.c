@@ -373,7 +373,8 @@ static void st(const aclTensor *t, int64_t i, float v) {
 
 /* ---- executors ------------------------------------------------------------ */
 enum {
-    OP_ADDMM, OP_ADD, OP_CAST, OP_RMSNORM, OP_RMSNORM_GRAD, OP_COPY, OP_MULS, OP_SWIGLU, OP_SWIGLU_GRAD, OP_EMBEDDING
+    OP_ADDMM, OP_ADD, OP_CAST, OP_RMSNORM, OP_RMSNORM_GRAD, OP_COPY, OP_MULS, OP_SWIGLU, OP_SWIGLU_GRAD, OP_EMBEDDING,
+    OP_EW /* the elementwise family below: e->cube holds which */
 };
 struct aclOpExecutor {
     int op, cube;
@@ -617,6 +618,87 @@ static void run_embedding(aclOpExecutor *e) {
     }
 }
 
+/* ---- elementwise operators: t[0] the output (selfRef or out), t[1..] inputs of its shape */
+enum { EW_MULS, EW_SUB, EW_ADDS, EW_ADDCMUL, EW_ADDCDIV, EW_SQRT, EW_DIVS };
+static aclnnStatus ew(int kind, const aclTensor *out, const aclTensor *a, const aclTensor *b, const aclTensor *c,
+                      double s1, double s2, uint64_t *ws, aclOpExecutor **ex) {
+    if (!ws || !ex) return ACLNN_ERR_PARAM_NULLPTR;
+    const aclTensor *t[4] = {out, a, b, c};
+    for (int i = 0; i < 4; i++) {
+        if (!t[i]) continue;
+        aclnnStatus rc = usable(t[i]);
+        if (rc) return rc;
+        if (!same_shape(t[i], out)) return ACLNN_ERR_PARAM_INVALID; /* the stand-in takes no broadcast here */
+    }
+    aclOpExecutor *e = exec_new(OP_EW, ws, ex);
+    for (int i = 0; i < 4; i++)
+        if (t[i]) e->t[i] = *t[i];
+    e->cube = kind, e->a = s1, e->b = s2;
+    return ACLNN_SUCCESS;
+}
+#define EW_LAUNCH(name)                                                                   \
+    VIS aclnnStatus name(void *ws, uint64_t wsz, aclOpExecutor *e, const aclrtStream s) { \
+        return launch(ws, wsz, e, s, OP_EW);                                              \
+    }
+VIS aclnnStatus aclnnMulsGetWorkspaceSize(const aclTensor *self, const aclScalar *other, aclTensor *out, uint64_t *ws,
+                                          aclOpExecutor **ex) {
+    if (!other) return ACLNN_ERR_PARAM_NULLPTR;
+    return ew(EW_MULS, out, self, NULL, NULL, other->v, 0, ws, ex);
+}
+EW_LAUNCH(aclnnMuls)
+VIS aclnnStatus aclnnSubGetWorkspaceSize(const aclTensor *self, const aclTensor *other, const aclScalar *alpha,
+                                         aclTensor *out, uint64_t *ws, aclOpExecutor **ex) {
+    if (!alpha) return ACLNN_ERR_PARAM_NULLPTR;
+    return ew(EW_SUB, out, self, other, NULL, alpha->v, 0, ws, ex);
+}
+EW_LAUNCH(aclnnSub)
+VIS aclnnStatus aclnnInplaceAddsGetWorkspaceSize(const aclTensor *self, const aclScalar *other,
+                                                 const aclScalar *alpha, uint64_t *ws, aclOpExecutor **ex) {
+    if (!other || !alpha) return ACLNN_ERR_PARAM_NULLPTR;
+    return ew(EW_ADDS, self, self, NULL, NULL, other->v, alpha->v, ws, ex);
+}
+EW_LAUNCH(aclnnInplaceAdds)
+VIS aclnnStatus aclnnInplaceAddcmulGetWorkspaceSize(const aclTensor *self, const aclTensor *t1, const aclTensor *t2,
+                                                    const aclScalar *value, uint64_t *ws, aclOpExecutor **ex) {
+    if (!value || !t1 || !t2) return ACLNN_ERR_PARAM_NULLPTR;
+    return ew(EW_ADDCMUL, self, self, t1, t2, value->v, 0, ws, ex);
+}
+EW_LAUNCH(aclnnInplaceAddcmul)
+VIS aclnnStatus aclnnInplaceAddcdivGetWorkspaceSize(const aclTensor *self, const aclTensor *t1, const aclTensor *t2,
+                                                    const aclScalar *value, uint64_t *ws, aclOpExecutor **ex) {
+    if (!value || !t1 || !t2) return ACLNN_ERR_PARAM_NULLPTR;
+    return ew(EW_ADDCDIV, self, self, t1, t2, value->v, 0, ws, ex);
+}
+EW_LAUNCH(aclnnInplaceAddcdiv)
+VIS aclnnStatus aclnnSqrtGetWorkspaceSize(const aclTensor *self, aclTensor *out, uint64_t *ws, aclOpExecutor **ex) {
+    return ew(EW_SQRT, out, self, NULL, NULL, 0, 0, ws, ex);
+}
+EW_LAUNCH(aclnnSqrt)
+VIS aclnnStatus aclnnInplaceDivsGetWorkspaceSize(aclTensor *self, const aclScalar *other, uint64_t *ws,
+                                                 aclOpExecutor **ex) {
+    if (!other) return ACLNN_ERR_PARAM_NULLPTR;
+    return ew(EW_DIVS, self, self, NULL, NULL, other->v, 0, ws, ex);
+}
+EW_LAUNCH(aclnnInplaceDivs)
+/* each as its documentation writes it, in fp32 */
+static void run_ew(aclOpExecutor *e) {
+    const aclTensor *t = e->t;
+    float s1 = (float)e->a, s2 = (float)e->b;
+    for (int64_t i = 0, n = numel(&t[0]); i < n; i++) {
+        float a = ld(&t[1], i), r = 0.0f;
+        switch (e->cube) {
+        case EW_MULS: r = a * s1; break;
+        case EW_SUB: r = a - s1 * ld(&t[2], i); break;                  /* self - alpha * other */
+        case EW_ADDS: r = a + s2 * s1; break;                           /* self + alpha * other */
+        case EW_ADDCMUL: r = a + s1 * ld(&t[2], i) * ld(&t[3], i); break; /* self + value * t1 * t2 */
+        case EW_ADDCDIV: r = a + s1 * (ld(&t[2], i) / ld(&t[3], i)); break;
+        case EW_SQRT: r = sqrtf(a); break;
+        case EW_DIVS: r = a / s1; break;
+        }
+        st(&t[0], i, r);
+    }
+}
+
 /* ---- the operators' arithmetic, when a stream runs them ------------------- */
 static void run_swiglu(aclOpExecutor *e, int grad) {
     const aclTensor *x = &e->t[grad], *dy = &e->t[0], *o = &e->t[grad ? 2 : 1];
@@ -709,6 +791,7 @@ static void run(aclOpExecutor *e) {
     case OP_SWIGLU: run_swiglu(e, 0); break;
     case OP_SWIGLU_GRAD: run_swiglu(e, 1); break;
     case OP_EMBEDDING: run_embedding(e); break;
+    case OP_EW: run_ew(e); break;
     }
 }
 
