@@ -192,7 +192,7 @@ typedef enum {
       (void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, const aclrtStream stream))              \
     QT_ACL_ELEMENTWISE_FUNCS(X)
 
-/* The elementwise operators AdamW is built from (aclnn_mul.h, aclnn_add.h,
+/* The elementwise operators AdamW and RoPE are built from (aclnn_mul.h, aclnn_add.h,
  * aclnn_sub.h, aclnn_addcmul.h, aclnn_addcdiv.h, aclnn_sqrt.h, aclnn_div.h). */
 #define QT_ACL_LAUNCH_PARAMS (void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream)
 #define QT_ACL_ELEMENTWISE_FUNCS(X)                                                                              \
@@ -200,6 +200,10 @@ typedef enum {
       (const aclTensor *self, const aclScalar *other, aclTensor *out, uint64_t *workspaceSize,                   \
        aclOpExecutor **executor))                                                                                \
     X(aclnnStatus, aclnnMuls, QT_ACL_LAUNCH_PARAMS)                                                              \
+    X(aclnnStatus, aclnnMulGetWorkspaceSize,                                                                     \
+      (const aclTensor *self, const aclTensor *other, aclTensor *out, uint64_t *workspaceSize,                   \
+       aclOpExecutor **executor))                                                                                \
+    X(aclnnStatus, aclnnMul, QT_ACL_LAUNCH_PARAMS)                                                               \
     X(aclnnStatus, aclnnSubGetWorkspaceSize,                                                                     \
       (const aclTensor *self, const aclTensor *other, const aclScalar *alpha, aclTensor *out,                    \
        uint64_t *workspaceSize, aclOpExecutor **executor))                                                       \

@@ -6,8 +6,8 @@
  *
  * What exists: memory, copies, events; embedding forward; matmul forward
  * and backward (fp32 on the cube unit, f16/bf16 weights cast to fp32 in ws
- * first), RMSNorm and SwiGLU forward and backward, Adam / AdamW, convert
- * (casts), acc, scale. Every other op is refused by name the
+ * first), RMSNorm, RoPE and SwiGLU forward and backward, Adam / AdamW,
+ * convert (casts), acc, scale. Every other op is refused by name the
  * first time it is called (refuse below): the run stops with a sentence,
  * never a silently wrong result. half_matmul / half_gemm answer
  * QT_EUNSUPPORTED (the model then takes the fp32 op), as the contract allows.
@@ -16,6 +16,7 @@
  * hidden. Every pointer an op gets is device memory (aclrtMalloc). */
 #include "backend/ascend/backend_ascend.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,7 +71,7 @@ static void asc_fail(const char *what, int code, const char *file, int line) {
 static void refuse(const char *op) {
     fprintf(stderr,
             "qtune: error: the Ascend backend has no %s yet (written so far: memory, copies, embedding "
-            "forward, matmul, RMSNorm, SwiGLU, AdamW, convert, acc, scale; docs/backends.md lists the rest); run this job on \"cpu\" or \"cuda\"\n",
+            "forward, matmul, RMSNorm, RoPE, SwiGLU, AdamW, convert, acc, scale; docs/backends.md lists the rest); run this job on \"cpu\" or \"cuda\"\n",
             op);
     fflush(stderr);
     exit(1);
@@ -423,6 +424,80 @@ static void a_scale(qt_backend *be, float *x, size_t n, float sc) {
     a->acl->aclDestroyScalar(k), a->acl->aclDestroyTensor(t);
 }
 
+/* A 3-D view (d0, d1, d2) with element strides s0, s1 (s2 = 1) at data,
+ * storage n elements. */
+static aclTensor *view3(ascend *a, const float *data, int64_t d0, int64_t d1, int64_t d2, int64_t s0, int64_t s1,
+                        int64_t n) {
+    int64_t dims[3] = {d0, d1, d2}, strides[3] = {s0, s1, 1};
+    aclTensor *t = a->acl->aclCreateTensor(dims, 3, ACL_FLOAT, strides, 0, ACL_FORMAT_ND, &n, 1, (void *)data);
+    if (!t) asc_fail("aclCreateTensor", ACL_ERROR_INVALID_PARAM, __FILE__, __LINE__);
+    return t;
+}
+static void mul3(ascend *a, aclTensor *x, aclTensor *tab, aclTensor *out) {
+    LAUNCH(aclnnMul, x, tab, out);
+    a->acl->aclDestroyTensor(x), a->acl->aclDestroyTensor(tab), a->acl->aclDestroyTensor(out);
+}
+
+/* RoPE, rotate-half (op_rope.c's rule): the cos and sin tables (N, D/2) are
+ * made on the host from the positions (a download: CANN's rotary operators
+ * take tables, and the angles' fp32 product and the double cos / sin are
+ * the CPU's), then, with x1, x2 x's halves (N, NH, D/2) as strided views and
+ * the tables broadcast over the heads:
+ *   x1' = x1 cs - x2 sn,  x2' = x2 cs + x1 sn   (aclnnMul, aclnnInplaceAdd)
+ * into scratch, copied back (aclnnInplaceCopy). sign -1: the backward. */
+static void rope(qt_backend *be, float *x, const int32_t *pos, int N, int NH, int D, const float *inv, float scale,
+                 float sign) {
+    ascend *a = asc(be);
+    const int half = D / 2;
+    size_t nt = (size_t)N * half, nx = (size_t)N * NH * half;
+    int32_t *hp = qt_malloc((size_t)N * sizeof(int32_t), "positions");
+    float *tab = qt_malloc(2 * nt * sizeof(float), "rope tables");
+    if (!hp || !tab) asc_fail("rope's host tables", ACL_ERROR_BAD_ALLOC, __FILE__, __LINE__);
+    a_download(be, hp, pos, (size_t)N * sizeof(int32_t));
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < half; i++) {
+            float ang = (float)hp[n] * inv[i];
+            tab[(size_t)n * half + i] = (float)cos((double)ang) * scale;
+            tab[nt + (size_t)n * half + i] = sign * (float)sin((double)ang) * scale;
+        }
+    /* scratch: cs, sn (N, D/2) each, then A, B, C (N, NH, D/2) each */
+    float *s = grow(a, (void **)&a->scratch, &a->scratch_bytes, (2 * nt + 3 * nx) * sizeof(float), "scratch");
+    float *cs = s, *sn = s + nt, *A = sn + nt, *B = A + nx, *C = B + nx;
+    a_upload(be, cs, tab, 2 * nt * sizeof(float));
+    qt_free(tab), qt_free(hp);
+    int64_t sr = (int64_t)NH * D, nxe = (int64_t)N * NH * D; /* x's row stride and elements */
+#define X1 view3(a, x, N, NH, half, sr, D, nxe)
+#define X2 view3(a, x + half, N, NH, half, sr, D, nxe - half)
+#define TAB(t) view3(a, t, N, 1, half, half, half, (int64_t)nt)
+#define OUT(o) view3(a, o, N, NH, half, (int64_t)NH * half, half, (int64_t)nx)
+    mul3(a, X1, TAB(cs), OUT(A));
+    mul3(a, X2, TAB(sn), OUT(B));
+    mul3(a, X2, TAB(cs), OUT(C));
+    aclScalar *m1 = scalar(a, -1.0f);
+    aclTensor *tA = OUT(A), *tB = OUT(B);
+    LAUNCH(aclnnInplaceAdd, tA, tB, m1); /* A = x1 cs - x2 sn */
+    a->acl->aclDestroyScalar(m1), a->acl->aclDestroyTensor(tA), a->acl->aclDestroyTensor(tB);
+    mul3(a, X1, TAB(sn), OUT(B));
+    add(a, OUT(C), OUT(B)); /* C = x2 cs + x1 sn */
+    aclTensor *d1 = X1, *s1 = OUT(A), *d2 = X2, *s2 = OUT(C);
+    LAUNCH(aclnnInplaceCopy, d1, s1);
+    LAUNCH(aclnnInplaceCopy, d2, s2);
+    a->acl->aclDestroyTensor(d1), a->acl->aclDestroyTensor(s1), a->acl->aclDestroyTensor(d2);
+    a->acl->aclDestroyTensor(s2);
+#undef X1
+#undef X2
+#undef TAB
+#undef OUT
+}
+static void a_rope_forward(qt_backend *be, float *x, const int32_t *pos, int N, int NH, int D, const float *inv_freq,
+                           float scale) {
+    rope(be, x, pos, N, NH, D, inv_freq, scale, 1.0f);
+}
+static void a_rope_backward(qt_backend *be, float *dx, const int32_t *pos, int N, int NH, int D,
+                            const float *inv_freq, float scale) {
+    rope(be, dx, pos, N, NH, D, inv_freq, scale, -1.0f);
+}
+
 /* Adam / AdamW (optim/adam.h's rule) as torch's single-tensor loop writes
  * it, one aclnn elementwise operator a step, each rounding to fp32 where the
  * CPU's loop does (so the CPU's bits, FMA contraction aside), in pieces of
@@ -540,16 +615,6 @@ static void n_matvec_many(qt_backend *be, const float *x, int N, int IN, int cou
     (void)be, (void)x, (void)N, (void)IN, (void)count, (void)o;
     refuse("matvec_many (decoding)");
 }
-static void n_rope_forward(qt_backend *be, float *x, const int32_t *pos, int N, int NH, int D, const float *inv_freq,
-                           float scale) {
-    (void)be, (void)x, (void)pos, (void)N, (void)NH, (void)D, (void)inv_freq, (void)scale;
-    refuse("rope_forward");
-}
-static void n_rope_backward(qt_backend *be, float *dx, const int32_t *pos, int N, int NH, int D,
-                            const float *inv_freq, float scale) {
-    (void)be, (void)dx, (void)pos, (void)N, (void)NH, (void)D, (void)inv_freq, (void)scale;
-    refuse("rope_backward");
-}
 static void n_attention_forward(qt_backend *be, float *out, float *lse, const float *q, const float *k,
                                 const float *v, const int32_t *doc_start, int B, int T, int H, int KV, int D) {
     (void)be, (void)out, (void)lse, (void)q, (void)k, (void)v, (void)doc_start, (void)B, (void)T, (void)H, (void)KV;
@@ -663,8 +728,8 @@ const qt_backend qt_backend_ascend_i = {
     .matmul_backward = a_matmul_backward,
     .matvec = n_matvec,
     .matvec_many = n_matvec_many,
-    .rope_forward = n_rope_forward,
-    .rope_backward = n_rope_backward,
+    .rope_forward = a_rope_forward,
+    .rope_backward = a_rope_backward,
     .attention_forward = n_attention_forward,
     .attention_backward = n_attention_backward,
     .attention_forward_cached = n_attention_forward_cached,

@@ -619,7 +619,7 @@ static void run_embedding(aclOpExecutor *e) {
 }
 
 /* ---- elementwise operators: t[0] the output (selfRef or out), t[1..] inputs of its shape */
-enum { EW_MULS, EW_SUB, EW_ADDS, EW_ADDCMUL, EW_ADDCDIV, EW_SQRT, EW_DIVS };
+enum { EW_MULS, EW_SUB, EW_ADDS, EW_ADDCMUL, EW_ADDCDIV, EW_SQRT, EW_DIVS, EW_MUL };
 static aclnnStatus ew(int kind, const aclTensor *out, const aclTensor *a, const aclTensor *b, const aclTensor *c,
                       double s1, double s2, uint64_t *ws, aclOpExecutor **ex) {
     if (!ws || !ex) return ACLNN_ERR_PARAM_NULLPTR;
@@ -628,7 +628,14 @@ static aclnnStatus ew(int kind, const aclTensor *out, const aclTensor *a, const 
         if (!t[i]) continue;
         aclnnStatus rc = usable(t[i]);
         if (rc) return rc;
-        if (!same_shape(t[i], out)) return ACLNN_ERR_PARAM_INVALID; /* the stand-in takes no broadcast here */
+        if (kind == EW_MUL && i == 2) { /* other broadcasts to self (aclnn_mul.h) */
+            if (t[i]->nd > out->nd) return ACLNN_ERR_PARAM_INVALID;
+            for (int64_t d = 1; d <= t[i]->nd; d++)
+                if (t[i]->dims[t[i]->nd - d] != 1 && t[i]->dims[t[i]->nd - d] != out->dims[out->nd - d])
+                    return ACLNN_ERR_PARAM_INVALID;
+        } else if (!same_shape(t[i], out)) {
+            return ACLNN_ERR_PARAM_INVALID; /* the stand-in takes no other broadcast */
+        }
     }
     aclOpExecutor *e = exec_new(OP_EW, ws, ex);
     for (int i = 0; i < 4; i++)
@@ -646,6 +653,12 @@ VIS aclnnStatus aclnnMulsGetWorkspaceSize(const aclTensor *self, const aclScalar
     return ew(EW_MULS, out, self, NULL, NULL, other->v, 0, ws, ex);
 }
 EW_LAUNCH(aclnnMuls)
+VIS aclnnStatus aclnnMulGetWorkspaceSize(const aclTensor *self, const aclTensor *other, aclTensor *out, uint64_t *ws,
+                                         aclOpExecutor **ex) {
+    if (!other) return ACLNN_ERR_PARAM_NULLPTR;
+    return ew(EW_MUL, out, self, other, NULL, 0, 0, ws, ex);
+}
+EW_LAUNCH(aclnnMul)
 VIS aclnnStatus aclnnSubGetWorkspaceSize(const aclTensor *self, const aclTensor *other, const aclScalar *alpha,
                                          aclTensor *out, uint64_t *ws, aclOpExecutor **ex) {
     if (!alpha) return ACLNN_ERR_PARAM_NULLPTR;
@@ -680,6 +693,7 @@ VIS aclnnStatus aclnnInplaceDivsGetWorkspaceSize(aclTensor *self, const aclScala
     return ew(EW_DIVS, self, self, NULL, NULL, other->v, 0, ws, ex);
 }
 EW_LAUNCH(aclnnInplaceDivs)
+static int64_t bcast(const aclTensor *s, const aclTensor *o, int64_t i);
 /* each as its documentation writes it, in fp32 */
 static void run_ew(aclOpExecutor *e) {
     const aclTensor *t = e->t;
@@ -694,6 +708,7 @@ static void run_ew(aclOpExecutor *e) {
         case EW_ADDCDIV: r = a + s1 * (ld(&t[2], i) / ld(&t[3], i)); break;
         case EW_SQRT: r = sqrtf(a); break;
         case EW_DIVS: r = a / s1; break;
+        case EW_MUL: r = a * ld(&t[2], bcast(&t[0], &t[2], i)); break;
         }
         st(&t[0], i, r);
     }
@@ -731,22 +746,23 @@ static void run_addmm(aclOpExecutor *e) {
     for (int64_t i = 0; i < M * N; i++) st(o, i, (float)(e->b * ld(o, i) + e->a * acc[i]));
     free(acc);
 }
+/* the element of o (broadcast to s's shape) under element i of s */
+static int64_t bcast(const aclTensor *s, const aclTensor *o, int64_t i) {
+    int64_t j = 0, rest = i, mul = 1;
+    for (int64_t d = 1; d <= s->nd; d++) {
+        int64_t idx = rest % s->dims[s->nd - d];
+        rest /= s->dims[s->nd - d];
+        if (d <= o->nd) {
+            int64_t od = o->dims[o->nd - d];
+            j += (od == 1 ? 0 : idx) * mul;
+            mul *= od;
+        }
+    }
+    return j;
+}
 static void run_add(aclOpExecutor *e) {
     const aclTensor *s = &e->t[0], *o = &e->t[1];
-    int64_t n = numel(s);
-    for (int64_t i = 0; i < n; i++) {
-        int64_t j = 0, rest = i, mul = 1; /* the broadcast element of other */
-        for (int64_t d = 1; d <= s->nd; d++) {
-            int64_t idx = rest % s->dims[s->nd - d];
-            rest /= s->dims[s->nd - d];
-            if (d <= o->nd) {
-                int64_t od = o->dims[o->nd - d];
-                j += (od == 1 ? 0 : idx) * mul;
-                mul *= od;
-            }
-        }
-        st(s, i, ld(s, i) + (float)e->a * ld(o, j));
-    }
+    for (int64_t i = 0, n = numel(s); i < n; i++) st(s, i, ld(s, i) + (float)e->a * ld(o, bcast(s, o, i)));
 }
 static void run_rmsnorm(aclOpExecutor *e) {
     const aclTensor *x = &e->t[0], *g = &e->t[1], *y = &e->t[2], *r = &e->t[3];
