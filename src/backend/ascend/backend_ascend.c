@@ -7,7 +7,7 @@
  * What exists: memory, copies, events; embedding forward; matmul forward
  * and backward (fp32 on the cube unit, f16/bf16 weights cast to fp32 in ws
  * first), RMSNorm, RoPE and SwiGLU forward and backward, Adam / AdamW,
- * convert (casts), acc, scale. Every other op is refused by name the
+ * convert (casts), acc, scale, sum of squares (on the host). Every other op is refused by name the
  * first time it is called (refuse below): the run stops with a sentence,
  * never a silently wrong result. half_matmul / half_gemm answer
  * QT_EUNSUPPORTED (the model then takes the fp32 op), as the contract allows.
@@ -23,6 +23,7 @@
 
 #include "backend/ascend/ascend_internal.h"
 #include "backend/backend_impl.h"
+#include "backend/cpu/ops.h"
 #include "core/error.h"
 #include "core/mem.h"
 
@@ -71,7 +72,7 @@ static void asc_fail(const char *what, int code, const char *file, int line) {
 static void refuse(const char *op) {
     fprintf(stderr,
             "qtune: error: the Ascend backend has no %s yet (written so far: memory, copies, embedding "
-            "forward, matmul, RMSNorm, RoPE, SwiGLU, AdamW, convert, acc, scale; docs/backends.md lists the rest); run this job on \"cpu\" or \"cuda\"\n",
+            "forward, matmul, RMSNorm, RoPE, SwiGLU, AdamW, convert, acc, scale, sum_squares; docs/backends.md lists the rest); run this job on \"cpu\" or \"cuda\"\n",
             op);
     fflush(stderr);
     exit(1);
@@ -540,6 +541,22 @@ static void a_adam(qt_backend *be, const qt_adam_scalars *k, float *p, const flo
     }
 }
 
+/* The gradient norm's sum of squares, in double with the CPU's fixed order
+ * (its bits, the contract), on the host: the vector is downloaded whole and
+ * summed by the CPU backend's kernel. aclnn's reductions sum in fp32 in an
+ * order of their own; a device pass with the contract's bits is a kernel CANN
+ * does not have. One download of n floats a call (the norm, the overflow
+ * check): a cost to measure on a card. */
+static double a_sum_squares(qt_backend *be, const float *x, size_t n) {
+    if (!n) return 0.0;
+    float *h = qt_malloc(n * sizeof(float), "the gradient, for its norm");
+    if (!h) asc_fail("a host copy of the gradient for its norm", ACL_ERROR_BAD_ALLOC, __FILE__, __LINE__);
+    a_download(be, h, x, n * sizeof(float));
+    double s = op_sum_squares(h, n);
+    qt_free(h);
+    return s;
+}
+
 static void a_acc(qt_backend *be, float *out, const float *x, size_t n) {
     if (!n) return;
     ascend *a = asc(be);
@@ -682,11 +699,6 @@ static void n_dropout(qt_backend *be, float *dst, const float *src, size_t n, co
     (void)be, (void)dst, (void)src, (void)n, (void)key, (void)threshold, (void)keep_scale;
     refuse("dropout");
 }
-static double n_sum_squares(qt_backend *be, const float *x, size_t n) {
-    (void)be, (void)x, (void)n;
-    refuse("sum_squares");
-    return 0.0;
-}
 
 /* ---- the table and the descriptor ---------------------------------------------- */
 /* Facts the memory plan reads. Not from CANN's documentation and not
@@ -750,7 +762,7 @@ const qt_backend qt_backend_ascend_i = {
     .half_gemm = a_half_gemm,
     .dropout = n_dropout,
     .adam = a_adam,
-    .sum_squares = n_sum_squares,
+    .sum_squares = a_sum_squares,
     .scale = a_scale,
     .runtime_bytes = a_runtime_bytes,
     .device_peak_bytes = a_device_peak_bytes,

@@ -175,7 +175,7 @@ static void test_adam(void **state) {
     qt_backend_close(npu), qt_backend_close(cpu);
 }
 
-/* x *= s: the same bits as the CPU's */
+/* x *= s, and its sum of squares: the same bits as the CPU's */
 static void test_scale(void **state) {
     (void)state;
     qt_backend *cpu = NULL, *npu = open_npu("Ascend910B1");
@@ -188,6 +188,8 @@ static void test_scale(void **state) {
     cpu->scale(cpu, xc, n, 0.37f), npu->scale(npu, xn, n, 0.37f);
     cpu->download(cpu, a, xc, sizeof a), npu->download(npu, b, xn, sizeof b);
     assert_memory_equal(a, b, sizeof a);
+    double sc = cpu->sum_squares(cpu, xc, n), sd = npu->sum_squares(npu, xn, n);
+    assert_memory_equal(&sc, &sd, sizeof sc); /* the gradient norm's sum: the same bits */
     cpu->free(cpu, xc), npu->free(npu, xn);
     qt_backend_close(npu), qt_backend_close(cpu);
 }
