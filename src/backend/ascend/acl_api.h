@@ -243,9 +243,15 @@ typedef enum {
  *    aclnnApplyAdamWV2 (qtune's AdamW is the elementwise operators above,
  *    as torch's single-tensor loop), aclnnCrossEntropyLoss / Grad (headers present in
  *    8.1.RC1 aclnnop/, semantics not yet held against qtune's contract);
- *  - an fp16 x fp16 -> fp32-out matmul: whether aclnnMatmul accepts an fp32
- *    out for FLOAT16 inputs (the "互推导关系" table) was not confirmed, so
- *    half_matmul answers QT_EUNSUPPORTED;
+ *  - an fp16 x fp16 -> fp32-out matmul: aclnnMatmul's out must be a type the
+ *    inputs' deduced type converts to, and the deduction table (hicann/ops-nn
+ *    docs/en/context/deduction_relationship.md) gives FLOAT16 for two FLOAT16
+ *    inputs; whether the cube's fp32 sums reach an fp32 out without a
+ *    rounding to fp16 first is not documented, so half_matmul answers
+ *    QT_EUNSUPPORTED;
+ *  - matvec (decoding): its contract (a row's bits whatever N) needs
+ *    aclnnMatmul's "strong consistency", off by default and turned on with
+ *    aclrtCtxSetSysParamOpt (aclnnMatmul_en.md, Constraints), not declared;
  *  - HCCL (8.1.RC1 include/hccl/hccl.h): not started. */
 
 #endif
