@@ -11,6 +11,7 @@
 #include "backend/cpu/op_precision.h"
 #include "backend/guard/backend_guard.h"
 #include "backend/cuda/backend_cuda.h"
+#include "backend/ascend/backend_ascend.h"
 #include "core/error.h"
 #include "core/mem.h"
 
@@ -38,6 +39,7 @@ static const struct {
     {"cpu", cpu_open, cpu_desc},
     {"guard", guard_open, qt_backend_guard_desc},
     {"cuda", qt_backend_cuda_open, qt_backend_cuda_desc}, /* loads its module on open (cuda/loader.c) */
+    {"npu", qt_backend_ascend_open, qt_backend_ascend_desc}, /* opens CANN on open (ascend/loader.c) */
 };
 enum { N_BACKENDS = sizeof backends / sizeof backends[0] };
 
@@ -66,7 +68,7 @@ int qt_backend_open_index(const char *name, int index, qt_backend **out) {
         if (rc != QT_OK) qt_backend_close(in), *out = NULL;
         return rc;
     }
-    return QT_ERR(QT_EINVAL, "backend \"%s\" is not compiled in (QTUNE_BACKEND); use cpu, guard or cuda", name);
+    return QT_ERR(QT_EINVAL, "backend \"%s\" is not compiled in (QTUNE_BACKEND); use cpu, guard, cuda or npu", name);
 }
 
 int qt_backend_open(const char *name, qt_backend **out) { return qt_backend_open_index(name, -1, out); }
@@ -91,5 +93,8 @@ int qt_backend_bf16_arith(const char *name) {
     /* the module is built for sm_90 (CMAKE_CUDA_ARCHITECTURES), whose tensor
      * cores do bf16; cpu and guard both run the CPU's kernels */
     if (!strcmp(name, "cuda")) return 1;
+    /* npu: only an open backend knows its card (Ascend910B has bf16, the
+     * recipe's Atlas 300T A2 has not); without one, the answer that is safe */
+    if (!strcmp(name, "npu")) return 0;
     return op_cpu_has_bf16();
 }

@@ -9,11 +9,12 @@
 #include <string.h>
 
 #include "backend/backend.h"
+#include "backend/ascend/backend_ascend.h"
 #include "backend/cuda/backend_cuda.h"
 #include "backend/device_default.h"
 #include "core/error.h"
 
-enum { DEV_AUTO, DEV_CPU, DEV_CUDA };
+enum { DEV_AUTO, DEV_CPU, DEV_CUDA, DEV_NPU };
 #define DEV_MAX_INDEX 1023
 
 /* kind and N (-1 when the value names no GPU); -1 when not a device value */
@@ -22,22 +23,25 @@ static int parse(const char *spec, int *n) {
     if (!spec || !strcmp(spec, "auto")) return DEV_AUTO;
     if (!strcmp(spec, "cpu")) return DEV_CPU;
     if (!strcmp(spec, "cuda")) return DEV_CUDA;
-    if (strncmp(spec, "cuda:", 5) || !spec[5]) return -1;
+    if (!strcmp(spec, "npu")) return DEV_NPU;
+    int kind = !strncmp(spec, "cuda:", 5) ? DEV_CUDA : !strncmp(spec, "npu:", 4) ? DEV_NPU : -1;
+    const char *num = kind == DEV_CUDA ? spec + 5 : spec + 4;
+    if (kind < 0 || !*num) return -1;
     long v = 0;
-    for (const char *p = spec + 5; *p; p++) {
+    for (const char *p = num; *p; p++) {
         if (*p < '0' || *p > '9' || v > DEV_MAX_INDEX) return -1;
         v = v * 10 + (*p - '0');
     }
     if (v > DEV_MAX_INDEX) return -1;
     *n = (int)v;
-    return DEV_CUDA;
+    return kind;
 }
 
 int qt_device_check(const char *spec, const char *where) {
     int n;
     if (parse(spec, &n) < 0)
         return QT_ERR(QT_EINVAL, "%s \"%s\" is not a device; use \"auto\" (a GPU when one is visible, else the CPU), "
-                      "\"cpu\", \"cuda\" or \"cuda:N\" (GPU N, from 0)", where, spec);
+                      "\"cpu\", \"cuda\", \"cuda:N\" (GPU N, from 0), \"npu\" or \"npu:N\" (Ascend NPU N)", where, spec);
     return QT_OK;
 }
 
@@ -46,6 +50,7 @@ const char *qt_device_desc_name(const char *spec) {
     switch (parse(spec, &n)) {
     case DEV_CPU: return "cpu";
     case DEV_CUDA: return "cuda";
+    case DEV_NPU: return "npu";
     default: return NULL;
     }
 }
@@ -89,6 +94,18 @@ int qt_device_resolve(const char *spec, const char *where, qt_device *out) {
         out->backend = "cpu";
         return QT_OK;
     }
+    if (kind == DEV_NPU) { /* CANN's libraries here, before the run starts; opening it says when no card is */
+        if (qt_ascend_library_check() != QT_OK) {
+            char why[1024];
+            snprintf(why, sizeof why, "%s", qt_error_message());
+            int code = qt_error_code();
+            qt_error_clear();
+            return QT_ERR(code, "%s: %s", who, why);
+        }
+        out->backend = "npu";
+        out->index = n;
+        return QT_OK;
+    }
     char why[512];
     int count = qt_cuda_probe(why, sizeof why);
     if (count < 0) return QT_ERR(QT_EINVAL, "%s", why); /* a module the user named: never skipped for the CPU */
@@ -114,6 +131,8 @@ void qt_device_label(const qt_device *d, int threads, char *buf, size_t cap) {
         qt_cuda_device_name(d->index, name, sizeof name);
         if (name[0]) snprintf(buf, cap, "cuda:%d (%s)", d->index, name);
         else snprintf(buf, cap, "cuda:%d", d->index);
+    } else if (!strcmp(d->backend, "npu")) {
+        snprintf(buf, cap, "npu:%d", d->index < 0 ? 0 : d->index);
     } else if (!strcmp(d->backend, "guard")) {
         snprintf(buf, cap, "guard (the CPU's kernels, %d thread%s)", threads, threads == 1 ? "" : "s");
     } else {

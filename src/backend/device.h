@@ -7,6 +7,10 @@
  *            its local rank), else GPU 0; an error when none is visible
  *   cuda:N   GPU N; an error when fewer are visible, and under a launcher
  *            that starts several ranks on this host (they would share it)
+ *   npu, npu:N  an Ascend NPU (NPU 0, or N) through CANN (backend/ascend/):
+ *            written against CANN's published API, never run on a card;
+ *            opening it says when CANN or a card is missing ("auto" never
+ *            picks it yet)
  * QTUNE_BACKEND, when set, wins over all of these (the test hook: guard runs
  * the suites with device memory the host cannot touch); the note says so. */
 #ifndef QT_BACKEND_DEVICE_H
@@ -16,7 +20,7 @@
 #include <stdio.h>
 
 typedef struct {
-    const char *backend; /* the registry name qt_backend_open_index takes: "cpu", "guard", "cuda" */
+    const char *backend; /* the registry name qt_backend_open_index takes: "cpu", "guard", "cuda", "npu" */
     int index;           /* cuda: the GPU, 0 .. count-1; -1 for the others */
     char note[640];      /* what auto became and why, or that QTUNE_BACKEND overrides; "" when nothing */
 } qt_device;
@@ -28,7 +32,7 @@ typedef struct {
 int qt_device_check(const char *spec, const char *where);
 
 /* The backend whose descriptor a plan for spec sizes, without the device
- * present: "cpu", "cuda", or NULL for "auto" (the caller resolves it). */
+ * present: "cpu", "cuda", "npu", or NULL for "auto" (the caller resolves it). */
 const char *qt_device_desc_name(const char *spec);
 
 /* Resolves spec on this machine (and this rank). Errors (QT_EINVAL,

@@ -150,7 +150,7 @@ int cli_check_adapter(const char *dir) {
 int cli_device(const char *cmd, const char *spec, qt_device *out) {
     if (spec && qt_device_check(spec, "--device") != QT_OK) {
         qt_error_clear();
-        return cli_usage_error(cmd, "--device must be auto, cpu, cuda or cuda:N, not '%s'", spec);
+        return cli_usage_error(cmd, "--device must be auto, cpu, cuda, cuda:N, npu or npu:N, not '%s'", spec);
     }
     if (qt_device_resolve(spec, "--device", out) != QT_OK) return cli_fail();
     if (spec && out->note[0]) qt_info("%s", out->note);

@@ -175,7 +175,7 @@ def test_eval_device(base):
     default = ok(qtune("eval", "--model", m, "--data", data, gpus=0)).stdout.splitlines()[-1]
     assert ok(qtune("eval", "--model", m, "--data", data, "--device", "cpu")).stdout.splitlines()[-1] == default
     p = qtune("eval", "--model", m, "--data", data, "--device", "gpu")
-    assert p.returncode == 2 and "--device must be auto, cpu, cuda or cuda:N, not 'gpu'" in p.stderr, p.stderr
+    assert p.returncode == 2 and "--device must be auto, cpu, cuda, cuda:N, npu or npu:N, not 'gpu'" in p.stderr, p.stderr
     p = qtune("eval", "--model", m, "--data", data, "--device", "cuda", gpus=0)
     assert p.returncode == 1 and '--device "cuda" asks for a GPU, but no CUDA GPU is visible' in p.stderr, p.stderr
     p = qtune("eval", "--model", m, "--data", data, "--device", "cuda:1", gpus=2)
@@ -262,3 +262,25 @@ def test_doctor_checks_the_device(base):
     assert "device: cpu (1 thread); device auto -> cpu: no CUDA GPU is visible" in p.stdout, p.stdout
     p = ok(qtune("doctor", j, gpus=2))
     assert "device: cuda:0 (Fake GPU 0); device auto -> cuda:0: 2 GPUs visible" in p.stdout, p.stdout
+
+
+STANDIN = os.path.join(BUILD, "tests", "acl_standin", "libqtune_acl_standin.so")
+
+
+def test_npu_says_what_it_lacks(base):
+    """"device": "npu" (issue 45): without CANN, one sentence naming the library and
+    nothing written; on the stand-in of CANN's API (tests/unit/backend_parity/
+    acl_standin.c) the run reaches the backend, whose first op not written yet stops
+    it by name"""
+    j, out = job(base, "npu", "npu")
+    p = qtune("train", j, QTUNE_ASCEND_LIB="")
+    assert p.returncode == 1, p.stderr
+    assert "libascendcl.so could not be loaded" in p.stderr and "set_env.sh" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not os.path.exists(out)
+    p = qtune("eval", "--model", os.path.join(base, "model"), "--data", os.path.join(base, "train.jsonl"),
+              "--device", "npu:1", QTUNE_ASCEND_LIB=STANDIN)
+    assert p.returncode == 1 and '"npu:1" names NPU 1, but 1 NPU is visible' in p.stderr, p.stderr
+    assert os.path.exists(STANDIN), "build the tests first: %s is missing" % STANDIN
+    p = qtune("train", j, QTUNE_ASCEND_LIB=STANDIN)
+    assert p.returncode == 1 and "the Ascend backend has no " in p.stderr, p.stderr

@@ -1,0 +1,27 @@
+/* The Ascend backend (backend.h on one Huawei Ascend NPU through CANN's
+ * AscendCL runtime and aclnn operators), as the registry (backend.c) sees
+ * it. qtune is built without CANN: the libraries are opened with dlopen on
+ * first use (loader.c). Written against CANN's published API, tested against
+ * a CPU stand-in of that API, never run on an Ascend card (docs/backends.md
+ * says what exists). */
+#ifndef QT_BACKEND_ASCEND_H
+#define QT_BACKEND_ASCEND_H
+
+#include <stddef.h>
+
+#include "backend/backend.h"
+
+/* Loads CANN's libraries and opens NPU index (< 0: NPU 0). QT_EUNSUPPORTED
+ * with a sentence when the libraries or a card are missing; QT_EINVAL when
+ * index is not a visible NPU. */
+int qt_backend_ascend_open(int index, qt_backend **out);
+const qt_backend_desc *qt_backend_ascend_desc(void);
+/* QT_OK when CANN's libraries (or $QTUNE_ASCEND_LIB) load and have every
+ * function the backend calls; else the loader's error, raised (device.c
+ * asks before the run starts, so a machine without CANN writes nothing). */
+int qt_ascend_library_check(void);
+/* The backend's table (backend_impl.h), every slot filled: the ops not
+ * written yet refuse by name at their first call. */
+extern const qt_backend qt_backend_ascend_i;
+
+#endif

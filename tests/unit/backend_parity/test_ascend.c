@@ -1,0 +1,270 @@
+/* The Ascend backend's own rules, through the CPU stand-in of CANN's API
+ * (acl_standin.c): what test_backend_parity does not hold (it compares the
+ * ops with the CPU's): "npu" without CANN says so, device values, converts
+ * bit for bit, the refusals (an op not written yet, bfloat16 on a card
+ * without it) and the fp16 cube path of a card without fp32 KEEP_DTYPE.
+ * Refusals end the process, so each runs in a child. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "backend/ascend/backend_ascend.h"
+#include "backend/backend.h"
+#include "backend/backend_impl.h"
+#include "backend/device.h"
+#include "core/error.h"
+
+static qt_backend *open_npu(const char *soc) {
+    setenv("QTUNE_ASCEND_LIB", QT_ACL_STANDIN, 1);
+    setenv("QTUNE_ACL_STANDIN_SOC", soc, 1);
+    qt_backend *be = NULL;
+    if (qt_backend_open("npu", &be) != QT_OK) fail_msg("npu does not open on the stand-in: %s", qt_error_message());
+    return be;
+}
+
+/* without CANN (and no stand-in named), opening "npu" fails with a sentence
+ * naming the library and what to do; this runs first, before any load */
+static void test_absent_library(void **state) {
+    (void)state;
+    unsetenv("QTUNE_ASCEND_LIB");
+    qt_backend *be = NULL;
+    int rc = qt_backend_open("npu", &be);
+    if (rc == QT_OK) skip(); /* a machine with CANN installed */
+    assert_int_equal(rc, QT_EUNSUPPORTED);
+    assert_null(be);
+    assert_non_null(strstr(qt_error_message(), "libascendcl.so"));
+    assert_non_null(strstr(qt_error_message(), "set_env.sh"));
+    qt_device d; /* and before a run starts, naming what asked */
+    assert_int_equal(qt_device_resolve("npu", "job.json: \"device\":", &d), QT_EUNSUPPORTED);
+    assert_non_null(strstr(qt_error_message(), "job.json: \"device\": \"npu\": the Ascend backend"));
+    setenv("QTUNE_ASCEND_LIB", "/nonexistent/libacl.so", 1);
+    assert_int_equal(qt_backend_open("npu", &be), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "QTUNE_ASCEND_LIB"));
+    qt_error_clear();
+}
+
+/* every slot filled (the refusals are slots too) */
+static void test_table_is_complete(void **state) {
+    (void)state;
+    const char *hole = qt_backend_empty_slot(&qt_backend_ascend_i);
+    if (hole) fail_msg("backend npu: slot %s is empty", hole);
+}
+
+static void test_device_values(void **state) {
+    (void)state;
+    unsetenv("QTUNE_BACKEND");
+    setenv("QTUNE_ASCEND_LIB", QT_ACL_STANDIN, 1);
+    qt_device d;
+    assert_int_equal(qt_device_resolve("npu", "--device", &d), QT_OK);
+    assert_string_equal(d.backend, "npu");
+    assert_int_equal(qt_device_resolve("npu:1", "--device", &d), QT_OK);
+    assert_string_equal(d.backend, "npu");
+    assert_int_equal(d.index, 1);
+    assert_string_equal(qt_device_desc_name("npu:0"), "npu");
+    assert_int_equal(qt_device_check("npu:", "--device"), QT_EINVAL);
+    assert_int_equal(qt_device_check("npu:x", "--device"), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "\"npu:N\""));
+    qt_error_clear();
+    /* an NPU number beyond the cards is the open's error */
+    qt_backend *be = NULL;
+    assert_int_equal(qt_backend_open_index("npu", 3, &be), QT_EINVAL);
+    assert_non_null(strstr(qt_error_message(), "1 NPU is visible"));
+    qt_error_clear();
+}
+
+/* f32 -> f16 -> f32 as the CPU converts (round to nearest even, inf beyond
+ * fp16), bit for bit; and bf16 where the card has it */
+static void test_convert(void **state) {
+    (void)state;
+    qt_backend *cpu = NULL, *npu = open_npu("Ascend910B1");
+    assert_int_equal(qt_backend_open("cpu", &cpu), QT_OK);
+    enum { n = 1000 };
+    float h[n], a[n], b[n];
+    for (int i = 0; i < n; i++) h[i] = ldexpf((float)(i * 7919 % 1000) - 500.0f, i % 40 - 24) / 3.0f;
+    h[0] = 70000.0f, h[1] = -65519.0f, h[2] = 1e-9f;
+    for (int k = 0; k < 2; k++) {
+        qt_dtype dt = k ? QT_BF16 : QT_F16;
+        float *xc = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof h, "x"), *xn = npu->alloc(npu, QT_MEM_DEVICE, sizeof h, "x");
+        void *hc = cpu->alloc(cpu, QT_MEM_DEVICE, n * 2, "h"), *hn = npu->alloc(npu, QT_MEM_DEVICE, n * 2, "h");
+        cpu->upload(cpu, xc, h, sizeof h), npu->upload(npu, xn, h, sizeof h);
+        cpu->convert(cpu, hc, dt, xc, QT_F32, n), npu->convert(npu, hn, dt, xn, QT_F32, n);
+        cpu->convert(cpu, xc, QT_F32, hc, dt, n), npu->convert(npu, xn, QT_F32, hn, dt, n);
+        cpu->download(cpu, a, xc, sizeof a), npu->download(npu, b, xn, sizeof b);
+        assert_memory_equal(a, b, sizeof a);
+        assert_true(isinf(b[0]) || k); /* 70000 beyond fp16: inf */
+        cpu->free(cpu, xc), cpu->free(cpu, hc), npu->free(npu, xn), npu->free(npu, hn);
+    }
+    qt_backend_close(npu), qt_backend_close(cpu);
+}
+
+/* rows of the table, f32 / f16 / bf16, the same bits as the CPU's (the
+ * backward is not written: test_backend_parity's test_embedding needs both) */
+static void test_embedding_forward(void **state) {
+    (void)state;
+    qt_backend *cpu = NULL, *npu = open_npu("Ascend910B1");
+    assert_int_equal(qt_backend_open("cpu", &cpu), QT_OK);
+    enum { V = 61, C = 37, N = 23 };
+    int32_t ids[N];
+    for (int i = 0; i < N; i++) ids[i] = (i * 7) % V;
+    ids[0] = V - 1; /* the last row */
+    static float w[V * C], a[N * C], b[N * C];
+    for (int i = 0; i < V * C; i++) w[i] = cosf((float)i) * 3.0f;
+    const qt_dtype dts[] = {QT_F32, QT_F16, QT_BF16};
+    for (int k = 0; k < 3; k++) {
+        size_t wb = (size_t)V * C * qt_dtype_size(dts[k]);
+        void *wc = cpu->alloc(cpu, QT_MEM_DEVICE, wb, "w"), *wn = npu->alloc(npu, QT_MEM_DEVICE, wb, "w");
+        float *f = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof w, "f");
+        cpu->upload(cpu, f, w, sizeof w);
+        cpu->convert(cpu, wc, dts[k], f, QT_F32, (size_t)V * C);
+        void *h = malloc(wb);
+        cpu->download(cpu, h, wc, wb), npu->upload(npu, wn, h, wb); /* the same bits on both */
+        int32_t *ic = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof ids, "i");
+        int32_t *in = npu->alloc(npu, QT_MEM_DEVICE, sizeof ids, "i");
+        cpu->upload(cpu, ic, ids, sizeof ids), npu->upload(npu, in, ids, sizeof ids);
+        float *oc = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof a, "o"), *on = npu->alloc(npu, QT_MEM_DEVICE, sizeof b, "o");
+        cpu->embedding_forward(cpu, oc, ic, wc, dts[k], N, C), npu->embedding_forward(npu, on, in, wn, dts[k], N, C);
+        cpu->download(cpu, a, oc, sizeof a), npu->download(npu, b, on, sizeof b);
+        assert_memory_equal(a, b, sizeof a);
+        free(h);
+        cpu->free(cpu, wc), cpu->free(cpu, f), cpu->free(cpu, ic), cpu->free(cpu, oc);
+        npu->free(npu, wn), npu->free(npu, in), npu->free(npu, on);
+    }
+    qt_backend_close(npu), qt_backend_close(cpu);
+}
+
+/* AdamW and Adam (L2) over a range, 3 steps: the CPU's loop, operator by
+ * operator, within 1e-6 relative (test_backend_parity's bound) */
+static void test_adam(void **state) {
+    (void)state;
+    qt_backend *cpu = NULL, *npu = open_npu("Ascend910B1");
+    assert_int_equal(qt_backend_open("cpu", &cpu), QT_OK);
+    enum { n = 4099 };
+    static float h[4][n], a[n], b[n];
+    for (int j = 0; j < 4; j++)
+        for (int i = 0; i < n; i++) h[j][i] = sinf((float)(i * (j + 3))) * (j >= 2 ? 0.1f : 1.0f);
+    for (int i = 0; i < n; i++) h[3][i] = fabsf(h[3][i]); /* v >= 0 */
+    for (int l2 = 0; l2 < 2; l2++) {
+        float *c[4], *d[4];
+        for (int j = 0; j < 4; j++) {
+            c[j] = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof h[j], "t"), d[j] = npu->alloc(npu, QT_MEM_DEVICE, sizeof h[j], "t");
+            cpu->upload(cpu, c[j], h[j], sizeof h[j]), npu->upload(npu, d[j], h[j], sizeof h[j]);
+        }
+        qt_adam_scalars k = {0.1f, 0.999f, 0.001f, 6e-5f / 0.1f, sqrtf(0.001f), 1e-8f, 0.5f,
+                             l2 ? 1.0f : 1.0f - 6e-5f * 0.01f, l2 ? 0.01f : 0.0f};
+        for (int s = 0; s < 3; s++) {
+            cpu->adam(cpu, &k, c[0], c[1], c[2], c[3], n);
+            npu->adam(npu, &k, d[0], d[1], d[2], d[3], n);
+        }
+        for (int j = 0; j < 4; j++) {
+            if (j == 1) continue; /* the gradient is read only */
+            cpu->download(cpu, a, c[j], sizeof a), npu->download(npu, b, d[j], sizeof b);
+            double err = 0, mx = 0;
+            for (int i = 0; i < n; i++) err = fmax(err, fabs((double)a[i] - b[i])), mx = fmax(mx, fabs(a[i]));
+            if (!(err <= 1e-6 * mx)) fail_msg("adam%s tensor %d: rel err %g", l2 ? " (L2)" : "W", j, err / mx);
+        }
+        for (int j = 0; j < 4; j++) cpu->free(cpu, c[j]), npu->free(npu, d[j]);
+    }
+    qt_backend_close(npu), qt_backend_close(cpu);
+}
+
+/* x *= s, and its sum of squares: the same bits as the CPU's */
+static void test_scale(void **state) {
+    (void)state;
+    qt_backend *cpu = NULL, *npu = open_npu("Ascend910B1");
+    assert_int_equal(qt_backend_open("cpu", &cpu), QT_OK);
+    enum { n = 333 };
+    float h[n], a[n], b[n];
+    for (int i = 0; i < n; i++) h[i] = sinf((float)i) * 1e3f;
+    float *xc = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof h, "x"), *xn = npu->alloc(npu, QT_MEM_DEVICE, sizeof h, "x");
+    cpu->upload(cpu, xc, h, sizeof h), npu->upload(npu, xn, h, sizeof h);
+    cpu->scale(cpu, xc, n, 0.37f), npu->scale(npu, xn, n, 0.37f);
+    cpu->download(cpu, a, xc, sizeof a), npu->download(npu, b, xn, sizeof b);
+    assert_memory_equal(a, b, sizeof a);
+    double sc = cpu->sum_squares(cpu, xc, n), sd = npu->sum_squares(npu, xn, n);
+    assert_memory_equal(&sc, &sd, sizeof sc); /* the gradient norm's sum: the same bits */
+    cpu->free(cpu, xc), npu->free(npu, xn);
+    qt_backend_close(npu), qt_backend_close(cpu);
+}
+
+/* status of fn(be) run in a child, its stderr in err */
+static int in_child(const char *soc, void (*fn)(qt_backend *), char *err, size_t cap) {
+    int p[2];
+    assert_int_equal(pipe(p), 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(p[1], 2);
+        close(p[0]);
+        fn(open_npu(soc));
+        _exit(0);
+    }
+    close(p[1]);
+    ssize_t got = read(p[0], err, cap - 1), more;
+    char sink[256];
+    while ((more = read(p[0], sink, sizeof sink)) > 0) {}
+    err[got > 0 ? got : 0] = 0;
+    close(p[0]);
+    int st = 0;
+    waitpid(pid, &st, 0);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+static void call_dropout(qt_backend *be) {
+    qt_dropout_key key = {1, 2, 3, 4};
+    float *p = be->alloc(be, QT_MEM_DEVICE, 64, "p");
+    be->dropout(be, p, p, 4, &key, 100, 2.0f);
+}
+static void call_bf16(qt_backend *be) {
+    float *x = be->alloc(be, QT_MEM_DEVICE, 64, "x");
+    be->zero(be, x, 64);
+    be->convert(be, x + 8, QT_BF16, x, QT_F32, 4);
+}
+static void test_refusals(void **state) {
+    (void)state;
+    char err[1024];
+    assert_int_equal(in_child("Ascend910B1", call_dropout, err, sizeof err), 1);
+    assert_non_null(strstr(err, "has no dropout yet"));
+    assert_int_equal(in_child("Ascend910A", call_bf16, err, sizeof err), 1);
+    assert_non_null(strstr(err, "(Ascend910A) has no bfloat16"));
+    assert_int_equal(in_child("Ascend910B1", call_bf16, err, sizeof err), 0); /* the 910B has it */
+}
+
+/* a card without fp32 KEEP_DTYPE (the stand-in refuses it there): the
+ * backend asks for ALLOW_FP32_DOWN_PRECISION, the inputs become fp16 */
+static void test_fp16_cube(void **state) {
+    (void)state;
+    qt_backend *cpu = NULL, *npu = open_npu("Ascend910A");
+    assert_int_equal(qt_backend_open("cpu", &cpu), QT_OK);
+    enum { N = 3, IN = 5, OUT = 2 };
+    float x[N * IN], w[OUT * IN], o[N * OUT];
+    for (int i = 0; i < N * IN; i++) x[i] = 1.0f + (float)i / 4096.0f; /* not fp16 values: 1 + i/4096 */
+    for (int i = 0; i < OUT * IN; i++) w[i] = 1.0f;
+    float *xd = npu->alloc(npu, QT_MEM_DEVICE, sizeof x, "x"), *wd = npu->alloc(npu, QT_MEM_DEVICE, sizeof w, "w");
+    float *od = npu->alloc(npu, QT_MEM_DEVICE, sizeof o, "o"), *ws = npu->alloc(npu, QT_MEM_DEVICE, sizeof w, "ws");
+    npu->upload(npu, xd, x, sizeof x), npu->upload(npu, wd, w, sizeof w);
+    npu->matmul_forward(npu, od, xd, wd, QT_F32, NULL, N, IN, OUT, 1.0f, 0, ws);
+    npu->download(npu, o, od, sizeof o);
+    for (int r = 0; r < N; r++) {
+        float want = 0.0f; /* each x rounded to fp16 (11 bits: steps of 1/1024 near 1) */
+        for (int i = 0; i < IN; i++) want += rintf(x[r * IN + i] * 1024.0f) / 1024.0f;
+        assert_float_equal(o[r * OUT], want, 1e-6);
+    }
+    qt_backend_close(npu), qt_backend_close(cpu);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_absent_library), cmocka_unit_test(test_table_is_complete),
+        cmocka_unit_test(test_device_values),  cmocka_unit_test(test_convert), cmocka_unit_test(test_scale),
+        cmocka_unit_test(test_embedding_forward), cmocka_unit_test(test_adam),
+        cmocka_unit_test(test_refusals),       cmocka_unit_test(test_fp16_cube),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
