@@ -21,7 +21,21 @@
 #define REPORT_REFRESH_S 15
 #define REPORT_MIN_INTERVAL_S 2.0 /* a run logging many steps a second rewrites the page this often at most */
 
+/* The process's peak resident memory: Linux's VmHWM, the high-water mark of
+ * this program's own address space. Not getrusage's ru_maxrss, which Linux
+ * carries across execve: a qtune started by a large parent (a Python process
+ * holding 900 MiB, a shell under a fat launcher) would report the parent's
+ * size before the exec as its own peak. ru_maxrss only where /proc is absent. */
 int64_t qt_peak_rss_bytes(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    if (f) {
+        char line[256];
+        long long kib = -1;
+        while (fgets(line, sizeof line, f))
+            if (sscanf(line, "VmHWM: %lld kB", &kib) == 1) break;
+        fclose(f);
+        if (kib >= 0) return (int64_t)kib * 1024;
+    }
     struct rusage ru;
     if (getrusage(RUSAGE_SELF, &ru) != 0) return 0;
     return (int64_t)ru.ru_maxrss * 1024; /* Linux reports KiB */

@@ -151,3 +151,14 @@ def check_plan(d, n, stage, offload, lora, bucket, overlap, prec=None, offload_p
     # (-10.0% and -11.8% on 2026-12-06, Intel Xeon; the same cases at -6% run alone, on 180687f as well)
     tol = 0.12 if n >= 4 else 0.10
     assert all(abs(e) <= tol for e in errs), (name, predicted, measured, errs)
+
+
+def test_peak_is_the_runs_own_when_its_parent_is_large(setup):
+    """mem_peak_bytes is the run's own high-water mark (VmHWM), not getrusage's ru_maxrss, which Linux
+    carries across execve: started from this Python process holding 640 MiB more, 7ffe4f9 reported the
+    parent's size as the run's peak (-85% against the plan seen when a torch-importing test ran first)."""
+    ballast = b"\1" * (640 << 20)  # touched pages: this process's RSS grows by 640 MiB before the fork
+    try:
+        check_plan(setup, 1, 0, 0, False, None, True)
+    finally:
+        del ballast
