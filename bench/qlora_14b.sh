@@ -9,9 +9,9 @@
 #   3. `qtune plan` of the job on the cpu device;
 #   4. `qtune train`: LoRA r 8 / alpha 32 on c_attn over an NF4 (double-quant)
 #      base quantized as it loads, bf16 compute, recomputation, B 1 x T 64,
-#      3 steps with a checkpoint at step 2, under /usr/bin/time -v;
-#   5. a second run resumed from checkpoint-2 into another output_dir, whose
-#      step 3 (loss and final adapter) must equal the first run's bit for bit.
+#      2 steps with a checkpoint at step 1, under /usr/bin/time -v;
+#   5. a second run resumed from checkpoint-1 into another output_dir, whose
+#      step 2 (loss and final adapter) must equal the first run's bit for bit.
 # Needs ~29 GB of free disk in $BIG and ~11 GB of free memory. Usage:
 #   bench/qlora_14b.sh QTUNE_BINARY [BIG_DIR] [PRESET] [TARGETS]
 # PRESET qwen2.5-14b with TARGETS q_proj,v_proj runs the Qwen2.5 shape (its
@@ -79,7 +79,7 @@ cat > job.json <<EOF
  "lora": {"r": 8, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": ["$(echo "$TARGETS" | sed 's/,/", "/g')"]},
  "quantization": {"load_in_4bit": true, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": true,
                   "bnb_4bit_compute_dtype": "bfloat16"},
- "train": {"max_steps": 3, "save_steps": 2, "log_steps": 1, "seed": 42, "gradient_checkpointing": true},
+ "train": {"max_steps": 2, "save_steps": 1, "log_steps": 1, "seed": 42, "gradient_checkpointing": true},
  "deepspeed": {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": true},
                "optimizer": {"type": "AdamW", "params": {"lr": 2e-4, "weight_decay": 0.0}}},
  "device": "cpu"
@@ -89,12 +89,12 @@ echo "== plan"
 "$QTUNE" plan job.json --device cpu | tee plan.txt
 "$QTUNE" plan job.json --device cpu --json > plan.json
 
-echo "== train: 3 steps, checkpoint at 2"
+echo "== train: 2 steps, checkpoint at 1"
 rm -rf out out-resume
 $NICE /usr/bin/time -v "$QTUNE" train job.json > train.log 2>&1 || { tail -30 train.log; exit 1; }
 grep -v "^\s" train.log | tr '\r' '\n' | grep -v "(.*%) after" | tail -40
-echo "== resume from out/checkpoint-2 into out-resume"
-$NICE /usr/bin/time -v "$QTUNE" train job.json --set output_dir=out-resume --set "train.resume=out/checkpoint-2" \
+echo "== resume from out/checkpoint-1 into out-resume"
+$NICE /usr/bin/time -v "$QTUNE" train job.json --set output_dir=out-resume --set "train.resume=out/checkpoint-1" \
     > resume.log 2>&1 || { tail -30 resume.log; exit 1; }
 grep -v "^\s" resume.log | tr '\r' '\n' | grep -v "(.*%) after" | tail -30
 
@@ -118,9 +118,9 @@ for name, log, st in (("run", "train.log", a), ("resume", "resume.log", b)):
     for s in st:
         print("   step %d loss %.6f tok/s %s elapsed_s %s" % (s["step"], s["loss"], s.get("tokens_per_s"),
                                                           s.get("elapsed_s")))
-last = [s for s in a if s["step"] == 3][0]
-rlast = [s for s in b if s["step"] == 3][0]
-print("step 3 loss: run %r resume %r -> %s" % (last["loss"], rlast["loss"], "equal" if last["loss"] == rlast["loss"] else "DIFFERENT"))
+last = [s for s in a if s["step"] == 2][0]
+rlast = [s for s in b if s["step"] == 2][0]
+print("step 2 loss: run %r resume %r -> %s" % (last["loss"], rlast["loss"], "equal" if last["loss"] == rlast["loss"] else "DIFFERENT"))
 EOF
 cmp out/final/adapter_model.safetensors out-resume/final/adapter_model.safetensors &&
     echo "final adapters: byte-identical"
