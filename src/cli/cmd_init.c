@@ -1,13 +1,15 @@
 /* qtune init: write a randomly initialised Hugging Face model folder from a
  * preset or a config.json: config.json, model.safetensors (streamed, so a
  * model larger than memory can be written), generation_config.json and, with
- * --tokenizer, tokenizer.json + tokenizer_config.json. */
+ * --tokenizer, tokenizer.json + tokenizer_config.json, or for the original
+ * Qwen its qwen.tiktoken + tokenizer_config.json. */
 #include "cli/cli.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/progress.h"
 #include "io/hf_config.h"
 #include "io/model_folder.h"
+#include "text/tokenizer.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -22,7 +24,10 @@ static void init_help(void) {
            "                  [--seed N] [--tokenizer FILE] [--force]\n\n"
            "Writes a randomly initialised model folder that transformers loads as is:\n"
            "DIR/config.json, DIR/model.safetensors, DIR/generation_config.json and, with\n"
-           "--tokenizer, DIR/tokenizer.json and DIR/tokenizer_config.json (ChatML template).\n"
+           "--tokenizer, DIR/tokenizer.json and DIR/tokenizer_config.json (ChatML template),\n"
+           "or for the original Qwen given a .tiktoken file, DIR/qwen.tiktoken and its\n"
+           "DIR/tokenizer_config.json (QWenTokenizer; transformers also needs Qwen's\n"
+           "tokenization_qwen.py, which qtune does not write).\n"
            "Weights follow transformers' init: normal(0, 0.02) for linear and embedding\n"
            "weights, zeros for biases, ones for norms, drawn from --seed.\n\n"
            "options:\n"
@@ -31,7 +36,8 @@ static void init_help(void) {
            "  --config FILE     a config.json (Qwen2, Qwen3, original Qwen or Llama) instead of a preset\n"
            "  --dtype T         stored dtype: f32 (default), bf16 or f16\n"
            "  --seed N          random seed (default 42)\n"
-           "  --tokenizer FILE  a Qwen tokenizer.json to copy in\n"
+           "  --tokenizer FILE  a Qwen tokenizer.json to copy in, or (original Qwen presets and\n"
+           "                    configs) a qwen.tiktoken\n"
            "  --force           write into a non-empty DIR, replacing the files above\n\n"
            "presets:\n");
     for (int i = 0; i < qt_preset_count(); i++) {
@@ -55,6 +61,44 @@ static int dir_nonempty(const char *dir) {
     return any;
 }
 
+/* The original Qwen's tokenizer files: the .tiktoken copied in as DIR/qwen.tiktoken (the name
+ * Qwen's tokenization_qwen.py and qtune look for) and the tokenizer_config.json Qwen's folders
+ * carry, which names that class through auto_map. */
+static int tiktoken_files_write(const qt_config *cfg, const char *tiktoken, const char *out) {
+    char path[4096], text[512];
+    QT_TRY(qt_path_join(path, sizeof path, out, "qwen.tiktoken"));
+    QT_TRY(qt_copy_file(tiktoken, path));
+    int n = snprintf(text, sizeof text,
+                     "{\n"
+                     "  \"model_max_length\": %d,\n"
+                     "  \"tokenizer_class\": \"QWenTokenizer\",\n"
+                     "  \"auto_map\": {\n"
+                     "    \"AutoTokenizer\": [\n"
+                     "      \"tokenization_qwen.QWenTokenizer\",\n"
+                     "      null\n"
+                     "    ]\n"
+                     "  }\n"
+                     "}\n",
+                     cfg->max_position_embeddings);
+    QT_TRY(qt_path_join(path, sizeof path, out, "tokenizer_config.json"));
+    return qt_write_file_atomic(path, text, (size_t)n);
+}
+
+/* Reads a qwen.tiktoken (ranks, then Qwen's special tokens after them) for the ids init needs. */
+static int tiktoken_ids_read(const qt_config *cfg, const char *path, qt_tokenizer_ids *ids) {
+    if (cfg->arch != QT_ARCH_QWEN)
+        return QT_ERR(QT_EINVAL, "--tokenizer %s is a qwen.tiktoken, the original Qwen's tokenizer, but the model is %s; use an original-Qwen preset (qwen-14b, tiny-qwen, ...) or give a tokenizer.json",
+                      path, qt_arch_name(cfg->arch));
+    bpe_tokenizer *t;
+    QT_TRY(bpe_load(path, &t));
+    ids->max_id = bpe_vocab_size(t) - 1;
+    ids->endoftext = bpe_token_id(t, "<|endoftext|>");
+    ids->im_start = bpe_token_id(t, "<|im_start|>");
+    ids->im_end = bpe_token_id(t, "<|im_end|>");
+    bpe_free(t);
+    return QT_OK;
+}
+
 static int write_folder(const char *out, const qt_config *cfg, qt_dtype dtype, uint64_t seed, const char *tokenizer) {
     char path[4096];
     int64_t params = qt_config_param_count(cfg);
@@ -63,7 +107,9 @@ static int write_folder(const char *out, const qt_config *cfg, qt_dtype dtype, u
     if (free_b >= 0 && free_b < bytes + (1 << 20))
         return QT_ERR(QT_EIO, "%s has %.2f GB free but the weights need %.2f GB; free disk space or choose --dtype bf16",
                       out, (double)free_b / 1e9, (double)bytes / 1e9);
-    if (tokenizer) QT_TRY(qt_tokenizer_files_write(cfg, tokenizer, out));
+    if (tokenizer)
+        QT_TRY(bpe_is_tiktoken_file(tokenizer) ? tiktoken_files_write(cfg, tokenizer, out)
+                                               : qt_tokenizer_files_write(cfg, tokenizer, out));
     QT_TRY(qt_path_join(path, sizeof path, out, "config.json"));
     QT_TRY(qt_config_write(cfg, path));
     QT_TRY(qt_generation_config_write(cfg, out));
@@ -125,14 +171,20 @@ int cmd_init(int argc, char **argv) {
     if (tokenizer) {
         /* Ids absent from the config (the tiny presets) come from the tokenizer. */
         qt_tokenizer_ids ids;
-        if (qt_tokenizer_ids_read(tokenizer, &ids) != QT_OK) return cli_fail();
+        if ((bpe_is_tiktoken_file(tokenizer) ? tiktoken_ids_read(&cfg, tokenizer, &ids)
+                                              : qt_tokenizer_ids_read(tokenizer, &ids)) != QT_OK)
+            return cli_fail();
         if (ids.max_id >= cfg.vocab_size) { /* refuse before creating anything */
             QT_ERR(QT_EINVAL, "%s has token ids up to %d but the model's vocab_size is %d; use a preset sized for this tokenizer (e.g. demo) or a config with a larger vocab_size",
                    tokenizer, ids.max_id, cfg.vocab_size);
             return cli_fail();
         }
-        if (cfg.bos_token_id < 0) cfg.bos_token_id = ids.endoftext;
-        if (cfg.eos_token_id < 0) cfg.eos_token_id = ids.im_end;
+        if (bpe_is_tiktoken_file(tokenizer)) { /* the original Qwen ends text with <|endoftext|>, as its generation_config.json says */
+            if (cfg.eos_token_id < 0) cfg.eos_token_id = ids.endoftext;
+        } else {
+            if (cfg.bos_token_id < 0) cfg.bos_token_id = ids.endoftext;
+            if (cfg.eos_token_id < 0) cfg.eos_token_id = ids.im_end;
+        }
     }
     if (qt_path_exists(out) && !qt_is_dir(out)) {
         QT_ERR(QT_EINVAL, "--out %s exists and is not a folder; choose another path", out);

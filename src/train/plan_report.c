@@ -191,9 +191,21 @@ uint64_t qt_plan_cpu_rank(const qt_config *c, const qt_plan_opts *o, int rank, u
     zero_opts z = plan_zero_opts(o, &pm);
     zero_mem zm;
     if (zero_memory((size_t)pm.n_trainable, o->devices, rank, &z, 2, &zm)) return 0;
-    /* LoRA's frozen base is read from the mapping in f32 (in RSS); in f16/bf16 the model's
-     * converted copy is in its own total */
-    uint64_t base = o->lora && o->precision == QT_F32 ? pm.mapped_base : 0;
+    /* LoRA's frozen base is read from the file mapping (its pages in RSS) in f32, and in f16/bf16
+     * when the file is already in the compute dtype; otherwise the model's converted copy is in its
+     * own total. An untied embedding table is read a row a token, not whole: count the rows of one
+     * micro-batch, each with the pages around it that a fault maps (Linux's fault_around_bytes,
+     * 64 KiB), at most the table: a small table ends up resident whole, Qwen-14B's keeps ~5 MiB */
+    uint64_t base = 0;
+    if (o->lora && (o->precision == QT_F32 || o->precision == c->torch_dtype)) {
+        base = pm.mapped_base;
+        const uint64_t row = (uint64_t)c->hidden_size * qt_dtype_size(c->torch_dtype);
+        const uint64_t V = (uint64_t)c->vocab_size, rows = (uint64_t)o->micro_batch * (uint64_t)o->seq_len;
+        if (!c->tie_word_embeddings && !(o->lora_save & QT_SAVE_EMBED) && base >= V * row) {
+            const uint64_t touched = (rows < V ? rows : V) * ((row + 4095) / 4096 * 4096 + 65536);
+            base -= V * row - (touched < V * row ? touched : V * row);
+        }
+    }
     return pm.allocated + pm.master_host + base + zm.total + mapped + qt_model_cpu_runtime_bytes() +
            tp_runtime_bytes(o->devices) + plan_tokenizer(c, o);
 }
