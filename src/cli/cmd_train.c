@@ -70,8 +70,11 @@ static void print_summary(const qt_job *job, const qt_train_result *res, double 
     fmt_wall(wall, sizeof wall, wall_s);
     printf("wall time %s", wall);
     if (res->tokens > 0 && res->train_s > 0)
-        printf("; %.0f tokens/s mean over this run's steps (%lld tokens in %.1f s)", (double)res->tokens / res->train_s,
+    {
+        const double tps = (double)res->tokens / res->train_s; /* below 10 with decimals: a 14B run on a CPU is 0.11 */
+        printf("; %.*f tokens/s mean over this run's steps (%lld tokens in %.1f s)", tps < 10 ? 2 : 0, tps,
                (long long)res->tokens, res->train_s);
+    }
     printf("\nloss curve: %s/loss.svg\nmetrics: %s/metrics.jsonl\n", job->output_dir, job->output_dir);
 }
 

@@ -784,13 +784,14 @@ static void progress(qt_trainer *t, const step_out *o, double tok_s, long first_
     if (t->hooks->tty) {
         fprintf(f, "\r\033[Kstep %ld/%ld  loss %.4f", t->step, t->max_steps, o->loss);
         if (t->pref) fprintf(f, "  rewards/accuracies %.2f  rewards/margins %.4f", o->accuracy, o->margin);
-        fprintf(f, "  lr %.3g  %.0f tok/s  ETA %s%s", o->lr, tok_s, eta, o->skipped ? "  (overflow: skipped)" : "");
+        fprintf(f, "  lr %.3g  %.*f tok/s  ETA %s%s", o->lr, tok_s < 10 ? 2 : 0, tok_s, eta,
+                o->skipped ? "  (overflow: skipped)" : "");
         fflush(f);
     } else if (t->step % t->cfg.steps_per_print == 0 || t->step == t->max_steps || t->step == first_step + 1) {
         fprintf(f, "qtune: step %ld/%ld: loss %.4f, ", t->step, t->max_steps, o->loss);
         if (t->pref) fprintf(f, "rewards/accuracies %.4g, rewards/margins %.4g, ", o->accuracy, o->margin);
-        fprintf(f, "lr %.4g, grad_norm %.4g, loss_scale %g, %.0f tokens/s, ETA %s%s\n", o->lr, o->grad_norm,
-                o->loss_scale, tok_s, eta, o->skipped ? " (overflow: step skipped)" : "");
+        fprintf(f, "lr %.4g, grad_norm %.4g, loss_scale %g, %.*f tokens/s, ETA %s%s\n", o->lr, o->grad_norm,
+                o->loss_scale, tok_s < 10 ? 2 : 0, tok_s, eta, o->skipped ? " (overflow: step skipped)" : "");
         fflush(f);
     }
 }
@@ -1060,6 +1061,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
         snprintf(what, sizeof what, "step %ld", t->step + 1);
         qt_stall_enter(t->stall, what);
         int src = train_step(t, &o);
+        qt_fault_point("step-done", t->rank); /* tests: sleepMS makes a slow step */
         qt_stall_enter(t->stall, NULL);
         QT_TRY(src);
         tp_get_stats(t->d, &tp1);

@@ -11,11 +11,13 @@ The MPI words (warnings once, Ctrl-C on mpirun, `qtune stop`) are in
 tests/dist/test_mpi_words.py."""
 import json
 import os
+import re
 import shutil
+import subprocess
 
 import pytest
 
-from trainutil import init_model, metrics, run, write_job, write_tokens
+from trainutil import QTUNE, env, init_model, metrics, run, write_job, write_tokens
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +129,19 @@ def test_all_skipped_fp16_names_the_initial_scale_across_a_resume(base):
         assert f"<title>step {s} skipped</title>" in svg, svg
     assert "4 skipped steps (no update)" in svg
     assert [m["skipped"] for m in metrics(out) if "loss" in m] == [True] * 4
+
+
+def test_summary_and_progress_give_a_slow_runs_speed_with_decimals(base):
+    """A run under 10 tokens/s (a 14B QLoRA step on a CPU: 0.11) says so with two decimals; 7ffe4f9 printed
+    "0 tokens/s". The step is made slow by a test fault point (QTUNE_TEST_FAULT, core/fault.h)."""
+    j = job(base, "slow", train_opts={"max_steps": 1},
+            ds={"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1})
+    e = env()
+    e["QTUNE_TEST_FAULT"] = "step-done@0#1:sleep3000"  # <= 16 tokens in > 3 s: under 6 tokens/s
+    p = subprocess.run([QTUNE, "train", j], capture_output=True, text=True, env=e, timeout=300)
+    assert p.returncode == 0, p.stderr
+    wall = [l for l in p.stdout.splitlines() if l.startswith("wall time ")]
+    m = re.search(r"; (\d+\.\d\d) tokens/s mean", wall[0] if wall else "")
+    assert m and 0 < float(m.group(1)) < 10, p.stdout
+    step = re.search(r"step 1/1: .*, (\d+\.\d\d) tokens/s, ETA", p.stderr + p.stdout)
+    assert step and 0 < float(step.group(1)) < 10, p.stderr
