@@ -100,6 +100,18 @@ static int open_pref(qt_trainer *t) {
     return QT_OK;
 }
 
+/* a double's bits as an int64 and back: the pass's sums travel in dist_allgather_i64 unchanged */
+static int64_t bits_of(double v) {
+    int64_t b;
+    memcpy(&b, &v, sizeof b);
+    return b;
+}
+static double double_of(int64_t b) {
+    double v;
+    memcpy(&v, &b, sizeof v);
+    return v;
+}
+
 /* Every pair of set through the model (adapter 0: with the LoRA adapter off):
  * rank r takes pairs r, r + world, ..., each rank the same number of
  * micro-batches (a short rank repeats pair 0 and drops it: ZeRO-3's
@@ -121,7 +133,7 @@ static int pref_pass(qt_trainer *t, const dl_pref_set *set, int64_t n_limit, int
     if (rc == QT_OK) {
         int64_t *mine = qt_malloc(sizeof(int64_t) * (size_t)(4 * M + 1), "sequence log-probs");
         if (!mine) rc = QT_ENOMEM;
-        for (int64_t j = 0; mine && j < 2 * M; j++) memcpy(&mine[j], &s[j], sizeof(double)), mine[2 * M + j] = k[j];
+        for (int64_t j = 0; mine && j < 2 * M; j++) mine[j] = bits_of(s[j]), mine[2 * M + j] = k[j];
         if (rc == QT_OK) rc = dist_allgather_i64(t->d, mine, (int)(4 * M), all, "sequence log-probs");
         qt_free(mine);
     }
@@ -131,7 +143,7 @@ static int pref_pass(qt_trainer *t, const dl_pref_set *set, int64_t n_limit, int
             if (i >= N) continue;
             const int64_t *r = all + (size_t)q * 4 * M;
             for (int side = 0; side < 2; side++) {
-                memcpy(&sum[2 * i + side], &r[2 * j + side], sizeof(double));
+                sum[2 * i + side] = double_of(r[2 * j + side]);
                 n[2 * i + side] = r[2 * M + 2 * j + side];
             }
         }
