@@ -23,6 +23,10 @@ _Static_assert(sizeof(dl_cache_header) == 120, "the cache header layout is part 
 #define DL_MAX_BUILD_THREADS 64
 
 int dl_cache_path(const char *data_path, const char *cache_dir, char *out, size_t cap) {
+    return dl_cache_path_ext(data_path, cache_dir, "qtc", out, cap);
+}
+
+int dl_cache_path_ext(const char *data_path, const char *cache_dir, const char *ext, char *out, size_t cap) {
     char dir[4096];
     if (cache_dir && cache_dir[0]) {
         snprintf(dir, sizeof dir, "%s", cache_dir);
@@ -37,8 +41,8 @@ int dl_cache_path(const char *data_path, const char *cache_dir, char *out, size_
     const char *base = strrchr(data_path, '/');
     base = base ? base + 1 : data_path;
     char name[512];
-    snprintf(name, sizeof name, "%.200s.%016llx.qtc", base,
-             (unsigned long long)dl_hash_bytes(key, strlen(key), 0x6361636865ull));
+    snprintf(name, sizeof name, "%.200s.%016llx.%.16s", base,
+             (unsigned long long)dl_hash_bytes(key, strlen(key), 0x6361636865ull), ext);
     return qt_path_join(out, cap, dir, name);
 }
 

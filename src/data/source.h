@@ -73,5 +73,8 @@ int dl_source_is_array(const char *path);
 void dl_source_close(dl_source *s);
 /* Where the cache of a data file lives (no I/O). */
 int dl_cache_path(const char *data_path, const char *cache_dir, char *out, size_t cap);
+/* The same path with another extension: a file cached beside the token cache
+ * under the same key (the preference reference's log-probs, "qref"). */
+int dl_cache_path_ext(const char *data_path, const char *cache_dir, const char *ext, char *out, size_t cap);
 
 #endif

@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/mem.h"
+#include "data/source.h"
 
 int qt_pref_logps(qt_model *m, const dl_pref_set *set, const int64_t *idx, int64_t P, int B, int T, int adapter,
                   qt_batch *b, float *logp, double *sum, int64_t *n) {
@@ -119,21 +120,7 @@ uint64_t qt_pref_ref_key(const char *model_dir, const dl_pref_set *set, const ch
 }
 
 int qt_pref_ref_cache_path(const char *data_path, const char *cache_dir, char *out, size_t cap) {
-    char dir[4096], abs[PATH_MAX];
-    if (cache_dir && cache_dir[0]) {
-        snprintf(dir, sizeof dir, "%s", cache_dir);
-    } else {
-        char parent[4096];
-        qt_path_dirname(parent, sizeof parent, data_path);
-        QT_TRY(qt_path_join(dir, sizeof dir, parent, ".qtune-cache"));
-    }
-    const char *key = realpath(data_path, abs) ? abs : data_path;
-    const char *base = strrchr(data_path, '/');
-    base = base ? base + 1 : data_path;
-    char name[512];
-    snprintf(name, sizeof name, "%.200s.%016llx.qref", base,
-             (unsigned long long)qt_hash64(key, strlen(key), 0x7265666c6f6770ull));
-    return qt_path_join(out, cap, dir, name);
+    return dl_cache_path_ext(data_path, cache_dir, "qref", out, cap);
 }
 
 int qt_pref_ref_cache_read(const char *path, uint64_t key, int64_t n, double *sum) {
