@@ -187,17 +187,21 @@ static void f32_block(float *C, int ldc, const float *A, int lda, const void *w,
         }
 }
 
+/* The workspace as bf16 slots: a 4-bit weight's dequantized panel of P rows (half the slots at most; P 0
+ * for a bf16 weight, read in place) first, the rest for the converted activations. */
+static int q4_panel_rows(qt_dtype wdt, size_t slots, int IN, int OUT) {
+    if (wdt != QT_Q4) return 0;
+    size_t pr = slots / 2 / (size_t)IN;
+    return pr < (size_t)OUT ? (int)pr : OUT;
+}
+
 /* The forward on the bf16 GEMM: 1 when done, 0 when it did not apply (out untouched). */
 static int forward_bf16(float *out, const float *inp, const void *w, qt_dtype wdt, const float *bias, int N, int IN,
                         int OUT, float alpha, int accumulate, float *ws) {
     if (!ws || !bf16_weight(w, wdt) || !bf16_gemm_on() || !bf16_exact(inp, (size_t)N * IN)) return 0;
     const size_t slots = 2 * op_matmul_ws_floats(IN, OUT); /* bf16 values the workspace holds */
     uint16_t *panel = (uint16_t *)ws;
-    int P = 0;
-    if (wdt == QT_Q4) {
-        size_t pr = slots / 2 / (size_t)IN;
-        P = pr < (size_t)OUT ? (int)pr : OUT;
-    }
+    const int P = q4_panel_rows(wdt, slots, IN, OUT);
     uint16_t *x16 = panel + (size_t)P * IN;
     size_t rr = (slots - (size_t)P * IN) / (size_t)IN;
     int R = rr < (size_t)N ? (int)rr : N;
@@ -234,13 +238,9 @@ static int forward_bf16(float *out, const float *inp, const void *w, qt_dtype wd
 static int dinp_bf16(float *dinp, const float *dout, const void *w, qt_dtype wdt, int N, int IN, int OUT, float alpha,
                      float *ws) {
     if (!ws || !bf16_weight(w, wdt) || !bf16_gemm_on() || !bf16_exact(dout, (size_t)N * OUT)) return 0;
-    const size_t slots = 2 * op_matmul_ws_floats(IN, OUT);
+    const size_t slots = 2 * op_matmul_ws_floats(IN, OUT); /* bf16 values the workspace holds */
     uint16_t *panel = (uint16_t *)ws;
-    int P = 0;
-    if (wdt == QT_Q4) {
-        size_t pr = slots / 2 / (size_t)IN;
-        P = pr < (size_t)OUT ? (int)pr : OUT;
-    }
+    const int P = q4_panel_rows(wdt, slots, IN, OUT);
     uint16_t *d16 = panel + (size_t)P * IN;
     size_t rr = (slots - (size_t)P * IN) / (size_t)OUT;
     int R = rr < (size_t)N ? (int)rr : N;
