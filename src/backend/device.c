@@ -66,6 +66,14 @@ static int pick_gpu(int n, int count, const char *who, int *index) {
     return QT_OK;
 }
 
+/* "npu" without a number: the card of the launcher's local rank, so ranks on
+ * one host each take their own (HCCL joins one rank per card); -1 (card 0)
+ * without a launcher. */
+static int npu_default_index(int n) {
+    const char *r = qt_device_local_rank();
+    return n >= 0 ? n : r ? atoi(r) : -1;
+}
+
 int qt_device_resolve(const char *spec, const char *where, qt_device *out) {
     memset(out, 0, sizeof *out);
     out->index = -1;
@@ -81,6 +89,7 @@ int qt_device_resolve(const char *spec, const char *where, qt_device *out) {
                               "or unset QTUNE_BACKEND to use %s", env, who);
         out->backend = d->name;
         snprintf(out->note, sizeof out->note, "QTUNE_BACKEND=%s overrides %s", env, who);
+        if (!strcmp(d->name, "npu")) out->index = npu_default_index(n);
         if (strcmp(d->name, "cuda")) return QT_OK;
         kind = DEV_CUDA; /* the GPU is chosen as for "cuda" (a "cuda:N" keeps its N) */
         snprintf(who, sizeof who, "QTUNE_BACKEND=cuda");
@@ -103,7 +112,7 @@ int qt_device_resolve(const char *spec, const char *where, qt_device *out) {
             return QT_ERR(code, "%s: %s", who, why);
         }
         out->backend = "npu";
-        out->index = n;
+        out->index = npu_default_index(n);
         return QT_OK;
     }
     char why[512];

@@ -356,6 +356,7 @@ int dist_init(int *argc, char ***argv, dist_ctx **out) {
 
 void dist_finalize(dist_ctx *d) {
     if (!d) return;
+    dist_hccl_close(d);
 #if QT_DIST_MPI
     if (d->mpi_on) {
         if (sig_ctx == d) {

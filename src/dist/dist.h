@@ -106,9 +106,15 @@ double dist_comm_seconds(const dist_ctx *d);
  * collective copies its device buffers to host memory, runs MPI there and
  * copies the result back when it completes. A host-readable backend (cpu) or
  * NULL: MPI reads the buffers in place. Call it before the first collective
- * on device memory; the caller keeps the backend open. */
+ * on device memory; the caller keeps the backend open.
+ * With several ranks on the Ascend backend ("npu") it also starts HCCL, every
+ * rank together (transport_hccl.c): all-reduce, reduce, reduce-scatter,
+ * all-gather and broadcast then run card to card; gatherv/scatterv and the
+ * barrier stay on MPI. QT_EDIST (every rank) when HCCL cannot start. */
 struct qt_backend;
-void dist_set_backend(dist_ctx *d, struct qt_backend *be);
+int dist_set_backend(dist_ctx *d, struct qt_backend *be);
+/* "HCCL" once dist_set_backend started it, else "MPI". */
+const char *dist_transport_name(const dist_ctx *d);
 
 /* Ends every rank of the job now (MPI_Abort) after printing nothing more; a
  * single process just exits with `code`. For a fatal error on one rank that

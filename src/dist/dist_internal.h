@@ -34,6 +34,7 @@ struct dist_ctx {
     tp_stats tp;           /* transport counters (transport_mpi.c) */
     struct qt_backend *stage_be; /* dist_set_backend: a backend whose device memory the host cannot
                                     read, so each collective goes through host copies; NULL: none */
+    struct dist_hccl *hccl; /* the device collectives over HCCL (npu ranks), or NULL: MPI */
 #if QT_DIST_MPI
     MPI_Comm comm;         /* collectives */
     MPI_Comm ctl;          /* liveness queries when a deadline passes */
@@ -72,6 +73,23 @@ struct dist_startup;
 int dist_startup_begin(double timeout_s, struct dist_startup **out);
 void dist_startup_end(struct dist_startup *s);
 #endif
+
+/* transport_hccl.c: transport.h's device collectives over HCCL (backend
+ * "npu", world > 1), which transport_mpi.c hands them to once open. Each
+ * queues its collective and gives its number on HCCL's stream (*seq) and,
+ * where it made one, a device buffer to free when it completes (*tmp);
+ * dist_hccl_test says when the stream has finished that number. */
+int dist_hccl_open(dist_ctx *d, struct qt_backend *be);
+void dist_hccl_close(dist_ctx *d);
+int dist_hccl_allreduce(dist_ctx *d, float *buf, size_t count, int64_t *seq, const char *what);
+int dist_hccl_reduce(dist_ctx *d, const float *send, float *recv, size_t count, int root, void **tmp, int64_t *seq,
+                     const char *what);
+int dist_hccl_reduce_scatter(dist_ctx *d, const float *send, float *recv, size_t count, int64_t *seq,
+                             const char *what);
+int dist_hccl_allgather(dist_ctx *d, const float *send, float *recv, size_t count, void **tmp, int64_t *seq,
+                        const char *what);
+int dist_hccl_bcast(dist_ctx *d, void *buf, size_t bytes, int root, int64_t *seq, const char *what);
+int dist_hccl_test(dist_ctx *d, int64_t seq, int *done);
 
 /* All-reduce of a few doubles with a per-value op, bitwise identical on every
  * rank (values are all-gathered and combined in rank order). */

@@ -12,7 +12,12 @@
  * read): each collective downloads its device input into a host copy, MPI
  * works on that, and once the request completes (note_done) the result is
  * uploaded to the device buffer; the gathers' and scatters' rank-0 buffer is
- * host memory already. */
+ * host memory already.
+ *
+ * HCCL (transport_hccl.c, ranks on Ascend NPUs): once dist_set_backend has
+ * started it, the device collectives (all-reduce, reduce, reduce-scatter,
+ * all-gather, broadcast) are queued there instead, and their requests are
+ * polled through it; the deadline and the rest stay here. */
 #include "dist/dist_internal.h"
 #include "dist/transport.h"
 
@@ -22,6 +27,7 @@
 #include "core/mem.h"
 
 #include <limits.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define TP_POLL_BURST 256 /* MPI_Test rounds per deadline tick in tp_wait */
@@ -40,9 +46,20 @@ struct tp_req {
     void *up_dst;
     const void *up_src;
     size_t up_bytes;
+    int64_t hccl_seq; /* > 0: a collective queued on HCCL's stream, done once the stream passed it */
+    void *hccl_tmp;   /* a device buffer of that collective's, freed with the request */
 };
 
-void dist_set_backend(dist_ctx *d, qt_backend *be) { d->stage_be = be && !be->desc->host_reads_device ? be : NULL; }
+int dist_set_backend(dist_ctx *d, qt_backend *be) {
+    d->stage_be = be && !be->desc->host_reads_device ? be : NULL;
+    if (d->hccl && (!be || be != d->stage_be)) dist_hccl_close(d);
+    /* QTUNE_DIST_TRANSPORT=mpi keeps NPU ranks on MPI through host copies (slow: for a comparison, or a
+     * machine whose HCCL does not start) */
+    const char *tr = getenv("QTUNE_DIST_TRANSPORT");
+    if (be && d->world > 1 && !d->hccl && !strcmp(be->desc->name, "npu") && !(tr && !strcmp(tr, "mpi")))
+        return dist_hccl_open(d, be);
+    return QT_OK;
+}
 
 size_t tp_runtime_bytes(int world) { return world > 1 ? (size_t)8 << 20 : 0; }
 
@@ -76,6 +93,7 @@ static void req_free(tp_req *q) {
     qt_free(q->counts);
 #endif
     if (q->host) q->be->free(q->be, q->host);
+    if (q->hccl_tmp) q->be->free(q->be, q->hccl_tmp);
     qt_free(q);
 }
 
@@ -144,6 +162,18 @@ static int start_fail(dist_ctx *d, tp_req *q, int mrc, const char *call, const c
     return dist_mpi_fail(d, mrc, call, what);
 }
 
+/* A collective HCCL queued (rc: how queueing went): its request. */
+static int hccl_req(dist_ctx *d, tp_req *q, int rc, int64_t seq, void *tmp, tp_req **rq, const char *what) {
+    q->be = d->stage_be;
+    q->hccl_tmp = tmp;
+    if (rc != QT_OK) {
+        req_free(q);
+        return rc;
+    }
+    q->hccl_seq = seq;
+    return finish(d, q, rq, what);
+}
+
 static int size_table(dist_ctx *d, tp_req *q, const size_t *counts, const size_t *displs) {
     int N = d->world;
     q->counts = qt_malloc(2 * (size_t)N * sizeof(int), "collective counts");
@@ -166,6 +196,11 @@ int tp_allreduce_f32(dist_ctx *d, float *buf, size_t count, tp_req **rq, const c
 #if QT_DIST_MPI
     tp_req *q;
     QT_TRY(req_new(d, (double)count * 4, &q));
+    if (d->hccl) {
+        int64_t seq = 0;
+        int rc = dist_hccl_allreduce(d, buf, count, &seq, what);
+        return hccl_req(d, q, rc, seq, NULL, rq, what);
+    }
     float *b = buf;
     if (d->stage_be) {
         if (!(b = stage(d, q, count * 4))) return QT_ENOMEM;
@@ -190,6 +225,12 @@ int tp_reduce_f32(dist_ctx *d, const float *send, float *recv, size_t count, int
 #if QT_DIST_MPI
     tp_req *q;
     QT_TRY(req_new(d, (double)count * 4, &q));
+    if (d->hccl) {
+        int64_t seq = 0;
+        void *tmp = NULL;
+        int rc = dist_hccl_reduce(d, send, recv, count, root, &tmp, &seq, what);
+        return hccl_req(d, q, rc, seq, tmp, rq, what);
+    }
     const float *s = send;
     float *r = recv;
     int in_place = d->rank == root && send == recv;
@@ -215,6 +256,11 @@ int tp_reduce_scatter_f32(dist_ctx *d, const float *send, float *recv, size_t co
 #if QT_DIST_MPI
     tp_req *q;
     QT_TRY(req_new(d, (double)count * 4 * d->world, &q));
+    if (d->hccl) {
+        int64_t seq = 0;
+        int rc = dist_hccl_reduce_scatter(d, send, recv, count, &seq, what);
+        return hccl_req(d, q, rc, seq, NULL, rq, what);
+    }
     const float *s = send;
     float *r = recv;
     if (d->stage_be) {
@@ -239,6 +285,12 @@ int tp_allgather_f32(dist_ctx *d, const float *send, float *recv, size_t count, 
 #if QT_DIST_MPI
     tp_req *q;
     QT_TRY(req_new(d, (double)count * 4, &q));
+    if (d->hccl) {
+        int64_t seq = 0;
+        void *tmp = NULL;
+        int rc = dist_hccl_allgather(d, send, recv, count, &tmp, &seq, what);
+        return hccl_req(d, q, rc, seq, tmp, rq, what);
+    }
     const void *sb = send == recv + (size_t)d->rank * count ? MPI_IN_PLACE : send;
     float *r = recv;
     if (d->stage_be) { /* this rank's part in place in the copy of the whole result */
@@ -264,6 +316,11 @@ int tp_bcast(dist_ctx *d, void *buf, size_t bytes, int root, tp_req **rq, const 
 #if QT_DIST_MPI
     tp_req *q;
     QT_TRY(req_new(d, (double)bytes, &q));
+    if (d->hccl) {
+        int64_t seq = 0;
+        int rc = dist_hccl_bcast(d, buf, bytes, root, &seq, what);
+        return hccl_req(d, q, rc, seq, NULL, rq, what);
+    }
     void *b = buf;
     if (d->stage_be) {
         if (!(b = stage(d, q, bytes))) return QT_ENOMEM;
@@ -364,6 +421,11 @@ int tp_test(dist_ctx *d, tp_req *q, int *done) {
     *done = 1;
     if (!q || q->done) return QT_OK;
 #if QT_DIST_MPI
+    if (q->hccl_seq) {
+        QT_TRY(dist_hccl_test(d, q->hccl_seq, done));
+        if (*done) note_done(d, q);
+        return QT_OK;
+    }
     int flag = 0, mrc = MPI_Test(&q->r, &flag, MPI_STATUS_IGNORE);
     if (mrc != MPI_SUCCESS) return dist_mpi_fail(d, mrc, "MPI_Test", "a collective");
     if (!flag) {

@@ -832,6 +832,7 @@ static void trainer_free(qt_trainer *t) {
     qt_free(t->ref_train);
     qt_free(t->ref_eval);
     dl_close(t->eval_dl);
+    if (t->d) dist_set_backend(t->d, NULL); /* HCCL ends while its card is still open */
     qt_model_free(t->model);
     bpe_free(t->tok);
     if (t->outdir_lock >= 0) close(t->outdir_lock); /* last: after every write of this run */
@@ -956,7 +957,8 @@ static int run(qt_trainer *t, qt_train_result *res) {
     if (t->main) QT_TRY(qt_output_dir_check(job->output_dir, job, job->train.overwrite_output_dir, &t->outdir_lock));
     QT_TRY(dist_barrier(t->d, "output folder check"));
     QT_TRY(load_model(t));
-    dist_set_backend(t->d, t->be); /* the collectives' buffers are its memory (staged where not host-readable) */
+    /* the collectives' buffers are its memory (staged where not host-readable; NPU ranks start HCCL here) */
+    QT_TRY(dist_set_backend(t->d, t->be));
     QT_TRY(open_loaders(t));
     /* ranks finish loading (a token cache may be built first) at different
      * times: this wait's deadline adds the time of reading the model folder
@@ -1015,9 +1017,10 @@ static int run(qt_trainer *t, qt_train_result *res) {
         qt_metrics_set_report(&t->metrics, dev, t->max_steps, plan_rank, plan_dev);
         QT_TRY(qt_metrics_write_report(&t->metrics, "running"));
         if (job->train.report_tensorboard) QT_TRY(open_tensorboard(t));
-        qt_info("training %s: %zu trainable parameters (%s), %ld steps of %d x %d x %d rank(s) rows of %d tokens",
+        qt_info("training %s: %zu trainable parameters (%s), %ld steps of %d x %d x %d rank(s) rows of %d tokens%s%s",
                 job->model, t->n, job->lora.enabled ? "LoRA" : "full", t->max_steps, t->cfg.micro_batch,
-                t->cfg.grad_accum, t->world, job->data.seq_len);
+                t->cfg.grad_accum, t->world, job->data.seq_len, t->world > 1 ? ", collectives over " : "",
+                t->world > 1 ? dist_transport_name(t->d) : "");
     }
     t->t_start = qt_now_s();
     res->resumed_from = t->resumed_from;

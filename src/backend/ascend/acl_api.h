@@ -252,6 +252,94 @@ typedef enum {
  *  - matvec (decoding): its contract (a row's bits whatever N) needs
  *    aclnnMatmul's "strong consistency", off by default and turned on with
  *    aclrtCtxSetSysParamOpt (aclnnMatmul_en.md, Constraints), not declared;
- *  - HCCL (8.1.RC1 include/hccl/hccl.h): not started. */
+ *  - HCCL: declared below, under its own heading. */
+
+/* ==== HCCL: the collectives between cards (src/dist/transport_hccl.c) ======
+ * CANN's collective library, libhccl.so. Values and prototypes from CANN's
+ * include/hccl/hccl_types.h and include/hccl/hccl.h as the open-sourced
+ * cann-hccl repository carries them (inc/hccl/, 2024; the toolkit installs
+ * the same two files in include/hccl/). HCCL is opened by the transport, not
+ * by the backend: a job on one card never needs libhccl.so. */
+typedef enum {
+    HCCL_SUCCESS = 0,
+    HCCL_E_PARA = 1,
+    HCCL_E_PTR = 2,
+    HCCL_E_MEMORY = 3,
+    HCCL_E_INTERNAL = 4,
+    HCCL_E_NOT_SUPPORT = 5,
+    HCCL_E_NOT_FOUND = 6,
+    HCCL_E_UNAVAIL = 7,
+    HCCL_E_SYSCALL = 8,
+    HCCL_E_TIMEOUT = 9,
+    HCCL_E_OPEN_FILE_FAILURE = 10,
+    HCCL_E_TCP_CONNECT = 11,
+    HCCL_E_ROCE_CONNECT = 12,
+    HCCL_E_TCP_TRANSFER = 13,
+    HCCL_E_ROCE_TRANSFER = 14,
+    HCCL_E_RUNTIME = 15,
+    HCCL_E_DRV = 16,
+    HCCL_E_PROFILING = 17,
+    HCCL_E_CCE = 18,
+    HCCL_E_NETWORK = 19,
+    HCCL_E_AGAIN = 20,
+    HCCL_E_REMOTE = 21,
+    HCCL_E_SUSPENDING = 22,
+} HcclResult;
+typedef void *HcclComm;
+typedef enum { HCCL_REDUCE_SUM = 0, HCCL_REDUCE_PROD = 1, HCCL_REDUCE_MAX = 2, HCCL_REDUCE_MIN = 3 } HcclReduceOp;
+typedef enum {
+    HCCL_DATA_TYPE_INT8 = 0,
+    HCCL_DATA_TYPE_INT16 = 1,
+    HCCL_DATA_TYPE_INT32 = 2,
+    HCCL_DATA_TYPE_FP16 = 3,
+    HCCL_DATA_TYPE_FP32 = 4,
+    HCCL_DATA_TYPE_INT64 = 5,
+    HCCL_DATA_TYPE_UINT64 = 6,
+    HCCL_DATA_TYPE_UINT8 = 7,
+    HCCL_DATA_TYPE_UINT16 = 8,
+    HCCL_DATA_TYPE_UINT32 = 9,
+    HCCL_DATA_TYPE_FP64 = 10,
+    HCCL_DATA_TYPE_BFP16 = 11,
+} HcclDataType;
+/* hccl_types.h: HCCL_ROOT_INFO_BYTES = 4108, the opaque root info rank 0
+ * makes and every rank passes to HcclCommInitRootInfo (qtune sends it over MPI) */
+#define QT_HCCL_ROOT_INFO_BYTES 4108
+typedef struct HcclRootInfoDef {
+    char internal[QT_HCCL_ROOT_INFO_BYTES];
+} HcclRootInfo;
+
+/* hccl.h. The data types each collective takes (its comments): AllReduce and
+ * Reduce int8, int16, int32, float16, float32, bfloat16; ReduceScatter int8,
+ * int32, float16, float32, bfloat16; AllGather and Broadcast those and the
+ * 64-bit and unsigned ones. Every collective is queued on the stream given
+ * and returns; the stream says when it is done. */
+#define QT_HCCL_FUNCS(X)                                                                                         \
+    X(HcclResult, HcclGetRootInfo, (HcclRootInfo * rootInfo))                                                    \
+    X(HcclResult, HcclCommInitRootInfo,                                                                          \
+      (uint32_t nRanks, const HcclRootInfo *rootInfo, uint32_t rank, HcclComm *comm))                            \
+    X(HcclResult, HcclCommDestroy, (HcclComm comm))                                                              \
+    X(HcclResult, HcclAllReduce,                                                                                 \
+      (void *sendBuf, void *recvBuf, uint64_t count, HcclDataType dataType, HcclReduceOp op, HcclComm comm,     \
+       aclrtStream stream))                                                                                      \
+    X(HcclResult, HcclReduce,                                                                                    \
+      (void *sendBuf, void *recvBuf, uint64_t count, HcclDataType dataType, HcclReduceOp op, uint32_t root,     \
+       HcclComm comm, aclrtStream stream))                                                                       \
+    X(HcclResult, HcclReduceScatter,                                                                             \
+      (void *sendBuf, void *recvBuf, uint64_t recvCount, HcclDataType dataType, HcclReduceOp op, HcclComm comm, \
+       aclrtStream stream))                                                                                      \
+    X(HcclResult, HcclAllGather,                                                                                 \
+      (void *sendBuf, void *recvBuf, uint64_t sendCount, HcclDataType dataType, HcclComm comm, aclrtStream stream)) \
+    X(HcclResult, HcclBroadcast,                                                                                 \
+      (void *buf, uint64_t count, HcclDataType dataType, uint32_t root, HcclComm comm, aclrtStream stream))
+
+/* The runtime call the transport waits on a collective's stream with
+ * (libascendcl.so): runtime include/external/acl/acl_rt.h,
+ * aclrtSynchronizeStreamWithTimeout: timeout in milliseconds, -1 waits
+ * forever, 0 only checks whether the stream's work is complete; past it the
+ * call answers ACL_ERROR_RT_STREAM_SYNC_TIMEOUT (runtime
+ * include/external/acl/error_codes/rt_error_codes.h). */
+#define ACL_ERROR_RT_STREAM_SYNC_TIMEOUT 507046
+#define QT_HCCL_RT_FUNCS(X) X(aclError, aclrtSynchronizeStreamWithTimeout, (aclrtStream stream, int32_t timeout))
+
 
 #endif
