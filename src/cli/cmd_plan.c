@@ -12,6 +12,7 @@
 #include "model/model.h"
 #include "text/tokenizer.h"
 #include "train/job.h"
+#include "train/plan_card.h"
 #include "train/plan_report.h"
 #include "train/trainer.h"
 
@@ -61,7 +62,8 @@ static void plan_help(void) {
            "  --dataset-gib G       dataset/token cache held in host memory (default 1)\n"
            "  --strategies          also print the field report's three strategies for this shape\n"
            "  --device D            size workspaces with the descriptor of device D: cpu, cuda (or cuda:N),\n"
-           "                        auto; the device need not be on this machine. Default: QTUNE_BACKEND\n"
+           "                        npu (the Atlas 300T A2: no bf16), auto; the device need not be on this\n"
+           "                        machine. Default: QTUNE_BACKEND\n"
            "                        when set, else the job's \"device\", else auto (a GPU when one is\n"
            "                        visible here, else the CPU)\n"
            "  --backend NAME        the same by backend name (cpu, guard, cuda)\n"
@@ -213,7 +215,7 @@ int cmd_plan(int argc, char **argv) {
             else if (qt_device_check(v, "--device") == QT_OK) o.backend = qt_device_desc_name(v); /* NULL: auto */
             else {
                 qt_error_clear();
-                return cli_usage_error("plan", "--device must be cpu, cuda, cuda:N or auto, not '%s'", v);
+                return cli_usage_error("plan", "--device must be cpu, cuda, cuda:N, npu, npu:N or auto, not '%s'", v);
             }
             backend_given = 1;
         } else if (!strcmp(a, "--zero")) {
@@ -324,6 +326,11 @@ int cmd_plan(int argc, char **argv) {
             o.backend_auto = !(env && *env); /* what this machine has, not what the job's cards are */
         }
     }
+    /* the card the device stands for (the Atlas 300T A2 for npu) may lack bf16: no plan for a run that cannot start */
+    const qt_plan_card *card = qt_plan_card_of(o.backend);
+    if (card && !card->bf16 && o.precision == QT_BF16)
+        return cli_usage_error("plan", "the %s (device \"%s\") has no bf16, so a bf16 run cannot start on it; plan "
+                               "fp16 (--precision fp16, with dynamic loss scaling) or fp32", card->name, card->backend);
     qt_config cfg;
     if ((model ? qt_config_load(model, &cfg) : qt_preset(preset, &cfg)) != QT_OK) return cli_fail();
     if (model) o.weights_file_bytes = weights_file_bytes(model);

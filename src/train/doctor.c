@@ -2,6 +2,7 @@
  * known failures (see doctor.h and docs/doctor.md). Nothing here changes the
  * machine or the job; every check only reads. */
 #include "train/doctor.h"
+#include "train/doctor_npu.h"
 
 #include "backend/device.h"
 #include "core/error.h"
@@ -205,6 +206,7 @@ int qt_doctor_environment(FILE *f, int ranks) {
                    "OPENBLAS_NUM_THREADS=1\n");
     print_mpi(f);
     qt_cuda_driver_report(f);
+    warnings += qt_doctor_npu_report(f);
 
     const int64_t total = qt_meminfo_kib("MemTotal"), avail = qt_meminfo_kib("MemAvailable");
     if (total > 0 && avail >= 0)

@@ -3,6 +3,7 @@
  * buffers, host memory, disk, device count and power. See plan_report.h for
  * the accounting rules and docs/plan.md for the assumptions. */
 #include "train/plan_report.h"
+#include "train/plan_card.h"
 
 #include "backend/backend.h"
 #include "core/error.h"
@@ -509,6 +510,10 @@ void qt_plan_print(FILE *f, const char *name, const qt_config *c, const qt_plan_
     fprintf(f, "strategy   %s\n", s);
     fprintf(f, "device     %s (its descriptor sizes the workspaces; the device need not be on this machine)\n",
             desc_name(o));
+    const qt_plan_card *card = qt_plan_card_of(desc_name(o));
+    if (card)
+        fprintf(f, "card       %s: %.0f GiB HBM, %.0f TFLOP/s fp16, %s (%s)\n", card->name, card->hbm_gib,
+                card->fp16_tflops, card->bf16 ? "bf16" : "no bf16", card->source);
     fprintf(f, "trainable  %.3f M parameters\n\n", (double)p->n_trainable / 1e6);
     fprintf(f, "per device                 %s\n", un);
     fprintf(f, "  weights            %9.3f\n", U(p->dev.weights));
@@ -598,6 +603,15 @@ char *qt_plan_json(const char *name, const qt_config *c, const qt_plan_opts *o, 
         cJSON_AddNumberToObject(r, "lora_dropout", round((double)o->lora_dropout * 1e6) / 1e6); /* 0.1, not float's 0.10000000149 */
     }
     cJSON_AddStringToObject(r, "backend", desc_name(o));
+    const qt_plan_card *card = qt_plan_card_of(desc_name(o));
+    cJSON *cj = card ? cJSON_AddObjectToObject(r, "card") : NULL;
+    if (cj) {
+        cJSON_AddStringToObject(cj, "name", card->name);
+        cJSON_AddNumberToObject(cj, "hbm_gib", card->hbm_gib);
+        cJSON_AddNumberToObject(cj, "fp16_tflops", card->fp16_tflops);
+        cJSON_AddBoolToObject(cj, "bf16", card->bf16);
+        cJSON_AddStringToObject(cj, "source", card->source);
+    }
     cJSON_AddNumberToObject(r, "zero", o->zero);
     cJSON_AddNumberToObject(r, "devices", o->devices);
     cJSON_AddStringToObject(r, "offload", o->offload ? "cpu" : "none");
