@@ -248,7 +248,7 @@ def test_plan_device_without_the_device(base):
     text = ok(qtune("plan", "--preset", "tiny", "--device", "cuda")).stdout
     assert "device     cuda (its descriptor sizes the workspaces" in text, text
     p = qtune(*args, "--device", "xpu")
-    assert p.returncode == 2 and "--device must be cpu, cuda, cuda:N or auto" in p.stderr, p.stderr
+    assert p.returncode == 2 and "--device must be cpu, cuda, cuda:N, npu, npu:N or auto" in p.stderr, p.stderr
     assert "--device D" in ok(qtune("plan", "--help")).stdout
 
 
