@@ -5,7 +5,9 @@
  * reduce-scatter, all-gather (out of place and in place) and broadcast run
  * on device buffers, blocking and several in flight, checked exactly on
  * every rank against the sums MPI gives (transport_check.c's values); then
- * gatherv/scatterv and the barrier, which stay on MPI. Rank 0 prints
+ * gatherv/scatterv and the barrier, which stay on MPI; then ZeRO stage 2 on
+ * the NPU's memory (zero.c: the gradients reduced to their owners in buckets,
+ * the norm, the parameters all-gathered). Rank 0 prints
  * "transport HCCL" (or MPI under QTUNE_DIST_TRANSPORT=mpi), a checksum of
  * every result and "hccl ok", or the first wrong element and exits 1.
  * --hang-rank R: rank R sleeps instead of entering the first all-reduce, so
@@ -144,6 +146,44 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < cnt[me]; i++)
         if (h[i] != (float)(3 * (dsp[me] + i)) && !bad++) fprintf(stderr, "hccl_check: scatterv[%zu] = %g\n", i, h[i]);
     TRY(tp_barrier(d, 5.0, "check barrier"));
+
+    /* ZeRO stage 2 on the NPU's memory: the gradient block reduced to its owners in buckets (HcclReduce, several
+     * in flight), the norm over the shards, then the parameters all-gathered in place (HcclAllGather) */
+    {
+        const size_t n = 5003; /* odd, 3 buckets: shards and buckets cut each other */
+        zero_opts zo = {.stage = 2, .bucket_elems = 2000, .be = be};
+        zero_plan *plan = NULL;
+        TRY(zero_plan_create(d, n, &zo, &plan));
+        float *hg = malloc(n * sizeof(float)), *hp = malloc(n * sizeof(float));
+        for (size_t i = 0; i < n; i++) hg[i] = (float)((me + 1) * (int)(i % 1000));
+        float *grads = dev(hg, n), *params = dev(NULL, n);
+        double sq;
+        int overflow;
+        TRY(dist_step_gradients(d, plan, grads, &sq, &overflow));
+        size_t lo, hi;
+        zero_opt_range(plan, &lo, &hi);
+        be->download(be, hg, grads, n * sizeof(float));
+        double want_sq = 0;
+        for (size_t i = 0; i < n; i++) {
+            const double g = (double)N * (N + 1) / 2 * (double)(i % 1000);
+            want_sq += g * g;
+            if (i >= lo && i < hi && hg[i] != (float)g && !bad++)
+                fprintf(stderr, "hccl_check: rank %d: zero-2 gradient[%zu] = %g, expected %g\n", me, i, hg[i], g);
+        }
+        if ((sq != want_sq || overflow) && !bad++)
+            fprintf(stderr, "hccl_check: rank %d: zero-2 norm^2 %.17g (overflow %d), expected %.17g\n", me, sq,
+                    overflow, want_sq);
+        checksum += sq;
+        for (size_t i = 0; i < n; i++) hp[i] = i >= lo && i < hi ? (float)i + 0.5f : -1.0f;
+        be->upload(be, params, hp, n * sizeof(float));
+        TRY(dist_allgather_params(d, plan, params));
+        be->download(be, hp, params, n * sizeof(float));
+        for (size_t i = 0; i < n; i++)
+            if (hp[i] != (float)i + 0.5f && !bad++)
+                fprintf(stderr, "hccl_check: rank %d: zero-2 parameter[%zu] = %g after the all-gather\n", me, i, hp[i]);
+        zero_plan_free(plan);
+        free(hg), free(hp);
+    }
 
     int64_t nbad = bad;
     TRY(dist_allreduce_i64(d, &nbad, 1, DIST_SUM, "check verdict"));

@@ -2,8 +2,10 @@
 (tests/unit/backend_parity/acl_standin.c + hccl_standin.c, HCCL's collectives over MPI) through
 QTUNE_ASCEND_LIB: ranks on the Ascend backend ("npu") start HCCL (the root info broadcast over MPI), and every
 device collective of dist/transport.h gives MPI's results exactly at 2 and 3 ranks (tests/dist/hccl_check.c);
-a stalled rank ends the job at the collective deadline with its name, as under MPI. Training on "npu" is not run
-here: the Ascend backend's attention and cross-entropy ops are not written yet (docs/backends.md)."""
+ZeRO stage 2 on the NPU's memory (zero.c's bucketed reductions to the owners, the norm, the parameter
+all-gather) gives the same; a stalled rank ends the job at the collective deadline with its name, as under MPI.
+Training on "npu" is not run here: the Ascend backend's attention and cross-entropy ops are not written yet
+(docs/backends.md)."""
 import os
 import shutil
 import subprocess
