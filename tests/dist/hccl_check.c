@@ -147,6 +147,16 @@ int main(int argc, char **argv) {
         if (h[i] != (float)(3 * (dsp[me] + i)) && !bad++) fprintf(stderr, "hccl_check: scatterv[%zu] = %g\n", i, h[i]);
     TRY(tp_barrier(d, 5.0, "check barrier"));
 
+    /* HCCL takes device memory only: a host buffer is refused when queued (HCCL_E_PARA from the stand-in, as
+     * hccl.h's "data address of the operator" is the card's), on every rank, before anything moves */
+    if (!strcmp(dist_transport_name(d), "HCCL")) {
+        float host[4] = {0};
+        if (tp_allreduce_f32(d, host, 4, NULL, "a host buffer") != QT_EDIST || !strstr(qt_error_message(), "HCCL_E_PARA")) {
+            if (!bad++) fprintf(stderr, "hccl_check: rank %d: a host buffer was not refused (%s)\n", me, qt_error_message());
+        }
+        qt_error_clear();
+    }
+
     /* ZeRO stage 2 on the NPU's memory: the gradient block reduced to its owners in buckets (HcclReduce, several
      * in flight), the norm over the shards, then the parameters all-gathered in place (HcclAllGather) */
     {
