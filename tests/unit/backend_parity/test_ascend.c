@@ -106,7 +106,7 @@ static void test_convert(void **state) {
 }
 
 /* rows of the table, f32 / f16 / bf16, the same bits as the CPU's (the
- * backward is not written: test_backend_parity's test_embedding needs both) */
+ * backward is test_backend_parity's test_embedding) */
 static void test_embedding_forward(void **state) {
     (void)state;
     qt_backend *cpu = NULL, *npu = open_npu("Ascend910B1");
@@ -194,6 +194,40 @@ static void test_scale(void **state) {
     qt_backend_close(npu), qt_backend_close(cpu);
 }
 
+/* round_store f16 (values beyond fp16 become inf: the loss scaler's
+ * overflow) and round_to_dtype f16 / bf16: the CPU's bits, through two
+ * aclnnCast calls (the stand-in's cast rounds to nearest even and makes
+ * |x| >= 65520 inf, as the contract asks; a card's saturation mode is
+ * scripts/npu-check's to check) */
+static void test_round(void **state) {
+    (void)state;
+    qt_backend *cpu = NULL, *npu = open_npu("Ascend910B1");
+    assert_int_equal(qt_backend_open("cpu", &cpu), QT_OK);
+    enum { n = 2000 };
+    static float h[n], a[n], b[n];
+    static uint16_t ha[n], hb[n];
+    for (int i = 0; i < n; i++) h[i] = ldexpf(sinf((float)i * 1.37f), i % 48 - 28) * 3.0f;
+    h[0] = 65520.0f, h[1] = -1e6f, h[2] = 65519.0f, h[3] = NAN;
+    for (int k = 0; k < 3; k++) {
+        qt_dtype dt = k == 2 ? QT_BF16 : QT_F16;
+        float *xc = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof h, "x"), *xn = npu->alloc(npu, QT_MEM_DEVICE, sizeof h, "x");
+        uint16_t *dc = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof ha, "d"), *dn = npu->alloc(npu, QT_MEM_DEVICE, sizeof hb, "d");
+        cpu->upload(cpu, xc, h, sizeof h), npu->upload(npu, xn, h, sizeof h);
+        if (k == 0) {
+            cpu->round_store(cpu, xc, dc, n, dt), npu->round_store(npu, xn, dn, n, dt);
+            cpu->download(cpu, ha, dc, sizeof ha), npu->download(npu, hb, dn, sizeof hb);
+            assert_memory_equal(ha, hb, sizeof ha);
+        } else {
+            cpu->round_to_dtype(cpu, xc, n, dt), npu->round_to_dtype(npu, xn, n, dt);
+        }
+        cpu->download(cpu, a, xc, sizeof a), npu->download(npu, b, xn, sizeof b);
+        assert_memory_equal(a, b, sizeof a);
+        if (dt == QT_F16) assert_true(isinf(b[0]) && isinf(b[1]) && !isinf(b[2]));
+        cpu->free(cpu, xc), cpu->free(cpu, dc), npu->free(npu, xn), npu->free(npu, dn);
+    }
+    qt_backend_close(npu), qt_backend_close(cpu);
+}
+
 /* status of fn(be) run in a child, its stderr in err */
 static int in_child(const char *soc, void (*fn)(qt_backend *), char *err, size_t cap) {
     int p[2];
@@ -226,9 +260,16 @@ static void call_bf16(qt_backend *be) {
     be->zero(be, x, 64);
     be->convert(be, x + 8, QT_BF16, x, QT_F32, 4);
 }
+static void call_round_bf16(qt_backend *be) {
+    float *x = be->alloc(be, QT_MEM_DEVICE, 64, "x");
+    be->zero(be, x, 64);
+    be->round_to_dtype(be, x, 16, QT_BF16);
+}
 static void test_refusals(void **state) {
     (void)state;
     char err[1024];
+    assert_int_equal(in_child("Ascend910A", call_round_bf16, err, sizeof err), 1);
+    assert_non_null(strstr(err, "(Ascend910A) has no bfloat16"));
     assert_int_equal(in_child("Ascend910B1", call_dropout, err, sizeof err), 1);
     assert_non_null(strstr(err, "has no dropout yet"));
     assert_int_equal(in_child("Ascend910A", call_bf16, err, sizeof err), 1);
@@ -263,7 +304,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_absent_library), cmocka_unit_test(test_table_is_complete),
         cmocka_unit_test(test_device_values),  cmocka_unit_test(test_convert), cmocka_unit_test(test_scale),
-        cmocka_unit_test(test_embedding_forward), cmocka_unit_test(test_adam),
+        cmocka_unit_test(test_embedding_forward), cmocka_unit_test(test_adam), cmocka_unit_test(test_round),
         cmocka_unit_test(test_refusals),       cmocka_unit_test(test_fp16_cube),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
