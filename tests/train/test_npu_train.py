@@ -1,0 +1,93 @@
+"""The Ascend backend ("device": "npu", issue 45) on whole training runs,
+through the CPU stand-in of CANN's API (tests/unit/backend_parity/
+acl_standin.c, loaded with QTUNE_ASCEND_LIB): the backend's own code (every
+aclnn call, workspace, stream and tensor it makes) runs here, without CANN or
+a card, against the CPU backend. What it shows is that the backend keeps the
+API's documented rules as the stand-in holds them; not that it runs on an
+Ascend card, which it never has.
+
+The recipe's path: fp16 with dynamic loss scaling, LoRA and full fine-tuning,
+20 steps on the tiny preset (the full run with packing, so the attention's
+masked form runs too). The stand-in computes in fp32 in its own summation
+order, as a GPU does, so the bounds are tests/gpu/test_gpu_train.py's for
+16-bit runs: per-step losses within 1e-4 relative; each final tensor within
+1e-2 relative, or 2 * 20 * LR absolute (no 20 Adam steps move a weight
+further: the biases of k_proj, whose exact gradient is zero, move by
+rounding noise). LoRA dropout is off: dropout is the op the backend still
+refuses (a small kernel CANN has no operator for)."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import trainutil as tu  # noqa: E402
+from trainutil import st  # noqa: E402
+
+BUILD = os.environ.get("QTUNE_BUILD_DIR", os.path.join(tu.SRC, "build"))
+STANDIN = os.path.join(BUILD, "tests", "acl_standin", "libqtune_acl_standin.so")
+LR = 5e-5  # the trainer's default learning rate, which these jobs keep
+
+
+def rel(a, b):
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-30))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    assert os.path.exists(STANDIN), "build the tests first: %s is missing" % STANDIN
+    d = tmp_path_factory.mktemp("npu")
+    model = tu.init_model(str(d / "model"), preset="tiny")
+    data = str(d / "train.jsonl")
+    tu.write_tokens(data, 64, 32, seed=5)
+    return d, model, data
+
+
+def train(d, model, data, mode, device):
+    lora = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]} \
+        if mode == "lora" else None
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "fp16": {"enabled": True}}
+    out = str(d / ("run-%s-%s" % (mode, device)))
+    job = tu.write_job(str(d / ("%s-%s.json" % (mode, device))), model, out, data, T=32, lora=lora, ds=ds,
+                       train_opts={"max_steps": 20, "save_steps": 0, "resume": "never"},
+                       data_opts={"packing": mode == "full"})
+    with open(job) as f:
+        j = json.load(f)
+    j["device"] = device
+    with open(job, "w") as f:
+        json.dump(j, f)
+    e = tu.env()
+    e.pop("QTUNE_BACKEND", None)
+    e["QTUNE_ASCEND_LIB"] = STANDIN
+    p = subprocess.run([tu.QTUNE, "train", job], capture_output=True, text=True, env=e, timeout=900)
+    assert p.returncode == 0, "%s on %s: %s" % (mode, device, p.stderr)
+    return out
+
+
+def final_tensors(out):
+    dd = os.path.join(out, "final")
+    f = "adapter_model.safetensors" if os.path.exists(os.path.join(dd, "adapter_model.safetensors")) else \
+        "model.safetensors"
+    return st.read(os.path.join(dd, f))
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_fp16_20_steps_match_cpu(setup, mode):
+    d, model, data = setup
+    outs = {dev: train(d, model, data, mode, dev) for dev in ("cpu", "npu")}
+    lc = [m["loss"] for m in tu.step_lines(outs["cpu"])]
+    ln = [m["loss"] for m in tu.step_lines(outs["npu"])]
+    assert len(lc) == len(ln) == 20
+    worst = max(abs(a - b) / abs(a) for a, b in zip(lc, ln))
+    ref, got = final_tensors(outs["cpu"]), final_tensors(outs["npu"])
+    assert sorted(ref) == sorted(got)
+    wt, name = max((rel(ref[k], got[k]), k) for k in ref)
+    print("npu %s fp16: worst per-step loss difference %.3g relative; worst final tensor %.3g relative (%s, %.3g "
+          "absolute)" % (mode, worst, wt, name, float(np.max(np.abs(ref[name] - got[name])))))
+    assert worst <= 1e-4
+    bad = [k for k in ref if rel(ref[k], got[k]) > 1e-2 and float(np.max(np.abs(ref[k] - got[k]))) > 2 * 20 * LR]
+    assert not bad, "%s: tensors beyond both bounds: %s" % (mode, bad)
