@@ -46,6 +46,7 @@ typedef struct {
     aclrtStream stream;
     char soc[64];
     int bf16;      /* the card does BFLOAT16 (Ascend910B, Ascend910_93) */
+    int a2;        /* the card is Atlas A2 / A3 class (the same two): FlashAttentionScore and IndexAdd exist */
     int8_t cube;   /* cubeMathType for fp32 matmuls: KEEP_DTYPE where the card allows it */
     void *ws;      /* the operators' workspace, grown on demand */
     size_t ws_bytes;
@@ -92,6 +93,17 @@ static void refuse(const char *op) {
             "qtune: error: the Ascend backend has no %s yet (docs/backends.md lists what it has); run this job "
             "on \"cpu\" or \"cuda\"%s\n",
             op, strcmp(op, "dropout") ? "" : ", or set \"lora_dropout\": 0 in the job's \"lora\"");
+    fflush(stderr);
+    exit(1);
+}
+
+/* An op whose aclnn operator CANN documents for Atlas A2 / A3 cards only
+ * (Ascend910B, Ascend910_93): stop at its first use on another card. */
+static void refuse_on_card(const ascend *a, const char *op, const char *operator_) {
+    fprintf(stderr,
+            "qtune: error: the Ascend backend's %s runs through %s, which CANN documents for Atlas A2 / A3 cards "
+            "(Ascend910B, Ascend910_93) only, and this NPU is %s; run this job on one of those, or on \"cpu\"\n",
+            op, operator_, a->soc);
     fflush(stderr);
     exit(1);
 }
@@ -648,6 +660,7 @@ static void a_close(qt_backend *be) {
  * in-place form; V from the block dwte lies in, as the forward's table) */
 static void a_embedding_backward(qt_backend *be, float *dwte, const float *dout, const int32_t *ids, int N, int C) {
     ascend *a = asc(be);
+    if (!a->a2) refuse_on_card(a, "embedding_backward", "aclnnIndexAdd");
     int64_t V = (int64_t)(bytes_after(a, dwte) / ((size_t)C * sizeof(float))), n = N, one = 1;
     if (V <= 0) asc_fail("embedding_backward (a gradient this backend did not allocate)", ACL_ERROR_INVALID_PARAM,
                          __FILE__, __LINE__);
@@ -737,6 +750,7 @@ static aclTensor *fa_mask(ascend *a, const int32_t *doc_start, int B, int T, int
  * out (B, Sq, H, D) written; its softmax statistics (B, H, Sq, 8) at st. */
 static void fa_forward(ascend *a, float *out, float *st, const float *q, const float *k, const float *v,
                        const int32_t *doc_start, int B, int Sq, int Skv, int H, int KV, int D) {
+    if (!a->a2) refuse_on_card(a, "attention", "aclnnFlashAttentionScore");
     int64_t mode = 0;
     aclTensor *mask = fa_mask(a, doc_start, B, Sq, &mode);
     int64_t dq[4] = {B, Sq, H, D}, dk[4] = {B, Skv, KV, D}, ds[4] = {B, H, Sq, 8};
@@ -776,6 +790,7 @@ static void a_attention_backward(qt_backend *be, float *dq, float *dk, float *dv
                                  const float *lse, const float *q, const float *k, const float *v,
                                  const int32_t *doc_start, int B, int T, int H, int KV, int D) {
     ascend *a = asc(be);
+    if (!a->a2) refuse_on_card(a, "attention_backward", "aclnnFlashAttentionScoreGrad");
     int64_t n = (int64_t)B * H * T;
     size_t nq = (size_t)B * T * H * D, nk = (size_t)B * T * KV * D;
     float *st = grow(a, (void **)&a->att, &a->att_bytes, ((size_t)n * 16 + nq + 2 * nk) * sizeof(float),
@@ -1128,6 +1143,9 @@ int qt_backend_ascend_open(int index, qt_backend **out) {
      * matmuls run as fp16 (ALLOW_FP32_DOWN_PRECISION) */
     a->bf16 = !strncmp(a->soc, "Ascend910B", 10) || !strncmp(a->soc, "Ascend910_93", 12);
     a->cube = a->bf16 ? QT_ACL_CUBE_KEEP_DTYPE : QT_ACL_CUBE_ALLOW_FP32_DOWN_PRECISION;
+    /* aclnnFlashAttentionScore / Grad: "Atlas A2 training series" only;
+     * aclnnIndexAdd: Atlas A2 / A3 (their documents) */
+    a->a2 = a->bf16;
     *be = qt_backend_ascend_i;
     be->impl = a;
     *out = be;

@@ -21,7 +21,9 @@
  *    outside Ascend910B / Ascend910_93, BFLOAT16 is refused and FLOAT32
  *    matmuls with cubeMathType KEEP_DTYPE are refused, as aclnnMatmul's and
  *    aclnnRmsNorm's documentation say for Ascend 910 / 310P; with
- *    ALLOW_FP32_DOWN_PRECISION the inputs are rounded to FLOAT16 there.
+ *    ALLOW_FP32_DOWN_PRECISION the inputs are rounded to FLOAT16 there;
+ *    FlashAttentionScore / Grad (documented for the Atlas A2 training
+ *    series) and IndexAdd (A2 / A3) are refused there too.
  * Where the documentation does not say (the exact error code of some
  * refusals, Cast's rounding: round to nearest even here), the choice is the
  * stand-in's own. Built only for the tests. */
@@ -780,6 +782,7 @@ static aclnnStatus fa_check(const aclTensor *q, const aclTensor *k, const aclTen
                             int64_t mode, double keep, aclOpExecutor *e) {
     aclnnStatus rc;
     if (!layout || !mx || !sm) return ACLNN_ERR_PARAM_NULLPTR;
+    if (!soc_has_bf16()) return ACLNN_ERR_PARAM_INVALID; /* "Atlas A2 training series" only (its document) */
     if ((rc = usable(q)) || (rc = usable(k)) || (rc = usable(v)) || (rc = usable(mx)) || (rc = usable(sm))) return rc;
     int bnsd = !strcmp(layout, "BNSD");
     if (!bnsd && strcmp(layout, "BSND")) return ACLNN_ERR_PARAM_INVALID; /* the stand-in's limit */
@@ -1001,6 +1004,7 @@ VIS aclnnStatus aclnnIndexAddGetWorkspaceSize(const aclTensor *self, const int64
                                               const aclTensor *source, const aclScalar *alpha, aclTensor *out,
                                               uint64_t *ws, aclOpExecutor **ex) {
     if (!ws || !ex || !alpha || !index || !index->data) return ACLNN_ERR_PARAM_NULLPTR;
+    if (!soc_has_bf16()) return ACLNN_ERR_PARAM_INVALID; /* Atlas A2 / A3 only: "Atlas training series x" */
     aclnnStatus rc;
     if ((rc = usable(self)) || (rc = usable(source)) || (rc = usable(out))) return rc;
     if ((index->dt != ACL_INT32 && index->dt != ACL_INT64) || index->nd > 1 || index->fmt != ACL_FORMAT_ND)

@@ -265,9 +265,17 @@ static void call_round_bf16(qt_backend *be) {
     be->zero(be, x, 64);
     be->round_to_dtype(be, x, 16, QT_BF16);
 }
+static void call_attention(qt_backend *be) {
+    float *x = be->alloc(be, QT_MEM_DEVICE, 4096, "x");
+    be->zero(be, x, 4096);
+    be->attention_forward(be, x + 512, x + 768, x, x + 128, x + 256, NULL, 1, 2, 2, 1, 16);
+}
 static void test_refusals(void **state) {
     (void)state;
     char err[1024];
+    assert_int_equal(in_child("Ascend910A", call_attention, err, sizeof err), 1);
+    assert_non_null(strstr(err, "attention runs through aclnnFlashAttentionScore, which CANN documents for Atlas A2"));
+    assert_non_null(strstr(err, "this NPU is Ascend910A"));
     assert_int_equal(in_child("Ascend910A", call_round_bf16, err, sizeof err), 1);
     assert_non_null(strstr(err, "(Ascend910A) has no bfloat16"));
     assert_int_equal(in_child("Ascend910B1", call_dropout, err, sizeof err), 1);
