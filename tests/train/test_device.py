@@ -270,8 +270,8 @@ STANDIN = os.path.join(BUILD, "tests", "acl_standin", "libqtune_acl_standin.so")
 def test_npu_says_what_it_lacks(base):
     """"device": "npu" (issue 45): without CANN, one sentence naming the library and
     nothing written; on the stand-in of CANN's API (tests/unit/backend_parity/
-    acl_standin.c) the run trains (tests/train/test_npu_train.py holds it to the
-    CPU), and the one op not written yet (dropout) stops a run by name"""
+    acl_standin.c) the run trains, full and LoRA with dropout
+    (tests/train/test_npu_train.py holds it to the CPU)"""
     j, out = job(base, "npu", "npu")
     p = qtune("train", j, QTUNE_ASCEND_LIB="")
     assert p.returncode == 1, p.stderr
@@ -287,4 +287,4 @@ def test_npu_says_what_it_lacks(base):
     j, _ = job(base, "npu_dropout", "npu", lora={"r": 4, "lora_alpha": 8, "lora_dropout": 0.1,
                                                   "target_modules": ["q_proj"]})
     p = qtune("train", j, QTUNE_ASCEND_LIB=STANDIN)
-    assert p.returncode == 1 and "the Ascend backend has no dropout yet" in p.stderr, p.stderr
+    assert p.returncode == 0, p.stderr

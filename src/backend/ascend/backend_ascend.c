@@ -4,7 +4,7 @@
  * against the CPU stand-in of that API (tests/unit/backend_parity/
  * acl_standin.c), never run on an Ascend card.
  *
- * What exists: every op of backend.h but dropout. Memory, copies, events;
+ * What exists: every op of backend.h. Memory, copies, events;
  * embedding forward (aclnnEmbedding) and backward (aclnnIndexAdd); matmul
  * forward and backward and decoding's matvec (fp32 on the cube unit, f16/bf16
  * weights cast to fp32 in ws first); RMSNorm, RoPE and SwiGLU forward and
@@ -12,10 +12,10 @@
  * (aclnnFlashAttentionScore / Grad); the lm_head + cross-entropy family
  * (matmuls, aclnnLogSumExp and elementwise operators, chunked over the
  * vocabulary); Adam / AdamW, convert and the 16-bit rounding (casts), acc,
- * scale, sum of squares (on the host). dropout (the counter-based mask of
- * backend.h: a small kernel CANN has no operator for) is refused by name the
- * first time it is called (refuse below): the run stops with a sentence,
- * never a silently wrong result. half_matmul / half_gemm answer
+ * scale, sum of squares (on the host), dropout (its mask made on the host:
+ * CANN has no operator for backend.h's generator). 4-bit (QLoRA) weights are
+ * refused by name the first time an op meets one (refuse below): the run
+ * stops with a sentence, never a silently wrong result. half_matmul / half_gemm answer
  * QT_EUNSUPPORTED (the model then takes the fp32 op), as the contract allows.
  *
  * Dimension letters as backend_impl.h: N rows, IN/OUT a matmul's sides, C
@@ -63,6 +63,8 @@ typedef struct {
     size_t ce_bytes;
     void *wcast; /* a matvec's 16-bit weight as fp32 */
     size_t wcast_bytes;
+    float *dmask; /* a dropout mask, keep_scale or 0 an element */
+    size_t dmask_bytes;
     asc_blk *blk;
     int n_blk, cap_blk;
     size_t held, peak;
@@ -91,8 +93,8 @@ static void asc_fail(const char *what, int code, const char *file, int line) {
 static void refuse(const char *op) {
     fprintf(stderr,
             "qtune: error: the Ascend backend has no %s yet (docs/backends.md lists what it has); run this job "
-            "on \"cpu\" or \"cuda\"%s\n",
-            op, strcmp(op, "dropout") ? "" : ", or set \"lora_dropout\": 0 in the job's \"lora\"");
+            "on \"cpu\" or \"cuda\"\n",
+            op);
     fflush(stderr);
     exit(1);
 }
@@ -644,7 +646,7 @@ static void a_close(qt_backend *be) {
         if (a->ws) a->acl->aclrtFree(a->ws);
         if (a->scratch) a->acl->aclrtFree(a->scratch);
         if (a->ones) a->acl->aclrtFree(a->ones);
-        void *own[] = {a->mask, a->att, a->ce, a->wcast};
+        void *own[] = {a->mask, a->att, a->ce, a->wcast, a->dmask};
         for (size_t i = 0; i < sizeof own / sizeof own[0]; i++)
             if (own[i]) a->acl->aclrtFree(own[i]);
         a->acl->aclrtDestroyStream(a->stream);
@@ -1024,11 +1026,32 @@ static void a_round_to_dtype(qt_backend *be, float *x, size_t n, qt_dtype dt) {
     a_round_store(be, x, h, n, dt);
 }
 
-/* ---- the ops not written yet: each refuses by name ---------------------------- */
-static void n_dropout(qt_backend *be, float *dst, const float *src, size_t n, const qt_dropout_key *key,
+/* LoRA dropout: backend.h's counter-based mask (qt_dropout_u24 of the key
+ * and the element's index, the CPU's bits) has no CANN operator, so the
+ * mask is made on the host as keep_scale or 0 an element (the CPU
+ * backend's own op_dropout on ones), uploaded, and applied with aclnnMul;
+ * + 0 (aclnnInplaceAdds) turns a dropped negative's -0 into the CPU's +0.
+ * n floats made and uploaded a call, one call a LoRA module a micro-step: a
+ * cost to measure on a card (an Ascend C kernel of the generator is the way
+ * out). */
+static void a_dropout(qt_backend *be, float *dst, const float *src, size_t n, const qt_dropout_key *key,
                       uint32_t threshold, float keep_scale) {
-    (void)be, (void)dst, (void)src, (void)n, (void)key, (void)threshold, (void)keep_scale;
-    refuse("dropout");
+    if (!n) return;
+    ascend *a = asc(be);
+    float *h = qt_malloc(n * sizeof(float), "a dropout mask");
+    if (!h) asc_fail("a host dropout mask", ACL_ERROR_BAD_ALLOC, __FILE__, __LINE__);
+    for (size_t i = 0; i < n; i++) h[i] = 1.0f;
+    op_dropout(h, h, n, key, threshold, keep_scale);
+    float *m = grow(a, (void **)&a->dmask, &a->dmask_bytes, n * sizeof(float), "a dropout mask");
+    a_upload_raw(a, m, h, n * sizeof(float));
+    qt_free(h);
+    aclTensor *S = vec(a, src, QT_F32, (int64_t)n), *M = vec(a, m, QT_F32, (int64_t)n), *D = vec(a, dst, QT_F32, (int64_t)n);
+    LAUNCH(aclnnMul, S, M, D);
+    aclTensor *D2 = vec(a, dst, QT_F32, (int64_t)n);
+    aclScalar *zero = scalar(a, 0.0f), *one = scalar(a, 1.0f);
+    LAUNCH(aclnnInplaceAdds, D2, zero, one);
+    a->acl->aclDestroyScalar(zero), a->acl->aclDestroyScalar(one);
+    a->acl->aclDestroyTensor(S), a->acl->aclDestroyTensor(M), a->acl->aclDestroyTensor(D), a->acl->aclDestroyTensor(D2);
 }
 
 /* ---- the table and the descriptor ---------------------------------------------- */
@@ -1091,7 +1114,7 @@ const qt_backend qt_backend_ascend_i = {
     .half_available = a_half_available,
     .half_matmul = a_half_matmul,
     .half_gemm = a_half_gemm,
-    .dropout = n_dropout,
+    .dropout = a_dropout,
     .adam = a_adam,
     .sum_squares = a_sum_squares,
     .scale = a_scale,

@@ -1,7 +1,7 @@
 /* The Ascend backend's own rules, through the CPU stand-in of CANN's API
  * (acl_standin.c): what test_backend_parity does not hold (it compares the
  * ops with the CPU's): "npu" without CANN says so, device values, converts
- * bit for bit, the refusals (an op not written yet, bfloat16 on a card
+ * bit for bit, the refusals (4-bit weights, bfloat16 and attention on a card
  * without it) and the fp16 cube path of a card without fp32 KEEP_DTYPE.
  * Refusals end the process, so each runs in a child. */
 #include <setjmp.h>
@@ -250,10 +250,10 @@ static int in_child(const char *soc, void (*fn)(qt_backend *), char *err, size_t
     waitpid(pid, &st, 0);
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
-static void call_dropout(qt_backend *be) {
-    qt_dropout_key key = {1, 2, 3, 4};
-    float *p = be->alloc(be, QT_MEM_DEVICE, 64, "p");
-    be->dropout(be, p, p, 4, &key, 100, 2.0f);
+static void call_q4(qt_backend *be) {
+    float *p = be->alloc(be, QT_MEM_DEVICE, 256, "p");
+    be->zero(be, p, 256);
+    be->matmul_forward(be, p, p, p, QT_Q4, NULL, 1, 4, 4, 1.0f, 0, p);
 }
 static void call_bf16(qt_backend *be) {
     float *x = be->alloc(be, QT_MEM_DEVICE, 64, "x");
@@ -278,8 +278,8 @@ static void test_refusals(void **state) {
     assert_non_null(strstr(err, "this NPU is Ascend910A"));
     assert_int_equal(in_child("Ascend910A", call_round_bf16, err, sizeof err), 1);
     assert_non_null(strstr(err, "(Ascend910A) has no bfloat16"));
-    assert_int_equal(in_child("Ascend910B1", call_dropout, err, sizeof err), 1);
-    assert_non_null(strstr(err, "has no dropout yet"));
+    assert_int_equal(in_child("Ascend910B1", call_q4, err, sizeof err), 1);
+    assert_non_null(strstr(err, "has no matmul on quantized weights yet"));
     assert_int_equal(in_child("Ascend910A", call_bf16, err, sizeof err), 1);
     assert_non_null(strstr(err, "(Ascend910A) has no bfloat16"));
     assert_int_equal(in_child("Ascend910B1", call_bf16, err, sizeof err), 0); /* the 910B has it */
