@@ -16,6 +16,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "backend/ascend/ascend_internal.h"
 #include "backend/ascend/backend_ascend.h"
 #include "backend/backend.h"
 #include "backend/backend_impl.h"
@@ -308,12 +309,97 @@ static void test_fp16_cube(void **state) {
     qt_backend_close(npu), qt_backend_close(cpu);
 }
 
+/* The stand-in's fused attention keeps the documents' rules, so the backend
+ * is held to them: called directly (not through the backend), a correct call
+ * is taken; a causal mode without its mask, a head count that is not the
+ * query's, statistics not (B, N, Sq, 8), softmaxIn not null, or a card
+ * outside Atlas A2 are refused; a compressed mask that is not the
+ * triangle gives NaN outputs. */
+static void test_standin_attention_rules(void **state) {
+    (void)state;
+    qt_backend *npu = open_npu("Ascend910B1"); /* aclInit and the device */
+    const qt_acl_api *acl = qt_acl_load();
+    assert_non_null(acl);
+    enum { B = 1, S = 4, N = 2, D = 8, M = 2048 };
+    float *q, *k, *v, *o, *mx, *sm;
+    uint8_t *mask;
+    const size_t nq = (size_t)B * S * N * D, ns = (size_t)B * N * S * 8;
+    void **bufs[] = {(void **)&q, (void **)&k, (void **)&v, (void **)&o, (void **)&mx, (void **)&sm};
+    size_t sizes[] = {nq, nq, nq, nq, ns, ns};
+    for (int i = 0; i < 6; i++) {
+        assert_int_equal(acl->aclrtMalloc(bufs[i], sizes[i] * sizeof(float), ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+        float *h = calloc(sizes[i], sizeof(float));
+        for (size_t j = 0; j < sizes[i]; j++) h[j] = sinf((float)(j + 7 * i));
+        assert_int_equal(acl->aclrtMemcpy(*bufs[i], sizes[i] * sizeof(float), h, sizes[i] * sizeof(float),
+                                          ACL_MEMCPY_HOST_TO_DEVICE), ACL_SUCCESS);
+        free(h);
+    }
+    assert_int_equal(acl->aclrtMalloc((void **)&mask, (size_t)M * M, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+    uint8_t *tri = malloc((size_t)M * M);
+    for (size_t i = 0; i < M; i++)
+        for (size_t j = 0; j < M; j++) tri[i * M + j] = j > i;
+    assert_int_equal(acl->aclrtMemcpy(mask, (size_t)M * M, tri, (size_t)M * M, ACL_MEMCPY_HOST_TO_DEVICE), ACL_SUCCESS);
+    int64_t dq[4] = {B, S, N, D}, dst[4] = {B, N, S, 8}, bad[4] = {B, N, S, 1}, dm[2] = {M, M};
+    int64_t sq[4] = {S * N * D, N * D, D, 1}, sst[4] = {N * S * 8, S * 8, 8, 1}, sb[4] = {N * S, S, 1, 1}, smk[2] = {M, 1};
+    int64_t nqe = (int64_t)nq, nse = (int64_t)ns, nme = (int64_t)M * M;
+#define T4(p, dims, st, n) acl->aclCreateTensor(dims, 4, ACL_FLOAT, st, 0, ACL_FORMAT_ND, &n, 1, p)
+    aclTensor *Q = T4(q, dq, sq, nqe), *K = T4(k, dq, sq, nqe), *V = T4(v, dq, sq, nqe), *O = T4(o, dq, sq, nqe);
+    aclTensor *MX = T4(mx, dst, sst, nse), *SM = T4(sm, dst, sst, nse), *BAD = T4(mx, bad, sb, nse);
+    aclTensor *MK = acl->aclCreateTensor(dm, 2, ACL_UINT8, smk, 0, ACL_FORMAT_ND, &nme, 1, mask);
+#undef T4
+    char layout[] = "BSND";
+    uint64_t ws = 0;
+    aclOpExecutor *ex = NULL;
+#define FA(mask_, heads, mode, mxt)                                                                                  \
+    acl->aclnnFlashAttentionScoreGetWorkspaceSize(Q, K, V, NULL, NULL, NULL, mask_, NULL, 0.35, 1.0, 2147483647,   \
+                                                  2147483647, heads, layout, 0, mode, mxt, SM, NULL, O, &ws, &ex)
+    assert_int_equal(FA(NULL, N, 3, MX), ACLNN_ERR_PARAM_INVALID); /* a causal mode without its mask */
+    assert_int_equal(FA(MK, 3, 3, MX), ACLNN_ERR_PARAM_INVALID);   /* headNum not the query's N */
+    assert_int_equal(FA(MK, N, 3, BAD), ACLNN_ERR_PARAM_INVALID);  /* softmaxMax not (B, N, Sq, 8) */
+    assert_int_equal(acl->aclnnFlashAttentionScoreGradGetWorkspaceSize(
+                         Q, K, V, O, NULL, NULL, NULL, MK, MX, SM, O /* softmaxIn */, O, NULL, 0.35, 1.0, 2147483647,
+                         2147483647, N, layout, 0, 3, Q, K, V, NULL, &ws, &ex),
+                     ACLNN_ERR_PARAM_INVALID);
+    setenv("QTUNE_ACL_STANDIN_SOC", "Ascend910A", 1);
+    assert_int_equal(FA(MK, N, 3, MX), ACLNN_ERR_PARAM_INVALID); /* not an Atlas A2 card */
+    setenv("QTUNE_ACL_STANDIN_SOC", "Ascend910B1", 1);
+    aclrtStream st = NULL;
+    assert_int_equal(acl->aclrtCreateStream(&st), ACL_SUCCESS);
+    void *w = NULL;
+    float out[2][B * S * N * D];
+    for (int wrong = 0; wrong < 2; wrong++) { /* the triangle, then a mask that is not it */
+        if (wrong) {
+            tri[5] = 1 - tri[5];
+            assert_int_equal(acl->aclrtMemcpy(mask, (size_t)M * M, tri, (size_t)M * M, ACL_MEMCPY_HOST_TO_DEVICE),
+                             ACL_SUCCESS);
+        }
+        assert_int_equal(FA(MK, N, 3, MX), ACLNN_SUCCESS);
+        if (!w) assert_int_equal(acl->aclrtMalloc(&w, ws, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+        assert_int_equal(acl->aclnnFlashAttentionScore(w, ws, ex, st), ACLNN_SUCCESS);
+        assert_int_equal(acl->aclrtSynchronizeStream(st), ACL_SUCCESS);
+        assert_int_equal(acl->aclrtMemcpy(out[wrong], sizeof out[wrong], o, sizeof out[wrong], ACL_MEMCPY_DEVICE_TO_HOST),
+                         ACL_SUCCESS);
+    }
+#undef FA
+    assert_false(isnan(out[0][0]));
+    for (int d = 0; d < D; d++) assert_float_equal(out[0][d], sinf((float)(d + 14)), 1e-6); /* query 0: v's row 0 */
+    assert_true(isnan(out[1][0]));
+    aclTensor *tt[] = {Q, K, V, O, MX, SM, BAD, MK};
+    for (size_t i = 0; i < sizeof tt / sizeof tt[0]; i++) acl->aclDestroyTensor(tt[i]);
+    acl->aclrtDestroyStream(st);
+    void *all[] = {q, k, v, o, mx, sm, mask, w};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) acl->aclrtFree(all[i]);
+    free(tri);
+    qt_backend_close(npu);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_absent_library), cmocka_unit_test(test_table_is_complete),
         cmocka_unit_test(test_device_values),  cmocka_unit_test(test_convert), cmocka_unit_test(test_scale),
         cmocka_unit_test(test_embedding_forward), cmocka_unit_test(test_adam), cmocka_unit_test(test_round),
         cmocka_unit_test(test_refusals),       cmocka_unit_test(test_fp16_cube),
+        cmocka_unit_test(test_standin_attention_rules),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
