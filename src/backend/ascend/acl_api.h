@@ -224,8 +224,8 @@ typedef enum {
        const aclTensor *attenMaskOptional, const aclTensor *softmaxMaxOptional, const aclTensor *softmaxSumOptional, \
        const aclTensor *softmaxInOptional, const aclTensor *attentionInOptional, const aclIntArray *prefixOptional, \
        double scaleValue, double keepProb, int64_t preTokens, int64_t nextTokens, int64_t headNum, char *inputLayout, \
-       int64_t innerPrecise, int64_t sparseMode, const aclTensor *dqOut, const aclTensor *dkOut, const aclTensor *dvOut, \
-       const aclTensor *dpseOut, uint64_t *workspaceSize, aclOpExecutor **executor))                             \
+       int64_t innerPrecise, int64_t sparseMode, const aclTensor *dqOut, const aclTensor *dkOut,                  \
+       const aclTensor *dvOut, const aclTensor *dpseOut, uint64_t *workspaceSize, aclOpExecutor **executor))    \
     X(aclnnStatus, aclnnFlashAttentionScoreGrad,                                                                 \
       (void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, const aclrtStream stream))
 

@@ -683,8 +683,8 @@ static void a_matvec(qt_backend *be, float *out, const float *x, const void *w, 
                      int N, int IN, int OUT, float alpha, int accumulate) {
     ascend *a = asc(be);
     if (!OUT || !N) return;
-    float *ws = wdt == QT_F32 ? NULL
-                              : grow(a, &a->wcast, &a->wcast_bytes, (size_t)IN * OUT * sizeof(float), "matvec's weight");
+    float *ws = NULL;
+    if (wdt != QT_F32) ws = grow(a, &a->wcast, &a->wcast_bytes, (size_t)IN * OUT * sizeof(float), "matvec's weight");
     a_matmul_forward(be, out, x, w, wdt, bias, N, IN, OUT, alpha, accumulate, ws);
 }
 static void a_matvec_many(qt_backend *be, const float *x, int N, int IN, int count, const qt_matvec_out *o) {
@@ -807,10 +807,12 @@ static void a_attention_backward(qt_backend *be, float *dq, float *dk, float *dv
     int64_t mode = 0;
     aclTensor *mask = fa_mask(a, doc_start, B, T, &mode);
     int64_t dqd[4] = {B, T, H, D}, dkd[4] = {B, T, KV, D}, dsd[4] = {B, H, T, 8};
-    aclTensor *Q = tens(a, q, ACL_FLOAT, 4, dqd), *K = tens(a, k, ACL_FLOAT, 4, dkd), *Vt = tens(a, v, ACL_FLOAT, 4, dkd);
+    aclTensor *Q = tens(a, q, ACL_FLOAT, 4, dqd), *K = tens(a, k, ACL_FLOAT, 4, dkd);
+    aclTensor *Vt = tens(a, v, ACL_FLOAT, 4, dkd);
     aclTensor *DY = tens(a, dout, ACL_FLOAT, 4, dqd), *O = tens(a, out, ACL_FLOAT, 4, dqd);
     aclTensor *Mx = tens(a, st, ACL_FLOAT, 4, dsd), *Sm = tens(a, sm, ACL_FLOAT, 4, dsd);
-    aclTensor *GQ = tens(a, gq, ACL_FLOAT, 4, dqd), *GK = tens(a, gk, ACL_FLOAT, 4, dkd), *GV = tens(a, gv, ACL_FLOAT, 4, dkd);
+    aclTensor *GQ = tens(a, gq, ACL_FLOAT, 4, dqd), *GK = tens(a, gk, ACL_FLOAT, 4, dkd);
+    aclTensor *GV = tens(a, gv, ACL_FLOAT, 4, dkd);
     char layout[] = "BSND";
     LAUNCH(aclnnFlashAttentionScoreGrad, Q, K, Vt, DY, NULL, NULL, NULL, mask, Mx, Sm, NULL, O, NULL,
            1.0 / sqrt((double)D), 1.0, 2147483647, 2147483647, H, layout, 0, mode, GQ, GK, GV, NULL);
@@ -1045,7 +1047,8 @@ static void a_dropout(qt_backend *be, float *dst, const float *src, size_t n, co
     float *m = grow(a, (void **)&a->dmask, &a->dmask_bytes, n * sizeof(float), "a dropout mask");
     a_upload_raw(a, m, h, n * sizeof(float));
     qt_free(h);
-    aclTensor *S = vec(a, src, QT_F32, (int64_t)n), *M = vec(a, m, QT_F32, (int64_t)n), *D = vec(a, dst, QT_F32, (int64_t)n);
+    aclTensor *S = vec(a, src, QT_F32, (int64_t)n), *M = vec(a, m, QT_F32, (int64_t)n);
+    aclTensor *D = vec(a, dst, QT_F32, (int64_t)n);
     LAUNCH(aclnnMul, S, M, D);
     aclTensor *D2 = vec(a, dst, QT_F32, (int64_t)n);
     aclScalar *zero = scalar(a, 0.0f), *one = scalar(a, 1.0f);

@@ -802,7 +802,8 @@ static aclnnStatus fa_check(const aclTensor *q, const aclTensor *k, const aclTen
     if (mode < 0 || mode > 3) return ACLNN_ERR_PARAM_INVALID; /* modes 4-8: the stand-in's limit */
     if (mask) {
         if (!mask->data) return ACLNN_ERR_PARAM_NULLPTR;
-        if ((mask->dt != ACL_UINT8 && mask->dt != ACL_BOOL) || mask->fmt != ACL_FORMAT_ND) return ACLNN_ERR_PARAM_INVALID;
+        if ((mask->dt != ACL_UINT8 && mask->dt != ACL_BOOL) || mask->fmt != ACL_FORMAT_ND)
+            return ACLNN_ERR_PARAM_INVALID;
         if (mode >= 2) { /* the compressed triangle */
             if (mask->nd != 2 || mask->dims[0] != 2048 || mask->dims[1] != 2048 || !contiguous(mask))
                 return ACLNN_ERR_PARAM_INVALID;
@@ -897,7 +898,8 @@ static double fa_scores(const aclOpExecutor *e, int64_t b, int64_t n, int64_t i,
             continue;
         }
         double s = 0;
-        for (int64_t d = 0; d < D; d++) s += (double)ld(q, fa_ix(q, e->bnsd, b, i, n, d)) * ld(k, fa_ix(k, e->bnsd, b, j, g, d));
+        for (int64_t d = 0; d < D; d++)
+            s += (double)ld(q, fa_ix(q, e->bnsd, b, i, n, d)) * ld(k, fa_ix(k, e->bnsd, b, j, g, d));
         sc[j] = s * e->a;
         if (sc[j] > mx) mx = sc[j];
     }
@@ -920,7 +922,8 @@ static void run_fa(aclOpExecutor *e) {
                     l += p;
                     for (int64_t d = 0; d < D; d++) acc[d] += p * ld(v, fa_ix(v, e->bnsd, b, j, n / (N / Nk), d));
                 }
-                for (int64_t d = 0; d < D; d++) st(o, fa_ix(o, e->bnsd, b, i, n, d), ok && l > 0 ? (float)(acc[d] / l) : NAN);
+                for (int64_t d = 0; d < D; d++)
+                    st(o, fa_ix(o, e->bnsd, b, i, n, d), ok && l > 0 ? (float)(acc[d] / l) : NAN);
                 for (int c = 0; c < 8; c++) {
                     int64_t r = ((b * N + n) * Sq + i) * 8 + c;
                     st(mx, r, ok ? (float)m : NAN), st(sm, r, ok ? (float)l : NAN);
@@ -1026,7 +1029,8 @@ static void run_index_add(aclOpExecutor *e) {
     if (o->data != self->data)
         for (int64_t i = 0; i < V * C; i++) st(o, i, ld(self, i));
     for (int64_t i = 0; i < n; i++) {
-        int64_t r = idx->dt == ACL_INT32 ? ((const int32_t *)idx->data)[at(idx, i)] : ((const int64_t *)idx->data)[at(idx, i)];
+        int64_t r = idx->dt == ACL_INT32 ? ((const int32_t *)idx->data)[at(idx, i)]
+                                         : ((const int64_t *)idx->data)[at(idx, i)];
         if (r < 0 || r >= V) continue; /* outside [0, V): the document's range, the caller's error */
         for (int64_t c = 0; c < C; c++) st(o, r * C + c, ld(o, r * C + c) + (float)e->a * ld(src, i * C + c));
     }

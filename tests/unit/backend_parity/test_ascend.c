@@ -212,7 +212,8 @@ static void test_round(void **state) {
     for (int k = 0; k < 3; k++) {
         qt_dtype dt = k == 2 ? QT_BF16 : QT_F16;
         float *xc = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof h, "x"), *xn = npu->alloc(npu, QT_MEM_DEVICE, sizeof h, "x");
-        uint16_t *dc = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof ha, "d"), *dn = npu->alloc(npu, QT_MEM_DEVICE, sizeof hb, "d");
+        uint16_t *dc = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof ha, "d");
+        uint16_t *dn = npu->alloc(npu, QT_MEM_DEVICE, sizeof hb, "d");
         cpu->upload(cpu, xc, h, sizeof h), npu->upload(npu, xn, h, sizeof h);
         if (k == 0) {
             cpu->round_store(cpu, xc, dc, n, dt), npu->round_store(npu, xn, dn, n, dt);
@@ -340,7 +341,8 @@ static void test_standin_attention_rules(void **state) {
         for (size_t j = 0; j < M; j++) tri[i * M + j] = j > i;
     assert_int_equal(acl->aclrtMemcpy(mask, (size_t)M * M, tri, (size_t)M * M, ACL_MEMCPY_HOST_TO_DEVICE), ACL_SUCCESS);
     int64_t dq[4] = {B, S, N, D}, dst[4] = {B, N, S, 8}, bad[4] = {B, N, S, 1}, dm[2] = {M, M};
-    int64_t sq[4] = {S * N * D, N * D, D, 1}, sst[4] = {N * S * 8, S * 8, 8, 1}, sb[4] = {N * S, S, 1, 1}, smk[2] = {M, 1};
+    int64_t sq[4] = {S * N * D, N * D, D, 1}, sst[4] = {N * S * 8, S * 8, 8, 1}, sb[4] = {N * S, S, 1, 1};
+    int64_t smk[2] = {M, 1};
     int64_t nqe = (int64_t)nq, nse = (int64_t)ns, nme = (int64_t)M * M;
 #define T4(p, dims, st, n) acl->aclCreateTensor(dims, 4, ACL_FLOAT, st, 0, ACL_FORMAT_ND, &n, 1, p)
     aclTensor *Q = T4(q, dq, sq, nqe), *K = T4(k, dq, sq, nqe), *V = T4(v, dq, sq, nqe), *O = T4(o, dq, sq, nqe);
@@ -377,8 +379,8 @@ static void test_standin_attention_rules(void **state) {
         if (!w) assert_int_equal(acl->aclrtMalloc(&w, ws, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
         assert_int_equal(acl->aclnnFlashAttentionScore(w, ws, ex, st), ACLNN_SUCCESS);
         assert_int_equal(acl->aclrtSynchronizeStream(st), ACL_SUCCESS);
-        assert_int_equal(acl->aclrtMemcpy(out[wrong], sizeof out[wrong], o, sizeof out[wrong], ACL_MEMCPY_DEVICE_TO_HOST),
-                         ACL_SUCCESS);
+        assert_int_equal(
+            acl->aclrtMemcpy(out[wrong], sizeof out[wrong], o, sizeof out[wrong], ACL_MEMCPY_DEVICE_TO_HOST), ACL_SUCCESS);
     }
 #undef FA
     assert_false(isnan(out[0][0]));
