@@ -52,12 +52,12 @@ def setup(tmp_path_factory):
     return d, model, data
 
 
-def train(d, model, data, mode, device):
+def train(d, model, data, mode, device, prec="fp16"):
     lora = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.1, "target_modules": ["q_proj", "v_proj"]} \
         if mode == "lora" else None
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "fp16": {"enabled": True}}
-    out = str(d / ("run-%s-%s" % (mode, device)))
-    job = tu.write_job(str(d / ("%s-%s.json" % (mode, device))), model, out, data, T=32, lora=lora, ds=ds,
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, prec: {"enabled": True}}
+    out = str(d / ("run-%s-%s-%s" % (mode, prec, device)))
+    job = tu.write_job(str(d / ("%s-%s-%s.json" % (mode, prec, device))), model, out, data, T=32, lora=lora, ds=ds,
                        train_opts={"max_steps": 20, "save_steps": 0, "resume": "never"},
                        data_opts={"packing": mode == "full"})
     with open(job) as f:
@@ -68,6 +68,8 @@ def train(d, model, data, mode, device):
     e = tu.env()
     e.pop("QTUNE_BACKEND", None)
     e["QTUNE_ASCEND_LIB"] = STANDIN
+    if device == "cpu" and prec == "bf16":
+        e["QTUNE_BF16_EMULATE"] = "1"  # the CPU reference the same on any host, as tests/gpu/ does
     p = subprocess.run([tu.QTUNE, "train", job], capture_output=True, text=True, env=e, timeout=900)
     assert p.returncode == 0, "%s on %s: %s" % (mode, device, p.stderr)
     return out
@@ -80,10 +82,11 @@ def final_tensors(out):
     return st.read(os.path.join(dd, f))
 
 
-@pytest.mark.parametrize("mode", ["lora", "full"])
-def test_fp16_20_steps_match_cpu(setup, mode):
+@pytest.mark.parametrize("mode,prec", [("lora", "fp16"), ("full", "fp16"), ("lora", "bf16")])
+def test_16bit_20_steps_match_cpu(setup, mode, prec):
+    """fp16 (the recipe's) LoRA and full; bf16 LoRA on the default Ascend910B1, which has it."""
     d, model, data = setup
-    outs = {dev: train(d, model, data, mode, dev) for dev in ("cpu", "npu")}
+    outs = {dev: train(d, model, data, mode, dev, prec) for dev in ("cpu", "npu")}
     lc = [m["loss"] for m in tu.step_lines(outs["cpu"])]
     ln = [m["loss"] for m in tu.step_lines(outs["npu"])]
     assert len(lc) == len(ln) == 20
@@ -91,8 +94,32 @@ def test_fp16_20_steps_match_cpu(setup, mode):
     ref, got = final_tensors(outs["cpu"]), final_tensors(outs["npu"])
     assert sorted(ref) == sorted(got)
     wt, name = max((rel(ref[k], got[k]), k) for k in ref)
-    print("npu %s fp16: worst per-step loss difference %.3g relative; worst final tensor %.3g relative (%s, %.3g "
-          "absolute)" % (mode, worst, wt, name, float(np.max(np.abs(ref[name] - got[name])))))
+    print("npu %s %s: worst per-step loss difference %.3g relative; worst final tensor %.3g relative (%s, %.3g "
+          "absolute)" % (mode, prec, worst, wt, name, float(np.max(np.abs(ref[name] - got[name])))))
     assert worst <= 1e-4
     bad = [k for k in ref if rel(ref[k], got[k]) > 1e-2 and float(np.max(np.abs(ref[k] - got[k]))) > 2 * 20 * LR]
     assert not bad, "%s: tensors beyond both bounds: %s" % (mode, bad)
+
+
+@pytest.mark.parametrize("prec,says", [
+    ("bf16", "this NPU (Ascend910A) has no bfloat16; train in fp16"),
+    ("fp16", "attention runs through aclnnFlashAttentionScore, which CANN documents for Atlas A2 / A3 cards "
+             "(Ascend910B, Ascend910_93) only, and this NPU is Ascend910A")])
+def test_card_without_bf16_or_fused_attention(setup, prec, says):
+    """On a card outside Atlas A2 / A3 (the stand-in's Ascend910A): bf16 is refused at the first cast, and
+    fp16 training stops at the first attention (aclnnFlashAttentionScore is documented for Atlas A2 only),
+    each with one sentence naming the card, exit 1."""
+    d, model, data = setup
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, prec: {"enabled": True}}
+    job = tu.write_job(str(d / ("910a-%s.json" % prec)), model, str(d / ("run-910a-%s" % prec)), data, T=32, ds=ds,
+                       train_opts={"max_steps": 1, "save_steps": 0, "resume": "never"})
+    with open(job) as f:
+        j = json.load(f)
+    j["device"] = "npu"
+    with open(job, "w") as f:
+        json.dump(j, f)
+    e = tu.env()
+    e.pop("QTUNE_BACKEND", None)
+    e.update(QTUNE_ASCEND_LIB=STANDIN, QTUNE_ACL_STANDIN_SOC="Ascend910A")
+    p = subprocess.run([tu.QTUNE, "train", job], capture_output=True, text=True, env=e, timeout=300)
+    assert p.returncode == 1 and says in p.stderr, p.stderr
