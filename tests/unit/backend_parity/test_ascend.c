@@ -1,9 +1,10 @@
 /* The Ascend backend's own rules, through the CPU stand-in of CANN's API
  * (acl_standin.c): what test_backend_parity does not hold (it compares the
  * ops with the CPU's): "npu" without CANN says so, device values, converts
- * bit for bit, the refusals (4-bit weights, bfloat16 and attention on a card
- * without it) and the fp16 cube path of a card without fp32 KEEP_DTYPE.
- * Refusals end the process, so each runs in a child. */
+ * and the 16-bit rounding bit for bit, the refusals (4-bit weights;
+ * bfloat16 and the fused attention on a card without them), the fp16 cube
+ * path of a card without fp32 KEEP_DTYPE, and the stand-in's attention
+ * rules called directly. Refusals end the process, so each runs in a child. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
