@@ -93,8 +93,9 @@ int qt_backend_bf16_arith(const char *name) {
     /* the module is built for sm_90 (CMAKE_CUDA_ARCHITECTURES), whose tensor
      * cores do bf16; cpu and guard both run the CPU's kernels */
     if (!strcmp(name, "cuda")) return 1;
-    /* npu: only an open backend knows its card (Ascend910B has bf16, the
-     * recipe's Atlas 300T A2 has not); without one, the answer that is safe */
-    if (!strcmp(name, "npu")) return 0;
+    /* npu: only an open backend knows its card; it refuses bf16 at its
+     * first cast on a card without it, with a sentence naming the card
+     * (backend_ascend.c: Ascend910B and Ascend910_93 have it) */
+    if (!strcmp(name, "npu")) return 1;
     return op_cpu_has_bf16();
 }

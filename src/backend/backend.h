@@ -295,7 +295,8 @@ size_t qt_backend_host_runtime_bytes(void);
 const char *qt_backend_default_name(void);
 /* 1 when the named backend's device (NULL: the default's) does bf16
  * arithmetic natively (cpu, guard: the CPU has AVX512_BF16; cuda: always,
- * the GPUs the module is built for have it). */
+ * the GPUs the module is built for have it; npu: left to the open backend,
+ * which refuses bf16 by name on a card without it). */
 int qt_backend_bf16_arith(const char *name);
 
 #endif

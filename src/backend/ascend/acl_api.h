@@ -17,6 +17,7 @@
 #ifndef QT_BACKEND_ASCEND_ACL_API_H
 #define QT_BACKEND_ASCEND_ACL_API_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -31,6 +32,7 @@ typedef int32_t aclnnStatus;
 typedef struct aclOpExecutor aclOpExecutor;
 typedef struct aclTensor aclTensor;
 typedef struct aclScalar aclScalar;
+typedef struct aclIntArray aclIntArray;
 
 /* ---- aclError codes: 8.1.RC1 include/acl/acl_base.h ---------------------- */
 #define ACL_SUCCESS 0
@@ -61,6 +63,7 @@ typedef enum {
     ACL_FLOAT16 = 1,
     ACL_INT8 = 2,
     ACL_INT32 = 3,
+    ACL_UINT8 = 4,
     ACL_INT64 = 9,
     ACL_DOUBLE = 11,
     ACL_BOOL = 12,
@@ -139,7 +142,9 @@ typedef enum {
        aclFormat format, const int64_t *storageDims, uint64_t storageDimsNum, void *tensorData))                 \
     X(aclnnStatus, aclDestroyTensor, (const aclTensor *tensor))                                                  \
     X(aclScalar *, aclCreateScalar, (void *value, aclDataType dataType))                                         \
-    X(aclnnStatus, aclDestroyScalar, (const aclScalar *scalar))
+    X(aclnnStatus, aclDestroyScalar, (const aclScalar *scalar))                                                  \
+    X(aclIntArray *, aclCreateIntArray, (const int64_t *value, uint64_t size))                                   \
+    X(aclnnStatus, aclDestroyIntArray, (const aclIntArray *array))
 
 /* libopapi.so, 8.1.RC1 opp/built-in/op_impl/ai_core/tbe/op_api/include/
  * aclnnop/: aclnn_addmm.h, aclnn_add.h, aclnn_cast.h, aclnn_rms_norm.h,
@@ -190,7 +195,62 @@ typedef enum {
        aclOpExecutor **executor))                                                                                \
     X(aclnnStatus, aclnnEmbedding,                                                                               \
       (void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, const aclrtStream stream))              \
-    QT_ACL_ELEMENTWISE_FUNCS(X)
+    QT_ACL_ELEMENTWISE_FUNCS(X)                                                                                  \
+    QT_ACL_ATTENTION_FUNCS(X)                                                                                    \
+    QT_ACL_REDUCE_FUNCS(X)
+
+/* Fused attention, 8.1.RC1 aclnnop/aclnn_flash_attention_score.h and
+ * aclnn_flash_attention_score_grad.h; the semantics (layouts BSH / SBH / BSND
+ * / BNSD, GQA as Nq a multiple of Nkv, softmaxMax / softmaxSum (B, N, Sq, 8)
+ * FLOAT, attenMask 1 = masked, sparseMode 0 defaultMask, 1 allMask, 2
+ * leftUpCausal and 3 rightDownCausal with the compressed (2048, 2048) lower-
+ * triangular mask; "Atlas A2 training series" only) from CANN's operator
+ * documents FlashAttentionScore.md, FlashAttentionScoreGrad.md and
+ * common/sparse_mode参数说明.md (repository cann-ops-adv, as
+ * yueliang13/cann-ops-adv-vllm carries it, commit 015e205). */
+#define QT_ACL_ATTENTION_FUNCS(X)                                                                                \
+    X(aclnnStatus, aclnnFlashAttentionScoreGetWorkspaceSize,                                                     \
+      (const aclTensor *query, const aclTensor *key, const aclTensor *value, const aclTensor *realShiftOptional, \
+       const aclTensor *dropMaskOptional, const aclTensor *paddingMaskOptional, const aclTensor *attenMaskOptional, \
+       const aclIntArray *prefixOptional, double scaleValue, double keepProb, int64_t preTokens, int64_t nextTokens, \
+       int64_t headNum, char *inputLayout, int64_t innerPrecise, int64_t sparseMode, const aclTensor *softmaxMaxOut, \
+       const aclTensor *softmaxSumOut, const aclTensor *softmaxOutOut, const aclTensor *attentionOutOut,          \
+       uint64_t *workspaceSize, aclOpExecutor **executor))                                                       \
+    X(aclnnStatus, aclnnFlashAttentionScore,                                                                     \
+      (void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, const aclrtStream stream))              \
+    X(aclnnStatus, aclnnFlashAttentionScoreGradGetWorkspaceSize,                                                 \
+      (const aclTensor *query, const aclTensor *keyIn, const aclTensor *value, const aclTensor *dy,              \
+       const aclTensor *pseShiftOptional, const aclTensor *dropMaskOptional, const aclTensor *paddingMaskOptional, \
+       const aclTensor *attenMaskOptional, const aclTensor *softmaxMaxOptional, const aclTensor *softmaxSumOptional, \
+       const aclTensor *softmaxInOptional, const aclTensor *attentionInOptional, const aclIntArray *prefixOptional, \
+       double scaleValue, double keepProb, int64_t preTokens, int64_t nextTokens, int64_t headNum, char *inputLayout, \
+       int64_t innerPrecise, int64_t sparseMode, const aclTensor *dqOut, const aclTensor *dkOut,                  \
+       const aclTensor *dvOut, const aclTensor *dpseOut, uint64_t *workspaceSize, aclOpExecutor **executor))    \
+    X(aclnnStatus, aclnnFlashAttentionScoreGrad,                                                                 \
+      (void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, const aclrtStream stream))
+
+/* The cross-entropy's and the embedding backward's pieces: 8.1.RC1
+ * aclnnop/aclnn_log.h, aclnn_exp.h, aclnn_logsumexp.h (self, dim as an
+ * aclIntArray, keepDim, out), aclnn_index_add.h (out = self with source's
+ * rows added at index along dim; index INT32 / INT64, 0-1 dimensions:
+ * hicann/ops-nn index/inplace_scatter_add/docs/aclnnIndexAdd.md, which also
+ * says it is non-deterministic unless determinism is set with
+ * aclrtCtxSetSysParamOpt). */
+#define QT_ACL_REDUCE_FUNCS(X)                                                                                   \
+    X(aclnnStatus, aclnnLogGetWorkspaceSize,                                                                     \
+      (const aclTensor *self, aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor))                \
+    X(aclnnStatus, aclnnLog, (void *workspace, uint64_t workspace_size, aclOpExecutor *executor, aclrtStream stream)) \
+    X(aclnnStatus, aclnnInplaceExpGetWorkspaceSize,                                                              \
+      (aclTensor * selfRef, uint64_t *workspaceSize, aclOpExecutor **executor))                                  \
+    X(aclnnStatus, aclnnInplaceExp, QT_ACL_LAUNCH_PARAMS)                                                        \
+    X(aclnnStatus, aclnnLogSumExpGetWorkspaceSize,                                                               \
+      (const aclTensor *self, const aclIntArray *dim, bool keepDim, aclTensor *out, uint64_t *workspaceSize,     \
+       aclOpExecutor **executor))                                                                                \
+    X(aclnnStatus, aclnnLogSumExp, QT_ACL_LAUNCH_PARAMS)                                                         \
+    X(aclnnStatus, aclnnIndexAddGetWorkspaceSize,                                                                \
+      (const aclTensor *self, const int64_t dim, const aclTensor *index, const aclTensor *source,                \
+       const aclScalar *alpha, aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor))               \
+    X(aclnnStatus, aclnnIndexAdd, QT_ACL_LAUNCH_PARAMS)
 
 /* The elementwise operators AdamW and RoPE are built from (aclnn_mul.h, aclnn_add.h,
  * aclnn_sub.h, aclnn_addcmul.h, aclnn_addcdiv.h, aclnn_sqrt.h, aclnn_div.h). */
@@ -235,23 +295,28 @@ typedef enum {
 /* The prototypes themselves, for the stand-in that defines them. */
 #define QT_ACL_PROTO(ret, name, params) ret name params;
 
-/* Not declared yet (the next session's list):
+/* Not declared (what a card may want next):
  *  - aclnnEmbeddingDenseBackward (8.1.RC1 aclnn_embedding_dense_backward.h):
- *    its paddingIdx is a uint64_t whose "None" value the header does not
- *    give, and it writes a whole (V, C) fp32 out rather than adding;
- *  - aclnnFlashAttentionScore / Grad, aclnnApplyRotaryPosEmb,
- *    aclnnApplyAdamWV2 (qtune's AdamW is the elementwise operators above,
- *    as torch's single-tensor loop), aclnnCrossEntropyLoss / Grad (headers present in
- *    8.1.RC1 aclnnop/, semantics not yet held against qtune's contract);
+ *    it writes a whole (V, C) fp32 table rather than adding, so the backward
+ *    is aclnnIndexAdd in place instead;
+ *  - aclrtCtxSetSysParamOpt: aclnnIndexAdd is non-deterministic by default
+ *    (its document), and the contract wants the same bits every run;
+ *  - aclnnApplyRotaryPosEmb, aclnnApplyAdamWV2 (qtune's AdamW is the
+ *    elementwise operators above, as torch's single-tensor loop),
+ *    aclnnCrossEntropyLoss / Grad (they take the whole (N, V) logits, which
+ *    the lm_head contract never holds), aclnnIncreFlashAttention (decode uses
+ *    FlashAttentionScore with sparse mode 3), aclnnFlashAttentionVarLenScore
+ *    (a packed batch as one sequence a document, instead of its mask);
  *  - an fp16 x fp16 -> fp32-out matmul: aclnnMatmul's out must be a type the
  *    inputs' deduced type converts to, and the deduction table (hicann/ops-nn
  *    docs/en/context/deduction_relationship.md) gives FLOAT16 for two FLOAT16
  *    inputs; whether the cube's fp32 sums reach an fp32 out without a
  *    rounding to fp16 first is not documented, so half_matmul answers
  *    QT_EUNSUPPORTED;
- *  - matvec (decoding): its contract (a row's bits whatever N) needs
- *    aclnnMatmul's "strong consistency", off by default and turned on with
- *    aclrtCtxSetSysParamOpt (aclnnMatmul_en.md, Constraints), not declared;
+ *  - for matvec (decoding, run as the matmul): its contract (a row's bits
+ *    whatever N) needs aclnnMatmul's "strong consistency", off by default
+ *    and turned on with aclrtCtxSetSysParamOpt (aclnnMatmul_en.md,
+ *    Constraints), the same call as above;
  *  - HCCL: declared below, under its own heading. */
 
 /* ==== HCCL: the collectives between cards (src/dist/transport_hccl.c) ======

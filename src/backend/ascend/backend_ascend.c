@@ -4,12 +4,18 @@
  * against the CPU stand-in of that API (tests/unit/backend_parity/
  * acl_standin.c), never run on an Ascend card.
  *
- * What exists: memory, copies, events; embedding forward; matmul forward
- * and backward (fp32 on the cube unit, f16/bf16 weights cast to fp32 in ws
- * first), RMSNorm, RoPE and SwiGLU forward and backward, Adam / AdamW,
- * convert (casts), acc, scale, sum of squares (on the host). Every other op is refused by name the
- * first time it is called (refuse below): the run stops with a sentence,
- * never a silently wrong result. half_matmul / half_gemm answer
+ * What exists: every op of backend.h. Memory, copies, events;
+ * embedding forward (aclnnEmbedding) and backward (aclnnIndexAdd); matmul
+ * forward and backward and decoding's matvec (fp32 on the cube unit, f16/bf16
+ * weights cast to fp32 in ws first); RMSNorm, RoPE and SwiGLU forward and
+ * backward; attention forward, backward and against a KV cache
+ * (aclnnFlashAttentionScore / Grad); the lm_head + cross-entropy family
+ * (matmuls, aclnnLogSumExp and elementwise operators, chunked over the
+ * vocabulary); Adam / AdamW, convert and the 16-bit rounding (casts), acc,
+ * scale, sum of squares (on the host), dropout (its mask made on the host:
+ * CANN has no operator for backend.h's generator). 4-bit (QLoRA) weights are
+ * refused by name the first time an op meets one (refuse below): the run
+ * stops with a sentence, never a silently wrong result. half_matmul / half_gemm answer
  * QT_EUNSUPPORTED (the model then takes the fp32 op), as the contract allows.
  *
  * Dimension letters as backend_impl.h: N rows, IN/OUT a matmul's sides, C
@@ -25,6 +31,7 @@
 #include "backend/backend_impl.h"
 #include "backend/cpu/ops.h"
 #include "core/error.h"
+#include "core/label.h"
 #include "core/mem.h"
 
 typedef struct {
@@ -39,6 +46,7 @@ typedef struct {
     aclrtStream stream;
     char soc[64];
     int bf16;      /* the card does BFLOAT16 (Ascend910B, Ascend910_93) */
+    int a2;        /* the card is Atlas A2 / A3 class (the same two): FlashAttentionScore and IndexAdd exist */
     int8_t cube;   /* cubeMathType for fp32 matmuls: KEEP_DTYPE where the card allows it */
     void *ws;      /* the operators' workspace, grown on demand */
     size_t ws_bytes;
@@ -46,12 +54,25 @@ typedef struct {
     size_t scratch_bytes;
     float *ones; /* N ones: dbias as ones (1, N) @ dout */
     size_t ones_n;
+    uint8_t *mask; /* attention's attenMask: the compressed causal one, or a packed batch's (B, 1, T, T) */
+    size_t mask_bytes;
+    int mask_causal; /* mask holds the (2048, 2048) causal triangle */
+    float *att;      /* attention's softmax statistics and written-not-added gradients */
+    size_t att_bytes;
+    float *ce; /* the cross-entropy's per-chunk log-sum-exps, target logits and row weights */
+    size_t ce_bytes;
+    void *wcast; /* a matvec's 16-bit weight as fp32 */
+    size_t wcast_bytes;
+    float *dmask; /* a dropout mask, keep_scale or 0 an element */
+    size_t dmask_bytes;
     asc_blk *blk;
     int n_blk, cap_blk;
     size_t held, peak;
 } ascend;
 
 static ascend *asc(qt_backend *be) { return (ascend *)be->impl; }
+
+#define ASC_CE_CHUNK 8192 /* the cross-entropy's vocabulary chunk (desc.ce_chunk) */
 
 /* A failed CANN call mid-run: the run cannot go on (as the CUDA backend). */
 static void asc_fail(const char *what, int code, const char *file, int line) {
@@ -71,9 +92,20 @@ static void asc_fail(const char *what, int code, const char *file, int line) {
 /* An op this backend has not written yet: stop at its first use, by name. */
 static void refuse(const char *op) {
     fprintf(stderr,
-            "qtune: error: the Ascend backend has no %s yet (written so far: memory, copies, embedding "
-            "forward, matmul, RMSNorm, RoPE, SwiGLU, AdamW, convert, acc, scale, sum_squares; docs/backends.md lists the rest); run this job on \"cpu\" or \"cuda\"\n",
+            "qtune: error: the Ascend backend has no %s yet (docs/backends.md lists what it has); run this job "
+            "on \"cpu\" or \"cuda\"\n",
             op);
+    fflush(stderr);
+    exit(1);
+}
+
+/* An op whose aclnn operator CANN documents for Atlas A2 / A3 cards only
+ * (Ascend910B, Ascend910_93): stop at its first use on another card. */
+static void refuse_on_card(const ascend *a, const char *op, const char *operator_) {
+    fprintf(stderr,
+            "qtune: error: the Ascend backend's %s runs through %s, which CANN documents for Atlas A2 / A3 cards "
+            "(Ascend910B, Ascend910_93) only, and this NPU is %s; run this job on one of those, or on \"cpu\"\n",
+            op, operator_, a->soc);
     fflush(stderr);
     exit(1);
 }
@@ -157,6 +189,11 @@ static void a_download(qt_backend *be, void *host, const void *dev, size_t bytes
     ascend *a = asc(be);
     if (!bytes) return;
     CK(a->acl->aclrtMemcpyAsync(host, bytes, dev, bytes, ACL_MEMCPY_DEVICE_TO_HOST, a->stream), "aclrtMemcpyAsync");
+    CK(a->acl->aclrtSynchronizeStream(a->stream), "aclrtSynchronizeStream");
+}
+/* host -> device, waited for (the host buffer is the caller's again) */
+static void a_upload_raw(ascend *a, void *dev, const void *host, size_t bytes) {
+    CK(a->acl->aclrtMemcpyAsync(dev, bytes, host, bytes, ACL_MEMCPY_HOST_TO_DEVICE, a->stream), "aclrtMemcpyAsync");
     CK(a->acl->aclrtSynchronizeStream(a->stream), "aclrtSynchronizeStream");
 }
 static void a_copy(qt_backend *be, void *dst, const void *src, size_t bytes) {
@@ -609,6 +646,9 @@ static void a_close(qt_backend *be) {
         if (a->ws) a->acl->aclrtFree(a->ws);
         if (a->scratch) a->acl->aclrtFree(a->scratch);
         if (a->ones) a->acl->aclrtFree(a->ones);
+        void *own[] = {a->mask, a->att, a->ce, a->wcast, a->dmask};
+        for (size_t i = 0; i < sizeof own / sizeof own[0]; i++)
+            if (own[i]) a->acl->aclrtFree(own[i]);
         a->acl->aclrtDestroyStream(a->stream);
         a->acl->aclrtResetDevice(a->device);
         free(a->blk);
@@ -617,87 +657,404 @@ static void a_close(qt_backend *be) {
     free(be);
 }
 
-/* ---- the ops not written yet: each refuses by name ---------------------------- */
-static void n_embedding_backward(qt_backend *be, float *dwte, const float *dout, const int32_t *ids, int N, int C) {
-    (void)be, (void)dwte, (void)dout, (void)ids, (void)N, (void)C;
-    refuse("embedding_backward");
+/* ---- embedding backward, decoding's matvec ---------------------------------------- */
+/* dwte (V, C) += dout rows at ids: aclnnIndexAdd with out = self (the
+ * in-place form; V from the block dwte lies in, as the forward's table) */
+static void a_embedding_backward(qt_backend *be, float *dwte, const float *dout, const int32_t *ids, int N, int C) {
+    ascend *a = asc(be);
+    if (!a->a2) refuse_on_card(a, "embedding_backward", "aclnnIndexAdd");
+    int64_t V = (int64_t)(bytes_after(a, dwte) / ((size_t)C * sizeof(float))), n = N, one = 1;
+    if (V <= 0) asc_fail("embedding_backward (a gradient this backend did not allocate)", ACL_ERROR_INVALID_PARAM,
+                         __FILE__, __LINE__);
+    aclTensor *i = a->acl->aclCreateTensor(&n, 1, ACL_INT32, &one, 0, ACL_FORMAT_ND, &n, 1, (void *)ids);
+    if (!i) asc_fail("aclCreateTensor", ACL_ERROR_INVALID_PARAM, __FILE__, __LINE__);
+    aclTensor *self = mat(a, dwte, QT_F32, V, C), *src = mat(a, dout, QT_F32, N, C), *out = mat(a, dwte, QT_F32, V, C);
+    aclScalar *al = scalar(a, 1.0f);
+    LAUNCH(aclnnIndexAdd, self, 0, i, src, al, out);
+    a->acl->aclDestroyScalar(al), a->acl->aclDestroyTensor(i), a->acl->aclDestroyTensor(self);
+    a->acl->aclDestroyTensor(src), a->acl->aclDestroyTensor(out);
 }
-static void n_matvec(qt_backend *be, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias,
+
+/* out (N, OUT) = alpha x @ W^T + bias (+= with accumulate): the matmul's
+ * forward, a 16-bit W cast to fp32 in the backend's own buffer (the
+ * interface gives matvec no ws). Not yet "a row's bits whatever N": that
+ * needs aclnnMatmul's strong consistency (acl_api.h's list) */
+static void a_matvec(qt_backend *be, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias,
                      int N, int IN, int OUT, float alpha, int accumulate) {
-    (void)be, (void)out, (void)x, (void)w, (void)wdt, (void)bias, (void)N, (void)IN, (void)OUT, (void)alpha;
-    (void)accumulate;
-    refuse("matvec (decoding)");
+    ascend *a = asc(be);
+    if (!OUT || !N) return;
+    float *ws = NULL;
+    if (wdt != QT_F32) ws = grow(a, &a->wcast, &a->wcast_bytes, (size_t)IN * OUT * sizeof(float), "matvec's weight");
+    a_matmul_forward(be, out, x, w, wdt, bias, N, IN, OUT, alpha, accumulate, ws);
 }
-static void n_matvec_many(qt_backend *be, const float *x, int N, int IN, int count, const qt_matvec_out *o) {
-    (void)be, (void)x, (void)N, (void)IN, (void)count, (void)o;
-    refuse("matvec_many (decoding)");
+static void a_matvec_many(qt_backend *be, const float *x, int N, int IN, int count, const qt_matvec_out *o) {
+    for (int k = 0; k < count; k++) a_matvec(be, o[k].out, x, o[k].w, o[k].wdt, o[k].bias, N, IN, o[k].OUT, 1.0f, 0);
 }
-static void n_attention_forward(qt_backend *be, float *out, float *lse, const float *q, const float *k,
+
+/* ---- attention: aclnnFlashAttentionScore / Grad ---------------------------------- */
+/* A contiguous fp32 tensor of nd dimensions at data. */
+static aclTensor *tens(ascend *a, const void *data, aclDataType dt, int nd, const int64_t *dims) {
+    int64_t st[8], n = 1;
+    for (int d = nd - 1; d >= 0; d--) st[d] = n, n *= dims[d];
+    aclTensor *t = a->acl->aclCreateTensor(dims, (uint64_t)nd, dt, st, 0, ACL_FORMAT_ND, &n, 1, (void *)data);
+    if (!t) asc_fail("aclCreateTensor", ACL_ERROR_INVALID_PARAM, __FILE__, __LINE__);
+    return t;
+}
+#define FA_CAUSAL 2048 /* the compressed causal mask's side (sparse modes 2 and 3) */
+
+/* The attenMask for B sequences of T (1 = masked, the documents' rule) and
+ * the sparse mode that reads it. Without doc_start: the compressed (2048,
+ * 2048) lower triangle, built once, with sparse mode 3 (rightDownCausal:
+ * query i of Sq sees keys up to i + Skv - Sq, so causal for training's Sq =
+ * Skv and for a decode step's queries at the cache's end). With doc_start (a
+ * packed batch): query t sees [doc_start[t], t], which no sparse mode gives,
+ * so the whole (B, 1, T, T) mask with sparse mode 1 (allMask), built on the
+ * host from the downloaded doc_start: B T^2 bytes, a cost to measure on a
+ * card (aclnnFlashAttentionVarLenScore, one sequence a document, is the
+ * other route). */
+static aclTensor *fa_mask(ascend *a, const int32_t *doc_start, int B, int T, int64_t *mode) {
+    if (!doc_start) {
+        if (!a->mask_causal) {
+            size_t n = (size_t)FA_CAUSAL * FA_CAUSAL;
+            uint8_t *h = qt_malloc(n, "the causal mask");
+            if (!h) asc_fail("a host causal mask", ACL_ERROR_BAD_ALLOC, __FILE__, __LINE__);
+            for (size_t i = 0; i < FA_CAUSAL; i++)
+                for (size_t j = 0; j < FA_CAUSAL; j++) h[i * FA_CAUSAL + j] = j > i;
+            grow(a, (void **)&a->mask, &a->mask_bytes, n, "the causal mask");
+            a_upload_raw(a, a->mask, h, n);
+            qt_free(h);
+            a->mask_causal = 1;
+        }
+        *mode = 3;
+        int64_t d[2] = {FA_CAUSAL, FA_CAUSAL};
+        return tens(a, a->mask, ACL_UINT8, 2, d);
+    }
+    size_t nt = (size_t)B * T, n = nt * (size_t)T;
+    int32_t *ds = qt_malloc(nt * sizeof(int32_t), "doc_start");
+    uint8_t *h = qt_malloc(n, "the packed batch's mask");
+    if (!ds || !h) asc_fail("a host attention mask", ACL_ERROR_BAD_ALLOC, __FILE__, __LINE__);
+    CK(a->acl->aclrtMemcpyAsync(ds, nt * sizeof(int32_t), doc_start, nt * sizeof(int32_t), ACL_MEMCPY_DEVICE_TO_HOST,
+                                a->stream), "aclrtMemcpyAsync");
+    CK(a->acl->aclrtSynchronizeStream(a->stream), "aclrtSynchronizeStream");
+    for (size_t r = 0; r < nt; r++)
+        for (int j = 0; j < T; j++) h[r * T + j] = !(j >= ds[r] && j <= (int)(r % (size_t)T));
+    a->mask_causal = 0;
+    grow(a, (void **)&a->mask, &a->mask_bytes, n, "an attention mask");
+    a_upload_raw(a, a->mask, h, n);
+    qt_free(h), qt_free(ds);
+    *mode = 1;
+    int64_t d[4] = {B, 1, T, T};
+    return tens(a, a->mask, ACL_UINT8, 4, d);
+}
+
+/* One FlashAttentionScore over q (B, Sq, H, D) and k, v (B, Skv, KV, D)
+ * (layout BSND: qtune's own, so no transposes; GQA by the two head counts),
+ * out (B, Sq, H, D) written; its softmax statistics (B, H, Sq, 8) at st. */
+static void fa_forward(ascend *a, float *out, float *st, const float *q, const float *k, const float *v,
+                       const int32_t *doc_start, int B, int Sq, int Skv, int H, int KV, int D) {
+    if (!a->a2) refuse_on_card(a, "attention", "aclnnFlashAttentionScore");
+    int64_t mode = 0;
+    aclTensor *mask = fa_mask(a, doc_start, B, Sq, &mode);
+    int64_t dq[4] = {B, Sq, H, D}, dk[4] = {B, Skv, KV, D}, ds[4] = {B, H, Sq, 8};
+    aclTensor *Q = tens(a, q, ACL_FLOAT, 4, dq), *O = tens(a, out, ACL_FLOAT, 4, dq);
+    aclTensor *K = tens(a, k, ACL_FLOAT, 4, dk), *Vt = tens(a, v, ACL_FLOAT, 4, dk); /* a cache: its first Skv rows */
+    size_t ns = (size_t)B * H * Sq * 8;
+    aclTensor *Mx = tens(a, st, ACL_FLOAT, 4, ds), *Sm = tens(a, st + ns, ACL_FLOAT, 4, ds);
+    char layout[] = "BSND";
+    LAUNCH(aclnnFlashAttentionScore, Q, K, Vt, NULL, NULL, NULL, mask, NULL, 1.0 / sqrt((double)D), 1.0, 2147483647,
+           2147483647, H, layout, 0, mode, Mx, Sm, NULL, O);
+    aclTensor *tt[] = {mask, Q, O, K, Vt, Mx, Sm};
+    for (size_t i = 0; i < sizeof tt / sizeof tt[0]; i++) a->acl->aclDestroyTensor(tt[i]);
+}
+
+/* lse (B, H, T) = softmaxMax + log(softmaxSum), each the first of its 8 */
+static void a_attention_forward(qt_backend *be, float *out, float *lse, const float *q, const float *k,
                                 const float *v, const int32_t *doc_start, int B, int T, int H, int KV, int D) {
-    (void)be, (void)out, (void)lse, (void)q, (void)k, (void)v, (void)doc_start, (void)B, (void)T, (void)H, (void)KV;
-    (void)D;
-    refuse("attention_forward");
+    ascend *a = asc(be);
+    int64_t n = (int64_t)B * H * T;
+    float *st = grow(a, (void **)&a->att, &a->att_bytes, (size_t)n * 17 * sizeof(float), "attention's statistics");
+    fa_forward(a, out, st, q, k, v, doc_start, B, T, T, H, KV, D);
+    float *lg = st + 16 * n; /* log(sum) */
+    aclTensor *mx0 = view2(a, st, QT_F32, n, 1, 8, 1, 8 * n), *sm0 = view2(a, st + 8 * n, QT_F32, n, 1, 8, 1, 8 * n);
+    aclTensor *L = mat(a, lse, QT_F32, n, 1), *G = mat(a, lg, QT_F32, n, 1);
+    LAUNCH(aclnnInplaceCopy, L, mx0);
+    LAUNCH(aclnnLog, sm0, G);
+    a->acl->aclDestroyTensor(mx0), a->acl->aclDestroyTensor(sm0), a->acl->aclDestroyTensor(L);
+    a->acl->aclDestroyTensor(G);
+    add(a, mat(a, lse, QT_F32, n, 1), mat(a, lg, QT_F32, n, 1));
 }
-static void n_attention_backward(qt_backend *be, float *dq, float *dk, float *dv, const float *dout, const float *out,
+
+/* The backward takes softmaxMax = lse and softmaxSum = 1 (then exp(s - max)
+ * / sum is the probability, as with the forward's own pair), so only lse
+ * is kept between the passes. dq, dk, dv are written into scratch, then
+ * added (the += contract). */
+static void a_attention_backward(qt_backend *be, float *dq, float *dk, float *dv, const float *dout, const float *out,
                                  const float *lse, const float *q, const float *k, const float *v,
                                  const int32_t *doc_start, int B, int T, int H, int KV, int D) {
-    (void)be, (void)dq, (void)dk, (void)dv, (void)dout, (void)out, (void)lse, (void)q, (void)k, (void)v;
-    (void)doc_start, (void)B, (void)T, (void)H, (void)KV, (void)D;
-    refuse("attention_backward");
+    ascend *a = asc(be);
+    if (!a->a2) refuse_on_card(a, "attention_backward", "aclnnFlashAttentionScoreGrad");
+    int64_t n = (int64_t)B * H * T;
+    size_t nq = (size_t)B * T * H * D, nk = (size_t)B * T * KV * D;
+    float *st = grow(a, (void **)&a->att, &a->att_bytes, ((size_t)n * 16 + nq + 2 * nk) * sizeof(float),
+                     "attention's gradients");
+    float *sm = st + 8 * n, *gq = st + 16 * n, *gk = gq + nq, *gv = gk + nk;
+    a_zero(be, st, (size_t)n * 16 * sizeof(float));
+    add(a, mat(a, st, QT_F32, n, 8), mat(a, lse, QT_F32, n, 1)); /* max = lse, broadcast over the 8 */
+    aclTensor *S = mat(a, sm, QT_F32, n, 8);
+    aclScalar *one = scalar(a, 1.0f);
+    LAUNCH(aclnnInplaceAdds, S, one, one); /* sum = 1 */
+    a->acl->aclDestroyScalar(one), a->acl->aclDestroyTensor(S);
+    int64_t mode = 0;
+    aclTensor *mask = fa_mask(a, doc_start, B, T, &mode);
+    int64_t dqd[4] = {B, T, H, D}, dkd[4] = {B, T, KV, D}, dsd[4] = {B, H, T, 8};
+    aclTensor *Q = tens(a, q, ACL_FLOAT, 4, dqd), *K = tens(a, k, ACL_FLOAT, 4, dkd);
+    aclTensor *Vt = tens(a, v, ACL_FLOAT, 4, dkd);
+    aclTensor *DY = tens(a, dout, ACL_FLOAT, 4, dqd), *O = tens(a, out, ACL_FLOAT, 4, dqd);
+    aclTensor *Mx = tens(a, st, ACL_FLOAT, 4, dsd), *Sm = tens(a, sm, ACL_FLOAT, 4, dsd);
+    aclTensor *GQ = tens(a, gq, ACL_FLOAT, 4, dqd), *GK = tens(a, gk, ACL_FLOAT, 4, dkd);
+    aclTensor *GV = tens(a, gv, ACL_FLOAT, 4, dkd);
+    char layout[] = "BSND";
+    LAUNCH(aclnnFlashAttentionScoreGrad, Q, K, Vt, DY, NULL, NULL, NULL, mask, Mx, Sm, NULL, O, NULL,
+           1.0 / sqrt((double)D), 1.0, 2147483647, 2147483647, H, layout, 0, mode, GQ, GK, GV, NULL);
+    aclTensor *tt[] = {mask, Q, K, Vt, DY, O, Mx, Sm, GQ, GK, GV};
+    for (size_t i = 0; i < sizeof tt / sizeof tt[0]; i++) a->acl->aclDestroyTensor(tt[i]);
+    add(a, vec(a, dq, QT_F32, (int64_t)nq), vec(a, gq, QT_F32, (int64_t)nq));
+    add(a, vec(a, dk, QT_F32, (int64_t)nk), vec(a, gk, QT_F32, (int64_t)nk));
+    add(a, vec(a, dv, QT_F32, (int64_t)nk), vec(a, gv, QT_F32, (int64_t)nk));
 }
-static void n_attention_forward_cached(qt_backend *be, float *out, const float *q, const float *kc, const float *vc,
+
+/* n new queries (1, n, H, D) against the cache's first pos0 + n rows of
+ * (S, KV, D): the same operator, B = 1, sparse mode 3 (rightDownCausal:
+ * query i sees keys up to pos0 + i). IncreFlashAttention is CANN's decode
+ * operator, but it takes one query a sequence; one path for prefill and
+ * decode keeps them the same arithmetic. */
+static void a_attention_forward_cached(qt_backend *be, float *out, const float *q, const float *kc, const float *vc,
                                        int n, int pos0, int H, int KV, int D) {
-    (void)be, (void)out, (void)q, (void)kc, (void)vc, (void)n, (void)pos0, (void)H, (void)KV, (void)D;
-    refuse("attention_forward_cached");
+    ascend *a = asc(be);
+    float *st = grow(a, (void **)&a->att, &a->att_bytes, (size_t)H * n * 16 * sizeof(float), "attention's statistics");
+    fa_forward(a, out, st, q, kc, vc, NULL, 1, n, pos0 + n, H, KV, D);
 }
-static void n_lmhead_ce_forward(qt_backend *be, float *loss, float *lse, const float *x, const void *w, qt_dtype wdt,
+
+/* ---- lm_head + cross-entropy ------------------------------------------------------ */
+/* The vocabulary in chunks of ce_chunk rows of W, so the (N, V) logits are
+ * never whole: each chunk's logits (N, cv) = x @ Wc^T (aclnnInplaceAddmm, a
+ * 16-bit Wc cast to fp32 first) go into ws, their row log-sum-exp
+ * (aclnnLogSumExp) into a (chunks, N) table, and lse is the table's
+ * log-sum-exp at the end. The target's logit is one element of the chunk
+ * that holds it, copied device to device (the targets are downloaded once
+ * a call: N small copies, a cost to measure on a card). aclnnCrossEntropyLoss
+ * wants the whole (N, V) input, which the contract rules out. */
+typedef struct {
+    int nch;
+    int32_t *tg; /* host copy of the targets */
+    float *L, *Wf; /* ws: a chunk's logits (N, ce_chunk), its fp32 weight rows (ce_chunk, C) */
+    float *tab, *tl, *lab; /* the chunks' lse (nch, N); target logits (N); 1 for a labelled row, else 0 (N) */
+} ce_walk;
+
+static void ce_begin(ascend *a, ce_walk *w, const int32_t *targets, int N, int C, int V, float *ws) {
+    const int cc = (int)ASC_CE_CHUNK;
+    w->nch = (V + cc - 1) / cc;
+    w->L = ws, w->Wf = ws + (size_t)N * cc;
+    float *b = grow(a, (void **)&a->ce, &a->ce_bytes, (size_t)N * (w->nch + 2) * sizeof(float), "the loss's rows");
+    w->tab = b, w->tl = b + (size_t)N * w->nch, w->lab = w->tl + N;
+    w->tg = qt_malloc((size_t)N * sizeof(int32_t), "targets");
+    float *lab = qt_malloc((size_t)N * sizeof(float), "labels");
+    if (!w->tg || !lab) asc_fail("the targets on the host", ACL_ERROR_BAD_ALLOC, __FILE__, __LINE__);
+    CK(a->acl->aclrtMemcpyAsync(w->tg, (size_t)N * sizeof(int32_t), targets, (size_t)N * sizeof(int32_t),
+                                ACL_MEMCPY_DEVICE_TO_HOST, a->stream), "aclrtMemcpyAsync");
+    CK(a->acl->aclrtSynchronizeStream(a->stream), "aclrtSynchronizeStream");
+    for (int n = 0; n < N; n++) lab[n] = w->tg[n] == QT_IGNORE_INDEX ? 0.0f : 1.0f;
+    a_upload_raw(a, w->lab, lab, (size_t)N * sizeof(float));
+    qt_free(lab);
+    (void)C;
+}
+static void ce_end(ce_walk *w) { qt_free(w->tg); }
+
+/* chunk k's logits into w->L (N, cv); its fp32 weight rows, returned */
+static const float *ce_logits(ascend *a, ce_walk *w, const float *x, const void *W, qt_dtype wdt, int k, int N,
+                              int C, int cv) {
+    const size_t c0 = (size_t)k * ASC_CE_CHUNK;
+    const float *Wc;
+    if (wdt == QT_F32) Wc = (const float *)W + c0 * C;
+    else if (wdt == QT_F16 || wdt == QT_BF16) {
+        cast(a, w->Wf, QT_F32, (const char *)W + c0 * C * 2, wdt, (size_t)cv * C);
+        Wc = w->Wf;
+    } else {
+        refuse("lm_head on a quantized table");
+        return NULL;
+    }
+    CK(a->acl->aclrtMemsetAsync(w->L, (size_t)N * cv * sizeof(float), 0, (size_t)N * cv * sizeof(float), a->stream),
+       "aclrtMemsetAsync");
+    addmm(a, mat(a, w->L, QT_F32, N, cv), mat(a, x, QT_F32, N, C), view2(a, Wc, QT_F32, C, cv, 1, C, (int64_t)cv * C),
+          1.0f);
+    return Wc;
+}
+
+/* loss (N) and lse (N) */
+static void ce_forward(ascend *a, ce_walk *w, float *loss, float *lse, const float *x, const void *W, qt_dtype wdt,
+                       int N, int C, int V) {
+    const int cc = (int)ASC_CE_CHUNK;
+    int64_t one = 1;
+    aclIntArray *dim1 = a->acl->aclCreateIntArray(&one, 1);
+    CK(a->acl->aclrtMemsetAsync(w->tl, (size_t)N * sizeof(float), 0, (size_t)N * sizeof(float), a->stream),
+       "aclrtMemsetAsync");
+    for (int k = 0; k < w->nch; k++) {
+        const int c0 = k * cc, cv = V - c0 < cc ? V - c0 : cc;
+        ce_logits(a, w, x, W, wdt, k, N, C, cv);
+        aclTensor *Lt = mat(a, w->L, QT_F32, N, cv), *T = mat(a, w->tab + (size_t)k * N, QT_F32, N, 1);
+        LAUNCH(aclnnLogSumExp, Lt, dim1, true, T);
+        a->acl->aclDestroyTensor(Lt), a->acl->aclDestroyTensor(T);
+        for (int n = 0; n < N; n++) {
+            int t = w->tg[n];
+            if (t == QT_IGNORE_INDEX || t < c0 || t >= c0 + cv) continue;
+            CK(a->acl->aclrtMemcpyAsync(w->tl + n, sizeof(float), w->L + (size_t)n * cv + (t - c0), sizeof(float),
+                                        ACL_MEMCPY_DEVICE_TO_DEVICE, a->stream), "aclrtMemcpyAsync");
+        }
+    }
+    /* lse = log-sum-exp over the chunks: the table (nch, N) read as (N, nch) */
+    aclTensor *Tt = view2(a, w->tab, QT_F32, N, w->nch, 1, N, (int64_t)N * w->nch), *Lse = vec(a, lse, QT_F32, N);
+    LAUNCH(aclnnLogSumExp, Tt, dim1, false, Lse);
+    a->acl->aclDestroyTensor(Tt), a->acl->aclDestroyTensor(Lse), a->acl->aclDestroyIntArray(dim1);
+    /* loss = (lse - target logit) * labelled */
+    aclTensor *A = vec(a, lse, QT_F32, N), *B = vec(a, w->tl, QT_F32, N), *O = vec(a, loss, QT_F32, N);
+    aclScalar *s1 = scalar(a, 1.0f);
+    LAUNCH(aclnnSub, A, B, s1, O);
+    aclTensor *O2 = vec(a, loss, QT_F32, N), *M = vec(a, w->lab, QT_F32, N), *O3 = vec(a, loss, QT_F32, N);
+    LAUNCH(aclnnMul, O2, M, O3);
+    a->acl->aclDestroyScalar(s1);
+    aclTensor *tt[] = {A, B, O, O2, M, O3};
+    for (size_t i = 0; i < sizeof tt / sizeof tt[0]; i++) a->acl->aclDestroyTensor(tt[i]);
+}
+
+/* dx += dlogits @ W, dw += dlogits^T @ x (dw NULL: frozen), dlogits = dscale
+ * (softmax - onehot) on labelled rows, 0 on the rest, chunk by chunk */
+static void ce_backward(ascend *a, ce_walk *w, float *dx, float *dw, const float *x, const void *W, qt_dtype wdt,
+                        const float *lse, float dscale, int N, int C, int V) {
+    const int cc = (int)ASC_CE_CHUNK;
+    float *rs = w->tl; /* the target logits are not needed here: dscale per labelled row */
+    aclTensor *R = vec(a, rs, QT_F32, N), *Lb = vec(a, w->lab, QT_F32, N);
+    aclScalar *ds = scalar(a, dscale);
+    LAUNCH(aclnnMuls, Lb, ds, R);
+    a->acl->aclDestroyTensor(R), a->acl->aclDestroyTensor(Lb), a->acl->aclDestroyScalar(ds);
+    for (int k = 0; k < w->nch; k++) {
+        const int c0 = k * cc, cv = V - c0 < cc ? V - c0 : cc;
+        const float *Wc = ce_logits(a, w, x, W, wdt, k, N, C, cv);
+        aclTensor *L1 = mat(a, w->L, QT_F32, N, cv), *Ls = mat(a, lse, QT_F32, N, 1);
+        aclScalar *m1 = scalar(a, -1.0f);
+        LAUNCH(aclnnInplaceAdd, L1, Ls, m1); /* logit - lse */
+        LAUNCH(aclnnInplaceExp, L1);         /* softmax */
+        aclTensor *L2 = mat(a, w->L, QT_F32, N, cv), *Rr = mat(a, rs, QT_F32, N, 1), *L3 = mat(a, w->L, QT_F32, N, cv);
+        LAUNCH(aclnnMul, L2, Rr, L3); /* * dscale, or 0 */
+        aclScalar *nd = scalar(a, -dscale), *one = scalar(a, 1.0f);
+        for (int n = 0; n < N; n++) { /* - dscale at the target */
+            int t = w->tg[n];
+            if (t == QT_IGNORE_INDEX || t < c0 || t >= c0 + cv) continue;
+            int64_t at1 = 1;
+            aclTensor *e = a->acl->aclCreateTensor(&at1, 1, ACL_FLOAT, &at1, 0, ACL_FORMAT_ND, &at1, 1,
+                                                   w->L + (size_t)n * cv + (t - c0));
+            if (!e) asc_fail("aclCreateTensor", ACL_ERROR_INVALID_PARAM, __FILE__, __LINE__);
+            LAUNCH(aclnnInplaceAdds, e, nd, one);
+            a->acl->aclDestroyTensor(e);
+        }
+        a->acl->aclDestroyScalar(nd), a->acl->aclDestroyScalar(m1), a->acl->aclDestroyScalar(one);
+        aclTensor *tt[] = {L1, Ls, L2, Rr, L3};
+        for (size_t i = 0; i < sizeof tt / sizeof tt[0]; i++) a->acl->aclDestroyTensor(tt[i]);
+        if (dx) addmm(a, mat(a, dx, QT_F32, N, C), mat(a, w->L, QT_F32, N, cv), mat(a, Wc, QT_F32, cv, C), 1.0f);
+        if (dw)
+            addmm(a, mat(a, dw + (size_t)c0 * C, QT_F32, cv, C), view2(a, w->L, QT_F32, cv, N, 1, cv, (int64_t)N * cv),
+                  mat(a, x, QT_F32, N, C), 1.0f);
+    }
+}
+
+static void a_lmhead_ce_forward(qt_backend *be, float *loss, float *lse, const float *x, const void *w, qt_dtype wdt,
                                 const int32_t *targets, int N, int C, int V, float *ws) {
-    (void)be, (void)loss, (void)lse, (void)x, (void)w, (void)wdt, (void)targets, (void)N, (void)C, (void)V, (void)ws;
-    refuse("lmhead_ce_forward");
+    ascend *a = asc(be);
+    ce_walk cw;
+    ce_begin(a, &cw, targets, N, C, V, ws);
+    ce_forward(a, &cw, loss, lse, x, w, wdt, N, C, V);
+    ce_end(&cw);
 }
-static void n_lmhead_ce_backward(qt_backend *be, float *dx, float *dw, const float *x, const void *w, qt_dtype wdt,
+static void a_lmhead_ce_backward(qt_backend *be, float *dx, float *dw, const float *x, const void *w, qt_dtype wdt,
                                  const int32_t *targets, const float *lse, float dscale, int N, int C, int V,
                                  float *ws) {
-    (void)be, (void)dx, (void)dw, (void)x, (void)w, (void)wdt, (void)targets, (void)lse, (void)dscale, (void)N;
-    (void)C, (void)V, (void)ws;
-    refuse("lmhead_ce_backward");
+    ascend *a = asc(be);
+    ce_walk cw;
+    ce_begin(a, &cw, targets, N, C, V, ws);
+    ce_backward(a, &cw, dx, dw, x, w, wdt, lse, dscale, N, C, V);
+    ce_end(&cw);
 }
-static void n_lmhead_ce_forward_keep(qt_backend *be, float *loss, float *lse, float *kept, const float *x,
+/* The kept pair recomputes the logits in the backward rather than keeping
+ * them (kept is left unused): the gradients are lmhead_ce_backward's, as
+ * the contract asks, at one more logits GEMM's cost. */
+static void a_lmhead_ce_forward_keep(qt_backend *be, float *loss, float *lse, float *kept, const float *x,
                                      const void *w, qt_dtype wdt, const int32_t *targets, int N, int C, int V,
                                      float *ws) {
-    (void)be, (void)loss, (void)lse, (void)kept, (void)x, (void)w, (void)wdt, (void)targets, (void)N, (void)C;
-    (void)V, (void)ws;
-    refuse("lmhead_ce_forward_keep");
+    (void)kept;
+    a_lmhead_ce_forward(be, loss, lse, x, w, wdt, targets, N, C, V, ws);
 }
-static void n_lmhead_ce_backward_kept(qt_backend *be, float *dx, float *dw, float *kept, const float *x,
+static void a_lmhead_ce_backward_kept(qt_backend *be, float *dx, float *dw, float *kept, const float *x,
                                       const void *w, qt_dtype wdt, const int32_t *targets, const float *lse,
                                       float dscale, int N, int C, int V, float *ws) {
-    (void)be, (void)dx, (void)dw, (void)kept, (void)x, (void)w, (void)wdt, (void)targets, (void)lse, (void)dscale;
-    (void)N, (void)C, (void)V, (void)ws;
-    refuse("lmhead_ce_backward_kept");
+    (void)kept;
+    a_lmhead_ce_backward(be, dx, dw, x, w, wdt, targets, lse, dscale, N, C, V, ws);
 }
-static void n_lmhead_ce_forward_dx(qt_backend *be, float *loss, float *lse, float *dx, const float *x, const void *w,
+static void a_lmhead_ce_forward_dx(qt_backend *be, float *loss, float *lse, float *dx, const float *x, const void *w,
                                    qt_dtype wdt, const int32_t *targets, float dscale, int N, int C, int V,
                                    float *ws) {
-    (void)be, (void)loss, (void)lse, (void)dx, (void)x, (void)w, (void)wdt, (void)targets, (void)dscale, (void)N;
-    (void)C, (void)V, (void)ws;
-    refuse("lmhead_ce_forward_dx");
+    ascend *a = asc(be);
+    ce_walk cw;
+    ce_begin(a, &cw, targets, N, C, V, ws);
+    ce_forward(a, &cw, loss, lse, x, w, wdt, N, C, V);
+    ce_backward(a, &cw, dx, NULL, x, w, wdt, lse, dscale, N, C, V);
+    ce_end(&cw);
 }
-/* the f16 rounding of the loss scaler: whether the card's Cast makes
- * |x| >= 65520 inf (the contract) or saturates depends on its saturation
- * mode, not yet checked against CANN's documentation */
-static void n_round_to_dtype(qt_backend *be, float *x, size_t n, qt_dtype dt) {
-    (void)be, (void)x, (void)n, (void)dt;
-    refuse("round_to_dtype");
+
+/* ---- 16-bit rounding: a cast there and back (aclnnCast) ---------------------------- */
+/* f16: round to nearest even, |x| >= 65520 to inf, as the loss scaler needs.
+ * aclnnCast's documentation does not say what an fp32 beyond fp16's range
+ * becomes; the stand-in makes it inf (the IEEE rule). A card whose cast
+ * saturates to 65504 (CANN's "saturation mode") would hide an overflow from
+ * the loss scaler: scripts/npu-check's first check on a card. */
+static void a_round_store(qt_backend *be, float *x, uint16_t *dst, size_t n, qt_dtype dt) {
+    if (!n || dt == QT_F32) return;
+    ascend *a = asc(be);
+    cast(a, dst, dt, x, QT_F32, n);
+    cast(a, x, QT_F32, dst, dt, n);
 }
-static void n_round_store(qt_backend *be, float *x, uint16_t *dst, size_t n, qt_dtype dt) {
-    (void)be, (void)x, (void)dst, (void)n, (void)dt;
-    refuse("round_store");
+static void a_round_to_dtype(qt_backend *be, float *x, size_t n, qt_dtype dt) {
+    if (!n || dt == QT_F32) return;
+    ascend *a = asc(be);
+    uint16_t *h = grow(a, (void **)&a->scratch, &a->scratch_bytes, n * 2, "scratch");
+    a_round_store(be, x, h, n, dt);
 }
-static void n_dropout(qt_backend *be, float *dst, const float *src, size_t n, const qt_dropout_key *key,
+
+/* LoRA dropout: backend.h's counter-based mask (qt_dropout_u24 of the key
+ * and the element's index, the CPU's bits) has no CANN operator, so the
+ * mask is made on the host as keep_scale or 0 an element (the CPU
+ * backend's own op_dropout on ones), uploaded, and applied with aclnnMul;
+ * + 0 (aclnnInplaceAdds) turns a dropped negative's -0 into the CPU's +0.
+ * n floats made and uploaded a call, one call a LoRA module a micro-step: a
+ * cost to measure on a card (an Ascend C kernel of the generator is the way
+ * out). */
+static void a_dropout(qt_backend *be, float *dst, const float *src, size_t n, const qt_dropout_key *key,
                       uint32_t threshold, float keep_scale) {
-    (void)be, (void)dst, (void)src, (void)n, (void)key, (void)threshold, (void)keep_scale;
-    refuse("dropout");
+    if (!n) return;
+    ascend *a = asc(be);
+    float *h = qt_malloc(n * sizeof(float), "a dropout mask");
+    if (!h) asc_fail("a host dropout mask", ACL_ERROR_BAD_ALLOC, __FILE__, __LINE__);
+    for (size_t i = 0; i < n; i++) h[i] = 1.0f;
+    op_dropout(h, h, n, key, threshold, keep_scale);
+    float *m = grow(a, (void **)&a->dmask, &a->dmask_bytes, n * sizeof(float), "a dropout mask");
+    a_upload_raw(a, m, h, n * sizeof(float));
+    qt_free(h);
+    aclTensor *S = vec(a, src, QT_F32, (int64_t)n), *M = vec(a, m, QT_F32, (int64_t)n);
+    aclTensor *D = vec(a, dst, QT_F32, (int64_t)n);
+    LAUNCH(aclnnMul, S, M, D);
+    aclTensor *D2 = vec(a, dst, QT_F32, (int64_t)n);
+    aclScalar *zero = scalar(a, 0.0f), *one = scalar(a, 1.0f);
+    LAUNCH(aclnnInplaceAdds, D2, zero, one);
+    a->acl->aclDestroyScalar(zero), a->acl->aclDestroyScalar(one);
+    a->acl->aclDestroyTensor(S), a->acl->aclDestroyTensor(M), a->acl->aclDestroyTensor(D), a->acl->aclDestroyTensor(D2);
 }
 
 /* ---- the table and the descriptor ---------------------------------------------- */
@@ -710,7 +1067,7 @@ static const qt_backend_desc ascend_desc = {
     .name = "npu",
     .alignment = 512,
     .native_dtypes = QT_BE_DT(QT_F32) | QT_BE_DT(QT_F16),
-    .ce_chunk = 8192,
+    .ce_chunk = ASC_CE_CHUNK,
     .matmul_ws_cap = (size_t)-1 / 8, /* a 16-bit weight is cast whole to fp32 in ws */
     .runtime_bytes = 0,
     .runtime_extra = 0,
@@ -733,34 +1090,34 @@ const qt_backend qt_backend_ascend_i = {
     .event_wait = a_event_wait,
     .event_free = a_event_free,
     .embedding_forward = a_embedding_forward,
-    .embedding_backward = n_embedding_backward,
+    .embedding_backward = a_embedding_backward,
     .rmsnorm_forward = a_rmsnorm_forward,
     .rmsnorm_backward = a_rmsnorm_backward,
     .matmul_forward = a_matmul_forward,
     .matmul_backward = a_matmul_backward,
-    .matvec = n_matvec,
-    .matvec_many = n_matvec_many,
+    .matvec = a_matvec,
+    .matvec_many = a_matvec_many,
     .rope_forward = a_rope_forward,
     .rope_backward = a_rope_backward,
-    .attention_forward = n_attention_forward,
-    .attention_backward = n_attention_backward,
-    .attention_forward_cached = n_attention_forward_cached,
+    .attention_forward = a_attention_forward,
+    .attention_backward = a_attention_backward,
+    .attention_forward_cached = a_attention_forward_cached,
     .swiglu_forward = a_swiglu_forward,
     .swiglu_backward = a_swiglu_backward,
-    .lmhead_ce_forward = n_lmhead_ce_forward,
-    .lmhead_ce_backward = n_lmhead_ce_backward,
-    .lmhead_ce_forward_keep = n_lmhead_ce_forward_keep,
-    .lmhead_ce_backward_kept = n_lmhead_ce_backward_kept,
-    .lmhead_ce_forward_dx = n_lmhead_ce_forward_dx,
+    .lmhead_ce_forward = a_lmhead_ce_forward,
+    .lmhead_ce_backward = a_lmhead_ce_backward,
+    .lmhead_ce_forward_keep = a_lmhead_ce_forward_keep,
+    .lmhead_ce_backward_kept = a_lmhead_ce_backward_kept,
+    .lmhead_ce_forward_dx = a_lmhead_ce_forward_dx,
     .acc = a_acc,
     .hold_threads = a_hold_threads,
-    .round_to_dtype = n_round_to_dtype,
-    .round_store = n_round_store,
+    .round_to_dtype = a_round_to_dtype,
+    .round_store = a_round_store,
     .convert = a_convert,
     .half_available = a_half_available,
     .half_matmul = a_half_matmul,
     .half_gemm = a_half_gemm,
-    .dropout = n_dropout,
+    .dropout = a_dropout,
     .adam = a_adam,
     .sum_squares = a_sum_squares,
     .scale = a_scale,
@@ -812,6 +1169,9 @@ int qt_backend_ascend_open(int index, qt_backend **out) {
      * matmuls run as fp16 (ALLOW_FP32_DOWN_PRECISION) */
     a->bf16 = !strncmp(a->soc, "Ascend910B", 10) || !strncmp(a->soc, "Ascend910_93", 12);
     a->cube = a->bf16 ? QT_ACL_CUBE_KEEP_DTYPE : QT_ACL_CUBE_ALLOW_FP32_DOWN_PRECISION;
+    /* aclnnFlashAttentionScore / Grad: "Atlas A2 training series" only;
+     * aclnnIndexAdd: Atlas A2 / A3 (their documents) */
+    a->a2 = a->bf16;
     *be = qt_backend_ascend_i;
     be->impl = a;
     *out = be;

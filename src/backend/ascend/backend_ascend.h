@@ -20,8 +20,9 @@ const qt_backend_desc *qt_backend_ascend_desc(void);
  * function the backend calls; else the loader's error, raised (device.c
  * asks before the run starts, so a machine without CANN writes nothing). */
 int qt_ascend_library_check(void);
-/* The backend's table (backend_impl.h), every slot filled: the ops not
- * written yet refuse by name at their first call. */
+/* The backend's table (backend_impl.h), every slot filled and written; 4-bit
+ * weights, and the fused attention and embedding backward on a card
+ * outside Atlas A2 / A3, are refused by name at their first call. */
 extern const qt_backend qt_backend_ascend_i;
 
 #endif

@@ -21,7 +21,9 @@
  *    outside Ascend910B / Ascend910_93, BFLOAT16 is refused and FLOAT32
  *    matmuls with cubeMathType KEEP_DTYPE are refused, as aclnnMatmul's and
  *    aclnnRmsNorm's documentation say for Ascend 910 / 310P; with
- *    ALLOW_FP32_DOWN_PRECISION the inputs are rounded to FLOAT16 there.
+ *    ALLOW_FP32_DOWN_PRECISION the inputs are rounded to FLOAT16 there;
+ *    FlashAttentionScore / Grad (documented for the Atlas A2 training
+ *    series) and IndexAdd (A2 / A3) are refused there too.
  * Where the documentation does not say (the exact error code of some
  * refusals, Cast's rounding: round to nearest even here), the choice is the
  * stand-in's own. Built only for the tests. */
@@ -270,6 +272,8 @@ static int dt_size(aclDataType dt) {
     switch (dt) {
     case ACL_FLOAT: case ACL_INT32: return 4;
     case ACL_FLOAT16: case ACL_BF16: return 2;
+    case ACL_UINT8: case ACL_BOOL: return 1;
+    case ACL_INT64: return 8;
     default: return 0;
     }
 }
@@ -304,6 +308,21 @@ VIS aclScalar *aclCreateScalar(void *value, aclDataType dt) {
 }
 VIS aclnnStatus aclDestroyScalar(const aclScalar *s) {
     free((void *)s);
+    return ACLNN_SUCCESS;
+}
+struct aclIntArray {
+    uint64_t n;
+    int64_t v[MAXD];
+};
+VIS aclIntArray *aclCreateIntArray(const int64_t *value, uint64_t size) {
+    if ((size && !value) || size > MAXD) return NULL; /* the stand-in holds up to 8 */
+    aclIntArray *a = calloc(1, sizeof *a);
+    a->n = size;
+    if (size) memcpy(a->v, value, size * sizeof(int64_t));
+    return a;
+}
+VIS aclnnStatus aclDestroyIntArray(const aclIntArray *a) {
+    free((void *)a);
     return ACLNN_SUCCESS;
 }
 
@@ -374,12 +393,15 @@ static void st(const aclTensor *t, int64_t i, float v) {
 /* ---- executors ------------------------------------------------------------ */
 enum {
     OP_ADDMM, OP_ADD, OP_CAST, OP_RMSNORM, OP_RMSNORM_GRAD, OP_COPY, OP_MULS, OP_SWIGLU, OP_SWIGLU_GRAD, OP_EMBEDDING,
-    OP_EW /* the elementwise family below: e->cube holds which */
+    OP_EW, /* the elementwise family below: e->cube holds which */
+    OP_FA, OP_FA_GRAD, OP_LOGSUMEXP, OP_INDEX_ADD
 };
 struct aclOpExecutor {
     int op, cube;
-    aclTensor t[6];
+    aclTensor t[12];
     double a, b, eps;
+    int64_t heads, pre, next; /* the attention's headNum, preTokens, nextTokens */
+    int bnsd, has_mask;       /* its layout (BSND 0, BNSD 1), and whether attenMask was given */
     uint64_t ws;
 };
 #define WS_BYTES 512 /* every operator asks for this much (more where it uses it) */
@@ -619,7 +641,7 @@ static void run_embedding(aclOpExecutor *e) {
 }
 
 /* ---- elementwise operators: t[0] the output (selfRef or out), t[1..] inputs of its shape */
-enum { EW_MULS, EW_SUB, EW_ADDS, EW_ADDCMUL, EW_ADDCDIV, EW_SQRT, EW_DIVS, EW_MUL };
+enum { EW_MULS, EW_SUB, EW_ADDS, EW_ADDCMUL, EW_ADDCDIV, EW_SQRT, EW_DIVS, EW_MUL, EW_LOG, EW_EXP };
 static aclnnStatus ew(int kind, const aclTensor *out, const aclTensor *a, const aclTensor *b, const aclTensor *c,
                       double s1, double s2, uint64_t *ws, aclOpExecutor **ex) {
     if (!ws || !ex) return ACLNN_ERR_PARAM_NULLPTR;
@@ -693,6 +715,14 @@ VIS aclnnStatus aclnnInplaceDivsGetWorkspaceSize(aclTensor *self, const aclScala
     return ew(EW_DIVS, self, self, NULL, NULL, other->v, 0, ws, ex);
 }
 EW_LAUNCH(aclnnInplaceDivs)
+VIS aclnnStatus aclnnLogGetWorkspaceSize(const aclTensor *self, aclTensor *out, uint64_t *ws, aclOpExecutor **ex) {
+    return ew(EW_LOG, out, self, NULL, NULL, 0, 0, ws, ex);
+}
+EW_LAUNCH(aclnnLog)
+VIS aclnnStatus aclnnInplaceExpGetWorkspaceSize(aclTensor *self, uint64_t *ws, aclOpExecutor **ex) {
+    return ew(EW_EXP, self, self, NULL, NULL, 0, 0, ws, ex);
+}
+EW_LAUNCH(aclnnInplaceExp)
 static int64_t bcast(const aclTensor *s, const aclTensor *o, int64_t i);
 /* each as its documentation writes it, in fp32 */
 static void run_ew(aclOpExecutor *e) {
@@ -709,8 +739,300 @@ static void run_ew(aclOpExecutor *e) {
         case EW_SQRT: r = sqrtf(a); break;
         case EW_DIVS: r = a / s1; break;
         case EW_MUL: r = a * ld(&t[2], bcast(&t[0], &t[2], i)); break;
+        case EW_LOG: r = logf(a); break;
+        case EW_EXP: r = expf(a); break;
         }
         st(&t[0], i, r);
+    }
+}
+
+/* ---- fused attention (FlashAttentionScore.md, FlashAttentionScoreGrad.md) --
+ * out = softmax(mask(scale q k^T)) v per batch and query head, the key head
+ * n / (Nq / Nkv) (GQA); softmaxMax / softmaxSum (B, N, Sq, 8) FLOAT, each
+ * value 8 times; attenMask 1 = masked. Sparse modes: 0 (no mask: all keys;
+ * with a mask: the mask and the preTokens / nextTokens band), 1 (allMask:
+ * the mask, [B,N,S,S], [B,1,S,S], [1,1,S,S] or [S,S]), 2 (leftUpCausal) and
+ * 3 (rightDownCausal), which take the compressed (2048, 2048) lower
+ * triangle, checked here. The stand-in's own limits: layouts BSND and BNSD
+ * (BSH and SBH are documented too), no pse, no dropout (keepProb 1), no
+ * prefix; modes 4 to 8 refused. */
+static int64_t fa_ix(const aclTensor *t, int bnsd, int64_t b, int64_t s, int64_t n, int64_t d) {
+    if (bnsd) return ((b * t->dims[1] + n) * t->dims[2] + s) * t->dims[3] + d;
+    return ((b * t->dims[1] + s) * t->dims[2] + n) * t->dims[3] + d;
+}
+/* (B, S, N, D) of a tensor in the layout */
+static void fa_dims(const aclTensor *t, int bnsd, int64_t *B, int64_t *S, int64_t *N, int64_t *D) {
+    *B = t->dims[0], *S = t->dims[bnsd ? 2 : 1], *N = t->dims[bnsd ? 1 : 2], *D = t->dims[3];
+}
+static int mask_byte(const aclTensor *m, int64_t i) { return ((const uint8_t *)m->data)[at(m, i)] != 0; }
+/* 1 when key j is masked for query i of (b, n) */
+static int fa_masked(const aclOpExecutor *e, const aclTensor *m, int64_t b, int64_t n, int64_t i, int64_t j,
+                     int64_t Sq, int64_t Skv) {
+    int mode = e->cube;
+    if (mode == 2) return j > i;
+    if (mode == 3) return j > i + Skv - Sq;
+    if (!e->has_mask) return 0;
+    if (mode == 0 && (j - i > e->next || i - j > e->pre)) return 1;
+    if (m->nd == 2) return mask_byte(m, i * Skv + j);
+    int64_t mb = m->dims[0] == 1 ? 0 : b, mn = m->dims[1] == 1 ? 0 : n;
+    return mask_byte(m, ((mb * m->dims[1] + mn) * Sq + i) * Skv + j);
+}
+static aclnnStatus fa_check(const aclTensor *q, const aclTensor *k, const aclTensor *v, const aclTensor *mask,
+                            const aclTensor *mx, const aclTensor *sm, int64_t heads, const char *layout,
+                            int64_t mode, double keep, aclOpExecutor *e) {
+    aclnnStatus rc;
+    if (!layout || !mx || !sm) return ACLNN_ERR_PARAM_NULLPTR;
+    if (!soc_has_bf16()) return ACLNN_ERR_PARAM_INVALID; /* "Atlas A2 training series" only (its document) */
+    if ((rc = usable(q)) || (rc = usable(k)) || (rc = usable(v)) || (rc = usable(mx)) || (rc = usable(sm))) return rc;
+    int bnsd = !strcmp(layout, "BNSD");
+    if (!bnsd && strcmp(layout, "BSND")) return ACLNN_ERR_PARAM_INVALID; /* the stand-in's limit */
+    if (q->nd != 4 || k->nd != 4 || !same_shape(k, v) || q->dt != k->dt || k->dt != v->dt)
+        return ACLNN_ERR_PARAM_INVALID;
+    int64_t B, Sq, N, D, Bk, Skv, Nk, Dk;
+    fa_dims(q, bnsd, &B, &Sq, &N, &D), fa_dims(k, bnsd, &Bk, &Skv, &Nk, &Dk);
+    if (B != Bk || D != Dk || heads != N || N % Nk || N > 256 || D > 512) return ACLNN_ERR_PARAM_INVALID;
+    if (keep != 1.0) return ACLNN_ERR_PARAM_INVALID; /* dropout: the stand-in's limit */
+    int64_t want[4] = {B, N, Sq, 8};
+    const aclTensor *stat[2] = {mx, sm};
+    for (int i = 0; i < 2; i++) {
+        if (stat[i]->dt != ACL_FLOAT || stat[i]->nd != 4) return ACLNN_ERR_PARAM_INVALID;
+        for (int d = 0; d < 4; d++)
+            if (stat[i]->dims[d] != want[d]) return ACLNN_ERR_PARAM_INVALID;
+    }
+    if (mode < 0 || mode > 3) return ACLNN_ERR_PARAM_INVALID; /* modes 4-8: the stand-in's limit */
+    if (mask) {
+        if (!mask->data) return ACLNN_ERR_PARAM_NULLPTR;
+        if ((mask->dt != ACL_UINT8 && mask->dt != ACL_BOOL) || mask->fmt != ACL_FORMAT_ND)
+            return ACLNN_ERR_PARAM_INVALID;
+        if (mode >= 2) { /* the compressed triangle */
+            if (mask->nd != 2 || mask->dims[0] != 2048 || mask->dims[1] != 2048 || !contiguous(mask))
+                return ACLNN_ERR_PARAM_INVALID;
+        } else if (mask->nd == 2) {
+            if (mask->dims[0] != Sq || mask->dims[1] != Skv) return ACLNN_ERR_PARAM_INVALID;
+        } else if (mask->nd != 4 || (mask->dims[0] != 1 && mask->dims[0] != B) ||
+                   (mask->dims[1] != 1 && mask->dims[1] != N) || mask->dims[2] != Sq || mask->dims[3] != Skv) {
+            return ACLNN_ERR_PARAM_INVALID;
+        }
+    } else if (mode >= 1) {
+        return ACLNN_ERR_PARAM_INVALID; /* modes 1-3 need their mask (the documents: else the result is wrong) */
+    }
+    e->bnsd = bnsd, e->has_mask = mask != NULL, e->cube = (int)mode, e->heads = heads;
+    return ACLNN_SUCCESS;
+}
+/* modes 2 and 3 read the compressed triangle: 0 on and below the diagonal, 1 above; anything else is the
+ * caller's error, shown as NaN outputs */
+static int fa_triangle_ok(const aclOpExecutor *e, const aclTensor *m) {
+    if (e->cube < 2) return 1;
+    const uint8_t *p = (const uint8_t *)m->data + m->offset;
+    for (int64_t i = 0; i < 2048; i++)
+        for (int64_t j = 0; j < 2048; j++)
+            if ((p[i * 2048 + j] != 0) != (j > i)) return 0;
+    return 1;
+}
+
+VIS aclnnStatus aclnnFlashAttentionScoreGetWorkspaceSize(
+    const aclTensor *q, const aclTensor *k, const aclTensor *v, const aclTensor *pse, const aclTensor *drop,
+    const aclTensor *pad, const aclTensor *mask, const aclIntArray *prefix, double scale, double keep, int64_t pre,
+    int64_t next, int64_t heads, char *layout, int64_t inner, int64_t mode, const aclTensor *mx, const aclTensor *sm,
+    const aclTensor *smo, const aclTensor *out, uint64_t *ws, aclOpExecutor **ex) {
+    (void)inner, (void)smo; /* softmaxOutOut: reserved, unused (the document) */
+    if (!ws || !ex || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    if (pse || drop || pad || prefix) return ACLNN_ERR_PARAM_INVALID; /* the stand-in's limit */
+    aclOpExecutor tmp = {0};
+    aclnnStatus rc = fa_check(q, k, v, mask, mx, sm, heads, layout, mode, keep, &tmp);
+    if (rc) return rc;
+    if ((rc = usable(out))) return rc;
+    if (!same_shape(out, q) || out->dt != q->dt) return ACLNN_ERR_PARAM_INVALID;
+    aclOpExecutor *e = exec_new(OP_FA, ws, ex);
+    int op = e->op;
+    uint64_t w = e->ws;
+    *e = tmp, e->op = op, e->ws = w;
+    e->t[0] = *q, e->t[1] = *k, e->t[2] = *v, e->t[4] = *mx, e->t[5] = *sm, e->t[6] = *out;
+    if (mask) e->t[3] = *mask;
+    e->a = scale, e->pre = pre, e->next = next;
+    return ACLNN_SUCCESS;
+}
+VIS aclnnStatus aclnnFlashAttentionScore(void *ws, uint64_t wsz, aclOpExecutor *e, const aclrtStream s) {
+    return launch(ws, wsz, e, s, OP_FA);
+}
+VIS aclnnStatus aclnnFlashAttentionScoreGradGetWorkspaceSize(
+    const aclTensor *q, const aclTensor *k, const aclTensor *v, const aclTensor *dy, const aclTensor *pse,
+    const aclTensor *drop, const aclTensor *pad, const aclTensor *mask, const aclTensor *mx, const aclTensor *sm,
+    const aclTensor *smin, const aclTensor *attn, const aclIntArray *prefix, double scale, double keep, int64_t pre,
+    int64_t next, int64_t heads, char *layout, int64_t inner, int64_t mode, const aclTensor *dq, const aclTensor *dk,
+    const aclTensor *dv, const aclTensor *dpse, uint64_t *ws, aclOpExecutor **ex) {
+    (void)inner, (void)dpse;
+    if (!ws || !ex || !dy || !attn || !dq || !dk || !dv) return ACLNN_ERR_PARAM_NULLPTR;
+    if (smin) return ACLNN_ERR_PARAM_INVALID; /* softmaxInOptional: reserved, "must be passed null" */
+    if (pse || drop || pad || prefix) return ACLNN_ERR_PARAM_INVALID;
+    aclOpExecutor tmp = {0};
+    aclnnStatus rc = fa_check(q, k, v, mask, mx, sm, heads, layout, mode, keep, &tmp);
+    if (rc) return rc;
+    if ((rc = usable(dy)) || (rc = usable(attn)) || (rc = usable(dq)) || (rc = usable(dk)) || (rc = usable(dv)))
+        return rc;
+    if (!same_shape(dy, q) || !same_shape(attn, q) || !same_shape(dq, q) || !same_shape(dk, k) || !same_shape(dv, v))
+        return ACLNN_ERR_PARAM_INVALID;
+    aclOpExecutor *e = exec_new(OP_FA_GRAD, ws, ex);
+    int op = e->op;
+    uint64_t w = e->ws;
+    *e = tmp, e->op = op, e->ws = w;
+    e->t[0] = *q, e->t[1] = *k, e->t[2] = *v, e->t[4] = *mx, e->t[5] = *sm, e->t[6] = *attn, e->t[7] = *dy;
+    e->t[8] = *dq, e->t[9] = *dk, e->t[10] = *dv;
+    if (mask) e->t[3] = *mask;
+    e->a = scale, e->pre = pre, e->next = next;
+    return ACLNN_SUCCESS;
+}
+VIS aclnnStatus aclnnFlashAttentionScoreGrad(void *ws, uint64_t wsz, aclOpExecutor *e, const aclrtStream s) {
+    return launch(ws, wsz, e, s, OP_FA_GRAD);
+}
+/* the scores of query i (b, n) in sc[0..Skv), masked ones -inf; their max */
+static double fa_scores(const aclOpExecutor *e, int64_t b, int64_t n, int64_t i, double *sc) {
+    const aclTensor *q = &e->t[0], *k = &e->t[1], *m = &e->t[3];
+    int64_t B, Sq, N, D, Skv, Nk;
+    fa_dims(q, e->bnsd, &B, &Sq, &N, &D), fa_dims(k, e->bnsd, &B, &Skv, &Nk, &D);
+    int64_t g = n / (N / Nk);
+    double mx = -INFINITY;
+    for (int64_t j = 0; j < Skv; j++) {
+        if (fa_masked(e, m, b, n, i, j, Sq, Skv)) {
+            sc[j] = -INFINITY;
+            continue;
+        }
+        double s = 0;
+        for (int64_t d = 0; d < D; d++)
+            s += (double)ld(q, fa_ix(q, e->bnsd, b, i, n, d)) * ld(k, fa_ix(k, e->bnsd, b, j, g, d));
+        sc[j] = s * e->a;
+        if (sc[j] > mx) mx = sc[j];
+    }
+    return mx;
+}
+static void run_fa(aclOpExecutor *e) {
+    const aclTensor *q = &e->t[0], *k = &e->t[1], *v = &e->t[2], *mx = &e->t[4], *sm = &e->t[5], *o = &e->t[6];
+    int64_t B, Sq, N, D, Skv, Nk;
+    fa_dims(q, e->bnsd, &B, &Sq, &N, &D), fa_dims(k, e->bnsd, &B, &Skv, &Nk, &D);
+    int ok = !e->has_mask || fa_triangle_ok(e, &e->t[3]);
+    double *sc = malloc((size_t)Skv * sizeof(double)), *acc = malloc((size_t)D * sizeof(double));
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t i = 0; i < Sq; i++) {
+                double m = fa_scores(e, b, n, i, sc), l = 0;
+                for (int64_t d = 0; d < D; d++) acc[d] = 0;
+                for (int64_t j = 0; j < Skv; j++) {
+                    if (sc[j] == -INFINITY) continue;
+                    double p = exp(sc[j] - m);
+                    l += p;
+                    for (int64_t d = 0; d < D; d++) acc[d] += p * ld(v, fa_ix(v, e->bnsd, b, j, n / (N / Nk), d));
+                }
+                for (int64_t d = 0; d < D; d++)
+                    st(o, fa_ix(o, e->bnsd, b, i, n, d), ok && l > 0 ? (float)(acc[d] / l) : NAN);
+                for (int c = 0; c < 8; c++) {
+                    int64_t r = ((b * N + n) * Sq + i) * 8 + c;
+                    st(mx, r, ok ? (float)m : NAN), st(sm, r, ok ? (float)l : NAN);
+                }
+            }
+    free(sc), free(acc);
+}
+/* p = exp(s - max) / sum from the given statistics; dS = p (dy.v - dy.attentionIn); dq = scale dS k,
+ * dk = scale dS^T q, dv = p^T dy, written */
+static void run_fa_grad(aclOpExecutor *e) {
+    const aclTensor *q = &e->t[0], *k = &e->t[1], *v = &e->t[2], *mx = &e->t[4], *sm = &e->t[5], *at_ = &e->t[6];
+    const aclTensor *dy = &e->t[7], *dq = &e->t[8], *dk = &e->t[9], *dv = &e->t[10];
+    int64_t B, Sq, N, D, Skv, Nk;
+    fa_dims(q, e->bnsd, &B, &Sq, &N, &D), fa_dims(k, e->bnsd, &B, &Skv, &Nk, &D);
+    int ok = !e->has_mask || fa_triangle_ok(e, &e->t[3]);
+    int64_t nq = numel(q), nk = numel(k);
+    double *gq = calloc((size_t)nq, sizeof(double)), *gk = calloc((size_t)nk, sizeof(double));
+    double *gv = calloc((size_t)nk, sizeof(double)), *sc = malloc((size_t)Skv * sizeof(double));
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t i = 0; i < Sq; i++) {
+                int64_t g = n / (N / Nk), r = ((b * N + n) * Sq + i) * 8;
+                fa_scores(e, b, n, i, sc);
+                double m = ld(mx, r), l = ld(sm, r), di = 0;
+                for (int64_t d = 0; d < D; d++)
+                    di += (double)ld(dy, fa_ix(dy, e->bnsd, b, i, n, d)) * ld(at_, fa_ix(at_, e->bnsd, b, i, n, d));
+                for (int64_t j = 0; j < Skv; j++) {
+                    if (sc[j] == -INFINITY) continue;
+                    double p = exp(sc[j] - m) / l, dp = 0;
+                    for (int64_t d = 0; d < D; d++)
+                        dp += (double)ld(dy, fa_ix(dy, e->bnsd, b, i, n, d)) * ld(v, fa_ix(v, e->bnsd, b, j, g, d));
+                    double ds = p * (dp - di) * e->a;
+                    for (int64_t d = 0; d < D; d++) {
+                        int64_t iq = fa_ix(q, e->bnsd, b, i, n, d), ik = fa_ix(k, e->bnsd, b, j, g, d);
+                        gq[iq] += ds * ld(k, ik);
+                        gk[ik] += ds * ld(q, iq);
+                        gv[ik] += p * ld(dy, iq);
+                    }
+                }
+            }
+    for (int64_t i = 0; i < nq; i++) st(dq, i, ok ? (float)gq[i] : NAN);
+    for (int64_t i = 0; i < nk; i++) st(dk, i, ok ? (float)gk[i] : NAN), st(dv, i, ok ? (float)gv[i] : NAN);
+    free(gq), free(gk), free(gv), free(sc);
+}
+
+/* ---- aclnnLogSumExp: out = log(sum(exp(self))) over dim (one dimension of a 2-D self here: the stand-in's
+ * limit), keepDim keeping it as 1 */
+VIS aclnnStatus aclnnLogSumExpGetWorkspaceSize(const aclTensor *self, const aclIntArray *dim, bool keep,
+                                               aclTensor *out, uint64_t *ws, aclOpExecutor **ex) {
+    if (!ws || !ex || !dim) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus rc;
+    if ((rc = usable(self)) || (rc = usable(out))) return rc;
+    if (self->nd != 2 || dim->n != 1) return ACLNN_ERR_PARAM_INVALID;
+    int64_t d = axis(self, dim->v[0]);
+    if (d < 0) return ACLNN_ERR_PARAM_INVALID;
+    int64_t rest = self->dims[1 - d];
+    if (keep ? (out->nd != 2 || out->dims[d] != 1 || out->dims[1 - d] != rest) : (out->nd != 1 || out->dims[0] != rest))
+        return ACLNN_ERR_PARAM_INVALID;
+    aclOpExecutor *e = exec_new(OP_LOGSUMEXP, ws, ex);
+    e->t[0] = *self, e->t[1] = *out, e->cube = (int)d;
+    return ACLNN_SUCCESS;
+}
+VIS aclnnStatus aclnnLogSumExp(void *ws, uint64_t wsz, aclOpExecutor *e, aclrtStream s) {
+    return launch(ws, wsz, e, s, OP_LOGSUMEXP);
+}
+static void run_logsumexp(aclOpExecutor *e) {
+    const aclTensor *x = &e->t[0], *o = &e->t[1];
+    int d = e->cube;
+    int64_t R = x->dims[1 - d], K = x->dims[d];
+    for (int64_t r = 0; r < R; r++) {
+        double m = -INFINITY, s = 0;
+        for (int64_t k = 0; k < K; k++) m = fmax(m, ld(x, d ? r * K + k : k * R + r));
+        for (int64_t k = 0; k < K; k++) s += exp(ld(x, d ? r * K + k : k * R + r) - m);
+        st(o, r, (float)(m + log(s)));
+    }
+}
+
+/* ---- aclnnIndexAdd: out = self, then out[index[i]] += alpha source[i] along dim (0 here: the stand-in's
+ * limit); out may be self (the in-place form) */
+VIS aclnnStatus aclnnIndexAddGetWorkspaceSize(const aclTensor *self, const int64_t dim, const aclTensor *index,
+                                              const aclTensor *source, const aclScalar *alpha, aclTensor *out,
+                                              uint64_t *ws, aclOpExecutor **ex) {
+    if (!ws || !ex || !alpha || !index || !index->data) return ACLNN_ERR_PARAM_NULLPTR;
+    if (!soc_has_bf16()) return ACLNN_ERR_PARAM_INVALID; /* Atlas A2 / A3 only: "Atlas training series x" */
+    aclnnStatus rc;
+    if ((rc = usable(self)) || (rc = usable(source)) || (rc = usable(out))) return rc;
+    if ((index->dt != ACL_INT32 && index->dt != ACL_INT64) || index->nd > 1 || index->fmt != ACL_FORMAT_ND)
+        return ACLNN_ERR_PARAM_INVALID;
+    if (self->dt != source->dt || self->dt != out->dt || !same_shape(self, out) || self->nd != source->nd)
+        return ACLNN_ERR_PARAM_INVALID;
+    if (axis(self, dim) != 0 || self->nd != 2 || numel(index) != source->dims[0] || source->dims[1] != self->dims[1])
+        return ACLNN_ERR_PARAM_INVALID;
+    aclOpExecutor *e = exec_new(OP_INDEX_ADD, ws, ex);
+    e->t[0] = *self, e->t[1] = *index, e->t[2] = *source, e->t[3] = *out, e->a = alpha->v;
+    return ACLNN_SUCCESS;
+}
+VIS aclnnStatus aclnnIndexAdd(void *ws, uint64_t wsz, aclOpExecutor *e, aclrtStream s) {
+    return launch(ws, wsz, e, s, OP_INDEX_ADD);
+}
+static void run_index_add(aclOpExecutor *e) {
+    const aclTensor *self = &e->t[0], *idx = &e->t[1], *src = &e->t[2], *o = &e->t[3];
+    int64_t V = self->dims[0], C = self->dims[1], n = numel(idx);
+    if (o->data != self->data)
+        for (int64_t i = 0; i < V * C; i++) st(o, i, ld(self, i));
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = idx->dt == ACL_INT32 ? ((const int32_t *)idx->data)[at(idx, i)]
+                                         : ((const int64_t *)idx->data)[at(idx, i)];
+        if (r < 0 || r >= V) continue; /* outside [0, V): the document's range, the caller's error */
+        for (int64_t c = 0; c < C; c++) st(o, r * C + c, ld(o, r * C + c) + (float)e->a * ld(src, i * C + c));
     }
 }
 
@@ -808,6 +1130,10 @@ static void run(aclOpExecutor *e) {
     case OP_SWIGLU_GRAD: run_swiglu(e, 1); break;
     case OP_EMBEDDING: run_embedding(e); break;
     case OP_EW: run_ew(e); break;
+    case OP_FA: run_fa(e); break;
+    case OP_FA_GRAD: run_fa_grad(e); break;
+    case OP_LOGSUMEXP: run_logsumexp(e); break;
+    case OP_INDEX_ADD: run_index_add(e); break;
     }
 }
 

@@ -1,9 +1,10 @@
 /* The Ascend backend's own rules, through the CPU stand-in of CANN's API
  * (acl_standin.c): what test_backend_parity does not hold (it compares the
  * ops with the CPU's): "npu" without CANN says so, device values, converts
- * bit for bit, the refusals (an op not written yet, bfloat16 on a card
- * without it) and the fp16 cube path of a card without fp32 KEEP_DTYPE.
- * Refusals end the process, so each runs in a child. */
+ * and the 16-bit rounding bit for bit, the refusals (4-bit weights;
+ * bfloat16 and the fused attention on a card without them), the fp16 cube
+ * path of a card without fp32 KEEP_DTYPE, and the stand-in's attention
+ * rules called directly. Refusals end the process, so each runs in a child. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -16,6 +17,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "backend/ascend/ascend_internal.h"
 #include "backend/ascend/backend_ascend.h"
 #include "backend/backend.h"
 #include "backend/backend_impl.h"
@@ -106,7 +108,7 @@ static void test_convert(void **state) {
 }
 
 /* rows of the table, f32 / f16 / bf16, the same bits as the CPU's (the
- * backward is not written: test_backend_parity's test_embedding needs both) */
+ * backward is test_backend_parity's test_embedding) */
 static void test_embedding_forward(void **state) {
     (void)state;
     qt_backend *cpu = NULL, *npu = open_npu("Ascend910B1");
@@ -194,6 +196,41 @@ static void test_scale(void **state) {
     qt_backend_close(npu), qt_backend_close(cpu);
 }
 
+/* round_store f16 (values beyond fp16 become inf: the loss scaler's
+ * overflow) and round_to_dtype f16 / bf16: the CPU's bits, through two
+ * aclnnCast calls (the stand-in's cast rounds to nearest even and makes
+ * |x| >= 65520 inf, as the contract asks; a card's saturation mode is
+ * scripts/npu-check's to check) */
+static void test_round(void **state) {
+    (void)state;
+    qt_backend *cpu = NULL, *npu = open_npu("Ascend910B1");
+    assert_int_equal(qt_backend_open("cpu", &cpu), QT_OK);
+    enum { n = 2000 };
+    static float h[n], a[n], b[n];
+    static uint16_t ha[n], hb[n];
+    for (int i = 0; i < n; i++) h[i] = ldexpf(sinf((float)i * 1.37f), i % 48 - 28) * 3.0f;
+    h[0] = 65520.0f, h[1] = -1e6f, h[2] = 65519.0f, h[3] = NAN;
+    for (int k = 0; k < 3; k++) {
+        qt_dtype dt = k == 2 ? QT_BF16 : QT_F16;
+        float *xc = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof h, "x"), *xn = npu->alloc(npu, QT_MEM_DEVICE, sizeof h, "x");
+        uint16_t *dc = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof ha, "d");
+        uint16_t *dn = npu->alloc(npu, QT_MEM_DEVICE, sizeof hb, "d");
+        cpu->upload(cpu, xc, h, sizeof h), npu->upload(npu, xn, h, sizeof h);
+        if (k == 0) {
+            cpu->round_store(cpu, xc, dc, n, dt), npu->round_store(npu, xn, dn, n, dt);
+            cpu->download(cpu, ha, dc, sizeof ha), npu->download(npu, hb, dn, sizeof hb);
+            assert_memory_equal(ha, hb, sizeof ha);
+        } else {
+            cpu->round_to_dtype(cpu, xc, n, dt), npu->round_to_dtype(npu, xn, n, dt);
+        }
+        cpu->download(cpu, a, xc, sizeof a), npu->download(npu, b, xn, sizeof b);
+        assert_memory_equal(a, b, sizeof a);
+        if (dt == QT_F16) assert_true(isinf(b[0]) && isinf(b[1]) && !isinf(b[2]));
+        cpu->free(cpu, xc), cpu->free(cpu, dc), npu->free(npu, xn), npu->free(npu, dn);
+    }
+    qt_backend_close(npu), qt_backend_close(cpu);
+}
+
 /* status of fn(be) run in a child, its stderr in err */
 static int in_child(const char *soc, void (*fn)(qt_backend *), char *err, size_t cap) {
     int p[2];
@@ -216,21 +253,36 @@ static int in_child(const char *soc, void (*fn)(qt_backend *), char *err, size_t
     waitpid(pid, &st, 0);
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
-static void call_dropout(qt_backend *be) {
-    qt_dropout_key key = {1, 2, 3, 4};
-    float *p = be->alloc(be, QT_MEM_DEVICE, 64, "p");
-    be->dropout(be, p, p, 4, &key, 100, 2.0f);
+static void call_q4(qt_backend *be) {
+    float *p = be->alloc(be, QT_MEM_DEVICE, 256, "p");
+    be->zero(be, p, 256);
+    be->matmul_forward(be, p, p, p, QT_Q4, NULL, 1, 4, 4, 1.0f, 0, p);
 }
 static void call_bf16(qt_backend *be) {
     float *x = be->alloc(be, QT_MEM_DEVICE, 64, "x");
     be->zero(be, x, 64);
     be->convert(be, x + 8, QT_BF16, x, QT_F32, 4);
 }
+static void call_round_bf16(qt_backend *be) {
+    float *x = be->alloc(be, QT_MEM_DEVICE, 64, "x");
+    be->zero(be, x, 64);
+    be->round_to_dtype(be, x, 16, QT_BF16);
+}
+static void call_attention(qt_backend *be) {
+    float *x = be->alloc(be, QT_MEM_DEVICE, 4096, "x");
+    be->zero(be, x, 4096);
+    be->attention_forward(be, x + 512, x + 768, x, x + 128, x + 256, NULL, 1, 2, 2, 1, 16);
+}
 static void test_refusals(void **state) {
     (void)state;
     char err[1024];
-    assert_int_equal(in_child("Ascend910B1", call_dropout, err, sizeof err), 1);
-    assert_non_null(strstr(err, "has no dropout yet"));
+    assert_int_equal(in_child("Ascend910A", call_attention, err, sizeof err), 1);
+    assert_non_null(strstr(err, "attention runs through aclnnFlashAttentionScore, which CANN documents for Atlas A2"));
+    assert_non_null(strstr(err, "this NPU is Ascend910A"));
+    assert_int_equal(in_child("Ascend910A", call_round_bf16, err, sizeof err), 1);
+    assert_non_null(strstr(err, "(Ascend910A) has no bfloat16"));
+    assert_int_equal(in_child("Ascend910B1", call_q4, err, sizeof err), 1);
+    assert_non_null(strstr(err, "has no matmul on quantized weights yet"));
     assert_int_equal(in_child("Ascend910A", call_bf16, err, sizeof err), 1);
     assert_non_null(strstr(err, "(Ascend910A) has no bfloat16"));
     assert_int_equal(in_child("Ascend910B1", call_bf16, err, sizeof err), 0); /* the 910B has it */
@@ -259,12 +311,98 @@ static void test_fp16_cube(void **state) {
     qt_backend_close(npu), qt_backend_close(cpu);
 }
 
+/* The stand-in's fused attention keeps the documents' rules, so the backend
+ * is held to them: called directly (not through the backend), a correct call
+ * is taken; a causal mode without its mask, a head count that is not the
+ * query's, statistics not (B, N, Sq, 8), softmaxIn not null, or a card
+ * outside Atlas A2 are refused; a compressed mask that is not the
+ * triangle gives NaN outputs. */
+static void test_standin_attention_rules(void **state) {
+    (void)state;
+    qt_backend *npu = open_npu("Ascend910B1"); /* aclInit and the device */
+    const qt_acl_api *acl = qt_acl_load();
+    assert_non_null(acl);
+    enum { B = 1, S = 4, N = 2, D = 8, M = 2048 };
+    float *q, *k, *v, *o, *mx, *sm;
+    uint8_t *mask;
+    const size_t nq = (size_t)B * S * N * D, ns = (size_t)B * N * S * 8;
+    void **bufs[] = {(void **)&q, (void **)&k, (void **)&v, (void **)&o, (void **)&mx, (void **)&sm};
+    size_t sizes[] = {nq, nq, nq, nq, ns, ns};
+    for (int i = 0; i < 6; i++) {
+        assert_int_equal(acl->aclrtMalloc(bufs[i], sizes[i] * sizeof(float), ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+        float *h = calloc(sizes[i], sizeof(float));
+        for (size_t j = 0; j < sizes[i]; j++) h[j] = sinf((float)(j + 7 * i));
+        assert_int_equal(acl->aclrtMemcpy(*bufs[i], sizes[i] * sizeof(float), h, sizes[i] * sizeof(float),
+                                          ACL_MEMCPY_HOST_TO_DEVICE), ACL_SUCCESS);
+        free(h);
+    }
+    assert_int_equal(acl->aclrtMalloc((void **)&mask, (size_t)M * M, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+    uint8_t *tri = malloc((size_t)M * M);
+    for (size_t i = 0; i < M; i++)
+        for (size_t j = 0; j < M; j++) tri[i * M + j] = j > i;
+    assert_int_equal(acl->aclrtMemcpy(mask, (size_t)M * M, tri, (size_t)M * M, ACL_MEMCPY_HOST_TO_DEVICE), ACL_SUCCESS);
+    int64_t dq[4] = {B, S, N, D}, dst[4] = {B, N, S, 8}, bad[4] = {B, N, S, 1}, dm[2] = {M, M};
+    int64_t sq[4] = {S * N * D, N * D, D, 1}, sst[4] = {N * S * 8, S * 8, 8, 1}, sb[4] = {N * S, S, 1, 1};
+    int64_t smk[2] = {M, 1};
+    int64_t nqe = (int64_t)nq, nse = (int64_t)ns, nme = (int64_t)M * M;
+#define T4(p, dims, st, n) acl->aclCreateTensor(dims, 4, ACL_FLOAT, st, 0, ACL_FORMAT_ND, &n, 1, p)
+    aclTensor *Q = T4(q, dq, sq, nqe), *K = T4(k, dq, sq, nqe), *V = T4(v, dq, sq, nqe), *O = T4(o, dq, sq, nqe);
+    aclTensor *MX = T4(mx, dst, sst, nse), *SM = T4(sm, dst, sst, nse), *BAD = T4(mx, bad, sb, nse);
+    aclTensor *MK = acl->aclCreateTensor(dm, 2, ACL_UINT8, smk, 0, ACL_FORMAT_ND, &nme, 1, mask);
+#undef T4
+    char layout[] = "BSND";
+    uint64_t ws = 0;
+    aclOpExecutor *ex = NULL;
+#define FA(mask_, heads, mode, mxt)                                                                                  \
+    acl->aclnnFlashAttentionScoreGetWorkspaceSize(Q, K, V, NULL, NULL, NULL, mask_, NULL, 0.35, 1.0, 2147483647,   \
+                                                  2147483647, heads, layout, 0, mode, mxt, SM, NULL, O, &ws, &ex)
+    assert_int_equal(FA(NULL, N, 3, MX), ACLNN_ERR_PARAM_INVALID); /* a causal mode without its mask */
+    assert_int_equal(FA(MK, 3, 3, MX), ACLNN_ERR_PARAM_INVALID);   /* headNum not the query's N */
+    assert_int_equal(FA(MK, N, 3, BAD), ACLNN_ERR_PARAM_INVALID);  /* softmaxMax not (B, N, Sq, 8) */
+    assert_int_equal(acl->aclnnFlashAttentionScoreGradGetWorkspaceSize(
+                         Q, K, V, O, NULL, NULL, NULL, MK, MX, SM, O /* softmaxIn */, O, NULL, 0.35, 1.0, 2147483647,
+                         2147483647, N, layout, 0, 3, Q, K, V, NULL, &ws, &ex),
+                     ACLNN_ERR_PARAM_INVALID);
+    setenv("QTUNE_ACL_STANDIN_SOC", "Ascend910A", 1);
+    assert_int_equal(FA(MK, N, 3, MX), ACLNN_ERR_PARAM_INVALID); /* not an Atlas A2 card */
+    setenv("QTUNE_ACL_STANDIN_SOC", "Ascend910B1", 1);
+    aclrtStream st = NULL;
+    assert_int_equal(acl->aclrtCreateStream(&st), ACL_SUCCESS);
+    void *w = NULL;
+    float out[2][B * S * N * D];
+    for (int wrong = 0; wrong < 2; wrong++) { /* the triangle, then a mask that is not it */
+        if (wrong) {
+            tri[5] = 1 - tri[5];
+            assert_int_equal(acl->aclrtMemcpy(mask, (size_t)M * M, tri, (size_t)M * M, ACL_MEMCPY_HOST_TO_DEVICE),
+                             ACL_SUCCESS);
+        }
+        assert_int_equal(FA(MK, N, 3, MX), ACLNN_SUCCESS);
+        if (!w) assert_int_equal(acl->aclrtMalloc(&w, ws, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+        assert_int_equal(acl->aclnnFlashAttentionScore(w, ws, ex, st), ACLNN_SUCCESS);
+        assert_int_equal(acl->aclrtSynchronizeStream(st), ACL_SUCCESS);
+        assert_int_equal(
+            acl->aclrtMemcpy(out[wrong], sizeof out[wrong], o, sizeof out[wrong], ACL_MEMCPY_DEVICE_TO_HOST), ACL_SUCCESS);
+    }
+#undef FA
+    assert_false(isnan(out[0][0]));
+    for (int d = 0; d < D; d++) assert_float_equal(out[0][d], sinf((float)(d + 14)), 1e-6); /* query 0: v's row 0 */
+    assert_true(isnan(out[1][0]));
+    aclTensor *tt[] = {Q, K, V, O, MX, SM, BAD, MK};
+    for (size_t i = 0; i < sizeof tt / sizeof tt[0]; i++) acl->aclDestroyTensor(tt[i]);
+    acl->aclrtDestroyStream(st);
+    void *all[] = {q, k, v, o, mx, sm, mask, w};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) acl->aclrtFree(all[i]);
+    free(tri);
+    qt_backend_close(npu);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_absent_library), cmocka_unit_test(test_table_is_complete),
         cmocka_unit_test(test_device_values),  cmocka_unit_test(test_convert), cmocka_unit_test(test_scale),
-        cmocka_unit_test(test_embedding_forward), cmocka_unit_test(test_adam),
+        cmocka_unit_test(test_embedding_forward), cmocka_unit_test(test_adam), cmocka_unit_test(test_round),
         cmocka_unit_test(test_refusals),       cmocka_unit_test(test_fp16_cube),
+        cmocka_unit_test(test_standin_attention_rules),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
