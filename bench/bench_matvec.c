@@ -6,8 +6,9 @@
  * matrices are filled with random values and touched once before timing.
  * --dtype q4: every matrix (the lm_head too) a 4-bit NF4 block as QLoRA's
  * base holds it (--nested 1: double quantization), its bytes (packed codes,
- * absmax, header) the bytes read.
- *   bench_matvec [--dtype f32|bf16|f16|q4 [--nested 0|1]] [--rows N] [--threads T] [--reps R]
+ * absmax, header) the bytes read; --simd 1 forces the AVX2 path, 0 the
+ * scalar one (qt_q4_set_simd).
+ *   bench_matvec [--dtype f32|bf16|f16|q4 [--nested 0|1] [--simd 0|1|2]] [--rows N] [--threads T] [--reps R]
  *                [--shape C I L Q KV V]     (default qwen2.5-0.5b: 896 4864 24 896 128 151936)
  *                [--file PATH [--advise none|huge|collapse]] [--hold 0|1] [--group 0|1]
  * --file: the weights are written to PATH and read through a read-only file
@@ -120,13 +121,14 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--hold") && i + 1 < argc) hold = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--group") && i + 1 < argc) group = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--nested") && i + 1 < argc) nested = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--simd") && i + 1 < argc) qt_q4_set_simd(atoi(argv[++i]));
         else if (!strcmp(argv[i], "--shape") && i + 6 < argc) {
             C = atoi(argv[++i]), I = atoi(argv[++i]), L = atoi(argv[++i]);
             Q = atoi(argv[++i]), KV = atoi(argv[++i]), V = atoi(argv[++i]);
         } else {
-            fprintf(stderr, "usage: bench_matvec [--dtype f32|bf16|f16|q4 [--nested 0|1]] [--rows N] [--threads T] [--reps R] "
-                            "[--shape C I L Q KV V] [--file PATH [--advise none|huge|collapse]] [--hold 0|1] "
-                            "[--group 0|1]\n");
+            fprintf(stderr, "usage: bench_matvec [--dtype f32|bf16|f16|q4 [--nested 0|1] [--simd 0|1|2]] [--rows N] "
+                            "[--threads T] [--reps R] [--shape C I L Q KV V] [--file PATH [--advise none|huge|collapse]] "
+                            "[--hold 0|1] [--group 0|1]\n");
             return 2;
         }
     }
@@ -221,10 +223,10 @@ int main(int argc, char **argv) {
     qsort(t, (size_t)reps, sizeof *t, cmp_d);
     const double best = t[0], med = t[reps / 2], gb = (double)(wbytes) / 1e9;
     printf("{\"dtype\": \"%s\", \"rows\": %d, \"threads\": %d, \"hold\": %d, \"group\": %d, \"memory\": \"%s\", "
-           "\"gb_per_step\": %.4f, \"ms_best\": %.3f, \"ms_median\": %.3f, \"gbs_best\": %.2f, "
+           "\"q4_simd\": %d, \"gb_per_step\": %.4f, \"ms_best\": %.3f, \"ms_median\": %.3f, \"gbs_best\": %.2f, "
            "\"gbs_median\": %.2f, \"tok_s_median\": %.2f, \"ms_sum_best\": %.3f, \"gbs_sum_best\": %.2f}\n",
-           qt_dtype_name(dt), N, threads, hold, group, file ? advise : "anonymous", gb, best * 1e3, med * 1e3, gb / best,
-           gb / med, N / med, sum_best * 1e3, gb / sum_best);
+           qt_dtype_name(dt), N, threads, hold, group, file ? advise : "anonymous", qt_q4_simd(), gb, best * 1e3,
+           med * 1e3, gb / best, gb / med, N / med, sum_best * 1e3, gb / sum_best);
     if (file) munmap(w, wbytes), unlink(file);
     free(t), qt_free(x), qt_free(out), qt_free(anon);
     return 0;
