@@ -127,8 +127,8 @@ int main(int argc, char **argv) {
             Q = atoi(argv[++i]), KV = atoi(argv[++i]), V = atoi(argv[++i]);
         } else {
             fprintf(stderr, "usage: bench_matvec [--dtype f32|bf16|f16|q4 [--nested 0|1] [--simd 0|1|2]] [--rows N] "
-                            "[--threads T] [--reps R] [--shape C I L Q KV V] [--file PATH [--advise none|huge|collapse]] "
-                            "[--hold 0|1] [--group 0|1]\n");
+                            "[--threads T] [--reps R] [--shape C I L Q KV V] "
+                            "[--file PATH [--advise none|huge|collapse]] [--hold 0|1] [--group 0|1]\n");
             return 2;
         }
     }
