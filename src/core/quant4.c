@@ -173,6 +173,18 @@ float qt_q4_block_absmax(const qt_q4_weight *w, size_t b) {
     return w->code2[q[b]] * qt_q4_absmax2(w)[b / w->blocksize2] + w->offset;
 }
 
+/* qt_q4_block_absmax's arithmetic for a run of blocks (a decode step decodes
+ * every row's: the nested block size a constant, not a division by the
+ * header's field; qt_q4_check holds it at QT_Q4_BLOCK2) */
+const float *qt_q4_absmax_run(const qt_q4_weight *w, size_t b0, size_t n, float *out) {
+    if (!w->nested) return (const float *)qt_q4_absmax(w) + b0;
+    const uint8_t *q = qt_q4_absmax(w);
+    const float *a2 = qt_q4_absmax2(w), *code2 = w->code2;
+    const float offset = w->offset;
+    for (size_t b = b0; b < b0 + n; b++) out[b - b0] = code2[q[b]] * a2[b / QT_Q4_BLOCK2] + offset;
+    return out;
+}
+
 static inline float round_dt(float v, qt_dtype dt) {
     if (dt == QT_BF16) return qt_bf16_to_f32(qt_f32_to_bf16(v));
     if (dt == QT_F16) return qt_f16_to_f32(qt_f32_to_f16(v));
@@ -252,6 +264,8 @@ int qt_q4_set_simd(int level) {
 #endif
     return was;
 }
+
+int qt_q4_simd(void) { return simd_level; }
 
 void qt_q4_view(const qt_q4_weight *w, const void *w_at, const void *view_at, uint64_t row0, uint64_t rows,
                 qt_q4_weight *view) {

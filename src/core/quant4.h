@@ -96,12 +96,17 @@ static inline float *qt_q4_absmax2(const qt_q4_weight *w) { return (float *)((ui
 int qt_q4_quantize_weight(qt_q4_weight *w, const void *x, qt_dtype sdt);
 /* The float32 absmax of block b (nested: code2[q] * absmax2 + offset). */
 float qt_q4_block_absmax(const qt_q4_weight *w, size_t b);
+/* The float32 absmax of blocks [b0, b0 + n): a pointer to the stored ones,
+ * or (nested) out filled with qt_q4_block_absmax's values. */
+const float *qt_q4_absmax_run(const qt_q4_weight *w, size_t b0, size_t n, float *out);
 /* Values [e0, e1) of the flattened weight (a view's own numbering), dequantized and rounded to
  * w->dtype, as f32 into out. AVX-512 or AVX2 where compiled in. */
 void qt_q4_dequantize(const qt_q4_weight *w, size_t e0, size_t e1, float *out);
-/* The dequantization path (tests): 0 scalar, 1 AVX2, 2 AVX-512 (capped at
- * what is compiled in); returns the previous level. */
+/* The SIMD path of qt_q4_dequantize and of the CPU's fused 4-bit matvec
+ * (tests force the others): 0 scalar, 1 AVX2, 2 AVX-512 (capped at what is
+ * compiled in); set returns the previous level. */
 int qt_q4_set_simd(int level);
+int qt_q4_simd(void);
 /* Checks a header against the bytes it claims: QT_OK, or QT_EINVAL naming
  * what is wrong (what: the tensor, for the message). */
 int qt_q4_check(const qt_q4_weight *w, size_t bytes, const char *what);

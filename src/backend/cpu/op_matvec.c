@@ -5,7 +5,8 @@
  * packing); here each weight element is read exactly once, in its stored
  * dtype, and the step runs at the memory bandwidth. bf16 and f16 weights are
  * read as 2 bytes and widened in registers (bf16: a 16-bit shift; f16: F16C's
- * vcvtph2ps), so a 2-byte model moves half the bytes of an f32 one.
+ * vcvtph2ps), so a 2-byte model moves half the bytes of an f32 one; 4-bit
+ * ones (QLoRA's base) as their packed codes, looked up in registers (rows_q4).
  *
  * Threads take chunks of output rows as they go (no reduction between
  * threads; on a shared machine a thread that is descheduled does not hold
@@ -406,11 +407,184 @@ static inline __attribute__((always_inline)) void rows_dt(float *out, const floa
     }
 }
 
-/* A 4-bit weight (QT_Q4): each row dequantized once into this thread's
- * buffer, then dotted with the N inputs in fp32 (the order of the f32
- * kernel's lanes is not kept: 4-bit decoding has no other result to match). */
-static void rows_q4(float *out, const float *x, const void *w, const float *bias, int N, int IN, int OUT, float alpha,
-                    int accumulate, int r0, int r1) {
+/* A 4-bit weight (QT_Q4; core/quant4.h), read as stored: the dot products
+ * are taken from the packed codes with no row buffer. Each byte's two codes
+ * are looked up in the 16-entry code table held in one register (AVX-512:
+ * one vpermps a 16 values, which reads only an index's low 4 bits, so the
+ * low nibble needs no mask; AVX2: the table's two halves, a vpermps on each
+ * and a blend on the index's bit 3). The high nibbles are the even values of
+ * the row and the low ones the odd values, so x comes de-interleaved
+ * (pairs_of_x: each 32 values' 16 even ones, then the 16 odd ones), made once
+ * per product as for bf16.
+ *
+ * Summation order: a (row, input row) pair sums each block of 64 code x x
+ * products into a block accumulator (the codes exactly as the table holds
+ * them), and that vector is scaled by the block's float32 absmax into the
+ * row's accumulator (one FMA a block, not a multiply a value): sum_b absmax_b
+ * * (sum_i code_i x_i), where dequantize-then-dot sums (code_i x absmax_b,
+ * rounded to the weight's dtype) x x_i. It is a different order of the same
+ * products, and it skips the rounding of each dequantized value to the
+ * weight's 16-bit dtype (2^-9 of the value at most for bf16, 2^-12 for f16;
+ * none for f32): dequantize_4bit's values are not kept bit for bit. Each
+ * pair has its own accumulators and a fixed order whatever the tile, N or
+ * the thread count, so a row's result is bit-identical alone or in a batch;
+ * the AVX-512, AVX2 and scalar paths differ in their lanes, so they agree to
+ * rounding only. unit/test_matvec_q4 holds all three against an fp64 sum.
+ *
+ * A tile is a row from each half of the thread's chunk (two streams, as
+ * rows_dt reads them) x up to Q4_NB input rows, the first input group
+ * prefetching the rows Q4_AHEAD bytes ahead. Rows whose blocks do not start
+ * and end on the row (IN not a multiple of 64, another blocksize) take
+ * rows_q4_rowbuf. */
+#define Q4_NB 4
+#define Q4_AHEAD 2048
+
+#if defined(__AVX512F__)
+/* NR (1 or 2) weight rows, p[j] their packed codes and am[j] their blocks'
+ * absmax, x NB (1..Q4_NB) input rows of xd (row stride in) into
+ * dot[j * Q4_NB + n]; NR, NB and PF are constants where it is inlined */
+static inline __attribute__((always_inline)) void q4_tile_512(float *dot, const float *xd, size_t in,
+                                                              const uint8_t *const *p, const float *const *am,
+                                                              const float *code, int NR, int NB, int PF) {
+    const __m512 tab = _mm512_loadu_ps(code);
+    __m512 acc[2][Q4_NB];
+    for (int j = 0; j < NR; j++)
+        for (int n = 0; n < NB; n++) acc[j][n] = _mm512_setzero_ps();
+    for (size_t k = 0; k < in / 64; k++) {
+        if (PF && !(k & 1)) /* a 64-byte line of codes is two blocks */
+            for (int j = 0; j < NR; j++) _mm_prefetch((const char *)p[j] + 32 * k + Q4_AHEAD, _MM_HINT_T0);
+        __m512 bacc[2][Q4_NB];
+        for (int h = 0; h < 2; h++) { /* the block's two halves of 32 values (16 bytes) */
+            __m512 we[2], wo[2];
+            for (int j = 0; j < NR; j++) {
+                __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p[j] + 32 * k + 16 * h)));
+                we[j] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tab); /* high nibbles: values 2i */
+                wo[j] = _mm512_permutexvar_ps(v, tab);                       /* low nibbles: values 2i + 1 */
+            }
+            for (int n = 0; n < NB; n++) {
+                const float *xk = xd + (size_t)n * in + 64 * k + 32 * h;
+                __m512 xe = _mm512_loadu_ps(xk), xo = _mm512_loadu_ps(xk + 16);
+                IN_REGISTER(xe);
+                IN_REGISTER(xo);
+                for (int j = 0; j < NR; j++) {
+                    bacc[j][n] = h ? _mm512_fmadd_ps(we[j], xe, bacc[j][n]) : _mm512_mul_ps(we[j], xe);
+                    bacc[j][n] = _mm512_fmadd_ps(wo[j], xo, bacc[j][n]);
+                }
+            }
+        }
+        for (int j = 0; j < NR; j++) {
+            const __m512 s = _mm512_set1_ps(am[j][k]);
+            for (int n = 0; n < NB; n++) acc[j][n] = _mm512_fmadd_ps(bacc[j][n], s, acc[j][n]);
+        }
+    }
+    for (int j = 0; j < NR; j++)
+        for (int n = 0; n < NB; n++) dot[j * Q4_NB + n] = _mm512_reduce_add_ps(acc[j][n]);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define Q4_NB_256 2 /* 16 registers: 2 rows x 2 inputs of block and row accumulators, the table's halves */
+static inline __m256 q4_look_256(__m256 t0, __m256 t1, __m256i i) {
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, i), _mm256_permutevar8x32_ps(t1, i),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(i, 28)));
+}
+static inline float q4_hsum_256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+/* q4_tile_512's tile in 8 lanes, NB up to Q4_NB_256 (the same xd layout: 8
+ * bytes give 8 even and 8 odd values of a half's 32) */
+static inline __attribute__((always_inline)) void q4_tile_256(float *dot, const float *xd, size_t in,
+                                                              const uint8_t *const *p, const float *const *am,
+                                                              const float *code, int NR, int NB, int PF) {
+    const __m256 t0 = _mm256_loadu_ps(code), t1 = _mm256_loadu_ps(code + 8);
+    __m256 acc[2][Q4_NB_256];
+    for (int j = 0; j < NR; j++)
+        for (int n = 0; n < NB; n++) acc[j][n] = _mm256_setzero_ps();
+    for (size_t k = 0; k < in / 64; k++) {
+        if (PF && !(k & 1))
+            for (int j = 0; j < NR; j++) _mm_prefetch((const char *)p[j] + 32 * k + Q4_AHEAD, _MM_HINT_T0);
+        __m256 bacc[2][Q4_NB_256];
+        for (int g = 0; g < 4; g++) { /* 8 bytes: 16 values */
+            /* x: the half's evens from 8 (g & 1) on, its odds 16 further */
+            const size_t off = 64 * k + 32 * (g >> 1) + 8 * (g & 1);
+            __m256 we[2], wo[2];
+            for (int j = 0; j < NR; j++) {
+                __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p[j] + 32 * k + 8 * g)));
+                we[j] = q4_look_256(t0, t1, _mm256_srli_epi32(v, 4));
+                wo[j] = q4_look_256(t0, t1, v);
+            }
+            for (int n = 0; n < NB; n++) {
+                const float *xk = xd + (size_t)n * in + off;
+                __m256 xe = _mm256_loadu_ps(xk), xo = _mm256_loadu_ps(xk + 16);
+                IN_REGISTER(xe);
+                IN_REGISTER(xo);
+                for (int j = 0; j < NR; j++) {
+                    bacc[j][n] = g ? _mm256_fmadd_ps(we[j], xe, bacc[j][n]) : _mm256_mul_ps(we[j], xe);
+                    bacc[j][n] = _mm256_fmadd_ps(wo[j], xo, bacc[j][n]);
+                }
+            }
+        }
+        for (int j = 0; j < NR; j++) {
+            const __m256 s = _mm256_set1_ps(am[j][k]);
+            for (int n = 0; n < NB; n++) acc[j][n] = _mm256_fmadd_ps(bacc[j][n], s, acc[j][n]);
+        }
+    }
+    for (int j = 0; j < NR; j++)
+        for (int n = 0; n < NB; n++) dot[j * Q4_NB + n] = q4_hsum_256(acc[j][n]);
+}
+#endif
+
+/* the portable path: one row, one input row (x as given), the same block sums */
+static float q4_dot_scalar(const float *x, size_t in, const uint8_t *p, const float *am, const float *code) {
+    float acc = 0.0f;
+    for (size_t k = 0; k < in / 64; k++) {
+        float b = 0.0f;
+        for (size_t i = 0; i < 64; i++) {
+            const uint8_t byte = p[32 * k + i / 2];
+            b = fmaf(code[(i & 1) ? byte & 15 : byte >> 4], x[64 * k + i], b);
+        }
+        acc = fmaf(b, am[k], acc);
+    }
+    return acc;
+}
+
+/* one tile of NR rows and nb input rows through the path of level (qt_q4_simd) */
+static inline __attribute__((always_inline)) void q4_tile(float *dot, const float *x, const float *xd, size_t in,
+                                                          const uint8_t *const *p, const float *const *am,
+                                                          const float *code, int NR, int nb, int PF, int level) {
+#if defined(__AVX512F__)
+    if (level == 2) {
+        switch (nb) {
+        case 1: q4_tile_512(dot, xd, in, p, am, code, NR, 1, PF); return;
+        case 2: q4_tile_512(dot, xd, in, p, am, code, NR, 2, PF); return;
+        case 3: q4_tile_512(dot, xd, in, p, am, code, NR, 3, PF); return;
+        default: q4_tile_512(dot, xd, in, p, am, code, NR, 4, PF); return;
+        }
+    }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    if (level >= 1) {
+        for (int n0 = 0; n0 < nb; n0 += Q4_NB_256) {
+            const float *xn = xd + (size_t)n0 * in;
+            if (nb - n0 == 1) q4_tile_256(dot + n0, xn, in, p, am, code, NR, 1, PF && !n0);
+            else q4_tile_256(dot + n0, xn, in, p, am, code, NR, 2, PF && !n0);
+        }
+        return;
+    }
+#endif
+    (void)xd, (void)PF, (void)level;
+    for (int j = 0; j < NR; j++)
+        for (int n = 0; n < nb; n++) dot[j * Q4_NB + n] = q4_dot_scalar(x + (size_t)n * in, in, p[j], am[j], code);
+}
+
+/* The row-buffer path for the rows the fused one does not take: each row
+ * dequantized once into this thread's buffer (qt_q4_dequantize's values),
+ * then dotted with the N inputs in fp32. */
+static void rows_q4_rowbuf(float *out, const float *x, const qt_q4_weight *q, const float *bias, int N, int IN,
+                           int OUT, float alpha, int accumulate, int r0, int r1) {
     static __thread float *buf;
     static __thread size_t cap;
     if (cap < (size_t)IN) {
@@ -420,13 +594,56 @@ static void rows_q4(float *out, const float *x, const void *w, const float *bias
         if (!buf) abort(); /* a row of floats; the op has no way to report, and continuing would be wrong */
     }
     for (int r = r0; r < r1; r++) {
-        qt_q4_dequantize(w, (size_t)r * IN, (size_t)(r + 1) * IN, buf);
+        qt_q4_dequantize(q, (size_t)r * IN, (size_t)(r + 1) * IN, buf);
         for (int n = 0; n < N; n++) {
             const float *xn = x + (size_t)n * IN;
             float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
             for (int i = 0; i < IN; i++) acc += xn[i] * buf[i];
             put(out + (size_t)n * OUT + r, acc, alpha, bias, r, accumulate);
+        }
+    }
+}
+
+/* rows [r0, r1) of a 4-bit W against the N input rows (xd: x de-interleaved, NULL where it could not be made) */
+static void rows_q4(float *out, const float *x, const float *xd, const void *w, const float *bias, int N, int IN,
+                    int OUT, float alpha, int accumulate, int r0, int r1) {
+    const qt_q4_weight *q = w;
+    const size_t in = (size_t)IN, nb = in / 64;
+    const int level = qt_q4_simd();
+    if (q->blocksize != 64 || in % 64 || q->e0 % 64 || (level && !xd)) {
+        rows_q4_rowbuf(out, x, q, bias, N, IN, OUT, alpha, accumulate, r0, r1);
+        return;
+    }
+    static __thread float *abuf; /* nested: two rows' absmax decoded */
+    static __thread size_t acap;
+    if (q->nested && acap < 2 * nb) {
+        free(abuf);
+        abuf = malloc(2 * nb * sizeof(float));
+        acap = abuf ? 2 * nb : 0;
+        if (!abuf) abort(); /* as rows_q4_rowbuf's buffer */
+    }
+    const uint8_t *packed = qt_q4_packed(q);
+    const int half = (r1 - r0) / 2;
+    float dot[2 * Q4_NB];
+    for (int k = 0; k < r1 - r0 - half; k++) {
+        const int rows[2] = {r0 + half + k, r0 + k}, nr = k < half ? 2 : 1;
+        const uint8_t *p[2] = {NULL, NULL};
+        const float *am[2] = {NULL, NULL};
+        for (int j = 0; j < nr; j++) {
+            const size_t e = q->e0 + (size_t)rows[j] * in;
+            p[j] = packed + e / 2;
+            am[j] = qt_q4_absmax_run(q, e / 64, nb, q->nested ? abuf + (size_t)j * nb : NULL);
+        }
+        for (int n0 = 0; n0 < N; n0 += Q4_NB) {
+            const int nbk = N - n0 < Q4_NB ? N - n0 : Q4_NB;
+            const float *xn = x + (size_t)n0 * in, *xdn = xd ? xd + (size_t)n0 * in : NULL;
+            if (nr == 2 && !n0) q4_tile(dot, xn, xdn, in, p, am, q->code, 2, nbk, 1, level);
+            else if (nr == 2) q4_tile(dot, xn, xdn, in, p, am, q->code, 2, nbk, 0, level);
+            else q4_tile(dot, xn, xdn, in, p, am, q->code, 1, nbk, !n0, level);
+            for (int j = 0; j < nr; j++)
+                for (int n = 0; n < nbk; n++)
+                    put(out + (size_t)(n0 + n) * OUT + rows[j], dot[j * Q4_NB + n], alpha, bias, rows[j], accumulate);
         }
     }
 }
@@ -439,23 +656,24 @@ static void matvec_rows(float *out, const float *x, const float *xd, const void 
     case QT_F32: rows_dt(out, x, NULL, 0, w, QT_F32, bias, N, IN, OUT, alpha, accumulate, r0, r1, 0); break;
     case QT_F16: rows_dt(out, x, NULL, 0, w, QT_F16, bias, N, IN, OUT, alpha, accumulate, r0, r1, hint); break;
     case QT_BF16:
-        if (xd) rows_dt(out, x, xd, 1, w, QT_BF16, bias, N, IN, OUT, alpha, accumulate, r0, r1, hint);
+        if (xd && BF16_PAIRS) rows_dt(out, x, xd, 1, w, QT_BF16, bias, N, IN, OUT, alpha, accumulate, r0, r1, hint);
         else rows_dt(out, x, NULL, 0, w, QT_BF16, bias, N, IN, OUT, alpha, accumulate, r0, r1, hint);
         break;
-    case QT_Q4: rows_q4(out, x, w, bias, N, IN, OUT, alpha, accumulate, r0, r1); break;
+    case QT_Q4: rows_q4(out, x, xd, w, bias, N, IN, OUT, alpha, accumulate, r0, r1); break;
     case QT_U8: break; /* file bytes, never a weight */
     }
 }
 
-/* x (N, IN) with each whole block of 2 * LANES de-interleaved (evens, then
- * odds), in this thread's buffer, kept between calls (a decode step makes
- * ~170 calls); NULL where there is no such block or no memory for it (the
- * kernel then de-interleaves in registers; same values, same results). */
+/* x (N, IN) with each whole block of 32 de-interleaved (evens, then odds:
+ * the layout of the AVX-512 bf16 pairs and of the 4-bit rows), in this
+ * thread's buffer, kept between calls (a decode step makes ~170 calls); NULL
+ * where there is no such block or no memory for it (the bf16 kernel then
+ * de-interleaves in registers, same values, same results; 4-bit rows take
+ * the row buffer). */
 static const float *pairs_of_x(const float *x, int N, int IN) {
-#if BF16_PAIRS
     static __thread float *buf;
     static __thread size_t cap;
-    const size_t pair_end = (size_t)IN / (2 * LANES) * (2 * LANES), need = (size_t)N * (size_t)IN;
+    const size_t pair_end = (size_t)IN / 32 * 32, need = (size_t)N * (size_t)IN;
     if (!pair_end) return NULL;
     if (need > cap) {
         size_t bytes = (need * sizeof(float) + 63) / 64 * 64;
@@ -465,17 +683,19 @@ static const float *pairs_of_x(const float *x, int N, int IN) {
         buf = nb, cap = bytes / sizeof(float);
     }
     for (int n = 0; n < N; n++)
-        for (size_t i = 0; i < pair_end; i += 2 * LANES) {
+        for (size_t i = 0; i < pair_end; i += 32) {
+            float *b = buf + (size_t)n * IN + i;
+            const float *xi = x + (size_t)n * IN + i;
+#if BF16_PAIRS
             vf e, o;
-            x_pair(x + (size_t)n * IN + i, &e, &o);
-            _mm512_storeu_ps(buf + (size_t)n * IN + i, e);
-            _mm512_storeu_ps(buf + (size_t)n * IN + i + LANES, o);
+            x_pair(xi, &e, &o);
+            _mm512_storeu_ps(b, e);
+            _mm512_storeu_ps(b + 16, o);
+#else
+            for (int k = 0; k < 16; k++) b[k] = xi[2 * k], b[16 + k] = xi[2 * k + 1];
+#endif
         }
     return buf;
-#else
-    (void)x, (void)N, (void)IN;
-    return NULL;
-#endif
 }
 
 /* A job's products (one input, one IN) as one matrix of OUT rows, the sum of
@@ -531,16 +751,16 @@ static void mv_chunks(void *arg, int tid, int nth) {
 
 static void mv_run(op_team *team, const float *x, int N, int IN, int count, const qt_matvec_out *o, float alpha,
                    int accumulate) {
-    int OUT = 0, bf16 = 0;
+    int OUT = 0, pairs = 0;
     size_t bytes = 0;
     for (int k = 0; k < count; k++) {
         OUT += o[k].OUT;
-        bytes += (size_t)IN * (size_t)o[k].OUT * qt_dtype_size(o[k].wdt);
-        bf16 |= o[k].wdt == QT_BF16;
+        bytes += (size_t)IN * (size_t)o[k].OUT * qt_dtype_size(o[k].wdt); /* 4-bit: counted a byte a value */
+        pairs |= (BF16_PAIRS && o[k].wdt == QT_BF16) || o[k].wdt == QT_Q4;
     }
     if (N < 1 || OUT < 1) return;
     const int nth = op_team_size(team);
-    mv_job j = {.o = o, .count = count, .x = x, .xd = bf16 ? pairs_of_x(x, N, IN) : NULL, .N = N, .IN = IN,
+    mv_job j = {.o = o, .count = count, .x = x, .xd = pairs ? pairs_of_x(x, N, IN) : NULL, .N = N, .IN = IN,
                 .OUT = OUT, .accumulate = accumulate, .alpha = alpha};
     if (bytes < MATVEC_MIN_PARALLEL_BYTES || nth == 1 || (!team && omp_in_parallel())) {
         mv_rows(&j, 0, OUT, 0);
