@@ -174,3 +174,21 @@ void qt_run_setup_plan_opts(const qt_run_setup *s, qt_plan_opts *o) {
     o->allgather_bucket = s->cfg.zero.allgather_bucket_elems;
     o->overlap = s->cfg.zero.overlap;
 }
+
+/* trainer.h's two readers of a whole job, each the setup's steps in order: the train config once max_steps is
+ * known, and what `qtune plan JOB.json` plans for */
+int qt_train_cfg_from_job(const qt_job *job, int world, long max_steps, qt_train_cfg *cfg) {
+    qt_run_setup s;
+    QT_TRY(qt_run_setup_open(&s, job, world, 0));
+    QT_TRY(qt_run_setup_finalize(&s, max_steps));
+    *cfg = s.cfg;
+    return QT_OK;
+}
+
+int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o) {
+    qt_run_setup s;
+    QT_TRY(qt_run_setup_open(&s, job, ranks, 0));
+    QT_TRY(qt_run_setup_lora(&s, 0));
+    qt_run_setup_plan_opts(&s, o);
+    return QT_OK;
+}
