@@ -117,19 +117,21 @@ void qt_run_zero_from_model(const qt_model_opts *o, int hidden, size_t window_el
 }
 
 /* The job's "lora" and "quantization" with the selection resolved (after qt_run_setup_lora): the one filler
- * of the model's and the plan's adapter group. */
+ * of the model's and the plan's adapter group. Without a "lora" section the LoRA fields keep what a holds
+ * (the model's or the plan's defaults: the plan's "LoRA instead" alternative sizes those). */
 static void setup_adapter(const qt_run_setup *s, qt_adapter_opts *a) {
     const qt_job *job = s->job;
-    memset(a, 0, sizeof *a);
     a->lora = job->lora.enabled;
-    a->lora_r = job->lora.r;
-    a->lora_alpha = job->lora.lora_alpha;
-    a->lora_dropout = job->lora.lora_dropout;
-    a->lora_targets = s->lora_targets;
-    a->use_rslora = job->lora.use_rslora;
-    a->lora_save = s->lora_sel.lora_save;
-    a->lora_layers_set = s->lora_sel.lora_layers_set;
-    memcpy(a->lora_layers, s->lora_sel.lora_layers, sizeof a->lora_layers);
+    if (a->lora) {
+        a->lora_r = job->lora.r;
+        a->lora_alpha = job->lora.lora_alpha;
+        a->lora_dropout = job->lora.lora_dropout;
+        a->lora_targets = s->lora_targets;
+        a->use_rslora = job->lora.use_rslora;
+        a->lora_save = s->lora_sel.lora_save;
+        a->lora_layers_set = s->lora_sel.lora_layers_set;
+        memcpy(a->lora_layers, s->lora_sel.lora_layers, sizeof a->lora_layers);
+    }
     a->quant4 = job->quant.load_in_4bit;
     a->quant4_type = job->quant.type;
     a->quant4_nested = job->quant.double_quant;

@@ -124,6 +124,18 @@ static void test_full_fine_tuning_plans_no_adapter(void **state) {
     assert_int_equal(plan.quant4, 0);
     assert_int_equal(plan.lora_save, 0);
     assert_int_equal(plan.lora_layers_set, 0);
+    /* the plan's own LoRA defaults stay for its "LoRA instead" alternative (r 8 on q, v, dropout 0.1), not the
+     * empty "lora" of a job without one */
+    qt_run_setup s;
+    assert_int_equal(qt_run_setup_open(&s, &job, 1, 0), QT_OK);
+    assert_int_equal(qt_run_setup_lora(&s, 1), QT_OK);
+    qt_plan_opts po;
+    qt_plan_opts_default(&po);
+    qt_run_setup_plan_opts(&s, &po);
+    assert_int_equal(po.lora, 0);
+    assert_int_equal(po.lora_r, 8);
+    assert_int_equal(po.lora_targets, QT_LORA_Q | QT_LORA_V);
+    assert_true(po.lora_dropout == 0.1f);
     qt_job_free(&job);
 }
 
