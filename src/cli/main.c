@@ -54,8 +54,8 @@ static void omp_wait_default(char **argv) {
     if (setenv("GOMP_SPINCOUNT", QT_GOMP_SPINCOUNT, 0) != 0) return;
     /* With OMP_PROC_BIND set, libgomp has already pinned this thread to its
      * first place, and exec keeps that mask: the second process would see
-     * one CPU and put every thread on it (measured: 0.5B LoRA at 2 threads,
-     * 88 -> 47 tok/s). Give it back the CPUs of all the places, which is the
+     * one CPU and put every thread on it (about half the speed at 2
+     * threads). Give it back the CPUs of all the places, which is the
      * mask libgomp started from (or the user's own OMP_PLACES). */
     cpu_set_t all;
     CPU_ZERO(&all);

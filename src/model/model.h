@@ -51,14 +51,46 @@ enum { QT_SAVE_EMBED = 1 << 0, QT_SAVE_LM_HEAD = 1 << 1 };
 #define QT_LORA_MAX_LAYERS 1024
 #define QT_LORA_LAYER_WORDS (QT_LORA_MAX_LAYERS / 64)
 
+/* What a job's "lora" and "quantization" sections ask of the model: the
+ * adapter, which linears and layers it adapts, what is trained beside it,
+ * and the base's 4-bit storage. qt_model_opts and the plan's qt_plan_opts
+ * (train/plan_report.h) both hold these fields as one group: each is read by
+ * its own name (o->lora_r), and the group copies whole as o->adapter (the
+ * run's setup fills it once for both, train/run_setup.c). A new LoRA or
+ * quantization key is one line here. */
+#define QT_ADAPTER_FIELDS                                                                                              \
+    int lora;              /* 0: full fine-tuning; 1: LoRA */                                                         \
+    int lora_r;                                                                                                        \
+    float lora_alpha;                                                                                                  \
+    float lora_dropout;                                                                                                \
+    unsigned lora_targets; /* QT_LORA_* mask */                                                                       \
+    int use_rslora;        /* scaling alpha/sqrt(r) instead of alpha/r */                                             \
+    unsigned lora_save;    /* QT_SAVE_* mask: modules_to_save (LoRA only) */                                          \
+    int lora_layers_set;   /* layers_to_transform given: LoRA only in the layers of lora_layers */                    \
+    uint64_t lora_layers[QT_LORA_LAYER_WORDS]; /* bit l: layer l is adapted (when lora_layers_set) */                 \
+    int quant4;            /* QLoRA: the decoder layers' linear weights quantized to 4 bits as they load              \
+                              (bitsandbytes' format, core/quant4.h), one tensor at a time; the embedding,             \
+                              lm_head and norms stay 16-bit, as transformers keeps them. LoRA or inference only */    \
+    int quant4_type;       /* qt_q4_type: QT_Q4_NF4 or QT_Q4_FP4 */                                                   \
+    int quant4_nested;     /* bnb_4bit_use_double_quant: the absmax values quantized too */                          \
+    unsigned quant4_skip;  /* QT_LORA_* mask of linears left 16-bit (llm_int8_skip_modules) */
+
+typedef struct {
+    QT_ADAPTER_FIELDS
+} qt_adapter_opts;
+
+/* The group inside a struct: the fields by name, and `adapter`, the same bytes as one qt_adapter_opts. */
+#define QT_ADAPTER_GROUP                                                                                               \
+    union {                                                                                                            \
+        struct {                                                                                                       \
+            QT_ADAPTER_FIELDS                                                                                          \
+        };                                                                                                             \
+        qt_adapter_opts adapter;                                                                                       \
+    }
+
 typedef struct {
     qt_dtype compute;     /* f32, f16 (stored half, computed f32) or bf16 */
-    int lora;             /* 0: full fine-tuning; 1: LoRA */
-    int lora_r;
-    float lora_alpha;
-    float lora_dropout;
-    unsigned lora_targets; /* QT_LORA_* mask */
-    int use_rslora;        /* scaling alpha/sqrt(r) instead of alpha/r */
+    QT_ADAPTER_GROUP;     /* LoRA and quantization (above) */
     int grad_checkpointing; /* keep only each layer's input; recompute in backward */
     int max_B, max_T;      /* largest micro-batch: activations are sized for it once */
     uint64_t seed;         /* LoRA A init, dropout masks */
@@ -78,20 +110,11 @@ typedef struct {
                               elements one bucket of layer gradients holds; 0 = 5e8 */
     int grad_overlap;      /* with grad_windows: overlap_comm, two windows alternate (a bucket
                               is reduced while the next fills); else one */
-    unsigned lora_save;    /* QT_SAVE_* mask: modules_to_save (LoRA only) */
-    int lora_layers_set;   /* layers_to_transform given: LoRA only in the layers of lora_layers */
-    uint64_t lora_layers[QT_LORA_LAYER_WORDS]; /* bit l: layer l is adapted (when lora_layers_set) */
     int master_shards;     /* full fine-tuning in f16/bf16 under ZeRO 1/2 over this many ranks (> 1):
                               the fp32 master holds only shard master_rank of the flat block
                               (core/shard.h), as DeepSpeed partitions it; see qt_model_sharded */
     int master_rank;
     int master_on_host;    /* with master_shards: the shard in pinned host memory (offload_optimizer cpu) */
-    int quant4;            /* QLoRA: the decoder layers' linear weights quantized to 4 bits as they load
-                              (bitsandbytes' format, core/quant4.h), one tensor at a time; the embedding,
-                              lm_head and norms stay 16-bit, as transformers keeps them. LoRA or inference only */
-    int quant4_type;       /* qt_q4_type: QT_Q4_NF4 or QT_Q4_FP4 */
-    int quant4_nested;     /* bnb_4bit_use_double_quant: the absmax values quantized too */
-    unsigned quant4_skip;  /* QT_LORA_* mask of linears left 16-bit (llm_int8_skip_modules) */
     FILE *progress;        /* quantizing at load: progress lines there (core/progress.h); NULL: silent */
     int param_shards;      /* ZeRO-3 over this many ranks (> 1, = master_shards): the weights the graph
                               reads are partitioned too; each rank keeps shard master_rank of them (full:

@@ -232,10 +232,10 @@ static int quant_rows(qt_model *m, const qt_wref *f, size_t r0, int rows, qt_wre
 }
 
 /* Inference: a decode step reads every layer matrix and the lm_head whole,
- * once a token, so its speed is the speed of that read. From the file mapping
- * (4 KiB page-cache pages) the 0.5B bf16 decode ran at 21.5 tok/s (median of
- * 5); from a copy in one block of anonymous memory on transparent huge pages
- * at 30.7 (docs/generate.md). So these matrices are copied into one block,
+ * once a token, so its speed is the speed of that read, and a read from the
+ * file mapping's 4 KiB page-cache pages ran about 10% below the same read
+ * from a copy in one block of anonymous memory on transparent huge pages
+ * (docs/generate.md). So these matrices are copied into one block,
  * sized here, and their mapped pages handed back: the resident size stays one
  * copy, and loading costs one read of the file. An untied embedding is read
  * one row a token and stays mapped. The lm_head role's base matrix is named

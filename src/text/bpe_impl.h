@@ -278,6 +278,14 @@ void bpe_str_insert(bpe_tokenizer *t, const char *s, int32_t id);
 size_t bpe_pow2_at_least(size_t n);
 void bpe_cache_free(bpe_tokenizer *t);
 
+/* The tokenizer's own half of bpe_load and bpe_free (tokenizer.c): the
+ * vocabulary, merges and pre-tokenizer of path (a tokenizer file or the
+ * folder that holds one), and the folder the tokenizer file is in (dir, cap
+ * bytes), where tokenizer_folder.c then looks for the chat template; and
+ * everything but the template freed. */
+int bpe_load_vocab(const char *path, bpe_tokenizer **out, char *dir, size_t cap);
+void bpe_free_vocab(bpe_tokenizer *t);
+
 /* Grows *ids (and *spans, *marks when not NULL: they share *cap) so that
  * `more` entries fit. */
 int bpe_grow(int32_t **ids, bpe_span **spans, uint8_t **marks, size_t n, size_t *cap, size_t more);

@@ -43,11 +43,6 @@ typedef struct {
     int no_label;           /* an assistant turn that carries no label (OpenAI's "weight": 0, a TRL prompt) */
 } chat_message;
 
-/* Python's json.dumps(v, ensure_ascii=False) of a cJSON value, appended to
- * *b: what the HF chat template's tojson filter writes. Whole numbers below
- * 2^53 print as integers (cJSON does not keep 1.0 apart from 1). */
-int chat_tojson(const cJSON *v, qt_strbuf *b);
-
 /* The template's text for an assistant turn's tool_calls, a JSON array of
  * {"function": {"name", "arguments"}} (OpenAI) or {"name", "arguments"}
  * objects: "\n<tool_call>\n{\"name\": \"N\", \"arguments\": JSON}\n</tool_call>"

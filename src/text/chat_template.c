@@ -24,6 +24,15 @@ struct chat_template {
 
 #define MAX_CONFIG (64u << 20)
 
+/* The tokenizer's template (bpe_impl.h's tmpl, tokenizer.h's accessors): owned by the tokenizer, freed with
+ * it (tokenizer_folder.c), replaced here. */
+const struct chat_template *bpe_chat_template(const bpe_tokenizer *t) { return t ? t->tmpl : NULL; }
+struct chat_template *bpe_chat_template_mut(bpe_tokenizer *t) { return t ? t->tmpl : NULL; }
+void bpe_set_chat_template(bpe_tokenizer *t, struct chat_template *ct) {
+    chat_template_free(t->tmpl);
+    t->tmpl = ct;
+}
+
 static char *dup_str(const char *s) {
     size_t n = strlen(s);
     char *p = qt_malloc(n + 1, "chat template text");

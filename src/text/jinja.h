@@ -18,6 +18,8 @@
 
 #include <cjson/cJSON.h>
 
+#include "core/strbuf.h"
+
 typedef struct jinja_template jinja_template;
 
 /* Parses a template (len bytes, need not be NUL-terminated). QT_EFORMAT with
@@ -41,5 +43,11 @@ typedef struct {
  * QT_EINVAL with Jinja2's meaning in words. */
 int jinja_render(const jinja_template *t, const cJSON *vars, const char *track, char **out, size_t *len,
                  jinja_item_span **spans, size_t *nspans);
+
+/* Python's json.dumps(v, ensure_ascii=False) of a cJSON value, appended to
+ * *b: what the HF chat template's tojson filter writes (also chat.c's tool
+ * texts). Whole numbers below 2^53 print as integers (cJSON does not keep 1.0
+ * apart from 1). jinja_tojson.c. */
+int jinja_tojson(const cJSON *v, qt_strbuf *b);
 
 #endif

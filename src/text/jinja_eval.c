@@ -11,7 +11,6 @@
 #include "core/error.h"
 #include "core/mem.h"
 #include "core/strbuf.h"
-#include "text/chat.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -213,9 +212,9 @@ static int py_float(qt_strbuf *b, double f) {
         int k = snprintf(t, sizeof t, "%.1f", f);
         return qt_strbuf_put(b, t, (size_t)k);
     }
-    cJSON *num = cJSON_CreateNumber(f); /* chat_tojson holds Python's float repr */
+    cJSON *num = cJSON_CreateNumber(f); /* jinja_tojson holds Python's float repr */
     if (!num) return OOM;
-    int rc = chat_tojson(num, b);
+    int rc = jinja_tojson(num, b);
     cJSON_Delete(num);
     return rc;
 }
@@ -323,7 +322,7 @@ static int tojson(ctx *c, const jv *v, qt_strbuf *b, int indent, int depth) {
     case V_STR: {
         cJSON *s = cJSON_CreateString(ja_strdup(&c->a, v->s, v->n));
         if (!s) return OOM;
-        int rc = chat_tojson(s, b);
+        int rc = jinja_tojson(s, b);
         cJSON_Delete(s);
         return rc;
     }

@@ -6,7 +6,6 @@
  * stands for (" the"), which is what the encoder and decoder work on. */
 #include "text/bpe_impl.h"
 #include "text/chat.h"
-#include "text/chat_template.h"
 #include "text/utf8.h"
 
 #include "core/error.h"
@@ -440,7 +439,7 @@ int bpe_tiktoken_gguf_tree(const char *path, cJSON **out) {
     return rc;
 }
 
-int bpe_load(const char *path, bpe_tokenizer **out) {
+int bpe_load_vocab(const char *path, bpe_tokenizer **out, char *dir, size_t cap) {
     *out = NULL;
     char file[4096];
     if (qt_is_dir(path)) {
@@ -511,29 +510,17 @@ int bpe_load(const char *path, bpe_tokenizer **out) {
      * Pay that here, as part of loading, and hand the pages back. */
     malloc_trim(0);
 #endif
-    if (rc == QT_OK) { /* the folder's chat template, beside the tokenizer file */
-        char dir[4096];
-        qt_path_dirname(dir, sizeof dir, file);
-        rc = chat_template_load_dir(dir, &t->tmpl);
-    }
     if (rc != QT_OK) {
-        bpe_free(t);
+        bpe_free_vocab(t);
         return rc;
     }
+    qt_path_dirname(dir, cap, file); /* where the folder's chat template is, beside the tokenizer file */
     *out = t;
     return QT_OK;
 }
 
-const struct chat_template *bpe_chat_template(const bpe_tokenizer *t) { return t ? t->tmpl : NULL; }
-struct chat_template *bpe_chat_template_mut(bpe_tokenizer *t) { return t ? t->tmpl : NULL; }
-void bpe_set_chat_template(bpe_tokenizer *t, struct chat_template *ct) {
-    chat_template_free(t->tmpl);
-    t->tmpl = ct;
-}
-
-void bpe_free(bpe_tokenizer *t) {
+void bpe_free_vocab(bpe_tokenizer *t) {
     if (!t) return;
-    chat_template_free(t->tmpl);
     bpe_cache_free(t);
     if (t->re) pcre2_code_free(t->re);
     if (t->re_anchored) pcre2_code_free(t->re_anchored);
@@ -563,10 +550,6 @@ const char *bpe_id_token(const bpe_tokenizer *t, int32_t id) {
 }
 
 int32_t bpe_vocab_size(const bpe_tokenizer *t) { return t->n_ids; }
-uint64_t bpe_hash(const bpe_tokenizer *t) {
-    /* the chat template renders the cached conversations too: a changed template is a changed cache */
-    return t->tmpl ? t->hash ^ (chat_template_hash(t->tmpl) * 0x9E3779B97F4A7C15ull + 1) : t->hash;
-}
 const char *bpe_chat_system(const bpe_tokenizer *t) {
     return t && t->tiktoken ? CHAT_QWEN1_SYSTEM : CHAT_DEFAULT_SYSTEM;
 }

@@ -276,12 +276,6 @@ static int ds_num(const cJSON *o, const char *k, double *v) {
     return 0;
 }
 
-static int ds_enabled(const cJSON *ds, const char *section) {
-    const cJSON *s = cJSON_GetObjectItemCaseSensitive(ds, section);
-    const cJSON *e = cJSON_GetObjectItemCaseSensitive(s, "enabled");
-    return cJSON_IsTrue(e); /* "auto" (HF Trainer's) decides nothing here: treated as off */
-}
-
 /* Pre-tokenized data ({"input_ids": ...}, format "tokens", or "auto" with such a
  * first line) trains without a tokenizer. */
 static int needs_tokenizer(const char *dir, const cJSON *data) {
@@ -431,73 +425,16 @@ static void existing_parent(const char *p, char *out, size_t cap) {
     }
 }
 
-static void check_deepspeed(doc_ctx *c, const cJSON *ds, int ranks, int *zero, int *offload, int *offload_param,
-                            qt_dtype *prec,
-                            int *micro) {
-    *zero = 0, *offload = 0, *offload_param = 0, *prec = QT_F32, *micro = 1;
-    if (!cJSON_IsObject(ds)) return;
-    double tbs = 0, mbs = 0, gas = 0;
-    const int h_t = ds_num(ds, "train_batch_size", &tbs), h_m = ds_num(ds, "train_micro_batch_size_per_gpu", &mbs);
-    const int h_g = ds_num(ds, "gradient_accumulation_steps", &gas);
-#define BAD_COUNT(h, v) ((h) && (!((v) >= 1 && (v) <= 1e9) || (v) != floor(v)))
-    const int bad = BAD_COUNT(h_t, tbs) || BAD_COUNT(h_m, mbs) || BAD_COUNT(h_g, gas);
-#undef BAD_COUNT
-    if (bad)
-        problem(c, "%s: deepspeed batch sizes must be whole numbers >= 1 (train_batch_size %g, micro %g, "
-                   "accumulation %g)", c->where, tbs, mbs, gas);
-    else if (h_t && h_m && h_g && (long)tbs != (long)mbs * (long)gas * ranks)
-        problem(c, "%s: deepspeed train_batch_size %g != train_micro_batch_size_per_gpu %g x "
-                   "gradient_accumulation_steps %g x %d rank%s; fix one of them or set it to \"auto\"",
-                c->where, tbs, mbs, gas, ranks, ranks == 1 ? "" : "s");
-    else if (h_t && (h_m || h_g) && ((long)tbs % (ranks * (long)(h_m ? mbs : gas))) != 0)
-        problem(c, "%s: deepspeed train_batch_size %g is not divisible by %s %g x %d rank%s", c->where, tbs,
-                h_m ? "train_micro_batch_size_per_gpu" : "gradient_accumulation_steps", h_m ? mbs : gas, ranks,
-                ranks == 1 ? "" : "s");
-    if (!bad && h_m) *micro = (int)mbs;
-    else if (!bad && h_t && h_g) *micro = (int)(tbs / (gas * ranks)) > 0 ? (int)(tbs / (gas * ranks)) : 1;
+/* qt_ds_config_problems' sink: each DeepSpeed section's problem in the parser's own sentence. */
+static void ds_problem(void *ctx, const char *sentence) { problem((doc_ctx *)ctx, "%s", sentence); }
 
-    const int fp16 = ds_enabled(ds, "fp16"), bf16 = ds_enabled(ds, "bf16");
-    if (fp16 && bf16)
-        problem(c, "%s: deepspeed enables both fp16 and bf16; keep one (bf16 where the hardware has it)", c->where);
-    if (fp16) *prec = QT_F16;
-    if (bf16) {
-        *prec = QT_BF16;
-        /* qtune train refuses bf16 without AVX512_BF16 (model/precision.c) unless QTUNE_BF16_EMULATE=1 */
-        const char *emu = getenv("QTUNE_BF16_EMULATE");
-        if (!__builtin_cpu_supports("avx512bf16") && !(emu && !strcmp(emu, "1")))
-            problem(c, "%s: deepspeed enables bf16 but this CPU has no AVX512_BF16, so qtune train stops; use fp16 "
-                       "or fp32, or a machine with AVX512_BF16", c->where);
-    }
-    const cJSON *z = cJSON_GetObjectItemCaseSensitive(ds, "zero_optimization");
-    if (cJSON_IsObject(z)) {
-        double st = 0;
-        if (ds_num(z, "stage", &st)) {
-            if (st != 0 && st != 1 && st != 2 && st != 3)
-                problem(c, "%s: deepspeed zero_optimization.stage is %g; qtune runs stages 0, 1, 2 and 3", c->where,
-                        st);
-            else
-                *zero = (int)st;
-        }
-        const cJSON *off = cJSON_GetObjectItemCaseSensitive(z, "offload_optimizer");
-        const cJSON *dev = cJSON_GetObjectItemCaseSensitive(off, "device");
-        if (cJSON_IsString(dev)) {
-            if (!strcmp(dev->valuestring, "cpu")) *offload = 1;
-            else if (strcmp(dev->valuestring, "none"))
-                problem(c, "%s: deepspeed zero_optimization.offload_optimizer.device is \"%s\"; use \"cpu\" or "
-                           "\"none\" (qtune has no NVMe offload)", c->where, dev->valuestring);
-        }
-        if (*offload && *zero == 0)
-            problem(c, "%s: deepspeed offload_optimizer.device is \"cpu\" at ZeRO stage 0; offload needs stage 1 "
-                       "or 2", c->where);
-        const cJSON *pdev = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(z, "offload_param"),
-                                                             "device");
-        if (*zero == 3 && cJSON_IsString(pdev)) {
-            if (!strcmp(pdev->valuestring, "cpu")) *offload_param = 1;
-            else if (strcmp(pdev->valuestring, "none"))
-                problem(c, "%s: deepspeed zero_optimization.offload_param.device is \"%s\"; use \"cpu\" or \"none\" "
-                           "(qtune has no NVMe offload)", c->where, pdev->valuestring);
-        }
-    }
+/* What the parsed DeepSpeed config asks of this machine: bf16 needs AVX512_BF16, as model/precision.c
+ * refuses it otherwise (unless QTUNE_BF16_EMULATE=1). */
+static void check_precision_here(doc_ctx *c, const qt_ds_config *dc) {
+    const char *emu = getenv("QTUNE_BF16_EMULATE");
+    if (dc->bf16 && !__builtin_cpu_supports("avx512bf16") && !(emu && !strcmp(emu, "1")))
+        problem(c, "%s: deepspeed enables bf16 but this CPU has no AVX512_BF16, so qtune train stops; use fp16 "
+                   "or fp32, or a machine with AVX512_BF16", c->where);
 }
 
 static const cJSON *load_deepspeed(doc_ctx *c, const char *dir, const cJSON *root, cJSON **owned) {
@@ -524,31 +461,37 @@ static const cJSON *load_deepspeed(doc_ctx *c, const char *dir, const cJSON *roo
     return *owned;
 }
 
-static void check_resources(doc_ctx *c, const char *dir, const cJSON *root, const qt_config *cfg,
-                            const qt_plan_opts *o, int ranks) {
-    qt_plan p;
-    if (qt_plan_compute(cfg, o, &p) != QT_OK) {
+/* The job's plan (`qtune plan` with the run's setup) against this host's memory: 1 and *p when it plans. */
+static int check_memory(doc_ctx *c, const qt_config *cfg, const qt_plan_opts *o, int ranks, qt_plan *p) {
+    if (qt_plan_compute(cfg, o, p) != QT_OK) {
         problem(c, "%s: %s", c->where, qt_error_message());
-        return;
+        return 0;
     }
     /* Without a GPU every rank's "device" memory is this host's. */
-    const uint64_t need = (qt_cuda_driver_gpu_count() > 0 ? 0 : p.dev.total * (uint64_t)ranks) + p.host_total;
+    const uint64_t need = (qt_cuda_driver_gpu_count() > 0 ? 0 : p->dev.total * (uint64_t)ranks) + p->host_total;
     const int64_t avail = qt_meminfo_kib("MemAvailable");
     fprintf(c->f, "plan       %.2f GiB per rank (weights %.2f, grads %.2f, optimizer %.2f, activations %.2f); host "
                   "%.2f GiB\n",
-            (double)p.dev.total / GIB, (double)p.dev.weights / GIB, (double)p.dev.grads / GIB,
-            (double)(p.dev.optim + p.dev.master) / GIB, (double)p.dev.activations / GIB, (double)p.host_total / GIB);
+            (double)p->dev.total / GIB, (double)p->dev.weights / GIB, (double)p->dev.grads / GIB,
+            (double)(p->dev.optim + p->dev.master) / GIB, (double)p->dev.activations / GIB,
+            (double)p->host_total / GIB);
     if (avail > 0 && (double)need > (double)avail * 1024)
         problem(c, "%s: the job needs about %.2f GiB of host memory (`qtune plan` with its settings) but %.2f GiB "
                    "is available; turn on train.gradient_checkpointing, lower the micro-batch or seq_len, or use LoRA",
                 c->where, (double)need / GIB, (double)avail * 1024 / GIB);
+    return 1;
+}
+
+/* The disk the run writes to: the token cache (dataset_bytes of training text) and output_dir, whose
+ * checkpoints the plan p sizes (NULL: the job did not load, so only whether a file can be created there). */
+static void check_disk(doc_ctx *c, const char *dir, const cJSON *root, uint64_t dataset_bytes, const qt_plan *p) {
     /* the token cache: 4 bytes a token, about 4/3 of the text's bytes at
      * ~3 bytes a token; by default it sits next to the data */
     const cJSON *data = cJSON_GetObjectItemCaseSensitive(root, "data");
     const cJSON *cd = cJSON_GetObjectItemCaseSensitive(data, "cache_dir");
     const cJSON *tr = cJSON_GetObjectItemCaseSensitive(data, "train");
     if (cJSON_IsArray(tr)) tr = tr->child; /* a list of files: the cache of the first one's folder */
-    if (o->dataset_bytes && (cJSON_IsString(cd) || cJSON_IsString(tr))) {
+    if (dataset_bytes && (cJSON_IsString(cd) || cJSON_IsString(tr))) {
         char where[4096], base[4096];
         if (cJSON_IsString(cd)) job_path(dir, cd->valuestring, where, sizeof where);
         else {
@@ -558,7 +501,7 @@ static void check_resources(doc_ctx *c, const char *dir, const cJSON *root, cons
         }
         existing_parent(where, base, sizeof base);
         const int64_t fr = qt_free_disk_bytes(base);
-        const double need = (double)o->dataset_bytes * 4.0 / 3.0;
+        const double need = (double)dataset_bytes * 4.0 / 3.0;
         fprintf(c->f, "cache      token cache needs about %.3f GiB; %.1f GiB free in %s\n", need / GIB,
                 (double)fr / GIB, base);
         if (fr >= 0 && (double)fr < need)
@@ -581,13 +524,14 @@ static void check_resources(doc_ctx *c, const char *dir, const cJSON *root, cons
             close(fd);
             unlink(probe);
         }
+        if (!p) return;
         const int64_t fr = qt_free_disk_bytes(base);
         /* a checkpoint being written next to the last, and final/ unless it links the last one's model */
-        const uint64_t fin = p.final_linked ? 0 : p.final_bytes, disk = 2 * p.ckpt_bytes + fin;
+        const uint64_t fin = p->final_linked ? 0 : p->final_bytes, disk = 2 * p->ckpt_bytes + fin;
         fprintf(c->f, "disk       output needs about %.2f GiB (two checkpoints of %.2f GiB + final %.2f GiB%s); %.1f "
                       "GiB free in %s\n",
-                (double)disk / GIB, (double)p.ckpt_bytes / GIB, (double)p.final_bytes / GIB,
-                p.final_linked ? ", a hard link to the last checkpoint's model" : "", (double)fr / GIB, base);
+                (double)disk / GIB, (double)p->ckpt_bytes / GIB, (double)p->final_bytes / GIB,
+                p->final_linked ? ", a hard link to the last checkpoint's model" : "", (double)fr / GIB, base);
         if (fr >= 0 && (uint64_t)fr < disk)
             problem(c, "%s: output_dir %s: %.2f GiB free but checkpoints need about %.2f GiB; free space or set "
                        "train.save_total_limit", c->where, out, (double)fr / GIB, (double)disk / GIB);
@@ -679,93 +623,49 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
     int64_t train_bytes = 0;
     check_data(&c, dir, data, &train_bytes);
 
-    cJSON *ds_owned;
-    const cJSON *ds = load_deepspeed(&c, dir, root, &ds_owned);
-    qt_plan_opts o;
-    qt_plan_opts_default(&o);
-    const int before_ds = c.n;
-    check_deepspeed(&c, ds, ranks, &o.zero, &o.offload, &o.offload_param, &o.precision, &o.micro_batch);
+    /* What the run decides (the DeepSpeed settings for `ranks` ranks, precision, ZeRO, the LoRA selection,
+     * quantization, the plan) is read from its own setup (run_setup.h), never re-derived here. A job the parser
+     * stops on has no setup: its DeepSpeed section is still parsed as the run parses it, every section's
+     * problem named at once, and it gets no plan until it loads. */
+    char ds_where[4200];
+    snprintf(ds_where, sizeof ds_where, "%s: deepspeed", path);
+    cJSON *ds_owned = NULL;
     qt_run_setup s;
-    int have_setup = 0;
-    if (have_job && !ds) have_setup = qt_run_setup_open(&s, &job, ranks, 0) == QT_OK; /* DeepSpeed's defaults */
-    if (ds && c.n == before_ds) {
-        /* the trainer's own DeepSpeed parser: optimizer, scheduler, fp16 and
-         * "auto" resolution, with the values it will train with (the run's
-         * setup when the job loads, as qtune train reads it) */
-        qt_ds_config dc;
-        char where[4200];
-        snprintf(where, sizeof where, "%s: deepspeed", path);
-        qt_error_clear();
-        int rc = have_job ? qt_run_setup_open(&s, &job, ranks, 0) : qt_ds_config_parse(ds, where, ranks, &dc);
-        if (rc != QT_OK) {
-            problem(&c, "%s", qt_error_message());
-        } else {
-            have_setup = have_job;
-            if (have_setup) dc = s.ds;
-            if (dc.micro_batch >= 1 && dc.micro_batch <= (1 << 20)) o.micro_batch = (int)dc.micro_batch;
-            if (dc.precision_auto_off[0])
-                fprintf(f, "  warning: %s: %s.enabled is \"auto\", which qtune resolves to false: the job trains in "
-                           "fp32, not %s; set %s.enabled to true (or false to mean fp32)\n",
-                        where, dc.precision_auto_off, dc.precision_auto_off, dc.precision_auto_off);
-            /* the buckets and overlap the run plans with (qt_run_setup_plan_opts): a reduce_bucket_size of
-             * "auto" is the model's hidden_size squared, 5e8 when config.json could not be read (either said) */
-            if (!have_setup) qt_ds_config_resolve_model(&dc, have_cfg ? cfg.hidden_size : 0);
-            o.reduce_bucket = (size_t)dc.zero.reduce_bucket_size;
-            o.allgather_bucket = (size_t)dc.zero.allgather_bucket_size;
-            o.overlap = dc.zero.overlap_comm;
+    qt_ds_config dc;
+    int have_setup = 0, have_ds = 0;
+    qt_error_clear();
+    if (have_job) {
+        /* the job's DeepSpeed section passed the parser's checks; what needs the world size (the batch
+         * arithmetic) is the setup's to refuse */
+        if (qt_run_setup_open(&s, &job, ranks, 0) == QT_OK) {
+            have_setup = have_ds = 1, dc = s.ds;
+        } else { /* the setup stops at the first: every one, in the same words */
+            qt_error_clear();
+            qt_ds_config_problems(job.deepspeed, job.deepspeed_path ? job.deepspeed_path : ds_where, ranks, &dc,
+                                  ds_problem, &c);
+            have_ds = 1;
+        }
+    } else {
+        const cJSON *ds = load_deepspeed(&c, dir, root, &ds_owned);
+        if (ds) {
+            qt_ds_config_problems(ds, ds_where, ranks, &dc, ds_problem, &c);
+            have_ds = 1;
         }
     }
-    o.devices = ranks;
-    o.dataset_bytes = (uint64_t)train_bytes;
-    double T;
-    if (cJSON_IsObject(data) && ds_num(data, "seq_len", &T) && T >= 2 && T < (1 << 22)) o.seq_len = (int)T;
-    const cJSON *tr = cJSON_GetObjectItemCaseSensitive(root, "train");
-    o.checkpointing = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(tr, "gradient_checkpointing"));
-    const cJSON *lora = cJSON_GetObjectItemCaseSensitive(root, "lora");
-    if (cJSON_IsObject(lora)) {
-        o.lora = 1;
-        double r;
-        if (ds_num(lora, "r", &r)) o.lora_r = r >= 1 && r < 65536 ? (int)r : 8;
-        const cJSON *tm = cJSON_GetObjectItemCaseSensitive(lora, "target_modules");
-        unsigned mask;
+    if (have_ds) {
+        check_precision_here(&c, &dc);
+        if (dc.precision_auto_off[0])
+            fprintf(f, "  warning: %s: %s.enabled is \"auto\", which qtune resolves to false: the job trains in "
+                       "fp32, not %s; set %s.enabled to true (or false to mean fp32)\n",
+                    ds_where, dc.precision_auto_off, dc.precision_auto_off, dc.precision_auto_off);
+    }
+    /* the LoRA selection as the run resolves it against the model's layout: target names (Qwen2 names on an
+     * original Qwen model), modules_to_save and layers_to_transform */
+    int have_lora = 0;
+    if (have_job && have_cfg) {
         qt_error_clear();
-        if (tm && qt_job_lora_targets(tm, &mask, path) == QT_OK && mask) o.lora_targets = mask;
-        /* modules_to_save: their weights, gradients and Adam state count in the plan */
-        peft_config *pc = qt_calloc(1, sizeof *pc, "doctor: LoRA config");
-        qt_error_clear();
-        int extras_ok = pc && peft_parse_extras(lora, pc, path) == QT_OK;
-        if (extras_ok)
-            for (int i = 0; i < pc->n_save; i++) {
-                if (peft_target_entry_matches(pc->modules_to_save[i], "lm_head")) o.lora_save |= QT_SAVE_LM_HEAD;
-                else o.lora_save |= QT_SAVE_EMBED; /* embed_tokens / wte; any other name the run refuses */
-            }
-        qt_error_clear();
-        /* the names against the model's layout: Qwen2 names on an original Qwen model, as the run says */
-        const char *names[PEFT_MAX_TARGETS];
-        int n = 0;
-        const cJSON *it;
-        if (cJSON_IsArray(tm)) cJSON_ArrayForEach(it, tm) if (cJSON_IsString(it) && n < PEFT_MAX_TARGETS) names[n++] = it->valuestring;
-        char where[4200];
-        snprintf(where, sizeof where, "%s: lora", path);
-        qt_error_clear();
-        if (have_cfg && n && qt_lora_targets_from_names(&cfg, names, n, &mask, where) != QT_OK)
-            problem(&c, "%s", qt_error_message());
-        else if (have_cfg && n && mask)
-            o.lora_targets = mask;
-        /* modules_to_save and layers_to_transform against the model's layout, as the run resolves them */
-        qt_error_clear();
-        if (pc && !extras_ok) {
-            problem(&c, "%s", qt_error_message());
-        } else if (pc && have_cfg && (pc->n_save || pc->n_layers)) {
-            char tn[8][64];
-            int k = qt_lora_target_names(&cfg, o.lora_targets, tn, 8);
-            for (int i = 0; i < k; i++) memcpy(pc->target_modules[pc->n_targets++], tn[i], sizeof tn[i]);
-            qt_model_opts sel;
-            memset(&sel, 0, sizeof sel);
-            if (qt_lora_resolve(&cfg, pc, &sel, where) != QT_OK) problem(&c, "%s", qt_error_message());
-        }
-        qt_free(pc);
-        qt_error_clear();
+        if (qt_run_setup_lora(&s, 0) == QT_OK) have_lora = 1;
+        else problem(&c, "%s", qt_error_message());
     }
     /* every data line, as the trainer will read it */
     if (cJSON_IsObject(data) && cJSON_IsString(model)) {
@@ -799,32 +699,28 @@ int qt_doctor_check_job(FILE *f, const char *path, const char *const *sets, int 
         bpe_free(tok);
         qt_error_clear();
     }
-    /* what the run trains, from its own setup (run_setup.h): the plan below is `qtune plan JOB.json`'s, the
-     * quantization and a preference objective's pairs included; the values read above stay where the job
-     * does not load */
-    if (have_setup && have_cfg) {
-        qt_error_clear();
-        if (qt_run_setup_lora(&s, 0) == QT_OK) {
-            qt_run_setup_plan_opts(&s, &o);
-            check_quantization(&c, &s);
-        }
-        qt_error_clear(); /* a LoRA selection the run refuses was named above */
-    }
-    if (have_cfg) {
+    /* what the run trains, from its own setup: the plan below is `qtune plan JOB.json`'s, the quantization and
+     * a preference objective's pairs included */
+    qt_plan plan;
+    int planned = 0, disk = have_cfg;
+    if (have_setup && have_lora) {
+        qt_plan_opts o;
+        qt_plan_opts_default(&o);
+        qt_run_setup_plan_opts(&s, &o);
+        o.dataset_bytes = (uint64_t)train_bytes;
+        check_quantization(&c, &s);
         if (o.seq_len > qt_config_max_positions(&cfg) && cfg.max_position_embeddings > 0)
             problem(&c, "%s: data.seq_len %d is longer than the model's %s %d; lower it", path, o.seq_len,
                     qt_config_max_positions(&cfg) < cfg.max_position_embeddings ? "seq_length" : "max_position_embeddings",
                     qt_config_max_positions(&cfg));
-        if (o.offload && o.zero == 0) o.offload = 0; /* named above */
-        const cJSON *qz = cJSON_GetObjectItemCaseSensitive(root, "quantization");
-        const int q4 = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(qz, "load_in_4bit")) || cfg.prequant4;
-        if (o.lora && o.zero == 3 && ranks > 1 && q4) {
+        if (job.lora.enabled && zero_partitions_params(s.cfg.zero.stage, ranks) && (job.quant.load_in_4bit || cfg.prequant4)) {
             problem(&c, "%s: ZeRO stage 3 does not partition a 4-bit (QLoRA) base; use zero_optimization.stage 2",
                     path);
             o.zero = 2, o.offload_param = 0; /* plan the rest as the stage that runs */
         }
-        check_resources(&c, dir, root, &cfg, &o, ranks);
+        disk = planned = check_memory(&c, &cfg, &o, ranks, &plan);
     }
+    if (disk) check_disk(&c, dir, root, (uint64_t)train_bytes, planned ? &plan : NULL);
     cJSON_Delete(ds_owned);
     cJSON_Delete(root);
     if (have_job) qt_job_free(&job);

@@ -28,20 +28,40 @@
 #define DS_DEFAULT "DeepSpeed's default"
 
 /* Parsing context: the config's name in messages and the output (for the
- * ignored-key list). check_only: qt_ds_config_check, which says nothing and
+ * ignored-key list). check_only: qt_ds_config_check, which (quiet) says nothing and
  * leaves out the batch-size arithmetic. */
 typedef struct {
     const char *where;
     qt_ds_config *out;
     int check_only;
+    int quiet;              /* no warning or note on stderr (the checks, the doctor's collecting parse) */
     int strict;             /* qt_ds_config_check_strict: an ignored key is an error */
     char strict_msg[512];   /* the first such key's sentence ("" = none) */
+    qt_ds_problem_fn sink;  /* qt_ds_config_problems: each section's problem goes here and the parse goes on */
+    void *sink_ctx;
+    int n_problems;
 } ds_ctx;
+
+/* A section's problem: with a sink it is handed over and the parse goes on with the next section (0 returned);
+ * without one the parse stops with rc. */
+static int section_problem(ds_ctx *x, int rc) {
+    if (!x->sink || rc == QT_ENOMEM) return rc;
+    x->sink(x->sink_ctx, qt_error_message());
+    qt_error_clear();
+    x->n_problems++;
+    return QT_OK;
+}
+
+#define SECTION(call)                                                                                                  \
+    do {                                                                                                               \
+        int rc_ = (call);                                                                                              \
+        if (rc_ != QT_OK) QT_TRY(section_problem(x, rc_));                                                             \
+    } while (0)
 
 /* A warning, unless only checking (the run's own parse says it once) */
 #define ds_warn(x, ...)                                                                                                \
     do {                                                                                                               \
-        if (!(x)->check_only) qt_warn(__VA_ARGS__);                                                                    \
+        if (!(x)->quiet) qt_warn(__VA_ARGS__);                                                                         \
     } while (0)
 
 static void record_ignored(qt_ds_config *c, const char *path) {
@@ -89,7 +109,7 @@ static void note_auto(ds_ctx *x, const char *section, const char *key, const cha
     char line[sizeof c->resolved[0]];
     snprintf(line, sizeof line, "%s%s%s \"auto\" -> %s", section ? section : "", section ? "." : "", key, what);
     record_resolved(c, line);
-    if (!x->check_only) qt_info("%s: %s", x->where, line);
+    if (!x->quiet) qt_info("%s: %s", x->where, line);
 }
 
 static int in_list(const char *key, const char *const *list) {
@@ -477,7 +497,7 @@ static int parse_scheduler(ds_ctx *x, const cJSON *sch) {
                           x->where, qt_sched_name(t));
         else {
             QT_TRY(qt_sched_check(s, x->where));
-            if (!x->check_only) qt_sched_warn(s, x->where);
+            if (!x->quiet) qt_sched_warn(s, x->where);
         }
     } else {
         QT_TRY(qt_sched_check(s, x->where));
@@ -685,15 +705,8 @@ static int parse_zero(ds_ctx *x, const cJSON *z) {
 
 /* ---- the whole object --------------------------------------------------- */
 
-static int parse(ds_ctx *x, const cJSON *j) {
+static int parse_clipping(ds_ctx *x, const cJSON *j) {
     qt_ds_config *c = x->out;
-    static const char *const keys[] = {"train_batch_size", "train_micro_batch_size_per_gpu",
-                                       "gradient_accumulation_steps", "gradient_clipping",
-                                       "optimizer", "scheduler", "fp16", "bf16", "bfloat16",
-                                       "zero_optimization", "steps_per_print", "wall_clock_breakdown", NULL};
-    if (!cJSON_IsObject(j)) return QT_ERR(QT_EINVAL, "%s: a DeepSpeed config must be a JSON object", x->where);
-    warn_unknown(x, j, NULL, keys);
-    QT_TRY(parse_batch(x, j));
     int a;
     QT_TRY(get_number(x, j, NULL, "gradient_clipping", &c->gradient_clipping, &a));
     if (a) {
@@ -703,41 +716,54 @@ static int parse(ds_ctx *x, const cJSON *j) {
     if (c->gradient_clipping < 0)
         return QT_ERR(QT_EINVAL, "%s: gradient_clipping %g must be >= 0 (0 turns clipping off)", x->where,
                       c->gradient_clipping);
+    return QT_OK;
+}
+
+static int parse(ds_ctx *x, const cJSON *j) {
+    qt_ds_config *c = x->out;
+    static const char *const keys[] = {"train_batch_size", "train_micro_batch_size_per_gpu",
+                                       "gradient_accumulation_steps", "gradient_clipping",
+                                       "optimizer", "scheduler", "fp16", "bf16", "bfloat16",
+                                       "zero_optimization", "steps_per_print", "wall_clock_breakdown", NULL};
+    if (!cJSON_IsObject(j)) return QT_ERR(QT_EINVAL, "%s: a DeepSpeed config must be a JSON object", x->where);
+    warn_unknown(x, j, NULL, keys);
+    SECTION(parse_batch(x, j));
+    SECTION(parse_clipping(x, j));
     int64_t spp = c->steps_per_print;
-    QT_TRY(get_int(x, j, NULL, "steps_per_print", 1, 1 << 30, &spp, NULL, NULL));
+    SECTION(get_int(x, j, NULL, "steps_per_print", 1, 1 << 30, &spp, NULL, NULL));
     c->steps_per_print = (int)spp;
-    QT_TRY(get_bool(x, j, NULL, "wall_clock_breakdown", &c->wall_clock_breakdown, NULL));
+    SECTION(get_bool(x, j, NULL, "wall_clock_breakdown", &c->wall_clock_breakdown, NULL));
 
     const cJSON *sec;
-    QT_TRY(get_section(x, j, NULL, "optimizer", &sec));
-    if (sec) QT_TRY(parse_optimizer(x, sec));
-    QT_TRY(get_section(x, j, NULL, "scheduler", &sec));
-    if (sec) QT_TRY(parse_scheduler(x, sec));
+    SECTION(get_section(x, j, NULL, "optimizer", &sec));
+    if (sec) SECTION(parse_optimizer(x, sec));
+    SECTION(get_section(x, j, NULL, "scheduler", &sec));
+    if (sec) SECTION(parse_scheduler(x, sec));
     else qt_sched_default(&c->sched, QT_SCHED_CONSTANT, c->adam.lr);
-    QT_TRY(get_section(x, j, NULL, "fp16", &sec));
-    if (sec) QT_TRY(parse_fp16(x, sec));
+    SECTION(get_section(x, j, NULL, "fp16", &sec));
+    if (sec) SECTION(parse_fp16(x, sec));
     /* DeepSpeed reads "bf16", and the old name "bfloat16" only without it */
     const cJSON *old_bf16;
-    QT_TRY(get_section(x, j, NULL, "bfloat16", &old_bf16));
-    QT_TRY(get_section(x, j, NULL, "bf16", &sec));
-    if (sec) QT_TRY(parse_bf16(x, sec, "bf16"));
+    SECTION(get_section(x, j, NULL, "bfloat16", &old_bf16));
+    SECTION(get_section(x, j, NULL, "bf16", &sec));
+    if (sec) SECTION(parse_bf16(x, sec, "bf16"));
     if (sec && old_bf16) {
         ds_warn(x, "%s: DeepSpeed key \"bfloat16\" (the old name of \"bf16\") is ignored because \"bf16\" is given, "
                 "as DeepSpeed does; keep one of them",
                 x->where);
         record_ignored(c, "bfloat16");
-    } else if (old_bf16) QT_TRY(parse_bf16(x, old_bf16, "bfloat16"));
+    } else if (old_bf16) SECTION(parse_bf16(x, old_bf16, "bfloat16"));
     if (c->fp16 && c->bf16)
-        return QT_ERR(QT_EINVAL, "%s: fp16.enabled and bf16.enabled are both true; enable one of them", x->where);
-    QT_TRY(get_section(x, j, NULL, "zero_optimization", &sec));
-    if (sec) QT_TRY(parse_zero(x, sec));
-    return QT_OK;
+        SECTION(QT_ERR(QT_EINVAL, "%s: fp16.enabled and bf16.enabled are both true; enable one of them", x->where));
+    SECTION(get_section(x, j, NULL, "zero_optimization", &sec));
+    if (sec) SECTION(parse_zero(x, sec));
+    return x->n_problems ? QT_EINVAL : QT_OK;
 }
 
 int qt_ds_config_parse(const cJSON *json, const char *where, int world, qt_ds_config *out) {
     if (world < 1) return QT_ERR(QT_EINVAL, "%s: world size %d must be >= 1", where, world);
     qt_ds_config_default(out, world);
-    ds_ctx x = {where, out, 0, 0, ""};
+    ds_ctx x = {.where = where, .out = out};
     int rc = parse(&x, json);
     if (rc != QT_OK) {
         int n = out->n_ignored;
@@ -750,11 +776,24 @@ int qt_ds_config_parse(const cJSON *json, const char *where, int world, qt_ds_co
     return rc;
 }
 
+int qt_ds_config_problems(const cJSON *json, const char *where, int world, qt_ds_config *out, qt_ds_problem_fn fn,
+                          void *ctx) {
+    qt_ds_config_default(out, world > 0 ? world : 1);
+    ds_ctx x = {.where = where, .out = out, .quiet = 1, .sink = fn, .sink_ctx = ctx};
+    int rc = world < 1 ? QT_ERR(QT_EINVAL, "%s: world size %d must be >= 1", where, world) : parse(&x, json);
+    if (rc != QT_OK && !x.n_problems) { /* out of memory, or not an object */
+        fn(ctx, qt_error_message());
+        qt_error_clear();
+        return 1;
+    }
+    return x.n_problems;
+}
+
 int qt_ds_config_check(const cJSON *json, const char *where) {
     qt_ds_config *c = qt_malloc(sizeof *c, "a DeepSpeed config check");
     if (!c) return QT_ENOMEM;
     qt_ds_config_default(c, 1);
-    ds_ctx x = {where, c, 1, 0, ""};
+    ds_ctx x = {.where = where, .out = c, .check_only = 1, .quiet = 1};
     int rc = parse(&x, json);
     qt_free(c);
     return rc;
@@ -764,7 +803,7 @@ int qt_ds_config_check_strict(const cJSON *json, const char *where) {
     qt_ds_config *c = qt_malloc(sizeof *c, "a DeepSpeed config check");
     if (!c) return QT_ENOMEM;
     qt_ds_config_default(c, 1);
-    ds_ctx x = {where, c, 1, 1, ""};
+    ds_ctx x = {.where = where, .out = c, .check_only = 1, .quiet = 1, .strict = 1};
     int rc = parse(&x, json);
     qt_free(c);
     if (rc == QT_OK && x.strict_msg[0])

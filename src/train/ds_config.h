@@ -87,6 +87,18 @@ void qt_ds_config_default(qt_ds_config *c, int world);
  * or "JOB.json: deepspeed"). world: the number of data-parallel ranks. */
 int qt_ds_config_parse(const cJSON *json, const char *where, int world, qt_ds_config *out);
 
+/* qt_ds_config_parse for `qtune doctor`, which names every problem at once:
+ * each section's first problem (the batch sizes, gradient_clipping, optimizer,
+ * scheduler, fp16, bf16 and their pairing, zero_optimization) is handed to fn
+ * as the parser's sentence and the parse goes on with the next section. out
+ * holds what was read, DeepSpeed's defaults in a section with a problem.
+ * Says nothing on stderr (the run's parse gives the warnings and "auto"
+ * notes). Returns the number of problems (0: out is what qt_ds_config_parse
+ * gives). */
+typedef void (*qt_ds_problem_fn)(void *ctx, const char *sentence);
+int qt_ds_config_problems(const cJSON *json, const char *where, int world, qt_ds_config *out, qt_ds_problem_fn fn,
+                          void *ctx);
+
 /* Checks a DeepSpeed config object as qt_ds_config_parse reads it, without a
  * word on stderr and without the batch-size arithmetic (which needs the run's
  * world size). The job loader checks before and after each `--set

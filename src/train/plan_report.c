@@ -77,28 +77,26 @@ typedef struct {
  * f32 the master block is the compute copy; LoRA has no compute copy (its
  * fp32 master is read directly, in f16/bf16 too: measured as the guard
  * backend's device peak, tests/tools/test_plan.py). rank: whose shard. */
-static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, int rank, plan_model *pm) {
-    qt_model_opts mo;
-    qt_model_opts_default(&mo);
-    mo.compute = o->precision;
-    mo.lora = o->lora;
-    mo.lora_r = o->lora_r;
-    mo.lora_targets = o->lora_targets;
-    mo.lora_save = o->lora ? o->lora_save : 0;
-    mo.lora_dropout = o->lora_dropout; /* > 0: the dropout input buffer is counted */
-    mo.lora_layers_set = o->lora ? o->lora_layers_set : 0;
-    memcpy(mo.lora_layers, o->lora_layers, sizeof mo.lora_layers);
-    mo.grad_checkpointing = o->checkpointing;
-    mo.quant4 = o->lora && (o->quant4 || c->prequant4); /* a bitsandbytes folder is 4-bit as it is */
-    mo.quant4_type = QT_Q4_NF4;                          /* nf4 and fp4 take the same bytes */
-    mo.quant4_nested = c->prequant4 ? c->prequant4_nested : o->quant4_nested;
-    mo.quant4_skip = o->quant4_skip;
-    mo.max_B = o->micro_batch;
-    mo.max_T = o->seq_len;
-    mo.backend = o->backend;
+void qt_plan_model_opts(const qt_config *c, const qt_plan_opts *o, int N, int rank, qt_model_opts *mo) {
+    qt_model_opts_default(mo);
+    mo->compute = o->precision;
+    mo->adapter = o->adapter; /* lora_dropout > 0: the dropout input buffer is counted */
+    if (!o->lora) mo->lora_save = 0, mo->lora_layers_set = 0;
+    mo->quant4 = o->lora && (o->quant4 || c->prequant4); /* a bitsandbytes folder is 4-bit as it is */
+    mo->quant4_type = QT_Q4_NF4;                          /* nf4 and fp4 take the same bytes */
+    mo->quant4_nested = c->prequant4 ? c->prequant4_nested : o->quant4_nested;
+    mo->grad_checkpointing = o->checkpointing;
+    mo->max_B = o->micro_batch;
+    mo->max_T = o->seq_len;
+    mo->backend = o->backend;
     const zero_opts z = {.stage = o->zero, .offload = o->offload, .bucket_elems = o->reduce_bucket,
                          .overlap = o->overlap, .offload_param = o->offload_param};
-    qt_run_model_zero(&z, N, rank, &mo); /* the run's rule (run_setup.h) */
+    qt_run_model_zero(&z, N, rank, mo); /* the run's rule (run_setup.h) */
+}
+
+static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, int rank, plan_model *pm) {
+    qt_model_opts mo;
+    qt_plan_model_opts(c, o, N, rank, &mo);
     qt_mem_breakdown b;
     qt_model_memory(c, &mo, &b);
     qt_model_opts full = mo;

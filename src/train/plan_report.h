@@ -28,13 +28,9 @@
 #include "model/model.h"
 
 typedef struct {
-    int lora;              /* 0: full fine-tuning, 1: LoRA */
-    int lora_r;            /* R */
-    unsigned lora_targets; /* QT_LORA_* mask (model/model.h) */
-    unsigned lora_save;    /* QT_SAVE_* mask: modules_to_save trained beside the adapter */
-    float lora_dropout;    /* > 0: the dropout input buffer is counted (default 0.1, PEFT's usual setting) */
-    int lora_layers_set;   /* layers_to_transform: LoRA only in the layers of lora_layers */
-    uint64_t lora_layers[QT_LORA_LAYER_WORDS]; /* bit l: layer l is adapted (when lora_layers_set) */
+    QT_ADAPTER_GROUP;      /* LoRA and quantization, the model's own fields (model/model.h); lora_dropout > 0:
+                              the dropout input buffer is counted (default 0.1, PEFT's usual setting); alpha,
+                              rsLoRA and the 4-bit type change no byte */
     int zero;              /* ZeRO stage 0, 1, 2 or 3 (3: the weights partitioned, gathered a layer at a time) */
     int offload_param;     /* ZeRO-3: the rank's parameter shard in host memory */
     int devices;           /* data-parallel ranks N */
@@ -57,14 +53,16 @@ typedef struct {
     size_t reduce_bucket;    /* DeepSpeed reduce_bucket_size, elements; 0: 5e8 */
     size_t allgather_bucket; /* DeepSpeed allgather_bucket_size, elements; 0: 5e8 */
     int overlap;             /* DeepSpeed overlap_comm (ZeRO 2: reductions in flight during the backward) */
-    int quant4;              /* QLoRA (LoRA only): the layer linears of the base in 4 bits (the job's quantization) */
-    int quant4_nested;       /* bnb_4bit_use_double_quant */
-    unsigned quant4_skip;    /* llm_int8_skip_modules as QT_LORA_* bits */
 } qt_plan_opts;
 
 /* Defaults: LoRA off, r 8 on q,v in every layer, dropout 0.1, ZeRO 0, 1 device, no offload, f32, B 1,
  * T 512, no checkpointing, 32 GiB cards at 300 W, 500 W per host, 1 GiB data. */
 void qt_plan_opts_default(qt_plan_opts *o);
+
+/* The model options a plan sizes for: what rank `rank` of N loads for o on the model c, as the run loads it
+ * (its ZeRO rule, run_setup.h qt_run_model_zero). The adapter group is o's; a 4-bit base is counted only
+ * under LoRA (also a bitsandbytes folder, c->prequant4), in nf4's bytes (fp4's are the same). */
+void qt_plan_model_opts(const qt_config *c, const qt_plan_opts *o, int N, int rank, qt_model_opts *mo);
 
 /* One line per category, bytes on each card. */
 typedef struct {

@@ -116,23 +116,33 @@ void qt_run_zero_from_model(const qt_model_opts *o, int hidden, size_t window_el
     }
 }
 
+/* The job's "lora" and "quantization" with the selection resolved (after qt_run_setup_lora): the one filler
+ * of the model's and the plan's adapter group. Without a "lora" section the LoRA fields keep what a holds
+ * (the model's or the plan's defaults: the plan's "LoRA instead" alternative sizes those). */
+static void setup_adapter(const qt_run_setup *s, qt_adapter_opts *a) {
+    const qt_job *job = s->job;
+    a->lora = job->lora.enabled;
+    if (a->lora) {
+        a->lora_r = job->lora.r;
+        a->lora_alpha = job->lora.lora_alpha;
+        a->lora_dropout = job->lora.lora_dropout;
+        a->lora_targets = s->lora_targets;
+        a->use_rslora = job->lora.use_rslora;
+        a->lora_save = s->lora_sel.lora_save;
+        a->lora_layers_set = s->lora_sel.lora_layers_set;
+        memcpy(a->lora_layers, s->lora_sel.lora_layers, sizeof a->lora_layers);
+    }
+    a->quant4 = job->quant.load_in_4bit;
+    a->quant4_type = job->quant.type;
+    a->quant4_nested = job->quant.double_quant;
+    a->quant4_skip = job->quant.skip;
+}
+
 int qt_run_setup_model_opts(const qt_run_setup *s, qt_model_opts *o) {
     const qt_job *job = s->job;
     qt_model_opts_default(o);
     o->compute = s->cfg.compute;
-    o->lora = job->lora.enabled;
-    o->lora_r = job->lora.r;
-    o->lora_alpha = job->lora.lora_alpha;
-    o->lora_dropout = job->lora.lora_dropout;
-    o->lora_targets = s->lora_targets;
-    o->use_rslora = job->lora.use_rslora;
-    o->lora_save = s->lora_sel.lora_save;
-    o->lora_layers_set = s->lora_sel.lora_layers_set;
-    memcpy(o->lora_layers, s->lora_sel.lora_layers, sizeof o->lora_layers);
-    o->quant4 = job->quant.load_in_4bit;
-    o->quant4_type = job->quant.type;
-    o->quant4_nested = job->quant.double_quant;
-    o->quant4_skip = job->quant.skip;
+    setup_adapter(s, &o->adapter);
     if (o->quant4 && job->quant.compute_set && (qt_dtype)job->quant.compute != o->compute)
         return QT_ERR(QT_EINVAL, "%s: quantization.bnb_4bit_compute_dtype is %s but the run computes in %s (the "
                                  "DeepSpeed config's bf16/fp16); make them agree", job->path,
@@ -148,15 +158,7 @@ int qt_run_setup_model_opts(const qt_run_setup *s, qt_model_opts *o) {
 void qt_run_setup_plan_opts(const qt_run_setup *s, qt_plan_opts *o) {
     const qt_job *job = s->job;
     const qt_ds_config *ds = &s->ds;
-    o->lora = job->lora.enabled;
-    if (job->lora.enabled) {
-        o->lora_r = job->lora.r;
-        o->lora_targets = s->lora_targets;
-        o->lora_save = s->lora_sel.lora_save;
-        o->lora_dropout = job->lora.lora_dropout;
-        o->lora_layers_set = s->lora_sel.lora_layers_set;
-        memcpy(o->lora_layers, s->lora_sel.lora_layers, sizeof o->lora_layers);
-    }
+    setup_adapter(s, &o->adapter);
     o->zero = ds->zero.stage;
     o->offload = ds->zero.offload_optimizer;
     o->offload_param = ds->zero.offload_param;
@@ -173,7 +175,22 @@ void qt_run_setup_plan_opts(const qt_run_setup *s, qt_plan_opts *o) {
     o->reduce_bucket = s->cfg.zero.bucket_elems;
     o->allgather_bucket = s->cfg.zero.allgather_bucket_elems;
     o->overlap = s->cfg.zero.overlap;
-    o->quant4 = job->quant.load_in_4bit;
-    o->quant4_nested = job->quant.double_quant;
-    o->quant4_skip = job->quant.skip;
+}
+
+/* trainer.h's two readers of a whole job, each the setup's steps in order: the train config once max_steps is
+ * known, and what `qtune plan JOB.json` plans for */
+int qt_train_cfg_from_job(const qt_job *job, int world, long max_steps, qt_train_cfg *cfg) {
+    qt_run_setup s;
+    QT_TRY(qt_run_setup_open(&s, job, world, 0));
+    QT_TRY(qt_run_setup_finalize(&s, max_steps));
+    *cfg = s.cfg;
+    return QT_OK;
+}
+
+int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o) {
+    qt_run_setup s;
+    QT_TRY(qt_run_setup_open(&s, job, ranks, 0));
+    QT_TRY(qt_run_setup_lora(&s, 0));
+    qt_run_setup_plan_opts(&s, o);
+    return QT_OK;
 }

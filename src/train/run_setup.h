@@ -42,7 +42,10 @@ int qt_run_setup_ds(const qt_job *job, int world, qt_ds_config *ds);
 
 /* Fills s for job on rank `rank` of `world`: the DeepSpeed settings and the
  * train config. Reads no more of the model folder than config.json's
- * hidden_size (for an "auto" bucket). */
+ * hidden_size (for an "auto" bucket). When the DeepSpeed section is refused
+ * (the batch arithmetic for `world` ranks), s still holds the job, world and
+ * rank, so qt_run_setup_lora can check the LoRA selection too (the doctor
+ * names both). */
 int qt_run_setup_open(qt_run_setup *s, const qt_job *job, int world, int rank);
 
 /* The LoRA selection against the model's layout (config.json): the targets

@@ -2,7 +2,6 @@
 #include "core/error.h"
 #include "io/hf_config.h"
 #include "model/lora_io.h"
-#include "train/run_setup.h"
 #include "train/trainer.h"
 
 #include <string.h>
@@ -28,14 +27,6 @@ void qt_train_cfg_from_ds(const qt_ds_config *ds, qt_train_cfg *cfg) {
     cfg->zero.offload_param = ds->zero.offload_param;
     cfg->zero.prefetch = ds->zero.prefetch_bucket_size > 0; /* stage 3: the next layer gathered ahead */
     cfg->steps_per_print = ds->steps_per_print > 0 ? ds->steps_per_print : 10;
-}
-
-int qt_train_cfg_from_job(const qt_job *job, int world, long max_steps, qt_train_cfg *cfg) {
-    qt_run_setup s;
-    QT_TRY(qt_run_setup_open(&s, job, world, 0));
-    QT_TRY(qt_run_setup_finalize(&s, max_steps));
-    *cfg = s.cfg;
-    return QT_OK;
 }
 
 void qt_train_ds_resolve_model(qt_ds_config *ds, const char *model) {
@@ -142,12 +133,4 @@ int qt_job_lora_targets_resolve(const qt_job *job, const qt_config *cfg, unsigne
     char where[4200];
     snprintf(where, sizeof where, "%s: lora", job->path);
     return qt_lora_targets_from_names(cfg, (const char *const *)l->target_names, l->n_target_names, mask, where);
-}
-
-int qt_plan_opts_from_job(const qt_job *job, int ranks, qt_plan_opts *o) {
-    qt_run_setup s;
-    QT_TRY(qt_run_setup_open(&s, job, ranks, 0));
-    QT_TRY(qt_run_setup_lora(&s, 0));
-    qt_run_setup_plan_opts(&s, o);
-    return QT_OK;
 }

@@ -55,7 +55,7 @@ def test_bad_job_names_every_problem(tmp_path):
     assert "no-such-model" in out and "not a folder" in out
     assert "missing.jsonl" in out and "cannot be read" in out
     assert "train_batch_size 6" in out
-    assert "both fp16 and bf16" in out
+    assert "fp16.enabled and bf16.enabled are both true" in out  # the DeepSpeed parser's sentences, each section's
     assert '"nvme"' in out
     n = len(re.findall(r"^  problem: ", out, re.M))
     assert n >= 5, out
@@ -91,7 +91,24 @@ def test_unreadable_job(tmp_path):
 def test_ranks_change_batch_identity(tmp_path):
     job, _ = good_job(tmp_path)
     p = qtune("doctor", job, "--ranks", "2", "--no-table")
-    assert p.returncode != 0 and "x 2 ranks" in p.stdout
+    assert p.returncode != 0 and "x world size 2 (= 8)" in p.stdout, p.stdout
+
+
+def test_deepspeed_problem_is_the_runs_sentence(tmp_path):
+    """The doctor reads the DeepSpeed settings from the run's own setup (run_setup.h), not from arithmetic of its
+    own over the JSON: a batch that does not add up for the ranks is named in the sentence `qtune train` stops
+    with, and a job that loads gets the plan of its setup."""
+    job, j = good_job(tmp_path)
+    j["deepspeed"]["train_batch_size"] = 6  # != 2 x 2 x 1 rank; the job loads (that needs the world size)
+    job.write_text(json.dumps(j))
+    d = qtune("doctor", job, "--ranks", "1", "--no-table")
+    t = qtune("train", job, check=None)
+    assert t.returncode != 0
+    said = [l for l in t.stderr.splitlines() if "train_batch_size 6 is not" in l]
+    assert said, t.stderr
+    sentence = said[0][said[0].index(str(job)):]
+    assert "  problem: " + sentence in d.stdout, d.stdout + t.stderr
+    assert len(re.findall(r"^  problem: ", d.stdout, re.M)) == 1, d.stdout
 
 
 def _joined_literals(c_text):
@@ -289,7 +306,7 @@ def test_zero3_job(tmp_path):
     p = qtune("doctor", job, "--ranks", "2", "--no-table")
     assert p.returncode != 0
     assert "does not partition" not in p.stdout, p.stdout  # LoRA at stage 3 runs (the base is partitioned)
-    assert 'offload_param.device is "nvme"' in p.stdout, p.stdout
+    assert 'offload_param.device "nvme" is not supported' in p.stdout, p.stdout
     j["deepspeed"]["zero_optimization"] = {"stage": 3, "offload_param": {"device": "cpu"}}
     job.write_text(json.dumps(j))
     p = qtune("doctor", job, "--ranks", "2", "--no-table")

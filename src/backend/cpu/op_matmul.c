@@ -4,8 +4,8 @@
  * Threading: OpenBLAS runs single-threaded (op_blas_init) and OpenMP splits
  * each product into independent blocks, one sgemm per thread. With OpenBLAS's
  * own pool and OpenMP's both spinning on the same cores, every switch between
- * a BLAS call and an OpenMP loop cost milliseconds (measured: a forward 1.8x
- * slower, 2.5x with bf16 weights); one pool avoids that.
+ * a BLAS call and an OpenMP loop cost milliseconds (bench/RESULTS.md, "Figures
+ * that stood in code comments"); one pool avoids that.
  *
  * f16/bf16 and 4-bit weights (a frozen base kept in its file dtype, or
  * quantized: QT_Q4, dequantized here) are converted to f32

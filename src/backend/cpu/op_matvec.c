@@ -41,54 +41,43 @@
 #include "core/quant4.h"
 
 /* below this many bytes of W the product runs on the calling thread: waking
- * the team and splitting 2 threads' chunks cost more than they save (0.5B
- * k/v, 229 KiB of bf16: 21-24 GB/s on 2 threads, 28-37 on one; q/o, 1.6 MiB,
- * 44-57 on 2 threads and 30-40 on one; three rounds each) */
+ * the team and splitting 2 threads' chunks cost more than they save (the
+ * 0.5B shape's k/v products read faster on one thread, its q/o on two;
+ * bench/RESULTS-decode.md) */
 #define MATVEC_MIN_PARALLEL_BYTES ((size_t)512 << 10)
 #define ROW_ALIGN 16
 /* bytes of W a thread takes at a time: each chunk is read as two streams
- * that start cold, so larger chunks read faster (2 threads, 0.5B step, best
- * of 6, three rounds: 64 KiB 34-44 GB/s, 256 KiB 43-48, 1 MiB 45-51, a half
- * of each matrix per thread 47-53), while several chunks per thread let the
- * other thread take a descheduled one's share */
+ * that start cold, so larger chunks read faster, while several chunks per
+ * thread let the other thread take a descheduled one's share (the sizes
+ * measured: bench/RESULTS-decode.md) */
 #define MATVEC_CHUNK ((size_t)1 << 20)
 #define MATVEC_CHUNKS_PER_THREAD 2
 /* The middle team x MATVEC_CHUNK bytes of a product (where the threads from
  * either end meet) are taken in pieces of 1 / MATVEC_TAIL_SPLIT of a chunk.
  * At each product's end the thread that finds nothing left waits for the
- * others' last piece. Measured when all threads took chunks from the first
- * row up and the pieces were the last ones (the 0.5B bf16 step, 121 parallel
- * products): the threads' finishing times 0.8-2.5 ms apart in all with whole
- * chunks, 0.5-1.0 with quarters; bench_matvec bf16, 2 threads, median step,
- * 8 alternating rounds: quarters 1.054 x whole chunks, eighths 1.039;
- * generate's decode, 10 alternating rounds: no change beyond the machine's
- * spread (per-round ratio median 0.99). */
+ * others' last piece; quarter pieces bring the threads' finishing times
+ * closer than whole chunks, and closer than eighths gain
+ * (bench/RESULTS-decode.md, "Quarter tails"). */
 #define MATVEC_TAIL_SPLIT 4
 /* Software prefetch distance in bytes of W, used with more than one input
  * row (and for one row's long rows in f32 and f16, below): with 4 or 8 rows
  * each line carries 8-16 FMAs, the loop fills the core's window, and without
- * the hint the 0.5B step with 4 rows read W at 12-14 GB/s against 17-19 for
- * the earlier 4-row tile, which had it. */
+ * the hint W is read markedly slower (bench/RESULTS-decode.md). */
 #define MATVEC_AHEAD 8192
-/* Rows of at least this many bytes are long rows: with one input row, the
- * 0.5B down projection (rows of 4864 bf16, 9.5 KiB, whose x is 19 KiB) read
- * at 21-25 GB/s without a hint and 27-30 with the T0 hint 8 KiB ahead (three
- * alternating rounds, 1 thread), while the 896-long rows of the other
- * products lost a little by that hint (2-byte ones split over threads take
- * MATVEC_AHEAD_ONE's now). */
+/* Rows of at least this many bytes are long rows: with one input row, a
+ * long row (the 0.5B down projection's 4864 bf16, whose x is 19 KiB) reads
+ * faster with a hint, while the 896-long rows of the other products lost a
+ * little by it (2-byte ones split over threads take MATVEC_AHEAD_ONE's
+ * now; bench/RESULTS-decode.md). */
 #define MATVEC_LONG_ROW 4096
 /* ... and for bf16 (the line-pair loop) the hint is non-temporal and nearer.
  * A long row's x no longer stays in L1 (32 KiB) on its own: a pass over two
  * rows of 4864 bf16 reads 19 KiB of weights between two uses of the same
  * line of x's 19 KiB, and with the weights brought into L1 as any line, x is
- * evicted every pass. (A standalone probe, rows of 4864, 1 thread: 21-27
- * GB/s, and 33-35 with x cut to 4 KiB.) The NTA hint brings the weights in
- * as the first lines to go. bench_matvec bf16, median of 6 alternating
- * rounds against the T0 hint 8 KiB ahead: a 14B shape (rows of 5120 and
- * 13696) 1 thread 1.089, 2 threads 1.024; 0.5B 1.007 / 1.026 (its down
- * projection 30.5 -> 31.9 GB/s at 1 thread). 1 KiB ahead lost 7%, 3 KiB was
- * level with 2, 4 KiB lost 4%; for f16 (widened from half lines) NTA lost 6%
- * and f32 was level, so they keep T0. */
+ * evicted every pass. The NTA hint brings the weights in as the first lines
+ * to go. 2 KiB ahead was the best distance; for f16 (widened from half
+ * lines) NTA lost and f32 was level, so they keep T0 (the figures:
+ * bench/RESULTS-decode.md, "The down projection: x evicted from L1"). */
 #define MATVEC_AHEAD_PAIRS 2048
 /* One input row's shorter rows of 2-byte weights in a product split over
  * threads: a T0 hint 4 KiB ahead, which bench_matvec measured faster than
@@ -118,8 +107,8 @@ static inline vf vload_w(const void *w, qt_dtype dt, size_t i) {
  * x is de-interleaved once per call (pairs_of_x: each block of 32 becomes
  * its 16 even elements, then its 16 odd ones), not once per weight line:
  * with 8 input rows (--batch 8) the two permutes per line and input row
- * bound the step (bf16 1 thread 69 tok/s in all against 95 with 4-row
- * tiles). x_pair does it in registers where the buffer cannot be had. */
+ * bound the step (bench/RESULTS.md, "Figures that stood in code comments").
+ * x_pair does it in registers where the buffer cannot be had. */
 #define BF16_PAIRS 1
 static inline void bf16_pair(const void *w, size_t i, vf *even, vf *odd) {
     __m512i v = _mm512_loadu_si512((const void *)((const uint16_t *)w + i));
@@ -270,8 +259,7 @@ static inline __attribute__((always_inline)) void dot_tile_nb(float *dot, const 
  * for NB = 1 in the same order (so the results are the tile's, bit for bit),
  * in a loop of its own. The tile's general bookkeeping (row and input-group
  * arrays, the dot[] hand-over) cost the one-row step 5-10% of its speed at 2
- * threads: a 1 GiB bf16 product read 62-64 GB/s through the tile against
- * 68-71 through this loop, five alternating rounds. xd: x de-interleaved for
+ * threads (bench/RESULTS-decode.md, "One input row runs its own loop"). xd: x de-interleaved for
  * the bf16 pairs when XD (a constant, as in dot_tile), else the pairs are
  * made in registers. */
 static inline __attribute__((always_inline)) void dot_one(float *sa, float *sb, const float *x, const float *xd,

@@ -634,6 +634,55 @@ static void test_strict_check(void **state) {
     cJSON_Delete(j);
 }
 
+/* qt_ds_config_problems (the doctor's parse): each section's first problem in the parser's own sentence, the
+ * parse going on to the next section; what did parse is kept, and a good config is what qt_ds_config_parse
+ * gives */
+typedef struct {
+    int n;
+    char said[4][512];
+} problems;
+
+static void collect(void *ctx, const char *sentence) {
+    problems *p = ctx;
+    if (p->n < 4) snprintf(p->said[p->n], sizeof p->said[0], "%s", sentence);
+    p->n++;
+}
+
+static void test_problems_all_at_once(void **state) {
+    (void)state;
+    cJSON *j = cJSON_Parse("{\"train_batch_size\": 6, \"train_micro_batch_size_per_gpu\": 2, "
+                           "\"gradient_accumulation_steps\": 2, \"fp16\": {\"enabled\": true}, "
+                           "\"bf16\": {\"enabled\": true}, \"optimizer\": {\"type\": \"AdamW\", "
+                           "\"params\": {\"lr\": 0.01}}, \"zero_optimization\": {\"stage\": 2, "
+                           "\"offload_optimizer\": {\"device\": \"nvme\"}}}");
+    problems p = {0};
+    qt_ds_config c, one;
+    assert_int_equal(qt_ds_config_problems(j, "job.json: deepspeed", 1, &c, collect, &p), 3);
+    assert_int_equal(p.n, 3);
+    /* each is the sentence the run's parse stops with, in the file's order */
+    assert_int_equal(qt_ds_config_parse(j, "job.json: deepspeed", 1, &one), QT_EINVAL);
+    assert_string_equal(p.said[0], qt_error_message());
+    assert_non_null(strstr(p.said[0], "train_batch_size 6 is not"));
+    assert_non_null(strstr(p.said[1], "fp16.enabled and bf16.enabled are both true"));
+    assert_non_null(strstr(p.said[2], "offload_optimizer.device \"nvme\" is not supported"));
+    assert_int_equal(qt_error_code(), QT_EINVAL); /* the parse above; the collecting one cleared its own */
+    qt_error_clear();
+    assert_true(c.adam.lr == 0.01 && c.bf16 && c.zero.stage == 2); /* the sections that parsed */
+    cJSON_Delete(j);
+    /* a good config: no problem, the same values as the run's parse */
+    j = cJSON_Parse("{\"train_batch_size\": 8, \"train_micro_batch_size_per_gpu\": 2, \"bf16\": {\"enabled\": true}, "
+                    "\"zero_optimization\": {\"stage\": 1}}");
+    p.n = 0;
+    assert_int_equal(qt_ds_config_problems(j, "ds.json", 2, &c, collect, &p), 0);
+    assert_int_equal(p.n, 0);
+    assert_int_equal(qt_ds_config_parse(j, "ds.json", 2, &one), QT_OK);
+    assert_int_equal(c.micro_batch, one.micro_batch);
+    assert_int_equal(c.grad_accum, one.grad_accum);
+    assert_int_equal(c.bf16, one.bf16);
+    assert_int_equal(c.zero.stage, one.zero.stage);
+    cJSON_Delete(j);
+}
+
 int main(void) {
     qt_log_set_level(QT_LOG_ERROR); /* the warnings are checked through `ignored` */
     const struct CMUnitTest tests[] = {
@@ -644,7 +693,7 @@ int main(void) {
         cmocka_unit_test(test_schedulers),       cmocka_unit_test(test_precision_and_zero),
         cmocka_unit_test(test_unknown_keys_warn), cmocka_unit_test(test_load_file), cmocka_unit_test(test_random_configs),
         cmocka_unit_test(test_silent_values_refused), cmocka_unit_test(test_flags_and_check),
-        cmocka_unit_test(test_strict_check),
+        cmocka_unit_test(test_strict_check),     cmocka_unit_test(test_problems_all_at_once),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
