@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
 # Old binary against new on bench-tiny, alternating rounds (bench/RESULTS.md, 2026-12-06):
 # LoRA r 8 (q_proj, v_proj) and full fine-tuning, fp32, B 4 x T 128, 8 steps, 1 thread; prints
-# "ROUND MODE old|new TOKENS_PER_S" (the median of steps 3-8 in metrics.jsonl).
-# Usage: bench/oldnew_tiny.sh OLD_QTUNE NEW_QTUNE [ROUNDS]
+# "ROUND MODE old|new TOKENS_PER_S" (the median of steps 3 to the last in metrics.jsonl).
+# Usage: bench/oldnew_tiny.sh OLD_QTUNE NEW_QTUNE [ROUNDS [PRESET [B [T [STEPS]]]]]
+#   e.g. the 0.5B shape: bench/oldnew_tiny.sh old/qtune new/qtune 3 qwen2.5-0.5b 1 128 5
 set -euo pipefail
-old=$1 new=$2 rounds=${3:-4}
+old=$1 new=$2 rounds=${3:-4} preset=${4:-bench-tiny} mb=${5:-4} seq=${6:-128} steps=${7:-8}
+export QT_MB=$mb QT_SEQ=$seq QT_STEPS=$steps
 w=$(mktemp -d)
 cd "$w"
-"$old" init --out m --preset bench-tiny --seed 1 >/dev/null
+"$old" init --out m --preset "$preset" --seed 1 >/dev/null
 python3 - <<'PY'
-import json, random
+import json, os, random
+mb, seq, steps = (int(os.environ[k]) for k in ("QT_MB", "QT_SEQ", "QT_STEPS"))
 r = random.Random(1)
 with open("d.jsonl", "w") as f:
     for i in range(200):
-        f.write(json.dumps({"input_ids": [r.randrange(1000) for _ in range(128)]}) + "\n")
+        f.write(json.dumps({"input_ids": [r.randrange(1000) for _ in range(seq)]}) + "\n")
 for mode in ("lora", "full"):
     j = {"model": "m", "output_dir": "o_" + mode,
-         "data": {"train": "d.jsonl", "seq_len": 128, "packing": False, "shuffle": False},
-         "train": {"max_steps": 8, "log_steps": 1, "seed": 1, "save_steps": 0, "overwrite_output_dir": True},
-         "deepspeed": {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}}
+         "data": {"train": "d.jsonl", "seq_len": seq, "packing": False, "shuffle": False},
+         "train": {"max_steps": steps, "log_steps": 1, "seed": 1, "save_steps": 0, "overwrite_output_dir": True},
+         "deepspeed": {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": 1}}
     if mode == "lora":
         j["lora"] = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
     json.dump(j, open(mode + ".json", "w"))
