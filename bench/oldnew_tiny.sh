@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # Old binary against new on bench-tiny, alternating rounds (bench/RESULTS.md, 2026-12-06):
 # LoRA r 8 (q_proj, v_proj) and full fine-tuning, fp32, B 4 x T 128, 8 steps, 1 thread; prints
-# "ROUND MODE old|new TOKENS_PER_S" (the median of steps 3-8 in metrics.jsonl).
+# "ROUND MODE old|new TOKENS_PER_S loss LAST_LOSS load LOAD1" (the median of steps 3-8 in metrics.jsonl, the
+# last step's loss, the 1-minute load average after the run).
 # Usage: bench/oldnew_tiny.sh OLD_QTUNE NEW_QTUNE [ROUNDS]
+# Environment: PREC=bf16 (deepspeed "bf16": {"enabled": true}; default fp32), MODES="lora" (default "lora full"),
+# THREADS=2 (default 1), PRESET=qwen2.5-0.5b (default bench-tiny; the batch stays 4 x 128).
 set -euo pipefail
 old=$1 new=$2 rounds=${3:-4}
+prec=${PREC:-fp32} modes=${MODES:-lora full} threads=${THREADS:-1} preset=${PRESET:-bench-tiny}
 w=$(mktemp -d)
 cd "$w"
-"$old" init --out m --preset bench-tiny --seed 1 >/dev/null
-python3 - <<'PY'
-import json, random
+"$old" init --out m --preset "$preset" --seed 1 >/dev/null
+PREC=$prec python3 - <<'PY'
+import json, os, random
 r = random.Random(1)
 with open("d.jsonl", "w") as f:
     for i in range(200):
@@ -19,16 +23,18 @@ for mode in ("lora", "full"):
          "data": {"train": "d.jsonl", "seq_len": 128, "packing": False, "shuffle": False},
          "train": {"max_steps": 8, "log_steps": 1, "seed": 1, "save_steps": 0, "overwrite_output_dir": True},
          "deepspeed": {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}}
+    if os.environ["PREC"] == "bf16":
+        j["deepspeed"]["bf16"] = {"enabled": True}
     if mode == "lora":
         j["lora"] = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
     json.dump(j, open(mode + ".json", "w"))
 PY
-for r in $(seq "$rounds"); do for mode in lora full; do for which in old new; do
+for r in $(seq "$rounds"); do for mode in $modes; do for which in old new; do
   bin=$old; [ "$which" = new ] && bin=$new
-  OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "$bin" train "$mode.json" >/dev/null 2>&1
+  OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=1 "$bin" train "$mode.json" >/dev/null 2>&1
   echo "$r $mode $which $(python3 -c "
 import json, statistics
 l = [json.loads(x) for x in open('o_$mode/metrics.jsonl') if '\"loss\"' in x]
-print(statistics.median(m['tokens_per_s'] for m in l[2:]))")"
+print(statistics.median(m['tokens_per_s'] for m in l[2:]), 'loss', l[-1]['loss'], 'load', open('/proc/loadavg').read().split()[0])")"
 done; done; done
 rm -rf "$w"
