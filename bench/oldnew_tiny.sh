@@ -2,7 +2,8 @@
 # Old binary against new on bench-tiny, alternating rounds (bench/RESULTS.md, 2026-12-06):
 # LoRA r 8 (q_proj, v_proj) and full fine-tuning, fp32, B 4 x T 128, 8 steps, 1 thread; prints
 # "ROUND MODE old|new TOKENS_PER_S loss LAST_LOSS load LOAD1" (the median of steps 3-8 in metrics.jsonl, the
-# last step's loss, the 1-minute load average after the run).
+# last step's loss, the 1-minute load average after the run, the run's CPU seconds (user + system, load and
+# all 8 steps: on a busy machine a steadier measure of the work than the wall clock).
 # Usage: bench/oldnew_tiny.sh OLD_QTUNE NEW_QTUNE [ROUNDS]
 # Environment: PREC=bf16 (deepspeed "bf16": {"enabled": true}; default fp32), MODES="lora" (default "lora full"),
 # THREADS=2 (default 1), PRESET=qwen2.5-0.5b (default bench-tiny; the batch stays 4 x 128).
@@ -31,10 +32,12 @@ for mode in ("lora", "full"):
 PY
 for r in $(seq "$rounds"); do for mode in $modes; do for which in old new; do
   bin=$old; [ "$which" = new ] && bin=$new
-  OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=1 "$bin" train "$mode.json" >/dev/null 2>&1
+  OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=1 /usr/bin/time -f '%U %S' -o cpu.txt "$bin" train "$mode.json" \
+    >/dev/null 2>&1
   echo "$r $mode $which $(python3 -c "
 import json, statistics
 l = [json.loads(x) for x in open('o_$mode/metrics.jsonl') if '\"loss\"' in x]
-print(statistics.median(m['tokens_per_s'] for m in l[2:]), 'loss', l[-1]['loss'], 'load', open('/proc/loadavg').read().split()[0])")"
+print(statistics.median(m['tokens_per_s'] for m in l[2:]), 'loss', l[-1]['loss'], 'load', open('/proc/loadavg').read().split()[0],
+      'cpu_s', round(sum(map(float, open('cpu.txt').read().split()[-2:])), 2))")"
 done; done; done
 rm -rf "$w"
