@@ -11,7 +11,8 @@ export).
           buffers), so a difference of a few percent at this size favours llama.cpp.
   decode  `qtune generate` (decode tokens/s of 64 new tokens after 8 prompt ids) against
           `llama-bench -p 0 -n 64 -r 1 -mmp 0` (tg64).
-Both llama-bench runs read the weights into memory as qtune copies them (-mmp 0), not from the default file mapping.
+Both llama-bench runs read the weights into memory as qtune copies them (-mmp 0, or -lm none where llama-bench has
+--load-mode), not from the default file mapping.
 Which program goes first alternates from round to round. Every figure is printed with the 1-minute load average
 read just before it ran: on a shared machine the ratios of alternating rounds mean more than the absolute figures.
 
@@ -51,10 +52,17 @@ def qtune_run(a, folder, t, part, ids):
     return (len(ids) / o["prefill_s"] if part == "prompt" else o["decode_tokens_per_s"]), ld
 
 
+def no_mmap(exe):
+    """llama-bench's option that reads the weights into memory: `-mmp 0` until its `--load-mode` (de3ff81 has
+    only the latter, `-lm none`)."""
+    h = subprocess.run([exe, "--help"], capture_output=True, text=True)
+    return ["-lm", "none"] if "--load-mode" in h.stdout + h.stderr else ["-mmp", "0"]
+
+
 def llama_run(a, gguf, t, part):
     ld = load()
     pn = ["-p", str(a.prompt), "-n", "0"] if part == "prompt" else ["-p", "0", "-n", "64"]
-    p = subprocess.run([a.llama_bench, "-m", gguf, *pn, "-t", str(t), "-r", "1", "-o", "json", "-mmp", "0"],
+    p = subprocess.run([a.llama_bench, "-m", gguf, *pn, "-t", str(t), "-r", "1", "-o", "json", *a.no_mmap],
                        capture_output=True, text=True, env=env(t), check=True)
     o = json.loads(p.stdout)[0]
     return o["avg_ts"], ld, o.get("build_commit"), o.get("cpu_info")
@@ -71,6 +79,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens of the prompt part (llama-bench -p)")
     ap.add_argument("--json", help="also write every figure here")
     a = ap.parse_args()
+    a.no_mmap = no_mmap(a.llama_bench)
     models = [(m.split("=", 1)[0], *m.split("=", 1)[1].split(",")) for m in a.model]
     parts = a.parts.split(",")
     for p in parts:
