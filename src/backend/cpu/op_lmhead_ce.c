@@ -72,6 +72,22 @@ static void chunk_logits16(float *logits, float *wbuf, const float *x, const uin
 #pragma omp barrier
 }
 
+/* chunk_logits on the bf16 GEMM (x16: x as bf16) that also leaves the chunk's
+ * rows in f32 in wbuf, for a product that needs them (forward_dx's dx): each
+ * thread converts its slice of the rows and multiplies its slice of the
+ * logits, on sgemm over the converted rows where oneDNN refuses. */
+static const float *chunk_logits16_rows(float *logits, float *wbuf, const float *x, const uint16_t *x16,
+                                        const void *w, int v0, int cv, int N, int C) {
+    int a, b;
+    const float *wc = chunk_weights(wbuf, w, QT_BF16, v0, cv, C, &a, &b);
+    if (b > a && op_dnnl_bf16_gemm_ld(logits + a, cv, x16, C, 0, (const uint16_t *)w + (size_t)(v0 + a) * C, C, 1,
+                                      NULL, N, b - a, C, 1.0f, 0) != QT_OK)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, b - a, C, 1.0f, x, C, wc + (size_t)a * C, C, 0.0f,
+                    logits + a, cv);
+#pragma omp barrier
+    return wc;
+}
+
 /* The per-row running statistics of a forward walk, after the logits and
  * weight chunks in ws (the doubles first: N * CHUNK + CHUNK * C is even, so
  * they stay 8-byte aligned), reset: sum 0, max -FLT_MAX, target logit 0.
@@ -224,13 +240,26 @@ void op_lmhead_ce_forward_dx(float *loss, float *lse, float *dx, const float *x,
     double *sum;
     float *acc = ce_stats(ws, N, C, &sum, &mx, &tl), *corr = acc + (size_t)N * C;
     memset(acc, 0, sizeof(float) * (size_t)N * C);
+    /* A bf16 table and a bf16-exact x (bf16 LoRA training's rounded final norm): the logits on the bf16 GEMM, as
+     * ce_forward does; the dx product stays fp32 (p is not bf16) and still needs the chunk's rows in f32. x as
+     * bf16 takes the first rows (16 at a time) of the weight chunk's floats, which then holds that many fewer
+     * vocabulary rows; where fewer than 512 would be left (N above ~3000), the fp32 path. */
+    int chunk = OP_CE_CHUNK;
+    uint16_t *x16 = NULL;
+    const int x16_rows = ((N + 1) / 2 + 15) / 16 * 16; /* N * C bf16 values = N / 2 rows of C floats */
+    if (wdt == QT_BF16 && OP_CE_CHUNK - x16_rows >= 512 && op_bf16_operand(x, (size_t)N * C, (uint16_t *)wbuf)) {
+        x16 = (uint16_t *)wbuf;
+        wbuf += (size_t)x16_rows * C;
+        chunk = OP_CE_CHUNK - x16_rows;
+    }
 #pragma omp parallel
     {
         int nt = omp_get_num_threads(), id = omp_get_thread_num(), a, b;
         op_split(C, nt, id, 16, &a, &b);
-        for (int v0 = 0; v0 < V; v0 += OP_CE_CHUNK) {
-            int cv = V - v0 < OP_CE_CHUNK ? V - v0 : OP_CE_CHUNK;
-            const float *wc = chunk_logits(logits, wbuf, x, w, wdt, v0, cv, N, C);
+        for (int v0 = 0; v0 < V; v0 += chunk) {
+            int cv = V - v0 < chunk ? V - v0 : chunk;
+            const float *wc = x16 ? chunk_logits16_rows(logits, wbuf, x, x16, w, v0, cv, N, C)
+                                  : chunk_logits(logits, wbuf, x, w, wdt, v0, cv, N, C);
 #pragma omp for schedule(static)
             for (int n = 0; n < N; n++) {
                 float *l = logits + (size_t)n * cv;
@@ -259,7 +288,7 @@ void op_lmhead_ce_forward_dx(float *loss, float *lse, float *dx, const float *x,
             int t = targets[n];
             loss[n] = t == QT_IGNORE_INDEX ? 0.0f : lse[n] - tl[n];
             if (t == QT_IGNORE_INDEX) continue;
-            float *row = wbuf + (size_t)id * C; /* the weight chunk is free now (team <= OP_CE_CHUNK) */
+            float *row = wbuf + (size_t)id * C; /* the weight chunk is free now (team <= its rows) */
             qt_convert_to_f32(row, (const char *)w + (size_t)t * C * qt_dtype_size(wdt), wdt, (size_t)C);
             float inv = (float)(1.0 / sum[n]);
             const float *r = acc + (size_t)n * C;

@@ -423,6 +423,19 @@ static void test_dnnl_bf16_gemm_layouts(void **state) {
     assert_memory_equal(c, c0, sizeof c);
 }
 
+/* The bf16 GEMMs of the lm_head's logits for N rows: one per thread's slice
+ * of each vocabulary chunk; LoRA's forward + dx walk (fused) has x as bf16
+ * in its first ceil(N / 2) rows (16 at a time) of the chunk's weights. */
+static long lmhead_gemms(int N, int fused) {
+    const int chunk = fused ? OP_CE_CHUNK - ((N + 1) / 2 + 15) / 16 * 16 : OP_CE_CHUNK, nt = omp_get_max_threads();
+    long n = 0;
+    for (int v0 = 0; v0 < cfg.vocab_size; v0 += chunk) {
+        int cv = cfg.vocab_size - v0 < chunk ? cfg.vocab_size - v0 : chunk;
+        for (int id = 0, a, e; id < nt; id++) op_split(cv, nt, id, 16, &a, &e), n += e > a;
+    }
+    return n;
+}
+
 /* Native bf16 (AVX512_BF16 and oneDNN): the layers' forward, input-gradient
  * and (full fine-tuning) weight-gradient products run on oneDNN's bf16 GEMM,
  * exactly as many as the graph has (counted), and the loss and gradients
@@ -464,13 +477,9 @@ static void test_bf16_native_matches_emulated(void **state) {
         unsetenv("QTUNE_BF16_EMULATE");
         /* full: forward, dx and dW of 7 linears a layer, and the lm_head's logits (its forward keeps them,
          * op_lmhead_ce_forward_keep): one GEMM per thread's slice of each vocabulary chunk; LoRA: forward
-         * and dx, but layer 0's q/k/v need no dx (its lm_head forward is fused with dx, on sgemm) */
-        long lm = 0;
-        for (int v0 = 0; v0 < cfg.vocab_size; v0 += OP_CE_CHUNK) {
-            int cv = cfg.vocab_size - v0 < OP_CE_CHUNK ? cfg.vocab_size - v0 : OP_CE_CHUNK, nt = omp_get_max_threads();
-            for (int id = 0, a, e; id < nt; id++) op_split(cv, nt, id, 16, &a, &e), lm += e > a;
-        }
-        assert_int_equal(runs[0], lora ? (long)L * 14 - 3 : (long)L * 21 + lm);
+         * and dx, but layer 0's q/k/v need no dx, and the logits of the lm_head's forward fused with dx */
+        assert_int_equal(runs[0],
+                         lora ? (long)L * 14 - 3 + lmhead_gemms(B * T, 1) : (long)L * 21 + lmhead_gemms(B * T, 0));
         assert_int_equal(runs[1], 0);
         assert_true(isfinite(loss[0]) && fabs(loss[0] - loss[1]) <= 1e-5 * fabs(loss[1]));
         size_t n = qt_model_numel(m[0]);
@@ -623,8 +632,9 @@ static void test_qlora_bf16_on_the_gemm(void **state) {
             runs[off] = op_dnnl_bf16_runs() - before;
             unsetenv("QTUNE_BF16_GEMM");
         }
-        /* forward 7 a layer (twice with checkpointing: the recompute), dx 7 a layer less layer 0's q/k/v */
-        assert_int_equal(runs[0], (long)L * 7 * (ckpt ? 2 : 1) + (long)L * 7 - 3);
+        /* forward 7 a layer (twice with checkpointing: the recompute), dx 7 a layer less layer 0's q/k/v, the
+         * lm_head's logits */
+        assert_int_equal(runs[0], (long)L * 7 * (ckpt ? 2 : 1) + (long)L * 7 - 3 + lmhead_gemms(2 * 16, 1));
         assert_int_equal(runs[1], 0);
         assert_true(isfinite(loss[0]) && fabs(loss[0] - loss[1]) <= 1e-5 * fabs(loss[1]));
         size_t n = qt_model_numel(m[0]);
@@ -640,10 +650,11 @@ static void test_qlora_bf16_on_the_gemm(void **state) {
     }
 }
 
-/* The lm_head + cross-entropy forward (op_lmhead_ce_forward, _keep) on a bf16
- * table with a bf16-exact x: its logits on the bf16 GEMM where the CPU has it
- * (counted), loss and lse equal to the fp32 path's (QTUNE_BF16_GEMM=off) to
- * fp32 rounding; a non-exact x takes the fp32 path. Several vocabulary
+/* The lm_head + cross-entropy forward (op_lmhead_ce_forward, _keep) and
+ * LoRA's forward + dx walk (op_lmhead_ce_forward_dx) on a bf16 table with a
+ * bf16-exact x: their logits on the bf16 GEMM where the CPU has it
+ * (counted), loss, lse and dx equal to the fp32 path's (QTUNE_BF16_GEMM=off)
+ * to fp32 rounding; a non-exact x takes the fp32 path. Several vocabulary
  * chunks, a last one partial. */
 static void test_lmhead_bf16_gemm_path(void **state) {
     (void)state;
@@ -676,6 +687,27 @@ static void test_lmhead_bf16_gemm_path(void **state) {
             assert_true(fabsf(loss[0][n] - loss[1][n]) <= 1e-5f * (fabsf(lse[1][n]) + 1.0f));
         }
         assert_true(loss[0][3] == 0.0f);
+        /* forward_dx: the same loss and lse, and dx += 0.5 * (softmax - onehot) @ W */
+        float *dx = calloc(2 * (size_t)N * C, sizeof(float));
+        assert_non_null(dx);
+        for (int off = 0; off < 2; off++) {
+            if (off) setenv("QTUNE_BF16_GEMM", "off", 1);
+            long before = op_dnnl_bf16_runs();
+            op_lmhead_ce_forward_dx(loss[off], lse[off], dx + (size_t)off * N * C, x, w, QT_BF16, targets, 0.5f, N, C,
+                                    V, ws);
+            runs[off] = op_dnnl_bf16_runs() - before;
+            unsetenv("QTUNE_BF16_GEMM");
+        }
+        assert_int_equal(runs[0] > 0, exact && avail);
+        assert_int_equal(runs[1], 0);
+        for (int n = 0; n < N; n++) {
+            assert_true(fabsf(lse[0][n] - lse[1][n]) <= 1e-5f * (fabsf(lse[1][n]) + 1.0f));
+            assert_true(fabsf(loss[0][n] - loss[1][n]) <= 1e-5f * (fabsf(lse[1][n]) + 1.0f));
+        }
+        for (int i = 0; i < N * C; i++)
+            assert_true(fabsf(dx[i] - dx[N * C + i]) <= 1e-5f * (fabsf(dx[N * C + i]) + 1.0f));
+        for (int i = 3 * C; i < 4 * C; i++) assert_true(dx[i] == 0.0f); /* the ignored row */
+        free(dx);
     }
     free(w), free(x), free(ws);
 }
