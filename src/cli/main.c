@@ -7,6 +7,7 @@
 #include "core/log.h"
 #include "qtune_config.h"
 
+#include <cblas.h>
 #include <omp.h>
 #include <sched.h>
 #include <stdio.h>
@@ -47,11 +48,49 @@ static const struct {
  * before main runs (and glibc resets the environment after an executable's
  * .preinit_array), so the process sets it and executes itself again, once:
  * the second time the variable is set. If the exec fails, qtune runs on with
- * libgomp's default. */
+ * libgomp's default. OpenBLAS's kernels (below) are chosen the same way. */
 #define QT_GOMP_SPINCOUNT "3000"
-static void omp_wait_default(char **argv) {
-    if (getenv("OMP_WAIT_POLICY") || getenv("GOMP_SPINCOUNT")) return;
-    if (setenv("GOMP_SPINCOUNT", QT_GOMP_SPINCOUNT, 0) != 0) return;
+
+/* OpenBLAS picks its kernels once, when it loads, from the CPU it recognises:
+ * a DYNAMIC_ARCH build older than the CPU (Debian 12's 0.3.21 on a Sapphire
+ * Rapids-class Xeon) does not know the model and falls back to its SSE3
+ * "Prescott" kernels, about a quarter of the machine's fp32 GEMM rate
+ * (bench/RESULTS.md, 2026-12-06: a 1024 sgemm, 28-29 against 124-133 GFLOP
+ * per CPU-second). Where the CPU has AVX-512 (F, BW, VL, DQ) or AVX2 + FMA and
+ * OpenBLAS chose a core without them, the process names the right one in
+ * OPENBLAS_CORETYPE and executes itself again, as for GOMP_SPINCOUNT below;
+ * QTUNE_BLAS_CORE_WAS keeps the core OpenBLAS had chosen, so `qtune doctor`
+ * says what was changed. A user's own OPENBLAS_CORETYPE is never touched. */
+static const char *blas_core_wanted(void) {
+    if (getenv("OPENBLAS_CORETYPE")) return NULL;
+    const char *have = openblas_get_corename();
+    if (!have) return NULL;
+    static const char *const avx512_cores[] = {"SkylakeX", "Cooperlake", "SapphireRapids"};
+    static const char *const avx2_cores[] = {"Haswell", "Zen", "SkylakeX", "Cooperlake", "SapphireRapids"};
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+        for (size_t i = 0; i < sizeof avx512_cores / sizeof *avx512_cores; i++)
+            if (!strcasecmp(have, avx512_cores[i])) return NULL;
+        if (!strcasecmp(have, "Zen")) return NULL; /* AMD's AVX-512 parts: OpenBLAS's own choice */
+        return __builtin_cpu_supports("avx512bf16") ? "Cooperlake" : "SkylakeX";
+    }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        for (size_t i = 0; i < sizeof avx2_cores / sizeof *avx2_cores; i++)
+            if (!strcasecmp(have, avx2_cores[i])) return NULL;
+        return "Haswell";
+    }
+    return NULL;
+}
+
+static void exec_with_defaults(char **argv) {
+    const int spin = !getenv("OMP_WAIT_POLICY") && !getenv("GOMP_SPINCOUNT");
+    const char *core = blas_core_wanted();
+    if (!spin && !core) return;
+    if (spin && setenv("GOMP_SPINCOUNT", QT_GOMP_SPINCOUNT, 0) != 0) return;
+    if (core && (setenv("QTUNE_BLAS_CORE_WAS", openblas_get_corename(), 1) != 0 ||
+                 setenv("OPENBLAS_CORETYPE", core, 0) != 0))
+        return;
     /* With OMP_PROC_BIND set, libgomp has already pinned this thread to its
      * first place, and exec keeps that mask: the second process would see
      * one CPU and put every thread on it (about half the speed at 2
@@ -102,7 +141,7 @@ static void usage(FILE *out) {
 }
 
 int main(int argc, char **argv) {
-    omp_wait_default(argv);
+    exec_with_defaults(argv);
     const char *lvl = getenv("QTUNE_LOG");
     if (lvl && !strcasecmp(lvl, "debug")) qt_log_set_level(QT_LOG_DEBUG);
     else if (lvl && !strcasecmp(lvl, "quiet")) qt_log_set_level(QT_LOG_WARN);

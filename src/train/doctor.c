@@ -191,6 +191,11 @@ int qt_doctor_environment(FILE *f, int ranks) {
     fprintf(f, "blas       %s; %s threading, %d thread%s\n", cfg ? cfg : "?",
             par == 0 ? "single" : par == 1 ? "pthreads" : "OpenMP", openblas_get_num_threads(),
             openblas_get_num_threads() == 1 ? "" : "s");
+    const char *was = getenv("QTUNE_BLAS_CORE_WAS");
+    if (was && *was)
+        fprintf(f, "           OpenBLAS took its %s kernels on this CPU; qtune set OPENBLAS_CORETYPE=%s (the CPU's "
+                   "own instructions; set OPENBLAS_CORETYPE yourself to choose)\n",
+                was, getenv("OPENBLAS_CORETYPE") ? getenv("OPENBLAS_CORETYPE") : "?");
     const int omp = omp_get_max_threads();
     const char *omp_env = getenv("OMP_NUM_THREADS");
     fprintf(f, "openmp     %d thread%s per process (OMP_NUM_THREADS %s), %d rank%s on this host\n", omp,

@@ -34,6 +34,42 @@ def test_environment_report():
         assert key in p.stdout, f"{key} missing from:\n{p.stdout}"
 
 
+def _doctor_blas(**set_env):
+    """qtune doctor's OpenBLAS lines with OPENBLAS_CORETYPE / QTUNE_BLAS_CORE_WAS as given (else unset)."""
+    from conftest import QTUNE
+    e = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "QTUNE_BLAS_CORE_WAS")}
+    e.update(set_env)
+    p = subprocess.run([QTUNE, "doctor", "--no-table"], capture_output=True, text=True, env=e, timeout=120)
+    lines = p.stdout.splitlines()
+    i = next(k for k, l in enumerate(lines) if l.startswith("blas"))
+    return lines[i], (lines[i + 1] if i + 1 < len(lines) else "")
+
+
+WEAK_BLAS_CORES = {"prescott", "core2", "penryn", "dunnington", "nehalem", "atom", "sandybridge", "bulldozer",
+                   "piledriver", "steamroller", "excavator", "barcelona", "opteron", "katmai", "coppermine",
+                   "northwood", "banias"}
+
+
+def test_openblas_runs_the_cpus_own_kernels():
+    # Debian's OpenBLAS 0.3.21 does not know newer Xeons and falls back to its SSE3 "Prescott" kernels (a
+    # quarter of the fp32 GEMM rate): qtune names the CPU's core in OPENBLAS_CORETYPE and says so in doctor.
+    flags = next((l.split(":", 1)[1].split() for l in open("/proc/cpuinfo") if l.startswith("flags")), [])
+    if not {"avx2", "fma"} <= set(flags):
+        pytest.skip("this CPU has no AVX2 + FMA")
+    blas, note = _doctor_blas()
+    core = blas.split("DYNAMIC_ARCH")[-1].split()
+    core = [w for w in core if w not in ("NO_AFFINITY", "NO_LAPACKE")][0] if "DYNAMIC_ARCH" in blas else "?"
+    assert core.lower() not in WEAK_BLAS_CORES, blas
+    if "qtune set OPENBLAS_CORETYPE" in note:
+        assert "kernels on this CPU" in note and core in note, note
+
+
+def test_openblas_coretype_of_the_user_is_kept():
+    blas, note = _doctor_blas(OPENBLAS_CORETYPE="Haswell")
+    assert " Haswell " in blas, blas
+    assert "qtune set OPENBLAS_CORETYPE" not in note, note
+
+
 def test_good_job_exits_zero(tmp_path):
     job, _ = good_job(tmp_path)
     p = qtune("doctor", job, "--ranks", "1", check=0)
