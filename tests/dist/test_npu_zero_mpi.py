@@ -61,6 +61,7 @@ def train(d, name, n, device, mode, stage, accum=1):
     p = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300)
     text = p.stdout + p.stderr
     assert p.returncode == 0, f"{name}: {text[-3000:]}"
+    assert "without aclFinalize" not in text, text[-3000:]  # every rank finalizes CANN at its exit
     if n > 1:
         assert f"collectives over {'HCCL' if device == 'npu' else 'MPI'}" in text, text[-3000:]
         assert f"ZeRO stage {stage}" in text, text[-3000:]
