@@ -118,7 +118,17 @@ int qt_device_resolve(const char *spec, const char *where, qt_device *out) {
     char why[512];
     int count = qt_cuda_probe(why, sizeof why);
     if (count < 0) return QT_ERR(QT_EINVAL, "%s", why); /* a module the user named: never skipped for the CPU */
-    if (count <= 0 && kind == DEV_AUTO) {
+    if (count <= 0 && kind == DEV_AUTO) { /* then an Ascend NPU: CANN opened quietly, absent in a few ms */
+        char npu_why[512];
+        int npus = qt_ascend_probe(npu_why, sizeof npu_why);
+        if (npus > 0) {
+            out->backend = "npu";
+            out->index = npu_default_index(-1);
+            snprintf(out->note, sizeof out->note, "device auto -> npu:%d: no CUDA GPU, %d Ascend NPU%s visible%s",
+                     out->index < 0 ? 0 : out->index, npus, npus == 1 ? "" : "s",
+                     qt_device_local_rank() ? ", each rank takes the NPU of its local rank" : "");
+            return QT_OK;
+        }
         out->backend = "cpu";
         snprintf(out->note, sizeof out->note, "device auto -> cpu: %s", why);
         return QT_OK;

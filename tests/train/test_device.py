@@ -288,3 +288,38 @@ def test_npu_says_what_it_lacks(base):
                                                   "target_modules": ["q_proj"]})
     p = qtune("train", j, QTUNE_ASCEND_LIB=STANDIN)
     assert p.returncode == 0, p.stderr
+
+
+@pytest.mark.skipif(not NO_DRIVER, reason="an NVIDIA driver is here: auto may take a GPU before an NPU")
+def test_auto_prefers_a_visible_npu(base):
+    """"auto" (issue 45): no CUDA GPU, then an Ascend NPU when CANN loads and sees one (here the stand-in of
+    CANN's API, QTUNE_ACL_STANDIN_DEVICES of them), the note saying so; CANN absent, or no NPU seen, leaves the
+    CPU with the same note as before and not a word about CANN."""
+    assert os.path.exists(STANDIN), "build the tests first: %s is missing" % STANDIN
+    j, _ = job(base, "auto_npu")
+    p = ok(qtune("train", j, QTUNE_ASCEND_LIB=STANDIN, QTUNE_ACL_STANDIN_DEVICES=2))
+    assert "| device npu:0" in run_line(p), p.stderr
+    assert "qtune: device auto -> npu:0: no CUDA GPU, 2 Ascend NPUs visible" in p.stderr, p.stderr
+    for i, env in enumerate(({"QTUNE_ASCEND_LIB": ""}, {"QTUNE_ASCEND_LIB": STANDIN, "QTUNE_ACL_STANDIN_DEVICES": 0})):
+        j, _ = job(base, "auto_nocard%d" % i)
+        p = ok(qtune("train", j, **env))
+        assert "| device cpu (1 thread)" in run_line(p), p.stderr
+        assert "qtune: device auto -> cpu: " + why_no_gpu_here() in p.stderr, p.stderr
+        quiet = ("CANN", "Ascend", "NPU", "npu:", "libascendcl", "acl", "warning")
+        assert not any(w in p.stderr for w in quiet), p.stderr
+
+
+def test_acl_finalize_at_exit(base):
+    """CANN's documentation: aclFinalize before the process exits. The stand-in says on stderr when a process
+    that called aclInit exits without it; no run says so: a train, an eval, and a run that stops with an error
+    after aclInit (an NPU number past the cards)."""
+    assert os.path.exists(STANDIN), "build the tests first: %s is missing" % STANDIN
+    j, _ = job(base, "npu_fin", "npu")
+    runs = [ok(qtune("train", j, QTUNE_ASCEND_LIB=STANDIN)),
+            ok(qtune("eval", "--model", os.path.join(base, "model"), "--data", os.path.join(base, "train.jsonl"),
+                     "--device", "npu", QTUNE_ASCEND_LIB=STANDIN)),
+            qtune("eval", "--model", os.path.join(base, "model"), "--data", os.path.join(base, "train.jsonl"),
+                  "--device", "npu:1", QTUNE_ASCEND_LIB=STANDIN)]
+    assert runs[2].returncode == 1 and "names NPU 1" in runs[2].stderr, runs[2].stderr
+    for p in runs:
+        assert "without aclFinalize" not in p.stderr, p.stderr

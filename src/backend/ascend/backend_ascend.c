@@ -1131,17 +1131,46 @@ int qt_ascend_library_check(void) { return qt_acl_load() ? QT_OK : qt_error_code
 
 static int acl_inited; /* aclInit may run once a process */
 
+/* aclFinalize "before the process exits" (acl.h's documentation, which
+ * advises against calling it from a destructor): registered once aclInit has
+ * succeeded, so it runs at exit before anything CANN registered during
+ * aclInit is torn down, after the backend's close (reset device) on a normal
+ * end, and on an error's exit too */
+static void acl_finalize_at_exit(void) {
+    const qt_acl_api *acl = qt_acl_load();
+    if (acl && acl_inited) acl->aclFinalize();
+    acl_inited = 0;
+}
+
+static int acl_init(const qt_acl_api *acl) {
+    if (acl_inited) return QT_OK;
+    int rc = acl->aclInit(NULL);
+    if (rc != ACL_SUCCESS && rc != ACL_ERROR_REPEAT_INITIALIZE)
+        return QT_ERR(QT_EUNSUPPORTED, "CANN's aclInit failed (error %d): the Ascend driver may be missing or "
+                      "stopped; run `npu-smi info` to see the cards", rc);
+    acl_inited = 1;
+    atexit(acl_finalize_at_exit);
+    return QT_OK;
+}
+
+int qt_ascend_probe(char *why, size_t cap) {
+    const qt_acl_api *acl = qt_acl_load();
+    uint32_t count = 0;
+    if (!acl || acl_init(acl) != QT_OK) {
+        snprintf(why, cap, "%s", qt_error_message());
+        qt_error_clear();
+        return 0;
+    }
+    if (acl->aclrtGetDeviceCount(&count) != ACL_SUCCESS || !count)
+        snprintf(why, cap, "CANN reports no Ascend NPU (ASCEND_RT_VISIBLE_DEVICES may hide them)"), count = 0;
+    return (int)count;
+}
+
 int qt_backend_ascend_open(int index, qt_backend **out) {
     *out = NULL;
     const qt_acl_api *acl = qt_acl_load();
     if (!acl) return qt_error_code();
-    if (!acl_inited) {
-        int rc = acl->aclInit(NULL);
-        if (rc != ACL_SUCCESS && rc != ACL_ERROR_REPEAT_INITIALIZE)
-            return QT_ERR(QT_EUNSUPPORTED, "CANN's aclInit failed (error %d): the Ascend driver may be missing or "
-                          "stopped; run `npu-smi info` to see the cards", rc);
-        acl_inited = 1;
-    }
+    QT_TRY(acl_init(acl));
     uint32_t count = 0;
     if (acl->aclrtGetDeviceCount(&count) != ACL_SUCCESS || count == 0)
         return QT_ERR(QT_EUNSUPPORTED, "no Ascend NPU is visible (CANN reports none; ASCEND_RT_VISIBLE_DEVICES may "

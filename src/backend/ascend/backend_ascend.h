@@ -20,6 +20,10 @@ const qt_backend_desc *qt_backend_ascend_desc(void);
  * function the backend calls; else the loader's error, raised (device.c
  * asks before the run starts, so a machine without CANN writes nothing). */
 int qt_ascend_library_check(void);
+/* For "auto": how many Ascend NPUs CANN sees (aclInit, then
+ * aclrtGetDeviceCount); 0, with why, where CANN's libraries do not load or
+ * see none. Raises nothing, so a machine without CANN stays quiet. */
+int qt_ascend_probe(char *why, size_t cap);
 /* The backend's table (backend_impl.h), every slot filled and written; 4-bit
  * weights, and the fused attention and embedding backward on a card
  * outside Atlas A2 / A3, are refused by name at their first call. */

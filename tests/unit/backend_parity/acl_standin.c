@@ -6,6 +6,8 @@
  * It keeps the documented rules, so the backend is held to them, not to
  * itself:
  *  - aclInit once (a second is ACL_ERROR_REPEAT_INITIALIZE); nothing before it;
+ *    aclFinalize before the process exits (a process that leaves it out says
+ *    so on stderr at its exit);
  *  - device memory is its own blocks: a memcpy whose kind does not match the
  *    pointers, or that runs past a block or destMax, is ACL_ERROR_INVALID_PARAM;
  *    new device memory holds NaN bytes, so an unset read shows;
@@ -107,6 +109,14 @@ VIS aclError aclInit(const char *configPath) {
 VIS aclError aclFinalize(void) {
     inited = 0;
     return ACL_SUCCESS;
+}
+/* acl.h's documentation: the process calls aclFinalize before it exits, else
+ * the exit may fail. A process that leaves it out says so on stderr here
+ * (this runs at exit, after the program's atexit handlers). */
+__attribute__((destructor)) static void finalize_checked(void) {
+    if (inited)
+        fprintf(stderr, "acl stand-in: the process exits after aclInit without aclFinalize (CANN's documentation: "
+                        "call aclFinalize before the process exits)\n");
 }
 VIS const char *aclrtGetSocName(void) { return inited ? soc() : NULL; }
 VIS aclError aclrtGetDeviceCount(uint32_t *count) {
