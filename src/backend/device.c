@@ -40,7 +40,7 @@ static int parse(const char *spec, int *n) {
 int qt_device_check(const char *spec, const char *where) {
     int n;
     if (parse(spec, &n) < 0)
-        return QT_ERR(QT_EINVAL, "%s \"%s\" is not a device; use \"auto\" (a GPU when one is visible, else the CPU), "
+        return QT_ERR(QT_EINVAL, "%s \"%s\" is not a device; use \"auto\" (a GPU, else an Ascend NPU, else the CPU), "
                       "\"cpu\", \"cuda\", \"cuda:N\" (GPU N, from 0), \"npu\" or \"npu:N\" (Ascend NPU N)", where, spec);
     return QT_OK;
 }

@@ -64,8 +64,8 @@ static void generate_help(void) {
            "                     step for all of them (default 1); greedy replies equal separate runs'\n"
            "  --json             print one JSON object per reply instead of streaming: prompt_ids, ids,\n"
            "                     text, stop, prefill_s, decode_s, decode_tokens_per_s\n"
-           "  --device D         auto (default: a GPU when one is visible, else the CPU), cpu, cuda,\n"
-           "                     cuda:N (GPU N); QTUNE_BACKEND, when set, wins\n");
+           "  --device D         auto (default: a GPU, else an Ascend NPU, else the CPU), cpu, cuda,\n"
+           "                     cuda:N (GPU N), npu, npu:N; QTUNE_BACKEND, when set, wins\n");
 }
 
 typedef struct {

@@ -1059,8 +1059,9 @@ static void a_dropout(qt_backend *be, float *dst, const float *src, size_t n, co
 
 /* ---- the table and the descriptor ---------------------------------------------- */
 /* Facts the memory plan reads. Not from CANN's documentation and not
- * measured: `qtune plan --device npu` is not written yet (issue 45), so
- * runtime_bytes is 0 until a card measures it; 512-byte alignment is what
+ * measured: `qtune plan --device npu` sizes with the Atlas 300T A2's card
+ * (src/train/plan_card.c), but runtime_bytes (CANN's own memory) is 0 until a
+ * card measures it; 512-byte alignment is what
  * this backend asks of nobody (aclrtMalloc's own alignment was not
  * confirmed) and only sizes the plan's padding. */
 static const qt_backend_desc ascend_desc = {
