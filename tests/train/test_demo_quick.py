@@ -39,10 +39,14 @@ def test_demo_data_is_generated(tmp_path):
     for r in train + held:
         words = r["prompt"][len("Reverse: "):-len(" =")].split()
         assert r["completion"] == " " + " ".join(reversed(words))
-    # the DPO stage's pairs: the same prompts, the reversed words chosen, another order of them rejected
+    # the DPO stage's pairs: the reversed words chosen, another order of them rejected; held out: the 20
+    # held-out prompts and 180 more that no stage trains on
     pref = [json.loads(l) for l in open(os.path.join(EX, "data", "demo-pref-eval.jsonl"))]
-    assert [r["prompt"] for r in pref] == [r["prompt"] for r in held]
-    for r in pref + [json.loads(l) for l in open(os.path.join(EX, "data", "demo-pref-train.jsonl"))]:
+    pref_train = [json.loads(l) for l in open(os.path.join(EX, "data", "demo-pref-train.jsonl"))]
+    assert len(pref) == 200 and [r["prompt"] for r in pref[:20]] == [r["prompt"] for r in held]
+    assert len({r["prompt"] for r in pref}) == 200
+    assert not {r["prompt"] for r in pref} & {r["prompt"] for r in train + pref_train}
+    for r in pref + pref_train:
         words = r["prompt"][len("Reverse: "):-len(" =")].split()
         assert r["chosen"] == " " + " ".join(reversed(words))
         assert r["rejected"] != r["chosen"] and sorted(r["rejected"].split()) == sorted(words)
@@ -72,7 +76,7 @@ def test_demo_two_stage_quick(tmp_path):
         "--set", "output_dir=" + dpo, "--set", "lora.init_from=" + os.path.join(out, "final"), *cache,
         "--set", "train.max_steps=2", "--set", "train.eval_steps=2", "--set", "train.save_steps=2")
     ev = [json.loads(l) for l in open(os.path.join(dpo, "metrics.jsonl")) if '"eval_loss"' in l]
-    assert [e["step"] for e in ev] == [0, 2] and all(e["eval_pairs"] == 20 for e in ev)
+    assert [e["step"] for e in ev] == [0, 2] and all(e["eval_pairs"] == 200 for e in ev)
     assert "eval_rewards/accuracies" in ev[0] and "eval_rewards/margins" in ev[-1]
 
 

@@ -9,8 +9,9 @@ import os
 
 import torch
 
-from test_train_pref import (B, R, T, adapter, encode, make_model, objective_loss, pairs, pytestmark,  # noqa: F401
-                             seq_logp, write_job, write_pairs)
+from test_train_pref import (B, R, T, adapter, encode, make_model, objective_loss, pairs, seq_logp, write_job,
+                             write_pairs)
+from test_train_pref import needs_qwen_tokenizer as pytestmark  # noqa: F401
 from trainutil import run, step_lines
 
 import qwen1_ref  # tests/ref (trainutil puts it on sys.path)

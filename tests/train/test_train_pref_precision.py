@@ -7,7 +7,8 @@ what was measured (2026-12-06, this CPU; the figures are beside TOL)."""
 import json
 import os
 
-from test_train_pref import adapter, make_model, pairs, pytestmark, write_job, write_pairs  # noqa: F401
+from test_train_pref import adapter, make_model, pairs, write_job, write_pairs
+from test_train_pref import needs_qwen_tokenizer as pytestmark  # noqa: F401
 from trainutil import run, step_lines
 
 STEPS = 4
