@@ -711,9 +711,21 @@ def main():
         if not os.path.exists(exe):
             sys.exit("%s is not built; run bench/run (it builds) or cmake --build %s" % (exe, a.build))
     os.makedirs(a.work, exist_ok=True)
+    # qtune names the CPU's own OpenBLAS kernels where the library fell back to older ones (docs/performance.md,
+    # item 6); PyTorch, bench_gemm and the sgemm tracer get the same OPENBLAS_CORETYPE, so both sides of every
+    # ratio run the same kernels.
+    blas_core = os.environ.get("OPENBLAS_CORETYPE")
+    if not blas_core:
+        d = subprocess.run([qtune, "doctor", "--no-table"], capture_output=True, text=True)
+        m = re.search(r"qtune set OPENBLAS_CORETYPE=(\w+)", d.stdout)
+        if m:
+            blas_core = os.environ["OPENBLAS_CORETYPE"] = m.group(1)
+            log("OpenBLAS fell back to older kernels on this CPU: OPENBLAS_CORETYPE=%s for every run, as qtune sets it"
+                % blas_core)
     import torch
     res = {"machine": machine_facts(a.build), "steps": steps, "warmup": a.warmup, "reps": reps,
-           "torch_version": torch.__version__, "command": " ".join(sys.argv), "bf16": a.bf16}
+           "torch_version": torch.__version__, "command": " ".join(sys.argv), "bf16": a.bf16,
+           "openblas_coretype": blas_core}
     bf16_run, bf16_why = bf16_plan(a.bf16)
     log("GEMM peak")
     res["peak"] = {str(k): v for k, v in gemm_peak(a.build, threads, reps).items()}
