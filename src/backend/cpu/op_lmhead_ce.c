@@ -58,34 +58,25 @@ static const float *chunk_logits(float *logits, float *wbuf, const float *x, con
 
 /* chunk_logits with x also as bf16 (x16) and a bf16 table: each thread's
  * slice on oneDNN's bf16 GEMM (single-threaded inside the region), or where
- * that is refused, on sgemm over the converted rows as chunk_logits does. */
-static void chunk_logits16(float *logits, float *wbuf, const float *x, const uint16_t *x16, const void *w, int v0,
-                           int cv, int N, int C) {
+ * that is refused, on sgemm over the converted rows as chunk_logits does.
+ * keep_rows: the chunk's rows are wanted in f32 in wbuf afterwards (forward_dx's
+ * dx product), so each thread converts its slice whichever GEMM runs. Returns
+ * wbuf (its rows valid after the barrier where keep_rows). */
+static const float *chunk_logits16(float *logits, float *wbuf, const float *x, const uint16_t *x16, const void *w,
+                                   int v0, int cv, int N, int C, int keep_rows) {
     int a, b;
     op_split(cv, omp_get_num_threads(), omp_get_thread_num(), 16, &a, &b);
+    const int rows = b > a && keep_rows;
+    if (rows) op_convert_rows_serial(wbuf + (size_t)a * C, w, QT_BF16, (size_t)(v0 + a), (size_t)(v0 + b), (size_t)C);
     if (b > a && op_dnnl_bf16_gemm_ld(logits + a, cv, x16, C, 0, (const uint16_t *)w + (size_t)(v0 + a) * C, C, 1,
                                       NULL, N, b - a, C, 1.0f, 0) != QT_OK) {
-        op_convert_rows_serial(wbuf + (size_t)a * C, w, QT_BF16, (size_t)(v0 + a), (size_t)(v0 + b), (size_t)C);
+        if (!rows)
+            op_convert_rows_serial(wbuf + (size_t)a * C, w, QT_BF16, (size_t)(v0 + a), (size_t)(v0 + b), (size_t)C);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, b - a, C, 1.0f, x, C, wbuf + (size_t)a * C, C, 0.0f,
                     logits + a, cv);
     }
 #pragma omp barrier
-}
-
-/* chunk_logits on the bf16 GEMM (x16: x as bf16) that also leaves the chunk's
- * rows in f32 in wbuf, for a product that needs them (forward_dx's dx): each
- * thread converts its slice of the rows and multiplies its slice of the
- * logits, on sgemm over the converted rows where oneDNN refuses. */
-static const float *chunk_logits16_rows(float *logits, float *wbuf, const float *x, const uint16_t *x16,
-                                        const void *w, int v0, int cv, int N, int C) {
-    int a, b;
-    const float *wc = chunk_weights(wbuf, w, QT_BF16, v0, cv, C, &a, &b);
-    if (b > a && op_dnnl_bf16_gemm_ld(logits + a, cv, x16, C, 0, (const uint16_t *)w + (size_t)(v0 + a) * C, C, 1,
-                                      NULL, N, b - a, C, 1.0f, 0) != QT_OK)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, b - a, C, 1.0f, x, C, wc + (size_t)a * C, C, 0.0f,
-                    logits + a, cv);
-#pragma omp barrier
-    return wc;
+    return wbuf;
 }
 
 /* The per-row running statistics of a forward walk, after the logits and
@@ -124,7 +115,7 @@ static void ce_forward(float *loss, float *lse, float *kept, const float *x, con
         int cv = V - v0 < OP_CE_CHUNK ? V - v0 : OP_CE_CHUNK;
         float *lc = kept ? kept + (size_t)N * v0 : logits;
         float *mc = kept ? kept + (size_t)N * V + (size_t)N * (size_t)(v0 / OP_CE_CHUNK) : NULL;
-        if (x16) chunk_logits16(lc, wbuf, x, x16, w, v0, cv, N, C);
+        if (x16) chunk_logits16(lc, wbuf, x, x16, w, v0, cv, N, C, 0);
         else chunk_logits(lc, wbuf, x, w, wdt, v0, cv, N, C);
 #pragma omp for schedule(static)
         for (int n = 0; n < N; n++) {
@@ -258,7 +249,7 @@ void op_lmhead_ce_forward_dx(float *loss, float *lse, float *dx, const float *x,
         op_split(C, nt, id, 16, &a, &b);
         for (int v0 = 0; v0 < V; v0 += chunk) {
             int cv = V - v0 < chunk ? V - v0 : chunk;
-            const float *wc = x16 ? chunk_logits16_rows(logits, wbuf, x, x16, w, v0, cv, N, C)
+            const float *wc = x16 ? chunk_logits16(logits, wbuf, x, x16, w, v0, cv, N, C, 1)
                                   : chunk_logits(logits, wbuf, x, w, wdt, v0, cv, N, C);
 #pragma omp for schedule(static)
             for (int n = 0; n < N; n++) {
