@@ -18,7 +18,7 @@ Usage (on a quiet machine; 4 ranks want 4 free cores x threads):
   /usr/bin/python3 bench/bench_zero.py --qtune build/src/cli/qtune \\
       [--shapes bench-tiny,qwen2.5-0.5b] [--ranks 1,2,4] [--stages 0,1,2] [--offload both|on|off]
       [--steps 4] [--seq-len 128] [--threads 1] [--precision fp32|fp16|bf16] [--mode full|lora]
-      [--memory-only] [--bucket E]
+      [--memory-only] [--bucket E] [--init-dtype f32|bf16]
       [--max-gib G] [--json OUT.json]
   /usr/bin/python3 bench/bench_zero.py --from-json OUT.json [--replan]    (the tables again)
 --memory-only runs 2 steps per case (peaks, no timing claims)."""
@@ -40,11 +40,11 @@ def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-def prepare(qtune, work, shape, T, steps, max_ranks):
-    d = os.path.join(work, shape)
+def prepare(qtune, work, shape, T, steps, max_ranks, dtype="f32"):
+    d = os.path.join(work, shape if dtype == "f32" else f"{shape}-{dtype}")
     if not os.path.exists(os.path.join(d, "model", "config.json")):
         os.makedirs(d, exist_ok=True)
-        subprocess.run([qtune, "init", "--preset", shape, "--dtype", "f32", "--out", os.path.join(d, "model"),
+        subprocess.run([qtune, "init", "--preset", shape, "--dtype", dtype, "--out", os.path.join(d, "model"),
                         "--force"], check=True, capture_output=True)
     V = json.load(open(os.path.join(d, "model", "config.json")))["vocab_size"]
     rng = np.random.default_rng(0)
@@ -206,6 +206,9 @@ def main():
     ap.add_argument("--bucket", type=float, help="reduce_bucket_size and allgather_bucket_size (default 5e8)")
     ap.add_argument("--memory-only", action="store_true")
     ap.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "qtune-bench-zero"))
+    ap.add_argument("--init-dtype", choices=["f32", "bf16"], default="f32",
+                    help="dtype of the weights file `qtune init` writes (bf16: half the mapped file, so the 0.5B "
+                         "shape fits 4 ranks at stage 2 on a 24 GB machine)")
     ap.add_argument("--max-gib", type=float,
                     help="skip a case whose planned memory over all its ranks (cpu_rank_bytes_per_rank) exceeds "
                          "this many GiB: it would not fit this machine (listed as skipped)")
@@ -236,7 +239,7 @@ def main():
         return
     print(HEAD, flush=True)
     for shape in a.shapes.split(","):
-        d = prepare(a.qtune, a.work, shape, a.seq_len, a.steps, max(ranks))
+        d = prepare(a.qtune, a.work, shape, a.seq_len, a.steps, max(ranks), a.init_dtype)
         for n in ranks:
             for stage in [int(s) for s in a.stages.split(",")]:
                 for off in offs:
