@@ -1,10 +1,12 @@
 /* The backend interface, as its callers see it: everything the model, the
  * optimizer, clipping, the loss scaler, ZeRO and the trainer do to tensor
- * memory goes through one of these calls. A backend is a read-only table of
- * function pointers chosen at run time (qt_backend_open: "cpu", "guard",
- * "cuda"); a new backend is one more folder under src/backend/ and one more
- * row in backend.c. backend_impl.h is the implementers' side: how a table is
- * declared and every op's contract (shapes, `+=` gradients, workspaces).
+ * memory goes through one of these calls, qt_be_NAME(be, ...). Behind each
+ * is a slot of a read-only table of function pointers chosen at run time
+ * (qt_backend_open: "cpu", "guard", "cuda", "npu"); a new backend is one more
+ * folder under src/backend/ and one more row in backend.c. The table itself
+ * (struct qt_backend) and every op's contract (shapes, `+=` gradients,
+ * workspaces) are in backend_impl.h, the implementers' header: a caller sees
+ * qt_backend as an opaque type and never includes it.
  *
  * Ownership (docs/architecture.md draws it):
  *  - memory of placement QT_MEM_DEVICE belongs to the backend: the host never
@@ -136,143 +138,141 @@ typedef struct {
 typedef struct qt_backend qt_backend;
 typedef struct qt_event qt_event;
 
-struct qt_backend {
-    const qt_backend_desc *desc;
-    void *impl; /* the backend's own state */
+/* What the model, the optimizer, ZeRO and the trainer call: each qt_be_NAME(be, ...) runs slot NAME of
+ * the backend's table (backend_impl.h declares the table; calls.c forwards). */
+/* The backend's plain facts (qt_backend_desc above). */
+const qt_backend_desc *qt_be_desc(const qt_backend *be);
 
-    /* ---- memory ----------------------------------------------------------- */
-    /* bytes of uninitialised memory in a placement (zero it with zero),
-     * aligned to desc->alignment; NULL (with QT_ERR raised, naming what) when
-     * out of memory. Pages are committed as they are first written, as with
-     * malloc, so a block the plan sizes for the worst case costs what is used. */
-    void *(*alloc)(qt_backend *be, qt_mem_place place, size_t bytes, const char *what);
-    void (*free)(qt_backend *be, void *p); /* NULL is a no-op */
-    /* A read-only host mapping (a tensor of the base's safetensors file) as the
-     * kernels read it; release with free (a no-op where it is the mapping). */
-    int (*import_mapped)(qt_backend *be, const void *host, size_t bytes, const void **dev, const char *what);
-    void (*release_mapped)(qt_backend *be, const void *dev); /* what import_mapped returned */
-    void (*upload)(qt_backend *be, void *dev, const void *host, size_t bytes);
-    void (*download)(qt_backend *be, void *host, const void *dev, size_t bytes);
-    void (*copy)(qt_backend *be, void *dst, const void *src, size_t bytes); /* device to device */
-    void (*zero)(qt_backend *be, void *dev, size_t bytes);
-    void (*sync)(qt_backend *be);
-    /* Events for overlap (e.g. a gradient bucket's reduction waits on the
-     * backward that wrote it): record marks the point in the stream, wait
-     * blocks the host until the stream passed it. */
-    qt_event *(*event_record)(qt_backend *be);
-    void (*event_wait)(qt_backend *be, qt_event *e);
-    void (*event_free)(qt_backend *be, qt_event *e);
+/* ---- memory ----------------------------------------------------------- */
+/* bytes of uninitialised memory in a placement (zero it with qt_be_zero),
+ * aligned to desc->alignment; NULL (with QT_ERR raised, naming what) when
+ * out of memory. Pages are committed as they are first written, as with
+ * malloc, so a block the plan sizes for the worst case costs what is used. */
+void *qt_be_alloc(qt_backend *be, qt_mem_place place, size_t bytes, const char *what);
+void qt_be_free(qt_backend *be, void *p); /* NULL is a no-op */
+/* A read-only host mapping (a tensor of the base's safetensors file) as the
+ * kernels read it; release with qt_be_release_mapped (a no-op where it is the mapping). */
+int qt_be_import_mapped(qt_backend *be, const void *host, size_t bytes, const void **dev, const char *what);
+void qt_be_release_mapped(qt_backend *be, const void *dev); /* what import_mapped returned */
+void qt_be_upload(qt_backend *be, void *dev, const void *host, size_t bytes);
+void qt_be_download(qt_backend *be, void *host, const void *dev, size_t bytes);
+void qt_be_copy(qt_backend *be, void *dst, const void *src, size_t bytes); /* device to device */
+void qt_be_zero(qt_backend *be, void *dev, size_t bytes);
+void qt_be_sync(qt_backend *be);
+/* Events for overlap (e.g. a gradient bucket's reduction waits on the
+ * backward that wrote it): record marks the point in the stream, wait
+ * blocks the host until the stream passed it. */
+qt_event *qt_be_event_record(qt_backend *be);
+void qt_be_event_wait(qt_backend *be, qt_event *e);
+void qt_be_event_free(qt_backend *be, qt_event *e);
 
-    /* ---- the model's ops (backend_impl.h states each one's contract) ------- */
-    void (*embedding_forward)(qt_backend *be, float *out, const int32_t *ids, const void *wte, qt_dtype wdt, int N,
-                              int C);
-    void (*embedding_backward)(qt_backend *be, float *dwte, const float *dout, const int32_t *ids, int N, int C);
-    void (*rmsnorm_forward)(qt_backend *be, float *out, float *rstd, const float *inp, const float *weight, int N,
-                            int C, float eps);
-    void (*rmsnorm_backward)(qt_backend *be, float *dinp, float *dweight, const float *dout, const float *inp,
-                             const float *weight, const float *rstd, int N, int C);
-    void (*matmul_forward)(qt_backend *be, float *out, const float *inp, const void *w, qt_dtype wdt,
-                           const float *bias, int N, int IN, int OUT, float alpha, int accumulate, float *ws);
-    void (*matmul_backward)(qt_backend *be, float *dinp, float *dweight, float *dbias, const float *dout,
-                            const float *inp, const void *w, qt_dtype wdt, int N, int IN, int OUT, float alpha,
-                            float *ws);
-    /* Decoding, one token for each of N sequences: out (N, OUT) = alpha *
-     * x (N, IN) @ W^T (W: OUT, IN) + bias (+ out with accumulate), each weight
-     * read once for all N rows, in its stored dtype; a row's result is the
-     * same bits whatever N (so --batch decodes as separate runs do). */
-    void (*matvec)(qt_backend *be, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N,
-                   int IN, int OUT, float alpha, int accumulate);
-    /* Several products of one input, as count matvec calls with alpha 1 and
-     * no accumulate (each out the same bits as that call's): for each k,
-     * o[k].out (N, o[k].OUT) = x (N, IN) @ o[k].w^T + o[k].bias. One job
-     * where the backend can (a decode step's q/k/v, and gate/up): a CPU
-     * thread goes from one product's rows to the next's without waiting for
-     * the others. o is host memory (the descriptors; their out, w and bias
-     * are the backend's). The outs must not overlap x or each other. */
-    void (*matvec_many)(qt_backend *be, const float *x, int N, int IN, int count, const qt_matvec_out *o);
-    /* RoPE, HF rotate-half, in place on x (N, NH, D): angle pos[n] * inv_freq[i]
-     * (an fp32 product), x[i] <- (x[i] cos - x[i+D/2] sin) * scale, x[i+D/2] <-
-     * (x[i+D/2] cos + x[i] sin) * scale. inv_freq (D/2 <= QT_ROPE_MAX_HALF
-     * floats) is HOST memory the model computed (qt_rope_inv_freq: the
-     * config's rope_scaling); scale is YaRN's attention factor, else 1. The
-     * backward applies the transposed rotation. */
-    void (*rope_forward)(qt_backend *be, float *x, const int32_t *pos, int N, int NH, int D, const float *inv_freq,
+/* ---- the model's ops (backend_impl.h states each one's contract) ----------- */
+void qt_be_embedding_forward(qt_backend *be, float *out, const int32_t *ids, const void *wte, qt_dtype wdt, int N,
+                             int C);
+void qt_be_embedding_backward(qt_backend *be, float *dwte, const float *dout, const int32_t *ids, int N, int C);
+void qt_be_rmsnorm_forward(qt_backend *be, float *out, float *rstd, const float *inp, const float *weight, int N, int C,
+                           float eps);
+void qt_be_rmsnorm_backward(qt_backend *be, float *dinp, float *dweight, const float *dout, const float *inp,
+                            const float *weight, const float *rstd, int N, int C);
+void qt_be_matmul_forward(qt_backend *be, float *out, const float *inp, const void *w, qt_dtype wdt, const float *bias,
+                          int N, int IN, int OUT, float alpha, int accumulate, float *ws);
+void qt_be_matmul_backward(qt_backend *be, float *dinp, float *dweight, float *dbias, const float *dout,
+                           const float *inp, const void *w, qt_dtype wdt, int N, int IN, int OUT, float alpha,
+                           float *ws);
+/* Decoding, one token for each of N sequences: out (N, OUT) = alpha *
+ * x (N, IN) @ W^T (W: OUT, IN) + bias (+ out with accumulate), each weight
+ * read once for all N rows, in its stored dtype; a row's result is the
+ * same bits whatever N (so --batch decodes as separate runs do). */
+void qt_be_matvec(qt_backend *be, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N,
+                  int IN, int OUT, float alpha, int accumulate);
+/* Several products of one input, as count matvec calls with alpha 1 and
+ * no accumulate (each out the same bits as that call's): for each k,
+ * o[k].out (N, o[k].OUT) = x (N, IN) @ o[k].w^T + o[k].bias. One job
+ * where the backend can (a decode step's q/k/v, and gate/up): a CPU
+ * thread goes from one product's rows to the next's without waiting for
+ * the others. o is host memory (the descriptors; their out, w and bias
+ * are the backend's). The outs must not overlap x or each other. */
+void qt_be_matvec_many(qt_backend *be, const float *x, int N, int IN, int count, const qt_matvec_out *o);
+/* RoPE, HF rotate-half, in place on x (N, NH, D): angle pos[n] * inv_freq[i]
+ * (an fp32 product), x[i] <- (x[i] cos - x[i+D/2] sin) * scale, x[i+D/2] <-
+ * (x[i+D/2] cos + x[i] sin) * scale. inv_freq (D/2 <= QT_ROPE_MAX_HALF
+ * floats) is HOST memory the model computed (qt_rope_inv_freq: the
+ * config's rope_scaling); scale is YaRN's attention factor, else 1. The
+ * backward applies the transposed rotation. */
+void qt_be_rope_forward(qt_backend *be, float *x, const int32_t *pos, int N, int NH, int D, const float *inv_freq,
+                        float scale);
+void qt_be_rope_backward(qt_backend *be, float *dx, const int32_t *pos, int N, int NH, int D, const float *inv_freq,
                          float scale);
-    void (*rope_backward)(qt_backend *be, float *dx, const int32_t *pos, int N, int NH, int D, const float *inv_freq,
-                          float scale);
-    void (*attention_forward)(qt_backend *be, float *out, float *lse, const float *q, const float *k, const float *v,
+void qt_be_attention_forward(qt_backend *be, float *out, float *lse, const float *q, const float *k, const float *v,
+                             const int32_t *doc_start, int B, int T, int H, int KV, int D);
+void qt_be_attention_backward(qt_backend *be, float *dq, float *dk, float *dv, const float *dout, const float *out,
+                              const float *lse, const float *q, const float *k, const float *v,
                               const int32_t *doc_start, int B, int T, int H, int KV, int D);
-    void (*attention_backward)(qt_backend *be, float *dq, float *dk, float *dv, const float *dout, const float *out,
-                               const float *lse, const float *q, const float *k, const float *v,
-                               const int32_t *doc_start, int B, int T, int H, int KV, int D);
-    void (*attention_forward_cached)(qt_backend *be, float *out, const float *q, const float *kc, const float *vc,
-                                     int n, int pos0, int H, int KV, int D);
-    void (*swiglu_forward)(qt_backend *be, float *out, const float *gate, const float *up, int N, int I);
-    void (*swiglu_backward)(qt_backend *be, float *dgate, float *dup, const float *dout, const float *gate,
-                            const float *up, int N, int I);
-    void (*lmhead_ce_forward)(qt_backend *be, float *loss, float *lse, const float *x, const void *w, qt_dtype wdt,
-                              const int32_t *targets, int N, int C, int V, float *ws);
-    void (*lmhead_ce_backward)(qt_backend *be, float *dx, float *dw, const float *x, const void *w, qt_dtype wdt,
-                               const int32_t *targets, const float *lse, float dscale, int N, int C, int V,
-                               float *ws);
-    void (*lmhead_ce_forward_keep)(qt_backend *be, float *loss, float *lse, float *kept, const float *x,
-                                   const void *w, qt_dtype wdt, const int32_t *targets, int N, int C, int V,
-                                   float *ws);
-    void (*lmhead_ce_backward_kept)(qt_backend *be, float *dx, float *dw, float *kept, const float *x, const void *w,
-                                    qt_dtype wdt, const int32_t *targets, const float *lse, float dscale, int N,
-                                    int C, int V, float *ws);
-    void (*lmhead_ce_forward_dx)(qt_backend *be, float *loss, float *lse, float *dx, const float *x, const void *w,
-                                 qt_dtype wdt, const int32_t *targets, float dscale, int N, int C, int V, float *ws);
-    void (*acc)(qt_backend *be, float *out, const float *a, size_t n); /* out += a */
-    /* Runs fn(arg) on the calling thread and returns its result, with the
-     * backend's host threads held ready for the ops fn calls in between: for
-     * a run of many small ops (a decode step of few rows), where the threads'
-     * start for each op would cost more than the op. The cpu backend holds
-     * its OpenMP team (backend/cpu/team.h); backends whose work runs on a
-     * device call fn(arg). */
-    int (*hold_threads)(qt_backend *be, int (*fn)(void *arg), void *arg);
+void qt_be_attention_forward_cached(qt_backend *be, float *out, const float *q, const float *kc, const float *vc, int n,
+                                    int pos0, int H, int KV, int D);
+void qt_be_swiglu_forward(qt_backend *be, float *out, const float *gate, const float *up, int N, int I);
+void qt_be_swiglu_backward(qt_backend *be, float *dgate, float *dup, const float *dout, const float *gate,
+                           const float *up, int N, int I);
+void qt_be_lmhead_ce_forward(qt_backend *be, float *loss, float *lse, const float *x, const void *w, qt_dtype wdt,
+                             const int32_t *targets, int N, int C, int V, float *ws);
+void qt_be_lmhead_ce_backward(qt_backend *be, float *dx, float *dw, const float *x, const void *w, qt_dtype wdt,
+                              const int32_t *targets, const float *lse, float dscale, int N, int C, int V, float *ws);
+void qt_be_lmhead_ce_forward_keep(qt_backend *be, float *loss, float *lse, float *kept, const float *x, const void *w,
+                                  qt_dtype wdt, const int32_t *targets, int N, int C, int V, float *ws);
+void qt_be_lmhead_ce_backward_kept(qt_backend *be, float *dx, float *dw, float *kept, const float *x, const void *w,
+                                   qt_dtype wdt, const int32_t *targets, const float *lse, float dscale, int N, int C,
+                                   int V, float *ws);
+void qt_be_lmhead_ce_forward_dx(qt_backend *be, float *loss, float *lse, float *dx, const float *x, const void *w,
+                                qt_dtype wdt, const int32_t *targets, float dscale, int N, int C, int V, float *ws);
+void qt_be_acc(qt_backend *be, float *out, const float *a, size_t n); /* out += a */
+/* Runs fn(arg) on the calling thread and returns its result, with the
+ * backend's host threads held ready for the ops fn calls in between: for
+ * a run of many small ops (a decode step of few rows), where the threads'
+ * start for each op would cost more than the op. The cpu backend holds
+ * its OpenMP team (backend/cpu/team.h); backends whose work runs on a
+ * device call fn(arg). */
+int qt_be_hold_threads(qt_backend *be, int (*fn)(void *arg), void *arg);
 
-    /* ---- precision (backend_impl.h: the rounding each does) ------------------- */
-    void (*round_to_dtype)(qt_backend *be, float *x, size_t n, qt_dtype dt);
-    void (*round_store)(qt_backend *be, float *x, uint16_t *dst, size_t n, qt_dtype dt);
-    void (*convert)(qt_backend *be, void *dst, qt_dtype ddt, const void *src, qt_dtype sdt, size_t n);
-    /* Native 16-bit GEMMs (bf16 or f16 inputs, dt; fp32 accumulation and
-     * output): half_available says whether they run here for dt (probe once,
-     * at load); each call returns QT_OK or QT_EUNSUPPORTED with its output
-     * untouched (the model then takes the fp32 op). The products of two
-     * 16-bit values are exact in fp32, so only the summation order differs
-     * from fp32 sgemm on the same values. Forms in backend_impl.h:
-     * the cpu backend has bf16 (oneDNN, where the CPU has AVX512_BF16), cuda
-     * both (the tensor cores). */
-    int (*half_available)(qt_backend *be, qt_dtype dt);
-    int (*half_matmul)(qt_backend *be, qt_dtype dt, float *out, const uint16_t *inp, const uint16_t *w,
-                       const float *bias, int N, int IN, int OUT, float alpha);
-    int (*half_gemm)(qt_backend *be, qt_dtype dt, float *C, const uint16_t *A, int ta, const uint16_t *B, int tb,
-                     const float *bias, int M, int N, int K, float alpha, int acc);
+/* ---- precision (backend_impl.h: the rounding each does) ------------------- */
+void qt_be_round_to_dtype(qt_backend *be, float *x, size_t n, qt_dtype dt);
+void qt_be_round_store(qt_backend *be, float *x, uint16_t *dst, size_t n, qt_dtype dt);
+void qt_be_convert(qt_backend *be, void *dst, qt_dtype ddt, const void *src, qt_dtype sdt, size_t n);
+/* Native 16-bit GEMMs (bf16 or f16 inputs, dt; fp32 accumulation and
+ * output): half_available says whether they run here for dt (probe once,
+ * at load); each call returns QT_OK or QT_EUNSUPPORTED with its output
+ * untouched (the model then takes the fp32 op). The products of two
+ * 16-bit values are exact in fp32, so only the summation order differs
+ * from fp32 sgemm on the same values. Forms in backend_impl.h:
+ * the cpu backend has bf16 (oneDNN, where the CPU has AVX512_BF16), cuda
+ * both (the tensor cores). */
+int qt_be_half_available(qt_backend *be, qt_dtype dt);
+int qt_be_half_matmul(qt_backend *be, qt_dtype dt, float *out, const uint16_t *inp, const uint16_t *w,
+                      const float *bias, int N, int IN, int OUT, float alpha);
+int qt_be_half_gemm(qt_backend *be, qt_dtype dt, float *C, const uint16_t *A, int ta, const uint16_t *B, int tb,
+                    const float *bias, int M, int N, int K, float alpha, int acc);
 
-    /* ---- LoRA dropout ------------------------------------------------------ */
-    /* dst[i] = src[i] kept by key's mask (qt_dropout_u24 >= threshold) ?
-     * src[i] * keep_scale : 0, for i < n; dst may alias src. */
-    void (*dropout)(qt_backend *be, float *dst, const float *src, size_t n, const qt_dropout_key *key,
-                    uint32_t threshold, float keep_scale);
+/* ---- LoRA dropout ------------------------------------------------------ */
+/* dst[i] = src[i] kept by key's mask (qt_dropout_u24 >= threshold) ?
+ * src[i] * keep_scale : 0, for i < n; dst may alias src. */
+void qt_be_dropout(qt_backend *be, float *dst, const float *src, size_t n, const qt_dropout_key *key,
+                   uint32_t threshold, float keep_scale);
 
-    /* ---- optimizer, clipping, loss scaler ---------------------------------- */
-    void (*adam)(qt_backend *be, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n);
-    /* Sum of squares in double, the same bits for any thread count (the
-     * gradient norm; it is finite iff every element is: the overflow check). */
-    double (*sum_squares)(qt_backend *be, const float *x, size_t n);
-    void (*scale)(qt_backend *be, float *x, size_t n, float s); /* x *= s */
+/* ---- optimizer, clipping, loss scaler ---------------------------------- */
+void qt_be_adam(qt_backend *be, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n);
+/* Sum of squares in double, the same bits for any thread count (the
+ * gradient norm; it is finite iff every element is: the overflow check). */
+double qt_be_sum_squares(qt_backend *be, const float *x, size_t n);
+void qt_be_scale(qt_backend *be, float *x, size_t n, float s); /* x *= s */
 
-    /* ---- facts only the running backend knows ------------------------------- */
-    size_t (*runtime_bytes)(qt_backend *be); /* desc->runtime_bytes (+ runtime_extra where in use) */
-    /* The most bytes of device memory (QT_MEM_DEVICE and _SPARSE allocations,
-     * the backend's own buffers included) held at once since open; 0 where
-     * device memory is host memory (cpu: the peak RSS measures it). What
-     * metrics.jsonl's device_peak_bytes reports, against qtune plan's
-     * per-device total. */
-    size_t (*device_peak_bytes)(qt_backend *be);
-    void (*close)(qt_backend *be);
-};
+/* ---- facts only the running backend knows ------------------------------- */
+size_t qt_be_runtime_bytes(qt_backend *be); /* desc->runtime_bytes (+ runtime_extra where in use) */
+/* The most bytes of device memory (QT_MEM_DEVICE and _SPARSE allocations,
+ * the backend's own buffers included) held at once since open; 0 where
+ * device memory is host memory (cpu: the peak RSS measures it). What
+ * metrics.jsonl's device_peak_bytes reports, against qtune plan's
+ * per-device total. */
+size_t qt_be_device_peak_bytes(qt_backend *be);
+void qt_be_close(qt_backend *be);
 
 /* The backends compiled in, by name ("cpu", "guard", "cuda"); NULL name: the
  * environment's QTUNE_BACKEND, else "cpu". QT_EINVAL naming the known ones

@@ -1,6 +1,7 @@
-/* For implementers of a backend: what every entry of backend.h's table must
- * do, and how a backend declares its table. The model, the optimizer and
- * the rest include backend.h only; a backend's folder includes this too.
+/* For implementers of a backend: the table (struct qt_backend, below), what
+ * every slot must do, and how a backend declares its table. The model, the
+ * optimizer and the rest include backend.h only and call qt_be_NAME, which
+ * forwards to slot NAME (calls.c); a backend's folder includes this too.
  *
  * A backend is one read-only table, written once with a name beside every
  * slot (ggml's `static const struct ggml_backend_i` form):
@@ -108,6 +109,95 @@
 #include <stddef.h>
 
 #include "backend/backend.h"
+
+/* The table: one slot for each qt_be_NAME of backend.h, the same parameters (the meaning of each is written
+ * there, beside its prototype, and in the contract above). */
+struct qt_backend {
+    const qt_backend_desc *desc;
+    void *impl; /* the backend's own state */
+
+    /* memory */
+    void *(*alloc)(qt_backend *be, qt_mem_place place, size_t bytes, const char *what);
+    void (*free)(qt_backend *be, void *p);
+    int (*import_mapped)(qt_backend *be, const void *host, size_t bytes, const void **dev, const char *what);
+    void (*release_mapped)(qt_backend *be, const void *dev);
+    void (*upload)(qt_backend *be, void *dev, const void *host, size_t bytes);
+    void (*download)(qt_backend *be, void *host, const void *dev, size_t bytes);
+    void (*copy)(qt_backend *be, void *dst, const void *src, size_t bytes);
+    void (*zero)(qt_backend *be, void *dev, size_t bytes);
+    void (*sync)(qt_backend *be);
+    qt_event *(*event_record)(qt_backend *be);
+    void (*event_wait)(qt_backend *be, qt_event *e);
+    void (*event_free)(qt_backend *be, qt_event *e);
+
+    /* the model's ops (each one's contract above) */
+    void (*embedding_forward)(qt_backend *be, float *out, const int32_t *ids, const void *wte, qt_dtype wdt, int N,
+                              int C);
+    void (*embedding_backward)(qt_backend *be, float *dwte, const float *dout, const int32_t *ids, int N, int C);
+    void (*rmsnorm_forward)(qt_backend *be, float *out, float *rstd, const float *inp, const float *weight, int N,
+                            int C, float eps);
+    void (*rmsnorm_backward)(qt_backend *be, float *dinp, float *dweight, const float *dout, const float *inp,
+                             const float *weight, const float *rstd, int N, int C);
+    void (*matmul_forward)(qt_backend *be, float *out, const float *inp, const void *w, qt_dtype wdt, const float *bias,
+                           int N, int IN, int OUT, float alpha, int accumulate, float *ws);
+    void (*matmul_backward)(qt_backend *be, float *dinp, float *dweight, float *dbias, const float *dout,
+                            const float *inp, const void *w, qt_dtype wdt, int N, int IN, int OUT, float alpha,
+                            float *ws);
+    void (*matvec)(qt_backend *be, float *out, const float *x, const void *w, qt_dtype wdt, const float *bias, int N,
+                   int IN, int OUT, float alpha, int accumulate);
+    void (*matvec_many)(qt_backend *be, const float *x, int N, int IN, int count, const qt_matvec_out *o);
+    void (*rope_forward)(qt_backend *be, float *x, const int32_t *pos, int N, int NH, int D, const float *inv_freq,
+                         float scale);
+    void (*rope_backward)(qt_backend *be, float *dx, const int32_t *pos, int N, int NH, int D, const float *inv_freq,
+                          float scale);
+    void (*attention_forward)(qt_backend *be, float *out, float *lse, const float *q, const float *k, const float *v,
+                              const int32_t *doc_start, int B, int T, int H, int KV, int D);
+    void (*attention_backward)(qt_backend *be, float *dq, float *dk, float *dv, const float *dout, const float *out,
+                               const float *lse, const float *q, const float *k, const float *v,
+                               const int32_t *doc_start, int B, int T, int H, int KV, int D);
+    void (*attention_forward_cached)(qt_backend *be, float *out, const float *q, const float *kc, const float *vc,
+                                     int n, int pos0, int H, int KV, int D);
+    void (*swiglu_forward)(qt_backend *be, float *out, const float *gate, const float *up, int N, int I);
+    void (*swiglu_backward)(qt_backend *be, float *dgate, float *dup, const float *dout, const float *gate,
+                            const float *up, int N, int I);
+    void (*lmhead_ce_forward)(qt_backend *be, float *loss, float *lse, const float *x, const void *w, qt_dtype wdt,
+                              const int32_t *targets, int N, int C, int V, float *ws);
+    void (*lmhead_ce_backward)(qt_backend *be, float *dx, float *dw, const float *x, const void *w, qt_dtype wdt,
+                               const int32_t *targets, const float *lse, float dscale, int N, int C, int V, float *ws);
+    void (*lmhead_ce_forward_keep)(qt_backend *be, float *loss, float *lse, float *kept, const float *x, const void *w,
+                                   qt_dtype wdt, const int32_t *targets, int N, int C, int V, float *ws);
+    void (*lmhead_ce_backward_kept)(qt_backend *be, float *dx, float *dw, float *kept, const float *x, const void *w,
+                                    qt_dtype wdt, const int32_t *targets, const float *lse, float dscale, int N, int C,
+                                    int V, float *ws);
+    void (*lmhead_ce_forward_dx)(qt_backend *be, float *loss, float *lse, float *dx, const float *x, const void *w,
+                                 qt_dtype wdt, const int32_t *targets, float dscale, int N, int C, int V, float *ws);
+    void (*acc)(qt_backend *be, float *out, const float *a, size_t n);
+    int (*hold_threads)(qt_backend *be, int (*fn)(void *arg), void *arg);
+
+    /* precision (the rounding each does: above) */
+    void (*round_to_dtype)(qt_backend *be, float *x, size_t n, qt_dtype dt);
+    void (*round_store)(qt_backend *be, float *x, uint16_t *dst, size_t n, qt_dtype dt);
+    void (*convert)(qt_backend *be, void *dst, qt_dtype ddt, const void *src, qt_dtype sdt, size_t n);
+    int (*half_available)(qt_backend *be, qt_dtype dt);
+    int (*half_matmul)(qt_backend *be, qt_dtype dt, float *out, const uint16_t *inp, const uint16_t *w,
+                       const float *bias, int N, int IN, int OUT, float alpha);
+    int (*half_gemm)(qt_backend *be, qt_dtype dt, float *C, const uint16_t *A, int ta, const uint16_t *B, int tb,
+                     const float *bias, int M, int N, int K, float alpha, int acc);
+
+    /* LoRA dropout */
+    void (*dropout)(qt_backend *be, float *dst, const float *src, size_t n, const qt_dropout_key *key,
+                    uint32_t threshold, float keep_scale);
+
+    /* optimizer, clipping, loss scaler */
+    void (*adam)(qt_backend *be, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n);
+    double (*sum_squares)(qt_backend *be, const float *x, size_t n);
+    void (*scale)(qt_backend *be, float *x, size_t n, float s);
+
+    /* facts only the running backend knows */
+    size_t (*runtime_bytes)(qt_backend *be);
+    size_t (*device_peak_bytes)(qt_backend *be);
+    void (*close)(qt_backend *be);
+};
 
 /* Every function slot of qt_backend, in its order: X(name) each. A new slot
  * is added here too (test_backend checks the count against the struct). */

@@ -7,7 +7,7 @@
  * rank joins with HcclCommInitRootInfo.
  *
  * Ordering: a collective reads buffers the compute stream writes, so the
- * compute stream is drained (be->sync) before each one is queued; the caller
+ * compute stream is drained (qt_be_sync) before each one is queued; the caller
  * leaves the buffers alone until the request completed (transport.h), so the
  * compute stream needs no wait on the collective's stream.
  * Completion: collectives on one stream finish in the order queued, so a
@@ -187,7 +187,7 @@ static int queued(dist_ctx *d, int r, const char *call, const char *what, int64_
 
 int dist_hccl_allreduce(dist_ctx *d, float *buf, size_t count, int64_t *seq, const char *what) {
     struct dist_hccl *h = d->hccl;
-    h->be->sync(h->be);
+    qt_be_sync(h->be);
     int r = h->api.HcclAllReduce(buf, buf, count, HCCL_DATA_TYPE_FP32, HCCL_REDUCE_SUM, h->comm, h->stream);
     return queued(d, r, "HcclAllReduce", what, seq);
 }
@@ -196,11 +196,11 @@ int dist_hccl_reduce(dist_ctx *d, const float *send, float *recv, size_t count, 
                      const char *what) {
     struct dist_hccl *h = d->hccl;
     if (d->rank != root) { /* a receive buffer of its own, freed when the request completes */
-        recv = h->be->alloc(h->be, QT_MEM_DEVICE, count * sizeof(float), "a reduction's receive buffer");
+        recv = qt_be_alloc(h->be, QT_MEM_DEVICE, count * sizeof(float), "a reduction's receive buffer");
         if (!recv) return qt_error_code();
         *tmp = recv;
     }
-    h->be->sync(h->be);
+    qt_be_sync(h->be);
     int r = h->api.HcclReduce((void *)send, recv, count, HCCL_DATA_TYPE_FP32, HCCL_REDUCE_SUM, (uint32_t)root,
                               h->comm, h->stream);
     return queued(d, r, "HcclReduce", what, seq);
@@ -209,7 +209,7 @@ int dist_hccl_reduce(dist_ctx *d, const float *send, float *recv, size_t count, 
 int dist_hccl_reduce_scatter(dist_ctx *d, const float *send, float *recv, size_t count, int64_t *seq,
                              const char *what) {
     struct dist_hccl *h = d->hccl;
-    h->be->sync(h->be);
+    qt_be_sync(h->be);
     int r = h->api.HcclReduceScatter((void *)send, recv, count, HCCL_DATA_TYPE_FP32, HCCL_REDUCE_SUM, h->comm,
                                      h->stream);
     return queued(d, r, "HcclReduceScatter", what, seq);
@@ -220,20 +220,20 @@ int dist_hccl_allgather(dist_ctx *d, const float *send, float *recv, size_t coun
     struct dist_hccl *h = d->hccl;
     const float *end = recv + count * (size_t)d->world;
     if (send + count > recv && send < end) { /* in place: this rank's part goes from a copy */
-        float *c = h->be->alloc(h->be, QT_MEM_DEVICE, count * sizeof(float), "an all-gather's send copy");
+        float *c = qt_be_alloc(h->be, QT_MEM_DEVICE, count * sizeof(float), "an all-gather's send copy");
         if (!c) return qt_error_code();
-        h->be->copy(h->be, c, send, count * sizeof(float));
+        qt_be_copy(h->be, c, send, count * sizeof(float));
         *tmp = c;
         send = c;
     }
-    h->be->sync(h->be);
+    qt_be_sync(h->be);
     int r = h->api.HcclAllGather((void *)send, recv, count, HCCL_DATA_TYPE_FP32, h->comm, h->stream);
     return queued(d, r, "HcclAllGather", what, seq);
 }
 
 int dist_hccl_bcast(dist_ctx *d, void *buf, size_t bytes, int root, int64_t *seq, const char *what) {
     struct dist_hccl *h = d->hccl;
-    h->be->sync(h->be);
+    qt_be_sync(h->be);
     int r = h->api.HcclBroadcast(buf, bytes, HCCL_DATA_TYPE_INT8, (uint32_t)root, h->comm, h->stream);
     return queued(d, r, "HcclBroadcast", what, seq);
 }

@@ -51,12 +51,12 @@ struct tp_req {
 };
 
 int dist_set_backend(dist_ctx *d, qt_backend *be) {
-    d->stage_be = be && !be->desc->host_reads_device ? be : NULL;
+    d->stage_be = be && !qt_be_desc(be)->host_reads_device ? be : NULL;
     if (d->hccl && (!be || be != d->stage_be)) dist_hccl_close(d);
     /* QTUNE_DIST_TRANSPORT=mpi keeps NPU ranks on MPI through host copies (slow: for a comparison, or a
      * machine whose HCCL does not start) */
     const char *tr = getenv("QTUNE_DIST_TRANSPORT");
-    if (be && d->world > 1 && !d->hccl && !strcmp(be->desc->name, "npu") && !(tr && !strcmp(tr, "mpi")))
+    if (be && d->world > 1 && !d->hccl && !strcmp(qt_be_desc(be)->name, "npu") && !(tr && !strcmp(tr, "mpi")))
         return dist_hccl_open(d, be);
     return QT_OK;
 }
@@ -92,8 +92,8 @@ static void req_free(tp_req *q) {
 #if QT_DIST_MPI
     qt_free(q->counts);
 #endif
-    if (q->host) q->be->free(q->be, q->host);
-    if (q->hccl_tmp) q->be->free(q->be, q->hccl_tmp);
+    if (q->host) qt_be_free(q->be, q->host);
+    if (q->hccl_tmp) qt_be_free(q->be, q->hccl_tmp);
     qt_free(q);
 }
 
@@ -101,7 +101,7 @@ static void note_done(dist_ctx *d, tp_req *q) {
     if (q->done) return;
     q->done = 1;
     d->tp.busy_s += qt_now_s() - q->t0;
-    if (q->up_dst) q->be->upload(q->be, q->up_dst, q->up_src, q->up_bytes); /* a staged result */
+    if (q->up_dst) qt_be_upload(q->be, q->up_dst, q->up_src, q->up_bytes); /* a staged result */
 }
 
 /* Single process: the result is already in place (or one copy away). */
@@ -114,7 +114,7 @@ static int local_done(dist_ctx *d, tp_req **rq) {
 /* One rank (or nothing to move): the collective is recv = send, done at once. */
 static int local_copy(dist_ctx *d, const float *send, float *recv, size_t count, tp_req **rq) {
     if (count && recv != send) {
-        if (d->stage_be) d->stage_be->copy(d->stage_be, recv, send, count * sizeof(float));
+        if (d->stage_be) qt_be_copy(d->stage_be, recv, send, count * sizeof(float));
         else memcpy(recv, send, count * sizeof(float));
     }
     return local_done(d, rq);
@@ -145,7 +145,7 @@ static int finish(dist_ctx *d, tp_req *q, tp_req **rq, const char *what) {
 /* Staged: q's host copy of bytes (freed with q), NULL when out of memory (q freed). */
 static void *stage(dist_ctx *d, tp_req *q, size_t bytes) {
     q->be = d->stage_be;
-    q->host = q->be->alloc(q->be, QT_MEM_PINNED, bytes ? bytes : 64, "a collective's host copy");
+    q->host = qt_be_alloc(q->be, QT_MEM_PINNED, bytes ? bytes : 64, "a collective's host copy");
     if (!q->host) req_free(q);
     return q->host;
 }
@@ -204,7 +204,7 @@ int tp_allreduce_f32(dist_ctx *d, float *buf, size_t count, tp_req **rq, const c
     float *b = buf;
     if (d->stage_be) {
         if (!(b = stage(d, q, count * 4))) return QT_ENOMEM;
-        d->stage_be->download(d->stage_be, b, buf, count * 4);
+        qt_be_download(d->stage_be, b, buf, count * 4);
         stage_back(q, buf, b, count * 4);
     }
     int mrc = MPI_Iallreduce(MPI_IN_PLACE, b, (int)count, MPI_FLOAT, MPI_SUM, d->comm, &q->r);
@@ -237,7 +237,7 @@ int tp_reduce_f32(dist_ctx *d, const float *send, float *recv, size_t count, int
     if (d->stage_be) { /* the root sums in place into its copy of send, then that goes to recv */
         float *h = stage(d, q, count * 4);
         if (!h) return QT_ENOMEM;
-        d->stage_be->download(d->stage_be, h, send, count * 4);
+        qt_be_download(d->stage_be, h, send, count * 4);
         s = h;
         if (d->rank == root) r = h, in_place = 1, stage_back(q, recv, h, count * 4);
     }
@@ -267,7 +267,7 @@ int tp_reduce_scatter_f32(dist_ctx *d, const float *send, float *recv, size_t co
         const size_t all = count * (size_t)d->world;
         float *h = stage(d, q, (all + count) * 4);
         if (!h) return QT_ENOMEM;
-        d->stage_be->download(d->stage_be, h, send, all * 4);
+        qt_be_download(d->stage_be, h, send, all * 4);
         s = h, r = h + all;
         stage_back(q, recv, r, count * 4);
     }
@@ -296,7 +296,7 @@ int tp_allgather_f32(dist_ctx *d, const float *send, float *recv, size_t count, 
     if (d->stage_be) { /* this rank's part in place in the copy of the whole result */
         const size_t all = count * (size_t)d->world;
         if (!(r = stage(d, q, all * 4))) return QT_ENOMEM;
-        d->stage_be->download(d->stage_be, r + (size_t)d->rank * count, send, count * 4);
+        qt_be_download(d->stage_be, r + (size_t)d->rank * count, send, count * 4);
         sb = MPI_IN_PLACE;
         stage_back(q, recv, r, all * 4);
     }
@@ -324,7 +324,7 @@ int tp_bcast(dist_ctx *d, void *buf, size_t bytes, int root, tp_req **rq, const 
     void *b = buf;
     if (d->stage_be) {
         if (!(b = stage(d, q, bytes))) return QT_ENOMEM;
-        if (d->rank == root) d->stage_be->download(d->stage_be, b, buf, bytes);
+        if (d->rank == root) qt_be_download(d->stage_be, b, buf, bytes);
         else stage_back(q, buf, b, bytes);
     }
     int mrc = MPI_Ibcast(b, (int)bytes, MPI_BYTE, root, d->comm, &q->r);
@@ -359,7 +359,7 @@ int tp_gatherv_f32(dist_ctx *d, const float *send, size_t n_mine, float *recv, c
                    const size_t *displs, tp_req **rq, const char *what) {
     QT_TRY(check_count(n_mine, what));
     if (d->world == 1) { /* send is device memory, recv the host's */
-        if (n_mine && d->stage_be) d->stage_be->download(d->stage_be, recv + displs[0], send, n_mine * sizeof(float));
+        if (n_mine && d->stage_be) qt_be_download(d->stage_be, recv + displs[0], send, n_mine * sizeof(float));
         else if (n_mine) memcpy(recv + displs[0], send, n_mine * sizeof(float));
         return local_done(d, rq);
     }
@@ -375,7 +375,7 @@ int tp_gatherv_f32(dist_ctx *d, const float *send, size_t n_mine, float *recv, c
     if (d->stage_be) {
         float *h = stage(d, q, n_mine * 4);
         if (!h) return QT_ENOMEM;
-        d->stage_be->download(d->stage_be, h, send, n_mine * 4);
+        qt_be_download(d->stage_be, h, send, n_mine * 4);
         s = h;
     }
     int mrc = MPI_Igatherv(s, (int)n_mine, MPI_FLOAT, d->rank == 0 ? recv : NULL, q->counts, q->displs, MPI_FLOAT,
@@ -391,7 +391,7 @@ int tp_scatterv_f32(dist_ctx *d, const float *send, const size_t *counts, const 
                     size_t n_mine, tp_req **rq, const char *what) {
     QT_TRY(check_count(n_mine, what));
     if (d->world == 1) { /* send is the host's, recv device memory */
-        if (n_mine && d->stage_be) d->stage_be->upload(d->stage_be, recv, send + displs[0], n_mine * sizeof(float));
+        if (n_mine && d->stage_be) qt_be_upload(d->stage_be, recv, send + displs[0], n_mine * sizeof(float));
         else if (n_mine) memcpy(recv, send + displs[0], n_mine * sizeof(float));
         return local_done(d, rq);
     }

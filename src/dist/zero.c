@@ -160,22 +160,22 @@ int zero_memory(size_t n, int N, int rank, const zero_opts *o, int nslots, zero_
 static int bufs_alloc(zero_plan *p) {
     qt_backend *be = p->be;
     if (p->mem.grad_shard) {
-        p->gshard = be->alloc(be, p->offload ? QT_MEM_PINNED : QT_MEM_DEVICE, p->mem.grad_shard, "the gradient shard");
+        p->gshard = qt_be_alloc(be, p->offload ? QT_MEM_PINNED : QT_MEM_DEVICE, p->mem.grad_shard, "the gradient shard");
         if (!p->gshard) return QT_ENOMEM;
-        be->zero(be, p->gshard, p->mem.grad_shard);
+        qt_be_zero(be, p->gshard, p->mem.grad_shard);
     }
-    if (p->mem.gather_stage && !(p->stage_buf = be->alloc(be, QT_MEM_DEVICE, p->mem.gather_stage, "the all-gather bucket")))
+    if (p->mem.gather_stage && !(p->stage_buf = qt_be_alloc(be, QT_MEM_DEVICE, p->mem.gather_stage, "the all-gather bucket")))
         return QT_ENOMEM;
-    if (p->mem.rows && !(p->rows_buf = be->alloc(be, QT_MEM_DEVICE, p->mem.rows, "the embedding rows bucket")))
+    if (p->mem.rows && !(p->rows_buf = qt_be_alloc(be, QT_MEM_DEVICE, p->mem.rows, "the embedding rows bucket")))
         return QT_ENOMEM;
     return QT_OK;
 }
 
 static void bufs_free(zero_plan *p) {
     if (!p->be) return;
-    p->be->free(p->be, p->gshard);
-    p->be->free(p->be, p->stage_buf);
-    p->be->free(p->be, p->rows_buf);
+    qt_be_free(p->be, p->gshard);
+    qt_be_free(p->be, p->stage_buf);
+    qt_be_free(p->be, p->rows_buf);
     p->gshard = p->stage_buf = p->rows_buf = NULL;
 }
 
@@ -378,7 +378,7 @@ static int fly_settle(zero_plan *p, const float *win, size_t n, int all) {
         if (rc == QT_OK) rc = tp_test(p->d, f.r, &done);
         if (rc == QT_OK && (done || all || hit)) rc = tp_wait(p->d, &f.r, 1, "gradient reduce");
         if (f.r) p->fly[k++] = f;
-        else if (rc == QT_OK && f.acc_to) p->be->acc(p->be, f.acc_to, f.at, f.n); /* an offloaded owner's sum */
+        else if (rc == QT_OK && f.acc_to) qt_be_acc(p->be, f.acc_to, f.at, f.n); /* an offloaded owner's sum */
     }
     p->n_fly = k;
     return rc;
@@ -388,7 +388,7 @@ int zero_grads_begin(zero_plan *p) {
     if (p->stage < 2) return QT_ERR(QT_EINVAL, "dist: gradient hand-over is ZeRO stage 2's and 3's; this plan is stage %d",
                                      p->stage);
     QT_TRY(fly_settle(p, NULL, 0, 1));
-    if (p->gshard) p->be->zero(p->be, p->gshard, p->mem.grad_shard);
+    if (p->gshard) qt_be_zero(p->be, p->gshard, p->mem.grad_shard);
     return QT_OK;
 }
 
@@ -413,10 +413,10 @@ int zero_grads_ready(zero_plan *p, size_t lo, size_t hi, const float *g) {
             float *piece = (float *)g + (a - lo);
             QT_TRY(tp_reduce_f32(p->d, piece, piece, e - a, r, p->overlap ? &q : NULL, "gradient reduce"));
             if (q) acc_to = dst;
-            else p->be->acc(p->be, dst, piece, e - a);
+            else qt_be_acc(p->be, dst, piece, e - a);
         } else if (r == me) {
             /* the owner's contribution goes into its shard, which the reduce then sums in place */
-            p->be->acc(p->be, dst, g + (a - lo), e - a);
+            qt_be_acc(p->be, dst, g + (a - lo), e - a);
             QT_TRY(tp_reduce_f32(p->d, dst, dst, e - a, r, p->overlap ? &q : NULL, "gradient reduce"));
         } else {
             QT_TRY(tp_reduce_f32(p->d, g + (a - lo), NULL, e - a, r, p->overlap ? &q : NULL, "gradient reduce"));
@@ -444,20 +444,20 @@ int zero_grads_rows(zero_plan *p, size_t base, int C, const int32_t *ids, const 
     const size_t H = 1 + (size_t)p->emb_rows;
     hdr[0] = (float)n;
     memcpy(hdr + 1, ids, (size_t)n * sizeof(int32_t)); /* ids travel as bit patterns */
-    p->be->upload(p->be, mine, hdr, (1 + (size_t)n) * sizeof *hdr);
-    p->be->copy(p->be, mine + H, rows, (size_t)n * C * sizeof *mine);
+    qt_be_upload(p->be, mine, hdr, (1 + (size_t)n) * sizeof *hdr);
+    qt_be_copy(p->be, mine + H, rows, (size_t)n * C * sizeof *mine);
     QT_TRY(tp_allgather_f32(p->d, mine, p->rows_buf, P, NULL, "embedding rows"));
     for (int r = 0; r < N; r++) {
         const float *msg = p->rows_buf + (size_t)r * P, *d = msg + H;
-        p->be->download(p->be, hdr, msg, sizeof *hdr); /* the count, then its ids */
+        qt_be_download(p->be, hdr, msg, sizeof *hdr); /* the count, then its ids */
         int cnt = (int)hdr[0];
-        if (cnt > 0) p->be->download(p->be, hdr + 1, msg + 1, (size_t)cnt * sizeof *hdr);
+        if (cnt > 0) qt_be_download(p->be, hdr + 1, msg + 1, (size_t)cnt * sizeof *hdr);
         for (int i = 0; i < cnt; i++) {
             int32_t id;
             memcpy(&id, hdr + 1 + i, sizeof id);
             size_t a = base + (size_t)id * C, e = a + (size_t)C;
             size_t x0 = a > p->lo ? a : p->lo, x1 = e < p->hi ? e : p->hi;
-            if (x1 > x0) p->be->acc(p->be, p->gshard + (x0 - p->lo), d + (size_t)i * C + (x0 - a), x1 - x0);
+            if (x1 > x0) qt_be_acc(p->be, p->gshard + (x0 - p->lo), d + (size_t)i * C + (x0 - a), x1 - x0);
         }
     }
     return QT_OK;
@@ -474,7 +474,7 @@ static int reduce_block_stage2(zero_plan *p, float *grads) {
     if (rc == QT_OK) rc = zero_grads_ready(p, 0, p->n, grads);
     if (rc == QT_OK) rc = zero_grads_finish(p);
     p->overlap = overlap;
-    if (rc == QT_OK && p->hi > p->lo) p->be->copy(p->be, grads + p->lo, p->gshard, (p->hi - p->lo) * sizeof(float));
+    if (rc == QT_OK && p->hi > p->lo) qt_be_copy(p->be, grads + p->lo, p->gshard, (p->hi - p->lo) * sizeof(float));
     return rc;
 }
 
@@ -490,14 +490,14 @@ int zero_allgather_block(zero_plan *p, void *block, size_t esize) {
         /* partition r of this bucket: shard r's elements [k0, k0 + s), padded */
         char *mine = stage + (size_t)me * part;
         size_t a = p->lo + k0, e = a + s < p->hi ? a + s : p->hi, len = e > a ? e - a : 0;
-        if (len) p->be->copy(p->be, mine, b + a * esize, len * esize);
-        if (len < s) p->be->zero(p->be, mine + len * esize, (s - len) * esize);
+        if (len) qt_be_copy(p->be, mine, b + a * esize, len * esize);
+        if (len < s) qt_be_zero(p->be, mine + len * esize, (s - len) * esize);
         QT_TRY(tp_allgather_f32(p->d, (float *)mine, p->stage_buf, part / sizeof(float), NULL, "parameter all-gather"));
         for (int r = 0; r < N; r++) {
             size_t s0, s1;
             zero_shard_of(p, r, &s0, &s1);
             size_t ra = s0 + k0, re = ra + s < s1 ? ra + s : s1;
-            if (r != me && re > ra) p->be->copy(p->be, b + ra * esize, stage + (size_t)r * part, (re - ra) * esize);
+            if (r != me && re > ra) qt_be_copy(p->be, b + ra * esize, stage + (size_t)r * part, (re - ra) * esize);
         }
     }
     return QT_OK;
@@ -521,8 +521,8 @@ static size_t runs_move(zero_plan *p, int r, const qt_flat_run *runs, int n, flo
         size_t x0 = k > k0 ? k : k0, x1 = k + (e - a) < k1 ? k + (e - a) : k1;
         if (x1 > x0) {
             float *d = dst + runs[i].at + (a - runs[i].flat) + (x0 - k), *q = buf + (x0 - k0);
-            if (to_buf) p->be->copy(p->be, q, d, (x1 - x0) * sizeof(float));
-            else p->be->copy(p->be, d, q, (x1 - x0) * sizeof(float));
+            if (to_buf) qt_be_copy(p->be, q, d, (x1 - x0) * sizeof(float));
+            else qt_be_copy(p->be, d, q, (x1 - x0) * sizeof(float));
         }
         k += e - a;
     }
@@ -543,7 +543,7 @@ int zero_allgather_runs(zero_plan *p, float *dst, const qt_flat_run *runs, int n
         float *mine = p->stage_buf + (size_t)me * s;
         size_t c = runs_move(p, me, runs, n, dst, mine, k0, k0 + s, 1);
         size_t len = c > k0 ? (c - k0 < s ? c - k0 : s) : 0;
-        if (len < s) p->be->zero(p->be, mine + len, (s - len) * sizeof(float));
+        if (len < s) qt_be_zero(p->be, mine + len, (s - len) * sizeof(float));
         QT_TRY(tp_allgather_f32(p->d, mine, p->stage_buf, s, NULL, "norm and bias all-gather"));
         for (int r = 0; r < N; r++)
             if (r != me) runs_move(p, r, runs, n, dst, p->stage_buf + (size_t)r * s, k0, k0 + s, 0);
@@ -589,7 +589,7 @@ int zero_gather_params(zero_plan *p, size_t n, const void *mine, size_t esize, s
         if (e <= a) continue;
         char *at = out + (a - lo) * esize;
         size_t bytes = (e - a) * esize;
-        if (r == p->d->rank) p->be->copy(p->be, at, (const char *)mine + (a - mlo) * esize, bytes);
+        if (r == p->d->rank) qt_be_copy(p->be, at, (const char *)mine + (a - mlo) * esize, bytes);
         if (p->d->world == 1) continue;
         for (size_t o = 0; o < bytes; o += GATHER_CHUNK) {
             size_t c = bytes - o < GATHER_CHUNK ? bytes - o : GATHER_CHUNK;
@@ -620,7 +620,7 @@ int dist_step_gradients(dist_ctx *d, zero_plan *p, float *grads, double *grad_sq
             return QT_ERR(QT_EINVAL, "dist: no gradient block and no gradient shard (ZeRO stage %d)", p->stage);
         g = p->gshard;
     }
-    double sq = p->be->sum_squares(p->be, g, hi - lo); /* finite iff every element is */
+    double sq = qt_be_sum_squares(p->be, g, hi - lo); /* finite iff every element is */
     int bad = !isfinite(sq);
     double vals[2] = {sq, bad};
     dist_op ops[2] = {DIST_SUM, DIST_MAX};
@@ -649,14 +649,14 @@ void zero_set_device_allocator(zero_plan *p, zero_alloc_fn alloc, zero_free_fn r
  * page-locked memory a kernel reaches through unified addressing), beside the
  * master and gradient shards offload also puts there. */
 static void *host_alloc(zero_plan *p, size_t bytes) {
-    void *q = p->be->alloc(p->be, QT_MEM_PINNED, bytes ? bytes : 64, "the offloaded optimizer state");
+    void *q = qt_be_alloc(p->be, QT_MEM_PINNED, bytes ? bytes : 64, "the offloaded optimizer state");
     if (!q) {
         QT_ERR(QT_ENOMEM, "could not allocate %.1f MiB of host memory for the offloaded optimizer state; free "
                           "host memory or use more ranks (ZeRO stage 1/2 divide it by the rank count)",
                (double)bytes / (1 << 20));
         return NULL;
     }
-    p->be->zero(p->be, q, bytes);
+    qt_be_zero(p->be, q, bytes);
     return q;
 }
 
@@ -674,7 +674,7 @@ int zero_state_alloc(zero_plan *p, int nslots, zero_state *st) {
             q = host_alloc(p, bytes);
         } else {
             q = p->dev_alloc(bytes, "the optimizer state", p->dev_user);
-            if (q) p->be->zero(p->be, q, bytes);
+            if (q) qt_be_zero(p->be, q, bytes);
         }
         if (!q) {
             zero_state_free(p, st);
@@ -694,7 +694,7 @@ void zero_state_free(zero_plan *p, zero_state *st) {
     for (int s = 0; s < st->nslots; s++) {
         if (!st->slot[s]) continue;
         if (st->on_host) {
-            p->be->free(p->be, st->slot[s]);
+            qt_be_free(p->be, st->slot[s]);
             p->bytes_host -= bytes;
         } else {
             p->dev_free(st->slot[s], p->dev_user);
@@ -771,10 +771,10 @@ static int move_range(zero_plan *p, float *mine, size_t lo, size_t hi, float *io
     if (p->stage == 0 || N == 1) {
         /* replicated: rank 0 holds everything; a scatter broadcasts it */
         if (to_root) {
-            if (me == 0 && hi > lo) p->be->download(p->be, io, mine + lo, (hi - lo) * sizeof(float));
+            if (me == 0 && hi > lo) qt_be_download(p->be, io, mine + lo, (hi - lo) * sizeof(float));
             return QT_OK;
         }
-        if (me == 0 && hi > lo) p->be->upload(p->be, mine + lo, io, (hi - lo) * sizeof(float));
+        if (me == 0 && hi > lo) qt_be_upload(p->be, mine + lo, io, (hi - lo) * sizeof(float));
         for (size_t a = lo; a < hi; a += CKPT_CHUNK) {
             size_t e = hi - a < CKPT_CHUNK ? hi : a + CKPT_CHUNK;
             QT_TRY(tp_bcast(p->d, mine + a, (e - a) * sizeof(float), 0, NULL, "optimizer state scatter"));

@@ -79,9 +79,9 @@ int qt_grad_win_init(qt_grad_win_state *w, qt_backend *be, const qt_config *c, c
     w->be = be;
     qt_model_grad_windows(c, o, &w->plan);
     const size_t bytes = w->plan.total * sizeof(float);
-    w->block = be->alloc(be, QT_MEM_DEVICE, bytes ? bytes : sizeof(float), "model: gradient windows");
+    w->block = qt_be_alloc(be, QT_MEM_DEVICE, bytes ? bytes : sizeof(float), "model: gradient windows");
     if (!w->block) return QT_ENOMEM;
-    be->zero(be, w->block, bytes);
+    qt_be_zero(be, w->block, bytes);
     qt_model_carve_windows(&w->plan, w->block, &w->at);
     w->slice[0] = w->at.win[0];
     w->slice[1] = w->at.win[w->plan.nwin - 1];
@@ -89,7 +89,7 @@ int qt_grad_win_init(qt_grad_win_state *w, qt_backend *be, const qt_config *c, c
 }
 
 void qt_grad_win_free(qt_grad_win_state *w) {
-    if (w->block) w->be->free(w->be, w->block);
+    if (w->block) qt_be_free(w->be, w->block);
     qt_free(w->unit_bucket);
     qt_free(w->close_at);
     qt_free(w->runs);
@@ -101,7 +101,7 @@ void qt_grad_win_free(qt_grad_win_state *w) {
 
 int qt_grad_win_open(qt_grad_win_state *w, float *g, size_t n) {
     if (w->hook.window) QT_TRY(w->hook.window(w->hook.user, g, n));
-    w->be->zero(w->be, g, n * sizeof(float));
+    qt_be_zero(w->be, g, n * sizeof(float));
     return QT_OK;
 }
 

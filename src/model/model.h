@@ -285,14 +285,14 @@ uint64_t qt_model_micro_step(const qt_model *m);
  * K/V, and writes the V logits of the last one to logits_out. pos0 may not
  * exceed the number of cached positions (pass 0 to start over), and pos0 + n
  * <= opts->max_T, n <= max_B * max_T. One token (n = 1) runs every Linear as
- * a matrix-vector product (be->matvec), the batched forward otherwise. */
+ * a matrix-vector product (qt_be_matvec), the batched forward otherwise. */
 int qt_model_decode(qt_model *m, const int32_t *ids, int n, int pos0, float *logits_out);
 /* The same for sequence seq of the KV cache (0 <= seq < opts->decode_seqs). */
 int qt_model_decode_seq(qt_model *m, int seq, const int32_t *ids, int n, int pos0, float *logits_out);
 /* One decode step of n sequences together (n <= opts->decode_seqs): row i is
  * token ids[i] of sequence seqs[i] (distinct) at position pos[i] (at most
  * that sequence's cached positions). Every Linear reads its weight once for
- * the n rows (be->matvec with N = n); logits_out gets n rows of V. Row i's
+ * the n rows (qt_be_matvec with N = n); logits_out gets n rows of V. Row i's
  * logits are the same bits qt_model_decode_seq gives that one token. */
 int qt_model_decode_rows(qt_model *m, int n, const int *seqs, const int32_t *ids, const int32_t *pos,
                          float *logits_out);

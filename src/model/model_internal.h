@@ -216,7 +216,7 @@ struct qt_model {
                               read by the matmuls, refreshed by qt_model_weights_updated */
     void **owned;          /* frozen tensors allocated here (compute-dtype copies, misaligned f32) */
     int n_owned;
-    const void **imported; /* frozen tensors imported from the mapping (be->import_mapped) */
+    const void **imported; /* frozen tensors imported from the mapping (qt_be_import_mapped) */
     int n_imported;
     char *stream_block;    /* inference: one block holding the matrices a decode step reads whole */
     size_t stream_size, stream_used;
@@ -240,7 +240,7 @@ struct qt_model {
     qt_grad_scratch gs;
     int32_t *pos_buf;      /* host (max N) positions for decoding */
     float rope_inv[QT_ROPE_MAX_HALF]; /* host RoPE table of the current forward (qt_rope_inv_freq: upload_batch,
-                                         qt_model_decode), read by be->rope_forward/backward */
+                                         qt_model_decode), read by qt_be_rope_forward / _backward */
     float rope_scale;      /* its cos/sin factor (YaRN's attention factor, else 1) */
     float *ids_block;      /* qt_model_carve_ids: */
     qt_batch_ids ids;      /* a batch's inputs, targets, positions, doc_start (upload_batch) */
@@ -252,12 +252,12 @@ struct qt_model {
     int *kv_len;           /* host (decode_seqs) cached positions of each sequence */
     int decode_seqs;       /* opts.decode_seqs, at least 1 */
     int dec_rows;          /* a qt_model_decode_rows step is running: its rows are one token of
-                              each sequence, and every Linear runs on be->matvec */
+                              each sequence, and every Linear runs on qt_be_matvec */
 
     uint64_t micro_step;   /* forward_backward calls so far: the dropout stream */
     int adapter_off;       /* qt_model_set_adapter(m, 0): the LoRA products are skipped (the base model) */
     int native16;          /* 16-bit training (bf16 or f16, without checkpointing) where the backend has
-                              that dtype's GEMM (be->half_available: oneDNN's bf16 on a CPU with
+                              that dtype's GEMM (qt_be_half_available: oneDNN's bf16 on a CPU with
                               AVX512_BF16, the GPU's tensor cores): the layers' base matmuls run on it */
     int infer16;           /* inference (fp32 compute) on bf16-valued layer weights (bf16, or 4-bit
                               dequantizing to bf16) where the backend has the bf16 GEMM: a batched

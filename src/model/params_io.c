@@ -23,7 +23,7 @@ int qt_model_read_to_device(qt_model *m, const st_tensor *t, float *dev) {
     for (size_t off = 0; off < n && rc == QT_OK; off += chunk) {
         size_t k = n - off < chunk ? n - off : chunk;
         rc = st_read_f32_range(t, off, k, stage);
-        if (rc == QT_OK) m->be->upload(m->be, dev + off, stage, sizeof(float) * k);
+        if (rc == QT_OK) qt_be_upload(m->be, dev + off, stage, sizeof(float) * k);
     }
     qt_free(stage);
     return rc;
@@ -39,22 +39,22 @@ static int read_param_sharded(qt_model *m, int i, const st_tensor *t) {
     float *small = qt_model_small_of(m, p->offset); /* NULL: not a 1-D tensor */
     size_t n = p->numel, chunk = n < STAGE_FLOATS ? n : STAGE_FLOATS;
     float *stage = qt_malloc(sizeof(float) * (chunk ? chunk : 1), "model: staging buffer");
-    float *dev = be->alloc(be, QT_MEM_DEVICE, sizeof(float) * (chunk ? chunk : 1), "model: staging buffer");
+    float *dev = qt_be_alloc(be, QT_MEM_DEVICE, sizeof(float) * (chunk ? chunk : 1), "model: staging buffer");
     int rc = stage && dev ? QT_OK : QT_ENOMEM;
     for (size_t off = 0; off < n && rc == QT_OK; off += chunk) {
         size_t k = n - off < chunk ? n - off : chunk, f = p->offset + off;
         rc = st_read_f32_range(t, off, k, stage);
         if (rc != QT_OK) break;
-        be->upload(be, dev, stage, sizeof(float) * k);
+        qt_be_upload(be, dev, stage, sizeof(float) * k);
         size_t a = f > m->mlo ? f : m->mlo, e = f + k < m->mhi ? f + k : m->mhi;
-        if (!m->pshard) be->convert(be, m->wcopy + f, m->opts.compute, dev, QT_F32, k);
+        if (!m->pshard) qt_be_convert(be, m->wcopy + f, m->opts.compute, dev, QT_F32, k);
         else if (m->wcopy && e > a) /* ZeRO-3: only this rank's shard of the compute copy */
-            be->convert(be, m->wcopy + (a - m->mlo), m->opts.compute, dev + (a - f), QT_F32, e - a);
-        if (e > a) be->copy(be, m->master + (a - m->mlo), dev + (a - f), sizeof(float) * (e - a));
-        if (small) be->copy(be, small + off, dev, sizeof(float) * k);
+            qt_be_convert(be, m->wcopy + (a - m->mlo), m->opts.compute, dev + (a - f), QT_F32, e - a);
+        if (e > a) qt_be_copy(be, m->master + (a - m->mlo), dev + (a - f), sizeof(float) * (e - a));
+        if (small) qt_be_copy(be, small + off, dev, sizeof(float) * k);
     }
     qt_free(stage);
-    be->free(be, dev);
+    qt_be_free(be, dev);
     return rc;
 }
 
@@ -70,7 +70,7 @@ static int fill_param(void *ctx, float *dst, size_t offset, size_t n) {
             return QT_ERR(QT_EINVAL, "model: the master is sharded and no gather is set to write it (a bug)");
         return s->m->gather(s->m->gather_user, dst, s->offset + offset, n);
     }
-    s->m->be->download(s->m->be, dst, s->m->master + s->offset + offset, sizeof(float) * n);
+    qt_be_download(s->m->be, dst, s->m->master + s->offset + offset, sizeof(float) * n);
     return QT_OK;
 }
 

@@ -34,7 +34,7 @@
 void qt_lora_dropout(const qt_model *m, int l, int j, float *dst, const float *src, size_t n) {
     qt_dropout_key key = {m->opts.seed, m->micro_step, (uint32_t)l, (uint32_t)j};
     float p = m->opts.lora_dropout;
-    m->be->dropout(m->be, dst, src, n, &key, qt_dropout_threshold(p), 1.0f / (1.0f - p));
+    qt_be_dropout(m->be, dst, src, n, &key, qt_dropout_threshold(p), 1.0f / (1.0f - p));
 }
 
 /* ---- mixed precision: what the graph stores (activations saved for the
@@ -43,7 +43,7 @@ void qt_lora_dropout(const qt_model *m, int l, int j, float *dst, const float *s
  * 65504 becomes inf, so a too-large loss scale overflows as on a GPU and the
  * loss scaler skips the step. No-op in f32. */
 static inline void round_to_compute(const qt_model *m, float *x, size_t n) {
-    if (m->opts.compute != QT_F32) m->be->round_to_dtype(m->be, x, n, m->opts.compute);
+    if (m->opts.compute != QT_F32) qt_be_round_to_dtype(m->be, x, n, m->opts.compute);
 }
 
 /* An activation gradient rounded to the compute dtype, as the reference's
@@ -56,7 +56,7 @@ static inline void round_grad(const qt_model *m, float *dx, size_t n) { round_to
  * the fp32 working set that the rest of this layer's forward reads. slot
  * NULL: plain round_to_compute(). */
 static inline void round_and_save(const qt_model *m, float *x, size_t n, uint16_t *slot) {
-    if (slot) m->be->round_store(m->be, x, slot, n, m->opts.compute);
+    if (slot) qt_be_round_store(m->be, x, slot, n, m->opts.compute);
     else round_to_compute(m, x, n);
 }
 
@@ -71,24 +71,24 @@ static void acts_load(qt_model *m, int l, int N) {
     qt_backend *be = m->be;
     size_t NC = (size_t)N * c->hidden_size, NI = (size_t)N * c->intermediate_size,
            NQ = (size_t)N * c->num_attention_heads * c->head_dim, NK = (size_t)N * c->num_key_value_heads * c->head_dim;
-    be->convert(be, A->x[l], QT_F32, A->x16[l], dt, NC);
+    qt_be_convert(be, A->x[l], QT_F32, A->x16[l], dt, NC);
     if (!A->layer16) return;
     const qt_acts16 *s = &A->layer16[l];
     const qt_acts *a = &A->layer[l];
-    be->convert(be, a->ln1, QT_F32, s->ln1, dt, NC);
-    be->convert(be, a->q, QT_F32, s->q, dt, NQ);
-    be->convert(be, a->k, QT_F32, s->k, dt, NK);
-    be->convert(be, a->v, QT_F32, s->v, dt, NK);
-    if (s->qraw) be->convert(be, a->qraw, QT_F32, s->qraw, dt, NQ);
-    if (s->kraw) be->convert(be, a->kraw, QT_F32, s->kraw, dt, NK);
-    be->convert(be, a->att, QT_F32, s->att, dt, NQ);
-    be->convert(be, a->xmid, QT_F32, s->xmid, dt, NC);
-    be->convert(be, a->ln2, QT_F32, s->ln2, dt, NC);
-    be->convert(be, a->gate, QT_F32, s->gate, dt, NI);
-    be->convert(be, a->up, QT_F32, s->up, dt, NI);
-    be->convert(be, a->h, QT_F32, s->h, dt, NI);
+    qt_be_convert(be, a->ln1, QT_F32, s->ln1, dt, NC);
+    qt_be_convert(be, a->q, QT_F32, s->q, dt, NQ);
+    qt_be_convert(be, a->k, QT_F32, s->k, dt, NK);
+    qt_be_convert(be, a->v, QT_F32, s->v, dt, NK);
+    if (s->qraw) qt_be_convert(be, a->qraw, QT_F32, s->qraw, dt, NQ);
+    if (s->kraw) qt_be_convert(be, a->kraw, QT_F32, s->kraw, dt, NK);
+    qt_be_convert(be, a->att, QT_F32, s->att, dt, NQ);
+    qt_be_convert(be, a->xmid, QT_F32, s->xmid, dt, NC);
+    qt_be_convert(be, a->ln2, QT_F32, s->ln2, dt, NC);
+    qt_be_convert(be, a->gate, QT_F32, s->gate, dt, NI);
+    qt_be_convert(be, a->up, QT_F32, s->up, dt, NI);
+    qt_be_convert(be, a->h, QT_F32, s->h, dt, NI);
     for (int j = 0; j < LIN_COUNT; j++)
-        if (s->lora_h[j]) be->convert(be, a->lora_h[j], QT_F32, s->lora_h[j], dt, (size_t)N * m->opts.lora_r);
+        if (s->lora_h[j]) qt_be_convert(be, a->lora_h[j], QT_F32, s->lora_h[j], dt, (size_t)N * m->opts.lora_r);
 }
 
 /* ---- Linear (+ LoRA) forward/backward ------------------------------------ */
@@ -102,14 +102,14 @@ static int decoding(const qt_model *m, int N) { return m->infer && (N == 1 || m-
  * round the same inputs, so a prompt's prefill and its token-by-token decode
  * compute the same thing up to the summation order. */
 static void infer_round(const qt_model *m, float *x, size_t n) {
-    if (m->infer16) m->be->round_to_dtype(m->be, x, n, QT_BF16);
+    if (m->infer16) qt_be_round_to_dtype(m->be, x, n, QT_BF16);
 }
 
 /* Decoding: out += B (s A x) for a LoRA target, through lora_h (N, R). */
 static void lora_decode(qt_model *m, const qt_linear *q, float *out, const float *inp, float *lora_h, int N) {
     qt_backend *be = m->be;
-    be->matvec(be, lora_h, inp, q->la, QT_F32, NULL, N, q->in, m->opts.lora_r, m->lora_scaling, 0); /* s A x */
-    be->matvec(be, out, lora_h, q->lb, QT_F32, NULL, N, m->opts.lora_r, q->out, 1.0f, 1);          /* += B hs */
+    qt_be_matvec(be, lora_h, inp, q->la, QT_F32, NULL, N, q->in, m->opts.lora_r, m->lora_scaling, 0); /* s A x */
+    qt_be_matvec(be, out, lora_h, q->lb, QT_F32, NULL, N, m->opts.lora_r, q->out, 1.0f, 1);          /* += B hs */
 }
 
 /* inp16: the same input as 2-byte values (its saved slot) or NULL. With
@@ -121,13 +121,13 @@ static void linear_forward(qt_model *m, int l, int j, float *out, const float *i
     const qt_linear *q = &m->layers[l].lin[j];
     qt_backend *be = m->be;
     if (decoding(m, N)) {
-        be->matvec(be, out, inp, q->w.p, q->w.dt, q->b, N, q->in, q->out, 1.0f, 0);
+        qt_be_matvec(be, out, inp, q->w.p, q->w.dt, q->b, N, q->in, q->out, 1.0f, 0);
         if (q->la && !m->adapter_off) lora_decode(m, q, out, inp, lora_h, N);
         return;
     }
     if (!(m->native16 && inp16 && q->w.dt == m->opts.compute &&
-          be->half_matmul(be, q->w.dt, out, inp16, q->w.p, q->b, N, q->in, q->out, 1.0f) == QT_OK))
-        be->matmul_forward(be, out, inp, q->w.p, q->w.dt, q->b, N, q->in, q->out, 1.0f, 0, m->ws);
+          qt_be_half_matmul(be, q->w.dt, out, inp16, q->w.p, q->b, N, q->in, q->out, 1.0f) == QT_OK))
+        qt_be_matmul_forward(be, out, inp, q->w.p, q->w.dt, q->b, N, q->in, q->out, 1.0f, 0, m->ws);
     if (!q->la || m->adapter_off) return;
     const float *xd = inp;
     if (dropout) {
@@ -135,9 +135,9 @@ static void linear_forward(qt_model *m, int l, int j, float *out, const float *i
         xd = m->gs.lx;
     }
     int R = m->opts.lora_r;
-    be->matmul_forward(be, lora_h, xd, q->la, QT_F32, NULL, N, q->in, R, m->lora_scaling, 0, NULL); /* hs = s A xd */
+    qt_be_matmul_forward(be, lora_h, xd, q->la, QT_F32, NULL, N, q->in, R, m->lora_scaling, 0, NULL); /* hs = s A xd */
     round_and_save(m, lora_h, (size_t)N * R, m->acts.layer16 ? m->acts.layer16[l].lora_h[j] : NULL);
-    be->matmul_forward(be, out, lora_h, q->lb, QT_F32, NULL, N, R, q->out, 1.0f, 1, NULL);         /* y += B hs */
+    qt_be_matmul_forward(be, out, lora_h, q->lb, QT_F32, NULL, N, R, q->out, 1.0f, 1, NULL);         /* y += B hs */
 }
 
 /* Linears js[0 .. n-1] of one input (q/k/v, gate/up) into outs. Decoding,
@@ -156,7 +156,7 @@ static void linears_forward(qt_model *m, int l, int n, const int *js, float *con
         const qt_linear *q = &m->layers[l].lin[js[i]];
         o[i] = (qt_matvec_out){.out = outs[i], .w = q->w.p, .wdt = q->w.dt, .bias = q->b, .OUT = q->out};
     }
-    m->be->matvec_many(m->be, inp, N, m->layers[l].lin[js[0]].in, n, o);
+    qt_be_matvec_many(m->be, inp, N, m->layers[l].lin[js[0]].in, n, o);
     for (int i = 0; i < n; i++) {
         const qt_linear *q = &m->layers[l].lin[js[i]];
         if (q->la) lora_decode(m, q, outs[i], inp, lora_h[js[i]], N);
@@ -177,15 +177,15 @@ static void base_backward(qt_model *m, const qt_linear *q, float *dinp, const fl
     qt_backend *be = m->be;
     const qt_dtype dt = q->w.dt;
     if (!(m->native16 && dt == m->opts.compute)) {
-        be->matmul_backward(be, dinp, q->dw, q->db, dout, inp, q->w.p, q->w.dt, N, q->in, q->out, 1.0f, m->ws);
+        qt_be_matmul_backward(be, dinp, q->dw, q->db, dout, inp, q->w.p, q->w.dt, N, q->in, q->out, 1.0f, m->ws);
         return;
     }
-    be->convert(be, d16, dt, dout, QT_F32, (size_t)N * q->out);
-    if (dinp && be->half_gemm(be, dt, dinp, d16, 0, q->w.p, 0, NULL, N, q->in, q->out, 1.0f, 1) != QT_OK)
-        be->matmul_backward(be, dinp, NULL, NULL, dout, inp, q->w.p, q->w.dt, N, q->in, q->out, 1.0f, m->ws);
-    int dw_native = q->dw && be->half_gemm(be, dt, q->dw, d16, 1, inp16, 0, NULL, q->out, q->in, N, 1.0f, 1) == QT_OK;
+    qt_be_convert(be, d16, dt, dout, QT_F32, (size_t)N * q->out);
+    if (dinp && qt_be_half_gemm(be, dt, dinp, d16, 0, q->w.p, 0, NULL, N, q->in, q->out, 1.0f, 1) != QT_OK)
+        qt_be_matmul_backward(be, dinp, NULL, NULL, dout, inp, q->w.p, q->w.dt, N, q->in, q->out, 1.0f, m->ws);
+    int dw_native = q->dw && qt_be_half_gemm(be, dt, q->dw, d16, 1, inp16, 0, NULL, q->out, q->in, N, 1.0f, 1) == QT_OK;
     if ((q->dw && !dw_native) || q->db)
-        be->matmul_backward(be, NULL, dw_native ? NULL : q->dw, q->db, dout, inp, q->w.p, q->w.dt, N, q->in, q->out,
+        qt_be_matmul_backward(be, NULL, dw_native ? NULL : q->dw, q->db, dout, inp, q->w.p, q->w.dt, N, q->in, q->out,
                             1.0f, m->ws);
 }
 
@@ -199,23 +199,23 @@ static void linear_grads(qt_model *m, int l, int j, float *dinp, const float *do
     int R = m->opts.lora_r;
     float s = m->lora_scaling, *dhs = m->gs.dlora;
     qt_backend *be = m->be;
-    be->matmul_backward(be, NULL, q->dlb, NULL, dout, lora_h, q->lb, QT_F32, N, R, q->out, 1.0f, NULL); /* dB += dy^T hs */
-    be->zero(be, dhs, sizeof(float) * (size_t)N * R);
-    be->matmul_backward(be, dhs, NULL, NULL, dout, NULL, q->lb, QT_F32, N, R, q->out, 1.0f, NULL); /* dhs = dy B */
+    qt_be_matmul_backward(be, NULL, q->dlb, NULL, dout, lora_h, q->lb, QT_F32, N, R, q->out, 1.0f, NULL); /* dB += dy^T hs */
+    qt_be_zero(be, dhs, sizeof(float) * (size_t)N * R);
+    qt_be_matmul_backward(be, dhs, NULL, NULL, dout, NULL, q->lb, QT_F32, N, R, q->out, 1.0f, NULL); /* dhs = dy B */
     if (!dropout) {
         /* dA += s dhs^T x,  dx += s dhs A */
-        be->matmul_backward(be, dinp, q->dla, NULL, dhs, inp, q->la, QT_F32, N, q->in, R, s, NULL);
+        qt_be_matmul_backward(be, dinp, q->dla, NULL, dhs, inp, q->la, QT_F32, N, q->in, R, s, NULL);
         return;
     }
     size_t n = (size_t)N * q->in;
     float *lx = m->gs.lx;
     qt_lora_dropout(m, l, q->lora_id, lx, inp, n);
-    be->matmul_backward(be, NULL, q->dla, NULL, dhs, lx, q->la, QT_F32, N, q->in, R, s, NULL);
+    qt_be_matmul_backward(be, NULL, q->dla, NULL, dhs, lx, q->la, QT_F32, N, q->in, R, s, NULL);
     if (!dinp) return;
-    be->zero(be, lx, sizeof(float) * n);
-    be->matmul_backward(be, lx, NULL, NULL, dhs, NULL, q->la, QT_F32, N, q->in, R, s, NULL);
+    qt_be_zero(be, lx, sizeof(float) * n);
+    qt_be_matmul_backward(be, lx, NULL, NULL, dhs, NULL, q->la, QT_F32, N, q->in, R, s, NULL);
     qt_lora_dropout(m, l, q->lora_id, lx, lx, n); /* the same mask: d dropout(x) / dx */
-    be->acc(be, dinp, lx, n);
+    qt_be_acc(be, dinp, lx, n);
 }
 
 /* Each Linear's weight gradients are one backward step (memplan.h QT_GU_*). */
@@ -249,15 +249,15 @@ static void rope_rows(qt_model *m, float *q, float *k, const int32_t *pos, int N
     qt_backend *be = m->be;
     const int H = c->num_attention_heads, KV = c->num_key_value_heads, D = c->head_dim;
     if (!d || !d->rope_per_row) {
-        be->rope_forward(be, q, pos, N, H, D, m->rope_inv, m->rope_scale);
-        be->rope_forward(be, k, pos, N, KV, D, m->rope_inv, m->rope_scale);
+        qt_be_rope_forward(be, q, pos, N, H, D, m->rope_inv, m->rope_scale);
+        qt_be_rope_forward(be, k, pos, N, KV, D, m->rope_inv, m->rope_scale);
         return;
     }
     float inv[QT_ROPE_MAX_HALF], scale;
     for (int i = 0; i < N; i++) {
         qt_rope_inv_freq(c, D, d->hpos[i], inv, &scale);
-        be->rope_forward(be, q + (size_t)i * H * D, pos + i, 1, H, D, inv, scale);
-        be->rope_forward(be, k + (size_t)i * KV * D, pos + i, 1, KV, D, inv, scale);
+        qt_be_rope_forward(be, q + (size_t)i * H * D, pos + i, 1, H, D, inv, scale);
+        qt_be_rope_forward(be, k + (size_t)i * KV * D, pos + i, 1, KV, D, inv, scale);
     }
 }
 
@@ -270,16 +270,16 @@ static void attend_cached(qt_model *m, int l, int N, qt_acts *a, const dec_rows 
     float *kc = m->kcache + (size_t)l * layer, *vc = m->vcache + (size_t)l * layer;
     if (!d->seqs) {
         float *ks = kc + (size_t)d->seq * seq, *vs = vc + (size_t)d->seq * seq;
-        be->copy(be, ks + (size_t)d->pos0 * row, a->k, sizeof(float) * (size_t)N * row);
-        be->copy(be, vs + (size_t)d->pos0 * row, a->v, sizeof(float) * (size_t)N * row);
-        be->attention_forward_cached(be, a->att, a->q, ks, vs, N, d->pos0, H, KV, D);
+        qt_be_copy(be, ks + (size_t)d->pos0 * row, a->k, sizeof(float) * (size_t)N * row);
+        qt_be_copy(be, vs + (size_t)d->pos0 * row, a->v, sizeof(float) * (size_t)N * row);
+        qt_be_attention_forward_cached(be, a->att, a->q, ks, vs, N, d->pos0, H, KV, D);
         return;
     }
     for (int i = 0; i < N; i++) { /* each row against its own sequence: the one-token call, row by row */
         float *ks = kc + (size_t)d->seqs[i] * seq, *vs = vc + (size_t)d->seqs[i] * seq;
-        be->copy(be, ks + (size_t)d->hpos[i] * row, a->k + (size_t)i * row, sizeof(float) * row);
-        be->copy(be, vs + (size_t)d->hpos[i] * row, a->v + (size_t)i * row, sizeof(float) * row);
-        be->attention_forward_cached(be, a->att + (size_t)i * H * D, a->q + (size_t)i * H * D, ks, vs, 1, d->hpos[i],
+        qt_be_copy(be, ks + (size_t)d->hpos[i] * row, a->k + (size_t)i * row, sizeof(float) * row);
+        qt_be_copy(be, vs + (size_t)d->hpos[i] * row, a->v + (size_t)i * row, sizeof(float) * row);
+        qt_be_attention_forward_cached(be, a->att + (size_t)i * H * D, a->q + (size_t)i * H * D, ks, vs, 1, d->hpos[i],
                                      H, KV, D);
     }
 }
@@ -298,7 +298,7 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
      * checkpointing the recompute stores x16 again, the same values into a slot already read. */
     const qt_acts16 no_slots = {0}, *s = m->acts.layer16 ? &m->acts.layer16[l] : &no_slots;
     uint16_t *const *x16 = m->acts.x16;
-    be->rmsnorm_forward(be, a->ln1, a->rstd1, x, L->ln1, N, C, c->rms_norm_eps);
+    qt_be_rmsnorm_forward(be, a->ln1, a->rstd1, x, L->ln1, N, C, c->rms_norm_eps);
     round_and_save(m, a->ln1, NC, s->ln1);
     infer_round(m, a->ln1, NC);
     /* Qwen3: the projections go to qraw/kraw, and q_norm/k_norm (one RMSNorm over D per head: (N*H) rows
@@ -311,34 +311,34 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
     if (a->qraw) {
         round_and_save(m, a->qraw, NQ, s->qraw);
         round_and_save(m, a->kraw, NK, s->kraw);
-        be->rmsnorm_forward(be, a->q, a->rstdq, a->qraw, L->qn, N * H, D, c->rms_norm_eps);
-        be->rmsnorm_forward(be, a->k, a->rstdk, a->kraw, L->kn, N * KV, D, c->rms_norm_eps);
+        qt_be_rmsnorm_forward(be, a->q, a->rstdq, a->qraw, L->qn, N * H, D, c->rms_norm_eps);
+        qt_be_rmsnorm_forward(be, a->k, a->rstdk, a->kraw, L->kn, N * KV, D, c->rms_norm_eps);
     }
     rope_rows(m, a->q, a->k, pos, N, b ? NULL : d);
     round_and_save(m, a->q, NQ, s->q);
     round_and_save(m, a->k, NK, s->k);
     round_and_save(m, a->v, NK, s->v);
     if (b) {
-        be->attention_forward(be, a->att, a->lse, a->q, a->k, a->v, b->doc_start, b->B, b->T, H, KV, D);
+        qt_be_attention_forward(be, a->att, a->lse, a->q, a->k, a->v, b->doc_start, b->B, b->T, H, KV, D);
     } else {
         attend_cached(m, l, N, a, d);
     }
     round_and_save(m, a->att, NQ, s->att);
     infer_round(m, a->att, NQ);
     linear_forward(m, l, LIN_O, a->xmid, a->att, s->att, N, a->lora_h[LIN_O], dropout);
-    be->acc(be, a->xmid, x, NC);
+    qt_be_acc(be, a->xmid, x, NC);
     round_and_save(m, a->xmid, NC, s->xmid);
-    be->rmsnorm_forward(be, a->ln2, a->rstd2, a->xmid, L->ln2, N, C, c->rms_norm_eps);
+    qt_be_rmsnorm_forward(be, a->ln2, a->rstd2, a->xmid, L->ln2, N, C, c->rms_norm_eps);
     round_and_save(m, a->ln2, NC, s->ln2);
     infer_round(m, a->ln2, NC);
     linears_forward(m, l, 2, gate_up, gate_up_out, a->ln2, s->ln2, N, a->lora_h, dropout);
     round_and_save(m, a->gate, NI, s->gate);
     round_and_save(m, a->up, NI, s->up);
-    be->swiglu_forward(be, a->h, a->gate, a->up, N, I);
+    qt_be_swiglu_forward(be, a->h, a->gate, a->up, N, I);
     round_and_save(m, a->h, NI, s->h);
     infer_round(m, a->h, NI);
     linear_forward(m, l, LIN_DOWN, xout, a->h, s->h, N, a->lora_h[LIN_DOWN], dropout);
-    be->acc(be, xout, a->xmid, NC);
+    qt_be_acc(be, xout, a->xmid, NC);
     round_and_save(m, xout, NC, x16 && l + 1 < c->num_hidden_layers ? x16[l + 1] : NULL);
 }
 
@@ -389,7 +389,7 @@ static int outer_params(qt_model *m, size_t off) {
 static int norm_backward(qt_model *m, int l, int unit, float *dinp, float *dweight, const float *dout,
                          const float *inp, const float *weight, const float *rstd, int N, int C) {
     QT_TRY(qt_grad_win_begin(&m->grad_win, l, unit));
-    m->be->rmsnorm_backward(m->be, dinp, dweight, dout, inp, weight, rstd, N, C);
+    qt_be_rmsnorm_backward(m->be, dinp, dweight, dout, inp, weight, rstd, N, C);
     return qt_grad_win_end(&m->grad_win, l, unit);
 }
 
@@ -401,8 +401,8 @@ static int head_norm_backward(qt_model *m, int l, int j, float *draw, float *dwe
                               const float *raw, const float *weight, const float *rstd, int rows) {
     const int D = m->cfg.head_dim;
     QT_TRY(qt_grad_win_begin(&m->grad_win, l, lin_unit[j]));
-    m->be->zero(m->be, draw, sizeof(float) * (size_t)rows * D);
-    m->be->rmsnorm_backward(m->be, draw, dweight, dnormed, raw, weight, rstd, rows, D);
+    qt_be_zero(m->be, draw, sizeof(float) * (size_t)rows * D);
+    qt_be_rmsnorm_backward(m->be, draw, dweight, dnormed, raw, weight, rstd, rows, D);
     round_grad(m, draw, (size_t)rows * D);
     return QT_OK;
 }
@@ -424,36 +424,36 @@ static int layer_backward(qt_model *m, int l, const qt_batch *b, int N, const fl
     /* 2-byte storage without checkpointing: the saved inputs, for the weight gradients' bf16 GEMMs */
     const qt_acts16 no_slots = {0}, *s = m->acts.layer16 ? &m->acts.layer16[l] : &no_slots;
 
-    be->zero(be, g->dh, sizeof(float) * NI);
+    qt_be_zero(be, g->dh, sizeof(float) * NI);
     QT_TRY(linear_backward(m, l, LIN_DOWN, g->dh, g->dres, a->h, s->h, a->lora_h[LIN_DOWN], N, dropout));
     round_grad(m, g->dh, NI);
-    be->zero(be, g->dg, sizeof(float) * NI);
-    be->zero(be, g->du, sizeof(float) * NI);
-    be->swiglu_backward(be, g->dg, g->du, g->dh, a->gate, a->up, N, I);
+    qt_be_zero(be, g->dg, sizeof(float) * NI);
+    qt_be_zero(be, g->du, sizeof(float) * NI);
+    qt_be_swiglu_backward(be, g->dg, g->du, g->dh, a->gate, a->up, N, I);
     round_grad(m, g->dg, NI);
     round_grad(m, g->du, NI);
-    be->zero(be, g->dln, sizeof(float) * NC);
+    qt_be_zero(be, g->dln, sizeof(float) * NC);
     QT_TRY(linear_backward(m, l, LIN_GATE, g->dln, g->dg, a->ln2, s->ln2, a->lora_h[LIN_GATE], N, dropout));
     QT_TRY(linear_backward(m, l, LIN_UP, g->dln, g->du, a->ln2, s->ln2, a->lora_h[LIN_UP], N, dropout));
     round_grad(m, g->dln, NC);
     QT_TRY(norm_backward(m, l, QT_GU_LN2, g->dres, L->dln2, g->dln, a->xmid, L->ln2, a->rstd2, N, C)); /* d xmid */
     round_grad(m, g->dres, NC);
 
-    be->zero(be, g->datt, sizeof(float) * NQ);
+    qt_be_zero(be, g->datt, sizeof(float) * NQ);
     QT_TRY(linear_backward(m, l, LIN_O, g->datt, g->dres, a->att, s->att, a->lora_h[LIN_O], N, dropout));
     round_grad(m, g->datt, NQ);
-    be->zero(be, g->dq, sizeof(float) * NQ);
-    be->zero(be, g->dk, sizeof(float) * NK);
-    be->zero(be, g->dv, sizeof(float) * NK);
-    be->attention_backward(be, g->dq, g->dk, g->dv, g->datt, a->att, a->lse, a->q, a->k, a->v, b->doc_start, b->B, b->T,
+    qt_be_zero(be, g->dq, sizeof(float) * NQ);
+    qt_be_zero(be, g->dk, sizeof(float) * NK);
+    qt_be_zero(be, g->dv, sizeof(float) * NK);
+    qt_be_attention_backward(be, g->dq, g->dk, g->dv, g->datt, a->att, a->lse, a->q, a->k, a->v, b->doc_start, b->B, b->T,
                           H, KV, D);
-    be->rope_backward(be, g->dq, b->positions, N, H, D, m->rope_inv, m->rope_scale);
-    be->rope_backward(be, g->dk, b->positions, N, KV, D, m->rope_inv, m->rope_scale);
+    qt_be_rope_backward(be, g->dq, b->positions, N, H, D, m->rope_inv, m->rope_scale);
+    qt_be_rope_backward(be, g->dk, b->positions, N, KV, D, m->rope_inv, m->rope_scale);
     round_grad(m, g->dq, NQ);
     round_grad(m, g->dk, NK);
     round_grad(m, g->dv, NK);
     float *dln = need_dx ? g->dln : NULL;
-    if (dln) be->zero(be, dln, sizeof(float) * NC);
+    if (dln) qt_be_zero(be, dln, sizeof(float) * NC);
     /* Qwen3: back through q_norm/k_norm; datt is free once the attention's backward has run, and
      * holds the gradient of qraw, then of kraw (KV <= H) */
     const float *dqp = g->dq, *dkp = g->dk;
@@ -509,10 +509,10 @@ static qt_batch upload_batch(qt_model *m, const qt_batch *b) {
     qt_batch d = *b;
     d.inputs = m->ids.inputs, d.targets = m->ids.targets, d.positions = m->ids.positions;
     d.doc_start = b->doc_start ? m->ids.doc_start : NULL;
-    m->be->upload(m->be, d.inputs, b->inputs, bytes);
-    m->be->upload(m->be, d.targets, b->targets, bytes);
-    m->be->upload(m->be, d.positions, b->positions, bytes);
-    if (b->doc_start) m->be->upload(m->be, d.doc_start, b->doc_start, bytes);
+    qt_be_upload(m->be, d.inputs, b->inputs, bytes);
+    qt_be_upload(m->be, d.targets, b->targets, bytes);
+    qt_be_upload(m->be, d.positions, b->positions, bytes);
+    if (b->doc_start) qt_be_upload(m->be, d.doc_start, b->doc_start, bytes);
     /* the RoPE table of this forward (and its backward), from the host
      * positions: dynamic scaling looks at the largest one */
     int32_t mx = 0;
@@ -530,24 +530,24 @@ static int run_forward(qt_model *m, const qt_batch *b, int dropout, float *dx_lm
     int N = b->B * b->T, C = c->hidden_size, L = c->num_hidden_layers;
     qt_act_ptrs *A = &m->acts;
     QT_TRY(outer_params(m, m->gout[0]));
-    be->embedding_forward(be, A->x[0], b->inputs, m->wte.p, m->wte.dt, N, C);
+    qt_be_embedding_forward(be, A->x[0], b->inputs, m->wte.p, m->wte.dt, N, C);
     round_and_save(m, A->x[0], (size_t)N * C, A->x16 ? A->x16[0] : NULL);
     for (int l = 0; l < L; l++) {
         QT_TRY(layer_params(m, l, l + 1));
         layer_forward(m, l, b, N, A->x[l], A->x[l + 1], &A->layer[l], dropout, b->positions, NULL);
     }
     QT_TRY(outer_params(m, m->gout[1]));
-    be->rmsnorm_forward(be, A->lnf, A->rstdf, A->x[L], m->lnf_w, N, C, c->rms_norm_eps);
+    qt_be_rmsnorm_forward(be, A->lnf, A->rstdf, A->x[L], m->lnf_w, N, C, c->rms_norm_eps);
     round_to_compute(m, A->lnf, (size_t)N * C);
     infer_round(m, A->lnf, (size_t)N * C);
     if (dx_lm)
-        be->lmhead_ce_forward_dx(be, A->loss, A->lse, dx_lm, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, grad_scale, N,
+        qt_be_lmhead_ce_forward_dx(be, A->loss, A->lse, dx_lm, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, grad_scale, N,
                                 C, c->vocab_size, m->ws);
     else if (kept)
-        be->lmhead_ce_forward_keep(be, A->loss, A->lse, kept, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, N, C,
+        qt_be_lmhead_ce_forward_keep(be, A->loss, A->lse, kept, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, N, C,
                                   c->vocab_size, m->ws);
     else
-        be->lmhead_ce_forward(be, A->loss, A->lse, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, N, C, c->vocab_size,
+        qt_be_lmhead_ce_forward(be, A->loss, A->lse, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, N, C, c->vocab_size,
                              m->ws);
     return QT_OK;
 }
@@ -564,7 +564,7 @@ int qt_model_forward_idle(qt_model *m) {
 static void sum_loss(const qt_model *m, const qt_batch *b, double *loss_sum, int64_t *n_tokens, float *logp) {
     size_t N = (size_t)b->B * b->T;
     float *loss_host = m->loss_host;
-    m->be->download(m->be, loss_host, m->acts.loss, N * sizeof(float));
+    qt_be_download(m->be, loss_host, m->acts.loss, N * sizeof(float));
     double s = 0;
     int64_t n = 0;
     for (size_t i = 0; i < N; i++) {
@@ -609,15 +609,15 @@ static int lmhead_backward_sliced(qt_model *m, const qt_batch *hb, float *dln, f
             int t = hb->targets[i];
             ht[i] = t == QT_IGNORE_INDEX ? t : (t >= v0 && t < v0 + sv) ? t - v0 : -1;
         }
-        be->upload(be, tslice, ht, sizeof(int32_t) * (size_t)N);
+        qt_be_upload(be, tslice, ht, sizeof(int32_t) * (size_t)N);
         const char *w = (const char *)m->lm_head.p + (size_t)v0 * C * esz;
         if (!row_scale)
-            be->lmhead_ce_backward(be, dln, g, m->acts.lnf, w, m->lm_head.dt, tslice, m->acts.lse, grad_scale, N,
+            qt_be_lmhead_ce_backward(be, dln, g, m->acts.lnf, w, m->lm_head.dt, tslice, m->acts.lse, grad_scale, N,
                                    C, sv, m->ws);
         else /* one call per row, each with its sequence's weight (the slice's dW sums over them) */
             for (int r = 0; r < hb->B; r++)
                 if (row_scale[r] != 0.0f)
-                    be->lmhead_ce_backward(be, dln + (size_t)r * T * C, g, m->acts.lnf + (size_t)r * T * C, w,
+                    qt_be_lmhead_ce_backward(be, dln + (size_t)r * T * C, g, m->acts.lnf + (size_t)r * T * C, w,
                                            m->lm_head.dt, tslice + (size_t)r * T, m->acts.lse + (size_t)r * T,
                                            row_scale[r], T, C, sv, m->ws);
         QT_TRY(qt_grad_win_ready(gw, base + (size_t)v0 * C, base + (size_t)(v0 + sv) * C, g));
@@ -649,7 +649,7 @@ static int forward_backward(qt_model *m, const qt_batch *b, float grad_scale, qt
     int dropout = m->opts.lora && m->opts.lora_dropout > 0.0f;
     qt_act_ptrs *A = &m->acts;
     float *dres = m->gs.dres, *dln = m->gs.dln;
-    be->zero(be, dln, sizeof(float) * (size_t)N * C); /* the forward does not use dln */
+    qt_be_zero(be, dln, sizeof(float) * (size_t)N * C); /* the forward does not use dln */
     /* frozen lm_head: dx comes out of the forward's walk (two (N, V) products, not three) */
     int fused = m->dlm_head == NULL && !row_fn;
     /* trainable lm_head: the logits kept from the forward when the plan has room */
@@ -671,7 +671,7 @@ static int forward_backward(qt_model *m, const qt_batch *b, float grad_scale, qt
         }
     }
 
-    be->zero(be, dres, sizeof(float) * (size_t)N * C);
+    qt_be_zero(be, dres, sizeof(float) * (size_t)N * C);
     if (win && m->dlm_head) {
         int rc = lmhead_backward_sliced(m, hb, dln, grad_scale, row_scale);
         if (rc != QT_OK) {
@@ -681,14 +681,14 @@ static int forward_backward(qt_model *m, const qt_batch *b, float grad_scale, qt
     } else if (row_fn) {
         for (int r = 0; r < b->B; r++)
             if (row_scale[r] != 0.0f)
-                be->lmhead_ce_backward(be, dln + (size_t)r * b->T * C, m->dlm_head, A->lnf + (size_t)r * b->T * C,
+                qt_be_lmhead_ce_backward(be, dln + (size_t)r * b->T * C, m->dlm_head, A->lnf + (size_t)r * b->T * C,
                                        m->lm_head.p, m->lm_head.dt, b->targets + (size_t)r * b->T,
                                        A->lse + (size_t)r * b->T, row_scale[r], b->T, C, c->vocab_size, m->ws);
     } else if (kept)
-        be->lmhead_ce_backward_kept(be, dln, m->dlm_head, kept, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, A->lse,
+        qt_be_lmhead_ce_backward_kept(be, dln, m->dlm_head, kept, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, A->lse,
                                    grad_scale, N, C, c->vocab_size, m->ws);
     else if (!fused)
-        be->lmhead_ce_backward(be, dln, m->dlm_head, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, A->lse, grad_scale, N,
+        qt_be_lmhead_ce_backward(be, dln, m->dlm_head, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, A->lse, grad_scale, N,
                               C, c->vocab_size, m->ws);
     qt_free(logp); /* row_scale with it: the lm_head's backward was their last use */
     round_grad(m, dln, (size_t)N * C); /* in fp16 the first place a too-large loss scale overflows */
@@ -696,7 +696,7 @@ static int forward_backward(qt_model *m, const qt_batch *b, float grad_scale, qt
     for (int l = 0; l < L; l++) units += qt_model_layer_unit(&m->opts, l) >= 0;
     const size_t norm_lo = gw->plan.layer0 + units * gw->plan.layer; /* gradient windows: the final norm's place */
     if (win && m->dlnf_w) QT_TRY(qt_grad_win_open(gw, gw->at.norm, (size_t)C));
-    be->rmsnorm_backward(be, dres, m->dlnf_w, dln, A->x[L], m->lnf_w, A->rstdf, N, C);
+    qt_be_rmsnorm_backward(be, dres, m->dlnf_w, dln, A->x[L], m->lnf_w, A->rstdf, N, C);
     round_grad(m, dres, (size_t)N * C);
     if (win && m->dlnf_w) QT_TRY(qt_grad_win_ready(gw, norm_lo, norm_lo + (size_t)C, gw->at.norm));
     /* layers_to_transform: below the lowest adapted layer nothing is trainable (unless the embedding
@@ -716,7 +716,7 @@ static int forward_backward(qt_model *m, const qt_batch *b, float grad_scale, qt
     }
     /* the hook reads the token ids on the host (hb), the row gradients (dres) on the device */
     if (m->dwte && win) QT_TRY(gw->hook.rows(gw->hook.user, 0, C, hb->inputs, dres, N));
-    else if (m->dwte) be->embedding_backward(be, m->dwte, dres, b->inputs, N, C);
+    else if (m->dwte) qt_be_embedding_backward(be, m->dwte, dres, b->inputs, N, C);
     m->micro_step++;
     return QT_OK;
 }
@@ -759,17 +759,17 @@ static void decode_layers(qt_model *m, const int32_t *ids, int n, int maxpos, co
     const qt_config *c = &m->cfg;
     qt_backend *be = m->be;
     int32_t *dids = m->ids.inputs, *dpos = m->ids.positions;
-    be->upload(be, dids, ids, sizeof(int32_t) * (size_t)n);
-    be->upload(be, dpos, m->pos_buf, sizeof(int32_t) * (size_t)n);
+    qt_be_upload(be, dids, ids, sizeof(int32_t) * (size_t)n);
+    qt_be_upload(be, dpos, m->pos_buf, sizeof(int32_t) * (size_t)n);
     qt_model_rope_table(m, maxpos); /* the largest position of this call */
     qt_act_ptrs *A = &m->acts;
-    be->embedding_forward(be, A->x[0], dids, m->wte.p, m->wte.dt, n, c->hidden_size);
+    qt_be_embedding_forward(be, A->x[0], dids, m->wte.p, m->wte.dt, n, c->hidden_size);
     for (int l = 0; l < c->num_hidden_layers; l++)
         layer_forward(m, l, NULL, n, A->x[l], A->x[l + 1], &A->layer[l], 0, dpos, d);
 }
 
 /* One decode call's layers and logits (decode_call), run with the backend's
- * threads held between its ops (be->hold_threads) when it is a step of few
+ * threads held between its ops (qt_be_hold_threads) when it is a step of few
  * rows on the matrix-vector path: ~170 ops of tens of microseconds each,
  * where starting the threads for every op costs a few percent of the step
  * (docs/generate.md).
@@ -793,15 +793,15 @@ static int decode_run(void *arg) {
     qt_backend *be = m->be;
     qt_act_ptrs *A = &m->acts;
     decode_layers(m, k->ids, k->n, k->maxpos, k->d);
-    be->rmsnorm_forward(be, A->lnf, A->rstdf, A->x[L] + (size_t)(k->n - rows) * C, m->lnf_w, rows, C,
+    qt_be_rmsnorm_forward(be, A->lnf, A->rstdf, A->x[L] + (size_t)(k->n - rows) * C, m->lnf_w, rows, C,
                         c->rms_norm_eps);
     infer_round(m, A->lnf, (size_t)rows * C);
-    be->matvec(be, m->logits, A->lnf, m->lm_head.p, m->lm_head.dt, NULL, rows, C, V, 1.0f, 0); /* V x C read once */
+    qt_be_matvec(be, m->logits, A->lnf, m->lm_head.p, m->lm_head.dt, NULL, rows, C, V, 1.0f, 0); /* V x C read once */
     return QT_OK;
 }
 
 static void decode_call_run(qt_model *m, const decode_call *k) {
-    if (decoding(m, k->n) && k->n <= DECODE_HOLD_MAX_ROWS) m->be->hold_threads(m->be, decode_run, (void *)k);
+    if (decoding(m, k->n) && k->n <= DECODE_HOLD_MAX_ROWS) qt_be_hold_threads(m->be, decode_run, (void *)k);
     else decode_run((void *)k);
 }
 
@@ -822,7 +822,7 @@ int qt_model_decode_seq(qt_model *m, int seq, const int32_t *ids, int n, int pos
     const dec_rows d = {seq, pos0, NULL, NULL, 0};
     const decode_call k = {m, ids, n, pos0 + n - 1, &d};
     decode_call_run(m, &k);
-    m->be->download(m->be, logits_out, m->logits, sizeof(float) * (size_t)V);
+    qt_be_download(m->be, logits_out, m->logits, sizeof(float) * (size_t)V);
     m->kv_len[seq] = pos0 + n;
     return QT_OK;
 }
@@ -865,7 +865,7 @@ int qt_model_decode_rows(qt_model *m, int n, const int *seqs, const int32_t *ids
     const decode_call k = {m, ids, n, maxpos, &d};
     decode_call_run(m, &k);
     m->dec_rows = 0;
-    m->be->download(m->be, logits_out, m->logits, sizeof(float) * (size_t)n * V);
+    qt_be_download(m->be, logits_out, m->logits, sizeof(float) * (size_t)n * V);
     for (int i = 0; i < n; i++) m->kv_len[seqs[i]] = pos[i] + 1;
     return QT_OK;
 }

@@ -136,7 +136,7 @@ static int import(qt_model *m, const st_tensor *t, const void **dev, const char 
     const void **imp = qt_realloc(m->imported, sizeof(void *) * (size_t)(m->n_imported + 1), "model: tensor list");
     if (!imp) return QT_ENOMEM;
     m->imported = imp;
-    QT_TRY(m->be->import_mapped(m->be, t->data, t->nbytes, dev, name));
+    QT_TRY(qt_be_import_mapped(m->be, t->data, t->nbytes, dev, name));
     m->imported[m->n_imported++] = *dev;
     return QT_OK;
 }
@@ -148,9 +148,9 @@ static int import(qt_model *m, const st_tensor *t, const void **dev, const char 
  * compute dtype when training in f16/bf16, else the file's. */
 static int quant_matrix(qt_model *m, const st_tensor *t, int64_t d0, int64_t d1, qt_wref *w, const char *name) {
     qt_backend *be = m->be;
-    if (strcmp(be->desc->name, "cpu") && strcmp(be->desc->name, "guard") && strcmp(be->desc->name, "cuda"))
+    if (strcmp(qt_be_desc(be)->name, "cpu") && strcmp(qt_be_desc(be)->name, "guard") && strcmp(qt_be_desc(be)->name, "cuda"))
         return QT_ERR(QT_EUNSUPPORTED, "a 4-bit base runs on the cpu and cuda backends only so far (not %s); use "
-                                       "\"device\": \"cpu\" or drop \"quantization\"", be->desc->name);
+                                       "\"device\": \"cpu\" or drop \"quantization\"", qt_be_desc(be)->name);
     const qt_dtype cd = m->opts.compute;
     const qt_dtype dt = !m->infer && cd != QT_F32 ? cd : t->dtype;
     const size_t bytes = qt_q4_bytes((uint64_t)d0, (uint64_t)d1, QT_Q4_BLOCK, m->opts.quant4_nested);
@@ -159,11 +159,11 @@ static int quant_matrix(qt_model *m, const st_tensor *t, int64_t d0, int64_t d1,
     qt_q4_init(host, (qt_q4_type)m->opts.quant4_type, dt, (uint64_t)d0, (uint64_t)d1, QT_Q4_BLOCK,
                m->opts.quant4_nested);
     int rc = qt_q4_quantize_weight(host, t->data, t->dtype);
-    void *dev = rc == QT_OK ? be->alloc(be, QT_MEM_DEVICE, bytes, name) : NULL;
+    void *dev = rc == QT_OK ? qt_be_alloc(be, QT_MEM_DEVICE, bytes, name) : NULL;
     if (rc == QT_OK && !dev) rc = QT_ENOMEM;
     if (rc == QT_OK) rc = own(m, dev);
     if (rc == QT_OK) {
-        be->upload(be, dev, host, bytes);
+        qt_be_upload(be, dev, host, bytes);
         drop_mapped_pages(t->data, t->nbytes);
         m->quant_bytes += bytes;
         m->quant_src_bytes += t->nbytes;
@@ -192,10 +192,10 @@ static int prequant_matrix(qt_model *m, const st_tensor *t, const char *name, in
                                      "in %s; set the DeepSpeed config's precision to %s", m->dir, qt_dtype_name(sdt),
                     qt_dtype_name(cd), qt_dtype_name(sdt));
     qt_backend *be = m->be;
-    void *dev = rc == QT_OK ? be->alloc(be, QT_MEM_DEVICE, bytes, t->name) : NULL;
+    void *dev = rc == QT_OK ? qt_be_alloc(be, QT_MEM_DEVICE, bytes, t->name) : NULL;
     if (rc == QT_OK) rc = dev ? own(m, dev) : QT_ENOMEM;
     if (rc == QT_OK) {
-        be->upload(be, dev, stage, bytes);
+        qt_be_upload(be, dev, stage, bytes);
         m->quant_bytes += bytes;
         m->quant_src_bytes += (size_t)d0 * (size_t)d1 * qt_dtype_size(sdt);
         qt_progress_set(&m->quant_prog, ++m->quant_done);
@@ -211,7 +211,7 @@ static int prequant_matrix(qt_model *m, const st_tensor *t, const char *name, in
 static int bf16_valued(qt_model *m, const qt_wref *w) {
     if (w->dt != QT_Q4) return w->dt == QT_BF16;
     qt_q4_weight hdr;
-    m->be->download(m->be, &hdr, w->p, sizeof hdr);
+    qt_be_download(m->be, &hdr, w->p, sizeof hdr);
     return hdr.dtype == QT_BF16;
 }
 
@@ -220,12 +220,12 @@ static int bf16_valued(qt_model *m, const qt_wref *w) {
 static int quant_rows(qt_model *m, const qt_wref *f, size_t r0, int rows, qt_wref *w) {
     qt_backend *be = m->be;
     qt_q4_weight hdr, view;
-    be->download(be, &hdr, f->p, sizeof hdr);
-    void *dev = be->alloc(be, QT_MEM_DEVICE, sizeof view, "model: 4-bit row view");
+    qt_be_download(be, &hdr, f->p, sizeof hdr);
+    void *dev = qt_be_alloc(be, QT_MEM_DEVICE, sizeof view, "model: 4-bit row view");
     if (!dev) return QT_ENOMEM;
     QT_TRY(own(m, dev));
     qt_q4_view(&hdr, f->p, dev, r0, (uint64_t)rows, &view);
-    be->upload(be, dev, &view, sizeof view);
+    qt_be_upload(be, dev, &view, sizeof view);
     w->p = dev;
     w->dt = QT_Q4;
     return QT_OK;
@@ -281,11 +281,11 @@ static int shard_matrix(qt_model *m, const st_tensor *t, int64_t d0, int64_t d1,
     if (e > a) {
         const size_t fs = qt_dtype_size(t->dtype);
         const void *src;
-        QT_TRY(be->import_mapped(be, (const char *)t->data + (a - off) * fs, (e - a) * fs, &src, t->name));
+        QT_TRY(qt_be_import_mapped(be, (const char *)t->data + (a - off) * fs, (e - a) * fs, &src, t->name));
         char *dst = (char *)m->pbase + (a - m->blo) * es;
-        if (t->dtype == m->bdt) be->copy(be, dst, src, (e - a) * es);
-        else be->convert(be, dst, m->bdt, src, t->dtype, e - a);
-        be->release_mapped(be, src);
+        if (t->dtype == m->bdt) qt_be_copy(be, dst, src, (e - a) * es);
+        else qt_be_convert(be, dst, m->bdt, src, t->dtype, e - a);
+        qt_be_release_mapped(be, src);
     }
     drop_mapped_pages(t->data, t->nbytes);
     if (m->blayer >= 0) w->p = (char *)m->gbuf[m->blayer & 1] + (off - m->glo[m->blayer]) * es;
@@ -310,7 +310,7 @@ static int base_matrix(qt_model *m, const char *name, int64_t d0, int64_t d1, qt
     if (streamed && m->stream_block && m->stream_size - m->stream_used >= t->nbytes) {
         void *p = m->stream_block + m->stream_used;
         m->stream_used += stream_span(t);
-        be->upload(be, p, t->data, t->nbytes);
+        qt_be_upload(be, p, t->data, t->nbytes);
         drop_mapped_pages(t->data, t->nbytes);
         w->p = p;
         return QT_OK;
@@ -319,13 +319,13 @@ static int base_matrix(qt_model *m, const char *name, int64_t d0, int64_t d1, qt
     if (!m->infer && cd != QT_F32 && t->dtype != cd) {
         /* training in f16/bf16 holds the frozen base in the compute dtype (the memory plan's compute_copy) */
         size_t n = (size_t)d0 * (size_t)d1;
-        void *copy = be->alloc(be, QT_MEM_DEVICE, n * qt_dtype_size(cd), name);
+        void *copy = qt_be_alloc(be, QT_MEM_DEVICE, n * qt_dtype_size(cd), name);
         if (!copy) return QT_ENOMEM;
         QT_TRY(own(m, copy));
         const void *src;
-        QT_TRY(m->be->import_mapped(be, t->data, t->nbytes, &src, name));
-        be->convert(be, copy, cd, src, t->dtype, n);
-        be->release_mapped(be, src);
+        QT_TRY(qt_be_import_mapped(be, t->data, t->nbytes, &src, name));
+        qt_be_convert(be, copy, cd, src, t->dtype, n);
+        qt_be_release_mapped(be, src);
         drop_mapped_pages(t->data, t->nbytes);
         w->p = copy;
         w->dt = cd;
@@ -333,10 +333,10 @@ static int base_matrix(qt_model *m, const char *name, int64_t d0, int64_t d1, qt
     }
     if (t->dtype == QT_F32 && ((uintptr_t)t->data & 3)) {
         /* sgemm wants aligned floats; a hand-written file may not give them */
-        void *copy = be->alloc(be, QT_MEM_DEVICE, t->nbytes, name);
+        void *copy = qt_be_alloc(be, QT_MEM_DEVICE, t->nbytes, name);
         if (!copy) return QT_ENOMEM;
         QT_TRY(own(m, copy));
-        be->upload(be, copy, t->data, t->nbytes);
+        qt_be_upload(be, copy, t->data, t->nbytes);
         w->p = copy;
         return QT_OK;
     }
@@ -389,7 +389,7 @@ static int alloc_small(qt_model *m) {
         m->small_runs[m->n_small_runs++] = (qt_flat_run){p->offset, p->numel, m->n_small};
         m->n_small += p->numel;
     }
-    m->small = m->be->alloc(m->be, QT_MEM_DEVICE, (m->n_small ? m->n_small : 1) * 4, "model: norm weights and biases (f32)");
+    m->small = qt_be_alloc(m->be, QT_MEM_DEVICE, (m->n_small ? m->n_small : 1) * 4, "model: norm weights and biases (f32)");
     return m->small ? QT_OK : QT_ENOMEM;
 }
 
@@ -414,13 +414,13 @@ static int alloc_param_shard(qt_model *m) {
     qt_model_gather_sizes(c, &m->opts, &layer, &outer);
     for (int k = 0; k < 3; k++) {
         size_t n = (k < 2 ? layer : outer) * es;
-        m->gbuf[k] = m->be->alloc(m->be, QT_MEM_DEVICE, n ? n : 64, "model: ZeRO-3 gather buffer");
+        m->gbuf[k] = qt_be_alloc(m->be, QT_MEM_DEVICE, n ? n : 64, "model: ZeRO-3 gather buffer");
         if (!m->gbuf[k]) return QT_ENOMEM;
         m->gkey[k] = -1;
     }
     if (m->opts.compute != QT_F32) {
         size_t n = (m->mhi - m->mlo) * es;
-        m->wcopy = m->be->alloc(m->be, m->opts.param_on_host ? QT_MEM_PINNED : QT_MEM_DEVICE, n ? n : 64,
+        m->wcopy = qt_be_alloc(m->be, m->opts.param_on_host ? QT_MEM_PINNED : QT_MEM_DEVICE, n ? n : 64,
                                 "model: this rank's shard of the compute weights");
         if (!m->wcopy) return QT_ENOMEM;
     }
@@ -438,14 +438,14 @@ static int alloc_base_shard(qt_model *m) {
     m->bdt = qt_model_base_block_dtype(c, &m->opts);
     qt_shard_range(m->bn, m->opts.param_shards, m->opts.master_rank, &m->blo, &m->bhi);
     const size_t es = qt_dtype_size(m->bdt), nb = (m->bhi - m->blo) * es;
-    m->pbase = m->be->alloc(m->be, m->opts.param_on_host ? QT_MEM_PINNED : QT_MEM_DEVICE, nb ? nb : 64,
+    m->pbase = qt_be_alloc(m->be, m->opts.param_on_host ? QT_MEM_PINNED : QT_MEM_DEVICE, nb ? nb : 64,
                             "model: this rank's shard of the frozen base");
     m->glo = qt_calloc((size_t)L + 1, sizeof *m->glo, "model: layer ranges");
     m->ghi = qt_calloc((size_t)L + 1, sizeof *m->ghi, "model: layer ranges");
     if (!m->pbase || !m->glo || !m->ghi) return QT_ENOMEM;
     for (int k = 0; k < 3; k++) {
         size_t n = (k < 2 ? layer : outer) * es;
-        m->gbuf[k] = m->be->alloc(m->be, QT_MEM_DEVICE, n ? n : 64, "model: ZeRO-3 gather buffer");
+        m->gbuf[k] = qt_be_alloc(m->be, QT_MEM_DEVICE, n ? n : 64, "model: ZeRO-3 gather buffer");
         if (!m->gbuf[k]) return QT_ENOMEM;
         m->gkey[k] = -1;
     }
@@ -461,7 +461,7 @@ static int load_full(qt_model *m) {
     const qt_dtype cd = m->opts.compute;
     if (m->pshard) QT_TRY(alloc_param_shard(m));
     else if (cd != QT_F32) {
-        m->wcopy = m->be->alloc(m->be, QT_MEM_DEVICE, m->numel * qt_dtype_size(cd), "model: compute copy of the weights");
+        m->wcopy = qt_be_alloc(m->be, QT_MEM_DEVICE, m->numel * qt_dtype_size(cd), "model: compute copy of the weights");
         if (!m->wcopy) return QT_ENOMEM;
     }
     if (m->sharded) QT_TRY(alloc_small(m));
@@ -600,7 +600,7 @@ static int load_frozen(qt_model *m, const char *dir) {
          * available (the model file's cached pages count as available; the copy hands them back as it goes),
          * the decode reads the weights from the mapping instead, as eval does, rather than the kernel killing
          * the process half way */
-        const long long avail = m->be->desc->host_reads_device ? qt_meminfo_kib("MemAvailable") : -1;
+        const long long avail = qt_be_desc(m->be)->host_reads_device ? qt_meminfo_kib("MemAvailable") : -1;
         if (m->stream_size && !qt_model_stream_fits(m->stream_size, avail)) {
             qt_warn("%s: the weights stay in the file mapping (decoding reads them there, slower): a %.1f GiB copy "
                     "would not fit in the %.1f GiB of memory available", dir, (double)m->stream_size / (1 << 30),
@@ -608,7 +608,7 @@ static int load_frozen(qt_model *m, const char *dir) {
             m->stream_size = 0;
         }
         if (m->stream_size) {
-            m->stream_block = m->be->alloc(m->be, QT_MEM_DEVICE, m->stream_size, "model: frozen matrices");
+            m->stream_block = qt_be_alloc(m->be, QT_MEM_DEVICE, m->stream_size, "model: frozen matrices");
             if (!m->stream_block) return QT_ENOMEM;
             QT_TRY(own(m, m->stream_block));
         }
@@ -718,7 +718,7 @@ static int wire_lora(qt_model *m) {
             float bound = 1.0f / sqrtf((float)q->in);
             size_t n = (size_t)m->opts.lora_r * q->in;
             for (size_t i = 0; i < n; i++) stage[i] = (2.0f * qt_rng_uniform(&r) - 1.0f) * bound;
-            m->be->upload(m->be, q->la, stage, sizeof(float) * n);
+            qt_be_upload(m->be, q->la, stage, sizeof(float) * n);
         }
     qt_free(stage);
     return QT_OK;
@@ -726,7 +726,7 @@ static int wire_lora(qt_model *m) {
 
 static void *alloc_floats(qt_model *m, size_t bytes, const char *what) {
     if (!bytes) return NULL;
-    return m->be->alloc(m->be, QT_MEM_DEVICE, bytes, what);
+    return qt_be_alloc(m->be, QT_MEM_DEVICE, bytes, what);
 }
 
 /* Every tensor of the folder must be one the loaded architecture consumed
@@ -818,16 +818,16 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
         if (m->sharded) qt_shard_range(m->numel, opts->master_shards, opts->master_rank, &m->mlo, &m->mhi);
         m->pshard = m->sharded && opts->param_shards > 1;
         const size_t nm = m->mhi - m->mlo;
-        m->master = m->be->alloc(m->be, m->sharded && opts->master_on_host ? QT_MEM_PINNED : QT_MEM_DEVICE,
+        m->master = qt_be_alloc(m->be, m->sharded && opts->master_on_host ? QT_MEM_PINNED : QT_MEM_DEVICE,
                                  (nm ? nm : 1) * 4, "model: fp32 master weights");
         if (!m->master) return QT_ENOMEM;
-        m->be->zero(m->be, m->master, nm * 4);
+        qt_be_zero(m->be, m->master, nm * 4);
         if (!m->infer && m->opts.grad_windows) {
             QT_TRY(qt_grad_win_init(&m->grad_win, m->be, c, &m->opts, m->params, m->n_params));
         } else if (!m->infer) {
             m->grads = alloc_floats(m, m->numel * 4, "model: fp32 gradients");
             if (!m->grads) return QT_ENOMEM;
-            m->be->zero(m->be, m->grads, m->numel * 4);
+            qt_be_zero(m->be, m->grads, m->numel * 4);
         }
     }
     m->layers = qt_calloc((size_t)c->num_hidden_layers, sizeof(qt_layer), "model: layer table");
@@ -875,7 +875,7 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
     if (!m->ws) return QT_ENOMEM;
     if (m->mem.kv_cache) {
         /* sparse: a cache of --ctx positions per sequence, of which a reply writes a few */
-        m->kv_block = m->be->alloc(m->be, QT_MEM_DEVICE_SPARSE, m->mem.kv_cache, "model: KV cache");
+        m->kv_block = qt_be_alloc(m->be, QT_MEM_DEVICE_SPARSE, m->mem.kv_cache, "model: KV cache");
         if (!m->kv_block) return QT_ENOMEM;
         qt_model_carve_kv(c, &m->opts, m->kv_block, &m->kcache, &m->vcache);
     }
@@ -883,14 +883,14 @@ static int model_load(qt_model *m, const char *dir, const qt_model_opts *opts) {
      * layers' matmuls read the saved 2-byte inputs (docs/precision.md); probed only where it can run */
     const qt_dtype cdt = m->opts.compute;
     m->native16 = m->acts.layer16 && (cdt == QT_F16 || (cdt == QT_BF16 && !qt_precision_bf16_emulated(m->opts.backend))) &&
-                  m->gs.dout16 && m->be->half_available(m->be, cdt);
+                  m->gs.dout16 && qt_be_half_available(m->be, cdt);
     if (m->native16) qt_debug("model %s: %s layer matmuls on the backend's 16-bit GEMM", dir, qt_dtype_name(cdt));
     /* inference: bf16-valued layer weights (docs/precision.md, "Inference on bf16 weights"); the cpu backend's
      * matmul (and the guard's, which runs it) takes bf16-exact operands onto the bf16 GEMM, cuda's does not */
-    const int exact_ops = !strcmp(m->be->desc->name, "cpu") || !strcmp(m->be->desc->name, "guard");
+    const int exact_ops = !strcmp(qt_be_desc(m->be)->name, "cpu") || !strcmp(qt_be_desc(m->be)->name, "guard");
     m->infer16 = m->infer && cdt == QT_F32 && exact_ops && c->num_hidden_layers > 0 &&
                  bf16_valued(m, &m->layers[0].lin[LIN_Q].w) && !qt_precision_bf16_emulated(m->opts.backend) &&
-                 m->be->half_available(m->be, QT_BF16);
+                 qt_be_half_available(m->be, QT_BF16);
     if (m->infer16) qt_debug("model %s: batched forwards round the Linears' inputs to bf16 (the bf16 GEMM)", dir);
     const size_t maxn = (size_t)opts->max_B * (size_t)opts->max_T;
     m->pos_buf = qt_malloc(sizeof(int32_t) * maxn, "model: positions");
@@ -927,21 +927,21 @@ void qt_model_free(qt_model *m) {
     if (!m) return;
     qt_backend *be = m->be;
     if (be) {
-        for (int i = 0; i < m->n_owned; i++) be->free(be, m->owned[i]);
-        for (int i = 0; i < m->n_imported; i++) be->release_mapped(be, m->imported[i]);
-        be->free(be, m->master);
-        be->free(be, m->grads);
-        be->free(be, m->base_f32);
-        be->free(be, m->small);
-        be->free(be, m->wcopy);
-        be->free(be, m->pbase);
-        for (int k = 0; k < 3; k++) be->free(be, m->gbuf[k]);
-        be->free(be, m->act_block);
-        be->free(be, m->grad_block);
-        be->free(be, m->ws);
-        be->free(be, m->kv_block);
-        be->free(be, m->ids_block);
-        be->free(be, m->logits);
+        for (int i = 0; i < m->n_owned; i++) qt_be_free(be, m->owned[i]);
+        for (int i = 0; i < m->n_imported; i++) qt_be_release_mapped(be, m->imported[i]);
+        qt_be_free(be, m->master);
+        qt_be_free(be, m->grads);
+        qt_be_free(be, m->base_f32);
+        qt_be_free(be, m->small);
+        qt_be_free(be, m->wcopy);
+        qt_be_free(be, m->pbase);
+        for (int k = 0; k < 3; k++) qt_be_free(be, m->gbuf[k]);
+        qt_be_free(be, m->act_block);
+        qt_be_free(be, m->grad_block);
+        qt_be_free(be, m->ws);
+        qt_be_free(be, m->kv_block);
+        qt_be_free(be, m->ids_block);
+        qt_be_free(be, m->logits);
     }
     qt_free(m->owned);
     qt_free(m->imported);
@@ -985,17 +985,17 @@ void qt_model_weights_updated(qt_model *m) {
     for (int k = 0; k < 3; k++) m->gkey[k] = -1; /* ZeRO-3: what the buffers hold is stale */
     if (!m->wcopy && !m->pshard) return;
     if (!m->sharded) {
-        m->be->convert(m->be, m->wcopy, m->opts.compute, m->master, QT_F32, m->numel);
+        qt_be_convert(m->be, m->wcopy, m->opts.compute, m->master, QT_F32, m->numel);
         return;
     }
     /* this rank's range; the caller all-gathers the others' (qt_model_sharded; ZeRO-3 gathers the
      * compute weights at use and only the 1-D tensors here) */
-    if (m->wcopy) m->be->convert(m->be, m->wcopy + (m->pshard ? 0 : m->mlo), m->opts.compute, m->master, QT_F32,
+    if (m->wcopy) qt_be_convert(m->be, m->wcopy + (m->pshard ? 0 : m->mlo), m->opts.compute, m->master, QT_F32,
                                  m->mhi - m->mlo);
     for (int k = 0; k < m->n_small_runs; k++) {
         const qt_flat_run *r = &m->small_runs[k];
         size_t a = r->flat > m->mlo ? r->flat : m->mlo, e = r->flat + r->n < m->mhi ? r->flat + r->n : m->mhi;
-        if (e > a) m->be->copy(m->be, m->small + r->at + (a - r->flat), m->master + (a - m->mlo), (e - a) * 4);
+        if (e > a) qt_be_copy(m->be, m->small + r->at + (a - r->flat), m->master + (a - m->mlo), (e - a) * 4);
     }
 }
 

@@ -2,7 +2,7 @@
  * rope_scaling (linear, dynamic, yarn, llama3), as transformers'
  * modeling_rope_utils computes them. The model computes the table on the host
  * once per forward (from the batch's largest position: dynamic NTK depends on
- * it) and hands it to be->rope_forward / rope_backward; the backends only
+ * it) and hands it to qt_be_rope_forward / _backward; the backends only
  * apply it. */
 #include "model/model_internal.h"
 

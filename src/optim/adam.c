@@ -82,7 +82,7 @@ int qt_adam_step(qt_backend *be, const qt_adam_cfg *c, int64_t step, double lr, 
             piece_end = (r < n_decay && decay[r].lo < end) ? decay[r].lo : end;
         }
         size_t off = pos - base, len = piece_end - pos;
-        be->adam(be, in_decay ? &kd : &k, params + off, grads + off, m + off, v + off, len);
+        qt_be_adam(be, in_decay ? &kd : &k, params + off, grads + off, m + off, v + off, len);
         pos = piece_end;
     }
     return QT_OK;

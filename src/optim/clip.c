@@ -6,11 +6,11 @@
 /* One sum of squares: the backend's (backend.h sum_squares, the same bits
  * for any thread count), used for the norm, the overflow check and ZeRO's
  * shards alike. */
-double qt_grad_sumsq(qt_backend *be, const float *g, size_t n) { return be->sum_squares(be, g, n); }
+double qt_grad_sumsq(qt_backend *be, const float *g, size_t n) { return qt_be_sum_squares(be, g, n); }
 
 /* A float squared cannot overflow a double, so the sum is finite iff every
  * element is. */
-int qt_grad_has_nonfinite(qt_backend *be, const float *g, size_t n) { return !isfinite(be->sum_squares(be, g, n)); }
+int qt_grad_has_nonfinite(qt_backend *be, const float *g, size_t n) { return !isfinite(qt_be_sum_squares(be, g, n)); }
 
 float qt_clip_coef(double norm, double max_norm) {
     if (!(max_norm > 0.0) || !isfinite(norm)) return 1.0f;
@@ -20,7 +20,7 @@ float qt_clip_coef(double norm, double max_norm) {
 }
 
 void qt_grad_scale(qt_backend *be, float *g, size_t n, float s) {
-    if (s != 1.0f) be->scale(be, g, n, s);
+    if (s != 1.0f) qt_be_scale(be, g, n, s);
 }
 
 double qt_clip_grad_norm(qt_backend *be, float *g, size_t n, double max_norm, double inv_scale) {

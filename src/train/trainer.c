@@ -168,7 +168,7 @@ static int pref_reference_one(qt_trainer *t, const char *path, const dl_pref_set
     char cache[4096];
     const int use_cache = qt_pref_ref_cache_path(path, t->job->data.cache_dir, cache, sizeof cache) == QT_OK;
     qt_error_clear();
-    uint64_t key = qt_pref_ref_key(t->job->model, set, qt_dtype_name(t->cfg.compute), t->be->desc->name);
+    uint64_t key = qt_pref_ref_key(t->job->model, set, qt_dtype_name(t->cfg.compute), qt_be_desc(t->be)->name);
     int64_t hit = use_cache && qt_pref_ref_cache_read(cache, key, n, *out);
     if (t->world > 1) {
         int rc = dist_allreduce_i64(t->d, &hit, 1, DIST_MIN, "reference cache");
@@ -319,11 +319,11 @@ static int fetch_wait(void *u, int slot) {
 /* ZeRO's optimizer state is the backend's device memory too */
 static void *state_alloc(size_t bytes, const char *what, void *user) {
     qt_backend *be = user;
-    return be->alloc(be, QT_MEM_DEVICE, bytes, what);
+    return qt_be_alloc(be, QT_MEM_DEVICE, bytes, what);
 }
 static void state_free(void *p, void *user) {
     qt_backend *be = user;
-    be->free(be, p);
+    qt_be_free(be, p);
 }
 
 /* The model's gradient hook, at ZeRO-2: straight into the plan. */
@@ -620,7 +620,7 @@ static int pref_forward_backward(qt_trainer *t, step_out *o, int64_t cnt[2]) {
     o->tokens = cnt[1];
     const double S = qt_optimizer_loss_scale(&t->opt);
     o->loss_scale = S;
-    if (t->grads) t->be->zero(t->be, t->grads, t->n * sizeof(float));
+    if (t->grads) qt_be_zero(t->be, t->grads, t->n * sizeof(float));
     else QT_TRY(zero_grads_begin(t->zp));
     qt_pref_sums sums = {0};
     float *logp = qt_malloc(sizeof(float) * (size_t)2 * B * T, "reference log-probs");
@@ -703,7 +703,7 @@ static int train_step(qt_trainer *t, step_out *o) {
 
         /* 2. forward/backward: grads = S * d(sum of token losses)/Ntok (ZeRO-2:
          * handed over layer by layer into the rank's gradient shard) */
-        if (t->grads) t->be->zero(t->be, t->grads, t->n * sizeof(float));
+        if (t->grads) qt_be_zero(t->be, t->grads, t->n * sizeof(float));
         else QT_TRY(zero_grads_begin(t->zp));
         double loss_sum = 0;
         const float gs = cnt[0] > 0 ? (float)(S / (double)cnt[0]) : 0.0f;
@@ -1031,10 +1031,10 @@ static int run(qt_trainer *t, qt_train_result *res) {
     /* the BLAS maps a buffer per thread at its first call, which retries
      * forever when ulimit -v refuses it: checked before any step or eval */
     if (t->step < t->max_steps) {
-        (void)t->be->runtime_bytes(t->be); /* loads the GEMM libraries first: their mappings count too */
+        (void)qt_be_runtime_bytes(t->be); /* loads the GEMM libraries first: their mappings count too */
         if (!qt_fault_point("address-space-check", t->rank)) /* tests skip it to reach the watchdog */
-            QT_TRY(qt_stall_check_address_space(t->be->desc, omp_get_max_threads(), "training"));
-        QT_TRY(qt_stall_start(t->be->desc, omp_get_max_threads(), &t->stall));
+            QT_TRY(qt_stall_check_address_space(qt_be_desc(t->be), omp_get_max_threads(), "training"));
+        QT_TRY(qt_stall_start(qt_be_desc(t->be), omp_get_max_threads(), &t->stall));
     }
     const int has_eval = t->eval_dl || t->pref_eval.n_pairs;
     if (t->step < t->max_steps && has_eval && !resume[0]) {
@@ -1098,7 +1098,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
                 .step = t->step, .loss = o.loss, .lr = o.lr, .grad_norm = o.grad_norm, .loss_scale = o.loss_scale,
                 .skipped = o.skipped, .tokens = o.tokens, .target_tokens = o.target_tokens, .tokens_per_s = tok_s,
                 .elapsed_s = trainer_elapsed(t), .mem_peak_bytes = qt_peak_rss_bytes(),
-                .device_peak_bytes = (int64_t)t->be->device_peak_bytes(t->be),
+                .device_peak_bytes = (int64_t)qt_be_device_peak_bytes(t->be),
                 .epoch = (double)ds.epoch + (st.n_examples_rank ? (double)ds.index / (double)st.n_examples_rank : 0),
                 .opt_state_bytes = (int64_t)(zero_state_bytes_device(t->zp) + zero_state_bytes_host(t->zp)),
                 .comm_s = dist_comm_seconds(t->d) - cs,

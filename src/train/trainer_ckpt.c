@@ -351,7 +351,7 @@ typedef struct {
 
 static int fill_from_device(void *ctx, float *dst, size_t offset, size_t n) {
     const dev_source *s = ctx;
-    s->be->download(s->be, dst, s->dev + offset, sizeof(float) * n);
+    qt_be_download(s->be, dst, s->dev + offset, sizeof(float) * n);
     return QT_OK;
 }
 
@@ -364,7 +364,7 @@ static int read_range_to_device(qt_backend *be, const st_tensor *t, size_t off, 
     for (size_t k = 0; k < n && rc == QT_OK; k += chunk) {
         size_t c = n - k < chunk ? n - k : chunk;
         rc = st_read_f32_range(t, off + k, c, stage);
-        if (rc == QT_OK) be->upload(be, dev + k, stage, sizeof(float) * c);
+        if (rc == QT_OK) qt_be_upload(be, dev + k, stage, sizeof(float) * c);
     }
     qt_free(stage);
     return rc;

@@ -56,7 +56,7 @@ int trainer_find_bad(qt_trainer *t, const float *dev, size_t n, int nonneg, size
     *at = 0;
     for (size_t k = 0; stage && k < n; k += CHUNK) {
         size_t c = n - k < CHUNK ? n - k : CHUNK;
-        t->be->download(t->be, stage, dev + k, sizeof(float) * c);
+        qt_be_download(t->be, stage, dev + k, sizeof(float) * c);
         for (size_t i = 0; i < c; i++)
             if (!isfinite(stage[i]) || (nonneg && stage[i] < 0)) {
                 *at = k + i;

@@ -1,6 +1,7 @@
 """The backend boundary (issue 18, docs/architecture.md): outside src/backend/
-no file includes a backend's own header (backend/<name>/...; the interface is
-backend/backend.h), and scripts/count-host-touches finds no host touch of
+no file includes a backend's own header (backend/<name>/...) or the
+implementers' header with the table (backend/backend_impl.h; the interface is
+backend/backend.h's qt_be_* calls), and scripts/count-host-touches finds no host touch of
 tensor memory in src/{model,optim,dist,train}. Both checks are also run on a
 planted offender, so they are seen to fail."""
 import os
@@ -9,7 +10,7 @@ import subprocess
 import sys
 
 SRC = os.environ.get("QTUNE_SOURCE_DIR") or os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-INCLUDE = re.compile(r'^\s*#\s*include\s+"(backend/[a-z0-9_]+/[^"]+)"', re.M)
+INCLUDE = re.compile(r'^\s*#\s*include\s+"(backend/(?:[a-z0-9_]+/[^"]+|backend_impl\.h))"', re.M)
 # A device transport may include its backend's function table and nothing else of it (scripts/count-host-touches
 # says why): the HCCL transport, the Ascend backend's collective half.
 DEVICE_TRANSPORT_INCLUDES = {os.path.join("src", "dist", "transport_hccl.c"): {"backend/ascend/ascend_internal.h"}}
@@ -55,12 +56,13 @@ def test_checks_catch_a_planted_offender(tmp_path):
     d = tmp_path / "src" / "model"
     d.mkdir(parents=True)
     (d / "bad.c").write_text('#include "backend/cpu/ops.h"\n'
+                             '#include "backend/backend_impl.h"\n'
                              'void f(float *grads, size_t n) {\n'
                              '    memset(grads, 0, n * sizeof(float));\n'
                              '    for (size_t i = 0; i < n; i++) grads[i] *= 2.0f;\n'
                              '    op_acc(grads, grads, n);\n'
                              '}\n')
-    assert offenders(str(tmp_path)) == ["src/model/bad.c:1: backend/cpu/ops.h"]
+    assert offenders(str(tmp_path)) == ["src/model/bad.c:1: backend/cpu/ops.h", "src/model/bad.c:2: backend/backend_impl.h"]
     total, listing = count(str(tmp_path))
     assert total == 4, listing
     for kind in ("include", "mem", "element", "op-call"):

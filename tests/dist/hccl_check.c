@@ -36,15 +36,15 @@ static double checksum;
     } while (0)
 
 static float *dev(const float *host, size_t n) {
-    float *p = be->alloc(be, QT_MEM_DEVICE, n * sizeof(float), "a check buffer");
+    float *p = qt_be_alloc(be, QT_MEM_DEVICE, n * sizeof(float), "a check buffer");
     if (!p) exit(1);
-    if (host) be->upload(be, p, host, n * sizeof(float));
+    if (host) qt_be_upload(be, p, host, n * sizeof(float));
     return p;
 }
 /* the device buffer's n values against want(i) */
 static void expect(const char *what, const float *d, size_t n, float (*want)(size_t i, int arg), int arg) {
     float *h = malloc(n * sizeof(float));
-    be->download(be, h, d, n * sizeof(float));
+    qt_be_download(be, h, d, n * sizeof(float));
     for (size_t i = 0; i < n; i++) {
         checksum += h[i] * (double)((i % 7) + 1);
         if (h[i] != want(i, arg) && !bad++)
@@ -118,7 +118,7 @@ int main(int argc, char **argv) {
     TRY(tp_allgather_f32(d, mine, ag, C, NULL, "check all-gather"));
     expect("allgather", ag, (size_t)C * N, w_ag, 0);
     for (size_t i = 0; i < (size_t)C * N; i++) g[i] = i / C == (size_t)me ? (float)(me * 10000 + i % C) : -1.0f;
-    be->upload(be, ag, g, sizeof(float) * C * N);
+    qt_be_upload(be, ag, g, sizeof(float) * C * N);
     TRY(tp_allgather_f32(d, ag + (size_t)me * C, ag, C, NULL, "check all-gather in place"));
     expect("allgather in place", ag, (size_t)C * N, w_ag, 0);
 
@@ -142,7 +142,7 @@ int main(int argc, char **argv) {
     if (me == 0)
         for (size_t i = 0; i < tot; i++) g[i] = (float)(3 * i);
     TRY(tp_scatterv_f32(d, g, cnt, dsp, part, cnt[me], NULL, "check scatterv"));
-    be->download(be, h, part, cnt[me] * sizeof(float));
+    qt_be_download(be, h, part, cnt[me] * sizeof(float));
     for (size_t i = 0; i < cnt[me]; i++)
         if (h[i] != (float)(3 * (dsp[me] + i)) && !bad++) fprintf(stderr, "hccl_check: scatterv[%zu] = %g\n", i, h[i]);
     TRY(tp_barrier(d, 5.0, "check barrier"));
@@ -172,7 +172,7 @@ int main(int argc, char **argv) {
         TRY(dist_step_gradients(d, plan, grads, &sq, &overflow));
         size_t lo, hi;
         zero_opt_range(plan, &lo, &hi);
-        be->download(be, hg, grads, n * sizeof(float));
+        qt_be_download(be, hg, grads, n * sizeof(float));
         double want_sq = 0;
         for (size_t i = 0; i < n; i++) {
             const double g = (double)N * (N + 1) / 2 * (double)(i % 1000);
@@ -185,9 +185,9 @@ int main(int argc, char **argv) {
                     overflow, want_sq);
         checksum += sq;
         for (size_t i = 0; i < n; i++) hp[i] = i >= lo && i < hi ? (float)i + 0.5f : -1.0f;
-        be->upload(be, params, hp, n * sizeof(float));
+        qt_be_upload(be, params, hp, n * sizeof(float));
         TRY(dist_allgather_params(d, plan, params));
-        be->download(be, hp, params, n * sizeof(float));
+        qt_be_download(be, hp, params, n * sizeof(float));
         for (size_t i = 0; i < n; i++)
             if (hp[i] != (float)i + 0.5f && !bad++)
                 fprintf(stderr, "hccl_check: rank %d: zero-2 parameter[%zu] = %g after the all-gather\n", me, i, hp[i]);

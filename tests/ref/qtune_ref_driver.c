@@ -163,12 +163,12 @@ int main(int argc, char **argv) {
                 size_t cnt = N * (size_t)in;
                 for (size_t i = 0; i < cnt; i++) p[i] = 1.0f;
                 qt_backend *be = qt_model_backend(m);
-                float *d = be->alloc(be, QT_MEM_DEVICE, sizeof(float) * cnt, "mask");
+                float *d = qt_be_alloc(be, QT_MEM_DEVICE, sizeof(float) * cnt, "mask");
                 if (!d) return die();
-                be->upload(be, d, p, sizeof(float) * cnt);
+                qt_be_upload(be, d, p, sizeof(float) * cnt);
                 qt_lora_dropout(m, l, j, d, d, cnt);
-                be->download(be, p, d, sizeof(float) * cnt);
-                be->free(be, d);
+                qt_be_download(be, p, d, sizeof(float) * cnt);
+                qt_be_free(be, d);
                 char name[96];
                 snprintf(name, sizeof name, "mask/%d.%s", l, qt_lin_name(c, j));
                 int64_t shape[2] = {(int64_t)N, in};
@@ -231,7 +231,7 @@ int main(int argc, char **argv) {
         }
         grads = malloc(sizeof(float) * (ng ? ng : 1));
         qt_backend *be = qt_model_backend(m);
-        be->download(be, grads, qt_model_grads(m), sizeof(float) * ng);
+        qt_be_download(be, grads, qt_model_grads(m), sizeof(float) * ng);
         char name[200];
         for (int i = 0; i < np; i++) {
             snprintf(name, sizeof name, "grad/%s", p[i].name);

@@ -18,6 +18,7 @@
 extern "C" {
 #endif
 #include "backend/backend.h"
+#include "backend/backend_impl.h" /* the table the module fills */
 #include "backend/cuda/cuda_ops.h"
 #include "core/error.h" /* the QT_E* codes only: errors are raised through the host's table below */
 

@@ -2,6 +2,7 @@
  * (cuda_ops.h), a name beside every slot. backend_cuda.cu's open copies it
  * into the instance and sets desc to the host's descriptor. Plain C, for the
  * designated initializers. */
+#include "backend/backend_impl.h"
 #include "backend/cuda/cuda_ops.h"
 
 __attribute__((visibility("default"))) const qt_backend qt_cuda_backend_i = {

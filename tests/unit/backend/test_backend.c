@@ -24,12 +24,12 @@ static void test_registry(void **state) {
     (void)state;
     qt_backend *be;
     assert_int_equal(qt_backend_open("cpu", &be), QT_OK);
-    assert_string_equal(be->desc->name, "cpu");
-    assert_int_equal(be->desc->host_reads_device, 1);
+    assert_string_equal(qt_be_desc(be)->name, "cpu");
+    assert_int_equal(qt_be_desc(be)->host_reads_device, 1);
     qt_backend_close(be);
     assert_int_equal(qt_backend_open("guard", &be), QT_OK);
-    assert_string_equal(be->desc->name, "guard");
-    assert_int_equal(be->desc->host_reads_device, 0);
+    assert_string_equal(qt_be_desc(be)->name, "guard");
+    assert_int_equal(qt_be_desc(be)->host_reads_device, 0);
     qt_backend_close(be);
     assert_int_equal(qt_backend_open("tpu", &be), QT_EINVAL);
     assert_non_null(strstr(qt_error_message(), "\"tpu\" is not compiled in"));
@@ -71,9 +71,9 @@ static void test_dropout_masks(void **state) {
     qt_dropout_key k = {42, 7, 3, 2};
     int saved = omp_get_max_threads();
     omp_set_num_threads(1);
-    be->dropout(be, a, one, n, &k, qt_dropout_threshold(p), ks);
+    qt_be_dropout(be, a, one, n, &k, qt_dropout_threshold(p), ks);
     omp_set_num_threads(3);
-    be->dropout(be, b, one, 1000, &k, qt_dropout_threshold(p), ks); /* a prefix, other threads */
+    qt_be_dropout(be, b, one, 1000, &k, qt_dropout_threshold(p), ks); /* a prefix, other threads */
     omp_set_num_threads(saved);
     assert_memory_equal(a, b, 1000 * 4);
     size_t dropped = 0;
@@ -87,7 +87,7 @@ static void test_dropout_masks(void **state) {
     /* each field of the key changes the mask (agreement ~ 1 - 2p(1-p) = 0.82, never all) */
     qt_dropout_key other[4] = {{43, 7, 3, 2}, {42, 8, 3, 2}, {42, 7, 4, 2}, {42, 7, 3, 3}};
     for (int o = 0; o < 4; o++) {
-        be->dropout(be, b, one, n, &other[o], qt_dropout_threshold(p), ks);
+        qt_be_dropout(be, b, one, n, &other[o], qt_dropout_threshold(p), ks);
         size_t same = 0;
         for (size_t i = 0; i < n; i++) same += (a[i] == 0.0f) == (b[i] == 0.0f);
         assert_true(fabs((double)same / n - 0.82) < 5e-3);
@@ -122,19 +122,19 @@ static void test_guard_memory(void **state) {
     enum { N = 5000 };
     float host[N], back[N];
     for (int i = 0; i < N; i++) host[i] = (float)i * 0.5f;
-    float *d = g->alloc(g, QT_MEM_DEVICE, sizeof host, "test");
+    float *d = qt_be_alloc(g, QT_MEM_DEVICE, sizeof host, "test");
     assert_non_null(d);
-    g->upload(g, d, host, sizeof host);
-    g->scale(g, d, N, 2.0f); /* an op reaches it */
-    g->download(g, back, d, sizeof back);
+    qt_be_upload(g, d, host, sizeof host);
+    qt_be_scale(g, d, N, 2.0f); /* an op reaches it */
+    qt_be_download(g, back, d, sizeof back);
     for (int i = 0; i < N; i++) assert_true(back[i] == (float)i);
     assert_true(touch_dies(g, d, 0));
     assert_true(touch_dies(g, d, 1));
     /* host placements stay host memory */
-    float *h = g->alloc(g, QT_MEM_PINNED, 64, "pinned");
+    float *h = qt_be_alloc(g, QT_MEM_PINNED, 64, "pinned");
     h[0] = 1.0f;
-    g->free(g, h);
-    g->free(g, d);
+    qt_be_free(g, h);
+    qt_be_free(g, d);
     assert_true(touch_dies(g, d, 0)); /* after free too */
     qt_backend_close(g);
 }
@@ -151,17 +151,17 @@ static void test_guard_matches_cpu(void **state) {
     qt_rng_seed(&r, 5);
     for (int i = 0; i < NR * IN; i++) x[i] = qt_rng_normal(&r);
     for (int i = 0; i < OUT * IN; i++) w[i] = qt_rng_normal(&r);
-    float *dx = g->alloc(g, QT_MEM_DEVICE, sizeof x, "x"), *dw = g->alloc(g, QT_MEM_DEVICE, sizeof w, "w"),
-          *dy = g->alloc(g, QT_MEM_DEVICE, sizeof yg, "y");
-    g->upload(g, dx, x, sizeof x);
-    g->upload(g, dw, w, sizeof w);
-    c->matmul_forward(c, yc, x, w, QT_F32, NULL, NR, IN, OUT, 1.0f, 0, NULL);
-    g->matmul_forward(g, dy, dx, dw, QT_F32, NULL, NR, IN, OUT, 1.0f, 0, NULL);
-    g->download(g, yg, dy, sizeof yg);
+    float *dx = qt_be_alloc(g, QT_MEM_DEVICE, sizeof x, "x"), *dw = qt_be_alloc(g, QT_MEM_DEVICE, sizeof w, "w"),
+          *dy = qt_be_alloc(g, QT_MEM_DEVICE, sizeof yg, "y");
+    qt_be_upload(g, dx, x, sizeof x);
+    qt_be_upload(g, dw, w, sizeof w);
+    qt_be_matmul_forward(c, yc, x, w, QT_F32, NULL, NR, IN, OUT, 1.0f, 0, NULL);
+    qt_be_matmul_forward(g, dy, dx, dw, QT_F32, NULL, NR, IN, OUT, 1.0f, 0, NULL);
+    qt_be_download(g, yg, dy, sizeof yg);
     assert_memory_equal(yc, yg, sizeof yc);
-    double sc = c->sum_squares(c, x, NR * IN), sg = g->sum_squares(g, dx, NR * IN);
+    double sc = qt_be_sum_squares(c, x, NR * IN), sg = qt_be_sum_squares(g, dx, NR * IN);
     assert_memory_equal(&sc, &sg, sizeof sc);
-    g->free(g, dx), g->free(g, dw), g->free(g, dy);
+    qt_be_free(g, dx), qt_be_free(g, dw), qt_be_free(g, dy);
     qt_backend_close(c);
     qt_backend_close(g);
 }

@@ -94,15 +94,15 @@ static void test_convert(void **state) {
     h[0] = 70000.0f, h[1] = -65519.0f, h[2] = 1e-9f;
     for (int k = 0; k < 2; k++) {
         qt_dtype dt = k ? QT_BF16 : QT_F16;
-        float *xc = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof h, "x"), *xn = npu->alloc(npu, QT_MEM_DEVICE, sizeof h, "x");
-        void *hc = cpu->alloc(cpu, QT_MEM_DEVICE, n * 2, "h"), *hn = npu->alloc(npu, QT_MEM_DEVICE, n * 2, "h");
-        cpu->upload(cpu, xc, h, sizeof h), npu->upload(npu, xn, h, sizeof h);
-        cpu->convert(cpu, hc, dt, xc, QT_F32, n), npu->convert(npu, hn, dt, xn, QT_F32, n);
-        cpu->convert(cpu, xc, QT_F32, hc, dt, n), npu->convert(npu, xn, QT_F32, hn, dt, n);
-        cpu->download(cpu, a, xc, sizeof a), npu->download(npu, b, xn, sizeof b);
+        float *xc = qt_be_alloc(cpu, QT_MEM_DEVICE, sizeof h, "x"), *xn = qt_be_alloc(npu, QT_MEM_DEVICE, sizeof h, "x");
+        void *hc = qt_be_alloc(cpu, QT_MEM_DEVICE, n * 2, "h"), *hn = qt_be_alloc(npu, QT_MEM_DEVICE, n * 2, "h");
+        qt_be_upload(cpu, xc, h, sizeof h), qt_be_upload(npu, xn, h, sizeof h);
+        qt_be_convert(cpu, hc, dt, xc, QT_F32, n), qt_be_convert(npu, hn, dt, xn, QT_F32, n);
+        qt_be_convert(cpu, xc, QT_F32, hc, dt, n), qt_be_convert(npu, xn, QT_F32, hn, dt, n);
+        qt_be_download(cpu, a, xc, sizeof a), qt_be_download(npu, b, xn, sizeof b);
         assert_memory_equal(a, b, sizeof a);
         assert_true(isinf(b[0]) || k); /* 70000 beyond fp16: inf */
-        cpu->free(cpu, xc), cpu->free(cpu, hc), npu->free(npu, xn), npu->free(npu, hn);
+        qt_be_free(cpu, xc), qt_be_free(cpu, hc), qt_be_free(npu, xn), qt_be_free(npu, hn);
     }
     qt_backend_close(npu), qt_backend_close(cpu);
 }
@@ -122,22 +122,22 @@ static void test_embedding_forward(void **state) {
     const qt_dtype dts[] = {QT_F32, QT_F16, QT_BF16};
     for (int k = 0; k < 3; k++) {
         size_t wb = (size_t)V * C * qt_dtype_size(dts[k]);
-        void *wc = cpu->alloc(cpu, QT_MEM_DEVICE, wb, "w"), *wn = npu->alloc(npu, QT_MEM_DEVICE, wb, "w");
-        float *f = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof w, "f");
-        cpu->upload(cpu, f, w, sizeof w);
-        cpu->convert(cpu, wc, dts[k], f, QT_F32, (size_t)V * C);
+        void *wc = qt_be_alloc(cpu, QT_MEM_DEVICE, wb, "w"), *wn = qt_be_alloc(npu, QT_MEM_DEVICE, wb, "w");
+        float *f = qt_be_alloc(cpu, QT_MEM_DEVICE, sizeof w, "f");
+        qt_be_upload(cpu, f, w, sizeof w);
+        qt_be_convert(cpu, wc, dts[k], f, QT_F32, (size_t)V * C);
         void *h = malloc(wb);
-        cpu->download(cpu, h, wc, wb), npu->upload(npu, wn, h, wb); /* the same bits on both */
-        int32_t *ic = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof ids, "i");
-        int32_t *in = npu->alloc(npu, QT_MEM_DEVICE, sizeof ids, "i");
-        cpu->upload(cpu, ic, ids, sizeof ids), npu->upload(npu, in, ids, sizeof ids);
-        float *oc = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof a, "o"), *on = npu->alloc(npu, QT_MEM_DEVICE, sizeof b, "o");
-        cpu->embedding_forward(cpu, oc, ic, wc, dts[k], N, C), npu->embedding_forward(npu, on, in, wn, dts[k], N, C);
-        cpu->download(cpu, a, oc, sizeof a), npu->download(npu, b, on, sizeof b);
+        qt_be_download(cpu, h, wc, wb), qt_be_upload(npu, wn, h, wb); /* the same bits on both */
+        int32_t *ic = qt_be_alloc(cpu, QT_MEM_DEVICE, sizeof ids, "i");
+        int32_t *in = qt_be_alloc(npu, QT_MEM_DEVICE, sizeof ids, "i");
+        qt_be_upload(cpu, ic, ids, sizeof ids), qt_be_upload(npu, in, ids, sizeof ids);
+        float *oc = qt_be_alloc(cpu, QT_MEM_DEVICE, sizeof a, "o"), *on = qt_be_alloc(npu, QT_MEM_DEVICE, sizeof b, "o");
+        qt_be_embedding_forward(cpu, oc, ic, wc, dts[k], N, C), qt_be_embedding_forward(npu, on, in, wn, dts[k], N, C);
+        qt_be_download(cpu, a, oc, sizeof a), qt_be_download(npu, b, on, sizeof b);
         assert_memory_equal(a, b, sizeof a);
         free(h);
-        cpu->free(cpu, wc), cpu->free(cpu, f), cpu->free(cpu, ic), cpu->free(cpu, oc);
-        npu->free(npu, wn), npu->free(npu, in), npu->free(npu, on);
+        qt_be_free(cpu, wc), qt_be_free(cpu, f), qt_be_free(cpu, ic), qt_be_free(cpu, oc);
+        qt_be_free(npu, wn), qt_be_free(npu, in), qt_be_free(npu, on);
     }
     qt_backend_close(npu), qt_backend_close(cpu);
 }
@@ -156,23 +156,23 @@ static void test_adam(void **state) {
     for (int l2 = 0; l2 < 2; l2++) {
         float *c[4], *d[4];
         for (int j = 0; j < 4; j++) {
-            c[j] = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof h[j], "t"), d[j] = npu->alloc(npu, QT_MEM_DEVICE, sizeof h[j], "t");
-            cpu->upload(cpu, c[j], h[j], sizeof h[j]), npu->upload(npu, d[j], h[j], sizeof h[j]);
+            c[j] = qt_be_alloc(cpu, QT_MEM_DEVICE, sizeof h[j], "t"), d[j] = qt_be_alloc(npu, QT_MEM_DEVICE, sizeof h[j], "t");
+            qt_be_upload(cpu, c[j], h[j], sizeof h[j]), qt_be_upload(npu, d[j], h[j], sizeof h[j]);
         }
         qt_adam_scalars k = {0.1f, 0.999f, 0.001f, 6e-5f / 0.1f, sqrtf(0.001f), 1e-8f, 0.5f,
                              l2 ? 1.0f : 1.0f - 6e-5f * 0.01f, l2 ? 0.01f : 0.0f};
         for (int s = 0; s < 3; s++) {
-            cpu->adam(cpu, &k, c[0], c[1], c[2], c[3], n);
-            npu->adam(npu, &k, d[0], d[1], d[2], d[3], n);
+            qt_be_adam(cpu, &k, c[0], c[1], c[2], c[3], n);
+            qt_be_adam(npu, &k, d[0], d[1], d[2], d[3], n);
         }
         for (int j = 0; j < 4; j++) {
             if (j == 1) continue; /* the gradient is read only */
-            cpu->download(cpu, a, c[j], sizeof a), npu->download(npu, b, d[j], sizeof b);
+            qt_be_download(cpu, a, c[j], sizeof a), qt_be_download(npu, b, d[j], sizeof b);
             double err = 0, mx = 0;
             for (int i = 0; i < n; i++) err = fmax(err, fabs((double)a[i] - b[i])), mx = fmax(mx, fabs(a[i]));
             if (!(err <= 1e-6 * mx)) fail_msg("adam%s tensor %d: rel err %g", l2 ? " (L2)" : "W", j, err / mx);
         }
-        for (int j = 0; j < 4; j++) cpu->free(cpu, c[j]), npu->free(npu, d[j]);
+        for (int j = 0; j < 4; j++) qt_be_free(cpu, c[j]), qt_be_free(npu, d[j]);
     }
     qt_backend_close(npu), qt_backend_close(cpu);
 }
@@ -185,14 +185,14 @@ static void test_scale(void **state) {
     enum { n = 333 };
     float h[n], a[n], b[n];
     for (int i = 0; i < n; i++) h[i] = sinf((float)i) * 1e3f;
-    float *xc = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof h, "x"), *xn = npu->alloc(npu, QT_MEM_DEVICE, sizeof h, "x");
-    cpu->upload(cpu, xc, h, sizeof h), npu->upload(npu, xn, h, sizeof h);
-    cpu->scale(cpu, xc, n, 0.37f), npu->scale(npu, xn, n, 0.37f);
-    cpu->download(cpu, a, xc, sizeof a), npu->download(npu, b, xn, sizeof b);
+    float *xc = qt_be_alloc(cpu, QT_MEM_DEVICE, sizeof h, "x"), *xn = qt_be_alloc(npu, QT_MEM_DEVICE, sizeof h, "x");
+    qt_be_upload(cpu, xc, h, sizeof h), qt_be_upload(npu, xn, h, sizeof h);
+    qt_be_scale(cpu, xc, n, 0.37f), qt_be_scale(npu, xn, n, 0.37f);
+    qt_be_download(cpu, a, xc, sizeof a), qt_be_download(npu, b, xn, sizeof b);
     assert_memory_equal(a, b, sizeof a);
-    double sc = cpu->sum_squares(cpu, xc, n), sd = npu->sum_squares(npu, xn, n);
+    double sc = qt_be_sum_squares(cpu, xc, n), sd = qt_be_sum_squares(npu, xn, n);
     assert_memory_equal(&sc, &sd, sizeof sc); /* the gradient norm's sum: the same bits */
-    cpu->free(cpu, xc), npu->free(npu, xn);
+    qt_be_free(cpu, xc), qt_be_free(npu, xn);
     qt_backend_close(npu), qt_backend_close(cpu);
 }
 
@@ -212,21 +212,21 @@ static void test_round(void **state) {
     h[0] = 65520.0f, h[1] = -1e6f, h[2] = 65519.0f, h[3] = NAN;
     for (int k = 0; k < 3; k++) {
         qt_dtype dt = k == 2 ? QT_BF16 : QT_F16;
-        float *xc = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof h, "x"), *xn = npu->alloc(npu, QT_MEM_DEVICE, sizeof h, "x");
-        uint16_t *dc = cpu->alloc(cpu, QT_MEM_DEVICE, sizeof ha, "d");
-        uint16_t *dn = npu->alloc(npu, QT_MEM_DEVICE, sizeof hb, "d");
-        cpu->upload(cpu, xc, h, sizeof h), npu->upload(npu, xn, h, sizeof h);
+        float *xc = qt_be_alloc(cpu, QT_MEM_DEVICE, sizeof h, "x"), *xn = qt_be_alloc(npu, QT_MEM_DEVICE, sizeof h, "x");
+        uint16_t *dc = qt_be_alloc(cpu, QT_MEM_DEVICE, sizeof ha, "d");
+        uint16_t *dn = qt_be_alloc(npu, QT_MEM_DEVICE, sizeof hb, "d");
+        qt_be_upload(cpu, xc, h, sizeof h), qt_be_upload(npu, xn, h, sizeof h);
         if (k == 0) {
-            cpu->round_store(cpu, xc, dc, n, dt), npu->round_store(npu, xn, dn, n, dt);
-            cpu->download(cpu, ha, dc, sizeof ha), npu->download(npu, hb, dn, sizeof hb);
+            qt_be_round_store(cpu, xc, dc, n, dt), qt_be_round_store(npu, xn, dn, n, dt);
+            qt_be_download(cpu, ha, dc, sizeof ha), qt_be_download(npu, hb, dn, sizeof hb);
             assert_memory_equal(ha, hb, sizeof ha);
         } else {
-            cpu->round_to_dtype(cpu, xc, n, dt), npu->round_to_dtype(npu, xn, n, dt);
+            qt_be_round_to_dtype(cpu, xc, n, dt), qt_be_round_to_dtype(npu, xn, n, dt);
         }
-        cpu->download(cpu, a, xc, sizeof a), npu->download(npu, b, xn, sizeof b);
+        qt_be_download(cpu, a, xc, sizeof a), qt_be_download(npu, b, xn, sizeof b);
         assert_memory_equal(a, b, sizeof a);
         if (dt == QT_F16) assert_true(isinf(b[0]) && isinf(b[1]) && !isinf(b[2]));
-        cpu->free(cpu, xc), cpu->free(cpu, dc), npu->free(npu, xn), npu->free(npu, dn);
+        qt_be_free(cpu, xc), qt_be_free(cpu, dc), qt_be_free(npu, xn), qt_be_free(npu, dn);
     }
     qt_backend_close(npu), qt_backend_close(cpu);
 }
@@ -254,24 +254,24 @@ static int in_child(const char *soc, void (*fn)(qt_backend *), char *err, size_t
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 static void call_q4(qt_backend *be) {
-    float *p = be->alloc(be, QT_MEM_DEVICE, 256, "p");
-    be->zero(be, p, 256);
-    be->matmul_forward(be, p, p, p, QT_Q4, NULL, 1, 4, 4, 1.0f, 0, p);
+    float *p = qt_be_alloc(be, QT_MEM_DEVICE, 256, "p");
+    qt_be_zero(be, p, 256);
+    qt_be_matmul_forward(be, p, p, p, QT_Q4, NULL, 1, 4, 4, 1.0f, 0, p);
 }
 static void call_bf16(qt_backend *be) {
-    float *x = be->alloc(be, QT_MEM_DEVICE, 64, "x");
-    be->zero(be, x, 64);
-    be->convert(be, x + 8, QT_BF16, x, QT_F32, 4);
+    float *x = qt_be_alloc(be, QT_MEM_DEVICE, 64, "x");
+    qt_be_zero(be, x, 64);
+    qt_be_convert(be, x + 8, QT_BF16, x, QT_F32, 4);
 }
 static void call_round_bf16(qt_backend *be) {
-    float *x = be->alloc(be, QT_MEM_DEVICE, 64, "x");
-    be->zero(be, x, 64);
-    be->round_to_dtype(be, x, 16, QT_BF16);
+    float *x = qt_be_alloc(be, QT_MEM_DEVICE, 64, "x");
+    qt_be_zero(be, x, 64);
+    qt_be_round_to_dtype(be, x, 16, QT_BF16);
 }
 static void call_attention(qt_backend *be) {
-    float *x = be->alloc(be, QT_MEM_DEVICE, 4096, "x");
-    be->zero(be, x, 4096);
-    be->attention_forward(be, x + 512, x + 768, x, x + 128, x + 256, NULL, 1, 2, 2, 1, 16);
+    float *x = qt_be_alloc(be, QT_MEM_DEVICE, 4096, "x");
+    qt_be_zero(be, x, 4096);
+    qt_be_attention_forward(be, x + 512, x + 768, x, x + 128, x + 256, NULL, 1, 2, 2, 1, 16);
 }
 static void test_refusals(void **state) {
     (void)state;
@@ -298,11 +298,11 @@ static void test_fp16_cube(void **state) {
     float x[N * IN], w[OUT * IN], o[N * OUT];
     for (int i = 0; i < N * IN; i++) x[i] = 1.0f + (float)i / 4096.0f; /* not fp16 values: 1 + i/4096 */
     for (int i = 0; i < OUT * IN; i++) w[i] = 1.0f;
-    float *xd = npu->alloc(npu, QT_MEM_DEVICE, sizeof x, "x"), *wd = npu->alloc(npu, QT_MEM_DEVICE, sizeof w, "w");
-    float *od = npu->alloc(npu, QT_MEM_DEVICE, sizeof o, "o"), *ws = npu->alloc(npu, QT_MEM_DEVICE, sizeof w, "ws");
-    npu->upload(npu, xd, x, sizeof x), npu->upload(npu, wd, w, sizeof w);
-    npu->matmul_forward(npu, od, xd, wd, QT_F32, NULL, N, IN, OUT, 1.0f, 0, ws);
-    npu->download(npu, o, od, sizeof o);
+    float *xd = qt_be_alloc(npu, QT_MEM_DEVICE, sizeof x, "x"), *wd = qt_be_alloc(npu, QT_MEM_DEVICE, sizeof w, "w");
+    float *od = qt_be_alloc(npu, QT_MEM_DEVICE, sizeof o, "o"), *ws = qt_be_alloc(npu, QT_MEM_DEVICE, sizeof w, "ws");
+    qt_be_upload(npu, xd, x, sizeof x), qt_be_upload(npu, wd, w, sizeof w);
+    qt_be_matmul_forward(npu, od, xd, wd, QT_F32, NULL, N, IN, OUT, 1.0f, 0, ws);
+    qt_be_download(npu, o, od, sizeof o);
     for (int r = 0; r < N; r++) {
         float want = 0.0f; /* each x rounded to fp16 (11 bits: steps of 1/1024 near 1) */
         for (int i = 0; i < IN; i++) want += rintf(x[r * IN + i] * 1024.0f) / 1024.0f;

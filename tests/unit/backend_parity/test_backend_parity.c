@@ -47,15 +47,15 @@ typedef struct {
     size_t bytes;
 } pair;
 static pair up(const void *host, size_t bytes) {
-    pair p = {cpu->alloc(cpu, QT_MEM_DEVICE, bytes, "test"), dev->alloc(dev, QT_MEM_DEVICE, bytes, "test"), bytes};
+    pair p = {qt_be_alloc(cpu, QT_MEM_DEVICE, bytes, "test"), qt_be_alloc(dev, QT_MEM_DEVICE, bytes, "test"), bytes};
     assert_non_null(p.c);
     assert_non_null(p.d);
     if (host) {
-        cpu->upload(cpu, p.c, host, bytes);
-        dev->upload(dev, p.d, host, bytes);
+        qt_be_upload(cpu, p.c, host, bytes);
+        qt_be_upload(dev, p.d, host, bytes);
     } else {
-        cpu->zero(cpu, p.c, bytes);
-        dev->zero(dev, p.d, bytes);
+        qt_be_zero(cpu, p.c, bytes);
+        qt_be_zero(dev, p.d, bytes);
     }
     return p;
 }
@@ -67,8 +67,8 @@ static pair up_randn(size_t n, float s) {
 }
 static pair up_zero(size_t n) { return up(NULL, n * sizeof(float)); }
 static void drop(pair p) {
-    cpu->free(cpu, p.c);
-    dev->free(dev, p.d);
+    qt_be_free(cpu, p.c);
+    qt_be_free(dev, p.d);
 }
 /* bf16 / f16 copies of a float array, as the files store them */
 static pair up_weight(size_t n, float s, qt_dtype dt) {
@@ -77,9 +77,9 @@ static pair up_weight(size_t n, float s, qt_dtype dt) {
     qt_free(h);
     if (dt == QT_F32) return f;
     pair p = up(NULL, n * 2);
-    cpu->convert(cpu, p.c, dt, f.c, QT_F32, n);
-    cpu->download(cpu, h = qt_malloc(n * 2, "test"), p.c, n * 2);
-    dev->upload(dev, p.d, h, n * 2); /* the same bits on both sides */
+    qt_be_convert(cpu, p.c, dt, f.c, QT_F32, n);
+    qt_be_download(cpu, h = qt_malloc(n * 2, "test"), p.c, n * 2);
+    qt_be_upload(dev, p.d, h, n * 2); /* the same bits on both sides */
     qt_free(h);
     drop(f);
     return p;
@@ -88,8 +88,8 @@ static pair up_weight(size_t n, float s, qt_dtype dt) {
 /* both sides of p downloaded (a: the cpu's, b: the device's; qt_free both), and max |a| */
 static double pull(pair p, size_t n, float **a, float **b) {
     *a = qt_malloc(n * sizeof(float), "test"), *b = qt_malloc(n * sizeof(float), "test");
-    cpu->download(cpu, *a, p.c, n * sizeof(float));
-    dev->download(dev, *b, p.d, n * sizeof(float));
+    qt_be_download(cpu, *a, p.c, n * sizeof(float));
+    qt_be_download(dev, *b, p.d, n * sizeof(float));
     double mx = 0;
     for (size_t i = 0; i < n; i++) mx = fmax(mx, fabs((*a)[i]));
     return mx;
@@ -123,7 +123,7 @@ static int failed_checks(void **state) {
     return n ? -1 : 0;
 }
 static float *ws_of(qt_backend *be, size_t floats) {
-    float *w = be->alloc(be, QT_MEM_DEVICE, floats * sizeof(float), "ws");
+    float *w = qt_be_alloc(be, QT_MEM_DEVICE, floats * sizeof(float), "ws");
     assert_non_null(w);
     return w;
 }
@@ -140,16 +140,16 @@ static void test_embedding(void **state) {
     pair pid = up(ids, sizeof ids);
     for (int k = 0; k < 3; k++) {
         pair w = up_weight((size_t)V * C, 1.0f, dts[k]), out = up_zero((size_t)N * C);
-        cpu->embedding_forward(cpu, out.c, pid.c, w.c, dts[k], N, C);
-        dev->embedding_forward(dev, out.d, pid.d, w.d, dts[k], N, C);
+        qt_be_embedding_forward(cpu, out.c, pid.c, w.c, dts[k], N, C);
+        qt_be_embedding_forward(dev, out.d, pid.d, w.d, dts[k], N, C);
         char what[64];
         snprintf(what, sizeof what, "embedding_forward %s", dtn[k]);
         check(what, out, (size_t)N * C, 0.0);
         drop(w), drop(out);
     }
     pair dout = up_randn((size_t)N * C, 1.0f), dw = up_randn((size_t)V * C, 1.0f);
-    cpu->embedding_backward(cpu, dw.c, dout.c, pid.c, N, C);
-    dev->embedding_backward(dev, dw.d, dout.d, pid.d, N, C);
+    qt_be_embedding_backward(cpu, dw.c, dout.c, pid.c, N, C);
+    qt_be_embedding_backward(dev, dw.d, dout.d, pid.d, N, C);
     check("embedding_backward (+=, repeated ids)", dw, (size_t)V * C, TOL);
     drop(dout), drop(dw), drop(pid);
 }
@@ -158,13 +158,13 @@ static void test_rmsnorm(void **state) {
     (void)state;
     const int N = 9, C = 133;
     pair x = up_randn((size_t)N * C, 2.0f), w = up_randn(C, 1.0f), out = up_zero((size_t)N * C), rstd = up_zero(N);
-    cpu->rmsnorm_forward(cpu, out.c, rstd.c, x.c, w.c, N, C, 1e-6f);
-    dev->rmsnorm_forward(dev, out.d, rstd.d, x.d, w.d, N, C, 1e-6f);
+    qt_be_rmsnorm_forward(cpu, out.c, rstd.c, x.c, w.c, N, C, 1e-6f);
+    qt_be_rmsnorm_forward(dev, out.d, rstd.d, x.d, w.d, N, C, 1e-6f);
     check("rmsnorm_forward out", out, (size_t)N * C, TOL);
     check("rmsnorm_forward rstd", rstd, N, TOL);
     pair dout = up_randn((size_t)N * C, 1.0f), dx = up_randn((size_t)N * C, 1.0f), dw = up_randn(C, 1.0f);
-    cpu->rmsnorm_backward(cpu, dx.c, dw.c, dout.c, x.c, w.c, rstd.c, N, C);
-    dev->rmsnorm_backward(dev, dx.d, dw.d, dout.d, x.d, w.d, rstd.d, N, C);
+    qt_be_rmsnorm_backward(cpu, dx.c, dw.c, dout.c, x.c, w.c, rstd.c, N, C);
+    qt_be_rmsnorm_backward(dev, dx.d, dw.d, dout.d, x.d, w.d, rstd.d, N, C);
     check("rmsnorm_backward dinp (+=)", dx, (size_t)N * C, TOL);
     check("rmsnorm_backward dweight (+=)", dw, C, TOL);
     drop(x), drop(w), drop(out), drop(rstd), drop(dout), drop(dx), drop(dw);
@@ -177,23 +177,23 @@ static void test_matmul(void **state) {
         for (int acc = 0; acc < 2; acc++) {
             pair x = up_randn((size_t)N * IN, 1.0f), w = up_weight((size_t)OUT * IN, 0.2f, dts[k]);
             pair b = up_randn(OUT, 1.0f), out = up_randn((size_t)N * OUT, 1.0f);
-            float *wc = ws_of(cpu, qt_be_matmul_ws_floats(cpu->desc, IN, OUT));
-            float *wd = ws_of(dev, qt_be_matmul_ws_floats(dev->desc, IN, OUT));
-            cpu->matmul_forward(cpu, out.c, x.c, w.c, dts[k], b.c, N, IN, OUT, 0.5f, acc, wc);
-            dev->matmul_forward(dev, out.d, x.d, w.d, dts[k], b.d, N, IN, OUT, 0.5f, acc, wd);
+            float *wc = ws_of(cpu, qt_be_matmul_ws_floats(qt_be_desc(cpu), IN, OUT));
+            float *wd = ws_of(dev, qt_be_matmul_ws_floats(qt_be_desc(dev), IN, OUT));
+            qt_be_matmul_forward(cpu, out.c, x.c, w.c, dts[k], b.c, N, IN, OUT, 0.5f, acc, wc);
+            qt_be_matmul_forward(dev, out.d, x.d, w.d, dts[k], b.d, N, IN, OUT, 0.5f, acc, wd);
             char what[64];
             snprintf(what, sizeof what, "matmul_forward %s%s", dtn[k], acc ? " accumulate" : "");
             check(what, out, (size_t)N * OUT, TOL);
             pair dout = up_randn((size_t)N * OUT, 1.0f), dx = up_randn((size_t)N * IN, 1.0f);
             pair dw = up_randn((size_t)OUT * IN, 1.0f), db = up_randn(OUT, 1.0f);
             int f32 = dts[k] == QT_F32; /* weight gradients exist for f32 masters only */
-            cpu->matmul_backward(cpu, dx.c, f32 ? dw.c : NULL, db.c, dout.c, x.c, w.c, dts[k], N, IN, OUT, 0.5f, wc);
-            dev->matmul_backward(dev, dx.d, f32 ? dw.d : NULL, db.d, dout.d, x.d, w.d, dts[k], N, IN, OUT, 0.5f, wd);
+            qt_be_matmul_backward(cpu, dx.c, f32 ? dw.c : NULL, db.c, dout.c, x.c, w.c, dts[k], N, IN, OUT, 0.5f, wc);
+            qt_be_matmul_backward(dev, dx.d, f32 ? dw.d : NULL, db.d, dout.d, x.d, w.d, dts[k], N, IN, OUT, 0.5f, wd);
             snprintf(what, sizeof what, "matmul_backward %s dinp", dtn[k]);
             check(what, dx, (size_t)N * IN, TOL);
             if (f32) check("matmul_backward f32 dweight", dw, (size_t)OUT * IN, TOL);
             check("matmul_backward dbias", db, OUT, TOL);
-            cpu->free(cpu, wc), dev->free(dev, wd);
+            qt_be_free(cpu, wc), qt_be_free(dev, wd);
             drop(x), drop(w), drop(b), drop(out), drop(dout), drop(dx), drop(dw), drop(db);
         }
 }
@@ -207,8 +207,8 @@ static void test_matvec(void **state) {
             const int N = rows[q];
             pair x = up_randn((size_t)N * IN, 1.0f), w = up_weight((size_t)OUT * IN, 0.2f, dts[k]);
             pair b = up_randn(OUT, 1.0f), out = up_randn((size_t)N * OUT, 1.0f);
-            cpu->matvec(cpu, out.c, x.c, w.c, dts[k], b.c, N, IN, OUT, 0.5f, 1);
-            dev->matvec(dev, out.d, x.d, w.d, dts[k], b.d, N, IN, OUT, 0.5f, 1);
+            qt_be_matvec(cpu, out.c, x.c, w.c, dts[k], b.c, N, IN, OUT, 0.5f, 1);
+            qt_be_matvec(dev, out.d, x.d, w.d, dts[k], b.d, N, IN, OUT, 0.5f, 1);
             char what[64];
             snprintf(what, sizeof what, "matvec %s N %d (+bias, accumulate)", dtn[k], N);
             check(what, out, (size_t)N * OUT, TOL);
@@ -233,8 +233,8 @@ static void test_matvec_many(void **state) {
                 od[i] = (qt_matvec_out){.out = out[i].d, .w = w[i].d, .wdt = dts[k], .bias = i ? NULL : b.d,
                                         .OUT = OUT[i]};
             }
-            cpu->matvec_many(cpu, x.c, N, IN, 3, oc);
-            dev->matvec_many(dev, x.d, N, IN, 3, od);
+            qt_be_matvec_many(cpu, x.c, N, IN, 3, oc);
+            qt_be_matvec_many(dev, x.d, N, IN, 3, od);
             for (int i = 0; i < 2; i++) {
                 char what[64];
                 snprintf(what, sizeof what, "matvec_many %s N %d product %d", dtn[k], N, i);
@@ -263,12 +263,12 @@ static pair up_q4(qt_q4_type t, int nested, qt_dtype dt, int rows, int cols) {
 /* rows [r0, r0 + rows) of q as a view header on each side, pointing into that side's block */
 static pair up_q4_view(pair q, int r0, int rows) {
     qt_q4_weight hdr, vc, vd;
-    cpu->download(cpu, &hdr, q.c, sizeof hdr);
+    qt_be_download(cpu, &hdr, q.c, sizeof hdr);
     pair v = up(NULL, sizeof hdr);
     qt_q4_view(&hdr, q.c, v.c, (uint64_t)r0, (uint64_t)rows, &vc);
     qt_q4_view(&hdr, q.d, v.d, (uint64_t)r0, (uint64_t)rows, &vd);
-    cpu->upload(cpu, v.c, &vc, sizeof vc);
-    dev->upload(dev, v.d, &vd, sizeof vd);
+    qt_be_upload(cpu, v.c, &vc, sizeof vc);
+    qt_be_upload(dev, v.d, &vd, sizeof vd);
     return v;
 }
 static void test_q4(void **state) {
@@ -282,12 +282,12 @@ static void test_q4(void **state) {
             const int O = v ? VR : OUT;
             pair w = v ? view : full;
             char what[96];
-            float *wc = ws_of(cpu, qt_be_matmul_ws_floats(cpu->desc, IN, O));
-            float *wd = ws_of(dev, qt_be_matmul_ws_floats(dev->desc, IN, O));
+            float *wc = ws_of(cpu, qt_be_matmul_ws_floats(qt_be_desc(cpu), IN, O));
+            float *wd = ws_of(dev, qt_be_matmul_ws_floats(qt_be_desc(dev), IN, O));
             for (int acc = 0; acc < 2; acc++) {
                 pair x = up_randn((size_t)N * IN, 1.0f), b = up_randn(O, 1.0f), out = up_randn((size_t)N * O, 1.0f);
-                cpu->matmul_forward(cpu, out.c, x.c, w.c, QT_Q4, b.c, N, IN, O, 0.5f, acc, wc);
-                dev->matmul_forward(dev, out.d, x.d, w.d, QT_Q4, b.d, N, IN, O, 0.5f, acc, wd);
+                qt_be_matmul_forward(cpu, out.c, x.c, w.c, QT_Q4, b.c, N, IN, O, 0.5f, acc, wc);
+                qt_be_matmul_forward(dev, out.d, x.d, w.d, QT_Q4, b.d, N, IN, O, 0.5f, acc, wd);
                 snprintf(what, sizeof what, "q4 %s%s matmul_forward%s", cases[k].name, v ? " view" : "",
                          acc ? " accumulate" : "");
                 check(what, out, (size_t)N * O, TOL);
@@ -295,26 +295,26 @@ static void test_q4(void **state) {
             }
             pair x = up_randn((size_t)N * IN, 1.0f), dout = up_randn((size_t)N * O, 1.0f);
             pair dx = up_randn((size_t)N * IN, 1.0f), db = up_randn(O, 1.0f);
-            cpu->matmul_backward(cpu, dx.c, NULL, db.c, dout.c, x.c, w.c, QT_Q4, N, IN, O, 0.5f, wc);
-            dev->matmul_backward(dev, dx.d, NULL, db.d, dout.d, x.d, w.d, QT_Q4, N, IN, O, 0.5f, wd);
+            qt_be_matmul_backward(cpu, dx.c, NULL, db.c, dout.c, x.c, w.c, QT_Q4, N, IN, O, 0.5f, wc);
+            qt_be_matmul_backward(dev, dx.d, NULL, db.d, dout.d, x.d, w.d, QT_Q4, N, IN, O, 0.5f, wd);
             snprintf(what, sizeof what, "q4 %s%s matmul_backward dinp", cases[k].name, v ? " view" : "");
             check(what, dx, (size_t)N * IN, TOL);
             check("q4 matmul_backward dbias", db, O, TOL);
             for (int n = 1; n <= 11; n += 10) { /* decode reads the 4-bit weight as stored */
                 pair out = up_randn((size_t)n * O, 1.0f), bb = up_randn(O, 1.0f);
-                cpu->matvec(cpu, out.c, x.c, w.c, QT_Q4, bb.c, n, IN, O, 0.5f, 1);
-                dev->matvec(dev, out.d, x.d, w.d, QT_Q4, bb.d, n, IN, O, 0.5f, 1);
+                qt_be_matvec(cpu, out.c, x.c, w.c, QT_Q4, bb.c, n, IN, O, 0.5f, 1);
+                qt_be_matvec(dev, out.d, x.d, w.d, QT_Q4, bb.d, n, IN, O, 0.5f, 1);
                 snprintf(what, sizeof what, "q4 %s%s matvec N %d", cases[k].name, v ? " view" : "", n);
                 check(what, out, (size_t)n * O, TOL);
                 qt_matvec_out oc = {.out = out.c, .w = w.c, .wdt = QT_Q4, .bias = NULL, .OUT = O};
                 qt_matvec_out od = {.out = out.d, .w = w.d, .wdt = QT_Q4, .bias = NULL, .OUT = O};
-                cpu->matvec_many(cpu, x.c, n, IN, 1, &oc);
-                dev->matvec_many(dev, x.d, n, IN, 1, &od);
+                qt_be_matvec_many(cpu, x.c, n, IN, 1, &oc);
+                qt_be_matvec_many(dev, x.d, n, IN, 1, &od);
                 snprintf(what, sizeof what, "q4 %s%s matvec_many N %d", cases[k].name, v ? " view" : "", n);
                 check(what, out, (size_t)n * O, TOL);
                 drop(out), drop(bb);
             }
-            cpu->free(cpu, wc), dev->free(dev, wd);
+            qt_be_free(cpu, wc), qt_be_free(dev, wd);
             drop(x), drop(dout), drop(dx), drop(db);
         }
         drop(view), drop(full);
@@ -330,14 +330,14 @@ static void test_rope(void **state) {
     /* a host table, as the model hands it (theta 1e6); scale as YaRN's attention factor would */
     float inv[D / 2];
     for (int i = 0; i < D / 2; i++) inv[i] = (float)(1.0 / pow(1e6, (double)(2 * i) / D));
-    cpu->rope_forward(cpu, x.c, pp.c, N, NH, D, inv, 1.0f);
-    dev->rope_forward(dev, x.d, pp.d, N, NH, D, inv, 1.0f);
+    qt_be_rope_forward(cpu, x.c, pp.c, N, NH, D, inv, 1.0f);
+    qt_be_rope_forward(dev, x.d, pp.d, N, NH, D, inv, 1.0f);
     check("rope_forward", x, (size_t)N * NH * D, TOL);
-    cpu->rope_backward(cpu, x.c, pp.c, N, NH, D, inv, 1.0f);
-    dev->rope_backward(dev, x.d, pp.d, N, NH, D, inv, 1.0f);
+    qt_be_rope_backward(cpu, x.c, pp.c, N, NH, D, inv, 1.0f);
+    qt_be_rope_backward(dev, x.d, pp.d, N, NH, D, inv, 1.0f);
     check("rope_backward", x, (size_t)N * NH * D, TOL);
-    cpu->rope_forward(cpu, x.c, pp.c, N, NH, D, inv, 1.1386f);
-    dev->rope_forward(dev, x.d, pp.d, N, NH, D, inv, 1.1386f);
+    qt_be_rope_forward(cpu, x.c, pp.c, N, NH, D, inv, 1.1386f);
+    qt_be_rope_forward(dev, x.d, pp.d, N, NH, D, inv, 1.1386f);
     check("rope_forward (scale)", x, (size_t)N * NH * D, TOL);
     drop(pp), drop(x);
 }
@@ -346,12 +346,12 @@ static void test_swiglu(void **state) {
     (void)state;
     const int N = 13, I = 101;
     pair g = up_randn((size_t)N * I, 3.0f), u = up_randn((size_t)N * I, 1.0f), o = up_zero((size_t)N * I);
-    cpu->swiglu_forward(cpu, o.c, g.c, u.c, N, I);
-    dev->swiglu_forward(dev, o.d, g.d, u.d, N, I);
+    qt_be_swiglu_forward(cpu, o.c, g.c, u.c, N, I);
+    qt_be_swiglu_forward(dev, o.d, g.d, u.d, N, I);
     check("swiglu_forward", o, (size_t)N * I, TOL);
     pair dg = up_randn((size_t)N * I, 1.0f), du = up_randn((size_t)N * I, 1.0f);
-    cpu->swiglu_backward(cpu, dg.c, du.c, o.c, g.c, u.c, N, I);
-    dev->swiglu_backward(dev, dg.d, du.d, o.d, g.d, u.d, N, I);
+    qt_be_swiglu_backward(cpu, dg.c, du.c, o.c, g.c, u.c, N, I);
+    qt_be_swiglu_backward(dev, dg.d, du.d, o.d, g.d, u.d, N, I);
     check("swiglu_backward dgate", dg, (size_t)N * I, TOL);
     check("swiglu_backward dup", du, (size_t)N * I, TOL);
     drop(g), drop(u), drop(o), drop(dg), drop(du);
@@ -366,15 +366,15 @@ static void attention_case(int B, int T, int H, int KV, int D, int packed) {
     pair q = up_randn(nq, 1.0f), k = up_randn(nk, 1.0f), v = up_randn(nk, 1.0f);
     pair out = up_zero(nq), lse = up_zero((size_t)B * H * T);
     const int32_t *dc = packed ? pds.c : NULL, *dd = packed ? pds.d : NULL;
-    cpu->attention_forward(cpu, out.c, lse.c, q.c, k.c, v.c, dc, B, T, H, KV, D);
-    dev->attention_forward(dev, out.d, lse.d, q.d, k.d, v.d, dd, B, T, H, KV, D);
+    qt_be_attention_forward(cpu, out.c, lse.c, q.c, k.c, v.c, dc, B, T, H, KV, D);
+    qt_be_attention_forward(dev, out.d, lse.d, q.d, k.d, v.d, dd, B, T, H, KV, D);
     char what[96];
     snprintf(what, sizeof what, "attention_forward B%d T%d H%d KV%d D%d%s", B, T, H, KV, D, packed ? " packed" : "");
     check(what, out, nq, TOL);
     check("attention_forward lse", lse, (size_t)B * H * T, TOL);
     pair dout = up_randn(nq, 1.0f), dq = up_randn(nq, 1.0f), dk = up_randn(nk, 1.0f), dv = up_randn(nk, 1.0f);
-    cpu->attention_backward(cpu, dq.c, dk.c, dv.c, dout.c, out.c, lse.c, q.c, k.c, v.c, dc, B, T, H, KV, D);
-    dev->attention_backward(dev, dq.d, dk.d, dv.d, dout.d, out.d, lse.d, q.d, k.d, v.d, dd, B, T, H, KV, D);
+    qt_be_attention_backward(cpu, dq.c, dk.c, dv.c, dout.c, out.c, lse.c, q.c, k.c, v.c, dc, B, T, H, KV, D);
+    qt_be_attention_backward(dev, dq.d, dk.d, dv.d, dout.d, out.d, lse.d, q.d, k.d, v.d, dd, B, T, H, KV, D);
     check("attention_backward dq (+=)", dq, nq, TOL);
     check("attention_backward dk (+=)", dk, nk, TOL);
     check("attention_backward dv (+=)", dv, nk, TOL);
@@ -392,8 +392,8 @@ static void test_attention(void **state) {
     const int S = 23, n = 3, H = 4, KV = 2, D = 32, pos0 = 20;
     pair q = up_randn((size_t)n * H * D, 1.0f), kc = up_randn((size_t)S * KV * D, 1.0f);
     pair vc = up_randn((size_t)S * KV * D, 1.0f), out = up_zero((size_t)n * H * D);
-    cpu->attention_forward_cached(cpu, out.c, q.c, kc.c, vc.c, n, pos0, H, KV, D);
-    dev->attention_forward_cached(dev, out.d, q.d, kc.d, vc.d, n, pos0, H, KV, D);
+    qt_be_attention_forward_cached(cpu, out.c, q.c, kc.c, vc.c, n, pos0, H, KV, D);
+    qt_be_attention_forward_cached(dev, out.d, q.d, kc.d, vc.d, n, pos0, H, KV, D);
     check("attention_forward_cached", out, (size_t)n * H * D, TOL);
     drop(q), drop(kc), drop(vc), drop(out);
 }
@@ -430,12 +430,12 @@ static void check_lmhead_dl16(pair x, pair w, qt_dtype dt, pair ptg, const int32
     const double u = dt == QT_BF16 ? 1.0 / 256 : 1.0 / 2048, sub = dt == QT_F16 ? ldexp(1.0, -25) : 0.0;
     float *hx = qt_malloc(sizeof(float) * (size_t)N * C, "test"), *hw = qt_malloc(sizeof(float) * (size_t)V * C, "test");
     float *hl = qt_malloc(sizeof(float) * (size_t)N, "test");
-    cpu->download(cpu, hx, x.c, sizeof(float) * (size_t)N * C);
+    qt_be_download(cpu, hx, x.c, sizeof(float) * (size_t)N * C);
     pair wf = up_zero((size_t)V * C);
-    cpu->convert(cpu, wf.c, QT_F32, w.c, dt, (size_t)V * C);
-    cpu->download(cpu, hw, wf.c, sizeof(float) * (size_t)V * C);
+    qt_be_convert(cpu, wf.c, QT_F32, w.c, dt, (size_t)V * C);
+    qt_be_download(cpu, hw, wf.c, sizeof(float) * (size_t)V * C);
     drop(wf);
-    cpu->download(cpu, hl, lse.c, sizeof(float) * (size_t)N);
+    qt_be_download(cpu, hl, lse.c, sizeof(float) * (size_t)N);
     const float dscale = 0.25f, dscale_fx = 0.5f;
     double *bx = calloc((size_t)N * C, sizeof(double)), *bw = calloc((size_t)V * C, sizeof(double));
     double *bf = calloc((size_t)N * C, sizeof(double));
@@ -454,31 +454,31 @@ static void check_lmhead_dl16(pair x, pair w, qt_dtype dt, pair ptg, const int32
         }
     }
     pair dx = up_randn((size_t)N * C, 0.1f), dw = up_randn((size_t)V * C, 0.1f);
-    float *wc = ws_of(cpu, qt_be_lmhead_ce_ws_floats(cpu->desc, N, C));
-    float *wd = ws_of(dev, qt_be_lmhead_ce_ws_floats(dev->desc, N, C));
+    float *wc = ws_of(cpu, qt_be_lmhead_ce_ws_floats(qt_be_desc(cpu), N, C));
+    float *wd = ws_of(dev, qt_be_lmhead_ce_ws_floats(qt_be_desc(dev), N, C));
     char what[64];
-    cpu->lmhead_ce_backward(cpu, dx.c, dw.c, x.c, w.c, dt, ptg.c, lse.c, dscale, N, C, V, wc);
-    dev->lmhead_ce_backward(dev, dx.d, dw.d, x.d, w.d, dt, ptg.d, lse.d, dscale, N, C, V, wd);
+    qt_be_lmhead_ce_backward(cpu, dx.c, dw.c, x.c, w.c, dt, ptg.c, lse.c, dscale, N, C, V, wc);
+    qt_be_lmhead_ce_backward(dev, dx.d, dw.d, x.d, w.d, dt, ptg.d, lse.d, dscale, N, C, V, wd);
     snprintf(what, sizeof what, "lmhead_ce_backward %s 16-bit dl: dx", dt == QT_BF16 ? "bf16" : "f16");
     check_bound(what, dx, (size_t)N * C, bx);
     check_bound("  and dw", dw, (size_t)V * C, bw);
     /* the kept pair: dx and dw accumulate a second time, so the bounds double */
-    pair kept = up(NULL, qt_be_lmhead_ce_kept_floats(cpu->desc, N, V) * sizeof(float)), loss = up_zero(N);
-    float *kd = ws_of(dev, qt_be_lmhead_ce_kept_floats(dev->desc, N, V));
-    cpu->lmhead_ce_forward_keep(cpu, loss.c, lse.c, kept.c, x.c, w.c, dt, ptg.c, N, C, V, wc);
-    dev->lmhead_ce_forward_keep(dev, loss.d, lse.d, kd, x.d, w.d, dt, ptg.d, N, C, V, wd);
-    cpu->lmhead_ce_backward_kept(cpu, dx.c, dw.c, kept.c, x.c, w.c, dt, ptg.c, lse.c, dscale, N, C, V, wc);
-    dev->lmhead_ce_backward_kept(dev, dx.d, dw.d, kd, x.d, w.d, dt, ptg.d, lse.d, dscale, N, C, V, wd);
+    pair kept = up(NULL, qt_be_lmhead_ce_kept_floats(qt_be_desc(cpu), N, V) * sizeof(float)), loss = up_zero(N);
+    float *kd = ws_of(dev, qt_be_lmhead_ce_kept_floats(qt_be_desc(dev), N, V));
+    qt_be_lmhead_ce_forward_keep(cpu, loss.c, lse.c, kept.c, x.c, w.c, dt, ptg.c, N, C, V, wc);
+    qt_be_lmhead_ce_forward_keep(dev, loss.d, lse.d, kd, x.d, w.d, dt, ptg.d, N, C, V, wd);
+    qt_be_lmhead_ce_backward_kept(cpu, dx.c, dw.c, kept.c, x.c, w.c, dt, ptg.c, lse.c, dscale, N, C, V, wc);
+    qt_be_lmhead_ce_backward_kept(dev, dx.d, dw.d, kd, x.d, w.d, dt, ptg.d, lse.d, dscale, N, C, V, wd);
     for (size_t i = 0; i < (size_t)N * C; i++) bx[i] *= 2;
     for (size_t i = 0; i < (size_t)V * C; i++) bw[i] *= 2;
     check_bound("lmhead_ce_backward_kept (twice): dx", dx, (size_t)N * C, bx);
     check_bound("  and dw", dw, (size_t)V * C, bw);
     /* forward_dx, on top of the twice-accumulated dx */
     for (size_t i = 0; i < (size_t)N * C; i++) bf[i] += bx[i];
-    cpu->lmhead_ce_forward_dx(cpu, loss.c, lse.c, dx.c, x.c, w.c, dt, ptg.c, dscale_fx, N, C, V, wc);
-    dev->lmhead_ce_forward_dx(dev, loss.d, lse.d, dx.d, x.d, w.d, dt, ptg.d, dscale_fx, N, C, V, wd);
+    qt_be_lmhead_ce_forward_dx(cpu, loss.c, lse.c, dx.c, x.c, w.c, dt, ptg.c, dscale_fx, N, C, V, wc);
+    qt_be_lmhead_ce_forward_dx(dev, loss.d, lse.d, dx.d, x.d, w.d, dt, ptg.d, dscale_fx, N, C, V, wd);
     check_bound("lmhead_ce_forward_dx (+ the above): dx", dx, (size_t)N * C, bf);
-    cpu->free(cpu, wc), dev->free(dev, wd), dev->free(dev, kd);
+    qt_be_free(cpu, wc), qt_be_free(dev, wd), qt_be_free(dev, kd);
     drop(kept), drop(loss), drop(dx), drop(dw);
     free(bx), free(bw), free(bf);
     qt_free(hx), qt_free(hw), qt_free(hl);
@@ -501,41 +501,41 @@ static void test_lmhead_ce(void **state) {
          * the dx and dW products on 16-bit dlogits (QTUNE_CUDA_LMHEAD=all, check_lmhead_dl16) */
         if (kround[kk]) { /* round on the cpu, then the same bits on both sides */
             float *h = qt_malloc(sizeof(float) * (size_t)N * C, "test");
-            cpu->round_to_dtype(cpu, x.c, (size_t)N * C, dts[k]);
-            cpu->download(cpu, h, x.c, sizeof(float) * (size_t)N * C);
-            dev->upload(dev, x.d, h, sizeof(float) * (size_t)N * C);
+            qt_be_round_to_dtype(cpu, x.c, (size_t)N * C, dts[k]);
+            qt_be_download(cpu, h, x.c, sizeof(float) * (size_t)N * C);
+            qt_be_upload(dev, x.d, h, sizeof(float) * (size_t)N * C);
             qt_free(h);
         }
         pair loss = up_zero(N), lse = up_zero(N), dx = up_randn((size_t)N * C, 0.1f);
         pair dw = up_randn((size_t)V * C, 0.1f);
-        float *wc = ws_of(cpu, qt_be_lmhead_ce_ws_floats(cpu->desc, N, C));
-        float *wd = ws_of(dev, qt_be_lmhead_ce_ws_floats(dev->desc, N, C));
-        cpu->lmhead_ce_forward(cpu, loss.c, lse.c, x.c, w.c, dts[k], ptg.c, N, C, V, wc);
-        dev->lmhead_ce_forward(dev, loss.d, lse.d, x.d, w.d, dts[k], ptg.d, N, C, V, wd);
+        float *wc = ws_of(cpu, qt_be_lmhead_ce_ws_floats(qt_be_desc(cpu), N, C));
+        float *wd = ws_of(dev, qt_be_lmhead_ce_ws_floats(qt_be_desc(dev), N, C));
+        qt_be_lmhead_ce_forward(cpu, loss.c, lse.c, x.c, w.c, dts[k], ptg.c, N, C, V, wc);
+        qt_be_lmhead_ce_forward(dev, loss.d, lse.d, x.d, w.d, dts[k], ptg.d, N, C, V, wd);
         char what[64];
         snprintf(what, sizeof what, "lmhead_ce_forward %s%s loss", dtn[k], kround[kk] ? " (x 16-bit)" : "");
         check(what, loss, N, TOL);
         check("lmhead_ce_forward lse", lse, N, TOL);
         int f32 = dts[k] == QT_F32;
-        cpu->lmhead_ce_backward(cpu, dx.c, f32 ? dw.c : NULL, x.c, w.c, dts[k], ptg.c, lse.c, 0.25f, N, C, V, wc);
-        dev->lmhead_ce_backward(dev, dx.d, f32 ? dw.d : NULL, x.d, w.d, dts[k], ptg.d, lse.d, 0.25f, N, C, V, wd);
+        qt_be_lmhead_ce_backward(cpu, dx.c, f32 ? dw.c : NULL, x.c, w.c, dts[k], ptg.c, lse.c, 0.25f, N, C, V, wc);
+        qt_be_lmhead_ce_backward(dev, dx.d, f32 ? dw.d : NULL, x.d, w.d, dts[k], ptg.d, lse.d, 0.25f, N, C, V, wd);
         check("lmhead_ce_backward dx (+=)", dx, (size_t)N * C, TOL);
         if (f32) check("lmhead_ce_backward dw (+=)", dw, (size_t)V * C, TOL);
         /* the kept-logits pair and the forward-with-dx form */
-        pair kept = up(NULL, qt_be_lmhead_ce_kept_floats(cpu->desc, N, V) * sizeof(float));
-        float *kd = ws_of(dev, qt_be_lmhead_ce_kept_floats(dev->desc, N, V));
-        cpu->lmhead_ce_forward_keep(cpu, loss.c, lse.c, kept.c, x.c, w.c, dts[k], ptg.c, N, C, V, wc);
-        dev->lmhead_ce_forward_keep(dev, loss.d, lse.d, kd, x.d, w.d, dts[k], ptg.d, N, C, V, wd);
+        pair kept = up(NULL, qt_be_lmhead_ce_kept_floats(qt_be_desc(cpu), N, V) * sizeof(float));
+        float *kd = ws_of(dev, qt_be_lmhead_ce_kept_floats(qt_be_desc(dev), N, V));
+        qt_be_lmhead_ce_forward_keep(cpu, loss.c, lse.c, kept.c, x.c, w.c, dts[k], ptg.c, N, C, V, wc);
+        qt_be_lmhead_ce_forward_keep(dev, loss.d, lse.d, kd, x.d, w.d, dts[k], ptg.d, N, C, V, wd);
         check("lmhead_ce_forward_keep loss", loss, N, TOL);
-        cpu->lmhead_ce_backward_kept(cpu, dx.c, f32 ? dw.c : NULL, kept.c, x.c, w.c, dts[k], ptg.c, lse.c, 0.25f, N,
+        qt_be_lmhead_ce_backward_kept(cpu, dx.c, f32 ? dw.c : NULL, kept.c, x.c, w.c, dts[k], ptg.c, lse.c, 0.25f, N,
                                      C, V, wc);
-        dev->lmhead_ce_backward_kept(dev, dx.d, f32 ? dw.d : NULL, kd, x.d, w.d, dts[k], ptg.d, lse.d, 0.25f, N, C,
+        qt_be_lmhead_ce_backward_kept(dev, dx.d, f32 ? dw.d : NULL, kd, x.d, w.d, dts[k], ptg.d, lse.d, 0.25f, N, C,
                                      V, wd);
         check("lmhead_ce_backward_kept dx", dx, (size_t)N * C, TOL);
-        cpu->lmhead_ce_forward_dx(cpu, loss.c, lse.c, dx.c, x.c, w.c, dts[k], ptg.c, 0.5f, N, C, V, wc);
-        dev->lmhead_ce_forward_dx(dev, loss.d, lse.d, dx.d, x.d, w.d, dts[k], ptg.d, 0.5f, N, C, V, wd);
+        qt_be_lmhead_ce_forward_dx(cpu, loss.c, lse.c, dx.c, x.c, w.c, dts[k], ptg.c, 0.5f, N, C, V, wc);
+        qt_be_lmhead_ce_forward_dx(dev, loss.d, lse.d, dx.d, x.d, w.d, dts[k], ptg.d, 0.5f, N, C, V, wd);
         check("lmhead_ce_forward_dx dx", dx, (size_t)N * C, TOL);
-        cpu->free(cpu, wc), dev->free(dev, wd), dev->free(dev, kd);
+        qt_be_free(cpu, wc), qt_be_free(dev, wd), qt_be_free(dev, kd);
         if (kround[kk]) {
             setenv("QTUNE_CUDA_LMHEAD", "all", 1);
             check_lmhead_dl16(x, w, dts[k], ptg, tg, lse, N, C, V);
@@ -551,42 +551,42 @@ static void test_precision_and_passes(void **state) {
     const size_t n = 100003;
     pair x = up_randn(n, 300.0f); /* some beyond fp16's range: they must become inf on both */
     pair h = up(NULL, n * 2);
-    cpu->round_store(cpu, x.c, h.c, n, QT_F16);
-    dev->round_store(dev, x.d, h.d, n, QT_F16);
+    qt_be_round_store(cpu, x.c, h.c, n, QT_F16);
+    qt_be_round_store(dev, x.d, h.d, n, QT_F16);
     check("round_store f16 (values)", x, n, 0.0);
     pair y = up_randn(n, 1.0f);
-    cpu->round_to_dtype(cpu, y.c, n, QT_BF16);
-    dev->round_to_dtype(dev, y.d, n, QT_BF16);
+    qt_be_round_to_dtype(cpu, y.c, n, QT_BF16);
+    qt_be_round_to_dtype(dev, y.d, n, QT_BF16);
     check("round_to_dtype bf16", y, n, 0.0);
     pair back = up_zero(n);
-    cpu->convert(cpu, back.c, QT_F32, h.c, QT_F16, n);
-    dev->convert(dev, back.d, QT_F32, h.d, QT_F16, n);
+    qt_be_convert(cpu, back.c, QT_F32, h.c, QT_F16, n);
+    qt_be_convert(dev, back.d, QT_F32, h.d, QT_F16, n);
     check("convert f16 -> f32", back, n, 0.0);
-    cpu->scale(cpu, y.c, n, 0.125f);
-    dev->scale(dev, y.d, n, 0.125f);
+    qt_be_scale(cpu, y.c, n, 0.125f);
+    qt_be_scale(dev, y.d, n, 0.125f);
     check("scale", y, n, 0.0);
     pair z = up_randn(n, 1.0f);
-    cpu->acc(cpu, z.c, y.c, n);
-    dev->acc(dev, z.d, y.d, n);
+    qt_be_acc(cpu, z.c, y.c, n);
+    qt_be_acc(dev, z.d, y.d, n);
     check("acc", z, n, 0.0);
     /* dropout: the same mask element for element */
     qt_dropout_key key = {1234, 7, 3, 2};
     uint32_t th = qt_dropout_threshold(0.1f);
-    cpu->dropout(cpu, z.c, z.c, n, &key, th, 1.0f / 0.9f);
-    dev->dropout(dev, z.d, z.d, n, &key, th, 1.0f / 0.9f);
+    qt_be_dropout(cpu, z.c, z.c, n, &key, th, 1.0f / 0.9f);
+    qt_be_dropout(dev, z.d, z.d, n, &key, th, 1.0f / 0.9f);
     check("dropout (same mask)", z, n, 0.0);
     /* sum of squares in double */
-    double sc = cpu->sum_squares(cpu, z.c, n), sd = dev->sum_squares(dev, z.d, n);
+    double sc = qt_be_sum_squares(cpu, z.c, n), sd = qt_be_sum_squares(dev, z.d, n);
     int sq_bad = !(fabs(sc - sd) <= 1e-12 * sc);
     printf("  %-40s rel err %.3g (tol 1e-12)%s\n", "sum_squares", fabs(sc - sd) / sc, sq_bad ? "  FAILED" : "");
     n_failed += sq_bad;
     /* Adam over a range */
     pair p = up_randn(n, 1.0f), g = up_randn(n, 1.0f), m = up_randn(n, 0.1f), v = up_randn(n, 0.1f);
-    cpu->scale(cpu, v.c, n, 0.0f), dev->scale(dev, v.d, n, 0.0f); /* v >= 0 */
+    qt_be_scale(cpu, v.c, n, 0.0f), qt_be_scale(dev, v.d, n, 0.0f); /* v >= 0 */
     qt_adam_scalars k = {0.1f, 0.999f, 0.001f, 6e-5f / 0.1f, sqrtf(0.001f), 1e-8f, 0.5f, 1.0f - 6e-5f * 0.01f, 0.0f};
     for (int s = 0; s < 3; s++) {
-        cpu->adam(cpu, &k, p.c, g.c, m.c, v.c, n);
-        dev->adam(dev, &k, p.d, g.d, m.d, v.d, n);
+        qt_be_adam(cpu, &k, p.c, g.c, m.c, v.c, n);
+        qt_be_adam(dev, &k, p.d, g.d, m.d, v.d, n);
     }
     check("adam (3 steps) params", p, n, 1e-6);
     check("adam exp_avg", m, n, 1e-6);
@@ -607,7 +607,7 @@ static void test_half_gemm(void **state) {
     for (int k = 0; k < 2; k++) {
         const qt_dtype dt = hdt[k];
         const char *name = dt == QT_BF16 ? "bf16" : "f16";
-        if (!dev->half_available(dev, dt)) {
+        if (!qt_be_half_available(dev, dt)) {
             printf("  half_gemm %s: not run (%s has no native %s GEMM here)\n", name, dev_name, name);
             continue;
         }
@@ -618,15 +618,15 @@ static void test_half_gemm(void **state) {
                 uint16_t *ha = qt_malloc((size_t)M * K * 2, "test"), *hb = qt_malloc((size_t)K * N * 2, "test");
                 float *hc = qt_malloc(sizeof(float) * (size_t)M * N, "test"),
                       *hd = qt_malloc(sizeof(float) * (size_t)M * N, "test");
-                cpu->download(cpu, ha, a.c, (size_t)M * K * 2);
-                cpu->download(cpu, hb, b.c, (size_t)K * N * 2);
-                cpu->download(cpu, hc, c.c, sizeof(float) * (size_t)M * N);
-                int rc = dev->half_gemm(dev, dt, c.d, a.d, ta, b.d, tb, NULL, M, N, K, 0.5f, 1);
+                qt_be_download(cpu, ha, a.c, (size_t)M * K * 2);
+                qt_be_download(cpu, hb, b.c, (size_t)K * N * 2);
+                qt_be_download(cpu, hc, c.c, sizeof(float) * (size_t)M * N);
+                int rc = qt_be_half_gemm(dev, dt, c.d, a.d, ta, b.d, tb, NULL, M, N, K, 0.5f, 1);
                 char what[64];
                 snprintf(what, sizeof what, "half_gemm %s ta%d tb%d acc", name, ta, tb);
                 if (rc == QT_EUNSUPPORTED) {
                     assert_string_not_equal(dev_name, "cuda");
-                    dev->download(dev, hd, c.d, sizeof(float) * (size_t)M * N);
+                    qt_be_download(dev, hd, c.d, sizeof(float) * (size_t)M * N);
                     assert_memory_equal(hd, hc, sizeof(float) * (size_t)M * N);
                     printf("  %-40s not supported by %s: C untouched\n", what, dev_name);
                 } else {
@@ -643,15 +643,15 @@ static void test_half_gemm(void **state) {
                             }
                             hd[(size_t)m * N + n] = (float)(hc[(size_t)m * N + n] + 0.5 * acc);
                         }
-                    if (cpu->half_available(cpu, dt)) {
-                        assert_int_equal(cpu->half_gemm(cpu, dt, c.c, a.c, ta, b.c, tb, NULL, M, N, K, 0.5f, 1), QT_OK);
-                        cpu->download(cpu, hc, c.c, sizeof(float) * (size_t)M * N);
+                    if (qt_be_half_available(cpu, dt)) {
+                        assert_int_equal(qt_be_half_gemm(cpu, dt, c.c, a.c, ta, b.c, tb, NULL, M, N, K, 0.5f, 1), QT_OK);
+                        qt_be_download(cpu, hc, c.c, sizeof(float) * (size_t)M * N);
                         double err = 0, mx = 0;
                         for (size_t i = 0; i < (size_t)M * N; i++)
                             err = fmax(err, fabs((double)hc[i] - hd[i])), mx = fmax(mx, fabs(hd[i]));
                         assert_true(err <= TOL * mx);
                     }
-                    cpu->upload(cpu, c.c, hd, sizeof(float) * (size_t)M * N);
+                    qt_be_upload(cpu, c.c, hd, sizeof(float) * (size_t)M * N);
                     check(what, c, (size_t)M * N, TOL);
                 }
                 qt_free(ha), qt_free(hb), qt_free(hc), qt_free(hd);
