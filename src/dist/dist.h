@@ -136,6 +136,8 @@ typedef struct {
                              3: also partition the parameters (gathered at use: zero_gather_params) */
     int offload_param;    /* stage 3, offload_param.device = cpu: the parameter shard in host memory */
     int prefetch;         /* stage 3: the next layer's gather starts before this layer computes */
+    double reuse_distance; /* stage 3: stage3_max_reuse_distance, parameters (DeepSpeed's 1e9 by default;
+                             model.h qt_model_opts.param_reuse_distance) */
     size_t persist_elems; /* stage 3: elements kept whole on every rank (norm weights, biases), all-gathered
                              after each update (zero_allgather_runs): they, not the block, size its bucket */
     int offload;          /* offload_optimizer.device = cpu: optimizer state in host memory */

@@ -122,6 +122,9 @@ typedef struct {
                               matrices, memplan.h qt_model_base_block, the adapter staying whole) and a
                               layer's are gathered before its forward and its backward (qt_param_fetch) */
     int param_on_host;     /* with param_shards: that shard in pinned host memory (offload_param cpu) */
+    double param_reuse_distance; /* with param_shards: DeepSpeed's stage3_max_reuse_distance (default 1e9):
+                              the V x C buffer is freed after a read when the graph reads at least this
+                              many parameters before its next read (memplan.h qt_model_outer_mode) */
 } qt_model_opts;
 
 /* Whether LoRA adapts layer l (layers_to_transform), and whether the
