@@ -181,6 +181,9 @@ typedef struct {
     size_t total;
 } zero_mem;
 int zero_memory(size_t n, int world, int rank, const zero_opts *opts, int nslots, zero_mem *out);
+/* Stage 2/3: the most elements one gradient reduction carries (a bucket, a window and a shard at most);
+ * zero_mem.reduce_parts counts the communication library's temporaries of these. */
+size_t zero_reduce_piece(size_t n, int world, const zero_opts *opts);
 
 /* Every rank must pass the same n and opts. */
 int zero_plan_create(dist_ctx *d, size_t n, const zero_opts *opts, zero_plan **out);

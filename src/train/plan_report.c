@@ -147,15 +147,25 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, i
     pm->head_slice = b.head_slice;
 }
 
+/* glibc's malloc maps a block above its mmap threshold on its own and unmaps it at free; the threshold rises
+ * to the size of each such block freed, up to 32 MiB (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit), so a block of
+ * that size or less, freed, may stay in the heap for the next allocation. */
+#define PLAN_MMAP_CEILING ((uint64_t)32 << 20)
+
 /* ZeRO-3 with stage3_max_reuse_distance 0 (memplan.h QT_OUTER_SLICED): the V x C buffer is held at the lookup
  * and the lm_head's forward, when no reduction is in flight (the embedding's rows, last in each backward, wait
- * for all of them); the lm_head's backward holds one slice of it with the reductions' temporaries. The model's
- * and ZeRO's sums count both moments at once: the bytes they never hold together. */
-static uint64_t outer_apart(const plan_model *pm, const zero_mem *zm) {
-    if (pm->outer_mode != QT_OUTER_SLICED || !pm->head_slice) return 0;
+ * for all of them); the lm_head's backward holds one slice of it with the reductions' temporaries. Where both
+ * the buffer and each temporary (a reduction piece; up to 3 in flight) are above the mmap ceiling they leave
+ * the process at free, and the peak is the larger moment; the slice is counted as staying. The model's and
+ * ZeRO's sums count both moments at once: returns the bytes they never hold together (0 where the
+ * temporaries or the buffer may stay in the heap). */
+static uint64_t outer_apart(const plan_model *pm, const zero_mem *zm, const zero_opts *z, int N) {
+    if (pm->outer_mode != QT_OUTER_SLICED || !pm->head_slice || !zm->reduce_parts) return 0;
+    const size_t piece = zero_reduce_piece((size_t)pm->n_trainable, N, z);
     const uint64_t vc = pm->outer, sl = pm->head_slice, rp = zm->reduce_parts;
-    const uint64_t sum = (vc > sl ? vc : sl) + rp, peak = vc > sl + rp ? vc : sl + rp;
-    return sum - peak;
+    if (vc <= PLAN_MMAP_CEILING || (uint64_t)piece * 4 <= PLAN_MMAP_CEILING) return 0;
+    const uint64_t sum = (vc > sl ? vc : sl) + rp, peak = sl + (vc > rp ? vc : rp);
+    return sum > peak ? sum - peak : 0;
 }
 
 /* The ZeRO options the trainer would pass for this plan. */
@@ -183,7 +193,7 @@ static void plan_device(const qt_config *c, const qt_plan_opts *o, int N, qt_pla
     zero_opts z = plan_zero_opts(o, &pm);
     zero_mem zm;
     zero_memory((size_t)Pt, N, 0, &z, 2, &zm);
-    d->weights = pm.weights - outer_apart(&pm, &zm);
+    d->weights = pm.weights - outer_apart(&pm, &zm, &z, N);
     /* ZeRO-2's fp32 gradient shard: on the host with offload (pinned, beside the master shard) */
     d->grads = pm.grads + (o->offload ? 0 : zm.grad_shard);
     /* f16/bf16 full fine-tuning under ZeRO 1/2: the rank's shard of the fp32 master, 0 with offload (as
@@ -223,7 +233,7 @@ uint64_t qt_plan_cpu_rank(const qt_config *c, const qt_plan_opts *o, int rank, u
             base -= V * row - (touched < V * row ? touched : V * row);
         }
     }
-    return pm.allocated - outer_apart(&pm, &zm) + pm.master_host + base + zm.total + mapped +
+    return pm.allocated - outer_apart(&pm, &zm, &z, o->devices) + pm.master_host + base + zm.total + mapped +
            qt_model_cpu_runtime_bytes() + tp_runtime_bytes(o->devices) + plan_tokenizer(c, o);
 }
 
@@ -396,7 +406,7 @@ size_t qt_plan_outer_note(const qt_config *c, const qt_plan_opts *o, char *buf, 
     else if (pm.head_slice)
         snprintf(t, left, "is freed after every use and gathered again; the lm_head's backward gathers it one "
                  "vocabulary slice (%.1f MiB) at a time, so it is never held with the reductions' temporaries "
-                 "(%.1f MiB less at the peak)", (double)pm.head_slice / mib, (double)outer_apart(&pm, &zm) / mib);
+                 "(%.1f MiB less at the peak)", (double)pm.head_slice / mib, (double)outer_apart(&pm, &zm, &z, o->devices) / mib);
     else
         snprintf(t, left, "is freed after every use and gathered again at the next");
     return strlen(buf);
