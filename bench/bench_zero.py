@@ -104,6 +104,9 @@ def run_case(a, d, n, stage, offload, overlap, prefetch=True):
         raise SystemExit(f"{name} failed")
     lines = [json.loads(l) for l in open(os.path.join(d, name, "metrics.jsonl")) if l.strip()]
     lines = [m for m in lines if "loss" in m]
+    for x in os.listdir(os.path.join(d, name)):  # the last checkpoint and final/: 6.5 GB a case at 0.5B
+        if x == "final" or x.startswith("checkpoint-"):
+            shutil.rmtree(os.path.join(d, name, x), ignore_errors=True)
     peaks = lines[-1].get("mem_peak_bytes_ranks", [lines[-1]["mem_peak_bytes"]])
     plan = plan_case(a, d, n, stage, offload, overlap)
     times = [b["elapsed_s"] - x["elapsed_s"] for x, b in zip(lines, lines[1:])]

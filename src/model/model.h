@@ -197,12 +197,14 @@ void qt_model_set_param_gather(qt_model *m, qt_param_gather_fn gather, void *use
  *     [lo, hi) into dst (hi - lo elements of esize bytes) from every rank's
  *     shard (mine: this rank's, its lo first); may return before it arrived;
  *   wait(user, slot): dst of that slot (0, 1: layer buffers, 2: the V x C
- *     buffer) holds them.
+ *     buffer, or with opts.param_reuse_distance 0 one lm_head vocabulary
+ *     slice for its backward) holds them.
  * With prefetch the next layer's start comes before this layer computes.
  * The weights do not change between updates, so a buffer that still holds
  * the layer asked for is used again (the last two layers of a forward are
  * the first two of its backward; a tied embedding is gathered once per
- * step). Every rank makes the same calls in the same order. */
+ * step unless opts.param_reuse_distance frees it between uses: memplan.h
+ * qt_model_outer_mode). Every rank makes the same calls in the same order. */
 typedef struct {
     int (*start)(void *user, int slot, const void *mine, size_t esize, size_t lo, size_t hi, void *dst);
     int (*wait)(void *user, int slot);

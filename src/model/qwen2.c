@@ -343,8 +343,6 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
 }
 
 /* ---- ZeRO-3: the weights gathered at use (model.h qt_param_fetch) -------------- */
-/* Buffer `slot` gets flat [lo, hi) under `key` (a layer, or buffer 2 a flat
- * offset); nothing moves when it holds or is receiving that already. */
 /* This rank's shard the gathers read, and the bytes of its elements. */
 static const void *gather_mine(const qt_model *m) {
     if (m->pbase) return m->pbase;
@@ -352,6 +350,8 @@ static const void *gather_mine(const qt_model *m) {
 }
 static size_t gather_esize(const qt_model *m) { return qt_dtype_size(m->pbase ? m->bdt : m->opts.compute); }
 
+/* Buffer `slot` gets flat [lo, hi) under `key` (a layer, or buffer 2 a flat
+ * offset); nothing moves when it holds or is receiving that already. */
 static int gather_start(qt_model *m, int slot, long long key, size_t lo, size_t hi) {
     if (m->gkey[slot] == key) return QT_OK;
     if (m->gpend[slot]) QT_TRY(m->pf.wait(m->pf.user, slot)); /* cannot happen: a buffer is read before reuse */

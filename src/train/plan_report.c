@@ -403,10 +403,15 @@ size_t qt_plan_outer_note(const qt_config *c, const qt_plan_opts *o, char *buf, 
         snprintf(t, left, "is freed after the lookup and after the lm_head's backward and gathered again at each "
                  "use (the layers read %.3g parameters between them); it stays from the lm_head's forward through "
                  "its backward, where the peak still holds it (0 frees it there too)", (double)between);
-    else if (pm.head_slice)
+    else if (pm.head_slice && outer_apart(&pm, &zm, &z, o->devices))
         snprintf(t, left, "is freed after every use and gathered again; the lm_head's backward gathers it one "
                  "vocabulary slice (%.1f MiB) at a time, so it is never held with the reductions' temporaries "
-                 "(%.1f MiB less at the peak)", (double)pm.head_slice / mib, (double)outer_apart(&pm, &zm, &z, o->devices) / mib);
+                 "(%.1f MiB less at the peak)", (double)pm.head_slice / mib,
+                 (double)outer_apart(&pm, &zm, &z, o->devices) / mib);
+    else if (pm.head_slice)
+        snprintf(t, left, "is freed after every use and gathered again; the lm_head's backward gathers it one "
+                 "vocabulary slice (%.1f MiB) at a time (the plan keeps their sum: below glibc's 32 MiB mmap "
+                 "ceiling a freed block may stay in the heap)", (double)pm.head_slice / mib);
     else
         snprintf(t, left, "is freed after every use and gathered again at the next");
     return strlen(buf);
