@@ -18,7 +18,7 @@ Usage (on a quiet machine; 4 ranks want 4 free cores x threads):
   /usr/bin/python3 bench/bench_zero.py --qtune build/src/cli/qtune \\
       [--shapes bench-tiny,qwen2.5-0.5b] [--ranks 1,2,4] [--stages 0,1,2] [--offload both|on|off]
       [--steps 4] [--seq-len 128] [--threads 1] [--precision fp32|fp16|bf16] [--mode full|lora]
-      [--memory-only] [--bucket E] [--init-dtype f32|bf16]
+      [--memory-only] [--bucket E] [--init-dtype f32|bf16] [--reuse-distance D] [--main-only]
       [--max-gib G] [--json OUT.json]
   /usr/bin/python3 bench/bench_zero.py --from-json OUT.json [--replan]    (the tables again)
 --memory-only runs 2 steps per case (peaks, no timing claims)."""
@@ -65,6 +65,8 @@ def plan_case(a, d, n, stage, offload, overlap):
         plan_args += ["--overlap-comm"]
     if a.bucket:
         plan_args += ["--reduce-bucket-size", str(a.bucket), "--allgather-bucket-size", str(a.bucket)]
+    if stage == 3 and a.reuse_distance is not None:
+        plan_args += ["--max-reuse-distance", f"{a.reuse_distance:g}"]
     if a.mode == "lora":
         plan_args += ["--mode", "lora", "--lora-r", "8", "--lora-targets", "q_proj,v_proj"]
     return json.loads(subprocess.run(plan_args, capture_output=True, text=True, check=True).stdout)
@@ -76,6 +78,9 @@ def run_case(a, d, n, stage, offload, overlap, prefetch=True):
     z = {"stage": stage, "offload_optimizer": {"device": "cpu" if offload else "none"}, "overlap_comm": overlap}
     if stage == 3 and not prefetch:
         z["stage3_prefetch_bucket_size"] = 0
+    if stage == 3 and a.reuse_distance is not None:
+        z["stage3_max_reuse_distance"] = a.reuse_distance
+        name += f"_rd{a.reuse_distance:g}"
     if a.bucket:
         z.update(reduce_bucket_size=a.bucket, allgather_bucket_size=a.bucket)
     steps = 2 if a.memory_only else a.steps
@@ -99,12 +104,16 @@ def run_case(a, d, n, stage, offload, overlap, prefetch=True):
         raise SystemExit(f"{name} failed")
     lines = [json.loads(l) for l in open(os.path.join(d, name, "metrics.jsonl")) if l.strip()]
     lines = [m for m in lines if "loss" in m]
+    for x in os.listdir(os.path.join(d, name)):  # the last checkpoint and final/: 6.5 GB a case at 0.5B
+        if x == "final" or x.startswith("checkpoint-"):
+            shutil.rmtree(os.path.join(d, name, x), ignore_errors=True)
     peaks = lines[-1].get("mem_peak_bytes_ranks", [lines[-1]["mem_peak_bytes"]])
     plan = plan_case(a, d, n, stage, offload, overlap)
     times = [b["elapsed_s"] - x["elapsed_s"] for x, b in zip(lines, lines[1:])]
     busy = sum(m.get("comm_busy_s", 0) for m in lines[1:])
     wait = sum(m.get("comm_wait_s", 0) for m in lines[1:])
     return {"case": name, "ranks": n, "stage": stage, "offload": offload, "overlap": overlap, "prefetch": prefetch,
+            "reuse_distance": a.reuse_distance if stage == 3 else None,
             "precision": a.precision, "mode": a.mode,
             "peak_mib": [x / MIB for x in peaks], "plan_mib": [x / MIB for x in plan["cpu_rank_bytes_per_rank"]],
             "step_s": statistics.median(times) if times else None, "comm_busy_s": busy, "comm_wait_s": wait,
@@ -118,7 +127,10 @@ HEAD = ("| shape | ranks | stage | offload | overlap | plan MiB per rank | peak 
 def label(r):
     """overlap_comm, and at stage 3 the prefetch ("on+pf": the next layer's gather starts ahead)."""
     ov = "on" if r["overlap"] else "off"
-    return ov + ("+pf" if r.get("prefetch", True) else "") if r["stage"] == 3 else ov
+    if r["stage"] != 3:
+        return ov
+    rd = r.get("reuse_distance")
+    return ov + ("+pf" if r.get("prefetch", True) else "") + (f", reuse {rd:g}" if rd is not None else "")
 
 
 def row(r, memory_only=False):
@@ -179,15 +191,17 @@ def stage3_table(results):
     for s2 in (r for r in ran if r["stage"] == 2):
         key = (s2["shape"], s2["ranks"], s2["offload"])
         s3 = {r.get("prefetch", True): r for r in ran if r["stage"] == 3 and (r["shape"], r["ranks"], r["offload"]) == key}
-        if True not in s3 or False not in s3:
+        if True not in s3:
             continue
-        pf, npf = s3[True], s3[False]
+        pf, npf = s3[True], s3.get(False)  # --main-only: no prefetch-off case
         per = lambda r: r["comm_wait_s"] / max(1, r.get("timed_steps", 1))  # noqa: E731
         out.append(f"| {key[0]}{' LoRA' if s2.get('mode') == 'lora' else ''} | {key[1]} | {'cpu' if key[2] else 'none'} | {s2['step_s']:.2f} | "
-                   f"{pf['step_s']:.2f} | {npf['step_s']:.2f} | {pf['step_s'] / s2['step_s']:.2f}x | "
+                   f"{pf['step_s']:.2f} | {npf['step_s'] if npf else float('nan'):.2f} | "
+                   f"{pf['step_s'] / s2['step_s']:.2f}x | "
                    f"{max(s2['peak_mib']):.0f} | {max(pf['peak_mib']):.0f} | "
                    f"{max(pf['peak_mib']) / max(s2['peak_mib']):.2f} | {per(s2):.3f} | {per(pf):.3f} | "
-                   f"{per(npf):.3f} | {hidden_gathers(per(s2), per(pf), per(npf))} |")
+                   f"{per(npf) if npf else float('nan'):.3f} | "
+                   f"{hidden_gathers(per(s2), per(pf), per(npf)) if npf else '-'} |")
     return "\n".join(out)
 
 
@@ -212,6 +226,12 @@ def main():
     ap.add_argument("--max-gib", type=float,
                     help="skip a case whose planned memory over all its ranks (cpu_rank_bytes_per_rank) exceeds "
                          "this many GiB: it would not fit this machine (listed as skipped)")
+    ap.add_argument("--reuse-distance", type=float,
+                    help="stage 3: zero_optimization.stage3_max_reuse_distance in its jobs and plans (default: "
+                         "unset, DeepSpeed's 1e9); 0 frees the embedding/lm_head buffer after every use")
+    ap.add_argument("--main-only", action="store_true",
+                    help="stage 2 with overlap_comm on and stage 3 with prefetch only (the ratio table's columns; "
+                         "no overlap table, no prefetch-off column)")
     ap.add_argument("--json")
     ap.add_argument("--from-json", help="print the tables of an earlier --json file and exit")
     ap.add_argument("--replan", action="store_true",
@@ -247,8 +267,9 @@ def main():
                         continue
                     if stage == 3 and n == 1:
                         continue  # one rank has nothing to partition: stage 3 is stage 2 there
-                    overlaps = [True, False] if stage == 2 and n > 1 and not a.memory_only else [stage >= 2]
-                    prefetches = [True, False] if stage == 3 and not a.memory_only else [True]
+                    full = not a.memory_only and not a.main_only
+                    overlaps = [True, False] if stage == 2 and n > 1 and full else [stage >= 2]
+                    prefetches = [True, False] if stage == 3 and full else [True]
                     for ov, pf in [(o, f) for o in overlaps for f in prefetches]:
                         log(f"{shape}: {n} ranks, stage {stage}, offload {off}, overlap {ov}, prefetch {pf}")
                         if a.max_gib:

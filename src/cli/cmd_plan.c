@@ -40,6 +40,8 @@ static void plan_help(void) {
            "  --devices N           data-parallel ranks (default 1)\n"
            "  --offload cpu|none    Adam m, v in host memory (needs --zero 1|2|3)\n"
            "  --offload-param cpu|none  ZeRO-3: the rank's parameter shard in host memory\n"
+           "  --max-reuse-distance E  ZeRO-3: stage3_max_reuse_distance in parameters (default 1e9); below\n"
+           "                        what the layers hold the embedding/lm_head buffer is freed between uses\n"
            "  --reduce-bucket-size E, --allgather-bucket-size E\n"
            "                        DeepSpeed's zero_optimization bucket sizes in elements (default 5e8)\n"
            "  --overlap-comm        DeepSpeed's overlap_comm: ZeRO-2 reductions run during the backward\n"
@@ -233,6 +235,13 @@ int cmd_plan(int argc, char **argv) {
                 return cli_usage_error("plan", "%s must be a number of elements >= 1, not '%s'", a, v);
             if (a[2] == 'r') o.reduce_bucket = (size_t)e;
             else o.allgather_bucket = (size_t)e;
+        } else if (!strcmp(a, "--max-reuse-distance")) {
+            NEED_VALUE();
+            char *end = NULL;
+            double e = strtod(v, &end);
+            if (!end || *end || !(e >= 0 && e < 1e15))
+                return cli_usage_error("plan", "--max-reuse-distance must be a number of parameters >= 0, not '%s'", v);
+            o.reuse_distance = e;
         } else if (!strcmp(a, "--overlap-comm")) {
             o.overlap = 1;
         } else if (!strcmp(a, "--offload-param")) {

@@ -136,6 +136,8 @@ typedef struct {
                              3: also partition the parameters (gathered at use: zero_gather_params) */
     int offload_param;    /* stage 3, offload_param.device = cpu: the parameter shard in host memory */
     int prefetch;         /* stage 3: the next layer's gather starts before this layer computes */
+    double reuse_distance; /* stage 3: stage3_max_reuse_distance, parameters (DeepSpeed's 1e9 by default;
+                             model.h qt_model_opts.param_reuse_distance) */
     size_t persist_elems; /* stage 3: elements kept whole on every rank (norm weights, biases), all-gathered
                              after each update (zero_allgather_runs): they, not the block, size its bucket */
     int offload;          /* offload_optimizer.device = cpu: optimizer state in host memory */
@@ -179,6 +181,9 @@ typedef struct {
     size_t total;
 } zero_mem;
 int zero_memory(size_t n, int world, int rank, const zero_opts *opts, int nslots, zero_mem *out);
+/* Stage 2/3: the most elements one gradient reduction carries (a bucket, a window and a shard at most);
+ * zero_mem.reduce_parts counts the communication library's temporaries of these. */
+size_t zero_reduce_piece(size_t n, int world, const zero_opts *opts);
 
 /* Every rank must pass the same n and opts. */
 int zero_plan_create(dist_ctx *d, size_t n, const zero_opts *opts, zero_plan **out);

@@ -125,6 +125,14 @@ static size_t rows_msg(const zero_opts *o) {
     return o->emb_rows > 0 ? 1 + (size_t)o->emb_rows * ((size_t)o->emb_dim + 1) : 0;
 }
 
+size_t zero_reduce_piece(size_t n, int N, const zero_opts *o) {
+    size_t bucket = opt_bucket(o->bucket_elems), sh = shard_len(n, N);
+    if (bucket > n) bucket = n;
+    /* zero_memory's rule: a piece is at most a bucket, a window and a shard (ready() cuts at shard boundaries) */
+    size_t piece = o->unit_elems && o->unit_elems < bucket ? o->unit_elems : bucket;
+    return piece > sh ? sh : piece;
+}
+
 int zero_memory(size_t n, int N, int rank, const zero_opts *o, int nslots, zero_mem *m) {
     memset(m, 0, sizeof *m);
     if (N < 1 || rank < 0 || rank >= N)

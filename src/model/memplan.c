@@ -544,6 +544,29 @@ void qt_model_gather_sizes(const qt_config *c, const qt_model_opts *o, size_t *l
     qt_free(t);
 }
 
+/* Elements of the table's tensors inside the decoder layers. */
+static size_t layer_numel(const qt_config *c, const qt_model_opts *o) {
+    int n = qt_model_param_table(c, o, NULL, NULL);
+    qt_param *t = qt_calloc((size_t)n + 1, sizeof *t, "model: parameter table");
+    if (!t) return 0;
+    qt_model_param_table(c, o, t, NULL);
+    size_t k = 0;
+    for (int i = 0; i < n; i++) k += t[i].layer >= 0 ? t[i].numel : 0;
+    qt_free(t);
+    return k;
+}
+
+int qt_model_outer_mode(const qt_config *c, const qt_model_opts *o, size_t *between) {
+    qt_model_opts full = *o;
+    full.lora = 0;
+    /* the layers' tensors (full fine-tuning's table holds every one; LoRA adds its adapter) and the final norm */
+    size_t b = layer_numel(c, &full) + (size_t)c->hidden_size + (o->lora ? layer_numel(c, o) : 0);
+    if (between) *between = b;
+    const double d = o->param_reuse_distance;
+    if (o->param_shards < 2 || o->infer || d > (double)b) return QT_OUTER_KEPT;
+    return d > 0 ? QT_OUTER_FREED : QT_OUTER_SLICED;
+}
+
 /* Elements of the trainable 1-D tensors (norm weights, biases). */
 static size_t one_d_numel(const qt_config *c, const qt_model_opts *o) {
     int n = qt_model_param_table(c, o, NULL, NULL);
@@ -622,6 +645,8 @@ size_t qt_model_memory(const qt_config *c, const qt_model_opts *o, qt_mem_breakd
             b.compute_copy = o->param_on_host ? 0 : (hi - lo) * es;
             b.compute_host = o->param_on_host ? (hi - lo) * es : 0;
             b.param_gather = (2 * layer + outer) * es;
+            b.outer_gather = outer * es;
+            b.outer_mode = qt_model_outer_mode(c, o, NULL);
         }
     }
     if (!frozen && o->compute != QT_F32) b.compute_copy = numel * qt_dtype_size(o->compute);
@@ -640,6 +665,15 @@ size_t qt_model_memory(const qt_config *c, const qt_model_opts *o, qt_mem_breakd
             b.compute_host = o->compute != QT_F32 && o->param_on_host ? (hi - lo) * es : 0;
             qt_model_gather_sizes(c, o, &layer, &outer);
             b.param_gather = (2 * layer + outer) * es;
+            b.outer_gather = outer * es;
+            b.outer_mode = qt_model_outer_mode(c, o, NULL);
+            if (b.outer_mode == QT_OUTER_SLICED && qt_opts_trains_lm_head(c, o)) {
+                /* the lm_head's backward reads one slice at a time while the V x C buffer is freed */
+                qt_grad_windows w;
+                qt_model_grad_windows(c, o, &w);
+                b.head_slice = w.slice * es;
+                b.param_gather = 2 * layer * es + (b.head_slice > b.outer_gather ? b.head_slice : b.outer_gather);
+            }
         }
     }
     b.activations = qt_model_carve_acts(c, o, NULL, NULL) * 4;

@@ -33,7 +33,13 @@ typedef struct {
                            absmax a block, core/quant4.h qt_q4_bytes); not in base or compute_copy */
     size_t compute_host; /* ZeRO-3 with opts.param_on_host in f16/bf16: that shard in pinned host memory
                             (not in total) */
-    size_t param_gather; /* ZeRO-3: the two layer buffers and the V x C buffer the gathers fill */
+    size_t param_gather; /* ZeRO-3: the two layer buffers and the V x C buffer the gathers fill; with
+                            QT_OUTER_SLICED the larger of the V x C buffer and one lm_head slice (never
+                            held together) */
+    size_t outer_gather; /* ZeRO-3: the V x C buffer's bytes (in param_gather) */
+    size_t head_slice;   /* ZeRO-3, QT_OUTER_SLICED with a trainable lm_head: one vocabulary slice's bytes,
+                            gathered for its backward while the V x C buffer is freed */
+    int outer_mode;      /* ZeRO-3: qt_model_outer_mode */
     size_t total;       /* bytes allocated: everything above except base */
 } qt_mem_breakdown;
 
@@ -52,6 +58,30 @@ int qt_model_opts_sharded(const qt_model_opts *o);
  * (every trainable tensor of one decoder layer, contiguous) and of the
  * embedding / lm_head (V x C), the sizes of the gather buffers. */
 void qt_model_gather_sizes(const qt_config *c, const qt_model_opts *o, size_t *layer, size_t *outer);
+
+/* ZeRO-3: what stage3_max_reuse_distance (opts.param_reuse_distance, D) makes
+ * of the V x C buffer, by DeepSpeed's rule: after a read, a gathered parameter
+ * is kept while fewer than D parameters are read before its next use. The
+ * graph reads the buffer at the embedding lookup, the lm_head's forward and
+ * (trainable, or with preference weights) its backward; *between (may be
+ * NULL) gets the parameters read between the lookup and the lm_head's
+ * forward, or between the lm_head's backward and the next lookup: every
+ * decoder layer's tensors (LoRA: its frozen base and adapter) and the final
+ * norm. The lm_head's forward and backward have nothing between them.
+ *   QT_OUTER_KEPT     D > *between (DeepSpeed's 1e9 default over Qwen2.5-0.5B's
+ *                     3.6e8): the buffer stays allocated; a tied embedding is
+ *                     gathered once per optimizer step (not stage 3: always).
+ *   QT_OUTER_FREED    0 < D <= *between: freed after the lookup and after the
+ *                     lm_head's last read of a micro-batch, gathered again at
+ *                     the next read; kept from the lm_head's forward through
+ *                     its backward.
+ *   QT_OUTER_SLICED   D = 0: freed after every read; a trainable lm_head's
+ *                     backward then gathers it one vocabulary slice at a time
+ *                     (the gradient windows' slices) into a slice buffer, so
+ *                     the whole V x C is never held with the backward's
+ *                     reductions in flight. */
+enum { QT_OUTER_KEPT, QT_OUTER_FREED, QT_OUTER_SLICED };
+int qt_model_outer_mode(const qt_config *c, const qt_model_opts *o, size_t *between);
 
 /* LoRA under ZeRO-3 (qt_model_opts_base_sharded): the frozen base matrices the
  * graph reads in one flat block, partitioned over the ranks as full

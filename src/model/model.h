@@ -122,6 +122,9 @@ typedef struct {
                               matrices, memplan.h qt_model_base_block, the adapter staying whole) and a
                               layer's are gathered before its forward and its backward (qt_param_fetch) */
     int param_on_host;     /* with param_shards: that shard in pinned host memory (offload_param cpu) */
+    double param_reuse_distance; /* with param_shards: DeepSpeed's stage3_max_reuse_distance (default 1e9):
+                              the V x C buffer is freed after a read when the graph reads at least this
+                              many parameters before its next read (memplan.h qt_model_outer_mode) */
 } qt_model_opts;
 
 /* Whether LoRA adapts layer l (layers_to_transform), and whether the
@@ -194,12 +197,14 @@ void qt_model_set_param_gather(qt_model *m, qt_param_gather_fn gather, void *use
  *     [lo, hi) into dst (hi - lo elements of esize bytes) from every rank's
  *     shard (mine: this rank's, its lo first); may return before it arrived;
  *   wait(user, slot): dst of that slot (0, 1: layer buffers, 2: the V x C
- *     buffer) holds them.
+ *     buffer, or with opts.param_reuse_distance 0 one lm_head vocabulary
+ *     slice for its backward) holds them.
  * With prefetch the next layer's start comes before this layer computes.
  * The weights do not change between updates, so a buffer that still holds
  * the layer asked for is used again (the last two layers of a forward are
  * the first two of its backward; a tied embedding is gathered once per
- * step). Every rank makes the same calls in the same order. */
+ * step unless opts.param_reuse_distance frees it between uses: memplan.h
+ * qt_model_outer_mode). Every rank makes the same calls in the same order. */
 typedef struct {
     int (*start)(void *user, int slot, const void *mine, size_t esize, size_t lo, size_t hi, void *dst);
     int (*wait)(void *user, int slot);

@@ -194,6 +194,8 @@ struct qt_model {
     int gpend[3];          /* a gather into that buffer is in flight (prefetch) */
     qt_param_fetch pf;
     size_t gout[2];        /* buffer 2's flat offset for the embedding [0] and the lm_head [1]; -1: not gathered */
+    int gmode;             /* memplan.h qt_model_outer_mode: QT_OUTER_KEPT, or buffer 2 freed after reads */
+    void *gslice;          /* QT_OUTER_SLICED: one lm_head vocabulary slice, gathered for its backward */
     /* LoRA at ZeRO-3 (memplan.h qt_model_base_block): what is partitioned is the frozen base; pbase holds this
      * rank's [blo, bhi) of that block of bn elements in bdt; bcur places each matrix as it loads (blayer: the
      * layer loading, -1 for the vocabulary matrices) */

@@ -343,6 +343,13 @@ static void layer_forward(qt_model *m, int l, const qt_batch *b, int N, const fl
 }
 
 /* ---- ZeRO-3: the weights gathered at use (model.h qt_param_fetch) -------------- */
+/* This rank's shard the gathers read, and the bytes of its elements. */
+static const void *gather_mine(const qt_model *m) {
+    if (m->pbase) return m->pbase;
+    return m->wcopy ? (const void *)m->wcopy : (const void *)m->master;
+}
+static size_t gather_esize(const qt_model *m) { return qt_dtype_size(m->pbase ? m->bdt : m->opts.compute); }
+
 /* Buffer `slot` gets flat [lo, hi) under `key` (a layer, or buffer 2 a flat
  * offset); nothing moves when it holds or is receiving that already. */
 static int gather_start(qt_model *m, int slot, long long key, size_t lo, size_t hi) {
@@ -353,9 +360,7 @@ static int gather_start(qt_model *m, int slot, long long key, size_t lo, size_t 
                                  "qt_model_set_param_fetch first");
     m->gkey[slot] = key;
     m->gpend[slot] = 1;
-    if (m->pbase) return m->pf.start(m->pf.user, slot, m->pbase, qt_dtype_size(m->bdt), lo, hi, m->gbuf[slot]);
-    const void *mine = m->wcopy ? (const void *)m->wcopy : (const void *)m->master;
-    return m->pf.start(m->pf.user, slot, mine, qt_dtype_size(m->opts.compute), lo, hi, m->gbuf[slot]);
+    return m->pf.start(m->pf.user, slot, gather_mine(m), gather_esize(m), lo, hi, m->gbuf[slot]);
 }
 
 static int gather_have(qt_model *m, int slot, long long key, size_t lo, size_t hi) {
@@ -377,10 +382,44 @@ static int layer_params(qt_model *m, int l, int next) {
 }
 
 /* The embedding (off = gout[0]) or the lm_head (gout[1]) in buffer 2; -1:
- * not gathered (LoRA: modules_to_save's copy, whole in the master). */
+ * not gathered (LoRA: modules_to_save's copy, whole in the master). A freed
+ * buffer (outer_done) is allocated again here, and the graph's references
+ * to it follow. */
 static int outer_params(qt_model *m, size_t off) {
     if (!m->pshard || off == (size_t)-1) return QT_OK;
-    return gather_have(m, 2, (long long)off, off, off + (size_t)m->cfg.vocab_size * (size_t)m->cfg.hidden_size);
+    const size_t n = (size_t)m->cfg.vocab_size * (size_t)m->cfg.hidden_size;
+    if (!m->gbuf[2]) {
+        m->gbuf[2] = qt_be_alloc(m->be, QT_MEM_DEVICE, n * gather_esize(m), "model: ZeRO-3 V x C gather buffer");
+        if (!m->gbuf[2]) return QT_ENOMEM;
+        if (m->gout[0] != (size_t)-1) m->wte.p = m->gbuf[2];
+        if (m->gout[1] != (size_t)-1) m->lm_head.p = m->gbuf[2];
+    }
+    return gather_have(m, 2, (long long)off, off, off + n);
+}
+
+/* After the graph read buffer 2 for `off` (as outer_params): its memory goes
+ * back when stage3_max_reuse_distance says so (memplan.h qt_model_outer_mode)
+ * for what comes before its next read: `gap` QT_OUTER_FREED when that is the
+ * layers, QT_OUTER_SLICED when nothing is. The next read gathers it again. */
+static void outer_done(qt_model *m, size_t off, int gap) {
+    if (!m->pshard || off == (size_t)-1 || m->gmode < gap || !m->gbuf[2]) return;
+    qt_be_free(m->be, m->gbuf[2]);
+    m->gbuf[2] = NULL;
+    m->gkey[2] = -1;
+}
+
+/* QT_OUTER_SLICED: the lm_head's vocabulary rows [v0, v0 + sv) gathered into
+ * the slice buffer for that slice's backward (*w), the V x C buffer freed. */
+static int head_slice_params(qt_model *m, int v0, int sv, const void **w) {
+    const size_t C = (size_t)m->cfg.hidden_size, lo = m->gout[1] + (size_t)v0 * C, es = gather_esize(m);
+    if (!m->gslice) {
+        m->gslice = qt_be_alloc(m->be, QT_MEM_DEVICE, (size_t)m->grad_win.plan.slice_rows * C * es,
+                                 "model: ZeRO-3 lm_head slice buffer");
+        if (!m->gslice) return QT_ENOMEM;
+    }
+    QT_TRY(m->pf.start(m->pf.user, 2, gather_mine(m), es, lo, lo + (size_t)sv * C, m->gslice));
+    *w = m->gslice;
+    return m->pf.wait(m->pf.user, 2);
 }
 
 /* ---- norms in the backward -------------------------------------------------- */
@@ -521,16 +560,29 @@ static qt_batch upload_batch(qt_model *m, const qt_batch *b) {
     return d;
 }
 
+/* ZeRO-3, after the lm_head's forward: what comes before the graph reads
+ * buffer 2 again (outer_done's gap). The backward reads the lm_head next
+ * (head_read), or the next forward's lookup follows (an eval: nothing in
+ * between) unless the backward's layers come first (training) or the lookup
+ * does not read it (modules_to_save's embedding). */
+static int head_gap(const qt_model *m, int training, int head_read) {
+    if (head_read || (!training && m->gout[0] != (size_t)-1)) return QT_OUTER_SLICED;
+    return QT_OUTER_FREED;
+}
+
 /* dx_lm != NULL (training with a frozen lm_head): the lm_head's dx, scaled by
  * grad_scale, is added into dx_lm in the same walk as the loss. kept != NULL
- * (training a kept-logits model): the logits stay there for the backward. */
-static int run_forward(qt_model *m, const qt_batch *b, int dropout, float *dx_lm, float grad_scale, float *kept) {
+ * (training a kept-logits model): the logits stay there for the backward.
+ * gap: head_gap, for ZeRO-3's buffer 2 after the lm_head. */
+static int run_forward(qt_model *m, const qt_batch *b, int dropout, float *dx_lm, float grad_scale, float *kept,
+                       int gap) {
     const qt_config *c = &m->cfg;
     qt_backend *be = m->be;
     int N = b->B * b->T, C = c->hidden_size, L = c->num_hidden_layers;
     qt_act_ptrs *A = &m->acts;
     QT_TRY(outer_params(m, m->gout[0]));
     qt_be_embedding_forward(be, A->x[0], b->inputs, m->wte.p, m->wte.dt, N, C);
+    outer_done(m, m->gout[0], QT_OUTER_FREED); /* the layers come before its next read */
     round_and_save(m, A->x[0], (size_t)N * C, A->x16 ? A->x16[0] : NULL);
     for (int l = 0; l < L; l++) {
         QT_TRY(layer_params(m, l, l + 1));
@@ -549,14 +601,18 @@ static int run_forward(qt_model *m, const qt_batch *b, int dropout, float *dx_lm
     else
         qt_be_lmhead_ce_forward(be, A->loss, A->lse, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, N, C, c->vocab_size,
                              m->ws);
+    outer_done(m, m->gout[1], gap);
     return QT_OK;
 }
 
-int qt_model_forward_idle(qt_model *m) {
+int qt_model_forward_idle(qt_model *m) { /* an eval forward's gathers and frees, in its order */
     if (!m->pshard) return QT_OK;
     QT_TRY(outer_params(m, m->gout[0]));
+    outer_done(m, m->gout[0], QT_OUTER_FREED);
     for (int l = 0; l < m->cfg.num_hidden_layers; l++) QT_TRY(layer_params(m, l, l + 1));
-    return outer_params(m, m->gout[1]);
+    QT_TRY(outer_params(m, m->gout[1]));
+    outer_done(m, m->gout[1], head_gap(m, 0, 0));
+    return QT_OK;
 }
 
 /* The per-token losses come down (N floats) and are summed on the host in
@@ -579,7 +635,7 @@ static void sum_loss(const qt_model *m, const qt_batch *b, double *loss_sum, int
 int qt_model_forward(qt_model *m, const qt_batch *b, double *loss_sum, int64_t *n_tokens, float *logp) {
     QT_TRY(check_batch(m, b));
     qt_batch db = upload_batch(m, b);
-    QT_TRY(run_forward(m, &db, 0, NULL, 0.0f, NULL));
+    QT_TRY(run_forward(m, &db, 0, NULL, 0.0f, NULL, head_gap(m, 0, 0)));
     sum_loss(m, b, loss_sum, n_tokens, logp);
     return QT_OK;
 }
@@ -600,6 +656,7 @@ static int lmhead_backward_sliced(qt_model *m, const qt_batch *hb, float *dln, f
     size_t base = m->lm_head_off; /* untied or modules_to_save: the last tensor; tied: the embedding, at 0 */
     size_t esz = qt_dtype_size(m->lm_head.dt);
     int32_t *ht = m->pos_buf;
+    const int slices = m->pshard && m->gout[1] != (size_t)-1 && m->gkey[2] != (long long)m->gout[1];
     for (int v0 = 0, k = 0; v0 < V; v0 += S, k++) {
         int sv = V - v0 < S ? V - v0 : S;
         float *g = gw->slice[k % gw->plan.nwin];
@@ -610,7 +667,8 @@ static int lmhead_backward_sliced(qt_model *m, const qt_batch *hb, float *dln, f
             ht[i] = t == QT_IGNORE_INDEX ? t : (t >= v0 && t < v0 + sv) ? t - v0 : -1;
         }
         qt_be_upload(be, tslice, ht, sizeof(int32_t) * (size_t)N);
-        const char *w = (const char *)m->lm_head.p + (size_t)v0 * C * esz;
+        const void *w = (const char *)m->lm_head.p + (size_t)v0 * C * esz;
+        if (slices) QT_TRY(head_slice_params(m, v0, sv, &w)); /* ZeRO-3: the V x C buffer was freed */
         if (!row_scale)
             qt_be_lmhead_ce_backward(be, dln, g, m->acts.lnf, w, m->lm_head.dt, tslice, m->acts.lse, grad_scale, N,
                                    C, sv, m->ws);
@@ -621,6 +679,10 @@ static int lmhead_backward_sliced(qt_model *m, const qt_batch *hb, float *dln, f
                                            m->lm_head.dt, tslice + (size_t)r * T, m->acts.lse + (size_t)r * T,
                                            row_scale[r], T, C, sv, m->ws);
         QT_TRY(qt_grad_win_ready(gw, base + (size_t)v0 * C, base + (size_t)(v0 + sv) * C, g));
+    }
+    if (slices) { /* transient: the plan never counts it beside the V x C buffer */
+        qt_be_free(be, m->gslice);
+        m->gslice = NULL;
     }
     return QT_OK;
 }
@@ -655,7 +717,7 @@ static int forward_backward(qt_model *m, const qt_batch *b, float grad_scale, qt
     /* trainable lm_head: the logits kept from the forward when the plan has room */
     float *kept = !fused && !row_fn && qt_model_keeps_logits(c, &m->opts)
                       ? m->ws + qt_model_kept_logits_offset(c, &m->opts) : NULL;
-    QT_TRY(run_forward(m, b, dropout, fused ? dln : NULL, grad_scale, kept));
+    QT_TRY(run_forward(m, b, dropout, fused ? dln : NULL, grad_scale, kept, head_gap(m, 1, !fused)));
     float *row_scale = NULL, *logp = NULL;
     if (row_fn) {
         logp = qt_malloc(sizeof(float) * ((size_t)N + (size_t)b->B), "per-token log-probs");
@@ -672,8 +734,15 @@ static int forward_backward(qt_model *m, const qt_batch *b, float grad_scale, qt
     }
 
     qt_be_zero(be, dres, sizeof(float) * (size_t)N * C);
+    /* ZeRO-3: the lm_head gathered again where its forward freed it, whole unless the sliced backward reads it a
+     * slice at a time */
+    int rc = fused || (win && m->dlm_head) ? QT_OK : outer_params(m, m->gout[1]);
+    if (rc != QT_OK) {
+        qt_free(logp);
+        return rc;
+    }
     if (win && m->dlm_head) {
-        int rc = lmhead_backward_sliced(m, hb, dln, grad_scale, row_scale);
+        rc = lmhead_backward_sliced(m, hb, dln, grad_scale, row_scale);
         if (rc != QT_OK) {
             qt_free(logp);
             return rc;
@@ -691,6 +760,7 @@ static int forward_backward(qt_model *m, const qt_batch *b, float grad_scale, qt
         qt_be_lmhead_ce_backward(be, dln, m->dlm_head, A->lnf, m->lm_head.p, m->lm_head.dt, b->targets, A->lse, grad_scale, N,
                               C, c->vocab_size, m->ws);
     qt_free(logp); /* row_scale with it: the lm_head's backward was their last use */
+    if (!fused) outer_done(m, m->gout[1], QT_OUTER_FREED); /* the layers come before its next read */
     round_grad(m, dln, (size_t)N * C); /* in fp16 the first place a too-large loss scale overflows */
     size_t units = 0; /* layers with trainable tensors */
     for (int l = 0; l < L; l++) units += qt_model_layer_unit(&m->opts, l) >= 0;

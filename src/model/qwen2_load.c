@@ -43,6 +43,7 @@ void qt_model_opts_default(qt_model_opts *o) {
     o->max_T = 512;
     o->seed = 42;
     o->device_index = -1;
+    o->param_reuse_distance = 1e9;
 }
 
 static int check_config(const qt_config *c, const char *dir) {
@@ -418,6 +419,7 @@ static int alloc_param_shard(qt_model *m) {
         if (!m->gbuf[k]) return QT_ENOMEM;
         m->gkey[k] = -1;
     }
+    m->gmode = qt_model_outer_mode(c, &m->opts, NULL);
     if (m->opts.compute != QT_F32) {
         size_t n = (m->mhi - m->mlo) * es;
         m->wcopy = qt_be_alloc(m->be, m->opts.param_on_host ? QT_MEM_PINNED : QT_MEM_DEVICE, n ? n : 64,
@@ -449,6 +451,7 @@ static int alloc_base_shard(qt_model *m) {
         if (!m->gbuf[k]) return QT_ENOMEM;
         m->gkey[k] = -1;
     }
+    m->gmode = qt_model_outer_mode(c, &m->opts, NULL);
     m->pshard = 1;
     m->blayer = -1;
     return QT_OK;
@@ -936,6 +939,7 @@ void qt_model_free(qt_model *m) {
         qt_be_free(be, m->wcopy);
         qt_be_free(be, m->pbase);
         for (int k = 0; k < 3; k++) qt_be_free(be, m->gbuf[k]);
+        qt_be_free(be, m->gslice);
         qt_be_free(be, m->act_block);
         qt_be_free(be, m->grad_block);
         qt_be_free(be, m->ws);

@@ -45,6 +45,7 @@ void qt_plan_opts_default(qt_plan_opts *o) {
     o->host_watts = 500.0;
     o->cards_per_host = 0;
     o->dataset_bytes = (uint64_t)1 << 30;
+    o->reuse_distance = 1e9;
 }
 
 /* ---- model side: what the model allocates for (config, opts) ---------------- */
@@ -64,6 +65,8 @@ typedef struct {
     int rows, dim;        /* ZeRO-2 with a trainable embedding: rows per micro-batch, C */
     size_t unit;          /* ZeRO-2: the gradient window's elements */
     int overlap;
+    int outer_mode;       /* ZeRO-3: memplan.h qt_model_outer_mode, and its bytes: the V x C buffer, one lm_head */
+    uint64_t outer, head_slice; /* slice (QT_OUTER_SLICED) */
 } plan_model;
 
 /* The model's own memory plan (model/memplan.h) sizes everything the model
@@ -90,7 +93,8 @@ void qt_plan_model_opts(const qt_config *c, const qt_plan_opts *o, int N, int ra
     mo->max_T = o->seq_len;
     mo->backend = o->backend;
     const zero_opts z = {.stage = o->zero, .offload = o->offload, .bucket_elems = o->reduce_bucket,
-                         .overlap = o->overlap, .offload_param = o->offload_param};
+                         .overlap = o->overlap, .offload_param = o->offload_param,
+                         .reuse_distance = o->reuse_distance};
     qt_run_model_zero(&z, N, rank, mo); /* the run's rule (run_setup.h) */
 }
 
@@ -138,6 +142,30 @@ static void plan_model_bytes(const qt_config *c, const qt_plan_opts *o, int N, i
     pm->dim = zm.emb_dim;
     pm->unit = zm.unit_elems;
     pm->overlap = o->overlap;
+    pm->outer_mode = b.outer_mode;
+    pm->outer = b.outer_gather;
+    pm->head_slice = b.head_slice;
+}
+
+/* glibc's malloc maps a block above its mmap threshold on its own and unmaps it at free; the threshold rises
+ * to the size of each such block freed, up to 32 MiB (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit), so a block of
+ * that size or less, freed, may stay in the heap for the next allocation. */
+#define PLAN_MMAP_CEILING ((uint64_t)32 << 20)
+
+/* ZeRO-3 with stage3_max_reuse_distance 0 (memplan.h QT_OUTER_SLICED): the V x C buffer is held at the lookup
+ * and the lm_head's forward, when no reduction is in flight (the embedding's rows, last in each backward, wait
+ * for all of them); the lm_head's backward holds one slice of it with the reductions' temporaries. Where both
+ * the buffer and each temporary (a reduction piece; up to 3 in flight) are above the mmap ceiling they leave
+ * the process at free, and the peak is the larger moment; the slice is counted as staying. The model's and
+ * ZeRO's sums count both moments at once: returns the bytes they never hold together (0 where the
+ * temporaries or the buffer may stay in the heap). */
+static uint64_t outer_apart(const plan_model *pm, const zero_mem *zm, const zero_opts *z, int N) {
+    if (pm->outer_mode != QT_OUTER_SLICED || !pm->head_slice || !zm->reduce_parts) return 0;
+    const size_t piece = zero_reduce_piece((size_t)pm->n_trainable, N, z);
+    const uint64_t vc = pm->outer, sl = pm->head_slice, rp = zm->reduce_parts;
+    if (vc <= PLAN_MMAP_CEILING || (uint64_t)piece * 4 <= PLAN_MMAP_CEILING) return 0;
+    const uint64_t sum = (vc > sl ? vc : sl) + rp, peak = sl + (vc > rp ? vc : rp);
+    return sum > peak ? sum - peak : 0;
 }
 
 /* The ZeRO options the trainer would pass for this plan. */
@@ -162,10 +190,10 @@ static void plan_device(const qt_config *c, const qt_plan_opts *o, int N, qt_pla
     plan_model_bytes(c, o, N, 0, &pm);
     const uint64_t Pt = (uint64_t)pm.n_trainable;
     memset(d, 0, sizeof *d);
-    d->weights = pm.weights;
     zero_opts z = plan_zero_opts(o, &pm);
     zero_mem zm;
     zero_memory((size_t)Pt, N, 0, &z, 2, &zm);
+    d->weights = pm.weights - outer_apart(&pm, &zm, &z, N);
     /* ZeRO-2's fp32 gradient shard: on the host with offload (pinned, beside the master shard) */
     d->grads = pm.grads + (o->offload ? 0 : zm.grad_shard);
     /* f16/bf16 full fine-tuning under ZeRO 1/2: the rank's shard of the fp32 master, 0 with offload (as
@@ -205,8 +233,8 @@ uint64_t qt_plan_cpu_rank(const qt_config *c, const qt_plan_opts *o, int rank, u
             base -= V * row - (touched < V * row ? touched : V * row);
         }
     }
-    return pm.allocated + pm.master_host + base + zm.total + mapped + qt_model_cpu_runtime_bytes() +
-           tp_runtime_bytes(o->devices) + plan_tokenizer(c, o);
+    return pm.allocated - outer_apart(&pm, &zm, &z, o->devices) + pm.master_host + base + zm.total + mapped +
+           qt_model_cpu_runtime_bytes() + tp_runtime_bytes(o->devices) + plan_tokenizer(c, o);
 }
 
 static int plan_check(const qt_config *c, const qt_plan_opts *o) {
@@ -347,6 +375,46 @@ static void plan_advice(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
         memcpy(p->fix, said[fit_any], sizeof p->fix);
         p->fix_total = (double)fit_any_total;
     }
+}
+
+size_t qt_plan_outer_note(const qt_config *c, const qt_plan_opts *o, char *buf, size_t cap) {
+    buf[0] = 0;
+    if (!zero_partitions_params(o->zero, o->devices)) return 0;
+    plan_model pm;
+    plan_model_bytes(c, o, o->devices, 0, &pm);
+    if (!pm.outer) return 0;
+    qt_model_opts mo;
+    qt_plan_model_opts(c, o, o->devices, 0, &mo);
+    size_t between;
+    qt_model_outer_mode(c, &mo, &between);
+    zero_opts z = plan_zero_opts(o, &pm);
+    zero_mem zm;
+    zero_memory((size_t)pm.n_trainable, o->devices, 0, &z, 2, &zm);
+    const double mib = 1024.0 * 1024.0;
+    int k = snprintf(buf, cap, "stage3_max_reuse_distance %g: the embedding/lm_head gather buffer (V x C, %.1f MiB) ",
+                     o->reuse_distance, (double)pm.outer / mib);
+    if (k < 0 || (size_t)k >= cap) return strlen(buf);
+    char *t = buf + k;
+    size_t left = cap - (size_t)k;
+    if (pm.outer_mode == QT_OUTER_KEPT)
+        snprintf(t, left, "stays gathered between its uses: the layers read %.3g parameters between them, fewer than "
+                 "the key", (double)between);
+    else if (pm.outer_mode == QT_OUTER_FREED)
+        snprintf(t, left, "is freed after the lookup and after the lm_head's backward and gathered again at each "
+                 "use (the layers read %.3g parameters between them); it stays from the lm_head's forward through "
+                 "its backward, where the peak still holds it (0 frees it there too)", (double)between);
+    else if (pm.head_slice && outer_apart(&pm, &zm, &z, o->devices))
+        snprintf(t, left, "is freed after every use and gathered again; the lm_head's backward gathers it one "
+                 "vocabulary slice (%.1f MiB) at a time, so it is never held with the reductions' temporaries "
+                 "(%.1f MiB less at the peak)", (double)pm.head_slice / mib,
+                 (double)outer_apart(&pm, &zm, &z, o->devices) / mib);
+    else if (pm.head_slice)
+        snprintf(t, left, "is freed after every use and gathered again; the lm_head's backward gathers it one "
+                 "vocabulary slice (%.1f MiB) at a time (the plan keeps their sum: below glibc's 32 MiB mmap "
+                 "ceiling a freed block may stay in the heap)", (double)pm.head_slice / mib);
+    else
+        snprintf(t, left, "is freed after every use and gathered again at the next");
+    return strlen(buf);
 }
 
 int qt_plan_compute(const qt_config *c, const qt_plan_opts *o, qt_plan *p) {
@@ -494,6 +562,22 @@ static const char *verdict(int fits, int borderline) {
     return fits ? (borderline ? "fits (borderline)" : "fits") : (borderline ? "does NOT fit (borderline)" : "does NOT fit");
 }
 
+/* text after a label of 11 columns, wrapped at 100 */
+static void print_wrapped(FILE *f, const char *label, const char *text) {
+    fprintf(f, "%-11s", label);
+    int col = 11;
+    for (const char *w = text; *w;) {
+        size_t n = strcspn(w, " ");
+        if (col > 11 && col + 1 + (int)n > 100) fprintf(f, "\n%11s", ""), col = 11;
+        else if (col > 11) fputc(' ', f), col++;
+        fprintf(f, "%.*s", (int)n, w);
+        col += (int)n;
+        w += n;
+        while (*w == ' ') w++;
+    }
+    fputc('\n', f);
+}
+
 void qt_plan_print(FILE *f, const char *name, const qt_config *c, const qt_plan_opts *o, const qt_plan *p) {
     char s[400];
     strategy_line(c, o, s, sizeof s);
@@ -512,6 +596,8 @@ void qt_plan_print(FILE *f, const char *name, const qt_config *c, const qt_plan_
     if (card)
         fprintf(f, "card       %s: %.0f GiB HBM, %.0f TFLOP/s fp16, %s (%s)\n", card->name, card->hbm_gib,
                 card->fp16_tflops, card->bf16 ? "bf16" : "no bf16", card->source);
+    char note[600];
+    if (qt_plan_outer_note(c, o, note, sizeof note)) print_wrapped(f, "stage 3", note);
     fprintf(f, "trainable  %.3f M parameters\n\n", (double)p->n_trainable / 1e6);
     fprintf(f, "per device                 %s\n", un);
     fprintf(f, "  weights            %9.3f\n", U(p->dev.weights));
@@ -619,6 +705,8 @@ char *qt_plan_json(const char *name, const qt_config *c, const qt_plan_opts *o, 
     cJSON_AddBoolToObject(r, "checkpointing", o->checkpointing);
     add_u64(r, "n_params", (uint64_t)p->n_params);
     add_u64(r, "n_trainable", (uint64_t)p->n_trainable);
+    char note[600];
+    if (qt_plan_outer_note(c, o, note, sizeof note)) cJSON_AddStringToObject(r, "stage3_reuse", note);
     cJSON *d = cJSON_AddObjectToObject(r, "per_device_bytes");
     if (d) {
         add_u64(d, "weights", p->dev.weights);

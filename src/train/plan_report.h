@@ -33,6 +33,7 @@ typedef struct {
                               rsLoRA and the 4-bit type change no byte */
     int zero;              /* ZeRO stage 0, 1, 2 or 3 (3: the weights partitioned, gathered a layer at a time) */
     int offload_param;     /* ZeRO-3: the rank's parameter shard in host memory */
+    double reuse_distance; /* ZeRO-3: stage3_max_reuse_distance (default 1e9; memplan.h qt_model_outer_mode) */
     int devices;           /* data-parallel ranks N */
     int offload;           /* 1: Adam m, v in host memory */
     qt_dtype precision;    /* compute dtype */
@@ -135,6 +136,11 @@ typedef struct {
  * model's blocks (memplan), the ZeRO buffers and optimizer state of that
  * rank (dist.h zero_memory), the mapped weights file and the runtime. */
 uint64_t qt_plan_cpu_rank(const qt_config *cfg, const qt_plan_opts *o, int rank, uint64_t mapped);
+
+/* ZeRO-3 over several ranks: one sentence (into buf, at most cap bytes) on what o->reuse_distance
+ * (stage3_max_reuse_distance) makes of the V x C gather buffer (memplan.h qt_model_outer_mode), for the
+ * plan and the run to say; "" (returns 0) otherwise. */
+size_t qt_plan_outer_note(const qt_config *c, const qt_plan_opts *o, char *buf, size_t cap);
 
 /* Computes the plan. QT_EINVAL names the bad option. */
 int qt_plan_compute(const qt_config *cfg, const qt_plan_opts *o, qt_plan *out);

@@ -103,6 +103,7 @@ void qt_run_model_zero(const zero_opts *z, int world, int rank, qt_model_opts *o
     if (zero_partitions_params(z->stage, world)) {
         o->param_shards = world;
         o->param_on_host = z->offload_param;
+        o->param_reuse_distance = z->reuse_distance;
         if (o->compute == QT_F32 && z->offload_param) o->master_on_host = 1;
     }
 }
@@ -162,6 +163,7 @@ void qt_run_setup_plan_opts(const qt_run_setup *s, qt_plan_opts *o) {
     o->zero = ds->zero.stage;
     o->offload = ds->zero.offload_optimizer;
     o->offload_param = ds->zero.offload_param;
+    o->reuse_distance = ds->zero.max_reuse_distance;
     o->devices = s->world;
     o->precision = s->cfg.compute;
     o->micro_batch = s->cfg.micro_batch;

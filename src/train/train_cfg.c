@@ -26,6 +26,7 @@ void qt_train_cfg_from_ds(const qt_ds_config *ds, qt_train_cfg *cfg) {
     cfg->zero.overlap = ds->zero.overlap_comm;
     cfg->zero.offload_param = ds->zero.offload_param;
     cfg->zero.prefetch = ds->zero.prefetch_bucket_size > 0; /* stage 3: the next layer gathered ahead */
+    cfg->zero.reuse_distance = ds->zero.max_reuse_distance;
     cfg->steps_per_print = ds->steps_per_print > 0 ? ds->steps_per_print : 10;
 }
 

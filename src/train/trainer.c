@@ -19,6 +19,7 @@
 #include "optim/clip.h"
 #include "text/chat_template.h"
 #include "train/decay.h"
+#include "train/plan_report.h"
 #include "train/pref_pass.h"
 #include "train/stall.h"
 #include "train/trainer_state.h"
@@ -282,6 +283,13 @@ static int load_model(qt_trainer *t) {
             qt_warn("%s: zero_optimization.stage3_max_live_parameters %.0f is below what ZeRO-3 keeps gathered at "
                     "once here, two layers and the embedding (%.0f elements); qtune keeps those (`qtune plan "
                     "--zero 3` counts them)", job->path, t->setup.ds.zero.max_live_parameters, live);
+        /* what stage3_max_reuse_distance made of the V x C buffer, in the plan's words */
+        qt_plan_opts po;
+        qt_plan_opts_default(&po);
+        qt_run_setup_plan_opts(&t->setup, &po);
+        po.backend = t->dev.backend;
+        char note[600];
+        if (qt_plan_outer_note(qt_model_config(t->model), &po, note, sizeof note)) qt_info("zero: %s", note);
     }
     t->n = qt_model_numel(t->model);
     t->master = qt_model_master(t->model);

@@ -55,3 +55,16 @@ def test_guard_sharded_master_resumes_bit_for_bit(setup):
     assert [s["loss"] for s in steps(resumed)] == [s["loss"] for s in steps(straight)]
     wa, wb = weights(straight), weights(resumed)
     assert all(np.array_equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.parametrize("reuse", [0, 1000])
+def test_guard_stage3_freed_vocabulary_buffer_equals_cpu(setup, reuse):
+    """stage3_max_reuse_distance below the layers: the V x C buffer is freed after its reads and allocated
+    again at the next (at 0 the lm_head's backward reads slices of it from a slice buffer); the guard's freed
+    blocks fault when touched, so a read of a stale pointer would crash here; the results are the cpu's."""
+    kw = {"stage": 3, "offload": 0, "prec": "fp16"}
+    key = ["--set", f"deepspeed.zero_optimization.stage3_max_reuse_distance={reuse}"]
+    cpu = run(setup, f"cpu_rd{reuse}", 2, "cpu", *key, **kw)
+    grd = run(setup, f"guard_rd{reuse}", 2, "guard", *key, **kw)
+    assert steps(grd) == steps(cpu) and steps(cpu)
+    assert same_bytes(os.path.join(grd, "final/model.safetensors"), os.path.join(cpu, "final/model.safetensors"))

@@ -98,6 +98,23 @@ def test_lora_stage3_equals_stage2_bit_for_bit(models, preset, n, prec, ckpt, sa
     same(d, f"l2_{tag}", f"l3_{tag}")
 
 
+@pytest.mark.parametrize("preset,n,prec,save,reuse", [("tiny", 2, "fp16", None, 1000), ("tiny", 3, None, None, 0),
+                                                      ("tiny", 2, None, ["lm_head"], 0),
+                                                      ("tiny-qwen", 3, "bf16", None, 0)])
+def test_lora_stage3_reuse_distance_bit_for_bit(models, preset, n, prec, save, reuse):
+    """stage3_max_reuse_distance below the layers: the base's V x C buffer is freed after the lookup and after the
+    lm_head's fused forward (a frozen lm_head has no backward read) and gathered again; with modules_to_save
+    lm_head only the lookup reads it; tiny-qwen's untied lm_head is the second table. Stage 2's bits."""
+    d = models[preset]
+    tag = f"rd_{n}_{prec}_{int(bool(save))}_{reuse}"
+    lora = dict(LORA, modules_to_save=save) if save else LORA
+    run_ok(n, ["train", job(d, f"l2_{tag}", 2, Z2, prec, None, lora)])
+    z3 = dict(Z2, stage=3, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=reuse)
+    out = run_ok(n, ["train", job(d, f"l3_{tag}", 2, z3, prec, None, lora)])
+    assert f"stage3_max_reuse_distance {reuse}: the embedding/lm_head gather buffer" in out, out
+    same(d, f"l2_{tag}", f"l3_{tag}")
+
+
 @pytest.mark.parametrize("n,prec", [(4, None), (3, "bf16")])
 def test_lora_stage3_matches_one_rank_with_accumulation(models, n, prec):
     """Within the multi-rank tolerances of tests/dist/test_train_mpi.py close(); bf16 within the stage-2

@@ -92,6 +92,40 @@ def test_stage3_equals_stage2_bit_for_bit(models, preset, n, prec, ckpt):
         same(d, f"s2_{tag}", name)
 
 
+@pytest.mark.parametrize("preset,n,prec,ckpt,accum", [("tiny", 2, "fp16", False, 2), ("tiny", 4, "bf16", True, 1),
+                                                      ("tiny-qwen", 3, None, False, 2),
+                                                      ("tiny-qwen3", 2, "bf16", False, 1)])
+def test_stage3_reuse_distance_frees_the_vocabulary_buffer_bit_for_bit(models, preset, n, prec, ckpt, accum):
+    """stage3_max_reuse_distance below the layers' parameters: the V x C buffer is freed after the lookup and
+    after the lm_head's backward and gathered again (1000 here); at 0 also between the lm_head's forward and
+    its backward, which then gathers it a vocabulary slice at a time (reduce_bucket_size 3000: many slices).
+    Either way stage 2's bits, with accumulation (the buffer freed between micro-batches), checkpointing, an
+    untied lm_head (tiny-qwen) and eval passes between steps; the run says what the key made of it."""
+    d = models[preset]
+    u.write_tokens(str(d / "eval_r.jsonl"), 4, 16, 3)
+    tag = f"{preset}_{n}_{prec}_{int(ckpt)}_{accum}"
+    topts = {"gradient_checkpointing": ckpt, "eval_steps": 2}
+    def reuse_job(name, z):
+        ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accum, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}, "zero_optimization": z}
+        if prec:
+            ds[prec] = {"enabled": True}
+        return u.write_job(str(d / f"{name}.json"), "model", name, "train.jsonl", eval_="eval_r.jsonl", T=16,
+                           train_opts=dict({"max_steps": STEPS}, **topts), ds=ds)
+    run_ok(n, ["train", reuse_job(f"r2_{tag}", Z2)])
+    said = {1000: "is freed after the lookup and after the lm_head's backward",
+            0: "the lm_head's backward gathers it one vocabulary slice"}
+    for dist in (1000, 0):
+        z3 = dict(Z2, stage=3, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=dist)
+        name = f"r3_{tag}_{dist}"
+        out = run_ok(n, ["train", reuse_job(name, z3)])
+        assert f"stage3_max_reuse_distance {dist}: the embedding/lm_head gather buffer" in out, out
+        assert said[dist] in out, out
+        same(d, f"r2_{tag}", name)
+        evals = lambda x: [m["eval_loss"] for m in u.metrics(str(d / x)) if "eval_loss" in m]
+        assert evals(name) == evals(f"r2_{tag}") and evals(name), (evals(name), evals(f"r2_{tag}"))
+
+
 def test_stage3_matches_one_rank_with_accumulation(models):
     """Within the multi-rank tolerances of tests/dist/test_train_mpi.py close()."""
     d = models["tiny"]
@@ -191,6 +225,8 @@ def test_stage3_notes(models):
     assert 'stage3_prefetch_bucket_size "auto" -> 3686' in out, out  # 0.9 x 64^2
     assert 'stage3_param_persistence_threshold "auto" -> 640' in out, out
     assert "stage3_max_live_parameters 10 is below" in out, out
+    assert "stage3_max_reuse_distance 1e+09: the embedding/lm_head gather buffer" in out, out  # the default
+    assert "stays gathered between its uses" in out, out
     out = run_ok(2, ["train", job(d, "notes2", 1, {"stage": 2, "stage3_max_live_parameters": 10}, steps=1)])
     assert "applies to ZeRO stage 3 only" in out, out
 

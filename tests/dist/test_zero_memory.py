@@ -100,14 +100,26 @@ def test_plan_matches_every_rank_stage3_lora(setup, n, offload, offload_param, p
     check_plan(setup, n, 3, offload, True, None, True, prec, offload_param)
 
 
-def check_plan(d, n, stage, offload, lora, bucket, overlap, prec=None, offload_param=0):
+# ZeRO-3 with stage3_max_reuse_distance below the layers' 0.8M parameters: the embedding's V x C buffer freed
+# between uses (1e5), at 0 the lm_head's backward reading it a slice at a time (3 slices of the layers' bucket);
+# here every buffer is below glibc's 32 MiB mmap ceiling, so the plan counts them all (what a freed block may
+# leave in the heap). The peak's fall where they are larger: bench/RESULTS-zero.md (Qwen2.5-0.5B, 4 ranks).
+@pytest.mark.parametrize("n,prec,reuse,lora", [(2, None, 0, False), (4, "fp16", 0, False), (4, "bf16", 1e5, False),
+                                               (4, None, 0, True)])
+def test_plan_matches_every_rank_stage3_reuse(setup, n, prec, reuse, lora):
+    check_plan(setup, n, 3, 0, lora, None, True, prec, 0, reuse)
+
+
+def check_plan(d, n, stage, offload, lora, bucket, overlap, prec=None, offload_param=0, reuse=None):
     name = (f"n{n}_s{stage}_o{offload}{offload_param}_{'lora' if lora else 'full'}_b{bucket}_ov{int(overlap)}_"
-            f"{prec or 'fp32'}")
+            f"{prec or 'fp32'}" + (f"_rd{reuse:g}" if reuse is not None else ""))
     z = {"stage": stage, "offload_optimizer": {"device": "cpu" if offload else "none"}, "overlap_comm": overlap}
     if offload_param:
         z["offload_param"] = {"device": "cpu"}
     if bucket:
         z["reduce_bucket_size"] = bucket
+    if reuse is not None:
+        z["stage3_max_reuse_distance"] = reuse
     job = {"model": "m", "output_dir": name,
            "data": {"train": "train.jsonl", "seq_len": T, "packing": False, "shuffle": False},
            "train": {"max_steps": 2, "log_steps": 1, "seed": 1, "save_steps": 0},
@@ -137,6 +149,8 @@ def check_plan(d, n, stage, offload, lora, bucket, overlap, prec=None, offload_p
         args += ["--offload", "cpu"]
     if offload_param:
         args += ["--offload-param", "cpu"]
+    if reuse is not None:
+        args += ["--max-reuse-distance", reuse]
     if prec:
         args += ["--precision", prec]
     if lora:

@@ -444,3 +444,30 @@ def test_plan_zero3_recipe_and_large_models():
     assert abs(lw2 - w2) < 0.05 and abs(lw3 - w3) < 0.05, (lw2, lw3)
     p = qtune("plan", "--preset", "tiny", "--zero", "3", "--devices", "2", "--mode", "lora", "--quantization", "nf4")
     assert p.returncode != 0 and "does not partition a 4-bit (QLoRA) base" in p.stderr, p.stderr
+
+
+def test_plan_zero3_reuse_distance():
+    """stage3_max_reuse_distance (--max-reuse-distance): the plan says what it made of the V x C buffer. At
+    Qwen2.5-0.5B's shape (4 ranks, fp16, buckets of 1.5e7: bench/RESULTS-zero.md) the layers read 3.58e8
+    parameters between its uses: DeepSpeed's 1e9 keeps it, 1e8 frees it between uses but the lm_head's backward
+    still holds it whole with the reductions (the same peak), and 0 reads that backward a vocabulary slice at a
+    time: the 259.7 MiB buffer and the 3 x 57 MiB reduce temporaries are never held together."""
+    base = ["--preset", "qwen2.5-0.5b", "--zero", "3", "--devices", "4", "--precision", "fp16", "--micro-batch",
+            "1", "--seq-len", "64", "--overlap-comm", "--reduce-bucket-size", "1.5e7", "--allgather-bucket-size",
+            "1.5e7", "--device", "cpu"]
+    j = {d: plan_json(*base, "--max-reuse-distance", d) for d in ("1e9", "1e8", "0")}
+    assert plan_json(*base)["cpu_rank_bytes"] == j["1e9"]["cpu_rank_bytes"]  # the default
+    assert "stays gathered between its uses: the layers read 3.58e+08 parameters" in j["1e9"]["stage3_reuse"]
+    assert "is freed after the lookup and after the lm_head's backward" in j["1e8"]["stage3_reuse"]
+    assert j["1e8"]["cpu_rank_bytes"] == j["1e9"]["cpu_rank_bytes"]
+    assert "one vocabulary slice (31.5 MiB) at a time" in j["0"]["stage3_reuse"], j["0"]["stage3_reuse"]
+    less = j["1e9"]["cpu_rank_bytes"] - j["0"]["cpu_rank_bytes"]
+    assert less == j["1e9"]["per_device_bytes"]["weights"] - j["0"]["per_device_bytes"]["weights"]
+    assert abs(less / 2 ** 20 - 140.2) < 0.1, less / 2 ** 20
+    # the text report says it once; stage 2 has no such line; a negative distance is refused
+    text = qtune("plan", *base, "--max-reuse-distance", "0", check=0).stdout
+    assert text.count("stage3_max_reuse_distance 0:") == 1, text
+    assert "stage3_max_reuse_distance" not in qtune("plan", *base[:2], "--zero", "2", "--devices", "4",
+                                                    check=0).stdout
+    p = qtune("plan", *base, "--max-reuse-distance", "-1")
+    assert p.returncode == 2 and "--max-reuse-distance must be a number of parameters >= 0" in p.stderr
