@@ -128,6 +128,23 @@ void op_lmhead_ce_backward_kept(float *dx, float *dw, float *kept, const float *
 void op_lmhead_ce_forward_dx(float *loss, float *lse, float *dx, const float *x, const void *w, qt_dtype wdt,
                              const int32_t *targets, float dscale, int N, int C, int V, float *ws);
 
+/* ---- ops too small to share out ---------------------------------------------
+ * A training step on a tiny shape (the test preset: 1024 rows of 64) is a few
+ * hundred ops of tens of microseconds each. Shared between 2 threads such a
+ * product ran no faster than on one (QTUNE_PROFILE, bench/RESULTS.md
+ * 2026-12-06 "tiny shape"), while every region added its fork and join and a
+ * spinning second thread, and 2 threads were slower than 1. Products below
+ * OP_SERIAL_FLOPS and row passes below OP_SERIAL_ELEMS run on the calling
+ * thread. Each output element is computed by the same code either way (the
+ * split is by whole output rows or columns), so the thread count still does
+ * not change the bits. Every product of the bench-tiny and 0.5B shapes is
+ * above the bound. */
+#define OP_SERIAL_FLOPS ((double)(1 << 25)) /* 2 * N * IN * OUT */
+#define OP_SERIAL_ELEMS ((size_t)1 << 18)
+static inline int op_product_team(int N, int IN, int OUT, int team) {
+    return 2.0 * (double)N * (double)IN * (double)OUT < OP_SERIAL_FLOPS ? 1 : team;
+}
+
 /* ---- small helpers --------------------------------------------------------- */
 void op_add(float *out, const float *a, const float *b, size_t n); /* out = a + b (out may alias) */
 void op_acc(float *out, const float *a, size_t n);                  /* out += a */
