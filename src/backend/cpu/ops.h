@@ -135,10 +135,11 @@ void op_lmhead_ce_forward_dx(float *loss, float *lse, float *dx, const float *x,
  * 2026-12-06 "tiny shape"), while every region added its fork and join and a
  * spinning second thread, and 2 threads were slower than 1. Products below
  * OP_SERIAL_FLOPS and row passes below OP_SERIAL_ELEMS run on the calling
- * thread. Each output element is computed by the same code either way (the
- * split is by whole output rows or columns), so the thread count still does
- * not change the bits. Every product of the bench-tiny and 0.5B shapes is
- * above the bound. */
+ * thread. At 1 thread nothing changes. At 2, such a product is now one
+ * OpenBLAS call instead of one per half, and OpenBLAS's kernels sum an
+ * element in an order that depends on the call's shape, so its last bits
+ * can change: they did before as well, between 1 and 2 threads (bench/RESULTS.md).
+ * Every product of the bench-tiny and 0.5B shapes is above the bound. */
 #define OP_SERIAL_FLOPS ((double)(1 << 25)) /* 2 * N * IN * OUT */
 #define OP_SERIAL_ELEMS ((size_t)1 << 18)
 static inline int op_product_team(int N, int IN, int OUT, int team) {
