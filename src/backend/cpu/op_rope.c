@@ -34,7 +34,7 @@ static void rope_row(float *x, int32_t pos, int NH, int D, const float *inv, flo
 /* scale: cos and sin are multiplied by it (YaRN's attention factor, else 1). */
 static void rope_apply(float *x, const int32_t *pos, int N, int NH, int D, const float *inv, float scale, float sign) {
     /* a decode step's few rows run on the calling thread, outside any region (op_rmsnorm.c says why) */
-    if (N < 16 || (size_t)N * (size_t)NH * (size_t)D < OP_SERIAL_ELEMS) { /* and a tiny shape's rows (ops.h) */
+    if (N < 16) {
         for (int n = 0; n < N; n++) rope_row(x + (size_t)n * NH * D, pos[n], NH, D, inv, scale, sign);
         return;
     }

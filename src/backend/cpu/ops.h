@@ -134,14 +134,15 @@ void op_lmhead_ce_forward_dx(float *loss, float *lse, float *dx, const float *x,
  * product ran no faster than on one (QTUNE_PROFILE, bench/RESULTS.md
  * 2026-12-06 "tiny shape"), while every region added its fork and join and a
  * spinning second thread, and 2 threads were slower than 1. Products below
- * OP_SERIAL_FLOPS and row passes below OP_SERIAL_ELEMS run on the calling
- * thread. At 1 thread nothing changes. At 2, such a product is now one
- * OpenBLAS call instead of one per half, and OpenBLAS's kernels sum an
- * element in an order that depends on the call's shape, so its last bits
- * can change: they did before as well, between 1 and 2 threads (bench/RESULTS.md).
- * Every product of the bench-tiny and 0.5B shapes is above the bound. */
+ * OP_SERIAL_FLOPS, and the rmsnorm backward and the bf16 operand passes below
+ * OP_SERIAL_ELEMS, run on the calling thread. Of the bench-tiny and 0.5B
+ * shapes only the LoRA rank-8 products fall below (a few MFLOP each).
+ * At 1 thread nothing changes. At 2 such a product is one OpenBLAS call
+ * instead of one per half, and OpenBLAS sums an element in an order that
+ * follows the call's shape, so last bits can move; 1 and 2 threads gave
+ * different bits before as well (bench/RESULTS.md). */
 #define OP_SERIAL_FLOPS ((double)(1 << 25)) /* 2 * N * IN * OUT */
-#define OP_SERIAL_ELEMS ((size_t)1 << 18)
+#define OP_SERIAL_ELEMS ((size_t)1 << 17) /* the 0.5B shape's 256 x 896 rows stay shared */
 static inline int op_product_team(int N, int IN, int OUT, int team) {
     return 2.0 * (double)N * (double)IN * (double)OUT < OP_SERIAL_FLOPS ? 1 : team;
 }
