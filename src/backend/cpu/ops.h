@@ -138,9 +138,9 @@ void op_lmhead_ce_forward_dx(float *loss, float *lse, float *dx, const float *x,
  * OP_SERIAL_ELEMS, run on the calling thread. Of the bench-tiny and 0.5B
  * shapes only the LoRA rank-8 products fall below (a few MFLOP each).
  * At 1 thread nothing changes. At 2 such a product is one OpenBLAS call
- * instead of one per half, and OpenBLAS sums an element in an order that
- * follows the call's shape, so last bits can move; 1 and 2 threads gave
- * different bits before as well (bench/RESULTS.md). */
+ * instead of one per half (unit/test_ops: the same bits as 1 thread on the
+ * tiny shapes); whole tiny runs at 2 threads can end in other last bits than
+ * before, as 1 and 2 threads already did (bench/RESULTS.md, 2026-12-06). */
 #define OP_SERIAL_FLOPS ((double)(1 << 25)) /* 2 * N * IN * OUT */
 #define OP_SERIAL_ELEMS ((size_t)1 << 17) /* the 0.5B shape's 256 x 896 rows stay shared */
 static inline int op_product_team(int N, int IN, int OUT, int team) {
