@@ -14,7 +14,7 @@ In one run, sequentially (never two heavy processes at once):
      self time by symbol, one thread.
 
 usage: /usr/bin/python3 bench/bench_speed.py [--build DIR] [--quick] [--steps N] [--warmup W]
-       [--shapes bench-tiny,qwen2.5-0.5b] [--modes lora,full] [--threads 1,2] [--bf16 auto|on|off]
+       [--shapes bench-tiny,qwen2.5-0.5b] [--modes lora,full] [--threads 1,2] [--bf16 auto|on|off] [--isa avx2]
        [--no-torch] [--no-precision] [--profile] [--work DIR] [--json OUT.json]
        /usr/bin/python3 bench/bench_speed.py --report A.json [B.json ...]"""
 import argparse
@@ -643,6 +643,18 @@ def machine_facts(build):
             "load average at start": loadavg()}
 
 
+def build_isa(build):
+    """How the qtune in build was compiled: -march=native (QTUNE_NATIVE=ON) or the AVX2 baseline."""
+    try:
+        with open(os.path.join(build, "CMakeCache.txt")) as f:
+            m = re.search(r"^QTUNE_NATIVE:BOOL=(\w+)", f.read(), re.M)
+    except OSError:
+        return "?"
+    if not m:
+        return "?"
+    return "-march=native" if m.group(1).upper() in ("ON", "1", "TRUE", "YES") else "-mavx2 -mfma -mf16c (QTUNE_NATIVE=OFF)"
+
+
 def run_ab(qtune, base, work, model, data, B, T, mode, threads, warmup, steps, rounds):
     """This build and a baseline binary on the same job, alternating (new, base, new, base, ...) so that both
     see the same minutes of a shared machine: {new: [tok/s medians], base: [...], ratio: median/median,
@@ -678,6 +690,10 @@ def main():
     ap.add_argument("--shapes", default="bench-tiny,qwen2.5-0.5b")
     ap.add_argument("--modes", default="lora,full")
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--isa", choices=("native", "avx2"), default="native",
+                    help="avx2: emulate an AVX2 machine on an AVX-512 one, for qtune and PyTorch alike: "
+                    "OPENBLAS_CORETYPE=Haswell, ONEDNN_MAX_CPU_ISA=AVX2 (and DNNL_MAX_CPU_ISA, its older name), "
+                    "ATEN_CPU_CAPABILITY=avx2; give it a qtune built with -DQTUNE_NATIVE=OFF (-mavx2 -mfma -mf16c)")
     ap.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
                     help="also run each speed case's qtune job in bf16, right after its fp32 run (auto: only where "
                          "/proc/cpuinfo has avx512_bf16)")
@@ -714,6 +730,13 @@ def main():
     # qtune names the CPU's own OpenBLAS kernels where the library fell back to older ones (docs/performance.md,
     # item 6); PyTorch, bench_gemm and the sgemm tracer get the same OPENBLAS_CORETYPE, so both sides of every
     # ratio run the same kernels.
+    isa_env = {}
+    if a.isa == "avx2":
+        # set before anything is started: every child (qtune, bench_gemm, PyTorch, the tracer) inherits them
+        isa_env = {"OPENBLAS_CORETYPE": "Haswell", "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2",
+                   "ATEN_CPU_CAPABILITY": "avx2"}
+        os.environ.update(isa_env)
+        log("emulating an AVX2 machine: %s" % " ".join("%s=%s" % kv for kv in sorted(isa_env.items())))
     blas_core = os.environ.get("OPENBLAS_CORETYPE")
     if not blas_core:
         d = subprocess.run([qtune, "doctor", "--no-table"], capture_output=True, text=True)
@@ -725,8 +748,13 @@ def main():
     import torch
     res = {"machine": machine_facts(a.build), "steps": steps, "warmup": a.warmup, "reps": reps,
            "torch_version": torch.__version__, "command": " ".join(sys.argv), "bf16": a.bf16,
-           "openblas_coretype": blas_core}
+           "openblas_coretype": blas_core, "isa": a.isa, "isa_env": isa_env}
+    if isa_env:
+        res["machine"]["emulated ISA"] = "AVX2 (%s; qtune build: %s)" % (
+            " ".join("%s=%s" % kv for kv in sorted(isa_env.items())), build_isa(a.build))
     bf16_run, bf16_why = bf16_plan(a.bf16)
+    if isa_env and a.bf16 == "auto":  # an AVX2 machine has no AVX512_BF16: qtune refuses bf16 there
+        bf16_run, bf16_why = False, "not run: an AVX2 machine has no AVX512_BF16 (--isa avx2, --bf16 auto)"
     log("GEMM peak")
     res["peak"] = {str(k): v for k, v in gemm_peak(a.build, threads, reps).items()}
     res["cases"] = []

@@ -6,6 +6,7 @@
 # (user + system, load and all steps: on a busy machine a steadier measure of the work than the wall clock)).
 # Usage: bench/oldnew_tiny.sh OLD_QTUNE NEW_QTUNE [ROUNDS [PRESET [B [T [STEPS]]]]]
 #   e.g. the 0.5B shape: bench/oldnew_tiny.sh old/qtune new/qtune 3 qwen2.5-0.5b 1 128 5
+#   the tiny preset (vocabulary 512, token ids drawn below it): bench/oldnew_tiny.sh old/qtune new/qtune 3 tiny 4 256 40
 # Environment: PREC=bf16 (deepspeed "bf16": {"enabled": true}; default fp32), MODES="lora" (default "lora full"),
 # THREADS=2 (default 1), PRESET (the default of the PRESET argument, bench-tiny).
 set -euo pipefail
@@ -19,9 +20,10 @@ python3 - <<'PY'
 import json, os, random
 mb, seq, steps = (int(os.environ[k]) for k in ("QT_MB", "QT_SEQ", "QT_STEPS"))
 r = random.Random(1)
+vocab = min(1000, json.load(open("m/config.json"))["vocab_size"])  # the tiny preset's vocabulary is 512
 with open("d.jsonl", "w") as f:
-    for i in range(200):
-        f.write(json.dumps({"input_ids": [r.randrange(1000) for _ in range(seq)]}) + "\n")
+    for i in range(max(200, mb * steps)):
+        f.write(json.dumps({"input_ids": [r.randrange(vocab) for _ in range(seq)]}) + "\n")
 for mode in ("lora", "full"):
     j = {"model": "m", "output_dir": "o_" + mode,
          "data": {"train": "d.jsonl", "seq_len": seq, "packing": False, "shuffle": False},

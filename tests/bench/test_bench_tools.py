@@ -311,6 +311,15 @@ def test_bf16_plan():
     assert not run and "--bf16 off" in why
 
 
+def test_build_isa(tmp_path):
+    """--isa avx2 records how the qtune it runs was compiled (the emulation is only faithful without -march=native)."""
+    assert bench_speed.build_isa(str(tmp_path)) == "?"  # no CMakeCache.txt
+    (tmp_path / "CMakeCache.txt").write_text("CMAKE_BUILD_TYPE:STRING=Release\nQTUNE_NATIVE:BOOL=OFF\n")
+    assert "QTUNE_NATIVE=OFF" in bench_speed.build_isa(str(tmp_path))
+    (tmp_path / "CMakeCache.txt").write_text("QTUNE_NATIVE:BOOL=ON\n")
+    assert bench_speed.build_isa(str(tmp_path)) == "-march=native"
+
+
 def test_bench_decode_steps_decodes_as_generate(tmp_path):
     """bench_decode_steps (bench_decode.py's second measure) runs the greedy
     one-token steps qtune generate runs: its ids for its seeded prompt are

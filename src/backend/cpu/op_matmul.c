@@ -133,7 +133,7 @@ static int bf16_weight(const void *w, qt_dtype wdt) {
 static int bf16_exact(const float *x, size_t n) {
     const uint32_t *u = (const uint32_t *)x;
     uint32_t low = 0;
-#pragma omp parallel for reduction(| : low) schedule(static)
+#pragma omp parallel for reduction(| : low) schedule(static) if (n >= OP_SERIAL_ELEMS)
     for (size_t i = 0; i < n; i++) low |= u[i] & 0xffffu;
     return low == 0;
 }
@@ -141,7 +141,7 @@ static int bf16_exact(const float *x, size_t n) {
 /* the top halves of n bf16-exact floats */
 static void to_bf16(uint16_t *d, const float *x, size_t n) {
     const uint32_t *u = (const uint32_t *)x;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= OP_SERIAL_ELEMS)
     for (size_t i = 0; i < n; i++) d[i] = (uint16_t)(u[i] >> 16);
 }
 
@@ -270,7 +270,7 @@ void op_matmul_forward(float *out, const float *inp, const void *w, qt_dtype wdt
     op_blas_init();
     if (forward_bf16(out, inp, w, wdt, bias, N, IN, OUT, alpha, accumulate, ws)) return;
     float beta = accumulate ? 1.0f : 0.0f;
-    int team = wdt == QT_F32 ? omp_get_max_threads() : half_team(IN, OUT);
+    int team = op_product_team(N, IN, OUT, wdt == QT_F32 ? omp_get_max_threads() : half_team(IN, OUT));
     size_t share = wdt == QT_F32 ? 0 : op_matmul_ws_floats(IN, OUT) / (size_t)team;
 #pragma omp parallel num_threads(team)
     {
@@ -300,7 +300,7 @@ void op_matmul_backward(float *dinp, float *dweight, float *dbias, const float *
     op_blas_init();
     if (dinp && !dinp_bf16(dinp, dout, w, wdt, N, IN, OUT, alpha, ws)) {
         /* dinp (N, IN) += alpha * dout (N, OUT) @ W (OUT, IN): threads own column blocks of dinp */
-        int team = wdt == QT_F32 ? omp_get_max_threads() : half_team(IN, OUT);
+        int team = op_product_team(N, IN, OUT, wdt == QT_F32 ? omp_get_max_threads() : half_team(IN, OUT));
         size_t share = wdt == QT_F32 ? 0 : op_matmul_ws_floats(IN, OUT) / (size_t)team;
 #pragma omp parallel num_threads(team)
         {
@@ -327,7 +327,7 @@ void op_matmul_backward(float *dinp, float *dweight, float *dbias, const float *
     }
     if (dweight || dbias) {
         /* dweight (OUT, IN) += alpha * dout^T @ inp; dbias += alpha * column sums: threads own rows of W */
-#pragma omp parallel
+#pragma omp parallel num_threads(op_product_team(N, IN, OUT, omp_get_max_threads()))
         {
             int nt = omp_get_num_threads(), id = omp_get_thread_num(), o0, o1;
             op_split(OUT, nt, id, MATMUL_MIN_ROWS, &o0, &o1);

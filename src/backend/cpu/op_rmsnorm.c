@@ -29,7 +29,8 @@ void op_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *
 
 void op_rmsnorm_backward(float *dinp, float *dweight, const float *dout, const float *inp, const float *weight,
                          const float *rstd, int N, int C) {
-#pragma omp parallel for schedule(static)
+    const int par = (size_t)N * (size_t)C >= OP_SERIAL_ELEMS; /* ops.h: a tiny shape's rows on one thread */
+#pragma omp parallel for schedule(static) if (par)
     for (int n = 0; n < N; n++) {
         const float *x = inp + (size_t)n * C, *g = dout + (size_t)n * C;
         float *dx = dinp + (size_t)n * C;
@@ -40,7 +41,7 @@ void op_rmsnorm_backward(float *dinp, float *dweight, const float *dout, const f
     }
     if (!dweight) return;
     /* the weight gradient reduces over rows: parallel over columns instead */
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (par)
     for (int c = 0; c < C; c++) {
         float acc = 0.0f;
         for (int n = 0; n < N; n++) acc += dout[(size_t)n * C + c] * inp[(size_t)n * C + c] * rstd[n];

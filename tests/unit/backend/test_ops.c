@@ -126,6 +126,43 @@ static void test_matmul(void **state) {
     qt_free(mm_x), qt_free(mm_w), qt_free(mm_b), qt_free(mm_r), qt_free(dx), qt_free(dw), qt_free(db);
 }
 
+/* ops.h, "ops too small to share out": the tiny preset's products (1024 rows
+ * of 64, MLP 176) run on the calling thread whatever the thread count, so 2
+ * threads give the bits of 1 (one OpenBLAS call each); shared out as two
+ * half-width calls they did not. A product above the bound is still shared. */
+static void small_product(int threads, int N, int IN, int OUT, const float *x, const float *w, const float *d,
+                          float *out, float *dx, float *dw) {
+    int saved = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    op_matmul_forward(out, x, w, QT_F32, NULL, N, IN, OUT, 1.0f, 0, NULL);
+    /* a LoRA up-projection's form: out += scaling * (x A^T) B^T, with beta 1 and alpha 2 */
+    op_matmul_forward(out, x, w, QT_F32, NULL, N, IN, OUT, 2.0f, 1, NULL);
+    op_matmul_backward(dx, dw, NULL, d, x, w, QT_F32, N, IN, OUT, 2.0f, NULL);
+    omp_set_num_threads(saved);
+}
+static void test_small_products_one_thread(void **state) {
+    (void)state;
+    static const int shapes[][3] = {{1024, 64, 64}, {1024, 64, 176}, {1024, 176, 64}, {1024, 64, 32}, {32, 64, 64},
+                                    {32, 64, 176}, {32, 176, 64}, {64, 64, 128}, {32, 8, 64}, {1024, 8, 64}, {1024, 8, 32}, {32, 64, 32}, {30, 64, 32}, {28, 176, 64}};
+    for (size_t k = 0; k < sizeof shapes / sizeof *shapes; k++) {
+        const int N = shapes[k][0], IN = shapes[k][1], OUT = shapes[k][2];
+        assert_int_equal(op_product_team(N, IN, OUT, 2), 1);
+        float *x = randv((size_t)N * IN, 1.0f), *w = randv((size_t)OUT * IN, 0.2f), *d = randv((size_t)N * OUT, 1.0f);
+        float *o1 = zeros((size_t)N * OUT), *o2 = zeros((size_t)N * OUT), *dx1 = zeros((size_t)N * IN);
+        float *dx2 = zeros((size_t)N * IN), *dw1 = zeros((size_t)OUT * IN), *dw2 = zeros((size_t)OUT * IN);
+        small_product(1, N, IN, OUT, x, w, d, o1, dx1, dw1);
+        small_product(2, N, IN, OUT, x, w, d, o2, dx2, dw2);
+        if (memcmp(o1, o2, sizeof(float) * (size_t)N * OUT) || memcmp(dx1, dx2, sizeof(float) * (size_t)N * IN) ||
+            memcmp(dw1, dw2, sizeof(float) * (size_t)OUT * IN))
+            fail_msg("product %d x %d x %d: 2 threads gave other bits than 1 (shared out?)", N, IN, OUT);
+        qt_free(x), qt_free(w), qt_free(d), qt_free(o1), qt_free(o2), qt_free(dx1), qt_free(dx2), qt_free(dw1);
+        qt_free(dw2);
+    }
+    /* the bench-tiny and 0.5B shapes' products stay shared */
+    assert_int_equal(op_product_team(1024, 256, 256, 2), 2);
+    assert_int_equal(op_product_team(256, 896, 128, 2), 2);
+}
+
 /* f16/bf16 weights, several conversion panels: same result as f32 sgemm on
  * the rounded weights. */
 static void test_matmul_half_panels(void **state) {
@@ -753,6 +790,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rmsnorm),   cmocka_unit_test(test_matmul),
         cmocka_unit_test(test_matmul_half_panels), cmocka_unit_test(test_sgemm_nn_engines), cmocka_unit_test(test_rope),
+        cmocka_unit_test(test_small_products_one_thread),
         cmocka_unit_test(test_attention), cmocka_unit_test(test_attention_blocks_and_cache),
         cmocka_unit_test(test_attention_decode_shapes),
         cmocka_unit_test(test_attention_gemm_blocks),
