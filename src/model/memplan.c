@@ -544,17 +544,20 @@ void qt_model_gather_sizes(const qt_config *c, const qt_model_opts *o, size_t *l
     qt_free(t);
 }
 
-/* Elements of the table's tensors inside the decoder layers. */
-static size_t layer_numel(const qt_config *c, const qt_model_opts *o) {
+/* Elements of the table's tensors of one kind: TABLE_LAYERS those inside the
+ * decoder layers, TABLE_1D the 1-D ones (norm weights, biases). */
+enum { TABLE_LAYERS, TABLE_1D };
+static size_t table_numel(const qt_config *c, const qt_model_opts *o, int kind) {
     int n = qt_model_param_table(c, o, NULL, NULL);
     qt_param *t = qt_calloc((size_t)n + 1, sizeof *t, "model: parameter table");
     if (!t) return 0;
     qt_model_param_table(c, o, t, NULL);
     size_t k = 0;
-    for (int i = 0; i < n; i++) k += t[i].layer >= 0 ? t[i].numel : 0;
+    for (int i = 0; i < n; i++) k += (kind == TABLE_LAYERS ? t[i].layer >= 0 : t[i].ndim == 1) ? t[i].numel : 0;
     qt_free(t);
     return k;
 }
+static size_t layer_numel(const qt_config *c, const qt_model_opts *o) { return table_numel(c, o, TABLE_LAYERS); }
 
 int qt_model_outer_mode(const qt_config *c, const qt_model_opts *o, size_t *between) {
     qt_model_opts full = *o;
@@ -568,16 +571,7 @@ int qt_model_outer_mode(const qt_config *c, const qt_model_opts *o, size_t *betw
 }
 
 /* Elements of the trainable 1-D tensors (norm weights, biases). */
-static size_t one_d_numel(const qt_config *c, const qt_model_opts *o) {
-    int n = qt_model_param_table(c, o, NULL, NULL);
-    qt_param *t = qt_calloc((size_t)n + 1, sizeof *t, "model: parameter table");
-    if (!t) return 0;
-    qt_model_param_table(c, o, t, NULL);
-    size_t k = 0;
-    for (int i = 0; i < n; i++) k += t[i].ndim == 1 ? t[i].numel : 0;
-    qt_free(t);
-    return k;
-}
+static size_t one_d_numel(const qt_config *c, const qt_model_opts *o) { return table_numel(c, o, TABLE_1D); }
 
 /* The layer linears a 4-bit base quantizes (qwen2_load.c lin_quantized):
  * their weights (into *numel) and the bytes of their 4-bit blocks. */
