@@ -97,13 +97,16 @@ static int maps_of_size(size_t bytes) {
     return c.n;
 }
 
+void qt_stall_make_threads(int threads) {
+    if (threads < 1) return;
+#pragma omp parallel num_threads(threads)
+    free(malloc(64));
+}
+
 int qt_stall_check_address_space(const qt_backend_desc *d, int threads, const char *what) {
     size_t limit = as_limit(), per = d->blas_thread_vm;
     if (!per || threads < 1) return QT_OK;
-    /* the team's threads and their malloc arenas (64 MiB of address space
-     * each) exist by the first step; made now so that they are counted */
-#pragma omp parallel num_threads(threads)
-    free(malloc(64));
+    qt_stall_make_threads(threads); /* counted: the caller may have made them already */
     int held = maps_of_size(per);
     int missing = threads > held ? threads - held : 0;
     /* thread stacks, malloc arenas and the step's small allocations beside the planned blocks */

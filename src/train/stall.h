@@ -10,6 +10,11 @@
  * mapped yet (d->blas_thread_vm each) fit under RLIMIT_AS beside what the
  * process maps now; else QT_ENOMEM with a sentence that names the limit, the
  * need and what to set. `what` starts the sentence ("training"). */
+/* The OpenMP team's threads and their malloc arenas (64 MiB of address space
+ * each), made now: they exist by the first step anyway, and made first they
+ * are mapped before the step's own allocations, whatever op first starts the
+ * team (small products run on the calling thread and start none). */
+void qt_stall_make_threads(int threads);
 int qt_stall_check_address_space(const qt_backend_desc *d, int threads, const char *what);
 
 typedef struct qt_stall qt_stall;

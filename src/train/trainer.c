@@ -1040,6 +1040,7 @@ static int run(qt_trainer *t, qt_train_result *res) {
      * forever when ulimit -v refuses it: checked before any step or eval */
     if (t->step < t->max_steps) {
         (void)qt_be_runtime_bytes(t->be); /* loads the GEMM libraries first: their mappings count too */
+        qt_stall_make_threads(omp_get_max_threads());
         if (!qt_fault_point("address-space-check", t->rank)) /* tests skip it to reach the watchdog */
             QT_TRY(qt_stall_check_address_space(qt_be_desc(t->be), omp_get_max_threads(), "training"));
         QT_TRY(qt_stall_start(qt_be_desc(t->be), omp_get_max_threads(), &t->stall));
