@@ -131,16 +131,16 @@ void op_lmhead_ce_forward_dx(float *loss, float *lse, float *dx, const float *x,
 /* ---- ops too small to share out ---------------------------------------------
  * A training step on a tiny shape (the test preset: 1024 rows of 64) is a few
  * hundred ops of tens of microseconds each. Shared between 2 threads such a
- * product ran no faster than on one (QTUNE_PROFILE, bench/RESULTS.md
- * 2026-12-06 "tiny shape"), while every region added its fork and join and a
- * spinning second thread, and 2 threads were slower than 1. Products below
+ * product runs no faster than on one (QTUNE_PROFILE; bench/RESULTS.md has the
+ * figures), while every region adds its fork and join and a spinning second
+ * thread, so 2 threads were slower than 1. Products below
  * OP_SERIAL_FLOPS, and the rmsnorm backward and the bf16 operand passes below
  * OP_SERIAL_ELEMS, run on the calling thread. Of the bench-tiny and 0.5B
  * shapes only the LoRA rank-8 products fall below (a few MFLOP each).
  * At 1 thread nothing changes. At 2 such a product is one OpenBLAS call
  * instead of one per half (unit/test_ops: the same bits as 1 thread on the
  * tiny shapes); whole tiny runs at 2 threads can end in other last bits than
- * before, as 1 and 2 threads already did (bench/RESULTS.md, 2026-12-06). */
+ * with every product shared, as 1 and 2 threads already did. */
 #define OP_SERIAL_FLOPS ((double)(1 << 25)) /* 2 * N * IN * OUT */
 #define OP_SERIAL_ELEMS ((size_t)1 << 17) /* the 0.5B shape's 256 x 896 rows stay shared */
 static inline int op_product_team(int N, int IN, int OUT, int team) {
