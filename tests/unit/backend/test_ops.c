@@ -754,6 +754,15 @@ static void test_exp8(void **state) {
     for (int k = 0; k < 8; k++) x[k] = -100.0f - (float)k * 1e30f;
     _mm256_storeu_ps(y, op_exp8(_mm256_loadu_ps(x)));
     for (int k = 0; k < 8; k++) assert_true(y[k] == 0.0f);
+    /* a masked score (-inf) and the lanes just below the cut give 0 beside
+     * kept lanes, which keep their values; NaN stays NaN */
+    const float mix[8] = {-INFINITY, 0.5f, -87.34f, -87.0f, NAN, -INFINITY, 88.0f, -1e30f};
+    _mm256_storeu_ps(y, op_exp8(_mm256_loadu_ps(mix)));
+    for (int k = 0; k < 8; k++) {
+        if (isnan(mix[k])) assert_true(isnan(y[k]));
+        else if (mix[k] < -87.3365478515625f) assert_true(y[k] == 0.0f);
+        else assert_true(fabs(y[k] - exp((double)mix[k])) <= 4e-7 * exp((double)mix[k]));
+    }
     float row[13];
     for (int k = 0; k < 13; k++) row[k] = (float)k - 6.0f;
     double sum = op_row_exp(row, 13, 1.0f, 2.0f), want = 0;
