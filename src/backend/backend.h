@@ -258,7 +258,11 @@ void qt_be_dropout(qt_backend *be, float *dst, const float *src, size_t n, const
                    uint32_t threshold, float keep_scale);
 
 /* ---- optimizer, clipping, loss scaler ---------------------------------- */
-void qt_be_adam(qt_backend *be, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n);
+/* Returns 1 when every updated p is finite, 0 when one is not (NaN or inf),
+ * -1 when the backend does not look (the caller then checks p itself): the
+ * trainer's check of the update rides on this pass instead of reading the
+ * whole master again. */
+int qt_be_adam(qt_backend *be, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n);
 /* Sum of squares in double, the same bits for any thread count (the
  * gradient norm; it is finite iff every element is: the overflow check). */
 double qt_be_sum_squares(qt_backend *be, const float *x, size_t n);

@@ -189,7 +189,7 @@ struct qt_backend {
                     uint32_t threshold, float keep_scale);
 
     /* optimizer, clipping, loss scaler */
-    void (*adam)(qt_backend *be, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n);
+    int (*adam)(qt_backend *be, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n);
     double (*sum_squares)(qt_backend *be, const float *x, size_t n);
     void (*scale)(qt_backend *be, float *x, size_t n, float s);
 

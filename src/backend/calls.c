@@ -192,8 +192,8 @@ void qt_be_dropout(qt_backend *be, float *dst, const float *src, size_t n, const
     be->dropout(be, dst, src, n, key, threshold, keep_scale);
 }
 
-void qt_be_adam(qt_backend *be, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n) {
-    be->adam(be, k, p, g, m, v, n);
+int qt_be_adam(qt_backend *be, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n) {
+    return be->adam(be, k, p, g, m, v, n);
 }
 
 double qt_be_sum_squares(qt_backend *be, const float *x, size_t n) {

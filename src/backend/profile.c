@@ -174,7 +174,7 @@ WRAPR(int, half_gemm,
 WRAP(dropout,
      (BE, float *dst, const float *src, size_t n, const qt_dropout_key *key, uint32_t threshold, float keep_scale),
      (IN, dst, src, n, key, threshold, keep_scale))
-WRAP(adam, (BE, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n),
+WRAPR(int, adam, (BE, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n),
      (IN, k, p, g, m, v, n))
 WRAPR(double, sum_squares, (BE, const float *x, size_t n), (IN, x, n))
 WRAP(scale, (BE, float *x, size_t n, float s), (IN, x, n, s))

@@ -39,7 +39,8 @@ int qt_adam_cfg_check(const qt_adam_cfg *c, const char *where) {
 
 int qt_adam_step(qt_backend *be, const qt_adam_cfg *c, int64_t step, double lr, float grad_scale, float *params,
                  const float *grads, float *m, float *v, size_t n, size_t base, const qt_range *decay,
-                 int n_decay) {
+                 int n_decay, int *finite) {
+    if (finite) *finite = 1; /* nothing updated yet: nothing non-finite */
     if (step < 1) return QT_ERR(QT_EINVAL, "adam: step %lld must be >= 1 (the 1-based update count)", (long long)step);
     if (n == 0) return QT_OK;
     if (!params || !grads || !m || !v) return QT_ERR(QT_EINVAL, "adam: a NULL buffer was passed for %zu elements", n);
@@ -82,7 +83,8 @@ int qt_adam_step(qt_backend *be, const qt_adam_cfg *c, int64_t step, double lr, 
             piece_end = (r < n_decay && decay[r].lo < end) ? decay[r].lo : end;
         }
         size_t off = pos - base, len = piece_end - pos;
-        qt_be_adam(be, in_decay ? &kd : &k, params + off, grads + off, m + off, v + off, len);
+        int f = qt_be_adam(be, in_decay ? &kd : &k, params + off, grads + off, m + off, v + off, len);
+        if (finite && *finite != 0) *finite = f == 1 ? *finite : f; /* 0 wins, then -1 */
         pos = piece_end;
     }
     return QT_OK;

@@ -55,9 +55,11 @@ int qt_adam_cfg_check(const qt_adam_cfg *c, const char *where);
  * (torch's state["step"] after its increment); lr is this step's learning rate.
  * decay: n_decay sorted, non-overlapping absolute ranges that get weight decay.
  * m and v start at zero. The element loop is the backend's adam (params,
- * grads, m, v are its device memory), once per piece between decay bounds. */
+ * grads, m, v are its device memory), once per piece between decay bounds.
+ * finite (may be NULL): 1 when every updated param is finite, 0 when one is
+ * not, -1 when the backend did not look (qt_be_adam). */
 int qt_adam_step(qt_backend *be, const qt_adam_cfg *c, int64_t step, double lr, float grad_scale, float *params,
                  const float *grads, float *m, float *v, size_t n, size_t base, const qt_range *decay,
-                 int n_decay);
+                 int n_decay, int *finite);
 
 #endif

@@ -38,6 +38,7 @@ int qt_optimizer_apply(qt_optimizer *o, qt_backend *be, double global_sumsq, int
         .loss_scale = scale,
         .clip_coef = 1.0f,
         .skipped = overflow,
+        .update_finite = -1,
     };
     if (info) *info = si;
     QT_TRY(qt_loss_scaler_update(&o->scaler, overflow));
@@ -49,7 +50,10 @@ int qt_optimizer_apply(qt_optimizer *o, qt_backend *be, double global_sumsq, int
     if (info) info->clip_coef = si.clip_coef;
     /* unscale and clip fused into the update's read of the gradient (coef / scale in double, rounded once) */
     float gs = (float)((double)si.clip_coef / scale);
-    QT_TRY(qt_adam_step(be, &o->adam, o->n_updates + 1, si.lr, gs, params, grads, m, v, n, base, decay, n_decay));
+    int finite;
+    QT_TRY(qt_adam_step(be, &o->adam, o->n_updates + 1, si.lr, gs, params, grads, m, v, n, base, decay, n_decay,
+                        &finite));
+    if (info) info->update_finite = finite;
     o->n_updates++;
     return QT_OK;
 }

@@ -40,6 +40,7 @@ typedef struct {
     double loss_scale;  /* the scale the gradients carried */
     float clip_coef;    /* 1 when not clipped */
     int skipped;        /* 1: overflow, no update */
+    int update_finite;  /* after an update: 1 every updated weight finite, 0 one is not, -1 not known (qt_be_adam) */
 } qt_step_info;
 
 /* scaler: NULL for fp32/bf16 (a static scale of 1). */

@@ -552,10 +552,13 @@ static const char *last_good(const qt_trainer *t) {
 /* After the update: this rank's updated range [lo, hi) must be finite, and
  * every rank learns whether all are. A non-finite weight (eps 0 dividing 0 by
  * 0, a learning rate whose step overflows fp32) is a failed step: the run
- * stops before anything is saved, so every checkpoint keeps finite weights. */
-static int check_update(qt_trainer *t, double lr) {
+ * stops before anything is saved, so every checkpoint keeps finite weights.
+ * finite: the update's own answer (qt_step_info.update_finite); only where it
+ * is not 1 is the range read again (to find the element, or because the
+ * backend's adam did not look). */
+static int check_update(qt_trainer *t, double lr, int finite) {
     size_t at = t->hi;
-    int64_t bad = trainer_find_bad(t, t->master + (t->lo - trainer_master_lo(t)), t->hi - t->lo, 0, &at);
+    int64_t bad = finite == 1 ? 0 : trainer_find_bad(t, t->master + (t->lo - trainer_master_lo(t)), t->hi - t->lo, 0, &at);
     if (bad) at += t->lo;
     if (t->world > 1) QT_TRY(dist_allreduce_i64(t->d, &bad, 1, DIST_MAX, "update check"));
     if (!bad) return QT_OK;
@@ -763,7 +766,7 @@ static int train_step(qt_trainer *t, step_out *o) {
         o->skipped = 1;
         return QT_OK;
     }
-    QT_TRY(check_update(t, si.lr));
+    QT_TRY(check_update(t, si.lr, si.update_finite));
     return trainer_publish_weights(t);
 }
 

@@ -344,7 +344,7 @@ int main(int argc, char **argv) {
         float coef = qt_clip_coef(gnorm, o.clip);
         if (!overflow)
             CHECK(qt_adam_step(be, &ac, s + 1, o.lr, coef, params + lo, grads + lo, st.slot[0], st.slot[1], hi - lo,
-                               lo, decay, 2));
+                               lo, decay, 2, NULL));
         CHECK(dist_allgather_params(d, plan, params));
         if (dist_is_main(d))
             printf("step %d loss %.9g gnorm %.9g tokens %lld\n", s, loss / (double)(tokens ? tokens : 1), gnorm,

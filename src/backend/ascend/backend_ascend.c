@@ -567,15 +567,17 @@ static void adam_piece(ascend *a, const qt_adam_scalars *k, float *p, const floa
     aclTensor *tt[] = {P, G, M, Vt, GI, T, D};
     for (size_t i = 0; i < sizeof tt / sizeof tt[0]; i++) a->acl->aclDestroyTensor(tt[i]);
 }
-static void a_adam(qt_backend *be, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n) {
+/* -1: what it wrote is not looked at here (the trainer checks the weights after) */
+static int a_adam(qt_backend *be, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n) {
     ascend *a = asc(be);
     size_t piece = n < ADAM_PIECE ? n : ADAM_PIECE;
-    if (!piece) return;
+    if (!piece) return -1;
     float *s = grow(a, (void **)&a->scratch, &a->scratch_bytes, 3 * piece * sizeof(float), "scratch");
     for (size_t i = 0; i < n; i += piece) {
         size_t c = n - i < piece ? n - i : piece;
         adam_piece(a, k, p + i, g + i, m + i, v + i, c, s, s + piece, s + 2 * piece);
     }
+    return -1;
 }
 
 /* The gradient norm's sum of squares, in double with the CPU's fixed order

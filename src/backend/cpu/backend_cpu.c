@@ -174,8 +174,8 @@ static void c_dropout(BE, float *dst, const float *src, size_t n, const qt_dropo
                       float keep_scale) {
     op_dropout(dst, src, n, key, threshold, keep_scale);
 }
-static void c_adam(BE, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n) {
-    op_adam(k, p, g, m, v, n);
+static int c_adam(BE, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n) {
+    return op_adam(k, p, g, m, v, n);
 }
 static double c_sum_squares(BE, const float *x, size_t n) { return op_sum_squares(x, n); }
 static void c_scale(BE, float *x, size_t n, float s) { op_scale(x, n, s); }

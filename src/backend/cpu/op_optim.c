@@ -9,12 +9,16 @@
 
 /* The hot loop: one pass over n elements, everything in registers. wd_mul is
  * AdamW's (1 - lr*wd) (1 when off); wd_l2 is Adam's L2 coefficient (0 when off).
- * Arithmetic operation by operation as torch.optim's single-tensor path. */
-void op_adam(const qt_adam_scalars *k, float *restrict p, const float *restrict g, float *restrict m,
-             float *restrict v, size_t n) {
+ * Arithmetic operation by operation as torch.optim's single-tensor path.
+ * Returns 1 when every new p is finite: the largest exponent field written
+ * is kept beside (all ones only for inf and NaN), so the trainer's check of
+ * the update needs no second pass over the weights. */
+int op_adam(const qt_adam_scalars *k, float *restrict p, const float *restrict g, float *restrict m,
+            float *restrict v, size_t n) {
     const float omb1 = k->omb1, b2 = k->b2, omb2 = k->omb2, step_size = k->step_size;
     const float bc2_sqrt = k->bc2_sqrt, eps = k->eps, gs = k->gs, wd_mul = k->wd_mul, wd_l2 = k->wd_l2;
-#pragma omp parallel for simd schedule(static) if (n >= 65536)
+    uint32_t ex = 0;
+#pragma omp parallel for simd schedule(static) reduction(max : ex) if (n >= 65536)
     for (size_t i = 0; i < n; i++) {
         float pi = p[i];
         float gi = g[i] * gs;
@@ -23,10 +27,16 @@ void op_adam(const qt_adam_scalars *k, float *restrict p, const float *restrict 
         float mi = m[i] + omb1 * (gi - m[i]);   /* exp_avg.lerp_(grad, 1-beta1) */
         float vi = v[i] * b2 + omb2 * gi * gi;  /* exp_avg_sq.mul_(beta2).addcmul_(g, g, 1-beta2) */
         float denom = sqrtf(vi) / bc2_sqrt + eps;
-        p[i] = pi - step_size * (mi / denom);   /* param.addcdiv_(exp_avg, denom, -step_size) */
+        float pn = pi - step_size * (mi / denom); /* param.addcdiv_(exp_avg, denom, -step_size) */
+        p[i] = pn;
         m[i] = mi;
         v[i] = vi;
+        uint32_t bits;
+        memcpy(&bits, &pn, sizeof bits);
+        bits &= 0x7f800000u;
+        ex = bits > ex ? bits : ex;
     }
+    return ex != 0x7f800000u;
 }
 
 /* Sum of squares in double over 8 independent lanes (a fixed order, so the

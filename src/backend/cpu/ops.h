@@ -176,7 +176,7 @@ void op_sgemm_use_onednn(int on);
 int op_sgemm_onednn(void);
 /* ---- whole-block passes (op_optim.c), behind backend.h's adam / sum_squares
  * / scale / dropout ------------------------------------------------------ */
-void op_adam(const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n);
+int op_adam(const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n); /* 1: every p finite */
 double op_sum_squares(const float *x, size_t n); /* same bits for any thread count */
 void op_scale(float *x, size_t n, float s);
 void op_dropout(float *dst, const float *src, size_t n, const qt_dropout_key *key, uint32_t threshold,

@@ -81,7 +81,7 @@ void qt_cuda_lmhead_ce_backward_kept(qt_backend *be, float *dx, float *dw, float
 void qt_cuda_lmhead_ce_forward_dx(qt_backend *be, float *loss, float *lse, float *dx, const float *x, const void *w,
     qt_dtype wdt, const int32_t *targets, float dscale, int N, int C, int V, float *ws);
 /* op_optim.cu */
-void qt_cuda_adam(qt_backend *be, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n);
+int qt_cuda_adam(qt_backend *be, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n);
 double qt_cuda_sum_squares(qt_backend *be, const float *x, size_t n);
 /* backend_cuda.cu */
 void qt_cuda_close(qt_backend *be);

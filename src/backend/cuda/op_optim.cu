@@ -26,10 +26,13 @@ __global__ void k_adam(qt_adam_scalars k, float *p, const float *g, float *m, fl
         v[i] = vi;
     }
 }
-void qt_cuda_adam(BE, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n) {
-    if (!n) return;
+/* -1: the kernel does not look at what it wrote (the trainer checks the
+ * weights with a sum of squares after it, as before the CPU's adam answered) */
+int qt_cuda_adam(BE, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n) {
+    if (!n) return -1;
     k_adam<<<qt_cuda_blocks(n), 256, 0, STREAM>>>(*k, p, g, m, v, n);
     QT_CUDA_LAUNCHED();
+    return -1;
 }
 
 __global__ void k_sum_squares(double *part, const float *x, size_t n, size_t per) {

@@ -314,8 +314,10 @@ static void g_dropout(BE, float *dst, const float *src, size_t n, const qt_dropo
                       float keep_scale) {
     CALL(CPU->dropout(CPU, dst, src, n, key, threshold, keep_scale));
 }
-static void g_adam(BE, const qt_adam_scalars *k, float *p, const float *gr, float *m, float *v, size_t n) {
-    CALL(CPU->adam(CPU, k, p, gr, m, v, n));
+static int g_adam(BE, const qt_adam_scalars *k, float *p, const float *gr, float *m, float *v, size_t n) {
+    int finite;
+    CALL(finite = CPU->adam(CPU, k, p, gr, m, v, n));
+    return finite;
 }
 static double g_sum_squares(BE, const float *x, size_t n) {
     double s;

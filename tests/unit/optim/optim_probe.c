@@ -120,7 +120,7 @@ static int probe_adam(int argc, char **argv) {
         size_t per = (n + (size_t)shards - 1) / (size_t)shards;
         for (size_t lo = 0; lo < n; lo += per) {
             size_t len = n - lo < per ? n - lo : per;
-            if (qt_adam_step(be, &c, t, lr, 1.0f, p + lo, g + lo, m + lo, v + lo, len, lo, decay, nd) != QT_OK) {
+            if (qt_adam_step(be, &c, t, lr, 1.0f, p + lo, g + lo, m + lo, v + lo, len, lo, decay, nd, NULL) != QT_OK) {
                 printf("error %s\n", qt_error_message());
                 rc = 1;
                 goto done;

@@ -38,13 +38,13 @@ static void test_adam_first_step(void **state) {
     qt_adam_cfg c;
     qt_adam_cfg_default(&c);
     float p[3] = {1.0f, -2.0f, 0.5f}, g[3] = {0.25f, -4.0f, 0.0f}, m[3] = {0}, v[3] = {0};
-    assert_int_equal(qt_adam_step(be, &c, 1, 0.01, 1.0f, p, g, m, v, 3, 0, NULL, 0), QT_OK);
+    assert_int_equal(qt_adam_step(be, &c, 1, 0.01, 1.0f, p, g, m, v, 3, 0, NULL, 0, NULL), QT_OK);
     assert_float_equal(p[0], 1.0f - 0.01f, 1e-6);
     assert_float_equal(p[1], -2.0f + 0.01f, 1e-6);
     assert_float_equal(p[2], 0.5f, 0.0f); /* zero grad: m = 0, no move */
     assert_float_equal(m[1], -0.4f, 1e-6);
     assert_float_equal(v[1], 0.016f, 1e-6);
-    assert_int_equal(qt_adam_step(be, &c, 0, 0.01, 1.0f, p, g, m, v, 3, 0, NULL, 0), QT_EINVAL);
+    assert_int_equal(qt_adam_step(be, &c, 0, 0.01, 1.0f, p, g, m, v, 3, 0, NULL, 0, NULL), QT_EINVAL);
 }
 
 /* AdamW decays only elements in the decay ranges, by p *= (1 - lr*wd) before
@@ -57,7 +57,7 @@ static void test_adam_decay_ranges(void **state) {
     const double lr = 0.1;
     float p[6] = {1, 1, 1, 1, 1, 1}, g[6] = {0}, m[6] = {0}, v[6] = {0};
     qt_range decay[2] = {{1, 3}, {5, 6}};
-    assert_int_equal(qt_adam_step(be, &c, 1, lr, 1.0f, p, g, m, v, 6, 0, decay, 2), QT_OK);
+    assert_int_equal(qt_adam_step(be, &c, 1, lr, 1.0f, p, g, m, v, 6, 0, decay, 2, NULL), QT_OK);
     const float expect_w[6] = {1, 0.95f, 0.95f, 1, 1, 0.95f}; /* zero grads: only decay moves p */
     for (int i = 0; i < 6; i++) assert_float_equal(p[i], expect_w[i], 1e-7);
 
@@ -65,7 +65,7 @@ static void test_adam_decay_ranges(void **state) {
      * step moves p by about lr (sign of the L2 gradient). */
     c.decoupled = 0;
     float q[6] = {1, 1, 1, 1, 1, 1}, m2[6] = {0}, v2[6] = {0};
-    assert_int_equal(qt_adam_step(be, &c, 1, lr, 1.0f, q, g, m2, v2, 6, 0, decay, 2), QT_OK);
+    assert_int_equal(qt_adam_step(be, &c, 1, lr, 1.0f, q, g, m2, v2, 6, 0, decay, 2, NULL), QT_OK);
     for (int i = 0; i < 6; i++) {
         int d = (i >= 1 && i < 3) || i == 5;
         assert_float_equal(q[i], d ? 0.9f : 1.0f, 1e-6);
@@ -88,10 +88,10 @@ static void test_adam_shards_match_whole(void **state) {
     qt_range decay[3] = {{0, 100}, {300, 500}, {900, 1000}};
     for (int step = 1; step <= 3; step++) {
         fill_normal(g, N, 100 + step);
-        assert_int_equal(qt_adam_step(be, &c, step, 1e-3, 0.5f, p1, g, m1, v1, N, 0, decay, 3), QT_OK);
-        assert_int_equal(qt_adam_step(be, &c, step, 1e-3, 0.5f, p2, g, m2, v2, CUT, 0, decay, 3), QT_OK);
+        assert_int_equal(qt_adam_step(be, &c, step, 1e-3, 0.5f, p1, g, m1, v1, N, 0, decay, 3, NULL), QT_OK);
+        assert_int_equal(qt_adam_step(be, &c, step, 1e-3, 0.5f, p2, g, m2, v2, CUT, 0, decay, 3, NULL), QT_OK);
         assert_int_equal(qt_adam_step(be, &c, step, 1e-3, 0.5f, p2 + CUT, g + CUT, m2 + CUT, v2 + CUT, N - CUT, CUT,
-                                      decay, 3),
+                                      decay, 3, NULL),
                          QT_OK);
     }
     assert_memory_equal(p1, p2, N * 4);
@@ -404,6 +404,49 @@ static void test_optimizer_step_sequence(void **state) {
     for (int i = 0; i < 3; i++) qt_free(m[i]), qt_free(v[i]);
 }
 
+/* The update's own finiteness answer (the trainer's check rides on it): 1 for
+ * a finite update; 0 where one element becomes NaN (eps 0 and a zero
+ * gradient: 0/0) or inf (a learning rate that overflows), wherever it sits:
+ * on the calling thread (short runs), in the OpenMP loop (long ones, any
+ * thread count), in the second piece of a decay split; the bits of every
+ * other element as without the answer. */
+static void test_adam_reports_finite(void **state) {
+    (void)state;
+    enum { N = 200003 };
+    qt_adam_cfg c;
+    qt_adam_cfg_default(&c);
+    c.weight_decay = 0.1;
+    qt_range decay[1] = {{N / 2, N}};
+    float *p = qt_calloc(N, 4, "p"), *g = qt_calloc(N, 4, "g"), *m = qt_calloc(N, 4, "m"), *v = qt_calloc(N, 4, "v");
+    const size_t ns[2] = {5, N}, at[3] = {0, 3, N - 2};
+    for (int a = 0; a < 2; a++) {
+        size_t n = ns[a];
+        int finite = -7;
+        fill_normal(p, n, 1), fill_normal(g, n, 2);
+        memset(m, 0, n * 4), memset(v, 0, n * 4);
+        assert_int_equal(qt_adam_step(be, &c, 1, 1e-3, 1.0f, p, g, m, v, n, 0, decay, 1, &finite), QT_OK);
+        assert_int_equal(finite, 1);
+        for (int w = 0; w < 3; w++) {
+            size_t i = at[w] % n;
+            for (int kind = 0; kind < 2; kind++) {
+                qt_adam_cfg cc = c;
+                fill_normal(p, n, 3), fill_normal(g, n, 4);
+                memset(m, 0, n * 4), memset(v, 0, n * 4);
+                if (kind == 0) cc.eps = 0.0, g[i] = 0.0f; /* 0 / (0 + 0) */
+                else p[i] = 3.4e38f, g[i] = -1.0f;         /* p + lr: beyond FLT_MAX */
+                double lr = kind == 0 ? 1e-3 : 1e37;
+                finite = -7;
+                assert_int_equal(qt_adam_step(be, &cc, 1, lr, 1.0f, p, g, m, v, n, 0, decay, 1, &finite), QT_OK);
+                assert_false(isfinite(p[i]));
+                assert_int_equal(finite, 0);
+            }
+        }
+    }
+    /* NULL: not asked */
+    assert_int_equal(qt_adam_step(be, &c, 1, 1e-3, 1.0f, p, g, m, v, 5, 0, NULL, 0, NULL), QT_OK);
+    qt_free(p), qt_free(g), qt_free(m), qt_free(v);
+}
+
 int main(void) {
     if (qt_backend_open("cpu", &be) != QT_OK) return 1;
     qt_log_set_level(QT_LOG_WARN);
@@ -411,6 +454,7 @@ int main(void) {
         cmocka_unit_test(test_adam_first_step),
         cmocka_unit_test(test_adam_decay_ranges),
         cmocka_unit_test(test_adam_shards_match_whole),
+        cmocka_unit_test(test_adam_reports_finite),
         cmocka_unit_test(test_clip),
         cmocka_unit_test(test_nonfinite_and_determinism),
         cmocka_unit_test(test_schedules),
