@@ -34,6 +34,9 @@ ROOT = os.path.dirname(HERE)
 # shape name -> (micro-batch B, seq_len T), from issue 7; tiny (the test preset: vocab 512, hidden 64, 2 layers)
 # from issue 46, at bench-tiny's batch: a step there is mostly per-op overhead, not GEMM
 SHAPES = {"tiny": (4, 256), "bench-tiny": (4, 256), "qwen2.5-0.5b": (1, 256)}
+# At least this many (warm-up, measured) steps for a shape whose steps take milliseconds: 2 steps of 20 ms
+# moved the tiny rows by 30% between runs (bench/RESULTS.md); 200 take a few seconds a case on either side.
+MIN_STEPS = {"tiny": (5, 200)}
 LORA_R, LORA_ALPHA = 8, 16
 CE_CHUNK = 2048  # OP_CE_CHUNK of src/backend/cpu/ops.h, only used to label traced sgemm shapes
 
@@ -486,7 +489,8 @@ def report(res):
             g.get("peak_lib", "openblas"), g["peak_cpu_gflops"], bf.get("note") or "%.1f GFLOP/s" % bf["gflops"],
             g["load"]))
     p("\n## Training speed: qtune vs PyTorch %s (fp32 unless a column says bf16; PyTorch always fp32; medians "
-      "of the steps after %d warm-up; \"n\" = measured steps)\n" % (res["torch_version"], res["warmup"]))
+      "of the steps after %d warm-up (a shape of bench_speed.py's MIN_STEPS: its own); \"n\" = measured steps)\n"
+      % (res["torch_version"], res["warmup"]))
     p("Wall clock (tokens / step wall time; the machine is shared, see load avg):\n")
     p("| shape | B x T | mode | threads | n | qtune tok/s | PyTorch tok/s | qtune / PyTorch | qtune bf16 tok/s | "
       "bf16 / PyTorch fp32 | bf16 / qtune fp32 | GFLOP/step | qtune GFLOP/s | % of sgemm peak | "
@@ -508,7 +512,7 @@ def report(res):
         near = max([x for x in q.get("peak_near") or [] if x], default=None)
         bw = q.get("triad_near") or []
         p("| %s | %dx%d | %s | %d | %d | %s | %s | %s | %s | %s | %s | %.1f | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
-            c["shape"], c["B"], c["T"], c["mode"], c["threads"], len(q.get("tok_s_all", [])) - res["warmup"],
+            c["shape"], c["B"], c["T"], c["mode"], c["threads"], len(q.get("tok_s_all", [])) - c.get("warmup", res["warmup"]),
             fmt(qt, "%.1f"), fmt(tt, "%.1f"),
             ratio(qt, tt) if qt and tt else (q.get("error") or t.get("error") or "-"),
             fmt(bt, "%.1f"), ratio(bt, tt), ratio(bt, qt),
@@ -761,9 +765,13 @@ def main():
     models = {}
     for shape in a.shapes.split(","):
         models[shape] = ensure_model(qtune, a.work, shape)
-    need = max(SHAPES[s][0] for s in models) * (a.warmup + steps)
+    def shape_steps(shape):
+        w, n = MIN_STEPS.get(shape, (0, 0))
+        return max(a.warmup, w), max(steps, n)
+    need = max(SHAPES[s][0] * sum(shape_steps(s)) for s in models)
     for shape in ([] if a.no_speed else a.shapes.split(",")):
         B, T = SHAPES[shape]
+        warmup, nsteps = shape_steps(shape)
         mdir, cfg = models[shape]
         data = ensure_data(a.work, cfg["vocab_size"], T, max(need, 64))
         for mode in a.modes.split(","):
@@ -772,7 +780,7 @@ def main():
                 log("%s %s threads=%d (load %s)" % (shape, mode, t, loadavg()))
                 near = (lambda f: f(a.build, t)) if not a.no_near else (lambda f: None)
                 before, bw_before = near(peak_near), near(triad_near)
-                q = run_qtune(qtune, a.work, mdir, data, B, T, mode, t, a.warmup, steps)
+                q = run_qtune(qtune, a.work, mdir, data, B, T, mode, t, warmup, nsteps)
                 q["peak_near"] = [before, near(peak_near)]
                 q["triad_near"] = [bw_before, near(triad_near)]
                 log("  qtune: %s; sgemm peak before/after %s; triad GB/s before/after %s" % (
@@ -781,17 +789,17 @@ def main():
                 # same job, threads, warm-up and steps, deepspeed "bf16": {"enabled": true}
                 qb = {"not_run": bf16_why}
                 if bf16_run:
-                    qb = run_qtune(qtune, a.work, mdir, data, B, T, mode, t, a.warmup, steps, precision="bf16")
+                    qb = run_qtune(qtune, a.work, mdir, data, B, T, mode, t, warmup, nsteps, precision="bf16")
                     log("  qtune bf16: %s" % (qb.get("error") or "%.1f tok/s %s" % (qb["tok_s"], qb["tok_s_all"])))
                 tr = None
                 if not a.no_torch:
-                    tr = run_torch(a.work, mdir, data, B, T, mode, t, a.warmup, steps)
+                    tr = run_torch(a.work, mdir, data, B, T, mode, t, warmup, nsteps)
                     log("  torch: %s" % (tr.get("error") or "%.1f tok/s %s" % (tr["tok_s"], tr["tok_s_all"])))
-                case = {"shape": shape, "mode": mode, "threads": t, "B": B, "T": T, "tokens": B * T,
+                case = {"shape": shape, "mode": mode, "threads": t, "B": B, "T": T, "tokens": B * T, "warmup": warmup,
                         "flops": fl, "n_mm": n_mm, "qtune": q, "qtune_bf16": qb, "torch": tr}
                 if a.baseline:
                     case["ab"] = run_ab(qtune, os.path.abspath(a.baseline), a.work, mdir, data, B, T, mode, t,
-                                        a.warmup, steps, a.rounds)
+                                        warmup, nsteps, a.rounds)
                 res["cases"].append(case)
     if not a.no_precision:
         res["precision"] = []
