@@ -27,8 +27,8 @@ static inline __m256 op_exp8(__m256 x) {
     /* A lane below lo (a masked score at -inf) is worked from 0 and zeroed at
      * the end: clamped to lo, its 2^n factors made a denormal product first,
      * and each such instruction took a microcode assist on Intel cores (the
-     * causal mask's -inf entries made attention 2-3x slower at head dim 16;
-     * bench/RESULTS.md). The other lanes' bits are unchanged. */
+     * causal mask's -inf entries made the attention forward 1.5x slower at
+     * head dim 16; bench/RESULTS.md). The other lanes' bits are unchanged. */
     x = _mm256_andnot_ps(under, x);
     /* max/min return their second operand when one is NaN: x goes second, so
      * a NaN stays NaN (a NaN logit must make the loss NaN, not exp(-87)) */

@@ -26,8 +26,8 @@ __global__ void k_adam(qt_adam_scalars k, float *p, const float *g, float *m, fl
         v[i] = vi;
     }
 }
-/* -1: the kernel does not look at what it wrote (the trainer checks the
- * weights with a sum of squares after it, as before the CPU's adam answered) */
+/* -1: the kernel does not look at what it wrote (the trainer then checks the
+ * weights with a sum of squares) */
 int qt_cuda_adam(BE, const qt_adam_scalars *k, float *p, const float *g, float *m, float *v, size_t n) {
     if (!n) return -1;
     k_adam<<<qt_cuda_blocks(n), 256, 0, STREAM>>>(*k, p, g, m, v, n);
