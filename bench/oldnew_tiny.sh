@@ -12,29 +12,11 @@
 set -euo pipefail
 old=$1 new=$2 rounds=${3:-4} preset=${4:-${PRESET:-bench-tiny}} mb=${5:-4} seq=${6:-128} steps=${7:-8}
 prec=${PREC:-fp32} modes=${MODES:-lora full} threads=${THREADS:-1}
-export QT_MB=$mb QT_SEQ=$seq QT_STEPS=$steps PREC=$prec
+here=$(dirname "$(realpath "$0")")
 w=$(mktemp -d)
 cd "$w"
 "$old" init --out m --preset "$preset" --seed 1 >/dev/null
-python3 - <<'PY'
-import json, os, random
-mb, seq, steps = (int(os.environ[k]) for k in ("QT_MB", "QT_SEQ", "QT_STEPS"))
-r = random.Random(1)
-vocab = min(1000, json.load(open("m/config.json"))["vocab_size"])  # the tiny preset's vocabulary is 512
-with open("d.jsonl", "w") as f:
-    for i in range(max(200, mb * steps)):
-        f.write(json.dumps({"input_ids": [r.randrange(vocab) for _ in range(seq)]}) + "\n")
-for mode in ("lora", "full"):
-    j = {"model": "m", "output_dir": "o_" + mode,
-         "data": {"train": "d.jsonl", "seq_len": seq, "packing": False, "shuffle": False},
-         "train": {"max_steps": steps, "log_steps": 1, "seed": 1, "save_steps": 0, "overwrite_output_dir": True},
-         "deepspeed": {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": 1}}
-    if os.environ["PREC"] == "bf16":
-        j["deepspeed"]["bf16"] = {"enabled": True}
-    if mode == "lora":
-        j["lora"] = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
-    json.dump(j, open(mode + ".json", "w"))
-PY
+python3 "$here/tiny_jobs.py" "$mb" "$seq" "$steps" "$prec"
 for r in $(seq "$rounds"); do for mode in $modes; do for which in old new; do
   bin=$old; [ "$which" = new ] && bin=$new
   OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=1 /usr/bin/time -f '%U %S' -o cpu.txt "$bin" train "$mode.json" \

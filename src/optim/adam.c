@@ -84,7 +84,7 @@ int qt_adam_step(qt_backend *be, const qt_adam_cfg *c, int64_t step, double lr, 
         }
         size_t off = pos - base, len = piece_end - pos;
         int f = qt_be_adam(be, in_decay ? &kd : &k, params + off, grads + off, m + off, v + off, len);
-        if (finite && *finite != 0) *finite = f == 1 ? *finite : f; /* 0 wins, then -1 */
+        if (finite && *finite != 0 && f != 1) *finite = f; /* 0 wins over -1, -1 over 1 */
         pos = piece_end;
     }
     return QT_OK;
